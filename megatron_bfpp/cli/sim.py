@@ -1,0 +1,184 @@
+"""``bfpp-sim``: build (or load) a schedule, validate it, simulate it, print and draw it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_bfpp.cli.common import OneLineParser, fail, non_negative_float, positive_int
+from megatron_bfpp.ir import Schedule, ScheduleError, dump_csv, format_schedule, load_csv
+from megatron_bfpp.passes.communication import add_communication
+from megatron_bfpp.passes.grad_sync import add_grad_sync
+from megatron_bfpp.schedules.registry import SCHEDULES, build_schedule, get_spec
+from megatron_bfpp.sim import CostModel, SimResult, dump_chrome_trace, render_png, simulate
+from megatron_bfpp.validate import has_communication, validate_schedule
+
+PROG = "bfpp-sim"
+
+# The one --group-size flag maps onto whichever group option a schedule has.
+_GROUP_OPTION = {"interleaved": "microbatch_group_size", "breadth-first": "group_size"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog=PROG,
+        description="Validate and simulate a pipeline schedule: step time, bubble, per-rank "
+        "activation memory, exposed data-parallel communication; draw it as PNG or Chrome trace.",
+    )
+    source = parser.add_argument_group("schedule")
+    source.add_argument("--schedule", choices=list(SCHEDULES), help="schedule to build")
+    source.add_argument(
+        "--load-csv",
+        metavar="PATH",
+        help="simulate a schedule from CSV instead (ours, or torch's "
+        "compute-only _dump_csv format)",
+    )
+    source.add_argument("--pp", type=positive_int, help="pipeline-parallel ranks")
+    source.add_argument(
+        "--vp",
+        type=positive_int,
+        default=None,
+        help="virtual stages (chunks) per rank: interleaved and breadth-first",
+    )
+    source.add_argument("--microbatches", type=positive_int, help="micro-batches per step")
+    source.add_argument(
+        "--group-size",
+        type=positive_int,
+        default=None,
+        help="interleaved: micro-batches per group (Megatron's "
+        "--microbatch-group-size-per-virtual-pipeline-stage); breadth-first: "
+        "run in memory-bounded groups of this many micro-batches",
+    )
+    source.add_argument(
+        "--max-stored",
+        type=positive_int,
+        default=None,
+        help="bpipe: cap on stored micro-batches per rank (default ceil((p+2)/2))",
+    )
+    costs = parser.add_argument_group("costs (one micro-batch through one full 1F1B stage)")
+    for flag, default, text in (
+        ("--t-forward", 1.0, "forward time"),
+        ("--t-backward", 2.0, "backward time (input + weight gradients)"),
+        ("--t-weight", 1.0, "weight-gradient part of --t-backward (split schedules)"),
+        ("--t-p2p", 0.0, "one pipeline message"),
+        ("--t-grad-reduce", 0.0, "one chunk's data-parallel gradient reduction"),
+        ("--t-param-gather", 0.0, "one chunk's data-parallel parameter gather"),
+        ("--t-evict", 0.0, "BPipe: moving one micro-batch's activations to the partner"),
+    ):
+        costs.add_argument(flag, type=non_negative_float, default=default, help=text)
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument(
+        "--grid",
+        choices=["compute", "full", "none"],
+        default="compute",
+        help="per-rank program printed after the table (default: compute)",
+    )
+    out.add_argument("--png", metavar="PATH", help="write a timeline picture")
+    out.add_argument("--trace", metavar="PATH", help="write a Chrome trace (open in Perfetto)")
+    out.add_argument("--csv", metavar="PATH", help="write the lowered schedule as CSV")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        schedule = _schedule_from(args)
+        costs = CostModel(
+            t_forward=args.t_forward,
+            t_backward=args.t_backward,
+            t_weight=args.t_weight,
+            t_p2p=args.t_p2p,
+            t_grad_reduce=args.t_grad_reduce,
+            t_param_gather=args.t_param_gather,
+            t_evict=args.t_evict,
+        )
+        result = simulate(schedule, costs)
+        if args.csv:
+            dump_csv(schedule, args.csv)
+        if args.trace:
+            dump_chrome_trace(result, args.trace)
+        if args.png:
+            render_png(result, args.png)
+    except (ScheduleError, OSError) as error:
+        return fail(PROG, error)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(format_report(result))
+        if args.grid != "none":
+            shown = schedule.compute_only() if args.grid == "compute" else schedule
+            print()
+            print(format_schedule(shown))
+    for label, path in (("csv", args.csv), ("trace", args.trace), ("png", args.png)):
+        if path:
+            print(f"wrote {label}: {path}", file=sys.stderr)
+    return 0
+
+
+def _schedule_from(args: argparse.Namespace) -> Schedule:
+    if args.load_csv:
+        if args.schedule:
+            raise ScheduleError("pass either --schedule or --load-csv, not both")
+        loaded = load_csv(args.load_csv)
+        if not has_communication(loaded):
+            validate_schedule(loaded, require_communication=False)
+            loaded = add_grad_sync(add_communication(loaded))
+        validate_schedule(loaded)
+        return loaded
+    missing = [
+        flag
+        for flag, value in (
+            ("--schedule", args.schedule),
+            ("--pp", args.pp),
+            ("--microbatches", args.microbatches),
+        )
+        if value is None
+    ]
+    if missing:
+        raise ScheduleError(f"missing {', '.join(missing)} (or pass --load-csv PATH)")
+    spec = get_spec(args.schedule)
+    options: dict[str, Any] = {}
+    if args.group_size is not None:
+        if args.schedule not in _GROUP_OPTION:
+            raise ScheduleError(
+                f"{spec.name} takes no --group-size (interleaved and breadth-first do)"
+            )
+        options[_GROUP_OPTION[args.schedule]] = args.group_size
+    if args.max_stored is not None:
+        if "max_stored" not in spec.options:
+            raise ScheduleError(f"{spec.name} takes no --max-stored (bpipe does)")
+        options["max_stored"] = args.max_stored
+    return build_schedule(
+        args.schedule,
+        num_ranks=args.pp,
+        num_microbatches=args.microbatches,
+        num_chunks=args.vp,
+        **options,
+    )
+
+
+def format_report(result: SimResult) -> str:
+    data = result.to_dict()
+    lines = [
+        f"schedule {data['schedule']}: pp={data['num_ranks']} chunks/rank={data['num_chunks']} "
+        f"micro-batches={data['num_microbatches']}",
+        f"step time {data['step_time']:.4g}   bubble {100 * data['bubble_fraction']:.2f}%   "
+        f"exposed DP comm {data['exposed_dp_comm_time']:.4g}",
+        "",
+        f"{'rank':>4}  {'busy':>10}  {'bubble %':>8}  {'peak act.':>9}  {'exposed DP':>10}",
+    ]
+    for row in data["per_rank"]:
+        lines.append(
+            f"{row['rank']:>4}  {row['busy_time']:>10.4g}  {100 * row['bubble_fraction']:>8.2f}  "
+            f"{row['peak_activations']:>9.3g}  {row['exposed_dp_comm_time']:>10.4g}"
+        )
+    lines.append("peak act. = stored activations in micro-batches through one full 1F1B stage")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

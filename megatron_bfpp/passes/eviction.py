@@ -1,0 +1,355 @@
+"""BPipe: cap the activations a rank stores by parking some of them on a partner rank.
+
+In 1F1B, stage ``x`` of ``p`` holds up to ``p - x`` micro-batches of activations while the last
+stage holds one, so the first ranks run out of memory long before the last ones do. BPipe pairs
+each *evictor* ``x < p // 2`` with the *acceptor* ``p - 1 - x``: whenever the evictor would store
+more than ``cap`` micro-batches it ships one to the acceptor (EV on the evictor, AC on the
+acceptor) and gets it back before the backward that needs it (RS on the acceptor, LD on the
+evictor). With BPipe's cap ``ceil((p + 2) / 2)`` the pair's ``p - x + x + 1 = p + 1`` micro-batches
+(plus one in flight) fit in ``2 * cap``, so no rank stores more than the cap.
+
+The pass runs on a compute-only, single-chunk schedule, before ``add_communication`` (which keeps
+these transfers and only posts receives earlier where a channel's order requires it):
+
+* Evictor, in program order (what ``Schedule.stored_activations`` counts): evict *before* the
+  forward that would exceed the cap, choosing the resident micro-batch whose backward comes last
+  (Belady's rule, which needs the fewest loads). A load goes one compute action ahead of its
+  backward so the transfer overlaps that action; before a forward this costs no more memory than
+  loading after it, so the pass evicts for it if needed; before a backward it would need one more
+  slot than loading after it, so it goes early only if the slot is free, otherwise right before
+  the backward.
+* Acceptor: a unit-cost simulation of the compute order (F = 1, B = 2, messages instant) gives
+  each transfer a time. AC is posted in the acceptor's last gap between compute actions that
+  starts no later than the evict is sent, RS in its last gap that starts no later than the
+  evictor posts the load. Both therefore run when the simulated pipeline would, and the original
+  timeline satisfies every new dependency (an RS waits for its evict, a backward for its load),
+  which is why the result cannot deadlock. Ties put RS before AC, which keeps the acceptor's count
+  at or below the evictor's parked count at the same time. ACs follow the EVs' order and RSs the
+  LDs', so each channel is FIFO; where the pair are neighbours (only below BPipe's cap), an AC
+  precedes the activation receives sent after its EV and an LD the gradient receives sent after
+  its RS, so ``add_communication`` never has to hoist them and the memory profile survives.
+
+Memory bound (proof sketch, checked by the tests for p <= 16, m <= 64): the pass evicts only to
+make room, leaving ``cap - 1`` resident before a lone forward or load and ``cap - 2`` before a
+forward with a load ahead of it, so at most ``live - cap + 1`` micro-batches are parked, where
+``live <= min(p - x, m)`` is what 1F1B keeps alive on rank ``x``. The acceptor holds its own
+``min(x + 1, m)`` plus those, at most ``p - cap + 2 <= cap`` for BPipe's cap.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from collections import deque
+
+from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, StageLayout
+
+__all__ = ["add_eviction", "bpipe_max_stored"]
+
+K = ActionKind
+_COST = {K.FORWARD: 1, K.BACKWARD: 2}
+_TRANSFER_KINDS = frozenset({K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD})
+_MESSAGE_KINDS = frozenset({K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD})
+
+
+def bpipe_max_stored(num_ranks: int) -> int:
+    """BPipe's cap ``ceil((p + 2) / 2)``: the smallest one every evictor/acceptor pair fits in."""
+    return (num_ranks + 3) // 2
+
+
+def add_eviction(schedule: Schedule, *, max_stored: int | None = None) -> Schedule:
+    """EV/AC/RS/LD so that no evictor stores more than ``max_stored`` micro-batches.
+
+    ``max_stored`` defaults to ``bpipe_max_stored(p)``, with which acceptors stay under it too. A
+    smaller cap still bounds the evictors; the acceptors then take the excess, and the pass raises
+    if one would end up holding more than the cap and more than the busiest rank held before.
+    Returns ``schedule`` itself when no rank exceeds the cap.
+    """
+    _check_input(schedule)
+    num_ranks = schedule.num_ranks
+    cap = bpipe_max_stored(num_ranks) if max_stored is None else max_stored
+    if cap < 2:
+        raise ScheduleError(
+            f"add_eviction: max_stored={cap} leaves no room to load an evicted micro-batch back "
+            f"while another is stored; use max_stored >= 2 (BPipe's default for p={num_ranks} "
+            f"is {bpipe_max_stored(num_ranks)})"
+        )
+    result = _evict(schedule, cap)
+    if result is schedule:
+        return schedule
+    over = _acceptor_overflow(result, cap)
+    if over is not None:
+        # Below BPipe's cap the acceptors must take more than the cap; allow it up to what the
+        # busiest rank stored without BPipe, past which balancing made things worse.
+        limit = max(cap, max(schedule.peak_activations()))
+        over = _acceptor_overflow(result, limit)
+        if over is not None:
+            acceptor, held = over
+            raise ScheduleError(
+                f"add_eviction: max_stored={cap} is below what this schedule can balance: "
+                f"acceptor rank {acceptor} would hold {held:g} micro-batches (its own plus rank "
+                f"{num_ranks - 1 - acceptor}'s), more than the cap and more than any rank stores "
+                f"without BPipe ({limit:g}); {_what_works(schedule, cap)}"
+            )
+    return result
+
+
+def _check_input(schedule: Schedule) -> None:
+    """Only compute-only F/B programs on ``StageLayout.looped(p, 1)`` are understood."""
+    layout = schedule.layout
+    if layout != StageLayout.looped(layout.num_ranks, 1):
+        raise ScheduleError(
+            f"add_eviction pairs whole 1F1B stages (rank x with rank p-1-x) and needs a "
+            f"single-chunk looped layout, StageLayout.looped(p, 1); got a {layout.kind} layout "
+            f"with {layout.num_chunks} chunks per rank. Use a 1F1B (or GPipe) schedule, or cap "
+            "memory with the interleaved / breadth-first / V-shape schedules instead"
+        )
+    kinds = {a.kind for actions in schedule.per_rank for a in actions}
+    if kinds & _MESSAGE_KINDS:
+        raise ScheduleError(
+            "add_eviction expects a compute-only schedule but this one already has SA/RA/SG/RG "
+            "messages; run add_eviction before add_communication"
+        )
+    if kinds & _TRANSFER_KINDS:
+        raise ScheduleError(
+            "add_eviction: the schedule already has BPipe transfers (EV/AC/RS/LD); apply the "
+            "pass once, to the compute-only schedule"
+        )
+    other = kinds - {K.FORWARD, K.BACKWARD}
+    if other:
+        names = ", ".join(sorted(k.value for k in other))
+        raise ScheduleError(
+            f"add_eviction handles F and B only, got {names}: use full backwards (no I/W split) "
+            "and add gradient/parameter sync (GS/PS) after add_eviction"
+        )
+    num_microbatches = schedule.num_microbatches
+    for rank, actions in enumerate(schedule.per_rank):
+        for position, action in enumerate(actions):
+            mb = action.microbatch
+            if action.stage != rank or mb is None or mb >= num_microbatches:
+                raise ScheduleError(
+                    f"add_eviction: rank {rank}, step {position}: {action} is not an action of "
+                    f"rank {rank} for one of the {num_microbatches} micro-batches; check the "
+                    "schedule with validate_schedule first"
+                )
+
+
+def _evict(schedule: Schedule, cap: int) -> Schedule:
+    """The schedule with transfers for every evictor that exceeds ``cap``, or ``schedule``."""
+    num_ranks = schedule.num_ranks
+    steps = [_Steps(actions) for actions in schedule.per_rank]
+    plans = {x: _plan_evictor(x, steps[x], cap, num_ranks - 1 - x) for x in range(num_ranks // 2)}
+    if not any(transfers for transfers in plans.values()):
+        return schedule
+    ends = _unit_time_ends(schedule, steps)
+    programs = [list(actions) for actions in schedule.per_rank]
+    for evictor, transfers in plans.items():
+        if not transfers:
+            continue
+        acceptor = num_ranks - 1 - evictor
+        programs[evictor] = _merge(schedule.per_rank[evictor], transfers)
+        gap_time = [0, *ends[evictor]]  # gap i sits before compute i: after compute i-1 ends
+        events = [
+            (gap_time[gap], 0 if action.kind == K.LOAD else 1, seq, _acceptor_side(action, evictor))
+            for seq, (gap, action) in enumerate(transfers)
+        ]
+        programs[acceptor] = _merge_timed(schedule.per_rank[acceptor], ends[acceptor], events)
+    return schedule.with_programs(programs)
+
+
+class _Steps:
+    """A compute-only program as plain lists (is it a forward, its micro-batch): the planner and
+    the simulator touch every action, and attribute lookups on Actions dominate otherwise."""
+
+    __slots__ = ("forward", "microbatch")
+
+    def __init__(self, program: tuple[Action, ...]) -> None:
+        self.forward = [a.kind == K.FORWARD for a in program]
+        self.microbatch = [_microbatch(a) for a in program]
+
+
+def _plan_evictor(stage: int, steps: _Steps, cap: int, acceptor: int) -> list[tuple[int, Action]]:
+    """(gap, action) for the evictor's EV/LD, gap i being the slot before compute action i.
+
+    Invariant: at most ``cap`` micro-batches resident after every action.
+    """
+    forward, microbatch = steps.forward, steps.microbatch
+    count = len(forward)
+    backward_at = {mb: i for i, mb in enumerate(microbatch) if not forward[i]}
+    resident: set[int] = set()
+    parked: set[int] = set()
+    latest_first: list[tuple[int, int]] = []  # (-backward position, mb); stale entries skipped
+    transfers: list[tuple[int, Action]] = []
+
+    def evict_down_to(gap: int, size: int) -> None:
+        while len(resident) > size:
+            _, victim = heapq.heappop(latest_first)
+            if victim in resident:
+                resident.remove(victim)
+                parked.add(victim)
+                transfers.append((gap, Action(stage, K.EVICT, victim, acceptor)))
+
+    def load(gap: int, mb: int) -> None:
+        parked.remove(mb)
+        resident.add(mb)
+        heapq.heappush(latest_first, (-backward_at[mb], mb))
+        transfers.append((gap, Action(stage, K.LOAD, mb, acceptor)))
+
+    for index in range(count):
+        mb = microbatch[index]
+        ahead = None
+        if parked and index + 1 < count and not forward[index + 1]:
+            following = microbatch[index + 1]
+            ahead = following if following in parked else None
+        if forward[index]:
+            # Loading before this forward peaks no higher than loading after it, so make room.
+            room = cap - 1 if ahead is None else cap - 2
+            if len(resident) > room:
+                evict_down_to(index, room)
+            if ahead is not None:
+                load(index, ahead)
+            resident.add(mb)
+            heapq.heappush(latest_first, (-backward_at.get(mb, count), mb))
+        else:
+            if mb in parked:
+                evict_down_to(index, cap - 1)
+                load(index, mb)
+            if mb not in resident:
+                raise ScheduleError(
+                    f"add_eviction: rank {stage} runs {stage}B{mb} before its forward; check "
+                    "the schedule with validate_schedule first"
+                )
+            # Loading before this backward needs one slot more than after it: only if free.
+            if ahead is not None and len(resident) < cap:
+                load(index, ahead)
+            resident.remove(mb)
+    return transfers
+
+
+def _microbatch(action: Action) -> int:
+    if action.microbatch is None:  # ruled out by _check_input; keeps the type exact
+        raise ScheduleError(f"{action} names no micro-batch")
+    return action.microbatch
+
+
+def _merge(program: tuple[Action, ...], transfers: list[tuple[int, Action]]) -> list[Action]:
+    """Insert transfers before the compute action of their gap, keeping their order."""
+    merged: list[Action] = []
+    pending = deque(transfers)
+    for index, action in enumerate(program):
+        while pending and pending[0][0] == index:
+            merged.append(pending.popleft()[1])
+        merged.append(action)
+    merged.extend(action for _, action in pending)
+    return merged
+
+
+def _merge_timed(
+    program: tuple[Action, ...],
+    ends: list[int],
+    events: list[tuple[int, int, int, Action]],
+) -> list[Action]:
+    """Insert (time, tie, seq, action) events in the last gap that starts no later than time.
+
+    A gap starts when the compute before it ends; gap g (before compute g) is found by counting
+    the compute actions that end by ``time``.
+    """
+    by_gap = sorted((bisect_right(ends, time), time, tie, seq, a) for time, tie, seq, a in events)
+    return _merge(program, [(gap, action) for gap, _, _, _, action in by_gap])
+
+
+def _acceptor_side(action: Action, evictor: int) -> Action:
+    """The acceptor's half of an evictor's EV (AC) or LD (RS)."""
+    kind = K.ACCEPT if action.kind == K.EVICT else K.RESTORE
+    return Action(action.stage, kind, action.microbatch, evictor)
+
+
+def _unit_time_ends(schedule: Schedule, steps: list[_Steps]) -> list[list[int]]:
+    """End time of every compute action with F = 1, B = 2 and instant messages.
+
+    Each action starts when its rank is free and its input (the previous stage's forward or the
+    next stage's backward) has ended, which is how the compute-only schedule would run. Stage r
+    is rank r here (checked by ``_check_input``), so inputs come from the neighbour ranks.
+    """
+    programs = schedule.per_rank
+    num_ranks = len(programs)
+    # Plain lists and local names: this loop is the pass's hot path (131k actions at p=64).
+    forward_cost, backward_cost = _COST[K.FORWARD], _COST[K.BACKWARD]
+    forward_end = [[-1] * schedule.num_microbatches for _ in programs]
+    backward_end = [[-1] * schedule.num_microbatches for _ in programs]
+    no_input = [0] * schedule.num_microbatches  # the first/last stage waits for nobody
+    ends: list[list[int]] = [[] for _ in programs]
+    clock = [0] * num_ranks
+    queued = [True] * num_ranks
+    ready = deque(range(num_ranks))
+    while ready:
+        rank = ready.popleft()
+        queued[rank] = False
+        is_forward, mbs = steps[rank].forward, steps[rank].microbatch
+        done, now = ends[rank], clock[rank]
+        inputs = forward_end[rank - 1] if rank > 0 else no_input
+        gradients = backward_end[rank + 1] if rank < num_ranks - 1 else no_input
+        my_forward_end, my_backward_end = forward_end[rank], backward_end[rank]
+        first = position = len(done)
+        count = len(mbs)
+        while position < count:
+            mb = mbs[position]
+            if is_forward[position]:
+                arrival = inputs[mb]
+                if arrival < 0:
+                    break
+                now = (now if now > arrival else arrival) + forward_cost
+                my_forward_end[mb] = now
+            else:
+                arrival = gradients[mb]
+                if arrival < 0:
+                    break
+                now = (now if now > arrival else arrival) + backward_cost
+                my_backward_end[mb] = now
+            done.append(now)
+            position += 1
+        clock[rank] = now
+        if position > first:
+            for neighbour in (rank - 1, rank + 1):
+                if 0 <= neighbour < num_ranks and not queued[neighbour]:
+                    queued[neighbour] = True
+                    ready.append(neighbour)
+    stuck = [rank for rank, program in enumerate(programs) if len(ends[rank]) < len(program)]
+    if stuck:
+        raise ScheduleError(
+            f"add_eviction: the compute order cannot run to the end (ranks {stuck} wait "
+            "forever); validate_schedule(schedule, require_communication=False) shows where"
+        )
+    return ends
+
+
+def _acceptor_overflow(schedule: Schedule, limit: float) -> tuple[int, float] | None:
+    """(acceptor, peak) of the first acceptor storing more than ``limit``, if any."""
+    num_ranks = schedule.num_ranks
+    for acceptor in range(num_ranks - num_ranks // 2, num_ranks):
+        if not any(a.kind == K.ACCEPT for a in schedule.per_rank[acceptor]):
+            continue
+        peak = max(schedule.stored_activations(acceptor), default=0.0)
+        if peak > limit:
+            return acceptor, peak
+    return None
+
+
+def _what_works(schedule: Schedule, cap: int) -> str:
+    """The smallest larger cap that balances this schedule, as advice.
+
+    Binary search (a larger cap parks fewer micro-batches), so the error stays quick for long
+    schedules; at the schedule's own peak nothing needs evicting, which always works.
+    """
+    original = int(max(schedule.peak_activations()))
+    low, high = cap + 1, original  # high always works
+    while low < high:
+        middle = (low + high) // 2
+        result = _evict(schedule, middle)
+        if _acceptor_overflow(result, max(middle, original)) is None:
+            high = middle
+        else:
+            low = middle + 1
+    if high >= original:
+        return f"max_stored={original} works (no eviction is needed there)"
+    return f"max_stored={high} works for this schedule"

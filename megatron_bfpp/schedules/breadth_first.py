@@ -1,0 +1,55 @@
+"""Breadth-first pipeline parallelism (Lamy-Poirier, MLSys 2023).
+
+Looped stages; each rank runs every micro-batch through its chunk 0, then chunk 1, ..., then the
+backwards in reverse chunk order (micro-batches reversed within a chunk, like torch's LoopedBFS).
+The first chunk to finish its backward is done long before the step ends, so its gradient
+reduction, and the next chunk's parameter gather, overlap the other chunks' compute.
+
+``group_size`` gives the memory-bounded form (Fast-LLM's breadth-first / depth-first split): the
+micro-batches run in consecutive groups of that size, each group fully breadth-first, so at most
+one group's activations are stored, at the cost of one pipeline fill and drain per group.
+"""
+
+from __future__ import annotations
+
+from megatron_bfpp.ir import Action, Schedule, ScheduleError, StageLayout
+from megatron_bfpp.schedules.common import backward, check_counts, forward, make_schedule
+
+__all__ = ["build_breadth_first"]
+
+
+def build_breadth_first(
+    *, num_ranks: int, num_microbatches: int, num_chunks: int, group_size: int | None = None
+) -> Schedule:
+    check_counts(
+        "breadth-first",
+        num_ranks=num_ranks,
+        num_microbatches=num_microbatches,
+        num_chunks=num_chunks,
+    )
+    if num_chunks < 2:
+        raise ScheduleError(
+            "breadth-first needs a virtual pipeline size (--vp / num_chunks) of at least 2; "
+            "with one chunk per rank it is gpipe"
+        )
+    group = num_microbatches if group_size is None else group_size
+    if not isinstance(group, int) or not 1 <= group <= num_microbatches:
+        raise ScheduleError(
+            f"breadth-first group size must be in [1, num_microbatches={num_microbatches}], "
+            f"got {group!r}"
+        )
+    layout = StageLayout.looped(num_ranks, num_chunks)
+    groups = [
+        range(start, min(start + group, num_microbatches))
+        for start in range(0, num_microbatches, group)
+    ]
+    programs = []
+    for rank in range(num_ranks):
+        stages = layout.stages_of(rank)
+        program: list[Action] = []
+        for microbatches in groups:
+            program.extend(forward(s, m) for s in stages for m in microbatches)
+            program.extend(backward(s, m) for s in reversed(stages) for m in reversed(microbatches))
+        programs.append(program)
+    name = "breadth-first" if group == num_microbatches else f"breadth-first(g={group})"
+    return make_schedule(name, layout, num_microbatches, programs)

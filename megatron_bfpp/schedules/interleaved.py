@@ -1,0 +1,111 @@
+"""Megatron's depth-first interleaved schedule, in exactly the order megatron-core 0.16 runs it.
+
+Forward "virtual micro-batches" follow megatron-core's ``get_schedule_table``: groups of
+``microbatch_group_size`` micro-batches run through chunk 0, then chunk 1, ...; backwards follow
+the same table with chunks reversed. Rank r warms up with (p - r - 1) * 2 + (v - 1) * group
+forwards (megatron-core's ``get_pp_rank_microbatches``), then alternates one forward and one
+backward, then drains.
+"""
+
+from __future__ import annotations
+
+from megatron_bfpp.ir import Action, Schedule, ScheduleError, StageLayout
+from megatron_bfpp.schedules.common import backward, check_counts, forward, make_schedule
+
+__all__ = ["build_interleaved", "schedule_table", "warmup_count"]
+
+
+def schedule_table(
+    num_microbatches: int, num_chunks: int, group_size: int
+) -> list[tuple[int, int]]:
+    """(micro-batch, chunk) per virtual micro-batch; mirrors megatron-core's get_schedule_table."""
+    table: list[tuple[int, int]] = []
+    for start in range(0, num_microbatches, group_size):
+        end = num_microbatches if start + group_size >= num_microbatches else start + group_size
+        table.extend((m, c) for c in range(num_chunks) for m in range(start, end))
+    return table
+
+
+def warmup_count(
+    *, rank: int, num_ranks: int, num_chunks: int, num_microbatches: int, group_size: int
+) -> int:
+    total = num_microbatches * num_chunks
+    return min((num_ranks - rank - 1) * 2 + (num_chunks - 1) * group_size, total)
+
+
+def build_interleaved(
+    *,
+    num_ranks: int,
+    num_microbatches: int,
+    num_chunks: int,
+    microbatch_group_size: int | None = None,
+) -> Schedule:
+    """Megatron's interleaved order; the group size is its ``microbatch_group_size_per_vp_stage``.
+
+    It defaults to p, megatron-core's default; the constraints are megatron-core's own, checked
+    here so a bad value fails before any rank starts.
+    """
+    check_counts(
+        "interleaved", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks
+    )
+    group = num_ranks if microbatch_group_size is None else microbatch_group_size
+    _check_group(num_ranks, num_microbatches, num_chunks, group)
+    layout = StageLayout.looped(num_ranks, num_chunks)
+    table = schedule_table(num_microbatches, num_chunks, group)
+    programs = [
+        _rank_program(rank, num_ranks, num_chunks, num_microbatches, group, table)
+        for rank in range(num_ranks)
+    ]
+    return make_schedule("interleaved", layout, num_microbatches, programs)
+
+
+def _check_group(num_ranks: int, num_microbatches: int, num_chunks: int, group: int) -> None:
+    if num_chunks < 2:
+        raise ScheduleError(
+            "interleaved needs a virtual pipeline size (--vp / num_chunks) of at least 2; "
+            "with one chunk per rank use 1f1b"
+        )
+    if not num_ranks <= group <= num_microbatches:
+        raise ScheduleError(
+            f"interleaved needs the micro-batch group size in [pp={num_ranks}, "
+            f"num_microbatches={num_microbatches}], got {group}"
+            + ("; use at least pp micro-batches" if num_microbatches < num_ranks else "")
+        )
+    remainder = num_microbatches % group
+    if 0 < remainder < num_ranks:
+        raise ScheduleError(
+            f"interleaved needs num_microbatches % group size to be 0 or >= pp={num_ranks}; "
+            f"got {num_microbatches} % {group} = {remainder} (use a multiple of {group})"
+        )
+
+
+def _rank_program(
+    rank: int,
+    num_ranks: int,
+    num_chunks: int,
+    num_microbatches: int,
+    group: int,
+    table: list[tuple[int, int]],
+) -> list[Action]:
+    def fwd(k: int) -> Action:
+        microbatch, chunk = table[k]
+        return forward(chunk * num_ranks + rank, microbatch)
+
+    def bwd(k: int) -> Action:
+        microbatch, chunk = table[k]
+        return backward((num_chunks - 1 - chunk) * num_ranks + rank, microbatch)
+
+    total = len(table)
+    warmup = warmup_count(
+        rank=rank,
+        num_ranks=num_ranks,
+        num_chunks=num_chunks,
+        num_microbatches=num_microbatches,
+        group_size=group,
+    )
+    program = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        program.append(fwd(warmup + k))
+        program.append(bwd(k))
+    program.extend(bwd(k) for k in range(total - warmup, total))
+    return program

@@ -1,0 +1,31 @@
+"""1F1B (PipeDream-Flush / DAPPLE), as megatron-core's non-interleaved schedule runs it.
+
+Rank r warms up with min(p - r - 1, m) forwards, alternates one forward and one backward, then
+drains the remaining backwards, so it never stores more than p - r micro-batches.
+"""
+
+from __future__ import annotations
+
+from megatron_bfpp.ir import Action, Schedule, StageLayout
+from megatron_bfpp.schedules.common import backward, check_counts, forward, make_schedule
+
+__all__ = ["build_1f1b", "one_f_one_b_program"]
+
+
+def one_f_one_b_program(*, rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+    warmup = min(num_ranks - rank - 1, num_microbatches)
+    program = [forward(rank, m) for m in range(warmup)]
+    for k in range(num_microbatches - warmup):
+        program.append(forward(rank, warmup + k))
+        program.append(backward(rank, k))
+    program.extend(backward(rank, m) for m in range(num_microbatches - warmup, num_microbatches))
+    return program
+
+
+def build_1f1b(*, num_ranks: int, num_microbatches: int) -> Schedule:
+    check_counts("1f1b", num_ranks=num_ranks, num_microbatches=num_microbatches)
+    programs = [
+        one_f_one_b_program(rank=r, num_ranks=num_ranks, num_microbatches=num_microbatches)
+        for r in range(num_ranks)
+    ]
+    return make_schedule("1f1b", StageLayout.looped(num_ranks, 1), num_microbatches, programs)

@@ -1,0 +1,309 @@
+"""V-shape schedules with controllable activation memory: v-min, v-half and v-zb.
+
+Qi et al., "Pipeline Parallelism with Controllable Memory" (NeurIPS 2024) place 2p stages on p
+ranks in a V: rank r holds stage r (its chunk 0) and stage 2p-1-r (its chunk 1), so rank 0 holds
+both the first stage and the loss. Every rank then carries one stage that is used early in a
+micro-batch's life and one that is used late, and the activation memory balances across ranks.
+With the backward split into I (input gradient) and W (weight gradient), how long each
+activation lives, and therefore the peak memory, is set by the order in which a rank runs them.
+
+The generators return compute-only schedules (F, I and W actions; the communication pass adds
+the messages). Memory is counted the way the simulator counts it: the activation of
+(stage, micro-batch) is held from the start of its F to the end of its W, and one V stage holds
+half of a 1F1B stage's layers, so one held activation is 0.5 "1F1B units"; 1F1B's rank 0 peaks
+at p units. Peaks depend only on program order, never on timing. Bubble figures below assume
+F = I = W = 0.5 time units per V stage (a full stage's forward 1, backward 2), no communication
+time, and a rank starting an action as soon as it is free and its inputs exist:
+
+* v-min: floor((p + 4) / 3) units on the busiest rank (about p/3; at most p/3 + 1, or p/3 + 4/3
+  when p % 3 == 2). Bubble below 1F1B's; about 0.8x of it or less for m >= 2p, 7.1% at p=16,
+  m=128 (1F1B: 10.5%).
+* v-half: at most p/2 + 1 units (and never more than 1F1B's p). Bubble about half of 1F1B's
+  (p-1)/(m+p-1): at most 0.65x of it for m >= 2p.
+* v-zb: at most p units, 1F1B's. Bubble below 10% for every m >= 2p (p <= 16): the step time is
+  within 3 time units of 3m + (p-1)/2, the pipeline-fill bound no schedule on this placement can
+  beat (bubble (p-1)/(6m+p-1)).
+
+Two constructions, each used where it measured better (see ``tests/unit/test_v_shape.py``):
+
+* v-min repeats the paper's V-Min building block: one micro-batch's F, I and W slots on every
+  rank, shifted by 6 slots per micro-batch. The program order is the block order; executing it
+  eagerly squeezes the warm-up and cool-down gaps, and the peak memory is the block's, because
+  memory depends on order alone. At this tight budget the block's collision-free steady state
+  beats a greedy scheduler (whose steady state develops recurring bubbles).
+* v-half and v-zb use a greedy list scheduler under a memory limit (the paper's adaptive
+  scheduler): a free rank runs a ready I first (it unblocks the rank upstream and lets a W free
+  memory), else a ready F that fits the limit, else a W (to free memory or fill a bubble). With
+  enough memory its warm-up reaches the lower bound set by the pipeline fill.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from megatron_bfpp.ir import Action, ActionKind, Schedule, StageLayout
+from megatron_bfpp.schedules.common import check_counts, make_schedule
+
+__all__ = ["build_v_half", "build_v_min", "build_v_zb"]
+
+# Compact action tuples while planning: (kind, stage, micro-batch); Actions are built once, last.
+_F, _I, _W = 0, 1, 2
+_KINDS = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+_Step = tuple[int, int, int]
+
+# Slots per micro-batch in a building block: each rank runs 2 F, 2 I and 2 W per micro-batch.
+_PERIOD = 6
+
+
+def build_v_min(*, num_ranks: int, num_microbatches: int) -> Schedule:
+    """V-Min: about a third of 1F1B's activation memory, paid for with more bubble than v-half.
+
+    Repeats the V-Min building block (chunk-0 forwards one slot apart down the ranks, chunk-1
+    forwards one slot apart back up, the input-gradient wave mirrored, weight gradients in the
+    first free slot after their input gradient), so activations live as briefly as the V allows.
+    Peak memory is exactly floor((p + 4) / 3) 1F1B units on the busiest rank for m >= p (less for
+    fewer micro-batches): at most p/3 + 1, except p/3 + 4/3 when p % 3 == 2. The bubble is below
+    1F1B's for m >= 2p and shrinks with m (no recurring bubble in the steady phase when F, I and W
+    cost the same); with unequal costs the paper notes it grows with m instead.
+    """
+    check_counts("v-min", num_ranks=num_ranks, num_microbatches=num_microbatches)
+    programs = _block_programs(num_ranks, num_microbatches)
+    return _make("v-min", num_ranks, num_microbatches, programs)
+
+
+def build_v_half(*, num_ranks: int, num_microbatches: int) -> Schedule:
+    """V-Half: half of 1F1B's activation memory with about half of 1F1B's bubble.
+
+    Greedy under a limit of p + 2 held activations per rank, i.e. at most p/2 + 1 1F1B units
+    (2 for p = 1, so that it never needs more than 1F1B).
+    Rank r also keeps at most p - r + 1 micro-batches between its chunk 0 and chunk 1: about
+    that many are in flight on the way down the V and back when the pipeline runs at full rate,
+    and admitting more only fills the rank with chunk-0 activations and starves chunk 1, which
+    then moves one micro-batch at a time (the greedy's failure mode at this budget without it).
+    Measured bubble with m = 2p: 13% at p=4, 18% at p=8, 20% at p=16 (1F1B: 27%, 30%, 32%).
+    """
+    check_counts("v-half", num_ranks=num_ranks, num_microbatches=num_microbatches)
+    p = num_ranks
+    programs = _greedy_programs(
+        p,
+        num_microbatches,
+        memory_limit=min(p + 2, 2 * p),
+        open_limits=[p - r + 1 for r in range(p)],
+    )
+    return _make("v-half", num_ranks, num_microbatches, programs)
+
+
+def build_v_zb(*, num_ranks: int, num_microbatches: int) -> Schedule:
+    """V-ZB: zero bubble at 1F1B's activation memory (2p held activations = p units).
+
+    Greedy under that limit. With F = I = W and m >= 2p the step time is within 3 time units
+    (6 actions) of the pipeline-fill floor, whose bubble is (p-1)/(6m+p-1), and the bubble is
+    below 10% for p <= 16 (e.g. 5.9% at p=4, m=8; 9.0% at p=16, m=32; 2.4% at p=16, m=128).
+    With fewer micro-batches there is not enough work to fill the warm-up, as for every
+    schedule, and the peak stays below the limit.
+    """
+    check_counts("v-zb", num_ranks=num_ranks, num_microbatches=num_microbatches)
+    p = num_ranks
+    programs = _greedy_programs(
+        p, num_microbatches, memory_limit=2 * p, open_limits=[p - r + 1 for r in range(p)]
+    )
+    return _make("v-zb", num_ranks, num_microbatches, programs)
+
+
+def _make(
+    name: str, num_ranks: int, num_microbatches: int, programs: list[list[_Step]]
+) -> Schedule:
+    return make_schedule(
+        name,
+        StageLayout.v_shape(num_ranks),
+        num_microbatches,
+        ([Action(stage, _KINDS[kind], mb) for kind, stage, mb in program] for program in programs),
+    )
+
+
+def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
+    """Program order of the repeated V-Min building block (slot times are only a means).
+
+    In block slot units (one F, I or W each), micro-batch k's actions on rank r sit at 6k plus:
+    F chunk 0 at r, F chunk 1 at 2p-1-r, I chunk 1 at 2p+d+r, I chunk 0 at 4p+d-1-r. Every
+    dependency sits in an earlier slot, so the order cannot deadlock. The four offsets must fall
+    in distinct residues mod 6 on each rank so that repeated blocks never collide; working the
+    pairs through, that holds iff d is even and 2p + d is not a multiple of 6, hence d = 0 unless
+    3 divides p, else d = 2. Each W takes the rank's next free slot after its I (two free
+    residues per period, first come first served), which keeps lifespans short.
+    """
+    p, m_count = num_ranks, num_microbatches
+    last_stage = 2 * p - 1
+    d = 0 if p % 3 else 2
+    programs: list[list[_Step]] = []
+    for r in range(p):
+        chunk0, chunk1 = r, last_stage - r
+        offsets = (
+            (r, _F, chunk0),
+            (2 * p - 1 - r, _F, chunk1),
+            (2 * p + d + r, _I, chunk1),
+            (4 * p + d - 1 - r, _I, chunk0),
+        )
+        horizon = _PERIOD * (m_count - 1) + max(o for o, _, _ in offsets) + 1
+        slots: list[_Step | None] = [None] * horizon
+        for offset, kind, stage in offsets:
+            for mb in range(m_count):
+                slot = offset + _PERIOD * mb
+                if slots[slot] is not None:  # pragma: no cover - excluded by the choice of d
+                    raise RuntimeError(f"v-min block collides on rank {r} at slot {slot}")
+                slots[slot] = (kind, stage, mb)
+        program: list[_Step] = []
+        waiting: deque[tuple[int, int]] = deque()  # input gradients done, weight gradient not
+        for step in slots:
+            if step is not None:
+                program.append(step)
+                if step[0] == _I:
+                    waiting.append((step[1], step[2]))
+            elif waiting:
+                stage, mb = waiting.popleft()
+                program.append((_W, stage, mb))
+        program.extend((_W, stage, mb) for stage, mb in waiting)
+        programs.append(program)
+    return programs
+
+
+def _greedy_programs(
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    memory_limit: int,
+    open_limits: Sequence[int],
+) -> list[list[_Step]]:
+    """List-schedule F, I and W in unit time steps; return each rank's order.
+
+    ``memory_limit`` caps the activations a rank holds (F start to W end); ``open_limits[r]``
+    caps how many micro-batches rank r has forwarded through chunk 0 but not yet chunk 1. Each
+    stage runs its micro-batches in order. In each unit step every rank picks one action,
+    reading only results of earlier steps:
+
+    1. a ready I, the older micro-batch first (it unblocks the rank upstream and its W can then
+       free memory);
+    2. a ready F, chunk 1 first (an older micro-batch), if it fits: a chunk-1 F needs one free
+       activation slot, a chunk-0 F needs two (and must respect ``open_limits``), so a slot is
+       always left for the chunk-1 forward of a micro-batch already admitted;
+    3. the oldest pending W, which frees memory or fills what would otherwise be a bubble.
+
+    Why this cannot deadlock for ``memory_limit >= 2``: take the oldest micro-batch with work
+    left. Every older one is finished (a rank with a pending W is never idle), so the first
+    unfinished action in its F/I chain is ready. An I is always allowed. A chunk-0 F finds the
+    rank empty (nothing younger was admitted there). A chunk-1 F finds at most limit - 1 held:
+    the rank holds only chunk-0 activations of this and younger micro-batches, and each
+    chunk-0 F left a free slot. So some rank acts in every step. Below 2 one micro-batch cannot
+    pass a rank within the limit; then, when no rank can act, the dependency-ready F of the
+    oldest micro-batch runs anyway, so the scheduler still finishes (over the limit).
+    """
+    p, m_count = num_ranks, num_microbatches
+    num_stages = 2 * p
+    last = num_stages - 1
+    never = 1 << 62
+    f_time = [never] * (num_stages * m_count)  # step F ran, at index stage * m_count + mb
+    i_time = [never] * (num_stages * m_count)
+    next_f = [0] * num_stages
+    next_i = [0] * num_stages
+    held = [0] * p
+    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
+    programs: list[list[_Step]] = [[] for _ in range(p)]
+    remaining = 3 * num_stages * m_count
+    step = 0
+    while remaining:
+        acted = False
+        for r in range(p):
+            chunk0, chunk1 = r, last - r
+            program = programs[r]
+            # 1. input gradients: chunk 0's candidate is always the older micro-batch, since
+            # I(chunk0, m) needs I(chunk1, m) first.
+            mb = next_i[chunk0]
+            if mb < next_f[chunk0] and i_time[(chunk0 + 1) * m_count + mb] < step:
+                i_time[chunk0 * m_count + mb] = step
+                next_i[chunk0] = mb + 1
+                pending_w[r].append((chunk0, mb))
+                program.append((_I, chunk0, mb))
+                remaining -= 1
+                acted = True
+                continue
+            mb = next_i[chunk1]
+            if mb < next_f[chunk1] and (
+                chunk1 == last or i_time[(chunk1 + 1) * m_count + mb] < step
+            ):
+                i_time[chunk1 * m_count + mb] = step
+                next_i[chunk1] = mb + 1
+                pending_w[r].append((chunk1, mb))
+                program.append((_I, chunk1, mb))
+                remaining -= 1
+                acted = True
+                continue
+            # 2. forwards: chunk 1's candidate is always the older micro-batch.
+            mb = next_f[chunk1]
+            if (
+                mb < m_count
+                and held[r] + 1 <= memory_limit
+                and f_time[(chunk1 - 1) * m_count + mb] < step
+            ):
+                f_time[chunk1 * m_count + mb] = step
+                next_f[chunk1] = mb + 1
+                held[r] += 1
+                program.append((_F, chunk1, mb))
+                remaining -= 1
+                acted = True
+                continue
+            mb = next_f[chunk0]
+            if (
+                mb < m_count
+                and held[r] + 2 <= memory_limit
+                and mb - next_f[chunk1] < open_limits[r]
+                and (chunk0 == 0 or f_time[(chunk0 - 1) * m_count + mb] < step)
+            ):
+                f_time[chunk0 * m_count + mb] = step
+                next_f[chunk0] = mb + 1
+                held[r] += 1
+                program.append((_F, chunk0, mb))
+                remaining -= 1
+                acted = True
+                continue
+            # 3. weight gradients.
+            if pending_w[r]:
+                stage, mb = pending_w[r].popleft()
+                held[r] -= 1
+                program.append((_W, stage, mb))
+                remaining -= 1
+                acted = True
+        if not acted and remaining:
+            _force_oldest_forward(p, m_count, step, f_time, next_f, held, programs)
+            remaining -= 1
+        step += 1
+    return programs
+
+
+def _force_oldest_forward(
+    p: int,
+    m_count: int,
+    step: int,
+    f_time: list[int],
+    next_f: list[int],
+    held: list[int],
+    programs: list[list[_Step]],
+) -> None:
+    """Run the dependency-ready F of the oldest micro-batch, ignoring the memory limit.
+
+    Only reachable with a memory limit below one micro-batch's need (see ``_greedy_programs``).
+    """
+    last = 2 * p - 1
+    best: tuple[int, int, int] | None = None  # (micro-batch, stage, rank)
+    for r in range(p):
+        for stage in (last - r, r):
+            mb = next_f[stage]
+            if mb < m_count and (stage == 0 or f_time[(stage - 1) * m_count + mb] < step):
+                best = min(best, (mb, stage, r)) if best is not None else (mb, stage, r)
+    if best is None:  # pragma: no cover - the oldest micro-batch always has a ready F here
+        raise RuntimeError("v-shape greedy scheduler made no progress")
+    mb, stage, r = best
+    f_time[stage * m_count + mb] = step
+    next_f[stage] = mb + 1
+    held[r] += 1
+    programs[r].append((_F, stage, mb))

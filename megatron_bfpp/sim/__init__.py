@@ -1,0 +1,24 @@
+"""Time a schedule and count its memory: cost model, event simulator, timeline export.
+
+Pure Python: no torch, no megatron; matplotlib only when ``render_png`` is called.
+
+>>> result = simulate(schedule, CostModel(t_p2p=0.05))     # doctest: +SKIP
+>>> result.step_time, result.bubble_fraction                # doctest: +SKIP
+>>> dump_chrome_trace(result, "step.json"); render_png(result, "step.png")  # doctest: +SKIP
+"""
+
+from megatron_bfpp.sim.cost import CostModel
+from megatron_bfpp.sim.engine import Event, Lane, RankMetrics, SimResult, simulate
+from megatron_bfpp.sim.export import chrome_trace, dump_chrome_trace, render_png
+
+__all__ = [
+    "CostModel",
+    "Event",
+    "Lane",
+    "RankMetrics",
+    "SimResult",
+    "chrome_trace",
+    "dump_chrome_trace",
+    "render_png",
+    "simulate",
+]

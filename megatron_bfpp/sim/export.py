@@ -1,0 +1,281 @@
+"""Timelines of a simulated step: Chrome trace-event JSON (Perfetto, chrome://tracing) and a PNG.
+
+Both draw ``SimResult.events``. The trace has one process per rank with three threads
+(compute, p2p, dp); the PNG has one row per rank, a colour per micro-batch and a shade / hatch per
+compute kind. matplotlib is imported only inside ``render_png``, so the rest of the package works
+without it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron_bfpp.ir import ActionKind
+from megatron_bfpp.sim.engine import Event, SimResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.axes import Axes
+
+__all__ = ["chrome_trace", "dump_chrome_trace", "render_png"]
+
+K = ActionKind
+_LANES = ("compute", "p2p", "dp")
+
+
+def chrome_trace(result: SimResult, *, us_per_unit: float = 1000.0) -> dict[str, Any]:
+    """Chrome trace-event JSON as a dict: ``"X"`` events, ``ts``/``dur`` in microseconds.
+
+    ``us_per_unit`` maps the cost model's time unit to microseconds (default: 1 unit = 1 ms).
+    """
+    if not us_per_unit > 0:
+        raise ValueError(f"us_per_unit must be > 0, got {us_per_unit}")
+    trace: list[dict[str, Any]] = []
+    for rank in range(result.num_ranks):
+        trace.append(_meta("process_name", rank, 0, {"name": f"rank {rank}"}))
+        trace.append(_meta("process_sort_index", rank, 0, {"sort_index": rank}))
+        for tid, lane in enumerate(_LANES):
+            trace.append(_meta("thread_name", rank, tid, {"name": lane}))
+            trace.append(_meta("thread_sort_index", rank, tid, {"sort_index": tid}))
+    tids = {lane: tid for tid, lane in enumerate(_LANES)}
+    for event in result.events:
+        args: dict[str, Any] = {"stage": event.stage, "kind": event.kind.value}
+        if event.microbatch is not None:
+            args["microbatch"] = event.microbatch
+        trace.append(
+            {
+                "name": event.label,
+                "cat": event.lane,
+                "ph": "X",
+                "pid": event.rank,
+                "tid": tids[event.lane],
+                "ts": event.start * us_per_unit,
+                "dur": (event.end - event.start) * us_per_unit,
+                "args": args,
+            }
+        )
+    summary = {k: v for k, v in result.to_dict().items() if k not in ("per_rank", "costs")}
+    summary.update({f"cost_{k}": v for k, v in result.to_dict()["costs"].items()})
+    summary["us_per_unit"] = us_per_unit
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": summary}
+
+
+def dump_chrome_trace(result: SimResult, path: str | Path, *, us_per_unit: float = 1000.0) -> None:
+    """Write ``chrome_trace(result)`` to ``path``; open it in https://ui.perfetto.dev."""
+    text = json.dumps(chrome_trace(result, us_per_unit=us_per_unit), separators=(",", ":"))
+    Path(path).write_text(text)
+
+
+def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
+
+
+# --- PNG ------------------------------------------------------------------------------------
+# Compute boxes fill most of a rank's row; data-parallel operations are a thin dark strip under
+# them and p2p transfers a thin grey strip above, so communication never reads as busy time.
+
+_BOX = (-0.34, 0.30)  # compute box, relative to the row centre (y grows downwards)
+_P2P = (-0.45, -0.38)
+_DP = (0.34, 0.45)
+_STYLE: dict[ActionKind, tuple[float, str | None, str]] = {
+    # kind: (shade: < 0 darkens, > 0 mixes towards white; hatch; legend text)
+    K.FORWARD: (0.0, None, "F forward"),
+    K.BACKWARD: (-0.35, "///", "B backward"),
+    K.BACKWARD_INPUT: (0.4, "///", "I input grad"),
+    K.BACKWARD_WEIGHT: (0.65, "...", "W weight grad"),
+}
+
+
+def render_png(
+    result: SimResult,
+    path: str | Path,
+    *,
+    title: str | None = None,
+    dpi: int = 100,
+    width: float = 14.0,
+    max_labels: int = 3000,
+) -> Path:
+    """Draw the step as one row per rank and write a PNG to ``path`` (returned as a Path).
+
+    Colour is the micro-batch (a qualitative palette, cycled); F is solid, B darker, I lighter,
+    W lighter still, and while boxes are a few pixels wide B and I are hatched and W dotted;
+    boxes wide enough carry ``F3``-style labels (none when more than ``max_labels`` would).
+    Each row ends with the rank's peak stored activations in full-stage micro-batches.
+    """
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PolyCollection
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    num_ranks = max(result.num_ranks, 1)
+    row_inches = 0.42 if num_ranks <= 16 else max(0.16, 7.0 / num_ranks)
+    height = 1.7 + row_inches * num_ranks
+    figure = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    span = result.step_time if result.step_time > 0 else 1.0
+    palette = _palette()
+
+    compute: dict[ActionKind, list[Event]] = {kind: [] for kind in _STYLE}
+    comm: dict[str, list[Event]] = {"p2p": [], "dp": []}
+    for event in result.events:
+        if event.lane == "compute":
+            compute[event.kind].append(event)
+        else:
+            comm[event.lane].append(event)
+
+    labelled: list[tuple[float, float, str]] = []
+    axes_px = width * dpi * 0.85  # approximate drawing width in pixels
+    font = max(5.0, min(9.0, row_inches * 72 * 0.45))
+    char_px = font * 0.62 * dpi / 72
+    columns = {
+        kind: (
+            np.fromiter((e.start for e in events), float, len(events)),
+            np.fromiter((e.end for e in events), float, len(events)),
+            np.fromiter((e.rank for e in events), float, len(events)),
+            np.fromiter((e.microbatch or 0 for e in events), int, len(events)),
+        )
+        for kind, events in compute.items()
+        if events
+    }
+    widths = [(ends - starts) / span * axes_px for starts, ends, _, _ in columns.values()]
+    # Hatches and outlines only help boxes a few pixels wide, and hatching tens of thousands of
+    # slivers is what makes Agg slow: drop both when the typical box is narrow.
+    detailed = bool(widths) and float(np.median(np.concatenate(widths))) >= 5.0
+    for (kind, (starts, ends, rows, mbs)), width_px in zip(columns.items(), widths, strict=True):
+        shade, hatch, _ = _STYLE[kind]
+        colours = _shade(palette[mbs % len(palette)], shade)
+        axes.add_collection(
+            PolyCollection(
+                _boxes(starts, ends, rows, _BOX),
+                facecolors=colours,
+                edgecolors=_shade(colours, -0.45),
+                linewidths=0.3 if detailed else 0.0,
+                hatch=hatch if detailed else None,
+            )
+        )
+        text_px = char_px * (1.6 + np.floor(np.log10(np.maximum(mbs, 1))) + 1)
+        for index in np.flatnonzero(width_px > text_px):
+            event = compute[kind][int(index)]
+            labelled.append(
+                ((event.start + event.end) / 2, event.rank, f"{kind.value}{event.microbatch}")
+            )
+    for lane, where, colour in (("p2p", _P2P, "0.6"), ("dp", _DP, "0.15")):
+        events = comm[lane]
+        if events:
+            starts = np.fromiter((e.start for e in events), float, len(events))
+            ends = np.fromiter((e.end for e in events), float, len(events))
+            rows = np.fromiter((e.rank for e in events), float, len(events))
+            axes.add_collection(
+                PolyCollection(_boxes(starts, ends, rows, where), facecolors=colour, linewidths=0)
+            )
+    if len(labelled) <= max_labels:
+        for x, y, text in labelled:
+            axes.text(
+                x,
+                y + (_BOX[0] + _BOX[1]) / 2,
+                text,
+                ha="center",
+                va="center",
+                fontsize=font,
+                color="black",
+                clip_on=True,
+            )
+
+    _decorate(axes, result, span, font)
+    stats = f"step {result.step_time:.4g}, bubble {result.bubble_fraction:.1%}"
+    if result.exposed_dp_comm_time > 0:
+        stats += f", exposed DP {result.exposed_dp_comm_time:.3g}"
+    shape = f"p={result.num_ranks}, v={result.num_chunks}, m={result.num_microbatches}"
+    axes.set_title(title or f"{result.schedule_name} ({shape}): {stats}", fontsize=11)
+
+    present = [kind for kind, events in compute.items() if events]
+    handles: list[Any] = [
+        Patch(
+            facecolor=_shade(np.array([[0.55, 0.55, 0.55]]), _STYLE[k][0])[0],
+            edgecolor="0.2",
+            hatch=_STYLE[k][1],
+            label=_STYLE[k][2],
+        )
+        for k in present
+    ]
+    if comm["p2p"]:
+        handles.append(Line2D([], [], color="0.6", linewidth=3, label="p2p transfer"))
+    if comm["dp"]:
+        handles.append(Line2D([], [], color="0.15", linewidth=3, label="DP sync (GS/PS)"))
+    handles.append(Patch(facecolor="none", edgecolor="none", label="colour = micro-batch"))
+    figure.legend(
+        handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
+    )
+    out = Path(path)
+    figure.savefig(out, dpi=dpi)
+    return out
+
+
+def _decorate(axes: Axes, result: SimResult, span: float, font: float) -> None:
+    num_ranks = result.num_ranks
+    axes.set_xlim(0, span)
+    axes.set_ylim(num_ranks - 0.5, -0.5)
+    axes.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)], fontsize=font)
+    axes.set_xlabel("time (cost-model units)")
+    axes.grid(axis="x", linewidth=0.3, alpha=0.5)
+    axes.set_axisbelow(True)
+    transform = axes.get_yaxis_transform()  # x in axes fraction, y in data
+    axes.text(
+        1.005,
+        -0.5,
+        "peak act.",
+        transform=transform,
+        fontsize=font,
+        va="bottom",
+        ha="left",
+        clip_on=False,
+    )
+    for metrics in result.per_rank:
+        axes.text(
+            1.005,
+            metrics.rank,
+            f"{metrics.peak_activations:.3g}",
+            transform=transform,
+            fontsize=font,
+            va="center",
+            ha="left",
+            clip_on=False,
+        )
+
+
+def _boxes(starts: Any, ends: Any, rows: Any, where: tuple[float, float]) -> Any:
+    """(N, 4, 2) rectangle vertices for PolyCollection."""
+    import numpy as np
+
+    top, bottom = rows + where[0], rows + where[1]
+    return np.stack(
+        [
+            np.stack([starts, top], axis=1),
+            np.stack([ends, top], axis=1),
+            np.stack([ends, bottom], axis=1),
+            np.stack([starts, bottom], axis=1),
+        ],
+        axis=1,
+    )
+
+
+def _palette() -> Any:
+    """20 qualitative colours, strong ones first, so neighbouring micro-batches differ."""
+    import numpy as np
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab20"]
+    colours = cmap(np.arange(cmap.N))[:, :3]
+    return np.concatenate([colours[0::2], colours[1::2]])
+
+
+def _shade(rgb: Any, amount: float) -> Any:
+    """Darken (amount < 0) or lighten (amount > 0) an (N, 3|4) colour array."""
+    rgb = rgb[:, :3]
+    if amount < 0:
+        return rgb * (1 + amount)
+    return rgb + (1 - rgb) * amount

@@ -1,0 +1,452 @@
+"""Prove a schedule complete, correctly paired and free of deadlock before anything runs it.
+
+Execution semantics (shared with the simulator and the runtime):
+
+* A send (SA, SG, EV, RS) is posted without waiting; its data leaves whenever the link allows.
+* A receive (RA, RG, AC, LD) is posted at its position; the rank waits for the data only at the
+  action that consumes it (F/B/I for RA/RG/LD, RS for AC), so receives can be posted ahead.
+* Between one ordered pair of ranks, the k-th receive posted matches the k-th send posted, as
+  NCCL and gloo match point-to-point messages by posting order, not by meaning. With pp=2 and
+  looping an activation and a gradient of the same shape travel between the same two ranks, so a
+  swapped order would silently mix them up; ``validate_message_order`` rejects it.
+
+Errors are ``ScheduleError`` whose message carries the per-rank grid with the failing step marked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict, deque
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from megatron_bfpp.ir import (
+    COMPUTE_KINDS,
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    format_schedule,
+)
+
+__all__ = [
+    "Message",
+    "consumed_messages",
+    "message_of",
+    "validate_completeness",
+    "validate_deadlock_free",
+    "validate_message_order",
+    "validate_placement",
+    "validate_schedule",
+]
+
+K = ActionKind
+
+
+class Message(NamedTuple):
+    """What travels: ``what`` in {act, grad, evict, restore} of (stage, microbatch).
+
+    ``act`` is stage ``stage``'s output, ``grad`` the gradient of stage ``stage``'s input, and
+    ``evict``/``restore`` the stored activations of the evictor's stage ``stage``.
+    """
+
+    what: str
+    stage: int
+    microbatch: int
+
+
+def message_of(action: Action) -> Message:
+    """The message a point-to-point action sends or receives."""
+    entry = _MESSAGE_TABLE.get(action.kind)
+    mb = action.microbatch
+    if entry is None or mb is None:
+        raise ScheduleError(f"{action} is not a point-to-point action")
+    return Message(entry[0], action.stage + entry[1], mb)
+
+
+# kind -> (what travels, stage offset from the action's stage to the message's stage)
+_MESSAGE_TABLE = {
+    K.SEND_ACT: ("act", 0),
+    K.RECV_ACT: ("act", -1),
+    K.SEND_GRAD: ("grad", 0),
+    K.RECV_GRAD: ("grad", 1),
+    K.EVICT: ("evict", 0),
+    K.ACCEPT: ("evict", 0),
+    K.RESTORE: ("restore", 0),
+    K.LOAD: ("restore", 0),
+}
+
+
+def consumed_messages(action: Action, schedule: Schedule, rank: int) -> list[Message]:
+    """Messages an action waits for when they come from another rank."""
+    layout = schedule.layout
+    mb = action.microbatch
+    if mb is None:
+        return []
+    stage = action.stage
+    needed: list[Message] = []
+    if action.kind == K.FORWARD and stage > 0 and layout.rank_of(stage - 1) != rank:
+        needed.append(Message("act", stage - 1, mb))
+    elif action.kind in (K.BACKWARD, K.BACKWARD_INPUT):
+        if not layout.is_last(stage) and layout.rank_of(stage + 1) != rank:
+            needed.append(Message("grad", stage + 1, mb))
+    elif action.kind == K.RESTORE:
+        needed.append(Message("evict", stage, mb))
+    return needed
+
+
+def validate_schedule(schedule: Schedule, *, require_communication: bool = True) -> None:
+    """Every check in order; a compute-only schedule may skip the communication ones.
+
+    A compute-only schedule (no SA/RA/SG/RG yet) is checked as if each compute action sent its
+    result the moment it finished, which proves the order itself can run.
+    """
+    validate_placement(schedule)
+    validate_completeness(schedule)
+    if require_communication or has_communication(schedule):
+        validate_message_order(schedule)
+    validate_deadlock_free(schedule)
+
+
+def has_communication(schedule: Schedule) -> bool:
+    """A schedule without activation/gradient messages is compute-only (not yet lowered)."""
+    kinds = {action.kind for actions in schedule.per_rank for action in actions}
+    return not kinds.isdisjoint(_MESSAGE_KINDS)
+
+
+_MESSAGE_KINDS = frozenset({K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD})
+
+
+def _fail(schedule: Schedule, message: str, marks: dict[tuple[int, int], str]) -> ScheduleError:
+    grid = format_schedule(schedule, marks=marks)
+    return ScheduleError(f"{message}\n{grid}")
+
+
+def validate_placement(schedule: Schedule) -> None:
+    """Each action runs on the rank that owns its stage and names an existing micro-batch."""
+    stage_to_rank = schedule.layout.stage_to_rank
+    num_stages, num_microbatches = len(stage_to_rank), schedule.num_microbatches
+    compute = COMPUTE_KINDS
+    for rank, actions in enumerate(schedule.per_rank):
+        for position, action in enumerate(actions):
+            stage, mb = action.stage, action.microbatch
+            if (
+                action.kind in compute
+                and stage < num_stages
+                and stage_to_rank[stage] == rank
+                and mb is not None
+                and mb < num_microbatches
+            ):
+                continue  # the common case, checked inline
+            problem = _placement_problem(action, rank, schedule)
+            if problem:
+                raise _fail(
+                    schedule,
+                    f"rank {rank}, step {position}: {action}: {problem}",
+                    {(rank, position): "ERROR HERE"},
+                )
+
+
+def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | None:
+    layout = schedule.layout
+    stage = action.stage
+    if stage >= layout.num_stages:
+        return f"stage {stage} does not exist (the layout has {layout.num_stages})"
+    mb = action.microbatch
+    if mb is not None and mb >= schedule.num_microbatches:
+        return f"micro-batch {mb} does not exist (num_microbatches={schedule.num_microbatches})"
+    owner = layout.rank_of(stage)
+    if action.kind in (K.ACCEPT, K.RESTORE):
+        if owner == rank or action.peer != owner:
+            return f"the acceptor must receive from the evictor rank {owner} (stage {stage})"
+        return None
+    if owner != rank:
+        return f"stage {stage} lives on rank {owner}"
+    expected_peer = {
+        K.SEND_ACT: stage + 1,
+        K.RECV_ACT: stage - 1,
+        K.SEND_GRAD: stage - 1,
+        K.RECV_GRAD: stage + 1,
+    }.get(action.kind)
+    if expected_peer is not None:
+        if not 0 <= expected_peer < layout.num_stages:
+            return f"stage {stage} has no neighbour stage {expected_peer}"
+        peer_rank = layout.rank_of(expected_peer)
+        if peer_rank == rank:
+            return f"stages {stage} and {expected_peer} share rank {rank}: no message is needed"
+        if action.peer != peer_rank:
+            return f"the neighbour stage {expected_peer} lives on rank {peer_rank}"
+    if action.kind in (K.EVICT, K.LOAD) and action.peer == rank:
+        return "an evictor cannot evict to itself"
+    return None
+
+
+def validate_completeness(schedule: Schedule) -> None:
+    """Exactly one F and one B (or one I and one W) per (stage, micro-batch), in local order."""
+    counts: dict[tuple[ActionKind, int, int], int] = {}
+    tracked = _TRACKED
+    for actions in schedule.per_rank:
+        for action in actions:
+            if action.kind in tracked:
+                key = (action.kind, action.stage, action.microbatch or 0)
+                counts[key] = counts.get(key, 0) + 1
+    if counts and max(counts.values()) > 1:
+        _raise_duplicate(schedule, {k for k, n in counts.items() if n > 1})
+    forward, full = K.FORWARD, K.BACKWARD
+    split_i, split_w = K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
+    for stage in range(schedule.num_stages):
+        for mb in range(schedule.num_microbatches):
+            if (forward, stage, mb) not in counts:
+                rank = schedule.layout.rank_of(stage)
+                raise _fail(
+                    schedule, f"stage {stage} micro-batch {mb} has no forward on rank {rank}", {}
+                )
+            has_b = (full, stage, mb) in counts
+            has_i, has_w = (split_i, stage, mb) in counts, (split_w, stage, mb) in counts
+            if has_b and (has_i or has_w):
+                raise _fail(schedule, f"stage {stage} micro-batch {mb} has both B and I/W", {})
+            if not has_b and not (has_i and has_w):
+                raise _fail(
+                    schedule,
+                    f"stage {stage} micro-batch {mb} has no complete backward (B, or I and W)",
+                    {},
+                )
+    _validate_local_order(schedule)
+
+
+_TRACKED = frozenset({K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT, K.EVICT, K.LOAD})
+
+
+def _raise_duplicate(schedule: Schedule, duplicated: set[tuple[ActionKind, int, int]]) -> None:
+    """Slow path, only on failure: find the first two places of the first duplicated action."""
+    seen: dict[tuple[ActionKind, int, int], tuple[int, int]] = {}
+    for rank, position, action in schedule.iter_actions():
+        key = (action.kind, action.stage, action.microbatch or 0)
+        if key in duplicated:
+            if key in seen:
+                raise _fail(
+                    schedule,
+                    f"{action} appears twice",
+                    {seen[key]: "first", (rank, position): "again"},
+                )
+            seen[key] = (rank, position)
+
+
+def _validate_local_order(schedule: Schedule) -> None:
+    """Within a rank: F before its backward, I before W, evict after F and load before backward,
+    local producers before local consumers, sends after what they send and receives before what
+    consumes them."""
+    with_comm = has_communication(schedule)
+    for rank, actions in enumerate(schedule.per_rank):
+        done: set[tuple[ActionKind, int, int]] = set()
+        posted: set[Message] = set()
+        for position, action in enumerate(actions):
+            mb = action.microbatch
+            if mb is None:
+                continue
+            problem = _local_order_problem(action, rank, done, posted, schedule, with_comm)
+            if problem:
+                raise _fail(
+                    schedule,
+                    f"rank {rank}, step {position}: {action}: {problem}",
+                    {(rank, position): "ERROR HERE"},
+                )
+            done.add((action.kind, action.stage, mb))
+            if action.kind in _RECV_KINDS:
+                posted.add(message_of(action))
+        evicted = {(s, m) for (k, s, m) in done if k is K.EVICT}
+        loaded = {(s, m) for (k, s, m) in done if k is K.LOAD}
+        if evicted != loaded:
+            missing = sorted(evicted ^ loaded)
+            raise _fail(schedule, f"rank {rank}: evictions and loads do not pair up: {missing}", {})
+
+
+_RECV_KINDS = frozenset({K.RECV_ACT, K.RECV_GRAD, K.ACCEPT, K.LOAD})
+_SEND_KINDS = frozenset({K.SEND_ACT, K.SEND_GRAD, K.EVICT, K.RESTORE})
+
+
+def _local_order_problem(
+    action: Action,
+    rank: int,
+    done: set[tuple[ActionKind, int, int]],
+    posted: set[Message],
+    schedule: Schedule,
+    with_comm: bool,
+) -> str | None:
+    """The first local-order rule the action breaks, or None. Written as flat lookups: it runs
+    once per action of every schedule built."""
+    mb = action.microbatch
+    if mb is None:
+        return None
+    kind, stage = action.kind, action.stage
+    stage_to_rank = schedule.layout.stage_to_rank
+    if kind is K.FORWARD:
+        if stage > 0:
+            if stage_to_rank[stage - 1] == rank:
+                if (K.FORWARD, stage - 1, mb) not in done:
+                    return f"runs before its local producer {stage - 1}F{mb}"
+            elif with_comm and Message("act", stage - 1, mb) not in posted:
+                return f"consumes act of stage {stage - 1} that no earlier receive posts"
+        return None
+    if kind is K.BACKWARD or kind is K.BACKWARD_INPUT:
+        if (K.FORWARD, stage, mb) not in done:
+            return "backward before its forward"
+        if (K.EVICT, stage, mb) in done and (K.LOAD, stage, mb) not in done:
+            return f"the activations were evicted and not loaded back ({stage}LD{mb} missing)"
+        nxt = stage + 1
+        if nxt < len(stage_to_rank):
+            if stage_to_rank[nxt] == rank:
+                if (K.BACKWARD, nxt, mb) not in done and (K.BACKWARD_INPUT, nxt, mb) not in done:
+                    return f"runs before its local producer of the output gradient (stage {nxt})"
+            elif with_comm and Message("grad", nxt, mb) not in posted:
+                return f"consumes grad of stage {nxt} that no earlier receive posts"
+        return None
+    backward_done = (K.BACKWARD, stage, mb) in done or (K.BACKWARD_INPUT, stage, mb) in done
+    if kind is K.BACKWARD_WEIGHT and (K.BACKWARD_INPUT, stage, mb) not in done:
+        return "W before its I"
+    if kind is K.SEND_ACT and (K.FORWARD, stage, mb) not in done:
+        return "sends an activation before computing it"
+    if kind is K.SEND_GRAD and not backward_done:
+        return "sends a gradient before computing it"
+    if kind is K.EVICT and ((K.FORWARD, stage, mb) not in done or backward_done):
+        return "evicts outside the window between its forward and its backward"
+    if kind is K.LOAD and (K.EVICT, stage, mb) not in done:
+        return "loads activations that were never evicted"
+    if kind is K.RESTORE:
+        if (K.ACCEPT, stage, mb) not in done:
+            return "returns activations it never accepted"
+        if Message("evict", stage, mb) not in posted:
+            return f"consumes evict of stage {stage} that no earlier receive posts"
+    return None
+
+
+# (source rank, destination rank) -> [(position on the posting rank, message), ...]
+_Channels = dict[tuple[int, int], list[tuple[int, Message]]]
+
+
+def _channels(schedule: Schedule) -> tuple[_Channels, _Channels]:
+    sends: _Channels = defaultdict(list)
+    recvs: _Channels = defaultdict(list)
+    for rank, position, action in schedule.iter_actions():
+        if action.kind.is_send:
+            assert action.peer is not None
+            sends[(rank, action.peer)].append((position, message_of(action)))
+        elif action.kind.is_recv:
+            assert action.peer is not None
+            recvs[(action.peer, rank)].append((position, message_of(action)))
+    return sends, recvs
+
+
+def validate_message_order(schedule: Schedule) -> None:
+    """Sends and receives pair up one to one, posted in the same order on both sides."""
+    sends, recvs = _channels(schedule)
+    for channel in sorted(set(sends) | set(recvs)):
+        src, dst = channel
+        out, into = sends.get(channel, []), recvs.get(channel, [])
+        for index in range(max(len(out), len(into))):
+            if index >= len(out):
+                position, message = into[index]
+                raise _fail(
+                    schedule,
+                    f"rank {dst} receives {message} from rank {src}, which never sends it",
+                    {(dst, position): "ERROR HERE"},
+                )
+            if index >= len(into):
+                position, message = out[index]
+                raise _fail(
+                    schedule,
+                    f"rank {src} sends {message} to rank {dst}, which never receives it",
+                    {(src, position): "ERROR HERE"},
+                )
+            if out[index][1] != into[index][1]:
+                raise _fail(
+                    schedule,
+                    f"message order differs between ranks {src} -> {dst}: send #{index} is "
+                    f"{out[index][1]} but receive #{index} is {into[index][1]}; point-to-point "
+                    "messages match by posting order, so these would be swapped",
+                    {(src, out[index][0]): "sent here", (dst, into[index][0]): "received here"},
+                )
+
+
+def validate_deadlock_free(schedule: Schedule) -> None:
+    """Run every program under the semantics above with unit time; all must reach the end."""
+    blocked = run_programs(schedule)
+    if blocked:
+        marks = {
+            (rank, position): f"waits for {message.what} {message.stage}/{message.microbatch}"
+            for rank, (position, message) in blocked.items()
+        }
+        raise _fail(
+            schedule,
+            "deadlock: every remaining rank waits for a message that is never sent first",
+            marks,
+        )
+
+
+def run_programs(schedule: Schedule) -> dict[int, tuple[int, Message]]:
+    """Advance all ranks as far as the messages allow; return where unfinished ranks are stuck.
+
+    Received messages are tracked per rank so that a consumer waits for the send that matches its
+    own receive, which is how the runtime behaves.
+    """
+    programs = schedule.per_rank
+    implicit = not has_communication(schedule)
+    cursor = [0] * len(programs)
+    sent: set[tuple[int, Message]] = set()  # (destination rank, message)
+    waiting: dict[tuple[int, Message], int] = {}
+    ready: deque[int] = deque(range(len(programs)))
+    blocked_on: dict[int, tuple[int, Message]] = {}
+    waits_for = _WAITS_FOR
+    # BPipe: a backward also waits for the activations its LOAD brings back.
+    loads = [{(a.stage, a.microbatch) for a in p if a.kind is K.LOAD} for p in programs]
+    while ready:
+        rank = ready.popleft()
+        program = programs[rank]
+        position = cursor[rank]
+        blocked_on.pop(rank, None)
+        while position < len(program):
+            action = program[position]
+            if action.kind in waits_for:
+                needed = consumed_messages(action, schedule, rank)
+                if (action.stage, action.microbatch) in loads[rank] and action.kind in (
+                    K.BACKWARD,
+                    K.BACKWARD_INPUT,
+                ):
+                    needed.append(Message("restore", action.stage, action.microbatch or 0))
+                missing = [m for m in needed if (rank, m) not in sent]
+                if missing:
+                    waiting[(rank, missing[0])] = rank
+                    blocked_on[rank] = (position, missing[0])
+                    break
+            if action.kind in _SEND_KINDS or implicit:
+                for key in _posted_by(action, schedule, rank, implicit):
+                    sent.add(key)
+                    woken = waiting.pop(key, None)
+                    if woken is not None:
+                        ready.append(woken)
+            position += 1
+        cursor[rank] = position
+    return blocked_on
+
+
+_WAITS_FOR = frozenset({K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.RESTORE})
+
+
+def _posted_by(
+    action: Action, schedule: Schedule, rank: int, implicit: bool
+) -> list[tuple[int, Message]]:
+    """(destination rank, message) pairs an action makes available to other ranks."""
+    if action.kind.is_send:
+        assert action.peer is not None
+        return [(action.peer, message_of(action))]
+    if not implicit or action.microbatch is None:
+        return []
+    layout, stage, mb = schedule.layout, action.stage, action.microbatch
+    if action.kind == K.FORWARD and not layout.is_last(stage):
+        return [(layout.rank_of(stage + 1), Message("act", stage, mb))]
+    if action.kind in (K.BACKWARD, K.BACKWARD_INPUT) and stage > 0:
+        return [(layout.rank_of(stage - 1), Message("grad", stage, mb))]
+    return []
+
+
+def count_kinds(actions: Iterable[Action]) -> Counter[ActionKind]:
+    return Counter(a.kind for a in actions)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The project's test command (README quick start, CI): set up, lint, type-check, run every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+echo "== ruff (lint, format)"
+ruff check .
+ruff format --check .
+echo "== mypy (pure layers, strict)"
+mypy
+echo "== pytest"
+pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,42 @@
+"""Package metadata; ``pip install -e .[test]`` sets up development."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-bfpp",
+    version="0.1.0",
+    description=(
+        "Breadth-first, BPipe and V-shape pipeline schedules for NVIDIA megatron-core / "
+        "Megatron-LM, with a schedule simulator and planner"
+    ),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_bfpp", "megatron_bfpp.*"]),
+    install_requires=[],
+    extras_require={
+        # Drawing timelines as PNG.
+        "plot": ["matplotlib>=3.7"],
+        # Running schedules on megatron-core (CPU or GPU).
+        "megatron": ["torch>=2.4", "megatron-core>=0.16.1,<0.17"],
+        # Development and CI: tests, lint, types.
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "matplotlib>=3.7",
+            "ruff>=0.6",
+            "mypy>=1.10",
+            "torch>=2.4",
+            "megatron-core>=0.16.1,<0.17",
+        ],
+        # GPU-only speedups megatron-core can use; never needed on CPU.
+        "gpu": ["transformer-engine[pytorch]", "apex"],
+    },
+    entry_points={
+        "console_scripts": [
+            "bfpp-sim=megatron_bfpp.cli.sim:main",
+        ]
+    },
+)

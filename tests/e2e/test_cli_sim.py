@@ -1,0 +1,158 @@
+"""bfpp-sim end to end, as a user runs it: real processes, files on disk, exit codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_bfpp.ir import dump_csv, load_csv
+from megatron_bfpp.schedules.registry import build_schedule
+
+
+def bfpp_sim(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_bfpp.cli.sim", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_breadth_first_json_png_trace(tmp_path: Path) -> None:
+    png, trace = tmp_path / "bf.png", tmp_path / "bf.json"
+    result = bfpp_sim(
+        "--schedule",
+        "breadth-first",
+        "--pp",
+        "4",
+        "--vp",
+        "2",
+        "--microbatches",
+        "8",
+        "--png",
+        str(png),
+        "--trace",
+        str(trace),
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    for key in (
+        "schedule",
+        "num_ranks",
+        "num_chunks",
+        "num_microbatches",
+        "step_time",
+        "bubble_fraction",
+        "exposed_dp_comm_time",
+        "per_rank",
+    ):
+        assert key in data
+    assert data["schedule"] == "breadth-first"
+    assert (data["num_ranks"], data["num_chunks"], data["num_microbatches"]) == (4, 2, 8)
+    # (p-1)/(v*m) of the ideal 8 * 3 time units: step = 24 * (1 + 3/16) = 28.5.
+    assert data["step_time"] == pytest.approx(28.5)
+    assert [r["rank"] for r in data["per_rank"]] == [0, 1, 2, 3]
+    assert {"busy_time", "bubble_fraction", "peak_activations"} <= set(data["per_rank"][0])
+    assert data["per_rank"][0]["peak_activations"] == pytest.approx(8.0)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(1 for e in events if e.get("ph") == "X" and e.get("name", "")[-2:-1] != "S") > 0
+
+
+def test_readable_table_and_grid() -> None:
+    result = bfpp_sim("--schedule", "1f1b", "--pp", "4", "--microbatches", "8")
+    assert result.returncode == 0, result.stderr
+    assert "bubble 27.27%" in result.stdout  # (p-1)/(m+p-1) = 3/11
+    assert "rank  0: 0F0" in result.stdout
+    assert "SA" not in result.stdout.split("rank  0:")[1].splitlines()[0]  # compute grid
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--schedule", "interleaved", "--pp", "4", "--vp", "2", "--microbatches", "6"],
+            "got 6 % 4 = 2",
+        ),
+        (["--schedule", "breadth-first", "--pp", "4", "--microbatches", "8"], "--vp"),
+        (["--schedule", "warp", "--pp", "4", "--microbatches", "8"], "invalid choice: 'warp'"),
+        (["--schedule", "1f1b", "--pp", "0", "--microbatches", "8"], "positive integer"),
+        (["--schedule", "1f1b", "--pp", "2"], "missing --microbatches"),
+        (
+            ["--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--group-size", "2"],
+            "1f1b takes no --group-size",
+        ),
+        (
+            ["--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--t-forward", "-1"],
+            "expected a number >= 0",
+        ),
+        (["--load-csv", "/nonexistent/x.csv"], "cannot read schedule CSV"),
+    ],
+)
+def test_bad_input_is_one_line_and_non_zero(args: list[str], message: str) -> None:
+    result = bfpp_sim(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_csv_names_the_row(tmp_path: Path) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text("layout,0,1\nmicrobatches,1\n0,0F0,0SA0>1\n1,1RA0<0,1Fx\n")
+    result = bfpp_sim("--load-csv", str(path))
+    assert result.returncode == 2
+    assert "row 4, column 3" in result.stderr
+
+
+def test_csv_round_trip_through_the_cli(tmp_path: Path) -> None:
+    out = tmp_path / "v.csv"
+    result = bfpp_sim(
+        "--schedule", "v-half", "--pp", "4", "--microbatches", "8", "--csv", str(out), "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    again = bfpp_sim("--load-csv", str(out), "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["step_time"] == json.loads(result.stdout)["step_time"]
+
+
+def test_torch_compute_only_csv_is_lowered_and_simulated(tmp_path: Path) -> None:
+    compute = build_schedule("1f1b", num_ranks=4, num_microbatches=8, lower=False)
+    path = tmp_path / "torch.csv"
+    path.write_text("\n".join(",".join(str(a) for a in row) for row in compute.per_rank) + "\n")
+    result = bfpp_sim("--load-csv", str(path), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["bubble_fraction"] == pytest.approx(3 / 11)
+
+
+def test_golden_csvs_still_build_identically(tmp_path: Path) -> None:
+    golden = Path(__file__).resolve().parents[1] / "golden"
+    paths = sorted(golden.glob("*.csv"))
+    assert len(paths) >= 6, "golden schedules missing"
+    for path in paths:
+        stored = load_csv(path)
+        name, rest = path.stem.split("__")
+        params = dict(part.split("=") for part in rest.split("_"))
+        rebuilt = build_schedule(
+            name,
+            num_ranks=int(params["pp"]),
+            num_microbatches=int(params["m"]),
+            num_chunks=int(params["vp"]) if "vp" in params else None,
+        )
+        assert rebuilt == stored, f"{path.name} changed; regenerate only if the change is meant"
+        dump_csv(rebuilt, tmp_path / path.name)
+        assert (tmp_path / path.name).read_text() == path.read_text()
+
+
+@pytest.mark.skipif(shutil.which("bfpp-sim") is None, reason="console script not on PATH")
+def test_console_script_is_installed() -> None:
+    result = subprocess.run(["bfpp-sim", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "--pipeline" not in result.stdout and "--schedule" in result.stdout
