@@ -18,8 +18,18 @@ __all__ = [
     "StageLayout",
     "__version__",
     "build_schedule",
+    "get_forward_backward_func",
     "schedule_names",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``get_forward_backward_func`` needs torch and megatron-core: import it only when asked."""
+    if name == "get_forward_backward_func":
+        from megatron_bfpp.runtime import get_forward_backward_func
+
+        return get_forward_backward_func
+    raise AttributeError(f"module 'megatron_bfpp' has no attribute {name!r}")
 
 
 def build_schedule(name: str, **kwargs: object) -> Schedule:

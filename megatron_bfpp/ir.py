@@ -14,9 +14,11 @@ actions that ship data away and ``<peer`` for actions that receive it: ``3F5``, 
 from __future__ import annotations
 
 import csv
+import gc
 import io
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -36,6 +38,8 @@ __all__ = [
     "load_csv_text",
     "parse_action",
     "parse_schedule",
+    "paused_gc",
+    "unchecked_action",
 ]
 
 
@@ -100,13 +104,16 @@ _KIND_PATTERN = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=
 _ACTION_RE = re.compile(rf"^(\d+)({_KIND_PATTERN})(\d+)?(?:([<>])(\d+))?$")
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, slots=True, order=True, init=False)
 class Action:
     """One step of one rank's program.
 
     ``stage`` is the global virtual stage the action belongs to (for communication: the local
     stage that sends or receives; for BPipe transfers: the evictor's stage). ``peer`` is the
     other pipeline rank of a point-to-point action and ``None`` otherwise.
+
+    The constructor checks the fields (``ScheduleError`` says what is wrong); generators and
+    passes that build valid actions by construction use ``unchecked_action``.
     """
 
     stage: int
@@ -114,25 +121,23 @@ class Action:
     microbatch: int | None = None
     peer: int | None = None
 
-    def __post_init__(self) -> None:
-        kind, microbatch, peer = self.kind, self.microbatch, self.peer
-        # Common case first and cheap: generators create hundreds of thousands of actions.
-        if kind in COMPUTE_KINDS and peer is None and microbatch is not None and microbatch >= 0:
-            if self.stage < 0:
-                raise ScheduleError(f"action stage must be >= 0, got {self.stage}")
-            return
-        if self.stage < 0:
-            raise ScheduleError(f"action stage must be >= 0, got {self.stage}")
-        if kind in _CHUNK_LEVEL:
-            if microbatch is not None:
-                raise ScheduleError(f"{kind.name} is per chunk and takes no micro-batch")
-        elif microbatch is None or microbatch < 0:
-            raise ScheduleError(f"{kind.name} needs a micro-batch index >= 0")
-        if kind in _SENDS or kind in _RECVS:
-            if peer is None or peer < 0:
-                raise ScheduleError(f"{kind.name} needs a peer rank >= 0")
-        elif peer is not None:
-            raise ScheduleError(f"{kind.name} is not a point-to-point action; drop the peer")
+    def __init__(
+        self, stage: int, kind: ActionKind, microbatch: int | None = None, peer: int | None = None
+    ) -> None:
+        # Common case first and cheap: user code and tests create many compute actions.
+        if not (
+            kind in COMPUTE_KINDS
+            and peer is None
+            and microbatch is not None
+            and microbatch >= 0
+            and stage >= 0
+        ):
+            _check_action(stage, kind, microbatch, peer)
+        # Frozen: set the slots through their descriptors (what object.__setattr__ does, faster).
+        _set_stage(self, stage)
+        _set_kind(self, kind)
+        _set_microbatch(self, microbatch)
+        _set_peer(self, peer)
 
     def __str__(self) -> str:
         text = f"{self.stage}{self.kind.value}"
@@ -144,6 +149,64 @@ class Action:
 
     def __repr__(self) -> str:
         return f"Action({self})"
+
+
+_set_stage: Callable[[Action, int], None] = Action.__dict__["stage"].__set__
+_set_kind: Callable[[Action, ActionKind], None] = Action.__dict__["kind"].__set__
+_set_microbatch: Callable[[Action, int | None], None] = Action.__dict__["microbatch"].__set__
+_set_peer: Callable[[Action, int | None], None] = Action.__dict__["peer"].__set__
+_new_object = object.__new__
+
+
+def unchecked_action(
+    stage: int, kind: ActionKind, microbatch: int | None = None, peer: int | None = None
+) -> Action:
+    """``Action(stage, kind, microbatch, peer)`` without the field checks, for trusted callers.
+
+    Generators and passes build hundreds of thousands of actions whose fields are right by
+    construction (and ``validate_schedule`` checks every one of them in context); skipping the
+    checks halves the cost of each. The result is an ordinary ``Action``: equality, hashing,
+    ordering and text are the same.
+    """
+    action: Action = _new_object(Action)
+    _set_stage(action, stage)
+    _set_kind(action, kind)
+    _set_microbatch(action, microbatch)
+    _set_peer(action, peer)
+    return action
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector for a bulk build, check or simulation of a schedule.
+
+    These allocate up to millions of actions, keys and events that form no reference cycles;
+    left on, the collector rescans the growing heap again and again, which costs as much as
+    the work itself on large schedules. Restores the previous state; nests.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _check_action(stage: int, kind: ActionKind, microbatch: int | None, peer: int | None) -> None:
+    """The constructor's checks, with the message for the first field that is wrong."""
+    if stage < 0:
+        raise ScheduleError(f"action stage must be >= 0, got {stage}")
+    if kind in _CHUNK_LEVEL:
+        if microbatch is not None:
+            raise ScheduleError(f"{kind.name} is per chunk and takes no micro-batch")
+    elif microbatch is None or microbatch < 0:
+        raise ScheduleError(f"{kind.name} needs a micro-batch index >= 0")
+    if kind in _SENDS or kind in _RECVS:
+        if peer is None or peer < 0:
+            raise ScheduleError(f"{kind.name} needs a peer rank >= 0")
+    elif peer is not None:
+        raise ScheduleError(f"{kind.name} is not a point-to-point action; drop the peer")
 
 
 def parse_action(text: str) -> Action:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import NamedTuple
 
 from megatron_bfpp.ir import (
@@ -94,14 +95,26 @@ def consumed_messages(action: Action, schedule: Schedule, rank: int) -> list[Mes
     return needed
 
 
-def validate_schedule(schedule: Schedule, *, require_communication: bool = True) -> None:
+def validate_schedule(
+    schedule: Schedule, *, require_communication: bool = True, require_backward: bool = True
+) -> None:
     """Every check in order; a compute-only schedule may skip the communication ones.
 
     A compute-only schedule (no SA/RA/SG/RG yet) is checked as if each compute action sent its
-    result the moment it finished, which proves the order itself can run.
+    result the moment it finished, which proves the order itself can run. With
+    ``require_backward=False`` (a forward-only schedule, e.g. evaluation) a (stage, micro-batch)
+    may have no backward at all; one that has any must still have a complete one.
+
+    All checks run on every schedule, first in one fused pass over flat integer keys (linear in
+    the number of actions); only if that pass finds a problem do the checks run one by one,
+    to name the first problem and draw the grid.
     """
+    if _passes_all_checks(
+        schedule, require_communication=require_communication, require_backward=require_backward
+    ):
+        return
     validate_placement(schedule)
-    validate_completeness(schedule)
+    validate_completeness(schedule, require_backward=require_backward)
     if require_communication or has_communication(schedule):
         validate_message_order(schedule)
     validate_deadlock_free(schedule)
@@ -109,10 +122,13 @@ def validate_schedule(schedule: Schedule, *, require_communication: bool = True)
 
 def has_communication(schedule: Schedule) -> bool:
     """A schedule without activation/gradient messages is compute-only (not yet lowered)."""
-    kinds = {action.kind for actions in schedule.per_rank for action in actions}
-    return not kinds.isdisjoint(_MESSAGE_KINDS)
+    get_kind = _get_kind
+    return any(
+        not _MESSAGE_KINDS.isdisjoint(map(get_kind, actions)) for actions in schedule.per_rank
+    )
 
 
+_get_kind = attrgetter("kind")
 _MESSAGE_KINDS = frozenset({K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD})
 
 
@@ -180,8 +196,11 @@ def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | N
     return None
 
 
-def validate_completeness(schedule: Schedule) -> None:
-    """Exactly one F and one B (or one I and one W) per (stage, micro-batch), in local order."""
+def validate_completeness(schedule: Schedule, *, require_backward: bool = True) -> None:
+    """Exactly one F and one B (or one I and one W) per (stage, micro-batch), in local order.
+
+    ``require_backward=False`` accepts a (stage, micro-batch) with no backward at all.
+    """
     counts: dict[tuple[ActionKind, int, int], int] = {}
     tracked = _TRACKED
     for actions in schedule.per_rank:
@@ -204,7 +223,7 @@ def validate_completeness(schedule: Schedule) -> None:
             has_i, has_w = (split_i, stage, mb) in counts, (split_w, stage, mb) in counts
             if has_b and (has_i or has_w):
                 raise _fail(schedule, f"stage {stage} micro-batch {mb} has both B and I/W", {})
-            if not has_b and not (has_i and has_w):
+            if not has_b and not (has_i and has_w) and (require_backward or has_i or has_w):
                 raise _fail(
                     schedule,
                     f"stage {stage} micro-batch {mb} has no complete backward (B, or I and W)",
@@ -450,3 +469,241 @@ def _posted_by(
 
 def count_kinds(actions: Iterable[Action]) -> Counter[ActionKind]:
     return Counter(a.kind for a in actions)
+
+
+# --- the fused check --------------------------------------------------------------------------
+# validate_schedule's fast path: every rule of the checks above, in one pass per rank over flat
+# integer keys, then the channel comparison and the deadlock run on integer messages. It only
+# answers "all pass"; on any doubt it says no and the checks above run one by one to explain.
+#
+# Keys: (stage, micro-batch) is stage * num_microbatches + microbatch; a message is
+# key * 4 + what (what: act, grad, evict, restore) and, addressed to a rank, message * P + rank.
+_ACT, _GRAD, _EVICT, _RESTORE = 0, 1, 2, 3
+
+
+def _passes_all_checks(
+    schedule: Schedule, *, require_communication: bool, require_backward: bool
+) -> bool:
+    try:
+        return _fused_checks(schedule, require_communication, require_backward)
+    except (TypeError, IndexError):  # a field out of range or None where a number belongs
+        return False
+
+
+def _fused_checks(schedule: Schedule, require_communication: bool, require_backward: bool) -> bool:
+    """True when every check passes; see validate_schedule. Each branch below applies the
+    placement, completeness and local-order rules of one kind and records what the message
+    order and deadlock checks need; the invariants it relies on are noted where used."""
+    stage_to_rank = schedule.layout.stage_to_rank
+    num_stages, num_mb = len(stage_to_rank), schedule.num_microbatches
+    num_ranks = len(schedule.per_rank)
+    with_comm = has_communication(schedule)
+    implicit = not with_comm
+    # Per stage: the rank of the previous / next stage when it is another rank (the peer of
+    # RA, SG / SA, RG), else -1; and whether that neighbour is on the same rank.
+    remote_in, remote_out = [-1] * num_stages, [-1] * num_stages
+    local_in, local_out = [False] * num_stages, [False] * num_stages
+    for stage in range(1, num_stages):
+        if stage_to_rank[stage - 1] == stage_to_rank[stage]:
+            local_in[stage] = local_out[stage - 1] = True
+        else:
+            remote_in[stage] = stage_to_rank[stage - 1]
+            remote_out[stage - 1] = stage_to_rank[stage]
+    # Done flags per (stage, micro-batch). Every kind flagged here runs on its stage's rank
+    # (placement, checked before any flag is set), so a flag is that rank's own history.
+    size = num_stages * num_mb
+    f_done, b_done, i_done, w_done = (bytearray(size) for _ in range(4))
+    ra_done, rg_done, ev_done, ld_done = (bytearray(size) for _ in range(4))
+    count_f = count_b = count_i = count_w = 0
+    any_eviction = False
+    # (source, destination) -> (messages sent, messages received), in posting order.
+    channels: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    # Per rank, the deadlock run's program: m >= 0 posts message m, ~m waits for it.
+    rank_ops: list[list[int]] = []
+    F, B, I, W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT  # noqa: E741
+    SA, RA, SG, RG = K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD
+    GS, PS = K.GRAD_SYNC, K.PARAM_SYNC
+    unused: list[int] = []
+    for rank, actions in enumerate(schedule.per_rank):
+        # This rank's channel ends per own stage, so the loop only appends.
+        act_in, act_out = [unused] * num_stages, [unused] * num_stages
+        grad_in, grad_out = [unused] * num_stages, [unused] * num_stages
+        for stage in range(num_stages):
+            if stage_to_rank[stage] == rank:
+                if remote_in[stage] >= 0:
+                    act_in[stage] = channels.setdefault((remote_in[stage], rank), ([], []))[1]
+                    grad_out[stage] = channels.setdefault((rank, remote_in[stage]), ([], []))[0]
+                if remote_out[stage] >= 0:
+                    act_out[stage] = channels.setdefault((rank, remote_out[stage]), ([], []))[0]
+                    grad_in[stage] = channels.setdefault((remote_out[stage], rank), ([], []))[1]
+        ops: list[int] = []
+        op = ops.append
+        accepted: set[int] = set()  # AC keys on this rank (the acceptor is not the owner)
+        evictions = loads = 0
+        for action in actions:
+            kind = action.kind
+            stage = action.stage
+            mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
+            if kind is F:
+                if stage_to_rank[stage] != rank or mb >= num_mb:
+                    return False
+                key = stage * num_mb + mb
+                if f_done[key]:
+                    return False  # duplicate
+                if local_in[stage]:
+                    if not f_done[key - num_mb]:
+                        return False  # before its local producer
+                elif remote_in[stage] >= 0:
+                    if with_comm and not ra_done[key]:
+                        return False  # no earlier receive posts its input
+                    op(~(((key - num_mb) * 4 + _ACT) * num_ranks + rank))
+                f_done[key] = 1
+                count_f += 1
+                if implicit and stage + 1 < num_stages:
+                    op((key * 4 + _ACT) * num_ranks + stage_to_rank[stage + 1])
+            elif kind is B or kind is I:
+                if stage_to_rank[stage] != rank or mb >= num_mb:
+                    return False
+                key = stage * num_mb + mb
+                # A duplicate, or both B and I; W needs its I, so W never joins a B either.
+                if b_done[key] or i_done[key] or not f_done[key]:
+                    return False
+                if any_eviction and ev_done[key] and not ld_done[key]:
+                    return False  # evicted and not loaded back
+                if local_out[stage]:
+                    if not (b_done[key + num_mb] or i_done[key + num_mb]):
+                        return False  # before its local producer of the output gradient
+                elif remote_out[stage] >= 0:
+                    if with_comm and not rg_done[key]:
+                        return False
+                    op(~(((key + num_mb) * 4 + _GRAD) * num_ranks + rank))
+                # An LD of this key precedes it (EV precedes the backward and the check above
+                # wants the LD done): it also waits for the activations the LD brings back.
+                if any_eviction and ld_done[key]:
+                    op(~((key * 4 + _RESTORE) * num_ranks + rank))
+                if kind is B:
+                    b_done[key] = 1
+                    count_b += 1
+                else:
+                    i_done[key] = 1
+                    count_i += 1
+                if implicit and stage > 0:
+                    op((key * 4 + _GRAD) * num_ranks + stage_to_rank[stage - 1])
+            elif kind is SA:
+                if stage_to_rank[stage] != rank or mb >= num_mb or action.peer != remote_out[stage]:
+                    return False
+                key = stage * num_mb + mb
+                if not f_done[key]:
+                    return False
+                message = key * 4 + _ACT
+                act_out[stage].append(message)
+                op(message * num_ranks + remote_out[stage])
+            elif kind is RA:
+                if stage_to_rank[stage] != rank or mb >= num_mb or action.peer != remote_in[stage]:
+                    return False
+                key = stage * num_mb + mb
+                ra_done[key] = 1
+                act_in[stage].append((key - num_mb) * 4 + _ACT)
+            elif kind is SG:
+                if stage_to_rank[stage] != rank or mb >= num_mb or action.peer != remote_in[stage]:
+                    return False
+                key = stage * num_mb + mb
+                if not (b_done[key] or i_done[key]):
+                    return False
+                message = key * 4 + _GRAD
+                grad_out[stage].append(message)
+                op(message * num_ranks + remote_in[stage])
+            elif kind is RG:
+                if stage_to_rank[stage] != rank or mb >= num_mb or action.peer != remote_out[stage]:
+                    return False
+                key = stage * num_mb + mb
+                rg_done[key] = 1
+                grad_in[stage].append((key + num_mb) * 4 + _GRAD)
+            elif kind is W:
+                if stage_to_rank[stage] != rank or mb >= num_mb:
+                    return False
+                key = stage * num_mb + mb
+                if w_done[key] or not i_done[key]:
+                    return False
+                w_done[key] = 1
+                count_w += 1
+            elif kind is GS or kind is PS:
+                if stage_to_rank[stage] != rank:
+                    return False
+            else:  # BPipe's transfers: rare, so written plainly
+                owner = stage_to_rank[stage]
+                peer: int = action.peer  # type: ignore[assignment]  # p2p: never None
+                if mb >= num_mb or peer >= num_ranks:  # (a peer out of range breaks the keys)
+                    return False
+                key = stage * num_mb + mb
+                if kind is K.EVICT:
+                    if owner != rank or peer == rank or ev_done[key]:
+                        return False
+                    if not f_done[key] or b_done[key] or i_done[key]:
+                        return False  # outside the window between forward and backward
+                    ev_done[key] = 1
+                    any_eviction = True
+                    evictions += 1
+                    message = key * 4 + _EVICT
+                    channels.setdefault((rank, peer), ([], []))[0].append(message)
+                    op(message * num_ranks + peer)
+                elif kind is K.LOAD:
+                    if owner != rank or peer == rank or ld_done[key] or not ev_done[key]:
+                        return False
+                    ld_done[key] = 1
+                    loads += 1
+                    channels.setdefault((peer, rank), ([], []))[1].append(key * 4 + _RESTORE)
+                elif kind is K.ACCEPT:
+                    if owner == rank or peer != owner:
+                        return False
+                    accepted.add(key)
+                    channels.setdefault((peer, rank), ([], []))[1].append(key * 4 + _EVICT)
+                elif kind is K.RESTORE:
+                    if owner == rank or peer != owner or key not in accepted:
+                        return False
+                    op(~((key * 4 + _EVICT) * num_ranks + rank))
+                    message = key * 4 + _RESTORE
+                    channels.setdefault((rank, peer), ([], []))[0].append(message)
+                    op(message * num_ranks + peer)
+                else:
+                    return False
+        # Every LD needs its EV on this rank and neither repeats: equal counts, equal sets.
+        if evictions != loads:
+            return False
+        rank_ops.append(ops)
+    # Completeness: all keys are in range and none repeats, I and B never share a key and
+    # every W follows its I, so counting suffices.
+    if count_f != size or count_i != count_w:
+        return False
+    if require_backward and count_b + count_i != size:
+        return False
+    if (require_communication or with_comm) and any(
+        sent != received for sent, received in channels.values()
+    ):
+        return False
+    return _runs_to_the_end(rank_ops)
+
+
+def _runs_to_the_end(rank_ops: list[list[int]]) -> bool:
+    """run_programs on the fused check's integer programs: does every rank reach its end?"""
+    sent: set[int] = set()
+    waiting: dict[int, int] = {}
+    cursor = [0] * len(rank_ops)
+    ready = deque(range(len(rank_ops)))
+    while ready:
+        rank = ready.popleft()
+        ops = rank_ops[rank]
+        position, end = cursor[rank], len(ops)
+        while position < end:
+            op = ops[position]
+            if op >= 0:
+                sent.add(op)
+                woken = waiting.pop(op, None)
+                if woken is not None:
+                    ready.append(woken)
+            elif ~op not in sent:
+                waiting[~op] = rank
+                break
+            position += 1
+        cursor[rank] = position
+    return all(position == len(ops) for position, ops in zip(cursor, rank_ops, strict=True))

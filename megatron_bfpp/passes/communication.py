@@ -10,14 +10,30 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import pairwise
 
-from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError
+from megatron_bfpp.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    paused_gc,
+    unchecked_action,
+)
 from megatron_bfpp.validate import Message, has_communication, message_of
 
 __all__ = ["add_communication", "order_receives_like_sends"]
 
 K = ActionKind
+# Point-to-point kinds a compute-only schedule may already hold: kind -> (is a send, what).
+_TRANSFERS = {
+    K.EVICT: (True, "evict"),
+    K.ACCEPT: (False, "evict"),
+    K.RESTORE: (True, "restore"),
+    K.LOAD: (False, "restore"),
+}
+_RECEIVES = frozenset({K.RECV_ACT, K.RECV_GRAD, K.ACCEPT, K.LOAD})
 
 
+@paused_gc()
 def add_communication(schedule: Schedule) -> Schedule:
     """SA/RA/SG/RG around every compute action whose neighbour stage lives on another rank."""
     if has_communication(schedule):
@@ -26,33 +42,96 @@ def add_communication(schedule: Schedule) -> Schedule:
             "already has activation/gradient messages"
         )
     stage_to_rank = schedule.layout.stage_to_rank
-    last = len(stage_to_rank) - 1
+    # Per stage: the rank its input comes from and the rank its output goes to (-1: none). One
+    # stage past the end, so a stray action there gets what the layout implies, not an error.
+    input_rank = [-1, *stage_to_rank]
+    output_rank = [*stage_to_rank[1:], -1, -1]
+    stride = len(stage_to_rank) + 1
+    # Each channel's messages in posting order as distinct integers, sends on one side and
+    # receives on the other: (microbatch * stride + stage) * 4 + what for activations (what 0)
+    # and gradients (1), tuples for BPipe's transfers. Where the two sides agree (the common
+    # case), no receive needs to move.
+    channels: dict[tuple[int, int], tuple[list[object], list[object]]] = {}
+    forward, full, split = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT
+    recv_act, send_act, recv_grad, send_grad = K.RECV_ACT, K.SEND_ACT, K.RECV_GRAD, K.SEND_GRAD
+    new = unchecked_action  # the fields below are right by construction
+    discard: list[object] = []
     programs: list[list[Action]] = []
     for rank, actions in enumerate(schedule.per_rank):
+        # Per stage, from this rank's point of view: the peer of its input and of its output
+        # (-1: on this rank, or none), and where to note the messages with that peer.
+        recv_from = [r if r != rank else -1 for r in input_rank]
+        send_to = [r if r != rank else -1 for r in output_rank]
+        note_in = [
+            discard.append if r < 0 else channels.setdefault((r, rank), ([], []))[1].append
+            for r in recv_from
+        ]
+        note_out = [
+            discard.append if r < 0 else channels.setdefault((rank, r), ([], []))[0].append
+            for r in send_to
+        ]
+        note_grad_in = [
+            discard.append if r < 0 else channels.setdefault((r, rank), ([], []))[1].append
+            for r in send_to
+        ]
+        note_grad_out = [
+            discard.append if r < 0 else channels.setdefault((rank, r), ([], []))[0].append
+            for r in recv_from
+        ]
         program: list[Action] = []
         append = program.append
         for action in actions:
-            kind, stage, mb = action.kind, action.stage, action.microbatch
-            if kind is K.FORWARD:
-                prev_rank = stage_to_rank[stage - 1] if stage > 0 else rank
-                if prev_rank != rank:
-                    append(Action(stage, K.RECV_ACT, mb, prev_rank))
+            kind = action.kind
+            if kind is forward:
+                stage = action.stage
+                mb: int = action.microbatch  # type: ignore[assignment]  # compute: never None
+                key = (mb * stride + stage) * 4  # act(stage); act(stage - 1) is key - 4
+                peer = recv_from[stage]
+                if peer >= 0:
+                    append(new(stage, recv_act, mb, peer))
+                    note_in[stage](key - 4)
                 append(action)
-                next_rank = stage_to_rank[stage + 1] if stage < last else rank
-                if next_rank != rank:
-                    append(Action(stage, K.SEND_ACT, mb, next_rank))
-            elif kind is K.BACKWARD or kind is K.BACKWARD_INPUT:
-                next_rank = stage_to_rank[stage + 1] if stage < last else rank
-                if next_rank != rank:
-                    append(Action(stage, K.RECV_GRAD, mb, next_rank))
+                peer = send_to[stage]
+                if peer >= 0:
+                    append(new(stage, send_act, mb, peer))
+                    note_out[stage](key)
+            elif kind is full or kind is split:
+                stage = action.stage
+                mb = action.microbatch  # type: ignore[assignment]
+                key = (mb * stride + stage) * 4 + 1  # grad(stage); grad(stage + 1) is key + 4
+                peer = send_to[stage]
+                if peer >= 0:
+                    append(new(stage, recv_grad, mb, peer))
+                    note_grad_in[stage](key + 4)
                 append(action)
-                prev_rank = stage_to_rank[stage - 1] if stage > 0 else rank
-                if prev_rank != rank:
-                    append(Action(stage, K.SEND_GRAD, mb, prev_rank))
+                peer = recv_from[stage]
+                if peer >= 0:
+                    append(new(stage, send_grad, mb, peer))
+                    note_grad_out[stage](key)
             else:
                 append(action)
+                transfer = _TRANSFERS.get(kind)
+                if transfer is not None:  # BPipe's EV / AC / RS / LD travel on channels too
+                    is_send, what = transfer
+                    peer = action.peer  # type: ignore[assignment]  # p2p: never None
+                    src, dst, side = (rank, peer, 0) if is_send else (peer, rank, 1)
+                    message = (what, action.stage, action.microbatch)  # unequal to every int
+                    channels.setdefault((src, dst), ([], []))[side].append(message)
         programs.append(program)
-    return order_receives_like_sends(schedule.with_programs(programs))
+    mismatched = {channel: sides for channel, sides in channels.items() if sides[0] != sides[1]}
+    if not mismatched:  # the common case: every channel already receives in send order
+        return schedule.with_programs(programs)
+    for (source, rank), (sends, receives) in sorted(mismatched.items()):
+        program = programs[rank]
+        send_index = {message: index for index, message in enumerate(sends)}
+        positions = [
+            position
+            for position, action in enumerate(program)
+            if action.peer == source and action.kind in _RECEIVES
+        ]
+        indices = [send_index.get(message, -1) for message in receives]
+        programs[rank] = _reorder_rank(program, {source: (positions, indices)})
+    return schedule.with_programs(programs)
 
 
 def order_receives_like_sends(schedule: Schedule) -> Schedule:
@@ -70,7 +149,14 @@ def order_receives_like_sends(schedule: Schedule) -> Schedule:
             counters[channel] += 1
     programs = [list(actions) for actions in schedule.per_rank]
     for rank, program in enumerate(programs):
-        programs[rank] = _reorder_rank(program, rank, send_rank)
+        by_source: dict[int, tuple[list[int], list[int]]] = {}
+        for position, action in enumerate(program):
+            if action.kind.is_recv:
+                assert action.peer is not None
+                positions, indices = by_source.setdefault(action.peer, ([], []))
+                positions.append(position)
+                indices.append(send_rank.get((action.peer, rank, message_of(action)), -1))
+        programs[rank] = _reorder_rank(program, by_source)
     return schedule.with_programs(programs)
 
 
@@ -79,21 +165,17 @@ def _in_send_order(indices: list[int]) -> bool:
 
 
 def _reorder_rank(
-    program: list[Action], rank: int, send_rank: dict[tuple[int, int, Message], int]
+    program: list[Action], by_source: dict[int, tuple[list[int], list[int]]]
 ) -> list[Action]:
     """Give each receive a sort key no later than the key of the receive that must follow it.
 
-    Keys are (anchor position, offset): untouched actions keep (position, 0); a hoisted receive
-    sits just before its successor, so the sort moves receives earlier and nothing else.
+    ``by_source`` maps a source rank to the positions of the receives from it and, for each,
+    the index of its send on that channel (-1: never sent). Keys are (anchor position, offset):
+    untouched actions keep (position, 0); a hoisted receive sits just before its successor, so
+    the sort moves receives earlier and nothing else.
     """
-    by_source: dict[int, list[int]] = defaultdict(list)
-    for position, action in enumerate(program):
-        if action.kind.is_recv:
-            assert action.peer is not None
-            by_source[action.peer].append(position)
     keys: dict[int, tuple[int, int]] = {}
-    for source, positions in by_source.items():
-        indices = [send_rank.get((source, rank, message_of(program[p])), -1) for p in positions]
+    for positions, indices in by_source.values():
         if _in_send_order(indices):
             continue  # the common case: nothing to hoist on this channel
         if not keys:

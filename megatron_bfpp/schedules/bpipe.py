@@ -7,7 +7,7 @@ so every rank stays under that cap instead of rank 0 holding p.
 
 from __future__ import annotations
 
-from megatron_bfpp.ir import Schedule
+from megatron_bfpp.ir import Schedule, paused_gc
 from megatron_bfpp.passes.eviction import add_eviction
 from megatron_bfpp.schedules.common import make_schedule
 from megatron_bfpp.schedules.one_f_one_b import build_1f1b
@@ -15,6 +15,7 @@ from megatron_bfpp.schedules.one_f_one_b import build_1f1b
 __all__ = ["build_bpipe"]
 
 
+@paused_gc()
 def build_bpipe(
     *, num_ranks: int, num_microbatches: int, max_stored: int | None = None
 ) -> Schedule:

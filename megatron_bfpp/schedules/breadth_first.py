@@ -1,7 +1,9 @@
 """Breadth-first pipeline parallelism (Lamy-Poirier, MLSys 2023).
 
 Looped stages; each rank runs every micro-batch through its chunk 0, then chunk 1, ..., then the
-backwards in reverse chunk order (micro-batches reversed within a chunk, like torch's LoopedBFS).
+backwards in reverse chunk order. Within a chunk the backwards run in micro-batch order (torch's
+LoopedBFS reverses them): the bubble is the same, and gradients then accumulate in the order of
+an unpipelined run and of megatron-core's interleaved schedule, so results are bitwise equal.
 The first chunk to finish its backward is done long before the step ends, so its gradient
 reduction, and the next chunk's parameter gather, overlap the other chunks' compute.
 
@@ -12,12 +14,21 @@ one group's activations are stored, at the cost of one pipeline fill and drain p
 
 from __future__ import annotations
 
-from megatron_bfpp.ir import Action, Schedule, ScheduleError, StageLayout
-from megatron_bfpp.schedules.common import backward, check_counts, forward, make_schedule
+from megatron_bfpp.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    StageLayout,
+    paused_gc,
+    unchecked_action,
+)
+from megatron_bfpp.schedules.common import check_counts, make_schedule
 
 __all__ = ["build_breadth_first"]
 
 
+@paused_gc()
 def build_breadth_first(
     *, num_ranks: int, num_microbatches: int, num_chunks: int, group_size: int | None = None
 ) -> Schedule:
@@ -43,13 +54,14 @@ def build_breadth_first(
         range(start, min(start + group, num_microbatches))
         for start in range(0, num_microbatches, group)
     ]
+    f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
     programs = []
     for rank in range(num_ranks):
         stages = layout.stages_of(rank)
         program: list[Action] = []
         for microbatches in groups:
-            program.extend(forward(s, m) for s in stages for m in microbatches)
-            program.extend(backward(s, m) for s in reversed(stages) for m in reversed(microbatches))
+            program += [action(s, f, m) for s in stages for m in microbatches]
+            program += [action(s, b, m) for s in reversed(stages) for m in microbatches]
         programs.append(program)
     name = "breadth-first" if group == num_microbatches else f"breadth-first(g={group})"
     return make_schedule(name, layout, num_microbatches, programs)

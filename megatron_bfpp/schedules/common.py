@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, StageLayout
+from megatron_bfpp.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    StageLayout,
+    unchecked_action,
+)
 
-__all__ = ["backward", "check_counts", "forward", "make_schedule"]
+__all__ = ["backward", "check_counts", "forward", "interleave_1f1b", "make_schedule"]
 
 
 def check_counts(schedule: str, **values: int) -> None:
@@ -17,11 +24,25 @@ def check_counts(schedule: str, **values: int) -> None:
 
 
 def forward(stage: int, microbatch: int) -> Action:
-    return Action(stage, ActionKind.FORWARD, microbatch)
+    """``stage``'s forward of ``microbatch``; callers pass indices checked by ``check_counts``."""
+    return unchecked_action(stage, ActionKind.FORWARD, microbatch)
 
 
 def backward(stage: int, microbatch: int) -> Action:
-    return Action(stage, ActionKind.BACKWARD, microbatch)
+    """``stage``'s full backward of ``microbatch``; indices checked like ``forward``'s."""
+    return unchecked_action(stage, ActionKind.BACKWARD, microbatch)
+
+
+def interleave_1f1b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    """``warmup`` forwards, then one forward one backward, then the remaining backwards.
+
+    ``forwards`` and ``backwards`` are in run order and equally long; list slicing does the
+    interleaving, which matters for schedules with millions of actions.
+    """
+    steady_count = len(forwards) - warmup
+    steady: list[Action] = [*forwards[warmup:], *backwards[:steady_count]]
+    steady[0::2], steady[1::2] = forwards[warmup:], backwards[:steady_count]
+    return forwards[:warmup] + steady + backwards[steady_count:]
 
 
 def make_schedule(

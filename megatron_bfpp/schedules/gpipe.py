@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from megatron_bfpp.ir import Schedule, StageLayout
+from megatron_bfpp.ir import Schedule, StageLayout, paused_gc
 from megatron_bfpp.schedules.common import backward, check_counts, forward, make_schedule
 
 __all__ = ["build_gpipe"]
 
 
+@paused_gc()
 def build_gpipe(*, num_ranks: int, num_microbatches: int) -> Schedule:
     check_counts("gpipe", num_ranks=num_ranks, num_microbatches=num_microbatches)
     layout = StageLayout.looped(num_ranks, 1)

@@ -9,8 +9,16 @@ backward, then drains.
 
 from __future__ import annotations
 
-from megatron_bfpp.ir import Action, Schedule, ScheduleError, StageLayout
-from megatron_bfpp.schedules.common import backward, check_counts, forward, make_schedule
+from megatron_bfpp.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    StageLayout,
+    paused_gc,
+    unchecked_action,
+)
+from megatron_bfpp.schedules.common import check_counts, interleave_1f1b, make_schedule
 
 __all__ = ["build_interleaved", "schedule_table", "warmup_count"]
 
@@ -33,6 +41,7 @@ def warmup_count(
     return min((num_ranks - rank - 1) * 2 + (num_chunks - 1) * group_size, total)
 
 
+@paused_gc()
 def build_interleaved(
     *,
     num_ranks: int,
@@ -87,15 +96,17 @@ def _rank_program(
     group: int,
     table: list[tuple[int, int]],
 ) -> list[Action]:
-    def fwd(k: int) -> Action:
-        microbatch, chunk = table[k]
-        return forward(chunk * num_ranks + rank, microbatch)
+    """Warm-up forwards, then one forward one backward, then the remaining backwards.
 
-    def bwd(k: int) -> Action:
-        microbatch, chunk = table[k]
-        return backward((num_chunks - 1 - chunk) * num_ranks + rank, microbatch)
-
-    total = len(table)
+    Forward k runs table[k] through its chunk; backward k runs it through the mirrored chunk.
+    """
+    f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
+    forwards = [action(chunk * num_ranks + rank, f, microbatch) for microbatch, chunk in table]
+    last_chunk = num_chunks - 1
+    backwards = [
+        action((last_chunk - chunk) * num_ranks + rank, b, microbatch)
+        for microbatch, chunk in table
+    ]
     warmup = warmup_count(
         rank=rank,
         num_ranks=num_ranks,
@@ -103,9 +114,4 @@ def _rank_program(
         num_microbatches=num_microbatches,
         group_size=group,
     )
-    program = [fwd(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        program.append(fwd(warmup + k))
-        program.append(bwd(k))
-    program.extend(bwd(k) for k in range(total - warmup, total))
-    return program
+    return interleave_1f1b(forwards, backwards, warmup)

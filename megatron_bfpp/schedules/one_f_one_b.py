@@ -6,22 +6,21 @@ drains the remaining backwards, so it never stores more than p - r micro-batches
 
 from __future__ import annotations
 
-from megatron_bfpp.ir import Action, Schedule, StageLayout
-from megatron_bfpp.schedules.common import backward, check_counts, forward, make_schedule
+from megatron_bfpp.ir import Action, ActionKind, Schedule, StageLayout, paused_gc, unchecked_action
+from megatron_bfpp.schedules.common import check_counts, interleave_1f1b, make_schedule
 
 __all__ = ["build_1f1b", "one_f_one_b_program"]
 
 
 def one_f_one_b_program(*, rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
     warmup = min(num_ranks - rank - 1, num_microbatches)
-    program = [forward(rank, m) for m in range(warmup)]
-    for k in range(num_microbatches - warmup):
-        program.append(forward(rank, warmup + k))
-        program.append(backward(rank, k))
-    program.extend(backward(rank, m) for m in range(num_microbatches - warmup, num_microbatches))
-    return program
+    f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
+    forwards = [action(rank, f, m) for m in range(num_microbatches)]
+    backwards = [action(rank, b, m) for m in range(num_microbatches)]
+    return interleave_1f1b(forwards, backwards, warmup)
 
 
+@paused_gc()
 def build_1f1b(*, num_ranks: int, num_microbatches: int) -> Schedule:
     check_counts("1f1b", num_ranks=num_ranks, num_microbatches=num_microbatches)
     programs = [

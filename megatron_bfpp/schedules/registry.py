@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_bfpp.ir import Schedule, ScheduleError
+from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.schedules.bpipe import build_bpipe
@@ -22,7 +22,14 @@ from megatron_bfpp.schedules.one_f_one_b import build_1f1b
 from megatron_bfpp.schedules.v_shape import build_v_half, build_v_min, build_v_zb
 from megatron_bfpp.validate import validate_schedule
 
-__all__ = ["SCHEDULES", "ScheduleSpec", "build_schedule", "get_spec", "schedule_names"]
+__all__ = [
+    "SCHEDULES",
+    "ScheduleSpec",
+    "build_schedule",
+    "forward_only_schedule",
+    "get_spec",
+    "schedule_names",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,3 +169,17 @@ def _chunk_arguments(spec: ScheduleSpec, num_chunks: int | None) -> dict[str, in
             "or choose interleaved / breadth-first"
         )
     return {}
+
+
+def forward_only_schedule(schedule: Schedule) -> Schedule:
+    """The evaluation schedule: every rank's forwards in the training order, lowered again.
+
+    For ``interleaved`` this is exactly megatron-core's forward-only order (all forwards in
+    schedule-table order), and for every schedule each stage still reads its data in order.
+    """
+    compute = schedule.with_programs(
+        [a for a in actions if a.kind is ActionKind.FORWARD] for actions in schedule.per_rank
+    )
+    lowered = add_communication(compute)
+    validate_schedule(lowered, require_backward=False)
+    return lowered

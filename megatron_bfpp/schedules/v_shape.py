@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from megatron_bfpp.ir import Action, ActionKind, Schedule, StageLayout
+from megatron_bfpp.ir import ActionKind, Schedule, StageLayout, paused_gc, unchecked_action
 from megatron_bfpp.schedules.common import check_counts, make_schedule
 
 __all__ = ["build_v_half", "build_v_min", "build_v_zb"]
@@ -56,6 +56,7 @@ _Step = tuple[int, int, int]
 _PERIOD = 6
 
 
+@paused_gc()
 def build_v_min(*, num_ranks: int, num_microbatches: int) -> Schedule:
     """V-Min: about a third of 1F1B's activation memory, paid for with more bubble than v-half.
 
@@ -72,6 +73,7 @@ def build_v_min(*, num_ranks: int, num_microbatches: int) -> Schedule:
     return _make("v-min", num_ranks, num_microbatches, programs)
 
 
+@paused_gc()
 def build_v_half(*, num_ranks: int, num_microbatches: int) -> Schedule:
     """V-Half: half of 1F1B's activation memory with about half of 1F1B's bubble.
 
@@ -94,6 +96,7 @@ def build_v_half(*, num_ranks: int, num_microbatches: int) -> Schedule:
     return _make("v-half", num_ranks, num_microbatches, programs)
 
 
+@paused_gc()
 def build_v_zb(*, num_ranks: int, num_microbatches: int) -> Schedule:
     """V-ZB: zero bubble at 1F1B's activation memory (2p held activations = p units).
 
@@ -118,7 +121,10 @@ def _make(
         name,
         StageLayout.v_shape(num_ranks),
         num_microbatches,
-        ([Action(stage, _KINDS[kind], mb) for kind, stage, mb in program] for program in programs),
+        (
+            [unchecked_action(stage, _KINDS[kind], mb) for kind, stage, mb in program]
+            for program in programs
+        ),
     )
 
 

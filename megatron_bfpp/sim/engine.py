@@ -22,12 +22,18 @@ owned by one rank's program, so the order in which ranks are advanced does not c
 
 from __future__ import annotations
 
-import gc
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from megatron_bfpp.ir import MEMORY_DELTA, ActionKind, Schedule, ScheduleError, format_schedule
+from megatron_bfpp.ir import (
+    MEMORY_DELTA,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    format_schedule,
+    paused_gc,
+)
 from megatron_bfpp.sim.cost import CostModel
 from megatron_bfpp.validate import has_communication
 
@@ -41,7 +47,8 @@ Lane = Literal["compute", "p2p", "dp"]
 # the evictor's stage s.
 _ACT, _GRAD, _EVICT, _RESTORE = 0, 1, 2, 3
 _WHAT = ("act", "grad", "evict", "restore")
-_MessageKey = tuple[int, int, int, int]
+# A message: an integer for activations and gradients, a tuple otherwise (see _run).
+_Key = int | tuple[int, int, int, int]
 
 
 class Event(NamedTuple):
@@ -130,16 +137,12 @@ class SimResult:
         return result
 
 
+@paused_gc()  # one tuple per event and message, none freed: see paused_gc
 def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimResult:  # noqa: B008
     """Time ``schedule`` (one that ``validate_schedule`` accepts) under ``costs``.
 
     Raises ``ScheduleError`` showing the per-rank grid if the programs deadlock.
     """
-    # The run allocates one tuple per event and message and frees none of them, which makes the
-    # cyclic garbage collector rescan the growing heap over and over (a third of the time on
-    # large schedules); nothing here forms reference cycles, so pause it.
-    collecting = gc.isenabled()
-    gc.disable()
     try:
         run = _run(schedule, costs)
     except IndexError as error:  # a stage outside the layout: validate would have said so
@@ -147,9 +150,6 @@ def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimResult:  
             f"cannot simulate {schedule.name!r}: an action names a stage outside the layout "
             f"({error}); run validate_schedule for details"
         ) from None
-    finally:
-        if collecting:
-            gc.enable()
     events, clock, dp_free, busy, waited, peaks = run
     num_ranks = schedule.num_ranks
     ends = [max(clock[r], dp_free[r]) for r in range(num_ranks)]
@@ -196,11 +196,65 @@ class _Run(NamedTuple):
 _new_event = tuple.__new__  # Event(...) without the generated __new__'s extra Python frame
 
 
+class _Wires:
+    """The point-to-point side of a run: when each directed link is next free, when each
+    message arrives, which rank waits for which message, the ranks ready to continue, and the
+    events drawn so far."""
+
+    __slots__ = ("arrivals", "events", "link_free", "num_ranks", "ready", "waiting")
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+        self.link_free: dict[int, float] = {}  # link src * num_ranks + dst -> free from
+        self.arrivals: dict[_Key, float] = {}
+        self.waiting: dict[_Key, int] = {}
+        self.ready = deque(range(num_ranks))
+        self.events: list[Event] = []
+
+    def post(
+        self,
+        key: _Key,
+        src: int,
+        dst: int,
+        posted: float,
+        duration: float,
+        stage: int,
+        mb: int,
+        kind: ActionKind,
+    ) -> None:
+        """Send ``key`` from ``src`` to ``dst`` at ``posted``: the implicit sends of a
+        compute-only schedule (``kind`` SA / SG) and BPipe's EV / RS. SA / SG of a lowered
+        schedule, the bulk, inline the same steps in ``_run``."""
+        link = src * self.num_ranks + dst
+        start = self.link_free.get(link, 0.0)
+        if posted > start:
+            start = posted
+        arrival = start + duration
+        self.link_free[link] = arrival
+        self.arrivals[key] = arrival
+        woken = self.waiting.pop(key, None)
+        if woken is not None:
+            self.ready.append(woken)
+        if duration > 0:
+            label = f"{stage}{kind.value}{mb}>{dst}"
+            event = (src, "p2p", label, stage, mb, kind, start, arrival)
+            self.events.append(_new_event(Event, event))
+
+
 def _run(schedule: Schedule, costs: CostModel) -> _Run:
-    """The worklist over ranks; see the module docstring for the rules it applies."""
+    """The worklist over ranks; see the module docstring for the rules it applies.
+
+    Activation and gradient messages, the bulk, are keyed by one integer,
+    ``((microbatch * stride + stage) * 4 + what) * num_ranks + destination``, which is unique
+    while stage < stride and destination < num_ranks; the rare messages outside that range (only
+    in a schedule validate_schedule rejects) and BPipe's evict / restore messages are keyed by
+    the tuple ``(destination, what, stage, microbatch)``.
+    """
     layout = schedule.layout
     s2r = layout.stage_to_rank
-    last = layout.num_stages - 1
+    num_stages = layout.num_stages
+    last = num_stages - 1
+    stride = num_stages + 1
     fraction = layout.stage_fraction
     d_f = costs.t_forward * fraction
     d_b = costs.t_backward * fraction
@@ -222,6 +276,9 @@ def _run(schedule: Schedule, costs: CostModel) -> _Run:
 
     programs = schedule.per_rank
     num_ranks = len(programs)
+    # Labels: formatting integers dominates an f-string, so format each number once.
+    num_texts = max(stride, schedule.num_microbatches, num_ranks)
+    text = [str(n) for n in range(num_texts)]
     cursor = [0] * num_ranks
     clock = [0.0] * num_ranks
     dp_free = [0.0] * num_ranks
@@ -232,31 +289,11 @@ def _run(schedule: Schedule, costs: CostModel) -> _Run:
     ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
     started: list[set[int]] = [set() for _ in range(num_ranks)]
     evicted: list[set[tuple[int, int]]] = [set() for _ in range(num_ranks)]
-    arrivals: dict[_MessageKey, float] = {}
-    waiting: dict[_MessageKey, int] = {}
-    link_free: dict[int, float] = {}
-    blocked: dict[int, tuple[int, _MessageKey]] = {}
-    events: list[Event] = []
-    append = events.append
-    ready = deque(range(num_ranks))
-
-    def post(key: _MessageKey, src: int, posted: float, duration: float, kind: ActionKind) -> None:
-        """Send ``key`` from ``src`` at ``posted``: the implicit sends of a compute-only schedule
-        and BPipe's EV / RS. SA / SG, the bulk of a lowered schedule, inline the same steps."""
-        link = src * num_ranks + key[0]
-        start = link_free.get(link, 0.0)
-        if posted > start:
-            start = posted
-        arrival = start + duration
-        link_free[link] = arrival
-        arrivals[key] = arrival
-        woken = waiting.pop(key, None)
-        if woken is not None:
-            ready.append(woken)
-        if duration > 0:
-            dst, _, stage, microbatch = key
-            label = f"{stage}{kind.value}{microbatch}>{dst}"
-            append(_new_event(Event, (src, "p2p", label, stage, microbatch, kind, start, arrival)))
+    wires = _Wires(num_ranks)
+    arrivals, waiting, link_free = wires.arrivals, wires.waiting, wires.link_free
+    ready, events = wires.ready, wires.events
+    append, post = events.append, wires.post
+    blocked: dict[int, tuple[int, _Key]] = {}
 
     while ready:
         rank = ready.popleft()
@@ -272,7 +309,8 @@ def _run(schedule: Schedule, costs: CostModel) -> _Run:
         evicted_r = evicted[rank]
         ps_r = ps_done[rank]
         link_base = rank * num_ranks
-        need: _MessageKey | None = None
+        need: _Key | None = None
+        key: _Key
         while i < n:
             a = program[i]
             kind = a.kind
@@ -281,7 +319,7 @@ def _run(schedule: Schedule, costs: CostModel) -> _Run:
             if kind is F:
                 start = t
                 if s and s2r[s - 1] != rank:
-                    need = (rank, _ACT, s - 1, mb)
+                    need = (((mb * stride + s - 1) << 2) + _ACT) * num_ranks + rank
                     arrival = arrivals.get(need)
                     if arrival is None:
                         break
@@ -299,33 +337,42 @@ def _run(schedule: Schedule, costs: CostModel) -> _Run:
                 held_r += mem_f
                 if held_r > peak_r:
                     peak_r = held_r
-                append(_new_event(Event, (rank, "compute", f"{s}F{mb}", s, mb, F, start, t)))
+                label = f"{text[s]}F{text[mb]}" if mb < num_texts else f"{s}F{mb}"
+                append(_new_event(Event, (rank, "compute", label, s, mb, F, start, t)))
                 if implicit and s != last:
                     dst = s2r[s + 1]
                     if dst != rank:
-                        post((dst, _ACT, s, mb), rank, t, d_p2p, SA)
+                        key = (((mb * stride + s) << 2) + _ACT) * num_ranks + dst
+                        post(key, rank, dst, t, d_p2p, s, mb, SA)
             elif kind is SA or kind is SG:
                 peer: int = a.peer  # type: ignore[assignment]  # sends always name a peer
-                key = (peer, _ACT if kind is SA else _GRAD, s, mb)
+                what = _ACT if kind is SA else _GRAD
                 link = link_base + peer
                 start = link_free.get(link, 0.0)
                 if t > start:
                     start = t
                 arrival = start + d_p2p
                 link_free[link] = arrival
+                if s < stride and peer < num_ranks and mb < num_texts:
+                    key = (((mb * stride + s) << 2) + what) * num_ranks + peer
+                    if d_p2p > 0:
+                        sa_sg = "SA" if kind is SA else "SG"
+                        label = f"{text[s]}{sa_sg}{text[mb]}>{text[peer]}"
+                else:  # outside the layout: a message no consumer can match
+                    key = (peer, what, s, mb)
+                    label = str(a)
                 arrivals[key] = arrival
                 woken = waiting.pop(key, None)
                 if woken is not None:
                     ready.append(woken)
                 if d_p2p > 0:
-                    label = f"{s}{'SA' if kind is SA else 'SG'}{mb}>{peer}"
                     append(_new_event(Event, (rank, "p2p", label, s, mb, kind, start, arrival)))
             elif kind is RA or kind is RG:
                 pass  # posted without blocking; the consumer waits for the data
             elif kind is B or kind is I:
                 start = t
                 if s != last and s2r[s + 1] != rank:
-                    need = (rank, _GRAD, s + 1, mb)
+                    need = (((mb * stride + s + 1) << 2) + _GRAD) * num_ranks + rank
                     arrival = arrivals.get(need)
                     if arrival is None:
                         break
@@ -344,23 +391,27 @@ def _run(schedule: Schedule, costs: CostModel) -> _Run:
                     t = start + d_b
                     busy_r += d_b
                     held_r += mem_b
-                    label = f"{s}B{mb}"
+                    label = f"{text[s]}B{text[mb]}" if mb < num_texts else f"{s}B{mb}"
                 else:
                     t = start + d_i
                     busy_r += d_i
                     held_r += mem_i
-                    label = f"{s}I{mb}"
+                    label = f"{text[s]}I{text[mb]}" if mb < num_texts else f"{s}I{mb}"
                 append(_new_event(Event, (rank, "compute", label, s, mb, kind, start, t)))
                 if implicit and s:
                     dst = s2r[s - 1]
                     if dst != rank:
-                        post((dst, _GRAD, s, mb), rank, t, d_p2p, SG)
+                        key = (((mb * stride + s) << 2) + _GRAD) * num_ranks + dst
+                        post(key, rank, dst, t, d_p2p, s, mb, SG)
             elif kind is W:
                 start = t
                 t = start + d_w
                 busy_r += d_w
                 held_r += mem_w
-                append(_new_event(Event, (rank, "compute", f"{s}W{mb}", s, mb, W, start, t)))
+                # W is the one compute action whose stage no lookup above has bounded.
+                in_range = s < num_texts and mb < num_texts
+                label = f"{text[s]}W{text[mb]}" if in_range else f"{s}W{mb}"
+                append(_new_event(Event, (rank, "compute", label, s, mb, W, start, t)))
             elif kind is GS or kind is PS:
                 start = dp_free[rank]
                 if t > start:
@@ -381,12 +432,12 @@ def _run(schedule: Schedule, costs: CostModel) -> _Run:
                     t = arrival
                 held_r += mem[kind]
                 peer = a.peer  # type: ignore[assignment]
-                post((peer, _RESTORE, s, mb), rank, t, d_evict, kind)
+                post((peer, _RESTORE, s, mb), rank, peer, t, d_evict, s, mb, kind)
             elif kind is EV:
                 evicted_r.add((s, mb))
                 held_r += mem[kind]
                 peer = a.peer  # type: ignore[assignment]
-                post((peer, _EVICT, s, mb), rank, t, d_evict, kind)
+                post((peer, _EVICT, s, mb), rank, peer, t, d_evict, s, mb, kind)
             else:  # AC, LD: posted without blocking, and they take activations in
                 held_r += mem[kind]
                 if held_r > peak_r:
@@ -405,12 +456,29 @@ def _run(schedule: Schedule, costs: CostModel) -> _Run:
             blocked.pop(rank, None)
 
     if blocked:
-        marks = {
-            (rank, position): f"waits for {_WHAT[what]} {stage}/{microbatch}"
-            for rank, (position, (_, what, stage, microbatch)) in sorted(blocked.items())
-        }
-        raise ScheduleError(
-            f"cannot simulate {schedule.name!r}: deadlock: ranks {sorted(blocked)} each wait for "
-            f"a message that is never sent\n{format_schedule(schedule, marks=marks)}"
-        )
+        raise _deadlock(schedule, blocked, stride, num_ranks)
     return _Run(events, clock, dp_free, busy, gather_wait, peak)
+
+
+def _deadlock(
+    schedule: Schedule, blocked: dict[int, tuple[int, _Key]], stride: int, num_ranks: int
+) -> ScheduleError:
+    marks = {
+        (rank, position): "waits for " + _describe(need, stride, num_ranks)
+        for rank, (position, need) in sorted(blocked.items())
+    }
+    return ScheduleError(
+        f"cannot simulate {schedule.name!r}: deadlock: ranks {sorted(blocked)} each wait for "
+        f"a message that is never sent\n{format_schedule(schedule, marks=marks)}"
+    )
+
+
+def _describe(key: _Key, stride: int, num_ranks: int) -> str:
+    """``act 3/5`` for a message key: what, stage, micro-batch."""
+    if isinstance(key, tuple):
+        _, what, stage, microbatch = key
+    else:
+        rest = key // num_ranks
+        what = rest & 3
+        stage, microbatch = (rest >> 2) % stride, (rest >> 2) // stride
+    return f"{_WHAT[what]} {stage}/{microbatch}"

@@ -157,20 +157,28 @@ def render_png(
                 hatch=hatch if detailed else None,
             )
         )
-        text_px = char_px * (1.6 + np.floor(np.log10(np.maximum(mbs, 1))) + 1)
+        # With several chunks per rank the stage tells them apart ("4F3": stage 4, micro-batch 3).
+        with_stage = result.num_chunks > 1
+        digits = np.floor(np.log10(np.maximum(mbs, 1))) + 1
+        text_px = char_px * (1.6 + digits + (2.0 if with_stage else 0.0))
         for index in np.flatnonzero(width_px > text_px):
             event = compute[kind][int(index)]
-            labelled.append(
-                ((event.start + event.end) / 2, event.rank, f"{kind.value}{event.microbatch}")
-            )
+            text = event.label if with_stage else f"{kind.value}{event.microbatch}"
+            labelled.append(((event.start + event.end) / 2, event.rank, text))
     for lane, where, colour in (("p2p", _P2P, "0.6"), ("dp", _DP, "0.15")):
         events = comm[lane]
         if events:
             starts = np.fromiter((e.start for e in events), float, len(events))
             ends = np.fromiter((e.end for e in events), float, len(events))
             rows = np.fromiter((e.rank for e in events), float, len(events))
+            # Thin white edges keep back-to-back operations (queued reductions) apart.
             axes.add_collection(
-                PolyCollection(_boxes(starts, ends, rows, where), facecolors=colour, linewidths=0)
+                PolyCollection(
+                    _boxes(starts, ends, rows, where),
+                    facecolors=colour,
+                    edgecolors="white",
+                    linewidths=0.6,
+                )
             )
     if len(labelled) <= max_labels:
         for x, y, text in labelled:
@@ -264,12 +272,13 @@ def _boxes(starts: Any, ends: Any, rows: Any, where: tuple[float, float]) -> Any
 
 
 def _palette() -> Any:
-    """20 qualitative colours, strong ones first, so neighbouring micro-batches differ."""
+    """18 qualitative colours, strong ones first, so neighbouring micro-batches differ; tab20's
+    greys are left out because grey means communication and legend swatches here."""
     import numpy as np
     from matplotlib import colormaps
 
     cmap = colormaps["tab20"]
-    colours = cmap(np.arange(cmap.N))[:, :3]
+    colours = np.delete(cmap(np.arange(cmap.N))[:, :3], [14, 15], axis=0)
     return np.concatenate([colours[0::2], colours[1::2]])
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import pickle
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,8 @@ from megatron_bfpp.ir import (
     load_csv_text,
     parse_action,
     parse_schedule,
+    paused_gc,
+    unchecked_action,
 )
 
 K = ActionKind
@@ -65,6 +70,33 @@ def test_action_constructor_checks_fields() -> None:
         Action(0, K.FORWARD, 0, 1)
     with pytest.raises(ScheduleError, match="per chunk"):
         Action(0, K.GRAD_SYNC, 0)
+
+
+def test_unchecked_action_is_an_ordinary_action() -> None:
+    for action in (Action(3, K.FORWARD, 5), Action(0, K.SEND_ACT, 5, 1), Action(2, K.GRAD_SYNC)):
+        fast = unchecked_action(action.stage, action.kind, action.microbatch, action.peer)
+        assert type(fast) is Action
+        assert fast == action and hash(fast) == hash(action) and str(fast) == str(action)
+        assert not fast < action and not action < fast
+        assert pickle.loads(pickle.dumps(fast)) == action
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        unchecked_action(0, K.FORWARD, 0).stage = 1  # type: ignore[misc]
+    # Only the checked constructor validates; replace() goes through it.
+    with pytest.raises(ScheduleError, match="drop the peer"):
+        dataclasses.replace(Action(0, K.FORWARD, 0), peer=1)
+
+
+def test_paused_gc_restores_the_collector_state() -> None:
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), paused_gc():
+        raise RuntimeError
+    assert gc.isenabled()
 
 
 def test_looped_and_v_layouts() -> None:

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from megatron_bfpp.ir import ScheduleError, StageLayout, parse_schedule
+from megatron_bfpp.ir import (
+    Action,
+    Schedule,
+    ScheduleError,
+    StageLayout,
+    parse_schedule,
+)
 from megatron_bfpp.passes.communication import add_communication
+from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.schedules.breadth_first import build_breadth_first
-from megatron_bfpp.validate import validate_schedule
+from megatron_bfpp.schedules.registry import build_schedule
+from megatron_bfpp.validate import (
+    _passes_all_checks,
+    has_communication,
+    validate_completeness,
+    validate_deadlock_free,
+    validate_message_order,
+    validate_placement,
+    validate_schedule,
+)
 
 LOOPED2 = StageLayout.looped(2)
 
@@ -83,3 +101,89 @@ def test_compute_only_order_is_checked_for_feasibility() -> None:
     bad = parse_schedule(["0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"], layout=LOOPED2, num_microbatches=2)
     with pytest.raises(ScheduleError, match="deadlock"):
         validate_schedule(bad, require_communication=False)
+
+
+def test_forward_only_schedules_need_no_backward() -> None:
+    rows = ["0F0 0SA0>1 0F1 0SA1>1", "1RA0<0 1F0 1RA1<0 1F1"]
+    forward_only = parse_schedule(rows, layout=LOOPED2, num_microbatches=2)
+    validate_schedule(forward_only, require_backward=False)
+    with pytest.raises(ScheduleError, match="no complete backward"):
+        validate_schedule(forward_only)
+    # One backward present must still be complete: I without its W is not.
+    half = parse_schedule(["0F0 0I0", "1F0"], layout=LOOPED2, num_microbatches=1)
+    with pytest.raises(ScheduleError, match="no complete backward"):
+        validate_schedule(half, require_communication=False, require_backward=False)
+
+
+# --- the fused fast path agrees with the checks run one by one ------------------------------
+
+
+def _each_check_passes(schedule: Schedule, require_communication: bool) -> bool:
+    try:
+        validate_placement(schedule)
+        validate_completeness(schedule)
+        if require_communication or has_communication(schedule):
+            validate_message_order(schedule)
+        validate_deadlock_free(schedule)
+    except ScheduleError:
+        return False
+    return True
+
+
+def _mutated(schedule: Schedule, rng: random.Random) -> Schedule:
+    """One small random edit: swap, drop, repeat, move to another rank, or change a field."""
+    programs = [list(actions) for actions in schedule.per_rank]
+    program = programs[rng.randrange(len(programs))]
+    i = rng.randrange(len(program))
+    action = program[i]
+    edit = rng.randrange(6)
+    if edit == 0:
+        j = rng.randrange(len(program))
+        program[i], program[j] = program[j], program[i]
+    elif edit == 1:
+        del program[i]
+    elif edit == 2:
+        program.insert(rng.randrange(len(program) + 1), action)
+    elif edit == 3:
+        other = programs[rng.randrange(len(programs))]
+        other.insert(rng.randrange(len(other) + 1), program.pop(i))
+    elif edit == 4 and action.microbatch is not None:
+        mb = rng.randrange(schedule.num_microbatches + 1)
+        program[i] = Action(action.stage, action.kind, mb, action.peer)
+    elif edit == 5 and action.peer is not None:
+        peer = rng.randrange(len(programs) + 1)
+        program[i] = Action(action.stage, action.kind, action.microbatch, peer)
+    else:
+        stage = rng.randrange(schedule.num_stages + 1)
+        program[i] = Action(stage, action.kind, action.microbatch, action.peer)
+    return schedule.with_programs(programs)
+
+
+@pytest.mark.parametrize(
+    "name, chunks",
+    [("1f1b", None), ("interleaved", 2), ("breadth-first", 2), ("bpipe", None), ("v-zb", None)],
+)
+def test_fast_path_accepts_exactly_what_the_single_checks_accept(
+    name: str, chunks: int | None
+) -> None:
+    """validate_schedule first runs all checks fused in one pass and falls back to the single
+    checks only to explain a failure: it must never accept what one of them rejects."""
+    rng = random.Random(name)
+    num_ranks = 6 if name == "bpipe" else 3  # bpipe evicts from 6 ranks on
+    compute = build_schedule(
+        name, num_ranks=num_ranks, num_microbatches=6, num_chunks=chunks, lower=False
+    )
+    lowered = add_grad_sync(add_communication(compute))
+    for base, require_communication in ((compute, False), (lowered, True)):
+        assert _passes_all_checks(
+            base, require_communication=require_communication, require_backward=True
+        )
+        for _ in range(150):
+            schedule = _mutated(base, rng)
+            expected = _each_check_passes(schedule, require_communication)
+            try:
+                validate_schedule(schedule, require_communication=require_communication)
+            except ScheduleError:
+                assert not expected
+            else:
+                assert expected

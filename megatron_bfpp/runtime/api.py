@@ -1,0 +1,285 @@
+"""``get_forward_backward_func``: any schedule behind megatron-core's forward-backward signature.
+
+megatron-core-only training loops (NeMo, Megatron-Bridge, custom loops) call the returned
+function exactly where they call megatron-core's own; it builds (once, cached) the validated
+schedule for the current layout and runs this rank's actions.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from megatron_bfpp.ir import Schedule, ScheduleError
+from megatron_bfpp.runtime.executor import StepContext, run_rank_program
+from megatron_bfpp.runtime.p2p import PipeComm
+from megatron_bfpp.schedules.registry import build_schedule, forward_only_schedule, get_spec
+
+__all__ = ["RUNNABLE_SCHEDULES", "get_forward_backward_func", "plan_schedule"]
+
+# Schedules this runtime executes today; the others are planned, validated and simulated.
+RUNNABLE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth-first")
+
+
+def get_forward_backward_func(schedule: str, **options: Any) -> Callable[..., Any]:
+    """A forward-backward function running ``schedule`` (a registry name).
+
+    ``options`` are the schedule's own (``microbatch_group_size`` for interleaved,
+    ``group_size`` for breadth-first). Unknown names, options and not-yet-runnable schedules
+    fail here, before any communication.
+    """
+    spec = get_spec(schedule)
+    if spec.name not in RUNNABLE_SCHEDULES:
+        raise ScheduleError(
+            f"schedule {spec.name!r} is not yet runnable on megatron-core (runnable: "
+            f"{', '.join(RUNNABLE_SCHEDULES)}); bfpp-sim can already simulate and draw it"
+        )
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        raise ScheduleError(
+            f"{spec.name} does not take option(s) {', '.join(unknown)}; it accepts: "
+            f"{', '.join(spec.options) or 'none'}"
+        )
+    frozen_options = tuple(sorted(options.items()))
+
+    def forward_backward_func(
+        *,
+        forward_step_func: Callable[..., Any],
+        data_iterator: Iterator[Any] | list[Iterator[Any]] | None,
+        model: torch.nn.Module | list[torch.nn.Module],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+        adjust_tensor_shapes_fn: Callable[..., Any] | None = None,
+        p2p_communicator: Any = None,
+        pg_collection: Any = None,
+        force_all_reduce: bool | None = False,
+    ) -> list[Any]:
+        """megatron-core's forward-backward signature; returns the loss dicts (last stage)."""
+        return _run_step(
+            spec.name,
+            frozen_options,
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length,
+            forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data,
+            first_val_step=first_val_step,
+            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+            p2p_communicator=p2p_communicator,
+            pg_collection=pg_collection,
+            force_all_reduce=force_all_reduce,
+            trace_sink=forward_backward_func.__dict__,
+        )
+
+    forward_backward_func.__dict__["schedule"] = spec.name
+    forward_backward_func.__dict__["last_trace"] = []
+    return forward_backward_func
+
+
+@functools.lru_cache(maxsize=32)
+def plan_schedule(
+    name: str,
+    num_ranks: int,
+    num_chunks: int,
+    num_microbatches: int,
+    options: tuple[tuple[str, Any], ...],
+    forward_only: bool,
+) -> Schedule:
+    """The validated schedule for a layout, built once per process (every rank builds the same
+    one deterministically, so errors surface identically everywhere, before communication)."""
+    spec = get_spec(name)
+    chunks = num_chunks if spec.placement == "looped" or num_chunks > 1 else None
+    schedule = build_schedule(
+        name,
+        num_ranks=num_ranks,
+        num_microbatches=num_microbatches,
+        num_chunks=chunks,
+        **dict(options),
+    )
+    _check_data_order(schedule)
+    return forward_only_schedule(schedule) if forward_only else schedule
+
+
+def _check_data_order(schedule: Schedule) -> None:
+    """Each chunk reads its data iterator in forward order, so micro-batch ids must increase."""
+    for actions in schedule.per_rank:
+        last: dict[int, int] = {}
+        for action in actions:
+            if action.kind.value == "F":
+                mb = action.microbatch if action.microbatch is not None else -1
+                if mb < last.get(action.stage, -1):
+                    raise ScheduleError(
+                        f"{schedule.name} runs stage {action.stage}'s micro-batches out of order; "
+                        "megatron data iterators are read sequentially"
+                    )
+                last[action.stage] = mb
+
+
+def _run_step(
+    name: str,
+    options: tuple[tuple[str, Any], ...],
+    *,
+    forward_step_func: Callable[..., Any],
+    data_iterator: Any,
+    model: Any,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None,
+    forward_only: bool,
+    collect_non_loss_data: bool,
+    first_val_step: bool | None,
+    adjust_tensor_shapes_fn: Callable[..., Any] | None,
+    p2p_communicator: Any,
+    pg_collection: Any,
+    force_all_reduce: bool | None,
+    trace_sink: dict[str, Any],
+) -> list[Any]:
+    from megatron.core.pipeline_parallel.schedules import (
+        clear_embedding_activation_buffer,
+        finish_embedding_wgrad_compute,
+    )
+    from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+    from megatron.core.utils import get_model_config, get_model_type
+
+    chunks = model if isinstance(model, list) else [model]
+    if not chunks:
+        raise ValueError("model must be a module or a non-empty list of model chunks")
+    iterators = _iterators_per_chunk(data_iterator, len(chunks))
+    config = get_model_config(chunks[0])
+    _reject_unsupported(config)
+    groups = _resolve_groups(p2p_communicator, pg_collection)
+    pp_group = groups.pp
+    schedule = plan_schedule(
+        name, pp_group.size(), len(chunks), num_microbatches, options, bool(forward_only)
+    )
+    shape = _message_shape(
+        seq_length, micro_batch_size, decoder_seq_length, config, groups, adjust_tensor_shapes_fn
+    )
+    device = next(chunks[0].parameters()).device
+    comm = PipeComm(group=pp_group, shape=shape, dtype=config.pipeline_dtype, device=device)
+    ctx = StepContext(
+        forward_step_func=forward_step_func,
+        data_iterators=iterators,
+        model=chunks,
+        num_microbatches=num_microbatches,
+        config=config,
+        model_type=get_model_type(chunks[0]),
+        cp_group_size=groups.cp.size(),
+        forward_only=bool(forward_only),
+        collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
+        comm=comm,
+    )
+    if config.timers is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    embedding_module = None
+    if config.finalize_model_grads_func is not None and not forward_only:
+        embedding_module = clear_embedding_activation_buffer(
+            config, chunks, is_pp_last_stage(pp_group)
+        )
+    store, total_num_tokens, trace = run_rank_program(schedule, pp_group.rank(), ctx)
+    trace_sink["last_trace"] = trace
+    if config.finalize_model_grads_func is not None and not forward_only:
+        finish_embedding_wgrad_compute(
+            config, embedding_module, is_pp_last_stage(pp_group), groups.tp
+        )
+        config.finalize_model_grads_func(
+            chunks,
+            total_num_tokens if config.calculate_per_token_loss else None,
+            pg_collection=groups,
+            force_all_reduce=force_all_reduce,
+        )
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
+    return store
+
+
+def _iterators_per_chunk(data_iterator: Any, num_chunks: int) -> list[Any]:
+    if isinstance(data_iterator, list):
+        if len(data_iterator) != num_chunks:
+            raise ValueError(
+                f"got {len(data_iterator)} data iterators for {num_chunks} model chunks; pass one "
+                "per chunk (as for megatron-core's interleaved schedule)"
+            )
+        return data_iterator
+    if num_chunks > 1:
+        raise ValueError(
+            f"{num_chunks} model chunks need a list of {num_chunks} data iterators, one per chunk"
+        )
+    return [data_iterator]
+
+
+def _reject_unsupported(config: Any) -> None:
+    """Features megatron-core offers that this runtime does not implement yet: fail loudly."""
+    if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
+        raise NotImplementedError(
+            "num_microbatches_with_partial_activation_checkpoints is not supported by "
+            "megatron_bfpp schedules yet; use full or selective recompute instead"
+        )
+    if getattr(config, "fine_grained_activation_offloading", False):
+        raise NotImplementedError(
+            "fine_grained_activation_offloading is not supported by megatron_bfpp schedules yet"
+        )
+
+
+def _resolve_groups(p2p_communicator: Any, pg_collection: Any) -> Any:
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if p2p_communicator is None and pg_collection is None:
+        collection = ProcessGroupCollection()
+        collection.tp = parallel_state.get_tensor_model_parallel_group()
+        collection.cp = parallel_state.get_context_parallel_group()
+        collection.embd = parallel_state.get_embedding_group(check_initialized=False)
+        collection.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+        collection.pp = parallel_state.get_pipeline_model_parallel_group()
+        collection.dp_cp = parallel_state.get_data_parallel_group(
+            with_context_parallel=True, partial_data_parallel=False
+        )
+        return collection
+    if p2p_communicator is not None and pg_collection is not None:
+        for name in ("tp", "cp", "pp", "embd", "pos_embd", "dp_cp"):
+            if not hasattr(pg_collection, name):
+                raise ValueError(f"pg_collection must have a {name!r} process group")
+        return pg_collection
+    raise ValueError(
+        "Invalid combination of p2p_communicator, pg_collection: provide none or provide both"
+    )
+
+
+def _message_shape(
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None,
+    config: Any,
+    groups: Any,
+    adjust_tensor_shapes_fn: Callable[..., Any] | None,
+) -> tuple[int, ...]:
+    """megatron-core's get_tensor_shapes: (seq / cp [/ tp with sequence parallel], mbs, hidden)."""
+    length = decoder_seq_length if decoder_seq_length is not None else seq_length
+    length //= groups.cp.size()
+    if config.sequence_parallel:
+        length //= groups.tp.size()
+    shape = (length, micro_batch_size, config.hidden_size)
+    if adjust_tensor_shapes_fn is not None:
+        recv, send = adjust_tensor_shapes_fn([shape], [shape])
+        if len(recv) != 1 or len(send) != 1 or tuple(recv[0]) != tuple(send[0]):
+            raise NotImplementedError(
+                "megatron_bfpp schedules send one tensor of one shape between stages; "
+                f"adjust_tensor_shapes_fn returned receive {recv} and send {send}"
+            )
+        shape = tuple(recv[0])
+    return shape

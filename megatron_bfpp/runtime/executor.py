@@ -1,0 +1,317 @@
+"""Run one rank's program of a validated Schedule on megatron-core model chunks.
+
+The executor is a dispatch table of small handlers, one per action kind, over an explicit
+per-step state. Compute reuses megatron-core's own ``forward_step`` / ``backward_step`` (loss
+scaling, per-token loss, autocast, input-tensor plumbing), and behaviour comes from the model
+config exactly as megatron-core reads it: ``no_sync_func``, ``grad_sync_func``,
+``param_sync_func``, ``finalize_model_grads_func``, ``deallocate_pipeline_outputs``, timers.
+
+Data parallelism is per chunk: a chunk's ``no_sync`` context is left just before its last
+backward (megatron-core DDP's hooks then dispatch its gradient reduction during that backward),
+``grad_sync_func[chunk]`` runs at the chunk's GS action and ``param_sync_func[chunk]`` at its PS
+action. With breadth-first, the first chunk to finish does so long before the step ends, so its
+reduction overlaps the other chunks' backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_bfpp.ir import Action, ActionKind, Schedule
+from megatron_bfpp.runtime.p2p import PipeComm
+from megatron_bfpp.validate import Message, message_of
+
+__all__ = ["StepContext", "run_rank_program"]
+
+K = ActionKind
+Key = tuple[int, int]  # (stage, micro-batch)
+
+
+@dataclass
+class StepContext:
+    """Everything one step needs besides the schedule: what megatron-core passes around."""
+
+    forward_step_func: Callable[..., Any]
+    data_iterators: list[Iterator[Any] | None]
+    model: list[torch.nn.Module]
+    num_microbatches: int
+    config: Any
+    model_type: Any
+    cp_group_size: int
+    forward_only: bool
+    collect_non_loss_data: bool
+    first_val_step: bool | None
+    comm: PipeComm
+
+
+@dataclass
+class _State:
+    """Per-step bookkeeping; ``check_drained`` proves it is empty at the end."""
+
+    inputs: dict[Key, torch.Tensor | None] = field(default_factory=dict)
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
+    grads_to_send: dict[Key, torch.Tensor] = field(default_factory=dict)
+    local_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # same-rank handoff
+    no_sync: dict[int, contextlib.AbstractContextManager[Any]] = field(default_factory=dict)
+    synced_chunks: set[int] = field(default_factory=set)
+    forward_data_store: list[Any] = field(default_factory=list)
+    total_num_tokens: torch.Tensor | None = None
+    trace: list[str] = field(default_factory=list)
+
+
+class _Executor:
+    def __init__(self, schedule: Schedule, rank: int, ctx: StepContext) -> None:
+        self.schedule = schedule
+        self.layout = schedule.layout
+        self.rank = rank
+        self.ctx = ctx
+        self.state = _State()
+        self.program = schedule.per_rank[rank]
+        self.last_backward = _last_backward_positions(self.program)
+        # With explicit sync functions (overlap_grad_reduce in Megatron-LM) the chunk keeps its
+        # no_sync context through its last backward and GS dispatches the reduction, as
+        # megatron-core's interleaved schedule does; otherwise DDP's hooks dispatch it.
+        self._grad_sync_funcs = self._per_chunk(ctx.config.grad_sync_func)
+        self.handlers: dict[ActionKind, Callable[[int, Action], None]] = {
+            K.FORWARD: self.forward,
+            K.BACKWARD: self.backward,
+            K.GRAD_SYNC: self.grad_sync,
+            K.PARAM_SYNC: self.param_sync,
+        }
+
+    # --- the loop ---------------------------------------------------------------------------
+    def run(self) -> _State:
+        device = self.ctx.comm.device
+        self.state.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
+        self._enter_no_sync()
+        window: list[Action] = []
+        for position, action in enumerate(self.program):
+            if action.kind.is_p2p:
+                window.append(action)
+                continue
+            self._flush(window)
+            window = []
+            handler = self.handlers.get(action.kind)
+            if handler is None:
+                raise RuntimeError(f"{action.kind.name} actions are not runnable yet ({action})")
+            handler(position, action)
+            self.ctx.comm.reap()
+        self._flush(window)
+        self._finish()
+        return self.state
+
+    def _flush(self, window: list[Action]) -> None:
+        """Post one window of messages (see runtime.p2p): sends and receives together."""
+        if not window:
+            return
+        sends, receives = [], []
+        for action in window:
+            message = message_of(action)
+            peer = action.peer
+            assert peer is not None  # every p2p action has one (ir.Action checks it)
+            if action.kind is K.SEND_ACT:
+                key = (action.stage, message.microbatch)
+                tensor = self.state.outputs[key]
+                release = tensor if self._frees_outputs(action.stage) else None
+                if self.ctx.forward_only:
+                    self.state.outputs.pop(key)
+                sends.append((message, tensor, peer, release))
+            elif action.kind is K.SEND_GRAD:
+                grad = self.state.grads_to_send.pop((action.stage, message.microbatch))
+                sends.append((message, grad, peer, None))
+            elif action.kind is K.RECV_ACT:
+                receives.append((message, peer, not self.ctx.forward_only))
+            elif action.kind is K.RECV_GRAD:
+                receives.append((message, peer, False))
+            else:
+                raise RuntimeError(f"{action.kind.name} actions are not runnable yet ({action})")
+        self.ctx.comm.post(sends, receives)
+
+    def _frees_outputs(self, stage: int) -> bool:
+        """Pseudo-free a sent output once its send completes, as megatron-core does."""
+        return bool(self.ctx.config.deallocate_pipeline_outputs) and not self.ctx.forward_only
+
+    # --- compute ----------------------------------------------------------------------------
+    def forward(self, position: int, action: Action) -> None:
+        from megatron.core.pipeline_parallel.schedules import check_first_val_step, forward_step
+
+        ctx, stage, mb = self.ctx, action.stage, _mb(action)
+        chunk = self.layout.chunk_of(stage)
+        input_tensor = self._forward_input(stage, mb)
+        output, num_tokens = forward_step(
+            ctx.forward_step_func,
+            ctx.data_iterators[chunk],
+            ctx.model[chunk],
+            ctx.num_microbatches,
+            input_tensor,
+            self.state.forward_data_store,
+            ctx.config,
+            ctx.cp_group_size,
+            collect_non_loss_data=ctx.collect_non_loss_data,
+            checkpoint_activations_microbatch=None,
+            is_first_microbatch=check_first_val_step(ctx.first_val_step, ctx.forward_only, mb == 0),
+            current_microbatch=mb,
+            vp_stage=chunk if len(ctx.model) > 1 else None,
+            is_last_stage=self.layout.is_last(stage),
+        )
+        assert self.state.total_num_tokens is not None
+        self.state.total_num_tokens += num_tokens
+        self.state.trace.append(str(action))
+        key = (stage, mb)
+        if self.layout.is_last(stage):
+            if not ctx.forward_only:
+                self.state.inputs[key] = input_tensor
+                self.state.outputs[key] = output
+            return
+        self.state.outputs[key] = output
+        if not ctx.forward_only:
+            self.state.inputs[key] = input_tensor
+
+    def _forward_input(self, stage: int, mb: int) -> torch.Tensor | None:
+        if stage == 0:
+            return None
+        if self.layout.rank_of(stage - 1) == self.rank:
+            # Same-rank handoff (V-shape turn): a leaf like a received tensor, same storage.
+            produced = self.state.outputs[(stage - 1, mb)]
+            if self.ctx.forward_only:
+                self.state.outputs.pop((stage - 1, mb))
+            return produced.detach().requires_grad_(not self.ctx.forward_only)
+        return self.ctx.comm.wait_receive(Message("act", stage - 1, mb))
+
+    def backward(self, position: int, action: Action) -> None:
+        from megatron.core.pipeline_parallel.schedules import backward_step
+
+        ctx, stage, mb = self.ctx, action.stage, _mb(action)
+        key = (stage, mb)
+        chunk = self.layout.chunk_of(stage)
+        output_grad = self._output_grad(stage, mb)
+        if self._frees_outputs(stage) and not self.layout.is_last(stage):
+            ctx.comm.finish_send_of(Message("act", stage, mb))
+        if position in self.last_backward and self._grad_sync_funcs[chunk] is None:
+            # No explicit sync function: megatron-core DDP's hooks dispatch the chunk's reduction
+            # during its last backward once its no_sync context is left.
+            self._leave_no_sync(chunk)
+        input_tensor = self.state.inputs.pop(key)
+        output = self.state.outputs.pop(key)
+        input_grad = backward_step(input_tensor, output, output_grad, ctx.model_type, ctx.config)
+        self.state.trace.append(str(action))
+        if stage == 0:
+            return
+        if self.layout.rank_of(stage - 1) == self.rank:
+            self.state.local_grads[(stage - 1, mb)] = input_grad
+        else:
+            self.state.grads_to_send[key] = input_grad
+
+    def _output_grad(self, stage: int, mb: int) -> torch.Tensor | None:
+        if self.layout.is_last(stage):
+            return None
+        if self.layout.rank_of(stage + 1) == self.rank:
+            return self.state.local_grads.pop((stage, mb))
+        return self.ctx.comm.wait_receive(Message("grad", stage + 1, mb))
+
+    # --- data parallel ----------------------------------------------------------------------
+    def _enter_no_sync(self) -> None:
+        """Hold every chunk's gradient reduction until its last backward."""
+        funcs = self._per_chunk(self.ctx.config.no_sync_func)
+        for chunk, func in enumerate(funcs):
+            if func is not None:
+                context = func()
+                context.__enter__()
+                self.state.no_sync[chunk] = context
+
+    def _leave_no_sync(self, chunk: int) -> None:
+        context = self.state.no_sync.pop(chunk, None)
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    def grad_sync(self, position: int, action: Action) -> None:
+        chunk = self.layout.chunk_of(action.stage)
+        self._leave_no_sync(chunk)
+        func = self._grad_sync_funcs[chunk]
+        if func is not None and not self.ctx.forward_only:
+            func(self.ctx.model[chunk].parameters())
+        self.state.synced_chunks.add(chunk)
+        self.state.trace.append(str(action))
+
+    def param_sync(self, position: int, action: Action) -> None:
+        chunk = self.layout.chunk_of(action.stage)
+        func = self._per_chunk(self.ctx.config.param_sync_func)[chunk]
+        if func is not None and not self.ctx.forward_only:
+            func(self.ctx.model[chunk].parameters())
+        self.state.trace.append(str(action))
+
+    def _per_chunk(self, func: Any) -> list[Any]:
+        """megatron-core accepts one callable for all chunks or one per chunk."""
+        chunks = len(self.ctx.model)
+        if func is None:
+            return [None] * chunks
+        if isinstance(func, list | tuple):
+            if len(func) != chunks:
+                raise ValueError(
+                    f"config has {len(func)} per-chunk sync functions for {chunks} model chunks"
+                )
+            return list(func)
+        if chunks == 1:
+            return [func]
+        # One callable for every chunk: megatron-core's interleaved schedule enters it once for
+        # all chunks; entering it per chunk would nest the same context, so only chunk 0 holds it.
+        return [func] + [None] * (chunks - 1)
+
+    def _finish(self) -> None:
+        self.ctx.comm.reap(wait=True)
+        for chunk in sorted(self.state.no_sync):
+            self._leave_no_sync(chunk)
+        if not self.ctx.forward_only:
+            for chunk, func in enumerate(self._grad_sync_funcs):
+                if func is not None and chunk not in self.state.synced_chunks:
+                    func(self.ctx.model[chunk].parameters())
+
+    def check_drained(self) -> None:
+        """Post-conditions of a step: nothing stored, pending or buffered is left behind."""
+        leftovers: dict[str, dict[Any, Any]] = {
+            "stored inputs": self.state.inputs,
+            "stored outputs": self.state.outputs,
+            "gradients not sent": self.state.grads_to_send,
+            "same-rank gradients not consumed": self.state.local_grads,
+            "receives never consumed": self.ctx.comm.receives,
+        }
+        problems = [
+            f"{what}: {sorted(map(str, items))[:6]}" for what, items in leftovers.items() if items
+        ]
+        if self.ctx.comm.sends:
+            problems.append(f"sends still pending: {len(self.ctx.comm.sends)}")
+        if problems:
+            raise RuntimeError(
+                f"pipeline rank {self.rank} ended the step with state left behind ("
+                + "; ".join(problems)
+                + "); the schedule and the executor disagree: please report this bug"
+            )
+
+
+def _mb(action: Action) -> int:
+    assert action.microbatch is not None  # compute actions always carry one
+    return action.microbatch
+
+
+def _last_backward_positions(program: tuple[Action, ...]) -> set[int]:
+    """Position of each chunk's last backward on this rank: where its reduction may start."""
+    last: dict[int, int] = {}
+    for position, action in enumerate(program):
+        if action.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
+            last[action.stage] = position
+    return set(last.values())
+
+
+def run_rank_program(
+    schedule: Schedule, rank: int, ctx: StepContext
+) -> tuple[list[Any], Any, list[str]]:
+    """Execute ``rank``'s program; return (forward_data_store, total_num_tokens, trace)."""
+    executor = _Executor(schedule, rank, ctx)
+    state = executor.run()
+    executor.check_drained()
+    return state.forward_data_store, state.total_num_tokens, state.trace

@@ -1,0 +1,564 @@
+"""Tiny megatron-core GPT models whose weights do not depend on how they are split.
+
+Call these inside a :func:`megatron_bfpp.testing.multirank.run_ranks` rank function (parallel
+state initialised, CPU adapter enabled).
+
+* :func:`tiny_gpt_config` - fp32, dropout 0, CPU initialisation, ``batch_p2p_comm=False``;
+  parallel sizes default to the current parallel state.
+* :func:`build_model_chunks` - this rank's ``GPTModel`` chunks (local layer spec, one per
+  virtual stage, megatron-core's looped placement), initialised by :func:`init_from_global_names`:
+  every parameter is drawn at its full unsplit shape from a generator seeded by a hash of its
+  *global* name (global layer number), then the rank's tensor-parallel slice is taken, so any
+  (tp, pp, vp, dp) split holds exactly the weights of the single-process model.
+* :func:`make_batches`, :func:`forward_step_func`, :func:`loss_func` - synthetic data and
+  megatron-style step functions. The loss function returns megatron-core 0.16's 3-tuple
+  ``(summed loss, num_tokens, {"lm loss": [summed loss, num_tokens]})``: ``forward_step``
+  divides the loss by ``num_tokens`` and by ``num_microbatches`` (``calculate_per_token_loss``
+  off), so each micro-batch contributes its mean token loss / ``num_microbatches``.
+* :func:`reference_losses_and_grads` - the unpipelined tp=pp=1 model run on the same
+  micro-batches with exactly that scaling; :func:`grad_shards` + :func:`merge_shards` rebuild
+  full gradients from every rank of a split run for comparison.
+* :func:`wrap_ddp`, :func:`run_schedule`, :func:`data_parallel_share`,
+  :func:`losses_from_store` - megatron-core DDP (configured as Megatron-LM's training loop does)
+  and one forward-backward call (megatron-core's own by default, or any function with its
+  signature); :func:`assert_tensors_close` compares gradient dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+__all__ = [
+    "MICRO_BATCH_SIZE",
+    "SEQ_LENGTH",
+    "VOCAB_SIZE",
+    "Batch",
+    "GradShard",
+    "assert_tensors_close",
+    "build_model_chunks",
+    "data_parallel_share",
+    "forward_step_func",
+    "global_param_names",
+    "grad_shards",
+    "init_from_global_names",
+    "loss_func",
+    "losses_from_store",
+    "make_batches",
+    "merge_shards",
+    "param_shards",
+    "reference_losses_and_grads",
+    "run_schedule",
+    "tiny_gpt_config",
+    "unparallel_config",
+    "unwrap",
+    "wrap_ddp",
+]
+
+SEQ_LENGTH = 16
+VOCAB_SIZE = 64
+MICRO_BATCH_SIZE = 2
+_LAYER_PREFIX = re.compile(r"^(.*\.)(\d+)$")
+
+Batch = dict[str, torch.Tensor]
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def tiny_gpt_config(
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    vp: int | None = None,
+    sequence_parallel: bool = False,
+    **overrides: Any,
+) -> TransformerConfig:
+    """A small fp32 GPT config: 8 layers, hidden 32, 4 heads, ffn 64, dropout 0, CPU init,
+    ``batch_p2p_comm=False``, no fused kernels.
+
+    ``tp`` and ``pp`` default to the initialised parallel state (1 without one); ``vp`` too
+    when ``pp`` is not given. ``overrides`` go to ``TransformerConfig`` last.
+    """
+    initialized = parallel_state.model_parallel_is_initialized()
+    if tp is None:
+        tp = parallel_state.get_tensor_model_parallel_world_size() if initialized else 1
+    if pp is None:
+        pp = parallel_state.get_pipeline_model_parallel_world_size() if initialized else 1
+        if vp is None and initialized:
+            vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    fields: dict[str, Any] = dict(
+        num_layers=8,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
+        sequence_parallel=sequence_parallel,
+        batch_p2p_comm=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def unparallel_config(config: TransformerConfig) -> TransformerConfig:
+    """The same model as ``config`` with tp = pp = 1 and no virtual stages."""
+    return dataclasses.replace(
+        config,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        sequence_parallel=False,
+    )
+
+
+# --------------------------------------------------------------------------- model chunks
+
+
+def build_model_chunks(
+    config: TransformerConfig,
+    *,
+    seed: int = 0,
+    vocab_size: int = VOCAB_SIZE,
+    max_sequence_length: int = SEQ_LENGTH,
+    share_embeddings_and_output_weights: bool = False,
+) -> list[GPTModel]:
+    """This rank's ``GPTModel`` chunks, one per virtual stage (megatron-core's looped placement:
+    chunk ``c`` of pipeline rank ``r`` is global stage ``c * pp + r``), initialised from global
+    names. ``pre_process`` / ``post_process`` follow
+    ``parallel_state.is_pipeline_first_stage/last_stage(ignore_virtual=False, vp_stage=c)``;
+    ``GPTModel(vp_stage=c)`` passes ``vp_stage`` to ``get_transformer_layer_offset``.
+    """
+    vp = config.virtual_pipeline_model_parallel_size
+    spec = get_gpt_layer_local_spec()
+    chunks = []
+    for chunk in range(vp or 1):
+        vp_stage = chunk if vp is not None else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            vp_stage=vp_stage,
+        )
+        init_from_global_names(model, seed=seed)
+        chunks.append(model)
+    return chunks
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
+    while not isinstance(model, GPTModel) and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def global_param_names(model: torch.nn.Module) -> dict[str, str]:
+    """Local parameter name -> global name: ``decoder.layers.<i>`` uses the global layer index
+    (``TransformerLayer.layer_number - 1``), and a tied output weight on a stage without the
+    embedding is ``embedding.word_embeddings.weight`` (the parameter it duplicates)."""
+    module = unwrap(model)
+    layer_prefix: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, TransformerLayer):
+            match = _LAYER_PREFIX.match(name)
+            assert match, name
+            layer_prefix[name + "."] = f"{match.group(1)}{sub.layer_number - 1}."
+    tied = getattr(module, "share_embeddings_and_output_weights", False)
+    names = {}
+    for name, _ in module.named_parameters():
+        global_name = name
+        for local, global_ in layer_prefix.items():
+            if name.startswith(local):
+                global_name = global_ + name[len(local) :]
+                break
+        if tied and name == "output_layer.weight":
+            global_name = "embedding.word_embeddings.weight"
+        names[name] = global_name
+    return names
+
+
+def _tp_layout(param: torch.Tensor) -> tuple[int | None, int]:
+    if getattr(param, "tensor_model_parallel", False):
+        return int(param.partition_dim), int(getattr(param, "partition_stride", 1))
+    return None, 1
+
+
+def _full_shape(param: torch.Tensor, dim: int | None, tp_size: int) -> list[int]:
+    shape = list(param.shape)
+    if dim is not None:
+        shape[dim] *= tp_size
+    return shape
+
+
+def _split_pieces(full: torch.Tensor, dim: int, stride: int, tp_size: int) -> list[torch.Tensor]:
+    """megatron-core's TP split (``_initialize_affine_weight_cpu``): ``tp_size * stride``
+    equal pieces along ``dim``; rank ``r`` holds pieces ``r, r + tp_size, ...``."""
+    return list(torch.chunk(full, tp_size * stride, dim=dim))
+
+
+def _tp_slice(full: torch.Tensor, dim: int, stride: int, tp_rank: int, tp_size: int) -> Any:
+    pieces = _split_pieces(full, dim, stride, tp_size)
+    return torch.cat(pieces[tp_rank::tp_size], dim=dim)
+
+
+def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed((zlib.crc32(global_name.encode()) + seed) % 2**63)
+    noise = torch.randn(*shape, generator=generator, dtype=torch.float32)
+    leaf = global_name.rsplit(".", 1)[-1]
+    if "norm" in global_name and leaf == "weight":
+        return 1.0 + 0.1 * noise
+    return 0.1 * noise
+
+
+@torch.no_grad()
+def init_from_global_names(model: torch.nn.Module, *, seed: int = 0) -> None:
+    """Fill every parameter from a generator seeded by ``crc32(global name) + seed``, drawn at
+    its full unsplit shape, then sliced to this rank's tensor-parallel part."""
+    module = unwrap(model)
+    names = global_param_names(module)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    for name, param in module.named_parameters():
+        dim, stride = _tp_layout(param)
+        full = _draw(names[name], _full_shape(param, dim, tp_size), seed)
+        local = full if dim is None else _tp_slice(full, dim, stride, tp_rank, tp_size)
+        param.copy_(local.to(param.dtype))
+
+
+# --------------------------------------------------------------------------- data and steps
+
+
+def make_batches(
+    num_microbatches: int,
+    micro_batch_size: int = MICRO_BATCH_SIZE,
+    seq_len: int = SEQ_LENGTH,
+    vocab: int = VOCAB_SIZE,
+    seed: int = 0,
+) -> list[Batch]:
+    """Deterministic synthetic micro-batches: random tokens and labels, ``position_ids``, and a
+    ``loss_mask`` with a few zeros (so ``num_tokens`` differs between micro-batches)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_microbatches):
+        shape = (micro_batch_size, seq_len)
+        loss_mask = (torch.rand(shape, generator=generator) > 0.15).float()
+        loss_mask[0, 0] = 1.0  # never an all-masked micro-batch
+        batches.append(
+            {
+                "tokens": torch.randint(0, vocab, shape, generator=generator),
+                "labels": torch.randint(0, vocab, shape, generator=generator),
+                "position_ids": torch.arange(seq_len).unsqueeze(0).expand(shape).contiguous(),
+                "loss_mask": loss_mask,
+            }
+        )
+    return batches
+
+
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron-LM ``pretrain_gpt.loss_func`` style: summed masked token loss, token count,
+    and ``{"lm loss": [summed loss, num_tokens]}`` for reporting."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step_func(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[Any, Any]:
+    """megatron-core's ``forward_step_func(data_iterator, model) -> (output, loss_func)``.
+
+    Every stage reads the batch (``GPTModel`` ignores tokens without ``pre_process`` and returns
+    per-token losses with ``post_process`` and labels). The attention mask is ``None``: the local
+    spec's causal softmax builds the causal mask itself."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def losses_from_store(store: Iterable[dict[str, torch.Tensor]]) -> list[float]:
+    """Per-micro-batch mean token loss from what a forward-backward function returned."""
+    return [float(d["lm loss"][0] / d["lm loss"][1]) for d in store]
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference_losses_and_grads(
+    config: TransformerConfig,
+    batches: Sequence[Batch],
+    *,
+    seed: int = 0,
+    share_embeddings_and_output_weights: bool = False,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Run the unpipelined tp = pp = 1 model (same global-name init) on ``batches`` in this
+    process (its parallel state must be tp = pp = 1, e.g. ``run_ranks(..., world_size=1)``).
+
+    Each micro-batch's loss is scaled as megatron-core's ``forward_step`` does (divide by its
+    token count, then by ``len(batches)``) and back-propagated; gradients accumulate over the
+    micro-batches. Returns per-micro-batch mean losses and every gradient by global name."""
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1
+    assert parallel_state.get_pipeline_model_parallel_world_size() == 1
+    (model,) = build_model_chunks(
+        unparallel_config(config),
+        seed=seed,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+    )
+    losses = []
+    for batch in batches:
+        output, step_loss = forward_step_func(iter([batch]), model)
+        loss, num_tokens, report = step_loss(output)
+        loss /= torch.clamp(num_tokens, min=1)
+        loss /= len(batches)
+        loss.backward()
+        losses.append(float(report["lm loss"][0] / report["lm loss"][1]))
+    return losses, merge_shards([grad_shards([model])])
+
+
+# --------------------------------------------------------------------------- shards
+
+
+@dataclasses.dataclass
+class GradShard:
+    """One rank's piece of a parameter (or its gradient), keyed elsewhere by global name."""
+
+    tensor: torch.Tensor
+    full_shape: tuple[int, ...]
+    partition_dim: int | None  # None: replicated across tensor-parallel ranks
+    partition_stride: int
+    tp_rank: int
+    tp_size: int
+
+
+def _shards(model_chunks: Sequence[torch.nn.Module], what: str) -> dict[str, GradShard]:
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    out: dict[str, GradShard] = {}
+    for chunk in model_chunks:
+        module = unwrap(chunk)
+        names = global_param_names(module)
+        for name, param in module.named_parameters():
+            if what == "param":
+                value = param.detach()
+            else:
+                value = getattr(param, "main_grad", None)
+                if value is None:
+                    value = param.grad
+                if value is None:
+                    continue
+            dim, stride = _tp_layout(param)
+            out[names[name]] = GradShard(
+                tensor=value.detach().clone().float().cpu(),
+                full_shape=tuple(_full_shape(param, dim, tp_size)),
+                partition_dim=dim,
+                partition_stride=stride,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+            )
+    return out
+
+
+def grad_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]:
+    """This rank's gradients by global name (``main_grad`` under megatron DDP, else ``.grad``),
+    with their tensor-parallel slice info; return it from a rank and :func:`merge_shards` the
+    list in the parent. With the distributed optimizer only the rank's own shard of
+    ``main_grad`` is reduced: compare parameters or losses there instead."""
+    return _shards(model_chunks, "grad")
+
+
+def param_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]:
+    """Like :func:`grad_shards` for the parameter values."""
+    return _shards(model_chunks, "param")
+
+
+def merge_shards(
+    per_rank: Iterable[dict[str, GradShard]], *, check_replicas: bool = True
+) -> dict[str, torch.Tensor]:
+    """Full tensors by global name from every rank's shards. Copies of one piece held by several
+    ranks (data-parallel replicas, tensor-parallel-replicated parameters, a tied embedding on the
+    first and last stage) must be bitwise equal when ``check_replicas``: they are after
+    ``finalize_model_grads``, and a difference means a missing reduction."""
+    pieces: dict[str, dict[int, GradShard]] = {}
+    for shards in per_rank:
+        for name, shard in shards.items():
+            key = shard.tp_rank if shard.partition_dim is not None else 0
+            held = pieces.setdefault(name, {})
+            if key in held:
+                if check_replicas and not torch.equal(held[key].tensor, shard.tensor):
+                    diff = (held[key].tensor - shard.tensor).abs().max().item()
+                    raise AssertionError(f"replicas of {name} differ (max abs diff {diff:g})")
+            else:
+                held[key] = shard
+    full: dict[str, torch.Tensor] = {}
+    for name, held in pieces.items():
+        first = next(iter(held.values()))
+        if first.partition_dim is None:
+            full[name] = first.tensor
+            continue
+        dim, stride, tp_size = first.partition_dim, first.partition_stride, first.tp_size
+        missing = set(range(tp_size)) - set(held)
+        if missing:
+            raise AssertionError(f"{name}: no shard from tensor-parallel rank(s) {sorted(missing)}")
+        # Undo _tp_slice: rank r's tensor is pieces r, r + tp_size, ... concatenated.
+        ordered: list[torch.Tensor | None] = [None] * (tp_size * stride)
+        for rank, shard in held.items():
+            for i, piece in enumerate(torch.chunk(shard.tensor, stride, dim=dim)):
+                ordered[rank + i * tp_size] = piece
+        full[name] = torch.cat([p for p in ordered if p is not None], dim=dim)
+        assert tuple(full[name].shape) == first.full_shape, name
+    return full
+
+
+# --------------------------------------------------------------------------- megatron-core glue
+
+
+def wrap_ddp(
+    model_chunks: Sequence[torch.nn.Module],
+    *,
+    overlap_grad_reduce: bool = False,
+    use_distributed_optimizer: bool = False,
+    overlap_param_gather: bool = False,
+    bucket_size: int | None = None,
+    **ddp_overrides: Any,
+) -> list[DistributedDataParallel]:
+    """Wrap each chunk in megatron-core DDP and set the config hooks as Megatron-LM's training
+    setup does: ``no_sync_func``, ``grad_sync_func`` / ``param_sync_func`` (with overlap) and
+    ``finalize_model_grads_func``. Chunks after the first get ``disable_bucketing=True``."""
+    config = unwrap(model_chunks[0]).config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_param_gather=overlap_param_gather,
+        bucket_size=bucket_size,
+        **ddp_overrides,
+    )
+    wrapped = [
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0
+        )
+        for index, chunk in enumerate(model_chunks)
+    ]
+    for chunk in wrapped:
+        chunk.broadcast_params()
+    no_sync = [chunk.no_sync for chunk in wrapped]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if overlap_grad_reduce:
+        grad_sync = [chunk.start_grad_sync for chunk in wrapped]
+        config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+    if overlap_param_gather:
+        param_sync = [chunk.start_param_sync for chunk in wrapped]
+        config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def data_parallel_share(batches: Sequence[Batch]) -> list[Batch]:
+    """This data-parallel rank's contiguous share of a global list of micro-batches (what a
+    single-process reference runs in full)."""
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    if len(batches) % dp:
+        raise ValueError(f"{len(batches)} micro-batches do not split over {dp} data-parallel ranks")
+    share = len(batches) // dp
+    return list(batches[rank * share : (rank + 1) * share])
+
+
+def run_schedule(
+    model_chunks: Sequence[torch.nn.Module],
+    batches: Sequence[Batch],
+    *,
+    forward_backward_func: Any = None,
+    forward_only: bool = False,
+    micro_batch_size: int | None = None,
+    seq_length: int = SEQ_LENGTH,
+) -> list[dict[str, torch.Tensor]]:
+    """One forward-backward call over ``batches`` (this rank's micro-batches), each chunk reading
+    them from its own iterator. ``forward_backward_func`` defaults to megatron-core's own for the
+    current layout (``get_forward_backward_func()``); pass any function with its signature."""
+    if forward_backward_func is None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        forward_backward_func = get_forward_backward_func()
+    num_chunks = len(model_chunks)
+    iterators: Any = [iter(batches) for _ in range(num_chunks)]
+    return list(
+        forward_backward_func(
+            forward_step_func=forward_step_func,
+            data_iterator=iterators if num_chunks > 1 else iterators[0],
+            model=list(model_chunks),
+            num_microbatches=len(batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size or batches[0]["tokens"].shape[0],
+            forward_only=forward_only,
+        )
+    )
+
+
+def assert_tensors_close(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, rel: float = 0.0
+) -> None:
+    """Same names, and per tensor ``max|got - want| <= rel * max|want|`` (``rel=0``: bitwise
+    equal). The error lists every offending tensor, worst first."""
+    if set(got) != set(want):
+        raise AssertionError(
+            f"names differ: only got {sorted(set(got) - set(want))}, "
+            f"only wanted {sorted(set(want) - set(got))}"
+        )
+    bad = []
+    for name in sorted(want):
+        a, b = got[name], want[name]
+        if a.shape != b.shape:
+            bad.append((float("inf"), f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"))
+            continue
+        if rel == 0.0:
+            if not torch.equal(a, b):
+                err = (a - b).abs().max().item()
+                bad.append((err, f"{name}: not bitwise equal (max abs diff {err:.3g})"))
+            continue
+        scale = b.abs().max().item()
+        err = (a - b).abs().max().item() / scale if scale > 0 else (a - b).abs().max().item()
+        if not err <= rel:
+            bad.append((err, f"{name}: relative error {err:.3g} > {rel:g}"))
+    if bad:
+        lines = [text for _, text in sorted(bad, key=lambda item: -item[0])]
+        raise AssertionError(f"{len(bad)}/{len(want)} tensors differ:\n  " + "\n  ".join(lines))

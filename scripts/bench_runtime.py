@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Runtime overhead: our schedules against megatron-core's native functions, side by side.
+
+Same ranks, same GPT model (megatron-core local layer spec, fp32, CPU/gloo), same data; steps
+alternate native / ours so drift affects both equally. Prints the median step time of each and
+the ratio ours / native (target: within 5%).
+
+    python scripts/bench_runtime.py                       # pp=2: 1f1b, and interleaved with vp=2
+    python scripts/bench_runtime.py --hidden 512 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from megatron_bfpp.testing import models as M
+from megatron_bfpp.testing.multirank import run_ranks
+
+
+def rank_main(schedule: str, sizes: dict[str, int], steps: int) -> tuple[list[float], list[float]]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func as native_func
+
+    from megatron_bfpp import get_forward_backward_func
+
+    torch.set_num_threads(1)
+    config = M.tiny_gpt_config(
+        num_layers=sizes["layers"],
+        hidden_size=sizes["hidden"],
+        num_attention_heads=sizes["heads"],
+        ffn_hidden_size=4 * sizes["hidden"],
+    )
+    chunks = M.build_model_chunks(config, max_sequence_length=sizes["seq"])
+    batches = M.make_batches(sizes["microbatches"], seq_len=sizes["seq"], seed=0)
+    ours = get_forward_backward_func(schedule)
+    native = native_func()
+    timings: dict[str, list[float]] = {"native": [], "ours": []}
+    for step in range(2 * steps + 2):
+        which = "native" if step % 2 == 0 else "ours"
+        func = native if which == "native" else ours
+        for chunk in chunks:
+            chunk.zero_grad()
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        M.run_schedule(chunks, batches, forward_backward_func=func, seq_length=sizes["seq"])
+        torch.distributed.barrier()
+        if step >= 2:  # one warm-up step each
+            timings[which].append(time.perf_counter() - start)
+    return timings["native"], timings["ours"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    sizes = {
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "heads": 8,
+        "seq": args.seq,
+        "microbatches": args.microbatches,
+    }
+    print(
+        f"pp={args.pp} GPT {args.layers} layers hidden {args.hidden} seq {args.seq} "
+        f"micro-batches {args.microbatches}; {args.steps} timed steps each, alternating"
+    )
+    print(f"{'schedule':<12} {'vp':>2} {'native s':>9} {'ours s':>9} {'ours/native':>11}")
+    for schedule, vp in (("1f1b", None), ("interleaved", 2)):
+        results = run_ranks(
+            rank_main,
+            world_size=args.pp,
+            pp=args.pp,
+            vp=vp,
+            timeout=900,
+            args=(schedule, sizes, args.steps),
+        )
+        native = statistics.median(max(r[0][i] for r in results) for i in range(args.steps))
+        ours = statistics.median(max(r[1][i] for r in results) for i in range(args.steps))
+        print(
+            f"{schedule:<12} {vp or 1:>2} {native:>9.4f} {ours:>9.4f} {ours / native:>11.3f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
