@@ -31,12 +31,16 @@ setup(
             "torch>=2.4",
             "megatron-core>=0.16.1,<0.17",
         ],
+        # Running Megatron-LM's own pretrain scripts (its runtime dependencies; Megatron-LM
+        # itself is a checkout, not a PyPI package).
+        "megatron-lm": ["six", "pyyaml", "pydantic", "regex", "pybind11", "triton"],
         # GPU-only speedups megatron-core can use; never needed on CPU.
         "gpu": ["transformer-engine[pytorch]", "apex"],
     },
     entry_points={
         "console_scripts": [
             "bfpp-sim=megatron_bfpp.cli.sim:main",
+            "bfpp-train=megatron_bfpp.cli.train:main",
         ]
     },
 )

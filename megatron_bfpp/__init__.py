@@ -19,16 +19,27 @@ __all__ = [
     "__version__",
     "build_schedule",
     "get_forward_backward_func",
+    "install",
     "schedule_names",
+    "set_schedule",
+    "uninstall",
 ]
+
+_LAZY = {
+    "get_forward_backward_func": "megatron_bfpp.runtime",
+    "install": "megatron_bfpp.megatron",
+    "uninstall": "megatron_bfpp.megatron",
+    "set_schedule": "megatron_bfpp.megatron",
+}
 
 
 def __getattr__(name: str) -> object:
-    """``get_forward_backward_func`` needs torch and megatron-core: import it only when asked."""
-    if name == "get_forward_backward_func":
-        from megatron_bfpp.runtime import get_forward_backward_func
+    """The runtime and the Megatron integration need torch and megatron-core: import them only
+    when asked, so planning and simulating schedules stays torch-free."""
+    if name in _LAZY:
+        import importlib
 
-        return get_forward_backward_func
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'megatron_bfpp' has no attribute {name!r}")
 
 

@@ -239,7 +239,7 @@ def _torch_norm_new(original: Callable[..., Any]) -> Callable[..., Any]:
             param.sequence_parallel = True  # what FusedLayerNorm marks; finalize reduces it
         return norm
 
-    return staticmethod(__new__)  # type: ignore[return-value]
+    return staticmethod(__new__)
 
 
 class _DropMessage(logging.Filter):

@@ -1,0 +1,400 @@
+"""``bfpp-train``: pretrain a small GPT or LLaMA on megatron-core with any runnable schedule.
+
+Launch modes:
+
+* Under ``torchrun`` / ``srun`` (``RANK`` and ``WORLD_SIZE`` set): this process is one rank.
+* Otherwise: the command starts ``--nproc-per-node`` local ranks itself (default 4 on a CPU-only
+  machine, the number of GPUs otherwise), forked after importing megatron-core once.
+
+Flags are validated before anything starts (and on every rank under torchrun): a bad flag is one
+line ``bfpp-train: error: ...`` on stderr and exit code 2, never a hang or a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from megatron_bfpp.cli.common import OneLineParser, positive_int
+
+PROG = "bfpp-train"
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth-first", "bpipe", "v-min", "v-half", "v-zb")
+_ERROR_GRACE_S = 3.0
+
+
+class FlagError(ValueError):
+    """A flag combination that cannot run; its message is the one line users see."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog=PROG,
+        description="Pretrain a small GPT or LLaMA on megatron-core with a megatron_bfpp "
+        "pipeline schedule (CPU: gloo on local ranks; GPU: NCCL).",
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", choices=("gpt", "llama"), default="gpt")
+    m.add_argument("--num-layers", type=positive_int, default=8)
+    m.add_argument("--hidden-size", type=positive_int, default=64)
+    m.add_argument("--num-attention-heads", type=positive_int, default=4)
+    m.add_argument(
+        "--num-query-groups", type=positive_int, default=None, help="grouped-query attention"
+    )
+    m.add_argument("--ffn-hidden-size", type=positive_int, default=None)
+    m.add_argument("--seq-length", type=positive_int, default=64)
+    m.add_argument("--vocab-size", type=positive_int, default=256)
+
+    par = p.add_argument_group("parallelism and schedule")
+    par.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=positive_int, default=4)
+    par.add_argument(
+        "--num-virtual-stages-per-pipeline-rank",
+        "--virtual-pipeline-model-parallel-size",
+        dest="num_virtual_stages_per_pipeline_rank",
+        type=positive_int,
+        default=2,
+    )
+    par.add_argument(
+        "--pipeline-schedule", default="breadth-first", metavar="{" + ",".join(SCHEDULES) + "}"
+    )
+    par.add_argument("--breadth-first-group-size", type=positive_int, default=None)
+    par.add_argument(
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        dest="microbatch_group_size_per_vp_stage",
+        type=positive_int,
+        default=None,
+    )
+    par.add_argument(
+        "--nproc-per-node",
+        type=positive_int,
+        default=None,
+        help="ranks to start when not launched by torchrun (default: 4 on CPU, #GPUs on GPU)",
+    )
+
+    t = p.add_argument_group("training")
+    t.add_argument("--micro-batch-size", type=positive_int, default=1)
+    t.add_argument("--global-batch-size", type=positive_int, default=8)
+    t.add_argument("--train-iters", type=positive_int, default=20)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--min-lr", type=float, default=3e-4)
+    t.add_argument("--lr-warmup-iters", type=int, default=2, help="capped at --train-iters - 1")
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument(
+        "--data-path", default=None, help="local text file, byte-level tokens (default: synthetic)"
+    )
+
+    io = p.add_argument_group("checkpoints and logging")
+    io.add_argument("--save", default=None, metavar="DIR")
+    io.add_argument("--load", default=None, metavar="DIR")
+    io.add_argument(
+        "--ckpt-format",
+        choices=("torch", "torch_dist"),
+        default="torch",
+        help="torch: one file per rank (default; same layout to resume); torch_dist: "
+        "megatron-core distributed checkpointing (hangs on CPU gloo ranks in megatron-core 0.16)",
+    )
+    io.add_argument("--save-interval", type=positive_int, default=None)
+    io.add_argument(
+        "--exit-interval",
+        type=positive_int,
+        default=None,
+        help="stop after an iteration divisible by N (saving a checkpoint with --save); the "
+        "learning-rate schedule still spans --train-iters",
+    )
+    io.add_argument("--metrics-file", default=None, metavar="PATH")
+    io.add_argument("--log-interval", type=positive_int, default=1)
+    io.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
+    return p
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Raise :class:`FlagError` for a combination that cannot run on ``world_size`` ranks."""
+    from megatron_bfpp.ir import ScheduleError
+    from megatron_bfpp.schedules.registry import build_schedule, get_spec
+
+    name = args.pipeline_schedule
+    if name not in SCHEDULES:
+        raise FlagError(
+            f"unknown --pipeline-schedule {name!r}; choose one of: {', '.join(SCHEDULES)}"
+        )
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    vp = args.num_virtual_stages_per_pipeline_rank
+    if world_size % (tp * pp):
+        raise FlagError(
+            f"tensor ({tp}) x pipeline ({pp}) parallel size must divide the world size "
+            f"({world_size}): tp*pp*dp must equal the number of ranks"
+        )
+    dp = world_size // (tp * pp)
+    spec = get_spec(name)
+    if spec.placement == "looped" and vp < 2:
+        raise FlagError(
+            f"{name} needs virtual stages: pass --num-virtual-stages-per-pipeline-rank >= 2"
+        )
+    if spec.placement == "single" and vp != 1:
+        raise FlagError(
+            f"{name} runs one stage per pipeline rank: "
+            "pass --num-virtual-stages-per-pipeline-rank 1"
+        )
+    if spec.placement == "v-shape" and vp != 2:
+        raise FlagError(
+            f"{name} places 2 stages per rank: --num-virtual-stages-per-pipeline-rank 2"
+        )
+    if args.num_layers % (pp * vp):
+        raise FlagError(
+            f"--num-layers {args.num_layers} is not divisible by pipeline x virtual stages "
+            f"({pp} x {vp} = {pp * vp})"
+        )
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise FlagError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by micro-batch size x "
+            f"data-parallel size ({args.micro_batch_size} x {dp})"
+        )
+    if args.hidden_size % args.num_attention_heads:
+        raise FlagError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}"
+        )
+    groups = args.num_query_groups or args.num_attention_heads
+    if args.num_attention_heads % groups or groups % tp or args.num_attention_heads % tp:
+        raise FlagError(
+            f"--num-attention-heads {args.num_attention_heads} must be a multiple of "
+            f"--num-query-groups {groups}, and both of --tensor-model-parallel-size {tp}"
+        )
+    if args.model == "gpt" and args.num_query_groups not in (None, args.num_attention_heads):
+        pass  # megatron-core supports GQA for GPT too
+    if args.data_path is not None:
+        if not os.path.isfile(args.data_path):
+            raise FlagError(f"--data-path {args.data_path}: no such file")
+        if args.vocab_size < 256:
+            raise FlagError("--data-path uses byte tokens: --vocab-size must be >= 256")
+    if args.load is not None and not os.path.isfile(
+        os.path.join(args.load, "latest_checkpointed_iteration.txt")
+    ):
+        raise FlagError(f"--load {args.load}: no bfpp-train checkpoint there")
+    if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
+        raise FlagError(f"need --lr > 0 and 0 <= --min-lr <= --lr (got {args.lr}, {args.min_lr})")
+    options: dict[str, Any] = {}
+    if args.breadth_first_group_size is not None:
+        if name != "breadth-first":
+            raise FlagError(
+                "--breadth-first-group-size applies to --pipeline-schedule breadth-first"
+            )
+        options["group_size"] = args.breadth_first_group_size
+    if args.microbatch_group_size_per_vp_stage is not None:
+        if name != "interleaved":
+            raise FlagError(
+                "--microbatch-group-size-per-virtual-pipeline-stage applies to "
+                "--pipeline-schedule interleaved"
+            )
+        options["microbatch_group_size"] = args.microbatch_group_size_per_vp_stage
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    try:
+        build_schedule(
+            name,
+            num_ranks=pp,
+            num_microbatches=num_microbatches,
+            num_chunks=vp if spec.placement != "single" else None,
+            **options,
+        )
+    except ScheduleError as error:
+        raise FlagError(str(error).strip().splitlines()[0]) from None
+    from megatron_bfpp.runtime.api import RUNNABLE_SCHEDULES
+
+    if name not in RUNNABLE_SCHEDULES:
+        raise FlagError(
+            f"--pipeline-schedule {name} is not yet runnable on megatron-core (runnable: "
+            f"{', '.join(RUNNABLE_SCHEDULES)}); bfpp-sim can simulate it"
+        )
+
+
+def _error(message: str) -> int:
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    sys.stderr.flush()
+    return 2
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _run_rank(args: argparse.Namespace, store: Any = None) -> int:
+    """One rank: train, turning expected failures into one line."""
+    from megatron_bfpp.ir import ScheduleError
+    from megatron_bfpp.megatron.pretrain import train
+
+    try:
+        train(args, store=store)
+    except (FlagError, ScheduleError, ValueError, FileNotFoundError) as error:
+        return _error(_first_line(error))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 4
+
+
+_QUIET = (
+    r"Apex is not installed",  # megatron-core's local spec falls back to torch norms
+    r"The \.grad attribute of a Tensor that is not a leaf",  # megatron-core optimizer probe
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    for message in _QUIET:
+        warnings.filterwarnings("ignore", message=message)
+    args = build_parser().parse_args(argv)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world_size = (
+        int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or _default_nproc())
+    )
+    try:
+        validate(args, world_size)
+    except FlagError as error:
+        return _error(str(error))
+    if launched:
+        return _run_rank(args)
+    return _spawn(args, world_size)
+
+
+# --------------------------------------------------------------------------- local launcher
+
+
+def _spawn(args: argparse.Namespace, world_size: int) -> int:
+    """Fork ``world_size`` ranks (megatron-core imported once, here). Rank 0 hosts the
+    ``TCPStore`` on a kernel-chosen port and reports it before the others start. If a rank fails,
+    the others get a short grace period, then are killed; the exit code is the first failure's."""
+    import megatron.core.distributed
+    import megatron.core.models.gpt
+    import megatron.core.optimizer  # noqa: F401
+    import torch  # noqa: F401
+
+    import megatron_bfpp.megatron.pretrain
+    import megatron_bfpp.runtime  # noqa: F401
+
+    ctx = multiprocessing.get_context("fork")
+    procs: list[Any] = []
+    sentinels: dict[Any, int] = {}
+    port_reader, port_writer = ctx.Pipe(duplex=False)
+
+    def start(rank: int, port: int, writer: Connection | None) -> None:
+        proc = ctx.Process(
+            target=_child,
+            args=(args, rank, world_size, port, writer),
+            name=f"bfpp-train-rank-{rank}",
+        )
+        proc.start()
+        procs.append(proc)
+        sentinels[proc.sentinel] = rank
+
+    try:
+        start(0, 0, port_writer)
+        port_writer.close()
+        if world_size > 1:
+            port = None
+            try:
+                if port_reader.poll(120):
+                    port = int(port_reader.recv_bytes().decode())
+            except (EOFError, OSError):
+                pass
+            if port is not None:  # otherwise rank 0 failed: _wait reports it
+                for rank in range(1, world_size):
+                    start(rank, port, None)
+        return _wait(procs, sentinels)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(5.0)
+        port_reader.close()
+
+
+def _wait(procs: list[Any], sentinels: dict[Any, int]) -> int:
+    pending = dict(sentinels)
+    failed_code = 0
+    deadline: float | None = None
+    while pending:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = wait(list(pending), timeout=timeout)
+        if not ready:
+            break  # grace period over: the rest is killed by the caller
+        for sentinel in ready:
+            rank = pending.pop(sentinel)
+            proc = procs[rank]
+            proc.join()
+            if proc.exitcode != 0 and failed_code == 0:
+                failed_code = proc.exitcode if proc.exitcode and proc.exitcode > 0 else 1
+                deadline = time.monotonic() + _ERROR_GRACE_S
+    if pending and failed_code == 0:
+        failed_code = 1
+    return failed_code
+
+
+def _child(
+    args: argparse.Namespace,
+    rank: int,
+    world_size: int,
+    port: int,
+    port_writer: Connection | None,
+) -> None:
+    code = 1
+    try:
+        from datetime import timedelta
+
+        # `kill -USR1 <pid>` prints where a stuck rank is waiting
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+        import torch.distributed as dist
+
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+        )
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=300),
+            wait_for_workers=False,
+        )
+        if port_writer is not None:
+            port_writer.send_bytes(str(store.port).encode())
+            port_writer.close()
+        os.environ["MASTER_PORT"] = str(store.port)
+        code = _run_rank(args, store=store)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Run Megatron-LM's own training scripts on a machine without CUDA (gloo, CPU tensors).
+
+For CPU tests and demos; ``megatron_bfpp.launch`` calls :func:`enable_cpu_megatron_lm` when
+``torch.cuda.is_available()`` is false. On top of megatron-core's CPU adapter
+(:mod:`megatron_bfpp.testing.cpu`) it redirects what Megatron-LM's training code needs:
+
+* ``initialize_megatron(..., allow_no_cuda=True)`` (where ``megatron.training.initialize`` and
+  ``megatron.training.training`` bind it): otherwise it asserts CUDA is available;
+* ``torch.cuda.set_device`` -> no-op, ``torch.cuda.device_count()`` -> 1: Megatron-LM only
+  initialises the model-parallel groups when it sees a device;
+* ``torch.distributed.init_process_group`` -> gloo, without a CUDA ``device_id``;
+* ``torch.cuda.Stream`` / ``Event`` / ``stream`` / ``current_stream`` / ``set_stream`` ->
+  stand-ins that do nothing (everything on CPU is synchronous);
+* ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> the CPU generator's (the device *is* the
+  CPU; Megatron-LM's rerun state machine saves and restores both);
+* ``megatron.legacy.fused_kernels.load`` -> skipped (it compiles CUDA kernels);
+* ``megatron.training.initialize._warmup_jit_function`` -> skipped (it allocates on ``cuda``
+  to warm up the fused bias-GeLU/dropout JIT kernels).
+
+Every redirect is recorded; :func:`disable_cpu_megatron_lm` restores the originals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["disable_cpu_megatron_lm", "enable_cpu_megatron_lm", "is_enabled"]
+
+log = logging.getLogger(__name__)
+
+_saved: list[tuple[Any, str, bool, Any]] = []
+
+
+def is_enabled() -> bool:
+    return bool(_saved)
+
+
+def enable_cpu_megatron_lm() -> None:
+    """Install the redirects in the module docstring (no-op when already installed)."""
+    if _saved:
+        return
+    from megatron_bfpp.testing.cpu import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    _patch(torch.cuda, "set_device", _set_device)
+    _patch(torch.cuda, "device_count", _device_count)
+    _patch(torch.cuda, "Stream", _Stream)
+    _patch(torch.cuda, "Event", _Event)
+    _patch(torch.cuda, "stream", _stream_context)
+    _patch(torch.cuda, "current_stream", _current_stream)
+    _patch(torch.cuda, "default_stream", _current_stream)
+    _patch(torch.cuda, "set_stream", _set_stream)
+    _patch(torch.cuda, "get_rng_state", _get_rng_state)
+    _patch(torch.cuda, "set_rng_state", _set_rng_state)
+    dist = torch.distributed
+    _patch(dist, "init_process_group", _gloo_init(dist.init_process_group))
+    with contextlib.suppress(ImportError):
+        fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
+        _patch(fused_kernels, "load", _skip_fused_kernels)
+    with contextlib.suppress(ImportError):
+        initialize = importlib.import_module("megatron.training.initialize")
+        if hasattr(initialize, "_warmup_jit_function"):
+            _patch(initialize, "_warmup_jit_function", _skip_jit_warmup)
+        wrapped = _allow_no_cuda(initialize.initialize_megatron)
+        _patch(initialize, "initialize_megatron", wrapped)
+        training = importlib.import_module("megatron.training.training")
+        if hasattr(training, "initialize_megatron"):
+            _patch(training, "initialize_megatron", wrapped)
+
+
+def disable_cpu_megatron_lm() -> None:
+    """Restore the originals (megatron-core's CPU adapter is disabled too)."""
+    from megatron_bfpp.testing.cpu import disable_cpu_megatron
+
+    while _saved:
+        owner, name, had_own, original = _saved.pop()
+        if had_own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+    disable_cpu_megatron()
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    had_own = name in vars(owner)
+    _saved.append((owner, name, had_own, vars(owner)[name] if had_own else getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def _set_device(device: Any) -> None:
+    return None
+
+
+def _device_count() -> int:
+    return 1
+
+
+class _Stream:
+    """A CUDA stream stand-in: CPU work is synchronous, so waiting and syncing do nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Any:
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _Event:
+    """A CUDA event stand-in (``elapsed_time`` is 0: time CPU runs with the timers instead)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+_STREAM = _Stream()
+
+
+@contextlib.contextmanager
+def _stream_context(stream: Any = None) -> Iterator[None]:
+    yield
+
+
+def _current_stream(device: Any = None) -> _Stream:
+    return _STREAM
+
+
+def _set_stream(stream: Any) -> None:
+    return None
+
+
+def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    torch.set_rng_state(new_state)
+
+
+def _skip_jit_warmup(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _skip_fused_kernels(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _gloo_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = ("gloo", *args[1:])
+        elif kwargs.get("backend") != "fake":
+            kwargs["backend"] = "gloo"
+        device = kwargs.get("device_id")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs.pop("device_id")
+        return original(*args, **kwargs)
+
+    return init_process_group
+
+
+def _allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        if len(args) < 4:  # (extra_args_provider, args_defaults, ignore_unknown_args, allow_...)
+            kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    return initialize_megatron

@@ -1,0 +1,190 @@
+"""Rank placement for BPipe: every evictor/acceptor pair on one node ("pair-adjacent").
+
+BPipe's stage ``x`` (evictor) ships activations to stage ``p-1-x`` (acceptor). The BPipe
+re-evaluation paper (Figure 2) places each pair on one node so that traffic stays on NVLink: for
+16-way pipeline parallelism on two nodes of 8 GPUs, GPUs 0..7 hold stages 0,15,1,14,2,13,3,12 and
+GPUs 8..15 hold 4,11,5,10,6,9,7,8 (the figure draws node 1 right to left, GPU 15 .. GPU 8, which
+reads 8,7,9,6,10,5,11,4).
+
+Generalised to tensor and data parallelism: a *unit* is the ``tp`` ranks of one pipeline stage
+of one data-parallel replica (kept together: tensor parallelism needs NVLink most). Units are laid
+out replica by replica, pair by pair: ``(d, 0), (d, p-1), (d, 1), (d, p-2), ...``. A node holds
+``gpus_per_node / tp`` units, an even number, so a pair never straddles two nodes.
+
+How it is applied: the launcher (``scripts/slurm/launch.py --rank-placement pair-adjacent``)
+exports ``BFPP_RANK_ORDER`` = the Megatron rank of each launch slot (slot = node_rank *
+gpus_per_node + local_rank, torchrun's ``RANK``), and ``python -m megatron_bfpp.launch`` rewrites
+``RANK`` from it before Megatron-LM reads it (``LOCAL_RANK`` stays: it picks the physical GPU).
+Megatron-LM itself only offers the order of parallel dimensions (``tp-cp-ep-dp-pp`` by default,
+``tp-pp-dp`` with ``--use-tp-pp-dp-mapping``), never a permutation of pipeline stages across
+nodes, so the remapping is done outside it, and it supports Megatron's default order with
+context/expert parallelism 1 (``order="tp-dp-pp"``) and ``--use-tp-pp-dp-mapping``
+(``order="tp-pp-dp"``).
+
+Pure (no torch, no megatron): unit-testable and usable from SLURM scripts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+
+__all__ = [
+    "RANK_ORDER_ENV",
+    "PlacementError",
+    "apply_rank_order_from_env",
+    "format_rank_order",
+    "invert_rank_order",
+    "node_stages",
+    "pair_adjacent_rank_order",
+    "parse_rank_order",
+    "pipeline_stage_of_rank",
+]
+
+RANK_ORDER_ENV = "BFPP_RANK_ORDER"
+ORDERS = ("tp-dp-pp", "tp-pp-dp")
+
+
+class PlacementError(ValueError):
+    """An impossible placement request (the message says which input to change)."""
+
+
+def pair_adjacent_rank_order(
+    *,
+    pipeline_parallel_size: int,
+    gpus_per_node: int,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    order: str = "tp-dp-pp",
+) -> tuple[int, ...]:
+    """The Megatron global rank to run in each launch slot (``slot = node * gpus_per_node +
+    local_rank``) so that pipeline stages ``x`` and ``p-1-x`` of every replica share a node.
+
+    ``order`` is Megatron's rank order: ``tp-dp-pp`` (default; rank = t + tp*d + tp*dp*x) or
+    ``tp-pp-dp`` (``--use-tp-pp-dp-mapping``; rank = t + tp*x + tp*p*d).
+    """
+    p, g, tp, dp = pipeline_parallel_size, gpus_per_node, tensor_parallel_size, data_parallel_size
+    for flag, value in (
+        ("pipeline_parallel_size", p),
+        ("gpus_per_node", g),
+        ("tensor_parallel_size", tp),
+        ("data_parallel_size", dp),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlacementError(f"{flag} must be a positive integer, got {value!r}")
+    if order not in ORDERS:
+        raise PlacementError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if p % 2:
+        raise PlacementError(
+            f"pair-adjacent placement pairs stage x with p-1-x: pipeline_parallel_size must be "
+            f"even, got {p}"
+        )
+    if g % (2 * tp):
+        raise PlacementError(
+            f"a node must hold whole evictor/acceptor pairs of tensor-parallel groups: "
+            f"gpus_per_node ({g}) must be a multiple of 2 x tensor_parallel_size ({2 * tp})"
+        )
+    world = tp * p * dp
+    if world > g and world % g:
+        raise PlacementError(
+            f"world size tp*pp*dp = {tp}*{p}*{dp} = {world} must be a multiple of "
+            f"gpus_per_node ({g}) (or fit on one node)"
+        )
+    slots: list[int] = []
+    for d in range(dp):
+        for x in range(p // 2):
+            for stage in (x, p - 1 - x):
+                for t in range(tp):
+                    if order == "tp-dp-pp":
+                        slots.append(t + tp * d + tp * dp * stage)
+                    else:
+                        slots.append(t + tp * stage + tp * p * d)
+    return tuple(slots)
+
+
+def pipeline_stage_of_rank(
+    rank: int,
+    *,
+    pipeline_parallel_size: int,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    order: str = "tp-dp-pp",
+) -> int:
+    """The pipeline stage Megatron gives global ``rank`` under ``order``."""
+    tp, p, dp = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+    if order == "tp-dp-pp":
+        return rank // (tp * dp)
+    if order == "tp-pp-dp":
+        return (rank // tp) % p
+    raise PlacementError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+
+
+def invert_rank_order(slot_to_rank: Sequence[int]) -> tuple[int, ...]:
+    """``rank_to_slot`` from ``slot_to_rank`` (both permutations of ``range(n)``)."""
+    _check_permutation(slot_to_rank)
+    inverse = [0] * len(slot_to_rank)
+    for slot, rank in enumerate(slot_to_rank):
+        inverse[rank] = slot
+    return tuple(inverse)
+
+
+def format_rank_order(slot_to_rank: Sequence[int]) -> str:
+    """The ``BFPP_RANK_ORDER`` value: comma-separated ranks, one per launch slot."""
+    return ",".join(str(rank) for rank in slot_to_rank)
+
+
+def parse_rank_order(text: str) -> tuple[int, ...]:
+    """Inverse of :func:`format_rank_order`; rejects anything but a permutation of 0..n-1."""
+    try:
+        ranks = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise PlacementError(
+            f"{RANK_ORDER_ENV} must be comma-separated integers, got {text!r}"
+        ) from None
+    _check_permutation(ranks)
+    return ranks
+
+
+def apply_rank_order_from_env(environ: MutableMapping[str, str]) -> int | None:
+    """If ``BFPP_RANK_ORDER`` is set, rewrite ``RANK`` (the launch slot) to the Megatron rank it
+    maps to, keeping the slot in ``BFPP_LAUNCH_RANK``; returns the new rank (None if unset)."""
+    text = environ.get(RANK_ORDER_ENV)
+    if not text:
+        return None
+    order = parse_rank_order(text)
+    slot = int(environ.get("BFPP_LAUNCH_RANK", environ.get("RANK", "0")))
+    world = int(environ.get("WORLD_SIZE", str(len(order))))
+    if world != len(order):
+        raise PlacementError(f"{RANK_ORDER_ENV} has {len(order)} entries but WORLD_SIZE is {world}")
+    environ["BFPP_LAUNCH_RANK"] = str(slot)
+    environ["RANK"] = str(order[slot])
+    return order[slot]
+
+
+def _check_permutation(ranks: Sequence[int]) -> None:
+    if sorted(ranks) != list(range(len(ranks))):
+        raise PlacementError(
+            f"a rank order must be a permutation of 0..{len(ranks) - 1}, got {list(ranks)}"
+        )
+
+
+def node_stages(
+    slot_to_rank: Sequence[int],
+    *,
+    gpus_per_node: int,
+    pipeline_parallel_size: int,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    order: str = "tp-dp-pp",
+) -> list[list[int]]:
+    """Pipeline stage in each slot, grouped by node (for docs, dry runs and tests)."""
+    stages = [
+        pipeline_stage_of_rank(
+            rank,
+            pipeline_parallel_size=pipeline_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            order=order,
+        )
+        for rank in slot_to_rank
+    ]
+    return [stages[i : i + gpus_per_node] for i in range(0, len(stages), gpus_per_node)]

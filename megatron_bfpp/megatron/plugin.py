@@ -1,0 +1,235 @@
+"""``install()`` / ``uninstall()``: plug megatron_bfpp's schedules into Megatron-LM / megatron-core.
+
+``install()`` (idempotent) patches, and ``uninstall()`` restores exactly:
+
+* ``get_forward_backward_func`` where it is bound: ``megatron.core.pipeline_parallel.schedules``,
+  ``megatron.core.pipeline_parallel`` and (with Megatron-LM) ``megatron.training.training``. The
+  replacement keeps megatron's ``(pp_size=None, vp_size=None)`` signature; it returns megatron's
+  own function for ``default`` (and whenever there is no pipeline, pp=1) and megatron_bfpp's
+  forward-backward function for any other schedule.
+* with Megatron-LM: ``megatron.training.arguments.add_megatron_arguments`` (adds the
+  ``--pipeline-schedule`` group) and ``validate_args`` where ``megatron.training.arguments`` and
+  ``megatron.training.initialize`` bind it (runs Megatron's checks, then
+  :func:`~megatron_bfpp.megatron.arguments.check_schedule_args`; a bad combination exits with
+  one ``megatron_bfpp: error: ...`` line).
+
+The schedule comes from Megatron-LM's parsed arguments (``megatron.training.get_args()``) once
+they exist, otherwise from :func:`set_schedule` (for megatron-core-only training loops).
+``install()`` imports ``megatron.training`` itself, so it works whether or not the caller
+imported it first; if Megatron-LM is not importable only the megatron-core sites are patched
+(logged once).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.megatron.arguments import (
+    add_schedule_arguments,
+    check_schedule_args,
+    schedule_options_from_args,
+)
+
+__all__ = [
+    "current_schedule",
+    "install",
+    "is_installed",
+    "set_schedule",
+    "uninstall",
+]
+
+log = logging.getLogger(__name__)
+
+CORE_SITES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel")
+TRAINING_SITE = "megatron.training.training"
+ARGUMENTS_MODULE = "megatron.training.arguments"
+VALIDATE_SITES = (ARGUMENTS_MODULE, "megatron.training.initialize")
+
+_lock = threading.RLock()
+# (module, attribute, original value) in patch order; empty when not installed.
+_saved: list[tuple[Any, str, Any]] = []
+# Megatron's own get_forward_backward_func, captured at install.
+_megatron_get_fbf: Callable[..., Any] | None = None
+_setting: tuple[str, tuple[tuple[str, Any], ...]] = ("default", ())
+_training_available = False
+
+
+def is_installed() -> bool:
+    return bool(_saved)
+
+
+def set_schedule(name: str, **options: Any) -> None:
+    """Choose the schedule for megatron-core-only users (Megatron-LM users pass the flag).
+
+    ``name`` is ``default`` or a runnable registry name; ``options`` are the schedule's own
+    (``group_size`` for breadth-first, ``microbatch_group_size`` for interleaved).
+    """
+    if name != "default":
+        from megatron_bfpp.runtime.api import get_forward_backward_func
+
+        get_forward_backward_func(name, **options)  # fails now on bad names / options
+    elif options:
+        raise ScheduleError(f"schedule 'default' takes no options, got {sorted(options)}")
+    global _setting
+    _setting = (name, tuple(sorted(options.items())))
+
+
+def current_schedule() -> tuple[str, dict[str, Any]]:
+    """``(name, options)`` in effect: Megatron-LM's ``--pipeline-schedule`` once its arguments
+    are parsed and set, else the :func:`set_schedule` setting (``default`` initially)."""
+    args = _megatron_lm_args()
+    if args is not None and hasattr(args, "pipeline_schedule"):
+        return args.pipeline_schedule, schedule_options_from_args(args)
+    return _setting[0], dict(_setting[1])
+
+
+def install() -> None:
+    """Patch the sites listed in the module docstring (a no-op when already installed)."""
+    global _megatron_get_fbf, _training_available
+    with _lock:
+        if _saved:
+            return
+        core = [importlib.import_module(name) for name in CORE_SITES]
+        _megatron_get_fbf = core[0].get_forward_backward_func
+        training_modules = _import_training()
+        _training_available = training_modules is not None
+        try:
+            for module in core:
+                _patch(module, "get_forward_backward_func", get_forward_backward_func)
+            if training_modules is not None:
+                arguments, initialize, training = training_modules
+                _patch(training, "get_forward_backward_func", get_forward_backward_func)
+                _patch(
+                    arguments,
+                    "add_megatron_arguments",
+                    _wrap_add_arguments(arguments.add_megatron_arguments),
+                )
+                for module in (arguments, initialize):
+                    # newer Megatron-LM (>= 0.17) no longer binds it in initialize
+                    if hasattr(module, "validate_args"):
+                        _patch(module, "validate_args", _wrap_validate(module.validate_args))
+        except BaseException:
+            _restore()
+            raise
+
+
+def uninstall() -> None:
+    """Restore every original :func:`install` replaced (a no-op when not installed)."""
+    global _megatron_get_fbf, _training_available
+    with _lock:
+        _restore()
+        _megatron_get_fbf = None
+        _training_available = False
+        _cached_forward_backward_func.cache_clear()
+
+
+def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Any:
+    """megatron's ``get_forward_backward_func`` signature, dispatching on the chosen schedule."""
+    original = _megatron_get_fbf
+    if original is None:  # called through a reference kept after uninstall()
+        from megatron.core.pipeline_parallel import schedules
+
+        original = schedules.get_forward_backward_func
+    name, options = current_schedule()
+    if name == "default":
+        return original(pp_size=pp_size, vp_size=vp_size)
+    if pp_size is None:
+        from megatron.core import parallel_state
+
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp_size == 1:
+        _log_once(f"pipeline schedule {name} needs pp >= 2; using megatron's own (no pipelining)")
+        return original(pp_size=pp_size, vp_size=vp_size)
+    func = _cached_forward_backward_func(name, tuple(sorted(options.items())))
+    _log_once(f"megatron_bfpp: pipeline schedule {name} {options or ''}".rstrip(), logging.INFO)
+    return func
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_forward_backward_func(name: str, options: tuple[tuple[str, Any], ...]) -> Any:
+    from megatron_bfpp.runtime.api import get_forward_backward_func as ours
+
+    return ours(name, **dict(options))
+
+
+def _import_training() -> tuple[Any, Any, Any] | None:
+    try:
+        arguments = importlib.import_module(ARGUMENTS_MODULE)
+        initialize = importlib.import_module("megatron.training.initialize")
+        training = importlib.import_module(TRAINING_SITE)
+    except ImportError as error:
+        log.info(
+            "megatron_bfpp.install: Megatron-LM's megatron.training is not importable (%s); "
+            "patched megatron-core's get_forward_backward_func only (use set_schedule())",
+            error,
+        )
+        return None
+    return arguments, initialize, training
+
+
+def _megatron_lm_args() -> Any:
+    if not _training_available:
+        return None
+    try:
+        from megatron.training import global_vars
+    except ImportError:
+        return None
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def _wrap_add_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def add_megatron_arguments(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = original(parser, *args, **kwargs)
+        if not any(
+            "--pipeline-schedule" in action.option_strings
+            for action in getattr(parser, "_actions", ())
+        ):
+            add_schedule_arguments(parser)
+        return parser
+
+    add_megatron_arguments.__dict__["megatron_bfpp_wrapped"] = True
+    return add_megatron_arguments
+
+
+def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        result = original(args, *rest, **kwargs)
+        validated = result if result is not None else args
+        if not hasattr(validated, "pipeline_schedule"):
+            validated.pipeline_schedule = "default"  # parsed by a parser we never saw
+        try:
+            check_schedule_args(validated)
+        except ScheduleError as error:
+            raise SystemExit(f"megatron_bfpp: error: {str(error).splitlines()[0]}") from None
+        return result
+
+    validate_args.__dict__["megatron_bfpp_wrapped"] = True
+    return validate_args
+
+
+def _patch(module: Any, name: str, value: Any) -> None:
+    _saved.append((module, name, getattr(module, name)))
+    setattr(module, name, value)
+
+
+def _restore() -> None:
+    while _saved:
+        module, name, original = _saved.pop()
+        setattr(module, name, original)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str, level: int = logging.WARNING) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.log(level, message)

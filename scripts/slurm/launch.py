@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Start Megatron-LM's ``pretrain_gpt.py`` through ``megatron_bfpp.launch`` on a SLURM allocation.
+
+Run once per job from an sbatch script; it builds one ``torchrun`` command per node and starts
+them all with ``srun`` (one task per node), or with ``--dry-run`` prints the exact command lines
+(and environment) it would run, node by node, without needing SLURM or GPUs:
+
+    python scripts/slurm/launch.py --megatron-lm /opt/Megatron-LM --gpus-per-node 8 \\
+        --rank-placement pair-adjacent --dry-run -- \\
+        --pipeline-model-parallel-size 16 --pipeline-schedule bpipe ...
+
+Everything after ``--`` goes to ``pretrain_gpt.py``. Nodes come from ``SLURM_JOB_NODELIST``
+(expanded with ``scontrol show hostnames``; ``--nodes host1,host2`` overrides, e.g. in tests).
+``MASTER_ADDR`` is the first node, ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as Megatron-LM expects.
+
+``--rank-placement pair-adjacent`` (for BPipe) computes
+:func:`megatron_bfpp.megatron.placement.pair_adjacent_rank_order` from the parallel sizes in the
+Megatron arguments and exports it as ``BFPP_RANK_ORDER``; ``megatron_bfpp.launch`` then rewrites
+each process's ``RANK`` so that pipeline stages x and p-1-x share a node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from megatron_bfpp.megatron.placement import (
+    RANK_ORDER_ENV,
+    format_rank_order,
+    node_stages,
+    pair_adjacent_rank_order,
+)
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(argv)
+    megatron_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, megatron_args = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megatron-lm", required=True, help="Megatron-LM checkout")
+    parser.add_argument("--script", default="pretrain_gpt.py", help="script in the checkout")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--nodes", default=None, help="comma-separated hosts (default: SLURM)")
+    parser.add_argument("--master-port", type=int, default=6000)
+    parser.add_argument("--python", default="python", help="interpreter on the compute nodes")
+    parser.add_argument(
+        "--rank-placement",
+        choices=("default", "pair-adjacent"),
+        default="default",
+        help="pair-adjacent: BPipe evictor/acceptor pairs on one node (Figure 2)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    return parser.parse_args(argv), megatron_args
+
+
+def expand_nodes(nodelist: str | None, environ: Mapping[str, str]) -> list[str]:
+    if nodelist:
+        return [node for node in nodelist.split(",") if node]
+    slurm = environ.get("SLURM_JOB_NODELIST")
+    if not slurm:
+        raise SystemExit("launch.py: error: no SLURM_JOB_NODELIST (run inside sbatch, or --nodes)")
+    if "[" not in slurm and "," not in slurm:
+        return [slurm]
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", slurm], check=True, capture_output=True, text=True
+    ).stdout
+    return out.split()
+
+
+def megatron_flag(args: Sequence[str], flag: str, default: int) -> int:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith(flag + "="):
+            return int(arg.split("=", 1)[1])
+    return default
+
+
+def rank_order(opts: argparse.Namespace, megatron_args: Sequence[str], num_nodes: int) -> str:
+    world = num_nodes * opts.gpus_per_node
+    tp = megatron_flag(megatron_args, "--tensor-model-parallel-size", 1)
+    pp = megatron_flag(megatron_args, "--pipeline-model-parallel-size", 1)
+    cp = megatron_flag(megatron_args, "--context-parallel-size", 1)
+    if cp != 1:
+        raise SystemExit("launch.py: error: pair-adjacent placement supports context parallel 1")
+    if world % (tp * pp):
+        raise SystemExit(f"launch.py: error: world size {world} is not a multiple of tp*pp")
+    order = "tp-pp-dp" if "--use-tp-pp-dp-mapping" in megatron_args else "tp-dp-pp"
+    slots = pair_adjacent_rank_order(
+        pipeline_parallel_size=pp,
+        gpus_per_node=opts.gpus_per_node,
+        tensor_parallel_size=tp,
+        data_parallel_size=world // (tp * pp),
+        order=order,
+    )
+    for node, stages in enumerate(
+        node_stages(
+            slots,
+            gpus_per_node=opts.gpus_per_node,
+            pipeline_parallel_size=pp,
+            tensor_parallel_size=tp,
+            data_parallel_size=world // (tp * pp),
+            order=order,
+        )
+    ):
+        print(f"# node {node}: pipeline stages {stages}", file=sys.stderr)
+    return format_rank_order(slots)
+
+
+def node_commands(
+    opts: argparse.Namespace, megatron_args: Sequence[str], nodes: Sequence[str]
+) -> list[tuple[dict[str, str], list[str]]]:
+    env = {"MASTER_ADDR": nodes[0], "MASTER_PORT": str(opts.master_port)}
+    env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    if opts.rank_placement == "pair-adjacent":
+        env[RANK_ORDER_ENV] = rank_order(opts, megatron_args, len(nodes))
+    script = os.path.join(opts.megatron_lm, opts.script)
+    commands = []
+    for node_rank, _ in enumerate(nodes):
+        cmd = [
+            opts.python, "-m", "torch.distributed.run",
+            f"--nnodes={len(nodes)}", f"--nproc-per-node={opts.gpus_per_node}",
+            f"--node-rank={node_rank}",
+            f"--master-addr={nodes[0]}", f"--master-port={opts.master_port}",
+            "-m", "megatron_bfpp.launch", script, *megatron_args,
+        ]  # fmt: skip
+        commands.append((dict(env), cmd))
+    return commands
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts, megatron_args = parse(sys.argv[1:] if argv is None else argv)
+    nodes = expand_nodes(opts.nodes, os.environ)
+    commands = node_commands(opts, megatron_args, nodes)
+    if opts.dry_run:
+        for node, (env, cmd) in zip(nodes, commands, strict=True):
+            exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+            print(f"[{node}] env {exports} {shlex.join(cmd)}")
+        return 0
+    procs = []
+    for node, (env, cmd) in zip(nodes, commands, strict=True):
+        srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=1"]
+        procs.append(subprocess.Popen([*srun, *cmd], env={**os.environ, **env}))
+    codes = [proc.wait() for proc in procs]
+    return next((code for code in codes if code), 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,361 @@
+"""``install()`` / ``uninstall()`` against megatron-core alone, plus a tiny fake Megatron-LM.
+
+megatron-core 0.16.1 on PyPI ships no ``megatron.training``; the argument and ``validate_args``
+wrapping is exercised against a fake ``megatron.training`` package written to a temporary
+directory (``megatron`` is a namespace package, so a second portion on ``sys.path`` adds it)
+with Megatron-LM's function names and signatures. The real Megatron-LM is covered by
+``test_megatron_lm.py`` (needs ``MEGATRON_LM_PATH``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import shlex
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_bfpp.ir import ScheduleError
+
+schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+pipeline_parallel = importlib.import_module("megatron.core.pipeline_parallel")
+from megatron_bfpp.megatron import plugin  # noqa: E402
+from megatron_bfpp.megatron.arguments import check_schedule_args  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+ORIGINAL = schedules.get_forward_backward_func
+
+FAKE_TRAINING = {
+    "__init__.py": "from megatron.training.global_vars import get_args\n",
+    "global_vars.py": """
+        _GLOBAL_ARGS = None
+
+        def get_args():
+            return _GLOBAL_ARGS
+
+        def set_args(args):
+            global _GLOBAL_ARGS
+            _GLOBAL_ARGS = args
+        """,
+    "arguments.py": """
+        import argparse
+
+        def add_megatron_arguments(parser: argparse.ArgumentParser):
+            group = parser.add_argument_group(title='distributed')
+            group.add_argument('--pipeline-model-parallel-size', type=int, default=1)
+            group.add_argument('--num-layers-per-virtual-pipeline-stage', type=int, default=None)
+            group.add_argument('--num-virtual-stages-per-pipeline-rank', type=int, default=None)
+            group.add_argument('--num-layers', type=int, default=8)
+            group.add_argument('--micro-batch-size', type=int, default=1)
+            group.add_argument('--global-batch-size', type=int, default=None)
+            group.add_argument('--microbatch-group-size-per-virtual-pipeline-stage', type=int,
+                               dest='microbatch_group_size_per_vp_stage', default=None)
+            group.add_argument('--world-size', type=int, default=None)
+            return parser
+
+        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+            parser = argparse.ArgumentParser(description='Megatron-LM Arguments',
+                                             allow_abbrev=False)
+            parser = add_megatron_arguments(parser)
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return parser.parse_args()
+
+        def validate_args(args, defaults={}):
+            pp = args.pipeline_model_parallel_size
+            args.world_size = args.world_size or pp
+            args.data_parallel_size = args.world_size // pp
+            if args.global_batch_size is None:
+                args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+            vp = args.num_virtual_stages_per_pipeline_rank
+            if args.num_layers_per_virtual_pipeline_stage is not None:
+                vp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
+            args.virtual_pipeline_model_parallel_size = None if vp in (None, 1) else vp
+            args.rampup_batch_size = None
+            return args
+        """,
+    "initialize.py": """
+        from megatron.training.arguments import parse_args, validate_args
+        from megatron.training.global_vars import set_args
+
+        def initialize_megatron(extra_args_provider=None, args_defaults={},
+                                ignore_unknown_args=False, allow_no_cuda=False):
+            args = parse_args(extra_args_provider, ignore_unknown_args)
+            validate_args(args, args_defaults)
+            set_args(args)
+        """,
+    "training.py": """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def train_step():
+            return get_forward_backward_func()
+        """,
+}
+
+
+def _clear_fake_modules() -> None:
+    for name in [
+        m for m in sys.modules if m == "megatron.training" or m.startswith("megatron.training.")
+    ]:
+        del sys.modules[name]
+    megatron = sys.modules["megatron"]
+    if "training" in vars(megatron):
+        delattr(megatron, "training")
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> Iterator[None]:
+    plugin.uninstall()
+    plugin.set_schedule("default")
+    yield
+    plugin.uninstall()
+    plugin.set_schedule("default")
+    assert schedules.get_forward_backward_func is ORIGINAL
+    assert pipeline_parallel.get_forward_backward_func is ORIGINAL
+
+
+@pytest.fixture
+def no_megatron_lm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``megatron.training`` unimportable even where a checkout happens to be on the path."""
+    monkeypatch.setitem(sys.modules, "megatron.training", None)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def fake_megatron_lm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    package = tmp_path / "megatron" / "training"
+    package.mkdir(parents=True)
+    for name, source in FAKE_TRAINING.items():
+        (package / name).write_text(textwrap.dedent(source))
+    _clear_fake_modules()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield tmp_path
+    plugin.uninstall()
+    _clear_fake_modules()
+
+
+def _pp_pair_state() -> tuple[object, object]:
+    return schedules.get_forward_backward_func, pipeline_parallel.get_forward_backward_func
+
+
+# --- megatron-core alone -------------------------------------------------------------------
+
+
+def test_install_patches_and_uninstall_restores_core_sites(no_megatron_lm: None) -> None:
+    assert not plugin.is_installed()
+    plugin.install()
+    assert plugin.is_installed()
+    assert _pp_pair_state() == (plugin.get_forward_backward_func,) * 2
+    plugin.uninstall()
+    assert not plugin.is_installed()
+    assert _pp_pair_state() == (ORIGINAL, ORIGINAL)
+
+
+def test_install_is_idempotent(no_megatron_lm: None) -> None:
+    plugin.install()
+    plugin.install()
+    plugin.uninstall()
+    assert _pp_pair_state() == (ORIGINAL, ORIGINAL)
+    plugin.uninstall()  # uninstalling twice is harmless too
+    assert _pp_pair_state() == (ORIGINAL, ORIGINAL)
+
+
+def test_core_only_install_is_logged(
+    no_megatron_lm: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger=plugin.__name__):
+        plugin.install()
+    assert any("megatron.training is not importable" in r.getMessage() for r in caplog.records)
+
+
+def test_default_returns_megatrons_own_function(no_megatron_lm: None) -> None:
+    plugin.install()
+    get = pipeline_parallel.get_forward_backward_func
+    assert get(pp_size=4, vp_size=None) is ORIGINAL(pp_size=4, vp_size=None)
+    assert get(pp_size=4, vp_size=2) is ORIGINAL(pp_size=4, vp_size=2)
+    assert get(pp_size=1, vp_size=None) is ORIGINAL(pp_size=1, vp_size=None)
+
+
+def test_set_schedule_dispatches_to_ours(no_megatron_lm: None) -> None:
+    plugin.install()
+    plugin.set_schedule("breadth-first", group_size=2)
+    assert plugin.current_schedule() == ("breadth-first", {"group_size": 2})
+    func = pipeline_parallel.get_forward_backward_func(pp_size=2, vp_size=2)
+    assert func.schedule == "breadth-first"
+    assert func is schedules.get_forward_backward_func(pp_size=2, vp_size=2)  # cached
+    # No pipeline: megatron's own no-pipelining function.
+    assert schedules.get_forward_backward_func(pp_size=1) is ORIGINAL(pp_size=1)
+    plugin.set_schedule("1f1b")
+    assert pipeline_parallel.get_forward_backward_func(pp_size=4).schedule == "1f1b"
+
+
+def test_set_schedule_rejects_bad_choices() -> None:
+    with pytest.raises(ScheduleError, match="not yet runnable"):
+        plugin.set_schedule("bpipe")
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        plugin.set_schedule("zigzag")
+    with pytest.raises(ScheduleError, match="does not take"):
+        plugin.set_schedule("1f1b", group_size=2)
+    with pytest.raises(ScheduleError, match="takes no options"):
+        plugin.set_schedule("default", group_size=2)
+    assert plugin.current_schedule() == ("default", {})
+
+
+# --- with a (fake) Megatron-LM -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("imported_first", [True, False], ids=["imported-first", "not-imported"])
+def test_megatron_lm_sites_patched_and_restored(
+    fake_megatron_lm: Path, imported_first: bool
+) -> None:
+    if imported_first:
+        importlib.import_module("megatron.training.training")
+        importlib.import_module("megatron.training.initialize")
+    plugin.install()
+    arguments = sys.modules["megatron.training.arguments"]
+    initialize = sys.modules["megatron.training.initialize"]
+    training = sys.modules["megatron.training.training"]
+    originals = {
+        "add": arguments.add_megatron_arguments.__wrapped__,
+        "validate": arguments.validate_args.__wrapped__,
+    }
+    assert training.get_forward_backward_func is plugin.get_forward_backward_func
+    assert initialize.validate_args.megatron_bfpp_wrapped
+    assert initialize.validate_args.__wrapped__ is originals["validate"]
+    plugin.install()  # idempotent: nothing wrapped twice
+    assert arguments.add_megatron_arguments.__wrapped__ is originals["add"]
+    plugin.uninstall()
+    assert training.get_forward_backward_func is ORIGINAL
+    assert arguments.add_megatron_arguments is originals["add"]
+    assert arguments.validate_args is originals["validate"]
+    assert initialize.validate_args is originals["validate"]
+
+
+def _initialize(monkeypatch: pytest.MonkeyPatch, *argv: str) -> SimpleNamespace:
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    initialize = importlib.import_module("megatron.training.initialize")
+    initialize.initialize_megatron(allow_no_cuda=True)
+    args: SimpleNamespace = importlib.import_module("megatron.training").get_args()
+    return args
+
+
+def test_flag_parsed_validated_and_dispatched(
+    fake_megatron_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugin.install()
+    args = _initialize(
+        monkeypatch,
+        *shlex.split("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2"),
+        *shlex.split("--global-batch-size 4 --pipeline-schedule breadth-first"),
+        *shlex.split("--breadth-first-group-size 2"),
+    )
+    assert args.pipeline_schedule == "breadth-first"
+    assert plugin.current_schedule() == ("breadth-first", {"group_size": 2})
+    training = sys.modules["megatron.training.training"]
+    assert training.get_forward_backward_func(pp_size=2, vp_size=2).schedule == "breadth-first"
+
+
+def test_default_flag_keeps_megatron_behaviour(
+    fake_megatron_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugin.install()
+    args = _initialize(monkeypatch, "--pipeline-model-parallel-size", "4")
+    assert args.pipeline_schedule == "default"
+    training = sys.modules["megatron.training.training"]
+    assert training.get_forward_backward_func(pp_size=4) is ORIGINAL(pp_size=4)
+    # Megatron-LM's args take precedence over set_schedule() once they exist.
+    plugin.set_schedule("1f1b")
+    assert plugin.current_schedule() == ("default", {})
+
+
+def test_interleaved_reads_megatrons_group_size_flag(
+    fake_megatron_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugin.install()
+    _initialize(
+        monkeypatch,
+        *shlex.split("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2"),
+        *shlex.split("--global-batch-size 4 --pipeline-schedule interleaved"),
+        *shlex.split("--microbatch-group-size-per-virtual-pipeline-stage 4"),
+    )
+    assert plugin.current_schedule() == ("interleaved", {"microbatch_group_size": 4})
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ("--pipeline-model-parallel-size 2 --pipeline-schedule breadth-first", "needs virtual"),
+        ("--pipeline-model-parallel-size 2 --pipeline-schedule interleaved", "needs virtual"),
+        (
+            "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+            "--pipeline-schedule 1f1b",
+            "one stage per rank",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+            "--pipeline-schedule gpipe",
+            "one stage per rank",
+        ),
+        ("--pipeline-model-parallel-size 4 --pipeline-schedule bpipe", "not yet runnable"),
+        ("--pipeline-model-parallel-size 4 --pipeline-schedule v-zb", "not yet runnable"),
+        ("--pipeline-model-parallel-size 1 --pipeline-schedule 1f1b", "needs --pipeline-model"),
+        (
+            "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
+            "--global-batch-size 6 --pipeline-schedule interleaved",
+            "cannot run 6 micro-batches",
+        ),
+        (
+            "--pipeline-model-parallel-size 4 --world-size 8 --global-batch-size 3 "
+            "--pipeline-schedule 1f1b",
+            "not a multiple",
+        ),
+        ("--pipeline-model-parallel-size 4 --breadth-first-group-size 2", "needs --pipeline-sch"),
+        (
+            "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+            "--pipeline-schedule breadth-first --breadth-first-group-size 0",
+            "must be >= 1",
+        ),
+    ],
+)
+def test_bad_combinations_exit_with_one_line(
+    fake_megatron_lm: Path, monkeypatch: pytest.MonkeyPatch, argv: str, message: str
+) -> None:
+    plugin.install()
+    with pytest.raises(SystemExit) as exit_info:
+        _initialize(monkeypatch, *argv.split())
+    text = str(exit_info.value.code)
+    assert text.startswith("megatron_bfpp: error: ")
+    assert message in text
+    assert "\n" not in text
+
+
+def test_unknown_schedule_is_an_argparse_error(
+    fake_megatron_lm: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plugin.install()
+    with pytest.raises(SystemExit) as exit_info:
+        _initialize(monkeypatch, "--pipeline-schedule", "zigzag")
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'zigzag'" in capsys.readouterr().err
+
+
+def test_check_schedule_args_is_pure() -> None:
+    args = SimpleNamespace(
+        pipeline_schedule="breadth-first",
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_model_parallel_size=2,
+        micro_batch_size=1,
+        global_batch_size=8,
+        data_parallel_size=1,
+        breadth_first_group_size=None,
+        bpipe_max_stored=None,
+    )
+    check_schedule_args(args)
+    args.virtual_pipeline_model_parallel_size = None
+    with pytest.raises(ScheduleError, match="needs virtual pipeline stages"):
+        check_schedule_args(args)
