@@ -41,6 +41,7 @@ setup(
         "console_scripts": [
             "bfpp-sim=megatron_bfpp.cli.sim:main",
             "bfpp-train=megatron_bfpp.cli.train:main",
+            "bfpp-plan=megatron_bfpp.cli.plan:main",
         ]
     },
 )

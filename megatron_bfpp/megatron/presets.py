@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -192,9 +192,16 @@ def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_by_global_names(model: torch.nn.Module, *, seed: int) -> None:
+def init_by_global_names(
+    model: torch.nn.Module,
+    *,
+    seed: int,
+    draw: Callable[[str, Sequence[int], int], torch.Tensor] | None = None,
+) -> None:
     """Fill every parameter deterministically from its global name (see the module docstring):
-    matrices and embeddings ~ N(0, 0.02), biases 0, norm weights 1."""
+    matrices and embeddings ~ N(0, 0.02), biases 0, norm weights 1. ``draw(global_name,
+    full_shape, seed)`` replaces that distribution (tests randomise biases and norms too)."""
+    draw = draw or _draw
     from megatron.core import parallel_state
 
     module = unwrap(model)
@@ -207,9 +214,9 @@ def init_by_global_names(model: torch.nn.Module, *, seed: int) -> None:
             stride = int(getattr(param, "partition_stride", 1))
             full_shape = list(param.shape)
             full_shape[dim] *= tp_size
-            full = _draw(names[name], full_shape, seed)
+            full = draw(names[name], full_shape, seed)
             pieces = torch.chunk(full, tp_size * stride, dim=dim)
             local = torch.cat(pieces[tp_rank::tp_size], dim=dim)
         else:
-            local = _draw(names[name], param.shape, seed)
+            local = draw(names[name], param.shape, seed)
         param.copy_(local.to(device=param.device, dtype=param.dtype))

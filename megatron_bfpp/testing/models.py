@@ -43,7 +43,8 @@ from megatron.core.distributed import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_bfpp.megatron.presets import global_param_names, init_by_global_names, unwrap
 
 __all__ = [
     "MICRO_BATCH_SIZE",
@@ -182,38 +183,6 @@ def build_model_chunks(
     return chunks
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
-    while not isinstance(model, GPTModel) and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def global_param_names(model: torch.nn.Module) -> dict[str, str]:
-    """Local parameter name -> global name: ``decoder.layers.<i>`` uses the global layer index
-    (``TransformerLayer.layer_number - 1``), and a tied output weight on a stage without the
-    embedding is ``embedding.word_embeddings.weight`` (the parameter it duplicates)."""
-    module = unwrap(model)
-    layer_prefix: dict[str, str] = {}
-    for name, sub in module.named_modules():
-        if isinstance(sub, TransformerLayer):
-            match = _LAYER_PREFIX.match(name)
-            assert match, name
-            layer_prefix[name + "."] = f"{match.group(1)}{sub.layer_number - 1}."
-    tied = getattr(module, "share_embeddings_and_output_weights", False)
-    names = {}
-    for name, _ in module.named_parameters():
-        global_name = name
-        for local, global_ in layer_prefix.items():
-            if name.startswith(local):
-                global_name = global_ + name[len(local) :]
-                break
-        if tied and name == "output_layer.weight":
-            global_name = "embedding.word_embeddings.weight"
-        names[name] = global_name
-    return names
-
-
 def _tp_layout(param: torch.Tensor) -> tuple[int | None, int]:
     if getattr(param, "tensor_model_parallel", False):
         return int(param.partition_dim), int(getattr(param, "partition_stride", 1))
@@ -239,6 +208,7 @@ def _tp_slice(full: torch.Tensor, dim: int, stride: int, tp_rank: int, tp_size: 
 
 
 def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
+    """Random everywhere (norm weights around 1), from a generator seeded by the global name."""
     generator = torch.Generator().manual_seed((zlib.crc32(global_name.encode()) + seed) % 2**63)
     noise = torch.randn(*shape, generator=generator, dtype=torch.float32)
     leaf = global_name.rsplit(".", 1)[-1]
@@ -247,19 +217,10 @@ def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
     return 0.1 * noise
 
 
-@torch.no_grad()
 def init_from_global_names(model: torch.nn.Module, *, seed: int = 0) -> None:
-    """Fill every parameter from a generator seeded by ``crc32(global name) + seed``, drawn at
-    its full unsplit shape, then sliced to this rank's tensor-parallel part."""
-    module = unwrap(model)
-    names = global_param_names(module)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    for name, param in module.named_parameters():
-        dim, stride = _tp_layout(param)
-        full = _draw(names[name], _full_shape(param, dim, tp_size), seed)
-        local = full if dim is None else _tp_slice(full, dim, stride, tp_rank, tp_size)
-        param.copy_(local.to(param.dtype))
+    """The product's global-name initialisation (``megatron_bfpp.megatron.presets``) with every
+    tensor random, biases and norm weights included, so equivalence tests cover them too."""
+    init_by_global_names(model, seed=seed, draw=_draw)
 
 
 # --------------------------------------------------------------------------- data and steps

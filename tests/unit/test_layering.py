@@ -12,7 +12,17 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_bfpp"
-PURE = ["ir.py", "validate.py", "passes", "schedules", "sim", "cli/sim.py", "cli/common.py"]
+PURE = [
+    "ir.py",
+    "validate.py",
+    "passes",
+    "schedules",
+    "sim",
+    "plan",
+    "cli/sim.py",
+    "cli/plan.py",
+    "cli/common.py",
+]
 FORBIDDEN = ("torch", "megatron.", "megatron_bfpp.runtime", "megatron_bfpp.megatron")
 # Which package modules each pure layer may import (the design's arrows).
 ALLOWED = {
@@ -21,6 +31,7 @@ ALLOWED = {
     "passes": {"ir", "validate", "passes"},
     "schedules": {"ir", "validate", "passes", "schedules"},
     "sim": {"ir", "validate", "passes", "schedules", "sim"},
+    "plan": {"ir", "validate", "passes", "schedules", "sim", "plan"},
 }
 
 
@@ -61,7 +72,7 @@ def test_importing_pure_layers_loads_no_torch() -> None:
     code = (
         "import sys\n"
         "import megatron_bfpp, megatron_bfpp.schedules.registry, megatron_bfpp.sim, "
-        "megatron_bfpp.cli.sim\n"
+        "megatron_bfpp.cli.sim, megatron_bfpp.plan, megatron_bfpp.cli.plan\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"
