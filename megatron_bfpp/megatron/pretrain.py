@@ -22,7 +22,7 @@ import random
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TextIO
 
@@ -30,7 +30,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_bfpp.megatron.data import Batch, TrainingData
-from megatron_bfpp.megatron.presets import ModelShape, build_model_chunks, transformer_config
+from megatron_bfpp.megatron.presets import (
+    ModelShape,
+    build_model_chunks,
+    transformer_config,
+    unwrap,
+)
 
 __all__ = ["TrainResult", "model_shape", "train"]
 
@@ -97,28 +102,49 @@ def init_distributed(store: Any = None, timeout_s: float = 600.0) -> torch.devic
     return torch.device("cpu")
 
 
-def _wrap_ddp(chunks: list[Any]) -> list[Any]:
-    """megatron-core DDP configured as Megatron-LM's training setup does (distributed optimizer)."""
+def wrap_ddp(
+    model_chunks: Sequence[torch.nn.Module],
+    *,
+    overlap_grad_reduce: bool = False,
+    use_distributed_optimizer: bool = False,
+    overlap_param_gather: bool = False,
+    bucket_size: int | None = None,
+    **ddp_overrides: Any,
+) -> list[Any]:
+    """Wrap each chunk in megatron-core DDP and set the config hooks as Megatron-LM's training
+    setup does: ``no_sync_func``, ``grad_sync_func`` / ``param_sync_func`` (with overlap) and
+    ``finalize_model_grads_func``. Chunks after the first get ``disable_bucketing=True``."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
 
-    config = chunks[0].config
+    config: Any = unwrap(model_chunks[0]).config
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_param_gather=overlap_param_gather,
+        bucket_size=bucket_size,
+        **ddp_overrides,
     )
     wrapped = [
         DistributedDataParallel(
             config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0
         )
-        for index, chunk in enumerate(chunks)
+        for index, chunk in enumerate(model_chunks)
     ]
     for chunk in wrapped:
         chunk.broadcast_params()
     no_sync = [chunk.no_sync for chunk in wrapped]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if overlap_grad_reduce:
+        grad_sync = [chunk.start_grad_sync for chunk in wrapped]
+        config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+    if overlap_param_gather:
+        param_sync = [chunk.start_param_sync for chunk in wrapped]
+        config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
     config.finalize_model_grads_func = finalize_model_grads
     return wrapped
 
@@ -253,7 +279,9 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
 
         shape = model_shape(args)
         config = transformer_config(shape, tp=tp, pp=pp, vp=vp, on_cpu=device.type == "cpu")
-        model = _wrap_ddp(build_model_chunks(config, shape, seed=args.seed))
+        model = wrap_ddp(
+            build_model_chunks(config, shape, seed=args.seed), use_distributed_optimizer=True
+        )
         optimizer, scheduler = _optimizer_and_scheduler(args, model)
         flags = {name: getattr(args, name) for name in MODEL_FLAGS}
 

@@ -35,16 +35,12 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from megatron_bfpp.megatron.presets import global_param_names, init_by_global_names, unwrap
+from megatron_bfpp.megatron.pretrain import wrap_ddp
 
 __all__ = [
     "MICRO_BATCH_SIZE",
@@ -67,6 +63,7 @@ __all__ = [
     "reference_losses_and_grads",
     "run_schedule",
     "tiny_gpt_config",
+    "train_steps",
     "unparallel_config",
     "unwrap",
     "wrap_ddp",
@@ -412,45 +409,46 @@ def merge_shards(
 # --------------------------------------------------------------------------- megatron-core glue
 
 
-def wrap_ddp(
-    model_chunks: Sequence[torch.nn.Module],
+def train_steps(
+    steps: Sequence[Sequence[Batch]],
     *,
-    overlap_grad_reduce: bool = False,
-    use_distributed_optimizer: bool = False,
-    overlap_param_gather: bool = False,
-    bucket_size: int | None = None,
-    **ddp_overrides: Any,
-) -> list[DistributedDataParallel]:
-    """Wrap each chunk in megatron-core DDP and set the config hooks as Megatron-LM's training
-    setup does: ``no_sync_func``, ``grad_sync_func`` / ``param_sync_func`` (with overlap) and
-    ``finalize_model_grads_func``. Chunks after the first get ``disable_bucketing=True``."""
-    config = unwrap(model_chunks[0]).config
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=use_distributed_optimizer,
-        overlap_param_gather=overlap_param_gather,
-        bucket_size=bucket_size,
-        **ddp_overrides,
+    forward_backward_func: Any = None,
+    overlap: bool = False,
+) -> list[list[float]]:
+    """Adam steps with megatron-core DDP and the distributed optimizer (overlapping reductions and
+    gathers when ``overlap``); this rank's per-micro-batch losses for each step.
+    ``forward_backward_func`` as in ``run_schedule`` (default: megatron-core's own)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    chunks = wrap_ddp(
+        build_model_chunks(tiny_gpt_config()),
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
     )
-    wrapped = [
-        DistributedDataParallel(
-            config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            weight_decay=0.01,
+            clip_grad=1.0,
+            use_distributed_optimizer=True,
+        ),
+        chunks,
+    )
+    losses = []
+    for batches in steps:
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        store = run_schedule(
+            chunks, data_parallel_share(batches), forward_backward_func=forward_backward_func
         )
-        for index, chunk in enumerate(model_chunks)
-    ]
-    for chunk in wrapped:
-        chunk.broadcast_params()
-    no_sync = [chunk.no_sync for chunk in wrapped]
-    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    if overlap_grad_reduce:
-        grad_sync = [chunk.start_grad_sync for chunk in wrapped]
-        config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
-    if overlap_param_gather:
-        param_sync = [chunk.start_param_sync for chunk in wrapped]
-        config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    return wrapped
+        update_successful, _, _ = optimizer.step()
+        if not update_successful:
+            raise RuntimeError("optimizer step skipped (inf/nan gradients)")
+        losses.append(losses_from_store(store))
+    return losses
 
 
 def data_parallel_share(batches: Sequence[Batch]) -> list[Batch]:

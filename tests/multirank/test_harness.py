@@ -56,34 +56,7 @@ def megatron_step(
 
 def train(steps: list[list[M.Batch]], overlap: bool) -> list[list[float]]:
     """A few Adam steps with DDP and the distributed optimizer; this rank's losses per step."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    chunks = M.wrap_ddp(
-        M.build_model_chunks(M.tiny_gpt_config()),
-        use_distributed_optimizer=True,
-        overlap_grad_reduce=overlap,
-        overlap_param_gather=overlap,
-    )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-2,
-            weight_decay=0.01,
-            clip_grad=1.0,
-            use_distributed_optimizer=True,
-        ),
-        chunks,
-    )
-    losses = []
-    for batches in steps:
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        store = M.run_schedule(chunks, M.data_parallel_share(batches))
-        update_successful, _, _ = optimizer.step()
-        assert update_successful
-        losses.append(M.losses_from_store(store))
-    return losses
+    return M.train_steps(steps, overlap=overlap)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -142,37 +142,10 @@ def reduction_timing(batches: list[M.Batch], schedule: str) -> list[str]:
 
 def train(steps: list[list[M.Batch]], schedule: str | None, overlap: bool) -> list[list[float]]:
     """Adam steps with DDP and the distributed optimizer; this rank's losses per step."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     from megatron_bfpp import get_forward_backward_func
 
-    chunks = M.wrap_ddp(
-        M.build_model_chunks(M.tiny_gpt_config()),
-        use_distributed_optimizer=True,
-        overlap_grad_reduce=overlap,
-        overlap_param_gather=overlap,
-    )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-2,
-            weight_decay=0.01,
-            clip_grad=1.0,
-            use_distributed_optimizer=True,
-        ),
-        chunks,
-    )
     func = None if schedule is None else get_forward_backward_func(schedule)
-    losses = []
-    for batches in steps:
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        store = M.run_schedule(chunks, M.data_parallel_share(batches), forward_backward_func=func)
-        ok, _, _ = optimizer.step()
-        assert ok
-        losses.append(M.losses_from_store(store))
-    return losses
+    return M.train_steps(steps, forward_backward_func=func, overlap=overlap)
 
 
 def bad_call(batches: list[M.Batch], schedule: str, options: dict[str, Any]) -> str:
