@@ -90,7 +90,9 @@ def consumed_messages(action: Action, schedule: Schedule, rank: int) -> list[Mes
     elif action.kind in (K.BACKWARD, K.BACKWARD_INPUT):
         if not layout.is_last(stage) and layout.rank_of(stage + 1) != rank:
             needed.append(Message("grad", stage + 1, mb))
-    elif action.kind == K.RESTORE:
+    elif action.kind in (K.ACCEPT, K.RESTORE):
+        # The runtime reads an eviction's size header before any later receive from the
+        # evictor: modelled (conservatively) as AC waiting for the evict itself.
         needed.append(Message("evict", stage, mb))
     return needed
 
@@ -417,6 +419,9 @@ def run_programs(schedule: Schedule) -> dict[int, tuple[int, Message]]:
     waits_for = _WAITS_FOR
     # BPipe: a backward also waits for the activations its LOAD brings back.
     loads = [{(a.stage, a.microbatch) for a in p if a.kind is K.LOAD} for p in programs]
+    # BPipe: the compute after an EV (RS) waits until the partner has posted the AC (LD), so
+    # that the payload's buffer can be released (gloo sends are only known done once waited).
+    unacknowledged: list[list[Message]] = [[] for _ in programs]
     while ready:
         rank = ready.popleft()
         program = programs[rank]
@@ -424,6 +429,15 @@ def run_programs(schedule: Schedule) -> dict[int, tuple[int, Message]]:
         blocked_on.pop(rank, None)
         while position < len(program):
             action = program[position]
+            if action.kind.is_compute and unacknowledged[rank]:
+                missing = [m for m in unacknowledged[rank] if (rank, m) not in sent]
+                if missing:
+                    waiting[(rank, missing[0])] = rank
+                    blocked_on[rank] = (position, missing[0])
+                    break
+                unacknowledged[rank].clear()
+            if action.kind in (K.EVICT, K.RESTORE):
+                unacknowledged[rank].append(_acknowledgement(action))
             if action.kind in waits_for:
                 needed = consumed_messages(action, schedule, rank)
                 if (action.stage, action.microbatch) in loads[rank] and action.kind in (
@@ -436,6 +450,12 @@ def run_programs(schedule: Schedule) -> dict[int, tuple[int, Message]]:
                     waiting[(rank, missing[0])] = rank
                     blocked_on[rank] = (position, missing[0])
                     break
+            if action.kind in (K.ACCEPT, K.LOAD) and action.peer is not None:
+                acknowledged = (action.peer, _acknowledgement(action))
+                sent.add(acknowledged)
+                woken = waiting.pop(acknowledged, None)
+                if woken is not None:
+                    ready.append(woken)
             if action.kind in _SEND_KINDS or implicit:
                 for key in _posted_by(action, schedule, rank, implicit):
                     sent.add(key)
@@ -447,7 +467,13 @@ def run_programs(schedule: Schedule) -> dict[int, tuple[int, Message]]:
     return blocked_on
 
 
-_WAITS_FOR = frozenset({K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.RESTORE})
+_WAITS_FOR = frozenset({K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.ACCEPT, K.RESTORE})
+
+
+def _acknowledgement(action: Action) -> Message:
+    """The signal an AC (LD) gives its EV (RS): the partner's receive is posted."""
+    what = "evict-posted" if action.kind in (K.EVICT, K.ACCEPT) else "restore-posted"
+    return Message(what, action.stage, action.microbatch or 0)
 
 
 def _posted_by(
@@ -524,6 +550,8 @@ def _fused_checks(schedule: Schedule, require_communication: bool, require_backw
     SA, RA, SG, RG = K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD
     GS, PS = K.GRAD_SYNC, K.PARAM_SYNC
     unused: list[int] = []
+    # BPipe acknowledgements (see run_programs) get ids above every message id.
+    ack_base = size * 4 * num_ranks
     for rank, actions in enumerate(schedule.per_rank):
         # This rank's channel ends per own stage, so the loop only appends.
         act_in, act_out = [unused] * num_stages, [unused] * num_stages
@@ -540,10 +568,15 @@ def _fused_checks(schedule: Schedule, require_communication: bool, require_backw
         op = ops.append
         accepted: set[int] = set()  # AC keys on this rank (the acceptor is not the owner)
         evictions = loads = 0
+        awaiting: list[int] = []  # acknowledgement ids the next compute action waits for
         for action in actions:
             kind = action.kind
             stage = action.stage
             mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
+            if awaiting and (kind is F or kind is B or kind is I or kind is W):
+                for ack in awaiting:
+                    op(~ack)
+                awaiting.clear()
             if kind is F:
                 if stage_to_rank[stage] != rank or mb >= num_mb:
                     return False
@@ -647,17 +680,21 @@ def _fused_checks(schedule: Schedule, require_communication: bool, require_backw
                     message = key * 4 + _EVICT
                     channels.setdefault((rank, peer), ([], []))[0].append(message)
                     op(message * num_ranks + peer)
+                    awaiting.append(ack_base + (key * 2) * num_ranks + rank)
                 elif kind is K.LOAD:
                     if owner != rank or peer == rank or ld_done[key] or not ev_done[key]:
                         return False
                     ld_done[key] = 1
                     loads += 1
                     channels.setdefault((peer, rank), ([], []))[1].append(key * 4 + _RESTORE)
+                    op(ack_base + (key * 2 + 1) * num_ranks + peer)
                 elif kind is K.ACCEPT:
                     if owner == rank or peer != owner:
                         return False
                     accepted.add(key)
                     channels.setdefault((peer, rank), ([], []))[1].append(key * 4 + _EVICT)
+                    op(~((key * 4 + _EVICT) * num_ranks + rank))  # reads the size header
+                    op(ack_base + (key * 2) * num_ranks + peer)
                 elif kind is K.RESTORE:
                     if owner == rank or peer != owner or key not in accepted:
                         return False
@@ -665,6 +702,7 @@ def _fused_checks(schedule: Schedule, require_communication: bool, require_backw
                     message = key * 4 + _RESTORE
                     channels.setdefault((rank, peer), ([], []))[0].append(message)
                     op(message * num_ranks + peer)
+                    awaiting.append(ack_base + (key * 2 + 1) * num_ranks + rank)
                 else:
                     return False
         # Every LD needs its EV on this rank and neither repeats: equal counts, equal sets.

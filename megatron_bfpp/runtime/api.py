@@ -14,22 +14,28 @@ from typing import Any
 import torch
 
 from megatron_bfpp.ir import Schedule, ScheduleError
-from megatron_bfpp.runtime.executor import StepContext, run_rank_program
+from megatron_bfpp.runtime.executor import MemoryReport, StepContext, run_rank_program
 from megatron_bfpp.runtime.p2p import PipeComm
 from megatron_bfpp.schedules.registry import build_schedule, forward_only_schedule, get_spec
 
 __all__ = ["RUNNABLE_SCHEDULES", "get_forward_backward_func", "plan_schedule"]
 
 # Schedules this runtime executes today; the others are planned, validated and simulated.
-RUNNABLE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth-first")
+RUNNABLE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth-first", "bpipe")
 
 
-def get_forward_backward_func(schedule: str, **options: Any) -> Callable[..., Any]:
+def get_forward_backward_func(
+    schedule: str, *, measure_memory: bool = False, **options: Any
+) -> Callable[..., Any]:
     """A forward-backward function running ``schedule`` (a registry name).
 
     ``options`` are the schedule's own (``microbatch_group_size`` for interleaved,
-    ``group_size`` for breadth-first). Unknown names, options and not-yet-runnable schedules
-    fail here, before any communication.
+    ``group_size`` for breadth-first, ``max_stored`` for bpipe). Unknown names, options and
+    not-yet-runnable schedules fail here, before any communication.
+
+    After each call the function's ``last_memory`` attribute holds this rank's
+    :class:`~megatron_bfpp.runtime.executor.MemoryReport` (measured when ``measure_memory`` is
+    true, or on a rank that evicts; otherwise zeros) and ``last_trace`` the actions it ran.
     """
     spec = get_spec(schedule)
     if spec.name not in RUNNABLE_SCHEDULES:
@@ -80,11 +86,17 @@ def get_forward_backward_func(schedule: str, **options: Any) -> Callable[..., An
             p2p_communicator=p2p_communicator,
             pg_collection=pg_collection,
             force_all_reduce=force_all_reduce,
+            measure_memory=measure_memory,
             trace_sink=forward_backward_func.__dict__,
         )
 
-    forward_backward_func.__dict__["schedule"] = spec.name
-    forward_backward_func.__dict__["last_trace"] = []
+    forward_backward_func.__dict__.update(
+        schedule=spec.name,
+        last_trace=[],
+        last_memory=MemoryReport(),
+        # BPipe payload sizes both ends of each evictor/acceptor pair agreed, kept across steps.
+        eviction_sizes={},
+    )
     return forward_backward_func
 
 
@@ -145,6 +157,7 @@ def _run_step(
     p2p_communicator: Any,
     pg_collection: Any,
     force_all_reduce: bool | None,
+    measure_memory: bool,
     trace_sink: dict[str, Any],
 ) -> list[Any]:
     from megatron.core.pipeline_parallel.schedules import (
@@ -169,7 +182,13 @@ def _run_step(
         seq_length, micro_batch_size, decoder_seq_length, config, groups, adjust_tensor_shapes_fn
     )
     device = next(chunks[0].parameters()).device
-    comm = PipeComm(group=pp_group, shape=shape, dtype=config.pipeline_dtype, device=device)
+    comm = PipeComm(
+        group=pp_group,
+        shape=shape,
+        dtype=config.pipeline_dtype,
+        device=device,
+        eviction_sizes=trace_sink["eviction_sizes"],
+    )
     ctx = StepContext(
         forward_step_func=forward_step_func,
         data_iterators=iterators,
@@ -182,6 +201,7 @@ def _run_step(
         collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step,
         comm=comm,
+        measure_memory=measure_memory,
     )
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
@@ -190,8 +210,9 @@ def _run_step(
         embedding_module = clear_embedding_activation_buffer(
             config, chunks, is_pp_last_stage(pp_group)
         )
-    store, total_num_tokens, trace = run_rank_program(schedule, pp_group.rank(), ctx)
+    store, total_num_tokens, trace, memory = run_rank_program(schedule, pp_group.rank(), ctx)
     trace_sink["last_trace"] = trace
+    trace_sink["last_memory"] = memory
     if config.finalize_model_grads_func is not None and not forward_only:
         finish_embedding_wgrad_compute(
             config, embedding_module, is_pp_last_stage(pp_group), groups.tp

@@ -11,6 +11,17 @@ backward (megatron-core DDP's hooks then dispatch its gradient reduction during 
 ``grad_sync_func[chunk]`` runs at the chunk's GS action and ``param_sync_func[chunk]`` at its PS
 action. With breadth-first, the first chunk to finish does so long before the step ends, so its
 reduction overlaps the other chunks' backward.
+
+BPipe's transfers (see runtime.activations and runtime.p2p): EV packs a micro-batch's stored
+activations into one buffer and sends it to the acceptor, AC pre-posts the acceptor's receive, RS
+sends the payload back (waiting for it first, at its place in program order) and LD posts the
+evictor's receive, which the micro-batch's backward waits for before rebuilding its tensors.
+
+Memory accounting (``StepContext.measure_memory``, always on for a rank that evicts): after every
+window of messages and every compute action the executor adds up the distinct storages this rank
+holds for pipelining: tensors saved for backward, stage inputs and outputs, eviction payloads
+received, posted or in flight. ``MemoryReport`` keeps the peak and how many micro-batches were
+resident then; on CUDA it also reads ``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
@@ -23,10 +34,11 @@ from typing import Any
 import torch
 
 from megatron_bfpp.ir import Action, ActionKind, Schedule
-from megatron_bfpp.runtime.p2p import PipeComm
+from megatron_bfpp.runtime.activations import ActivationStore, unique_storage_bytes
+from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send
 from megatron_bfpp.validate import Message, message_of
 
-__all__ = ["StepContext", "run_rank_program"]
+__all__ = ["MemoryReport", "StepContext", "run_rank_program"]
 
 K = ActionKind
 Key = tuple[int, int]  # (stage, micro-batch)
@@ -47,6 +59,22 @@ class StepContext:
     collect_non_loss_data: bool
     first_val_step: bool | None
     comm: PipeComm
+    measure_memory: bool = False
+
+
+@dataclass
+class MemoryReport:
+    """Measured activation memory of one rank in one step (bytes of distinct storages)."""
+
+    peak_activation_bytes: int = 0
+    peak_stored_microbatches: int = 0  # resident at the byte peak: own and the partner's
+    cuda_max_memory_allocated: int | None = None
+
+    def observe(self, nbytes: int, microbatches: int) -> None:
+        if nbytes > self.peak_activation_bytes:
+            self.peak_activation_bytes = nbytes
+        if microbatches > self.peak_stored_microbatches:
+            self.peak_stored_microbatches = microbatches
 
 
 @dataclass
@@ -62,6 +90,10 @@ class _State:
     forward_data_store: list[Any] = field(default_factory=list)
     total_num_tokens: torch.Tensor | None = None
     trace: list[str] = field(default_factory=list)
+    # BPipe: (part A, part B) bytes of each evicted payload, buffers and peers of posted loads.
+    evicted_parts: dict[Key, tuple[int, int]] = field(default_factory=dict)
+    loads: dict[Key, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    memory: MemoryReport = field(default_factory=MemoryReport)
 
 
 class _Executor:
@@ -77,6 +109,10 @@ class _Executor:
         # no_sync context through its last backward and GS dispatches the reduction, as
         # megatron-core's interleaved schedule does; otherwise DDP's hooks dispatch it.
         self._grad_sync_funcs = self._per_chunk(ctx.config.grad_sync_func)
+        evicts = any(action.kind is K.EVICT for action in self.program)
+        self.measuring = not ctx.forward_only and (ctx.measure_memory or evicts)
+        modules = ctx.model if self.measuring else []
+        self.store = ActivationStore.for_modules(modules, ctx.comm.device)
         self.handlers: dict[ActionKind, Callable[[int, Action], None]] = {
             K.FORWARD: self.forward,
             K.BACKWARD: self.backward,
@@ -90,6 +126,7 @@ class _Executor:
         self.state.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
         self._enter_no_sync()
         window: list[Action] = []
+        settle = not self.ctx.comm.sends_pollable
         for position, action in enumerate(self.program):
             if action.kind.is_p2p:
                 window.append(action)
@@ -100,37 +137,146 @@ class _Executor:
             if handler is None:
                 raise RuntimeError(f"{action.kind.name} actions are not runnable yet ({action})")
             handler(position, action)
+            if settle and action.kind.is_compute:
+                self.ctx.comm.settle_transfers()
             self.ctx.comm.reap()
+            self._measure()
         self._flush(window)
         self._finish()
+        if self.measuring and self.ctx.comm.device.type == "cuda":
+            self.state.memory.cuda_max_memory_allocated = torch.cuda.max_memory_allocated(
+                self.ctx.comm.device
+            )
         return self.state
 
     def _flush(self, window: list[Action]) -> None:
         """Post one window of messages (see runtime.p2p): sends and receives together."""
         if not window:
             return
-        sends, receives = [], []
+        comm = self.ctx.comm
+        sends: list[Send] = []
+        receives: list[Receive] = []
         for action in window:
             message = message_of(action)
             peer = action.peer
             assert peer is not None  # every p2p action has one (ir.Action checks it)
-            if action.kind is K.SEND_ACT:
-                key = (action.stage, message.microbatch)
+            key = (action.stage, message.microbatch)
+            kind = action.kind
+            if kind is K.SEND_ACT:
                 tensor = self.state.outputs[key]
                 release = tensor if self._frees_outputs(action.stage) else None
                 if self.ctx.forward_only:
                     self.state.outputs.pop(key)
-                sends.append((message, tensor, peer, release))
-            elif action.kind is K.SEND_GRAD:
-                grad = self.state.grads_to_send.pop((action.stage, message.microbatch))
-                sends.append((message, grad, peer, None))
-            elif action.kind is K.RECV_ACT:
-                receives.append((message, peer, not self.ctx.forward_only))
-            elif action.kind is K.RECV_GRAD:
-                receives.append((message, peer, False))
+                # Detached now: a later EV in this window may empty the output's .data.
+                sends.append(Send(message, tensor.detach(), peer, release))
+            elif kind is K.SEND_GRAD:
+                sends.append(Send(message, self.state.grads_to_send.pop(key), peer))
+            elif kind is K.RECV_ACT:
+                receives.append(
+                    Receive(message, peer, (comm.new_buffer(not self.ctx.forward_only),))
+                )
+            elif kind is K.RECV_GRAD:
+                receives.append(Receive(message, peer, (comm.new_buffer(False),)))
+            elif kind is K.EVICT:
+                sends.extend(self._evict(key, peer))
+            elif kind is K.ACCEPT:
+                receives.append(self._accept(key, peer))
+            elif kind is K.LOAD:
+                receives.append(self._load(key, peer))
+            elif kind is K.RESTORE:
+                # RS waits for the payload at its place in program order: post what precedes it.
+                comm.post(sends, receives)
+                sends, receives = [], []
+                parts = comm.wait_parts(Message("evict", *key), peer)
+                sends.extend(Send(Message("restore", *key), part, peer) for part in parts)
             else:
-                raise RuntimeError(f"{action.kind.name} actions are not runnable yet ({action})")
-        self.ctx.comm.post(sends, receives)
+                raise RuntimeError(f"{kind.name} actions are not runnable yet ({action})")
+        comm.post(sends, receives)
+        self._measure()
+
+    # --- BPipe transfers ---------------------------------------------------------------------
+    def _evict(self, key: Key, acceptor: int) -> list[Send]:
+        """Pack and send ``key``'s stored activations: size header, part A, part B."""
+        comm, stage = self.ctx.comm, key[0]
+        if key not in self.state.inputs:
+            raise RuntimeError(f"EV of stage {stage}, micro-batch {key[1]}: nothing is stored")
+        pipeline = [self.state.inputs[key]]
+        if not self._frees_outputs(stage):  # a deallocated output keeps only its autograd node
+            pipeline.append(self.state.outputs[key])
+        agreed = comm.eviction_sizes.get(stage, 0)
+        buffer, record = self.store.evict(
+            key, [t for t in pipeline if t is not None], min_bytes=agreed
+        )
+        nbytes = record.nbytes
+        comm.eviction_sizes[stage] = nbytes
+        rest = max(0, nbytes - agreed)
+        self.state.evicted_parts[key] = (agreed, rest)
+        header = torch.tensor([nbytes], dtype=torch.int64, device=comm.device)
+        sends = [Send(Message("evict-size", *key), header, acceptor)]
+        if agreed:
+            sends.append(Send(Message("evict", *key), buffer.narrow(0, 0, agreed), acceptor))
+        if rest:
+            # With no agreed size the acceptor reads the header at once and posts it all; a
+            # grown payload's rest is posted when the acceptor next reads headers.
+            what = "evict-rest" if agreed else "evict"
+            sends.append(Send(Message(what, *key), buffer.narrow(0, agreed, rest), acceptor))
+        return sends
+
+    def _accept(self, key: Key, evictor: int) -> Receive:
+        """Pre-post the header and, at the size last agreed, part A of an eviction."""
+        comm = self.ctx.comm
+        agreed = comm.eviction_sizes.get(key[0], 0)
+        header = torch.empty(1, dtype=torch.int64, device=comm.device)
+        parts = (torch.empty(agreed, dtype=torch.uint8, device=comm.device),) if agreed else ()
+        # The first eviction of a stage in a run has no agreed size: read its header now.
+        return Receive(
+            Message("evict", *key), evictor, parts, header=header, read_header=not agreed
+        )
+
+    def _load(self, key: Key, acceptor: int) -> Receive:
+        """Post the receive of an evicted payload coming back, as the parts it went out in."""
+        agreed, rest = self.state.evicted_parts.pop(key)
+        buffer = torch.empty(agreed + rest, dtype=torch.uint8, device=self.ctx.comm.device)
+        self.state.loads[key] = (buffer, acceptor)
+        parts = tuple(
+            buffer.narrow(0, start, size) for start, size in ((0, agreed), (agreed, rest)) if size
+        )
+        return Receive(Message("restore", *key), acceptor, parts)
+
+    def _bring_back(self, key: Key) -> None:
+        """Before an evicted micro-batch's backward: wait for its payload and rebuild it."""
+        buffer, acceptor = self.state.loads.pop(key)
+        self.ctx.comm.wait_parts(Message("restore", *key), acceptor)
+        self.store.restore(key, buffer)
+
+    # --- memory accounting --------------------------------------------------------------------
+    def _measure(self) -> None:
+        if not self.measuring:
+            return
+        state, comm = self.state, self.ctx.comm
+        transfers = comm.transfer_tensors()
+        nbytes = unique_storage_bytes(
+            [
+                *self.store.live_tensors(),
+                *state.inputs.values(),
+                *state.outputs.values(),
+                *transfers,
+                *(buffer for buffer, _ in state.loads.values()),
+            ]
+        )
+        own = {key for key in state.inputs if key not in self.store.evicted}
+        own.update(state.loads)
+        partner = {
+            (message.stage, message.microbatch)
+            for message in comm.receives
+            if message.what == "evict"
+        }
+        partner.update(
+            (p.message.stage, p.message.microbatch)
+            for p in comm.sends
+            if p.message.what in ("evict", "restore")
+        )
+        state.memory.observe(nbytes, len(own | partner))
 
     def _frees_outputs(self, stage: int) -> bool:
         """Pseudo-free a sent output once its send completes, as megatron-core does."""
@@ -143,22 +289,26 @@ class _Executor:
         ctx, stage, mb = self.ctx, action.stage, _mb(action)
         chunk = self.layout.chunk_of(stage)
         input_tensor = self._forward_input(stage, mb)
-        output, num_tokens = forward_step(
-            ctx.forward_step_func,
-            ctx.data_iterators[chunk],
-            ctx.model[chunk],
-            ctx.num_microbatches,
-            input_tensor,
-            self.state.forward_data_store,
-            ctx.config,
-            ctx.cp_group_size,
-            collect_non_loss_data=ctx.collect_non_loss_data,
-            checkpoint_activations_microbatch=None,
-            is_first_microbatch=check_first_val_step(ctx.first_val_step, ctx.forward_only, mb == 0),
-            current_microbatch=mb,
-            vp_stage=chunk if len(ctx.model) > 1 else None,
-            is_last_stage=self.layout.is_last(stage),
-        )
+        capture = self.store.capture((stage, mb)) if self.measuring else contextlib.nullcontext()
+        with capture:
+            output, num_tokens = forward_step(
+                ctx.forward_step_func,
+                ctx.data_iterators[chunk],
+                ctx.model[chunk],
+                ctx.num_microbatches,
+                input_tensor,
+                self.state.forward_data_store,
+                ctx.config,
+                ctx.cp_group_size,
+                collect_non_loss_data=ctx.collect_non_loss_data,
+                checkpoint_activations_microbatch=None,
+                is_first_microbatch=check_first_val_step(
+                    ctx.first_val_step, ctx.forward_only, mb == 0
+                ),
+                current_microbatch=mb,
+                vp_stage=chunk if len(ctx.model) > 1 else None,
+                is_last_stage=self.layout.is_last(stage),
+            )
         assert self.state.total_num_tokens is not None
         self.state.total_num_tokens += num_tokens
         self.state.trace.append(str(action))
@@ -181,7 +331,8 @@ class _Executor:
             if self.ctx.forward_only:
                 self.state.outputs.pop((stage - 1, mb))
             return produced.detach().requires_grad_(not self.ctx.forward_only)
-        return self.ctx.comm.wait_receive(Message("act", stage - 1, mb))
+        previous = self.layout.rank_of(stage - 1)
+        return self.ctx.comm.wait_receive(Message("act", stage - 1, mb), previous)
 
     def backward(self, position: int, action: Action) -> None:
         from megatron.core.pipeline_parallel.schedules import backward_step
@@ -196,9 +347,12 @@ class _Executor:
             # No explicit sync function: megatron-core DDP's hooks dispatch the chunk's reduction
             # during its last backward once its no_sync context is left.
             self._leave_no_sync(chunk)
+        if key in self.state.loads:
+            self._bring_back(key)
         input_tensor = self.state.inputs.pop(key)
         output = self.state.outputs.pop(key)
         input_grad = backward_step(input_tensor, output, output_grad, ctx.model_type, ctx.config)
+        self.store.drop(key)
         self.state.trace.append(str(action))
         if stage == 0:
             return
@@ -212,7 +366,8 @@ class _Executor:
             return None
         if self.layout.rank_of(stage + 1) == self.rank:
             return self.state.local_grads.pop((stage, mb))
-        return self.ctx.comm.wait_receive(Message("grad", stage + 1, mb))
+        following = self.layout.rank_of(stage + 1)
+        return self.ctx.comm.wait_receive(Message("grad", stage + 1, mb), following)
 
     # --- data parallel ----------------------------------------------------------------------
     def _enter_no_sync(self) -> None:
@@ -279,12 +434,16 @@ class _Executor:
             "gradients not sent": self.state.grads_to_send,
             "same-rank gradients not consumed": self.state.local_grads,
             "receives never consumed": self.ctx.comm.receives,
+            "evicted and never loaded back": self.store.evicted,
+            "loads never consumed": self.state.loads,
         }
         problems = [
             f"{what}: {sorted(map(str, items))[:6]}" for what, items in leftovers.items() if items
         ]
         if self.ctx.comm.sends:
             problems.append(f"sends still pending: {len(self.ctx.comm.sends)}")
+        if self.ctx.comm.headers:
+            problems.append(f"eviction headers never read: {len(self.ctx.comm.headers)}")
         if problems:
             raise RuntimeError(
                 f"pipeline rank {self.rank} ended the step with state left behind ("
@@ -309,9 +468,9 @@ def _last_backward_positions(program: tuple[Action, ...]) -> set[int]:
 
 def run_rank_program(
     schedule: Schedule, rank: int, ctx: StepContext
-) -> tuple[list[Any], Any, list[str]]:
-    """Execute ``rank``'s program; return (forward_data_store, total_num_tokens, trace)."""
+) -> tuple[list[Any], Any, list[str], MemoryReport]:
+    """Execute ``rank``'s program; return (forward_data_store, total_num_tokens, trace, memory)."""
     executor = _Executor(schedule, rank, ctx)
     state = executor.run()
     executor.check_drained()
-    return state.forward_data_store, state.total_num_tokens, state.trace
+    return state.forward_data_store, state.total_num_tokens, state.trace, state.memory

@@ -370,9 +370,13 @@ def test_step_post_conditions_fail_loudly_on_leftovers() -> None:
     from megatron_bfpp.schedules import build_schedule
 
     schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
-    comm = SimpleNamespace(receives={}, sends=[], device=torch.device("cpu"))
+    comm = SimpleNamespace(receives={}, sends=[], headers=[], device=torch.device("cpu"))
     ctx: Any = SimpleNamespace(
-        comm=comm, config=SimpleNamespace(grad_sync_func=None), model=[torch.nn.Linear(1, 1)]
+        comm=comm,
+        config=SimpleNamespace(grad_sync_func=None),
+        model=[torch.nn.Linear(1, 1)],
+        forward_only=False,
+        measure_memory=False,
     )
     executor = _Executor(schedule, 0, ctx)
     executor.check_drained()  # nothing left: passes

@@ -1,0 +1,234 @@
+"""The activations a rank stores between a micro-batch's forward and its backward.
+
+Why a store: BPipe ships a micro-batch's stored activations to the partner stage and back, and the
+memory accounting has to say how many bytes a rank actually holds. Both need to know exactly which
+tensors autograd keeps for one (stage, micro-batch), so the forward of each micro-batch runs under
+:func:`torch.autograd.graph.saved_tensors_hooks` installed by :meth:`ActivationStore.capture`:
+
+* the pack hook wraps every tensor autograd saves in a :class:`_Saved` handle, except parameters,
+  module buffers and tensors aliasing their storage (they stay put), tensors of another device
+  (already offloaded) and tensor subclasses (FP8 and other wrappers pass through untouched);
+* autograd owns the handles and frees each one when its node has run in the backward, as it would
+  free the tensor itself, so capturing costs no memory; the store keeps weak references only;
+* hooks nest the way PyTorch nests them: hooks entered *inside* the forward (activation
+  recomputation's inner forward, Transformer Engine's CPU offload, ``save_on_cpu``) take
+  precedence for what they save, and what they hand back (a checkpoint's inputs, an offload
+  handle's tensor) is saved through ours only if it is itself a tensor saved in our scope.
+
+Eviction (:meth:`ActivationStore.evict`) copies the distinct storages behind a micro-batch's live
+handles, plus the stage's input (and its output when megatron-core does not deallocate outputs),
+into one contiguous byte buffer, then drops every local reference: the handles point nowhere and
+the pipeline tensors get empty ``.data`` (their autograd identity stays). :meth:`restore` rebuilds
+every tensor as a view of the returned buffer with its original dtype, shape, strides and offset,
+so aliasing between saved tensors survives the round trip. Metadata is read at eviction time, not
+at pack time, because megatron-core's recomputation may replace a saved tensor's data after saving
+it (``distribute_saved_activations``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ALIGNMENT", "ActivationStore", "Evicted", "unique_storage_bytes"]
+
+Key = tuple[int, int]  # (stage, micro-batch)
+ALIGNMENT = 64  # bytes; every storage starts aligned in a payload, for any dtype's view
+
+
+class _Saved:
+    """What autograd holds instead of a saved tensor: the tensor, or None while it is evicted."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+
+
+@dataclass(frozen=True)
+class _View:
+    storage: int  # index of the storage in the payload
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # storage offset, in elements
+
+
+@dataclass
+class Evicted:
+    """What the evictor keeps of an evicted micro-batch: how to rebuild it, never its data."""
+
+    nbytes: int  # payload bytes that carry data (the buffer may be padded beyond them)
+    storage_offsets: list[int]  # byte offset of each storage in the payload
+    targets: list[tuple[_Saved | torch.Tensor, _View]]
+
+
+@dataclass
+class ActivationStore:
+    """One rank's stored activations in one step, keyed by (stage, micro-batch)."""
+
+    device: torch.device
+    excluded: set[int]  # data_ptr of parameter and buffer storages: never captured
+    entries: dict[Key, list[weakref.ref[_Saved]]] = field(default_factory=dict)
+    evicted: dict[Key, Evicted] = field(default_factory=dict)
+
+    @classmethod
+    def for_modules(
+        cls, modules: Iterable[torch.nn.Module], device: torch.device
+    ) -> ActivationStore:
+        """A store that never captures the modules' parameters or buffers (nor their aliases)."""
+        excluded: set[int] = set()
+        for module in modules:
+            # Unbound: megatron-core's DDP shadows ``buffers`` with its gradient buffers.
+            tensors = (*torch.nn.Module.parameters(module), *torch.nn.Module.buffers(module))
+            for tensor in tensors:
+                excluded.add(tensor.untyped_storage().data_ptr())
+        excluded.discard(0)
+        return cls(device=device, excluded=excluded)
+
+    # --- capture ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self, key: Key) -> Iterator[None]:
+        """Route every tensor the forward of ``key`` saves for backward through this store."""
+        handles = self.entries.setdefault(key, [])
+        device, excluded = self.device, self.excluded
+
+        def pack(tensor: torch.Tensor) -> object:
+            if (
+                type(tensor) is not torch.Tensor
+                or tensor.layout is not torch.strided
+                or tensor.device != device
+            ):
+                return tensor
+            pointer = tensor.untyped_storage().data_ptr()
+            if pointer == 0 or pointer in excluded:
+                return tensor
+            handle = _Saved(tensor)
+            handles.append(weakref.ref(handle))
+            return handle
+
+        def unpack(packed: object) -> torch.Tensor:
+            if isinstance(packed, _Saved):
+                if packed.tensor is None:
+                    raise RuntimeError(
+                        f"a saved activation of stage {key[0]}, micro-batch {key[1]} is used "
+                        "while evicted to the partner rank (its LOAD has not run); the schedule "
+                        "and the executor disagree: please report this bug"
+                    )
+                return packed.tensor
+            assert isinstance(packed, torch.Tensor)
+            return packed
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def drop(self, key: Key) -> None:
+        """Forget ``key`` after its backward (autograd has released its handles by then)."""
+        self.entries.pop(key, None)
+        if key in self.evicted:
+            raise RuntimeError(
+                f"stage {key[0]}, micro-batch {key[1]} ran its backward while evicted"
+            )
+
+    def live_tensors(self) -> Iterator[torch.Tensor]:
+        """Tensors held for backward right now (evicted ones excluded)."""
+        for handles in self.entries.values():
+            for ref in handles:
+                handle = ref()
+                if handle is not None and handle.tensor is not None:
+                    yield handle.tensor
+
+    # --- eviction ---------------------------------------------------------------------------
+    def evict(
+        self, key: Key, pipeline_tensors: Sequence[torch.Tensor], *, min_bytes: int = 0
+    ) -> tuple[torch.Tensor, Evicted]:
+        """Pack ``key``'s saved tensors and ``pipeline_tensors`` into one uint8 buffer (at least
+        ``min_bytes`` long) and release them locally; returns the buffer and the recipe."""
+        if key in self.evicted:
+            raise RuntimeError(f"stage {key[0]}, micro-batch {key[1]} is already evicted")
+        targets: list[tuple[_Saved | torch.Tensor, torch.Tensor]] = []
+        for ref in self.entries.get(key, []):
+            handle = ref()
+            if handle is not None and handle.tensor is not None:
+                targets.append((handle, handle.tensor))
+        for tensor in pipeline_tensors:
+            if tensor.untyped_storage().nbytes() > 0:
+                targets.append((tensor, tensor))
+        index: dict[int, int] = {}
+        storages: list[torch.UntypedStorage] = []
+        views: list[tuple[_Saved | torch.Tensor, _View]] = []
+        for target, tensor in targets:
+            storage = tensor.untyped_storage()
+            position = index.setdefault(storage.data_ptr(), len(storages))
+            if position == len(storages):
+                storages.append(storage)
+            view = _View(
+                position,
+                tensor.dtype,
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+                int(tensor.storage_offset()),
+            )
+            views.append((target, view))
+        offsets, nbytes = _layout(storage.nbytes() for storage in storages)
+        buffer = torch.empty(max(nbytes, min_bytes), dtype=torch.uint8, device=self.device)
+        for storage, offset in zip(storages, offsets, strict=True):
+            source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+            buffer.narrow(0, offset, storage.nbytes()).copy_(source)
+        for target, _ in targets:
+            if isinstance(target, _Saved):
+                target.tensor = None
+            else:
+                target.data = torch.empty(0, dtype=target.dtype, device=target.device)
+        record = Evicted(nbytes, offsets, views)
+        self.evicted[key] = record
+        return buffer, record
+
+    def restore(self, key: Key, buffer: torch.Tensor) -> None:
+        """Rebuild ``key``'s tensors as views of ``buffer`` (the payload that came back)."""
+        record = self.evicted.pop(key)
+        if buffer.numel() < record.nbytes:
+            raise RuntimeError(
+                f"stage {key[0]}, micro-batch {key[1]}: {buffer.numel()} bytes came back for "
+                f"{record.nbytes} evicted"
+            )
+        storage = buffer.untyped_storage()
+        base = buffer.storage_offset()
+        for target, view in record.targets:
+            element = torch.empty(0, dtype=view.dtype).element_size()
+            start = (base + record.storage_offsets[view.storage]) // element + view.offset
+            rebuilt = torch.empty(0, dtype=view.dtype, device=buffer.device).set_(
+                storage, start, view.size, view.stride
+            )
+            if isinstance(target, _Saved):
+                target.tensor = rebuilt
+            else:
+                target.data = rebuilt
+
+
+def _layout(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Aligned byte offsets of consecutive storages, and the bytes they span."""
+    offsets: list[int] = []
+    end = 0
+    for size in sizes:
+        start = -(-end // ALIGNMENT) * ALIGNMENT
+        offsets.append(start)
+        end = start + size
+    return offsets, end
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors``: what they keep allocated together."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer:
+            seen[pointer] = storage.nbytes()
+    return sum(seen.values())
