@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     par.add_argument("--breadth-first-group-size", type=positive_int, default=None)
     par.add_argument(
+        "--bpipe-max-stored",
+        type=positive_int,
+        default=None,
+        help="bpipe: most micro-batches of activations an evictor keeps (default ceil((p+2)/2))",
+    )
+    par.add_argument(
         "--microbatch-group-size-per-virtual-pipeline-stage",
         dest="microbatch_group_size_per_vp_stage",
         type=positive_int,
@@ -199,6 +205,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                 "--pipeline-schedule interleaved"
             )
         options["microbatch_group_size"] = args.microbatch_group_size_per_vp_stage
+    if args.bpipe_max_stored is not None:
+        if name != "bpipe":
+            raise FlagError("--bpipe-max-stored applies to --pipeline-schedule bpipe")
+        options["max_stored"] = args.bpipe_max_stored
     num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     try:
         build_schedule(

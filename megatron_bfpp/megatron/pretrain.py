@@ -221,6 +221,36 @@ def _reduce_loss(store: list[dict[str, torch.Tensor]], device: torch.device) -> 
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
 
+def _memory_per_pipeline_rank(forward_backward: Any, device: torch.device) -> dict[str, Any]:
+    """The step's measured activation memory, one entry per pipeline rank (of this rank's
+    tensor/data-parallel replica), gathered over the pipeline group: collective, every rank
+    calls it."""
+    from megatron.core import parallel_state
+
+    report = forward_backward.last_memory
+    cuda = report.cuda_max_memory_allocated
+    mine = torch.tensor(
+        [
+            report.peak_activation_bytes,
+            report.peak_stored_microbatches,
+            -1 if cuda is None else cuda,
+        ],
+        dtype=torch.int64,
+        device=device,
+    )
+    group = parallel_state.get_pipeline_model_parallel_group()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [[int(v) for v in t.tolist()] for t in gathered]
+    memory: dict[str, Any] = {
+        "peak_activation_bytes": [row[0] for row in rows],
+        "peak_stored_microbatches": [row[1] for row in rows],
+    }
+    if cuda is not None:
+        memory["cuda_max_memory_allocated"] = [row[2] for row in rows]
+    return memory
+
+
 class _Progress:
     """One line on rank 0, redrawn with a carriage return; ``--no-progress`` logs lines."""
 
@@ -295,7 +325,11 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
             options["group_size"] = args.breadth_first_group_size
         if args.pipeline_schedule == "interleaved" and args.microbatch_group_size_per_vp_stage:
             options["microbatch_group_size"] = args.microbatch_group_size_per_vp_stage
-        forward_backward = get_forward_backward_func(args.pipeline_schedule, **options)
+        if args.pipeline_schedule == "bpipe" and getattr(args, "bpipe_max_stored", None):
+            options["max_stored"] = args.bpipe_max_stored
+        forward_backward = get_forward_backward_func(
+            args.pipeline_schedule, measure_memory=bool(args.metrics_file), **options
+        )
 
         data = TrainingData(
             seq_length=args.seq_length,
@@ -362,6 +396,9 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"lm loss is {loss} at iteration {iteration}")
                 progress.update(iteration, loss, step_time, lr)
+                memory = (
+                    _memory_per_pipeline_rank(forward_backward, device) if args.metrics_file else {}
+                )
                 if metrics is not None:
                     record = {
                         "iteration": iteration,
@@ -372,6 +409,7 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
                         "grad_norm": None if grad_norm is None else float(grad_norm),
                         "tokens_per_s": args.global_batch_size * args.seq_length / step_time,
                         "num_microbatches": num_microbatches,
+                        **memory,
                     }
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()

@@ -89,12 +89,15 @@ def run_ranks(
     args: Sequence[Any] = (),
     seed: int = 1234,
     parallel_kwargs: dict[str, Any] | None = None,
+    error_grace: float = ERROR_GRACE,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` forked gloo ranks; return the results by global rank.
 
     ``fn`` and ``args`` are inherited through ``fork`` (closures and lambdas are fine); each
     result must be picklable. ``world_size`` must be a multiple of ``tp * pp`` (the rest is data
     parallel). ``parallel_kwargs`` go to ``initialize_model_parallel`` as extra keywords.
+    After the first failure the other ranks get ``error_grace`` seconds to report their own
+    (raise it to test how the survivors of a failure fail).
     Raises :class:`RanksFailed` if any rank raises, dies, or is still running after ``timeout``
     seconds; every child is killed before this returns or raises.
     """
@@ -132,7 +135,7 @@ def run_ranks(
             if port is not None:  # otherwise rank 0 failed or hung: _collect reports it
                 for rank in range(1, world_size):
                     start(rank, port, None)
-            results = _collect(procs, readers, stacks, deadline, timeout)
+            results = _collect(procs, readers, stacks, deadline, timeout, error_grace)
             if len(results) != world_size:  # rank 0 returned without ever reporting its port
                 raise RanksFailed("rank 0 never reported the rendezvous port", {})
         finally:
@@ -269,6 +272,7 @@ def _collect(
     stacks: list[Path],
     deadline: float,
     timeout: float,
+    error_grace: float = ERROR_GRACE,
 ) -> dict[int, Any]:
     results: dict[int, Any] = {}
     reports: dict[int, str] = {}
@@ -277,7 +281,7 @@ def _collect(
     failed_at: dict[int, float] = {}  # wall-clock time of each failure, to name the first
     while pending:
         now = time.monotonic()
-        limit = deadline if first_error is None else min(deadline, first_error + ERROR_GRACE)
+        limit = deadline if first_error is None else min(deadline, first_error + error_grace)
         if now >= limit:
             break
         for conn in wait(list(pending), timeout=limit - now):

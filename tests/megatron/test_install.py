@@ -196,7 +196,7 @@ def test_set_schedule_dispatches_to_ours(no_megatron_lm: None) -> None:
 
 def test_set_schedule_rejects_bad_choices() -> None:
     with pytest.raises(ScheduleError, match="not yet runnable"):
-        plugin.set_schedule("bpipe")
+        plugin.set_schedule("v-half")
     with pytest.raises(ScheduleError, match="unknown schedule"):
         plugin.set_schedule("zigzag")
     with pytest.raises(ScheduleError, match="does not take"):
@@ -301,7 +301,11 @@ def test_interleaved_reads_megatrons_group_size_flag(
             "--pipeline-schedule gpipe",
             "one stage per rank",
         ),
-        ("--pipeline-model-parallel-size 4 --pipeline-schedule bpipe", "not yet runnable"),
+        (
+            "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
+            "--pipeline-schedule bpipe",
+            "one stage per rank",
+        ),
         ("--pipeline-model-parallel-size 4 --pipeline-schedule v-zb", "not yet runnable"),
         ("--pipeline-model-parallel-size 1 --pipeline-schedule 1f1b", "needs --pipeline-model"),
         (
