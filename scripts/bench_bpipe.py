@@ -27,13 +27,13 @@ from typing import Any
 import torch
 
 from megatron_bfpp.passes.eviction import bpipe_max_stored
-from megatron_bfpp.testing import models as M
 from megatron_bfpp.testing.multirank import run_ranks
 
 SCHEDULES = ("1f1b", "bpipe")
 MIB = 1024 * 1024
 
-# megatron-core's "Apex / Transformer Engine not installed" and deprecation notices, once per rank.
+# megatron-core's "Apex / Transformer Engine not installed" and deprecation notices (set before
+# run_ranks imports megatron-core; the forked ranks inherit the filter).
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 
@@ -41,6 +41,7 @@ def rank_main(sizes: dict[str, int], warmup: int, steps: int) -> dict[str, Any]:
     """One rank: alternate the two schedules, ``warmup`` untimed then ``steps`` timed steps each;
     step times and the last step's memory report per schedule."""
     from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.testing import models as M
 
     config = M.tiny_gpt_config(
         num_layers=sizes["layers"],

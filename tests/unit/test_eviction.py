@@ -18,6 +18,7 @@ from megatron_bfpp.ir import (
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.eviction import add_eviction, bpipe_max_stored
 from megatron_bfpp.passes.grad_sync import add_grad_sync
+from megatron_bfpp.schedules.registry import build_schedule
 from megatron_bfpp.validate import validate_schedule
 
 K = ActionKind
@@ -345,3 +346,33 @@ def test_large_pipeline_is_fast() -> None:
     elapsed = time.process_time() - start
     assert max(result.peak_activations()) == bpipe_max_stored(64)
     assert elapsed < 1.0, f"add_eviction took {elapsed:.2f} s for p=64, m=1024"
+
+
+# --- what the runtime needs from the order of transfers ----------------------------------------
+
+
+def _move_accept_late(schedule: Schedule, acceptor: int) -> Schedule:
+    """The acceptor's first AC moved to just before its matching RS."""
+    program = list(schedule.per_rank[acceptor])
+    index = next(i for i, a in enumerate(program) if a.kind is ActionKind.ACCEPT)
+    accept = program.pop(index)
+    restore = next(
+        i
+        for i, a in enumerate(program)
+        if a.kind is ActionKind.RESTORE and a.microbatch == accept.microbatch
+    )
+    program.insert(restore, accept)
+    programs = [list(p) for p in schedule.per_rank]
+    programs[acceptor] = program
+    return schedule.with_programs(programs)
+
+
+def test_compute_after_an_evict_waits_for_the_partners_accept() -> None:
+    """The runtime releases an evicted payload after the next compute, once the acceptor posted
+    its receive (gloo sends are only known done once waited for): an AC placed after work that
+    depends on the evictor's next forward deadlocks, and the validator must say so."""
+    schedule = build_schedule("bpipe", num_ranks=4, num_microbatches=8)
+    validate_schedule(schedule)
+    late = _move_accept_late(schedule, acceptor=3)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate_schedule(late)
