@@ -75,10 +75,14 @@ def test_metrics_file_keys(reference: Path) -> None:
         } <= set(record)
         assert record["pipeline_schedule"] == "breadth-first"
         assert record["step_time_s"] > 0 and record["tokens_per_s"] > 0
+        # Measured per pipeline rank (4 by default), for every schedule.
+        assert len(record["peak_activation_bytes"]) == 4
+        assert all(b > 0 for b in record["peak_activation_bytes"])
+        assert len(record["peak_stored_microbatches"]) == 4
 
 
 @pytest.mark.parametrize(
-    ("schedule", "vp"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)], ids=str
+    ("schedule", "vp"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("bpipe", 1)], ids=str
 )
 def test_schedules_give_the_same_losses(
     reference: Path, tmp_path: Path, schedule: str, vp: int
@@ -101,6 +105,31 @@ def test_schedules_give_the_same_losses(
     assert {m["pipeline_schedule"] for m in _metrics(path)} == {schedule}
     for iteration, loss in got.items():
         assert loss == pytest.approx(want[iteration], abs=1e-5), (iteration, got, want)
+
+
+def test_bpipe_caps_measured_activation_memory(tmp_path: Path) -> None:
+    """The metrics file shows BPipe's point: rank 0 stores ceil((p+2)/2) = 3 micro-batches
+    instead of 1F1B's p = 4, and the busiest rank holds fewer bytes."""
+    peaks = {}
+    for schedule in ("1f1b", "bpipe"):
+        path = tmp_path / f"{schedule}.jsonl"
+        proc = _run(
+            "--pipeline-schedule",
+            schedule,
+            "--num-virtual-stages-per-pipeline-rank",
+            "1",
+            "--train-iters",
+            "2",
+            "--metrics-file",
+            str(path),
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        peaks[schedule] = _metrics(path)[-1]
+    assert peaks["1f1b"]["peak_stored_microbatches"] == [4, 3, 2, 1]
+    assert max(peaks["bpipe"]["peak_stored_microbatches"]) <= 3
+    assert max(peaks["bpipe"]["peak_activation_bytes"]) < max(
+        peaks["1f1b"]["peak_activation_bytes"]
+    )
 
 
 def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> None:
@@ -135,8 +164,9 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         (["--tensor-model-parallel-size", "3"], "tp*pp*dp must equal the number of ranks"),
         (["--pipeline-schedule", "v-half"], "not yet runnable"),
         (["--num-layers", "6"], "--num-layers 6 is not divisible"),
+        (["--bpipe-max-stored", "2"], "--bpipe-max-stored applies to --pipeline-schedule bpipe"),
     ],
-    ids=["unknown-schedule", "bf-without-vp", "world-size", "not-runnable", "layers"],
+    ids=["unknown-schedule", "bf-without-vp", "world-size", "not-runnable", "layers", "bpipe-cap"],
 )
 def test_bad_flags_one_line_nonzero_exit(flags: list[str], expected: str) -> None:
     start = time.monotonic()
