@@ -131,7 +131,7 @@ def print_summary(s: dict[str, Any]) -> None:
         for name in SCHEDULES
     }
     print(
-        f"stored micro-batches at the peak, per rank: 1f1b [{stored['1f1b']}], "
+        f"most micro-batches stored at once, per rank: 1f1b [{stored['1f1b']}], "
         f"bpipe [{stored['bpipe']}]; bpipe cap ceil((p+2)/2) = {s['max_stored_cap']} "
         f"({'within' if b['max_stored_microbatches'] <= s['max_stored_cap'] else 'OVER'})",
         flush=True,

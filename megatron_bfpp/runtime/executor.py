@@ -20,8 +20,9 @@ evictor's receive, which the micro-batch's backward waits for before rebuilding 
 Memory accounting (``StepContext.measure_memory``, always on for a rank that evicts): after every
 window of messages and every compute action the executor adds up the distinct storages this rank
 holds for pipelining: tensors saved for backward, stage inputs and outputs, eviction payloads
-received, posted or in flight. ``MemoryReport`` keeps the peak and how many micro-batches were
-resident then; on CUDA it also reads ``torch.cuda.max_memory_allocated``.
+received, posted or in flight. ``MemoryReport`` keeps the peak bytes and, separately, the most
+micro-batches resident at once; on CUDA it also reads ``torch.cuda.max_memory_allocated`` (the
+process's high-water mark, which this runtime does not reset).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class MemoryReport:
     """Measured activation memory of one rank in one step (bytes of distinct storages)."""
 
     peak_activation_bytes: int = 0
-    peak_stored_microbatches: int = 0  # resident at the byte peak: own and the partner's
+    peak_stored_microbatches: int = 0  # most resident at once: own and the partner's
     cuda_max_memory_allocated: int | None = None
 
     def observe(self, nbytes: int, microbatches: int) -> None:
