@@ -4,6 +4,10 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+# The versions megatron_bfpp is tested with (megatron_bfpp.compat.SUPPORTED_WINDOW): 0.16.x on
+# Python 3.10/3.11, 0.19.x on Python >= 3.12 (0.20 is served from Megatron-LM checkouts).
+MEGATRON_CORE = "megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.21"
+
 setup(
     name="megatron-bfpp",
     version="0.1.0",
@@ -20,16 +24,16 @@ setup(
         # Drawing timelines as PNG.
         "plot": ["matplotlib>=3.7"],
         # Running schedules on megatron-core (CPU or GPU).
-        "megatron": ["torch>=2.4", "megatron-core>=0.16.1,<0.17"],
+        "megatron": ["torch>=2.4", MEGATRON_CORE],
         # Development and CI: tests, lint, types.
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",
             "matplotlib>=3.7",
-            "ruff>=0.6",
-            "mypy>=1.10",
+            "ruff==0.17.6",  # pinned: lint results must not change under CI
+            "mypy==2.4.1",
             "torch>=2.4",
-            "megatron-core>=0.16.1,<0.17",
+            MEGATRON_CORE,
         ],
         # Running Megatron-LM's own pretrain scripts (its runtime dependencies; Megatron-LM
         # itself is a checkout, not a PyPI package).

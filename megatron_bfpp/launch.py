@@ -5,16 +5,18 @@
     torchrun --nproc-per-node 8 -m megatron_bfpp.launch /path/to/Megatron-LM/pretrain_gpt.py ...
 
 Each process: (1) applies a pair-adjacent (or any) rank order from ``BFPP_RANK_ORDER`` (see
-:mod:`megatron_bfpp.megatron.placement`); (2) imports the installed ``megatron.core`` if there is
-one (so a pip megatron-core is used even though the checkout also has ``megatron/core``);
-(3) puts the script's directory first on ``sys.path``; (4) ``megatron_bfpp.install()``;
-(5) without CUDA, enables the CPU redirects of :mod:`megatron_bfpp.megatron.cpu_launch` and logs
-one line saying so; (6) runs the script as ``__main__`` with ``sys.argv`` = script + its arguments.
+:mod:`megatron_bfpp.megatron.placement`); (2) puts the script's directory first on ``sys.path``,
+as ``python pretrain_gpt.py`` would, so a checkout's own ``megatron/core`` and
+``megatron/training`` are used together (a checkout without ``megatron/core`` uses the installed
+megatron-core); (3) ``megatron_bfpp.install()``, which checks the megatron-core version (one error
+line outside the supported window); (4) without CUDA, enables the CPU redirects of
+:mod:`megatron_bfpp.megatron.cpu_launch`; rank 0 logs one line naming the megatron-core version,
+where it comes from and the device; (5) runs the script as ``__main__`` with ``sys.argv`` =
+script + its arguments.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import runpy
@@ -42,25 +44,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     from megatron_bfpp.megatron.placement import apply_rank_order_from_env
 
     apply_rank_order_from_env(os.environ)
-    with contextlib.suppress(ImportError):
-        import megatron.core  # noqa: F401  (the installed megatron-core wins over the checkout's)
     sys.path.insert(0, os.path.dirname(script))
 
     import torch
 
+    from megatron_bfpp.compat import UnsupportedMegatronError, megatron_core_version
     from megatron_bfpp.megatron.plugin import install
 
-    install()
+    try:
+        install()
+    except UnsupportedMegatronError as error:
+        raise SystemExit(f"megatron_bfpp.launch: error: {error}") from None
     _use_prebuilt_dataset_helpers()
-    if not torch.cuda.is_available():
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
         from megatron_bfpp.megatron.cpu_launch import enable_cpu_megatron_lm
 
         enable_cpu_megatron_lm()
-        if os.environ.get("RANK", "0") == "0":
-            log.info(
-                "megatron_bfpp.launch: no CUDA device: running on CPU with gloo "
-                "(megatron_bfpp.megatron.cpu_launch redirects CUDA-only calls)"
-            )
+    if os.environ.get("RANK", "0") == "0":
+        import megatron.core
+
+        version = ".".join(map(str, megatron_core_version()))
+        where = os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__)))
+        device = (
+            "no CUDA device: running on CPU with gloo (megatron_bfpp.megatron.cpu_launch "
+            "redirects CUDA-only calls)"
+            if on_cpu
+            else f"{torch.cuda.device_count()} CUDA device(s) visible"
+        )
+        log.info("megatron_bfpp.launch: megatron-core %s from %s; %s", version, where, device)
     sys.argv = [script, *argv[1:]]
     runpy.run_path(script, run_name="__main__")
 

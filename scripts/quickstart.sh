@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-. .venv/bin/activate
+. "${VENV:-.venv}/bin/activate"
 mkdir -p out
 bfpp-train --pipeline-schedule breadth-first --pipeline-model-parallel-size 4 \
   --num-virtual-stages-per-pipeline-rank 2 --metrics-file out/metrics.jsonl "$@"

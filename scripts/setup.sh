@@ -1,15 +1,92 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv and install megatron_bfpp with what the tests and the CPU demo need.
-# torch is pinned first so pip takes the CPU build instead of the CUDA one with several GB of
-# CUDA packages; on a GPU machine, install your CUDA torch before running this.
+# Create (or reuse) a virtual environment with megatron_bfpp and what the tests and the CPU demo
+# need, on the right stack for this machine:
+#   primary: Python >= 3.12 (3.12 preferred) with megatron-core 0.19.x, when such a Python exists
+#            (PATH or pyenv);
+#   0.16:    otherwise the newest Python 3.10/3.11 with megatron-core 0.16.1.
+# Prints one line saying which. Environment:
+#   BFPP_STACK=auto|0.19|0.16   force a stack (default auto, as above)
+#   VENV=DIR                    the environment's folder (default .venv)
+#   PYTHON=/path/to/python      use this interpreter (its version decides the stack)
+# torch is installed first, pinned, so pip does not pick a newer release: on Python 3.11 this
+# machine kind has a local CPU build of torch 2.13.0; elsewhere PyPI's build is used (on Linux it
+# brings CUDA libraries, which run fine without a GPU). On a GPU machine install your CUDA torch
+# into the environment first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+VENV=${VENV:-.venv}
+STACK=${BFPP_STACK:-auto}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+
+die() { echo "setup.sh: error: $*" >&2; exit 2; }
+
+# "3 12" for an interpreter, or nothing if it does not run.
+py_version() { "$1" -c 'import sys; print(*sys.version_info[:2])' 2>/dev/null || true; }
+
+# Interpreters to consider: PATH names, then pyenv's installed versions.
+candidates() {
+  local name root
+  for name in python3.12 python3.13 python3.14 python3.11 python3.10 python3; do
+    command -v "$name" 2>/dev/null || true
+  done
+  if command -v pyenv >/dev/null 2>&1; then
+    root=$(pyenv root 2>/dev/null || true)
+    [ -n "$root" ] && ls -d "$root"/versions/3.1[0-9]*/bin/python 2>/dev/null || true
+  fi
+}
+
+# The best interpreter for a stack: "new" = 3.12 first, then any newer; "old" = newest 3.10/3.11.
+pick_python() {
+  local want=$1 best="" best_key=-1 py major minor key
+  while read -r py; do
+    [ -x "$py" ] || continue
+    read -r major minor <<<"$(py_version "$py")" || continue
+    [ "${major:-0}" = 3 ] || continue
+    if [ "$want" = new ]; then
+      [ "$minor" -ge 12 ] || continue
+      key=$((minor == 12 ? 100 : 100 - minor))  # 3.12 is the tested one
+    else
+      [ "$minor" -ge 10 ] && [ "$minor" -le 11 ] || continue
+      key=$minor
+    fi
+    if [ "$key" -gt "$best_key" ]; then best=$py; best_key=$key; fi
+  done < <(candidates)
+  echo "$best"
+}
+
+if [ -n "${PYTHON:-}" ]; then
+  command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON=$PYTHON is not an interpreter"
+  read -r _ minor <<<"$(py_version "$PYTHON")"
+  if [ "$STACK" = auto ]; then STACK=$([ "${minor:-0}" -ge 12 ] && echo 0.19 || echo 0.16); fi
+else
+  case "$STACK" in
+    auto)
+      PYTHON=$(pick_python new)
+      if [ -n "$PYTHON" ]; then STACK=0.19; else PYTHON=$(pick_python old); STACK=0.16; fi ;;
+    0.19) PYTHON=$(pick_python new) ;;
+    0.16) PYTHON=$(pick_python old) ;;
+    *) die "BFPP_STACK must be auto, 0.19 or 0.16, got '$STACK'" ;;
+  esac
 fi
-. .venv/bin/activate
+case "$STACK" in
+  0.19) CORE="megatron-core>=0.19.2,<0.20" ;;
+  0.16) CORE="megatron-core==0.16.1" ;;
+  *) die "BFPP_STACK must be auto, 0.19 or 0.16, got '$STACK'" ;;
+esac
+[ -n "$PYTHON" ] || die "no Python for megatron-core $STACK found (0.19 needs Python >= 3.12, \
+0.16 needs 3.10 or 3.11; install one, e.g. pyenv install 3.12, or set PYTHON=...)"
+PY_VERSION=$(py_version "$PYTHON" | tr ' ' .)
+
+# A folder made for another Python is rebuilt rather than silently reused.
+if [ -x "$VENV/bin/python" ] && [ "$(py_version "$VENV/bin/python" | tr ' ' .)" != "$PY_VERSION" ]; then
+  rm -rf "$VENV"
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+echo "setup.sh: megatron-core $STACK stack: Python $PY_VERSION ($PYTHON) in $VENV"
+. "$VENV/bin/activate"
 if ! python -c "import torch" 2>/dev/null; then
-  pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+  pip install -q "torch==$TORCH_VERSION"
 fi
-pip install -q -e ".[test]"
+pip install -q -e ".[test]" "$CORE"

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-. .venv/bin/activate
+. "${VENV:-.venv}/bin/activate"
 echo "== ruff (lint, format)"
 ruff check .
 ruff format --check .

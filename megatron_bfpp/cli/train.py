@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
 import multiprocessing
 import os
 import signal
@@ -26,6 +27,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from megatron_bfpp.cli.common import OneLineParser, positive_int
+from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
 
 PROG = "bfpp-train"
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth-first", "bpipe", "v-min", "v-half", "v-zb")
@@ -263,12 +265,34 @@ def _default_nproc() -> int:
 _QUIET = (
     r"Apex is not installed",  # megatron-core's local spec falls back to torch norms
     r"The \.grad attribute of a Tensor that is not a leaf",  # megatron-core optimizer probe
+    # megatron-core 0.19 on CPU: fallbacks for GPU-only extras, and notes meant for its own users
+    r"Transformer Engine and Apex are not installed",
+    r"absl\.logging is not installed",
+    r"MimoModelConfig is experimental",
+    r"full scope is deprecated",  # TransformerConfig's own default cuda_graph_modules
 )
+# Log records (logger name, message start) that say nothing to a bfpp-train user.
+_QUIET_LOGS = (
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+    ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel: full_param"),
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),  # CUDA build of torch, no GPU
+)
+
+
+class _DropRecord(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     for message in _QUIET:
         warnings.filterwarnings("ignore", message=message)
+    for logger, prefix in _QUIET_LOGS:
+        logging.getLogger(logger).addFilter(_DropRecord(prefix))
     args = build_parser().parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = (
@@ -276,7 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         validate(args, world_size)
-    except FlagError as error:
+        check_megatron_core()
+    except (FlagError, UnsupportedMegatronError) as error:
         return _error(str(error))
     if launched:
         return _run_rank(args)

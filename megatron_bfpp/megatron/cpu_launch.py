@@ -9,8 +9,6 @@ For CPU tests and demos; ``megatron_bfpp.launch`` calls :func:`enable_cpu_megatr
 * ``torch.cuda.set_device`` -> no-op, ``torch.cuda.device_count()`` -> 1: Megatron-LM only
   initialises the model-parallel groups when it sees a device;
 * ``torch.distributed.init_process_group`` -> gloo, without a CUDA ``device_id``;
-* ``torch.cuda.Stream`` / ``Event`` / ``stream`` / ``current_stream`` / ``set_stream`` ->
-  stand-ins that do nothing (everything on CPU is synchronous);
 * ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> the CPU generator's (the device *is* the
   CPU; Megatron-LM's rerun state machine saves and restores both);
 * ``megatron.legacy.fused_kernels.load`` -> skipped (it compiles CUDA kernels);
@@ -26,7 +24,7 @@ import contextlib
 import functools
 import importlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,12 +49,6 @@ def enable_cpu_megatron_lm() -> None:
     enable_cpu_megatron()
     _patch(torch.cuda, "set_device", _set_device)
     _patch(torch.cuda, "device_count", _device_count)
-    _patch(torch.cuda, "Stream", _Stream)
-    _patch(torch.cuda, "Event", _Event)
-    _patch(torch.cuda, "stream", _stream_context)
-    _patch(torch.cuda, "current_stream", _current_stream)
-    _patch(torch.cuda, "default_stream", _current_stream)
-    _patch(torch.cuda, "set_stream", _set_stream)
     _patch(torch.cuda, "get_rng_state", _get_rng_state)
     _patch(torch.cuda, "set_rng_state", _set_rng_state)
     dist = torch.distributed
@@ -100,72 +92,6 @@ def _set_device(device: Any) -> None:
 
 def _device_count() -> int:
     return 1
-
-
-class _Stream:
-    """A CUDA stream stand-in: CPU work is synchronous, so waiting and syncing do nothing."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        return None
-
-    def wait_event(self, event: Any) -> None:
-        return None
-
-    def record_event(self, event: Any = None) -> Any:
-        return event if event is not None else _Event()
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def __enter__(self) -> _Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class _Event:
-    """A CUDA event stand-in (``elapsed_time`` is 0: time CPU runs with the timers instead)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
-
-
-_STREAM = _Stream()
-
-
-@contextlib.contextmanager
-def _stream_context(stream: Any = None) -> Iterator[None]:
-    yield
-
-
-def _current_stream(device: Any = None) -> _Stream:
-    return _STREAM
-
-
-def _set_stream(stream: Any) -> None:
-    return None
 
 
 def _get_rng_state(device: Any = "cuda") -> torch.Tensor:

@@ -4,7 +4,8 @@
 
 * ``get_forward_backward_func`` where it is bound: ``megatron.core.pipeline_parallel.schedules``,
   ``megatron.core.pipeline_parallel`` and (with Megatron-LM) ``megatron.training.training``. The
-  replacement keeps megatron's ``(pp_size=None, vp_size=None)`` signature; it returns megatron's
+  replacement keeps megatron's ``(pp_size=None, vp_size=None, schedule_pg_collection=None)``
+  signature (the last from megatron-core 0.19 on); it returns megatron's
   own function for ``default`` (and whenever there is no pipeline, pp=1) and megatron_bfpp's
   forward-backward function for any other schedule.
 * with Megatron-LM: ``megatron.training.arguments.add_megatron_arguments`` (adds the
@@ -29,6 +30,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from megatron_bfpp.compat import (
+    call_megatron_get_forward_backward_func,
+    check_megatron_core,
+    is_multi_module_collection,
+)
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.megatron.arguments import (
     add_schedule_arguments,
@@ -95,6 +101,7 @@ def install() -> None:
     with _lock:
         if _saved:
             return
+        check_megatron_core()
         core = [importlib.import_module(name) for name in CORE_SITES]
         _megatron_get_fbf = core[0].get_forward_backward_func
         training_modules = _import_training()
@@ -129,23 +136,42 @@ def uninstall() -> None:
         _cached_forward_backward_func.cache_clear()
 
 
-def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Any:
-    """megatron's ``get_forward_backward_func`` signature, dispatching on the chosen schedule."""
+def get_forward_backward_func(
+    pp_size: int | None = None,
+    vp_size: int | None = None,
+    schedule_pg_collection: Any = None,
+) -> Any:
+    """megatron's ``get_forward_backward_func`` signature (0.19+ adds ``schedule_pg_collection``),
+    dispatching on the chosen schedule."""
     original = _megatron_get_fbf
     if original is None:  # called through a reference kept after uninstall()
         from megatron.core.pipeline_parallel import schedules
 
         original = schedules.get_forward_backward_func
     name, options = current_schedule()
+
+    def megatrons_own() -> Any:
+        return call_megatron_get_forward_backward_func(
+            original,
+            pp_size=pp_size,
+            vp_size=vp_size,
+            schedule_pg_collection=schedule_pg_collection,
+        )
+
     if name == "default":
-        return original(pp_size=pp_size, vp_size=vp_size)
+        return megatrons_own()
+    if is_multi_module_collection(schedule_pg_collection):
+        raise ScheduleError(
+            f"pipeline schedule {name} does not run multi-module (cross-grid) pipelines; "
+            "use --pipeline-schedule default for them"
+        )
     if pp_size is None:
         from megatron.core import parallel_state
 
         pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if pp_size == 1:
         _log_once(f"pipeline schedule {name} needs pp >= 2; using megatron's own (no pipelining)")
-        return original(pp_size=pp_size, vp_size=vp_size)
+        return megatrons_own()
     func = _cached_forward_backward_func(name, tuple(sorted(options.items())))
     _log_once(f"megatron_bfpp: pipeline schedule {name} {options or ''}".rstrip(), logging.INFO)
     return func

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.compat import check_megatron_core, default_process_groups
 from megatron_bfpp.ir import Schedule, ScheduleError
 from megatron_bfpp.runtime.executor import MemoryReport, StepContext, run_rank_program
 from megatron_bfpp.runtime.p2p import PipeComm
@@ -37,6 +38,7 @@ def get_forward_backward_func(
     :class:`~megatron_bfpp.runtime.executor.MemoryReport` (measured when ``measure_memory`` is
     true, or on a rank that evicts; otherwise zeros) and ``last_trace`` the actions it ran.
     """
+    check_megatron_core()
     spec = get_spec(schedule)
     if spec.name not in RUNNABLE_SCHEDULES:
         raise ScheduleError(
@@ -257,20 +259,8 @@ def _reject_unsupported(config: Any) -> None:
 
 
 def _resolve_groups(p2p_communicator: Any, pg_collection: Any) -> Any:
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     if p2p_communicator is None and pg_collection is None:
-        collection = ProcessGroupCollection()
-        collection.tp = parallel_state.get_tensor_model_parallel_group()
-        collection.cp = parallel_state.get_context_parallel_group()
-        collection.embd = parallel_state.get_embedding_group(check_initialized=False)
-        collection.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
-        collection.pp = parallel_state.get_pipeline_model_parallel_group()
-        collection.dp_cp = parallel_state.get_data_parallel_group(
-            with_context_parallel=True, partial_data_parallel=False
-        )
-        return collection
+        return default_process_groups()
     if p2p_communicator is not None and pg_collection is not None:
         for name in ("tp", "cp", "pp", "embd", "pos_embd", "dp_cp"):
             if not hasattr(pg_collection, name):

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.compat import backward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
 from megatron_bfpp.runtime.activations import ActivationStore, unique_storage_bytes
 from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send
@@ -336,8 +337,6 @@ class _Executor:
         return self.ctx.comm.wait_receive(Message("act", stage - 1, mb), previous)
 
     def backward(self, position: int, action: Action) -> None:
-        from megatron.core.pipeline_parallel.schedules import backward_step
-
         ctx, stage, mb = self.ctx, action.stage, _mb(action)
         key = (stage, mb)
         chunk = self.layout.chunk_of(stage)
@@ -352,7 +351,9 @@ class _Executor:
             self._bring_back(key)
         input_tensor = self.state.inputs.pop(key)
         output = self.state.outputs.pop(key)
-        input_grad = backward_step(input_tensor, output, output_grad, ctx.model_type, ctx.config)
+        input_grad = backward_step(
+            input_tensor, output, output_grad, model_type=ctx.model_type, config=ctx.config
+        )
         self.store.drop(key)
         self.state.trace.append(str(action))
         if stage == 0:

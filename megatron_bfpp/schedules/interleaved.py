@@ -1,4 +1,4 @@
-"""Megatron's depth-first interleaved schedule, in exactly the order megatron-core 0.16 runs it.
+"""Megatron's depth-first interleaved schedule, in the exact order megatron-core 0.16-0.20 runs.
 
 Forward "virtual micro-batches" follow megatron-core's ``get_schedule_table``: groups of
 ``microbatch_group_size`` micro-batches run through chunk 0, then chunk 1, ...; backwards follow

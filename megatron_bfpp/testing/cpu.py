@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16 on CPU with gloo: the one place that redirects its CUDA-only calls.
+"""Run megatron-core 0.16-0.20 on CPU with gloo: the one place that redirects its CUDA-only calls.
 
 For tests and CPU demos only; product code never imports this module. ``enable_cpu_megatron()``
 installs every redirect below (idempotent); ``disable_cpu_megatron()`` puts every original back.
@@ -12,6 +12,10 @@ On CPU the "current device" *is* the CPU, so each redirect maps a CUDA call onto
     ``Attention`` helpers, rotary embeddings.
 ``torch.cuda.synchronize()`` -> no-op
     ``p2p_communication`` (``batch_p2p_sync``), ``DistributedDataParallel`` buffer offload.
+``torch.cuda.Stream`` / ``Event`` / ``stream`` / ``current_stream`` / ``default_stream`` /
+``set_stream`` -> stand-ins that do nothing (everything on CPU is synchronous)
+    megatron-core 0.19+ DDP (``param_and_grad_buffer.start_grad_sync`` waits on the current
+    stream), overlapped p2p, Megatron-LM's timers and rerun machinery.
 ``device="cuda"`` (or ``"cuda:N"``, a CUDA ``torch.device``, an int index) in the factories
 ``torch.tensor``, ``as_tensor``, ``zeros``, ``ones``, ``empty``, ``full``, ``arange`` -> CPU
     ``schedules`` (``total_num_tokens``), ``optimizer.optimizer`` (``found_inf``,
@@ -89,6 +93,12 @@ def enable_cpu_megatron() -> None:
 
         _patch(torch.cuda, "current_device", _current_device)
         _patch(torch.cuda, "synchronize", _synchronize)
+        _patch(torch.cuda, "Stream", _Stream)
+        _patch(torch.cuda, "Event", _Event)
+        _patch(torch.cuda, "stream", _stream_context)
+        _patch(torch.cuda, "current_stream", _current_stream)
+        _patch(torch.cuda, "default_stream", _current_stream)
+        _patch(torch.cuda, "set_stream", _set_stream)
         for name in _FACTORIES:
             _patch(torch, name, _on_cpu(getattr(torch, name)))
         _patch(torch.Tensor, "cuda", _tensor_cuda)
@@ -160,6 +170,72 @@ def _current_device() -> torch.device:
 
 
 def _synchronize(device: Any = None) -> None:
+    return None
+
+
+class _Stream:
+    """A CUDA stream stand-in: CPU work is synchronous, so waiting and syncing do nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Any:
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _Event:
+    """A CUDA event stand-in (``elapsed_time`` is 0: time CPU runs with the timers instead)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+_STREAM = _Stream()
+
+
+@contextlib.contextmanager
+def _stream_context(stream: Any = None) -> Iterator[None]:
+    yield
+
+
+def _current_stream(device: Any = None) -> _Stream:
+    return _STREAM
+
+
+def _set_stream(stream: Any) -> None:
     return None
 
 

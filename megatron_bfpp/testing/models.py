@@ -60,9 +60,11 @@ __all__ = [
     "make_batches",
     "merge_shards",
     "param_shards",
+    "reduction_tolerance",
     "reference_losses_and_grads",
     "run_schedule",
     "tiny_gpt_config",
+    "tokens_per_step",
     "train_steps",
     "unparallel_config",
     "unwrap",
@@ -491,6 +493,29 @@ def run_schedule(
             forward_only=forward_only,
         )
     )
+
+
+def reduction_tolerance(num_terms: int, dtype: torch.dtype = torch.float32) -> float:
+    """Relative tolerance for a result that sums ``num_terms`` values in another order than the
+    reference does (tensor- and data-parallel all-reduces, sequence-parallel norm gradients, GEMM
+    blocking that depends on the CPU's vector width).
+
+    Recursive summation of n terms in any order is within (n-1)·u·Σ|x| of the exact sum (Higham,
+    *Accuracy and Stability of Numerical Algorithms*, 2nd ed., eq. 4.4; u = eps/2), so two orders
+    differ by at most (n-1)·eps·Σ|x|. The test has no Σ|x|, so the bound is applied relative to
+    max|want|: an approximation, with a wide margin here (measured differences are about 1e-6
+    against bounds of 1.5e-5 to 3e-5). A fixed 1e-6 passed on one host and failed on another
+    (1.06e-6, layernorm gradients with tp=2). A wrong schedule (a micro-batch missing or run
+    twice) is off by more than 1e-2, far above the bound.
+    """
+    if num_terms < 1:
+        raise ValueError(f"num_terms must be >= 1, got {num_terms}")
+    return max(num_terms - 1, 1) * torch.finfo(dtype).eps
+
+
+def tokens_per_step(batches: list[dict[str, torch.Tensor]]) -> int:
+    """Terms summed into each weight gradient in one step: every token of every micro-batch."""
+    return sum(int(batch["tokens"].numel()) for batch in batches)
 
 
 def assert_tensors_close(

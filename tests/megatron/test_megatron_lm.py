@@ -1,11 +1,14 @@
 """Megatron-LM's own ``pretrain_gpt.py`` through ``python -m megatron_bfpp.launch`` on 4 CPU ranks.
 
-Needs a Megatron-LM checkout in ``MEGATRON_LM_PATH`` (verified: core_r0.16 training code, commit
-a0cc8caec of github.com/wdykas/Megatron-LM, a fork tracking NVIDIA/Megatron-LM) and its runtime
-deps in this environment (six, pyyaml, pydantic, regex, pybind11, triton). The installed
-megatron-core (0.16.1) is used; only ``megatron.training`` / ``megatron.legacy`` and the
-script's helpers come from the checkout (the launcher imports ``megatron.core`` before putting
-the checkout on ``sys.path``).
+Needs a Megatron-LM checkout in ``MEGATRON_LM_PATH`` and its runtime deps in this environment
+(``pip install -e .[megatron-lm]``: six, pyyaml, pydantic, regex, pybind11, triton). The launcher
+runs the checkout's own ``megatron/core`` with its ``megatron/training`` (as ``python
+pretrain_gpt.py`` would); the test prints and checks the version it ran. Verified with commits of
+github.com/wdykas/Megatron-LM (a fork tracking NVIDIA/Megatron-LM): a0cc8caec (core 0.16, Python
+3.11), 54045a510 (core 0.19, identical to the 0.19.2 wheel where we touch it; Python 3.12) and
+its main (core 0.20; Python 3.12). Megatron's dataset helpers are compiled by the checkout's own
+Makefile through ``python3-config``; under pyenv the checkout's ``.python-version`` would pick
+another Python, so the test pins ``PYENV_VERSION`` to the running interpreter's.
 
 Megatron's own interleaved schedule is run with ``--no-overlap-p2p-communication``: its default
 overlapped p2p path gives different losses on gloo from the first forward on (measured: iteration
@@ -30,10 +33,9 @@ pytestmark = [
     pytest.mark.megatron,
     pytest.mark.skipif(
         not MEGATRON_LM,
-        reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_r0.16 training code, e.g. "
-        "`git clone https://github.com/NVIDIA/Megatron-LM && git checkout core_r0.16.0`, or "
-        "commit a0cc8caec of github.com/wdykas/Megatron-LM) and pip install six pyyaml "
-        "pydantic regex pybind11 triton",
+        reason="set MEGATRON_LM_PATH to a Megatron-LM checkout whose megatron/core is 0.16, "
+        "0.19 or 0.20 (e.g. commit a0cc8caec or 54045a510 of github.com/wdykas/Megatron-LM) "
+        "and pip install -e .[megatron-lm]",
     ),
 ]
 
@@ -48,6 +50,9 @@ COMMON = shlex.split(
     "--eval-interval 1000 --pipeline-model-parallel-size 4"
 )
 VP = ["--num-virtual-stages-per-pipeline-rank", "2"]
+LAUNCH_LINE = re.compile(
+    r"megatron_bfpp\.launch: megatron-core (\d+\.\d+\.\d+) from .*; no CUDA device: running on CPU"
+)
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: (\S+) .*?grad norm: (\S+) ")
 
 
@@ -64,7 +69,7 @@ def _train(tmp_path: Path, *extra: str) -> tuple[list[tuple[str, str]], str]:
         "--master-port", str(_free_port()),
         "-m", "megatron_bfpp.launch", str(script), *COMMON, *extra,
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = _environment()
     result = subprocess.run(
         cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540, check=False
     )
@@ -73,8 +78,19 @@ def _train(tmp_path: Path, *extra: str) -> tuple[list[tuple[str, str]], str]:
     losses = [(loss, norm) for _, loss, norm in LOG_LINE.findall(output)]
     assert len(losses) == 3, output[-3000:]
     assert float(losses[-1][0]) < float(losses[0][0]), losses  # training makes progress
-    assert output.count("megatron_bfpp.launch: no CUDA device") == 1
+    versions = LAUNCH_LINE.findall(output)
+    assert len(versions) == 1, output[-3000:]  # rank 0 says it once
+    print(f"megatron-core {versions[0]}: losses and grad norms {losses}")
     return losses, output
+
+
+def _environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    version = ".".join(map(str, sys.version_info[:3]))
+    root = env.get("PYENV_ROOT")
+    if root and (Path(root) / "versions" / version).is_dir():
+        env["PYENV_VERSION"] = version  # python3-config in Megatron's Makefile: this Python
+    return env
 
 
 def test_breadth_first_equals_megatrons_interleaved(tmp_path: Path) -> None:
@@ -108,9 +124,33 @@ def test_bad_schedule_flags_exit_with_one_line(tmp_path: Path) -> None:
         "-m", "megatron_bfpp.launch", str(script), *COMMON, "--pipeline-schedule", "breadth-first",
     ]  # fmt: skip
     result = subprocess.run(
-        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+        cmd,
+        cwd=tmp_path,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "megatron_bfpp: error:" in line]
     assert len(errors) == 4, result.stderr[-3000:]  # one line per rank
     assert "needs virtual pipeline stages" in errors[0]
+
+
+def test_patch_applies_to_the_checkout(tmp_path: Path) -> None:
+    """``patches/pretrain_gpt.patch`` applies without fuzz (offsets are fine), and the patched
+    script imports megatron_bfpp and installs it before Megatron's own imports."""
+    patch = Path(__file__).resolve().parents[2] / "patches" / "pretrain_gpt.patch"
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text((Path(MEGATRON_LM or "") / "pretrain_gpt.py").read_text())
+    result = subprocess.run(
+        ["git", "apply", "--unsafe-paths", "-p1", str(patch)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    text = script.read_text()
+    assert text.index("megatron_bfpp.install()") < text.index("from megatron.core")

@@ -1,0 +1,149 @@
+"""The one module that owns every megatron-core call whose form depends on the installed version.
+
+megatron_bfpp serves megatron-core 0.16.x (Python 3.10/3.11) and 0.19.x-0.20.x (Python >= 3.12:
+the 0.19 wheels, and Megatron-LM checkouts whose ``megatron/core`` is 0.19 or 0.20). Everything
+else imports megatron-core names that are the same across that window directly; a call whose
+signature or location changed goes through a shim here, and each shim says which versions it
+covers. The version is read from ``megatron.core.package_info`` (never guessed from a
+``TypeError``), and a version outside the window fails with one line that names it, before any
+rank builds a model or sends a message.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+__all__ = [
+    "SUPPORTED_WINDOW",
+    "UnsupportedMegatronError",
+    "backward_step",
+    "call_megatron_get_forward_backward_func",
+    "check_megatron_core",
+    "default_process_groups",
+    "is_multi_module_collection",
+    "is_supported",
+    "megatron_core_version",
+    "parse_version",
+]
+
+# (first, last) inclusive (major, minor) ranges of megatron-core we test and serve.
+SUPPORTED_WINDOW: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = (
+    ((0, 16), (0, 16)),
+    ((0, 19), (0, 20)),
+)
+_WINDOW_TEXT = "0.16.x (Python 3.10/3.11) or 0.19.x-0.20.x (Python >= 3.12)"
+
+
+class UnsupportedMegatronError(RuntimeError):
+    """megatron-core is missing or outside the versions megatron_bfpp supports."""
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``"0.19.2"``, ``"0.20.0rc1"``, ``"0.16.1+abc123"`` -> ``(major, minor, patch)``."""
+    match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        raise UnsupportedMegatronError(f"cannot read a megatron-core version from {text!r}")
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+@functools.cache
+def megatron_core_version() -> tuple[int, int, int]:
+    """The installed (or checkout's) megatron-core version, from its ``package_info``."""
+    try:
+        from megatron.core import package_info
+    except ImportError as error:
+        raise UnsupportedMegatronError(
+            f"megatron-core is not importable ({error}); install megatron-core {_WINDOW_TEXT}"
+        ) from None
+    return (int(package_info.MAJOR), int(package_info.MINOR), int(package_info.PATCH))
+
+
+def is_supported(version: tuple[int, int, int]) -> bool:
+    return any(first <= version[:2] <= last for first, last in SUPPORTED_WINDOW)
+
+
+def check_megatron_core(version: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """Raise :class:`UnsupportedMegatronError` (one line naming the version) outside the window."""
+    found = megatron_core_version() if version is None else version
+    if not is_supported(found):
+        text = ".".join(map(str, found))
+        raise UnsupportedMegatronError(
+            f"megatron-core {text} is not supported by megatron_bfpp; install megatron-core "
+            f"{_WINDOW_TEXT} (e.g. pip install 'megatron-core==0.19.2' on Python 3.12)"
+        )
+    return found
+
+
+def _at_least(major: int, minor: int) -> bool:
+    return check_megatron_core()[:2] >= (major, minor)
+
+
+def backward_step(
+    input_tensor: Any, output_tensor: Any, output_tensor_grad: Any, *, model_type: Any, config: Any
+) -> Any:
+    """megatron-core's ``backward_step``: 0.16 takes ``model_type`` before ``config``; 0.19 and
+    0.20 dropped it."""
+    from megatron.core.pipeline_parallel import schedules
+
+    if _at_least(0, 19):
+        return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+    return schedules.backward_step(
+        input_tensor, output_tensor, output_tensor_grad, model_type, config
+    )
+
+
+def default_process_groups() -> Any:
+    """The ``ProcessGroupCollection`` megatron-core's schedules build from ``parallel_state`` when
+    the caller passes none (0.16: tp, cp, embd, pos_embd, pp, dp_cp; 0.19 and 0.20 add
+    tp_dp_cp and dp, which their ``finalize_model_grads`` may read)."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    collection = ProcessGroupCollection()
+    collection.tp = parallel_state.get_tensor_model_parallel_group()
+    collection.cp = parallel_state.get_context_parallel_group()
+    collection.embd = parallel_state.get_embedding_group(check_initialized=False)
+    collection.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+    collection.pp = parallel_state.get_pipeline_model_parallel_group()
+    collection.dp_cp = parallel_state.get_data_parallel_group(
+        with_context_parallel=True, partial_data_parallel=False
+    )
+    if _at_least(0, 19):
+        collection.tp_dp_cp = parallel_state.get_tensor_and_data_parallel_group(
+            with_context_parallel=True
+        )
+        collection.dp = parallel_state.get_data_parallel_group(
+            with_context_parallel=False, partial_data_parallel=False
+        )
+    return collection
+
+
+def call_megatron_get_forward_backward_func(
+    original: Any, *, pp_size: int | None, vp_size: int | None, schedule_pg_collection: Any
+) -> Any:
+    """megatron-core's own ``get_forward_backward_func``: 0.19 and 0.20 take
+    ``schedule_pg_collection`` (Megatron-LM passes it on every call); 0.16 has no such argument
+    and none of its callers pass one."""
+    if _at_least(0, 19):
+        return original(
+            pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection
+        )
+    if schedule_pg_collection is not None:
+        raise UnsupportedMegatronError(
+            "schedule_pg_collection needs megatron-core >= 0.19; "
+            f"found {'.'.join(map(str, megatron_core_version()))}"
+        )
+    return original(pp_size=pp_size, vp_size=vp_size)
+
+
+def is_multi_module_collection(schedule_pg_collection: Any) -> bool:
+    """True for 0.19+'s ``MultiModuleProcessGroupCollection`` (cross-grid multi-module pipelines,
+    which megatron runs with its bridge schedule); 0.16 has no such class."""
+    if schedule_pg_collection is None or not _at_least(0, 19):
+        return False
+    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
+    return isinstance(schedule_pg_collection, MultiModuleProcessGroupCollection)
