@@ -7,6 +7,15 @@ signature or location changed goes through a shim here, and each shim says which
 covers. The version is read from ``megatron.core.package_info`` (never guessed from a
 ``TypeError``), and a version outside the window fails with one line that names it, before any
 rank builds a model or sends a message.
+
+Calls checked to be the same in 0.16.1, 0.19.2 and 0.20.0 (so they are made directly):
+``finalize_model_grads_func(model, num_tokens, pg_collection=, force_all_reduce=)``,
+``clear_embedding_activation_buffer``, ``finish_embedding_wgrad_compute``, the model config's
+``no_sync_func`` / ``grad_sync_func`` / ``param_sync_func``, ``get_model_config``,
+``get_model_type``, ``is_pp_last_stage``, the ``parallel_state`` getters and
+``initialize_model_parallel``, ``DistributedDataParallel`` / ``DistributedDataParallelConfig``,
+``get_megatron_optimizer`` / ``OptimizerConfig``, ``OptimizerParamScheduler``, ``GPTModel`` and
+the local layer spec, and the ``tensor_parallel.random`` internals the CPU adapter redirects.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ __all__ = [
     "call_megatron_get_forward_backward_func",
     "check_megatron_core",
     "default_process_groups",
+    "forward_step",
     "is_multi_module_collection",
     "is_supported",
     "megatron_core_version",
@@ -79,6 +89,45 @@ def check_megatron_core(version: tuple[int, int, int] | None = None) -> tuple[in
 
 def _at_least(major: int, minor: int) -> bool:
     return check_megatron_core()[:2] >= (major, minor)
+
+
+def forward_step(
+    forward_step_func: Any,
+    data_iterator: Any,
+    model: Any,
+    num_microbatches: int,
+    input_tensor: Any,
+    forward_data_store: list[Any],
+    config: Any,
+    cp_group_size: int,
+    *,
+    collect_non_loss_data: bool,
+    is_first_microbatch: bool,
+    current_microbatch: int,
+    vp_stage: int | None,
+    is_last_stage: bool,
+) -> Any:
+    """megatron-core's ``forward_step``: the same signature in 0.16, 0.19 and 0.20 (0.19 moved
+    ``set_current_microbatch`` into ``cuda_graphs`` without changing this call)."""
+    check_megatron_core()
+    from megatron.core.pipeline_parallel import schedules
+
+    return schedules.forward_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches,
+        input_tensor,
+        forward_data_store,
+        config,
+        cp_group_size,
+        collect_non_loss_data=collect_non_loss_data,
+        checkpoint_activations_microbatch=None,
+        is_first_microbatch=is_first_microbatch,
+        current_microbatch=current_microbatch,
+        vp_stage=vp_stage,
+        is_last_stage=is_last_stage,
+    )
 
 
 def backward_step(

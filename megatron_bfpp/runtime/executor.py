@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from megatron_bfpp.compat import backward_step
+from megatron_bfpp.compat import backward_step, forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
 from megatron_bfpp.runtime.activations import ActivationStore, unique_storage_bytes
 from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send
@@ -286,7 +286,7 @@ class _Executor:
 
     # --- compute ----------------------------------------------------------------------------
     def forward(self, position: int, action: Action) -> None:
-        from megatron.core.pipeline_parallel.schedules import check_first_val_step, forward_step
+        from megatron.core.pipeline_parallel.schedules import check_first_val_step
 
         ctx, stage, mb = self.ctx, action.stage, _mb(action)
         chunk = self.layout.chunk_of(stage)
@@ -303,7 +303,6 @@ class _Executor:
                 ctx.config,
                 ctx.cp_group_size,
                 collect_non_loss_data=ctx.collect_non_loss_data,
-                checkpoint_activations_microbatch=None,
                 is_first_microbatch=check_first_val_step(
                     ctx.first_val_step, ctx.forward_only, mb == 0
                 ),

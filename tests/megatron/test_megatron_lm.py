@@ -134,7 +134,10 @@ def test_bad_schedule_flags_exit_with_one_line(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "megatron_bfpp: error:" in line]
-    assert len(errors) == 4, result.stderr[-3000:]  # one line per rank
+    # One line per rank that got to say it: torchrun stops the other ranks once the first exits,
+    # so 0.20 (faster to exit) sometimes shows 3 of the 4.
+    assert 1 <= len(errors) <= 4, result.stderr[-3000:]
+    assert len(set(errors)) == 1, errors
     assert "needs virtual pipeline stages" in errors[0]
 
 
