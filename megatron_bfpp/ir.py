@@ -79,11 +79,6 @@ class ActionKind(StrEnum):
     def is_p2p(self) -> bool:
         return self in _SENDS or self in _RECVS
 
-    @property
-    def is_chunk_level(self) -> bool:
-        """Per-chunk actions (gradient / parameter sync) name no micro-batch."""
-        return self in (ActionKind.GRAD_SYNC, ActionKind.PARAM_SYNC)
-
 
 COMPUTE_KINDS = frozenset(
     {
@@ -301,9 +296,6 @@ class StageLayout:
 
     def stage_of(self, rank: int, chunk: int) -> int:
         return self.stages_of(rank)[chunk]
-
-    def is_first(self, stage: int) -> bool:
-        return stage == 0
 
     def is_last(self, stage: int) -> bool:
         return stage == self.num_stages - 1

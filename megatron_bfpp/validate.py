@@ -15,8 +15,7 @@ Errors are ``ScheduleError`` whose message carries the per-rank grid with the fa
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict, deque
-from collections.abc import Iterable
+from collections import defaultdict, deque
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -491,10 +490,6 @@ def _posted_by(
     if action.kind in (K.BACKWARD, K.BACKWARD_INPUT) and stage > 0:
         return [(layout.rank_of(stage - 1), Message("grad", stage, mb))]
     return []
-
-
-def count_kinds(actions: Iterable[Action]) -> Counter[ActionKind]:
-    return Counter(a.kind for a in actions)
 
 
 # --- the fused check --------------------------------------------------------------------------

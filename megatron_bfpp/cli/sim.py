@@ -12,14 +12,28 @@ from megatron_bfpp.cli.common import OneLineParser, fail, non_negative_float, po
 from megatron_bfpp.ir import Schedule, ScheduleError, dump_csv, format_schedule, load_csv
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import add_grad_sync
-from megatron_bfpp.schedules.registry import SCHEDULES, build_schedule, get_spec
+from megatron_bfpp.schedules.registry import (
+    ALL_OPTIONS,
+    SCHEDULES,
+    ScheduleOption,
+    build_schedule,
+    get_spec,
+)
 from megatron_bfpp.sim import CostModel, SimResult, dump_chrome_trace, render_png, simulate
 from megatron_bfpp.validate import has_communication, validate_schedule
 
 PROG = "bfpp-sim"
 
-# The one --group-size flag maps onto whichever group option a schedule has.
-_GROUP_OPTION = {"interleaved": "microbatch_group_size", "breadth-first": "group_size"}
+# bfpp-sim's option flags, each serving every schedule option that names it (one --group-size
+# sets interleaved's and breadth-first's group options).
+_SIM_FLAGS: dict[str, tuple[ScheduleOption, ...]] = {
+    flag: tuple(option for option in ALL_OPTIONS if option.sim_flag == flag)
+    for flag in dict.fromkeys(option.sim_flag for option in ALL_OPTIONS)
+}
+
+
+def _sim_dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,20 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="virtual stages (chunks) per rank: interleaved and breadth-first",
     )
     source.add_argument("--microbatches", type=positive_int, help="micro-batches per step")
-    source.add_argument(
-        "--group-size",
-        type=positive_int,
-        default=None,
-        help="interleaved: micro-batches per group (Megatron's "
-        "--microbatch-group-size-per-virtual-pipeline-stage); breadth-first: "
-        "run in memory-bounded groups of this many micro-batches",
-    )
-    source.add_argument(
-        "--max-stored",
-        type=positive_int,
-        default=None,
-        help="bpipe: cap on stored micro-batches per rank (default ceil((p+2)/2))",
-    )
+    for flag, options in _SIM_FLAGS.items():
+        source.add_argument(
+            flag, type=positive_int, default=None, help="; ".join(o.help for o in options)
+        )
     costs = parser.add_argument_group("costs (one micro-batch through one full 1F1B stage)")
     for flag, default, text in (
         ("--t-forward", 1.0, "forward time"),
@@ -142,16 +146,17 @@ def _schedule_from(args: argparse.Namespace) -> Schedule:
         raise ScheduleError(f"missing {', '.join(missing)} (or pass --load-csv PATH)")
     spec = get_spec(args.schedule)
     options: dict[str, Any] = {}
-    if args.group_size is not None:
-        if args.schedule not in _GROUP_OPTION:
-            raise ScheduleError(
-                f"{spec.name} takes no --group-size (interleaved and breadth-first do)"
+    for flag, flag_options in _SIM_FLAGS.items():
+        value = getattr(args, _sim_dest(flag))
+        if value is None:
+            continue
+        taken = [option for option in spec.options if option in flag_options]
+        if not taken:
+            takers = " and ".join(
+                s.name for s in SCHEDULES.values() if set(s.options) & set(flag_options)
             )
-        options[_GROUP_OPTION[args.schedule]] = args.group_size
-    if args.max_stored is not None:
-        if "max_stored" not in spec.options:
-            raise ScheduleError(f"{spec.name} takes no --max-stored (bpipe does)")
-        options["max_stored"] = args.max_stored
+            raise ScheduleError(f"{spec.name} takes no {flag} ({takers} do)")
+        options.update((option.name, value) for option in taken)
     return build_schedule(
         args.schedule,
         num_ranks=args.pp,

@@ -28,9 +28,16 @@ from typing import Any
 
 from megatron_bfpp.cli.common import OneLineParser, positive_int
 from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
+from megatron_bfpp.schedules.registry import (
+    ALL_OPTIONS,
+    build_schedule,
+    check_runnable,
+    get_spec,
+    options_from_args,
+    schedule_names,
+)
 
 PROG = "bfpp-train"
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth-first", "bpipe", "v-min", "v-half", "v-zb")
 _ERROR_GRACE_S = 3.0
 
 
@@ -67,21 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
     )
     par.add_argument(
-        "--pipeline-schedule", default="breadth-first", metavar="{" + ",".join(SCHEDULES) + "}"
+        "--pipeline-schedule",
+        default="breadth-first",
+        metavar="{" + ",".join(schedule_names()) + "}",
     )
-    par.add_argument("--breadth-first-group-size", type=positive_int, default=None)
-    par.add_argument(
-        "--bpipe-max-stored",
-        type=positive_int,
-        default=None,
-        help="bpipe: most micro-batches of activations an evictor keeps (default ceil((p+2)/2))",
-    )
-    par.add_argument(
-        "--microbatch-group-size-per-virtual-pipeline-stage",
-        dest="microbatch_group_size_per_vp_stage",
-        type=positive_int,
-        default=None,
-    )
+    for option in ALL_OPTIONS:
+        par.add_argument(
+            option.flag, dest=option.dest, type=positive_int, default=None, help=option.help
+        )
     par.add_argument(
         "--nproc-per-node",
         type=positive_int,
@@ -130,12 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace, world_size: int) -> None:
     """Raise :class:`FlagError` for a combination that cannot run on ``world_size`` ranks."""
     from megatron_bfpp.ir import ScheduleError
-    from megatron_bfpp.schedules.registry import build_schedule, get_spec
 
     name = args.pipeline_schedule
-    if name not in SCHEDULES:
+    if name not in schedule_names():
         raise FlagError(
-            f"unknown --pipeline-schedule {name!r}; choose one of: {', '.join(SCHEDULES)}"
+            f"unknown --pipeline-schedule {name!r}; choose one of: {', '.join(schedule_names())}"
         )
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vp = args.num_virtual_stages_per_pipeline_rank
@@ -145,20 +144,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             f"({world_size}): tp*pp*dp must equal the number of ranks"
         )
     dp = world_size // (tp * pp)
-    spec = get_spec(name)
-    if spec.placement == "looped" and vp < 2:
-        raise FlagError(
-            f"{name} needs virtual stages: pass --num-virtual-stages-per-pipeline-rank >= 2"
-        )
-    if spec.placement == "single" and vp != 1:
-        raise FlagError(
-            f"{name} runs one stage per pipeline rank: "
-            "pass --num-virtual-stages-per-pipeline-rank 1"
-        )
-    if spec.placement == "v-shape" and vp != 2:
-        raise FlagError(
-            f"{name} places 2 stages per rank: --num-virtual-stages-per-pipeline-rank 2"
-        )
+    try:
+        chunks = get_spec(name).chunks_for(vp, vp_flag="--num-virtual-stages-per-pipeline-rank")
+    except ScheduleError as error:
+        raise FlagError(str(error)) from None
     if args.num_layers % (pp * vp):
         raise FlagError(
             f"--num-layers {args.num_layers} is not divisible by pipeline x virtual stages "
@@ -180,8 +169,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             f"--num-attention-heads {args.num_attention_heads} must be a multiple of "
             f"--num-query-groups {groups}, and both of --tensor-model-parallel-size {tp}"
         )
-    if args.model == "gpt" and args.num_query_groups not in (None, args.num_attention_heads):
-        pass  # megatron-core supports GQA for GPT too
     if args.data_path is not None:
         if not os.path.isfile(args.data_path):
             raise FlagError(f"--data-path {args.data_path}: no such file")
@@ -193,42 +180,15 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise FlagError(f"--load {args.load}: no bfpp-train checkpoint there")
     if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
         raise FlagError(f"need --lr > 0 and 0 <= --min-lr <= --lr (got {args.lr}, {args.min_lr})")
-    options: dict[str, Any] = {}
-    if args.breadth_first_group_size is not None:
-        if name != "breadth-first":
-            raise FlagError(
-                "--breadth-first-group-size applies to --pipeline-schedule breadth-first"
-            )
-        options["group_size"] = args.breadth_first_group_size
-    if args.microbatch_group_size_per_vp_stage is not None:
-        if name != "interleaved":
-            raise FlagError(
-                "--microbatch-group-size-per-virtual-pipeline-stage applies to "
-                "--pipeline-schedule interleaved"
-            )
-        options["microbatch_group_size"] = args.microbatch_group_size_per_vp_stage
-    if args.bpipe_max_stored is not None:
-        if name != "bpipe":
-            raise FlagError("--bpipe-max-stored applies to --pipeline-schedule bpipe")
-        options["max_stored"] = args.bpipe_max_stored
     num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     try:
+        options = options_from_args(name, args)
         build_schedule(
-            name,
-            num_ranks=pp,
-            num_microbatches=num_microbatches,
-            num_chunks=vp if spec.placement != "single" else None,
-            **options,
+            name, num_ranks=pp, num_microbatches=num_microbatches, num_chunks=chunks, **options
         )
+        check_runnable(name)
     except ScheduleError as error:
         raise FlagError(str(error).strip().splitlines()[0]) from None
-    from megatron_bfpp.runtime.api import RUNNABLE_SCHEDULES
-
-    if name not in RUNNABLE_SCHEDULES:
-        raise FlagError(
-            f"--pipeline-schedule {name} is not yet runnable on megatron-core (runnable: "
-            f"{', '.join(RUNNABLE_SCHEDULES)}); bfpp-sim can simulate it"
-        )
 
 
 def _error(message: str) -> int:

@@ -13,27 +13,30 @@ import argparse
 from typing import Any
 
 from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.schedules.registry import (
+    ALL_OPTIONS,
+    MEGATRON_VP_FLAGS,
+    build_schedule,
+    check_option_flags,
+    check_runnable,
+    options_from_args,
+    schedule_names,
+)
 
 __all__ = [
-    "PIPELINE_SCHEDULE_CHOICES",
     "add_schedule_arguments",
     "check_schedule_args",
+    "pipeline_schedule_choices",
     "schedule_options_from_args",
 ]
 
-PIPELINE_SCHEDULE_CHOICES = (
-    "default",
-    "gpipe",
-    "1f1b",
-    "interleaved",
-    "breadth-first",
-    "bpipe",
-    "v-min",
-    "v-half",
-    "v-zb",
-)
+
+def pipeline_schedule_choices() -> tuple[str, ...]:
+    """``default`` (Megatron's own schedule) and every schedule in the catalogue."""
+    return ("default", *schedule_names())
+
+
 _GROUP_TITLE = "pipeline schedule (megatron_bfpp)"
-_VP_FLAGS = "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -41,43 +44,26 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     group = parser.add_argument_group(title=_GROUP_TITLE)
     group.add_argument(
         "--pipeline-schedule",
-        choices=PIPELINE_SCHEDULE_CHOICES,
+        choices=pipeline_schedule_choices(),
         default="default",
         help="Pipeline schedule. 'default' keeps Megatron's own choice (1F1B, or interleaved "
         "with virtual stages); the others run megatron_bfpp's schedules. breadth-first and "
-        f"interleaved need virtual stages ({_VP_FLAGS}).",
+        f"interleaved need virtual stages ({MEGATRON_VP_FLAGS}).",
     )
-    group.add_argument(
-        "--breadth-first-group-size",
-        type=int,
-        default=None,
-        help="breadth-first: micro-batches per group (bounds activation memory; default: all "
-        "micro-batches in one group).",
-    )
-    group.add_argument(
-        "--bpipe-max-stored",
-        type=int,
-        default=None,
-        help="bpipe: most activations (in 1F1B stage units) any rank may hold (default: "
-        "BPipe's ceil((p+2)/2)).",
-    )
+    for option in ALL_OPTIONS:
+        if not option.megatron_owned:
+            group.add_argument(
+                option.flag, dest=option.dest, type=int, default=None, help=option.help
+            )
     return parser
 
 
 def schedule_options_from_args(args: Any) -> dict[str, Any]:
     """The schedule's own options (registry names) read from Megatron's parsed ``args``."""
     name = getattr(args, "pipeline_schedule", "default")
-    options: dict[str, Any] = {}
-    if name == "breadth-first" and getattr(args, "breadth_first_group_size", None) is not None:
-        options["group_size"] = args.breadth_first_group_size
-    elif name == "interleaved":
-        # Megatron's own flag (from TransformerConfig) sets the depth-first group size.
-        group = getattr(args, "microbatch_group_size_per_vp_stage", None)
-        if group is not None:
-            options["microbatch_group_size"] = group
-    elif name == "bpipe" and getattr(args, "bpipe_max_stored", None) is not None:
-        options["max_stored"] = args.bpipe_max_stored
-    return options
+    if name == "default":
+        return {}
+    return options_from_args(name, args, megatron=True)
 
 
 def check_schedule_args(args: Any) -> None:
@@ -87,34 +73,17 @@ def check_schedule_args(args: Any) -> None:
     ``virtual_pipeline_model_parallel_size`` and ``data_parallel_size``). Raises
     :class:`ScheduleError` with one line saying what to change.
     """
-    from megatron_bfpp.runtime.api import RUNNABLE_SCHEDULES as runnable
-    from megatron_bfpp.schedules.registry import build_schedule, get_spec
-
     name = getattr(args, "pipeline_schedule", "default")
-    if name not in PIPELINE_SCHEDULE_CHOICES:
+    if name not in pipeline_schedule_choices():
         raise ScheduleError(
             f"--pipeline-schedule {name!r} is unknown; choose one of: "
-            f"{', '.join(PIPELINE_SCHEDULE_CHOICES)}"
+            f"{', '.join(pipeline_schedule_choices())}"
         )
-    group_size = getattr(args, "breadth_first_group_size", None)
-    max_stored = getattr(args, "bpipe_max_stored", None)
-    if group_size is not None and name != "breadth-first":
-        raise ScheduleError("--breadth-first-group-size needs --pipeline-schedule breadth-first")
-    if max_stored is not None and name != "bpipe":
-        raise ScheduleError("--bpipe-max-stored needs --pipeline-schedule bpipe")
+    check_option_flags(None if name == "default" else name, args, megatron=True)
     if name == "default":
         return
-    if group_size is not None and group_size < 1:
-        raise ScheduleError(f"--breadth-first-group-size must be >= 1, got {group_size}")
-    if max_stored is not None and max_stored < 1:
-        raise ScheduleError(f"--bpipe-max-stored must be >= 1, got {max_stored}")
-    if name not in runnable:
-        raise ScheduleError(
-            f"--pipeline-schedule {name} is not yet runnable on megatron-core (runnable: "
-            f"{', '.join(runnable)}); bfpp-sim can already simulate and draw it"
-        )
-
-    spec = get_spec(name)
+    options = schedule_options_from_args(args)
+    spec = check_runnable(name)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     if pp < 2:
@@ -122,16 +91,7 @@ def check_schedule_args(args: Any) -> None:
             f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2 (got {pp}); "
             "without pipeline parallelism use --pipeline-schedule default"
         )
-    if spec.placement == "looped" and vp is None:
-        raise ScheduleError(
-            f"--pipeline-schedule {name} needs virtual pipeline stages: set {_VP_FLAGS} "
-            "(at least 2 stages per rank)"
-        )
-    if spec.placement == "single" and vp is not None:
-        raise ScheduleError(
-            f"--pipeline-schedule {name} runs one stage per rank; drop {_VP_FLAGS} "
-            f"(got {vp} virtual stages per rank) or use interleaved / breadth-first"
-        )
+    chunks = spec.chunks_for(vp, vp_flag=MEGATRON_VP_FLAGS)
     if getattr(args, "rampup_batch_size", None):
         raise ScheduleError(
             f"--pipeline-schedule {name} does not support --rampup-batch-size yet; "
@@ -149,11 +109,7 @@ def check_schedule_args(args: Any) -> None:
     num_microbatches = global_batch // (micro * dp)
     try:
         build_schedule(
-            name,
-            num_ranks=pp,
-            num_microbatches=num_microbatches,
-            num_chunks=vp if spec.placement == "looped" else None,
-            **schedule_options_from_args(args),
+            name, num_ranks=pp, num_microbatches=num_microbatches, num_chunks=chunks, **options
         )
     except ScheduleError as error:
         raise ScheduleError(

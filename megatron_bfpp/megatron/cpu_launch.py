@@ -29,15 +29,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["disable_cpu_megatron_lm", "enable_cpu_megatron_lm", "is_enabled"]
+__all__ = ["disable_cpu_megatron_lm", "enable_cpu_megatron_lm"]
 
 log = logging.getLogger(__name__)
 
 _saved: list[tuple[Any, str, bool, Any]] = []
-
-
-def is_enabled() -> bool:
-    return bool(_saved)
 
 
 def enable_cpu_megatron_lm() -> None:

@@ -36,6 +36,7 @@ from megatron_bfpp.megatron.presets import (
     transformer_config,
     unwrap,
 )
+from megatron_bfpp.schedules.registry import options_from_args
 
 __all__ = ["TrainResult", "model_shape", "train"]
 
@@ -320,13 +321,7 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
             iteration, _ = load_checkpoint(
                 args.load, model=model, optimizer=optimizer, scheduler=scheduler, flags=flags
             )
-        options: dict[str, Any] = {}
-        if args.pipeline_schedule == "breadth-first" and args.breadth_first_group_size:
-            options["group_size"] = args.breadth_first_group_size
-        if args.pipeline_schedule == "interleaved" and args.microbatch_group_size_per_vp_stage:
-            options["microbatch_group_size"] = args.microbatch_group_size_per_vp_stage
-        if args.pipeline_schedule == "bpipe" and getattr(args, "bpipe_max_stored", None):
-            options["max_stored"] = args.bpipe_max_stored
+        options = options_from_args(args.pipeline_schedule, args)
         forward_backward = get_forward_backward_func(
             args.pipeline_schedule, measure_memory=bool(args.metrics_file), **options
         )

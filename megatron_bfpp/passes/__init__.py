@@ -1,6 +1,6 @@
 """Pure Schedule -> Schedule lowering passes, applied in order by ``schedules.registry``."""
 
-from megatron_bfpp.passes.communication import add_communication, order_receives_like_sends
+from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.eviction import add_eviction, bpipe_max_stored
 from megatron_bfpp.passes.grad_sync import add_grad_sync
 
@@ -9,5 +9,4 @@ __all__ = [
     "add_eviction",
     "add_grad_sync",
     "bpipe_max_stored",
-    "order_receives_like_sends",
 ]

@@ -7,7 +7,6 @@ posted in the order the sender posts the sends (the order NCCL and gloo match me
 
 from __future__ import annotations
 
-from collections import defaultdict
 from itertools import pairwise
 
 from megatron_bfpp.ir import (
@@ -18,9 +17,9 @@ from megatron_bfpp.ir import (
     paused_gc,
     unchecked_action,
 )
-from megatron_bfpp.validate import Message, has_communication, message_of
+from megatron_bfpp.validate import has_communication
 
-__all__ = ["add_communication", "order_receives_like_sends"]
+__all__ = ["add_communication"]
 
 K = ActionKind
 # Point-to-point kinds a compute-only schedule may already hold: kind -> (is a send, what).
@@ -131,32 +130,6 @@ def add_communication(schedule: Schedule) -> Schedule:
         ]
         indices = [send_index.get(message, -1) for message in receives]
         programs[rank] = _reorder_rank(program, {source: (positions, indices)})
-    return schedule.with_programs(programs)
-
-
-def order_receives_like_sends(schedule: Schedule) -> Schedule:
-    """Move receives earlier (never later) until each channel's receive order is its send order.
-
-    Moving a receive earlier only posts it sooner; the wait still happens at its consumer.
-    """
-    send_rank: dict[tuple[int, int, Message], int] = {}
-    counters: dict[tuple[int, int], int] = defaultdict(int)
-    for rank, _, action in schedule.iter_actions():
-        if action.kind.is_send:
-            assert action.peer is not None
-            channel = (rank, action.peer)
-            send_rank[(*channel, message_of(action))] = counters[channel]
-            counters[channel] += 1
-    programs = [list(actions) for actions in schedule.per_rank]
-    for rank, program in enumerate(programs):
-        by_source: dict[int, tuple[list[int], list[int]]] = {}
-        for position, action in enumerate(program):
-            if action.kind.is_recv:
-                assert action.peer is not None
-                positions, indices = by_source.setdefault(action.peer, ([], []))
-                positions.append(position)
-                indices.append(send_rank.get((action.peer, rank, message_of(action)), -1))
-        programs[rank] = _reorder_rank(program, by_source)
     return schedule.with_programs(programs)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from megatron_bfpp.plan.bpipe import (
     Estimate,
-    bpipe_memory_cap,
     bpipe_speedup_estimate,
     pipeline_factor,
     pipeline_mfu,
@@ -12,7 +11,6 @@ from megatron_bfpp.plan.bpipe import (
 
 __all__ = [
     "Estimate",
-    "bpipe_memory_cap",
     "bpipe_speedup_estimate",
     "pipeline_factor",
     "pipeline_mfu",

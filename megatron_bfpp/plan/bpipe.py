@@ -19,10 +19,10 @@ import math
 from dataclasses import dataclass
 
 from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.passes.eviction import bpipe_max_stored
 
 __all__ = [
     "Estimate",
-    "bpipe_memory_cap",
     "bpipe_speedup_estimate",
     "pipeline_factor",
     "pipeline_mfu",
@@ -60,12 +60,6 @@ class Estimate:
 
     def to_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__}
-
-
-def bpipe_memory_cap(pp: int) -> int:
-    """Micro-batches BPipe stores at most on any rank: ceil((p+2)/2) (1F1B's rank 0 stores p)."""
-    _check_pp(pp)
-    return (pp + 3) // 2
 
 
 def pipeline_factor(
@@ -143,7 +137,7 @@ def bpipe_speedup_estimate(
         micro_batch_small=small, micro_batch_large=large, global_batch_size=batch, pp=pp
     )
     predicted = factor * stage_speedup
-    cap = bpipe_memory_cap(pp)
+    cap = bpipe_max_stored(pp)  # ceil((p+2)/2); 1F1B's rank 0 stores p
     memory_ratio = (large * cap) / (small * pp)
     faster, fits = predicted > 1.0, memory_ratio <= 1.0
     return Estimate(

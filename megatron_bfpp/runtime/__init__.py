@@ -1,5 +1,5 @@
 """Execute schedules on megatron-core model chunks (needs torch and megatron-core)."""
 
-from megatron_bfpp.runtime.api import RUNNABLE_SCHEDULES, get_forward_backward_func, plan_schedule
+from megatron_bfpp.runtime.api import get_forward_backward_func, plan_schedule, runnable_names
 
-__all__ = ["RUNNABLE_SCHEDULES", "get_forward_backward_func", "plan_schedule"]
+__all__ = ["get_forward_backward_func", "plan_schedule", "runnable_names"]

@@ -17,12 +17,15 @@ from megatron_bfpp.compat import check_megatron_core, default_process_groups
 from megatron_bfpp.ir import Schedule, ScheduleError
 from megatron_bfpp.runtime.executor import MemoryReport, StepContext, run_rank_program
 from megatron_bfpp.runtime.p2p import PipeComm
-from megatron_bfpp.schedules.registry import build_schedule, forward_only_schedule, get_spec
+from megatron_bfpp.schedules.registry import (
+    build_schedule,
+    check_runnable,
+    forward_only_schedule,
+    get_spec,
+    runnable_names,
+)
 
-__all__ = ["RUNNABLE_SCHEDULES", "get_forward_backward_func", "plan_schedule"]
-
-# Schedules this runtime executes today; the others are planned, validated and simulated.
-RUNNABLE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth-first", "bpipe")
+__all__ = ["get_forward_backward_func", "plan_schedule", "runnable_names"]
 
 
 def get_forward_backward_func(
@@ -39,17 +42,12 @@ def get_forward_backward_func(
     true, or on a rank that evicts; otherwise zeros) and ``last_trace`` the actions it ran.
     """
     check_megatron_core()
-    spec = get_spec(schedule)
-    if spec.name not in RUNNABLE_SCHEDULES:
-        raise ScheduleError(
-            f"schedule {spec.name!r} is not yet runnable on megatron-core (runnable: "
-            f"{', '.join(RUNNABLE_SCHEDULES)}); bfpp-sim can already simulate and draw it"
-        )
-    unknown = sorted(set(options) - set(spec.options))
+    spec = check_runnable(schedule)
+    unknown = sorted(set(options) - set(spec.option_names))
     if unknown:
         raise ScheduleError(
             f"{spec.name} does not take option(s) {', '.join(unknown)}; it accepts: "
-            f"{', '.join(spec.options) or 'none'}"
+            f"{', '.join(spec.option_names) or 'none'}"
         )
     frozen_options = tuple(sorted(options.items()))
 

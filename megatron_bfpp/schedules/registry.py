@@ -23,59 +23,163 @@ from megatron_bfpp.schedules.v_shape import build_v_half, build_v_min, build_v_z
 from megatron_bfpp.validate import validate_schedule
 
 __all__ = [
+    "ALL_OPTIONS",
+    "MEGATRON_VP_FLAGS",
     "SCHEDULES",
+    "ScheduleOption",
     "ScheduleSpec",
     "build_schedule",
+    "check_option_flags",
+    "check_runnable",
     "forward_only_schedule",
     "get_spec",
+    "options_from_args",
+    "runnable_names",
     "schedule_names",
 ]
 
 
+# Megatron-LM's (and bfpp-train's) virtual-pipeline flags, named in placement errors.
+MEGATRON_VP_FLAGS = (
+    "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
+)
+DATA_PARALLEL_MODES = ("ddp", "distributed-optimizer")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleOption:
+    """One schedule option: its generator keyword and the flag that sets it in each front end.
+
+    ``flag`` / ``dest`` are the bfpp-train and Megatron-LM flag and its argparse destination;
+    ``sim_flag`` is bfpp-sim's (one ``--group-size`` serves both group options).
+    ``megatron_owned``: Megatron-LM defines (and defaults) the flag itself, so its presence says
+    nothing about the chosen schedule there.
+    """
+
+    name: str
+    flag: str
+    dest: str
+    sim_flag: str
+    help: str
+    megatron_owned: bool = False
+
+
+GROUP_SIZE = ScheduleOption(
+    "group_size",
+    "--breadth-first-group-size",
+    "breadth_first_group_size",
+    "--group-size",
+    "breadth-first: micro-batches per group (bounds activation memory; default: all "
+    "micro-batches in one group)",
+)
+MICROBATCH_GROUP_SIZE = ScheduleOption(
+    "microbatch_group_size",
+    "--microbatch-group-size-per-virtual-pipeline-stage",
+    "microbatch_group_size_per_vp_stage",
+    "--group-size",
+    "interleaved: micro-batches per group (Megatron's own flag; default: pp)",
+    megatron_owned=True,
+)
+MAX_STORED = ScheduleOption(
+    "max_stored",
+    "--bpipe-max-stored",
+    "bpipe_max_stored",
+    "--max-stored",
+    "bpipe: most activations (in 1F1B stage units) any rank may hold (default: BPipe's "
+    "ceil((p+2)/2))",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduleSpec:
-    """What a user-facing schedule name means.
+    """What a user-facing schedule name means: the one catalogue every front end reads.
 
     ``placement`` is "single" (one stage per rank), "looped" (``num_chunks`` >= 2 stages per rank,
     stage s on rank s % p) or "v-shape" (two stages per rank, rank r holds r and 2p-1-r).
-    ``options`` are the extra keyword arguments its generator accepts.
+    ``options`` are the extra keyword arguments its generator accepts. ``runnable``: the runtime
+    executes it on megatron-core (otherwise it is planned, validated and simulated only).
+    ``data_parallel``: the data-parallel modes the runtime supports with it.
     """
 
     name: str
     summary: str
     generator: Callable[..., Schedule]
     placement: str
-    options: tuple[str, ...] = ()
+    options: tuple[ScheduleOption, ...] = ()
     split_backward: bool = False
+    runnable: bool = False
+    data_parallel: tuple[str, ...] = DATA_PARALLEL_MODES
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        return tuple(option.name for option in self.options)
+
+    def chunks_for(self, num_chunks: int | None, *, vp_flag: str = "--vp") -> int | None:
+        """The generator's ``num_chunks`` for a requested virtual pipeline size (stages per
+        rank; ``None`` when not given), or a :class:`ScheduleError` naming ``vp_flag``."""
+        if self.placement == "looped":
+            if num_chunks is None:
+                raise ScheduleError(
+                    f"{self.name} needs virtual pipeline stages: set {vp_flag} to at least 2 "
+                    "(stages per rank)"
+                )
+            if num_chunks < 2:
+                raise ScheduleError(
+                    f"{self.name} needs virtual pipeline stages: set {vp_flag} to at least 2; "
+                    f"with one chunk per rank use 1f1b (got {num_chunks})"
+                )
+            return num_chunks
+        if self.placement == "v-shape":
+            if num_chunks not in (None, 2):
+                raise ScheduleError(
+                    f"{self.name} places exactly 2 stages per rank (V-shape); "
+                    f"drop {vp_flag} or set it to 2, got {num_chunks}"
+                )
+            return None
+        if num_chunks not in (None, 1):
+            raise ScheduleError(
+                f"{self.name} runs one stage per rank; drop {vp_flag} or set it to 1 (got "
+                f"{num_chunks}), or choose interleaved / breadth-first"
+            )
+        return None
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
-        ScheduleSpec("gpipe", "all forwards, then all backwards", build_gpipe, "single"),
         ScheduleSpec(
-            "1f1b", "one forward one backward (megatron-core default)", build_1f1b, "single"
+            "gpipe", "all forwards, then all backwards", build_gpipe, "single", runnable=True
+        ),
+        ScheduleSpec(
+            "1f1b",
+            "one forward one backward (megatron-core default)",
+            build_1f1b,
+            "single",
+            runnable=True,
         ),
         ScheduleSpec(
             "interleaved",
             "Megatron's depth-first interleaved (looped) schedule",
             build_interleaved,
             "looped",
-            ("microbatch_group_size",),
+            (MICROBATCH_GROUP_SIZE,),
+            runnable=True,
         ),
         ScheduleSpec(
             "breadth-first",
             "looped, each chunk runs all micro-batches before the next",
             build_breadth_first,
             "looped",
-            ("group_size",),
+            (GROUP_SIZE,),
+            runnable=True,
         ),
         ScheduleSpec(
             "bpipe",
             "1F1B with activation eviction to the partner stage",
             build_bpipe,
             "single",
-            ("max_stored",),
+            (MAX_STORED,),
+            runnable=True,
         ),
         ScheduleSpec(
             "v-min",
@@ -100,10 +204,60 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ),
     )
 }
+# Every option any schedule has, once (front ends add one flag each).
+ALL_OPTIONS: tuple[ScheduleOption, ...] = tuple(
+    {option.dest: option for spec in SCHEDULES.values() for option in spec.options}.values()
+)
 
 
 def schedule_names() -> tuple[str, ...]:
     return tuple(SCHEDULES)
+
+
+def runnable_names() -> tuple[str, ...]:
+    """Schedules the runtime executes on megatron-core today."""
+    return tuple(name for name, spec in SCHEDULES.items() if spec.runnable)
+
+
+def check_runnable(name: str) -> ScheduleSpec:
+    """The spec of a runnable schedule, or one line saying it is planned only."""
+    spec = get_spec(name)
+    if not spec.runnable:
+        raise ScheduleError(
+            f"schedule {spec.name!r} is not yet runnable on megatron-core (runnable: "
+            f"{', '.join(runnable_names())}); bfpp-sim can already simulate and draw it"
+        )
+    return spec
+
+
+def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -> None:
+    """Reject a schedule option's flag given for a schedule that does not take it (``name``
+    ``None``: a schedule with no options, like Megatron's own ``default``). ``args`` is a parsed
+    namespace using ``ScheduleOption.dest``; with ``megatron``, flags Megatron-LM owns (and
+    defaults) are left alone."""
+    mine = {option.dest for option in get_spec(name).options} if name is not None else set()
+    for option in ALL_OPTIONS:
+        if getattr(args, option.dest, None) is None or option.dest in mine:
+            continue
+        if megatron and option.megatron_owned:
+            continue
+        takers = " / ".join(s.name for s in SCHEDULES.values() if option in s.options)
+        raise ScheduleError(f"{option.flag} applies to --pipeline-schedule {takers}")
+
+
+def options_from_args(name: str, args: Any, *, megatron: bool = False) -> dict[str, Any]:
+    """The generator options of schedule ``name`` set on a parsed namespace (bfpp-train's or
+    Megatron-LM's), after :func:`check_option_flags`; each value must be >= 1."""
+    check_option_flags(name, args, megatron=megatron)
+    options: dict[str, Any] = {}
+    for option in get_spec(name).options:
+        value = getattr(args, option.dest, None)
+        if value is None:
+            continue
+        if value < 1:
+            raise ScheduleError(f"{option.flag} must be >= 1, got {value}")
+        options[option.name] = value
+    return options
 
 
 def get_spec(name: str) -> ScheduleSpec:
@@ -132,13 +286,14 @@ def build_schedule(
     """
     spec = get_spec(name)
     chosen = {key: value for key, value in options.items() if value is not None}
-    unknown = sorted(set(chosen) - set(spec.options))
+    unknown = sorted(set(chosen) - set(spec.option_names))
     if unknown:
-        accepted = ", ".join(spec.options) or "none"
+        accepted = ", ".join(spec.option_names) or "none"
         raise ScheduleError(
             f"{name} does not take option(s) {', '.join(unknown)}; it accepts: {accepted}"
         )
-    chunk_args = _chunk_arguments(spec, num_chunks)
+    chunks = spec.chunks_for(num_chunks)
+    chunk_args = {} if chunks is None else {"num_chunks": chunks}
     schedule = spec.generator(
         num_ranks=num_ranks, num_microbatches=num_microbatches, **chunk_args, **chosen
     )
@@ -146,29 +301,6 @@ def build_schedule(
         schedule = add_grad_sync(add_communication(schedule))
     validate_schedule(schedule, require_communication=lower)
     return schedule
-
-
-def _chunk_arguments(spec: ScheduleSpec, num_chunks: int | None) -> dict[str, int]:
-    if spec.placement == "looped":
-        if num_chunks is None:
-            raise ScheduleError(
-                f"{spec.name} needs a virtual pipeline size: pass --vp (Megatron: "
-                "--num-virtual-stages-per-pipeline-rank) of at least 2"
-            )
-        return {"num_chunks": num_chunks}
-    if spec.placement == "v-shape":
-        if num_chunks not in (None, 2):
-            raise ScheduleError(
-                f"{spec.name} places exactly 2 stages per rank (V-shape); "
-                f"drop --vp or pass --vp 2, got {num_chunks}"
-            )
-        return {}
-    if num_chunks not in (None, 1):
-        raise ScheduleError(
-            f"{spec.name} runs one stage per rank; drop --vp (got {num_chunks}) "
-            "or choose interleaved / breadth-first"
-        )
-    return {}
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:

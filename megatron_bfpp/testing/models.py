@@ -195,17 +195,6 @@ def _full_shape(param: torch.Tensor, dim: int | None, tp_size: int) -> list[int]
     return shape
 
 
-def _split_pieces(full: torch.Tensor, dim: int, stride: int, tp_size: int) -> list[torch.Tensor]:
-    """megatron-core's TP split (``_initialize_affine_weight_cpu``): ``tp_size * stride``
-    equal pieces along ``dim``; rank ``r`` holds pieces ``r, r + tp_size, ...``."""
-    return list(torch.chunk(full, tp_size * stride, dim=dim))
-
-
-def _tp_slice(full: torch.Tensor, dim: int, stride: int, tp_rank: int, tp_size: int) -> Any:
-    pieces = _split_pieces(full, dim, stride, tp_size)
-    return torch.cat(pieces[tp_rank::tp_size], dim=dim)
-
-
 def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
     """Random everywhere (norm weights around 1), from a generator seeded by the global name."""
     generator = torch.Generator().manual_seed((zlib.crc32(global_name.encode()) + seed) % 2**63)
@@ -398,7 +387,8 @@ def merge_shards(
         missing = set(range(tp_size)) - set(held)
         if missing:
             raise AssertionError(f"{name}: no shard from tensor-parallel rank(s) {sorted(missing)}")
-        # Undo _tp_slice: rank r's tensor is pieces r, r + tp_size, ... concatenated.
+        # Undo megatron-core's TP split (``_initialize_affine_weight_cpu``): rank r's tensor is
+        # pieces r, r + tp_size, ... of tp_size * stride equal pieces, concatenated.
         ordered: list[torch.Tensor | None] = [None] * (tp_size * stride)
         for rank, shard in held.items():
             for i, piece in enumerate(torch.chunk(shard.tensor, stride, dim=dim)):

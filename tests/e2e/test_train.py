@@ -160,7 +160,10 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
     ("flags", "expected"),
     [
         (["--pipeline-schedule", "zigzag"], "unknown --pipeline-schedule 'zigzag'"),
-        (["--num-virtual-stages-per-pipeline-rank", "1"], "breadth-first needs virtual stages"),
+        (
+            ["--num-virtual-stages-per-pipeline-rank", "1"],
+            "breadth-first needs virtual pipeline stages",
+        ),
         (["--tensor-model-parallel-size", "3"], "tp*pp*dp must equal the number of ranks"),
         (["--pipeline-schedule", "v-half"], "not yet runnable"),
         (["--num-layers", "6"], "--num-layers 6 is not divisible"),

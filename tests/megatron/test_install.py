@@ -318,7 +318,10 @@ def test_interleaved_reads_megatrons_group_size_flag(
             "--pipeline-schedule 1f1b",
             "not a multiple",
         ),
-        ("--pipeline-model-parallel-size 4 --breadth-first-group-size 2", "needs --pipeline-sch"),
+        (
+            "--pipeline-model-parallel-size 4 --breadth-first-group-size 2",
+            "applies to --pipeline-sch",
+        ),
         (
             "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
             "--pipeline-schedule breadth-first --breadth-first-group-size 0",

@@ -332,8 +332,8 @@ def test_breadth_first_starts_each_chunk_reduction_before_the_next_chunk_backwar
 @pytest.mark.parametrize(
     "schedule, options, vp, m, message",
     [
-        ("interleaved", {}, None, 4, "needs a virtual pipeline size"),
-        ("breadth-first", {}, None, 4, "needs a virtual pipeline size"),
+        ("interleaved", {}, None, 4, "needs virtual pipeline stages"),
+        ("breadth-first", {}, None, 4, "needs virtual pipeline stages"),
         ("interleaved", {}, 2, 1, "group size in [pp=2, num_microbatches=1]"),
         ("interleaved", {}, 2, 3, "got 3 % 2 = 1 (use a multiple of 2)"),
         (

@@ -118,7 +118,7 @@ def test_sweep_builds_and_validates_every_legal_input(name: str) -> None:
             {"num_ranks": 4, "num_microbatches": 3, "num_chunks": 2},
             r"group size in \[pp=4, num_microbatches=3\].*use at least pp micro-batches",
         ),
-        ("interleaved", {"num_ranks": 4, "num_microbatches": 8}, "needs a virtual pipeline size"),
+        ("interleaved", {"num_ranks": 4, "num_microbatches": 8}, "needs virtual pipeline stages"),
         (
             "interleaved",
             {"num_ranks": 4, "num_microbatches": 8, "num_chunks": 1},

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.passes.eviction import bpipe_max_stored
 from megatron_bfpp.plan import (
     Estimate,
-    bpipe_memory_cap,
     bpipe_speedup_estimate,
     pipeline_factor,
     pipeline_mfu,
@@ -105,7 +105,7 @@ def test_pipeline_mfu_eq3_values() -> None:
 
 
 def test_memory_cap_and_factor() -> None:
-    assert [bpipe_memory_cap(p) for p in (2, 3, 4, 5, 8, 16)] == [2, 3, 3, 4, 5, 9]
+    assert [bpipe_max_stored(p) for p in (2, 3, 4, 5, 8, 16)] == [2, 3, 3, 4, 5, 9]
     assert pipeline_factor(
         micro_batch_small=1, micro_batch_large=1, global_batch_size=64, pp=4
     ) == pytest.approx(1.0)
