@@ -21,7 +21,6 @@ the local layer spec, and the ``tensor_parallel.random`` internals the CPU adapt
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any
 
 __all__ = [
@@ -35,7 +34,6 @@ __all__ = [
     "is_multi_module_collection",
     "is_supported",
     "megatron_core_version",
-    "parse_version",
 ]
 
 # (first, last) inclusive (major, minor) ranges of megatron-core we test and serve.
@@ -48,15 +46,6 @@ _WINDOW_TEXT = "0.16.x (Python 3.10/3.11) or 0.19.x-0.20.x (Python >= 3.12)"
 
 class UnsupportedMegatronError(RuntimeError):
     """megatron-core is missing or outside the versions megatron_bfpp supports."""
-
-
-def parse_version(text: str) -> tuple[int, int, int]:
-    """``"0.19.2"``, ``"0.20.0rc1"``, ``"0.16.1+abc123"`` -> ``(major, minor, patch)``."""
-    match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if match is None:
-        raise UnsupportedMegatronError(f"cannot read a megatron-core version from {text!r}")
-    major, minor, patch = match.groups()
-    return int(major), int(minor), int(patch or 0)
 
 
 @functools.cache

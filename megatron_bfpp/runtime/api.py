@@ -43,12 +43,7 @@ def get_forward_backward_func(
     """
     check_megatron_core()
     spec = check_runnable(schedule)
-    unknown = sorted(set(options) - set(spec.option_names))
-    if unknown:
-        raise ScheduleError(
-            f"{spec.name} does not take option(s) {', '.join(unknown)}; it accepts: "
-            f"{', '.join(spec.option_names) or 'none'}"
-        )
+    spec.check_option_names(options)
     frozen_options = tuple(sorted(options.items()))
 
     def forward_backward_func(

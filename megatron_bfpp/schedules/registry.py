@@ -7,7 +7,7 @@ parameter sync) and validates the result, so every caller gets a schedule that i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +113,15 @@ class ScheduleSpec:
     @property
     def option_names(self) -> tuple[str, ...]:
         return tuple(option.name for option in self.options)
+
+    def check_option_names(self, names: Iterable[str]) -> None:
+        """Reject generator options this schedule does not take, naming the ones it does."""
+        unknown = sorted(set(names) - set(self.option_names))
+        if unknown:
+            accepted = ", ".join(self.option_names) or "none"
+            raise ScheduleError(
+                f"{self.name} does not take option(s) {', '.join(unknown)}; it accepts: {accepted}"
+            )
 
     def chunks_for(self, num_chunks: int | None, *, vp_flag: str = "--vp") -> int | None:
         """The generator's ``num_chunks`` for a requested virtual pipeline size (stages per
@@ -286,12 +295,7 @@ def build_schedule(
     """
     spec = get_spec(name)
     chosen = {key: value for key, value in options.items() if value is not None}
-    unknown = sorted(set(chosen) - set(spec.option_names))
-    if unknown:
-        accepted = ", ".join(spec.option_names) or "none"
-        raise ScheduleError(
-            f"{name} does not take option(s) {', '.join(unknown)}; it accepts: {accepted}"
-        )
+    spec.check_option_names(chosen)
     chunks = spec.chunks_for(num_chunks)
     chunk_args = {} if chunks is None else {"num_chunks": chunks}
     schedule = spec.generator(

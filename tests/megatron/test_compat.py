@@ -31,24 +31,6 @@ def fake_version(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     compat.megatron_core_version.cache_clear()
 
 
-@pytest.mark.parametrize(
-    "text, want",
-    [
-        ("0.19.2", (0, 19, 2)),
-        ("0.20.0rc1", (0, 20, 0)),
-        ("0.16.1+a0cc8ca", (0, 16, 1)),
-        ("0.21", (0, 21, 0)),
-    ],
-)
-def test_parse_version(text: str, want: tuple[int, int, int]) -> None:
-    assert compat.parse_version(text) == want
-
-
-def test_parse_version_rejects_garbage() -> None:
-    with pytest.raises(compat.UnsupportedMegatronError, match="cannot read"):
-        compat.parse_version("main")
-
-
 @pytest.mark.parametrize("version", [(0, 16, 0), (0, 16, 1), (0, 19, 0), (0, 19, 2), (0, 20, 0)])
 def test_window_accepts(version: tuple[int, int, int]) -> None:
     assert compat.check_megatron_core(version) == version
