@@ -13,17 +13,11 @@ line ``bfpp-train: error: ...`` on stderr and exit code 2, never a hang or a tra
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
-import multiprocessing
 import os
-import signal
 import sys
-import time
-import traceback
 import warnings
 from collections.abc import Sequence
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from megatron_bfpp.cli.common import OneLineParser, positive_int
@@ -205,7 +199,7 @@ def _first_line(error: BaseException) -> str:
 def _run_rank(args: argparse.Namespace, store: Any = None) -> int:
     """One rank: train, turning expected failures into one line."""
     from megatron_bfpp.ir import ScheduleError
-    from megatron_bfpp.megatron.pretrain import train
+    from megatron_bfpp.train.trainer import train
 
     try:
         train(args, store=store)
@@ -268,127 +262,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _spawn(args, world_size)
 
 
-# --------------------------------------------------------------------------- local launcher
+# --------------------------------------------------------------------------- local ranks
 
 
 def _spawn(args: argparse.Namespace, world_size: int) -> int:
-    """Fork ``world_size`` ranks (megatron-core imported once, here). Rank 0 hosts the
-    ``TCPStore`` on a kernel-chosen port and reports it before the others start. If a rank fails,
-    the others get a short grace period, then are killed; the exit code is the first failure's."""
+    """Fork ``world_size`` ranks (megatron-core imported once, here) on the local launcher. If a
+    rank fails, the others get a short grace period, then are killed; the exit code is the first
+    failure's."""
     import megatron.core.distributed
     import megatron.core.models.gpt
     import megatron.core.optimizer  # noqa: F401
     import torch  # noqa: F401
 
-    import megatron_bfpp.megatron.pretrain
-    import megatron_bfpp.runtime  # noqa: F401
+    from megatron_bfpp.local_ranks import fork_ranks
 
-    ctx = multiprocessing.get_context("fork")
-    procs: list[Any] = []
-    sentinels: dict[Any, int] = {}
-    port_reader, port_writer = ctx.Pipe(duplex=False)
-
-    def start(rank: int, port: int, writer: Connection | None) -> None:
-        proc = ctx.Process(
-            target=_child,
-            args=(args, rank, world_size, port, writer),
-            name=f"bfpp-train-rank-{rank}",
-        )
-        proc.start()
-        procs.append(proc)
-        sentinels[proc.sentinel] = rank
+    def rank_main(rank: int, store: Any) -> int:
+        try:
+            return _run_rank(args, store=store)
+        except KeyboardInterrupt:
+            return 130
 
     try:
-        start(0, 0, port_writer)
-        port_writer.close()
-        if world_size > 1:
-            port = None
-            try:
-                if port_reader.poll(120):
-                    port = int(port_reader.recv_bytes().decode())
-            except (EOFError, OSError):
-                pass
-            if port is not None:  # otherwise rank 0 failed: _wait reports it
-                for rank in range(1, world_size):
-                    start(rank, port, None)
-        return _wait(procs, sentinels)
+        run = fork_ranks(
+            rank_main,
+            world_size,
+            error_grace=_ERROR_GRACE_S,
+            failed=lambda code: code != 0,
+            name="bfpp-train-rank",
+        )
     except KeyboardInterrupt:
         return 130
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in procs:
-            proc.join(5.0)
-        port_reader.close()
-
-
-def _wait(procs: list[Any], sentinels: dict[Any, int]) -> int:
-    pending = dict(sentinels)
-    failed_code = 0
-    deadline: float | None = None
-    while pending:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = wait(list(pending), timeout=timeout)
-        if not ready:
-            break  # grace period over: the rest is killed by the caller
-        for sentinel in ready:
-            rank = pending.pop(sentinel)
-            proc = procs[rank]
-            proc.join()
-            if proc.exitcode != 0 and failed_code == 0:
-                failed_code = proc.exitcode if proc.exitcode and proc.exitcode > 0 else 1
-                deadline = time.monotonic() + _ERROR_GRACE_S
-    if pending and failed_code == 0:
-        failed_code = 1
-    return failed_code
-
-
-def _child(
-    args: argparse.Namespace,
-    rank: int,
-    world_size: int,
-    port: int,
-    port_writer: Connection | None,
-) -> None:
-    code = 1
-    try:
-        from datetime import timedelta
-
-        # `kill -USR1 <pid>` prints where a stuck rank is waiting
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-        import torch.distributed as dist
-
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
+    for rank in sorted(run.errors):
+        sys.stderr.write(
+            run.errors[rank] if run.errors[rank].endswith("\n") else run.errors[rank] + "\n"
         )
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            "127.0.0.1",
-            port,
-            world_size,
-            is_master=rank == 0,
-            timeout=timedelta(seconds=300),
-            wait_for_workers=False,
-        )
-        if port_writer is not None:
-            port_writer.send_bytes(str(store.port).encode())
-            port_writer.close()
-        os.environ["MASTER_PORT"] = str(store.port)
-        code = _run_rank(args, store=store)
-    except KeyboardInterrupt:
-        code = 130
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    first = run.first_failed
+    if first is None:
+        return 1 if run.killed else 0
+    code = run.results.get(first, 1)
+    return code if isinstance(code, int) and code > 0 else 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ without it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -103,12 +104,8 @@ def render_png(
     boxes wide enough carry ``F3``-style labels (none when more than ``max_labels`` would).
     Each row ends with the rank's peak stored activations in full-stage micro-batches.
     """
-    import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
 
     num_ranks = max(result.num_ranks, 1)
     row_inches = 0.42 if num_ranks <= 16 else max(0.16, 7.0 / num_ranks)
@@ -116,8 +113,13 @@ def render_png(
     figure = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    span = result.step_time if result.step_time > 0 else 1.0
-    palette = _palette()
+    font = max(5.0, min(9.0, row_inches * 72 * 0.45))
+    page = _Page(
+        span=result.step_time if result.step_time > 0 else 1.0,
+        axes_px=width * dpi * 0.85,  # approximate drawing width in pixels
+        font=font,
+        char_px=font * 0.62 * dpi / 72,
+    )
 
     compute: dict[ActionKind, list[Event]] = {kind: [] for kind in _STYLE}
     comm: dict[str, list[Event]] = {"p2p": [], "dp": []}
@@ -127,10 +129,49 @@ def render_png(
         else:
             comm[event.lane].append(event)
 
-    labelled: list[tuple[float, float, str]] = []
-    axes_px = width * dpi * 0.85  # approximate drawing width in pixels
-    font = max(5.0, min(9.0, row_inches * 72 * 0.45))
-    char_px = font * 0.62 * dpi / 72
+    labelled = _draw_compute(axes, compute, page, with_stage=result.num_chunks > 1)
+    _draw_comm(axes, comm)
+    if len(labelled) <= max_labels:
+        for x, y, text in labelled:
+            axes.text(
+                x,
+                y + (_BOX[0] + _BOX[1]) / 2,
+                text,
+                ha="center",
+                va="center",
+                fontsize=font,
+                color="black",
+                clip_on=True,
+            )
+    _decorate(axes, result, page.span, font)
+    axes.set_title(title or _title(result), fontsize=11)
+    handles = _legend_handles([kind for kind, events in compute.items() if events], comm)
+    figure.legend(
+        handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
+    )
+    out = Path(path)
+    figure.savefig(out, dpi=dpi)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Page:
+    """Sizes the drawing decisions depend on: the time span and pixels per character."""
+
+    span: float
+    axes_px: float
+    font: float
+    char_px: float
+
+
+def _draw_compute(
+    axes: Axes, compute: dict[ActionKind, list[Event]], page: _Page, *, with_stage: bool
+) -> list[tuple[float, float, str]]:
+    """One collection per compute kind; returns the labels of the boxes wide enough for one."""
+    import numpy as np
+    from matplotlib.collections import PolyCollection
+
+    palette = _palette()
     columns = {
         kind: (
             np.fromiter((e.start for e in events), float, len(events)),
@@ -141,10 +182,11 @@ def render_png(
         for kind, events in compute.items()
         if events
     }
-    widths = [(ends - starts) / span * axes_px for starts, ends, _, _ in columns.values()]
+    widths = [(ends - starts) / page.span * page.axes_px for starts, ends, _, _ in columns.values()]
     # Hatches and outlines only help boxes a few pixels wide, and hatching tens of thousands of
     # slivers is what makes Agg slow: drop both when the typical box is narrow.
     detailed = bool(widths) and float(np.median(np.concatenate(widths))) >= 5.0
+    labelled: list[tuple[float, float, str]] = []
     for (kind, (starts, ends, rows, mbs)), width_px in zip(columns.items(), widths, strict=True):
         shade, hatch, _ = _STYLE[kind]
         colours = _shade(palette[mbs % len(palette)], shade)
@@ -158,13 +200,19 @@ def render_png(
             )
         )
         # With several chunks per rank the stage tells them apart ("4F3": stage 4, micro-batch 3).
-        with_stage = result.num_chunks > 1
         digits = np.floor(np.log10(np.maximum(mbs, 1))) + 1
-        text_px = char_px * (1.6 + digits + (2.0 if with_stage else 0.0))
+        text_px = page.char_px * (1.6 + digits + (2.0 if with_stage else 0.0))
         for index in np.flatnonzero(width_px > text_px):
             event = compute[kind][int(index)]
             text = event.label if with_stage else f"{kind.value}{event.microbatch}"
             labelled.append(((event.start + event.end) / 2, event.rank, text))
+    return labelled
+
+
+def _draw_comm(axes: Axes, comm: dict[str, list[Event]]) -> None:
+    import numpy as np
+    from matplotlib.collections import PolyCollection
+
     for lane, where, colour in (("p2p", _P2P, "0.6"), ("dp", _DP, "0.15")):
         events = comm[lane]
         if events:
@@ -180,27 +228,21 @@ def render_png(
                     linewidths=0.6,
                 )
             )
-    if len(labelled) <= max_labels:
-        for x, y, text in labelled:
-            axes.text(
-                x,
-                y + (_BOX[0] + _BOX[1]) / 2,
-                text,
-                ha="center",
-                va="center",
-                fontsize=font,
-                color="black",
-                clip_on=True,
-            )
 
-    _decorate(axes, result, span, font)
+
+def _title(result: SimResult) -> str:
     stats = f"step {result.step_time:.4g}, bubble {result.bubble_fraction:.1%}"
     if result.exposed_dp_comm_time > 0:
         stats += f", exposed DP {result.exposed_dp_comm_time:.3g}"
     shape = f"p={result.num_ranks}, v={result.num_chunks}, m={result.num_microbatches}"
-    axes.set_title(title or f"{result.schedule_name} ({shape}): {stats}", fontsize=11)
+    return f"{result.schedule_name} ({shape}): {stats}"
 
-    present = [kind for kind, events in compute.items() if events]
+
+def _legend_handles(present: list[ActionKind], comm: dict[str, list[Event]]) -> list[Any]:
+    import numpy as np
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     handles: list[Any] = [
         Patch(
             facecolor=_shade(np.array([[0.55, 0.55, 0.55]]), _STYLE[k][0])[0],
@@ -215,12 +257,7 @@ def render_png(
     if comm["dp"]:
         handles.append(Line2D([], [], color="0.15", linewidth=3, label="DP sync (GS/PS)"))
     handles.append(Patch(facecolor="none", edgecolor="none", label="colour = micro-batch"))
-    figure.legend(
-        handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
-    )
-    out = Path(path)
-    figure.savefig(out, dpi=dpi)
-    return out
+    return handles
 
 
 def _decorate(axes: Axes, result: SimResult, span: float, font: float) -> None:

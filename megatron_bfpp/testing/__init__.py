@@ -1,5 +1,7 @@
-"""Test and CPU-demo support: megatron-core on CPU/gloo and multi-rank helpers.
+"""Test support: multi-rank helpers and tiny models. Never imported by product code.
 
-Never imported by product code. Modules: :mod:`.cpu` (the CPU adapter), :mod:`.multirank`
-(forked gloo ranks), :mod:`.models` (tiny GPT chunks with split-independent weights).
+Modules: :mod:`.multirank` (forked gloo ranks with megatron-core's parallel state, on the
+product's local launcher :mod:`megatron_bfpp.local_ranks`), :mod:`.models` (tiny GPT chunks with
+split-independent weights, reference runs, gradient comparison). The CPU adapter they enable is
+product code: :mod:`megatron_bfpp.cpu`.
 """

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -39,8 +38,17 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
-from megatron_bfpp.megatron.presets import global_param_names, init_by_global_names, unwrap
-from megatron_bfpp.megatron.pretrain import wrap_ddp
+from megatron_bfpp.train.data import Batch
+from megatron_bfpp.train.presets import (
+    full_shape,
+    global_param_names,
+    gpt_chunks,
+    init_by_global_names,
+    tp_partition,
+    unwrap,
+    wrap_ddp,
+)
+from megatron_bfpp.train.steps import forward_step, loss_func
 
 __all__ = [
     "MICRO_BATCH_SIZE",
@@ -74,9 +82,6 @@ __all__ = [
 SEQ_LENGTH = 16
 VOCAB_SIZE = 64
 MICRO_BATCH_SIZE = 2
-_LAYER_PREFIX = re.compile(r"^(.*\.)(\d+)$")
-
-Batch = dict[str, torch.Tensor]
 
 
 # --------------------------------------------------------------------------- configuration
@@ -152,47 +157,17 @@ def build_model_chunks(
     max_sequence_length: int = SEQ_LENGTH,
     share_embeddings_and_output_weights: bool = False,
 ) -> list[GPTModel]:
-    """This rank's ``GPTModel`` chunks, one per virtual stage (megatron-core's looped placement:
-    chunk ``c`` of pipeline rank ``r`` is global stage ``c * pp + r``), initialised from global
-    names. ``pre_process`` / ``post_process`` follow
-    ``parallel_state.is_pipeline_first_stage/last_stage(ignore_virtual=False, vp_stage=c)``;
-    ``GPTModel(vp_stage=c)`` passes ``vp_stage`` to ``get_transformer_layer_offset``.
-    """
-    vp = config.virtual_pipeline_model_parallel_size
-    spec = get_gpt_layer_local_spec()
-    chunks = []
-    for chunk in range(vp or 1):
-        vp_stage = chunk if vp is not None else None
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length,
-            pre_process=parallel_state.is_pipeline_first_stage(
-                ignore_virtual=False, vp_stage=vp_stage
-            ),
-            post_process=parallel_state.is_pipeline_last_stage(
-                ignore_virtual=False, vp_stage=vp_stage
-            ),
-            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-            vp_stage=vp_stage,
-        )
-        init_from_global_names(model, seed=seed)
-        chunks.append(model)
-    return chunks
-
-
-def _tp_layout(param: torch.Tensor) -> tuple[int | None, int]:
-    if getattr(param, "tensor_model_parallel", False):
-        return int(param.partition_dim), int(getattr(param, "partition_stride", 1))
-    return None, 1
-
-
-def _full_shape(param: torch.Tensor, dim: int | None, tp_size: int) -> list[int]:
-    shape = list(param.shape)
-    if dim is not None:
-        shape[dim] *= tp_size
-    return shape
+    """This rank's ``GPTModel`` chunks, one per virtual stage, built as bfpp-train builds them
+    (:func:`megatron_bfpp.train.presets.gpt_chunks`: local layer spec, megatron-core's looped
+    placement), initialised by :func:`init_from_global_names`."""
+    return gpt_chunks(
+        config,
+        layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        init=functools.partial(init_from_global_names, seed=seed),
+    )
 
 
 def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
@@ -206,7 +181,7 @@ def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
 
 
 def init_from_global_names(model: torch.nn.Module, *, seed: int = 0) -> None:
-    """The product's global-name initialisation (``megatron_bfpp.megatron.presets``) with every
+    """The product's global-name initialisation (``megatron_bfpp.train.presets``) with every
     tensor random, biases and norm weights included, so equivalence tests cover them too."""
     init_by_global_names(model, seed=seed, draw=_draw)
 
@@ -240,28 +215,10 @@ def make_batches(
     return batches
 
 
-def loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Megatron-LM ``pretrain_gpt.loss_func`` style: summed masked token loss, token count,
-    and ``{"lm loss": [summed loss, num_tokens]}`` for reporting."""
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
-    return loss, num_tokens, {"lm loss": report}
-
-
 def forward_step_func(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[Any, Any]:
-    """megatron-core's ``forward_step_func(data_iterator, model) -> (output, loss_func)``.
-
-    Every stage reads the batch (``GPTModel`` ignores tokens without ``pre_process`` and returns
-    per-token losses with ``post_process`` and labels). The attention mask is ``None``: the local
-    spec's causal softmax builds the causal mask itself."""
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    """bfpp-train's step function (:func:`megatron_bfpp.train.steps.forward_step`) with the
+    batch left where it is."""
+    return forward_step(None, data_iterator, model)
 
 
 def losses_from_store(store: Iterable[dict[str, torch.Tensor]]) -> list[float]:
@@ -334,10 +291,10 @@ def _shards(model_chunks: Sequence[torch.nn.Module], what: str) -> dict[str, Gra
                     value = param.grad
                 if value is None:
                     continue
-            dim, stride = _tp_layout(param)
+            dim, stride = tp_partition(param)
             out[names[name]] = GradShard(
                 tensor=value.detach().clone().float().cpu(),
-                full_shape=tuple(_full_shape(param, dim, tp_size)),
+                full_shape=tuple(full_shape(param, tp_size)),
                 partition_dim=dim,
                 partition_stride=stride,
                 tp_rank=tp_rank,

@@ -1,6 +1,7 @@
-"""The pure layers (ir, passes, validate, schedules, sim, cli) import neither torch nor megatron,
-so schedules can be planned, checked and drawn on a laptop; and they respect the arrows of the
-design's dependency rule."""
+"""The pure layers (ir, passes, validate, schedules, sim, plan, the sim/plan CLIs) import neither
+torch nor megatron, so schedules can be planned, checked and drawn on a laptop; every module
+respects the arrows of the dependency rule (docs/architecture.md); packages import each other in
+no cycle; and no product module imports the test helpers."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ PURE = [
     "cli/common.py",
 ]
 FORBIDDEN = ("torch", "megatron.", "megatron_bfpp.runtime", "megatron_bfpp.megatron")
-# Which package modules each pure layer may import (the design's arrows).
+# Which package modules each unit may import (the design's arrows); a unit is a top-level module
+# or a subpackage of megatron_bfpp, and "__init__" is the package's own front door. Every unit is
+# listed: a new module or package has to say where it sits.
+PURE_LAYERS = {"ir", "validate", "passes", "schedules", "sim", "plan"}
 ALLOWED = {
     "ir": set(),
     "validate": {"ir"},
@@ -32,7 +36,31 @@ ALLOWED = {
     "schedules": {"ir", "validate", "passes", "schedules"},
     "sim": {"ir", "validate", "passes", "schedules", "sim"},
     "plan": {"ir", "validate", "passes", "schedules", "sim", "plan"},
+    # product code that needs torch / megatron-core
+    "compat": set(),  # megatron-core versions
+    "cpu": set(),  # the CPU/gloo adapter
+    "local_ranks": set(),  # the local process launcher
+    "runtime": {"ir", "validate", "passes", "schedules", "compat", "runtime"},
+    "megatron": {"ir", "schedules", "compat", "cpu", "runtime", "megatron"},
+    "train": {"ir", "schedules", "compat", "cpu", "runtime", "train"},
+    "launch": {"compat", "megatron"},
+    "cli": PURE_LAYERS | {"cli", "compat", "local_ranks", "runtime", "train"},
+    "__init__": {"ir", "schedules"},
+    # tests' helpers may use everything; nothing else may use them
+    "testing": PURE_LAYERS
+    | {"compat", "cpu", "local_ranks", "runtime", "megatron", "train", "testing"},
 }
+
+
+def _unit(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def _used_units(path: Path) -> set[str]:
+    return {
+        n.split(".")[1] for n in _imports(path) if n.startswith("megatron_bfpp.") and "." in n
+    } | {"__init__" for n in _imports(path) if n == "megatron_bfpp"}
 
 
 def _files(entry: str) -> list[Path]:
@@ -45,6 +73,11 @@ def _imports(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "megatron_bfpp":
+            for alias in node.names:  # ``from megatron_bfpp import cpu`` imports a unit
+                sub = PACKAGE / alias.name
+                is_unit = sub.is_dir() or sub.with_suffix(".py").exists()
+                names.append(f"megatron_bfpp.{alias.name}" if is_unit else "megatron_bfpp")
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.append(node.module)
     return names
@@ -56,16 +89,73 @@ def test_pure_layer_never_imports_torch_or_megatron(path: Path) -> None:
     assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
 
 
-@pytest.mark.parametrize("layer", list(ALLOWED))
-def test_dependency_arrows(layer: str) -> None:
-    entry = f"{layer}.py" if (PACKAGE / f"{layer}.py").exists() else layer
-    for path in _files(entry):
-        used = {
-            n.split(".")[1]
-            for n in _imports(path)
-            if n.startswith("megatron_bfpp.") and len(n.split(".")) > 1
-        }
-        assert used <= ALLOWED[layer], f"{path.name} imports {sorted(used - ALLOWED[layer])}"
+ALL_FILES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_unit_has_its_arrows() -> None:
+    units = {_unit(path) for path in ALL_FILES}
+    assert units == set(ALLOWED), (
+        f"add {sorted(units - set(ALLOWED))} to ALLOWED; drop {sorted(set(ALLOWED) - units)}"
+    )
+
+
+@pytest.mark.parametrize("path", ALL_FILES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_dependency_arrows(path: Path) -> None:
+    unit = _unit(path)
+    used = _used_units(path) - {unit}
+    assert used <= ALLOWED[unit], (
+        f"{path.relative_to(PACKAGE)} ({unit}) imports {sorted(used - ALLOWED[unit])}"
+    )
+
+
+def test_product_never_imports_testing() -> None:
+    bad = [
+        str(path.relative_to(PACKAGE))
+        for path in ALL_FILES
+        if _unit(path) != "testing" and "testing" in _used_units(path)
+    ]
+    assert not bad, f"product modules importing megatron_bfpp.testing: {bad}"
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle in ``graph`` (unit -> units it imports), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, set())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycles_between_units() -> None:
+    graph: dict[str, set[str]] = {}
+    for path in ALL_FILES:
+        unit = _unit(path)
+        graph.setdefault(unit, set()).update(_used_units(path) - {unit, "__init__"})
+    assert _cycle(graph) is None, f"import cycle between packages: {' -> '.join(_cycle(graph))}"
+
+
+def test_cycle_finder_finds_cycles() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_allowed_arrows_have_no_cycle() -> None:
+    graph = {unit: allowed - {unit} for unit, allowed in ALLOWED.items()}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
 def test_importing_pure_layers_loads_no_torch() -> None:

@@ -6,16 +6,19 @@
   ``llama``: RMSNorm, SwiGLU, RoPE, no biases, untied embeddings, grouped-query attention
   (``num_query_groups``).
 * :func:`build_model_chunks` - this rank's ``GPTModel`` chunks, one per virtual stage
-  (megatron-core's looped placement, ``vp_stage``), built from megatron-core's local layer spec.
+  (megatron-core's looped placement, ``vp_stage``), built from megatron-core's local layer spec
+  by :func:`gpt_chunks`, which the tests' tiny models use too.
 * :func:`init_by_global_names` - every parameter is drawn at its full unsplit shape from a
   generator seeded by its *global* name (global layer number), then this rank's tensor-parallel
   slice is taken: any (tp, pp, vp, dp) layout holds the same model, so schedules and layouts can be
   compared loss for loss.
+* :func:`wrap_ddp` - megatron-core DDP with the config hooks Megatron-LM's training setup sets.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import zlib
 from collections.abc import Callable, Sequence
@@ -28,10 +31,14 @@ __all__ = [
     "ModelShape",
     "build_model_chunks",
     "default_ffn_hidden_size",
+    "full_shape",
     "global_param_names",
+    "gpt_chunks",
     "init_by_global_names",
+    "tp_partition",
     "transformer_config",
     "unwrap",
+    "wrap_ddp",
 ]
 
 PRESETS = ("gpt", "llama")
@@ -87,7 +94,7 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, vp: int | None, o
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
         sequence_parallel=False,
-        # gloo: batched p2p gives wrong gradients at pp=2 with looping (see testing/cpu.py)
+        # gloo: batched p2p gives wrong gradients at pp=2 with looping (see megatron_bfpp/cpu.py)
         batch_p2p_comm=not on_cpu,
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
@@ -112,36 +119,64 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, vp: int | None, o
 
 
 def build_model_chunks(config: Any, shape: ModelShape, *, seed: int) -> list[Any]:
-    """This rank's ``GPTModel`` chunks, one per virtual stage (chunk ``c`` of pipeline rank ``r``
-    is global stage ``c * pp + r``), initialised by :func:`init_by_global_names`."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
+    """This rank's ``GPTModel`` chunks of a preset, initialised by :func:`init_by_global_names`
+    and moved to the GPU when there is one (built on the CPU: ``use_cpu_initialization``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     llama = shape.preset == "llama"
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm")
+    return gpt_chunks(
+        config,
+        layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm"),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.seq_length,
+        share_embeddings_and_output_weights=not llama,
+        position_embedding_type="rope" if llama else "learned_absolute",
+        init=functools.partial(init_by_global_names, seed=seed),
+        to_gpu=torch.cuda.is_available(),
+    )
+
+
+def gpt_chunks(
+    config: Any,
+    *,
+    layer_spec: Any,
+    vocab_size: int,
+    max_sequence_length: int,
+    share_embeddings_and_output_weights: bool,
+    init: Callable[[torch.nn.Module], None],
+    position_embedding_type: str = "learned_absolute",
+    to_gpu: bool = False,
+) -> list[Any]:
+    """``GPTModel`` chunks for this rank, one per virtual stage, in megatron-core's looped
+    placement (chunk ``c`` of pipeline rank ``r`` is global stage ``c * pp + r``): the one place
+    bfpp-train and the tests build models. ``pre_process`` / ``post_process`` follow
+    ``parallel_state.is_pipeline_first_stage/last_stage(ignore_virtual=False, vp_stage=c)``, and
+    ``vp_stage`` reaches ``get_transformer_layer_offset`` through ``GPTModel``."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
     vp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for chunk in range(vp or 1):
         vp_stage = chunk if vp is not None else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
-            vocab_size=shape.vocab_size,
-            max_sequence_length=shape.seq_length,
+            transformer_layer_spec=layer_spec,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
             pre_process=parallel_state.is_pipeline_first_stage(
                 ignore_virtual=False, vp_stage=vp_stage
             ),
             post_process=parallel_state.is_pipeline_last_stage(
                 ignore_virtual=False, vp_stage=vp_stage
             ),
-            share_embeddings_and_output_weights=not llama,
-            position_embedding_type="rope" if llama else "learned_absolute",
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type=position_embedding_type,
             vp_stage=vp_stage,
         )
-        if torch.cuda.is_available():  # built on the CPU (use_cpu_initialization), then moved
+        if to_gpu:
             model.cuda(torch.cuda.current_device())
-        init_by_global_names(model, seed=seed)
+        init(model)
         chunks.append(model)
     return chunks
 
@@ -191,6 +226,23 @@ def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
     return INIT_STD * torch.randn(*shape, generator=generator, dtype=torch.float32)
 
 
+def tp_partition(param: torch.Tensor) -> tuple[int | None, int]:
+    """(partition dim, stride) of a tensor-parallel parameter as megatron-core marks it; (None, 1)
+    for a parameter every tensor-parallel rank holds whole."""
+    if getattr(param, "tensor_model_parallel", False):
+        return int(getattr(param, "partition_dim")), int(getattr(param, "partition_stride", 1))  # noqa: B009
+    return None, 1
+
+
+def full_shape(param: torch.Tensor, tp_size: int) -> list[int]:
+    """The unsplit shape of this rank's piece of ``param``."""
+    dim, _ = tp_partition(param)
+    shape = list(param.shape)
+    if dim is not None:
+        shape[dim] *= tp_size
+    return shape
+
+
 @torch.no_grad()
 def init_by_global_names(
     model: torch.nn.Module,
@@ -209,14 +261,56 @@ def init_by_global_names(
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for name, param in module.named_parameters():
-        if getattr(param, "tensor_model_parallel", False):
-            dim = int(getattr(param, "partition_dim"))  # noqa: B009 (set by megatron-core)
-            stride = int(getattr(param, "partition_stride", 1))
-            full_shape = list(param.shape)
-            full_shape[dim] *= tp_size
-            full = draw(names[name], full_shape, seed)
+        full = draw(names[name], full_shape(param, tp_size), seed)
+        dim, stride = tp_partition(param)
+        if dim is not None:
             pieces = torch.chunk(full, tp_size * stride, dim=dim)
-            local = torch.cat(pieces[tp_rank::tp_size], dim=dim)
-        else:
-            local = draw(names[name], param.shape, seed)
-        param.copy_(local.to(device=param.device, dtype=param.dtype))
+            full = torch.cat(pieces[tp_rank::tp_size], dim=dim)
+        param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+def wrap_ddp(
+    model_chunks: Sequence[torch.nn.Module],
+    *,
+    overlap_grad_reduce: bool = False,
+    use_distributed_optimizer: bool = False,
+    overlap_param_gather: bool = False,
+    bucket_size: int | None = None,
+    **ddp_overrides: Any,
+) -> list[Any]:
+    """Wrap each chunk in megatron-core DDP and set the config hooks as Megatron-LM's training
+    setup does: ``no_sync_func``, ``grad_sync_func`` / ``param_sync_func`` (with overlap) and
+    ``finalize_model_grads_func``. Chunks after the first get ``disable_bucketing=True``."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    config: Any = unwrap(model_chunks[0]).config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_param_gather=overlap_param_gather,
+        bucket_size=bucket_size,
+        **ddp_overrides,
+    )
+    wrapped = [
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0
+        )
+        for index, chunk in enumerate(model_chunks)
+    ]
+    for chunk in wrapped:
+        chunk.broadcast_params()
+    no_sync = [chunk.no_sync for chunk in wrapped]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if overlap_grad_reduce:
+        grad_sync = [chunk.start_grad_sync for chunk in wrapped]
+        config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+    if overlap_param_gather:
+        param_sync = [chunk.start_param_sync for chunk in wrapped]
+        config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped

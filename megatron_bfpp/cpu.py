@@ -1,7 +1,9 @@
 """Run megatron-core 0.16-0.20 on CPU with gloo: the one place that redirects its CUDA-only calls.
 
-For tests and CPU demos only; product code never imports this module. ``enable_cpu_megatron()``
-installs every redirect below (idempotent); ``disable_cpu_megatron()`` puts every original back.
+Used by the tests, bfpp-train's CPU ranks and the Megatron-LM CPU launcher
+(:mod:`megatron_bfpp.megatron.cpu_launch`), and only when there is no GPU: the GPU path never
+calls it, and the runtime and the plugin never import it. ``enable_cpu_megatron()`` installs
+every redirect below (idempotent); ``disable_cpu_megatron()`` puts every original back.
 On CPU the "current device" *is* the CPU, so each redirect maps a CUDA call onto its CPU meaning:
 
 ``torch.cuda.current_device()`` -> ``torch.device("cpu")``

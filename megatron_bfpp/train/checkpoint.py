@@ -18,7 +18,7 @@ A ``torch_dist`` checkpoint holds the model chunks' ``sharded_state_dict()`` (ke
 layer number, so the files do not depend on how layers are split), the distributed optimizer's
 ``sharded_state_dict`` (format ``dp_reshardable``), the scheduler, the iteration, the consumed
 samples (the data position: samples are a pure function of their index, see
-:mod:`megatron_bfpp.megatron.data`), the model flags, and every rank's RNG states (one
+:mod:`megatron_bfpp.train.data`), the model flags, and every rank's RNG states (one
 ``ShardedObject`` per global rank).
 """
 

@@ -1,0 +1,46 @@
+"""The step functions megatron-core's forward-backward functions call, as Megatron-LM's
+``pretrain_gpt.py`` writes them: bfpp-train and the tests run the same ones, so a test's loss is
+the trainer's loss."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megatron_bfpp.train.data import Batch
+
+__all__ = ["forward_step", "loss_func"]
+
+
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron-LM ``pretrain_gpt.loss_func``: summed masked token loss, token count, and
+    ``{"lm loss": [summed loss, tokens]}`` for reporting. megatron-core's ``forward_step``
+    divides the loss by the token count and by the number of micro-batches
+    (``calculate_per_token_loss`` off), so each micro-batch contributes its mean token loss."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(
+    device: torch.device | None, data_iterator: Iterator[Batch], model: torch.nn.Module
+) -> tuple[Any, Any]:
+    """megatron-core's ``forward_step_func(data_iterator, model)`` once ``device`` is bound
+    (``None``: the batch stays where it is).
+
+    Every stage reads the batch (``GPTModel`` ignores tokens without ``pre_process`` and returns
+    per-token losses with ``post_process`` and labels). The attention mask is ``None``: the local
+    spec's causal softmax builds the causal mask itself."""
+    batch = next(data_iterator)
+    if device is not None:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])

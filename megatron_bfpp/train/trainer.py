@@ -1,0 +1,454 @@
+"""``bfpp-train``'s training loop on megatron-core alone (one process = one rank).
+
+:func:`train` runs on every rank: process group (NCCL on GPUs, gloo plus the CPU adapter on a
+CPU-only machine), megatron-core parallel state, the preset model's chunks (one per virtual
+stage, initialised by global layer), megatron-core DDP and the distributed optimizer (Adam), a
+warm-up + cosine learning-rate schedule (megatron-core's ``OptimizerParamScheduler``), and one
+``get_forward_backward_func(schedule)`` call per iteration from :mod:`megatron_bfpp`.
+
+The loss is reported as Megatron-LM does: the last pipeline stage sums ``[loss, tokens]`` over its
+micro-batches, the sum is reduced over data-parallel ranks, and ``lm_loss = loss / tokens``.
+Rank 0 shows progress and writes ``--metrics-file`` (one JSON object per iteration).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import random
+import sys
+import time
+import warnings
+from datetime import timedelta
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+from megatron_bfpp.schedules.registry import options_from_args
+from megatron_bfpp.train.data import TrainingData
+from megatron_bfpp.train.presets import (
+    ModelShape,
+    build_model_chunks,
+    transformer_config,
+    wrap_ddp,
+)
+from megatron_bfpp.train.steps import forward_step
+
+__all__ = ["TrainResult", "model_shape", "train"]
+
+MODEL_FLAGS = (
+    "model",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "seq_length",
+    "vocab_size",
+)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What rank 0 saw: (iteration, lm_loss) per iteration run by this process."""
+
+    losses: list[tuple[int, float]]
+
+
+def model_shape(args: Any) -> ModelShape:
+    return ModelShape(
+        preset=args.model,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+    )
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def init_distributed(store: Any = None, timeout_s: float = 600.0) -> torch.device:
+    """Process group from the environment (torchrun / our launcher). GPU: NCCL on
+    ``cuda:LOCAL_RANK``. CPU only: gloo, and megatron-core's CUDA calls redirected to the CPU."""
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    kwargs: dict[str, Any] = dict(rank=rank, world_size=world_size)
+    kwargs["timeout"] = timedelta(seconds=timeout_s)
+    if store is not None:
+        kwargs["store"] = store
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", **kwargs)
+        return device
+    from megatron_bfpp.cpu import enable_cpu_megatron  # the one CPU/gloo adapter
+
+    # megatron-core 0.16 calls these by their old names; torch warns once per rank
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
+
+    torch.set_num_threads(1)
+    enable_cpu_megatron()
+    dist.init_process_group("gloo", **kwargs)
+    return torch.device("cpu")
+
+
+def _optimizer_and_scheduler(args: Any, model: list[Any]) -> tuple[Any, Any]:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            clip_grad=args.clip_grad,
+            use_distributed_optimizer=True,
+            bf16=False,
+            fp16=False,
+            params_dtype=torch.float32,
+        ),
+        model,
+    )
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        # megatron-core needs warm-up < decay: a run shorter than the warm-up warms up less
+        lr_warmup_steps=min(args.lr_warmup_iters, args.train_iters - 1) * gbs,
+        lr_decay_steps=args.train_iters * gbs,
+        lr_decay_style="cosine",
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def _reduce_loss(store: list[dict[str, torch.Tensor]], device: torch.device) -> float:
+    """Megatron-LM's reporting: sum ``[loss, tokens]`` over micro-batches and data-parallel
+    ranks. Reduced over the world (only last-stage ranks contribute) so every rank knows it."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for item in store:
+        total += item["lm loss"].to(device=device, dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+
+def _memory_per_pipeline_rank(forward_backward: Any, device: torch.device) -> dict[str, Any]:
+    """The step's measured activation memory, one entry per pipeline rank (of this rank's
+    tensor/data-parallel replica), gathered over the pipeline group: collective, every rank
+    calls it."""
+    from megatron.core import parallel_state
+
+    report = forward_backward.last_memory
+    cuda = report.cuda_max_memory_allocated
+    mine = torch.tensor(
+        [
+            report.peak_activation_bytes,
+            report.peak_stored_microbatches,
+            -1 if cuda is None else cuda,
+        ],
+        dtype=torch.int64,
+        device=device,
+    )
+    group = parallel_state.get_pipeline_model_parallel_group()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [[int(v) for v in t.tolist()] for t in gathered]
+    memory: dict[str, Any] = {
+        "peak_activation_bytes": [row[0] for row in rows],
+        "peak_stored_microbatches": [row[1] for row in rows],
+    }
+    if cuda is not None:
+        memory["cuda_max_memory_allocated"] = [row[2] for row in rows]
+    return memory
+
+
+class _Progress:
+    """One line on rank 0, redrawn with a carriage return; ``--no-progress`` logs lines."""
+
+    def __init__(self, enabled: bool, lines: bool, total: int, log_interval: int) -> None:
+        self.enabled = enabled
+        self.lines = lines
+        self.total = total
+        self.log_interval = log_interval
+        self.drawn = False
+
+    def update(self, iteration: int, loss: float, step_time: float, lr: float) -> None:
+        if not self.enabled:
+            return
+        text = (
+            f"iteration {iteration:>{len(str(self.total))}}/{self.total} | lm loss {loss:.6f} | "
+            f"step {step_time * 1000:7.1f} ms | lr {lr:.3e}"
+        )
+        if self.lines:
+            if iteration % self.log_interval == 0 or iteration == self.total:
+                print(text, flush=True)
+        else:
+            sys.stdout.write("\r" + text)
+            sys.stdout.flush()
+            self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------- main loop
+
+
+@dataclasses.dataclass
+class _Run:
+    """What one rank trains with, set up once (mutable: the iteration advances)."""
+
+    args: Any
+    device: torch.device
+    model: list[Any]
+    optimizer: Any
+    scheduler: Any
+    flags: dict[str, Any]
+    forward_backward: Any
+    data: TrainingData
+    dp_rank: int
+    dp_size: int
+    num_microbatches: int
+    iteration: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    iteration: int
+    loss: float
+    grad_norm: float | None
+    lr: float
+    step_time: float
+
+
+def train(args: Any, *, store: Any = None) -> TrainResult:
+    """Run ``args`` (a parsed ``bfpp-train`` namespace) on this rank; collective."""
+    from megatron.core import parallel_state
+
+    device = init_distributed(store)
+    try:
+        run = _set_up(args, device)
+        return _loop(run)
+    finally:
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _set_up(args: Any, device: torch.device) -> _Run:
+    """Parallel state, seeds, model, optimizer, checkpoint and the schedule's function."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_bfpp.runtime import get_forward_backward_func
+    from megatron_bfpp.train.checkpoint import load_checkpoint
+
+    tp, pp, vp = _layout(args)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
+    )
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+
+    shape = model_shape(args)
+    config = transformer_config(shape, tp=tp, pp=pp, vp=vp, on_cpu=device.type == "cpu")
+    model = wrap_ddp(
+        build_model_chunks(config, shape, seed=args.seed), use_distributed_optimizer=True
+    )
+    optimizer, scheduler = _optimizer_and_scheduler(args, model)
+    flags = {name: getattr(args, name) for name in MODEL_FLAGS}
+    iteration = 0
+    if args.load:
+        iteration, _ = load_checkpoint(
+            args.load, model=model, optimizer=optimizer, scheduler=scheduler, flags=flags
+        )
+    options = options_from_args(args.pipeline_schedule, args)
+    forward_backward = get_forward_backward_func(
+        args.pipeline_schedule, measure_memory=bool(args.metrics_file), **options
+    )
+    data = TrainingData(
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+        data_path=args.data_path,
+    )
+    dp_size = parallel_state.get_data_parallel_world_size()
+    return _Run(
+        args=args,
+        device=device,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        flags=flags,
+        forward_backward=forward_backward,
+        data=data,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=dp_size,
+        num_microbatches=args.global_batch_size // (args.micro_batch_size * dp_size),
+        iteration=iteration,
+    )
+
+
+def _layout(args: Any) -> tuple[int, int, int | None]:
+    vp = args.num_virtual_stages_per_pipeline_rank
+    return (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        vp if vp and vp > 1 else None,
+    )
+
+
+def _loop(run: _Run) -> TrainResult:
+    """Iterations until ``--train-iters`` (or ``--exit-interval``), with progress, metrics and
+    checkpoints; a checkpoint at the end unless the last iteration was just saved."""
+    args = run.args
+    rank0 = dist.get_rank() == 0
+    metrics: TextIO | None = None
+    if rank0 and args.metrics_file:
+        metrics = open(args.metrics_file, "a" if args.load else "w")  # noqa: SIM115
+    progress = _Progress(
+        rank0 and args.train_iters > run.iteration,
+        args.no_progress,
+        args.train_iters,
+        args.log_interval,
+    )
+    if rank0 and args.no_progress:
+        print(_banner(run), flush=True)
+    losses: list[tuple[int, float]] = []
+    last_saved = run.iteration if args.load else -1
+    try:
+        while run.iteration < args.train_iters:
+            step = _train_step(run)
+            losses.append((step.iteration, step.loss))
+            if not math.isfinite(step.loss):
+                raise FloatingPointError(f"lm loss is {step.loss} at iteration {step.iteration}")
+            progress.update(step.iteration, step.loss, step.step_time, step.lr)
+            memory = (
+                _memory_per_pipeline_rank(run.forward_backward, run.device)
+                if args.metrics_file
+                else {}
+            )
+            if metrics is not None:
+                metrics.write(json.dumps(_metrics_record(run, step, memory)) + "\n")
+                metrics.flush()
+            if args.save and args.save_interval and step.iteration % args.save_interval == 0:
+                _save(run)
+                last_saved = step.iteration
+            if args.exit_interval and step.iteration % args.exit_interval == 0:
+                break  # Megatron-LM's --exit-interval: stop here (checkpoint below)
+        if args.save and last_saved != run.iteration:
+            _save(run)
+    finally:
+        progress.close()
+        if metrics is not None:
+            metrics.close()
+    return TrainResult(losses=losses)
+
+
+def _banner(run: _Run) -> str:
+    args = run.args
+    tp, pp, vp = _layout(args)
+    return (
+        f"bfpp-train: {args.model} {args.num_layers} layers, hidden {args.hidden_size}, "
+        f"tp={tp} pp={pp} vp={vp or 1} dp={run.dp_size}, {run.num_microbatches} micro-batches "
+        f"per step, schedule {args.pipeline_schedule}, device {run.device.type}, from iteration "
+        f"{run.iteration}"
+    )
+
+
+def _train_step(run: _Run) -> _Step:
+    """One iteration: this rank's micro-batches through the schedule, then the optimizer."""
+    args = run.args
+    start = time.perf_counter()
+    batches = run.data.microbatches(
+        iteration=run.iteration,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        dp_rank=run.dp_rank,
+        dp_size=run.dp_size,
+    )
+    for chunk in run.model:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    iterators: Any = [iter(batches) for _ in run.model]
+    store = run.forward_backward(
+        forward_step_func=functools.partial(forward_step, run.device),
+        data_iterator=iterators if len(run.model) > 1 else iterators[0],
+        model=run.model,
+        num_microbatches=run.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    ok, grad_norm, _ = run.optimizer.step()
+    if ok:
+        run.scheduler.step(increment=args.global_batch_size)
+    loss = _reduce_loss(list(store), run.device)
+    run.iteration += 1
+    return _Step(
+        iteration=run.iteration,
+        loss=loss,
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        lr=float(run.optimizer.param_groups[0]["lr"]),
+        step_time=time.perf_counter() - start,
+    )
+
+
+def _metrics_record(run: _Run, step: _Step, memory: dict[str, Any]) -> dict[str, Any]:
+    args = run.args
+    return {
+        "iteration": step.iteration,
+        "lm_loss": step.loss,
+        "step_time_s": step.step_time,
+        "pipeline_schedule": args.pipeline_schedule,
+        "lr": step.lr,
+        "grad_norm": step.grad_norm,
+        "tokens_per_s": args.global_batch_size * args.seq_length / step.step_time,
+        "num_microbatches": run.num_microbatches,
+        **memory,
+    }
+
+
+def _save(run: _Run) -> None:
+    from megatron_bfpp.train.checkpoint import save_checkpoint
+
+    args = run.args
+    path = save_checkpoint(
+        args.save,
+        ckpt_format=args.ckpt_format,
+        iteration=run.iteration,
+        consumed_samples=run.iteration * args.global_batch_size,
+        model=run.model,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        flags=run.flags,
+    )
+    if dist.get_rank() == 0 and args.no_progress:
+        print(f"saved checkpoint {path}", flush=True)

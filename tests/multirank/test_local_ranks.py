@@ -1,0 +1,88 @@
+"""The local process launcher on its own (no megatron-core): results by rank, the shared store,
+failures by returned code and by exception, the grace period, the deadline and stack dumps."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_bfpp.local_ranks import fork_ranks
+
+
+def _all_connected(rank: int, store: Any, world_size: int) -> None:
+    """Rank 0 hosts the store: it waits until every rank has connected before it may leave (a
+    real rank's ``init_process_group`` does this)."""
+    store.add("connected", 1)
+    while rank == 0 and store.add("connected", 0) < world_size:
+        time.sleep(0.01)
+
+
+def test_results_environment_and_store() -> None:
+    def target(rank: int, store: Any) -> tuple[int, str, str, str]:
+        store.set(f"key{rank}", str(rank * 10))
+        other = store.get(f"key{(rank + 1) % 3}").decode()  # waits until that rank set it
+        store.add("done", 1)
+        while rank == 0 and store.add("done", 0) < 3:  # rank 0 hosts the store: leave last
+            time.sleep(0.01)
+        return rank, os.environ["RANK"], os.environ["WORLD_SIZE"], other
+
+    run = fork_ranks(target, 3, timeout=60)
+    assert run.results == {0: (0, "0", "3", "10"), 1: (1, "1", "3", "20"), 2: (2, "2", "3", "0")}
+    assert not run.errors and not run.killed and run.first_failed is None
+
+
+def test_failed_result_starts_grace_then_kills_the_rest() -> None:
+    def target(rank: int, store: Any) -> int:
+        if rank == 1:
+            return 3
+        time.sleep(60)
+        return 0
+
+    start = time.monotonic()
+    run = fork_ranks(target, 3, error_grace=0.5, failed=lambda code: code != 0)
+    assert time.monotonic() - start < 30
+    assert run.first_failed == 1 and run.results == {1: 3}
+    assert run.killed == (0, 2) and not run.timed_out
+
+
+def test_exception_is_reported_with_its_traceback() -> None:
+    def target(rank: int, store: Any) -> int:
+        _all_connected(rank, store, 2)
+        if rank == 1:
+            raise ValueError("rank one broke")
+        return 0
+
+    run = fork_ranks(target, 2, timeout=60, error_grace=5.0)
+    assert run.first_failed == 1
+    assert "ValueError: rank one broke" in run.errors[1]
+    assert run.results == {0: 0}
+
+
+def test_death_without_result_is_an_error() -> None:
+    def target(rank: int, store: Any) -> int:
+        _all_connected(rank, store, 2)
+        if rank == 1:
+            os._exit(7)
+        return 0
+
+    run = fork_ranks(target, 2, timeout=60, error_grace=5.0)
+    assert "rank 1 died without a result (exit code 7)" in run.errors[1]
+
+
+def test_timeout_kills_and_dumps_stacks(tmp_path: Path) -> None:
+    def waits_here(rank: int, store: Any) -> int:
+        time.sleep(60)
+        return 0
+
+    run = fork_ranks(waits_here, 2, timeout=2.0, stack_dir=tmp_path)
+    assert run.timed_out and run.killed == (0, 1)
+    assert all("waits_here" in run.stacks[rank] for rank in (0, 1))
+
+
+def test_bad_world_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        fork_ranks(lambda rank, store: 0, 0)
