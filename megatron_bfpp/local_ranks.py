@@ -19,11 +19,18 @@ Why it is built this way:
   ``stack_dir`` the parent first asks each of them for its Python stacks (``faulthandler`` on
   ``SIGUSR1``), so a deadlock shows where every rank waited; without it ``kill -USR1 <pid>``
   prints a rank's stacks to its stderr.
+* **supervised**: a rank that stops beating (``heartbeat_timeout``: stopped with SIGSTOP, or
+  frozen) counts as failed, named; SIGTERM or SIGHUP to the launcher is forwarded to the ranks,
+  which are reaped before :class:`Stopped` is raised, and Ctrl-C (SIGINT, which the terminal
+  sends to every rank too) is left to the launcher: ranks ignore it and are stopped the same
+  way, so one ``KeyboardInterrupt`` reaches the caller. A rank dies with the launcher
+  (``PR_SET_PDEATHSIG`` on Linux), even if the launcher is killed with SIGKILL: no orphans.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import faulthandler
 import multiprocessing
@@ -31,6 +38,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -39,10 +47,23 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LocalRun", "fork_ranks"]
+__all__ = ["LocalRun", "Stopped", "fork_ranks"]
 
 PORT_TIMEOUT = 120.0  # seconds rank 0 may take to report its port when there is no deadline
+HEARTBEAT_INTERVAL = 1.0
+STOP_GRACE = 2.0  # seconds ranks get to exit after a forwarded SIGTERM before SIGKILL
 _STACK_DUMP_WAIT = 0.5
+_PR_SET_PDEATHSIG = 1
+
+
+class Stopped(BaseException):
+    """The launcher got SIGTERM or SIGHUP; every rank was stopped and reaped. A BaseException,
+    like KeyboardInterrupt, so no ``except Exception`` on the way up swallows it."""
+
+    def __init__(self, signum: int, num_ranks: int) -> None:
+        self.signum = signum
+        self.num_ranks = num_ranks
+        super().__init__(f"{signal.Signals(signum).name}: stopped {num_ranks} ranks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +79,21 @@ class LocalRun:
     killed: tuple[int, ...]
     stacks: dict[int, str]
     timed_out: bool
+    lost: tuple[int, ...] = ()
 
     @property
     def first_failed(self) -> int | None:
         """The rank whose failure came first (the others often fail because it left)."""
         return min(self.failed_at, key=self.failed_at.__getitem__) if self.failed_at else None
+
+    @property
+    def culprit(self) -> int | None:
+        """The rank to blame: the first one lost (died without a result, or stopped beating),
+        since the ranks talking to it fail soon after and may even report first; otherwise the
+        first to fail."""
+        if self.lost:
+            return min(self.lost, key=self.failed_at.__getitem__)
+        return self.first_failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +103,18 @@ class _Rank:
     port: int
     store_timeout: float
     stack_path: str | None
+    launcher: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Watch:
+    """When to stop waiting: the deadline, the grace after a failure, silent ranks."""
+
+    deadline: float | None
+    error_grace: float
+    failed: Callable[[Any], bool] | None
+    heartbeat_timeout: float | None
+    beats: Any
 
 
 def fork_ranks(
@@ -86,6 +129,7 @@ def fork_ranks(
     stack_dir: Path | None = None,
     daemon: bool = False,
     name: str = "bfpp-rank",
+    heartbeat_timeout: float | None = None,
 ) -> LocalRun:
     """Run ``target(rank, store)`` in ``world_size`` forked processes and collect how each ended.
 
@@ -94,7 +138,9 @@ def fork_ranks(
     ``target`` and what it closes over are inherited through fork; its result must pickle.
     ``failed(result)`` says whether a returned result is a failure (an exit code, say); a raised
     exception always is. ``after()`` runs in the rank once its result is sent (tear-down whose
-    errors must not hide the result). Every rank is dead when this returns.
+    errors must not hide the result). A rank silent for ``heartbeat_timeout`` seconds counts as
+    failed. Every rank is dead when this returns or raises (:class:`Stopped` on SIGTERM or
+    SIGHUP, ``KeyboardInterrupt`` on Ctrl-C).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -104,14 +150,17 @@ def fork_ranks(
     ctx = multiprocessing.get_context("fork")
     procs: list[Any] = []
     readers: dict[Connection, int] = {}
+    beats: Any = ctx.RawArray("d", world_size)  # shared: each rank's last heartbeat (monotonic)
+    launcher = os.getpid()
 
     def start(rank: int, port: int, port_writer: Connection | None) -> None:
         stack_path = None if stack_dir is None else str(stack_dir / f"stack.{rank}")
-        spec = _Rank(rank, world_size, port, store_timeout, stack_path)
+        spec = _Rank(rank, world_size, port, store_timeout, stack_path, launcher)
         reader, writer = ctx.Pipe(duplex=False)
+        beats[rank] = time.monotonic()
         proc = ctx.Process(
             target=_child,
-            args=(spec, target, writer, port_writer, after),
+            args=(spec, target, writer, port_writer, after, beats),
             name=f"{name}-{rank}",
             daemon=daemon,
         )
@@ -120,20 +169,65 @@ def fork_ranks(
         procs.append(proc)
         readers[reader] = rank
 
+    watch = _Watch(deadline, error_grace, failed, heartbeat_timeout, beats)
+    with _forward_stop_signals() as stop:
+        gentle = False  # the launcher is being stopped: let the ranks take SIGTERM first
+        try:
+            port_reader, port_writer = ctx.Pipe(duplex=False)
+            with port_reader:
+                start(0, 0, port_writer)
+                port_writer.close()
+                port = _read_port(port_reader, deadline)
+            if port is not None:  # otherwise rank 0 failed or hung: collecting reports it
+                for rank in range(1, world_size):
+                    start(rank, port, None)
+            return _collect(procs, readers, watch, stack_dir)
+        except _StopSignal as signalled:
+            stop.signum, gentle = signalled.signum, True
+            raise
+        except BaseException:  # KeyboardInterrupt, or a bug here
+            gentle = True
+            raise
+        finally:
+            stop.stopping = True
+            _stop_all(procs, gentle=gentle)
+            for reader in readers:
+                reader.close()
+            if stop.signum is not None:
+                raise Stopped(stop.signum, len(procs)) from None
+
+
+class _StopSignal(BaseException):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+@dataclasses.dataclass
+class _StopState:
+    signum: int | None = None
+    stopping: bool = False  # already reaping: a second signal must not interrupt that
+
+
+@contextlib.contextmanager
+def _forward_stop_signals() -> Any:
+    """While ranks run, SIGTERM / SIGHUP raise in the launcher (which then stops its ranks)
+    instead of killing it outright and orphaning them. Only the main thread can set handlers;
+    elsewhere the defaults stay."""
+    state = _StopState()
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if not state.stopping:
+            raise _StopSignal(signum)
+
+    saved = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        port_reader, port_writer = ctx.Pipe(duplex=False)
-        with port_reader:
-            start(0, 0, port_writer)
-            port_writer.close()
-            port = _read_port(port_reader, deadline)
-        if port is not None:  # otherwise rank 0 failed or hung: collecting reports it
-            for rank in range(1, world_size):
-                start(rank, port, None)
-        return _collect(procs, readers, deadline, error_grace, failed, stack_dir)
+        yield state
     finally:
-        _kill_all(procs)
-        for reader in readers:
-            reader.close()
+        for sig, old in saved.items():
+            signal.signal(sig, old)
 
 
 def _read_port(port_reader: Connection, deadline: float | None) -> int | None:
@@ -152,9 +246,11 @@ def _child(
     writer: Connection,
     port_writer: Connection | None,
     after: Callable[[], None] | None,
+    beats: Any,
 ) -> None:
     code = 0
     try:
+        _supervised(spec, beats)
         with contextlib.ExitStack() as stack:
             dump = (
                 sys.stderr
@@ -180,6 +276,26 @@ def _child(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _supervised(spec: _Rank, beats: Any) -> None:
+    """Signals as the launcher wants them, death with the launcher, and a heartbeat."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler came with the fork
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != spec.launcher:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    def beat() -> None:
+        while True:
+            beats[spec.rank] = time.monotonic()
+            time.sleep(HEARTBEAT_INTERVAL)
+
+    threading.Thread(target=beat, name="bfpp-heartbeat", daemon=True).start()
 
 
 def _run(spec: _Rank, target: Callable[[int, Any], Any], port_writer: Connection | None) -> Any:
@@ -210,22 +326,17 @@ def _run(spec: _Rank, target: Callable[[int, Any], Any], port_writer: Connection
 def _collect(
     procs: list[Any],
     readers: dict[Connection, int],
-    deadline: float | None,
-    error_grace: float,
-    failed: Callable[[Any], bool] | None,
+    watch: _Watch,
     stack_dir: Path | None,
 ) -> LocalRun:
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     failed_at: dict[int, float] = {}
+    lost: list[int] = []
     pending = dict(readers)
     first_error: float | None = None
     while pending:
-        limit = deadline
-        if first_error is not None:
-            grace_end = first_error + error_grace
-            limit = grace_end if limit is None else min(limit, grace_end)
-        wait_s = None if limit is None else limit - time.monotonic()
+        wait_s = _wait_time(watch, first_error)
         if wait_s is not None and wait_s <= 0:
             break
         for conn in wait(list(pending), timeout=wait_s):
@@ -235,12 +346,24 @@ def _collect(
             status, payload, when = _receive(conn, rank, procs[rank])
             if status == "ok":
                 results[rank] = payload
-                if failed is None or not failed(payload):
+                if watch.failed is None or not watch.failed(payload):
                     continue
                 when = time.time()
             else:
                 errors[rank] = payload
+                if status == "died":
+                    lost.append(rank)
             failed_at[rank] = when
+            if first_error is None:
+                first_error = time.monotonic()
+        for conn, rank, silence in _silent(pending, watch):
+            del pending[conn]
+            errors[rank] = (
+                f"rank {rank} stopped responding: no heartbeat for {silence:.0f} s "
+                "(stopped, or frozen)"
+            )
+            failed_at[rank] = time.time()
+            lost.append(rank)
             if first_error is None:
                 first_error = time.monotonic()
     killed = tuple(sorted(pending.values()))
@@ -252,7 +375,34 @@ def _collect(
         killed=killed,
         stacks=stacks,
         timed_out=bool(killed) and not failed_at,
+        lost=tuple(lost),
     )
+
+
+def _wait_time(watch: _Watch, first_error: float | None) -> float | None:
+    """Seconds until the deadline, the end of the grace period or the next heartbeat check."""
+    limits = []
+    if watch.deadline is not None:
+        limits.append(watch.deadline)
+    if first_error is not None:
+        limits.append(first_error + watch.error_grace)
+    now = time.monotonic()
+    wait_s = min(limits) - now if limits else None
+    if watch.heartbeat_timeout is not None:
+        wait_s = HEARTBEAT_INTERVAL if wait_s is None else min(wait_s, HEARTBEAT_INTERVAL)
+    return wait_s
+
+
+def _silent(pending: dict[Connection, int], watch: _Watch) -> list[tuple[Connection, int, float]]:
+    if watch.heartbeat_timeout is None:
+        return []
+    now = time.monotonic()
+    silent = []
+    for conn, rank in pending.items():
+        silence = now - watch.beats[rank]
+        if silence > watch.heartbeat_timeout:
+            silent.append((conn, rank, silence))
+    return silent
 
 
 def _receive(conn: Connection, rank: int, proc: Any) -> tuple[str, Any, float]:
@@ -260,11 +410,7 @@ def _receive(conn: Connection, rank: int, proc: Any) -> tuple[str, Any, float]:
         status, payload, *when = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         proc.join(1.0)
-        return (
-            "error",
-            f"rank {rank} died without a result (exit code {proc.exitcode})",
-            time.time(),
-        )
+        return "died", f"rank {rank} died without a result ({_how(proc.exitcode)})", time.time()
     return status, payload, (when[0] if when else time.time())
 
 
@@ -289,7 +435,25 @@ def _dump_stacks(procs: list[Any], ranks: tuple[int, ...], stack_dir: Path) -> d
     return stacks
 
 
-def _kill_all(procs: list[Any]) -> None:
+def _how(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+def _stop_all(procs: list[Any], *, gentle: bool) -> None:
+    """Reap every rank: SIGTERM first when the launcher is being stopped (a rank may flush
+    output), then SIGKILL for whatever is left; SIGKILL at once otherwise."""
+    if gentle:
+        for proc in procs:
+            if proc.is_alive() and proc.pid is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, signal.SIGCONT)  # a stopped rank cannot act on SIGTERM
+                    os.kill(proc.pid, signal.SIGTERM)
+        end = time.monotonic() + STOP_GRACE
+        for proc in procs:
+            proc.join(max(0.0, end - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.kill()

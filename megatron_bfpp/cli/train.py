@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -81,6 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         help="ranks to start when not launched by torchrun (default: 4 on CPU, #GPUs on GPU)",
+    )
+    par.add_argument(
+        "--distributed-timeout-minutes",
+        type=positive_int,
+        default=10,
+        help="as in Megatron-LM: a collective waiting longer on another rank fails (default 10)",
+    )
+    par.add_argument(
+        "--heartbeat-timeout",
+        type=positive_int,
+        default=30,
+        metavar="SECONDS",
+        help="local ranks only: a rank silent this long (stopped, frozen) ends the job, named "
+        "(default 30)",
     )
 
     t = p.add_argument_group("training")
@@ -196,18 +211,19 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _run_rank(args: argparse.Namespace, store: Any = None) -> int:
-    """One rank: train, turning expected failures into one line."""
+def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | None]:
+    """One rank: train; an expected failure becomes an exit code and its one line, which the
+    caller prints (under the local launcher: once, however many ranks hit it)."""
     from megatron_bfpp.ir import ScheduleError
     from megatron_bfpp.train.trainer import train
 
     try:
         train(args, store=store)
     except (FlagError, ScheduleError, ValueError, FileNotFoundError) as error:
-        return _error(_first_line(error))
+        return 2, _first_line(error)
     except KeyboardInterrupt:
-        return 130
-    return 0
+        return 130, None
+    return 0, None
 
 
 def _default_nproc() -> int:
@@ -258,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FlagError, UnsupportedMegatronError) as error:
         return _error(str(error))
     if launched:
-        return _run_rank(args)
+        code, reason = _run_rank(args)
+        return _error(reason) if reason else code
     return _spawn(args, world_size)
 
 
@@ -266,41 +283,61 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _spawn(args: argparse.Namespace, world_size: int) -> int:
-    """Fork ``world_size`` ranks (megatron-core imported once, here) on the local launcher. If a
-    rank fails, the others get a short grace period, then are killed; the exit code is the first
-    failure's."""
+    """Fork ``world_size`` ranks (megatron-core imported once, here) on the local launcher and
+    report how they ended in as few lines as say it (:func:`_report`)."""
     import megatron.core.distributed
     import megatron.core.models.gpt
     import megatron.core.optimizer  # noqa: F401
     import torch  # noqa: F401
 
-    from megatron_bfpp.local_ranks import fork_ranks
-
-    def rank_main(rank: int, store: Any) -> int:
-        try:
-            return _run_rank(args, store=store)
-        except KeyboardInterrupt:
-            return 130
+    import megatron_bfpp.runtime
+    import megatron_bfpp.train.trainer  # noqa: F401
+    from megatron_bfpp.local_ranks import Stopped, fork_ranks
 
     try:
         run = fork_ranks(
-            rank_main,
+            lambda rank, store: _run_rank(args, store=store),
             world_size,
             error_grace=_ERROR_GRACE_S,
-            failed=lambda code: code != 0,
+            failed=lambda outcome: outcome[0] != 0,
             name="bfpp-train-rank",
+            heartbeat_timeout=args.heartbeat_timeout,
         )
     except KeyboardInterrupt:
+        _error(f"interrupted; stopped all {world_size} ranks")
         return 130
-    for rank in sorted(run.errors):
-        sys.stderr.write(
-            run.errors[rank] if run.errors[rank].endswith("\n") else run.errors[rank] + "\n"
-        )
-    first = run.first_failed
-    if first is None:
-        return 1 if run.killed else 0
-    code = run.results.get(first, 1)
-    return code if isinstance(code, int) and code > 0 else 1
+    except Stopped as stopped:
+        _error(f"{signal.Signals(stopped.signum).name}: stopped all {stopped.num_ranks} ranks")
+        return 128 + stopped.signum
+    return _report(run)
+
+
+def _report(run: Any) -> int:
+    """One line per distinct failure; the exit code of the rank to blame.
+
+    Ranks that failed because another one left (gloo's "connection closed by peer") say nothing
+    new: only the culprit is reported. A traceback is printed only for an unexpected exception
+    (a bug), once."""
+    messages = [
+        outcome[1] for _, outcome in sorted(run.results.items()) if outcome[0] != 0 and outcome[1]
+    ]
+    for message in dict.fromkeys(messages):  # each distinct line once, in rank order
+        _error(message)
+    culprit = run.culprit
+    if culprit is None:
+        return _error(f"ranks {list(run.killed)} still running when stopped") if run.killed else 0
+    if culprit in run.results:
+        code = run.results[culprit][0]
+        return code if code > 0 else 1
+    others = sorted((set(run.failed_at) | set(run.killed)) - {culprit})
+    after = f"; stopped the other ranks ({others})" if others else ""
+    text = run.errors[culprit].rstrip()
+    if culprit in run.lost:
+        _error(f"{text}{after}")
+    else:  # an unexpected exception: the traceback is the report
+        sys.stderr.write(text + "\n")
+        _error(f"rank {culprit} failed (traceback above){after}")
+    return 1
 
 
 if __name__ == "__main__":

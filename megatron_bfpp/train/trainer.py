@@ -249,7 +249,7 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
     """Run ``args`` (a parsed ``bfpp-train`` namespace) on this rank; collective."""
     from megatron.core import parallel_state
 
-    device = init_distributed(store)
+    device = init_distributed(store, timeout_s=60.0 * args.distributed_timeout_minutes)
     try:
         run = _set_up(args, device)
         return _loop(run)

@@ -4,6 +4,7 @@ failures by returned code and by exception, the grace period, the deadline and s
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ def test_death_without_result_is_an_error() -> None:
 
     run = fork_ranks(target, 2, timeout=60, error_grace=5.0)
     assert "rank 1 died without a result (exit code 7)" in run.errors[1]
+    assert run.lost == (1,) and run.culprit == 1
 
 
 def test_timeout_kills_and_dumps_stacks(tmp_path: Path) -> None:
@@ -86,3 +88,30 @@ def test_timeout_kills_and_dumps_stacks(tmp_path: Path) -> None:
 def test_bad_world_size_is_refused() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         fork_ranks(lambda rank, store: 0, 0)
+
+
+def test_silent_rank_is_lost_and_blamed() -> None:
+    def target(rank: int, store: Any) -> int:
+        _all_connected(rank, store, 2)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(60)
+        return 0
+
+    start = time.monotonic()
+    run = fork_ranks(target, 2, heartbeat_timeout=2.0, error_grace=0.5)
+    assert time.monotonic() - start < 20
+    assert run.lost == (1,) and run.culprit == 1 and run.killed == (0,)
+    assert "rank 1 stopped responding: no heartbeat for" in run.errors[1]
+
+
+def test_culprit_is_the_lost_rank_even_if_another_reported_first() -> None:
+    def target(rank: int, store: Any) -> int:
+        _all_connected(rank, store, 2)
+        if rank == 0:
+            raise RuntimeError("connection closed by peer")  # what a survivor says
+        time.sleep(0.5)
+        os._exit(9)
+
+    run = fork_ranks(target, 2, timeout=60, error_grace=5.0)
+    assert run.first_failed == 0 and run.culprit == 1
