@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from megatron_bfpp.compat import check_megatron_core, default_process_groups
 from megatron_bfpp.ir import Schedule, ScheduleError
-from megatron_bfpp.runtime.executor import MemoryReport, StepContext, run_rank_program
+from megatron_bfpp.runtime.executor import run_rank_program
 from megatron_bfpp.runtime.p2p import PipeComm
+from megatron_bfpp.runtime.step import MemoryReport, StepContext
 from megatron_bfpp.schedules.registry import (
     build_schedule,
     check_runnable,
@@ -25,12 +27,12 @@ from megatron_bfpp.schedules.registry import (
     runnable_names,
 )
 
-__all__ = ["get_forward_backward_func", "plan_schedule", "runnable_names"]
+__all__ = ["ForwardBackwardFunc", "get_forward_backward_func", "plan_schedule", "runnable_names"]
 
 
 def get_forward_backward_func(
     schedule: str, *, measure_memory: bool = False, **options: Any
-) -> Callable[..., Any]:
+) -> ForwardBackwardFunc:
     """A forward-backward function running ``schedule`` (a registry name).
 
     ``options`` are the schedule's own (``microbatch_group_size`` for interleaved,
@@ -38,15 +40,38 @@ def get_forward_backward_func(
     not-yet-runnable schedules fail here, before any communication.
 
     After each call the function's ``last_memory`` attribute holds this rank's
-    :class:`~megatron_bfpp.runtime.executor.MemoryReport` (measured when ``measure_memory`` is
+    :class:`~megatron_bfpp.runtime.step.MemoryReport` (measured when ``measure_memory`` is
     true, or on a rank that evicts; otherwise zeros) and ``last_trace`` the actions it ran.
     """
     check_megatron_core()
     spec = check_runnable(schedule)
     spec.check_option_names(options)
-    frozen_options = tuple(sorted(options.items()))
+    return ForwardBackwardFunc(
+        schedule=spec.name,
+        options=tuple(sorted(options.items())),
+        measure_memory=measure_memory,
+    )
 
-    def forward_backward_func(
+
+@dataclass(eq=False)
+class ForwardBackwardFunc:
+    """What :func:`get_forward_backward_func` returns: callable with megatron-core's
+    forward-backward signature, and the one place that keeps what outlives a step.
+
+    A class rather than a closure so that this state is typed and visible: the last step's
+    trace and memory report (read by benchmarks and bfpp-train), and the BPipe payload sizes
+    both ends of each evictor/acceptor pair agreed, which later steps of the run reuse.
+    """
+
+    schedule: str
+    options: tuple[tuple[str, Any], ...] = ()
+    measure_memory: bool = False
+    last_trace: list[str] = field(default_factory=list, repr=False)
+    last_memory: MemoryReport = field(default_factory=MemoryReport, repr=False)
+    eviction_sizes: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def __call__(
+        self,
         *,
         forward_step_func: Callable[..., Any],
         data_iterator: Iterator[Any] | list[Iterator[Any]] | None,
@@ -65,8 +90,7 @@ def get_forward_backward_func(
     ) -> list[Any]:
         """megatron-core's forward-backward signature; returns the loss dicts (last stage)."""
         return _run_step(
-            spec.name,
-            frozen_options,
+            self,
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
             model=model,
@@ -81,18 +105,7 @@ def get_forward_backward_func(
             p2p_communicator=p2p_communicator,
             pg_collection=pg_collection,
             force_all_reduce=force_all_reduce,
-            measure_memory=measure_memory,
-            trace_sink=forward_backward_func.__dict__,
         )
-
-    forward_backward_func.__dict__.update(
-        schedule=spec.name,
-        last_trace=[],
-        last_memory=MemoryReport(),
-        # BPipe payload sizes both ends of each evictor/acceptor pair agreed, kept across steps.
-        eviction_sizes={},
-    )
-    return forward_backward_func
 
 
 @functools.lru_cache(maxsize=32)
@@ -135,8 +148,7 @@ def _check_data_order(schedule: Schedule) -> None:
 
 
 def _run_step(
-    name: str,
-    options: tuple[tuple[str, Any], ...],
+    func: ForwardBackwardFunc,
     *,
     forward_step_func: Callable[..., Any],
     data_iterator: Any,
@@ -152,8 +164,6 @@ def _run_step(
     p2p_communicator: Any,
     pg_collection: Any,
     force_all_reduce: bool | None,
-    measure_memory: bool,
-    trace_sink: dict[str, Any],
 ) -> list[Any]:
     from megatron.core.pipeline_parallel.schedules import (
         clear_embedding_activation_buffer,
@@ -171,7 +181,12 @@ def _run_step(
     groups = _resolve_groups(p2p_communicator, pg_collection)
     pp_group = groups.pp
     schedule = plan_schedule(
-        name, pp_group.size(), len(chunks), num_microbatches, options, bool(forward_only)
+        func.schedule,
+        pp_group.size(),
+        len(chunks),
+        num_microbatches,
+        func.options,
+        bool(forward_only),
     )
     shape = _message_shape(
         seq_length, micro_batch_size, decoder_seq_length, config, groups, adjust_tensor_shapes_fn
@@ -182,7 +197,7 @@ def _run_step(
         shape=shape,
         dtype=config.pipeline_dtype,
         device=device,
-        eviction_sizes=trace_sink["eviction_sizes"],
+        eviction_sizes=func.eviction_sizes,
     )
     ctx = StepContext(
         forward_step_func=forward_step_func,
@@ -196,7 +211,7 @@ def _run_step(
         collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step,
         comm=comm,
-        measure_memory=measure_memory,
+        measure_memory=func.measure_memory,
     )
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
@@ -206,8 +221,8 @@ def _run_step(
             config, chunks, is_pp_last_stage(pp_group)
         )
     store, total_num_tokens, trace, memory = run_rank_program(schedule, pp_group.rank(), ctx)
-    trace_sink["last_trace"] = trace
-    trace_sink["last_memory"] = memory
+    func.last_trace = trace
+    func.last_memory = memory
     if config.finalize_model_grads_func is not None and not forward_only:
         finish_embedding_wgrad_compute(
             config, embedding_module, is_pp_last_stage(pp_group), groups.tp

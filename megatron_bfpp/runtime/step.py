@@ -1,0 +1,269 @@
+"""What a handler of one action kind works on: one rank's side of one training step.
+
+The executor (``runtime.executor``) sends every action of a rank's program to the handler its
+kind maps to in one table. A handler is a plain function of ``(step, position, action)``; this
+module holds the :class:`RankStep` it receives (the step's context, the core bookkeeping, the
+activation store, the window of messages being gathered, each handler module's per-step part)
+and :class:`Handlers`, the form in which a runtime module registers the kinds it executes.
+
+Why parts: a protocol that needs state between its actions (BPipe: the payloads a rank evicted,
+the loads it posted) keeps it in its own :class:`StepPart`, created once per step. The core asks
+every part the same few questions (what to do before a micro-batch's backward, what memory it
+holds, what it left behind), so the core never names a protocol and a new one arrives as a new
+module registering its handlers and part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from megatron_bfpp.ir import Action, ActionKind, Schedule
+from megatron_bfpp.runtime.activations import ActivationStore
+from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send
+
+__all__ = [
+    "DispatchTable",
+    "Handler",
+    "Handlers",
+    "Key",
+    "MemoryReport",
+    "RankStep",
+    "StepContext",
+    "StepPart",
+    "StepState",
+    "Window",
+    "dispatch_table",
+]
+
+Key = tuple[int, int]  # (stage, micro-batch)
+
+
+@dataclass
+class StepContext:
+    """Everything one step needs besides the schedule: what megatron-core passes around."""
+
+    forward_step_func: Callable[..., Any]
+    data_iterators: list[Iterator[Any] | None]
+    model: list[torch.nn.Module]
+    num_microbatches: int
+    config: Any
+    model_type: Any
+    cp_group_size: int
+    forward_only: bool
+    collect_non_loss_data: bool
+    first_val_step: bool | None
+    comm: PipeComm
+    measure_memory: bool = False
+
+
+@dataclass
+class MemoryReport:
+    """Measured activation memory of one rank in one step (bytes of distinct storages)."""
+
+    peak_activation_bytes: int = 0
+    peak_stored_microbatches: int = 0  # most resident at once: own and the partner's
+    cuda_max_memory_allocated: int | None = None
+
+    def observe(self, nbytes: int, microbatches: int) -> None:
+        if nbytes > self.peak_activation_bytes:
+            self.peak_activation_bytes = nbytes
+        if microbatches > self.peak_stored_microbatches:
+            self.peak_stored_microbatches = microbatches
+
+
+@dataclass
+class StepState:
+    """The core's per-step bookkeeping; the executor proves it empty at the end of the step."""
+
+    inputs: dict[Key, torch.Tensor | None] = field(default_factory=dict)
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
+    grads_to_send: dict[Key, torch.Tensor] = field(default_factory=dict)
+    local_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # same-rank handoff
+    no_sync: dict[int, contextlib.AbstractContextManager[Any]] = field(default_factory=dict)
+    synced_chunks: set[int] = field(default_factory=set)
+    forward_data_store: list[Any] = field(default_factory=list)
+    total_num_tokens: torch.Tensor | None = None
+    trace: list[str] = field(default_factory=list)
+    memory: MemoryReport = field(default_factory=MemoryReport)
+
+
+@dataclass
+class Window:
+    """The messages of the communication actions between two computes (see runtime.p2p):
+    their handlers add sends and receives here, and the executor posts them together."""
+
+    sends: list[Send] = field(default_factory=list)
+    receives: list[Receive] = field(default_factory=list)
+    actions: int = 0  # communication actions gathered since the executor last posted
+
+    def post(self, comm: PipeComm) -> None:
+        """Post what is gathered so far; an action that must wait mid-window (BPipe's RS)
+        posts what precedes it first, so its peer is not kept waiting on those."""
+        comm.post(self.sends, self.receives)
+        self.sends, self.receives = [], []
+
+
+class StepPart:
+    """A handler module's per-step state and its answers to the core; the defaults suit a part
+    that holds no activations. The executor makes one of each registered part per step."""
+
+    def before_backward(self, step: RankStep, key: Key) -> None:
+        """Make ``key``'s stored activations usable before its backward (they may be away)."""
+
+    def held_tensors(self, step: RankStep) -> Iterable[torch.Tensor]:
+        """Buffers this part keeps for pipelining, for the memory accounting."""
+        return ()
+
+    def held_microbatches(self, step: RankStep) -> Iterable[Key]:
+        """Micro-batches whose activations this part keeps on the rank (own or a partner's)."""
+        return ()
+
+    def leftovers(self) -> dict[str, Collection[Any]]:
+        """What the step must not end with, by description (empty when drained)."""
+        return {}
+
+
+Handler = Callable[["RankStep", int, Action], None]
+P = TypeVar("P", bound=StepPart)
+
+
+@dataclass(frozen=True)
+class Handlers:
+    """One runtime module's share of the dispatch table.
+
+    ``kinds`` maps each action kind the module executes to its handler; ``part`` makes the
+    module's per-step state, if it has any; ``captures`` are the kinds that need the tensors a
+    forward saves for backward routed through the activation store (BPipe's EV ships them).
+    """
+
+    kinds: Mapping[ActionKind, Handler]
+    part: Callable[[], StepPart] | None = None
+    captures: frozenset[ActionKind] = frozenset()
+
+
+@dataclass(frozen=True)
+class DispatchTable:
+    """Every action kind's handler, with the registered parts and capturing kinds."""
+
+    handlers: Mapping[ActionKind, Handler]
+    parts: tuple[Callable[[], StepPart], ...]
+    captures: frozenset[ActionKind]
+
+
+def dispatch_table(*modules: Handlers) -> DispatchTable:
+    """Merge the modules' handlers into one table that covers every action kind exactly once.
+
+    Checked when the table is built (at import of ``runtime.executor``), so an action kind
+    added to the IR without a handler fails before any step instead of being skipped in one.
+    """
+    handlers: dict[ActionKind, Handler] = {}
+    for module in modules:
+        twice = sorted(kind.name for kind in module.kinds if kind in handlers)
+        if twice:
+            raise RuntimeError(
+                f"action kinds {twice} have two handlers in the runtime's dispatch table; "
+                "register each kind in exactly one runtime module"
+            )
+        handlers.update(module.kinds)
+    missing = [f"{kind.name} ({kind.value})" for kind in ActionKind if kind not in handlers]
+    if missing:
+        raise RuntimeError(
+            f"action kinds {missing} have no handler in the runtime's dispatch table; register "
+            "one in a runtime module's Handlers (listed in runtime/executor.py), or map the kind "
+            "to executor.not_runnable until the runtime can execute it"
+        )
+    return DispatchTable(
+        handlers=handlers,
+        parts=tuple(module.part for module in modules if module.part is not None),
+        captures=frozenset().union(*(module.captures for module in modules)),
+    )
+
+
+class RankStep:
+    """One rank's side of one step: what every handler reads and updates."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        ctx: StepContext,
+        *,
+        measuring: bool,
+        parts: Iterable[StepPart],
+    ) -> None:
+        self.schedule = schedule
+        self.layout = schedule.layout
+        self.rank = rank
+        self.ctx = ctx
+        self.program = schedule.per_rank[rank]
+        self.last_backward = _last_backward_positions(self.program)
+        # With explicit sync functions (overlap_grad_reduce in Megatron-LM) the chunk keeps its
+        # no_sync context through its last backward and GS dispatches the reduction, as
+        # megatron-core's interleaved schedule does; otherwise DDP's hooks dispatch it.
+        self.grad_sync_funcs = self.per_chunk(ctx.config.grad_sync_func)
+        self.measuring = measuring
+        modules = ctx.model if measuring else []
+        self.store = ActivationStore.for_modules(modules, ctx.comm.device)
+        self.state = StepState()
+        self.window = Window()
+        self.parts: dict[type[StepPart], StepPart] = {type(part): part for part in parts}
+
+    def part(self, kind: type[P]) -> P:
+        """The per-step part a handler module registered (its state between actions)."""
+        part = self.parts.get(kind)
+        if not isinstance(part, kind):
+            raise RuntimeError(
+                f"{kind.__name__} is not a registered part of the runtime's dispatch table; "
+                "name it in its module's Handlers(part=...)"
+            )
+        return part
+
+    def frees_outputs(self, stage: int) -> bool:
+        """Pseudo-free a sent output once its send completes, as megatron-core does."""
+        return bool(self.ctx.config.deallocate_pipeline_outputs) and not self.ctx.forward_only
+
+    # --- data parallel ----------------------------------------------------------------------
+    def enter_no_sync(self) -> None:
+        """Hold every chunk's gradient reduction until its last backward."""
+        funcs = self.per_chunk(self.ctx.config.no_sync_func)
+        for chunk, func in enumerate(funcs):
+            if func is not None:
+                context = func()
+                context.__enter__()
+                self.state.no_sync[chunk] = context
+
+    def leave_no_sync(self, chunk: int) -> None:
+        context = self.state.no_sync.pop(chunk, None)
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    def per_chunk(self, func: Any) -> list[Any]:
+        """megatron-core accepts one callable for all chunks or one per chunk."""
+        chunks = len(self.ctx.model)
+        if func is None:
+            return [None] * chunks
+        if isinstance(func, list | tuple):
+            if len(func) != chunks:
+                raise ValueError(
+                    f"config has {len(func)} per-chunk sync functions for {chunks} model chunks"
+                )
+            return list(func)
+        if chunks == 1:
+            return [func]
+        # One callable for every chunk: megatron-core's interleaved schedule enters it once for
+        # all chunks; entering it per chunk would nest the same context, so only chunk 0 holds it.
+        return [func] + [None] * (chunks - 1)
+
+
+def _last_backward_positions(program: tuple[Action, ...]) -> set[int]:
+    """Position of each chunk's last backward on this rank: where its reduction may start."""
+    last: dict[int, int] = {}
+    for position, action in enumerate(program):
+        if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+            last[action.stage] = position
+    return set(last.values())

@@ -1,0 +1,69 @@
+"""The runtime's dispatch table (one process, no communication): every action kind has exactly
+one handler, a kind left out fails when the table is built, and a kind the runtime cannot
+execute yet stops with an error that names the action and the rank."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from megatron_bfpp.ir import ActionKind, parse_action
+from megatron_bfpp.runtime import bpipe
+from megatron_bfpp.runtime.api import ForwardBackwardFunc
+from megatron_bfpp.runtime.executor import CORE, NOT_RUNNABLE, TABLE
+from megatron_bfpp.runtime.step import MemoryReport, dispatch_table
+
+
+def test_the_table_has_a_handler_for_every_action_kind() -> None:
+    # Fails when a kind is added to ir.ActionKind without a handler (importing the executor
+    # already fails then; this says so by name).
+    assert set(TABLE.handlers) == set(ActionKind)
+
+
+def test_each_kind_is_handled_by_one_module() -> None:
+    modules = (CORE, bpipe.HANDLERS, NOT_RUNNABLE)
+    counts = {kind: sum(kind in module.kinds for module in modules) for kind in ActionKind}
+    assert counts == dict.fromkeys(ActionKind, 1)
+
+
+def test_a_kind_without_handler_fails_when_the_table_is_built() -> None:
+    with pytest.raises(RuntimeError, match=r"EVICT \(EV\).*have no handler") as error:
+        dispatch_table(CORE, NOT_RUNNABLE)  # BPipe's module left out
+    for kind in ("ACCEPT (AC)", "RESTORE (RS)", "LOAD (LD)"):
+        assert kind in str(error.value)
+    assert "FORWARD" not in str(error.value)
+
+
+def test_a_kind_with_two_handlers_fails_when_the_table_is_built() -> None:
+    with pytest.raises(
+        RuntimeError, match=r"\['BACKWARD_INPUT', 'BACKWARD_WEIGHT'\].*two handlers"
+    ):
+        dispatch_table(CORE, bpipe.HANDLERS, NOT_RUNNABLE, NOT_RUNNABLE)
+
+
+def test_parts_and_capturing_kinds_come_from_the_modules() -> None:
+    assert TABLE.parts == (bpipe.Transfers,)
+    assert TABLE.captures == {ActionKind.EVICT}
+
+
+@pytest.mark.parametrize("text", ["2I3", "0W1"])
+def test_a_kind_not_runnable_yet_names_the_action_and_the_rank(text: str) -> None:
+    action = parse_action(text)
+    step: Any = SimpleNamespace(rank=1, schedule=SimpleNamespace(name="v-zb"))
+    with pytest.raises(RuntimeError) as error:
+        TABLE.handlers[action.kind](step, 7, action)
+    message = str(error.value)
+    assert message.startswith(f"pipeline rank 1: {action.kind.name} actions are not runnable yet")
+    assert f"({text} at position 7 of schedule 'v-zb')" in message
+    assert "runnable_names()" in message
+
+
+def test_forward_backward_func_keeps_its_state_on_itself() -> None:
+    first, second = ForwardBackwardFunc("bpipe"), ForwardBackwardFunc("bpipe")
+    assert first.schedule == "bpipe" and first.last_trace == []
+    assert first.last_memory == MemoryReport()
+    first.eviction_sizes[0] = 64
+    assert second.eviction_sizes == {}  # each function's BPipe sizes are its own
+    assert first != second and len({first, second}) == 2  # hashable by identity, as a function
