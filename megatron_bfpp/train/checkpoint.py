@@ -506,7 +506,8 @@ def _weights_only_loads() -> Iterator[None]:
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Knows only the types torch's distributed-checkpoint ``.metadata`` holds (its dataclasses,
-    ``torch.Size``, dtypes and layouts, paths); anything else is refused, never called."""
+    ``torch.Size``, dtypes and layouts, paths, megatron-core's empty stand-ins); anything else is
+    refused, never called."""
 
     def find_class(self, module: str, name: str) -> Any:
         allowed = module in (
@@ -523,6 +524,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             ("pathlib", "PosixPath"),
             ("pathlib", "WindowsPath"),
             ("collections", "OrderedDict"),
+            # empty stand-ins megatron-core keeps so that older checkpoints unpickle
+            ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
+            ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
         )
         if not allowed:
             raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not checkpoint metadata")
