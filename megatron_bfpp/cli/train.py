@@ -30,6 +30,14 @@ from megatron_bfpp.schedules.registry import (
     options_from_args,
     schedule_names,
 )
+from megatron_bfpp.train.checkpoint_files import CheckpointError, save_dir_problem
+from megatron_bfpp.train.checkpoint_metadata import (
+    CKPT_FORMATS,
+    check_resume,
+    read_checkpoint,
+    scheduler_policy,
+)
+from megatron_bfpp.train.run_config import run_config
 
 PROG = "bfpp-train"
 _ERROR_GRACE_S = 3.0
@@ -109,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--load", default=None, metavar="DIR")
     io.add_argument(
         "--ckpt-format",
-        choices=("torch", "torch_dist"),
+        choices=CKPT_FORMATS,
         default="torch",
         help="torch: one file per rank (default; same layout to resume); torch_dist: "
         "megatron-core distributed checkpointing (hangs on CPU gloo ranks in megatron-core 0.16)",
@@ -208,6 +216,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         check_runnable(name)
     except ScheduleError as error:
         raise FlagError(str(error).strip().splitlines()[0]) from None
+    if args.save is not None:
+        problem = save_dir_problem(args.save)
+        if problem is not None:
+            raise FlagError(problem)
     if args.load is not None:
         check_load(args, world_size)
 
@@ -215,14 +227,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 def check_load(args: argparse.Namespace, world_size: int) -> None:
     """Refuse a resume that cannot work, from the checkpoint's metadata alone (before any rank
     starts or any weight is read): one line naming every differing flag."""
-    from megatron_bfpp.train.checkpoint_files import CheckpointError
-    from megatron_bfpp.train.checkpoint_metadata import (
-        check_resume,
-        read_checkpoint,
-        scheduler_policy,
-    )
-    from megatron_bfpp.train.run_config import run_config
-
     try:
         _, metadata = read_checkpoint(args.load)
         check_resume(

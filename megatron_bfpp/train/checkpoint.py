@@ -55,6 +55,7 @@ from megatron_bfpp.train.checkpoint_files import (
     write_tracker,
 )
 from megatron_bfpp.train.checkpoint_metadata import (
+    CKPT_FORMATS,
     FORMAT_VERSION,
     CheckpointMetadata,
     FileRecord,
@@ -74,7 +75,7 @@ __all__ = [
     "save_checkpoint",
 ]
 
-FORMATS = ("torch", "torch_dist")
+FORMATS = CKPT_FORMATS
 # Test hook: "<point>:<rank>" kills that rank with SIGKILL at that point of a save (points:
 # "rank-file" before the rank writes its files, "publish" on rank 0 between moving an existing
 # checkpoint of the same iteration aside and renaming the new one in).
@@ -232,7 +233,10 @@ def save_checkpoint(
         else:
             _save_torch_dist(temp, model, optimizer, scheduler, iteration, consumed_samples)
     except OSError as failure:
-        error = CheckpointError(f"--save {root}: rank {dist.get_rank()} could not write: {failure}")
+        error = CheckpointError(
+            f"--save {root}: rank {dist.get_rank()} could not write iteration {iteration} "
+            f"({failure}); the last complete checkpoint is untouched"
+        )
     _agree(error)
     gathered: list[list[FileRecord] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
@@ -257,7 +261,10 @@ def save_checkpoint(
         try:
             _publish(root, temp, final, metadata)
         except OSError as failure:
-            error = CheckpointError(f"--save {root}: could not publish {final.name}: {failure}")
+            error = CheckpointError(
+                f"--save {root}: could not publish {final.name} ({failure}); the tracker still "
+                "names the last complete checkpoint"
+            )
     _agree(error)
     return final
 

@@ -43,6 +43,7 @@ from megatron_bfpp.train.checkpoint_files import (
 from megatron_bfpp.train.run_config import LRSchedule, RunConfig, flag_name
 
 __all__ = [
+    "CKPT_FORMATS",
     "FORMAT_VERSION",
     "CheckpointMetadata",
     "FileRecord",
@@ -57,6 +58,7 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+CKPT_FORMATS = ("torch", "torch_dist")
 SchedulerPolicy = Literal["check", "override", "checkpoint"]
 _OVERRIDE_FLAGS = (
     "add --override-opt_param-scheduler to use this run's values or "
@@ -172,6 +174,11 @@ def read_checkpoint(root: str | Path) -> tuple[Path, CheckpointMetadata]:
     except (OSError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{source}: cannot read it ({error})") from None
     metadata = metadata_from_json(text, source=source)
+    if metadata.ckpt_format not in CKPT_FORMATS:
+        raise CheckpointError(
+            f"{source}: unknown ckpt_format {metadata.ckpt_format!r} (known: "
+            f"{', '.join(CKPT_FORMATS)})"
+        )
     if metadata.iteration != iteration:
         raise CheckpointError(
             f"{source}: records iteration {metadata.iteration}, the tracker {iteration}"
@@ -184,7 +191,9 @@ def read_checkpoint(root: str | Path) -> tuple[Path, CheckpointMetadata]:
 def _check_file(root: str | Path, path: Path, record: FileRecord) -> None:
     file = path / record.name
     if Path(record.name).is_absolute() or ".." in Path(record.name).parts:
-        raise CheckpointError(f"--load {root}: {METADATA_FILE} lists {record.name!r}")
+        raise CheckpointError(
+            f"--load {root}: {METADATA_FILE} lists {record.name!r}, outside the checkpoint"
+        )
     try:
         size = file.stat().st_size
     except FileNotFoundError:
