@@ -31,6 +31,14 @@ from megatron_bfpp.schedules.registry import (
     options_from_args,
     schedule_names,
 )
+from megatron_bfpp.train.checkpoint_files import CheckpointError, save_dir_problem
+from megatron_bfpp.train.checkpoint_metadata import (
+    CKPT_FORMATS,
+    check_resume,
+    read_checkpoint,
+    scheduler_policy,
+)
+from megatron_bfpp.train.run_config import run_config
 
 PROG = "bfpp-train"
 _ERROR_GRACE_S = 3.0
@@ -104,7 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--train-iters", type=positive_int, default=20)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--min-lr", type=float, default=3e-4)
-    t.add_argument("--lr-warmup-iters", type=int, default=2, help="capped at --train-iters - 1")
+    t.add_argument("--lr-warmup-iters", type=int, default=2, help="capped at the decay length - 1")
+    t.add_argument(
+        "--lr-decay-iters",
+        type=positive_int,
+        default=None,
+        help="iterations of cosine decay (default: --train-iters); to train a finished run "
+        "further on its schedule, resume with a larger --train-iters and the old decay length",
+    )
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--clip-grad", type=float, default=1.0)
     t.add_argument("--seed", type=int, default=1234)
@@ -117,10 +132,25 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--load", default=None, metavar="DIR")
     io.add_argument(
         "--ckpt-format",
-        choices=("torch", "torch_dist"),
+        choices=CKPT_FORMATS,
         default="torch",
         help="torch: one file per rank (default; same layout to resume); torch_dist: "
         "megatron-core distributed checkpointing (hangs on CPU gloo ranks in megatron-core 0.16)",
+    )
+    io.add_argument(
+        "--override-opt_param-scheduler",
+        dest="override_opt_param_scheduler",
+        action="store_true",
+        help="on --load, use this run's learning-rate schedule (--lr, --min-lr, "
+        "--lr-warmup-iters, --lr-decay-iters/--train-iters, --weight-decay) instead of the "
+        "checkpoint's (Megatron-LM's flag)",
+    )
+    io.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        dest="use_checkpoint_opt_param_scheduler",
+        action="store_true",
+        help="on --load, keep the checkpoint's learning-rate schedule whatever this run's "
+        "flags say (Megatron-LM's flag); without either flag a changed schedule is refused",
     )
     io.add_argument("--save-interval", type=positive_int, default=None)
     io.add_argument(
@@ -128,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         help="stop after an iteration divisible by N (saving a checkpoint with --save); the "
-        "learning-rate schedule still spans --train-iters",
+        "learning-rate schedule still spans --lr-decay-iters (default --train-iters)",
     )
     io.add_argument("--metrics-file", default=None, metavar="PATH")
     io.add_argument("--log-interval", type=positive_int, default=1)
@@ -183,12 +213,15 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             raise FlagError(f"--data-path {args.data_path}: no such file")
         if args.vocab_size < 256:
             raise FlagError("--data-path uses byte tokens: --vocab-size must be >= 256")
-    if args.load is not None and not os.path.isfile(
-        os.path.join(args.load, "latest_checkpointed_iteration.txt")
-    ):
-        raise FlagError(f"--load {args.load}: no bfpp-train checkpoint there")
     if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
         raise FlagError(f"need --lr > 0 and 0 <= --min-lr <= --lr (got {args.lr}, {args.min_lr})")
+    if args.lr_warmup_iters < 0:
+        raise FlagError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise FlagError(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
+            "each other: choose this run's learning-rate schedule or the checkpoint's"
+        )
     num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     try:
         options = options_from_args(name, args)
@@ -198,6 +231,27 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         check_runnable(name)
     except ScheduleError as error:
         raise FlagError(str(error).strip().splitlines()[0]) from None
+    if args.save is not None:
+        problem = save_dir_problem(args.save)
+        if problem is not None:
+            raise FlagError(problem)
+    if args.load is not None:
+        check_load(args, world_size)
+
+
+def check_load(args: argparse.Namespace, world_size: int) -> None:
+    """Refuse a resume that cannot work, from the checkpoint's metadata alone (before any rank
+    starts or any weight is read): one line naming every differing flag."""
+    try:
+        _, metadata = read_checkpoint(args.load)
+        check_resume(
+            metadata,
+            run_config(args, world_size),
+            root=args.load,
+            scheduler=scheduler_policy(args),
+        )
+    except CheckpointError as error:
+        raise FlagError(str(error)) from None
 
 
 def _error(message: str) -> int:
@@ -215,10 +269,13 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
     """One rank: train; an expected failure becomes an exit code and its one line, which the
     caller prints (under the local launcher: once, however many ranks hit it)."""
     from megatron_bfpp.ir import ScheduleError
+    from megatron_bfpp.train.checkpoint import OtherRankFailed
     from megatron_bfpp.train.trainer import train
 
     try:
         train(args, store=store)
+    except OtherRankFailed:
+        return 2, None  # the failing rank reports the one line
     except (FlagError, ScheduleError, ValueError, FileNotFoundError) as error:
         return 2, _first_line(error)
     except KeyboardInterrupt:

@@ -1,68 +1,136 @@
 """``bfpp-train`` checkpoints, in one of two formats (``--ckpt-format``):
 
 * ``torch`` (default): one ``torch.save`` file per rank (``rank_00000.pt`` ...) with the rank's
-  model chunks, its shard of the distributed optimizer's Adam state, scheduler, RNG, iteration,
-  consumed samples and model flags. Resumes exactly, on the same layout and world size only.
-  It is the default because megatron-core 0.16's ``torch_dist`` writer forks writer processes
-  that hang inside gloo CPU ranks (measured here: ``write_preloaded_data_multiproc`` waits
-  forever), so the distributed format cannot be the CPU main job's default.
-* ``torch_dist``: megatron-core distributed checkpointing, described below (meant for GPUs;
-  not verified on a GPU yet).
+  model chunks, its shard of the distributed optimizer's Adam state, the scheduler, RNG states,
+  iteration and consumed samples. Resumes exactly, on the same model and layout.
+  It is the default because megatron-core's ``torch_dist`` writer forks writer processes that
+  hang inside gloo CPU ranks (measured with 0.16 and 0.19: ``write_preloaded_data_multiproc``
+  waits forever), so the distributed format cannot be the CPU main job's default.
+* ``torch_dist``: megatron-core distributed checkpointing (meant for GPUs; not verified on a GPU
+  yet): the model chunks' ``sharded_state_dict()`` (keys by global layer number), the distributed
+  optimizer's ``sharded_state_dict`` (format ``dp_reshardable``) and every rank's RNG states (one
+  ``ShardedObject`` per global rank).
 
-Layout of ``--save DIR``::
+Both share the directory handling of :mod:`.checkpoint_files` (temporary directory, fsync,
+atomic rename, atomic tracker: a kill never loses the last complete checkpoint) and the metadata
+of :mod:`.checkpoint_metadata` (``bfpp_checkpoint.json``: what a resume must match, checked
+before any weight is read).
 
-    DIR/latest_checkpointed_iteration.txt     the last complete checkpoint's iteration
-    DIR/iter_0000020/                          one ``megatron.core.dist_checkpointing`` checkpoint
-
-A ``torch_dist`` checkpoint holds the model chunks' ``sharded_state_dict()`` (keys by global
-layer number, so the files do not depend on how layers are split), the distributed optimizer's
-``sharded_state_dict`` (format ``dp_reshardable``), the scheduler, the iteration, the consumed
-samples (the data position: samples are a pure function of their index, see
-:mod:`megatron_bfpp.train.data`), the model flags, and every rank's RNG states (one
-``ShardedObject`` per global rank).
+Loading never runs code from a file: the per-rank files are read with
+``torch.load(weights_only=True)`` (everything saved is tensors and plain Python values: the
+RNG states are byte tensors and ``random.getstate()``'s tuple of ints, so no type needs to be
+allowed specially), megatron-core's own ``torch.load`` calls are forced to ``weights_only`` too,
+and torch's distributed-checkpoint ``.metadata`` pickle is first read by an unpickler that only
+knows torch's checkpoint metadata types. Each rank reads its own file, then all ranks agree:
+the first rank that failed prints one line naming its file, the others exit quietly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import pickle
 import random
-import shutil
-from collections.abc import Sequence
+import re
+import signal
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_bfpp.compat import megatron_core_version
+from megatron_bfpp.train.checkpoint_files import (
+    METADATA_FILE,
+    CheckpointError,
+    checkpoint_dir,
+    clean_stale,
+    fsync_dir,
+    fsync_file,
+    make_temp_dir,
+    publish,
+    remove_old,
+    write_tracker,
+)
+from megatron_bfpp.train.checkpoint_metadata import (
+    CKPT_FORMATS,
+    FORMAT_VERSION,
+    CheckpointMetadata,
+    FileRecord,
+    SchedulerPolicy,
+    check_resume,
+    metadata_to_json,
+    read_checkpoint,
+)
+from megatron_bfpp.train.run_config import LRSchedule, RunConfig
+
 __all__ = [
     "FORMATS",
-    "TRACKER",
-    "checkpoint_dir",
-    "latest_iteration",
+    "KILL_DURING_SAVE_ENV",
+    "OtherRankFailed",
     "load_checkpoint",
+    "read_rank_file",
     "save_checkpoint",
 ]
 
-FORMATS = ("torch", "torch_dist")
-
-TRACKER = "latest_checkpointed_iteration.txt"
+FORMATS = CKPT_FORMATS
+# Test hook: "<point>:<rank>" kills that rank with SIGKILL at that point of a save (points:
+# "rank-file" before the rank writes its files, "publish" on rank 0 between moving an existing
+# checkpoint of the same iteration aside and renaming the new one in).
+KILL_DURING_SAVE_ENV = "BFPP_TEST_KILL_DURING_SAVE"
 # Megatron-LM's default format for the distributed optimizer (megatron-core 0.16 rejects the
 # older "fully_sharded_model_space": flattened ShardedTensors are no longer supported).
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+_FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_SCHEDULER_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
 
-def checkpoint_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
+class OtherRankFailed(Exception):
+    """Another rank failed and reports it (one line in all); this rank exits quietly."""
 
 
-def latest_iteration(root: str | Path) -> int:
-    """The iteration recorded in ``root``'s tracker file (raises ``FileNotFoundError``)."""
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        raise FileNotFoundError(f"--load {root}: no {TRACKER} (not a bfpp-train checkpoint)")
-    return int(tracker.read_text().strip())
+# --------------------------------------------------------------------------- collectives
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(error: CheckpointError | None) -> None:
+    """Every rank learns whether any rank failed, so none waits forever for a failed one; the
+    lowest failing rank raises its error (the one line users see), the others
+    :class:`OtherRankFailed`."""
+    world = dist.get_world_size()
+    first = torch.tensor(
+        [dist.get_rank() if error is not None else world],
+        dtype=torch.int64,
+        device=_collective_device(),
+    )
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    failed = int(first.item())
+    if failed == world:
+        return
+    if error is not None and failed == dist.get_rank():
+        raise error
+    raise OtherRankFailed(f"rank {failed} failed")
+
+
+def _kill_point(point: str) -> None:
+    if os.environ.get(KILL_DURING_SAVE_ENV) == f"{point}:{dist.get_rank()}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- state
 
 
 def _rng_state() -> dict[str, Any]:
+    """Byte tensors and ``random``'s tuple of ints: loadable with ``weights_only=True``."""
     state: dict[str, Any] = {
         "random": random.getstate(),
         "torch": torch.get_rng_state(),
@@ -77,7 +145,8 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    random.setstate(state["random"])
+    version, internal, gauss = state["random"]
+    random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -105,39 +174,37 @@ def _inner_optimizers(optimizer: Any) -> list[Any]:
     return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
-def _rank_file(path: Path) -> Path:
-    return path / f"rank_{dist.get_rank():05d}.pt"
+def _rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
 
 
-def _save_torch(path: Path, model: Sequence[Any], optimizer: Any, extra: dict[str, Any]) -> None:
-    """Per-rank format: this rank's chunks (``state_dict`` of each GPTModel), its shard of the
-    Adam state (the inner torch optimizers' ``state_dict``: with fp32 parameters the distributed
-    optimizer's main parameters are views of the model's), the scheduler, RNG, iteration."""
-    state = dict(extra)
-    state["model"] = [chunk.module.state_dict() for chunk in model]
-    state["optimizer"] = [o.state_dict() for o in _inner_optimizers(optimizer)]
-    state["rng_state"] = _rng_state()
-    state["world_size"] = dist.get_world_size()
-    torch.save(state, _rank_file(path))
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
-def _load_torch(path: Path, model: Sequence[Any], optimizer: Any) -> dict[str, Any]:
-    file = _rank_file(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"{file} missing: resume needs the same number of ranks")
-    state = torch.load(file, map_location="cpu", weights_only=False)
-    if state["world_size"] != dist.get_world_size() or len(state["model"]) != len(model):
-        raise ValueError(
-            f"{path} was saved by {state['world_size']} ranks with {len(state['model'])} chunks "
-            "per rank; the torch format resumes only on the same layout"
-        )
-    for chunk, chunk_state in zip(model, state["model"], strict=True):
-        chunk.module.load_state_dict(chunk_state)
-    inner = _inner_optimizers(optimizer)
-    for opt, opt_state in zip(inner, state["optimizer"], strict=True):
-        opt.load_state_dict(opt_state)
-    loaded: dict[str, Any] = state
-    return loaded
+def _refusal(error: BaseException) -> str:
+    """Why a restricted unpickler refused a file, in a few words: the callable it would have
+    called, else torch's one-line reason (its message is a paragraph of advice around it)."""
+    text = str(error)
+    found = _GLOBAL.search(text)
+    if found:
+        return f"it would call {found.group(1)}"
+    advice = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    reason = next((line for line in lines if not line.startswith(advice)), "not plain data")
+    return f"it is more than tensors and plain values ({reason})"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# --------------------------------------------------------------------------- save
 
 
 def save_checkpoint(
@@ -149,35 +216,161 @@ def save_checkpoint(
     model: Sequence[Any],
     optimizer: Any,
     scheduler: Any,
-    flags: dict[str, Any],
+    run: RunConfig,
 ) -> Path:
-    """Save one checkpoint on every rank (collective), then point the tracker at it."""
+    """Save one checkpoint on every rank (collective): all ranks write into a temporary
+    directory, agree that every file is written, then rank 0 adds the metadata, renames the
+    directory into place and updates the tracker; the previous checkpoint stays complete until
+    then."""
+    root = Path(root)
+    temp = _shared_temp_dir(root, iteration)
+    records: list[FileRecord] = []
+    error = None
+    try:
+        _kill_point("rank-file")
+        if ckpt_format == "torch":
+            records = [_save_torch(temp, model, optimizer, scheduler, iteration, consumed_samples)]
+        else:
+            _save_torch_dist(temp, model, optimizer, scheduler, iteration, consumed_samples)
+    except OSError as failure:
+        error = CheckpointError(
+            f"--save {root}: rank {dist.get_rank()} could not write iteration {iteration} "
+            f"({failure}); the last complete checkpoint is untouched"
+        )
+    _agree(error)
+    gathered: list[list[FileRecord] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    final = checkpoint_dir(root, iteration)
+    error = None
+    if dist.get_rank() == 0:
+        files = (
+            [record for rank_records in gathered for record in rank_records or []]
+            if ckpt_format == "torch"
+            else _file_sizes(temp)
+        )
+        metadata = CheckpointMetadata(
+            format_version=FORMAT_VERSION,
+            ckpt_format=ckpt_format,
+            iteration=iteration,
+            consumed_samples=consumed_samples,
+            run=run,
+            opt_param_scheduler=_lr_schedule(scheduler.state_dict()),
+            megatron_core=".".join(map(str, megatron_core_version())),
+            files=tuple(sorted(files, key=lambda r: r.name)),
+        )
+        try:
+            _publish(root, temp, final, metadata)
+        except OSError as failure:
+            error = CheckpointError(
+                f"--save {root}: could not publish {final.name} ({failure}); the tracker still "
+                "names the last complete checkpoint"
+            )
+    _agree(error)
+    return final
+
+
+def _shared_temp_dir(root: Path, iteration: int) -> Path:
+    """Rank 0 clears what interrupted saves left and makes the temporary directory; every rank
+    gets its name."""
+    names: list[str | None] = [None]
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            clean_stale(root)
+            names[0] = make_temp_dir(root, iteration).name
+        except OSError as failure:
+            error = CheckpointError(f"--save {root}: cannot create a checkpoint there: {failure}")
+    _agree(error)
+    dist.broadcast_object_list(names, src=0)
+    name = names[0]
+    if name is None:  # cannot happen: rank 0 either named it or failed in _agree
+        raise OtherRankFailed("rank 0 sent no checkpoint directory")
+    return root / name
+
+
+def _publish(root: Path, temp: Path, final: Path, metadata: CheckpointMetadata) -> None:
+    """Metadata last (it marks the directory complete), everything fsynced, then the rename and
+    the tracker; an older copy of the same iteration is deleted only after both."""
+    for path in sorted(temp.rglob("*")):
+        if path.is_file():
+            fsync_file(path)
+        elif path.is_dir():
+            fsync_dir(path)
+    meta = temp / METADATA_FILE
+    with open(meta, "w") as file:
+        file.write(metadata_to_json(metadata))
+        file.flush()
+        os.fsync(file.fileno())
+    fsync_dir(temp)
+    old = publish(temp, final, between=lambda: _kill_point("publish"))
+    write_tracker(root, metadata.iteration)
+    remove_old(old)
+
+
+def _file_sizes(temp: Path) -> list[FileRecord]:
+    return [
+        FileRecord(name=str(path.relative_to(temp)), size=path.stat().st_size, sha256=None)
+        for path in sorted(temp.rglob("*"))
+        if path.is_file()
+    ]
+
+
+def _lr_schedule(state: dict[str, Any]) -> LRSchedule:
+    return LRSchedule(**{name: state[name] for name in LRSchedule.__dataclass_fields__})
+
+
+def _rank_state(scheduler: Any, iteration: int, consumed_samples: int) -> dict[str, Any]:
+    return {
+        "format": "torch",
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "opt_param_scheduler": scheduler.state_dict(),
+        "rng_state": _rng_state(),
+    }
+
+
+def _save_torch(
+    temp: Path,
+    model: Sequence[Any],
+    optimizer: Any,
+    scheduler: Any,
+    iteration: int,
+    consumed_samples: int,
+) -> FileRecord:
+    """Per-rank format: this rank's chunks (``state_dict`` of each GPTModel), its shard of the
+    Adam state (the inner torch optimizers' ``state_dict``: with fp32 parameters the distributed
+    optimizer's main parameters are views of the model's), the scheduler, RNG, iteration."""
+    state = _rank_state(scheduler, iteration, consumed_samples)
+    state["model"] = [chunk.module.state_dict() for chunk in model]
+    state["optimizer"] = [o.state_dict() for o in _inner_optimizers(optimizer)]
+    path = temp / _rank_file_name(dist.get_rank())
+    with open(path, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    return FileRecord(name=path.name, size=path.stat().st_size, sha256=_sha256(path))
+
+
+def _save_torch_dist(
+    temp: Path,
+    model: Sequence[Any],
+    optimizer: Any,
+    scheduler: Any,
+    iteration: int,
+    consumed_samples: int,
+) -> None:
     from megatron.core import dist_checkpointing
 
-    path = checkpoint_dir(root, iteration)
-    if dist.get_rank() == 0:
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-    dist.barrier()
-    extra = dict(
-        iteration=iteration,
-        consumed_samples=consumed_samples,
-        opt_param_scheduler=scheduler.state_dict(),
-        flags=flags,
-        format=ckpt_format,
-    )
-    if ckpt_format == "torch":
-        _save_torch(path, model, optimizer, extra)
-    else:
-        state = _sharded_state(model, optimizer, is_loading=False, rng=_rng_state())
-        state.update(extra)
-        dist_checkpointing.save(state, str(path))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (Path(root) / TRACKER).write_text(f"{iteration}\n")
-    dist.barrier()
-    return path
+    state = _sharded_state(model, optimizer, is_loading=False, rng=_rng_state())
+    extra = _rank_state(scheduler, iteration, consumed_samples)
+    state.update({k: v for k, v in extra.items() if k not in ("rank", "rng_state")})
+    state["format"] = "torch_dist"
+    dist_checkpointing.save(state, str(temp))
+
+
+# --------------------------------------------------------------------------- load
 
 
 def load_checkpoint(
@@ -186,34 +379,208 @@ def load_checkpoint(
     model: Sequence[Any],
     optimizer: Any,
     scheduler: Any,
-    flags: dict[str, Any],
+    run: RunConfig,
+    scheduler_policy: SchedulerPolicy = "check",
 ) -> tuple[int, int]:
-    """Restore model, optimizer, scheduler and RNG from ``root``'s latest checkpoint; returns
-    ``(iteration, consumed_samples)``. Model flags must match the saved ones."""
-    from megatron.core import dist_checkpointing
+    """Restore model, optimizer, scheduler and RNG from ``root``'s latest complete checkpoint
+    (collective); returns ``(iteration, consumed_samples)``. The command line has already
+    checked the metadata; it is checked again here for callers that did not."""
+    policy = scheduler_policy
+    found, error = _read_metadata(root, run, policy)
+    _agree(error)
+    if found is None:  # cannot happen: a rank without metadata failed in _agree
+        raise OtherRankFailed("no checkpoint metadata")
+    path, metadata = found
+    try:
+        own_groups = _scheduler_group_values(optimizer)
+        if metadata.ckpt_format == "torch":
+            _load_torch(root, path, metadata, model, optimizer, scheduler, own_groups, policy)
+        else:
+            _load_torch_dist(root, path, model, optimizer, scheduler, own_groups, policy)
+    except CheckpointError as failure:
+        error = failure
+    _agree(error)
+    return metadata.iteration, metadata.consumed_samples
 
-    iteration = latest_iteration(root)
-    path = checkpoint_dir(root, iteration)
-    if _rank_file(path).is_file() or not (path / "common.pt").is_file():
-        state = _load_torch(path, model, optimizer)
-        _check_flags(root, state.get("flags", {}), flags)
+
+def _read_metadata(
+    root: str | Path, run: RunConfig, scheduler_policy: SchedulerPolicy
+) -> tuple[tuple[Path, CheckpointMetadata] | None, CheckpointError | None]:
+    try:
+        path, metadata = read_checkpoint(root)
+        check_resume(metadata, run, root=root, scheduler=scheduler_policy)
+    except CheckpointError as error:
+        return None, error
+    return (path, metadata), None
+
+
+def read_rank_file(file: Path, *, record: FileRecord | None = None, label: str = "") -> Any:
+    """A per-rank file's content: checked against its recorded size and SHA-256, then read with
+    ``torch.load(weights_only=True)``: anything but tensors and plain values is refused, never
+    run. ``label`` prefixes the error (``--load DIR:``)."""
+    name = f"{label}{file.parent.name}/{file.name}"
+    if record is not None and _sha256(file) != record.sha256:
+        raise CheckpointError(
+            f"{name} does not match the SHA-256 its checkpoint recorded (corrupt or replaced); "
+            "resume from another checkpoint"
+        )
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{name} refused: {_refusal(error)}; a checkpoint may hold only tensors and plain "
+            "values (read with torch.load(weights_only=True)), never code"
+        ) from None
+    except Exception as error:  # a file users hand us: any failure to parse it is a bad file
+        raise CheckpointError(
+            f"{name} is unreadable (truncated or corrupt: {_first_line(error)}); resume from "
+            "another checkpoint"
+        ) from None
+
+
+def _scheduler_group_values(optimizer: Any) -> list[list[dict[str, Any]]]:
+    """What megatron-core's scheduler reads from each parameter group in preference to its own
+    values. The optimizer's state dict carries them, so loading it brings the checkpoint's back:
+    with ``--override-opt_param-scheduler`` this run's are put back (else the override would
+    change the scheduler's numbers and not the learning rate)."""
+    return [
+        [{key: group[key] for key in _SCHEDULER_GROUP_KEYS if key in group} for group in groups]
+        for groups in (inner.param_groups for inner in _inner_optimizers(optimizer))
+    ]
+
+
+def _restore_scheduler_group_values(
+    optimizer: Any, values: list[list[dict[str, Any]]], policy: SchedulerPolicy
+) -> None:
+    if policy != "override":
+        return
+    for inner, groups in zip(_inner_optimizers(optimizer), values, strict=True):
+        for group, own in zip(inner.param_groups, groups, strict=True):
+            group.update(own)
+
+
+def _load_torch(
+    root: str | Path,
+    path: Path,
+    metadata: CheckpointMetadata,
+    model: Sequence[Any],
+    optimizer: Any,
+    scheduler: Any,
+    own_groups: list[list[dict[str, Any]]],
+    policy: SchedulerPolicy,
+) -> None:
+    rank = dist.get_rank()
+    name = _rank_file_name(rank)
+    records = {record.name: record for record in metadata.files}
+    if name not in records:
+        raise CheckpointError(f"--load {root}: {path.name}/{METADATA_FILE} lists no {name}")
+    label = f"--load {root}: "
+    state = read_rank_file(path / name, record=records[name], label=label)
+    where = f"{label}{path.name}/{name}"
+    try:
+        if (state["iteration"], state["rank"]) != (metadata.iteration, rank):
+            raise ValueError(
+                f"holds rank {state['rank']} of iteration {state['iteration']}, not rank {rank} "
+                f"of iteration {metadata.iteration}"
+            )
+        for chunk, chunk_state in zip(model, state["model"], strict=True):
+            chunk.module.load_state_dict(chunk_state)
+        for opt, opt_state in zip(_inner_optimizers(optimizer), state["optimizer"], strict=True):
+            opt.load_state_dict(opt_state)
+        _restore_scheduler_group_values(optimizer, own_groups, policy)
         scheduler.load_state_dict(state["opt_param_scheduler"])
         _set_rng_state(state["rng_state"])
-        return int(state["iteration"]), int(state["consumed_samples"])
-    common = dist_checkpointing.load_common_state_dict(str(path))
-    _check_flags(root, common.get("flags", {}), flags)
+    except (AssertionError, KeyError, IndexError, RuntimeError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{where} does not fit this run: {_first_line(error)}") from None
+
+
+@contextlib.contextmanager
+def _weights_only_loads() -> Iterator[None]:
+    """megatron-core's readers call ``torch.load`` without ``weights_only``; torch reads this
+    variable on every call and then loads weights only."""
+    saved = {key: os.environ.get(key) for key in (_FORCE_WEIGHTS_ONLY, _FORCE_NO_WEIGHTS_ONLY)}
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    os.environ.pop(_FORCE_NO_WEIGHTS_ONLY, None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Knows only the types torch's distributed-checkpoint ``.metadata`` holds (its dataclasses,
+    ``torch.Size``, dtypes and layouts, paths, megatron-core's empty stand-ins); anything else is
+    refused, never called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = module in (
+            "torch.distributed.checkpoint.metadata",
+            "torch.distributed.checkpoint.filesystem",
+        ) and not name.startswith("__")
+        if module == "torch":
+            value = getattr(torch, name, None)
+            allowed = name == "Size" or isinstance(
+                value, torch.dtype | torch.layout | torch.memory_format
+            )
+        allowed |= (module, name) in (
+            ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("collections", "OrderedDict"),
+            # empty stand-ins megatron-core keeps so that older checkpoints unpickle
+            ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
+            ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not checkpoint metadata")
+        return super().find_class(module, name)
+
+
+def check_dcp_metadata(path: Path, *, label: str = "") -> None:
+    """Refuse a torch ``.metadata`` file that would run code when torch unpickles it."""
+    file = path / ".metadata"
+    try:
+        with open(file, "rb") as stream:
+            _MetadataUnpickler(stream).load()
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{label}{path.name}/.metadata refused: {_refusal(error)}; a checkpoint is data, "
+            "never code"
+        ) from None
+    except Exception as error:  # a file users hand us
+        raise CheckpointError(
+            f"{label}{path.name}/.metadata is unreadable ({_first_line(error)})"
+        ) from None
+
+
+def _load_torch_dist(
+    root: str | Path,
+    path: Path,
+    model: Sequence[Any],
+    optimizer: Any,
+    scheduler: Any,
+    own_groups: list[list[dict[str, Any]]],
+    policy: SchedulerPolicy,
+) -> None:
+    from megatron.core import dist_checkpointing
+
+    label = f"--load {root}: "
+    check_dcp_metadata(path, label=label)
     template = _sharded_state(model, optimizer, is_loading=True, rng=None)
-    state = dist_checkpointing.load(template, str(path))
-    for index, chunk in enumerate(model):
-        chunk.load_state_dict(state[f"model{index}"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["opt_param_scheduler"])
-    _set_rng_state(state["rng_state"])
-    return int(state["iteration"]), int(state["consumed_samples"])
-
-
-def _check_flags(root: str | Path, saved_flags: dict[str, Any], flags: dict[str, Any]) -> None:
-    different = sorted(k for k in flags if k in saved_flags and saved_flags[k] != flags[k])
-    if different:
-        detail = ", ".join(f"{k}: saved {saved_flags[k]!r}, now {flags[k]!r}" for k in different)
-        raise ValueError(f"--load {root}: checkpoint was saved with other model flags ({detail})")
+    try:
+        with _weights_only_loads():
+            state = dist_checkpointing.load(template, str(path))
+        for index, chunk in enumerate(model):
+            chunk.load_state_dict(state[f"model{index}"])
+        optimizer.load_state_dict(state["optimizer"])
+        _restore_scheduler_group_values(optimizer, own_groups, policy)
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+        _set_rng_state(state["rng_state"])
+    except Exception as error:  # megatron-core's reader: its errors name no flag we could
+        raise CheckpointError(
+            f"{label}{path.name} could not be loaded: {_first_line(error)}"
+        ) from None

@@ -1,8 +1,9 @@
 """Deterministic training data for ``bfpp-train``: synthetic sequences or a local text file.
 
 Every sample is a pure function of ``(seed, global sample index)``, so the data position is just
-the number of consumed samples (``iteration * global_batch_size``): a resumed run reads exactly
-the samples the uninterrupted run would have read, on any layout.
+the number of consumed samples (a checkpoint records it): a resumed run reads exactly the samples
+the uninterrupted run would have read, on any layout, and a run resumed with another
+``--global-batch-size`` goes on from the next unread sample (none skipped, none repeated).
 
 * Synthetic (default): learnable sequences, so the loss visibly falls: each sample is an
   arithmetic progression modulo the vocabulary with a random start and a random step from
@@ -67,15 +68,16 @@ class TrainingData:
     def microbatches(
         self,
         *,
-        iteration: int,
+        first_sample: int,
         global_batch_size: int,
         micro_batch_size: int,
         dp_rank: int,
         dp_size: int,
     ) -> list[Batch]:
-        """This data-parallel rank's micro-batches of iteration ``iteration`` (0-based)."""
+        """This data-parallel rank's micro-batches of the global batch that starts at sample
+        ``first_sample`` (the samples consumed so far)."""
         per_rank = global_batch_size // dp_size
-        first = iteration * global_batch_size + dp_rank * per_rank
+        first = first_sample + dp_rank * per_rank
         batches = []
         for start in range(first, first + per_rank, micro_batch_size):
             rows = torch.stack([self.sample(i) for i in range(start, start + micro_batch_size)])

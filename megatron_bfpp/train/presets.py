@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 import zlib
@@ -25,6 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from megatron_bfpp.train.run_config import ModelShape, default_ffn_hidden_size
 
 __all__ = [
     "PRESETS",
@@ -44,31 +45,6 @@ __all__ = [
 PRESETS = ("gpt", "llama")
 INIT_STD = 0.02
 _LAYER_PREFIX = re.compile(r"^(.*\.)(\d+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """What the user chose about the model (flags), independent of the parallel layout."""
-
-    preset: str
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int | None
-    ffn_hidden_size: int | None
-    seq_length: int
-    vocab_size: int
-
-    @property
-    def ffn(self) -> int:
-        return self.ffn_hidden_size or default_ffn_hidden_size(self.preset, self.hidden_size)
-
-
-def default_ffn_hidden_size(preset: str, hidden_size: int) -> int:
-    """GPT: 4h. LLaMA: 8h/3 rounded up to a multiple of 16 (SwiGLU keeps the parameter count)."""
-    if preset == "llama":
-        return -(-(8 * hidden_size // 3) // 16) * 16
-    return 4 * hidden_size
 
 
 def transformer_config(shape: ModelShape, *, tp: int, pp: int, vp: int | None, on_cpu: bool) -> Any:

@@ -29,27 +29,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_bfpp.schedules.registry import options_from_args
+from megatron_bfpp.train.checkpoint_metadata import SchedulerPolicy, scheduler_policy
 from megatron_bfpp.train.data import TrainingData
-from megatron_bfpp.train.presets import (
-    ModelShape,
-    build_model_chunks,
-    transformer_config,
-    wrap_ddp,
-)
+from megatron_bfpp.train.presets import build_model_chunks, transformer_config, wrap_ddp
+from megatron_bfpp.train.run_config import RunConfig, run_config
 from megatron_bfpp.train.steps import forward_step
 
-__all__ = ["TrainResult", "model_shape", "train"]
-
-MODEL_FLAGS = (
-    "model",
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "ffn_hidden_size",
-    "seq_length",
-    "vocab_size",
-)
+__all__ = ["TrainResult", "train"]
 
 
 @dataclasses.dataclass
@@ -57,19 +43,6 @@ class TrainResult:
     """What rank 0 saw: (iteration, lm_loss) per iteration run by this process."""
 
     losses: list[tuple[int, float]]
-
-
-def model_shape(args: Any) -> ModelShape:
-    return ModelShape(
-        preset=args.model,
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-    )
 
 
 # --------------------------------------------------------------------------- setup
@@ -103,7 +76,13 @@ def init_distributed(store: Any = None, timeout_s: float = 600.0) -> torch.devic
     return torch.device("cpu")
 
 
-def _optimizer_and_scheduler(args: Any, model: list[Any]) -> tuple[Any, Any]:
+def _optimizer_and_scheduler(
+    args: Any, model: list[Any], config: RunConfig, policy: SchedulerPolicy
+) -> tuple[Any, Any]:
+    """Adam (distributed optimizer) and megatron-core's scheduler with the values of
+    :meth:`Training.lr_schedule` (the ones a resume is checked against). On resume, megatron-core
+    compares them with the checkpoint's (default), keeps this run's (``override``) or the
+    checkpoint's (``checkpoint``), as Megatron-LM's two flags do."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -123,20 +102,12 @@ def _optimizer_and_scheduler(args: Any, model: list[Any]) -> tuple[Any, Any]:
         ),
         model,
     )
-    gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        # megatron-core needs warm-up < decay: a run shorter than the warm-up warms up less
-        lr_warmup_steps=min(args.lr_warmup_iters, args.train_iters - 1) * gbs,
-        lr_decay_steps=args.train_iters * gbs,
-        lr_decay_style="cosine",
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
-        wd_incr_style="constant",
+        **dataclasses.asdict(config.training.lr_schedule()),
+        use_checkpoint_opt_param_scheduler=policy == "checkpoint",
+        override_opt_param_scheduler=policy == "override",
     )
     return optimizer, scheduler
 
@@ -227,18 +198,20 @@ class _Run:
     model: list[Any]
     optimizer: Any
     scheduler: Any
-    flags: dict[str, Any]
+    config: RunConfig
     forward_backward: Any
     data: TrainingData
     dp_rank: int
     dp_size: int
     num_microbatches: int
     iteration: int
+    consumed_samples: int  # the data position: the next sample's global index
 
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
     iteration: int
+    consumed_samples: int
     loss: float
     grad_norm: float | None
     lr: float
@@ -277,17 +250,23 @@ def _set_up(args: Any, device: torch.device) -> _Run:
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
 
-    shape = model_shape(args)
+    run_cfg = run_config(args, dist.get_world_size())
+    shape = run_cfg.model
     config = transformer_config(shape, tp=tp, pp=pp, vp=vp, on_cpu=device.type == "cpu")
     model = wrap_ddp(
         build_model_chunks(config, shape, seed=args.seed), use_distributed_optimizer=True
     )
-    optimizer, scheduler = _optimizer_and_scheduler(args, model)
-    flags = {name: getattr(args, name) for name in MODEL_FLAGS}
-    iteration = 0
+    policy = scheduler_policy(args)
+    optimizer, scheduler = _optimizer_and_scheduler(args, model, run_cfg, policy)
+    iteration, consumed_samples = 0, 0
     if args.load:
-        iteration, _ = load_checkpoint(
-            args.load, model=model, optimizer=optimizer, scheduler=scheduler, flags=flags
+        iteration, consumed_samples = load_checkpoint(
+            args.load,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            run=run_cfg,
+            scheduler_policy=policy,
         )
     options = options_from_args(args.pipeline_schedule, args)
     forward_backward = get_forward_backward_func(
@@ -306,13 +285,14 @@ def _set_up(args: Any, device: torch.device) -> _Run:
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
-        flags=flags,
+        config=run_cfg,
         forward_backward=forward_backward,
         data=data,
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=dp_size,
         num_microbatches=args.global_batch_size // (args.micro_batch_size * dp_size),
         iteration=iteration,
+        consumed_samples=consumed_samples,
     )
 
 
@@ -379,7 +359,7 @@ def _banner(run: _Run) -> str:
         f"bfpp-train: {args.model} {args.num_layers} layers, hidden {args.hidden_size}, "
         f"tp={tp} pp={pp} vp={vp or 1} dp={run.dp_size}, {run.num_microbatches} micro-batches "
         f"per step, schedule {args.pipeline_schedule}, device {run.device.type}, from iteration "
-        f"{run.iteration}"
+        f"{run.iteration} ({run.consumed_samples} samples consumed)"
     )
 
 
@@ -388,7 +368,7 @@ def _train_step(run: _Run) -> _Step:
     args = run.args
     start = time.perf_counter()
     batches = run.data.microbatches(
-        iteration=run.iteration,
+        first_sample=run.consumed_samples,
         global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,
         dp_rank=run.dp_rank,
@@ -412,8 +392,10 @@ def _train_step(run: _Run) -> _Step:
         run.scheduler.step(increment=args.global_batch_size)
     loss = _reduce_loss(list(store), run.device)
     run.iteration += 1
+    run.consumed_samples += args.global_batch_size
     return _Step(
         iteration=run.iteration,
+        consumed_samples=run.consumed_samples,
         loss=loss,
         grad_norm=None if grad_norm is None else float(grad_norm),
         lr=float(run.optimizer.param_groups[0]["lr"]),
@@ -425,6 +407,7 @@ def _metrics_record(run: _Run, step: _Step, memory: dict[str, Any]) -> dict[str,
     args = run.args
     return {
         "iteration": step.iteration,
+        "consumed_samples": step.consumed_samples,
         "lm_loss": step.loss,
         "step_time_s": step.step_time,
         "pipeline_schedule": args.pipeline_schedule,
@@ -444,11 +427,11 @@ def _save(run: _Run) -> None:
         args.save,
         ckpt_format=args.ckpt_format,
         iteration=run.iteration,
-        consumed_samples=run.iteration * args.global_batch_size,
+        consumed_samples=run.consumed_samples,
         model=run.model,
         optimizer=run.optimizer,
         scheduler=run.scheduler,
-        flags=run.flags,
+        run=run.config,
     )
     if dist.get_rank() == 0 and args.no_progress:
         print(f"saved checkpoint {path}", flush=True)

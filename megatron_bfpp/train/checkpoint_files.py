@@ -1,0 +1,207 @@
+"""A checkpoint directory's files: the tracker, temporary directories and the atomic steps that
+publish a checkpoint. Torch-free (the command line reads a checkpoint before any rank starts).
+
+Layout of ``--save DIR`` (Megatron-LM's names)::
+
+    DIR/latest_checkpointed_iteration.txt     the last complete checkpoint's iteration
+    DIR/iter_0000020/                          one complete checkpoint
+    DIR/iter_0000020/bfpp_checkpoint.json      written last: its presence means "complete"
+
+Why it is written this way: a save can be killed at any moment, and it must never destroy the
+last good copy. Every checkpoint is written into ``iter_0000020.tmp-XXXX`` beside its final name,
+every file and the directory are fsynced, the metadata file goes in last, and only then is the
+directory renamed into place and the tracker replaced (temporary file, fsync, ``os.replace``).
+Re-saving an iteration that exists moves the old directory aside (``iter_0000020.old-XXXX``)
+just before the new one is renamed in, and deletes it only after the tracker is updated; if a
+kill falls between those two renames, :func:`complete_checkpoint` finds the old copy and the next
+save puts it back (:func:`clean_stale`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = [
+    "METADATA_FILE",
+    "TRACKER",
+    "CheckpointError",
+    "checkpoint_dir",
+    "clean_stale",
+    "complete_checkpoint",
+    "fsync_dir",
+    "fsync_file",
+    "make_temp_dir",
+    "publish",
+    "read_tracker",
+    "remove_old",
+    "save_dir_problem",
+    "write_file_atomic",
+    "write_tracker",
+]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA_FILE = "bfpp_checkpoint.json"
+_TEMP = ".tmp-"
+_OLD = ".old-"
+_SIDE_DIR = re.compile(r"^iter_(\d{7})\.(tmp|old)-[A-Za-z0-9_]+$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, written or resumed; its message is the one line users
+    see (it names the file or the flags)."""
+
+
+def checkpoint_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def read_tracker(root: str | Path) -> int:
+    """The iteration ``root``'s tracker names."""
+    tracker = Path(root) / TRACKER
+    try:
+        text = tracker.read_text().strip()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"--load {root}: no {TRACKER} (not a bfpp-train checkpoint)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"--load {root}: cannot read {TRACKER}: {error}") from None
+    if not text.isdigit():
+        raise CheckpointError(
+            f"--load {root}: {TRACKER} holds {text[:40]!r}, not an iteration number"
+        )
+    return int(text)
+
+
+def save_dir_problem(root: str | Path) -> str | None:
+    """Why ``--save root`` could not hold checkpoints, known before training starts (``None``:
+    no reason found; a full disk still shows at the save)."""
+    path = Path(root)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"--save {root}: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--save {root}: cannot create files in {existing}"
+    return None
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames and new entries in ``path`` durable (a no-op where directories cannot be
+    opened, as on Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unique_name(prefix: str) -> str:
+    return prefix + secrets.token_hex(6)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Readers see the old content or the new, never a torn file. (Not ``tempfile``: its files
+    are private to the user; these get the permissions ``open`` gives under the umask.)"""
+    while True:
+        temp = path.with_name(_unique_name(path.name + _TEMP))
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_tracker(root: str | Path, iteration: int) -> None:
+    write_file_atomic(Path(root) / TRACKER, f"{iteration}\n".encode())
+
+
+def make_temp_dir(root: str | Path, iteration: int) -> Path:
+    """A fresh directory beside ``iter_N`` (same file system, so the final rename is atomic),
+    with the permissions ``mkdir`` gives under the umask."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    name = checkpoint_dir(root, iteration).name
+    while True:
+        temp = Path(root) / _unique_name(name + _TEMP)
+        try:
+            temp.mkdir()
+            return temp
+        except FileExistsError:
+            continue
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / METADATA_FILE).is_file()
+
+
+def publish(temp: Path, final: Path, *, between: Callable[[], None] | None = None) -> Path | None:
+    """Rename the complete checkpoint ``temp`` to ``final``. An existing ``final`` is moved aside
+    first, not deleted (returned, for :func:`remove_old` once the tracker is updated).
+    ``between`` runs after the move aside and before the rename (a test's kill point)."""
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}{_OLD}{temp.name.rsplit(_TEMP, 1)[-1]}")
+        os.rename(final, old)
+        if between is not None:
+            between()
+    os.rename(temp, final)
+    fsync_dir(final.parent)
+    return old
+
+
+def remove_old(old: Path | None) -> None:
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def complete_checkpoint(root: str | Path, iteration: int) -> Path | None:
+    """The complete checkpoint of ``iteration``: ``iter_N`` itself, or, after a kill between the
+    two renames of a re-save, the complete copy moved aside."""
+    final = checkpoint_dir(root, iteration)
+    if _is_complete(final):
+        return final
+    if final.exists():
+        return None
+    aside = sorted(Path(root).glob(f"{final.name}{_OLD}*"))
+    return next((path for path in aside if _is_complete(path)), None)
+
+
+def clean_stale(root: str | Path) -> None:
+    """Before a save: put back a complete copy that a kill left aside (its ``iter_N`` is missing),
+    then delete what interrupted saves left: temporary directories (never pointed to by the
+    tracker) and copies aside whose ``iter_N`` is complete again."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for path in sorted(root.iterdir()):
+        match = _SIDE_DIR.match(path.name)
+        if match is None or not path.is_dir():
+            continue
+        final = checkpoint_dir(root, int(match.group(1)))
+        if match.group(2) == "old" and not final.exists() and _is_complete(path):
+            os.rename(path, final)
+            fsync_dir(root)
+        else:
+            shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,329 @@
+"""What a ``bfpp-train`` checkpoint says about itself (``bfpp_checkpoint.json``), and whether a
+run may resume from it.
+
+Torch-free: the command line reads it and refuses a resume that cannot work before any rank
+starts or any weight is read, with one line naming each differing flag, instead of a
+``load_state_dict`` traceback per rank. The file is JSON (data, never code) and is checked field
+by field; it also lists every file of the checkpoint with its size (and, for the per-rank files,
+its SHA-256), so a truncated or replaced file is named before anything is unpickled.
+
+What a resume must match (docs/design-notes.md, "Checkpoints"):
+
+* the model (every model flag, defaults filled in) and the parallel layout (tensor, pipeline and
+  virtual pipeline sizes, the schedule's placement, the number of ranks and so data-parallel
+  size): each rank's files hold its own layers and its shard of the optimizer state;
+* the learning-rate schedule, by Megatron-LM's rule: by default a changed ``--lr``,
+  ``--min-lr``, ``--lr-warmup-iters``, decay length (``--lr-decay-iters``, else
+  ``--train-iters``) or ``--weight-decay`` is refused; ``--override-opt_param-scheduler`` takes
+  this run's values, ``--use-checkpoint-opt_param-scheduler`` keeps the checkpoint's.
+
+Free to change: the schedule within a placement (it does not change the parameters: resuming
+under another schedule is bit-exact), ``--micro-batch-size``, and ``--global-batch-size`` (the
+data position is the consumed-sample count, so no sample is skipped or repeated; only the
+learning-rate schedule, which counts samples, notices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_bfpp.train.checkpoint_files import (
+    METADATA_FILE,
+    CheckpointError,
+    checkpoint_dir,
+    complete_checkpoint,
+    read_tracker,
+)
+from megatron_bfpp.train.run_config import LRSchedule, RunConfig, flag_name
+
+__all__ = [
+    "CKPT_FORMATS",
+    "FORMAT_VERSION",
+    "CheckpointMetadata",
+    "FileRecord",
+    "SchedulerPolicy",
+    "check_resume",
+    "layout_differences",
+    "metadata_from_json",
+    "metadata_to_json",
+    "read_checkpoint",
+    "scheduler_differences",
+    "scheduler_policy",
+]
+
+FORMAT_VERSION = 1
+CKPT_FORMATS = ("torch", "torch_dist")
+SchedulerPolicy = Literal["check", "override", "checkpoint"]
+_OVERRIDE_FLAGS = (
+    "add --override-opt_param-scheduler to use this run's values or "
+    "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FileRecord:
+    """One file of a checkpoint, relative to its directory. ``sha256`` is recorded for the
+    per-rank files (each rank hashes its own); megatron-core's ``torch_dist`` files get sizes."""
+
+    name: str
+    size: int
+    sha256: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointMetadata:
+    """``bfpp_checkpoint.json``. ``opt_param_scheduler`` is the scheduler as saved (it can differ
+    from what ``run``'s flags imply when that run overrode or kept an older schedule)."""
+
+    format_version: int
+    ckpt_format: str
+    iteration: int
+    consumed_samples: int
+    run: RunConfig
+    opt_param_scheduler: LRSchedule
+    megatron_core: str
+    files: tuple[FileRecord, ...]
+
+
+def metadata_to_json(metadata: CheckpointMetadata) -> str:
+    return json.dumps(dataclasses.asdict(metadata), indent=1, sort_keys=True) + "\n"
+
+
+def metadata_from_json(text: str, *, source: str) -> CheckpointMetadata:
+    """Parse and type-check every field; a file that does not fit is one error naming it."""
+    try:
+        data = json.loads(text)
+    except ValueError as error:
+        raise CheckpointError(f"{source}: not valid JSON ({error})") from None
+    if isinstance(data, dict) and data.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{source}: format_version {data.get('format_version')!r}; this bfpp-train reads "
+            f"version {FORMAT_VERSION}"
+        )
+    metadata: CheckpointMetadata = _build(CheckpointMetadata, data, source=source, where="")
+    return metadata
+
+
+def _build(kind: Any, value: Any, *, source: str, where: str) -> Any:
+    """``value`` (parsed JSON) as type ``kind``: dataclasses field by field, exact key sets."""
+
+    def bad(expected: str) -> CheckpointError:
+        return CheckpointError(
+            f"{source}: {where or 'the file'} should be {expected}, got {value!r:.60}"
+        )
+
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        names = [field.name for field in dataclasses.fields(kind)]
+        if not isinstance(value, dict) or set(value) != set(names):
+            raise bad(f"an object with keys {', '.join(names)}")
+        return kind(
+            **{
+                name: _build(hints[name], value[name], source=source, where=f"{where}.{name}")
+                for name in names
+            }
+        )
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [arg for arg in args if arg is not type(None)]
+        return _build(inner, value, source=source, where=where)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise bad("a list")
+        return tuple(
+            _build(args[0], item, source=source, where=f"{where}[{index}]")
+            for index, item in enumerate(value)
+        )
+    checks: dict[Any, tuple[str, Callable[[Any], bool]]] = {
+        int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+        float: ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+        str: ("a string", lambda v: isinstance(v, str)),
+        bool: ("true or false", lambda v: isinstance(v, bool)),
+    }
+    if kind not in checks:
+        raise TypeError(f"no JSON reader for {kind!r}")  # a field type this module forgot
+    expected, check = checks[kind]
+    if not check(value):
+        raise bad(expected)
+    return float(value) if kind is float else value
+
+
+def read_checkpoint(root: str | Path) -> tuple[Path, CheckpointMetadata]:
+    """The complete checkpoint ``root``'s tracker names and its metadata, after checking that
+    every file it lists is there with its recorded size (a truncated or missing file is named
+    here, before anything is loaded)."""
+    iteration = read_tracker(root)
+    path = complete_checkpoint(root, iteration)
+    if path is None:
+        name = checkpoint_dir(root, iteration).name
+        raise CheckpointError(
+            f"--load {root}: {name} is missing or incomplete (no {METADATA_FILE}); it was not "
+            "written by this bfpp-train or its save was interrupted"
+        )
+    source = f"--load {root}: {path.name}/{METADATA_FILE}"
+    try:
+        text = (path / METADATA_FILE).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{source}: cannot read it ({error})") from None
+    metadata = metadata_from_json(text, source=source)
+    if metadata.ckpt_format not in CKPT_FORMATS:
+        raise CheckpointError(
+            f"{source}: unknown ckpt_format {metadata.ckpt_format!r} (known: "
+            f"{', '.join(CKPT_FORMATS)})"
+        )
+    if metadata.iteration != iteration:
+        raise CheckpointError(
+            f"{source}: records iteration {metadata.iteration}, the tracker {iteration}"
+        )
+    for record in metadata.files:
+        _check_file(root, path, record)
+    return path, metadata
+
+
+def _check_file(root: str | Path, path: Path, record: FileRecord) -> None:
+    file = path / record.name
+    if Path(record.name).is_absolute() or ".." in Path(record.name).parts:
+        raise CheckpointError(
+            f"--load {root}: {METADATA_FILE} lists {record.name!r}, outside the checkpoint"
+        )
+    try:
+        size = file.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"--load {root}: {path.name}/{record.name} is missing") from None
+    if size != record.size:
+        raise CheckpointError(
+            f"--load {root}: {path.name}/{record.name} has {size} bytes, the checkpoint recorded "
+            f"{record.size} (truncated or replaced); resume from another checkpoint"
+        )
+
+
+def layout_differences(saved: RunConfig, current: RunConfig) -> list[str]:
+    """``--flag saved, this run has current`` for each model or layout difference."""
+    differences = []
+    model_saved, model_now = saved.model.effective_flags(), current.model.effective_flags()
+    for dest, value in model_saved.items():
+        if model_now[dest] != value:
+            differences.append(f"{flag_name(dest)} {value}, this run has {model_now[dest]}")
+    a, b = saved.layout, current.layout
+    for dest in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "num_virtual_stages_per_pipeline_rank",
+    ):
+        if getattr(a, dest) != getattr(b, dest):
+            differences.append(
+                f"{flag_name(dest)} {getattr(a, dest)}, this run has {getattr(b, dest)}"
+            )
+    if a.placement != b.placement:
+        differences.append(
+            f"--pipeline-schedule {saved.pipeline_schedule} ({a.placement} placement), this run "
+            f"has {current.pipeline_schedule} ({b.placement})"
+        )
+    if a.world_size != b.world_size:
+        differences.append(
+            f"{a.world_size} ranks (data-parallel size {a.data_parallel_size}), this run has "
+            f"{b.world_size} ({b.data_parallel_size})"
+        )
+    return differences
+
+
+def scheduler_differences(saved: CheckpointMetadata, current: RunConfig) -> list[str]:
+    """The flags whose values make this run's learning-rate schedule differ from the
+    checkpoint's, compared as megatron-core compares them (steps count samples). A changed
+    ``--global-batch-size`` is named alone when it is the only reason warm-up and decay differ."""
+    was, now = saved.opt_param_scheduler, current.training.lr_schedule()
+    training, old_gbs = current.training, saved.run.training.global_batch_size
+    # this run's iteration counts at the checkpoint's batch size: what the iteration flags changed
+    same_batch = dataclasses.replace(training, global_batch_size=old_gbs).lr_schedule()
+    differences = []
+    if old_gbs != training.global_batch_size and _steps(was) != _steps(now):
+        differences.append(
+            f"--global-batch-size {training.global_batch_size} (checkpoint: {old_gbs}; warm-up "
+            "and decay count samples)"
+        )
+    if was.max_lr != now.max_lr:
+        differences.append(f"--lr {now.max_lr!r} (checkpoint: {was.max_lr!r})")
+    if was.min_lr != now.min_lr:
+        differences.append(f"--min-lr {now.min_lr!r} (checkpoint: {was.min_lr!r})")
+    if was.lr_warmup_steps != same_batch.lr_warmup_steps:
+        differences.append(
+            f"--lr-warmup-iters {training.lr_warmup_iters} (warm-up over "
+            f"{same_batch.lr_warmup_steps // old_gbs} iterations, checkpoint: "
+            f"{was.lr_warmup_steps / old_gbs:g})"
+        )
+    if (was.lr_decay_steps, was.wd_incr_steps) != (
+        same_batch.lr_decay_steps,
+        same_batch.wd_incr_steps,
+    ):
+        flag = (
+            f"--lr-decay-iters {training.lr_decay_iters}"
+            if training.lr_decay_iters is not None
+            else f"--train-iters {training.train_iters}"
+        )
+        differences.append(
+            f"{flag} (decay over {training.decay_iters} iterations, checkpoint: "
+            f"{was.lr_decay_steps / old_gbs:g})"
+        )
+    if (was.start_wd, was.end_wd) != (now.start_wd, now.end_wd):
+        differences.append(f"--weight-decay {now.start_wd!r} (checkpoint: {was.start_wd!r})")
+    for name in ("lr_decay_style", "wd_incr_style"):
+        if getattr(was, name) != getattr(now, name):
+            differences.append(
+                f"{name.replace('_', ' ')} {getattr(now, name)} (checkpoint: {getattr(was, name)})"
+            )
+    return differences
+
+
+def _steps(schedule: LRSchedule) -> tuple[int, int, int]:
+    return schedule.lr_warmup_steps, schedule.lr_decay_steps, schedule.wd_incr_steps
+
+
+def check_resume(
+    metadata: CheckpointMetadata,
+    current: RunConfig,
+    *,
+    root: str | Path,
+    scheduler: SchedulerPolicy = "check",
+) -> None:
+    """Raise one line naming every difference that stops ``current`` from resuming."""
+    layout = layout_differences(metadata.run, current)
+    if layout:
+        raise CheckpointError(
+            f"--load {root}: checkpoint was saved with {'; '.join(layout)}; a checkpoint resumes "
+            "only on the same model and parallel layout (the schedule, --micro-batch-size and "
+            "--global-batch-size may change)"
+        )
+    if scheduler != "check":
+        return
+    differences = scheduler_differences(metadata, current)
+    if differences:
+        hint = ""
+        gbs = current.training.global_batch_size
+        decay = metadata.opt_param_scheduler.lr_decay_steps
+        if any(d.startswith(("--train-iters", "--lr-decay-iters")) for d in differences) and (
+            decay % gbs == 0
+        ):
+            hint = (
+                f"; to train further on the checkpoint's schedule: --lr-decay-iters {decay // gbs}"
+            )
+        raise CheckpointError(
+            f"--load {root}: this run's learning-rate schedule differs from the checkpoint's: "
+            f"{', '.join(differences)}; {_OVERRIDE_FLAGS}{hint}"
+        )
+
+
+def scheduler_policy(args: Any) -> SchedulerPolicy:
+    """Megatron-LM's two flags as one value (the command line refuses both at once)."""
+    if getattr(args, "override_opt_param_scheduler", False):
+        return "override"
+    if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+        return "checkpoint"
+    return "check"

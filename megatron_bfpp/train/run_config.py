@@ -1,0 +1,194 @@
+"""What a ``bfpp-train`` run is, read from its flags: the model, the parallel layout, the training
+settings and the learning-rate schedule they imply.
+
+Torch-free on purpose: the command line compares a run with a checkpoint's record of the run that
+wrote it (:mod:`.checkpoint_metadata`) before it starts any rank, and the trainer builds its
+model and its ``OptimizerParamScheduler`` from the same values, so what is checked is what runs.
+Field names are the flags' ``argparse`` destinations, so a difference can be reported by its flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_bfpp.schedules.registry import get_spec
+
+__all__ = [
+    "LRSchedule",
+    "Layout",
+    "ModelShape",
+    "RunConfig",
+    "Training",
+    "default_ffn_hidden_size",
+    "flag_name",
+    "run_config",
+]
+
+_LR_DECAY_STYLE = "cosine"
+_WD_INCR_STYLE = "constant"
+
+
+def flag_name(dest: str) -> str:
+    """The command-line flag of an ``argparse`` destination (``num_layers`` -> ``--num-layers``)."""
+    return "--" + dest.replace("_", "-")
+
+
+def default_ffn_hidden_size(preset: str, hidden_size: int) -> int:
+    """GPT: 4h. LLaMA: 8h/3 rounded up to a multiple of 16 (SwiGLU keeps the parameter count)."""
+    if preset == "llama":
+        return -(-(8 * hidden_size // 3) // 16) * 16
+    return 4 * hidden_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the user chose about the model (flags), independent of the parallel layout."""
+
+    preset: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int | None
+    ffn_hidden_size: int | None
+    seq_length: int
+    vocab_size: int
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or default_ffn_hidden_size(self.preset, self.hidden_size)
+
+    def effective_flags(self) -> dict[str, Any]:
+        """The model flags with their defaults filled in, keyed by destination: two runs build
+        the same model exactly when these are equal (``--ffn-hidden-size`` left out and given as
+        its default are the same model)."""
+        return {
+            "model": self.preset,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_query_groups": self.num_query_groups or self.num_attention_heads,
+            "ffn_hidden_size": self.ffn,
+            "seq_length": self.seq_length,
+            "vocab_size": self.vocab_size,
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Layout:
+    """Where the model's pieces live. ``placement`` is the schedule's (single, looped, v-shape):
+    with the same number of stages per rank, looped and V-shape still put other layers on a
+    rank. ``data_parallel_size`` is derived (world / (tp x pp)) and recorded for the reader."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    num_virtual_stages_per_pipeline_rank: int
+    placement: str
+    data_parallel_size: int
+    world_size: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LRSchedule:
+    """megatron-core's ``OptimizerParamScheduler`` settings, named as its ``state_dict`` names
+    them (steps count samples), so a checkpoint's scheduler can be compared field by field, as
+    ``OptimizerParamScheduler.load_state_dict`` does."""
+
+    max_lr: float
+    min_lr: float
+    lr_warmup_steps: int
+    lr_decay_steps: int
+    lr_decay_style: str
+    start_wd: float
+    end_wd: float
+    wd_incr_steps: int
+    wd_incr_style: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Training:
+    """The training flags a resume cares about. ``lr_decay_iters`` is the flag as given (``None``:
+    decay over ``--train-iters``, Megatron-LM's default)."""
+
+    lr: float
+    min_lr: float
+    lr_warmup_iters: int
+    lr_decay_iters: int | None
+    train_iters: int
+    weight_decay: float
+    global_batch_size: int
+    micro_batch_size: int
+    seed: int
+    data_path: str | None
+
+    @property
+    def decay_iters(self) -> int:
+        return self.lr_decay_iters or self.train_iters
+
+    def lr_schedule(self) -> LRSchedule:
+        """Warm-up then cosine decay over ``decay_iters`` (Megatron-LM counts both in samples:
+        iterations x global batch size). megatron-core needs warm-up < decay: a decay shorter than
+        the warm-up warms up less. Weight decay is constant; its span follows the decay so that
+        training further on the same schedule (``--lr-decay-iters``) changes nothing here."""
+        gbs = self.global_batch_size
+        decay = self.decay_iters
+        return LRSchedule(
+            max_lr=float(self.lr),
+            min_lr=float(self.min_lr),
+            lr_warmup_steps=min(self.lr_warmup_iters, decay - 1) * gbs,
+            lr_decay_steps=decay * gbs,
+            lr_decay_style=_LR_DECAY_STYLE,
+            start_wd=float(self.weight_decay),
+            end_wd=float(self.weight_decay),
+            wd_incr_steps=decay * gbs,
+            wd_incr_style=_WD_INCR_STYLE,
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunConfig:
+    """One run as a checkpoint records it."""
+
+    model: ModelShape
+    layout: Layout
+    pipeline_schedule: str
+    training: Training
+
+
+def run_config(args: Any, world_size: int) -> RunConfig:
+    """The run a parsed ``bfpp-train`` namespace describes on ``world_size`` ranks (flags already
+    validated: tp x pp divides the world size)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    return RunConfig(
+        model=ModelShape(
+            preset=args.model,
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            num_query_groups=args.num_query_groups,
+            ffn_hidden_size=args.ffn_hidden_size,
+            seq_length=args.seq_length,
+            vocab_size=args.vocab_size,
+        ),
+        layout=Layout(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            num_virtual_stages_per_pipeline_rank=args.num_virtual_stages_per_pipeline_rank,
+            placement=get_spec(args.pipeline_schedule).placement,
+            data_parallel_size=world_size // (tp * pp),
+            world_size=world_size,
+        ),
+        pipeline_schedule=args.pipeline_schedule,
+        training=Training(
+            lr=args.lr,
+            min_lr=args.min_lr,
+            lr_warmup_iters=args.lr_warmup_iters,
+            lr_decay_iters=args.lr_decay_iters,
+            train_iters=args.train_iters,
+            weight_decay=args.weight_decay,
+            global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size,
+            seed=args.seed,
+            data_path=args.data_path,
+        ),
+    )
