@@ -36,6 +36,7 @@ __all__ = [
     "global_param_names",
     "gpt_chunks",
     "init_by_global_names",
+    "portable_fields",
     "tp_partition",
     "transformer_config",
     "unwrap",
@@ -45,6 +46,28 @@ __all__ = [
 PRESETS = ("gpt", "llama")
 INIT_STD = 0.02
 _LAYER_PREFIX = re.compile(r"^(.*\.)(\d+)$")
+
+
+def portable_fields(*, tp: int, pp: int, vp: int | None) -> dict[str, Any]:
+    """``TransformerConfig`` fields that run alike on CPU and GPU, shared by the presets and the
+    tests' tiny model: fp32, dropout 0, initialisation on the CPU, no fused kernels."""
+    return dict(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
 
 
 def transformer_config(shape: ModelShape, *, tp: int, pp: int, vp: int | None, on_cpu: bool) -> Any:
@@ -57,26 +80,12 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, vp: int | None, o
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
         ffn_hidden_size=shape.ffn,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         init_method_std=INIT_STD,
         perform_initialization=False,  # init_by_global_names fills every parameter
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        bf16=False,
-        fp16=False,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vp,
+        **portable_fields(tp=tp, pp=pp, vp=vp),
         sequence_parallel=False,
         # gloo: batched p2p gives wrong gradients at pp=2 with looping (see megatron_bfpp/cpu.py)
         batch_p2p_comm=not on_cpu,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
     )
     if shape.preset == "llama":
         fields.update(
