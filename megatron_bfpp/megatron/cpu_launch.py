@@ -2,7 +2,7 @@
 
 For CPU tests and demos; ``megatron_bfpp.launch`` calls :func:`enable_cpu_megatron_lm` when
 ``torch.cuda.is_available()`` is false. On top of megatron-core's CPU adapter
-(:mod:`megatron_bfpp.cpu`) it redirects what Megatron-LM's training code needs:
+(:mod:`megatron_bfpp.megatron.cpu`) it redirects what Megatron-LM's training code needs:
 
 * ``initialize_megatron(..., allow_no_cuda=True)`` (where ``megatron.training.initialize`` and
   ``megatron.training.training`` bind it): otherwise it asserts CUDA is available;
@@ -40,7 +40,7 @@ def enable_cpu_megatron_lm() -> None:
     """Install the redirects in the module docstring (no-op when already installed)."""
     if _saved:
         return
-    from megatron_bfpp.cpu import enable_cpu_megatron
+    from megatron_bfpp.megatron.cpu import enable_cpu_megatron
 
     enable_cpu_megatron()
     _patch(torch.cuda, "set_device", _set_device)
@@ -65,7 +65,7 @@ def enable_cpu_megatron_lm() -> None:
 
 def disable_cpu_megatron_lm() -> None:
     """Restore the originals (megatron-core's CPU adapter is disabled too)."""
-    from megatron_bfpp.cpu import disable_cpu_megatron
+    from megatron_bfpp.megatron.cpu import disable_cpu_megatron
 
     while _saved:
         owner, name, had_own, original = _saved.pop()

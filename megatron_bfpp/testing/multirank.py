@@ -5,7 +5,7 @@ call forks one process per rank through the product's local launcher
 (:func:`megatron_bfpp.local_ranks.fork_ranks`, which bfpp-train uses too): a fresh rendezvous
 port without a race, results through pipes, a grace period after the first failure, a deadline.
 
-Each rank: one intra-op thread; the CPU adapter (:mod:`megatron_bfpp.cpu`); gloo and
+Each rank: one intra-op thread; the CPU adapter (:mod:`megatron_bfpp.megatron.cpu`); gloo and
 ``parallel_state.initialize_model_parallel(tp, pp, vp)``; seeds (``random``, ``torch``,
 ``model_parallel_cuda_manual_seed``); ``fn(*args)``; once the result is sent, the groups are
 destroyed.
@@ -61,7 +61,7 @@ def preload_megatron() -> None:
     import megatron.core.pipeline_parallel.schedules
     import megatron.core.tensor_parallel  # noqa: F401
 
-    from megatron_bfpp import cpu  # noqa: F401
+    from megatron_bfpp.megatron import cpu  # noqa: F401
     from megatron_bfpp.testing import models  # noqa: F401
 
 
@@ -131,7 +131,7 @@ def _set_up_rank(spec: _Parallel, rank: int, world_size: int, store: Any) -> Non
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
 
-    from megatron_bfpp.cpu import enable_cpu_megatron
+    from megatron_bfpp.megatron.cpu import enable_cpu_megatron
 
     torch.set_num_threads(1)
     enable_cpu_megatron()

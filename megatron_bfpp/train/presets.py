@@ -84,7 +84,7 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, vp: int | None, o
         perform_initialization=False,  # init_by_global_names fills every parameter
         **portable_fields(tp=tp, pp=pp, vp=vp),
         sequence_parallel=False,
-        # gloo: batched p2p gives wrong gradients at pp=2 with looping (see megatron_bfpp/cpu.py)
+        # gloo: batched p2p gives wrong gradients at pp=2 with looping (see megatron/cpu.py)
         batch_p2p_comm=not on_cpu,
     )
     if shape.preset == "llama":

@@ -63,7 +63,7 @@ def init_distributed(store: Any = None, timeout_s: float = 600.0) -> torch.devic
         device = torch.device("cuda", local_rank)
         dist.init_process_group("nccl", **kwargs)
         return device
-    from megatron_bfpp.cpu import enable_cpu_megatron  # the one CPU/gloo adapter
+    from megatron_bfpp.megatron.cpu import enable_cpu_megatron  # the one CPU/gloo adapter
 
     # megatron-core 0.16 calls these by their old names; torch warns once per rank
     warnings.filterwarnings(

@@ -13,7 +13,7 @@ another Python, so the test pins ``PYENV_VERSION`` to the running interpreter's.
 Megatron's own interleaved schedule is run with ``--no-overlap-p2p-communication``: its default
 overlapped p2p path gives different losses on gloo from the first forward on (measured: iteration
 1 loss 5.541235 vs 5.536057, grad norm 13.6 vs 2.14), like megatron-core's
-``batch_p2p_comm`` interleaved path at pp=2 noted in ``megatron_bfpp.cpu``.
+``batch_p2p_comm`` interleaved path at pp=2 noted in ``megatron_bfpp.megatron.cpu``.
 """
 
 from __future__ import annotations

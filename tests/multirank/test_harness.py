@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_bfpp import cpu
+from megatron_bfpp.megatron import cpu
 from megatron_bfpp.testing import models as M
 from megatron_bfpp.testing.multirank import RanksFailed, run_ranks
 

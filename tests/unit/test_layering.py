@@ -38,17 +38,15 @@ ALLOWED = {
     "plan": {"ir", "validate", "passes", "schedules", "sim", "plan"},
     # product code that needs torch / megatron-core
     "compat": set(),  # megatron-core versions
-    "cpu": set(),  # the CPU/gloo adapter
     "local_ranks": set(),  # the local process launcher
     "runtime": {"ir", "validate", "passes", "schedules", "compat", "runtime"},
-    "megatron": {"ir", "schedules", "compat", "cpu", "runtime", "megatron"},
-    "train": {"ir", "schedules", "compat", "cpu", "runtime", "train"},
+    "megatron": {"ir", "schedules", "compat", "runtime", "megatron"},  # incl. the CPU adapter
+    "train": {"ir", "schedules", "compat", "megatron", "runtime", "train"},  # megatron: CPU adapter
     "launch": {"compat", "megatron"},
     "cli": PURE_LAYERS | {"cli", "compat", "local_ranks", "runtime", "train"},
     "__init__": {"ir", "schedules"},
     # tests' helpers may use everything; nothing else may use them
-    "testing": PURE_LAYERS
-    | {"compat", "cpu", "local_ranks", "runtime", "megatron", "train", "testing"},
+    "testing": PURE_LAYERS | {"compat", "local_ranks", "runtime", "megatron", "train", "testing"},
 }
 
 
@@ -74,7 +72,7 @@ def _imports(path: Path) -> list[str]:
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module == "megatron_bfpp":
-            for alias in node.names:  # ``from megatron_bfpp import cpu`` imports a unit
+            for alias in node.names:  # ``from megatron_bfpp import sim`` imports a unit
                 sub = PACKAGE / alias.name
                 is_unit = sub.is_dir() or sub.with_suffix(".py").exists()
                 names.append(f"megatron_bfpp.{alias.name}" if is_unit else "megatron_bfpp")
