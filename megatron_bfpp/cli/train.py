@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 30)",
     )
 
+    _add_training_arguments(p)
+    _add_io_arguments(p)
+    return p
+
+
+def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=positive_int, default=1)
     t.add_argument("--global-batch-size", type=positive_int, default=8)
@@ -127,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-path", default=None, help="local text file, byte-level tokens (default: synthetic)"
     )
 
+
+def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     io = p.add_argument_group("checkpoints and logging")
     io.add_argument("--save", default=None, metavar="DIR")
     io.add_argument("--load", default=None, metavar="DIR")
@@ -163,7 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--metrics-file", default=None, metavar="PATH")
     io.add_argument("--log-interval", type=positive_int, default=1)
     io.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
-    return p
 
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
