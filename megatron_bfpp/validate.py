@@ -16,8 +16,6 @@ Errors are ``ScheduleError`` whose message carries the per-rank grid with the fa
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from operator import attrgetter
-from typing import NamedTuple
 
 from megatron_bfpp.ir import (
     COMPUTE_KINDS,
@@ -27,10 +25,12 @@ from megatron_bfpp.ir import (
     ScheduleError,
     format_schedule,
 )
+from megatron_bfpp.messages import Message, has_communication, message_of
 
 __all__ = [
     "Message",
     "consumed_messages",
+    "has_communication",
     "message_of",
     "validate_completeness",
     "validate_deadlock_free",
@@ -40,40 +40,6 @@ __all__ = [
 ]
 
 K = ActionKind
-
-
-class Message(NamedTuple):
-    """What travels: ``what`` in {act, grad, evict, restore} of (stage, microbatch).
-
-    ``act`` is stage ``stage``'s output, ``grad`` the gradient of stage ``stage``'s input, and
-    ``evict``/``restore`` the stored activations of the evictor's stage ``stage``.
-    """
-
-    what: str
-    stage: int
-    microbatch: int
-
-
-def message_of(action: Action) -> Message:
-    """The message a point-to-point action sends or receives."""
-    entry = _MESSAGE_TABLE.get(action.kind)
-    mb = action.microbatch
-    if entry is None or mb is None:
-        raise ScheduleError(f"{action} is not a point-to-point action")
-    return Message(entry[0], action.stage + entry[1], mb)
-
-
-# kind -> (what travels, stage offset from the action's stage to the message's stage)
-_MESSAGE_TABLE = {
-    K.SEND_ACT: ("act", 0),
-    K.RECV_ACT: ("act", -1),
-    K.SEND_GRAD: ("grad", 0),
-    K.RECV_GRAD: ("grad", 1),
-    K.EVICT: ("evict", 0),
-    K.ACCEPT: ("evict", 0),
-    K.RESTORE: ("restore", 0),
-    K.LOAD: ("restore", 0),
-}
 
 
 def consumed_messages(action: Action, schedule: Schedule, rank: int) -> list[Message]:
@@ -119,18 +85,6 @@ def validate_schedule(
     if require_communication or has_communication(schedule):
         validate_message_order(schedule)
     validate_deadlock_free(schedule)
-
-
-def has_communication(schedule: Schedule) -> bool:
-    """A schedule without activation/gradient messages is compute-only (not yet lowered)."""
-    get_kind = _get_kind
-    return any(
-        not _MESSAGE_KINDS.isdisjoint(map(get_kind, actions)) for actions in schedule.per_rank
-    )
-
-
-_get_kind = attrgetter("kind")
-_MESSAGE_KINDS = frozenset({K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD})
 
 
 def _fail(schedule: Schedule, message: str, marks: dict[tuple[int, int], str]) -> ScheduleError:

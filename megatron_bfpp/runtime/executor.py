@@ -36,9 +36,9 @@ import torch
 
 from megatron_bfpp.compat import backward_step, forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
+from megatron_bfpp.messages import Message, message_of
 from megatron_bfpp.runtime.activations import ActivationStore, unique_storage_bytes
 from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send
-from megatron_bfpp.validate import Message, message_of
 
 __all__ = ["MemoryReport", "StepContext", "run_rank_program"]
 
