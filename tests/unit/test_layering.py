@@ -1,6 +1,6 @@
-"""The pure layers (ir, messages, passes, validate, schedules, sim, cli) import neither torch nor
-megatron, so schedules can be planned, checked and drawn on a laptop; and they respect the arrows
-of the design's dependency rule."""
+"""The pure layers (ir, messages, execution, passes, validate, schedules, sim, cli) import neither
+torch nor megatron, so schedules can be planned, checked and drawn on a laptop; and they respect
+the arrows of the design's dependency rule."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_bfpp"
 PURE = [
     "ir.py",
     "messages.py",
+    "execution.py",
     "validate.py",
     "passes",
     "schedules",
@@ -29,11 +30,12 @@ FORBIDDEN = ("torch", "megatron.", "megatron_bfpp.runtime", "megatron_bfpp.megat
 ALLOWED = {
     "ir": set(),
     "messages": {"ir"},
-    "validate": {"ir", "messages"},
-    "passes": {"ir", "messages", "validate", "passes"},
-    "schedules": {"ir", "messages", "validate", "passes", "schedules"},
-    "sim": {"ir", "messages", "validate", "passes", "schedules", "sim"},
-    "plan": {"ir", "messages", "validate", "passes", "schedules", "sim", "plan"},
+    "execution": {"ir", "messages"},
+    "validate": {"ir", "messages", "execution"},
+    "passes": {"ir", "messages", "execution", "validate", "passes"},
+    "schedules": {"ir", "messages", "execution", "validate", "passes", "schedules"},
+    "sim": {"ir", "messages", "execution", "validate", "passes", "schedules", "sim"},
+    "plan": {"ir", "messages", "execution", "validate", "passes", "schedules", "sim", "plan"},
 }
 
 
