@@ -63,6 +63,29 @@ def test_rejects_broken_schedules_with_grid(rows: list[str], message: str) -> No
     assert "rank  0:" in str(info.value)
 
 
+def test_the_one_pass_names_rank_step_and_reason() -> None:
+    rows = ["0F0 0SA0>1 0RG0<1 0B0", "1RA0<0 1F0 1SG0>0 1B0"]
+    schedule = parse_schedule(rows, layout=LOOPED2, num_microbatches=1)
+    with pytest.raises(ScheduleError) as info:
+        validate_schedule(schedule)
+    first_line = str(info.value).splitlines()[0]
+    assert first_line == "rank 1, step 2: 1SG0>0: sends a gradient before computing it"
+    assert "^^^^^^ <-- ERROR HERE" in str(info.value)
+
+
+def test_of_several_problems_the_first_kind_in_rank_order_is_reported() -> None:
+    # rank 0: a local-order problem (SA before F); rank 1: a repeated F (completeness), which
+    # the single checks report first although it comes later in rank order.
+    rows = ["0SA0>1 0F0 0RG0<1 0B0", "1RA0<0 1F0 1F0 1B0 1SG0>0"]
+    schedule = parse_schedule(rows, layout=LOOPED2, num_microbatches=1)
+    with pytest.raises(ScheduleError, match="1F0 appears twice"):
+        validate_schedule(schedule)
+    rows[1] = "1RA0<0 1F0 1B0 1SG0>0"
+    schedule = parse_schedule(rows, layout=LOOPED2, num_microbatches=1)
+    with pytest.raises(ScheduleError, match="rank 0, step 0: 0SA0>1: sends an activation"):
+        validate_schedule(schedule)
+
+
 def test_deadlock_is_reported_with_blocked_steps_marked() -> None:
     # Rank 0 waits for a gradient that rank 1 can only produce after rank 0's activation,
     # which rank 0 sends after that wait.
