@@ -1,36 +1,50 @@
 """Prove a schedule complete, correctly paired and free of deadlock before anything runs it.
 
-Execution semantics (shared with the simulator and the runtime):
+One pass over every action (``_scan``) checks it and, at the same time, runs the programs under
+the execution rules the simulator shares (``execution.Rules`` and ``execution.Wires``): a rank
+stops at an action whose message nobody has sent yet and resumes once it is sent. A failure is
+a ``ScheduleError`` whose message names the rank, the step (position in that rank's program)
+and the reason, above the per-rank grid with the step marked. When a schedule has several
+problems, the first (in rank order) of the first kind below is reported:
 
-* A send (SA, SG, EV, RS) is posted without waiting; its data leaves whenever the link allows.
-* A receive (RA, RG, AC, LD) is posted at its position; the rank waits for the data only at the
-  action that consumes it (F/B/I for RA/RG/LD, RS for AC), so receives can be posted ahead.
-* Between one ordered pair of ranks, the k-th receive posted matches the k-th send posted, as
-  NCCL and gloo match point-to-point messages by posting order, not by meaning. With pp=2 and
-  looping an activation and a gradient of the same shape travel between the same two ranks, so a
-  swapped order would silently mix them up; ``validate_message_order`` rejects it.
+1. placement: every action runs on the rank that owns its stage, names an existing micro-batch,
+   and a message names the neighbour stage's rank (BPipe: the partner) as its peer;
+2. completeness: exactly one F and one backward (B, or I and W) per (stage, micro-batch), and
+   no eviction or load twice;
+3. local order, per rank: a compute action after its local producers, a send after what it sends,
+   a consumer after the receive that posts its input, I before W, an eviction between forward and
+   backward and a load before the backward; every eviction loaded back;
+4. message order: between two ranks, both sides post the same messages in the same order, since
+   NCCL and gloo match point-to-point messages by posting order, not by meaning (with pp=2 and
+   looping an activation and a gradient of the same shape travel between the same two ranks,
+   and a swapped order would silently mix them up);
+5. deadlock: every program runs to its end.
 
-Errors are ``ScheduleError`` whose message carries the per-rank grid with the failing step marked.
+The checks of one action do not depend on other ranks, so checking in the order the programs
+run finds the same problems as checking rank by rank; the part of a stuck program after the
+step it waits at is checked too, once no rank can move. ``validate_schedule`` reports all kinds;
+``validate_placement`` and the others the first problem of their own kind (or of an earlier kind,
+which they cannot see past).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
-from operator import attrgetter
-from typing import NamedTuple
-
-from megatron_bfpp.ir import (
-    COMPUTE_KINDS,
-    Action,
-    ActionKind,
-    Schedule,
-    ScheduleError,
-    format_schedule,
+from megatron_bfpp.execution import Program, Rules, Wires, describe_waits
+from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, format_schedule
+from megatron_bfpp.messages import (
+    ACT,
+    EVICT,
+    GRAD,
+    RESTORE,
+    Message,
+    MessageKeys,
+    has_communication,
+    message_of,
 )
 
 __all__ = [
     "Message",
-    "consumed_messages",
+    "has_communication",
     "message_of",
     "validate_completeness",
     "validate_deadlock_free",
@@ -42,95 +56,77 @@ __all__ = [
 K = ActionKind
 
 
-class Message(NamedTuple):
-    """What travels: ``what`` in {act, grad, evict, restore} of (stage, microbatch).
-
-    ``act`` is stage ``stage``'s output, ``grad`` the gradient of stage ``stage``'s input, and
-    ``evict``/``restore`` the stored activations of the evictor's stage ``stage``.
-    """
-
-    what: str
-    stage: int
-    microbatch: int
-
-
-def message_of(action: Action) -> Message:
-    """The message a point-to-point action sends or receives."""
-    entry = _MESSAGE_TABLE.get(action.kind)
-    mb = action.microbatch
-    if entry is None or mb is None:
-        raise ScheduleError(f"{action} is not a point-to-point action")
-    return Message(entry[0], action.stage + entry[1], mb)
-
-
-# kind -> (what travels, stage offset from the action's stage to the message's stage)
-_MESSAGE_TABLE = {
-    K.SEND_ACT: ("act", 0),
-    K.RECV_ACT: ("act", -1),
-    K.SEND_GRAD: ("grad", 0),
-    K.RECV_GRAD: ("grad", 1),
-    K.EVICT: ("evict", 0),
-    K.ACCEPT: ("evict", 0),
-    K.RESTORE: ("restore", 0),
-    K.LOAD: ("restore", 0),
-}
-
-
-def consumed_messages(action: Action, schedule: Schedule, rank: int) -> list[Message]:
-    """Messages an action waits for when they come from another rank."""
-    layout = schedule.layout
-    mb = action.microbatch
-    if mb is None:
-        return []
-    stage = action.stage
-    needed: list[Message] = []
-    if action.kind == K.FORWARD and stage > 0 and layout.rank_of(stage - 1) != rank:
-        needed.append(Message("act", stage - 1, mb))
-    elif action.kind in (K.BACKWARD, K.BACKWARD_INPUT):
-        if not layout.is_last(stage) and layout.rank_of(stage + 1) != rank:
-            needed.append(Message("grad", stage + 1, mb))
-    elif action.kind in (K.ACCEPT, K.RESTORE):
-        # The runtime reads an eviction's size header before any later receive from the
-        # evictor: modelled (conservatively) as AC waiting for the evict itself.
-        needed.append(Message("evict", stage, mb))
-    return needed
-
-
 def validate_schedule(
     schedule: Schedule, *, require_communication: bool = True, require_backward: bool = True
 ) -> None:
-    """Every check in order; a compute-only schedule may skip the communication ones.
+    """Every check, in one pass; a compute-only schedule may skip the pairing of messages.
 
     A compute-only schedule (no SA/RA/SG/RG yet) is checked as if each compute action sent its
     result the moment it finished, which proves the order itself can run. With
     ``require_backward=False`` (a forward-only schedule, e.g. evaluation) a (stage, micro-batch)
     may have no backward at all; one that has any must still have a complete one.
-
-    All checks run on every schedule, first in one fused pass over flat integer keys (linear in
-    the number of actions); only if that pass finds a problem do the checks run one by one,
-    to name the first problem and draw the grid.
     """
-    if _passes_all_checks(
+    error = _find_problem(
         schedule, require_communication=require_communication, require_backward=require_backward
-    ):
-        return
-    validate_placement(schedule)
-    validate_completeness(schedule, require_backward=require_backward)
-    if require_communication or has_communication(schedule):
-        validate_message_order(schedule)
-    validate_deadlock_free(schedule)
+    )
+    if error is not None:
+        raise error
 
 
-def has_communication(schedule: Schedule) -> bool:
-    """A schedule without activation/gradient messages is compute-only (not yet lowered)."""
-    get_kind = _get_kind
-    return any(
-        not _MESSAGE_KINDS.isdisjoint(map(get_kind, actions)) for actions in schedule.per_rank
+def validate_placement(schedule: Schedule) -> None:
+    """Each action runs on the rank that owns its stage and names an existing micro-batch."""
+    _raise(_first(_scan(schedule).placement))
+
+
+def validate_completeness(schedule: Schedule, *, require_backward: bool = True) -> None:
+    """Exactly one F and one B (or one I and one W) per (stage, micro-batch), in local order.
+
+    ``require_backward=False`` accepts a (stage, micro-batch) with no backward at all.
+    """
+    scan = _scan(schedule)
+    _raise(
+        _first(scan.placement)
+        or _first(scan.duplicate)
+        or scan.incomplete(require_backward)
+        or _first(scan.order)
     )
 
 
-_get_kind = attrgetter("kind")
-_MESSAGE_KINDS = frozenset({K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD})
+def validate_message_order(schedule: Schedule) -> None:
+    """Sends and receives pair up one to one, posted in the same order on both sides."""
+    scan = _scan(schedule)
+    _raise(_first(scan.placement) or scan.mismatched_channel())
+
+
+def validate_deadlock_free(schedule: Schedule) -> None:
+    """Every program runs to its end under the execution rules (``execution``)."""
+    scan = _scan(schedule)
+    _raise(_first(scan.placement) or scan.deadlock())
+
+
+def _find_problem(
+    schedule: Schedule, *, require_communication: bool, require_backward: bool
+) -> ScheduleError | None:
+    """The first problem in the order of the module docstring, or None for a valid schedule."""
+    scan = _scan(schedule)
+    return (
+        _first(scan.placement)
+        or _first(scan.duplicate)
+        or scan.incomplete(require_backward)
+        or _first(scan.order)
+        or (scan.mismatched_channel() if require_communication or scan.with_comm else None)
+        or scan.deadlock()
+    )
+
+
+def _first(problems: dict[int, ScheduleError]) -> ScheduleError | None:
+    """The problem of the lowest rank (each rank keeps its first)."""
+    return problems[min(problems)] if problems else None
+
+
+def _raise(problem: ScheduleError | None) -> None:
+    if problem is not None:
+        raise problem
 
 
 def _fail(schedule: Schedule, message: str, marks: dict[tuple[int, int], str]) -> ScheduleError:
@@ -138,29 +134,375 @@ def _fail(schedule: Schedule, message: str, marks: dict[tuple[int, int], str]) -
     return ScheduleError(f"{message}\n{grid}")
 
 
-def validate_placement(schedule: Schedule) -> None:
-    """Each action runs on the rank that owns its stage and names an existing micro-batch."""
-    stage_to_rank = schedule.layout.stage_to_rank
-    num_stages, num_microbatches = len(stage_to_rank), schedule.num_microbatches
-    compute = COMPUTE_KINDS
-    for rank, actions in enumerate(schedule.per_rank):
-        for position, action in enumerate(actions):
-            stage, mb = action.stage, action.microbatch
-            if (
-                action.kind in compute
-                and stage < num_stages
-                and stage_to_rank[stage] == rank
-                and mb is not None
-                and mb < num_microbatches
-            ):
-                continue  # the common case, checked inline
-            problem = _placement_problem(action, rank, schedule)
-            if problem:
-                raise _fail(
-                    schedule,
-                    f"rank {rank}, step {position}: {action}: {problem}",
-                    {(rank, position): "ERROR HERE"},
-                )
+def _at(schedule: Schedule, rank: int, position: int, problem: str) -> ScheduleError:
+    action = schedule.per_rank[rank][position]
+    message = f"rank {rank}, step {position}: {action}: {problem}"
+    return _fail(schedule, message, {(rank, position): "ERROR HERE"})
+
+
+# --- the pass -------------------------------------------------------------------------------
+
+
+class _Scan:
+    """What the pass found: each rank's first problem of each kind, which (stage, micro-batch)
+    has which action (flat flags, index ``stage * num_microbatches + mb``), each channel's
+    messages in posting order (``MessageKeys`` without a rank), and where stuck ranks wait.
+
+    A rank's pass ends at its first placement problem: every flag it sets belongs to an action
+    on its stage's own rank, so a flag is that rank's history, and every index is in range.
+    """
+
+    __slots__ = (
+        "accepted",
+        "act_slot",
+        "channel_mb",
+        "channels",
+        "duplicate",
+        "flags",
+        "grad_slot",
+        "local_in",
+        "local_out",
+        "mixed",
+        "num_mb",
+        "order",
+        "placement",
+        "rank_channels",
+        "remote_in",
+        "remote_out",
+        "rules",
+        "schedule",
+        "stage_to_rank",
+        "stuck",
+        "transfer_slot",
+        "unloaded",
+        "wires",
+        "with_comm",
+    )
+
+    def __init__(self, schedule: Schedule) -> None:
+        stage_to_rank = schedule.layout.stage_to_rank
+        num_stages, num_ranks = len(stage_to_rank), len(schedule.per_rank)
+        self.schedule, self.stage_to_rank = schedule, stage_to_rank
+        self.num_mb = schedule.num_microbatches
+        self.rules = Rules(schedule)
+        self.wires = Wires(self.rules)
+        self.with_comm = not self.rules.implicit
+        keys = MessageKeys(num_stages, 1)  # a message without its rank
+        self.channel_mb = keys.per_microbatch
+        self.act_slot, self.grad_slot, evict, restore = (
+            [keys.slot(what, stage) for stage in range(num_stages)]
+            for what in (ACT, GRAD, EVICT, RESTORE)
+        )
+        self.transfer_slot = {_EV: evict, _AC: evict, _RS: restore, _LD: restore}
+        self.rank_channels: list[_RankChannels | None] = [None] * num_ranks
+        # Per stage: the rank of the previous / next stage when it is another rank (the peer of
+        # RA, SG / SA, RG), else -1; and whether that neighbour is on the same rank.
+        self.remote_in, self.remote_out = [-1] * num_stages, [-1] * num_stages
+        self.local_in, self.local_out = [False] * num_stages, [False] * num_stages
+        for stage in range(1, num_stages):
+            if stage_to_rank[stage - 1] == stage_to_rank[stage]:
+                self.local_in[stage] = self.local_out[stage - 1] = True
+            else:
+                self.remote_in[stage] = stage_to_rank[stage - 1]
+                self.remote_out[stage - 1] = stage_to_rank[stage]
+        size = num_stages * schedule.num_microbatches
+        # F, B, I, W done; RA, RG posted; EV, LD done (each on the stage's own rank).
+        self.flags = tuple(bytearray(size) for _ in range(8))
+        self.mixed = False  # some (stage, micro-batch) has B and also I or W
+        self.unloaded = [0] * num_ranks  # per rank: EVs minus LDs
+        self.accepted: list[set[int]] = [set() for _ in range(num_ranks)]  # keys of ACs
+        self.channels: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        self.placement: dict[int, ScheduleError] = {}
+        self.duplicate: dict[int, ScheduleError] = {}
+        self.order: dict[int, ScheduleError] = {}
+        self.stuck: dict[int, tuple[int, Message]] = {}
+
+    def channel(self, src: int, dst: int) -> tuple[list[int], list[int]]:
+        """(messages sent, messages received) on the link src -> dst, in posting order."""
+        return self.channels.setdefault((src, dst), ([], []))
+
+    def misplaced(self, rank: int, position: int) -> None:
+        """Note the rank's first placement problem; its pass ends here."""
+        action = self.schedule.per_rank[rank][position]
+        problem = _placement_problem(action, rank, self.schedule)
+        self.placement[rank] = _at(self.schedule, rank, position, problem or "misplaced")
+
+    def repeated(self, rank: int, position: int) -> None:
+        """Note the rank's first action seen twice (flags of F, B, I, W, EV and LD)."""
+        if rank in self.duplicate:
+            return
+        action = self.schedule.per_rank[rank][position]
+        first = next(
+            p
+            for p, other in enumerate(self.schedule.per_rank[rank])
+            if (other.kind, other.stage, other.microbatch)
+            == (action.kind, action.stage, action.microbatch)
+        )
+        marks = {(rank, first): "first", (rank, position): "again"}
+        self.duplicate[rank] = _fail(self.schedule, f"{action} appears twice", marks)
+
+    def note_backward(self, rank: int, position: int, key: int) -> None:
+        """A B, I or W whose (stage, micro-batch) already has one of them: a repeat, or B
+        mixed with I / W (reported by ``incomplete``)."""
+        kind = self.schedule.per_rank[rank][position].kind
+        _, b_done, i_done, w_done = self.flags[:4]
+        if {_B: b_done, _I: i_done, _W: w_done}[kind][key]:
+            self.repeated(rank, position)
+        else:
+            self.mixed = True
+
+    def disorder(self, rank: int, position: int, rule: str) -> None:
+        """Note the rank's first action that breaks the local order; ``rule`` keys ``_ORDER``."""
+        if rank not in self.order:
+            stage, mb = (a := self.schedule.per_rank[rank][position]).stage, a.microbatch
+            problem = _ORDER[rule].format(stage=stage, mb=mb, prev=stage - 1, next=stage + 1)
+            self.order[rank] = _at(self.schedule, rank, position, problem)
+
+    def finish(self, rank: int) -> None:
+        """The rank's pass reached its end: do its evictions and loads pair up?"""
+        if self.unloaded[rank] and rank not in self.order:
+            problem = _unpaired(self.schedule, rank)
+            if problem is not None:
+                self.order[rank] = _fail(self.schedule, problem, {})
+
+    def incomplete(self, require_backward: bool) -> ScheduleError | None:
+        """The first (stage, micro-batch) without exactly one F and one complete backward.
+
+        Counting the flags suffices while nothing else is wrong: keys are in range, B never
+        meets I or W on one key, and every W follows its I. Otherwise look key by key.
+        """
+        size = len(self.flags[0])
+        count_f, count_b, count_i, count_w = (flags.count(1) for flags in self.flags[:4])
+        trusted = not (self.mixed or self.order or self.duplicate)
+        backward_ok = count_i == count_w and (count_b + count_i == size or not require_backward)
+        if trusted and count_f == size and backward_ok:
+            return None
+        return _missing_action(self.schedule, self.flags, require_backward)
+
+    def mismatched_channel(self) -> ScheduleError | None:
+        """The first channel (in rank order) whose two sides differ, at the first difference."""
+        bad = sorted(c for c, (sent, received) in self.channels.items() if sent != received)
+        return _channel_problem(self.schedule, *bad[0]) if bad else None
+
+    def deadlock(self) -> ScheduleError | None:
+        if not self.stuck:
+            return None
+        message = "deadlock: every remaining rank waits for a message that is never sent first"
+        return _fail(self.schedule, message, describe_waits(self.stuck))
+
+
+def _scan(schedule: Schedule) -> _Scan:
+    """Check every action while running the programs (see the module docstring)."""
+    scan = _Scan(schedule)
+    wires = scan.wires
+    programs = [_scan_rank(scan, rank) for rank in range(len(schedule.per_rank))]
+    wires.run(programs)
+    scan.stuck = wires.stuck()
+    for key, rank in list(wires.waiting.items()):  # check the rest of each stuck program too,
+        while key >= 0:  # as if every message it waits for were sent
+            wires.arrivals[key] = 0.0
+            key = next(programs[rank], (0, -1))[1]
+    return scan
+
+
+_F, _B, _I, _W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
+_SA, _RA, _SG, _RG = K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD
+_EV, _AC, _RS, _LD, _GS, _PS = K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD, K.GRAD_SYNC, K.PARAM_SYNC
+
+# Why an action breaks the local order, by the rule it breaks (``str.format`` of the action's
+# stage, micro-batch, previous and next stage).
+_ORDER = {
+    "local input": "runs before its local producer {prev}F{mb}",
+    "remote input": "consumes act of stage {prev} that no earlier receive posts",
+    "forward": "backward before its forward",
+    "evicted": "the activations were evicted and not loaded back ({stage}LD{mb} missing)",
+    "local gradient": "runs before its local producer of the output gradient (stage {next})",
+    "remote gradient": "consumes grad of stage {next} that no earlier receive posts",
+    "input gradient": "W before its I",
+    "activation": "sends an activation before computing it",
+    "gradient": "sends a gradient before computing it",
+    "window": "evicts outside the window between its forward and its backward",
+    "never evicted": "loads activations that were never evicted",
+    "never accepted": "returns activations it never accepted",
+}
+
+
+def _scan_rank(scan: _Scan, rank: int) -> Program:
+    """``rank``'s program under ``Wires.run``: placement, completeness flags, local order and
+    channels of each action, and the execution rules (it yields the message an action waits
+    for). Flat lookups in one loop: it runs once per action of every schedule built; GS, PS and
+    BPipe's transfers, a few per rank, go to ``_scan_other``."""
+    schedule, wires, rules, disorder = scan.schedule, scan.wires, scan.rules, scan.disorder
+    actions, s2r, num_mb = schedule.per_rank[rank], scan.stage_to_rank, schedule.num_microbatches
+    num_stages, remote_in, remote_out = len(s2r), scan.remote_in, scan.remote_out
+    local_in, local_out, with_comm = scan.local_in, scan.local_out, scan.with_comm
+    f_done, b_done, i_done, w_done, ra_done, rg_done, ev_done, ld_done = scan.flags
+    act_in, act_out, grad_in, grad_out = _rank_channels(scan, rank)
+    waits_for, sends_for, implicit = rules.waits_for, rules.sends_for, rules.implicit
+    act_base, grad_base = rules.base[ACT], rules.base[GRAD]
+    arrivals, waiting, ready, per_mb = wires.arrivals, wires.waiting, wires.ready, rules.per_mb
+    awaiting, loaded = wires.awaiting[rank], wires.loaded[rank]
+    act_slot, grad_slot, channel_mb = scan.act_slot, scan.grad_slot, scan.channel_mb
+    for position, action in enumerate(actions):
+        kind, stage = action.kind, action.stage
+        mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
+        if kind is _SA or kind is _RG:
+            if (stage >= num_stages or s2r[stage] != rank or mb >= num_mb
+                    or action.peer != remote_out[stage]):  # fmt: skip
+                return scan.misplaced(rank, position)
+            key = stage * num_mb + mb
+            if kind is _RG:
+                rg_done[key] = 1
+                grad_in[stage].append(mb * channel_mb + grad_slot[stage + 1])
+                continue
+            if not f_done[key]:
+                disorder(rank, position, "activation")
+            act_out[stage].append(mb * channel_mb + act_slot[stage])
+            arrivals[sent := mb * per_mb + act_base[stage] + remote_out[stage]] = 0.0
+            if (woken := waiting.pop(sent, None)) is not None:
+                ready.append(woken)
+        elif kind is _RA or kind is _SG:
+            if (stage >= num_stages or s2r[stage] != rank or mb >= num_mb
+                    or action.peer != remote_in[stage]):  # fmt: skip
+                return scan.misplaced(rank, position)
+            key = stage * num_mb + mb
+            if kind is _RA:
+                ra_done[key] = 1
+                act_in[stage].append(mb * channel_mb + act_slot[stage - 1])
+                continue
+            if not (b_done[key] or i_done[key]):
+                disorder(rank, position, "gradient")
+            grad_out[stage].append(mb * channel_mb + grad_slot[stage])
+            arrivals[sent := mb * per_mb + grad_base[stage] + remote_in[stage]] = 0.0
+            if (woken := waiting.pop(sent, None)) is not None:
+                ready.append(woken)
+        elif kind is _F or kind is _B or kind is _I or kind is _W:
+            if stage >= num_stages or s2r[stage] != rank or mb >= num_mb:
+                return scan.misplaced(rank, position)
+            # The execution rules: wait for what it consumes (BPipe: acknowledgements first,
+            # the activations an LD brought back last); a compute-only schedule sends at once.
+            while awaiting and (need := wires.unacknowledged(rank)) >= 0:
+                yield position, need
+            slot = waits_for[kind][stage]
+            if slot >= 0 and (need := mb * per_mb + slot) not in arrivals:
+                yield position, need
+            if loaded and (need := wires.restore(rank, action)) >= 0 and need not in arrivals:
+                yield position, need
+            if implicit and (slot := sends_for[kind][stage]) >= 0:
+                arrivals[sent := mb * per_mb + slot] = 0.0
+                if (woken := waiting.pop(sent, None)) is not None:
+                    ready.append(woken)
+            key = stage * num_mb + mb
+            if kind is _F:
+                if f_done[key]:
+                    scan.repeated(rank, position)
+                f_done[key] = 1
+                if local_in[stage]:
+                    if not f_done[key - num_mb]:
+                        disorder(rank, position, "local input")
+                elif with_comm and remote_in[stage] >= 0 and not ra_done[key]:
+                    disorder(rank, position, "remote input")
+            elif kind is _W:
+                if w_done[key] or b_done[key]:
+                    scan.note_backward(rank, position, key)  # a repeat, or W with B
+                w_done[key] = 1
+                if not i_done[key]:
+                    disorder(rank, position, "input gradient")
+            else:
+                if b_done[key] or i_done[key]:
+                    scan.note_backward(rank, position, key)  # a repeat, or B with I
+                (b_done if kind is _B else i_done)[key] = 1
+                if not f_done[key]:
+                    disorder(rank, position, "forward")
+                elif ev_done[key] and not ld_done[key]:
+                    disorder(rank, position, "evicted")
+                elif local_out[stage]:
+                    if not (b_done[key + num_mb] or i_done[key + num_mb]):
+                        disorder(rank, position, "local gradient")
+                elif with_comm and remote_out[stage] >= 0 and not rg_done[key]:
+                    disorder(rank, position, "remote gradient")
+        else:
+            while (need := _scan_other(scan, rank, position, action)) >= 0:
+                yield position, need
+            if need == _MISPLACED:
+                return
+    scan.finish(rank)
+
+
+_DONE, _MISPLACED = -1, -2
+
+
+def _scan_other(scan: _Scan, rank: int, position: int, action: Action) -> int:
+    """``_scan_rank`` for GS, PS and BPipe's EV / AC / RS / LD, rare, so written plainly:
+    ``_DONE``, ``_MISPLACED`` (the rank's pass ends), or the key of a message to wait for
+    first (nothing is recorded then: call again once it is sent)."""
+    kind, stage, num_mb = action.kind, action.stage, scan.num_mb
+    owner = scan.stage_to_rank[stage] if stage < len(scan.stage_to_rank) else -1
+    mb: int = action.microbatch or 0
+    peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
+    evictor_side = kind is _EV or kind is _LD
+    if kind is _GS or kind is _PS:
+        placed = owner == rank
+    elif evictor_side:
+        placed = owner == rank and peer != rank and mb < num_mb
+    else:
+        placed = owner not in (-1, rank) and peer == owner and mb < num_mb
+    if not placed:
+        scan.misplaced(rank, position)
+        return _MISPLACED
+    if kind is _GS or kind is _PS:
+        return _DONE
+    if (need := scan.wires.transfer(rank, action, 0.0)[1]) >= 0:
+        return need
+    f_done, b_done, i_done, _, _, _, ev_done, ld_done = scan.flags
+    key, message = stage * num_mb + mb, scan.channel_mb * mb + scan.transfer_slot[kind][stage]
+    if kind is K.EVICT or kind is K.RESTORE:
+        scan.channels.setdefault((rank, peer), ([], []))[0].append(message)
+    else:
+        scan.channels.setdefault((peer, rank), ([], []))[1].append(message)
+    if evictor_side:
+        done = ev_done if kind is K.EVICT else ld_done
+        if done[key]:
+            scan.repeated(rank, position)
+        else:
+            done[key] = 1
+            scan.unloaded[rank] += 1 if kind is K.EVICT else -1
+        if kind is K.EVICT and (not f_done[key] or b_done[key] or i_done[key]):
+            scan.disorder(rank, position, "window")
+        elif kind is K.LOAD and not ev_done[key]:
+            scan.disorder(rank, position, "never evicted")
+    elif kind is K.ACCEPT:
+        scan.accepted[rank].add(key)
+    elif key not in scan.accepted[rank]:
+        scan.disorder(rank, position, "never accepted")
+    return _DONE
+
+
+_RankChannels = tuple[list[list[int]], list[list[int]], list[list[int]], list[list[int]]]
+
+
+def _rank_channels(scan: _Scan, rank: int) -> _RankChannels:
+    """Per stage of ``rank``, where its RA, SA, RG and SG note their messages: the receiving or
+    sending side of the channel with the neighbour stage's rank. Stages of other ranks get a
+    list nothing reaches (placement ends the pass first). Built once per rank."""
+    built = scan.rank_channels[rank]
+    if built is not None:
+        return built
+    unused: list[int] = []
+    num_stages = len(scan.remote_in)
+    act_in, act_out = [unused] * num_stages, [unused] * num_stages
+    grad_in, grad_out = [unused] * num_stages, [unused] * num_stages
+    for stage, owner in enumerate(scan.schedule.layout.stage_to_rank):
+        if owner != rank:
+            continue
+        if scan.remote_in[stage] >= 0:
+            act_in[stage] = scan.channel(scan.remote_in[stage], rank)[1]
+            grad_out[stage] = scan.channel(rank, scan.remote_in[stage])[0]
+        if scan.remote_out[stage] >= 0:
+            act_out[stage] = scan.channel(rank, scan.remote_out[stage])[0]
+            grad_in[stage] = scan.channel(scan.remote_out[stage], rank)[1]
+    built = scan.rank_channels[rank] = (act_in, act_out, grad_in, grad_out)
+    return built
 
 
 def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | None:
@@ -178,12 +520,9 @@ def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | N
         return None
     if owner != rank:
         return f"stage {stage} lives on rank {owner}"
-    expected_peer = {
-        K.SEND_ACT: stage + 1,
-        K.RECV_ACT: stage - 1,
-        K.SEND_GRAD: stage - 1,
-        K.RECV_GRAD: stage + 1,
-    }.get(action.kind)
+    expected_peer = {_SA: stage + 1, _RA: stage - 1, _SG: stage - 1, _RG: stage + 1}.get(
+        action.kind
+    )
     if expected_peer is not None:
         if not 0 <= expected_peer < layout.num_stages:
             return f"stage {stage} has no neighbour stage {expected_peer}"
@@ -197,546 +536,67 @@ def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | N
     return None
 
 
-def validate_completeness(schedule: Schedule, *, require_backward: bool = True) -> None:
-    """Exactly one F and one B (or one I and one W) per (stage, micro-batch), in local order.
-
-    ``require_backward=False`` accepts a (stage, micro-batch) with no backward at all.
-    """
-    counts: dict[tuple[ActionKind, int, int], int] = {}
-    tracked = _TRACKED
-    for actions in schedule.per_rank:
-        for action in actions:
-            if action.kind in tracked:
-                key = (action.kind, action.stage, action.microbatch or 0)
-                counts[key] = counts.get(key, 0) + 1
-    if counts and max(counts.values()) > 1:
-        _raise_duplicate(schedule, {k for k, n in counts.items() if n > 1})
-    forward, full = K.FORWARD, K.BACKWARD
-    split_i, split_w = K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
+def _missing_action(
+    schedule: Schedule, flags: tuple[bytearray, ...], require_backward: bool
+) -> ScheduleError | None:
+    """``_Scan.incomplete`` key by key, in (stage, micro-batch) order."""
+    f_done, b_done, i_done, w_done = flags[:4]
+    num_mb = schedule.num_microbatches
     for stage in range(schedule.num_stages):
-        for mb in range(schedule.num_microbatches):
-            if (forward, stage, mb) not in counts:
+        for mb in range(num_mb):
+            key = stage * num_mb + mb
+            where = f"stage {stage} micro-batch {mb}"
+            if not f_done[key]:
                 rank = schedule.layout.rank_of(stage)
-                raise _fail(
-                    schedule, f"stage {stage} micro-batch {mb} has no forward on rank {rank}", {}
-                )
-            has_b = (full, stage, mb) in counts
-            has_i, has_w = (split_i, stage, mb) in counts, (split_w, stage, mb) in counts
+                return _fail(schedule, f"{where} has no forward on rank {rank}", {})
+            has_b, has_i, has_w = b_done[key], i_done[key], w_done[key]
             if has_b and (has_i or has_w):
-                raise _fail(schedule, f"stage {stage} micro-batch {mb} has both B and I/W", {})
+                return _fail(schedule, f"{where} has both B and I/W", {})
             if not has_b and not (has_i and has_w) and (require_backward or has_i or has_w):
-                raise _fail(
-                    schedule,
-                    f"stage {stage} micro-batch {mb} has no complete backward (B, or I and W)",
-                    {},
-                )
-    _validate_local_order(schedule)
-
-
-_TRACKED = frozenset({K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT, K.EVICT, K.LOAD})
-
-
-def _raise_duplicate(schedule: Schedule, duplicated: set[tuple[ActionKind, int, int]]) -> None:
-    """Slow path, only on failure: find the first two places of the first duplicated action."""
-    seen: dict[tuple[ActionKind, int, int], tuple[int, int]] = {}
-    for rank, position, action in schedule.iter_actions():
-        key = (action.kind, action.stage, action.microbatch or 0)
-        if key in duplicated:
-            if key in seen:
-                raise _fail(
-                    schedule,
-                    f"{action} appears twice",
-                    {seen[key]: "first", (rank, position): "again"},
-                )
-            seen[key] = (rank, position)
-
-
-def _validate_local_order(schedule: Schedule) -> None:
-    """Within a rank: F before its backward, I before W, evict after F and load before backward,
-    local producers before local consumers, sends after what they send and receives before what
-    consumes them."""
-    with_comm = has_communication(schedule)
-    for rank, actions in enumerate(schedule.per_rank):
-        done: set[tuple[ActionKind, int, int]] = set()
-        posted: set[Message] = set()
-        for position, action in enumerate(actions):
-            mb = action.microbatch
-            if mb is None:
-                continue
-            problem = _local_order_problem(action, rank, done, posted, schedule, with_comm)
-            if problem:
-                raise _fail(
-                    schedule,
-                    f"rank {rank}, step {position}: {action}: {problem}",
-                    {(rank, position): "ERROR HERE"},
-                )
-            done.add((action.kind, action.stage, mb))
-            if action.kind in _RECV_KINDS:
-                posted.add(message_of(action))
-        evicted = {(s, m) for (k, s, m) in done if k is K.EVICT}
-        loaded = {(s, m) for (k, s, m) in done if k is K.LOAD}
-        if evicted != loaded:
-            missing = sorted(evicted ^ loaded)
-            raise _fail(schedule, f"rank {rank}: evictions and loads do not pair up: {missing}", {})
-
-
-_RECV_KINDS = frozenset({K.RECV_ACT, K.RECV_GRAD, K.ACCEPT, K.LOAD})
-_SEND_KINDS = frozenset({K.SEND_ACT, K.SEND_GRAD, K.EVICT, K.RESTORE})
-
-
-def _local_order_problem(
-    action: Action,
-    rank: int,
-    done: set[tuple[ActionKind, int, int]],
-    posted: set[Message],
-    schedule: Schedule,
-    with_comm: bool,
-) -> str | None:
-    """The first local-order rule the action breaks, or None. Written as flat lookups: it runs
-    once per action of every schedule built."""
-    mb = action.microbatch
-    if mb is None:
-        return None
-    kind, stage = action.kind, action.stage
-    stage_to_rank = schedule.layout.stage_to_rank
-    if kind is K.FORWARD:
-        if stage > 0:
-            if stage_to_rank[stage - 1] == rank:
-                if (K.FORWARD, stage - 1, mb) not in done:
-                    return f"runs before its local producer {stage - 1}F{mb}"
-            elif with_comm and Message("act", stage - 1, mb) not in posted:
-                return f"consumes act of stage {stage - 1} that no earlier receive posts"
-        return None
-    if kind is K.BACKWARD or kind is K.BACKWARD_INPUT:
-        if (K.FORWARD, stage, mb) not in done:
-            return "backward before its forward"
-        if (K.EVICT, stage, mb) in done and (K.LOAD, stage, mb) not in done:
-            return f"the activations were evicted and not loaded back ({stage}LD{mb} missing)"
-        nxt = stage + 1
-        if nxt < len(stage_to_rank):
-            if stage_to_rank[nxt] == rank:
-                if (K.BACKWARD, nxt, mb) not in done and (K.BACKWARD_INPUT, nxt, mb) not in done:
-                    return f"runs before its local producer of the output gradient (stage {nxt})"
-            elif with_comm and Message("grad", nxt, mb) not in posted:
-                return f"consumes grad of stage {nxt} that no earlier receive posts"
-        return None
-    backward_done = (K.BACKWARD, stage, mb) in done or (K.BACKWARD_INPUT, stage, mb) in done
-    if kind is K.BACKWARD_WEIGHT and (K.BACKWARD_INPUT, stage, mb) not in done:
-        return "W before its I"
-    if kind is K.SEND_ACT and (K.FORWARD, stage, mb) not in done:
-        return "sends an activation before computing it"
-    if kind is K.SEND_GRAD and not backward_done:
-        return "sends a gradient before computing it"
-    if kind is K.EVICT and ((K.FORWARD, stage, mb) not in done or backward_done):
-        return "evicts outside the window between its forward and its backward"
-    if kind is K.LOAD and (K.EVICT, stage, mb) not in done:
-        return "loads activations that were never evicted"
-    if kind is K.RESTORE:
-        if (K.ACCEPT, stage, mb) not in done:
-            return "returns activations it never accepted"
-        if Message("evict", stage, mb) not in posted:
-            return f"consumes evict of stage {stage} that no earlier receive posts"
+                return _fail(schedule, f"{where} has no complete backward (B, or I and W)", {})
     return None
 
 
-# (source rank, destination rank) -> [(position on the posting rank, message), ...]
-_Channels = dict[tuple[int, int], list[tuple[int, Message]]]
+def _unpaired(schedule: Schedule, rank: int) -> str | None:
+    """Why ``rank``'s evictions and loads do not pair up, if they do not."""
+    program = schedule.per_rank[rank]
+    evicted = {(a.stage, a.microbatch) for a in program if a.kind is K.EVICT}
+    loaded = {(a.stage, a.microbatch) for a in program if a.kind is K.LOAD}
+    if evicted == loaded:
+        return None
+    missing = sorted(evicted ^ loaded)
+    return f"rank {rank}: evictions and loads do not pair up: {missing}"
 
 
-def _channels(schedule: Schedule) -> tuple[_Channels, _Channels]:
-    sends: _Channels = defaultdict(list)
-    recvs: _Channels = defaultdict(list)
-    for rank, position, action in schedule.iter_actions():
-        if action.kind.is_send:
-            assert action.peer is not None
-            sends[(rank, action.peer)].append((position, message_of(action)))
-        elif action.kind.is_recv:
-            assert action.peer is not None
-            recvs[(action.peer, rank)].append((position, message_of(action)))
-    return sends, recvs
-
-
-def validate_message_order(schedule: Schedule) -> None:
-    """Sends and receives pair up one to one, posted in the same order on both sides."""
-    sends, recvs = _channels(schedule)
-    for channel in sorted(set(sends) | set(recvs)):
-        src, dst = channel
-        out, into = sends.get(channel, []), recvs.get(channel, [])
-        for index in range(max(len(out), len(into))):
-            if index >= len(out):
-                position, message = into[index]
-                raise _fail(
-                    schedule,
-                    f"rank {dst} receives {message} from rank {src}, which never sends it",
-                    {(dst, position): "ERROR HERE"},
-                )
-            if index >= len(into):
-                position, message = out[index]
-                raise _fail(
-                    schedule,
-                    f"rank {src} sends {message} to rank {dst}, which never receives it",
-                    {(src, position): "ERROR HERE"},
-                )
-            if out[index][1] != into[index][1]:
-                raise _fail(
-                    schedule,
-                    f"message order differs between ranks {src} -> {dst}: send #{index} is "
-                    f"{out[index][1]} but receive #{index} is {into[index][1]}; point-to-point "
-                    "messages match by posting order, so these would be swapped",
-                    {(src, out[index][0]): "sent here", (dst, into[index][0]): "received here"},
-                )
-
-
-def validate_deadlock_free(schedule: Schedule) -> None:
-    """Run every program under the semantics above with unit time; all must reach the end."""
-    blocked = run_programs(schedule)
-    if blocked:
-        marks = {
-            (rank, position): f"waits for {message.what} {message.stage}/{message.microbatch}"
-            for rank, (position, message) in blocked.items()
-        }
-        raise _fail(
+def _channel_problem(schedule: Schedule, src: int, dst: int) -> ScheduleError:
+    """The first difference between what ``src`` sends ``dst`` and what ``dst`` receives."""
+    out = [
+        (position, message_of(a))
+        for position, a in enumerate(schedule.per_rank[src])
+        if a.kind.is_send and a.peer == dst
+    ]
+    into = [
+        (position, message_of(a))
+        for position, a in enumerate(schedule.per_rank[dst])
+        if a.kind.is_recv and a.peer == src
+    ]
+    index = next(
+        (i for i, (sent, got) in enumerate(zip(out, into, strict=False)) if sent[1] != got[1]),
+        min(len(out), len(into)),
+    )
+    if index < len(out) and index < len(into):
+        (sent_at, sent), (received_at, received) = out[index], into[index]
+        return _fail(
             schedule,
-            "deadlock: every remaining rank waits for a message that is never sent first",
-            marks,
+            f"message order differs between ranks {src} -> {dst}: send #{index} is {sent} but "
+            f"receive #{index} is {received}; point-to-point messages match by posting order, "
+            "so these would be swapped",
+            {(src, sent_at): "sent here", (dst, received_at): "received here"},
         )
-
-
-def run_programs(schedule: Schedule) -> dict[int, tuple[int, Message]]:
-    """Advance all ranks as far as the messages allow; return where unfinished ranks are stuck.
-
-    Received messages are tracked per rank so that a consumer waits for the send that matches its
-    own receive, which is how the runtime behaves.
-    """
-    programs = schedule.per_rank
-    implicit = not has_communication(schedule)
-    cursor = [0] * len(programs)
-    sent: set[tuple[int, Message]] = set()  # (destination rank, message)
-    waiting: dict[tuple[int, Message], int] = {}
-    ready: deque[int] = deque(range(len(programs)))
-    blocked_on: dict[int, tuple[int, Message]] = {}
-    waits_for = _WAITS_FOR
-    # BPipe: a backward also waits for the activations its LOAD brings back.
-    loads = [{(a.stage, a.microbatch) for a in p if a.kind is K.LOAD} for p in programs]
-    # BPipe: the compute after an EV (RS) waits until the partner has posted the AC (LD), so
-    # that the payload's buffer can be released (gloo sends are only known done once waited).
-    unacknowledged: list[list[Message]] = [[] for _ in programs]
-    while ready:
-        rank = ready.popleft()
-        program = programs[rank]
-        position = cursor[rank]
-        blocked_on.pop(rank, None)
-        while position < len(program):
-            action = program[position]
-            if action.kind.is_compute and unacknowledged[rank]:
-                missing = [m for m in unacknowledged[rank] if (rank, m) not in sent]
-                if missing:
-                    waiting[(rank, missing[0])] = rank
-                    blocked_on[rank] = (position, missing[0])
-                    break
-                unacknowledged[rank].clear()
-            if action.kind in (K.EVICT, K.RESTORE):
-                unacknowledged[rank].append(_acknowledgement(action))
-            if action.kind in waits_for:
-                needed = consumed_messages(action, schedule, rank)
-                if (action.stage, action.microbatch) in loads[rank] and action.kind in (
-                    K.BACKWARD,
-                    K.BACKWARD_INPUT,
-                ):
-                    needed.append(Message("restore", action.stage, action.microbatch or 0))
-                missing = [m for m in needed if (rank, m) not in sent]
-                if missing:
-                    waiting[(rank, missing[0])] = rank
-                    blocked_on[rank] = (position, missing[0])
-                    break
-            if action.kind in (K.ACCEPT, K.LOAD) and action.peer is not None:
-                acknowledged = (action.peer, _acknowledgement(action))
-                sent.add(acknowledged)
-                woken = waiting.pop(acknowledged, None)
-                if woken is not None:
-                    ready.append(woken)
-            if action.kind in _SEND_KINDS or implicit:
-                for key in _posted_by(action, schedule, rank, implicit):
-                    sent.add(key)
-                    woken = waiting.pop(key, None)
-                    if woken is not None:
-                        ready.append(woken)
-            position += 1
-        cursor[rank] = position
-    return blocked_on
-
-
-_WAITS_FOR = frozenset({K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.ACCEPT, K.RESTORE})
-
-
-def _acknowledgement(action: Action) -> Message:
-    """The signal an AC (LD) gives its EV (RS): the partner's receive is posted."""
-    what = "evict-posted" if action.kind in (K.EVICT, K.ACCEPT) else "restore-posted"
-    return Message(what, action.stage, action.microbatch or 0)
-
-
-def _posted_by(
-    action: Action, schedule: Schedule, rank: int, implicit: bool
-) -> list[tuple[int, Message]]:
-    """(destination rank, message) pairs an action makes available to other ranks."""
-    if action.kind.is_send:
-        assert action.peer is not None
-        return [(action.peer, message_of(action))]
-    if not implicit or action.microbatch is None:
-        return []
-    layout, stage, mb = schedule.layout, action.stage, action.microbatch
-    if action.kind == K.FORWARD and not layout.is_last(stage):
-        return [(layout.rank_of(stage + 1), Message("act", stage, mb))]
-    if action.kind in (K.BACKWARD, K.BACKWARD_INPUT) and stage > 0:
-        return [(layout.rank_of(stage - 1), Message("grad", stage, mb))]
-    return []
-
-
-# --- the fused check --------------------------------------------------------------------------
-# validate_schedule's fast path: every rule of the checks above, in one pass per rank over flat
-# integer keys, then the channel comparison and the deadlock run on integer messages. It only
-# answers "all pass"; on any doubt it says no and the checks above run one by one to explain.
-#
-# Keys: (stage, micro-batch) is stage * num_microbatches + microbatch; a message is
-# key * 4 + what (what: act, grad, evict, restore) and, addressed to a rank, message * P + rank.
-_ACT, _GRAD, _EVICT, _RESTORE = 0, 1, 2, 3
-
-
-def _passes_all_checks(
-    schedule: Schedule, *, require_communication: bool, require_backward: bool
-) -> bool:
-    try:
-        return _fused_checks(schedule, require_communication, require_backward)
-    except (TypeError, IndexError):  # a field out of range or None where a number belongs
-        return False
-
-
-def _fused_checks(schedule: Schedule, require_communication: bool, require_backward: bool) -> bool:
-    """True when every check passes; see validate_schedule. Each branch below applies the
-    placement, completeness and local-order rules of one kind and records what the message
-    order and deadlock checks need; the invariants it relies on are noted where used."""
-    stage_to_rank = schedule.layout.stage_to_rank
-    num_stages, num_mb = len(stage_to_rank), schedule.num_microbatches
-    num_ranks = len(schedule.per_rank)
-    with_comm = has_communication(schedule)
-    implicit = not with_comm
-    # Per stage: the rank of the previous / next stage when it is another rank (the peer of
-    # RA, SG / SA, RG), else -1; and whether that neighbour is on the same rank.
-    remote_in, remote_out = [-1] * num_stages, [-1] * num_stages
-    local_in, local_out = [False] * num_stages, [False] * num_stages
-    for stage in range(1, num_stages):
-        if stage_to_rank[stage - 1] == stage_to_rank[stage]:
-            local_in[stage] = local_out[stage - 1] = True
-        else:
-            remote_in[stage] = stage_to_rank[stage - 1]
-            remote_out[stage - 1] = stage_to_rank[stage]
-    # Done flags per (stage, micro-batch). Every kind flagged here runs on its stage's rank
-    # (placement, checked before any flag is set), so a flag is that rank's own history.
-    size = num_stages * num_mb
-    f_done, b_done, i_done, w_done = (bytearray(size) for _ in range(4))
-    ra_done, rg_done, ev_done, ld_done = (bytearray(size) for _ in range(4))
-    count_f = count_b = count_i = count_w = 0
-    any_eviction = False
-    # (source, destination) -> (messages sent, messages received), in posting order.
-    channels: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-    # Per rank, the deadlock run's program: m >= 0 posts message m, ~m waits for it.
-    rank_ops: list[list[int]] = []
-    F, B, I, W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT  # noqa: E741
-    SA, RA, SG, RG = K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD
-    GS, PS = K.GRAD_SYNC, K.PARAM_SYNC
-    unused: list[int] = []
-    # BPipe acknowledgements (see run_programs) get ids above every message id.
-    ack_base = size * 4 * num_ranks
-    for rank, actions in enumerate(schedule.per_rank):
-        # This rank's channel ends per own stage, so the loop only appends.
-        act_in, act_out = [unused] * num_stages, [unused] * num_stages
-        grad_in, grad_out = [unused] * num_stages, [unused] * num_stages
-        for stage in range(num_stages):
-            if stage_to_rank[stage] == rank:
-                if remote_in[stage] >= 0:
-                    act_in[stage] = channels.setdefault((remote_in[stage], rank), ([], []))[1]
-                    grad_out[stage] = channels.setdefault((rank, remote_in[stage]), ([], []))[0]
-                if remote_out[stage] >= 0:
-                    act_out[stage] = channels.setdefault((rank, remote_out[stage]), ([], []))[0]
-                    grad_in[stage] = channels.setdefault((remote_out[stage], rank), ([], []))[1]
-        ops: list[int] = []
-        op = ops.append
-        accepted: set[int] = set()  # AC keys on this rank (the acceptor is not the owner)
-        evictions = loads = 0
-        awaiting: list[int] = []  # acknowledgement ids the next compute action waits for
-        for action in actions:
-            kind = action.kind
-            stage = action.stage
-            mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
-            if awaiting and (kind is F or kind is B or kind is I or kind is W):
-                for ack in awaiting:
-                    op(~ack)
-                awaiting.clear()
-            if kind is F:
-                if stage_to_rank[stage] != rank or mb >= num_mb:
-                    return False
-                key = stage * num_mb + mb
-                if f_done[key]:
-                    return False  # duplicate
-                if local_in[stage]:
-                    if not f_done[key - num_mb]:
-                        return False  # before its local producer
-                elif remote_in[stage] >= 0:
-                    if with_comm and not ra_done[key]:
-                        return False  # no earlier receive posts its input
-                    op(~(((key - num_mb) * 4 + _ACT) * num_ranks + rank))
-                f_done[key] = 1
-                count_f += 1
-                if implicit and stage + 1 < num_stages:
-                    op((key * 4 + _ACT) * num_ranks + stage_to_rank[stage + 1])
-            elif kind is B or kind is I:
-                if stage_to_rank[stage] != rank or mb >= num_mb:
-                    return False
-                key = stage * num_mb + mb
-                # A duplicate, or both B and I; W needs its I, so W never joins a B either.
-                if b_done[key] or i_done[key] or not f_done[key]:
-                    return False
-                if any_eviction and ev_done[key] and not ld_done[key]:
-                    return False  # evicted and not loaded back
-                if local_out[stage]:
-                    if not (b_done[key + num_mb] or i_done[key + num_mb]):
-                        return False  # before its local producer of the output gradient
-                elif remote_out[stage] >= 0:
-                    if with_comm and not rg_done[key]:
-                        return False
-                    op(~(((key + num_mb) * 4 + _GRAD) * num_ranks + rank))
-                # An LD of this key precedes it (EV precedes the backward and the check above
-                # wants the LD done): it also waits for the activations the LD brings back.
-                if any_eviction and ld_done[key]:
-                    op(~((key * 4 + _RESTORE) * num_ranks + rank))
-                if kind is B:
-                    b_done[key] = 1
-                    count_b += 1
-                else:
-                    i_done[key] = 1
-                    count_i += 1
-                if implicit and stage > 0:
-                    op((key * 4 + _GRAD) * num_ranks + stage_to_rank[stage - 1])
-            elif kind is SA:
-                if stage_to_rank[stage] != rank or mb >= num_mb or action.peer != remote_out[stage]:
-                    return False
-                key = stage * num_mb + mb
-                if not f_done[key]:
-                    return False
-                message = key * 4 + _ACT
-                act_out[stage].append(message)
-                op(message * num_ranks + remote_out[stage])
-            elif kind is RA:
-                if stage_to_rank[stage] != rank or mb >= num_mb or action.peer != remote_in[stage]:
-                    return False
-                key = stage * num_mb + mb
-                ra_done[key] = 1
-                act_in[stage].append((key - num_mb) * 4 + _ACT)
-            elif kind is SG:
-                if stage_to_rank[stage] != rank or mb >= num_mb or action.peer != remote_in[stage]:
-                    return False
-                key = stage * num_mb + mb
-                if not (b_done[key] or i_done[key]):
-                    return False
-                message = key * 4 + _GRAD
-                grad_out[stage].append(message)
-                op(message * num_ranks + remote_in[stage])
-            elif kind is RG:
-                if stage_to_rank[stage] != rank or mb >= num_mb or action.peer != remote_out[stage]:
-                    return False
-                key = stage * num_mb + mb
-                rg_done[key] = 1
-                grad_in[stage].append((key + num_mb) * 4 + _GRAD)
-            elif kind is W:
-                if stage_to_rank[stage] != rank or mb >= num_mb:
-                    return False
-                key = stage * num_mb + mb
-                if w_done[key] or not i_done[key]:
-                    return False
-                w_done[key] = 1
-                count_w += 1
-            elif kind is GS or kind is PS:
-                if stage_to_rank[stage] != rank:
-                    return False
-            else:  # BPipe's transfers: rare, so written plainly
-                owner = stage_to_rank[stage]
-                peer: int = action.peer  # type: ignore[assignment]  # p2p: never None
-                if mb >= num_mb or peer >= num_ranks:  # (a peer out of range breaks the keys)
-                    return False
-                key = stage * num_mb + mb
-                if kind is K.EVICT:
-                    if owner != rank or peer == rank or ev_done[key]:
-                        return False
-                    if not f_done[key] or b_done[key] or i_done[key]:
-                        return False  # outside the window between forward and backward
-                    ev_done[key] = 1
-                    any_eviction = True
-                    evictions += 1
-                    message = key * 4 + _EVICT
-                    channels.setdefault((rank, peer), ([], []))[0].append(message)
-                    op(message * num_ranks + peer)
-                    awaiting.append(ack_base + (key * 2) * num_ranks + rank)
-                elif kind is K.LOAD:
-                    if owner != rank or peer == rank or ld_done[key] or not ev_done[key]:
-                        return False
-                    ld_done[key] = 1
-                    loads += 1
-                    channels.setdefault((peer, rank), ([], []))[1].append(key * 4 + _RESTORE)
-                    op(ack_base + (key * 2 + 1) * num_ranks + peer)
-                elif kind is K.ACCEPT:
-                    if owner == rank or peer != owner:
-                        return False
-                    accepted.add(key)
-                    channels.setdefault((peer, rank), ([], []))[1].append(key * 4 + _EVICT)
-                    op(~((key * 4 + _EVICT) * num_ranks + rank))  # reads the size header
-                    op(ack_base + (key * 2) * num_ranks + peer)
-                elif kind is K.RESTORE:
-                    if owner == rank or peer != owner or key not in accepted:
-                        return False
-                    op(~((key * 4 + _EVICT) * num_ranks + rank))
-                    message = key * 4 + _RESTORE
-                    channels.setdefault((rank, peer), ([], []))[0].append(message)
-                    op(message * num_ranks + peer)
-                    awaiting.append(ack_base + (key * 2 + 1) * num_ranks + rank)
-                else:
-                    return False
-        # Every LD needs its EV on this rank and neither repeats: equal counts, equal sets.
-        if evictions != loads:
-            return False
-        rank_ops.append(ops)
-    # Completeness: all keys are in range and none repeats, I and B never share a key and
-    # every W follows its I, so counting suffices.
-    if count_f != size or count_i != count_w:
-        return False
-    if require_backward and count_b + count_i != size:
-        return False
-    if (require_communication or with_comm) and any(
-        sent != received for sent, received in channels.values()
-    ):
-        return False
-    return _runs_to_the_end(rank_ops)
-
-
-def _runs_to_the_end(rank_ops: list[list[int]]) -> bool:
-    """run_programs on the fused check's integer programs: does every rank reach its end?"""
-    sent: set[int] = set()
-    waiting: dict[int, int] = {}
-    cursor = [0] * len(rank_ops)
-    ready = deque(range(len(rank_ops)))
-    while ready:
-        rank = ready.popleft()
-        ops = rank_ops[rank]
-        position, end = cursor[rank], len(ops)
-        while position < end:
-            op = ops[position]
-            if op >= 0:
-                sent.add(op)
-                woken = waiting.pop(op, None)
-                if woken is not None:
-                    ready.append(woken)
-            elif ~op not in sent:
-                waiting[~op] = rank
-                break
-            position += 1
-        cursor[rank] = position
-    return all(position == len(ops) for position, ops in zip(cursor, rank_ops, strict=True))
+    if index < len(into):
+        position, message = into[index]
+        text = f"rank {dst} receives {message} from rank {src}, which never sends it"
+        return _fail(schedule, text, {(dst, position): "ERROR HERE"})
+    position, message = out[index]
+    text = f"rank {src} sends {message} to rank {dst}, which never receives it"
+    return _fail(schedule, text, {(src, position): "ERROR HERE"})

@@ -17,17 +17,17 @@ from megatron_bfpp.ir import (
     paused_gc,
     unchecked_action,
 )
-from megatron_bfpp.validate import has_communication
+from megatron_bfpp.messages import ACT, EVICT, GRAD, RESTORE, MessageKeys, has_communication
 
 __all__ = ["add_communication"]
 
 K = ActionKind
-# Point-to-point kinds a compute-only schedule may already hold: kind -> (is a send, what).
+# Point-to-point kinds a compute-only schedule may already hold (BPipe's): (is a send, what).
 _TRANSFERS = {
-    K.EVICT: (True, "evict"),
-    K.ACCEPT: (False, "evict"),
-    K.RESTORE: (True, "restore"),
-    K.LOAD: (False, "restore"),
+    K.EVICT: (True, EVICT),
+    K.ACCEPT: (False, EVICT),
+    K.RESTORE: (True, RESTORE),
+    K.LOAD: (False, RESTORE),
 }
 _RECEIVES = frozenset({K.RECV_ACT, K.RECV_GRAD, K.ACCEPT, K.LOAD})
 
@@ -45,11 +45,13 @@ def add_communication(schedule: Schedule) -> Schedule:
     # stage past the end, so a stray action there gets what the layout implies, not an error.
     input_rank = [-1, *stage_to_rank]
     output_rank = [*stage_to_rank[1:], -1, -1]
-    stride = len(stage_to_rank) + 1
-    # Each channel's messages in posting order as distinct integers, sends on one side and
-    # receives on the other: (microbatch * stride + stage) * 4 + what for activations (what 0)
-    # and gradients (1), tuples for BPipe's transfers. Where the two sides agree (the common
-    # case), no receive needs to move.
+    # Each channel's messages in posting order (``MessageKeys``, without a rank), sends on one
+    # side and receives on the other. Where the two sides agree (the common case), no receive
+    # needs to move.
+    keys = MessageKeys(len(stage_to_rank) + 1, 1)  # one stage past the end too, as above
+    per_mb = keys.per_microbatch
+    slots = [[keys.slot(what, stage) for stage in range(keys.num_stages)] for what in range(4)]
+    act_slot, grad_slot = slots[ACT], slots[GRAD]
     channels: dict[tuple[int, int], tuple[list[object], list[object]]] = {}
     forward, full, split = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT
     recv_act, send_act, recv_grad, send_grad = K.RECV_ACT, K.SEND_ACT, K.RECV_GRAD, K.SEND_GRAD
@@ -84,29 +86,27 @@ def add_communication(schedule: Schedule) -> Schedule:
             if kind is forward:
                 stage = action.stage
                 mb: int = action.microbatch  # type: ignore[assignment]  # compute: never None
-                key = (mb * stride + stage) * 4  # act(stage); act(stage - 1) is key - 4
                 peer = recv_from[stage]
                 if peer >= 0:
                     append(new(stage, recv_act, mb, peer))
-                    note_in[stage](key - 4)
+                    note_in[stage](mb * per_mb + act_slot[stage - 1])
                 append(action)
                 peer = send_to[stage]
                 if peer >= 0:
                     append(new(stage, send_act, mb, peer))
-                    note_out[stage](key)
+                    note_out[stage](mb * per_mb + act_slot[stage])
             elif kind is full or kind is split:
                 stage = action.stage
                 mb = action.microbatch  # type: ignore[assignment]
-                key = (mb * stride + stage) * 4 + 1  # grad(stage); grad(stage + 1) is key + 4
                 peer = send_to[stage]
                 if peer >= 0:
                     append(new(stage, recv_grad, mb, peer))
-                    note_grad_in[stage](key + 4)
+                    note_grad_in[stage](mb * per_mb + grad_slot[stage + 1])
                 append(action)
                 peer = recv_from[stage]
                 if peer >= 0:
                     append(new(stage, send_grad, mb, peer))
-                    note_grad_out[stage](key)
+                    note_grad_out[stage](mb * per_mb + grad_slot[stage])
             else:
                 append(action)
                 transfer = _TRANSFERS.get(kind)
@@ -114,7 +114,11 @@ def add_communication(schedule: Schedule) -> Schedule:
                     is_send, what = transfer
                     peer = action.peer  # type: ignore[assignment]  # p2p: never None
                     src, dst, side = (rank, peer, 0) if is_send else (peer, rank, 1)
-                    message = (what, action.stage, action.microbatch)  # unequal to every int
+                    stage, mb = action.stage, action.microbatch or 0
+                    # (a stage past the layout, which validation rejects: a tuple, unequal to
+                    # every key)
+                    in_range = stage < keys.num_stages
+                    message = mb * per_mb + slots[what][stage] if in_range else (what, stage, mb)
                     channels.setdefault((src, dst), ([], []))[side].append(message)
         programs.append(program)
     mismatched = {channel: sides for channel, sides in channels.items() if sides[0] != sides[1]}

@@ -18,16 +18,17 @@ these transfers and only posts receives earlier where a channel's order requires
   loading after it, so the pass evicts for it if needed; before a backward it would need one more
   slot than loading after it, so it goes early only if the slot is free, otherwise right before
   the backward.
-* Acceptor: a unit-cost simulation of the compute order (F = 1, B = 2, messages instant) gives
-  each transfer a time. AC is posted in the acceptor's last gap between compute actions that
-  starts no later than the evict is sent, RS in its last gap that starts no later than the
-  evictor posts the load. Both therefore run when the simulated pipeline would, and the original
-  timeline satisfies every new dependency (an RS waits for its evict, a backward for its load),
-  which is why the result cannot deadlock. Ties put RS before AC, which keeps the acceptor's count
-  at or below the evictor's parked count at the same time. ACs follow the EVs' order and RSs the
-  LDs', so each channel is FIFO; where the pair are neighbours (only below BPipe's cap), an AC
-  precedes the activation receives sent after its EV and an LD the gradient receives sent after
-  its RS, so ``add_communication`` never has to hoist them and the memory profile survives.
+* Acceptor: a unit-cost replay of the compute order (``execution.compute_ends``: F = 1, B = 2,
+  messages instant) gives each transfer a time. AC is posted in the acceptor's last gap between
+  compute actions that starts no later than the evict is sent, RS in its last gap that starts no
+  later than the evictor posts the load. Both therefore run when the simulated pipeline would, and
+  the original timeline satisfies every new dependency (an RS waits for its evict, a backward for
+  its load), which is why the result cannot deadlock. Ties put RS before AC, which keeps the
+  acceptor's count at or below the evictor's parked count at the same time. ACs follow the EVs'
+  order and RSs the LDs', so each channel is FIFO; where the pair are neighbours (only below
+  BPipe's cap), an AC precedes the activation receives sent after its EV and an LD the gradient
+  receives sent after its RS, so ``add_communication`` never has to hoist them and the memory
+  profile survives.
 
 Memory bound (proof sketch, checked by the tests for p <= 16, m <= 64): the pass evicts only to
 make room, leaving ``cap - 1`` resident before a lone forward or load and ``cap - 2`` before a
@@ -42,12 +43,12 @@ import heapq
 from bisect import bisect_right
 from collections import deque
 
+from megatron_bfpp.execution import Timing, compute_ends
 from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, StageLayout
 
 __all__ = ["add_eviction", "bpipe_max_stored"]
 
 K = ActionKind
-_COST = {K.FORWARD: 1, K.BACKWARD: 2}
 _TRANSFER_KINDS = frozenset({K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD})
 _MESSAGE_KINDS = frozenset({K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD})
 
@@ -141,14 +142,14 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
     plans = {x: _plan_evictor(x, steps[x], cap, num_ranks - 1 - x) for x in range(num_ranks // 2)}
     if not any(transfers for transfers in plans.values()):
         return schedule
-    ends = _unit_time_ends(schedule, steps)
+    ends = _unit_time_ends(schedule)
     programs = [list(actions) for actions in schedule.per_rank]
     for evictor, transfers in plans.items():
         if not transfers:
             continue
         acceptor = num_ranks - 1 - evictor
         programs[evictor] = _merge(schedule.per_rank[evictor], transfers)
-        gap_time = [0, *ends[evictor]]  # gap i sits before compute i: after compute i-1 ends
+        gap_time = [0.0, *ends[evictor]]  # gap i sits before compute i: after compute i-1 ends
         events = [
             (gap_time[gap], 0 if action.kind == K.LOAD else 1, seq, _acceptor_side(action, evictor))
             for seq, (gap, action) in enumerate(transfers)
@@ -158,8 +159,8 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
 
 
 class _Steps:
-    """A compute-only program as plain lists (is it a forward, its micro-batch): the planner and
-    the simulator touch every action, and attribute lookups on Actions dominate otherwise."""
+    """A compute-only program as plain lists (is it a forward, its micro-batch): the planner
+    touches every action, and attribute lookups on Actions dominate otherwise."""
 
     __slots__ = ("forward", "microbatch")
 
@@ -246,8 +247,8 @@ def _merge(program: tuple[Action, ...], transfers: list[tuple[int, Action]]) -> 
 
 def _merge_timed(
     program: tuple[Action, ...],
-    ends: list[int],
-    events: list[tuple[int, int, int, Action]],
+    ends: list[float],
+    events: list[tuple[float, int, int, Action]],
 ) -> list[Action]:
     """Insert (time, tie, seq, action) events in the last gap that starts no later than time.
 
@@ -264,63 +265,23 @@ def _acceptor_side(action: Action, evictor: int) -> Action:
     return Action(action.stage, kind, action.microbatch, evictor)
 
 
-def _unit_time_ends(schedule: Schedule, steps: list[_Steps]) -> list[list[int]]:
-    """End time of every compute action with F = 1, B = 2 and instant messages.
+def _unit_time_ends(schedule: Schedule) -> list[list[float]]:
+    """End time of every compute action, per rank, with F = 1, B = 2 and instant messages.
 
-    Each action starts when its rank is free and its input (the previous stage's forward or the
-    next stage's backward) has ended, which is how the compute-only schedule would run. Stage r
-    is rank r here (checked by ``_check_input``), so inputs come from the neighbour ranks.
+    ``execution.compute_ends`` of the compute-only schedule under these unit costs: each action
+    starts when its rank is free and its input (the previous stage's forward or the next stage's
+    backward) has arrived, which is how the compute order would run.
     """
-    programs = schedule.per_rank
-    num_ranks = len(programs)
-    # Plain lists and local names: this loop is the pass's hot path (131k actions at p=64).
-    forward_cost, backward_cost = _COST[K.FORWARD], _COST[K.BACKWARD]
-    forward_end = [[-1] * schedule.num_microbatches for _ in programs]
-    backward_end = [[-1] * schedule.num_microbatches for _ in programs]
-    no_input = [0] * schedule.num_microbatches  # the first/last stage waits for nobody
-    ends: list[list[int]] = [[] for _ in programs]
-    clock = [0] * num_ranks
-    queued = [True] * num_ranks
-    ready = deque(range(num_ranks))
-    while ready:
-        rank = ready.popleft()
-        queued[rank] = False
-        is_forward, mbs = steps[rank].forward, steps[rank].microbatch
-        done, now = ends[rank], clock[rank]
-        inputs = forward_end[rank - 1] if rank > 0 else no_input
-        gradients = backward_end[rank + 1] if rank < num_ranks - 1 else no_input
-        my_forward_end, my_backward_end = forward_end[rank], backward_end[rank]
-        first = position = len(done)
-        count = len(mbs)
-        while position < count:
-            mb = mbs[position]
-            if is_forward[position]:
-                arrival = inputs[mb]
-                if arrival < 0:
-                    break
-                now = (now if now > arrival else arrival) + forward_cost
-                my_forward_end[mb] = now
-            else:
-                arrival = gradients[mb]
-                if arrival < 0:
-                    break
-                now = (now if now > arrival else arrival) + backward_cost
-                my_backward_end[mb] = now
-            done.append(now)
-            position += 1
-        clock[rank] = now
-        if position > first:
-            for neighbour in (rank - 1, rank + 1):
-                if 0 <= neighbour < num_ranks and not queued[neighbour]:
-                    queued[neighbour] = True
-                    ready.append(neighbour)
-    stuck = [rank for rank, program in enumerate(programs) if len(ends[rank]) < len(program)]
-    if stuck:
+    ends, blocked = compute_ends(schedule, _UNIT_TIME)
+    if blocked:
         raise ScheduleError(
-            f"add_eviction: the compute order cannot run to the end (ranks {stuck} wait "
-            "forever); validate_schedule(schedule, require_communication=False) shows where"
+            f"add_eviction: the compute order cannot run to the end (ranks {sorted(blocked)} "
+            "wait forever); validate_schedule(schedule, require_communication=False) shows where"
         )
     return ends
+
+
+_UNIT_TIME = Timing(forward=1.0, backward=2.0)
 
 
 def _acceptor_overflow(schedule: Schedule, limit: float) -> tuple[int, float] | None:

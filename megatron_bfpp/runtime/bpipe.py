@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from megatron_bfpp.ir import Action, ActionKind
+from megatron_bfpp.messages import Message
 from megatron_bfpp.runtime.p2p import Receive, Send
 from megatron_bfpp.runtime.step import Handlers, Key, RankStep, StepPart
-from megatron_bfpp.validate import Message
 
 __all__ = ["HANDLERS", "Transfers"]
 

@@ -43,6 +43,7 @@ import torch
 
 from megatron_bfpp.compat import backward_step, forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
+from megatron_bfpp.messages import Message, message_of
 from megatron_bfpp.runtime import bpipe
 from megatron_bfpp.runtime.activations import unique_storage_bytes
 from megatron_bfpp.runtime.p2p import Receive, Send
@@ -56,7 +57,6 @@ from megatron_bfpp.runtime.step import (
     StepState,
     dispatch_table,
 )
-from megatron_bfpp.validate import Message, message_of
 
 __all__ = [
     "CORE",

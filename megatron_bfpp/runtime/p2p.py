@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_bfpp.validate import Message
+from megatron_bfpp.messages import Message
 
 __all__ = ["PendingSend", "PipeComm", "Receive", "Send"]
 

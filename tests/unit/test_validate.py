@@ -18,7 +18,7 @@ from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.schedules.breadth_first import build_breadth_first
 from megatron_bfpp.schedules.registry import build_schedule
 from megatron_bfpp.validate import (
-    _passes_all_checks,
+    _find_problem,
     has_communication,
     validate_completeness,
     validate_deadlock_free,
@@ -61,6 +61,29 @@ def test_rejects_broken_schedules_with_grid(rows: list[str], message: str) -> No
     with pytest.raises(ScheduleError, match=message) as info:
         validate_schedule(schedule)
     assert "rank  0:" in str(info.value)
+
+
+def test_the_one_pass_names_rank_step_and_reason() -> None:
+    rows = ["0F0 0SA0>1 0RG0<1 0B0", "1RA0<0 1F0 1SG0>0 1B0"]
+    schedule = parse_schedule(rows, layout=LOOPED2, num_microbatches=1)
+    with pytest.raises(ScheduleError) as info:
+        validate_schedule(schedule)
+    first_line = str(info.value).splitlines()[0]
+    assert first_line == "rank 1, step 2: 1SG0>0: sends a gradient before computing it"
+    assert "^^^^^^ <-- ERROR HERE" in str(info.value)
+
+
+def test_of_several_problems_the_first_kind_in_rank_order_is_reported() -> None:
+    # rank 0: a local-order problem (SA before F); rank 1: a repeated F (completeness), which
+    # the single checks report first although it comes later in rank order.
+    rows = ["0SA0>1 0F0 0RG0<1 0B0", "1RA0<0 1F0 1F0 1B0 1SG0>0"]
+    schedule = parse_schedule(rows, layout=LOOPED2, num_microbatches=1)
+    with pytest.raises(ScheduleError, match="1F0 appears twice"):
+        validate_schedule(schedule)
+    rows[1] = "1RA0<0 1F0 1B0 1SG0>0"
+    schedule = parse_schedule(rows, layout=LOOPED2, num_microbatches=1)
+    with pytest.raises(ScheduleError, match="rank 0, step 0: 0SA0>1: sends an activation"):
+        validate_schedule(schedule)
 
 
 def test_deadlock_is_reported_with_blocked_steps_marked() -> None:
@@ -115,7 +138,7 @@ def test_forward_only_schedules_need_no_backward() -> None:
         validate_schedule(half, require_communication=False, require_backward=False)
 
 
-# --- the fused fast path agrees with the checks run one by one ------------------------------
+# --- the one pass agrees with the checks run one by one -------------------------------------
 
 
 def _each_check_passes(schedule: Schedule, require_communication: bool) -> bool:
@@ -166,8 +189,8 @@ def _mutated(schedule: Schedule, rng: random.Random) -> Schedule:
 def test_fast_path_accepts_exactly_what_the_single_checks_accept(
     name: str, chunks: int | None
 ) -> None:
-    """validate_schedule first runs all checks fused in one pass and falls back to the single
-    checks only to explain a failure: it must never accept what one of them rejects."""
+    """validate_schedule reports the first problem of any kind found in its one pass; the
+    single checks report one kind each: together they must accept exactly what it accepts."""
     rng = random.Random(name)
     num_ranks = 6 if name == "bpipe" else 3  # bpipe evicts from 6 ranks on
     compute = build_schedule(
@@ -175,8 +198,9 @@ def test_fast_path_accepts_exactly_what_the_single_checks_accept(
     )
     lowered = add_grad_sync(add_communication(compute))
     for base, require_communication in ((compute, False), (lowered, True)):
-        assert _passes_all_checks(
-            base, require_communication=require_communication, require_backward=True
+        assert (
+            _find_problem(base, require_communication=require_communication, require_backward=True)
+            is None
         )
         for _ in range(150):
             schedule = _mutated(base, rng)

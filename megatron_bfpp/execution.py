@@ -1,0 +1,535 @@
+"""How a schedule executes: the rules that the validator, the simulator and the passes share.
+
+Each rank runs its program in order, under these rules:
+
+* A send (SA, SG, EV, RS) is posted without waiting; its data leaves when its link is free.
+* A receive (RA, RG, AC, LD) is posted without waiting; the rank waits for the data only at the
+  action that consumes it: F for its input activation when the previous stage is on another
+  rank, B / I for its output gradient when the next stage is, and also, once an LD has brought
+  them back, for the evicted activations; RS for the activations its AC took in.
+* Between two ranks the k-th receive posted matches the k-th send posted, as NCCL and gloo
+  match point-to-point messages by posting order. The validator checks that both sides post the
+  same messages in the same order; after that, matching a receive to "its" message (which is
+  what the replay does) is the same thing.
+* Two waits only order, they cost no time: AC reads the eviction's size header before any later
+  receive from the evictor, so it waits for the evict to be sent; and the first compute after an
+  EV (RS) waits until the partner has posted the matching AC (LD), because the runtime releases
+  the payload's buffer there (gloo sends are only known done once waited for).
+* A compute-only schedule (no SA/RA/SG/RG) runs as if every compute action sent its result to
+  the neighbour stage's rank the moment it finished, which is what ``add_communication`` adds.
+* A rank that needs a message nobody has sent yet stops until it is sent. When every unfinished
+  rank is stopped, the schedule deadlocks, and each stuck rank is marked where it waits.
+
+``Rules`` holds these rules for one schedule as tables (what each kind of action at each stage
+waits for and sends, as ``MessageKeys``); ``Wires`` holds the messages of one run (which are
+sent, who waits for which, who is stuck), applies every BPipe rule, and drives the ranks: each
+rank's program is a generator that yields the message its next action waits for and is resumed
+once that message is sent, so a run is linear in the number of actions. Three programs apply
+the tables, each doing something else besides: the validator's single pass (``validate._scan``)
+checks every action, ``replay`` keeps time, draws events and counts memory, and
+``compute_ends`` keeps only the time of compute actions (for planning passes). They are
+separate loops because in CPython a function call per action costs as much as the checking or
+the timing itself; what they share is everything that decides when an action may run.
+
+``replay`` times a run under ``Timing``: a compute action starts when the rank is free and every
+message it consumes has arrived, and lasts its duration; a send occupies its directed link
+(sender, receiver) for its duration, one message at a time in posting order; GS / PS run in
+program order on one data-parallel lane per rank, starting no earlier than their position's
+time; and the first forward of a stage waits for that stage's PS when the PS comes earlier in
+the program. Every link and lane belongs to one rank's program, so the order in which ranks are
+advanced changes no time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from megatron_bfpp.ir import MEMORY_DELTA, Action, ActionKind, Schedule, ScheduleError, paused_gc
+from megatron_bfpp.messages import (
+    ACT,
+    EVICT,
+    EVICT_POSTED,
+    GRAD,
+    RESTORE,
+    RESTORE_POSTED,
+    Message,
+    MessageKeys,
+    has_communication,
+)
+
+__all__ = [
+    "Ends",
+    "Event",
+    "Lane",
+    "Program",
+    "Replay",
+    "Rules",
+    "Timing",
+    "Wires",
+    "compute_ends",
+    "describe_waits",
+    "replay",
+]
+
+K = ActionKind
+Lane = Literal["compute", "p2p", "dp"]
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Durations of one replay, already scaled to the stage (see ``CostModel``).
+
+    ``p2p`` is one activation or gradient message on its link, ``transfer`` one BPipe evict or
+    restore; ``grad_sync`` / ``param_sync`` one GS / PS on the data-parallel lane.
+    """
+
+    forward: float = 1.0
+    backward: float = 2.0
+    backward_input: float = 1.0
+    backward_weight: float = 1.0
+    p2p: float = 0.0
+    transfer: float = 0.0
+    grad_sync: float = 0.0
+    param_sync: float = 0.0
+
+
+class Event(NamedTuple):
+    """One busy interval on one lane of one rank.
+
+    ``lane`` is ``compute`` (F/B/I/W, every one), ``p2p`` (a send occupying its link, drawn on
+    the sender) or ``dp`` (GS / PS); communication that takes no time leaves no event.
+    ``label`` is the action's text, e.g. ``3F5``. A named tuple rather than a dataclass: a
+    large schedule produces hundreds of thousands of these, and a tuple is cheaper to build.
+    """
+
+    rank: int
+    lane: Lane
+    label: str
+    stage: int
+    microbatch: int | None
+    kind: ActionKind
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class Replay(NamedTuple):
+    """What ``replay`` found.
+
+    ``blocked`` maps each rank that cannot finish to (position in its program, the message it
+    waits for); empty when every program runs to its end.
+    """
+
+    blocked: dict[int, tuple[int, Message]]
+    events: list[Event]  # in the order they were decided, not sorted by time
+    compute_end: list[float]  # per rank: its clock after its last action
+    dp_end: list[float]  # per rank: when its data-parallel lane is done
+    busy: list[float]  # per rank: sum of compute durations
+    gather_wait: list[float]  # per rank: time first forwards waited for their PS
+    peak: list[int]  # per rank: peak count of stored stage activations (program order)
+
+
+@paused_gc()  # one tuple per event and message, none freed: see paused_gc
+def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
+    """Run every program under the rules above with clocks, events and memory.
+
+    Raises ``ScheduleError`` when an action names a stage outside the layout (``validate_schedule``
+    explains such a schedule; ``replay`` only refuses it); a message to a rank outside the layout
+    reaches nobody.
+    """
+    run = _Run(Rules(schedule), timing)
+    try:
+        run.run([_timed(run, rank) for rank in range(run.rules.keys.num_ranks)])
+    except IndexError:  # a stage outside the layout indexed a per-stage table
+        raise ScheduleError(
+            f"{schedule.name!r}: an action names a stage outside the layout; run "
+            "validate_schedule for details"
+        ) from None
+    return Replay(run.stuck(), run.events, run.clock, run.dp_free, run.busy, run.waited, run.peak)
+
+
+@paused_gc()
+def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
+    """When each compute action of a compute-only F / B / I / W schedule ends under ``replay``
+    (per rank, in program order), and the ranks stuck; what a planning pass needs, at a fifth
+    of ``replay``'s cost: no events, memory or data-parallel lane to keep.
+    """
+    rules = Rules(schedule)
+    kinds = {action.kind for actions in schedule.per_rank for action in actions}
+    if not rules.implicit or not kinds <= _COMPUTE:
+        raise ScheduleError(
+            "compute_ends takes a compute-only schedule of F, B, I and W; use replay for "
+            f"{', '.join(sorted(kind.value for kind in kinds - _COMPUTE))}"
+        )
+    wires = Wires(rules)
+    ends: list[list[float]] = [[] for _ in schedule.per_rank]
+    wires.run([_compute_times(wires, rank, timing, ends[rank]) for rank in range(len(ends))])
+    return Ends(ends, wires.stuck())
+
+
+class Ends(NamedTuple):
+    """What ``compute_ends`` found: per rank, the end time of each compute action so far, and
+    ``Replay.blocked``."""
+
+    ends: list[list[float]]
+    blocked: dict[int, tuple[int, Message]]
+
+
+def describe_waits(blocked: dict[int, tuple[int, Message]]) -> dict[tuple[int, int], str]:
+    """Grid marks for a deadlock: ``waits for act 3/5`` under each stuck action."""
+    return {
+        (rank, position): f"waits for {message.what} {message.stage}/{message.microbatch}"
+        for rank, (position, message) in blocked.items()
+    }
+
+
+_F, _B, _I, _W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
+_SA, _RA, _SG, _RG = K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD
+_EV, _AC, _RS, _LD = K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD
+_GS, _PS = K.GRAD_SYNC, K.PARAM_SYNC
+
+
+_COMPUTE = frozenset({_F, _B, _I, _W})
+Program = Iterator[tuple[int, int]]  # a rank's program under way: see Wires.run
+
+
+class Rules:
+    """The rules of one schedule as per-stage tables of message slots (``MessageKeys.slot``,
+    addressed to the receiving rank; a key adds ``microbatch * keys.per_microbatch``).
+
+    ``waits_for[kind][stage]``: the message an F (B / I) waits for when its input (output
+    gradient) comes from another rank; ``sends_for[kind][stage]``: what a compute-only
+    schedule's F (B / I) sends to the neighbour stage's rank; -1 for none (W never waits for
+    data). ``base[what][stage]``: the slot to which a message adds the rank it is sent to (an
+    SA / SG its peer). BPipe's transfers, a few per rank, follow ``Wires.transfer``.
+    """
+
+    __slots__ = ("base", "implicit", "keys", "per_mb", "schedule", "sends_for", "waits_for")
+
+    def __init__(self, schedule: Schedule) -> None:
+        s2r = schedule.layout.stage_to_rank
+        num_stages = len(s2r)
+        keys = self.keys = MessageKeys(num_stages, len(schedule.per_rank))
+        self.schedule, self.per_mb = schedule, keys.per_microbatch
+        self.implicit = not has_communication(schedule)
+        self.base = [[keys.slot(what, s) for s in range(num_stages)] for what in range(6)]
+        act_from, grad_from = [-1] * num_stages, [-1] * num_stages
+        act_to, grad_to = [-1] * num_stages, [-1] * num_stages
+        for s in range(1, num_stages):
+            if s2r[s - 1] != s2r[s]:
+                act_from[s] = act_to[s - 1] = keys.slot(ACT, s - 1, s2r[s])
+                grad_from[s - 1] = grad_to[s] = keys.slot(GRAD, s, s2r[s - 1])
+        none = [-1] * num_stages
+        self.waits_for = {_F: act_from, _B: grad_from, _I: grad_from, _W: none}
+        if not self.implicit:  # a lowered schedule sends with its SA / SG
+            act_to = grad_to = none
+        self.sends_for = {_F: act_to, _B: grad_to, _I: grad_to, _W: none}
+
+
+class Wires:
+    """The messages of one run under ``Rules``: which are sent (arrival times; all 0 when
+    untimed), which rank waits for which, the ranks ready to continue, and BPipe's per-rank
+    state. ``run`` drives the ranks' programs."""
+
+    __slots__ = ("arrivals", "at", "awaiting", "loaded", "ready", "rules", "waiting")
+
+    def __init__(self, rules: Rules) -> None:
+        num_ranks = rules.keys.num_ranks
+        self.rules = rules
+        self.arrivals: dict[int, float] = {}  # message key -> arrival time
+        self.waiting: dict[int, int] = {}  # message key -> the rank stopped for it
+        self.at = [0] * num_ranks  # where each stopped rank waits: a position in its program
+        self.ready = deque(range(num_ranks))
+        self.loaded: list[set[int]] = [set() for _ in range(num_ranks)]  # restores awaited
+        self.awaiting: list[list[int]] = [[] for _ in range(num_ranks)]  # see transfer
+
+    def run(self, programs: list[Program]) -> None:
+        """Resume ranks while any can move. A program is a generator of (position, message key)
+        that it yields when its action at ``position`` needs a message nobody has sent; the
+        rank is resumed once the message is sent (whoever sends it wakes it: ``signal``)."""
+        ready, waiting, at = self.ready, self.waiting, self.at
+        while ready:
+            rank = ready.popleft()
+            stopped = next(programs[rank], None)
+            if stopped is not None:
+                at[rank], key = stopped
+                waiting[key] = rank
+
+    def stuck(self) -> dict[int, tuple[int, Message]]:
+        """Each rank that cannot finish: (position in its program, the message it waits for)."""
+        message = self.rules.keys.message
+        return dict(
+            sorted((rank, (self.at[rank], message(key)[0])) for key, rank in self.waiting.items())
+        )
+
+    def signal(self, key: int, arrival: float = 0.0) -> None:
+        """Mark ``key`` sent, arriving at ``arrival``, and wake the rank waiting for it."""
+        self.arrivals[key] = arrival
+        woken = self.waiting.pop(key, None)
+        if woken is not None:
+            self.ready.append(woken)
+
+    def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
+        """Send ``key`` from ``rank`` to ``dst``: untimed, it is there at once."""
+        self.arrivals[key] = 0.0
+        woken = self.waiting.pop(key, None)
+        if woken is not None:
+            self.ready.append(woken)
+
+    def unacknowledged(self, rank: int) -> int:
+        """The first acknowledgement a compute action on ``rank`` still waits for, else -1
+        (and then none is awaited any more)."""
+        awaiting = self.awaiting[rank]
+        for key in awaiting:
+            if key not in self.arrivals:
+                return key
+        awaiting.clear()
+        return -1
+
+    def restore(self, rank: int, action: Action) -> int:
+        """The restore a B / I waits for once an LD brought its activations back, else -1."""
+        if action.kind is _F or action.kind is _W:
+            return -1
+        key = (action.microbatch or 0) * self.rules.per_mb + self.rules.base[RESTORE][action.stage]
+        return key + rank if key + rank in self.loaded[rank] else -1
+
+    def transfer(self, rank: int, action: Action, t: float) -> tuple[float, int]:
+        """BPipe's EV / AC / RS / LD, rare, so written plainly: (the rank's clock after it, the
+        message key it waits for or -1). An RS waits for the evict it returns; an AC for the
+        evict's size header (order only); the first compute after an EV / RS for the partner's
+        AC / LD (order only: ``unacknowledged``); a backward after an LD for the restore
+        (``restore``). What is sent to a rank outside the layout reaches nobody."""
+        keys, kind, s, mb = self.rules.keys, action.kind, action.stage, action.microbatch or 0
+        peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
+        if s >= keys.num_stages:
+            raise IndexError(s)  # reported like any stage outside the layout
+        base, reaches, slot = mb * self.rules.per_mb, peer < keys.num_ranks, self.rules.base
+        if kind is _RS or kind is _AC:
+            evict = base + slot[EVICT][s] + rank
+            arrival = self.arrivals.get(evict)
+            if arrival is None:
+                return t, evict
+            if kind is _RS and arrival > t:
+                t = arrival
+        if kind is _EV or kind is _RS:
+            what, ack = (EVICT, EVICT_POSTED) if kind is _EV else (RESTORE, RESTORE_POSTED)
+            if reaches:
+                self.send(rank, peer, base + slot[what][s] + peer, t, (s, mb, kind))
+            self.awaiting[rank].append(base + slot[ack][s] + rank)
+        else:
+            if reaches:
+                ack = EVICT_POSTED if kind is _AC else RESTORE_POSTED
+                self.signal(base + slot[ack][s] + peer)
+            if kind is _LD:
+                self.loaded[rank].add(base + slot[RESTORE][s] + rank)
+        return t, -1
+
+
+_Sent = tuple[int, int, ActionKind]  # (stage, micro-batch, kind) of a message, for its event
+_new_event = tuple.__new__  # Event(...) without the generated __new__'s extra Python frame
+_NAME = {kind: kind.value for kind in ActionKind}
+
+
+class _Run(Wires):
+    """``Wires`` with a clock per rank, link and data-parallel lane, events and memory."""
+
+    __slots__ = (
+        "append",
+        "busy",
+        "clock",
+        "compute",
+        "dp_free",
+        "durations",
+        "events",
+        "held",
+        "link_free",
+        "num_texts",
+        "peak",
+        "ps_done",
+        "started",
+        "text",
+        "waited",
+    )
+
+    def __init__(self, rules: Rules, timing: Timing) -> None:
+        super().__init__(rules)
+        num_ranks = rules.keys.num_ranks
+        self.durations = timing
+        # Per compute kind: its duration and how many stored activations it adds.
+        self.compute = {
+            _F: (timing.forward, MEMORY_DELTA[_F]),
+            _B: (timing.backward, MEMORY_DELTA[_B]),
+            _I: (timing.backward_input, MEMORY_DELTA.get(_I, 0)),
+            _W: (timing.backward_weight, MEMORY_DELTA[_W]),
+        }
+        self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
+        self.events: list[Event] = []
+        self.append = self.events.append
+        self.clock, self.dp_free = [0.0] * num_ranks, [0.0] * num_ranks
+        self.busy, self.waited = [0.0] * num_ranks, [0.0] * num_ranks  # waited: for gathers
+        self.held, self.peak = [0] * num_ranks, [0] * num_ranks
+        self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
+        self.started: list[set[int]] = [set() for _ in range(num_ranks)]
+        # Labels: formatting integers dominates an f-string, so format each number once.
+        schedule = rules.schedule
+        self.num_texts = max(schedule.num_stages + 1, schedule.num_microbatches, num_ranks)
+        self.text = [str(n) for n in range(self.num_texts)]
+
+    def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
+        """BPipe's EV / RS (``_timed`` sends the rest itself): the message occupies its link,
+        one at a time, for the transfer's duration, and is drawn if that takes time."""
+        stage, mb, kind = action
+        duration = self.durations.transfer
+        link = rank * self.rules.keys.num_ranks + dst
+        start = self.link_free.get(link, 0.0)
+        if posted > start:
+            start = posted
+        arrival = start + duration
+        self.link_free[link] = arrival
+        if duration > 0:
+            label = f"{stage}{_NAME[kind]}{mb}>{dst}"
+            event = (rank, "p2p", label, stage, mb, kind, start, arrival)
+            self.events.append(_new_event(Event, event))
+        self.signal(key, arrival)
+
+
+def _timed(run: _Run, rank: int) -> Program:
+    """``rank``'s program under ``Wires.run``, keeping its clock: the hot loop of ``replay``,
+    one branch per common kind, numbers in locals."""
+    rules, append, text, num_texts = run.rules, run.append, run.text, run.num_texts
+    program, arrivals, waiting = rules.schedule.per_rank[rank], run.arrivals, run.waiting
+    ready, link_free, compute, d_p2p = run.ready, run.link_free, run.compute, run.durations.p2p
+    waits_for, sends_for, implicit = rules.waits_for, rules.sends_for, rules.implicit
+    act_base, grad_base = rules.base[ACT], rules.base[GRAD]
+    per_mb, num_ranks, link_base = rules.per_mb, rules.keys.num_ranks, rank * rules.keys.num_ranks
+    loaded_r, awaiting_r, started_r = run.loaded[rank], run.awaiting[rank], run.started[rank]
+    ps_r, t, busy_r, wait_r = run.ps_done[rank], run.clock[rank], run.busy[rank], run.waited[rank]
+    held_r, peak_r = run.held[rank], run.peak[rank]
+    for i, a in enumerate(program):
+        kind, s = a.kind, a.stage
+        mb: int = a.microbatch  # type: ignore[assignment]  # None only for GS / PS
+        spec = compute.get(kind)
+        if spec is not None:  # F, B, I, W on the compute lane
+            while awaiting_r and (need := run.unacknowledged(rank)) >= 0:
+                yield i, need
+            start = t
+            slot = waits_for[kind][s]
+            if slot >= 0:
+                need = mb * per_mb + slot
+                if (arrival := arrivals.get(need)) is None:
+                    yield i, need
+                    arrival = arrivals[need]
+                if arrival > start:
+                    start = arrival
+            if loaded_r and (need := run.restore(rank, a)) >= 0:
+                if (arrival := arrivals.get(need)) is None:
+                    yield i, need
+                    arrival = arrivals[need]
+                if arrival > start:
+                    start = arrival
+            if kind is _F and s not in started_r:  # the first forward of a stage: its gather
+                started_r.add(s)
+                gathered = ps_r.get(s)
+                if gathered is not None and gathered > start:
+                    wait_r += gathered - start
+                    start = gathered
+            duration, delta = spec
+            t = start + duration
+            busy_r += duration
+            held_r += delta
+            if held_r > peak_r:
+                peak_r = held_r
+            label = f"{text[s]}{_NAME[kind]}{text[mb]}" if mb < num_texts else str(a)
+            append(_new_event(Event, (rank, "compute", label, s, mb, kind, start, t)))
+            if not implicit or (slot := sends_for[kind][s]) < 0:
+                continue
+            # A compute-only schedule: send the result as its SA / SG would.
+            key, kind = mb * per_mb + slot, _SA if kind is _F else _SG
+            peer = key % num_ranks
+        elif kind is _SA or kind is _SG:
+            peer = a.peer  # type: ignore[assignment]  # sends always name a peer
+            if peer >= num_ranks:
+                continue  # a rank outside the layout: the message reaches nobody
+            key = mb * per_mb + (act_base if kind is _SA else grad_base)[s] + peer
+        elif kind is _GS or kind is _PS:
+            _data_parallel(run, rank, a, t)
+            continue
+        elif kind is not _RA and kind is not _RG:  # BPipe's EV / AC / RS / LD
+            while (moved := run.transfer(rank, a, t))[1] >= 0:
+                yield i, moved[1]
+            t = moved[0]
+            held_r += MEMORY_DELTA[kind]
+            if held_r > peak_r:
+                peak_r = held_r
+            continue
+        else:
+            continue
+        # The message the action sends occupies its link, one at a time, from the rank's clock.
+        link = link_base + peer
+        start = link_free.get(link, 0.0)
+        if t > start:
+            start = t
+        arrivals[key] = link_free[link] = arrival = start + d_p2p
+        woken = waiting.pop(key, None)
+        if woken is not None:
+            ready.append(woken)
+        if d_p2p > 0:
+            name = _NAME[kind]
+            sent = f"{text[s]}{name}{text[mb]}>{text[peer]}" if mb < num_texts else ""
+            event = (rank, "p2p", sent or f"{s}{name}{mb}>{peer}", s, mb, kind, start, arrival)
+            append(_new_event(Event, event))
+    run.clock[rank], run.busy[rank], run.waited[rank] = t, busy_r, wait_r
+    run.held[rank], run.peak[rank] = held_r, peak_r
+
+
+def _data_parallel(run: _Run, rank: int, action: Action, t: float) -> None:
+    """GS / PS on the rank's data-parallel lane: in program order, from its position's time."""
+    kind, stage = action.kind, action.stage
+    start = run.dp_free[rank]
+    if t > start:
+        start = t
+    end = start + (run.durations.grad_sync if kind is _GS else run.durations.param_sync)
+    run.dp_free[rank] = end
+    if kind is _PS:
+        run.ps_done[rank][stage] = end
+    if end > start:
+        event = (rank, "dp", str(action), stage, None, kind, start, end)
+        run.events.append(_new_event(Event, event))
+
+
+def _compute_times(wires: Wires, rank: int, timing: Timing, ends: list[float]) -> Program:
+    """``_timed`` for ``compute_ends``: the same waits, clock and link, nothing else."""
+    rules, arrivals, waiting, ready = wires.rules, wires.arrivals, wires.waiting, wires.ready
+    waits_for, sends_for, per_mb = rules.waits_for, rules.sends_for, rules.per_mb
+    compute = {
+        _F: timing.forward,
+        _B: timing.backward,
+        _I: timing.backward_input,
+        _W: timing.backward_weight,
+    }
+    link_free: dict[int, float] = {}  # this rank's links, by receiving rank
+    num_ranks, t, d_p2p, record = rules.keys.num_ranks, 0.0, timing.p2p, ends.append
+    for i, a in enumerate(rules.schedule.per_rank[rank]):
+        kind, s = a.kind, a.stage
+        mb: int = a.microbatch  # type: ignore[assignment]  # compute: never None
+        start = t
+        if (slot := waits_for[kind][s]) >= 0:
+            if (arrival := arrivals.get(need := mb * per_mb + slot)) is None:
+                yield i, need
+                arrival = arrivals[need]
+            if arrival > start:
+                start = arrival
+        t = start + compute[kind]
+        record(t)
+        if (slot := sends_for[kind][s]) >= 0:  # to the neighbour stage's rank, over its link
+            key = mb * per_mb + slot
+            sent = link_free.get(dst := key % num_ranks, 0.0)
+            arrivals[key] = link_free[dst] = (sent if sent > t else t) + d_p2p
+            if (woken := waiting.pop(key, None)) is not None:
+                ready.append(woken)

@@ -1,0 +1,171 @@
+"""The execution rules, shared: message keys, the validator and the replay agree on who waits
+for what, and compute_ends is replay's clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron_bfpp.execution import Timing, compute_ends, describe_waits, replay
+from megatron_bfpp.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    StageLayout,
+    format_schedule,
+    parse_action,
+    parse_schedule,
+)
+from megatron_bfpp.messages import Message, MessageKeys, message_of
+from megatron_bfpp.passes.communication import add_communication
+from megatron_bfpp.passes.grad_sync import add_grad_sync
+from megatron_bfpp.schedules.registry import SCHEDULES, build_schedule
+from megatron_bfpp.sim import simulate
+from megatron_bfpp.validate import validate_deadlock_free, validate_placement, validate_schedule
+
+K = ActionKind
+WHATS = ("act", "grad", "evict", "restore", "evict-posted", "restore-posted")
+
+
+# --- messages --------------------------------------------------------------------------------
+
+
+def test_both_sides_of_a_message_name_the_same_message() -> None:
+    pairs = [("2SA5>3", "3RA5<2"), ("3SG5>2", "2RG5<3"), ("1EV4>6", "1AC4<1"), ("1RS4>1", "1LD4<6")]
+    for send, receive in pairs:
+        assert message_of(parse_action(send)) == message_of(parse_action(receive))
+    assert message_of(parse_action("2SA5>3")) == Message("act", 2, 5)
+    assert message_of(parse_action("2RG5<3")) == Message("grad", 3, 5)
+    with pytest.raises(ScheduleError, match="not a point-to-point action"):
+        message_of(parse_action("2F5"))
+
+
+def test_message_keys_are_distinct_and_read_back() -> None:
+    keys = MessageKeys(num_stages=5, num_ranks=3)
+    seen = {}
+    for microbatch in range(4):
+        for stage in range(5):
+            for what in WHATS:
+                for rank in range(3):
+                    message = Message(what, stage, microbatch)
+                    key = keys.key(message, rank)
+                    assert key not in seen, (message, rank, seen.get(key))
+                    seen[key] = (message, rank)
+                    assert keys.message(key) == (message, rank)
+
+
+# --- the validator and the replay apply the same rules ---------------------------------------
+
+
+def _mutated(schedule: Schedule, rng: random.Random) -> Schedule:
+    """Two small random edits inside each rank's own stages: swaps, drops and repeats."""
+    programs = [list(actions) for actions in schedule.per_rank]
+    for _ in range(2):
+        program = programs[rng.randrange(len(programs))]
+        i, j = rng.randrange(len(program)), rng.randrange(len(program))
+        edit = rng.randrange(3)
+        if edit == 0:
+            program[i], program[j] = program[j], program[i]
+        elif edit == 1 and len(program) > 1:
+            del program[i]
+        else:
+            program.insert(j, program[i])
+    return schedule.with_programs(programs)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_validator_and_replay_stop_the_same_ranks_at_the_same_steps(name: str) -> None:
+    rng = random.Random(name)
+    num_ranks = 6 if name == "bpipe" else 3
+    chunks = 2 if SCHEDULES[name].placement == "looped" else None
+    compute = build_schedule(
+        name, num_ranks=num_ranks, num_microbatches=6, num_chunks=chunks, lower=False
+    )
+    lowered = add_grad_sync(add_communication(compute))
+    stuck = 0
+    for base in (compute, lowered):
+        for _ in range(60):
+            schedule = _mutated(base, rng)
+            validate_placement(schedule)  # the edits keep every action on its rank
+            blocked = replay(schedule).blocked
+            if not blocked:
+                validate_deadlock_free(schedule)
+                continue
+            stuck += 1
+            with pytest.raises(ScheduleError, match="deadlock") as error:
+                validate_deadlock_free(schedule)
+            marks = format_schedule(schedule, marks=describe_waits(blocked))
+            assert str(error.value).endswith(marks)
+    assert stuck > 10  # the edits do produce deadlocks
+
+
+def test_the_simulator_waits_for_what_the_validator_waits_for() -> None:
+    """BPipe's acknowledgements order but cost no time; a schedule that deadlocks only through
+    one is rejected by the validator and cannot be timed either."""
+    schedule = build_schedule("bpipe", num_ranks=4, num_microbatches=8)
+    acceptor = 3
+    program = list(schedule.per_rank[acceptor])
+    index = next(i for i, a in enumerate(program) if a.kind is K.ACCEPT)
+    accept = program.pop(index)
+    restore = next(
+        i
+        for i, a in enumerate(program)
+        if a.kind is K.RESTORE and a.microbatch == accept.microbatch
+    )
+    program.insert(restore, accept)
+    late = schedule.with_programs([*schedule.per_rank[:acceptor], program])
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate_schedule(late)
+    with pytest.raises(ScheduleError, match=r"cannot simulate 'bpipe': deadlock") as error:
+        simulate(late)
+    assert "evict-posted" in str(error.value)
+
+
+def test_a_message_to_a_rank_outside_the_layout_reaches_nobody() -> None:
+    rows = ["0F0 0SA0>7 0RG0<1 0B0", "1RA0<0 1F0 1B0 1SG0>0"]
+    schedule = parse_schedule(rows, layout=StageLayout.looped(2), num_microbatches=1)
+    assert replay(schedule).blocked == {
+        0: (3, Message("grad", 1, 0)),
+        1: (1, Message("act", 0, 0)),
+    }
+    with pytest.raises(ScheduleError, match="neighbour stage 1 lives on rank 1"):
+        validate_schedule(schedule)
+
+
+def test_a_stage_outside_the_layout_is_refused_not_indexed() -> None:
+    schedule = Schedule(
+        StageLayout.looped(2), 1, ((Action(0, K.FORWARD, 0),), (Action(5, K.FORWARD, 0),))
+    )
+    with pytest.raises(ScheduleError, match="outside the layout"):
+        replay(schedule)
+    with pytest.raises(ScheduleError, match="stage 5 does not exist"):
+        validate_schedule(schedule, require_communication=False)
+
+
+# --- compute_ends is replay's clock ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(set(SCHEDULES) - {"bpipe"}))
+def test_compute_ends_are_the_ends_of_replay_compute_events(name: str) -> None:
+    chunks = 3 if SCHEDULES[name].placement == "looped" else None
+    schedule = build_schedule(name, num_ranks=4, num_microbatches=8, num_chunks=chunks, lower=False)
+    timing = Timing(forward=1.5, backward=2.5, backward_input=1.25, backward_weight=1.25, p2p=0.3)
+    ends, blocked = compute_ends(schedule, timing)
+    run = replay(schedule, timing)
+    assert not blocked and not run.blocked
+    for rank in range(schedule.num_ranks):
+        events = [e.end for e in run.events if e.rank == rank and e.lane == "compute"]
+        assert ends[rank] == events
+
+
+def test_compute_ends_take_compute_only_schedules() -> None:
+    lowered = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ScheduleError, match="compute-only schedule of F, B, I and W"):
+        compute_ends(lowered)
+    rows = ["0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"]
+    stuck = parse_schedule(rows, layout=StageLayout.looped(2), num_microbatches=2)
+    ends, blocked = compute_ends(stuck)
+    assert blocked == {0: (1, Message("grad", 1, 0)), 1: (0, Message("act", 0, 1))}
+    assert ends == [[1.0], []]
