@@ -293,11 +293,15 @@ class Wires:
         return -1
 
     def restore(self, rank: int, action: Action) -> int:
-        """The restore a B / I waits for once an LD brought its activations back, else -1."""
+        """The restore a B / I waits for once an LD brought its activations back, else -1.
+        Asked once per action, so the LD's entry goes: ``loaded`` stays short."""
         if action.kind is _F or action.kind is _W:
             return -1
         key = (action.microbatch or 0) * self.rules.per_mb + self.rules.base[RESTORE][action.stage]
-        return key + rank if key + rank in self.loaded[rank] else -1
+        if key + rank not in self.loaded[rank]:
+            return -1
+        self.loaded[rank].discard(key + rank)
+        return key + rank
 
     def transfer(self, rank: int, action: Action, t: float) -> tuple[float, int]:
         """BPipe's EV / AC / RS / LD, rare, so written plainly: (the rank's clock after it, the

@@ -454,24 +454,26 @@ def _scan_other(scan: _Scan, rank: int, position: int, action: Action) -> int:
         return _DONE
     if (need := scan.wires.transfer(rank, action, 0.0)[1]) >= 0:
         return need
-    f_done, b_done, i_done, _, _, _, ev_done, ld_done = scan.flags
+    f_done, b_done, i_done = scan.flags[:3]
+    ev_done, ld_done = scan.flags[6:]
     key, message = stage * num_mb + mb, scan.channel_mb * mb + scan.transfer_slot[kind][stage]
-    if kind is K.EVICT or kind is K.RESTORE:
-        scan.channels.setdefault((rank, peer), ([], []))[0].append(message)
-    else:
-        scan.channels.setdefault((peer, rank), ([], []))[1].append(message)
+    sends = kind is _EV or kind is _RS
+    pair = (rank, peer) if sends else (peer, rank)
+    if (sides := scan.channels.get(pair)) is None:
+        sides = scan.channels[pair] = ([], [])
+    sides[0 if sends else 1].append(message)
     if evictor_side:
-        done = ev_done if kind is K.EVICT else ld_done
+        done = ev_done if kind is _EV else ld_done
         if done[key]:
             scan.repeated(rank, position)
         else:
             done[key] = 1
-            scan.unloaded[rank] += 1 if kind is K.EVICT else -1
-        if kind is K.EVICT and (not f_done[key] or b_done[key] or i_done[key]):
+            scan.unloaded[rank] += 1 if kind is _EV else -1
+        if kind is _EV and (not f_done[key] or b_done[key] or i_done[key]):
             scan.disorder(rank, position, "window")
-        elif kind is K.LOAD and not ev_done[key]:
+        elif kind is _LD and not ev_done[key]:
             scan.disorder(rank, position, "never evicted")
-    elif kind is K.ACCEPT:
+    elif kind is _AC:
         scan.accepted[rank].add(key)
     elif key not in scan.accepted[rank]:
         scan.disorder(rank, position, "never accepted")
