@@ -78,8 +78,12 @@ class LocalRun:
     failed_at: dict[int, float]
     killed: tuple[int, ...]
     stacks: dict[int, str]
-    timed_out: bool
     lost: tuple[int, ...] = ()
+
+    @property
+    def timed_out(self) -> bool:
+        """Ranks were still running at the deadline and nothing had failed."""
+        return bool(self.killed) and not self.failed_at
 
     @property
     def first_failed(self) -> int | None:
@@ -374,7 +378,6 @@ def _collect(
         failed_at=failed_at,
         killed=killed,
         stacks=stacks,
-        timed_out=bool(killed) and not failed_at,
         lost=tuple(lost),
     )
 
