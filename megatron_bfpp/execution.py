@@ -21,15 +21,17 @@ Each rank runs its program in order, under these rules:
   rank is stopped, the schedule deadlocks, and each stuck rank is marked where it waits.
 
 ``Rules`` holds these rules for one schedule as tables (what each kind of action at each stage
-waits for and sends, as ``MessageKeys``); ``Wires`` holds the messages of one run (which are
-sent, who waits for which, who is stuck), applies every BPipe rule, and drives the ranks: each
-rank's program is a generator that yields the message its next action waits for and is resumed
-once that message is sent, so a run is linear in the number of actions. Three programs apply
-the tables, each doing something else besides: the validator's single pass (``validate._scan``)
-checks every action, ``replay`` keeps time, draws events and counts memory, and
-``compute_ends`` keeps only the time of compute actions (for planning passes). They are
-separate loops because in CPython a function call per action costs as much as the checking or
-the timing itself; what they share is everything that decides when an action may run.
+waits for and sends, as ``MessageKeys``; BPipe's transfers as ``Transfer``); ``Wires`` holds
+the messages of one run (which are sent, who waits for which, who is stuck), applies the BPipe
+rules, and drives the ranks: each rank's program is a generator that yields the message its
+next action waits for and is resumed once that message is sent, so a run is linear in the
+number of actions. Three programs apply the tables, each doing something else besides:
+``replay`` keeps time, draws events and counts memory; ``compute_ends`` keeps only the time of
+compute actions (for planning passes); and the validator's single pass (``validate._scan``)
+checks every action and records what it waits for and sends (``Recorded``), which
+``run_recorded`` then runs without clocks. They are separate loops because in CPython a
+function call per action costs as much as the checking or the timing itself; what they share
+is everything that decides when an action may run, and tests hold them to the same answers.
 
 ``replay`` times a run under ``Timing``: a compute action starts when the rank is free and every
 message it consumes has arrived, and lasts its duration; a send occupies its directed link
@@ -42,9 +44,11 @@ advanced changes no time.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Literal, NamedTuple
 
 from megatron_bfpp.ir import MEMORY_DELTA, Action, ActionKind, Schedule, ScheduleError, paused_gc
@@ -65,13 +69,16 @@ __all__ = [
     "Event",
     "Lane",
     "Program",
+    "Recorded",
     "Replay",
     "Rules",
     "Timing",
+    "Transfer",
     "Wires",
     "compute_ends",
     "describe_waits",
     "replay",
+    "run_recorded",
 ]
 
 K = ActionKind
@@ -157,19 +164,30 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
 @paused_gc()
 def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
     """When each compute action of a compute-only F / B / I / W schedule ends under ``replay``
-    (per rank, in program order), and the ranks stuck; what a planning pass needs, at a fifth
+    (per rank, in program order), and the ranks stuck; what a planning pass needs, at a fraction
     of ``replay``'s cost: no events, memory or data-parallel lane to keep.
+
+    Raises ``ScheduleError`` for a lowered schedule or an action naming a stage outside the
+    layout, like ``replay``.
     """
-    rules = Rules(schedule)
-    kinds = {action.kind for actions in schedule.per_rank for action in actions}
-    if not rules.implicit or not kinds <= _COMPUTE:
+    kinds: set[ActionKind] = set()
+    for actions in schedule.per_rank:
+        kinds.update(map(_kind_of, actions))
+    if not kinds <= _COMPUTE:
         raise ScheduleError(
             "compute_ends takes a compute-only schedule of F, B, I and W; use replay for "
             f"{', '.join(sorted(kind.value for kind in kinds - _COMPUTE))}"
         )
-    wires = Wires(rules)
+    rules = Rules(schedule, implicit=True)
+    wires, clocks = Wires(rules), _Clocks(rules, timing)
     ends: list[list[float]] = [[] for _ in schedule.per_rank]
-    wires.run([_compute_times(wires, rank, timing, ends[rank]) for rank in range(len(ends))])
+    try:
+        wires.run([_compute_times(wires, clocks, rank, ends[rank]) for rank in range(len(ends))])
+    except IndexError:  # a stage outside the layout indexed a per-stage table
+        raise ScheduleError(
+            f"{schedule.name!r}: an action names a stage outside the layout; run "
+            "validate_schedule for details"
+        ) from None
     return Ends(ends, wires.stuck())
 
 
@@ -207,17 +225,29 @@ class Rules:
     gradient) comes from another rank; ``sends_for[kind][stage]``: what a compute-only
     schedule's F (B / I) sends to the neighbour stage's rank; -1 for none (W never waits for
     data). ``base[what][stage]``: the slot to which a message adds the rank it is sent to (an
-    SA / SG its peer). BPipe's transfers, a few per rank, follow ``Wires.transfer``.
+    SA / SG its peer). ``transfers[kind]``: BPipe's rules for EV / AC / RS / LD (``Transfer``),
+    which ``Wires.transfer`` and the validator apply.
     """
 
-    __slots__ = ("base", "implicit", "keys", "per_mb", "schedule", "sends_for", "waits_for")
+    __slots__ = (
+        "base",
+        "implicit",
+        "keys",
+        "per_mb",
+        "schedule",
+        "sends_for",
+        "transfers",
+        "waits_for",
+    )
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, *, implicit: bool | None = None) -> None:
+        """``implicit``: whether the schedule is compute-only, when the caller already knows
+        (finding out reads every action)."""
         s2r = schedule.layout.stage_to_rank
         num_stages = len(s2r)
         keys = self.keys = MessageKeys(num_stages, len(schedule.per_rank))
         self.schedule, self.per_mb = schedule, keys.per_microbatch
-        self.implicit = not has_communication(schedule)
+        self.implicit = not has_communication(schedule) if implicit is None else implicit
         self.base = [[keys.slot(what, s) for s in range(num_stages)] for what in range(6)]
         act_from, grad_from = [-1] * num_stages, [-1] * num_stages
         act_to, grad_to = [-1] * num_stages, [-1] * num_stages
@@ -230,6 +260,48 @@ class Rules:
         if not self.implicit:  # a lowered schedule sends with its SA / SG
             act_to = grad_to = none
         self.sends_for = {_F: act_to, _B: grad_to, _I: grad_to, _W: none}
+        table = {what: self.base[what] for what in range(6)}
+        table[-1] = none
+        self.transfers = {
+            kind: Transfer(
+                waits=table[waits],
+                sends=table[sends],
+                awaits=table[awaits],
+                loads=table[loads],
+                carries_data=kind in _CARRIES_DATA,
+            )
+            for kind, (waits, sends, awaits, loads) in _TRANSFER_RULES.items()
+        }
+
+
+class Transfer(NamedTuple):
+    """What one kind of BPipe transfer does, per stage as message slots (-1: nothing), so that a
+    key adds ``microbatch * per_microbatch`` and a rank.
+
+    ``waits``: the evict it waits for, addressed to its own rank (RS returns that payload, so
+    it waits for it to arrive; AC only reads its size header first, an order without time).
+    ``sends``: the message it sends its peer, the payload (EV, RS: ``carries_data``) or the
+    acknowledgement that it posted the receive (AC, LD). ``awaits``: the acknowledgement, to its
+    own rank, that the next compute action waits for before the payload's buffer is reused
+    (EV, RS). ``loads``: the restore a later backward of the same stage and micro-batch waits
+    for, to its own rank (LD).
+    """
+
+    waits: list[int]
+    sends: list[int]
+    awaits: list[int]
+    loads: list[int]
+    carries_data: bool
+
+
+# kind -> what it (waits for, sends, awaits, loads), -1 for nothing; see Transfer.
+_TRANSFER_RULES = {
+    _EV: (-1, EVICT, EVICT_POSTED, -1),
+    _AC: (EVICT, EVICT_POSTED, -1, -1),
+    _RS: (EVICT, RESTORE, RESTORE_POSTED, -1),
+    _LD: (-1, RESTORE_POSTED, -1, RESTORE),
+}
+_CARRIES_DATA = frozenset({_EV, _RS})
 
 
 class Wires:
@@ -304,35 +376,73 @@ class Wires:
         return key + rank
 
     def transfer(self, rank: int, action: Action, t: float) -> tuple[float, int]:
-        """BPipe's EV / AC / RS / LD, rare, so written plainly: (the rank's clock after it, the
-        message key it waits for or -1). An RS waits for the evict it returns; an AC for the
-        evict's size header (order only); the first compute after an EV / RS for the partner's
-        AC / LD (order only: ``unacknowledged``); a backward after an LD for the restore
-        (``restore``). What is sent to a rank outside the layout reaches nobody."""
-        keys, kind, s, mb = self.rules.keys, action.kind, action.stage, action.microbatch or 0
-        peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
-        if s >= keys.num_stages:
+        """BPipe's EV / AC / RS / LD under ``Rules.transfers``: (the rank's clock after it, the
+        message key it waits for, or -1 once done). What is sent to a rank outside the layout
+        reaches nobody."""
+        rules, s, mb = self.rules, action.stage, action.microbatch or 0
+        if s >= rules.keys.num_stages:
             raise IndexError(s)  # reported like any stage outside the layout
-        base, reaches, slot = mb * self.rules.per_mb, peer < keys.num_ranks, self.rules.base
-        if kind is _RS or kind is _AC:
-            evict = base + slot[EVICT][s] + rank
-            arrival = self.arrivals.get(evict)
+        peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
+        rule, base = rules.transfers[action.kind], mb * rules.per_mb
+        if (slot := rule.waits[s]) >= 0:
+            arrival = self.arrivals.get(evict := base + slot + rank)
             if arrival is None:
                 return t, evict
-            if kind is _RS and arrival > t:
+            if rule.carries_data and arrival > t:
                 t = arrival
-        if kind is _EV or kind is _RS:
-            what, ack = (EVICT, EVICT_POSTED) if kind is _EV else (RESTORE, RESTORE_POSTED)
-            if reaches:
-                self.send(rank, peer, base + slot[what][s] + peer, t, (s, mb, kind))
-            self.awaiting[rank].append(base + slot[ack][s] + rank)
-        else:
-            if reaches:
-                ack = EVICT_POSTED if kind is _AC else RESTORE_POSTED
-                self.signal(base + slot[ack][s] + peer)
-            if kind is _LD:
-                self.loaded[rank].add(base + slot[RESTORE][s] + rank)
+        if peer < rules.keys.num_ranks:
+            key = base + rule.sends[s] + peer
+            if rule.carries_data:
+                self.send(rank, peer, key, t, (s, mb, action.kind))
+            else:
+                self.signal(key)
+        if (slot := rule.awaits[s]) >= 0:
+            self.awaiting[rank].append(base + slot + rank)
+        if (slot := rule.loads[s]) >= 0:
+            self.loaded[rank].add(base + slot + rank)
         return t, -1
+
+
+class Recorded(NamedTuple):
+    """One rank's program recorded rather than run (the validator's way, see ``run_recorded``):
+    ``ops`` in program order, ``key`` to send a message and ``~key`` to wait for one, and
+    ``wait_at``, the program position of each wait in the same order, as machine integers (an
+    int object per entry, allocated amid the keys, measurably slows the run that reads them)."""
+
+    ops: list[int]
+    wait_at: array[int]
+
+
+def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int, Message]]:
+    """``Wires.run`` for recorded programs, without clocks: which ranks cannot finish, as
+    ``Wires.stuck``. Recording each rank's program in one go and running the compact result
+    costs a third less than resuming the checking loop itself at every wait (measured: its
+    working set stays small when ranks alternate)."""
+    sent: set[int] = set()
+    waiting: dict[int, int] = {}
+    cursor = [0] * len(programs)
+    ready = deque(range(len(programs)))
+    while ready:
+        rank = ready.popleft()
+        ops = programs[rank].ops
+        position, end = cursor[rank], len(ops)
+        while position < end:
+            op = ops[position]
+            if op >= 0:
+                sent.add(op)
+                if (woken := waiting.pop(op, None)) is not None:
+                    ready.append(woken)
+            elif ~op not in sent:
+                waiting[~op] = rank
+                break
+            position += 1
+        cursor[rank] = position
+    stuck = {}
+    for key, rank in waiting.items():
+        ops = programs[rank].ops
+        waits_before = sum(1 for op in ops[: cursor[rank]] if op < 0)
+        stuck[rank] = (programs[rank].wait_at[waits_before], rules.keys.message(key)[0])
+    return dict(sorted(stuck.items()))
 
 
 _Sent = tuple[int, int, ActionKind]  # (stage, micro-batch, kind) of a message, for its event
@@ -507,33 +617,78 @@ def _data_parallel(run: _Run, rank: int, action: Action, t: float) -> None:
         run.events.append(_new_event(Event, event))
 
 
-def _compute_times(wires: Wires, rank: int, timing: Timing, ends: list[float]) -> Program:
-    """``_timed`` for ``compute_ends``: the same waits, clock and link, nothing else."""
-    rules, arrivals, waiting, ready = wires.rules, wires.arrivals, wires.waiting, wires.ready
-    waits_for, sends_for, per_mb = rules.waits_for, rules.sends_for, rules.per_mb
-    compute = {
-        _F: timing.forward,
-        _B: timing.backward,
-        _I: timing.backward_input,
-        _W: timing.backward_weight,
-    }
+class _Clocks:
+    """``compute_ends``'s messages as flat lists instead of ``Wires.arrivals``: a compute-only
+    schedule sends only the activations and gradients across stage boundaries, one message per
+    (boundary, micro-batch), so a list index replaces the dict (the loop is the eviction pass's
+    hot path). ``spec[kind]``: per stage, the index of the message it waits for and the one it
+    sends (the boundary's offset, -1 for none; add the micro-batch), the message keys of both
+    (``Rules``, for ``Wires.stuck``) and its duration. ``arrived`` holds arrival times (None:
+    not sent), ``waiter`` the rank stopped for a message (-1: none)."""
+
+    __slots__ = ("arrived", "p2p", "spec", "waiter")
+
+    def __init__(self, rules: Rules, timing: Timing) -> None:
+        per_rank = rules.schedule.per_rank
+        num_mb = 1 + max((max(map(_microbatch_of, a), default=-1) for a in per_rank), default=-1)
+        durations = {
+            _F: timing.forward,
+            _B: timing.backward,
+            _I: timing.backward_input,
+            _W: timing.backward_weight,
+        }
+        tables = (rules.waits_for, rules.sends_for)
+        slots = sorted({slot for table in tables for row in table.values() for slot in row})
+        offset = {slot: -1 if slot < 0 else i * num_mb for i, slot in enumerate(slots)}
+        self.spec = {
+            kind: (
+                [offset[slot] for slot in rules.waits_for[kind]],
+                [offset[slot] for slot in rules.sends_for[kind]],
+                rules.waits_for[kind],
+                rules.sends_for[kind],
+                duration,
+            )
+            for kind, duration in durations.items()
+        }
+        self.arrived: list[float | None] = [None] * (len(slots) * num_mb)
+        self.waiter = [-1] * (len(slots) * num_mb)
+        self.p2p = timing.p2p
+
+
+_kind_of = attrgetter("kind")
+_microbatch_of = attrgetter("microbatch")
+
+
+def _compute_times(wires: Wires, clocks: _Clocks, rank: int, ends: list[float]) -> Program:
+    """``_timed`` for ``compute_ends``: the same waits, clock and link, nothing else. With
+    instant messages a link is always free by the sender's clock (its earlier sends left no
+    later), so the link clocks are kept only when p2p > 0."""
+    rules, waiting, ready = wires.rules, wires.waiting, wires.ready
+    spec, arrived, waiter, per_mb = clocks.spec, clocks.arrived, clocks.waiter, rules.per_mb
     link_free: dict[int, float] = {}  # this rank's links, by receiving rank
-    num_ranks, t, d_p2p, record = rules.keys.num_ranks, 0.0, timing.p2p, ends.append
+    num_ranks, t, d_p2p, record = rules.keys.num_ranks, 0.0, clocks.p2p, ends.append
     for i, a in enumerate(rules.schedule.per_rank[rank]):
-        kind, s = a.kind, a.stage
+        waits, sends, wait_keys, send_keys, duration = spec[a.kind]
+        s = a.stage
         mb: int = a.microbatch  # type: ignore[assignment]  # compute: never None
         start = t
-        if (slot := waits_for[kind][s]) >= 0:
-            if (arrival := arrivals.get(need := mb * per_mb + slot)) is None:
-                yield i, need
-                arrival = arrivals[need]
-            if arrival > start:
-                start = arrival
-        t = start + compute[kind]
+        if (at := waits[s]) >= 0:
+            if (arrival := arrived[at := at + mb]) is None:
+                waiter[at] = rank
+                yield i, mb * per_mb + wait_keys[s]
+                arrival = arrived[at]
+            if arrival > start:  # type: ignore[operator]  # sent: not None
+                start = arrival  # type: ignore[assignment]
+        t = start + duration
         record(t)
-        if (slot := sends_for[kind][s]) >= 0:  # to the neighbour stage's rank, over its link
-            key = mb * per_mb + slot
-            sent = link_free.get(dst := key % num_ranks, 0.0)
-            arrivals[key] = link_free[dst] = (sent if sent > t else t) + d_p2p
-            if (woken := waiting.pop(key, None)) is not None:
+        if (at := sends[s]) >= 0:  # to the neighbour stage's rank, over its link
+            at += mb
+            if d_p2p:
+                sent = link_free.get(dst := send_keys[s] % num_ranks, 0.0)
+                arrived[at] = link_free[dst] = (sent if sent > t else t) + d_p2p
+            else:
+                arrived[at] = t
+            if (woken := waiter[at]) >= 0:
+                waiter[at] = -1
+                del waiting[mb * per_mb + send_keys[s]]
                 ready.append(woken)

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import accumulate
+from operator import attrgetter
 from pathlib import Path
 
 __all__ = [
@@ -359,13 +361,9 @@ class Schedule:
         the runtime holds between two actions, transfers in flight included.
         """
         fraction = self.layout.stage_fraction
-        delta = MEMORY_DELTA
-        held = 0
-        profile = []
-        for action in self.per_rank[rank]:
-            held += delta.get(action.kind, 0)
-            profile.append(held * fraction)  # integer count, scaled once: no rounding drift
-        return tuple(profile)
+        # Integer counts, scaled once: no rounding drift.
+        held = accumulate(map(_FULL_MEMORY_DELTA.__getitem__, map(_kind_of, self.per_rank[rank])))
+        return tuple(count * fraction for count in held)
 
     def peak_activations(self) -> tuple[float, ...]:
         """Per-rank peak of ``stored_activations``: 1F1B's rank r reads p - r."""
@@ -388,6 +386,8 @@ MEMORY_DELTA: dict[ActionKind, int] = {
     ActionKind.ACCEPT: 1,
     ActionKind.RESTORE: -1,
 }
+_FULL_MEMORY_DELTA = {kind: MEMORY_DELTA.get(kind, 0) for kind in ActionKind}
+_kind_of = attrgetter("kind")
 
 
 def format_schedule(schedule: Schedule, *, marks: dict[tuple[int, int], str] | None = None) -> str:

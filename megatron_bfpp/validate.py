@@ -1,8 +1,9 @@
 """Prove a schedule complete, correctly paired and free of deadlock before anything runs it.
 
-One pass over every action (``_scan``) checks it and, at the same time, runs the programs under
-the execution rules the simulator shares (``execution.Rules`` and ``execution.Wires``): a rank
-stops at an action whose message nobody has sent yet and resumes once it is sent. A failure is
+One pass over every action (``_scan``) checks it and records, under the execution rules the
+simulator shares (``execution.Rules``), which messages it waits for and sends; then
+``execution.run_recorded`` runs the recordings: a rank stops at an action whose message nobody
+has sent yet and resumes once it is sent. A failure is
 a ``ScheduleError`` whose message names the rank, the step (position in that rank's program)
 and the reason, above the per-rank grid with the step marked. When a schedule has several
 problems, the first (in rank order) of the first kind below is reported:
@@ -20,16 +21,19 @@ problems, the first (in rank order) of the first kind below is reported:
    and a swapped order would silently mix them up);
 5. deadlock: every program runs to its end.
 
-The checks of one action do not depend on other ranks, so checking in the order the programs
-run finds the same problems as checking rank by rank; the part of a stuck program after the
-step it waits at is checked too, once no rank can move. ``validate_schedule`` reports all kinds;
+The checks of one action do not depend on other ranks, so each rank is checked in one go, the
+part of a program after a step it would wait at forever included; recording rather than running
+keeps the working set small (resuming the checking loop at every wait, as ``Wires.run`` does for
+the simulator, measured a third slower on large schedules). ``validate_schedule`` reports all kinds;
 ``validate_placement`` and the others the first problem of their own kind (or of an earlier kind,
 which they cannot see past).
 """
 
 from __future__ import annotations
 
-from megatron_bfpp.execution import Program, Rules, Wires, describe_waits
+from array import array
+
+from megatron_bfpp.execution import Recorded, Rules, describe_waits, run_recorded
 from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, format_schedule
 from megatron_bfpp.messages import (
     ACT,
@@ -37,7 +41,6 @@ from megatron_bfpp.messages import (
     GRAD,
     RESTORE,
     Message,
-    MessageKeys,
     has_communication,
     message_of,
 )
@@ -146,7 +149,8 @@ def _at(schedule: Schedule, rank: int, position: int, problem: str) -> ScheduleE
 class _Scan:
     """What the pass found: each rank's first problem of each kind, which (stage, micro-batch)
     has which action (flat flags, index ``stage * num_microbatches + mb``), each channel's
-    messages in posting order (``MessageKeys`` without a rank), and where stuck ranks wait.
+    messages in posting order (``MessageKeys``, addressed to the receiving rank), and where stuck
+    ranks wait.
 
     A rank's pass ends at its first placement problem: every flag it sets belongs to an action
     on its stage's own rank, so a flag is that rank's history, and every index is in range.
@@ -154,12 +158,9 @@ class _Scan:
 
     __slots__ = (
         "accepted",
-        "act_slot",
-        "channel_mb",
         "channels",
         "duplicate",
         "flags",
-        "grad_slot",
         "local_in",
         "local_out",
         "mixed",
@@ -173,9 +174,7 @@ class _Scan:
         "schedule",
         "stage_to_rank",
         "stuck",
-        "transfer_slot",
         "unloaded",
-        "wires",
         "with_comm",
     )
 
@@ -185,15 +184,7 @@ class _Scan:
         self.schedule, self.stage_to_rank = schedule, stage_to_rank
         self.num_mb = schedule.num_microbatches
         self.rules = Rules(schedule)
-        self.wires = Wires(self.rules)
         self.with_comm = not self.rules.implicit
-        keys = MessageKeys(num_stages, 1)  # a message without its rank
-        self.channel_mb = keys.per_microbatch
-        self.act_slot, self.grad_slot, evict, restore = (
-            [keys.slot(what, stage) for stage in range(num_stages)]
-            for what in (ACT, GRAD, EVICT, RESTORE)
-        )
-        self.transfer_slot = {_EV: evict, _AC: evict, _RS: restore, _LD: restore}
         self.rank_channels: list[_RankChannels | None] = [None] * num_ranks
         # Per stage: the rank of the previous / next stage when it is another rank (the peer of
         # RA, SG / SA, RG), else -1; and whether that neighbour is on the same rank.
@@ -219,7 +210,10 @@ class _Scan:
 
     def channel(self, src: int, dst: int) -> tuple[list[int], list[int]]:
         """(messages sent, messages received) on the link src -> dst, in posting order."""
-        return self.channels.setdefault((src, dst), ([], []))
+        sides = self.channels.get((src, dst))
+        if sides is None:
+            sides = self.channels[(src, dst)] = ([], [])
+        return sides
 
     def misplaced(self, rank: int, position: int) -> None:
         """Note the rank's first placement problem; its pass ends here."""
@@ -292,16 +286,11 @@ class _Scan:
 
 
 def _scan(schedule: Schedule) -> _Scan:
-    """Check every action while running the programs (see the module docstring)."""
+    """Check every action, rank by rank, recording each rank's waits and sends; then run the
+    recordings (see the module docstring)."""
     scan = _Scan(schedule)
-    wires = scan.wires
     programs = [_scan_rank(scan, rank) for rank in range(len(schedule.per_rank))]
-    wires.run(programs)
-    scan.stuck = wires.stuck()
-    for key, rank in list(wires.waiting.items()):  # check the rest of each stuck program too,
-        while key >= 0:  # as if every message it waits for were sent
-            wires.arrivals[key] = 0.0
-            key = next(programs[rank], (0, -1))[1]
+    scan.stuck = run_recorded(scan.rules, programs)
     return scan
 
 
@@ -327,73 +316,49 @@ _ORDER = {
 }
 
 
-def _scan_rank(scan: _Scan, rank: int) -> Program:
-    """``rank``'s program under ``Wires.run``: placement, completeness flags, local order and
-    channels of each action, and the execution rules (it yields the message an action waits
-    for). Flat lookups in one loop: it runs once per action of every schedule built; GS, PS and
-    BPipe's transfers, a few per rank, go to ``_scan_other``."""
-    schedule, wires, rules, disorder = scan.schedule, scan.wires, scan.rules, scan.disorder
+def _scan_rank(scan: _Scan, rank: int) -> Recorded:
+    """``rank``'s program: placement, completeness flags, local order and channels of each
+    action, and its waits and sends under the execution rules, recorded (``run_recorded`` runs
+    them). One branch per kind, the most common first, every table a local: it runs once per
+    action of every schedule built. BPipe's transfers, a few per rank, come last."""
+    schedule, rules, disorder = scan.schedule, scan.rules, scan.disorder
     actions, s2r, num_mb = schedule.per_rank[rank], scan.stage_to_rank, schedule.num_microbatches
     num_stages, remote_in, remote_out = len(s2r), scan.remote_in, scan.remote_out
     local_in, local_out, with_comm = scan.local_in, scan.local_out, scan.with_comm
     f_done, b_done, i_done, w_done, ra_done, rg_done, ev_done, ld_done = scan.flags
     act_in, act_out, grad_in, grad_out = _rank_channels(scan, rank)
-    waits_for, sends_for, implicit = rules.waits_for, rules.sends_for, rules.implicit
+    # The execution rules (Rules): what F and B / I wait for, and send in a compute-only schedule.
+    act_wait, grad_wait = rules.waits_for[_F], rules.waits_for[_B]
+    act_send, grad_send, implicit = rules.sends_for[_F], rules.sends_for[_B], rules.implicit
     act_base, grad_base = rules.base[ACT], rules.base[GRAD]
-    arrivals, waiting, ready, per_mb = wires.arrivals, wires.waiting, wires.ready, rules.per_mb
-    awaiting, loaded = wires.awaiting[rank], wires.loaded[rank]
-    act_slot, grad_slot, channel_mb = scan.act_slot, scan.grad_slot, scan.channel_mb
-    for position, action in enumerate(actions):
-        kind, stage = action.kind, action.stage
-        mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
-        if kind is _SA or kind is _RG:
-            if (stage >= num_stages or s2r[stage] != rank or mb >= num_mb
-                    or action.peer != remote_out[stage]):  # fmt: skip
-                return scan.misplaced(rank, position)
-            key = stage * num_mb + mb
-            if kind is _RG:
-                rg_done[key] = 1
-                grad_in[stage].append(mb * channel_mb + grad_slot[stage + 1])
-                continue
-            if not f_done[key]:
-                disorder(rank, position, "activation")
-            act_out[stage].append(mb * channel_mb + act_slot[stage])
-            arrivals[sent := mb * per_mb + act_base[stage] + remote_out[stage]] = 0.0
-            if (woken := waiting.pop(sent, None)) is not None:
-                ready.append(woken)
-        elif kind is _RA or kind is _SG:
-            if (stage >= num_stages or s2r[stage] != rank or mb >= num_mb
-                    or action.peer != remote_in[stage]):  # fmt: skip
-                return scan.misplaced(rank, position)
-            key = stage * num_mb + mb
-            if kind is _RA:
-                ra_done[key] = 1
-                act_in[stage].append(mb * channel_mb + act_slot[stage - 1])
-                continue
-            if not (b_done[key] or i_done[key]):
-                disorder(rank, position, "gradient")
-            grad_out[stage].append(mb * channel_mb + grad_slot[stage])
-            arrivals[sent := mb * per_mb + grad_base[stage] + remote_in[stage]] = 0.0
-            if (woken := waiting.pop(sent, None)) is not None:
-                ready.append(woken)
-        elif kind is _F or kind is _B or kind is _I or kind is _W:
-            if stage >= num_stages or s2r[stage] != rank or mb >= num_mb:
-                return scan.misplaced(rank, position)
-            # The execution rules: wait for what it consumes (BPipe: acknowledgements first,
-            # the activations an LD brought back last); a compute-only schedule sends at once.
-            while awaiting and (need := wires.unacknowledged(rank)) >= 0:
-                yield position, need
-            slot = waits_for[kind][stage]
-            if slot >= 0 and (need := mb * per_mb + slot) not in arrivals:
-                yield position, need
-            if loaded and (need := wires.restore(rank, action)) >= 0 and need not in arrivals:
-                yield position, need
-            if implicit and (slot := sends_for[kind][stage]) >= 0:
-                arrivals[sent := mb * per_mb + slot] = 0.0
-                if (woken := waiting.pop(sent, None)) is not None:
-                    ready.append(woken)
-            key = stage * num_mb + mb
+    evict_base, restore_base = rules.base[EVICT], rules.base[RESTORE]
+    per_mb, num_ranks, transfers = rules.per_mb, rules.keys.num_ranks, rules.transfers
+    recorded = Recorded([], array("q"))
+    op, wait_at = recorded.ops.append, recorded.wait_at.append
+    awaiting: list[int] = []  # acknowledgements the next compute waits for (Wires.awaiting)
+    loaded: set[int] = set()  # restores a backward waits for (Wires.loaded)
+    accepted, unloaded = scan.accepted[rank], 0  # keys of this rank's ACs; its EVs minus LDs
+    position = 0
+    try:  # a stage past the layout raises IndexError at s2r[stage], before any change
+        for position, action in enumerate(actions):
+            kind = action.kind
+            stage = action.stage
+            mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
+            if awaiting and (kind is _F or kind is _B or kind is _I or kind is _W):
+                for need in awaiting:  # Wires.unacknowledged: BPipe's acknowledgements first
+                    op(~need)
+                    wait_at(position)
+                awaiting.clear()
             if kind is _F:
+                if s2r[stage] != rank or mb >= num_mb:
+                    scan.misplaced(rank, position)
+                    return recorded
+                if (slot := act_wait[stage]) >= 0:
+                    op(~(mb * per_mb + slot))
+                    wait_at(position)
+                if implicit and (slot := act_send[stage]) >= 0:
+                    op(mb * per_mb + slot)
+                key = stage * num_mb + mb
                 if f_done[key]:
                     scan.repeated(rank, position)
                 f_done[key] = 1
@@ -402,13 +367,20 @@ def _scan_rank(scan: _Scan, rank: int) -> Program:
                         disorder(rank, position, "local input")
                 elif with_comm and remote_in[stage] >= 0 and not ra_done[key]:
                     disorder(rank, position, "remote input")
-            elif kind is _W:
-                if w_done[key] or b_done[key]:
-                    scan.note_backward(rank, position, key)  # a repeat, or W with B
-                w_done[key] = 1
-                if not i_done[key]:
-                    disorder(rank, position, "input gradient")
-            else:
+            elif kind is _B or kind is _I:
+                if s2r[stage] != rank or mb >= num_mb:
+                    scan.misplaced(rank, position)
+                    return recorded
+                if (slot := grad_wait[stage]) >= 0:
+                    op(~(mb * per_mb + slot))
+                    wait_at(position)
+                if loaded and (need := mb * per_mb + restore_base[stage] + rank) in loaded:
+                    loaded.discard(need)  # Wires.restore: the activations an LD brought back
+                    op(~need)
+                    wait_at(position)
+                if implicit and (slot := grad_send[stage]) >= 0:
+                    op(mb * per_mb + slot)
+                key = stage * num_mb + mb
                 if b_done[key] or i_done[key]:
                     scan.note_backward(rank, position, key)  # a repeat, or B with I
                 (b_done if kind is _B else i_done)[key] = 1
@@ -421,63 +393,109 @@ def _scan_rank(scan: _Scan, rank: int) -> Program:
                         disorder(rank, position, "local gradient")
                 elif with_comm and remote_out[stage] >= 0 and not rg_done[key]:
                     disorder(rank, position, "remote gradient")
-        else:
-            while (need := _scan_other(scan, rank, position, action)) >= 0:
-                yield position, need
-            if need == _MISPLACED:
-                return
-    scan.finish(rank)
-
-
-_DONE, _MISPLACED = -1, -2
-
-
-def _scan_other(scan: _Scan, rank: int, position: int, action: Action) -> int:
-    """``_scan_rank`` for GS, PS and BPipe's EV / AC / RS / LD, rare, so written plainly:
-    ``_DONE``, ``_MISPLACED`` (the rank's pass ends), or the key of a message to wait for
-    first (nothing is recorded then: call again once it is sent)."""
-    kind, stage, num_mb = action.kind, action.stage, scan.num_mb
-    owner = scan.stage_to_rank[stage] if stage < len(scan.stage_to_rank) else -1
-    mb: int = action.microbatch or 0
-    peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
-    evictor_side = kind is _EV or kind is _LD
-    if kind is _GS or kind is _PS:
-        placed = owner == rank
-    elif evictor_side:
-        placed = owner == rank and peer != rank and mb < num_mb
-    else:
-        placed = owner not in (-1, rank) and peer == owner and mb < num_mb
-    if not placed:
+            elif kind is _SA:
+                if (s2r[stage] != rank or mb >= num_mb
+                        or action.peer != remote_out[stage]):  # fmt: skip
+                    scan.misplaced(rank, position)
+                    return recorded
+                if not f_done[stage * num_mb + mb]:
+                    disorder(rank, position, "activation")
+                act_out[stage].append(sent := mb * per_mb + act_base[stage] + remote_out[stage])
+                op(sent)
+            elif kind is _RA:
+                if (s2r[stage] != rank or mb >= num_mb
+                        or action.peer != remote_in[stage]):  # fmt: skip
+                    scan.misplaced(rank, position)
+                    return recorded
+                ra_done[stage * num_mb + mb] = 1
+                act_in[stage].append(mb * per_mb + act_base[stage - 1] + rank)
+            elif kind is _SG:
+                if (s2r[stage] != rank or mb >= num_mb
+                        or action.peer != remote_in[stage]):  # fmt: skip
+                    scan.misplaced(rank, position)
+                    return recorded
+                key = stage * num_mb + mb
+                if not (b_done[key] or i_done[key]):
+                    disorder(rank, position, "gradient")
+                grad_out[stage].append(sent := mb * per_mb + grad_base[stage] + remote_in[stage])
+                op(sent)
+            elif kind is _RG:
+                if (s2r[stage] != rank or mb >= num_mb
+                        or action.peer != remote_out[stage]):  # fmt: skip
+                    scan.misplaced(rank, position)
+                    return recorded
+                rg_done[stage * num_mb + mb] = 1
+                grad_in[stage].append(mb * per_mb + grad_base[stage + 1] + rank)
+            elif kind is _W:  # waits for nothing but its own rank's I
+                if s2r[stage] != rank or mb >= num_mb:
+                    scan.misplaced(rank, position)
+                    return recorded
+                key = stage * num_mb + mb
+                if w_done[key] or b_done[key]:
+                    scan.note_backward(rank, position, key)  # a repeat, or W with B
+                w_done[key] = 1
+                if not i_done[key]:
+                    disorder(rank, position, "input gradient")
+            elif kind is _GS or kind is _PS:
+                if s2r[stage] != rank:
+                    scan.misplaced(rank, position)
+                    return recorded
+            else:  # BPipe's EV / AC / RS / LD, a few per rank
+                peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
+                owner = s2r[stage] if stage < num_stages else -1
+                if kind is _EV or kind is _LD:  # the evictor's side
+                    placed = owner == rank and peer != rank
+                else:
+                    placed = owner not in (-1, rank) and peer == owner
+                if not placed or mb >= num_mb:
+                    scan.misplaced(rank, position)
+                    return recorded
+                # Rules.transfers, recorded (Wires.transfer runs the same table).
+                rule, base, key = transfers[kind], mb * per_mb, stage * num_mb + mb
+                if (slot := rule.waits[stage]) >= 0:
+                    op(~(base + slot + rank))
+                    wait_at(position)
+                sent = base + rule.sends[stage] + peer
+                if peer < num_ranks:  # a rank outside the layout: the message reaches nobody
+                    op(sent)
+                if (slot := rule.awaits[stage]) >= 0:
+                    awaiting.append(base + slot + rank)
+                if (slot := rule.loads[stage]) >= 0:
+                    loaded.add(base + slot + rank)
+                # The checks, and the channel of the payload (evict / restore).
+                if kind is _EV:
+                    scan.channel(rank, peer)[0].append(sent)
+                    if ev_done[key]:
+                        scan.repeated(rank, position)
+                    else:
+                        ev_done[key] = 1
+                        unloaded += 1
+                    if not f_done[key] or b_done[key] or i_done[key]:
+                        disorder(rank, position, "window")
+                elif kind is _AC:
+                    scan.channel(peer, rank)[1].append(base + evict_base[stage] + rank)
+                    accepted.add(key)
+                elif kind is _RS:
+                    scan.channel(rank, peer)[0].append(sent)
+                    if key not in accepted:
+                        disorder(rank, position, "never accepted")
+                else:
+                    scan.channel(peer, rank)[1].append(base + restore_base[stage] + rank)
+                    if ld_done[key]:
+                        scan.repeated(rank, position)
+                    else:
+                        ld_done[key] = 1
+                        unloaded -= 1
+                    if not ev_done[key]:
+                        disorder(rank, position, "never evicted")
+    except IndexError:
+        if _placement_problem(actions[position], rank, schedule) is None:
+            raise  # not a stage past the layout: a bug, not a schedule problem
         scan.misplaced(rank, position)
-        return _MISPLACED
-    if kind is _GS or kind is _PS:
-        return _DONE
-    if (need := scan.wires.transfer(rank, action, 0.0)[1]) >= 0:
-        return need
-    f_done, b_done, i_done = scan.flags[:3]
-    ev_done, ld_done = scan.flags[6:]
-    key, message = stage * num_mb + mb, scan.channel_mb * mb + scan.transfer_slot[kind][stage]
-    sends = kind is _EV or kind is _RS
-    pair = (rank, peer) if sends else (peer, rank)
-    if (sides := scan.channels.get(pair)) is None:
-        sides = scan.channels[pair] = ([], [])
-    sides[0 if sends else 1].append(message)
-    if evictor_side:
-        done = ev_done if kind is _EV else ld_done
-        if done[key]:
-            scan.repeated(rank, position)
-        else:
-            done[key] = 1
-            scan.unloaded[rank] += 1 if kind is _EV else -1
-        if kind is _EV and (not f_done[key] or b_done[key] or i_done[key]):
-            scan.disorder(rank, position, "window")
-        elif kind is _LD and not ev_done[key]:
-            scan.disorder(rank, position, "never evicted")
-    elif kind is _AC:
-        scan.accepted[rank].add(key)
-    elif key not in scan.accepted[rank]:
-        scan.disorder(rank, position, "never accepted")
-    return _DONE
+        return recorded
+    scan.unloaded[rank] = unloaded
+    scan.finish(rank)
+    return recorded
 
 
 _RankChannels = tuple[list[list[int]], list[list[int]], list[list[int]], list[list[int]]]

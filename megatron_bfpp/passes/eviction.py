@@ -41,10 +41,17 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from collections import deque
+from operator import attrgetter
 
 from megatron_bfpp.execution import Timing, compute_ends
-from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, StageLayout
+from megatron_bfpp.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    StageLayout,
+    unchecked_action,
+)
 
 __all__ = ["add_eviction", "bpipe_max_stored"]
 
@@ -165,8 +172,10 @@ class _Steps:
     __slots__ = ("forward", "microbatch")
 
     def __init__(self, program: tuple[Action, ...]) -> None:
-        self.forward = [a.kind == K.FORWARD for a in program]
-        self.microbatch = [_microbatch(a) for a in program]
+        forward = K.FORWARD
+        self.forward = [a.kind is forward for a in program]
+        # Every action names a micro-batch: _check_input refused any that does not.
+        self.microbatch: list[int] = list(map(_microbatch_of, program))
 
 
 def _plan_evictor(stage: int, steps: _Steps, cap: int, acceptor: int) -> list[tuple[int, Action]]:
@@ -188,13 +197,13 @@ def _plan_evictor(stage: int, steps: _Steps, cap: int, acceptor: int) -> list[tu
             if victim in resident:
                 resident.remove(victim)
                 parked.add(victim)
-                transfers.append((gap, Action(stage, K.EVICT, victim, acceptor)))
+                transfers.append((gap, unchecked_action(stage, K.EVICT, victim, acceptor)))
 
     def load(gap: int, mb: int) -> None:
         parked.remove(mb)
         resident.add(mb)
         heapq.heappush(latest_first, (-backward_at[mb], mb))
-        transfers.append((gap, Action(stage, K.LOAD, mb, acceptor)))
+        transfers.append((gap, unchecked_action(stage, K.LOAD, mb, acceptor)))
 
     for index in range(count):
         mb = microbatch[index]
@@ -227,21 +236,21 @@ def _plan_evictor(stage: int, steps: _Steps, cap: int, acceptor: int) -> list[tu
     return transfers
 
 
-def _microbatch(action: Action) -> int:
-    if action.microbatch is None:  # ruled out by _check_input; keeps the type exact
-        raise ScheduleError(f"{action} names no micro-batch")
-    return action.microbatch
+_microbatch_of = attrgetter("microbatch")
+_kind_of = attrgetter("kind")
 
 
 def _merge(program: tuple[Action, ...], transfers: list[tuple[int, Action]]) -> list[Action]:
-    """Insert transfers before the compute action of their gap, keeping their order."""
+    """Insert transfers before the compute action of their gap, keeping their order (gaps
+    never decrease along ``transfers``); a gap past the end appends."""
     merged: list[Action] = []
-    pending = deque(transfers)
-    for index, action in enumerate(program):
-        while pending and pending[0][0] == index:
-            merged.append(pending.popleft()[1])
+    done = 0
+    for gap, action in transfers:
+        if gap > done:
+            merged.extend(program[done:gap])
+            done = gap
         merged.append(action)
-    merged.extend(action for _, action in pending)
+    merged.extend(program[done:])
     return merged
 
 
@@ -262,7 +271,7 @@ def _merge_timed(
 def _acceptor_side(action: Action, evictor: int) -> Action:
     """The acceptor's half of an evictor's EV (AC) or LD (RS)."""
     kind = K.ACCEPT if action.kind == K.EVICT else K.RESTORE
-    return Action(action.stage, kind, action.microbatch, evictor)
+    return unchecked_action(action.stage, kind, action.microbatch, evictor)
 
 
 def _unit_time_ends(schedule: Schedule) -> list[list[float]]:
@@ -288,7 +297,7 @@ def _acceptor_overflow(schedule: Schedule, limit: float) -> tuple[int, float] | 
     """(acceptor, peak) of the first acceptor storing more than ``limit``, if any."""
     num_ranks = schedule.num_ranks
     for acceptor in range(num_ranks - num_ranks // 2, num_ranks):
-        if not any(a.kind == K.ACCEPT for a in schedule.per_rank[acceptor]):
+        if K.ACCEPT not in map(_kind_of, schedule.per_rank[acceptor]):
             continue
         peak = max(schedule.stored_activations(acceptor), default=0.0)
         if peak > limit:

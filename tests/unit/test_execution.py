@@ -160,6 +160,27 @@ def test_compute_ends_are_the_ends_of_replay_compute_events(name: str) -> None:
         assert ends[rank] == events
 
 
+def test_compute_ends_keep_micro_batches_past_the_count_apart() -> None:
+    """Its flat per-message lists are sized by the micro-batches the actions name, not by
+    ``num_microbatches``, so a schedule that names more still times every message apart."""
+    rows = ["0F0 0F1 0F2 0B2 0B1 0B0", "1F0 1F1 1F2 1B2 1B1 1B0"]
+    schedule = parse_schedule(rows, layout=StageLayout.looped(2), num_microbatches=3)
+    narrow = Schedule(schedule.layout, 1, schedule.per_rank)  # claims one micro-batch
+    timing = Timing(forward=1.0, backward=2.0, p2p=0.5)
+    ends, blocked = compute_ends(narrow, timing)
+    assert not blocked
+    assert ends == compute_ends(schedule, timing).ends
+    assert ends[1] == [2.5, 3.5, 4.5, 6.5, 8.5, 10.5]
+
+
+def test_compute_ends_refuse_a_stage_outside_the_layout() -> None:
+    schedule = Schedule(
+        StageLayout.looped(2), 1, ((Action(0, K.FORWARD, 0),), (Action(5, K.FORWARD, 0),))
+    )
+    with pytest.raises(ScheduleError, match="outside the layout"):
+        compute_ends(schedule)
+
+
 def test_compute_ends_take_compute_only_schedules() -> None:
     lowered = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
     with pytest.raises(ScheduleError, match="compute-only schedule of F, B, I and W"):
