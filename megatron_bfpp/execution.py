@@ -37,9 +37,9 @@ is everything that decides when an action may run, and tests hold them to the sa
 message it consumes has arrived, and lasts its duration; a send occupies its directed link
 (sender, receiver) for its duration, one message at a time in posting order; GS / PS run in
 program order on one data-parallel lane per rank, starting no earlier than their position's
-time; and the first forward of a stage waits for that stage's PS when the PS comes earlier in
-the program. Every link and lane belongs to one rank's program, so the order in which ranks are
-advanced changes no time.
+time; the first compute of a stage after one of its PS waits for that gather to end; an RL
+(sharded parameters: release a chunk's gathered ones) takes no time. Every link and lane
+belongs to one rank's program, so the order in which ranks are advanced changes no time.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class Replay(NamedTuple):
     compute_end: list[float]  # per rank: its clock after its last action
     dp_end: list[float]  # per rank: when its data-parallel lane is done
     busy: list[float]  # per rank: sum of compute durations
-    gather_wait: list[float]  # per rank: time first forwards waited for their PS
+    gather_wait: list[float]  # per rank: time computes waited for their stage's PS
     peak: list[int]  # per rank: peak count of stored stage activations (program order)
 
 
@@ -210,7 +210,7 @@ def describe_waits(blocked: dict[int, tuple[int, Message]]) -> dict[tuple[int, i
 _F, _B, _I, _W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
 _SA, _RA, _SG, _RG = K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD
 _EV, _AC, _RS, _LD = K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD
-_GS, _PS = K.GRAD_SYNC, K.PARAM_SYNC
+_GS, _PS, _RL = K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE
 
 
 _COMPUTE = frozenset({_F, _B, _I, _W})
@@ -466,7 +466,6 @@ class _Run(Wires):
         "num_texts",
         "peak",
         "ps_done",
-        "started",
         "text",
         "waited",
     )
@@ -489,7 +488,6 @@ class _Run(Wires):
         self.busy, self.waited = [0.0] * num_ranks, [0.0] * num_ranks  # waited: for gathers
         self.held, self.peak = [0] * num_ranks, [0] * num_ranks
         self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
-        self.started: list[set[int]] = [set() for _ in range(num_ranks)]
         # Labels: formatting integers dominates an f-string, so format each number once.
         schedule = rules.schedule
         self.num_texts = max(schedule.num_stages + 1, schedule.num_microbatches, num_ranks)
@@ -522,7 +520,7 @@ def _timed(run: _Run, rank: int) -> Program:
     waits_for, sends_for, implicit = rules.waits_for, rules.sends_for, rules.implicit
     act_base, grad_base = rules.base[ACT], rules.base[GRAD]
     per_mb, num_ranks, link_base = rules.per_mb, rules.keys.num_ranks, rank * rules.keys.num_ranks
-    loaded_r, awaiting_r, started_r = run.loaded[rank], run.awaiting[rank], run.started[rank]
+    loaded_r, awaiting_r = run.loaded[rank], run.awaiting[rank]
     ps_r, t, busy_r, wait_r = run.ps_done[rank], run.clock[rank], run.busy[rank], run.waited[rank]
     held_r, peak_r = run.held[rank], run.peak[rank]
     for i, a in enumerate(program):
@@ -547,12 +545,9 @@ def _timed(run: _Run, rank: int) -> Program:
                     arrival = arrivals[need]
                 if arrival > start:
                     start = arrival
-            if kind is _F and s not in started_r:  # the first forward of a stage: its gather
-                started_r.add(s)
-                gathered = ps_r.get(s)
-                if gathered is not None and gathered > start:
-                    wait_r += gathered - start
-                    start = gathered
+            if ps_r and (gathered := ps_r.pop(s, None)) is not None and gathered > start:
+                wait_r += gathered - start  # the stage's first compute after its gather (PS)
+                start = gathered
             duration, delta = spec
             t = start + duration
             busy_r += duration
@@ -573,6 +568,8 @@ def _timed(run: _Run, rank: int) -> Program:
             key = mb * per_mb + (act_base if kind is _SA else grad_base)[s] + peer
         elif kind is _GS or kind is _PS:
             _data_parallel(run, rank, a, t)
+            continue
+        elif kind is _RL:  # frees memory at once; the program order already counts it
             continue
         elif kind is not _RA and kind is not _RG:  # BPipe's EV / AC / RS / LD
             while (moved := run.transfer(rank, a, t))[1] >= 0:

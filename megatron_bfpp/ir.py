@@ -64,6 +64,7 @@ class ActionKind(StrEnum):
     LOAD = "LD"  # BPipe evictor: receive them back before the backward
     GRAD_SYNC = "GS"  # start this chunk's data-parallel gradient reduction
     PARAM_SYNC = "PS"  # start this chunk's data-parallel parameter gather
+    RELEASE = "RL"  # sharded parameters: free this chunk's gathered ones, keep the local shard
 
     @property
     def is_compute(self) -> bool:
@@ -94,7 +95,7 @@ _SENDS = frozenset(
     {ActionKind.SEND_ACT, ActionKind.SEND_GRAD, ActionKind.EVICT, ActionKind.RESTORE}
 )
 _RECVS = frozenset({ActionKind.RECV_ACT, ActionKind.RECV_GRAD, ActionKind.ACCEPT, ActionKind.LOAD})
-_CHUNK_LEVEL = frozenset({ActionKind.GRAD_SYNC, ActionKind.PARAM_SYNC})
+_CHUNK_LEVEL = frozenset({ActionKind.GRAD_SYNC, ActionKind.PARAM_SYNC, ActionKind.RELEASE})
 
 # Longest kinds first so "SA" is not read as "S" + "A".
 _KIND_PATTERN = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
@@ -364,6 +365,27 @@ class Schedule:
         # Integer counts, scaled once: no rounding drift.
         held = accumulate(map(_FULL_MEMORY_DELTA.__getitem__, map(_kind_of, self.per_rank[rank])))
         return tuple(count * fraction for count in held)
+
+    def resident_parameters(self, rank: int) -> tuple[float, ...]:
+        """Gathered (full) parameters held on ``rank`` after each of its actions, in full-stage
+        units (the parameters of ``num_layers / pp`` layers), program order.
+
+        Without sharded parameters (no RL on the rank) every chunk stays gathered. With them
+        (``add_grad_sync(..., sharding="optim_grads_params")``) a chunk's parameters exist from
+        its PS, which allocates the buffer the all-gather fills, to its RL. The local shard (1/d
+        of the rank's parameters) is left out: it does not depend on the schedule.
+        """
+        program = self.per_rank[rank]
+        fraction = self.layout.stage_fraction
+        if ActionKind.RELEASE not in map(_kind_of, program):
+            return (len(self.layout.stages_of(rank)) * fraction,) * len(program)
+        step = {ActionKind.PARAM_SYNC: 1, ActionKind.RELEASE: -1}
+        held = accumulate(step.get(kind, 0) for kind in map(_kind_of, program))
+        return tuple(count * fraction for count in held)
+
+    def peak_parameters(self) -> tuple[float, ...]:
+        """Per-rank peak of ``resident_parameters``."""
+        return tuple(max(self.resident_parameters(r), default=0.0) for r in range(self.num_ranks))
 
     def peak_activations(self) -> tuple[float, ...]:
         """Per-rank peak of ``stored_activations``: 1F1B's rank r reads p - r."""

@@ -297,6 +297,7 @@ def _scan(schedule: Schedule) -> _Scan:
 _F, _B, _I, _W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
 _SA, _RA, _SG, _RG = K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD
 _EV, _AC, _RS, _LD, _GS, _PS = K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD, K.GRAD_SYNC, K.PARAM_SYNC
+_RL = K.RELEASE
 
 # Why an action breaks the local order, by the rule it breaks (``str.format`` of the action's
 # stage, micro-batch, previous and next stage).
@@ -338,6 +339,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
     awaiting: list[int] = []  # acknowledgements the next compute waits for (Wires.awaiting)
     loaded: set[int] = set()  # restores a backward waits for (Wires.loaded)
     accepted, unloaded = scan.accepted[rank], 0  # keys of this rank's ACs; its EVs minus LDs
+    sharded = False  # an RL: this rank's parameters are sharded (checked after the loop)
     position = 0
     try:  # a stage past the layout raises IndexError at s2r[stage], before any change
         for position, action in enumerate(actions):
@@ -436,10 +438,11 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                 w_done[key] = 1
                 if not i_done[key]:
                     disorder(rank, position, "input gradient")
-            elif kind is _GS or kind is _PS:
+            elif kind is _GS or kind is _PS or kind is _RL:
                 if s2r[stage] != rank:
                     scan.misplaced(rank, position)
                     return recorded
+                sharded = sharded or kind is _RL
             else:  # BPipe's EV / AC / RS / LD, a few per rank
                 peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
                 owner = s2r[stage] if stage < num_stages else -1
@@ -495,7 +498,40 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
         return recorded
     scan.unloaded[rank] = unloaded
     scan.finish(rank)
+    if sharded and rank not in scan.order:
+        problem = _residency_problem(schedule, rank)
+        if problem is not None:
+            scan.order[rank] = problem
     return recorded
+
+
+def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
+    """With sharded parameters (the rank has an RL) each chunk starts and ends the step
+    released, is gathered (PS) only while released and released (RL) only while gathered, and
+    computes only while gathered. A plain walk: sharded schedules only."""
+    gathered: set[int] = set()
+    for position, action in enumerate(schedule.per_rank[rank]):
+        kind, stage = action.kind, action.stage
+        if kind is _PS:
+            if stage in gathered:
+                return _at(schedule, rank, position, "gathers parameters already gathered: "
+                           f"release them (RL {stage}) first, or drop this PS")  # fmt: skip
+            gathered.add(stage)
+        elif kind is _RL:
+            if stage not in gathered:
+                return _at(schedule, rank, position, "releases parameters that are not gathered")
+            gathered.discard(stage)
+        elif kind.is_compute and stage not in gathered:
+            return _at(schedule, rank, position, f"runs with stage {stage}'s parameters released "
+                       f"(sharded): gather them ({stage}PS) before it")  # fmt: skip
+    if gathered:
+        return _fail(
+            schedule,
+            f"rank {rank}: stage(s) {sorted(gathered)} end the step with their sharded parameters "
+            "gathered; release them (RL) after their last use",
+            {},
+        )
+    return None
 
 
 _RankChannels = tuple[list[list[int]], list[list[int]], list[list[int]], list[list[int]]]

@@ -73,9 +73,11 @@ class Case:
             parts.append(f"--vp {self.num_chunks}")
         parts.append(f"--microbatches {self.num_microbatches}")
         for option, value in self.options.items():
-            flag = {"group_size": "--group-size", "microbatch_group_size": "--group-size"}.get(
-                option, f"--{option.replace('_', '-')}"
-            )
+            flag = {
+                "group_size": "--group-size",
+                "microbatch_group_size": "--group-size",
+                "sharding": "--data-parallel-sharding-strategy",
+            }.get(option, f"--{option.replace('_', '-')}")
             parts.append(f"{flag} {value}")
         default = CostModel()  # bfpp-sim's defaults: flags only for what differs
         for costs_field in fields(CostModel):
@@ -125,6 +127,31 @@ DP_OVERLAP = [
         DP_M,
         DP_V,
         costs=DP_COSTS,
+    ),
+]
+
+# Sharded parameters: each chunk's gather and reduction cost as much as 4 of its forwards.
+SHARDED_COSTS = CostModel(t_forward=1, t_backward=2, t_weight=1, t_grad_reduce=1, t_param_gather=1)
+SHARDED = [
+    Case(
+        "sharded-breadth-first",
+        "breadth-first, vp=4, sharded parameters",
+        "breadth-first",
+        DP_P,
+        DP_M,
+        DP_V,
+        {"sharding": "optim_grads_params"},
+        costs=SHARDED_COSTS,
+    ),
+    Case(
+        "sharded-interleaved",
+        "interleaved (depth-first), vp=4, sharded parameters",
+        "interleaved",
+        DP_P,
+        DP_M,
+        DP_V,
+        {"sharding": "optim_grads_params"},
+        costs=SHARDED_COSTS,
     ),
 ]
 
@@ -286,6 +313,15 @@ def main() -> int:
     print(f"{'':28s} bpipe transfers (sender's row): {moves}")
     draw_memory_bars(out)
     draw_bpipe_profile(out)
+    print(f"\nsharded parameters, pp={DP_P}, vp={DP_V}, m={DP_M}, {SHARDED_COSTS}:")
+    for case in SHARDED:
+        result = draw_timeline(case, out)
+        gathers = sum(a.kind.value == "PS" for a in case.build().per_rank[0])
+        print(
+            f"{'':28s} rank 0: {gathers} gathers; peak gathered parameters per rank "
+            f"{fmt_peaks(result.peak_parameters)} of a full stage; exposed DP "
+            f"{result.exposed_dp_comm_time:g}"
+        )
     print(f"\ndata-parallel overlap, pp={DP_P}, vp={DP_V}, m={DP_M}, {DP_COSTS}:")
     no_dp = replace(DP_COSTS, t_grad_reduce=0.0, t_param_gather=0.0)
     for case in DP_OVERLAP:

@@ -11,7 +11,7 @@ from typing import Any
 from megatron_bfpp.cli.common import OneLineParser, fail, non_negative_float, positive_int
 from megatron_bfpp.ir import Schedule, ScheduleError, dump_csv, format_schedule, load_csv
 from megatron_bfpp.passes.communication import add_communication
-from megatron_bfpp.passes.grad_sync import add_grad_sync
+from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
 from megatron_bfpp.schedules.registry import (
     ALL_OPTIONS,
     SCHEDULES,
@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="virtual stages (chunks) per rank: interleaved and breadth-first",
     )
     source.add_argument("--microbatches", type=positive_int, help="micro-batches per step")
+    source.add_argument(
+        "--data-parallel-sharding-strategy",
+        choices=SHARDING_STRATEGIES,
+        default="optim",
+        help="optim (default): parameters stay whole (DDP / distributed optimizer); "
+        "optim_grads_params: sharded too, each chunk gathered (PS) and released (RL) around "
+        "its use, at most two chunks gathered per rank",
+    )
     for flag, options in _SIM_FLAGS.items():
         source.add_argument(
             flag, type=positive_int, default=None, help="; ".join(o.help for o in options)
@@ -130,7 +138,13 @@ def _schedule_from(args: argparse.Namespace) -> Schedule:
         loaded = load_csv(args.load_csv)
         if not has_communication(loaded):
             validate_schedule(loaded, require_communication=False)
-            loaded = add_grad_sync(add_communication(loaded))
+            sharding = args.data_parallel_sharding_strategy
+            loaded = add_grad_sync(add_communication(loaded), sharding=sharding)
+        elif args.data_parallel_sharding_strategy != "optim":
+            raise ScheduleError(
+                "--data-parallel-sharding-strategy applies to a compute-only CSV; this one is "
+                "lowered and already places its GS / PS / RL"
+            )
         validate_schedule(loaded)
         return loaded
     missing = [
@@ -162,6 +176,7 @@ def _schedule_from(args: argparse.Namespace) -> Schedule:
         num_ranks=args.pp,
         num_microbatches=args.microbatches,
         num_chunks=args.vp,
+        sharding=args.data_parallel_sharding_strategy,
         **options,
     )
 
@@ -174,14 +189,19 @@ def format_report(result: SimResult) -> str:
         f"step time {data['step_time']:.4g}   bubble {100 * data['bubble_fraction']:.2f}%   "
         f"exposed DP comm {data['exposed_dp_comm_time']:.4g}",
         "",
-        f"{'rank':>4}  {'busy':>10}  {'bubble %':>8}  {'peak act.':>9}  {'exposed DP':>10}",
+        f"{'rank':>4}  {'busy':>10}  {'bubble %':>8}  {'peak act.':>9}  {'peak par.':>9}  "
+        f"{'exposed DP':>10}",
     ]
     for row in data["per_rank"]:
         lines.append(
             f"{row['rank']:>4}  {row['busy_time']:>10.4g}  {100 * row['bubble_fraction']:>8.2f}  "
-            f"{row['peak_activations']:>9.3g}  {row['exposed_dp_comm_time']:>10.4g}"
+            f"{row['peak_activations']:>9.3g}  {row['peak_parameters']:>9.3g}  "
+            f"{row['exposed_dp_comm_time']:>10.4g}"
         )
     lines.append("peak act. = stored activations in micro-batches through one full 1F1B stage")
+    lines.append(
+        "peak par. = gathered parameters in full 1F1B stages (sharded: the 1/d shard comes on top)"
+    )
     return "\n".join(lines)
 
 

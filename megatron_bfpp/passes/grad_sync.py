@@ -4,10 +4,23 @@ A chunk's parameters are gathered (PS) at the start of the step, in the order th
 run, so later chunks' gathers overlap earlier chunks' forwards; its gradient reduction (GS) starts
 right after its last backward, so it overlaps the backward of every chunk that finishes later.
 This is where breadth-first wins: its first chunk to finish does so long before the step ends.
+
+With sharded parameters (``sharding="optim_grads_params"``, ZeRO-3) a chunk's full parameters
+exist only between a gather (PS) and a release (RL), and at most ``max_resident`` chunks of a
+rank are gathered at once. A rank's compute actions fall into segments, maximal runs on one
+chunk; at the start of each segment the next segment's chunk is gathered, so the gather overlaps
+this segment's compute, and when that needs room the gathered chunk used again latest is released
+first (which needs the fewest gathers for the room, as in Belady's cache). After a chunk's last
+backward come its GS and its RL. Breadth-first runs each chunk's forwards, then its backwards, in
+long segments: every chunk is gathered at most twice per step, and with two chunks resident the
+chunk whose backwards directly follow its forwards and the one before it once. Depth-first
+interleaved alternates chunks every micro-batch or two, so with fewer chunks resident than it
+has it gathers again for every group.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from operator import attrgetter
 
 from megatron_bfpp.ir import (
@@ -24,11 +37,34 @@ __all__ = ["add_grad_sync"]
 K = ActionKind
 
 
+SHARDING_STRATEGIES = ("optim", "optim_grads_params")
+
+
 @paused_gc()
-def add_grad_sync(schedule: Schedule) -> Schedule:
+def add_grad_sync(
+    schedule: Schedule, *, sharding: str = "optim", max_resident: int = 2
+) -> Schedule:
+    """GS / PS per chunk (and RL with sharded parameters), in Megatron's vocabulary:
+    ``sharding="optim"`` keeps parameters and gradients whole (DDP or the distributed
+    optimizer), ``"optim_grads_params"`` shards them too, keeping at most ``max_resident`` chunks
+    of a rank gathered."""
     get_kind = attrgetter("kind")
     if not all(_CHUNK_LEVEL.isdisjoint(map(get_kind, actions)) for actions in schedule.per_rank):
-        raise ScheduleError("add_grad_sync: the schedule already has GS/PS actions")
+        raise ScheduleError("add_grad_sync: the schedule already has GS/PS/RL actions")
+    if sharding not in SHARDING_STRATEGIES:
+        raise ScheduleError(
+            f"add_grad_sync: sharding={sharding!r} is not one of {', '.join(SHARDING_STRATEGIES)}"
+        )
+    if sharding == "optim_grads_params":
+        if isinstance(max_resident, bool) or not isinstance(max_resident, int) or max_resident < 1:
+            raise ScheduleError(
+                f"add_grad_sync: max_resident={max_resident!r} must be an integer >= 1 (chunks "
+                "gathered at once; 2 lets the next chunk's gather overlap this one's compute)"
+            )
+        return schedule.with_programs(
+            _sharded_program(actions, schedule.layout.stages_of(rank), max_resident)
+            for rank, actions in enumerate(schedule.per_rank)
+        )
     programs = []
     for rank, actions in enumerate(schedule.per_rank):
         stages = schedule.layout.stages_of(rank)
@@ -58,7 +94,7 @@ def add_grad_sync(schedule: Schedule) -> Schedule:
     return schedule.with_programs(programs)
 
 
-_CHUNK_LEVEL = frozenset({K.GRAD_SYNC, K.PARAM_SYNC})
+_CHUNK_LEVEL = frozenset({K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE})
 
 
 def _first_forwards(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
@@ -91,3 +127,73 @@ def _last_grads(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[in
             if not missing:
                 break
     return last
+
+
+def _sharded_program(
+    actions: tuple[Action, ...], stages: tuple[int, ...], max_resident: int
+) -> list[Action]:
+    """One rank's program with sharded parameters (see the module docstring)."""
+    segments = _segments(actions)  # (stage, position of its first compute), in program order
+    last_grad = _last_grads(actions, stages)
+    before: dict[int, list[Action]] = {}
+    after: dict[int, list[Action]] = {}
+    for stage in stages:  # GS and RL after the last backward (and its gradient send)
+        position = last_grad[stage]
+        if position < 0:  # no backward on this rank (forward only): release after its last use
+            position = max(
+                (i for i, a in enumerate(actions) if a.stage == stage and a.kind.is_compute),
+                default=-1,
+            )
+            if position < 0:
+                continue
+            done = [unchecked_action(stage, K.RELEASE)]
+        else:
+            done = [unchecked_action(stage, K.GRAD_SYNC), unchecked_action(stage, K.RELEASE)]
+        while position + 1 < len(actions) and actions[position + 1].kind is K.SEND_GRAD:
+            position += 1
+        after.setdefault(position, []).extend(done)
+    uses: dict[int, list[int]] = {stage: [] for stage in stages}  # segment indices per stage
+    for index, (stage, _) in enumerate(segments):
+        uses[stage].append(index)
+
+    def next_use(stage: int, index: int) -> int:
+        later = uses[stage]
+        found = bisect_right(later, index)
+        return later[found] if found < len(later) else len(segments)
+
+    gathered: list[int] = []
+    for index, (stage, start) in enumerate(segments):
+        inserted = before.setdefault(start, [])
+        # A chunk past its last use was released after its last backward (``after``).
+        gathered = [s for s in gathered if uses[s][-1] >= index]
+        wanted = [stage]
+        if max_resident >= 2 and index + 1 < len(segments):
+            wanted.append(segments[index + 1][0])  # prefetch: overlap this segment's compute
+        for want in wanted:
+            if want in gathered:
+                continue
+            keep = stage if want != stage else -1  # never release the chunk about to compute
+            while len(gathered) >= max_resident:
+                victim = max((s for s in gathered if s != keep), key=lambda s: next_use(s, index))
+                gathered.remove(victim)
+                inserted.append(unchecked_action(victim, K.RELEASE))
+            gathered.append(want)
+            inserted.append(unchecked_action(want, K.PARAM_SYNC))
+    program: list[Action] = []
+    for position, action in enumerate(actions):
+        program += before.get(position, ())
+        program.append(action)
+        program += after.get(position, ())
+    return program
+
+
+def _segments(actions: tuple[Action, ...]) -> list[tuple[int, int]]:
+    """(stage, position of its first compute action) of each maximal run of compute actions on
+    one stage, other actions (messages) not breaking a run."""
+    segments: list[tuple[int, int]] = []
+    current = -1
+    for position, action in enumerate(actions):
+        if action.kind.is_compute and action.stage != current:
+            current = action.stage
+            segments.append((current, position))
+    return segments

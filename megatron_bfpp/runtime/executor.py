@@ -241,8 +241,15 @@ CORE = Handlers(
         K.PARAM_SYNC: param_sync,
     }
 )
-# Zero-bubble's split backward: generated and simulated (v-* schedules), not executed yet.
-NOT_RUNNABLE = Handlers(kinds={K.BACKWARD_INPUT: not_runnable, K.BACKWARD_WEIGHT: not_runnable})
+# Zero-bubble's split backward (v-* schedules) and sharded parameters' release: generated and
+# simulated, not executed yet.
+NOT_RUNNABLE = Handlers(
+    kinds={
+        K.BACKWARD_INPUT: not_runnable,
+        K.BACKWARD_WEIGHT: not_runnable,
+        K.RELEASE: not_runnable,
+    }
+)
 TABLE: DispatchTable = dispatch_table(CORE, bpipe.HANDLERS, NOT_RUNNABLE)
 
 

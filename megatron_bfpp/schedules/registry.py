@@ -285,13 +285,16 @@ def build_schedule(
     num_microbatches: int,
     num_chunks: int | None = None,
     lower: bool = True,
+    sharding: str = "optim",
     **options: Any,
 ) -> Schedule:
     """A validated schedule; ``lower=False`` stops at the compute order (still validated).
 
     ``num_chunks`` is the virtual pipeline size (stages per rank): required for looped
     schedules, 1 or omitted for single-stage ones, 2 or omitted for V-shape ones. Options left
-    at ``None`` take the schedule's default.
+    at ``None`` take the schedule's default. ``sharding`` is Megatron's data-parallel sharding
+    strategy, ``optim`` or ``optim_grads_params`` (sharded parameters: gathers and releases per
+    chunk, see ``passes.grad_sync``); it shapes the lowered schedule only.
     """
     spec = get_spec(name)
     chosen = {key: value for key, value in options.items() if value is not None}
@@ -302,7 +305,7 @@ def build_schedule(
         num_ranks=num_ranks, num_microbatches=num_microbatches, **chunk_args, **chosen
     )
     if lower:
-        schedule = add_grad_sync(add_communication(schedule))
+        schedule = add_grad_sync(add_communication(schedule), sharding=sharding)
     validate_schedule(schedule, require_communication=lower)
     return schedule
 

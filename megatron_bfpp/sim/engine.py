@@ -29,8 +29,10 @@ class RankMetrics:
 
     ``busy_time`` sums its compute durations (communication is not busy time); ``bubble_fraction``
     is ``(step_time - busy_time) / step_time``; ``peak_activations`` is the program-order peak of
-    ``Schedule.stored_activations`` in full-stage micro-batches; ``exposed_dp_comm_time`` is the
-    time the rank waits on data-parallel communication: first forwards held back by their
+    ``Schedule.stored_activations`` in full-stage micro-batches; ``peak_parameters`` that of
+    ``Schedule.resident_parameters``, gathered parameters in full stages (with sharded
+    parameters, at most ``max_resident`` chunks; else all of the rank's); ``exposed_dp_comm_time``
+    is the time the rank waits on data-parallel communication: computes held back by their
     parameter gather, plus the tail between its last compute and its last GS / PS.
     """
 
@@ -38,6 +40,7 @@ class RankMetrics:
     busy_time: float
     bubble_fraction: float
     peak_activations: float
+    peak_parameters: float
     exposed_dp_comm_time: float
     compute_end: float
     end_time: float
@@ -68,6 +71,10 @@ class SimResult:
     @property
     def peak_activations(self) -> tuple[float, ...]:
         return tuple(r.peak_activations for r in self.per_rank)
+
+    @property
+    def peak_parameters(self) -> tuple[float, ...]:
+        return tuple(r.peak_parameters for r in self.per_rank)
 
     def to_dict(self, *, include_events: bool = False) -> dict[str, Any]:
         result: dict[str, Any] = {
@@ -129,6 +136,7 @@ def _result(schedule: Schedule, costs: CostModel, run: Replay) -> SimResult:
                 busy_time=busy[rank],
                 bubble_fraction=bubble,
                 peak_activations=run.peak[rank] * schedule.layout.stage_fraction,
+                peak_parameters=max(schedule.resident_parameters(rank), default=0.0),
                 exposed_dp_comm_time=exposed,
                 compute_end=clock[rank],
                 end_time=ends[rank],

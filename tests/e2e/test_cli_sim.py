@@ -156,3 +156,42 @@ def test_console_script_is_installed() -> None:
     result = subprocess.run(["bfpp-sim", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     assert "--pipeline" not in result.stdout and "--schedule" in result.stdout
+
+
+def test_sharded_parameters_cut_gathered_parameters_and_breadth_first_hides_gathers(
+    tmp_path: Path,
+) -> None:
+    """--data-parallel-sharding-strategy optim_grads_params: two chunks of four gathered per
+    rank (peak par. 0.5 of a full stage), and breadth-first's few gathers hide behind its
+    compute where interleaved's many do not."""
+    runs = {}
+    for name, strategy in (
+        ("breadth-first", "optim_grads_params"),
+        ("interleaved", "optim_grads_params"),
+        ("interleaved", "optim"),
+    ):
+        result = bfpp_sim(
+            *("--schedule", name, "--pp", "4", "--vp", "4", "--microbatches", "16"),
+            *("--t-param-gather", "1", "--t-grad-reduce", "1", "--json"),
+            *("--data-parallel-sharding-strategy", strategy),
+        )
+        assert result.returncode == 0, result.stderr
+        runs[name, strategy] = json.loads(result.stdout)
+    breadth, depth = (
+        runs["breadth-first", "optim_grads_params"],
+        runs["interleaved", "optim_grads_params"],
+    )
+    dense = runs["interleaved", "optim"]
+    assert [r["peak_parameters"] for r in breadth["per_rank"]] == [0.5] * 4
+    assert [r["peak_parameters"] for r in dense["per_rank"]] == [1.0] * 4
+    assert breadth["step_time"] < depth["step_time"]
+    text = bfpp_sim(
+        *("--schedule", "breadth-first", "--pp", "2", "--vp", "4", "--microbatches", "4"),
+        *("--data-parallel-sharding-strategy", "optim_grads_params", "--grid", "full"),
+    )
+    assert text.returncode == 0, text.stderr
+    assert "peak par." in text.stdout and "0RL" in text.stdout and "4PS" in text.stdout
+    bad = bfpp_sim("--schedule", "1f1b", "--pp", "2", "--microbatches", "2",
+                   "--data-parallel-sharding-strategy", "zero3")  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.count("invalid choice") == 1

@@ -38,7 +38,7 @@ def test_a_kind_without_handler_fails_when_the_table_is_built() -> None:
 
 def test_a_kind_with_two_handlers_fails_when_the_table_is_built() -> None:
     with pytest.raises(
-        RuntimeError, match=r"\['BACKWARD_INPUT', 'BACKWARD_WEIGHT'\].*two handlers"
+        RuntimeError, match=r"\['BACKWARD_INPUT', 'BACKWARD_WEIGHT', 'RELEASE'\].*two handlers"
     ):
         dispatch_table(CORE, bpipe.HANDLERS, NOT_RUNNABLE, NOT_RUNNABLE)
 
@@ -48,7 +48,7 @@ def test_parts_and_capturing_kinds_come_from_the_modules() -> None:
     assert TABLE.captures == {ActionKind.EVICT}
 
 
-@pytest.mark.parametrize("text", ["2I3", "0W1"])
+@pytest.mark.parametrize("text", ["2I3", "0W1", "1RL"])
 def test_a_kind_not_runnable_yet_names_the_action_and_the_rank(text: str) -> None:
     action = parse_action(text)
     step: Any = SimpleNamespace(rank=1, schedule=SimpleNamespace(name="v-zb"))
