@@ -13,6 +13,11 @@ Everything after ``--`` goes to ``pretrain_gpt.py``. Nodes come from ``SLURM_JOB
 (expanded with ``scontrol show hostnames``; ``--nodes host1,host2`` overrides, e.g. in tests).
 ``MASTER_ADDR`` is the first node, ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as Megatron-LM expects.
 
+Before it prints or starts anything, the Megatron arguments are checked for the job's world size
+(nodes x ``--gpus-per-node``) with megatron_bfpp's own checks
+(:func:`megatron_bfpp.megatron.preflight.check_megatron_command`): a schedule, layout or batch
+that cannot run stops here with one ``launch.py: error:`` line and exit code 1, not on the GPUs.
+
 ``--rank-placement pair-adjacent`` (for BPipe) computes
 :func:`megatron_bfpp.megatron.placement.pair_adjacent_rank_order` from the parallel sizes in the
 Megatron arguments and exports it as ``BFPP_RANK_ORDER``; ``megatron_bfpp.launch`` then rewrites
@@ -30,12 +35,16 @@ from collections.abc import Mapping, Sequence
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from megatron_bfpp.cli.common import OneLineParser, positive_int
+from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.megatron.placement import (
     RANK_ORDER_ENV,
+    PlacementError,
     format_rank_order,
     node_stages,
     pair_adjacent_rank_order,
 )
+from megatron_bfpp.megatron.preflight import check_megatron_command
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -44,12 +53,12 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         cut = argv.index("--")
         argv, megatron_args = argv[:cut], argv[cut + 1 :]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="launch.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--megatron-lm", required=True, help="Megatron-LM checkout")
     parser.add_argument("--script", default="pretrain_gpt.py", help="script in the checkout")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpus-per-node", type=positive_int, default=8)
     parser.add_argument("--nodes", default=None, help="comma-separated hosts (default: SLURM)")
-    parser.add_argument("--master-port", type=int, default=6000)
+    parser.add_argument("--master-port", type=positive_int, default=6000)
     parser.add_argument("--python", default="python", help="interpreter on the compute nodes")
     parser.add_argument(
         "--rank-placement",
@@ -75,39 +84,30 @@ def expand_nodes(nodelist: str | None, environ: Mapping[str, str]) -> list[str]:
     return out.split()
 
 
-def megatron_flag(args: Sequence[str], flag: str, default: int) -> int:
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            return int(args[i + 1])
-        if arg.startswith(flag + "="):
-            return int(arg.split("=", 1)[1])
-    return default
-
-
-def rank_order(opts: argparse.Namespace, megatron_args: Sequence[str], num_nodes: int) -> str:
-    world = num_nodes * opts.gpus_per_node
-    tp = megatron_flag(megatron_args, "--tensor-model-parallel-size", 1)
-    pp = megatron_flag(megatron_args, "--pipeline-model-parallel-size", 1)
-    cp = megatron_flag(megatron_args, "--context-parallel-size", 1)
-    if cp != 1:
+def rank_order(opts: argparse.Namespace, megatron: argparse.Namespace) -> str:
+    """``megatron``: the checked arguments from :func:`check_megatron_command`."""
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    if megatron.context_parallel_size != 1:
         raise SystemExit("launch.py: error: pair-adjacent placement supports context parallel 1")
-    if world % (tp * pp):
-        raise SystemExit(f"launch.py: error: world size {world} is not a multiple of tp*pp")
-    order = "tp-pp-dp" if "--use-tp-pp-dp-mapping" in megatron_args else "tp-dp-pp"
-    slots = pair_adjacent_rank_order(
-        pipeline_parallel_size=pp,
-        gpus_per_node=opts.gpus_per_node,
-        tensor_parallel_size=tp,
-        data_parallel_size=world // (tp * pp),
-        order=order,
-    )
+    order = "tp-pp-dp" if megatron.use_tp_pp_dp_mapping else "tp-dp-pp"
+    dp = megatron.data_parallel_size
+    try:
+        slots = pair_adjacent_rank_order(
+            pipeline_parallel_size=pp,
+            gpus_per_node=opts.gpus_per_node,
+            tensor_parallel_size=tp,
+            data_parallel_size=dp,
+            order=order,
+        )
+    except PlacementError as error:
+        raise SystemExit(f"launch.py: error: --rank-placement pair-adjacent: {error}") from None
     for node, stages in enumerate(
         node_stages(
             slots,
             gpus_per_node=opts.gpus_per_node,
             pipeline_parallel_size=pp,
             tensor_parallel_size=tp,
-            data_parallel_size=world // (tp * pp),
+            data_parallel_size=dp,
             order=order,
         )
     ):
@@ -115,13 +115,24 @@ def rank_order(opts: argparse.Namespace, megatron_args: Sequence[str], num_nodes
     return format_rank_order(slots)
 
 
+def check_arguments(
+    opts: argparse.Namespace, megatron_args: Sequence[str], nodes: Sequence[str]
+) -> argparse.Namespace:
+    """Here, before anything starts, is the first place that knows the job's world size."""
+    try:
+        return check_megatron_command(megatron_args, world_size=len(nodes) * opts.gpus_per_node)
+    except ScheduleError as error:
+        raise SystemExit(f"launch.py: error: {str(error).splitlines()[0]}") from None
+
+
 def node_commands(
     opts: argparse.Namespace, megatron_args: Sequence[str], nodes: Sequence[str]
 ) -> list[tuple[dict[str, str], list[str]]]:
+    checked = check_arguments(opts, megatron_args, nodes)
     env = {"MASTER_ADDR": nodes[0], "MASTER_PORT": str(opts.master_port)}
     env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     if opts.rank_placement == "pair-adjacent":
-        env[RANK_ORDER_ENV] = rank_order(opts, megatron_args, len(nodes))
+        env[RANK_ORDER_ENV] = rank_order(opts, checked)
     script = os.path.join(opts.megatron_lm, opts.script)
     commands = []
     for node_rank, _ in enumerate(nodes):

@@ -1,4 +1,5 @@
-"""Pair-adjacent rank placement (BPipe re-evaluation paper, Figure 2) and the SLURM dry run."""
+"""Pair-adjacent rank placement (BPipe re-evaluation paper, Figure 2) and the SLURM launcher's
+dry run (the sbatch templates: test_sbatch.py)."""
 
 from __future__ import annotations
 
@@ -119,17 +120,23 @@ def _dry_run(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 def test_slurm_dry_run_prints_one_command_per_node() -> None:
+    megatron = (
+        "--pipeline-model-parallel-size", "16", "--micro-batch-size", "1",
+        "--global-batch-size", "32", "--pipeline-schedule", "bpipe",
+    )  # fmt: skip
     result = _dry_run(
         "--megatron-lm", "/opt/Megatron-LM", "--gpus-per-node", "8", "--dry-run",
-        "--rank-placement", "pair-adjacent", "--",
-        "--pipeline-model-parallel-size", "16", "--pipeline-schedule", "bpipe",
+        "--rank-placement", "pair-adjacent", "--", *megatron,
         env={"SLURM_JOB_NODELIST": "gpu-a"},  # a single host needs no scontrol
     )  # fmt: skip
-    assert result.returncode == 1  # 16 stages do not fit one node of 8: clear error
+    assert result.returncode == 1  # 16 stages do not fit one node of 8: one line
+    assert result.stderr == (
+        "launch.py: error: world size 8 is not a multiple of tensor x pipeline x context "
+        "parallel sizes (1 x 16 x 1 = 16); change the node count or the sizes\n"
+    )
     result = _dry_run(
         "--megatron-lm", "/opt/Megatron-LM", "--gpus-per-node", "8", "--dry-run",
-        "--nodes", "gpu-a,gpu-b", "--rank-placement", "pair-adjacent", "--",
-        "--pipeline-model-parallel-size", "16", "--pipeline-schedule", "bpipe",
+        "--nodes", "gpu-a,gpu-b", "--rank-placement", "pair-adjacent", "--", *megatron,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -140,25 +147,23 @@ def test_slurm_dry_run_prints_one_command_per_node() -> None:
         assert "BFPP_RANK_ORDER=0,15,1,14,2,13,3,12,4,11,5,10,6,9,7,8" in line
         assert f"--nnodes=2 --nproc-per-node=8 --node-rank={node_rank}" in line
         assert line.endswith(
-            "-m megatron_bfpp.launch /opt/Megatron-LM/pretrain_gpt.py "
-            "--pipeline-model-parallel-size 16 --pipeline-schedule bpipe"
+            "-m megatron_bfpp.launch /opt/Megatron-LM/pretrain_gpt.py " + " ".join(megatron)
         )
     assert "# node 1: pipeline stages [4, 11, 5, 10, 6, 9, 7, 8]" in result.stderr
 
 
-def test_sbatch_templates_dry_run_without_slurm() -> None:
-    for name in ("pretrain_gpt3.sbatch", "pretrain_llama.sbatch"):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        env.update(DRY_RUN="1", PYTHON=sys.executable, PIPELINE_SCHEDULE="1f1b", VP="1")
-        result = subprocess.run(
-            ["bash", str(REPO / "scripts" / "slurm" / name)],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-        )
-        assert result.returncode == 0, result.stderr
-        lines = result.stdout.splitlines()
-        assert len(lines) == 4
-        assert all("--pipeline-schedule 1f1b" in line for line in lines)
-        assert "--num-virtual-stages-per-pipeline-rank" not in result.stdout
+def test_launcher_flags_and_placement_errors_are_one_line() -> None:
+    for args, message in (
+        (("--gpus-per-node", "eight"), "argument --gpus-per-node: expected a positive integer"),
+        (
+            ("--nodes", "a,b", "--gpus-per-node", "4", "--rank-placement", "pair-adjacent",
+             "--", "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+             "--micro-batch-size", "1"),
+            "--rank-placement pair-adjacent: a node must hold whole",
+        ),
+        (("--nodes", "a", "--"), "--micro-batch-size is missing; Megatron-LM needs it"),
+    ):  # fmt: skip
+        result = _dry_run("--megatron-lm", "/opt/Megatron-LM", "--dry-run", *args)
+        assert result.returncode != 0
+        assert result.stderr.startswith("launch.py: error: ")
+        assert message in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr

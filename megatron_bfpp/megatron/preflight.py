@@ -1,0 +1,225 @@
+"""Check a Megatron-LM command line before a job starts, from its arguments and world size alone.
+
+Megatron-LM and the plugin check their arguments in ``validate_args`` on every rank, after the
+job has waited for its nodes and started them; a schedule that does not fit the pipeline, or
+layers that do not split over it, can be seen before that. ``scripts/slurm/launch.py`` (and so
+every sbatch template, dry run or not) calls :func:`check_megatron_command` before it prints or
+starts anything.
+
+The schedule checks are the plugin's own, :func:`~megatron_bfpp.megatron.arguments.
+check_schedule_args` (catalogue, placement, options, micro-batches, the schedule built and
+validated), run on the values Megatron's ``validate_args`` would derive
+(``data_parallel_size``, ``virtual_pipeline_model_parallel_size``). Before them,
+:func:`check_parallel_layout` repeats the few of Megatron's own checks that only the parallel
+sizes decide (Megatron's ``validate_args`` needs torch, a full argument set and a rank, so it
+cannot run on a login node). Arguments read by neither pass through untouched; with a
+``--pipeline-model-parallel-layout`` string the virtual stages come from the layout, which only
+Megatron parses, so the schedule is then checked on the GPUs as before. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import NoReturn
+
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.megatron.arguments import add_schedule_arguments, check_schedule_args
+
+__all__ = ["check_megatron_command", "check_parallel_layout", "parse_megatron_command"]
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Errors become one :class:`ScheduleError` line instead of usage text and exit 2, so the
+    caller decides how to report them."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ScheduleError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+# Megatron-LM's flags these checks read, with Megatron's defaults.
+_SIZES = {
+    "--tensor-model-parallel-size": 1,
+    "--pipeline-model-parallel-size": 1,
+    "--context-parallel-size": 1,
+    "--num-query-groups": 1,
+}
+_OPTIONAL_SIZES = (
+    "--num-layers",
+    "--num-attention-heads",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--num-virtual-stages-per-pipeline-rank",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+)
+_SWITCHES = (
+    "--group-query-attention",
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
+    "--use-tp-pp-dp-mapping",
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(add_help=False, allow_abbrev=False)
+    for flag, default in _SIZES.items():
+        parser.add_argument(flag, type=_positive_int, default=default)
+    for flag in _OPTIONAL_SIZES:
+        parser.add_argument(flag, type=_positive_int, default=None)
+    for flag in _SWITCHES:
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("--pipeline-model-parallel-layout", default=None)
+    parser.add_argument("--rampup-batch-size", nargs="*", default=None)
+    parser.add_argument(
+        "--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm"
+    )
+    # Megatron-LM owns this schedule option's flag, so add_schedule_arguments leaves it out.
+    parser.add_argument(
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        dest="microbatch_group_size_per_vp_stage",
+        type=_positive_int,
+        default=None,
+    )
+    return add_schedule_arguments(parser)
+
+
+def parse_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.Namespace:
+    """The arguments these checks read, plus what Megatron's ``validate_args`` derives from them
+    (``world_size``, ``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, the
+    default ``global_batch_size``), so the plugin's checks see what they will see on the GPUs."""
+    args, _ = _parser().parse_known_args(list(argv))
+    args.world_size = world_size
+    model_size = (
+        args.tensor_model_parallel_size
+        * args.pipeline_model_parallel_size
+        * args.context_parallel_size
+    )
+    if world_size % model_size:
+        raise ScheduleError(
+            f"world size {world_size} is not a multiple of tensor x pipeline x context parallel "
+            f"sizes ({args.tensor_model_parallel_size} x {args.pipeline_model_parallel_size} x "
+            f"{args.context_parallel_size} = {model_size}); change the node count or the sizes"
+        )
+    args.data_parallel_size = world_size // model_size
+    args.virtual_pipeline_model_parallel_size = _virtual_stages(args)
+    if args.micro_batch_size is None:
+        raise ScheduleError("--micro-batch-size is missing; Megatron-LM needs it")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    return args
+
+
+def _virtual_stages(args: argparse.Namespace) -> int | None:
+    """Megatron's ``virtual_pipeline_model_parallel_size``: ``None`` for one stage per rank."""
+    given = [
+        flag
+        for flag, value in (
+            ("--num-layers-per-virtual-pipeline-stage", args.num_layers_per_virtual_pipeline_stage),
+            ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank),
+            ("--pipeline-model-parallel-layout", args.pipeline_model_parallel_layout),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ScheduleError(f"{' and '.join(given)} exclude each other; give one")
+    vp: int | None = args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        layers = _layers_per_rank(args)
+        if layers is None:
+            raise ScheduleError(
+                "--num-layers-per-virtual-pipeline-stage needs --num-layers split evenly over "
+                "the pipeline; otherwise use --num-virtual-stages-per-pipeline-rank"
+            )
+        if layers % args.num_layers_per_virtual_pipeline_stage:
+            raise ScheduleError(
+                f"{layers} layers per pipeline rank do not split into virtual stages of "
+                f"--num-layers-per-virtual-pipeline-stage "
+                f"{args.num_layers_per_virtual_pipeline_stage}; use a divisor"
+            )
+        vp = layers // args.num_layers_per_virtual_pipeline_stage
+    return None if vp == 1 else vp
+
+
+def _layers_per_rank(args: argparse.Namespace) -> int | None:
+    """Transformer layers per pipeline rank as Megatron splits them evenly (embedding and loss
+    count as a layer each when asked to), or ``None`` when the split is not even by design
+    (first/last stage sizes or a layout string) or the layer count is not given."""
+    uneven = (
+        args.decoder_first_pipeline_num_layers,
+        args.decoder_last_pipeline_num_layers,
+        args.pipeline_model_parallel_layout,
+    )
+    if args.num_layers is None or any(value is not None for value in uneven):
+        return None
+    layers: int = (
+        args.num_layers
+        + int(args.account_for_embedding_in_pipeline_split)
+        + int(args.account_for_loss_in_pipeline_split)
+    )
+    pp: int = args.pipeline_model_parallel_size
+    if layers % pp:
+        raise ScheduleError(
+            f"--num-layers {args.num_layers} does not split over --pipeline-model-parallel-size "
+            f"{pp} ({layers} % {pp} = {layers % pp}); choose a pipeline size that divides it"
+        )
+    return layers // pp
+
+
+def check_parallel_layout(args: argparse.Namespace) -> None:
+    """Megatron's own checks that the parallel sizes alone decide (attention heads over tensor
+    ranks, layers over pipeline ranks and virtual stages, p2p overlap needs, micro-batches over
+    data-parallel ranks), on a namespace from :func:`parse_megatron_command`."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    heads = args.num_attention_heads
+    if heads is not None and heads % tp:
+        raise ScheduleError(
+            f"--num-attention-heads {heads} is not a multiple of --tensor-model-parallel-size {tp}"
+        )
+    if args.group_query_attention and args.num_query_groups % tp:
+        raise ScheduleError(
+            f"--num-query-groups {args.num_query_groups} is not a multiple of "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    vp = args.virtual_pipeline_model_parallel_size
+    layers = _layers_per_rank(args)
+    if vp is not None and layers is not None and layers % vp:
+        raise ScheduleError(
+            f"{layers} layers per pipeline rank do not split into {vp} virtual stages; "
+            "choose a virtual pipeline size that divides them"
+        )
+    least = 2 if args.overlap_p2p_comm else 3
+    if vp is not None and pp < least:
+        raise ScheduleError(
+            f"virtual pipeline stages need --pipeline-model-parallel-size >= {least} (got {pp})"
+            + ("" if args.overlap_p2p_comm else " without p2p overlap")
+        )
+    micro, dp = args.micro_batch_size, args.data_parallel_size
+    if args.global_batch_size % (micro * dp):
+        raise ScheduleError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of micro-batch size "
+            f"x data-parallel size ({micro} x {dp})"
+        )
+
+
+def check_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.Namespace:
+    """Raise :class:`ScheduleError` (one line) for ``pretrain_gpt.py`` arguments that cannot run
+    on ``world_size`` GPUs: Megatron's layout checks, then the plugin's schedule checks (except
+    with a layout string, see the module docstring). Returns the parsed namespace: the launcher
+    reads the parallel sizes from it."""
+    args = parse_megatron_command(argv, world_size=world_size)
+    check_parallel_layout(args)
+    if args.pipeline_model_parallel_layout is None:  # else vp comes from the layout, on the GPUs
+        check_schedule_args(args)
+    return args

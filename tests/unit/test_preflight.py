@@ -1,0 +1,79 @@
+"""The launcher's pre-start check of a Megatron-LM command line (megatron_bfpp.megatron.preflight):
+what Megatron's validate_args derives, its layout checks, then the plugin's own schedule checks."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.megatron.preflight import check_megatron_command
+
+BASE = "--num-layers 16 --num-attention-heads 8 --micro-batch-size 1 --global-batch-size 16"
+
+
+def _check(extra: str, world_size: int = 8) -> argparse.Namespace:
+    return check_megatron_command(f"{BASE} {extra}".split(), world_size=world_size)
+
+
+def test_derives_what_megatron_derives_and_passes_other_arguments_through() -> None:
+    args = _check(
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+        "--num-layers-per-virtual-pipeline-stage 4 --pipeline-schedule breadth-first "
+        "--breadth-first-group-size 2 --data-path /some/where --lr 3e-4"
+    )
+    assert args.data_parallel_size == 2
+    assert args.virtual_pipeline_model_parallel_size == 2
+    vp_one = _check("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 1")
+    assert vp_one.virtual_pipeline_model_parallel_size is None
+    assert check_megatron_command(["--micro-batch-size", "2"], world_size=4).global_batch_size == 8
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("--tensor-model-parallel-size 3", "world size 8 is not a multiple of tensor x pipeline"),
+        ("--tensor-model-parallel-size 8 --num-attention-heads 12", "heads 12 is not a multiple"),
+        (
+            "--tensor-model-parallel-size 4 --group-query-attention --num-query-groups 2",
+            "--num-query-groups 2 is not a multiple of --tensor-model-parallel-size 4",
+        ),
+        ("--pipeline-model-parallel-size 8 --num-layers 12", "does not split over"),
+        (
+            "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 3",
+            "4 layers per pipeline rank do not split into 3 virtual stages",
+        ),
+        (
+            "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 3",
+            "4 layers per pipeline rank do not split into virtual stages of",
+        ),
+        (
+            "--num-virtual-stages-per-pipeline-rank 2 --num-layers-per-virtual-pipeline-stage 2",
+            "exclude each other",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+            "--no-overlap-p2p-communication",
+            "need --pipeline-model-parallel-size >= 3 (got 2) without p2p overlap",
+        ),
+        ("--global-batch-size 12", "--global-batch-size 12 is not a multiple of micro-batch"),
+        ("--pipeline-model-parallel-size 2 --pipeline-schedule breadth-first", "needs virtual"),
+        ("--micro-batch-size 0", "--micro-batch-size: expected a positive integer, got '0'"),
+    ],
+)
+def test_refusals_are_one_line(extra: str, message: str) -> None:
+    with pytest.raises(ScheduleError) as error:
+        _check(extra)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_missing_micro_batch_size_and_layout_strings() -> None:
+    with pytest.raises(ScheduleError, match="--micro-batch-size is missing"):
+        check_megatron_command(["--pipeline-model-parallel-size", "2"], world_size=2)
+    # A layout string sets the virtual stages on the GPUs, so the schedule is checked there.
+    _check(
+        "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E|t*4|t*4|t*4|t*4,L "
+        "--pipeline-schedule breadth-first"
+    )
