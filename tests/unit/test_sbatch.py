@@ -85,7 +85,11 @@ def test_dry_run_prints_one_command_per_node(template: str) -> None:
             "launch.py: error: argument --num-virtual-stages-per-pipeline-rank: expected a "
             "positive integer, got 'abc'",
         ),
-        ({"GLOBAL_BATCH": "100"}, (), "--pipeline-schedule interleaved cannot run 50 micro"),
+        (
+            {"PIPELINE_SCHEDULE": "interleaved", "GLOBAL_BATCH": "100"},
+            (),
+            "--pipeline-schedule interleaved cannot run 50 micro",
+        ),
         (
             {},
             ("--bpipe-max-stored", "3"),
@@ -217,4 +221,37 @@ def test_weights_gradients_and_optimizer_fit_the_gpus(template: str) -> None:
     assert static <= STATIC_SHARE * gpu_gb * 1e9, (
         f"{template}: {static / 1e9:.1f} GB of weights, gradients and optimizer state per GPU "
         f"(tp={tp}, pp={pp}, dp={dp}) leave less than {1 - STATIC_SHARE:.0%} of {gpu_gb} GB"
+    )
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_breadth_first_activations_fit_beside_the_weights(template: str) -> None:
+    """The default schedule is breadth-first, which stores every micro-batch of a chunk between
+    its forwards and its backwards: m = global batch / (dp x micro batch) micro-batches through
+    a full stage of L/pp layers at the peak (``bfpp-sim`` reports it as ``peak act.`` = m).
+    Activations per layer and micro-batch with sequence parallelism: 34 s b h / t bytes
+    (Korthikanti et al. 2022, without the attention-score term that flash attention avoids), an
+    estimate. Weights, gradients and optimizer state plus these must fit the stated GPU memory
+    with 10% to spare."""
+    text = (SLURM / template).read_text()
+    gpu_gb = _number(r"^# Sized for GPUs with (\d+) GB each", text)
+    vocab = _number(r"vocabulary of (\d+) tokens", text)
+    result = _dry_run(template)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    f = _flags(_megatron_args(lines[0]))
+    assert f["--pipeline-schedule"] == "breadth-first"
+    assert "--sequence-parallel" in f
+    world = len(lines) * _number(r"--nproc-per-node=(\d+)", lines[0])
+    tp, pp = int(f["--tensor-model-parallel-size"]), int(f["--pipeline-model-parallel-size"])
+    dp = world // (tp * pp)
+    micro, seq, h = int(f["--micro-batch-size"]), int(f["--seq-length"]), int(f["--hidden-size"])
+    microbatches = int(f["--global-batch-size"]) // (dp * micro)
+    layers = int(f["--num-layers"]) // pp
+    activations = microbatches * layers * 34 * seq * micro * h / tp
+    _, per_gpu = _parameters(f, vocab=vocab)
+    static = per_gpu * _bytes_per_parameter(f, dp=dp)
+    assert static + activations <= 0.9 * gpu_gb * 1e9, (
+        f"{template}: {static / 1e9:.1f} GB static + {activations / 1e9:.1f} GB of activations "
+        f"({microbatches} micro-batches x {layers} layers) exceed 90% of {gpu_gb} GB"
     )
