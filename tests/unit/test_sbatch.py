@@ -255,3 +255,21 @@ def test_breadth_first_activations_fit_beside_the_weights(template: str) -> None
         f"{template}: {static / 1e9:.1f} GB static + {activations / 1e9:.1f} GB of activations "
         f"({microbatches} micro-batches x {layers} layers) exceed 90% of {gpu_gb} GB"
     )
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_a_spooled_copy_finds_the_checkout_it_was_submitted_from(
+    template: str, tmp_path: Path
+) -> None:
+    """sbatch runs a copy of the script from its spool directory, where ../.. is no checkout."""
+    spooled = tmp_path / "spool" / "slurm_script"
+    spooled.parent.mkdir()
+    spooled.write_text((SLURM / template).read_text())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(DRY_RUN="1", PYTHON=sys.executable, SLURM_SUBMIT_DIR=str(SLURM.parent.parent))
+    env.pop("REPO", None)
+    result = subprocess.run(
+        ["bash", str(spooled)], capture_output=True, text=True, env=env, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--pipeline-schedule breadth-first" in result.stdout
