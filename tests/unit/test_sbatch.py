@@ -273,3 +273,16 @@ def test_a_spooled_copy_finds_the_checkout_it_was_submitted_from(
     )
     assert result.returncode == 0, result.stderr
     assert "--pipeline-schedule breadth-first" in result.stdout
+
+
+def test_a_spooled_copy_without_its_checkout_says_so_in_one_line(tmp_path: Path) -> None:
+    spooled = tmp_path / "slurm_script"
+    spooled.write_text((SLURM / "pretrain_gpt3.sbatch").read_text())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "REPO"}
+    env.update(DRY_RUN="1", PYTHON=sys.executable)
+    result = subprocess.run(
+        ["bash", str(spooled)], capture_output=True, text=True, env=env, check=False
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "no megatron_bfpp checkout at" in result.stderr and "set REPO=" in result.stderr
