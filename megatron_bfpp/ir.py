@@ -17,6 +17,7 @@ import csv
 import gc
 import io
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from enum import StrEnum
 from itertools import accumulate
 from operator import attrgetter
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = [
     "COMPUTE_KINDS",
@@ -99,7 +101,11 @@ _CHUNK_LEVEL = frozenset({ActionKind.GRAD_SYNC, ActionKind.PARAM_SYNC, ActionKin
 
 # Longest kinds first so "SA" is not read as "S" + "A".
 _KIND_PATTERN = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
-_ACTION_RE = re.compile(rf"^(\d+)({_KIND_PATTERN})(\d+)?(?:([<>])(\d+))?$")
+# ASCII digits only: str.isdigit and \d also take digits int() rejects or misreads ("²", "３").
+_ACTION_RE = re.compile(rf"(\d+)({_KIND_PATTERN})(\d+)?(?:([<>])(\d+))?", re.ASCII)
+# Stage, micro-batch and rank indices stop at nine digits: no real schedule comes near, and
+# converting a cell of 100,000 digits would be slow (CPython refuses int() of over 4,300).
+_MAX_INDEX = 999_999_999
 
 
 @dataclass(frozen=True, slots=True, order=True, init=False)
@@ -209,22 +215,40 @@ def _check_action(stage: int, kind: ActionKind, microbatch: int | None, peer: in
 
 def parse_action(text: str) -> Action:
     """Inverse of ``str(action)``; raises ScheduleError naming the bad text."""
-    match = _ACTION_RE.match(text.strip())
+    match = _ACTION_RE.fullmatch(text.strip())
     if match is None:
         raise ScheduleError(
-            f"cannot parse action {text!r}: expected e.g. '3F5', '0SA5>1', '1RA5<0' or '2GS'"
+            f"cannot parse action {_shown(text)}: expected e.g. '3F5', '0SA5>1', '1RA5<0' or '2GS'"
         )
     stage, kind, microbatch, arrow, peer = match.groups()
     action_kind = ActionKind(kind)
     if arrow is not None and (arrow == ">") != action_kind.is_send:
         want = ">" if action_kind.is_send else "<"
-        raise ScheduleError(f"cannot parse action {text!r}: {kind} is written with '{want}peer'")
+        raise ScheduleError(
+            f"cannot parse action {_shown(text)}: {kind} is written with '{want}peer'"
+        )
     return Action(
-        stage=int(stage),
+        stage=_index(stage, "stage", text),
         kind=action_kind,
-        microbatch=None if microbatch is None else int(microbatch),
-        peer=None if peer is None else int(peer),
+        microbatch=None if microbatch is None else _index(microbatch, "micro-batch", text),
+        peer=None if peer is None else _index(peer, "peer rank", text),
     )
+
+
+def _index(digits: str, what: str, text: str) -> int:
+    """An index of ``text`` from its ASCII digits, refused past ``_MAX_INDEX`` before int()."""
+    if len(digits.lstrip("0")) > len(str(_MAX_INDEX)):
+        raise ScheduleError(
+            f"cannot parse action {_shown(text)}: {what} {_shown(digits, 12)} is out of range "
+            f"(at most {_MAX_INDEX})"
+        )
+    return int(digits)
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """``repr`` of user text cut to ``limit`` characters: a message stays one short line even for
+    a cell of 100,000 characters (repr also escapes newlines and NULs)."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +266,9 @@ class StageLayout:
         if not self.stage_to_rank:
             raise ScheduleError("a layout needs at least one stage")
         ranks = set(self.stage_to_rank)
-        if min(ranks) < 0 or ranks != set(range(max(ranks) + 1)):
+        # Distinct ranks >= 0 are exactly 0..max iff there are max + 1 of them; building
+        # range(max + 1) instead would hang on a stray huge rank.
+        if min(ranks) < 0 or len(ranks) != max(ranks) + 1:
             raise ScheduleError(
                 f"layout ranks must be 0..p-1 with every rank used, got {self.stage_to_rank}"
             )
@@ -445,9 +471,68 @@ def parse_schedule(
 # row, then one row per rank: the rank number followed by its actions. torch.distributed
 # .pipelining's ``_dump_csv`` writes one row per rank of action strings with empty cells for idle
 # steps and no header; ``load_csv`` reads both, inferring the layout from torch's rows.
+#
+# torch writes two formats. Compute-only (``pipeline_order``): F, B, I, W, composite
+# ``(0F7;7B3)OVERLAP_F_B`` cells (DualPipeV's overlapped pairs) and, for GPipe and 1F1B, one
+# ``REDUCE_GRAD`` per stage. Lowered (``pipeline_order_with_comms``, what ``_dump_csv`` writes
+# by default for the multi-stage schedules): the same plus UNSHARD / RESHARD (FSDP's gather and
+# free of a stage's parameters) and SEND_F / RECV_F / SEND_B / RECV_B. The mapping:
+#
+# * a composite cell is its actions in order, as torch's runtime runs it unless a custom
+#   OVERLAP_F_B function is registered;
+# * compute-only: REDUCE_GRAD is dropped. Lowering a compute-only schedule (``add_grad_sync``)
+#   puts GS where torch puts REDUCE_GRAD, right after the stage's last B / W (behind that
+#   backward's gradient send), and refuses a schedule that already has GS: keeping torch's
+#   would only make the file fail to lower, and say nothing the compute order does not;
+# * lowered: everything is kept, so the simulator times the program torch runs: UNSHARD -> PS,
+#   RESHARD -> RL (a rank with RL is sharded: the validator checks each compute runs gathered),
+#   REDUCE_GRAD -> GS, and the messages -> SA / RA / SG / RG with the peer read from the inferred
+#   layout. torch posts each receive when its sender sends, so both ends of every pair of ranks
+#   post messages in the same order, as ``validate_schedule`` requires of ours (not so with
+#   ``defer_pp_recv=True``: ``cli.sim.schedule_from_csv`` derives those messages again).
 
-_TORCH_KINDS = {"F": "F", "B": "B", "I": "I", "W": "W"}
-_TORCH_RE = re.compile(r"^(\d+)([A-Z_]+?)(\d+)$")
+_HEADER_KEYS = ("layout", "microbatches", "name")
+_TORCH_RE = re.compile(
+    r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)", re.ASCII
+)
+_TORCH_GROUP_RE = re.compile(r"\((.*)\)([A-Z_]+)", re.ASCII | re.DOTALL)
+_TORCH_COMPUTE = {
+    "F": ActionKind.FORWARD,
+    "B": ActionKind.BACKWARD,
+    "I": ActionKind.BACKWARD_INPUT,
+    "W": ActionKind.BACKWARD_WEIGHT,
+}
+_TORCH_CHUNK = {
+    "UNSHARD": ActionKind.PARAM_SYNC,
+    "RESHARD": ActionKind.RELEASE,
+    "REDUCE_GRAD": ActionKind.GRAD_SYNC,
+}
+# torch's message kinds: ours, and where the peer stage is (+1 the next stage, -1 the previous).
+_TORCH_P2P = {
+    "SEND_F": (ActionKind.SEND_ACT, 1),
+    "RECV_F": (ActionKind.RECV_ACT, -1),
+    "SEND_B": (ActionKind.SEND_GRAD, -1),
+    "RECV_B": (ActionKind.RECV_GRAD, 1),
+}
+_TORCH_LOWERING = frozenset({"UNSHARD", "RESHARD", *_TORCH_P2P})
+
+
+class _Row(NamedTuple):
+    """A non-blank CSV record and the file row it starts on (blank rows count, so the number
+    is the line a user finds in an editor)."""
+
+    number: int
+    cells: tuple[str, ...]
+
+
+class _TorchCell(NamedTuple):
+    """One of torch's actions: a cell, or one action of a composite OVERLAP_F_B cell."""
+
+    column: int
+    text: str
+    stage: int
+    kind: str
+    microbatch: int | None
 
 
 def dump_csv_text(schedule: Schedule) -> str:
@@ -466,96 +551,418 @@ def dump_csv(schedule: Schedule, path: str | Path) -> None:
 
 
 def load_csv(path: str | Path) -> Schedule:
+    """Our CSV or torch's ``_dump_csv`` output (either format); every problem is one line
+    naming the file and the row."""
     try:
-        text = Path(path).read_text()
+        data = Path(path).read_bytes()
     except OSError as error:
         raise ScheduleError(f"cannot read schedule CSV {path}: {error.strerror}") from error
-    return load_csv_text(text, source=str(path))
+    return load_csv_text(_decoded(data, str(path)), source=str(path))
 
 
 def load_csv_text(text: str, *, source: str = "<csv>") -> Schedule:
-    rows = [row for row in csv.reader(io.StringIO(text)) if any(cell.strip() for cell in row)]
+    rows = _read_rows(text.removeprefix("\ufeff"), source)
     if not rows:
         raise ScheduleError(f"{source}: empty schedule CSV")
-    if rows[0][0].strip() == "layout":
+    if rows[0].cells[0].strip() in _HEADER_KEYS:
         return _load_ours(rows, source)
     return _load_torch(rows, source)
 
 
-def _load_ours(rows: list[list[str]], source: str) -> Schedule:
-    header: dict[str, list[str]] = {}
-    programs: list[tuple[Action, ...]] = []
-    for number, row in enumerate(rows, start=1):
-        key = row[0].strip()
-        if key in ("layout", "microbatches", "name"):
-            header[key] = [c.strip() for c in row[1:] if c.strip()]
-            continue
-        if not key.isdigit() or int(key) != len(programs):
-            raise ScheduleError(
-                f"{source}: row {number}: expected rank {len(programs)} in the first cell, "
-                f"got {key!r}"
-            )
-        programs.append(_parse_cells(row[1:], source, number))
+def _decoded(data: bytes, source: str) -> str:
+    """UTF-8 text, a byte-order mark dropped (spreadsheets write one); anything else is not a
+    schedule, and saying which byte beats a codec traceback."""
     try:
-        layout = StageLayout(tuple(int(c) for c in header["layout"]))
-        num_microbatches = int(header["microbatches"][0])
-    except (KeyError, IndexError) as error:
-        raise ScheduleError(f"{source}: missing 'layout' or 'microbatches' row") from error
-    except ValueError as error:
-        raise ScheduleError(f"{source}: 'layout'/'microbatches' rows need integers") from error
-    name = header.get("name", ["custom"])[0] if header.get("name") else "custom"
-    return Schedule(layout, num_microbatches, tuple(programs), name=name)
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        row = data.count(b"\n", 0, error.start) + 1
+        raise ScheduleError(
+            f"{source}: row {row}: byte 0x{data[error.start]:02x} (offset {error.start}) is not "
+            "UTF-8 text; a schedule CSV is UTF-8 text, is this the right file?"
+        ) from None
 
 
-def _parse_cells(cells: Sequence[str], source: str, number: int) -> tuple[Action, ...]:
+def _read_rows(text: str, source: str) -> list[_Row]:
+    """The non-blank records; csv's errors (a cell over its field size limit) and NUL
+    characters (binary or UTF-16 files) become one line naming the row."""
+    nul = text.find("\0")
+    if nul >= 0:
+        row = text.count("\n", 0, nul) + 1
+        raise ScheduleError(
+            f"{source}: row {row}: contains a NUL character, so this is not a text CSV (binary, "
+            "or UTF-16?); save the schedule as UTF-8 text"
+        )
+    # newline="": csv sees "\r\n" and "\r" line ends itself, as the csv module asks.
+    reader = csv.reader(io.StringIO(text, newline=""))
+    rows: list[_Row] = []
+    while True:
+        start = reader.line_num + 1
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return rows
+        except csv.Error as error:
+            raise ScheduleError(f"{source}: row {start}: {_csv_problem(error)}") from None
+        if any(cell.strip() for cell in cells):
+            rows.append(_Row(start, tuple(cells)))
+
+
+def _csv_problem(error: csv.Error) -> str:
+    if "field limit" in str(error):
+        return (
+            f"a cell is longer than {csv.field_size_limit()} characters (csv's field size limit); "
+            "schedule cells are short actions such as '3F5', is this the right file?"
+        )
+    return f"not readable as CSV ({error})"
+
+
+# One rank row's actions, each with the column it came from (for messages naming the cell).
+_Program = tuple[tuple[int, Action], ...]
+
+
+def _load_ours(rows: list[_Row], source: str) -> Schedule:
+    header: dict[str, _Row] = {}
+    rank_rows: list[_Row] = []
+    programs: list[_Program] = []
+    for row in rows:
+        key = row.cells[0].strip()
+        if key in _HEADER_KEYS:
+            if key in header:
+                raise ScheduleError(
+                    f"{source}: row {row.number}: a second {key!r} row (the first is row "
+                    f"{header[key].number}); keep one"
+                )
+            header[key] = row
+            continue
+        if key != str(len(programs)):
+            raise ScheduleError(
+                f"{source}: row {row.number}: expected rank {len(programs)} in the first cell, "
+                f"got {_shown(key)}"
+            )
+        rank_rows.append(row)
+        programs.append(_parse_cells(row, source))
+    if "layout" not in header or "microbatches" not in header:
+        raise ScheduleError(f"{source}: missing 'layout' or 'microbatches' row")
+    layout = _header_layout(header["layout"], source)
+    counted = header["microbatches"]
+    m = _header_count(counted, source)
+    if len(programs) != layout.num_ranks:
+        raise ScheduleError(
+            f"{source}: {len(programs)} rank rows, but the 'layout' row (row "
+            f"{header['layout'].number}) places stages on {layout.num_ranks} ranks"
+        )
+    for row, program in zip(rank_rows, programs, strict=True):
+        for column, action in program:
+            problem = _stage_or_peer_problem(action, layout)
+            if problem is not None:
+                raise ScheduleError(
+                    f"{source}: row {row.number}, column {column}: {str(action)!r}: {problem}"
+                )
+    name_row = header.get("name")
+    names = [c.strip() for c in name_row.cells[1:] if c.strip()] if name_row else []
+    return _checked_schedule(
+        layout,
+        m,
+        rank_rows,
+        programs,
+        names[0] if names else "custom",
+        source,
+        counted=f"the 'microbatches' row (row {counted.number}) says {m}",
+    )
+
+
+def _parse_cells(row: _Row, source: str) -> _Program:
     actions = []
-    for column, cell in enumerate(cells, start=2):
+    for column, cell in enumerate(row.cells[1:], start=2):
         if not cell.strip():
             continue
         try:
-            actions.append(parse_action(cell))
+            actions.append((column, parse_action(cell)))
         except ScheduleError as error:
-            raise ScheduleError(f"{source}: row {number}, column {column}: {error}") from None
+            raise ScheduleError(f"{source}: row {row.number}, column {column}: {error}") from None
     return tuple(actions)
 
 
-def _load_torch(rows: list[list[str]], source: str) -> Schedule:
-    programs: list[list[Action]] = []
-    stage_rank: dict[int, int] = {}
-    max_microbatch = -1
-    for rank, row in enumerate(rows):
-        program: list[Action] = []
-        for column, cell in enumerate(row, start=1):
-            cell = cell.strip()
-            if not cell:
-                continue
-            match = _TORCH_RE.match(cell)
-            if match is None or match.group(2) not in _TORCH_KINDS:
-                raise ScheduleError(
-                    f"{source}: row {rank + 1}, column {column}: {cell!r} is not a compute "
-                    "action (F, B, I or W); only torch's compute-only CSV can be loaded"
-                )
-            stage, kind, microbatch = int(match.group(1)), match.group(2), int(match.group(3))
-            if stage_rank.setdefault(stage, rank) != rank:
-                raise ScheduleError(
-                    f"{source}: row {rank + 1}, column {column}: stage {stage} also appears on "
-                    f"rank {stage_rank[stage]}; a stage must live on one rank"
-                )
-            program.append(Action(stage, ActionKind(_TORCH_KINDS[kind]), microbatch))
-            max_microbatch = max(max_microbatch, microbatch)
-        programs.append(program)
-    if max_microbatch < 0:
-        raise ScheduleError(f"{source}: no actions found")
-    num_stages = max(stage_rank) + 1
-    missing = sorted(set(range(num_stages)) - set(stage_rank))
-    if missing:
-        raise ScheduleError(f"{source}: stages {missing} never appear, cannot infer the layout")
-    layout = StageLayout(tuple(stage_rank[s] for s in range(num_stages)))
-    if layout.num_ranks != len(programs):
+def _header_layout(row: _Row, source: str) -> StageLayout:
+    ranks = []
+    for column, cell in enumerate(row.cells[1:], start=2):
+        text = cell.strip()
+        if not text:
+            continue
+        if not (text.isascii() and text.isdigit()):
+            raise ScheduleError(
+                f"{source}: row {row.number}, column {column}: the 'layout' row lists the rank of "
+                f"each stage (integers >= 0), got {_shown(text)}"
+            )
+        # Every rank holds a stage, so no rank reaches the number of stages (bounded by the
+        # row's length); checking the digits first keeps a 100,000-digit cell from int().
+        if len(text.lstrip("0")) > len(str(len(row.cells))) or int(text) >= len(row.cells) - 1:
+            raise ScheduleError(
+                f"{source}: row {row.number}, column {column}: rank {_shown(text, 12)} is out of "
+                "range: every rank holds stages, so ranks run 0..(number of stages - 1) at most"
+            )
+        ranks.append(int(text))
+    if not ranks:
+        raise ScheduleError(f"{source}: row {row.number}: the 'layout' row lists no stages")
+    try:
+        return StageLayout(tuple(ranks))
+    except ScheduleError as error:
+        raise ScheduleError(f"{source}: row {row.number}: {error}") from None
+
+
+def _header_count(row: _Row, source: str) -> int:
+    values = [c.strip() for c in row.cells[1:] if c.strip()]
+    if (
+        len(values) != 1
+        or not (values[0].isascii() and values[0].isdigit())
+        or len(values[0].lstrip("0")) > len(str(_MAX_INDEX))
+        or int(values[0]) < 1
+    ):
+        got = ", ".join(_shown(v, 12) for v in values[:3]) or "nothing"
         raise ScheduleError(
-            f"{source}: {len(programs)} rows but stages only use {layout.num_ranks} ranks"
+            f"{source}: row {row.number}: the 'microbatches' row needs one integer from 1 to "
+            f"{_MAX_INDEX}, got {got}"
         )
-    return Schedule(layout, max_microbatch + 1, tuple(tuple(p) for p in programs), name="torch-csv")
+    return int(values[0])
+
+
+def _stage_or_peer_problem(action: Action, layout: StageLayout) -> str | None:
+    """Indices our header bounds, named by cell before validation meets them."""
+    if action.stage >= layout.num_stages:
+        return f"stage {action.stage} does not exist (the layout has {layout.num_stages})"
+    if action.peer is not None and action.peer >= layout.num_ranks:
+        return f"peer rank {action.peer} does not exist (the layout has {layout.num_ranks})"
+    return None
+
+
+def _checked_schedule(
+    layout: StageLayout,
+    m: int,
+    rank_rows: Sequence[_Row],
+    programs: Sequence[_Program],
+    name: str,
+    source: str,
+    *,
+    counted: str,
+) -> Schedule:
+    """The schedule, once every stage's forwards are micro-batches 0..m-1 (each once) and no
+    other action names a micro-batch past them. ``counted`` says where m comes from."""
+    schedule = Schedule(
+        layout, m, tuple(tuple(action for _, action in p) for p in programs), name=name
+    )
+    _check_forwards(schedule, [row.number for row in rank_rows], f"{source}: {counted}")
+    for row, program in zip(rank_rows, programs, strict=True):
+        for column, action in program:
+            # Forwards passed the check above, so only other kinds can be out of range here.
+            if action.microbatch is not None and action.microbatch >= m:
+                raise ScheduleError(
+                    f"{source}: row {row.number}, column {column}: {str(action)!r}: micro-batch "
+                    f"{action.microbatch} does not exist ({counted})"
+                )
+    return schedule
+
+
+def _check_forwards(schedule: Schedule, rank_rows: Sequence[int], counted: str) -> None:
+    """Every stage runs forwards for micro-batches 0..m-1, each once: a schedule that skips or
+    repeats a micro-batch on one stage is reported per stage (what it misses, what is extra),
+    which says more than the validator's first missing action, and m is bounded by the file's
+    size before anything allocates per micro-batch."""
+    m = schedule.num_microbatches
+    forwards: list[list[int]] = [[] for _ in range(schedule.num_stages)]
+    for actions in schedule.per_rank:
+        for action in actions:
+            if action.kind is ActionKind.FORWARD and action.microbatch is not None:
+                forwards[action.stage].append(action.microbatch)
+    problems = []
+    for stage, microbatches in enumerate(forwards):
+        problem = _microbatch_problem(microbatches, m)
+        if problem is not None:
+            row = rank_rows[schedule.layout.rank_of(stage)]
+            problems.append(f"stage {stage} (row {row}) {problem}")
+    if problems:
+        shown = "; ".join(problems[:3])
+        if len(problems) > 3:
+            shown += f"; {len(problems) - 3} more stages too"
+        raise ScheduleError(
+            f"{counted}, so every stage needs forwards for micro-batches 0..{m - 1}, each once: "
+            f"{shown}"
+        )
+
+
+def _microbatch_problem(microbatches: list[int], m: int) -> str | None:
+    """What keeps ``microbatches`` from being exactly 0..m-1, or None. Compares counts and
+    spans, never builds range(m): m may be huge."""
+    unique = sorted(set(microbatches))
+    if len(unique) == len(microbatches) == m and unique[0] == 0 and unique[-1] == m - 1:
+        return None
+    parts = []
+    gaps = _gaps([mb for mb in unique if mb < m], m)
+    if gaps:
+        parts.append(f"misses {gaps}")
+    extra = [mb for mb in unique if mb >= m]
+    if extra:
+        parts.append(f"has extra {_listed(extra)}")
+    repeated = sorted(mb for mb, count in Counter(microbatches).items() if count > 1)
+    if repeated:
+        parts.append(f"repeats {_listed(repeated)}")
+    return " and ".join(parts)
+
+
+def _gaps(present: list[int], m: int) -> str:
+    """The numbers of 0..m-1 not in sorted, distinct ``present``, as spans ("1, 3..5")."""
+    spans = []
+    expected = 0
+    for value in [*present, m]:
+        if value > expected:
+            spans.append(str(expected) if value == expected + 1 else f"{expected}..{value - 1}")
+        expected = value + 1
+    return _listed(spans)
+
+
+def _listed(items: Sequence[object]) -> str:
+    text = ", ".join(str(item) for item in items[:4])
+    return text + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+
+
+def _load_torch(rows: list[_Row], source: str) -> Schedule:
+    cells = [_torch_row(row, source) for row in rows]
+    layout = _torch_layout(rows, cells, source)
+    m, counted = _torch_microbatches(cells, layout, source)
+    lowered = any(cell.kind in _TORCH_LOWERING for row_cells in cells for cell in row_cells)
+    programs = [
+        tuple(
+            (
+                cell.column,
+                _torch_action(
+                    cell, rank, layout, f"{source}: row {row.number}, column {cell.column}"
+                ),
+            )
+            for cell in row_cells
+            if lowered or cell.kind != "REDUCE_GRAD"
+        )
+        for rank, (row, row_cells) in enumerate(zip(rows, cells, strict=True))
+    ]
+    return _checked_schedule(layout, m, rows, programs, "torch-csv", source, counted=counted)
+
+
+def _torch_microbatches(
+    cells: list[list[_TorchCell]], layout: StageLayout, source: str
+) -> tuple[int, str]:
+    """torch's CSV does not say m: take the number of micro-batches most stages run forwards
+    for (the larger on a tie). A stage that skips or renumbers one then reads as that stage's
+    problem (torch 2.13's Schedule1F1B numbers its last stage's forwards 1..m), where
+    "largest index + 1" would blame every other stage."""
+    forwards: list[set[int]] = [set() for _ in range(layout.num_stages)]
+    for row_cells in cells:
+        for cell in row_cells:
+            if cell.kind == "F" and cell.microbatch is not None:
+                forwards[cell.stage].add(cell.microbatch)
+    counts = Counter(len(found) for found in forwards if found)
+    if not counts:
+        raise ScheduleError(f"{source}: no forward actions (F) found")
+    m, stages = max(counts.items(), key=lambda item: (item[1], item[0]))
+    return m, f"{stages} of {layout.num_stages} stages run forwards for {m} micro-batches"
+
+
+def _torch_row(row: _Row, source: str) -> list[_TorchCell]:
+    found = []
+    for column, cell in enumerate(row.cells, start=1):
+        text = cell.strip()
+        if text:
+            found.extend(_torch_cell(text, column, f"{source}: row {row.number}, column {column}"))
+    return found
+
+
+def _torch_cell(text: str, column: int, where: str) -> list[_TorchCell]:
+    group = _TORCH_GROUP_RE.fullmatch(text)
+    if group is None:
+        return [_torch_single(text, column, where)]
+    parts, kind = group.groups()
+    if kind != "OVERLAP_F_B":
+        raise ScheduleError(f"{where}: {_shown(text)}: only OVERLAP_F_B groups actions, not {kind}")
+    inner = [_torch_single(part.strip(), column, where) for part in parts.split(";")]
+    for cell in inner:
+        if cell.kind not in _TORCH_COMPUTE:
+            raise ScheduleError(
+                f"{where}: {_shown(text)}: an OVERLAP_F_B group holds compute actions (F, B, I, "
+                f"W), not {cell.kind}"
+            )
+    return inner
+
+
+def _torch_single(text: str, column: int, where: str) -> _TorchCell:
+    match = _TORCH_RE.fullmatch(text)
+    if match is None:
+        raise ScheduleError(
+            f"{where}: {_shown(text)} is not one of torch's actions: a stage, then F, B, I, W, "
+            "UNSHARD, RESHARD, REDUCE_GRAD, SEND_F, RECV_F, SEND_B or RECV_B, then the "
+            "micro-batch (e.g. '3F5', '0SEND_F5', '2UNSHARD')"
+        )
+    stage, kind, microbatch = match.groups()
+    if kind in _TORCH_CHUNK and microbatch:
+        raise ScheduleError(f"{where}: {_shown(text)}: {kind} is per stage, without a micro-batch")
+    if kind not in _TORCH_CHUNK and not microbatch:
+        raise ScheduleError(f"{where}: {_shown(text)}: {kind} needs a micro-batch, e.g. '0{kind}3'")
+    for digits, what in ((stage, "stage"), (microbatch, "micro-batch")):
+        if len(digits.lstrip("0")) > len(str(_MAX_INDEX)):
+            raise ScheduleError(
+                f"{where}: {_shown(text)}: {what} {_shown(digits, 12)} is out of range (at most "
+                f"{_MAX_INDEX})"
+            )
+    return _TorchCell(column, text, int(stage), kind, int(microbatch) if microbatch else None)
+
+
+def _torch_layout(rows: list[_Row], cells: list[list[_TorchCell]], source: str) -> StageLayout:
+    """Stage -> rank from the row each stage appears on: every one of torch's actions, messages
+    included, names a stage of its own rank."""
+    first: dict[int, tuple[int, _Row, _TorchCell]] = {}
+    for rank, (row, row_cells) in enumerate(zip(rows, cells, strict=True)):
+        for cell in row_cells:
+            owner, owner_row, _ = first.setdefault(cell.stage, (rank, row, cell))
+            if owner != rank:
+                raise ScheduleError(
+                    f"{source}: row {row.number}, column {cell.column}: stage {cell.stage} also "
+                    f"appears on rank {owner} (row {owner_row.number}); a stage must live on one "
+                    "rank"
+                )
+    largest = max(first)
+    if len(first) != largest + 1:
+        _, row, cell = first[largest]
+        raise ScheduleError(
+            f"{source}: no action names stage(s) {_gaps(sorted(first), largest + 1)}, yet row "
+            f"{row.number}, column {cell.column} names stage {largest}: cannot infer the layout"
+        )
+    try:
+        layout = StageLayout(tuple(first[stage][0] for stage in range(largest + 1)))
+    except ScheduleError as error:
+        raise ScheduleError(f"{source}: {error}") from None
+    if layout.num_ranks != len(rows):
+        raise ScheduleError(
+            f"{source}: {len(rows)} rows but stages only use {layout.num_ranks} ranks"
+        )
+    return layout
+
+
+def _torch_action(cell: _TorchCell, rank: int, layout: StageLayout, where: str) -> Action:
+    if cell.kind in _TORCH_COMPUTE:
+        return Action(cell.stage, _TORCH_COMPUTE[cell.kind], cell.microbatch)
+    if cell.kind in _TORCH_CHUNK:
+        return Action(cell.stage, _TORCH_CHUNK[cell.kind])
+    kind, step = _TORCH_P2P[cell.kind]
+    neighbour = cell.stage + step
+    if not 0 <= neighbour < layout.num_stages:
+        side = "next" if step > 0 else "previous"
+        raise ScheduleError(
+            f"{where}: {_shown(cell.text)}: stage {cell.stage} has no {side} stage to exchange "
+            "messages with"
+        )
+    peer = layout.rank_of(neighbour)
+    if peer == rank:
+        raise ScheduleError(
+            f"{where}: {_shown(cell.text)}: stages {cell.stage} and {neighbour} are both on rank "
+            f"{rank}, so no message passes between them"
+        )
+    return Action(cell.stage, kind, cell.microbatch, peer)
 
 
 def _check_positive(**values: int) -> None:

@@ -6,10 +6,19 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from megatron_bfpp.cli.common import OneLineParser, fail, non_negative_float, positive_int
-from megatron_bfpp.ir import Schedule, ScheduleError, dump_csv, format_schedule, load_csv
+from megatron_bfpp.ir import (
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    dump_csv,
+    format_schedule,
+    load_csv,
+)
+from megatron_bfpp.messages import Message, message_of
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
 from megatron_bfpp.schedules.registry import (
@@ -47,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--load-csv",
         metavar="PATH",
-        help="simulate a schedule from CSV instead (ours, or torch's "
-        "compute-only _dump_csv format)",
+        help="simulate a schedule from CSV instead: ours, or torch.distributed.pipelining's "
+        "_dump_csv (compute-only or lowered with UNSHARD/RESHARD and messages)",
     )
     source.add_argument("--pp", type=positive_int, help="pipeline-parallel ranks")
     source.add_argument(
@@ -135,18 +144,7 @@ def _schedule_from(args: argparse.Namespace) -> Schedule:
     if args.load_csv:
         if args.schedule:
             raise ScheduleError("pass either --schedule or --load-csv, not both")
-        loaded = load_csv(args.load_csv)
-        if not has_communication(loaded):
-            validate_schedule(loaded, require_communication=False)
-            sharding = args.data_parallel_sharding_strategy
-            loaded = add_grad_sync(add_communication(loaded), sharding=sharding)
-        elif args.data_parallel_sharding_strategy != "optim":
-            raise ScheduleError(
-                "--data-parallel-sharding-strategy applies to a compute-only CSV; this one is "
-                "lowered and already places its GS / PS / RL"
-            )
-        validate_schedule(loaded)
-        return loaded
+        return schedule_from_csv(args.load_csv, sharding=args.data_parallel_sharding_strategy)
     missing = [
         flag
         for flag, value in (
@@ -179,6 +177,72 @@ def _schedule_from(args: argparse.Namespace) -> Schedule:
         sharding=args.data_parallel_sharding_strategy,
         **options,
     )
+
+
+def schedule_from_csv(path: str, *, sharding: str = "optim") -> Schedule:
+    """A schedule from a CSV, lowered and validated as bfpp-sim simulates it.
+
+    A compute-only file gets our messages and GS / PS (/ RL with ``sharding``). A lowered one
+    (messages, or per-chunk GS / PS / RL: torch's lowered format has them even at pp=1, where it
+    has no messages) is taken as written, with one exception: when its messages pair up but
+    two ranks post them in different orders (torch's ``defer_pp_recv=True`` moves receives to
+    their consumers), they would be matched wrongly under posting-order matching, so they are
+    dropped and ``add_communication`` derives them again from the compute order, which the file
+    keeps, as it keeps its GS / PS / RL; the schedule's name then says so. Validation errors
+    are prefixed with the file, so the one line bfpp-sim prints says which file failed.
+    """
+    loaded = load_csv(path)
+    lowered = has_communication(loaded) or any(
+        action.kind in _PER_CHUNK for actions in loaded.per_rank for action in actions
+    )
+    if lowered and sharding != "optim":
+        raise ScheduleError(
+            f"{path}: --data-parallel-sharding-strategy applies to a compute-only CSV; this one "
+            "is lowered and already places its GS / PS / RL"
+        )
+    try:
+        if not lowered:
+            validate_schedule(loaded, require_communication=False)
+            loaded = add_grad_sync(add_communication(loaded), sharding=sharding)
+        elif _messages_reordered(loaded):
+            without = loaded.with_programs(
+                [a for a in actions if a.kind not in _MESSAGES] for actions in loaded.per_rank
+            )
+            loaded = replace(add_communication(without), name=f"{loaded.name}, messages re-derived")
+        validate_schedule(loaded)
+    except ScheduleError as error:
+        raise ScheduleError(f"{path}: {error}") from error
+    return loaded
+
+
+_PER_CHUNK = frozenset({ActionKind.GRAD_SYNC, ActionKind.PARAM_SYNC, ActionKind.RELEASE})
+_MESSAGES = frozenset(
+    {ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD}
+)
+
+
+def _messages_reordered(schedule: Schedule) -> bool:
+    """True when the activation / gradient messages pair up, each pair of ranks receiving
+    exactly what it is sent, but some pair posts them in another order on the two sides; False
+    when they are in order, and when they do not pair up (the validator says what is missing).
+    Schedules with BPipe transfers, which share those channels, are left to the validator."""
+    channels: dict[tuple[int, int], tuple[list[Message], list[Message]]] = {}
+    for rank, actions in enumerate(schedule.per_rank):
+        for action in actions:
+            kind, peer = action.kind, action.peer
+            if kind.is_p2p and kind not in _MESSAGES:
+                return False
+            if kind in _MESSAGES and peer is not None:
+                channel = (rank, peer) if kind.is_send else (peer, rank)
+                sides = channels.setdefault(channel, ([], []))
+                sides[0 if kind.is_send else 1].append(message_of(action))
+    reordered = False
+    for sends, receives in channels.values():
+        if sends != receives:
+            if sorted(sends) != sorted(receives):
+                return False
+            reordered = True
+    return reordered
 
 
 def format_report(result: SimResult) -> str:
