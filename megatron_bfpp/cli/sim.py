@@ -184,12 +184,14 @@ def schedule_from_csv(path: str, *, sharding: str = "optim") -> Schedule:
 
     A compute-only file gets our messages and GS / PS (/ RL with ``sharding``). A lowered one
     (messages, or per-chunk GS / PS / RL: torch's lowered format has them even at pp=1, where it
-    has no messages) is taken as written, with one exception: when its messages pair up but
-    two ranks post them in different orders (torch's ``defer_pp_recv=True`` moves receives to
-    their consumers), they would be matched wrongly under posting-order matching, so they are
-    dropped and ``add_communication`` derives them again from the compute order, which the file
-    keeps, as it keeps its GS / PS / RL; the schedule's name then says so. Validation errors
-    are prefixed with the file, so the one line bfpp-sim prints says which file failed.
+    has no messages) is taken as written, with one exception for torch's format only: when its
+    messages pair up but two ranks post them in different orders (torch's ``defer_pp_recv=True``
+    moves receives to their consumers, and torch matches messages by tag, not by posting
+    order), they would be matched wrongly under posting-order matching, so they are dropped and
+    ``add_communication`` derives them again from the compute order, which the file keeps, as it
+    keeps its GS / PS / RL; the schedule's name then says so. A file in our own format is ours to
+    check, not to repair: the validator refuses reordered messages there. Validation errors are
+    prefixed with the file, so the one line bfpp-sim prints says which file failed.
     """
     loaded = load_csv(path)
     lowered = has_communication(loaded) or any(
@@ -204,7 +206,7 @@ def schedule_from_csv(path: str, *, sharding: str = "optim") -> Schedule:
         if not lowered:
             validate_schedule(loaded, require_communication=False)
             loaded = add_grad_sync(add_communication(loaded), sharding=sharding)
-        elif _messages_reordered(loaded):
+        elif loaded.name == _TORCH_FORMAT and _messages_reordered(loaded):
             without = loaded.with_programs(
                 [a for a in actions if a.kind not in _MESSAGES] for actions in loaded.per_rank
             )
@@ -215,6 +217,7 @@ def schedule_from_csv(path: str, *, sharding: str = "optim") -> Schedule:
     return loaded
 
 
+_TORCH_FORMAT = "torch-csv"  # load_csv's name for a file in torch's format (it has no name row)
 _PER_CHUNK = frozenset({ActionKind.GRAD_SYNC, ActionKind.PARAM_SYNC, ActionKind.RELEASE})
 _MESSAGES = frozenset(
     {ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD}

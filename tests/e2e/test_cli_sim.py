@@ -316,21 +316,20 @@ def test_csvs_torch_writes_run_through_the_cli(tmp_path: Path) -> None:
         assert "stage 1 (row 2) misses 0 and has extra 4" in result.stderr
 
 
-def test_lowered_csv_posting_messages_out_of_order_gets_them_rederived(tmp_path: Path) -> None:
-    """What torch's defer_pp_recv=True writes, in miniature: rank 1 posts its two receives in
-    the other order. Paired but reordered messages are derived again; unpaired ones are the
-    validator's to report."""
-    from megatron_bfpp.cli.sim import schedule_from_csv
-
+def test_our_csv_posting_messages_out_of_order_is_refused_not_repaired(tmp_path: Path) -> None:
+    """Rank 1 posts its two receives in the other order: under posting-order matching the two
+    activations would be swapped, so a file in our own format is refused with the validator's
+    line (torch's format, which matches by tag, gets its messages derived again:
+    tests/unit/test_torch_csv.py); unpaired messages are refused too."""
     path = tmp_path / "swapped.csv"
     rows = [
         "0,0F0,0SA0>1,0F1,0SA1>1,0RG0<1,0B0,0RG1<1,0B1",
         "1,1RA1<0,1RA0<0,1F0,1B0,1SG0>0,1F1,1B1,1SG1>0",
     ]
     path.write_text("layout,0,1\nmicrobatches,2\n" + "\n".join(rows) + "\n")
-    loaded = schedule_from_csv(str(path))
-    assert loaded.name == "custom, messages re-derived"
-    assert [str(a) for a in loaded.per_rank[1][:2]] == ["1RA0<0", "1F0"]
+    swapped = bfpp_sim("--load-csv", str(path), "--grid", "none")
+    assert swapped.returncode == 2
+    assert "message order differs between ranks 0 -> 1" in swapped.stderr
     path.write_text("layout,0,1\nmicrobatches,2\n" + rows[0] + "\n" + rows[1][:-8] + "\n")
     result = bfpp_sim("--load-csv", str(path))
     assert result.returncode == 2
