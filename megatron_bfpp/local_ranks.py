@@ -25,6 +25,10 @@ Why it is built this way:
   sends to every rank too) is left to the launcher: ranks ignore it and are stopped the same
   way, so one ``KeyboardInterrupt`` reaches the caller. A rank dies with the launcher
   (``PR_SET_PDEATHSIG`` on Linux), even if the launcher is killed with SIGKILL: no orphans.
+* **one copy of each warning** (``warn_once``): every rank runs the same code, so a library's
+  warning or log record would otherwise be printed once per rank. The first rank to say a text
+  claims it in the store (``TCPStore.add``); the others stay silent. A text only one rank says
+  (its rank number in it, say) is still printed.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import contextlib
 import ctypes
 import dataclasses
 import faulthandler
+import hashlib
+import logging
 import multiprocessing
 import os
 import pickle
@@ -41,11 +47,12 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 __all__ = ["LocalRun", "Stopped", "fork_ranks"]
 
@@ -108,6 +115,7 @@ class _Rank:
     store_timeout: float
     stack_path: str | None
     launcher: int
+    warn_once: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +142,7 @@ def fork_ranks(
     daemon: bool = False,
     name: str = "bfpp-rank",
     heartbeat_timeout: float | None = None,
+    warn_once: bool = False,
 ) -> LocalRun:
     """Run ``target(rank, store)`` in ``world_size`` forked processes and collect how each ended.
 
@@ -143,7 +152,8 @@ def fork_ranks(
     ``failed(result)`` says whether a returned result is a failure (an exit code, say); a raised
     exception always is. ``after()`` runs in the rank once its result is sent (tear-down whose
     errors must not hide the result). A rank silent for ``heartbeat_timeout`` seconds counts as
-    failed. Every rank is dead when this returns or raises (:class:`Stopped` on SIGTERM or
+    failed. With ``warn_once`` a warning or log record that several ranks emit is printed
+    once. Every rank is dead when this returns or raises (:class:`Stopped` on SIGTERM or
     SIGHUP, ``KeyboardInterrupt`` on Ctrl-C).
     """
     if world_size < 1:
@@ -159,7 +169,7 @@ def fork_ranks(
 
     def start(rank: int, port: int, port_writer: Connection | None) -> None:
         stack_path = None if stack_dir is None else str(stack_dir / f"stack.{rank}")
-        spec = _Rank(rank, world_size, port, store_timeout, stack_path, launcher)
+        spec = _Rank(rank, world_size, port, store_timeout, stack_path, launcher, warn_once)
         reader, writer = ctx.Pipe(duplex=False)
         beats[rank] = time.monotonic()
         proc = ctx.Process(
@@ -324,7 +334,65 @@ def _run(spec: _Rank, target: Callable[[int, Any], Any], port_writer: Connection
         port_writer.send_bytes(str(store.port).encode())
         port_writer.close()
     os.environ["MASTER_PORT"] = str(store.port)
+    if spec.warn_once:
+        _say_once(store)
     return target(spec.rank, store)
+
+
+def _say_once(store: Any) -> None:
+    """Warnings and log records of this rank are printed only if no other rank printed the same
+    text first (see the module docstring)."""
+    first = _FirstToSay(store)
+    show = warnings.showwarning
+
+    def showwarning(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if first(f"{category.__name__}:{filename}:{lineno}:{message}"):
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    once = _OncePerJob(first)
+    for handler in (*logging.getLogger().handlers, logging.lastResort):
+        if handler is not None:
+            handler.addFilter(once)
+
+
+class _FirstToSay:
+    """True for the first rank of the job to ask about a text."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.pid = os.getpid()
+
+    def __call__(self, text: str) -> bool:
+        if os.getpid() != self.pid:  # a process the rank forked: the store's socket is not its
+            return True
+        key = "bfpp-said/" + hashlib.sha256(text.encode()).hexdigest()
+        try:
+            return int(self.store.add(key, 1)) == 1
+        except Exception:  # the store is gone (rank 0 left): better twice than never
+            return True
+
+
+class _OncePerJob(logging.Filter):
+    _DECIDED = "bfpp_first_to_say"  # a record passes several handlers: decide once, on it
+
+    def __init__(self, first: _FirstToSay) -> None:
+        super().__init__()
+        self.first = first
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        decided = record.__dict__.get(self._DECIDED)
+        if decided is None:
+            text = f"{record.levelname}:{record.name}:{record.getMessage()}"
+            decided = record.__dict__[self._DECIDED] = self.first(text)
+        return bool(decided)
 
 
 def _collect(

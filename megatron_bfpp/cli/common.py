@@ -1,25 +1,73 @@
-"""What every CLI shares: one-line errors and a parser that does not print usage on error."""
+"""What every CLI shares: one-line errors, a parser that does not print usage on error and shows
+every default in ``--help``, argument types, output-path checks and strict JSON."""
 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
+import math
+import os
 import sys
-from typing import NoReturn
+import tempfile
+from pathlib import Path
+from typing import Any, NoReturn
+
+from megatron_bfpp.schedules.registry import SCHEDULES
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` names each flag's default, as Megatron users expect. A help text that already
+    says its default is left alone, and so are flags whose default is their absence (``None``,
+    an unset switch): "(default: None)" would say nothing."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and _shows_default(action):  # argparse skips help-less flags
+            action = copy.copy(action)
+            action.help = ""
+            action.help = self._get_help_string(action).strip()  # type: ignore[union-attr]
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or not _shows_default(action):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    default = action.default
+    return bool(action.option_strings) and not (
+        default is None or default is False or default is argparse.SUPPRESS
+    )
 
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse prints usage plus the error; users asked for one clear line and a non-zero exit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
         raise SystemExit(2)
 
 
-def fail(prog: str, error: BaseException) -> int:
+def fail(prog: str, error: BaseException | str) -> int:
     """Print the first line of an error (schedule errors carry a grid after it) and return 2."""
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
     sys.stderr.write(f"{prog}: error: {first}\n")
     return 2
+
+
+def stages_per_rank_defaults() -> str:
+    """The virtual-pipeline flags' default, for ``--help``: each schedule's own."""
+    by_count: dict[int, list[str]] = {}
+    for spec in SCHEDULES.values():
+        by_count.setdefault(spec.default_stages_per_rank, []).append(spec.name)
+    counts = "; ".join(f"{n} for {', '.join(names)}" for n, names in sorted(by_count.items()))
+    return f"the schedule's: {counts}"
 
 
 def positive_int(text: str) -> int:
@@ -32,11 +80,90 @@ def positive_int(text: str) -> int:
     return value
 
 
-def non_negative_float(text: str) -> float:
+def finite_float(text: str) -> float:
+    """A float flag: ``inf`` and ``nan`` parse as floats, but no run can use them."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = finite_float(text)
+    if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
     return value
+
+
+def json_text(data: Any) -> str:
+    """Strict JSON (RFC 8259 has no Infinity or NaN, and most parsers refuse them): a number
+    that is not finite becomes null."""
+    return json.dumps(_finite_or_null(data), indent=2, allow_nan=False)
+
+
+def _finite_or_null(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite_or_null(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite_or_null(value) for value in data]
+    return data
+
+
+def output_file_problem(flag: str, path: str) -> str | None:
+    """Why ``flag path`` could not be written, known before any work starts (``None``: no reason
+    found; a full disk still shows at the write). Writes nothing the run would not: an existing
+    file is opened for appending and closed (never truncated), otherwise a temporary file is
+    created beside it and removed."""
+    target = Path(path)
+    if not path:
+        return f"{flag}: empty path"
+    if target.is_dir():
+        return f"{flag} {path}: is a directory"
+    parent = target.parent
+    if not parent.exists():
+        return f"{flag} {path}: directory {parent} does not exist"
+    if not parent.is_dir():
+        return f"{flag} {path}: {parent} is not a directory"
+    try:
+        if target.exists():
+            # O_NONBLOCK: a FIFO without a reader fails here instead of blocking the check.
+            os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+        else:
+            _write_test(parent, directory=False)
+    except OSError as error:
+        where = path if target.exists() else f"files in {parent}"
+        return f"{flag} {path}: cannot write {where} ({error.strerror or error})"
+    return None
+
+
+def output_dir_problem(flag: str, path: str) -> str | None:
+    """Why ``flag path``, a directory the run creates (with its parents) and fills, could not
+    be, known before any work starts. Creates and removes one temporary directory in the
+    nearest directory that exists."""
+    if not path:
+        return f"{flag}: empty path"
+    target = Path(path)
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{flag} {path}: {existing} is not a directory"
+    try:
+        _write_test(existing, directory=True)
+    except OSError as error:
+        return f"{flag} {path}: cannot create files in {existing} ({error.strerror or error})"
+    return None
+
+
+def _write_test(where: Path, *, directory: bool) -> None:
+    """Create a uniquely named entry in ``where`` and remove it (OSError: cannot)."""
+    prefix = ".bfpp-write-test-"
+    if directory:
+        os.rmdir(tempfile.mkdtemp(prefix=prefix, dir=where))
+        return
+    handle, name = tempfile.mkstemp(prefix=prefix, dir=where)
+    os.close(handle)
+    os.unlink(name)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 
-from megatron_bfpp.cli.common import OneLineParser, fail, positive_int
+from megatron_bfpp.cli.common import OneLineParser, fail, finite_float, json_text, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.bpipe import Estimate, bpipe_speedup_estimate
 
@@ -45,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bpipe.add_argument(
         "--stage-mfu",
-        type=float,
+        type=finite_float,
         nargs=2,
         required=True,
         metavar=("MFU_SMALL", "MFU_LARGE"),
@@ -79,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ScheduleError as error:
         return fail(f"{PROG} {args.command}", error)
     if args.json:
-        print(json.dumps(estimate.to_dict(), indent=2))
+        print(json_text(estimate.to_dict()))
     else:
         print(format_estimate(estimate))
     return 0

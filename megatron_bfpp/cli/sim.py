@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from megatron_bfpp.cli.common import OneLineParser, fail, non_negative_float, positive_int
+from megatron_bfpp.cli.common import (
+    OneLineParser,
+    fail,
+    json_text,
+    non_negative_float,
+    output_file_problem,
+    positive_int,
+)
 from megatron_bfpp.ir import (
     ActionKind,
     Schedule,
@@ -28,7 +35,15 @@ from megatron_bfpp.schedules.registry import (
     build_schedule,
     get_spec,
 )
-from megatron_bfpp.sim import CostModel, SimResult, dump_chrome_trace, render_png, simulate
+from megatron_bfpp.sim import (
+    MAX_PNG_RANKS,
+    PNG_SECONDS_PER_RANK,
+    CostModel,
+    SimResult,
+    dump_chrome_trace,
+    render_png,
+    simulate,
+)
 from megatron_bfpp.validate import has_communication, validate_schedule
 
 PROG = "bfpp-sim"
@@ -64,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--vp",
         type=positive_int,
         default=None,
-        help="virtual stages (chunks) per rank: interleaved and breadth-first",
+        help="virtual stages (chunks) per rank: interleaved and breadth-first need it (>= 2); "
+        "the V-shapes place 2, the others 1",
     )
     source.add_argument("--microbatches", type=positive_int, help="micro-batches per step")
     source.add_argument(
@@ -104,10 +120,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_OUTPUTS = (("--csv", "csv"), ("--trace", "trace"), ("--png", "png"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for flag, dest in _OUTPUTS:
+        path = getattr(args, dest)
+        problem = None if path is None else output_file_problem(flag, path)
+        if problem is not None:
+            return fail(PROG, problem)
+    if args.png and args.pp is not None and (problem := png_problem(args.pp)):
+        return fail(PROG, problem)
     try:
         schedule = _schedule_from(args)
+        if args.png and (problem := png_problem(schedule.num_ranks)):
+            return fail(PROG, problem)
         costs = CostModel(
             t_forward=args.t_forward,
             t_backward=args.t_backward,
@@ -118,6 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             t_evict=args.t_evict,
         )
         result = simulate(schedule, costs)
+        if not math.isfinite(result.step_time):
+            return fail(
+                PROG,
+                f"the costs overflow: the step time is {result.step_time}; use smaller --t-* "
+                "values (one unit can be a millisecond or a second)",
+            )
         if args.csv:
             dump_csv(schedule, args.csv)
         if args.trace:
@@ -127,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ScheduleError, OSError) as error:
         return fail(PROG, error)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json_text(result.to_dict()))
     else:
         print(format_report(result))
         if args.grid != "none":
@@ -138,6 +172,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if path:
             print(f"wrote {label}: {path}", file=sys.stderr)
     return 0
+
+
+def png_problem(num_ranks: int) -> str | None:
+    """Drawing costs about 10 ms per rank whatever else the schedule holds (one row each)."""
+    if num_ranks <= MAX_PNG_RANKS:
+        return None
+    return (
+        f"--png with pp={num_ranks}: drawing takes about "
+        f"{num_ranks * PNG_SECONDS_PER_RANK:.0f} s ({1000 * PNG_SECONDS_PER_RANK:.0f} ms per rank; "
+        f"limit {MAX_PNG_RANKS} ranks); drop --png (--trace draws any size in Perfetto)"
+    )
 
 
 def _schedule_from(args: argparse.Namespace) -> Schedule:

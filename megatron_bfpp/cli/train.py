@@ -6,8 +6,9 @@ Launch modes:
 * Otherwise: the command starts ``--nproc-per-node`` local ranks itself (default 4 on a CPU-only
   machine, the number of GPUs otherwise), forked after importing megatron-core once.
 
-Flags are validated before anything starts (and on every rank under torchrun): a bad flag is one
-line ``bfpp-train: error: ...`` on stderr and exit code 2, never a hang or a traceback.
+Flags are validated before anything starts (and on every rank under torchrun, where each node's
+local rank 0 reports): a bad flag, an unwritable output path or a schedule too large to build is
+one line ``bfpp-train: error: ...`` on stderr and exit code 2, never a hang or a traceback.
 """
 
 from __future__ import annotations
@@ -21,17 +22,25 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_bfpp.cli.common import OneLineParser, positive_int
+from megatron_bfpp.cli.common import (
+    OneLineParser,
+    finite_float,
+    output_dir_problem,
+    output_file_problem,
+    positive_int,
+    stages_per_rank_defaults,
+)
 from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
 from megatron_bfpp.schedules.registry import (
     ALL_OPTIONS,
+    SCHEDULES,
     build_schedule,
     check_runnable,
     get_spec,
     options_from_args,
     schedule_names,
 )
-from megatron_bfpp.train.checkpoint_files import CheckpointError, save_dir_problem
+from megatron_bfpp.train.checkpoint_files import CheckpointError
 from megatron_bfpp.train.checkpoint_metadata import (
     CKPT_FORMATS,
     check_resume,
@@ -42,14 +51,42 @@ from megatron_bfpp.train.run_config import run_config
 
 PROG = "bfpp-train"
 _ERROR_GRACE_S = 3.0
+# Local ranks are processes of one machine, each with its own model: more is a typo (torchrun or
+# srun spread larger jobs over nodes).
+MAX_LOCAL_RANKS = 256
+# numpy's range; the data's generators are seeded with seed x 1,000,003 + sample, which torch
+# refuses (in every rank, after start-up) from 2**64 on.
+MAX_SEED = 2**32 - 1
+MAX_TIMEOUT_MINUTES = 1_000_000  # about two years; timedelta overflows from about 1e15 minutes
 
 
 class FlagError(ValueError):
     """A flag combination that cannot run; its message is the one line users see."""
 
 
+class _Parser(OneLineParser):
+    """Fills in the defaults that depend on other flags, so every reader of the parsed flags
+    (the checks, the run's configuration, the trainer) sees the same values."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        apply_schedule_defaults(parsed)
+        return parsed, rest
+
+
+def apply_schedule_defaults(args: argparse.Namespace) -> None:
+    """Virtual stages per rank, when not given, are the schedule's own (1 for single-stage
+    schedules, 2 for looped and V-shape ones): ``--pipeline-schedule 1f1b`` works as it does in
+    Megatron-LM, without ``--num-virtual-stages-per-pipeline-rank 1``."""
+    spec = SCHEDULES.get(getattr(args, "pipeline_schedule", ""))
+    if spec is not None and getattr(args, "num_virtual_stages_per_pipeline_rank", 0) is None:
+        args.num_virtual_stages_per_pipeline_rank = spec.default_stages_per_rank
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
+    p = _Parser(
         prog=PROG,
         description="Pretrain a small GPT or LLaMA on megatron-core with a megatron_bfpp "
         "pipeline schedule (CPU: gloo on local ranks; GPU: NCCL).",
@@ -60,9 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--hidden-size", type=positive_int, default=64)
     m.add_argument("--num-attention-heads", type=positive_int, default=4)
     m.add_argument(
-        "--num-query-groups", type=positive_int, default=None, help="grouped-query attention"
+        "--num-query-groups",
+        type=positive_int,
+        default=None,
+        help="grouped-query attention (default: --num-attention-heads, no grouping)",
     )
-    m.add_argument("--ffn-hidden-size", type=positive_int, default=None)
+    m.add_argument(
+        "--ffn-hidden-size",
+        type=positive_int,
+        default=None,
+        help="(default: gpt 4h, llama 8h/3 rounded up to 16)",
+    )
     m.add_argument("--seq-length", type=positive_int, default=64)
     m.add_argument("--vocab-size", type=positive_int, default=256)
 
@@ -74,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--virtual-pipeline-model-parallel-size",
         dest="num_virtual_stages_per_pipeline_rank",
         type=positive_int,
-        default=2,
+        default=None,
+        help=f"virtual pipeline stages per rank (default: {stages_per_rank_defaults()})",
     )
     par.add_argument(
         "--pipeline-schedule",
@@ -89,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc-per-node",
         type=positive_int,
         default=None,
-        help="ranks to start when not launched by torchrun (default: 4 on CPU, #GPUs on GPU)",
+        help="ranks to start when not launched by torchrun (default: 4 on CPU, #GPUs on GPU; "
+        f"at most {MAX_LOCAL_RANKS})",
     )
     par.add_argument(
         "--distributed-timeout-minutes",
@@ -116,9 +163,11 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--micro-batch-size", type=positive_int, default=1)
     t.add_argument("--global-batch-size", type=positive_int, default=8)
     t.add_argument("--train-iters", type=positive_int, default=20)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--min-lr", type=float, default=3e-4)
-    t.add_argument("--lr-warmup-iters", type=int, default=2, help="capped at the decay length - 1")
+    t.add_argument("--lr", type=finite_float, default=3e-3)
+    t.add_argument("--min-lr", type=finite_float, default=3e-4)
+    t.add_argument(
+        "--lr-warmup-iters", type=int, default=2, help=">= 0, capped at the decay length - 1"
+    )
     t.add_argument(
         "--lr-decay-iters",
         type=positive_int,
@@ -126,9 +175,11 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         help="iterations of cosine decay (default: --train-iters); to train a finished run "
         "further on its schedule, resume with a larger --train-iters and the old decay length",
     )
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--weight-decay", type=finite_float, default=0.01, help=">= 0")
+    t.add_argument(
+        "--clip-grad", type=finite_float, default=1.0, help="global gradient-norm limit; 0: none"
+    )
+    t.add_argument("--seed", type=int, default=1234, help=f"0 .. {MAX_SEED}")
     t.add_argument(
         "--data-path", default=None, help="local text file, byte-level tokens (default: synthetic)"
     )
@@ -136,8 +187,8 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     io = p.add_argument_group("checkpoints and logging")
-    io.add_argument("--save", default=None, metavar="DIR")
-    io.add_argument("--load", default=None, metavar="DIR")
+    io.add_argument("--save", default=None, metavar="DIR", help="write checkpoints here")
+    io.add_argument("--load", default=None, metavar="DIR", help="resume from this checkpoint")
     io.add_argument(
         "--ckpt-format",
         choices=CKPT_FORMATS,
@@ -160,7 +211,12 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
         help="on --load, keep the checkpoint's learning-rate schedule whatever this run's "
         "flags say (Megatron-LM's flag); without either flag a changed schedule is refused",
     )
-    io.add_argument("--save-interval", type=positive_int, default=None)
+    io.add_argument(
+        "--save-interval",
+        type=positive_int,
+        default=None,
+        help="also save every N iterations (default: at the end only)",
+    )
     io.add_argument(
         "--exit-interval",
         type=positive_int,
@@ -168,13 +224,16 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
         help="stop after an iteration divisible by N (saving a checkpoint with --save); the "
         "learning-rate schedule still spans --lr-decay-iters (default --train-iters)",
     )
-    io.add_argument("--metrics-file", default=None, metavar="PATH")
+    io.add_argument(
+        "--metrics-file", default=None, metavar="PATH", help="one JSON line per iteration"
+    )
     io.add_argument("--log-interval", type=positive_int, default=1)
     io.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
 
 
-def validate(args: argparse.Namespace, world_size: int) -> None:
-    """Raise :class:`FlagError` for a combination that cannot run on ``world_size`` ranks."""
+def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> None:
+    """Raise :class:`FlagError` for a combination that cannot run on ``world_size`` ranks
+    (checked by ``rank``: the metrics file is rank 0's alone)."""
     from megatron_bfpp.ir import ScheduleError
 
     name = args.pipeline_schedule
@@ -182,6 +241,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         raise FlagError(
             f"unknown --pipeline-schedule {name!r}; choose one of: {', '.join(schedule_names())}"
         )
+    apply_schedule_defaults(args)
+    problem = number_problem(args) or output_problem(args, metrics=rank == 0)
+    if problem is not None:
+        raise FlagError(problem)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vp = args.num_virtual_stages_per_pipeline_rank
     if world_size % (tp * pp):
@@ -220,10 +283,6 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             raise FlagError(f"--data-path {args.data_path}: no such file")
         if args.vocab_size < 256:
             raise FlagError("--data-path uses byte tokens: --vocab-size must be >= 256")
-    if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
-        raise FlagError(f"need --lr > 0 and 0 <= --min-lr <= --lr (got {args.lr}, {args.min_lr})")
-    if args.lr_warmup_iters < 0:
-        raise FlagError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise FlagError(
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
@@ -238,12 +297,45 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         check_runnable(name)
     except ScheduleError as error:
         raise FlagError(str(error).strip().splitlines()[0]) from None
-    if args.save is not None:
-        problem = save_dir_problem(args.save)
-        if problem is not None:
-            raise FlagError(problem)
     if args.load is not None:
         check_load(args, world_size)
+
+
+def number_problem(args: argparse.Namespace) -> str | None:
+    """The numeric flags' ranges (argparse already refused inf and nan): a value outside them
+    used to train first and fail later, or never."""
+    if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
+        return f"need --lr > 0 and 0 <= --min-lr <= --lr (got {args.lr}, {args.min_lr})"
+    if args.lr_warmup_iters < 0:
+        return f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}"
+    if args.weight_decay < 0:
+        return f"--weight-decay must be >= 0, got {args.weight_decay}"
+    if args.clip_grad < 0:
+        return f"--clip-grad must be >= 0 (0: no clipping), got {args.clip_grad}"
+    if not 0 <= args.seed <= MAX_SEED:
+        return f"--seed must be in 0 .. {MAX_SEED}, got {args.seed}"
+    if args.distributed_timeout_minutes > MAX_TIMEOUT_MINUTES:
+        return (
+            f"--distributed-timeout-minutes must be at most {MAX_TIMEOUT_MINUTES:,}, got "
+            f"{args.distributed_timeout_minutes}"
+        )
+    if args.nproc_per_node is not None and args.nproc_per_node > MAX_LOCAL_RANKS:
+        return (
+            f"--nproc-per-node {args.nproc_per_node}: bfpp-train starts at most "
+            f"{MAX_LOCAL_RANKS} local ranks; launch larger jobs with torchrun or srun"
+        )
+    return None
+
+
+def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | None:
+    """Where the run writes, checked before it starts (a bad path used to fail only at the
+    first write, after training). Every rank saves; only rank 0 writes the metrics file, which
+    may be on a path other nodes lack (``metrics``: check it)."""
+    if args.save is not None and (problem := output_dir_problem("--save", args.save)):
+        return problem
+    if metrics and args.metrics_file is not None:
+        return output_file_problem("--metrics-file", args.metrics_file)
+    return None
 
 
 def check_load(args: argparse.Namespace, world_size: int) -> None:
@@ -283,7 +375,7 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
         train(args, store=store)
     except OtherRankFailed:
         return 2, None  # the failing rank reports the one line
-    except (FlagError, ScheduleError, ValueError, FileNotFoundError) as error:
+    except (FlagError, ScheduleError, ValueError, FileNotFoundError, FloatingPointError) as error:
         return 2, _first_line(error)
     except KeyboardInterrupt:
         return 130, None
@@ -333,10 +425,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or _default_nproc())
     )
     try:
-        validate(args, world_size)
+        validate(args, world_size, rank=int(os.environ["RANK"]) if launched else 0)
         check_megatron_core()
     except (FlagError, UnsupportedMegatronError) as error:
-        return _error(str(error))
+        # Under torchrun every rank checks the same flags: one line per node, not per rank.
+        return 2 if launched and os.environ.get("LOCAL_RANK", "0") != "0" else _error(str(error))
     if launched:
         code, reason = _run_rank(args)
         return _error(reason) if reason else code
@@ -366,6 +459,7 @@ def _spawn(args: argparse.Namespace, world_size: int) -> int:
             failed=lambda outcome: outcome[0] != 0,
             name="bfpp-train-rank",
             heartbeat_timeout=args.heartbeat_timeout,
+            warn_once=True,
         )
     except KeyboardInterrupt:
         _error(f"interrupted; stopped all {world_size} ranks")

@@ -16,6 +16,7 @@ from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.schedules.registry import (
     ALL_OPTIONS,
     MEGATRON_VP_FLAGS,
+    SCHEDULES,
     build_schedule,
     check_option_flags,
     check_runnable,
@@ -25,6 +26,7 @@ from megatron_bfpp.schedules.registry import (
 
 __all__ = [
     "add_schedule_arguments",
+    "apply_schedule_defaults",
     "check_schedule_args",
     "pipeline_schedule_choices",
     "schedule_options_from_args",
@@ -48,7 +50,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         default="default",
         help="Pipeline schedule. 'default' keeps Megatron's own choice (1F1B, or interleaved "
         "with virtual stages); the others run megatron_bfpp's schedules. breadth-first and "
-        f"interleaved need virtual stages ({MEGATRON_VP_FLAGS}).",
+        f"interleaved need virtual stages ({MEGATRON_VP_FLAGS}; without either: 2 per rank).",
     )
     for option in ALL_OPTIONS:
         if not option.megatron_owned:
@@ -56,6 +58,29 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                 option.flag, dest=option.dest, type=int, default=None, help=option.help
             )
     return parser
+
+
+# Megatron-LM's ways of asking for virtual pipeline stages (any one of them set: the user chose).
+_VP_SOURCES = (
+    "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank",
+    "pipeline_model_parallel_layout",
+    "hybrid_layer_pattern",
+    "hybrid_override_pattern",  # its older name
+)
+
+
+def apply_schedule_defaults(args: Any) -> None:
+    """Before Megatron's ``validate_args``: a looped schedule (interleaved, breadth-first) given
+    no virtual stages gets ``--num-virtual-stages-per-pipeline-rank 2``, as in bfpp-train, and
+    Megatron derives and checks everything that follows from it as if the user had passed it.
+    Single-stage schedules need nothing: Megatron's default (None) is one stage per rank."""
+    spec = SCHEDULES.get(getattr(args, "pipeline_schedule", "default"))
+    if spec is None or spec.placement != "looped":
+        return
+    if any(getattr(args, name, None) is not None for name in _VP_SOURCES):
+        return
+    args.num_virtual_stages_per_pipeline_rank = spec.default_stages_per_rank
 
 
 def schedule_options_from_args(args: Any) -> dict[str, Any]:

@@ -10,7 +10,8 @@
   forward-backward function for any other schedule.
 * with Megatron-LM: ``megatron.training.arguments.add_megatron_arguments`` (adds the
   ``--pipeline-schedule`` group) and ``validate_args`` where ``megatron.training.arguments`` and
-  ``megatron.training.initialize`` bind it (runs Megatron's checks, then
+  ``megatron.training.initialize`` bind it (fills in the schedule's virtual stages when none
+  were asked for, runs Megatron's checks, then
   :func:`~megatron_bfpp.megatron.arguments.check_schedule_args`; a bad combination exits with
   one ``megatron_bfpp: error: ...`` line).
 
@@ -38,6 +39,7 @@ from megatron_bfpp.compat import (
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.megatron.arguments import (
     add_schedule_arguments,
+    apply_schedule_defaults,
     check_schedule_args,
     schedule_options_from_args,
 )
@@ -227,6 +229,7 @@ def _wrap_add_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        apply_schedule_defaults(args)
         result = original(args, *rest, **kwargs)
         validated = result if result is not None else args
         if not hasattr(validated, "pipeline_schedule"):

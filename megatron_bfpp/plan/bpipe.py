@@ -133,6 +133,11 @@ def bpipe_speedup_estimate(
             f"(use a global batch of at least {large * pp})"
         )
     stage_speedup = stage_mfu_large / stage_mfu_small
+    if not math.isfinite(stage_speedup):
+        raise ScheduleError(
+            f"stage MFU {stage_mfu_small} at the small micro-batch is too small: the stage "
+            f"speedup {stage_mfu_large} / {stage_mfu_small} is not a finite number"
+        )
     factor = pipeline_factor(
         micro_batch_small=small, micro_batch_large=large, global_batch_size=batch, pp=pp
     )
@@ -184,9 +189,15 @@ def _verdict(
     )
 
 
+# The formulas run in floating point: larger integers lose exactness, then overflow.
+_MAX_EXACT = 2**53
+
+
 def _check_pp(pp: int) -> None:
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 2:
         raise ScheduleError(f"pp must be an integer >= 2 (BPipe pairs stages); got {pp!r}")
+    if pp > _MAX_EXACT:
+        raise ScheduleError(f"pp must be at most 2**53 (computed in floating point); got {pp}")
 
 
 def _check_mfu(what: str, value: float) -> None:
@@ -207,6 +218,10 @@ def _check_batches(global_batch_size: int, micro_batch_sizes: tuple[int, ...]) -
     for name, value in named:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer; got {value!r}")
+        if value > _MAX_EXACT:
+            raise ScheduleError(
+                f"{name} must be at most 2**53 (computed in floating point); got {value}"
+            )
     for b in micro_batch_sizes:
         if global_batch_size % b:
             lower = global_batch_size - global_batch_size % b

@@ -23,7 +23,11 @@ from megatron_bfpp.schedules.v_shape import build_v_half, build_v_min, build_v_z
 from megatron_bfpp.validate import validate_schedule
 
 __all__ = [
+    "ACTIONS_PER_STAGE_MICROBATCH",
     "ALL_OPTIONS",
+    "BYTES_PER_ACTION",
+    "MAX_ACTIONS",
+    "MAX_RANK_STAGES",
     "MEGATRON_VP_FLAGS",
     "SCHEDULES",
     "ScheduleOption",
@@ -31,6 +35,8 @@ __all__ = [
     "build_schedule",
     "check_option_flags",
     "check_runnable",
+    "check_size",
+    "estimate_actions",
     "forward_only_schedule",
     "get_spec",
     "options_from_args",
@@ -44,6 +50,20 @@ MEGATRON_VP_FLAGS = (
     "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
 )
 DATA_PARALLEL_MODES = ("ddp", "distributed-optimizer")
+
+# How large a schedule may be built. Building, validating and simulating costs 2-8 us per action
+# and bfpp-sim's PNG, trace and CSV another 6-9 (scripts/bench_schedules.py on 2 shared cores;
+# breadth-first pp=64 vp=8 m=1024, 3.1 M actions: 38 s and 1.2 GB with every output), so
+# MAX_ACTIONS is about a minute and 1.6 GB. A schedule has about 6 actions per stage and
+# micro-batch (F and B, or F, I and W, and the four messages at a rank boundary); 7 counts
+# BPipe's transfers and split backwards too. The checks also keep per-rank tables over every
+# stage (0.3 us and 32 bytes per rank and stage: pp=8000 took 20 s and 2 GB even at one
+# micro-batch), hence MAX_RANK_STAGES (about 10 s and 1 GB).
+MAX_ACTIONS = 4_000_000
+ACTIONS_PER_STAGE_MICROBATCH = 7
+BYTES_PER_ACTION = 400
+MAX_RANK_STAGES = 32_000_000
+_BYTES_PER_RANK_STAGE = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +142,19 @@ class ScheduleSpec:
             raise ScheduleError(
                 f"{self.name} does not take option(s) {', '.join(unknown)}; it accepts: {accepted}"
             )
+
+    @property
+    def default_stages_per_rank(self) -> int:
+        """What a front end's virtual-pipeline flag means when it is not given: one stage per
+        rank, or two where the schedule needs virtual stages (looped) or places two (V)."""
+        return 1 if self.placement == "single" else 2
+
+    def stages_per_rank(self, num_chunks: int | None) -> int:
+        """Stages each rank holds for an accepted ``num_chunks`` (:meth:`chunks_for`'s
+        result, ``None``: the placement's own)."""
+        if self.placement == "v-shape":
+            return 2
+        return num_chunks or 1
 
     def chunks_for(self, num_chunks: int | None, *, vp_flag: str = "--vp") -> int | None:
         """The generator's ``num_chunks`` for a requested virtual pipeline size (stages per
@@ -269,6 +302,46 @@ def options_from_args(name: str, args: Any, *, megatron: bool = False) -> dict[s
     return options
 
 
+def estimate_actions(*, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> int:
+    """About how many actions the lowered schedule has: ``ACTIONS_PER_STAGE_MICROBATCH`` per
+    stage and micro-batch, and a gradient sync and a parameter gather per stage."""
+    return num_ranks * stages_per_rank * (ACTIONS_PER_STAGE_MICROBATCH * num_microbatches + 2)
+
+
+def check_size(*, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> None:
+    """Refuse a schedule too large to build in about a minute, from its sizes alone (before
+    anything is allocated: a billion micro-batches used to grow until the kernel killed it).
+    Sizes that are not integers are left to the generator's own checks."""
+    sizes_given = (num_ranks, stages_per_rank, num_microbatches)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes_given):
+        return
+    actions = estimate_actions(
+        num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=num_microbatches
+    )
+    sizes = f"pp={num_ranks} x {stages_per_rank} stage(s) per rank"
+    if actions > MAX_ACTIONS:
+        raise ScheduleError(
+            f"schedule too large: {sizes} x {num_microbatches} micro-batches is about "
+            f"{actions:,} actions and {_gigabytes(actions * BYTES_PER_ACTION)} (limit "
+            f"{MAX_ACTIONS:,} actions, about a minute and "
+            f"{_gigabytes(MAX_ACTIONS * BYTES_PER_ACTION)}); use fewer micro-batches, ranks "
+            "or stages per rank"
+        )
+    tables = num_ranks * num_ranks * stages_per_rank
+    if tables > MAX_RANK_STAGES:
+        raise ScheduleError(
+            f"schedule too large: {sizes} needs per-rank tables of ranks x stages = {tables:,} "
+            f"entries, about {_gigabytes(tables * _BYTES_PER_RANK_STAGE)} (limit "
+            f"{MAX_RANK_STAGES:,}, about 10 s and "
+            f"{_gigabytes(MAX_RANK_STAGES * _BYTES_PER_RANK_STAGE)}); use fewer ranks or stages "
+            "per rank"
+        )
+
+
+def _gigabytes(size: int) -> str:
+    return f"{size / 1e9:,.1f} GB"
+
+
 def get_spec(name: str) -> ScheduleSpec:
     try:
         return SCHEDULES[name]
@@ -300,6 +373,11 @@ def build_schedule(
     chosen = {key: value for key, value in options.items() if value is not None}
     spec.check_option_names(chosen)
     chunks = spec.chunks_for(num_chunks)
+    check_size(
+        num_ranks=num_ranks,
+        stages_per_rank=spec.stages_per_rank(chunks),
+        num_microbatches=num_microbatches,
+    )
     chunk_args = {} if chunks is None else {"num_chunks": chunks}
     schedule = spec.generator(
         num_ranks=num_ranks, num_microbatches=num_microbatches, **chunk_args, **chosen

@@ -19,7 +19,19 @@ from megatron_bfpp.sim.engine import Event, SimResult
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
 
-__all__ = ["chrome_trace", "dump_chrome_trace", "render_png"]
+__all__ = [
+    "MAX_PNG_RANKS",
+    "PNG_SECONDS_PER_RANK",
+    "chrome_trace",
+    "dump_chrome_trace",
+    "render_png",
+]
+
+# Measured: a PNG costs about 10 ms per rank (its row, label and tick) on top of 3-7 us per
+# action (pp=1024 and pp=2048 at one micro-batch: 9.8 s and 19 s; pp=5600: about 110 s and an
+# image 90,000 pixels tall). bfpp-sim refuses more ranks than about 20 s of drawing.
+PNG_SECONDS_PER_RANK = 0.0095
+MAX_PNG_RANKS = 2048
 
 K = ActionKind
 _LANES = ("compute", "p2p", "dp")
@@ -103,6 +115,7 @@ def render_png(
     W lighter still, and while boxes are a few pixels wide B and I are hatched and W dotted;
     boxes wide enough carry ``F3``-style labels (none when more than ``max_labels`` would).
     Each row ends with the rank's peak stored activations in full-stage micro-batches.
+    Drawing costs about ``PNG_SECONDS_PER_RANK`` per rank (``MAX_PNG_RANKS``: bfpp-sim's limit).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

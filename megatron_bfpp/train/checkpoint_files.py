@@ -39,7 +39,6 @@ __all__ = [
     "publish",
     "read_tracker",
     "remove_old",
-    "save_dir_problem",
     "write_file_atomic",
     "write_tracker",
 ]
@@ -76,18 +75,6 @@ def read_tracker(root: str | Path) -> int:
             f"--load {root}: {TRACKER} holds {text[:40]!r}, not an iteration number"
         )
     return int(text)
-
-
-def save_dir_problem(root: str | Path) -> str | None:
-    """Why ``--save root`` could not hold checkpoints, known before training starts (``None``:
-    no reason found; a full disk still shows at the save)."""
-    path = Path(root)
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        return f"--save {root}: {existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"--save {root}: cannot create files in {existing}"
-    return None
 
 
 def fsync_file(path: Path) -> None:

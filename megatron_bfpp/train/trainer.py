@@ -328,7 +328,10 @@ def _loop(run: _Run) -> TrainResult:
             step = _train_step(run)
             losses.append((step.iteration, step.loss))
             if not math.isfinite(step.loss):
-                raise FloatingPointError(f"lm loss is {step.loss} at iteration {step.iteration}")
+                raise FloatingPointError(
+                    f"lm loss is {step.loss} at iteration {step.iteration}: training diverged "
+                    "(try a lower --lr)"
+                )
             progress.update(step.iteration, step.loss, step.step_time, step.lr)
             memory = (
                 _memory_per_pipeline_rank(run.forward_backward, run.device)
@@ -336,7 +339,8 @@ def _loop(run: _Run) -> TrainResult:
                 else {}
             )
             if metrics is not None:
-                metrics.write(json.dumps(_metrics_record(run, step, memory)) + "\n")
+                record = _metrics_record(run, step, memory)
+                metrics.write(json.dumps(record, allow_nan=False) + "\n")
                 metrics.flush()
             if args.save and args.save_interval and step.iteration % args.save_interval == 0:
                 _save(run)
@@ -412,7 +416,8 @@ def _metrics_record(run: _Run, step: _Step, memory: dict[str, Any]) -> dict[str,
         "step_time_s": step.step_time,
         "pipeline_schedule": args.pipeline_schedule,
         "lr": step.lr,
-        "grad_norm": step.grad_norm,
+        # strict JSON: an overflowing norm (the optimizer then skips the step) is null
+        "grad_norm": step.grad_norm if _finite(step.grad_norm) else None,
         "tokens_per_s": args.global_batch_size * args.seq_length / step.step_time,
         "num_microbatches": run.num_microbatches,
         **memory,
@@ -435,3 +440,7 @@ def _save(run: _Run) -> None:
     )
     if dist.get_rank() == 0 and args.no_progress:
         print(f"saved checkpoint {path}", flush=True)
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)

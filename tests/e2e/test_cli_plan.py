@@ -108,7 +108,22 @@ def test_llama_not_worth_it() -> None:
         (("layout",), "bfpp-plan: error: argument COMMAND: invalid choice: 'layout'"),
         (("bpipe-estimate", "--pp", "8"), "bfpp-plan bpipe-estimate: error: the following"),
         ((*GPT3[:-2], "37.8", "55.2"), "a percentage? (pass 0.378, or --percent"),
-        ((*GPT3[:-2], "x", "0.5"), "invalid float value: 'x'"),
+        ((*GPT3[:-2], "x", "0.5"), "argument --stage-mfu: expected a number, got 'x'"),
+        ((*GPT3[:-2], "inf", "0.5"), "argument --stage-mfu: expected a finite number, got 'inf'"),
+        ((*GPT3[:-2], "nan", "0.5"), "argument --stage-mfu: expected a finite number, got 'nan'"),
+        (
+            (*GPT3[:-2], "1e-320", "0.5"),
+            "stage MFU 1e-320 at the small micro-batch is too small: the stage speedup 0.5 / "
+            "1e-320 is not a finite number",
+        ),
+        (
+            (*GPT3[:2], str(10**30), *GPT3[3:]),
+            f"pp must be at most 2**53 (computed in floating point); got {10**30}",
+        ),
+        (
+            (*GPT3[:4], str(10**400), *GPT3[5:]),
+            "global batch size must be at most 2**53",
+        ),
         ((*GPT3[:2], "1", *GPT3[3:]), "pp must be an integer >= 2"),
         ((*GPT3[:2], "0", *GPT3[3:]), "expected a positive integer, got 0"),
         ((*GPT3[:6], "1", "3", *GPT3[8:]), "not divisible by micro-batch size 3"),
@@ -122,3 +137,19 @@ def test_bad_input_is_one_line_exit_2(args: tuple[str, ...], message: str) -> No
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert message in lines[0], lines[0]
+
+
+def test_json_is_strict() -> None:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    result = bfpp_plan(*GPT3, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout, parse_constant=refuse)["predicted_speedup"] > 1
+
+
+def test_help_shows_every_flag() -> None:
+    """bpipe-estimate's flags are all required (no defaults to show) or switches."""
+    result = bfpp_plan("bpipe-estimate", "--help")
+    assert result.returncode == 0
+    assert "--stage-mfu MFU_SMALL MFU_LARGE" in result.stdout

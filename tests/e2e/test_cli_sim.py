@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -335,3 +336,110 @@ def test_our_csv_posting_messages_out_of_order_is_refused_not_repaired(tmp_path:
     assert result.returncode == 2
     assert result.stderr.startswith(f"bfpp-sim: error: {path}: ")
     assert result.stderr.count("\n") == 1
+
+
+def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("bfpp-sim: error: ") and "Traceback" not in result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flag", "where", "message"),
+    [
+        ("--png", "/proc/x.png", "--png /proc/x.png: cannot write files in /proc ("),
+        (
+            "--trace",
+            "{tmp}/missing/t.json",
+            "--trace {tmp}/missing/t.json: directory {tmp}/missing",
+        ),
+        ("--csv", "{tmp}/file/x.csv", "--csv {tmp}/file/x.csv: {tmp}/file is not a directory"),
+        ("--csv", "{tmp}", "--csv {tmp}: is a directory"),
+    ],
+    ids=["proc", "missing-directory", "under-a-file", "a-directory"],
+)
+def test_unwritable_outputs_fail_before_any_work(
+    tmp_path: Path, flag: str, where: str, message: str
+) -> None:
+    """Checked before the schedule is built: nothing is written, not even the outputs that
+    could have been (they used to be written, then the bad one raised after simulating)."""
+    (tmp_path / "file").write_text("x")
+    good = tmp_path / "good.json"
+    result = bfpp_sim(
+        *("--schedule", "1f1b", "--pp", "4", "--microbatches", "8"),
+        *("--trace" if flag != "--trace" else "--csv", str(good)),
+        *(flag, where.format(tmp=tmp_path)),
+    )
+    assert message.format(tmp=tmp_path) in _one_error_line(result)
+    assert not good.exists()
+    assert (tmp_path / "file").read_text() == "x"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--schedule", "1f1b", "--pp", "4", "--microbatches", "99999999999"],
+            "schedule too large: pp=4 x 1 stage(s) per rank x 99999999999 micro-batches is about "
+            "2,799,999,999,980 actions and 1,120,000.0 GB (limit 4,000,000 actions, about a "
+            "minute and 1.6 GB); use fewer micro-batches, ranks or stages per rank",
+        ),
+        (
+            ["--schedule", "1f1b", "--pp", "100000", "--microbatches", "8"],
+            "is about 5,800,000 actions and 2.3 GB (limit 4,000,000 actions",
+        ),
+        (
+            ["--schedule", "1f1b", "--pp", "100000", "--microbatches", "1"],
+            "needs per-rank tables of ranks x stages = 10,000,000,000 entries, about 320.0 GB",
+        ),
+        (
+            ["--schedule", "1f1b", "--pp", "3000", "--microbatches", "1", "--png", "x.png"],
+            "--png with pp=3000: drawing takes about 28 s (10 ms per rank; limit 2048 ranks)",
+        ),
+    ],
+    ids=["microbatches", "pp-actions", "pp-tables", "png-ranks"],
+)
+def test_too_large_is_refused_at_once_with_the_estimate(args: list[str], message: str) -> None:
+    start = time.monotonic()
+    result = bfpp_sim(*args)
+    assert message in _one_error_line(result)
+    assert time.monotonic() - start < 30  # the first used to grow to 24 GB, the others minutes
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_costs_are_refused_by_the_parser(value: str) -> None:
+    result = bfpp_sim("--schedule", "1f1b", "--pp", "2", "--microbatches", "2", f"--t-p2p={value}")
+    assert f"argument --t-p2p: expected a finite number, got '{value}'" in _one_error_line(result)
+
+
+def test_overflowing_costs_are_refused_and_json_stays_strict(tmp_path: Path) -> None:
+    trace = tmp_path / "t.json"
+    result = bfpp_sim(
+        *("--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--json"),
+        *("--t-forward", "1e308", "--t-backward", "1e308", "--trace", str(trace)),
+    )
+    assert "the costs overflow: the step time is inf" in _one_error_line(result)
+    assert result.stdout == "" and not trace.exists()
+
+
+def test_json_is_strict() -> None:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    result = bfpp_sim(
+        *("--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--json"),
+        *("--t-forward", "0", "--t-backward", "0", "--t-weight", "0"),
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout, parse_constant=refuse)
+    assert data["step_time"] == 0.0 and data["bubble_fraction"] == 0.0
+
+
+def test_help_shows_defaults() -> None:
+    result = bfpp_sim("--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "--t-forward T_FORWARD forward time (default: 1.0)" in text
+    assert "(default: compute)" in text

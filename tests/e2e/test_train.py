@@ -82,23 +82,28 @@ def test_metrics_file_keys(reference: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("schedule", "vp"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("bpipe", 1)], ids=str
+    ("schedule", "vp"),
+    [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("bpipe", 1)],
+    ids=str,
 )
 def test_schedules_give_the_same_losses(
-    reference: Path, tmp_path: Path, schedule: str, vp: int
+    reference: Path, tmp_path: Path, schedule: str, vp: int | None
 ) -> None:
+    """Without --num-virtual-stages-per-pipeline-rank each schedule takes its own default (1 for
+    gpipe and 1f1b, as in Megatron-LM)."""
     path = tmp_path / "metrics.jsonl"
+    vp_flag = () if vp is None else ("--num-virtual-stages-per-pipeline-rank", str(vp))
     proc = _run(
         "--pipeline-schedule",
         schedule,
-        "--num-virtual-stages-per-pipeline-rank",
-        str(vp),
+        *vp_flag,
         "--train-iters",
         str(COMPARED),
         "--metrics-file",
         str(path),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"vp={vp or 1} " in proc.stdout  # the banner
     want = _losses(reference)
     got = _losses(path)
     assert sorted(got) == list(range(1, COMPARED + 1))
@@ -168,8 +173,61 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         (["--pipeline-schedule", "v-half"], "not yet runnable"),
         (["--num-layers", "6"], "--num-layers 6 is not divisible"),
         (["--bpipe-max-stored", "2"], "--bpipe-max-stored applies to --pipeline-schedule bpipe"),
+        (
+            ["--pipeline-schedule", "1f1b", "--num-virtual-stages-per-pipeline-rank", "2"],
+            "1f1b runs one stage per rank; drop --num-virtual-stages-per-pipeline-rank or set "
+            "it to 1 (got 2)",
+        ),
+        (["--lr", "inf"], "argument --lr: expected a finite number, got 'inf' (see --help)"),
+        (["--lr", "nan"], "argument --lr: expected a finite number, got 'nan'"),
+        (["--min-lr", "inf"], "argument --min-lr: expected a finite number, got 'inf'"),
+        (["--lr", "0"], "need --lr > 0 and 0 <= --min-lr <= --lr (got 0.0, 0.0003)"),
+        (["--lr-warmup-iters", "-1"], "--lr-warmup-iters must be >= 0, got -1"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+        (["--weight-decay", "inf"], "argument --weight-decay: expected a finite number"),
+        (["--clip-grad", "-1"], "--clip-grad must be >= 0 (0: no clipping), got -1.0"),
+        (["--clip-grad", "nan"], "argument --clip-grad: expected a finite number, got 'nan'"),
+        (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
+        (["--seed", "4294967296"], "--seed must be in 0 .. 4294967295, got 4294967296"),
+        (
+            ["--distributed-timeout-minutes", "10000000000"],
+            "--distributed-timeout-minutes must be at most 1,000,000, got 10000000000",
+        ),
+        (
+            ["--nproc-per-node", "100000"],
+            "--nproc-per-node 100000: bfpp-train starts at most 256 local ranks; launch larger "
+            "jobs with torchrun or srun",
+        ),
+        (
+            ["--global-batch-size", "1000000000"],
+            "schedule too large: pp=4 x 2 stage(s) per rank x 1000000000 micro-batches is about "
+            "56,000,000,016 actions and 22,400.0 GB (limit 4,000,000 actions, about a minute and "
+            "1.6 GB); use fewer micro-batches, ranks or stages per rank",
+        ),
     ],
-    ids=["unknown-schedule", "bf-without-vp", "world-size", "not-runnable", "layers", "bpipe-cap"],
+    ids=[
+        "unknown-schedule",
+        "bf-without-vp",
+        "world-size",
+        "not-runnable",
+        "layers",
+        "bpipe-cap",
+        "1f1b-with-vp-2",
+        "lr-inf",
+        "lr-nan",
+        "min-lr-inf",
+        "lr-zero",
+        "warmup-negative",
+        "weight-decay-negative",
+        "weight-decay-inf",
+        "clip-grad-negative",
+        "clip-grad-nan",
+        "seed-negative",
+        "seed-too-large",
+        "timeout-too-large",
+        "nproc-too-large",
+        "global-batch-too-large",
+    ],
 )
 def test_bad_flags_one_line_nonzero_exit(flags: list[str], expected: str) -> None:
     start = time.monotonic()
@@ -196,3 +254,79 @@ def test_bad_flags_under_torchrun_env_fail_on_the_rank() -> None:
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "tp*pp*dp" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "where", "message"),
+    [
+        ("--save", "/proc/x", "--save /proc/x: cannot create files in /proc ("),
+        ("--save", "{tmp}/file/ckpt", "--save {tmp}/file/ckpt: {tmp}/file is not a directory"),
+        (
+            "--metrics-file",
+            "{tmp}/missing/m.jsonl",
+            "--metrics-file {tmp}/missing/m.jsonl: directory {tmp}/missing does not exist",
+        ),
+        ("--metrics-file", "{tmp}", "--metrics-file {tmp}: is a directory"),
+        ("--metrics-file", "/proc/m.jsonl", "--metrics-file /proc/m.jsonl: cannot write files in"),
+    ],
+    ids=["save-proc", "save-under-a-file", "metrics-missing-dir", "metrics-a-dir", "metrics-proc"],
+)
+def test_unwritable_outputs_fail_before_training(
+    tmp_path: Path, flag: str, where: str, message: str
+) -> None:
+    """These used to train to the end and then fail (a traceback for --metrics-file)."""
+    (tmp_path / "file").write_text("x")
+    start = time.monotonic()
+    proc = _run(flag, where.format(tmp=tmp_path), timeout=60)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("bfpp-train: error: " + message.format(tmp=tmp_path)), lines[0]
+    assert "iteration" not in proc.stdout
+    assert time.monotonic() - start < 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_bad_flags_under_torchrun_are_one_line_per_node() -> None:
+    """Every rank checks the same flags; only each node's local rank 0 says what is wrong."""
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_bfpp.cli.train", "--pipeline-model-parallel-size", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == ""
+
+
+def test_a_warning_every_rank_gives_is_printed_once() -> None:
+    """megatron-core warns about CUDA_DEVICE_MAX_CONNECTIONS on every tensor-parallel rank (it
+    was printed 4 times, with its source line)."""
+    proc = _run(
+        *("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"),
+        *("--train-iters", "1"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("CUDA_DEVICE_MAX_CONNECTIONS") == 1, proc.stderr
+
+
+def test_a_diverged_run_is_one_line() -> None:
+    """A NaN loss ends the run on every rank: one line, not a traceback."""
+    proc = _run("--lr", "1e30", "--min-lr", "0", "--train-iters", "3")
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [
+        "bfpp-train: error: lm loss is nan at iteration 3: training diverged (try a lower --lr)"
+    ], proc.stderr
+
+
+def test_help_shows_defaults() -> None:
+    proc = _run("--help", timeout=60)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "--pipeline-schedule {" in text and "(default: breadth-first)" in text
+    assert "--lr LR (default: 0.003)" in text
+    assert "(default: the schedule's: 1 for gpipe, 1f1b, bpipe; 2 for interleaved" in text

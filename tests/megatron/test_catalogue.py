@@ -53,9 +53,8 @@ def test_a_catalogue_entry_reaches_every_front_end(new_schedule: None) -> None:
     )
     arguments.check_schedule_args(megatron_args)
 
-    train_args = cli_train.build_parser().parse_args(
-        ["--pipeline-schedule", NEW, "--num-virtual-stages-per-pipeline-rank", "1"]
-    )
+    train_args = cli_train.build_parser().parse_args(["--pipeline-schedule", NEW])
+    assert train_args.num_virtual_stages_per_pipeline_rank == 1  # the catalogue's default
     cli_train.validate(train_args, world_size=4)
 
 
@@ -64,7 +63,9 @@ def test_the_catalogue_placement_check_is_the_one_every_front_end_uses(
 ) -> None:
     with pytest.raises(ScheduleError, match=f"{NEW} runs one stage per rank; drop --vp"):
         registry.build_schedule(NEW, num_ranks=2, num_microbatches=2, num_chunks=2)
-    train_args = cli_train.build_parser().parse_args(["--pipeline-schedule", NEW])  # vp 2
+    train_args = cli_train.build_parser().parse_args(
+        ["--pipeline-schedule", NEW, "--num-virtual-stages-per-pipeline-rank", "2"]
+    )
     with pytest.raises(cli_train.FlagError, match="drop --num-virtual-stages-per-pipeline-rank"):
         cli_train.validate(train_args, world_size=4)
     megatron_args = argparse.Namespace(

@@ -287,10 +287,32 @@ def test_interleaved_reads_megatrons_group_size_flag(
 
 
 @pytest.mark.parametrize(
+    ("argv", "vp"),
+    [
+        ("--pipeline-schedule breadth-first", 2),
+        ("--pipeline-schedule interleaved", 2),
+        ("--pipeline-schedule breadth-first --num-virtual-stages-per-pipeline-rank 4", 4),
+        ("--pipeline-schedule interleaved --num-layers-per-virtual-pipeline-stage 1", 4),
+        ("--pipeline-schedule 1f1b", None),
+        ("--pipeline-schedule default", None),
+    ],
+)
+def test_virtual_stages_default_per_schedule(
+    fake_megatron_lm: Path, monkeypatch: pytest.MonkeyPatch, argv: str, vp: int | None
+) -> None:
+    """A looped schedule without any virtual-stage flag gets 2 per rank before Megatron's own
+    validation derives the rest (as bfpp-train does); a flag the user gave is kept, and
+    single-stage schedules keep Megatron's default (None: one stage per rank)."""
+    plugin.install()
+    args = _initialize(
+        monkeypatch, *shlex.split(f"--pipeline-model-parallel-size 2 --global-batch-size 8 {argv}")
+    )
+    assert args.virtual_pipeline_model_parallel_size == vp
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ("--pipeline-model-parallel-size 2 --pipeline-schedule breadth-first", "needs virtual"),
-        ("--pipeline-model-parallel-size 2 --pipeline-schedule interleaved", "needs virtual"),
         (
             "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
             "--pipeline-schedule 1f1b",

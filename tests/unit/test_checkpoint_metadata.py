@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,6 @@ from megatron_bfpp.train.checkpoint_files import (
     publish,
     read_tracker,
     remove_old,
-    save_dir_problem,
     write_tracker,
 )
 from megatron_bfpp.train.checkpoint_metadata import (
@@ -335,28 +333,6 @@ def test_reading_a_checkpoint_loads_no_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-def test_unusable_save_directory_is_known_before_training(tmp_path: Path) -> None:
-    assert save_dir_problem(tmp_path / "new" / "deeper") is None
-    (tmp_path / "file").write_text("x")
-    file = tmp_path / "file"
-    assert save_dir_problem(file) == f"--save {file}: {file} is not a directory"
-    assert save_dir_problem(file / "ckpt") == f"--save {file / 'ckpt'}: {file} is not a directory"
-
-
-def test_read_only_save_directory_is_known_before_training(tmp_path: Path) -> None:
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    try:
-        if os.access(locked, os.W_OK):  # root ignores permissions
-            pytest.skip("running as a user that may write anywhere")
-        assert save_dir_problem(locked / "ckpt") == (
-            f"--save {locked / 'ckpt'}: cannot create files in {locked}"
-        )
-    finally:
-        locked.chmod(0o700)
 
 
 def test_unknown_format_is_refused(tmp_path: Path) -> None:
