@@ -416,8 +416,9 @@ class Recorded(NamedTuple):
 def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int, Message]]:
     """``Wires.run`` for recorded programs, without clocks: which ranks cannot finish, as
     ``Wires.stuck``. Recording each rank's program in one go and running the compact result
-    costs a third less than resuming the checking loop itself at every wait (measured: its
-    working set stays small when ranks alternate)."""
+    beat resuming the checking loop at every wait where ranks alternate often (measured on
+    BPipe pp=16-32: 1.10-1.14x the old fused check's time instead of 1.30x; about equal on
+    interleaved)."""
     sent: set[int] = set()
     waiting: dict[int, int] = {}
     cursor = [0] * len(programs)

@@ -174,3 +174,17 @@ def test_breadth_first_beats_interleaved_when_gathers_cost_like_compute() -> Non
     assert breadth.exposed_dp_comm_time < depth.exposed_dp_comm_time
     assert breadth.peak_parameters == depth.peak_parameters == (0.5,) * 4
     assert dense.peak_parameters == (1.0,) * 4
+
+
+def test_a_forward_only_schedule_releases_each_chunk_after_its_last_forward() -> None:
+    """Evaluation has no backward: no GS, and the RL follows the chunk's last forward."""
+    training = get_spec("breadth-first").generator(num_ranks=2, num_microbatches=4, num_chunks=2)
+    forwards = training.with_programs(
+        [a for a in actions if a.kind is K.FORWARD] for actions in training.per_rank
+    )
+    schedule = add_grad_sync(add_communication(forwards), sharding=SHARDED)
+    validate_schedule(schedule, require_backward=False)
+    rows = [str(a) for a in schedule.per_rank[0]]
+    assert count(schedule, 0, K.GRAD_SYNC) == 0
+    assert rows.index("0RL") > rows.index("0F3") and rows.index("2RL") > rows.index("2F3")
+    assert schedule.resident_parameters(0)[-1] == 0
