@@ -20,7 +20,9 @@ the local layer spec, and the ``tensor_parallel.random`` internals the CPU adapt
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -34,6 +36,8 @@ __all__ = [
     "is_multi_module_collection",
     "is_supported",
     "megatron_core_version",
+    "param_gather_suppressed",
+    "sharded_param_buckets",
 ]
 
 # (first, last) inclusive (major, minor) ranges of megatron-core we test and serve.
@@ -185,3 +189,46 @@ def is_multi_module_collection(schedule_pg_collection: Any) -> bool:
     from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
 
     return isinstance(schedule_pg_collection, MultiModuleProcessGroupCollection)
+
+
+def sharded_param_buckets(chunk: Any) -> list[tuple[Any, Any, int, int]]:
+    """``(param_data, group, group_size, group_rank)`` for each bucket of a megatron-core DDP
+    chunk's parameter buffers, dense and expert-parallel: the flat full-parameter view the
+    distributed optimizer all-gathers into, and the group it shards that bucket over.
+
+    The same attributes in 0.16.1, 0.19.2 and 0.20.0 (``bucket_groups``,
+    ``expert_parallel_bucket_groups``, ``buckets``, ``param_data``,
+    ``intra_distributed_optimizer_instance_group/size/rank``); kept here because they are
+    buffer internals rather than API, so a release that moves them changes one function.
+    """
+    groups = [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
+    return [
+        (
+            bucket.param_data,
+            group.intra_distributed_optimizer_instance_group,
+            int(group.intra_distributed_optimizer_instance_size),
+            int(group.intra_distributed_optimizer_instance_rank),
+        )
+        for group in groups
+        for bucket in group.buckets
+    ]
+
+
+@contextlib.contextmanager
+def param_gather_suppressed(chunks: Any) -> Iterator[None]:
+    """Run a distributed-optimizer step without its closing parameter all-gather.
+
+    0.16.1, 0.19.2 and 0.20.0 skip that gather when the DDP config's ``overlap_param_gather``
+    is set (the forward pre-hooks would gather instead); with sharded parameters the schedule
+    gathers each chunk itself, so the step's gather would be a whole extra collective per
+    bucket. The flag is set only for the step and restored after it, also on error.
+    """
+    configs = {id(chunk.ddp_config): chunk.ddp_config for chunk in chunks}.values()
+    saved = [(config, config.overlap_param_gather) for config in configs]
+    for config, _ in saved:
+        config.overlap_param_gather = True
+    try:
+        yield
+    finally:
+        for config, value in saved:
+            config.overlap_param_gather = value

@@ -1,5 +1,15 @@
 """Execute schedules on megatron-core model chunks (needs torch and megatron-core)."""
 
-from megatron_bfpp.runtime.api import get_forward_backward_func, plan_schedule, runnable_names
+from megatron_bfpp.runtime.api import (
+    get_forward_backward_func,
+    plan_schedule,
+    runnable_names,
+    sharded_optimizer_step,
+)
 
-__all__ = ["get_forward_backward_func", "plan_schedule", "runnable_names"]
+__all__ = [
+    "get_forward_backward_func",
+    "plan_schedule",
+    "runnable_names",
+    "sharded_optimizer_step",
+]

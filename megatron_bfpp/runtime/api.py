@@ -16,8 +16,10 @@ import torch
 
 from megatron_bfpp.compat import check_megatron_core, default_process_groups
 from megatron_bfpp.ir import Schedule, ScheduleError
+from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES
 from megatron_bfpp.runtime.executor import run_rank_program
 from megatron_bfpp.runtime.p2p import PipeComm
+from megatron_bfpp.runtime.sharding import sharded_parameters
 from megatron_bfpp.runtime.step import MemoryReport, StepContext
 from megatron_bfpp.schedules.registry import (
     build_schedule,
@@ -27,17 +29,34 @@ from megatron_bfpp.schedules.registry import (
     runnable_names,
 )
 
-__all__ = ["ForwardBackwardFunc", "get_forward_backward_func", "plan_schedule", "runnable_names"]
+__all__ = [
+    "ForwardBackwardFunc",
+    "check_sharding",
+    "get_forward_backward_func",
+    "plan_schedule",
+    "runnable_names",
+    "sharded_optimizer_step",
+]
 
 
 def get_forward_backward_func(
-    schedule: str, *, measure_memory: bool = False, **options: Any
+    schedule: str,
+    *,
+    measure_memory: bool = False,
+    data_parallel_sharding_strategy: str = "optim",
+    **options: Any,
 ) -> ForwardBackwardFunc:
     """A forward-backward function running ``schedule`` (a registry name).
 
     ``options`` are the schedule's own (``microbatch_group_size`` for interleaved,
     ``group_size`` for breadth-first, ``max_stored`` for bpipe). Unknown names, options and
     not-yet-runnable schedules fail here, before any communication.
+
+    ``data_parallel_sharding_strategy`` is Megatron's: ``optim`` (the distributed optimizer as
+    built; the default) or ``optim_grads_params``, parameters sharded over the data-parallel
+    group and gathered per chunk where the schedule says (runtime.sharding; needs DDP chunks
+    built for the distributed optimizer, a schedule with several chunks per rank, and
+    data-parallel size > 1). Step the optimizer through :func:`sharded_optimizer_step` then.
 
     After each call the function's ``last_memory`` attribute holds this rank's
     :class:`~megatron_bfpp.runtime.step.MemoryReport` (measured when ``measure_memory`` is
@@ -46,11 +65,30 @@ def get_forward_backward_func(
     check_megatron_core()
     spec = check_runnable(schedule)
     spec.check_option_names(options)
+    check_sharding(spec.name, data_parallel_sharding_strategy)
     return ForwardBackwardFunc(
         schedule=spec.name,
         options=tuple(sorted(options.items())),
         measure_memory=measure_memory,
+        sharding=data_parallel_sharding_strategy,
     )
+
+
+def check_sharding(schedule: str, strategy: str) -> None:
+    """One-line errors for a sharding strategy that cannot apply, before any work."""
+    if strategy not in SHARDING_STRATEGIES:
+        raise ScheduleError(
+            f"data-parallel sharding strategy {strategy!r} is not one of "
+            f"{', '.join(SHARDING_STRATEGIES)}"
+        )
+    if strategy == "optim":
+        return
+    if get_spec(schedule).placement != "looped":
+        raise ScheduleError(
+            f"--data-parallel-sharding-strategy optim_grads_params shards parameters per model "
+            f"chunk and needs a looped schedule with several chunks per rank (breadth-first or "
+            f"interleaved); {schedule!r} keeps one chunk's parameters for the whole step"
+        )
 
 
 @dataclass(eq=False)
@@ -66,6 +104,7 @@ class ForwardBackwardFunc:
     schedule: str
     options: tuple[tuple[str, Any], ...] = ()
     measure_memory: bool = False
+    sharding: str = "optim"
     last_trace: list[str] = field(default_factory=list, repr=False)
     last_memory: MemoryReport = field(default_factory=MemoryReport, repr=False)
     eviction_sizes: dict[int, int] = field(default_factory=dict, repr=False)
@@ -116,6 +155,7 @@ def plan_schedule(
     num_microbatches: int,
     options: tuple[tuple[str, Any], ...],
     forward_only: bool,
+    sharding: str = "optim",
 ) -> Schedule:
     """The validated schedule for a layout, built once per process (every rank builds the same
     one deterministically, so errors surface identically everywhere, before communication)."""
@@ -126,6 +166,7 @@ def plan_schedule(
         num_ranks=num_ranks,
         num_microbatches=num_microbatches,
         num_chunks=chunks,
+        sharding=sharding,
         **dict(options),
     )
     _check_data_order(schedule)
@@ -187,7 +228,16 @@ def _run_step(
         num_microbatches,
         func.options,
         bool(forward_only),
+        func.sharding,
     )
+    sharded = None
+    if func.sharding != "optim":
+        if groups.dp_cp.size() == 1:
+            raise ScheduleError(
+                "--data-parallel-sharding-strategy optim_grads_params needs data parallelism "
+                "(data-parallel size is 1: there is nothing to shard over)"
+            )
+        sharded = sharded_parameters(chunks)
     shape = _message_shape(
         seq_length, micro_batch_size, decoder_seq_length, config, groups, adjust_tensor_shapes_fn
     )
@@ -212,6 +262,7 @@ def _run_step(
         first_val_step=first_val_step,
         comm=comm,
         measure_memory=func.measure_memory,
+        sharded=sharded,
     )
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
@@ -236,6 +287,14 @@ def _run_step(
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return store
+
+
+def sharded_optimizer_step(optimizer: Any, model: torch.nn.Module | list[torch.nn.Module]) -> Any:
+    """``optimizer.step()`` for a model trained with ``optim_grads_params``: the step runs on
+    the kept shards, without the distributed optimizer's closing all-gather (the schedule
+    gathers each chunk when it needs it). Returns what ``optimizer.step()`` returns."""
+    chunks = model if isinstance(model, list) else [model]
+    return sharded_parameters(chunks).optimizer_step(optimizer)
 
 
 def _iterators_per_chunk(data_iterator: Any, num_chunks: int) -> list[Any]:

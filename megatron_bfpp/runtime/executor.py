@@ -5,9 +5,9 @@ The executor is one dispatch table, action kind -> handler, over an explicit per
 cover every ``ActionKind`` when this module is imported; a kind the runtime cannot execute yet
 maps to :func:`not_runnable`, which names the action and the rank. This module holds the core
 handlers (compute, pipeline messages, data-parallel sync); a protocol with its own actions and
-state lives in its own module (BPipe: runtime.bpipe) and is listed in ``TABLE`` below, so the
-next one (V-shape's split backward, sharded-parameter gathers) is a new module, not an edit
-here or in BPipe's code.
+state lives in its own module (BPipe: runtime.bpipe; sharded parameters' gathers and releases:
+runtime.sharding) and is listed in ``TABLE`` below, so the next one (V-shape's split backward)
+is a new module, not an edit here or in theirs.
 
 Compute reuses megatron-core's own ``forward_step`` / ``backward_step`` (loss scaling, per-token
 loss, autocast, input-tensor plumbing), and behaviour comes from the model config exactly as
@@ -21,8 +21,9 @@ runtime.p2p).
 Data parallelism is per chunk: a chunk's ``no_sync`` context is left just before its last
 backward (megatron-core DDP's hooks then dispatch its gradient reduction during that backward),
 ``grad_sync_func[chunk]`` runs at the chunk's GS action and ``param_sync_func[chunk]`` at its PS
-action. With breadth-first, the first chunk to finish does so long before the step ends, so its
-reduction overlaps the other chunks' backward.
+action (with sharded parameters PS gathers the chunk instead, see runtime.sharding). With
+breadth-first, the first chunk to finish does so long before the step ends, so its reduction
+overlaps the other chunks' backward.
 
 Memory accounting (``StepContext.measure_memory``, always on for a rank whose program has a
 kind that needs the activation store, such as BPipe's EV): after every window of messages and
@@ -44,7 +45,7 @@ import torch
 from megatron_bfpp.compat import backward_step, forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
 from megatron_bfpp.messages import Message, message_of
-from megatron_bfpp.runtime import bpipe
+from megatron_bfpp.runtime import bpipe, sharding
 from megatron_bfpp.runtime.activations import unique_storage_bytes
 from megatron_bfpp.runtime.p2p import Receive, Send
 from megatron_bfpp.runtime.step import (
@@ -78,6 +79,8 @@ def forward(step: RankStep, position: int, action: Action) -> None:
     ctx, stage, mb = step.ctx, action.stage, _mb(action)
     chunk = step.layout.chunk_of(stage)
     input_tensor = _forward_input(step, stage, mb)
+    for part in step.parts.values():
+        part.before_compute(step, stage)
     capture = step.store.capture((stage, mb)) if step.measuring else contextlib.nullcontext()
     with capture:
         output, num_tokens = forward_step(
@@ -134,6 +137,7 @@ def backward(step: RankStep, position: int, action: Action) -> None:
         # during its last backward once its no_sync context is left.
         step.leave_no_sync(chunk)
     for part in step.parts.values():
+        part.before_compute(step, stage)
         part.before_backward(step, key)
     input_tensor = step.state.inputs.pop(key)
     output = step.state.outputs.pop(key)
@@ -215,14 +219,6 @@ def grad_sync(step: RankStep, position: int, action: Action) -> None:
     step.state.trace.append(str(action))
 
 
-def param_sync(step: RankStep, position: int, action: Action) -> None:
-    chunk = step.layout.chunk_of(action.stage)
-    func = step.per_chunk(step.ctx.config.param_sync_func)[chunk]
-    if func is not None and not step.ctx.forward_only:
-        func(step.ctx.model[chunk].parameters())
-    step.state.trace.append(str(action))
-
-
 def _mb(action: Action) -> int:
     assert action.microbatch is not None  # compute actions always carry one
     return action.microbatch
@@ -238,19 +234,16 @@ CORE = Handlers(
         K.SEND_GRAD: send_grad,
         K.RECV_GRAD: recv_grad,
         K.GRAD_SYNC: grad_sync,
-        K.PARAM_SYNC: param_sync,
     }
 )
-# Zero-bubble's split backward (v-* schedules) and sharded parameters' release: generated and
-# simulated, not executed yet.
+# Zero-bubble's split backward (v-* schedules): generated and simulated, not executed yet.
 NOT_RUNNABLE = Handlers(
     kinds={
         K.BACKWARD_INPUT: not_runnable,
         K.BACKWARD_WEIGHT: not_runnable,
-        K.RELEASE: not_runnable,
     }
 )
-TABLE: DispatchTable = dispatch_table(CORE, bpipe.HANDLERS, NOT_RUNNABLE)
+TABLE: DispatchTable = dispatch_table(CORE, bpipe.HANDLERS, sharding.HANDLERS, NOT_RUNNABLE)
 
 
 # --- the loop ---------------------------------------------------------------------------------
@@ -275,6 +268,9 @@ class _Executor:
         step, handlers = self.step, self.handlers
         comm = step.ctx.comm
         step.state.total_num_tokens = torch.zeros([], dtype=torch.int, device=comm.device)
+        sharded = step.ctx.sharded
+        if sharded is not None:
+            sharded.reset_peak()
         step.enter_no_sync()
         settle = not comm.sends_pollable
         for position, action in enumerate(step.program):
@@ -291,6 +287,8 @@ class _Executor:
             self._measure()
         self._post_window()
         self._finish()
+        if sharded is not None:
+            step.state.memory.peak_parameter_bytes = sharded.peak_bytes
         if step.measuring and comm.device.type == "cuda":
             step.state.memory.cuda_max_memory_allocated = torch.cuda.max_memory_allocated(
                 comm.device

@@ -59,6 +59,7 @@ class StepContext:
     first_val_step: bool | None
     comm: PipeComm
     measure_memory: bool = False
+    sharded: Any = None  # runtime.sharding.ShardedParameters with optim_grads_params
 
 
 @dataclass
@@ -67,6 +68,7 @@ class MemoryReport:
 
     peak_activation_bytes: int = 0
     peak_stored_microbatches: int = 0  # most resident at once: own and the partner's
+    peak_parameter_bytes: int | None = None  # with sharded parameters: kept shards + gathered
     cuda_max_memory_allocated: int | None = None
 
     def observe(self, nbytes: int, microbatches: int) -> None:
@@ -111,6 +113,9 @@ class Window:
 class StepPart:
     """A handler module's per-step state and its answers to the core; the defaults suit a part
     that holds no activations. The executor makes one of each registered part per step."""
+
+    def before_compute(self, step: RankStep, stage: int) -> None:
+        """Make the stage's parameters usable before it computes (they may be in flight)."""
 
     def before_backward(self, step: RankStep, key: Key) -> None:
         """Make ``key``'s stored activations usable before its backward (they may be away)."""

@@ -393,10 +393,14 @@ def forward_only_schedule(schedule: Schedule) -> Schedule:
 
     For ``interleaved`` this is exactly megatron-core's forward-only order (all forwards in
     schedule-table order), and for every schedule each stage still reads its data in order.
+    A schedule with sharded parameters (RL actions) keeps them: forwards need the parameters
+    gathered too.
     """
     compute = schedule.with_programs(
         [a for a in actions if a.kind is ActionKind.FORWARD] for actions in schedule.per_rank
     )
     lowered = add_communication(compute)
+    if any(a.kind is ActionKind.RELEASE for actions in schedule.per_rank for a in actions):
+        lowered = add_grad_sync(lowered, sharding="optim_grads_params")
     validate_schedule(lowered, require_backward=False)
     return lowered

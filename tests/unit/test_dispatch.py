@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from megatron_bfpp.ir import ActionKind, parse_action
-from megatron_bfpp.runtime import bpipe
+from megatron_bfpp.runtime import bpipe, sharding
 from megatron_bfpp.runtime.api import ForwardBackwardFunc
 from megatron_bfpp.runtime.executor import CORE, NOT_RUNNABLE, TABLE
 from megatron_bfpp.runtime.step import MemoryReport, dispatch_table
@@ -23,14 +23,14 @@ def test_the_table_has_a_handler_for_every_action_kind() -> None:
 
 
 def test_each_kind_is_handled_by_one_module() -> None:
-    modules = (CORE, bpipe.HANDLERS, NOT_RUNNABLE)
+    modules = (CORE, bpipe.HANDLERS, sharding.HANDLERS, NOT_RUNNABLE)
     counts = {kind: sum(kind in module.kinds for module in modules) for kind in ActionKind}
     assert counts == dict.fromkeys(ActionKind, 1)
 
 
 def test_a_kind_without_handler_fails_when_the_table_is_built() -> None:
     with pytest.raises(RuntimeError, match=r"EVICT \(EV\).*have no handler") as error:
-        dispatch_table(CORE, NOT_RUNNABLE)  # BPipe's module left out
+        dispatch_table(CORE, sharding.HANDLERS, NOT_RUNNABLE)  # BPipe's module left out
     for kind in ("ACCEPT (AC)", "RESTORE (RS)", "LOAD (LD)"):
         assert kind in str(error.value)
     assert "FORWARD" not in str(error.value)
@@ -38,17 +38,17 @@ def test_a_kind_without_handler_fails_when_the_table_is_built() -> None:
 
 def test_a_kind_with_two_handlers_fails_when_the_table_is_built() -> None:
     with pytest.raises(
-        RuntimeError, match=r"\['BACKWARD_INPUT', 'BACKWARD_WEIGHT', 'RELEASE'\].*two handlers"
+        RuntimeError, match=r"\['BACKWARD_INPUT', 'BACKWARD_WEIGHT'\].*two handlers"
     ):
-        dispatch_table(CORE, bpipe.HANDLERS, NOT_RUNNABLE, NOT_RUNNABLE)
+        dispatch_table(CORE, bpipe.HANDLERS, sharding.HANDLERS, NOT_RUNNABLE, NOT_RUNNABLE)
 
 
 def test_parts_and_capturing_kinds_come_from_the_modules() -> None:
-    assert TABLE.parts == (bpipe.Transfers,)
+    assert TABLE.parts == (bpipe.Transfers, sharding.ShardingPart)
     assert TABLE.captures == {ActionKind.EVICT}
 
 
-@pytest.mark.parametrize("text", ["2I3", "0W1", "1RL"])
+@pytest.mark.parametrize("text", ["2I3", "0W1"])
 def test_a_kind_not_runnable_yet_names_the_action_and_the_rank(text: str) -> None:
     action = parse_action(text)
     step: Any = SimpleNamespace(rank=1, schedule=SimpleNamespace(name="v-zb"))
@@ -58,6 +58,18 @@ def test_a_kind_not_runnable_yet_names_the_action_and_the_rank(text: str) -> Non
     assert message.startswith(f"pipeline rank 1: {action.kind.name} actions are not runnable yet")
     assert f"({text} at position 7 of schedule 'v-zb')" in message
     assert "runnable_names()" in message
+
+
+def test_a_release_without_sharded_parameters_names_the_action_and_the_way_out() -> None:
+    action = parse_action("1RL")
+    step: Any = SimpleNamespace(
+        rank=1, schedule=SimpleNamespace(name="breadth-first"), ctx=SimpleNamespace(sharded=None)
+    )
+    with pytest.raises(RuntimeError) as error:
+        TABLE.handlers[action.kind](step, 7, action)
+    message = str(error.value)
+    assert message.startswith("pipeline rank 1: schedule 'breadth-first' releases parameters")
+    assert "(1RL at position 7)" in message and "optim_grads_params" in message
 
 
 def test_forward_backward_func_keeps_its_state_on_itself() -> None:
