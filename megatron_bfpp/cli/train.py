@@ -31,11 +31,13 @@ from megatron_bfpp.cli.common import (
     stages_per_rank_defaults,
 )
 from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
+from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES
 from megatron_bfpp.schedules.registry import (
     ALL_OPTIONS,
     SCHEDULES,
     build_schedule,
     check_runnable,
+    check_sharding,
     get_spec,
     options_from_args,
     schedule_names,
@@ -131,6 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
         par.add_argument(
             option.flag, dest=option.dest, type=positive_int, default=None, help=option.help
         )
+    par.add_argument(
+        "--data-parallel-sharding-strategy",
+        choices=SHARDING_STRATEGIES,
+        default="optim",
+        help="Megatron's vocabulary: optim (the distributed optimizer as usual) or "
+        "optim_grads_params (parameters sharded too: each chunk gathered before its use and "
+        "released after it, at most two chunks whole per rank; needs data parallelism and a "
+        "looped schedule)",
+    )
     par.add_argument(
         "--nproc-per-node",
         type=positive_int,
@@ -289,10 +300,22 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
             "each other: choose this run's learning-rate schedule or the checkpoint's"
         )
     num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    sharding = args.data_parallel_sharding_strategy
+    if sharding != "optim" and dp == 1:
+        raise FlagError(
+            f"--data-parallel-sharding-strategy {sharding} needs data parallelism: {world_size} "
+            f"ranks = tp {tp} x pp {pp} leave data-parallel size 1 (add ranks or lower tp/pp)"
+        )
     try:
+        check_sharding(name, sharding)
         options = options_from_args(name, args)
         build_schedule(
-            name, num_ranks=pp, num_microbatches=num_microbatches, num_chunks=chunks, **options
+            name,
+            num_ranks=pp,
+            num_microbatches=num_microbatches,
+            num_chunks=chunks,
+            sharding=sharding,
+            **options,
         )
         check_runnable(name)
     except ScheduleError as error:

@@ -32,7 +32,7 @@ from megatron_bfpp.ir import (
     unchecked_action,
 )
 
-__all__ = ["add_grad_sync"]
+__all__ = ["SHARDING_STRATEGIES", "add_grad_sync"]
 
 K = ActionKind
 

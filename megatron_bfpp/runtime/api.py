@@ -16,7 +16,6 @@ import torch
 
 from megatron_bfpp.compat import check_megatron_core, default_process_groups
 from megatron_bfpp.ir import Schedule, ScheduleError
-from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES
 from megatron_bfpp.runtime.executor import run_rank_program
 from megatron_bfpp.runtime.p2p import PipeComm
 from megatron_bfpp.runtime.sharding import sharded_parameters
@@ -24,6 +23,7 @@ from megatron_bfpp.runtime.step import MemoryReport, StepContext
 from megatron_bfpp.schedules.registry import (
     build_schedule,
     check_runnable,
+    check_sharding,
     forward_only_schedule,
     get_spec,
     runnable_names,
@@ -31,7 +31,6 @@ from megatron_bfpp.schedules.registry import (
 
 __all__ = [
     "ForwardBackwardFunc",
-    "check_sharding",
     "get_forward_backward_func",
     "plan_schedule",
     "runnable_names",
@@ -72,23 +71,6 @@ def get_forward_backward_func(
         measure_memory=measure_memory,
         sharding=data_parallel_sharding_strategy,
     )
-
-
-def check_sharding(schedule: str, strategy: str) -> None:
-    """One-line errors for a sharding strategy that cannot apply, before any work."""
-    if strategy not in SHARDING_STRATEGIES:
-        raise ScheduleError(
-            f"data-parallel sharding strategy {strategy!r} is not one of "
-            f"{', '.join(SHARDING_STRATEGIES)}"
-        )
-    if strategy == "optim":
-        return
-    if get_spec(schedule).placement != "looped":
-        raise ScheduleError(
-            f"--data-parallel-sharding-strategy optim_grads_params shards parameters per model "
-            f"chunk and needs a looped schedule with several chunks per rank (breadth-first or "
-            f"interleaved); {schedule!r} keeps one chunk's parameters for the whole step"
-        )
 
 
 @dataclass(eq=False)

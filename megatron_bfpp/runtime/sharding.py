@@ -11,7 +11,8 @@ into buckets the optimizer already shards over the data-parallel group:
   tensors autograd saved for a later backward, keep pointing at that storage;
 - a gather re-allocates the storage and all-gathers every bucket from the kept shards, posted
   asynchronously when the PS runs and waited on by the chunk's first compute after it, so the
-  next chunk's gather overlaps this chunk's compute.
+  next chunk's gather overlaps this chunk's compute; once it has landed the kept shards are
+  freed, so a gathered chunk is not held twice.
 
 Why this mechanism (``docs/design-notes.md``, "Sharded parameters"): megatron-core's
 distributed optimizer, its mixed precision and its checkpoint format keep working unchanged,
@@ -71,6 +72,16 @@ class _Bucket:
         numel = self.shard.numel()
         return self.full.view(-1)[self.rank * numel : (self.rank + 1) * numel]
 
+    def keep_shard(self) -> None:
+        """Allocate the kept shard and copy this rank's part of the full buffer into it."""
+        self.shard.untyped_storage().resize_(self.shard.numel() * self.shard.element_size())
+        with torch.no_grad():
+            self.shard.copy_(self.local_view())
+
+    def drop_shard(self) -> None:
+        """Free the kept shard while the full buffer holds the same values."""
+        self.shard.untyped_storage().resize_(0)
+
 
 @dataclass
 class _Chunk:
@@ -78,6 +89,7 @@ class _Chunk:
     storages: list[torch.UntypedStorage]  # distinct storages of the chunk's full buffers
     full_nbytes: list[int]
     resident: bool = True
+    shards_kept: bool = True  # the kept shards are allocated (released, or a gather in flight)
     pending: list[Any] = field(default_factory=list)  # async all-gather works in flight
 
 
@@ -94,11 +106,12 @@ class ShardedParameters:
         self.all_gathers = 0  # chunk gathers posted (each is one collective per bucket)
         self.peak_bytes = 0
         for index in range(len(self.chunks)):
-            self.release(index, keep_shard=True)
+            self.release(index)
 
     # --- the two actions ------------------------------------------------------------------
     def gather(self, chunk: int, *, async_op: bool = True) -> None:
-        """Allocate the chunk's full buffers and all-gather them from the kept shards."""
+        """Allocate the chunk's full buffers and all-gather them from the kept shards (which
+        are freed once the gather has landed, see :meth:`wait`)."""
         state = self.chunks[chunk]
         if state.resident:
             raise RuntimeError(
@@ -116,28 +129,33 @@ class ShardedParameters:
             )
             if async_op and work is not None:
                 state.pending.append(work)
+        if not async_op:
+            self.wait(chunk)
 
     def wait(self, chunk: int) -> None:
-        """Block until the chunk's gather has landed; an error if it was never gathered."""
+        """Block until the chunk's gather has landed, then free its kept shards (the full
+        buffer holds them); an error if the chunk was never gathered."""
         state = self.chunks[chunk]
         if not state.resident:
             raise RuntimeError(
                 f"model chunk {chunk} computes while its parameters are released (no gather "
                 "before it); the schedule and the sharding runtime disagree: please report this bug"
             )
-        while state.pending:
-            state.pending.pop(0).wait()
+        if state.pending or state.shards_kept:
+            while state.pending:
+                state.pending.pop(0).wait()
+            for bucket in state.buckets:
+                bucket.drop_shard()
+            state.shards_kept = False
 
-    def release(self, chunk: int, *, keep_shard: bool = False) -> None:
-        """Free the chunk's full buffers; ``keep_shard`` first copies this rank's shard out
-        (needed when something other than a gather wrote the buffers: the optimizer step, a
-        checkpoint load, the model's construction)."""
+    def release(self, chunk: int) -> None:
+        """Keep this rank's shard of the chunk's buffers and free the full buffers."""
         state = self.chunks[chunk]
         self.wait(chunk)
-        if keep_shard:
-            with torch.no_grad():
-                for bucket in state.buckets:
-                    bucket.shard.copy_(bucket.local_view())
+        for bucket in state.buckets:
+            bucket.keep_shard()
+        state.shards_kept = True
+        self._observe()
         for storage in state.storages:
             storage.resize_(0)
         state.resident = False
@@ -153,7 +171,7 @@ class ShardedParameters:
                 return optimizer.step()
         finally:
             for index in range(len(self.chunks)):
-                self.release(index, keep_shard=True)
+                self.release(index)
 
     @contextlib.contextmanager
     def whole(self) -> Iterator[None]:
@@ -166,13 +184,13 @@ class ShardedParameters:
             yield
         finally:
             for index in released:
-                self.release(index, keep_shard=True)
+                self.release(index)
 
     def resident_bytes(self) -> int:
         """Parameter bytes this rank holds now: the kept shards and the gathered buffers."""
         total = 0
         for state in self.chunks:
-            total += sum(b.shard.numel() * b.shard.element_size() for b in state.buckets)
+            total += sum(b.shard.untyped_storage().nbytes() for b in state.buckets)
             total += sum(storage.nbytes() for storage in state.storages)
         return total
 
@@ -193,9 +211,12 @@ class ShardedParameters:
         for storage, nbytes in zip(state.storages, state.full_nbytes, strict=True):
             storage.resize_(nbytes)
         state.resident = True
+        self._observe()
         with torch.no_grad():
             for bucket in state.buckets:
                 bucket.local_view().copy_(bucket.shard)
+                bucket.drop_shard()
+        state.shards_kept = False
 
 
 _REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, ShardedParameters] = (

@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError
 from megatron_bfpp.passes.communication import add_communication
-from megatron_bfpp.passes.grad_sync import add_grad_sync
+from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
 from megatron_bfpp.schedules.bpipe import build_bpipe
 from megatron_bfpp.schedules.breadth_first import build_breadth_first
 from megatron_bfpp.schedules.gpipe import build_gpipe
@@ -35,6 +35,7 @@ __all__ = [
     "build_schedule",
     "check_option_flags",
     "check_runnable",
+    "check_sharding",
     "check_size",
     "estimate_actions",
     "forward_only_schedule",
@@ -386,6 +387,24 @@ def build_schedule(
         schedule = add_grad_sync(add_communication(schedule), sharding=sharding)
     validate_schedule(schedule, require_communication=lower)
     return schedule
+
+
+def check_sharding(schedule: str, strategy: str) -> None:
+    """Megatron's ``--data-parallel-sharding-strategy`` for a schedule: a one-line
+    :class:`ScheduleError` where it cannot apply, before any work. Sharded parameters are
+    gathered and released per model chunk, so only a looped schedule (several chunks per rank)
+    has anything to release during the step."""
+    if strategy not in SHARDING_STRATEGIES:
+        raise ScheduleError(
+            f"data-parallel sharding strategy {strategy!r} is not one of "
+            f"{', '.join(SHARDING_STRATEGIES)}"
+        )
+    if strategy != "optim" and get_spec(schedule).placement != "looped":
+        raise ScheduleError(
+            "--data-parallel-sharding-strategy optim_grads_params shards parameters per model "
+            "chunk and needs a looped schedule with several chunks per rank (breadth-first or "
+            f"interleaved); {schedule!r} keeps its one chunk's parameters for the whole step"
+        )
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:

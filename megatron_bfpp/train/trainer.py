@@ -13,6 +13,7 @@ Rank 0 shows progress and writes ``--metrics-file`` (one JSON object per iterati
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -125,19 +126,25 @@ def _reduce_loss(store: list[dict[str, torch.Tensor]], device: torch.device) -> 
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
 
-def _memory_per_pipeline_rank(forward_backward: Any, device: torch.device) -> dict[str, Any]:
-    """The step's measured activation memory, one entry per pipeline rank (of this rank's
-    tensor/data-parallel replica), gathered over the pipeline group: collective, every rank
-    calls it."""
+def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
+    """The step's measured activation and parameter memory, one entry per pipeline rank (of
+    this rank's tensor/data-parallel replica), gathered over the pipeline group: collective,
+    every rank calls it. With sharded parameters, also the data-parallel collectives this
+    rank's schedule issued (its trace: one all-gather per PS, one reduce-scatter per GS)."""
     from megatron.core import parallel_state
 
+    forward_backward, device = run.forward_backward, run.device
     report = forward_backward.last_memory
     cuda = report.cuda_max_memory_allocated
+    parameters = report.peak_parameter_bytes
+    if parameters is None:  # unsharded: every parameter buffer is allocated all the time
+        parameters = _allocated_parameter_bytes(run.model)
     mine = torch.tensor(
         [
             report.peak_activation_bytes,
             report.peak_stored_microbatches,
             -1 if cuda is None else cuda,
+            parameters,
         ],
         dtype=torch.int64,
         device=device,
@@ -149,10 +156,23 @@ def _memory_per_pipeline_rank(forward_backward: Any, device: torch.device) -> di
     memory: dict[str, Any] = {
         "peak_activation_bytes": [row[0] for row in rows],
         "peak_stored_microbatches": [row[1] for row in rows],
+        "peak_parameter_bytes": [row[3] for row in rows],
     }
     if cuda is not None:
         memory["cuda_max_memory_allocated"] = [row[2] for row in rows]
+    if run.args.data_parallel_sharding_strategy != "optim":
+        trace = forward_backward.last_trace
+        memory["param_all_gathers_per_step"] = sum(a.endswith("PS") for a in trace)
+        memory["grad_reduce_scatters_per_step"] = sum(a.endswith("GS") for a in trace)
     return memory
+
+
+def _allocated_parameter_bytes(model: list[Any]) -> int:
+    """Bytes of the distinct storages behind the model's parameters, as allocated now."""
+    storages = {
+        p.untyped_storage().data_ptr(): p.untyped_storage() for c in model for p in c.parameters()
+    }
+    return sum(storage.nbytes() for storage in storages.values())
 
 
 class _Progress:
@@ -270,7 +290,10 @@ def _set_up(args: Any, device: torch.device) -> _Run:
         )
     options = options_from_args(args.pipeline_schedule, args)
     forward_backward = get_forward_backward_func(
-        args.pipeline_schedule, measure_memory=bool(args.metrics_file), **options
+        args.pipeline_schedule,
+        measure_memory=bool(args.metrics_file),
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+        **options,
     )
     data = TrainingData(
         seq_length=args.seq_length,
@@ -333,11 +356,7 @@ def _loop(run: _Run) -> TrainResult:
                     "(try a lower --lr)"
                 )
             progress.update(step.iteration, step.loss, step.step_time, step.lr)
-            memory = (
-                _memory_per_pipeline_rank(run.forward_backward, run.device)
-                if args.metrics_file
-                else {}
-            )
+            memory = _memory_per_pipeline_rank(run) if args.metrics_file else {}
             if metrics is not None:
                 record = _metrics_record(run, step, memory)
                 metrics.write(json.dumps(record, allow_nan=False) + "\n")
@@ -391,7 +410,12 @@ def _train_step(run: _Run) -> _Step:
         micro_batch_size=args.micro_batch_size,
         forward_only=False,
     )
-    ok, grad_norm, _ = run.optimizer.step()
+    if run.args.data_parallel_sharding_strategy == "optim":
+        ok, grad_norm, _ = run.optimizer.step()
+    else:
+        from megatron_bfpp.runtime import sharded_optimizer_step
+
+        ok, grad_norm, _ = sharded_optimizer_step(run.optimizer, run.model)
     if ok:
         run.scheduler.step(increment=args.global_batch_size)
     loss = _reduce_loss(list(store), run.device)
@@ -425,10 +449,27 @@ def _metrics_record(run: _Run, step: _Step, memory: dict[str, Any]) -> dict[str,
 
 
 def _save(run: _Run) -> None:
+    from megatron_bfpp.runtime.sharding import sharded_parameters
+
+    args = run.args
+    # Sharded parameters are gathered for the save, so the files are the unsharded run's: either
+    # strategy resumes from them.
+    whole = (
+        sharded_parameters(run.model).whole()
+        if args.data_parallel_sharding_strategy != "optim"
+        else contextlib.nullcontext()
+    )
+    with whole:
+        path = _write_checkpoint(run)
+    if dist.get_rank() == 0 and args.no_progress:
+        print(f"saved checkpoint {path}", flush=True)
+
+
+def _write_checkpoint(run: _Run) -> Any:
     from megatron_bfpp.train.checkpoint import save_checkpoint
 
     args = run.args
-    path = save_checkpoint(
+    return save_checkpoint(
         args.save,
         ckpt_format=args.ckpt_format,
         iteration=run.iteration,
@@ -438,8 +479,6 @@ def _save(run: _Run) -> None:
         scheduler=run.scheduler,
         run=run.config,
     )
-    if dist.get_rank() == 0 and args.no_progress:
-        print(f"saved checkpoint {path}", flush=True)
 
 
 def _finite(value: float | None) -> bool:
