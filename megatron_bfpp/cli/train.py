@@ -31,10 +31,10 @@ from megatron_bfpp.cli.common import (
     stages_per_rank_defaults,
 )
 from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
-from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES
 from megatron_bfpp.schedules.registry import (
     ALL_OPTIONS,
     SCHEDULES,
+    SHARDING_STRATEGIES,
     build_schedule,
     check_runnable,
     check_sharding,

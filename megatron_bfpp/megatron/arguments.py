@@ -17,9 +17,11 @@ from megatron_bfpp.schedules.registry import (
     ALL_OPTIONS,
     MEGATRON_VP_FLAGS,
     SCHEDULES,
+    SHARDING_STRATEGIES,
     build_schedule,
     check_option_flags,
     check_runnable,
+    check_sharding,
     options_from_args,
     schedule_names,
 )
@@ -132,12 +134,50 @@ def check_schedule_args(args: Any) -> None:
             f"data-parallel size ({micro} x {dp})"
         )
     num_microbatches = global_batch // (micro * dp)
+    sharding = _check_sharding_args(name, args, dp)
     try:
         build_schedule(
-            name, num_ranks=pp, num_microbatches=num_microbatches, num_chunks=chunks, **options
+            name,
+            num_ranks=pp,
+            num_microbatches=num_microbatches,
+            num_chunks=chunks,
+            sharding=sharding,
+            **options,
         )
     except ScheduleError as error:
         raise ScheduleError(
             f"--pipeline-schedule {name} cannot run {num_microbatches} micro-batches on "
             f"pp={pp}" + (f", vp={vp}" if vp else "") + f": {str(error).splitlines()[0]}"
         ) from None
+
+
+def _check_sharding_args(name: str, args: Any, dp: int) -> str:
+    """Our sharding strategy from Megatron-LM's ``--data-parallel-sharding-strategy`` (the
+    plugin records it as ``bfpp_data_parallel_sharding_strategy`` when given with one of our
+    schedules), checked against the layout and the optimizer flags it needs."""
+    strategy = getattr(args, "bfpp_data_parallel_sharding_strategy", None) or "optim"
+    if strategy not in SHARDING_STRATEGIES:
+        raise ScheduleError(
+            f"--data-parallel-sharding-strategy {strategy} is Megatron-FSDP's; with "
+            f"--pipeline-schedule {name} choose optim (the distributed optimizer) or "
+            "optim_grads_params (parameters sharded too, gathered per chunk by the schedule)"
+        )
+    check_sharding(name, strategy)
+    if strategy == "optim":
+        return strategy
+    if dp < 2:
+        raise ScheduleError(
+            "--data-parallel-sharding-strategy optim_grads_params needs data parallelism "
+            "(data-parallel size is 1: there is nothing to shard over)"
+        )
+    if not getattr(args, "use_distributed_optimizer", False):
+        raise ScheduleError(
+            "--data-parallel-sharding-strategy optim_grads_params shards megatron-core's "
+            "distributed-optimizer buffers: add --use-distributed-optimizer"
+        )
+    if getattr(args, "overlap_param_gather", False):
+        raise ScheduleError(
+            "--data-parallel-sharding-strategy optim_grads_params gathers each chunk where the "
+            "schedule says and overlaps those gathers itself: drop --overlap-param-gather"
+        )
+    return strategy

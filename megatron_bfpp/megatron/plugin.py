@@ -14,6 +14,18 @@
   were asked for, runs Megatron's checks, then
   :func:`~megatron_bfpp.megatron.arguments.check_schedule_args`; a bad combination exits with
   one ``megatron_bfpp: error: ...`` line).
+* with Megatron-LM, for ``--data-parallel-sharding-strategy optim_grads_params`` (sharded
+  parameters, see ``runtime.sharding``): ``setup_model_and_optimizer`` in
+  ``megatron.training.training`` (the optimizer it returns steps on the shards) and
+  ``save_checkpoint`` bound there (the parameters are gathered for the save, so the checkpoint
+  is the unsharded run's).
+
+How our sharding meets Megatron-LM's flag of the same name: Megatron-LM defines
+``--data-parallel-sharding-strategy`` for Megatron-FSDP (``--use-megatron-fsdp``) only, with
+default ``no_shard`` (0.16) or ``optim_grads_params`` (0.19+) that nothing reads without
+Megatron-FSDP. The plugin makes the flag's default "not given": given with a megatron_bfpp
+schedule, ``optim`` or ``optim_grads_params`` choose our strategy; not given, our schedules run
+``optim`` (the distributed optimizer as usual) and Megatron-FSDP still sees its own default.
 
 The schedule comes from Megatron-LM's parsed arguments (``megatron.training.get_args()``) once
 they exist, otherwise from :func:`set_schedule` (for megatron-core-only training loops).
@@ -46,6 +58,7 @@ from megatron_bfpp.megatron.arguments import (
 
 __all__ = [
     "current_schedule",
+    "current_sharding",
     "install",
     "is_installed",
     "set_schedule",
@@ -53,6 +66,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+SHARDING_FLAG = "--data-parallel-sharding-strategy"
+# Where Megatron-LM's training loop steps the optimizer and saves: wrapped for sharding.
+SHARDING_SITES = ("setup_model_and_optimizer", "save_checkpoint")
+SHARDING_DEST = "data_parallel_sharding_strategy"
 
 CORE_SITES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel")
 TRAINING_SITE = "megatron.training.training"
@@ -66,6 +84,8 @@ _saved: list[tuple[Any, str, Any]] = []
 _megatron_get_fbf: Callable[..., Any] | None = None
 _setting: tuple[str, tuple[tuple[str, Any], ...]] = ("default", ())
 _training_available = False
+# Megatron-LM's own default of --data-parallel-sharding-strategy, put back after parsing.
+_megatron_sharding_default: Any = None
 
 
 def is_installed() -> bool:
@@ -97,6 +117,13 @@ def current_schedule() -> tuple[str, dict[str, Any]]:
     return _setting[0], dict(_setting[1])
 
 
+def current_sharding() -> str:
+    """The data-parallel sharding strategy our schedules run: Megatron-LM's flag when given
+    (``optim`` or ``optim_grads_params``), otherwise ``optim``."""
+    args = _megatron_lm_args()
+    return str(getattr(args, "bfpp_data_parallel_sharding_strategy", "optim") or "optim")
+
+
 def install() -> None:
     """Patch the sites listed in the module docstring (a no-op when already installed)."""
     global _megatron_get_fbf, _training_available
@@ -114,6 +141,13 @@ def install() -> None:
             if training_modules is not None:
                 arguments, initialize, training = training_modules
                 _patch(training, "get_forward_backward_func", get_forward_backward_func)
+                if all(hasattr(training, name) for name in SHARDING_SITES):
+                    _patch(
+                        training,
+                        "setup_model_and_optimizer",
+                        _wrap_setup(training.setup_model_and_optimizer),
+                    )
+                    _patch(training, "save_checkpoint", _wrap_save(training.save_checkpoint))
                 _patch(
                     arguments,
                     "add_megatron_arguments",
@@ -174,16 +208,23 @@ def get_forward_backward_func(
     if pp_size == 1:
         _log_once(f"pipeline schedule {name} needs pp >= 2; using megatron's own (no pipelining)")
         return megatrons_own()
-    func = _cached_forward_backward_func(name, tuple(sorted(options.items())))
-    _log_once(f"megatron_bfpp: pipeline schedule {name} {options or ''}".rstrip(), logging.INFO)
+    sharding = current_sharding()
+    func = _cached_forward_backward_func(name, tuple(sorted(options.items())), sharding)
+    sharded = "" if sharding == "optim" else f" (parameters sharded: {sharding})"
+    _log_once(
+        f"megatron_bfpp: pipeline schedule {name} {options or ''}".rstrip() + sharded,
+        logging.INFO,
+    )
     return func
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_forward_backward_func(name: str, options: tuple[tuple[str, Any], ...]) -> Any:
+def _cached_forward_backward_func(
+    name: str, options: tuple[tuple[str, Any], ...], sharding: str = "optim"
+) -> Any:
     from megatron_bfpp.runtime.api import get_forward_backward_func as ours
 
-    return ours(name, **dict(options))
+    return ours(name, data_parallel_sharding_strategy=sharding, **dict(options))
 
 
 def _import_training() -> tuple[Any, Any, Any] | None:
@@ -214,12 +255,17 @@ def _megatron_lm_args() -> Any:
 def _wrap_add_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def add_megatron_arguments(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        global _megatron_sharding_default
         parser = original(parser, *args, **kwargs)
-        if not any(
-            "--pipeline-schedule" in action.option_strings
-            for action in getattr(parser, "_actions", ())
-        ):
+        options = {o for action in getattr(parser, "_actions", ()) for o in action.option_strings}
+        if "--pipeline-schedule" not in options:
             add_schedule_arguments(parser)
+        if SHARDING_FLAG in options:
+            # "Not given" must be visible to validate_args (see the module docstring).
+            _megatron_sharding_default = parser.get_default(SHARDING_DEST)
+            parser.set_defaults(**{SHARDING_DEST: None})
+        else:
+            parser.add_argument(SHARDING_FLAG, dest=SHARDING_DEST, default=None)
         return parser
 
     add_megatron_arguments.__dict__["megatron_bfpp_wrapped"] = True
@@ -230,6 +276,18 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
         apply_schedule_defaults(args)
+        given = getattr(args, SHARDING_DEST, None)
+        if given is None:
+            setattr(args, SHARDING_DEST, _megatron_sharding_default)
+        ours = getattr(args, "pipeline_schedule", "default") != "default"
+        fsdp = bool(getattr(args, "use_megatron_fsdp", False))
+        args.bfpp_data_parallel_sharding_strategy = given if ours and not fsdp else None
+        if given not in (None, "optim") and ours and not fsdp and not _sharding_wired():
+            raise SystemExit(
+                "megatron_bfpp: error: this Megatron-LM's megatron.training.training has no "
+                f"{' / '.join(SHARDING_SITES)} to wrap, so --data-parallel-sharding-strategy "
+                f"{given} cannot run with our schedules; use optim"
+            )
         result = original(args, *rest, **kwargs)
         validated = result if result is not None else args
         if not hasattr(validated, "pipeline_schedule"):
@@ -242,6 +300,47 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
 
     validate_args.__dict__["megatron_bfpp_wrapped"] = True
     return validate_args
+
+
+def _sharding_wired() -> bool:
+    training = next((m for m, name, _ in _saved if name == "setup_model_and_optimizer"), None)
+    return training is not None
+
+
+def _wrap_setup(original: Callable[..., Any]) -> Callable[..., Any]:
+    """With sharded parameters the optimizer Megatron-LM steps must step on the shards."""
+
+    @functools.wraps(original)
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        model, optimizer = result[0], result[1]
+        if current_sharding() != "optim" and optimizer is not None:
+            chunks = model if isinstance(model, list) else [model]
+            optimizer.step = functools.partial(_sharded_step, chunks, optimizer.step)
+        return result
+
+    return setup_model_and_optimizer
+
+
+def _sharded_step(chunks: list[Any], step: Callable[[], Any]) -> Any:
+    from megatron_bfpp.runtime.sharding import sharded_parameters
+
+    return sharded_parameters(chunks).optimizer_step(step)
+
+
+def _wrap_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Save sharded parameters gathered: the checkpoint is the unsharded run's."""
+
+    @functools.wraps(original)
+    def save_checkpoint(iteration: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if current_sharding() == "optim":
+            return original(iteration, model, *args, **kwargs)
+        from megatron_bfpp.runtime.sharding import sharded_parameters
+
+        with sharded_parameters(model if isinstance(model, list) else [model]).whole():
+            return original(iteration, model, *args, **kwargs)
+
+    return save_checkpoint
 
 
 def _patch(module: Any, name: str, value: Any) -> None:

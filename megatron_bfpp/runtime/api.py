@@ -276,7 +276,7 @@ def sharded_optimizer_step(optimizer: Any, model: torch.nn.Module | list[torch.n
     the kept shards, without the distributed optimizer's closing all-gather (the schedule
     gathers each chunk when it needs it). Returns what ``optimizer.step()`` returns."""
     chunks = model if isinstance(model, list) else [model]
-    return sharded_parameters(chunks).optimizer_step(optimizer)
+    return sharded_parameters(chunks).optimizer_step(optimizer.step)
 
 
 def _iterators_per_chunk(data_iterator: Any, num_chunks: int) -> list[Any]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,14 +161,15 @@ class ShardedParameters:
         state.resident = False
 
     # --- outside the schedule ---------------------------------------------------------------
-    def optimizer_step(self, optimizer: Any) -> Any:
-        """``optimizer.step()`` on the shards: buffers allocated for the step, the kept shards
-        copied in, no closing all-gather, the updated shards kept and the buffers freed."""
+    def optimizer_step(self, step: Callable[[], Any]) -> Any:
+        """Run ``step`` (an optimizer's ``step``) on the shards: buffers allocated for the step,
+        the kept shards copied in, no closing all-gather, the updated shards kept and the
+        buffers freed."""
         for state in self.chunks:
             self._materialize(state)
         try:
             with param_gather_suppressed(self.modules):
-                return optimizer.step()
+                return step()
         finally:
             for index in range(len(self.chunks)):
                 self.release(index)

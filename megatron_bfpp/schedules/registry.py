@@ -30,6 +30,7 @@ __all__ = [
     "MAX_RANK_STAGES",
     "MEGATRON_VP_FLAGS",
     "SCHEDULES",
+    "SHARDING_STRATEGIES",
     "ScheduleOption",
     "ScheduleSpec",
     "build_schedule",

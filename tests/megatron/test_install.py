@@ -10,6 +10,7 @@ with Megatron-LM's function names and signatures. The real Megatron-LM is covere
 from __future__ import annotations
 
 import importlib
+import re
 import shlex
 import sys
 import textwrap
@@ -388,3 +389,42 @@ def test_check_schedule_args_is_pure() -> None:
     args.virtual_pipeline_model_parallel_size = None
     with pytest.raises(ScheduleError, match="needs virtual pipeline stages"):
         check_schedule_args(args)
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({}, None),
+        ({"bfpp_data_parallel_sharding_strategy": "optim"}, None),
+        ({"bfpp_data_parallel_sharding_strategy": "no_shard"}, "is Megatron-FSDP's"),
+        ({"pipeline_schedule": "1f1b", "virtual_pipeline_model_parallel_size": None}, "looped"),
+        ({"data_parallel_size": 1, "global_batch_size": 4}, "needs data parallelism"),
+        ({"use_distributed_optimizer": False}, "add --use-distributed-optimizer"),
+        ({"overlap_param_gather": True}, "drop --overlap-param-gather"),
+    ],
+    ids=["sharded", "optim", "fsdp-value", "single-chunk", "dp1", "no-distopt", "overlap-gather"],
+)
+def test_sharding_flags_are_checked_in_one_line(
+    changes: dict[str, object], expected: str | None
+) -> None:
+    args = SimpleNamespace(
+        pipeline_schedule="breadth-first",
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=4,
+        micro_batch_size=1,
+        global_batch_size=8,
+        data_parallel_size=2,
+        breadth_first_group_size=None,
+        bpipe_max_stored=None,
+        use_distributed_optimizer=True,
+        overlap_param_gather=False,
+        bfpp_data_parallel_sharding_strategy="optim_grads_params",
+    )
+    for name, value in changes.items():
+        setattr(args, name, value)
+    if expected is None:
+        check_schedule_args(args)
+        return
+    with pytest.raises(ScheduleError, match=re.escape(expected)) as error:
+        check_schedule_args(args)
+    assert "\n" not in str(error.value)

@@ -116,6 +116,24 @@ def test_single_stage_schedules_equal_megatrons_default(tmp_path: Path, schedule
     assert ours == megatron
 
 
+def test_sharded_parameters_give_the_distributed_optimizers_losses(tmp_path: Path) -> None:
+    """``--data-parallel-sharding-strategy optim_grads_params`` with a megatron_bfpp schedule
+    (pp=2, vp=4, dp=2: each chunk gathered and released by the schedule, the optimizer stepping
+    on the shards) gives the losses and grad norms of the distributed optimizer unsharded."""
+    layout = [
+        "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "4",
+        "--use-distributed-optimizer", "--pipeline-schedule", "breadth-first",
+    ]  # fmt: skip
+    sharded, output = _train(
+        tmp_path, *layout, "--data-parallel-sharding-strategy", "optim_grads_params"
+    )
+    assert "parameters sharded: optim_grads_params" in output
+    plain, output = _train(tmp_path, *layout)
+    assert "megatron_bfpp: pipeline schedule breadth-first" in output
+    assert "parameters sharded" not in output
+    assert sharded == plain
+
+
 def test_bad_schedule_flags_exit_with_one_line(tmp_path: Path) -> None:
     script = Path(MEGATRON_LM or "") / "pretrain_gpt.py"
     cmd = [
