@@ -175,6 +175,22 @@ def _check_sharding_args(name: str, args: Any, dp: int) -> str:
             "--data-parallel-sharding-strategy optim_grads_params shards megatron-core's "
             "distributed-optimizer buffers: add --use-distributed-optimizer"
         )
+    reads_parameters = [
+        flag
+        for flag, dest in (
+            ("--log-params-norm", "log_params_norm"),
+            (
+                "--check-weight-hash-across-dp-replicas-interval",
+                "check_weight_hash_across_dp_replicas_interval",
+            ),
+        )
+        if getattr(args, dest, None)
+    ]
+    if reads_parameters:
+        raise ScheduleError(
+            f"{reads_parameters[0]} reads every parameter between steps, when sharded parameters "
+            "are released; drop it with --data-parallel-sharding-strategy optim_grads_params"
+        )
     if getattr(args, "overlap_param_gather", False):
         raise ScheduleError(
             "--data-parallel-sharding-strategy optim_grads_params gathers each chunk where the "

@@ -401,8 +401,18 @@ def test_check_schedule_args_is_pure() -> None:
         ({"data_parallel_size": 1, "global_batch_size": 4}, "needs data parallelism"),
         ({"use_distributed_optimizer": False}, "add --use-distributed-optimizer"),
         ({"overlap_param_gather": True}, "drop --overlap-param-gather"),
+        ({"log_params_norm": True}, "--log-params-norm reads every parameter"),
     ],
-    ids=["sharded", "optim", "fsdp-value", "single-chunk", "dp1", "no-distopt", "overlap-gather"],
+    ids=[
+        "sharded",
+        "optim",
+        "fsdp-value",
+        "single-chunk",
+        "dp1",
+        "no-distopt",
+        "overlap-gather",
+        "params-norm",
+    ],
 )
 def test_sharding_flags_are_checked_in_one_line(
     changes: dict[str, object], expected: str | None
