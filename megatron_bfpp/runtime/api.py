@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from megatron_bfpp.compat import check_megatron_core, default_process_groups
-from megatron_bfpp.ir import Schedule, ScheduleError
+from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError
 from megatron_bfpp.runtime.executor import run_rank_program
 from megatron_bfpp.runtime.p2p import PipeComm
 from megatron_bfpp.runtime.sharding import sharded_parameters
@@ -28,6 +28,7 @@ from megatron_bfpp.schedules.registry import (
     get_spec,
     runnable_names,
 )
+from megatron_bfpp.validate import validate_schedule
 
 __all__ = [
     "ForwardBackwardFunc",
@@ -39,7 +40,7 @@ __all__ = [
 
 
 def get_forward_backward_func(
-    schedule: str,
+    schedule: str | Schedule,
     *,
     measure_memory: bool = False,
     data_parallel_sharding_strategy: str = "optim",
@@ -62,6 +63,8 @@ def get_forward_backward_func(
     true, or on a rank that evicts; otherwise zeros) and ``last_trace`` the actions it ran.
     """
     check_megatron_core()
+    if isinstance(schedule, Schedule):
+        return _prebuilt(schedule, measure_memory, data_parallel_sharding_strategy, options)
     spec = check_runnable(schedule)
     spec.check_option_names(options)
     check_sharding(spec.name, data_parallel_sharding_strategy)
@@ -70,6 +73,30 @@ def get_forward_backward_func(
         options=tuple(sorted(options.items())),
         measure_memory=measure_memory,
         sharding=data_parallel_sharding_strategy,
+    )
+
+
+def _prebuilt(
+    schedule: Schedule, measure_memory: bool, sharding: str, options: dict[str, Any]
+) -> ForwardBackwardFunc:
+    """A lowered schedule given as data (e.g. loaded from a CSV, or a hand-made order), checked
+    here: complete, deadlock-free, data read in order, and sharded only with sharding on."""
+    if options:
+        raise ScheduleError(
+            f"a Schedule object takes no schedule options (got {sorted(options)}): they shaped "
+            "it when it was built"
+        )
+    validate_schedule(schedule, require_communication=True)
+    _check_data_order(schedule)
+    releases = any(a.kind is ActionKind.RELEASE for actions in schedule.per_rank for a in actions)
+    if releases != (sharding == "optim_grads_params"):
+        raise ScheduleError(
+            f"schedule {schedule.name!r} {'has' if releases else 'has no'} parameter releases "
+            f"(RL) but data_parallel_sharding_strategy is {sharding!r}; lower it with "
+            "add_grad_sync(..., sharding=...) to match"
+        )
+    return ForwardBackwardFunc(
+        schedule=schedule.name, measure_memory=measure_memory, sharding=sharding, prebuilt=schedule
     )
 
 
@@ -87,6 +114,7 @@ class ForwardBackwardFunc:
     options: tuple[tuple[str, Any], ...] = ()
     measure_memory: bool = False
     sharding: str = "optim"
+    prebuilt: Schedule | None = field(default=None, repr=False)
     last_trace: list[str] = field(default_factory=list, repr=False)
     last_memory: MemoryReport = field(default_factory=MemoryReport, repr=False)
     eviction_sizes: dict[int, int] = field(default_factory=dict, repr=False)
@@ -203,15 +231,20 @@ def _run_step(
     _reject_unsupported(config)
     groups = _resolve_groups(p2p_communicator, pg_collection)
     pp_group = groups.pp
-    schedule = plan_schedule(
-        func.schedule,
-        pp_group.size(),
-        len(chunks),
-        num_microbatches,
-        func.options,
-        bool(forward_only),
-        func.sharding,
-    )
+    if func.prebuilt is not None:
+        schedule = _fitted(func.prebuilt, pp_group.size(), len(chunks), num_microbatches)
+        if forward_only:
+            schedule = forward_only_schedule(schedule)
+    else:
+        schedule = plan_schedule(
+            func.schedule,
+            pp_group.size(),
+            len(chunks),
+            num_microbatches,
+            func.options,
+            bool(forward_only),
+            func.sharding,
+        )
     sharded = None
     if func.sharding != "optim":
         if groups.dp_cp.size() == 1:
@@ -277,6 +310,22 @@ def sharded_optimizer_step(optimizer: Any, model: torch.nn.Module | list[torch.n
     gathers each chunk when it needs it). Returns what ``optimizer.step()`` returns."""
     chunks = model if isinstance(model, list) else [model]
     return sharded_parameters(chunks).optimizer_step(optimizer.step)
+
+
+def _fitted(schedule: Schedule, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
+    """A prebuilt schedule, if it fits the call's layout (one line saying what differs)."""
+    chunks = len(schedule.layout.stages_of(0))
+    if (schedule.num_ranks, chunks, schedule.num_microbatches) != (
+        num_ranks,
+        num_chunks,
+        num_microbatches,
+    ):
+        raise ScheduleError(
+            f"schedule {schedule.name!r} is for pp={schedule.num_ranks}, {chunks} chunk(s) per "
+            f"rank, {schedule.num_microbatches} micro-batches; this call has pp={num_ranks}, "
+            f"{num_chunks} model chunk(s), {num_microbatches} micro-batches"
+        )
+    return schedule
 
 
 def _iterators_per_chunk(data_iterator: Any, num_chunks: int) -> list[Any]:

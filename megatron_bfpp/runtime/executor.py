@@ -45,8 +45,9 @@ import torch
 from megatron_bfpp.compat import backward_step, forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
 from megatron_bfpp.messages import Message, message_of
-from megatron_bfpp.runtime import bpipe, sharding
+from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
+from megatron_bfpp.runtime.backward import begin_backward, route_input_grad
 from megatron_bfpp.runtime.p2p import Receive, Send
 from megatron_bfpp.runtime.step import (
     DispatchTable,
@@ -126,41 +127,14 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
 
 
 def backward(step: RankStep, position: int, action: Action) -> None:
-    ctx, stage, mb = step.ctx, action.stage, _mb(action)
-    key = (stage, mb)
-    chunk = step.layout.chunk_of(stage)
-    output_grad = _output_grad(step, stage, mb)
-    if step.frees_outputs(stage) and not step.layout.is_last(stage):
-        ctx.comm.finish_send_of(Message("act", stage, mb))
-    if position in step.last_backward and step.grad_sync_funcs[chunk] is None:
-        # No explicit sync function: megatron-core DDP's hooks dispatch the chunk's reduction
-        # during its last backward once its no_sync context is left.
-        step.leave_no_sync(chunk)
-    for part in step.parts.values():
-        part.before_compute(step, stage)
-        part.before_backward(step, key)
-    input_tensor = step.state.inputs.pop(key)
-    output = step.state.outputs.pop(key)
+    ctx = step.ctx
+    key, input_tensor, output, output_grad = begin_backward(step, position, action)
     input_grad = backward_step(
         input_tensor, output, output_grad, model_type=ctx.model_type, config=ctx.config
     )
     step.store.drop(key)
     step.state.trace.append(str(action))
-    if stage == 0:
-        return
-    if step.layout.rank_of(stage - 1) == step.rank:
-        step.state.local_grads[(stage - 1, mb)] = input_grad
-    else:
-        step.state.grads_to_send[key] = input_grad
-
-
-def _output_grad(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
-    if step.layout.is_last(stage):
-        return None
-    if step.layout.rank_of(stage + 1) == step.rank:
-        return step.state.local_grads.pop((stage, mb))
-    following = step.layout.rank_of(stage + 1)
-    return step.ctx.comm.wait_receive(Message("grad", stage + 1, mb), following)
+    route_input_grad(step, action.stage, key[1], input_grad)
 
 
 def not_runnable(step: RankStep, position: int, action: Action) -> None:
@@ -236,14 +210,12 @@ CORE = Handlers(
         K.GRAD_SYNC: grad_sync,
     }
 )
-# Zero-bubble's split backward (v-* schedules): generated and simulated, not executed yet.
-NOT_RUNNABLE = Handlers(
-    kinds={
-        K.BACKWARD_INPUT: not_runnable,
-        K.BACKWARD_WEIGHT: not_runnable,
-    }
+# Every kind has a runnable handler now; a kind added to the IR before its runtime goes here,
+# mapped to not_runnable.
+NOT_RUNNABLE = Handlers(kinds={})
+TABLE: DispatchTable = dispatch_table(
+    CORE, bpipe.HANDLERS, sharding.HANDLERS, split_backward.HANDLERS, NOT_RUNNABLE
 )
-TABLE: DispatchTable = dispatch_table(CORE, bpipe.HANDLERS, sharding.HANDLERS, NOT_RUNNABLE)
 
 
 # --- the loop ---------------------------------------------------------------------------------

@@ -266,9 +266,11 @@ class RankStep:
 
 
 def _last_backward_positions(program: tuple[Action, ...]) -> set[int]:
-    """Position of each chunk's last backward on this rank: where its reduction may start."""
+    """Position of each chunk's last backward on this rank: where its weight gradients last
+    accumulate, so where megatron-core DDP's hooks may start its reduction. That is its last B,
+    or with a split backward its last I (runtime.split_backward accumulates them there)."""
     last: dict[int, int] = {}
     for position, action in enumerate(program):
-        if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+        if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
             last[action.stage] = position
     return set(last.values())

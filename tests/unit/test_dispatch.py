@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from megatron_bfpp.ir import ActionKind, parse_action
-from megatron_bfpp.runtime import bpipe, sharding
+from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.api import ForwardBackwardFunc
-from megatron_bfpp.runtime.executor import CORE, NOT_RUNNABLE, TABLE
+from megatron_bfpp.runtime.executor import CORE, NOT_RUNNABLE, TABLE, not_runnable
 from megatron_bfpp.runtime.step import MemoryReport, dispatch_table
 
 
@@ -23,14 +23,14 @@ def test_the_table_has_a_handler_for_every_action_kind() -> None:
 
 
 def test_each_kind_is_handled_by_one_module() -> None:
-    modules = (CORE, bpipe.HANDLERS, sharding.HANDLERS, NOT_RUNNABLE)
+    modules = (CORE, bpipe.HANDLERS, sharding.HANDLERS, split_backward.HANDLERS, NOT_RUNNABLE)
     counts = {kind: sum(kind in module.kinds for module in modules) for kind in ActionKind}
     assert counts == dict.fromkeys(ActionKind, 1)
 
 
 def test_a_kind_without_handler_fails_when_the_table_is_built() -> None:
     with pytest.raises(RuntimeError, match=r"EVICT \(EV\).*have no handler") as error:
-        dispatch_table(CORE, sharding.HANDLERS, NOT_RUNNABLE)  # BPipe's module left out
+        dispatch_table(CORE, sharding.HANDLERS, split_backward.HANDLERS)  # BPipe's left out
     for kind in ("ACCEPT (AC)", "RESTORE (RS)", "LOAD (LD)"):
         assert kind in str(error.value)
     assert "FORWARD" not in str(error.value)
@@ -40,11 +40,12 @@ def test_a_kind_with_two_handlers_fails_when_the_table_is_built() -> None:
     with pytest.raises(
         RuntimeError, match=r"\['BACKWARD_INPUT', 'BACKWARD_WEIGHT'\].*two handlers"
     ):
-        dispatch_table(CORE, bpipe.HANDLERS, sharding.HANDLERS, NOT_RUNNABLE, NOT_RUNNABLE)
+        modules = (CORE, bpipe.HANDLERS, sharding.HANDLERS, split_backward.HANDLERS)
+        dispatch_table(*modules, split_backward.HANDLERS)
 
 
 def test_parts_and_capturing_kinds_come_from_the_modules() -> None:
-    assert TABLE.parts == (bpipe.Transfers, sharding.ShardingPart)
+    assert TABLE.parts == (bpipe.Transfers, sharding.ShardingPart, split_backward.SplitBackward)
     assert TABLE.captures == {ActionKind.EVICT}
 
 
@@ -53,7 +54,7 @@ def test_a_kind_not_runnable_yet_names_the_action_and_the_rank(text: str) -> Non
     action = parse_action(text)
     step: Any = SimpleNamespace(rank=1, schedule=SimpleNamespace(name="v-zb"))
     with pytest.raises(RuntimeError) as error:
-        TABLE.handlers[action.kind](step, 7, action)
+        not_runnable(step, 7, action)  # what a kind added to the IR before its runtime maps to
     message = str(error.value)
     assert message.startswith(f"pipeline rank 1: {action.kind.name} actions are not runnable yet")
     assert f"({text} at position 7 of schedule 'v-zb')" in message

@@ -1,0 +1,66 @@
+"""The parts of a micro-batch's backward that B and a split backward's I and W share.
+
+A backward starts the same way whether it computes everything (B) or only the gradient for the
+previous stage (I): the gradient arriving from the next stage, the stored input and output, the
+parts' and the data-parallel hooks; and its input gradient goes on the same way. Kept here so the
+core handlers (runtime.executor) and split backward (runtime.split_backward) share one copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_bfpp.ir import Action
+from megatron_bfpp.messages import Message
+from megatron_bfpp.runtime.step import Key, RankStep
+
+__all__ = ["begin_backward", "microbatch", "route_input_grad"]
+
+
+def begin_backward(step: RankStep, position: int, action: Action) -> tuple[Key, Any, Any, Any]:
+    """What every backward of a micro-batch starts with (B, and I of a split backward): the
+    gradient arriving from the next stage, the stored input and output, the parts' and the
+    data-parallel hooks. Returns (key, input tensor, output, output gradient)."""
+    stage, mb = action.stage, microbatch(action)
+    key = (stage, mb)
+    chunk = step.layout.chunk_of(stage)
+    output_grad = _output_grad(step, stage, mb)
+    if step.frees_outputs(stage) and not step.layout.is_last(stage):
+        step.ctx.comm.finish_send_of(Message("act", stage, mb))
+    if position in step.last_backward and step.grad_sync_funcs[chunk] is None:
+        # No explicit sync function: megatron-core DDP's hooks dispatch the chunk's reduction
+        # during its last backward once its no_sync context is left.
+        step.leave_no_sync(chunk)
+    for part in step.parts.values():
+        part.before_compute(step, stage)
+        part.before_backward(step, key)
+    input_tensor = step.state.inputs.pop(key)
+    output = step.state.outputs.pop(key)
+    return key, input_tensor, output, output_grad
+
+
+def route_input_grad(step: RankStep, stage: int, mb: int, input_grad: Any) -> None:
+    """Hand the gradient for the previous stage on: to a send, or to this rank's own earlier
+    stage (V-shape turn)."""
+    if stage == 0:
+        return
+    if step.layout.rank_of(stage - 1) == step.rank:
+        step.state.local_grads[(stage - 1, mb)] = input_grad
+    else:
+        step.state.grads_to_send[(stage, mb)] = input_grad
+
+
+def _output_grad(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
+    if step.layout.is_last(stage):
+        return None
+    if step.layout.rank_of(stage + 1) == step.rank:
+        return step.state.local_grads.pop((stage, mb))
+    following = step.layout.rank_of(stage + 1)
+    return step.ctx.comm.wait_receive(Message("grad", stage + 1, mb), following)
+
+
+def microbatch(action: Action) -> int:
+    assert action.microbatch is not None  # compute actions always carry one
+    return action.microbatch
