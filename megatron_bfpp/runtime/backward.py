@@ -12,11 +12,26 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.compat import backward_step
 from megatron_bfpp.ir import Action
 from megatron_bfpp.messages import Message
 from megatron_bfpp.runtime.step import Key, RankStep
 
-__all__ = ["begin_backward", "microbatch", "route_input_grad"]
+__all__ = ["begin_backward", "microbatch", "route_input_grad", "whole_backward"]
+
+
+def whole_backward(step: RankStep, position: int, action: Action) -> Key:
+    """A micro-batch's whole backward through megatron-core's ``backward_step`` (B, and I of the
+    exact split backward); returns its key."""
+    ctx = step.ctx
+    key, input_tensor, output, output_grad = begin_backward(step, position, action)
+    input_grad = backward_step(
+        input_tensor, output, output_grad, model_type=ctx.model_type, config=ctx.config
+    )
+    step.store.drop(key)
+    step.state.trace.append(str(action))
+    route_input_grad(step, action.stage, key[1], input_grad)
+    return key
 
 
 def begin_backward(step: RankStep, position: int, action: Action) -> tuple[Key, Any, Any, Any]:

@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-from megatron_bfpp.compat import backward_step, forward_step
+from megatron_bfpp.compat import forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
 from megatron_bfpp.messages import Message, message_of
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
-from megatron_bfpp.runtime.backward import begin_backward, route_input_grad
+from megatron_bfpp.runtime.backward import whole_backward
 from megatron_bfpp.runtime.p2p import Receive, Send
 from megatron_bfpp.runtime.step import (
     DispatchTable,
@@ -127,14 +127,7 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
 
 
 def backward(step: RankStep, position: int, action: Action) -> None:
-    ctx = step.ctx
-    key, input_tensor, output, output_grad = begin_backward(step, position, action)
-    input_grad = backward_step(
-        input_tensor, output, output_grad, model_type=ctx.model_type, config=ctx.config
-    )
-    step.store.drop(key)
-    step.state.trace.append(str(action))
-    route_input_grad(step, action.stage, key[1], input_grad)
+    whole_backward(step, position, action)
 
 
 def not_runnable(step: RankStep, position: int, action: Action) -> None:

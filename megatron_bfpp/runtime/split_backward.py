@@ -25,9 +25,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from megatron_bfpp.compat import backward_step
 from megatron_bfpp.ir import Action, ActionKind
-from megatron_bfpp.runtime.backward import begin_backward, microbatch, route_input_grad
+from megatron_bfpp.runtime.backward import microbatch, whole_backward
 from megatron_bfpp.runtime.step import Handlers, Key, RankStep, StepPart
 
 __all__ = ["HANDLERS", "SplitBackward"]
@@ -47,15 +46,7 @@ class SplitBackward(StepPart):
 
 def backward_input(step: RankStep, position: int, action: Action) -> None:
     """I: the micro-batch's backward (input and weight gradients, as B computes them)."""
-    ctx = step.ctx
-    key, input_tensor, output, output_grad = begin_backward(step, position, action)
-    input_grad = backward_step(
-        input_tensor, output, output_grad, model_type=ctx.model_type, config=ctx.config
-    )
-    step.store.drop(key)
-    step.part(SplitBackward).pending.add(key)
-    step.state.trace.append(str(action))
-    route_input_grad(step, action.stage, key[1], input_grad)
+    step.part(SplitBackward).pending.add(whole_backward(step, position, action))
 
 
 def backward_weight(step: RankStep, position: int, action: Action) -> None:
