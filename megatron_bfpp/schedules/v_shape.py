@@ -20,27 +20,32 @@ time, and a rank starting an action as soon as it is free and its inputs exist:
   m=128 (1F1B: 10.5%).
 * v-half: at most p/2 + 1 units (and never more than 1F1B's p). Bubble about half of 1F1B's
   (p-1)/(m+p-1): at most 0.65x of it for m >= 2p.
-* v-zb: at most p units, 1F1B's. Bubble below 10% for every m >= 2p (p <= 16): the step time is
-  within 3 time units of 3m + (p-1)/2, the pipeline-fill bound no schedule on this placement can
-  beat (bubble (p-1)/(6m+p-1)).
+* v-zb: at most p units, 1F1B's. For every m >= p the step time is 3m + (p-1)/2 (6m + p - 1
+  slots), the pipeline-fill bound no schedule on this placement can beat (bubble
+  (p-1)/(6m+p-1)), measured for m up to 8p at p <= 24; torch.distributed.pipelining's
+  ScheduleZBVZeroBubble reaches it from m >= (3p-1)/2 and is never shorter.
 
-Two constructions, each used where it measured better (see ``tests/unit/test_v_shape.py``):
+Three constructions, each used where it measured better (see ``tests/unit/test_v_shape.py``):
 
 * v-min repeats the paper's V-Min building block: one micro-batch's F, I and W slots on every
   rank, shifted by 6 slots per micro-batch. The program order is the block order; executing it
   eagerly squeezes the warm-up and cool-down gaps, and the peak memory is the block's, because
   memory depends on order alone. At this tight budget the block's collision-free steady state
   beats a greedy scheduler (whose steady state develops recurring bubbles).
-* v-half and v-zb use a greedy list scheduler under a memory limit (the paper's adaptive
-  scheduler): a free rank runs a ready I first (it unblocks the rank upstream and lets a W free
-  memory), else a ready F that fits the limit, else a W (to free memory or fill a bubble). With
-  enough memory its warm-up reaches the lower bound set by the pipeline fill.
+* v-half uses a greedy list scheduler under a memory limit (the paper's adaptive scheduler): a
+  free rank runs a ready I first (it unblocks the rank upstream and lets a W free memory), else
+  a ready F that fits the limit, else a W (to free memory or fill a bubble). v-zb uses it too
+  when m < p, where its memory limit never binds.
+* v-zb (m >= p) is the zero-bubble paper's ZB-V order, phase by phase; its warm-up reaches the
+  fill bound and its steady state has no bubble. Where its cool-down leaves gaps (m < 1.5p), a
+  unit-time replay lets ready input gradients overtake weight gradients, which closes them
+  without changing the memory.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_bfpp.ir import ActionKind, Schedule, StageLayout, paused_gc, unchecked_action
 from megatron_bfpp.schedules.common import check_counts, make_schedule
@@ -100,18 +105,32 @@ def build_v_half(*, num_ranks: int, num_microbatches: int) -> Schedule:
 def build_v_zb(*, num_ranks: int, num_microbatches: int) -> Schedule:
     """V-ZB: zero bubble at 1F1B's activation memory (2p held activations = p units).
 
-    Greedy under that limit. With F = I = W and m >= 2p the step time is within 3 time units
-    (6 actions) of the pipeline-fill floor, whose bubble is (p-1)/(6m+p-1), and the bubble is
-    below 10% for p <= 16 (e.g. 5.9% at p=4, m=8; 9.0% at p=16, m=32; 2.4% at p=16, m=128).
-    With fewer micro-batches there is not enough work to fill the warm-up, as for every
-    schedule, and the peak stays below the limit.
+    Built on the zero-bubble paper's ZB-V order (``_zb_programs``; torch.distributed.pipelining's
+    ScheduleZBVZeroBubble runs the same order). With F = I = W and free messages that order
+    takes max(6m + p - 1, 4m + 4p - 2) slots for m >= p (measured, p <= 24), so:
+
+    * m >= (3p - 1) / 2: the first term, the pipeline-fill floor (3m + (p-1)/2 time units,
+      bubble (p-1)/(6m+p-1)): the order is kept as it is. The W's it runs between the last
+      input gradients also hide message latency.
+    * p <= m < (3p - 1) / 2: the cool-down's input-gradient waves wait behind weight gradients.
+      Replayed so that a ready I never waits behind a W (``_input_gradients_first``), the step
+      reaches the floor too (measured for every such m at p <= 24).
+    * m < p: no rank can hold more than 2m < 2p activations, so the memory limit never binds
+      and ZB-V's memory-paced order only costs time; the greedy (input gradients first,
+      ``_greedy_programs``) measured shorter, at the same limit. There are too few
+      micro-batches to fill the warm-up, as for every schedule.
     """
     check_counts("v-zb", num_ranks=num_ranks, num_microbatches=num_microbatches)
-    p = num_ranks
-    programs = _greedy_programs(
-        p, num_microbatches, memory_limit=2 * p, open_limits=[p - r + 1 for r in range(p)]
-    )
-    return _make("v-zb", num_ranks, num_microbatches, programs)
+    p, m_count = num_ranks, num_microbatches
+    if m_count < p:
+        programs = _greedy_programs(
+            p, m_count, memory_limit=2 * p, open_limits=[p - r + 1 for r in range(p)]
+        )
+    elif 2 * m_count < 3 * p - 1:
+        programs = _input_gradients_first(p, _zb_programs(p, m_count))
+    else:
+        programs = _zb_programs(p, m_count)
+    return _make("v-zb", p, m_count, programs)
 
 
 def _make(
@@ -172,6 +191,150 @@ def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
         program.extend((_W, stage, mb) for stage, mb in waiting)
         programs.append(program)
     return programs
+
+
+def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
+    """Every rank's ZB-V order: the V schedule of "Zero Bubble Pipeline Parallelism" (Qi et al.,
+    ICLR 2024, section 6).
+
+    Rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1). Counting slots with F = I = W,
+    every phase is set by when work can first reach the rank and by the memory limit:
+
+    * warm-up: rank r starts at slot r and its first chunk-1 input arrives at slot 2p-1-r, so it
+      fills the gap with 2(p-r)-1 chunk-0 forwards; it alternates chunk-1 and chunk-0 forwards
+      (r pairs) until its first input gradient can arrive, at slot 2p+r; then it runs p-r
+      (F, I, W) triples of chunk 1. It now holds 2p-1 activations and each triple peaks at 2p,
+      1F1B's p units: from here every forward follows a weight gradient.
+    * steady: (F, I, W) of chunk 0, then of chunk 1, per micro-batch; once chunk 0's forwards
+      are done the group drops its forward, until chunk 1's are done too.
+    * cool-down: the p chunk-0 and r chunk-1 input gradients left, paired while both remain,
+      each later chunk-0 one followed by a weight gradient; then the remaining weight gradients.
+
+    The phases assume at least 2p-1 micro-batches. With fewer, rank r keeps the order built
+    for 2p-1 and drops the micro-batches that do not exist: removing a micro-batch from every
+    rank keeps a deadlock-free order deadlock-free, since no dependency crosses micro-batches.
+    Repetitions past the last real micro-batch are skipped, not built and dropped, so large p
+    with few micro-batches stays linear in the actions.
+    """
+    p, m_count = num_ranks, num_microbatches
+    n = max(m_count, 2 * p - 1)
+    fa, fb, ia, ib, wa, wb = range(6)  # 2 * kind + chunk
+    programs: list[list[_Step]] = []
+    for r in range(p):
+        phases = (
+            ((fa,), 2 * (p - r) - 1),
+            ((fb, fa), r),
+            ((fb, ib, wb), p - r),
+            ((fa, ia, wa, fb, ib, wb), n - (2 * p - 1 - r)),
+            ((ia, wa, fb, ib, wb), p - 1 - r),
+            ((ia, ib), r),
+            ((ia, wa), p - r),
+            ((wb,), r),
+            ((wa,), r),
+        )
+        stage_of = (r, 2 * p - 1 - r)
+        step_of = [(token >> 1, stage_of[token & 1]) for token in range(6)]
+        next_mb = [0] * 6
+        program: list[_Step] = []
+        for group, times in phases:
+            useful = max(0, min(times, max(m_count - next_mb[token] for token in group)))
+            for _ in range(useful):
+                for token in group:
+                    mb = next_mb[token]
+                    next_mb[token] = mb + 1
+                    if mb < m_count:
+                        kind, stage = step_of[token]
+                        program.append((kind, stage, mb))
+            for token in group:
+                next_mb[token] += times - useful
+        programs.append(program)
+    return programs
+
+
+def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[list[_Step]]:
+    """Replay ``programs`` in unit time steps and return the order each rank ran them in.
+
+    Every F keeps its place: it runs after everything listed before it and before everything
+    listed after it. Between two F's a rank runs the first ready I, else the first W whose I
+    is done: an input gradient (on the critical path back through the V) never waits behind a
+    weight gradient, which nothing depends on and which only fills time. Held activations at
+    every F, hence the peak, and each stage's forward order are unchanged.
+
+    It cannot deadlock if ``programs`` does not (every generator's order here): among the
+    actions still to run, ordered by their programs and their dependencies, some action has
+    its dependencies and listed predecessors all done; it is an F heading its rank's program,
+    or an I or W before that rank's next F, so that rank acts.
+    """
+    p = num_ranks
+    last = 2 * p - 1
+    m_count = 1 + max((mb for program in programs for _, _, mb in program), default=0)
+    never = 1 << 62
+    f_time = [never] * (2 * p * m_count)  # step an F ran, at index stage * m_count + mb
+    i_time = [never] * (2 * p * m_count)
+    replayed: list[list[_Step]] = [[] for _ in range(p)]
+    # Per rank: its I's and W's listed before its next F and not run yet, in listed order.
+    window: list[list[_Step]] = [[] for _ in range(p)]
+    position = [0] * p  # each program's first action neither run nor in the window (an F)
+    for r in range(p):
+        position[r] = _fill_window(programs[r], 0, window[r])
+    remaining = sum(len(program) for program in programs)
+    step = 0
+
+    def ready(action: _Step) -> bool:  # an I or W of a window, at this step
+        kind, stage, mb = action
+        if kind == _I:
+            return stage == last or i_time[(stage + 1) * m_count + mb] < step
+        return i_time[stage * m_count + mb] < step
+
+    while remaining:
+        acted = False
+        for r in range(p):
+            pending = window[r]
+            if pending:
+                pick = _first_ready(pending, _I, ready)
+                if pick < 0:
+                    pick = _first_ready(pending, _W, ready)
+                    if pick < 0:
+                        continue
+                action = pending.pop(pick)
+                if action[0] == _I:
+                    i_time[action[1] * m_count + action[2]] = step
+            else:
+                program = programs[r]
+                at = position[r]
+                if at == len(program):
+                    continue
+                action = program[at]  # an F
+                stage, mb = action[1], action[2]
+                if stage and f_time[(stage - 1) * m_count + mb] >= step:
+                    continue
+                f_time[stage * m_count + mb] = step
+                position[r] = _fill_window(program, at + 1, pending)
+            replayed[r].append(action)
+            remaining -= 1
+            acted = True
+        if not acted:  # pragma: no cover - excluded for deadlock-free programs (see above)
+            raise RuntimeError("v-shape replay made no progress: the program order deadlocks")
+        step += 1
+    return replayed
+
+
+def _first_ready(window: list[_Step], kind: int, ready: Callable[[_Step], bool]) -> int:
+    """Index of the first action of ``kind`` in ``window`` that is ready, or -1."""
+    for index, action in enumerate(window):
+        if action[0] == kind and ready(action):
+            return index
+    return -1
+
+
+def _fill_window(program: list[_Step], start: int, window: list[_Step]) -> int:
+    """Append ``program``'s I's and W's from ``start`` up to its next F to ``window``; return
+    the index of that F (or the program's end)."""
+    at = start
+    while at < len(program) and program[at][0] != _F:
+        window.append(program[at])
+        at += 1
+    return at
 
 
 def _greedy_programs(

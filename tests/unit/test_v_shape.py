@@ -229,13 +229,50 @@ def test_memory_bound_large_p(p: int) -> None:
 
 
 @pytest.mark.parametrize("p", range(1, 17))
-def test_v_zb_near_zero_bubble_with_enough_microbatches(p: int) -> None:
-    for m in sorted({2 * p, 2 * p + 1, 3 * p + 2, 64}):
+def test_v_zb_reaches_the_fill_floor_from_p_microbatches(p: int) -> None:
+    """Rank p-1 cannot start before p-1 forwards ran upstream, and every rank has 6m slots of
+    work, so 6m + p - 1 slots is the floor; v-zb reaches it for every m >= p."""
+    for m in sorted({p, p + 1, (3 * p) // 2, (3 * p) // 2 + 1, 2 * p, 2 * p + 1, 3 * p + 2, 64}):
         run = simulate(build("v-zb", p, m))
-        assert run.bubble < 0.10, (p, m, run.bubble)
-        # Rank p-1 cannot start before p-1 forwards ran upstream and every rank has 6m slots of
-        # work, so 6m + p - 1 slots is the floor; stay within 6 slots (3 time units) of it.
-        assert run.makespan <= 6 * m + p - 1 + 6, (p, m, run.makespan)
+        assert run.makespan == 6 * m + p - 1, (p, m, run.makespan)
+        if m >= 2 * p:
+            assert run.bubble < 0.10, (p, m, run.bubble)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8, 12])
+def test_zb_v_order_alone_and_where_v_zb_departs_from_it(p: int) -> None:
+    """The ZB-V order takes max(6m + p - 1, 4m + 4p - 2) slots: the floor from m >= (3p-1)/2,
+    where v-zb is exactly that order; below, v-zb is shorter (replayed, or the greedy for m < p)."""
+    for m in range(1, 3 * p + 2):
+        order = v_shape._make("v-zb", p, m, v_shape._zb_programs(p, m))
+        zb_v = simulate(order).makespan
+        v_zb = build("v-zb", p, m)
+        if m >= p:
+            assert zb_v == max(6 * m + p - 1, 4 * m + 4 * p - 2), (p, m)
+        if 2 * m >= 3 * p - 1:
+            assert v_zb == order, (p, m)
+        else:
+            assert simulate(v_zb).makespan <= zb_v, (p, m)
+
+
+def test_replay_moves_input_and_weight_gradients_only_between_forwards() -> None:
+    """Same actions; every F keeps the set of actions before it (so memory and the forward order
+    are unchanged); and on these orders (ZB-V's, the greedy's, V-Min's blocks) the replayed one
+    is never slower."""
+    for p, m in [(2, 2), (4, 5), (5, 6), (8, 9), (8, 11)]:
+        for programs in (
+            v_shape._zb_programs(p, m),
+            v_shape._greedy_programs(p, m, memory_limit=p + 2, open_limits=[p] * p),
+            v_shape._block_programs(p, m),
+        ):
+            replayed = v_shape._input_gradients_first(p, programs)
+            for before, after in zip(programs, replayed, strict=True):
+                assert sorted(before) == sorted(after)
+                prefix_before = [set(before[:i]) for i, a in enumerate(before) if a[0] == 0]
+                prefix_after = [set(after[:i]) for i, a in enumerate(after) if a[0] == 0]
+                assert prefix_before == prefix_after
+            run = simulate(v_shape._make("replayed", p, m, replayed))
+            assert run.makespan <= simulate(v_shape._make("listed", p, m, programs)).makespan
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6, 8, 12, 16])
