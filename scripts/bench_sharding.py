@@ -16,8 +16,13 @@ optimizer's closing all-gather of every chunk (which sharded runs do not have):
 - ``interleaved`` with ``optim``: parameters whole, all gathered after the step.
 
 The simulator gets the same schedule and the gather and reduce-scatter times measured here,
-with every rank's group busy at once, as the run has them. Resident parameter bytes are the
-runtime's measurement (kept shards plus gathered buffers, peak over the step, per rank).
+with every rank's group busy at once, as the run has them. Its compute costs are the sleeps plus
+the runtime's own cost per compute action on this machine (megatron-core's forward_step /
+backward_step, DDP hooks, our executor: several ms per action on a 2-core machine running 4
+ranks), calibrated once from the unsharded case run with no sleep, so the three predictions
+rest on one measured number and the sharded cases are predictions, not fits. Resident
+parameter bytes are the runtime's measurement (kept shards plus gathered buffers, peak over the
+step, per rank).
 
     python scripts/bench_sharding.py                      # pp=2 vp=4 dp=2 m=8, 8 MB per chunk
     python scripts/bench_sharding.py --vp 8 --chunk-mb 4
@@ -224,15 +229,32 @@ def main() -> None:
         f"reduce-scatter {1e3 * scatter:.1f} ms (all groups at once), pipeline message "
         f"{1e3 * t_p2p:.2f} ms"
     )
-    print(
-        f"{'schedule':<14} {'sharding':<19} {'gathers/rank':>12} {'simulated s':>11} "
-        f"{'measured s':>10} {'error':>7} {'peak param MB/rank':>19} {'of whole':>8}"
-    )
+    steps = range(1, args.steps + 1)
     cases = [
         ("breadth-first", "optim_grads_params"),
         ("interleaved", "optim_grads_params"),
         ("interleaved", "optim"),
     ]
+    calibration = run_ranks(
+        rank_main,
+        world_size=world,
+        pp=args.pp,
+        vp=args.vp,
+        timeout=900,
+        args=("interleaved", "optim", {"t_forward": 0.0, "t_backward": 0.0}, numel,
+              args.microbatches, args.steps + 1),
+    )  # fmt: skip
+    idle = statistics.median(max(r["times"][i] for r in calibration) for i in steps)
+    # Per compute action (F or B, of one chunk): the unsharded step with no sleep, less its
+    # closing gathers, over the computes on one rank's critical path (2 m vp of them).
+    overhead = max(0.0, idle - args.vp * gather) / (2 * args.microbatches * args.vp)
+    t_forward = args.t_forward + overhead * args.vp
+    t_backward = args.t_backward + overhead * args.vp
+    print(f"runtime cost per compute action (calibrated, no sleep): {1e3 * overhead:.2f} ms")
+    print(
+        f"{'schedule':<14} {'sharding':<19} {'gathers/rank':>12} {'simulated s':>11} "
+        f"{'measured s':>10} {'error':>7} {'peak param MB/rank':>19} {'of whole':>8}"
+    )
     measured: dict[tuple[str, str], float] = {}
     for name, sharding in cases:
         schedule = build_schedule(
@@ -246,8 +268,8 @@ def main() -> None:
         predicted = simulate(
             schedule,
             CostModel(
-                t_forward=args.t_forward,
-                t_backward=args.t_backward,
+                t_forward=t_forward,
+                t_backward=t_backward,
                 t_weight=0.0,
                 t_p2p=t_p2p,
                 t_grad_reduce=scatter,
@@ -265,7 +287,6 @@ def main() -> None:
             timeout=900,
             args=(name, sharding, costs, numel, args.microbatches, args.steps + 1),
         )
-        steps = range(1, args.steps + 1)
         time_s = statistics.median(max(r["times"][i] for r in results) for i in steps)
         measured[(name, sharding)] = time_s
         peak = max(r["peak"] for r in results)
