@@ -14,6 +14,7 @@ one line ``bfpp-train: error: ...`` on stderr and exit code 2, never a hang or a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import signal
@@ -193,8 +194,9 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
         "--ckpt-format",
         choices=CKPT_FORMATS,
         default="torch",
-        help="torch: one file per rank (default; same layout to resume); torch_dist: "
-        "megatron-core distributed checkpointing (hangs on CPU gloo ranks in megatron-core 0.16)",
+        help="format --save writes (--load reads either): torch: one file per rank (same "
+        "layout to resume); torch_dist: megatron-core distributed checkpointing (Megatron-LM's "
+        "--ckpt-format torch_dist; needs psutil)",
     )
     io.add_argument(
         "--override-opt_param-scheduler",
@@ -242,7 +244,11 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
             f"unknown --pipeline-schedule {name!r}; choose one of: {', '.join(schedule_names())}"
         )
     apply_schedule_defaults(args)
-    problem = number_problem(args) or output_problem(args, metrics=rank == 0)
+    problem = (
+        number_problem(args)
+        or output_problem(args, metrics=rank == 0)
+        or checkpoint_format_problem(args)
+    )
     if problem is not None:
         raise FlagError(problem)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -338,6 +344,20 @@ def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | N
     return None
 
 
+def checkpoint_format_problem(args: argparse.Namespace) -> str | None:
+    """megatron-core's ``torch_dist`` writer measures its memory with psutil, which megatron-core
+    does not install: without it every save failed after training (0.19) or its writer processes
+    died and the ranks waited for them forever (0.16)."""
+    if args.save is None or args.ckpt_format != "torch_dist":
+        return None
+    if importlib.util.find_spec("psutil") is None:
+        return (
+            "--ckpt-format torch_dist needs psutil (megatron-core's checkpoint writer uses it): "
+            "pip install psutil (or megatron-bfpp[megatron]), or save with --ckpt-format torch"
+        )
+    return None
+
+
 def check_load(args: argparse.Namespace, world_size: int) -> None:
     """Refuse a resume that cannot work, from the checkpoint's metadata alone (before any rank
     starts or any weight is read): one line naming every differing flag."""
@@ -396,12 +416,19 @@ _QUIET = (
     r"absl\.logging is not installed",
     r"MimoModelConfig is experimental",
     r"full scope is deprecated",  # TransformerConfig's own default cuda_graph_modules
+    # torch's distributed checkpointing, called by megatron-core's torch_dist reader
+    r"torch\.distributed is disabled, unavailable or uninitialized",
+    r"The argument order of load has been changed",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
+    r"`load_state_dict` is deprecated and will be removed",  # megatron-core 0.16's reader
 )
 # Log records (logger name, message start) that say nothing to a bfpp-train user.
 _QUIET_LOGS = (
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
     ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel: full_param"),
     ("torch.utils.cpp_extension", "No CUDA runtime is found"),  # CUDA build of torch, no GPU
+    # 0.19 says it on every (synchronous) torch_dist save, to users of its asynchronous one
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
 )
 
 
