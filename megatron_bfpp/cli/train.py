@@ -389,12 +389,15 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
     caller prints (under the local launcher: once, however many ranks hit it)."""
     from megatron_bfpp.ir import ScheduleError
     from megatron_bfpp.train.checkpoint import OtherRankFailed
+    from megatron_bfpp.train.liveness import RanksLost
     from megatron_bfpp.train.trainer import train
 
     try:
         train(args, store=store)
     except OtherRankFailed:
         return 2, None  # the failing rank reports the one line
+    except RanksLost as lost:  # torchrun / srun: this rank speaks for the job
+        return 1, str(lost)
     except (FlagError, ScheduleError, ValueError, FileNotFoundError, FloatingPointError) as error:
         return 2, _first_line(error)
     except KeyboardInterrupt:
@@ -448,6 +451,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(logger).addFilter(_DropRecord(prefix))
     args = build_parser().parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:
+        # Before torch is imported (it reads this once): when a rank or the store host dies,
+        # every store and socket call of every rank would add a C++ warning with a stack of
+        # frames around the one line that names it. Errors still print; set it to see more.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     world_size = (
         int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or _default_nproc())
     )
@@ -459,7 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2 if launched and os.environ.get("LOCAL_RANK", "0") != "0" else _error(str(error))
     if launched:
         code, reason = _run_rank(args)
-        return _error(reason) if reason else code
+        if reason:
+            _error(reason)
+        return code
     return _spawn(args, world_size)
 
 
