@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"at most {MAX_LOCAL_RANKS})",
     )
     par.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="start even if the estimated weights, gradients and Adam state exceed the memory "
+        "there is (the estimate leaves out activations; it is checked before any rank starts)",
+    )
+    par.add_argument(
         "--distributed-timeout-minutes",
         type=positive_int,
         default=10,
@@ -358,6 +364,27 @@ def checkpoint_format_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def memory_problem(args: argparse.Namespace, world_size: int, *, launched: bool) -> str | None:
+    """On a CPU-only machine, a model whose weights, gradients and Adam state do not fit this
+    machine's available RAM (all its ranks together), refused before any rank starts: it used
+    to be killed by the kernel after start (:mod:`megatron_bfpp.train.model_memory`). GPUs are
+    checked by each rank against its own device (the trainer). ``--no-memory-check`` skips it."""
+    import torch
+
+    from megatron_bfpp.train import model_memory
+
+    if args.no_memory_check or torch.cuda.is_available():  # is_available does not start CUDA
+        return None
+    run = run_config(args, world_size)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if launched else world_size
+    return model_memory.memory_problem(
+        run.model,
+        run.layout,
+        local_ranks=local,
+        ram_bytes=model_memory.available_ram_bytes(),
+    )
+
+
 def check_load(args: argparse.Namespace, world_size: int) -> None:
     """Refuse a resume that cannot work, from the checkpoint's metadata alone (before any rank
     starts or any weight is read): one line naming every differing flag."""
@@ -462,6 +489,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         validate(args, world_size, rank=int(os.environ["RANK"]) if launched else 0)
         check_megatron_core()
+        problem = memory_problem(args, world_size, launched=launched)
+        if problem is not None:
+            raise FlagError(problem)
     except (FlagError, UnsupportedMegatronError) as error:
         # Under torchrun every rank checks the same flags: one line per node, not per rank.
         return 2 if launched and os.environ.get("LOCAL_RANK", "0") != "0" else _error(str(error))
