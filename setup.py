@@ -23,8 +23,10 @@ setup(
     extras_require={
         # Drawing timelines as PNG.
         "plot": ["matplotlib>=3.7"],
-        # Running schedules on megatron-core (CPU or GPU).
-        "megatron": ["torch>=2.4", MEGATRON_CORE],
+        # Running schedules on megatron-core (CPU or GPU). psutil: megatron-core's distributed
+        # checkpoint writer (bfpp-train --ckpt-format torch_dist) imports it, megatron-core does
+        # not install it.
+        "megatron": ["torch>=2.4", MEGATRON_CORE, "psutil>=5.9"],
         # Development and CI: tests, lint, types.
         "test": [
             "pytest>=8",
@@ -34,6 +36,7 @@ setup(
             "mypy==2.4.1",
             "torch>=2.4",
             MEGATRON_CORE,
+            "psutil>=5.9",
         ],
         # Running Megatron-LM's own pretrain scripts (its runtime dependencies; Megatron-LM
         # itself is a checkout, not a PyPI package).

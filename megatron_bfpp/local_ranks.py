@@ -25,6 +25,11 @@ Why it is built this way:
   sends to every rank too) is left to the launcher: ranks ignore it and are stopped the same
   way, so one ``KeyboardInterrupt`` reaches the caller. A rank dies with the launcher
   (``PR_SET_PDEATHSIG`` on Linux), even if the launcher is killed with SIGKILL: no orphans.
+  What a rank started through ``multiprocessing`` (megatron-core's checkpoint writer starts a
+  ``Manager`` server per rank) is stopped by the rank before it reports its result, and a rank
+  the launcher kills takes its descendants with it: a rank leaves with ``os._exit``, which skips
+  the exit handlers that would have stopped them, and such processes outlived the job holding
+  its output pipes open (a caller reading them waited forever).
 * **one copy of each warning** (``warn_once``): every rank runs the same code, so a library's
   warning or log record would otherwise be printed once per rank. The first rank to say a text
   claims it in the store (``TCPStore.add``); the others stay silent. A text only one rank says
@@ -276,6 +281,9 @@ def _child(
                 message: tuple[Any, ...] = ("ok", _run(spec, target, port_writer))
             except BaseException:
                 message = ("error", traceback.format_exc(), time.time())
+            # before the result: once it has every result the launcher kills what is left
+            with contextlib.suppress(Exception):
+                _stop_children()
             try:
                 payload = pickle.dumps(message)
             except Exception:  # the result did not pickle
@@ -287,9 +295,25 @@ def _child(
     except BaseException:
         code = 1
     finally:
+        with contextlib.suppress(Exception):  # nothing may keep the rank from exiting
+            _stop_children()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _stop_children() -> None:
+    """Stop this rank's ``multiprocessing`` children (see the module docstring): SIGTERM, a short
+    wait, then SIGKILL for any that did not go."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + STOP_GRACE
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            child.kill()
+            child.join(1.0)
 
 
 def _supervised(spec: _Rank, beats: Any) -> None:
@@ -525,8 +549,31 @@ def _stop_all(procs: list[Any], *, gentle: bool) -> None:
         end = time.monotonic() + STOP_GRACE
         for proc in procs:
             proc.join(max(0.0, end - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
+    left = [proc for proc in procs if proc.is_alive() and proc.pid is not None]
+    descendants = [pid for proc in left for pid in _descendants(proc.pid)]
+    for proc in left:
+        proc.kill()
+    for pid in descendants:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     for proc in procs:
         proc.join(5.0)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux ``/proc``; elsewhere none are found), read before it is
+    killed: once it is gone its orphans belong to init."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            with contextlib.suppress(OSError, ValueError):
+                children = [int(c) for c in (task / "children").read_text().split()]
+                found.extend(children)
+                todo.extend(children)
+    return found

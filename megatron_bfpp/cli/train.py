@@ -14,6 +14,7 @@ one line ``bfpp-train: error: ...`` on stderr and exit code 2, never a hang or a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import signal
@@ -150,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"at most {MAX_LOCAL_RANKS})",
     )
     par.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="start even if the estimated weights, gradients and Adam state exceed the memory "
+        "there is (the estimate leaves out activations; it is checked before any rank starts)",
+    )
+    par.add_argument(
         "--distributed-timeout-minutes",
         type=positive_int,
         default=10,
@@ -204,8 +211,9 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
         "--ckpt-format",
         choices=CKPT_FORMATS,
         default="torch",
-        help="torch: one file per rank (default; same layout to resume); torch_dist: "
-        "megatron-core distributed checkpointing (hangs on CPU gloo ranks in megatron-core 0.16)",
+        help="format --save writes (--load reads either): torch: one file per rank (same "
+        "layout to resume); torch_dist: megatron-core distributed checkpointing (Megatron-LM's "
+        "--ckpt-format torch_dist; needs psutil)",
     )
     io.add_argument(
         "--override-opt_param-scheduler",
@@ -253,7 +261,11 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
             f"unknown --pipeline-schedule {name!r}; choose one of: {', '.join(schedule_names())}"
         )
     apply_schedule_defaults(args)
-    problem = number_problem(args) or output_problem(args, metrics=rank == 0)
+    problem = (
+        number_problem(args)
+        or output_problem(args, metrics=rank == 0)
+        or checkpoint_format_problem(args)
+    )
     if problem is not None:
         raise FlagError(problem)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -361,6 +373,41 @@ def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | N
     return None
 
 
+def checkpoint_format_problem(args: argparse.Namespace) -> str | None:
+    """megatron-core's ``torch_dist`` writer measures its memory with psutil, which megatron-core
+    does not install: without it every save failed after training (0.19) or its writer processes
+    died and the ranks waited for them forever (0.16)."""
+    if args.save is None or args.ckpt_format != "torch_dist":
+        return None
+    if importlib.util.find_spec("psutil") is None:
+        return (
+            "--ckpt-format torch_dist needs psutil (megatron-core's checkpoint writer uses it): "
+            "pip install psutil (or megatron-bfpp[megatron]), or save with --ckpt-format torch"
+        )
+    return None
+
+
+def memory_problem(args: argparse.Namespace, world_size: int, *, launched: bool) -> str | None:
+    """On a CPU-only machine, a model whose weights, gradients and Adam state do not fit this
+    machine's available RAM (all its ranks together), refused before any rank starts: it used
+    to be killed by the kernel after start (:mod:`megatron_bfpp.train.model_memory`). GPUs are
+    checked by each rank against its own device (the trainer). ``--no-memory-check`` skips it."""
+    import torch
+
+    from megatron_bfpp.train import model_memory
+
+    if args.no_memory_check or torch.cuda.is_available():  # is_available does not start CUDA
+        return None
+    run = run_config(args, world_size)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if launched else world_size
+    return model_memory.memory_problem(
+        run.model,
+        run.layout,
+        local_ranks=local,
+        ram_bytes=model_memory.available_ram_bytes(),
+    )
+
+
 def check_load(args: argparse.Namespace, world_size: int) -> None:
     """Refuse a resume that cannot work, from the checkpoint's metadata alone (before any rank
     starts or any weight is read): one line naming every differing flag."""
@@ -392,12 +439,15 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
     caller prints (under the local launcher: once, however many ranks hit it)."""
     from megatron_bfpp.ir import ScheduleError
     from megatron_bfpp.train.checkpoint import OtherRankFailed
+    from megatron_bfpp.train.liveness import RanksLost
     from megatron_bfpp.train.trainer import train
 
     try:
         train(args, store=store)
     except OtherRankFailed:
         return 2, None  # the failing rank reports the one line
+    except RanksLost as lost:  # torchrun / srun: this rank speaks for the job
+        return 1, str(lost)
     except (FlagError, ScheduleError, ValueError, FileNotFoundError, FloatingPointError) as error:
         return 2, _first_line(error)
     except KeyboardInterrupt:
@@ -419,12 +469,19 @@ _QUIET = (
     r"absl\.logging is not installed",
     r"MimoModelConfig is experimental",
     r"full scope is deprecated",  # TransformerConfig's own default cuda_graph_modules
+    # torch's distributed checkpointing, called by megatron-core's torch_dist reader
+    r"torch\.distributed is disabled, unavailable or uninitialized",
+    r"The argument order of load has been changed",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
+    r"`load_state_dict` is deprecated and will be removed",  # megatron-core 0.16's reader
 )
 # Log records (logger name, message start) that say nothing to a bfpp-train user.
 _QUIET_LOGS = (
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
     ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel: full_param"),
     ("torch.utils.cpp_extension", "No CUDA runtime is found"),  # CUDA build of torch, no GPU
+    # 0.19 says it on every (synchronous) torch_dist save, to users of its asynchronous one
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
 )
 
 
@@ -444,18 +501,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(logger).addFilter(_DropRecord(prefix))
     args = build_parser().parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:
+        # Before torch is imported (it reads this once): when a rank or the store host dies,
+        # every store and socket call of every rank would add a C++ warning with a stack of
+        # frames around the one line that names it. Errors still print; set it to see more.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     world_size = (
         int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or _default_nproc())
     )
     try:
         validate(args, world_size, rank=int(os.environ["RANK"]) if launched else 0)
         check_megatron_core()
+        problem = memory_problem(args, world_size, launched=launched)
+        if problem is not None:
+            raise FlagError(problem)
     except (FlagError, UnsupportedMegatronError) as error:
         # Under torchrun every rank checks the same flags: one line per node, not per rank.
         return 2 if launched and os.environ.get("LOCAL_RANK", "0") != "0" else _error(str(error))
     if launched:
         code, reason = _run_rank(args)
-        return _error(reason) if reason else code
+        if reason:
+            _error(reason)
+        return code
     return _spawn(args, world_size)
 
 

@@ -3,13 +3,14 @@
 * ``torch`` (default): one ``torch.save`` file per rank (``rank_00000.pt`` ...) with the rank's
   model chunks, its shard of the distributed optimizer's Adam state, the scheduler, RNG states,
   iteration and consumed samples. Resumes exactly, on the same model and layout.
-  It is the default because megatron-core's ``torch_dist`` writer forks writer processes that
-  hang inside gloo CPU ranks (measured with 0.16 and 0.19: ``write_preloaded_data_multiproc``
-  waits forever), so the distributed format cannot be the CPU main job's default.
-* ``torch_dist``: megatron-core distributed checkpointing (meant for GPUs; not verified on a GPU
-  yet): the model chunks' ``sharded_state_dict()`` (keys by global layer number), the distributed
-  optimizer's ``sharded_state_dict`` (format ``dp_reshardable``) and every rank's RNG states (one
-  ``ShardedObject`` per global rank).
+* ``torch_dist``: megatron-core distributed checkpointing (``dist_checkpointing.save``): the model
+  chunks' ``sharded_state_dict()`` (unwrapped from DDP, keys by global layer number), the
+  distributed optimizer's ``sharded_state_dict`` (format ``dp_reshardable``) and every rank's RNG
+  states (one ``ShardedObject`` per global rank). Resumes exactly too (tested on CPU/gloo with
+  0.16 and 0.19). megatron-core's writer needs psutil (the command line checks it before
+  start: without it the writer failed after training, or hung on 0.16), starts a
+  ``multiprocessing`` Manager in every rank (the local launcher stops it with the rank), and,
+  without Apex or Transformer Engine, loses Adam's step on load (:func:`_restore_adam_steps`).
 
 Both share the directory handling of :mod:`.checkpoint_files` (temporary directory, fsync,
 atomic rename, atomic tracker: a kill never loses the last complete checkpoint) and the metadata
@@ -159,7 +160,7 @@ def _sharded_state(
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     state: dict[str, Any] = {
-        f"model{index}": chunk.sharded_state_dict() for index, chunk in enumerate(model)
+        f"model{index}": chunk.module.sharded_state_dict() for index, chunk in enumerate(model)
     }
     state["optimizer"] = optimizer.sharded_state_dict(
         state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
@@ -511,30 +512,53 @@ def _weights_only_loads() -> Iterator[None]:
                 os.environ[key] = value
 
 
+_DCP = "torch.distributed.checkpoint"
+# Exactly the (module, name) pairs torch's distributed-checkpoint ``.metadata`` holds as written by
+# megatron-core 0.16 and 0.19 (torch's dataclasses and enums: building them runs no code of the
+# file's choosing), plus megatron-core's empty stand-ins kept so older checkpoints unpickle.
+_DCP_METADATA_GLOBALS = frozenset(
+    [
+        *(
+            (f"{_DCP}.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        *(
+            (f"{_DCP}.planner", name)
+            for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+        ),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("collections", "OrderedDict"),
+        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
+        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
+    ]
+)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Knows only the types torch's distributed-checkpoint ``.metadata`` holds (its dataclasses,
-    ``torch.Size``, dtypes and layouts, paths, megatron-core's empty stand-ins); anything else is
-    refused, never called."""
+    """Knows only the types torch's distributed-checkpoint ``.metadata`` holds (an exact list,
+    plus torch's dtypes, layouts and memory formats); anything else is refused, never called.
+    Whole modules are not allowed: pickle resolves dotted names (``filesystem`` + ``os.system``),
+    so any module that imports ``os`` would hand out ``os.system``."""
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = module in (
-            "torch.distributed.checkpoint.metadata",
-            "torch.distributed.checkpoint.filesystem",
-        ) and not name.startswith("__")
-        if module == "torch":
-            value = getattr(torch, name, None)
-            allowed = name == "Size" or isinstance(
-                value, torch.dtype | torch.layout | torch.memory_format
+        allowed = (module, name) in _DCP_METADATA_GLOBALS
+        if module == "torch" and name.isidentifier():
+            allowed |= isinstance(
+                getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
             )
-        allowed |= (module, name) in (
-            ("torch.serialization", "_get_layout"),
-            ("pathlib", "PosixPath"),
-            ("pathlib", "WindowsPath"),
-            ("collections", "OrderedDict"),
-            # empty stand-ins megatron-core keeps so that older checkpoints unpickle
-            ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
-            ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
-        )
         if not allowed:
             raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not checkpoint metadata")
         return super().find_class(module, name)
@@ -557,6 +581,43 @@ def check_dcp_metadata(path: Path, *, label: str = "") -> None:
         ) from None
 
 
+def _give_adam_a_state(optimizer: Any) -> None:
+    """Zero Adam state (step 0) for parameters that have none yet. Without Apex or Transformer
+    Engine, megatron-core's distributed optimizer reads ``step`` from torch Adam's state to build
+    its ``sharded_state_dict`` and asserts that there is one, so a fresh optimizer (nothing
+    trained yet) cannot describe what it loads; the load then overwrites these values."""
+    for inner in _inner_optimizers(optimizer):
+        if not isinstance(inner, torch.optim.Adam):
+            continue  # Apex's and TE's FusedAdam keep the step in their param groups
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    }
+
+
+def _restore_adam_steps(optimizer: Any) -> None:
+    """Each parameter's Adam ``step`` from the checkpoint, in its own tensor. Without Apex or
+    Transformer Engine, megatron-core's distributed optimizer keeps the step in its param groups
+    and, loading, (1) puts one tensor in every parameter's state (torch Adam adds 1 to it in
+    place once per parameter) and then (2) copies the loading template's step over it (the
+    optimizer's step before the load). Measured with 0.16 and 0.19: without this, training after
+    a resume differs from the uninterrupted run."""
+    for inner in _inner_optimizers(optimizer):
+        if not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = inner.state[param]
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = torch.full_like(state["step"], float(group["step"]))
+
+
 def _load_torch_dist(
     root: str | Path,
     path: Path,
@@ -570,13 +631,16 @@ def _load_torch_dist(
 
     label = f"--load {root}: "
     check_dcp_metadata(path, label=label)
+    _give_adam_a_state(optimizer)
     template = _sharded_state(model, optimizer, is_loading=True, rng=None)
     try:
         with _weights_only_loads():
             state = dist_checkpointing.load(template, str(path))
         for index, chunk in enumerate(model):
-            chunk.load_state_dict(state[f"model{index}"])
-        optimizer.load_state_dict(state["optimizer"])
+            chunk.module.load_state_dict(state[f"model{index}"])
+        with torch.no_grad():  # fp32 main parameters are views of the model's (leaf) weights
+            optimizer.load_state_dict(state["optimizer"])
+        _restore_adam_steps(optimizer)
         _restore_scheduler_group_values(optimizer, own_groups, policy)
         scheduler.load_state_dict(state["opt_param_scheduler"])
         _set_rng_state(state["rng_state"])

@@ -30,8 +30,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_bfpp.schedules.registry import options_from_args
+from megatron_bfpp.train.checkpoint import OtherRankFailed
 from megatron_bfpp.train.checkpoint_metadata import SchedulerPolicy, scheduler_policy
 from megatron_bfpp.train.data import TrainingData
+from megatron_bfpp.train.liveness import RanksLost, Verdict, start_liveness
+from megatron_bfpp.train.model_memory import memory_problem
 from megatron_bfpp.train.presets import build_model_chunks, transformer_config, wrap_ddp
 from megatron_bfpp.train.run_config import RunConfig, run_config
 from megatron_bfpp.train.steps import forward_step
@@ -243,13 +246,42 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
     from megatron.core import parallel_state
 
     device = init_distributed(store, timeout_s=60.0 * args.distributed_timeout_minutes)
+    # launched by torchrun or srun: no launcher of ours speaks for the job (see .liveness)
+    liveness = start_liveness(dist.get_rank(), dist.get_world_size()) if store is None else None
     try:
+        _check_gpu_memory(args, device)
         run = _set_up(args, device)
         return _loop(run)
+    except Exception as error:
+        if liveness is not None and not isinstance(error, OtherRankFailed):
+            verdict = liveness.judge(error)
+            if verdict is Verdict.QUIET:
+                raise OtherRankFailed("another rank reports") from None
+            if isinstance(verdict, RanksLost):
+                raise verdict from None
+        raise
     finally:
+        if liveness is not None:
+            liveness.stop.set()
         parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_gpu_memory(args: Any, device: torch.device) -> None:
+    """The model's weights, gradients and Adam state on this rank against its GPU, before the
+    model is built (:mod:`.model_memory`; the command line checks RAM on CPU-only machines)."""
+    if device.type != "cuda" or getattr(args, "no_memory_check", False):
+        return
+    run_cfg = run_config(args, dist.get_world_size())
+    problem = memory_problem(
+        run_cfg.model,
+        run_cfg.layout,
+        local_ranks=1,
+        gpu_bytes=torch.cuda.get_device_properties(device).total_memory,
+    )
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _set_up(args: Any, device: torch.device) -> _Run:

@@ -240,6 +240,31 @@ def test_changed_global_batch_size_reads_the_next_samples(
     assert abs(losses[4] - reference[4]) > 1e-4  # the two halves differ: the check has teeth
 
 
+def test_torch_dist_save_and_resume_continue_exactly(
+    reference: dict[int, float], tmp_path: Path
+) -> None:
+    """megatron-core's distributed checkpointing end to end on CPU/gloo ranks: saved at
+    iteration 3, resumed, the uninterrupted curve. Each run ends (its pipes close: no writer
+    process outlives it) with nothing on stderr."""
+    pytest.importorskip("psutil")  # megatron-core's writer needs it; bfpp-train refuses without
+    ckpt = tmp_path / "ckpt"
+    flags = ("--train-iters", str(ITERS), "--ckpt-format", "torch_dist")
+    proc = _run(*flags, "--exit-interval", str(SAVED_AT), "--save", str(ckpt))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == ""
+    directory = ckpt / f"iter_{SAVED_AT:07d}"
+    meta = json.loads((directory / META).read_text())
+    assert meta["ckpt_format"] == "torch_dist" and meta["iteration"] == SAVED_AT
+    assert (directory / ".metadata").is_file() and list(directory.glob("*.distcp"))
+
+    resumed, losses = _resume(ckpt, tmp_path, *flags)
+    assert resumed.stderr == ""
+    assert "from iteration 3 (24 samples consumed)" in resumed.stdout
+    assert sorted(losses) == list(range(SAVED_AT + 1, ITERS + 1))
+    for iteration, loss in losses.items():
+        assert loss == reference[iteration], (iteration, losses, reference)
+
+
 # --------------------------------------------------------------------------- what is refused
 
 

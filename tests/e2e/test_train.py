@@ -204,6 +204,10 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
             "56,000,000,016 actions and 22,400.0 GB (limit 4,000,000 actions, about a minute and "
             "1.6 GB); use fewer micro-batches, ranks or stages per rank",
         ),
+        (
+            ["--hidden-size", "65536", "--num-attention-heads", "8"],
+            "for weights, gradients and Adam state",
+        ),
     ],
     ids=[
         "unknown-schedule",
@@ -227,6 +231,7 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         "timeout-too-large",
         "nproc-too-large",
         "global-batch-too-large",
+        "model-too-large",
     ],
 )
 def test_bad_flags_one_line_nonzero_exit(flags: list[str], expected: str) -> None:

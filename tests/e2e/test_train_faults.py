@@ -127,3 +127,93 @@ def test_ranks_die_with_a_killed_launcher() -> None:
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"orphaned ranks: {left}"
+
+
+# --------------------------------------------------------------------------- torchrun / srun
+
+
+def _start_launched_ranks(port: int) -> list[subprocess.Popen[str]]:
+    """Four ranks as srun starts them (or torchrun on several nodes: no launcher of ours above
+    them): one process each, told its place by the environment; rank 0 hosts the store."""
+    procs = []
+    for rank in range(4):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="4",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="4",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "megatron_bfpp.cli.train",
+                    *("--no-progress", "--train-iters", "100000", "--log-interval", "1"),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+    return procs
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("victim", "expected"),
+    [
+        (2, "bfpp-train: error: rank 2 is gone: its heartbeat stopped"),
+        (0, "bfpp-train: error: lost the job's rendezvous store at 127.0.0.1:"),
+    ],
+    ids=["rank-2", "rank-0-hosting-the-store"],
+)
+def test_killed_launched_rank_is_one_line_from_the_survivors(victim: int, expected: str) -> None:
+    """Under srun (and torchrun across nodes) every surviving rank used to print a gloo
+    traceback, most blaming the wrong rank; now the job says once which rank is gone."""
+    import threading
+
+    procs = _start_launched_ranks(_free_port())
+    errors: dict[int, list[str]] = {rank: [] for rank in range(4)}
+    readers = [
+        threading.Thread(target=lambda r=r, p=p: errors[r].extend(p.stderr), daemon=True)
+        for r, p in enumerate(procs)
+    ]
+    for reader in readers:
+        reader.start()
+    for proc in procs[1:]:
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+    try:
+        assert procs[0].stdout is not None
+        deadline = time.monotonic() + 120
+        for line in procs[0].stdout:
+            if line.startswith("iteration"):
+                break
+            assert time.monotonic() < deadline, "no iteration within 120 s"
+        threading.Thread(target=procs[0].stdout.read, daemon=True).start()
+        start = time.monotonic()
+        procs[victim].kill()
+        for proc in procs:
+            proc.wait(timeout=max(1.0, 60 - (time.monotonic() - start)))
+        for reader in readers:
+            reader.join(5)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    lines = [line.rstrip() for rank in range(4) for line in errors[rank] if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(expected), lines[0]
+    assert all(proc.returncode != 0 for proc in procs)

@@ -115,3 +115,62 @@ def test_culprit_is_the_lost_rank_even_if_another_reported_first() -> None:
 
     run = fork_ranks(target, 2, timeout=60, error_grace=5.0)
     assert run.first_failed == 0 and run.culprit == 1
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_processes_a_rank_started_end_with_it() -> None:
+    """megatron-core's checkpoint writer starts a multiprocessing Manager in every rank; a rank
+    leaves with os._exit, which skips multiprocessing's exit handlers: those processes outlived
+    the job and held its output pipes open."""
+    import multiprocessing
+
+    def target(rank: int, store: Any) -> int:
+        helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+        helper.start()
+        _all_connected(rank, store, 2)
+        return helper.pid or 0
+
+    run = fork_ranks(target, 2, timeout=60)
+    helpers = list(run.results.values())
+    assert len(helpers) == 2 and all(helpers)
+    deadline = time.monotonic() + 10
+    while any(_pid_alive(pid) for pid in helpers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in helpers if _pid_alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind by the ranks: {left}"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_rank_the_launcher_kills_takes_its_processes_along(tmp_path: Path) -> None:
+    import multiprocessing
+
+    def target(rank: int, store: Any) -> int:
+        helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+        helper.start()
+        (tmp_path / f"helper{rank}").write_text(str(helper.pid))
+        _all_connected(rank, store, 2)
+        if rank == 1:
+            return 3
+        time.sleep(600)
+        return 0
+
+    run = fork_ranks(target, 2, error_grace=0.5, failed=lambda code: code != 0, timeout=60)
+    assert run.killed == (0,)
+    helpers = [int((tmp_path / f"helper{rank}").read_text()) for rank in (0, 1)]
+    deadline = time.monotonic() + 10
+    while any(_pid_alive(pid) for pid in helpers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in helpers if _pid_alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind by the ranks: {left}"

@@ -130,6 +130,58 @@ def test_distributed_checkpoint_metadata_is_checked_before_torch_unpickles_it(
     assert not marker.exists()
 
 
+def _dotted_global_pickle(module: str, name: str, argument: str) -> bytes:
+    """Protocol 4: ``STACK_GLOBAL`` module + dotted name, called with one string."""
+
+    def text(value: str) -> bytes:
+        data = value.encode()
+        return b"\x8c" + bytes([len(data)]) + data
+
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(argument) + b"\x85R."
+
+
+def test_a_dotted_name_through_an_allowed_module_is_refused(tmp_path: Path) -> None:
+    """pickle resolves dotted names: ``torch.distributed.checkpoint.filesystem`` + ``os.system``
+    is ``os.system``. Allowing whole modules let a crafted ``.metadata`` run a shell command."""
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "iter_0000002"
+    crafted.mkdir()
+    (crafted / ".metadata").write_bytes(
+        _dotted_global_pickle(
+            "torch.distributed.checkpoint.filesystem", "os.system", f"touch {marker}"
+        )
+    )
+    with pytest.raises(CheckpointError, match=r"\.metadata refused: it would call torch\."):
+        check_dcp_metadata(crafted)
+    assert not marker.exists()
+
+
+def test_the_plan_megatron_core_keeps_in_metadata_is_accepted(tmp_path: Path) -> None:
+    """megatron-core 0.16 and 0.19 keep torch's save plan (``SavePlan``, ``WriteItem``, ...) in
+    the ``.metadata`` they write: data classes, accepted."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    item = WriteItem(
+        index=MetadataIndex("w", torch.Size([0])),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size([0]), torch.Size([2])),
+            properties=None,  # type: ignore[arg-type]
+            size=torch.Size([2]),
+        ),
+    )
+    directory = tmp_path / "iter_0000001"
+    directory.mkdir()
+    (directory / ".metadata").write_bytes(pickle.dumps({"plan": SavePlan([item])}))
+    check_dcp_metadata(directory)
+
+
 def test_microbatches_start_at_the_consumed_sample_count() -> None:
     """A global batch of 16 after 24 consumed samples holds samples 24..39, split over
     data-parallel ranks in order: exactly the next two batches of 8."""

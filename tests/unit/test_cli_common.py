@@ -5,6 +5,7 @@ naming every default."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -212,3 +213,19 @@ def test_bfpp_train_number_ranges() -> None:
         (["--nproc-per-node", "257"], "at most 256 local ranks"),
     ):
         assert message in (cli_train.number_problem(parse(flags)) or ""), flags
+
+
+def test_bfpp_train_torch_dist_saves_need_psutil(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron-core's torch_dist writer needs psutil (0.16's writer processes died without it
+    and the ranks waited forever): refused before start, only when it would write."""
+    parse = cli_train.build_parser().parse_args
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "psutil" else real(name, *a)
+    )
+    saving = parse(["--save", "ckpt", "--ckpt-format", "torch_dist"])
+    problem = cli_train.checkpoint_format_problem(saving) or ""
+    assert problem.startswith("--ckpt-format torch_dist needs psutil"), problem
+    assert "\n" not in problem and "--ckpt-format torch" in problem
+    assert cli_train.checkpoint_format_problem(parse(["--save", "ckpt"])) is None
+    assert cli_train.checkpoint_format_problem(parse(["--ckpt-format", "torch_dist"])) is None

@@ -1,0 +1,178 @@
+"""Who is still alive, for ranks that torchrun or srun started (no bfpp-train launcher above them).
+
+Under bfpp-train's own launcher the parent sees a rank die and reports it in one line. Ranks that
+torchrun or srun started have no such parent that speaks for the job: when one dies, every rank
+that talked to it fails in gloo or NCCL with a traceback, and the peer its error names is often
+not the dead rank but one that failed in turn (a cascade). So these ranks keep a heartbeat in the
+job's rendezvous store (``MASTER_ADDR:MASTER_PORT``: torchrun's agent or rank 0 hosts it):
+
+* every rank adds 1 to its own counter every :data:`BEAT_INTERVAL` seconds (a daemon thread);
+* a rank that fails on communication reads the counters twice, :data:`SILENCE` seconds apart:
+  the ranks whose counter stood still are the ones gone (killed, crashed or stopped), whichever
+  rank the error named;
+* the first failing rank to claim the report in the store prints the one line; every other rank
+  exits quietly. A rank that fails for its own reason (a bad value, a bug) claims it the same way,
+  so its line is not followed by one line per rank that lost it.
+
+Under srun rank 0 hosts the store. Failing, it stays :data:`HOST_LINGER` seconds before it
+exits, and every rank's heartbeat thread also notes whether a report was claimed: a rank that
+finds the store gone after that stays quiet. If the store is gone before any claim (rank 0 was
+killed), nothing can be agreed: the first rank of each node to create a marker file says so, one
+line per node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import os
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "BEAT_INTERVAL",
+    "HOST_LINGER",
+    "SILENCE",
+    "Liveness",
+    "RanksLost",
+    "Verdict",
+    "start_liveness",
+]
+
+BEAT_INTERVAL = 1.0
+SILENCE = 3.0  # > 2 beats: a live rank's counter moves at least once in this time
+HOST_LINGER = 2.5  # > 2 beats: every rank's heartbeat thread sees a claim before rank 0 exits
+_STORE_TIMEOUT_S = 10.0
+_PREFIX = "bfpp-liveness/"
+
+
+class RanksLost(RuntimeError):
+    """Ranks that stopped beating; the message is the one line users see."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+class Verdict(enum.Enum):
+    REPORT = "report"  # this rank reports its own error
+    QUIET = "quiet"  # another rank reports: exit without a word
+
+
+@dataclasses.dataclass
+class Liveness:
+    """This rank's view of the job's heartbeats (see the module docstring)."""
+
+    store: Any
+    rank: int
+    world_size: int
+    where: str  # MASTER_ADDR:MASTER_PORT, for the message when the store is gone
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+    claim_seen: bool = False  # the heartbeat thread saw that some rank reports
+
+    def beat(self) -> None:
+        """The heartbeat thread's loop; ends with the store (nothing left to tell)."""
+        while not self.stop.is_set():
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                self.claim_seen |= int(self.store.add("reported", 0)) > 0
+            except Exception:  # the store is gone: its host died, or the job is ending
+                return
+            self.stop.wait(BEAT_INTERVAL)
+
+    def counters(self) -> list[int]:
+        return [self.store.add(f"beat/{rank}", 0) for rank in range(self.world_size)]
+
+    def silent_ranks(self, *, silence: float = SILENCE) -> list[int]:
+        """Ranks whose heartbeat did not move in ``silence`` seconds (waits that long)."""
+        before = self.counters()
+        time.sleep(silence)
+        after = self.counters()
+        return [rank for rank in range(self.world_size) if after[rank] == before[rank]]
+
+    def claim_report(self) -> bool:
+        """True for the first rank of the job to ask: it reports, the others stay quiet."""
+        return int(self.store.add("reported", 1)) == 1
+
+    def judge(self, error: BaseException, *, silence: float = SILENCE) -> Verdict | RanksLost:
+        """What this failing rank does with ``error``: report it, stay quiet, or report the ranks
+        that are gone (communication failures only: a lost peer fails them)."""
+        try:
+            lost = self.silent_ranks(silence=silence) if isinstance(error, RuntimeError) else []
+            claimed = self.claim_report()
+        except Exception:  # the store is gone with its host
+            return Verdict.QUIET if self.claim_seen else self._store_lost()
+        if self.rank == 0:  # it may host the store (srun): the others still need it
+            time.sleep(HOST_LINGER)
+        if not claimed:
+            return Verdict.QUIET
+        lost = [rank for rank in lost if rank != self.rank]
+        if not lost:
+            return Verdict.REPORT
+        return RanksLost(_lost_line(lost))
+
+    def _store_lost(self) -> Verdict | RanksLost:
+        if not _first_on_this_node(self.where):
+            return Verdict.QUIET
+        return RanksLost(
+            f"lost the job's rendezvous store at {self.where}: the rank or launcher hosting it "
+            "(rank 0 under srun) is gone; stopped"
+        )
+
+
+def _lost_line(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return (
+            f"rank {ranks[0]} is gone: its heartbeat stopped (killed, crashed or stopped); "
+            "stopped the other ranks"
+        )
+    return (
+        f"ranks {ranks} are gone: their heartbeats stopped (killed, crashed or stopped); "
+        "stopped the other ranks"
+    )
+
+
+def _first_on_this_node(where: str) -> bool:
+    """One rank per node and job creates the marker (its name: the store's address and the
+    ranks' common parent, torchrun's agent or srun's step daemon)."""
+    name = f"bfpp-lost-store-{where.replace(':', '-')}-{os.getppid()}"
+    try:
+        fd = os.open(os.path.join(tempfile.gettempdir(), name), os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:  # no marker possible: better a line per rank than none
+        return True
+    os.close(fd)
+    return True
+
+
+def start_liveness(rank: int, world_size: int) -> Liveness | None:
+    """Connect to the job's store and start beating; None where there is no store to use (not
+    launched through ``MASTER_ADDR`` / ``MASTER_PORT``)."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port or not port.isdigit():
+        return None
+    try:
+        client = dist.TCPStore(  # type: ignore[attr-defined]
+            host,
+            int(port),
+            world_size,
+            is_master=False,
+            timeout=timedelta(seconds=_STORE_TIMEOUT_S),
+            wait_for_workers=False,
+        )
+    except Exception:  # no heartbeat is no reason not to train
+        return None
+    # torchrun restarts workers on the same store: each attempt counts and claims afresh
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"{_PREFIX}{attempt}/", client)  # type: ignore[attr-defined]
+    liveness = Liveness(store=store, rank=rank, world_size=world_size, where=f"{host}:{port}")
+    with contextlib.suppress(Exception):
+        store.add(f"beat/{rank}", 1)
+    threading.Thread(target=liveness.beat, name="bfpp-liveness", daemon=True).start()
+    return liveness

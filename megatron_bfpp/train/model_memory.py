@@ -1,0 +1,175 @@
+"""How much memory a ``bfpp-train`` model takes before it computes anything, from its flags alone.
+
+A model too large for the machine used to be found by the kernel's OOM killer (or a CUDA
+out-of-memory error) on some rank after every rank had started; the command line now compares
+this estimate with the memory there is and refuses the run first (``--no-memory-check`` skips it).
+
+What is counted, per rank: the parameters it holds (the preset's layers of its stages, plus the
+embeddings, the output layer and the final norm where its stages have them, divided over tensor
+parallelism as megatron-core divides them) times the bytes each parameter costs in bfpp-train:
+4 (fp32 weights) + 4 (fp32 gradient buffer) + 8 / dp (Adam's two fp32 moments, sharded over the
+data-parallel ranks by the distributed optimizer; the fp32 weights are its main parameters, no
+copy). Activations, communication buffers, the framework itself and fragmentation come on top:
+the estimate is a floor, so a run it refuses cannot fit.
+
+Torch-free, so the command line can check before it starts ranks: on CPU the ranks of this
+machine together against its available RAM (there); on GPUs each rank against its device's memory
+(in the rank, before it builds the model: querying a GPU in the launcher would initialise CUDA
+before it forks the ranks, which CUDA does not survive).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from megatron_bfpp.train.run_config import Layout, ModelShape
+
+__all__ = [
+    "MemoryEstimate",
+    "available_ram_bytes",
+    "estimate",
+    "layer_parameters",
+    "memory_problem",
+    "parameters_per_pipeline_rank",
+]
+
+WEIGHT_BYTES = 4  # fp32 weights (params_dtype float32)
+GRAD_BYTES = 4  # megatron-core DDP's fp32 gradient buffer
+ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32, sharded over dp by the distributed optimizer
+
+
+def _split(size: int, tp: int) -> int:
+    """A tensor-parallel slice (megatron-core requires even splits; round up, never under)."""
+    return -(-size // tp)
+
+
+def layer_parameters(shape: ModelShape, *, tp: int) -> int:
+    """One transformer layer on one tensor-parallel rank (megatron-core's local layer spec):
+    QKV and FC1 are split by output, the projection and FC2 by input (their biases and the two
+    norms are whole on every rank). GPT has biases and LayerNorm (weight and bias); LLaMA has no
+    biases, RMSNorm and a gated FC1 (two matrices)."""
+    h, heads = shape.hidden_size, shape.num_attention_heads
+    kv = h // heads * (shape.num_query_groups or heads)
+    ffn = shape.ffn
+    llama = shape.preset == "llama"
+    fc1_out = (2 if llama else 1) * ffn
+    weights = _split(h * (h + 2 * kv), tp) + _split(h * h, tp)
+    weights += _split(h * fc1_out, tp) + _split(ffn * h, tp)
+    biases = 0 if llama else _split(h + 2 * kv, tp) + h + _split(fc1_out, tp) + h
+    norms = 2 * (h if llama else 2 * h)
+    return weights + biases + norms
+
+
+def parameters_per_pipeline_rank(shape: ModelShape, layout: Layout) -> list[int]:
+    """Parameters of one tensor-parallel rank at each pipeline rank. Every pipeline rank holds
+    ``num_layers / pp`` layers (over its virtual stages); the first stage's rank (rank 0) adds
+    the word embedding (and GPT's learned positions), the last stage's rank (``pp - 1`` looped,
+    rank 0 for V-shape placements) the final norm and the output layer: LLaMA's own, and for
+    GPT's tied embedding a copy unless the first and last stage are one model chunk (megatron-core
+    keeps the last stage's copy in sync over the embedding group)."""
+    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    h = shape.hidden_size
+    llama = shape.preset == "llama"
+    counts = [shape.num_layers // pp * layer_parameters(shape, tp=tp)] * pp
+    embedding = _split(shape.vocab_size * h, tp)
+    counts[0] += embedding + (0 if llama else shape.seq_length * h)
+    stages = pp * layout.num_virtual_stages_per_pipeline_rank
+    last = 0 if layout.placement == "v-shape" else pp - 1
+    output = embedding if llama or stages > 1 else 0  # a tied one is shared in one chunk only
+    counts[last] += (h if llama else 2 * h) + output
+    return counts
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """Bytes of weights, gradients and Adam state: on the largest rank, and on ``local_ranks``
+    ranks of one machine (their sum)."""
+
+    largest_rank_bytes: int
+    largest_rank_parameters: int
+    bytes_per_parameter: float
+    local_ranks: int
+    local_bytes: int
+
+
+def estimate(shape: ModelShape, layout: Layout, *, local_ranks: int) -> MemoryEstimate:
+    """The estimate for ``local_ranks`` ranks on one machine: all of the job's ranks (bfpp-train's
+    own launcher: exact, every pipeline rank once per tensor- and data-parallel rank), or some
+    of them (torchrun, srun: each counted as the largest)."""
+    dp = layout.data_parallel_size
+    per_parameter = WEIGHT_BYTES + GRAD_BYTES + ADAM_BYTES / dp
+    counts = parameters_per_pipeline_rank(shape, layout)
+    per_rank = [int(count * per_parameter) for count in counts]
+    replicas = layout.tensor_model_parallel_size * dp
+    if local_ranks >= layout.world_size:
+        local = sum(per_rank) * replicas
+    else:
+        local = max(per_rank) * local_ranks
+    return MemoryEstimate(
+        largest_rank_bytes=max(per_rank),
+        largest_rank_parameters=max(counts),
+        bytes_per_parameter=per_parameter,
+        local_ranks=local_ranks,
+        local_bytes=local,
+    )
+
+
+def available_ram_bytes() -> int | None:
+    """Memory the kernel can give new work now (Linux ``MemAvailable``; elsewhere the free
+    pages), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def memory_problem(
+    shape: ModelShape,
+    layout: Layout,
+    *,
+    local_ranks: int,
+    gpu_bytes: int | None = None,
+    ram_bytes: int | None = None,
+) -> str | None:
+    """The one line that refuses a model that cannot fit: its largest rank against one GPU's
+    ``gpu_bytes``, or its ``local_ranks`` together against the machine's ``ram_bytes``; None if
+    it fits (or nothing is known to compare with)."""
+    need = estimate(shape, layout, local_ranks=local_ranks)
+    largest = (
+        f"{need.largest_rank_parameters:,} parameters x {need.bytes_per_parameter:g} bytes on "
+        "the largest rank"
+    )
+    if gpu_bytes is not None:
+        if need.largest_rank_bytes <= gpu_bytes:
+            return None
+        what = (
+            f"the largest rank needs about {_gb(need.largest_rank_bytes)} for weights, gradients "
+            f"and Adam state ({largest}), more than one GPU's {_gb(gpu_bytes)}"
+        )
+    elif ram_bytes is not None:
+        if need.local_bytes <= ram_bytes:
+            return None
+        plural = "s" if local_ranks > 1 else ""
+        what = (
+            f"the model needs about {_gb(need.local_bytes)} of RAM for weights, gradients and "
+            f"Adam state on this machine's {local_ranks} rank{plural} ({largest}), more than the "
+            f"{_gb(ram_bytes)} available"
+        )
+    else:
+        return None
+    return (
+        f"{what}; use more ranks (tensor or pipeline parallel) or a smaller model, or "
+        "--no-memory-check if the estimate is wrong"
+    )
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:,.1f} GB"

@@ -1,0 +1,48 @@
+"""The memory estimate's parameter count is the model's: bfpp-train's presets built by
+megatron-core on real layouts hold exactly the parameters ``model_memory`` counts per pipeline
+rank (tensor-parallel splits, virtual stages, embeddings, tied output copy, final norm)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from megatron_bfpp.testing.multirank import run_ranks
+from megatron_bfpp.train.model_memory import parameters_per_pipeline_rank
+from megatron_bfpp.train.run_config import Layout, ModelShape
+
+pytestmark = pytest.mark.megatron
+
+
+def _count(shape: ModelShape, tp: int, pp: int, vp: int | None) -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    from megatron_bfpp.train.presets import build_model_chunks, transformer_config
+
+    config = transformer_config(shape, tp=tp, pp=pp, vp=vp, on_cpu=True)
+    chunks = build_model_chunks(config, shape, seed=1)
+    held = sum(param.numel() for chunk in chunks for param in chunk.parameters())
+    return parallel_state.get_pipeline_model_parallel_rank(), held
+
+
+@pytest.mark.parametrize(
+    ("preset", "groups", "tp", "pp", "vp"),
+    [("gpt", None, 1, 2, 2), ("llama", 2, 2, 2, None), ("llama", None, 1, 4, 2)],
+    ids=["gpt-pp2-vp2", "llama-gqa-tp2-pp2", "llama-pp4-vp2"],
+)
+def test_estimated_parameters_are_the_models(
+    preset: str, groups: int | None, tp: int, pp: int, vp: int | None
+) -> None:
+    shape = ModelShape(preset, 8, 64, 4, groups, None, 32, 256)
+    results: list[Any] = run_ranks(
+        _count, world_size=tp * pp, tp=tp, pp=pp, vp=vp, args=(shape, tp, pp, vp)
+    )
+    held: dict[int, set[int]] = {}
+    for pipeline_rank, count in results:
+        held.setdefault(pipeline_rank, set()).add(count)
+    layout = Layout(tp, pp, vp or 1, "looped" if vp else "single", 1, tp * pp)
+    expected = parameters_per_pipeline_rank(shape, layout)
+    assert [held[rank] for rank in range(pp)] == [{count} for count in expected]
