@@ -154,16 +154,14 @@ def collective_times(numel: int, rounds: int = 5) -> tuple[float, float]:
 def rank_main(
     name: str, sharding: str, costs: dict[str, float], numel: int, m: int, steps: int
 ) -> dict[str, Any]:
-    from megatron.core import parallel_state
-
     from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.compat import sharded_param_buckets
     from megatron_bfpp.runtime.sharding import sharded_parameters
 
     chunks = _chunks(costs, numel)
     func = get_forward_backward_func(
         name, measure_memory=True, data_parallel_sharding_strategy=sharding
     )
-    group = parallel_state.get_data_parallel_group()
     times, peaks = [], []
     for _ in range(steps):
         for chunk in chunks:
@@ -182,15 +180,10 @@ def rank_main(
         if sharding == "optim":
             # The distributed optimizer's closing all-gather (no overlap_param_gather).
             for chunk in chunks:
-                for bucket_group in chunk.bucket_groups:
-                    for bucket in bucket_group.buckets:
-                        size = torch.distributed.get_world_size(group)
-                        rank = torch.distributed.get_rank(group)
-                        part = bucket.param_data.numel() // size
-                        local = bucket.param_data[rank * part : (rank + 1) * part].clone()
-                        torch.distributed.all_gather_into_tensor(
-                            bucket.param_data, local, group=group
-                        )
+                for full, bucket_group, size, rank in sharded_param_buckets(chunk):
+                    part = full.numel() // size
+                    local = full[rank * part : (rank + 1) * part].clone()
+                    torch.distributed.all_gather_into_tensor(full, local, group=bucket_group)
         torch.distributed.barrier()
         times.append(time.perf_counter() - start)
         if sharding == "optim":

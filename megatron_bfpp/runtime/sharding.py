@@ -97,13 +97,13 @@ class ShardedParameters:
     """One rank's model chunks with parameters sharded over their data-parallel groups.
 
     Made once per model (:func:`sharded_parameters`) and kept across steps: it owns the kept
-    shards. Counts and the resident-byte high-water mark are read per step by the runtime.
+    shards. The resident-byte high-water mark is read per step by the runtime (the gather counts
+    come from its trace).
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
         self.chunks = [_chunk_of(index, chunk) for index, chunk in enumerate(chunks)]
         self.modules = list(chunks)
-        self.all_gathers = 0  # chunk gathers posted (each is one collective per bucket)
         self.peak_bytes = 0
         for index in range(len(self.chunks)):
             self.release(index)
@@ -121,7 +121,6 @@ class ShardedParameters:
         for storage, nbytes in zip(state.storages, state.full_nbytes, strict=True):
             storage.resize_(nbytes)
         state.resident = True
-        self.all_gathers += 1
         self._observe()
         for bucket in state.buckets:
             work = dist.all_gather_into_tensor(

@@ -103,7 +103,7 @@ def train(
             result["params"] = [p.detach().clone() for c in chunks for p in c.parameters()]
         result["trace"] = list(func.last_trace)
         result["buckets"] = {  # buckets per global stage of this rank
-            int(a[:-2]): len(sharded.chunks[func_layout_chunk(a, chunks)].buckets)
+            int(a[:-2]): len(sharded.chunks[local_chunk(a)].buckets)
             for a in func.last_trace
             if a.endswith("PS")
         }
@@ -120,7 +120,7 @@ def train(
     return result
 
 
-def func_layout_chunk(action: str, chunks: list[Any]) -> int:
+def local_chunk(action: str) -> int:
     """The local chunk of a global stage on a looped layout (stage // pipeline size)."""
     from megatron.core import parallel_state
 
