@@ -36,7 +36,9 @@ __all__ = [
     "is_multi_module_collection",
     "is_supported",
     "megatron_core_version",
+    "model_process_groups",
     "param_gather_suppressed",
+    "process_groups_without_embedding_group",
     "sharded_param_buckets",
 ]
 
@@ -232,3 +234,73 @@ def param_gather_suppressed(chunks: Any) -> Iterator[None]:
     finally:
         for config, value in saved:
             config.overlap_param_gather = value
+
+
+class _PipelineGroupAs:
+    """A pipeline process group that reports another rank: what a V-shape chunk's layers see.
+
+    megatron-core derives a chunk's layers (how many, their global numbers, the checkpoint keys
+    of its layers) from ``(vp_stage, pipeline rank)`` in the looped placement, where chunk ``c``
+    of rank ``r`` is global stage ``c * p + r``. A V-shape chunk holding global stage ``s`` is,
+    to that arithmetic, looped slot ``(s // p, s % p)``; this group reports ``s % p``. It is
+    used only as the model's ``pg_collection.pp``, which 0.16.1, 0.19.2 and 0.20.0 read for
+    ``rank()`` (layer offsets, first/last checks of the tied-embedding setup) and ``size()``;
+    anything else is the real group's.
+    """
+
+    def __init__(self, group: Any, rank: int) -> None:
+        self._group = group
+        self._rank = rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+
+class _OneRankGroup:
+    """An embedding group of this rank alone, for ``finalize_model_grads``: 0.16.1, 0.19.2 and
+    0.20.0 skip the embedding all-reduce when ``embd.size()`` is 1 (and look the global group
+    up when it is ``None``, which would pair ranks that hold no embedding under the V-shape)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def model_process_groups(
+    *, pipeline_rank: int | None, embedding_group: bool, base: Any = None
+) -> Any:
+    """The ``ProcessGroupCollection`` a megatron-core model builds with (a copy of ``base``, or
+    by default ``use_mpu_process_groups``, the same in 0.16.1, 0.19.2 and 0.20.0), with the
+    pipeline group reporting ``pipeline_rank`` (``None``: the real rank) and, without
+    ``embedding_group``, no embedding group: a model with its input embedding and its tied
+    output layer on one rank neither copies nor all-reduces them over the pipeline."""
+    import copy
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if base is None:
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+    else:
+        groups = copy.copy(base)
+        if isinstance(groups.pp, _PipelineGroupAs):
+            groups.pp = groups.pp._group
+    if pipeline_rank is not None:
+        groups.pp = _PipelineGroupAs(groups.pp, pipeline_rank)
+    if not embedding_group:
+        groups.embd = None
+    return groups
+
+
+def process_groups_without_embedding_group(groups: Any) -> Any:
+    """A copy of a schedule's process groups whose embedding group is this rank alone, for
+    ``finalize_model_grads`` of a model whose tied embedding copies sit on one rank."""
+    import copy
+
+    stripped = copy.copy(groups)
+    stripped.embd = _OneRankGroup()
+    return stripped

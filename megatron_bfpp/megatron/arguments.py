@@ -74,11 +74,12 @@ _VP_SOURCES = (
 
 def apply_schedule_defaults(args: Any) -> None:
     """Before Megatron's ``validate_args``: a looped schedule (interleaved, breadth-first) given
-    no virtual stages gets ``--num-virtual-stages-per-pipeline-rank 2``, as in bfpp-train, and
+    no virtual stages, and a V-shape one (which places two), get
+    ``--num-virtual-stages-per-pipeline-rank 2``, as in bfpp-train, and
     Megatron derives and checks everything that follows from it as if the user had passed it.
     Single-stage schedules need nothing: Megatron's default (None) is one stage per rank."""
     spec = SCHEDULES.get(getattr(args, "pipeline_schedule", "default"))
-    if spec is None or spec.placement != "looped":
+    if spec is None or spec.placement == "single":
         return
     if any(getattr(args, name, None) is not None for name in _VP_SOURCES):
         return
@@ -134,6 +135,8 @@ def check_schedule_args(args: Any) -> None:
             f"data-parallel size ({micro} x {dp})"
         )
     num_microbatches = global_batch // (micro * dp)
+    if spec.placement == "v-shape":
+        _check_v_shape_args(name, args)
     sharding = _check_sharding_args(name, args, dp)
     try:
         build_schedule(
@@ -149,6 +152,29 @@ def check_schedule_args(args: Any) -> None:
             f"--pipeline-schedule {name} cannot run {num_microbatches} micro-batches on "
             f"pp={pp}" + (f", vp={vp}" if vp else "") + f": {str(error).splitlines()[0]}"
         ) from None
+
+
+# Megatron-LM flags that place layers by megatron's looped stage arithmetic, which a V-shape
+# model does not follow (its chunks are built as the looped slots holding the same stages).
+_V_SHAPE_UNSUPPORTED = (
+    ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout"),
+    ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
+    ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
+    ("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split"),
+    ("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split"),
+    ("--mtp-num-layers", "mtp_num_layers"),
+    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute"),
+)
+
+
+def _check_v_shape_args(name: str, args: Any) -> None:
+    """What a V-shape schedule cannot run with in Megatron-LM yet, one line each."""
+    given = [flag for flag, dest in _V_SHAPE_UNSUPPORTED if getattr(args, dest, None)]
+    if given:
+        raise ScheduleError(
+            f"--pipeline-schedule {name} places layers evenly on a V (rank r holds stages r and "
+            f"2p-1-r) and does not support {given[0]} yet; drop it"
+        )
 
 
 def _check_sharding_args(name: str, args: Any, dp: int) -> str:

@@ -19,6 +19,17 @@
   ``megatron.training.training`` (the optimizer it returns steps on the shards) and
   ``save_checkpoint`` bound there (the parameters are gathered for the save, so the checkpoint
   is the unsharded run's).
+* with Megatron-LM, for the V-shape schedules (v-min, v-half, v-zb): ``get_model`` bound in
+  ``megatron.training.training`` (its ``model_provider`` builds V-shape chunks:
+  ``megatron.chunks.placed_provider``) and ``megatron.core.parallel_state.is_pipeline_last_stage``
+  asked about one chunk (``ignore_virtual=False``): the last stage is rank 0's chunk 1, so
+  ``pretrain_gpt.get_batch`` gives that chunk labels and loss mask. Asked about the rank
+  (``ignore_virtual=True``) it keeps answering "the last pipeline rank", where the runtime
+  delivers the losses (``runtime.placement.deliver_to_last_rank``) and Megatron-LM logs them.
+  With Megatron-LM >= 0.19 the chunks are built in ``build_virtual_pipeline_stages`` of
+  ``megatron.training.models.dist_utils`` (wrapped alike), and ``get_batch_on_this_tp_rank``
+  (``megatron.core.utils``; 0.16: ``megatron.training.utils``) keeps every batch field on
+  pipeline rank 0, which both embeds and computes the loss.
 
 How our sharding meets Megatron-LM's flag of the same name: Megatron-LM defines
 ``--data-parallel-sharding-strategy`` for Megatron-FSDP (``--use-megatron-fsdp``) only, with
@@ -76,6 +87,11 @@ CORE_SITES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeli
 TRAINING_SITE = "megatron.training.training"
 ARGUMENTS_MODULE = "megatron.training.arguments"
 VALIDATE_SITES = (ARGUMENTS_MODULE, "megatron.training.initialize")
+# Megatron-LM >= 0.19 builds pretrain_gpt.py's model chunks here (its model builders), not in
+# get_model; both are wrapped for the V-shape placement.
+STAGES_SITE = "megatron.training.models.dist_utils"
+# Where pretrain_gpt.py imports get_batch_on_this_tp_rank from (0.19+: core; 0.16: training).
+BATCH_SITES = ("megatron.core.utils", "megatron.training.utils")
 
 _lock = threading.RLock()
 # (module, attribute, original value) in patch order; empty when not installed.
@@ -148,6 +164,30 @@ def install() -> None:
                         _wrap_setup(training.setup_model_and_optimizer),
                     )
                     _patch(training, "save_checkpoint", _wrap_save(training.save_checkpoint))
+                if hasattr(training, "get_model"):
+                    _patch(training, "get_model", _wrap_get_model(training.get_model))
+                stages = _import_optional(STAGES_SITE)
+                if stages is not None and hasattr(stages, "build_virtual_pipeline_stages"):
+                    _patch(
+                        stages,
+                        "build_virtual_pipeline_stages",
+                        _wrap_build_stages(stages.build_virtual_pipeline_stages),
+                    )
+                for site in BATCH_SITES:
+                    module = _import_optional(site)
+                    if module is not None and hasattr(module, "get_batch_on_this_tp_rank"):
+                        _patch(
+                            module,
+                            "get_batch_on_this_tp_rank",
+                            _wrap_tp_batch(module.get_batch_on_this_tp_rank),
+                        )
+                from megatron.core import parallel_state
+
+                _patch(
+                    parallel_state,
+                    "is_pipeline_last_stage",
+                    _wrap_is_last_stage(parallel_state.is_pipeline_last_stage),
+                )
                 _patch(
                     arguments,
                     "add_megatron_arguments",
@@ -341,6 +381,109 @@ def _wrap_save(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(iteration, model, *args, **kwargs)
 
     return save_checkpoint
+
+
+def _v_shape_active() -> bool:
+    from megatron_bfpp.schedules.registry import SCHEDULES
+
+    spec = SCHEDULES.get(current_schedule()[0])
+    return spec is not None and spec.placement == "v-shape"
+
+
+def _wrap_get_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Under a V-shape schedule Megatron-LM's ``get_model`` builds V-shape chunks."""
+
+    @functools.wraps(original)
+    def get_model(model_provider_func: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _v_shape_active():
+            return original(model_provider_func, *args, **kwargs)
+        from megatron.core import parallel_state
+
+        from megatron_bfpp.megatron.chunks import placed_provider
+
+        provider = placed_provider(
+            model_provider_func,
+            num_ranks=parallel_state.get_pipeline_model_parallel_world_size(),
+            rank=parallel_state.get_pipeline_model_parallel_rank(),
+            share_embeddings_and_output_weights=_tied_embeddings(),
+        )
+        return original(provider, *args, **kwargs)
+
+    return get_model
+
+
+def _tied_embeddings() -> bool:
+    return not getattr(_megatron_lm_args(), "untie_embeddings_and_output_weights", False)
+
+
+def _wrap_build_stages(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron-LM >= 0.19's model builders: under a V-shape schedule each ``vp_stage`` is
+    built as the V places it (``build_model_func(pg_collection, pre_process=, post_process=,
+    vp_stage=)``)."""
+
+    @functools.wraps(original)
+    def build_virtual_pipeline_stages(
+        build_model_func: Any, pg_collection: Any, vp_size: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if not _v_shape_active() or vp_size is None:
+            return original(build_model_func, pg_collection, vp_size, *args, **kwargs)
+        from megatron_bfpp.megatron.chunks import placed_provider
+
+        def provider(*, pg_collection: Any, **flags: Any) -> Any:
+            return build_model_func(pg_collection, **flags)
+
+        placed = placed_provider(
+            provider,
+            num_ranks=pg_collection.pp.size(),
+            rank=pg_collection.pp.rank(),
+            share_embeddings_and_output_weights=_tied_embeddings(),
+        )
+
+        def build(groups: Any, **flags: Any) -> Any:
+            return placed(pg_collection=groups, **flags)
+
+        return original(build, pg_collection, vp_size, *args, **kwargs)
+
+    return build_virtual_pipeline_stages
+
+
+def _wrap_tp_batch(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Under a V-shape schedule pipeline rank 0 both embeds and computes the loss, so its batch
+    keeps (and its tensor-parallel ranks receive) every field: what Megatron-LM's function
+    does for a rank with multi-token-prediction layers, which need them all too."""
+
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(*args: Any, **kwargs: Any) -> Any:
+        if _v_shape_active():
+            from megatron.core import parallel_state
+
+            if parallel_state.get_pipeline_model_parallel_rank() == 0:
+                kwargs["mtp_on_this_rank"] = True
+        return original(*args, **kwargs)
+
+    return get_batch_on_this_tp_rank
+
+
+def _import_optional(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _wrap_is_last_stage(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Asked about one chunk under a V-shape schedule: is it the V's last stage (rank 0's
+    chunk 1)? Asked about the rank: megatron's answer, the last pipeline rank."""
+
+    @functools.wraps(original)
+    def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+        if ignore_virtual or vp_stage is None or not _v_shape_active():
+            return bool(original(ignore_virtual=ignore_virtual, vp_stage=vp_stage))
+        from megatron.core import parallel_state
+
+        return parallel_state.get_pipeline_model_parallel_rank() == 0 and vp_stage == 1
+
+    return is_pipeline_last_stage
 
 
 def _patch(module: Any, name: str, value: Any) -> None:

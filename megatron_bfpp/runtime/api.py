@@ -14,10 +14,19 @@ from typing import Any
 
 import torch
 
-from megatron_bfpp.compat import check_megatron_core, default_process_groups
+from megatron_bfpp.compat import (
+    check_megatron_core,
+    default_process_groups,
+    process_groups_without_embedding_group,
+)
 from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError
 from megatron_bfpp.runtime.executor import run_rank_program
 from megatron_bfpp.runtime.p2p import PipeComm
+from megatron_bfpp.runtime.placement import (
+    check_chunk_placement,
+    deliver_to_last_rank,
+    sum_tied_embedding_grads,
+)
 from megatron_bfpp.runtime.sharding import sharded_parameters
 from megatron_bfpp.runtime.step import MemoryReport, StepContext
 from megatron_bfpp.schedules.registry import (
@@ -245,6 +254,15 @@ def _run_step(
             bool(forward_only),
             func.sharding,
         )
+    _check_chunk_count(schedule, len(chunks))
+    check_chunk_placement(chunks, schedule.layout, pp_group.rank(), schedule.name)
+    if _embedding_and_loss_on_one_rank(schedule) and getattr(
+        config, "defer_embedding_wgrad_compute", False
+    ):
+        raise NotImplementedError(
+            "defer_embedding_wgrad_compute is not supported with V-shape schedules yet (the "
+            "output layer is on the first pipeline rank there); turn it off"
+        )
     sharded = None
     if func.sharding != "optim":
         if groups.dp_cp.size() == 1:
@@ -293,15 +311,37 @@ def _run_step(
         finish_embedding_wgrad_compute(
             config, embedding_module, is_pp_last_stage(pp_group), groups.tp
         )
+        # Embedding and output layer on one rank (V-shape): no all-reduce over the pipeline;
+        # the rank adds its two copies' gradients after the data-parallel reduction.
+        on_one_rank = _embedding_and_loss_on_one_rank(schedule)
         config.finalize_model_grads_func(
             chunks,
             total_num_tokens if config.calculate_per_token_loss else None,
-            pg_collection=groups,
+            pg_collection=process_groups_without_embedding_group(groups) if on_one_rank else groups,
             force_all_reduce=force_all_reduce,
         )
+        if on_one_rank:
+            sum_tied_embedding_grads(chunks)
     if config.timers is not None:
         config.timers("forward-backward").stop()
-    return store
+    return deliver_to_last_rank(store, schedule.layout, pp_group, device)
+
+
+def _check_chunk_count(schedule: Schedule, num_chunks: int) -> None:
+    """A V-shape schedule places two stages per rank whatever the call's chunk count (the
+    looped ones are built for it); one line if the model is not two chunks."""
+    wanted = schedule.layout.num_chunks
+    if wanted != num_chunks:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} places {wanted} stages per pipeline rank but the model "
+            f"has {num_chunks} chunk(s) here; build {wanted} chunks per rank (virtual pipeline "
+            f"size {wanted})"
+        )
+
+
+def _embedding_and_loss_on_one_rank(schedule: Schedule) -> bool:
+    layout = schedule.layout
+    return layout.num_ranks > 1 and layout.rank_of(0) == layout.rank_of(layout.num_stages - 1)
 
 
 def sharded_optimizer_step(optimizer: Any, model: torch.nn.Module | list[torch.nn.Module]) -> Any:

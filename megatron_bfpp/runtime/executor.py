@@ -48,7 +48,7 @@ from megatron_bfpp.messages import Message, message_of
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
 from megatron_bfpp.runtime.backward import whole_backward
-from megatron_bfpp.runtime.p2p import Receive, Send
+from megatron_bfpp.runtime.p2p import Receive, Send, pseudo_free
 from megatron_bfpp.runtime.step import (
     DispatchTable,
     Handler,
@@ -121,7 +121,13 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
         produced = step.state.outputs[(stage - 1, mb)]
         if step.ctx.forward_only:
             step.state.outputs.pop((stage - 1, mb))
-        return produced.detach().requires_grad_(not step.ctx.forward_only)
+        handed = produced.detach().requires_grad_(not step.ctx.forward_only)
+        if step.frees_outputs(stage - 1):
+            # As a sent output is once its send completes: the receiving stage's leaf keeps the
+            # storage, the producer keeps only its autograd node (megatron's custom_backward
+            # checks for exactly that).
+            pseudo_free(produced)
+        return handed
     previous = step.layout.rank_of(stage - 1)
     return step.ctx.comm.wait_receive(Message("act", stage - 1, mb), previous)
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_bfpp.messages import Message
 
-__all__ = ["PendingSend", "PipeComm", "Receive", "Send"]
+__all__ = ["PendingSend", "PipeComm", "Receive", "Send", "pseudo_free"]
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ class PipeComm:
                 still.append(pending)
                 continue
             if pending.release is not None:
-                _pseudo_free(pending.release)
+                pseudo_free(pending.release)
         self.sends = still
 
     def settle_transfers(self) -> None:
@@ -229,7 +229,7 @@ class PipeComm:
         for pending in [p for p in self.sends if p.message == message]:
             pending.work.wait()
             if pending.release is not None:
-                _pseudo_free(pending.release)
+                pseudo_free(pending.release)
             self.sends.remove(pending)
 
     def transfer_tensors(self) -> list[torch.Tensor]:
@@ -256,6 +256,6 @@ def _describe(message: Message) -> str:
     return f"{what} of stage {message.stage}, micro-batch {message.microbatch}"
 
 
-def _pseudo_free(tensor: torch.Tensor) -> None:
+def pseudo_free(tensor: torch.Tensor) -> None:
     """megatron-core's deallocate_output_tensor: keep the autograd node, drop the storage."""
     tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)

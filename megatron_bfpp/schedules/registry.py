@@ -231,6 +231,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             build_v_min,
             "v-shape",
             split_backward=True,
+            runnable=True,
         ),
         ScheduleSpec(
             "v-half",
@@ -238,6 +239,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             build_v_half,
             "v-shape",
             split_backward=True,
+            runnable=True,
         ),
         ScheduleSpec(
             "v-zb",
@@ -245,6 +247,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             build_v_zb,
             "v-shape",
             split_backward=True,
+            runnable=True,
         ),
     )
 }

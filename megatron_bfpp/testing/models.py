@@ -143,10 +143,11 @@ def build_model_chunks(
     vocab_size: int = VOCAB_SIZE,
     max_sequence_length: int = SEQ_LENGTH,
     share_embeddings_and_output_weights: bool = False,
+    placement: str = "looped",
 ) -> list[GPTModel]:
-    """This rank's ``GPTModel`` chunks, one per virtual stage, built as bfpp-train builds them
-    (:func:`megatron_bfpp.train.presets.gpt_chunks`: local layer spec, megatron-core's looped
-    placement), initialised by :func:`init_from_global_names`."""
+    """This rank's ``GPTModel`` chunks, one per stage it holds, built as bfpp-train builds them
+    (:func:`megatron_bfpp.train.presets.gpt_chunks`: local layer spec, in ``placement``:
+    megatron-core's looped one or the V-shape), initialised by :func:`init_from_global_names`."""
     return gpt_chunks(
         config,
         layer_spec=get_gpt_layer_local_spec(),
@@ -154,6 +155,7 @@ def build_model_chunks(
         max_sequence_length=max_sequence_length,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         init=functools.partial(init_from_global_names, seed=seed),
+        placement=placement,
     )
 
 
@@ -350,14 +352,21 @@ def train_steps(
     *,
     forward_backward_func: Any = None,
     overlap: bool = False,
+    placement: str = "looped",
+    share_embeddings_and_output_weights: bool = False,
 ) -> list[list[float]]:
     """Adam steps with megatron-core DDP and the distributed optimizer (overlapping reductions and
     gathers when ``overlap``); this rank's per-micro-batch losses for each step.
-    ``forward_backward_func`` as in ``run_schedule`` (default: megatron-core's own)."""
+    ``forward_backward_func`` as in ``run_schedule`` (default: megatron-core's own); chunks in
+    ``placement`` (``looped`` or ``v-shape``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     chunks = wrap_ddp(
-        build_model_chunks(tiny_gpt_config()),
+        build_model_chunks(
+            tiny_gpt_config(),
+            placement=placement,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        ),
         use_distributed_optimizer=True,
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,

@@ -103,7 +103,9 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, vp: int | None, o
     return TransformerConfig(**fields)
 
 
-def build_model_chunks(config: Any, shape: ModelShape, *, seed: int) -> list[Any]:
+def build_model_chunks(
+    config: Any, shape: ModelShape, *, seed: int, placement: str = "looped"
+) -> list[Any]:
     """This rank's ``GPTModel`` chunks of a preset, initialised by :func:`init_by_global_names`
     and moved to the GPU when there is one (built on the CPU: ``use_cpu_initialization``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -118,6 +120,7 @@ def build_model_chunks(config: Any, shape: ModelShape, *, seed: int) -> list[Any
         position_embedding_type="rope" if llama else "learned_absolute",
         init=functools.partial(init_by_global_names, seed=seed),
         to_gpu=torch.cuda.is_available(),
+        placement=placement,
     )
 
 
@@ -131,39 +134,45 @@ def gpt_chunks(
     init: Callable[[torch.nn.Module], None],
     position_embedding_type: str = "learned_absolute",
     to_gpu: bool = False,
+    placement: str = "looped",
 ) -> list[Any]:
-    """``GPTModel`` chunks for this rank, one per virtual stage, in megatron-core's looped
-    placement (chunk ``c`` of pipeline rank ``r`` is global stage ``c * pp + r``): the one place
-    bfpp-train and the tests build models. ``pre_process`` / ``post_process`` follow
-    ``parallel_state.is_pipeline_first_stage/last_stage(ignore_virtual=False, vp_stage=c)``, and
-    ``vp_stage`` reaches ``get_transformer_layer_offset`` through ``GPTModel``."""
+    """``GPTModel`` chunks for this rank, one per stage it holds, in ``placement`` (``looped``:
+    megatron-core's, chunk ``c`` of pipeline rank ``r`` is global stage ``c * pp + r``;
+    ``v-shape``: stages ``r`` and ``2pp - 1 - r``; see megatron_bfpp.megatron.chunks): the one
+    place bfpp-train and the tests build models."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    vp = config.virtual_pipeline_model_parallel_size
-    chunks = []
-    for chunk in range(vp or 1):
-        vp_stage = chunk if vp is not None else None
+    from megatron_bfpp.megatron.chunks import build_chunks
+
+    def provider(
+        *, pre_process: bool, post_process: bool, vp_stage: int | None, pg_collection: Any
+    ) -> Any:
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
             vocab_size=vocab_size,
             max_sequence_length=max_sequence_length,
-            pre_process=parallel_state.is_pipeline_first_stage(
-                ignore_virtual=False, vp_stage=vp_stage
-            ),
-            post_process=parallel_state.is_pipeline_last_stage(
-                ignore_virtual=False, vp_stage=vp_stage
-            ),
+            pre_process=pre_process,
+            post_process=post_process,
             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
             position_embedding_type=position_embedding_type,
             vp_stage=vp_stage,
+            **({} if pg_collection is None else {"pg_collection": pg_collection}),
         )
         if to_gpu:
             model.cuda(torch.cuda.current_device())
         init(model)
-        chunks.append(model)
-    return chunks
+        return model
+
+    return build_chunks(
+        provider,
+        placement=placement,
+        num_ranks=parallel_state.get_pipeline_model_parallel_world_size(),
+        num_chunks=config.virtual_pipeline_model_parallel_size or 1,
+        rank=parallel_state.get_pipeline_model_parallel_rank(),
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+    )
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

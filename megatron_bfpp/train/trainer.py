@@ -29,7 +29,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from megatron_bfpp.schedules.registry import options_from_args
+from megatron_bfpp.schedules.registry import get_spec, options_from_args
 from megatron_bfpp.train.checkpoint import OtherRankFailed
 from megatron_bfpp.train.checkpoint_metadata import SchedulerPolicy, scheduler_policy
 from megatron_bfpp.train.data import TrainingData
@@ -305,8 +305,10 @@ def _set_up(args: Any, device: torch.device) -> _Run:
     run_cfg = run_config(args, dist.get_world_size())
     shape = run_cfg.model
     config = transformer_config(shape, tp=tp, pp=pp, vp=vp, on_cpu=device.type == "cpu")
+    placement = get_spec(args.pipeline_schedule).placement
     model = wrap_ddp(
-        build_model_chunks(config, shape, seed=args.seed), use_distributed_optimizer=True
+        build_model_chunks(config, shape, seed=args.seed, placement=placement),
+        use_distributed_optimizer=True,
     )
     policy = scheduler_policy(args)
     optimizer, scheduler = _optimizer_and_scheduler(args, model, run_cfg, policy)

@@ -83,7 +83,15 @@ def test_metrics_file_keys(reference: Path) -> None:
 
 @pytest.mark.parametrize(
     ("schedule", "vp"),
-    [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("bpipe", 1)],
+    [
+        ("gpipe", None),
+        ("1f1b", None),
+        ("interleaved", 2),
+        ("bpipe", 1),
+        ("v-min", 2),
+        ("v-half", None),
+        ("v-zb", 2),
+    ],
     ids=str,
 )
 def test_schedules_give_the_same_losses(
@@ -103,7 +111,8 @@ def test_schedules_give_the_same_losses(
         str(path),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"vp={vp or 1} " in proc.stdout  # the banner
+    default_vp = 2 if schedule.startswith("v-") else 1  # the V places two stages per rank
+    assert f"vp={vp or default_vp} " in proc.stdout  # the banner
     want = _losses(reference)
     got = _losses(path)
     assert sorted(got) == list(range(1, COMPARED + 1))
@@ -170,7 +179,11 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
             "breadth-first needs virtual pipeline stages",
         ),
         (["--tensor-model-parallel-size", "3"], "tp*pp*dp must equal the number of ranks"),
-        (["--pipeline-schedule", "v-half"], "not yet runnable"),
+        (
+            ["--pipeline-schedule", "v-half", "--num-virtual-stages-per-pipeline-rank", "4"],
+            "v-half places exactly 2 stages per rank (V-shape); drop "
+            "--num-virtual-stages-per-pipeline-rank or set it to 2, got 4",
+        ),
         (["--num-layers", "6"], "--num-layers 6 is not divisible"),
         (["--bpipe-max-stored", "2"], "--bpipe-max-stored applies to --pipeline-schedule bpipe"),
         (

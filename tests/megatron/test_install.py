@@ -196,8 +196,6 @@ def test_set_schedule_dispatches_to_ours(no_megatron_lm: None) -> None:
 
 
 def test_set_schedule_rejects_bad_choices() -> None:
-    with pytest.raises(ScheduleError, match="not yet runnable"):
-        plugin.set_schedule("v-half")
     with pytest.raises(ScheduleError, match="unknown schedule"):
         plugin.set_schedule("zigzag")
     with pytest.raises(ScheduleError, match="does not take"):
@@ -296,6 +294,8 @@ def test_interleaved_reads_megatrons_group_size_flag(
         ("--pipeline-schedule interleaved --num-layers-per-virtual-pipeline-stage 1", 4),
         ("--pipeline-schedule 1f1b", None),
         ("--pipeline-schedule default", None),
+        ("--pipeline-schedule v-half", 2),
+        ("--pipeline-schedule v-min --num-virtual-stages-per-pipeline-rank 2", 2),
     ],
 )
 def test_virtual_stages_default_per_schedule(
@@ -329,7 +329,12 @@ def test_virtual_stages_default_per_schedule(
             "--pipeline-schedule bpipe",
             "one stage per rank",
         ),
-        ("--pipeline-model-parallel-size 4 --pipeline-schedule v-zb", "not yet runnable"),
+        (
+            "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 4 "
+            "--pipeline-schedule v-zb",
+            "v-zb places exactly 2 stages per rank",
+        ),
+
         ("--pipeline-model-parallel-size 1 --pipeline-schedule 1f1b", "needs --pipeline-model"),
         (
             "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
@@ -438,3 +443,32 @@ def test_sharding_flags_are_checked_in_one_line(
     with pytest.raises(ScheduleError, match=re.escape(expected)) as error:
         check_schedule_args(args)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "dest, flag",
+    [
+        ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
+        ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
+        ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
+        ("mtp_num_layers", "--mtp-num-layers"),
+    ],
+)
+def test_v_shape_refuses_looped_layer_placement_flags(dest: str, flag: str) -> None:
+    """Flags that place layers by megatron's looped arithmetic: one line, before any work."""
+    import argparse
+
+    from megatron_bfpp.megatron.arguments import check_schedule_args
+
+    args = argparse.Namespace(
+        pipeline_schedule="v-half",
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_model_parallel_size=2,
+        micro_batch_size=1,
+        data_parallel_size=1,
+        global_batch_size=8,
+        **{dest: 1},
+    )
+    with pytest.raises(ScheduleError) as error:
+        check_schedule_args(args)
+    assert flag in str(error.value) and "\n" not in str(error.value)

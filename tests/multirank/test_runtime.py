@@ -344,7 +344,7 @@ def test_breadth_first_starts_each_chunk_reduction_before_the_next_chunk_backwar
             "num_microbatches % group size to be 0 or >= pp=2; got 4 % 3 = 1",
         ),
         ("1f1b", {}, 2, 4, "runs one stage per rank"),
-        ("v-half", {}, None, 4, "not yet runnable"),
+        ("v-half", {}, None, 4, "places 2 stages per pipeline rank but the model has 1 chunk"),
         ("breadth-first", {"warp": 1}, 2, 4, "does not take option(s) warp"),
     ],
 )

@@ -1,0 +1,162 @@
+"""A rank's model chunks in any placement the catalogue names: megatron-core's looped one and
+the V-shape.
+
+megatron-core builds chunks for the looped placement only: chunk ``c`` of pipeline rank ``r`` is
+global stage ``c * p + r``, and the chunk's layers (how many, their global numbers, their
+checkpoint keys), whether it embeds (``pre_process``) and whether it computes the loss
+(``post_process``) all follow from ``(vp_stage, pipeline rank)``. The V-shape puts stages ``r``
+and ``2p - 1 - r`` on rank ``r``: rank 0 embeds in chunk 0 and computes the loss in chunk 1.
+
+The V-shape chunk holding global stage ``s`` is built as megatron-core builds looped slot
+``(vp_stage = s // p, rank = s % p)``, which holds the same layers: ``vp_stage`` is the chunk index
+(``s // p`` is 0 for stages below ``p``, 1 above), and the model's process groups report pipeline
+rank ``s % p`` (compat.model_process_groups). ``pre_process`` / ``post_process`` come from the
+stage. So a V run and a looped run of one model hold the same layers under the same global
+numbers, and their checkpoints name parameters alike.
+
+Tied embeddings: both copies live on rank 0 (its chunk 0's input embedding, its chunk 1's output
+layer), so nothing is copied or all-reduced over the pipeline. The model is built without an
+embedding group, the output copy is set from the embedding here, and the runtime adds the two
+copies' gradients on the rank after the data-parallel reduction
+(``runtime.placement.sum_tied_embedding_grads``), which is what Megatron's all-reduce over the
+first and last stage computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_bfpp.compat import model_process_groups
+from megatron_bfpp.ir import StageLayout
+from megatron_bfpp.runtime.placement import PLACEMENTS, layout_for, tied_embedding_weights
+
+__all__ = [
+    "PLACEMENTS",
+    "ChunkPlace",
+    "build_chunks",
+    "chunk_places",
+    "placed_provider",
+    "tie_output_to_embedding",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlace:
+    """Where one model chunk sits and how megatron-core must be told to build it."""
+
+    chunk: int
+    stage: int
+    pre_process: bool
+    post_process: bool
+    vp_stage: int | None
+    megatron_rank: int  # the pipeline rank megatron-core's layer arithmetic must see
+
+
+def chunk_places(layout: StageLayout, rank: int) -> tuple[ChunkPlace, ...]:
+    """The chunks of pipeline ``rank`` under ``layout``, in chunk order."""
+    stages = layout.stages_of(rank)
+    p = layout.num_ranks
+    return tuple(
+        ChunkPlace(
+            chunk=chunk,
+            stage=stage,
+            pre_process=stage == 0,
+            post_process=layout.is_last(stage),
+            vp_stage=stage // p if len(stages) > 1 else None,
+            megatron_rank=stage % p,
+        )
+        for chunk, stage in enumerate(stages)
+    )
+
+
+def build_chunks(
+    provider: Callable[..., torch.nn.Module],
+    *,
+    placement: str,
+    num_ranks: int,
+    num_chunks: int,
+    rank: int,
+    share_embeddings_and_output_weights: bool,
+) -> list[torch.nn.Module]:
+    """This rank's chunks: ``provider(pre_process=, post_process=, vp_stage=, pg_collection=)``
+    builds one (a ``GPTModel``); ``pg_collection`` is ``None`` for the looped placement, where
+    megatron-core's defaults hold."""
+    layout = layout_for(placement, num_ranks=num_ranks, num_chunks=num_chunks)
+    v_shape = placement == "v-shape"
+    chunks = []
+    for place in chunk_places(layout, rank):
+        groups = (
+            model_process_groups(pipeline_rank=place.megatron_rank, embedding_group=False)
+            if v_shape
+            else None
+        )
+        chunks.append(
+            provider(
+                pre_process=place.pre_process,
+                post_process=place.post_process,
+                vp_stage=place.vp_stage,
+                pg_collection=groups,
+            )
+        )
+    if v_shape and share_embeddings_and_output_weights:
+        tie_output_to_embedding(chunks)
+    return chunks
+
+
+def placed_provider(
+    provider: Callable[..., torch.nn.Module],
+    *,
+    num_ranks: int,
+    rank: int,
+    share_embeddings_and_output_weights: bool,
+) -> Callable[..., torch.nn.Module]:
+    """A Megatron-LM ``model_provider`` building V-shape chunks in place of the looped ones its
+    ``get_model`` asks for: the same call per ``vp_stage``, with the V's ``pre_process`` /
+    ``post_process`` and process groups; the tied output copy is set once both chunks exist."""
+    places = chunk_places(StageLayout.v_shape(num_ranks), rank)
+    built: dict[int, torch.nn.Module] = {}
+
+    def v_shape_provider(
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: int | None = None,
+        **kwargs: Any,
+    ) -> torch.nn.Module:
+        if vp_stage is None or not 0 <= vp_stage < len(places):
+            raise ValueError(
+                f"a V-shape model has 2 chunks per pipeline rank; Megatron asked for vp_stage "
+                f"{vp_stage} (is --num-virtual-stages-per-pipeline-rank 2?)"
+            )
+        place = places[vp_stage]
+        kwargs["pg_collection"] = model_process_groups(
+            pipeline_rank=place.megatron_rank,
+            embedding_group=False,
+            base=kwargs.get("pg_collection"),
+        )
+        model = provider(
+            pre_process=place.pre_process,
+            post_process=place.post_process,
+            vp_stage=vp_stage,
+            **kwargs,
+        )
+        built[vp_stage] = model
+        if share_embeddings_and_output_weights and len(built) == len(places):
+            tie_output_to_embedding([built[chunk] for chunk in sorted(built)])
+        return model
+
+    return v_shape_provider
+
+
+@torch.no_grad()
+def tie_output_to_embedding(chunks: Sequence[Any]) -> None:
+    """Set the tied output layer's weight from the input embedding where one rank holds both
+    (megatron-core zeroes the output copy and fills it by an all-reduce over the embedding
+    group, which a V-shape model does not have)."""
+    weights = tied_embedding_weights(chunks)
+    if weights is not None:
+        embedding, output = weights
+        output.copy_(embedding)

@@ -1,0 +1,166 @@
+"""What the runtime needs to know about where a schedule puts model chunks.
+
+A schedule's layout says which global stage each chunk of a rank runs; the chunks themselves are
+built elsewhere (``megatron.chunks`` for bfpp-train, the tests and the Megatron-LM plugin;
+megatron-core's own model builders for the looped placement). The runtime checks, before any
+message, that the chunks it is handed are the layout's (a looped model under a V-shape schedule
+would otherwise train a different network with no error), and where one rank holds both copies of
+a tied embedding (the V-shape's rank 0), adds their gradients in place of Megatron's all-reduce
+over the first and last pipeline rank.
+
+Where the loss is computed (the last stage's rank: rank 0 in the V-shape) is not always where
+megatron-core's callers read it: Megatron-LM's training loop, its evaluation and any custom loop
+take the losses a forward-backward function returns on the last pipeline rank
+(``is_pipeline_last_stage(ignore_virtual=True)``) and log from the last global rank. The step's
+returned values are therefore delivered there (:func:`deliver_to_last_rank`), so every caller
+keeps working unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_bfpp.ir import ScheduleError, StageLayout
+
+__all__ = [
+    "PLACEMENTS",
+    "check_chunk_placement",
+    "deliver_to_last_rank",
+    "holds_tied_embedding",
+    "layout_for",
+    "sum_tied_embedding_grads",
+    "tied_embedding_weights",
+]
+
+PLACEMENTS = ("looped", "v-shape")
+
+
+def layout_for(placement: str, *, num_ranks: int, num_chunks: int) -> StageLayout:
+    """The stage layout of a catalogue placement (``single`` is looped with one chunk)."""
+    if placement == "v-shape":
+        if num_chunks != 2:
+            raise ScheduleError(
+                f"the V-shape places exactly 2 stages per rank, got {num_chunks} model chunks"
+            )
+        return StageLayout.v_shape(num_ranks)
+    if placement in ("looped", "single"):
+        return StageLayout.looped(num_ranks, num_chunks)
+    raise ScheduleError(f"unknown placement {placement!r} (choose from {', '.join(PLACEMENTS)})")
+
+
+def _flag(chunk: Any, name: str) -> bool | None:
+    from megatron.core.utils import get_attr_wrapped_model
+
+    try:
+        return bool(get_attr_wrapped_model(chunk, name))
+    except RuntimeError:  # a model without megatron-core's attribute: nothing to check
+        return None
+
+
+def check_chunk_placement(
+    chunks: Sequence[Any], layout: StageLayout, rank: int, schedule: str
+) -> None:
+    """One line if this rank's chunks embed or compute the loss where the layout's stages do not
+    (megatron-core models say so in ``pre_process`` / ``post_process``)."""
+    for chunk, stage in enumerate(layout.stages_of(rank)):
+        embeds = _flag(chunks[chunk], "pre_process")
+        loss = _flag(chunks[chunk], "post_process")
+        if embeds is None or loss is None:
+            continue
+        if (embeds, loss) != (stage == 0, layout.is_last(stage)):
+            raise ScheduleError(
+                f"schedule {schedule!r} runs global stage {stage} ({layout.kind} placement) on "
+                f"model chunk {chunk} of pipeline rank {rank}, but that chunk was built "
+                f"{'with' if embeds else 'without'} the embedding and "
+                f"{'with' if loss else 'without'} the loss; build the chunks for the "
+                f"{layout.kind} placement (megatron_bfpp.megatron.chunks.build_chunks, which "
+                "bfpp-train and the Megatron-LM plugin use)"
+            )
+
+
+def tied_embedding_weights(chunks: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(input embedding, output layer) weights when this rank holds both copies of a tied
+    embedding in different chunks; ``None`` otherwise."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    if len(chunks) < 2:
+        return None
+    first = get_attr_wrapped_model(chunks[0], "pre_process", return_model_obj=True)
+    last = get_attr_wrapped_model(chunks[-1], "post_process", return_model_obj=True)
+    if not (first.pre_process and last.post_process):
+        return None
+    if not getattr(last, "share_embeddings_and_output_weights", False):
+        return None
+    embedding = first.shared_embedding_or_output_weight()
+    output = last.shared_embedding_or_output_weight()
+    if embedding is None or output is None or embedding is output:
+        return None
+    return embedding, output
+
+
+def holds_tied_embedding(chunks: Sequence[Any]) -> bool:
+    return tied_embedding_weights(chunks) is not None
+
+
+@torch.no_grad()
+def sum_tied_embedding_grads(chunks: Sequence[Any]) -> None:
+    """Both copies' gradient := their sum, on the rank that holds both: what Megatron's
+    all-reduce of the word-embedding gradient over the first and last stage computes. Called
+    after the data-parallel reduction (``finalize_model_grads``), as that all-reduce is."""
+    weights = tied_embedding_weights(chunks)
+    if weights is None:
+        return
+    grads = [_grad(weight) for weight in weights]
+    if any(grad is None for grad in grads):
+        return
+    embedding, output = grads
+    assert embedding is not None and output is not None
+    total = embedding + output
+    embedding.copy_(total)
+    output.copy_(total)
+
+
+def _grad(weight: torch.Tensor) -> torch.Tensor | None:
+    grad = getattr(weight, "main_grad", None)
+    return weight.grad if grad is None else grad
+
+
+def deliver_to_last_rank(
+    store: list[Any], layout: StageLayout, pp_group: Any, device: torch.device
+) -> list[Any]:
+    """What the last stage returned, moved to the last pipeline rank when another rank computed
+    it (a few loss values per micro-batch, once per step); ``[]`` on the rank that sent it."""
+    import torch.distributed as dist
+
+    source = layout.rank_of(layout.num_stages - 1)
+    target = layout.num_ranks - 1
+    me = pp_group.rank()
+    if source == target or me not in (source, target):
+        return store
+    if me == source:
+        dist.send_object_list(
+            [_to(store, torch.device("cpu"))],
+            dst=dist.get_global_rank(pp_group, target),
+            group=pp_group,
+            device=device,
+        )
+        return []
+    received: list[Any] = [None]
+    dist.recv_object_list(
+        received, src=dist.get_global_rank(pp_group, source), group=pp_group, device=device
+    )
+    return list(_to(received[0], device))
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """``value`` (tensors in lists, tuples and dicts) with its tensors detached on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device)
+    if isinstance(value, dict):
+        return {key: _to(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(item, device) for item in value)
+    return value
