@@ -334,7 +334,6 @@ def test_virtual_stages_default_per_schedule(
             "--pipeline-schedule v-zb",
             "v-zb places exactly 2 stages per rank",
         ),
-
         ("--pipeline-model-parallel-size 1 --pipeline-schedule 1f1b", "needs --pipeline-model"),
         (
             "--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 "
