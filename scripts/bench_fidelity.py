@@ -182,6 +182,11 @@ def main() -> None:
         ("breadth-first", args.vp, 0.0),
         ("interleaved", args.vp, reduce_time),
         ("breadth-first", args.vp, reduce_time),
+        # V-shapes: two half-stage chunks per rank; I runs the whole backward and W nothing
+        # (runtime.split_backward), so the simulator's t_weight is 0 as for everything here.
+        ("v-min", 2, 0.0),
+        ("v-half", 2, 0.0),
+        ("v-zb", 2, 0.0),
     ]
     if args.only:
         cases = [case for case in cases if case[0] in args.only]

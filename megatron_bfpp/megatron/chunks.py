@@ -32,10 +32,9 @@ import torch
 
 from megatron_bfpp.compat import model_process_groups
 from megatron_bfpp.ir import StageLayout
-from megatron_bfpp.runtime.placement import PLACEMENTS, layout_for, tied_embedding_weights
+from megatron_bfpp.runtime.placement import layout_for, tied_embedding_weights
 
 __all__ = [
-    "PLACEMENTS",
     "ChunkPlace",
     "build_chunks",
     "chunk_places",

@@ -29,7 +29,6 @@ __all__ = [
     "PLACEMENTS",
     "check_chunk_placement",
     "deliver_to_last_rank",
-    "holds_tied_embedding",
     "layout_for",
     "sum_tied_embedding_grads",
     "tied_embedding_weights",
@@ -83,15 +82,16 @@ def check_chunk_placement(
 
 def tied_embedding_weights(chunks: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(input embedding, output layer) weights when this rank holds both copies of a tied
-    embedding in different chunks; ``None`` otherwise."""
+    embedding in different chunks; ``None`` otherwise (also for models without megatron-core's
+    ``pre_process`` / ``post_process``)."""
+    if len(chunks) < 2 or not (
+        _flag(chunks[0], "pre_process") and _flag(chunks[-1], "post_process")
+    ):
+        return None
     from megatron.core.utils import get_attr_wrapped_model
 
-    if len(chunks) < 2:
-        return None
     first = get_attr_wrapped_model(chunks[0], "pre_process", return_model_obj=True)
     last = get_attr_wrapped_model(chunks[-1], "post_process", return_model_obj=True)
-    if not (first.pre_process and last.post_process):
-        return None
     if not getattr(last, "share_embeddings_and_output_weights", False):
         return None
     embedding = first.shared_embedding_or_output_weight()
@@ -99,10 +99,6 @@ def tied_embedding_weights(chunks: Sequence[Any]) -> tuple[torch.Tensor, torch.T
     if embedding is None or output is None or embedding is output:
         return None
     return embedding, output
-
-
-def holds_tied_embedding(chunks: Sequence[Any]) -> bool:
-    return tied_embedding_weights(chunks) is not None
 
 
 @torch.no_grad()
