@@ -58,7 +58,9 @@ ALLOWED = {
     "megatron": {"ir", "schedules", "compat", "runtime", "megatron"},  # incl. the CPU adapter
     "train": {"ir", "schedules", "compat", "megatron", "runtime", "train"},  # megatron: CPU adapter
     "launch": {"compat", "megatron"},
-    "cli": PURE_LAYERS | {"cli", "compat", "local_ranks", "runtime", "train"},
+    "cli": PURE_LAYERS | {"cli", "compat", "local_ranks", "runtime", "train", "profiler"},
+    # bfpp-plan profile's measurement (torch, megatron-core); the command line imports it lazily
+    "profiler": {"ir", "plan", "train", "compat", "megatron"},
     "__init__": {"ir", "schedules"},
     # tests' helpers may use everything; nothing else may use them
     "testing": PURE_LAYERS | {"compat", "local_ranks", "runtime", "megatron", "train", "testing"},
