@@ -53,6 +53,7 @@ __all__ = [
     "SearchResult",
     "candidates",
     "evaluate",
+    "rank_parameters_of",
     "recommend",
 ]
 
@@ -292,6 +293,13 @@ def _build(
 @lru_cache(maxsize=4096)
 def _rank_parameters(model: Model, tp: int, pp: int, vp: int, placement: str) -> tuple[int, ...]:
     return tuple(rank_parameters(model, tp=tp, pp=pp, chunks=vp, placement=placement))
+
+
+def rank_parameters_of(
+    model: Model, *, schedule: str, tp: int, pp: int, vp: int
+) -> tuple[int, ...]:
+    """Parameters per pipeline rank of ``model`` laid out for ``schedule`` (its placement)."""
+    return _rank_parameters(model, tp, pp, vp, get_spec(schedule).placement)
 
 
 def _gathered_fraction(vp: int) -> float:
