@@ -228,6 +228,7 @@ def stage_times(
     stage_activation_bytes: int,
     communication: bool = True,
     optimizer: bool = True,
+    output_layer: bool = True,
 ) -> StageTimes:
     """The durations of one candidate configuration (see the module docstring for each)."""
     layers = model.num_layers // pp
@@ -251,7 +252,7 @@ def stage_times(
         core = attention_core_flops(model, micro_batch_size=micro_batch_size, tp=tp)
         recompute_time = core / (efficiency.forward(work) * peak)
     out_work = output_forward_flops(model, micro_batch_size=micro_batch_size, tp=tp, vocab=vocab)
-    output = 3.0 * out_work / (efficiency.forward(out_work) * peak)
+    output = 3.0 * out_work / (efficiency.forward(out_work) * peak) if output_layer else 0.0
     p2p = grad_reduce = param_gather = evict = 0.0
     if communication:
         pipeline_in_node = tp * dp * pp <= gpus_per_node

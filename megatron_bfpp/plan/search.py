@@ -95,8 +95,9 @@ class Cluster:
 
 @dataclass(frozen=True, slots=True)
 class SearchOptions:
-    """What to search and under which assumptions. ``communication`` / ``optimizer``: include
-    those costs (the BPipe paper's estimate leaves both out; so can a test of it)."""
+    """What to search and under which assumptions. ``communication`` / ``optimizer`` /
+    ``output_layer``: include those costs (the BPipe paper's estimate, eq. 2-4, leaves all three
+    out; so can a comparison with it)."""
 
     schedules: tuple[str, ...] = ()  # empty: every family
     recompute: tuple[str, ...] = RECOMPUTE
@@ -110,6 +111,7 @@ class SearchOptions:
     efficiency: Efficiency | None = None
     communication: bool = True
     optimizer: bool = True
+    output_layer: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,6 +458,7 @@ def _size(
         stage_activation_bytes=stage.layers * c.vp,
         communication=options.communication,
         optimizer=options.optimizer,
+        output_layer=options.output_layer,
     )
     busy = m * (times.forward + times.backward)
     extra = m * times.output + times.optimizer
