@@ -140,8 +140,9 @@ class ProfileCurve:
             total = work * profile.num_layers
             forward = total / (m.forward_s * gpu.peak_flops)
             backward = 2.0 * total / (m.backward_s * gpu.peak_flops)
-            if m.backward_weight_s is not None and m.backward_input_s is not None:
-                share = m.backward_weight_s / (m.backward_input_s + m.backward_weight_s)
+            split = (m.backward_input_s or 0.0) + (m.backward_weight_s or 0.0)
+            if m.backward_weight_s is not None and split > 0:
+                share = m.backward_weight_s / split
             else:
                 share = 0.5
             rows.append((work, forward, backward, share))

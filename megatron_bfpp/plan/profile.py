@@ -198,7 +198,13 @@ def _positive(data: dict[str, Any], key: str, *, where: str = "") -> int:
 
 
 def _optional_seconds(row: dict[str, Any], key: str, where: str) -> float | None:
-    return None if row.get(key) is None else _seconds(row, key, where)
+    """A part of the split backward: zero is a measurement too (W too small to time)."""
+    if row.get(key) is None:
+        return None
+    value = _field(row, key, (int, float), where=where)
+    if not math.isfinite(value) or value < 0:
+        raise ScheduleError(f"'{where}{key}' must be a number of seconds >= 0, got {value}")
+    return float(value)
 
 
 def _seconds(row: dict[str, Any], key: str, where: str) -> float:
