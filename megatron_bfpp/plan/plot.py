@@ -52,8 +52,8 @@ def batch_sweep(
     options: SearchOptions,
     batch_sizes: Sequence[int],
 ) -> list[SweepPoint]:
-    """One search per global batch size; only each family's best is needed, so ``top`` is 1."""
-    quick = replace(options, top=1)
+    """One search per global batch size, for each family's best (``top`` 1)."""
+    quick = replace(options, top=1, best_per_family=True)
     return [
         SweepPoint(b, recommend(model=model, cluster=cluster, global_batch_size=b, options=quick))
         for b in batch_sizes

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 from megatron_bfpp.ir import Schedule, ScheduleError
 from megatron_bfpp.plan.costs import (
@@ -112,6 +113,7 @@ class SearchOptions:
     communication: bool = True
     optimizer: bool = True
     output_layer: bool = True
+    best_per_family: bool = False  # also find each family's best (the plot, comparisons)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,10 +257,10 @@ def _chunk_choices(schedule: str, layers_per_rank: int, max_chunks: int) -> list
 
 def memory_microbatches(schedule: str, pp: int, vp: int, m: int) -> int:
     """How many micro-batches to walk for ``schedule``'s activation peaks at m: they stop growing
-    by 2pp for 1F1B, BPipe, interleaved and the V-shapes (measured over pp <= 16, vp <= 8), so 4pp
+    by 2pp for 1F1B, BPipe, interleaved and the V-shapes (measured over pp <= 16, vp <= 8), so 3pp
     (a multiple of pp, as interleaved needs) or m if smaller. tests/unit/test_plan_search.py
     checks that walking this many gives the peaks of walking m."""
-    return min(m, 4 * pp)
+    return min(m, 3 * pp)
 
 
 def _points(schedule: str, pp: int, vp: int, m: int, group: int | None) -> PeakPoints:
@@ -273,21 +275,26 @@ def _points(schedule: str, pp: int, vp: int, m: int, group: int | None) -> PeakP
 
 @lru_cache(maxsize=4096)
 def _walked_points(schedule: str, pp: int, vp: int, m: int, group: int | None) -> PeakPoints:
-    return peak_points(_build(schedule, pp, vp, m, "optim", group, lower=False))
+    """The compute order straight from the catalogue's generator: the memory walk needs no
+    messages, and ``build_schedule``'s validation of these generators is the tests' job (here it
+    would double the walk's cost)."""
+    spec = get_spec(schedule)
+    chunks = spec.chunks_for(None if spec.placement == "single" else vp)
+    kwargs: dict[str, int] = {} if chunks is None else {"num_chunks": chunks}
+    if group is not None:
+        kwargs["group_size"] = group
+    return peak_points(spec.generator(num_ranks=pp, num_microbatches=m, **kwargs))
 
 
-def _build(
-    schedule: str, pp: int, vp: int, m: int, sharding: str, group: int | None, *, lower: bool
-) -> Schedule:
+def _build(schedule: str, pp: int, vp: int, m: int, sharding: str, group: int | None) -> Schedule:
     chunks = None if get_spec(schedule).placement == "single" else vp
-    options = {} if group is None else {"group_size": group}
+    options: dict[str, Any] = {} if group is None else {"group_size": group}
     return build_schedule(
         schedule,
         num_ranks=pp,
         num_microbatches=m,
         num_chunks=chunks,
         sharding=sharding,
-        lower=lower,
         **options,
     )
 
@@ -383,26 +390,32 @@ def _cost_model(times: StageTimes) -> CostModel:
 def _schedule(
     schedule: str, pp: int, vp: int, m: int, sharding: str, group: int | None
 ) -> Schedule:
-    return _build(schedule, pp, vp, m, sharding, group, lower=True)
+    return _build(schedule, pp, vp, m, sharding, group)
 
 
 def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]:
     """(step time, bubble fraction) of ``c`` at m micro-batches, in the simulator's ns.
 
-    Long schedules repeat a steady state: when three lengths p apart (congruent to m mod p) give
-    step times on one line, exactly (integer durations), the step at m lies on it too, and only
-    those three short schedules are simulated; otherwise the whole schedule is.
+    Long schedules repeat a steady state: when three lengths p apart (congruent to m mod p, from
+    about p, else from about 2p; else 2p apart) give step times on one line, exactly (integer
+    durations), the step at m lies on it too (to float rounding), and only those short schedules
+    are simulated; otherwise the whole schedule is. tests/unit/test_plan_search.py checks this
+    against full simulations.
     """
     p = c.pp
-    first = 2 * p + m % p
-    if m > first + 2 * p:
+    attempts = ((p, p + m % p), (p, 2 * p + m % p), (2 * p, 2 * p + m % (2 * p)))
+    for period, first in attempts:
+        if m <= first + 2 * period:
+            break
         steps = []
-        for length in (first, first + p, first + 2 * p):
+        for length in (first, first + period, first + 2 * period):
             built = _schedule(c.schedule, c.pp, c.vp, length, c.sharding, c.group_size)
             steps.append(simulate(built, costs).step_time)
         slope = steps[1] - steps[0]
-        if steps[2] - steps[1] == slope:
-            step = steps[0] + (m - first) // p * slope
+        # On one line: exactly with integer durations; within float rounding while a stage's
+        # share (1/vp of a full stage) makes the simulator's sums inexact.
+        if abs(steps[2] - steps[1] - slope) <= 1e-9 * steps[2]:
+            step = steps[0] + (m - first) // period * slope
             busy = m * (costs.t_forward + costs.t_backward)
             return step, (step - busy) / step if step > 0 else 0.0
     result = simulate(_schedule(c.schedule, c.pp, c.vp, m, c.sharding, c.group_size), costs)
@@ -434,11 +447,15 @@ def _size(
     global_batch_size: int,
     options: SearchOptions,
     efficiency: Efficiency,
-) -> tuple[_Sized, bool]:
-    """Memory, durations and bounds of one candidate; and whether it fits."""
+    force: bool = False,
+) -> tuple[_Sized | None, bool]:
+    """Memory, durations and bounds of one candidate (None when it does not fit, unless
+    ``force``); and whether it fits."""
     m = global_batch_size // (c.dp * c.micro_batch_size)
     memory, stage = _memory(c, m, model, options.precision)
     fits = memory.total <= options.memory_fraction * cluster.gpu.memory_bytes
+    if not fits and not force:
+        return None, False
     placement = get_spec(c.schedule).placement
     times = stage_times(
         model=model,
@@ -497,7 +514,9 @@ def evaluate(
         global_batch_size=global_batch_size,
         options=options,
         efficiency=efficiency,
+        force=True,
     )
+    assert sized is not None  # forced
     return _simulate(sized, model, cluster, global_batch_size)
 
 
@@ -521,7 +540,7 @@ def recommend(
         model=model, cluster=cluster, global_batch_size=global_batch_size, options=options
     ):
         evaluated += 1
-        sized, fits = _size(
+        sized, _ = _size(
             c,
             model=model,
             cluster=cluster,
@@ -529,7 +548,7 @@ def recommend(
             options=options,
             efficiency=efficiency,
         )
-        if fits:
+        if sized is not None:
             fitting.append(sized)
         else:
             rejected += 1
@@ -541,7 +560,10 @@ def recommend(
         family = sized.candidate.family
         kth = -top[0][0] if len(top) >= options.top else math.inf
         best = family_best.get(family)
-        if sized.lower_bound >= kth and best is not None and sized.lower_bound >= best.step_time_s:
+        if sized.lower_bound >= kth and (
+            not options.best_per_family
+            or (best is not None and sized.lower_bound >= best.step_time_s)
+        ):
             pruned += 1
             continue
         plan = _simulate(sized, model, cluster, global_batch_size)
