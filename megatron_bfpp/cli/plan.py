@@ -361,7 +361,7 @@ def format_recommendation(
     mean and which schedules the runtime cannot run yet."""
     gpu = cluster.gpu
     header = (
-        f"{'#':>2}  {'schedule':<24} {'tp':>2} {'pp':>3} {'vp':>2} {'dp':>3} {'b':>3} "
+        f"{'#':>2}  {'schedule':<28} {'tp':>2} {'pp':>3} {'vp':>2} {'dp':>3} {'b':>3} "
         f"{'m':>4} {'recompute':<9} {'step s':>8} {'tokens/s':>9} {'MFU':>6} {'bubble':>6} "
         f"{'params':>6} {'grads':>6} {'optim':>6} {'acts':>6} {'total':>6}"
     )
@@ -402,7 +402,7 @@ def _row(rank: int, plan: Plan) -> str:
     if not plan.runnable:
         name += " *"
     return (
-        f"{rank:>2}  {name:<24} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
+        f"{rank:>2}  {name:<28} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
         f"{c.micro_batch_size:>3} {plan.num_microbatches:>4} {c.recompute:<9} "
         f"{plan.step_time_s:>8.3f} {plan.tokens_per_s:>9.0f} {100 * plan.mfu:>5.1f}% "
         f"{100 * plan.bubble_fraction:>5.1f}% {_gib(mem.parameters):>6} {_gib(mem.gradients):>6} "

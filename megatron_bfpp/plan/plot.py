@@ -121,7 +121,7 @@ def render_plot(
                 (point.global_batch_size, plan.tokens_per_s, plan.mfu)
             )
     panels = 2 if critical_batch_size else 1
-    figure = Figure(figsize=(6.0 * panels, 4.5), dpi=100, layout="constrained")
+    figure = Figure(figsize=(6.0 * panels, 4.5), dpi=90, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, panels, squeeze=False)[0]
     n = cluster.num_gpus
