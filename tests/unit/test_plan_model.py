@@ -255,3 +255,18 @@ def test_nan_in_a_profile_is_refused(tmp_path: Path) -> None:
 def test_a_profile_above_the_gpus_peak_is_refused() -> None:
     with pytest.raises(ScheduleError, match="ran above the v100-32gb's peak"):
         ProfileCurve.from_profile(_table5_profile(), get_gpu("v100-32gb")).forward(1.0)
+
+
+def test_time_and_cost_follow_the_papers_model() -> None:
+    from megatron_bfpp.plan.plot import time_and_cost, trade_off
+
+    # 64 GPUs at 0.5 samples each (B = 32), B_crit = 32: twice the minimum samples.
+    time_s, cost = time_and_cost(
+        samples_per_s_per_gpu=2.0, batch_per_gpu=0.5, num_gpus=64, critical_batch_size=32
+    )
+    assert cost == pytest.approx((1 + 0.5 * 64 / 32) / 2.0) and time_s == pytest.approx(cost / 64)
+    frontier = trade_off([(0.5, 2.0), (4.0, 2.5)], num_gpus=64, critical_batch_size=32)
+    costs, times = [c for c, _ in frontier], [t for _, t in frontier]
+    assert costs == sorted(costs) and times == sorted(times, reverse=True)
+    with pytest.raises(ScheduleError, match="--critical-batch-size must be positive"):
+        time_and_cost(samples_per_s_per_gpu=1, batch_per_gpu=1, num_gpus=1, critical_batch_size=0)
