@@ -25,7 +25,7 @@ from megatron_bfpp.testing.multirank import run_ranks
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 
-HIDDEN, HEADS, FFN, VOCAB, SEQ, MICRO = 64, 4, 256, 128, 64, 2
+HIDDEN, HEADS, FFN, VOCAB, SEQ, MICRO = 64, 4, 256, 256, 64, 2  # vocab: 128 x tp, unpadded
 
 
 def _planned_model(num_layers: int) -> Any:
@@ -50,8 +50,13 @@ def _rank(schedule: str, options: dict[str, Any], num_layers: int, m: int) -> di
 
     from megatron_bfpp import get_forward_backward_func
 
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     config = M.tiny_gpt_config(
-        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN
+        num_layers=num_layers,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=FFN,
+        sequence_parallel=tp > 1,  # the planner's assumption with tensor parallelism
     )
     chunks = M.wrap_ddp(
         M.build_model_chunks(config, vocab_size=VOCAB, max_sequence_length=SEQ),
@@ -86,6 +91,7 @@ def _rank(schedule: str, options: dict[str, Any], num_layers: int, m: int) -> di
             )
     return {
         "rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "dp_rank": parallel_state.get_data_parallel_rank(),
         "parameters": parameters,
         "gradients": gradients,
         "optimizer": state,
@@ -94,32 +100,36 @@ def _rank(schedule: str, options: dict[str, Any], num_layers: int, m: int) -> di
 
 
 CASES = [
-    ("1f1b", 4, None, {}, 8),
-    ("bpipe", 4, None, {}, 8),
-    ("breadth-first", 2, 2, {}, 4),
+    # schedule, tp, pp, vp, dp, micro-batches
+    ("1f1b", 1, 4, None, 1, 8),
+    ("bpipe", 1, 4, None, 1, 8),
+    ("breadth-first", 1, 2, 2, 1, 4),
+    ("1f1b", 2, 2, None, 1, 4),  # tensor and sequence parallel
+    ("breadth-first", 1, 2, 2, 2, 4),  # the distributed optimizer's shards over dp
 ]
 
 
-@pytest.mark.parametrize(("schedule", "pp", "vp", "options", "m"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("schedule", "tp", "pp", "vp", "dp", "m"),
+    CASES,
+    ids=[f"{c[0]}-tp{c[1]}-pp{c[2]}-dp{c[4]}" for c in CASES],
+)
 def test_memory_per_rank_matches_megatron_core(
-    schedule: str, pp: int, vp: int | None, options: dict[str, Any], m: int
+    schedule: str, tp: int, pp: int, vp: int | None, dp: int, m: int
 ) -> None:
     num_layers = 2 * pp * (vp or 1)
-    measured = {
-        r["rank"]: r
-        for r in run_ranks(
-            _rank, world_size=pp, tp=1, pp=pp, vp=vp, args=(schedule, options, num_layers, m)
-        )
-    }
+    results = run_ranks(
+        _rank, world_size=tp * pp * dp, tp=tp, pp=pp, vp=vp, args=(schedule, {}, num_layers, m)
+    )
     model = _planned_model(num_layers)
-    counts = rank_parameters_of(model, schedule=schedule, tp=1, pp=pp, vp=vp or 1)
+    counts = rank_parameters_of(model, schedule=schedule, tp=tp, pp=pp, vp=vp or 1)
     stage = stage_activation_bytes(
         model,
         micro_batch_size=MICRO,
-        tp=1,
+        tp=tp,
         layers_per_stage=num_layers // (pp * (vp or 1)),
         vocab_size=VOCAB,
-        sequence_parallel=False,
+        sequence_parallel=tp > 1,
         recompute="none",
         precision=FP32,
     )
@@ -127,12 +137,22 @@ def test_memory_per_rank_matches_megatron_core(
     activations = peak_activation_bytes(peak_points(built), stage)
     for rank in range(pp):
         params, grads, state = weights_bytes(
-            counts[rank], dp=1, precision=FP32, sharded=False, gathered_fraction=1.0
+            counts[rank], dp=dp, precision=FP32, sharded=False, gathered_fraction=1.0
         )
-        got = measured[rank]
-        assert (got["parameters"], got["gradients"], got["optimizer"]) == (params, grads, state)
-        assert got["activations"] == pytest.approx(activations[rank], rel=0.10), (
-            rank,
-            got["activations"],
-            activations[rank],
-        )
+        mine = [r for r in results if r["rank"] == rank]
+        assert {(r["parameters"], r["gradients"]) for r in mine} == {(params, grads)}
+        # The distributed optimizer's shards: exact per rank at dp=1; at dp > 1 they add up
+        # exactly over the data-parallel ranks of each tensor-parallel slice (where a shard
+        # boundary falls is megatron-core's bucket layout, not modelled).
+        by_dp: dict[int, int] = {}
+        for r in mine:
+            by_dp[r["dp_rank"]] = by_dp.get(r["dp_rank"], 0) + r["optimizer"]
+        assert sum(by_dp.values()) == tp * state * dp
+        if dp == 1:
+            assert {r["optimizer"] for r in mine} == {state}
+        for r in mine:
+            assert r["activations"] == pytest.approx(activations[rank], rel=0.10), (
+                rank,
+                r["activations"],
+                activations[rank],
+            )
