@@ -201,8 +201,8 @@ def candidates(
     """Every configuration the shapes allow: tp divides the heads, the query groups and the FFN
     and stays in a node; the layers split evenly over pp x stages per rank; the global batch over
     dp x micro-batch; interleaved needs a multiple of pp micro-batches (Megatron's rule);
-    sharded parameters need dp > 1; one pipeline rank only for 1F1B (plain data parallelism) and
-    sharded breadth-first (fully sharded data parallelism)."""
+    sharded parameters need dp > 1; one pipeline rank only as 1F1B, i.e. plain data parallelism
+    (Megatron's default schedule: the plugin's schedules need pp >= 2)."""
     families = [f for f in FAMILIES if not options.schedules or f[0] in options.schedules]
     n = cluster.num_gpus
     tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
@@ -221,10 +221,7 @@ def candidates(
             for schedule, sharding in families:
                 if sharding != "optim" and dp == 1:
                     continue
-                if pp == 1 and (schedule, sharding) not in (
-                    ("1f1b", "optim"),
-                    ("breadth-first", "optim_grads_params"),
-                ):
+                if pp == 1 and schedule != "1f1b":
                     continue
                 for vp in _chunk_choices(schedule, model.num_layers // pp, options.max_chunks):
                     for b in options.micro_batch_sizes:
