@@ -32,7 +32,14 @@ from megatron_bfpp.plan.presets import (
     model_from_shape,
 )
 from megatron_bfpp.plan.profile import load_profile
-from megatron_bfpp.plan.search import FAMILIES, Cluster, Plan, SearchOptions, SearchResult
+from megatron_bfpp.plan.search import (
+    FAMILIES,
+    Cluster,
+    Plan,
+    SearchOptions,
+    SearchResult,
+    family_name,
+)
 
 PROG = "bfpp-plan"
 
@@ -297,7 +304,11 @@ def _recommend(args: argparse.Namespace) -> int:
         if args.plot:
             _check_matplotlib()
         options = SearchOptions(
-            schedules=schedules, recompute=recompute, top=args.top, efficiency=efficiency
+            schedules=schedules,
+            recompute=recompute,
+            top=args.top,
+            efficiency=efficiency,
+            best_per_family=not args.json,  # the table explains the ranking family by family
         )
         from megatron_bfpp.plan.search import recommend
 
@@ -333,7 +344,11 @@ def _recommend(args: argparse.Namespace) -> int:
     else:
         print(
             format_recommendation(
-                result, model=model, cluster=cluster, global_batch_size=args.global_batch_size
+                result,
+                model=model,
+                cluster=cluster,
+                global_batch_size=args.global_batch_size,
+                schedules=schedules,
             )
         )
         if args.plot:
@@ -355,7 +370,12 @@ def _gib(nbytes: int) -> str:
 
 
 def format_recommendation(
-    result: SearchResult, *, model: Model, cluster: Cluster, global_batch_size: int
+    result: SearchResult,
+    *,
+    model: Model,
+    cluster: Cluster,
+    global_batch_size: int,
+    schedules: Sequence[str] = (),
 ) -> str:
     """The table people read: one row per configuration, best first, then what the columns
     mean and which schedules the runtime cannot run yet."""
@@ -382,6 +402,25 @@ def format_recommendation(
         lines.append(_row(rank, plan))
         if not plan.runnable:
             unrunnable.add(plan.candidate.schedule)
+    if result.best_per_family and result.plans:
+        first = result.plans[0].step_time_s
+        lines += ["", "best of each schedule family (slower than #1 by):"]
+        for family, plan in result.best_per_family.items():
+            c = plan.candidate
+            group = f" g={c.group_size}" if c.group_size else ""
+            lines.append(
+                f"  {family + group:<28} {plan.step_time_s:8.3f} s  "
+                f"{100 * (plan.step_time_s / first - 1):+6.1f}%  tp={c.tp} pp={c.pp} vp={c.vp} "
+                f"dp={c.dp} b={c.micro_batch_size} {c.recompute}, bubble "
+                f"{100 * plan.bubble_fraction:.1f}%"
+            )
+        missing = sorted(
+            {family_name(n, sh) for n, sh in FAMILIES}
+            - set(result.best_per_family)
+            - {family_name(n, sh) for n, sh in FAMILIES if schedules and n not in schedules}
+        )
+        if missing:
+            lines.append(f"  none fits in memory (or none exists): {', '.join(missing)}")
     lines += [
         "",
         "step s: predicted step time; MFU: eq. 1 model FLOPs of 'Re-evaluating BPipe' over the "

@@ -71,7 +71,15 @@ def _sample(global_batch_size: int, every: int) -> list[Candidate]:
     return [c for c in itertools.islice(found, 0, None, every) if c.pp > 1][:24]
 
 
-@pytest.mark.parametrize("candidate", _sample(128, 7), ids=str)
+EXPLICIT = [
+    Candidate("1f1b", "optim", 8, 8, 1, 1, 1, "selective"),
+    Candidate("gpipe", "optim", 4, 4, 1, 4, 2, "full"),
+    Candidate("v-min", "optim", 8, 4, 2, 2, 1, "none"),
+    Candidate("bpipe", "optim", 4, 8, 1, 2, 1, "selective"),
+]
+
+
+@pytest.mark.parametrize("candidate", [*_sample(128, 7), *EXPLICIT], ids=str)
 def test_bound_and_extrapolation_agree_with_full_simulation(candidate: Candidate) -> None:
     sized, _ = _size(
         candidate,
