@@ -28,11 +28,12 @@ CASES = [
 CHILD = """
 import json, sys, time
 from megatron_bfpp.plan.presets import get_gpu, get_model
-from megatron_bfpp.plan.search import Cluster, recommend
+from megatron_bfpp.plan.search import Cluster, SearchOptions, recommend
 model, gpus, gpu, batch = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 wall, cpu = time.perf_counter(), time.process_time()
 cluster = Cluster(gpus, 8, get_gpu(gpu))
-r = recommend(model=get_model(model), cluster=cluster, global_batch_size=batch)
+options = SearchOptions(best_per_family=True)  # as bfpp-plan recommend's table runs it
+r = recommend(model=get_model(model), cluster=cluster, global_batch_size=batch, options=options)
 print(json.dumps(dict(evaluated=r.candidates_evaluated, rejected=r.rejected_out_of_memory,
     simulated=r.simulated, pruned=r.pruned, wall=time.perf_counter() - wall,
     cpu=time.process_time() - cpu)))

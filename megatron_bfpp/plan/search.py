@@ -323,11 +323,25 @@ class _Sized:
     estimate: float
 
 
-def _memory(
-    c: Candidate, m: int, model: Model, precision: Precision
-) -> tuple[MemoryBreakdown, StageBytes]:
+def _weights(c: Candidate, model: Model, precision: Precision) -> list[tuple[int, int, int]]:
+    """(parameters, gradients, optimizer) bytes of each pipeline rank."""
     placement = get_spec(c.schedule).placement
-    params = _rank_parameters(model, c.tp, c.pp, c.vp, placement)
+    sharded = c.sharding == "optim_grads_params"
+    return [
+        weights_bytes(
+            count,
+            dp=c.dp,
+            precision=precision,
+            sharded=sharded,
+            gathered_fraction=_gathered_fraction(c.vp) if sharded else 1.0,
+        )
+        for count in _rank_parameters(model, c.tp, c.pp, c.vp, placement)
+    ]
+
+
+def _memory(
+    c: Candidate, m: int, model: Model, precision: Precision, weights: list[tuple[int, int, int]]
+) -> tuple[MemoryBreakdown, StageBytes]:
     layers_per_stage = model.num_layers // (c.pp * c.vp)
     stage = stage_activation_bytes(
         model,
@@ -350,17 +364,10 @@ def _memory(
             recompute="none",
             precision=precision,
         )
-    sharded = c.sharding == "optim_grads_params"
-    breakdowns = []
-    for rank, count in enumerate(params):
-        p, g, o = weights_bytes(
-            count,
-            dp=c.dp,
-            precision=precision,
-            sharded=sharded,
-            gathered_fraction=_gathered_fraction(c.vp) if sharded else 1.0,
-        )
-        breakdowns.append(MemoryBreakdown(p, g, o, activations[rank] + transient))
+    breakdowns = [
+        MemoryBreakdown(p, g, o, activations[rank] + transient)
+        for rank, (p, g, o) in enumerate(weights)
+    ]
     return max(breakdowns, key=lambda b: b.total), stage
 
 
@@ -449,8 +456,12 @@ def _size(
     """Memory, durations and bounds of one candidate (None when it does not fit, unless
     ``force``); and whether it fits."""
     m = global_batch_size // (c.dp * c.micro_batch_size)
-    memory, stage = _memory(c, m, model, options.precision)
-    fits = memory.total <= options.memory_fraction * cluster.gpu.memory_bytes
+    budget = options.memory_fraction * cluster.gpu.memory_bytes
+    weights = _weights(c, model, options.precision)
+    if not force and max(sum(w) for w in weights) > budget:
+        return None, False  # the weights alone do not fit: no need to walk the schedule
+    memory, stage = _memory(c, m, model, options.precision, weights)
+    fits = memory.total <= budget
     if not fits and not force:
         return None, False
     placement = get_spec(c.schedule).placement
