@@ -14,7 +14,6 @@ different times; the peak bytes of a rank is the peak of the weighted count, not
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_bfpp.ir import MEMORY_DELTA, Schedule, ScheduleError
@@ -243,8 +242,3 @@ def weights_bytes(
     grads = parameters * precision.grad_bytes
     optimizer = -(-parameters * precision.optimizer_bytes // dp)
     return params, grads, optimizer
-
-
-def busiest(breakdowns: Sequence[MemoryBreakdown]) -> MemoryBreakdown:
-    """The rank that needs the most memory (what must fit on every GPU)."""
-    return max(breakdowns, key=lambda m: m.total)

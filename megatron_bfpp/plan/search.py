@@ -7,7 +7,8 @@ growing with the number of micro-batches for every schedule but GPipe and breadt
 peaks are exactly m micro-batches per chunk, so a long schedule is walked at a short length,
 ``memory_microbatches``); the step time of every candidate is bounded below in closed form by its
 busiest rank's compute; candidates are simulated in order of a closed-form estimate, and one whose
-bound cannot beat the current top ``k`` nor its schedule family's best is never simulated.
+bound cannot beat the current top ``k`` (nor, when asked, its schedule family's best) is never
+simulated.
 What is simulated is the schedule ``build_schedule`` builds, the one the runtime runs.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -524,7 +525,8 @@ def evaluate(
         efficiency=efficiency,
         force=True,
     )
-    assert sized is not None  # forced
+    if sized is None:  # cannot happen with force=True; keeps the type checker honest
+        raise ScheduleError(f"could not size {candidate}")
     return _simulate(sized, model, cluster, global_batch_size)
 
 
@@ -592,7 +594,3 @@ def recommend(
         seconds=time.perf_counter() - start,
         efficiency_source=efficiency.source,
     )
-
-
-def plans_by_family(result: SearchResult) -> Sequence[Plan]:
-    return tuple(result.best_per_family.values())
