@@ -59,13 +59,14 @@ def measure_stage(
         raise ScheduleError(
             f"--profile-layers {num_layers} is more than the model's {model.num_layers} layers"
         )
-    with warnings.catch_warnings(), _SingleRank(target):
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron-core's notes on missing GPU-only extras
-        block = _build_block(model, num_layers, target, _DTYPES[chosen])
-        rows = [
-            _measure(block, model, b, target, _DTYPES[chosen], warmup, iterations)
-            for b in micro_batch_sizes
-        ]
+        with _SingleRank(target):
+            block = _build_block(model, num_layers, target, _DTYPES[chosen])
+            rows = [
+                _measure(block, model, b, target, _DTYPES[chosen], warmup, iterations)
+                for b in micro_batch_sizes
+            ]
     from megatron_bfpp.compat import megatron_core_version
 
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else _cpu_name()
