@@ -1,13 +1,45 @@
-"""``bfpp-plan``: estimates made before a run. Subcommands: ``bpipe-estimate`` (more to come)."""
+"""``bfpp-plan``: estimates made before a run. Subcommands: ``recommend`` (the configuration
+search), ``profile`` (measure one stage on this machine's device, for ``recommend --profile``)
+and ``bpipe-estimate``.
+
+Pure like the planner: ``profile`` imports torch and megatron-core only when it runs
+(``megatron_bfpp.profiler``)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
-from megatron_bfpp.cli.common import OneLineParser, fail, finite_float, json_text, positive_int
+from megatron_bfpp.cli.common import (
+    OneLineParser,
+    fail,
+    finite_float,
+    json_text,
+    output_file_problem,
+    positive_int,
+)
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.bpipe import Estimate, bpipe_speedup_estimate
+from megatron_bfpp.plan.costs import ProfileCurve
+from megatron_bfpp.plan.memory import RECOMPUTE
+from megatron_bfpp.plan.presets import (
+    GPUS,
+    MODELS,
+    Model,
+    get_gpu,
+    get_model,
+    model_from_shape,
+)
+from megatron_bfpp.plan.profile import load_profile
+from megatron_bfpp.plan.search import (
+    FAMILIES,
+    Cluster,
+    Plan,
+    SearchOptions,
+    SearchResult,
+    family_name,
+)
 
 PROG = "bfpp-plan"
 
@@ -18,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan a pipeline-parallel run before spending GPU hours on it.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    _add_recommend(commands)
+    _add_profile(commands)
     bpipe = commands.add_parser(
         "bpipe-estimate",
         help="is BPipe worth it: predicted speedup of a larger micro-batch (eq. 2-4 of "
@@ -62,7 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        parser.error("choose a command, e.g. bpipe-estimate")
+        parser.error("choose a command, e.g. recommend or bpipe-estimate")
+    if args.command == "recommend":
+        return _recommend(args)
+    if args.command == "profile":
+        return _profile(args)
     try:
         scale = 0.01 if args.percent else 1.0
         mfu_small, mfu_large = (value * scale for value in args.stage_mfu)
@@ -118,6 +156,365 @@ def format_estimate(estimate: Estimate) -> str:
         f"verdict: {e.verdict}",
     ]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- recommend
+
+
+def _add_shape_flags(command: argparse.ArgumentParser) -> None:
+    shape = command.add_argument_group(
+        "model", "a preset (--model) or an explicit shape (--arch and the sizes)"
+    )
+    shape.add_argument("--model", metavar="NAME", help=f"preset: {', '.join(MODELS)}")
+    shape.add_argument("--arch", choices=("gpt", "llama"), help="explicit shape: architecture")
+    shape.add_argument("--num-layers", type=positive_int, metavar="L")
+    shape.add_argument("--hidden-size", type=positive_int, metavar="H")
+    shape.add_argument("--num-attention-heads", type=positive_int, metavar="A")
+    shape.add_argument(
+        "--num-query-groups", type=positive_int, metavar="G", help="default: one per head"
+    )
+    shape.add_argument(
+        "--ffn-hidden-size", type=positive_int, metavar="F", help="default: 4h (gpt), 8h/3 (llama)"
+    )
+    shape.add_argument("--vocab-size", type=positive_int, metavar="V", help="default: 50257 gpt")
+    shape.add_argument(
+        "--seq-length", type=positive_int, metavar="S", help="default: the preset's (2048)"
+    )
+
+
+def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
+    command = commands.add_parser(
+        "recommend",
+        help="rank the parallel configurations of a model on a cluster by predicted step time",
+        description="Search schedule, tensor/pipeline/virtual/data parallel sizes, micro-batch "
+        "size and recomputation for a model on a cluster; drop what does not fit in GPU memory; "
+        "simulate the schedules that can win; print them best first. Formulas and sources: "
+        "docs/planner.md.",
+    )
+    _add_shape_flags(command)
+    cluster = command.add_argument_group("cluster and batch")
+    cluster.add_argument("--num-gpus", type=positive_int, required=True, metavar="N")
+    cluster.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="G")
+    cluster.add_argument("--gpu", required=True, metavar="NAME", help=f"{', '.join(GPUS)}")
+    cluster.add_argument("--global-batch-size", type=positive_int, required=True, metavar="B")
+    search = command.add_argument_group("search")
+    names = sorted({name for name, _ in FAMILIES})
+    search.add_argument(
+        "--schedules",
+        metavar="LIST",
+        help=f"comma-separated subset of {','.join(names)} (default: all)",
+    )
+    search.add_argument(
+        "--recompute",
+        metavar="LIST",
+        help=f"comma-separated subset of {','.join(RECOMPUTE)} (default: all)",
+    )
+    search.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="a stage profile (bfpp-plan profile) instead of the built-in efficiency curve",
+    )
+    search.add_argument("--top", type=positive_int, default=10, metavar="K")
+    out = command.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="throughput per GPU vs batch size per GPU per schedule family, and time vs cost "
+        "(needs matplotlib: pip install megatron-bfpp[plot]); runs one search per batch size",
+    )
+    out.add_argument(
+        "--critical-batch-size",
+        type=finite_float,
+        metavar="B_CRIT",
+        help="for --plot's time/cost panel: samples needed grow as 1 + B/B_CRIT",
+    )
+
+
+def _model_from_args(args: argparse.Namespace) -> Model:
+    explicit = [
+        flag
+        for flag, value in (
+            ("--arch", args.arch),
+            ("--num-layers", args.num_layers),
+            ("--hidden-size", args.hidden_size),
+            ("--num-attention-heads", args.num_attention_heads),
+            ("--num-query-groups", args.num_query_groups),
+            ("--ffn-hidden-size", args.ffn_hidden_size),
+            ("--vocab-size", args.vocab_size),
+        )
+        if value is not None
+    ]
+    if args.model is not None:
+        if explicit:
+            raise ScheduleError(
+                f"--model {args.model} is a preset; drop {', '.join(explicit)} or drop --model "
+                "and give the whole shape"
+            )
+        model = get_model(args.model)
+        return model.with_seq_length(args.seq_length) if args.seq_length else model
+    required = ("--arch", "--num-layers", "--hidden-size", "--num-attention-heads")
+    missing = [flag for flag in required if flag not in explicit]
+    if missing:
+        raise ScheduleError(
+            f"give --model NAME ({', '.join(MODELS)}) or an explicit shape; missing "
+            f"{', '.join(missing)}"
+        )
+    return model_from_shape(
+        arch=args.arch,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length or 2048,
+        vocab_size=args.vocab_size or (50257 if args.arch == "gpt" else 32000),
+    )
+
+
+def _choices(text: str | None, allowed: Sequence[str], flag: str) -> tuple[str, ...]:
+    if text is None:
+        return ()
+    chosen = tuple(part.strip() for part in text.split(",") if part.strip())
+    bad = [c for c in chosen if c not in allowed]
+    if bad or not chosen:
+        raise ScheduleError(
+            f"{flag}: {', '.join(bad) or 'empty'}; choose from {', '.join(allowed)}"
+        )
+    return chosen
+
+
+def _recommend(args: argparse.Namespace) -> int:
+    prog = f"{PROG} recommend"
+    try:
+        model = _model_from_args(args)
+        gpu = get_gpu(args.gpu)
+        cluster = Cluster(args.num_gpus, args.gpus_per_node, gpu)
+        schedules = _choices(args.schedules, sorted({n for n, _ in FAMILIES}), "--schedules")
+        recompute = _choices(args.recompute, RECOMPUTE, "--recompute") or RECOMPUTE
+        efficiency = None
+        if args.profile:
+            efficiency = ProfileCurve.from_profile(load_profile(args.profile), gpu)
+        if args.critical_batch_size is not None and args.critical_batch_size <= 0:
+            raise ScheduleError(
+                f"--critical-batch-size must be positive, got {args.critical_batch_size}"
+            )
+        if args.plot and (problem := output_file_problem("--plot", args.plot)):
+            raise ScheduleError(problem)
+        if args.plot:
+            _check_matplotlib()
+        options = SearchOptions(
+            schedules=schedules,
+            recompute=recompute,
+            top=args.top,
+            efficiency=efficiency,
+            best_per_family=not args.json,  # the table explains the ranking family by family
+        )
+        from megatron_bfpp.plan.search import recommend
+
+        result = recommend(
+            model=model,
+            cluster=cluster,
+            global_batch_size=args.global_batch_size,
+            options=options,
+        )
+        if not result.plans:
+            raise ScheduleError(
+                f"no configuration of {model.name} fits {cluster.num_gpus} x {gpu.name} at "
+                f"global batch {args.global_batch_size} ({result.rejected_out_of_memory} of "
+                f"{result.candidates_evaluated} candidates do not fit in memory); use more or "
+                "larger GPUs"
+            )
+        if args.plot:
+            from megatron_bfpp.plan.plot import batch_sweep, default_batch_sizes, render_plot
+
+            sizes = sorted({*default_batch_sizes(cluster.num_gpus), args.global_batch_size})
+            sweep = batch_sweep(model=model, cluster=cluster, options=options, batch_sizes=sizes)
+            render_plot(
+                sweep,
+                args.plot,
+                model=model,
+                cluster=cluster,
+                critical_batch_size=args.critical_batch_size,
+            )
+    except ScheduleError as error:
+        return fail(prog, error)
+    if args.json:
+        print(json_text(result.to_dict()))
+    else:
+        print(
+            format_recommendation(
+                result,
+                model=model,
+                cluster=cluster,
+                global_batch_size=args.global_batch_size,
+                schedules=schedules,
+            )
+        )
+        if args.plot:
+            print(f"\nplot: {args.plot}")
+    return 0
+
+
+def _check_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ScheduleError(
+            "--plot needs matplotlib: pip install 'megatron-bfpp[plot]' (or drop --plot)"
+        ) from None
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f}"
+
+
+def format_recommendation(
+    result: SearchResult,
+    *,
+    model: Model,
+    cluster: Cluster,
+    global_batch_size: int,
+    schedules: Sequence[str] = (),
+) -> str:
+    """The table people read: one row per configuration, best first, then what the columns
+    mean and which schedules the runtime cannot run yet."""
+    gpu = cluster.gpu
+    header = (
+        f"{'#':>2}  {'schedule':<28} {'tp':>2} {'pp':>3} {'vp':>2} {'dp':>3} {'b':>3} "
+        f"{'m':>4} {'recompute':<9} {'step s':>8} {'tokens/s':>9} {'MFU':>6} {'bubble':>6} "
+        f"{'params':>6} {'grads':>6} {'optim':>6} {'acts':>6} {'total':>6}"
+    )
+    lines = [
+        f"{model.name}: {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"{model.num_attention_heads} heads, sequence {model.seq_length}; "
+        f"{cluster.num_gpus} x {gpu.name} ({cluster.gpus_per_node} per node); "
+        f"global batch {global_batch_size} ({global_batch_size / cluster.num_gpus:g} per GPU)",
+        f"{result.candidates_evaluated} candidates, {result.rejected_out_of_memory} do not fit "
+        f"in {gpu.memory_bytes / 2**30:.0f} GiB, {result.simulated} simulated, {result.pruned} "
+        f"pruned by bounds, {result.seconds:.1f} s; compute from the {result.efficiency_source}",
+        "",
+        header,
+        "-" * len(header),
+    ]
+    unrunnable = set()
+    for rank, plan in enumerate(result.plans, 1):
+        lines.append(_row(rank, plan))
+        if not plan.runnable:
+            unrunnable.add(plan.candidate.schedule)
+    if result.best_per_family and result.plans:
+        first = result.plans[0].step_time_s
+        lines += ["", "best of each schedule family (slower than #1 by):"]
+        for family, plan in result.best_per_family.items():
+            c = plan.candidate
+            group = f" g={c.group_size}" if c.group_size else ""
+            lines.append(
+                f"  {family + group:<28} {plan.step_time_s:8.3f} s  "
+                f"{100 * (plan.step_time_s / first - 1):+6.1f}%  tp={c.tp} pp={c.pp} vp={c.vp} "
+                f"dp={c.dp} b={c.micro_batch_size} {c.recompute}, bubble "
+                f"{100 * plan.bubble_fraction:.1f}%"
+            )
+        missing = sorted(
+            {family_name(n, sh) for n, sh in FAMILIES}
+            - set(result.best_per_family)
+            - {family_name(n, sh) for n, sh in FAMILIES if schedules and n not in schedules}
+        )
+        if missing:
+            lines.append(f"  none fits in memory (or none exists): {', '.join(missing)}")
+    lines += [
+        "",
+        "step s: predicted step time; MFU: eq. 1 model FLOPs of 'Re-evaluating BPipe' over the "
+        "GPUs' peak; bubble: idle share of the simulated step; memory in GiB per GPU "
+        "(busiest pipeline rank).",
+    ]
+    if unrunnable:
+        lines.append(
+            f"* {', '.join(sorted(unrunnable))}: simulated and validated, not yet runnable "
+            "(the runtime refuses it; see README)."
+        )
+    return "\n".join(lines)
+
+
+def _row(rank: int, plan: Plan) -> str:
+    c, mem = plan.candidate, plan.memory
+    name = c.family + (f" g={c.group_size}" if c.group_size else "")
+    if not plan.runnable:
+        name += " *"
+    return (
+        f"{rank:>2}  {name:<28} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
+        f"{c.micro_batch_size:>3} {plan.num_microbatches:>4} {c.recompute:<9} "
+        f"{plan.step_time_s:>8.3f} {plan.tokens_per_s:>9.0f} {100 * plan.mfu:>5.1f}% "
+        f"{100 * plan.bubble_fraction:>5.1f}% {_gib(mem.parameters):>6} {_gib(mem.gradients):>6} "
+        f"{_gib(mem.optimizer):>6} {_gib(mem.activations):>6} {_gib(mem.total):>6}"
+    )
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def _add_profile(commands: argparse._SubParsersAction[OneLineParser]) -> None:
+    command = commands.add_parser(
+        "profile",
+        help="measure one pipeline stage of a megatron-core GPT/LLaMA on this machine's device "
+        "and write a JSON profile for 'recommend --profile'",
+        description="Build a few transformer layers of the model with megatron-core (tp=1) on "
+        "the local device and time their forward, backward, and the backward's input- and "
+        "weight-gradient parts at each micro-batch size. Runs on CPU too (for the format and "
+        "tests); its figures mean something on the GPU you plan for. Needs torch and "
+        "megatron-core (pip install megatron-bfpp[megatron]).",
+    )
+    _add_shape_flags(command)
+    command.add_argument(
+        "--profile-layers", type=positive_int, default=1, metavar="K", help="layers to time"
+    )
+    command.add_argument(
+        "--micro-batch-sizes", type=positive_int, nargs="+", default=[1, 2, 4], metavar="B"
+    )
+    command.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    command.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default=None,
+        help="default: bf16 on CUDA, fp32 on CPU",
+    )
+    command.add_argument("--warmup", type=positive_int, default=2, metavar="N")
+    command.add_argument("--iterations", type=positive_int, default=5, metavar="N")
+    command.add_argument("--output", "-o", required=True, metavar="FILE.json")
+
+
+def _profile(args: argparse.Namespace) -> int:
+    prog = f"{PROG} profile"
+    try:
+        model = _model_from_args(args)
+        if problem := output_file_problem("--output", args.output):
+            raise ScheduleError(problem)
+        try:
+            from megatron_bfpp import profiler
+        except ImportError as error:
+            raise ScheduleError(
+                f"profile needs torch and megatron-core ({error}); pip install "
+                "'megatron-bfpp[megatron]'"
+            ) from None
+        profile = profiler.measure_stage(
+            model=model,
+            num_layers=args.profile_layers,
+            micro_batch_sizes=tuple(args.micro_batch_sizes),
+            device=args.device,
+            dtype=args.dtype,
+            warmup=args.warmup,
+            iterations=args.iterations,
+        )
+        profiler.write_profile(profile, args.output)
+    except ScheduleError as error:
+        return fail(prog, error)
+    rows = ", ".join(
+        f"b={m.micro_batch_size}: F {1e3 * m.forward_s:.2f} ms, B {1e3 * m.backward_s:.2f} ms"
+        for m in profile.measurements
+    )
+    print(f"{prog}: {profile.device} ({profile.dtype}), {profile.num_layers} layer(s): {rows}")
+    print(f"wrote {args.output}")
+    sys.stdout.flush()
+    return 0
 
 
 if __name__ == "__main__":

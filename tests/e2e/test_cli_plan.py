@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +154,219 @@ def test_help_shows_every_flag() -> None:
     result = bfpp_plan("bpipe-estimate", "--help")
     assert result.returncode == 0
     assert "--stage-mfu MFU_SMALL MFU_LARGE" in result.stdout
+
+
+# --------------------------------------------------------------------------- recommend
+
+SMALL = ["recommend", "--model", "gpt3-52b", "--num-gpus", "64", "--gpu", "v100-32gb"]
+
+
+def test_recommend_table() -> None:
+    result = bfpp_plan(*SMALL, "--global-batch-size", "16", "--top", "5")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("gpt3-52b: 64 layers, hidden 8192, 64 heads, sequence 2048; 64 x")
+    assert "candidates," in lines[1] and "do not fit in 32 GiB" in lines[1]
+    assert "built-in efficiency curve for v100-32gb" in lines[1]
+    rows = [line for line in lines[3:] if line[:2].strip().isdigit()]
+    assert [int(row.split()[0]) for row in rows] == [1, 2, 3, 4, 5]
+    assert "MFU: eq. 1 model FLOPs" in result.stdout
+
+
+def test_recommend_json() -> None:
+    result = bfpp_plan(*SMALL, "--global-batch-size", "32", "--top", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert set(data) == {"candidates_evaluated", "rejected_out_of_memory", "configs"}
+    assert data["candidates_evaluated"] >= 2000
+    assert len(data["configs"]) == 3
+    first = data["configs"][0]
+    for key in (
+        "schedule",
+        "tensor_parallel",
+        "pipeline_parallel",
+        "virtual_stages",
+        "data_parallel",
+        "micro_batch_size",
+        "sharding",
+        "recompute",
+        "step_time_s",
+        "tokens_per_s",
+        "mfu",
+    ):
+        assert key in first
+    assert set(first["memory_per_gpu_bytes"]) == {
+        "parameters",
+        "gradients",
+        "optimizer",
+        "activations",
+        "total",
+    }
+    assert first["tokens_per_s"] == pytest.approx(32 * 2048 / first["step_time_s"])
+
+
+def test_recommend_explicit_shape_and_constraints() -> None:
+    result = bfpp_plan(
+        "recommend",
+        "--arch",
+        "llama",
+        "--num-layers",
+        "16",
+        "--hidden-size",
+        "2048",
+        "--num-attention-heads",
+        "16",
+        "--seq-length",
+        "1024",
+        "--num-gpus",
+        "8",
+        "--gpu",
+        "a100-40gb",
+        "--global-batch-size",
+        "32",
+        "--schedules",
+        "1f1b,breadth-first",
+        "--recompute",
+        "none",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    configs = json.loads(result.stdout)["configs"]
+    assert {c["schedule"] for c in configs} <= {"1f1b", "breadth-first"}
+    assert {c["recompute"] for c in configs} == {"none"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("recommend", "--model", "gpt4", "--num-gpus", "8", "--gpu", "a100-80gb"),
+            "unknown model 'gpt4'; choose one of gpt3-6.7b,",
+        ),
+        (
+            (*SMALL[:-1], "tpu", "--global-batch-size", "8"),
+            "unknown GPU 'tpu'; choose one of v100-32gb, a100-40gb, a100-80gb, h100-80gb",
+        ),
+        (
+            (*SMALL, "--global-batch-size", "8", "--num-layers", "4"),
+            "--model gpt3-52b is a preset; drop --num-layers",
+        ),
+        (
+            ("recommend", "--num-gpus", "8", "--gpu", "a100-80gb", "--global-batch-size", "8"),
+            "give --model NAME",
+        ),
+        (
+            ("recommend", "--model", "llama-7b", "--num-gpus", "12", "--gpu", "a100-80gb"),
+            "--num-gpus 12 is not a whole number of nodes of --gpus-per-node 8",
+        ),
+        ((*SMALL, "--global-batch-size", "8", "--schedules", "zigzag"), "--schedules: zigzag;"),
+        (
+            (*SMALL, "--global-batch-size", "8", "--profile", "/nonexistent.json"),
+            "--profile /nonexistent.json: cannot read it",
+        ),
+        (
+            (*SMALL, "--global-batch-size", "8", "--plot", "/nonexistent/dir/x.png"),
+            "--plot /nonexistent/dir/x.png: directory /nonexistent/dir does not exist",
+        ),
+        (
+            ("recommend", "--model", "gpt3-175b", "--num-gpus", "8", "--gpu", "v100-32gb"),
+            "no configuration of gpt3-175b fits 8 x v100-32gb",
+        ),
+        ((*SMALL, "--global-batch-size", "0"), "expected a positive integer, got 0"),
+    ],
+)
+def test_recommend_bad_input_is_one_line(args: tuple[str, ...], message: str) -> None:
+    if "--global-batch-size" not in args:
+        args = (*args, "--global-batch-size", "8")
+    result = bfpp_plan(*args)
+    assert result.returncode == 2, result.stdout
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0], lines[0]
+
+
+def test_recommend_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "plan.png"
+    result = bfpp_plan(
+        "recommend",
+        "--model",
+        "llama-7b",
+        "--num-gpus",
+        "8",
+        "--gpu",
+        "a100-80gb",
+        "--global-batch-size",
+        "8",
+        "--top",
+        "1",
+        "--recompute",
+        "selective",
+        "--plot",
+        str(target),
+        "--critical-batch-size",
+        "256",
+    )
+    assert result.returncode == 0, result.stderr
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {target}" in result.stdout
+
+
+# --------------------------------------------------------------------------- profile
+
+
+@pytest.mark.megatron
+def test_profile_on_cpu_then_recommend_reads_it(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    profile = tmp_path / "stage.json"
+    shape = [
+        "--arch",
+        "gpt",
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "64",
+        "--vocab-size",
+        "256",
+    ]
+    result = bfpp_plan(
+        "profile",
+        *shape,
+        "--profile-layers",
+        "2",
+        "--micro-batch-sizes",
+        "1",
+        "2",
+        "--iterations",
+        "2",
+        "--warmup",
+        "1",
+        "-o",
+        str(profile),
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(profile.read_text())
+    assert data["format"] == "bfpp-stage-profile" and data["device_type"] == "cpu"
+    assert [m["micro_batch_size"] for m in data["measurements"]] == [1, 2]
+    for m in data["measurements"]:
+        assert m["forward_s"] > 0 and m["backward_s"] > 0
+        assert m["backward_input_s"] + m["backward_weight_s"] == pytest.approx(m["backward_s"])
+    planned = bfpp_plan(
+        "recommend",
+        *shape,
+        "--num-gpus",
+        "4",
+        "--gpu",
+        "a100-80gb",
+        "--global-batch-size",
+        "8",
+        "--profile",
+        str(profile),
+    )
+    assert planned.returncode == 0, planned.stderr
+    assert "compute from the profile measured on CPU" in planned.stdout

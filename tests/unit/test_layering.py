@@ -39,7 +39,18 @@ ALLOWED = {
     "passes": {"ir", "messages", "execution", "validate", "passes"},
     "schedules": {"ir", "messages", "execution", "validate", "passes", "schedules"},
     "sim": {"ir", "messages", "execution", "validate", "passes", "schedules", "sim"},
-    "plan": {"ir", "messages", "execution", "validate", "passes", "schedules", "sim", "plan"},
+    # plan reads the torch-free parameter count of train (TORCH_FREE_TRAIN), nothing else there
+    "plan": {
+        "ir",
+        "messages",
+        "execution",
+        "validate",
+        "passes",
+        "schedules",
+        "sim",
+        "plan",
+        "train",
+    },
     # product code that needs torch / megatron-core
     "compat": set(),  # megatron-core versions
     "local_ranks": set(),  # the local process launcher
@@ -47,7 +58,9 @@ ALLOWED = {
     "megatron": {"ir", "schedules", "compat", "runtime", "megatron"},  # incl. the CPU adapter
     "train": {"ir", "schedules", "compat", "megatron", "runtime", "train"},  # megatron: CPU adapter
     "launch": {"compat", "megatron"},
-    "cli": PURE_LAYERS | {"cli", "compat", "local_ranks", "runtime", "train"},
+    "cli": PURE_LAYERS | {"cli", "compat", "local_ranks", "runtime", "train", "profiler"},
+    # bfpp-plan profile's measurement (torch, megatron-core); the command line imports it lazily
+    "profiler": {"ir", "plan", "train", "compat", "megatron"},
     "__init__": {"ir", "schedules"},
     # tests' helpers may use everything; nothing else may use them
     "testing": PURE_LAYERS | {"compat", "local_ranks", "runtime", "megatron", "train", "testing"},
@@ -92,6 +105,23 @@ def test_pure_layer_never_imports_torch_or_megatron(path: Path) -> None:
 
 
 ALL_FILES = sorted(PACKAGE.rglob("*.py"))
+
+# The train modules a pure layer may import: they import neither torch nor megatron themselves
+# (checked below), so the planner counts parameters with the code tested against megatron-core.
+TORCH_FREE_TRAIN = {"megatron_bfpp.train.model_memory", "megatron_bfpp.train.run_config"}
+
+
+def test_pure_layers_import_only_torch_free_train_modules() -> None:
+    for entry in PURE:
+        for path in _files(entry):
+            used = {n for n in _imports(path) if n.startswith("megatron_bfpp.train")}
+            assert used <= TORCH_FREE_TRAIN, f"{path.relative_to(PACKAGE)} imports {used}"
+    for name in TORCH_FREE_TRAIN:
+        path = PACKAGE / (name.removeprefix("megatron_bfpp.").replace(".", "/") + ".py")
+        bad = [n for n in _imports(path) if n == "megatron" or n.startswith(FORBIDDEN)]
+        bad += [n for n in _imports(path) if n.startswith("megatron_bfpp.train")]
+        bad = [n for n in bad if n not in TORCH_FREE_TRAIN]
+        assert not bad, f"{name} must stay torch-free for the planner; it imports {bad}"
 
 
 def test_every_unit_has_its_arrows() -> None:

@@ -1,0 +1,290 @@
+"""How long one micro-batch takes on one stage, and what communication costs: the numbers the
+simulator runs the schedule under.
+
+* FLOPs: eq. 1 of "Re-evaluating BPipe" (seed bpipe-reevaluation-paper.txt), 72bslh^2(1 + s/6h +
+  v/16lh) per step for forward and backward, which is 24bsh^2(1 + s/6h) per layer forward (the
+  FFN of LLaMA's SwiGLU costs what GPT's does, the paper shows) and 2bshv for the output layer.
+* Efficiency: the fraction of the GPU's peak a layer reaches grows with its work. Built in:
+  ``e_max * w / (w + e_max * P * tau)`` for a layer forward of ``w`` FLOPs per GPU, i.e. the
+  layer takes ``w / (e_max P) + tau`` (``Gpu.max_efficiency``, ``Gpu.layer_overhead_s``); or
+  measured (``ProfileCurve``: a stage profile's efficiencies, interpolated in log work).
+* Tensor parallelism: two all-reduces of the layer's activations per layer in the forward and two
+  in the backward (Megatron-LM; with sequence parallelism the same volume as all-gathers and
+  reduce-scatters), ring time ``2(t-1)/t * bytes / NVLink bandwidth``, not overlapped.
+* Pipeline messages: ``b s h * e`` bytes (``/t`` with sequence parallelism) over NVLink when the
+  whole pipeline sits in one node, else InfiniBand.
+* Data parallelism: per model chunk, a reduce-scatter of its fp32 gradients and an all-gather of
+  its 16-bit parameters (distributed optimizer), ``(d-1)/d * bytes / bandwidth``; NVLink when the
+  data-parallel group fits in a node.
+* Optimizer step: memory-bound, the bytes Adam reads and writes per parameter shard over HBM
+  bandwidth.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.plan.presets import Gpu, Model, Precision
+from megatron_bfpp.plan.profile import StageProfile
+
+__all__ = [
+    "BuiltinCurve",
+    "Efficiency",
+    "ProfileCurve",
+    "attention_core_flops",
+    "layer_forward_flops",
+    "model_flops_per_step",
+    "output_forward_flops",
+    "ring_collective_time",
+]
+
+INTRA_NODE_LATENCY_S = 5e-6
+INTER_NODE_LATENCY_S = 10e-6
+
+
+def model_flops_per_step(model: Model, *, global_batch_size: int) -> float:
+    """Eq. 1 of the BPipe re-evaluation: a step's model FLOPs (forward and backward, no
+    recomputation), the numerator of MFU."""
+    b, s, h = global_batch_size, model.seq_length, model.hidden_size
+    layers, v = model.num_layers, model.vocab_size
+    return 72.0 * b * s * layers * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * layers * h))
+
+
+def layer_forward_flops(model: Model, *, micro_batch_size: int, tp: int) -> float:
+    """One layer's forward on one tensor-parallel rank: 24bsh^2(1 + s/6h) / t."""
+    b, s, h = micro_batch_size, model.seq_length, model.hidden_size
+    return 24.0 * b * s * h * h * (1.0 + s / (6.0 * h)) / tp
+
+
+def attention_core_flops(model: Model, *, micro_batch_size: int, tp: int) -> float:
+    """QK^T and attention over V in one layer's forward, 4bs^2h / t: what selective
+    recomputation runs again in the backward."""
+    b, s, h = micro_batch_size, model.seq_length, model.hidden_size
+    return 4.0 * b * s * s * h / tp
+
+
+def output_forward_flops(model: Model, *, micro_batch_size: int, tp: int, vocab: int) -> float:
+    """The output layer's logits, 2bshv / t (on the last stage only)."""
+    return 2.0 * micro_batch_size * model.seq_length * model.hidden_size * vocab / tp
+
+
+class Efficiency(Protocol):
+    """Achieved fraction of peak for a layer forward of ``work`` FLOPs per GPU."""
+
+    @property
+    def source(self) -> str:
+        """Where the figures come from, for the output."""
+        ...
+
+    def forward(self, work: float) -> float: ...
+
+    def backward(self, work: float) -> float: ...
+
+    def weight_share(self, work: float) -> float:
+        """The weight-gradient part W of a backward (split-backward schedules)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinCurve:
+    """``e_max * w / (w + e_max * P * tau)``: a layer takes ``w / (e_max P) + tau``. Fit for the
+    A100 to the BPipe re-evaluation's single-stage MFUs with flash attention (Table 5: 57.7% at
+    b=1, 62.4% at b=2 for GPT-3 96B, t=4); the other GPUs use the same shape, not calibrated.
+    Backward: twice the forward's work at the forward's efficiency, half of it weight
+    gradients."""
+
+    gpu: Gpu
+
+    @property
+    def source(self) -> str:
+        return f"built-in efficiency curve for {self.gpu.name}"
+
+    def forward(self, work: float) -> float:
+        e = self.gpu.max_efficiency
+        return e * work / (work + e * self.gpu.peak_flops * self.gpu.layer_overhead_s)
+
+    def backward(self, work: float) -> float:
+        return self.forward(work)
+
+    def weight_share(self, work: float) -> float:
+        return 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileCurve:
+    """Efficiencies measured by ``bfpp-plan profile``, against ``gpu``'s peak, at the work per
+    layer of each measured micro-batch size; linear in log(work) between them, the nearest
+    measurement outside their range (the profile says nothing there)."""
+
+    works: tuple[float, ...]
+    forwards: tuple[float, ...]
+    backwards: tuple[float, ...]
+    weight_shares: tuple[float, ...]
+    origin: str
+
+    @property
+    def source(self) -> str:
+        return self.origin
+
+    @staticmethod
+    def from_profile(profile: StageProfile, gpu: Gpu) -> ProfileCurve:
+        rows = []
+        for m in profile.measurements:
+            work = layer_forward_flops(
+                profile.model, micro_batch_size=m.micro_batch_size, tp=profile.tensor_parallel
+            )
+            total = work * profile.num_layers
+            forward = total / (m.forward_s * gpu.peak_flops)
+            backward = 2.0 * total / (m.backward_s * gpu.peak_flops)
+            split = (m.backward_input_s or 0.0) + (m.backward_weight_s or 0.0)
+            if m.backward_weight_s is not None and split > 0:
+                share = m.backward_weight_s / split
+            else:
+                share = 0.5
+            rows.append((work, forward, backward, share))
+        rows.sort()
+        for work, forward, backward, _ in rows:
+            if forward > 1.0 or backward > 1.0:
+                raise ScheduleError(
+                    f"the profile's {profile.device} ran above the {gpu.name}'s peak "
+                    f"({max(forward, backward):.0%} at {work:.3g} FLOPs per layer): plan with the "
+                    "GPU it was measured on (--gpu)"
+                )
+        return ProfileCurve(
+            works=tuple(r[0] for r in rows),
+            forwards=tuple(r[1] for r in rows),
+            backwards=tuple(r[2] for r in rows),
+            weight_shares=tuple(r[3] for r in rows),
+            origin=f"profile measured on {profile.device}",
+        )
+
+    def _interpolate(self, values: tuple[float, ...], work: float) -> float:
+        works = self.works
+        if work <= works[0]:
+            return values[0]
+        if work >= works[-1]:
+            return values[-1]
+        i = bisect.bisect_right(works, work)
+        lo, hi = works[i - 1], works[i]
+        x = (math.log(work) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        return values[i - 1] + x * (values[i] - values[i - 1])
+
+    def forward(self, work: float) -> float:
+        return self._interpolate(self.forwards, work)
+
+    def backward(self, work: float) -> float:
+        return self._interpolate(self.backwards, work)
+
+    def weight_share(self, work: float) -> float:
+        return self._interpolate(self.weight_shares, work)
+
+
+def ring_collective_time(nbytes: float, *, group: int, bandwidth: float, latency: float) -> float:
+    """A ring reduce-scatter or all-gather of ``nbytes`` (the full tensor) over ``group`` ranks:
+    ``(n-1)/n * bytes / bandwidth`` plus a latency per step. An all-reduce is two of these."""
+    if group <= 1:
+        return 0.0
+    return (group - 1) / group * nbytes / bandwidth + (group - 1) * latency
+
+
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Seconds, for the simulator's ``CostModel``: ``forward`` / ``backward`` / ``weight`` of one
+    micro-batch through one full stage (``layers`` layers); ``output`` the output layer's extra
+    forward + backward on the last stage; ``p2p`` one pipeline message; ``grad_reduce`` /
+    ``param_gather`` one chunk's data-parallel collective; ``evict`` BPipe's transfer of one
+    full-stage micro-batch; ``optimizer`` the optimizer step."""
+
+    forward: float
+    backward: float
+    weight: float
+    output: float
+    p2p: float
+    grad_reduce: float
+    param_gather: float
+    evict: float
+    optimizer: float
+
+
+def stage_times(
+    *,
+    model: Model,
+    gpu: Gpu,
+    efficiency: Efficiency,
+    precision: Precision,
+    micro_batch_size: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    chunks: int,
+    gpus_per_node: int,
+    sequence_parallel: bool,
+    recompute: str,
+    vocab: int,
+    rank_parameters: int,
+    stage_activation_bytes: int,
+    communication: bool = True,
+    optimizer: bool = True,
+    output_layer: bool = True,
+) -> StageTimes:
+    """The durations of one candidate configuration (see the module docstring for each)."""
+    layers = model.num_layers // pp
+    peak = gpu.peak_flops
+    work = layer_forward_flops(model, micro_batch_size=micro_batch_size, tp=tp)
+    forward_compute = work / (efficiency.forward(work) * peak)
+    backward_compute = 2.0 * work / (efficiency.backward(work) * peak)
+    weight_compute = backward_compute * efficiency.weight_share(work)
+    e = precision.activation_bytes
+    activation = micro_batch_size * model.seq_length * model.hidden_size * e
+    tp_comm = 0.0
+    if communication and tp > 1:
+        all_reduce = 2 * ring_collective_time(
+            activation, group=tp, bandwidth=gpu.intra_node_bandwidth, latency=INTRA_NODE_LATENCY_S
+        )
+        tp_comm = 2 * all_reduce
+    recompute_time = 0.0
+    if recompute == "full":
+        recompute_time = forward_compute + tp_comm
+    elif recompute == "selective":
+        core = attention_core_flops(model, micro_batch_size=micro_batch_size, tp=tp)
+        recompute_time = core / (efficiency.forward(work) * peak)
+    out_work = output_forward_flops(model, micro_batch_size=micro_batch_size, tp=tp, vocab=vocab)
+    output = 3.0 * out_work / (efficiency.forward(out_work) * peak) if output_layer else 0.0
+    p2p = grad_reduce = param_gather = evict = 0.0
+    if communication:
+        pipeline_in_node = tp * dp * pp <= gpus_per_node
+        bandwidth = gpu.intra_node_bandwidth if pipeline_in_node else gpu.inter_node_bandwidth
+        latency = INTRA_NODE_LATENCY_S if pipeline_in_node else INTER_NODE_LATENCY_S
+        message = activation / (tp if sequence_parallel else 1)
+        p2p = message / bandwidth + latency if pp > 1 else 0.0
+        evict = stage_activation_bytes / bandwidth + latency
+        dp_in_node = tp * dp <= gpus_per_node
+        dp_bandwidth = gpu.intra_node_bandwidth if dp_in_node else gpu.inter_node_bandwidth
+        dp_latency = INTRA_NODE_LATENCY_S if dp_in_node else INTER_NODE_LATENCY_S
+        chunk = rank_parameters / chunks
+        grad_reduce = ring_collective_time(
+            chunk * precision.grad_bytes, group=dp, bandwidth=dp_bandwidth, latency=dp_latency
+        )
+        param_gather = ring_collective_time(
+            chunk * precision.param_bytes, group=dp, bandwidth=dp_bandwidth, latency=dp_latency
+        )
+    optimizer_time = 0.0
+    if optimizer:
+        # Adam reads gradient, master weight and moments and writes master, moments and weight.
+        per_parameter = precision.grad_bytes + 2 * precision.optimizer_bytes + precision.param_bytes
+        optimizer_time = rank_parameters / dp * per_parameter / gpu.hbm_bandwidth
+    return StageTimes(
+        forward=layers * (forward_compute + tp_comm),
+        backward=layers * (backward_compute + tp_comm + recompute_time),
+        weight=layers * weight_compute,
+        output=output,
+        p2p=p2p,
+        grad_reduce=grad_reduce,
+        param_gather=param_gather,
+        evict=evict,
+        optimizer=optimizer_time,
+    )

@@ -1,0 +1,244 @@
+"""What one GPU holds: weights, gradients, optimizer state, and stored activations.
+
+Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models" (MLSys 2023), section 4, counted per tensor autograd keeps for megatron-core's
+transformer layer, so that the same count serves GPT and LLaMA, any precision, with and without
+dropout (their 34sbh + 5as^2b is the GPT case in 16-bit with dropout: ``layer_activation_bytes``
+reproduces it exactly, see tests/unit/test_plan_model.py). Weights come from
+``train.model_memory``, which is checked against models megatron-core builds.
+
+Why per-stage weights and a walk over the schedule: the first stage also keeps the embedding's
+inputs and the last stage the logits, and a schedule stores different stages' micro-batches at
+different times; the peak bytes of a rank is the peak of the weighted count, not count x average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_bfpp.ir import MEMORY_DELTA, Schedule, ScheduleError
+from megatron_bfpp.plan.presets import Model, Precision
+from megatron_bfpp.train.model_memory import parameters_per_pipeline_rank
+from megatron_bfpp.train.run_config import Layout
+
+__all__ = [
+    "RECOMPUTE",
+    "MemoryBreakdown",
+    "PeakPoints",
+    "StageBytes",
+    "layer_activation_bytes",
+    "peak_activation_bytes",
+    "peak_points",
+    "rank_parameters",
+    "stage_activation_bytes",
+    "weights_bytes",
+]
+
+RECOMPUTE = ("none", "selective", "full")
+MASK_BYTES = 1  # a dropout mask is one byte per element (torch.bool)
+STAT_BYTES = 4  # LayerNorm / RMSNorm keep fp32 statistics per token
+INDEX_BYTES = 8  # int64 token / position / target indices
+
+
+def _check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE:
+        raise ScheduleError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+
+
+def layer_activation_bytes(
+    model: Model,
+    *,
+    micro_batch_size: int,
+    tp: int,
+    sequence_parallel: bool,
+    recompute: str,
+    precision: Precision,
+) -> int:
+    """Bytes one transformer layer keeps for the backward of one micro-batch, on one
+    tensor-parallel rank.
+
+    Per token (s x b of them), in elements of ``e = precision.activation_bytes`` bytes:
+
+    * replicated over tp unless sequence parallel: the two norms' inputs and outputs (4h), their
+      fp32 statistics (2 per norm for LayerNorm, 1 for RMSNorm), and with dropout the two
+      hidden-dropout masks (2h bytes);
+    * split over tp: Q, K and V as core attention keeps them (3h: megatron-core's unfused
+      attention stores them at full head count, GQA keys and values repeated), the projection's
+      input (h), the MLP's activation input and fc2 input (2f for GeLU; 4f for SwiGLU: fc1's two
+      halves, the SiLU output and the product), and the attention scores a*s (softmax output;
+      with dropout also its mask, 1 byte, and the dropped-out probabilities).
+
+    GPT in 16-bit with dropout: sbh(10 + 24/t + 5as/(ht)), Korthikanti's eq. 2; with sequence
+    parallelism everything is divided by t (their eq. 4). ``selective`` recomputes core
+    attention (drops the a*s terms); ``full`` keeps only the layer's input (``sbh*e``, split by t
+    with sequence parallelism).
+    """
+    _check_recompute(recompute)
+    s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
+    f = model.ffn_hidden_size
+    e = precision.activation_bytes
+    tokens = s * b
+    replicated_divisor = tp if sequence_parallel else 1
+    if recompute == "full":
+        return tokens * h * e // replicated_divisor
+    norm_stats = 2 * (1 if model.arch == "llama" else 2) * STAT_BYTES
+    replicated = tokens * (4 * h * e + norm_stats)
+    if model.dropout:
+        replicated += tokens * 2 * h * MASK_BYTES
+    mlp = (4 * f if model.arch == "llama" else 2 * f) * e
+    split = tokens * (4 * h * e + mlp)
+    if recompute == "none":
+        per_score = e + (MASK_BYTES + e if model.dropout else 0)
+        split += tokens * a * s * per_score
+    return replicated // replicated_divisor + split // tp
+
+
+@dataclass(frozen=True, slots=True)
+class StageBytes:
+    """Activation bytes of one micro-batch at a pipeline stage: ``layers`` for its transformer
+    layers, ``first`` extra on the first stage (token and position indices, the embedding's
+    dropout mask), ``last`` extra on the last (final norm, output layer input, the loss's fp32
+    softmax over the vocabulary and its indices)."""
+
+    layers: int
+    first: int
+    last: int
+
+
+def stage_activation_bytes(
+    model: Model,
+    *,
+    micro_batch_size: int,
+    tp: int,
+    layers_per_stage: int,
+    vocab_size: int,
+    sequence_parallel: bool,
+    recompute: str,
+    precision: Precision,
+) -> StageBytes:
+    """``StageBytes`` for stages of ``layers_per_stage`` layers; ``vocab_size`` as padded."""
+    tokens = model.seq_length * micro_batch_size
+    h, e = model.hidden_size, precision.activation_bytes
+    per_layer = layer_activation_bytes(
+        model,
+        micro_batch_size=micro_batch_size,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        precision=precision,
+    )
+    hidden_divisor = tp if sequence_parallel else 1
+    first = tokens * INDEX_BYTES * (1 if model.arch == "llama" else 2)
+    if model.dropout:
+        first += tokens * h * MASK_BYTES // hidden_divisor
+    norm_stats = (1 if model.arch == "llama" else 2) * STAT_BYTES
+    last = tokens * (2 * h * e // hidden_divisor + norm_stats)
+    last += tokens * vocab_size // tp * 4 + tokens * (1 + INDEX_BYTES)
+    return StageBytes(layers=per_layer * layers_per_stage, first=first, last=last)
+
+
+@dataclass(frozen=True, slots=True)
+class PeakPoints:
+    """For each rank, the moments that can hold its peak: the distinct Pareto-maximal triples
+    (stored stage-micro-batches, of which on the first stage, of which on the last stage) in
+    program order. The peak bytes for any ``StageBytes`` is the best of these points, so one
+    walk over a schedule serves every micro-batch size and recomputation."""
+
+    per_rank: tuple[tuple[tuple[int, int, int], ...], ...]
+
+
+def peak_points(schedule: Schedule) -> PeakPoints:
+    """Walk each rank's program once (``ir.MEMORY_DELTA``: F stores, B / W free, BPipe's
+    transfers move micro-batches between ranks)."""
+    last_stage = schedule.num_stages - 1
+    result = []
+    for actions in schedule.per_rank:
+        held = first = last = 0
+        points: set[tuple[int, int, int]] = set()
+        for action in actions:
+            delta = MEMORY_DELTA.get(action.kind, 0)
+            if not delta:
+                continue
+            held += delta
+            if action.stage == 0:
+                first += delta
+            if action.stage == last_stage:
+                last += delta
+            if delta > 0:
+                points.add((held, first, last))
+        result.append(tuple(_pareto(points)))
+    return PeakPoints(tuple(result))
+
+
+def _pareto(points: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    ordered = sorted(points, reverse=True)
+    kept: list[tuple[int, int, int]] = []
+    for point in ordered:
+        if not any(all(k >= p for k, p in zip(other, point, strict=True)) for other in kept):
+            kept.append(point)
+    return kept
+
+
+def peak_activation_bytes(points: PeakPoints, stage: StageBytes) -> tuple[int, ...]:
+    """Each rank's peak stored activation bytes."""
+    return tuple(
+        max((n * stage.layers + f * stage.first + la * stage.last for n, f, la in rank), default=0)
+        for rank in points.per_rank
+    )
+
+
+def rank_parameters(model: Model, *, tp: int, pp: int, chunks: int, placement: str) -> list[int]:
+    """Parameters of one tensor-parallel rank at each pipeline rank, as megatron-core builds the
+    model (``train.model_memory``, tested against megatron-core): layers, embeddings, final
+    norm and output layer (a tied GPT output weight's copy on the last stage)."""
+    layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
+    return parameters_per_pipeline_rank(model.shape(tp=tp), layout)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBreakdown:
+    """Bytes one GPU holds at its peak (the busiest pipeline rank's)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "total": self.total,
+        }
+
+
+def weights_bytes(
+    parameters: int,
+    *,
+    dp: int,
+    precision: Precision,
+    sharded: bool,
+    gathered_fraction: float,
+) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``.
+
+    The distributed optimizer shards its state over ``dp`` (megatron-core's; the buffers' padding
+    to a multiple of dp is left out). With sharded parameters (``optim_grads_params``) the rank
+    keeps its 1/dp shard of every chunk plus the chunks gathered at once (``gathered_fraction``
+    of its parameters: the schedule's ``peak_parameters``); gradient buffers stay whole, as this
+    runtime keeps them (runtime/sharding.py).
+    """
+    if sharded:
+        kept = -(-parameters // dp) * precision.param_bytes
+        params = kept + round(gathered_fraction * parameters) * precision.param_bytes
+    else:
+        params = parameters * precision.param_bytes
+    grads = parameters * precision.grad_bytes
+    optimizer = -(-parameters * precision.optimizer_bytes // dp)
+    return params, grads, optimizer

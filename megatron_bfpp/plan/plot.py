@@ -1,0 +1,158 @@
+"""The breadth-first paper's two pictures, predicted: throughput per GPU against batch size per
+GPU for each schedule family (its Figure 3), and training time against cost (its Figure 4).
+
+Figure 4 uses the paper's empirical model (seed breadth-first-pp-slides.txt): the samples needed
+to reach a loss grow as ``1 + B / B_crit`` with the batch size B, and the GPU utilisation depends
+mainly on the batch size per GPU ``beta``, so scaling the cluster to ``N`` GPUs at ``beta``
+(B = beta N) costs ``(1 + beta N / B_crit) / u(beta)`` GPU-seconds per minimum sample, ``u`` the
+samples per second per GPU, and takes that over N in time. Each family's curve is its best
+trade-off over the swept ``beta`` (each predicted on the given cluster) and cluster sizes from
+1/8 to 16 times the given one. Both axes are per minimum sample, so only the critical batch size
+is an input. matplotlib is imported only when drawing (the ``plot`` extra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.plan.presets import Model
+from megatron_bfpp.plan.search import Cluster, SearchOptions, SearchResult, recommend
+
+__all__ = [
+    "CLUSTER_SCALES",
+    "SweepPoint",
+    "batch_sweep",
+    "default_batch_sizes",
+    "render_plot",
+    "time_and_cost",
+    "trade_off",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    global_batch_size: int
+    result: SearchResult
+
+
+def default_batch_sizes(num_gpus: int) -> tuple[int, ...]:
+    """Batch sizes per GPU from 1/8 to 8 (the range of the paper's Figure 3), as whole global
+    batches."""
+    sizes = {max(1, round(num_gpus * beta)) for beta in (0.125, 0.25, 0.5, 1, 2, 4, 8)}
+    return tuple(sorted(sizes))
+
+
+def batch_sweep(
+    *,
+    model: Model,
+    cluster: Cluster,
+    options: SearchOptions,
+    batch_sizes: Sequence[int],
+) -> list[SweepPoint]:
+    """One search per global batch size, for each family's best (``top`` 1)."""
+    quick = replace(options, top=1, best_per_family=True)
+    return [
+        SweepPoint(b, recommend(model=model, cluster=cluster, global_batch_size=b, options=quick))
+        for b in batch_sizes
+    ]
+
+
+CLUSTER_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+def time_and_cost(
+    *,
+    samples_per_s_per_gpu: float,
+    batch_per_gpu: float,
+    num_gpus: float,
+    critical_batch_size: float,
+) -> tuple[float, float]:
+    """(seconds, GPU-seconds) per minimum sample on ``num_gpus`` GPUs at ``batch_per_gpu``:
+    cost ``(1 + beta N / B_crit) / u``, time cost / N."""
+    if critical_batch_size <= 0:
+        raise ScheduleError(f"--critical-batch-size must be positive, got {critical_batch_size}")
+    cost = (1.0 + batch_per_gpu * num_gpus / critical_batch_size) / samples_per_s_per_gpu
+    return cost / num_gpus, cost
+
+
+def trade_off(
+    rows: Sequence[tuple[float, float]], *, num_gpus: int, critical_batch_size: float
+) -> list[tuple[float, float]]:
+    """The (cost, time) frontier of one family: ``rows`` are (beta, samples/s per GPU); every
+    cluster size in ``CLUSTER_SCALES`` x ``num_gpus``; points no other beats on both axes,
+    by cost."""
+    points = []
+    for beta, rate in rows:
+        for scale in CLUSTER_SCALES:
+            time_s, cost = time_and_cost(
+                samples_per_s_per_gpu=rate,
+                batch_per_gpu=beta,
+                num_gpus=num_gpus * scale,
+                critical_batch_size=critical_batch_size,
+            )
+            points.append((cost, time_s))
+    points.sort()
+    frontier: list[tuple[float, float]] = []
+    for cost, time_s in points:
+        if not frontier or time_s < frontier[-1][1]:
+            frontier.append((cost, time_s))
+    return frontier
+
+
+def render_plot(
+    sweep: Sequence[SweepPoint],
+    path: str | Path,
+    *,
+    model: Model,
+    cluster: Cluster,
+    critical_batch_size: float | None,
+) -> Path:
+    """Draw both panels into one PNG (the second only with a critical batch size)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    families: dict[str, list[tuple[int, float, float]]] = {}
+    for point in sweep:
+        for family, plan in point.result.best_per_family.items():
+            families.setdefault(family, []).append(
+                (point.global_batch_size, plan.tokens_per_s, plan.mfu)
+            )
+    panels = 2 if critical_batch_size else 1
+    figure = Figure(figsize=(6.0 * panels, 4.5), dpi=90, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, panels, squeeze=False)[0]
+    n = cluster.num_gpus
+    seq = model.seq_length
+    for family, rows in sorted(families.items()):
+        rows.sort()
+        beta = [b / n for b, _, _ in rows]
+        axes[0].plot(beta, [t / n for _, t, _ in rows], marker="o", label=family)
+        if critical_batch_size:
+            frontier = trade_off(
+                [(b / n, t / seq / n) for b, t, _ in rows],
+                num_gpus=n,
+                critical_batch_size=critical_batch_size,
+            )
+            axes[1].plot([c for c, _ in frontier], [t for _, t in frontier], label=family)
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("batch size per GPU (samples)")
+    axes[0].set_ylabel("predicted tokens/s per GPU")
+    axes[0].set_title(f"{model.name} on {n} x {cluster.gpu.name}")
+    axes[0].grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    if critical_batch_size:
+        axes[1].set_xscale("log")
+        axes[1].set_yscale("log")
+        axes[1].set_xlabel("cost: GPU-seconds per minimum sample")
+        axes[1].set_ylabel("time: seconds per minimum sample")
+        axes[1].set_title(
+            f"time vs cost over cluster sizes, samples ~ 1 + B/{critical_batch_size:g}"
+        )
+        axes[1].grid(True, alpha=0.3, which="both")
+        axes[1].legend(fontsize=7)
+    target = Path(path)
+    figure.savefig(target)
+    return target

@@ -1,0 +1,235 @@
+"""The models and GPUs the planner knows by name, and the precision a run trains in.
+
+Why presets: a user should type ``--model gpt3-52b --gpu v100-32gb`` and get the shapes and the
+hardware figures the papers used, not look them up. Every figure's source is in docs/planner.md
+("Presets"); an explicit shape (``model_from_shape``) covers any other model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.train.run_config import ModelShape
+
+__all__ = [
+    "BF16_MIXED",
+    "FP32",
+    "GPUS",
+    "MODELS",
+    "Gpu",
+    "Model",
+    "Precision",
+    "get_gpu",
+    "get_model",
+    "model_from_shape",
+    "padded_vocab_size",
+]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """A transformer to plan for. ``arch`` is ``gpt`` (LayerNorm, GeLU MLP of ``ffn``, biases,
+    learned positions, tied embeddings) or ``llama`` (RMSNorm, SwiGLU, no biases, RoPE, untied
+    output, grouped-query attention with ``num_query_groups``). ``dropout``: whether the
+    activations hold dropout masks (GPT-3 trains with 0.1, LLaMA with none)."""
+
+    name: str
+    arch: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    seq_length: int
+    vocab_size: int
+    dropout: bool
+
+    def shape(self, *, tp: int) -> ModelShape:
+        """bfpp-train's ``ModelShape`` with the vocabulary padded as Megatron pads it for ``tp``,
+        so that ``train.model_memory`` counts the parameters megatron-core builds."""
+        return ModelShape(
+            self.arch,
+            self.num_layers,
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_query_groups,
+            self.ffn_hidden_size,
+            self.seq_length,
+            padded_vocab_size(self.vocab_size, tp=tp),
+        )
+
+    def with_seq_length(self, seq_length: int) -> Model:
+        return Model(
+            self.name,
+            self.arch,
+            self.num_layers,
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_query_groups,
+            self.ffn_hidden_size,
+            seq_length,
+            self.vocab_size,
+            self.dropout,
+        )
+
+
+def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's ``--make-vocab-size-divisible-by 128``, times tp (its default)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int) -> Model:
+    return Model(name, "gpt", layers, hidden, heads, heads, 4 * hidden, 2048, 50257, True)
+
+
+def _llama(
+    name: str, layers: int, hidden: int, heads: int, groups: int, ffn: int, seq: int
+) -> Model:
+    return Model(name, "llama", layers, hidden, heads, groups, ffn, seq, 32000, False)
+
+
+MODELS: dict[str, Model] = {
+    m.name: m
+    for m in (
+        _gpt("gpt3-6.7b", 32, 4096, 32),
+        _gpt("gpt3-52b", 64, 8192, 64),
+        Model("gpt3-96b", "gpt", 80, 9984, 104, 104, 4 * 9984, 2048, 50257, True),
+        _gpt("gpt3-175b", 96, 12288, 96),
+        _llama("llama-7b", 32, 4096, 32, 32, 11008, 2048),
+        _llama("llama-13b", 40, 5120, 40, 40, 13824, 2048),
+        _llama("llama-65b", 80, 8192, 64, 64, 22016, 2048),
+        _llama("llama-70b", 80, 8192, 64, 8, 28672, 4096),
+    )
+}
+
+
+def get_model(name: str) -> Model:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ScheduleError(
+            f"unknown model {name!r}; choose one of {', '.join(MODELS)} or give its shape "
+            "(--num-layers, --hidden-size, --num-attention-heads, ...)"
+        ) from None
+
+
+def model_from_shape(
+    *,
+    arch: str,
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    seq_length: int,
+    vocab_size: int,
+    num_query_groups: int | None = None,
+    ffn_hidden_size: int | None = None,
+    dropout: bool | None = None,
+) -> Model:
+    """A model given by its shape; defaults as Megatron's (ffn 4h for GPT, 8h/3 rounded up to 16
+    for LLaMA; every head its own group; dropout for GPT only)."""
+    if arch not in ("gpt", "llama"):
+        raise ScheduleError(f"model architecture must be gpt or llama, got {arch!r}")
+    named = {
+        "--num-layers": num_layers,
+        "--hidden-size": hidden_size,
+        "--num-attention-heads": num_attention_heads,
+        "--seq-length": seq_length,
+        "--vocab-size": vocab_size,
+    }
+    for flag, value in named.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{flag} must be a positive integer, got {value!r}")
+    if hidden_size % num_attention_heads:
+        raise ScheduleError(
+            f"--hidden-size {hidden_size} is not divisible by --num-attention-heads "
+            f"{num_attention_heads}"
+        )
+    groups = num_query_groups or num_attention_heads
+    if num_attention_heads % groups:
+        raise ScheduleError(
+            f"--num-attention-heads {num_attention_heads} is not divisible by "
+            f"--num-query-groups {groups}"
+        )
+    if ffn_hidden_size is None:
+        ffn = 4 * hidden_size if arch == "gpt" else -(-(8 * hidden_size // 3) // 16) * 16
+    else:
+        ffn = ffn_hidden_size
+    return Model(
+        name=f"{arch}-{num_layers}x{hidden_size}",
+        arch=arch,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=groups,
+        ffn_hidden_size=ffn,
+        seq_length=seq_length,
+        vocab_size=vocab_size,
+        dropout=arch == "gpt" if dropout is None else dropout,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """One GPU model in its usual 8-GPU server. Bandwidths are per GPU and direction, in bytes/s:
+    ``intra_node_bandwidth`` over NVLink, ``inter_node_bandwidth`` its share of the server's
+    InfiniBand. ``max_efficiency`` and ``layer_overhead_s`` shape the built-in efficiency curve
+    (``costs.efficiency``): the fraction of peak a large transformer layer reaches, and the
+    per-layer time that does not shrink with the work (kernel launches, memory-bound kernels),
+    which makes small micro-batches and thin tensor-parallel slices less efficient."""
+
+    name: str
+    peak_flops: float  # dense fp16/bf16 tensor-core FLOP/s
+    memory_bytes: int
+    hbm_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    max_efficiency: float
+    layer_overhead_s: float
+    dtype: str  # the 16-bit format it trains in
+
+
+GPUS: dict[str, Gpu] = {
+    g.name: g
+    for g in (
+        # V100 SXM2 32GB in a DGX-1 (the breadth-first paper's cluster): 125 TFLOP/s fp16, NVLink2
+        # 300 GB/s per GPU both directions, 4 x 100 Gb/s EDR InfiniBand per 8 GPUs.
+        Gpu("v100-32gb", 125e12, 32 * GiB, 900e9, 150e9, 6.25e9, 0.70, 1.0e-3, "fp16"),
+        # A100 SXM4 in a DGX A100: 312 TFLOP/s bf16, NVLink3 600 GB/s, 8 x 200 Gb/s HDR.
+        Gpu("a100-40gb", 312e12, 40 * GiB, 1555e9, 300e9, 25e9, 0.68, 1.0e-3, "bf16"),
+        Gpu("a100-80gb", 312e12, 80 * GiB, 2039e9, 300e9, 25e9, 0.68, 1.0e-3, "bf16"),
+        # H100 SXM5 in a DGX H100: 989 TFLOP/s bf16 dense, NVLink4 900 GB/s, 8 x 400 Gb/s NDR.
+        Gpu("h100-80gb", 989e12, 80 * GiB, 3350e9, 450e9, 50e9, 0.60, 1.0e-3, "bf16"),
+    )
+}
+
+
+def get_gpu(name: str) -> Gpu:
+    try:
+        return GPUS[name]
+    except KeyError:
+        raise ScheduleError(f"unknown GPU {name!r}; choose one of {', '.join(GPUS)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """Bytes per element of what a rank keeps: weights, their gradients (megatron-core DDP's
+    gradient buffer), the optimizer's state per parameter (Adam's two moments, plus an fp32
+    master copy when the weights are 16-bit; sharded over data parallelism by the distributed
+    optimizer) and stored activations."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+
+
+# Megatron-LM with --bf16/--fp16: 16-bit weights, fp32 gradient accumulation and reduction
+# (--accumulate-allreduce-grads-in-fp32, on by default with bf16), fp32 master weights and moments.
+BF16_MIXED = Precision("bf16-mixed", 2, 4, 12, 2)
+# bfpp-train and the CPU tests: fp32 weights are the optimizer's own, so only the moments count.
+FP32 = Precision("fp32", 4, 4, 8, 4)

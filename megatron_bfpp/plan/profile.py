@@ -1,0 +1,214 @@
+"""A measured pipeline stage, as ``bfpp-plan profile`` writes it and ``recommend --profile``
+reads it: JSON only (a file users hand us is data), checked field by field with one-line errors.
+
+Why one stage is enough (seed: "Re-evaluating BPipe", section 4): a stage's time per micro-batch
+gives its efficiency at that micro-batch size, and the pipeline's time follows from the stage's
+and the schedule's bubble. The planner turns each measurement into an efficiency (achieved
+FLOP/s over the planning GPU's peak) at that amount of work per layer, and interpolates between
+them for other micro-batch sizes and tensor-parallel slices (``costs.ProfileCurve``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.plan.presets import Model
+
+__all__ = [
+    "FORMAT",
+    "Measurement",
+    "StageProfile",
+    "load_profile",
+    "profile_from_dict",
+    "profile_to_dict",
+]
+
+FORMAT = "bfpp-stage-profile"
+VERSION = 1
+MAX_BYTES = 1 << 20  # a profile is a few hundred bytes; refuse anything that is not one
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One micro-batch size: seconds per micro-batch through the profiled layers.
+    ``backward_input_s`` / ``backward_weight_s``: the backward split into input and weight
+    gradients (split-backward schedules, V-shape); ``None`` when not measured."""
+
+    micro_batch_size: int
+    forward_s: float
+    backward_s: float
+    backward_input_s: float | None = None
+    backward_weight_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StageProfile:
+    """What was measured, where, on which model slice."""
+
+    device: str
+    device_type: str
+    model: Model
+    num_layers: int
+    tensor_parallel: int
+    dtype: str
+    measurements: tuple[Measurement, ...]
+    torch_version: str = ""
+    megatron_core_version: str = ""
+
+
+def profile_to_dict(profile: StageProfile) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "device": profile.device,
+        "device_type": profile.device_type,
+        "torch_version": profile.torch_version,
+        "megatron_core_version": profile.megatron_core_version,
+        "model": {
+            "name": profile.model.name,
+            "arch": profile.model.arch,
+            "hidden_size": profile.model.hidden_size,
+            "num_attention_heads": profile.model.num_attention_heads,
+            "num_query_groups": profile.model.num_query_groups,
+            "ffn_hidden_size": profile.model.ffn_hidden_size,
+            "seq_length": profile.model.seq_length,
+            "vocab_size": profile.model.vocab_size,
+            "dropout": profile.model.dropout,
+            "num_layers": profile.model.num_layers,
+        },
+        "num_layers": profile.num_layers,
+        "tensor_parallel": profile.tensor_parallel,
+        "dtype": profile.dtype,
+        "measurements": [asdict(m) for m in profile.measurements],
+    }
+
+
+def load_profile(path: str | Path) -> StageProfile:
+    """Read and check a profile file; every problem is one line naming the file."""
+    where = str(path)
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_BYTES + 1)
+    except OSError as error:
+        raise ScheduleError(
+            f"--profile {where}: cannot read it ({error.strerror or error})"
+        ) from None
+    if len(raw) > MAX_BYTES:
+        raise ScheduleError(f"--profile {where}: larger than 1 MiB, not a stage profile")
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
+        first = str(error).splitlines()[0]
+        raise ScheduleError(f"--profile {where}: not a JSON stage profile ({first})") from None
+    try:
+        return profile_from_dict(data)
+    except ScheduleError as error:
+        raise ScheduleError(f"--profile {where}: {error}") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def profile_from_dict(data: Any) -> StageProfile:
+    if not isinstance(data, dict):
+        raise ScheduleError("the file holds no JSON object")
+    if data.get("format") != FORMAT:
+        raise ScheduleError(f"'format' must be {FORMAT!r} (write one with 'bfpp-plan profile')")
+    if data.get("version") != VERSION:
+        raise ScheduleError(f"'version' must be {VERSION}, got {data.get('version')!r}")
+    model_data = _field(data, "model", dict)
+    model = Model(
+        name=_field(model_data, "name", str, where="model."),
+        arch=_field(model_data, "arch", str, where="model."),
+        num_layers=_positive(model_data, "num_layers", where="model."),
+        hidden_size=_positive(model_data, "hidden_size", where="model."),
+        num_attention_heads=_positive(model_data, "num_attention_heads", where="model."),
+        num_query_groups=_positive(model_data, "num_query_groups", where="model."),
+        ffn_hidden_size=_positive(model_data, "ffn_hidden_size", where="model."),
+        seq_length=_positive(model_data, "seq_length", where="model."),
+        vocab_size=_positive(model_data, "vocab_size", where="model."),
+        dropout=_field(model_data, "dropout", bool, where="model."),
+    )
+    if model.arch not in ("gpt", "llama"):
+        raise ScheduleError(f"'model.arch' must be 'gpt' or 'llama', got {model.arch!r}")
+    rows = _field(data, "measurements", list)
+    if not rows:
+        raise ScheduleError("'measurements' is empty: measure at least one micro-batch size")
+    measurements = tuple(_measurement(row, index) for index, row in enumerate(rows))
+    sizes = [m.micro_batch_size for m in measurements]
+    if len(set(sizes)) != len(sizes):
+        raise ScheduleError(f"'measurements' repeats a micro-batch size: {sizes}")
+    return StageProfile(
+        device=_field(data, "device", str),
+        device_type=_field(data, "device_type", str),
+        model=model,
+        num_layers=_positive(data, "num_layers"),
+        tensor_parallel=_positive(data, "tensor_parallel"),
+        dtype=_field(data, "dtype", str),
+        measurements=tuple(sorted(measurements, key=lambda m: m.micro_batch_size)),
+        torch_version=str(data.get("torch_version", "")),
+        megatron_core_version=str(data.get("megatron_core_version", "")),
+    )
+
+
+def _measurement(row: Any, index: int) -> Measurement:
+    where = f"measurements[{index}]."
+    if not isinstance(row, dict):
+        raise ScheduleError(f"'measurements[{index}]' must be an object")
+    forward = _seconds(row, "forward_s", where)
+    backward = _seconds(row, "backward_s", where)
+    split_input = _optional_seconds(row, "backward_input_s", where)
+    split_weight = _optional_seconds(row, "backward_weight_s", where)
+    if (split_input is None) != (split_weight is None):
+        raise ScheduleError(
+            f"'{where}backward_input_s' and 'backward_weight_s' come together or not at all"
+        )
+    return Measurement(
+        micro_batch_size=_positive(row, "micro_batch_size", where=where),
+        forward_s=forward,
+        backward_s=backward,
+        backward_input_s=split_input,
+        backward_weight_s=split_weight,
+    )
+
+
+def _field(
+    data: dict[str, Any], key: str, kind: type | tuple[type, ...], *, where: str = ""
+) -> Any:
+    if key not in data:
+        raise ScheduleError(f"'{where}{key}' is missing")
+    value = data[key]
+    named = "number" if isinstance(kind, tuple) else kind.__name__
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ScheduleError(f"'{where}{key}' must be a {named}, got {value!r}")
+    return value
+
+
+def _positive(data: dict[str, Any], key: str, *, where: str = "") -> int:
+    value = _field(data, key, int, where=where)
+    if value < 1 or value > 2**31:
+        raise ScheduleError(f"'{where}{key}' must be a positive integer, got {value}")
+    return int(value)
+
+
+def _optional_seconds(row: dict[str, Any], key: str, where: str) -> float | None:
+    """A part of the split backward: zero is a measurement too (W too small to time)."""
+    if row.get(key) is None:
+        return None
+    value = _field(row, key, (int, float), where=where)
+    if not math.isfinite(value) or value < 0:
+        raise ScheduleError(f"'{where}{key}' must be a number of seconds >= 0, got {value}")
+    return float(value)
+
+
+def _seconds(row: dict[str, Any], key: str, where: str) -> float:
+    value = _field(row, key, (int, float), where=where)
+    if not math.isfinite(value) or value <= 0:
+        raise ScheduleError(f"'{where}{key}' must be a positive number of seconds, got {value}")
+    return float(value)

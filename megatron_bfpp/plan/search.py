@@ -1,0 +1,596 @@
+"""The configuration search: every (schedule, tp, pp, vp, dp, micro-batch, recomputation) a
+cluster allows, dropped when it does not fit, ranked by the simulated step time.
+
+Why it is fast enough to run on a laptop (>= 2,000 candidates in seconds): the memory of every
+candidate comes from closed forms and one walk per distinct schedule shape (activation peaks stop
+growing with the number of micro-batches for every schedule but GPipe and breadth-first, whose
+peaks are exactly m micro-batches per chunk, so a long schedule is walked at a short length,
+``memory_microbatches``); the step time of every candidate is bounded below in closed form by its
+busiest rank's compute; candidates are simulated in order of a closed-form estimate, and one whose
+bound cannot beat the current top ``k`` (nor, when asked, its schedule family's best) is never
+simulated.
+What is simulated is the schedule ``build_schedule`` builds, the one the runtime runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from megatron_bfpp.ir import Schedule, ScheduleError
+from megatron_bfpp.plan.costs import (
+    BuiltinCurve,
+    Efficiency,
+    StageTimes,
+    model_flops_per_step,
+    stage_times,
+)
+from megatron_bfpp.plan.memory import (
+    RECOMPUTE,
+    MemoryBreakdown,
+    PeakPoints,
+    StageBytes,
+    layer_activation_bytes,
+    peak_activation_bytes,
+    peak_points,
+    rank_parameters,
+    stage_activation_bytes,
+    weights_bytes,
+)
+from megatron_bfpp.plan.presets import BF16_MIXED, Gpu, Model, Precision, padded_vocab_size
+from megatron_bfpp.schedules.registry import build_schedule, get_spec
+from megatron_bfpp.sim import CostModel, simulate
+
+__all__ = [
+    "FAMILIES",
+    "Candidate",
+    "Cluster",
+    "Plan",
+    "SearchOptions",
+    "SearchResult",
+    "candidates",
+    "evaluate",
+    "rank_parameters_of",
+    "recommend",
+]
+
+# (schedule, data-parallel sharding strategy): the families the planner compares.
+FAMILIES: tuple[tuple[str, str], ...] = (
+    ("1f1b", "optim"),
+    ("interleaved", "optim"),
+    ("breadth-first", "optim"),
+    ("breadth-first", "optim_grads_params"),
+    ("bpipe", "optim"),
+    ("v-min", "optim"),
+    ("v-half", "optim"),
+    ("v-zb", "optim"),
+    ("gpipe", "optim"),
+)
+NS = 1e9  # the simulator runs in integer nanoseconds: exact, whatever its arithmetic
+
+
+def family_name(schedule: str, sharding: str) -> str:
+    return f"{schedule} (sharded)" if sharding == "optim_grads_params" else schedule
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    num_gpus: int
+    gpus_per_node: int
+    gpu: Gpu
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--num-gpus", self.num_gpus), ("--gpus-per-node", self.gpus_per_node)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ScheduleError(f"{flag} must be a positive integer, got {value!r}")
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise ScheduleError(
+                f"--num-gpus {self.num_gpus} is not a whole number of nodes of "
+                f"--gpus-per-node {self.gpus_per_node}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SearchOptions:
+    """What to search and under which assumptions. ``communication`` / ``optimizer`` /
+    ``output_layer``: include those costs (the BPipe paper's estimate, eq. 2-4, leaves all three
+    out; so can a comparison with it)."""
+
+    schedules: tuple[str, ...] = ()  # empty: every family
+    recompute: tuple[str, ...] = RECOMPUTE
+    tensor_parallel: tuple[int, ...] = ()  # empty: 1, 2, 4, 8 within a node
+    pipeline_parallel: tuple[int, ...] = ()  # empty: every divisor
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    max_chunks: int = 8
+    top: int = 10
+    memory_fraction: float = 0.9
+    precision: Precision = BF16_MIXED
+    efficiency: Efficiency | None = None
+    communication: bool = True
+    optimizer: bool = True
+    output_layer: bool = True
+    best_per_family: bool = False  # also find each family's best (the plot, comparisons)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    schedule: str
+    sharding: str
+    tp: int
+    pp: int
+    vp: int
+    dp: int
+    micro_batch_size: int
+    recompute: str
+    group_size: int | None = None  # breadth-first's memory-bounded groups (None: one group)
+
+    @property
+    def family(self) -> str:
+        return family_name(self.schedule, self.sharding)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One configuration's prediction; ``to_dict`` is its JSON object in ``recommend --json``."""
+
+    candidate: Candidate
+    num_microbatches: int
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    memory: MemoryBreakdown
+    bubble_fraction: float
+    runnable: bool
+
+    def to_dict(self) -> dict[str, object]:
+        c = self.candidate
+        return {
+            "schedule": c.schedule,
+            "tensor_parallel": c.tp,
+            "pipeline_parallel": c.pp,
+            "virtual_stages": c.vp,
+            "data_parallel": c.dp,
+            "micro_batch_size": c.micro_batch_size,
+            "sharding": c.sharding,
+            "recompute": c.recompute,
+            "group_size": c.group_size,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "memory_per_gpu_bytes": self.memory.to_dict(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    candidates_evaluated: int
+    rejected_out_of_memory: int
+    simulated: int
+    pruned: int
+    plans: tuple[Plan, ...]  # best first, at most ``top``
+    best_per_family: dict[str, Plan] = field(default_factory=dict)
+    seconds: float = 0.0
+    efficiency_source: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "candidates_evaluated": self.candidates_evaluated,
+            "rejected_out_of_memory": self.rejected_out_of_memory,
+            "configs": [plan.to_dict() for plan in self.plans],
+        }
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(
+    *, model: Model, cluster: Cluster, global_batch_size: int, options: SearchOptions
+) -> Iterator[Candidate]:
+    """Every configuration the shapes allow: tp divides the heads, the query groups and the FFN
+    and stays in a node; the layers split evenly over pp x stages per rank; the global batch over
+    dp x micro-batch; interleaved needs a multiple of pp micro-batches (Megatron's rule);
+    sharded parameters need dp > 1; one pipeline rank only as 1F1B, i.e. plain data parallelism
+    (Megatron's default schedule: the plugin's schedules need pp >= 2)."""
+    families = [f for f in FAMILIES if not options.schedules or f[0] in options.schedules]
+    n = cluster.num_gpus
+    tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
+    for tp in tps:
+        if n % tp or model.num_attention_heads % tp or model.num_query_groups % tp:
+            continue
+        if model.ffn_hidden_size % tp:
+            continue
+        for pp in options.pipeline_parallel or _divisors(n // tp):
+            if (n // tp) % pp or model.num_layers % pp:
+                continue
+            dp = n // (tp * pp)
+            if global_batch_size % dp:
+                continue
+            per_pipeline = global_batch_size // dp
+            for schedule, sharding in families:
+                if sharding != "optim" and dp == 1:
+                    continue
+                if pp == 1 and schedule != "1f1b":
+                    continue
+                for vp in _chunk_choices(schedule, model.num_layers // pp, options.max_chunks):
+                    for b in options.micro_batch_sizes:
+                        if per_pipeline % b:
+                            continue
+                        m = per_pipeline // b
+                        if schedule == "interleaved" and m % pp:
+                            continue
+                        groups: list[int | None] = [None]
+                        if schedule == "breadth-first" and m > pp and m % pp == 0:
+                            groups.append(pp)
+                        for recompute in options.recompute:
+                            for group in groups:
+                                yield Candidate(
+                                    schedule, sharding, tp, pp, vp, dp, b, recompute, group
+                                )
+
+
+def _chunk_choices(schedule: str, layers_per_rank: int, max_chunks: int) -> list[int]:
+    placement = get_spec(schedule).placement
+    if placement == "single":
+        return [1]
+    if placement == "v-shape":
+        return [2] if layers_per_rank % 2 == 0 else []
+    return [v for v in _divisors(layers_per_rank) if 2 <= v <= max_chunks]
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def memory_microbatches(schedule: str, pp: int, vp: int, m: int) -> int:
+    """How many micro-batches to walk for ``schedule``'s activation peaks at m: they stop growing
+    by 2pp for 1F1B, BPipe, interleaved and the V-shapes (measured over pp <= 16, vp <= 8), so 3pp
+    (a multiple of pp, as interleaved needs) or m if smaller. tests/unit/test_plan_search.py
+    checks that walking this many gives the peaks of walking m."""
+    return min(m, 3 * pp)
+
+
+def _points(schedule: str, pp: int, vp: int, m: int, group: int | None) -> PeakPoints:
+    if schedule == "gpipe" or (schedule == "breadth-first" and group is None):
+        # Every forward before any backward: each rank holds all m micro-batches of its chunks.
+        last = pp - 1
+        return PeakPoints(
+            tuple(((m * vp, m if r == 0 else 0, m if r == last else 0),) for r in range(pp))
+        )
+    return _walked_points(schedule, pp, vp, memory_microbatches(schedule, pp, vp, m), group)
+
+
+@lru_cache(maxsize=4096)
+def _walked_points(schedule: str, pp: int, vp: int, m: int, group: int | None) -> PeakPoints:
+    """The compute order straight from the catalogue's generator: the memory walk needs no
+    messages, and ``build_schedule``'s validation of these generators is the tests' job (here it
+    would double the walk's cost)."""
+    spec = get_spec(schedule)
+    chunks = spec.chunks_for(None if spec.placement == "single" else vp)
+    kwargs: dict[str, int] = {} if chunks is None else {"num_chunks": chunks}
+    if group is not None:
+        kwargs["group_size"] = group
+    return peak_points(spec.generator(num_ranks=pp, num_microbatches=m, **kwargs))
+
+
+def _build(schedule: str, pp: int, vp: int, m: int, sharding: str, group: int | None) -> Schedule:
+    chunks = None if get_spec(schedule).placement == "single" else vp
+    options: dict[str, Any] = {} if group is None else {"group_size": group}
+    return build_schedule(
+        schedule,
+        num_ranks=pp,
+        num_microbatches=m,
+        num_chunks=chunks,
+        sharding=sharding,
+        **options,
+    )
+
+
+@lru_cache(maxsize=4096)
+def _rank_parameters(model: Model, tp: int, pp: int, vp: int, placement: str) -> tuple[int, ...]:
+    return tuple(rank_parameters(model, tp=tp, pp=pp, chunks=vp, placement=placement))
+
+
+def rank_parameters_of(
+    model: Model, *, schedule: str, tp: int, pp: int, vp: int
+) -> tuple[int, ...]:
+    """Parameters per pipeline rank of ``model`` laid out for ``schedule`` (its placement)."""
+    return _rank_parameters(model, tp, pp, vp, get_spec(schedule).placement)
+
+
+def _gathered_fraction(vp: int) -> float:
+    """Sharded breadth-first keeps at most two chunks gathered per rank (README, runtime)."""
+    return min(2, vp) / vp
+
+
+@dataclass(frozen=True, slots=True)
+class _Sized:
+    candidate: Candidate
+    m: int
+    memory: MemoryBreakdown
+    times: StageTimes
+    lower_bound: float
+    estimate: float
+
+
+def _weights(c: Candidate, model: Model, precision: Precision) -> list[tuple[int, int, int]]:
+    """(parameters, gradients, optimizer) bytes of each pipeline rank."""
+    placement = get_spec(c.schedule).placement
+    sharded = c.sharding == "optim_grads_params"
+    return [
+        weights_bytes(
+            count,
+            dp=c.dp,
+            precision=precision,
+            sharded=sharded,
+            gathered_fraction=_gathered_fraction(c.vp) if sharded else 1.0,
+        )
+        for count in _rank_parameters(model, c.tp, c.pp, c.vp, placement)
+    ]
+
+
+def _memory(
+    c: Candidate, m: int, model: Model, precision: Precision, weights: list[tuple[int, int, int]]
+) -> tuple[MemoryBreakdown, StageBytes]:
+    layers_per_stage = model.num_layers // (c.pp * c.vp)
+    stage = stage_activation_bytes(
+        model,
+        micro_batch_size=c.micro_batch_size,
+        tp=c.tp,
+        layers_per_stage=layers_per_stage,
+        vocab_size=padded_vocab_size(model.vocab_size, tp=c.tp),
+        sequence_parallel=c.sequence_parallel,
+        recompute=c.recompute,
+        precision=precision,
+    )
+    activations = peak_activation_bytes(_points(c.schedule, c.pp, c.vp, m, c.group_size), stage)
+    transient = 0
+    if c.recompute == "full":  # the layer being recomputed holds its full activations
+        transient = layer_activation_bytes(
+            model,
+            micro_batch_size=c.micro_batch_size,
+            tp=c.tp,
+            sequence_parallel=c.sequence_parallel,
+            recompute="none",
+            precision=precision,
+        )
+    breakdowns = [
+        MemoryBreakdown(p, g, o, activations[rank] + transient)
+        for rank, (p, g, o) in enumerate(weights)
+    ]
+    return max(breakdowns, key=lambda b: b.total), stage
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _cost_model(times: StageTimes) -> CostModel:
+    def ns(seconds: float) -> int:
+        return max(0, round(seconds * NS))
+
+    backward = ns(times.backward)
+    return CostModel(
+        t_forward=ns(times.forward),
+        t_backward=backward,
+        t_weight=min(ns(times.weight), backward),
+        t_p2p=ns(times.p2p),
+        t_grad_reduce=ns(times.grad_reduce),
+        t_param_gather=ns(times.param_gather),
+        t_evict=ns(times.evict),
+    )
+
+
+@lru_cache(maxsize=256)
+def _schedule(
+    schedule: str, pp: int, vp: int, m: int, sharding: str, group: int | None
+) -> Schedule:
+    return _build(schedule, pp, vp, m, sharding, group)
+
+
+def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]:
+    """(step time, bubble fraction) of ``c`` at m micro-batches, in the simulator's ns.
+
+    Long schedules repeat a steady state: when three lengths p apart (congruent to m mod p, from
+    about p, else from about 2p; else 2p apart) give step times on one line, exactly (integer
+    durations), the step at m lies on it too (to float rounding), and only those short schedules
+    are simulated; otherwise the whole schedule is. tests/unit/test_plan_search.py checks this
+    against full simulations.
+    """
+    p = c.pp
+    attempts = ((p, p + m % p), (p, 2 * p + m % p), (2 * p, 2 * p + m % (2 * p)))
+    for period, first in attempts:
+        if m <= first + 2 * period:
+            break
+        steps = []
+        for length in (first, first + period, first + 2 * period):
+            built = _schedule(c.schedule, c.pp, c.vp, length, c.sharding, c.group_size)
+            steps.append(simulate(built, costs).step_time)
+        slope = steps[1] - steps[0]
+        # On one line: exactly with integer durations; within float rounding while a stage's
+        # share (1/vp of a full stage) makes the simulator's sums inexact.
+        if abs(steps[2] - steps[1] - slope) <= 1e-9 * steps[2]:
+            step = steps[0] + (m - first) // period * slope
+            busy = m * (costs.t_forward + costs.t_backward)
+            return step, (step - busy) / step if step > 0 else 0.0
+    result = simulate(_schedule(c.schedule, c.pp, c.vp, m, c.sharding, c.group_size), costs)
+    return result.step_time, result.bubble_fraction
+
+
+def _simulate(sized: _Sized, model: Model, cluster: Cluster, global_batch_size: int) -> Plan:
+    c = sized.candidate
+    simulated_ns, bubble = _simulated_ns(c, sized.m, _cost_model(sized.times))
+    step = simulated_ns / NS + sized.m * sized.times.output + sized.times.optimizer
+    flops = model_flops_per_step(model, global_batch_size=global_batch_size)
+    return Plan(
+        candidate=c,
+        num_microbatches=sized.m,
+        step_time_s=step,
+        tokens_per_s=global_batch_size * model.seq_length / step,
+        mfu=flops / (step * cluster.num_gpus * cluster.gpu.peak_flops),
+        memory=sized.memory,
+        bubble_fraction=bubble,
+        runnable=get_spec(c.schedule).runnable,
+    )
+
+
+def _size(
+    c: Candidate,
+    *,
+    model: Model,
+    cluster: Cluster,
+    global_batch_size: int,
+    options: SearchOptions,
+    efficiency: Efficiency,
+    force: bool = False,
+) -> tuple[_Sized | None, bool]:
+    """Memory, durations and bounds of one candidate (None when it does not fit, unless
+    ``force``); and whether it fits."""
+    m = global_batch_size // (c.dp * c.micro_batch_size)
+    budget = options.memory_fraction * cluster.gpu.memory_bytes
+    weights = _weights(c, model, options.precision)
+    if not force and max(sum(w) for w in weights) > budget:
+        return None, False  # the weights alone do not fit: no need to walk the schedule
+    memory, stage = _memory(c, m, model, options.precision, weights)
+    fits = memory.total <= budget
+    if not fits and not force:
+        return None, False
+    placement = get_spec(c.schedule).placement
+    times = stage_times(
+        model=model,
+        gpu=cluster.gpu,
+        efficiency=efficiency,
+        precision=options.precision,
+        micro_batch_size=c.micro_batch_size,
+        tp=c.tp,
+        pp=c.pp,
+        dp=c.dp,
+        chunks=c.vp,
+        gpus_per_node=cluster.gpus_per_node,
+        sequence_parallel=c.sequence_parallel,
+        recompute=c.recompute,
+        vocab=padded_vocab_size(model.vocab_size, tp=c.tp),
+        rank_parameters=max(_rank_parameters(model, c.tp, c.pp, c.vp, placement)),
+        stage_activation_bytes=stage.layers * c.vp,
+        communication=options.communication,
+        optimizer=options.optimizer,
+        output_layer=options.output_layer,
+    )
+    busy = m * (times.forward + times.backward)
+    extra = m * times.output + times.optimizer
+    # No schedule beats this: the last rank starts after the first micro-batch's forward has
+    # crossed the p-1 stages before it, then computes its m full stages; with whole backwards
+    # (every family but the split V-shapes) its last backward's gradient still crosses p-1
+    # stages to rank 0. (Each stage holds 1/vp of a full stage.)
+    hops = c.pp - 1
+    fill = hops * (times.forward / c.vp + times.p2p)
+    if get_spec(c.schedule).placement != "v-shape":
+        fill += hops * (times.backward / c.vp + times.p2p)
+    lower = busy + fill + extra
+    # Order of simulation: the bound plus the data-parallel collectives, which breadth-first
+    # mostly hides and depth-first schedules mostly expose.
+    estimate = lower + c.vp * (times.grad_reduce + times.param_gather)
+    return _Sized(c, m, memory, times, lower, estimate), fits
+
+
+# --------------------------------------------------------------------------- search
+
+
+def evaluate(
+    candidate: Candidate,
+    *,
+    model: Model,
+    cluster: Cluster,
+    global_batch_size: int,
+    options: SearchOptions = SearchOptions(),
+) -> Plan:
+    """One configuration, simulated whether or not it fits (``Plan.memory`` says)."""
+    efficiency = options.efficiency or BuiltinCurve(cluster.gpu)
+    sized, _ = _size(
+        candidate,
+        model=model,
+        cluster=cluster,
+        global_batch_size=global_batch_size,
+        options=options,
+        efficiency=efficiency,
+        force=True,
+    )
+    if sized is None:  # cannot happen with force=True; keeps the type checker honest
+        raise ScheduleError(f"could not size {candidate}")
+    return _simulate(sized, model, cluster, global_batch_size)
+
+
+def recommend(
+    *,
+    model: Model,
+    cluster: Cluster,
+    global_batch_size: int,
+    options: SearchOptions = SearchOptions(),
+) -> SearchResult:
+    """Rank every configuration that fits by predicted step time (best first)."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
+        raise ScheduleError(f"--global-batch-size must be an integer, got {global_batch_size!r}")
+    if global_batch_size < 1:
+        raise ScheduleError(f"--global-batch-size must be positive, got {global_batch_size}")
+    start = time.perf_counter()
+    efficiency = options.efficiency or BuiltinCurve(cluster.gpu)
+    evaluated = rejected = 0
+    fitting: list[_Sized] = []
+    for c in candidates(
+        model=model, cluster=cluster, global_batch_size=global_batch_size, options=options
+    ):
+        evaluated += 1
+        sized, _ = _size(
+            c,
+            model=model,
+            cluster=cluster,
+            global_batch_size=global_batch_size,
+            options=options,
+            efficiency=efficiency,
+        )
+        if sized is not None:
+            fitting.append(sized)
+        else:
+            rejected += 1
+    fitting.sort(key=lambda s: s.estimate)  # stable: ties keep the enumeration order
+    top: list[tuple[float, int, Plan]] = []  # max-heap of the best ``top`` by -step time
+    family_best: dict[str, Plan] = {}
+    simulated = pruned = 0
+    for index, sized in enumerate(fitting):
+        family = sized.candidate.family
+        kth = -top[0][0] if len(top) >= options.top else math.inf
+        best = family_best.get(family)
+        if sized.lower_bound >= kth and (
+            not options.best_per_family
+            or (best is not None and sized.lower_bound >= best.step_time_s)
+        ):
+            pruned += 1
+            continue
+        plan = _simulate(sized, model, cluster, global_batch_size)
+        simulated += 1
+        if best is None or plan.step_time_s < best.step_time_s:
+            family_best[family] = plan
+        heapq.heappush(top, (-plan.step_time_s, -index, plan))
+        if len(top) > options.top:
+            heapq.heappop(top)
+    plans = tuple(p for _, _, p in sorted(top, key=lambda t: (-t[0], -t[1])))
+    return SearchResult(
+        candidates_evaluated=evaluated,
+        rejected_out_of_memory=rejected,
+        simulated=simulated,
+        pruned=pruned,
+        plans=plans,
+        best_per_family=dict(sorted(family_best.items(), key=lambda kv: kv[1].step_time_s)),
+        seconds=time.perf_counter() - start,
+        efficiency_source=efficiency.source,
+    )

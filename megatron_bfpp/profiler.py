@@ -1,0 +1,263 @@
+"""``bfpp-plan profile``: time one pipeline stage of a megatron-core GPT / LLaMA on this machine.
+
+Why: the planner's built-in efficiency curve is a fit to one paper's numbers; a stage measured on
+the GPU you plan for replaces it (``recommend --profile``), as "Re-evaluating BPipe" predicts a
+pipeline from one stage measured alone. The stage is ``num_layers`` transformer layers of the
+model (megatron-core's local layer spec, the layers bfpp-train builds, tp = 1), run in this
+process on one device; the profile holds seconds per micro-batch for its forward, its backward
+(B), and the backward split into input gradients (I: the backward with every weight frozen) and
+weight gradients (W = B - I), at each micro-batch size.
+
+torch and megatron-core are imported here only; the command line imports this module when the
+``profile`` command runs. On CPU it runs in seconds for a tiny model (the format and the tests);
+only a GPU's figures mean anything for planning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.plan.presets import Model
+from megatron_bfpp.plan.profile import Measurement, StageProfile, profile_to_dict
+
+__all__ = ["measure_stage", "write_profile"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def measure_stage(
+    *,
+    model: Model,
+    num_layers: int,
+    micro_batch_sizes: Sequence[int],
+    device: str = "auto",
+    dtype: str | None = None,
+    warmup: int = 2,
+    iterations: int = 5,
+) -> StageProfile:
+    """Time ``num_layers`` layers of ``model`` at each micro-batch size (median of
+    ``iterations`` after ``warmup``)."""
+    target = _device(device)
+    chosen = dtype or ("bf16" if target.type == "cuda" else "fp32")
+    if chosen not in _DTYPES:
+        raise ScheduleError(f"dtype must be one of {', '.join(_DTYPES)}, got {chosen!r}")
+    if target.type == "cpu" and chosen != "fp32":
+        raise ScheduleError(f"--dtype {chosen} on CPU: megatron-core's CPU path is fp32 only")
+    if num_layers > model.num_layers:
+        raise ScheduleError(
+            f"--profile-layers {num_layers} is more than the model's {model.num_layers} layers"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core's notes on missing GPU-only extras
+        with _SingleRank(target):
+            block = _build_block(model, num_layers, target, _DTYPES[chosen])
+            rows = [
+                _measure(block, model, b, target, _DTYPES[chosen], warmup, iterations)
+                for b in micro_batch_sizes
+            ]
+    from megatron_bfpp.compat import megatron_core_version
+
+    name = torch.cuda.get_device_name(target) if target.type == "cuda" else _cpu_name()
+    return StageProfile(
+        device=name,
+        device_type=target.type,
+        model=model,
+        num_layers=num_layers,
+        tensor_parallel=1,
+        dtype=chosen,
+        measurements=tuple(rows),
+        torch_version=torch.__version__,
+        megatron_core_version=".".join(map(str, megatron_core_version())),
+    )
+
+
+def write_profile(profile: StageProfile, path: str | Path) -> None:
+    """Write the JSON profile (replacing the file only once it is complete)."""
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n")
+    os.replace(temporary, target)
+
+
+def _device(device: str) -> torch.device:
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ScheduleError("--device cuda: no CUDA device is available here")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return f"CPU: {line.split(':', 1)[1].strip()}"
+    except OSError:
+        pass
+    return "CPU"
+
+
+class _SingleRank:
+    """A one-rank process group and megatron-core parallel state (tp = pp = 1), torn down after,
+    unless the caller already has them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.owned = False
+        self.cpu_redirects = False
+
+    def __enter__(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if self.device.type == "cpu":
+            from megatron_bfpp.megatron.cpu import enable_cpu_megatron, is_cpu_megatron_enabled
+
+            if not is_cpu_megatron_enabled():
+                enable_cpu_megatron()
+                self.cpu_redirects = True
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            from torch.distributed import HashStore  # type: ignore[attr-defined]
+
+            dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1)
+            parallel_state.initialize_model_parallel(1, 1)
+            self.owned = True
+        from megatron.core.tensor_parallel import random as mrandom
+
+        torch.manual_seed(0)
+        mrandom.model_parallel_cuda_manual_seed(0)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if self.owned:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+        if self.cpu_redirects:
+            from megatron_bfpp.megatron.cpu import disable_cpu_megatron
+
+            disable_cpu_megatron()
+
+
+def _build_block(
+    model: Model, num_layers: int, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_bfpp.train.presets import transformer_config
+
+    shape = dataclasses.replace(model.shape(tp=1), num_layers=num_layers)
+    config = transformer_config(shape, tp=1, pp=1, vp=None, on_cpu=device.type == "cpu")
+    half = dtype != torch.float32
+    config = dataclasses.replace(
+        config,
+        perform_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        hidden_dropout=0.1 if model.dropout else 0.0,
+        attention_dropout=0.1 if model.dropout else 0.0,
+        use_cpu_initialization=not half,
+    )
+    llama = model.arch == "llama"
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm")
+    block: torch.nn.Module = TransformerBlock(config, spec=spec, post_layer_norm=False)
+    return block.to(device=device, dtype=dtype)
+
+
+def _measure(
+    block: torch.nn.Module,
+    model: Model,
+    micro_batch_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    warmup: int,
+    iterations: int,
+) -> Measurement:
+    shape = (model.seq_length, micro_batch_size, model.hidden_size)
+    rotary = _rotary(block, model, device)
+    parameters = [p for p in block.parameters() if p.requires_grad]
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+        return hidden, block(hidden, attention_mask=None, rotary_pos_emb=rotary)
+
+    def full_backward() -> float:
+        _, out = forward()
+        grad = torch.ones_like(out)
+        return _timed(device, lambda: torch.autograd.backward(out, grad))
+
+    def input_backward() -> float:
+        for p in parameters:
+            p.requires_grad_(False)
+        try:
+            hidden, out = forward()
+            grad = torch.ones_like(out)
+            return _timed(device, lambda: torch.autograd.grad(out, [hidden], grad))
+        finally:
+            for p in parameters:
+                p.requires_grad_(True)
+
+    forwards, backwards, inputs = [], [], []
+    for step in range(warmup + iterations):
+        hidden = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+        f = _timed(
+            device, functools.partial(block, hidden, attention_mask=None, rotary_pos_emb=rotary)
+        )
+        b = full_backward()
+        i = input_backward()
+        for p in parameters:
+            p.grad = None
+        if step >= warmup:
+            forwards.append(f)
+            backwards.append(b)
+            inputs.append(i)
+    backward = statistics.median(backwards)
+    # Timing noise can make the input-gradient part look slower than the whole backward.
+    backward_input = min(statistics.median(inputs), backward)
+    return Measurement(
+        micro_batch_size=micro_batch_size,
+        forward_s=statistics.median(forwards),
+        backward_s=backward,
+        backward_input_s=backward_input,
+        backward_weight_s=backward - backward_input,
+    )
+
+
+def _rotary(block: torch.nn.Module, model: Model, device: torch.device) -> Any:
+    if model.arch != "llama":
+        return None
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    config: Any = block.config
+    rope = RotaryEmbedding(
+        kv_channels=config.kv_channels, rotary_percent=1.0, use_cpu_initialization=True
+    )
+    return rope(model.seq_length).to(device)
+
+
+def _timed(device: torch.device, work: Callable[[], Any]) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    work()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start

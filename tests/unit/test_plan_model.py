@@ -1,0 +1,272 @@
+"""The planner's formulas: Korthikanti's activation counts, eq. 1 FLOPs, the efficiency curve's
+fit to the BPipe paper, weights with and without sharding, the memory walk over a schedule, stage
+profiles, and the paper's worked example through recommend's own model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.plan.bpipe import bpipe_speedup_estimate
+from megatron_bfpp.plan.costs import (
+    BuiltinCurve,
+    ProfileCurve,
+    layer_forward_flops,
+    model_flops_per_step,
+)
+from megatron_bfpp.plan.memory import (
+    StageBytes,
+    layer_activation_bytes,
+    peak_activation_bytes,
+    peak_points,
+    weights_bytes,
+)
+from megatron_bfpp.plan.presets import (
+    BF16_MIXED,
+    FP32,
+    MODELS,
+    get_gpu,
+    get_model,
+    model_from_shape,
+    padded_vocab_size,
+)
+from megatron_bfpp.plan.profile import (
+    Measurement,
+    StageProfile,
+    load_profile,
+    profile_to_dict,
+)
+from megatron_bfpp.plan.search import Candidate, Cluster, SearchOptions, evaluate
+from megatron_bfpp.schedules.registry import build_schedule
+
+GPT = model_from_shape(
+    arch="gpt",
+    num_layers=8,
+    hidden_size=1024,
+    num_attention_heads=16,
+    seq_length=512,
+    vocab_size=1000,
+)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_activations_are_korthikanti_eq2_without_sequence_parallel(tp: int) -> None:
+    s, b, h, a = GPT.seq_length, 2, GPT.hidden_size, GPT.num_attention_heads
+    got = layer_activation_bytes(
+        GPT,
+        micro_batch_size=b,
+        tp=tp,
+        sequence_parallel=False,
+        recompute="none",
+        precision=BF16_MIXED,
+    )
+    norm_stats = 2 * 2 * 4 * s * b  # two LayerNorms keep fp32 mean and rstd per token
+    assert got == s * b * h * 10 + (24 * s * b * h + 5 * a * s * s * b) // tp + norm_stats
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_activations_with_sequence_parallel_and_recomputation(tp: int) -> None:
+    s, b, h, a = GPT.seq_length, 1, GPT.hidden_size, GPT.num_attention_heads
+    kwargs = dict(micro_batch_size=b, tp=tp, sequence_parallel=True, precision=BF16_MIXED)
+    stats = 2 * 2 * 4 * s * b // tp
+    assert layer_activation_bytes(GPT, recompute="none", **kwargs) == (
+        (34 * s * b * h + 5 * a * s * s * b) // tp + stats
+    )  # Korthikanti eq. 4 (sequence parallel)
+    assert layer_activation_bytes(GPT, recompute="selective", **kwargs) == (
+        34 * s * b * h // tp + stats
+    )  # eq. 6: selective recomputation drops the attention core
+    assert layer_activation_bytes(GPT, recompute="full", **kwargs) == 2 * s * b * h // tp
+
+
+def test_activations_refuse_an_unknown_recomputation() -> None:
+    with pytest.raises(ScheduleError, match="recompute must be one of none, selective, full"):
+        layer_activation_bytes(
+            GPT,
+            micro_batch_size=1,
+            tp=1,
+            sequence_parallel=False,
+            recompute="some",
+            precision=FP32,
+        )
+
+
+def test_eq1_flops_of_gpt3_96b() -> None:
+    model = get_model("gpt3-96b")
+    b, s, h, layers, v = 128, 2048, 9984, 80, 50257
+    expected = 72 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
+    assert model_flops_per_step(model, global_batch_size=b) == pytest.approx(expected, rel=1e-12)
+    # The layers' share is three passes of the per-layer forward.
+    per_layer = layer_forward_flops(model, micro_batch_size=b, tp=1)
+    assert 3 * layers * per_layer == pytest.approx(72 * b * s * layers * h**2 * (1 + s / (6 * h)))
+
+
+def test_builtin_curve_is_fit_to_the_bpipe_papers_flash_attention_stage() -> None:
+    # Table 5, GPT-3 96B, t=4, flash attention 2: 57.7% at b=1, 62.4% at b=2 on A100s.
+    curve = BuiltinCurve(get_gpu("a100-80gb"))
+    model = get_model("gpt3-96b")
+    for b, mfu in ((1, 0.577), (2, 0.624)):
+        work = layer_forward_flops(model, micro_batch_size=b, tp=4)
+        assert curve.forward(work) == pytest.approx(mfu, abs=0.01)
+    assert curve.forward(1e9) < curve.forward(1e12) < get_gpu("a100-80gb").max_efficiency
+
+
+def test_presets_have_the_published_sizes() -> None:
+    sizes = {
+        "gpt3-6.7b": 6.7e9,
+        "gpt3-52b": 52e9,
+        "gpt3-96b": 96e9,
+        "gpt3-175b": 175e9,
+        "llama-7b": 6.7e9,
+        "llama-13b": 13e9,
+        "llama-65b": 65e9,
+        "llama-70b": 70e9,
+    }
+    from megatron_bfpp.plan.memory import rank_parameters
+
+    for name, size in sizes.items():
+        total = sum(rank_parameters(MODELS[name], tp=1, pp=1, chunks=1, placement="single"))
+        assert total == pytest.approx(size, rel=0.06), name
+
+
+def test_vocabulary_is_padded_as_megatron_lm_pads_it() -> None:
+    assert padded_vocab_size(50257, tp=1) == 50304
+    assert padded_vocab_size(50257, tp=8) == 51200
+
+
+def test_weights_with_and_without_sharded_parameters() -> None:
+    # bf16 weights, fp32 gradients, 12 bytes of Adam state per parameter sharded over dp.
+    assert weights_bytes(1000, dp=4, precision=BF16_MIXED, sharded=False, gathered_fraction=1) == (
+        2000,
+        4000,
+        3000,
+    )
+    # Sharded: the 1/dp shard plus the chunks gathered at the peak (here a quarter).
+    assert weights_bytes(
+        1000, dp=4, precision=BF16_MIXED, sharded=True, gathered_fraction=0.25
+    ) == (
+        500 + 500,
+        4000,
+        3000,
+    )
+
+
+def test_memory_walk_weights_first_and_last_stages() -> None:
+    built = build_schedule("1f1b", num_ranks=4, num_microbatches=8, lower=False)
+    points = peak_points(built)
+    # 1F1B: rank r holds p - r micro-batches; rank 0's are all first-stage, rank 3 holds one.
+    assert points.per_rank[0] == ((4, 4, 0),)
+    assert points.per_rank[3] == ((1, 0, 1),)
+    stage = StageBytes(layers=100, first=10, last=1000)
+    assert peak_activation_bytes(points, stage) == (440, 300, 200, 1100)
+
+
+def _table5_profile(model_name: str = "gpt3-96b") -> StageProfile:
+    """One stage of GPT-3 96B (t=4, 10 layers) timed so that its MFU is Table 5's, experiments
+    (7) and (8): 37.8% at b=1 and 55.2% at b=2, on A100s."""
+    model = get_model(model_name)
+    peak = get_gpu("a100-80gb").peak_flops
+    rows = []
+    for b, mfu in ((1, 0.378), (2, 0.552)):
+        work = 10 * layer_forward_flops(model, micro_batch_size=b, tp=4)
+        stage = 3 * work / (mfu * peak)  # forward + backward of the stage
+        rows.append(Measurement(b, stage / 3, 2 * stage / 3))
+    return StageProfile("A100-SXM4-80GB", "cuda", model, 10, 4, "bf16", tuple(rows))
+
+
+def test_worked_example_gpt3_96b_b1_to_b2_is_1_39_as_bpipe_estimate() -> None:
+    """The seed paper's section 4: 1F1B at b=1 -> BPipe at b=2, p=8, t=4, B=128: 1.39. The
+    planner times both with the simulator on the schedules build_schedule makes, from the
+    stage profile, under the paper's assumptions (no communication, no optimizer step, no
+    output layer: eq. 2 counts (B/b + p - 1) slots of the stage's T(b))."""
+    model = get_model("gpt3-96b")
+    gpu = get_gpu("a100-80gb")
+    curve = ProfileCurve.from_profile(_table5_profile(), gpu)
+    options = SearchOptions(
+        efficiency=curve, communication=False, optimizer=False, output_layer=False
+    )
+    cluster = Cluster(32, 8, gpu)
+    common = dict(model=model, cluster=cluster, global_batch_size=128, options=options)
+    before = evaluate(Candidate("1f1b", "optim", 4, 8, 1, 1, 1, "selective"), **common)
+    after = evaluate(Candidate("bpipe", "optim", 4, 8, 1, 1, 2, "selective"), **common)
+    ratio = before.step_time_s / after.step_time_s
+    estimate = bpipe_speedup_estimate(
+        stage_mfu_small=0.378,
+        stage_mfu_large=0.552,
+        micro_batch_small=1,
+        micro_batch_large=2,
+        global_batch_size=128,
+        pp=8,
+    )
+    assert ratio == pytest.approx(estimate.predicted_speedup, rel=1e-6)
+    assert round(ratio, 2) == 1.39
+    assert after.mfu / before.mfu == pytest.approx(ratio)
+
+
+def test_profile_round_trip(tmp_path: Path) -> None:
+    profile = _table5_profile()
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_to_dict(profile)))
+    assert load_profile(path) == profile
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: "not json", "not a JSON stage profile"),
+        (lambda d: [], "the file holds no JSON object"),
+        (lambda d: {**d, "format": "x"}, "'format' must be 'bfpp-stage-profile'"),
+        (lambda d: {**d, "measurements": []}, "'measurements' is empty"),
+        (
+            lambda d: {**d, "measurements": [{**d["measurements"][0], "forward_s": -1}]},
+            "'measurements[0].forward_s' must be a positive number of seconds, got -1",
+        ),
+        (
+            lambda d: {**d, "measurements": [{**d["measurements"][0], "backward_s": "fast"}]},
+            "'measurements[0].backward_s' must be a number, got 'fast'",
+        ),
+        (lambda d: {k: v for k, v in d.items() if k != "device"}, "'device' is missing"),
+        (
+            lambda d: {**d, "measurements": d["measurements"] * 2},
+            "'measurements' repeats a micro-batch size",
+        ),
+    ],
+)
+def test_bad_profiles_are_one_line(tmp_path: Path, mutate: object, message: str) -> None:
+    data = profile_to_dict(_table5_profile())
+    path = tmp_path / "p.json"
+    changed = mutate(data)  # type: ignore[operator]
+    path.write_text(changed if isinstance(changed, str) else json.dumps(changed))
+    with pytest.raises(ScheduleError) as error:
+        load_profile(path)
+    text = str(error.value)
+    assert "\n" not in text and text.startswith(f"--profile {path}: ") and message in text
+
+
+def test_nan_in_a_profile_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_to_dict(_table5_profile())).replace("0.", 'NaN, "x": 0.', 1))
+    with pytest.raises(ScheduleError, match="not a JSON stage profile"):
+        load_profile(path)
+
+
+def test_a_profile_above_the_gpus_peak_is_refused() -> None:
+    with pytest.raises(ScheduleError, match="ran above the v100-32gb's peak"):
+        ProfileCurve.from_profile(_table5_profile(), get_gpu("v100-32gb")).forward(1.0)
+
+
+def test_time_and_cost_follow_the_papers_model() -> None:
+    from megatron_bfpp.plan.plot import time_and_cost, trade_off
+
+    # 64 GPUs at 0.5 samples each (B = 32), B_crit = 32: twice the minimum samples.
+    time_s, cost = time_and_cost(
+        samples_per_s_per_gpu=2.0, batch_per_gpu=0.5, num_gpus=64, critical_batch_size=32
+    )
+    assert cost == pytest.approx((1 + 0.5 * 64 / 32) / 2.0) and time_s == pytest.approx(cost / 64)
+    frontier = trade_off([(0.5, 2.0), (4.0, 2.5)], num_gpus=64, critical_batch_size=32)
+    costs, times = [c for c, _ in frontier], [t for _, t in frontier]
+    assert costs == sorted(costs) and times == sorted(times, reverse=True)
+    with pytest.raises(ScheduleError, match="--critical-batch-size must be positive"):
+        time_and_cost(samples_per_s_per_gpu=1, batch_per_gpu=1, num_gpus=1, critical_batch_size=0)

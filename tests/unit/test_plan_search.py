@@ -1,0 +1,192 @@
+"""The configuration search: its shortcuts give what the long way gives (memory walked at a short
+length, steps extrapolated from three short simulations, the closed-form bound below every
+simulated step), its size, its output, and the breadth-first paper's qualitative result."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.plan.costs import BuiltinCurve
+from megatron_bfpp.plan.memory import peak_points
+from megatron_bfpp.plan.presets import get_gpu, get_model
+from megatron_bfpp.plan.search import (
+    Candidate,
+    Cluster,
+    SearchOptions,
+    _cost_model,
+    _points,
+    _simulated_ns,
+    _size,
+    candidates,
+    memory_microbatches,
+    recommend,
+)
+from megatron_bfpp.schedules.registry import build_schedule
+from megatron_bfpp.sim import simulate
+
+V100_64 = Cluster(64, 8, get_gpu("v100-32gb"))
+GPT52 = get_model("gpt3-52b")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "vp"),
+    [
+        *((s, p, 1) for s in ("1f1b", "bpipe") for p in (2, 3, 4, 8)),
+        *(("interleaved", p, v) for p in (2, 4) for v in (2, 4)),
+        *((s, p, 2) for s in ("v-min", "v-half", "v-zb") for p in (2, 3, 4, 8)),
+    ],
+)
+def test_memory_walked_at_a_short_length_is_the_long_walk(schedule: str, pp: int, vp: int) -> None:
+    chunks = None if schedule in ("1f1b", "bpipe") else vp
+    for m in sorted({5 * pp, 7 * pp, 9 * pp, 5 * pp + 1, 6 * pp + pp // 2}):
+        if schedule == "interleaved" and m % pp:
+            continue
+        assert memory_microbatches(schedule, pp, vp, m) < m
+        full = build_schedule(
+            schedule, num_ranks=pp, num_microbatches=m, num_chunks=chunks, lower=False
+        )
+        assert _points(schedule, pp, vp, m, None) == peak_points(full), m
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "vp"), [("gpipe", 4, 1), ("breadth-first", 4, 2), ("breadth-first", 3, 4)]
+)
+def test_closed_form_peaks_of_all_forwards_first_schedules(schedule: str, pp: int, vp: int) -> None:
+    chunks = None if schedule == "gpipe" else vp
+    for m in (1, pp, 3 * pp + 1):
+        full = build_schedule(
+            schedule, num_ranks=pp, num_microbatches=m, num_chunks=chunks, lower=False
+        )
+        assert _points(schedule, pp, vp, m, None) == peak_points(full)
+
+
+def _sample(global_batch_size: int, every: int) -> list[Candidate]:
+    options = SearchOptions(micro_batch_sizes=(1, 2), recompute=("selective",))
+    found = candidates(
+        model=GPT52, cluster=V100_64, global_batch_size=global_batch_size, options=options
+    )
+    return [c for c in itertools.islice(found, 0, None, every) if c.pp > 1][:24]
+
+
+EXPLICIT = [
+    Candidate("1f1b", "optim", 8, 8, 1, 1, 1, "selective"),
+    Candidate("gpipe", "optim", 4, 4, 1, 4, 2, "full"),
+    Candidate("v-min", "optim", 8, 4, 2, 2, 1, "none"),
+    Candidate("bpipe", "optim", 4, 8, 1, 2, 1, "selective"),
+]
+
+
+@pytest.mark.parametrize("candidate", [*_sample(128, 7), *EXPLICIT], ids=str)
+def test_bound_and_extrapolation_agree_with_full_simulation(candidate: Candidate) -> None:
+    sized, _ = _size(
+        candidate,
+        model=GPT52,
+        cluster=V100_64,
+        global_batch_size=128,
+        options=SearchOptions(),
+        efficiency=BuiltinCurve(V100_64.gpu),
+        force=True,
+    )
+    assert sized is not None
+    costs = _cost_model(sized.times)
+    chunks = None if candidate.vp == 1 else candidate.vp
+    full = simulate(
+        build_schedule(
+            candidate.schedule,
+            num_ranks=candidate.pp,
+            num_microbatches=sized.m,
+            num_chunks=chunks,
+            sharding=candidate.sharding,
+            **({"group_size": candidate.group_size} if candidate.group_size else {}),
+        ),
+        costs,
+    )
+    step, _ = _simulated_ns(candidate, sized.m, costs)
+    assert step == pytest.approx(full.step_time, rel=1e-9)
+    total = step / 1e9 + sized.m * sized.times.output + sized.times.optimizer
+    assert sized.lower_bound <= total * (1 + 1e-12)
+
+
+def test_search_size_and_json_fields() -> None:
+    result = recommend(model=GPT52, cluster=V100_64, global_batch_size=64)
+    assert result.candidates_evaluated >= 2000
+    assert 0 < result.rejected_out_of_memory < result.candidates_evaluated
+    data = result.to_dict()
+    assert set(data) == {"candidates_evaluated", "rejected_out_of_memory", "configs"}
+    steps = [c["step_time_s"] for c in data["configs"]]
+    assert steps == sorted(steps) and len(steps) == 10
+    config = data["configs"][0]
+    assert set(config) == {
+        "schedule",
+        "tensor_parallel",
+        "pipeline_parallel",
+        "virtual_stages",
+        "data_parallel",
+        "micro_batch_size",
+        "sharding",
+        "recompute",
+        "group_size",
+        "step_time_s",
+        "tokens_per_s",
+        "mfu",
+        "memory_per_gpu_bytes",
+    }
+    memory = config["memory_per_gpu_bytes"]
+    assert memory["total"] == sum(
+        memory[k] for k in ("parameters", "gradients", "optimizer", "activations")
+    )
+    assert memory["total"] <= 0.9 * V100_64.gpu.memory_bytes
+    tp, pp, dp = config["tensor_parallel"], config["pipeline_parallel"], config["data_parallel"]
+    assert tp * pp * dp == 64
+
+
+def _advantage(global_batch_size: int) -> tuple[float, float, float]:
+    """Best step of breadth-first (either sharding), interleaved and 1F1B at one batch size."""
+    result = recommend(
+        model=GPT52,
+        cluster=V100_64,
+        global_batch_size=global_batch_size,
+        options=SearchOptions(
+            schedules=("breadth-first", "interleaved", "1f1b"), best_per_family=True
+        ),
+    )
+    best = result.best_per_family
+    breadth = min(best[f].step_time_s for f in best if f.startswith("breadth-first"))
+    return breadth, best["interleaved"].step_time_s, best["1f1b"].step_time_s
+
+
+@pytest.mark.slow
+def test_breadth_first_wins_at_small_batch_per_gpu_and_the_gap_closes() -> None:
+    """The breadth-first paper's Figure 3 (52B, 64 x V100-32GB): at 0.25 samples per GPU
+    breadth-first is at least as fast as depth-first interleaved (with m = pp micro-batches the
+    two orders are the same schedule) and well ahead of 1F1B; at 8 per GPU its lead over 1F1B
+    is gone."""
+    breadth, interleaved, one_f_one_b = _advantage(16)
+    assert breadth <= interleaved * (1 + 1e-9)
+    small = 1 - breadth / one_f_one_b
+    assert small > 0.15
+    breadth, interleaved, one_f_one_b = _advantage(512)
+    large = 1 - breadth / one_f_one_b
+    assert large < small / 2 and large < 0.05
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(global_batch_size=0), "--global-batch-size must be positive"),
+        (dict(global_batch_size=True), "--global-batch-size must be an integer"),
+    ],
+)
+def test_bad_search_input(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        recommend(model=GPT52, cluster=V100_64, **kwargs)  # type: ignore[arg-type]
+
+
+def test_cluster_checks() -> None:
+    with pytest.raises(ScheduleError, match="not a whole number of nodes"):
+        Cluster(12, 8, get_gpu("a100-80gb"))
+    with pytest.raises(ScheduleError, match="--num-gpus must be a positive integer"):
+        Cluster(0, 8, get_gpu("a100-80gb"))
