@@ -28,6 +28,7 @@ from typing import Any
 __all__ = [
     "SUPPORTED_WINDOW",
     "UnsupportedMegatronError",
+    "accumulate_wgrad_fused",
     "backward_step",
     "call_megatron_get_forward_backward_func",
     "check_megatron_core",
@@ -35,11 +36,17 @@ __all__ = [
     "forward_step",
     "is_multi_module_collection",
     "is_supported",
+    "linear_function_args",
+    "linear_function_option",
+    "local_linear_layers",
     "megatron_core_version",
+    "megatron_linear_forward",
     "model_process_groups",
     "param_gather_suppressed",
     "process_groups_without_embedding_group",
     "sharded_param_buckets",
+    "transformer_engine_layers",
+    "wgrad_operands",
 ]
 
 # (first, last) inclusive (major, minor) ranges of megatron-core we test and serve.
@@ -304,3 +311,101 @@ def process_groups_without_embedding_group(groups: Any) -> Any:
     stripped = copy.copy(groups)
     stripped.embd = _OneRankGroup()
     return stripped
+
+
+# --- deferred weight gradients (runtime.deferred_wgrad) ---------------------------------------
+# megatron-core's local linear layers (``ColumnParallelLinear``, ``RowParallelLinear``) run their
+# GEMMs through ``LinearWithGradAccumulationAndAsyncCommunication``. Its forward, and the context
+# fields its backward reads (saved input and weight, ``main_grad``, ``use_bias``,
+# ``gradient_accumulation_fusion``, ``allreduce_dgrad``, ``sequence_parallel``, ``tp_group``),
+# are the same in 0.16.1, 0.19.2 and 0.20.0; its argument list is not (0.16 wraps a deprecated
+# ``async_grad_allreduce``, 0.19 adds ``gtp_remat_size``), so the arguments are built by name.
+
+
+def transformer_engine_layers(module: Any) -> list[Any]:
+    """The Transformer Engine layers megatron-core built into ``module`` (its
+    ``megatron.core.extensions.transformer_engine`` wrappers), which keep their own weight GEMMs
+    in the backward."""
+    prefix = "megatron.core.extensions.transformer_engine"
+    return [
+        m
+        for m in module.modules()
+        if type(m).__module__.startswith(prefix) and getattr(m, "weight", None) is not None
+    ]
+
+
+def local_linear_layers(module: Any) -> list[Any]:
+    """megatron-core's own tensor-parallel linear layers in ``module`` (not Transformer
+    Engine's, which have their own delayed weight-gradient mechanism)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return [m for m in module.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+
+
+@functools.cache
+def _linear_parameter_names() -> tuple[tuple[str, ...], Any]:
+    import inspect
+
+    from megatron.core.tensor_parallel import layers
+
+    forward = layers.LinearWithGradAccumulationAndAsyncCommunication.forward
+    names = tuple(inspect.signature(forward).parameters)[1:]  # without ctx
+    return names, inspect.signature(layers.linear_with_grad_accumulation_and_async_allreduce)
+
+
+def linear_function_args(input: Any, weight: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+    """The arguments megatron-core's ``linear_with_grad_accumulation_and_async_allreduce``
+    would hand its autograd Function for this call of a layer's ``_forward_impl``, in the
+    Function's order (defaults filled in, the tensor-parallel group resolved)."""
+    from megatron.core.tensor_parallel.layers import get_tensor_model_parallel_group_if_none
+
+    names, wrapper = _linear_parameter_names()
+    bound = wrapper.bind(input, weight, *args, **kwargs)
+    bound.apply_defaults()
+    values = dict(bound.arguments)
+    if values.get("async_grad_allreduce") is not None:  # 0.16's deprecated spelling
+        values["allreduce_dgrad"] = values["async_grad_allreduce"]
+    values["tp_group"] = get_tensor_model_parallel_group_if_none(values.get("tp_group"))
+    return tuple(values[name] for name in names)
+
+
+def megatron_linear_forward(ctx: Any, *args: Any) -> Any:
+    """megatron-core's own linear forward on ``ctx``: the same output and saved state as
+    ``linear_with_grad_accumulation_and_async_allreduce``, for a Function whose backward
+    differs only in when the weight gradient is computed."""
+    from megatron.core.tensor_parallel.layers import (
+        LinearWithGradAccumulationAndAsyncCommunication,
+    )
+
+    return LinearWithGradAccumulationAndAsyncCommunication.forward(ctx, *args)
+
+
+def linear_function_option(args: tuple[Any, ...], name: str, default: Any = None) -> Any:
+    """One named argument of a ``linear_function_args`` tuple (``default`` if this version
+    has no such argument, e.g. ``gtp_remat_size`` before 0.19)."""
+    names, _ = _linear_parameter_names()
+    return args[names.index(name)] if name in names else default
+
+
+def wgrad_operands(grad_output: Any, total_input: Any) -> tuple[Any, Any]:
+    """megatron-core's 2-D, contiguous operands of a weight-gradient GEMM."""
+    from megatron.core.tensor_parallel.layers import prepare_input_tensors_for_wgrad_compute
+
+    return prepare_input_tensors_for_wgrad_compute(grad_output, total_input)  # type: ignore[no-any-return]
+
+
+def accumulate_wgrad_fused(total_input: Any, grad_output: Any, main_grad: Any) -> None:
+    """Gradient-accumulation fusion: add the weight gradient into ``main_grad`` with the CUDA
+    kernel megatron-core's linear backward uses (GPU only, like that option)."""
+    import torch
+    from megatron.core.tensor_parallel import layers
+
+    kernels = layers.fused_weight_gradient_mlp_cuda
+    if main_grad.dtype == torch.float32:
+        kernels.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+    elif main_grad.dtype in (torch.float16, torch.bfloat16):
+        kernels.wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
+    else:
+        raise RuntimeError(
+            f"gradient accumulation fusion does not support main_grad of type {main_grad.dtype}"
+        )

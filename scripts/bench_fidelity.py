@@ -48,23 +48,34 @@ class _Sleep(torch.autograd.Function):
 
 
 class SleepChunk(torch.nn.Module):
-    """A model chunk with megatron-core's interface (config, model_type, set_input_tensor)."""
+    """A model chunk with megatron-core's interface (config, model_type, set_input_tensor).
 
-    def __init__(self, config: Any, fwd: float, bwd: float) -> None:
+    Its backward sleeps ``bwd - wgrad`` and then, when its megatron-core ``ColumnParallelLinear``
+    weight accumulates its gradient, ``wgrad`` more: inside B for 1F1B-like schedules, inside W
+    for the V-shapes, whose I defers that layer's weight GEMM (runtime.deferred_wgrad).
+    """
+
+    def __init__(self, config: Any, fwd: float, bwd: float, wgrad: float) -> None:
         from megatron.core.enums import ModelType
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
         super().__init__()
         self.config = config
         self.model_type = ModelType.encoder_or_decoder
         self.weight = torch.nn.Parameter(torch.ones(1))
-        self.fwd, self.bwd = fwd, bwd
+        self.linear = ColumnParallelLinear(
+            HIDDEN, HIDDEN, config=config, init_method=torch.nn.init.eye_, bias=False
+        )
+        self.linear.weight.register_post_accumulate_grad_hook(lambda _: time.sleep(wgrad))
+        self.fwd, self.bwd = fwd, bwd - wgrad
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensors: list[torch.Tensor | None]) -> None:
         self.input_tensor = tensors[0]
 
     def forward(self, x: torch.Tensor) -> Any:
-        return _Sleep.apply(x, self.weight, self.fwd, self.bwd)
+        output, _ = self.linear(_Sleep.apply(x, self.weight, self.fwd, self.bwd))
+        return output
 
 
 class DataParallelLane:
@@ -129,7 +140,12 @@ def rank_main(name: str, costs: dict[str, float], num_microbatches: int, steps: 
     )
     fraction = 1.0 / vp
     chunks = [
-        SleepChunk(config, costs["t_forward"] * fraction, costs["t_backward"] * fraction)
+        SleepChunk(
+            config,
+            costs["t_forward"] * fraction,
+            costs["t_backward"] * fraction,
+            costs["t_weight"] * fraction,
+        )
         for _ in range(vp)
     ]
     lane = DataParallelLane(costs["t_grad_reduce"])
@@ -163,6 +179,12 @@ def main() -> None:
     parser.add_argument("--t-forward", type=float, default=0.04)
     parser.add_argument("--t-backward", type=float, default=0.08)
     parser.add_argument(
+        "--t-weight",
+        type=float,
+        default=None,
+        help="the weight-gradient share of --t-backward (default half of it, as bfpp-sim's)",
+    )
+    parser.add_argument(
         "--t-grad-reduce",
         type=float,
         default=0.0,
@@ -172,6 +194,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these schedules")
     args = parser.parse_args()
+    if args.t_weight is None:
+        args.t_weight = args.t_backward / 2
     (latencies,) = [run_ranks(ping_pong, world_size=2, timeout=120)[0]]
     t_p2p = latencies
     reduce_time = args.t_grad_reduce or 2 * args.pp * args.t_backward / args.vp
@@ -182,8 +206,8 @@ def main() -> None:
         ("breadth-first", args.vp, 0.0),
         ("interleaved", args.vp, reduce_time),
         ("breadth-first", args.vp, reduce_time),
-        # V-shapes: two half-stage chunks per rank; I runs the whole backward and W nothing
-        # (runtime.split_backward), so the simulator's t_weight is 0 as for everything here.
+        # V-shapes: two half-stage chunks per rank; I defers the linear layer's weight GEMM and
+        # W computes it (runtime.deferred_wgrad), so W takes t_weight as the simulator says.
         ("v-min", 2, 0.0),
         ("v-half", 2, 0.0),
         ("v-zb", 2, 0.0),
@@ -192,7 +216,8 @@ def main() -> None:
         cases = [case for case in cases if case[0] in args.only]
     print(
         f"pp={args.pp} m={args.microbatches} t_forward={args.t_forward}s "
-        f"t_backward={args.t_backward}s (per full stage); measured gloo message latency "
+        f"t_backward={args.t_backward}s t_weight={args.t_weight}s (per full stage); "
+        "measured gloo message latency "
         f"t_p2p={1e3 * t_p2p:.3f} ms (used by the simulator)"
     )
     print(
@@ -204,6 +229,7 @@ def main() -> None:
         costs = {
             "t_forward": args.t_forward,
             "t_backward": args.t_backward,
+            "t_weight": args.t_weight,
             "t_grad_reduce": reduce,
         }
         schedule = build_schedule(
@@ -214,7 +240,7 @@ def main() -> None:
             CostModel(
                 t_forward=args.t_forward,
                 t_backward=args.t_backward,
-                t_weight=0.0,
+                t_weight=args.t_weight,
                 t_p2p=t_p2p,
                 t_grad_reduce=reduce,
             ),

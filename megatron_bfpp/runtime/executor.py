@@ -242,22 +242,27 @@ class _Executor:
         sharded = step.ctx.sharded
         if sharded is not None:
             sharded.reset_peak()
-        step.enter_no_sync()
-        settle = not comm.sends_pollable
-        for position, action in enumerate(step.program):
-            kind = action.kind
-            if kind.is_p2p:
-                step.window.actions += 1
+        parts = list(step.parts.values())
+        with contextlib.ExitStack() as stack:
+            for part in parts:
+                part.begin(step)
+                stack.callback(part.end, step)
+            step.enter_no_sync()
+            settle = not comm.sends_pollable
+            for position, action in enumerate(step.program):
+                kind = action.kind
+                if kind.is_p2p:
+                    step.window.actions += 1
+                    handlers[kind](step, position, action)
+                    continue
+                self._post_window()
                 handlers[kind](step, position, action)
-                continue
+                if settle and kind.is_compute:
+                    comm.settle_transfers()
+                comm.reap()
+                self._measure()
             self._post_window()
-            handlers[kind](step, position, action)
-            if settle and kind.is_compute:
-                comm.settle_transfers()
-            comm.reap()
-            self._measure()
-        self._post_window()
-        self._finish()
+            self._finish()
         if sharded is not None:
             step.state.memory.peak_parameter_bytes = sharded.peak_bytes
         if step.measuring and comm.device.type == "cuda":

@@ -1,31 +1,34 @@
-"""Split backward (zero-bubble's I and W) on megatron-core chunks: exact for every layer.
+"""Split backward (zero-bubble's I and W) on megatron-core chunks, exact for every layer.
 
 A V-shape schedule (v-min, v-half, v-zb) splits each micro-batch's backward into ``I``
 (BACKWARD_INPUT: the gradient the previous stage needs, sent as early as possible) and ``W``
 (BACKWARD_WEIGHT: the weight gradients, placed later to fill bubbles).
 
-What runs today is the exact generic path: ``I`` is the micro-batch's whole backward through
-megatron-core's own ``backward_step``, the same kernels in the same order as ``B``, with the
-weight gradients accumulated where ``B`` puts them (``.grad``, or ``main_grad`` under megatron-core
-DDP, whose ``no_sync`` is left before the chunk's last ``I``); ``W`` marks them done. With explicit
-sync functions the chunk's reduction starts at its GS, after its last ``W``, as the schedule
-says. The stored activations are freed at ``I``.
+``I`` runs the micro-batch's backward through megatron-core's own ``backward_step``, with the
+chunk's local linear layers deferring their weight and bias GEMMs (``runtime.deferred_wgrad``):
+everything else (layer norms, embeddings, attention, the loss) is computed there, as under ``B``.
+``W`` computes the deferred GEMMs and hands the gradients to autograd, so they accumulate into
+``.grad`` / ``main_grad`` through megatron-core DDP's hooks in the same micro-batch order as under
+1F1B: the gradients are bit-identical. Layers that cannot defer (Transformer Engine's, frozen or
+FSDP-sharded weights) compute their weight gradients in ``I``.
 
-Why not defer the weight-gradient work itself: re-running autograd from the kept graph in ``W``
-is not exact for megatron-core (its vocab-parallel cross entropy's backward rewrites its saved
-softmax in place, so a second traversal reads corrupted values), and the cheap form, deferring
-each linear layer's weight GEMM, is what megatron-core offers only through Transformer Engine
-(``delay_wgrad_compute``, GPU, MoE overlap); its local layers' ``backward_dw`` does nothing. So
-the schedules' order, messages and memory hold exactly, but the time ``W`` would fill is spent in
-``I`` (the stated gap: zero-bubble's time saving needs deferred weight GEMMs, not built yet).
+Data-parallel reduction: a chunk's gradients are complete only after its last ``W``. With
+megatron-core DDP's ``overlap_grad_reduce`` and no sync function from the caller, the chunk's
+hooks would dispatch the reduction before that (they fire at ``I`` for some parameters and at
+``W`` for others), so the chunk keeps its ``no_sync`` context and its own ``start_grad_sync``
+dispatches the reduction at the chunk's GS, as Megatron-LM's ``grad_sync_func`` does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import contextlib
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
+import torch
+
 from megatron_bfpp.ir import Action, ActionKind
+from megatron_bfpp.runtime import deferred_wgrad
 from megatron_bfpp.runtime.backward import microbatch, whole_backward
 from megatron_bfpp.runtime.step import Handlers, Key, RankStep, StepPart
 
@@ -35,31 +38,75 @@ K = ActionKind
 
 
 class SplitBackward(StepPart):
-    """Micro-batches between their I and their W (checked drained at the end of the step)."""
+    """Micro-batches between their I and their W (checked drained at the end of the step),
+    and the weight gradients their I deferred."""
 
     def __init__(self) -> None:
         self.pending: set[Key] = set()
+        self.store = deferred_wgrad.WeightGradStore()
+        self._deferring: contextlib.ExitStack | None = None
+
+    def begin(self, step: RankStep) -> None:
+        if step.ctx.forward_only or not any(
+            action.kind == K.BACKWARD_INPUT for action in step.program
+        ):
+            return
+        deferred_wgrad.install(step.ctx.model)
+        if step.ctx.config.grad_sync_func is None:
+            for chunk, model in enumerate(step.ctx.model):
+                if _overlaps_grad_reduce(model):
+                    step.grad_sync_funcs[chunk] = _start_grad_sync(model)
+        self._deferring = contextlib.ExitStack()
+        self._deferring.enter_context(deferred_wgrad.deferring(self.store))
+
+    def end(self, step: RankStep) -> None:
+        if self._deferring is not None:
+            self._deferring.close()
+            self._deferring = None
+
+    def held_tensors(self, step: RankStep) -> Iterable[torch.Tensor]:
+        return self.store.held_tensors()
 
     def leftovers(self) -> dict[str, Collection[Any]]:
-        return {"input gradients without their weight gradients": self.pending}
+        return {
+            "input gradients without their weight gradients": self.pending,
+            "deferred weight gradients never computed": self.store.pending,
+        }
+
+
+def _overlaps_grad_reduce(model: torch.nn.Module) -> bool:
+    ddp_config = getattr(model, "ddp_config", None)
+    return bool(getattr(ddp_config, "overlap_grad_reduce", False)) and hasattr(
+        model, "start_grad_sync"
+    )
+
+
+def _start_grad_sync(model: Any) -> Callable[..., None]:
+    def grad_sync(*unused: Any) -> None:
+        model.start_grad_sync()
+
+    return grad_sync
 
 
 def backward_input(step: RankStep, position: int, action: Action) -> None:
-    """I: the micro-batch's backward (input and weight gradients, as B computes them)."""
-    step.part(SplitBackward).pending.add(whole_backward(step, position, action))
+    """I: the micro-batch's backward, with the local linear layers' weight GEMMs deferred."""
+    part = step.part(SplitBackward)
+    with part.store.collect((action.stage, microbatch(action))):
+        key = whole_backward(step, position, action)
+    part.pending.add(key)
 
 
 def backward_weight(step: RankStep, position: int, action: Action) -> None:
-    """W: the micro-batch's weight gradients are done (I accumulated them, and megatron-core
-    DDP's hooks, if they dispatch the reduction, did so during the chunk's last I)."""
+    """W: the micro-batch's deferred weight gradients, accumulated as a whole backward would."""
     key = (action.stage, microbatch(action))
-    pending = step.part(SplitBackward).pending
-    if key not in pending:
+    part = step.part(SplitBackward)
+    if key not in part.pending:
         raise RuntimeError(
             f"pipeline rank {step.rank}: {action} at position {position} has no I before it; "
             "the schedule and the executor disagree: please report this bug"
         )
-    pending.remove(key)
+    part.pending.remove(key)
+    part.store.run(key)
     step.state.trace.append(str(action))
 
 

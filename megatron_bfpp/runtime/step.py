@@ -114,6 +114,13 @@ class StepPart:
     """A handler module's per-step state and its answers to the core; the defaults suit a part
     that holds no activations. The executor makes one of each registered part per step."""
 
+    def begin(self, step: RankStep) -> None:
+        """Set up before the rank's first action (the executor calls ``end`` after its last,
+        also when the step fails)."""
+
+    def end(self, step: RankStep) -> None:
+        """Undo what ``begin`` set up."""
+
     def before_compute(self, step: RankStep, stage: int) -> None:
         """Make the stage's parameters usable before it computes (they may be in flight)."""
 

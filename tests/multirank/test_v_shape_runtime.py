@@ -36,9 +36,13 @@ def step(
     tied: bool = False,
     measure: bool = False,
     hidden: int = 32,
+    overlap: bool = False,
+    caller_grad_sync: bool = True,
 ) -> Any:
-    """One forward-backward of ``schedule``: (losses, gradient shards, measured peak bytes)."""
-    from megatron_bfpp import get_forward_backward_func
+    """One forward-backward of ``schedule``: (losses, gradient shards, measured peak bytes,
+    (weight GEMMs deferred to W, local linear layers x micro-batches on this rank))."""
+    from megatron_bfpp import compat, get_forward_backward_func
+    from megatron_bfpp.runtime import deferred_wgrad
 
     config = M.tiny_gpt_config(
         num_layers=layers,
@@ -51,15 +55,29 @@ def step(
         config, share_embeddings_and_output_weights=tied, placement=_placement(schedule)
     )
     if ddp:
-        chunks = M.wrap_ddp(chunks)
+        chunks = M.wrap_ddp(chunks, overlap_grad_reduce=overlap)
+        if not caller_grad_sync:
+            chunks[0].config.grad_sync_func = None  # DDP's own hooks, as a custom loop leaves it
         for chunk in chunks:
             chunk.zero_grad_buffer()
+    deferred = [0]
+    run = deferred_wgrad.WeightGradStore.run
+
+    def counting_run(self: Any, key: Any) -> int:
+        count = run(self, key)
+        deferred[0] += count
+        return count
+
+    deferred_wgrad.WeightGradStore.run = counting_run  # type: ignore[method-assign]
     func = get_forward_backward_func(schedule, measure_memory=measure)
-    store = M.run_schedule(chunks, M.data_parallel_share(batches), forward_backward_func=func)
+    mine = M.data_parallel_share(batches)
+    store = M.run_schedule(chunks, mine, forward_backward_func=func)
+    linears = sum(len(compat.local_linear_layers(chunk)) for chunk in chunks)
     return (
         M.losses_from_store(store),
         M.grad_shards(chunks),
         func.last_memory.peak_activation_bytes,
+        (deferred[0], linears * len(mine)),
     )
 
 
@@ -104,6 +122,27 @@ def test_v_shape_gives_1f1b_losses_and_gradients(
     assert _losses(ours) == pytest.approx(_losses(base), rel=1e-6, abs=0)
     M.assert_tensors_close(
         M.merge_shards(r[1] for r in ours), M.merge_shards(r[1] for r in base), rel=1e-6
+    )
+
+
+@pytest.mark.parametrize("caller_grad_sync", [True, False], ids=["megatron-lm", "ddp-hooks"])
+def test_w_computes_the_deferred_weight_gemms_with_overlapped_reduction(
+    caller_grad_sync: bool,
+) -> None:
+    """v-zb, pp=2, dp=2, megatron-core DDP with ``overlap_grad_reduce``, with Megatron-LM's
+    ``grad_sync_func`` and without one (DDP's hooks alone): every local linear layer's weight
+    GEMM of every micro-batch runs in a W, and the gradients are bit-identical to 1F1B's."""
+    batches = M.make_batches(8, seed=7)
+    kw: dict[str, Any] = dict(layers=8, ddp=True, overlap=True, caller_grad_sync=caller_grad_sync)
+    ours = _run("v-zb", batches, 2, 1, 2, **kw)
+    base = _run("1f1b", batches, 2, 1, 2, **kw)
+    for result in ours:
+        deferred, expected = result[3]
+        assert deferred == expected > 0
+    assert all(result[3][0] == 0 for result in base)
+    assert _losses(ours) == _losses(base)
+    M.assert_tensors_close(
+        M.merge_shards(r[1] for r in ours), M.merge_shards(r[1] for r in base), rel=0.0
     )
 
 

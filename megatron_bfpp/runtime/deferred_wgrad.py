@@ -1,0 +1,267 @@
+"""Deferred weight gradients: the cheap split backward on megatron-core's own linear layers.
+
+Zero-bubble's saving is that ``I`` computes only what the previous stage waits for and ``W``,
+placed later in a bubble, does the weight-gradient GEMMs. Re-running autograd from a kept graph
+cannot give that exactly on megatron-core (its vocab-parallel cross entropy rewrites its saved
+softmax in its backward), so the cut is made where the weight GEMMs are: while a split schedule
+runs, the local ``ColumnParallelLinear`` / ``RowParallelLinear`` layers go through
+:class:`_DeferredLinear`, whose forward *is* megatron-core's and whose backward computes the
+input gradient (and its tensor-parallel all-reduce or reduce-scatter) with megatron-core's
+operations, and files the weight and bias gradients as a :class:`_Deferred` under the
+micro-batch whose ``I`` is running. ``W`` computes them with megatron-core's own operations
+(same operands, same GEMM, fused accumulation into ``main_grad`` on GPU as megatron-core does)
+and hands them to autograd in one ``torch.autograd.backward`` over the parameters, so they
+accumulate into ``.grad`` and megatron-core DDP's hooks run exactly as after a whole backward.
+Each parameter gets the same gradient added in the same micro-batch order as under 1F1B, so the
+result is bit-identical.
+
+What stays in ``I``: everything that is not a local linear layer's weight GEMM (layer norms,
+embeddings, attention, the loss). Transformer Engine layers are not touched (their weight GEMMs
+stay in ``I``); nor are weights that are frozen, sharded by Megatron-FSDP or 0.19's weight-sharded
+tensor parallelism, nor a layer deferring its own weight GEMM (``defer_embedding_wgrad_compute``).
+A backward that runs outside an ``I`` (a ``B``, or a caller's own) computes everything at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_bfpp import compat
+
+__all__ = ["WeightGradStore", "deferring", "install"]
+
+Key = tuple[int, int]  # (stage, micro-batch)
+
+# The store of the split-backward step running in this process (one pipeline rank per process).
+_ACTIVE: WeightGradStore | None = None
+_INSTALLED = "_bfpp_deferred_wgrad"
+
+
+@dataclass
+class _Deferred:
+    """One linear layer's weight (and bias) gradient for one micro-batch, not yet computed: the
+    operands megatron-core's backward would have used at that point."""
+
+    input: torch.Tensor  # the saved input (this rank's sequence shard under sequence parallel)
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    grad_output: torch.Tensor
+    ctx_main_grad: torch.Tensor | None
+    gradient_accumulation_fusion: bool
+    sequence_parallel: bool
+    tp_group: Any
+
+    def compute(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(weight gradient, bias gradient), as megatron-core's backward computes them."""
+        total_input = self.input
+        if self.sequence_parallel:
+            size = list(self.input.size())
+            size[0] *= self.tp_group.size()
+            total_input = torch.empty(size, dtype=self.input.dtype, device=self.input.device)
+            torch.distributed.all_gather_into_tensor(total_input, self.input, group=self.tp_group)
+        grad_output, total_input = compat.wgrad_operands(self.grad_output, total_input)
+        grad_weight: torch.Tensor | None
+        weight = self.weight
+        if self.gradient_accumulation_fusion:
+            weight.main_grad = self.ctx_main_grad  # type: ignore[attr-defined]
+            compat.accumulate_wgrad_fused(total_input, grad_output, weight.main_grad)  # type: ignore[attr-defined]
+            if hasattr(weight, "grad_added_to_main_grad"):
+                # As megatron-core: a placeholder gradient, so DDP's hooks run on this thread
+                # and skip the addition the kernel already made.
+                shape, dtype = weight.main_grad.shape, self.input.dtype  # type: ignore[attr-defined]
+                device = weight.main_grad.device  # type: ignore[attr-defined]
+                zero = getattr(weight, "zero_out_wgrad", False)
+                make = torch.zeros if zero else torch.empty
+                grad_weight = make(shape, dtype=dtype, device=device)
+                weight.grad_added_to_main_grad = True
+            else:
+                grad_weight = None
+        else:
+            grad_weight = grad_output.t().matmul(total_input)
+        grad_bias = grad_output.sum(dim=0) if self.bias is not None else None
+        return grad_weight, grad_bias
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What it holds until its W (the memory accounting counts these)."""
+        return self.input, self.grad_output
+
+
+class WeightGradStore:
+    """The weight gradients filed by each micro-batch's I, until its W."""
+
+    def __init__(self) -> None:
+        self.collecting: Key | None = None
+        self.pending: dict[Key, list[_Deferred]] = {}
+
+    @contextlib.contextmanager
+    def collect(self, key: Key) -> Iterator[None]:
+        """File what the linear layers' backward defers under ``key`` (one I)."""
+        self.collecting = key
+        self.pending.setdefault(key, [])
+        try:
+            yield
+        finally:
+            self.collecting = None
+
+    def file(self, deferred: _Deferred) -> bool:
+        """Keep ``deferred`` for the running I's W; False outside an I (compute it now)."""
+        if self.collecting is None:
+            return False
+        self.pending[self.collecting].append(deferred)
+        return True
+
+    def run(self, key: Key) -> int:
+        """``key``'s W: compute its weight gradients and accumulate them. Returns the GEMMs."""
+        items = self.pending.pop(key, [])
+        _accumulate(items)
+        return len(items)
+
+    def held_tensors(self) -> Iterable[torch.Tensor]:
+        for items in self.pending.values():
+            for item in items:
+                yield from item.tensors()
+
+
+@dataclass(frozen=True)
+class _Params:
+    """The layer's weight and bias as autograd knows them; the Function gets detached views, so
+    ``I`` has no edge to them (megatron-core DDP's overlap hooks must not fire without a
+    gradient), and ``W`` reaches them through ``torch.autograd.backward``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """megatron-core's linear forward; a backward whose weight GEMM waits for W."""
+
+    @staticmethod
+    def forward(ctx: Any, params: _Params, *args: Any) -> Any:
+        output = compat.megatron_linear_forward(ctx, *args)
+        ctx.params = params
+        ctx.num_args = len(args)
+        weight = params.weight
+        fusion = bool(ctx.gradient_accumulation_fusion)
+        ctx.main_grad = weight.main_grad if fusion and hasattr(weight, "main_grad") else None
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        input, weight = ctx.saved_tensors
+        tp_group = ctx.tp_group
+        grad_input = grad_output.matmul(weight)
+        if ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=tp_group)
+        if ctx.sequence_parallel:
+            shard = torch.empty(input.size(), dtype=input.dtype, device=grad_input.device)
+            torch.distributed.reduce_scatter_tensor(shard, grad_input, group=tp_group)
+            grad_input = shard
+        params: _Params = ctx.params
+        deferred = _Deferred(
+            input=input,
+            weight=params.weight,
+            bias=params.bias,
+            grad_output=grad_output,
+            ctx_main_grad=ctx.main_grad,
+            gradient_accumulation_fusion=bool(ctx.gradient_accumulation_fusion),
+            sequence_parallel=bool(ctx.sequence_parallel),
+            tp_group=tp_group,
+        )
+        store = _ACTIVE
+        if store is None or not store.file(deferred):
+            # Not inside an I (no caller of ours does that): the gradients now, as B would.
+            _accumulate([deferred])
+        return (None, grad_input) + (None,) * (ctx.num_args - 1)
+
+
+def _accumulate(items: list[_Deferred]) -> None:
+    """Compute the deferred gradients and let autograd accumulate them into the parameters (so
+    ``.grad`` and megatron-core DDP's hooks see what a whole backward gives)."""
+    tensors: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    for item in items:
+        with torch.no_grad():  # as inside autograd's backward, where megatron-core runs it
+            grad_weight, grad_bias = item.compute()
+        if grad_weight is not None:
+            tensors.append(item.weight)
+            grads.append(grad_weight)
+        if grad_bias is not None and item.bias is not None:
+            tensors.append(item.bias)
+            grads.append(grad_bias)
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+
+
+def _deferrable(args: tuple[Any, ...]) -> bool:
+    weight = args[1]
+    return (
+        torch.is_grad_enabled()
+        and weight.requires_grad
+        and not hasattr(weight, "__fsdp_param__")
+        and compat.linear_function_option(args, "grad_output_buffer") is None
+        and compat.linear_function_option(args, "gtp_remat_size", 1) <= 1
+    )
+
+
+def _forward_impl(original: Any) -> Any:
+    def forward_impl(input: Any, weight: Any, *args: Any, **kwargs: Any) -> Any:
+        if _ACTIVE is None or not weight.requires_grad:
+            return original(input, weight, *args, **kwargs)
+        margs = compat.linear_function_args(input, weight, *args, **kwargs)
+        if not _deferrable(margs):
+            return original(input, weight, *args, **kwargs)
+        bias = margs[2]
+        params = _Params(weight, bias if bias is not None and bias.requires_grad else None)
+        detached = (margs[0], weight.detach(), None if bias is None else bias.detach())
+        return _DeferredLinear.apply(params, *detached, *margs[3:])  # type: ignore[no-untyped-call]
+
+    return forward_impl
+
+
+def install(chunks: Iterable[torch.nn.Module]) -> int:
+    """Route the chunks' local linear layers through the deferring function whenever a split
+    backward step is running (outside one they run megatron-core's own, untouched). Idempotent;
+    returns how many layers are routed. Says once (log warning) when Transformer Engine layers
+    are present: their weight GEMMs stay in I, so W has less work than the schedule plans."""
+    count = 0
+    chunks = list(chunks)
+    if not _warned and any(compat.transformer_engine_layers(chunk) for chunk in chunks):
+        _warn_transformer_engine()
+    for chunk in chunks:
+        for layer in compat.local_linear_layers(chunk):
+            if not getattr(layer, _INSTALLED, False):
+                layer._forward_impl = _forward_impl(layer._forward_impl)
+                setattr(layer, _INSTALLED, True)
+            count += 1
+    return count
+
+
+_warned = False
+
+
+def _warn_transformer_engine() -> None:
+    global _warned
+    _warned = True
+    logging.getLogger("megatron_bfpp").warning(
+        "split backward: Transformer Engine layers compute their weight gradients in I (their "
+        "delayed weight-gradient path is not wired yet), so v-min/v-half/v-zb keep their memory "
+        "but lose their W time; use --transformer-impl local to defer every linear layer's "
+        "weight GEMM to W"
+    )
+
+
+@contextlib.contextmanager
+def deferring(store: WeightGradStore) -> Iterator[WeightGradStore]:
+    """Make ``store`` the running step's store (the routed layers defer into it)."""
+    global _ACTIVE
+    previous, _ACTIVE = _ACTIVE, store
+    try:
+        yield store
+    finally:
+        _ACTIVE = previous
