@@ -72,9 +72,10 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("gpipe", "optim"),
 )
 NS = 1e9  # the simulator runs in integer nanoseconds: exact, whatever its arithmetic
-# The share of a split backward's weight-gradient work the runtime runs in W: 0 today (I runs the
-# whole backward), 1 once W computes the deferred weight GEMMs.
-RUNTIME_WEIGHT_SHARE = 0
+# The share of a split backward's weight-gradient work the runtime runs in W: 1, since W computes
+# the weight GEMMs I deferred (runtime/deferred_wgrad.py, megatron-core's local linear layers;
+# with Transformer Engine layers they stay in I, which this planner does not model).
+RUNTIME_WEIGHT_SHARE = 1
 
 
 def family_name(schedule: str, sharding: str) -> str:
@@ -386,9 +387,7 @@ def _cost_model(times: StageTimes) -> CostModel:
     return CostModel(
         t_forward=ns(times.forward),
         t_backward=backward,
-        # What the runtime does today: a split backward's I runs the whole backward and W does
-        # no work (runtime/split_backward.py; deferred weight GEMMs are not built), so the
-        # V-shapes are timed with I = B, W = 0. ``times.weight`` is W's share once they are.
+        # W runs the weight GEMMs I deferred: ``times.weight`` of the backward.
         t_weight=RUNTIME_WEIGHT_SHARE * min(ns(times.weight), backward),
         t_p2p=ns(times.p2p),
         t_grad_reduce=ns(times.grad_reduce),
