@@ -144,6 +144,7 @@ class Replay(NamedTuple):
     busy: list[float]  # per rank: sum of compute durations
     gather_wait: list[float]  # per rank: time computes waited for their stage's PS
     peak: list[int]  # per rank: peak count of stored stage activations (program order)
+    released: list[bool]  # per rank: ran an RL (sharded parameters)
 
     @property
     def events(self) -> tuple[Event, ...]:
@@ -167,7 +168,16 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
             "validate_schedule for details"
         ) from None
     timeline = Timeline(run.rules, timing, run.starts)
-    return Replay(run.stuck(), timeline, run.clock, run.dp_free, run.busy, run.waited, run.peak)
+    return Replay(
+        run.stuck(),
+        timeline,
+        run.clock,
+        run.dp_free,
+        run.busy,
+        run.waited,
+        run.peak,
+        run.released,
+    )
 
 
 @paused_gc()
@@ -471,6 +481,7 @@ class _Run(Wires):
         "link_free",
         "peak",
         "ps_done",
+        "released",
         "starts",
         "waited",
     )
@@ -479,12 +490,22 @@ class _Run(Wires):
         super().__init__(rules)
         num_ranks = rules.keys.num_ranks
         self.durations = timing
-        # Per compute kind: its duration and how many stored activations it adds.
+        # Per compute kind: its duration, how many stored activations it adds, and per stage
+        # what it waits for and sends (Rules), in one lookup.
+        durations = {
+            _F: timing.forward,
+            _B: timing.backward,
+            _I: timing.backward_input,
+            _W: timing.backward_weight,
+        }
         self.compute = {
-            _F: (timing.forward, MEMORY_DELTA[_F]),
-            _B: (timing.backward, MEMORY_DELTA[_B]),
-            _I: (timing.backward_input, MEMORY_DELTA.get(_I, 0)),
-            _W: (timing.backward_weight, MEMORY_DELTA[_W]),
+            kind: (
+                duration,
+                MEMORY_DELTA.get(kind, 0),
+                rules.waits_for[kind],
+                rules.sends_for[kind],
+            )
+            for kind, duration in durations.items()
         }
         self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
         # Clocks start at integer 0, so integer durations (CostModel.exact) stay integers.
@@ -495,6 +516,7 @@ class _Run(Wires):
         self.held, self.peak = [0] * num_ranks, [0] * num_ranks
         self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
         self.starts: list[list[float]] = [[] for _ in range(num_ranks)]  # see Timeline
+        self.released = [False] * num_ranks
 
     def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
         """BPipe's EV / RS (``_timed`` sends the rest itself): the message occupies its link,
@@ -517,7 +539,7 @@ def _timed(run: _Run, rank: int) -> Program:
     rules, record = run.rules, run.starts[rank].append
     program, arrivals, waiting = rules.schedule.per_rank[rank], run.arrivals, run.waiting
     ready, link_free, compute, d_p2p = run.ready, run.link_free, run.compute, run.durations.p2p
-    waits_for, sends_for, implicit = rules.waits_for, rules.sends_for, rules.implicit
+    implicit = rules.implicit
     act_base, grad_base = rules.base[ACT], rules.base[GRAD]
     per_mb, num_ranks, link_base = rules.per_mb, rules.keys.num_ranks, rank * rules.keys.num_ranks
     loaded_r, awaiting_r = run.loaded[rank], run.awaiting[rank]
@@ -531,7 +553,8 @@ def _timed(run: _Run, rank: int) -> Program:
             while awaiting_r and (need := run.unacknowledged(rank)) >= 0:
                 yield i, need
             start = t
-            slot = waits_for[kind][s]
+            duration, delta, waits_row, sends_row = spec
+            slot = waits_row[s]
             if slot >= 0:
                 need = mb * per_mb + slot
                 if (arrival := arrivals.get(need)) is None:
@@ -548,14 +571,13 @@ def _timed(run: _Run, rank: int) -> Program:
             if ps_r and (gathered := ps_r.pop(s, None)) is not None and gathered > start:
                 wait_r += gathered - start  # the stage's first compute after its gather (PS)
                 start = gathered
-            duration, delta = spec
             t = start + duration
             busy_r += duration
             held_r += delta
             if held_r > peak_r:
                 peak_r = held_r
             record(start)
-            if not implicit or (slot := sends_for[kind][s]) < 0:
+            if not implicit or (slot := sends_row[s]) < 0:
                 continue
             # A compute-only schedule: send the result as its SA / SG would (MessageKeys: the
             # slot, not the key, ends in the receiving rank).
@@ -569,6 +591,7 @@ def _timed(run: _Run, rank: int) -> Program:
             _data_parallel(run, rank, a, t)
             continue
         elif kind is _RL:  # frees memory at once; the program order already counts it
+            run.released[rank] = True
             continue
         elif kind is not _RA and kind is not _RG:  # BPipe's EV / AC / RS / LD
             while (moved := run.transfer(rank, a, t))[1] >= 0:

@@ -133,7 +133,7 @@ def _result(schedule: Schedule, costs: CostModel, run: Replay, per_unit: int) ->
                 busy_time=_user(busy[rank], per_unit),
                 bubble_fraction=_ratio(step - busy[rank], step),
                 peak_activations=run.peak[rank] * schedule.layout.stage_fraction,
-                peak_parameters=max(schedule.resident_parameters(rank), default=0.0),
+                peak_parameters=_peak_parameters(schedule, rank, sharded=run.released[rank]),
                 exposed_dp_comm_time=_user(exposed, per_unit),
                 compute_end=_user(clock[rank], per_unit),
                 end_time=_user(ends[rank], per_unit),
@@ -151,6 +151,16 @@ def _result(schedule: Schedule, costs: CostModel, run: Replay, per_unit: int) ->
         timeline=run.timeline.scaled(per_unit),
         costs=costs,
     )
+
+
+def _peak_parameters(schedule: Schedule, rank: int, *, sharded: bool) -> float:
+    """The peak of ``Schedule.resident_parameters``: without an RL (the replay saw none) every
+    chunk stays gathered, which needs no second walk over the program."""
+    if sharded:
+        return max(schedule.resident_parameters(rank), default=0.0)
+    if not schedule.per_rank[rank]:
+        return 0.0
+    return schedule.num_chunks * schedule.layout.stage_fraction
 
 
 def _user(time: float, per_unit: int) -> float:
