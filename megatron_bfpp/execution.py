@@ -440,23 +440,23 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
     interleaved)."""
     sent: set[int] = set()
     waiting: dict[int, int] = {}
+    # Each rank's ops as one iterator, left where the rank stopped: a rank is woken only once
+    # the message it stopped for is sent, so it goes on after that wait (no index arithmetic
+    # per op, and no op read twice).
+    rest = [enumerate(program.ops) for program in programs]
     cursor = [0] * len(programs)
     ready = deque(range(len(programs)))
     while ready:
         rank = ready.popleft()
-        ops = programs[rank].ops
-        position, end = cursor[rank], len(ops)
-        while position < end:
-            op = ops[position]
+        for position, op in rest[rank]:
             if op >= 0:
                 sent.add(op)
                 if (woken := waiting.pop(op, None)) is not None:
                     ready.append(woken)
             elif ~op not in sent:
                 waiting[~op] = rank
+                cursor[rank] = position
                 break
-            position += 1
-        cursor[rank] = position
     stuck = {}
     for key, rank in waiting.items():
         ops = programs[rank].ops
