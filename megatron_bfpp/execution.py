@@ -26,7 +26,8 @@ the messages of one run (which are sent, who waits for which, who is stuck), app
 rules, and drives the ranks: each rank's program is a generator that yields the message its
 next action waits for and is resumed once that message is sent, so a run is linear in the
 number of actions. Three programs apply the tables, each doing something else besides:
-``replay`` keeps time, draws events and counts memory; ``compute_ends`` keeps only the time of
+``replay`` keeps time, notes where busy intervals start (``Timeline`` draws the events
+from them on demand) and counts memory; ``compute_ends`` keeps only the time of
 compute actions (for planning passes); and the validator's single pass (``validate._scan``)
 checks every action and records what it waits for and sends (``Recorded``), which
 ``run_recorded`` then runs without clocks. They are separate loops because in CPython a
@@ -44,6 +45,7 @@ belongs to one rank's program, so the order in which ranks are advanced changes 
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections import deque
 from collections.abc import Iterator
@@ -72,6 +74,7 @@ __all__ = [
     "Recorded",
     "Replay",
     "Rules",
+    "Timeline",
     "Timing",
     "Transfer",
     "Wires",
@@ -127,19 +130,25 @@ class Event(NamedTuple):
 
 
 class Replay(NamedTuple):
-    """What ``replay`` found.
+    """What ``replay`` found, in ``Timing``'s units (integers when its durations are).
 
     ``blocked`` maps each rank that cannot finish to (position in its program, the message it
-    waits for); empty when every program runs to its end.
+    waits for); empty when every program runs to its end. ``events`` are built from
+    ``timeline`` when first asked for.
     """
 
     blocked: dict[int, tuple[int, Message]]
-    events: list[Event]  # in the order they were decided, not sorted by time
+    timeline: Timeline
     compute_end: list[float]  # per rank: its clock after its last action
     dp_end: list[float]  # per rank: when its data-parallel lane is done
     busy: list[float]  # per rank: sum of compute durations
     gather_wait: list[float]  # per rank: time computes waited for their stage's PS
     peak: list[int]  # per rank: peak count of stored stage activations (program order)
+    released: list[bool]  # per rank: ran an RL (sharded parameters)
+
+    @property
+    def events(self) -> tuple[Event, ...]:
+        return self.timeline.events()
 
 
 @paused_gc()  # one tuple per event and message, none freed: see paused_gc
@@ -158,7 +167,17 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
             f"{schedule.name!r}: an action names a stage outside the layout; run "
             "validate_schedule for details"
         ) from None
-    return Replay(run.stuck(), run.events, run.clock, run.dp_free, run.busy, run.waited, run.peak)
+    timeline = Timeline(run.rules, timing, run.starts)
+    return Replay(
+        run.stuck(),
+        timeline,
+        run.clock,
+        run.dp_free,
+        run.busy,
+        run.waited,
+        run.peak,
+        run.released,
+    )
 
 
 @paused_gc()
@@ -421,23 +440,23 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
     interleaved)."""
     sent: set[int] = set()
     waiting: dict[int, int] = {}
+    # Each rank's ops as one iterator, left where the rank stopped: a rank is woken only once
+    # the message it stopped for is sent, so it goes on after that wait (no index arithmetic
+    # per op, and no op read twice).
+    rest = [enumerate(program.ops) for program in programs]
     cursor = [0] * len(programs)
     ready = deque(range(len(programs)))
     while ready:
         rank = ready.popleft()
-        ops = programs[rank].ops
-        position, end = cursor[rank], len(ops)
-        while position < end:
-            op = ops[position]
+        for position, op in rest[rank]:
             if op >= 0:
                 sent.add(op)
                 if (woken := waiting.pop(op, None)) is not None:
                     ready.append(woken)
             elif ~op not in sent:
                 waiting[~op] = rank
+                cursor[rank] = position
                 break
-            position += 1
-        cursor[rank] = position
     stuck = {}
     for key, rank in waiting.items():
         ops = programs[rank].ops
@@ -447,27 +466,23 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
 
 
 _Sent = tuple[int, int, ActionKind]  # (stage, micro-batch, kind) of a message, for its event
-_new_event = tuple.__new__  # Event(...) without the generated __new__'s extra Python frame
-_NAME = {kind: kind.value for kind in ActionKind}
 
 
 class _Run(Wires):
     """``Wires`` with a clock per rank, link and data-parallel lane, events and memory."""
 
     __slots__ = (
-        "append",
         "busy",
         "clock",
         "compute",
         "dp_free",
         "durations",
-        "events",
         "held",
         "link_free",
-        "num_texts",
         "peak",
         "ps_done",
-        "text",
+        "released",
+        "starts",
         "waited",
     )
 
@@ -475,50 +490,56 @@ class _Run(Wires):
         super().__init__(rules)
         num_ranks = rules.keys.num_ranks
         self.durations = timing
-        # Per compute kind: its duration and how many stored activations it adds.
+        # Per compute kind: its duration, how many stored activations it adds, and per stage
+        # what it waits for and sends (Rules), in one lookup.
+        durations = {
+            _F: timing.forward,
+            _B: timing.backward,
+            _I: timing.backward_input,
+            _W: timing.backward_weight,
+        }
         self.compute = {
-            _F: (timing.forward, MEMORY_DELTA[_F]),
-            _B: (timing.backward, MEMORY_DELTA[_B]),
-            _I: (timing.backward_input, MEMORY_DELTA.get(_I, 0)),
-            _W: (timing.backward_weight, MEMORY_DELTA[_W]),
+            kind: (
+                duration,
+                MEMORY_DELTA.get(kind, 0),
+                rules.waits_for[kind],
+                rules.sends_for[kind],
+            )
+            for kind, duration in durations.items()
         }
         self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
-        self.events: list[Event] = []
-        self.append = self.events.append
-        self.clock, self.dp_free = [0.0] * num_ranks, [0.0] * num_ranks
-        self.busy, self.waited = [0.0] * num_ranks, [0.0] * num_ranks  # waited: for gathers
+        # Clocks start at integer 0, so integer durations (CostModel.exact) stay integers.
+        self.clock: list[float] = [0] * num_ranks
+        self.dp_free: list[float] = [0] * num_ranks
+        self.busy: list[float] = [0] * num_ranks
+        self.waited: list[float] = [0] * num_ranks  # for gathers
         self.held, self.peak = [0] * num_ranks, [0] * num_ranks
         self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
-        # Labels: formatting integers dominates an f-string, so format each number once.
-        schedule = rules.schedule
-        self.num_texts = max(schedule.num_stages + 1, schedule.num_microbatches, num_ranks)
-        self.text = [str(n) for n in range(self.num_texts)]
+        self.starts: list[list[float]] = [[] for _ in range(num_ranks)]  # see Timeline
+        self.released = [False] * num_ranks
 
     def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
         """BPipe's EV / RS (``_timed`` sends the rest itself): the message occupies its link,
         one at a time, for the transfer's duration, and is drawn if that takes time."""
-        stage, mb, kind = action
         duration = self.durations.transfer
         link = rank * self.rules.keys.num_ranks + dst
-        start = self.link_free.get(link, 0.0)
+        start = self.link_free.get(link, 0)
         if posted > start:
             start = posted
         arrival = start + duration
         self.link_free[link] = arrival
         if duration > 0:
-            label = f"{stage}{_NAME[kind]}{mb}>{dst}"
-            event = (rank, "p2p", label, stage, mb, kind, start, arrival)
-            self.events.append(_new_event(Event, event))
+            self.starts[rank].append(start)
         self.signal(key, arrival)
 
 
 def _timed(run: _Run, rank: int) -> Program:
     """``rank``'s program under ``Wires.run``, keeping its clock: the hot loop of ``replay``,
     one branch per common kind, numbers in locals."""
-    rules, append, text, num_texts = run.rules, run.append, run.text, run.num_texts
+    rules, record = run.rules, run.starts[rank].append
     program, arrivals, waiting = rules.schedule.per_rank[rank], run.arrivals, run.waiting
     ready, link_free, compute, d_p2p = run.ready, run.link_free, run.compute, run.durations.p2p
-    waits_for, sends_for, implicit = rules.waits_for, rules.sends_for, rules.implicit
+    implicit = rules.implicit
     act_base, grad_base = rules.base[ACT], rules.base[GRAD]
     per_mb, num_ranks, link_base = rules.per_mb, rules.keys.num_ranks, rank * rules.keys.num_ranks
     loaded_r, awaiting_r = run.loaded[rank], run.awaiting[rank]
@@ -532,7 +553,8 @@ def _timed(run: _Run, rank: int) -> Program:
             while awaiting_r and (need := run.unacknowledged(rank)) >= 0:
                 yield i, need
             start = t
-            slot = waits_for[kind][s]
+            duration, delta, waits_row, sends_row = spec
+            slot = waits_row[s]
             if slot >= 0:
                 need = mb * per_mb + slot
                 if (arrival := arrivals.get(need)) is None:
@@ -549,19 +571,17 @@ def _timed(run: _Run, rank: int) -> Program:
             if ps_r and (gathered := ps_r.pop(s, None)) is not None and gathered > start:
                 wait_r += gathered - start  # the stage's first compute after its gather (PS)
                 start = gathered
-            duration, delta = spec
             t = start + duration
             busy_r += duration
             held_r += delta
             if held_r > peak_r:
                 peak_r = held_r
-            label = f"{text[s]}{_NAME[kind]}{text[mb]}" if mb < num_texts else str(a)
-            append(_new_event(Event, (rank, "compute", label, s, mb, kind, start, t)))
-            if not implicit or (slot := sends_for[kind][s]) < 0:
+            record(start)
+            if not implicit or (slot := sends_row[s]) < 0:
                 continue
-            # A compute-only schedule: send the result as its SA / SG would.
-            key, kind = mb * per_mb + slot, _SA if kind is _F else _SG
-            peer = key % num_ranks
+            # A compute-only schedule: send the result as its SA / SG would (MessageKeys: the
+            # slot, not the key, ends in the receiving rank).
+            key, peer = mb * per_mb + slot, slot % num_ranks
         elif kind is _SA or kind is _SG:
             peer = a.peer  # type: ignore[assignment]  # sends always name a peer
             if peer >= num_ranks:
@@ -571,6 +591,7 @@ def _timed(run: _Run, rank: int) -> Program:
             _data_parallel(run, rank, a, t)
             continue
         elif kind is _RL:  # frees memory at once; the program order already counts it
+            run.released[rank] = True
             continue
         elif kind is not _RA and kind is not _RG:  # BPipe's EV / AC / RS / LD
             while (moved := run.transfer(rank, a, t))[1] >= 0:
@@ -584,35 +605,114 @@ def _timed(run: _Run, rank: int) -> Program:
             continue
         # The message the action sends occupies its link, one at a time, from the rank's clock.
         link = link_base + peer
-        start = link_free.get(link, 0.0)
+        start = link_free.get(link, 0)
         if t > start:
             start = t
-        arrivals[key] = link_free[link] = arrival = start + d_p2p
+        arrivals[key] = link_free[link] = start + d_p2p
         woken = waiting.pop(key, None)
         if woken is not None:
             ready.append(woken)
         if d_p2p > 0:
-            name = _NAME[kind]
-            sent = f"{text[s]}{name}{text[mb]}>{text[peer]}" if mb < num_texts else ""
-            event = (rank, "p2p", sent or f"{s}{name}{mb}>{peer}", s, mb, kind, start, arrival)
-            append(_new_event(Event, event))
+            record(start)
     run.clock[rank], run.busy[rank], run.waited[rank] = t, busy_r, wait_r
     run.held[rank], run.peak[rank] = held_r, peak_r
 
 
 def _data_parallel(run: _Run, rank: int, action: Action, t: float) -> None:
     """GS / PS on the rank's data-parallel lane: in program order, from its position's time."""
-    kind, stage = action.kind, action.stage
+    kind = action.kind
     start = run.dp_free[rank]
     if t > start:
         start = t
     end = start + (run.durations.grad_sync if kind is _GS else run.durations.param_sync)
     run.dp_free[rank] = end
     if kind is _PS:
-        run.ps_done[rank][stage] = end
-    if end > start:
-        event = (rank, "dp", str(action), stage, None, kind, start, end)
-        run.events.append(_new_event(Event, event))
+        run.ps_done[rank][action.stage] = end
+    run.starts[rank].append(start)  # every GS / PS: Timeline draws those that take time
+
+
+class Timeline:
+    """The events of one ``replay``, drawn when first asked for.
+
+    The replay keeps only, per rank, the start of each busy interval in program order (a
+    compute action, a send that takes time, every GS / PS); building an ``Event`` with its
+    label for each of hundreds of thousands of actions cost as much as the replay itself, and
+    most callers (the planner, ``--json``) never read them. ``events`` walks each program again
+    under the same rules, adds the durations, and divides every time by ``per_unit`` (the
+    ``Timing``'s units per user unit, see ``CostModel.exact``; a time too large for a float
+    becomes ``inf``). Events come rank by rank, each rank's in program order.
+    """
+
+    __slots__ = ("_events", "per_unit", "rules", "starts", "timing")
+
+    def __init__(
+        self, rules: Rules, timing: Timing, starts: list[list[float]], per_unit: int = 1
+    ) -> None:
+        self.rules, self.timing, self.starts, self.per_unit = rules, timing, starts, per_unit
+        self._events: tuple[Event, ...] | None = None
+
+    def scaled(self, per_unit: int) -> Timeline:
+        """The same timeline with its times divided by ``per_unit``."""
+        return Timeline(self.rules, self.timing, self.starts, per_unit)
+
+    def events(self) -> tuple[Event, ...]:
+        if self._events is None:
+            self._events = tuple(
+                event for rank in range(len(self.starts)) for event in self._rank_events(rank)
+            )
+        return self._events
+
+    def _rank_events(self, rank: int) -> Iterator[Event]:
+        """``rank``'s events: the starts ``_timed`` recorded, one per busy interval, until they
+        run out (a rank stuck in a deadlock stops there)."""
+        rules, timing, starts = self.rules, self.timing, iter(self.starts[rank])
+        num_ranks, implicit, sends_for = rules.keys.num_ranks, rules.implicit, rules.sends_for
+        computes = {
+            _F: timing.forward,
+            _B: timing.backward,
+            _I: timing.backward_input,
+            _W: timing.backward_weight,
+        }
+        lanes = {_GS: timing.grad_sync, _PS: timing.param_sync}
+        user = self._user
+        for a in rules.schedule.per_rank[rank]:
+            kind, s, mb = a.kind, a.stage, a.microbatch
+            if kind in computes:
+                if (start := next(starts, None)) is None:
+                    return
+                end = start + computes[kind]
+                yield Event(rank, "compute", str(a), s, mb, kind, user(start), user(end))
+                if implicit and timing.p2p > 0 and (slot := sends_for[kind][s]) >= 0:
+                    send = _SA if kind is _F else _SG
+                    start = next(starts)  # recorded with the compute, no wait between
+                    label = f"{s}{send.value}{mb}>{slot % num_ranks}"
+                    end = start + timing.p2p
+                    yield Event(rank, "p2p", label, s, mb, send, user(start), user(end))
+                continue
+            if kind in lanes:
+                if (start := next(starts, None)) is None:
+                    return
+                if (end := start + lanes[kind]) > start:
+                    yield Event(rank, "dp", str(a), s, None, kind, user(start), user(end))
+                continue
+            if kind is _SA or kind is _SG:
+                duration = timing.p2p
+            elif kind is _EV or kind is _RS:
+                duration = timing.transfer
+            else:
+                continue
+            if duration > 0 and a.peer is not None and a.peer < num_ranks:
+                if (start := next(starts, None)) is None:
+                    return
+                end = start + duration
+                yield Event(rank, "p2p", str(a), s, mb, kind, user(start), user(end))
+
+    def _user(self, time: float) -> float:
+        """A replay time in user units; ``inf`` past the float range."""
+        try:
+            return time / self.per_unit
+        except OverflowError:  # an integer time beyond any float
+            return math.inf
 
 
 class _Clocks:

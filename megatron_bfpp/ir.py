@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
+from fractions import Fraction
 from itertools import accumulate
 from operator import attrgetter
 from pathlib import Path
@@ -305,6 +306,11 @@ class StageLayout:
     def stage_fraction(self) -> float:
         """Share of a full 1F1B stage (num_layers / pp layers) that one stage holds."""
         return self.num_ranks / self.num_stages
+
+    @property
+    def exact_stage_fraction(self) -> Fraction:
+        """``stage_fraction`` as an exact fraction (1/3, not 0.333...), for exact timing."""
+        return Fraction(self.num_ranks, self.num_stages)
 
     @property
     def kind(self) -> str:

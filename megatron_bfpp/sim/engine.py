@@ -9,14 +9,19 @@ when its compute and data-parallel lanes are both done; the step time is the lat
 
 A compute-only schedule (no SA/RA/SG/RG, e.g. a torch CSV) is timed as if every compute action
 sent its result the moment it finished, which is what ``add_communication`` would insert.
+
+The replay runs in integer units (``CostModel.exact``) and every reported time is divided back
+once here, so results are exact up to that one rounding. Events are drawn only when read
+(``SimResult.events``, ``execution.Timeline``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from megatron_bfpp.execution import Event, Lane, Replay, Timing, describe_waits, replay
+from megatron_bfpp.execution import Event, Lane, Replay, Timeline, describe_waits, replay
 from megatron_bfpp.ir import Schedule, ScheduleError, format_schedule
 from megatron_bfpp.sim.cost import CostModel
 
@@ -54,7 +59,8 @@ class SimResult:
     """What ``simulate`` measured; ``to_dict`` is JSON-ready.
 
     ``bubble_fraction`` is the idle share of all ranks' time, ``sum(step - busy) / (p * step)``;
-    ``exposed_dp_comm_time`` is the largest per-rank exposed data-parallel time.
+    ``exposed_dp_comm_time`` is the largest per-rank exposed data-parallel time. ``events``
+    (rank by rank, each in program order) are built from ``timeline`` on first use.
     """
 
     schedule_name: str
@@ -65,8 +71,12 @@ class SimResult:
     bubble_fraction: float
     exposed_dp_comm_time: float
     per_rank: tuple[RankMetrics, ...]
-    events: tuple[Event, ...] = field(repr=False)
+    timeline: Timeline = field(repr=False, compare=False)
     costs: CostModel = field(default_factory=CostModel)
+
+    @property
+    def events(self) -> tuple[Event, ...]:
+        return self.timeline.events()
 
     @property
     def peak_activations(self) -> tuple[float, ...]:
@@ -98,63 +108,74 @@ def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimResult:  
 
     Raises ``ScheduleError`` showing the per-rank grid if the programs deadlock.
     """
+    exact = costs.exact(schedule.layout.exact_stage_fraction)
     try:
-        run = replay(schedule, _timing(costs, schedule.layout.stage_fraction))
+        run = replay(schedule, exact.timing)
     except ScheduleError as error:  # a stage outside the layout
         raise ScheduleError(f"cannot simulate {error}") from None
     if run.blocked:
         raise _deadlock(schedule, run)
-    return _result(schedule, costs, run)
+    return _result(schedule, costs, run, exact.per_unit)
 
 
-def _timing(costs: CostModel, stage_fraction: float) -> Timing:
-    """The replay's durations for a stage holding ``stage_fraction`` of a full 1F1B stage."""
-    return Timing(
-        forward=costs.t_forward * stage_fraction,
-        backward=costs.t_backward * stage_fraction,
-        backward_input=(costs.t_backward - costs.t_weight) * stage_fraction,
-        backward_weight=costs.t_weight * stage_fraction,
-        p2p=costs.t_p2p,
-        transfer=costs.t_evict * stage_fraction,
-        grad_sync=costs.t_grad_reduce,
-        param_sync=costs.t_param_gather,
-    )
-
-
-def _result(schedule: Schedule, costs: CostModel, run: Replay) -> SimResult:
+def _result(schedule: Schedule, costs: CostModel, run: Replay, per_unit: int) -> SimResult:
+    """The metrics from the replay's integer times, each divided by ``per_unit`` once."""
     clock, dp_free, busy = run.compute_end, run.dp_end, run.busy
     num_ranks = schedule.num_ranks
     ends = [max(clock[r], dp_free[r]) for r in range(num_ranks)]
-    step_time = max(ends, default=0.0)
+    step = max(ends, default=0)
     per_rank = []
     for rank in range(num_ranks):
-        exposed = run.gather_wait[rank] + max(0.0, dp_free[rank] - clock[rank])
-        bubble = (step_time - busy[rank]) / step_time if step_time > 0 else 0.0
+        exposed = run.gather_wait[rank] + max(0, dp_free[rank] - clock[rank])
         per_rank.append(
             RankMetrics(
                 rank=rank,
-                busy_time=busy[rank],
-                bubble_fraction=bubble,
+                busy_time=_user(busy[rank], per_unit),
+                bubble_fraction=_ratio(step - busy[rank], step),
                 peak_activations=run.peak[rank] * schedule.layout.stage_fraction,
-                peak_parameters=max(schedule.resident_parameters(rank), default=0.0),
-                exposed_dp_comm_time=exposed,
-                compute_end=clock[rank],
-                end_time=ends[rank],
+                peak_parameters=_peak_parameters(schedule, rank, sharded=run.released[rank]),
+                exposed_dp_comm_time=_user(exposed, per_unit),
+                compute_end=_user(clock[rank], per_unit),
+                end_time=_user(ends[rank], per_unit),
             )
         )
-    idle = sum(step_time - b for b in busy)
     return SimResult(
         schedule_name=schedule.name,
         num_ranks=num_ranks,
         num_chunks=schedule.num_chunks,
         num_microbatches=schedule.num_microbatches,
-        step_time=step_time,
-        bubble_fraction=idle / (num_ranks * step_time) if step_time > 0 else 0.0,
+        step_time=_user(step, per_unit),
+        bubble_fraction=_ratio(sum(step - b for b in busy), num_ranks * step),
         exposed_dp_comm_time=max((r.exposed_dp_comm_time for r in per_rank), default=0.0),
         per_rank=tuple(per_rank),
-        events=tuple(run.events),
+        timeline=run.timeline.scaled(per_unit),
         costs=costs,
     )
+
+
+def _peak_parameters(schedule: Schedule, rank: int, *, sharded: bool) -> float:
+    """The peak of ``Schedule.resident_parameters``: without an RL (the replay saw none) every
+    chunk stays gathered, which needs no second walk over the program."""
+    if sharded:
+        return max(schedule.resident_parameters(rank), default=0.0)
+    if not schedule.per_rank[rank]:
+        return 0.0
+    return schedule.num_chunks * schedule.layout.stage_fraction
+
+
+def _user(time: float, per_unit: int) -> float:
+    """A replay time in the cost model's unit, rounded once; ``inf`` past the float range (the
+    CLI reports such costs as overflowing)."""
+    try:
+        return time / per_unit
+    except OverflowError:
+        return math.inf
+
+
+def _ratio(part: float, whole: float) -> float:
+    """``part / whole`` of two replay times (0 when ``whole`` is), correctly rounded even when
+    both are integers too large for floats."""
+    return part / whole if whole > 0 else 0.0
 
 
 def _deadlock(schedule: Schedule, run: Replay) -> ScheduleError:

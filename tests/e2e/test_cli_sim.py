@@ -443,3 +443,13 @@ def test_help_shows_defaults() -> None:
     text = " ".join(result.stdout.split())
     assert "--t-forward T_FORWARD forward time (default: 1.0)" in text
     assert "(default: compute)" in text
+
+
+def test_json_step_time_is_exact() -> None:
+    """Stages of 1/3 used to sum to 12.999999999999996; the simulator now times in integers."""
+    result = bfpp_sim(
+        *("--schedule", "interleaved", "--pp", "2", "--vp", "3", "--microbatches", "4", "--json")
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["step_time"] == 13
+    assert '"step_time": 13.0,' in result.stdout
