@@ -5,8 +5,10 @@ the GPU you plan for replaces it (``recommend --profile``), as "Re-evaluating BP
 pipeline from one stage measured alone. The stage is ``num_layers`` transformer layers of the
 model (megatron-core's local layer spec, the layers bfpp-train builds, tp = 1), run in this
 process on one device; the profile holds seconds per micro-batch for its forward, its backward
-(B), and the backward split into input gradients (I: the backward with every weight frozen) and
-weight gradients (W = B - I), at each micro-batch size.
+(B), and the backward split as the V-shape schedules run it (``runtime.deferred_wgrad``): I, the
+backward with the linear layers' weight GEMMs deferred, and W, those GEMMs computed and
+accumulated, each timed on its own, at each micro-batch size. So the split the planner reads is
+the runtime's, overheads included (I + W may exceed B).
 
 torch and megatron-core are imported here only; the command line imports this module when the
 ``profile`` command runs. On CPU it runs in seconds for a tiny model (the format and the tests);
@@ -31,6 +33,7 @@ import torch
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.presets import Model
 from megatron_bfpp.plan.profile import Measurement, StageProfile, profile_to_dict
+from megatron_bfpp.runtime import deferred_wgrad
 
 __all__ = ["measure_stage", "write_profile"]
 
@@ -204,40 +207,44 @@ def _measure(
         grad = torch.ones_like(out)
         return _timed(device, lambda: torch.autograd.backward(out, grad))
 
-    def input_backward() -> float:
-        for p in parameters:
-            p.requires_grad_(False)
-        try:
-            hidden, out = forward()
-            grad = torch.ones_like(out)
-            return _timed(device, lambda: torch.autograd.grad(out, [hidden], grad))
-        finally:
-            for p in parameters:
-                p.requires_grad_(True)
+    deferred_wgrad.install([block])
+    key = (0, 0)
 
-    forwards, backwards, inputs = [], [], []
+    def split_backward() -> tuple[float, float]:
+        """(I, W) seconds, through the code the V-shape schedules run."""
+        store = deferred_wgrad.WeightGradStore()
+        with deferred_wgrad.deferring(store):
+            _, out = forward()
+            grad = torch.ones_like(out)
+            with store.collect(key):
+                backward_input = _timed(device, lambda: torch.autograd.backward(out, grad))
+            if not store.pending[key]:
+                raise RuntimeError("profile: no weight GEMM was deferred; please report this bug")
+            return backward_input, _timed(device, lambda: store.run(key))
+
+    forwards, backwards, inputs, weights = [], [], [], []
     for step in range(warmup + iterations):
         hidden = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
         f = _timed(
             device, functools.partial(block, hidden, attention_mask=None, rotary_pos_emb=rotary)
         )
         b = full_backward()
-        i = input_backward()
+        for p in parameters:  # W then creates the gradients, as B did: no accumulation timed
+            p.grad = None
+        i, w = split_backward()
         for p in parameters:
             p.grad = None
         if step >= warmup:
             forwards.append(f)
             backwards.append(b)
             inputs.append(i)
-    backward = statistics.median(backwards)
-    # Timing noise can make the input-gradient part look slower than the whole backward.
-    backward_input = min(statistics.median(inputs), backward)
+            weights.append(w)
     return Measurement(
         micro_batch_size=micro_batch_size,
         forward_s=statistics.median(forwards),
-        backward_s=backward,
-        backward_input_s=backward_input,
-        backward_weight_s=backward - backward_input,
+        backward_s=statistics.median(backwards),
+        backward_input_s=statistics.median(inputs),
+        backward_weight_s=statistics.median(weights),
     )
 
 

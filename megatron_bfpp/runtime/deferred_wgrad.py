@@ -10,8 +10,9 @@ input gradient (and its tensor-parallel all-reduce or reduce-scatter) with megat
 operations, and files the weight and bias gradients as a :class:`_Deferred` under the
 micro-batch whose ``I`` is running. ``W`` computes them with megatron-core's own operations
 (same operands, same GEMM, fused accumulation into ``main_grad`` on GPU as megatron-core does)
-and hands them to autograd in one ``torch.autograd.backward`` over the parameters, so they
-accumulate into ``.grad`` and megatron-core DDP's hooks run exactly as after a whole backward.
+inside the backward of one autograd Function over the parameters (:class:`_WeightGradients`),
+so they accumulate into ``.grad`` and megatron-core DDP's hooks run exactly as after a whole
+backward, and each gradient is moved into ``.grad``, not copied.
 Each parameter gets the same gradient added in the same micro-batch order as under 1F1B, so the
 result is bit-identical.
 
@@ -182,20 +183,42 @@ class _DeferredLinear(torch.autograd.Function):
 
 def _accumulate(items: list[_Deferred]) -> None:
     """Compute the deferred gradients and let autograd accumulate them into the parameters (so
-    ``.grad`` and megatron-core DDP's hooks see what a whole backward gives)."""
-    tensors: list[torch.Tensor] = []
-    grads: list[torch.Tensor] = []
+    ``.grad`` and megatron-core DDP's hooks see what a whole backward gives).
+
+    The GEMMs run inside an autograd Function's backward, as megatron-core's do: each gradient
+    is then referenced by autograd alone, so it is moved into ``.grad`` rather than copied
+    (handing precomputed gradients to ``torch.autograd.backward`` made autograd clone every one
+    of them, which cost W more time than the GEMMs)."""
+    params: list[torch.Tensor] = []
     for item in items:
-        with torch.no_grad():  # as inside autograd's backward, where megatron-core runs it
+        params.append(item.weight)
+        if item.bias is not None:
+            params.append(item.bias)
+    if params:
+        with torch.enable_grad():  # also when called from a backward (outside an I)
+            total = _WeightGradients.apply(items, *params)  # type: ignore[no-untyped-call]
+        torch.autograd.backward(total)
+
+
+class _WeightGradients(torch.autograd.Function):
+    """A scalar that depends on the deferred layers' parameters; its backward computes their
+    gradients (``_Deferred.compute``), one per parameter in ``_accumulate``'s order."""
+
+    @staticmethod
+    def forward(ctx: Any, items: list[_Deferred], *params: torch.Tensor) -> torch.Tensor:
+        ctx.items = items
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, *unused: Any) -> Any:
+        items, ctx.items = ctx.items, None
+        grads: list[torch.Tensor | None] = []
+        for item in items:
             grad_weight, grad_bias = item.compute()
-        if grad_weight is not None:
-            tensors.append(item.weight)
             grads.append(grad_weight)
-        if grad_bias is not None and item.bias is not None:
-            tensors.append(item.bias)
-            grads.append(grad_bias)
-    if tensors:
-        torch.autograd.backward(tensors, grads)
+            if item.bias is not None:
+                grads.append(grad_bias)
+        return (None, *grads)
 
 
 def _deferrable(args: tuple[Any, ...]) -> bool:

@@ -355,7 +355,9 @@ def test_profile_on_cpu_then_recommend_reads_it(tmp_path: Path) -> None:
     assert [m["micro_batch_size"] for m in data["measurements"]] == [1, 2]
     for m in data["measurements"]:
         assert m["forward_s"] > 0 and m["backward_s"] > 0
-        assert m["backward_input_s"] + m["backward_weight_s"] == pytest.approx(m["backward_s"])
+        # I and W are timed on their own, through the runtime's split (the profiler refuses
+        # a run in which I deferred no weight GEMM), so they need not add up to B exactly.
+        assert m["backward_input_s"] > 0 and m["backward_weight_s"] > 0
     planned = bfpp_plan(
         "recommend",
         *shape,
