@@ -123,3 +123,39 @@ def test_frozen_weight_is_not_deferred() -> None:
     ((pending, graph),) = run_ranks(frozen, world_size=1)
     assert pending == []
     assert "LinearWithFrozenWeightBackward" in graph
+
+
+def test_w_moves_its_gradients_into_grad_without_a_copy() -> None:
+    """W's weight and bias gradients become ``.grad`` themselves, as a whole backward's do:
+    autograd copied every one of them when W handed finished gradients to
+    ``torch.autograd.backward`` (an extra weight-sized tensor and copy per layer and W)."""
+
+    def moved() -> bool:
+        import torch
+
+        from megatron_bfpp.runtime import deferred_wgrad
+
+        layer = _layer("column", 1)
+        deferred_wgrad.install([layer])
+        computed: list[Any] = []
+        original = deferred_wgrad._Deferred.compute
+
+        def recording(self: Any) -> Any:
+            result = original(self)
+            # Addresses only: a reference kept here would itself make autograd copy.
+            computed.extend(tensor.data_ptr() for tensor in result)
+            return result
+
+        deferred_wgrad._Deferred.compute = recording  # type: ignore[method-assign]
+        try:
+            store = deferred_wgrad.WeightGradStore()
+            with deferred_wgrad.deferring(store):
+                output, _ = layer(torch.randn(8, 2, 32, requires_grad=True))
+                with store.collect((0, 0)):
+                    output.sum().backward()
+                store.run((0, 0))
+        finally:
+            deferred_wgrad._Deferred.compute = original  # type: ignore[method-assign]
+        return [layer.weight.grad.data_ptr(), layer.bias.grad.data_ptr()] == computed
+
+    assert run_ranks(moved, world_size=1) == [True]
