@@ -364,9 +364,14 @@ def build_schedule(
     num_chunks: int | None = None,
     lower: bool = True,
     sharding: str = "optim",
+    validate: bool = True,
     **options: Any,
 ) -> Schedule:
     """A validated schedule; ``lower=False`` stops at the compute order (still validated).
+
+    ``validate=False`` is for the planner, which builds the catalogue's own schedules hundreds of
+    times per search: that every generator's output validates is the tests' job
+    (tests/unit/test_generators.py), and the simulator still stops on a deadlock.
 
     ``num_chunks`` is the virtual pipeline size (stages per rank): required for looped
     schedules, 1 or omitted for single-stage ones, 2 or omitted for V-shape ones. Options left
@@ -389,7 +394,8 @@ def build_schedule(
     )
     if lower:
         schedule = add_grad_sync(add_communication(schedule), sharding=sharding)
-    validate_schedule(schedule, require_communication=lower)
+    if validate:
+        validate_schedule(schedule, require_communication=lower)
     return schedule
 
 
