@@ -49,7 +49,7 @@ import math
 from array import array
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Literal, NamedTuple
 
@@ -443,24 +443,25 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
     # Each rank's ops as one iterator, left where the rank stopped: a rank is woken only once
     # the message it stopped for is sent, so it goes on after that wait (no index arithmetic
     # per op, and no op read twice).
-    rest = [enumerate(program.ops) for program in programs]
-    cursor = [0] * len(programs)
+    rest = [iter(program.ops) for program in programs]
     ready = deque(range(len(programs)))
     while ready:
         rank = ready.popleft()
-        for position, op in rest[rank]:
+        for op in rest[rank]:
             if op >= 0:
                 sent.add(op)
                 if (woken := waiting.pop(op, None)) is not None:
                     ready.append(woken)
             elif ~op not in sent:
                 waiting[~op] = rank
-                cursor[rank] = position
                 break
     stuck = {}
     for key, rank in waiting.items():
         ops = programs[rank].ops
-        waits_before = sum(1 for op in ops[: cursor[rank]] if op < 0)
+        # Where the rank stopped: its first wait for the key. Messages are never unsent, so an
+        # earlier wait for it would have stopped the rank there for good; hence no position is
+        # kept per op in the loop above.
+        waits_before = sum(1 for op in ops[: ops.index(~key)] if op < 0)
         stuck[rank] = (programs[rank].wait_at[waits_before], rules.keys.message(key)[0])
     return dict(sorted(stuck.items()))
 
@@ -478,6 +479,7 @@ class _Run(Wires):
         "dp_free",
         "durations",
         "held",
+        "instant",
         "link_free",
         "peak",
         "ps_done",
@@ -508,6 +510,15 @@ class _Run(Wires):
             for kind, duration in durations.items()
         }
         self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
+        # Messages and transfers that take no time, in integer units (CostModel.exact, which
+        # bfpp-sim always uses): a link is then always free by its sender's clock (its earlier
+        # sends left no later), so a send arrives at the clock itself, the same int either
+        # way, and ``_timed`` keeps no link clocks (a third of a lowered schedule is sends).
+        self.instant = (
+            timing.p2p == 0
+            and timing.transfer == 0
+            and all(type(getattr(timing, f.name)) is int for f in fields(timing))
+        )
         # Clocks start at integer 0, so integer durations (CostModel.exact) stay integers.
         self.clock: list[float] = [0] * num_ranks
         self.dp_free: list[float] = [0] * num_ranks
@@ -545,8 +556,12 @@ def _timed(run: _Run, rank: int) -> Program:
     loaded_r, awaiting_r = run.loaded[rank], run.awaiting[rank]
     ps_r, t, busy_r, wait_r = run.ps_done[rank], run.clock[rank], run.busy[rank], run.waited[rank]
     held_r, peak_r = run.held[rank], run.peak[rank]
+    instant = run.instant
     for i, a in enumerate(program):
-        kind, s = a.kind, a.stage
+        kind = a.kind
+        if kind is _RA or kind is _RG:
+            continue  # posted without waiting: the consumer waits (the next third of them)
+        s = a.stage
         mb: int = a.microbatch  # type: ignore[assignment]  # None only for GS / PS
         spec = compute.get(kind)
         if spec is not None:  # F, B, I, W on the compute lane
@@ -593,7 +608,7 @@ def _timed(run: _Run, rank: int) -> Program:
         elif kind is _RL:  # frees memory at once; the program order already counts it
             run.released[rank] = True
             continue
-        elif kind is not _RA and kind is not _RG:  # BPipe's EV / AC / RS / LD
+        else:  # BPipe's EV / AC / RS / LD
             while (moved := run.transfer(rank, a, t))[1] >= 0:
                 yield i, moved[1]
             t = moved[0]
@@ -601,7 +616,10 @@ def _timed(run: _Run, rank: int) -> Program:
             if held_r > peak_r:
                 peak_r = held_r
             continue
-        else:
+        if instant:
+            arrivals[key] = t
+            if (woken := waiting.pop(key, None)) is not None:
+                ready.append(woken)
             continue
         # The message the action sends occupies its link, one at a time, from the rank's clock.
         link = link_base + peer
