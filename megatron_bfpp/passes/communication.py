@@ -123,6 +123,8 @@ def add_communication(schedule: Schedule) -> Schedule:
         )
         program: list[Action] = []
         append = program.append
+        peer: int
+        mb: int
         for action in actions:
             kind = action.kind
             if kind is forward:
@@ -147,7 +149,7 @@ def add_communication(schedule: Schedule) -> Schedule:
                 continue
             source, note_in, slot_in, target, note_out, slot_out = plan
             stage = action.stage
-            mb: int = action.microbatch  # type: ignore[assignment]  # compute: never None
+            mb = action.microbatch  # type: ignore[assignment]  # compute: never None
             if source >= 0:
                 append(new(stage, receive, mb, source))
                 note_in(mb * per_mb + slot_in)
