@@ -160,14 +160,17 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
     explains such a schedule; ``replay`` only refuses it); a message to a rank outside the layout
     reaches nobody.
     """
-    run = _Run(Rules(schedule), timing)
+    rules = Rules(schedule)
     try:
-        run.run([_timed(run, rank) for rank in range(run.rules.keys.num_ranks)])
-    except IndexError:  # a stage outside the layout indexed a per-stage table
-        raise ScheduleError(
-            f"{schedule.name!r}: an action names a stage outside the layout; run "
-            "validate_schedule for details"
-        ) from None
+        run = _replayed(rules, timing, bounded=True)
+    except IndexError:  # a micro-batch past the count, or a stage outside the layout
+        try:
+            run = _replayed(rules, timing, bounded=False)
+        except IndexError:  # a stage outside the layout indexed a per-stage table
+            raise ScheduleError(
+                f"{schedule.name!r}: an action names a stage outside the layout; run "
+                "validate_schedule for details"
+            ) from None
     timeline = Timeline(run.rules, timing, run.starts)
     return Replay(
         run.stuck(),
@@ -179,6 +182,13 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
         run.peak,
         run.released,
     )
+
+
+def _replayed(rules: Rules, timing: Timing, *, bounded: bool) -> _Run:
+    """One run of ``replay``; ``bounded``: see ``_Run.flow``."""
+    run = _Run(rules, timing, bounded=bounded)
+    run.run([_timed(run, rank) for rank in range(rules.keys.num_ranks)])
+    return run
 
 
 @paused_gc()
@@ -328,6 +338,10 @@ class Rules:
         """The message a recording's key names (``_recorded_tables``)."""
         if key >= self.recorded_limit:
             return self.keys.message(key - self.recorded_limit)[0]
+        return self.compact_message(key)
+
+    def compact_message(self, key: int) -> Message:
+        """The activation or gradient of a dense key (``_recorded_tables``), any micro-batch."""
         microbatch, slot = divmod(key, self.recorded_stride)
         stage, what = divmod(slot, 2)
         return Message(WHAT[what], stage, microbatch)
@@ -394,9 +408,12 @@ class Wires:
 
     def stuck(self) -> dict[int, tuple[int, Message]]:
         """Each rank that cannot finish: (position in its program, the message it waits for)."""
-        message = self.rules.keys.message
+        message, compact = self.rules.keys.message, self.rules.compact_message
         return dict(
-            sorted((rank, (self.at[rank], message(key)[0])) for key, rank in self.waiting.items())
+            sorted(
+                (rank, (self.at[rank], message(key)[0] if key >= 0 else compact(~key)))
+                for key, rank in self.waiting.items()
+            )
         )
 
     def signal(self, key: int, arrival: float = 0.0) -> None:
@@ -530,36 +547,63 @@ class _Run(Wires):
         "compute",
         "dp_free",
         "durations",
+        "flow",
         "held",
         "instant",
         "link_free",
         "peak",
         "ps_done",
         "released",
+        "sends",
         "starts",
         "waited",
     )
 
-    def __init__(self, rules: Rules, timing: Timing) -> None:
+    def __init__(self, rules: Rules, timing: Timing, *, bounded: bool = True) -> None:
         super().__init__(rules)
         num_ranks = rules.keys.num_ranks
         self.durations = timing
+        # Activations and gradients travel under their dense keys (Rules._recorded_tables),
+        # inverted: ``~(mb * stride + slot)``, negative, so they share ``waiting`` with BPipe's
+        # MessageKeys and index ``flow``, their arrival times (None: not sent), from its end.
+        # A list of a slot per message is a third faster than ``arrivals``, a dict of half a
+        # million keys; it ends at the last micro-batch, so ``bounded=False`` (after an
+        # IndexError) takes a dict for an action past the count.
+        self.flow: list[float | None] | _Unbounded = (
+            [None] * rules.recorded_limit if bounded else _Unbounded()
+        )
+        s2r, none = rules.schedule.layout.stage_to_rank, [0] * len(rules.waits_for[_F])
+        waits = {kind: _inverted(rules.recorded_waits[kind]) for kind in (_F, _B)}
+        sends = {kind: _inverted(rules.recorded_sends[kind]) for kind in (_F, _B)}
+        if not rules.implicit:  # a lowered schedule sends with its SA / SG
+            sends = {_F: none, _B: none}
+        act_to = [s2r[s + 1] if slot else -1 for s, slot in enumerate(sends[_F])]
+        grad_to = [s2r[s - 1] if slot else -1 for s, slot in enumerate(sends[_B])]
         # Per compute kind: its duration, how many stored activations it adds, and per stage
-        # what it waits for and sends (Rules), in one lookup.
-        durations = {
-            _F: timing.forward,
-            _B: timing.backward,
-            _I: timing.backward_input,
-            _W: timing.backward_weight,
-        }
+        # what it waits for and sends (0 for nothing) and to which rank, in one lookup.
         self.compute = {
-            kind: (
-                duration,
-                MEMORY_DELTA.get(kind, 0),
-                rules.waits_for[kind],
-                rules.sends_for[kind],
-            )
-            for kind, duration in durations.items()
+            _F: (timing.forward, MEMORY_DELTA[_F], waits[_F], sends[_F], act_to),
+            _B: (timing.backward, MEMORY_DELTA[_B], waits[_B], sends[_B], grad_to),
+            _I: (timing.backward_input, 0, waits[_B], sends[_B], grad_to),
+            _W: (timing.backward_weight, MEMORY_DELTA[_W], none, none, none),
+        }
+        # What an SA / SG sends, per stage: (key as above, the rank it must go to). Sent to
+        # another rank it reaches nobody: every wait for it names the neighbour stage's rank.
+        act, grad = rules.recorded_base
+        remote = rules.waits_for[_F]  # >= 0 where a stage's input comes from another rank
+        num_stages = len(remote)
+        self.sends = {
+            _SA: (
+                [~act[s] for s in range(num_stages)],
+                [
+                    s2r[s + 1] if s + 1 < num_stages and remote[s + 1] >= 0 else -1
+                    for s in range(num_stages)
+                ],
+            ),
+            _SG: (
+                [~grad[s] for s in range(num_stages)],
+                [s2r[s - 1] if remote[s] >= 0 else -1 for s in range(num_stages)],
+            ),
         }
         self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
         # Messages and transfers that take no time, in integer units (CostModel.exact, which
@@ -596,19 +640,32 @@ class _Run(Wires):
         self.signal(key, arrival)
 
 
+class _Unbounded(dict[int, "float | None"]):
+    """``_Run.flow`` for any micro-batch: a message not sent reads None."""
+
+    def __missing__(self, key: int) -> None:
+        return None
+
+
+def _inverted(slots: list[int]) -> list[int]:
+    """``_Run.flow``'s form of a per-stage table of dense slots: ``~slot``, 0 for none."""
+    return [~slot if slot >= 0 else 0 for slot in slots]
+
+
 def _timed(run: _Run, rank: int) -> Program:
     """``rank``'s program under ``Wires.run``, keeping its clock: the hot loop of ``replay``,
     one branch per common kind, numbers in locals."""
     rules, record = run.rules, run.starts[rank].append
-    program, arrivals, waiting = rules.schedule.per_rank[rank], run.arrivals, run.waiting
+    program, flow, waiting = rules.schedule.per_rank[rank], run.flow, run.waiting
     ready, link_free, compute, d_p2p = run.ready, run.link_free, run.compute, run.durations.p2p
-    implicit = rules.implicit
-    act_base, grad_base = rules.base[ACT], rules.base[GRAD]
-    per_mb, num_ranks, link_base = rules.per_mb, rules.keys.num_ranks, rank * rules.keys.num_ranks
-    loaded_r, awaiting_r = run.loaded[rank], run.awaiting[rank]
+    (act_keys, act_peers), (grad_keys, grad_peers) = run.sends[_SA], run.sends[_SG]
+    stride, num_ranks = rules.recorded_stride, rules.keys.num_ranks
+    link_base = rank * num_ranks
+    loaded_r, awaiting_r, arrivals = run.loaded[rank], run.awaiting[rank], run.arrivals
     ps_r, t, busy_r, wait_r = run.ps_done[rank], run.clock[rank], run.busy[rank], run.waited[rank]
     held_r, peak_r = run.held[rank], run.peak[rank]
     instant = run.instant
+    key: int | None
     for i, a in enumerate(program):
         kind = a.kind
         if kind is _RA or kind is _RG:
@@ -620,15 +677,13 @@ def _timed(run: _Run, rank: int) -> Program:
             while awaiting_r and (need := run.unacknowledged(rank)) >= 0:
                 yield i, need
             start = t
-            duration, delta, waits_row, sends_row = spec
-            slot = waits_row[s]
-            if slot >= 0:
-                need = mb * per_mb + slot
-                if (arrival := arrivals.get(need)) is None:
+            duration, delta, waits_row, sends_row, peers_row = spec
+            if slot := waits_row[s]:
+                if (arrival := flow[need := slot - mb * stride]) is None:
                     yield i, need
-                    arrival = arrivals[need]
-                if arrival > start:
-                    start = arrival
+                    arrival = flow[need]
+                if arrival > start:  # type: ignore[operator]  # sent: not None
+                    start = arrival  # type: ignore[assignment]
             if loaded_r and (need := run.restore(rank, a)) >= 0:
                 if (arrival := arrivals.get(need)) is None:
                     yield i, need
@@ -644,16 +699,20 @@ def _timed(run: _Run, rank: int) -> Program:
             if held_r > peak_r:
                 peak_r = held_r
             record(start)
-            if not implicit or (slot := sends_row[s]) < 0:
+            if not (slot := sends_row[s]):
                 continue
-            # A compute-only schedule: send the result as its SA / SG would (MessageKeys: the
-            # slot, not the key, ends in the receiving rank).
-            key, peer = mb * per_mb + slot, slot % num_ranks
-        elif kind is _SA or kind is _SG:
+            # A compute-only schedule: send the result as its SA / SG would.
+            key, peer = slot - mb * stride, peers_row[s]
+        elif kind is _SA:
             peer = a.peer  # type: ignore[assignment]  # sends always name a peer
             if peer >= num_ranks:
                 continue  # a rank outside the layout: the message reaches nobody
-            key = mb * per_mb + (act_base if kind is _SA else grad_base)[s] + peer
+            key = act_keys[s] - mb * stride if peer == act_peers[s] else None
+        elif kind is _SG:
+            peer = a.peer  # type: ignore[assignment]
+            if peer >= num_ranks:
+                continue
+            key = grad_keys[s] - mb * stride if peer == grad_peers[s] else None
         elif kind is _GS or kind is _PS:
             _data_parallel(run, rank, a, t)
             continue
@@ -669,19 +728,22 @@ def _timed(run: _Run, rank: int) -> Program:
                 peak_r = held_r
             continue
         if instant:
-            arrivals[key] = t
-            if (woken := waiting.pop(key, None)) is not None:
-                ready.append(woken)
+            if key is not None:
+                flow[key] = t
+                if key in waiting:
+                    ready.append(waiting.pop(key))
             continue
-        # The message the action sends occupies its link, one at a time, from the rank's clock.
+        # The message the action sends occupies its link, one at a time, from the rank's clock;
+        # one sent to another rank than the neighbour stage's (key None) reaches nobody.
         link = link_base + peer
         start = link_free.get(link, 0)
         if t > start:
             start = t
-        arrivals[key] = link_free[link] = start + d_p2p
-        woken = waiting.pop(key, None)
-        if woken is not None:
-            ready.append(woken)
+        link_free[link] = start + d_p2p
+        if key is not None:
+            flow[key] = start + d_p2p
+            if key in waiting:
+                ready.append(waiting.pop(key))
         if d_p2p > 0:
             record(start)
     run.clock[rank], run.busy[rank], run.waited[rank] = t, busy_r, wait_r
