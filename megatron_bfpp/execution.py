@@ -666,14 +666,24 @@ def _timed(run: _Run, rank: int) -> Program:
     held_r, peak_r = run.held[rank], run.peak[rank]
     instant = run.instant
     key: int | None
+    peer: int
     for i, a in enumerate(program):
         kind = a.kind
         if kind is _RA or kind is _RG:
             continue  # posted without waiting: the consumer waits (the next third of them)
         s = a.stage
         mb: int = a.microbatch  # type: ignore[assignment]  # None only for GS / PS
-        spec = compute.get(kind)
-        if spec is not None:  # F, B, I, W on the compute lane
+        if kind is _SA:  # sends first: no lookup for a third of the actions
+            peer = a.peer  # type: ignore[assignment]  # sends always name a peer
+            if peer >= num_ranks:
+                continue  # a rank outside the layout: the message reaches nobody
+            key = act_keys[s] - mb * stride if peer == act_peers[s] else None
+        elif kind is _SG:
+            peer = a.peer  # type: ignore[assignment]
+            if peer >= num_ranks:
+                continue
+            key = grad_keys[s] - mb * stride if peer == grad_peers[s] else None
+        elif (spec := compute.get(kind)) is not None:  # F, B, I, W on the compute lane
             while awaiting_r and (need := run.unacknowledged(rank)) >= 0:
                 yield i, need
             start = t
@@ -703,16 +713,6 @@ def _timed(run: _Run, rank: int) -> Program:
                 continue
             # A compute-only schedule: send the result as its SA / SG would.
             key, peer = slot - mb * stride, peers_row[s]
-        elif kind is _SA:
-            peer = a.peer  # type: ignore[assignment]  # sends always name a peer
-            if peer >= num_ranks:
-                continue  # a rank outside the layout: the message reaches nobody
-            key = act_keys[s] - mb * stride if peer == act_peers[s] else None
-        elif kind is _SG:
-            peer = a.peer  # type: ignore[assignment]
-            if peer >= num_ranks:
-                continue
-            key = grad_keys[s] - mb * stride if peer == grad_peers[s] else None
         elif kind is _GS or kind is _PS:
             _data_parallel(run, rank, a, t)
             continue
