@@ -49,7 +49,7 @@ import math
 from array import array
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Literal, NamedTuple
 
@@ -61,6 +61,7 @@ from megatron_bfpp.messages import (
     GRAD,
     RESTORE,
     RESTORE_POSTED,
+    WHAT,
     Message,
     MessageKeys,
     has_communication,
@@ -159,14 +160,17 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
     explains such a schedule; ``replay`` only refuses it); a message to a rank outside the layout
     reaches nobody.
     """
-    run = _Run(Rules(schedule), timing)
+    rules = Rules(schedule)
     try:
-        run.run([_timed(run, rank) for rank in range(run.rules.keys.num_ranks)])
-    except IndexError:  # a stage outside the layout indexed a per-stage table
-        raise ScheduleError(
-            f"{schedule.name!r}: an action names a stage outside the layout; run "
-            "validate_schedule for details"
-        ) from None
+        run = _replayed(rules, timing, bounded=True)
+    except IndexError:  # a micro-batch past the count, or a stage outside the layout
+        try:
+            run = _replayed(rules, timing, bounded=False)
+        except IndexError:  # a stage outside the layout indexed a per-stage table
+            raise ScheduleError(
+                f"{schedule.name!r}: an action names a stage outside the layout; run "
+                "validate_schedule for details"
+            ) from None
     timeline = Timeline(run.rules, timing, run.starts)
     return Replay(
         run.stuck(),
@@ -178,6 +182,13 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
         run.peak,
         run.released,
     )
+
+
+def _replayed(rules: Rules, timing: Timing, *, bounded: bool) -> _Run:
+    """One run of ``replay``; ``bounded``: see ``_Run.flow``."""
+    run = _Run(rules, timing, bounded=bounded)
+    run.run([_timed(run, rank) for rank in range(rules.keys.num_ranks)])
+    return run
 
 
 @paused_gc()
@@ -253,6 +264,11 @@ class Rules:
         "implicit",
         "keys",
         "per_mb",
+        "recorded_base",
+        "recorded_limit",
+        "recorded_sends",
+        "recorded_stride",
+        "recorded_waits",
         "schedule",
         "sends_for",
         "transfers",
@@ -276,6 +292,7 @@ class Rules:
                 grad_from[s - 1] = grad_to[s] = keys.slot(GRAD, s, s2r[s - 1])
         none = [-1] * num_stages
         self.waits_for = {_F: act_from, _B: grad_from, _I: grad_from, _W: none}
+        self._recorded_tables(num_stages, schedule.num_microbatches, act_to, grad_to)
         if not self.implicit:  # a lowered schedule sends with its SA / SG
             act_to = grad_to = none
         self.sends_for = {_F: act_to, _B: grad_to, _I: grad_to, _W: none}
@@ -291,6 +308,43 @@ class Rules:
             )
             for kind, (waits, sends, awaits, loads) in _TRANSFER_RULES.items()
         }
+
+    def _recorded_tables(
+        self, num_stages: int, num_microbatches: int, act_to: list[int], grad_to: list[int]
+    ) -> None:
+        """The same rules keyed as a recording keys them (the validator's, see ``Recorded``).
+
+        An activation or gradient is ``microbatch * recorded_stride + recorded_base[what]
+        [stage]`` (``2 * stage + what``): the rank it goes to is the neighbour stage's, which
+        placement fixes, so the key needs no rank and the keys of a schedule are dense, below
+        ``recorded_limit``. BPipe's messages, whose partner is free, keep their ``MessageKeys``
+        key plus ``recorded_limit``. ``recorded_waits`` / ``recorded_sends`` are ``waits_for``
+        / ``sends_for`` (implicit sends included) in these keys.
+        """
+        stride = self.recorded_stride = 2 * num_stages
+        self.recorded_limit = num_microbatches * stride
+        act, grad = self.recorded_base = [
+            [2 * s + what for s in range(num_stages)] for what in (ACT, GRAD)
+        ]
+        act_wait = [act[s - 1] if self.waits_for[_F][s] >= 0 else -1 for s in range(num_stages)]
+        grad_wait = [grad[s + 1] if self.waits_for[_B][s] >= 0 else -1 for s in range(num_stages)]
+        self.recorded_waits = {_F: act_wait, _B: grad_wait}
+        self.recorded_sends = {
+            _F: [act[s] if act_to[s] >= 0 else -1 for s in range(num_stages)],
+            _B: [grad[s] if grad_to[s] >= 0 else -1 for s in range(num_stages)],
+        }
+
+    def recorded_message(self, key: int) -> Message:
+        """The message a recording's key names (``_recorded_tables``)."""
+        if key >= self.recorded_limit:
+            return self.keys.message(key - self.recorded_limit)[0]
+        return self.compact_message(key)
+
+    def compact_message(self, key: int) -> Message:
+        """The activation or gradient of a dense key (``_recorded_tables``), any micro-batch."""
+        microbatch, slot = divmod(key, self.recorded_stride)
+        stage, what = divmod(slot, 2)
+        return Message(WHAT[what], stage, microbatch)
 
 
 class Transfer(NamedTuple):
@@ -354,9 +408,12 @@ class Wires:
 
     def stuck(self) -> dict[int, tuple[int, Message]]:
         """Each rank that cannot finish: (position in its program, the message it waits for)."""
-        message = self.rules.keys.message
+        message, compact = self.rules.keys.message, self.rules.compact_message
         return dict(
-            sorted((rank, (self.at[rank], message(key)[0])) for key, rank in self.waiting.items())
+            sorted(
+                (rank, (self.at[rank], message(key)[0] if key >= 0 else compact(~key)))
+                for key, rank in self.waiting.items()
+            )
         )
 
     def signal(self, key: int, arrival: float = 0.0) -> None:
@@ -424,7 +481,8 @@ class Wires:
 
 class Recorded(NamedTuple):
     """One rank's program recorded rather than run (the validator's way, see ``run_recorded``):
-    ``ops`` in program order, ``key`` to send a message and ``~key`` to wait for one, and
+    ``ops`` in program order, ``key`` to send a message and ``~key`` to wait for one (keys as
+    ``Rules._recorded_tables`` gives them), and
     ``wait_at``, the program position of each wait in the same order, as machine integers (an
     int object per entry, allocated amid the keys, measurably slows the run that reads them)."""
 
@@ -438,30 +496,42 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
     beat resuming the checking loop at every wait where ranks alternate often (measured on
     BPipe pp=16-32: 1.10-1.14x the old fused check's time instead of 1.30x; about equal on
     interleaved)."""
-    sent: set[int] = set()
+    # Activations and gradients have dense keys (Rules._recorded_tables): a flag each. A set
+    # of half a million keys, each add and lookup a cache miss, took twice the time.
+    limit = rules.recorded_limit
+    sent = bytearray(limit)
+    sent_beyond: set[int] = set()  # BPipe's messages
     waiting: dict[int, int] = {}
     # Each rank's ops as one iterator, left where the rank stopped: a rank is woken only once
     # the message it stopped for is sent, so it goes on after that wait (no index arithmetic
     # per op, and no op read twice).
-    rest = [enumerate(program.ops) for program in programs]
-    cursor = [0] * len(programs)
+    rest = [iter(program.ops) for program in programs]
     ready = deque(range(len(programs)))
     while ready:
         rank = ready.popleft()
-        for position, op in rest[rank]:
+        for op in rest[rank]:
             if op >= 0:
-                sent.add(op)
-                if (woken := waiting.pop(op, None)) is not None:
-                    ready.append(woken)
-            elif ~op not in sent:
-                waiting[~op] = rank
-                cursor[rank] = position
+                if op < limit:
+                    sent[op] = 1
+                else:
+                    sent_beyond.add(op)
+                if op in waiting:
+                    ready.append(waiting.pop(op))
+            elif (need := ~op) < limit:
+                if not sent[need]:
+                    waiting[need] = rank
+                    break
+            elif need not in sent_beyond:
+                waiting[need] = rank
                 break
     stuck = {}
     for key, rank in waiting.items():
         ops = programs[rank].ops
-        waits_before = sum(1 for op in ops[: cursor[rank]] if op < 0)
-        stuck[rank] = (programs[rank].wait_at[waits_before], rules.keys.message(key)[0])
+        # Where the rank stopped: its first wait for the key. Messages are never unsent, so an
+        # earlier wait for it would have stopped the rank there for good; hence no position is
+        # kept per op in the loop above.
+        waits_before = sum(1 for op in ops[: ops.index(~key)] if op < 0)
+        stuck[rank] = (programs[rank].wait_at[waits_before], rules.recorded_message(key))
     return dict(sorted(stuck.items()))
 
 
@@ -477,37 +547,74 @@ class _Run(Wires):
         "compute",
         "dp_free",
         "durations",
+        "flow",
         "held",
+        "instant",
         "link_free",
         "peak",
         "ps_done",
         "released",
+        "sends",
         "starts",
         "waited",
     )
 
-    def __init__(self, rules: Rules, timing: Timing) -> None:
+    def __init__(self, rules: Rules, timing: Timing, *, bounded: bool = True) -> None:
         super().__init__(rules)
         num_ranks = rules.keys.num_ranks
         self.durations = timing
+        # Activations and gradients travel under their dense keys (Rules._recorded_tables),
+        # inverted: ``~(mb * stride + slot)``, negative, so they share ``waiting`` with BPipe's
+        # MessageKeys and index ``flow``, their arrival times (None: not sent), from its end.
+        # A list of a slot per message is a third faster than ``arrivals``, a dict of half a
+        # million keys; it ends at the last micro-batch, so ``bounded=False`` (after an
+        # IndexError) takes a dict for an action past the count.
+        self.flow: list[float | None] | _Unbounded = (
+            [None] * rules.recorded_limit if bounded else _Unbounded()
+        )
+        s2r, none = rules.schedule.layout.stage_to_rank, [0] * len(rules.waits_for[_F])
+        waits = {kind: _inverted(rules.recorded_waits[kind]) for kind in (_F, _B)}
+        sends = {kind: _inverted(rules.recorded_sends[kind]) for kind in (_F, _B)}
+        if not rules.implicit:  # a lowered schedule sends with its SA / SG
+            sends = {_F: none, _B: none}
+        act_to = [s2r[s + 1] if slot else -1 for s, slot in enumerate(sends[_F])]
+        grad_to = [s2r[s - 1] if slot else -1 for s, slot in enumerate(sends[_B])]
         # Per compute kind: its duration, how many stored activations it adds, and per stage
-        # what it waits for and sends (Rules), in one lookup.
-        durations = {
-            _F: timing.forward,
-            _B: timing.backward,
-            _I: timing.backward_input,
-            _W: timing.backward_weight,
-        }
+        # what it waits for and sends (0 for nothing) and to which rank, in one lookup.
         self.compute = {
-            kind: (
-                duration,
-                MEMORY_DELTA.get(kind, 0),
-                rules.waits_for[kind],
-                rules.sends_for[kind],
-            )
-            for kind, duration in durations.items()
+            _F: (timing.forward, MEMORY_DELTA[_F], waits[_F], sends[_F], act_to),
+            _B: (timing.backward, MEMORY_DELTA[_B], waits[_B], sends[_B], grad_to),
+            _I: (timing.backward_input, 0, waits[_B], sends[_B], grad_to),
+            _W: (timing.backward_weight, MEMORY_DELTA[_W], none, none, none),
+        }
+        # What an SA / SG sends, per stage: (key as above, the rank it must go to). Sent to
+        # another rank it reaches nobody: every wait for it names the neighbour stage's rank.
+        act, grad = rules.recorded_base
+        remote = rules.waits_for[_F]  # >= 0 where a stage's input comes from another rank
+        num_stages = len(remote)
+        self.sends = {
+            _SA: (
+                [~act[s] for s in range(num_stages)],
+                [
+                    s2r[s + 1] if s + 1 < num_stages and remote[s + 1] >= 0 else -1
+                    for s in range(num_stages)
+                ],
+            ),
+            _SG: (
+                [~grad[s] for s in range(num_stages)],
+                [s2r[s - 1] if remote[s] >= 0 else -1 for s in range(num_stages)],
+            ),
         }
         self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
+        # Messages and transfers that take no time, in integer units (CostModel.exact, which
+        # bfpp-sim always uses): a link is then always free by its sender's clock (its earlier
+        # sends left no later), so a send arrives at the clock itself, the same int either
+        # way, and ``_timed`` keeps no link clocks (a third of a lowered schedule is sends).
+        self.instant = (
+            timing.p2p == 0
+            and timing.transfer == 0
+            and all(type(getattr(timing, f.name)) is int for f in fields(timing))
+        )
         # Clocks start at integer 0, so integer durations (CostModel.exact) stay integers.
         self.clock: list[float] = [0] * num_ranks
         self.dp_free: list[float] = [0] * num_ranks
@@ -533,35 +640,60 @@ class _Run(Wires):
         self.signal(key, arrival)
 
 
+class _Unbounded(dict[int, "float | None"]):
+    """``_Run.flow`` for any micro-batch: a message not sent reads None."""
+
+    def __missing__(self, key: int) -> None:
+        return None
+
+
+def _inverted(slots: list[int]) -> list[int]:
+    """``_Run.flow``'s form of a per-stage table of dense slots: ``~slot``, 0 for none."""
+    return [~slot if slot >= 0 else 0 for slot in slots]
+
+
 def _timed(run: _Run, rank: int) -> Program:
     """``rank``'s program under ``Wires.run``, keeping its clock: the hot loop of ``replay``,
     one branch per common kind, numbers in locals."""
     rules, record = run.rules, run.starts[rank].append
-    program, arrivals, waiting = rules.schedule.per_rank[rank], run.arrivals, run.waiting
+    program, flow, waiting = rules.schedule.per_rank[rank], run.flow, run.waiting
     ready, link_free, compute, d_p2p = run.ready, run.link_free, run.compute, run.durations.p2p
-    implicit = rules.implicit
-    act_base, grad_base = rules.base[ACT], rules.base[GRAD]
-    per_mb, num_ranks, link_base = rules.per_mb, rules.keys.num_ranks, rank * rules.keys.num_ranks
-    loaded_r, awaiting_r = run.loaded[rank], run.awaiting[rank]
+    (act_keys, act_peers), (grad_keys, grad_peers) = run.sends[_SA], run.sends[_SG]
+    stride, num_ranks = rules.recorded_stride, rules.keys.num_ranks
+    link_base = rank * num_ranks
+    loaded_r, awaiting_r, arrivals = run.loaded[rank], run.awaiting[rank], run.arrivals
     ps_r, t, busy_r, wait_r = run.ps_done[rank], run.clock[rank], run.busy[rank], run.waited[rank]
     held_r, peak_r = run.held[rank], run.peak[rank]
+    instant = run.instant
+    key: int | None
+    peer: int
     for i, a in enumerate(program):
-        kind, s = a.kind, a.stage
+        kind = a.kind
+        if kind is _RA or kind is _RG:
+            continue  # posted without waiting: the consumer waits (the next third of them)
+        s = a.stage
         mb: int = a.microbatch  # type: ignore[assignment]  # None only for GS / PS
-        spec = compute.get(kind)
-        if spec is not None:  # F, B, I, W on the compute lane
+        if kind is _SA:  # sends first: no lookup for a third of the actions
+            peer = a.peer  # type: ignore[assignment]  # sends always name a peer
+            if peer >= num_ranks:
+                continue  # a rank outside the layout: the message reaches nobody
+            key = act_keys[s] - mb * stride if peer == act_peers[s] else None
+        elif kind is _SG:
+            peer = a.peer  # type: ignore[assignment]
+            if peer >= num_ranks:
+                continue
+            key = grad_keys[s] - mb * stride if peer == grad_peers[s] else None
+        elif (spec := compute.get(kind)) is not None:  # F, B, I, W on the compute lane
             while awaiting_r and (need := run.unacknowledged(rank)) >= 0:
                 yield i, need
             start = t
-            duration, delta, waits_row, sends_row = spec
-            slot = waits_row[s]
-            if slot >= 0:
-                need = mb * per_mb + slot
-                if (arrival := arrivals.get(need)) is None:
+            duration, delta, waits_row, sends_row, peers_row = spec
+            if slot := waits_row[s]:
+                if (arrival := flow[need := slot - mb * stride]) is None:
                     yield i, need
-                    arrival = arrivals[need]
-                if arrival > start:
-                    start = arrival
+                    arrival = flow[need]
+                if arrival > start:  # type: ignore[operator]  # sent: not None
+                    start = arrival  # type: ignore[assignment]
             if loaded_r and (need := run.restore(rank, a)) >= 0:
                 if (arrival := arrivals.get(need)) is None:
                     yield i, need
@@ -577,23 +709,17 @@ def _timed(run: _Run, rank: int) -> Program:
             if held_r > peak_r:
                 peak_r = held_r
             record(start)
-            if not implicit or (slot := sends_row[s]) < 0:
+            if not (slot := sends_row[s]):
                 continue
-            # A compute-only schedule: send the result as its SA / SG would (MessageKeys: the
-            # slot, not the key, ends in the receiving rank).
-            key, peer = mb * per_mb + slot, slot % num_ranks
-        elif kind is _SA or kind is _SG:
-            peer = a.peer  # type: ignore[assignment]  # sends always name a peer
-            if peer >= num_ranks:
-                continue  # a rank outside the layout: the message reaches nobody
-            key = mb * per_mb + (act_base if kind is _SA else grad_base)[s] + peer
+            # A compute-only schedule: send the result as its SA / SG would.
+            key, peer = slot - mb * stride, peers_row[s]
         elif kind is _GS or kind is _PS:
             _data_parallel(run, rank, a, t)
             continue
         elif kind is _RL:  # frees memory at once; the program order already counts it
             run.released[rank] = True
             continue
-        elif kind is not _RA and kind is not _RG:  # BPipe's EV / AC / RS / LD
+        else:  # BPipe's EV / AC / RS / LD
             while (moved := run.transfer(rank, a, t))[1] >= 0:
                 yield i, moved[1]
             t = moved[0]
@@ -601,17 +727,23 @@ def _timed(run: _Run, rank: int) -> Program:
             if held_r > peak_r:
                 peak_r = held_r
             continue
-        else:
+        if instant:
+            if key is not None:
+                flow[key] = t
+                if key in waiting:
+                    ready.append(waiting.pop(key))
             continue
-        # The message the action sends occupies its link, one at a time, from the rank's clock.
+        # The message the action sends occupies its link, one at a time, from the rank's clock;
+        # one sent to another rank than the neighbour stage's (key None) reaches nobody.
         link = link_base + peer
         start = link_free.get(link, 0)
         if t > start:
             start = t
-        arrivals[key] = link_free[link] = start + d_p2p
-        woken = waiting.pop(key, None)
-        if woken is not None:
-            ready.append(woken)
+        link_free[link] = start + d_p2p
+        if key is not None:
+            flow[key] = start + d_p2p
+            if key in waiting:
+                ready.append(waiting.pop(key))
         if d_p2p > 0:
             record(start)
     run.clock[rank], run.busy[rank], run.waited[rank] = t, busy_r, wait_r

@@ -37,9 +37,7 @@ from array import array
 from megatron_bfpp.execution import Recorded, Rules, describe_waits, run_recorded
 from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, format_schedule
 from megatron_bfpp.messages import (
-    ACT,
     EVICT,
-    GRAD,
     RESTORE,
     Message,
     has_communication,
@@ -330,11 +328,15 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
     f_done, b_done, i_done, w_done, ra_done, rg_done, ev_done, ld_done = scan.flags
     act_in, act_out, grad_in, grad_out = _rank_channels(scan, rank)
     # The execution rules (Rules): what F and B / I wait for, and send in a compute-only schedule.
-    act_wait, grad_wait = rules.waits_for[_F], rules.waits_for[_B]
-    act_send, grad_send, implicit = rules.sends_for[_F], rules.sends_for[_B], rules.implicit
-    act_base, grad_base = rules.base[ACT], rules.base[GRAD]
+    # Keyed as a recording keys them (Rules._recorded_tables): activations and gradients by
+    # ``mb * stride`` plus a slot per stage, BPipe's messages by their MessageKeys key + limit.
+    act_wait, grad_wait = rules.recorded_waits[_F], rules.recorded_waits[_B]
+    act_send, grad_send = rules.recorded_sends[_F], rules.recorded_sends[_B]
+    act_base, grad_base = rules.recorded_base
+    stride, implicit = rules.recorded_stride, rules.implicit
     evict_base, restore_base = rules.base[EVICT], rules.base[RESTORE]
     per_mb, num_ranks, transfers = rules.per_mb, rules.keys.num_ranks, rules.transfers
+    limit = rules.recorded_limit
     recorded = Recorded([], array("q"))
     op, wait_at = recorded.ops.append, recorded.wait_at.append
     awaiting: list[int] = []  # acknowledgements the next compute waits for (Wires.awaiting)
@@ -357,10 +359,10 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                     scan.misplaced(rank, position)
                     return recorded
                 if (slot := act_wait[stage]) >= 0:
-                    op(~(mb * per_mb + slot))
+                    op(~(mb * stride + slot))
                     wait_at(position)
                 if implicit and (slot := act_send[stage]) >= 0:
-                    op(mb * per_mb + slot)
+                    op(mb * stride + slot)
                 key = stage * num_mb + mb
                 if f_done[key]:
                     scan.repeated(rank, position)
@@ -375,14 +377,14 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                     scan.misplaced(rank, position)
                     return recorded
                 if (slot := grad_wait[stage]) >= 0:
-                    op(~(mb * per_mb + slot))
+                    op(~(mb * stride + slot))
                     wait_at(position)
-                if loaded and (need := mb * per_mb + restore_base[stage] + rank) in loaded:
+                if loaded and (need := mb * per_mb + limit + restore_base[stage] + rank) in loaded:
                     loaded.discard(need)  # Wires.restore: the activations an LD brought back
                     op(~need)
                     wait_at(position)
                 if implicit and (slot := grad_send[stage]) >= 0:
-                    op(mb * per_mb + slot)
+                    op(mb * stride + slot)
                 key = stage * num_mb + mb
                 if b_done[key] or i_done[key]:
                     scan.note_backward(rank, position, key)  # a repeat, or B with I
@@ -403,7 +405,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                     return recorded
                 if not f_done[stage * num_mb + mb]:
                     disorder(rank, position, "activation")
-                act_out[stage].append(sent := mb * per_mb + act_base[stage] + remote_out[stage])
+                act_out[stage].append(sent := mb * stride + act_base[stage])
                 op(sent)
             elif kind is _RA:
                 if (s2r[stage] != rank or mb >= num_mb
@@ -411,7 +413,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                     scan.misplaced(rank, position)
                     return recorded
                 ra_done[stage * num_mb + mb] = 1
-                act_in[stage].append(mb * per_mb + act_base[stage - 1] + rank)
+                act_in[stage].append(mb * stride + act_base[stage - 1])
             elif kind is _SG:
                 if (s2r[stage] != rank or mb >= num_mb
                         or action.peer != remote_in[stage]):  # fmt: skip
@@ -420,7 +422,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                 key = stage * num_mb + mb
                 if not (b_done[key] or i_done[key]):
                     disorder(rank, position, "gradient")
-                grad_out[stage].append(sent := mb * per_mb + grad_base[stage] + remote_in[stage])
+                grad_out[stage].append(sent := mb * stride + grad_base[stage])
                 op(sent)
             elif kind is _RG:
                 if (s2r[stage] != rank or mb >= num_mb
@@ -428,7 +430,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                     scan.misplaced(rank, position)
                     return recorded
                 rg_done[stage * num_mb + mb] = 1
-                grad_in[stage].append(mb * per_mb + grad_base[stage + 1] + rank)
+                grad_in[stage].append(mb * stride + grad_base[stage + 1])
             elif kind is _W:  # waits for nothing but its own rank's I
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
@@ -455,7 +457,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                     scan.misplaced(rank, position)
                     return recorded
                 # Rules.transfers, recorded (Wires.transfer runs the same table).
-                rule, base, key = transfers[kind], mb * per_mb, stage * num_mb + mb
+                rule, base, key = transfers[kind], mb * per_mb + limit, stage * num_mb + mb
                 if (slot := rule.waits[stage]) >= 0:
                     op(~(base + slot + rank))
                     wait_at(position)

@@ -21,6 +21,8 @@ has it gathers again for every group.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Iterable
+from itertools import chain, islice
 from operator import attrgetter
 
 from megatron_bfpp.ir import (
@@ -82,15 +84,17 @@ def add_grad_sync(
                 while position + 1 < len(actions) and actions[position + 1].kind is K.SEND_GRAD:
                     position += 1
                 after.setdefault(position, []).append(unchecked_action(stage, K.GRAD_SYNC))
-        # Splice by slices: a handful of insertion points in a program of many actions.
-        program = gathers
-        start = 0
+        # Splice: a handful of insertion points in a program of many actions. Chained views
+        # of the program into one tuple touch each action once; slices into a list, then the
+        # list into a tuple, touched each three times (a tenth of a second at 1.6 M actions).
+        # The parts share one iterator over the program, consumed in order.
+        rest, start = iter(actions), 0
+        parts: list[Iterable[Action]] = [gathers]
         for position in sorted(after):
-            program += actions[start : position + 1]
-            program += after[position]
+            parts += (islice(rest, position + 1 - start), after[position])
             start = position + 1
-        program += actions[start:]
-        programs.append(program)
+        parts.append(rest)
+        programs.append(tuple(chain.from_iterable(parts)))
     return schedule.with_programs(programs)
 
 

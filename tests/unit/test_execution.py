@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from megatron_bfpp import execution
 from megatron_bfpp.execution import Timing, compute_ends, describe_waits, replay
 from megatron_bfpp.ir import (
     Action,
@@ -142,6 +143,91 @@ def test_a_stage_outside_the_layout_is_refused_not_indexed() -> None:
         replay(schedule)
     with pytest.raises(ScheduleError, match="stage 5 does not exist"):
         validate_schedule(schedule, require_communication=False)
+
+
+# --- replay's fast paths agree with its general ones ------------------------------------------
+
+
+def _replays(schedule: Schedule, timing: Timing) -> list[tuple[object, ...]]:
+    """What one run of ``replay`` finds, under each of its paths: a list of arrivals to the last
+    micro-batch (bounded) or a dict, and, where messages take no time, with link clocks kept."""
+    rules = execution.Rules(schedule)
+    found = []
+    for bounded, instant in ((True, None), (False, None), (True, False), (False, False)):
+        run = execution._Run(rules, timing, bounded=bounded)
+        if instant is not None:
+            run.instant = instant
+        run.run([execution._timed(run, rank) for rank in range(schedule.num_ranks)])
+        events = execution.Timeline(rules, timing, run.starts).events()
+        found.append((run.stuck(), run.clock, run.dp_free, run.busy, run.peak, events))
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_replay_paths_agree_on_generated_and_broken_schedules(name: str) -> None:
+    """The list of arrivals and the dict, and instant messages without link clocks and with
+    them, time every schedule alike, deadlocked ones included (integer times, as bfpp-sim's)."""
+    rng = random.Random(name)
+    num_ranks = 6 if name == "bpipe" else 3
+    chunks = 2 if SCHEDULES[name].placement == "looped" else None
+    compute = build_schedule(
+        name, num_ranks=num_ranks, num_microbatches=6, num_chunks=chunks, lower=False
+    )
+    lowered = add_grad_sync(add_communication(compute))
+    instant = Timing(forward=2, backward=4, backward_input=2, backward_weight=2, p2p=0, transfer=0)
+    timed = Timing(forward=2, backward=4, backward_input=2, backward_weight=2, p2p=1, transfer=3)
+    stuck = 0
+    for base in (compute, lowered):
+        for _ in range(30):
+            schedule = _mutated(base, rng)
+            first, *others = _replays(schedule, instant)
+            assert all(other == first for other in others)
+            stuck += bool(first[0])
+            first, *others = _replays(schedule, timed)
+            assert all(other == first for other in others)
+    assert stuck > 5
+
+
+def test_replay_takes_micro_batches_past_the_count() -> None:
+    """The list of arrivals ends at ``num_microbatches``; a schedule naming more reruns on the
+    dict and times every message apart, as before."""
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=3)
+    narrow = Schedule(schedule.layout, 1, schedule.per_rank)  # claims one micro-batch
+    for timing in (Timing(), Timing(forward=1, backward=2, p2p=0, transfer=0)):
+        wide, cut = replay(schedule, timing), replay(narrow, timing)
+        assert not cut.blocked
+        assert (cut.compute_end, cut.busy, cut.events) == (wide.compute_end, wide.busy, wide.events)
+
+
+def test_a_message_to_another_rank_than_the_neighbour_stages_reaches_nobody() -> None:
+    rows = ["0F0 0SA0>2 0RG0<1 0B0", "1RA0<0 1F0 1SA0>2 1RG0<2 1B0 1SG0>0", "2RA0<1 2F0 2B0 2SG0>1"]
+    schedule = parse_schedule(rows, layout=StageLayout.looped(3), num_microbatches=1)
+    assert replay(schedule).blocked == {
+        0: (3, Message("grad", 1, 0)),
+        1: (1, Message("act", 0, 0)),
+        2: (1, Message("act", 1, 0)),
+    }
+
+
+def test_recorded_keys_read_back() -> None:
+    """The dense keys of activations and gradients (validator and replay) and BPipe's keys past
+    them name the messages they were made from."""
+    schedule = build_schedule("interleaved", num_ranks=2, num_microbatches=4, num_chunks=2)
+    rules = execution.Rules(schedule)
+    act, grad = rules.recorded_base
+    seen = set()
+    for microbatch in range(6):  # past the count too: compact_message takes any
+        for stage in range(schedule.num_stages):
+            for what, base in (("act", act), ("grad", grad)):
+                key = microbatch * rules.recorded_stride + base[stage]
+                assert key not in seen
+                seen.add(key)
+                assert rules.compact_message(key) == Message(what, stage, microbatch)
+                if microbatch < schedule.num_microbatches:
+                    assert key < rules.recorded_limit
+                    assert rules.recorded_message(key) == Message(what, stage, microbatch)
+    evict = rules.keys.key(Message("evict", 1, 3), 1)
+    assert rules.recorded_message(evict + rules.recorded_limit) == Message("evict", 1, 3)
 
 
 # --- compute_ends is replay's clock ----------------------------------------------------------
