@@ -76,15 +76,20 @@ def _mutated(schedule: Schedule, rng: random.Random) -> Schedule:
     return schedule.with_programs(programs)
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
-def test_validator_and_replay_stop_the_same_ranks_at_the_same_steps(name: str) -> None:
-    rng = random.Random(name)
+def _small_pair(name: str) -> tuple[Schedule, Schedule]:
+    """A small compute-only schedule of the family and its lowering, to break at random."""
     num_ranks = 6 if name == "bpipe" else 3
     chunks = 2 if SCHEDULES[name].placement == "looped" else None
     compute = build_schedule(
         name, num_ranks=num_ranks, num_microbatches=6, num_chunks=chunks, lower=False
     )
-    lowered = add_grad_sync(add_communication(compute))
+    return compute, add_grad_sync(add_communication(compute))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_validator_and_replay_stop_the_same_ranks_at_the_same_steps(name: str) -> None:
+    rng = random.Random(name)
+    compute, lowered = _small_pair(name)
     stuck = 0
     for base in (compute, lowered):
         for _ in range(60):
@@ -168,12 +173,7 @@ def test_replay_paths_agree_on_generated_and_broken_schedules(name: str) -> None
     """The list of arrivals and the dict, and instant messages without link clocks and with
     them, time every schedule alike, deadlocked ones included (integer times, as bfpp-sim's)."""
     rng = random.Random(name)
-    num_ranks = 6 if name == "bpipe" else 3
-    chunks = 2 if SCHEDULES[name].placement == "looped" else None
-    compute = build_schedule(
-        name, num_ranks=num_ranks, num_microbatches=6, num_chunks=chunks, lower=False
-    )
-    lowered = add_grad_sync(add_communication(compute))
+    compute, lowered = _small_pair(name)
     instant = Timing(forward=2, backward=4, backward_input=2, backward_weight=2, p2p=0, transfer=0)
     timed = Timing(forward=2, backward=4, backward_input=2, backward_weight=2, p2p=1, transfer=3)
     stuck = 0
