@@ -247,7 +247,12 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
         "--metrics-file", default=None, metavar="PATH", help="one JSON line per iteration"
     )
     io.add_argument("--log-interval", type=positive_int, default=1)
-    io.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
+    io.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="log one line per --log-interval instead of a redrawn bar (the default when stdout "
+        "is not a terminal, as in SLURM logs)",
+    )
 
 
 def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> None:

@@ -178,14 +178,28 @@ def _allocated_parameter_bytes(model: list[Any]) -> int:
     return sum(storage.nbytes() for storage in storages.values())
 
 
-class _Progress:
-    """One line on rank 0, redrawn with a carriage return; ``--no-progress`` logs lines."""
+def _logs_lines(no_progress: bool, stream: TextIO) -> bool:
+    """A redrawn bar only on a terminal: in a SLURM or redirected log, carriage returns would
+    leave every iteration on one unreadable line, so there the run logs lines as with
+    ``--no-progress``."""
+    if no_progress:
+        return True
+    isatty = getattr(stream, "isatty", None)
+    return not (callable(isatty) and isatty())
 
-    def __init__(self, enabled: bool, lines: bool, total: int, log_interval: int) -> None:
+
+class _Progress:
+    """One line on rank 0, redrawn with a carriage return on a terminal; otherwise (or with
+    ``--no-progress``) one line per ``--log-interval`` iterations."""
+
+    def __init__(
+        self, enabled: bool, lines: bool, total: int, log_interval: int, stream: TextIO
+    ) -> None:
         self.enabled = enabled
         self.lines = lines
         self.total = total
         self.log_interval = log_interval
+        self.stream = stream
         self.drawn = False
 
     def update(self, iteration: int, loss: float, step_time: float, lr: float) -> None:
@@ -197,16 +211,16 @@ class _Progress:
         )
         if self.lines:
             if iteration % self.log_interval == 0 or iteration == self.total:
-                print(text, flush=True)
+                print(text, file=self.stream, flush=True)
         else:
-            sys.stdout.write("\r" + text)
-            sys.stdout.flush()
+            self.stream.write("\r" + text)
+            self.stream.flush()
             self.drawn = True
 
     def close(self) -> None:
         if self.drawn:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 # --------------------------------------------------------------------------- main loop
@@ -370,13 +384,15 @@ def _loop(run: _Run) -> TrainResult:
     metrics: TextIO | None = None
     if rank0 and args.metrics_file:
         metrics = open(args.metrics_file, "a" if args.load else "w")  # noqa: SIM115
+    lines = _logs_lines(args.no_progress, sys.stdout)
     progress = _Progress(
         rank0 and args.train_iters > run.iteration,
-        args.no_progress,
+        lines,
         args.train_iters,
         args.log_interval,
+        sys.stdout,
     )
-    if rank0 and args.no_progress:
+    if rank0 and lines:
         print(_banner(run), flush=True)
     losses: list[tuple[int, float]] = []
     last_saved = run.iteration if args.load else -1
@@ -495,7 +511,7 @@ def _save(run: _Run) -> None:
     )
     with whole:
         path = _write_checkpoint(run)
-    if dist.get_rank() == 0 and args.no_progress:
+    if dist.get_rank() == 0 and _logs_lines(args.no_progress, sys.stdout):
         print(f"saved checkpoint {path}", flush=True)
 
 

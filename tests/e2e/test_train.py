@@ -27,10 +27,13 @@ ITERS = 10
 COMPARED = 3  # losses 1..3 depend only on the warm-up learning rates, not on --train-iters
 
 
-def _run(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _run(
+    *flags: str, timeout: float = 120, no_progress: bool = True
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    progress = ("--no-progress",) if no_progress else ()
     return subprocess.run(
-        [sys.executable, "-m", "megatron_bfpp.cli.train", "--no-progress", *flags],
+        [sys.executable, "-m", "megatron_bfpp.cli.train", *progress, *flags],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -144,6 +147,17 @@ def test_bpipe_caps_measured_activation_memory(tmp_path: Path) -> None:
     assert max(peaks["bpipe"]["peak_activation_bytes"]) < max(
         peaks["1f1b"]["peak_activation_bytes"]
     )
+
+
+def test_log_without_a_terminal_is_one_line_per_iteration() -> None:
+    """Without --no-progress and with stdout a pipe (as in a SLURM log) the run logs lines: a
+    redrawn bar would leave every iteration on one line joined by carriage returns."""
+    proc = _run("--train-iters", "3", no_progress=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "\r" not in proc.stdout
+    logged = [line for line in proc.stdout.splitlines() if line.startswith("iteration ")]
+    assert [line.split("|")[0].split()[1] for line in logged] == ["1/3", "2/3", "3/3"]
+    assert "vp=2 " in proc.stdout  # the banner, as with --no-progress
 
 
 def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> None:
