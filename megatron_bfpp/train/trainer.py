@@ -193,10 +193,10 @@ class _Progress:
     ``--no-progress``) one line per ``--log-interval`` iterations."""
 
     def __init__(
-        self, enabled: bool, lines: bool, total: int, log_interval: int, stream: TextIO
+        self, enabled: bool, no_progress: bool, total: int, log_interval: int, stream: TextIO
     ) -> None:
         self.enabled = enabled
-        self.lines = lines
+        self.lines = _logs_lines(no_progress, stream)
         self.total = total
         self.log_interval = log_interval
         self.stream = stream
@@ -384,15 +384,14 @@ def _loop(run: _Run) -> TrainResult:
     metrics: TextIO | None = None
     if rank0 and args.metrics_file:
         metrics = open(args.metrics_file, "a" if args.load else "w")  # noqa: SIM115
-    lines = _logs_lines(args.no_progress, sys.stdout)
     progress = _Progress(
         rank0 and args.train_iters > run.iteration,
-        lines,
+        args.no_progress,
         args.train_iters,
         args.log_interval,
         sys.stdout,
     )
-    if rank0 and lines:
+    if rank0 and progress.lines:
         print(_banner(run), flush=True)
     losses: list[tuple[int, float]] = []
     last_saved = run.iteration if args.load else -1

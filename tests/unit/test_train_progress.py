@@ -33,7 +33,7 @@ def test_bar_only_on_a_terminal(no_progress: bool, stream: object, lines: bool) 
 
 def test_lines_follow_the_log_interval_and_always_show_the_last() -> None:
     out = io.StringIO()
-    progress = _Progress(True, True, total=5, log_interval=2, stream=out)
+    progress = _Progress(True, False, total=5, log_interval=2, stream=out)  # a file: lines
     for i in range(1, 6):
         progress.update(i, 5.0 - i / 10, 0.25, 1e-3)
     progress.close()
@@ -42,9 +42,18 @@ def test_lines_follow_the_log_interval_and_always_show_the_last() -> None:
     assert "\r" not in out.getvalue()
 
 
+def test_no_progress_logs_lines_on_a_terminal_too() -> None:
+    out = _Terminal()
+    progress = _Progress(True, True, total=2, log_interval=1, stream=out)
+    for i in (1, 2):
+        progress.update(i, 5.0, 0.25, 1e-3)
+    progress.close()
+    assert len(out.getvalue().splitlines()) == 2 and "\r" not in out.getvalue()
+
+
 def test_bar_redraws_one_line_and_ends_it() -> None:
     out = _Terminal()
-    progress = _Progress(True, False, total=3, log_interval=1, stream=out)
+    progress = _Progress(True, False, total=3, log_interval=1, stream=out)  # a terminal: a bar
     for i in range(1, 4):
         progress.update(i, 5.0, 0.25, 1e-3)
     progress.close()
