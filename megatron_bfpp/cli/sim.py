@@ -26,6 +26,7 @@ from megatron_bfpp.ir import (
     load_csv,
 )
 from megatron_bfpp.messages import Message, message_of
+from megatron_bfpp.nccl import nccl_report
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
 from megatron_bfpp.schedules.registry import (
@@ -109,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument(
+        "--nccl",
+        action="store_true",
+        help="check the schedule under NCCL's point-to-point rules, as written (one batch per "
+        "run of messages between computes) and as the runtime posts it (lock-step ticks); "
+        "always on with --load-csv",
+    )
+    out.add_argument(
         "--grid",
         choices=["compute", "full", "none"],
         default="compute",
@@ -146,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             t_evict=args.t_evict,
         )
         result = simulate(schedule, costs)
+        nccl = nccl_report(schedule) if args.nccl or args.load_csv else None
         if not math.isfinite(result.step_time):
             return fail(
                 PROG,
@@ -161,9 +170,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ScheduleError, OSError) as error:
         return fail(PROG, error)
     if args.json:
-        print(json_text(result.to_dict()))
+        data = result.to_dict()
+        if nccl is not None:
+            data["nccl"] = nccl
+        print(json_text(data))
     else:
         print(format_report(result))
+        if nccl is not None:
+            print(format_nccl(nccl))
         if args.grid != "none":
             shown = schedule.compute_only() if args.grid == "compute" else schedule
             print()
@@ -291,6 +305,16 @@ def _messages_reordered(schedule: Schedule) -> bool:
                 return False
             reordered = True
     return reordered
+
+
+def format_nccl(report: dict[str, dict[str, object]]) -> str:
+    """Two lines: NCCL safety as written and as the runtime posts it (with the cycle if any)."""
+    lines = []
+    for key, label in (("as_written", "as written"), ("lock_step", "as bfpp runs it (lock-step)")):
+        verdict = report[key]
+        text = "NCCL-safe" if verdict["safe"] else f"NOT NCCL-safe: {verdict['problem']}"
+        lines.append(f"NCCL, {label}: {text}")
+    return "\n".join(lines)
 
 
 def format_report(result: SimResult) -> str:

@@ -20,7 +20,7 @@ from megatron_bfpp.compat import (
     process_groups_without_embedding_group,
 )
 from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError
-from megatron_bfpp.runtime.executor import run_rank_program
+from megatron_bfpp.runtime.executor import nccl_posting, run_rank_program
 from megatron_bfpp.runtime.p2p import PipeComm
 from megatron_bfpp.runtime.placement import (
     check_chunk_placement,
@@ -189,7 +189,9 @@ def plan_schedule(
         **dict(options),
     )
     _check_data_order(schedule)
-    return forward_only_schedule(schedule) if forward_only else schedule
+    planned = forward_only_schedule(schedule) if forward_only else schedule
+    nccl_posting(planned)  # proven NCCL-safe here, before any message
+    return planned
 
 
 def _check_data_order(schedule: Schedule) -> None:

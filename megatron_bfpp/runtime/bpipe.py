@@ -2,14 +2,17 @@
 and come back before its backward.
 
 The evictor's EV packs a micro-batch's stored activations (see runtime.activations) into one
-buffer and sends it to the acceptor; the acceptor's AC pre-posts the receive, its RS sends the
-payload back (waiting for it first, at its place in program order) and the evictor's LD posts
-the receive that the micro-batch's backward waits for before rebuilding its tensors. The payload
-travels as an 8-byte size header, part A of the size both ends last agreed for the stage and
-part B, the rest when it grew (see runtime.p2p for how the acceptor reads the header).
+buffer and sends it to the acceptor; the acceptor's AC posts the receive, its RS sends the
+payload back (waiting for it first) and the evictor's LD posts the receive that the
+micro-batch's backward waits for before rebuilding its tensors. The payload travels as an 8-byte
+size header and part A of the size both ends last agreed for the stage in the EV's batch, and
+part B, the rest when it grew, in the next tick's batch: the *rest* handlers (``evict_rest``,
+``accept_rest``) run there, the acceptor's after reading the header (see runtime.p2p and the
+lock-step posting in megatron_bfpp.nccl).
 
-This module registers those four kinds in the executor's dispatch table together with its
-per-step part, :class:`Transfers`; the core knows BPipe only through that part's answers.
+This module registers those four kinds and the two rests in the executor's dispatch table
+together with its per-step part, :class:`Transfers`; the core knows BPipe only through that
+part's answers.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class Transfers(StepPart):
 
     # (part A, part B) bytes of each evicted payload, until its LD posts the receive.
     evicted_parts: dict[Key, tuple[int, int]] = field(default_factory=dict)
+    # Part B of each eviction until the next tick's batch sends it (None: nothing grew).
+    rests: dict[Key, torch.Tensor | None] = field(default_factory=dict)
     # Buffer and acceptor of each posted LD, until the micro-batch's backward brings it back.
     loads: dict[Key, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
@@ -67,11 +72,11 @@ class Transfers(StepPart):
         return held
 
     def leftovers(self) -> dict[str, Collection[Any]]:
-        return {"loads never consumed": self.loads}
+        return {"loads never consumed": self.loads, "eviction rests never sent": self.rests}
 
 
 def evict(step: RankStep, position: int, action: Action) -> None:
-    """EV: pack and send the micro-batch's stored activations: size header, part A, part B."""
+    """EV: pack the micro-batch's stored activations and send the size header and part A."""
     comm, stage = step.ctx.comm, action.stage
     key, acceptor = _key_and_peer(action)
     if key not in step.state.inputs:
@@ -85,36 +90,48 @@ def evict(step: RankStep, position: int, action: Action) -> None:
     comm.eviction_sizes[stage] = nbytes
     rest = max(0, nbytes - agreed)
     step.part(Transfers).evicted_parts[key] = (agreed, rest)
-    header = torch.tensor([nbytes], dtype=torch.int64, device=comm.device)
+    # torch.full, not torch.tensor([nbytes]): no host-to-device copy that syncs the stream.
+    header = torch.full((1,), nbytes, dtype=torch.int64, device=comm.device)
     sends = step.window.sends
     sends.append(Send(Message("evict-size", *key), header, acceptor))
     if agreed:
         sends.append(Send(Message("evict", *key), buffer.narrow(0, 0, agreed), acceptor))
-    if rest:
-        # With no agreed size the acceptor reads the header at once and posts it all; a grown
-        # payload's rest is posted when the acceptor next reads headers.
-        what = "evict-rest" if agreed else "evict"
-        sends.append(Send(Message(what, *key), buffer.narrow(0, agreed, rest), acceptor))
+    step.part(Transfers).rests[key] = buffer.narrow(0, agreed, rest) if rest else None
+
+
+def evict_rest(step: RankStep, position: int, action: Action) -> None:
+    """EV's part B, a tick after the header: the payload's growth past the agreed size."""
+    key, acceptor = _key_and_peer(action)
+    rest = step.part(Transfers).rests.pop(key)
+    if rest is not None:
+        step.window.sends.append(Send(Message("evict-rest", *key), rest, acceptor))
 
 
 def accept(step: RankStep, position: int, action: Action) -> None:
-    """AC: pre-post the header and, at the size last agreed, part A of an eviction."""
+    """AC: post the header's receive and, at the size last agreed, part A's."""
     comm = step.ctx.comm
     key, evictor = _key_and_peer(action)
     agreed = comm.eviction_sizes.get(key[0], 0)
     header = torch.empty(1, dtype=torch.int64, device=comm.device)
     parts = (torch.empty(agreed, dtype=torch.uint8, device=comm.device),) if agreed else ()
-    # The first eviction of a stage in a run has no agreed size: read its header now.
-    step.window.receives.append(
-        Receive(Message("evict", *key), evictor, parts, header=header, read_header=not agreed)
-    )
+    step.window.receives.append(Receive(Message("evict", *key), evictor, parts, header=header))
+
+
+def accept_rest(step: RankStep, position: int, action: Action) -> None:
+    """AC's part B: read the header (it came a tick ago) and receive what part A lacked."""
+    comm = step.ctx.comm
+    key, evictor = _key_and_peer(action)
+    message = Message("evict", *key)
+    nbytes, posted = comm.read_header(message, evictor)
+    if nbytes > posted:
+        rest = torch.empty(nbytes - posted, dtype=torch.uint8, device=comm.device)
+        step.window.receives.append(Receive(message, evictor, (rest,), more=True))
 
 
 def restore(step: RankStep, position: int, action: Action) -> None:
-    """RS: send the partner's payload back, once it has arrived (posting what precedes it)."""
+    """RS: send the partner's payload back, once it has arrived (two ticks after the EV)."""
     comm = step.ctx.comm
     key, evictor = _key_and_peer(action)
-    step.window.post(comm)
     parts = comm.wait_parts(Message("evict", *key), evictor)
     step.window.sends.extend(Send(Message("restore", *key), part, evictor) for part in parts)
 
@@ -140,6 +157,7 @@ def _key_and_peer(action: Action) -> tuple[Key, int]:
 
 HANDLERS = Handlers(
     kinds={K.EVICT: evict, K.ACCEPT: accept, K.RESTORE: restore, K.LOAD: load},
+    rests={K.EVICT: evict_rest, K.ACCEPT: accept_rest},
     part=Transfers,
     captures=frozenset({K.EVICT}),
 )

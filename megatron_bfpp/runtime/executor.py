@@ -7,16 +7,17 @@ maps to :func:`not_runnable`, which names the action and the rank. This module h
 handlers (compute, pipeline messages, data-parallel sync); a protocol with its own actions and
 state lives in its own module (BPipe: runtime.bpipe; sharded parameters' gathers and releases:
 runtime.sharding) and is listed in ``TABLE`` below, so the next one (V-shape's split backward)
-is a new module, not an edit here or in theirs.
+is its own module too, not an edit here or in theirs.
 
 Compute reuses megatron-core's own ``forward_step`` / ``backward_step`` (loss scaling, per-token
 loss, autocast, input-tensor plumbing), and behaviour comes from the model config exactly as
 megatron-core reads it: ``no_sync_func``, ``grad_sync_func``, ``param_sync_func``,
 ``finalize_model_grads_func``, ``deallocate_pipeline_outputs``, timers.
 
-Messages: the handlers of the communication actions between two computes add their sends and
-receives to one window, which the executor posts together before the next compute (see
-runtime.p2p).
+Messages: the executor follows the schedule's lock-step posting (``megatron_bfpp.nccl``,
+proven under NCCL's rules once per schedule): the computes and data-parallel actions in program
+order, and between them one batch per tick, whose items' handlers add their sends and receives
+to one window that is posted as one ``batch_isend_irecv`` (see runtime.p2p).
 
 Data parallelism is per chunk: a chunk's ``no_sync`` context is left just before its last
 backward (megatron-core DDP's hooks then dispatch its gradient reduction during that backward),
@@ -37,6 +38,7 @@ process's high-water mark, which this runtime does not reset).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +47,7 @@ import torch
 from megatron_bfpp.compat import forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
 from megatron_bfpp.messages import Message, message_of
+from megatron_bfpp.nccl import Batch, Posting, validate_nccl
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
 from megatron_bfpp.runtime.backward import whole_backward
@@ -66,6 +69,7 @@ __all__ = [
     "TABLE",
     "MemoryReport",
     "StepContext",
+    "nccl_posting",
     "not_runnable",
     "run_rank_program",
 ]
@@ -230,6 +234,8 @@ class _Executor:
         parts = [make() for make in table.parts]
         self.step = RankStep(schedule, rank, ctx, measuring=measuring, parts=parts)
         self.handlers: Mapping[ActionKind, Handler] = table.handlers
+        self.rests: Mapping[ActionKind, Handler] = table.rests
+        self.posting = nccl_posting(schedule).per_rank[rank]
 
     @property
     def state(self) -> StepState:
@@ -249,19 +255,17 @@ class _Executor:
                 stack.callback(part.end, step)
             step.enter_no_sync()
             settle = not comm.sends_pollable
-            for position, action in enumerate(step.program):
-                kind = action.kind
-                if kind.is_p2p:
-                    step.window.actions += 1
-                    handlers[kind](step, position, action)
+            program = step.program
+            for item in self.posting:
+                if isinstance(item, Batch):
+                    self._post_batch(item)
                     continue
-                self._post_window()
-                handlers[kind](step, position, action)
-                if settle and kind.is_compute:
+                action = program[item]
+                handlers[action.kind](step, item, action)
+                if settle and action.kind.is_compute:
                     comm.settle_transfers()
                 comm.reap()
                 self._measure()
-            self._post_window()
             self._finish()
         if sharded is not None:
             step.state.memory.peak_parameter_bytes = sharded.peak_bytes
@@ -271,13 +275,13 @@ class _Executor:
             )
         return step.state
 
-    def _post_window(self) -> None:
-        """Post the window the communication handlers gathered: sends and receives together."""
-        window = self.step.window
-        if not window.actions:
-            return
-        window.post(self.step.ctx.comm)
-        window.actions = 0
+    def _post_batch(self, batch: Batch) -> None:
+        """Run the handlers of one tick's items, then post what they gathered as one batch."""
+        step = self.step
+        for position, rest in batch.items:
+            action = step.program[position]
+            (self.rests if rest else self.handlers)[action.kind](step, position, action)
+        step.window.post(step.ctx.comm)
         self._measure()
 
     def _measure(self) -> None:
@@ -336,6 +340,13 @@ class _Executor:
                 + "; ".join(problems)
                 + "); the schedule and the executor disagree: please report this bug"
             )
+
+
+@functools.lru_cache(maxsize=32)
+def nccl_posting(schedule: Schedule) -> Posting:
+    """The schedule's lock-step posting, proven NCCL-safe before its first message (once per
+    schedule: every rank derives the same one, so a failure is the same error everywhere)."""
+    return validate_nccl(schedule)
 
 
 def run_rank_program(

@@ -1,20 +1,20 @@
-"""Point-to-point messages between pipeline ranks, posted in the order the schedule proved.
+"""Point-to-point messages between pipeline ranks, posted as the NCCL-safe posting says.
 
-Every message of a step goes through here. The communication actions between two consecutive
-compute actions form one *window*, posted together with ``batch_isend_irecv`` as soon as the
-earlier compute finishes: on NCCL that groups a send with the receive next to it (what
-megatron-core's ``send_forward_recv_backward`` does), so neither blocks the other on the pair's
-stream; on gloo it simply posts each one. A receive is waited for only by the action that
-consumes it, and a send's buffer is released only after its work completes: gloo reads send
-buffers from a background thread after ``isend`` returns.
+Every message of a step goes through here. The executor posts the messages of one lock-step
+tick (``megatron_bfpp.nccl``) as one ``batch_isend_irecv``, whose partners are in the peers'
+batches of the same tick, so the batches never cross under NCCL's rules (one communicator and
+stream per process group, a batch done only when all its ops are matched). A backend may return
+one Work per op (gloo) or one for the whole batch (NCCL): a receive is waited for by the action
+that consumes it, through its own Work where there is one and the batch's otherwise, and a
+send's buffer is released only after its Work completes (gloo reads send buffers from a
+background thread after ``isend`` returns).
 
-BPipe's evictions carry a payload whose size only the evictor knows (whatever autograd saved), so
-an eviction is up to three messages: an 8-byte *header* with the payload size, *part A* of the size
-both sides last agreed for that stage (pre-posted by the acceptor, so the transfer starts as soon as
-the evictor sends; padded when the payload shrank), and *part B*, the rest when it grew (the
-acceptor posts it once the header has arrived). Every channel stays FIFO: before the acceptor posts
-any later receive from the evictor it resolves the earlier headers (blocking if it must), which the
-validator models by letting an AC wait for its evict. The agreed sizes live across steps
+BPipe's evictions carry a payload whose size only the evictor knows (whatever autograd saved),
+so an eviction is up to three messages in two ticks: at the EV's tick an 8-byte *header* with
+the payload size and *part A* of the size both sides last agreed for that stage (padded when the
+payload shrank); at the next tick *part B*, the rest when it grew. The acceptor reads the header
+before it posts that next tick's batch (``read_header``, which blocks: the one CPU wait on the
+GPU path) and posts part B's receive in it. The agreed sizes live across steps
 (``eviction_sizes``), so from the second eviction of a stage on, part B never exists.
 """
 
@@ -45,7 +45,7 @@ class Receive:
     peer: int
     buffers: tuple[torch.Tensor, ...]  # the message's parts, posted in order (may be none)
     header: torch.Tensor | None = None  # an eviction's size header, posted before the parts
-    read_header: bool = False  # wait for the header right away and post the whole payload
+    more: bool = False  # more parts of a message already posted (an eviction's part B)
 
 
 @dataclass
@@ -58,8 +58,6 @@ class PendingSend:
 
 @dataclass
 class _Header:
-    message: Message  # the eviction payload it announces
-    peer: int
     work: dist.Work
     size: torch.Tensor  # int64[1]
     posted: int  # bytes already pre-posted (part A)
@@ -77,7 +75,7 @@ class PipeComm:
     eviction_sizes: dict[int, int] = field(default_factory=dict)
     receives: dict[Message, list[tuple[dist.Work, torch.Tensor]]] = field(default_factory=dict)
     sends: list[PendingSend] = field(default_factory=list)
-    headers: list[_Header] = field(default_factory=list)
+    headers: dict[Message, _Header] = field(default_factory=dict)
 
     def global_rank(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group, pipeline_rank)
@@ -90,26 +88,7 @@ class PipeComm:
 
     # --- posting ----------------------------------------------------------------------------
     def post(self, sends: Sequence[Send], receives: Sequence[Receive]) -> None:
-        """One window, receives and sends each in program order. A receive from a peer whose
-        eviction header is still unresolved (announced earlier in this window) starts a new
-        batch after the header is resolved; the window's sends go with the first batch."""
-        segments: list[list[Receive]] = [[]]
-        announced: set[int] = set()
-        for receive in receives:
-            if receive.peer in announced:
-                segments.append([])
-                announced = set()
-            segments[-1].append(receive)
-            if receive.header is not None:
-                announced.add(receive.peer)
-        for index, segment in enumerate(segments):
-            for peer in dict.fromkeys(r.peer for r in segment):
-                self.resolve_headers(peer, block=True)
-            self._post_batch(segment, sends if index == 0 else ())
-            for peer in dict.fromkeys(r.peer for r in segment if r.read_header):
-                self.resolve_headers(peer, block=True)
-
-    def _post_batch(self, receives: Sequence[Receive], sends: Sequence[Send]) -> None:
+        """One batch: receives, then sends, each in the posting's canonical order."""
         ops: list[dist.P2POp] = []
         for receive in receives:
             source = self.global_rank(receive.peer)
@@ -126,38 +105,41 @@ class PipeComm:
                 )
             payload = send.tensor.detach().contiguous()
             ops.append(dist.P2POp(dist.isend, payload, self.global_rank(send.peer), self.group))
-        # Receives before sends: a pair exchanging both ways matches them in order.
         if not ops:
             return
-        works = iter(dist.batch_isend_irecv(ops))
+        try:
+            batch_works = dist.batch_isend_irecv(ops)
+        except RuntimeError as error:
+            peers = sorted({r.peer for r in receives} | {s.peer for s in sends})
+            who = " or rank ".join(map(str, peers))
+            raise RuntimeError(
+                f"pipeline rank {self.group.rank()}: posting messages to or from pipeline "
+                f"rank(s) {peers} failed: {error}. Rank {who} has probably failed or been "
+                "killed: look at its log first"
+            ) from error
+        works = iter(_works_per_op(batch_works, len(ops)))
         for receive in receives:
-            if receive.message in self.receives:
+            if receive.more:
+                parts = self.receives[receive.message]
+            elif receive.message in self.receives:
                 raise RuntimeError(f"receive of {receive.message} posted twice in one step")
-            parts = self.receives[receive.message] = []
+            else:
+                parts = self.receives[receive.message] = []
             if receive.header is not None:
                 posted = sum(buffer.numel() for buffer in receive.buffers)
-                self.headers.append(
-                    _Header(receive.message, receive.peer, next(works), receive.header, posted)
-                )
+                self.headers[receive.message] = _Header(next(works), receive.header, posted)
             parts.extend((next(works), buffer) for buffer in receive.buffers)
         for send, op in zip(sends, ops[received:], strict=True):
             self.sends.append(PendingSend(next(works), op.tensor, send.message, send.release))
 
-    def resolve_headers(self, peer: int, *, block: bool) -> None:
-        """Read the eviction headers from ``peer`` in arrival order and post any part B; without
-        ``block`` stop at the first header that has not arrived."""
-        for header in [h for h in self.headers if h.peer == peer]:
-            if not block and not header.work.is_completed():
-                return
-            self._wait(header.work, header.message, peer)
-            self.headers.remove(header)
-            nbytes = int(header.size.item())
-            self.eviction_sizes[header.message.stage] = nbytes
-            if nbytes > header.posted:
-                rest = torch.empty(nbytes - header.posted, dtype=torch.uint8, device=self.device)
-                op = dist.P2POp(dist.irecv, rest, self.global_rank(peer), self.group)
-                (work,) = dist.batch_isend_irecv([op])
-                self.receives[header.message].append((work, rest))
+    def read_header(self, message: Message, peer: int) -> tuple[int, int]:
+        """An eviction's payload size and the bytes part A pre-posted, once the header is in
+        (blocking: the posting puts this read a tick after the header was posted)."""
+        header = self.headers.pop(message)
+        self._wait(header.work, message, peer)
+        nbytes = int(header.size.item())
+        self.eviction_sizes[message.stage] = nbytes
+        return nbytes, header.posted
 
     # --- consuming --------------------------------------------------------------------------
     def wait_receive(self, message: Message, peer: int) -> torch.Tensor:
@@ -166,9 +148,7 @@ class PipeComm:
         return buffer
 
     def wait_parts(self, message: Message, peer: int) -> list[torch.Tensor]:
-        """Every part of a message, once all have arrived (an eviction's header first)."""
-        if any(h.message == message for h in self.headers):
-            self.resolve_headers(peer, block=True)
+        """Every part of a message, once all have arrived."""
         try:
             parts = self.receives.pop(message)
         except KeyError:
@@ -192,10 +172,7 @@ class PipeComm:
             ) from error
 
     def reap(self, *, wait: bool = False) -> None:
-        """Release the buffers of completed sends (all of them, waiting, when ``wait``), and
-        post the part B of any eviction whose header has arrived."""
-        for peer in dict.fromkeys(h.peer for h in self.headers):
-            self.resolve_headers(peer, block=wait)
+        """Release the buffers of completed sends (all of them, waiting, when ``wait``)."""
         still: list[PendingSend] = []
         for pending in self.sends:
             if wait:
@@ -209,12 +186,12 @@ class PipeComm:
 
     def settle_transfers(self) -> None:
         """Wait for the eviction and restore payloads sent so far, whose receives the partner
-        posted at its AC / LD (not a grown eviction's rest, posted later). Called after the
-        compute that follows them on backends whose sends cannot be polled (gloo reports a send
-        complete only once waited for); the validator proves the partner gets there."""
+        posted at its AC / LD in the same tick. Called after the compute that follows them on
+        backends whose sends cannot be polled (gloo reports a send complete only once waited
+        for); the NCCL model (``megatron_bfpp.nccl``) includes this wait in what it proves."""
         still: list[PendingSend] = []
         for pending in self.sends:
-            if pending.message.what in _SETTLED:
+            if pending.message.what in _TRANSFERS:
                 pending.work.wait()
             else:
                 still.append(pending)
@@ -242,8 +219,21 @@ class PipeComm:
         return held
 
 
-_SETTLED = frozenset({"evict", "evict-size", "restore"})
-_TRANSFERS = _SETTLED | {"evict-rest"}
+_TRANSFERS = frozenset({"evict", "evict-size", "evict-rest", "restore"})
+
+
+def _works_per_op(posted: Sequence[dist.Work] | None, num_ops: int) -> list[dist.Work]:
+    """One Work per op: gloo gives one per op, a coalescing backend (NCCL) one for the batch,
+    which then stands for each of its ops (waiting for one waits for all)."""
+    works = list(posted or ())
+    if len(works) == num_ops:
+        return works
+    if len(works) == 1:
+        return works * num_ops
+    raise RuntimeError(
+        f"batch_isend_irecv returned {len(works)} works for {num_ops} ops; expected one per op "
+        "or one for the batch (is the process group's backend supported?)"
+    )
 
 
 def _describe(message: Message) -> str:

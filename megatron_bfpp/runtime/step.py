@@ -96,16 +96,13 @@ class StepState:
 
 @dataclass
 class Window:
-    """The messages of the communication actions between two computes (see runtime.p2p):
-    their handlers add sends and receives here, and the executor posts them together."""
+    """The messages of one batch of the posting (see runtime.p2p): the handlers of its items
+    add sends and receives here, and the executor posts them as one batch."""
 
     sends: list[Send] = field(default_factory=list)
     receives: list[Receive] = field(default_factory=list)
-    actions: int = 0  # communication actions gathered since the executor last posted
 
     def post(self, comm: PipeComm) -> None:
-        """Post what is gathered so far; an action that must wait mid-window (BPipe's RS)
-        posts what precedes it first, so its peer is not kept waiting on those."""
         comm.post(self.sends, self.receives)
         self.sends, self.receives = [], []
 
@@ -148,12 +145,15 @@ P = TypeVar("P", bound=StepPart)
 class Handlers:
     """One runtime module's share of the dispatch table.
 
-    ``kinds`` maps each action kind the module executes to its handler; ``part`` makes the
-    module's per-step state, if it has any; ``captures`` are the kinds that need the tensors a
-    forward saves for backward routed through the activation store (BPipe's EV ships them).
+    ``kinds`` maps each action kind the module executes to its handler; ``rests`` the kinds
+    whose action also has a *rest* item a tick later in the posting (``megatron_bfpp.nccl``:
+    an eviction's part B) to that item's handler; ``part`` makes the module's per-step state,
+    if it has any; ``captures`` are the kinds that need the tensors a forward saves for
+    backward routed through the activation store (BPipe's EV ships them).
     """
 
     kinds: Mapping[ActionKind, Handler]
+    rests: Mapping[ActionKind, Handler] = field(default_factory=dict)
     part: Callable[[], StepPart] | None = None
     captures: frozenset[ActionKind] = frozenset()
 
@@ -163,6 +163,7 @@ class DispatchTable:
     """Every action kind's handler, with the registered parts and capturing kinds."""
 
     handlers: Mapping[ActionKind, Handler]
+    rests: Mapping[ActionKind, Handler]
     parts: tuple[Callable[[], StepPart], ...]
     captures: frozenset[ActionKind]
 
@@ -189,8 +190,12 @@ def dispatch_table(*modules: Handlers) -> DispatchTable:
             "one in a runtime module's Handlers (listed in runtime/executor.py), or map the kind "
             "to executor.not_runnable until the runtime can execute it"
         )
+    rests: dict[ActionKind, Handler] = {}
+    for module in modules:
+        rests.update(module.rests)
     return DispatchTable(
         handlers=handlers,
+        rests=rests,
         parts=tuple(module.part for module in modules if module.part is not None),
         captures=frozenset().union(*(module.captures for module in modules)),
     )

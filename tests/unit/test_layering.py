@@ -30,15 +30,26 @@ FORBIDDEN = ("torch", "megatron.", "megatron_bfpp.runtime", "megatron_bfpp.megat
 # Which package modules each unit may import (the design's arrows); a unit is a top-level module
 # or a subpackage of megatron_bfpp, and "__init__" is the package's own front door. Every unit is
 # listed: a new module or package has to say where it sits.
-PURE_LAYERS = {"ir", "messages", "execution", "validate", "passes", "schedules", "sim", "plan"}
+PURE_LAYERS = {
+    "ir",
+    "messages",
+    "nccl",
+    "execution",
+    "validate",
+    "passes",
+    "schedules",
+    "sim",
+    "plan",
+}
 ALLOWED = {
     "ir": set(),
     "messages": {"ir"},
+    "nccl": {"ir", "messages"},  # NCCL's rules: the lock-step posting and its proof
     "execution": {"ir", "messages"},
     "validate": {"ir", "messages", "execution"},
     "passes": {"ir", "messages", "execution", "validate", "passes"},
     "schedules": {"ir", "messages", "execution", "validate", "passes", "schedules"},
-    "sim": {"ir", "messages", "execution", "validate", "passes", "schedules", "sim"},
+    "sim": {"ir", "messages", "nccl", "execution", "validate", "passes", "schedules", "sim"},
     # plan reads the torch-free parameter count of train (TORCH_FREE_TRAIN), nothing else there
     "plan": {
         "ir",
@@ -54,7 +65,7 @@ ALLOWED = {
     # product code that needs torch / megatron-core
     "compat": set(),  # megatron-core versions
     "local_ranks": set(),  # the local process launcher
-    "runtime": {"ir", "messages", "validate", "passes", "schedules", "compat", "runtime"},
+    "runtime": {"ir", "messages", "nccl", "validate", "passes", "schedules", "compat", "runtime"},
     "megatron": {"ir", "schedules", "compat", "runtime", "megatron"},  # incl. the CPU adapter
     "train": {"ir", "schedules", "compat", "megatron", "runtime", "train"},  # megatron: CPU adapter
     "launch": {"compat", "megatron"},

@@ -1,0 +1,252 @@
+"""NCCL's rules: the lock-step posting the runtime uses, and the model that proves postings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, StageLayout, parse_schedule
+from megatron_bfpp.nccl import (
+    Batch,
+    Item,
+    Posting,
+    check_posting,
+    lockstep_posting,
+    validate_nccl,
+    written_posting,
+)
+from megatron_bfpp.schedules.registry import build_schedule, forward_only_schedule, get_spec
+
+LOOPED2 = StageLayout.looped(2)
+ONE_F_ONE_B = parse_schedule(
+    [
+        "0F0 0SA0>1 0F1 0SA1>1 0RG0<1 0B0 0RG1<1 0B1",
+        "1RA0<0 1F0 1B0 1SG0>0 1RA1<0 1F1 1B1 1SG1>0",
+    ],
+    layout=LOOPED2,
+    num_microbatches=2,
+)
+
+
+def _posting(rows: list[list[Any]]) -> Posting:
+    """Literal postings: an int is a position, a list of positions is one batch."""
+    return Posting(
+        "by hand",
+        tuple(
+            tuple(
+                Batch(-1, tuple(Item(p) for p in step)) if isinstance(step, list) else step
+                for step in row
+            )
+            for row in rows
+        ),
+    )
+
+
+# --- hand-made cases ----------------------------------------------------------------------------
+def test_crossing_send_and_receive_batches_deadlock() -> None:
+    # Rank 0 posts act 1 alone, then grad 0; rank 1 posts grad 0 alone, then act 1: each send
+    # waits for a receive queued behind the other rank's send. Gloo would run it.
+    crossing = _posting(
+        [
+            [0, [1], 2, [3], [4], 5, [6], 7],
+            [[0], 1, 2, [3], [4], 5, 6, [7]],
+        ]
+    )
+    with pytest.raises(ScheduleError) as error:
+        check_posting(ONE_F_ONE_B, crossing)
+    text = str(error.value)
+    assert "deadlocks on NCCL when posted by hand" in text
+    assert "rank 0's batch #1 [S act0.1>1] sends act0.1" in text
+    assert "rank 1's batch #1 [S grad1.0>0] sends grad1.0" in text
+    assert "queued behind" in text
+    assert "NCCL: stuck" in text  # the grid marks the cycle
+    assert "rank  1:" in text
+
+
+def test_megatron_style_tick_batches_complete() -> None:
+    # megatron-core's 1F1B: rank 1 sends grad 0 and receives act 1 in one batch, as rank 0
+    # sends act 1 ... and receives grad 0 in one: the partners are in the same tick.
+    per_tick = _posting(
+        [
+            [0, [1], 2, [3, 4], 5, [6], 7],
+            [[0], 1, 2, [3, 4], 5, 6, [7]],
+        ]
+    )
+    check_posting(ONE_F_ONE_B, per_tick)
+
+
+def test_written_1f1b_is_safe_and_its_lockstep_pairs_ticks() -> None:
+    check_posting(ONE_F_ONE_B, written_posting(ONE_F_ONE_B))
+    posting = validate_nccl(ONE_F_ONE_B)
+    ticks = [{b.tick: b for b in posting.batches(rank)} for rank in (0, 1)]
+    assert set(ticks[0]) == set(ticks[1])  # every batch has its partner batch at its tick
+    for tick, batch in ticks[0].items():
+        sends = sum(ONE_F_ONE_B.per_rank[0][i.position].kind.is_send for i in batch.items)
+        receives = sum(
+            ONE_F_ONE_B.per_rank[1][i.position].kind.is_recv for i in ticks[1][tick].items
+        )
+        assert sends == receives
+
+
+def test_three_rank_ring_is_reported_with_every_rank_in_the_cycle() -> None:
+    schedule = build_schedule("interleaved", num_ranks=3, num_microbatches=6, num_chunks=2)
+    with pytest.raises(ScheduleError) as error:
+        check_posting(schedule, written_posting(schedule))
+    cycle = str(error.value).split("\nrank  0:")[0]
+    for rank in range(3):
+        assert f"rank {rank}'s batch" in cycle
+    validate_nccl(schedule)
+
+
+def test_the_issue_v_zb_cycle() -> None:
+    schedule = build_schedule("v-zb", num_ranks=2, num_microbatches=3)
+    with pytest.raises(ScheduleError) as error:
+        check_posting(schedule, written_posting(schedule))
+    text = str(error.value)
+    assert "rank 0's batch #5 [S grad3.1>1] sends grad3.1" in text
+    assert "rank 1's batch #4 [S act2.2>0 R grad3.1<0] is queued behind its batch #3" in text
+    validate_nccl(schedule)
+
+
+def test_mismatched_channel_is_an_error_not_a_deadlock() -> None:
+    swapped = parse_schedule(
+        [
+            "0F0 0SA0>1 0F1 0SA1>1 0RG0<1 0B0 0RG1<1 0B1",
+            "1RA1<0 1RA0<0 1F0 1B0 1SG0>0 1F1 1B1 1SG1>0",
+        ],
+        layout=LOOPED2,
+        num_microbatches=2,
+    )
+    with pytest.raises(ScheduleError, match=r"send #0 from rank 0 to rank 1 is act0\.0 but"):
+        check_posting(swapped, written_posting(swapped))
+
+
+# --- the lock-step posting ------------------------------------------------------------------------
+def test_lockstep_places_each_batch_between_the_computes_around_its_tick() -> None:
+    schedule = build_schedule("interleaved", num_ranks=2, num_microbatches=4, num_chunks=2)
+    posting = lockstep_posting(schedule)
+    for rank, steps in enumerate(posting.per_rank):
+        program = schedule.per_rank[rank]
+        positions = [s for s in steps if isinstance(s, int)]
+        assert positions == sorted(positions)  # computes and GS / PS keep program order
+        p2p = sorted(i.position for b in posting.batches(rank) for i in b.items if not i.rest)
+        assert p2p == [i for i, a in enumerate(program) if a.kind.is_p2p]  # each exactly once
+        ticks = [b.tick for b in posting.batches(rank)]
+        assert ticks == sorted(set(ticks))  # one batch per tick, in tick order
+
+
+def test_bpipe_eviction_travels_in_two_ticks_and_returns_two_later() -> None:
+    schedule = build_schedule("bpipe", num_ranks=4, num_microbatches=8)
+    posting = lockstep_posting(schedule)
+    tick_of: dict[tuple[str, int, int, bool], int] = {}
+    for rank in range(4):
+        program = schedule.per_rank[rank]
+        for batch in posting.batches(rank):
+            for item in batch.items:
+                action = program[item.position]
+                key = (action.kind.value, action.stage, action.microbatch or 0, item.rest)
+                tick_of[key] = batch.tick
+    evictions = [k for k in tick_of if k[0] == "EV" and not k[3]]
+    assert evictions
+    for _, stage, mb, _ in evictions:
+        ev = tick_of[("EV", stage, mb, False)]
+        assert tick_of[("AC", stage, mb, False)] == ev
+        assert tick_of[("EV", stage, mb, True)] == tick_of[("AC", stage, mb, True)] == ev + 1
+        assert tick_of[("RS", stage, mb, False)] >= ev + 2
+        assert tick_of[("LD", stage, mb, False)] == tick_of[("RS", stage, mb, False)]
+
+
+def test_a_schedule_the_gloo_rules_reject_has_no_lockstep_posting() -> None:
+    stuck = parse_schedule(
+        ["0RG0<1 0B0 0F0 0SA0>1", "1RA0<0 1F0 1B0 1SG0>0"],
+        layout=LOOPED2,
+        num_microbatches=1,
+    )
+    with pytest.raises(ScheduleError, match="no lock-step posting exists"):
+        lockstep_posting(stuck)
+
+
+# --- the catalogue --------------------------------------------------------------------------------
+def _catalogue() -> list[tuple[str, int, int, int | None, dict[str, Any], str]]:
+    cases = []
+    for name in (
+        "gpipe",
+        "1f1b",
+        "interleaved",
+        "breadth-first",
+        "bpipe",
+        "v-min",
+        "v-half",
+        "v-zb",
+    ):
+        looped = get_spec(name).placement == "looped"
+        for p in (2, 3, 4, 8):
+            for m in sorted({p, p + 1, 2 * p, 2 * p + 1, 3 * p + 1}):
+                for v in (2, 4) if looped else (None,):
+                    options: list[dict[str, Any]] = [{}]
+                    if name == "breadth-first":
+                        options += [{"group_size": g} for g in sorted({1, 2, p}) if g < m]
+                    if name == "interleaved":
+                        options += [{"microbatch_group_size": m}]
+                    if name == "bpipe":
+                        options += [{"max_stored": c} for c in range(2, p + 1)]
+                    for option in options:
+                        for sharding in ("optim", "optim_grads_params"):
+                            cases.append((name, p, m, v, option, sharding))
+    return cases
+
+
+def _build(
+    name: str, p: int, m: int, v: int | None, option: dict[str, Any], sharding: str
+) -> Schedule | None:
+    try:
+        return build_schedule(
+            name, num_ranks=p, num_microbatches=m, num_chunks=v, sharding=sharding, **option
+        )
+    except ScheduleError:
+        return None  # a layout the schedule does not take (the generators' tests cover those)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_every_catalogue_schedule_is_proven_nccl_safe_training_and_forward_only(p: int) -> None:
+    proven = 0
+    for name, ranks, m, v, option, sharding in _catalogue():
+        if ranks != p:
+            continue
+        schedule = _build(name, ranks, m, v, option, sharding)
+        if schedule is None:
+            continue
+        for planned in (schedule, forward_only_schedule(schedule)):
+            validate_nccl(planned)
+            proven += 1
+    assert proven > 100
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m", "v", "option"),
+    [
+        ("interleaved", 2, 4, 2, {}),
+        ("breadth-first", 2, 3, 2, {}),
+        ("v-half", 3, 4, None, {}),
+        ("v-zb", 2, 3, None, {}),
+    ],
+)
+def test_the_orders_that_crossed_as_written_are_proven_in_lockstep(
+    name: str, p: int, m: int, v: int | None, option: dict[str, Any]
+) -> None:
+    schedule = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v, **option)
+    with pytest.raises(ScheduleError, match="deadlocks on NCCL when posted as written"):
+        check_posting(schedule, written_posting(schedule))
+    validate_nccl(schedule)
+
+
+def test_rest_items_belong_to_evictions_only() -> None:
+    schedule = build_schedule("bpipe", num_ranks=4, num_microbatches=6, max_stored=2)
+    posting = lockstep_posting(schedule)
+    for rank in range(4):
+        for batch in posting.batches(rank):
+            for item in batch.items:
+                if item.rest:
+                    kind = schedule.per_rank[rank][item.position].kind
+                    assert kind in (ActionKind.EVICT, ActionKind.ACCEPT)

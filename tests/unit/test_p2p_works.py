@@ -1,0 +1,108 @@
+"""The runtime's messages on a backend that returns one Work per batch (NCCL's coalescing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from megatron_bfpp.messages import Message  # noqa: E402
+from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send  # noqa: E402
+
+
+class BatchWork:
+    """One Work for a whole batch: waiting delivers every receive (what the peers sent)."""
+
+    def __init__(self, ops: list[Any], incoming: list[torch.Tensor]) -> None:
+        self.ops, self.incoming, self.waits = ops, incoming, 0
+
+    def wait(self) -> bool:
+        self.waits += 1
+        receives = [op.tensor for op in self.ops if op.op is dist.irecv]
+        for buffer, data in zip(receives, self.incoming, strict=True):
+            buffer.copy_(data.view_as(buffer))
+        return True
+
+    def is_completed(self) -> bool:
+        return self.waits > 0
+
+
+class Backend:
+    """A coalescing backend: each batch_isend_irecv returns [one Work]; ``incoming`` queues
+    what each batch's receives get."""
+
+    def __init__(self) -> None:
+        self.batches: list[BatchWork] = []
+        self.incoming: list[list[torch.Tensor]] = []
+
+    def batch_isend_irecv(self, ops: list[Any]) -> list[BatchWork]:
+        work = BatchWork(ops, self.incoming.pop(0))
+        self.batches.append(work)
+        return [work]
+
+
+@pytest.fixture
+def backend(monkeypatch: pytest.MonkeyPatch) -> Backend:
+    fake = Backend()
+    monkeypatch.setattr(dist, "batch_isend_irecv", fake.batch_isend_irecv)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(dist, "P2POp", _P2POp)
+    return fake
+
+
+class _P2POp:
+    def __init__(self, op: Any, tensor: torch.Tensor, peer: int, group: Any) -> None:
+        self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
+
+
+def _comm() -> PipeComm:
+    return PipeComm(group=None, shape=(2,), dtype=torch.float32, device=torch.device("cpu"))  # type: ignore[arg-type]
+
+
+def test_a_batch_with_one_work_feeds_every_receive_and_send(backend: Backend) -> None:
+    incoming = backend.incoming
+    comm = _comm()
+    act, grad = Message("act", 0, 1), Message("grad", 2, 0)
+    buffers = (torch.zeros(2), torch.zeros(2))
+    incoming.append([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])])
+    comm.post(
+        [Send(Message("act", 1, 0), torch.ones(2), peer=1)],
+        [Receive(act, 0, (buffers[0],)), Receive(grad, 1, (buffers[1],))],
+    )
+    (work,) = backend.batches
+    assert comm.wait_receive(act, 0).tolist() == [1.0, 2.0]
+    assert comm.wait_receive(grad, 1).tolist() == [3.0, 4.0]
+    assert comm.sends[0].work is work  # the send's Work is the batch's
+    comm.reap()
+    assert comm.sends == []
+
+
+def test_an_eviction_header_is_read_from_its_batch_and_part_b_added(backend: Backend) -> None:
+    incoming = backend.incoming
+    comm = _comm()
+    evict = Message("evict", 0, 0)
+    header, part_a = torch.zeros(1, dtype=torch.int64), torch.zeros(4, dtype=torch.uint8)
+    incoming.append([torch.tensor([6]), torch.arange(4, dtype=torch.uint8)])
+    comm.post([], [Receive(evict, 3, (part_a,), header=header)])
+    assert comm.read_header(evict, 3) == (6, 4)
+    assert comm.eviction_sizes[0] == 6
+    rest = torch.zeros(2, dtype=torch.uint8)
+    incoming.append([torch.tensor([4, 5], dtype=torch.uint8)])
+    comm.post([], [Receive(evict, 3, (rest,), more=True)])
+    parts = comm.wait_parts(evict, 3)
+    assert torch.cat(parts).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_backend_with_an_unexpected_number_of_works_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [object(), object()])
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(dist, "P2POp", _P2POp)
+    comm = _comm()
+    receives = [Receive(Message("act", 0, mb), 0, (torch.zeros(2),)) for mb in range(3)]
+    with pytest.raises(RuntimeError, match="returned 2 works for 3 ops"):
+        comm.post([], receives)
