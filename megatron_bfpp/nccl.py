@@ -27,19 +27,19 @@ the tick every batch completes: the batches of tick t are all posted once every 
 ends by t has run, those computes consume only batches of ticks up to their start (< t), and
 the batches of a rank complete in tick order.
 
-BPipe's payload size is known only to the evictor, so an eviction travels in two batches: at the
-EV's tick its size header and part A (the size both sides last agreed for the stage), at the
-next tick part B (the rest, when the payload grew; no op on the wire when it did not). The
-acceptor reads the header, blocking its CPU, before it posts the next tick's batch (the *rest*
-items below), and RS returns the payload once both ticks are in. The model always counts a part
-B, which only adds constraints.
+BPipe's payload size is known only to the evictor, so an eviction travels in two batches of the
+same tick: its size header in the tick's batch, then the payload in a second batch that only the
+evictor and the acceptor post, right after it (the *rest* items below). The acceptor reads the
+header, blocking its CPU, between the two, so it can post a receive of the right size; both
+batches come before the computes that start at the tick. Neither blocks anyone else: the tick's
+batch completes as before, and the payload batch needs only the two ranks that posted it.
 
 **The model** (``check_posting``) runs any posting under rules 1-3 with a strict CPU per rank:
 each rank executes its steps in order, waits at a compute for the batches holding what it
 consumes (and the send of its output before the backward that frees it, and BPipe's transfers
 after the next compute, as the runtime does on gloo), at a BPipe RS for the eviction it returns,
-before the next batch for an eviction header; a batch starts when posted and its predecessor on
-the rank has completed. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream
+before a payload batch for the eviction's header; a batch starts when posted and its predecessor
+on the rank has completed. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream
 waits), so what the model proves holds on both. A posting that cannot finish is reported with
 the cycle of waits and the per-rank grid.
 """
@@ -66,12 +66,13 @@ __all__ = [
 
 K = ActionKind
 _WHAT_CODE = {name: code for code, name in enumerate(WHAT)}
-RS_DELAY = 2  # ticks from an eviction to its return: part B travels one tick after part A
+RS_DELAY = 1  # ticks from an eviction to its return: the payload is in by the end of its tick
 
 
 class Item(NamedTuple):
-    """One action's ops in a batch: its message, or with ``rest`` an eviction's part B (the
-    evictor sends it; the acceptor first reads the header, then receives it)."""
+    """One action's ops in a batch: its message (for EV / AC the size header), or with
+    ``rest`` an eviction's payload (the evictor sends it; the acceptor first reads the header,
+    then receives it)."""
 
     position: int
     rest: bool = False
@@ -106,119 +107,146 @@ def lockstep_posting(schedule: Schedule) -> Posting:
     per_rank = []
     for rank, actions in enumerate(schedule.per_rank):
         tick_of = ticks[rank]
-        by_tick: dict[int, list[Item]] = defaultdict(list)
+        by_tick: dict[tuple[int, int], list[Item]] = defaultdict(list)  # (tick, payload?)
         steps: list[tuple[tuple[int, int, int], Step]] = []
         after = (-1, 1, -1)  # key of the latest compute: GS / PS / RL follow it in order
         for position, action in enumerate(actions):
             kind = action.kind
             if kind.is_p2p:
-                by_tick[tick_of[position]].append(Item(position))
+                by_tick[(tick_of[position], 0)].append(Item(position))
                 if kind is K.EVICT or kind is K.ACCEPT:
-                    by_tick[tick_of[position] + 1].append(Item(position, rest=True))
+                    by_tick[(tick_of[position], 1)].append(Item(position, rest=True))
             elif kind.is_compute:
                 after = (tick_of[position], 1, position)
                 steps.append((after, position))
             else:
                 steps.append(((after[0], 1, position), position))
-        for tick, items in by_tick.items():
-            items.sort(key=lambda item: _canonical(actions[item.position], item.rest))
-            steps.append(((tick, 0, 0), Batch(tick, tuple(items))))
+        for (tick, payload), items in by_tick.items():
+            items.sort(key=lambda item: _canonical(actions[item.position]))
+            steps.append(((tick, 0, payload), Batch(tick, tuple(items))))
         steps.sort(key=lambda entry: entry[0])
         per_rank.append(tuple(step for _, step in steps))
     return Posting("lock-step", tuple(per_rank))
 
 
-def _canonical(action: Action, rest: bool) -> tuple[int, int, int, int]:
-    """The order of a batch's ops, from the message alone so that both ends agree: part B
-    first (the acceptor reads a header, and so learns the stage's agreed size, before it posts
-    the next eviction of that stage), then by message."""
+def _canonical(action: Action) -> tuple[int, int, int]:
+    """The order of a batch's ops, from the message alone so that both ends agree."""
     message = message_of(action)
-    return (0 if rest else 1, _WHAT_CODE[message.what], message.stage, message.microbatch)
+    return (_WHAT_CODE[message.what], message.stage, message.microbatch)
 
 
 def _unit_ticks(schedule: Schedule) -> list[list[int]]:
-    """Per rank and position: a compute's start tick, a p2p action's batch tick, else -1.
-
-    An as-soon-as-possible replay with unit computes and instant messages, advancing each rank
-    until it needs a message nobody has sent yet."""
-    programs = schedule.per_rank
-    ticks = [[-1] * len(actions) for actions in programs]
-    sent: dict[Message, int] = {}
-    loaded = [
-        {(a.stage, a.microbatch or 0) for a in actions if a.kind is K.LOAD} for actions in programs
-    ]
-    at = [0] * len(programs)
-    now = [0] * len(programs)
-    last: dict[tuple[int, int], int] = {}  # (rank, stage) -> tick of its latest EV
-    pending = list(range(len(programs)))
-    progressed = True
-    while pending and progressed:  # rounds over the ranks still running, while any moves
-        progressed, still = False, []
-        for rank in pending:
-            position = _advance_ticks(schedule, rank, at[rank], now, ticks, sent, loaded, last)
-            progressed |= position != at[rank]
-            at[rank] = position
-            if position < len(programs[rank]):
-                still.append(rank)
-        pending = still
-    if pending:
-        raise ScheduleError(
-            f"{schedule.name}: no lock-step posting exists (ranks {sorted(pending)} wait for "
-            "messages nobody sends); validate the schedule first"
-        )
-    for rank, actions in enumerate(programs):
-        for position, action in enumerate(actions):
-            if action.kind.is_recv:
-                message = message_of(action)
-                if message not in sent:
-                    raise ScheduleError(f"rank {rank}, step {position}: {action} is never sent")
-                ticks[rank][position] = sent[message]
-    return ticks
+    """Per rank and position: a compute's start tick, a p2p action's batch tick, else -1."""
+    replay = _TickReplay(schedule)
+    replay.run()
+    return replay.ticks
 
 
-def _advance_ticks(
-    schedule: Schedule,
-    rank: int,
-    position: int,
-    now: list[int],
-    ticks: list[list[int]],
-    sent: dict[Message, int],
-    loaded: list[set[tuple[int, int]]],
-    last: dict[tuple[int, int], int],
-) -> int:
-    """Number ``rank``'s actions from ``position`` until one needs a message not yet sent;
-    return where it stopped. ``now[rank]`` is the end of its latest compute."""
-    layout, actions, t = schedule.layout, schedule.per_rank[rank], now[rank]
-    while position < len(actions):
-        action = actions[position]
-        kind, stage, mb = action.kind, action.stage, action.microbatch or 0
-        needs: list[Message] = []
-        if kind is K.FORWARD:
-            if stage > 0 and layout.rank_of(stage - 1) != rank:
-                needs.append(Message("act", stage - 1, mb))
-        elif kind is K.BACKWARD or kind is K.BACKWARD_INPUT:
-            if not layout.is_last(stage) and layout.rank_of(stage + 1) != rank:
-                needs.append(Message("grad", stage + 1, mb))
-            if (stage, mb) in loaded[rank]:
-                needs.append(Message("restore", stage, mb))
-        elif kind is K.RESTORE:
-            needs.append(Message("evict", stage, mb))
-        if any(need not in sent for need in needs):
-            break
-        ready = max((sent[need] for need in needs), default=0)
-        if kind.is_compute:
-            ticks[rank][position] = max(t, ready)
-            t = ticks[rank][position] + 1
-        elif kind is K.SEND_ACT or kind is K.SEND_GRAD:
-            ticks[rank][position] = sent[message_of(action)] = t
-        elif kind is K.EVICT:
-            tick = max(t, last.get((rank, stage), -1) + 1)
-            ticks[rank][position] = sent[message_of(action)] = last[(rank, stage)] = tick
-        elif kind is K.RESTORE:
-            ticks[rank][position] = sent[message_of(action)] = max(t, ready + RS_DELAY)
-        position += 1
-    now[rank] = t
-    return position
+class _TickReplay:
+    """An as-soon-as-possible replay with unit computes and instant messages.
+
+    Each rank advances until it needs a message not yet sent. BPipe's EV (RS) goes out no
+    earlier than the tick at which the partner reaches its AC (LD) in program order, and the
+    evictor's (acceptor's) next compute waits for that, as the gloo rules have it: a payload
+    then arrives where the schedule's program order (which the memory model and the eviction
+    pass reason about) says it is received, not earlier."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        programs = schedule.per_rank
+        self.schedule = schedule
+        self.ticks = [[-1] * len(actions) for actions in programs]
+        self.sent: dict[Message, int] = {}
+        self.posted: dict[Message, int] = {}  # AC / LD: the receiver's tick at that position
+        self.loaded = [
+            {(a.stage, a.microbatch or 0) for a in actions if a.kind is K.LOAD}
+            for actions in programs
+        ]
+        self.at = [0] * len(programs)
+        self.now = [0] * len(programs)  # the end of each rank's latest compute
+        # EV / RS waiting for the partner's AC / LD: (position, message, earliest tick).
+        self.deferred: list[list[tuple[int, Message, int]]] = [[] for _ in programs]
+
+    def run(self) -> None:
+        programs = self.schedule.per_rank
+        pending = list(range(len(programs)))
+        progressed = True
+        while pending and progressed:  # rounds over the ranks still running, while any moves
+            progressed, still = False, []
+            for rank in pending:
+                position = self._advance(rank, self.at[rank])
+                progressed |= position != self.at[rank]
+                self.at[rank] = position
+                if position < len(programs[rank]) or self.deferred[rank]:
+                    still.append(rank)
+            pending = still
+        if pending:
+            raise ScheduleError(
+                f"{self.schedule.name}: no lock-step posting exists (ranks {sorted(pending)} "
+                "wait for messages nobody sends); validate the schedule first"
+            )
+        for rank, actions in enumerate(programs):
+            for position, action in enumerate(actions):
+                if action.kind.is_recv:
+                    message = message_of(action)
+                    if message not in self.sent:
+                        raise ScheduleError(f"rank {rank}, step {position}: {action} is never sent")
+                    self.ticks[rank][position] = self.sent[message]
+
+    def _resolved(self, rank: int) -> int | None:
+        """Settle the deferred transfers whose partner has posted; the latest tick among them,
+        or None while one still waits."""
+        latest, still = 0, []
+        for position, message, earliest in self.deferred[rank]:
+            if message not in self.posted:  # AC / LD name the same message as EV / RS
+                still.append((position, message, earliest))
+                continue
+            tick = max(earliest, self.posted[message])
+            self.ticks[rank][position] = self.sent[message] = tick
+            latest = max(latest, tick)
+        self.deferred[rank] = still
+        return None if still else latest
+
+    def _advance(self, rank: int, position: int) -> int:
+        """Number ``rank``'s actions from ``position``; return where it stopped."""
+        layout, actions, t = self.schedule.layout, self.schedule.per_rank[rank], self.now[rank]
+        sent, ticks = self.sent, self.ticks[rank]
+        while True:
+            if position == len(actions):
+                self._resolved(rank)
+                break
+            action = actions[position]
+            kind, stage, mb = action.kind, action.stage, action.microbatch or 0
+            needs: list[Message] = []
+            if kind is K.FORWARD:
+                if stage > 0 and layout.rank_of(stage - 1) != rank:
+                    needs.append(Message("act", stage - 1, mb))
+            elif kind is K.BACKWARD or kind is K.BACKWARD_INPUT:
+                if not layout.is_last(stage) and layout.rank_of(stage + 1) != rank:
+                    needs.append(Message("grad", stage + 1, mb))
+                if (stage, mb) in self.loaded[rank]:
+                    needs.append(Message("restore", stage, mb))
+            elif kind is K.RESTORE:
+                needs.append(Message("evict", stage, mb))
+            if any(need not in sent for need in needs):
+                break
+            ready = max((sent[need] for need in needs), default=0)
+            if kind.is_compute:
+                transfers = self._resolved(rank)
+                if transfers is None:
+                    break
+                ticks[position] = max(t, ready, transfers)
+                t = ticks[position] + 1
+            elif kind is K.SEND_ACT or kind is K.SEND_GRAD:
+                ticks[position] = sent[message_of(action)] = t
+            elif kind is K.EVICT:
+                self.deferred[rank].append((position, message_of(action), t))
+            elif kind is K.RESTORE:
+                self.deferred[rank].append((position, message_of(action), max(t, ready + RS_DELAY)))
+            elif kind is K.ACCEPT or kind is K.LOAD:
+                self.posted[message_of(action)] = t
+            position += 1
+        self.now[rank] = t
+        return position
 
 
 # --- as written -------------------------------------------------------------------------------
@@ -337,7 +365,7 @@ class _Model:
                 action = actions[item.position]
                 message = message_of(action)
                 if item.rest and action.kind is K.ACCEPT:
-                    wait(False, message)  # the header, read before this batch is posted
+                    wait(False, message)  # the header, read before the payload is posted
                 if action.kind is K.RESTORE:
                     wait(False, message._replace(what="evict"))
                     wait(False, message._replace(what="evict"), rest=True)
@@ -537,4 +565,4 @@ class _Model:
 
 def _what_text(what: tuple[str, int, int, bool]) -> str:
     name, stage, mb, rest = what
-    return f"{name}{'-rest' if rest else ''}{stage}.{mb}"
+    return f"{name}{'-payload' if rest else ''}{stage}.{mb}"

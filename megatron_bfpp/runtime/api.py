@@ -126,7 +126,6 @@ class ForwardBackwardFunc:
     prebuilt: Schedule | None = field(default=None, repr=False)
     last_trace: list[str] = field(default_factory=list, repr=False)
     last_memory: MemoryReport = field(default_factory=MemoryReport, repr=False)
-    eviction_sizes: dict[int, int] = field(default_factory=dict, repr=False)
 
     def __call__(
         self,
@@ -282,7 +281,6 @@ def _run_step(
         shape=shape,
         dtype=config.pipeline_dtype,
         device=device,
-        eviction_sizes=func.eviction_sizes,
     )
     ctx = StepContext(
         forward_step_func=forward_step_func,

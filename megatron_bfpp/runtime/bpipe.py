@@ -2,12 +2,11 @@
 and come back before its backward.
 
 The evictor's EV packs a micro-batch's stored activations (see runtime.activations) into one
-buffer and sends it to the acceptor; the acceptor's AC posts the receive, its RS sends the
-payload back (waiting for it first) and the evictor's LD posts the receive that the
-micro-batch's backward waits for before rebuilding its tensors. The payload travels as an 8-byte
-size header and part A of the size both ends last agreed for the stage in the EV's batch, and
-part B, the rest when it grew, in the next tick's batch: the *rest* handlers (``evict_rest``,
-``accept_rest``) run there, the acceptor's after reading the header (see runtime.p2p and the
+buffer and sends its size to the acceptor; the acceptor's AC posts the size's receive, its RS
+sends the payload back (waiting for it first) and the evictor's LD posts the receive that the
+micro-batch's backward waits for before rebuilding its tensors. The payload itself travels in a
+batch of its own right after the size's, in the same tick: the *rest* handlers (``evict_rest``,
+``accept_rest``) run there, the acceptor's after reading the size (see runtime.p2p and the
 lock-step posting in megatron_bfpp.nccl).
 
 This module registers those four kinds and the two rests in the executor's dispatch table
@@ -37,10 +36,10 @@ K = ActionKind
 class Transfers(StepPart):
     """The evictor's side of BPipe in one step: how each payload went out, the loads posted."""
 
-    # (part A, part B) bytes of each evicted payload, until its LD posts the receive.
-    evicted_parts: dict[Key, tuple[int, int]] = field(default_factory=dict)
-    # Part B of each eviction until the next tick's batch sends it (None: nothing grew).
-    rests: dict[Key, torch.Tensor | None] = field(default_factory=dict)
+    # Bytes of each evicted payload, until its LD posts the receive.
+    evicted_bytes: dict[Key, int] = field(default_factory=dict)
+    # Each eviction's payload, from its EV until the payload batch right after sends it.
+    payloads: dict[Key, torch.Tensor] = field(default_factory=dict)
     # Buffer and acceptor of each posted LD, until the micro-batch's backward brings it back.
     loads: dict[Key, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
@@ -72,11 +71,11 @@ class Transfers(StepPart):
         return held
 
     def leftovers(self) -> dict[str, Collection[Any]]:
-        return {"loads never consumed": self.loads, "eviction rests never sent": self.rests}
+        return {"loads never consumed": self.loads, "payloads never sent": self.payloads}
 
 
 def evict(step: RankStep, position: int, action: Action) -> None:
-    """EV: pack the micro-batch's stored activations and send the size header and part A."""
+    """EV: pack the micro-batch's stored activations and send their size."""
     comm, stage = step.ctx.comm, action.stage
     key, acceptor = _key_and_peer(action)
     if key not in step.state.inputs:
@@ -84,52 +83,41 @@ def evict(step: RankStep, position: int, action: Action) -> None:
     pipeline = [step.state.inputs[key]]
     if not step.frees_outputs(stage):  # a deallocated output keeps only its autograd node
         pipeline.append(step.state.outputs[key])
-    agreed = comm.eviction_sizes.get(stage, 0)
-    buffer, record = step.store.evict(key, [t for t in pipeline if t is not None], min_bytes=agreed)
-    nbytes = record.nbytes
-    comm.eviction_sizes[stage] = nbytes
-    rest = max(0, nbytes - agreed)
-    step.part(Transfers).evicted_parts[key] = (agreed, rest)
+    buffer, record = step.store.evict(key, [t for t in pipeline if t is not None])
+    transfers = step.part(Transfers)
+    transfers.evicted_bytes[key] = record.nbytes
+    transfers.payloads[key] = buffer
     # torch.full, not torch.tensor([nbytes]): no host-to-device copy that syncs the stream.
-    header = torch.full((1,), nbytes, dtype=torch.int64, device=comm.device)
-    sends = step.window.sends
-    sends.append(Send(Message("evict-size", *key), header, acceptor))
-    if agreed:
-        sends.append(Send(Message("evict", *key), buffer.narrow(0, 0, agreed), acceptor))
-    step.part(Transfers).rests[key] = buffer.narrow(0, agreed, rest) if rest else None
+    header = torch.full((1,), record.nbytes, dtype=torch.int64, device=comm.device)
+    step.window.sends.append(Send(Message("evict-size", *key), header, acceptor))
 
 
 def evict_rest(step: RankStep, position: int, action: Action) -> None:
-    """EV's part B, a tick after the header: the payload's growth past the agreed size."""
+    """EV's payload, in the batch right after its size's."""
     key, acceptor = _key_and_peer(action)
-    rest = step.part(Transfers).rests.pop(key)
-    if rest is not None:
-        step.window.sends.append(Send(Message("evict-rest", *key), rest, acceptor))
+    payload = step.part(Transfers).payloads.pop(key)
+    step.window.sends.append(Send(Message("evict", *key), payload, acceptor))
 
 
 def accept(step: RankStep, position: int, action: Action) -> None:
-    """AC: post the header's receive and, at the size last agreed, part A's."""
+    """AC: post the receive of an eviction's size."""
     comm = step.ctx.comm
     key, evictor = _key_and_peer(action)
-    agreed = comm.eviction_sizes.get(key[0], 0)
     header = torch.empty(1, dtype=torch.int64, device=comm.device)
-    parts = (torch.empty(agreed, dtype=torch.uint8, device=comm.device),) if agreed else ()
-    step.window.receives.append(Receive(Message("evict", *key), evictor, parts, header=header))
+    step.window.receives.append(Receive(Message("evict", *key), evictor, (), header=header))
 
 
 def accept_rest(step: RankStep, position: int, action: Action) -> None:
-    """AC's part B: read the header (it came a tick ago) and receive what part A lacked."""
+    """AC's payload: read the size (it came in the batch before) and receive that many bytes."""
     comm = step.ctx.comm
     key, evictor = _key_and_peer(action)
     message = Message("evict", *key)
-    nbytes, posted = comm.read_header(message, evictor)
-    if nbytes > posted:
-        rest = torch.empty(nbytes - posted, dtype=torch.uint8, device=comm.device)
-        step.window.receives.append(Receive(message, evictor, (rest,), more=True))
+    payload = torch.empty(comm.read_header(message, evictor), dtype=torch.uint8, device=comm.device)
+    step.window.receives.append(Receive(message, evictor, (payload,), more=True))
 
 
 def restore(step: RankStep, position: int, action: Action) -> None:
-    """RS: send the partner's payload back, once it has arrived (two ticks after the EV)."""
+    """RS: send the partner's payload back, once it has arrived (a tick after the EV or later)."""
     comm = step.ctx.comm
     key, evictor = _key_and_peer(action)
     parts = comm.wait_parts(Message("evict", *key), evictor)
@@ -137,16 +125,14 @@ def restore(step: RankStep, position: int, action: Action) -> None:
 
 
 def load(step: RankStep, position: int, action: Action) -> None:
-    """LD: post the receive of an evicted payload coming back, as the parts it went out in."""
+    """LD: post the receive of an evicted payload coming back."""
     transfers = step.part(Transfers)
     key, acceptor = _key_and_peer(action)
-    agreed, rest = transfers.evicted_parts.pop(key)
-    buffer = torch.empty(agreed + rest, dtype=torch.uint8, device=step.ctx.comm.device)
-    transfers.loads[key] = (buffer, acceptor)
-    parts = tuple(
-        buffer.narrow(0, start, size) for start, size in ((0, agreed), (agreed, rest)) if size
+    buffer = torch.empty(
+        transfers.evicted_bytes.pop(key), dtype=torch.uint8, device=step.ctx.comm.device
     )
-    step.window.receives.append(Receive(Message("restore", *key), acceptor, parts))
+    transfers.loads[key] = (buffer, acceptor)
+    step.window.receives.append(Receive(Message("restore", *key), acceptor, (buffer,)))
 
 
 def _key_and_peer(action: Action) -> tuple[Key, int]:

@@ -10,12 +10,10 @@ send's buffer is released only after its Work completes (gloo reads send buffers
 background thread after ``isend`` returns).
 
 BPipe's evictions carry a payload whose size only the evictor knows (whatever autograd saved),
-so an eviction is up to three messages in two ticks: at the EV's tick an 8-byte *header* with
-the payload size and *part A* of the size both sides last agreed for that stage (padded when the
-payload shrank); at the next tick *part B*, the rest when it grew. The acceptor reads the header
-before it posts that next tick's batch (``read_header``, which blocks: the one CPU wait on the
-GPU path) and posts part B's receive in it. The agreed sizes live across steps
-(``eviction_sizes``), so from the second eviction of a stage on, part B never exists.
+so an eviction is two messages of one tick: an 8-byte *header* with the payload size in the
+tick's batch, then the payload in a batch of its own that only the evictor and the acceptor post
+right after it. The acceptor reads the header in between (``read_header``, which blocks: on a
+GPU a CPU sync per eviction) and posts a receive of exactly that size.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ class Receive:
     peer: int
     buffers: tuple[torch.Tensor, ...]  # the message's parts, posted in order (may be none)
     header: torch.Tensor | None = None  # an eviction's size header, posted before the parts
-    more: bool = False  # more parts of a message already posted (an eviction's part B)
+    more: bool = False  # more parts of a message already posted (an eviction's payload)
 
 
 @dataclass
@@ -60,7 +58,6 @@ class PendingSend:
 class _Header:
     work: dist.Work
     size: torch.Tensor  # int64[1]
-    posted: int  # bytes already pre-posted (part A)
 
 
 @dataclass
@@ -71,8 +68,6 @@ class PipeComm:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    # Eviction payload bytes last agreed per evictor stage; shared by the steps of one run.
-    eviction_sizes: dict[int, int] = field(default_factory=dict)
     receives: dict[Message, list[tuple[dist.Work, torch.Tensor]]] = field(default_factory=dict)
     sends: list[PendingSend] = field(default_factory=list)
     headers: dict[Message, _Header] = field(default_factory=dict)
@@ -126,20 +121,16 @@ class PipeComm:
             else:
                 parts = self.receives[receive.message] = []
             if receive.header is not None:
-                posted = sum(buffer.numel() for buffer in receive.buffers)
-                self.headers[receive.message] = _Header(next(works), receive.header, posted)
+                self.headers[receive.message] = _Header(next(works), receive.header)
             parts.extend((next(works), buffer) for buffer in receive.buffers)
         for send, op in zip(sends, ops[received:], strict=True):
             self.sends.append(PendingSend(next(works), op.tensor, send.message, send.release))
 
-    def read_header(self, message: Message, peer: int) -> tuple[int, int]:
-        """An eviction's payload size and the bytes part A pre-posted, once the header is in
-        (blocking: the posting puts this read a tick after the header was posted)."""
+    def read_header(self, message: Message, peer: int) -> int:
+        """An eviction's payload size, once its header is in (blocking)."""
         header = self.headers.pop(message)
         self._wait(header.work, message, peer)
-        nbytes = int(header.size.item())
-        self.eviction_sizes[message.stage] = nbytes
-        return nbytes, header.posted
+        return int(header.size.item())
 
     # --- consuming --------------------------------------------------------------------------
     def wait_receive(self, message: Message, peer: int) -> torch.Tensor:
@@ -186,7 +177,7 @@ class PipeComm:
 
     def settle_transfers(self) -> None:
         """Wait for the eviction and restore payloads sent so far, whose receives the partner
-        posted at its AC / LD in the same tick. Called after the compute that follows them on
+        posted in the same tick. Called after the compute that follows them on
         backends whose sends cannot be polled (gloo reports a send complete only once waited
         for); the NCCL model (``megatron_bfpp.nccl``) includes this wait in what it proves."""
         still: list[PendingSend] = []
@@ -219,7 +210,7 @@ class PipeComm:
         return held
 
 
-_TRANSFERS = frozenset({"evict", "evict-size", "evict-rest", "restore"})
+_TRANSFERS = frozenset({"evict", "evict-size", "restore"})
 
 
 def _works_per_op(posted: Sequence[dist.Work] | None, num_ops: int) -> list[dist.Work]:

@@ -6,7 +6,8 @@ call forks one process per rank through the product's local launcher
 port without a race, results through pipes, a grace period after the first failure, a deadline.
 
 Each rank: one intra-op thread; the CPU adapter (:mod:`megatron_bfpp.megatron.cpu`); gloo and
-``parallel_state.initialize_model_parallel(tp, pp, vp)``; seeds (``random``, ``torch``,
+``parallel_state.initialize_model_parallel(tp, pp, vp)``, under ``BFPP_NCCL_EMULATION=1`` NCCL's
+point-to-point rules on gloo (:mod:`.nccl_emulation`); seeds (``random``, ``torch``,
 ``model_parallel_cuda_manual_seed``); ``fn(*args)``; once the result is sent, the groups are
 destroyed.
 
@@ -19,6 +20,7 @@ waiting.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import tempfile
 from collections.abc import Callable, Sequence
@@ -132,6 +134,7 @@ def _set_up_rank(spec: _Parallel, rank: int, world_size: int, store: Any) -> Non
     from megatron.core.tensor_parallel import random as mrandom
 
     from megatron_bfpp.megatron.cpu import enable_cpu_megatron
+    from megatron_bfpp.testing import nccl_emulation
 
     torch.set_num_threads(1)
     enable_cpu_megatron()
@@ -142,6 +145,8 @@ def _set_up_rank(spec: _Parallel, rank: int, world_size: int, store: Any) -> Non
         world_size=world_size,
         timeout=timedelta(seconds=spec.timeout),
     )
+    if os.environ.get(nccl_emulation.ENV) == "1":  # NCCL's p2p rules on gloo (tests/conftest.py)
+        nccl_emulation.install()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=spec.tp,
         pipeline_model_parallel_size=spec.pp,

@@ -132,10 +132,8 @@ def test_measured_peak_memory_is_capped(pp: int) -> None:
 
 
 def test_first_step_agrees_payload_size_and_later_steps_reuse_it() -> None:
-    """Step 1 learns each stage's payload size (the whole payload travels as part B, a tick
-    after the header); steps 2 and 3 pre-post it as part A. The cap on stored micro-batches
-    holds in every step; step 1 may hold one payload a tick longer, later steps measure alike;
-    results stay exact."""
+    """Every eviction sends its size, then its payload in the same tick, so every step holds
+    the same: the cap holds in every step, and results stay exact."""
     pp, m = 4, 8
     bpipe = run_ranks(
         train,
@@ -146,8 +144,7 @@ def test_first_step_agrees_payload_size_and_later_steps_reuse_it() -> None:
     cap = bpipe_max_stored(pp)
     for _, _, memory in bpipe:
         assert all(stored <= cap for _, stored in memory)
-        assert memory[1] == memory[2]  # sizes agreed: every later step measures the same
-        assert memory[0][0] >= memory[1][0]
+        assert len({nbytes for nbytes, _ in memory}) == 1  # every step measures the same
     losses = bpipe[-1][0]
     assert losses[0] == losses[1] == losses[2]  # no optimizer step: same loss every step
 
@@ -225,8 +222,8 @@ def dying_evictor(batches: list[M.Batch]) -> Any:
     original = p2p.PipeComm.post
 
     def post(self: Any, sends: Any, receives: Any) -> None:
-        # The first eviction of a stage sends its payload as part B, a tick after the header.
-        if any(send.message.what == "evict-rest" for send in sends):
+        # The payload goes in a batch of its own, right after the size's.
+        if any(send.message.what == "evict" for send in sends):
             for work in [pending.work for pending in self.sends]:
                 work.wait()
             os._exit(17)

@@ -80,20 +80,20 @@ def test_a_batch_with_one_work_feeds_every_receive_and_send(backend: Backend) ->
     assert comm.sends == []
 
 
-def test_an_eviction_header_is_read_from_its_batch_and_part_b_added(backend: Backend) -> None:
-    incoming = backend.incoming
+def test_an_eviction_size_is_read_from_its_batch_then_the_payload_posted(
+    backend: Backend,
+) -> None:
     comm = _comm()
     evict = Message("evict", 0, 0)
-    header, part_a = torch.zeros(1, dtype=torch.int64), torch.zeros(4, dtype=torch.uint8)
-    incoming.append([torch.tensor([6]), torch.arange(4, dtype=torch.uint8)])
-    comm.post([], [Receive(evict, 3, (part_a,), header=header)])
-    assert comm.read_header(evict, 3) == (6, 4)
-    assert comm.eviction_sizes[0] == 6
-    rest = torch.zeros(2, dtype=torch.uint8)
-    incoming.append([torch.tensor([4, 5], dtype=torch.uint8)])
-    comm.post([], [Receive(evict, 3, (rest,), more=True)])
-    parts = comm.wait_parts(evict, 3)
-    assert torch.cat(parts).tolist() == [0, 1, 2, 3, 4, 5]
+    header = torch.zeros(1, dtype=torch.int64)
+    backend.incoming.append([torch.tensor([6])])
+    comm.post([], [Receive(evict, 3, (), header=header)])
+    assert comm.read_header(evict, 3) == 6
+    payload = torch.zeros(6, dtype=torch.uint8)
+    backend.incoming.append([torch.arange(6, dtype=torch.uint8)])
+    comm.post([], [Receive(evict, 3, (payload,), more=True)])
+    (part,) = comm.wait_parts(evict, 3)
+    assert part.tolist() == [0, 1, 2, 3, 4, 5]
 
 
 def test_a_backend_with_an_unexpected_number_of_works_is_refused(

@@ -1,0 +1,397 @@
+"""NCCL's point-to-point rules on gloo process groups, so that a CPU test fails where NCCL would.
+
+Gloo posts every ``isend`` / ``irecv`` at once and completes each on its own, so a message order
+that deadlocks (or crashes) on NCCL still passes on CPU. :func:`install` replaces
+``torch.distributed.batch_isend_irecv`` / ``isend`` / ``irecv`` (in ``distributed_c10d`` too) with
+versions that, on gloo groups only, keep the rules of ProcessGroupNCCL (design.md, "NCCL facts"):
+
+1. ``batch_isend_irecv`` returns ONE Work for the whole batch (code indexing one per op breaks).
+2. One stream per group: a worker thread per (process, group) runs the batches in posting order;
+   batch k+1 starts only once every op of batch k has completed.
+3. Rendezvous: the k-th send from a to b (per group and stream) matches the k-th receive at b
+   from a. When b's batch holding that receive starts, b's worker sets the key ``a>b/k`` in the
+   default store (prefixed per group and stream, on a connection of the worker's own); a's
+   worker posts the real gloo ``isend`` only once it sees the key (and deletes it). Every send
+   waits so: stricter than NCCL, which buffers small sends.
+4. Non-batched ``isend`` / ``irecv`` run as a batch of one on a stream per (group, pair of ranks),
+   FIFO per pair, with counters of their own (another communicator on NCCL).
+5. A Work's ``wait()`` blocks the CPU until the batch completed and raises if it failed.
+6. A batch not completed ``stall_seconds`` after it started, or a ``wait()`` blocked that long,
+   fails with a one-line RuntimeError naming the rank, group, batch, its ops and what it waits for.
+
+The real transfers are the original gloo ``isend`` / ``irecv`` with the caller's tag, issued by
+the worker (gloo p2p uses the tag as its slot, apart from the collectives of the main thread).
+State is per process (``os.getpid()``) and created lazily, so forked ranks each get their own.
+
+Not modelled: NCCL ignores tags and matches by order only (here gloo also matches by tag, so ops
+whose tags disagree with their order differ); batched and non-batched ops between the same pair
+on one group with the same tag may cross-match on gloo (NCCL keeps them apart); ``wait()`` blocks
+the CPU where NCCL blocks only the stream (what the runtime's posting model assumes as well).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from queue import SimpleQueue
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed import distributed_c10d as c10d
+
+__all__ = ["ENV", "STALL_ENV", "batches_posted", "install", "installed", "uninstall"]
+
+ENV = "BFPP_NCCL_EMULATION"  # "1": the tests install the emulation in every rank
+STALL_ENV = "BFPP_NCCL_EMULATION_STALL_S"
+DEFAULT_STALL_S = 60.0
+
+_originals: dict[tuple[Any, str], Any] = {}  # (module, name) -> what install replaced
+_NAMES = ("batch_isend_irecv", "isend", "irecv", "_check_op")
+# torch's own functions, for the workers even after uninstall (None: torch without distributed)
+_torch: dict[str, Any] = {name: getattr(c10d, name, None) for name in _NAMES}
+_stall_s = DEFAULT_STALL_S
+_lock = threading.Lock()
+_process: tuple[int, dict[tuple[str, str], _Stream]] | None = None  # (pid, streams)
+
+
+def install(*, stall_seconds: float | None = None) -> None:
+    """Route gloo p2p through the emulation (again: only sets the stall limit). The limit is
+    ``stall_seconds``, else ``$BFPP_NCCL_EMULATION_STALL_S``, else 60 s."""
+    global _stall_s
+    if stall_seconds is None:
+        stall_seconds = float(os.environ.get(STALL_ENV, DEFAULT_STALL_S))
+    _stall_s = stall_seconds
+    if _originals or not dist.is_available():
+        return
+    patches = {"batch_isend_irecv": _batch_isend_irecv, "isend": _isend, "irecv": _irecv}
+    for module in (dist, c10d):
+        for name, replacement in patches.items():
+            _originals[module, name] = getattr(module, name)
+            setattr(module, name, replacement)
+    _originals[c10d, "_check_op"] = c10d._check_op  # P2POp accepts ops made before install
+    c10d._check_op = _check_op
+
+
+def uninstall() -> None:
+    """Restore torch's functions; batches already posted still run on their workers."""
+    for (module, name), original in _originals.items():
+        setattr(module, name, original)
+    _originals.clear()
+
+
+def installed() -> bool:
+    return bool(_originals)
+
+
+def batches_posted() -> int:
+    """Batches this process has run through the emulation (tests check that it was used)."""
+    if _process is None or _process[0] != os.getpid():
+        return 0
+    return sum(stream.posted for stream in list(_process[1].values()))
+
+
+# --- the replacements ---------------------------------------------------------------------------
+def _check_op(op: Callable[..., Any]) -> None:
+    if op not in (_torch["isend"], _torch["irecv"]):
+        _torch["_check_op"](op)
+
+
+def _batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
+    c10d._check_p2p_op_list(p2p_op_list)
+    first = p2p_op_list[0]
+    group = _gloo_group(first.group, first.tensor)
+    if group is None:  # torch's own, which tells sends by ``op.op is isend`` (ours now)
+        for op in p2p_op_list:
+            op.op = {_torch["isend"]: _isend, _torch["irecv"]: _irecv}.get(op.op, op.op)
+        works: list[dist.Work] = _torch["batch_isend_irecv"](p2p_op_list)
+        return works
+    ops = [
+        _Op(op.op in (_isend, _torch["isend"]), op.tensor, _peer(group, op), op.tag)
+        for op in p2p_op_list
+    ]
+    return [_stream(group, "batch").submit(ops)]
+
+
+def _isend(
+    tensor: torch.Tensor, dst: int | None = None, group: Any = None, tag: int = 0, **kw: Any
+) -> dist.Work | None:
+    return _single(True, tensor, dst, group, tag, kw, "group_dst")
+
+
+def _irecv(
+    tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, **kw: Any
+) -> dist.Work | None:
+    return _single(False, tensor, src, group, tag, kw, "group_src")
+
+
+def _single(
+    send: bool, tensor: torch.Tensor, peer: int | None, group: Any, tag: int, kw: Any, gkey: str
+) -> dist.Work | None:
+    gloo = _gloo_group(group, tensor)
+    if gloo is None:
+        key = "dst" if send else "src"
+        work: dist.Work | None = _torch["isend" if send else "irecv"](
+            tensor, group=group, tag=tag, **{key: peer}, **kw
+        )
+        return work
+    if kw.get(gkey) is not None:
+        peer = dist.get_global_rank(gloo, kw[gkey])
+    if peer is None:
+        raise RuntimeError("NCCL emulation: NCCL cannot receive from any source (irecv src=None)")
+    low, high = sorted((dist.get_rank(), peer))
+    return _stream(gloo, f"pair{low}-{high}").submit([_Op(send, tensor, peer, tag)])
+
+
+def _gloo_group(group: Any, tensor: torch.Tensor) -> Any:
+    """The group if its backend for ``tensor`` is gloo (and this rank is in it), else None."""
+    group = c10d._get_default_group() if group is None else group
+    if c10d._rank_not_in_group(group):
+        return None
+    try:
+        return (
+            group if isinstance(group._get_backend(tensor.device), dist.ProcessGroupGloo) else None
+        )
+    except (AttributeError, RuntimeError):
+        return group if dist.get_backend(group) == "gloo" else None
+
+
+def _peer(group: Any, op: dist.P2POp) -> int:
+    if op.peer is not None:
+        return int(op.peer)
+    return dist.get_global_rank(group, op.group_peer)
+
+
+# --- streams: one worker thread each -------------------------------------------------------------
+@dataclass
+class _Op:
+    send: bool
+    tensor: torch.Tensor
+    peer: int  # global rank
+    tag: int
+    k: int = -1  # index among the stream's sends to / receives from the peer
+    state: str = "not started"  # what it waits for; "" once completed
+
+    def describe(self, me: int) -> str:
+        state = f", {self.state}" if self.state else ""
+        if self.send:
+            nbytes = self.tensor.numel() * self.tensor.element_size()
+            return f"send {nbytes} B to rank {self.peer} (#{self.k} on {me}>{self.peer}{state})"
+        return f"recv from rank {self.peer} (#{self.k}{state})"
+
+    def waits_for(self, me: int) -> str:
+        if not self.send:
+            return f"rank {self.peer} to send its #{self.k} to rank {me}"
+        if self.state == "receiver's batch not started":
+            return f"rank {self.peer} to start its batch holding receive #{self.k} from rank {me}"
+        return f"rank {self.peer} to take send #{self.k}"
+
+
+class _Batch:
+    def __init__(self, stream: _Stream, index: int, ops: list[_Op]) -> None:
+        self.stream, self.index, self.ops = stream, index, ops
+        self.started = False
+        self.done = threading.Event()
+        self.error: str | None = None
+        self.cause: BaseException | None = None
+        self.future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+
+    def describe(self) -> str:
+        ops = "; ".join(op.describe(self.stream.me) for op in self.ops)
+        return f"batch #{self.index} [{ops}]"
+
+    def finish(self, error: str | None = None, cause: BaseException | None = None) -> None:
+        self.error, self.cause = error, cause
+        self.done.set()
+        if error is None:
+            self.future.set_result([op.tensor for op in self.ops])
+        else:
+            self.future.set_exception(RuntimeError(error))  # type: ignore[arg-type]
+
+
+class _Stalled(Exception):
+    pass
+
+
+class _Stream:
+    """The batches one process posts on one communicator of a group, run in order by a thread."""
+
+    def __init__(self, group: Any, name: str) -> None:
+        self.group, self.name = group, name
+        self.me = dist.get_rank()
+        desc = getattr(group, "group_desc", "")
+        desc = f" ({desc})" if desc and desc != "undefined" else ""
+        self.label = (
+            f"NCCL emulation: rank {self.me}, group {group.group_name}{desc}, {name} stream"
+        )
+        prefix = f"bfpp-nccl-emulation/{group.group_name}/{name}/"
+        self.store = PrefixStore(prefix, _own_store())
+        self.queue: SimpleQueue[_Batch] = SimpleQueue()
+        self.counts: Counter[tuple[bool, int]] = Counter()
+        self.posted = 0
+        self.head: _Batch | None = None
+        self.failure: str | None = None
+        self.lock = threading.Lock()
+        threading.Thread(target=self._loop, name=f"nccl-emulation {name}", daemon=True).start()
+
+    def submit(self, ops: list[_Op]) -> _Work:
+        with self.lock:
+            for op in ops:
+                op.k = self.counts[op.send, op.peer]
+                self.counts[op.send, op.peer] += 1
+            batch = _Batch(self, self.posted, ops)
+            self.posted += 1
+            self.queue.put(batch)
+        return _Work(batch)
+
+    def _loop(self) -> None:
+        while True:
+            batch = self.queue.get()
+            self.head = batch
+            if self.failure is not None:
+                batch.finish(f"{self.label}: {batch.describe()} never ran: {self.failure}")
+                continue
+            try:
+                self._run(batch)
+            except _Stalled:
+                queued = self.queue.qsize()
+                self.failure = (
+                    f"{self.label}: {batch.describe()} not completed {_stall_s:g} s after it "
+                    f"started; waiting for {self.waits_for(batch)}"
+                    + (f" ({queued} more batches queued behind it)" if queued else "")
+                )
+                batch.finish(self.failure)
+            except Exception as error:  # a peer died, the store went away
+                first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+                self.failure = f"{self.label}: {batch.describe()} failed: {first}"
+                batch.finish(self.failure, error)
+            else:
+                batch.finish()
+
+    def waits_for(self, batch: _Batch) -> str:
+        if not batch.started:
+            return "the batch before it to complete"
+        return ", ".join(op.waits_for(self.me) for op in batch.ops if op.state) or "nothing"
+
+    def _run(self, batch: _Batch) -> None:
+        deadline = time.monotonic() + _stall_s
+        batch.started = True
+        posted: list[tuple[_Op, dist.Work]] = []
+        sends: dict[int, deque[_Op]] = {}
+        for op in batch.ops:
+            if op.send:
+                op.state = "receiver's batch not started"
+                sends.setdefault(op.peer, deque()).append(op)
+                continue
+            self.store.set(f"{op.peer}>{self.me}/{op.k}", "1")  # announce: this batch started
+            posted.append((op, _torch["irecv"](op.tensor, op.peer, self.group, op.tag)))
+            op.state = "nothing arrived"
+        delay = 0.0005
+        while any(sends.values()):  # each peer's sends in order, each once its receiver started
+            for peer, queue in sends.items():
+                while queue and self.store.check([key := f"{self.me}>{peer}/{queue[0].k}"]):
+                    op = queue.popleft()
+                    self.store.delete_key(key)
+                    posted.append((op, _torch["isend"](op.tensor, peer, self.group, op.tag)))
+                    op.state, delay = "not taken", 0.0005
+            if any(sends.values()):
+                if time.monotonic() >= deadline:
+                    _refresh(posted)
+                    raise _Stalled
+                time.sleep(delay)
+                delay = min(2 * delay, 0.02)
+        for op, work in posted:
+            try:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError:
+                if time.monotonic() < deadline:
+                    raise
+                _refresh([(other, w) for other, w in posted if other is not op])
+                raise _Stalled from None
+            op.state = ""
+
+
+def _after_fork_in_child() -> None:
+    """The parent's workers did not survive the fork, and a lock held then would stay held."""
+    global _lock, _process
+    _lock, _process = threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _refresh(posted: list[tuple[_Op, dist.Work]]) -> None:
+    """Mark the posted ops that have completed after all, for the stall report."""
+    for op, work in posted:
+        try:
+            if op.state and work.wait(timedelta(milliseconds=1)):
+                op.state = ""
+        except RuntimeError:
+            pass
+
+
+def _own_store() -> Store:
+    """A connection of its own to the default store's TCPStore: a blocking ``wait`` / ``get`` on
+    a shared client holds its lock, and would stall the worker's polls (other stores: shared)."""
+    store = c10d._get_default_store()
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, TCPStore):
+        return store
+    timeout = timedelta(seconds=max(_stall_s, 60.0))
+    return TCPStore(
+        store.host, store.port, is_master=False, timeout=timeout, wait_for_workers=False
+    )
+
+
+def _stream(group: Any, name: str) -> _Stream:
+    global _process
+    with _lock:
+        if _process is None or _process[0] != os.getpid():  # first use, or a forked child
+            _process = (os.getpid(), {})
+        streams = _process[1]
+        key = (group.group_name, name)
+        if key not in streams:
+            streams[key] = _Stream(group, name)
+        return streams[key]
+
+
+class _Work(dist.Work):
+    """One batch's Work, like ProcessGroupNCCL's coalesced one (megatron-core 0.16 / 0.19 only
+    call ``wait()``; the rest serves code that polls)."""
+
+    def __init__(self, batch: _Batch) -> None:
+        super().__init__()
+        self._batch = batch
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        batch = self._batch
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout or 0.0
+        limit = seconds if seconds > 0 else _stall_s  # torch's default timedelta(0): no limit
+        if not batch.done.wait(limit):
+            stream, head = batch.stream, batch.stream.head
+            at = head.describe() if head is not None else "nothing"
+            waits = stream.waits_for(head) if head is not None else "its worker"
+            raise RuntimeError(
+                f"{stream.label}: wait() on batch #{batch.index} blocked {limit:g} s; the stream "
+                f"is at {at}, waiting for {waits}"
+            )
+        if batch.error is not None:
+            raise RuntimeError(batch.error) from batch.cause
+        return True
+
+    def is_completed(self) -> bool:
+        return self._batch.done.is_set()
+
+    def exception(self) -> BaseException | None:
+        error = self._batch.error
+        return None if error is None else RuntimeError(error)
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        return self._batch.future
