@@ -314,6 +314,10 @@ def _run_step(
         # Embedding and output layer on one rank (V-shape): no all-reduce over the pipeline;
         # the rank adds its two copies' gradients after the data-parallel reduction.
         on_one_rank = _embedding_and_loss_on_one_rank(schedule)
+        if on_one_rank and config.calculate_per_token_loss:
+            # finalize_model_grads broadcasts the token count from the last pipeline rank, but
+            # under the V the loss (and so the count) is on the first: give it to every rank.
+            torch.distributed.all_reduce(total_num_tokens, group=pp_group)
         config.finalize_model_grads_func(
             chunks,
             total_num_tokens if config.calculate_per_token_loss else None,
@@ -393,6 +397,13 @@ def _reject_unsupported(config: Any) -> None:
     if getattr(config, "fine_grained_activation_offloading", False):
         raise NotImplementedError(
             "fine_grained_activation_offloading is not supported by megatron_bfpp schedules yet"
+        )
+    if getattr(config, "cuda_graph_impl", None) == "local":
+        # megatron-core's schedules capture at the end of a step (create_cudagraphs); BPipe's
+        # restores and sharded parameters' re-gathers move storages a graph would bake in.
+        raise NotImplementedError(
+            "cuda_graph_impl='local' (--cuda-graph-impl local) is not supported by megatron_bfpp "
+            "schedules yet; use --cuda-graph-impl none"
         )
 
 

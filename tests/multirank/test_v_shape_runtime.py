@@ -38,6 +38,7 @@ def step(
     hidden: int = 32,
     overlap: bool = False,
     caller_grad_sync: bool = True,
+    per_token: bool = False,
 ) -> Any:
     """One forward-backward of ``schedule``: (losses, gradient shards, measured peak bytes,
     (weight GEMMs deferred to W, local linear layers x micro-batches on this rank))."""
@@ -49,6 +50,7 @@ def step(
         hidden_size=hidden,
         ffn_hidden_size=2 * hidden,
         sequence_parallel=tp_sp,
+        calculate_per_token_loss=per_token,
         **({"vp": 2} if schedule in V_SHAPES else {}),
     )
     chunks: list[Any] = M.build_model_chunks(
@@ -120,6 +122,20 @@ def test_v_shape_gives_1f1b_losses_and_gradients(
     ours = _run(schedule, batches, pp, tp, dp, **kw)
     base = _run("1f1b", batches, pp, tp, dp, **kw)
     assert _losses(ours) == pytest.approx(_losses(base), rel=1e-6, abs=0)
+    M.assert_tensors_close(
+        M.merge_shards(r[1] for r in ours), M.merge_shards(r[1] for r in base), rel=1e-6
+    )
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_per_token_loss_scales_gradients_by_the_tokens_counted_on_rank_0(dp: int) -> None:
+    """With ``calculate_per_token_loss`` finalize_model_grads divides the gradients by the token
+    count it broadcasts from the last pipeline rank; under the V the loss is on rank 0 (the
+    count was 0 on the last rank, and the gradients 100 times too large)."""
+    batches = M.make_batches(4, seed=5)
+    kw: dict[str, Any] = dict(layers=8, ddp=True, per_token=True)
+    ours = _run("v-min", batches, 2, 1, dp, **kw)
+    base = _run("1f1b", batches, 2, 1, dp, **kw)
     M.assert_tensors_close(
         M.merge_shards(r[1] for r in ours), M.merge_shards(r[1] for r in base), rel=1e-6
     )

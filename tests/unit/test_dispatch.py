@@ -80,3 +80,21 @@ def test_forward_backward_func_keeps_its_state_on_itself() -> None:
     first.last_trace.append("0F0")
     assert second.last_trace == []  # each function's state is its own
     assert first != second and len({first, second}) == 2  # hashable by identity, as a function
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("num_microbatches_with_partial_activation_checkpoints", 2, "partial_activation"),
+        ("fine_grained_activation_offloading", True, "fine_grained_activation_offloading"),
+        ("cuda_graph_impl", "local", "--cuda-graph-impl none"),
+    ],
+)
+def test_megatron_features_the_runtime_lacks_are_refused(
+    field: str, value: Any, words: str
+) -> None:
+    from megatron_bfpp.runtime.api import _reject_unsupported
+
+    _reject_unsupported(SimpleNamespace(cuda_graph_impl="none"))  # the default runs
+    with pytest.raises(NotImplementedError, match=words):
+        _reject_unsupported(SimpleNamespace(**{field: value}))
