@@ -5,8 +5,14 @@ Same ranks, same GPT model (megatron-core local layer spec, fp32, CPU/gloo), sam
 alternate native / ours so drift affects both equally. Prints the median step time of each and
 the ratio ours / native (target: within 5%).
 
+With ``--emulation`` it also times each of our schedules on plain gloo and under the test
+support's emulation of NCCL's point-to-point rules (one Work per batch, batches in order, sends
+waiting for their receiver), in separate ranks: what the emulation costs the tests, and that
+every schedule completes under NCCL's rules.
+
     python scripts/bench_runtime.py                       # pp=2: 1f1b, and interleaved with vp=2
     python scripts/bench_runtime.py --hidden 512 --steps 8
+    python scripts/bench_runtime.py --emulation --pp 4
 """
 
 from __future__ import annotations
@@ -52,6 +58,72 @@ def rank_main(schedule: str, sizes: dict[str, int], steps: int) -> tuple[list[fl
     return timings["native"], timings["ours"]
 
 
+def emulated_main(
+    schedule: str, vp: int | None, sizes: dict[str, int], steps: int, emulate: bool
+) -> list[float]:
+    """Step times of one of our schedules, under the NCCL emulation or on plain gloo."""
+    from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.testing import nccl_emulation
+
+    if emulate:
+        nccl_emulation.install()
+    else:
+        nccl_emulation.uninstall()
+    torch.set_num_threads(1)
+    config = M.tiny_gpt_config(
+        num_layers=sizes["layers"],
+        hidden_size=sizes["hidden"],
+        num_attention_heads=sizes["heads"],
+        ffn_hidden_size=4 * sizes["hidden"],
+    )
+    placement = "v-shape" if schedule.startswith("v-") else "looped"
+    chunks = M.build_model_chunks(config, max_sequence_length=sizes["seq"], placement=placement)
+    batches = M.make_batches(sizes["microbatches"], seq_len=sizes["seq"], seed=0)
+    func = get_forward_backward_func(schedule)
+    times = []
+    for step in range(steps + 1):
+        for chunk in chunks:
+            chunk.zero_grad()
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        M.run_schedule(chunks, batches, forward_backward_func=func, seq_length=sizes["seq"])
+        torch.distributed.barrier()
+        if step:  # one warm-up step
+            times.append(time.perf_counter() - start)
+    return times
+
+
+EMULATED = (
+    ("gpipe", None),
+    ("1f1b", None),
+    ("interleaved", 2),
+    ("breadth-first", 2),
+    ("bpipe", None),
+    ("v-min", 2),
+    ("v-half", 2),
+    ("v-zb", 2),
+)
+
+
+def compare_emulation(pp: int, sizes: dict[str, int], steps: int) -> None:
+    print(f"\nour schedules, pp={pp}: plain gloo against NCCL's rules emulated on gloo")
+    print(f"{'schedule':<14} {'gloo s':>9} {'emulated s':>10} {'emulated/gloo':>13}")
+    for schedule, vp in EMULATED:
+        medians = []
+        for emulate in (False, True):
+            results = run_ranks(
+                emulated_main,
+                world_size=pp,
+                pp=pp,
+                vp=vp,
+                timeout=900,
+                args=(schedule, vp, sizes, steps, emulate),
+            )
+            medians.append(statistics.median(max(r[i] for r in results) for i in range(steps)))
+        gloo, emulated = medians
+        print(f"{schedule:<14} {gloo:>9.4f} {emulated:>10.4f} {emulated / gloo:>13.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=2)
@@ -60,6 +132,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--emulation",
+        action="store_true",
+        help="also time every schedule on plain gloo and under the NCCL emulation",
+    )
     args = parser.parse_args()
     sizes = {
         "hidden": args.hidden,
@@ -88,6 +165,8 @@ def main() -> None:
             f"{schedule:<12} {vp or 1:>2} {native:>9.4f} {ours:>9.4f} {ours / native:>11.3f}",
             flush=True,
         )
+    if args.emulation:
+        compare_emulation(args.pp, sizes, args.steps)
 
 
 if __name__ == "__main__":

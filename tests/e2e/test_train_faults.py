@@ -134,11 +134,16 @@ def test_ranks_die_with_a_killed_launcher() -> None:
 
 def _start_launched_ranks(port: int) -> list[subprocess.Popen[str]]:
     """Four ranks as srun starts them (or torchrun on several nodes: no launcher of ours above
-    them): one process each, told its place by the environment; rank 0 hosts the store."""
+    them): one process each, told its place by the environment; rank 0 hosts the store.
+
+    On plain gloo: these tests are about how gloo's fast failure is reported. Under NCCL's rules
+    (the tests' emulation) a send to a dead rank waits until a timeout, as NCCL's watchdog does,
+    so a survivor would only fail at the emulation's stall limit (60 s)."""
     procs = []
     for rank in range(4):
         env = dict(
             os.environ,
+            BFPP_NCCL_EMULATION="0",
             RANK=str(rank),
             WORLD_SIZE="4",
             LOCAL_RANK=str(rank),
