@@ -299,7 +299,7 @@ class _Op(NamedTuple):
     batch: int  # global batch id
     send: bool
     peer: int
-    what: tuple[str, int, int, bool]  # message and part B
+    what: tuple[str, int, int, bool]  # the message, and whether it is an eviction's payload
     position: int
 
 

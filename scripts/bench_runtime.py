@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -27,11 +28,8 @@ from megatron_bfpp.testing import models as M
 from megatron_bfpp.testing.multirank import run_ranks
 
 
-def rank_main(schedule: str, sizes: dict[str, int], steps: int) -> tuple[list[float], list[float]]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func as native_func
-
-    from megatron_bfpp import get_forward_backward_func
-
+def _model(schedule: str, sizes: dict[str, int]) -> tuple[list[Any], list[Any]]:
+    """This rank's chunks of the benchmark GPT, in the schedule's placement, and the batches."""
     torch.set_num_threads(1)
     config = M.tiny_gpt_config(
         num_layers=sizes["layers"],
@@ -39,22 +37,36 @@ def rank_main(schedule: str, sizes: dict[str, int], steps: int) -> tuple[list[fl
         num_attention_heads=sizes["heads"],
         ffn_hidden_size=4 * sizes["hidden"],
     )
-    chunks = M.build_model_chunks(config, max_sequence_length=sizes["seq"])
-    batches = M.make_batches(sizes["microbatches"], seq_len=sizes["seq"], seed=0)
+    placement = "v-shape" if schedule.startswith("v-") else "looped"
+    chunks = M.build_model_chunks(config, max_sequence_length=sizes["seq"], placement=placement)
+    return chunks, M.make_batches(sizes["microbatches"], seq_len=sizes["seq"], seed=0)
+
+
+def _step_time(chunks: list[Any], batches: list[Any], func: Any, seq: int) -> float:
+    for chunk in chunks:
+        chunk.zero_grad()
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    M.run_schedule(chunks, batches, forward_backward_func=func, seq_length=seq)
+    torch.distributed.barrier()
+    return time.perf_counter() - start
+
+
+def rank_main(schedule: str, sizes: dict[str, int], steps: int) -> tuple[list[float], list[float]]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func as native_func
+
+    from megatron_bfpp import get_forward_backward_func
+
+    chunks, batches = _model(schedule, sizes)
     ours = get_forward_backward_func(schedule)
     native = native_func()
     timings: dict[str, list[float]] = {"native": [], "ours": []}
     for step in range(2 * steps + 2):
         which = "native" if step % 2 == 0 else "ours"
         func = native if which == "native" else ours
-        for chunk in chunks:
-            chunk.zero_grad()
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        M.run_schedule(chunks, batches, forward_backward_func=func, seq_length=sizes["seq"])
-        torch.distributed.barrier()
+        elapsed = _step_time(chunks, batches, func, sizes["seq"])
         if step >= 2:  # one warm-up step each
-            timings[which].append(time.perf_counter() - start)
+            timings[which].append(elapsed)
     return timings["native"], timings["ours"]
 
 
@@ -69,28 +81,10 @@ def emulated_main(
         nccl_emulation.install()
     else:
         nccl_emulation.uninstall()
-    torch.set_num_threads(1)
-    config = M.tiny_gpt_config(
-        num_layers=sizes["layers"],
-        hidden_size=sizes["hidden"],
-        num_attention_heads=sizes["heads"],
-        ffn_hidden_size=4 * sizes["hidden"],
-    )
-    placement = "v-shape" if schedule.startswith("v-") else "looped"
-    chunks = M.build_model_chunks(config, max_sequence_length=sizes["seq"], placement=placement)
-    batches = M.make_batches(sizes["microbatches"], seq_len=sizes["seq"], seed=0)
+    chunks, batches = _model(schedule, sizes)
     func = get_forward_backward_func(schedule)
-    times = []
-    for step in range(steps + 1):
-        for chunk in chunks:
-            chunk.zero_grad()
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        M.run_schedule(chunks, batches, forward_backward_func=func, seq_length=sizes["seq"])
-        torch.distributed.barrier()
-        if step:  # one warm-up step
-            times.append(time.perf_counter() - start)
-    return times
+    times = [_step_time(chunks, batches, func, sizes["seq"]) for _ in range(steps + 1)]
+    return times[1:]  # after one warm-up step
 
 
 EMULATED = (

@@ -146,10 +146,10 @@ class Handlers:
     """One runtime module's share of the dispatch table.
 
     ``kinds`` maps each action kind the module executes to its handler; ``rests`` the kinds
-    whose action also has a *rest* item a tick later in the posting (``megatron_bfpp.nccl``:
-    an eviction's part B) to that item's handler; ``part`` makes the module's per-step state,
-    if it has any; ``captures`` are the kinds that need the tensors a forward saves for
-    backward routed through the activation store (BPipe's EV ships them).
+    whose action also has a *rest* item in a later batch of the posting (``megatron_bfpp.nccl``:
+    an eviction's payload, after its size) to that item's handler; ``part`` makes the module's
+    per-step state, if it has any; ``captures`` are the kinds that need the tensors a forward
+    saves for backward routed through the activation store (BPipe's EV ships them).
     """
 
     kinds: Mapping[ActionKind, Handler]
