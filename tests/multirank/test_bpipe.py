@@ -249,7 +249,9 @@ def test_partner_dying_mid_transfer_fails_clearly_without_hanging() -> None:
     assert "exit code 17" in reports[0]
     # Rank 1 waits on rank 0 directly; the others on a neighbour that failed in turn (the
     # acceptor, whose payload never came, also loses its neighbour, which it notices first).
-    assert "Rank 0" in reports[1], reports[1]
+    # (Under NCCL's rules a failed batch fails the ones queued behind it on the stream, so the
+    # error may come from a later receive; the first failure, from rank 0, is quoted in it.)
+    assert "rank 0" in reports[1].lower(), reports[1]
     for rank in range(1, pp):  # every survivor fails by itself, none is killed as hung
         assert "still running when killed" not in reports[rank], reports[rank]
         assert "has probably failed or been killed" in reports[rank], reports[rank]
