@@ -160,6 +160,7 @@ def test_bad_schedule_flags_exit_with_one_line(tmp_path: Path) -> None:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
         "--master-port", str(_free_port()),
         "-m", "megatron_bfpp.launch", str(script), *COMMON, "--pipeline-schedule", "breadth-first",
+        "--num-virtual-stages-per-pipeline-rank", "1",
     ]  # fmt: skip
     result = subprocess.run(
         cmd,
