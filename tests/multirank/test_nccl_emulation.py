@@ -394,3 +394,56 @@ def test_subprocesses_get_the_emulation_once_they_import_torch() -> None:
     env[E.ENV] = "0"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.stdout.split() == ["False", "False", "False"], run.stderr
+
+
+# --- the runtime: what the model predicts, the emulation shows ----------------------------------
+def runtime_posted(batches: list[M.Batch], as_written: bool) -> str:
+    """v-zb pp=2 m=3 through our runtime, posted as written (one batch per run of messages
+    between computes, the runtime's posting before lock-step) or in lock-step."""
+    from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.nccl import written_posting
+    from megatron_bfpp.runtime import executor
+
+    E.install(stall_seconds=STALL)
+    if as_written:
+        executor.nccl_posting = written_posting  # type: ignore[assignment]
+    config = M.tiny_gpt_config(num_layers=4, vp=2)
+    chunks = M.build_model_chunks(config, placement="v-shape")
+    try:
+        M.run_schedule(chunks, batches, forward_backward_func=get_forward_backward_func("v-zb"))
+    except RuntimeError as error:
+        return str(error)
+    return "completed"
+
+
+@pytest.mark.parametrize("as_written", [True, False], ids=["as-written", "lock-step"])
+def test_the_runtime_stalls_where_the_model_finds_a_cycle_and_lockstep_completes(
+    as_written: bool,
+) -> None:
+    from megatron_bfpp.ir import ScheduleError
+    from megatron_bfpp.nccl import check_posting, written_posting
+    from megatron_bfpp.schedules.registry import build_schedule
+
+    schedule = build_schedule("v-zb", num_ranks=2, num_microbatches=3)
+    with pytest.raises(ScheduleError, match="deadlocks on NCCL when posted as written") as cycle:
+        check_posting(schedule, written_posting(schedule))
+    assert "rank 0's batch #5 [S grad3.1>1]" in str(cycle.value)
+    assert "rank 1's batch #3 [S grad1.0>0]" in str(cycle.value)
+    outcomes = run_ranks(
+        runtime_posted,
+        world_size=2,
+        pp=2,
+        vp=2,
+        timeout=RANK_TIMEOUT,
+        error_grace=RANK_TIMEOUT,
+        args=(M.make_batches(3, seed=4), as_written),
+    )
+    if as_written:
+        # Both ranks stop at the batches of the model's cycle (v-zb pp=2 m=3): rank 0's batch #5
+        # sends grad 3.1, rank 1's batch #3 sends grad 1.0, each to a receiver queued behind.
+        for outcome, batch in zip(outcomes, ("#5", "#3"), strict=True):
+            assert "NCCL emulation" in outcome, outcome
+            assert f"batch {batch} [send" in outcome, outcome
+            assert "receiver's batch not started" in outcome, outcome
+    else:
+        assert outcomes == ["completed", "completed"]
