@@ -453,3 +453,35 @@ def test_json_step_time_is_exact() -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["step_time"] == 13
     assert '"step_time": 13.0,' in result.stdout
+
+
+def test_nccl_safety_as_written_and_as_run(tmp_path: Path) -> None:
+    """``--nccl`` says whether a schedule's order is safe on NCCL as written and as the runtime
+    posts it; with ``--load-csv`` (ours, or torch's DualPipeV as torch dumps it) always."""
+    result = bfpp_sim("--schedule", "v-zb", "--pp", "2", "--microbatches", "3", "--nccl")
+    assert result.returncode == 0, result.stderr
+    assert "NCCL, as written: NOT NCCL-safe: v-zb deadlocks on NCCL" in result.stdout
+    assert "rank 0's batch #5 [S grad3.1>1] sends grad3.1" in result.stdout
+    assert "NCCL, as bfpp runs it (lock-step): NCCL-safe" in result.stdout
+    plain = bfpp_sim("--schedule", "v-zb", "--pp", "2", "--microbatches", "3", "--json")
+    assert "nccl" not in json.loads(plain.stdout)  # only when asked: large schedules cost
+    path = tmp_path / "1f1b.csv"
+    dump_csv(build_schedule("1f1b", num_ranks=4, num_microbatches=8), path)
+    nccl = json.loads(bfpp_sim("--load-csv", str(path), "--json").stdout)["nccl"]
+    assert nccl == {
+        "as_written": {"safe": True, "problem": None},
+        "lock_step": {"safe": True, "problem": None},
+    }
+    pytest.importorskip("torch.distributed.pipelining")
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from tests import torch_pipelining as tp
+
+    dual = tp.build(
+        torch_schedules.ScheduleDualPipeV, num_ranks=2, num_microbatches=4, stages_per_rank=2
+    )
+    result = bfpp_sim("--load-csv", str(tp.dump(dual, tmp_path / "dualpipev.csv")), "--json")
+    assert result.returncode == 0, result.stderr
+    verdicts = json.loads(result.stdout)["nccl"]
+    assert verdicts["lock_step"]["safe"] is True
+    assert isinstance(verdicts["as_written"]["safe"], bool)
