@@ -144,10 +144,10 @@ class ActivationStore:
 
     # --- eviction ---------------------------------------------------------------------------
     def evict(
-        self, key: Key, pipeline_tensors: Sequence[torch.Tensor], *, min_bytes: int = 0
+        self, key: Key, pipeline_tensors: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, Evicted]:
-        """Pack ``key``'s saved tensors and ``pipeline_tensors`` into one uint8 buffer (at least
-        ``min_bytes`` long) and release them locally; returns the buffer and the recipe."""
+        """Pack ``key``'s saved tensors and ``pipeline_tensors`` into one uint8 buffer and release
+        them locally; returns the buffer and the recipe."""
         if key in self.evicted:
             raise RuntimeError(f"stage {key[0]}, micro-batch {key[1]} is already evicted")
         targets: list[tuple[_Saved | torch.Tensor, torch.Tensor]] = []
@@ -175,7 +175,7 @@ class ActivationStore:
             )
             views.append((target, view))
         offsets, nbytes = _layout(storage.nbytes() for storage in storages)
-        buffer = torch.empty(max(nbytes, min_bytes), dtype=torch.uint8, device=self.device)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         for storage, offset in zip(storages, offsets, strict=True):
             source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
             buffer.narrow(0, offset, storage.nbytes()).copy_(source)
