@@ -17,8 +17,9 @@ So two ranks that each post "send" then "receive" as two batches deadlock on NCC
 **Lock-step posting** (``lockstep_posting``, what the runtime does: megatron-core's one batch per
 pipeline tick, generalised to any schedule). A unit-time as-soon-as-possible replay numbers the
 compute actions: each lasts one tick, a message takes none. A message goes in the batch of the
-tick at which its sender posts it: SA / SG / EV at the end of the compute before them (a second
-EV of a stage one tick after the first), RS two ticks after the eviction it returns. Each rank
+tick at which its sender posts it: SA / SG at the end of the compute before them, EV and RS
+there too but no earlier than the partner reaches its AC / LD (and RS a tick after the eviction
+it returns), so a payload arrives where the program order says it is received. Each rank
 posts one batch per tick it sends or receives at, holding its sends of that tick and the
 receives of everything sent to it at that tick, in one canonical order both sides compute
 alike, and posts it after its computes that end by that tick and before those that start at it
@@ -108,8 +109,11 @@ def lockstep_posting(schedule: Schedule) -> Posting:
     for rank, actions in enumerate(schedule.per_rank):
         tick_of = ticks[rank]
         by_tick: dict[tuple[int, int], list[Item]] = defaultdict(list)  # (tick, payload?)
+        # Sort keys (tick, phase, order): at a tick, its batch, its payload batch, the GS / PS /
+        # RL that follow the compute ending there (after its messages: the pipeline's critical
+        # path goes first), then the compute starting there.
         steps: list[tuple[tuple[int, int, int], Step]] = []
-        after = (-1, 1, -1)  # key of the latest compute: GS / PS / RL follow it in order
+        end = 0  # the end of the latest compute
         for position, action in enumerate(actions):
             kind = action.kind
             if kind.is_p2p:
@@ -117,13 +121,13 @@ def lockstep_posting(schedule: Schedule) -> Posting:
                 if kind is K.EVICT or kind is K.ACCEPT:
                     by_tick[(tick_of[position], 1)].append(Item(position, rest=True))
             elif kind.is_compute:
-                after = (tick_of[position], 1, position)
-                steps.append((after, position))
+                steps.append(((tick_of[position], 3, position), position))
+                end = tick_of[position] + 1
             else:
-                steps.append(((after[0], 1, position), position))
+                steps.append(((end, 2, position), position))
         for (tick, payload), items in by_tick.items():
             items.sort(key=lambda item: _canonical(actions[item.position]))
-            steps.append(((tick, 0, payload), Batch(tick, tuple(items))))
+            steps.append(((tick, payload, 0), Batch(tick, tuple(items))))
         steps.sort(key=lambda entry: entry[0])
         per_rank.append(tuple(step for _, step in steps))
     return Posting("lock-step", tuple(per_rank))
