@@ -22,18 +22,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 __all__ = [
     "SUPPORTED_WINDOW",
+    "ShardedBucket",
     "UnsupportedMegatronError",
     "accumulate_wgrad_fused",
     "backward_step",
     "call_megatron_get_forward_backward_func",
     "check_megatron_core",
     "default_process_groups",
+    "distributed_optimizers",
+    "extra_main_grad_params",
     "forward_step",
+    "guard_zero_grad_buffer",
     "is_multi_module_collection",
     "is_supported",
     "linear_function_args",
@@ -42,10 +46,15 @@ __all__ = [
     "megatron_core_version",
     "megatron_linear_forward",
     "model_process_groups",
+    "optimizer_on_shards",
+    "param_bucket_ranges",
     "param_gather_suppressed",
     "process_groups_without_embedding_group",
     "sharded_param_buckets",
+    "shared_embedding_chunk",
+    "tensor_parallel_reduced_params",
     "transformer_engine_layers",
+    "uses_position_embedding_group",
     "wgrad_operands",
 ]
 
@@ -200,27 +209,240 @@ def is_multi_module_collection(schedule_pg_collection: Any) -> bool:
     return isinstance(schedule_pg_collection, MultiModuleProcessGroupCollection)
 
 
-def sharded_param_buckets(chunk: Any) -> list[tuple[Any, Any, int, int]]:
-    """``(param_data, group, group_size, group_rank)`` for each bucket of a megatron-core DDP
-    chunk's parameter buffers, dense and expert-parallel: the flat full-parameter view the
-    distributed optimizer all-gathers into, and the group it shards that bucket over.
+class ShardedBucket(NamedTuple):
+    """One bucket of a megatron-core DDP chunk as the sharding runtime sees it."""
+
+    param_data: Any  # the flat full-parameter view the distributed optimizer all-gathers into
+    group: Any  # the group the distributed optimizer shards this bucket over
+    size: int
+    rank: int
+    grad_data: Any  # the flat full-gradient view it reduce-scatters
+    bucket: Any  # megatron-core's bucket object (the optimizer's buffers point at it)
+
+
+def sharded_param_buckets(chunk: Any) -> list[ShardedBucket]:
+    """Each bucket of a megatron-core DDP chunk's buffers, dense and expert-parallel.
 
     The same attributes in 0.16.1, 0.19.2 and 0.20.0 (``bucket_groups``,
-    ``expert_parallel_bucket_groups``, ``buckets``, ``param_data``,
+    ``expert_parallel_bucket_groups``, ``buckets``, ``param_data``, ``grad_data``,
     ``intra_distributed_optimizer_instance_group/size/rank``); kept here because they are
     buffer internals rather than API, so a release that moves them changes one function.
     """
     groups = [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
     return [
-        (
+        ShardedBucket(
             bucket.param_data,
             group.intra_distributed_optimizer_instance_group,
             int(group.intra_distributed_optimizer_instance_size),
             int(group.intra_distributed_optimizer_instance_rank),
+            bucket.grad_data,
+            bucket,
         )
         for group in groups
         for bucket in group.buckets
     ]
+
+
+def extra_main_grad_params(chunk: Any) -> int:
+    """How many parameters keep their ``main_grad`` outside the gradient buffer (0.19's
+    ``params_with_extra_main_grads``, copied in and out around the reduction); 0.16 has none."""
+    return sum(
+        len(getattr(bucket, "params_with_extra_main_grads", ()))
+        for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
+        for bucket in group.buckets
+    )
+
+
+def param_bucket_ranges(chunk: Any) -> dict[Any, tuple[Any, int, int]]:
+    """``param -> (bucket, start, end)``: where each parameter's elements lie in its bucket
+    (``param_index_map`` and ``bucket.offset``, the same in 0.16.1, 0.19.2 and 0.20.0)."""
+    ranges: dict[Any, tuple[Any, int, int]] = {}
+    for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
+        for param, (start, end, bucket_id) in buffer.param_index_map.items():
+            bucket = buffer.buckets[bucket_id]
+            ranges[param] = (bucket, start - bucket.offset, end - bucket.offset)
+    return ranges
+
+
+def tensor_parallel_reduced_params(chunks: Any, config: Any) -> tuple[list[Any], list[Any]]:
+    """The parameters whose gradients megatron-core's ``finalize_model_grads`` all-reduces over
+    the tensor-parallel group after the data-parallel reduction: ``(summed, averaged)``.
+
+    Mirrors ``_allreduce_non_tensor_model_parallel_grads`` of 0.16.1, 0.19.2 and 0.20.0:
+    sequence-parallel parameters and q/k layer norms are summed, parameters marked
+    ``average_gradients_across_tp_domain`` averaged."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    summed: list[Any] = []
+    averaged: list[Any] = []
+    for chunk in chunks:
+        for name, param in get_attr_wrapped_model(chunk, "named_parameters")():
+            if not param.requires_grad:
+                continue
+            if getattr(param, "average_gradients_across_tp_domain", False):
+                averaged.append(param)
+            elif (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+                config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+            ):
+                summed.append(param)
+    return summed, averaged
+
+
+def shared_embedding_chunk(chunks: Any, config: Any, groups: Any) -> tuple[int, Any] | None:
+    """``(chunk index, weight)`` of the word-embedding weight this rank all-reduces with the
+    other end of the pipeline in ``finalize_model_grads`` (tied input and output embeddings),
+    or None. Mirrors ``_allreduce_embedding_grad``'s choice (0.16.1, 0.19.2, 0.20.0): the
+    first chunk on the first pipeline stage, the last chunk on the last."""
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+    from megatron.core.utils import get_attr_wrapped_model
+
+    group = getattr(groups, "embd", None)
+    if group is None or group.size() <= 1:
+        return None
+    if dist.get_rank() not in dist.get_process_group_ranks(group):
+        return None
+    if is_pp_first_stage(groups.pp):
+        index = 0
+    elif is_pp_last_stage(groups.pp) or getattr(config, "mtp_num_layers", None):
+        index = len(chunks) - 1
+    else:
+        index = 0
+    module = get_attr_wrapped_model(chunks[index], "pre_process", return_model_obj=True)
+    if not (
+        getattr(module, "share_embeddings_and_output_weights", False)
+        or getattr(config, "mtp_num_layers", 0)
+    ):
+        return None
+    return index, module.shared_embedding_or_output_weight()
+
+
+def uses_position_embedding_group(groups: Any) -> bool:
+    """Whether ``finalize_model_grads`` would all-reduce position embeddings over the pipeline
+    (encoder-decoder models split at a pipeline rank)."""
+    import torch.distributed as dist
+
+    group = getattr(groups, "pos_embd", None)
+    if group is None or group.size() <= 1:
+        return False
+    return dist.get_rank() in dist.get_process_group_ranks(group)
+
+
+def distributed_optimizers(optimizer: Any) -> list[Any]:
+    """The distributed optimizers inside what ``get_megatron_optimizer`` returned (it chains
+    several for separate parameter groups in 0.19), or a one-line error naming what it is."""
+    inner = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    for each in inner:
+        if not hasattr(each, "model_param_gbuf_map"):
+            raise ValueError(
+                f"fully sharded training steps megatron-core's DistributedOptimizer, got a "
+                f"{type(each).__name__}; build the optimizer with use_distributed_optimizer=True "
+                "(Megatron-LM: --use-distributed-optimizer)"
+            )
+        config = each.config
+        if getattr(config, "use_precision_aware_optimizer", False):
+            raise ValueError(
+                "fully sharded training (optim_grads_params) does not support the "
+                "precision-aware optimizer; drop --use-precision-aware-optimizer"
+            )
+        ddp_config = each.ddp_config
+        if getattr(ddp_config, "fp8_param_gather", False) or getattr(
+            ddp_config, "fp4_param_gather", False
+        ):
+            raise ValueError(
+                "fully sharded training (optim_grads_params) does not support FP8/FP4 "
+                "parameter gathers; drop --fp8-param-gather"
+            )
+    return inner
+
+
+ShardOf = Callable[[Any], Any]
+
+
+@contextlib.contextmanager
+def optimizer_on_shards(
+    optimizer: Any, param_shard: ShardOf, grad_shard: ShardOf
+) -> Iterator[None]:
+    """Step megatron-core's distributed optimizer on shard-only buffers.
+
+    The optimizer touches the full buffers in exactly two places, the same in 0.16.1, 0.19.2
+    and 0.20.0: ``_copy_model_grads_to_main_grads`` reads this rank's range of each
+    parameter's ``main_grad`` (a view into the gradient buffer) and
+    ``_copy_main_params_to_model_params`` writes the updated range into the parameter buffer;
+    with fp32 parameters its main parameters are themselves views into that buffer. Here
+    ``param_shard(bucket)`` / ``grad_shard(bucket)`` give the bucket's kept shard (this rank's
+    part of the bucket, ``gbuf_local`` coordinates): the fp32 main parameters are re-pointed at
+    the kept parameter shards (once: they stay there, the same tensor objects the Adam state
+    is keyed by), and for the step's duration the two copies read and write the kept shards.
+    Everything else (unscaling and the inf check, the global norm and clipping, zero counting,
+    Adam) runs on the main parameters and their gradients, unchanged.
+    """
+    import torch
+
+    inner = distributed_optimizers(optimizer)
+
+    def local(opt: Any, param: Any) -> tuple[Any, int, int]:
+        gbuf_index, _, bucket_id = opt.model_param_gbuf_map[param]
+        bucket = opt.buffers[gbuf_index].buckets[bucket_id]
+        found = opt._get_model_param_range_map(param)["gbuf_local"]
+        return bucket, int(found.start), int(found.end)
+
+    def pairs(opt: Any) -> Iterator[tuple[Any, Any]]:
+        for model_groups, main_groups in (
+            (opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+            (opt.model_fp32_groups, opt.shard_fp32_groups),
+        ):
+            for model_group, main_group in zip(model_groups, main_groups, strict=True):
+                yield from zip(model_group, main_group, strict=True)
+
+    def copy_grads(opt: Any) -> Callable[[], None]:
+        def copy() -> None:
+            for param, main in pairs(opt):
+                bucket, start, end = local(opt, param)
+                main.grad = grad_shard(bucket)[start:end].float()
+
+        return copy
+
+    def copy_params(opt: Any) -> Callable[[], None]:
+        def copy() -> None:
+            for param, main in pairs(opt):
+                bucket, start, end = local(opt, param)
+                param_shard(bucket)[start:end].copy_(main)
+
+        return copy
+
+    with torch.no_grad():
+        for opt in inner:
+            if getattr(opt, "_bfpp_on_shards", False):
+                continue
+            for model_group, main_group in zip(
+                opt.model_fp32_groups, opt.shard_fp32_groups, strict=True
+            ):
+                for param, main in zip(model_group, main_group, strict=True):
+                    bucket, start, end = local(opt, param)
+                    kept = param_shard(bucket)
+                    main.set_(kept.untyped_storage(), kept.storage_offset() + start, (end - start,))
+            opt._bfpp_on_shards = True
+    for opt in inner:
+        opt._copy_model_grads_to_main_grads = copy_grads(opt)
+        opt._copy_main_params_to_model_params = copy_params(opt)
+    try:
+        yield
+    finally:
+        for opt in inner:
+            del opt._copy_model_grads_to_main_grads
+            del opt._copy_main_params_to_model_params
+
+
+def guard_zero_grad_buffer(chunk: Any, around: Callable[[Callable[[], None]], None]) -> None:
+    """Route the DDP chunk's ``zero_grad_buffer`` (which zeroes the whole gradient buffer, and
+    which training loops call before each step) through ``around(original)``, so a released
+    buffer is allocated for it. An instance attribute, set once."""
+    if getattr(chunk, "_bfpp_zero_guarded", False):
+        return
+    original = chunk.zero_grad_buffer
+    chunk.zero_grad_buffer = functools.partial(around, original)
+    chunk._bfpp_zero_guarded = True
 
 
 @contextlib.contextmanager

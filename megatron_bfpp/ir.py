@@ -433,6 +433,37 @@ class Schedule:
         held = accumulate(step.get(kind, 0) for kind in map(_kind_of, program))
         return tuple(count * fraction for count in held)
 
+    def resident_gradients(self, rank: int) -> tuple[float, ...]:
+        """Full (unsharded) gradient buffers held on ``rank`` after each of its actions, in
+        full-stage units, program order.
+
+        Without sharded parameters (no RL on the rank) every chunk's gradient buffer is
+        allocated all step. With them (fully sharded, ``optim_grads_params``) a chunk's buffer
+        exists from its first backward (B, I or W) until its reduction has landed: the runtime
+        waits for it at the rank's next GS, so it is counted through that GS, or to the end of
+        the step if none follows. The kept 1/d shards are left out, as for parameters.
+        """
+        program = self.per_rank[rank]
+        fraction = self.layout.stage_fraction
+        if ActionKind.RELEASE not in map(_kind_of, program):
+            return (len(self.layout.stages_of(rank)) * fraction,) * len(program)
+        held: set[int] = set()
+        synced: list[int] = []  # GS'd stages whose reduction has not landed yet
+        counts: list[int] = []
+        for action in program:
+            kind = action.kind
+            if kind in _BACKWARD_KINDS:
+                held.add(action.stage)
+            elif kind is ActionKind.GRAD_SYNC:
+                held.difference_update(synced)
+                synced = [action.stage]
+            counts.append(len(held))
+        return tuple(count * fraction for count in counts)
+
+    def peak_gradients(self) -> tuple[float, ...]:
+        """Per-rank peak of ``resident_gradients``."""
+        return tuple(max(self.resident_gradients(r), default=0.0) for r in range(self.num_ranks))
+
     def peak_parameters(self) -> tuple[float, ...]:
         """Per-rank peak of ``resident_parameters``."""
         return tuple(max(self.resident_parameters(r), default=0.0) for r in range(self.num_ranks))
@@ -460,6 +491,9 @@ MEMORY_DELTA: dict[ActionKind, int] = {
 }
 _FULL_MEMORY_DELTA = {kind: MEMORY_DELTA.get(kind, 0) for kind in ActionKind}
 _kind_of = attrgetter("kind")
+_BACKWARD_KINDS = frozenset(
+    {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT}
+)
 
 
 def format_schedule(schedule: Schedule, *, marks: dict[tuple[int, int], str] | None = None) -> str:

@@ -511,10 +511,19 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
 def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
     """With sharded parameters (the rank has an RL) each chunk starts and ends the step
     released, is gathered (PS) only while released and released (RL) only while gathered, and
-    computes only while gathered. A plain walk: sharded schedules only."""
+    computes only while gathered; its gradients are allocated by its first backward and
+    sharded from its GS on, so no backward follows its GS. A plain walk: sharded schedules
+    only."""
     gathered: set[int] = set()
+    reduced: set[int] = set()  # sharded gradients: released once their reduction lands
     for position, action in enumerate(schedule.per_rank[rank]):
         kind, stage = action.kind, action.stage
+        if kind is _GS:
+            reduced.add(stage)
+        elif kind.is_compute and kind is not _F and stage in reduced:
+            return _at(schedule, rank, position, f"computes a backward of stage {stage} after "
+                       f"its gradient reduction ({stage}GS): fully sharded, its gradients are "
+                       "only a shard from there; move the GS after its last backward")  # fmt: skip
         if kind is _PS:
             if stage in gathered:
                 return _at(schedule, rank, position, "gathers parameters already gathered: "

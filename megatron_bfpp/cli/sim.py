@@ -34,6 +34,7 @@ from megatron_bfpp.schedules.registry import (
     SCHEDULES,
     ScheduleOption,
     build_schedule,
+    check_sharding,
     get_spec,
 )
 from megatron_bfpp.sim import (
@@ -89,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SHARDING_STRATEGIES,
         default="optim",
         help="optim (default): parameters stay whole (DDP / distributed optimizer); "
-        "optim_grads_params: sharded too, each chunk gathered (PS) and released (RL) around "
-        "its use, at most two chunks gathered per rank",
+        "optim_grads_params (breadth-first): parameters and gradients sharded too, each "
+        "chunk gathered (PS) and released (RL) around its use and its gradients reduced into "
+        "a shard after its last backward (GS), at most two chunks whole per rank",
     )
     for flag, options in _SIM_FLAGS.items():
         source.add_argument(
@@ -228,6 +230,7 @@ def _schedule_from(args: argparse.Namespace) -> Schedule:
             )
             raise ScheduleError(f"{spec.name} takes no {flag} ({takers} do)")
         options.update((option.name, value) for option in taken)
+    check_sharding(args.schedule, args.data_parallel_sharding_strategy)
     return build_schedule(
         args.schedule,
         num_ranks=args.pp,
@@ -326,17 +329,20 @@ def format_report(result: SimResult) -> str:
         f"exposed DP comm {data['exposed_dp_comm_time']:.4g}",
         "",
         f"{'rank':>4}  {'busy':>10}  {'bubble %':>8}  {'peak act.':>9}  {'peak par.':>9}  "
-        f"{'exposed DP':>10}",
+        f"{'peak grad':>9}  {'exposed DP':>10}",
     ]
     for row in data["per_rank"]:
         lines.append(
             f"{row['rank']:>4}  {row['busy_time']:>10.4g}  {100 * row['bubble_fraction']:>8.2f}  "
             f"{row['peak_activations']:>9.3g}  {row['peak_parameters']:>9.3g}  "
-            f"{row['exposed_dp_comm_time']:>10.4g}"
+            f"{row['peak_gradients']:>9.3g}  {row['exposed_dp_comm_time']:>10.4g}"
         )
     lines.append("peak act. = stored activations in micro-batches through one full 1F1B stage")
     lines.append(
         "peak par. = gathered parameters in full 1F1B stages (sharded: the 1/d shard comes on top)"
+    )
+    lines.append(
+        "peak grad = full gradient buffers in full 1F1B stages (sharded: the 1/d shard on top)"
     )
     return "\n".join(lines)
 

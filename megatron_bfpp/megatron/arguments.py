@@ -222,4 +222,21 @@ def _check_sharding_args(name: str, args: Any, dp: int) -> str:
             "--data-parallel-sharding-strategy optim_grads_params gathers each chunk where the "
             "schedule says and overlaps those gathers itself: drop --overlap-param-gather"
         )
+    unsupported = [
+        flag
+        for flag, on in (
+            ("--use-precision-aware-optimizer", getattr(args, "use_precision_aware_optimizer", 0)),
+            ("--fp8-param-gather", getattr(args, "fp8_param_gather", False)),
+            (
+                "--num-distributed-optimizer-instances",
+                (getattr(args, "num_distributed_optimizer_instances", 1) or 1) > 1,
+            ),
+        )
+        if on
+    ]
+    if unsupported:
+        raise ScheduleError(
+            f"{unsupported[0]} is not supported with --data-parallel-sharding-strategy "
+            "optim_grads_params (the optimizer steps on shard-only buffers there); drop it"
+        )
     return strategy

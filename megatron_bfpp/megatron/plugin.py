@@ -348,7 +348,7 @@ def _sharding_wired() -> bool:
 
 
 def _wrap_setup(original: Callable[..., Any]) -> Callable[..., Any]:
-    """With sharded parameters the optimizer Megatron-LM steps must step on the shards."""
+    """Fully sharded, the optimizer Megatron-LM steps must step on the kept shards."""
 
     @functools.wraps(original)
     def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
@@ -356,16 +356,16 @@ def _wrap_setup(original: Callable[..., Any]) -> Callable[..., Any]:
         model, optimizer = result[0], result[1]
         if current_sharding() != "optim" and optimizer is not None:
             chunks = model if isinstance(model, list) else [model]
-            optimizer.step = functools.partial(_sharded_step, chunks, optimizer.step)
+            optimizer.step = functools.partial(_sharded_step, chunks, optimizer, optimizer.step)
         return result
 
     return setup_model_and_optimizer
 
 
-def _sharded_step(chunks: list[Any], step: Callable[[], Any]) -> Any:
+def _sharded_step(chunks: list[Any], optimizer: Any, step: Callable[[], Any]) -> Any:
     from megatron_bfpp.runtime.sharding import sharded_parameters
 
-    return sharded_parameters(chunks).optimizer_step(step)
+    return sharded_parameters(chunks).optimizer_step(step, optimizer)
 
 
 def _wrap_save(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -229,16 +229,19 @@ def weights_bytes(
     """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``.
 
     The distributed optimizer shards its state over ``dp`` (megatron-core's; the buffers' padding
-    to a multiple of dp is left out). With sharded parameters (``optim_grads_params``) the rank
-    keeps its 1/dp shard of every chunk plus the chunks gathered at once (``gathered_fraction``
-    of its parameters: the schedule's ``peak_parameters``); gradient buffers stay whole, as this
-    runtime keeps them (runtime/sharding.py).
+    to a multiple of dp is left out). Fully sharded (``optim_grads_params``, breadth-first) the
+    rank keeps its 1/dp shard of every chunk's parameters and reduced gradients, plus the chunks
+    whose full buffers exist at once (``gathered_fraction`` of its parameters: the schedule's
+    ``peak_parameters`` and ``peak_gradients``, two chunks for breadth-first), so
+    (2 + 4 + 12) / dp bytes per parameter for bf16 with fp32 gradients and Adam, plus those.
     """
     if sharded:
-        kept = -(-parameters // dp) * precision.param_bytes
-        params = kept + round(gathered_fraction * parameters) * precision.param_bytes
+        kept = -(-parameters // dp)
+        full = round(gathered_fraction * parameters)
+        params = (kept + full) * precision.param_bytes
+        grads = (kept + full) * precision.grad_bytes
     else:
         params = parameters * precision.param_bytes
-    grads = parameters * precision.grad_bytes
+        grads = parameters * precision.grad_bytes
     optimizer = -(-parameters * precision.optimizer_bytes // dp)
     return params, grads, optimizer

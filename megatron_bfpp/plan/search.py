@@ -315,7 +315,9 @@ def rank_parameters_of(
 
 
 def _gathered_fraction(vp: int) -> float:
-    """Sharded breadth-first keeps at most two chunks gathered per rank (README, runtime)."""
+    """Fully sharded breadth-first holds at most two chunks' full parameters and two chunks'
+    full gradients per rank at once: the schedule walk's ``peak_parameters`` and
+    ``peak_gradients`` (tests/unit/test_param_sharding.py checks the two agree)."""
     return min(2, vp) / vp
 
 

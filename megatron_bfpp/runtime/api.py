@@ -272,6 +272,9 @@ def _run_step(
                 "(data-parallel size is 1: there is nothing to shard over)"
             )
         sharded = sharded_parameters(chunks)
+        if not forward_only:
+            _check_sharded_finalize(config)
+            sharded.prepare_step(config, groups)
     shape = _message_shape(
         seq_length, micro_batch_size, decoder_seq_length, config, groups, adjust_tensor_shapes_fn
     )
@@ -318,12 +321,20 @@ def _run_step(
             # finalize_model_grads broadcasts the token count from the last pipeline rank, but
             # under the V the loss (and so the count) is on the first: give it to every rank.
             torch.distributed.all_reduce(total_num_tokens, group=pp_group)
-        config.finalize_model_grads_func(
-            chunks,
-            total_num_tokens if config.calculate_per_token_loss else None,
-            pg_collection=process_groups_without_embedding_group(groups) if on_one_rank else groups,
-            force_all_reduce=force_all_reduce,
-        )
+        num_tokens = total_num_tokens if config.calculate_per_token_loss else None
+        if sharded is not None:
+            # megatron-core's finalize reads full gradients; the sharded model finishes the
+            # same reductions on its kept shards.
+            sharded.finalize_grads(config, groups, num_tokens, bool(force_all_reduce))
+        else:
+            config.finalize_model_grads_func(
+                chunks,
+                num_tokens,
+                pg_collection=(
+                    process_groups_without_embedding_group(groups) if on_one_rank else groups
+                ),
+                force_all_reduce=force_all_reduce,
+            )
         if on_one_rank:
             sum_tied_embedding_grads(chunks)
     if config.timers is not None:
@@ -349,11 +360,35 @@ def _embedding_and_loss_on_one_rank(schedule: Schedule) -> bool:
 
 
 def sharded_optimizer_step(optimizer: Any, model: torch.nn.Module | list[torch.nn.Module]) -> Any:
-    """``optimizer.step()`` for a model trained with ``optim_grads_params``: the step runs on
-    the kept shards, without the distributed optimizer's closing all-gather (the schedule
-    gathers each chunk when it needs it). Returns what ``optimizer.step()`` returns."""
+    """``optimizer.step()`` for a model trained with ``optim_grads_params``: megatron-core's
+    distributed optimizer steps on the kept parameter and gradient shards (no full buffer is
+    allocated), without its closing all-gather (the schedule gathers each chunk when it needs
+    it). Returns what ``optimizer.step()`` returns."""
     chunks = model if isinstance(model, list) else [model]
-    return sharded_parameters(chunks).optimizer_step(optimizer.step)
+    return sharded_parameters(chunks).optimizer_step(optimizer.step, optimizer)
+
+
+def _check_sharded_finalize(config: Any) -> None:
+    """Fully sharded steps finish the gradients themselves (``finalize_model_grads`` reads
+    full buffers); a finalize function other than megatron-core's would be skipped, so one
+    line instead."""
+    func = config.finalize_model_grads_func
+    if func is None:
+        raise ScheduleError(
+            "--data-parallel-sharding-strategy optim_grads_params reduces gradients at the end "
+            "of the step; set config.finalize_model_grads_func (megatron-core's "
+            "finalize_model_grads) as Megatron-LM does"
+        )
+    from megatron.core.distributed import finalize_model_grads
+
+    target = getattr(func, "func", func)  # a functools.partial of it is fine too
+    if target is not finalize_model_grads:
+        raise ScheduleError(
+            "--data-parallel-sharding-strategy optim_grads_params finishes the gradient "
+            "reduction on shards in place of megatron-core's finalize_model_grads; a custom "
+            f"finalize_model_grads_func ({getattr(target, '__qualname__', target)!r}) cannot "
+            "run on them"
+        )
 
 
 def _fitted(schedule: Schedule, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:

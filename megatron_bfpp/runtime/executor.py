@@ -192,6 +192,13 @@ def grad_sync(step: RankStep, position: int, action: Action) -> None:
     func = step.grad_sync_funcs[chunk]
     if func is not None and not step.ctx.forward_only:
         func(step.ctx.model[chunk].parameters())
+    sharded = step.ctx.sharded
+    if sharded is not None and not step.ctx.forward_only:
+        # Fully sharded: the reduction lands into the chunk's kept gradient shard and its
+        # buffer is freed (at the next GS when it runs overlapped, here when it does not).
+        ddp_config: Any = getattr(step.ctx.model[chunk], "ddp_config", None)
+        overlapped = bool(getattr(ddp_config, "overlap_grad_reduce", False))
+        sharded.grads_synced(chunk, overlapped=overlapped)
     step.state.synced_chunks.add(chunk)
     step.state.trace.append(str(action))
 

@@ -1,34 +1,42 @@
-"""Sharded parameters (ZeRO-3) on megatron-core's own buffers, driven by the schedule.
+"""Fully sharded data parallelism (ZeRO-3) on megatron-core's own buffers, driven by the schedule.
 
 ``--data-parallel-sharding-strategy optim_grads_params`` lowers a schedule with a gather (PS)
-before a chunk's parameters are needed and a release (RL) when they are not (see
-``passes.grad_sync``). This module executes those two actions on megatron-core DDP chunks built
-for the distributed optimizer, whose parameters are views into one flat buffer per dtype, split
-into buckets the optimizer already shards over the data-parallel group:
+before a chunk's parameters are needed, a release (RL) when they are not, and the chunk's
+gradient reduction (GS) right after its last backward (see ``passes.grad_sync``). This module
+executes them on megatron-core DDP chunks built for the distributed optimizer, whose parameters
+and gradients are views into one flat buffer per dtype, split into buckets the optimizer
+already shards over the data-parallel group. Every bucket has two kept shards, this rank's part
+of its parameters and of its reduced gradients, allocated once (1/d of the chunk each); the full
+buffers exist only while the schedule needs them:
 
-- a release keeps this rank's shard of every bucket in a small buffer of its own and frees the
-  storage of the full buffer (``untyped_storage().resize_(0)``): the parameters' views, and the
-  tensors autograd saved for a later backward, keep pointing at that storage;
-- a gather re-allocates the storage and all-gathers every bucket from the kept shards, posted
-  asynchronously when the PS runs and waited on by the chunk's first compute after it, so the
-  next chunk's gather overlaps this chunk's compute; once it has landed the kept shards are
-  freed, so a gathered chunk is not held twice.
+- **parameters**: a release copies this rank's part of the full buffer into the kept shard and
+  frees the full buffer's storage (``untyped_storage().resize_(0)``: the parameters' views, and
+  the tensors autograd saved for a later backward, keep pointing at that storage); a gather
+  re-allocates it and all-gathers every bucket from the kept shards, posted asynchronously at
+  the PS and waited on by the chunk's first compute after it, so the next chunk's gather
+  overlaps this chunk's compute;
+- **gradients**: a chunk's gradient buffer is allocated (and zeroed) at its first backward of
+  the step and reduce-scattered at its GS by megatron-core's own ``start_grad_sync`` /
+  ``finish_grad_sync``; once the reduction has landed (waited on at the rank's next GS, so it
+  runs under the next chunk's backward, or at the end of the step) this rank's reduced part is
+  copied into the kept gradient shard and the buffer is freed. Breadth-first runs each chunk's
+  backwards back to back, so at most two chunks' full gradients exist at once;
+- **the end of the step** (:meth:`ShardedParameters.finalize_grads`, in place of megatron-core's
+  ``finalize_model_grads``, which reads full gradients): the tensor-parallel all-reduce of
+  sequence-parallel parameters and the per-token scaling run on the kept shards, element for
+  element what megatron-core computes on the full buffers; the chunk holding a tied word
+  embedding keeps its full gradients until the all-reduce over the embedding group, as that sums
+  whole tensors whose shard boundaries differ between the two ends of the pipeline;
+- **the optimizer step** (:meth:`ShardedParameters.optimizer_step`) runs megatron-core's
+  distributed optimizer on the kept shards (``compat.optimizer_on_shards``): no full buffer is
+  allocated, and its closing all-gather is skipped (the schedule gathers each chunk when it
+  needs it).
 
 Why this mechanism (``docs/design-notes.md``, "Sharded parameters"): megatron-core's
-distributed optimizer, its mixed precision and its checkpoint format keep working unchanged,
-on both megatron-core versions we serve; PyTorch FSDP2 gave the same collective counts but its
+distributed optimizer, its mixed precision and its checkpoint format keep working unchanged, on
+both megatron-core versions we serve; PyTorch FSDP2 gave the same collective counts but its
 DTensor parameters do not work with that optimizer, and Megatron-FSDP cannot be built with
 pipeline parallelism.
-
-Between steps every chunk is released. The optimizer step needs this rank's shard regions of the
-full buffers (it writes the updated shard there, and for fp32 parameters its parameters are views
-of them): :meth:`ShardedParameters.optimizer_step` re-allocates the buffers for the step's
-duration, copies the kept shards in, runs the step without its closing all-gather (the schedule
-gathers each chunk when it needs it) and keeps the new shards. That transient allocation is
-the stated gap of this runtime: during the optimizer step (no activations alive) the rank
-holds its full parameters once more. Gradient buffers stay whole, as megatron-core's
-distributed optimizer keeps them; each chunk's reduce-scatter runs at its GS, as without
-sharding.
 """
 
 from __future__ import annotations
@@ -42,9 +50,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_bfpp.compat import param_gather_suppressed, sharded_param_buckets
+from megatron_bfpp.compat import (
+    extra_main_grad_params,
+    guard_zero_grad_buffer,
+    optimizer_on_shards,
+    param_bucket_ranges,
+    param_gather_suppressed,
+    sharded_param_buckets,
+    shared_embedding_chunk,
+    tensor_parallel_reduced_params,
+    uses_position_embedding_group,
+)
 from megatron_bfpp.ir import Action, ActionKind
-from megatron_bfpp.runtime.step import Handlers, RankStep, StepPart
+from megatron_bfpp.runtime.step import Handlers, Key, RankStep, StepPart
 
 __all__ = [
     "HANDLERS",
@@ -57,13 +75,15 @@ K = ActionKind
 
 
 class ShardingError(ValueError):
-    """The model cannot run with sharded parameters as built; the message says what to change."""
+    """The model cannot run fully sharded as built; the message says what to change."""
 
 
 @dataclass
 class _Bucket:
-    full: torch.Tensor  # the bucket's flat view into its buffer (megatron-core's param_data)
-    shard: torch.Tensor  # this rank's part, kept while the full buffer is released
+    full: torch.Tensor  # the bucket's flat view into its parameter buffer (param_data)
+    shard: torch.Tensor  # this rank's part of the parameters, kept for good
+    grad_full: torch.Tensor  # the bucket's flat view into its gradient buffer (grad_data)
+    grad_shard: torch.Tensor  # this rank's part of the reduced gradients, kept for good
     group: Any
     size: int
     rank: int
@@ -72,46 +92,64 @@ class _Bucket:
         numel = self.shard.numel()
         return self.full.view(-1)[self.rank * numel : (self.rank + 1) * numel]
 
-    def keep_shard(self) -> None:
-        """Allocate the kept shard and copy this rank's part of the full buffer into it."""
-        self.shard.untyped_storage().resize_(self.shard.numel() * self.shard.element_size())
-        with torch.no_grad():
-            self.shard.copy_(self.local_view())
-
-    def drop_shard(self) -> None:
-        """Free the kept shard while the full buffer holds the same values."""
-        self.shard.untyped_storage().resize_(0)
+    def local_grad_view(self) -> torch.Tensor:
+        numel = self.grad_shard.numel()
+        return self.grad_full.view(-1)[self.rank * numel : (self.rank + 1) * numel]
 
 
 @dataclass
 class _Chunk:
+    module: torch.nn.Module
     buckets: list[_Bucket]
-    storages: list[torch.UntypedStorage]  # distinct storages of the chunk's full buffers
+    storages: list[torch.UntypedStorage]  # distinct storages of the chunk's parameter buffers
     full_nbytes: list[int]
+    grad_storages: list[torch.UntypedStorage]  # ... and of its gradient buffers
+    grad_nbytes: list[int]
     resident: bool = True
-    shards_kept: bool = True  # the kept shards are allocated (released, or a gather in flight)
     pending: list[Any] = field(default_factory=list)  # async all-gather works in flight
+    grads_resident: bool = True
+    # param -> (bucket, start, end): where its elements lie in the bucket
+    ranges: dict[Any, tuple[_Bucket, int, int]] = field(default_factory=dict)
 
 
 class ShardedParameters:
-    """One rank's model chunks with parameters sharded over their data-parallel groups.
+    """One rank's model chunks with parameters and gradients sharded over their data-parallel
+    groups.
 
     Made once per model (:func:`sharded_parameters`) and kept across steps: it owns the kept
-    shards. The resident-byte high-water mark is read per step by the runtime (the gather counts
-    come from its trace).
+    shards. The resident-byte high-water marks (parameters and gradients: kept shards plus full
+    buffers) are reset at the start of each forward-backward and cover the step's optimizer
+    step too; the gather counts come from the runtime's trace.
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
         self.chunks = [_chunk_of(index, chunk) for index, chunk in enumerate(chunks)]
         self.modules = list(chunks)
+        self.by_bucket: dict[int, _Bucket] = {}
+        for index, state in enumerate(self.chunks):
+            for megatron_bucket, bucket in zip(
+                (b.bucket for b in sharded_param_buckets(state.module)), state.buckets, strict=True
+            ):
+                self.by_bucket[id(megatron_bucket)] = bucket
+            state.ranges = {
+                param: (self.by_bucket[id(megatron_bucket)], start, end)
+                for param, (megatron_bucket, start, end) in param_bucket_ranges(
+                    state.module
+                ).items()
+            }
+            guard_zero_grad_buffer(state.module, self._zero_around(index))
         self.peak_bytes = 0
+        self.peak_grad_bytes = 0
+        self.pending_grads: list[int] = []  # chunks whose reduction is in flight, in order
+        self.deferred: int | None = None  # the chunk kept whole until the embedding all-reduce
         for index in range(len(self.chunks)):
             self.release(index)
+            self._free_grads(index)
 
-    # --- the two actions ------------------------------------------------------------------
+    # --- parameters: the two actions ------------------------------------------------------
     def gather(self, chunk: int, *, async_op: bool = True) -> None:
-        """Allocate the chunk's full buffers and all-gather them from the kept shards (which
-        are freed once the gather has landed, see :meth:`wait`)."""
+        """Allocate the chunk's full parameter buffers and all-gather them from the kept
+        shards (waited on by :meth:`wait`)."""
         state = self.chunks[chunk]
         if state.resident:
             raise RuntimeError(
@@ -132,52 +170,207 @@ class ShardedParameters:
             self.wait(chunk)
 
     def wait(self, chunk: int) -> None:
-        """Block until the chunk's gather has landed, then free its kept shards (the full
-        buffer holds them); an error if the chunk was never gathered."""
+        """Block until the chunk's gather has landed; an error if it was never gathered."""
         state = self.chunks[chunk]
         if not state.resident:
             raise RuntimeError(
                 f"model chunk {chunk} computes while its parameters are released (no gather "
                 "before it); the schedule and the sharding runtime disagree: please report this bug"
             )
-        if state.pending or state.shards_kept:
-            while state.pending:
-                state.pending.pop(0).wait()
-            for bucket in state.buckets:
-                bucket.drop_shard()
-            state.shards_kept = False
+        while state.pending:
+            state.pending.pop(0).wait()
 
     def release(self, chunk: int) -> None:
-        """Keep this rank's shard of the chunk's buffers and free the full buffers."""
+        """Keep this rank's part of the chunk's parameters and free the full buffers."""
         state = self.chunks[chunk]
         self.wait(chunk)
-        for bucket in state.buckets:
-            bucket.keep_shard()
-        state.shards_kept = True
-        self._observe()
+        with torch.no_grad():
+            for bucket in state.buckets:
+                bucket.shard.copy_(bucket.local_view())
         for storage in state.storages:
             storage.resize_(0)
         state.resident = False
 
-    # --- outside the schedule ---------------------------------------------------------------
-    def optimizer_step(self, step: Callable[[], Any]) -> Any:
-        """Run ``step`` (an optimizer's ``step``) on the shards: buffers allocated for the step,
-        the kept shards copied in, no closing all-gather, the updated shards kept and the
-        buffers freed."""
+    # --- gradients ----------------------------------------------------------------------------
+    def allocate_grads(self, chunk: int) -> None:
+        """Before the chunk's first backward of the step: its gradient buffer, zeroed."""
+        state = self.chunks[chunk]
+        if state.grads_resident:
+            return
+        for storage, nbytes in zip(state.grad_storages, state.grad_nbytes, strict=True):
+            storage.resize_(nbytes)
+            _bytes_of(storage).zero_()
+        state.grads_resident = True
+        self._observe()
+
+    def grads_synced(self, chunk: int, *, overlapped: bool) -> None:
+        """At the chunk's GS (its reduction just started, or with ``overlapped`` False not
+        started: megatron-core then reduces synchronously in ``finish_grad_sync``): land the
+        reductions started before it, and this one unless it is still in flight."""
+        state = self.chunks[chunk]
+        if not state.grads_resident:
+            raise RuntimeError(
+                f"model chunk {chunk} reduces gradients it never accumulated (GS without a "
+                "backward before it); the schedule and the sharding runtime disagree: please "
+                "report this bug"
+            )
+        if chunk == self.deferred:
+            return
+        earlier, self.pending_grads = self.pending_grads, []
+        for index in earlier:
+            self._land(index)
+        if overlapped:
+            self.pending_grads.append(chunk)
+        else:
+            self._land(chunk)
+
+    def finalize_grads(
+        self, config: Any, groups: Any, num_tokens: torch.Tensor | None, force_all_reduce: bool
+    ) -> None:
+        """What megatron-core's ``finalize_model_grads`` does after the data-parallel
+        reduction, on the kept shards: the tensor-parallel all-reduce of sequence-parallel
+        parameters, the tied-embedding all-reduce over the pipeline ends, the per-token
+        scaling. Element for element the same arithmetic, so the optimizer sees the same
+        numbers as without sharding."""
+        from megatron.core.pipeline_parallel.utils import get_pp_last_rank
+
+        if force_all_reduce:
+            raise ShardingError(
+                "fully sharded training reduce-scatters gradients into shards; force_all_reduce "
+                "asks for whole gradients on every rank: use data_parallel_sharding_strategy "
+                "'optim' for it"
+            )
+        earlier, self.pending_grads = self.pending_grads, []
+        for index in earlier:
+            self._land(index)
+        if self.deferred is not None:
+            self.chunks[self.deferred].module.finish_grad_sync()  # type: ignore[operator]
+        summed, averaged = tensor_parallel_reduced_params(self.modules, config)
+        if groups.tp.size() > 1:
+            for params, op in ((summed, dist.ReduceOp.SUM), (averaged, dist.ReduceOp.AVG)):
+                views = [v for v in map(self._reduced_grad_view, params) if v is not None]
+                if views:
+                    flat = torch.cat(views)
+                    dist.all_reduce(flat, op=op, group=groups.tp)
+                    with torch.no_grad():
+                        for view, synced in zip(
+                            views, torch.split(flat, [v.numel() for v in views]), strict=True
+                        ):
+                            view.copy_(synced)
+        shared = shared_embedding_chunk(self.modules, config, groups)
+        if shared is not None:
+            index, weight = shared
+            if index != self.deferred:
+                raise RuntimeError(
+                    "the tied word embedding's chunk was not kept whole for its all-reduce; "
+                    "please report this bug"
+                )
+            dist.all_reduce(weight.main_grad, group=groups.embd)
+        if self.deferred is not None:
+            self._land(self.deferred)
+        if num_tokens is not None:
+            dist.broadcast(num_tokens, src=get_pp_last_rank(groups.pp), group=groups.pp)
+            dist.all_reduce(num_tokens, group=groups.dp_cp)
+            scaling = 1.0 / torch.clamp(num_tokens, min=1)
+            with torch.no_grad():
+                for state in self.chunks:
+                    for bucket in state.buckets:
+                        bucket.grad_shard *= scaling
+
+    def prepare_step(self, config: Any, groups: Any) -> None:
+        """Before a training step: which chunk keeps its full gradients to the end (the one
+        with the tied word embedding, if this rank all-reduces it), and one line for what
+        ``finalize_model_grads`` would do that shards cannot."""
+        if uses_position_embedding_group(groups):
+            raise ShardingError(
+                "fully sharded training does not support position embeddings shared across "
+                "the pipeline (encoder-decoder models split at a pipeline rank)"
+            )
+        if getattr(config, "has_cond_embedder", False) or getattr(
+            config, "moe_router_enable_expert_bias", False
+        ):
+            raise ShardingError(
+                "fully sharded training does not support conditional embedders or MoE router "
+                "expert bias (their finalize steps read full gradients); use "
+                "--data-parallel-sharding-strategy optim"
+            )
+        shared = shared_embedding_chunk(self.modules, config, groups)
+        self.deferred = None if shared is None else shared[0]
+
+    def _land(self, chunk: int) -> None:
+        """Wait for the chunk's reduction, keep this rank's reduced part, free the buffer."""
+        state = self.chunks[chunk]
+        if chunk != self.deferred:
+            state.module.finish_grad_sync()  # type: ignore[operator]
+        with torch.no_grad():
+            for bucket in state.buckets:
+                bucket.grad_shard.copy_(bucket.local_grad_view())
+        self._free_grads(chunk)
+
+    def _free_grads(self, chunk: int) -> None:
+        state = self.chunks[chunk]
+        for storage in state.grad_storages:
+            storage.resize_(0)
+        state.grads_resident = False
+
+    def _reduced_grad_view(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """This rank's reduced elements of ``param``'s gradient: in the kept shard, or in the
+        full buffer of a chunk not landed yet (the tied-embedding one)."""
         for state in self.chunks:
-            self._materialize(state)
-        try:
-            with param_gather_suppressed(self.modules):
-                return step()
-        finally:
-            for index in range(len(self.chunks)):
-                self.release(index)
+            found = state.ranges.get(param)
+            if found is None:
+                continue
+            bucket, start, end = found
+            numel = bucket.grad_shard.numel()
+            lo, hi = max(start - bucket.rank * numel, 0), min(end - bucket.rank * numel, numel)
+            if hi <= lo:
+                return None
+            source = bucket.local_grad_view() if state.grads_resident else bucket.grad_shard
+            return source[lo:hi]
+        return None
+
+    def _zero_around(self, chunk: int) -> Callable[[Callable[[], None]], None]:
+        """DDP's ``zero_grad_buffer`` on a released gradient buffer: allocate it for the call
+        (one chunk at a time) so megatron-core resets its flags and bucket state as it always
+        does; the buffer is zeroed again when the chunk's first backward allocates it."""
+
+        def around(original: Callable[[], None]) -> None:
+            state = self.chunks[chunk]
+            if state.grads_resident:
+                original()
+                return
+            for storage, nbytes in zip(state.grad_storages, state.grad_nbytes, strict=True):
+                storage.resize_(nbytes)
+            try:
+                original()
+            finally:
+                for storage in state.grad_storages:
+                    storage.resize_(0)
+
+        return around
+
+    # --- outside the schedule ---------------------------------------------------------------
+    def optimizer_step(self, step: Callable[[], Any], optimizer: Any) -> Any:
+        """Run ``step`` (the optimizer's ``step``) on the kept shards: no full buffer is
+        allocated, and the distributed optimizer's closing all-gather is skipped."""
+        for index, state in enumerate(self.chunks):
+            if state.resident or state.grads_resident:
+                raise RuntimeError(
+                    f"model chunk {index} is still gathered at the optimizer step; run the "
+                    "step after the forward-backward function has returned"
+                )
+        with (
+            optimizer_on_shards(optimizer, self._param_shard, self._grad_shard),
+            param_gather_suppressed(self.modules),
+        ):
+            return step()
 
     @contextlib.contextmanager
-    def whole(self) -> Iterator[None]:
-        """Every chunk gathered (to save a checkpoint, or to load one into the parameters);
-        released again after, keeping whatever the parameters then hold."""
-        released = [i for i, state in enumerate(self.chunks) if not state.resident]
+    def whole(self, chunks: Sequence[int] | None = None) -> Iterator[None]:
+        """The given chunks (all by default) gathered, to save a checkpoint or load one into
+        the parameters; released again after, keeping whatever the parameters then hold."""
+        wanted = range(len(self.chunks)) if chunks is None else chunks
+        released = [i for i in wanted if not self.chunks[i].resident]
         for index in released:
             self.gather(index, async_op=False)
         try:
@@ -194,29 +387,49 @@ class ShardedParameters:
             total += sum(storage.nbytes() for storage in state.storages)
         return total
 
+    def resident_grad_bytes(self) -> int:
+        """Gradient bytes this rank holds now: the kept shards and the allocated buffers."""
+        total = 0
+        for state in self.chunks:
+            total += sum(b.grad_shard.untyped_storage().nbytes() for b in state.buckets)
+            total += sum(storage.nbytes() for storage in state.grad_storages)
+        return total
+
     def full_bytes(self) -> int:
         """Parameter bytes of this rank's chunks unsharded (the buffers' full size)."""
         return sum(sum(state.full_nbytes) for state in self.chunks)
 
+    def full_grad_bytes(self) -> int:
+        """Gradient bytes of this rank's chunks unsharded."""
+        return sum(sum(state.grad_nbytes) for state in self.chunks)
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.resident_bytes()
+        self.peak_grad_bytes = self.resident_grad_bytes()
 
     def _observe(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes())
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self.resident_grad_bytes())
 
-    def _materialize(self, state: _Chunk) -> None:
-        """Allocate the buffers and put this rank's shard in place, without communication."""
-        if state.resident:
-            return
-        for storage, nbytes in zip(state.storages, state.full_nbytes, strict=True):
-            storage.resize_(nbytes)
-        state.resident = True
-        self._observe()
-        with torch.no_grad():
-            for bucket in state.buckets:
-                bucket.local_view().copy_(bucket.shard)
-                bucket.drop_shard()
-        state.shards_kept = False
+    def _param_shard(self, megatron_bucket: Any) -> torch.Tensor:
+        return self._bucket(megatron_bucket).shard
+
+    def _grad_shard(self, megatron_bucket: Any) -> torch.Tensor:
+        return self._bucket(megatron_bucket).grad_shard
+
+    def _bucket(self, megatron_bucket: Any) -> _Bucket:
+        found = self.by_bucket.get(id(megatron_bucket))
+        if found is None:
+            raise ShardingError(
+                "the optimizer steps parameters of a model chunk that is not part of this "
+                "sharded model; build the optimizer over the same chunks the step runs"
+            )
+        return found
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A byte tensor over the whole storage (to zero it, whatever the dtypes in it)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 _REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, ShardedParameters] = (
@@ -265,13 +478,25 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
             "and overlap that gather themselves; turn overlap_param_gather off "
             "(Megatron-LM: drop --overlap-param-gather)"
         )
+    if getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
+        raise ShardingError(
+            "fully sharded training (optim_grads_params) shards over one distributed-optimizer "
+            "instance; drop --num-distributed-optimizer-instances"
+        )
+    if extra_main_grad_params(module):
+        raise ShardingError(
+            f"model chunk {index} has parameters whose main_grad lives outside the gradient "
+            "buffer; fully sharded training (optim_grads_params) cannot release it"
+        )
     buckets: list[_Bucket] = []
     storages: dict[int, torch.UntypedStorage] = {}
-    for full, group, size, rank in sharded_param_buckets(module):
-        if full is None:
+    grad_storages: dict[int, torch.UntypedStorage] = {}
+    for found in sharded_param_buckets(module):
+        full, grad, size = found.param_data, found.grad_data, found.size
+        if full is None or grad is None:
             raise ShardingError(
-                f"model chunk {index} has a bucket without a parameter buffer; sharded "
-                "parameters need the distributed optimizer's parameter buffers"
+                f"model chunk {index} has a bucket without a parameter or gradient buffer; "
+                "sharded parameters need the distributed optimizer's buffers"
             )
         if full.numel() % size:
             raise ShardingError(
@@ -280,23 +505,43 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
             )
         storage = full.untyped_storage()
         storages.setdefault(storage.data_ptr(), storage)
-        shard = torch.empty(full.numel() // size, dtype=full.dtype, device=full.device)
-        buckets.append(_Bucket(full=full, shard=shard, group=group, size=size, rank=rank))
-    grads = (getattr(param, "main_grad", None) for param in module.parameters())
-    grad_storages = {grad.untyped_storage().data_ptr() for grad in grads if grad is not None}
-    if grad_storages & storages.keys():
+        grad_storage = grad.untyped_storage()
+        grad_storages.setdefault(grad_storage.data_ptr(), grad_storage)
+        buckets.append(
+            _Bucket(
+                full=full,
+                shard=full.view(-1)[found.rank * (full.numel() // size) :][
+                    : full.numel() // size
+                ].clone(),
+                grad_full=grad,
+                grad_shard=torch.zeros(grad.numel() // size, dtype=grad.dtype, device=grad.device),
+                group=found.group,
+                size=size,
+                rank=found.rank,
+            )
+        )
+    if set(grad_storages) & set(storages):
         raise ShardingError(
             "sharded parameters cannot release a parameter buffer that shares storage with the "
             "gradient buffer (reuse_grad_buf_for_mxfp8_param_ag); turn that option off"
         )
     kept = list(storages.values())
-    return _Chunk(buckets=buckets, storages=kept, full_nbytes=[s.nbytes() for s in kept])
+    kept_grads = list(grad_storages.values())
+    state = _Chunk(
+        module=module,
+        buckets=buckets,
+        storages=kept,
+        full_nbytes=[s.nbytes() for s in kept],
+        grad_storages=kept_grads,
+        grad_nbytes=[s.nbytes() for s in kept_grads],
+    )
+    return state
 
 
 # --- the executor's handlers ------------------------------------------------------------------
 class ShardingPart(StepPart):
-    """The step's view of the sharded parameters: the first compute on a chunk after its
-    gather waits for it."""
+    """The step's view of the sharded model: the first compute on a chunk after its gather
+    waits for it, and its first backward allocates its gradients."""
 
     def __init__(self) -> None:
         self.sharded: ShardedParameters | None = None
@@ -304,6 +549,11 @@ class ShardingPart(StepPart):
     def before_compute(self, step: RankStep, stage: int) -> None:
         if self.sharded is not None:
             self.sharded.wait(step.layout.chunk_of(stage))
+
+    def before_backward(self, step: RankStep, key: Key) -> None:
+        sharded = step.ctx.sharded
+        if sharded is not None:
+            sharded.allocate_grads(step.layout.chunk_of(key[0]))
 
     def leftovers(self) -> dict[str, Any]:
         if self.sharded is None:

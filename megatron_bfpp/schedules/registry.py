@@ -409,11 +409,21 @@ def check_sharding(schedule: str, strategy: str) -> None:
             f"data-parallel sharding strategy {strategy!r} is not one of "
             f"{', '.join(SHARDING_STRATEGIES)}"
         )
-    if strategy != "optim" and get_spec(schedule).placement != "looped":
+    if strategy == "optim":
+        return
+    if get_spec(schedule).placement != "looped":
         raise ScheduleError(
-            "--data-parallel-sharding-strategy optim_grads_params shards parameters per model "
-            "chunk and needs a looped schedule with several chunks per rank (breadth-first or "
-            f"interleaved); {schedule!r} keeps its one chunk's parameters for the whole step"
+            "--data-parallel-sharding-strategy optim_grads_params shards parameters and "
+            "gradients per model chunk and needs breadth-first (several chunks per rank, each "
+            f"chunk's backwards back to back); {schedule!r} keeps its one chunk's parameters "
+            "for the whole step"
+        )
+    if schedule != "breadth-first":
+        raise ScheduleError(
+            "--data-parallel-sharding-strategy optim_grads_params needs breadth-first: "
+            f"{schedule!r} visits each chunk once per micro-batch group, so its gradients would "
+            "be reduce-scattered once per visit (or held whole all step); use "
+            "--pipeline-schedule breadth-first"
         )
 
 

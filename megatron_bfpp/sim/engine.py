@@ -36,7 +36,10 @@ class RankMetrics:
     is ``(step_time - busy_time) / step_time``; ``peak_activations`` is the program-order peak of
     ``Schedule.stored_activations`` in full-stage micro-batches; ``peak_parameters`` that of
     ``Schedule.resident_parameters``, gathered parameters in full stages (with sharded
-    parameters, at most ``max_resident`` chunks; else all of the rank's); ``exposed_dp_comm_time``
+    parameters, at most ``max_resident`` chunks; else all of the rank's); ``peak_gradients`` that
+    of ``Schedule.resident_gradients``, full gradient buffers in full stages (fully sharded: from
+    a chunk's first backward until its reduction lands; else all of the rank's);
+    ``exposed_dp_comm_time``
     is the time the rank waits on data-parallel communication: computes held back by their
     parameter gather, plus the tail between its last compute and its last GS / PS.
     """
@@ -46,6 +49,7 @@ class RankMetrics:
     bubble_fraction: float
     peak_activations: float
     peak_parameters: float
+    peak_gradients: float
     exposed_dp_comm_time: float
     compute_end: float
     end_time: float
@@ -85,6 +89,10 @@ class SimResult:
     @property
     def peak_parameters(self) -> tuple[float, ...]:
         return tuple(r.peak_parameters for r in self.per_rank)
+
+    @property
+    def peak_gradients(self) -> tuple[float, ...]:
+        return tuple(r.peak_gradients for r in self.per_rank)
 
     def to_dict(self, *, include_events: bool = False) -> dict[str, Any]:
         result: dict[str, Any] = {
@@ -134,6 +142,7 @@ def _result(schedule: Schedule, costs: CostModel, run: Replay, per_unit: int) ->
                 bubble_fraction=_ratio(step - busy[rank], step),
                 peak_activations=run.peak[rank] * schedule.layout.stage_fraction,
                 peak_parameters=_peak_parameters(schedule, rank, sharded=run.released[rank]),
+                peak_gradients=_peak_gradients(schedule, rank, sharded=run.released[rank]),
                 exposed_dp_comm_time=_user(exposed, per_unit),
                 compute_end=_user(clock[rank], per_unit),
                 end_time=_user(ends[rank], per_unit),
@@ -151,6 +160,15 @@ def _result(schedule: Schedule, costs: CostModel, run: Replay, per_unit: int) ->
         timeline=run.timeline.scaled(per_unit),
         costs=costs,
     )
+
+
+def _peak_gradients(schedule: Schedule, rank: int, *, sharded: bool) -> float:
+    """The peak of ``Schedule.resident_gradients`` (all chunks without sharding)."""
+    if sharded:
+        return max(schedule.resident_gradients(rank), default=0.0)
+    if not schedule.per_rank[rank]:
+        return 0.0
+    return schedule.num_chunks * schedule.layout.stage_fraction
 
 
 def _peak_parameters(schedule: Schedule, rank: int, *, sharded: bool) -> float:

@@ -130,24 +130,34 @@ def _reduce_loss(store: list[dict[str, torch.Tensor]], device: torch.device) -> 
 
 
 def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
-    """The step's measured activation and parameter memory, one entry per pipeline rank (of
-    this rank's tensor/data-parallel replica), gathered over the pipeline group: collective,
-    every rank calls it. With sharded parameters, also the data-parallel collectives this
-    rank's schedule issued (its trace: one all-gather per PS, one reduce-scatter per GS)."""
+    """The step's measured activation, parameter and gradient memory, one entry per pipeline
+    rank (of this rank's tensor/data-parallel replica), gathered over the pipeline group:
+    collective, every rank calls it. Parameter and gradient peaks cover the whole iteration
+    (forward-backward and optimizer step). With sharded parameters, also the data-parallel
+    collectives this rank's schedule issued (its trace: one all-gather per PS, one
+    reduce-scatter per GS)."""
     from megatron.core import parallel_state
 
     forward_backward, device = run.forward_backward, run.device
     report = forward_backward.last_memory
     cuda = report.cuda_max_memory_allocated
-    parameters = report.peak_parameter_bytes
-    if parameters is None:  # unsharded: every parameter buffer is allocated all the time
+    if run.args.data_parallel_sharding_strategy != "optim":
+        # The runtime's high-water marks since the step's forward-backward began, its
+        # optimizer step included: the whole iteration.
+        from megatron_bfpp.runtime.sharding import sharded_parameters
+
+        sharded = sharded_parameters(run.model)
+        parameters, gradients = sharded.peak_bytes, sharded.peak_grad_bytes
+    else:  # unsharded: every parameter and gradient buffer is allocated all the time
         parameters = _allocated_parameter_bytes(run.model)
+        gradients = _allocated_gradient_bytes(run.model)
     mine = torch.tensor(
         [
             report.peak_activation_bytes,
             report.peak_stored_microbatches,
             -1 if cuda is None else cuda,
             parameters,
+            gradients,
         ],
         dtype=torch.int64,
         device=device,
@@ -160,6 +170,7 @@ def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
         "peak_activation_bytes": [row[0] for row in rows],
         "peak_stored_microbatches": [row[1] for row in rows],
         "peak_parameter_bytes": [row[3] for row in rows],
+        "peak_gradient_bytes": [row[4] for row in rows],
     }
     if cuda is not None:
         memory["cuda_max_memory_allocated"] = [row[2] for row in rows]
@@ -174,6 +185,17 @@ def _allocated_parameter_bytes(model: list[Any]) -> int:
     """Bytes of the distinct storages behind the model's parameters, as allocated now."""
     storages = {
         p.untyped_storage().data_ptr(): p.untyped_storage() for c in model for p in c.parameters()
+    }
+    return sum(storage.nbytes() for storage in storages.values())
+
+
+def _allocated_gradient_bytes(model: list[Any]) -> int:
+    """Bytes of the distinct storages behind the model's gradient buffers (``main_grad``)."""
+    storages = {
+        grad.untyped_storage().data_ptr(): grad.untyped_storage()
+        for c in model
+        for p in c.parameters()
+        if (grad := getattr(p, "main_grad", None)) is not None
     }
     return sum(storage.nbytes() for storage in storages.values())
 

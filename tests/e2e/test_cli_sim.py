@@ -159,17 +159,14 @@ def test_console_script_is_installed() -> None:
     assert "--pipeline" not in result.stdout and "--schedule" in result.stdout
 
 
-def test_sharded_parameters_cut_gathered_parameters_and_breadth_first_hides_gathers(
-    tmp_path: Path,
-) -> None:
-    """--data-parallel-sharding-strategy optim_grads_params: two chunks of four gathered per
-    rank (peak par. 0.5 of a full stage), and breadth-first's few gathers hide behind its
-    compute where interleaved's many do not."""
+def test_full_sharding_holds_two_chunks_and_is_breadth_first_only(tmp_path: Path) -> None:
+    """--data-parallel-sharding-strategy optim_grads_params: two chunks of four whole per rank
+    (peak par. and peak grad 0.5 of a full stage against 1.0 unsharded), and interleaved, which
+    the runtime refuses fully sharded, is refused here too in one line."""
     runs = {}
     for name, strategy in (
         ("breadth-first", "optim_grads_params"),
-        ("interleaved", "optim_grads_params"),
-        ("interleaved", "optim"),
+        ("breadth-first", "optim"),
     ):
         result = bfpp_sim(
             *("--schedule", name, "--pp", "4", "--vp", "4", "--microbatches", "16"),
@@ -178,20 +175,23 @@ def test_sharded_parameters_cut_gathered_parameters_and_breadth_first_hides_gath
         )
         assert result.returncode == 0, result.stderr
         runs[name, strategy] = json.loads(result.stdout)
-    breadth, depth = (
-        runs["breadth-first", "optim_grads_params"],
-        runs["interleaved", "optim_grads_params"],
-    )
-    dense = runs["interleaved", "optim"]
-    assert [r["peak_parameters"] for r in breadth["per_rank"]] == [0.5] * 4
-    assert [r["peak_parameters"] for r in dense["per_rank"]] == [1.0] * 4
-    assert breadth["step_time"] < depth["step_time"]
+    sharded, dense = runs["breadth-first", "optim_grads_params"], runs["breadth-first", "optim"]
+    for key in ("peak_parameters", "peak_gradients"):
+        assert [r[key] for r in sharded["per_rank"]] == [0.5] * 4
+        assert [r[key] for r in dense["per_rank"]] == [1.0] * 4
     text = bfpp_sim(
         *("--schedule", "breadth-first", "--pp", "2", "--vp", "4", "--microbatches", "4"),
         *("--data-parallel-sharding-strategy", "optim_grads_params", "--grid", "full"),
     )
     assert text.returncode == 0, text.stderr
-    assert "peak par." in text.stdout and "0RL" in text.stdout and "4PS" in text.stdout
+    assert "peak grad" in text.stdout and "0RL" in text.stdout and "4PS" in text.stdout
+    depth = bfpp_sim(
+        *("--schedule", "interleaved", "--pp", "4", "--vp", "4", "--microbatches", "16"),
+        *("--data-parallel-sharding-strategy", "optim_grads_params"),
+    )
+    assert depth.returncode == 2
+    assert depth.stderr.count("needs breadth-first") == 1
+    assert len(depth.stderr.strip().splitlines()) == 1
     bad = bfpp_sim("--schedule", "1f1b", "--pp", "2", "--microbatches", "2",
                    "--data-parallel-sharding-strategy", "zero3")  # fmt: skip
     assert bad.returncode == 2

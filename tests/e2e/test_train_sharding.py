@@ -59,6 +59,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "--save",
             str(tmp / "ckpt"),
         ),
+        # The same, unsharded: resumed below into the fully sharded run.
+        "stopped_plain": _train(
+            tmp / "stopped_plain.jsonl",
+            "--train-iters",
+            str(ITERS),
+            "--exit-interval",
+            "2",
+            "--save",
+            str(tmp / "ckpt_plain"),
+        ),
         "tmp": tmp,
     }
 
@@ -68,6 +78,8 @@ def test_sharded_losses_equal_the_distributed_optimizer(runs: dict[str, Any]) ->
     sharded = [r["lm_loss"] for r in runs["sharded"]]
     assert len(sharded) == ITERS
     assert sharded == pytest.approx(plain, rel=1e-6)
+    norms = [r["grad_norm"] for r in runs["plain"]]
+    assert [r["grad_norm"] for r in runs["sharded"]] == pytest.approx(norms, rel=1e-6)
 
 
 def test_metrics_show_resident_parameters_and_collectives(runs: dict[str, Any]) -> None:
@@ -83,12 +95,24 @@ def test_metrics_show_resident_parameters_and_collectives(runs: dict[str, Any]) 
         assert sharded["param_all_gathers_per_step"] == 14
         assert sharded["grad_reduce_scatters_per_step"] == 8
         assert "param_all_gathers_per_step" not in plain
+        # Gradients too, over the whole iteration (optimizer step included): the kept shards
+        # plus at most two chunks' buffers, where the unsharded run holds all of them.
+        assert len(sharded["peak_gradient_bytes"]) == 2
+        for mine, whole in zip(
+            sharded["peak_gradient_bytes"], plain["peak_gradient_bytes"], strict=True
+        ):
+            assert 0 < mine < 0.8 * whole, (mine, whole)
 
 
-@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
-def test_resume_from_a_sharded_checkpoint_continues_the_curve(
-    runs: dict[str, Any], tmp_path: Path, strategy: str
+@pytest.mark.parametrize(
+    "saved, strategy",
+    [("ckpt", "optim_grads_params"), ("ckpt", "optim"), ("ckpt_plain", "optim_grads_params")],
+    ids=["sharded-to-sharded", "sharded-to-plain", "plain-to-sharded"],
+)
+def test_resume_from_either_strategy_continues_the_curve(
+    runs: dict[str, Any], tmp_path: Path, saved: str, strategy: str
 ) -> None:
+    """Saved at iteration 2, resumed for iteration 3: the uninterrupted run's loss."""
     resumed = _train(
         tmp_path / "resumed.jsonl",
         "--data-parallel-sharding-strategy",
@@ -96,11 +120,12 @@ def test_resume_from_a_sharded_checkpoint_continues_the_curve(
         "--train-iters",
         str(ITERS),
         "--load",
-        str(runs["tmp"] / "ckpt"),
+        str(runs["tmp"] / saved),
     )
     assert [r["iteration"] for r in runs["stopped"]] == [1, 2]
     assert [r["iteration"] for r in resumed] == [3]
     assert resumed[0]["lm_loss"] == pytest.approx(runs["sharded"][2]["lm_loss"], rel=1e-6)
+    assert resumed[0]["grad_norm"] == pytest.approx(runs["sharded"][2]["grad_norm"], rel=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -115,14 +140,25 @@ def test_resume_from_a_sharded_checkpoint_continues_the_curve(
                 "--num-virtual-stages-per-pipeline-rank",
                 "1",
             ),
-            "needs a looped schedule",
+            "needs breadth-first",
         ),
         (
             ("--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2"),
             "needs data parallelism",
         ),
+        (
+            (
+                "--pipeline-schedule",
+                "interleaved",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+            ),
+            "needs breadth-first",
+        ),
     ],
-    ids=["single-chunk-schedule", "no-data-parallelism"],
+    ids=["single-chunk-schedule", "no-data-parallelism", "interleaved"],
 )
 def test_sharding_that_cannot_apply_is_one_line(flags: tuple[str, ...], expected: str) -> None:
     proc = _run("--nproc-per-node", "4", *SHARDED, *flags, "--train-iters", "1")

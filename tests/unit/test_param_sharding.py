@@ -188,3 +188,61 @@ def test_a_forward_only_schedule_releases_each_chunk_after_its_last_forward() ->
     assert count(schedule, 0, K.GRAD_SYNC) == 0
     assert rows.index("0RL") > rows.index("0F3") and rows.index("2RL") > rows.index("2F3")
     assert schedule.resident_parameters(0)[-1] == 0
+
+
+# --- sharded gradients ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (2, 4, 8), (4, 2, 8), (4, 4, 16), (4, 8, 8)])
+def test_breadth_first_holds_at_most_two_chunks_of_full_gradients(p: int, v: int, m: int) -> None:
+    """A chunk's gradient buffer exists from its first backward until its reduction lands (at
+    the rank's next GS): breadth-first's backwards run chunk by chunk, so two at most, and
+    the planner's fraction is that walk's."""
+    from megatron_bfpp.plan.search import _gathered_fraction
+
+    schedule = sharded("breadth-first", p, v, m)
+    fraction = schedule.layout.stage_fraction
+    for rank in range(p):
+        held = schedule.resident_gradients(rank)
+        assert held[0] == 0  # nothing before the first backward
+        assert max(held) == pytest.approx(min(2, v) * fraction)
+        assert held[-1] == pytest.approx(fraction)  # the last reduction lands at the step's end
+    assert max(schedule.peak_gradients()) == pytest.approx(_gathered_fraction(v))
+    assert schedule.peak_gradients() == schedule.peak_parameters()
+
+
+def test_depth_first_holds_every_chunks_gradients_at_its_peak() -> None:
+    """Interleaved visits each chunk once per micro-batch group: every chunk's backward has
+    started before any finishes, so sharding its gradients would save nothing (which is why
+    the runtime refuses it)."""
+    schedule = sharded("interleaved", 4, 4, 16)
+    assert schedule.peak_gradients() == (1.0,) * 4
+    dense = build_schedule("breadth-first", num_ranks=4, num_microbatches=8, num_chunks=4)
+    assert dense.peak_gradients() == (1.0,) * 4
+
+
+def test_the_simulator_reports_peak_gradients() -> None:
+    costs = CostModel(t_param_gather=1.0, t_grad_reduce=1.0)
+    breadth = simulate(build_schedule("breadth-first", num_ranks=4, num_microbatches=8,
+                                      num_chunks=4, sharding=SHARDED), costs)  # fmt: skip
+    dense = simulate(build_schedule("breadth-first", num_ranks=4, num_microbatches=8,
+                                    num_chunks=4), costs)  # fmt: skip
+    assert breadth.peak_gradients == (0.5,) * 4
+    assert dense.peak_gradients == (1.0,) * 4
+    assert breadth.to_dict()["per_rank"][0]["peak_gradients"] == 0.5
+
+
+def test_the_validator_refuses_a_backward_after_its_reduction() -> None:
+    row = "0PS 1PS 0F0 0F1 1F0 1F1 1B0 1GS 1B1 1RL 0B0 0B1 0GS 0RL"
+    schedule = parse_schedule([row], layout=StageLayout.looped(1, 2), num_microbatches=2)
+    with pytest.raises(ScheduleError, match=r"step 8: 1B1: computes a backward of stage 1 after"):
+        validate_schedule(schedule, require_communication=False)
+
+
+@pytest.mark.parametrize("name", ["interleaved", "1f1b", "v-half"])
+def test_full_sharding_is_refused_where_it_would_not_pay(name: str) -> None:
+    from megatron_bfpp.schedules.registry import check_sharding
+
+    with pytest.raises(ScheduleError, match="needs breadth-first"):
+        check_sharding(name, SHARDED)
+    check_sharding("breadth-first", SHARDED)

@@ -143,12 +143,13 @@ def test_weights_with_and_without_sharded_parameters() -> None:
         4000,
         3000,
     )
-    # Sharded: the 1/dp shard plus the chunks gathered at the peak (here a quarter).
+    # Fully sharded: the 1/dp shard of parameters and of gradients plus the chunks whole at
+    # the peak (here a quarter): (2 + 4 + 12) / dp bytes per parameter plus those.
     assert weights_bytes(
         1000, dp=4, precision=BF16_MIXED, sharded=True, gathered_fraction=0.25
     ) == (
         500 + 500,
-        4000,
+        1000 + 1000,
         3000,
     )
 
