@@ -1,37 +1,43 @@
 #!/usr/bin/env python3
-"""Sharded parameters: breadth-first vs depth-first interleaved, measured beside the simulator.
+"""Fully sharded breadth-first vs the distributed optimizer, measured beside the simulator.
 
 Compute is emulated as in ``bench_fidelity.py`` (each chunk's forward and backward sleep their
 share of ``--t-forward`` / ``--t-backward`` per full stage), so timing does not depend on this
 machine's cores. Everything else is real: megatron-core DDP chunks built for the distributed
 optimizer (one flat parameter of ``--chunk-mb`` MB per chunk, so each chunk is one bucket),
-our runtime and its gathers/releases (runtime.sharding), DDP's per-chunk reduce-scatter
-(``overlap_grad_reduce``), and gloo collectives between forked ranks (pp x dp of them).
+our runtime and its gathers, releases and gradient shards (runtime.sharding), DDP's per-chunk
+reduce-scatter (``overlap_grad_reduce``), megatron-core's finalize_model_grads, and gloo
+collectives between forked ranks (pp x dp of them).
 
-Three cases, timed over the schedule's step plus, for the unsharded one, the distributed
-optimizer's closing all-gather of every chunk (which sharded runs do not have):
+Time (default mode), over the schedule's step plus, for the unsharded cases, the distributed
+optimizer's closing all-gather of every chunk (which fully sharded runs do not have):
 
-- ``breadth-first`` with ``optim_grads_params``: each chunk gathered at most twice;
-- ``interleaved`` with ``optim_grads_params``: gathers again for every micro-batch group;
-- ``interleaved`` with ``optim``: parameters whole, all gathered after the step.
+- ``breadth-first`` with ``optim_grads_params``: each chunk gathered at most twice, its
+  gradients reduce-scattered into a shard after its last backward;
+- ``breadth-first`` and ``interleaved`` with ``optim``: parameters and gradients whole;
+- ``interleaved`` with ``optim_grads_params`` is refused by the runtime (one line, printed).
 
 The simulator gets the same schedule and the gather and reduce-scatter times measured here,
 with every rank's group busy at once, as the run has them. Its compute costs are the sleeps plus
-the runtime's own cost per compute action on this machine (megatron-core's forward_step /
-backward_step, DDP hooks, our executor: several ms per action on a 2-core machine running 4
-ranks), calibrated once from the unsharded case run with no sleep, so the three predictions
-rest on one measured number and the sharded cases are predictions, not fits. Resident
-parameter bytes are the runtime's measurement (kept shards plus gathered buffers, peak over the
-step, per rank).
+the runtime's own cost per compute action on this machine, calibrated once from the unsharded
+interleaved case run with no sleep, so the predictions rest on one measured number.
+
+Memory (``--memory``): no sleeps, Adam steps through megatron-core's distributed optimizer,
+each rank's process RSS polled every millisecond from /proc over whole iterations (zeroing,
+forward-backward, finalize, optimizer step); model-state bytes are the peak less the RSS
+before the model was built. Defaults: pp=2 vp=8 dp=4, 56 M fp32 parameters per rank.
 
     python scripts/bench_sharding.py                      # pp=2 vp=4 dp=2 m=8, 8 MB per chunk
-    python scripts/bench_sharding.py --vp 8 --chunk-mb 4
+    python scripts/bench_sharding.py --memory             # pp=2 vp=8 dp=4, model state by RSS
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
+import threading
 import time
 from typing import Any
 
@@ -72,6 +78,9 @@ class SleepChunk(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(numel))
         self.fwd, self.bwd = fwd, bwd
         self.input_tensor: torch.Tensor | None = None
+        # What megatron-core's finalize_model_grads looks for: no tied embedding here.
+        self.pre_process = True
+        self.share_embeddings_and_output_weights = False
 
     def set_input_tensor(self, tensors: list[torch.Tensor | None]) -> None:
         self.input_tensor = tensors[0]
@@ -90,7 +99,11 @@ def _forward_step(data_iterator: Any, model: Any) -> Any:
 
 def _chunks(costs: dict[str, float], numel: int) -> list[Any]:
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -120,12 +133,7 @@ def _chunks(costs: dict[str, float], numel: int) -> list[Any]:
     ]
     config.no_sync_func = [chunk.no_sync for chunk in chunks]
     config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
-
-    def finalize(model: list[Any], *unused: Any, **also_unused: Any) -> None:
-        for chunk in model:
-            chunk.finish_grad_sync()
-
-    config.finalize_model_grads_func = finalize
+    config.finalize_model_grads_func = finalize_model_grads
     return chunks
 
 
@@ -180,10 +188,10 @@ def rank_main(
         if sharding == "optim":
             # The distributed optimizer's closing all-gather (no overlap_param_gather).
             for chunk in chunks:
-                for full, bucket_group, size, rank in sharded_param_buckets(chunk):
-                    part = full.numel() // size
-                    local = full[rank * part : (rank + 1) * part].clone()
-                    torch.distributed.all_gather_into_tensor(full, local, group=bucket_group)
+                for found in sharded_param_buckets(chunk):
+                    full, part = found.param_data, found.param_data.numel() // found.size
+                    local = full[found.rank * part : (found.rank + 1) * part].clone()
+                    torch.distributed.all_gather_into_tensor(full, local, group=found.group)
         torch.distributed.barrier()
         times.append(time.perf_counter() - start)
         if sharding == "optim":
@@ -206,7 +214,17 @@ def main() -> None:
     parser.add_argument("--t-backward", type=float, default=0.16, help="s per full stage")
     parser.add_argument("--chunk-mb", type=float, default=8.0, help="fp32 parameters per chunk")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    parser.add_argument("--memory", action="store_true", help="model state by RSS (see above)")
+    parser.add_argument(
+        "--rank-mparams", type=float, default=56.0, help="--memory: M parameters per rank"
+    )
     args = parser.parse_args()
+    if args.memory:
+        for flag, value in (("pp", 2), ("vp", 8), ("dp", 4)):
+            if f"--{flag}" not in sys.argv:
+                setattr(args, flag, value)
+        memory(args)
+        return
     world = args.pp * args.dp
     numel = int(args.chunk_mb * 2**20 / 4) // (args.dp * 64) * (args.dp * 64)
     gather, scatter = run_ranks(
@@ -225,9 +243,15 @@ def main() -> None:
     steps = range(1, args.steps + 1)
     cases = [
         ("breadth-first", "optim_grads_params"),
-        ("interleaved", "optim_grads_params"),
+        ("breadth-first", "optim"),
         ("interleaved", "optim"),
     ]
+    try:
+        from megatron_bfpp.schedules.registry import check_sharding
+
+        check_sharding("interleaved", "optim_grads_params")
+    except ValueError as error:
+        print(f"interleaved + optim_grads_params: refused: {error}")
     calibration = run_ranks(
         rank_main,
         world_size=world,
@@ -292,10 +316,113 @@ def main() -> None:
         )
     bf = measured[("breadth-first", "optim_grads_params")]
     print(
-        f"interleaved+sharded / breadth-first+sharded = "
-        f"{measured[('interleaved', 'optim_grads_params')] / bf:.3f}; interleaved+distributed "
-        f"optimizer / breadth-first+sharded = {measured[('interleaved', 'optim')] / bf:.3f} "
-        "(> 1: breadth-first with sharded parameters is faster)"
+        f"breadth-first+distributed optimizer / breadth-first+fully sharded = "
+        f"{measured[('breadth-first', 'optim')] / bf:.3f}; interleaved+distributed optimizer / "
+        f"breadth-first+fully sharded = {measured[('interleaved', 'optim')] / bf:.3f} "
+        "(> 1: fully sharded breadth-first is faster)"
+    )
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as file:
+        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rank_memory(sharding: str, numel: int, m: int, steps: int) -> dict[str, Any]:
+    """Peak process RSS over whole training iterations, less the RSS before the model."""
+    import gc
+
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.runtime import sharded_optimizer_step
+    from megatron_bfpp.runtime.sharding import sharded_parameters
+
+    gc.collect()
+    before = _rss_bytes()
+    peak = [before]
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        chunks = _chunks({"t_forward": 0.0, "t_backward": 0.0}, numel)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=1e-4, clip_grad=1.0, use_distributed_optimizer=True
+            ),
+            chunks,
+        )
+        func = get_forward_backward_func(
+            "breadth-first", measure_memory=True, data_parallel_sharding_strategy=sharding
+        )
+        params = grads = 0
+        for _ in range(steps):
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            iterators = [iter([torch.randn(SEQ, MBS, HIDDEN)] * m) for _ in chunks]
+            func(
+                forward_step_func=_forward_step,
+                data_iterator=iterators,
+                model=chunks,
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=MBS,
+            )
+            if sharding == "optim":
+                optimizer.step()
+            else:
+                sharded_optimizer_step(optimizer, chunks)
+                sharded = sharded_parameters(chunks)
+                params = max(params, sharded.peak_bytes)
+                grads = max(grads, sharded.peak_grad_bytes)
+        time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join()
+    if sharding == "optim":
+        params = grads = sum(c.module.weight.numel() * 4 for c in chunks)
+    return {"model_state": peak[0] - before, "rss": peak[0], "params": params, "grads": grads}
+
+
+def memory(args: argparse.Namespace) -> None:
+    world = args.pp * args.dp
+    per_rank = int(args.rank_mparams * 1e6)
+    numel = per_rank // args.vp // (args.dp * 64) * (args.dp * 64)
+    print(
+        f"pp={args.pp} vp={args.vp} dp={args.dp} m={args.microbatches}: "
+        f"{numel * args.vp / 1e6:.1f} M fp32 parameters per rank, Adam; peak RSS per rank "
+        "over whole iterations, model state = peak less the RSS before the model"
+    )
+    results = {}
+    for sharding in ("optim", "optim_grads_params"):
+        results[sharding] = run_ranks(
+            rank_memory,
+            world_size=world,
+            pp=args.pp,
+            vp=args.vp,
+            timeout=900,
+            args=(sharding, numel, args.microbatches, args.steps),
+        )
+        states = [r["model_state"] / 2**20 for r in results[sharding]]
+        rss = [r["rss"] / 2**20 for r in results[sharding]]
+        print(
+            f"{sharding:<19} model state MiB per rank {' '.join(f'{v:.0f}' for v in states)}; "
+            f"peak RSS MiB {' '.join(f'{v:.0f}' for v in rss)}; runtime's peak parameter / "
+            f"gradient MiB (rank 0) {results[sharding][0]['params'] / 2**20:.0f} / "
+            f"{results[sharding][0]['grads'] / 2**20:.0f}",
+            flush=True,
+        )
+    plain = max(r["model_state"] for r in results["optim"])
+    sharded = max(r["model_state"] for r in results["optim_grads_params"])
+    print(
+        f"fully sharded / distributed optimizer model state (largest rank) = {sharded / plain:.3f}"
     )
 
 
