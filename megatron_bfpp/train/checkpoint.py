@@ -35,7 +35,7 @@ import pickle
 import random
 import re
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,9 @@ KILL_DURING_SAVE_ENV = "BFPP_TEST_KILL_DURING_SAVE"
 # Megatron-LM's default format for the distributed optimizer (megatron-core 0.16 rejects the
 # older "fully_sharded_model_space": flattened ShardedTensors are no longer supported).
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+# A model chunk's index -> a context in which its (sharded) parameters are whole.
+GatherChunk = Callable[[int], contextlib.AbstractContextManager[Any]]
 _FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 _FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
@@ -218,11 +221,16 @@ def save_checkpoint(
     optimizer: Any,
     scheduler: Any,
     run: RunConfig,
+    gather_chunk: GatherChunk | None = None,
 ) -> Path:
     """Save one checkpoint on every rank (collective): all ranks write into a temporary
     directory, agree that every file is written, then rank 0 adds the metadata, renames the
     directory into place and updates the tracker; the previous checkpoint stays complete until
-    then."""
+    then.
+
+    ``gather_chunk(i)`` (fully sharded models, torch format) is a context in which chunk ``i``'s
+    parameters are whole: the chunks are then read one at a time, each copied to host memory
+    before the next is gathered, so the device holds at most one chunk beyond the shards."""
     root = Path(root)
     temp = _shared_temp_dir(root, iteration)
     records: list[FileRecord] = []
@@ -230,7 +238,11 @@ def save_checkpoint(
     try:
         _kill_point("rank-file")
         if ckpt_format == "torch":
-            records = [_save_torch(temp, model, optimizer, scheduler, iteration, consumed_samples)]
+            records = [
+                _save_torch(
+                    temp, model, optimizer, scheduler, iteration, consumed_samples, gather_chunk
+                )
+            ]
         else:
             _save_torch_dist(temp, model, optimizer, scheduler, iteration, consumed_samples)
     except OSError as failure:
@@ -339,12 +351,13 @@ def _save_torch(
     scheduler: Any,
     iteration: int,
     consumed_samples: int,
+    gather_chunk: GatherChunk | None = None,
 ) -> FileRecord:
     """Per-rank format: this rank's chunks (``state_dict`` of each GPTModel), its shard of the
     Adam state (the inner torch optimizers' ``state_dict``: with fp32 parameters the distributed
     optimizer's main parameters are views of the model's), the scheduler, RNG, iteration."""
     state = _rank_state(scheduler, iteration, consumed_samples)
-    state["model"] = [chunk.module.state_dict() for chunk in model]
+    state["model"] = [_chunk_state(index, chunk, gather_chunk) for index, chunk in enumerate(model)]
     state["optimizer"] = [o.state_dict() for o in _inner_optimizers(optimizer)]
     path = temp / _rank_file_name(dist.get_rank())
     with open(path, "wb") as file:
@@ -352,6 +365,18 @@ def _save_torch(
         file.flush()
         os.fsync(file.fileno())
     return FileRecord(name=path.name, size=path.stat().st_size, sha256=_sha256(path))
+
+
+def _chunk_state(index: int, chunk: Any, gather_chunk: GatherChunk | None) -> dict[str, Any]:
+    """A chunk's ``state_dict``; with ``gather_chunk``, read while the chunk is gathered and
+    copied to host memory (its buffers are released when the context ends)."""
+    if gather_chunk is None:
+        return dict(chunk.module.state_dict())
+    with gather_chunk(index):
+        return {
+            key: value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+            for key, value in chunk.module.state_dict().items()
+        }
 
 
 def _save_torch_dist(

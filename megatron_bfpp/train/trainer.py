@@ -524,19 +524,26 @@ def _save(run: _Run) -> None:
 
     args = run.args
     # Sharded parameters are gathered for the save, so the files are the unsharded run's: either
-    # strategy resumes from them.
+    # strategy resumes from them. The torch format reads the chunks one at a time (at most one
+    # gathered beyond the shards); torch_dist hands megatron-core every chunk's sharded state
+    # dict at once, so there they are all gathered for the save.
+    sharded = args.data_parallel_sharding_strategy != "optim"
+    one_at_a_time = sharded and args.ckpt_format == "torch"
     whole = (
         sharded_parameters(run.model).whole()
-        if args.data_parallel_sharding_strategy != "optim"
+        if sharded and not one_at_a_time
         else contextlib.nullcontext()
     )
+    gather_chunk = (
+        (lambda index: sharded_parameters(run.model).whole([index])) if one_at_a_time else None
+    )
     with whole:
-        path = _write_checkpoint(run)
+        path = _write_checkpoint(run, gather_chunk)
     if dist.get_rank() == 0 and _logs_lines(args.no_progress, sys.stdout):
         print(f"saved checkpoint {path}", flush=True)
 
 
-def _write_checkpoint(run: _Run) -> Any:
+def _write_checkpoint(run: _Run, gather_chunk: Any = None) -> Any:
     from megatron_bfpp.train.checkpoint import save_checkpoint
 
     args = run.args
@@ -549,6 +556,7 @@ def _write_checkpoint(run: _Run) -> Any:
         optimizer=run.optimizer,
         scheduler=run.scheduler,
         run=run.config,
+        gather_chunk=gather_chunk,
     )
 
 

@@ -379,3 +379,67 @@ def test_sharding_that_cannot_apply_fails_on_every_rank_with_one_line(
     )
     assert len(set(results)) == 1, results
     assert expected in results[0], results[0]
+
+
+def save_one_chunk_at_a_time(tmp: str) -> dict[str, Any]:
+    """One fully sharded step, then bfpp-train's torch-format rank file written with the chunks
+    gathered one at a time: the most chunks whole at once while saving, and whether the file
+    holds exactly the parameters (gathered afterwards for comparison)."""
+    from pathlib import Path
+
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.runtime import sharded_optimizer_step
+    from megatron_bfpp.runtime.sharding import sharded_parameters
+    from megatron_bfpp.train import checkpoint
+
+    chunks = M.wrap_ddp(
+        M.build_model_chunks(M.tiny_gpt_config(num_layers=8)), use_distributed_optimizer=True
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), chunks
+    )
+    func = get_forward_backward_func(
+        "breadth-first", data_parallel_sharding_strategy="optim_grads_params"
+    )
+    M.run_schedule(chunks, M.data_parallel_share(M.make_batches(8)), forward_backward_func=func)
+    sharded_optimizer_step(optimizer, chunks)
+    sharded = sharded_parameters(chunks)
+    most = 0
+    gather = sharded.gather
+
+    def counted(chunk: int, **kwargs: Any) -> None:
+        nonlocal most
+        gather(chunk, **kwargs)
+        most = max(most, sum(state.resident for state in sharded.chunks))
+
+    sharded.gather = counted  # type: ignore[method-assign]
+
+    class Scheduler:  # the rank file's scheduler entry; its value does not matter here
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+    folder = Path(tmp) / str(torch.distributed.get_rank())
+    folder.mkdir(parents=True)
+    record = checkpoint._save_torch(
+        folder, chunks, optimizer, Scheduler(), 1, 8, lambda i: sharded.whole([i])
+    )
+    sharded.gather = gather  # type: ignore[method-assign]
+    saved = checkpoint.read_rank_file(folder / record.name)["model"]
+    released_after = not any(state.resident for state in sharded.chunks)
+    with sharded.whole():
+        equal = all(
+            torch.equal(saved[index][key].to(value.device), value)
+            for index, chunk in enumerate(chunks)
+            for key, value in chunk.module.state_dict().items()
+            if isinstance(value, torch.Tensor)
+        )
+    return {"most": most, "equal": equal, "released_after": released_after}
+
+
+def test_a_torch_checkpoint_gathers_one_chunk_at_a_time(tmp_path: Any) -> None:
+    results = run_ranks(save_one_chunk_at_a_time, world_size=4, pp=2, vp=4, args=(str(tmp_path),))
+    for rank, result in enumerate(results):
+        assert result == {"most": 1, "equal": True, "released_after": True}, rank
