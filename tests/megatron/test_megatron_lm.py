@@ -54,6 +54,7 @@ LAUNCH_LINE = re.compile(
     r"megatron_bfpp\.launch: megatron-core (\d+\.\d+\.\d+) from .*; no CUDA device: running on CPU"
 )
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: (\S+) .*?grad norm: (\S+) ")
+ZEROS = re.compile(r"num zeros: (\S+) ")
 
 
 def _free_port() -> int:
@@ -140,7 +141,7 @@ def test_sharded_parameters_give_the_distributed_optimizers_losses(tmp_path: Pat
     """``--data-parallel-sharding-strategy optim_grads_params`` with a megatron_bfpp schedule
     (pp=2, vp=4, dp=2: each chunk gathered and released by the schedule, the optimizer stepping
     on the shards) gives the losses and grad norms of the distributed optimizer unsharded, in
-    fp32 and with bf16 parameters, and saves a torch_dist checkpoint."""
+    fp32, bf16 and fp16 (with the zero count), and saves a torch_dist checkpoint."""
     layout = [
         "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "4",
         "--use-distributed-optimizer", "--pipeline-schedule", "breadth-first",
@@ -164,14 +165,17 @@ def test_sharded_parameters_give_the_distributed_optimizers_losses(tmp_path: Pat
     saved, _ = _train(tmp_path, *layout, *checkpoint, *stop, iterations=2)
     assert saved == sharded[:2]
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    # bf16 model parameters: the optimizer's fp32 main parameters are its own, the copies in
-    # and out of the kept bf16 shards are the redirected ones.
-    bf16 = [*layout, "--bf16"]
-    sharded_bf16, _ = _train(
-        tmp_path, *bf16, "--data-parallel-sharding-strategy", "optim_grads_params"
-    )
-    plain_bf16, _ = _train(tmp_path, *bf16)
-    assert sharded_bf16 == plain_bf16
+    # 16-bit model parameters: the optimizer's fp32 main parameters are its own, the copies in
+    # and out of the kept shards are the redirected ones; fp16 adds the loss scaler's inf
+    # check, and the zero count reads the main gradients (the shards).
+    for precision in ("--bf16", "--fp16"):
+        flags = [*layout, precision, "--log-num-zeros-in-grad"]
+        runs = []
+        for extra in (["--data-parallel-sharding-strategy", "optim_grads_params"], []):
+            losses, output = _train(tmp_path, *flags, *extra)
+            runs.append((losses, ZEROS.findall(output)))
+        assert runs[0] == runs[1], precision
+        assert len(runs[0][1]) == 3, precision
 
 
 def test_bad_schedule_flags_exit_with_one_line(tmp_path: Path) -> None:
