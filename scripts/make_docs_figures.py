@@ -143,16 +143,6 @@ SHARDED = [
         {"sharding": "optim_grads_params"},
         costs=SHARDED_COSTS,
     ),
-    Case(
-        "sharded-interleaved",
-        "interleaved (depth-first), vp=4, sharded parameters",
-        "interleaved",
-        DP_P,
-        DP_M,
-        DP_V,
-        {"sharding": "optim_grads_params"},
-        costs=SHARDED_COSTS,
-    ),
 ]
 
 # The memory comparison at pp=8, m=16 (looped schedules at vp=2).
