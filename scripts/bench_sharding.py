@@ -141,6 +141,19 @@ def _chunks(costs: dict[str, float], numel: int) -> list[Any]:
     return chunks
 
 
+def _forward_backward(func: Any, chunks: list[Any], m: int) -> None:
+    """One forward-backward call over ``m`` random micro-batches, one iterator per chunk."""
+    iterators = [iter([torch.randn(SEQ, MBS, HIDDEN)] * m) for _ in chunks]
+    func(
+        forward_step_func=_forward_step,
+        data_iterator=iterators,
+        model=chunks,
+        num_microbatches=m,
+        seq_length=SEQ,
+        micro_batch_size=MBS,
+    )
+
+
 def collective_times(numel: int, rounds: int = 5) -> tuple[float, float]:
     """(all-gather, reduce-scatter) of one chunk's buffer over the data-parallel group, median,
     with every rank's group doing the same at once."""
@@ -178,17 +191,9 @@ def rank_main(
     for _ in range(steps):
         for chunk in chunks:
             chunk.zero_grad_buffer()
-        iterators = [iter([torch.randn(SEQ, MBS, HIDDEN)] * m) for _ in chunks]
         torch.distributed.barrier()
         start = time.perf_counter()
-        func(
-            forward_step_func=_forward_step,
-            data_iterator=iterators,
-            model=chunks,
-            num_microbatches=m,
-            seq_length=SEQ,
-            micro_batch_size=MBS,
-        )
+        _forward_backward(func, chunks, m)
         if sharding == "optim":
             # The distributed optimizer's closing all-gather (no overlap_param_gather).
             for chunk in chunks:
@@ -370,15 +375,7 @@ def rank_memory(sharding: str, numel: int, m: int, steps: int) -> dict[str, Any]
             for chunk in chunks:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
-            iterators = [iter([torch.randn(SEQ, MBS, HIDDEN)] * m) for _ in chunks]
-            func(
-                forward_step_func=_forward_step,
-                data_iterator=iterators,
-                model=chunks,
-                num_microbatches=m,
-                seq_length=SEQ,
-                micro_batch_size=MBS,
-            )
+            _forward_backward(func, chunks, m)
             if sharding == "optim":
                 optimizer.step()
             else:
