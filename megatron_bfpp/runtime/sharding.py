@@ -87,6 +87,7 @@ class _Bucket:
     group: Any
     size: int
     rank: int
+    megatron_bucket: Any  # the bucket object the distributed optimizer's buffers point at
 
     def local_view(self) -> torch.Tensor:
         numel = self.shard.numel()
@@ -125,12 +126,10 @@ class ShardedParameters:
     def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
         self.chunks = [_chunk_of(index, chunk) for index, chunk in enumerate(chunks)]
         self.modules = list(chunks)
-        self.by_bucket: dict[int, _Bucket] = {}
+        self.by_bucket = {
+            id(bucket.megatron_bucket): bucket for state in self.chunks for bucket in state.buckets
+        }
         for index, state in enumerate(self.chunks):
-            for megatron_bucket, bucket in zip(
-                (b.bucket for b in sharded_param_buckets(state.module)), state.buckets, strict=True
-            ):
-                self.by_bucket[id(megatron_bucket)] = bucket
             state.ranges = {
                 param: (self.by_bucket[id(megatron_bucket)], start, end)
                 for param, (megatron_bucket, start, end) in param_bucket_ranges(
@@ -140,6 +139,7 @@ class ShardedParameters:
             guard_zero_grad_buffer(state.module, self._zero_around(index))
         self.peak_bytes = 0
         self.peak_grad_bytes = 0
+        self.zeroing_grad_bytes = 0  # the most held while zero_grad_buffer ran since the reset
         self.pending_grads: list[int] = []  # chunks whose reduction is in flight, in order
         self.deferred: int | None = None  # the chunk kept whole until the embedding all-reduce
         for index in range(len(self.chunks)):
@@ -341,6 +341,9 @@ class ShardedParameters:
                 return
             for storage, nbytes in zip(state.grad_storages, state.grad_nbytes, strict=True):
                 storage.resize_(nbytes)
+            # Zeroing opens the iteration, before the forward-backward resets the peaks:
+            # remembered here and counted in by that reset.
+            self.zeroing_grad_bytes = max(self.zeroing_grad_bytes, self.resident_grad_bytes())
             try:
                 original()
             finally:
@@ -381,19 +384,19 @@ class ShardedParameters:
 
     def resident_bytes(self) -> int:
         """Parameter bytes this rank holds now: the kept shards and the gathered buffers."""
-        total = 0
-        for state in self.chunks:
-            total += sum(b.shard.untyped_storage().nbytes() for b in state.buckets)
-            total += sum(storage.nbytes() for storage in state.storages)
-        return total
+        return sum(
+            sum(b.shard.untyped_storage().nbytes() for b in state.buckets)
+            + sum(storage.nbytes() for storage in state.storages)
+            for state in self.chunks
+        )
 
     def resident_grad_bytes(self) -> int:
         """Gradient bytes this rank holds now: the kept shards and the allocated buffers."""
-        total = 0
-        for state in self.chunks:
-            total += sum(b.grad_shard.untyped_storage().nbytes() for b in state.buckets)
-            total += sum(storage.nbytes() for storage in state.grad_storages)
-        return total
+        return sum(
+            sum(b.grad_shard.untyped_storage().nbytes() for b in state.buckets)
+            + sum(storage.nbytes() for storage in state.grad_storages)
+            for state in self.chunks
+        )
 
     def full_bytes(self) -> int:
         """Parameter bytes of this rank's chunks unsharded (the buffers' full size)."""
@@ -404,8 +407,10 @@ class ShardedParameters:
         return sum(sum(state.grad_nbytes) for state in self.chunks)
 
     def reset_peak(self) -> None:
+        """Start the iteration's high-water marks (its zeroing, just before, counted in)."""
         self.peak_bytes = self.resident_bytes()
-        self.peak_grad_bytes = self.resident_grad_bytes()
+        self.peak_grad_bytes = max(self.resident_grad_bytes(), self.zeroing_grad_bytes)
+        self.zeroing_grad_bytes = 0
 
     def _observe(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes())
@@ -507,17 +512,17 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
         storages.setdefault(storage.data_ptr(), storage)
         grad_storage = grad.untyped_storage()
         grad_storages.setdefault(grad_storage.data_ptr(), grad_storage)
+        part = full.numel() // size
         buckets.append(
             _Bucket(
                 full=full,
-                shard=full.view(-1)[found.rank * (full.numel() // size) :][
-                    : full.numel() // size
-                ].clone(),
+                shard=full.view(-1)[found.rank * part : (found.rank + 1) * part].clone(),
                 grad_full=grad,
                 grad_shard=torch.zeros(grad.numel() // size, dtype=grad.dtype, device=grad.device),
                 group=found.group,
                 size=size,
                 rank=found.rank,
+                megatron_bucket=found.bucket,
             )
         )
     if set(grad_storages) & set(storages):

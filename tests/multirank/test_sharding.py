@@ -50,6 +50,7 @@ def train(
     tied: bool = False,
     overlap: bool = False,
     profile_step: int = -1,
+    per_token: bool = False,
 ) -> dict[str, Any]:
     """Adam steps with DDP and the distributed optimizer, sharded or not; what to compare."""
     import torch
@@ -63,7 +64,11 @@ def train(
     _counting(counts)
     chunks = M.wrap_ddp(
         M.build_model_chunks(
-            M.tiny_gpt_config(sequence_parallel=sequence_parallel, num_layers=num_layers),
+            M.tiny_gpt_config(
+                sequence_parallel=sequence_parallel,
+                num_layers=num_layers,
+                calculate_per_token_loss=per_token,
+            ),
             share_embeddings_and_output_weights=tied,
         ),
         use_distributed_optimizer=True,
@@ -203,13 +208,14 @@ def _steps() -> list[list[M.Batch]]:
 
 
 @pytest.mark.parametrize(
-    "tp, pp, vp, dp, tied, overlap",
+    "tp, pp, vp, dp, tied, overlap, per_token",
     [
-        (1, 2, 2, 2, False, False),
-        (1, 2, 4, 2, False, False),
-        (1, 2, 4, 2, True, True),
-        (1, 2, 8, 4, False, True),
-        (2, 2, 4, 2, False, False),
+        (1, 2, 2, 2, False, False, False),
+        (1, 2, 4, 2, False, False, False),
+        (1, 2, 4, 2, True, True, False),
+        (1, 2, 8, 4, False, True, False),
+        (2, 2, 4, 2, False, False, False),
+        (1, 2, 4, 2, True, False, True),
     ],
     ids=[
         "pp2vp2dp2",
@@ -217,16 +223,18 @@ def _steps() -> list[list[M.Batch]]:
         "pp2vp4dp2-tied-overlap",
         "pp2vp8dp4-overlap",
         "tp2pp2vp4dp2-sp",
+        "pp2vp4dp2-tied-per-token",
     ],
 )
 def test_sharded_training_equals_distributed_optimizer(
-    tp: int, pp: int, vp: int, dp: int, tied: bool, overlap: bool
+    tp: int, pp: int, vp: int, dp: int, tied: bool, overlap: bool, per_token: bool
 ) -> None:
     """Adam with weight decay and global-norm clipping, 3 steps: losses, grad norms, the
     reduced gradient shards and the trained parameters of the fully sharded run equal the
     unsharded distributed optimizer's (sequence parallelism with tp=2: the layer norms'
     tensor-parallel all-reduce runs on shards; tied: the embedding all-reduce over the
-    pipeline ends; overlap: reductions dispatched by DDP's hooks, landed at the next GS)."""
+    pipeline ends; overlap: reductions dispatched by DDP's hooks, landed at the next GS;
+    per-token: the gradients scaled by the token count, on the shards)."""
     import torch
 
     world = tp * pp * dp
@@ -235,10 +243,14 @@ def test_sharded_training_equals_distributed_optimizer(
     layers = 2 * vp
     schedule = "breadth-first"
     plain = run_ranks(
-        train, **common, args=(_steps(), schedule, "optim", sp, layers, tied, overlap)
+        train,
+        **common,
+        args=(_steps(), schedule, "optim", sp, layers, tied, overlap, -1, per_token),
     )
     sharded = run_ranks(
-        train, **common, args=(_steps(), schedule, "optim_grads_params", sp, layers, tied, overlap)
+        train,
+        **common,
+        args=(_steps(), schedule, "optim_grads_params", sp, layers, tied, overlap, -1, per_token),
     )
     for rank, (want, got) in enumerate(zip(plain, sharded, strict=True)):
         flat_got = [loss for step in got["losses"] for loss in step]
@@ -341,8 +353,11 @@ def test_resident_parameter_and_gradient_bytes_stay_within_shard_plus_two_chunks
 def bad(schedule: str, sharding: str, ddp: dict[str, Any]) -> str:
     from megatron_bfpp import get_forward_backward_func
 
+    custom_finalize = ddp.pop("custom_finalize", False)
     try:
         chunks = M.wrap_ddp(M.build_model_chunks(M.tiny_gpt_config()), **ddp)
+        if custom_finalize:
+            chunks[0].config.finalize_model_grads_func = lambda *args, **kwargs: None
         func = get_forward_backward_func(schedule, data_parallel_sharding_strategy=sharding)
         M.run_schedule(chunks, M.data_parallel_share(M.make_batches(4)), forward_backward_func=func)
     except (ScheduleError, ValueError) as error:
@@ -361,6 +376,13 @@ def bad(schedule: str, sharding: str, ddp: dict[str, Any]) -> str:
             4,
             2,
             "breadth-first",
+            {"use_distributed_optimizer": True, "custom_finalize": True},
+            "custom finalize_model_grads_func",
+        ),
+        (
+            4,
+            2,
+            "breadth-first",
             {
                 "use_distributed_optimizer": True,
                 "overlap_param_gather": True,
@@ -369,7 +391,14 @@ def bad(schedule: str, sharding: str, ddp: dict[str, Any]) -> str:
             "overlap-param-gather",
         ),
     ],
-    ids=["no-distopt", "dp1", "single-chunk", "interleaved", "overlap-param-gather"],
+    ids=[
+        "no-distopt",
+        "dp1",
+        "single-chunk",
+        "interleaved",
+        "custom-finalize",
+        "overlap-param-gather",
+    ],
 )
 def test_sharding_that_cannot_apply_fails_on_every_rank_with_one_line(
     world: int, vp: int | None, schedule: str, ddp: dict[str, Any], expected: str
