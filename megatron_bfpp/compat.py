@@ -45,14 +45,17 @@ __all__ = [
     "local_linear_layers",
     "megatron_core_version",
     "megatron_linear_forward",
+    "model_params_from_main_params",
     "model_process_groups",
     "optimizer_on_shards",
     "param_bucket_ranges",
     "param_gather_suppressed",
     "process_groups_without_embedding_group",
+    "restore_torch_adam_steps",
     "sharded_param_buckets",
     "shared_embedding_chunk",
     "tensor_parallel_reduced_params",
+    "torch_adam_state_for_load",
     "transformer_engine_layers",
     "uses_position_embedding_group",
     "wgrad_operands",
@@ -463,6 +466,77 @@ def param_gather_suppressed(chunks: Any) -> Iterator[None]:
     finally:
         for config, value in saved:
             config.overlap_param_gather = value
+
+
+def model_params_from_main_params(optimizer: Any, chunks: Any) -> None:
+    """Make the (whole, unsharded) model's parameters what the distributed optimizer's main
+    parameters say, as after an optimizer step: each rank casts its main parameters into its
+    range of the parameter buffers and the buffers are all-gathered over data parallelism.
+
+    A ``torch_dist`` checkpoint of a fully sharded run stores the parameters only as the main
+    parameters of the optimizer's ``dp_reshardable`` state, so no rank gathers a chunk to save;
+    loading rebuilds the model from them. The same two calls run after every step in 0.16.1,
+    0.19.2 and 0.20.0 (``_copy_main_params_to_model_params``, then the DDP chunks'
+    ``start_param_sync``), so the result is bit-identical to the model the step left.
+    """
+    for opt in distributed_optimizers(optimizer):
+        opt._copy_main_params_to_model_params()
+    for chunk in chunks:
+        chunk.start_param_sync(force_sync=True)
+
+
+def _torch_adams(optimizer: Any) -> list[Any]:
+    """The torch ``Adam`` optimizers inside megatron-core's (chained) optimizer. Apex's and
+    Transformer Engine's FusedAdam keep the step in their param groups and need neither fix
+    below."""
+    import torch
+
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]]
+    return [o for o in inner if isinstance(o, torch.optim.Adam)]
+
+
+def torch_adam_state_for_load(optimizer: Any) -> None:
+    """Zero Adam state (step 0) for parameters that have none yet, before a load.
+
+    Without Apex or Transformer Engine (on CPU, always), megatron-core's distributed optimizer
+    (0.16.1, 0.19.2, 0.20.0) reads ``step`` from torch Adam's state to build its
+    ``sharded_state_dict`` and asserts there is one (``assert len(steps) == 1`` in
+    ``state_dict``), so a fresh optimizer cannot describe what it loads: Megatron-LM's own
+    resume failed so. The load overwrites these values; without a load, Adam's first step from
+    a zero state at step 0 is its first step from no state.
+    """
+    import torch
+
+    for inner in _torch_adams(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    }
+
+
+def restore_torch_adam_steps(optimizer: Any) -> None:
+    """Each parameter's Adam ``step`` from the checkpoint, in its own tensor, after a load.
+
+    Without Apex or Transformer Engine, megatron-core's distributed optimizer keeps the step in
+    its param groups and, loading, (1) puts one tensor in every parameter's state (torch Adam
+    adds 1 to it in place once per parameter) and then (2) copies the loading template's step
+    over it (the optimizer's step before the load). Measured with 0.16 and 0.19: without this,
+    training after a resume differs from the uninterrupted run.
+    """
+    import torch
+
+    for inner in _torch_adams(optimizer):
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = inner.state[param]
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = torch.full_like(state["step"], float(group["step"]))
 
 
 class _PipelineGroupAs:

@@ -13,7 +13,15 @@ For CPU tests and demos; ``megatron_bfpp.launch`` calls :func:`enable_cpu_megatr
   CPU; Megatron-LM's rerun state machine saves and restores both);
 * ``megatron.legacy.fused_kernels.load`` -> skipped (it compiles CUDA kernels);
 * ``megatron.training.initialize._warmup_jit_function`` -> skipped (it allocates on ``cuda``
-  to warm up the fused bias-GeLU/dropout JIT kernels).
+  to warm up the fused bias-GeLU/dropout JIT kernels);
+* ``load_checkpoint`` (where ``megatron.training.training`` binds it) -> the same, with torch
+  Adam given a zero state before and each parameter's step restored after
+  (:func:`megatron_bfpp.compat.torch_adam_state_for_load` / ``restore_torch_adam_steps``):
+  without Apex or Transformer Engine, which a CPU machine never has, megatron-core's
+  distributed optimizer cannot describe or restore torch Adam's state, and the resume failed
+  with ``assert len(steps) == 1``. It runs under ``torch.no_grad()``: in fp32 the main
+  parameters are views of the model's leaf parameters, and the optimizer's in-place load
+  into them failed (bfpp-train loads the same way).
 
 Every redirect is recorded; :func:`disable_cpu_megatron_lm` restores the originals.
 """
@@ -61,6 +69,8 @@ def enable_cpu_megatron_lm() -> None:
         training = importlib.import_module("megatron.training.training")
         if hasattr(training, "initialize_megatron"):
             _patch(training, "initialize_megatron", wrapped)
+        if hasattr(training, "load_checkpoint"):
+            _patch(training, "load_checkpoint", _with_torch_adam_state(training.load_checkpoint))
 
 
 def disable_cpu_megatron_lm() -> None:
@@ -119,6 +129,22 @@ def _gloo_init(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(*args, **kwargs)
 
     return init_process_group
+
+
+def _with_torch_adam_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_checkpoint(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        from megatron_bfpp.compat import restore_torch_adam_steps, torch_adam_state_for_load
+
+        if optimizer is not None:
+            torch_adam_state_for_load(optimizer)
+        with torch.no_grad():
+            result = original(model, optimizer, *args, **kwargs)
+        if optimizer is not None:
+            restore_torch_adam_steps(optimizer)
+        return result
+
+    return load_checkpoint
 
 
 def _allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:

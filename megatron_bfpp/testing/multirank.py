@@ -79,6 +79,7 @@ def run_ranks(
     seed: int = 1234,
     parallel_kwargs: dict[str, Any] | None = None,
     error_grace: float = ERROR_GRACE,
+    daemon: bool = True,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` forked gloo ranks; return the results by global rank.
 
@@ -86,7 +87,9 @@ def run_ranks(
     result must be picklable. ``world_size`` must be a multiple of ``tp * pp`` (the rest is data
     parallel). ``parallel_kwargs`` go to ``initialize_model_parallel`` as extra keywords.
     After the first failure the other ranks get ``error_grace`` seconds to report their own
-    (raise it to test how the survivors of a failure fail).
+    (raise it to test how the survivors of a failure fail). ``daemon=False`` lets ``fn`` start
+    processes of its own (megatron-core's torch_dist writer starts a ``multiprocessing``
+    Manager); they are stopped before the rank reports, as under bfpp-train.
     Raises :class:`RanksFailed` if any rank raises, dies, or is still running after ``timeout``
     seconds; every child is killed before this returns or raises.
     """
@@ -108,7 +111,7 @@ def run_ranks(
             store_timeout=timeout,
             after=_teardown,
             stack_dir=Path(tmp),
-            daemon=True,
+            daemon=daemon,
         )
     if run.errors or run.killed:
         raise _failure(run, timeout)

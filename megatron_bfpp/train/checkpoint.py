@@ -6,11 +6,14 @@
 * ``torch_dist``: megatron-core distributed checkpointing (``dist_checkpointing.save``): the model
   chunks' ``sharded_state_dict()`` (unwrapped from DDP, keys by global layer number), the
   distributed optimizer's ``sharded_state_dict`` (format ``dp_reshardable``) and every rank's RNG
-  states (one ``ShardedObject`` per global rank). Resumes exactly too (tested on CPU/gloo with
+  states (one ``ShardedObject`` per global rank). Fully sharded runs leave the parameters out of
+  the model part (they are the optimizer's main-parameter shards: nothing is gathered); every
+  load takes the parameters from the main parameters. Resumes exactly too (tested on CPU/gloo with
   0.16 and 0.19). megatron-core's writer needs psutil (the command line checks it before
   start: without it the writer failed after training, or hung on 0.16), starts a
   ``multiprocessing`` Manager in every rank (the local launcher stops it with the rank), and,
-  without Apex or Transformer Engine, loses Adam's step on load (:func:`_restore_adam_steps`).
+  without Apex or Transformer Engine, loses Adam's step on load
+  (:func:`megatron_bfpp.compat.restore_torch_adam_steps`).
 
 Both share the directory handling of :mod:`.checkpoint_files` (temporary directory, fsync,
 atomic rename, atomic tracker: a kill never loses the last complete checkpoint) and the metadata
@@ -42,7 +45,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_bfpp.compat import megatron_core_version
+from megatron_bfpp.compat import (
+    megatron_core_version,
+    model_params_from_main_params,
+    restore_torch_adam_steps,
+    torch_adam_state_for_load,
+)
 from megatron_bfpp.train.checkpoint_files import (
     METADATA_FILE,
     CheckpointError,
@@ -157,13 +165,30 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _parameter_keys(module: Any) -> set[str]:
+    """The state-dict keys of the module's parameters (its other entries, such as Transformer
+    Engine's ``_extra_state``, are not part of the optimizer's state)."""
+    return {name for name, _ in module.named_parameters()}
+
+
+def _model_state(chunk: Any, *, parameters: bool) -> dict[str, Any]:
+    """A chunk's ``sharded_state_dict``, or (``parameters=False``) its entries that are not
+    parameters: only metadata is read from released (sharded) parameters, never their data."""
+    state = dict(chunk.module.sharded_state_dict())
+    if parameters:
+        return state
+    dropped = _parameter_keys(chunk.module)
+    return {key: value for key, value in state.items() if key not in dropped}
+
+
 def _sharded_state(
-    model: Sequence[Any], optimizer: Any, *, is_loading: bool, rng: Any
+    model: Sequence[Any], optimizer: Any, *, is_loading: bool, rng: Any, parameters: bool = True
 ) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     state: dict[str, Any] = {
-        f"model{index}": chunk.module.sharded_state_dict() for index, chunk in enumerate(model)
+        f"model{index}": _model_state(chunk, parameters=parameters)
+        for index, chunk in enumerate(model)
     }
     state["optimizer"] = optimizer.sharded_state_dict(
         state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
@@ -222,6 +247,7 @@ def save_checkpoint(
     scheduler: Any,
     run: RunConfig,
     gather_chunk: GatherChunk | None = None,
+    sharded: bool = False,
 ) -> Path:
     """Save one checkpoint on every rank (collective): all ranks write into a temporary
     directory, agree that every file is written, then rank 0 adds the metadata, renames the
@@ -230,7 +256,13 @@ def save_checkpoint(
 
     ``gather_chunk(i)`` (fully sharded models, torch format) is a context in which chunk ``i``'s
     parameters are whole: the chunks are then read one at a time, each copied to host memory
-    before the next is gathered, so the device holds at most one chunk beyond the shards."""
+    before the next is gathered, so the device holds at most one chunk beyond the shards.
+
+    ``sharded`` (fully sharded models, torch_dist): nothing is gathered. The parameters are
+    saved only as the distributed optimizer's main parameters (its ``dp_reshardable`` state,
+    this rank's shard of every bucket), the model part keeps the chunks' other entries; loading
+    rebuilds the parameters from the main parameters, as it does for every torch_dist
+    checkpoint."""
     root = Path(root)
     temp = _shared_temp_dir(root, iteration)
     records: list[FileRecord] = []
@@ -244,7 +276,15 @@ def save_checkpoint(
                 )
             ]
         else:
-            _save_torch_dist(temp, model, optimizer, scheduler, iteration, consumed_samples)
+            _save_torch_dist(
+                temp,
+                model,
+                optimizer,
+                scheduler,
+                iteration,
+                consumed_samples,
+                parameters=not sharded,
+            )
     except OSError as failure:
         error = CheckpointError(
             f"--save {root}: rank {dist.get_rank()} could not write iteration {iteration} "
@@ -386,10 +426,14 @@ def _save_torch_dist(
     scheduler: Any,
     iteration: int,
     consumed_samples: int,
+    *,
+    parameters: bool,
 ) -> None:
     from megatron.core import dist_checkpointing
 
-    state = _sharded_state(model, optimizer, is_loading=False, rng=_rng_state())
+    state = _sharded_state(
+        model, optimizer, is_loading=False, rng=_rng_state(), parameters=parameters
+    )
     extra = _rank_state(scheduler, iteration, consumed_samples)
     state.update({k: v for k, v in extra.items() if k not in ("rank", "rng_state")})
     state["format"] = "torch_dist"
@@ -606,41 +650,15 @@ def check_dcp_metadata(path: Path, *, label: str = "") -> None:
         ) from None
 
 
-def _give_adam_a_state(optimizer: Any) -> None:
-    """Zero Adam state (step 0) for parameters that have none yet. Without Apex or Transformer
-    Engine, megatron-core's distributed optimizer reads ``step`` from torch Adam's state to build
-    its ``sharded_state_dict`` and asserts that there is one, so a fresh optimizer (nothing
-    trained yet) cannot describe what it loads; the load then overwrites these values."""
-    for inner in _inner_optimizers(optimizer):
-        if not isinstance(inner, torch.optim.Adam):
-            continue  # Apex's and TE's FusedAdam keep the step in their param groups
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if not inner.state[param]:
-                    inner.state[param] = {
-                        "step": torch.tensor(0.0),
-                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-                    }
-
-
-def _restore_adam_steps(optimizer: Any) -> None:
-    """Each parameter's Adam ``step`` from the checkpoint, in its own tensor. Without Apex or
-    Transformer Engine, megatron-core's distributed optimizer keeps the step in its param groups
-    and, loading, (1) puts one tensor in every parameter's state (torch Adam adds 1 to it in
-    place once per parameter) and then (2) copies the loading template's step over it (the
-    optimizer's step before the load). Measured with 0.16 and 0.19: without this, training after
-    a resume differs from the uninterrupted run."""
-    for inner in _inner_optimizers(optimizer):
-        if not isinstance(inner, torch.optim.Adam):
-            continue
-        for group in inner.param_groups:
-            if "step" not in group:
-                continue
-            for param in group["params"]:
-                state = inner.state[param]
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = torch.full_like(state["step"], float(group["step"]))
+def _load_model_entries(module: Any, entries: dict[str, Any]) -> None:
+    """Load a chunk's entries other than its parameters; a key the chunk does not have, or an
+    entry it has that the checkpoint lacks, is an error (not skipped)."""
+    result = module.load_state_dict(entries, strict=False)
+    missing = set(result.missing_keys) - _parameter_keys(module)
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"model entries missing: {sorted(missing)}, unexpected: {result.unexpected_keys}"
+        )
 
 
 def _load_torch_dist(
@@ -656,16 +674,19 @@ def _load_torch_dist(
 
     label = f"--load {root}: "
     check_dcp_metadata(path, label=label)
-    _give_adam_a_state(optimizer)
-    template = _sharded_state(model, optimizer, is_loading=True, rng=None)
+    torch_adam_state_for_load(optimizer)
+    # The parameters come from the optimizer's main parameters (the one copy every torch_dist
+    # checkpoint has: fully sharded saves store no other), the model part gives the rest.
+    template = _sharded_state(model, optimizer, is_loading=True, rng=None, parameters=False)
     try:
         with _weights_only_loads():
             state = dist_checkpointing.load(template, str(path))
         for index, chunk in enumerate(model):
-            chunk.module.load_state_dict(state[f"model{index}"])
+            _load_model_entries(chunk.module, state[f"model{index}"])
         with torch.no_grad():  # fp32 main parameters are views of the model's (leaf) weights
             optimizer.load_state_dict(state["optimizer"])
-        _restore_adam_steps(optimizer)
+            model_params_from_main_params(optimizer, model)
+        restore_torch_adam_steps(optimizer)
         _restore_scheduler_group_values(optimizer, own_groups, policy)
         scheduler.load_state_dict(state["opt_param_scheduler"])
         _set_rng_state(state["rng_state"])

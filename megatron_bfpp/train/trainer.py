@@ -13,7 +13,6 @@ Rank 0 shows progress and writes ``--metrics-file`` (one JSON object per iterati
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -523,27 +522,22 @@ def _save(run: _Run) -> None:
     from megatron_bfpp.runtime.sharding import sharded_parameters
 
     args = run.args
-    # Sharded parameters are gathered for the save, so the files are the unsharded run's: either
-    # strategy resumes from them. The torch format reads the chunks one at a time (at most one
-    # gathered beyond the shards); torch_dist hands megatron-core every chunk's sharded state
-    # dict at once, so there they are all gathered for the save.
+    # Fully sharded, nothing is gathered at once. The torch format reads the chunks one at a
+    # time (at most one gathered beyond the shards, the files those of an unsharded run);
+    # torch_dist saves the parameters only as the optimizer's main-parameter shards. Either
+    # strategy resumes from either.
     sharded = args.data_parallel_sharding_strategy != "optim"
-    one_at_a_time = sharded and args.ckpt_format == "torch"
-    whole = (
-        sharded_parameters(run.model).whole()
-        if sharded and not one_at_a_time
-        else contextlib.nullcontext()
-    )
     gather_chunk = (
-        (lambda index: sharded_parameters(run.model).whole([index])) if one_at_a_time else None
+        (lambda index: sharded_parameters(run.model).whole([index]))
+        if sharded and args.ckpt_format == "torch"
+        else None
     )
-    with whole:
-        path = _write_checkpoint(run, gather_chunk)
+    path = _write_checkpoint(run, gather_chunk, sharded=sharded)
     if dist.get_rank() == 0 and _logs_lines(args.no_progress, sys.stdout):
         print(f"saved checkpoint {path}", flush=True)
 
 
-def _write_checkpoint(run: _Run, gather_chunk: Any = None) -> Any:
+def _write_checkpoint(run: _Run, gather_chunk: Any = None, *, sharded: bool = False) -> Any:
     from megatron_bfpp.train.checkpoint import save_checkpoint
 
     args = run.args
@@ -557,6 +551,7 @@ def _write_checkpoint(run: _Run, gather_chunk: Any = None) -> Any:
         scheduler=run.scheduler,
         run=run.config,
         gather_chunk=gather_chunk,
+        sharded=sharded,
     )
 
 

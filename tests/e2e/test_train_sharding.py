@@ -30,6 +30,15 @@ LAYOUT = (
 )
 SHARDED = ("--data-parallel-sharding-strategy", "optim_grads_params")
 ITERS = 3
+STOP_AND_SAVE_DIST = (
+    "--train-iters",
+    str(ITERS),
+    "--exit-interval",
+    "2",
+    "--ckpt-format",
+    "torch_dist",
+    "--save",
+)
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -69,6 +78,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "--save",
             str(tmp / "ckpt_plain"),
         ),
+        # The same two saves in megatron-core's distributed format (no chunk gathered for the
+        # fully sharded one: its parameters are the optimizer's main-parameter shards).
+        "stopped_dist": _train(
+            tmp / "stopped_dist.jsonl",
+            *SHARDED,
+            *STOP_AND_SAVE_DIST,
+            str(tmp / "ckpt_dist"),
+        ),
+        "stopped_plain_dist": _train(
+            tmp / "stopped_plain_dist.jsonl", *STOP_AND_SAVE_DIST, str(tmp / "ckpt_plain_dist")
+        ),
         "tmp": tmp,
     }
 
@@ -106,8 +126,22 @@ def test_metrics_show_resident_parameters_and_collectives(runs: dict[str, Any]) 
 
 @pytest.mark.parametrize(
     "saved, strategy",
-    [("ckpt", "optim_grads_params"), ("ckpt", "optim"), ("ckpt_plain", "optim_grads_params")],
-    ids=["sharded-to-sharded", "sharded-to-plain", "plain-to-sharded"],
+    [
+        ("ckpt", "optim_grads_params"),
+        ("ckpt", "optim"),
+        ("ckpt_plain", "optim_grads_params"),
+        ("ckpt_dist", "optim_grads_params"),
+        ("ckpt_dist", "optim"),
+        ("ckpt_plain_dist", "optim_grads_params"),
+    ],
+    ids=[
+        "sharded-to-sharded",
+        "sharded-to-plain",
+        "plain-to-sharded",
+        "torch_dist-sharded-to-sharded",
+        "torch_dist-sharded-to-plain",
+        "torch_dist-plain-to-sharded",
+    ],
 )
 def test_resume_from_either_strategy_continues_the_curve(
     runs: dict[str, Any], tmp_path: Path, saved: str, strategy: str

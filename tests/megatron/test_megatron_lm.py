@@ -141,7 +141,8 @@ def test_sharded_parameters_give_the_distributed_optimizers_losses(tmp_path: Pat
     """``--data-parallel-sharding-strategy optim_grads_params`` with a megatron_bfpp schedule
     (pp=2, vp=4, dp=2: each chunk gathered and released by the schedule, the optimizer stepping
     on the shards) gives the losses and grad norms of the distributed optimizer unsharded, in
-    fp32, bf16 and fp16 (with the zero count), and saves a torch_dist checkpoint."""
+    fp32, bf16 and fp16 (with the zero count); a torch_dist checkpoint saved by either strategy
+    resumes into either on the uninterrupted curve."""
     layout = [
         "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "4",
         "--use-distributed-optimizer", "--pipeline-schedule", "breadth-first",
@@ -154,17 +155,26 @@ def test_sharded_parameters_give_the_distributed_optimizers_losses(tmp_path: Pat
     assert "megatron_bfpp: pipeline schedule breadth-first" in output
     assert "parameters sharded" not in output
     assert sharded == plain
-    # A torch_dist checkpoint saves fully sharded (every chunk gathered for the save). Resuming
-    # is not tested here: Megatron-LM's load fails on CPU for the plain distributed optimizer
-    # too (torch's Adam without apex / Transformer Engine has no state before its first step,
-    # and the load asserts one), reproduced on the 0.19 checkout; bfpp-train tests the resume.
+    # Saved at iteration 2 (torch_dist; every chunk gathered for Megatron-LM's save, whose
+    # model part other tools read), then resumed for iteration 3 from either strategy into
+    # either: the uninterrupted run's loss and grad norm.
     pytest.importorskip("psutil")  # torch_dist's writer processes
-    checkpoint = ["--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format",
-                  "torch_dist"]  # fmt: skip
-    stop = ["--save", "ckpt", "--save-interval", "2", "--exit-interval", "2"]
-    saved, _ = _train(tmp_path, *layout, *checkpoint, *stop, iterations=2)
-    assert saved == sharded[:2]
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    strategy = {
+        "sharded": ["--data-parallel-sharding-strategy", "optim_grads_params"],
+        "plain": [],
+    }
+    stop = ["--ckpt-format", "torch_dist", "--save-interval", "2", "--exit-interval", "2"]
+    for name, flags in strategy.items():
+        saved, _ = _train(tmp_path, *layout, *flags, *stop, "--save", name, iterations=2)
+        assert saved == sharded[:2]
+    assert (tmp_path / "sharded" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    directions = (("sharded", "sharded"), ("sharded", "plain"), ("plain", "sharded"))
+    for saved_by, resumed_by in directions:
+        resumed, _ = _train(
+            tmp_path, *layout, *strategy[resumed_by], "--ckpt-format", "torch_dist",
+            "--load", saved_by, iterations=1,
+        )  # fmt: skip
+        assert resumed == sharded[2:], (saved_by, resumed_by)
     # 16-bit model parameters: the optimizer's fp32 main parameters are its own, the copies in
     # and out of the kept shards are the redirected ones; fp16 adds the loss scaler's inf
     # check, and the zero count reads the main gradients (the shards).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -414,8 +415,6 @@ def save_one_chunk_at_a_time(tmp: str) -> dict[str, Any]:
     """One fully sharded step, then bfpp-train's torch-format rank file written with the chunks
     gathered one at a time: the most chunks whole at once while saving, and whether the file
     holds exactly the parameters (gathered afterwards for comparison)."""
-    from pathlib import Path
-
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -472,3 +471,97 @@ def test_a_torch_checkpoint_gathers_one_chunk_at_a_time(tmp_path: Any) -> None:
     results = run_ranks(save_one_chunk_at_a_time, world_size=4, pp=2, vp=4, args=(str(tmp_path),))
     for rank, result in enumerate(results):
         assert result == {"most": 1, "equal": True, "released_after": True}, rank
+
+
+def save_torch_dist_without_gathering(tmp: str) -> dict[str, Any]:
+    """One fully sharded step, then bfpp-train's torch_dist save: how many chunks it gathers,
+    and whether an unsharded model and optimizer (built from another seed, so the load has
+    something to change) loaded from it hold the sharded run's parameters and Adam state."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.runtime import sharded_optimizer_step
+    from megatron_bfpp.runtime.sharding import sharded_parameters
+    from megatron_bfpp.train import checkpoint
+
+    def built(seed: int) -> tuple[list[Any], Any]:
+        chunks = M.wrap_ddp(
+            M.build_model_chunks(M.tiny_gpt_config(num_layers=8), seed=seed),
+            use_distributed_optimizer=True,
+        )
+        config = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
+        return chunks, get_megatron_optimizer(config, chunks)
+
+    class Scheduler:  # the state's scheduler entry: saved and given back, its value unused
+        def state_dict(self) -> dict[str, Any]:
+            return {"num_steps": 1}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.loaded = state
+
+    chunks, optimizer = built(seed=0)
+    func = get_forward_backward_func(
+        "breadth-first", data_parallel_sharding_strategy="optim_grads_params"
+    )
+    M.run_schedule(chunks, M.data_parallel_share(M.make_batches(8)), forward_backward_func=func)
+    sharded_optimizer_step(optimizer, chunks)
+    sharded = sharded_parameters(chunks)
+    gathers = 0
+    gather = sharded.gather
+
+    def counted(chunk: int, **kwargs: Any) -> None:
+        nonlocal gathers
+        gathers += 1
+        gather(chunk, **kwargs)
+
+    sharded.gather = counted  # type: ignore[method-assign]
+    folder = Path(tmp) / "iter_1"
+    if torch.distributed.get_rank() == 0:
+        folder.mkdir(parents=True)
+    torch.distributed.barrier()
+    checkpoint._save_torch_dist(folder, chunks, optimizer, Scheduler(), 1, 8, parameters=False)
+    sharded.gather = gather  # type: ignore[method-assign]
+
+    loaded, loaded_optimizer = built(seed=1)
+    scheduler = Scheduler()
+    groups = checkpoint._scheduler_group_values(loaded_optimizer)
+    checkpoint._load_torch_dist(tmp, folder, loaded, loaded_optimizer, scheduler, groups, "check")
+
+    def adam_state(opt: Any) -> list[torch.Tensor]:
+        return [
+            state[name]
+            for inner in checkpoint._inner_optimizers(opt)
+            for group in inner.param_groups
+            for param in group["params"]
+            for state in [inner.state[param]]
+            for name in ("exp_avg", "exp_avg_sq")
+        ]
+
+    with sharded.whole():
+        parameters = all(
+            torch.equal(mine, theirs)
+            for chunk, other in zip(chunks, loaded, strict=True)
+            for mine, theirs in zip(
+                chunk.module.parameters(), other.module.parameters(), strict=True
+            )
+        )
+    adam = all(
+        torch.equal(a, b)
+        for a, b in zip(adam_state(optimizer), adam_state(loaded_optimizer), strict=True)
+    )
+    return {"gathers": gathers, "parameters": parameters, "adam": adam}
+
+
+def test_a_torch_dist_checkpoint_gathers_no_chunk_and_loads_unsharded(tmp_path: Any) -> None:
+    pytest.importorskip("psutil")  # megatron-core's torch_dist writer
+    results = run_ranks(
+        save_torch_dist_without_gathering,
+        world_size=4,
+        pp=2,
+        vp=4,
+        args=(str(tmp_path),),
+        daemon=False,
+    )
+    for rank, result in enumerate(results):
+        assert result == {"gathers": 0, "parameters": True, "adam": True}, rank
