@@ -307,8 +307,9 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
             f"--num-query-groups {groups}, and both of --tensor-model-parallel-size {tp}"
         )
     if args.data_path is not None:
-        if not os.path.isfile(args.data_path):
-            raise FlagError(f"--data-path {args.data_path}: no such file")
+        problem = data_path_problem(args.data_path, args.seq_length)
+        if problem is not None:
+            raise FlagError(problem)
         if args.vocab_size < 256:
             raise FlagError("--data-path uses byte tokens: --vocab-size must be >= 256")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
@@ -339,6 +340,35 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
         raise FlagError(str(error).strip().splitlines()[0]) from None
     if args.load is not None:
         check_load(args, world_size)
+
+
+def data_path_problem(path: str, seq_length: int) -> str | None:
+    """What keeps ``--data-path`` from being read as byte tokens, from ``stat`` alone (nothing is
+    opened: a FIFO would block the reader), in its own words, before any rank starts."""
+    import stat
+
+    flag = f"--data-path {path}"
+    try:
+        mode = os.stat(path)
+    except FileNotFoundError:
+        return f"{flag}: no such file"
+    except OSError as error:
+        return f"{flag}: cannot be read ({error.strerror})"
+    if stat.S_ISDIR(mode.st_mode):
+        return f"{flag}: is a directory; give one text file"
+    if not stat.S_ISREG(mode.st_mode):
+        return f"{flag}: is not a regular file (a FIFO, socket or device); give one text file"
+    if not os.access(path, os.R_OK):
+        return f"{flag}: permission denied"
+    need = seq_length + 2  # one sample is seq_length + 1 tokens, at one offset at least
+    if mode.st_size == 0:
+        return f"{flag}: is empty; it needs at least seq_length + 2 = {need} bytes"
+    if mode.st_size < need:
+        return (
+            f"{flag}: has {mode.st_size} bytes; it needs at least seq_length + 2 = {need} "
+            "(or lower --seq-length)"
+        )
+    return None
 
 
 def number_problem(args: argparse.Namespace) -> str | None:
@@ -460,10 +490,42 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
     return 0, None
 
 
+CPU_RANKS = 4  # bfpp-train's default without a GPU
+
+
 def _default_nproc() -> int:
+    """One rank per GPU torch sees, else ``CPU_RANKS``."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 4
+    return torch.cuda.device_count() if torch.cuda.is_available() else CPU_RANKS
+
+
+def _visible_gpus(
+    env: dict[str, str] | None = None, driver: str = "/proc/driver/nvidia/gpus"
+) -> int:
+    """The GPUs torch will likely see, counted without importing torch (seconds on a loaded
+    machine), so that a flag mistake is refused at once: the driver's list, narrowed by
+    ``CUDA_VISIBLE_DEVICES`` (its entries up to the first that is not a device, as CUDA reads
+    it). :func:`_spawn` checks the count against torch's before any rank starts."""
+    try:
+        found = len(os.listdir(driver))
+    except OSError:
+        return 0
+    visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return found
+    count = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if (entry.isdigit() and int(entry) < found) or entry.startswith(("GPU-", "MIG-")):
+            count += 1
+        else:
+            break
+    return count
+
+
+def _guess_nproc() -> int:
+    return _visible_gpus() or CPU_RANKS
 
 
 _QUIET = (
@@ -512,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # frames around the one line that names it. Errors still print; set it to see more.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     world_size = (
-        int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or _default_nproc())
+        int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or _guess_nproc())
     )
     try:
         validate(args, world_size, rank=int(os.environ["RANK"]) if launched else 0)
@@ -546,6 +608,12 @@ def _spawn(args: argparse.Namespace, world_size: int) -> int:
     import megatron_bfpp.train.trainer  # noqa: F401
     from megatron_bfpp.local_ranks import Stopped, fork_ranks
 
+    if args.nproc_per_node is None and _default_nproc() != world_size:
+        world_size = _default_nproc()  # torch sees other GPUs than the driver listed
+        try:
+            validate(args, world_size)
+        except FlagError as error:
+            return _error(f"{error} ({world_size} ranks: one per GPU torch sees)")
     try:
         run = fork_ranks(
             lambda rank, store: _run_rank(args, store=store),

@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +171,6 @@ def test_train_further_on_the_checkpoints_schedule(
 
 
 def test_changed_lr_schedule_is_refused_naming_the_flags(ckpt: Path) -> None:
-    start = time.monotonic()
     proc = _run("--load", str(ckpt), "--lr", "1e-3", "--train-iters", "8")
     line = _error_line(proc)
     assert "--lr 0.001 (checkpoint: 0.003)" in line, line
@@ -182,7 +180,6 @@ def test_changed_lr_schedule_is_refused_naming_the_flags(ckpt: Path) -> None:
     )
     assert "--lr-decay-iters 6" in line, line
     assert proc.stdout == ""  # refused before any rank started
-    assert time.monotonic() - start < 30
 
 
 @pytest.mark.parametrize(
@@ -287,14 +284,12 @@ def test_torch_dist_save_and_resume_continue_exactly(
 def test_other_model_or_layout_is_refused_before_loading(
     ckpt: Path, flags: list[str], named: list[str]
 ) -> None:
-    start = time.monotonic()
     proc = _run("--load", str(ckpt), "--train-iters", str(ITERS), *flags)
     line = _error_line(proc)
     assert line.startswith(f"bfpp-train: error: --load {ckpt}: checkpoint was saved with "), line
     for text in named:
         assert text in line, line
     assert proc.stdout == ""  # no rank started
-    assert time.monotonic() - start < 30
 
 
 def test_truncated_rank_file_is_named_before_start(ckpt: Path) -> None:

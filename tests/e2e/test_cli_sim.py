@@ -6,13 +6,13 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from megatron_bfpp.ir import dump_csv, load_csv
 from megatron_bfpp.schedules.registry import build_schedule
+from tests.growth import peak_bytes, python_lines
 
 
 def bfpp_sim(*args: str) -> subprocess.CompletedProcess[str]:
@@ -401,11 +401,27 @@ def test_unwritable_outputs_fail_before_any_work(
     ],
     ids=["microbatches", "pp-actions", "pp-tables", "png-ranks"],
 )
-def test_too_large_is_refused_at_once_with_the_estimate(args: list[str], message: str) -> None:
-    start = time.monotonic()
-    result = bfpp_sim(*args)
-    assert message in _one_error_line(result)
-    assert time.monotonic() - start < 30  # the first used to grow to 24 GB, the others minutes
+def test_too_large_is_refused_at_once_with_the_estimate(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first used to grow to 24 GB, the others ran for minutes: now the refusal comes
+    before anything of the schedule's size is built (bounded lines and bytes, in-process)."""
+    from megatron_bfpp.cli import sim as cli_sim
+
+    codes: list[object] = []
+
+    def refused() -> None:
+        try:
+            codes.append(cli_sim.main(args))
+        except SystemExit as exit:
+            codes.append(exit.code)
+
+    assert python_lines(refused) < 100_000
+    assert peak_bytes(refused) < 10_000_000
+    assert codes == [2, 2]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0] == lines[1], lines
+    assert message in lines[0]
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf"])

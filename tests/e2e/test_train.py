@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -262,15 +261,43 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
     ],
 )
 def test_bad_flags_one_line_nonzero_exit(flags: list[str], expected: str) -> None:
-    start = time.monotonic()
-    proc = _run(*flags, timeout=60)
-    elapsed = time.monotonic() - start
-    assert proc.returncode != 0
+    """One line, exit 2, and (what made it slow: seconds of imports before the check) neither
+    torch nor megatron-core imported, except where the check needs them: the model's memory
+    against this machine's."""
+    proc = _run_main(*flags)
+    assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("bfpp-train: error: ") and expected in lines[0], lines[0]
     assert "Traceback" not in proc.stderr
-    assert elapsed < 30
+    imported = json.loads(proc.stdout.splitlines()[-1])
+    if "for weights, gradients and Adam state" in expected:
+        assert imported["torch"], imported
+    else:
+        assert imported == {"torch": False, "megatron.core": False}, imported
+
+
+def _run_main(*flags: str) -> subprocess.CompletedProcess[str]:
+    """bfpp-train's ``main`` in a fresh interpreter, which then prints (one JSON line) whether
+    torch and megatron-core were imported: the property a fast refusal stands for."""
+    code = (
+        "import json, sys\n"
+        "from megatron_bfpp.cli.train import main\n"
+        "try:\n"
+        "    code = main(sys.argv[1:])\n"
+        "except SystemExit as exit:\n"
+        "    code = exit.code\n"
+        "print(json.dumps({m: m in sys.modules for m in ('torch', 'megatron.core')}))\n"
+        "sys.exit(code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(
+        [sys.executable, "-c", code, "--no-progress", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
 
 
 def test_bad_flags_under_torchrun_env_fail_on_the_rank() -> None:
@@ -308,14 +335,13 @@ def test_unwritable_outputs_fail_before_training(
 ) -> None:
     """These used to train to the end and then fail (a traceback for --metrics-file)."""
     (tmp_path / "file").write_text("x")
-    start = time.monotonic()
-    proc = _run(flag, where.format(tmp=tmp_path), timeout=60)
+    proc = _run_main(flag, where.format(tmp=tmp_path))
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("bfpp-train: error: " + message.format(tmp=tmp_path)), lines[0]
-    assert "iteration" not in proc.stdout
-    assert time.monotonic() - start < 30
+    # Refused before anything was imported to train with: no rank started.
+    assert json.loads(proc.stdout) == {"torch": False, "megatron.core": False}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     assert (tmp_path / "file").read_text() == "x"
 
@@ -362,3 +388,32 @@ def test_help_shows_defaults() -> None:
     assert "--pipeline-schedule {" in text and "(default: breadth-first)" in text
     assert "--lr LR (default: 0.003)" in text
     assert "(default: the schedule's: 1 for gpipe, 1f1b, bpipe; 2 for interleaved" in text
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda path: None, "no such file"),
+        (
+            lambda path: path.write_bytes(b""),
+            "is empty; it needs at least seq_length + 2 = 66 bytes",
+        ),
+        (lambda path: path.write_bytes(b"x" * 65), "has 65 bytes; it needs at least"),
+        (lambda path: path.mkdir(), "is a directory; give one text file"),
+        (lambda path: os.mkfifo(path), "is not a regular file (a FIFO, socket or device)"),
+    ],
+    ids=["missing", "empty", "too-short", "directory", "fifo"],
+)
+def test_data_path_problems_are_refused_before_any_rank_in_their_own_words(
+    tmp_path: Path, make: Any, words: str
+) -> None:
+    """They used to be found after the ranks were forked (~10 s), a directory or a FIFO called
+    "no such file"; a FIFO is never opened (a reader would block)."""
+    path = tmp_path / "text"
+    make(path)
+    proc = _run_main("--data-path", str(path), "--vocab-size", "256", "--seq-length", "64")
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"bfpp-train: error: --data-path {path}: {words}"), lines[0]
+    assert json.loads(proc.stdout) == {"torch": False, "megatron.core": False}

@@ -63,15 +63,12 @@ def _alive(pid: int) -> bool:
 
 
 def _finish(proc: subprocess.Popen[str], ranks: list[int], within: float) -> tuple[int, list[str]]:
-    start = time.monotonic()
-    _, err = proc.communicate(timeout=within)
-    took = time.monotonic() - start
+    _, err = proc.communicate(timeout=within)  # raises if the launcher is still running then
     time.sleep(0.5)
     left = [pid for pid in ranks if _alive(pid)]
     for pid in left:  # never leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert not left, f"rank processes left behind: {left}"
-    assert took < within
     return proc.returncode, [line for line in err.splitlines() if line.strip()]
 
 

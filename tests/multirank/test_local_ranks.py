@@ -43,9 +43,9 @@ def test_failed_result_starts_grace_then_kills_the_rest() -> None:
         time.sleep(60)
         return 0
 
-    start = time.monotonic()
+    # Ranks 0 and 2 would sleep 60 s and report 0: that they were killed without a result is
+    # the property (no clock needed).
     run = fork_ranks(target, 3, error_grace=0.5, failed=lambda code: code != 0)
-    assert time.monotonic() - start < 30
     assert run.first_failed == 1 and run.results == {1: 3}
     assert run.killed == (0, 2) and not run.timed_out
 
@@ -98,9 +98,8 @@ def test_silent_rank_is_lost_and_blamed() -> None:
         time.sleep(60)
         return 0
 
-    start = time.monotonic()
     run = fork_ranks(target, 2, heartbeat_timeout=2.0, error_grace=0.5)
-    assert time.monotonic() - start < 20
+    assert not run.timed_out  # found by its silence, not by the run's timeout
     assert run.lost == (1,) and run.culprit == 1 and run.killed == (0,)
     assert "rank 1 stopped responding: no heartbeat for" in run.errors[1]
 

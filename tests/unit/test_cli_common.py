@@ -229,3 +229,17 @@ def test_bfpp_train_torch_dist_saves_need_psutil(monkeypatch: pytest.MonkeyPatch
     assert "\n" not in problem and "--ckpt-format torch" in problem
     assert cli_train.checkpoint_format_problem(parse(["--save", "ckpt"])) is None
     assert cli_train.checkpoint_format_problem(parse(["--ckpt-format", "torch_dist"])) is None
+
+
+def test_visible_gpus_are_counted_without_torch(tmp_path: Path) -> None:
+    """The driver's list narrowed by CUDA_VISIBLE_DEVICES up to its first non-device entry;
+    no driver, no GPU (bfpp-train then starts its CPU ranks)."""
+    driver = tmp_path / "gpus"
+    assert cli_train._visible_gpus({}, str(driver)) == 0
+    driver.mkdir()
+    for bus in ("0000:01:00.0", "0000:02:00.0", "0000:03:00.0"):
+        (driver / bus).mkdir()
+    cases = {None: 3, "": 0, "1": 1, "0,2": 2, "0,7,1": 1, "-1": 0, "GPU-abc,GPU-def": 2}
+    for visible, count in cases.items():
+        env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+        assert cli_train._visible_gpus(env, str(driver)) == count, visible
