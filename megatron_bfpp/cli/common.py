@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from megatron_bfpp.schedules.registry import SCHEDULES
 
@@ -59,6 +61,36 @@ def fail(prog: str, error: BaseException | str) -> int:
     first = text.splitlines()[0] if text else type(error).__name__
     sys.stderr.write(f"{prog}: error: {first}\n")
     return 2
+
+
+# What a shell reports for a command killed by SIGPIPE (128 + 13).
+CLOSED_PIPE_EXIT = 141
+
+
+class Main(Protocol):
+    """A command's ``main``: the arguments (``sys.argv[1:]`` when None) to an exit code."""
+
+    def __call__(self, argv: Sequence[str] | None = None) -> int: ...
+
+
+def closed_pipe_ends_quietly(main: Main) -> Main:
+    """``bfpp-plan ... | head -3``: when the reader closes the pipe, end without a traceback
+    (exit 141, as a command killed by SIGPIPE). stdout is pointed at /dev/null first, so the
+    interpreter's flush at exit does not raise the same error again."""
+
+    @functools.wraps(main)
+    def run(argv: Sequence[str] | None = None) -> int:
+        try:
+            code = main(argv)
+            sys.stdout.flush()  # a closed pipe shows here when the output fit in the buffer
+            return code
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return CLOSED_PIPE_EXIT
+
+    return run
 
 
 def stages_per_rank_defaults() -> str:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from megatron_bfpp.cli.common import (
     OneLineParser,
+    closed_pipe_ends_quietly,
     fail,
     finite_float,
     json_text,
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@closed_pipe_ends_quietly
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

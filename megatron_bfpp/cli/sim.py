@@ -11,6 +11,7 @@ from typing import Any
 
 from megatron_bfpp.cli.common import (
     OneLineParser,
+    closed_pipe_ends_quietly,
     fail,
     json_text,
     non_negative_float,
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 _OUTPUTS = (("--csv", "csv"), ("--trace", "trace"), ("--png", "png"))
 
 
+@closed_pipe_ends_quietly
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for flag, dest in _OUTPUTS:

@@ -501,3 +501,33 @@ def test_nccl_safety_as_written_and_as_run(tmp_path: Path) -> None:
     verdicts = json.loads(result.stdout)["nccl"]
     assert verdicts["lock_step"]["safe"] is True
     assert isinstance(verdicts["as_written"]["safe"], bool)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["megatron_bfpp.cli.sim", "--schedule", "breadth-first", "--pp", "8", "--vp", "4",
+         "--microbatches", "64"],
+        ["megatron_bfpp.cli.sim", "--schedule", "1f1b", "--pp", "64", "--microbatches", "64",
+         "--json"],
+        ["megatron_bfpp.cli.plan", "recommend", "--model", "gpt3-6.7b", "--num-gpus", "8",
+         "--gpus-per-node", "8", "--gpu", "a100-80gb", "--global-batch-size", "8"],
+    ],
+    ids=["sim-table", "sim-json", "plan-recommend"],
+)  # fmt: skip
+def test_a_reader_that_closes_the_pipe_ends_it_quietly(command: list[str]) -> None:
+    """``bfpp-sim ... | head -1``: the reader is gone (here before the first line is written,
+    while the command still imports); the command ends with exit 141 (what a shell shows for
+    SIGPIPE) and nothing on stderr, not a BrokenPipeError traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    code = proc.wait(timeout=120)
+    err = proc.stderr.read()
+    assert err == "", err
+    assert code == 141
