@@ -37,6 +37,7 @@ from megatron_bfpp.schedules.registry import (
     build_schedule,
     check_sharding,
     get_spec,
+    in_flag_terms,
 )
 from megatron_bfpp.sim import (
     MAX_PNG_RANKS,
@@ -171,7 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             dump_chrome_trace(result, args.trace)
         if args.png:
             render_png(result, args.png)
-    except (ScheduleError, OSError) as error:
+    except ScheduleError as error:
+        return fail(PROG, in_flag_terms(str(error), args.schedule or "", sim=True))
+    except OSError as error:
         return fail(PROG, error)
     if args.json:
         data = result.to_dict()

@@ -40,6 +40,7 @@ from megatron_bfpp.schedules.registry import (
     check_runnable,
     check_sharding,
     get_spec,
+    in_flag_terms,
     options_from_args,
     schedule_names,
 )
@@ -337,7 +338,7 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
         )
         check_runnable(name)
     except ScheduleError as error:
-        raise FlagError(str(error).strip().splitlines()[0]) from None
+        raise FlagError(in_flag_terms(str(error).strip().splitlines()[0], name)) from None
     if args.load is not None:
         check_load(args, world_size)
 

@@ -22,6 +22,7 @@ from megatron_bfpp.schedules.registry import (
     check_option_flags,
     check_runnable,
     check_sharding,
+    in_flag_terms,
     options_from_args,
     schedule_names,
 )
@@ -150,7 +151,9 @@ def check_schedule_args(args: Any) -> None:
     except ScheduleError as error:
         raise ScheduleError(
             f"--pipeline-schedule {name} cannot run {num_microbatches} micro-batches on "
-            f"pp={pp}" + (f", vp={vp}" if vp else "") + f": {str(error).splitlines()[0]}"
+            f"pp={pp}"
+            + (f", vp={vp}" if vp else "")
+            + f": {in_flag_terms(str(error).splitlines()[0], name)}"
         ) from None
 
 

@@ -79,7 +79,7 @@ def add_eviction(schedule: Schedule, *, max_stored: int | None = None) -> Schedu
     if cap < 2:
         raise ScheduleError(
             f"add_eviction: max_stored={cap} leaves no room to load an evicted micro-batch back "
-            f"while another is stored; use max_stored >= 2 (BPipe's default for p={num_ranks} "
+            f"while another is stored; use max_stored=2 or more (BPipe's default for p={num_ranks} "
             f"is {bpipe_max_stored(num_ranks)})"
         )
     result = _evict(schedule, cap)

@@ -7,6 +7,7 @@ parameter sync) and validates the result, so every caller gets a schedule that i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ __all__ = [
     "estimate_actions",
     "forward_only_schedule",
     "get_spec",
+    "in_flag_terms",
     "options_from_args",
     "runnable_names",
     "schedule_names",
@@ -305,6 +307,22 @@ def options_from_args(name: str, args: Any, *, megatron: bool = False) -> dict[s
             raise ScheduleError(f"{option.flag} must be >= 1, got {value}")
         options[option.name] = value
     return options
+
+
+# Passes whose errors a flag can reach; their messages start with the pass's name, which says
+# nothing to someone who typed a flag.
+_PASS_PREFIX = re.compile(r"^(?:add_eviction|add_grad_sync|add_communication): ")
+
+
+def in_flag_terms(message: str, name: str, *, sim: bool = False) -> str:
+    """A schedule error in the words of the command line that set the options: ``max_stored=1``
+    becomes ``--bpipe-max-stored 1`` (bfpp-train, Megatron-LM) or ``--max-stored 1``
+    (``sim``: bfpp-sim), without the pass's function name in front."""
+    if name in SCHEDULES:
+        for option in SCHEDULES[name].options:
+            flag = option.sim_flag if sim else option.flag
+            message = re.sub(rf"\b{option.name}=", f"{flag} ", message)
+    return _PASS_PREFIX.sub("", message)
 
 
 def estimate_actions(*, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> int:

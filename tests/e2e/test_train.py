@@ -200,6 +200,18 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         (["--num-layers", "6"], "--num-layers 6 is not divisible"),
         (["--bpipe-max-stored", "2"], "--bpipe-max-stored applies to --pipeline-schedule bpipe"),
         (
+            [
+                "--pipeline-schedule",
+                "bpipe",
+                "--num-virtual-stages-per-pipeline-rank",
+                "1",
+                "--bpipe-max-stored",
+                "1",
+            ],
+            "error: --bpipe-max-stored 1 leaves no room to load an evicted micro-batch back while "
+            "another is stored; use --bpipe-max-stored 2 or more",
+        ),
+        (
             ["--pipeline-schedule", "1f1b", "--num-virtual-stages-per-pipeline-rank", "2"],
             "1f1b runs one stage per rank; drop --num-virtual-stages-per-pipeline-rank or set "
             "it to 1 (got 2)",
@@ -242,6 +254,7 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         "not-runnable",
         "layers",
         "bpipe-cap",
+        "bpipe-cap-too-low",
         "1f1b-with-vp-2",
         "lr-inf",
         "lr-nan",

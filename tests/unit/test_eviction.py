@@ -280,7 +280,7 @@ def test_every_cap_from_two_up_runs_when_accepted() -> None:
 
 @pytest.mark.parametrize("cap", [1, 0, -3])
 def test_cap_below_two_is_rejected(cap: int) -> None:
-    with pytest.raises(ScheduleError, match=r"max_stored >= 2 .*default for p=4 is 3"):
+    with pytest.raises(ScheduleError, match=r"max_stored=2 or more .*default for p=4 is 3"):
         add_eviction(one_f_one_b(4, 8), max_stored=cap)
 
 
@@ -376,3 +376,18 @@ def test_compute_after_an_evict_waits_for_the_partners_accept() -> None:
     late = _move_accept_late(schedule, acceptor=3)
     with pytest.raises(ScheduleError, match="deadlock"):
         validate_schedule(late)
+
+
+def test_cap_errors_name_the_flag_that_set_the_cap() -> None:
+    """What bfpp-train, Megatron-LM and bfpp-sim print: their own flag, not the pass's name."""
+    from megatron_bfpp.schedules.registry import build_schedule, in_flag_terms
+
+    with pytest.raises(ScheduleError) as info:
+        build_schedule("bpipe", num_ranks=4, num_microbatches=8, max_stored=1)
+    message = str(info.value).splitlines()[0]
+    train = in_flag_terms(message, "bpipe")
+    assert train.startswith("--bpipe-max-stored 1 leaves no room"), train
+    assert "use --bpipe-max-stored 2 or more" in train and "add_eviction" not in train
+    sim = in_flag_terms(message, "bpipe", sim=True)
+    assert sim.startswith("--max-stored 1 leaves no room") and "--max-stored 2 or more" in sim
+    assert in_flag_terms("rank 3: max_stored=1", "1f1b") == "rank 3: max_stored=1"
