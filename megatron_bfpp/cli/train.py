@@ -52,6 +52,7 @@ from megatron_bfpp.train.checkpoint_metadata import (
     scheduler_policy,
 )
 from megatron_bfpp.train.run_config import run_config
+from megatron_bfpp.train.save_lock import SaveLock
 
 PROG = "bfpp-train"
 _ERROR_GRACE_S = 3.0
@@ -550,6 +551,9 @@ _QUIET_LOGS = (
     ("torch.utils.cpp_extension", "No CUDA runtime is found"),  # CUDA build of torch, no GPU
     # 0.19 says it on every (synchronous) torch_dist save, to users of its asynchronous one
     ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
+    # its writer's workers on a failed write (the save's one line says it and where)
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "Local worker"),
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "An error is caught"),
 )
 
 
@@ -587,11 +591,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Under torchrun every rank checks the same flags: one line per node, not per rank.
         return 2 if launched and os.environ.get("LOCAL_RANK", "0") != "0" else _error(str(error))
     if launched:
-        code, reason = _run_rank(args)
+        code, reason = _run_rank(args)  # under torchrun, rank 0 takes --save's lock
         if reason:
             _error(reason)
         return code
-    return _spawn(args, world_size)
+    lock = None
+    if args.save is not None:
+        try:
+            lock = SaveLock.acquire(args.save)  # held by this launcher for the whole run
+        except CheckpointError as error:
+            return _error(str(error))
+    try:
+        return _spawn(args, world_size)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 # --------------------------------------------------------------------------- local ranks

@@ -37,6 +37,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -285,12 +286,14 @@ def save_checkpoint(
                 consumed_samples,
                 parameters=not sharded,
             )
-    except OSError as failure:
+    except Exception as failure:  # torch re-raises ENOSPC as RuntimeError, megatron-core's
+        # writer as CheckpointException: any failure to write is the same one line
         error = CheckpointError(
             f"--save {root}: rank {dist.get_rank()} could not write iteration {iteration} "
-            f"({failure}); the last complete checkpoint is untouched"
+            f"({_write_failure(failure, root)}); the last complete checkpoint is untouched and "
+            "this save's files were removed"
         )
-    _agree(error)
+    _agree_or_clear(error, temp)
     gathered: list[list[FileRecord] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
     final = checkpoint_dir(root, iteration)
@@ -315,11 +318,39 @@ def save_checkpoint(
             _publish(root, temp, final, metadata)
         except OSError as failure:
             error = CheckpointError(
-                f"--save {root}: could not publish {final.name} ({failure}); the tracker still "
-                "names the last complete checkpoint"
+                f"--save {root}: could not publish {final.name} "
+                f"({_write_failure(failure, root)}); the tracker still names the last complete "
+                "checkpoint and this save's files were removed"
             )
-    _agree(error)
+    _agree_or_clear(error, temp)
     return final
+
+
+def _agree_or_clear(error: CheckpointError | None, temp: Path) -> None:
+    """:func:`_agree`; when any rank failed, rank 0 removes the save's temporary directory
+    (every rank has stopped writing into it by then) before the error goes up."""
+    try:
+        _agree(error)
+    except (CheckpointError, OtherRankFailed):
+        if dist.get_rank() == 0:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+
+
+def _write_failure(failure: BaseException, root: Path) -> str:
+    """What failed, in one line, with the space left where it matters (a full disk shows as
+    ``RuntimeError: [enforce fail at inline_container.cc]`` from torch, or as megatron-core's
+    CheckpointException around the OSError)."""
+    cause: BaseException | None = failure
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    found = cause.strerror if isinstance(cause, OSError) else None
+    text = found or _first_line(failure)
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return text
+    return f"{text}; {free:,} bytes free there"
 
 
 def _shared_temp_dir(root: Path, iteration: int) -> Path:
@@ -437,7 +468,13 @@ def _save_torch_dist(
     extra = _rank_state(scheduler, iteration, consumed_samples)
     state.update({k: v for k, v in extra.items() if k not in ("rank", "rng_state")})
     state["format"] = "torch_dist"
-    dist_checkpointing.save(state, str(temp))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dist_checkpointing.save(state, str(temp))
+    except CheckpointException as failure:  # a BaseException: turned into an ordinary error
+        ranks = ", ".join(str(rank) for rank in sorted(failure.failures))
+        raise RuntimeError(f"megatron-core's checkpoint writer failed on rank(s) {ranks}") from None
 
 
 # --------------------------------------------------------------------------- load

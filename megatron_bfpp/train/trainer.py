@@ -283,7 +283,10 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
     device = init_distributed(store, timeout_s=60.0 * args.distributed_timeout_minutes)
     # launched by torchrun or srun: no launcher of ours speaks for the job (see .liveness)
     liveness = start_liveness(dist.get_rank(), dist.get_world_size()) if store is None else None
+    lock = None
     try:
+        if store is None:  # our launcher holds --save's lock; under torchrun rank 0 takes it
+            lock = _take_save_lock(args)
         _check_gpu_memory(args, device)
         run = _set_up(args, device)
         return _loop(run)
@@ -296,11 +299,30 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
                 raise verdict from None
         raise
     finally:
+        if lock is not None:
+            lock.release()
         if liveness is not None:
             liveness.stop.set()
         parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _take_save_lock(args: Any) -> Any:
+    """Rank 0 takes ``--save``'s lock (:mod:`.save_lock`); every rank learns if it could not."""
+    from megatron_bfpp.train.checkpoint import _agree
+    from megatron_bfpp.train.checkpoint_files import CheckpointError
+    from megatron_bfpp.train.save_lock import SaveLock
+
+    lock, error = None, None
+    if args.save is not None and dist.get_rank() == 0:
+        try:
+            lock = SaveLock.acquire(args.save)
+        except CheckpointError as failure:
+            error = failure
+    if args.save is not None:
+        _agree(error)
+    return lock
 
 
 def _check_gpu_memory(args: Any, device: torch.device) -> None:

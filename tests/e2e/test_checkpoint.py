@@ -30,6 +30,7 @@ GBS = 8
 META = "bfpp_checkpoint.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 KILL_ENV = "BFPP_TEST_KILL_DURING_SAVE"
+LOCK = ".bfpp_save.lock"
 
 
 def _run(
@@ -381,9 +382,90 @@ def test_kill_during_a_resave_keeps_the_complete_checkpoint(
     for iteration, loss in losses.items():
         assert loss == reference[iteration], (iteration, losses, reference)
     assert sorted(p.name for p in ckpt.iterdir()) == [
+        LOCK,
         f"iter_{SAVED_AT:07d}",
         f"iter_{ITERS:07d}",
         TRACKER,
     ]
     assert _digests(directory) == before
     assert (ckpt / TRACKER).read_text().strip() == str(ITERS)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def _limit_file_size(limit: int) -> None:
+    """In the child: files may not grow past ``limit`` bytes (Python ignores SIGXFSZ, so a write
+    past it fails with EFBIG): a full disk, without root or a small file system."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_a_failed_save_is_one_line_keeps_the_last_checkpoint_and_clears_its_files(
+    reference: dict[int, float], ckpt: Path, tmp_path: Path, ckpt_format: str
+) -> None:
+    """The disk fills during a save (here: no file may grow past 64 KiB, smaller than any rank's
+    share): one line naming the directory and what failed, not torch's 43-line RuntimeError
+    or megatron-core's CheckpointException; the tracker and the last checkpoint untouched, the
+    failed save's temporary directory removed, and a resume from it continues exactly."""
+    if ckpt_format == "torch_dist":
+        pytest.importorskip("psutil")
+    directory = ckpt / f"iter_{SAVED_AT:07d}"
+    before = _digests(directory)
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_bfpp.cli.train", "--no-progress", "--load", str(ckpt),
+         "--train-iters", str(ITERS), "--save", str(ckpt), "--ckpt-format", ckpt_format],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=base,
+        preexec_fn=lambda: _limit_file_size(64 * 1024),
+    )  # fmt: skip
+    line = _error_line(proc)
+    assert line.startswith(
+        f"bfpp-train: error: --save {ckpt}: rank 0 could not write iteration {ITERS} ("
+    ), line
+    assert line.endswith(
+        "bytes free there); the last complete checkpoint is untouched and this save's files "
+        "were removed"
+    ), line
+    assert (ckpt / TRACKER).read_text().strip() == str(SAVED_AT)
+    assert _digests(directory) == before
+    assert sorted(p.name for p in ckpt.iterdir()) == [LOCK, directory.name, TRACKER]
+    _, losses = _resume(ckpt, tmp_path, "--train-iters", str(ITERS))
+    for iteration, loss in losses.items():
+        assert loss == reference[iteration], (iteration, losses, reference)
+
+
+def test_a_second_run_on_the_same_save_directory_is_refused(tmp_path: Path) -> None:
+    """Two runs with one ``--save``: their checkpoints used to overwrite each other's (both
+    exiting 0). The second is refused in one line naming the first, before any rank starts;
+    the first goes on."""
+    ckpt = tmp_path / "ckpt"
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "megatron_bfpp.cli.train", "--no-progress", "--train-iters", "400",
+         "--save", str(ckpt), "--save-interval", "1000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=base,
+    )  # fmt: skip
+    try:
+        lock = ckpt / LOCK
+        while not (lock.exists() and f"pid {first.pid} on" in lock.read_text()):
+            assert first.poll() is None, first.communicate()[1][-3000:]
+        second = _run("--train-iters", str(ITERS), "--save", str(ckpt))
+        line = _error_line(second)
+        assert line.startswith(
+            f"bfpp-train: error: --save {ckpt}: another run is saving there (pid {first.pid} on "
+        ), line
+        assert second.stdout == ""  # no rank started
+        assert first.poll() is None  # the first run is still training
+    finally:
+        first.terminate()
+        first.communicate(timeout=120)
+    assert sorted(p.name for p in ckpt.iterdir()) == [LOCK]  # neither run saved anything
