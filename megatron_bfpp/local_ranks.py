@@ -26,8 +26,10 @@ Why it is built this way:
   way, so one ``KeyboardInterrupt`` reaches the caller. A rank dies with the launcher
   (``PR_SET_PDEATHSIG`` on Linux), even if the launcher is killed with SIGKILL: no orphans.
   What a rank started through ``multiprocessing`` (megatron-core's checkpoint writer starts a
-  ``Manager`` server per rank) is stopped by the rank before it reports its result, and a rank
-  the launcher kills takes its descendants with it: a rank leaves with ``os._exit``, which skips
+  ``Manager`` server per rank) is stopped by the rank before it reports its result; a rank that
+  dies any other way (the launcher killed with SIGKILL included) has its process group killed by
+  a guard process (:func:`_guard_descendants`), and a rank the launcher kills takes its
+  descendants with it: a rank leaves with ``os._exit``, which skips
   the exit handlers that would have stopped them, and such processes outlived the job holding
   its output pipes open (a caller reading them waited forever).
 * **one copy of each warning** (``warn_once``): every rank runs the same code, so a library's
@@ -327,6 +329,7 @@ def _supervised(spec: _Rank, beats: Any) -> None:
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != spec.launcher:  # the launcher died before prctl took effect
             os._exit(1)
+        _guard_descendants()  # before the heartbeat thread: fork a single-threaded process
 
     def beat() -> None:
         while True:
@@ -334,6 +337,50 @@ def _supervised(spec: _Rank, beats: Any) -> None:
             time.sleep(HEARTBEAT_INTERVAL)
 
     threading.Thread(target=beat, name="bfpp-heartbeat", daemon=True).start()
+
+
+def _guard_descendants() -> None:
+    """Kill whatever this rank started once the rank is gone, however it went.
+
+    A launcher killed with SIGKILL takes its ranks with it (``PR_SET_PDEATHSIG``), but not what
+    the ranks started: megatron-core's torch_dist writer processes and multiprocessing's
+    resource tracker (about 560 MB each) outlived the job holding its output pipes, for half an
+    hour and more. So the rank leads its own process group, which those processes join (neither
+    ``fork`` nor multiprocessing's ``spawn`` leaves the group), and a small guard process forked
+    here (outside that group) waits for the rank's death (its own ``PR_SET_PDEATHSIG``) and
+    then kills the group. The guard is a fork of this process that only waits: its pages stay
+    shared with the rank's.
+    """
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    group = os.getpgid(0)
+    if group != os.getpid():
+        return  # could not lead a group of our own: killing the group would kill others
+    rank = os.getpid()
+    wanted = {signal.SIGUSR2}
+    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+    try:
+        guard = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, wanted)
+        return
+    if guard != 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, wanted)
+        return
+    # The guard: no Python beyond these calls (it is a fork of a large process).
+    try:
+        os.setpgid(0, 0)
+        quiet = os.open(os.devnull, os.O_RDWR)  # hold none of the job's pipes open
+        for fd in (0, 1, 2):
+            os.dup2(quiet, fd)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGUSR2, 0, 0, 0)
+        if os.getppid() == rank:  # else the rank died before prctl took effect
+            signal.sigwait(wanted)
+        os.killpg(group, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def _run(spec: _Rank, target: Callable[[int, Any], Any], port_writer: Connection | None) -> Any:
