@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +38,9 @@ __all__ = [
     "fsync_file",
     "make_temp_dir",
     "publish",
+    "read_bounded",
     "read_tracker",
+    "regular_file_problem",
     "remove_old",
     "write_file_atomic",
     "write_tracker",
@@ -59,21 +62,69 @@ def checkpoint_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def read_tracker(root: str | Path) -> int:
-    """The iteration ``root``'s tracker names."""
-    tracker = Path(root) / TRACKER
+TRACKER_LIMIT = 64  # an iteration number and a newline, with room to spare
+_MAX_ITERATION_DIGITS = 15
+
+
+def regular_file_problem(path: Path) -> str | None:
+    """Why ``path`` is not a regular file of the checkpoint (a symlink, which could point
+    anywhere, a FIFO, a directory), from ``lstat`` alone: checked before anything opens it."""
     try:
-        text = tracker.read_text().strip()
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as error:
+        return f"cannot be read ({error.strerror})"
+    if stat.S_ISLNK(mode):
+        return "is a symbolic link (a checkpoint holds only its own regular files)"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file"
+    return None
+
+
+def read_bounded(path: Path, limit: int, *, label: str) -> bytes:
+    """A small file's bytes: a regular file (not followed through a symlink, a FIFO never
+    waited on) of at most ``limit`` bytes, else :class:`CheckpointError` naming ``label``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        problem = regular_file_problem(path) or f"cannot be read ({error.strerror})"
+        raise CheckpointError(f"{label} {problem}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{label} is not a regular file")
+        if info.st_size > limit:
+            raise CheckpointError(
+                f"{label} has {info.st_size:,} bytes, more than such a file holds ({limit:,}); "
+                "it was not written by bfpp-train"
+            )
+        data = os.read(fd, limit + 1)
+    except OSError as error:
+        raise CheckpointError(f"{label} cannot be read ({error.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # it grew after the fstat
+        raise CheckpointError(f"{label} has more than {limit:,} bytes; it was not written by us")
+    return data
+
+
+def read_tracker(root: str | Path) -> int:
+    """The iteration ``root``'s tracker names (read bounded: a tracker is one short line)."""
+    tracker = Path(root) / TRACKER
+    label = f"--load {root}: {TRACKER}"
+    try:
+        raw = read_bounded(tracker, TRACKER_LIMIT, label=label)
     except FileNotFoundError:
         raise CheckpointError(
             f"--load {root}: no {TRACKER} (not a bfpp-train checkpoint)"
         ) from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"--load {root}: cannot read {TRACKER}: {error}") from None
-    if not text.isdigit():
-        raise CheckpointError(
-            f"--load {root}: {TRACKER} holds {text[:40]!r}, not an iteration number"
-        )
+    text = raw.decode("ascii", "replace").strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > _MAX_ITERATION_DIGITS:
+        shown = "".join(c if c.isprintable() else "?" for c in text[:40])
+        raise CheckpointError(f"{label} holds {shown!r}, not an iteration number")
     return int(text)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
 import typing
 from collections.abc import Callable
@@ -38,9 +39,15 @@ from megatron_bfpp.train.checkpoint_files import (
     CheckpointError,
     checkpoint_dir,
     complete_checkpoint,
+    read_bounded,
     read_tracker,
+    regular_file_problem,
 )
 from megatron_bfpp.train.run_config import LRSchedule, RunConfig, flag_name
+
+# bfpp_checkpoint.json: its flags and one record (name, size, SHA-256) per file, about 150 bytes
+# each; 64 MiB is 400,000 files, far above any real job.
+METADATA_LIMIT = 64 << 20
 
 __all__ = [
     "CKPT_FORMATS",
@@ -101,6 +108,10 @@ def metadata_from_json(text: str, *, source: str) -> CheckpointMetadata:
         data = json.loads(text)
     except ValueError as error:
         raise CheckpointError(f"{source}: not valid JSON ({error})") from None
+    except RecursionError:
+        raise CheckpointError(
+            f"{source}: nested too deeply to be bfpp-train's metadata (a few levels)"
+        ) from None
     if isinstance(data, dict) and data.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{source}: format_version {data.get('format_version')!r}; this bfpp-train reads "
@@ -169,8 +180,14 @@ def read_checkpoint(root: str | Path) -> tuple[Path, CheckpointMetadata]:
             "written by this bfpp-train or its save was interrupted"
         )
     source = f"--load {root}: {path.name}/{METADATA_FILE}"
+    if os.path.islink(path):
+        raise CheckpointError(
+            f"--load {root}: {path.name} is a symbolic link (a checkpoint holds only its own "
+            "directories and files)"
+        )
     try:
-        text = (path / METADATA_FILE).read_text()
+        raw = read_bounded(path / METADATA_FILE, METADATA_LIMIT, label=source)
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{source}: cannot read it ({error})") from None
     metadata = metadata_from_json(text, source=source)
@@ -194,10 +211,15 @@ def _check_file(root: str | Path, path: Path, record: FileRecord) -> None:
         raise CheckpointError(
             f"--load {root}: {METADATA_FILE} lists {record.name!r}, outside the checkpoint"
         )
+    problem = regular_file_problem(file)
+    if problem is not None:
+        raise CheckpointError(f"--load {root}: {path.name}/{record.name} {problem}")
     try:
         size = file.stat().st_size
-    except FileNotFoundError:
-        raise CheckpointError(f"--load {root}: {path.name}/{record.name} is missing") from None
+    except OSError as error:
+        raise CheckpointError(
+            f"--load {root}: {path.name}/{record.name} cannot be read ({error.strerror})"
+        ) from None
     if size != record.size:
         raise CheckpointError(
             f"--load {root}: {path.name}/{record.name} has {size} bytes, the checkpoint recorded "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from megatron_bfpp.train.checkpoint_files import (
 )
 from megatron_bfpp.train.checkpoint_metadata import (
     FORMAT_VERSION,
+    METADATA_LIMIT,
     CheckpointMetadata,
     FileRecord,
     check_resume,
@@ -232,13 +234,62 @@ def test_tracker_is_replaced_atomically(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("content", "expected"),
-    [(None, "no latest_checkpointed_iteration.txt"), ("abc\n", "holds 'abc', not an iteration")],
+    [
+        (None, "no latest_checkpointed_iteration.txt"),
+        ("abc\n", "holds 'abc', not an iteration"),
+        ("\u00b2\n", "not an iteration number"),  # str.isdigit() says yes, int() says no
+        ("9" * 300, r"has 300 bytes, more than such a file holds \(64\)"),
+        ("9" * 5_000, "has 5,000 bytes"),
+        ("1" * (1 << 20), "has 1,048,576 bytes"),
+        ("9" * 40, "holds '9999999999999999999999999999999999999999', not an iteration"),
+    ],
+    ids=["missing", "letters", "superscript", "300-digits", "5000-digits", "1-MB", "40-digits"],
 )
 def test_bad_tracker_is_one_line(tmp_path: Path, content: str | None, expected: str) -> None:
     if content is not None:
         (tmp_path / TRACKER).write_text(content)
-    with pytest.raises(CheckpointError, match=expected):
+    with pytest.raises(CheckpointError, match=expected) as info:
         read_tracker(tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_tracker_that_is_a_fifo_or_a_symlink_is_refused_without_waiting(tmp_path: Path) -> None:
+    """A FIFO used to block the reader forever; a symlink is never followed."""
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / TRACKER)
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        read_tracker(fifo)
+    link = tmp_path / "link"
+    link.mkdir()
+    (tmp_path / "elsewhere").write_text("3\n")
+    (link / TRACKER).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        read_tracker(link)
+
+
+def test_deep_or_huge_metadata_is_one_line(tmp_path: Path) -> None:
+    _complete(tmp_path, 3, {"rank_00000.pt": b"x"})
+    meta = checkpoint_dir(tmp_path, 3) / METADATA_FILE
+    meta.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(CheckpointError, match="nested too deeply"):
+        read_checkpoint(tmp_path)
+    with open(meta, "wb") as file:
+        file.truncate(METADATA_LIMIT + 1)
+    with pytest.raises(CheckpointError, match="more than such a file holds"):
+        read_checkpoint(tmp_path)
+
+
+def test_a_symlinked_rank_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """It used to be opened and hashed (a file outside the checkpoint) before being refused."""
+    _complete(tmp_path, 3, {"rank_00000.pt": b"x" * 10})
+    outside = tmp_path / "outside.pt"
+    outside.write_bytes(b"x" * 10)
+    rank_file = checkpoint_dir(tmp_path, 3) / "rank_00000.pt"
+    rank_file.unlink()
+    rank_file.symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"rank_00000\.pt is a symbolic link"):
+        read_checkpoint(tmp_path)
 
 
 def test_read_checkpoint_checks_every_recorded_file(tmp_path: Path) -> None:
