@@ -11,7 +11,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
@@ -110,6 +110,20 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def positive_int_up_to(limit: int, why: str) -> Callable[[str], int]:
+    """``positive_int`` with an upper bound (``why`` says where it comes from): a size past it
+    would make the command run for minutes or grow without end before saying anything."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"at most {limit:,} ({why}), got {value:,}")
+        return value
+
+    parse.__name__ = "positive integer"  # argparse names the type in its messages
+    return parse
 
 
 def finite_float(text: str) -> float:

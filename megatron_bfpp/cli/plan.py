@@ -19,6 +19,7 @@ from megatron_bfpp.cli.common import (
     json_text,
     output_file_problem,
     positive_int,
+    positive_int_up_to,
 )
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.bpipe import Estimate, bpipe_speedup_estimate
@@ -163,24 +164,31 @@ def format_estimate(estimate: Estimate) -> str:
 # --------------------------------------------------------------------------- recommend
 
 
+# Bounds on the search's inputs: the candidates and each one's schedule grow with them, and past
+# these the search ran for minutes before saying anything. Each is far above any real job.
+_GPUS = positive_int_up_to(1 << 20, "GPUs this planner searches over")
+_GPUS_PER_NODE = positive_int_up_to(1024, "GPUs per node")
+_BATCH = positive_int_up_to(1 << 24, "sequences per global batch")
+_LAYERS = positive_int_up_to(100_000, "transformer layers")
+_WIDTH = positive_int_up_to(1 << 24, "a model dimension")
+
+
 def _add_shape_flags(command: argparse.ArgumentParser) -> None:
     shape = command.add_argument_group(
         "model", "a preset (--model) or an explicit shape (--arch and the sizes)"
     )
     shape.add_argument("--model", metavar="NAME", help=f"preset: {', '.join(MODELS)}")
     shape.add_argument("--arch", choices=("gpt", "llama"), help="explicit shape: architecture")
-    shape.add_argument("--num-layers", type=positive_int, metavar="L")
-    shape.add_argument("--hidden-size", type=positive_int, metavar="H")
-    shape.add_argument("--num-attention-heads", type=positive_int, metavar="A")
+    shape.add_argument("--num-layers", type=_LAYERS, metavar="L")
+    shape.add_argument("--hidden-size", type=_WIDTH, metavar="H")
+    shape.add_argument("--num-attention-heads", type=_WIDTH, metavar="A")
+    shape.add_argument("--num-query-groups", type=_WIDTH, metavar="G", help="default: one per head")
     shape.add_argument(
-        "--num-query-groups", type=positive_int, metavar="G", help="default: one per head"
+        "--ffn-hidden-size", type=_WIDTH, metavar="F", help="default: 4h (gpt), 8h/3 (llama)"
     )
+    shape.add_argument("--vocab-size", type=_WIDTH, metavar="V", help="default: 50257 gpt")
     shape.add_argument(
-        "--ffn-hidden-size", type=positive_int, metavar="F", help="default: 4h (gpt), 8h/3 (llama)"
-    )
-    shape.add_argument("--vocab-size", type=positive_int, metavar="V", help="default: 50257 gpt")
-    shape.add_argument(
-        "--seq-length", type=positive_int, metavar="S", help="default: the preset's (2048)"
+        "--seq-length", type=_WIDTH, metavar="S", help="default: the preset's (2048)"
     )
 
 
@@ -195,10 +203,10 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     )
     _add_shape_flags(command)
     cluster = command.add_argument_group("cluster and batch")
-    cluster.add_argument("--num-gpus", type=positive_int, required=True, metavar="N")
-    cluster.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="G")
+    cluster.add_argument("--num-gpus", type=_GPUS, required=True, metavar="N")
+    cluster.add_argument("--gpus-per-node", type=_GPUS_PER_NODE, default=8, metavar="G")
     cluster.add_argument("--gpu", required=True, metavar="NAME", help=f"{', '.join(GPUS)}")
-    cluster.add_argument("--global-batch-size", type=positive_int, required=True, metavar="B")
+    cluster.add_argument("--global-batch-size", type=_BATCH, required=True, metavar="B")
     search = command.add_argument_group("search")
     names = sorted({name for name, _ in FAMILIES})
     search.add_argument(

@@ -105,6 +105,10 @@ def load_profile(path: str | Path) -> StageProfile:
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as error:
         first = str(error).splitlines()[0]
         raise ScheduleError(f"--profile {where}: not a JSON stage profile ({first})") from None
+    except RecursionError:
+        raise ScheduleError(
+            f"--profile {where}: nested too deeply to be a stage profile (a few levels)"
+        ) from None
     try:
         return profile_from_dict(data)
     except ScheduleError as error:
@@ -197,18 +201,30 @@ def _positive(data: dict[str, Any], key: str, *, where: str = "") -> int:
     return int(value)
 
 
+# A layer's forward or backward on one micro-batch: a nanosecond to a day. Outside that a number
+# is not a timing, and the planner's arithmetic on it overflows (1e308 divided by zero).
+MIN_SECONDS = 1e-9
+MAX_SECONDS = 86_400.0
+
+
 def _optional_seconds(row: dict[str, Any], key: str, where: str) -> float | None:
     """A part of the split backward: zero is a measurement too (W too small to time)."""
     if row.get(key) is None:
         return None
     value = _field(row, key, (int, float), where=where)
-    if not math.isfinite(value) or value < 0:
-        raise ScheduleError(f"'{where}{key}' must be a number of seconds >= 0, got {value}")
+    if not math.isfinite(value) or not (value == 0 or MIN_SECONDS <= value <= MAX_SECONDS):
+        raise ScheduleError(
+            f"'{where}{key}' must be 0 or between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, "
+            f"got {value!r:.40}"
+        )
     return float(value)
 
 
 def _seconds(row: dict[str, Any], key: str, where: str) -> float:
     value = _field(row, key, (int, float), where=where)
-    if not math.isfinite(value) or value <= 0:
-        raise ScheduleError(f"'{where}{key}' must be a positive number of seconds, got {value}")
+    if not math.isfinite(value) or not MIN_SECONDS <= value <= MAX_SECONDS:
+        raise ScheduleError(
+            f"'{where}{key}' must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, got "
+            f"{value!r:.40}"
+        )
     return float(value)

@@ -222,8 +222,17 @@ def test_profile_round_trip(tmp_path: Path) -> None:
         (lambda d: {**d, "measurements": []}, "'measurements' is empty"),
         (
             lambda d: {**d, "measurements": [{**d["measurements"][0], "forward_s": -1}]},
-            "'measurements[0].forward_s' must be a positive number of seconds, got -1",
+            "'measurements[0].forward_s' must be between 1e-09 and 86400 seconds, got -1",
         ),
+        (
+            lambda d: {**d, "measurements": [{**d["measurements"][0], "forward_s": 1e308}]},
+            "'measurements[0].forward_s' must be between 1e-09 and 86400 seconds, got 1e+308",
+        ),
+        (
+            lambda d: {**d, "measurements": [{**d["measurements"][0], "backward_s": 1e-320}]},
+            "'measurements[0].backward_s' must be between 1e-09 and 86400 seconds, got 1e-320",
+        ),
+        (lambda d: "[" * 100_000 + "]" * 100_000, "nested too deeply to be a stage profile"),
         (
             lambda d: {**d, "measurements": [{**d["measurements"][0], "backward_s": "fast"}]},
             "'measurements[0].backward_s' must be a number, got 'fast'",
@@ -271,3 +280,47 @@ def test_time_and_cost_follow_the_papers_model() -> None:
     assert costs == sorted(costs) and times == sorted(times, reverse=True)
     with pytest.raises(ScheduleError, match="--critical-batch-size must be positive"):
         time_and_cost(samples_per_s_per_gpu=1, batch_per_gpu=1, num_gpus=1, critical_batch_size=0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-gpus", "1000000000000"], "argument --num-gpus: at most 1,048,576"),
+        (["--num-layers", "1000000000"], "argument --num-layers: at most 100,000"),
+        (["--global-batch-size", "99999999999"], "argument --global-batch-size: at most"),
+    ],
+    ids=["gpus", "layers", "batch"],
+)
+def test_search_sizes_past_their_bounds_are_one_line_at_once(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They ran silently for minutes (every integer tried as a divisor); now the parser refuses
+    them before the search, in a bounded number of lines run."""
+    from megatron_bfpp.cli import plan as cli_plan
+    from tests.growth import python_lines
+
+    base = {"--model": "gpt3-6.7b", "--num-gpus": "8", "--gpu": "a100-80gb",
+            "--global-batch-size": "8"}  # fmt: skip
+    if "--num-layers" in flags:
+        base = {"--arch": "gpt", "--hidden-size": "1024", "--num-attention-heads": "16",
+                "--num-gpus": "8", "--gpu": "a100-80gb", "--global-batch-size": "8"}  # fmt: skip
+    base.update(dict(zip(flags[::2], flags[1::2], strict=True)))
+    argv = ["recommend", *[part for pair in base.items() for part in pair]]
+
+    def run() -> None:
+        with pytest.raises(SystemExit) as exit_info:
+            cli_plan.main(argv)
+        assert exit_info.value.code == 2
+
+    assert python_lines(run) < 50_000
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_divisors_come_from_the_square_root() -> None:
+    from megatron_bfpp.plan.search import _divisors
+    from tests.growth import python_lines
+
+    assert _divisors(1) == [1] and _divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert _divisors(1 << 20) == [1 << k for k in range(21)]
+    assert python_lines(lambda: _divisors(1 << 20)) < 20_000  # 1,024 steps, not a million
