@@ -30,6 +30,9 @@ from typing import NamedTuple
 
 __all__ = [
     "COMPUTE_KINDS",
+    "MAX_ACTIONS",
+    "MAX_CSV_BYTES",
+    "MAX_CSV_ROWS",
     "MEMORY_DELTA",
     "Action",
     "ActionKind",
@@ -270,6 +273,13 @@ def _shown(text: str, limit: int = 40) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
+def _shown_sequence(values: Sequence[int], limit: int = 16) -> str:
+    """A sequence for a one-line message: in full when short, else its start and its length."""
+    if len(values) <= limit:
+        return str(tuple(values))
+    return f"({', '.join(map(str, values[:limit]))}, ... {len(values):,} in all)"
+
+
 @dataclass(frozen=True, slots=True)
 class StageLayout:
     """Which pipeline rank holds each global stage.
@@ -289,13 +299,15 @@ class StageLayout:
         # range(max + 1) instead would hang on a stray huge rank.
         if min(ranks) < 0 or len(ranks) != max(ranks) + 1:
             raise ScheduleError(
-                f"layout ranks must be 0..p-1 with every rank used, got {self.stage_to_rank}"
+                "layout ranks must be 0..p-1 with every rank used, got "
+                f"{_shown_sequence(self.stage_to_rank)}"
             )
-        per_rank = [self.stage_to_rank.count(r) for r in range(max(ranks) + 1)]
+        counts = Counter(self.stage_to_rank)  # one pass: not a count per rank
+        per_rank = [counts[r] for r in range(max(ranks) + 1)]
         if len(set(per_rank)) != 1:
             raise ScheduleError(
-                f"every rank must hold the same number of stages, got {per_rank} "
-                f"for layout {self.stage_to_rank}"
+                f"every rank must hold the same number of stages, got {_shown_sequence(per_rank)} "
+                f"for layout {_shown_sequence(self.stage_to_rank)}"
             )
 
     @classmethod
@@ -550,6 +562,13 @@ def parse_schedule(
 #   ``defer_pp_recv=True``: ``cli.sim.schedule_from_csv`` derives those messages again).
 
 _HEADER_KEYS = ("layout", "microbatches", "name")
+# About a minute and 1.6 GB to check and simulate (schedules.registry explains the figure; it
+# refuses generated schedules past it too). A CSV may hold no more actions, on no more rank rows
+# than MAX_CSV_ROWS; a cell is a short action ("12B345"), so MAX_CSV_BYTES leaves room for all of
+# them. Each is checked while the file is read: the reading stops at the row that passes it.
+MAX_ACTIONS = 4_000_000
+MAX_CSV_ROWS = 100_000
+MAX_CSV_BYTES = 64 << 20
 _TORCH_RE = re.compile(
     r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)", re.ASCII
 )
@@ -612,9 +631,15 @@ def load_csv(path: str | Path) -> Schedule:
     """Our CSV or torch's ``_dump_csv`` output (either format); every problem is one line
     naming the file and the row."""
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as file:
+            data = file.read(MAX_CSV_BYTES + 1)
     except OSError as error:
         raise ScheduleError(f"cannot read schedule CSV {path}: {error.strerror}") from error
+    if len(data) > MAX_CSV_BYTES:
+        raise ScheduleError(
+            f"{path}: more than {MAX_CSV_BYTES >> 20} MiB, more than a schedule of "
+            f"{MAX_ACTIONS:,} actions takes; is this the right file?"
+        )
     return load_csv_text(_decoded(data, str(path)), source=str(path))
 
 
@@ -653,6 +678,7 @@ def _read_rows(text: str, source: str) -> list[_Row]:
     # newline="": csv sees "\r\n" and "\r" line ends itself, as the csv module asks.
     reader = csv.reader(io.StringIO(text, newline=""))
     rows: list[_Row] = []
+    actions = 0
     while True:
         start = reader.line_num + 1
         try:
@@ -663,6 +689,13 @@ def _read_rows(text: str, source: str) -> list[_Row]:
             raise ScheduleError(f"{source}: row {start}: {_csv_problem(error)}") from None
         if any(cell.strip() for cell in cells):
             rows.append(_Row(start, tuple(cells)))
+            actions += len(cells)
+            if len(rows) > MAX_CSV_ROWS + len(_HEADER_KEYS) or actions > MAX_ACTIONS + len(rows):
+                raise ScheduleError(
+                    f"{source}: row {start}: more rows or cells than a schedule holds (at most "
+                    f"{MAX_CSV_ROWS:,} ranks and {MAX_ACTIONS:,} actions); is this the right "
+                    "file?"
+                )
 
 
 def _csv_problem(error: csv.Error) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError
+from megatron_bfpp.ir import MAX_ACTIONS, ActionKind, Schedule, ScheduleError
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
 from megatron_bfpp.schedules.bpipe import build_bpipe
@@ -62,8 +62,8 @@ DATA_PARALLEL_MODES = ("ddp", "distributed-optimizer")
 # micro-batch (F and B, or F, I and W, and the four messages at a rank boundary); 7 counts
 # BPipe's transfers and split backwards too. The checks also keep per-rank tables over every
 # stage (0.3 us and 32 bytes per rank and stage: pp=8000 took 20 s and 2 GB even at one
-# micro-batch), hence MAX_RANK_STAGES (about 10 s and 1 GB).
-MAX_ACTIONS = 4_000_000
+# micro-batch), hence MAX_RANK_STAGES (about 10 s and 1 GB). MAX_ACTIONS lives in ir, where
+# a schedule CSV is read against it too.
 ACTIONS_PER_STAGE_MICROBATCH = 7
 BYTES_PER_ACTION = 400
 MAX_RANK_STAGES = 32_000_000

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_bfpp.ir import (
+    MAX_ACTIONS,
     Action,
     ActionKind,
     Schedule,
@@ -294,6 +295,33 @@ def test_oversized_cell_is_one_line_not_a_csv_traceback() -> None:
     assert _one_line(error).startswith("big.csv: row 3: a cell is longer than 131072 characters")
     with pytest.raises(ScheduleError, match=r"^big\.csv: row 2: a cell is longer"):
         load_csv_text('0F0,0B0\n0F1,"' + "y" * (200 * 1024), source="big.csv")
+
+
+def test_a_csv_is_read_within_its_limits_in_linear_time(tmp_path: Path) -> None:
+    """A 1 MB file of 20,000 rank rows hung (a count per rank: quadratic), /dev/zero grew to
+    22 GB, and a 2 M-row file was read whole (31 s, 2 GB) before its row 6 was refused."""
+    from megatron_bfpp.ir import MAX_CSV_BYTES, MAX_CSV_ROWS
+    from megatron_bfpp.schedules.registry import MAX_ACTIONS as REGISTRY_MAX_ACTIONS
+    from tests.growth import growth, python_lines
+
+    assert MAX_ACTIONS == REGISTRY_MAX_ACTIONS  # one budget, in ir
+
+    def torch_rows(n: int) -> None:  # torch's rows: a layout of n ranks is inferred
+        load_csv_text("\n".join(f"{r}F0,{r}B0" for r in range(n)), source="wide.csv")
+
+    assert growth(python_lines, torch_rows, 2_000) < 2.3
+    many = tmp_path / "many.csv"
+    many.write_text("layout,0\nmicrobatches,1\n" + "0,0F0\n" * (MAX_CSV_ROWS + 10))
+    with pytest.raises(ScheduleError) as error:
+        load_csv(many)
+    assert _one_line(error).startswith(f"{many}: row {MAX_CSV_ROWS + 4}: more rows or cells")
+    big = tmp_path / "big.csv"
+    with open(big, "wb") as file:
+        file.truncate(MAX_CSV_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(ScheduleError, match=r"more than 64 MiB, more than a schedule of 4,000"):
+        load_csv(big)
+    with pytest.raises(ScheduleError, match="more than 64 MiB"):
+        load_csv("/dev/zero")
 
 
 HUGE = "9" * 20
