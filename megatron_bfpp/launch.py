@@ -22,12 +22,16 @@ import os
 import runpy
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 __all__ = ["main"]
 
 log = logging.getLogger("megatron_bfpp.launch")
 
 USAGE = "usage: python -m megatron_bfpp.launch SCRIPT.py [script arguments ...]"
+
+
+PROG = "megatron_bfpp.launch"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -38,7 +42,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
-        raise SystemExit(f"megatron_bfpp.launch: error: no such script: {argv[0]}")
+        _refuse(f"no such script: {argv[0]}")
+    _check_schedule_flags(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     from megatron_bfpp.megatron.placement import apply_rank_order_from_env
@@ -54,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         install()
     except UnsupportedMegatronError as error:
-        raise SystemExit(f"megatron_bfpp.launch: error: {error}") from None
+        _refuse(str(error))
     _use_prebuilt_dataset_helpers()
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
@@ -75,6 +80,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.info("megatron_bfpp.launch: megatron-core %s from %s; %s", version, where, device)
     sys.argv = [script, *argv[1:]]
     runpy.run_path(script, run_name="__main__")
+
+
+def _refuse(message: str) -> NoReturn:
+    from megatron_bfpp.megatron.plugin import refuse
+
+    refuse(message, prog=PROG)
+
+
+def _check_schedule_flags(args: Sequence[str]) -> None:
+    """With one of our schedules asked for, the plugin's checks (and Megatron's own layout
+    checks they rest on) run here, before torch or Megatron is imported: a mistake is one line
+    per node, exit 2, in well under a second, not a line per rank after every rank's imports and
+    Megatron's argument dump (:mod:`megatron_bfpp.megatron.preflight`; the plugin checks again
+    in ``validate_args``). Without ``--pipeline-schedule`` the script is Megatron's business."""
+    if not any(a == "--pipeline-schedule" or a.startswith("--pipeline-schedule=") for a in args):
+        return
+    from megatron_bfpp.ir import ScheduleError
+    from megatron_bfpp.megatron.preflight import check_megatron_command
+
+    try:
+        check_megatron_command(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except ScheduleError as error:
+        _refuse(str(error).splitlines()[0])
 
 
 def _use_prebuilt_dataset_helpers() -> None:

@@ -50,9 +50,11 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from megatron_bfpp.compat import (
     call_megatron_get_forward_backward_func,
@@ -323,8 +325,8 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
         fsdp = bool(getattr(args, "use_megatron_fsdp", False))
         args.bfpp_data_parallel_sharding_strategy = given if ours and not fsdp else None
         if given not in (None, "optim") and ours and not fsdp and not _sharding_wired():
-            raise SystemExit(
-                "megatron_bfpp: error: this Megatron-LM's megatron.training.training has no "
+            refuse(
+                "this Megatron-LM's megatron.training.training has no "
                 f"{' / '.join(SHARDING_SITES)} to wrap, so --data-parallel-sharding-strategy "
                 f"{given} cannot run with our schedules; use optim"
             )
@@ -335,11 +337,20 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             check_schedule_args(validated)
         except ScheduleError as error:
-            raise SystemExit(f"megatron_bfpp: error: {str(error).splitlines()[0]}") from None
+            refuse(str(error).splitlines()[0])
         return result
 
     validate_args.__dict__["megatron_bfpp_wrapped"] = True
     return validate_args
+
+
+def refuse(message: str, *, prog: str = "megatron_bfpp") -> NoReturn:
+    """End a rank for an argument error: exit code 2, the line printed once per node (by local
+    rank 0: every rank checks the same arguments, and under torchrun each printing it made one
+    mistake many lines)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def _sharding_wired() -> bool:

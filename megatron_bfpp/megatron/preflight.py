@@ -24,7 +24,11 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from megatron_bfpp.ir import ScheduleError
-from megatron_bfpp.megatron.arguments import add_schedule_arguments, check_schedule_args
+from megatron_bfpp.megatron.arguments import (
+    add_schedule_arguments,
+    apply_schedule_defaults,
+    check_schedule_args,
+)
 
 __all__ = ["check_megatron_command", "check_parallel_layout", "parse_megatron_command"]
 
@@ -100,6 +104,7 @@ def parse_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.
     (``world_size``, ``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, the
     default ``global_batch_size``), so the plugin's checks see what they will see on the GPUs."""
     args, _ = _parser().parse_known_args(list(argv))
+    apply_schedule_defaults(args)  # what the plugin does before Megatron validates (vp 2)
     args.world_size = world_size
     model_size = (
         args.tensor_model_parallel_size

@@ -4,6 +4,8 @@ what Megatron's validate_args derives, its layout checks, then the plugin's own 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
@@ -58,7 +60,11 @@ def test_derives_what_megatron_derives_and_passes_other_arguments_through() -> N
             "need --pipeline-model-parallel-size >= 3 (got 2) without p2p overlap",
         ),
         ("--global-batch-size 12", "--global-batch-size 12 is not a multiple of micro-batch"),
-        ("--pipeline-model-parallel-size 2 --pipeline-schedule breadth-first", "needs virtual"),
+        (
+            "--pipeline-model-parallel-size 2 --pipeline-schedule breadth-first "
+            "--num-virtual-stages-per-pipeline-rank 1",
+            "needs virtual",
+        ),
         ("--micro-batch-size 0", "--micro-batch-size: expected a positive integer, got '0'"),
     ],
 )
@@ -77,3 +83,71 @@ def test_missing_micro_batch_size_and_layout_strings() -> None:
         "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E|t*4|t*4|t*4|t*4,L "
         "--pipeline-schedule breadth-first"
     )
+
+
+def _launch(script: str, *args: str, local_rank: str = "0") -> tuple[int, str, dict[str, bool]]:
+    """``python -m megatron_bfpp.launch`` as torchrun starts it on one node of 4 ranks; its exit
+    code, stderr, and whether torch / megatron-core were imported before it ended."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from megatron_bfpp import launch\n"
+        "try:\n"
+        "    launch.main(sys.argv[1:])\n"
+        "    code = 0\n"
+        "except SystemExit as exit:\n"
+        "    code = exit.code\n"
+        "print(json.dumps({m: m in sys.modules for m in ('torch', 'megatron.core')}))\n"
+        "sys.exit(code)\n"
+    )
+    env = dict(os.environ, WORLD_SIZE="4", RANK=local_rank, LOCAL_RANK=local_rank)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, script, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    return proc.returncode, proc.stderr, json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_launcher_refuses_schedule_mistakes_once_per_node_before_any_import(
+    tmp_path: Path,
+) -> None:
+    """One mistyped schedule flag under torchrun printed 3,105 lines (every rank's usage, import
+    warnings and Megatron's argument dump), the right line four times after 47.6 s. Now local
+    rank 0 prints one line, every rank exits 2, and neither torch nor Megatron is imported."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    flags = ("--micro-batch-size", "1", "--global-batch-size", "8", "--num-layers", "16",
+             "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "v-half",
+             "--num-virtual-stages-per-pipeline-rank", "4")  # fmt: skip
+    code, err, imported = _launch(str(script), *flags)
+    assert code == 2
+    assert err.splitlines() == [
+        "megatron_bfpp.launch: error: v-half places exactly 2 stages per rank (V-shape); drop "
+        "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank or "
+        "set it to 2, got 4"
+    ], err
+    assert imported == {"torch": False, "megatron.core": False}
+    code, err, _ = _launch(str(script), *flags, local_rank="1")
+    assert (code, err) == (2, "")  # the other ranks of the node: quiet, same exit code
+    code, err, _ = _launch(str(tmp_path / "missing.py"))
+    assert code == 2 and err.strip() == "megatron_bfpp.launch: error: no such script: " + str(
+        tmp_path / "missing.py"
+    )
+
+
+def test_looped_and_v_schedules_get_two_virtual_stages_as_the_plugin_gives_them() -> None:
+    """The plugin sets --num-virtual-stages-per-pipeline-rank 2 for these before Megatron
+    validates; the preflight (sbatch dry runs, the launcher) used to refuse them instead."""
+    for name in ("breadth-first", "interleaved", "v-half"):
+        args = check_megatron_command(
+            ["--micro-batch-size", "1", "--global-batch-size", "8", "--num-layers", "8",
+             "--pipeline-model-parallel-size", "4", "--pipeline-schedule", name],
+            world_size=4,
+        )  # fmt: skip
+        assert args.virtual_pipeline_model_parallel_size == 2, name
