@@ -48,6 +48,7 @@ from megatron_bfpp.sim import (
     render_png,
     simulate,
 )
+from megatron_bfpp.sim.engine import UNITS
 from megatron_bfpp.validate import has_communication, validate_schedule
 
 PROG = "bfpp-sim"
@@ -342,13 +343,10 @@ def format_report(result: SimResult) -> str:
             f"{row['peak_activations']:>9.3g}  {row['peak_parameters']:>9.3g}  "
             f"{row['peak_gradients']:>9.3g}  {row['exposed_dp_comm_time']:>10.4g}"
         )
-    lines.append("peak act. = stored activations in micro-batches through one full 1F1B stage")
-    lines.append(
-        "peak par. = gathered parameters in full 1F1B stages (sharded: the 1/d shard comes on top)"
-    )
-    lines.append(
-        "peak grad = full gradient buffers in full 1F1B stages (sharded: the 1/d shard on top)"
-    )
+    units = data.get("units", UNITS)
+    lines.append(f"peak act. = stored activations, in {units['peak_activations']}")
+    lines.append(f"peak par. = {units['peak_parameters']}")
+    lines.append(f"peak grad = {units['peak_gradients']}")
     return "\n".join(lines)
 
 

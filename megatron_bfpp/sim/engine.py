@@ -25,7 +25,16 @@ from megatron_bfpp.execution import Event, Lane, Replay, Timeline, describe_wait
 from megatron_bfpp.ir import Schedule, ScheduleError, format_schedule
 from megatron_bfpp.sim.cost import CostModel
 
-__all__ = ["Event", "Lane", "RankMetrics", "SimResult", "simulate"]
+__all__ = ["UNITS", "Event", "Lane", "RankMetrics", "SimResult", "simulate"]
+
+# The one unit of stored activations, parameters and gradients everywhere (bfpp-sim's table and
+# JSON, bfpp-train's metrics, the planner): a full 1F1B stage, i.e. a rank's share of the layers
+# (1/p of them). A breadth-first chunk at vp=4 is 0.25 of it, a V-shape chunk 0.5.
+UNITS = {
+    "peak_activations": "micro-batches through one full 1F1B stage (a rank's 1/p of the layers)",
+    "peak_parameters": "gathered parameters of full 1F1B stages (sharded: the 1/d shard on top)",
+    "peak_gradients": "full gradient buffers of 1F1B stages (sharded: the 1/d shard on top)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +113,7 @@ class SimResult:
             "bubble_fraction": self.bubble_fraction,
             "exposed_dp_comm_time": self.exposed_dp_comm_time,
             "costs": asdict(self.costs),
+            "units": dict(UNITS),
             "per_rank": [r.to_dict() for r in self.per_rank],
         }
         if include_events:

@@ -167,7 +167,8 @@ def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
     rows = [[int(v) for v in t.tolist()] for t in gathered]
     memory: dict[str, Any] = {
         "peak_activation_bytes": [row[0] for row in rows],
-        "peak_stored_microbatches": [row[1] for row in rows],
+        # bfpp-sim's unit (sim.engine.UNITS): a rank's chunk is 1/len(model) of a full stage
+        "peak_activations": [round(row[1] / len(run.model), 6) for row in rows],
         "peak_parameter_bytes": [row[3] for row in rows],
         "peak_gradient_bytes": [row[4] for row in rows],
     }
