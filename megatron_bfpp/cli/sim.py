@@ -87,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="virtual stages (chunks) per rank: interleaved and breadth-first need it (>= 2); "
         "the V-shapes place 2, the others 1",
     )
-    source.add_argument("--microbatches", type=positive_int, help="micro-batches per step")
+    source.add_argument(
+        "--microbatches",
+        type=positive_int,
+        help="micro-batches per step (default: 2 x pp, a step where every schedule reaches its "
+        "steady state; the report says when it was used)",
+    )
     source.add_argument(
         "--data-parallel-sharding-strategy",
         choices=SHARDING_STRATEGIES,
@@ -109,7 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("--t-p2p", 0.0, "one pipeline message"),
         ("--t-grad-reduce", 0.0, "one chunk's data-parallel gradient reduction"),
         ("--t-param-gather", 0.0, "one chunk's data-parallel parameter gather"),
-        ("--t-evict", 0.0, "BPipe: moving one micro-batch's activations to the partner"),
+        (
+            "--t-evict",
+            None,
+            "BPipe: moving one micro-batch's activations to the partner (default: "
+            f"{BPIPE_T_EVICT:g} for bpipe, so its transfers show in the timeline; 0 otherwise)",
+        ),
     ):
         costs.add_argument(flag, type=non_negative_float, default=default, help=text)
     out = parser.add_argument_group("output")
@@ -146,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return fail(PROG, problem)
     if args.png and args.pp is not None and (problem := png_problem(args.pp)):
         return fail(PROG, problem)
+    defaults = apply_defaults(args)
     try:
         schedule = _schedule_from(args)
         if args.png and (problem := png_problem(schedule.num_ranks)):
@@ -179,11 +190,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(PROG, error)
     if args.json:
         data = result.to_dict()
+        if defaults:
+            data["defaults_used"] = defaults
         if nccl is not None:
             data["nccl"] = nccl
         print(json_text(data))
     else:
         print(format_report(result))
+        for name, text in defaults.items():
+            print(f"default {name}: {text}")
         if nccl is not None:
             print(format_nccl(nccl))
         if args.grid != "none":
@@ -205,6 +220,25 @@ def png_problem(num_ranks: int) -> str | None:
         f"{num_ranks * PNG_SECONDS_PER_RANK:.0f} s ({1000 * PNG_SECONDS_PER_RANK:.0f} ms per rank; "
         f"limit {MAX_PNG_RANKS} ranks); drop --png (--trace draws any size in Perfetto)"
     )
+
+
+# bfpp-sim's default --t-evict for bpipe: a quarter of a forward. With 0 its transfers take no
+# time, leave no event, and its timeline looked exactly like 1F1B's.
+BPIPE_T_EVICT = 0.25
+
+
+def apply_defaults(args: argparse.Namespace) -> dict[str, str]:
+    """Fill the defaults that depend on the schedule; returns what was filled, in words, for
+    the report to say (``--microbatches`` 2 x pp, ``--t-evict`` for bpipe)."""
+    used: dict[str, str] = {}
+    if args.microbatches is None and args.schedule and args.pp is not None and not args.load_csv:
+        args.microbatches = 2 * args.pp
+        used["microbatches"] = f"{args.microbatches} (2 x pp; set --microbatches)"
+    if args.t_evict is None:
+        args.t_evict = BPIPE_T_EVICT if args.schedule == "bpipe" else 0.0
+        if args.schedule == "bpipe":
+            used["t_evict"] = f"{BPIPE_T_EVICT:g} (bpipe's default; set --t-evict)"
+    return used
 
 
 def _schedule_from(args: argparse.Namespace) -> Schedule:

@@ -90,6 +90,9 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 
 _BOX = (-0.34, 0.30)  # compute box, relative to the row centre (y grows downwards)
 _P2P = (-0.45, -0.38)
+# BPipe's activation transfers (evict to the partner, restore from it), apart from messages.
+_BPIPE_TRANSFERS = frozenset({ActionKind.EVICT, ActionKind.RESTORE})
+_BPIPE_COLOUR = "#c0392b"
 _DP = (0.34, 0.45)
 _STYLE: dict[ActionKind, tuple[float, str | None, str]] = {
     # kind: (shade: < 0 darkens, > 0 mixes towards white; hatch; legend text)
@@ -135,10 +138,12 @@ def render_png(
     )
 
     compute: dict[ActionKind, list[Event]] = {kind: [] for kind in _STYLE}
-    comm: dict[str, list[Event]] = {"p2p": [], "dp": []}
+    comm: dict[str, list[Event]] = {"p2p": [], "bpipe": [], "dp": []}
     for event in result.events:
         if event.lane == "compute":
             compute[event.kind].append(event)
+        elif event.kind in _BPIPE_TRANSFERS:
+            comm["bpipe"].append(event)
         else:
             comm[event.lane].append(event)
 
@@ -158,7 +163,11 @@ def render_png(
             )
     _decorate(axes, result, page.span, font)
     axes.set_title(title or _title(result), fontsize=11)
-    handles = _legend_handles([kind for kind, events in compute.items() if events], comm)
+    handles = _legend_handles(
+        [kind for kind, events in compute.items() if events],
+        comm,
+        with_stage=result.num_chunks > 1,
+    )
     figure.legend(
         handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
     )
@@ -212,13 +221,21 @@ def _draw_compute(
                 hatch=hatch if detailed else None,
             )
         )
-        # With several chunks per rank the stage tells them apart ("4F3": stage 4, micro-batch 3).
+        # With several chunks per rank the stage tells them apart ("4F3": stage 4, micro-batch 3);
+        # a box too narrow for that still names its stage ("4"): the colour gives the
+        # micro-batch, so every box of a looped or V schedule says which chunk it runs.
         digits = np.floor(np.log10(np.maximum(mbs, 1))) + 1
         text_px = page.char_px * (1.6 + digits + (2.0 if with_stage else 0.0))
+        stages = np.fromiter((e.stage for e in compute[kind]), int, len(compute[kind]))
+        stage_px = page.char_px * (0.8 + np.floor(np.log10(np.maximum(stages, 1))) + 1)
         for index in np.flatnonzero(width_px > text_px):
             event = compute[kind][int(index)]
             text = event.label if with_stage else f"{kind.value}{event.microbatch}"
             labelled.append(((event.start + event.end) / 2, event.rank, text))
+        if with_stage:
+            for index in np.flatnonzero((width_px <= text_px) & (width_px > stage_px)):
+                event = compute[kind][int(index)]
+                labelled.append(((event.start + event.end) / 2, event.rank, str(event.stage)))
     return labelled
 
 
@@ -226,7 +243,11 @@ def _draw_comm(axes: Axes, comm: dict[str, list[Event]]) -> None:
     import numpy as np
     from matplotlib.collections import PolyCollection
 
-    for lane, where, colour in (("p2p", _P2P, "0.6"), ("dp", _DP, "0.15")):
+    for lane, where, colour in (
+        ("p2p", _P2P, "0.6"),
+        ("bpipe", _P2P, _BPIPE_COLOUR),
+        ("dp", _DP, "0.15"),
+    ):
         events = comm[lane]
         if events:
             starts = np.fromiter((e.start for e in events), float, len(events))
@@ -251,7 +272,9 @@ def _title(result: SimResult) -> str:
     return f"{result.schedule_name} ({shape}): {stats}"
 
 
-def _legend_handles(present: list[ActionKind], comm: dict[str, list[Event]]) -> list[Any]:
+def _legend_handles(
+    present: list[ActionKind], comm: dict[str, list[Event]], *, with_stage: bool = False
+) -> list[Any]:
     import numpy as np
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -267,9 +290,17 @@ def _legend_handles(present: list[ActionKind], comm: dict[str, list[Event]]) -> 
     ]
     if comm["p2p"]:
         handles.append(Line2D([], [], color="0.6", linewidth=3, label="p2p transfer"))
+    if comm["bpipe"]:
+        handles.append(
+            Line2D([], [], color=_BPIPE_COLOUR, linewidth=3, label="BPipe evict / restore")
+        )
     if comm["dp"]:
         handles.append(Line2D([], [], color="0.15", linewidth=3, label="DP sync (GS/PS)"))
     handles.append(Patch(facecolor="none", edgecolor="none", label="colour = micro-batch"))
+    if with_stage:
+        handles.append(
+            Patch(facecolor="none", edgecolor="none", label="4F3 = stage 4, micro-batch 3")
+        )
     return handles
 
 

@@ -84,7 +84,7 @@ def test_readable_table_and_grid() -> None:
         (["--schedule", "breadth-first", "--pp", "4", "--microbatches", "8"], "--vp"),
         (["--schedule", "warp", "--pp", "4", "--microbatches", "8"], "invalid choice: 'warp'"),
         (["--schedule", "1f1b", "--pp", "0", "--microbatches", "8"], "positive integer"),
-        (["--schedule", "1f1b", "--pp", "2"], "missing --microbatches"),
+        (["--schedule", "1f1b", "--microbatches", "4"], "missing --pp"),
         (
             ["--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--group-size", "2"],
             "1f1b takes no --group-size",
@@ -531,3 +531,23 @@ def test_a_reader_that_closes_the_pipe_ends_it_quietly(command: list[str]) -> No
     err = proc.stderr.read()
     assert err == "", err
     assert code == 141
+
+
+def test_defaults_that_depend_on_the_schedule_are_said() -> None:
+    """``--microbatches`` defaults to 2 x pp; bpipe's ``--t-evict`` to a quarter of a forward, so
+    its transfers take time and show (at 0 its picture was exactly 1F1B's); both are reported."""
+    result = bfpp_sim("--schedule", "bpipe", "--pp", "4", "--grid", "none")
+    assert result.returncode == 0, result.stderr
+    assert "micro-batches=8" in result.stdout
+    assert "default microbatches: 8 (2 x pp; set --microbatches)" in result.stdout
+    assert "default t_evict: 0.25 (bpipe's default; set --t-evict)" in result.stdout
+    data = json.loads(bfpp_sim("--schedule", "bpipe", "--pp", "4", "--json").stdout)
+    assert data["costs"]["t_evict"] == 0.25 and set(data["defaults_used"]) == {
+        "microbatches",
+        "t_evict",
+    }
+    assert data["units"]["peak_activations"].startswith("micro-batches through one full 1F1B")
+    given = json.loads(
+        bfpp_sim("--schedule", "1f1b", "--pp", "4", "--microbatches", "6", "--json").stdout
+    )
+    assert given["costs"]["t_evict"] == 0.0 and "defaults_used" not in given

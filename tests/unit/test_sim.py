@@ -427,3 +427,28 @@ def test_sim_imports_neither_torch_megatron_nor_matplotlib() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_png_boxes_of_a_multi_chunk_schedule_name_their_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forward boxes too narrow for "4F3" used to carry no text: which chunk they ran was not
+    shown. Now they carry their stage ("4"), and the legend says how to read the labels."""
+    from matplotlib.figure import Figure
+
+    saved: list[Any] = []
+    original = Figure.savefig
+
+    def keep(figure: Any, *args: Any, **kwargs: Any) -> Any:
+        saved.append(figure)
+        return original(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    schedule = lowered(looped_gpipe(4, 2, 8))
+    render_png(simulate(schedule, CostModel()), tmp_path / "bf.png")
+    (axes,) = saved[0].axes
+    texts = [t.get_text() for t in axes.texts]
+    stage_only = [t for t in texts if t.isdigit()]
+    assert {str(s) for s in range(8)} <= set(stage_only), texts  # (8 is also a peak figure)
+    legend = [t.get_text() for t in saved[0].legends[0].get_texts()]
+    assert "4F3 = stage 4, micro-batch 3" in legend
