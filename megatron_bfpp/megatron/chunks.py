@@ -24,6 +24,7 @@ first and last stage computes.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,12 +113,32 @@ def placed_provider(
     num_ranks: int,
     rank: int,
     share_embeddings_and_output_weights: bool,
+    seeded_as: Callable[[int], contextlib.AbstractContextManager[bool]] | None = None,
 ) -> Callable[..., torch.nn.Module]:
     """A Megatron-LM ``model_provider`` building V-shape chunks in place of the looped ones its
     ``get_model`` asks for: the same call per ``vp_stage``, with the V's ``pre_process`` /
-    ``post_process`` and process groups; the tied output copy is set once both chunks exist."""
+    ``post_process`` and process groups; the tied output copy is set once both chunks exist.
+
+    ``seeded_as(q)`` (:mod:`megatron_bfpp.megatron.seeding`): a context in which the generators
+    are seeded as 1F1B's pipeline rank ``q`` had them. Stage ``s`` is then built in the context
+    of ``q = s // 2``, after building and dropping stage ``s - 1`` for an odd ``s``: its weights
+    are the ones 1F1B's rank ``q`` drew for those layers."""
     places = chunk_places(StageLayout.v_shape(num_ranks), rank)
     built: dict[int, torch.nn.Module] = {}
+
+    def build(stage: int, vp_stage: int, kwargs: dict[str, Any]) -> torch.nn.Module:
+        kwargs = dict(kwargs)
+        kwargs["pg_collection"] = model_process_groups(
+            pipeline_rank=stage % num_ranks,
+            embedding_group=False,
+            base=kwargs.get("pg_collection"),
+        )
+        return provider(
+            pre_process=stage == 0,
+            post_process=stage == 2 * num_ranks - 1,
+            vp_stage=vp_stage,
+            **kwargs,
+        )
 
     def v_shape_provider(
         pre_process: bool = True,
@@ -131,17 +152,12 @@ def placed_provider(
                 f"{vp_stage} (is --num-virtual-stages-per-pipeline-rank 2?)"
             )
         place = places[vp_stage]
-        kwargs["pg_collection"] = model_process_groups(
-            pipeline_rank=place.megatron_rank,
-            embedding_group=False,
-            base=kwargs.get("pg_collection"),
-        )
-        model = provider(
-            pre_process=place.pre_process,
-            post_process=place.post_process,
-            vp_stage=vp_stage,
-            **kwargs,
-        )
+        seeding = seeded_as(place.stage // 2) if seeded_as is not None else contextlib.nullcontext()
+        with seeding as reseeded:
+            if reseeded and place.stage % 2:
+                previous = place.stage - 1  # the first half of the same 1F1B rank's layers
+                build(previous, previous // num_ranks, kwargs)  # drawn, then dropped
+            model = build(place.stage, vp_stage, kwargs)
         built[vp_stage] = model
         if share_embeddings_and_output_weights and len(built) == len(places):
             tie_output_to_embedding([built[chunk] for chunk in sorted(built)])

@@ -195,6 +195,14 @@ def install() -> None:
                     "add_megatron_arguments",
                     _wrap_add_arguments(arguments.add_megatron_arguments),
                 )
+                if hasattr(initialize, "_set_random_seed"):  # V chunks reseed as 1F1B ranks
+                    from megatron_bfpp.megatron.seeding import record_seed_call
+
+                    _patch(
+                        initialize,
+                        "_set_random_seed",
+                        record_seed_call(initialize._set_random_seed),
+                    )
                 for module in (arguments, initialize):
                     # newer Megatron-LM (>= 0.17) no longer binds it in initialize
                     if hasattr(module, "validate_args"):
@@ -411,12 +419,14 @@ def _wrap_get_model(original: Callable[..., Any]) -> Callable[..., Any]:
         from megatron.core import parallel_state
 
         from megatron_bfpp.megatron.chunks import placed_provider
+        from megatron_bfpp.megatron.seeding import seeded_as_pipeline_rank
 
         provider = placed_provider(
             model_provider_func,
             num_ranks=parallel_state.get_pipeline_model_parallel_world_size(),
             rank=parallel_state.get_pipeline_model_parallel_rank(),
             share_embeddings_and_output_weights=_tied_embeddings(),
+            seeded_as=seeded_as_pipeline_rank,
         )
         return original(provider, *args, **kwargs)
 
@@ -443,11 +453,14 @@ def _wrap_build_stages(original: Callable[..., Any]) -> Callable[..., Any]:
         def provider(*, pg_collection: Any, **flags: Any) -> Any:
             return build_model_func(pg_collection, **flags)
 
+        from megatron_bfpp.megatron.seeding import seeded_as_pipeline_rank
+
         placed = placed_provider(
             provider,
             num_ranks=pg_collection.pp.size(),
             rank=pg_collection.pp.rank(),
             share_embeddings_and_output_weights=_tied_embeddings(),
+            seeded_as=seeded_as_pipeline_rank,
         )
 
         def build(groups: Any, **flags: Any) -> Any:

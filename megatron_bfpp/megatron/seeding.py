@@ -1,0 +1,112 @@
+"""A V-shape model in Megatron-LM starts from the weights a 1F1B run of the same seed draws.
+
+Megatron-LM seeds each rank's generators once, by its pipeline rank (``_set_random_seed``:
+``seed + 100 * pipeline rank``), and each layer draws its initial weights from the stream of the
+rank that builds it, in build order. Under 1F1B, pipeline rank ``q`` builds stages ``2q`` and
+``2q + 1`` of the V numbering (the V has 2p stages of half as many layers) one after the other;
+under the V another rank builds each of them. So a fresh ``v-half`` run started from another
+model than ``1f1b`` (Megatron-LM 0.20, pp=4: 5.557 against 5.561 at iteration 1).
+
+Here each V chunk of stage ``s`` is built with the generators seeded as rank ``q = s // 2``'s
+were (Megatron's own ``_set_random_seed``, called as Megatron called it, seeing pipeline rank
+``q``), after building and dropping stage ``s - 1`` when ``s`` is the second half of ``q``'s
+layers: the draws are the 1F1B run's, number for number. Every generator is put back afterwards,
+so what the rank draws later (dropout) is what it drew before. The extra build is one chunk
+(half a rank's parameters), freed at once.
+
+What it does not cover: a GPU run's JIT warm-up draws from the default CUDA generator between
+the seeding and the model (learned position embeddings without sequence parallelism draw from
+it too), which this reseeding does not replay: unverified on GPUs. Dropout streams still follow
+the building rank, so with dropout the curves differ after the first step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["record_seed_call", "seeded_as_pipeline_rank"]
+
+# Megatron's _set_random_seed as it was called (arguments), and the function itself.
+_seed_call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
+
+
+def record_seed_call(original: Any) -> Any:
+    """Wrap ``megatron.training.initialize._set_random_seed`` to remember its call."""
+
+    def _set_random_seed(*args: Any, **kwargs: Any) -> Any:
+        global _seed_call
+        _seed_call = (original, args, dict(kwargs))
+        return original(*args, **kwargs)
+
+    _set_random_seed.__wrapped__ = original  # type: ignore[attr-defined]
+    return _set_random_seed
+
+
+class _MpuAs:
+    """``megatron.core.mpu`` with another pipeline rank: what ``_set_random_seed`` reads."""
+
+    def __init__(self, real: Any, pipeline_rank: int) -> None:
+        self._real = real
+        self._rank = pipeline_rank
+
+    def get_pipeline_model_parallel_rank(self, *args: Any, **kwargs: Any) -> int:
+        return self._rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _snapshot() -> dict[str, Any]:
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _restore(state: dict[str, Any]) -> None:
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+@contextlib.contextmanager
+def seeded_as_pipeline_rank(pipeline_rank: int) -> Iterator[bool]:
+    """Inside: every generator seeded as Megatron seeded pipeline rank ``pipeline_rank``
+    (yields True), or untouched when Megatron's seeding was not seen (yields False: a
+    megatron-core loop of its own keeps its own seeding)."""
+    if _seed_call is None:
+        yield False
+        return
+    original, args, kwargs = _seed_call
+    import importlib
+
+    initialize: Any = importlib.import_module("megatron.training.initialize")
+    state = _snapshot()
+    real = initialize.mpu
+    kwargs = {k: v for k, v in kwargs.items() if k != "pp_group"}  # the rank comes from mpu
+    initialize.mpu = _MpuAs(real, pipeline_rank)
+    try:
+        original(*args, **kwargs)
+    finally:
+        initialize.mpu = real
+    try:
+        yield True
+    finally:
+        _restore(state)
