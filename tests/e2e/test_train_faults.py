@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import alive, descendants, left_alive
+
 pytest.importorskip("megatron.core")
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(180)]
@@ -54,18 +56,10 @@ def _ranks_when_training(proc: subprocess.Popen[str]) -> list[int]:
     return ranks
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _finish(proc: subprocess.Popen[str], ranks: list[int], within: float) -> tuple[int, list[str]]:
     _, err = proc.communicate(timeout=within)  # raises if the launcher is still running then
     time.sleep(0.5)
-    left = [pid for pid in ranks if _alive(pid)]
+    left = [pid for pid in ranks if alive(pid)]
     for pid in left:  # never leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert not left, f"rank processes left behind: {left}"
@@ -117,12 +111,7 @@ def test_ranks_die_with_a_killed_launcher() -> None:
     ranks = _ranks_when_training(proc)
     proc.kill()
     proc.communicate(timeout=10)
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [pid for pid in ranks if _alive(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = left_alive(ranks)
     assert not left, f"orphaned ranks: {left}"
 
 
@@ -221,21 +210,6 @@ def test_killed_launched_rank_is_one_line_from_the_survivors(victim: int, expect
     assert all(proc.returncode != 0 for proc in procs)
 
 
-def _tree(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux /proc)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found.extend(children)
-            todo.extend(children)
-    return found
-
-
 def test_nothing_outlives_a_launcher_killed_while_saving_torch_dist(tmp_path: Path) -> None:
     """megatron-core's torch_dist writer starts processes in every rank (a Manager server,
     multiprocessing's resource tracker). With the launcher killed by SIGKILL they used to
@@ -250,14 +224,9 @@ def test_nothing_outlives_a_launcher_killed_while_saving_torch_dist(tmp_path: Pa
         seen += line.startswith("iteration")
         if seen == 2:
             break
-    everything = _tree(proc.pid)
+    everything = descendants(proc.pid)
     assert len(everything) > 4, everything  # the ranks and what they started
     proc.kill()
     proc.communicate(timeout=60)  # returns only once every holder of the pipes is gone
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in everything) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [pid for pid in everything if _alive(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = left_alive(everything)
     assert not left, f"processes left behind: {left}"

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from megatron_bfpp.local_ranks import fork_ranks
+from tests.processes import left_alive
 
 
 def _all_connected(rank: int, store: Any, world_size: int) -> None:
@@ -116,14 +117,6 @@ def test_culprit_is_the_lost_rank_even_if_another_reported_first() -> None:
     assert run.first_failed == 0 and run.culprit == 1
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 def test_processes_a_rank_started_end_with_it() -> None:
     """megatron-core's checkpoint writer starts a multiprocessing Manager in every rank; a rank
@@ -140,12 +133,7 @@ def test_processes_a_rank_started_end_with_it() -> None:
     run = fork_ranks(target, 2, timeout=60)
     helpers = list(run.results.values())
     assert len(helpers) == 2 and all(helpers)
-    deadline = time.monotonic() + 10
-    while any(_pid_alive(pid) for pid in helpers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [pid for pid in helpers if _pid_alive(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = left_alive(helpers)
     assert not left, f"processes left behind by the ranks: {left}"
 
 
@@ -166,10 +154,5 @@ def test_a_rank_the_launcher_kills_takes_its_processes_along(tmp_path: Path) -> 
     run = fork_ranks(target, 2, error_grace=0.5, failed=lambda code: code != 0, timeout=60)
     assert run.killed == (0,)
     helpers = [int((tmp_path / f"helper{rank}").read_text()) for rank in (0, 1)]
-    deadline = time.monotonic() + 10
-    while any(_pid_alive(pid) for pid in helpers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [pid for pid in helpers if _pid_alive(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = left_alive(helpers)
     assert not left, f"processes left behind by the ranks: {left}"

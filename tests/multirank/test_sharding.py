@@ -411,30 +411,42 @@ def test_sharding_that_cannot_apply_fails_on_every_rank_with_one_line(
     assert expected in results[0], results[0]
 
 
-def save_one_chunk_at_a_time(tmp: str) -> dict[str, Any]:
-    """One fully sharded step, then bfpp-train's torch-format rank file written with the chunks
-    gathered one at a time: the most chunks whole at once while saving, and whether the file
-    holds exactly the parameters (gathered afterwards for comparison)."""
-    import torch
+def _model_and_optimizer(seed: int) -> tuple[list[Any], Any]:
+    """Tiny GPT chunks (8 layers) in DDP with megatron-core's distributed optimizer (Adam)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    chunks = M.wrap_ddp(
+        M.build_model_chunks(M.tiny_gpt_config(num_layers=8), seed=seed),
+        use_distributed_optimizer=True,
+    )
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
+    return chunks, get_megatron_optimizer(config, chunks)
+
+
+def _one_sharded_step(chunks: list[Any], optimizer: Any) -> Any:
+    """One breadth-first fully sharded step; the chunks' ShardedParameters after it."""
     from megatron_bfpp import get_forward_backward_func
     from megatron_bfpp.runtime import sharded_optimizer_step
     from megatron_bfpp.runtime.sharding import sharded_parameters
-    from megatron_bfpp.train import checkpoint
 
-    chunks = M.wrap_ddp(
-        M.build_model_chunks(M.tiny_gpt_config(num_layers=8)), use_distributed_optimizer=True
-    )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), chunks
-    )
     func = get_forward_backward_func(
         "breadth-first", data_parallel_sharding_strategy="optim_grads_params"
     )
     M.run_schedule(chunks, M.data_parallel_share(M.make_batches(8)), forward_backward_func=func)
     sharded_optimizer_step(optimizer, chunks)
-    sharded = sharded_parameters(chunks)
+    return sharded_parameters(chunks)
+
+
+def save_one_chunk_at_a_time(tmp: str) -> dict[str, Any]:
+    """One fully sharded step, then bfpp-train's torch-format rank file written with the chunks
+    gathered one at a time: the most chunks whole at once while saving, and whether the file
+    holds exactly the parameters (gathered afterwards for comparison)."""
+    import torch
+
+    from megatron_bfpp.train import checkpoint
+
+    chunks, optimizer = _model_and_optimizer(seed=0)
+    sharded = _one_sharded_step(chunks, optimizer)
     most = 0
     gather = sharded.gather
 
@@ -478,20 +490,8 @@ def save_torch_dist_without_gathering(tmp: str) -> dict[str, Any]:
     and whether an unsharded model and optimizer (built from another seed, so the load has
     something to change) loaded from it hold the sharded run's parameters and Adam state."""
     import torch
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_bfpp import get_forward_backward_func
-    from megatron_bfpp.runtime import sharded_optimizer_step
-    from megatron_bfpp.runtime.sharding import sharded_parameters
     from megatron_bfpp.train import checkpoint
-
-    def built(seed: int) -> tuple[list[Any], Any]:
-        chunks = M.wrap_ddp(
-            M.build_model_chunks(M.tiny_gpt_config(num_layers=8), seed=seed),
-            use_distributed_optimizer=True,
-        )
-        config = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
-        return chunks, get_megatron_optimizer(config, chunks)
 
     class Scheduler:  # the state's scheduler entry: saved and given back, its value unused
         def state_dict(self) -> dict[str, Any]:
@@ -500,13 +500,8 @@ def save_torch_dist_without_gathering(tmp: str) -> dict[str, Any]:
         def load_state_dict(self, state: dict[str, Any]) -> None:
             self.loaded = state
 
-    chunks, optimizer = built(seed=0)
-    func = get_forward_backward_func(
-        "breadth-first", data_parallel_sharding_strategy="optim_grads_params"
-    )
-    M.run_schedule(chunks, M.data_parallel_share(M.make_batches(8)), forward_backward_func=func)
-    sharded_optimizer_step(optimizer, chunks)
-    sharded = sharded_parameters(chunks)
+    chunks, optimizer = _model_and_optimizer(seed=0)
+    sharded = _one_sharded_step(chunks, optimizer)
     gathers = 0
     gather = sharded.gather
 
@@ -523,7 +518,7 @@ def save_torch_dist_without_gathering(tmp: str) -> dict[str, Any]:
     checkpoint._save_torch_dist(folder, chunks, optimizer, Scheduler(), 1, 8, parameters=False)
     sharded.gather = gather  # type: ignore[method-assign]
 
-    loaded, loaded_optimizer = built(seed=1)
+    loaded, loaded_optimizer = _model_and_optimizer(seed=1)
     scheduler = Scheduler()
     groups = checkpoint._scheduler_group_values(loaded_optimizer)
     checkpoint._load_torch_dist(tmp, folder, loaded, loaded_optimizer, scheduler, groups, "check")

@@ -391,13 +391,9 @@ def test_png_is_written(tmp_path: Path) -> None:
     assert len(data) > 10_000
 
 
-def test_png_of_a_large_schedule_draws_a_bounded_number_of_artists(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What kept large pictures quick (about 3 s for 1,024 boxes): one collection per kind of
-    box and of message, not an artist per box, and at most
-    ``max_labels`` labels. Checked on the figure that is saved, not by a clock."""
-    from matplotlib.collections import PolyCollection
+@pytest.fixture
+def saved_figures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The matplotlib figures ``render_png`` saves, to inspect what they draw."""
     from matplotlib.figure import Figure
 
     saved: list[Any] = []
@@ -408,11 +404,22 @@ def test_png_of_a_large_schedule_draws_a_bounded_number_of_artists(
         return original(figure, *args, **kwargs)
 
     monkeypatch.setattr(Figure, "savefig", keep)
+    return saved
+
+
+def test_png_of_a_large_schedule_draws_a_bounded_number_of_artists(
+    tmp_path: Path, saved_figures: list[Any]
+) -> None:
+    """What kept large pictures quick (about 3 s for 1,024 boxes): one collection per kind of
+    box and of message, not an artist per box, and at most
+    ``max_labels`` labels. Checked on the figure that is saved, not by a clock."""
+    from matplotlib.collections import PolyCollection
+
     schedule = lowered(looped_gpipe(8, 2, 32))  # 1024 compute actions
     result = simulate(schedule, CostModel(t_p2p=0.05, t_grad_reduce=1.0, t_param_gather=0.5))
     render_png(result, tmp_path / "big.png", max_labels=100)
     assert (tmp_path / "big.png").stat().st_size > 10_000
-    (axes,) = saved[0].axes
+    (axes,) = saved_figures[0].axes
     boxes = [c for c in axes.collections if isinstance(c, PolyCollection)]
     assert len(boxes) <= len(ActionKind) + 2  # compute kinds, p2p and dp lanes
     assert sum(len(c.get_paths()) for c in boxes) >= 1024
@@ -430,25 +437,15 @@ def test_sim_imports_neither_torch_megatron_nor_matplotlib() -> None:
 
 
 def test_png_boxes_of_a_multi_chunk_schedule_name_their_stage(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, saved_figures: list[Any]
 ) -> None:
     """Forward boxes too narrow for "4F3" used to carry no text: which chunk they ran was not
     shown. Now they carry their stage ("4"), and the legend says how to read the labels."""
-    from matplotlib.figure import Figure
-
-    saved: list[Any] = []
-    original = Figure.savefig
-
-    def keep(figure: Any, *args: Any, **kwargs: Any) -> Any:
-        saved.append(figure)
-        return original(figure, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", keep)
     schedule = lowered(looped_gpipe(4, 2, 8))
     render_png(simulate(schedule, CostModel()), tmp_path / "bf.png")
-    (axes,) = saved[0].axes
+    (axes,) = saved_figures[0].axes
     texts = [t.get_text() for t in axes.texts]
     stage_only = [t for t in texts if t.isdigit()]
     assert {str(s) for s in range(8)} <= set(stage_only), texts  # (8 is also a peak figure)
-    legend = [t.get_text() for t in saved[0].legends[0].get_texts()]
+    legend = [t.get_text() for t in saved_figures[0].legends[0].get_texts()]
     assert "4F3 = stage 4, micro-batch 3" in legend
