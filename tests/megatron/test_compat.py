@@ -97,7 +97,7 @@ def test_megatron_lm_launcher_says_one_line(tmp_path: Path) -> None:
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("raise SystemExit('the script must not run')\n")
     result = _run(f"from megatron_bfpp.launch import main\nmain([{str(script)!r}])", tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1, result.stderr
     assert errors[0].startswith("megatron_bfpp.launch: error: megatron-core 0.18.0 is not")

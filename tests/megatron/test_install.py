@@ -357,15 +357,26 @@ def test_virtual_stages_default_per_schedule(
     ],
 )
 def test_bad_combinations_exit_with_one_line(
-    fake_megatron_lm: Path, monkeypatch: pytest.MonkeyPatch, argv: str, message: str
+    fake_megatron_lm: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: str,
+    message: str,
 ) -> None:
+    """Exit code 2 and one line on stderr, printed by local rank 0 only (every rank checks the
+    same arguments: under torchrun each printing it made one mistake many lines)."""
     plugin.install()
+    monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(SystemExit) as exit_info:
         _initialize(monkeypatch, *argv.split())
-    text = str(exit_info.value.code)
-    assert text.startswith("megatron_bfpp: error: ")
-    assert message in text
-    assert "\n" not in text
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megatron_bfpp: error: "), lines
+    assert message in lines[0]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        _initialize(monkeypatch, *argv.split())
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
 
 
 def test_unknown_schedule_is_an_argparse_error(

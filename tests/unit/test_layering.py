@@ -68,7 +68,7 @@ ALLOWED = {
     "runtime": {"ir", "messages", "nccl", "validate", "passes", "schedules", "compat", "runtime"},
     "megatron": {"ir", "schedules", "compat", "runtime", "megatron"},  # incl. the CPU adapter
     "train": {"ir", "schedules", "compat", "megatron", "runtime", "train"},  # megatron: CPU adapter
-    "launch": {"compat", "megatron"},
+    "launch": {"ir", "compat", "megatron"},  # ir: ScheduleError from the preflight
     "cli": PURE_LAYERS | {"cli", "compat", "local_ranks", "runtime", "train", "profiler"},
     # bfpp-plan profile's measurement (torch, megatron-core); the command line imports it lazily.
     # It times I and W through the runtime's own deferred split, so a profile measures what runs.
