@@ -553,6 +553,7 @@ _QUIET_LOGS = (
     ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
     # its writer's workers on a failed write (the save's one line says it and where)
     ("megatron.core.dist_checkpointing.strategies.filesystem_async", "Local worker"),
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "Local process"),  # 0.16
     ("megatron.core.dist_checkpointing.strategies.filesystem_async", "An error is caught"),
 )
 
