@@ -107,7 +107,9 @@ def read_bounded(path: Path, limit: int, *, label: str) -> bytes:
     finally:
         os.close(fd)
     if len(data) > limit:  # it grew after the fstat
-        raise CheckpointError(f"{label} has more than {limit:,} bytes; it was not written by us")
+        raise CheckpointError(
+            f"{label} has more than {limit:,} bytes; it was not written by bfpp-train"
+        )
     return data
 
 
