@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 8 -m megatron_bfpp.launch /path/to/Megatron-LM/pretrain_gpt.py ...
 
 Each process: (1) applies a pair-adjacent (or any) rank order from ``BFPP_RANK_ORDER`` (see
-:mod:`megatron_bfpp.megatron.placement`); (2) puts the script's directory first on ``sys.path``,
+:mod:`megatron_bfpp.megatron.rank_order`); (2) puts the script's directory first on ``sys.path``,
 as ``python pretrain_gpt.py`` would, so a checkout's own ``megatron/core`` and
 ``megatron/training`` are used together (a checkout without ``megatron/core`` uses the installed
 megatron-core); (3) ``megatron_bfpp.install()``, which checks the megatron-core version (one error
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     _check_schedule_flags(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    from megatron_bfpp.megatron.placement import apply_rank_order_from_env
+    from megatron_bfpp.megatron.rank_order import apply_rank_order_from_env
 
     apply_rank_order_from_env(os.environ)
     sys.path.insert(0, os.path.dirname(script))

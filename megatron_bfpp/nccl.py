@@ -12,7 +12,7 @@ NCCL (torch's ProcessGroupNCCL) is stricter than gloo in three ways that matter 
 
 So two ranks that each post "send" then "receive" as two batches deadlock on NCCL, though gloo
 (whose sends never wait) runs them; the execution rules the validator and simulator share
-(``execution``) are gloo's, and accept such orders.
+(``semantics``) are gloo's, and accept such orders.
 
 **Lock-step posting** (``lockstep_posting``, what the runtime does: megatron-core's one batch per
 pipeline tick, generalised to any schedule). A unit-time as-soon-as-possible replay numbers the

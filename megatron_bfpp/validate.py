@@ -1,8 +1,8 @@
 """Prove a schedule complete, correctly paired and free of deadlock before anything runs it.
 
 One pass over every action (``_scan``) checks it and records, under the execution rules the
-simulator shares (``execution.Rules``), which messages it waits for and sends; then
-``execution.run_recorded`` runs the recordings: a rank stops at an action whose message nobody
+simulator shares (``semantics.Rules``), which messages it waits for and sends; then
+``semantics.run_recorded`` runs the recordings: a rank stops at an action whose message nobody
 has sent yet and resumes once it is sent. A failure is
 a ``ScheduleError`` whose message names the rank, the step (position in that rank's program)
 and the reason, above the per-rank grid with the step marked. When a schedule has several
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from array import array
 
-from megatron_bfpp.execution import Recorded, Rules, describe_waits, run_recorded
 from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, format_schedule
 from megatron_bfpp.messages import (
     EVICT,
@@ -43,6 +42,7 @@ from megatron_bfpp.messages import (
     has_communication,
     message_of,
 )
+from megatron_bfpp.semantics import Recorded, Rules, describe_waits, run_recorded
 
 __all__ = [
     "Message",
@@ -101,7 +101,7 @@ def validate_message_order(schedule: Schedule) -> None:
 
 
 def validate_deadlock_free(schedule: Schedule) -> None:
-    """Every program runs to its end under the execution rules (``execution``)."""
+    """Every program runs to its end under the execution rules (``semantics``)."""
     scan = _scan(schedule)
     _raise(_first(scan.placement) or scan.deadlock())
 

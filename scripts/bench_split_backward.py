@@ -4,7 +4,7 @@
 The V-shape schedules save time only if I (input gradients, on the critical path) is well below
 B and W (the deferred weight GEMMs, placed in bubbles) costs about what it saves: I + W close to
 B. This times transformer layers of a model preset through the code the runtime runs
-(``megatron_bfpp.profiler.measure_stage``: B is megatron-core's backward, I the backward with the
+(``stage_timing.measure_stage``: B is megatron-core's backward, I the backward with the
 local linear layers' weight GEMMs deferred by ``runtime.deferred_wgrad``, W those GEMMs), side by
 side in one process, and prints the ratios.
 
@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 
 from megatron_bfpp.plan.presets import MODELS, get_model
-from megatron_bfpp.profiler import measure_stage
+from megatron_bfpp.stage_timing import measure_stage
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ search), ``profile`` (measure one stage on this machine's device, for ``recommen
 and ``bpipe-estimate``.
 
 Pure like the planner: ``profile`` imports torch and megatron-core only when it runs
-(``megatron_bfpp.profiler``)."""
+(``megatron_bfpp.stage_timing``)."""
 
 from __future__ import annotations
 
@@ -499,13 +499,13 @@ def _profile(args: argparse.Namespace) -> int:
         if problem := output_file_problem("--output", args.output):
             raise ScheduleError(problem)
         try:
-            from megatron_bfpp import profiler
+            from megatron_bfpp import stage_timing
         except ImportError as error:
             raise ScheduleError(
                 f"profile needs torch and megatron-core ({error}); pip install "
                 "'megatron-bfpp[megatron]'"
             ) from None
-        profile = profiler.measure_stage(
+        profile = stage_timing.measure_stage(
             model=model,
             num_layers=args.profile_layers,
             micro_batch_sizes=tuple(args.micro_batch_sizes),
@@ -514,7 +514,7 @@ def _profile(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             iterations=args.iterations,
         )
-        profiler.write_profile(profile, args.output)
+        stage_timing.write_profile(profile, args.output)
     except ScheduleError as error:
         return fail(prog, error)
     rows = ", ".join(

@@ -48,7 +48,7 @@ from megatron_bfpp.sim import (
     render_png,
     simulate,
 )
-from megatron_bfpp.sim.engine import UNITS
+from megatron_bfpp.sim.simulator import UNITS
 from megatron_bfpp.validate import has_communication, validate_schedule
 
 PROG = "bfpp-sim"

@@ -18,7 +18,7 @@ these transfers and only posts receives earlier where a channel's order requires
   loading after it, so the pass evicts for it if needed; before a backward it would need one more
   slot than loading after it, so it goes early only if the slot is free, otherwise right before
   the backward.
-* Acceptor: a unit-cost replay of the compute order (``execution.compute_ends``: F = 1, B = 2,
+* Acceptor: a unit-cost replay of the compute order (``semantics.compute_ends``: F = 1, B = 2,
   messages instant) gives each transfer a time. AC is posted in the acceptor's last gap between
   compute actions that starts no later than the evict is sent, RS in its last gap that starts no
   later than the evictor posts the load. Both therefore run when the simulated pipeline would, and
@@ -43,7 +43,6 @@ import heapq
 from bisect import bisect_right
 from operator import attrgetter
 
-from megatron_bfpp.execution import Timing, compute_ends
 from megatron_bfpp.ir import (
     Action,
     ActionKind,
@@ -52,6 +51,7 @@ from megatron_bfpp.ir import (
     StageLayout,
     unchecked_action,
 )
+from megatron_bfpp.semantics import Timing, compute_ends
 
 __all__ = ["add_eviction", "bpipe_max_stored"]
 
@@ -277,7 +277,7 @@ def _acceptor_side(action: Action, evictor: int) -> Action:
 def _unit_time_ends(schedule: Schedule) -> list[list[float]]:
     """End time of every compute action, per rank, with F = 1, B = 2 and instant messages.
 
-    ``execution.compute_ends`` of the compute-only schedule under these unit costs: each action
+    ``semantics.compute_ends`` of the compute-only schedule under these unit costs: each action
     starts when its rank is free and its input (the previous stage's forward or the next stage's
     backward) has arrived, which is how the compute order would run.
     """

@@ -8,7 +8,6 @@ Pure Python: no torch, no megatron; matplotlib only when ``render_png`` is calle
 """
 
 from megatron_bfpp.sim.cost import CostModel
-from megatron_bfpp.sim.engine import Event, Lane, RankMetrics, SimResult, simulate
 from megatron_bfpp.sim.export import (
     MAX_PNG_RANKS,
     PNG_SECONDS_PER_RANK,
@@ -16,6 +15,7 @@ from megatron_bfpp.sim.export import (
     dump_chrome_trace,
     render_png,
 )
+from megatron_bfpp.sim.simulator import Event, Lane, RankMetrics, SimResult, simulate
 
 __all__ = [
     "MAX_PNG_RANKS",

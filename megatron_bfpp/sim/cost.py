@@ -20,8 +20,8 @@ from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import NamedTuple
 
-from megatron_bfpp.execution import Timing
 from megatron_bfpp.ir import ActionKind, ScheduleError
+from megatron_bfpp.semantics import Timing
 
 __all__ = ["CostModel", "ExactTiming"]
 

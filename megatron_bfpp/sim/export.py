@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_bfpp.ir import ActionKind
-from megatron_bfpp.sim.engine import Event, SimResult
+from megatron_bfpp.sim.simulator import Event, SimResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes

@@ -49,7 +49,7 @@ from megatron_bfpp.train.presets import (
     unwrap,
     wrap_ddp,
 )
-from megatron_bfpp.train.steps import forward_step, loss_func
+from megatron_bfpp.train.step_functions import forward_step, loss_func
 
 __all__ = [
     "MICRO_BATCH_SIZE",
@@ -205,7 +205,7 @@ def make_batches(
 
 
 def forward_step_func(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[Any, Any]:
-    """bfpp-train's step function (:func:`megatron_bfpp.train.steps.forward_step`) with the
+    """bfpp-train's step function (:func:`megatron_bfpp.train.step_functions.forward_step`) with the
     batch left where it is."""
     return forward_step(None, data_iterator, model)
 

@@ -36,7 +36,7 @@ from megatron_bfpp.train.liveness import RanksLost, Verdict, start_liveness
 from megatron_bfpp.train.model_memory import memory_problem
 from megatron_bfpp.train.presets import build_model_chunks, transformer_config, wrap_ddp
 from megatron_bfpp.train.run_config import RunConfig, run_config
-from megatron_bfpp.train.steps import forward_step
+from megatron_bfpp.train.step_functions import forward_step
 
 __all__ = ["TrainResult", "train"]
 
@@ -167,7 +167,7 @@ def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
     rows = [[int(v) for v in t.tolist()] for t in gathered]
     memory: dict[str, Any] = {
         "peak_activation_bytes": [row[0] for row in rows],
-        # bfpp-sim's unit (sim.engine.UNITS): a rank's chunk is 1/len(model) of a full stage
+        # bfpp-sim's unit (sim.simulator.UNITS): a rank's chunk is 1/len(model) of a full stage
         "peak_activations": [round(row[1] / len(run.model), 6) for row in rows],
         "peak_parameter_bytes": [row[3] for row in rows],
         "peak_gradient_bytes": [row[4] for row in rows],

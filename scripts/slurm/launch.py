@@ -19,7 +19,7 @@ Before it prints or starts anything, the Megatron arguments are checked for the 
 that cannot run stops here with one ``launch.py: error:`` line and exit code 1, not on the GPUs.
 
 ``--rank-placement pair-adjacent`` (for BPipe) computes
-:func:`megatron_bfpp.megatron.placement.pair_adjacent_rank_order` from the parallel sizes in the
+:func:`megatron_bfpp.megatron.rank_order.pair_adjacent_rank_order` from the parallel sizes in the
 Megatron arguments and exports it as ``BFPP_RANK_ORDER``; ``megatron_bfpp.launch`` then rewrites
 each process's ``RANK`` so that pipeline stages x and p-1-x share a node.
 """
@@ -37,14 +37,14 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from megatron_bfpp.cli.common import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
-from megatron_bfpp.megatron.placement import (
+from megatron_bfpp.megatron.preflight import check_megatron_command
+from megatron_bfpp.megatron.rank_order import (
     RANK_ORDER_ENV,
     PlacementError,
     format_rank_order,
     node_stages,
     pair_adjacent_rank_order,
 )
-from megatron_bfpp.megatron.preflight import check_megatron_command
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

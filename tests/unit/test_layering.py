@@ -1,4 +1,4 @@
-"""The pure layers (ir, messages, execution, validate, passes, schedules, sim, plan, the
+"""The pure layers (ir, messages, semantics, validate, passes, schedules, sim, plan, the
 sim/plan CLIs) import neither torch nor megatron, so schedules can be planned, checked and drawn
 on a laptop; every module respects the arrows of the dependency rule (docs/architecture.md);
 packages import each other in no cycle; and no product module imports the test helpers."""
@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_bfpp"
 PURE = [
     "ir.py",
     "messages.py",
-    "execution.py",
+    "semantics.py",
     "validate.py",
     "passes",
     "schedules",
@@ -34,7 +34,7 @@ PURE_LAYERS = {
     "ir",
     "messages",
     "nccl",
-    "execution",
+    "semantics",
     "validate",
     "passes",
     "schedules",
@@ -45,16 +45,16 @@ ALLOWED = {
     "ir": set(),
     "messages": {"ir"},
     "nccl": {"ir", "messages"},  # NCCL's rules: the lock-step posting and its proof
-    "execution": {"ir", "messages"},
-    "validate": {"ir", "messages", "execution"},
-    "passes": {"ir", "messages", "execution", "validate", "passes"},
-    "schedules": {"ir", "messages", "execution", "validate", "passes", "schedules"},
-    "sim": {"ir", "messages", "nccl", "execution", "validate", "passes", "schedules", "sim"},
+    "semantics": {"ir", "messages"},
+    "validate": {"ir", "messages", "semantics"},
+    "passes": {"ir", "messages", "semantics", "validate", "passes"},
+    "schedules": {"ir", "messages", "semantics", "validate", "passes", "schedules"},
+    "sim": {"ir", "messages", "nccl", "semantics", "validate", "passes", "schedules", "sim"},
     # plan reads the torch-free parameter count of train (TORCH_FREE_TRAIN), nothing else there
     "plan": {
         "ir",
         "messages",
-        "execution",
+        "semantics",
         "validate",
         "passes",
         "schedules",
@@ -69,10 +69,10 @@ ALLOWED = {
     "megatron": {"ir", "schedules", "compat", "runtime", "megatron"},  # incl. the CPU adapter
     "train": {"ir", "schedules", "compat", "megatron", "runtime", "train"},  # megatron: CPU adapter
     "launch": {"ir", "compat", "megatron"},  # ir: ScheduleError from the preflight
-    "cli": PURE_LAYERS | {"cli", "compat", "local_ranks", "runtime", "train", "profiler"},
+    "cli": PURE_LAYERS | {"cli", "compat", "local_ranks", "runtime", "train", "stage_timing"},
     # bfpp-plan profile's measurement (torch, megatron-core); the command line imports it lazily.
     # It times I and W through the runtime's own deferred split, so a profile measures what runs.
-    "profiler": {"ir", "plan", "train", "compat", "megatron", "runtime"},
+    "stage_timing": {"ir", "plan", "train", "compat", "megatron", "runtime"},
     "__init__": {"ir", "schedules"},
     # tests' helpers may use everything; nothing else may use them
     "testing": PURE_LAYERS | {"compat", "local_ranks", "runtime", "megatron", "train", "testing"},

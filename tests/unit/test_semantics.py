@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from megatron_bfpp import execution
-from megatron_bfpp.execution import Timing, compute_ends, describe_waits, replay
+from megatron_bfpp import semantics
 from megatron_bfpp.ir import (
     Action,
     ActionKind,
@@ -23,6 +22,7 @@ from megatron_bfpp.messages import Message, MessageKeys, message_of
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.schedules.registry import SCHEDULES, build_schedule
+from megatron_bfpp.semantics import Timing, compute_ends, describe_waits, replay
 from megatron_bfpp.sim import simulate
 from megatron_bfpp.validate import validate_deadlock_free, validate_placement, validate_schedule
 
@@ -156,14 +156,14 @@ def test_a_stage_outside_the_layout_is_refused_not_indexed() -> None:
 def _replays(schedule: Schedule, timing: Timing) -> list[tuple[object, ...]]:
     """What one run of ``replay`` finds, under each of its paths: a list of arrivals to the last
     micro-batch (bounded) or a dict, and, where messages take no time, with link clocks kept."""
-    rules = execution.Rules(schedule)
+    rules = semantics.Rules(schedule)
     found = []
     for bounded, instant in ((True, None), (False, None), (True, False), (False, False)):
-        run = execution._Run(rules, timing, bounded=bounded)
+        run = semantics._Run(rules, timing, bounded=bounded)
         if instant is not None:
             run.instant = instant
-        run.run([execution._timed(run, rank) for rank in range(schedule.num_ranks)])
-        events = execution.Timeline(rules, timing, run.starts).events()
+        run.run([semantics._timed(run, rank) for rank in range(schedule.num_ranks)])
+        events = semantics.Timeline(rules, timing, run.starts).events()
         found.append((run.stuck(), run.clock, run.dp_free, run.busy, run.peak, events))
     return found
 
@@ -213,7 +213,7 @@ def test_recorded_keys_read_back() -> None:
     """The dense keys of activations and gradients (validator and replay) and BPipe's keys past
     them name the messages they were made from."""
     schedule = build_schedule("interleaved", num_ranks=2, num_microbatches=4, num_chunks=2)
-    rules = execution.Rules(schedule)
+    rules = semantics.Rules(schedule)
     act, grad = rules.recorded_base
     seen = set()
     for microbatch in range(6):  # past the count too: compact_message takes any

@@ -1,6 +1,6 @@
-"""Time a schedule: ``execution.replay`` under a cost model, summed up per rank.
+"""Time a schedule: ``semantics.replay`` under a cost model, summed up per rank.
 
-The rules (who waits for what, when a rank is stuck) and the clocks are ``execution``'s: its
+The rules (who waits for what, when a rank is stuck) and the clocks are ``semantics``': its
 ``Rules`` and ``Wires``, which the validator applies too; see its docstring. Here a ``CostModel``
 becomes the replay's ``Timing``: compute times scale with the stage's share of a full 1F1B stage
 (``StageLayout.stage_fraction``), as does BPipe's transfer time ``t_evict``; ``t_p2p`` is one
@@ -12,7 +12,7 @@ sent its result the moment it finished, which is what ``add_communication`` woul
 
 The replay runs in integer units (``CostModel.exact``) and every reported time is divided back
 once here, so results are exact up to that one rounding. Events are drawn only when read
-(``SimResult.events``, ``execution.Timeline``).
+(``SimResult.events``, ``semantics.Timeline``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from megatron_bfpp.execution import Event, Lane, Replay, Timeline, describe_waits, replay
 from megatron_bfpp.ir import Schedule, ScheduleError, format_schedule
+from megatron_bfpp.semantics import Event, Lane, Replay, Timeline, describe_waits, replay
 from megatron_bfpp.sim.cost import CostModel
 
 __all__ = ["UNITS", "Event", "Lane", "RankMetrics", "SimResult", "simulate"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bfpp.megatron.placement import (
+from megatron_bfpp.megatron.rank_order import (
     PlacementError,
     apply_rank_order_from_env,
     format_rank_order,
