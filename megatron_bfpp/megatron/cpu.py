@@ -65,6 +65,8 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.megatron.patches import Patches
+
 __all__ = ["cpu_megatron", "disable_cpu_megatron", "enable_cpu_megatron", "is_cpu_megatron_enabled"]
 
 _CPU = torch.device("cpu")
@@ -73,48 +75,47 @@ _FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange")
 _RNG_WARNING = "CPU RNG state changed within GPU RNG context"
 
 _lock = threading.Lock()
-# (owner, attribute, owner had its own attribute, original value), in installation order.
-_saved: list[tuple[Any, str, bool, Any]] = []
+_patches = Patches()
 _log_filter: logging.Filter | None = None
 
 
 def is_cpu_megatron_enabled() -> bool:
     """True while the redirects are installed."""
-    return bool(_saved)
+    return bool(_patches)
 
 
 def enable_cpu_megatron() -> None:
     """Install every redirect listed in the module docstring (a no-op if already installed)."""
     global _log_filter
     with _lock:
-        if _saved:
+        if _patches:
             return
         import megatron.core.tensor_parallel as tp_pkg
         import megatron.core.tensor_parallel.random as mrandom
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        _patch(torch.cuda, "current_device", _current_device)
-        _patch(torch.cuda, "synchronize", _synchronize)
-        _patch(torch.cuda, "Stream", _Stream)
-        _patch(torch.cuda, "Event", _Event)
-        _patch(torch.cuda, "stream", _stream_context)
-        _patch(torch.cuda, "current_stream", _current_stream)
-        _patch(torch.cuda, "default_stream", _current_stream)
-        _patch(torch.cuda, "set_stream", _set_stream)
+        _patches.patch(torch.cuda, "current_device", _current_device)
+        _patches.patch(torch.cuda, "synchronize", _synchronize)
+        _patches.patch(torch.cuda, "Stream", _Stream)
+        _patches.patch(torch.cuda, "Event", _Event)
+        _patches.patch(torch.cuda, "stream", _stream_context)
+        _patches.patch(torch.cuda, "current_stream", _current_stream)
+        _patches.patch(torch.cuda, "default_stream", _current_stream)
+        _patches.patch(torch.cuda, "set_stream", _set_stream)
         for name in _FACTORIES:
-            _patch(torch, name, _on_cpu(getattr(torch, name)))
-        _patch(torch.Tensor, "cuda", _tensor_cuda)
-        _patch(torch.nn.Module, "cuda", _module_cuda)
-        _patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type))
+            _patches.patch(torch, name, _on_cpu(getattr(torch, name)))
+        _patches.patch(torch.Tensor, "cuda", _tensor_cuda)
+        _patches.patch(torch.nn.Module, "cuda", _module_cuda)
+        _patches.patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type))
 
-        _patch(mrandom, "_get_cuda_rng_state", _get_rng_state)
-        _patch(mrandom, "_set_cuda_rng_state", _set_rng_state)
-        _patch(mrandom.CudaRNGStatesTracker, "add", _tracker_add)
+        _patches.patch(mrandom, "_get_cuda_rng_state", _get_rng_state)
+        _patches.patch(mrandom, "_set_cuda_rng_state", _set_rng_state)
+        _patches.patch(mrandom.CudaRNGStatesTracker, "add", _tracker_add)
         seed_fn = _manual_seed(mrandom.model_parallel_cuda_manual_seed)
-        _patch(mrandom, "model_parallel_cuda_manual_seed", seed_fn)
-        _patch(tp_pkg, "model_parallel_cuda_manual_seed", seed_fn)
+        _patches.patch(mrandom, "model_parallel_cuda_manual_seed", seed_fn)
+        _patches.patch(tp_pkg, "model_parallel_cuda_manual_seed", seed_fn)
 
-        _patch(WrappedTorchNorm, "__new__", _torch_norm_new(WrappedTorchNorm.__new__))
+        _patches.patch(WrappedTorchNorm, "__new__", _torch_norm_new(WrappedTorchNorm.__new__))
 
         _log_filter = _DropMessage(_RNG_WARNING)
         logging.getLogger(mrandom.__name__).addFilter(_log_filter)
@@ -124,12 +125,7 @@ def disable_cpu_megatron() -> None:
     """Restore every original installed by :func:`enable_cpu_megatron` (no-op if not enabled)."""
     global _log_filter
     with _lock:
-        while _saved:
-            owner, name, had_own, original = _saved.pop()
-            if had_own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
+        _patches.restore()
         if _log_filter is not None:
             import megatron.core.tensor_parallel.random as mrandom
 
@@ -148,14 +144,6 @@ def cpu_megatron() -> Iterator[None]:
     finally:
         if not was_enabled:
             disable_cpu_megatron()
-
-
-def _patch(owner: Any, name: str, value: Any) -> None:
-    had_own = name in vars(owner)
-    # The raw entry (e.g. the staticmethod object of a __new__), so restoring is exact.
-    original = vars(owner)[name] if had_own else getattr(owner, name)
-    _saved.append((owner, name, had_own, original))
-    setattr(owner, name, value)
 
 
 def _is_cuda(device: Any) -> bool:

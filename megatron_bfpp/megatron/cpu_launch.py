@@ -37,59 +37,52 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.megatron.patches import Patches
+
 __all__ = ["disable_cpu_megatron_lm", "enable_cpu_megatron_lm"]
 
 log = logging.getLogger(__name__)
 
-_saved: list[tuple[Any, str, bool, Any]] = []
+_patches = Patches()
 
 
 def enable_cpu_megatron_lm() -> None:
     """Install the redirects in the module docstring (no-op when already installed)."""
-    if _saved:
+    if _patches:
         return
     from megatron_bfpp.megatron.cpu import enable_cpu_megatron
 
     enable_cpu_megatron()
-    _patch(torch.cuda, "set_device", _set_device)
-    _patch(torch.cuda, "device_count", _device_count)
-    _patch(torch.cuda, "get_rng_state", _get_rng_state)
-    _patch(torch.cuda, "set_rng_state", _set_rng_state)
+    _patches.patch(torch.cuda, "set_device", _set_device)
+    _patches.patch(torch.cuda, "device_count", _device_count)
+    _patches.patch(torch.cuda, "get_rng_state", _get_rng_state)
+    _patches.patch(torch.cuda, "set_rng_state", _set_rng_state)
     dist = torch.distributed
-    _patch(dist, "init_process_group", _gloo_init(dist.init_process_group))
+    _patches.patch(dist, "init_process_group", _gloo_init(dist.init_process_group))
     with contextlib.suppress(ImportError):
         fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
-        _patch(fused_kernels, "load", _skip_fused_kernels)
+        _patches.patch(fused_kernels, "load", _skip_fused_kernels)
     with contextlib.suppress(ImportError):
         initialize = importlib.import_module("megatron.training.initialize")
         if hasattr(initialize, "_warmup_jit_function"):
-            _patch(initialize, "_warmup_jit_function", _skip_jit_warmup)
+            _patches.patch(initialize, "_warmup_jit_function", _skip_jit_warmup)
         wrapped = _allow_no_cuda(initialize.initialize_megatron)
-        _patch(initialize, "initialize_megatron", wrapped)
+        _patches.patch(initialize, "initialize_megatron", wrapped)
         training = importlib.import_module("megatron.training.training")
         if hasattr(training, "initialize_megatron"):
-            _patch(training, "initialize_megatron", wrapped)
+            _patches.patch(training, "initialize_megatron", wrapped)
         if hasattr(training, "load_checkpoint"):
-            _patch(training, "load_checkpoint", _with_torch_adam_state(training.load_checkpoint))
+            _patches.patch(
+                training, "load_checkpoint", _with_torch_adam_state(training.load_checkpoint)
+            )
 
 
 def disable_cpu_megatron_lm() -> None:
     """Restore the originals (megatron-core's CPU adapter is disabled too)."""
     from megatron_bfpp.megatron.cpu import disable_cpu_megatron
 
-    while _saved:
-        owner, name, had_own, original = _saved.pop()
-        if had_own:
-            setattr(owner, name, original)
-        else:
-            delattr(owner, name)
+    _patches.restore()
     disable_cpu_megatron()
-
-
-def _patch(owner: Any, name: str, value: Any) -> None:
-    had_own = name in vars(owner)
-    _saved.append((owner, name, had_own, vars(owner)[name] if had_own else getattr(owner, name)))
-    setattr(owner, name, value)
 
 
 def _set_device(device: Any) -> None:

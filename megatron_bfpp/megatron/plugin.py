@@ -68,6 +68,7 @@ from megatron_bfpp.megatron.arguments import (
     check_schedule_args,
     schedule_options_from_args,
 )
+from megatron_bfpp.megatron.patches import Patches
 
 __all__ = [
     "current_schedule",
@@ -96,8 +97,8 @@ STAGES_SITE = "megatron.training.models.dist_utils"
 BATCH_SITES = ("megatron.core.utils", "megatron.training.utils")
 
 _lock = threading.RLock()
-# (module, attribute, original value) in patch order; empty when not installed.
-_saved: list[tuple[Any, str, Any]] = []
+# What install() replaced; empty when not installed.
+_patches = Patches()
 # Megatron's own get_forward_backward_func, captured at install.
 _megatron_get_fbf: Callable[..., Any] | None = None
 _setting: tuple[str, tuple[tuple[str, Any], ...]] = ("default", ())
@@ -107,7 +108,7 @@ _megatron_sharding_default: Any = None
 
 
 def is_installed() -> bool:
-    return bool(_saved)
+    return bool(_patches)
 
 
 def set_schedule(name: str, **options: Any) -> None:
@@ -146,7 +147,7 @@ def install() -> None:
     """Patch the sites listed in the module docstring (a no-op when already installed)."""
     global _megatron_get_fbf, _training_available
     with _lock:
-        if _saved:
+        if _patches:
             return
         check_megatron_core()
         core = [importlib.import_module(name) for name in CORE_SITES]
@@ -155,22 +156,24 @@ def install() -> None:
         _training_available = training_modules is not None
         try:
             for module in core:
-                _patch(module, "get_forward_backward_func", get_forward_backward_func)
+                _patches.patch(module, "get_forward_backward_func", get_forward_backward_func)
             if training_modules is not None:
                 arguments, initialize, training = training_modules
-                _patch(training, "get_forward_backward_func", get_forward_backward_func)
+                _patches.patch(training, "get_forward_backward_func", get_forward_backward_func)
                 if all(hasattr(training, name) for name in SHARDING_SITES):
-                    _patch(
+                    _patches.patch(
                         training,
                         "setup_model_and_optimizer",
                         _wrap_setup(training.setup_model_and_optimizer),
                     )
-                    _patch(training, "save_checkpoint", _wrap_save(training.save_checkpoint))
+                    _patches.patch(
+                        training, "save_checkpoint", _wrap_save(training.save_checkpoint)
+                    )
                 if hasattr(training, "get_model"):
-                    _patch(training, "get_model", _wrap_get_model(training.get_model))
+                    _patches.patch(training, "get_model", _wrap_get_model(training.get_model))
                 stages = _import_optional(STAGES_SITE)
                 if stages is not None and hasattr(stages, "build_virtual_pipeline_stages"):
-                    _patch(
+                    _patches.patch(
                         stages,
                         "build_virtual_pipeline_stages",
                         _wrap_build_stages(stages.build_virtual_pipeline_stages),
@@ -178,19 +181,19 @@ def install() -> None:
                 for site in BATCH_SITES:
                     module = _import_optional(site)
                     if module is not None and hasattr(module, "get_batch_on_this_tp_rank"):
-                        _patch(
+                        _patches.patch(
                             module,
                             "get_batch_on_this_tp_rank",
                             _wrap_tp_batch(module.get_batch_on_this_tp_rank),
                         )
                 from megatron.core import parallel_state
 
-                _patch(
+                _patches.patch(
                     parallel_state,
                     "is_pipeline_last_stage",
                     _wrap_is_last_stage(parallel_state.is_pipeline_last_stage),
                 )
-                _patch(
+                _patches.patch(
                     arguments,
                     "add_megatron_arguments",
                     _wrap_add_arguments(arguments.add_megatron_arguments),
@@ -198,7 +201,7 @@ def install() -> None:
                 if hasattr(initialize, "_set_random_seed"):  # V chunks reseed as 1F1B ranks
                     from megatron_bfpp.megatron.seeding import record_seed_call
 
-                    _patch(
+                    _patches.patch(
                         initialize,
                         "_set_random_seed",
                         record_seed_call(initialize._set_random_seed),
@@ -206,9 +209,11 @@ def install() -> None:
                 for module in (arguments, initialize):
                     # newer Megatron-LM (>= 0.17) no longer binds it in initialize
                     if hasattr(module, "validate_args"):
-                        _patch(module, "validate_args", _wrap_validate(module.validate_args))
+                        _patches.patch(
+                            module, "validate_args", _wrap_validate(module.validate_args)
+                        )
         except BaseException:
-            _restore()
+            _patches.restore()
             raise
 
 
@@ -216,7 +221,7 @@ def uninstall() -> None:
     """Restore every original :func:`install` replaced (a no-op when not installed)."""
     global _megatron_get_fbf, _training_available
     with _lock:
-        _restore()
+        _patches.restore()
         _megatron_get_fbf = None
         _training_available = False
         _cached_forward_backward_func.cache_clear()
@@ -362,8 +367,7 @@ def refuse(message: str, *, prog: str = "megatron_bfpp") -> NoReturn:
 
 
 def _sharding_wired() -> bool:
-    training = next((m for m, name, _ in _saved if name == "setup_model_and_optimizer"), None)
-    return training is not None
+    return _patches.owner_of("setup_model_and_optimizer") is not None
 
 
 def _wrap_setup(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -508,17 +512,6 @@ def _wrap_is_last_stage(original: Callable[..., Any]) -> Callable[..., Any]:
         return parallel_state.get_pipeline_model_parallel_rank() == 0 and vp_stage == 1
 
     return is_pipeline_last_stage
-
-
-def _patch(module: Any, name: str, value: Any) -> None:
-    _saved.append((module, name, getattr(module, name)))
-    setattr(module, name, value)
-
-
-def _restore() -> None:
-    while _saved:
-        module, name, original = _saved.pop()
-        setattr(module, name, original)
 
 
 _logged: set[str] = set()

@@ -1,0 +1,55 @@
+"""The one registry of attribute replacements the integration makes, and its one restore loop.
+
+Three layers patch other people's objects: the CPU adapter for megatron-core (``megatron.cpu``),
+the CPU launcher's Megatron-LM redirects (``megatron.cpu_launch``) and the plugin
+(``megatron.plugin``). Each owns a :class:`Patches`; this is where "restore exactly" is written
+once, so an uninstall can never leave a half-patched Megatron behind: an attribute the owner
+held itself gets back its raw entry (a ``staticmethod`` stays one), an attribute it inherited
+(or served from a module ``__getattr__``) is deleted again, in reverse order of patching.
+
+Pure Python, no torch: it holds whatever it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+__all__ = ["Patches"]
+
+
+class _Saved(NamedTuple):
+    owner: Any
+    name: str
+    had_own: bool
+    original: Any
+
+
+@dataclass(eq=False)
+class Patches:
+    """Replacements made through :meth:`patch`, undone by :meth:`restore`."""
+
+    _saved: list[_Saved] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self._saved)
+
+    def patch(self, owner: Any, name: str, value: Any) -> None:
+        """Set ``owner.name = value``, remembering exactly what to put back."""
+        had_own = name in vars(owner)
+        original = vars(owner)[name] if had_own else getattr(owner, name)
+        self._saved.append(_Saved(owner, name, had_own, original))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        """Undo every replacement, last first (a no-op when there is none)."""
+        while self._saved:
+            saved = self._saved.pop()
+            if saved.had_own:
+                setattr(saved.owner, saved.name, saved.original)
+            else:
+                delattr(saved.owner, saved.name)
+
+    def owner_of(self, name: str) -> Any | None:
+        """The object whose ``name`` was replaced first, or None."""
+        return next((saved.owner for saved in self._saved if saved.name == name), None)
