@@ -1,21 +1,30 @@
 """Package metadata; ``pip install -e .[test]`` sets up development."""
 
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
-# The versions megatron_bfpp is tested with (megatron_bfpp.compat.SUPPORTED_WINDOW): 0.16.x on
-# Python 3.10/3.11, 0.19.x on Python >= 3.12 (0.20 is served from Megatron-LM checkouts).
+HERE = Path(__file__).resolve().parent
+# The version is written once, in megatron_bfpp/__init__.py (read, not imported: setup runs
+# before the package's dependencies exist).
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"$',
+    (HERE / "megatron_bfpp" / "__init__.py").read_text(encoding="utf-8"),
+    re.MULTILINE,
+).group(1)
+# pip's form of megatron_bfpp.compat.SUPPORTED_WINDOW (tests/unit/test_versions.py keeps the two
+# equal): 0.16 from 0.16.1 on Python 3.10/3.11, 0.19-0.20 on Python >= 3.12.
 MEGATRON_CORE = "megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.21"
 
 setup(
     name="megatron-bfpp",
-    version="0.1.0",
+    version=VERSION,
     description=(
         "Breadth-first, BPipe and V-shape pipeline schedules for NVIDIA megatron-core / "
         "Megatron-LM, with a schedule simulator and planner"
     ),
-    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_bfpp", "megatron_bfpp.*"]),
@@ -31,6 +40,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",
+            "packaging>=23",  # tests/unit/test_versions.py reads pip pins
             "matplotlib>=3.7",
             "ruff==0.17.6",  # pinned: lint results must not change under CI
             "mypy==2.4.1",

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, StageLayout
 
-__version__ = "0.1.0"
+# The one place the version is written (setup.py reads it from here). A beta: every schedule runs
+# on megatron-core, verified on CPU ranks; none has been measured on GPUs yet.
+__version__ = "0.9.0b1"
 
 __all__ = [
     "Action",

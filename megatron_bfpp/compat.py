@@ -1,8 +1,8 @@
 """The one module that owns every megatron-core call whose form depends on the installed version.
 
-megatron_bfpp serves megatron-core 0.16.x (Python 3.10/3.11) and 0.19.x-0.20.x (Python >= 3.12:
-the 0.19 wheels, and Megatron-LM checkouts whose ``megatron/core`` is 0.19 or 0.20). Everything
-else imports megatron-core names that are the same across that window directly; a call whose
+megatron_bfpp serves the megatron-core versions in ``SUPPORTED_WINDOW`` (the 0.16 and 0.19
+wheels, and Megatron-LM checkouts whose ``megatron/core`` is 0.16, 0.19 or 0.20). Everything else
+imports megatron-core names that are the same across that window directly; a call whose
 signature or location changed goes through a shim here, and each shim says which versions it
 covers. The version is read from ``megatron.core.package_info`` (never guessed from a
 ``TypeError``), and a version outside the window fails with one line that names it, before any
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -61,12 +62,30 @@ __all__ = [
     "wgrad_operands",
 ]
 
-# (first, last) inclusive (major, minor) ranges of megatron-core we test and serve.
-SUPPORTED_WINDOW: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = (
-    ((0, 16), (0, 16)),
-    ((0, 19), (0, 20)),
+
+@dataclass(frozen=True)
+class MinorRange:
+    """An inclusive range of megatron-core (major, minor) versions and the Pythons they need."""
+
+    first: tuple[int, int]
+    last: tuple[int, int]
+    python: str
+
+    def __contains__(self, version: object) -> bool:
+        return isinstance(version, tuple) and self.first <= version[:2] <= self.last
+
+    def __str__(self) -> str:
+        first, last = (f"{major}.{minor}.x" for major, minor in (self.first, self.last))
+        return f"{first if first == last else f'{first}-{last}'} (Python {self.python})"
+
+
+# The megatron-core versions we test and serve: the one statement of the window. setup.py's pin
+# is tied to it by tests/unit/test_versions.py.
+SUPPORTED_WINDOW: tuple[MinorRange, ...] = (
+    MinorRange((0, 16), (0, 16), "3.10/3.11"),
+    MinorRange((0, 19), (0, 20), ">= 3.12"),
 )
-_WINDOW_TEXT = "0.16.x (Python 3.10/3.11) or 0.19.x-0.20.x (Python >= 3.12)"
+_WINDOW_TEXT = " or ".join(map(str, SUPPORTED_WINDOW))
 
 
 class UnsupportedMegatronError(RuntimeError):
@@ -86,7 +105,7 @@ def megatron_core_version() -> tuple[int, int, int]:
 
 
 def is_supported(version: tuple[int, int, int]) -> bool:
-    return any(first <= version[:2] <= last for first, last in SUPPORTED_WINDOW)
+    return any(version in window for window in SUPPORTED_WINDOW)
 
 
 def check_megatron_core(version: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
