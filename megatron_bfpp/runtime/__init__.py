@@ -3,13 +3,11 @@
 from megatron_bfpp.runtime.api import (
     get_forward_backward_func,
     plan_schedule,
-    runnable_names,
     sharded_optimizer_step,
 )
 
 __all__ = [
     "get_forward_backward_func",
     "plan_schedule",
-    "runnable_names",
     "sharded_optimizer_step",
 ]

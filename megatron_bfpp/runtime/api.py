@@ -31,11 +31,9 @@ from megatron_bfpp.runtime.sharding import sharded_parameters
 from megatron_bfpp.runtime.step import MemoryReport, StepContext
 from megatron_bfpp.schedules.registry import (
     build_schedule,
-    check_runnable,
     check_sharding,
     forward_only_schedule,
     get_spec,
-    runnable_names,
 )
 from megatron_bfpp.validate import validate_schedule
 
@@ -43,7 +41,6 @@ __all__ = [
     "ForwardBackwardFunc",
     "get_forward_backward_func",
     "plan_schedule",
-    "runnable_names",
     "sharded_optimizer_step",
 ]
 
@@ -55,11 +52,15 @@ def get_forward_backward_func(
     data_parallel_sharding_strategy: str = "optim",
     **options: Any,
 ) -> ForwardBackwardFunc:
-    """A forward-backward function running ``schedule`` (a registry name).
+    """A forward-backward function running ``schedule``, to call where megatron-core's
+    ``get_forward_backward_func()`` result is called: what it takes and returns is
+    :class:`ForwardBackwardFunc`'s docstring (``help(fn)``).
 
-    ``options`` are the schedule's own (``microbatch_group_size`` for interleaved,
-    ``group_size`` for breadth-first, ``max_stored`` for bpipe). Unknown names, options and
-    not-yet-runnable schedules fail here, before any communication.
+    ``schedule`` is a registry name (``megatron_bfpp.schedule_names()``) or a lowered
+    :class:`~megatron_bfpp.ir.Schedule` (checked here: complete, deadlock-free, data read in
+    order). ``options`` are the schedule's own (``microbatch_group_size`` for interleaved,
+    ``group_size`` for breadth-first, ``max_stored`` for bpipe). Unknown names and options fail
+    here with one line, before any communication.
 
     ``data_parallel_sharding_strategy`` is Megatron's: ``optim`` (the distributed optimizer as
     built; the default) or ``optim_grads_params``, parameters sharded over the data-parallel
@@ -74,7 +75,7 @@ def get_forward_backward_func(
     check_megatron_core()
     if isinstance(schedule, Schedule):
         return _prebuilt(schedule, measure_memory, data_parallel_sharding_strategy, options)
-    spec = check_runnable(schedule)
+    spec = get_spec(schedule)
     spec.check_option_names(options)
     check_sharding(spec.name, data_parallel_sharding_strategy)
     return ForwardBackwardFunc(
@@ -111,12 +112,47 @@ def _prebuilt(
 
 @dataclass(eq=False)
 class ForwardBackwardFunc:
-    """What :func:`get_forward_backward_func` returns: callable with megatron-core's
-    forward-backward signature, and the one place that keeps what outlives a step.
+    """Run one training (or evaluation) step of the schedule, as megatron-core's
+    forward-backward functions do, with the same keyword arguments and return value.
 
-    A class rather than a closure so that this state is typed and visible: the last step's
-    trace and memory report (read by benchmarks and bfpp-train), and the BPipe payload sizes
-    both ends of each evictor/acceptor pair agreed, which later steps of the run reuse.
+    Arguments (keyword-only, megatron-core's names and meanings):
+
+    * ``forward_step_func(data_iterator, model)`` returns ``(output_tensor, loss_func)``;
+      ``loss_func(output_tensor)`` returns ``(loss, reported)`` or ``(loss, num_tokens,
+      reported)``, with ``reported`` a dict of str -> tensor (``"lm loss"``), exactly as for
+      megatron-core.
+    * ``data_iterator``: one iterator per model chunk (a list, as for megatron-core's
+      interleaved schedule) or a single iterator for a single chunk. Each chunk's iterator is
+      read once per micro-batch, in order.
+    * ``model``: this rank's model chunks (a module or a list): megatron-core modules, built in
+      the schedule's placement (``megatron_bfpp.megatron.chunks``: looped for interleaved and
+      breadth-first, the V for ``v-*``); checked before any message.
+    * ``num_microbatches``, ``seq_length``, ``micro_batch_size``, ``decoder_seq_length``: as
+      megatron-core; the message between stages is ``(seq / cp [/ tp with sequence parallel],
+      micro_batch_size, hidden)`` in ``config.pipeline_dtype``.
+    * ``forward_only``: forwards only (evaluation), every schedule's forward order.
+    * ``collect_non_loss_data``, ``first_val_step``, ``force_all_reduce``: passed to
+      megatron-core's ``forward_step`` / ``finalize_model_grads`` as megatron-core does.
+    * ``adjust_tensor_shapes_fn``: may rename the shape, not split it into several tensors.
+    * ``p2p_communicator`` and ``pg_collection``: both or neither (then megatron-core's global
+      process groups).
+
+    Returns what megatron-core's functions return: on the last pipeline rank, the list of what
+    ``loss_func`` reported, one entry per micro-batch (delivered there when another rank
+    computed the last stage, as in the V-shapes); ``[]`` on other ranks. Gradients are reduced
+    and finalized (``config.finalize_model_grads_func``) before it returns, unless
+    ``forward_only``.
+
+    Refused with one line, before any message: a model whose chunks are not the schedule's
+    placement, a chunk count or micro-batch count the schedule cannot run, and megatron-core
+    features the runtime does not implement (partial activation checkpointing, fine-grained
+    activation offloading, local CUDA graphs, V-shapes with deferred embedding wgrad).
+
+    It behaves as a function (``__name__``, ``__qualname__``, ``__module__``, ``__doc__``, so
+    ``functools.wraps`` / ``functools.partial`` and loggers of ``fn.__name__`` work) and is the
+    one place that keeps what outlives a step: ``last_trace`` (the actions this rank ran in the
+    last call), ``last_memory`` (its :class:`~megatron_bfpp.runtime.step.MemoryReport`), and the
+    BPipe payload sizes both ends of each evictor/acceptor pair agreed, reused by later steps.
     """
 
     schedule: str
@@ -126,6 +162,11 @@ class ForwardBackwardFunc:
     prebuilt: Schedule | None = field(default=None, repr=False)
     last_trace: list[str] = field(default_factory=list, repr=False)
     last_memory: MemoryReport = field(default_factory=MemoryReport, repr=False)
+
+    def __post_init__(self) -> None:
+        # megatron-core's are named forward_backward_no_pipelining etc.; ours name the schedule.
+        name = "forward_backward_" + "".join(c if c.isalnum() else "_" for c in self.schedule)
+        vars(self).update(__name__=name, __qualname__=name)
 
     def __call__(
         self,
@@ -145,9 +186,8 @@ class ForwardBackwardFunc:
         pg_collection: Any = None,
         force_all_reduce: bool | None = False,
     ) -> list[Any]:
-        """megatron-core's forward-backward signature; returns the loss dicts (last stage)."""
-        return _run_step(
-            self,
+        """See the class docstring: megatron-core's forward-backward arguments and result."""
+        call = _Call(
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
             model=model,
@@ -155,7 +195,7 @@ class ForwardBackwardFunc:
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             decoder_seq_length=decoder_seq_length,
-            forward_only=forward_only,
+            forward_only=bool(forward_only),
             collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step,
             adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
@@ -163,6 +203,27 @@ class ForwardBackwardFunc:
             pg_collection=pg_collection,
             force_all_reduce=force_all_reduce,
         )
+        return _run_step(self, call)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call's megatron-core arguments, as :class:`ForwardBackwardFunc` received them."""
+
+    forward_step_func: Callable[..., Any]
+    data_iterator: Any
+    model: Any
+    num_microbatches: int
+    seq_length: int
+    micro_batch_size: int
+    decoder_seq_length: int | None
+    forward_only: bool
+    collect_non_loss_data: bool
+    first_val_step: bool | None
+    adjust_tensor_shapes_fn: Callable[..., Any] | None
+    p2p_communicator: Any
+    pg_collection: Any
+    force_all_reduce: bool | None
 
 
 @functools.lru_cache(maxsize=32)
@@ -198,7 +259,7 @@ def _check_data_order(schedule: Schedule) -> None:
     for actions in schedule.per_rank:
         last: dict[int, int] = {}
         for action in actions:
-            if action.kind.value == "F":
+            if action.kind is ActionKind.FORWARD:
                 mb = action.microbatch if action.microbatch is not None else -1
                 if mb < last.get(action.stage, -1):
                     raise ScheduleError(
@@ -208,51 +269,64 @@ def _check_data_order(schedule: Schedule) -> None:
                 last[action.stage] = mb
 
 
-def _run_step(
-    func: ForwardBackwardFunc,
-    *,
-    forward_step_func: Callable[..., Any],
-    data_iterator: Any,
-    model: Any,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    decoder_seq_length: int | None,
-    forward_only: bool,
-    collect_non_loss_data: bool,
-    first_val_step: bool | None,
-    adjust_tensor_shapes_fn: Callable[..., Any] | None,
-    p2p_communicator: Any,
-    pg_collection: Any,
-    force_all_reduce: bool | None,
-) -> list[Any]:
+def _run_step(func: ForwardBackwardFunc, call: _Call) -> list[Any]:
+    """One step, in its five jobs: read the call, fix the schedule, prepare sharded parameters,
+    run this rank's program, finish the gradients."""
     from megatron.core.pipeline_parallel.schedules import (
         clear_embedding_activation_buffer,
         finish_embedding_wgrad_compute,
     )
     from megatron.core.pipeline_parallel.utils import is_pp_last_stage
-    from megatron.core.utils import get_model_config, get_model_type
 
-    chunks = model if isinstance(model, list) else [model]
+    chunks, iterators, config, groups = _step_inputs(call)
+    schedule = _step_schedule(func, call, chunks, config, groups.pp)
+    sharded = _step_sharding(func, call, chunks, config, groups)
+    ctx = _step_context(func, call, chunks, iterators, config, groups, sharded)
+    if config.timers is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    finalize = config.finalize_model_grads_func is not None and not call.forward_only
+    last_stage = is_pp_last_stage(groups.pp)
+    embedding = clear_embedding_activation_buffer(config, chunks, last_stage) if finalize else None
+    store, total_num_tokens, func.last_trace, func.last_memory = run_rank_program(
+        schedule, groups.pp.rank(), ctx
+    )
+    if finalize:
+        finish_embedding_wgrad_compute(config, embedding, last_stage, groups.tp)
+        _finish_grads(call, schedule, chunks, config, groups, sharded, total_num_tokens)
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
+    return deliver_to_last_rank(store, schedule.layout, groups.pp, ctx.comm.device)
+
+
+def _step_inputs(call: _Call) -> tuple[list[Any], list[Any], Any, Any]:
+    """The model chunks, their data iterators, their config and the call's process groups."""
+    from megatron.core.utils import get_model_config
+
+    chunks = call.model if isinstance(call.model, list) else [call.model]
     if not chunks:
         raise ValueError("model must be a module or a non-empty list of model chunks")
-    iterators = _iterators_per_chunk(data_iterator, len(chunks))
+    iterators = _iterators_per_chunk(call.data_iterator, len(chunks))
     config = get_model_config(chunks[0])
     _reject_unsupported(config)
-    groups = _resolve_groups(p2p_communicator, pg_collection)
-    pp_group = groups.pp
+    return chunks, iterators, config, _resolve_groups(call.p2p_communicator, call.pg_collection)
+
+
+def _step_schedule(
+    func: ForwardBackwardFunc, call: _Call, chunks: list[Any], config: Any, pp_group: Any
+) -> Schedule:
+    """The validated schedule for this call's layout, checked against the chunks handed in."""
     if func.prebuilt is not None:
-        schedule = _fitted(func.prebuilt, pp_group.size(), len(chunks), num_microbatches)
-        if forward_only:
+        schedule = _fitted(func.prebuilt, pp_group.size(), len(chunks), call.num_microbatches)
+        if call.forward_only:
             schedule = forward_only_schedule(schedule)
     else:
         schedule = plan_schedule(
             func.schedule,
             pp_group.size(),
             len(chunks),
-            num_microbatches,
+            call.num_microbatches,
             func.options,
-            bool(forward_only),
+            call.forward_only,
             func.sharding,
         )
     _check_chunk_count(schedule, len(chunks))
@@ -264,82 +338,98 @@ def _run_step(
             "defer_embedding_wgrad_compute is not supported with V-shape schedules yet (the "
             "output layer is on the first pipeline rank there); turn it off"
         )
-    sharded = None
-    if func.sharding != "optim":
-        if groups.dp_cp.size() == 1:
-            raise ScheduleError(
-                "--data-parallel-sharding-strategy optim_grads_params needs data parallelism "
-                "(data-parallel size is 1: there is nothing to shard over)"
-            )
-        sharded = sharded_parameters(chunks)
-        if not forward_only:
-            _check_sharded_finalize(config)
-            sharded.prepare_step(config, groups)
+    return schedule
+
+
+def _step_sharding(
+    func: ForwardBackwardFunc, call: _Call, chunks: list[Any], config: Any, groups: Any
+) -> Any:
+    """The sharded parameters' state for this step (gathers, releases), or None unsharded."""
+    if func.sharding == "optim":
+        return None
+    if groups.dp_cp.size() == 1:
+        raise ScheduleError(
+            "--data-parallel-sharding-strategy optim_grads_params needs data parallelism "
+            "(data-parallel size is 1: there is nothing to shard over)"
+        )
+    sharded = sharded_parameters(chunks)
+    if not call.forward_only:
+        _check_sharded_finalize(config)
+        sharded.prepare_step(config, groups)
+    return sharded
+
+
+def _step_context(
+    func: ForwardBackwardFunc,
+    call: _Call,
+    chunks: list[Any],
+    iterators: list[Any],
+    config: Any,
+    groups: Any,
+    sharded: Any,
+) -> StepContext:
+    """What every action handler of this step reads: the call, the pipe, the model."""
+    from megatron.core.utils import get_model_type
+
     shape = _message_shape(
-        seq_length, micro_batch_size, decoder_seq_length, config, groups, adjust_tensor_shapes_fn
+        call.seq_length,
+        call.micro_batch_size,
+        call.decoder_seq_length,
+        config,
+        groups,
+        call.adjust_tensor_shapes_fn,
     )
     device = next(chunks[0].parameters()).device
-    comm = PipeComm(
-        group=pp_group,
-        shape=shape,
-        dtype=config.pipeline_dtype,
-        device=device,
-    )
-    ctx = StepContext(
-        forward_step_func=forward_step_func,
+    return StepContext(
+        forward_step_func=call.forward_step_func,
         data_iterators=iterators,
         model=chunks,
-        num_microbatches=num_microbatches,
+        num_microbatches=call.num_microbatches,
         config=config,
         model_type=get_model_type(chunks[0]),
         cp_group_size=groups.cp.size(),
-        forward_only=bool(forward_only),
-        collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step,
-        comm=comm,
+        forward_only=call.forward_only,
+        collect_non_loss_data=call.collect_non_loss_data,
+        first_val_step=call.first_val_step,
+        comm=PipeComm(group=groups.pp, shape=shape, dtype=config.pipeline_dtype, device=device),
         measure_memory=func.measure_memory,
         sharded=sharded,
     )
-    if config.timers is not None:
-        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-    embedding_module = None
-    if config.finalize_model_grads_func is not None and not forward_only:
-        embedding_module = clear_embedding_activation_buffer(
-            config, chunks, is_pp_last_stage(pp_group)
+
+
+def _finish_grads(
+    call: _Call,
+    schedule: Schedule,
+    chunks: list[Any],
+    config: Any,
+    groups: Any,
+    sharded: Any,
+    total_num_tokens: torch.Tensor,
+) -> None:
+    """megatron-core's gradient finalization, or its sharded equivalent; under the V (embedding
+    and output layer on one rank) without the all-reduce over the pipeline: the rank adds its
+    two copies' gradients after the data-parallel reduction."""
+    on_one_rank = _embedding_and_loss_on_one_rank(schedule)
+    if on_one_rank and config.calculate_per_token_loss:
+        # finalize_model_grads broadcasts the token count from the last pipeline rank, but
+        # under the V the loss (and so the count) is on the first: give it to every rank.
+        torch.distributed.all_reduce(total_num_tokens, group=groups.pp)
+    num_tokens = total_num_tokens if config.calculate_per_token_loss else None
+    if sharded is not None:
+        # megatron-core's finalize reads full gradients; the sharded model finishes the
+        # same reductions on its kept shards.
+        sharded.finalize_grads(config, groups, num_tokens, bool(call.force_all_reduce))
+    else:
+        config.finalize_model_grads_func(
+            chunks,
+            num_tokens,
+            pg_collection=(
+                process_groups_without_embedding_group(groups) if on_one_rank else groups
+            ),
+            force_all_reduce=call.force_all_reduce,
         )
-    store, total_num_tokens, trace, memory = run_rank_program(schedule, pp_group.rank(), ctx)
-    func.last_trace = trace
-    func.last_memory = memory
-    if config.finalize_model_grads_func is not None and not forward_only:
-        finish_embedding_wgrad_compute(
-            config, embedding_module, is_pp_last_stage(pp_group), groups.tp
-        )
-        # Embedding and output layer on one rank (V-shape): no all-reduce over the pipeline;
-        # the rank adds its two copies' gradients after the data-parallel reduction.
-        on_one_rank = _embedding_and_loss_on_one_rank(schedule)
-        if on_one_rank and config.calculate_per_token_loss:
-            # finalize_model_grads broadcasts the token count from the last pipeline rank, but
-            # under the V the loss (and so the count) is on the first: give it to every rank.
-            torch.distributed.all_reduce(total_num_tokens, group=pp_group)
-        num_tokens = total_num_tokens if config.calculate_per_token_loss else None
-        if sharded is not None:
-            # megatron-core's finalize reads full gradients; the sharded model finishes the
-            # same reductions on its kept shards.
-            sharded.finalize_grads(config, groups, num_tokens, bool(force_all_reduce))
-        else:
-            config.finalize_model_grads_func(
-                chunks,
-                num_tokens,
-                pg_collection=(
-                    process_groups_without_embedding_group(groups) if on_one_rank else groups
-                ),
-                force_all_reduce=force_all_reduce,
-            )
-        if on_one_rank:
-            sum_tied_embedding_grads(chunks)
-    if config.timers is not None:
-        config.timers("forward-backward").stop()
-    return deliver_to_last_rank(store, schedule.layout, pp_group, device)
+    if on_one_rank:
+        sum_tied_embedding_grads(chunks)
 
 
 def _check_chunk_count(schedule: Schedule, num_chunks: int) -> None:

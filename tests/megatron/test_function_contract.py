@@ -1,0 +1,76 @@
+"""``megatron_bfpp.get_forward_backward_func(name)`` is a drop-in for megatron-core's function:
+code written for that (loggers of ``fn.__name__``, ``functools.wraps``, ``functools.partial``)
+works on ours, and its docstring is the one contract of what it takes and returns."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+
+import megatron_bfpp
+
+MEGATRON_CORE_ARGUMENTS = (
+    "forward_step_func",
+    "data_iterator",
+    "model",
+    "num_microbatches",
+    "seq_length",
+    "micro_batch_size",
+    "decoder_seq_length",
+    "forward_only",
+    "collect_non_loss_data",
+    "first_val_step",
+    "adjust_tensor_shapes_fn",
+    "p2p_communicator",
+    "pg_collection",
+    "force_all_reduce",
+)
+
+
+@pytest.mark.parametrize("name", ["breadth-first", "1f1b", "v-half"])
+def test_function_attributes(name: str) -> None:
+    fn = megatron_bfpp.get_forward_backward_func(name)
+    expected = "forward_backward_" + name.replace("-", "_")
+    assert fn.__name__ == expected
+    assert fn.__qualname__ == expected
+    assert fn.__module__ == "megatron_bfpp.runtime.api"
+    assert fn.__doc__ and "Returns" in fn.__doc__
+    assert callable(fn)
+
+
+def test_wraps_and_partial_work_as_on_a_function() -> None:
+    fn = megatron_bfpp.get_forward_backward_func("breadth-first", group_size=2)
+    calls: list[dict[str, object]] = []
+
+    @functools.wraps(fn)
+    def logged(**kwargs: object) -> object:
+        calls.append(kwargs)
+        return "ran"
+
+    assert logged.__name__ == fn.__name__ and logged.__doc__ == fn.__doc__
+    assert logged.__wrapped__ is fn  # type: ignore[attr-defined]
+    assert logged(num_microbatches=4) == "ran" and calls == [{"num_microbatches": 4}]
+
+    bound = functools.partial(fn, forward_only=True)
+    assert bound.func is fn and bound.keywords == {"forward_only": True}
+
+
+def test_signature_and_docstring_name_every_megatron_core_argument() -> None:
+    fn = megatron_bfpp.get_forward_backward_func("1f1b")
+    parameters = inspect.signature(fn).parameters
+    assert tuple(parameters) == MEGATRON_CORE_ARGUMENTS
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters.values())
+    for argument in MEGATRON_CORE_ARGUMENTS:
+        assert f"``{argument}" in (fn.__doc__ or ""), argument
+
+
+def test_megatron_core_signature_is_ours() -> None:
+    """The arguments megatron-core's own functions take are the ones ours accepts."""
+    from megatron.core.pipeline_parallel import schedules
+
+    theirs = inspect.signature(schedules.forward_backward_pipelining_with_interleaving).parameters
+    ours = inspect.signature(megatron_bfpp.get_forward_backward_func("1f1b")).parameters
+    missing = [name for name in theirs if name not in ours]
+    assert not missing, f"megatron-core passes {missing}, which ours does not take"
