@@ -36,6 +36,7 @@ __all__ = [
     "MEMORY_DELTA",
     "Action",
     "ActionKind",
+    "Placement",
     "Schedule",
     "ScheduleError",
     "StageLayout",
@@ -53,6 +54,16 @@ __all__ = [
 
 class ScheduleError(ValueError):
     """Any invalid schedule, layout or generator input; the message says what would work."""
+
+
+class Placement(StrEnum):
+    """How a schedule's stages sit on the pipeline ranks: what a front end's virtual-pipeline
+    flag may say and how model chunks are built. A string enum, so reports, JSON and messages
+    print the name itself."""
+
+    SINGLE = "single"  # one stage per rank: stage s on rank s
+    LOOPED = "looped"  # num_chunks >= 2 stages per rank: stage s on rank s % p
+    V_SHAPE = "v-shape"  # two stages per rank: rank r holds stages r and 2p-1-r
 
 
 class ActionKind(StrEnum):
@@ -344,10 +355,11 @@ class StageLayout:
 
     @property
     def kind(self) -> str:
+        """The placement this layout follows (looped with one chunk included), or "custom"."""
         if self == StageLayout.looped(self.num_ranks, self.num_chunks):
-            return "looped"
+            return Placement.LOOPED
         if self.num_chunks == 2 and self == StageLayout.v_shape(self.num_ranks):
-            return "v-shape"
+            return Placement.V_SHAPE
         return "custom"
 
     def rank_of(self, stage: int) -> int:

@@ -91,10 +91,12 @@ Lane = Literal["compute", "p2p", "dp"]
 
 @dataclass(frozen=True, slots=True)
 class Timing:
-    """Durations of one replay, already scaled to the stage (see ``CostModel``).
+    """Durations of one replay, already scaled to the stage (``CostModel.exact`` derives them).
 
     ``p2p`` is one activation or gradient message on its link, ``transfer`` one BPipe evict or
-    restore; ``grad_sync`` / ``param_sync`` one GS / PS on the data-parallel lane.
+    restore; ``grad_sync`` / ``param_sync`` one GS / PS on the data-parallel lane. The defaults
+    are the unit timing (a forward 1, a backward 2 of which W is half, communication free),
+    which orders a replay when no costs are given; ``CostModel``'s defaults are these.
     """
 
     forward: float = 1.0

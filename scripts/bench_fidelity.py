@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Schedule fidelity: measured step time of every runnable schedule next to the simulator's.
+"""Schedule fidelity: measured step time of every schedule next to the simulator's.
 
 Compute is emulated: each model chunk is a one-parameter module whose forward and backward sleep
 their share of ``--t-forward`` / ``--t-backward`` (seconds per micro-batch through one full 1F1B
@@ -10,7 +10,7 @@ communication lane (a worker thread serving one reduction at a time), dispatched
 ``config.grad_sync_func`` exactly where the runtime calls it; ``finalize_model_grads_func`` waits
 for the lane, as megatron-core's finalize waits for DDP's reductions.
 
-    python scripts/bench_fidelity.py                 # pp=4, every runnable schedule, +DP case
+    python scripts/bench_fidelity.py                 # pp=4, every schedule, +DP case
     python scripts/bench_fidelity.py --pp 8 --microbatches 16
 """
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.schedules.registry import get_spec
 from megatron_bfpp.testing import models as M
 from megatron_bfpp.testing.multirank import run_ranks
 
@@ -37,7 +38,7 @@ def _model(schedule: str, sizes: dict[str, int]) -> tuple[list[Any], list[Any]]:
         num_attention_heads=sizes["heads"],
         ffn_hidden_size=4 * sizes["hidden"],
     )
-    placement = "v-shape" if schedule.startswith("v-") else "looped"
+    placement = get_spec(schedule).placement
     chunks = M.build_model_chunks(config, max_sequence_length=sizes["seq"], placement=placement)
     return chunks, M.make_batches(sizes["microbatches"], seq_len=sizes["seq"], seed=0)
 

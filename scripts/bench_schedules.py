@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from megatron_bfpp.ir import Placement
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.schedules.registry import get_spec
@@ -38,7 +39,7 @@ SMALL = [
 
 def run(name: str, p: int, v: int, m: int) -> tuple[float, float, float, int]:
     spec = get_spec(name)
-    chunks = {"num_chunks": v} if spec.placement == "looped" else {}
+    chunks = {"num_chunks": v} if spec.placement is Placement.LOOPED else {}
     start = time.perf_counter()
     compute = spec.generator(num_ranks=p, num_microbatches=m, **chunks)
     generated = time.perf_counter()

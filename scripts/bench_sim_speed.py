@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from megatron_bfpp.ir import Schedule
+from megatron_bfpp.ir import Placement, Schedule
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.schedules.registry import get_spec
@@ -32,7 +32,7 @@ CASES = [
 
 def build(name: str, p: int, v: int, m: int) -> Schedule:
     spec = get_spec(name)
-    chunks = {"num_chunks": v} if spec.placement == "looped" else {}
+    chunks = {"num_chunks": v} if spec.placement is Placement.LOOPED else {}
     return add_grad_sync(
         add_communication(spec.generator(num_ranks=p, num_microbatches=m, **chunks))
     )

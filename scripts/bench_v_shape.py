@@ -24,6 +24,7 @@ import statistics
 import time
 from typing import Any
 
+from megatron_bfpp.ir import Placement
 from megatron_bfpp.testing import models as M
 from megatron_bfpp.testing.multirank import run_ranks
 
@@ -49,7 +50,9 @@ def rank_main(schedule: str, num_microbatches: int, layers: int, hidden: int, st
         num_attention_heads=4,
         **({"vp": 2} if v_shape else {}),
     )
-    chunks = M.build_model_chunks(config, placement="v-shape" if v_shape else "looped")
+    chunks = M.build_model_chunks(
+        config, placement=Placement.V_SHAPE if v_shape else Placement.LOOPED
+    )
     func = get_forward_backward_func(schedule, measure_memory=True)
     batches = M.make_batches(num_microbatches, seed=3)
     times, peak = [], 0

@@ -1,10 +1,10 @@
-"""What every CLI shares: one-line errors, a parser that does not print usage on error and shows
-every default in ``--help``, argument types, output-path checks and strict JSON."""
+"""What every CLI shares: one-line errors, argument types, output-path checks and strict JSON (the
+parser itself and ``positive_int`` are :mod:`megatron_bfpp.flags`', shared with the Megatron-LM
+pre-flight)."""
 
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import json
 import math
@@ -13,46 +13,10 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
+from megatron_bfpp.flags import positive_int
 from megatron_bfpp.schedules.registry import SCHEDULES
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` names each flag's default, as Megatron users expect. A help text that already
-    says its default is left alone, and so are flags whose default is their absence (``None``,
-    an unset switch): "(default: None)" would say nothing."""
-
-    def _format_action(self, action: argparse.Action) -> str:
-        if action.help is None and _shows_default(action):  # argparse skips help-less flags
-            action = copy.copy(action)
-            action.help = ""
-            action.help = self._get_help_string(action).strip()  # type: ignore[union-attr]
-        return super()._format_action(action)
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if "default" in (action.help or "") or not _shows_default(action):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _shows_default(action: argparse.Action) -> bool:
-    default = action.default
-    return bool(action.option_strings) and not (
-        default is None or default is False or default is argparse.SUPPRESS
-    )
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage plus the error; users asked for one clear line and a non-zero exit."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        raise SystemExit(2)
 
 
 def fail(prog: str, error: BaseException | str) -> int:
@@ -100,16 +64,6 @@ def stages_per_rank_defaults() -> str:
         by_count.setdefault(spec.default_stages_per_rank, []).append(spec.name)
     counts = "; ".join(f"{n} for {', '.join(names)}" for n, names in sorted(by_count.items()))
     return f"the schedule's: {counts}"
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def positive_int_up_to(limit: int, why: str) -> Callable[[str], int]:

@@ -12,15 +12,14 @@ import sys
 from collections.abc import Sequence
 
 from megatron_bfpp.cli.common import (
-    OneLineParser,
     closed_pipe_ends_quietly,
     fail,
     finite_float,
     json_text,
     output_file_problem,
-    positive_int,
     positive_int_up_to,
 )
+from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.bpipe import Estimate, bpipe_speedup_estimate
 from megatron_bfpp.plan.costs import ProfileCurve
@@ -42,6 +41,7 @@ from megatron_bfpp.plan.search import (
     SearchResult,
     family_name,
 )
+from megatron_bfpp.train.run_config import DEFAULT_FFN_TEXT
 
 PROG = "bfpp-plan"
 
@@ -184,7 +184,7 @@ def _add_shape_flags(command: argparse.ArgumentParser) -> None:
     shape.add_argument("--num-attention-heads", type=_WIDTH, metavar="A")
     shape.add_argument("--num-query-groups", type=_WIDTH, metavar="G", help="default: one per head")
     shape.add_argument(
-        "--ffn-hidden-size", type=_WIDTH, metavar="F", help="default: 4h (gpt), 8h/3 (llama)"
+        "--ffn-hidden-size", type=_WIDTH, metavar="F", help=f"default: {DEFAULT_FFN_TEXT}"
     )
     shape.add_argument("--vocab-size", type=_WIDTH, metavar="V", help="default: 50257 gpt")
     shape.add_argument(
@@ -407,11 +407,8 @@ def format_recommendation(
         header,
         "-" * len(header),
     ]
-    unrunnable = set()
     for rank, plan in enumerate(result.plans, 1):
         lines.append(_row(rank, plan))
-        if not plan.runnable:
-            unrunnable.add(plan.candidate.schedule)
     if result.best_per_family and result.plans:
         first = result.plans[0].step_time_s
         lines += ["", "best of each schedule family (slower than #1 by):"]
@@ -437,19 +434,12 @@ def format_recommendation(
         "GPUs' peak; bubble: idle share of the simulated step; memory in GiB per GPU "
         "(busiest pipeline rank).",
     ]
-    if unrunnable:
-        lines.append(
-            f"* {', '.join(sorted(unrunnable))}: simulated and validated, not yet runnable "
-            "(the runtime refuses it; see README)."
-        )
     return "\n".join(lines)
 
 
 def _row(rank: int, plan: Plan) -> str:
     c, mem = plan.candidate, plan.memory
     name = c.family + (f" g={c.group_size}" if c.group_size else "")
-    if not plan.runnable:
-        name += " *"
     return (
         f"{rank:>2}  {name:<28} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
         f"{c.micro_batch_size:>3} {plan.num_microbatches:>4} {c.recompute:<9} "

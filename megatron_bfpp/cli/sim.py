@@ -10,14 +10,13 @@ from dataclasses import replace
 from typing import Any
 
 from megatron_bfpp.cli.common import (
-    OneLineParser,
     closed_pipe_ends_quietly,
     fail,
     json_text,
     non_negative_float,
     output_file_problem,
-    positive_int,
 )
+from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import (
     ActionKind,
     Schedule,
@@ -48,6 +47,7 @@ from megatron_bfpp.sim import (
     render_png,
     simulate,
 )
+from megatron_bfpp.sim.cost import cost_fields, cost_flag
 from megatron_bfpp.sim.simulator import UNITS
 from megatron_bfpp.validate import has_communication, validate_schedule
 
@@ -107,21 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
             flag, type=positive_int, default=None, help="; ".join(o.help for o in options)
         )
     costs = parser.add_argument_group("costs (one micro-batch through one full 1F1B stage)")
-    for flag, default, text in (
-        ("--t-forward", 1.0, "forward time"),
-        ("--t-backward", 2.0, "backward time (input + weight gradients)"),
-        ("--t-weight", 1.0, "weight-gradient part of --t-backward (split schedules)"),
-        ("--t-p2p", 0.0, "one pipeline message"),
-        ("--t-grad-reduce", 0.0, "one chunk's data-parallel gradient reduction"),
-        ("--t-param-gather", 0.0, "one chunk's data-parallel parameter gather"),
-        (
-            "--t-evict",
-            None,
-            "BPipe: moving one micro-batch's activations to the partner (default: "
-            f"{BPIPE_T_EVICT:g} for bpipe, so its transfers show in the timeline; 0 otherwise)",
-        ),
-    ):
-        costs.add_argument(flag, type=non_negative_float, default=default, help=text)
+    for cost in cost_fields():  # CostModel's own defaults and help, one flag each
+        default, text = cost.default, cost.metadata["help"]
+        if cost.name in _SCHEDULE_DEFAULTS:
+            default, text = None, f"{text} ({_SCHEDULE_DEFAULTS[cost.name]})"
+        costs.add_argument(
+            cost_flag(cost.name), type=non_negative_float, default=default, help=text
+        )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument(
@@ -161,15 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = _schedule_from(args)
         if args.png and (problem := png_problem(schedule.num_ranks)):
             return fail(PROG, problem)
-        costs = CostModel(
-            t_forward=args.t_forward,
-            t_backward=args.t_backward,
-            t_weight=args.t_weight,
-            t_p2p=args.t_p2p,
-            t_grad_reduce=args.t_grad_reduce,
-            t_param_gather=args.t_param_gather,
-            t_evict=args.t_evict,
-        )
+        costs = CostModel(**{cost.name: getattr(args, cost.name) for cost in cost_fields()})
         result = simulate(schedule, costs)
         nccl = nccl_report(schedule) if args.nccl or args.load_csv else None
         if not math.isfinite(result.step_time):
@@ -225,6 +209,11 @@ def png_problem(num_ranks: int) -> str | None:
 # bfpp-sim's default --t-evict for bpipe: a quarter of a forward. With 0 its transfers take no
 # time, leave no event, and its timeline looked exactly like 1F1B's.
 BPIPE_T_EVICT = 0.25
+# Cost flags whose default depends on the schedule (filled by apply_defaults), in --help's words.
+_SCHEDULE_DEFAULTS = {
+    "t_evict": f"default: {BPIPE_T_EVICT:g} for bpipe, so its transfers show in the timeline; "
+    "0 otherwise"
+}
 
 
 def apply_defaults(args: argparse.Namespace) -> dict[str, str]:
@@ -235,7 +224,7 @@ def apply_defaults(args: argparse.Namespace) -> dict[str, str]:
         args.microbatches = 2 * args.pp
         used["microbatches"] = f"{args.microbatches} (2 x pp; set --microbatches)"
     if args.t_evict is None:
-        args.t_evict = BPIPE_T_EVICT if args.schedule == "bpipe" else 0.0
+        args.t_evict = BPIPE_T_EVICT if args.schedule == "bpipe" else CostModel().t_evict
         if args.schedule == "bpipe":
             used["t_evict"] = f"{BPIPE_T_EVICT:g} (bpipe's default; set --t-evict)"
     return used

@@ -1,4 +1,4 @@
-"""``bfpp-train``: pretrain a small GPT or LLaMA on megatron-core with any runnable schedule.
+"""``bfpp-train``: pretrain a small GPT or LLaMA on megatron-core with any catalogue schedule.
 
 Launch modes:
 
@@ -24,23 +24,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_bfpp.cli.common import (
-    OneLineParser,
     finite_float,
     output_dir_problem,
     output_file_problem,
-    positive_int,
     stages_per_rank_defaults,
 )
 from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
+from megatron_bfpp.flags import OneLineParser, positive_int
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import (
     ALL_OPTIONS,
     SCHEDULES,
     SHARDING_STRATEGIES,
-    build_schedule,
-    check_runnable,
-    check_sharding,
-    get_spec,
-    in_flag_terms,
     options_from_args,
     schedule_names,
 )
@@ -51,7 +47,7 @@ from megatron_bfpp.train.checkpoint_metadata import (
     read_checkpoint,
     scheduler_policy,
 )
-from megatron_bfpp.train.run_config import run_config
+from megatron_bfpp.train.run_config import DEFAULT_FFN_TEXT, run_config
 from megatron_bfpp.train.save_lock import SaveLock
 
 PROG = "bfpp-train"
@@ -111,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ffn-hidden-size",
         type=positive_int,
         default=None,
-        help="(default: gpt 4h, llama 8h/3 rounded up to 16)",
+        help=f"(default: {DEFAULT_FFN_TEXT})",
     )
     m.add_argument("--seq-length", type=positive_int, default=64)
     m.add_argument("--vocab-size", type=positive_int, default=256)
@@ -260,8 +256,6 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
 def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> None:
     """Raise :class:`FlagError` for a combination that cannot run on ``world_size`` ranks
     (checked by ``rank``: the metrics file is rank 0's alone)."""
-    from megatron_bfpp.ir import ScheduleError
-
     name = args.pipeline_schedule
     if name not in schedule_names():
         raise FlagError(
@@ -276,26 +270,10 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
     if problem is not None:
         raise FlagError(problem)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    vp = args.num_virtual_stages_per_pipeline_rank
     if world_size % (tp * pp):
         raise FlagError(
             f"tensor ({tp}) x pipeline ({pp}) parallel size must divide the world size "
             f"({world_size}): tp*pp*dp must equal the number of ranks"
-        )
-    dp = world_size // (tp * pp)
-    try:
-        chunks = get_spec(name).chunks_for(vp, vp_flag="--num-virtual-stages-per-pipeline-rank")
-    except ScheduleError as error:
-        raise FlagError(str(error)) from None
-    if args.num_layers % (pp * vp):
-        raise FlagError(
-            f"--num-layers {args.num_layers} is not divisible by pipeline x virtual stages "
-            f"({pp} x {vp} = {pp * vp})"
-        )
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        raise FlagError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by micro-batch size x "
-            f"data-parallel size ({args.micro_batch_size} x {dp})"
         )
     if args.hidden_size % args.num_attention_heads:
         raise FlagError(
@@ -319,27 +297,21 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
             "each other: choose this run's learning-rate schedule or the checkpoint's"
         )
-    num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
-    sharding = args.data_parallel_sharding_strategy
-    if sharding != "optim" and dp == 1:
-        raise FlagError(
-            f"--data-parallel-sharding-strategy {sharding} needs data parallelism: {world_size} "
-            f"ranks = tp {tp} x pp {pp} leave data-parallel size 1 (add ranks or lower tp/pp)"
-        )
     try:
-        check_sharding(name, sharding)
-        options = options_from_args(name, args)
-        build_schedule(
+        check_fit(
             name,
-            num_ranks=pp,
-            num_microbatches=num_microbatches,
-            num_chunks=chunks,
-            sharding=sharding,
-            **options,
+            pp=pp,
+            vp=args.num_virtual_stages_per_pipeline_rank,
+            dp=world_size // (tp * pp),
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            vp_flag="--num-virtual-stages-per-pipeline-rank",
+            num_layers=args.num_layers,
+            sharding=args.data_parallel_sharding_strategy,
+            options=options_from_args(name, args),
         )
-        check_runnable(name)
     except ScheduleError as error:
-        raise FlagError(in_flag_terms(str(error).strip().splitlines()[0], name)) from None
+        raise FlagError(str(error)) from None
     if args.load is not None:
         check_load(args, world_size)
 
@@ -474,7 +446,6 @@ def _first_line(error: BaseException) -> str:
 def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | None]:
     """One rank: train; an expected failure becomes an exit code and its one line, which the
     caller prints (under the local launcher: once, however many ranks hit it)."""
-    from megatron_bfpp.ir import ScheduleError
     from megatron_bfpp.train.checkpoint import OtherRankFailed
     from megatron_bfpp.train.liveness import RanksLost
     from megatron_bfpp.train.trainer import train

@@ -12,17 +12,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import (
     ALL_OPTIONS,
     MEGATRON_VP_FLAGS,
     SCHEDULES,
     SHARDING_STRATEGIES,
-    build_schedule,
     check_option_flags,
-    check_runnable,
-    check_sharding,
-    in_flag_terms,
+    get_spec,
     options_from_args,
     schedule_names,
 )
@@ -80,7 +78,7 @@ def apply_schedule_defaults(args: Any) -> None:
     Megatron derives and checks everything that follows from it as if the user had passed it.
     Single-stage schedules need nothing: Megatron's default (None) is one stage per rank."""
     spec = SCHEDULES.get(getattr(args, "pipeline_schedule", "default"))
-    if spec is None or spec.placement == "single":
+    if spec is None or spec.placement is Placement.SINGLE:
         return
     if any(getattr(args, name, None) is not None for name in _VP_SOURCES):
         return
@@ -112,49 +110,33 @@ def check_schedule_args(args: Any) -> None:
     if name == "default":
         return
     options = schedule_options_from_args(args)
-    spec = check_runnable(name)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     if pp < 2:
         raise ScheduleError(
             f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2 (got {pp}); "
             "without pipeline parallelism use --pipeline-schedule default"
         )
-    chunks = spec.chunks_for(vp, vp_flag=MEGATRON_VP_FLAGS)
+    sharding = _sharding_strategy(name, args)
+    check_fit(
+        name,
+        pp=pp,
+        vp=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        dp=int(getattr(args, "data_parallel_size", 1) or 1),
+        micro_batch_size=int(args.micro_batch_size),
+        global_batch_size=int(args.global_batch_size),
+        vp_flag=MEGATRON_VP_FLAGS,
+        sharding=sharding,
+        options=options,
+    )
     if getattr(args, "rampup_batch_size", None):
         raise ScheduleError(
             f"--pipeline-schedule {name} does not support --rampup-batch-size yet; "
             "use --pipeline-schedule default"
         )
-
-    micro = int(args.micro_batch_size)
-    dp = int(getattr(args, "data_parallel_size", 1) or 1)
-    global_batch = int(args.global_batch_size)
-    if global_batch % (micro * dp):
-        raise ScheduleError(
-            f"--global-batch-size {global_batch} is not a multiple of micro-batch size x "
-            f"data-parallel size ({micro} x {dp})"
-        )
-    num_microbatches = global_batch // (micro * dp)
-    if spec.placement == "v-shape":
+    if get_spec(name).placement is Placement.V_SHAPE:
         _check_v_shape_args(name, args)
-    sharding = _check_sharding_args(name, args, dp)
-    try:
-        build_schedule(
-            name,
-            num_ranks=pp,
-            num_microbatches=num_microbatches,
-            num_chunks=chunks,
-            sharding=sharding,
-            **options,
-        )
-    except ScheduleError as error:
-        raise ScheduleError(
-            f"--pipeline-schedule {name} cannot run {num_microbatches} micro-batches on "
-            f"pp={pp}"
-            + (f", vp={vp}" if vp else "")
-            + f": {in_flag_terms(str(error).splitlines()[0], name)}"
-        ) from None
+    if sharding != "optim":
+        _check_sharded_optimizer_args(args)
 
 
 # Megatron-LM flags that place layers by megatron's looped stage arithmetic, which a V-shape
@@ -180,25 +162,23 @@ def _check_v_shape_args(name: str, args: Any) -> None:
         )
 
 
-def _check_sharding_args(name: str, args: Any, dp: int) -> str:
+def _sharding_strategy(name: str, args: Any) -> str:
     """Our sharding strategy from Megatron-LM's ``--data-parallel-sharding-strategy`` (the
     plugin records it as ``bfpp_data_parallel_sharding_strategy`` when given with one of our
-    schedules), checked against the layout and the optimizer flags it needs."""
-    strategy = getattr(args, "bfpp_data_parallel_sharding_strategy", None) or "optim"
+    schedules); Megatron-FSDP's values are refused in Megatron's terms. Whether the schedule
+    and the layout take it is :func:`check_fit`'s question."""
+    strategy: str = getattr(args, "bfpp_data_parallel_sharding_strategy", None) or "optim"
     if strategy not in SHARDING_STRATEGIES:
         raise ScheduleError(
             f"--data-parallel-sharding-strategy {strategy} is Megatron-FSDP's; with "
             f"--pipeline-schedule {name} choose optim (the distributed optimizer) or "
             "optim_grads_params (parameters sharded too, gathered per chunk by the schedule)"
         )
-    check_sharding(name, strategy)
-    if strategy == "optim":
-        return strategy
-    if dp < 2:
-        raise ScheduleError(
-            "--data-parallel-sharding-strategy optim_grads_params needs data parallelism "
-            "(data-parallel size is 1: there is nothing to shard over)"
-        )
+    return strategy
+
+
+def _check_sharded_optimizer_args(args: Any) -> None:
+    """The optimizer flags sharded parameters (``optim_grads_params``) need or cannot run with."""
     if not getattr(args, "use_distributed_optimizer", False):
         raise ScheduleError(
             "--data-parallel-sharding-strategy optim_grads_params shards megatron-core's "
@@ -242,4 +222,3 @@ def _check_sharding_args(name: str, args: Any, dp: int) -> str:
             f"{unsupported[0]} is not supported with --data-parallel-sharding-strategy "
             "optim_grads_params (the optimizer steps on shard-only buffers there); drop it"
         )
-    return strategy

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from megatron_bfpp.compat import model_process_groups
-from megatron_bfpp.ir import StageLayout
+from megatron_bfpp.ir import Placement, StageLayout
 from megatron_bfpp.runtime.placement import layout_for, tied_embedding_weights
 
 __all__ = [
@@ -76,7 +76,7 @@ def chunk_places(layout: StageLayout, rank: int) -> tuple[ChunkPlace, ...]:
 def build_chunks(
     provider: Callable[..., torch.nn.Module],
     *,
-    placement: str,
+    placement: Placement,
     num_ranks: int,
     num_chunks: int,
     rank: int,
@@ -86,7 +86,7 @@ def build_chunks(
     builds one (a ``GPTModel``); ``pg_collection`` is ``None`` for the looped placement, where
     megatron-core's defaults hold."""
     layout = layout_for(placement, num_ranks=num_ranks, num_chunks=num_chunks)
-    v_shape = placement == "v-shape"
+    v_shape = placement == Placement.V_SHAPE  # a plain string too, as layout_for takes
     chunks = []
     for place in chunk_places(layout, rank):
         groups = (

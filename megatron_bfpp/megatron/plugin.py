@@ -61,7 +61,7 @@ from megatron_bfpp.compat import (
     check_megatron_core,
     is_multi_module_collection,
 )
-from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.megatron.arguments import (
     add_schedule_arguments,
     apply_schedule_defaults,
@@ -114,7 +114,7 @@ def is_installed() -> bool:
 def set_schedule(name: str, **options: Any) -> None:
     """Choose the schedule for megatron-core-only users (Megatron-LM users pass the flag).
 
-    ``name`` is ``default`` or a runnable registry name; ``options`` are the schedule's own
+    ``name`` is ``default`` or a registry name; ``options`` are the schedule's own
     (``group_size`` for breadth-first, ``microbatch_group_size`` for interleaved).
     """
     if name != "default":
@@ -410,7 +410,7 @@ def _v_shape_active() -> bool:
     from megatron_bfpp.schedules.registry import SCHEDULES
 
     spec = SCHEDULES.get(current_schedule()[0])
-    return spec is not None and spec.placement == "v-shape"
+    return spec is not None and spec.placement is Placement.V_SHAPE
 
 
 def _wrap_get_model(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,34 +21,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import NoReturn
 
+from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.megatron.arguments import (
     add_schedule_arguments,
     apply_schedule_defaults,
     check_schedule_args,
 )
+from megatron_bfpp.schedules.fit import num_microbatches
 
 __all__ = ["check_megatron_command", "check_parallel_layout", "parse_megatron_command"]
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """Errors become one :class:`ScheduleError` line instead of usage text and exit 2, so the
-    caller decides how to report them."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ScheduleError(message)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 # Megatron-LM's flags these checks read, with Megatron's defaults.
@@ -77,11 +60,12 @@ _SWITCHES = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(add_help=False, allow_abbrev=False)
+    # Errors become one ScheduleError line, not usage text and exit 2: the caller reports them.
+    parser = OneLineParser(add_help=False, allow_abbrev=False, raises=ScheduleError)
     for flag, default in _SIZES.items():
-        parser.add_argument(flag, type=_positive_int, default=default)
+        parser.add_argument(flag, type=positive_int, default=default)
     for flag in _OPTIONAL_SIZES:
-        parser.add_argument(flag, type=_positive_int, default=None)
+        parser.add_argument(flag, type=positive_int, default=None)
     for flag in _SWITCHES:
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--pipeline-model-parallel-layout", default=None)
@@ -93,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--microbatch-group-size-per-virtual-pipeline-stage",
         dest="microbatch_group_size_per_vp_stage",
-        type=_positive_int,
+        type=positive_int,
         default=None,
     )
     return add_schedule_arguments(parser)
@@ -210,12 +194,11 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
             f"virtual pipeline stages need --pipeline-model-parallel-size >= {least} (got {pp})"
             + ("" if args.overlap_p2p_comm else " without p2p overlap")
         )
-    micro, dp = args.micro_batch_size, args.data_parallel_size
-    if args.global_batch_size % (micro * dp):
-        raise ScheduleError(
-            f"--global-batch-size {args.global_batch_size} is not a multiple of micro-batch size "
-            f"x data-parallel size ({micro} x {dp})"
-        )
+    num_microbatches(
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_size=args.data_parallel_size,
+    )
 
 
 def check_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.Namespace:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_bfpp.ir import MEMORY_DELTA, Schedule, ScheduleError
+from megatron_bfpp.ir import MEMORY_DELTA, Placement, Schedule, ScheduleError
 from megatron_bfpp.plan.presets import Model, Precision
 from megatron_bfpp.train.model_memory import parameters_per_pipeline_rank
 from megatron_bfpp.train.run_config import Layout
@@ -187,7 +187,9 @@ def peak_activation_bytes(points: PeakPoints, stage: StageBytes) -> tuple[int, .
     )
 
 
-def rank_parameters(model: Model, *, tp: int, pp: int, chunks: int, placement: str) -> list[int]:
+def rank_parameters(
+    model: Model, *, tp: int, pp: int, chunks: int, placement: Placement
+) -> list[int]:
     """Parameters of one tensor-parallel rank at each pipeline rank, as megatron-core builds the
     model (``train.model_memory``, tested against megatron-core): layers, embeddings, final
     norm and output layer (a tied GPT output weight's copy on the last stage)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_bfpp.ir import ScheduleError
-from megatron_bfpp.train.run_config import ModelShape
+from megatron_bfpp.train.run_config import ModelShape, default_ffn_hidden_size
 
 __all__ = [
     "BF16_MIXED",
@@ -129,8 +129,8 @@ def model_from_shape(
     ffn_hidden_size: int | None = None,
     dropout: bool | None = None,
 ) -> Model:
-    """A model given by its shape; defaults as Megatron's (ffn 4h for GPT, 8h/3 rounded up to 16
-    for LLaMA; every head its own group; dropout for GPT only)."""
+    """A model given by its shape; defaults as Megatron's (ffn: ``default_ffn_hidden_size``;
+    every head its own group; dropout for GPT only)."""
     if arch not in ("gpt", "llama"):
         raise ScheduleError(f"model architecture must be gpt or llama, got {arch!r}")
     named = {
@@ -154,10 +154,7 @@ def model_from_shape(
             f"--num-attention-heads {num_attention_heads} is not divisible by "
             f"--num-query-groups {groups}"
         )
-    if ffn_hidden_size is None:
-        ffn = 4 * hidden_size if arch == "gpt" else -(-(8 * hidden_size // 3) // 16) * 16
-    else:
-        ffn = ffn_hidden_size
+    ffn = default_ffn_hidden_size(arch, hidden_size) if ffn_hidden_size is None else ffn_hidden_size
     return Model(
         name=f"{arch}-{num_layers}x{hidden_size}",
         arch=arch,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from megatron_bfpp.ir import Schedule, ScheduleError
+from megatron_bfpp.ir import Placement, Schedule, ScheduleError
 from megatron_bfpp.plan.costs import (
     BuiltinCurve,
     Efficiency,
@@ -72,10 +72,6 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("gpipe", "optim"),
 )
 NS = 1e9  # the simulator runs in integer nanoseconds: exact, whatever its arithmetic
-# The share of a split backward's weight-gradient work the runtime runs in W: 1, since W computes
-# the weight GEMMs I deferred (runtime/deferred_wgrad.py, megatron-core's local linear layers;
-# with Transformer Engine layers they stay in I, which this planner does not model).
-RUNTIME_WEIGHT_SHARE = 1
 
 
 def family_name(schedule: str, sharding: str) -> str:
@@ -153,7 +149,6 @@ class Plan:
     mfu: float
     memory: MemoryBreakdown
     bubble_fraction: float
-    runnable: bool
 
     def to_dict(self) -> dict[str, object]:
         c = self.candidate
@@ -250,9 +245,9 @@ def candidates(
 
 def _chunk_choices(schedule: str, layers_per_rank: int, max_chunks: int) -> list[int]:
     placement = get_spec(schedule).placement
-    if placement == "single":
+    if placement is Placement.SINGLE:
         return [1]
-    if placement == "v-shape":
+    if placement is Placement.V_SHAPE:
         return [2] if layers_per_rank % 2 == 0 else []
     return [v for v in _divisors(layers_per_rank) if 2 <= v <= max_chunks]
 
@@ -284,7 +279,7 @@ def _walked_points(schedule: str, pp: int, vp: int, m: int, group: int | None) -
     messages, and ``build_schedule``'s validation of these generators is the tests' job (here it
     would double the walk's cost)."""
     spec = get_spec(schedule)
-    chunks = spec.chunks_for(None if spec.placement == "single" else vp)
+    chunks = spec.chunks_for(None if spec.placement is Placement.SINGLE else vp)
     kwargs: dict[str, int] = {} if chunks is None else {"num_chunks": chunks}
     if group is not None:
         kwargs["group_size"] = group
@@ -292,7 +287,7 @@ def _walked_points(schedule: str, pp: int, vp: int, m: int, group: int | None) -
 
 
 def _build(schedule: str, pp: int, vp: int, m: int, sharding: str, group: int | None) -> Schedule:
-    chunks = None if get_spec(schedule).placement == "single" else vp
+    chunks = None if get_spec(schedule).placement is Placement.SINGLE else vp
     options: dict[str, Any] = {} if group is None else {"group_size": group}
     return build_schedule(
         schedule,
@@ -306,7 +301,9 @@ def _build(schedule: str, pp: int, vp: int, m: int, sharding: str, group: int | 
 
 
 @lru_cache(maxsize=4096)
-def _rank_parameters(model: Model, tp: int, pp: int, vp: int, placement: str) -> tuple[int, ...]:
+def _rank_parameters(
+    model: Model, tp: int, pp: int, vp: int, placement: Placement
+) -> tuple[int, ...]:
     return tuple(rank_parameters(model, tp=tp, pp=pp, chunks=vp, placement=placement))
 
 
@@ -393,8 +390,9 @@ def _cost_model(times: StageTimes) -> CostModel:
     return CostModel(
         t_forward=ns(times.forward),
         t_backward=backward,
-        # W runs the weight GEMMs I deferred: ``times.weight`` of the backward.
-        t_weight=RUNTIME_WEIGHT_SHARE * min(ns(times.weight), backward),
+        # W runs all the weight GEMMs I deferred (runtime/deferred_wgrad.py, megatron-core's
+        # local linear layers; Transformer Engine's stay in I, which this planner does not model).
+        t_weight=min(ns(times.weight), backward),
         t_p2p=ns(times.p2p),
         t_grad_reduce=ns(times.grad_reduce),
         t_param_gather=ns(times.param_gather),
@@ -451,7 +449,6 @@ def _simulate(sized: _Sized, model: Model, cluster: Cluster, global_batch_size: 
         mfu=flops / (step * cluster.num_gpus * cluster.gpu.peak_flops),
         memory=sized.memory,
         bubble_fraction=bubble,
-        runnable=get_spec(c.schedule).runnable,
     )
 
 
@@ -505,7 +502,7 @@ def _size(
     # stages to rank 0. (Each stage holds 1/vp of a full stage.)
     hops = c.pp - 1
     fill = hops * (times.forward / c.vp + times.p2p)
-    if get_spec(c.schedule).placement != "v-shape":
+    if get_spec(c.schedule).placement is not Placement.V_SHAPE:
         fill += hops * (times.backward / c.vp + times.p2p)
     lower = busy + fill + extra
     # Order of simulation: the bound plus the data-parallel collectives, which breadth-first

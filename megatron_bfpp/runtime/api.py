@@ -19,7 +19,7 @@ from megatron_bfpp.compat import (
     default_process_groups,
     process_groups_without_embedding_group,
 )
-from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError
+from megatron_bfpp.ir import ActionKind, Placement, Schedule, ScheduleError
 from megatron_bfpp.runtime.executor import nccl_posting, run_rank_program
 from megatron_bfpp.runtime.p2p import PipeComm
 from megatron_bfpp.runtime.placement import (
@@ -32,6 +32,7 @@ from megatron_bfpp.runtime.step import MemoryReport, StepContext
 from megatron_bfpp.schedules.registry import (
     build_schedule,
     check_sharding,
+    check_sharding_data_parallel,
     forward_only_schedule,
     get_spec,
 )
@@ -239,7 +240,7 @@ def plan_schedule(
     """The validated schedule for a layout, built once per process (every rank builds the same
     one deterministically, so errors surface identically everywhere, before communication)."""
     spec = get_spec(name)
-    chunks = num_chunks if spec.placement == "looped" or num_chunks > 1 else None
+    chunks = num_chunks if spec.placement is Placement.LOOPED or num_chunks > 1 else None
     schedule = build_schedule(
         name,
         num_ranks=num_ranks,
@@ -347,11 +348,7 @@ def _step_sharding(
     """The sharded parameters' state for this step (gathers, releases), or None unsharded."""
     if func.sharding == "optim":
         return None
-    if groups.dp_cp.size() == 1:
-        raise ScheduleError(
-            "--data-parallel-sharding-strategy optim_grads_params needs data parallelism "
-            "(data-parallel size is 1: there is nothing to shard over)"
-        )
+    check_sharding_data_parallel(func.sharding, groups.dp_cp.size())
     sharded = sharded_parameters(chunks)
     if not call.forward_only:
         _check_sharded_finalize(config)

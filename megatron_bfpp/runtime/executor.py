@@ -2,12 +2,12 @@
 
 The executor is one dispatch table, action kind -> handler, over an explicit per-step state
 (runtime.step). The table is assembled from the runtime modules' ``Handlers`` and checked to
-cover every ``ActionKind`` when this module is imported; a kind the runtime cannot execute yet
-maps to :func:`not_runnable`, which names the action and the rank. This module holds the core
-handlers (compute, pipeline messages, data-parallel sync); a protocol with its own actions and
-state lives in its own module (BPipe: runtime.bpipe; sharded parameters' gathers and releases:
-runtime.sharding) and is listed in ``TABLE`` below, so the next one (V-shape's split backward)
-is its own module too, not an edit here or in theirs.
+cover every ``ActionKind`` exactly once when this module is imported: a kind added to the IR
+without a handler fails the import, before any step. This module holds the core handlers
+(compute, pipeline messages, data-parallel sync); a protocol with its own actions and state
+lives in its own module, listed in ``TABLE`` below (BPipe's transfers: runtime.bpipe; sharded
+parameters' gathers and releases: runtime.sharding; split backward's I and W:
+runtime.split_backward), so a new one is a module of its own too, not an edit here or in theirs.
 
 Compute reuses megatron-core's own ``forward_step`` / ``backward_step`` (loss scaling, per-token
 loss, autocast, input-tensor plumbing), and behaviour comes from the model config exactly as
@@ -65,12 +65,10 @@ from megatron_bfpp.runtime.step import (
 
 __all__ = [
     "CORE",
-    "NOT_RUNNABLE",
     "TABLE",
     "MemoryReport",
     "StepContext",
     "nccl_posting",
-    "not_runnable",
     "run_rank_program",
 ]
 
@@ -138,16 +136,6 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
 
 def backward(step: RankStep, position: int, action: Action) -> None:
     whole_backward(step, position, action)
-
-
-def not_runnable(step: RankStep, position: int, action: Action) -> None:
-    """The handler of a kind the runtime cannot execute yet: stop with a clear error (the
-    catalogue already refuses such schedules; this guards a hand-made one)."""
-    raise RuntimeError(
-        f"pipeline rank {step.rank}: {action.kind.name} actions are not runnable yet "
-        f"({action} at position {position} of schedule {step.schedule.name!r}); run a "
-        "schedule that megatron_bfpp.runtime.runnable_names() lists"
-    )
 
 
 # --- pipeline messages ----------------------------------------------------------------------
@@ -220,11 +208,8 @@ CORE = Handlers(
         K.GRAD_SYNC: grad_sync,
     }
 )
-# Every kind has a runnable handler now; a kind added to the IR before its runtime goes here,
-# mapped to not_runnable.
-NOT_RUNNABLE = Handlers(kinds={})
 TABLE: DispatchTable = dispatch_table(
-    CORE, bpipe.HANDLERS, sharding.HANDLERS, split_backward.HANDLERS, NOT_RUNNABLE
+    CORE, bpipe.HANDLERS, sharding.HANDLERS, split_backward.HANDLERS
 )
 
 

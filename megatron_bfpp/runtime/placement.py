@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 
-from megatron_bfpp.ir import ScheduleError, StageLayout
+from megatron_bfpp.ir import Placement, ScheduleError, StageLayout
 
 __all__ = [
-    "PLACEMENTS",
     "check_chunk_placement",
     "deliver_to_last_rank",
     "layout_for",
@@ -34,20 +33,23 @@ __all__ = [
     "tied_embedding_weights",
 ]
 
-PLACEMENTS = ("looped", "v-shape")
 
-
-def layout_for(placement: str, *, num_ranks: int, num_chunks: int) -> StageLayout:
-    """The stage layout of a catalogue placement (``single`` is looped with one chunk)."""
-    if placement == "v-shape":
+def layout_for(placement: Placement, *, num_ranks: int, num_chunks: int) -> StageLayout:
+    """The stage layout of a catalogue placement (``single`` is looped with one chunk); its
+    name as a plain string is taken too, as model builders are called with one."""
+    try:
+        placement = Placement(placement)
+    except ValueError:
+        raise ScheduleError(
+            f"unknown placement {placement!r} (choose from {', '.join(Placement)})"
+        ) from None
+    if placement is Placement.V_SHAPE:
         if num_chunks != 2:
             raise ScheduleError(
                 f"the V-shape places exactly 2 stages per rank, got {num_chunks} model chunks"
             )
         return StageLayout.v_shape(num_ranks)
-    if placement in ("looped", "single"):
-        return StageLayout.looped(num_ranks, num_chunks)
-    raise ScheduleError(f"unknown placement {placement!r} (choose from {', '.join(PLACEMENTS)})")
+    return StageLayout.looped(num_ranks, num_chunks)
 
 
 def _flag(chunk: Any, name: str) -> bool | None:

@@ -187,8 +187,7 @@ def dispatch_table(*modules: Handlers) -> DispatchTable:
     if missing:
         raise RuntimeError(
             f"action kinds {missing} have no handler in the runtime's dispatch table; register "
-            "one in a runtime module's Handlers (listed in runtime/executor.py), or map the kind "
-            "to executor.not_runnable until the runtime can execute it"
+            "one in a runtime module's Handlers (listed in runtime/executor.py)"
         )
     rests: dict[ActionKind, Handler] = {}
     for module in modules:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_bfpp.ir import MAX_ACTIONS, ActionKind, Schedule, ScheduleError
+from megatron_bfpp.ir import MAX_ACTIONS, ActionKind, Placement, Schedule, ScheduleError
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
 from megatron_bfpp.schedules.bpipe import build_bpipe
@@ -36,15 +36,14 @@ __all__ = [
     "ScheduleSpec",
     "build_schedule",
     "check_option_flags",
-    "check_runnable",
     "check_sharding",
+    "check_sharding_data_parallel",
     "check_size",
     "estimate_actions",
     "forward_only_schedule",
     "get_spec",
     "in_flag_terms",
     "options_from_args",
-    "runnable_names",
     "schedule_names",
 ]
 
@@ -53,7 +52,6 @@ __all__ = [
 MEGATRON_VP_FLAGS = (
     "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
 )
-DATA_PARALLEL_MODES = ("ddp", "distributed-optimizer")
 
 # How large a schedule may be built. Building, validating and simulating costs 2-8 us per action
 # and bfpp-sim's PNG, trace and CSV another 6-9 (scripts/bench_schedules.py on 2 shared cores;
@@ -118,21 +116,17 @@ MAX_STORED = ScheduleOption(
 class ScheduleSpec:
     """What a user-facing schedule name means: the one catalogue every front end reads.
 
-    ``placement`` is "single" (one stage per rank), "looped" (``num_chunks`` >= 2 stages per rank,
-    stage s on rank s % p) or "v-shape" (two stages per rank, rank r holds r and 2p-1-r).
-    ``options`` are the extra keyword arguments its generator accepts. ``runnable``: the runtime
-    executes it on megatron-core (otherwise it is planned, validated and simulated only).
-    ``data_parallel``: the data-parallel modes the runtime supports with it.
+    ``placement`` says where its stages sit (:class:`~megatron_bfpp.ir.Placement`). ``options``
+    are the extra keyword arguments its generator accepts. Every entry runs on megatron-core too:
+    the runtime's dispatch table covers every action kind.
     """
 
     name: str
     summary: str
     generator: Callable[..., Schedule]
-    placement: str
+    placement: Placement
     options: tuple[ScheduleOption, ...] = ()
     split_backward: bool = False
-    runnable: bool = False
-    data_parallel: tuple[str, ...] = DATA_PARALLEL_MODES
 
     @property
     def option_names(self) -> tuple[str, ...]:
@@ -151,19 +145,19 @@ class ScheduleSpec:
     def default_stages_per_rank(self) -> int:
         """What a front end's virtual-pipeline flag means when it is not given: one stage per
         rank, or two where the schedule needs virtual stages (looped) or places two (V)."""
-        return 1 if self.placement == "single" else 2
+        return 1 if self.placement is Placement.SINGLE else 2
 
     def stages_per_rank(self, num_chunks: int | None) -> int:
         """Stages each rank holds for an accepted ``num_chunks`` (:meth:`chunks_for`'s
         result, ``None``: the placement's own)."""
-        if self.placement == "v-shape":
+        if self.placement is Placement.V_SHAPE:
             return 2
         return num_chunks or 1
 
     def chunks_for(self, num_chunks: int | None, *, vp_flag: str = "--vp") -> int | None:
         """The generator's ``num_chunks`` for a requested virtual pipeline size (stages per
         rank; ``None`` when not given), or a :class:`ScheduleError` naming ``vp_flag``."""
-        if self.placement == "looped":
+        if self.placement is Placement.LOOPED:
             if num_chunks is None:
                 raise ScheduleError(
                     f"{self.name} needs virtual pipeline stages: set {vp_flag} to at least 2 "
@@ -175,7 +169,7 @@ class ScheduleSpec:
                     f"with one chunk per rank use 1f1b (got {num_chunks})"
                 )
             return num_chunks
-        if self.placement == "v-shape":
+        if self.placement is Placement.V_SHAPE:
             if num_chunks not in (None, 2):
                 raise ScheduleError(
                     f"{self.name} places exactly 2 stages per rank (V-shape); "
@@ -193,63 +187,54 @@ class ScheduleSpec:
 SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
-        ScheduleSpec(
-            "gpipe", "all forwards, then all backwards", build_gpipe, "single", runnable=True
-        ),
+        ScheduleSpec("gpipe", "all forwards, then all backwards", build_gpipe, Placement.SINGLE),
         ScheduleSpec(
             "1f1b",
             "one forward one backward (megatron-core default)",
             build_1f1b,
-            "single",
-            runnable=True,
+            Placement.SINGLE,
         ),
         ScheduleSpec(
             "interleaved",
             "Megatron's depth-first interleaved (looped) schedule",
             build_interleaved,
-            "looped",
+            Placement.LOOPED,
             (MICROBATCH_GROUP_SIZE,),
-            runnable=True,
         ),
         ScheduleSpec(
             "breadth-first",
             "looped, each chunk runs all micro-batches before the next",
             build_breadth_first,
-            "looped",
+            Placement.LOOPED,
             (GROUP_SIZE,),
-            runnable=True,
         ),
         ScheduleSpec(
             "bpipe",
             "1F1B with activation eviction to the partner stage",
             build_bpipe,
-            "single",
+            Placement.SINGLE,
             (MAX_STORED,),
-            runnable=True,
         ),
         ScheduleSpec(
             "v-min",
             "V-shape, about 1/3 of 1F1B's activation memory",
             build_v_min,
-            "v-shape",
+            Placement.V_SHAPE,
             split_backward=True,
-            runnable=True,
         ),
         ScheduleSpec(
             "v-half",
             "V-shape, about 1/2 of 1F1B's activation memory",
             build_v_half,
-            "v-shape",
+            Placement.V_SHAPE,
             split_backward=True,
-            runnable=True,
         ),
         ScheduleSpec(
             "v-zb",
             "V-shape zero bubble at 1F1B's activation memory",
             build_v_zb,
-            "v-shape",
+            Placement.V_SHAPE,
             split_backward=True,
-            runnable=True,
         ),
     )
 }
@@ -261,22 +246,6 @@ ALL_OPTIONS: tuple[ScheduleOption, ...] = tuple(
 
 def schedule_names() -> tuple[str, ...]:
     return tuple(SCHEDULES)
-
-
-def runnable_names() -> tuple[str, ...]:
-    """Schedules the runtime executes on megatron-core today."""
-    return tuple(name for name, spec in SCHEDULES.items() if spec.runnable)
-
-
-def check_runnable(name: str) -> ScheduleSpec:
-    """The spec of a runnable schedule, or one line saying it is planned only."""
-    spec = get_spec(name)
-    if not spec.runnable:
-        raise ScheduleError(
-            f"schedule {spec.name!r} is not yet runnable on megatron-core (runnable: "
-            f"{', '.join(runnable_names())}); bfpp-sim can already simulate and draw it"
-        )
-    return spec
 
 
 def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -> None:
@@ -429,7 +398,7 @@ def check_sharding(schedule: str, strategy: str) -> None:
         )
     if strategy == "optim":
         return
-    if get_spec(schedule).placement != "looped":
+    if get_spec(schedule).placement is not Placement.LOOPED:
         raise ScheduleError(
             "--data-parallel-sharding-strategy optim_grads_params shards parameters and "
             "gradients per model chunk and needs breadth-first (several chunks per rank, each "
@@ -442,6 +411,19 @@ def check_sharding(schedule: str, strategy: str) -> None:
             f"{schedule!r} visits each chunk once per micro-batch group, so its gradients would "
             "be reduce-scattered once per visit (or held whole all step); use "
             "--pipeline-schedule breadth-first"
+        )
+
+
+def check_sharding_data_parallel(strategy: str, data_parallel_size: int) -> None:
+    """Sharded parameters and gradients (``optim_grads_params``) are split over the
+    data-parallel ranks: with one such rank there is nothing to split, and megatron-core's
+    buffers would hold every parameter whole anyway. Every front end and the runtime refuse it
+    with this one line."""
+    if strategy != "optim" and data_parallel_size < 2:
+        raise ScheduleError(
+            f"--data-parallel-sharding-strategy {strategy} needs data parallelism "
+            f"(data-parallel size is {data_parallel_size}: there is nothing to shard over); add "
+            "ranks or lower the model-parallel sizes"
         )
 
 

@@ -16,14 +16,14 @@ result that is mathematically an integer comes out as one and any other is corre
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, field, fields
 from fractions import Fraction
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from megatron_bfpp.ir import ActionKind, ScheduleError
 from megatron_bfpp.semantics import Timing
 
-__all__ = ["CostModel", "ExactTiming"]
+__all__ = ["CostModel", "ExactTiming", "cost_fields", "cost_flag"]
 
 
 class ExactTiming(NamedTuple):
@@ -34,30 +34,43 @@ class ExactTiming(NamedTuple):
     per_unit: int
 
 
+# The replay's unit timing (a full stage): the defaults of the costs below.
+_UNIT = Timing()
+
+
+def _cost(default: float, text: str) -> Any:
+    """A cost field: its default and the help its bfpp-sim flag (:func:`cost_flag`) shows,
+    declared once here for the library and the command line."""
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Durations in one abstract time unit (``chrome_trace`` maps it to milliseconds).
+    """Durations in one abstract time unit (``chrome_trace`` maps it to milliseconds); each
+    field's ``help`` says what it times.
 
-    ``t_forward``: one micro-batch through one full 1F1B stage. ``t_backward``: the full backward
-    of the same (B); a split schedule's input-gradient part I takes ``t_backward - t_weight`` and
-    its weight-gradient part W ``t_weight``. ``t_p2p``: one activation or gradient message from
-    sender to receiver. ``t_grad_reduce`` / ``t_param_gather``: one chunk's data-parallel
-    gradient reduce-scatter / parameter all-gather (per chunk, not scaled by the chunk size).
-    ``t_evict``: BPipe's transfer of one full-stage micro-batch's stored activations (scaled by
-    the stage fraction).
+    Compute is one micro-batch through one full 1F1B stage, scaled by the stage fraction. A
+    split schedule's input-gradient part I takes ``t_backward - t_weight`` and its
+    weight-gradient part W ``t_weight``. ``t_p2p`` runs from sender to receiver.
+    ``t_grad_reduce`` / ``t_param_gather`` are per chunk, not scaled by the chunk's size;
+    ``t_evict`` (one full-stage micro-batch's stored activations) is scaled like compute.
     """
 
-    t_forward: float = 1.0
-    t_backward: float = 2.0
-    t_weight: float = 1.0
-    t_p2p: float = 0.0
-    t_grad_reduce: float = 0.0
-    t_param_gather: float = 0.0
-    t_evict: float = 0.0
+    t_forward: float = _cost(_UNIT.forward, "forward time")
+    t_backward: float = _cost(_UNIT.backward, "backward time (input + weight gradients)")
+    t_weight: float = _cost(
+        _UNIT.backward_weight, "weight-gradient part of --t-backward (split schedules)"
+    )
+    t_p2p: float = _cost(_UNIT.p2p, "one pipeline message")
+    t_grad_reduce: float = _cost(_UNIT.grad_sync, "one chunk's data-parallel gradient reduction")
+    t_param_gather: float = _cost(_UNIT.param_sync, "one chunk's data-parallel parameter gather")
+    t_evict: float = _cost(
+        _UNIT.transfer, "BPipe: moving one micro-batch's activations to the partner"
+    )
 
     def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
+        for cost in cost_fields():
+            value = getattr(self, cost.name)
             if (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
@@ -65,7 +78,7 @@ class CostModel:
                 or value < 0
             ):
                 raise ScheduleError(
-                    f"CostModel.{field.name} must be a finite number >= 0, got {value!r}"
+                    f"CostModel.{cost.name} must be a finite number >= 0, got {value!r}"
                 )
         if self.t_weight > self.t_backward:
             raise ScheduleError(
@@ -108,7 +121,18 @@ class CostModel:
         return ExactTiming(Timing(**scaled), per_unit)
 
 
-_FIELDS = tuple(field.name for field in fields(CostModel))
+def cost_fields() -> tuple[Field[Any], ...]:
+    """CostModel's fields, each with its default and ``metadata["help"]``: what a front end
+    derives its cost flags from."""
+    return fields(CostModel)
+
+
+def cost_flag(name: str) -> str:
+    """The command-line flag of a cost field (``t_p2p`` -> ``--t-p2p``)."""
+    return "--" + name.replace("_", "-")
+
+
+_FIELDS = tuple(cost.name for cost in cost_fields())
 
 
 def _decimal(value: float) -> Fraction:

@@ -38,6 +38,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from megatron_bfpp.ir import Placement
 from megatron_bfpp.train.data import Batch
 from megatron_bfpp.train.presets import (
     full_shape,
@@ -143,7 +144,7 @@ def build_model_chunks(
     vocab_size: int = VOCAB_SIZE,
     max_sequence_length: int = SEQ_LENGTH,
     share_embeddings_and_output_weights: bool = False,
-    placement: str = "looped",
+    placement: Placement = Placement.LOOPED,
 ) -> list[GPTModel]:
     """This rank's ``GPTModel`` chunks, one per stage it holds, built as bfpp-train builds them
     (:func:`megatron_bfpp.train.presets.gpt_chunks`: local layer spec, in ``placement``:
@@ -352,7 +353,7 @@ def train_steps(
     *,
     forward_backward_func: Any = None,
     overlap: bool = False,
-    placement: str = "looped",
+    placement: Placement = Placement.LOOPED,
     share_embeddings_and_output_weights: bool = False,
 ) -> list[list[float]]:
     """Adam steps with megatron-core DDP and the distributed optimizer (overlapping reductions and

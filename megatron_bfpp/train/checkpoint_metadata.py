@@ -26,6 +26,7 @@ learning-rate schedule, which counts samples, notices).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import types
@@ -146,6 +147,11 @@ def _build(kind: Any, value: Any, *, source: str, where: str) -> Any:
             return None
         (inner,) = [arg for arg in args if arg is not type(None)]
         return _build(inner, value, source=source, where=where)
+    if isinstance(kind, type) and issubclass(kind, enum.StrEnum):
+        names = [member.value for member in kind]
+        if not isinstance(value, str) or value not in names:
+            raise bad(f"one of {', '.join(map(repr, names))}")
+        return kind(value)
     if origin is tuple:
         if not isinstance(value, list):
             raise bad("a list")

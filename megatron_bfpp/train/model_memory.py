@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from megatron_bfpp.ir import Placement
 from megatron_bfpp.train.run_config import Layout, ModelShape
 
 __all__ = [
@@ -75,7 +76,7 @@ def parameters_per_pipeline_rank(shape: ModelShape, layout: Layout) -> list[int]
     embedding = _split(shape.vocab_size * h, tp)
     counts[0] += embedding + (0 if llama else shape.seq_length * h)
     stages = pp * layout.num_virtual_stages_per_pipeline_rank
-    last = 0 if layout.placement == "v-shape" else pp - 1
+    last = 0 if layout.placement is Placement.V_SHAPE else pp - 1
     output = embedding if llama or stages > 1 else 0  # a tied one is shared in one chunk only
     counts[last] += (h if llama else 2 * h) + output
     return counts

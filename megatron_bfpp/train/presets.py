@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.ir import Placement
 from megatron_bfpp.train.run_config import ModelShape, default_ffn_hidden_size
 
 __all__ = [
@@ -104,7 +105,7 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, vp: int | None, o
 
 
 def build_model_chunks(
-    config: Any, shape: ModelShape, *, seed: int, placement: str = "looped"
+    config: Any, shape: ModelShape, *, seed: int, placement: Placement = Placement.LOOPED
 ) -> list[Any]:
     """This rank's ``GPTModel`` chunks of a preset, initialised by :func:`init_by_global_names`
     and moved to the GPU when there is one (built on the CPU: ``use_cpu_initialization``)."""
@@ -134,7 +135,7 @@ def gpt_chunks(
     init: Callable[[torch.nn.Module], None],
     position_embedding_type: str = "learned_absolute",
     to_gpu: bool = False,
-    placement: str = "looped",
+    placement: Placement = Placement.LOOPED,
 ) -> list[Any]:
     """``GPTModel`` chunks for this rank, one per stage it holds, in ``placement`` (``looped``:
     megatron-core's, chunk ``c`` of pipeline rank ``r`` is global stage ``c * pp + r``;

@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from megatron_bfpp.ir import Placement
 from megatron_bfpp.schedules.registry import get_spec
 
 __all__ = [
+    "DEFAULT_FFN_TEXT",
     "LRSchedule",
     "Layout",
     "ModelShape",
@@ -34,8 +36,13 @@ def flag_name(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+# :func:`default_ffn_hidden_size` in words, for the command lines' help.
+DEFAULT_FFN_TEXT = "gpt 4h, llama 8h/3 rounded up to 16"
+
+
 def default_ffn_hidden_size(preset: str, hidden_size: int) -> int:
-    """GPT: 4h. LLaMA: 8h/3 rounded up to a multiple of 16 (SwiGLU keeps the parameter count)."""
+    """GPT: 4h. LLaMA: 8h/3 rounded up to a multiple of 16 (SwiGLU keeps the parameter count).
+    The one rule for bfpp-train's models and the planner's (``plan.presets.model_from_shape``)."""
     if preset == "llama":
         return -(-(8 * hidden_size // 3) // 16) * 16
     return 4 * hidden_size
@@ -76,14 +83,14 @@ class ModelShape:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Layout:
-    """Where the model's pieces live. ``placement`` is the schedule's (single, looped, v-shape):
-    with the same number of stages per rank, looped and V-shape still put other layers on a
-    rank. ``data_parallel_size`` is derived (world / (tp x pp)) and recorded for the reader."""
+    """Where the model's pieces live. ``placement`` is the schedule's: with the same number of
+    stages per rank, looped and V-shape still put other layers on a rank.
+    ``data_parallel_size`` is derived (world / (tp x pp)) and recorded for the reader."""
 
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     num_virtual_stages_per_pipeline_rank: int
-    placement: str
+    placement: Placement
     data_parallel_size: int
     world_size: int
 

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from megatron_bfpp.cli.common import OneLineParser, positive_int
+from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.megatron.preflight import check_megatron_command
 from megatron_bfpp.megatron.rank_order import (

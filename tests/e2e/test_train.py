@@ -215,7 +215,8 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
                 "--bpipe-max-stored",
                 "1",
             ],
-            "error: --bpipe-max-stored 1 leaves no room to load an evicted micro-batch back while "
+            "error: --pipeline-schedule bpipe cannot run 8 micro-batches on pp=4: "
+            "--bpipe-max-stored 1 leaves no room to load an evicted micro-batch back while "
             "another is stored; use --bpipe-max-stored 2 or more",
         ),
         (
@@ -258,7 +259,7 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         "unknown-schedule",
         "bf-without-vp",
         "world-size",
-        "not-runnable",
+        "v-shape-vp-4",
         "layers",
         "bpipe-cap",
         "bpipe-cap-too-low",

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from megatron_bfpp.ir import Placement
 from megatron_bfpp.testing.multirank import run_ranks
 from megatron_bfpp.train.model_memory import parameters_per_pipeline_rank
 from megatron_bfpp.train.run_config import Layout, ModelShape
@@ -43,6 +44,6 @@ def test_estimated_parameters_are_the_models(
     held: dict[int, set[int]] = {}
     for pipeline_rank, count in results:
         held.setdefault(pipeline_rank, set()).add(count)
-    layout = Layout(tp, pp, vp or 1, "looped" if vp else "single", 1, tp * pp)
+    layout = Layout(tp, pp, vp or 1, Placement.LOOPED if vp else Placement.SINGLE, 1, tp * pp)
     expected = parameters_per_pipeline_rank(shape, layout)
     assert [held[rank] for rank in range(pp)] == [{count} for count in expected]

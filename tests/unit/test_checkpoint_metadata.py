@@ -112,8 +112,12 @@ def test_metadata_round_trips_through_json() -> None:
             lambda d: d.update(consumed_samples=True),
             "m.json: .consumed_samples should be an integer, got True",
         ),
+        (
+            lambda d: d["run"]["layout"].update(placement="zigzag"),
+            "m.json: .run.layout.placement should be one of 'single', 'looped', 'v-shape', got",
+        ),
     ],
-    ids=["type", "missing-key", "version", "record", "bool-is-not-int"],
+    ids=["type", "missing-key", "version", "record", "bool-is-not-int", "unknown-placement"],
 )
 def test_bad_metadata_is_one_error_naming_the_file(edit: Any, expected: str) -> None:
     data = json.loads(metadata_to_json(_metadata(_config())))

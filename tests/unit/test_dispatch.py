@@ -1,6 +1,5 @@
 """The runtime's dispatch table (one process, no communication): every action kind has exactly
-one handler, a kind left out fails when the table is built, and a kind the runtime cannot
-execute yet stops with an error that names the action and the rank."""
+one handler, and a kind left out, or handled twice, fails when the table is built."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import pytest
 from megatron_bfpp.ir import ActionKind, parse_action
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.api import ForwardBackwardFunc
-from megatron_bfpp.runtime.executor import CORE, NOT_RUNNABLE, TABLE, not_runnable
+from megatron_bfpp.runtime.executor import CORE, TABLE
 from megatron_bfpp.runtime.step import MemoryReport, dispatch_table
 
 
@@ -23,7 +22,7 @@ def test_the_table_has_a_handler_for_every_action_kind() -> None:
 
 
 def test_each_kind_is_handled_by_one_module() -> None:
-    modules = (CORE, bpipe.HANDLERS, sharding.HANDLERS, split_backward.HANDLERS, NOT_RUNNABLE)
+    modules = (CORE, bpipe.HANDLERS, sharding.HANDLERS, split_backward.HANDLERS)
     counts = {kind: sum(kind in module.kinds for module in modules) for kind in ActionKind}
     assert counts == dict.fromkeys(ActionKind, 1)
 
@@ -47,18 +46,6 @@ def test_a_kind_with_two_handlers_fails_when_the_table_is_built() -> None:
 def test_parts_and_capturing_kinds_come_from_the_modules() -> None:
     assert TABLE.parts == (bpipe.Transfers, sharding.ShardingPart, split_backward.SplitBackward)
     assert TABLE.captures == {ActionKind.EVICT}
-
-
-@pytest.mark.parametrize("text", ["2I3", "0W1"])
-def test_a_kind_not_runnable_yet_names_the_action_and_the_rank(text: str) -> None:
-    action = parse_action(text)
-    step: Any = SimpleNamespace(rank=1, schedule=SimpleNamespace(name="v-zb"))
-    with pytest.raises(RuntimeError) as error:
-        not_runnable(step, 7, action)  # what a kind added to the IR before its runtime maps to
-    message = str(error.value)
-    assert message.startswith(f"pipeline rank 1: {action.kind.name} actions are not runnable yet")
-    assert f"({text} at position 7 of schedule 'v-zb')" in message
-    assert "runnable_names()" in message
 
 
 def test_a_release_without_sharded_parameters_names_the_action_and_the_way_out() -> None:

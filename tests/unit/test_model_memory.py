@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from megatron_bfpp.cli import train as cli_train
+from megatron_bfpp.ir import Placement
 from megatron_bfpp.train import model_memory
 from megatron_bfpp.train.run_config import Layout, ModelShape, run_config
 
@@ -25,26 +26,28 @@ def test_gpt_layer_is_the_standard_12h2_plus_13h() -> None:
 def test_one_rank_holds_the_whole_model_once() -> None:
     """Measured on megatron-core's own GPTModel (tests/multirank/test_model_memory.py checks
     split layouts): 8 layers, hidden 64, 4 heads, 32 positions, 256 tokens."""
-    single = Layout(1, 1, 1, "single", 1, 1)
+    single = Layout(1, 1, 1, Placement.SINGLE, 1, 1)
     assert model_memory.parameters_per_pipeline_rank(_shape(), single) == [418_432]
 
 
 def test_v_shape_puts_both_ends_on_rank_0() -> None:
-    looped = Layout(1, 4, 2, "looped", 1, 4)
-    v_shape = Layout(1, 4, 2, "v-shape", 1, 4)
+    looped = Layout(1, 4, 2, Placement.LOOPED, 1, 4)
+    v_shape = Layout(1, 4, 2, Placement.V_SHAPE, 1, 4)
     a = model_memory.parameters_per_pipeline_rank(_shape(), looped)
     b = model_memory.parameters_per_pipeline_rank(_shape(), v_shape)
     assert sum(a) == sum(b) and b[0] == a[0] + a[3] - a[1] and b[3] == b[1]
 
 
 def test_bytes_per_parameter_shard_adam_over_data_parallel_ranks() -> None:
-    one = model_memory.estimate(_shape(), Layout(1, 2, 1, "single", 1, 2), local_ranks=2)
-    four = model_memory.estimate(_shape(), Layout(1, 2, 1, "single", 4, 8), local_ranks=8)
+    one = model_memory.estimate(_shape(), Layout(1, 2, 1, Placement.SINGLE, 1, 2), local_ranks=2)
+    four = model_memory.estimate(_shape(), Layout(1, 2, 1, Placement.SINGLE, 4, 8), local_ranks=8)
     assert one.bytes_per_parameter == 16 and four.bytes_per_parameter == 10
     # the local launcher's machine holds every rank: each pipeline rank once per dp replica
-    counts = model_memory.parameters_per_pipeline_rank(_shape(), Layout(1, 2, 1, "single", 4, 8))
+    counts = model_memory.parameters_per_pipeline_rank(
+        _shape(), Layout(1, 2, 1, Placement.SINGLE, 4, 8)
+    )
     assert four.local_bytes == 4 * sum(int(c * 10) for c in counts)
-    some = model_memory.estimate(_shape(), Layout(1, 2, 1, "single", 4, 8), local_ranks=2)
+    some = model_memory.estimate(_shape(), Layout(1, 2, 1, Placement.SINGLE, 4, 8), local_ranks=2)
     assert some.local_bytes == 2 * some.largest_rank_bytes  # torchrun: a node's share
 
 

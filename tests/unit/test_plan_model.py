@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.plan.bpipe import bpipe_speedup_estimate
 from megatron_bfpp.plan.costs import (
     BuiltinCurve,
@@ -127,7 +127,7 @@ def test_presets_have_the_published_sizes() -> None:
     from megatron_bfpp.plan.memory import rank_parameters
 
     for name, size in sizes.items():
-        total = sum(rank_parameters(MODELS[name], tp=1, pp=1, chunks=1, placement="single"))
+        total = sum(rank_parameters(MODELS[name], tp=1, pp=1, chunks=1, placement=Placement.SINGLE))
         assert total == pytest.approx(size, rel=0.06), name
 
 

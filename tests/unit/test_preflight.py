@@ -65,7 +65,7 @@ def test_derives_what_megatron_derives_and_passes_other_arguments_through() -> N
             "--num-virtual-stages-per-pipeline-rank 1",
             "needs virtual",
         ),
-        ("--micro-batch-size 0", "--micro-batch-size: expected a positive integer, got '0'"),
+        ("--micro-batch-size 0", "--micro-batch-size: expected a positive integer, got 0"),
     ],
 )
 def test_refusals_are_one_line(extra: str, message: str) -> None:

@@ -15,8 +15,9 @@ import pytest
 from megatron_bfpp.ir import StageLayout
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.schedules.registry import SCHEDULES, build_schedule
+from megatron_bfpp.semantics import Timing
 from megatron_bfpp.sim import CostModel, simulate
-from megatron_bfpp.sim.cost import ExactTiming
+from megatron_bfpp.sim.cost import ExactTiming, cost_fields, cost_flag
 
 # Costs that are not binary fractions, split backwards included.
 ODD = CostModel(
@@ -104,6 +105,23 @@ def test_exact_timing_scales_by_the_least_common_denominator() -> None:
     assert (exact.timing.forward, exact.timing.backward, exact.timing.p2p) == (26, 54, 3)
     assert (exact.timing.backward_input, exact.timing.backward_weight) == (36, 18)
     assert (exact.timing.transfer, exact.timing.grad_sync, exact.timing.param_sync) == (8, 42, 18)
+
+
+def test_the_default_costs_are_the_replays_unit_timing() -> None:
+    """CostModel's defaults come from the replay's ``Timing`` (I is the rest of B once W is
+    taken out): both say the same unit step, written once."""
+    assert CostModel().exact() == ExactTiming(Timing(), 1)
+
+
+def test_bfpp_sims_cost_flags_are_the_cost_models_fields() -> None:
+    from megatron_bfpp.cli.sim import build_parser
+
+    flags = {flag: a for a in build_parser()._actions for flag in a.option_strings}
+    for cost in cost_fields():
+        action = flags[cost_flag(cost.name)]
+        assert action.dest == cost.name and action.help is not None
+        assert action.help.startswith(cost.metadata["help"])
+        assert action.default in (cost.default, None)  # None: the schedule's own (t_evict)
 
 
 def test_compute_only_sends_use_the_links_add_communication_would() -> None:

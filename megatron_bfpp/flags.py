@@ -1,0 +1,74 @@
+"""The argument parser every command line of the package shares, and its integer type.
+
+Standard library only and cheap to import: the Megatron-LM pre-flight
+(``megatron_bfpp.megatron.preflight``) parses a training command with it before torch is
+imported, and the CLIs (``megatron_bfpp.cli``) print their errors with it, so both read a flag,
+and refuse a bad one, the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+__all__ = ["HelpFormatter", "OneLineParser", "positive_int"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` names each flag's default, as Megatron users expect. A help text that already
+    says its default is left alone, and so are flags whose default is their absence (``None``,
+    an unset switch): "(default: None)" would say nothing."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and _shows_default(action):  # argparse skips help-less flags
+            action = copy.copy(action)
+            action.help = ""
+            action.help = self._get_help_string(action).strip()  # type: ignore[union-attr]
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or not _shows_default(action):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    default = action.default
+    return bool(action.option_strings) and not (
+        default is None or default is False or default is argparse.SUPPRESS
+    )
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; users asked for one clear line and a non-zero exit.
+
+    ``raises``: raise it with the message instead of printing and exiting, for a caller that
+    checks a command line it does not own and reports it its own way (the pre-flight of a
+    Megatron-LM command raises a ``ScheduleError``).
+    """
+
+    def __init__(
+        self, *args: Any, raises: Callable[[str], Exception] | None = None, **kwargs: Any
+    ) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.raises = raises
+
+    def error(self, message: str) -> NoReturn:
+        if self.raises is not None:
+            raise self.raises(message)
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        raise SystemExit(2)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
