@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Regenerate every picture in docs/schedules.md and print the numbers its text quotes.
+"""Regenerate every picture in docs/schedules.md (and the README's) and print the numbers its
+text quotes.
 
     python scripts/make_docs_figures.py                 # writes docs/images/*.png
     python scripts/make_docs_figures.py --out /tmp/img  # somewhere else
@@ -158,6 +159,14 @@ MEMORY = [
 ]
 
 
+# The README's picture: 1F1B above breadth-first on one time axis, pp=4, m=8.
+COMPARISON = [
+    Case("", "1f1b", "1f1b", 4, 8),
+    Case("", "breadth-first, vp=2", "breadth-first", 4, 8, 2),
+]
+COMPARISON_FILE = "readme-1f1b-vs-breadth-first.png"
+
+
 def fmt_peaks(peaks: tuple[float, ...]) -> str:
     return "[" + ", ".join(f"{p:g}" for p in peaks) + "]"
 
@@ -182,6 +191,27 @@ def draw_timeline(case: Case, out: Path) -> SimResult:
     )
     print(f"{'':28s} {case.command(case.stem + '.png')}")
     return result
+
+
+def draw_comparison(out: Path) -> None:
+    """The README's picture: the COMPARISON timelines stacked, drawn on the longest step's time
+    axis so that widths compare; each row ends with the rank's peak activations."""
+    import tempfile
+
+    import numpy as np
+    from matplotlib import image
+
+    results = [(case, simulate(case.build(), case.costs)) for case in COMPARISON]
+    span = max(result.step_time for _, result in results)
+    parts = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for index, (case, result) in enumerate(results):
+            path = Path(scratch) / f"{index}.png"
+            title = title_for(case, result)
+            render_png(replace(result, step_time=span), path, title=title, dpi=DPI, width=WIDTH)
+            parts.append(image.imread(path))
+            print(f"{COMPARISON_FILE:28s} {title}, peak act. {fmt_peaks(result.peak_activations)}")
+    image.imsave(out / COMPARISON_FILE, np.vstack(parts))
 
 
 def new_figure(height: float) -> tuple[Any, Any]:
@@ -293,6 +323,7 @@ def main() -> int:
     print(f"timelines, pp=4, m=8, {COSTS}:")
     for case in TIMELINES:
         draw_timeline(case, out)
+    draw_comparison(out)
     bpipe = next(case for case in TIMELINES if case.name == "bpipe").build()
     steps = ", ".join(
         f"t_evict={t:g}: {simulate(bpipe, replace(BPIPE_COSTS, t_evict=t)).step_time:g}"

@@ -1,4 +1,4 @@
-"""No test asserts on wall time (the README says so; CI machines are loaded, and a timing that
+"""No test asserts on wall time (CONTRIBUTING.md says so; CI machines are loaded, and a timing that
 passes on an idle machine fails on a busy one). A duration measured with ``time`` and then
 compared in an ``assert`` is what this looks for; deadlines that only bound a wait for a hang
 (``while ... < deadline``, subprocess timeouts) are not durations and are left alone."""
