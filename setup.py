@@ -32,6 +32,9 @@ setup(
     extras_require={
         # Drawing timelines as PNG.
         "plot": ["matplotlib>=3.7"],
+        # bfpp-train --tensorboard-dir / --wandb-project.
+        "tensorboard": ["tensorboard>=2.14"],
+        "wandb": ["wandb>=0.17"],
         # Running schedules on megatron-core (CPU or GPU). psutil: megatron-core's distributed
         # checkpoint writer (bfpp-train --ckpt-format torch_dist) imports it, megatron-core does
         # not install it.
@@ -47,6 +50,8 @@ setup(
             "torch>=2.4",
             MEGATRON_CORE,
             "psutil>=5.9",
+            "tensorboard>=2.14",
+            "wandb>=0.17",
         ],
         # Running Megatron-LM's own pretrain scripts (its runtime dependencies; Megatron-LM
         # itself is a checkout, not a PyPI package).

@@ -47,6 +47,7 @@ from megatron_bfpp.train.checkpoint_metadata import (
     read_checkpoint,
     scheduler_policy,
 )
+from megatron_bfpp.train.metric_writers import missing_packages
 from megatron_bfpp.train.run_config import DEFAULT_FFN_TEXT, run_config
 from megatron_bfpp.train.save_lock import SaveLock
 
@@ -246,6 +247,28 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     )
     io.add_argument("--log-interval", type=positive_int, default=1)
     io.add_argument(
+        "--tensorboard-dir",
+        default=None,
+        metavar="DIR",
+        help="also write TensorBoard event files here (rank 0; pip install "
+        "'megatron-bfpp[tensorboard]')",
+    )
+    io.add_argument(
+        "--wandb-project",
+        default=None,
+        metavar="NAME",
+        help="also log to this Weights & Biases project (rank 0; pip install "
+        "'megatron-bfpp[wandb]'); offline (wandb sync uploads it) unless an API key is "
+        "configured or WANDB_MODE says otherwise",
+    )
+    io.add_argument("--wandb-exp-name", default=None, metavar="NAME", help="the W&B run's name")
+    io.add_argument(
+        "--wandb-save-dir",
+        default=None,
+        metavar="DIR",
+        help="where W&B writes its run directory (default: ./wandb)",
+    )
+    io.add_argument(
         "--no-progress",
         action="store_true",
         help="log one line per --log-interval instead of a redrawn bar (the default when stdout "
@@ -377,8 +400,38 @@ def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | N
     may be on a path other nodes lack (``metrics``: check it)."""
     if args.save is not None and (problem := output_dir_problem("--save", args.save)):
         return problem
-    if metrics and args.metrics_file is not None:
-        return output_file_problem("--metrics-file", args.metrics_file)
+    if not metrics:
+        return None
+    if args.metrics_file is not None and (
+        problem := output_file_problem("--metrics-file", args.metrics_file)
+    ):
+        return problem
+    return logging_problem(args)
+
+
+def logging_problem(args: argparse.Namespace) -> str | None:
+    """TensorBoard and W&B, rank 0's: the flags that go together, the packages they need (one
+    line before any rank starts, not an ImportError after setup) and the directories."""
+    if args.wandb_project is None:
+        for flag, value in (
+            ("--wandb-exp-name", args.wandb_exp_name),
+            ("--wandb-save-dir", args.wandb_save_dir),
+        ):
+            if value is not None:
+                return f"{flag} needs --wandb-project NAME"
+    elif not args.wandb_project.strip():
+        return "--wandb-project: empty name"
+    problem = missing_packages(
+        {"--tensorboard-dir": args.tensorboard_dir, "--wandb-project": args.wandb_project}
+    )
+    if problem is not None:
+        return problem
+    for flag, path in (
+        ("--tensorboard-dir", args.tensorboard_dir),
+        ("--wandb-save-dir", args.wandb_save_dir),
+    ):
+        if path is not None and (problem := output_dir_problem(flag, path)):
+            return problem
     return None
 
 

@@ -8,14 +8,14 @@ warm-up + cosine learning-rate schedule (megatron-core's ``OptimizerParamSchedul
 
 The loss is reported as Megatron-LM does: the last pipeline stage sums ``[loss, tokens]`` over its
 micro-batches, the sum is reduced over data-parallel ranks, and ``lm_loss = loss / tokens``.
-Rank 0 shows progress and writes ``--metrics-file`` (one JSON object per iteration).
+Rank 0 shows progress and writes each iteration's record to ``--metrics-file`` (one JSON object
+per iteration), ``--tensorboard-dir`` and ``--wandb-project`` (``train.metric_writers``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import random
@@ -33,6 +33,12 @@ from megatron_bfpp.train.checkpoint import OtherRankFailed
 from megatron_bfpp.train.checkpoint_metadata import SchedulerPolicy, scheduler_policy
 from megatron_bfpp.train.data import TrainingData
 from megatron_bfpp.train.liveness import RanksLost, Verdict, start_liveness
+from megatron_bfpp.train.metric_writers import (
+    JsonlWriter,
+    MetricWriter,
+    TensorBoardWriter,
+    WandbWriter,
+)
 from megatron_bfpp.train.model_memory import memory_problem
 from megatron_bfpp.train.presets import build_model_chunks, transformer_config, wrap_ddp
 from megatron_bfpp.train.run_config import RunConfig, run_config
@@ -383,7 +389,7 @@ def _set_up(args: Any, device: torch.device) -> _Run:
     options = options_from_args(args.pipeline_schedule, args)
     forward_backward = get_forward_backward_func(
         args.pipeline_schedule,
-        measure_memory=bool(args.metrics_file),
+        measure_memory=_logs_metrics(args),
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
         **options,
     )
@@ -425,9 +431,7 @@ def _loop(run: _Run) -> TrainResult:
     checkpoints; a checkpoint at the end unless the last iteration was just saved."""
     args = run.args
     rank0 = dist.get_rank() == 0
-    metrics: TextIO | None = None
-    if rank0 and args.metrics_file:
-        metrics = open(args.metrics_file, "a" if args.load else "w")  # noqa: SIM115
+    writers = _metric_writers(run) if rank0 else []
     progress = _Progress(
         rank0 and args.train_iters > run.iteration,
         args.no_progress,
@@ -449,11 +453,11 @@ def _loop(run: _Run) -> TrainResult:
                     "(try a lower --lr)"
                 )
             progress.update(step.iteration, step.loss, step.step_time, step.lr)
-            memory = _memory_per_pipeline_rank(run) if args.metrics_file else {}
-            if metrics is not None:
+            memory = _memory_per_pipeline_rank(run) if _logs_metrics(args) else {}
+            if writers:
                 record = _metrics_record(run, step, memory)
-                metrics.write(json.dumps(record, allow_nan=False) + "\n")
-                metrics.flush()
+                for writer in writers:
+                    writer.write(record)
             if args.save and args.save_interval and step.iteration % args.save_interval == 0:
                 _save(run)
                 last_saved = step.iteration
@@ -463,9 +467,48 @@ def _loop(run: _Run) -> TrainResult:
             _save(run)
     finally:
         progress.close()
-        if metrics is not None:
-            metrics.close()
+        for writer in writers:
+            writer.close()
     return TrainResult(losses=losses)
+
+
+def _logs_metrics(args: Any) -> bool:
+    """Whether any per-iteration record is written (then the step measures memory for it)."""
+    return bool(args.metrics_file or args.tensorboard_dir or args.wandb_project)
+
+
+def _metric_writers(run: _Run) -> list[MetricWriter]:
+    """Rank 0's writers of the per-iteration record, one per destination asked for."""
+    args = run.args
+    config = {
+        "pipeline_schedule": args.pipeline_schedule,
+        "model": args.model,
+        "num_layers": args.num_layers,
+        "hidden_size": args.hidden_size,
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "data_parallel_size": run.dp_size,
+        "num_microbatches": run.num_microbatches,
+        "global_batch_size": args.global_batch_size,
+        "micro_batch_size": args.micro_batch_size,
+        "seq_length": args.seq_length,
+        "lr": args.lr,
+    }
+    writers: list[MetricWriter] = []
+    if args.metrics_file:
+        writers.append(JsonlWriter.open(args.metrics_file, append=bool(args.load)))
+    if args.tensorboard_dir:
+        writers.append(TensorBoardWriter(args.tensorboard_dir, config=config))
+    if args.wandb_project:
+        writers.append(
+            WandbWriter(
+                args.wandb_project,
+                name=args.wandb_exp_name,
+                save_dir=args.wandb_save_dir,
+                config=config,
+            )
+        )
+    return writers
 
 
 def _banner(run: _Run) -> str:

@@ -1,0 +1,172 @@
+"""Where bfpp-train's per-iteration record goes: the JSONL file, TensorBoard, Weights & Biases.
+
+Why several: Megatron users read curves in TensorBoard or W&B, and scripts read the JSONL file.
+The trainer builds one record per iteration (``trainer._metrics_record``) on rank 0 and hands it
+to every writer asked for, so the three always show the same numbers. Scalar names follow
+Megatron-LM's (``lm loss``, ``learning-rate``, ``grad-norm``, ``iteration-time``) so dashboards
+built for Megatron-LM runs read ours; per-pipeline-rank memory is one scalar per rank
+(``memory/peak_activation_bytes/pp-rank-0``, ...).
+
+The optional packages (``tensorboard``, ``wandb``) are imported only when their writer is built;
+:func:`missing_packages` lets the command line refuse a missing one in one line before any rank
+starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import netrc
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TextIO
+
+__all__ = [
+    "JsonlWriter",
+    "MetricWriter",
+    "TensorBoardWriter",
+    "WandbWriter",
+    "missing_packages",
+    "scalars",
+    "wandb_mode",
+]
+
+# Record key -> scalar name (Megatron-LM's names where it has one).
+SCALARS = {
+    "lm_loss": "lm loss",
+    "lr": "learning-rate",
+    "grad_norm": "grad-norm",
+    "step_time_s": "iteration-time",
+    "tokens_per_s": "tokens-per-sec",
+    "consumed_samples": "consumed-samples",
+}
+# Record keys holding one value per pipeline rank.
+PER_PIPELINE_RANK = (
+    "peak_activation_bytes",
+    "peak_activations",
+    "peak_parameter_bytes",
+    "peak_gradient_bytes",
+    "cuda_max_memory_allocated",
+)
+# What each logging flag needs installed, and the extra that installs it.
+PACKAGES = {
+    "--tensorboard-dir": ("tensorboard", "megatron-bfpp[tensorboard]"),
+    "--wandb-project": ("wandb", "megatron-bfpp[wandb]"),
+}
+
+
+class MetricWriter(Protocol):
+    def write(self, record: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
+    """The record's numbers as (name, value) scalars; absent or null values are left out (an
+    overflowing grad norm is null: the optimizer skipped that step)."""
+    for key, name in SCALARS.items():
+        value = record.get(key)
+        if isinstance(value, (int, float)):
+            yield name, float(value)
+    for key in PER_PIPELINE_RANK:
+        for rank, value in enumerate(record.get(key) or ()):
+            yield f"memory/{key}/pp-rank-{rank}", float(value)
+
+
+def missing_packages(flags: Mapping[str, object]) -> str | None:
+    """One line naming the first logging flag given whose package is not installed, or None."""
+    for flag, (package, extra) in PACKAGES.items():
+        if flags.get(flag) and not _importable(package):
+            return f"{flag} needs the {package} package: pip install '{extra}'"
+    return None
+
+
+def _importable(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken install is as good as none
+        return False
+
+
+def wandb_mode(environ: Mapping[str, str] = os.environ, netrc_path: str | None = None) -> str:
+    """``WANDB_MODE`` when set; else online only when an API key is configured (environment or
+    ~/.netrc, where ``wandb login`` puts it), so a machine without one writes offline runs
+    (``wandb sync`` uploads them) instead of failing at the first iteration."""
+    if environ.get("WANDB_MODE"):
+        return environ["WANDB_MODE"]
+    if environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        entry = netrc.netrc(netrc_path).authenticators("api.wandb.ai")
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    return "online" if entry else "offline"
+
+
+@dataclass
+class JsonlWriter:
+    """One JSON object per line (strict JSON: no NaN), flushed each iteration."""
+
+    stream: TextIO
+
+    @classmethod
+    def open(cls, path: str, *, append: bool) -> JsonlWriter:
+        return cls(open(path, "a" if append else "w", encoding="utf-8"))
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self.stream.write(json.dumps(dict(record), allow_nan=False) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class TensorBoardWriter:
+    """TensorBoard event files in ``log_dir`` (torch's ``SummaryWriter``), step = iteration."""
+
+    def __init__(self, log_dir: str, *, config: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=log_dir)
+        self._writer.add_text("config", json.dumps(dict(config), sort_keys=True, default=str))
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = int(record["iteration"])
+        for name, value in scalars(record):
+            self._writer.add_scalar(name, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbWriter:
+    """A W&B run (``wandb.init(project, name, dir)``), offline when no API key is configured."""
+
+    def __init__(
+        self,
+        project: str,
+        *,
+        name: str | None,
+        save_dir: str | None,
+        config: Mapping[str, Any],
+    ) -> None:
+        import wandb
+
+        if save_dir:
+            os.makedirs(save_dir, exist_ok=True)
+        self.mode = wandb_mode()
+        self._run = wandb.init(
+            project=project,
+            name=name,
+            dir=save_dir,
+            config=dict(config),
+            mode=self.mode,  # type: ignore[arg-type]
+        )
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._run.log(dict(scalars(record)), step=int(record["iteration"]))
+
+    def close(self) -> None:
+        self._run.finish()
