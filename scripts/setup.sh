@@ -6,6 +6,8 @@
 #   0.16:    otherwise the newest Python 3.10/3.11 with megatron-core 0.16.1.
 # Prints one line saying which. Environment:
 #   BFPP_STACK=auto|0.19|0.16   force a stack (default auto, as above)
+#   BFPP_STACK=bridge           the 0.19 stack plus Megatron-Bridge 0.6.2 (Python 3.12) for
+#                               tests/bridge (its CPU shims live in megatron_bfpp.testing)
 #   VENV=DIR                    the environment's folder (default .venv)
 #   PYTHON=/path/to/python      use this interpreter (its version decides the stack)
 # torch is installed first, pinned, so pip does not pick a newer release: on Python 3.11 this
@@ -63,15 +65,16 @@ else
     auto)
       PYTHON=$(pick_python new)
       if [ -n "$PYTHON" ]; then STACK=0.19; else PYTHON=$(pick_python old); STACK=0.16; fi ;;
-    0.19) PYTHON=$(pick_python new) ;;
+    0.19|bridge) PYTHON=$(pick_python new) ;;
     0.16) PYTHON=$(pick_python old) ;;
-    *) die "BFPP_STACK must be auto, 0.19 or 0.16, got '$STACK'" ;;
+    *) die "BFPP_STACK must be auto, 0.19, 0.16 or bridge, got '$STACK'" ;;
   esac
 fi
 case "$STACK" in
   0.19) CORE="megatron-core>=0.19.2,<0.20" ;;
   0.16) CORE="megatron-core==0.16.1" ;;
-  *) die "BFPP_STACK must be auto, 0.19 or 0.16, got '$STACK'" ;;
+  bridge) CORE="megatron-core==0.19.2" ;;
+  *) die "BFPP_STACK must be auto, 0.19, 0.16 or bridge, got '$STACK'" ;;
 esac
 [ -n "$PYTHON" ] || die "no Python for megatron-core $STACK found (0.19 needs Python >= 3.12, \
 0.16 needs 3.10 or 3.11; install one, e.g. pyenv install 3.12, or set PYTHON=...)"
@@ -90,3 +93,25 @@ if ! python -c "import torch" 2>/dev/null; then
   pip install -q "torch==$TORCH_VERSION"
 fi
 pip install -q -e ".[test]" "$CORE"
+if [ "$STACK" = bridge ]; then
+  [ "$PY_VERSION" = 3.12 ] || die "Megatron-Bridge 0.6.2 needs Python 3.12, got $PY_VERSION"
+  # Bridge's own requirements pull in GPU-only packages (Transformer Engine, flashinfer, ...):
+  # install it without them, with what its training modules import.
+  pip install -q --no-deps "megatron-bridge==0.6.2"
+  pip install -q "transformers>=5.8,<=5.12.1" datasets "tensorboard>=2.19" "omegaconf>=2.3" \
+    einops megatron-energon "hydra-core>=1.3.4,<1.4" rich tqdm pyyaml regex six "wandb==0.29.0" \
+    nvidia-modelopt defusedxml
+  # nvidia-resiliency-ext (megatron-core reads its version; Bridge imports it) is published
+  # only as manylinux_2_39 wheels; the parts Bridge imports are pure Python, so an older glibc
+  # takes the same wheel under an older tag.
+  if ! python -c "import nvidia_resiliency_ext" 2>/dev/null; then
+    wheels=$(mktemp -d)
+    pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --platform manylinux_2_39_x86_64 -d "$wheels" "nvidia-resiliency-ext==0.6.0"
+    for wheel in "$wheels"/*manylinux_2_39*.whl; do
+      mv "$wheel" "${wheel/manylinux_2_39/manylinux_2_17}"
+    done
+    pip install -q --no-deps "$wheels"/*.whl
+    rm -rf "$wheels"
+  fi
+fi

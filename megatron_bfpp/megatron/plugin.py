@@ -217,6 +217,16 @@ def install() -> None:
             raise
 
 
+def add_patch(owner: Any, name: str, value: Any) -> None:
+    """Replace ``owner.name`` with ``value`` in the plugin's registry, so :func:`uninstall`
+    restores it with everything else (front ends such as ``megatron.bridge`` use it for the
+    sites only they know). Needs :func:`install` first."""
+    with _lock:
+        if not _patches:
+            raise ScheduleError("megatron_bfpp.install() must run before add_patch()")
+        _patches.patch(owner, name, value)
+
+
 def uninstall() -> None:
     """Restore every original :func:`install` replaced (a no-op when not installed)."""
     global _megatron_get_fbf, _training_available

@@ -9,7 +9,8 @@ Which command a ``--flag`` belongs to (the rule the flag tests apply):
 * Commands are recognised by name: ``bfpp-train``, ``bfpp-sim``, ``bfpp-plan`` (with its
   subcommand ``recommend``, ``profile`` or ``bpipe-estimate`` when one follows), the Megatron-LM
   launcher (``megatron_bfpp.launch``, ``pretrain_gpt.py``, the sbatch templates, or the word
-  ``Megatron-LM``), ``torchrun`` and the SLURM launcher ``scripts/slurm/launch.py``. Other
+  ``Megatron-LM``), ``torchrun``, the SLURM launcher ``scripts/slurm/launch.py`` and the
+  Megatron-Bridge example ``examples/bridge_pretrain.py``. Other
   programs are recognised so that their flags are left alone: ``scripts/*.py`` and
   ``scripts/*.sh`` (benchmarks, setup), ``pip install``, ``git``, ``patch -p1``, ``ruff``,
   ``pytest``, ``mypy``.
@@ -44,6 +45,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,11 +62,13 @@ SUBJECTS = {
     "docs/planner.md": "bfpp-plan",
     "docs/megatron-lm.md": "megatron",
     "scripts/slurm/README.md": "megatron",
+    "docs/bridge.md": "examples/bridge_pretrain.py",
 }
 
 MEGATRON = "megatron"  # the Megatron-LM launcher: Megatron-LM's flags plus the plugin's
 TORCHRUN = "torchrun"
 SLURM = "scripts/slurm/launch.py"
+BRIDGE_EXAMPLE = "examples/bridge_pretrain.py"
 OTHER = "other"  # a program whose flags are not ours to check
 PLAN_SUBCOMMANDS = ("recommend", "profile", "bpipe-estimate")
 
@@ -75,6 +79,7 @@ _COMMAND = re.compile(
     r"|(?P<megatron>megatron_bfpp\.launch(?![\w.])|pretrain_gpt\.py|pretrain_(?:gpt3|llama)\.sbatch"
     r"|(?<![\w/-])Megatron-LM(?![\w/-]))"
     r"|(?P<torchrun>(?<![\w-])torchrun(?![\w-]))"
+    r"|(?P<example>(?<![\w/.-])(?:examples/)?bridge_pretrain\.py)"
     r"|(?P<other>(?<![\w/.-])scripts/[\w/.-]+\.(?:py|sh)\b|\bpip\s+install\b|\bgit\s+\w"
     r"|\bpatch\s+-p|\bruff\b|\bpytest\b|\bmypy\b)"
 )
@@ -115,6 +120,8 @@ def _command_name(match: re.Match[str]) -> str:
         return MEGATRON
     if kind == "torchrun":
         return TORCHRUN
+    if kind == "example":
+        return BRIDGE_EXAMPLE
     return OTHER
 
 
@@ -310,7 +317,19 @@ def our_parsers() -> dict[str, set[str]]:
         check=True,
     ).stdout
     parsers[SLURM] = set(_FLAG.findall(help_text))
+    parsers[BRIDGE_EXAMPLE] = _option_strings(_load(BRIDGE_EXAMPLE).build_parser())
     return parsers
+
+
+def _load(path: str) -> Any:
+    """A script of the repository as a module (its parser is built without running it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 _EXTERNAL = r"""

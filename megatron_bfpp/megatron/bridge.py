@@ -1,0 +1,180 @@
+"""Megatron-Bridge (and NeMo's recipes built on it): our schedules for Bridge's ``pretrain()``.
+
+Why a call of its own: Bridge binds ``get_forward_backward_func`` when its training modules are
+imported (``megatron.bridge.training.train`` and ``.eval`` do
+``from megatron.core.pipeline_parallel import get_forward_backward_func``), so the plugin's
+megatron-core patch reaches Bridge only if it was installed first. :func:`use_schedule` works
+in either order: it installs the plugin, sets the schedule, and replaces the two names Bridge
+bound (restored by :func:`megatron_bfpp.uninstall`, through the plugin's one patch registry).
+
+It reads the layout from Bridge's ``ConfigContainer`` and asks the same "does it fit" question
+as every other front end (``schedules.fit.check_fit``) before any rank starts work, phrased in
+Bridge's config names. Where Bridge runs a pipeline past the hook (``dist_train``, which calls
+megatron-core's non-interleaved schedule directly, and multi-module evaluation), or builds what
+a schedule cannot use (the V-shapes need V-placed model chunks, which Bridge's model provider
+does not build; fully sharded parameters need an optimizer that steps on shards, which Bridge's
+setup does not make), the answer is one line, not a silently different schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.schedules.fit import check_fit
+from megatron_bfpp.schedules.registry import get_spec, schedule_names
+
+__all__ = ["BRIDGE_SITES", "bridge_modules", "check_bridge_config", "use_schedule"]
+
+# Bridge's modules that bind megatron-core's get_forward_backward_func at import.
+BRIDGE_SITES = ("megatron.bridge.training.train", "megatron.bridge.training.eval")
+VP_FIELD = "config.model.virtual_pipeline_model_parallel_size"
+
+
+def use_schedule(
+    config: Any, name: str, *, data_parallel_sharding_strategy: str = "optim", **options: Any
+) -> None:
+    """Run ``name`` (a ``--pipeline-schedule`` name) in Bridge's ``pretrain(config, ...)``.
+
+    ``options`` are the schedule's own (``group_size`` for breadth-first, ``max_stored`` for
+    bpipe, ``microbatch_group_size`` for interleaved, else ``config.model``'s
+    ``microbatch_group_size_per_vp_stage``). A looped schedule (interleaved, breadth-first)
+    given no virtual pipeline size gets 2, as in Megatron-LM. Raises :class:`ScheduleError`
+    (one line) for a schedule that does not fit ``config``, before any work; call it before
+    ``pretrain``, in any import order. :func:`megatron_bfpp.uninstall` undoes it.
+    """
+    from megatron_bfpp.megatron import plugin
+
+    options = _with_config_options(config, name, options)
+    check_bridge_config(config, name, options, sharding=data_parallel_sharding_strategy)
+    plugin.install()
+    plugin.set_schedule(name, **options)
+    for module in bridge_modules():
+        if module.get_forward_backward_func is not plugin.get_forward_backward_func:
+            plugin.add_patch(module, "get_forward_backward_func", plugin.get_forward_backward_func)
+    evaluation = importlib.import_module("megatron.bridge.training.eval")
+    if not getattr(evaluation.evaluate, "_bfpp_guard", False):
+        plugin.add_patch(evaluation, "evaluate", _guard_multi_module(evaluation.evaluate))
+
+
+def check_bridge_config(
+    config: Any, name: str, options: dict[str, Any], *, sharding: str = "optim"
+) -> None:
+    """The one-line refusals for ``config``, before any rank starts work; sets the looped
+    schedules' default virtual pipeline size (2) when the config leaves it unset."""
+    if name not in schedule_names():
+        raise ScheduleError(
+            f"pipeline schedule {name!r} is unknown; choose one of: {', '.join(schedule_names())}"
+        )
+    spec = get_spec(name)
+    model = config.model
+    if spec.placement is Placement.V_SHAPE:
+        raise ScheduleError(
+            f"pipeline schedule {name} needs V-placed model chunks (rank r holding stages r and "
+            "2p-1-r), which Megatron-Bridge's model provider does not build; use it from "
+            "Megatron-LM or bfpp-train, or pick gpipe, 1f1b, interleaved, breadth-first or bpipe"
+        )
+    if getattr(getattr(model, "dist_train", None), "use_dist_train", False) is True:
+        raise ScheduleError(
+            f"pipeline schedule {name} cannot run with config.model.dist_train.use_dist_train: "
+            "Bridge's dist_train calls megatron-core's non-interleaved schedule directly, past "
+            "the hook; turn dist_train off or use Bridge's own schedule"
+        )
+    if getattr(getattr(config, "ddp", None), "use_megatron_fsdp", False):
+        raise ScheduleError(
+            f"pipeline schedule {name} does not run with Megatron-FSDP "
+            "(config.ddp.use_megatron_fsdp); use the distributed optimizer"
+        )
+    if sharding != "optim":
+        raise ScheduleError(
+            f"pipeline schedule {name} with data_parallel_sharding_strategy={sharding!r} needs "
+            "an optimizer that steps on the parameter shards, which Megatron-Bridge's setup does "
+            "not build; use it from Megatron-LM or bfpp-train, or keep 'optim'"
+        )
+    pp = int(getattr(model, "pipeline_model_parallel_size", 1) or 1)
+    if pp < 2:
+        raise ScheduleError(
+            f"pipeline schedule {name} needs config.model.pipeline_model_parallel_size >= 2 "
+            f"(it is {pp})"
+        )
+    if spec.placement is Placement.LOOPED and not model.virtual_pipeline_model_parallel_size:
+        model.virtual_pipeline_model_parallel_size = 2
+    vp = model.virtual_pipeline_model_parallel_size
+    dp = _data_parallel_size(model, pp)
+    if dp is None:  # the runtime checks the micro-batches at the first step
+        spec.chunks_for(vp, vp_flag=VP_FIELD)
+        return
+    check_fit(
+        name,
+        pp=pp,
+        vp=vp,
+        dp=dp,
+        micro_batch_size=int(config.train.micro_batch_size),
+        global_batch_size=int(config.train.global_batch_size),
+        vp_flag=VP_FIELD,
+        options=options,
+    )
+
+
+def _data_parallel_size(model: Any, pp: int) -> int | None:
+    """Bridge's data-parallel size, known before initialisation when the launcher set
+    WORLD_SIZE (torchrun, srun with the usual variables); None otherwise."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if not world.isdigit():
+        return None
+    tp = int(getattr(model, "tensor_model_parallel_size", 1) or 1)
+    cp = int(getattr(model, "context_parallel_size", 1) or 1)
+    size = int(world)
+    if size % (tp * pp * cp):
+        raise ScheduleError(
+            f"WORLD_SIZE {size} is not a multiple of tensor x pipeline x context parallel size "
+            f"({tp} x {pp} x {cp})"
+        )
+    return size // (tp * pp * cp)
+
+
+def _with_config_options(config: Any, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Interleaved's micro-batch group from Bridge's own field, as Megatron-LM's flag does."""
+    group = getattr(config.model, "microbatch_group_size_per_vp_stage", None)
+    if name == "interleaved" and group and "microbatch_group_size" not in options:
+        return {**options, "microbatch_group_size": int(group)}
+    return dict(options)
+
+
+def bridge_modules() -> list[Any]:
+    """Bridge's training modules that bind the function (importing them: Bridge is in use)."""
+    return [importlib.import_module(site) for site in BRIDGE_SITES]
+
+
+def _guard_multi_module(evaluate: Callable[..., Any]) -> Callable[..., Any]:
+    """Bridge's ``evaluate``, refusing in one line what it would run past our schedule:
+    multi-module (MegatronMIMO) evaluation calls megatron-core's non-interleaved schedule
+    directly."""
+    signature = inspect.signature(evaluate)
+
+    @functools.wraps(evaluate)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        from megatron_bfpp.compat import is_multi_module_collection
+        from megatron_bfpp.megatron.plugin import current_schedule, refuse
+
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        name = current_schedule()[0]
+        communicator = type(bound.get("p2p_communicator")).__name__
+        multi = is_multi_module_collection(bound.get("pg_collection")) or (
+            communicator == "MultiModulePipelineCommunicator"
+        )
+        if name != "default" and multi:
+            refuse(
+                f"pipeline schedule {name} does not run multi-module (MegatronMIMO) evaluation: "
+                "Bridge evaluates it with megatron-core's non-interleaved schedule directly; use "
+                "the default schedule for it"
+            )
+        return evaluate(*args, **kwargs)
+
+    guarded._bfpp_guard = True  # type: ignore[attr-defined]
+    return guarded

@@ -1,0 +1,179 @@
+"""Megatron-Bridge on CPU ranks: what Bridge needs beyond the megatron-core / Megatron-LM CPU
+adapters (``megatron.cpu``, ``megatron.cpu_launch``). Test support and the CPU demo only
+(``examples/bridge_pretrain.py`` without a GPU), never the GPU path, like those adapters.
+
+Each redirect, and the error it answers (Megatron-Bridge 0.6.2, megatron-core 0.19.2):
+
+* :func:`bridge_imports`: ``megatron/bridge/peft/lora_layers.py`` imports Transformer Engine
+  unconditionally (``ModuleNotFoundError: transformer_engine``). While Bridge is imported, that
+  module alone sees a stub whose classes match nothing; megatron-core's own
+  ``import transformer_engine`` checks still fail, so it keeps its non-TE paths.
+* :func:`enable_cpu_bridge`: Bridge's own ``initialize_megatron`` asserts CUDA unless
+  ``allow_no_cuda=True`` ("Megatron requires CUDA."), its JIT warm-up runs CUDA-only fused
+  kernels ("Found no NVIDIA driver"), and it compiles the dataset helpers with ``make`` (the
+  wheel ships ``helpers_cpp.so``).
+* :func:`record_losses`: Bridge logs six digits of the loss; the equality tests need the floats.
+
+Every redirect is undone by :func:`disable_cpu_bridge` (the one patch registry).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import inspect
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from megatron_bfpp.megatron.patches import Patches
+
+__all__ = [
+    "EXACT_PREFIX",
+    "bridge_imports",
+    "disable_cpu_bridge",
+    "enable_cpu_bridge",
+    "record_losses",
+]
+
+# Bridge modules that import transformer_engine at module level, unconditionally.
+TE_IMPORTERS = frozenset({"megatron.bridge.peft.lora_layers"})
+# What the exact-loss lines start with: "<prefix> <iteration> <loss.hex()> <grad norm repr>".
+EXACT_PREFIX = "BFPP_EXACT"
+
+_patches = Patches()
+
+
+class _Unavailable:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("transformer_engine is not installed on this CPU machine")
+
+
+def _te_stub() -> types.ModuleType:
+    """The names lora_layers evaluates at import (annotations such as ``-> te.ops.Sequential``)
+    and in isinstance checks: distinct classes, so nothing is ever an instance of them."""
+    te = types.ModuleType("transformer_engine")
+    pytorch = types.ModuleType("transformer_engine.pytorch")
+    ops = types.ModuleType("transformer_engine.pytorch.ops")
+    for name in (
+        "Sequential",
+        "Linear",
+        "LayerNorm",
+        "RMSNorm",
+        "Quantize",
+        "MakeExtraOutput",
+        "Dropout",
+        "ConstantScale",
+        "AddExtraInput",
+    ):
+        setattr(ops, name, type(name, (_Unavailable,), {}))
+    for name in ("Linear", "LayerNormLinear", "TransformerLayer"):
+        setattr(pytorch, name, type(name, (_Unavailable,), {}))
+    pytorch.fp8_autocast = _Unavailable  # type: ignore[attr-defined]
+    pytorch.ops = ops  # type: ignore[attr-defined]
+    te.pytorch = pytorch  # type: ignore[attr-defined]
+    return te
+
+
+@contextlib.contextmanager
+def bridge_imports() -> Iterator[None]:
+    """Import Bridge inside this block: only :data:`TE_IMPORTERS` see the TE stub."""
+    stub = _te_stub()
+    original = builtins.__import__
+
+    def scoped(
+        name: str,
+        globals: dict[str, Any] | None = None,
+        locals: dict[str, Any] | None = None,
+        fromlist: Any = (),
+        level: int = 0,
+    ) -> Any:
+        importer = (globals or {}).get("__name__", "")
+        if level == 0 and name.split(".")[0] == "transformer_engine" and importer in TE_IMPORTERS:
+            module = stub
+            for part in name.split(".")[1:] if fromlist else ():
+                module = getattr(module, part)
+            return module
+        return original(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = scoped
+    try:
+        yield
+    finally:
+        builtins.__import__ = original
+
+
+def enable_cpu_bridge() -> None:
+    """The megatron-core and Megatron-LM CPU redirects, then Bridge's own (no-op if on)."""
+    if _patches:
+        return
+    import importlib
+
+    from megatron_bfpp.megatron.cpu_launch import enable_cpu_megatron_lm
+
+    enable_cpu_megatron_lm()
+    with bridge_imports():
+        initialize = importlib.import_module("megatron.bridge.training.initialize")
+        setup = importlib.import_module("megatron.bridge.training.setup")
+    wrapped = _allow_no_cuda(initialize.initialize_megatron)
+    for module in (initialize, setup):
+        _patches.patch(module, "initialize_megatron", wrapped)
+    _patches.patch(initialize, "_warmup_jit_function", _skip)
+    _patches.patch(initialize, "compile_helpers", _skip)
+
+
+def disable_cpu_bridge() -> None:
+    from megatron_bfpp.megatron.cpu_launch import disable_cpu_megatron_lm
+
+    _patches.restore()
+    disable_cpu_megatron_lm()
+
+
+def record_losses(print_line: Callable[[str], None] | None = None) -> None:
+    """Print each iteration's exact lm loss (``float.hex``) and grad norm, from Bridge's
+    ``training_log``, on the last rank."""
+    import importlib
+
+    emit = print_line or _write_line
+    train = importlib.import_module("megatron.bridge.training.train")
+    original = train.training_log
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        loss = bound["loss_dict"].get("lm loss")
+        if loss is not None and _is_last_rank():
+            value = float(loss.item() if hasattr(loss, "item") else loss)
+            step = bound["global_state"].train_state.step
+            emit(f"{EXACT_PREFIX} {step} {value.hex()} {bound['grad_norm']!r}")
+        return original(*args, **kwargs)
+
+    _patches.patch(train, "training_log", training_log)
+
+
+def _is_last_rank() -> bool:
+    """One printer: the last global rank (a last pipeline stage) has every iteration's loss."""
+    import torch.distributed as dist
+
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def _write_line(line: str) -> None:
+    sys.stdout.write(line + "\n")  # one write: lines of other processes stay whole
+    sys.stdout.flush()
+
+
+def _allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    return initialize_megatron
+
+
+def _skip(*args: Any, **kwargs: Any) -> None:
+    return None

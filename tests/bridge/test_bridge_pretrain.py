@@ -1,0 +1,138 @@
+"""Megatron-Bridge's own ``pretrain()`` with our schedules, on 4 CPU ranks (pp=2, dp=2, a tiny
+GPT on mock data, 3 iterations), through ``examples/bridge_pretrain.py``: ``1f1b`` and
+``bpipe`` give exactly megatron-core's 1F1B losses and grad norms, ``breadth-first`` exactly
+megatron-core's interleaved with one group of all micro-batches. The example selects the
+schedule after Bridge is imported (``use_schedule`` patches the names Bridge bound); the other
+import order is checked without a run. Needs the ``bridge`` stack
+(``BFPP_STACK=bridge VENV=.venv-bridge bash scripts/setup.sh``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+bridge_cpu = pytest.importorskip("megatron_bfpp.testing.bridge_cpu")
+if __import__("importlib").util.find_spec("megatron.bridge") is None:
+    pytest.skip("Megatron-Bridge is not installed (the bridge stack)", allow_module_level=True)
+
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(900)]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "bridge_pretrain.py"
+MICROBATCHES = 4  # global batch 8 / (micro batch 1 x dp 2)
+
+
+def _run(*flags: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "4",
+            str(EXAMPLE),
+            "--exact-losses",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+
+
+def _losses(*flags: str) -> list[tuple[int, str, str]]:
+    """(iteration, loss as float.hex, grad norm) per iteration, as the last stage logged them."""
+    proc = _run(*flags)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    rows = sorted(
+        {
+            (int(parts[1]), parts[2], parts[3])
+            for line in proc.stdout.splitlines()
+            if (parts := line.split()) and parts[0] == bridge_cpu.EXACT_PREFIX
+        }
+    )
+    assert [row[0] for row in rows] == [1, 2, 3], proc.stdout[-2000:]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def megatron_1f1b() -> list[tuple[int, str, str]]:
+    return _losses("--pipeline-schedule", "default")
+
+
+@pytest.fixture(scope="module")
+def megatron_interleaved() -> list[tuple[int, str, str]]:
+    return _losses(
+        "--pipeline-schedule",
+        "default",
+        "--virtual-pipeline-model-parallel-size",
+        "2",
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        str(MICROBATCHES),
+    )
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "bpipe"])
+def test_one_stage_per_rank_schedules_equal_megatron_1f1b(
+    schedule: str, megatron_1f1b: list[tuple[int, str, str]]
+) -> None:
+    assert _losses("--pipeline-schedule", schedule) == megatron_1f1b
+
+
+def test_breadth_first_equals_megatron_interleaved_in_one_group(
+    megatron_interleaved: list[tuple[int, str, str]],
+) -> None:
+    # use_schedule gives breadth-first its default 2 virtual stages, as in Megatron-LM
+    assert _losses("--pipeline-schedule", "breadth-first") == megatron_interleaved
+
+
+def test_a_v_shape_is_one_line_before_any_rank_trains() -> None:
+    proc = _run("--pipeline-schedule", "v-half")
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "v-half needs V-placed model chunks" in errors[0]
+    assert "BFPP_EXACT" not in proc.stdout
+
+
+def test_either_import_order_reaches_bridges_bound_names() -> None:
+    """Installed before Bridge is imported, Bridge binds our function; selected after, the
+    names Bridge bound are replaced; uninstall restores megatron-core's."""
+    code = """
+import importlib, sys
+from types import SimpleNamespace
+import megatron_bfpp
+from megatron_bfpp.megatron import plugin
+from megatron_bfpp.megatron.bridge import BRIDGE_SITES, use_schedule
+from megatron_bfpp.testing.bridge_cpu import bridge_imports
+from megatron.core.pipeline_parallel import schedules
+first = sys.argv[1] == "first"
+if first:
+    megatron_bfpp.install()
+with bridge_imports():
+    modules = [importlib.import_module(site) for site in BRIDGE_SITES]
+config = SimpleNamespace(
+    model=SimpleNamespace(pipeline_model_parallel_size=2,
+                          virtual_pipeline_model_parallel_size=None),
+    train=SimpleNamespace(micro_batch_size=1, global_batch_size=8), ddp=None)
+use_schedule(config, "breadth-first")
+assert config.model.virtual_pipeline_model_parallel_size == 2
+assert all(m.get_forward_backward_func is plugin.get_forward_backward_func for m in modules)
+megatron_bfpp.uninstall()
+original = schedules.get_forward_backward_func
+assert all(m.get_forward_backward_func is (plugin.get_forward_backward_func if first
+           else original) for m in modules), "restored"
+print("ok")
+"""
+    for order in ("first", "after"):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, order], capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -1,0 +1,131 @@
+"""``megatron_bfpp.megatron.bridge``'s checks of a Bridge ``ConfigContainer``, without Bridge:
+every refusal is one line naming Bridge's config field, before any rank starts work, and
+multi-module evaluation (which Bridge runs past the hook) ends the rank with one line."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from megatron_bfpp.ir import ScheduleError
+
+pytest.importorskip("megatron.core")
+from megatron_bfpp.megatron import bridge, plugin
+
+pytestmark = pytest.mark.megatron
+
+
+def _config(**model: Any) -> SimpleNamespace:
+    fields = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": None}
+    return SimpleNamespace(
+        model=SimpleNamespace(**{**fields, **model}),
+        train=SimpleNamespace(micro_batch_size=1, global_batch_size=8),
+        ddp=SimpleNamespace(use_megatron_fsdp=False),
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "model", "kwargs", "expected"),
+    [
+        ("v-half", {}, {}, "v-half needs V-placed model chunks"),
+        (
+            "1f1b",
+            {"dist_train": SimpleNamespace(use_dist_train=True)},
+            {},
+            "cannot run with config.model.dist_train.use_dist_train",
+        ),
+        ("1f1b", {"pipeline_model_parallel_size": 1}, {}, "pipeline_model_parallel_size >= 2"),
+        (
+            "1f1b",
+            {"virtual_pipeline_model_parallel_size": 2},
+            {},
+            "config.model.virtual_pipeline_model_parallel_size",
+        ),
+        ("nope", {}, {}, "unknown; choose one of"),
+        (
+            "breadth-first",
+            {},
+            {"sharding": "optim_grads_params"},
+            "needs an optimizer that steps on the parameter shards",
+        ),
+    ],
+)
+def test_refusals_are_one_line(
+    name: str, model: dict[str, Any], kwargs: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(ScheduleError) as error:
+        bridge.check_bridge_config(_config(**model), name, {}, **kwargs)
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_megatron_fsdp_is_refused() -> None:
+    config = _config()
+    config.ddp.use_megatron_fsdp = True
+    with pytest.raises(ScheduleError, match="Megatron-FSDP"):
+        bridge.check_bridge_config(config, "breadth-first", {})
+
+
+def test_looped_schedules_get_two_virtual_stages() -> None:
+    config = _config()
+    bridge.check_bridge_config(config, "breadth-first", {})
+    assert config.model.virtual_pipeline_model_parallel_size == 2
+    config = _config()
+    bridge.check_bridge_config(config, "1f1b", {})
+    assert config.model.virtual_pipeline_model_parallel_size is None
+
+
+def test_batch_and_schedule_fit_under_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")  # pp=2, so dp=2
+    config = _config()
+    config.train.global_batch_size = 6  # 3 micro-batches per replica
+    bridge.check_bridge_config(config, "1f1b", {})
+    config.train.global_batch_size = 7
+    with pytest.raises(ScheduleError, match="is not a multiple of"):
+        bridge.check_bridge_config(config, "1f1b", {})
+    config.train.global_batch_size = 8
+    with pytest.raises(ScheduleError, match="--pipeline-schedule bpipe cannot run 4"):
+        bridge.check_bridge_config(config, "bpipe", {"max_stored": 1})
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ScheduleError, match="WORLD_SIZE 3 is not a multiple"):
+        bridge.check_bridge_config(_config(), "1f1b", {})
+
+
+def test_interleaved_reads_bridges_group_field() -> None:
+    config = _config(microbatch_group_size_per_vp_stage=4)
+    assert bridge._with_config_options(config, "interleaved", {}) == {"microbatch_group_size": 4}
+    assert bridge._with_config_options(config, "interleaved", {"microbatch_group_size": 2}) == {
+        "microbatch_group_size": 2
+    }
+    assert bridge._with_config_options(config, "breadth-first", {}) == {}
+
+
+class MultiModulePipelineCommunicator:
+    """Named as megatron-core's multi-module communicator is."""
+
+
+def test_multi_module_evaluation_ends_the_rank_with_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[object] = []
+
+    def evaluate(state: object, *rest: object, p2p_communicator: object = None) -> str:
+        calls.append(p2p_communicator)
+        return "evaluated"
+
+    guarded = bridge._guard_multi_module(evaluate)
+    multi = MultiModulePipelineCommunicator()
+    assert guarded("state", p2p_communicator=multi) == "evaluated"  # default schedule: Bridge's
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    plugin.set_schedule("1f1b")
+    try:
+        assert guarded("state", p2p_communicator=object()) == "evaluated"
+        with pytest.raises(SystemExit) as exit_:
+            guarded("state", p2p_communicator=multi)
+    finally:
+        plugin.set_schedule("default")
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "multi-module (MegatronMIMO) evaluation" in lines[0]
+    assert len(calls) == 2
