@@ -324,3 +324,20 @@ def test_divisors_come_from_the_square_root() -> None:
     assert _divisors(1) == [1] and _divisors(12) == [1, 2, 3, 4, 6, 12]
     assert _divisors(1 << 20) == [1 << k for k in range(21)]
     assert python_lines(lambda: _divisors(1 << 20)) < 20_000  # 1,024 steps, not a million
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).resolve().parents[2] / "docs" / "profiles").glob("*.json"))
+)
+def test_shipped_gpu_profiles_load_and_say_what_the_docs_say(path: Path) -> None:
+    """The H100 profiles in docs/profiles/ are valid data for ``recommend --profile``, and the
+    figures docs/planner.md draws from them hold: I + W within 5% of B, W well under half of B."""
+    profile = load_profile(path)
+    assert profile.device.startswith("NVIDIA H100") and profile.dtype == "bf16"
+    curve = ProfileCurve.from_profile(profile, get_gpu("h100-80gb"))
+    assert 0 < curve.forward(1.0) < 1
+    for row in profile.measurements:
+        assert row.backward_input_s is not None and row.backward_weight_s is not None
+        split = row.backward_input_s + row.backward_weight_s
+        assert abs(split / row.backward_s - 1) <= 0.05
+        assert row.backward_weight_s / row.backward_s < 0.4
