@@ -21,7 +21,7 @@ from typing import Any
 
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
-from megatron_bfpp.schedules.registry import ALL_OPTIONS, options_from_args, schedule_names
+from megatron_bfpp.schedules.registry import add_option_flags, options_from_args, schedule_names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,10 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="{" + ",".join(("default", *schedule_names())) + "}",
         help="default: Bridge's own (megatron-core's) schedule",
     )
-    for option in ALL_OPTIONS:
-        p.add_argument(
-            option.flag, dest=option.dest, type=positive_int, default=None, help=option.help
-        )
+    add_option_flags(p, positive_int)
     p.add_argument("--pipeline-model-parallel-size", type=positive_int, default=2)
     p.add_argument(
         "--virtual-pipeline-model-parallel-size",

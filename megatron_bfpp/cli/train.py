@@ -34,9 +34,9 @@ from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import (
-    ALL_OPTIONS,
     SCHEDULES,
     SHARDING_STRATEGIES,
+    add_option_flags,
     options_from_args,
     schedule_names,
 )
@@ -129,10 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="breadth-first",
         metavar="{" + ",".join(schedule_names()) + "}",
     )
-    for option in ALL_OPTIONS:
-        par.add_argument(
-            option.flag, dest=option.dest, type=positive_int, default=None, help=option.help
-        )
+    add_option_flags(par, positive_int)
     par.add_argument(
         "--data-parallel-sharding-strategy",
         choices=SHARDING_STRATEGIES,

@@ -15,10 +15,10 @@ from typing import Any
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import (
-    ALL_OPTIONS,
     MEGATRON_VP_FLAGS,
     SCHEDULES,
     SHARDING_STRATEGIES,
+    add_option_flags,
     check_option_flags,
     get_spec,
     options_from_args,
@@ -53,11 +53,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         "with virtual stages); the others run megatron_bfpp's schedules. breadth-first and "
         f"interleaved need virtual stages ({MEGATRON_VP_FLAGS}; without either: 2 per rank).",
     )
-    for option in ALL_OPTIONS:
-        if not option.megatron_owned:
-            group.add_argument(
-                option.flag, dest=option.dest, type=int, default=None, help=option.help
-            )
+    add_option_flags(group, int, megatron=True)
     return parser
 
 

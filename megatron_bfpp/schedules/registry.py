@@ -34,6 +34,7 @@ __all__ = [
     "SHARDING_STRATEGIES",
     "ScheduleOption",
     "ScheduleSpec",
+    "add_option_flags",
     "build_schedule",
     "check_option_flags",
     "check_sharding",
@@ -261,6 +262,17 @@ def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -
             continue
         takers = " / ".join(s.name for s in SCHEDULES.values() if option in s.options)
         raise ScheduleError(f"{option.flag} applies to --pipeline-schedule {takers}")
+
+
+def add_option_flags(group: Any, value_type: Any, *, megatron: bool = False) -> None:
+    """The catalogue's schedule options as flags of an argparse ``group`` (every front end's
+    spelling is the option's ``flag``); ``megatron``: leave out the flags Megatron-LM defines
+    itself."""
+    for option in ALL_OPTIONS:
+        if not (megatron and option.megatron_owned):
+            group.add_argument(
+                option.flag, dest=option.dest, type=value_type, default=None, help=option.help
+            )
 
 
 def options_from_args(name: str, args: Any, *, megatron: bool = False) -> dict[str, Any]:

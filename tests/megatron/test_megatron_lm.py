@@ -91,6 +91,9 @@ def _environment() -> dict[str, str]:
     root = env.get("PYENV_ROOT")
     if root and (Path(root) / "versions" / version).is_dir():
         env["PYENV_VERSION"] = version  # python3-config in Megatron's Makefile: this Python
+    # Megatron's Makefile compiles its dataset helpers with `python3 -m pybind11`: the python3
+    # of this environment (which has pybind11), not whichever comes first on PATH.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
 
 
