@@ -147,15 +147,22 @@ def tiny_gpt_config(args: argparse.Namespace) -> Any:
 
 
 def recipe_config(spec: str) -> Any:
+    """The ConfigContainer a Bridge recipe returns, or one line saying why there is none."""
     module, _, function = spec.partition(":")
-    if not function:
-        raise ScheduleError(f"--recipe {spec!r}: write it as MODULE:FUNCTION")
-    return getattr(importlib.import_module(module), function)()
+    try:
+        recipe = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ScheduleError(f"--recipe {spec}: cannot load it ({error})") from None
+    return recipe()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.recipe is not None and not args.recipe.partition(":")[2]:
+        return _refuse(
+            parser, ScheduleError(f"--recipe {args.recipe}: write it as MODULE:FUNCTION")
+        )
     import torch
 
     on_cpu = not torch.cuda.is_available()
@@ -169,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatron.bridge.training.gpt_step import forward_step
         from megatron.bridge.training.pretrain import pretrain
 
-    config = recipe_config(args.recipe) if args.recipe else tiny_gpt_config(args)
+    try:
+        config = recipe_config(args.recipe) if args.recipe else tiny_gpt_config(args)
+    except ScheduleError as error:
+        return _refuse(parser, error)
     config.model.pipeline_model_parallel_size = args.pipeline_model_parallel_size
     config.model.virtual_pipeline_model_parallel_size = args.virtual_pipeline_model_parallel_size
     config.train.train_iters = args.train_iters
@@ -182,9 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             use_schedule(config, name, **options_from_args(name, args))
         except ScheduleError as error:
-            if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank checks: one line per node
-                print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
-            return 2
+            return _refuse(parser, error)
     elif args.microbatch_group_size_per_vp_stage is not None:
         # Bridge's own interleaved schedule with this group (all micro-batches in one group:
         # what breadth-first is compared with).
@@ -195,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         record_losses()
     pretrain(config, forward_step)
     return 0
+
+
+def _refuse(parser: argparse.ArgumentParser, error: Exception) -> int:
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank checks: one line per node
+        print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":

@@ -397,8 +397,8 @@ def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | N
     may be on a path other nodes lack (``metrics``: check it)."""
     if args.save is not None and (problem := output_dir_problem("--save", args.save)):
         return problem
-    if not metrics:
-        return None
+    if (problem := logging_flags_problem(args)) is not None or not metrics:
+        return problem
     if args.metrics_file is not None and (
         problem := output_file_problem("--metrics-file", args.metrics_file)
     ):
@@ -406,9 +406,8 @@ def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | N
     return logging_problem(args)
 
 
-def logging_problem(args: argparse.Namespace) -> str | None:
-    """TensorBoard and W&B, rank 0's: the flags that go together, the packages they need (one
-    line before any rank starts, not an ImportError after setup) and the directories."""
+def logging_flags_problem(args: argparse.Namespace) -> str | None:
+    """The W&B flags that go together (every rank knows these, so every rank refuses them)."""
     if args.wandb_project is None:
         for flag, value in (
             ("--wandb-exp-name", args.wandb_exp_name),
@@ -418,6 +417,12 @@ def logging_problem(args: argparse.Namespace) -> str | None:
                 return f"{flag} needs --wandb-project NAME"
     elif not args.wandb_project.strip():
         return "--wandb-project: empty name"
+    return None
+
+
+def logging_problem(args: argparse.Namespace) -> str | None:
+    """TensorBoard and W&B, rank 0's (the writer): the packages they need (one line before any
+    rank starts, not an ImportError after setup) and the directories."""
     problem = missing_packages(
         {"--tensorboard-dir": args.tensorboard_dir, "--wandb-project": args.wandb_project}
     )

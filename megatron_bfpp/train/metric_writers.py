@@ -156,13 +156,12 @@ class WandbWriter:
 
         if save_dir:
             os.makedirs(save_dir, exist_ok=True)
-        self.mode = wandb_mode()
         self._run = wandb.init(
             project=project,
             name=name,
             dir=save_dir,
             config=dict(config),
-            mode=self.mode,  # type: ignore[arg-type]
+            mode=wandb_mode(),  # type: ignore[arg-type]
         )
 
     def write(self, record: Mapping[str, Any]) -> None:

@@ -93,6 +93,17 @@ def test_breadth_first_equals_megatron_interleaved_in_one_group(
     assert _losses("--pipeline-schedule", "breadth-first") == megatron_interleaved
 
 
+def test_a_recipe_that_cannot_load_is_one_line() -> None:
+    for recipe, expected in (
+        ("no_colon", "write it as MODULE:FUNCTION"),
+        ("no.such.module:config", "cannot load it"),
+    ):
+        proc = _run("--recipe", recipe)
+        errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+        assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+        assert expected in errors[0]
+
+
 def test_a_v_shape_is_one_line_before_any_rank_trains() -> None:
     proc = _run("--pipeline-schedule", "v-half")
     assert proc.returncode != 0
@@ -104,7 +115,8 @@ def test_a_v_shape_is_one_line_before_any_rank_trains() -> None:
 
 def test_either_import_order_reaches_bridges_bound_names() -> None:
     """Installed before Bridge is imported, Bridge binds our function; selected after, the
-    names Bridge bound are replaced; uninstall restores megatron-core's."""
+    names Bridge bound are replaced; uninstall restores megatron-core's; the CPU redirects are
+    undone as exactly."""
     code = """
 import importlib, sys
 from types import SimpleNamespace
@@ -129,6 +141,13 @@ megatron_bfpp.uninstall()
 original = schedules.get_forward_backward_func
 assert all(m.get_forward_backward_func is (plugin.get_forward_backward_func if first
            else original) for m in modules), "restored"
+from megatron_bfpp.testing import bridge_cpu
+setup = importlib.import_module("megatron.bridge.training.setup")
+original_init = setup.initialize_megatron
+bridge_cpu.enable_cpu_bridge()
+assert setup.initialize_megatron is not original_init
+bridge_cpu.disable_cpu_bridge()
+assert setup.initialize_megatron is original_init, "CPU redirects restored"
 print("ok")
 """
     for order in ("first", "after"):

@@ -196,3 +196,25 @@ def test_a_missing_package_is_one_line_before_any_rank(tmp_path: Path) -> None:
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and extra in lines[0], proc.stderr
         assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_flags_that_go_together_are_refused_on_every_rank_under_torchrun() -> None:
+    """A rank other than 0 writes no logs but knows the flags are wrong: it stops too (exit 2,
+    quietly: the line is local rank 0's), instead of waiting for a rank 0 that has left."""
+    for rank in ("0", "1"):
+        env = _env(RANK=rank, WORLD_SIZE="4", LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1")
+        env["MASTER_PORT"] = "1"  # never reached: the refusal comes before any rendezvous
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron_bfpp.cli.train", "--wandb-exp-name", "x"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert lines == (
+            ["bfpp-train: error: --wandb-exp-name needs --wandb-project NAME"]
+            if rank == "0"
+            else []
+        ), proc.stderr[-2000:]
