@@ -35,7 +35,7 @@ from megatron_bfpp.plan.presets import Model
 from megatron_bfpp.plan.profile import Measurement, StageProfile, profile_to_dict
 from megatron_bfpp.runtime import deferred_wgrad
 
-__all__ = ["measure_stage", "write_profile"]
+__all__ = ["StoredActivations", "measure_stage", "measure_stored_activations", "write_profile"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -158,7 +158,11 @@ class _SingleRank:
 
 
 def _build_block(
-    model: Model, num_layers: int, device: torch.device, dtype: torch.dtype
+    model: Model,
+    num_layers: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    recompute: str = "none",
 ) -> torch.nn.Module:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
@@ -178,11 +182,182 @@ def _build_block(
         hidden_dropout=0.1 if model.dropout else 0.0,
         attention_dropout=0.1 if model.dropout else 0.0,
         use_cpu_initialization=not half,
+        **_RECOMPUTE_FIELDS[recompute],
     )
     llama = model.arch == "llama"
     spec = get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm")
     block: torch.nn.Module = TransformerBlock(config, spec=spec, post_layer_norm=False)
     return block.to(device=device, dtype=dtype)
+
+
+# megatron-core's settings for the planner's recomputation names (plan.memory.RECOMPUTE):
+# selective recomputes core attention only, full keeps each layer's input and reruns the layer.
+_RECOMPUTE_FIELDS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredActivations:
+    """What a stage holds while ``k`` micro-batches wait for their backward, for k = 1..K, as
+    the device's allocator counts it (``torch.cuda.memory_allocated``) or, on CPU, as the bytes
+    of the distinct storages autograd saved: ``weights`` the block's parameters alone,
+    ``stored[k-1]`` the bytes above them with k micro-batches stored (what the planner's
+    activation model predicts per micro-batch, times k), ``peak`` the most allocated at any
+    moment above the weights, backwards included (CUDA only; transient buffers the planner does
+    not model)."""
+
+    model: str
+    recompute: str
+    dtype: str
+    num_layers: int
+    micro_batch_size: int
+    weights: int
+    stored: tuple[int, ...]
+    peak: int | None
+
+    @property
+    def per_microbatch(self) -> float:
+        """The slope of stored bytes over k: one micro-batch's activations, free of what the
+        first forward leaves behind once (workspaces, caches)."""
+        k = len(self.stored)
+        if k == 1:
+            return float(self.stored[0])
+        return (self.stored[-1] - self.stored[0]) / (k - 1)
+
+
+def measure_stored_activations(
+    *,
+    model: Model,
+    num_layers: int,
+    stored: int,
+    micro_batch_size: int = 1,
+    recompute: str = "none",
+    device: str = "auto",
+    dtype: str | None = None,
+) -> StoredActivations:
+    """Run ``stored`` forwards of ``num_layers`` layers of ``model`` back to back, keeping each
+    micro-batch's graph as a pipeline stage does until its backward (the output's data freed once
+    sent, as megatron-core's ``deallocate_output_tensor`` does), and count the bytes held after
+    each; then run the backwards. Why: the planner's activation model (``plan.memory``) is
+    Korthikanti's count per tensor; this is the measurement it must answer to."""
+    if recompute not in _RECOMPUTE_FIELDS:
+        raise ScheduleError(
+            f"recompute must be one of {', '.join(_RECOMPUTE_FIELDS)}, got {recompute!r}"
+        )
+    if stored < 1:
+        raise ScheduleError(f"stored micro-batches must be >= 1, got {stored}")
+    target = _device(device)
+    chosen = dtype or ("bf16" if target.type == "cuda" else "fp32")
+    if chosen not in _DTYPES:
+        raise ScheduleError(f"dtype must be one of {', '.join(_DTYPES)}, got {chosen!r}")
+    if target.type == "cpu" and chosen != "fp32":
+        raise ScheduleError(f"--dtype {chosen} on CPU: megatron-core's CPU path is fp32 only")
+    torch_dtype = _DTYPES[chosen]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with _SingleRank(target):
+            block = _build_block(model, num_layers, target, torch_dtype, recompute)
+            block.train()
+            held, weights, peak = _hold_microbatches(
+                block, model, micro_batch_size, stored, target, torch_dtype
+            )
+    return StoredActivations(
+        model=model.name,
+        recompute=recompute,
+        dtype=chosen,
+        num_layers=num_layers,
+        micro_batch_size=micro_batch_size,
+        weights=weights,
+        stored=tuple(held),
+        peak=peak,
+    )
+
+
+def _hold_microbatches(
+    block: torch.nn.Module,
+    model: Model,
+    micro_batch_size: int,
+    stored: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[list[int], int, int | None]:
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+
+    shape = (model.seq_length, micro_batch_size, model.hidden_size)
+    rotary = _rotary(block, model, device)
+    cuda = device.type == "cuda"
+    saved = _SavedStorages()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        weights = sum(p.numel() * p.element_size() for p in block.parameters())
+    held: list[int] = []
+    graphs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for _ in range(stored):
+        hidden = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            out = block(hidden, attention_mask=None, rotary_pos_emb=rotary)
+        # megatron-core frees a sent output's data and keeps its graph (deallocate_output_tensor)
+        out.data = torch.empty((1,), device=device, dtype=out.dtype)
+        graphs.append((hidden, out))
+        if cuda:
+            torch.cuda.synchronize(device)
+            held.append(torch.cuda.memory_allocated(device) - weights)
+        else:
+            held.append(saved.live_bytes(extra=[h for h, _ in graphs]))
+    while graphs:
+        hidden, out = graphs.pop(0)
+        custom_backward(out, torch.ones(shape, device=device, dtype=dtype))
+        del hidden, out
+    peak = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - weights
+    return held, weights, peak
+
+
+class _SavedStorages:
+    """The distinct storages autograd saved, by their data pointer (a tensor saved twice, or two
+    views of one buffer, count once), and whether they are still alive: the CPU's count of what a
+    stage holds, independent of any allocator."""
+
+    def __init__(self) -> None:
+        import weakref
+
+        self._refs: dict[int, tuple[Any, int]] = {}
+        self._weakref = weakref.ref
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.nn.Parameter):
+            self._add(tensor)
+        return tensor
+
+    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def _add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        known = self._refs.get(key)
+        if storage.nbytes() > 0 and (known is None or known[0]() is None):
+            self._refs[key] = (self._weakref(tensor), storage.nbytes())
+
+    def live_bytes(self, *, extra: Sequence[torch.Tensor] = ()) -> int:
+        """Bytes of the live saved storages and of ``extra`` (the stage's inputs, kept for the
+        input gradient), each storage once."""
+        for tensor in extra:
+            self._add(tensor)
+        return sum(size for ref, size in self._refs.values() if ref() is not None)
 
 
 def _measure(

@@ -38,6 +38,7 @@ RECOMPUTE = ("none", "selective", "full")
 MASK_BYTES = 1  # a dropout mask is one byte per element (torch.bool)
 STAT_BYTES = 4  # LayerNorm / RMSNorm keep fp32 statistics per token
 INDEX_BYTES = 8  # int64 token / position / target indices
+SOFTMAX_BYTES = 4  # attention_softmax_in_fp32 keeps the softmax output in fp32
 
 
 def _check_recompute(recompute: str) -> None:
@@ -53,25 +54,33 @@ def layer_activation_bytes(
     sequence_parallel: bool,
     recompute: str,
     precision: Precision,
+    softmax_in_fp32: bool = True,
 ) -> int:
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one
-    tensor-parallel rank.
+    tensor-parallel rank, as megatron-core's local layers keep them (measured on an H100,
+    docs/measurements/h100-stage-memory.json: equal to the byte for GPT-3 6.7B and LLaMA-7B).
 
     Per token (s x b of them), in elements of ``e = precision.activation_bytes`` bytes:
 
     * replicated over tp unless sequence parallel: the two norms' inputs and outputs (4h), their
       fp32 statistics (2 per norm for LayerNorm, 1 for RMSNorm), and with dropout the two
       hidden-dropout masks (2h bytes);
-    * split over tp: Q, K and V as core attention keeps them (3h: megatron-core's unfused
-      attention stores them at full head count, GQA keys and values repeated), the projection's
-      input (h), the MLP's activation input and fc2 input (2f for GeLU; 4f for SwiGLU: fc1's two
-      halves, the SiLU output and the product), and the attention scores a*s (softmax output;
-      with dropout also its mask, 1 byte, and the dropped-out probabilities).
+    * split over tp: Q, K and V as core attention keeps them (3h: views of the fused QKV output,
+      GQA keys and values repeated to every head; with rotary embeddings and a head per group,
+      5h: the fused output, which V still views, and the rotated Q and K), the projection's
+      input (h), the MLP's activation input and fc2 input (2f for GeLU; 5f for SwiGLU: fc1's
+      output, 2f, and three f-sized tensors), and per attention score (a*s): the softmax output,
+      in fp32 when ``softmax_in_fp32`` (megatron-core's ``attention_softmax_in_fp32``, on by
+      default), the 16-bit probabilities the context product reads (after dropout, whose mask
+      is 1 byte) unless the softmax output is that tensor;
+    * per micro-batch, not per token: the causal mask (s*s bytes) and, with rotary embeddings,
+      the cos and sin tables applied to Q and K (4*s*d elements, d the head size).
 
-    GPT in 16-bit with dropout: sbh(10 + 24/t + 5as/(ht)), Korthikanti's eq. 2; with sequence
-    parallelism everything is divided by t (their eq. 4). ``selective`` recomputes core
-    attention (drops the a*s terms); ``full`` keeps only the layer's input (``sbh*e``, split by t
-    with sequence parallelism).
+    With ``softmax_in_fp32=False`` and without the causal mask, GPT in 16-bit with dropout is
+    Korthikanti's sbh(10 + 24/t + 5as/(ht)) (their eq. 2; with sequence parallelism everything
+    is divided by t, their eq. 4). ``selective`` recomputes core attention (drops the scores and
+    the mask); ``full`` keeps only the layer's input (``sbh*e``, split by t with sequence
+    parallelism).
     """
     _check_recompute(recompute)
     s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
@@ -81,16 +90,22 @@ def layer_activation_bytes(
     replicated_divisor = tp if sequence_parallel else 1
     if recompute == "full":
         return tokens * h * e // replicated_divisor
-    norm_stats = 2 * (1 if model.arch == "llama" else 2) * STAT_BYTES
+    rotary = model.arch == "llama"
+    norm_stats = 2 * (1 if rotary else 2) * STAT_BYTES
     replicated = tokens * (4 * h * e + norm_stats)
     if model.dropout:
         replicated += tokens * 2 * h * MASK_BYTES
-    mlp = (4 * f if model.arch == "llama" else 2 * f) * e
-    split = tokens * (4 * h * e + mlp)
+    qkv = 5 * h if rotary and model.num_query_groups == a else 3 * h
+    mlp = (5 * f if model.arch == "llama" else 2 * f) * e
+    split = tokens * ((qkv + h) * e + mlp)
+    per_microbatch = 4 * s * (h // a) * e if rotary else 0
     if recompute == "none":
-        per_score = e + (MASK_BYTES + e if model.dropout else 0)
+        softmax = SOFTMAX_BYTES if softmax_in_fp32 else e
+        probabilities = e if model.dropout or softmax != e else 0
+        per_score = softmax + probabilities + (MASK_BYTES if model.dropout else 0)
         split += tokens * a * s * per_score
-    return replicated // replicated_divisor + split // tp
+        per_microbatch += s * s * MASK_BYTES
+    return replicated // replicated_divisor + split // tp + per_microbatch
 
 
 @dataclass(frozen=True, slots=True)

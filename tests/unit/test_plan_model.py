@@ -62,9 +62,22 @@ def test_activations_are_korthikanti_eq2_without_sequence_parallel(tp: int) -> N
         sequence_parallel=False,
         recompute="none",
         precision=BF16_MIXED,
+        softmax_in_fp32=False,  # Korthikanti's count: a 16-bit softmax output
     )
     norm_stats = 2 * 2 * 4 * s * b  # two LayerNorms keep fp32 mean and rstd per token
-    assert got == s * b * h * 10 + (24 * s * b * h + 5 * a * s * s * b) // tp + norm_stats
+    causal_mask = s * s  # megatron-core keeps it per layer; Korthikanti leaves it out
+    assert got == (
+        s * b * h * 10 + (24 * s * b * h + 5 * a * s * s * b) // tp + norm_stats + causal_mask
+    )
+    fp32_softmax = layer_activation_bytes(
+        GPT,
+        micro_batch_size=b,
+        tp=tp,
+        sequence_parallel=False,
+        recompute="none",
+        precision=BF16_MIXED,
+    )
+    assert fp32_softmax - got == 2 * a * s * s * b // tp  # 4 bytes a score instead of 2
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -72,9 +85,9 @@ def test_activations_with_sequence_parallel_and_recomputation(tp: int) -> None:
     s, b, h, a = GPT.seq_length, 1, GPT.hidden_size, GPT.num_attention_heads
     kwargs = dict(micro_batch_size=b, tp=tp, sequence_parallel=True, precision=BF16_MIXED)
     stats = 2 * 2 * 4 * s * b // tp
-    assert layer_activation_bytes(GPT, recompute="none", **kwargs) == (
-        (34 * s * b * h + 5 * a * s * s * b) // tp + stats
-    )  # Korthikanti eq. 4 (sequence parallel)
+    assert layer_activation_bytes(GPT, recompute="none", softmax_in_fp32=False, **kwargs) == (
+        (34 * s * b * h + 5 * a * s * s * b) // tp + stats + s * s
+    )  # Korthikanti eq. 4 (sequence parallel), plus the causal mask
     assert layer_activation_bytes(GPT, recompute="selective", **kwargs) == (
         34 * s * b * h // tp + stats
     )  # eq. 6: selective recomputation drops the attention core
