@@ -220,6 +220,13 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         help=f"comma-separated subset of {','.join(RECOMPUTE)} (default: all)",
     )
     search.add_argument(
+        "--sequence-parallel",
+        choices=("on", "off"),
+        default="on",
+        help="with tensor parallelism (Megatron-LM's --sequence-parallel; default: on); off: "
+        "the 2022 papers' setting (docs/planner.md#the-papers-conditions)",
+    )
+    search.add_argument(
         "--profile",
         metavar="FILE",
         help="a stage profile (bfpp-plan profile) instead of the built-in efficiency curve",
@@ -319,6 +326,7 @@ def _recommend(args: argparse.Namespace) -> int:
             top=args.top,
             efficiency=efficiency,
             best_per_family=not args.json,  # the table explains the ranking family by family
+            sequence_parallel=args.sequence_parallel == "on",
         )
         from megatron_bfpp.plan.search import recommend
 

@@ -115,6 +115,9 @@ class SearchOptions:
     optimizer: bool = True
     output_layer: bool = True
     best_per_family: bool = False  # also find each family's best (the plot, comparisons)
+    # Megatron-LM's --sequence-parallel with tp > 1 (today's default); off: plain tensor
+    # parallelism, as the breadth-first and BPipe papers ran it in 2022
+    sequence_parallel: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,7 @@ class Candidate:
     micro_batch_size: int
     recompute: str
     group_size: int | None = None  # breadth-first's memory-bounded groups (None: one group)
+    plain_tensor_parallel: bool = False  # tp > 1 without sequence parallelism
 
     @property
     def family(self) -> str:
@@ -135,7 +139,7 @@ class Candidate:
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.tp > 1
+        return self.tp > 1 and not self.plain_tensor_parallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +166,7 @@ class Plan:
             "sharding": c.sharding,
             "recompute": c.recompute,
             "group_size": c.group_size,
+            "sequence_parallel": c.sequence_parallel,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
@@ -239,7 +244,16 @@ def candidates(
                         for recompute in options.recompute:
                             for group in groups:
                                 yield Candidate(
-                                    schedule, sharding, tp, pp, vp, dp, b, recompute, group
+                                    schedule,
+                                    sharding,
+                                    tp,
+                                    pp,
+                                    vp,
+                                    dp,
+                                    b,
+                                    recompute,
+                                    group,
+                                    plain_tensor_parallel=tp > 1 and not options.sequence_parallel,
                                 )
 
 

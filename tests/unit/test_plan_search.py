@@ -21,6 +21,7 @@ from megatron_bfpp.plan.search import (
     _simulated_ns,
     _size,
     candidates,
+    evaluate,
     memory_microbatches,
     recommend,
 )
@@ -190,3 +191,23 @@ def test_cluster_checks() -> None:
         Cluster(12, 8, get_gpu("a100-80gb"))
     with pytest.raises(ScheduleError, match="--num-gpus must be a positive integer"):
         Cluster(0, 8, get_gpu("a100-80gb"))
+
+
+def test_sequence_parallelism_off_is_the_2022_papers_setting() -> None:
+    """`recommend --sequence-parallel off`: tensor-parallel candidates keep the norms' and
+    dropouts' activations whole on every tp rank (Korthikanti's eq. 2 instead of eq. 4) and send
+    whole pipeline messages; tp = 1 is the same either way."""
+    off = SearchOptions(micro_batch_sizes=(1,), recompute=("none",), sequence_parallel=False)
+    on = SearchOptions(micro_batch_sizes=(1,), recompute=("none",))
+    plain = list(candidates(model=GPT52, cluster=V100_64, global_batch_size=64, options=off))
+    default = list(candidates(model=GPT52, cluster=V100_64, global_batch_size=64, options=on))
+    assert len(plain) == len(default)
+    assert all(c.sequence_parallel == (c.tp > 1) for c in default)
+    assert not any(c.sequence_parallel for c in plain)
+    picked = next(c for c in plain if c.tp == 4 and c.pp == 8 and c.schedule == "1f1b")
+    twin = next(c for c in default if c.tp == 4 and c.pp == 8 and c.schedule == "1f1b")
+    with_sp = evaluate(twin, model=GPT52, cluster=V100_64, global_batch_size=64, options=on)
+    without = evaluate(picked, model=GPT52, cluster=V100_64, global_batch_size=64, options=off)
+    assert without.memory.activations > with_sp.memory.activations
+    assert with_sp.to_dict()["sequence_parallel"] is True
+    assert without.to_dict()["sequence_parallel"] is False
