@@ -82,7 +82,9 @@ def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) ->
     from megatron-core 0.19)."""
     overlap = schedule.num_chunks > 1
     return P2POptions(
-        overlap_p2p=overlap, batch_p2p=not overlap, wait_forward_sends=core_version >= (0, 19)
+        overlap_p2p=overlap,
+        batch_p2p=not overlap,
+        wait_forward_sends=overlap and core_version >= (0, 19),  # only overlap defers sends
     )
 
 
