@@ -2,7 +2,7 @@
 schedules, as an ``nccl.Posting``, so that Megatron's own baselines are checked and timed by
 what Megatron runs rather than by our runtime's lock-step posting.
 
-megatron-core (0.16-0.20, ``megatron/core/pipeline_parallel/schedules.py`` and
+megatron-core (read in 0.16.1 and 0.19.2, ``megatron/core/pipeline_parallel/schedules.py`` and
 ``p2p_communication.py``) posts at most one call of ``P2PCommunicator._communicate`` per
 pipeline step: the sends of the compute just run and the receives for a later one, to and from
 the two neighbour ranks only (send_forward_recv_backward, send_backward_recv_forward,
@@ -18,7 +18,7 @@ send_forward_recv_forward, ...). Each call is
   right away, except in the interleaved schedule with ``overlap_p2p_comm``, which keeps the
   requests and waits for each later: a receive just before the compute that consumes it (the
   oldest outstanding one, ``pp_pre_forward`` / ``pp_pre_backward`` and the cool-down), a send
-  after posting the next send in the same direction, or, in 0.19 with
+  after posting the next send in the same direction, or, from 0.18 with
   ``deallocate_pipeline_outputs`` (Megatron-LM sets it), a forward send right after posting it
   (``wait_forward_sends``); the last backward send after the cool-down.
 
@@ -36,8 +36,8 @@ order give megatron-core's schedule table (the first run of chunk-0 forwards is 
 (``get_pp_rank_microbatches``) splits the compute order into its phases, which must then read
 warm-up forwards, one forward one backward, cool-down backwards, or the schedule is refused. A
 receive's message is the next one on its channel (the k-th receive from a rank matches its k-th
-send, as ``validate`` proves of the schedule's own receives). What megatron-core 0.16 and 0.19
-post differs only in ``wait_forward_sends``.
+send, as ``validate`` proves of the schedule's own receives). What megatron-core 0.16-0.17 and
+0.18-0.19 post differs only in ``wait_forward_sends``.
 
 Not modelled: ``variable_seq_lengths`` (a shape exchange before each call), ring exchange,
 ``overlap_p2p_comm_warmup_flush``, combined 1F1B (``overlap_moe_expert_parallel_comm``), and at
@@ -64,7 +64,7 @@ class P2POptions:
     """megatron-core's point-to-point settings (``ModelParallelConfig``) that shape a posting.
 
     ``overlap_p2p`` is ``overlap_p2p_comm`` (interleaved only), ``batch_p2p`` is
-    ``batch_p2p_comm`` (not with overlap), ``wait_forward_sends`` is megatron-core >= 0.19 with
+    ``batch_p2p_comm`` (not with overlap), ``wait_forward_sends`` is megatron-core >= 0.18 with
     ``deallocate_pipeline_outputs``."""
 
     overlap_p2p: bool = False
@@ -72,19 +72,19 @@ class P2POptions:
     wait_forward_sends: bool = False
 
 
-MEGATRON_CORE_DEFAULTS = P2POptions()  # ModelParallelConfig's defaults, 0.16 and 0.19
+MEGATRON_CORE_DEFAULTS = P2POptions()  # ModelParallelConfig's defaults, 0.16 to 0.19
 
 
 def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) -> P2POptions:
     """What Megatron-LM's training loop sets: p2p overlap on for the interleaved schedule
     (``--no-overlap-p2p-communication`` turns it off), off otherwise, ``batch_p2p_comm = not
     overlap_p2p_comm``, and ``deallocate_pipeline_outputs`` on (whose early send wait exists
-    from megatron-core 0.19)."""
+    from megatron-core 0.18)."""
     overlap = schedule.num_chunks > 1
     return P2POptions(
         overlap_p2p=overlap,
         batch_p2p=not overlap,
-        wait_forward_sends=overlap and core_version >= (0, 19),  # only overlap defers sends
+        wait_forward_sends=overlap and core_version >= (0, 18),  # only overlap defers sends
     )
 
 

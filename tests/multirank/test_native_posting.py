@@ -104,16 +104,20 @@ def _recorder(events: list[Event]) -> Callable[[], None]:
 
 
 def megatron_events(
-    modes: list[tuple[bool, bool, bool]], microbatch_counts: list[int]
+    modes: list[tuple[bool, bool, bool]], microbatch_counts: list[int], group: int | None
 ) -> list[list[Event]]:
     """Per (mode, micro-batch count): what this rank posted, ran and waited for in one call of
     megatron-core's own forward-backward function."""
     runs = []
+    grouping: dict[str, Any] = {}
+    if group is not None:
+        grouping["microbatch_group_size_per_vp_stage"] = group
     for batch_p2p, overlap, deallocate in modes:
         config = M.tiny_gpt_config(
             batch_p2p_comm=batch_p2p,
             overlap_p2p_comm=overlap,
             deallocate_pipeline_outputs=deallocate,
+            **grouping,
         )
         chunks = M.build_model_chunks(config)
         for count in microbatch_counts:
@@ -214,7 +218,7 @@ def _merged_waits(events: list[Event]) -> list[Event]:
 def _options(mode: tuple[bool, bool, bool], core: tuple[int, int]) -> P2POptions:
     batch_p2p, overlap, deallocate = mode
     return P2POptions(
-        overlap_p2p=overlap, batch_p2p=batch_p2p, wait_forward_sends=deallocate and core >= (0, 19)
+        overlap_p2p=overlap, batch_p2p=batch_p2p, wait_forward_sends=deallocate and core >= (0, 18)
     )
 
 
@@ -229,30 +233,38 @@ def _first_difference(got: list[Event], want: list[Event]) -> str:
 # --------------------------------------------------------------------------- tests
 
 
+ALL_INTERLEAVED = [BATCHED, PAIRWISE, OVERLAP, OVERLAP_FREED]
 CASES = [
-    pytest.param(2, None, [BATCHED, PAIRWISE], [1, 3, 5], id="1f1b-pp2"),
-    pytest.param(4, None, [BATCHED, PAIRWISE], [2, 4, 7], id="1f1b-pp4"),
-    pytest.param(
-        4, 2, [BATCHED, PAIRWISE, OVERLAP, OVERLAP_FREED], [4, 8], id="interleaved-pp4-vp2"
-    ),
+    pytest.param(2, None, None, [BATCHED, PAIRWISE], [1, 3, 5], id="1f1b-pp2"),
+    pytest.param(4, None, None, [BATCHED, PAIRWISE], [2, 4, 7], id="1f1b-pp4"),
+    pytest.param(4, 2, None, ALL_INTERLEAVED, [4, 8], id="interleaved-pp4-vp2"),
+    # microbatch_group_size_per_vp_stage 5: the schedule table and the warm-up change
+    pytest.param(4, 2, 5, [BATCHED, OVERLAP], [10], id="interleaved-pp4-vp2-group5"),
 ]
 
 
-@pytest.mark.parametrize(("pp", "vp", "modes", "counts"), CASES)
+@pytest.mark.parametrize(("pp", "vp", "group", "modes", "counts"), CASES)
 def test_megatron_core_posts_what_the_model_derives(
-    pp: int, vp: int | None, modes: list[tuple[bool, bool, bool]], counts: list[int]
+    pp: int,
+    vp: int | None,
+    group: int | None,
+    modes: list[tuple[bool, bool, bool]],
+    counts: list[int],
 ) -> None:
     from megatron_bfpp.compat import megatron_core_version
 
     core = megatron_core_version()[:2]
-    if core < (0, 19):  # 0.16 frees a forward's output before its isend completed: not on gloo
+    if core < (0, 18):  # 0.16-0.17 free a forward's output before its isend completed (gloo)
         modes = [mode for mode in modes if mode != OVERLAP_FREED]
     results = run_ranks(
-        megatron_events, world_size=pp, pp=pp, vp=vp, timeout=540, args=(modes, counts)
+        megatron_events, world_size=pp, pp=pp, vp=vp, timeout=540, args=(modes, counts, group)
     )
     name = "1f1b" if vp is None else "interleaved"
+    grouping: dict[str, Any] = {} if group is None else {"microbatch_group_size": group}
     for index, (mode, count) in enumerate((mode, count) for mode in modes for count in counts):
-        schedule = build_schedule(name, num_ranks=pp, num_microbatches=count, num_chunks=vp)
+        schedule = build_schedule(
+            name, num_ranks=pp, num_microbatches=count, num_chunks=vp, **grouping
+        )
         options = _options(mode, core)
         for rank in range(pp):
             got, want = results[rank][index], model_events(schedule, options, rank)

@@ -103,7 +103,7 @@ def test_interleaved_overlap_defers_waits_as_megatron_core_does() -> None:
 def test_interleaved_freed_outputs_wait_each_forward_send_at_once() -> None:
     # pp 4, vp 2, m 8, rank 2: warm-up (4 - 2 - 1) * 2 + 4 = 6, then ten steady steps. Without
     # freed outputs the send of 6F2's output is waited after the next forward send is posted;
-    # megatron-core 0.19 with deallocate_pipeline_outputs waits for it right after posting.
+    # megatron-core 0.18+ with deallocate_pipeline_outputs waits for it right after posting.
     schedule = build_schedule("interleaved", num_ranks=4, num_chunks=2, num_microbatches=8)
     late = _rows(schedule, megatron_posting(schedule, OVERLAP))[2]
     early = _rows(schedule, megatron_posting(schedule, P2POptions(True, False, True)))[2]
@@ -129,8 +129,8 @@ def test_megatron_lm_overlaps_only_the_interleaved_schedule() -> None:
     one = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
     inter = build_schedule("interleaved", num_ranks=4, num_chunks=2, num_microbatches=4)
     assert megatron_lm_options(one, core_version=(0, 19)) == MEGATRON_CORE_DEFAULTS
-    assert megatron_lm_options(inter, core_version=(0, 16)) == P2POptions(True, False, False)
-    assert megatron_lm_options(inter, core_version=(0, 19)) == P2POptions(True, False, True)
+    assert megatron_lm_options(inter, core_version=(0, 17)) == P2POptions(True, False, False)
+    assert megatron_lm_options(inter, core_version=(0, 18)) == P2POptions(True, False, True)
 
 
 @pytest.mark.parametrize(
