@@ -201,3 +201,13 @@ def test_a_wait_for_an_op_never_posted_is_refused() -> None:
     early = Posting("by hand", ((Wait((1,)), *posting.per_rank[0]), posting.per_rank[1]))
     with pytest.raises(ScheduleError, match="no earlier batch posts"):
         check_posting(ONE_F_ONE_B, early)
+
+
+def test_interleaved_at_pp_2_without_overlap_cross_matches_as_megatron_lm_warns() -> None:
+    # Megatron-LM refuses the interleaved schedule at pp 2 without p2p overlap ("multiple p2p
+    # sends and recvs between same 2 ranks per communication batch"): rank 0 sends a gradient
+    # and an activation to rank 1 in one batch, which receives them in the other order.
+    schedule = build_schedule("interleaved", num_ranks=2, num_chunks=2, num_microbatches=4)
+    with pytest.raises(ScheduleError, match=r"send #\d+ from rank 0 to rank 1 is grad"):
+        check_posting(schedule, megatron_posting(schedule))
+    check_posting(schedule, megatron_posting(schedule, OVERLAP))
