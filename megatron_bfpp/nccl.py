@@ -40,8 +40,12 @@ each rank executes its steps in order, waits at a compute for the batches holdin
 consumes (and the send of its output before the backward that frees it, and BPipe's transfers
 after the next compute, as the runtime does on gloo), at a BPipe RS for the eviction it returns,
 before a payload batch for the eviction's header; a batch starts when posted and its predecessor
-on the rank has completed. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream
-waits), so what the model proves holds on both. A posting that cannot finish is reported with
+on the rank has completed. Postings of other executors say more (``native_posting``:
+megatron-core's own): a ``blocking`` batch is waited right after it is posted, a ``pairwise``
+batch's ops (non-batched ``isend`` / ``irecv``) each run on the stream of their (rank, peer) pair,
+FIFO per pair, instead of the rank's one stream, and a ``Wait`` step waits for the ops it
+names. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream waits), so what
+the model proves holds on both. A posting that cannot finish is reported with
 the cycle of waits and the per-rank grid.
 """
 
@@ -58,6 +62,7 @@ __all__ = [
     "Batch",
     "Item",
     "Posting",
+    "Wait",
     "check_posting",
     "lockstep_posting",
     "nccl_report",
@@ -81,13 +86,29 @@ class Item(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """One ``batch_isend_irecv`` of one rank; ``tick`` is -1 outside lock-step postings."""
+    """One ``batch_isend_irecv`` of one rank; ``tick`` is -1 outside lock-step postings.
+
+    ``blocking``: the posting rank waits for the batch to complete before its next step
+    (megatron-core's ``req.wait()`` right after posting). ``pairwise``: the ops are non-batched
+    ``isend`` / ``irecv``, each on the stream of its (rank, peer) pair, FIFO per pair, instead
+    of one batch on the rank's one stream."""
 
     tick: int
     items: tuple[Item, ...]
+    blocking: bool = False
+    pairwise: bool = False
 
 
-Step = int | Batch  # a program position (compute, GS, PS, RL) or a batch of p2p actions
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """The CPU waits here for the ops of the p2p actions at these program positions, posted
+    earlier in a batch that is not ``blocking`` (megatron-core's deferred ``req.wait()``)."""
+
+    positions: tuple[int, ...]
+
+
+# A program position (compute, GS, PS, RL), a batch of p2p actions, or a deferred wait.
+Step = int | Batch | Wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +343,10 @@ class _Model:
         self.batch_rank: list[int] = []
         self.batch_index: list[int] = []  # the batch's number on its rank
         self.batch_tick: list[int] = []
+        # The stream each batch runs on: a rank's batches share one, and a pairwise batch's ops
+        # run one per (rank, peer) pair, each op then a batch of its own here.
+        self.batch_stream: list[int] = []
+        self.stream_ids: dict[tuple[int, int], int] = {}  # (rank, peer or -1) -> stream
         # Per rank: ("post", batch) / ("wait", batch) / ("run", position) in CPU order.
         self.steps: list[list[tuple[str, int]]] = [
             self._rank_steps(rank) for rank in range(num_ranks)
@@ -342,7 +367,17 @@ class _Model:
                 steps.append(("wait", batch))
 
         index = 0  # the rank's batches, numbered from 0
+        unit_of: dict[int, int] = {}  # program position -> the batch holding its op
         for step in self.posting.per_rank[rank]:
+            if isinstance(step, Wait):
+                for position in step.positions:
+                    if position not in unit_of:
+                        raise self._error(
+                            f"rank {rank} waits for step {position}, which no earlier batch posts",
+                            {(rank, position): "ERROR HERE"},
+                        )
+                    steps.append(("wait", unit_of[position]))
+                continue
             if isinstance(step, int):
                 action = actions[step]
                 kind, stage, mb = action.kind, action.stage, action.microbatch or 0
@@ -358,13 +393,8 @@ class _Model:
                     steps.extend(("wait", batch) for batch in unsettled)
                     unsettled = []
                 continue
-            batch = len(self.batch_ops)
-            self.batch_ops.append([])
-            self.batch_rank.append(rank)
-            self.batch_index.append(index)
-            self.batch_tick.append(step.tick)
-            index += 1
             transfers = False
+            units: list[int] = []
             for item in step.items:
                 action = actions[item.position]
                 message = message_of(action)
@@ -373,17 +403,36 @@ class _Model:
                 if action.kind is K.RESTORE:
                     wait(False, message._replace(what="evict"))
                     wait(False, message._replace(what="evict"), rest=True)
+                if not units or step.pairwise:
+                    peer = (action.peer or 0) if step.pairwise else -1
+                    units.append(self._new_batch(rank, index, step.tick, peer))
+                    index += 1
+                batch = units[-1]
                 send = action.kind.is_send
                 holder[(send, *message, item.rest)] = batch
+                unit_of[item.position] = batch
                 op = _Op(rank, batch, send, action.peer or 0, (*message, item.rest), item.position)
                 self.batch_ops[batch].append(len(self.ops))
                 self.ops.append(op)
                 transfers |= send and action.kind in (K.EVICT, K.RESTORE)
-            steps.append(("post", batch))
+            steps.extend(("post", batch) for batch in units)
+            if step.blocking:
+                steps.extend(("wait", batch) for batch in units)
             if transfers:
-                unsettled.append(batch)
+                unsettled.extend(units)
         steps.extend(("wait", batch) for batch in sorted(set(holder.values())))
         return steps
+
+    def _new_batch(self, rank: int, index: int, tick: int, peer: int) -> int:
+        """A batch of ``rank`` on its stream (``peer`` -1) or on its pair's with ``peer``."""
+        batch = len(self.batch_ops)
+        self.batch_ops.append([])
+        self.batch_rank.append(rank)
+        self.batch_index.append(index)
+        self.batch_tick.append(tick)
+        stream = self.stream_ids.setdefault((rank, peer), len(self.stream_ids))
+        self.batch_stream.append(stream)
+        return batch
 
     def _match(self) -> list[int]:
         """The k-th send from a to b matches the k-th receive at b from a (posting order)."""
@@ -428,7 +477,7 @@ class _Model:
         self.done = bytearray(nbatches)
         self.posted = bytearray(nbatches)
         self.left = [len(ops) for ops in self.batch_ops]
-        self.queues: list[deque[int]] = [deque() for _ in range(num_ranks)]
+        self.queues: list[deque[int]] = [deque() for _ in range(len(self.stream_ids))]
         self.pc = [0] * num_ranks
         self.waiter: dict[int, int] = {}  # batch -> rank whose CPU waits for it
         self.ready: deque[int] = deque(range(num_ranks))
@@ -443,7 +492,7 @@ class _Model:
             kind, batch = steps[pc]
             if kind == "post":
                 self.posted[batch] = 1
-                queue = self.queues[rank]
+                queue = self.queues[self.batch_stream[batch]]
                 queue.append(batch)
                 if len(queue) == 1:
                     self._start(batch)
@@ -473,7 +522,7 @@ class _Model:
                         finished.append(batch)
             for b in finished:
                 self.done[b] = 1
-                queue = self.queues[self.batch_rank[b]]
+                queue = self.queues[self.batch_stream[b]]
                 queue.popleft()
                 if queue:
                     starting.append(queue[0])
@@ -519,7 +568,7 @@ class _Model:
         batch, rank = value, self.batch_rank[value]
         mark = (rank, self.ops[self.batch_ops[batch][0]].position)
         if not self.started[batch]:
-            head = self.queues[rank][0]
+            head = self.queues[self.batch_stream[batch]][0]
             return (
                 f"rank {rank}'s {self._name(batch)} is queued behind its {self._name(head)}",
                 mark,
