@@ -28,12 +28,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
+    "LOCK_FILE",
     "METADATA_FILE",
     "TRACKER",
     "CheckpointError",
     "checkpoint_dir",
     "clean_stale",
     "complete_checkpoint",
+    "fresh_start_reason",
     "fsync_dir",
     "fsync_file",
     "make_temp_dir",
@@ -51,6 +53,13 @@ METADATA_FILE = "bfpp_checkpoint.json"
 _TEMP = ".tmp-"
 _OLD = ".old-"
 _SIDE_DIR = re.compile(r"^iter_(\d{7})\.(tmp|old)-[A-Za-z0-9_]+$")
+LOCK_FILE = ".bfpp_save.lock"  # :mod:`.save_lock`'s
+# What a save leaves before its first checkpoint is published: its temporary directory, a
+# tracker's temporary file, and the save lock.
+_LEFT_BEFORE_FIRST_CHECKPOINT = re.compile(
+    rf"^(iter_\d{{7}}\.tmp-[A-Za-z0-9_]+|{re.escape(TRACKER + _TEMP)}[A-Za-z0-9_]+"
+    rf"|{re.escape(LOCK_FILE)})$"
+)
 
 
 class CheckpointError(ValueError):
@@ -128,6 +137,27 @@ def read_tracker(root: str | Path) -> int:
         shown = "".join(c if c.isprintable() else "?" for c in text[:40])
         raise CheckpointError(f"{label} holds {shown!r}, not an iteration number")
     return int(text)
+
+
+def fresh_start_reason(root: str | Path) -> str | None:
+    """Why ``--load root`` starts from iteration 0 instead of resuming, as Megatron-LM does when
+    it finds no tracker (the requeue pattern ``--save D --load D`` on a job's first start, or
+    after a kill during its first save); ``None``: there is something to resume, or something
+    :func:`read_tracker` refuses. Only a missing directory or one that holds nothing but what
+    bfpp-train's own first save leaves behind starts fresh: a directory with other files and no
+    tracker is more likely a wrong path than a new run."""
+    root = Path(root)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return "does not exist yet"
+    except OSError:
+        return None  # not a directory, unreadable: read_tracker names it
+    if not names:
+        return "is empty"
+    if all(_LEFT_BEFORE_FIRST_CHECKPOINT.match(name) for name in names):
+        return "holds no complete checkpoint yet (only what an interrupted first save left)"
+    return None
 
 
 def fsync_file(path: Path) -> None:
