@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from megatron_bfpp.flags import positive_int
+from megatron_bfpp.flags import positive_int, printable_output
 from megatron_bfpp.schedules.registry import SCHEDULES
 
 
@@ -57,17 +57,6 @@ def closed_pipe_ends_quietly(main: Main) -> Main:
             return CLOSED_PIPE_EXIT
 
     return run
-
-
-def printable_output() -> None:
-    """Every line can be printed, whatever stdout and stderr encode: a path or name they cannot
-    show (an ASCII locale, ``PYTHONIOENCODING=ascii``, a SLURM log) comes out as ``\\xe9``
-    escapes instead of ending the run with a UnicodeEncodeError, as an informational line
-    (``saved checkpoint DIR``) used to, after training."""
-    for stream in (sys.stdout, sys.stderr):
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None:
-            reconfigure(errors="backslashreplace")
 
 
 def optional_package_problem(flag: str, module: str, extra: str) -> str | None:

@@ -31,7 +31,7 @@ from megatron_bfpp.cli.common import (
     stages_per_rank_defaults,
 )
 from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
-from megatron_bfpp.flags import OneLineParser, positive_int
+from megatron_bfpp.flags import OneLineParser, positive_int, printable_output
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import (
@@ -41,7 +41,11 @@ from megatron_bfpp.schedules.registry import (
     options_from_args,
     schedule_names,
 )
-from megatron_bfpp.train.checkpoint_files import CheckpointError, fresh_start_reason
+from megatron_bfpp.train.checkpoint_files import (
+    CheckpointError,
+    fresh_start_reason,
+    save_path_problem,
+)
 from megatron_bfpp.train.checkpoint_metadata import (
     CKPT_FORMATS,
     check_resume,
@@ -315,6 +319,11 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
     problem = (
         number_problem(args)
         or output_problem(args, metrics=rank == 0)
+        or (
+            save_path_problem(args.save, world_size=world_size, iterations=args.train_iters)
+            if args.save is not None
+            else None
+        )
         or checkpoint_format_problem(args)
     )
     if problem is not None:
@@ -650,6 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.filterwarnings("ignore", message=message)
     for logger, prefix in _QUIET_LOGS:
         logging.getLogger(logger).addFilter(_DropRecord(prefix))
+    printable_output()
     args = build_parser().parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:

@@ -44,6 +44,7 @@ __all__ = [
     "read_tracker",
     "regular_file_problem",
     "remove_old",
+    "save_path_problem",
     "write_file_atomic",
     "write_tracker",
 ]
@@ -157,6 +158,53 @@ def fresh_start_reason(root: str | Path) -> str | None:
         return "is empty"
     if all(_LEFT_BEFORE_FIRST_CHECKPOINT.match(name) for name in names):
         return "holds no complete checkpoint yet (only what an interrupted first save left)"
+    return None
+
+
+_SUFFIX_CHARS = 12  # _unique_name's hex digits
+
+
+def _longest_save_path(root: str, world_size: int, iterations: int) -> str:
+    """The longest path a save creates under ``root``: a file inside a checkpoint directory set
+    aside (a rank's file, megatron-core's ``__RANK_N.distcp``, the metadata), or the tracker's
+    temporary file."""
+    digits = max(7, len(str(iterations)))
+    aside = f"iter_{'0' * digits}{_OLD}{'f' * _SUFFIX_CHARS}"
+    last = max(world_size - 1, 0)
+    inner = max(f"rank_{last:05d}.pt", f"__{last}_99.distcp", METADATA_FILE, key=len)
+    top = os.path.abspath(root)
+    return max(
+        os.path.join(top, aside, inner),
+        os.path.join(top, f"{TRACKER}{_TEMP}{'f' * _SUFFIX_CHARS}"),
+        key=len,
+    )
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long is not there
+        return False
+
+
+def save_path_problem(root: str, *, world_size: int, iterations: int) -> str | None:
+    """Whether every file a save will create under ``root`` has a path the file system takes,
+    checked at start: a ``--save`` path that is valid but too long for its checkpoint's files
+    used to fail only at the first save, after the training it was to keep."""
+    longest = _longest_save_path(root, world_size, iterations)
+    start = Path(os.path.abspath(root))
+    existing = next((p for p in (start, *start.parents) if _exists(p)), Path("/"))
+    try:
+        path_max = os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        path_max = 4096
+    size = len(os.fsencode(longest))
+    if size >= path_max:
+        return (
+            f"--save {root}: too long for the checkpoint files a save creates there ({size:,} "
+            f"bytes for {os.path.relpath(longest, start)}, the file system takes "
+            f"{path_max - 1:,}); choose a shorter path"
+        )
     return None
 
 

@@ -44,6 +44,7 @@ from megatron_bfpp.train.checkpoint_files import (
     read_tracker,
     regular_file_problem,
 )
+from megatron_bfpp.train.data_source import DEFAULT_SPLIT
 from megatron_bfpp.train.run_config import LRSchedule, RunConfig, flag_name
 
 # bfpp_checkpoint.json: its flags and one record (name, size, SHA-256) per file, about 150 bytes
@@ -370,7 +371,7 @@ def resume_warnings(
     for flag, was, will in (
         ("--seed", saved.seed, now.seed),
         ("--data-path", saved.data_path, now.data_path),
-        ("--split", saved.split, now.split),
+        ("--split", saved.split or DEFAULT_SPLIT, now.split or DEFAULT_SPLIT),
     ):
         if was != will and not (flag == "--split" and saved.data_path != now.data_path):
             warnings.append(
