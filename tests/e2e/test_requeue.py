@@ -88,7 +88,7 @@ def test_a_kill_during_the_first_save_is_requeued_from_scratch_and_cleaned(
     assert len(_lines(requeued.stdout, "bfpp-train: info: --load ")) == 1, requeued.stdout
     assert (root / TRACKER).read_text().strip() == "2"
     assert _side_entries(root) == []
-    resumed = _train("--train-iters", "3", "--save", str(root), "--load", str(root))
+    resumed = _train(*flags, "--train-iters", "3", "--lr-decay-iters", "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "from iteration 2" in resumed.stdout and "info:" not in resumed.stdout
 
@@ -177,7 +177,8 @@ def test_a_changed_seed_or_data_path_is_accepted_with_one_warning_each(
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
     proc = _train(
-        "--train-iters", "3", "--load", str(saved), "--seed", "7", "--data-path", str(text)
+        "--train-iters", "3", "--lr-decay-iters", "2", "--load", str(saved), "--seed", "7",
+        "--data-path", str(text),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = _lines(proc.stdout, "bfpp-train: warning: ")
