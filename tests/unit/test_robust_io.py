@@ -265,11 +265,13 @@ def test_bfpp_sim_png_without_matplotlib_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "out.png").exists()
 
 
-def test_an_ascii_stdout_prints_a_path_it_cannot_encode(tmp_path: Path) -> None:
-    out = tmp_path / "tracé.csv"
-    proc = _run(
-        "-m", "megatron_bfpp.cli.sim", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4",
-        "--csv", str(out), env={**os.environ, "PYTHONIOENCODING": "ascii"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "trac\\xe9.csv" in proc.stderr
+def test_an_ascii_stdout_prints_what_it_cannot_encode() -> None:
+    """stdout is strict (stderr already escapes): an informational line naming a path it cannot
+    encode used to end the run."""
+    code = "from megatron_bfpp.flags import printable_output\n{}print('saved ckpt-\\xe9')"
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    plain = _run("-c", code.format(""), env=env)
+    assert plain.returncode == 1 and "UnicodeEncodeError" in plain.stderr
+    fixed = _run("-c", code.format("printable_output()\n"), env=env)
+    assert fixed.returncode == 0, fixed.stderr
+    assert fixed.stdout == "saved ckpt-\\xe9\n"
