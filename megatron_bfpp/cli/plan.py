@@ -16,6 +16,7 @@ from megatron_bfpp.cli.common import (
     fail,
     finite_float,
     json_text,
+    optional_package_problem,
     output_file_problem,
     positive_int_up_to,
 )
@@ -375,12 +376,9 @@ def _recommend(args: argparse.Namespace) -> int:
 
 
 def _check_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ScheduleError(
-            "--plot needs matplotlib: pip install 'megatron-bfpp[plot]' (or drop --plot)"
-        ) from None
+    problem = optional_package_problem("--plot", "matplotlib", "megatron-bfpp[plot]")
+    if problem is not None:
+        raise ScheduleError(f"{problem} (or drop --plot)")
 
 
 def _gib(nbytes: int) -> str:

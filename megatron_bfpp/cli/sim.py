@@ -14,6 +14,7 @@ from megatron_bfpp.cli.common import (
     fail,
     json_text,
     non_negative_float,
+    optional_package_problem,
     output_file_problem,
 )
 from megatron_bfpp.flags import OneLineParser, positive_int
@@ -147,6 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem is not None:
             return fail(PROG, problem)
     if args.png and args.pp is not None and (problem := png_problem(args.pp)):
+        return fail(PROG, problem)
+    if args.png and (
+        problem := optional_package_problem("--png", "matplotlib", "megatron-bfpp[plot]")
+    ):
         return fail(PROG, problem)
     defaults = apply_defaults(args)
     try:

@@ -75,7 +75,8 @@ ALLOWED = {
     "runtime": {"ir", "messages", "nccl", "validate", "passes", "schedules", "compat", "runtime"},
     "megatron": {"flags", "ir", "schedules", "compat", "runtime", "megatron"},  # + CPU adapter
     "train": {"ir", "schedules", "compat", "megatron", "runtime", "train"},  # megatron: CPU adapter
-    "launch": {"ir", "compat", "megatron"},  # ir: ScheduleError from the preflight
+    # ir: ScheduleError from the preflight; flags: printable output
+    "launch": {"flags", "ir", "compat", "megatron"},
     "cli": PURE_LAYERS | {"cli", "compat", "local_ranks", "runtime", "train", "stage_timing"},
     # bfpp-plan profile's measurement (torch, megatron-core); the command line imports it lazily.
     # It times I and W through the runtime's own deferred split, so a profile measures what runs.
