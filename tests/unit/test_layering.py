@@ -47,7 +47,11 @@ ALLOWED = {
     "flags": set(),  # the shared argument parser: the CLIs and the Megatron-LM pre-flight
     "ir": set(),
     "messages": {"ir"},
-    "nccl": {"ir", "messages"},  # NCCL's rules: the lock-step posting and its proof
+    "nccl": {
+        "ir",
+        "messages",
+        "semantics",
+    },  # NCCL's rules: the lock-step posting, its proof, its timing
     "semantics": {"ir", "messages"},
     "validate": {"ir", "messages", "semantics"},
     "passes": {"ir", "messages", "semantics", "validate", "passes"},
