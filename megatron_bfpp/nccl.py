@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,6 +65,7 @@ __all__ = [
     "check_posting",
     "lockstep_posting",
     "nccl_report",
+    "posting_timer",
     "time_posting",
     "validate_nccl",
     "written_posting",
@@ -160,6 +162,27 @@ def _unit_ticks(schedule: Schedule) -> list[list[int]]:
     return replay.ticks
 
 
+class _Consumed:
+    """``Rules.consumed`` as (what, stage) pairs, once per (kind, stage, restored): what a
+    compute consumes is of its own micro-batch, so the loops over every action build only
+    that (the planner builds a posting per schedule it simulates)."""
+
+    __slots__ = ("cache", "rules")
+
+    def __init__(self, rules: Rules) -> None:
+        self.rules = rules
+        self.cache: dict[tuple[ActionKind, int, bool], list[tuple[str, int]]] = {}
+
+    def __call__(self, action: Action, loaded: set[tuple[int, int]]) -> list[tuple[str, int]]:
+        restored = bool(loaded) and (action.stage, action.microbatch or 0) in loaded
+        key = (action.kind, action.stage, restored)
+        found = self.cache.get(key)
+        if found is None:
+            messages = self.rules.consumed(action, loaded)
+            found = self.cache[key] = [(message.what, message.stage) for message in messages]
+        return found
+
+
 class _TickReplay:
     """An as-soon-as-possible replay with unit computes and instant messages.
 
@@ -174,6 +197,7 @@ class _TickReplay:
         self.schedule = schedule
         self.ticks = [[-1] * len(actions) for actions in programs]
         self.rules = rules = Rules(schedule, implicit=False)
+        self.consumed = _Consumed(rules)
         self.sent: dict[Message, int] = {}
         self.posted: dict[Message, int] = {}  # AC / LD: the receiver's tick at that position
         self.loaded = [
@@ -235,7 +259,7 @@ class _TickReplay:
         next compute awaits the partner's receive (``Rules.awaits``) is deferred to it."""
         rules, actions, t = self.rules, self.schedule.per_rank[rank], self.now[rank]
         transfers, loaded = rules.transfers, self.loaded[rank]
-        sent, ticks = self.sent, self.ticks[rank]
+        sent, ticks, consumed = self.sent, self.ticks[rank], self.consumed
         while True:
             if position == len(actions):
                 self._resolved(rank)
@@ -245,7 +269,8 @@ class _TickReplay:
             rule = transfers.get(kind)
             needs: list[Message] = []
             if kind.is_compute:
-                needs = rules.consumed(action, loaded)
+                mb = action.microbatch or 0
+                needs = [Message(what, stage, mb) for what, stage in consumed(action, loaded)]
             elif rule is not None and rule.carries_data:
                 waited = rules.transfer_waits(action)
                 needs = [] if waited is None else [waited]  # RS: the payload it returns
@@ -331,15 +356,16 @@ class PostingRun(NamedTuple):
     ``clock``: per rank, when its CPU finished its last step (its last compute, or the last
     batch it waited for); ``dp_end``: when its data-parallel lane is done; ``busy``: the sum of
     its compute durations; ``gather_wait``: the time computes waited for their stage's PS;
-    ``events``: compute, batch (p2p lane, from its start to its completion) and GS / PS
-    intervals, rank by rank in CPU order.
+    ``events()``: compute, batch (p2p lane, from when its first op had both halves started to
+    its completion) and GS / PS intervals that take time, rank by rank, each rank's by start;
+    built when called (the planner never draws).
     """
 
     clock: list[float]
     dp_end: list[float]
     busy: list[float]
     gather_wait: list[float]
-    events: list[Event]
+    events: Callable[[], list[Event]]
 
 
 def check_posting(schedule: Schedule, posting: Posting) -> None:
@@ -349,7 +375,14 @@ def check_posting(schedule: Schedule, posting: Posting) -> None:
 
 
 def time_posting(schedule: Schedule, posting: Posting, timing: Timing = _UNIT) -> PostingRun:
-    """Time ``posting`` under NCCL's rules, the model of ``check_posting`` with clocks.
+    """Time ``posting`` under NCCL's rules: ``posting_timer(schedule, posting)(timing)``."""
+    return posting_timer(schedule, posting)(timing)
+
+
+def posting_timer(schedule: Schedule, posting: Posting) -> Callable[[Timing], PostingRun]:
+    """A function that times ``posting`` under NCCL's rules, the model of ``check_posting``
+    with clocks; built once per posting and run per ``Timing`` (the planner times one schedule
+    under many costs).
 
     Each rank's CPU runs its steps in order: a compute starts once the CPU is free (it waited
     for the batches holding what it consumes: those waits are steps of the model) and, for a
@@ -358,12 +391,13 @@ def time_posting(schedule: Schedule, posting: Posting, timing: Timing = _UNIT) -
     it on its stream (the rank's, or per op the (rank, peer) pair's when ``pairwise``) has
     completed; an op completes ``timing.p2p`` (an eviction's or restore's payload:
     ``timing.transfer``) after both halves have started, and a batch when all its ops have.
-    GS / PS run on the data-parallel lane as in ``semantics.replay``. Unlike
-    ``check_posting`` the CPU does not settle BPipe's sends after the next compute: on NCCL the
-    runtime polls them (``PipeComm.reap``) instead, so they cost no time there."""
-    model = _Model(schedule, posting, settle=False, timing=timing)
-    model.run()
-    return PostingRun(model.cpu, model.dp_free, model.busy, model.gather_wait, model.events)
+    A ``blocking`` batch holds the CPU until it completes; so does BPipe's header read, between
+    the header's batch and the payload's. GS / PS run on the data-parallel lane as in
+    ``semantics.replay``. Unlike ``check_posting`` the CPU does not settle BPipe's sends after
+    the next compute: on NCCL the runtime polls them (``PipeComm.reap``) instead, so they cost
+    no time there. A CPU that waits for a batch stands for a GPU stream that waits for it: the
+    times are the same, the CPU only enqueues earlier."""
+    return _Model(schedule, posting, settle=False).timed
 
 
 class _Model:
@@ -378,10 +412,9 @@ class _Model:
         posting: Posting,
         *,
         settle: bool = True,
-        timing: Timing | None = None,
     ) -> None:
         self.schedule, self.posting, self.settle = schedule, posting, settle
-        self.timing = timing
+        self.timing: Timing | None = None
         self.rules = Rules(schedule, implicit=False)
         num_ranks = schedule.num_ranks
         self.ops: list[_Op] = []
@@ -425,18 +458,24 @@ class _Model:
             if batch is not None:
                 steps.append(("wait", batch))
 
+        consumed = _Consumed(rules)
         index = 0  # the rank's batches, numbered from 0
         group = self._stream(rank, -1)
         for step in self.posting.per_rank[rank]:
             if isinstance(step, int):
                 action = actions[step]
                 if action.kind.is_compute:
-                    for message in rules.consumed(action, loaded):
-                        wait(False, message)
+                    mb = action.microbatch or 0
+                    for what, stage in consumed(action, loaded):
+                        batch = holder.get((False, what, stage, mb, False))
+                        if batch is not None:
+                            steps.append(("wait", batch))
                     if action.kind in _FREES_OUTPUT and not layout.is_last(action.stage):
                         # the output it frees: its send must be done (megatron-core's
                         # deallocate_pipeline_outputs; runtime/backward.py)
-                        wait(True, Message("act", action.stage, action.microbatch or 0))
+                        batch = holder.get((True, "act", action.stage, mb, False))
+                        if batch is not None:
+                            steps.append(("wait", batch))
                 steps.append(("run", step))
                 if action.kind.is_compute and self.settle:
                     # gloo: a transfer's send is settled after the next compute (Rules)
@@ -553,15 +592,24 @@ class _Model:
         self.done_time = [zero] * nbatches
         self.stream_free = [zero] * len(self.streams)
         self.durations = self._durations()
-        self.events: list[Event] = []
-        self.rank_events: list[list[Event]] = [[] for _ in range(num_ranks)]
+        self.records: list[list[tuple[float, float, int]]] = [[] for _ in range(num_ranks)]
         while self.ready:
             self._advance(self.ready.popleft())
         if any(self.pc[r] < len(self.steps[r]) for r in range(num_ranks)) or any(self.queues):
             raise self._deadlock()
-        if self.timing is not None:
-            self._batch_events()
-            self.events = [event for events in self.rank_events for event in events]
+
+    def timed(self, timing: Timing) -> PostingRun:
+        """One run under ``timing`` (``posting_timer``)."""
+        self.timing = timing
+        self.run()
+        records, unit_active, done_time = self.records, self.unit_active, self.done_time
+        return PostingRun(
+            self.cpu,
+            self.dp_free,
+            self.busy,
+            self.gather_wait,
+            lambda: self._events(records, unit_active, done_time),
+        )
 
     def _durations(self) -> dict[ActionKind, float]:
         timing = self.timing
@@ -616,7 +664,6 @@ class _Model:
         if duration is None:  # RL: frees memory, takes no time
             return
         now = self.cpu[rank]
-        lane: Lane = "compute"
         if kind.is_compute:
             start = now
             gathered = self.ps_done[rank].pop(action.stage, None)
@@ -626,25 +673,13 @@ class _Model:
             self.cpu[rank] = start + duration
             self.busy[rank] += duration
         else:
-            lane = "dp"
             start = max(self.dp_free[rank], now)
             self.dp_free[rank] = start + duration
             if kind is K.PARAM_SYNC:
                 self.ps_done[rank][action.stage] = start + duration
             if duration <= 0:
                 return
-        self.rank_events[rank].append(
-            Event(
-                rank,
-                lane,
-                str(action),
-                action.stage,
-                action.microbatch,
-                kind,
-                start,
-                start + duration,
-            )
-        )
+        self.records[rank].append((start, start + duration, position))
 
     def _start(self, first: int) -> None:
         """Start a unit; completing units start their successors (no recursion)."""
@@ -702,29 +737,41 @@ class _Model:
         if woken is not None:
             self.ready.append(woken)
 
-    def _batch_events(self) -> None:
-        """Each batch on its rank's p2p lane, from when its first op had both halves started to
-        its completion, where that takes time (a batch waiting for its peer is not busy);
-        placed among the rank's events by start time."""
+    def _events(
+        self,
+        records: list[list[tuple[float, float, int]]],
+        unit_active: list[float],
+        done_time: list[float],
+    ) -> list[Event]:
+        """The events of one run (``PostingRun.events``): its computes and GS / PS, and each
+        batch on its rank's p2p lane from when its first op had both halves started to its
+        completion where that takes time (a batch waiting for its peer is not busy)."""
+        programs = self.schedule.per_rank
+        per_rank: list[list[Event]] = []
+        for rank, rows in enumerate(records):
+            events = []
+            for start, end, position in rows:
+                action = programs[rank][position]
+                lane: Lane = "compute" if action.kind.is_compute else "dp"
+                label = str(action)
+                stage, mb = action.stage, action.microbatch
+                events.append(Event(rank, lane, label, stage, mb, action.kind, start, end))
+            per_rank.append(events)
         for batch, units in enumerate(self.batch_units):
-            start = min(self.unit_active[unit] for unit in units)
-            end = self.done_time[batch]
+            start = min(unit_active[unit] for unit in units)
+            end = done_time[batch]
             if end <= start:
                 continue
             rank = self.batch_rank[batch]
-            first = self.ops[self.unit_ops[units[0]][0]]
-            action = self.schedule.per_rank[rank][first.position]
-            label = " ".join(
-                str(self.schedule.per_rank[rank][self.ops[op_id].position])
-                + ("+" if self.ops[op_id].what[3] else "")
-                for unit in units
-                for op_id in self.unit_ops[unit]
-            )
-            self.rank_events[rank].append(
+            ops = [self.ops[op_id] for unit in units for op_id in self.unit_ops[unit]]
+            action = programs[rank][ops[0].position]
+            label = " ".join(str(programs[rank][op.position]) + "+" * op.what[3] for op in ops)
+            per_rank[rank].append(
                 Event(rank, "p2p", label, action.stage, action.microbatch, action.kind, start, end)
             )
-        for events in self.rank_events:
+        for events in per_rank:
             events.sort(key=lambda event: event.start)
+        return [event for events in per_rank for event in events]
 
     # reporting
     def _deadlock(self) -> ScheduleError:

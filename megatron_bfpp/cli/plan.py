@@ -41,6 +41,7 @@ from megatron_bfpp.plan.search import (
     SearchResult,
     family_name,
 )
+from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, P2P_MODELS
 from megatron_bfpp.train.run_config import DEFAULT_FFN_TEXT
 
 PROG = "bfpp-plan"
@@ -225,6 +226,14 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         help="a stage profile (bfpp-plan profile) instead of the built-in efficiency curve",
     )
     search.add_argument("--top", type=positive_int, default=10, metavar="K")
+    search.add_argument(
+        "--p2p-model",
+        choices=list(P2P_MODELS),
+        default=DEFAULT_P2P_MODEL,
+        help="how the simulator times point-to-point messages: "
+        + "; ".join(f"{name}: {text}" for name, text in P2P_MODELS.items())
+        + f" (default: {DEFAULT_P2P_MODEL})",
+    )
     out = command.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument(
@@ -319,6 +328,7 @@ def _recommend(args: argparse.Namespace) -> int:
             top=args.top,
             efficiency=efficiency,
             best_per_family=not args.json,  # the table explains the ranking family by family
+            p2p_model=args.p2p_model,
         )
         from megatron_bfpp.plan.search import recommend
 
@@ -403,6 +413,7 @@ def format_recommendation(
         f"{result.candidates_evaluated} candidates, {result.rejected_out_of_memory} do not fit "
         f"in {gpu.memory_bytes / 2**30:.0f} GiB, {result.simulated} simulated, {result.pruned} "
         f"pruned by bounds, {result.seconds:.1f} s; compute from the {result.efficiency_source}",
+        f"p2p timing model: {result.p2p_model} ({P2P_MODELS[result.p2p_model]})",
         "",
         header,
         "-" * len(header),

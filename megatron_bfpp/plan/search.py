@@ -45,6 +45,7 @@ from megatron_bfpp.plan.memory import (
 from megatron_bfpp.plan.presets import BF16_MIXED, Gpu, Model, Precision, padded_vocab_size
 from megatron_bfpp.schedules.registry import build_schedule, get_spec
 from megatron_bfpp.sim import CostModel, simulate
+from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL
 
 __all__ = [
     "FAMILIES",
@@ -115,6 +116,7 @@ class SearchOptions:
     optimizer: bool = True
     output_layer: bool = True
     best_per_family: bool = False  # also find each family's best (the plot, comparisons)
+    p2p_model: str = DEFAULT_P2P_MODEL  # how the simulator times messages (sim.P2P_MODELS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +181,11 @@ class SearchResult:
     best_per_family: dict[str, Plan] = field(default_factory=dict)
     seconds: float = 0.0
     efficiency_source: str = ""
+    p2p_model: str = DEFAULT_P2P_MODEL
 
     def to_dict(self) -> dict[str, object]:
         return {
+            "p2p_model": self.p2p_model,
             "candidates_evaluated": self.candidates_evaluated,
             "rejected_out_of_memory": self.rejected_out_of_memory,
             "configs": [plan.to_dict() for plan in self.plans],
@@ -407,7 +411,7 @@ def _schedule(
     return _build(schedule, pp, vp, m, sharding, group)
 
 
-def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]:
+def _simulated_ns(c: Candidate, m: int, costs: CostModel, p2p: str) -> tuple[float, float]:
     """(step time, bubble fraction) of ``c`` at m micro-batches, in the simulator's ns.
 
     Long schedules repeat a steady state: when three lengths p apart (congruent to m mod p, from
@@ -424,7 +428,7 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]
         steps = []
         for length in (first, first + period, first + 2 * period):
             built = _schedule(c.schedule, c.pp, c.vp, length, c.sharding, c.group_size)
-            steps.append(simulate(built, costs).step_time)
+            steps.append(simulate(built, costs, p2p=p2p).step_time)
         slope = steps[1] - steps[0]
         # On one line: exactly with integer durations; within float rounding while a stage's
         # share (1/vp of a full stage) makes the simulator's sums inexact.
@@ -432,13 +436,16 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]
             step = steps[0] + (m - first) // period * slope
             busy = m * (costs.t_forward + costs.t_backward)
             return step, (step - busy) / step if step > 0 else 0.0
-    result = simulate(_schedule(c.schedule, c.pp, c.vp, m, c.sharding, c.group_size), costs)
+    built = _schedule(c.schedule, c.pp, c.vp, m, c.sharding, c.group_size)
+    result = simulate(built, costs, p2p=p2p)
     return result.step_time, result.bubble_fraction
 
 
-def _simulate(sized: _Sized, model: Model, cluster: Cluster, global_batch_size: int) -> Plan:
+def _simulate(
+    sized: _Sized, model: Model, cluster: Cluster, global_batch_size: int, p2p: str
+) -> Plan:
     c = sized.candidate
-    simulated_ns, bubble = _simulated_ns(c, sized.m, _cost_model(sized.times))
+    simulated_ns, bubble = _simulated_ns(c, sized.m, _cost_model(sized.times), p2p)
     step = simulated_ns / NS + sized.m * sized.times.output + sized.times.optimizer
     flops = model_flops_per_step(model, global_batch_size=global_batch_size)
     return Plan(
@@ -535,7 +542,7 @@ def evaluate(
     )
     if sized is None:  # cannot happen with force=True; keeps the type checker honest
         raise ScheduleError(f"could not size {candidate}")
-    return _simulate(sized, model, cluster, global_batch_size)
+    return _simulate(sized, model, cluster, global_batch_size, options.p2p_model)
 
 
 def recommend(
@@ -584,7 +591,7 @@ def recommend(
         ):
             pruned += 1
             continue
-        plan = _simulate(sized, model, cluster, global_batch_size)
+        plan = _simulate(sized, model, cluster, global_batch_size, options.p2p_model)
         simulated += 1
         if best is None or plan.step_time_s < best.step_time_s:
             family_best[family] = plan
@@ -601,4 +608,5 @@ def recommend(
         best_per_family=dict(sorted(family_best.items(), key=lambda kv: kv[1].step_time_s)),
         seconds=time.perf_counter() - start,
         efficiency_source=efficiency.source,
+        p2p_model=options.p2p_model,
     )

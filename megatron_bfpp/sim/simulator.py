@@ -28,14 +28,23 @@ when read (``SimResult.events``, ``semantics.Timeline``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_bfpp.ir import Schedule, ScheduleError, format_schedule
 from megatron_bfpp.messages import has_communication
-from megatron_bfpp.nccl import Posting, lockstep_posting, time_posting
+from megatron_bfpp.nccl import Posting, PostingRun, lockstep_posting, posting_timer
 from megatron_bfpp.passes.communication import add_communication
-from megatron_bfpp.semantics import Event, Lane, Replay, Timeline, describe_waits, replay
+from megatron_bfpp.semantics import (
+    Event,
+    Lane,
+    Replay,
+    Timeline,
+    Timing,
+    describe_waits,
+    replay,
+)
 from megatron_bfpp.sim.cost import CostModel
 
 __all__ = [
@@ -184,27 +193,45 @@ def simulate(
         return _result(
             schedule, costs, run, exact.per_unit, p2p, run.timeline.scaled(exact.per_unit)
         )
-    lowered = schedule if has_communication(schedule) else add_communication(schedule)
-    if posting is None:
-        posting = lockstep_posting(lowered)
     try:
-        timed = time_posting(lowered, posting, exact.timing)
+        timed = _timer(schedule, posting)(exact.timing)
     except ScheduleError as error:
         raise ScheduleError(f"cannot simulate {schedule.name!r} under {p2p}: {error}") from None
     timed_run = run._replace(
         compute_end=timed.clock, dp_end=timed.dp_end, busy=timed.busy, gather_wait=timed.gather_wait
     )
-    timeline = PostingTimeline(tuple(timed.events), exact.per_unit)
+    timeline = PostingTimeline(timed.events, exact.per_unit)
     return _result(schedule, costs, timed_run, exact.per_unit, p2p, timeline)
 
 
+# The timers of the last schedules timed by their lock-step posting, by identity (the planner
+# times each of its cached schedules under many costs; hashing a schedule reads all of it).
+_TIMERS: dict[int, tuple[Schedule, Callable[[Timing], PostingRun]]] = {}
+_TIMERS_KEPT = 64
+
+
+def _timer(schedule: Schedule, posting: Posting | None) -> Callable[[Timing], PostingRun]:
+    """The timer of ``posting``, or of the lock-step posting of ``schedule`` lowered."""
+    if posting is not None:
+        return posting_timer(schedule, posting)
+    kept = _TIMERS.get(id(schedule))
+    if kept is not None and kept[0] is schedule:
+        return kept[1]
+    lowered = schedule if has_communication(schedule) else add_communication(schedule)
+    timer = posting_timer(lowered, lockstep_posting(lowered))
+    if len(_TIMERS) >= _TIMERS_KEPT:
+        del _TIMERS[next(iter(_TIMERS))]
+    _TIMERS[id(schedule)] = (schedule, timer)
+    return timer
+
+
 class PostingTimeline:
-    """The events of a timed posting (``nccl.time_posting``) in the model's units, divided by
+    """The events of a timed posting (``PostingRun.events``), built and divided by
     ``per_unit`` when first read (``Timeline``'s interface)."""
 
     __slots__ = ("_events", "_raw", "per_unit")
 
-    def __init__(self, raw: tuple[Event, ...], per_unit: int = 1) -> None:
+    def __init__(self, raw: Callable[[], list[Event]], per_unit: int = 1) -> None:
         self._raw, self.per_unit = raw, per_unit
         self._events: tuple[Event, ...] | None = None
 
@@ -216,7 +243,7 @@ class PostingTimeline:
             per_unit = self.per_unit
             self._events = tuple(
                 e._replace(start=_user(e.start, per_unit), end=_user(e.end, per_unit))
-                for e in self._raw
+                for e in self._raw()
             )
         return self._events
 

@@ -79,8 +79,9 @@ EXPLICIT = [
 ]
 
 
+@pytest.mark.parametrize("p2p", ["lockstep", "gloo"])
 @pytest.mark.parametrize("candidate", [*_sample(128, 7), *EXPLICIT], ids=str)
-def test_bound_and_extrapolation_agree_with_full_simulation(candidate: Candidate) -> None:
+def test_bound_and_extrapolation_agree_with_full_simulation(candidate: Candidate, p2p: str) -> None:
     sized, _ = _size(
         candidate,
         model=GPT52,
@@ -103,8 +104,9 @@ def test_bound_and_extrapolation_agree_with_full_simulation(candidate: Candidate
             **({"group_size": candidate.group_size} if candidate.group_size else {}),
         ),
         costs,
+        p2p=p2p,
     )
-    step, _ = _simulated_ns(candidate, sized.m, costs)
+    step, _ = _simulated_ns(candidate, sized.m, costs, p2p)
     assert step == pytest.approx(full.step_time, rel=1e-9)
     total = step / 1e9 + sized.m * sized.times.output + sized.times.optimizer
     assert sized.lower_bound <= total * (1 + 1e-12)
