@@ -117,7 +117,8 @@ def test_search_size_and_json_fields() -> None:
     assert result.candidates_evaluated >= 2000
     assert 0 < result.rejected_out_of_memory < result.candidates_evaluated
     data = result.to_dict()
-    assert set(data) == {"candidates_evaluated", "rejected_out_of_memory", "configs"}
+    assert set(data) == {"p2p_model", "candidates_evaluated", "rejected_out_of_memory", "configs"}
+    assert data["p2p_model"] == "lockstep"
     steps = [c["step_time_s"] for c in data["configs"]]
     assert steps == sorted(steps) and len(steps) == 10
     config = data["configs"][0]
