@@ -62,6 +62,7 @@ __all__ = [
     "Item",
     "Posting",
     "PostingRun",
+    "Wait",
     "check_posting",
     "lockstep_posting",
     "nccl_report",
@@ -103,7 +104,16 @@ class Batch:
     pairwise: bool = False
 
 
-Step = int | Batch  # a program position (compute, GS, PS, RL) or a batch of p2p actions
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """The CPU waits here for the ops of the p2p actions at these program positions, posted
+    earlier in a batch that is not ``blocking`` (megatron-core's deferred ``req.wait()``)."""
+
+    positions: tuple[int, ...]
+
+
+# A program position (compute, GS, PS, RL), a batch of p2p actions, or a deferred wait.
+Step = int | Batch | Wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,38 +458,49 @@ class _Model:
         actions, layout = self.schedule.per_rank[rank], self.schedule.layout
         rules = self.rules
         transfers = rules.transfers
-        holder: dict[tuple[bool, str, int, int, bool], int] = {}  # (send, message, rest) -> batch
+        # (send, message, rest) -> the unit running its op; a CPU waits for units
+        holder: dict[tuple[bool, str, int, int, bool], int] = {}
+        unit_at: dict[int, int] = {}  # program position -> the unit running its op
         loaded: set[tuple[int, int]] = set()  # restores a later backward consumes (LD)
         steps: list[tuple[str, int]] = []
         unsettled: list[int] = []
 
         def wait(send: bool, message: Message, rest: bool = False) -> None:
-            batch = holder.get((send, *message, rest))
-            if batch is not None:
-                steps.append(("wait", batch))
+            unit = holder.get((send, *message, rest))
+            if unit is not None:
+                steps.append(("wait", unit))
 
         consumed = _Consumed(rules)
         index = 0  # the rank's batches, numbered from 0
         group = self._stream(rank, -1)
         for step in self.posting.per_rank[rank]:
+            if isinstance(step, Wait):
+                for position in step.positions:
+                    if position not in unit_at:
+                        raise self._error(
+                            f"rank {rank} waits for step {position}, which no earlier batch posts",
+                            {(rank, position): "ERROR HERE"},
+                        )
+                    steps.append(("wait", unit_at[position]))
+                continue
             if isinstance(step, int):
                 action = actions[step]
                 if action.kind.is_compute:
                     mb = action.microbatch or 0
                     for what, stage in consumed(action, loaded):
-                        batch = holder.get((False, what, stage, mb, False))
-                        if batch is not None:
-                            steps.append(("wait", batch))
+                        unit = holder.get((False, what, stage, mb, False))
+                        if unit is not None:
+                            steps.append(("wait", unit))
                     if action.kind in _FREES_OUTPUT and not layout.is_last(action.stage):
                         # the output it frees: its send must be done (megatron-core's
                         # deallocate_pipeline_outputs; runtime/backward.py)
-                        batch = holder.get((True, "act", action.stage, mb, False))
-                        if batch is not None:
-                            steps.append(("wait", batch))
+                        unit = holder.get((True, "act", action.stage, mb, False))
+                        if unit is not None:
+                            steps.append(("wait", unit))
                 steps.append(("run", step))
                 if action.kind.is_compute and self.settle:
                     # gloo: a transfer's send is settled after the next compute (Rules)
-                    steps.extend(("wait", batch) for batch in unsettled)
+                    steps.extend(("wait", unit) for unit in unsettled)
                     unsettled = []
                 continue
             batch = len(self.batch_units)
@@ -489,7 +510,6 @@ class _Model:
             self.batch_tick.append(step.tick)
             index += 1
             unit = -1 if step.pairwise else self._unit(batch, group)
-            settled_later = False
             for item in step.items:
                 action = actions[item.position]
                 message = message_of(action)
@@ -504,11 +524,12 @@ class _Model:
                         wait(False, waited, rest=True)
                     if rules.loads(action) is not None:
                         loaded.add((action.stage, action.microbatch or 0))
-                    settled_later |= send and rules.awaits(action)
-                holder[(send, *message, item.rest)] = batch
                 op_unit = (
                     self._unit(batch, self._stream(rank, action.peer or 0)) if unit < 0 else unit
                 )
+                if rule is not None and send and rules.awaits(action):
+                    unsettled.append(op_unit)
+                holder[(send, *message, item.rest)] = unit_at[item.position] = op_unit
                 op = _Op(
                     rank,
                     batch,
@@ -522,10 +543,8 @@ class _Model:
                 self.ops.append(op)
             steps.append(("post", batch))
             if step.blocking:
-                steps.append(("wait", batch))
-            if settled_later:
-                unsettled.append(batch)
-        steps.extend(("wait", batch) for batch in sorted(set(holder.values())))
+                steps.extend(("wait", unit) for unit in self.batch_units[batch])
+        steps.extend(("wait", unit) for unit in sorted(set(holder.values())))
         return steps
 
     def _match(self) -> list[int]:
@@ -570,13 +589,11 @@ class _Model:
         nbatches, nunits = len(self.batch_units), len(self.unit_ops)
         self.started = bytearray(nunits)
         self.unit_done = bytearray(nunits)
-        self.done = bytearray(nbatches)
         self.posted = bytearray(nbatches)
         self.left = [len(ops) for ops in self.unit_ops]
-        self.units_left = [len(units) for units in self.batch_units]
         self.queues: list[deque[int]] = [deque() for _ in self.streams]
         self.pc = [0] * num_ranks
-        self.waiter: dict[int, int] = {}  # batch -> rank whose CPU waits for it
+        self.waiter: dict[int, int] = {}  # unit -> rank whose CPU waits for it
         self.ready: deque[int] = deque(range(num_ranks))
         # clocks (all 0 untimed)
         zero: float = 0
@@ -646,11 +663,11 @@ class _Model:
                     if len(queue) == 1:
                         self._start(unit)
             elif kind == "wait":
-                if not self.done[value]:
+                if not self.unit_done[value]:
                     self.waiter[value] = rank
                     break
-                if self.done_time[value] > self.cpu[rank]:
-                    self.cpu[rank] = self.done_time[value]
+                if self.unit_end[value] > self.cpu[rank]:
+                    self.cpu[rank] = self.unit_end[value]
             elif self.durations:
                 self._run(rank, value)
             pc += 1
@@ -729,11 +746,7 @@ class _Model:
         batch = self.unit_batch[unit]
         if self.unit_end[unit] > self.done_time[batch]:
             self.done_time[batch] = self.unit_end[unit]
-        self.units_left[batch] -= 1
-        if self.units_left[batch]:
-            return
-        self.done[batch] = 1
-        woken = self.waiter.pop(batch, None)
+        woken = self.waiter.pop(unit, None)
         if woken is not None:
             self.ready.append(woken)
 
@@ -777,7 +790,7 @@ class _Model:
     def _deadlock(self) -> ScheduleError:
         """Follow the waits from a stuck rank until one repeats: that is the cycle."""
         stuck = [r for r in range(self.schedule.num_ranks) if self.pc[r] < len(self.steps[r])]
-        node: tuple[str, int] = ("cpu", stuck[0]) if stuck else ("batch", self._any_queued())
+        node: tuple[str, int] = ("cpu", stuck[0]) if stuck else ("unit", self._any_queued())
         seen: dict[tuple[str, int], int] = {}
         chain: list[tuple[tuple[str, int], str, tuple[int, int]]] = []
         while node not in seen:
@@ -795,46 +808,45 @@ class _Model:
         )
 
     def _any_queued(self) -> int:
-        return next(self.unit_batch[queue[0]] for queue in self.queues if queue)
+        return next(queue[0] for queue in self.queues if queue)
 
     def _batch_ops(self, batch: int) -> list[int]:
         return [op_id for unit in self.batch_units[batch] for op_id in self.unit_ops[unit]]
 
     def _explain(self, node: tuple[str, int]) -> tuple[str, tuple[int, int], tuple[str, int]]:
+        """One link of the cycle: a CPU waits for a unit (a batch, or a pairwise op), which is
+        queued behind another on its stream or waits for a partner not started."""
         kind, value = node
         if kind == "cpu":
             rank = value
-            _, batch = self.steps[rank][self.pc[rank]]
+            _, unit = self.steps[rank][self.pc[rank]]
             position = self._last_position(rank)
             return (
-                f"rank {rank} waits (after step {position}) for its {self._name(batch)}",
+                f"rank {rank} waits (after step {position}) for its {self._name(unit)}",
                 (rank, position),
-                ("batch", batch),
+                ("unit", unit),
             )
-        batch, rank = value, self.batch_rank[value]
-        mark = (rank, self.ops[self._batch_ops(batch)[0]].position)
-        waiting = [unit for unit in self.batch_units[batch] if not self.started[unit]]
-        if waiting:
-            head = self.unit_batch[self.queues[self.unit_stream[waiting[0]]][0]]
+        unit = value
+        rank = self.batch_rank[self.unit_batch[unit]]
+        mark = (rank, self.ops[self.unit_ops[unit][0]].position)
+        if not self.started[unit]:
+            head = self.queues[self.unit_stream[unit]][0]
             return (
-                f"rank {rank}'s {self._name(batch)} is queued behind its {self._name(head)}",
+                f"rank {rank}'s {self._name(unit)} is queued behind its {self._name(head)}",
                 mark,
-                ("batch", head),
+                ("unit", head),
             )
-        for op_id in self._batch_ops(batch):
+        for op_id in self.unit_ops[unit]:
             other = self.ops[self.partner[op_id]]
             if not self.started[other.unit]:
                 op = self.ops[op_id]
                 verb = "sends" if op.send else "receives"
-                where = (
-                    f"rank {other.rank}'s {self._name(other.batch)}, not posted yet"
-                    if not self.posted[other.batch]
-                    else f"rank {other.rank}'s {self._name(other.batch)}, not started"
-                )
-                nxt = ("batch", other.batch) if self.posted[other.batch] else ("cpu", other.rank)
+                posted = self.posted[other.batch]
+                state = "not started" if posted else "not posted yet"
+                nxt = ("unit", other.unit) if posted else ("cpu", other.rank)
                 return (
-                    f"rank {rank}'s {self._name(batch)} {verb} {_what_text(op.what)}: its "
-                    f"partner is in {where}",
+                    f"rank {rank}'s {self._name(unit)} {verb} {_what_text(op.what)}: its "
+                    f"partner is in rank {other.rank}'s {self._name(other.unit)}, {state}",
                     mark,
                     nxt,
                 )
@@ -848,8 +860,10 @@ class _Model:
                 return self.ops[self._batch_ops(value)[-1]].position
         return -1
 
-    def _name(self, batch: int) -> str:
-        ops = [self.ops[op_id] for op_id in self._batch_ops(batch)]
+    def _name(self, unit: int) -> str:
+        """A unit as its batch: the rank's batch number, tick, ops (a pairwise op alone)."""
+        batch = self.unit_batch[unit]
+        ops = [self.ops[op_id] for op_id in self.unit_ops[unit]]
         text = " ".join(
             f"{'S' if op.send else 'R'} {_what_text(op.what)}{'>' if op.send else '<'}{op.peer}"
             for op in ops
