@@ -40,8 +40,12 @@ each rank executes its steps in order, waits at a compute for the batches holdin
 consumes (and the send of its output before the backward that frees it, and BPipe's transfers
 after the next compute, as the runtime does on gloo), at a BPipe RS for the eviction it returns,
 before a payload batch for the eviction's header; a batch starts when posted and its predecessor
-on the rank has completed. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream
-waits), so what the model proves holds on both. A posting that cannot finish is reported with
+on the rank has completed. Postings of other executors say more (``native_posting``:
+megatron-core's own): a ``blocking`` batch is waited right after it is posted, a ``pairwise``
+batch's ops (non-batched ``isend`` / ``irecv``) each run on the stream of their (rank, peer) pair,
+FIFO per pair, instead of the rank's one stream, and a ``Wait`` step waits for the ops it
+names. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream waits), so what
+the model proves holds on both. A posting that cannot finish is reported with
 the cycle of waits and the per-rank grid.
 """
 
