@@ -414,6 +414,14 @@ def format_recommendation(
         f"in {gpu.memory_bytes / 2**30:.0f} GiB, {result.simulated} simulated, {result.pruned} "
         f"pruned by bounds, {result.seconds:.1f} s; compute from the {result.efficiency_source}",
         f"p2p timing model: {result.p2p_model} ({P2P_MODELS[result.p2p_model]})",
+        *(
+            [f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS['megatron']}"]
+            if any(
+                plan.p2p_model == "megatron"
+                for plan in (*result.plans, *result.best_per_family.values())
+            )
+            else []
+        ),
         "",
         header,
         "-" * len(header),
@@ -423,11 +431,10 @@ def format_recommendation(
     if result.best_per_family and result.plans:
         first = result.plans[0].step_time_s
         lines += ["", "best of each schedule family (slower than #1 by):"]
-        for family, plan in result.best_per_family.items():
+        for plan in result.best_per_family.values():
             c = plan.candidate
-            group = f" g={c.group_size}" if c.group_size else ""
             lines.append(
-                f"  {family + group:<28} {plan.step_time_s:8.3f} s  "
+                f"  {_name(plan):<28} {plan.step_time_s:8.3f} s  "
                 f"{100 * (plan.step_time_s / first - 1):+6.1f}%  tp={c.tp} pp={c.pp} vp={c.vp} "
                 f"dp={c.dp} b={c.micro_batch_size} {c.recompute}, bubble "
                 f"{100 * plan.bubble_fraction:.1f}%"
@@ -448,9 +455,16 @@ def format_recommendation(
     return "\n".join(lines)
 
 
+def _name(plan: Plan) -> str:
+    """A row's family, its breadth-first group, and [M] when it stands for Megatron's own."""
+    c = plan.candidate
+    group = f" g={c.group_size}" if c.group_size else ""
+    return c.family + group + (" [M]" if plan.p2p_model == "megatron" else "")
+
+
 def _row(rank: int, plan: Plan) -> str:
     c, mem = plan.candidate, plan.memory
-    name = c.family + (f" g={c.group_size}" if c.group_size else "")
+    name = _name(plan)
     return (
         f"{rank:>2}  {name:<28} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
         f"{c.micro_batch_size:>3} {plan.num_microbatches:>4} {c.recompute:<9} "

@@ -49,6 +49,7 @@ from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL
 
 __all__ = [
     "FAMILIES",
+    "MEGATRON_SCHEDULES",
     "Candidate",
     "Cluster",
     "Plan",
@@ -56,6 +57,7 @@ __all__ = [
     "SearchResult",
     "candidates",
     "evaluate",
+    "p2p_model_of",
     "rank_parameters_of",
     "recommend",
 ]
@@ -117,6 +119,9 @@ class SearchOptions:
     output_layer: bool = True
     best_per_family: bool = False  # also find each family's best (the plot, comparisons)
     p2p_model: str = DEFAULT_P2P_MODEL  # how the simulator times messages (sim.P2P_MODELS)
+    # 1f1b / interleaved rows stand for Megatron's own schedules, timed by megatron-core's own
+    # posting (p2p model "megatron") whenever the others are by our runtime's (lockstep)
+    megatron_baselines: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +156,7 @@ class Plan:
     mfu: float
     memory: MemoryBreakdown
     bubble_fraction: float
+    p2p_model: str = DEFAULT_P2P_MODEL  # the simulator's p2p timing model for this row
 
     def to_dict(self) -> dict[str, object]:
         c = self.candidate
@@ -168,6 +174,7 @@ class Plan:
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
             "memory_per_gpu_bytes": self.memory.to_dict(),
+            "p2p_model": self.p2p_model,
         }
 
 
@@ -441,6 +448,23 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel, p2p: str) -> tuple[flo
     return result.step_time, result.bubble_fraction
 
 
+MEGATRON_SCHEDULES = frozenset({"1f1b", "interleaved"})  # what Megatron-LM itself runs
+
+
+def p2p_model_of(candidate: Candidate, options: SearchOptions) -> str:
+    """The p2p timing model of one row: megatron-core's own posting for a Megatron baseline
+    (``SearchOptions.megatron_baselines``) when the search times our runtime's, else the
+    search's."""
+    if (
+        options.megatron_baselines
+        and options.p2p_model == DEFAULT_P2P_MODEL
+        and candidate.schedule in MEGATRON_SCHEDULES
+        and candidate.sharding == "optim"
+    ):
+        return "megatron"
+    return options.p2p_model
+
+
 def _simulate(
     sized: _Sized, model: Model, cluster: Cluster, global_batch_size: int, p2p: str
 ) -> Plan:
@@ -456,6 +480,7 @@ def _simulate(
         mfu=flops / (step * cluster.num_gpus * cluster.gpu.peak_flops),
         memory=sized.memory,
         bubble_fraction=bubble,
+        p2p_model=p2p,
     )
 
 
@@ -542,7 +567,7 @@ def evaluate(
     )
     if sized is None:  # cannot happen with force=True; keeps the type checker honest
         raise ScheduleError(f"could not size {candidate}")
-    return _simulate(sized, model, cluster, global_batch_size, options.p2p_model)
+    return _simulate(sized, model, cluster, global_batch_size, p2p_model_of(candidate, options))
 
 
 def recommend(
@@ -591,7 +616,8 @@ def recommend(
         ):
             pruned += 1
             continue
-        plan = _simulate(sized, model, cluster, global_batch_size, options.p2p_model)
+        p2p = p2p_model_of(sized.candidate, options)
+        plan = _simulate(sized, model, cluster, global_batch_size, p2p)
         simulated += 1
         if best is None or plan.step_time_s < best.step_time_s:
             family_best[family] = plan

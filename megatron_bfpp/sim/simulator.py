@@ -1,11 +1,15 @@
 """Time a schedule under a cost model, summed up per rank, by one of the p2p timing models.
 
-``P2P_MODELS`` names them. The default, ``lockstep``, times what the runtime runs: the
+``P2P_MODELS`` names them. The default, ``lockstep``, times what our runtime runs: the
 lock-step posting (``nccl.lockstep_posting``, one ``batch_isend_irecv`` per tick, the batches
 of a rank in tick order on one stream, a batch complete only when both halves of every op are
-posted; BPipe's header read blocking the acceptor) timed by ``nccl.time_posting``. ``gloo``
-keeps gloo's rules (``semantics.replay``: sends never block, a receiver waits only where it
-consumes), which no NCCL run follows: an option for comparison, never a prediction's default.
+posted; BPipe's header read blocking the acceptor) timed by ``nccl.posting_timer``.
+``megatron`` times Megatron's own ``1f1b`` / ``interleaved`` by the calls megatron-core posts
+for them (``native_posting.megatron_posting`` with Megatron-LM's settings: one
+``_communicate`` per pipeline step, waited at once; interleaved non-batched with p2p overlap),
+by the same model. ``gloo`` keeps gloo's rules (``semantics.replay``: sends never block, a
+receiver waits only where it consumes), which no NCCL run follows: an option for comparison,
+never a prediction's default.
 Either way ``semantics.replay`` runs first: it finds a deadlock (with the grid of where each
 rank waits), counts stored activations in program order and sees the RLs of sharded
 parameters, which do not depend on the timing model.
@@ -13,8 +17,9 @@ parameters, which do not depend on the timing model.
 A ``CostModel`` becomes the models' ``Timing``: compute times scale with the stage's share of a
 full 1F1B stage (``StageLayout.stage_fraction``), as does BPipe's transfer time ``t_evict``;
 ``t_p2p`` is one activation or gradient message (and, under ``lockstep``, an eviction's size
-header), ``t_grad_reduce`` / ``t_param_gather`` one GS / PS. A rank ends when its CPU (under
-``lockstep``: including the batches it waits for last) and its data-parallel lane are both done;
+header), ``t_grad_reduce`` / ``t_param_gather`` one GS / PS; no bandwidth term: a message's
+size is not in the cost model. A rank ends when its CPU (under a posting: including the
+batches it waits for last) and its data-parallel lane are both done;
 the step time is the latest rank end.
 
 A compute-only schedule (no SA/RA/SG/RG, e.g. a torch CSV) is timed as ``add_communication``
@@ -34,6 +39,7 @@ from typing import Any
 
 from megatron_bfpp.ir import Schedule, ScheduleError, format_schedule
 from megatron_bfpp.messages import has_communication
+from megatron_bfpp.native_posting import megatron_lm_options, megatron_posting
 from megatron_bfpp.nccl import Posting, PostingRun, lockstep_posting, posting_timer
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.semantics import (
@@ -63,10 +69,16 @@ __all__ = [
 P2P_MODELS = {
     "lockstep": "the runtime's lock-step NCCL posting: one batch per tick, FIFO per rank, "
     "a batch done when both halves of each op are posted",
+    "megatron": "megatron-core's own p2p for its 1f1b / interleaved as Megatron-LM runs them: "
+    "one call per pipeline step, batched and waited at once (interleaved: non-batched, "
+    "overlapped)",
     "gloo": "gloo's rules: sends never block, a receiver waits only where it consumes "
     "(not what runs on NCCL; for comparison)",
 }
 DEFAULT_P2P_MODEL = "lockstep"
+# The megatron-core whose posting ``megatron`` times (native_posting: 0.18 and later wait for a
+# forward send right after posting it under p2p overlap).
+MEGATRON_CORE_VERSION = (0, 19)
 
 # The one unit of stored activations, parameters and gradients everywhere (bfpp-sim's table and
 # JSON, bfpp-train's metrics, the planner): a full 1F1B stage, i.e. a rank's share of the layers
@@ -194,7 +206,7 @@ def simulate(
             schedule, costs, run, exact.per_unit, p2p, run.timeline.scaled(exact.per_unit)
         )
     try:
-        timed = _timer(schedule, posting)(exact.timing)
+        timed = _timer(schedule, p2p, posting)(exact.timing)
     except ScheduleError as error:
         raise ScheduleError(f"cannot simulate {schedule.name!r} under {p2p}: {error}") from None
     timed_run = run._replace(
@@ -206,22 +218,27 @@ def simulate(
 
 # The timers of the last schedules timed by their lock-step posting, by identity (the planner
 # times each of its cached schedules under many costs; hashing a schedule reads all of it).
-_TIMERS: dict[int, tuple[Schedule, Callable[[Timing], PostingRun]]] = {}
+_TIMERS: dict[tuple[int, str], tuple[Schedule, Callable[[Timing], PostingRun]]] = {}
 _TIMERS_KEPT = 64
 
 
-def _timer(schedule: Schedule, posting: Posting | None) -> Callable[[Timing], PostingRun]:
-    """The timer of ``posting``, or of the lock-step posting of ``schedule`` lowered."""
+def _timer(schedule: Schedule, p2p: str, posting: Posting | None) -> Callable[[Timing], PostingRun]:
+    """The timer of ``posting``, or of the posting ``p2p`` names for ``schedule`` lowered."""
     if posting is not None:
         return posting_timer(schedule, posting)
-    kept = _TIMERS.get(id(schedule))
+    kept = _TIMERS.get((id(schedule), p2p))
     if kept is not None and kept[0] is schedule:
         return kept[1]
     lowered = schedule if has_communication(schedule) else add_communication(schedule)
-    timer = posting_timer(lowered, lockstep_posting(lowered))
+    if p2p == "megatron":
+        options = megatron_lm_options(lowered, core_version=MEGATRON_CORE_VERSION)
+        posting = megatron_posting(lowered, options)
+    else:
+        posting = lockstep_posting(lowered)
+    timer = posting_timer(lowered, posting)
     if len(_TIMERS) >= _TIMERS_KEPT:
         del _TIMERS[next(iter(_TIMERS))]
-    _TIMERS[id(schedule)] = (schedule, timer)
+    _TIMERS[(id(schedule), p2p)] = (schedule, timer)
     return timer
 
 

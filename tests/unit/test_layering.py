@@ -56,7 +56,17 @@ ALLOWED = {
     "validate": {"ir", "messages", "semantics"},
     "passes": {"ir", "messages", "semantics", "validate", "passes"},
     "schedules": {"ir", "messages", "semantics", "validate", "passes", "schedules"},
-    "sim": {"ir", "messages", "nccl", "semantics", "validate", "passes", "schedules", "sim"},
+    "sim": {
+        "ir",
+        "messages",
+        "nccl",
+        "native_posting",
+        "semantics",
+        "validate",
+        "passes",
+        "schedules",
+        "sim",
+    },
     # plan reads the torch-free parameter count of train (TORCH_FREE_TRAIN), nothing else there
     "plan": {
         "ir",

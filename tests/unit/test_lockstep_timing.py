@@ -236,3 +236,22 @@ def test_bfpp_sim_says_which_model_produced_its_figures(capsys: pytest.CaptureFi
         "p2p timing model: lockstep (the runtime's lock-step NCCL posting"
         in capsys.readouterr().out
     )
+
+
+def test_megatron_times_megatron_cores_own_posting_of_its_schedules() -> None:
+    """``megatron`` times the calls megatron-core posts (native_posting, Megatron-LM's
+    settings); it takes only Megatron's own 1f1b / interleaved orders."""
+    costs = CostModel(t_p2p=0.5)
+    one_f_one_b = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
+    result = simulate(one_f_one_b, costs, p2p="megatron")
+    assert result.p2p_model == "megatron"
+    assert result.step_time >= simulate(one_f_one_b, costs, p2p="gloo").step_time
+    interleaved = build_schedule("interleaved", num_ranks=4, num_microbatches=8, num_chunks=2)
+    # overlapped non-batched p2p: each pair's stream, not the rank's one, so it beats lock-step
+    assert (
+        simulate(interleaved, costs, p2p="megatron").step_time
+        < simulate(interleaved, costs).step_time
+    )
+    breadth = build_schedule("breadth-first", num_ranks=4, num_microbatches=8, num_chunks=2)
+    with pytest.raises(ScheduleError, match="cannot simulate 'breadth-first' under megatron"):
+        simulate(breadth, costs, p2p="megatron")
