@@ -226,6 +226,7 @@ class _TickReplay:
         self.now = [0] * len(programs)  # the end of each rank's latest compute
         # EV / RS waiting for the partner's AC / LD: (position, message, earliest tick).
         self.deferred: list[list[tuple[int, Message, int]]] = [[] for _ in programs]
+        self.settled = [0] * len(programs)  # the latest tick of a rank's settled transfers
 
     def run(self) -> None:
         programs = self.schedule.per_rank
@@ -234,8 +235,9 @@ class _TickReplay:
         while pending and progressed:  # rounds over the ranks still running, while any moves
             progressed, still = False, []
             for rank in pending:
+                deferred = len(self.deferred[rank])
                 position = self._advance(rank, self.at[rank])
-                progressed |= position != self.at[rank]
+                progressed |= position != self.at[rank] or len(self.deferred[rank]) < deferred
                 self.at[rank] = position
                 if position < len(programs[rank]) or self.deferred[rank]:
                     still.append(rank)
@@ -256,7 +258,7 @@ class _TickReplay:
     def _resolved(self, rank: int) -> int | None:
         """Settle the deferred transfers whose partner has posted; the latest tick among them,
         or None while one still waits."""
-        latest, still = 0, []
+        latest, still = self.settled[rank], []
         for position, message, earliest in self.deferred[rank]:
             if message not in self.posted:  # AC / LD name the same message as EV / RS
                 still.append((position, message, earliest))
@@ -264,7 +266,7 @@ class _TickReplay:
             tick = max(earliest, self.posted[message])
             self.ticks[rank][position] = self.sent[message] = tick
             latest = max(latest, tick)
-        self.deferred[rank] = still
+        self.deferred[rank], self.settled[rank] = still, latest
         return None if still else latest
 
     def _advance(self, rank: int, position: int) -> int:
@@ -289,6 +291,9 @@ class _TickReplay:
                 waited = rules.transfer_waits(action)
                 needs = [] if waited is None else [waited]  # RS: the payload it returns
             if any(need not in sent for need in needs):
+                # settle what can be: the partner may wait for an eviction this rank deferred
+                # to its next compute, which waits here (an EV with its LD before any compute)
+                self._resolved(rank)
                 break
             ready = max((sent[need] for need in needs), default=0)
             if kind.is_compute:

@@ -53,7 +53,7 @@ ALLOWED = {
     "nccl": {"ir", "messages", "semantics"},  # NCCL's rules: lock-step posting, proof, timing
     "native_posting": {"ir", "messages", "nccl"},  # megatron-core's own p2p calls, as a posting
     "semantics": {"ir", "messages"},
-    "validate": {"ir", "messages", "semantics"},
+    "validate": {"ir", "messages", "nccl", "semantics"},
     "passes": {"ir", "messages", "semantics", "validate", "passes"},
     "schedules": {"ir", "messages", "semantics", "validate", "passes", "schedules"},
     "sim": {
