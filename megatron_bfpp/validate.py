@@ -50,7 +50,13 @@ from megatron_bfpp.messages import (
     message_of,
 )
 from megatron_bfpp.nccl import validate_nccl
-from megatron_bfpp.semantics import Recorded, Rules, describe_waits, run_recorded
+from megatron_bfpp.semantics import (
+    Recorded,
+    Rules,
+    describe_waits,
+    match_channels,
+    run_recorded,
+)
 
 __all__ = [
     "Message",
@@ -664,9 +670,13 @@ def _channel_problem(schedule: Schedule, src: int, dst: int) -> ScheduleError:
         for position, a in enumerate(schedule.per_rank[dst])
         if a.kind.is_recv and a.peer == src
     ]
-    index = next(
-        (i for i, (sent, got) in enumerate(zip(out, into, strict=False)) if sent[1] != got[1]),
-        min(len(out), len(into)),
+    index = next(  # the first send whose receive differs (semantics.match_channels pairs them)
+        (
+            k
+            for k, (sent, got) in enumerate(match_channels(out, into))
+            if got is None or sent[1] != got[1]
+        ),
+        len(out),
     )
     if index < len(out) and index < len(into):
         (sent_at, sent), (received_at, received) = out[index], into[index]
