@@ -212,11 +212,15 @@ class _Builder:
     receives: dict[tuple[ActionKind, int], deque[int]] = field(default_factory=dict)
     posted: set[int] = field(default_factory=set)
     ran: int = 0  # computes run so far
+    prev: int = 0  # the neighbour ranks
+    next: int = 0
 
     def __post_init__(self) -> None:
         # GS / RL go after the compute before them (megatron-core starts a gradient reduction
         # in or after that backward), PS before the compute after it (in its forward's
         # preparation), each in program order.
+        num_ranks = self.schedule.num_ranks
+        self.prev, self.next = (self.rank - 1) % num_ranks, (self.rank + 1) % num_ranks
         actions = self.schedule.per_rank[self.rank]
         pending: list[int] = []
         for position, action in enumerate(actions):
@@ -237,21 +241,13 @@ class _Builder:
             elif kind in (K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE):
                 pending.append(position)
             else:
-                raise self._refuse(f"step {position} is {action}, which megatron-core never runs")
+                raise self.refuse(f"step {position} is {action}, which megatron-core never runs")
         if pending and not self.computes:
-            raise self._refuse("it runs no compute")
+            raise self.refuse("it runs no compute")
         if pending:
             self.after[self.computes[-1]] += pending
 
-    # the rank's neighbours and compute order
-    @property
-    def prev(self) -> int:
-        return (self.rank - 1) % self.schedule.num_ranks
-
-    @property
-    def next(self) -> int:
-        return (self.rank + 1) % self.schedule.num_ranks
-
+    # the rank's compute order
     def action(self, position: int) -> Action:
         return self.schedule.per_rank[self.rank][position]
 
@@ -259,7 +255,7 @@ class _Builder:
         """Run a compute, which must be the next in the rank's program."""
         if self.ran >= len(self.computes) or self.computes[self.ran] != position:
             got = self.action(self.computes[self.ran]) if self.ran < len(self.computes) else "none"
-            raise self._refuse(
+            raise self.refuse(
                 f"its compute #{self.ran} is {got} where megatron-core runs "
                 f"{self.action(position)} (warm-up, one forward one backward, cool-down)"
             )
@@ -282,7 +278,7 @@ class _Builder:
                 return None
             key = (K.SEND_GRAD, action.stage, action.microbatch or 0)
         if key not in self.sends:
-            raise self._refuse(f"{action}'s output is never sent")
+            raise self.refuse(f"{action}'s output is never sent")
         return self.sends[key]
 
     # posting
@@ -322,7 +318,7 @@ class _Builder:
         queue = self.receives.get((kind, peer))
         if not queue:
             what = "activation" if kind is K.RECV_ACT else "gradient"
-            raise self._refuse(f"megatron-core receives an {what} from rank {peer} it never sends")
+            raise self.refuse(f"megatron-core receives an {what} from rank {peer} it never sends")
         return queue.popleft()
 
     def finish(self) -> tuple[Step, ...]:
@@ -330,10 +326,10 @@ class _Builder:
         missing = [q for q, a in enumerate(actions) if a.kind.is_p2p and q not in self.posted]
         missing += self.computes[self.ran :]
         if missing:
-            raise self._refuse(f"megatron-core never posts or runs its step {missing[0]}")
+            raise self.refuse(f"megatron-core never posts or runs its step {missing[0]}")
         return tuple(self.steps)
 
-    def _refuse(self, reason: str) -> ScheduleError:
+    def refuse(self, reason: str) -> ScheduleError:
         return ScheduleError(
             f"{self.schedule.name}, rank {self.rank}: {reason}; only megatron's own 1f1b and "
             "interleaved orders are posted as megatron-core posts them"
@@ -347,7 +343,7 @@ def _one_f_one_b(b: _Builder, shape: _Shape) -> None:
     warmup, _ = shape.warmup(r)
     remaining = shape.num_microbatches - warmup
     if len(b.forwards) != shape.num_microbatches or len(b.backwards) != len(b.forwards):
-        raise b._refuse("it does not run one forward and one backward per micro-batch")
+        raise b.refuse("it does not run one forward and one backward per micro-batch")
     forwards, backwards = b.forwards, b.backwards
     for i in range(warmup):
         b.call(recv_prev=not first)  # recv_forward
@@ -378,7 +374,7 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
     overlap, wait_forward_sends = b.options.overlap_p2p, b.options.wait_forward_sends
     forwards, backwards = b.forwards, b.backwards
     if len(forwards) != total or len(backwards) != total:
-        raise b._refuse("it does not run one forward and one backward per micro-batch and chunk")
+        raise b.refuse("it does not run one forward and one backward per micro-batch and chunk")
     # Deferred requests (overlap only): receives waited oldest first, the latest send each way.
     recv_prev_waits: deque[int] = deque()
     recv_next_waits: deque[int] = deque()

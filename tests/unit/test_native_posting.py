@@ -211,3 +211,42 @@ def test_interleaved_at_pp_2_without_overlap_cross_matches_as_megatron_lm_warns(
     with pytest.raises(ScheduleError, match=r"send #\d+ from rank 0 to rank 1 is grad"):
         check_posting(schedule, megatron_posting(schedule))
     check_posting(schedule, megatron_posting(schedule, OVERLAP))
+
+
+def _megatron_cases() -> list[tuple[Schedule, P2POptions]]:
+    """1F1B at pp 2, 3, 4, 8 (m 1..3p+1) and interleaved at vp 2 and 4 (m p..3p+1, groups p and
+    m), under every setting megatron-core accepts."""
+    cases = []
+    for p in (2, 3, 4, 8):
+        for m in range(1, 3 * p + 2):
+            one = build_schedule("1f1b", num_ranks=p, num_microbatches=m)
+            cases += [(one, MEGATRON_CORE_DEFAULTS), (one, PAIRWISE)]
+        for v, m in ((v, m) for v in (2, 4) for m in range(p, 3 * p + 2)):
+            for group in sorted({p, m}):
+                if 0 < m % group < p:  # megatron-core refuses this remainder
+                    continue
+                inter = build_schedule(
+                    "interleaved",
+                    num_ranks=p,
+                    num_microbatches=m,
+                    num_chunks=v,
+                    microbatch_group_size=group,
+                )
+                for options in (MEGATRON_CORE_DEFAULTS, PAIRWISE, OVERLAP):
+                    cases.append((inter, options))
+                cases.append((inter, P2POptions(True, False, wait_forward_sends=True)))
+    return cases
+
+
+@pytest.mark.slow
+def test_megatron_cores_postings_are_nccl_safe_but_for_interleaved_pp_2_batched() -> None:
+    unsafe = []
+    cases = _megatron_cases()
+    for schedule, options in cases:
+        try:
+            check_posting(schedule, megatron_posting(schedule, options))
+        except ScheduleError:
+            unsafe.append((schedule.name, schedule.num_ranks, options))
+    assert len(cases) == 510  # the figures in docs/design-notes.md
+    assert len(unsafe) == 14
+    assert set(unsafe) == {("interleaved", 2, MEGATRON_CORE_DEFAULTS)}
