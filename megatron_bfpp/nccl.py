@@ -47,6 +47,15 @@ FIFO per pair, instead of the rank's one stream, and a ``Wait`` step waits for t
 names. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream waits), so what
 the model proves holds on both. A posting that cannot finish is reported with
 the cycle of waits and the per-rank grid.
+
+What each compute and BPipe transfer waits for is read from ``semantics.Rules`` (``consumed``,
+``transfer_waits``, ``loads``, ``awaits``), in the tick replay and in the model alike, and ops
+are paired by ``semantics.match_channels``: the rules are stated once, there.
+
+**Timing** (``posting_timer``, the simulator's ``lockstep`` and ``megatron`` models) runs the
+same model with clocks: computes take their durations, an op completes a message time after both
+halves have started, a batch when all its ops have; the CPU does not settle BPipe's sends after
+the next compute there (on NCCL the runtime polls them), which only the proof keeps.
 """
 
 from __future__ import annotations
