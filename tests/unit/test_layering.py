@@ -50,13 +50,23 @@ ALLOWED = {
     "flags": set(),  # the shared argument parser: the CLIs and the Megatron-LM pre-flight
     "ir": set(),
     "messages": {"ir"},
-    "nccl": {"ir", "messages"},  # NCCL's rules: the lock-step posting and its proof
+    "nccl": {"ir", "messages", "semantics"},  # NCCL's rules: lock-step posting, proof, timing
     "native_posting": {"ir", "messages", "nccl"},  # megatron-core's own p2p calls, as a posting
     "semantics": {"ir", "messages"},
-    "validate": {"ir", "messages", "semantics"},
+    "validate": {"ir", "messages", "nccl", "semantics"},
     "passes": {"ir", "messages", "semantics", "validate", "passes"},
     "schedules": {"ir", "messages", "semantics", "validate", "passes", "schedules"},
-    "sim": {"ir", "messages", "nccl", "semantics", "validate", "passes", "schedules", "sim"},
+    "sim": {
+        "ir",
+        "messages",
+        "nccl",
+        "native_posting",
+        "semantics",
+        "validate",
+        "passes",
+        "schedules",
+        "sim",
+    },
     # plan reads the torch-free parameter count of train (TORCH_FREE_TRAIN), nothing else there
     "plan": {
         "ir",
