@@ -27,6 +27,7 @@ from megatron_bfpp.cli.common import (
     finite_float,
     output_dir_problem,
     output_file_problem,
+    positive_float,
     stages_per_rank_defaults,
 )
 from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
@@ -154,9 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     par.add_argument(
         "--distributed-timeout-minutes",
-        type=positive_int,
+        type=positive_float,
         default=10,
-        help="as in Megatron-LM: a collective waiting longer on another rank fails (default 10)",
+        help="as in Megatron-LM: a collective or pipeline message waiting longer on another "
+        "rank fails, naming it (default 10; fractions allowed, e.g. 0.5)",
     )
     par.add_argument(
         "--heartbeat-timeout",
@@ -501,9 +503,10 @@ def _first_line(error: BaseException) -> str:
 def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | None]:
     """One rank: train; an expected failure becomes an exit code and its one line, which the
     caller prints (under the local launcher: once, however many ranks hit it)."""
+    from megatron_bfpp.runtime.p2p import PipelineTimeout
     from megatron_bfpp.train.checkpoint import OtherRankFailed
     from megatron_bfpp.train.liveness import RanksLost
-    from megatron_bfpp.train.trainer import train
+    from megatron_bfpp.train.trainer import RendezvousTimeout, train
 
     try:
         train(args, store=store)
@@ -511,6 +514,8 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
         return 2, None  # the failing rank reports the one line
     except RanksLost as lost:  # torchrun / srun: this rank speaks for the job
         return 1, str(lost)
+    except (PipelineTimeout, RendezvousTimeout) as error:  # a rank stopped, slow or absent
+        return 1, _first_line(error)
     except (FlagError, ScheduleError, ValueError, FileNotFoundError, FloatingPointError) as error:
         return 2, _first_line(error)
     except KeyboardInterrupt:
