@@ -381,10 +381,9 @@ def number_problem(args: argparse.Namespace) -> str | None:
     if not 0 <= args.seed <= MAX_SEED:
         return f"--seed must be in 0 .. {MAX_SEED}, got {args.seed}"
     if args.distributed_timeout_minutes > MAX_TIMEOUT_MINUTES:
-        return (
-            f"--distributed-timeout-minutes must be at most {MAX_TIMEOUT_MINUTES:,}, got "
-            f"{args.distributed_timeout_minutes}"
-        )
+        minutes = args.distributed_timeout_minutes
+        shown = int(minutes) if float(minutes).is_integer() else minutes
+        return f"--distributed-timeout-minutes must be at most {MAX_TIMEOUT_MINUTES:,}, got {shown}"
     if args.nproc_per_node is not None and args.nproc_per_node > MAX_LOCAL_RANKS:
         return (
             f"--nproc-per-node {args.nproc_per_node}: bfpp-train starts at most "
@@ -683,15 +682,16 @@ def _spawn(args: argparse.Namespace, world_size: int) -> int:
 def _report(run: Any) -> int:
     """One line per distinct failure; the exit code of the rank to blame.
 
-    Ranks that failed because another one left (gloo's "connection closed by peer") say nothing
-    new: only the culprit is reported. A traceback is printed only for an unexpected exception
-    (a bug), once."""
+    Ranks that failed because another one left or stopped (gloo's "connection closed by peer", a
+    pipeline wait past the timeout) say nothing new: only the culprit is reported. A traceback
+    is printed only for an unexpected exception (a bug), once."""
     messages = [
         outcome[1] for _, outcome in sorted(run.results.items()) if outcome[0] != 0 and outcome[1]
     ]
-    for message in dict.fromkeys(messages):  # each distinct line once, in rank order
-        _error(message)
     culprit = run.culprit
+    if culprit is None or culprit not in run.lost:  # else theirs follow from the lost rank's
+        for message in dict.fromkeys(messages):  # each distinct line once, in rank order
+            _error(message)
     if culprit is None:
         return _error(f"ranks {list(run.killed)} still running when stopped") if run.killed else 0
     if culprit in run.results:
