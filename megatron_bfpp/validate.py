@@ -610,9 +610,9 @@ def _rank_grad_sync_problem(
                            f"{rank}, so it has no gradients to reduce; drop this GS")  # fmt: skip
             if position < last:
                 return _at(schedule, rank, position, f"starts stage {stage}'s gradient reduction "
-                           f"before its last backward ({actions[last]} at step {last}), which "
-                           "would stay unreduced across data-parallel replicas; move the GS "
-                           "after it")  # fmt: skip
+                           f"before its last backward ({actions[last]} at step {last}), whose "
+                           "gradients would stay unreduced across data-parallel replicas; move "
+                           "the GS after it")  # fmt: skip
             synced[stage] = position
         elif kind is _PS and not sharded:
             if stage in gathered:
