@@ -754,9 +754,11 @@ def _load_ours(rows: list[_Row], source: str) -> Schedule:
             f"{source}: {len(programs)} rank rows, but the 'layout' row (row "
             f"{header['layout'].number}) places stages on {layout.num_ranks} ranks"
         )
-    for row, program in zip(rank_rows, programs, strict=True):
+    for rank, (row, program) in enumerate(zip(rank_rows, programs, strict=True)):
         for column, action in program:
-            problem = _stage_or_peer_problem(action, layout)
+            problem = _stage_or_peer_problem(action, layout) or _row_problem(
+                action, rank, layout, rank_rows
+            )
             if problem is not None:
                 raise ScheduleError(
                     f"{source}: row {row.number}, column {column}: {str(action)!r}: {problem}"
@@ -835,6 +837,25 @@ def _stage_or_peer_problem(action: Action, layout: StageLayout) -> str | None:
         return f"stage {action.stage} does not exist (the layout has {layout.num_stages})"
     if action.peer is not None and action.peer >= layout.num_ranks:
         return f"peer rank {action.peer} does not exist (the layout has {layout.num_ranks})"
+    return None
+
+
+def _row_problem(
+    action: Action, rank: int, layout: StageLayout, rank_rows: Sequence[_Row]
+) -> str | None:
+    """An action on another rank's row, named by the row it is on, before anything counts it
+    against its stage's own row (the forwards' check) or the validator names it by rank and
+    step. BPipe's AC / RS are the acceptor's, on a rank other than the stage's."""
+    owner = layout.rank_of(action.stage)
+    if action.kind in (ActionKind.ACCEPT, ActionKind.RESTORE):
+        if owner == rank:
+            return f"stage {action.stage}'s own rank {rank} cannot accept its evicted activations"
+        return None
+    if owner != rank:
+        return (
+            f"stage {action.stage} lives on rank {owner} (row {rank_rows[owner].number}), not on "
+            f"this row's rank {rank}; move it to that row"
+        )
     return None
 
 

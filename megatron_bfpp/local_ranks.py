@@ -20,11 +20,14 @@ Why it is built this way:
   ``SIGUSR1``), so a deadlock shows where every rank waited; without it ``kill -USR1 <pid>``
   prints a rank's stacks to its stderr.
 * **supervised**: a rank that stops beating (``heartbeat_timeout``: stopped with SIGSTOP, or
-  frozen) counts as failed, named; SIGTERM or SIGHUP to the launcher is forwarded to the ranks,
-  which are reaped before :class:`Stopped` is raised, and Ctrl-C (SIGINT, which the terminal
-  sends to every rank too) is left to the launcher: ranks ignore it and are stopped the same
-  way, so one ``KeyboardInterrupt`` reaches the caller. A rank dies with the launcher
-  (``PR_SET_PDEATHSIG`` on Linux), even if the launcher is killed with SIGKILL: no orphans.
+  frozen) counts as failed, named; once another rank failed, a few seconds' silence
+  (``SILENT_AFTER_FAILURE``) suffice: the ranks waiting on a stopped one fail at the process
+  group's timeout, each naming the peer it waited on; SIGTERM or SIGHUP to the launcher is
+  forwarded to the ranks, which are reaped before :class:`Stopped` is raised, and Ctrl-C
+  (SIGINT, which the terminal sends to every rank too) is left to the launcher: ranks ignore it
+  and are stopped the same way, so one ``KeyboardInterrupt`` reaches the caller. A rank dies
+  with the launcher (``PR_SET_PDEATHSIG`` on Linux), even if the launcher is killed with
+  SIGKILL: no orphans.
   What a rank started through ``multiprocessing`` (megatron-core's checkpoint writer starts a
   ``Manager`` server per rank) is stopped by the rank before it reports its result; a rank that
   dies any other way (the launcher killed with SIGKILL included) has its process group killed by
@@ -65,6 +68,7 @@ __all__ = ["LocalRun", "Stopped", "fork_ranks"]
 
 PORT_TIMEOUT = 120.0  # seconds rank 0 may take to report its port when there is no deadline
 HEARTBEAT_INTERVAL = 1.0
+SILENT_AFTER_FAILURE = 10 * HEARTBEAT_INTERVAL  # silence marking a rank stopped once one failed
 STOP_GRACE = 2.0  # seconds ranks get to exit after a forwarded SIGTERM before SIGKILL
 _STACK_DUMP_WAIT = 0.5
 _PR_SET_PDEATHSIG = 1
@@ -499,7 +503,7 @@ def _collect(
             failed_at[rank] = when
             if first_error is None:
                 first_error = time.monotonic()
-        for conn, rank, silence in _silent(pending, watch):
+        for conn, rank, silence in _silent(pending, watch, failing=first_error is not None):
             del pending[conn]
             errors[rank] = (
                 f"rank {rank} stopped responding: no heartbeat for {silence:.0f} s "
@@ -535,14 +539,22 @@ def _wait_time(watch: _Watch, first_error: float | None) -> float | None:
     return wait_s
 
 
-def _silent(pending: dict[Connection, int], watch: _Watch) -> list[tuple[Connection, int, float]]:
+def _silent(
+    pending: dict[Connection, int], watch: _Watch, *, failing: bool = False
+) -> list[tuple[Connection, int, float]]:
+    """Ranks silent past the heartbeat limit; once some rank failed, past
+    :data:`SILENT_AFTER_FAILURE` too: a rank that failed waiting on a stopped one (its wait
+    bounded by the process group's timeout) would otherwise be blamed instead of it."""
     if watch.heartbeat_timeout is None:
         return []
+    limit = (
+        min(watch.heartbeat_timeout, SILENT_AFTER_FAILURE) if failing else watch.heartbeat_timeout
+    )
     now = time.monotonic()
     silent = []
     for conn, rank in pending.items():
         silence = now - watch.beats[rank]
-        if silence > watch.heartbeat_timeout:
+        if silence > limit:
             silent.append((conn, rank, silence))
     return silent
 

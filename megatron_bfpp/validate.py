@@ -23,6 +23,13 @@ problems, the first (in rank order) of the first kind below is reported:
 6. NCCL: the lock-step posting the runtime makes of a lowered schedule runs to its end under
    NCCL's rules too (``nccl.validate_nccl``: one stream per rank, a batch done only when both
    halves of every op are posted), so "validated" means safe under gloo's rules and NCCL's.
+7. data-parallel sync, per rank and chunk (stage), whatever the sharding strategy, once the
+   schedule has any GS / PS / RL (a lowered one; ``require_grad_sync`` asks it of every
+   schedule with a backward): exactly one GS for each chunk with a backward on the rank, after
+   its last backward (B, or I and W), since megatron-core DDP reduces what the gradient buffers
+   hold when GS dispatches it and a later backward's gradients would stay unreduced on each
+   replica; without sharded parameters at most one PS per chunk, before its first compute
+   (with them, the residency rules of ``_residency_problem``, under 3).
 
 The checks of one action do not depend on other ranks, so each rank is checked in one go, the
 part of a program after a step it would wait at forever included; recording rather than running
@@ -64,6 +71,7 @@ __all__ = [
     "message_of",
     "validate_completeness",
     "validate_deadlock_free",
+    "validate_grad_sync",
     "validate_message_order",
     "validate_placement",
     "validate_schedule",
@@ -78,6 +86,7 @@ def validate_schedule(
     require_communication: bool = True,
     require_backward: bool = True,
     nccl: bool = True,
+    require_grad_sync: bool = False,
 ) -> None:
     """Every check, in one pass; a compute-only schedule may skip the pairing of messages.
 
@@ -86,10 +95,15 @@ def validate_schedule(
     ``require_backward=False`` (a forward-only schedule, e.g. evaluation) a (stage, micro-batch)
     may have no backward at all; one that has any must still have a complete one. ``nccl``: a
     lowered schedule's lock-step posting is proven NCCL-safe too (check 6; the module docstring
-    says who turns it off).
+    says who turns it off). A schedule with any GS / PS / RL has its data-parallel sync checked
+    (check 7); ``require_grad_sync`` checks it in a schedule with none too, where a runner would
+    otherwise reduce nothing during the step (the runtime, a lowered CSV).
     """
     error = _find_problem(
-        schedule, require_communication=require_communication, require_backward=require_backward
+        schedule,
+        require_communication=require_communication,
+        require_backward=require_backward,
+        require_grad_sync=require_grad_sync,
     )
     if error is not None:
         raise error
@@ -116,6 +130,13 @@ def validate_completeness(schedule: Schedule, *, require_backward: bool = True) 
     )
 
 
+def validate_grad_sync(schedule: Schedule, *, required: bool = False) -> None:
+    """Each chunk's GS once, after its last backward, and its PS before its first use (rule 7
+    of the module docstring); ``required`` checks a schedule without any GS / PS / RL too."""
+    scan = _scan(schedule)
+    _raise(_first(scan.placement) or _grad_sync_problem(schedule, scan.chunk_level, required))
+
+
 def validate_message_order(schedule: Schedule) -> None:
     """Sends and receives pair up one to one, posted in the same order on both sides."""
     scan = _scan(schedule)
@@ -129,7 +150,11 @@ def validate_deadlock_free(schedule: Schedule) -> None:
 
 
 def _find_problem(
-    schedule: Schedule, *, require_communication: bool, require_backward: bool
+    schedule: Schedule,
+    *,
+    require_communication: bool,
+    require_backward: bool,
+    require_grad_sync: bool = False,
 ) -> ScheduleError | None:
     """The first problem in the order of the module docstring, or None for a valid schedule."""
     scan = _scan(schedule)
@@ -140,6 +165,7 @@ def _find_problem(
         or _first(scan.order)
         or (scan.mismatched_channel() if require_communication or scan.with_comm else None)
         or scan.deadlock()
+        or _grad_sync_problem(schedule, scan.chunk_level, require_grad_sync)
     )
 
 
@@ -180,6 +206,7 @@ class _Scan:
     __slots__ = (
         "accepted",
         "channels",
+        "chunk_level",
         "duplicate",
         "flags",
         "local_in",
@@ -223,6 +250,7 @@ class _Scan:
         self.mixed = False  # some (stage, micro-batch) has B and also I or W
         self.unloaded = [0] * num_ranks  # per rank: EVs minus LDs
         self.accepted: list[set[int]] = [set() for _ in range(num_ranks)]  # keys of ACs
+        self.chunk_level: list[list[int]] = [[] for _ in range(num_ranks)]  # GS/PS/RL positions
         self.channels: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self.placement: dict[int, ScheduleError] = {}
         self.duplicate: dict[int, ScheduleError] = {}
@@ -365,6 +393,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
     loaded: set[int] = set()  # restores a backward waits for (Wires.loaded)
     accepted, unloaded = scan.accepted[rank], 0  # keys of this rank's ACs; its EVs minus LDs
     sharded = False  # an RL: this rank's parameters are sharded (checked after the loop)
+    chunk_level = scan.chunk_level[rank]  # positions of its GS / PS / RL
     position = 0
     try:  # a stage past the layout raises IndexError at s2r[stage], before any change
         for position, action in enumerate(actions):
@@ -468,6 +497,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                     scan.misplaced(rank, position)
                     return recorded
                 sharded = sharded or kind is _RL
+                chunk_level.append(position)  # checked by _grad_sync_problem
             else:  # BPipe's EV / AC / RS / LD, a few per rank
                 peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
                 owner = s2r[stage] if stage < num_stages else -1
@@ -533,19 +563,11 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
 def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
     """With sharded parameters (the rank has an RL) each chunk starts and ends the step
     released, is gathered (PS) only while released and released (RL) only while gathered, and
-    computes only while gathered; its gradients are allocated by its first backward and
-    sharded from its GS on, so no backward follows its GS. A plain walk: sharded schedules
-    only."""
+    computes only while gathered. (Its GS after its last backward, as under every strategy, is
+    rule 7: ``_grad_sync_problem``.) A plain walk: sharded schedules only."""
     gathered: set[int] = set()
-    reduced: set[int] = set()  # sharded gradients: released once their reduction lands
     for position, action in enumerate(schedule.per_rank[rank]):
         kind, stage = action.kind, action.stage
-        if kind is _GS:
-            reduced.add(stage)
-        elif kind.is_compute and kind is not _F and stage in reduced:
-            return _at(schedule, rank, position, f"computes a backward of stage {stage} after "
-                       f"its gradient reduction ({stage}GS): fully sharded, its gradients are "
-                       "only a shard from there; move the GS after its last backward")  # fmt: skip
         if kind is _PS:
             if stage in gathered:
                 return _at(schedule, rank, position, "gathers parameters already gathered: "
@@ -566,6 +588,102 @@ def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
             {},
         )
     return None
+
+
+def _grad_sync_problem(
+    schedule: Schedule, chunk_level: list[list[int]], required: bool
+) -> ScheduleError | None:
+    """Rule 6 of the module docstring, rank by rank, from the positions of each rank's GS / PS /
+    RL that the pass noted (a few per rank: the rest of a program is read only from its ends)."""
+    if not required and not any(chunk_level):
+        return None  # not lowered for data parallelism (compute-only, or messages only)
+    for rank, positions in enumerate(chunk_level):
+        problem = _rank_grad_sync_problem(schedule, rank, positions)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _rank_grad_sync_problem(
+    schedule: Schedule, rank: int, positions: list[int]
+) -> ScheduleError | None:
+    actions = schedule.per_rank[rank]
+    stages = schedule.layout.stages_of(rank)
+    last_backward = _last_of(actions, stages, _BACKWARDS)
+    first_use = _first_of(actions, stages)
+    sharded = any(actions[p].kind is _RL for p in positions)  # PS / RL: _residency_problem
+    synced: dict[int, int] = {}
+    gathered: dict[int, int] = {}
+    for position in positions:
+        action = actions[position]
+        kind, stage = action.kind, action.stage
+        if kind is _GS:
+            last = last_backward[stage]
+            if stage in synced:
+                return _at(schedule, rank, position, f"reduces stage {stage}'s gradients a second "
+                           f"time (first {stage}GS at step {synced[stage]}); keep one GS per "
+                           "chunk, after its last backward")  # fmt: skip
+            if last < 0:
+                return _at(schedule, rank, position, f"no backward of stage {stage} runs on rank "
+                           f"{rank}, so it has no gradients to reduce; drop this GS")  # fmt: skip
+            if position < last:
+                return _at(schedule, rank, position, f"starts stage {stage}'s gradient reduction "
+                           f"before its last backward ({actions[last]} at step {last}), whose "
+                           "gradients would stay unreduced across data-parallel replicas; move "
+                           "the GS after it")  # fmt: skip
+            synced[stage] = position
+        elif kind is _PS and not sharded:
+            if stage in gathered:
+                return _at(schedule, rank, position, f"gathers stage {stage}'s parameters a "
+                           f"second time (first {stage}PS at step {gathered[stage]}); keep one "
+                           "PS per chunk, before its first use")  # fmt: skip
+            first = first_use[stage]
+            if position > first:
+                return _at(schedule, rank, position, f"gathers stage {stage}'s parameters after "
+                           f"their first use ({actions[first]} at step {first}); move the PS "
+                           "before it")  # fmt: skip
+            gathered[stage] = position
+    for stage in stages:
+        last = last_backward[stage]
+        if last >= 0 and stage not in synced:
+            return _at(schedule, rank, last, f"the last backward of stage {stage} is followed by "
+                       f"no GS, so its gradients are never reduced across data-parallel "
+                       f"replicas; add {stage}GS after it")  # fmt: skip
+    return None
+
+
+_BACKWARDS = frozenset({_B, _I, _W})
+
+
+def _last_of(
+    actions: tuple[Action, ...], stages: tuple[int, ...], kinds: frozenset[ActionKind]
+) -> dict[int, int]:
+    """Position of each stage's last action of ``kinds`` (-1 if none), read from the back only
+    until every stage has one."""
+    last = dict.fromkeys(stages, -1)
+    missing = set(stages)
+    for position in range(len(actions) - 1, -1, -1):
+        action = actions[position]
+        if action.kind in kinds and action.stage in missing:
+            last[action.stage] = position
+            missing.discard(action.stage)
+            if not missing:
+                break
+    return last
+
+
+def _first_of(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
+    """Position of each stage's first compute action (len(actions) if none), read from the
+    front only until every stage has one."""
+    first = dict.fromkeys(stages, len(actions))
+    missing = set(stages)
+    for position, action in enumerate(actions):
+        if action.kind.is_compute and action.stage in missing:
+            first[action.stage] = position
+            missing.discard(action.stage)
+            if not missing:
+                break
+    return first
 
 
 _RankChannels = tuple[list[list[int]], list[list[int]], list[list[int]], list[list[int]]]

@@ -111,6 +111,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
 def json_text(data: Any) -> str:
     """Strict JSON (RFC 8259 has no Infinity or NaN, and most parsers refuse them): a number
     that is not finite becomes null."""

@@ -315,7 +315,7 @@ def schedule_from_csv(path: str, *, sharding: str = "optim") -> Schedule:
                 [a for a in actions if a.kind not in _MESSAGES] for actions in loaded.per_rank
             )
             loaded = replace(add_communication(without), name=f"{loaded.name}, messages re-derived")
-        validate_schedule(loaded)
+        validate_schedule(loaded, require_grad_sync=True)
     except ScheduleError as error:
         raise ScheduleError(f"{path}: {error}") from error
     return loaded

@@ -28,6 +28,7 @@ from megatron_bfpp.cli.common import (
     finite_float,
     output_dir_problem,
     output_file_problem,
+    positive_float,
     stages_per_rank_defaults,
 )
 from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
@@ -167,9 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     par.add_argument(
         "--distributed-timeout-minutes",
-        type=positive_int,
+        type=positive_float,
         default=10,
-        help="as in Megatron-LM: a collective waiting longer on another rank fails (default 10)",
+        help="as in Megatron-LM: a collective or pipeline message waiting longer on another "
+        "rank fails, naming it (default 10; fractions allowed, e.g. 0.5)",
     )
     par.add_argument(
         "--heartbeat-timeout",
@@ -435,10 +437,9 @@ def number_problem(args: argparse.Namespace) -> str | None:
     if not 0 <= args.seed <= MAX_SEED:
         return f"--seed must be in 0 .. {MAX_SEED}, got {args.seed}"
     if args.distributed_timeout_minutes > MAX_TIMEOUT_MINUTES:
-        return (
-            f"--distributed-timeout-minutes must be at most {MAX_TIMEOUT_MINUTES:,}, got "
-            f"{args.distributed_timeout_minutes}"
-        )
+        minutes = args.distributed_timeout_minutes
+        shown = int(minutes) if float(minutes).is_integer() else minutes
+        return f"--distributed-timeout-minutes must be at most {MAX_TIMEOUT_MINUTES:,}, got {shown}"
     if args.nproc_per_node is not None and args.nproc_per_node > MAX_LOCAL_RANKS:
         return (
             f"--nproc-per-node {args.nproc_per_node}: bfpp-train starts at most "
@@ -562,9 +563,10 @@ def _first_line(error: BaseException) -> str:
 def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | None]:
     """One rank: train; an expected failure becomes an exit code and its one line, which the
     caller prints (under the local launcher: once, however many ranks hit it)."""
+    from megatron_bfpp.runtime.p2p import PipelineTimeout
     from megatron_bfpp.train.checkpoint import OtherRankFailed
     from megatron_bfpp.train.liveness import RanksLost
-    from megatron_bfpp.train.trainer import train
+    from megatron_bfpp.train.trainer import RendezvousTimeout, train
 
     try:
         train(args, store=store)
@@ -572,6 +574,8 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
         return 2, None  # the failing rank reports the one line
     except RanksLost as lost:  # torchrun / srun: this rank speaks for the job
         return 1, str(lost)
+    except (PipelineTimeout, RendezvousTimeout) as error:  # a rank stopped, slow or absent
+        return 1, _first_line(error)
     except (FlagError, ScheduleError, ValueError, FileNotFoundError, FloatingPointError) as error:
         return 2, _first_line(error)
     except KeyboardInterrupt:
@@ -743,15 +747,16 @@ def _spawn(args: argparse.Namespace, world_size: int) -> int:
 def _report(run: Any) -> int:
     """One line per distinct failure; the exit code of the rank to blame.
 
-    Ranks that failed because another one left (gloo's "connection closed by peer") say nothing
-    new: only the culprit is reported. A traceback is printed only for an unexpected exception
-    (a bug), once."""
+    Ranks that failed because another one left or stopped (gloo's "connection closed by peer", a
+    pipeline wait past the timeout) say nothing new: only the culprit is reported. A traceback
+    is printed only for an unexpected exception (a bug), once."""
     messages = [
         outcome[1] for _, outcome in sorted(run.results.items()) if outcome[0] != 0 and outcome[1]
     ]
-    for message in dict.fromkeys(messages):  # each distinct line once, in rank order
-        _error(message)
     culprit = run.culprit
+    if culprit is None or culprit not in run.lost:  # else theirs follow from the lost rank's
+        for message in dict.fromkeys(messages):  # each distinct line once, in rank order
+            _error(message)
     if culprit is None:
         return _error(f"ranks {list(run.killed)} still running when stopped") if run.killed else 0
     if culprit in run.results:

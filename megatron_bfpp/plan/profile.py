@@ -173,6 +173,16 @@ def _measurement(row: Any, index: int) -> Measurement:
         raise ScheduleError(
             f"'{where}backward_input_s' and 'backward_weight_s' come together or not at all"
         )
+    for key, part in (("backward_input_s", split_input), ("backward_weight_s", split_weight)):
+        # Each half of a split backward does part of the whole backward's work: one longer
+        # than the whole is a mislabelled or broken measurement, and the planner would rank
+        # split-backward schedules by it.
+        if part is not None and part > backward:
+            raise ScheduleError(
+                f"'{where}{key}' ({part:.6g} s) exceeds '{where}backward_s' ({backward:.6g} s): "
+                "half of a split backward cannot take longer than the whole backward; measure "
+                "again with 'bfpp-plan profile'"
+            )
     return Measurement(
         micro_batch_size=_positive(row, "micro_batch_size", where=where),
         forward_s=forward,

@@ -59,7 +59,8 @@ def get_forward_backward_func(
 
     ``schedule`` is a registry name (``megatron_bfpp.schedule_names()``) or a lowered
     :class:`~megatron_bfpp.ir.Schedule` (checked here: complete, deadlock-free, data read in
-    order). ``options`` are the schedule's own (``microbatch_group_size`` for interleaved,
+    order, each chunk's gradient sync (GS) once after its last backward and its PS before its
+    first use). ``options`` are the schedule's own (``microbatch_group_size`` for interleaved,
     ``group_size`` for breadth-first, ``max_stored`` for bpipe). Unknown names and options fail
     here with one line, before any communication.
 
@@ -91,13 +92,16 @@ def _prebuilt(
     schedule: Schedule, measure_memory: bool, sharding: str, options: dict[str, Any]
 ) -> ForwardBackwardFunc:
     """A lowered schedule given as data (e.g. loaded from a CSV, or a hand-made order), checked
-    here: complete, deadlock-free, data read in order, and sharded only with sharding on."""
+    here: complete, deadlock-free, data read in order, each chunk's GS once after its last
+    backward (validate rule 7), and sharded only with sharding on."""
     if options:
         raise ScheduleError(
             f"a Schedule object takes no schedule options (got {sorted(options)}): they shaped "
             "it when it was built"
         )
-    validate_schedule(schedule, require_communication=True)
+    # Grad sync is required: a chunk this rank never reduces during the step would leave its
+    # replicas' gradients to the end-of-step fallback, and a misplaced GS leaves them unreduced.
+    validate_schedule(schedule, require_communication=True, require_grad_sync=True)
     _check_data_order(schedule)
     releases = any(a.kind is ActionKind.RELEASE for actions in schedule.per_rank for a in actions)
     if releases != (sharding == "optim_grads_params"):

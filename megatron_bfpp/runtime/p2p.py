@@ -14,19 +14,65 @@ so an eviction is two messages of one tick: an 8-byte *header* with the payload 
 tick's batch, then the payload in a batch of its own that only the evictor and the acceptor post
 right after it. The acceptor reads the header in between (``read_header``, which blocks: on a
 GPU a CPU sync per eviction) and posts a receive of exactly that size.
+
+Every wait here is bounded by the pipeline process group's timeout (``--distributed-timeout-
+minutes`` in Megatron-LM and bfpp-train), counted from when the message was posted: past it a
+:class:`PipelineTimeout` names the message and the peer rank in one line. How, by backend
+(torch 2.13): gloo honours ``Work.wait(timeout)`` (it raises once the timeout passes; a plain
+``wait()`` uses the group's own), so the remaining time is passed. On NCCL, ``wait()`` with a
+timeout blocks the CPU until the work completes (without one it only orders the current
+stream after it), and the group's watchdog aborts the whole process once an op is older than the
+group's timeout, with no word on which peer never came. So the wait polls ``is_completed()``
+until a deadline of the group's timeout less :data:`NCCL_LEAD` of it, which comes before the
+watchdog, then calls ``wait()`` for the stream order. The CPU thus waits until each consumed
+message is in, as megatron-core's default ``batch_p2p_sync`` (a ``torch.cuda.synchronize()``
+after every batch) already makes it do.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megatron_bfpp.messages import Message
 
-__all__ = ["PendingSend", "PipeComm", "Receive", "Send", "pseudo_free"]
+__all__ = [
+    "NCCL_LEAD",
+    "PendingSend",
+    "PipeComm",
+    "PipelineTimeout",
+    "Receive",
+    "Send",
+    "group_timeout_s",
+    "pseudo_free",
+]
+
+NCCL_LEAD = 0.05  # of the group's timeout: our deadline comes this much before NCCL's watchdog
+_POLL_MAX_S = 0.01  # longest sleep between two is_completed() polls
+
+
+class PipelineTimeout(RuntimeError):
+    """A message not in within the process group's timeout; the message is one line."""
+
+
+def group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
+    """The process group's timeout in seconds (``init_process_group`` / ``new_group``'s
+    ``timeout``: megatron-core's groups take ``--distributed-timeout-minutes``), else torch's
+    default for the backend."""
+    try:
+        backend = group._get_backend(device)
+        timeout = backend.options._timeout
+    except (AttributeError, RuntimeError):
+        from torch.distributed import distributed_c10d as c10d
+
+        timeout = c10d._get_default_timeout(dist.get_backend(group))
+    seconds = float(timeout.total_seconds())
+    return seconds if seconds > 0 else 1800.0
 
 
 @dataclass(frozen=True)
@@ -52,12 +98,15 @@ class PendingSend:
     tensor: torch.Tensor
     message: Message
     release: torch.Tensor | None = None
+    peer: int = -1  # pipeline rank
+    posted_at: float = 0.0  # time.monotonic() when posted
 
 
 @dataclass
 class _Header:
     work: dist.Work
     size: torch.Tensor  # int64[1]
+    posted_at: float
 
 
 @dataclass
@@ -71,6 +120,14 @@ class PipeComm:
     receives: dict[Message, list[tuple[dist.Work, torch.Tensor]]] = field(default_factory=dict)
     sends: list[PendingSend] = field(default_factory=list)
     headers: dict[Message, _Header] = field(default_factory=dict)
+    timeout_s: float | None = None  # None: the group's (group_timeout_s)
+    posted_at: dict[Message, float] = field(default_factory=dict)  # receives' posting times
+    _pollable: bool = field(init=False, default=False)  # not gloo: poll is_completed()
+
+    def __post_init__(self) -> None:
+        if self.timeout_s is None:
+            self.timeout_s = group_timeout_s(self.group, self.device)
+        self._pollable = dist.get_backend(self.group) != "gloo"
 
     def global_rank(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group, pipeline_rank)
@@ -113,6 +170,7 @@ class PipeComm:
                 "killed: look at its log first"
             ) from error
         works = iter(_works_per_op(batch_works, len(ops)))
+        now = time.monotonic()
         for receive in receives:
             if receive.more:
                 parts = self.receives[receive.message]
@@ -120,16 +178,19 @@ class PipeComm:
                 raise RuntimeError(f"receive of {receive.message} posted twice in one step")
             else:
                 parts = self.receives[receive.message] = []
+                self.posted_at[receive.message] = now
             if receive.header is not None:
-                self.headers[receive.message] = _Header(next(works), receive.header)
+                self.headers[receive.message] = _Header(next(works), receive.header, now)
             parts.extend((next(works), buffer) for buffer in receive.buffers)
         for send, op in zip(sends, ops[received:], strict=True):
-            self.sends.append(PendingSend(next(works), op.tensor, send.message, send.release))
+            self.sends.append(
+                PendingSend(next(works), op.tensor, send.message, send.release, send.peer, now)
+            )
 
     def read_header(self, message: Message, peer: int) -> int:
         """An eviction's payload size, once its header is in (blocking)."""
         header = self.headers.pop(message)
-        self._wait(header.work, message, peer)
+        self._wait(header.work, message, peer, header.posted_at)
         return int(header.size.item())
 
     # --- consuming --------------------------------------------------------------------------
@@ -147,27 +208,60 @@ class PipeComm:
                 f"{message} is consumed but its receive was never posted; the schedule and the "
                 "executor disagree (this is a bug in megatron_bfpp, please report it)"
             ) from None
+        posted_at = self.posted_at.pop(message, time.monotonic())
         for work, _ in parts:
-            self._wait(work, message, peer)
+            self._wait(work, message, peer, posted_at)
         return [buffer for _, buffer in parts]
 
-    def _wait(self, work: dist.Work, message: Message, peer: int) -> None:
+    def _wait(
+        self, work: dist.Work, message: Message, peer: int, posted_at: float, *, send: bool = False
+    ) -> None:
+        """Wait for ``work`` until the group's timeout after ``posted_at`` (module docstring)."""
+        assert self.timeout_s is not None  # set by __post_init__
+        me, verb = self.group.rank(), "sending" if send else "receiving"
+        way = "to" if send else "from"
         try:
-            work.wait()
+            if self._pollable:
+                limit = self.timeout_s * (1.0 - NCCL_LEAD)
+                if not _poll(work, posted_at + limit):
+                    raise PipelineTimeout(
+                        f"pipeline rank {me}: {verb} {_describe(message)} {way} pipeline rank "
+                        f"{peer} (global rank {self.global_rank(peer)}) did not complete in "
+                        f"{limit:.0f} s (the process group's timeout, "
+                        "--distributed-timeout-minutes, less its NCCL lead): rank "
+                        f"{peer} is stopped, hung or far slower; look at it first"
+                    )
+                work.wait()  # the stream order (completed: does not block)
+                return
+            remaining = posted_at + self.timeout_s - time.monotonic()
+            work.wait(timedelta(seconds=max(remaining, 0.001)))
+        except PipelineTimeout:
+            raise
         except RuntimeError as error:
-            me = self.group.rank()
+            # gloo's words for it vary by op; the clock does not
+            if time.monotonic() >= posted_at + self.timeout_s - 0.01:
+                raise PipelineTimeout(
+                    f"pipeline rank {me}: {verb} {_describe(message)} {way} pipeline rank {peer} "
+                    f"(global rank {self.global_rank(peer)}) did not complete in "
+                    f"{self.timeout_s:.0f} s (the process group's timeout, "
+                    f"--distributed-timeout-minutes): rank {peer} is stopped, hung or far "
+                    "slower; look at it first"
+                ) from error
             raise RuntimeError(
-                f"pipeline rank {me}: receiving {_describe(message)} from pipeline rank {peer} "
+                f"pipeline rank {me}: {verb} {_describe(message)} {way} pipeline rank {peer} "
                 f"(global rank {self.global_rank(peer)}) failed: {error}. Rank {peer} has "
                 "probably failed or been killed: look at its log first"
             ) from error
+
+    def _wait_send(self, pending: PendingSend) -> None:
+        self._wait(pending.work, pending.message, pending.peer, pending.posted_at, send=True)
 
     def reap(self, *, wait: bool = False) -> None:
         """Release the buffers of completed sends (all of them, waiting, when ``wait``)."""
         still: list[PendingSend] = []
         for pending in self.sends:
             if wait:
-                pending.work.wait()
+                self._wait_send(pending)
             elif not pending.work.is_completed():
                 still.append(pending)
                 continue
@@ -183,19 +277,19 @@ class PipeComm:
         still: list[PendingSend] = []
         for pending in self.sends:
             if pending.message.what in _TRANSFERS:
-                pending.work.wait()
+                self._wait_send(pending)
             else:
                 still.append(pending)
         self.sends = still
 
     @property
     def sends_pollable(self) -> bool:
-        return dist.get_backend(self.group) != "gloo"
+        return self._pollable
 
     def finish_send_of(self, message: Message) -> None:
         """Wait for one message's send (its output must be freed before a custom backward)."""
         for pending in [p for p in self.sends if p.message == message]:
-            pending.work.wait()
+            self._wait_send(pending)
             if pending.release is not None:
                 pseudo_free(pending.release)
             self.sends.remove(pending)
@@ -211,6 +305,18 @@ class PipeComm:
 
 
 _TRANSFERS = frozenset({"evict", "evict-size", "restore"})
+
+
+def _poll(work: dist.Work, deadline: float) -> bool:
+    """Poll ``work.is_completed()`` until it is or ``time.monotonic()`` passes ``deadline``;
+    sleeps grow from nothing to :data:`_POLL_MAX_S`, so a message already in costs one poll."""
+    pause = 0.0
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(_POLL_MAX_S, pause * 2 or 1e-5)
+    return True
 
 
 def _works_per_op(posted: Sequence[dist.Work] | None, num_ops: int) -> list[dist.Work]:

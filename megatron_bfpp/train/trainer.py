@@ -19,6 +19,7 @@ import functools
 import math
 import os
 import random
+import re
 import sys
 import time
 import warnings
@@ -72,7 +73,7 @@ def init_distributed(store: Any = None, timeout_s: float = 600.0) -> torch.devic
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", **kwargs)
+        _rendezvous("nccl", kwargs, timeout_s)
         return device
     from megatron_bfpp.megatron.cpu import enable_cpu_megatron  # the one CPU/gloo adapter
 
@@ -83,8 +84,55 @@ def init_distributed(store: Any = None, timeout_s: float = 600.0) -> torch.devic
 
     torch.set_num_threads(1)
     enable_cpu_megatron()
-    dist.init_process_group("gloo", **kwargs)
+    _rendezvous("gloo", kwargs, timeout_s)
     return torch.device("cpu")
+
+
+class RendezvousTimeout(RuntimeError):
+    """Not every rank joined the job's rendezvous in time; the message is one line."""
+
+
+def _rendezvous(backend: str, kwargs: dict[str, Any], timeout_s: float) -> None:
+    """``init_process_group``, its store errors (a rank that never started, stopped during
+    start-up, or cannot reach the address: torch raises DistStoreError with a traceback once the
+    timeout passes) one line saying so."""
+    try:
+        dist.init_process_group(backend, **kwargs)
+    except (dist.DistStoreError, dist.DistNetworkError) as error:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        joined = re.search(r"(\d+)/(\d+) clients joined", str(error))
+        count = f" ({joined[1]} of {joined[2]} ranks joined)" if joined else ""
+        if "store" not in kwargs and not _claim_start_up_report():
+            raise OtherRankFailed("another rank reports the rendezvous") from None
+        raise RendezvousTimeout(
+            f"rank {kwargs['rank']}: the job's rendezvous at {where} did not complete within "
+            f"{timeout_s:g} s (--distributed-timeout-minutes){count}: a rank did not start, "
+            "stopped during start-up or cannot reach that address; look at the ranks that "
+            f"printed nothing ({type(error).__name__}: {_first_line(error)})"
+        ) from None
+
+
+def _claim_start_up_report() -> bool:
+    """True for the first rank to ask the job's store (torchrun's agent hosts it): that rank
+    prints the line, the others stay quiet. Where no store answers (its host is the rank that
+    stopped, under srun), every rank reports."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not host or not port.isdigit():
+        return True
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            host, int(port), is_master=False, timeout=timedelta(seconds=5),
+            wait_for_workers=False,
+        )  # fmt: skip
+        return int(store.add(f"bfpp-start-up-reported/{attempt}", 1)) == 1
+    except Exception:  # no store to agree on
+        return True
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def _optimizer_and_scheduler(
@@ -363,6 +411,9 @@ def _set_up(args: Any, device: torch.device) -> _Run:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
+        # megatron-core's groups (pipeline, data parallel) default to 30 minutes: the flag
+        # bounds every wait of the step, pipeline messages included (runtime.p2p)
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     random.seed(args.seed)
     torch.manual_seed(args.seed)

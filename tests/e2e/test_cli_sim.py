@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -253,6 +254,16 @@ HUGE = "9" * 20
             "2 of 2 stages run forwards for 3 micro-batches, so every stage needs forwards for "
             "micro-batches 0..2, each once: stage 1 (row 2) misses 0 and has extra 3",
         ),
+        (
+            b"layout,0,1\nmicrobatches,2\n0,0F0,0F1,1F0,0B0,0B1\n1,1F0,1F1,1B0,1B1\n",
+            "row 3, column 4: '1F0': stage 1 lives on rank 1 (row 4), not on this row's rank 0; "
+            "move it to that row",
+        ),
+        (
+            b"layout,0,1\nmicrobatches,2\n0,0F0,0F1,0B0,0B1\n1,1F0,1F1,1B0,1B1,0B1\n",
+            "row 4, column 6: '0B1': stage 0 lives on rank 0 (row 3), not on this row's rank 1; "
+            "move it to that row",
+        ),
     ],
     ids=[
         "binary",
@@ -265,6 +276,8 @@ HUGE = "9" * 20
         "zero-microbatch-count",
         "missing-and-extra-microbatch",
         "renumbered-microbatches-torch",
+        "forward-on-another-ranks-row",
+        "backward-on-another-ranks-row",
     ],
 )
 def test_bad_csv_is_one_line_naming_file_and_row(
@@ -551,3 +564,39 @@ def test_defaults_that_depend_on_the_schedule_are_said() -> None:
         bfpp_sim("--schedule", "1f1b", "--pp", "4", "--microbatches", "6", "--json").stdout
     )
     assert given["costs"]["t_evict"] == 0.0 and "defaults_used" not in given
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("early", r"rank 0, step \d+: 0GS: starts stage 0's gradient reduction before its last "
+         r"backward \(0B1 at step \d+\)"),
+        ("twice", r"rank 0, step \d+: 0GS: reduces stage 0's gradients a second time"),
+        ("missing", r"rank 0, step \d+: 0B1: the last backward of stage 0 is followed by no GS"),
+        ("none", r"rank 0, step \d+: 0B1: the last backward of stage 0 is followed by no GS"),
+    ],
+)  # fmt: skip
+def test_csv_with_misplaced_gradient_sync_is_refused(
+    tmp_path: Path, case: str, message: str
+) -> None:
+    """A lowered CSV whose GS comes before its chunk's last backward, twice, or not at all
+    (here or on every chunk) used to simulate, cheaper where GS was missing."""
+    built = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    rank0 = [str(a) for a in built.per_rank[0]]
+    assert rank0[-1] == "0GS"
+    edited = {
+        "early": [*rank0[:-3], "0GS", *rank0[-3:-1]],
+        "twice": [*rank0, "0GS"],
+        "missing": rank0[:-1],
+        "none": [a for a in rank0 if a[1:] not in ("GS", "PS")],
+    }[case]
+    rank1 = [str(a) for a in built.per_rank[1]]
+    if case == "none":
+        rank1 = [a for a in rank1 if a[1:] not in ("GS", "PS")]
+    path = tmp_path / "gs.csv"
+    path.write_text(
+        "layout,0,1\nmicrobatches,2\n" + ",".join(["0", *edited]) + "\n"
+        + ",".join(["1", *rank1]) + "\n"
+    )  # fmt: skip
+    line = _one_error_line(bfpp_sim("--load-csv", str(path)))
+    assert re.search(message, line), line

@@ -240,6 +240,10 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
             "--distributed-timeout-minutes must be at most 1,000,000, got 10000000000",
         ),
         (
+            ["--distributed-timeout-minutes", "0"],
+            "argument --distributed-timeout-minutes: expected a number > 0, got 0",
+        ),
+        (
             ["--nproc-per-node", "100000"],
             "--nproc-per-node 100000: bfpp-train starts at most 256 local ranks; launch larger "
             "jobs with torchrun or srun",
@@ -276,6 +280,7 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         "seed-negative",
         "seed-too-large",
         "timeout-too-large",
+        "timeout-zero",
         "nproc-too-large",
         "global-batch-too-large",
         "model-too-large",

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,6 +107,21 @@ def test_stopped_rank_is_found_by_the_heartbeat() -> None:
     assert lines[0].startswith("bfpp-train: error: rank 1 stopped responding: no heartbeat for")
 
 
+@pytest.mark.timeout(420)  # start-up takes minutes on a loaded machine
+def test_stopped_rank_is_named_by_the_waiting_rank_within_the_distributed_timeout() -> None:
+    """With the launcher's heartbeat limit far away, the bound is --distributed-timeout-minutes:
+    the ranks waiting on the stopped one (and on them, a cascade) fail after 15 s; the launcher,
+    seeing rank 1 silent while others fail, names it, not the cascade's peers, in one line, and
+    ends every rank, the stopped one included."""
+    proc = _start("--heartbeat-timeout", "600", "--distributed-timeout-minutes", "0.25")
+    ranks = _ranks_when_training(proc)
+    os.kill(ranks[1], signal.SIGSTOP)
+    code, lines = _finish(proc, ranks, within=150)
+    assert code == 1
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("bfpp-train: error: rank 1 stopped responding: no heartbeat for")
+
+
 def test_ranks_die_with_a_killed_launcher() -> None:
     proc = _start()
     ranks = _ranks_when_training(proc)
@@ -118,7 +134,7 @@ def test_ranks_die_with_a_killed_launcher() -> None:
 # --------------------------------------------------------------------------- torchrun / srun
 
 
-def _start_launched_ranks(port: int) -> list[subprocess.Popen[str]]:
+def _start_launched_ranks(port: int, *flags: str) -> list[subprocess.Popen[str]]:
     """Four ranks as srun starts them (or torchrun on several nodes: no launcher of ours above
     them): one process each, told its place by the environment; rank 0 hosts the store.
 
@@ -144,6 +160,7 @@ def _start_launched_ranks(port: int) -> list[subprocess.Popen[str]]:
                     "-m",
                     "megatron_bfpp.cli.train",
                     *("--no-progress", "--train-iters", "100000", "--log-interval", "1"),
+                    *flags,
                 ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -230,3 +247,140 @@ def test_nothing_outlives_a_launcher_killed_while_saving_torch_dist(tmp_path: Pa
     proc.communicate(timeout=60)  # returns only once every holder of the pipes is gone
     left = left_alive(everything)
     assert not left, f"processes left behind: {left}"
+
+
+# --------------------------------------------------------------------------- a stopped rank
+
+
+def _torchrun(*flags: str) -> subprocess.Popen[str]:
+    """Four CPU ranks under torchrun (its agent hosts the store), pipeline size 4."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "4",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "megatron_bfpp.cli.train",
+            *("--no-progress", "--log-interval", "1", "--pipeline-model-parallel-size", "4"),
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [e[5:] for e in environ if e.startswith(b"RANK=")]
+    return int(found[0]) if found else None
+
+
+def _workers(proc: subprocess.Popen[str], count: int) -> dict[int, int]:
+    """rank -> pid of torchrun's workers, once all ``count`` have started."""
+    deadline = time.monotonic() + 120
+    while True:
+        workers = {r: pid for pid in descendants(proc.pid) if (r := _rank_of(pid)) is not None}
+        if len(workers) >= count:
+            return workers
+        assert proc.poll() is None and time.monotonic() < deadline, "workers never started"
+        time.sleep(0.05)
+
+
+def _bfpp_lines(proc: subprocess.Popen[str], pids: list[int], within: float) -> list[str]:
+    """bfpp-train's error lines once torchrun ended (``within``: a bound on a hang, not a
+    timing); every process it started is gone."""
+    try:
+        _, err = proc.communicate(timeout=within)
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    left = left_alive(pids)
+    assert not left, f"processes left behind: {left}"
+    assert proc.returncode != 0
+    return [line for line in err.splitlines() if line.startswith("bfpp-train:")]
+
+
+@pytest.mark.timeout(420)  # start-up takes minutes on a loaded machine
+def test_stopped_rank_under_torchrun_is_named_within_the_timeout() -> None:
+    """A rank stopped with SIGSTOP used to leave the others in a pipeline receive for good
+    (megatron-core's groups kept their default 30 minutes, and no wait was bounded); with
+    --distributed-timeout-minutes 0.25 the receive fails after 15 s, the heartbeats say which
+    rank stopped, one line names it, and torchrun ends every worker."""
+    proc = _torchrun("--train-iters", "100000", "--distributed-timeout-minutes", "0.25")
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:
+        if line.startswith("iteration"):
+            break
+        assert time.monotonic() < deadline, "no iteration within 240 s"
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    workers = _workers(proc, 4)
+    os.kill(workers[2], signal.SIGSTOP)
+    lines = _bfpp_lines(proc, [*workers.values()], within=180)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("bfpp-train: error: rank 2 is gone: its heartbeat stopped"), lines
+
+
+@pytest.mark.timeout(420)  # start-up takes minutes on a loaded machine
+def test_rank_stopped_during_start_up_under_torchrun_is_one_line() -> None:
+    """A rank stopped before it joins the rendezvous: the others used to print a DistStoreError
+    traceback each; now one line says the rendezvous did not complete, within the timeout."""
+    proc = _torchrun("--train-iters", "2", "--distributed-timeout-minutes", "0.25")
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+    workers = _workers(proc, 4)
+    os.kill(workers[3], signal.SIGSTOP)  # before its imports are done: it never joins
+    lines = _bfpp_lines(proc, [*workers.values()], within=180)
+    assert len(lines) == 1, lines
+    assert "the job's rendezvous at " in lines[0], lines
+    assert "did not complete within 15 s (--distributed-timeout-minutes)" in lines[0], lines
+
+
+@pytest.mark.timeout(420)  # start-up takes minutes on a loaded machine
+def test_stopped_rank_under_srun_is_named_within_the_timeout() -> None:
+    """Ranks as srun starts them (rank 0 hosts the store): a rank stopped with SIGSTOP is named
+    in one line once the waits on it pass --distributed-timeout-minutes, and every other rank
+    exits (srun then ends the step, the stopped rank with it; here the test kills it)."""
+    procs = _start_launched_ranks(_free_port(), "--distributed-timeout-minutes", "0.25")
+    errors: dict[int, list[str]] = {rank: [] for rank in range(4)}
+    for rank, proc in enumerate(procs):
+        threading.Thread(
+            target=lambda r=rank, p=proc: errors[r].extend(p.stderr), daemon=True
+        ).start()
+    for proc in procs[1:]:
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+    try:
+        assert procs[0].stdout is not None
+        deadline = time.monotonic() + 240
+        for line in procs[0].stdout:
+            if line.startswith("iteration"):
+                break
+            assert time.monotonic() < deadline, "no iteration within 240 s"
+        threading.Thread(target=procs[0].stdout.read, daemon=True).start()
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        for rank, proc in enumerate(procs):
+            if rank != 2:
+                proc.wait(timeout=150)  # a bound on a hang, not a timing
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    time.sleep(1)
+    lines = [line.rstrip() for rank in range(4) for line in errors[rank] if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("bfpp-train: error: rank 2 is gone: its heartbeat stopped"), lines

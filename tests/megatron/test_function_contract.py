@@ -74,3 +74,39 @@ def test_megatron_core_signature_is_ours() -> None:
     ours = inspect.signature(megatron_bfpp.get_forward_backward_func("1f1b")).parameters
     missing = [name for name in theirs if name not in ours]
     assert not missing, f"megatron-core passes {missing}, which ours does not take"
+
+
+@pytest.mark.parametrize("case", ["early", "twice", "missing", "none"])
+def test_a_schedule_object_with_misplaced_grad_sync_is_refused(case: str) -> None:
+    """A hand-made schedule whose GS comes before its chunk's last backward, twice, or not at
+    all is refused in one line naming the action and its step, under ``optim`` as under
+    ``optim_grads_params`` (here ``optim``: the default)."""
+    from megatron_bfpp.ir import Action, ActionKind, ScheduleError
+    from megatron_bfpp.schedules.registry import build_schedule
+
+    built = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    megatron_bfpp.get_forward_backward_func(built)  # as built: accepted
+    rank0 = list(built.per_rank[0])
+    sync = [a for a in rank0 if a.kind is ActionKind.GRAD_SYNC]
+    plain = [a for a in rank0 if a.kind is not ActionKind.GRAD_SYNC]
+    last = max(i for i, a in enumerate(plain) if a.kind is ActionKind.BACKWARD)
+    edited = {
+        "early": [*plain[:last], Action(0, ActionKind.GRAD_SYNC), *plain[last:]],
+        "twice": [*rank0, *sync],
+        "missing": plain,
+        "none": [a for a in plain if a.kind is not ActionKind.PARAM_SYNC],
+    }[case]
+    rank1 = built.per_rank[1]
+    if case == "none":
+        rank1 = tuple(
+            a for a in rank1 if a.kind not in (ActionKind.GRAD_SYNC, ActionKind.PARAM_SYNC)
+        )
+    schedule = built.with_programs([tuple(edited), rank1])
+    expected = {
+        "early": r"^rank 0, step \d+: 0GS: starts stage 0's gradient reduction before its last",
+        "twice": r"^rank 0, step \d+: 0GS: reduces stage 0's gradients a second time",
+        "missing": r"^rank 0, step \d+: 0B1: the last backward of stage 0 is followed by no GS",
+        "none": r"^rank 0, step \d+: 0B1: the last backward of stage 0 is followed by no GS",
+    }[case]
+    with pytest.raises(ScheduleError, match=expected):
+        megatron_bfpp.get_forward_backward_func(schedule)

@@ -1,7 +1,10 @@
-"""The runtime's messages on a backend that returns one Work per batch (NCCL's coalescing)."""
+"""The runtime's messages on a backend that returns one Work per batch (NCCL's coalescing), and
+every wait bounded by the process group's timeout."""
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -10,7 +13,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from megatron_bfpp.messages import Message  # noqa: E402
-from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send  # noqa: E402
+from megatron_bfpp.runtime.p2p import PipeComm, PipelineTimeout, Receive, Send  # noqa: E402
 
 
 class BatchWork:
@@ -19,15 +22,19 @@ class BatchWork:
     def __init__(self, ops: list[Any], incoming: list[torch.Tensor]) -> None:
         self.ops, self.incoming, self.waits = ops, incoming, 0
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         self.waits += 1
-        receives = [op.tensor for op in self.ops if op.op is dist.irecv]
-        for buffer, data in zip(receives, self.incoming, strict=True):
-            buffer.copy_(data.view_as(buffer))
+        self._deliver()
         return True
 
     def is_completed(self) -> bool:
-        return self.waits > 0
+        self._deliver()  # the peers sent it: NCCL completes the batch on its own
+        return True
+
+    def _deliver(self) -> None:
+        receives = [op.tensor for op in self.ops if op.op is dist.irecv]
+        for buffer, data in zip(receives, self.incoming, strict=True):
+            buffer.copy_(data.view_as(buffer))
 
 
 class Backend:
@@ -50,6 +57,7 @@ def backend(monkeypatch: pytest.MonkeyPatch) -> Backend:
     monkeypatch.setattr(dist, "batch_isend_irecv", fake.batch_isend_irecv)
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
     monkeypatch.setattr(dist, "P2POp", _P2POp)
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
     return fake
 
 
@@ -58,8 +66,19 @@ class _P2POp:
         self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
 
 
-def _comm() -> PipeComm:
-    return PipeComm(group=None, shape=(2,), dtype=torch.float32, device=torch.device("cpu"))  # type: ignore[arg-type]
+def _comm(timeout_s: float = 60.0) -> PipeComm:
+    return PipeComm(
+        group=_Group(),  # type: ignore[arg-type]
+        shape=(2,),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        timeout_s=timeout_s,
+    )
+
+
+class _Group:
+    def rank(self) -> int:
+        return 1
 
 
 def test_a_batch_with_one_work_feeds_every_receive_and_send(backend: Backend) -> None:
@@ -102,7 +121,72 @@ def test_a_backend_with_an_unexpected_number_of_works_is_refused(
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [object(), object()])
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
     monkeypatch.setattr(dist, "P2POp", _P2POp)
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
     comm = _comm()
     receives = [Receive(Message("act", 0, mb), 0, (torch.zeros(2),)) for mb in range(3)]
     with pytest.raises(RuntimeError, match="returned 2 works for 3 ops"):
         comm.post([], receives)
+
+
+class _Never:
+    """A Work whose peer never sends (a stopped rank). As gloo: ``wait(timeout)`` raises once
+    the timeout passes; as NCCL: ``is_completed()`` stays False (``wait()`` would only order a
+    stream)."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[timedelta | None] = []
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.timeouts.append(timeout)
+        if timeout is None:
+            raise AssertionError("an unbounded wait")
+        time.sleep(timeout.total_seconds())
+        raise RuntimeError("Timed out waiting 200ms for recv operation to complete")
+
+    def is_completed(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("backend_name", ["gloo", "nccl"])
+def test_a_message_that_never_comes_fails_within_the_groups_timeout(
+    monkeypatch: pytest.MonkeyPatch, backend_name: str
+) -> None:
+    """A receive from a stopped rank ends in one line naming the message and the peer, within
+    the group's timeout (gloo: passed to wait(); NCCL: is_completed() polled to a deadline)."""
+    work = _Never()
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [work])
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank + 4)
+    monkeypatch.setattr(dist, "P2POp", _P2POp)
+    monkeypatch.setattr(dist, "get_backend", lambda group: backend_name)
+    comm = _comm(timeout_s=0.2)
+    message = Message("grad", 2, 3)
+    comm.post([], [Receive(message, 0, (torch.zeros(2),))])
+    with pytest.raises(PipelineTimeout) as error:
+        comm.wait_receive(message, 0)
+    text = str(error.value)
+    assert "\n" not in text
+    assert text.startswith(
+        "pipeline rank 1: receiving the gradient of stage 2, micro-batch 3 from pipeline rank 0 "
+        "(global rank 4) did not complete in "
+    )
+    assert "--distributed-timeout-minutes" in text and "rank 0 is stopped, hung" in text
+    if backend_name == "gloo":
+        (timeout,) = work.timeouts
+        assert timeout is not None and timeout.total_seconds() <= 0.2
+    else:
+        assert work.timeouts == []  # never a blocking wait on NCCL before completion
+
+
+def test_a_send_never_taken_fails_within_the_groups_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    work = _Never()
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [work])
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(dist, "P2POp", _P2POp)
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    comm = _comm(timeout_s=0.1)
+    comm.post([Send(Message("act", 1, 0), torch.ones(2), peer=2)], [])
+    with pytest.raises(PipelineTimeout, match="sending the activation of stage 1, micro-batch 0 to "
+                       "pipeline rank 2"):  # fmt: skip
+        comm.reap(wait=True)

@@ -235,7 +235,8 @@ def test_the_simulator_reports_peak_gradients() -> None:
 def test_the_validator_refuses_a_backward_after_its_reduction() -> None:
     row = "0PS 1PS 0F0 0F1 1F0 1F1 1B0 1GS 1B1 1RL 0B0 0B1 0GS 0RL"
     schedule = parse_schedule([row], layout=StageLayout.looped(1, 2), num_microbatches=2)
-    with pytest.raises(ScheduleError, match=r"step 8: 1B1: computes a backward of stage 1 after"):
+    with pytest.raises(ScheduleError, match=r"step 7: 1GS: starts stage 1's gradient reduction "
+                       r"before its last backward \(1B1 at step 8\)"):  # fmt: skip
         validate_schedule(schedule, require_communication=False)
 
 

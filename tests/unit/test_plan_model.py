@@ -261,6 +261,35 @@ def test_profile_round_trip(tmp_path: Path) -> None:
             lambda d: {**d, "measurements": d["measurements"] * 2},
             "'measurements' repeats a micro-batch size",
         ),
+        (
+            lambda d: {
+                **d,
+                "measurements": [
+                    {
+                        **d["measurements"][0],
+                        "backward_s": 0.02,
+                        "backward_input_s": 0.03,
+                        "backward_weight_s": 0.005,
+                    }
+                ],
+            },
+            "'measurements[0].backward_input_s' (0.03 s) exceeds 'measurements[0].backward_s' "
+            "(0.02 s): half of a split backward cannot take longer than the whole backward",
+        ),
+        (
+            lambda d: {
+                **d,
+                "measurements": [
+                    {
+                        **d["measurements"][0],
+                        "backward_s": 0.02,
+                        "backward_input_s": 0.015,
+                        "backward_weight_s": 0.025,
+                    }
+                ],
+            },
+            "'measurements[0].backward_weight_s' (0.025 s) exceeds",
+        ),
     ],
 )
 def test_bad_profiles_are_one_line(tmp_path: Path, mutate: object, message: str) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from megatron_bfpp.ir import (
     Action,
+    ActionKind,
     Schedule,
     ScheduleError,
     StageLayout,
@@ -16,18 +17,20 @@ from megatron_bfpp.ir import (
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.schedules.breadth_first import build_breadth_first
-from megatron_bfpp.schedules.registry import build_schedule
+from megatron_bfpp.schedules.registry import Placement, build_schedule, get_spec, schedule_names
 from megatron_bfpp.validate import (
     _find_problem,
     has_communication,
     validate_completeness,
     validate_deadlock_free,
+    validate_grad_sync,
     validate_message_order,
     validate_placement,
     validate_schedule,
 )
 
 LOOPED2 = StageLayout.looped(2)
+K = ActionKind
 
 
 def test_accepts_a_correct_literal_1f1b() -> None:
@@ -145,6 +148,7 @@ def _each_check_passes(schedule: Schedule, require_communication: bool) -> bool:
     try:
         validate_placement(schedule)
         validate_completeness(schedule)
+        validate_grad_sync(schedule)
         if require_communication or has_communication(schedule):
             validate_message_order(schedule)
         validate_deadlock_free(schedule)
@@ -211,3 +215,112 @@ def test_fast_path_accepts_exactly_what_the_single_checks_accept(
                 assert not expected
             else:
                 assert expected
+
+
+# --- data-parallel sync: each chunk's GS once, after its last backward, under every strategy --
+
+
+def _moved_gs(schedule: Schedule, rank: int, stage: int, before: str) -> Schedule:
+    """``schedule`` with ``rank``'s GS of ``stage`` moved to just before the action ``before``."""
+    program = [a for a in schedule.per_rank[rank] if str(a) != f"{stage}GS"]
+    program.insert(
+        next(i for i, a in enumerate(program) if str(a) == before), Action(stage, K.GRAD_SYNC)
+    )
+    return _with_program(schedule, rank, program)
+
+
+def _with_program(schedule: Schedule, rank: int, program: list[Action]) -> Schedule:
+    programs = list(schedule.per_rank)
+    programs[rank] = tuple(program)
+    return schedule.with_programs(programs)
+
+
+@pytest.mark.parametrize("sharding", ["optim", "optim_grads_params"])
+@pytest.mark.parametrize("case", ["early", "twice", "missing"])
+def test_grad_sync_misplaced_is_refused_under_every_strategy(sharding: str, case: str) -> None:
+    """The issue's three cases, on a built breadth-first schedule (rank 0, stage 0, whose last
+    backward is 0B3): each refused in one line naming the action and its step."""
+    built = build_schedule(
+        "breadth-first", num_ranks=2, num_microbatches=4, num_chunks=2, sharding=sharding
+    )
+    validate_schedule(built)
+    program = list(built.per_rank[0])
+    gs = next(i for i, a in enumerate(program) if str(a) == "0GS")
+    if case == "early":
+        bad = _moved_gs(built, 0, 0, "0B3")
+        expected = r"rank 0, step \d+: 0GS: starts stage 0's gradient reduction before its last"
+    elif case == "twice":
+        bad = _with_program(built, 0, [*program, program[gs]])
+        expected = r"0GS: reduces stage 0's gradients a second time"
+    else:
+        bad = _with_program(built, 0, program[:gs] + program[gs + 1 :])
+        expected = r"rank 0, step \d+: 0B3: the last backward of stage 0 is followed by no GS"
+    with pytest.raises(ScheduleError, match=expected) as error:
+        validate_schedule(bad)
+    with pytest.raises(ScheduleError, match=expected):
+        validate_grad_sync(bad)
+    assert "ERROR HERE" in str(error.value)  # the grid below the one line marks the step
+
+
+def test_grad_sync_after_a_split_backwards_last_w() -> None:
+    """With I and W, the chunk's gradients are complete after its last W: a GS between the
+    last I and the last W is early."""
+    compute = parse_schedule(
+        ["0F0 0F1 0I0 0I1 0W0 0W1", "1F0 1F1 1I0 1I1 1W0 1W1"], layout=LOOPED2, num_microbatches=2
+    )
+    lowered = add_grad_sync(add_communication(compute))
+    validate_schedule(lowered)
+    assert str(lowered.per_rank[0][-1]) == "0GS"  # after its last W
+    with pytest.raises(ScheduleError, match=r"0GS: starts stage 0's gradient .* \(0W1 at step"):
+        validate_schedule(_moved_gs(lowered, 0, 0, "0W1"))
+
+
+def test_param_sync_before_first_use_and_once() -> None:
+    built = build_schedule("interleaved", num_ranks=2, num_microbatches=4, num_chunks=2)
+    program = list(built.per_rank[1])
+    ps = next(i for i, a in enumerate(program) if str(a) == "3PS")
+    late = program[:ps] + program[ps + 1 :]
+    first = next(i for i, a in enumerate(late) if a.stage == 3 and a.kind.is_compute)
+    late.insert(first + 1, program[ps])
+    with pytest.raises(ScheduleError, match=r"rank 1, step \d+: 3PS: gathers stage 3's "
+                       r"parameters after their first use \(3F0 at step"):  # fmt: skip
+        validate_schedule(_with_program(built, 1, late))
+    with pytest.raises(ScheduleError, match="3PS: gathers stage 3's parameters a second time"):
+        validate_schedule(_with_program(built, 1, [program[ps], *program]))
+
+
+def test_grad_sync_for_a_chunk_without_backward_is_refused() -> None:
+    forward_only = parse_schedule(
+        ["0F0 0SA0>1 0GS", "1RA0<0 1F0"], layout=LOOPED2, num_microbatches=1
+    )
+    with pytest.raises(ScheduleError, match="no backward of stage 0 runs on rank 0"):
+        validate_schedule(forward_only, require_backward=False)
+
+
+def test_grad_sync_required_only_where_asked() -> None:
+    """A schedule with no GS / PS / RL at all is not lowered for data parallelism: the
+    validator accepts it unless asked (the runtime and a lowered CSV ask)."""
+    lowered = add_communication(
+        build_schedule("1f1b", num_ranks=2, num_microbatches=2, lower=False)
+    )
+    validate_schedule(lowered)
+    with pytest.raises(ScheduleError, match="0B1: the last backward of stage 0 is followed by no"):
+        validate_schedule(lowered, require_grad_sync=True)
+
+
+@pytest.mark.parametrize("sharding", ["optim", "optim_grads_params"])
+def test_every_catalogue_schedule_syncs_each_chunk_once(sharding: str) -> None:
+    for name in schedule_names():
+        spec = get_spec(name)
+        if sharding != "optim" and name != "breadth-first":
+            continue
+        for num_ranks in (2, 4):
+            chunks = 2 if spec.placement is Placement.LOOPED else None
+            schedule = build_schedule(
+                name, num_ranks=num_ranks, num_microbatches=8, num_chunks=chunks,
+                sharding=sharding, validate=False,
+            )  # fmt: skip
+            validate_schedule(schedule, require_grad_sync=True)
+            for rank, actions in enumerate(schedule.per_rank):
+                syncs = [str(a) for a in actions if a.kind is K.GRAD_SYNC]
+                assert sorted(syncs) == sorted(f"{s}GS" for s in schedule.layout.stages_of(rank))
