@@ -511,19 +511,19 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
 def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
     """With sharded parameters (the rank has an RL) each chunk starts and ends the step
     released, is gathered (PS) only while released and released (RL) only while gathered, and
-    computes only while gathered; its gradients are allocated by its first backward and
-    sharded from its GS on, so no backward follows its GS. A plain walk: sharded schedules
-    only."""
+    computes only while gathered; its gradients are allocated by a backward and reduced into
+    its shard at a GS (one per run of its backwards, ``passes.grad_sync``), so a GS follows
+    every backward of a chunk that has one. A plain walk: sharded schedules only."""
     gathered: set[int] = set()
-    reduced: set[int] = set()  # sharded gradients: released once their reduction lands
+    unreduced: dict[int, int] = {}  # stage -> its first backward since its last GS
+    reduces: set[int] = set()  # stages with a GS
     for position, action in enumerate(schedule.per_rank[rank]):
         kind, stage = action.kind, action.stage
         if kind is _GS:
-            reduced.add(stage)
-        elif kind.is_compute and kind is not _F and stage in reduced:
-            return _at(schedule, rank, position, f"computes a backward of stage {stage} after "
-                       f"its gradient reduction ({stage}GS): fully sharded, its gradients are "
-                       "only a shard from there; move the GS after its last backward")  # fmt: skip
+            reduces.add(stage)
+            unreduced.pop(stage, None)
+        elif kind.is_compute and kind is not _F:
+            unreduced.setdefault(stage, position)
         if kind is _PS:
             if stage in gathered:
                 return _at(schedule, rank, position, "gathers parameters already gathered: "
@@ -536,6 +536,12 @@ def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
         elif kind.is_compute and stage not in gathered:
             return _at(schedule, rank, position, f"runs with stage {stage}'s parameters released "
                        f"(sharded): gather them ({stage}PS) before it")  # fmt: skip
+    late = sorted(position for stage, position in unreduced.items() if stage in reduces)
+    if late:
+        stage = schedule.per_rank[rank][late[0]].stage
+        return _at(schedule, rank, late[0], f"computes a backward of stage {stage} after "
+                   f"its last gradient reduction ({stage}GS): fully sharded, its gradients "
+                   "are only a shard from there; add a GS after its last backward")  # fmt: skip
     if gathered:
         return _fail(
             schedule,
