@@ -197,9 +197,7 @@ def test_a_forward_only_schedule_releases_each_chunk_after_its_last_forward() ->
 def test_breadth_first_holds_at_most_two_chunks_of_full_gradients(p: int, v: int, m: int) -> None:
     """A chunk's gradient buffer exists from its first backward until its reduction lands (at
     the rank's next GS): breadth-first's backwards run chunk by chunk, so two at most, and
-    the planner's fraction is that walk's."""
-    from megatron_bfpp.plan.search import _gathered_fraction
-
+    the planner weighs that walk (tests/unit/test_plan_search.py)."""
     schedule = sharded("breadth-first", p, v, m)
     fraction = schedule.layout.stage_fraction
     for rank in range(p):
@@ -207,7 +205,7 @@ def test_breadth_first_holds_at_most_two_chunks_of_full_gradients(p: int, v: int
         assert held[0] == 0  # nothing before the first backward
         assert max(held) == pytest.approx(min(2, v) * fraction)
         assert held[-1] == pytest.approx(fraction)  # the last reduction lands at the step's end
-    assert max(schedule.peak_gradients()) == pytest.approx(_gathered_fraction(v))
+    assert max(schedule.peak_gradients()) == pytest.approx(min(2, v) / v)
     assert schedule.peak_gradients() == schedule.peak_parameters()
 
 
