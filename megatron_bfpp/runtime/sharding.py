@@ -45,6 +45,7 @@ pipeline parallelism.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -152,6 +153,9 @@ class ShardedParameters:
         for index in range(len(self.chunks)):
             self.release(index)
             self._free_grads(index)
+        sizes = [n for state in self.chunks for n in (*state.full_nbytes, *state.grad_nbytes)]
+        if sizes and all(s.device.type == "cpu" for st in self.chunks for s in st.storages):
+            return_freed_buffers(min(sizes))
 
     # --- parameters: the two actions ------------------------------------------------------
     def gather(self, chunk: int, *, async_op: bool = True) -> None:
@@ -461,6 +465,34 @@ class ShardedParameters:
                 "sharded model; build the optimizer over the same chunks the step runs"
             )
         return found
+
+
+_MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # its largest value on 64-bit
+_threshold: list[int] = []  # the value this process set, if any
+
+
+def return_freed_buffers(nbytes: int) -> None:
+    """On CPU with glibc, let a freed chunk buffer of ``nbytes`` or more go back to the system.
+
+    glibc serves a large allocation by mmap and returns it at free, but after such a free it
+    raises its mmap threshold to that size (up to 32 MiB), so the next chunk buffer of the same
+    size comes from its heap and, freed, stays in the process: the released chunks of a fully
+    sharded step then cost resident memory as if they were never freed (docs/design-notes.md,
+    "The process's own peak"). Setting the threshold fixes it at this size, the smallest chunk
+    buffer's (at least glibc's default 128 KiB): chunk buffers are mapped and unmapped, smaller
+    allocations stay in the heap. Once per process, at the smallest size asked; a no-op without
+    glibc. GPUs are unaffected (their caching allocator reuses freed blocks)."""
+    threshold = max(128 * 2**10, min(nbytes, _MMAP_THRESHOLD_MAX))
+    if _threshold and _threshold[0] <= threshold:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only: mallopt's numbering is its own)
+    except (OSError, AttributeError):
+        return
+    if libc.mallopt(_MMAP_THRESHOLD, threshold) == 1:
+        _threshold[:] = [threshold]
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

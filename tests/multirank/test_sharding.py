@@ -442,6 +442,97 @@ def test_grouped_sharded_training_reduces_per_group_and_holds_no_more_than_unsha
                 assert peak <= full_grads or full_grads / dp + two_grads > full_grads, where
 
 
+def _vm_hwm() -> int:
+    """The kernel's high-water mark of this process's resident memory (VmHWM), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def iterations_measured(sharding: str, hidden: int, steps: int) -> dict[str, Any]:
+    """``steps`` whole iterations (zeroing, forward-backward, finalize, Adam step) of a GPT of
+    16 layers; each iteration's peak resident memory by the kernel (VmHWM, reset before it
+    through /proc/self/clear_refs), and the parameter and gradient bytes the runtime's
+    accounting says the rank holds at its peaks (unsharded: its whole buffers)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.compat import sharded_param_buckets
+    from megatron_bfpp.runtime import sharded_optimizer_step
+    from megatron_bfpp.runtime.sharding import sharded_parameters
+
+    vocab, seq = 1024, 64
+    config = M.tiny_gpt_config(
+        num_layers=16, hidden_size=hidden, num_attention_heads=8, ffn_hidden_size=4 * hidden
+    )
+    chunks = M.wrap_ddp(
+        M.build_model_chunks(config, vocab_size=vocab, max_sequence_length=seq),
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-4, use_distributed_optimizer=True), chunks
+    )
+    func = get_forward_backward_func("breadth-first", data_parallel_sharding_strategy=sharding)
+    peaks, accounted = [], 0
+    for step in range(steps):
+        batches = M.make_batches(16, seq_len=seq, vocab=vocab, seed=step)
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        M.run_schedule(
+            chunks, M.data_parallel_share(batches), forward_backward_func=func, seq_length=seq
+        )
+        if sharding == "optim":
+            optimizer.step()
+        else:
+            sharded_optimizer_step(optimizer, chunks)
+        peaks.append(_vm_hwm())
+        if sharding != "optim":
+            sharded = sharded_parameters(chunks)
+            accounted = max(accounted, sharded.peak_bytes + sharded.peak_grad_bytes)
+    if sharding == "optim":
+        storages = {
+            tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+            for chunk in chunks
+            for found in sharded_param_buckets(chunk)
+            for tensor in (found.param_data, found.grad_data)
+        }
+        accounted = sum(storages.values())
+    return {"peaks": peaks, "accounted": accounted}
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs"
+)
+def test_each_ranks_process_peak_is_below_the_unsharded_runs_by_what_it_accounts() -> None:
+    """The issue's measurement from outside the runtime: pp=2 vp=8 dp=4 (8 CPU ranks), 16
+    layers of hidden 512, 10 iterations, each iteration's peak resident memory of every rank by
+    the kernel (VmHWM). Fully sharded, every rank's peak is below the unsharded run's (same
+    rank) by at least 3/4 of the parameter and gradient bytes the runtime's accounting says it
+    saves (2 x 98 MiB whole against 2 x 50 MiB at the peaks; measured 2026-11-27: 180-220 MiB
+    below, as glibc also returns freed collective temporaries to the system, see
+    ``runtime.sharding.return_freed_buffers``), and its peak grows by at most a third of that
+    saving from the third iteration to the tenth (measured: 5-25 MiB in both runs alike, the
+    allocator's heap, not the sharded buffers). The tolerance stands for what an outside
+    measurement of a whole process adds: activations, Python objects and the allocator's heap
+    move by a few MiB from run to run."""
+    pp, vp, dp, steps, hidden = 2, 8, 4, 10, 512
+    common = dict(world_size=pp * dp, pp=pp, vp=vp, timeout=1500)
+    sharded = run_ranks(iterations_measured, **common, args=("optim_grads_params", hidden, steps))
+    plain = run_ranks(iterations_measured, **common, args=("optim", hidden, steps))
+    for rank, (got, want) in enumerate(zip(sharded, plain, strict=True)):
+        saving = want["accounted"] - got["accounted"]
+        assert saving > 0, rank
+        below = want["peaks"][-1] - got["peaks"][-1]
+        assert below >= 0.75 * saving, (rank, below >> 20, saving >> 20)
+        growth = max(got["peaks"][3:]) - got["peaks"][2]
+        assert growth <= saving / 3, (rank, growth >> 20, saving >> 20)
+
+
 def bad(schedule: str, sharding: str, ddp: dict[str, Any]) -> str:
     from megatron_bfpp import get_forward_backward_func
 
