@@ -513,11 +513,12 @@ def test_each_ranks_process_peak_is_below_the_unsharded_runs_by_what_it_accounts
     layers of hidden 512, 10 iterations, each iteration's peak resident memory of every rank by
     the kernel (VmHWM). Fully sharded, every rank's peak is below the unsharded run's (same
     rank) by at least 3/4 of the parameter and gradient bytes the runtime's accounting says it
-    saves (2 x 98 MiB whole against 2 x 50 MiB at the peaks; measured 2026-11-27: 180-220 MiB
-    below, as glibc also returns freed collective temporaries to the system, see
-    ``runtime.sharding.return_freed_buffers``), and its peak grows by at most a third of that
-    saving from the third iteration to the tenth (measured: 5-25 MiB in both runs alike, the
-    allocator's heap, not the sharded buffers). The tolerance stands for what an outside
+    saves (196 MiB whole against 101 MiB at the peaks; measured 204-245 MiB below, see
+    docs/design-notes.md, "The process's own peak", and ``runtime.sharding.
+    return_freed_buffers`` for why), and its peak grows from the third iteration to the tenth
+    by at most half of that saving: a chunk buffer kept per iteration (12 MiB) would pass it by
+    the tenth, the measured creep of both runs alike (up to 26 MiB sharded, 45 unsharded, the
+    allocator's heap of small blocks) does not. The tolerance stands for what an outside
     measurement of a whole process adds: activations, Python objects and the allocator's heap
     move by a few MiB from run to run."""
     pp, vp, dp, steps, hidden = 2, 8, 4, 10, 512
@@ -530,7 +531,7 @@ def test_each_ranks_process_peak_is_below_the_unsharded_runs_by_what_it_accounts
         below = want["peaks"][-1] - got["peaks"][-1]
         assert below >= 0.75 * saving, (rank, below >> 20, saving >> 20)
         growth = max(got["peaks"][3:]) - got["peaks"][2]
-        assert growth <= saving / 3, (rank, growth >> 20, saving >> 20)
+        assert growth <= saving / 2, (rank, growth >> 20, saving >> 20)
 
 
 def bad(schedule: str, sharding: str, ddp: dict[str, Any]) -> str:
