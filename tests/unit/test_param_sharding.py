@@ -264,6 +264,33 @@ def test_the_simulator_reports_peak_gradients() -> None:
     assert breadth.peak_gradients == (0.5,) * 4
     assert dense.peak_gradients == (1.0,) * 4
     assert breadth.to_dict()["per_rank"][0]["peak_gradients"] == 0.5
+    assert [(r.grad_syncs, r.param_syncs) for r in breadth.per_rank] == [(4, 6)] * 4
+    assert [(r.grad_syncs, r.param_syncs) for r in dense.per_rank] == [(4, 4)] * 4
+
+
+def test_the_simulator_counts_a_reduction_per_chunk_per_group() -> None:
+    """The issue's case in bfpp-sim's numbers: pp=2 vp=8, 8 micro-batches in groups of 2: 8 x 4
+    reduce-scatters and 50 gathers per rank, peaks of two chunks (0.25 of a full stage) as
+    with one group (8 and 14)."""
+    grouped, one = (
+        simulate(
+            build_schedule(
+                "breadth-first",
+                num_ranks=2,
+                num_microbatches=8,
+                num_chunks=8,
+                sharding=SHARDED,
+                **options,
+            ),
+            CostModel(t_param_gather=1.0, t_grad_reduce=1.0),
+        )
+        for options in ({"group_size": 2}, {})
+    )
+    assert [(r.grad_syncs, r.param_syncs) for r in grouped.per_rank] == [(32, 50)] * 2
+    assert [(r.grad_syncs, r.param_syncs) for r in one.per_rank] == [(8, 14)] * 2
+    assert grouped.peak_gradients == one.peak_gradients == (0.25, 0.25)
+    assert grouped.peak_parameters == one.peak_parameters == (0.25, 0.25)
+    assert grouped.to_dict()["per_rank"][0]["grad_syncs"] == 32
 
 
 def test_the_validator_refuses_a_backward_after_its_reduction() -> None:
