@@ -37,6 +37,7 @@ __all__ = [
     "default_process_groups",
     "distributed_optimizers",
     "extra_main_grad_params",
+    "finish_partial_grad_sync",
     "forward_step",
     "guard_zero_grad_buffer",
     "is_multi_module_collection",
@@ -55,6 +56,7 @@ __all__ = [
     "restore_torch_adam_steps",
     "sharded_param_buckets",
     "shared_embedding_chunk",
+    "start_partial_grad_sync",
     "tensor_parallel_reduced_params",
     "torch_adam_state_for_load",
     "transformer_engine_layers",
@@ -454,6 +456,25 @@ def optimizer_on_shards(
         for opt in inner:
             del opt._copy_model_grads_to_main_grads
             del opt._copy_main_params_to_model_params
+
+
+def start_partial_grad_sync(chunk: Any) -> None:
+    """Start the DDP chunk's gradient reduction while it is still in ``no_sync``, for a run of
+    its backwards before its last (fully sharded breadth-first with groups): megatron-core's own
+    ``start_grad_sync`` (scaling, reduce-scatter into the buffer), which DDP's hooks would not
+    dispatch inside ``no_sync``. 0.16.1, 0.19.2 and 0.20.0 alike."""
+    chunk.start_grad_sync()
+
+
+def finish_partial_grad_sync(chunk: Any) -> None:
+    """Finish such a reduction (start and finish it without ``overlap_grad_reduce``) and leave
+    the chunk's buckets ready to reduce again this step: 0.19 marks a bucket group finished for
+    the iteration (``grad_reduce_finished``, cleared by ``zero_grad_buffer``), which would turn
+    the chunk's last reduction of the step into a no-op; 0.16.1 has no such flag."""
+    chunk.finish_grad_sync()
+    for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]:
+        if hasattr(group, "grad_reduce_finished"):
+            group.grad_reduce_finished = False
 
 
 def guard_zero_grad_buffer(chunk: Any, around: Callable[[Callable[[], None]], None]) -> None:

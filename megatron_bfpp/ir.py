@@ -463,26 +463,45 @@ class Schedule:
 
         Without sharded parameters (no RL on the rank) every chunk's gradient buffer is
         allocated all step. With them (fully sharded, ``optim_grads_params``) a chunk's buffer
-        exists from its first backward (B, I or W) until its reduction has landed: the runtime
-        waits for it at the rank's next GS, so it is counted through that GS, or to the end of
+        exists from a backward (B, I or W) until the reduction of its run of backwards has
+        landed: the runtime waits for it at the rank's next GS (or at the chunk's next backward,
+        which allocates the buffer again), so it is counted through that GS, or to the end of
         the step if none follows. The kept 1/d shards are left out, as for parameters.
         """
         program = self.per_rank[rank]
         fraction = self.layout.stage_fraction
         if ActionKind.RELEASE not in map(_kind_of, program):
             return (len(self.layout.stages_of(rank)) * fraction,) * len(program)
+        return tuple(len(held) * fraction for held in self.held_gradient_chunks(rank))
+
+    def held_gradient_chunks(self, rank: int) -> Iterator[set[int]]:
+        """The stages whose full gradient buffers a fully sharded ``rank`` holds after each of
+        its actions (see ``resident_gradients``); the planner weighs them by their sizes. One
+        set, updated in place between items: read it before asking for the next."""
         held: set[int] = set()
         synced: list[int] = []  # GS'd stages whose reduction has not landed yet
-        counts: list[int] = []
-        for action in program:
-            kind = action.kind
+        for action in self.per_rank[rank]:
+            kind, stage = action.kind, action.stage
             if kind in _BACKWARD_KINDS:
-                held.add(action.stage)
+                if stage in synced:  # its reduction lands first, then the buffer is new
+                    synced.remove(stage)
+                held.add(stage)
             elif kind is ActionKind.GRAD_SYNC:
                 held.difference_update(synced)
-                synced = [action.stage]
-            counts.append(len(held))
-        return tuple(count * fraction for count in counts)
+                synced = [stage]
+            yield held
+
+    def held_parameter_chunks(self, rank: int) -> Iterator[set[int]]:
+        """The stages whose full parameters a fully sharded ``rank`` holds gathered after each
+        of its actions (from PS to RL; see ``resident_parameters``), one set updated in place
+        as ``held_gradient_chunks``'."""
+        held: set[int] = set()
+        for action in self.per_rank[rank]:
+            if action.kind is ActionKind.PARAM_SYNC:
+                held.add(action.stage)
+            elif action.kind is ActionKind.RELEASE:
+                held.discard(action.stage)
+            yield held
 
     def peak_gradients(self) -> tuple[float, ...]:
         """Per-rank peak of ``resident_gradients``."""

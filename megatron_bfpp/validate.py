@@ -28,8 +28,10 @@ problems, the first (in rank order) of the first kind below is reported:
    schedule with a backward): exactly one GS for each chunk with a backward on the rank, after
    its last backward (B, or I and W), since megatron-core DDP reduces what the gradient buffers
    hold when GS dispatches it and a later backward's gradients would stay unreduced on each
-   replica; without sharded parameters at most one PS per chunk, before its first compute
-   (with them, the residency rules of ``_residency_problem``, under 3).
+   replica (fully sharded, one GS per run of the chunk's backwards, each reduced into its shard,
+   the last after its last backward: ``_residency_problem``); without sharded parameters at
+   most one PS per chunk, before its first compute (with them, the residency rules of
+   ``_residency_problem``, under 3).
 
 The checks of one action do not depend on other ranks, so each rank is checked in one go, the
 part of a program after a step it would wait at forever included; recording rather than running
@@ -563,11 +565,20 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
 def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
     """With sharded parameters (the rank has an RL) each chunk starts and ends the step
     released, is gathered (PS) only while released and released (RL) only while gathered, and
-    computes only while gathered. (Its GS after its last backward, as under every strategy, is
-    rule 7: ``_grad_sync_problem``.) A plain walk: sharded schedules only."""
+    computes only while gathered; its gradients are allocated by a backward and reduced into
+    its shard at a GS (one per run of its backwards, ``passes.grad_sync``), so a GS follows
+    every backward of a chunk that has one (the last GS after its last backward is rule 7:
+    ``_grad_sync_problem``). A plain walk: sharded schedules only."""
     gathered: set[int] = set()
+    unreduced: dict[int, int] = {}  # stage -> its first backward since its last GS
+    reduces: set[int] = set()  # stages with a GS
     for position, action in enumerate(schedule.per_rank[rank]):
         kind, stage = action.kind, action.stage
+        if kind is _GS:
+            reduces.add(stage)
+            unreduced.pop(stage, None)
+        elif kind.is_compute and kind is not _F:
+            unreduced.setdefault(stage, position)
         if kind is _PS:
             if stage in gathered:
                 return _at(schedule, rank, position, "gathers parameters already gathered: "
@@ -580,6 +591,12 @@ def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
         elif kind.is_compute and stage not in gathered:
             return _at(schedule, rank, position, f"runs with stage {stage}'s parameters released "
                        f"(sharded): gather them ({stage}PS) before it")  # fmt: skip
+    late = sorted(position for stage, position in unreduced.items() if stage in reduces)
+    if late:
+        stage = schedule.per_rank[rank][late[0]].stage
+        return _at(schedule, rank, late[0], f"computes a backward of stage {stage} after "
+                   f"its last gradient reduction ({stage}GS): fully sharded, its gradients "
+                   "are only a shard from there; add a GS after its last backward")  # fmt: skip
     if gathered:
         return _fail(
             schedule,
@@ -593,7 +610,7 @@ def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
 def _grad_sync_problem(
     schedule: Schedule, chunk_level: list[list[int]], required: bool
 ) -> ScheduleError | None:
-    """Rule 6 of the module docstring, rank by rank, from the positions of each rank's GS / PS /
+    """Rule 7 of the module docstring, rank by rank, from the positions of each rank's GS / PS /
     RL that the pass noted (a few per rank: the rest of a program is read only from its ends)."""
     if not required and not any(chunk_level):
         return None  # not lowered for data parallelism (compute-only, or messages only)
@@ -619,14 +636,14 @@ def _rank_grad_sync_problem(
         kind, stage = action.kind, action.stage
         if kind is _GS:
             last = last_backward[stage]
-            if stage in synced:
+            if stage in synced and not sharded:  # fully sharded: one GS per run of backwards
                 return _at(schedule, rank, position, f"reduces stage {stage}'s gradients a second "
                            f"time (first {stage}GS at step {synced[stage]}); keep one GS per "
                            "chunk, after its last backward")  # fmt: skip
             if last < 0:
                 return _at(schedule, rank, position, f"no backward of stage {stage} runs on rank "
                            f"{rank}, so it has no gradients to reduce; drop this GS")  # fmt: skip
-            if position < last:
+            if position < last and not sharded:  # sharded: _residency_problem's reduction runs
                 return _at(schedule, rank, position, f"starts stage {stage}'s gradient reduction "
                            f"before its last backward ({actions[last]} at step {last}), whose "
                            "gradients would stay unreduced across data-parallel replicas; move "

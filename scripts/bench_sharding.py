@@ -29,7 +29,9 @@ before the model was built. Defaults: pp=2 vp=8 dp=4, 56 M fp32 parameters per r
 with ``MALLOC_MMAP_THRESHOLD_=1048576``: glibc otherwise raises its mmap threshold after the
 first freed buffer and keeps later freed chunk buffers in its heap, so RSS never drops (measured
 2026-11-25 on this 2-core machine: 0.958 without, 0.708 with; the runtime's own peaks were 107
-of 214 MiB of parameters and of gradients per rank either way).
+of 214 MiB of parameters and of gradients per rank either way). Fully sharded processes now fix
+the threshold themselves (``runtime.sharding.return_freed_buffers``); the variable still puts
+the unsharded baseline under the same allocator rule.
 
     python scripts/bench_sharding.py                      # pp=2 vp=4 dp=2 m=8, 8 MB per chunk
     MALLOC_MMAP_THRESHOLD_=1048576 python scripts/bench_sharding.py --memory --steps 2

@@ -372,18 +372,20 @@ def format_report(result: SimResult) -> str:
         f"p2p timing model: {data['p2p_model']} ({P2P_MODELS[data['p2p_model']]})",
         "",
         f"{'rank':>4}  {'busy':>10}  {'bubble %':>8}  {'peak act.':>9}  {'peak par.':>9}  "
-        f"{'peak grad':>9}  {'exposed DP':>10}",
+        f"{'peak grad':>9}  {'GS':>5}  {'PS':>5}  {'exposed DP':>10}",
     ]
     for row in data["per_rank"]:
         lines.append(
             f"{row['rank']:>4}  {row['busy_time']:>10.4g}  {100 * row['bubble_fraction']:>8.2f}  "
             f"{row['peak_activations']:>9.3g}  {row['peak_parameters']:>9.3g}  "
-            f"{row['peak_gradients']:>9.3g}  {row['exposed_dp_comm_time']:>10.4g}"
+            f"{row['peak_gradients']:>9.3g}  {row['grad_syncs']:>5}  {row['param_syncs']:>5}  "
+            f"{row['exposed_dp_comm_time']:>10.4g}"
         )
     units = data.get("units", UNITS)
     lines.append(f"peak act. = stored activations, in {units['peak_activations']}")
     lines.append(f"peak par. = {units['peak_parameters']}")
     lines.append(f"peak grad = {units['peak_gradients']}")
+    lines.append("GS / PS = gradient reductions / parameter gathers per step")
     return "\n".join(lines)
 
 

@@ -16,6 +16,14 @@ long segments: every chunk is gathered at most twice per step, and with two chun
 chunk whose backwards directly follow its forwards and the one before it once. Depth-first
 interleaved alternates chunks every micro-batch or two, so with fewer chunks resident than it
 has it gathers again for every group.
+
+Sharded gradients are reduced after every run of a chunk's backwards, not only after its last:
+a GS follows the last B / W of each maximal run of one stage's backward work, and the runtime
+adds each reduction's shard into the kept one. Breadth-first with groups (``group_size`` < m)
+runs each chunk's backwards once per group, so it reduces each chunk once per group and never
+holds more than two chunks' full gradients; reduced only after the last group, every chunk's
+gradients would stay whole from its first group to its last, more than the unsharded run holds
+once the shards are counted (docs/design-notes.md, "Grouped breadth-first, fully sharded").
 """
 
 from __future__ import annotations
@@ -141,6 +149,11 @@ def _sharded_program(
     last_grad = _last_grads(actions, stages)
     before: dict[int, list[Action]] = {}
     after: dict[int, list[Action]] = {}
+    marks: list[tuple[int, list[Action]]] = [
+        (position, [unchecked_action(stage, K.GRAD_SYNC)])
+        for stage, position in _run_ends(actions)
+        if position != last_grad[stage]
+    ]
     for stage in stages:  # GS and RL after the last backward (and its gradient send)
         position = last_grad[stage]
         if position < 0:  # no backward on this rank (forward only): release after its last use
@@ -153,6 +166,8 @@ def _sharded_program(
             done = [unchecked_action(stage, K.RELEASE)]
         else:
             done = [unchecked_action(stage, K.GRAD_SYNC), unchecked_action(stage, K.RELEASE)]
+        marks.append((position, done))
+    for position, done in sorted(marks, key=lambda mark: mark[0]):
         while position + 1 < len(actions) and actions[position + 1].kind is K.SEND_GRAD:
             position += 1
         after.setdefault(position, []).extend(done)
@@ -189,6 +204,34 @@ def _sharded_program(
         program.append(action)
         program += after.get(position, ())
     return program
+
+
+def _run_ends(actions: tuple[Action, ...]) -> list[tuple[int, int]]:
+    """(stage, position) of the last B or W of each maximal run of one stage's backward work
+    (B, I, W; other compute ends a run, messages do not): where the gradients that run
+    accumulated are reduced. Breadth-first with groups has one run per chunk per group."""
+    ends: list[tuple[int, int]] = []
+    stage, last = -1, -1  # the current run's stage, and its last B / W so far (-1: none)
+    for position, action in enumerate(actions):
+        kind = action.kind
+        if not kind.is_compute:
+            continue
+        if kind in _BACKWARD and action.stage == stage:
+            if kind is not K.BACKWARD_INPUT:
+                last = position
+            continue
+        if last >= 0:
+            ends.append((stage, last))
+        stage, last = -1, -1
+        if kind in _BACKWARD:
+            stage = action.stage
+            last = position if kind is not K.BACKWARD_INPUT else -1
+    if last >= 0:
+        ends.append((stage, last))
+    return ends
+
+
+_BACKWARD = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
 
 
 def _segments(actions: tuple[Action, ...]) -> list[tuple[int, int]]:

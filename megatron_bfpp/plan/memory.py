@@ -14,11 +14,12 @@ different times; the peak bytes of a rank is the peak of the weighted count, not
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_bfpp.ir import MEMORY_DELTA, Placement, Schedule, ScheduleError
+from megatron_bfpp.ir import MEMORY_DELTA, ActionKind, Placement, Schedule, ScheduleError
 from megatron_bfpp.plan.presets import Model, Precision
-from megatron_bfpp.train.model_memory import parameters_per_pipeline_rank
+from megatron_bfpp.train.model_memory import parameters_per_pipeline_rank, parameters_per_stage
 from megatron_bfpp.train.run_config import Layout
 
 __all__ = [
@@ -26,11 +27,13 @@ __all__ = [
     "MemoryBreakdown",
     "PeakPoints",
     "StageBytes",
+    "full_buffer_peaks",
     "layer_activation_bytes",
     "peak_activation_bytes",
     "peak_points",
     "rank_parameters",
     "stage_activation_bytes",
+    "stage_parameters",
     "weights_bytes",
 ]
 
@@ -212,6 +215,15 @@ def rank_parameters(
     return parameters_per_pipeline_rank(model.shape(tp=tp), layout)
 
 
+def stage_parameters(
+    model: Model, *, tp: int, pp: int, chunks: int, placement: Placement
+) -> list[int]:
+    """Parameters of one tensor-parallel rank at each global stage (``rank_parameters``, stage
+    by stage: ``train.model_memory.parameters_per_stage``)."""
+    layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
+    return parameters_per_stage(model.shape(tp=tp), layout)
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryBreakdown:
     """Bytes one GPU holds at its peak (the busiest pipeline rank's)."""
@@ -235,28 +247,57 @@ class MemoryBreakdown:
         }
 
 
+def full_buffer_peaks(
+    schedule: Schedule, stage_parameters: Sequence[int]
+) -> tuple[tuple[int, int], ...]:
+    """Per rank, (parameters, gradients): the most parameters whose full (gathered) parameter
+    buffers, and the most whose full gradient buffers, the rank holds at once over its program.
+
+    The walk is the schedule's own (``Schedule.held_parameter_chunks`` from PS to RL,
+    ``held_gradient_chunks`` from a backward until its run's reduction lands), each stage
+    weighed by its parameters (``stage_parameters``, in global stage order:
+    ``train.model_memory.parameters_per_stage``), so chunks of unequal size (the embedding's,
+    the output layer's) count as what they are. Without sharded parameters (no RL on a rank)
+    every stage of the rank is whole all step.
+    """
+    result = []
+    for rank in range(schedule.num_ranks):
+        stages = schedule.layout.stages_of(rank)
+        if not any(a.kind is ActionKind.RELEASE for a in schedule.per_rank[rank]):
+            whole = sum(stage_parameters[s] for s in stages)
+            result.append((whole, whole))
+            continue
+        peaks = [
+            max((sum(stage_parameters[s] for s in held) for held in walk), default=0)
+            for walk in (schedule.held_parameter_chunks(rank), schedule.held_gradient_chunks(rank))
+        ]
+        result.append((peaks[0], peaks[1]))
+    return tuple(result)
+
+
 def weights_bytes(
     parameters: int,
     *,
     dp: int,
     precision: Precision,
     sharded: bool,
-    gathered_fraction: float,
+    gathered: int = 0,
+    accumulated: int = 0,
 ) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``.
 
     The distributed optimizer shards its state over ``dp`` (megatron-core's; the buffers' padding
     to a multiple of dp is left out). Fully sharded (``optim_grads_params``, breadth-first) the
-    rank keeps its 1/dp shard of every chunk's parameters and reduced gradients, plus the chunks
-    whose full buffers exist at once (``gathered_fraction`` of its parameters: the schedule's
-    ``peak_parameters`` and ``peak_gradients``, two chunks for breadth-first), so
-    (2 + 4 + 12) / dp bytes per parameter for bf16 with fp32 gradients and Adam, plus those.
+    rank keeps its 1/dp shard of every chunk's parameters and reduced gradients, plus at its
+    peaks the full buffers of ``gathered`` parameters and of ``accumulated`` parameters'
+    gradients (the schedule walk, ``full_buffer_peaks``: two chunks for breadth-first, with
+    any group size), so (2 + 4 + 12) / dp bytes per parameter for bf16 with fp32 gradients and
+    Adam, plus those.
     """
     if sharded:
         kept = -(-parameters // dp)
-        full = round(gathered_fraction * parameters)
-        params = (kept + full) * precision.param_bytes
-        grads = (kept + full) * precision.grad_bytes
+        params = (kept + gathered) * precision.param_bytes
+        grads = (kept + accumulated) * precision.grad_bytes
     else:
         params = parameters * precision.param_bytes
         grads = parameters * precision.grad_bytes

@@ -35,11 +35,13 @@ from megatron_bfpp.plan.memory import (
     MemoryBreakdown,
     PeakPoints,
     StageBytes,
+    full_buffer_peaks,
     layer_activation_bytes,
     peak_activation_bytes,
     peak_points,
     rank_parameters,
     stage_activation_bytes,
+    stage_parameters,
     weights_bytes,
 )
 from megatron_bfpp.plan.presets import BF16_MIXED, Gpu, Model, Precision, padded_vocab_size
@@ -339,11 +341,31 @@ def rank_parameters_of(
     return _rank_parameters(model, tp, pp, vp, get_spec(schedule).placement)
 
 
-def _gathered_fraction(vp: int) -> float:
-    """Fully sharded breadth-first holds at most two chunks' full parameters and two chunks'
-    full gradients per rank at once: the schedule walk's ``peak_parameters`` and
-    ``peak_gradients`` (tests/unit/test_param_sharding.py checks the two agree)."""
-    return min(2, vp) / vp
+def sharded_walk_length(m: int, group: int | None) -> int:
+    """Micro-batches of the short breadth-first schedule (groups of one) whose fully sharded
+    walk holds the chunks ``m`` micro-batches in groups of ``group`` hold: which chunks are
+    whole at once depends on the order of the chunks' runs, not on how many micro-batches a
+    run has, and the first, a middle and the last group are all the groups there are.
+    tests/unit/test_plan_search.py checks it against the full walks."""
+    return min(-(-m // (group or m)), 3)
+
+
+@lru_cache(maxsize=4096)
+def _full_buffers(
+    model: Model, tp: int, pp: int, vp: int, groups: int
+) -> tuple[tuple[int, int], ...]:
+    """Fully sharded breadth-first's (gathered, accumulated) parameter peaks per rank."""
+    walked = build_schedule(
+        "breadth-first",
+        num_ranks=pp,
+        num_microbatches=groups,
+        num_chunks=vp,
+        sharding="optim_grads_params",
+        group_size=1,
+        validate=False,  # the catalogue's own generator: the tests validate it
+    )
+    stages = stage_parameters(model, tp=tp, pp=pp, chunks=vp, placement=Placement.LOOPED)
+    return full_buffer_peaks(walked, stages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,19 +378,21 @@ class _Sized:
     estimate: float
 
 
-def _weights(c: Candidate, model: Model, precision: Precision) -> list[tuple[int, int, int]]:
-    """(parameters, gradients, optimizer) bytes of each pipeline rank."""
+def _weights(
+    c: Candidate, m: int, model: Model, precision: Precision
+) -> list[tuple[int, int, int]]:
+    """(parameters, gradients, optimizer) bytes of each pipeline rank; fully sharded, the full
+    buffers the schedule walk holds at once on top of the shards."""
     placement = get_spec(c.schedule).placement
-    sharded = c.sharding == "optim_grads_params"
+    counts = _rank_parameters(model, c.tp, c.pp, c.vp, placement)
+    if c.sharding != "optim_grads_params":
+        return [weights_bytes(n, dp=c.dp, precision=precision, sharded=False) for n in counts]
+    if c.schedule != "breadth-first":
+        raise ScheduleError(f"the planner shards breadth-first only, not {c.schedule!r}")
+    full = _full_buffers(model, c.tp, c.pp, c.vp, sharded_walk_length(m, c.group_size))
     return [
-        weights_bytes(
-            count,
-            dp=c.dp,
-            precision=precision,
-            sharded=sharded,
-            gathered_fraction=_gathered_fraction(c.vp) if sharded else 1.0,
-        )
-        for count in _rank_parameters(model, c.tp, c.pp, c.vp, placement)
+        weights_bytes(n, dp=c.dp, precision=precision, sharded=True, gathered=g, accumulated=a)
+        for n, (g, a) in zip(counts, full, strict=True)
     ]
 
 
@@ -512,7 +536,7 @@ def _size(
     ``force``); and whether it fits."""
     m = global_batch_size // (c.dp * c.micro_batch_size)
     budget = options.memory_fraction * cluster.gpu.memory_bytes
-    weights = _weights(c, model, options.precision)
+    weights = _weights(c, m, model, options.precision)
     if not force and max(sum(w) for w in weights) > budget:
         return None, False  # the weights alone do not fit: no need to walk the schedule
     memory, stage = _memory(c, m, model, options.precision, weights)

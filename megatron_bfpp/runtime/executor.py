@@ -176,19 +176,30 @@ def _message_and_peer(action: Action) -> tuple[Message, int]:
 # --- data parallel --------------------------------------------------------------------------
 def grad_sync(step: RankStep, position: int, action: Action) -> None:
     chunk = step.layout.chunk_of(action.stage)
+    sharded = step.ctx.sharded
+    if sharded is not None and position not in step.last_grad_sync:
+        # Fully sharded, a run of the chunk's backwards before its last (breadth-first with
+        # groups): reduced into the kept shard now, the chunk staying in no_sync.
+        if not step.ctx.forward_only:
+            sharded.grads_synced(chunk, overlapped=_overlapped(step, chunk), partial=True)
+        step.state.trace.append(str(action))
+        return
     step.leave_no_sync(chunk)
     func = step.grad_sync_funcs[chunk]
     if func is not None and not step.ctx.forward_only:
         func(step.ctx.model[chunk].parameters())
-    sharded = step.ctx.sharded
     if sharded is not None and not step.ctx.forward_only:
         # Fully sharded: the reduction lands into the chunk's kept gradient shard and its
         # buffer is freed (at the next GS when it runs overlapped, here when it does not).
-        ddp_config: Any = getattr(step.ctx.model[chunk], "ddp_config", None)
-        overlapped = bool(getattr(ddp_config, "overlap_grad_reduce", False))
-        sharded.grads_synced(chunk, overlapped=overlapped)
+        sharded.grads_synced(chunk, overlapped=_overlapped(step, chunk))
     step.state.synced_chunks.add(chunk)
     step.state.trace.append(str(action))
+
+
+def _overlapped(step: RankStep, chunk: int) -> bool:
+    """Does the chunk's DDP reduce asynchronously (``overlap_grad_reduce``)?"""
+    ddp_config: Any = getattr(step.ctx.model[chunk], "ddp_config", None)
+    return bool(getattr(ddp_config, "overlap_grad_reduce", False))
 
 
 def _mb(action: Action) -> int:
@@ -239,7 +250,7 @@ class _Executor:
         step.state.total_num_tokens = torch.zeros([], dtype=torch.int, device=comm.device)
         sharded = step.ctx.sharded
         if sharded is not None:
-            sharded.reset_peak()
+            sharded.begin_step()
         parts = list(step.parts.values())
         with contextlib.ExitStack() as stack:
             for part in parts:

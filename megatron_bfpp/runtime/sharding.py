@@ -15,12 +15,15 @@ buffers exist only while the schedule needs them:
   re-allocates it and all-gathers every bucket from the kept shards, posted asynchronously at
   the PS and waited on by the chunk's first compute after it, so the next chunk's gather
   overlaps this chunk's compute;
-- **gradients**: a chunk's gradient buffer is allocated (and zeroed) at its first backward of
-  the step and reduce-scattered at its GS by megatron-core's own ``start_grad_sync`` /
-  ``finish_grad_sync``; once the reduction has landed (waited on at the rank's next GS, so it
-  runs under the next chunk's backward, or at the end of the step) this rank's reduced part is
-  copied into the kept gradient shard and the buffer is freed. Breadth-first runs each chunk's
-  backwards back to back, so at most two chunks' full gradients exist at once;
+- **gradients**: a chunk's gradient buffer is allocated (and zeroed) at the first backward of
+  each run of its backwards and reduce-scattered at the GS that ends the run, by
+  megatron-core's own ``start_grad_sync`` / ``finish_grad_sync``; once the reduction has
+  landed (waited on at the rank's next GS, so it runs under the next chunk's backward, or at
+  the end of the step) this rank's reduced part is copied into the kept gradient shard (added
+  to it from the chunk's second run of the step on) and the buffer is freed. Breadth-first runs
+  each chunk's backwards back to back, once per group of micro-batches, so at most two chunks'
+  full gradients exist at once for any group size. A reduction before the chunk's last run
+  (``partial``) keeps the chunk in ``no_sync`` and is started here, not by DDP's hooks;
 - **the end of the step** (:meth:`ShardedParameters.finalize_grads`, in place of megatron-core's
   ``finalize_model_grads``, which reads full gradients): the tensor-parallel all-reduce of
   sequence-parallel parameters and the per-token scaling run on the kept shards, element for
@@ -42,6 +45,7 @@ pipeline parallelism.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,12 +56,14 @@ import torch.distributed as dist
 
 from megatron_bfpp.compat import (
     extra_main_grad_params,
+    finish_partial_grad_sync,
     guard_zero_grad_buffer,
     optimizer_on_shards,
     param_bucket_ranges,
     param_gather_suppressed,
     sharded_param_buckets,
     shared_embedding_chunk,
+    start_partial_grad_sync,
     tensor_parallel_reduced_params,
     uses_position_embedding_group,
 )
@@ -141,10 +147,15 @@ class ShardedParameters:
         self.peak_grad_bytes = 0
         self.zeroing_grad_bytes = 0  # the most held while zero_grad_buffer ran since the reset
         self.pending_grads: list[int] = []  # chunks whose reduction is in flight, in order
+        self.partial: set[int] = set()  # ... of which reductions of a run before the last
+        self.landed: set[int] = set()  # chunks whose kept gradient shard has this step's sum
         self.deferred: int | None = None  # the chunk kept whole until the embedding all-reduce
         for index in range(len(self.chunks)):
             self.release(index)
             self._free_grads(index)
+        sizes = [n for state in self.chunks for n in (*state.full_nbytes, *state.grad_nbytes)]
+        if sizes and all(s.device.type == "cpu" for st in self.chunks for s in st.storages):
+            return_freed_buffers(min(sizes))
 
     # --- parameters: the two actions ------------------------------------------------------
     def gather(self, chunk: int, *, async_op: bool = True) -> None:
@@ -193,8 +204,12 @@ class ShardedParameters:
 
     # --- gradients ----------------------------------------------------------------------------
     def allocate_grads(self, chunk: int) -> None:
-        """Before the chunk's first backward of the step: its gradient buffer, zeroed."""
+        """Before the first backward of each run of the chunk's backwards: its gradient buffer,
+        zeroed (the previous run's reduction landed first if it is still in flight)."""
         state = self.chunks[chunk]
+        if chunk in self.pending_grads:
+            self.pending_grads.remove(chunk)
+            self._land(chunk)
         if state.grads_resident:
             return
         for storage, nbytes in zip(state.grad_storages, state.grad_nbytes, strict=True):
@@ -203,10 +218,12 @@ class ShardedParameters:
         state.grads_resident = True
         self._observe()
 
-    def grads_synced(self, chunk: int, *, overlapped: bool) -> None:
+    def grads_synced(self, chunk: int, *, overlapped: bool, partial: bool = False) -> None:
         """At the chunk's GS (its reduction just started, or with ``overlapped`` False not
         started: megatron-core then reduces synchronously in ``finish_grad_sync``): land the
-        reductions started before it, and this one unless it is still in flight."""
+        reductions started before it, and this one unless it is still in flight. ``partial``:
+        a GS before the chunk's last (breadth-first with groups), whose reduction this method
+        starts, the chunk staying in ``no_sync``."""
         state = self.chunks[chunk]
         if not state.grads_resident:
             raise RuntimeError(
@@ -219,7 +236,11 @@ class ShardedParameters:
         earlier, self.pending_grads = self.pending_grads, []
         for index in earlier:
             self._land(index)
+        if partial:
+            self.partial.add(chunk)
         if overlapped:
+            if partial:
+                start_partial_grad_sync(self.chunks[chunk].module)
             self.pending_grads.append(chunk)
         else:
             self._land(chunk)
@@ -298,13 +319,21 @@ class ShardedParameters:
         self.deferred = None if shared is None else shared[0]
 
     def _land(self, chunk: int) -> None:
-        """Wait for the chunk's reduction, keep this rank's reduced part, free the buffer."""
+        """Wait for the chunk's reduction, keep this rank's reduced part (added to the parts of
+        its earlier runs this step), free the buffer."""
         state = self.chunks[chunk]
-        if chunk != self.deferred:
+        if chunk in self.partial:
+            self.partial.discard(chunk)
+            finish_partial_grad_sync(state.module)
+        elif chunk != self.deferred:
             state.module.finish_grad_sync()  # type: ignore[operator]
         with torch.no_grad():
             for bucket in state.buckets:
-                bucket.grad_shard.copy_(bucket.local_grad_view())
+                if chunk in self.landed:
+                    bucket.grad_shard.add_(bucket.local_grad_view())
+                else:
+                    bucket.grad_shard.copy_(bucket.local_grad_view())
+        self.landed.add(chunk)
         self._free_grads(chunk)
 
     def _free_grads(self, chunk: int) -> None:
@@ -406,6 +435,12 @@ class ShardedParameters:
         """Gradient bytes of this rank's chunks unsharded."""
         return sum(sum(state.grad_nbytes) for state in self.chunks)
 
+    def begin_step(self) -> None:
+        """A forward-backward starts: no chunk's kept gradient shard holds any of its sum yet,
+        and the iteration's high-water marks start (its zeroing, just before, counted in)."""
+        self.landed.clear()
+        self.reset_peak()
+
     def reset_peak(self) -> None:
         """Start the iteration's high-water marks (its zeroing, just before, counted in)."""
         self.peak_bytes = self.resident_bytes()
@@ -430,6 +465,34 @@ class ShardedParameters:
                 "sharded model; build the optimizer over the same chunks the step runs"
             )
         return found
+
+
+_MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # its largest value on 64-bit
+_threshold: list[int] = []  # the value this process set, if any
+
+
+def return_freed_buffers(nbytes: int) -> None:
+    """On CPU with glibc, let a freed chunk buffer of ``nbytes`` or more go back to the system.
+
+    glibc serves a large allocation by mmap and returns it at free, but after such a free it
+    raises its mmap threshold to that size (up to 32 MiB), so the next chunk buffer of the same
+    size comes from its heap and, freed, stays in the process: the released chunks of a fully
+    sharded step then cost resident memory as if they were never freed (docs/design-notes.md,
+    "The process's own peak"). Setting the threshold fixes it at this size, the smallest chunk
+    buffer's (at least glibc's default 128 KiB): chunk buffers are mapped and unmapped, smaller
+    allocations stay in the heap. Once per process, at the smallest size asked; a no-op without
+    glibc. GPUs are unaffected (their caching allocator reuses freed blocks)."""
+    threshold = max(128 * 2**10, min(nbytes, _MMAP_THRESHOLD_MAX))
+    if _threshold and _threshold[0] <= threshold:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only: mallopt's numbering is its own)
+    except (OSError, AttributeError):
+        return
+    if libc.mallopt(_MMAP_THRESHOLD, threshold) == 1:
+        _threshold[:] = [threshold]
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

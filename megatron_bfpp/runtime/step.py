@@ -218,6 +218,7 @@ class RankStep:
         self.ctx = ctx
         self.program = schedule.per_rank[rank]
         self.last_backward = _last_backward_positions(self.program)
+        self.last_grad_sync = _last_grad_sync_positions(self.program)
         # With explicit sync functions (overlap_grad_reduce in Megatron-LM) the chunk keeps its
         # no_sync context through its last backward and GS dispatches the reduction, as
         # megatron-core's interleaved schedule does; otherwise DDP's hooks dispatch it.
@@ -274,6 +275,16 @@ class RankStep:
         # One callable for every chunk: megatron-core's interleaved schedule enters it once for
         # all chunks; entering it per chunk would nest the same context, so only chunk 0 holds it.
         return [func] + [None] * (chunks - 1)
+
+
+def _last_grad_sync_positions(program: tuple[Action, ...]) -> set[int]:
+    """Position of each chunk's last GS on this rank: the reduction megatron-core's DDP
+    dispatches (fully sharded breadth-first with groups reduces once per group before it)."""
+    last: dict[int, int] = {}
+    for position, action in enumerate(program):
+        if action.kind is ActionKind.GRAD_SYNC:
+            last[action.stage] = position
+    return set(last.values())
 
 
 def _last_backward_positions(program: tuple[Action, ...]) -> set[int]:

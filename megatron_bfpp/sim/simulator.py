@@ -35,9 +35,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter, countOf
 from typing import Any
 
-from megatron_bfpp.ir import Schedule, ScheduleError, format_schedule
+from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, format_schedule
 from megatron_bfpp.messages import has_communication
 from megatron_bfpp.native_posting import megatron_lm_options, megatron_posting
 from megatron_bfpp.nccl import Posting, PostingRun, lockstep_posting, posting_timer
@@ -100,7 +101,10 @@ class RankMetrics:
     ``Schedule.resident_parameters``, gathered parameters in full stages (with sharded
     parameters, at most ``max_resident`` chunks; else all of the rank's); ``peak_gradients`` that
     of ``Schedule.resident_gradients``, full gradient buffers in full stages (fully sharded: from
-    a chunk's first backward until its reduction lands; else all of the rank's);
+    a backward until the reduction of its run of backwards lands; else all of the rank's);
+    ``grad_syncs`` / ``param_syncs`` count its GS (gradient reductions) and PS (parameter
+    gathers, or megatron-core's ``param_sync_func`` calls) per step: fully sharded
+    breadth-first reduces each chunk once per group of micro-batches;
     ``exposed_dp_comm_time``
     is the time the rank waits on data-parallel communication: computes held back by their
     parameter gather, plus the tail between its last compute and its last GS / PS.
@@ -112,6 +116,8 @@ class RankMetrics:
     peak_activations: float
     peak_parameters: float
     peak_gradients: float
+    grad_syncs: int
+    param_syncs: int
     exposed_dp_comm_time: float
     compute_end: float
     end_time: float
@@ -290,6 +296,8 @@ def _result(
                 peak_activations=run.peak[rank] * schedule.layout.stage_fraction,
                 peak_parameters=_peak_parameters(schedule, rank, sharded=run.released[rank]),
                 peak_gradients=_peak_gradients(schedule, rank, sharded=run.released[rank]),
+                grad_syncs=_count(schedule, rank, ActionKind.GRAD_SYNC),
+                param_syncs=_count(schedule, rank, ActionKind.PARAM_SYNC),
                 exposed_dp_comm_time=_user(exposed, per_unit),
                 compute_end=_user(clock[rank], per_unit),
                 end_time=_user(ends[rank], per_unit),
@@ -308,6 +316,14 @@ def _result(
         costs=costs,
         p2p_model=p2p,
     )
+
+
+def _count(schedule: Schedule, rank: int, kind: ActionKind) -> int:
+    """How many ``kind`` actions the rank's program has (at C speed: 1.6 M actions in ms)."""
+    return countOf(map(_KIND, schedule.per_rank[rank]), kind)
+
+
+_KIND = attrgetter("kind")
 
 
 def _peak_gradients(schedule: Schedule, rank: int, *, sharded: bool) -> float:

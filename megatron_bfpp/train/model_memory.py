@@ -33,6 +33,7 @@ __all__ = [
     "layer_parameters",
     "memory_problem",
     "parameters_per_pipeline_rank",
+    "parameters_per_stage",
 ]
 
 WEIGHT_BYTES = 4  # fp32 weights (params_dtype float32)
@@ -70,16 +71,36 @@ def parameters_per_pipeline_rank(shape: ModelShape, layout: Layout) -> list[int]
     GPT's tied embedding a copy unless the first and last stage are one model chunk (megatron-core
     keeps the last stage's copy in sync over the embedding group)."""
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-    h = shape.hidden_size
-    llama = shape.preset == "llama"
     counts = [shape.num_layers // pp * layer_parameters(shape, tp=tp)] * pp
-    embedding = _split(shape.vocab_size * h, tp)
-    counts[0] += embedding + (0 if llama else shape.seq_length * h)
-    stages = pp * layout.num_virtual_stages_per_pipeline_rank
-    last = 0 if layout.placement is Placement.V_SHAPE else pp - 1
-    output = embedding if llama or stages > 1 else 0  # a tied one is shared in one chunk only
-    counts[last] += (h if llama else 2 * h) + output
+    first, last = _end_parameters(shape, layout)
+    counts[0] += first
+    counts[0 if layout.placement is Placement.V_SHAPE else pp - 1] += last
     return counts
+
+
+def parameters_per_stage(shape: ModelShape, layout: Layout) -> list[int]:
+    """Parameters of one tensor-parallel rank at each global (virtual) stage, in stage order:
+    its ``num_layers / stages`` layers, the first stage's embeddings and the last stage's final
+    norm and output layer (as ``parameters_per_pipeline_rank``, whose figures are these summed
+    over each rank's stages). Fully sharded, a chunk's buffers are gathered and released whole,
+    so the planner weighs the chunks a schedule holds at once by these."""
+    tp = layout.tensor_model_parallel_size
+    stages = layout.pipeline_model_parallel_size * layout.num_virtual_stages_per_pipeline_rank
+    counts = [shape.num_layers // stages * layer_parameters(shape, tp=tp)] * stages
+    first, last = _end_parameters(shape, layout)
+    counts[0] += first
+    counts[-1] += last
+    return counts
+
+
+def _end_parameters(shape: ModelShape, layout: Layout) -> tuple[int, int]:
+    """(first stage's, last stage's) parameters beside their layers."""
+    h, tp = shape.hidden_size, layout.tensor_model_parallel_size
+    llama = shape.preset == "llama"
+    embedding = _split(shape.vocab_size * h, tp)
+    stages = layout.pipeline_model_parallel_size * layout.num_virtual_stages_per_pipeline_rank
+    output = embedding if llama or stages > 1 else 0  # a tied one is shared in one chunk only
+    return embedding + (0 if llama else shape.seq_length * h), (h if llama else 2 * h) + output
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

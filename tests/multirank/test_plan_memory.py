@@ -1,7 +1,11 @@
 """The planner's memory model against megatron-core: a small GPT built and trained on CPU gloo
 ranks holds exactly the parameter, gradient and Adam-state bytes ``plan.memory`` predicts per
 rank, and the runtime's measured activation accounting (``ForwardBackwardFunc.last_memory``)
-is within 10% of the predicted peak for 1F1B, breadth-first and BPipe."""
+is within 10% of the predicted peak for 1F1B, breadth-first and BPipe. Fully sharded
+(breadth-first, the one schedule the runtime shards, with every group size) the runtime's
+measured peaks of parameter and gradient bytes are exactly the kept shards plus the planner's
+walk (``plan.memory.full_buffer_peaks``) of the chunks whole at once, weighed by each chunk's
+buffer, and the planner's per-chunk parameter counts are megatron-core's."""
 
 from __future__ import annotations
 
@@ -12,14 +16,16 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from megatron_bfpp.plan.memory import (
+    full_buffer_peaks,
     peak_activation_bytes,
     peak_points,
     stage_activation_bytes,
+    stage_parameters,
     weights_bytes,
 )
 from megatron_bfpp.plan.presets import FP32, model_from_shape
 from megatron_bfpp.plan.search import rank_parameters_of
-from megatron_bfpp.schedules.registry import build_schedule
+from megatron_bfpp.schedules.registry import build_schedule, get_spec
 from megatron_bfpp.testing import models as M
 from megatron_bfpp.testing.multirank import run_ranks
 
@@ -58,8 +64,13 @@ def _rank(schedule: str, options: dict[str, Any], num_layers: int, m: int) -> di
         ffn_hidden_size=FFN,
         sequence_parallel=tp > 1,  # the planner's assumption with tensor parallelism
     )
+    from megatron_bfpp.schedules.registry import get_spec
+
+    placement = get_spec(schedule).placement
     chunks = M.wrap_ddp(
-        M.build_model_chunks(config, vocab_size=VOCAB, max_sequence_length=SEQ),
+        M.build_model_chunks(
+            config, vocab_size=VOCAB, max_sequence_length=SEQ, placement=placement
+        ),
         use_distributed_optimizer=True,
     )
     parameters = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
@@ -99,6 +110,75 @@ def _rank(schedule: str, options: dict[str, Any], num_layers: int, m: int) -> di
     }
 
 
+def _sharded_rank(groups: list[int], num_layers: int, m: int, overlap: bool) -> list[Any]:
+    """Per group size: two fully sharded breadth-first steps with Adam (the second from a
+    zeroed buffer, as training runs); the runtime's peaks of each step (optimizer included),
+    the chunks' buffers and kept shards, and the chunks' parameter counts."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.runtime import sharded_optimizer_step
+    from megatron_bfpp.runtime.sharding import sharded_parameters
+
+    results = []
+    for group in groups:
+        config = M.tiny_gpt_config(
+            num_layers=num_layers,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            ffn_hidden_size=FFN,
+        )
+        chunks = M.wrap_ddp(
+            M.build_model_chunks(config, vocab_size=VOCAB, max_sequence_length=SEQ),
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=overlap,
+        )
+        counts = [sum(p.numel() for p in chunk.parameters()) for chunk in chunks]
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), chunks
+        )
+        func = get_forward_backward_func(
+            "breadth-first", data_parallel_sharding_strategy="optim_grads_params", group_size=group
+        )
+        sharded = sharded_parameters(chunks)
+        peaks = []
+        for step in range(2):
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            batches = M.make_batches(m, micro_batch_size=MICRO, seq_len=SEQ, seed=step)
+            iterators: Any = [iter(batches) for _ in chunks]
+            func(
+                forward_step_func=M.forward_step_func,
+                data_iterator=iterators,
+                model=chunks,
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=MICRO,
+            )
+            sharded_optimizer_step(optimizer, chunks)
+            peaks.append((sharded.peak_bytes, sharded.peak_grad_bytes))
+        results.append(
+            {
+                "rank": parallel_state.get_pipeline_model_parallel_rank(),
+                "peaks": peaks,
+                "chunk_bytes": [sum(state.full_nbytes) for state in sharded.chunks],
+                "grad_chunk_bytes": [sum(state.grad_nbytes) for state in sharded.chunks],
+                "kept": sum(
+                    b.shard.untyped_storage().nbytes() for c in sharded.chunks for b in c.buckets
+                ),
+                "kept_grads": sum(
+                    b.grad_shard.untyped_storage().nbytes()
+                    for c in sharded.chunks
+                    for b in c.buckets
+                ),
+                "counts": counts,
+            }
+        )
+    return results
+
+
 CASES = [
     # schedule, tp, pp, vp, dp, micro-batches
     ("1f1b", 1, 4, None, 1, 8),
@@ -106,6 +186,8 @@ CASES = [
     ("breadth-first", 1, 2, 2, 1, 4),
     ("1f1b", 2, 2, None, 1, 4),  # tensor and sequence parallel
     ("breadth-first", 1, 2, 2, 2, 4),  # the distributed optimizer's shards over dp
+    ("interleaved", 1, 2, 2, 1, 4),
+    ("v-half", 1, 2, 2, 1, 4),  # the V placement: rank 0 holds the first and last stages
 ]
 
 
@@ -135,10 +217,14 @@ def test_memory_per_rank_matches_megatron_core(
     )
     built = build_schedule(schedule, num_ranks=pp, num_microbatches=m, num_chunks=vp, lower=False)
     activations = peak_activation_bytes(peak_points(built), stage)
+    per_stage = stage_parameters(
+        model, tp=tp, pp=pp, chunks=vp or 1, placement=get_spec(schedule).placement
+    )
+    walked = full_buffer_peaks(built, per_stage)
     for rank in range(pp):
-        params, grads, state = weights_bytes(
-            counts[rank], dp=dp, precision=FP32, sharded=False, gathered_fraction=1.0
-        )
+        params, grads, state = weights_bytes(counts[rank], dp=dp, precision=FP32, sharded=False)
+        # Unsharded, every chunk is whole all step: the walk says the rank's parameters.
+        assert walked[rank] == (counts[rank], counts[rank])
         mine = [r for r in results if r["rank"] == rank]
         assert {(r["parameters"], r["gradients"]) for r in mine} == {(params, grads)}
         # The distributed optimizer's shards: exact per rank at dp=1; at dp > 1 they add up
@@ -156,3 +242,55 @@ def test_memory_per_rank_matches_megatron_core(
                 r["activations"],
                 activations[rank],
             )
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_fully_sharded_peaks_are_the_planners_walk_for_every_group_size(overlap: bool) -> None:
+    """pp 2, vp 4, dp 2, 4 micro-batches per rank in groups of 1, 2 and 4: per rank and step,
+    the runtime's peak parameter bytes are the kept shards plus the walk's gathered chunks, and
+    its peak gradient bytes the kept gradient shards plus the walk's accumulating chunks
+    (megatron-core's buffers, padding included, are the walk's weights; the planner's own
+    unpadded per-chunk counts are checked equal to megatron-core's parameters). With
+    overlap_grad_reduce a reduction lands at the next GS, as the walk counts it; without, it
+    lands at its own GS, so the gradient peak is at most the walk's."""
+    from megatron_bfpp.ir import Placement
+
+    pp, vp, dp, m = 2, 4, 2, 4
+    groups = [1, 2, m]
+    num_layers = 2 * pp * vp
+    results = run_ranks(
+        _sharded_rank,
+        world_size=pp * dp,
+        pp=pp,
+        vp=vp,
+        args=(groups, num_layers, m, overlap),
+    )
+    model = _planned_model(num_layers)
+    planned = stage_parameters(model, tp=1, pp=pp, chunks=vp, placement=Placement.LOOPED)
+    for index, group in enumerate(groups):
+        built = build_schedule(
+            "breadth-first",
+            num_ranks=pp,
+            num_microbatches=m,
+            num_chunks=vp,
+            sharding="optim_grads_params",
+            group_size=group,
+        )
+        for per_group in results:
+            got = per_group[index]
+            rank = got["rank"]
+            stages = built.layout.stages_of(rank)  # this rank's chunks, in chunk order
+            assert got["counts"] == [planned[s] for s in stages], (group, rank)
+            weights = [0] * built.num_stages
+            grad_weights = [0] * built.num_stages
+            for chunk, stage in enumerate(stages):
+                weights[stage] = got["chunk_bytes"][chunk]
+                grad_weights[stage] = got["grad_chunk_bytes"][chunk]
+            gathered = full_buffer_peaks(built, weights)[rank][0]
+            accumulated = full_buffer_peaks(built, grad_weights)[rank][1]
+            for params, grads in got["peaks"]:
+                assert params == got["kept"] + gathered, (group, rank)
+                if overlap:
+                    assert grads == got["kept_grads"] + accumulated, (group, rank)
+                else:
+                    assert grads <= got["kept_grads"] + accumulated, (group, rank)

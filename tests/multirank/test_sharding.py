@@ -52,6 +52,7 @@ def train(
     overlap: bool = False,
     profile_step: int = -1,
     per_token: bool = False,
+    group: int | None = None,
 ) -> dict[str, Any]:
     """Adam steps with DDP and the distributed optimizer, sharded or not; what to compare."""
     import torch
@@ -85,8 +86,9 @@ def train(
         ),
         chunks,
     )
+    options = {} if group is None else {"group_size": group}
     func = get_forward_backward_func(
-        schedule, measure_memory=True, data_parallel_sharding_strategy=sharding
+        schedule, measure_memory=True, data_parallel_sharding_strategy=sharding, **options
     )
     losses, step_counts, peaks, grad_peaks, norms = [], [], [], [], []
     grads: list[torch.Tensor] = []
@@ -349,6 +351,187 @@ def test_resident_parameter_and_gradient_bytes_stay_within_shard_plus_two_chunks
         assert excess <= 1.01 * (two + two_grads), (rank, excess, two + two_grads)
         # ... and at least one gathered chunk: the measurement sees the gathers.
         assert excess >= min(chunks), (rank, excess)
+
+
+def train_groups(
+    steps: list[list[M.Batch]], groups: list[int], sharding: str, num_layers: int, overlap: bool
+) -> list[dict[str, Any]]:
+    """``train`` once per group size, each from the same initial model."""
+    return [
+        train(steps, "breadth-first", sharding, False, num_layers, False, overlap, group=group)
+        for group in groups
+    ]
+
+
+@pytest.mark.parametrize(
+    ("vp", "dp", "overlap"), [(4, 2, False), (8, 4, True)], ids=["vp4dp2", "vp8dp4-overlap"]
+)
+def test_grouped_sharded_training_reduces_per_group_and_holds_no_more_than_unsharded(
+    vp: int, dp: int, overlap: bool
+) -> None:
+    """Breadth-first with groups of 1, 2 and m micro-batches, fully sharded, 3 Adam steps
+    against the unsharded distributed optimizer (whose results do not depend on the group
+    size: each chunk accumulates its micro-batches in the same order). One group: bit for bit.
+    Several: each group's gradients are reduce-scattered and added into the kept shard, so the
+    sum runs in another order (group by group over the ranks instead of rank by rank over the
+    micro-batches): equal within fp32 rounding (measured: losses and norms within 1.2e-7
+    relative, asserted to 1e-5; reduced gradients to rel 1e-5 + 1e-7; trained parameters within
+    1.7e-4 absolute, asserted to 1e-3, see below). Measured peak gradient and parameter bytes
+    are at most the shard plus the two largest chunks for every group size, which is no more
+    than the unsharded run's wherever that bound is."""
+    import torch
+
+    pp, batches = 2, [M.make_batches(16, seed=50 + i) for i in range(3)]
+    m = 16 // dp
+    groups = [1, 2, m]
+    common = dict(world_size=pp * dp, pp=pp, vp=vp)
+    layers = 2 * vp
+    plain = [
+        ranks[0]
+        for ranks in run_ranks(
+            train_groups, **common, args=(batches, [m], "optim", layers, overlap)
+        )
+    ]
+    per_rank = run_ranks(
+        train_groups, **common, args=(batches, groups, "optim_grads_params", layers, overlap)
+    )
+    runs = [[ranks[index] for ranks in per_rank] for index in range(len(groups))]
+    for group, sharded in zip(groups, runs, strict=True):
+        exact = group == m
+        for rank, (want, got) in enumerate(zip(plain, sharded, strict=True)):
+            where = f"group {group}, rank {rank}"
+            flat_got = [loss for step in got["losses"] for loss in step]
+            flat_want = [loss for step in want["losses"] for loss in step]
+            if exact:
+                assert flat_got == flat_want, where
+                assert got["norms"] == want["norms"], where
+            else:
+                assert flat_got == pytest.approx(flat_want, rel=1e-5), where
+                assert got["norms"] == pytest.approx(want["norms"], rel=1e-5), where
+            tolerance = dict(rtol=0.0, atol=0.0) if exact else dict(rtol=1e-5, atol=1e-7)
+            for g, w in zip(got["grads"], want["grads"], strict=True):
+                torch.testing.assert_close(g, w, **tolerance)
+            # Adam divides each element's step by its own gradient's magnitude: an element
+            # whose gradient is rounding noise moves by up to lr (1e-2) whichever way the
+            # noise points, so parameters are compared to a tenth of one step.
+            tolerance = dict(rtol=0.0, atol=0.0) if exact else dict(rtol=0.0, atol=1e-3)
+            for g, w in zip(got["params"], want["params"], strict=True):
+                torch.testing.assert_close(g, w, **tolerance)
+            # One reduce-scatter per bucket per group and chunk; gathers as the trace says.
+            buckets = got["buckets"]
+            reductions = sum(a.endswith("GS") for a in got["trace"])
+            assert reductions == vp * -(-m // group), where
+            gathers = [int(action[:-2]) for action in got["trace"] if action.endswith("PS")]
+            for counts in got["counts"]:
+                assert counts.get("all_gather", 0) == sum(buckets[s] for s in gathers), where
+                assert counts.get("reduce_scatter", 0) == sum(
+                    buckets[int(a[:-2])] for a in got["trace"] if a.endswith("GS")
+                ), where
+            full, full_grads = sum(got["chunk_bytes"]), sum(got["grad_chunk_bytes"])
+            assert full == want["resident_bytes"] and full_grads == want["resident_grad_bytes"]
+            # The shard plus the two largest chunks, for every group size; no more than the
+            # unsharded run wherever that bound is (1/dp + 2/vp < 1 with even chunks: not at vp 4,
+            # dp 2, where it is the unsharded run's bytes plus the embedding chunk's excess).
+            two = sum(sorted(got["chunk_bytes"])[-2:])
+            two_grads = sum(sorted(got["grad_chunk_bytes"])[-2:])
+            for peak in got["peaks"]:
+                assert peak <= full / dp + two, where
+                assert peak <= full or full / dp + two > full, where
+            for peak in got["grad_peaks"]:
+                assert peak <= full_grads / dp + two_grads, where
+                assert peak <= full_grads or full_grads / dp + two_grads > full_grads, where
+
+
+def _vm_hwm() -> int:
+    """The kernel's high-water mark of this process's resident memory (VmHWM), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def iterations_measured(sharding: str, hidden: int, steps: int) -> dict[str, Any]:
+    """``steps`` whole iterations (zeroing, forward-backward, finalize, Adam step) of a GPT of
+    16 layers; each iteration's peak resident memory by the kernel (VmHWM, reset before it
+    through /proc/self/clear_refs), and the parameter and gradient bytes the runtime's
+    accounting says the rank holds at its peaks (unsharded: its whole buffers)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.compat import sharded_param_buckets
+    from megatron_bfpp.runtime import sharded_optimizer_step
+    from megatron_bfpp.runtime.sharding import sharded_parameters
+
+    vocab, seq = 1024, 64
+    config = M.tiny_gpt_config(
+        num_layers=16, hidden_size=hidden, num_attention_heads=8, ffn_hidden_size=4 * hidden
+    )
+    chunks = M.wrap_ddp(
+        M.build_model_chunks(config, vocab_size=vocab, max_sequence_length=seq),
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-4, use_distributed_optimizer=True), chunks
+    )
+    func = get_forward_backward_func("breadth-first", data_parallel_sharding_strategy=sharding)
+    peaks, accounted = [], 0
+    for step in range(steps):
+        batches = M.make_batches(16, seq_len=seq, vocab=vocab, seed=step)
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        M.run_schedule(
+            chunks, M.data_parallel_share(batches), forward_backward_func=func, seq_length=seq
+        )
+        if sharding == "optim":
+            optimizer.step()
+        else:
+            sharded_optimizer_step(optimizer, chunks)
+        peaks.append(_vm_hwm())
+        if sharding != "optim":
+            sharded = sharded_parameters(chunks)
+            accounted = max(accounted, sharded.peak_bytes + sharded.peak_grad_bytes)
+    if sharding == "optim":
+        storages = {
+            tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+            for chunk in chunks
+            for found in sharded_param_buckets(chunk)
+            for tensor in (found.param_data, found.grad_data)
+        }
+        accounted = sum(storages.values())
+    return {"peaks": peaks, "accounted": accounted}
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs"
+)
+def test_each_ranks_process_peak_is_below_the_unsharded_runs_by_what_it_accounts() -> None:
+    """The issue's measurement from outside the runtime: pp=2 vp=8 dp=4 (8 CPU ranks), 16
+    layers of hidden 512, 10 iterations, each iteration's peak resident memory of every rank by
+    the kernel (VmHWM). Fully sharded, every rank's peak is below the unsharded run's (same
+    rank) by at least 3/4 of the parameter and gradient bytes the runtime's accounting says it
+    saves (196 MiB whole against 101 MiB at the peaks; measured 204-245 MiB below, see
+    docs/design-notes.md, "The process's own peak", and ``runtime.sharding.
+    return_freed_buffers`` for why), and its peak grows from the third iteration to the tenth
+    by at most half of that saving: a chunk buffer kept per iteration (12 MiB) would pass it by
+    the tenth, the measured creep of both runs alike (up to 26 MiB sharded, 45 unsharded, the
+    allocator's heap of small blocks) does not. The tolerance stands for what an outside
+    measurement of a whole process adds: activations, Python objects and the allocator's heap
+    move by a few MiB from run to run."""
+    pp, vp, dp, steps, hidden = 2, 8, 4, 10, 512
+    common = dict(world_size=pp * dp, pp=pp, vp=vp, timeout=1500)
+    sharded = run_ranks(iterations_measured, **common, args=("optim_grads_params", hidden, steps))
+    plain = run_ranks(iterations_measured, **common, args=("optim", hidden, steps))
+    for rank, (got, want) in enumerate(zip(sharded, plain, strict=True)):
+        saving = want["accounted"] - got["accounted"]
+        assert saving > 0, rank
+        below = want["peaks"][-1] - got["peaks"][-1]
+        assert below >= 0.75 * saving, (rank, below >> 20, saving >> 20)
+        growth = max(got["peaks"][3:]) - got["peaks"][2]
+        assert growth <= saving / 2, (rank, growth >> 20, saving >> 20)
 
 
 def bad(schedule: str, sharding: str, ddp: dict[str, Any]) -> str:

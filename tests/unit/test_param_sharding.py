@@ -197,9 +197,7 @@ def test_a_forward_only_schedule_releases_each_chunk_after_its_last_forward() ->
 def test_breadth_first_holds_at_most_two_chunks_of_full_gradients(p: int, v: int, m: int) -> None:
     """A chunk's gradient buffer exists from its first backward until its reduction lands (at
     the rank's next GS): breadth-first's backwards run chunk by chunk, so two at most, and
-    the planner's fraction is that walk's."""
-    from megatron_bfpp.plan.search import _gathered_fraction
-
+    the planner weighs that walk (tests/unit/test_plan_search.py)."""
     schedule = sharded("breadth-first", p, v, m)
     fraction = schedule.layout.stage_fraction
     for rank in range(p):
@@ -207,18 +205,54 @@ def test_breadth_first_holds_at_most_two_chunks_of_full_gradients(p: int, v: int
         assert held[0] == 0  # nothing before the first backward
         assert max(held) == pytest.approx(min(2, v) * fraction)
         assert held[-1] == pytest.approx(fraction)  # the last reduction lands at the step's end
-    assert max(schedule.peak_gradients()) == pytest.approx(_gathered_fraction(v))
+    assert max(schedule.peak_gradients()) == pytest.approx(min(2, v) / v)
     assert schedule.peak_gradients() == schedule.peak_parameters()
 
 
-def test_depth_first_holds_every_chunks_gradients_at_its_peak() -> None:
-    """Interleaved visits each chunk once per micro-batch group: every chunk's backward has
-    started before any finishes, so sharding its gradients would save nothing (which is why
-    the runtime refuses it)."""
-    schedule = sharded("interleaved", 4, 4, 16)
-    assert schedule.peak_gradients() == (1.0,) * 4
+def test_depth_first_reduces_each_chunk_once_per_visit() -> None:
+    """Interleaved visits each chunk once per micro-batch group, a backward or two at a time:
+    fully sharded, every run of a chunk's backwards is reduced, so each chunk is reduce-scattered
+    at least m / p times a step where breadth-first needs one (which is why the runtime refuses
+    it); unsharded, every chunk's gradients are held all step."""
+    p, v, m = 4, 4, 16
+    schedule = sharded("interleaved", p, v, m)
+    for stage in schedule.layout.stages_of(0):
+        assert count(schedule, 0, K.GRAD_SYNC, stage) >= m // p
     dense = build_schedule("breadth-first", num_ranks=4, num_microbatches=8, num_chunks=4)
     assert dense.peak_gradients() == (1.0,) * 4
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 4, 8), (2, 8, 8), (4, 4, 16), (2, 2, 6)])
+@pytest.mark.parametrize("group", [1, 2, 3, None])
+def test_grouped_breadth_first_reduces_each_chunk_once_per_group(
+    p: int, v: int, m: int, group: int | None
+) -> None:
+    """With groups every chunk runs its backwards once per group: one GS per chunk per group
+    (the shard accumulates them), so two chunks of full gradients and two of parameters at
+    most, whatever the group size, as with one group."""
+    if group is not None and group > m:
+        pytest.skip("a group larger than the step")
+    options = {} if group is None else {"group_size": group}
+    schedule = build_schedule(
+        "breadth-first", num_ranks=p, num_microbatches=m, num_chunks=v, sharding=SHARDED, **options
+    )
+    groups = -(-m // (group or m))
+    fraction = schedule.layout.stage_fraction
+    for rank in range(p):
+        for stage in schedule.layout.stages_of(rank):
+            assert count(schedule, rank, K.GRAD_SYNC, stage) == groups
+        assert max(schedule.resident_gradients(rank)) == pytest.approx(min(2, v) * fraction)
+        assert max(schedule.resident_parameters(rank)) == pytest.approx(min(2, v) * fraction)
+
+
+def test_a_backward_whose_buffer_is_still_reducing_waits_for_it() -> None:
+    """A chunk's next run of backwards before any other GS: the runtime lands the run before
+    (the buffer is allocated again), so the walk counts that chunk once, not twice."""
+    row = "0PS 1PS 0F0 0F1 1F0 1F1 1B0 1GS 1B1 1GS 1RL 0B0 0B1 0GS 0RL"
+    schedule = parse_schedule([row], layout=StageLayout.looped(1, 2), num_microbatches=2)
+    validate_schedule(schedule, require_communication=False)
+    assert max(schedule.resident_gradients(0)) == pytest.approx(0.5 * 2)
+    assert schedule.resident_gradients(0)[8] == pytest.approx(0.5)  # after 1B1: stage 1 once
 
 
 def test_the_simulator_reports_peak_gradients() -> None:
@@ -230,13 +264,41 @@ def test_the_simulator_reports_peak_gradients() -> None:
     assert breadth.peak_gradients == (0.5,) * 4
     assert dense.peak_gradients == (1.0,) * 4
     assert breadth.to_dict()["per_rank"][0]["peak_gradients"] == 0.5
+    assert [(r.grad_syncs, r.param_syncs) for r in breadth.per_rank] == [(4, 6)] * 4
+    assert [(r.grad_syncs, r.param_syncs) for r in dense.per_rank] == [(4, 4)] * 4
+
+
+def test_the_simulator_counts_a_reduction_per_chunk_per_group() -> None:
+    """The issue's case in bfpp-sim's numbers: pp=2 vp=8, 8 micro-batches in groups of 2: 8 x 4
+    reduce-scatters and 50 gathers per rank, peaks of two chunks (0.25 of a full stage) as
+    with one group (8 and 14)."""
+    grouped, one = (
+        simulate(
+            build_schedule(
+                "breadth-first",
+                num_ranks=2,
+                num_microbatches=8,
+                num_chunks=8,
+                sharding=SHARDED,
+                **options,
+            ),
+            CostModel(t_param_gather=1.0, t_grad_reduce=1.0),
+        )
+        for options in ({"group_size": 2}, {})
+    )
+    assert [(r.grad_syncs, r.param_syncs) for r in grouped.per_rank] == [(32, 50)] * 2
+    assert [(r.grad_syncs, r.param_syncs) for r in one.per_rank] == [(8, 14)] * 2
+    assert grouped.peak_gradients == one.peak_gradients == (0.25, 0.25)
+    assert grouped.peak_parameters == one.peak_parameters == (0.25, 0.25)
+    assert grouped.to_dict()["per_rank"][0]["grad_syncs"] == 32
 
 
 def test_the_validator_refuses_a_backward_after_its_reduction() -> None:
     row = "0PS 1PS 0F0 0F1 1F0 1F1 1B0 1GS 1B1 1RL 0B0 0B1 0GS 0RL"
     schedule = parse_schedule([row], layout=StageLayout.looped(1, 2), num_microbatches=2)
-    with pytest.raises(ScheduleError, match=r"step 7: 1GS: starts stage 1's gradient reduction "
-                       r"before its last backward \(1B1 at step 8\)"):  # fmt: skip
+    with pytest.raises(
+        ScheduleError, match=r"step 8: 1B1: computes a backward of stage 1 after its"
+    ):
         validate_schedule(schedule, require_communication=False)
 
 

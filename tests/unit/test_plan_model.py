@@ -151,18 +151,15 @@ def test_vocabulary_is_padded_as_megatron_lm_pads_it() -> None:
 
 def test_weights_with_and_without_sharded_parameters() -> None:
     # bf16 weights, fp32 gradients, 12 bytes of Adam state per parameter sharded over dp.
-    assert weights_bytes(1000, dp=4, precision=BF16_MIXED, sharded=False, gathered_fraction=1) == (
-        2000,
-        4000,
-        3000,
-    )
-    # Fully sharded: the 1/dp shard of parameters and of gradients plus the chunks whole at
-    # the peak (here a quarter): (2 + 4 + 12) / dp bytes per parameter plus those.
+    assert weights_bytes(1000, dp=4, precision=BF16_MIXED, sharded=False) == (2000, 4000, 3000)
+    # Fully sharded: the 1/dp shard of parameters and of gradients plus the full buffers at
+    # their peaks (here 250 parameters gathered, 300 accumulating): (2 + 4 + 12) / dp bytes per
+    # parameter plus those.
     assert weights_bytes(
-        1000, dp=4, precision=BF16_MIXED, sharded=True, gathered_fraction=0.25
+        1000, dp=4, precision=BF16_MIXED, sharded=True, gathered=250, accumulated=300
     ) == (
-        500 + 500,
-        1000 + 1000,
+        (250 + 250) * 2,
+        (250 + 300) * 4,
         3000,
     )
 

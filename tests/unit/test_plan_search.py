@@ -8,9 +8,14 @@ import itertools
 
 import pytest
 
-from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.plan.costs import BuiltinCurve
-from megatron_bfpp.plan.memory import peak_points
+from megatron_bfpp.plan.memory import (
+    full_buffer_peaks,
+    peak_points,
+    stage_parameters,
+    weights_bytes,
+)
 from megatron_bfpp.plan.presets import get_gpu, get_model
 from megatron_bfpp.plan.search import (
     MEGATRON_SCHEDULES,
@@ -18,14 +23,17 @@ from megatron_bfpp.plan.search import (
     Cluster,
     SearchOptions,
     _cost_model,
+    _full_buffers,
     _points,
     _simulated_ns,
     _size,
+    _weights,
     candidates,
     evaluate,
     memory_microbatches,
     p2p_model_of,
     recommend,
+    sharded_walk_length,
 )
 from megatron_bfpp.schedules.registry import build_schedule
 from megatron_bfpp.sim import simulate
@@ -52,6 +60,58 @@ def test_memory_walked_at_a_short_length_is_the_long_walk(schedule: str, pp: int
             schedule, num_ranks=pp, num_microbatches=m, num_chunks=chunks, lower=False
         )
         assert _points(schedule, pp, vp, m, None) == peak_points(full), m
+
+
+@pytest.mark.parametrize(("pp", "vp"), [(2, 2), (2, 4), (4, 4), (2, 8), (3, 4)])
+def test_fully_sharded_walk_at_a_short_length_is_the_long_walk(pp: int, vp: int) -> None:
+    """The planner walks fully sharded breadth-first at groups of one and at most three
+    micro-batches; every group size and batch gives the same full-buffer peaks, weighed by
+    each chunk's parameters (the embedding's and the output layer's chunks are larger)."""
+    model = GPT52
+    weights = stage_parameters(model, tp=8, pp=pp, chunks=vp, placement=Placement.LOOPED)
+    for m, group in [(1, None), (8, None), (8, 1), (8, 2), (8, 3), (12, 4), (12, 5), (16, 8)]:
+        full = build_schedule(
+            "breadth-first",
+            num_ranks=pp,
+            num_microbatches=m,
+            num_chunks=vp,
+            sharding="optim_grads_params",
+            **({} if group is None else {"group_size": group}),
+        )
+        walked = _full_buffers(model, 8, pp, vp, sharded_walk_length(m, group))
+        assert walked == full_buffer_peaks(full, weights), (m, group)
+        # Two chunks at most, whatever the group size: never every chunk (vp > 2).
+        for rank, (gathered, accumulated) in enumerate(walked):
+            mine = sorted(weights[s] for s in full.layout.stages_of(rank))
+            assert gathered <= sum(mine[-2:]) and accumulated <= sum(mine[-2:])
+            if vp > 2:
+                assert accumulated < sum(mine)
+
+
+def test_the_planner_budgets_grouped_sharded_breadth_first_as_it_runs() -> None:
+    """The issue's case: 52B on 64 V100s, tp 8, pp 2, vp 8, dp 4, group 2 (8 micro-batches).
+    Each rank's gradients are the kept shard plus the walk's two chunks, whatever the group
+    size: 6.8 GB of the unsharded run's 13.2 GB (budgeted so before too, but run with every
+    chunk whole from its first group to its last)."""
+    precision = SearchOptions().precision
+    per_group = {
+        group: _weights(
+            Candidate("breadth-first", "optim_grads_params", 8, 2, 8, 4, 1, "selective", group),
+            8,
+            GPT52,
+            precision,
+        )
+        for group in (1, 2, None)
+    }
+    assert per_group[1] == per_group[2] == per_group[None]
+    counts = stage_parameters(GPT52, tp=8, pp=2, chunks=8, placement=Placement.LOOPED)
+    for rank, (params, grads, _) in enumerate(per_group[2]):
+        mine = sorted(counts[s] for s in range(rank, 16, 2))
+        kept = -(-sum(mine) // 4)
+        assert grads == (kept + sum(mine[-2:])) * precision.grad_bytes
+        assert params == (kept + sum(mine[-2:])) * precision.param_bytes
+        unsharded = weights_bytes(sum(mine), dp=4, precision=precision, sharded=False)
+        assert grads < 0.55 * unsharded[1]
 
 
 @pytest.mark.parametrize(
