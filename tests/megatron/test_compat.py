@@ -153,7 +153,7 @@ def test_a_newer_torch_runs_with_one_warning_naming_the_tested_versions(tmp_path
     result = _run_torch(FAKE_NEW_TORCH, code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "the script ran" in result.stdout
-    warnings = [line for line in result.stderr.splitlines() if "torch 2.15.0" in line]
+    warnings = [line for line in result.stderr.splitlines() if "warning: torch" in line]
     assert warnings == [
         "megatron_bfpp: warning: torch 2.15.0 is newer than the versions megatron_bfpp is "
         "tested with (2.13.0, 2.14.1); it runs, untested"
