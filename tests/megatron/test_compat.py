@@ -75,7 +75,7 @@ def _run(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # imports megatron-core: minutes on a loaded machine
         check=False,
     )
 
@@ -117,7 +117,7 @@ def _run_torch(fake: str, code: str, cwd: Path) -> subprocess.CompletedProcess[s
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # imports megatron-core: minutes on a loaded machine
         check=False,
     )
 
