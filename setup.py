@@ -13,9 +13,11 @@ VERSION = re.search(
     (HERE / "megatron_bfpp" / "__init__.py").read_text(encoding="utf-8"),
     re.MULTILINE,
 ).group(1)
-# pip's form of megatron_bfpp.compat.SUPPORTED_WINDOW (tests/unit/test_versions.py keeps the two
-# equal): 0.16 from 0.16.1 on Python 3.10/3.11, 0.19-0.20 on Python >= 3.12.
-MEGATRON_CORE = "megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.21"
+# pip's form of megatron_bfpp.compat.SUPPORTED_WINDOW and TORCH_WINDOW (tests/unit/test_versions.py
+# keeps them equal): megatron-core 0.16 from 0.16.1 on Python 3.10/3.11, 0.17-0.20 on Python
+# >= 3.12; torch from 2.13 (a newer torch runs with a warning naming the tested ones).
+MEGATRON_CORE = "megatron-core>=0.16.1,<0.21"
+TORCH = "torch>=2.13"
 
 setup(
     name="megatron-bfpp",
@@ -38,7 +40,7 @@ setup(
         # Running schedules on megatron-core (CPU or GPU). psutil: megatron-core's distributed
         # checkpoint writer (bfpp-train --ckpt-format torch_dist) imports it, megatron-core does
         # not install it.
-        "megatron": ["torch>=2.4", MEGATRON_CORE, "psutil>=5.9"],
+        "megatron": [TORCH, MEGATRON_CORE, "psutil>=5.9"],
         # Development and CI: tests, lint, types.
         "test": [
             "pytest>=8",
@@ -47,7 +49,7 @@ setup(
             "matplotlib>=3.7",
             "ruff==0.17.6",  # pinned: lint results must not change under CI
             "mypy==2.4.1",
-            "torch>=2.4",
+            TORCH,
             MEGATRON_CORE,
             "psutil>=5.9",
             "tensorboard>=2.14",

@@ -1,14 +1,17 @@
 """The one module that owns every megatron-core call whose form depends on the installed version.
 
-megatron_bfpp serves the megatron-core versions in ``SUPPORTED_WINDOW`` (the 0.16 and 0.19
-wheels, and Megatron-LM checkouts whose ``megatron/core`` is 0.16, 0.19 or 0.20). Everything else
+megatron_bfpp serves the megatron-core versions in ``SUPPORTED_WINDOW`` (the 0.16.1, 0.17.1,
+0.18.2 and 0.19.2 wheels, and Megatron-LM checkouts whose ``megatron/core`` is 0.16, 0.19 or
+0.20) on the torch versions of ``TORCH_WINDOW``. Everything else
 imports megatron-core names that are the same across that window directly; a call whose
 signature or location changed goes through a shim here, and each shim says which versions it
 covers. The version is read from ``megatron.core.package_info`` (never guessed from a
 ``TypeError``), and a version outside the window fails with one line that names it, before any
-rank builds a model or sends a message.
+rank builds a model or sends a message. A torch older than ``TORCH_WINDOW`` fails the same way;
+a newer one runs, with one warning line naming the tested versions.
 
-Calls checked to be the same in 0.16.1, 0.19.2 and 0.20.0 (so they are made directly):
+Calls checked to be the same in 0.16.1, 0.17.1, 0.18.2, 0.19.2 and 0.20.0 (so they are made
+directly):
 ``finalize_model_grads_func(model, num_tokens, pg_collection=, force_all_reduce=)``,
 ``clear_embedding_activation_buffer``, ``finish_embedding_wgrad_compute``, the model config's
 ``no_sync_func`` / ``grad_sync_func`` / ``param_sync_func``, ``get_model_config``,
@@ -22,18 +25,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 __all__ = [
     "SUPPORTED_WINDOW",
+    "TORCH_WINDOW",
     "ShardedBucket",
+    "TorchWindow",
     "UnsupportedMegatronError",
+    "UnsupportedTorchError",
+    "UnsupportedVersionError",
     "accumulate_wgrad_fused",
     "backward_step",
     "call_megatron_get_forward_backward_func",
     "check_megatron_core",
+    "check_torch",
     "default_process_groups",
     "distributed_optimizers",
     "extra_main_grad_params",
@@ -85,13 +94,74 @@ class MinorRange:
 # is tied to it by tests/unit/test_versions.py.
 SUPPORTED_WINDOW: tuple[MinorRange, ...] = (
     MinorRange((0, 16), (0, 16), "3.10/3.11"),
-    MinorRange((0, 19), (0, 20), ">= 3.12"),
+    MinorRange((0, 17), (0, 20), ">= 3.12"),
 )
 _WINDOW_TEXT = " or ".join(map(str, SUPPORTED_WINDOW))
 
 
-class UnsupportedMegatronError(RuntimeError):
+@dataclass(frozen=True)
+class TorchWindow:
+    """The torch releases megatron_bfpp is tested with: from ``first`` (major, minor) on; the
+    ``tested`` versions are the ones the CI stacks run (scripts/setup.sh pins each stack to one).
+    Older releases are refused; newer ones run with a warning, since a torch release rarely
+    breaks what we call but nothing here has run on it."""
+
+    first: tuple[int, int]
+    tested: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"torch {' and '.join(self.tested)}"
+
+
+# The one statement of the torch window; setup.py's pin and scripts/setup.sh's stacks are tied
+# to it by tests/unit/test_versions.py.
+TORCH_WINDOW = TorchWindow(first=(2, 13), tested=("2.13.0", "2.14.1"))
+
+
+class UnsupportedVersionError(RuntimeError):
+    """megatron-core or torch is missing or outside the versions megatron_bfpp supports."""
+
+
+class UnsupportedMegatronError(UnsupportedVersionError):
     """megatron-core is missing or outside the versions megatron_bfpp supports."""
+
+
+class UnsupportedTorchError(UnsupportedVersionError):
+    """torch is older than the versions megatron_bfpp supports."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``(2, 14, 1)`` from ``2.14.1+cu130`` or ``2.15.0a0+git...``."""
+    parts = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_torch(version: str | None = None) -> str | None:
+    """Raise :class:`UnsupportedTorchError` (one line naming the version) for a torch older than
+    ``TORCH_WINDOW``; return the one warning line for a torch newer than every tested one, else
+    None. The callers (launcher, ``install()``, bfpp-train) print the warning once per run."""
+    if version is None:
+        import torch
+
+        version = str(torch.__version__)
+    found = _release(version)
+    tested = [_release(v) for v in TORCH_WINDOW.tested]
+    if found[:2] < TORCH_WINDOW.first:
+        first = ".".join(map(str, TORCH_WINDOW.first))
+        raise UnsupportedTorchError(
+            f"torch {version} is older than megatron_bfpp supports (torch >= {first}; tested: "
+            f"{', '.join(TORCH_WINDOW.tested)}); install e.g. pip install "
+            f"'torch=={TORCH_WINDOW.tested[-1]}'"
+        )
+    if found[:2] > max(tested)[:2]:
+        return (
+            f"megatron_bfpp: warning: torch {version} is newer than the versions megatron_bfpp "
+            f"is tested with ({', '.join(TORCH_WINDOW.tested)}); it runs, untested"
+        )
+    return None
 
 
 @functools.cache
@@ -168,11 +238,11 @@ def forward_step(
 def backward_step(
     input_tensor: Any, output_tensor: Any, output_tensor_grad: Any, *, model_type: Any, config: Any
 ) -> Any:
-    """megatron-core's ``backward_step``: 0.16 takes ``model_type`` before ``config``; 0.19 and
+    """megatron-core's ``backward_step``: 0.16 takes ``model_type`` before ``config``; 0.17 to
     0.20 dropped it."""
     from megatron.core.pipeline_parallel import schedules
 
-    if _at_least(0, 19):
+    if _at_least(0, 17):
         return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
     return schedules.backward_step(
         input_tensor, output_tensor, output_tensor_grad, model_type, config
@@ -181,8 +251,8 @@ def backward_step(
 
 def default_process_groups() -> Any:
     """The ``ProcessGroupCollection`` megatron-core's schedules build from ``parallel_state`` when
-    the caller passes none (0.16: tp, cp, embd, pos_embd, pp, dp_cp; 0.19 and 0.20 add
-    tp_dp_cp and dp, which their ``finalize_model_grads`` may read)."""
+    the caller passes none (0.16 and 0.17: tp, cp, embd, pos_embd, pp, dp_cp; 0.18 adds
+    tp_dp_cp; 0.19 and 0.20 add dp too; their ``finalize_model_grads`` may read them)."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -195,10 +265,11 @@ def default_process_groups() -> Any:
     collection.dp_cp = parallel_state.get_data_parallel_group(
         with_context_parallel=True, partial_data_parallel=False
     )
-    if _at_least(0, 19):
+    if _at_least(0, 18):
         collection.tp_dp_cp = parallel_state.get_tensor_and_data_parallel_group(
             with_context_parallel=True
         )
+    if _at_least(0, 19):
         collection.dp = parallel_state.get_data_parallel_group(
             with_context_parallel=False, partial_data_parallel=False
         )
@@ -209,8 +280,8 @@ def call_megatron_get_forward_backward_func(
     original: Any, *, pp_size: int | None, vp_size: int | None, schedule_pg_collection: Any
 ) -> Any:
     """megatron-core's own ``get_forward_backward_func``: 0.19 and 0.20 take
-    ``schedule_pg_collection`` (Megatron-LM passes it on every call); 0.16 has no such argument
-    and none of its callers pass one."""
+    ``schedule_pg_collection`` (Megatron-LM passes it on every call); 0.16 to 0.18 have no such
+    argument and none of their callers pass one."""
     if _at_least(0, 19):
         return original(
             pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection
@@ -225,7 +296,8 @@ def call_megatron_get_forward_backward_func(
 
 def is_multi_module_collection(schedule_pg_collection: Any) -> bool:
     """True for 0.19+'s ``MultiModuleProcessGroupCollection`` (cross-grid multi-module pipelines,
-    which megatron runs with its bridge schedule); 0.16 has no such class."""
+    which megatron runs with its bridge schedule); 0.16 has no such class, and 0.17 and 0.18,
+    which define it, take no ``schedule_pg_collection`` to pass one in."""
     if schedule_pg_collection is None or not _at_least(0, 19):
         return False
     from megatron.core.process_groups_config import MultiModuleProcessGroupCollection

@@ -8,8 +8,9 @@ Each process: (1) applies a pair-adjacent (or any) rank order from ``BFPP_RANK_O
 :mod:`megatron_bfpp.megatron.rank_order`); (2) puts the script's directory first on ``sys.path``,
 as ``python pretrain_gpt.py`` would, so a checkout's own ``megatron/core`` and
 ``megatron/training`` are used together (a checkout without ``megatron/core`` uses the installed
-megatron-core); (3) ``megatron_bfpp.install()``, which checks the megatron-core version (one error
-line outside the supported window); (4) without CUDA, enables the CPU redirects of
+megatron-core); (3) ``megatron_bfpp.install()``, which checks the megatron-core and torch versions
+(one error line outside the supported windows, one warning line for a torch newer than the tested
+ones); (4) without CUDA, enables the CPU redirects of
 :mod:`megatron_bfpp.megatron.cpu_launch`; rank 0 logs one line naming the megatron-core version,
 where it comes from and the device; (5) runs the script as ``__main__`` with ``sys.argv`` =
 script + its arguments.
@@ -59,12 +60,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import torch
 
-    from megatron_bfpp.compat import UnsupportedMegatronError, megatron_core_version
+    from megatron_bfpp.compat import UnsupportedVersionError, megatron_core_version
     from megatron_bfpp.megatron.plugin import install
 
     try:
         install()
-    except UnsupportedMegatronError as error:
+    except UnsupportedVersionError as error:
         _refuse(str(error))
     _use_prebuilt_dataset_helpers()
     on_cpu = not torch.cuda.is_available()
@@ -83,7 +84,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             if on_cpu
             else f"{torch.cuda.device_count()} CUDA device(s) visible"
         )
-        log.info("megatron_bfpp.launch: megatron-core %s from %s; %s", version, where, device)
+        log.info(
+            "megatron_bfpp.launch: megatron-core %s from %s; torch %s; %s",
+            version,
+            where,
+            torch.__version__,
+            device,
+        )
     sys.argv = [script, *argv[1:]]
     runpy.run_path(script, run_name="__main__")
 

@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment with megatron_bfpp and what the tests and the CPU demo
 # need, on the right stack for this machine:
-#   primary: Python >= 3.12 (3.12 preferred) with megatron-core 0.19.x, when such a Python exists
-#            (PATH or pyenv);
-#   0.16:    otherwise the newest Python 3.10/3.11 with megatron-core 0.16.1.
+#   primary: Python >= 3.12 (3.12 preferred) with megatron-core 0.19.x and torch 2.14.1, when such
+#            a Python exists (PATH or pyenv);
+#   0.16:    otherwise the newest Python 3.10/3.11 with megatron-core 0.16.1 and torch 2.13.0.
 # Prints one line saying which. Environment:
 #   BFPP_STACK=auto|0.19|0.16   force a stack (default auto, as above)
+#   BFPP_STACK=0.17|0.18        megatron-core 0.17.1 / 0.18.2 on Python 3.12 with torch 2.14.1
+#                               (.ci/run runs a selection of the tests on them)
 #   BFPP_STACK=bridge           the 0.19 stack plus Megatron-Bridge 0.6.2 (Python 3.12) for
 #                               tests/bridge (its CPU shims live in megatron_bfpp.testing)
 #   VENV=DIR                    the environment's folder (default .venv)
 #   PYTHON=/path/to/python      use this interpreter (its version decides the stack)
-# torch is installed first, pinned, so pip does not pick a newer release: on Python 3.11 this
-# machine kind has a local CPU build of torch 2.13.0; elsewhere PyPI's build is used (on Linux it
+# torch is installed first, pinned (TORCH_VERSION, default by stack: 2.14.1, or 2.13.0 on the 0.16
+# and bridge stacks; both in megatron_bfpp.compat.TORCH_WINDOW), so pip does not pick a newer
+# release: on Python 3.11 this machine kind has a local CPU build of torch 2.13.0; elsewhere
+# PyPI's build is used (on Linux it
 # brings CUDA libraries, which run fine without a GPU). On a GPU machine install your CUDA torch
 # into the environment first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 STACK=${BFPP_STACK:-auto}
-TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 
 die() { echo "setup.sh: error: $*" >&2; exit 2; }
 
@@ -65,19 +68,23 @@ else
     auto)
       PYTHON=$(pick_python new)
       if [ -n "$PYTHON" ]; then STACK=0.19; else PYTHON=$(pick_python old); STACK=0.16; fi ;;
-    0.19|bridge) PYTHON=$(pick_python new) ;;
+    0.19|0.18|0.17|bridge) PYTHON=$(pick_python new) ;;
     0.16) PYTHON=$(pick_python old) ;;
-    *) die "BFPP_STACK must be auto, 0.19, 0.16 or bridge, got '$STACK'" ;;
+    *) die "BFPP_STACK must be auto, 0.19, 0.18, 0.17, 0.16 or bridge, got '$STACK'" ;;
   esac
 fi
+# Each stack: its megatron-core and the torch it is tested with.
 case "$STACK" in
-  0.19) CORE="megatron-core>=0.19.2,<0.20" ;;
-  0.16) CORE="megatron-core==0.16.1" ;;
-  bridge) CORE="megatron-core==0.19.2" ;;
-  *) die "BFPP_STACK must be auto, 0.19, 0.16 or bridge, got '$STACK'" ;;
+  0.19) CORE="megatron-core>=0.19.2,<0.20" TORCH="2.14.1" ;;
+  0.18) CORE="megatron-core==0.18.2" TORCH="2.14.1" ;;
+  0.17) CORE="megatron-core==0.17.1" TORCH="2.14.1" ;;
+  0.16) CORE="megatron-core==0.16.1" TORCH="2.13.0" ;;
+  bridge) CORE="megatron-core==0.19.2" TORCH="2.13.0" ;;
+  *) die "BFPP_STACK must be auto, 0.19, 0.18, 0.17, 0.16 or bridge, got '$STACK'" ;;
 esac
+TORCH_VERSION=${TORCH_VERSION:-$TORCH}
 [ -n "$PYTHON" ] || die "no Python for megatron-core $STACK found (0.19 needs Python >= 3.12, \
-0.16 needs 3.10 or 3.11; install one, e.g. pyenv install 3.12, or set PYTHON=...)"
+0.16 needs 3.10 or 3.11, 0.17 and 0.18 need 3.12; install one, e.g. pyenv install 3.12, or set PYTHON=...)"
 PY_VERSION=$(py_version "$PYTHON" | tr ' ' .)
 
 # A folder made for another Python is rebuilt rather than silently reused.
@@ -87,11 +94,13 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-echo "setup.sh: megatron-core $STACK stack: Python $PY_VERSION ($PYTHON) in $VENV"
 . "$VENV/bin/activate"
+# A torch already there (a GPU machine's own CUDA build) is kept.
 if ! python -c "import torch" 2>/dev/null; then
   pip install -q "torch==$TORCH_VERSION"
 fi
+echo "setup.sh: megatron-core $STACK stack: Python $PY_VERSION ($PYTHON), torch" \
+  "$(python -c 'import torch; print(torch.__version__)' 2>/dev/null) in $VENV"
 pip install -q -e ".[test]" "$CORE"
 if [ "$STACK" = bridge ]; then
   [ "$PY_VERSION" = 3.12 ] || die "Megatron-Bridge 0.6.2 needs Python 3.12, got $PY_VERSION"

@@ -31,7 +31,7 @@ from megatron_bfpp.cli.common import (
     positive_float,
     stages_per_rank_defaults,
 )
-from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
+from megatron_bfpp.compat import UnsupportedVersionError, check_megatron_core, check_torch
 from megatron_bfpp.flags import OneLineParser, positive_int, printable_output
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.schedules.fit import check_fit
@@ -677,10 +677,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         notes = validate(args, world_size, rank=int(os.environ["RANK"]) if launched else 0)
         check_megatron_core()
+        torch_warning = check_torch()
+        if torch_warning and os.environ.get("RANK", "0") == "0":
+            print(torch_warning, file=sys.stderr, flush=True)  # once per run
         problem = memory_problem(args, world_size, launched=launched)
         if problem is not None:
             raise FlagError(problem)
-    except (FlagError, UnsupportedMegatronError) as error:
+    except (FlagError, UnsupportedVersionError) as error:
         # Under torchrun every rank checks the same flags: one line per node, not per rank.
         return 2 if launched and os.environ.get("LOCAL_RANK", "0") != "0" else _error(str(error))
     if not launched or os.environ["RANK"] == "0":  # said once for the job

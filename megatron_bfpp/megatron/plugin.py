@@ -59,6 +59,7 @@ from typing import Any, NoReturn
 from megatron_bfpp.compat import (
     call_megatron_get_forward_backward_func,
     check_megatron_core,
+    check_torch,
     is_multi_module_collection,
 )
 from megatron_bfpp.ir import Placement, ScheduleError
@@ -150,6 +151,9 @@ def install() -> None:
         if _patches:
             return
         check_megatron_core()
+        torch_warning = check_torch()
+        if torch_warning and os.environ.get("RANK", "0") == "0":
+            _log_once(torch_warning)
         core = [importlib.import_module(name) for name in CORE_SITES]
         _megatron_get_fbf = core[0].get_forward_backward_func
         training_modules = _import_training()

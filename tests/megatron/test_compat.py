@@ -18,25 +18,27 @@ import megatron_bfpp
 from megatron_bfpp import compat
 from megatron_bfpp.megatron import plugin
 
-# Runs the given code with megatron-core reporting version 0.18.0 (outside the window).
-FAKE_0_18 = "import megatron.core.package_info as p; p.MINOR = 18; p.PATCH = 0\n"
+# Runs the given code with megatron-core reporting version 0.21.0 (outside the window).
+FAKE_0_21 = "import megatron.core.package_info as p; p.MINOR = 21; p.PATCH = 0\n"
 
 
 @pytest.fixture
 def fake_version(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(package_info, "MINOR", 18)
+    monkeypatch.setattr(package_info, "MINOR", 21)
     monkeypatch.setattr(package_info, "PATCH", 0)
     compat.megatron_core_version.cache_clear()
     yield
     compat.megatron_core_version.cache_clear()
 
 
-@pytest.mark.parametrize("version", [(0, 16, 0), (0, 16, 1), (0, 19, 0), (0, 19, 2), (0, 20, 0)])
+@pytest.mark.parametrize(
+    "version", [(0, 16, 0), (0, 16, 1), (0, 17, 1), (0, 18, 2), (0, 19, 0), (0, 19, 2), (0, 20, 0)]
+)
 def test_window_accepts(version: tuple[int, int, int]) -> None:
     assert compat.check_megatron_core(version) == version
 
 
-@pytest.mark.parametrize("version", [(0, 15, 3), (0, 17, 0), (0, 18, 1), (0, 21, 0), (1, 0, 0)])
+@pytest.mark.parametrize("version", [(0, 15, 3), (0, 14, 0), (0, 21, 0), (1, 0, 0)])
 def test_window_rejects_with_one_line_naming_the_version(version: tuple[int, int, int]) -> None:
     with pytest.raises(compat.UnsupportedMegatronError) as info:
         compat.check_megatron_core(version)
@@ -53,7 +55,7 @@ def test_installed_version_is_read_from_package_info() -> None:
 
 
 def test_api_refuses_an_unsupported_version(fake_version: None) -> None:
-    with pytest.raises(compat.UnsupportedMegatronError, match=r"megatron-core 0\.18\.0 is not"):
+    with pytest.raises(compat.UnsupportedMegatronError, match=r"megatron-core 0\.21\.0 is not"):
         megatron_bfpp.get_forward_backward_func("1f1b")
 
 
@@ -61,7 +63,7 @@ def test_install_refuses_an_unsupported_version_and_patches_nothing(fake_version
     from megatron.core.pipeline_parallel import schedules
 
     before = schedules.get_forward_backward_func
-    with pytest.raises(compat.UnsupportedMegatronError, match=r"0\.18\.0"):
+    with pytest.raises(compat.UnsupportedMegatronError, match=r"0\.21\.0"):
         megatron_bfpp.install()
     assert not plugin.is_installed()
     assert schedules.get_forward_backward_func is before
@@ -69,11 +71,11 @@ def test_install_refuses_an_unsupported_version_and_patches_nothing(fake_version
 
 def _run(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", FAKE_0_18 + code],
+        [sys.executable, "-c", FAKE_0_21 + code],
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # imports megatron-core: minutes on a loaded machine
         check=False,
     )
 
@@ -87,8 +89,8 @@ def test_bfpp_train_says_one_line_before_starting_ranks(tmp_path: Path) -> None:
     # (The fake imports megatron-core before bfpp-train's warning filters: only count errors.)
     lines = [line for line in result.stderr.splitlines() if "error" in line]
     assert lines == [
-        "bfpp-train: error: megatron-core 0.18.0 is not supported by megatron_bfpp; install "
-        "megatron-core 0.16.x (Python 3.10/3.11) or 0.19.x-0.20.x (Python >= 3.12) "
+        "bfpp-train: error: megatron-core 0.21.0 is not supported by megatron_bfpp; install "
+        "megatron-core 0.16.x (Python 3.10/3.11) or 0.17.x-0.20.x (Python >= 3.12) "
         "(e.g. pip install 'megatron-core==0.19.2' on Python 3.12)"
     ]
 
@@ -100,5 +102,59 @@ def test_megatron_lm_launcher_says_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1, result.stderr
-    assert errors[0].startswith("megatron_bfpp.launch: error: megatron-core 0.18.0 is not")
+    assert errors[0].startswith("megatron_bfpp.launch: error: megatron-core 0.21.0 is not")
     assert "must not run" not in result.stderr
+
+
+# --- torch: older than the window refused in one line, newer runs with one warning line ---------
+FAKE_OLD_TORCH = "import torch; torch.__version__ = '2.12.1'\n"
+FAKE_NEW_TORCH = "import torch; torch.__version__ = '2.15.0'\n"
+
+
+def _run_torch(fake: str, code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", fake + code],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,  # imports megatron-core: minutes on a loaded machine
+        check=False,
+    )
+
+
+def test_launcher_refuses_an_older_torch_in_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    code = f"from megatron_bfpp.launch import main\nmain([{str(script)!r}])"
+    result = _run_torch(FAKE_OLD_TORCH, code, tmp_path)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == [
+        "megatron_bfpp.launch: error: torch 2.12.1 is older than megatron_bfpp supports "
+        "(torch >= 2.13; tested: 2.13.0, 2.14.1); install e.g. pip install 'torch==2.14.1'"
+    ], result.stderr
+    assert "must not run" not in result.stderr
+
+
+def test_bfpp_train_refuses_an_older_torch_in_one_line(tmp_path: Path) -> None:
+    code = (
+        "from megatron_bfpp.cli.train import main\nraise SystemExit(main(['--train-iters', '1']))"
+    )
+    result = _run_torch(FAKE_OLD_TORCH, code, tmp_path)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("bfpp-train: error: torch 2.12.1 is older")
+
+
+def test_a_newer_torch_runs_with_one_warning_naming_the_tested_versions(tmp_path: Path) -> None:
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("print('the script ran')\n")
+    code = f"from megatron_bfpp.launch import main\nmain([{str(script)!r}])"
+    result = _run_torch(FAKE_NEW_TORCH, code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "the script ran" in result.stdout
+    warnings = [line for line in result.stderr.splitlines() if "warning: torch" in line]
+    assert warnings == [
+        "megatron_bfpp: warning: torch 2.15.0 is newer than the versions megatron_bfpp is "
+        "tested with (2.13.0, 2.14.1); it runs, untested"
+    ], result.stderr

@@ -247,6 +247,8 @@ def test_gradients_equal_unpipelined_reference(
     "schedule, pp, vp, m, native_group",
     [
         ("1f1b", 4, None, 8, None),
+        # BPipe (rank 0 parks micro-batches on rank 3 and loads them back) is 1F1B's arithmetic.
+        ("bpipe", 4, None, 8, None),
         ("interleaved", 2, 2, 4, None),
         ("interleaved", 4, 2, 8, None),
         # Breadth-first is megatron's interleaved with one group of all micro-batches.

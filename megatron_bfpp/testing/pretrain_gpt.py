@@ -1,0 +1,161 @@
+"""A GPT pretrain script for Megatron-LM's own ``pretrain()``, as a Megatron-LM user writes one.
+
+The megatron-core wheels from 0.17 on ship ``megatron.training`` (the training loop, its
+arguments, checkpointing and initialisation) but not Megatron-LM's ``pretrain_gpt.py``. This is
+our own script of that kind, for the tests to run Megatron-LM's loop on every stack whose wheel
+has it (``tests/megatron/test_megatron_lm.py``), through ``python -m megatron_bfpp.launch``
+exactly as a user runs theirs:
+
+* ``model_provider``: megatron-core's ``GPTModel`` with the local (non-Transformer-Engine) layer
+  spec, from Megatron-LM's parsed arguments;
+* ``forward_step``: the model on a batch, with a loss function returning Megatron-LM's
+  ``(loss, num_tokens, {"lm loss": [loss, num_tokens]})``;
+* data: deterministic mock sequences that can be learnt (each counts up by one from a start
+  drawn from a generator seeded by ``--seed`` and the sample's index), so every schedule and
+  every resume sees the same samples and the loss falls; the first
+  and last pipeline stage (asked per model chunk, which the V-shape schedules answer) read a
+  batch, the others none.
+
+``pretrain()`` changed its form between releases: 0.17 takes the providers and parses the
+arguments itself; 0.18 and 0.19 take a config container built from arguments parsed first (and
+order the providers differently).
+Tensor and context parallelism are not handled (tp = cp = 1): it is a test script.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+
+class MockTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """``num_samples`` token sequences counting up (modulo the vocabulary) from a start drawn
+    from a generator seeded by ``(seed, i)``: the same data on every rank and after every
+    resume, and a next token the model can learn to predict."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> None:
+        self.num_samples = num_samples
+        self.seq_length = seq_length
+        self.vocab_size = vocab_size
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + int(index))
+        start = torch.randint(0, self.vocab_size, (1,), generator=generator)
+        text = (start + torch.arange(self.seq_length + 1)) % self.vocab_size
+        return {
+            "tokens": text[:-1],
+            "labels": text[1:],
+            "loss_mask": torch.ones(self.seq_length, dtype=torch.float),
+            "position_ids": torch.arange(self.seq_length),
+        }
+
+
+def model_provider(
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    config: Any = None,
+    pg_collection: Any = None,
+) -> Any:
+    """One model chunk (``vp_stage``) of megatron-core's GPT, sized by Megatron-LM's arguments."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+
+
+def datasets_provider(
+    train_val_test_num_samples: Any, vp_stage: int | None = None
+) -> tuple[Any, None, None]:
+    """The training set only (the tests run with ``--eval-iters 0``)."""
+    from megatron.training import get_args
+
+    args = get_args()
+    train = MockTokens(
+        int(train_val_test_num_samples[0]), args.seq_length, args.vocab_size, args.seed
+    )
+    return train, None, None
+
+
+def _reads_data(model: Any) -> bool:
+    """Whether this model chunk embeds or computes the loss (and so needs a batch)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
+
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    return bool(
+        parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    )
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Any:
+    """Megatron-LM's per-token form: the summed loss, the token count, and what it logs."""
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(output_tensor.view(-1).float() * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator: Any, model: Any) -> Any:
+    """One micro-batch through one model chunk; the loss function for the last stage."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    tokens = labels = loss_mask = position_ids = None
+    if _reads_data(model):
+        batch = {name: value.to(device) for name, value in next(data_iterator).items()}
+        tokens, labels = batch["tokens"], batch["labels"]
+        loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
+    output_tensor = model(tokens, position_ids, None, labels=labels)
+    return output_tensor, functools.partial(loss_func, loss_mask)
+
+
+def main() -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import training
+
+    datasets_provider.is_distributed = True  # type: ignore[attr-defined]  # every rank builds it
+    if "cfg_container" in inspect.signature(training.pretrain).parameters:  # 0.19 on
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        from megatron.training.arguments import parse_and_validate_args
+
+        args = parse_and_validate_args()
+        # By name: 0.18 has model_provider second, 0.19 after forward_step_func.
+        training.pretrain(
+            pretrain_cfg_container_from_args(args),
+            train_valid_test_dataset_provider=datasets_provider,
+            model_provider=model_provider,
+            model_type=ModelType.encoder_or_decoder,
+            forward_step_func=forward_step,
+        )
+    else:  # 0.17
+        training.pretrain(
+            datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step
+        )
+
+
+if __name__ == "__main__":
+    main()
