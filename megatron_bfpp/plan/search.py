@@ -55,6 +55,7 @@ __all__ = [
     "SearchResult",
     "candidates",
     "evaluate",
+    "memory_of",
     "rank_parameters_of",
     "recommend",
 ]
@@ -110,6 +111,9 @@ class SearchOptions:
     top: int = 10
     memory_fraction: float = 0.9
     precision: Precision = BF16_MIXED
+    # megatron-core's distributed optimizer shards its state over data parallelism; without it
+    # (Megatron-LM without --use-distributed-optimizer) every rank holds all of it.
+    distributed_optimizer: bool = True
     efficiency: Efficiency | None = None
     communication: bool = True
     optimizer: bool = True
@@ -128,6 +132,7 @@ class Candidate:
     micro_batch_size: int
     recompute: str
     group_size: int | None = None  # breadth-first's memory-bounded groups (None: one group)
+    max_stored: int | None = None  # BPipe's cap (None: BPipe's own ceil((p+2)/2))
 
     @property
     def family(self) -> str:
@@ -136,6 +141,11 @@ class Candidate:
     @property
     def sequence_parallel(self) -> bool:
         return self.tp > 1
+
+    @property
+    def shape(self) -> tuple[str, int, int]:
+        """(schedule, pp, vp): what a schedule of any length is built from."""
+        return self.schedule, self.pp, self.vp
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +172,7 @@ class Plan:
             "sharding": c.sharding,
             "recompute": c.recompute,
             "group_size": c.group_size,
+            "max_stored": c.max_stored,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
@@ -263,18 +274,24 @@ def memory_microbatches(schedule: str, pp: int, vp: int, m: int) -> int:
     return min(m, 3 * pp)
 
 
-def _points(schedule: str, pp: int, vp: int, m: int, group: int | None) -> PeakPoints:
+def _points(
+    schedule: str, pp: int, vp: int, m: int, group: int | None, max_stored: int | None = None
+) -> PeakPoints:
     if schedule == "gpipe" or (schedule == "breadth-first" and group is None):
         # Every forward before any backward: each rank holds all m micro-batches of its chunks.
         last = pp - 1
         return PeakPoints(
             tuple(((m * vp, m if r == 0 else 0, m if r == last else 0),) for r in range(pp))
         )
-    return _walked_points(schedule, pp, vp, memory_microbatches(schedule, pp, vp, m), group)
+    return _walked_points(
+        schedule, pp, vp, memory_microbatches(schedule, pp, vp, m), group, max_stored
+    )
 
 
 @lru_cache(maxsize=4096)
-def _walked_points(schedule: str, pp: int, vp: int, m: int, group: int | None) -> PeakPoints:
+def _walked_points(
+    schedule: str, pp: int, vp: int, m: int, group: int | None, max_stored: int | None = None
+) -> PeakPoints:
     """The compute order straight from the catalogue's generator: the memory walk needs no
     messages, and ``build_schedule``'s validation of these generators is the tests' job (here it
     would double the walk's cost)."""
@@ -283,12 +300,24 @@ def _walked_points(schedule: str, pp: int, vp: int, m: int, group: int | None) -
     kwargs: dict[str, int] = {} if chunks is None else {"num_chunks": chunks}
     if group is not None:
         kwargs["group_size"] = group
+    if max_stored is not None:
+        kwargs["max_stored"] = max_stored
     return peak_points(spec.generator(num_ranks=pp, num_microbatches=m, **kwargs))
 
 
-def _build(schedule: str, pp: int, vp: int, m: int, sharding: str, group: int | None) -> Schedule:
+def _build(
+    schedule: str,
+    pp: int,
+    vp: int,
+    m: int,
+    sharding: str,
+    group: int | None,
+    max_stored: int | None = None,
+) -> Schedule:
     chunks = None if get_spec(schedule).placement is Placement.SINGLE else vp
     options: dict[str, Any] = {} if group is None else {"group_size": group}
+    if max_stored is not None:
+        options["max_stored"] = max_stored
     return build_schedule(
         schedule,
         num_ranks=pp,
@@ -331,14 +360,17 @@ class _Sized:
     estimate: float
 
 
-def _weights(c: Candidate, model: Model, precision: Precision) -> list[tuple[int, int, int]]:
-    """(parameters, gradients, optimizer) bytes of each pipeline rank."""
+def _weights(
+    c: Candidate, model: Model, precision: Precision, distributed: bool = True
+) -> list[tuple[int, int, int]]:
+    """(parameters, gradients, optimizer) bytes of each pipeline rank (``distributed``: the
+    optimizer's state sharded over dp)."""
     placement = get_spec(c.schedule).placement
     sharded = c.sharding == "optim_grads_params"
     return [
         weights_bytes(
             count,
-            dp=c.dp,
+            dp=c.dp if distributed or sharded else 1,
             precision=precision,
             sharded=sharded,
             gathered_fraction=_gathered_fraction(c.vp) if sharded else 1.0,
@@ -361,7 +393,8 @@ def _memory(
         recompute=c.recompute,
         precision=precision,
     )
-    activations = peak_activation_bytes(_points(c.schedule, c.pp, c.vp, m, c.group_size), stage)
+    points = _points(c.schedule, c.pp, c.vp, m, c.group_size, c.max_stored)
+    activations = peak_activation_bytes(points, stage)
     transient = 0
     if c.recompute == "full":  # the layer being recomputed holds its full activations
         transient = layer_activation_bytes(
@@ -402,9 +435,15 @@ def _cost_model(times: StageTimes) -> CostModel:
 
 @lru_cache(maxsize=256)
 def _schedule(
-    schedule: str, pp: int, vp: int, m: int, sharding: str, group: int | None
+    schedule: str,
+    pp: int,
+    vp: int,
+    m: int,
+    sharding: str,
+    group: int | None,
+    max_stored: int | None = None,
 ) -> Schedule:
-    return _build(schedule, pp, vp, m, sharding, group)
+    return _build(schedule, pp, vp, m, sharding, group, max_stored)
 
 
 def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]:
@@ -423,7 +462,7 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]
             break
         steps = []
         for length in (first, first + period, first + 2 * period):
-            built = _schedule(c.schedule, c.pp, c.vp, length, c.sharding, c.group_size)
+            built = _schedule(*c.shape, length, c.sharding, c.group_size, c.max_stored)
             steps.append(simulate(built, costs).step_time)
         slope = steps[1] - steps[0]
         # On one line: exactly with integer durations; within float rounding while a stage's
@@ -432,7 +471,8 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]
             step = steps[0] + (m - first) // period * slope
             busy = m * (costs.t_forward + costs.t_backward)
             return step, (step - busy) / step if step > 0 else 0.0
-    result = simulate(_schedule(c.schedule, c.pp, c.vp, m, c.sharding, c.group_size), costs)
+    built = _schedule(*c.shape, m, c.sharding, c.group_size, c.max_stored)
+    result = simulate(built, costs)
     return result.step_time, result.bubble_fraction
 
 
@@ -466,7 +506,7 @@ def _size(
     ``force``); and whether it fits."""
     m = global_batch_size // (c.dp * c.micro_batch_size)
     budget = options.memory_fraction * cluster.gpu.memory_bytes
-    weights = _weights(c, model, options.precision)
+    weights = _weights(c, model, options.precision, options.distributed_optimizer)
     if not force and max(sum(w) for w in weights) > budget:
         return None, False  # the weights alone do not fit: no need to walk the schedule
     memory, stage = _memory(c, m, model, options.precision, weights)
@@ -536,6 +576,20 @@ def evaluate(
     if sized is None:  # cannot happen with force=True; keeps the type checker honest
         raise ScheduleError(f"could not size {candidate}")
     return _simulate(sized, model, cluster, global_batch_size)
+
+
+def memory_of(
+    candidate: Candidate,
+    *,
+    model: Model,
+    global_batch_size: int,
+    options: SearchOptions = SearchOptions(),
+) -> MemoryBreakdown:
+    """The busiest pipeline rank's bytes per GPU for ``candidate``: the memory filter of
+    :func:`recommend`, without timing (a closed form and one cached walk of the schedule)."""
+    m = global_batch_size // (candidate.dp * candidate.micro_batch_size)
+    weights = _weights(candidate, model, options.precision, options.distributed_optimizer)
+    return _memory(candidate, m, model, options.precision, weights)[0]
 
 
 def recommend(
