@@ -90,6 +90,8 @@ class AutoRequest:
     group_size: int | None = None
     max_stored: int | None = None
     vp_flag: str = "--num-virtual-stages-per-pipeline-rank"
+    # (schedule, why): what the front end cannot run whatever the layout (Bridge: the V-shapes)
+    unavailable: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_microbatches(self) -> int:
@@ -250,6 +252,7 @@ def gpu_from_device(name: str, total_memory: int | None = None) -> tuple[Gpu, st
     own memory when given: the compute and link figures are the family's, the budget is the
     device's. A device of no known family is timed as an H100 and the note says so."""
     lowered = name.lower()
+    preset = None
     if "v100" in lowered:
         preset = "v100-32gb"
     elif "a100" in lowered or "a800" in lowered:
@@ -257,11 +260,12 @@ def gpu_from_device(name: str, total_memory: int | None = None) -> tuple[Gpu, st
         preset = "a100-80gb" if large else "a100-40gb"
     elif any(family in lowered for family in ("h100", "h200", "h800", "gh200")):
         preset = "h100-80gb"
-    else:
+    if preset is None:
         preset = CPU_TIMING_GPU
+        note = f"unknown GPU {name!r}: timed as {preset}"
+    else:
+        note = f"{name} timed as {preset}"
     gpu = GPUS[preset]
-    known = preset != CPU_TIMING_GPU or "h100" in lowered
-    note = f"{name} timed as {preset}" if known else f"unknown GPU {name!r}: timed as {preset}"
     if total_memory is not None:
         gpu = dataclasses.replace(gpu, memory_bytes=int(total_memory))
     return gpu, note
@@ -386,8 +390,12 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
     def refuse(name: str, vp: int, why: str) -> None:
         excluded.append(Row(make(name, vp), None, False, excluded=why))
 
+    unavailable = dict(r.unavailable)
     for name, spec in SCHEDULES.items():
         if r.sharding != "optim" and name != "breadth-first":
+            continue
+        if name in unavailable:
+            refuse(name, 2 if spec.placement is Placement.V_SHAPE else 1, unavailable[name])
             continue
         if r.group_size is not None and name != "breadth-first":
             continue
@@ -521,14 +529,11 @@ def _refusal(r: AutoRequest, too_big: list[Row], excluded: list[Row], budget: in
     assert smallest.memory is not None and budget is not None
     hints = []
     if r.recompute != "full":
-        hints.append(
-            "recompute activations (--recompute-granularity "
-            + ("full" if r.recompute == "selective" else "selective or full")
-            + ")"
-        )
+        more = "full" if r.recompute == "selective" else "selective or full"
+        hints.append(f"{more} activation recomputation")
     if r.micro_batch_size > 1:
-        hints.append(f"a smaller --micro-batch-size than {r.micro_batch_size}")
-    hints.append("larger tensor / pipeline parallel sizes")
+        hints.append(f"a micro-batch size below {r.micro_batch_size}")
+    hints.append(f"larger tensor / pipeline parallel sizes than tp={r.tp}, pp={r.pp}")
     gpu = r.hardware.gpu.name
     return (
         f"--pipeline-schedule auto: nothing fits {gpu} ({_gib(budget)} GiB usable): the smallest "

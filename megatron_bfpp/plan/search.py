@@ -283,9 +283,10 @@ def _points(
         return PeakPoints(
             tuple(((m * vp, m if r == 0 else 0, m if r == last else 0),) for r in range(pp))
         )
-    return _walked_points(
-        schedule, pp, vp, memory_microbatches(schedule, pp, vp, m), group, max_stored
-    )
+    length = memory_microbatches(schedule, pp, vp, m)
+    if group is not None:  # one whole group at least: its peak is the group's micro-batches
+        length = min(m, max(length, group))
+    return _walked_points(schedule, pp, vp, length, group, max_stored)
 
 
 @lru_cache(maxsize=4096)
@@ -455,7 +456,8 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]
     are simulated; otherwise the whole schedule is. tests/unit/test_plan_search.py checks this
     against full simulations.
     """
-    p = c.pp
+    # A breadth-first group of g micro-batches repeats every g (the planner's g is pp).
+    p = c.pp if c.group_size is None else max(c.pp, c.group_size)
     attempts = ((p, p + m % p), (p, 2 * p + m % p), (2 * p, 2 * p + m % (2 * p)))
     for period, first in attempts:
         if m <= first + 2 * period:
