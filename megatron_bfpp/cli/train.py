@@ -32,6 +32,7 @@ from megatron_bfpp.cli.common import (
 from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import (
     SCHEDULES,
@@ -127,9 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument(
         "--pipeline-schedule",
         default="breadth-first",
-        metavar="{" + ",".join(schedule_names()) + "}",
+        metavar="{" + ",".join((AUTO, *schedule_names())) + "}",
+        help="auto: the planner picks the schedule, its virtual stages, group size or BPipe cap "
+        "for these sizes and this device (one line says which and why)",
     )
     add_option_flags(par, positive_int)
+    add_auto_flags(par)
     par.add_argument(
         "--data-parallel-sharding-strategy",
         choices=SHARDING_STRATEGIES,
@@ -277,6 +281,10 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
     """Raise :class:`FlagError` for a combination that cannot run on ``world_size`` ranks
     (checked by ``rank``: the metrics file is rank 0's alone)."""
     name = args.pipeline_schedule
+    try:
+        check_auto_flags(args)
+    except ScheduleError as error:
+        raise FlagError(str(error)) from None
     if name not in schedule_names():
         raise FlagError(
             f"unknown --pipeline-schedule {name!r}; choose one of: {', '.join(schedule_names())}"
@@ -334,6 +342,24 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
         raise FlagError(str(error)) from None
     if args.load is not None:
         check_load(args, world_size)
+
+
+def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
+    """``--pipeline-schedule auto``: the schedule decided (and said, by rank 0) before any flag
+    check that needs a schedule and before any rank starts (:mod:`megatron_bfpp.train.auto`)."""
+    if args.pipeline_schedule != AUTO:
+        return
+    from megatron_bfpp.train.auto import resolve_train_auto
+
+    report = args.pipeline_schedule_auto_report
+    if report is not None and (
+        problem := output_file_problem("--pipeline-schedule-auto-report", report)
+    ):
+        raise FlagError(problem)
+    try:
+        resolve_train_auto(args, world_size)
+    except ScheduleError as error:
+        raise FlagError(str(error).splitlines()[0]) from None
 
 
 def data_path_problem(path: str, seq_length: int) -> str | None:
@@ -609,6 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or _guess_nproc())
     )
     try:
+        resolve_auto(args, world_size)
         validate(args, world_size, rank=int(os.environ["RANK"]) if launched else 0)
         check_megatron_core()
         problem = memory_problem(args, world_size, launched=launched)

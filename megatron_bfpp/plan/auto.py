@@ -27,6 +27,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.passes.eviction import bpipe_max_stored
@@ -39,10 +40,13 @@ from megatron_bfpp.schedules.registry import SCHEDULES, get_spec
 
 __all__ = [
     "AUTO",
+    "AUTO_FLAGS",
     "AutoRequest",
     "Decision",
     "Hardware",
     "Row",
+    "add_auto_flags",
+    "check_auto_flags",
     "decide",
     "gpu_from_device",
     "gpus_per_node_from_env",
@@ -54,6 +58,49 @@ AUTO = "auto"
 MAX_CHUNKS = 8  # the planner's own bound on virtual stages per rank
 CPU_TIMING_GPU = "h100-80gb"  # what a run without CUDA is timed as, unless told otherwise
 REPORT_FORMAT = "bfpp-auto-report"
+# Where a front end records auto's line once it wrote the choice into the parsed arguments.
+AUTO_DEST = "pipeline_schedule_auto_line"
+
+# (flag, dest, help): the same three flags in every command line that names a schedule.
+AUTO_FLAGS = (
+    (
+        "--pipeline-schedule-auto-report",
+        "pipeline_schedule_auto_report",
+        "with --pipeline-schedule auto: write every candidate, ranked, as JSON to this file",
+    ),
+    (
+        "--pipeline-schedule-auto-profile",
+        "pipeline_schedule_auto_profile",
+        "with --pipeline-schedule auto: a stage profile (bfpp-plan profile) instead of the "
+        "built-in efficiency curve",
+    ),
+    (
+        "--pipeline-schedule-auto-gpu",
+        "pipeline_schedule_auto_gpu",
+        "with --pipeline-schedule auto: plan for this GPU preset (v100-32gb, a100-40gb, "
+        "a100-80gb, h100-80gb) instead of the device found, its memory a constraint",
+    ),
+)
+
+
+def add_auto_flags(group: Any) -> None:
+    for flag, dest, help_text in AUTO_FLAGS:
+        group.add_argument(
+            flag,
+            dest=dest,
+            default=None,
+            metavar="FILE" if "gpu" not in flag else "NAME",
+            help=help_text,
+        )
+
+
+def check_auto_flags(args: Any) -> None:
+    """The auto flags given with a named schedule say nothing: one line."""
+    if getattr(args, "pipeline_schedule", None) == AUTO or getattr(args, AUTO_DEST, None):
+        return  # auto, before or after it was resolved
+    for flag, dest, _ in AUTO_FLAGS:
+        if getattr(args, dest, None) is not None:
+            raise ScheduleError(f"{flag} applies to --pipeline-schedule auto")
 
 
 @dataclass(frozen=True, slots=True)

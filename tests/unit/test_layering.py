@@ -69,7 +69,8 @@ ALLOWED = {
     "compat": set(),  # megatron-core versions
     "local_ranks": set(),  # the local process launcher
     "runtime": {"ir", "messages", "nccl", "validate", "passes", "schedules", "compat", "runtime"},
-    "megatron": {"flags", "ir", "schedules", "compat", "runtime", "megatron"},  # + CPU adapter
+    # + CPU adapter; plan: --pipeline-schedule auto's decision (megatron.auto)
+    "megatron": {"flags", "ir", "schedules", "plan", "compat", "runtime", "megatron"},
     "train": {"ir", "schedules", "compat", "megatron", "runtime", "train"},  # megatron: CPU adapter
     "launch": {"ir", "compat", "megatron"},  # ir: ScheduleError from the preflight
     "cli": PURE_LAYERS | {"cli", "compat", "local_ranks", "runtime", "train", "stage_timing"},
