@@ -36,10 +36,13 @@ from megatron_bfpp.plan.presets import BF16_MIXED, FP32, Model, Precision, model
 from megatron_bfpp.schedules.registry import SCHEDULES, get_spec
 
 __all__ = [
+    "BRIDGE_NO_V",
     "announce",
     "apply_to_megatron_args",
+    "bridge_request",
     "megatron_request",
     "probe_device",
+    "resolve_bridge_auto",
     "resolve_megatron_auto",
 ]
 
@@ -281,3 +284,113 @@ def resolve_megatron_auto(
         announce(decision, report=getattr(args, "pipeline_schedule_auto_report", None), env=env)
     apply_to_megatron_args(args, decision)
     return decision
+
+
+# --------------------------------------------------------------------------- Megatron-Bridge
+
+BRIDGE_NO_V = "Megatron-Bridge's model provider does not build V-placed chunks"
+
+
+def bridge_request(
+    config: Any,
+    *,
+    options: Mapping[str, Any],
+    sharding: str,
+    env: Mapping[str, str],
+    hw: Hardware,
+) -> AutoRequest:
+    """What a Bridge ``ConfigContainer`` fixed. The data-parallel size needs the launcher's
+    ``WORLD_SIZE`` (torchrun, srun), as every rank's decision must be the same before Bridge
+    initialises anything."""
+    model = config.model
+    world = env.get("WORLD_SIZE", "")
+    if not world.isdigit():
+        raise ScheduleError(
+            "pipeline schedule auto needs the job's WORLD_SIZE (start it with torchrun or srun)"
+        )
+    tp = int(getattr(model, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(model, "pipeline_model_parallel_size", 1) or 1)
+    cp = int(getattr(model, "context_parallel_size", 1) or 1)
+    if int(world) % (tp * pp * cp):
+        raise ScheduleError(
+            f"WORLD_SIZE {world} is not a multiple of tensor x pipeline x context parallel size "
+            f"({tp} x {pp} x {cp})"
+        )
+    dp = int(world) // (tp * pp * cp)
+    gated = bool(getattr(model, "gated_linear_unit", False))
+    hidden = int(model.hidden_size)
+    seq = getattr(model, "seq_length", None) or getattr(
+        getattr(config, "dataset", None), "sequence_length", None
+    )
+    dropout = any(
+        float(getattr(model, name, 0.0) or 0.0) > 0
+        for name in ("hidden_dropout", "attention_dropout")
+    )
+    shape = model_from_shape(
+        arch="llama" if gated else "gpt",
+        num_layers=int(model.num_layers),
+        hidden_size=hidden,
+        num_attention_heads=int(model.num_attention_heads),
+        num_query_groups=getattr(model, "num_query_groups", None),
+        ffn_hidden_size=getattr(model, "ffn_hidden_size", None) or 4 * hidden,
+        seq_length=int(seq or 2048),
+        vocab_size=int(getattr(model, "vocab_size", None) or (32000 if gated else 50257)),
+        dropout=dropout,
+    )
+    optimizer = getattr(config, "optimizer", None)
+    granularity = getattr(model, "recompute_granularity", None)
+    return AutoRequest(
+        model=shape,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        cp=cp,
+        micro_batch_size=int(config.train.micro_batch_size),
+        global_batch_size=int(config.train.global_batch_size),
+        hardware=hw,
+        recompute=str(granularity) if granularity in ("selective", "full") else "none",
+        precision=precision_of(
+            sixteen_bit=bool(getattr(model, "bf16", False) or getattr(model, "fp16", False)),
+            optimizer=str(getattr(optimizer, "optimizer", "adam") or "adam"),
+        ),
+        sharding=sharding,
+        distributed_optimizer=bool(getattr(optimizer, "use_distributed_optimizer", True)),
+        gpus_per_node=gpus_per_node_from_env(env, int(world)),
+        vp=getattr(model, "virtual_pipeline_model_parallel_size", None),
+        group_size=options.get("group_size"),
+        max_stored=options.get("max_stored"),
+        vp_flag="config.model.virtual_pipeline_model_parallel_size",
+        unavailable=tuple(
+            (name, BRIDGE_NO_V)
+            for name, spec in SCHEDULES.items()
+            if spec.placement is Placement.V_SHAPE
+        ),
+    )
+
+
+def resolve_bridge_auto(
+    config: Any,
+    options: Mapping[str, Any],
+    *,
+    sharding: str = "optim",
+    report: str | None = None,
+    profile: str | None = None,
+    gpu: str | None = None,
+    env: Mapping[str, str] = os.environ,
+    device: tuple[str | None, int | None] | None = None,
+) -> tuple[str, dict[str, Any], Decision]:
+    """Decide for Bridge's ``pretrain(config, ...)`` and announce it (rank 0); returns the
+    schedule's name and options for ``use_schedule``, with ``config.model``'s virtual pipeline
+    size set to the choice's."""
+    name, memory = probe_device() if device is None else device
+    hw = hardware(device_name=name, device_memory=memory, gpu_flag=gpu, profile_path=profile)
+    decision = decide(bridge_request(config, options=options, sharding=sharding, env=env, hw=hw))
+    announce(decision, report=report, env=env)
+    c = decision.chosen.candidate
+    if get_spec(c.schedule).placement is Placement.LOOPED:
+        config.model.virtual_pipeline_model_parallel_size = c.vp
+    chosen = {**{k: v for k, v in options.items() if k not in ("group_size", "max_stored")}}
+    chosen.update(decision.options)
+    if c.schedule != "interleaved":
+        chosen.pop("microbatch_group_size", None)
+    return c.schedule, chosen, decision
