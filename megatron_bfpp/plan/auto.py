@@ -227,7 +227,7 @@ class Decision:
         plan, memory = chosen.plan, chosen.memory
         assert plan is not None and memory is not None  # rows[0] is simulated by construction
         if hw.memory_bytes is None:
-            held = f"{_gib(memory.total)} GiB; no CUDA: memory is not a constraint"
+            held = f"{_held(memory.total)}; no CUDA: memory is not a constraint"
         else:
             held = f"{_gib(memory.total)} GiB/{hw.memory_bytes / GiB:.0f}"
         text = (
@@ -279,6 +279,11 @@ def _megatron_figure(row: Row) -> str:
     assert row.plan is not None and row.memory is not None
     figure = f"{row.plan.step_time_s:.3g} s"
     return figure if row.fits else f"{figure}, does not fit ({_gib(row.memory.total)} GiB)"
+
+
+def _held(nbytes: int) -> str:
+    """GiB, or MiB for what would print as 0.0 GiB (the CPU tests' models)."""
+    return f"{_gib(nbytes)} GiB" if nbytes >= GiB // 20 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _gib(nbytes: int) -> str:
