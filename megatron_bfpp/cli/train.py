@@ -287,7 +287,8 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
         raise FlagError(str(error)) from None
     if name not in schedule_names():
         raise FlagError(
-            f"unknown --pipeline-schedule {name!r}; choose one of: {', '.join(schedule_names())}"
+            f"unknown --pipeline-schedule {name!r}; choose one of: "
+            f"{', '.join((AUTO, *schedule_names()))}"
         )
     apply_schedule_defaults(args)
     problem = (

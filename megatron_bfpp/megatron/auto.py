@@ -53,7 +53,11 @@ def probe_device() -> tuple[str | None, int | None]:
 
     if not torch.cuda.is_available():
         return None, None
-    return torch.cuda.get_device_name(0), int(torch.cuda.get_device_properties(0).total_memory)
+    # This rank's own GPU (torchrun's LOCAL_RANK): asking every rank about device 0 would make
+    # them all touch it before Megatron assigns devices. A node's GPUs are one model.
+    index = int(os.environ.get("LOCAL_RANK", "0") or 0) % max(1, torch.cuda.device_count())
+    properties = torch.cuda.get_device_properties(index)
+    return str(properties.name), int(properties.total_memory)
 
 
 def hardware_from_args(args: Any, *, device: tuple[str | None, int | None] | None) -> Hardware:

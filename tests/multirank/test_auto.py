@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,7 +64,13 @@ def _decide_on_this_rank(rank: int, store: Any) -> tuple[dict[str, Any], str, bo
     with contextlib.redirect_stdout(printed):
         decision = resolve_megatron_auto(args, sharding=None, device=probe_device())
     assert decision is not None
-    return decision.to_dict(), printed.getvalue(), dist.is_initialized()
+    initialised = dist.is_initialized()
+    # Only now, after deciding: wait for every rank at the launcher's store, which rank 0 hosts
+    # (leaving first, it would take the store away from ranks still connecting to it).
+    store.add("decided", 1)
+    while int(store.add("decided", 0)) < WORLD:
+        time.sleep(0.05)
+    return decision.to_dict(), printed.getvalue(), initialised
 
 
 def test_every_rank_reaches_the_same_decision_without_communicating() -> None:
