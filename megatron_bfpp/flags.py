@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-__all__ = ["HelpFormatter", "OneLineParser", "positive_int"]
+__all__ = ["HelpFormatter", "OneLineParser", "positive_int", "printable_output"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -72,3 +72,14 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def printable_output() -> None:
+    """Every line can be printed, whatever stdout and stderr encode: a path or name they cannot
+    show (an ASCII locale, ``PYTHONIOENCODING=ascii``, a SLURM log) comes out as ``\\xe9``
+    escapes instead of ending the run with a UnicodeEncodeError, as an informational line
+    (``saved checkpoint DIR``) used to, after training."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")

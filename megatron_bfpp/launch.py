@@ -24,6 +24,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from megatron_bfpp.flags import printable_output
+
 __all__ = ["main"]
 
 log = logging.getLogger("megatron_bfpp.launch")
@@ -40,9 +42,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(USAGE, file=sys.stderr if not argv else sys.stdout)
         print(__doc__)
         raise SystemExit(0 if argv else 2)
+    printable_output()
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
         _refuse(f"no such script: {argv[0]}")
+    problem = script_problem(script, shown=argv[0])
+    if problem is not None:
+        _refuse(problem)
     _check_schedule_flags(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -80,6 +86,39 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.info("megatron_bfpp.launch: megatron-core %s from %s; %s", version, where, device)
     sys.argv = [script, *argv[1:]]
     runpy.run_path(script, run_name="__main__")
+
+
+_MAX_SCRIPT_BYTES = 16 << 20  # a training script is a few hundred KiB at most
+
+
+def script_problem(script: str, *, shown: str) -> str | None:
+    """Why ``script`` is not a Python script the launcher can run (a shell script, a binary, a
+    file with a syntax error), found by compiling it here, in milliseconds, before torch or
+    Megatron is imported: it used to be a SyntaxError traceback from every rank after ~10 s of
+    imports. Nothing of it runs."""
+    try:
+        with open(script, "rb") as file:
+            source = file.read(_MAX_SCRIPT_BYTES + 1)
+    except OSError as error:
+        return f"cannot read {shown} ({error.strerror})"
+    if len(source) > _MAX_SCRIPT_BYTES:
+        return f"{shown} is larger than {_MAX_SCRIPT_BYTES >> 20} MiB: not a training script"
+    first = source.split(b"\n", 1)[0]
+    if first.startswith(b"#!") and b"python" not in first:
+        interpreter = first[2:].decode("utf-8", "replace").strip()
+        return (
+            f"{shown} is not a Python script (it starts with #!{interpreter}); the launcher "
+            "runs Megatron-LM's Python scripts (pretrain_gpt.py); run this one directly"
+        )
+    try:
+        compile(source, script, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as error:
+        where = f" (line {error.lineno}: {error.msg})" if isinstance(error, SyntaxError) else ""
+        return (
+            f"{shown} is not a Python script{where}; the launcher runs Megatron-LM's Python "
+            "scripts (pretrain_gpt.py)"
+        )
+    return None
 
 
 def _refuse(message: str) -> NoReturn:

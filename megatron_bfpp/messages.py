@@ -23,6 +23,8 @@ __all__ = [
     "GRAD",
     "RESTORE",
     "RESTORE_POSTED",
+    "WHAT",
+    "WHAT_CODE",
     "Message",
     "MessageKeys",
     "has_communication",
@@ -36,7 +38,7 @@ K = ActionKind
 # payload's buffer. They carry no data; only the execution rules wait for them.
 ACT, GRAD, EVICT, RESTORE, EVICT_POSTED, RESTORE_POSTED = range(6)
 WHAT = ("act", "grad", "evict", "restore", "evict-posted", "restore-posted")
-_WHAT_CODE = {name: code for code, name in enumerate(WHAT)}
+WHAT_CODE = {name: code for code, name in enumerate(WHAT)}
 _WHAT_SLOTS = 8  # room for the six above; a power of two keeps the key arithmetic exact
 
 
@@ -112,7 +114,7 @@ class MessageKeys:
         return (stage * _WHAT_SLOTS + what) * self.num_ranks + rank
 
     def key(self, message: Message, rank: int = 0) -> int:
-        slot = self.slot(_WHAT_CODE[message.what], message.stage, rank)
+        slot = self.slot(WHAT_CODE[message.what], message.stage, rank)
         return message.microbatch * self.per_microbatch + slot
 
     def message(self, key: int) -> tuple[Message, int]:

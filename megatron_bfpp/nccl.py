@@ -40,33 +40,54 @@ each rank executes its steps in order, waits at a compute for the batches holdin
 consumes (and the send of its output before the backward that frees it, and BPipe's transfers
 after the next compute, as the runtime does on gloo), at a BPipe RS for the eviction it returns,
 before a payload batch for the eviction's header; a batch starts when posted and its predecessor
-on the rank has completed. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream
-waits), so what the model proves holds on both. A posting that cannot finish is reported with
+on the rank has completed. Postings of other executors say more (``native_posting``:
+megatron-core's own): a ``blocking`` batch is waited right after it is posted, a ``pairwise``
+batch's ops (non-batched ``isend`` / ``irecv``) each run on the stream of their (rank, peer) pair,
+FIFO per pair, instead of the rank's one stream, and a ``Wait`` step waits for the ops it
+names. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream waits), so what
+the model proves holds on both. A posting that cannot finish is reported with
 the cycle of waits and the per-rank grid.
+
+What each compute and BPipe transfer waits for is read from ``semantics.Rules`` (``consumed``,
+``transfer_waits``, ``loads``, ``awaits``), in the tick replay and in the model alike, and ops
+are paired by ``semantics.match_channels``: the rules are stated once, there.
+
+**Timing** (``posting_timer``, the simulator's ``lockstep`` and ``megatron`` models) runs the
+same model with clocks: computes take their durations, an op completes a message time after both
+halves have started, a batch when all its ops have; the CPU does not settle BPipe's sends after
+the next compute there (on NCCL the runtime polls them), which only the proof keeps.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, format_schedule
-from megatron_bfpp.messages import WHAT, Message, message_of
+from megatron_bfpp.messages import WHAT_CODE, Message, message_of
+from megatron_bfpp.semantics import Event, Lane, Rules, Timing, match_channels
 
 __all__ = [
     "Batch",
     "Item",
     "Posting",
+    "PostingRun",
+    "Wait",
     "check_posting",
     "lockstep_posting",
     "nccl_report",
+    "posting_timer",
+    "time_posting",
     "validate_nccl",
     "written_posting",
 ]
 
 K = ActionKind
-_WHAT_CODE = {name: code for code, name in enumerate(WHAT)}
+_FREES_OUTPUT = frozenset({K.BACKWARD, K.BACKWARD_INPUT})  # the backward that frees the output
+_UNIT = Timing()
 RS_DELAY = 1  # ticks from an eviction to its return: the payload is in by the end of its tick
 
 
@@ -81,13 +102,31 @@ class Item(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """One ``batch_isend_irecv`` of one rank; ``tick`` is -1 outside lock-step postings."""
+    """One ``batch_isend_irecv`` of one rank; ``tick`` is -1 outside lock-step postings.
+
+    ``blocking``: the posting rank's CPU waits for the batch to complete before its next step
+    (megatron-core's ``_communicate`` without p2p overlap, ``batch_p2p_sync``). ``pairwise``:
+    the ops are separate ``isend`` / ``irecv`` calls, each on the stream of its (rank, peer)
+    pair, first in first out per pair, instead of one group on the rank's single stream
+    (megatron-core's non-batched path, interleaved with ``overlap_p2p_comm``).
+    """
 
     tick: int
     items: tuple[Item, ...]
+    blocking: bool = False
+    pairwise: bool = False
 
 
-Step = int | Batch  # a program position (compute, GS, PS, RL) or a batch of p2p actions
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """The CPU waits here for the ops of the p2p actions at these program positions, posted
+    earlier in a batch that is not ``blocking`` (megatron-core's deferred ``req.wait()``)."""
+
+    positions: tuple[int, ...]
+
+
+# A program position (compute, GS, PS, RL), a batch of p2p actions, or a deferred wait.
+Step = int | Batch | Wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +175,7 @@ def lockstep_posting(schedule: Schedule) -> Posting:
 def _canonical(action: Action) -> tuple[int, int, int]:
     """The order of a batch's ops, from the message alone so that both ends agree."""
     message = message_of(action)
-    return (_WHAT_CODE[message.what], message.stage, message.microbatch)
+    return (WHAT_CODE[message.what], message.stage, message.microbatch)
 
 
 def _unit_ticks(schedule: Schedule) -> list[list[int]]:
@@ -144,6 +183,27 @@ def _unit_ticks(schedule: Schedule) -> list[list[int]]:
     replay = _TickReplay(schedule)
     replay.run()
     return replay.ticks
+
+
+class _Consumed:
+    """``Rules.consumed`` as (what, stage) pairs, once per (kind, stage, restored): what a
+    compute consumes is of its own micro-batch, so the loops over every action build only
+    that (the planner builds a posting per schedule it simulates)."""
+
+    __slots__ = ("cache", "rules")
+
+    def __init__(self, rules: Rules) -> None:
+        self.rules = rules
+        self.cache: dict[tuple[ActionKind, int, bool], list[tuple[str, int]]] = {}
+
+    def __call__(self, action: Action, loaded: set[tuple[int, int]]) -> list[tuple[str, int]]:
+        restored = bool(loaded) and (action.stage, action.microbatch or 0) in loaded
+        key = (action.kind, action.stage, restored)
+        found = self.cache.get(key)
+        if found is None:
+            messages = self.rules.consumed(action, loaded)
+            found = self.cache[key] = [(message.what, message.stage) for message in messages]
+        return found
 
 
 class _TickReplay:
@@ -159,16 +219,23 @@ class _TickReplay:
         programs = schedule.per_rank
         self.schedule = schedule
         self.ticks = [[-1] * len(actions) for actions in programs]
+        self.rules = rules = Rules(schedule, implicit=False)
+        self.consumed = _Consumed(rules)
         self.sent: dict[Message, int] = {}
         self.posted: dict[Message, int] = {}  # AC / LD: the receiver's tick at that position
         self.loaded = [
-            {(a.stage, a.microbatch or 0) for a in actions if a.kind is K.LOAD}
+            {
+                (a.stage, a.microbatch or 0)
+                for a in actions
+                if a.kind in rules.transfers and rules.loads(a) is not None
+            }
             for actions in programs
         ]
         self.at = [0] * len(programs)
         self.now = [0] * len(programs)  # the end of each rank's latest compute
         # EV / RS waiting for the partner's AC / LD: (position, message, earliest tick).
         self.deferred: list[list[tuple[int, Message, int]]] = [[] for _ in programs]
+        self.settled = [0] * len(programs)  # the latest tick of a rank's settled transfers
 
     def run(self) -> None:
         programs = self.schedule.per_rank
@@ -177,8 +244,9 @@ class _TickReplay:
         while pending and progressed:  # rounds over the ranks still running, while any moves
             progressed, still = False, []
             for rank in pending:
+                deferred = len(self.deferred[rank])
                 position = self._advance(rank, self.at[rank])
-                progressed |= position != self.at[rank]
+                progressed |= position != self.at[rank] or len(self.deferred[rank]) < deferred
                 self.at[rank] = position
                 if position < len(programs[rank]) or self.deferred[rank]:
                     still.append(rank)
@@ -199,7 +267,7 @@ class _TickReplay:
     def _resolved(self, rank: int) -> int | None:
         """Settle the deferred transfers whose partner has posted; the latest tick among them,
         or None while one still waits."""
-        latest, still = 0, []
+        latest, still = self.settled[rank], []
         for position, message, earliest in self.deferred[rank]:
             if message not in self.posted:  # AC / LD name the same message as EV / RS
                 still.append((position, message, earliest))
@@ -207,46 +275,48 @@ class _TickReplay:
             tick = max(earliest, self.posted[message])
             self.ticks[rank][position] = self.sent[message] = tick
             latest = max(latest, tick)
-        self.deferred[rank] = still
+        self.deferred[rank], self.settled[rank] = still, latest
         return None if still else latest
 
     def _advance(self, rank: int, position: int) -> int:
-        """Number ``rank``'s actions from ``position``; return where it stopped."""
-        layout, actions, t = self.schedule.layout, self.schedule.per_rank[rank], self.now[rank]
-        sent, ticks = self.sent, self.ticks[rank]
+        """Number ``rank``'s actions from ``position``; return where it stopped. What an action
+        waits for is ``semantics.Rules``' (``consumed``, ``transfer_waits``); a transfer whose
+        next compute awaits the partner's receive (``Rules.awaits``) is deferred to it."""
+        rules, actions, t = self.rules, self.schedule.per_rank[rank], self.now[rank]
+        transfers, loaded = rules.transfers, self.loaded[rank]
+        sent, ticks, consumed = self.sent, self.ticks[rank], self.consumed
         while True:
             if position == len(actions):
                 self._resolved(rank)
                 break
             action = actions[position]
-            kind, stage, mb = action.kind, action.stage, action.microbatch or 0
+            kind = action.kind
+            rule = transfers.get(kind)
             needs: list[Message] = []
-            if kind is K.FORWARD:
-                if stage > 0 and layout.rank_of(stage - 1) != rank:
-                    needs.append(Message("act", stage - 1, mb))
-            elif kind is K.BACKWARD or kind is K.BACKWARD_INPUT:
-                if not layout.is_last(stage) and layout.rank_of(stage + 1) != rank:
-                    needs.append(Message("grad", stage + 1, mb))
-                if (stage, mb) in self.loaded[rank]:
-                    needs.append(Message("restore", stage, mb))
-            elif kind is K.RESTORE:
-                needs.append(Message("evict", stage, mb))
+            if kind.is_compute:
+                mb = action.microbatch or 0
+                needs = [Message(what, stage, mb) for what, stage in consumed(action, loaded)]
+            elif rule is not None and rule.carries_data:
+                waited = rules.transfer_waits(action)
+                needs = [] if waited is None else [waited]  # RS: the payload it returns
             if any(need not in sent for need in needs):
+                # settle what can be: the partner may wait for an eviction this rank deferred
+                # to its next compute, which waits here (an EV with its LD before any compute)
+                self._resolved(rank)
                 break
             ready = max((sent[need] for need in needs), default=0)
             if kind.is_compute:
-                transfers = self._resolved(rank)
-                if transfers is None:
+                transfers_in = self._resolved(rank)
+                if transfers_in is None:
                     break
-                ticks[position] = max(t, ready, transfers)
+                ticks[position] = max(t, ready, transfers_in)
                 t = ticks[position] + 1
             elif kind is K.SEND_ACT or kind is K.SEND_GRAD:
                 ticks[position] = sent[message_of(action)] = t
-            elif kind is K.EVICT:
-                self.deferred[rank].append((position, message_of(action), t))
-            elif kind is K.RESTORE:
-                self.deferred[rank].append((position, message_of(action), max(t, ready + RS_DELAY)))
-            elif kind is K.ACCEPT or kind is K.LOAD:
+            elif rule is not None and rule.carries_data and rules.awaits(action):
+                earliest = max(t, ready + RS_DELAY) if needs else t  # RS: after the eviction
+                self.deferred[rank].append((position, message_of(action), earliest))
+            elif rule is not None and not rule.carries_data:  # AC / LD: the receive is posted
                 self.posted[message_of(action)] = t
             position += 1
         self.now[rank] = t
@@ -301,10 +371,29 @@ def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
 class _Op(NamedTuple):
     rank: int
     batch: int  # global batch id
+    unit: int  # the unit it runs in: its batch, or itself in a pairwise batch
     send: bool
     peer: int
     what: tuple[str, int, int, bool]  # the message, and whether it is an eviction's payload
     position: int
+
+
+class PostingRun(NamedTuple):
+    """What ``time_posting`` found, in ``Timing``'s units (integers when its durations are).
+
+    ``clock``: per rank, when its CPU finished its last step (its last compute, or the last
+    batch it waited for); ``dp_end``: when its data-parallel lane is done; ``busy``: the sum of
+    its compute durations; ``gather_wait``: the time computes waited for their stage's PS;
+    ``events()``: compute, batch (p2p lane, from when its first op had both halves started to
+    its completion) and GS / PS intervals that take time, rank by rank, each rank's by start;
+    built when called (the planner never draws).
+    """
+
+    clock: list[float]
+    dp_end: list[float]
+    busy: list[float]
+    gather_wait: list[float]
+    events: Callable[[], list[Event]]
 
 
 def check_posting(schedule: Schedule, posting: Posting) -> None:
@@ -313,15 +402,58 @@ def check_posting(schedule: Schedule, posting: Posting) -> None:
     _Model(schedule, posting).run()
 
 
+def time_posting(schedule: Schedule, posting: Posting, timing: Timing = _UNIT) -> PostingRun:
+    """Time ``posting`` under NCCL's rules: ``posting_timer(schedule, posting)(timing)``."""
+    return posting_timer(schedule, posting)(timing)
+
+
+def posting_timer(schedule: Schedule, posting: Posting) -> Callable[[Timing], PostingRun]:
+    """A function that times ``posting`` under NCCL's rules, the model of ``check_posting``
+    with clocks; built once per posting and run per ``Timing`` (the planner times one schedule
+    under many costs).
+
+    Each rank's CPU runs its steps in order: a compute starts once the CPU is free (it waited
+    for the batches holding what it consumes: those waits are steps of the model) and, for a
+    stage's first compute after its PS, the gather has ended; it lasts its ``Timing``
+    duration. A batch is posted at the CPU's time and starts once posted and the batch before
+    it on its stream (the rank's, or per op the (rank, peer) pair's when ``pairwise``) has
+    completed; an op completes ``timing.p2p`` (an eviction's or restore's payload:
+    ``timing.transfer``) after both halves have started, and a batch when all its ops have.
+    A ``blocking`` batch holds the CPU until it completes; so does BPipe's header read, between
+    the header's batch and the payload's. GS / PS run on the data-parallel lane as in
+    ``semantics.replay``. Unlike ``check_posting`` the CPU does not settle BPipe's sends after
+    the next compute: on NCCL the runtime polls them (``PipeComm.reap``) instead, so they cost
+    no time there. A CPU that waits for a batch stands for a GPU stream that waits for it: the
+    times are the same, the CPU only enqueues earlier."""
+    return _Model(schedule, posting, settle=False).timed
+
+
 class _Model:
-    def __init__(self, schedule: Schedule, posting: Posting) -> None:
-        self.schedule, self.posting = schedule, posting
+    """NCCL's rules for one posting, optionally timed (``time_posting``).
+
+    A *unit* is what runs on a stream as one: a batch, or one op of a pairwise batch. Streams
+    are the rank's group stream and, for pairwise ops, one per (rank, peer)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        posting: Posting,
+        *,
+        settle: bool = True,
+    ) -> None:
+        self.schedule, self.posting, self.settle = schedule, posting, settle
+        self.timing: Timing | None = None
+        self.rules = Rules(schedule, implicit=False)
         num_ranks = schedule.num_ranks
         self.ops: list[_Op] = []
-        self.batch_ops: list[list[int]] = []
+        self.batch_units: list[list[int]] = []
         self.batch_rank: list[int] = []
         self.batch_index: list[int] = []  # the batch's number on its rank
         self.batch_tick: list[int] = []
+        self.unit_ops: list[list[int]] = []
+        self.unit_batch: list[int] = []
+        self.unit_stream: list[int] = []
+        self.streams: dict[tuple[int, int], int] = {}  # (rank, peer; -1 for the group) -> id
         # Per rank: ("post", batch) / ("wait", batch) / ("run", position) in CPU order.
         self.steps: list[list[tuple[str, int]]] = [
             self._rank_steps(rank) for rank in range(num_ranks)
@@ -329,88 +461,137 @@ class _Model:
         self.partner = self._match()
 
     # building
+    def _stream(self, rank: int, peer: int) -> int:
+        return self.streams.setdefault((rank, peer), len(self.streams))
+
+    def _unit(self, batch: int, stream: int) -> int:
+        unit = len(self.unit_ops)
+        self.unit_ops.append([])
+        self.unit_batch.append(batch)
+        self.unit_stream.append(stream)
+        self.batch_units[batch].append(unit)
+        return unit
+
     def _rank_steps(self, rank: int) -> list[tuple[str, int]]:
-        actions = self.schedule.per_rank[rank]
-        layout = self.schedule.layout
-        holder: dict[tuple[bool, str, int, int, bool], int] = {}  # (send, message, rest) -> batch
+        actions, layout = self.schedule.per_rank[rank], self.schedule.layout
+        rules = self.rules
+        transfers = rules.transfers
+        # (send, message, rest) -> the unit running its op; a CPU waits for units
+        holder: dict[tuple[bool, str, int, int, bool], int] = {}
+        unit_at: dict[int, int] = {}  # program position -> the unit running its op
+        loaded: set[tuple[int, int]] = set()  # restores a later backward consumes (LD)
         steps: list[tuple[str, int]] = []
         unsettled: list[int] = []
 
         def wait(send: bool, message: Message, rest: bool = False) -> None:
-            batch = holder.get((send, *message, rest))
-            if batch is not None:
-                steps.append(("wait", batch))
+            unit = holder.get((send, *message, rest))
+            if unit is not None:
+                steps.append(("wait", unit))
 
+        consumed = _Consumed(rules)
         index = 0  # the rank's batches, numbered from 0
+        group = self._stream(rank, -1)
         for step in self.posting.per_rank[rank]:
+            if isinstance(step, Wait):
+                for position in step.positions:
+                    if position not in unit_at:
+                        raise self._error(
+                            f"rank {rank} waits for step {position}, which no earlier batch posts",
+                            {(rank, position): "ERROR HERE"},
+                        )
+                    steps.append(("wait", unit_at[position]))
+                continue
             if isinstance(step, int):
                 action = actions[step]
-                kind, stage, mb = action.kind, action.stage, action.microbatch or 0
-                if kind is K.FORWARD and stage > 0:
-                    wait(False, Message("act", stage - 1, mb))
-                elif kind is K.BACKWARD or kind is K.BACKWARD_INPUT:
-                    if not layout.is_last(stage):
-                        wait(False, Message("grad", stage + 1, mb))
-                        wait(True, Message("act", stage, mb))  # the output it frees
-                    wait(False, Message("restore", stage, mb))
+                if action.kind.is_compute:
+                    mb = action.microbatch or 0
+                    for what, stage in consumed(action, loaded):
+                        unit = holder.get((False, what, stage, mb, False))
+                        if unit is not None:
+                            steps.append(("wait", unit))
+                    if action.kind in _FREES_OUTPUT and not layout.is_last(action.stage):
+                        # the output it frees: its send must be done (megatron-core's
+                        # deallocate_pipeline_outputs; runtime/backward.py)
+                        unit = holder.get((True, "act", action.stage, mb, False))
+                        if unit is not None:
+                            steps.append(("wait", unit))
                 steps.append(("run", step))
-                if kind.is_compute:  # gloo: BPipe's sends are settled after the next compute
-                    steps.extend(("wait", batch) for batch in unsettled)
+                if action.kind.is_compute and self.settle:
+                    # gloo: a transfer's send is settled after the next compute (Rules)
+                    steps.extend(("wait", unit) for unit in unsettled)
                     unsettled = []
                 continue
-            batch = len(self.batch_ops)
-            self.batch_ops.append([])
+            batch = len(self.batch_units)
+            self.batch_units.append([])
             self.batch_rank.append(rank)
             self.batch_index.append(index)
             self.batch_tick.append(step.tick)
             index += 1
-            transfers = False
+            unit = -1 if step.pairwise else self._unit(batch, group)
             for item in step.items:
                 action = actions[item.position]
                 message = message_of(action)
-                if item.rest and action.kind is K.ACCEPT:
-                    wait(False, message)  # the header, read before the payload is posted
-                if action.kind is K.RESTORE:
-                    wait(False, message._replace(what="evict"))
-                    wait(False, message._replace(what="evict"), rest=True)
+                rule = transfers.get(action.kind)
                 send = action.kind.is_send
-                holder[(send, *message, item.rest)] = batch
-                op = _Op(rank, batch, send, action.peer or 0, (*message, item.rest), item.position)
-                self.batch_ops[batch].append(len(self.ops))
+                if rule is not None:
+                    waited = rules.transfer_waits(action)
+                    if waited is not None and not rule.carries_data and item.rest:
+                        wait(False, waited)  # AC: the header, read before the payload is posted
+                    elif waited is not None and rule.carries_data:  # RS: the payload it returns
+                        wait(False, waited)
+                        wait(False, waited, rest=True)
+                    if rules.loads(action) is not None:
+                        loaded.add((action.stage, action.microbatch or 0))
+                op_unit = (
+                    self._unit(batch, self._stream(rank, action.peer or 0)) if unit < 0 else unit
+                )
+                if rule is not None and send and rules.awaits(action):
+                    unsettled.append(op_unit)
+                holder[(send, *message, item.rest)] = unit_at[item.position] = op_unit
+                op = _Op(
+                    rank,
+                    batch,
+                    op_unit,
+                    send,
+                    action.peer or 0,
+                    (*message, item.rest),
+                    item.position,
+                )
+                self.unit_ops[op_unit].append(len(self.ops))
                 self.ops.append(op)
-                transfers |= send and action.kind in (K.EVICT, K.RESTORE)
             steps.append(("post", batch))
-            if transfers:
-                unsettled.append(batch)
-        steps.extend(("wait", batch) for batch in sorted(set(holder.values())))
+            if step.blocking:
+                steps.extend(("wait", unit) for unit in self.batch_units[batch])
+        steps.extend(("wait", unit) for unit in sorted(set(holder.values())))
         return steps
 
     def _match(self) -> list[int]:
-        """The k-th send from a to b matches the k-th receive at b from a (posting order)."""
+        """Pair each op with its partner (``semantics.match_channels``: by posting order)."""
         channels: dict[tuple[int, int, bool], list[int]] = defaultdict(list)
         for rank in range(self.schedule.num_ranks):
             for kind, batch in self.steps[rank]:
                 if kind == "post":
-                    for op_id in self.batch_ops[batch]:
-                        op = self.ops[op_id]
-                        src, dst = (rank, op.peer) if op.send else (op.peer, rank)
-                        channels[(src, dst, op.send)].append(op_id)
+                    for unit in self.batch_units[batch]:
+                        for op_id in self.unit_ops[unit]:
+                            op = self.ops[op_id]
+                            src, dst = (rank, op.peer) if op.send else (op.peer, rank)
+                            channels[(src, dst, op.send)].append(op_id)
         partner = [-1] * len(self.ops)
         for (src, dst, send), op_ids in channels.items():
             if not send:
                 continue
             receives = channels.get((src, dst, False), [])
-            for k, op_id in enumerate(op_ids):
+            for k, (op_id, other_id) in enumerate(match_channels(op_ids, receives)):
                 op = self.ops[op_id]
-                other = self.ops[receives[k]] if k < len(receives) else None
-                if other is None or other.what != op.what:
+                other = None if other_id is None else self.ops[other_id]
+                if other_id is None or other is None or other.what != op.what:
                     got = "nothing" if other is None else _what_text(other.what)
                     raise self._error(
                         f"send #{k} from rank {src} to rank {dst} is {_what_text(op.what)} but "
                         f"rank {dst}'s receive #{k} from rank {src} is {got}",
                         {(src, op.position): "ERROR HERE"},
                     )
-                partner[op_id], partner[receives[k]] = receives[k], op_id
+                partner[op_id], partner[other_id] = other_id, op_id
         for op_id, op in enumerate(self.ops):
             if partner[op_id] < 0:
                 raise self._error(
@@ -423,69 +604,211 @@ class _Model:
     # running
     def run(self) -> None:
         num_ranks = self.schedule.num_ranks
-        nbatches = len(self.batch_ops)
-        self.started = bytearray(nbatches)
-        self.done = bytearray(nbatches)
+        nbatches, nunits = len(self.batch_units), len(self.unit_ops)
+        self.started = bytearray(nunits)
+        self.unit_done = bytearray(nunits)
         self.posted = bytearray(nbatches)
-        self.left = [len(ops) for ops in self.batch_ops]
-        self.queues: list[deque[int]] = [deque() for _ in range(num_ranks)]
+        self.left = [len(ops) for ops in self.unit_ops]
+        self.queues: list[deque[int]] = [deque() for _ in self.streams]
         self.pc = [0] * num_ranks
-        self.waiter: dict[int, int] = {}  # batch -> rank whose CPU waits for it
+        self.waiter: dict[int, int] = {}  # unit -> rank whose CPU waits for it
         self.ready: deque[int] = deque(range(num_ranks))
+        # clocks (all 0 untimed)
+        zero: float = 0
+        self.cpu = [zero] * num_ranks
+        self.dp_free = [zero] * num_ranks
+        self.busy = [zero] * num_ranks
+        self.gather_wait = [zero] * num_ranks
+        self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
+        self.post_time = [zero] * nbatches
+        self.start_time = [zero] * nunits
+        self.unit_end = [zero] * nunits
+        self.unit_active: list[float] = [math.inf] * nunits  # when its first op got going
+        self.done_time = [zero] * nbatches
+        self.stream_free = [zero] * len(self.streams)
+        self.durations = self._durations()
+        self.records: list[list[tuple[float, float, int]]] = [[] for _ in range(num_ranks)]
         while self.ready:
             self._advance(self.ready.popleft())
         if any(self.pc[r] < len(self.steps[r]) for r in range(num_ranks)) or any(self.queues):
             raise self._deadlock()
 
+    def timed(self, timing: Timing) -> PostingRun:
+        """One run under ``timing`` (``posting_timer``)."""
+        self.timing = timing
+        self.run()
+        records, unit_active, done_time = self.records, self.unit_active, self.done_time
+        return PostingRun(
+            self.cpu,
+            self.dp_free,
+            self.busy,
+            self.gather_wait,
+            lambda: self._events(records, unit_active, done_time),
+        )
+
+    def _durations(self) -> dict[ActionKind, float]:
+        timing = self.timing
+        if timing is None:
+            return {}
+        return {
+            K.FORWARD: timing.forward,
+            K.BACKWARD: timing.backward,
+            K.BACKWARD_INPUT: timing.backward_input,
+            K.BACKWARD_WEIGHT: timing.backward_weight,
+            K.GRAD_SYNC: timing.grad_sync,
+            K.PARAM_SYNC: timing.param_sync,
+        }
+
+    def _op_time(self, op: _Op) -> float:
+        timing = self.timing
+        if timing is None:
+            return 0
+        what = op.what[0]
+        if what == "restore" or (what == "evict" and op.what[3]):
+            return timing.transfer  # a payload of stored activations
+        return timing.p2p  # an activation, a gradient or an eviction's size header
+
     def _advance(self, rank: int) -> None:
         steps, pc = self.steps[rank], self.pc[rank]
         while pc < len(steps):
-            kind, batch = steps[pc]
+            kind, value = steps[pc]
             if kind == "post":
-                self.posted[batch] = 1
-                queue = self.queues[rank]
-                queue.append(batch)
-                if len(queue) == 1:
-                    self._start(batch)
-            elif kind == "wait" and not self.done[batch]:
-                self.waiter[batch] = rank
-                break
+                self.posted[value] = 1
+                self.post_time[value] = self.cpu[rank]
+                for unit in self.batch_units[value]:
+                    queue = self.queues[self.unit_stream[unit]]
+                    queue.append(unit)
+                    if len(queue) == 1:
+                        self._start(unit)
+            elif kind == "wait":
+                if not self.unit_done[value]:
+                    self.waiter[value] = rank
+                    break
+                if self.unit_end[value] > self.cpu[rank]:
+                    self.cpu[rank] = self.unit_end[value]
+            elif self.durations:
+                self._run(rank, value)
             pc += 1
         self.pc[rank] = pc
 
+    def _run(self, rank: int, position: int) -> None:
+        """A compute on the CPU, or a GS / PS on the data-parallel lane (timed only)."""
+        action = self.schedule.per_rank[rank][position]
+        kind = action.kind
+        duration = self.durations.get(kind)
+        if duration is None:  # RL: frees memory, takes no time
+            return
+        now = self.cpu[rank]
+        if kind.is_compute:
+            start = now
+            gathered = self.ps_done[rank].pop(action.stage, None)
+            if gathered is not None and gathered > start:
+                self.gather_wait[rank] += gathered - start
+                start = gathered
+            self.cpu[rank] = start + duration
+            self.busy[rank] += duration
+        else:
+            start = max(self.dp_free[rank], now)
+            self.dp_free[rank] = start + duration
+            if kind is K.PARAM_SYNC:
+                self.ps_done[rank][action.stage] = start + duration
+            if duration <= 0:
+                return
+        self.records[rank].append((start, start + duration, position))
+
     def _start(self, first: int) -> None:
-        """Start a batch; completing batches start their successors (no recursion)."""
+        """Start a unit; completing units start their successors (no recursion)."""
         starting = [first]
+        ops, partner, left = self.ops, self.partner, self.left
         while starting:
-            batch = starting.pop()
-            self.started[batch] = 1
-            finished = [] if self.left[batch] else [batch]
-            for op_id in self.batch_ops[batch]:
-                other = self.ops[self.partner[op_id]].batch
-                if self.started[other] and other != batch:
-                    for b in (batch, other):
-                        self.left[b] -= 1
-                        if not self.left[b]:
-                            finished.append(b)
-                elif other == batch:  # a rank messaging itself: never in a valid schedule
-                    self.left[batch] -= 1
-                    if not self.left[batch]:
-                        finished.append(batch)
-            for b in finished:
-                self.done[b] = 1
-                queue = self.queues[self.batch_rank[b]]
-                queue.popleft()
-                if queue:
-                    starting.append(queue[0])
-                woken = self.waiter.pop(b, None)
-                if woken is not None:
-                    self.ready.append(woken)
+            unit = starting.pop()
+            self.started[unit] = 1
+            stream = self.unit_stream[unit]
+            start = self.post_time[self.unit_batch[unit]]
+            if self.stream_free[stream] > start:
+                start = self.stream_free[stream]
+            self.start_time[unit] = start
+            if start > self.unit_end[unit]:
+                self.unit_end[unit] = start
+            finished = [] if left[unit] else [unit]
+            for op_id in self.unit_ops[unit]:
+                other = ops[partner[op_id]].unit
+                if other == unit:  # a rank messaging itself: never in a valid schedule
+                    left[unit] -= 1
+                    if not left[unit]:
+                        finished.append(unit)
+                    continue
+                if not self.started[other]:
+                    continue
+                begin = max(start, self.start_time[other])
+                end = begin + self._op_time(ops[op_id])
+                for u in (unit, other):
+                    if end > self.unit_end[u]:
+                        self.unit_end[u] = end
+                    if begin < self.unit_active[u]:
+                        self.unit_active[u] = begin
+                    left[u] -= 1
+                    if not left[u]:
+                        finished.append(u)
+            for u in finished:
+                self._finish(u, starting)
+
+    def _finish(self, unit: int, starting: list[int]) -> None:
+        self.unit_done[unit] = 1
+        stream = self.unit_stream[unit]
+        self.stream_free[stream] = self.unit_end[unit]
+        queue = self.queues[stream]
+        queue.popleft()
+        if queue:
+            starting.append(queue[0])
+        batch = self.unit_batch[unit]
+        if self.unit_end[unit] > self.done_time[batch]:
+            self.done_time[batch] = self.unit_end[unit]
+        woken = self.waiter.pop(unit, None)
+        if woken is not None:
+            self.ready.append(woken)
+
+    def _events(
+        self,
+        records: list[list[tuple[float, float, int]]],
+        unit_active: list[float],
+        done_time: list[float],
+    ) -> list[Event]:
+        """The events of one run (``PostingRun.events``): its computes and GS / PS, and each
+        batch on its rank's p2p lane from when its first op had both halves started to its
+        completion where that takes time (a batch waiting for its peer is not busy)."""
+        programs = self.schedule.per_rank
+        per_rank: list[list[Event]] = []
+        for rank, rows in enumerate(records):
+            events = []
+            for start, end, position in rows:
+                action = programs[rank][position]
+                lane: Lane = "compute" if action.kind.is_compute else "dp"
+                label = str(action)
+                stage, mb = action.stage, action.microbatch
+                events.append(Event(rank, lane, label, stage, mb, action.kind, start, end))
+            per_rank.append(events)
+        for batch, units in enumerate(self.batch_units):
+            start = min(unit_active[unit] for unit in units)
+            end = done_time[batch]
+            if end <= start:
+                continue
+            rank = self.batch_rank[batch]
+            ops = [self.ops[op_id] for unit in units for op_id in self.unit_ops[unit]]
+            action = programs[rank][ops[0].position]
+            label = " ".join(str(programs[rank][op.position]) + "+" * op.what[3] for op in ops)
+            per_rank[rank].append(
+                Event(rank, "p2p", label, action.stage, action.microbatch, action.kind, start, end)
+            )
+        for events in per_rank:
+            events.sort(key=lambda event: event.start)
+        return [event for events in per_rank for event in events]
 
     # reporting
     def _deadlock(self) -> ScheduleError:
         """Follow the waits from a stuck rank until one repeats: that is the cycle."""
         stuck = [r for r in range(self.schedule.num_ranks) if self.pc[r] < len(self.steps[r])]
-        node: tuple[str, int] = ("cpu", stuck[0]) if stuck else ("batch", self._any_queued())
+        node: tuple[str, int] = ("cpu", stuck[0]) if stuck else ("unit", self._any_queued())
         seen: dict[tuple[str, int], int] = {}
         chain: list[tuple[tuple[str, int], str, tuple[int, int]]] = []
         while node not in seen:
@@ -505,40 +828,43 @@ class _Model:
     def _any_queued(self) -> int:
         return next(queue[0] for queue in self.queues if queue)
 
+    def _batch_ops(self, batch: int) -> list[int]:
+        return [op_id for unit in self.batch_units[batch] for op_id in self.unit_ops[unit]]
+
     def _explain(self, node: tuple[str, int]) -> tuple[str, tuple[int, int], tuple[str, int]]:
+        """One link of the cycle: a CPU waits for a unit (a batch, or a pairwise op), which is
+        queued behind another on its stream or waits for a partner not started."""
         kind, value = node
         if kind == "cpu":
             rank = value
-            _, batch = self.steps[rank][self.pc[rank]]
+            _, unit = self.steps[rank][self.pc[rank]]
             position = self._last_position(rank)
             return (
-                f"rank {rank} waits (after step {position}) for its {self._name(batch)}",
+                f"rank {rank} waits (after step {position}) for its {self._name(unit)}",
                 (rank, position),
-                ("batch", batch),
+                ("unit", unit),
             )
-        batch, rank = value, self.batch_rank[value]
-        mark = (rank, self.ops[self.batch_ops[batch][0]].position)
-        if not self.started[batch]:
-            head = self.queues[rank][0]
+        unit = value
+        rank = self.batch_rank[self.unit_batch[unit]]
+        mark = (rank, self.ops[self.unit_ops[unit][0]].position)
+        if not self.started[unit]:
+            head = self.queues[self.unit_stream[unit]][0]
             return (
-                f"rank {rank}'s {self._name(batch)} is queued behind its {self._name(head)}",
+                f"rank {rank}'s {self._name(unit)} is queued behind its {self._name(head)}",
                 mark,
-                ("batch", head),
+                ("unit", head),
             )
-        for op_id in self.batch_ops[batch]:
+        for op_id in self.unit_ops[unit]:
             other = self.ops[self.partner[op_id]]
-            if not self.started[other.batch]:
+            if not self.started[other.unit]:
                 op = self.ops[op_id]
                 verb = "sends" if op.send else "receives"
-                where = (
-                    f"rank {other.rank}'s {self._name(other.batch)}, not posted yet"
-                    if not self.posted[other.batch]
-                    else f"rank {other.rank}'s {self._name(other.batch)}, not started"
-                )
-                nxt = ("batch", other.batch) if self.posted[other.batch] else ("cpu", other.rank)
+                posted = self.posted[other.batch]
+                state = "not started" if posted else "not posted yet"
+                nxt = ("unit", other.unit) if posted else ("cpu", other.rank)
                 return (
-                    f"rank {rank}'s {self._name(batch)} {verb} {_what_text(op.what)}: its "
-                    f"partner is in {where}",
+                    f"rank {rank}'s {self._name(unit)} {verb} {_what_text(op.what)}: its "
+                    f"partner is in rank {other.rank}'s {self._name(other.unit)}, {state}",
                     mark,
                     nxt,
                 )
@@ -549,11 +875,13 @@ class _Model:
             if kind == "run":
                 return value
             if kind == "post":
-                return self.ops[self.batch_ops[value][-1]].position
+                return self.ops[self._batch_ops(value)[-1]].position
         return -1
 
-    def _name(self, batch: int) -> str:
-        ops = [self.ops[op_id] for op_id in self.batch_ops[batch]]
+    def _name(self, unit: int) -> str:
+        """A unit as its batch: the rank's batch number, tick, ops (a pairwise op alone)."""
+        batch = self.unit_batch[unit]
+        ops = [self.ops[op_id] for op_id in self.unit_ops[unit]]
         text = " ".join(
             f"{'S' if op.send else 'R'} {_what_text(op.what)}{'>' if op.send else '<'}{op.peer}"
             for op in ops

@@ -48,10 +48,10 @@ from __future__ import annotations
 import math
 from array import array
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, fields
 from operator import attrgetter
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 from megatron_bfpp.ir import MEMORY_DELTA, Action, ActionKind, Schedule, ScheduleError, paused_gc
 from megatron_bfpp.messages import (
@@ -81,11 +81,13 @@ __all__ = [
     "Wires",
     "compute_ends",
     "describe_waits",
+    "match_channels",
     "replay",
     "run_recorded",
 ]
 
 K = ActionKind
+T = TypeVar("T")
 Lane = Literal["compute", "p2p", "dp"]
 
 
@@ -336,6 +338,42 @@ class Rules:
             _B: [grad[s] if grad_to[s] >= 0 else -1 for s in range(num_stages)],
         }
 
+    def consumed(self, action: Action, loaded: Container[tuple[int, int]] = ()) -> list[Message]:
+        """The messages a compute action waits for, as ``waits_for`` and ``Wires.restore``
+        say: its input activation (F) or output gradient (B / I) from another rank, and, for a
+        B / I whose activations an LD brought back (``loaded``: the (stage, micro-batch) of
+        the rank's LDs, ``Transfer.loads``), the restore. For the loops that speak of messages
+        rather than keys (``nccl``)."""
+        kind, stage, mb = action.kind, action.stage, action.microbatch or 0
+        needs = []
+        row = self.waits_for.get(kind)
+        if row is not None and (slot := row[stage]) >= 0:
+            needs.append(self.keys.message(slot + mb * self.per_mb)[0])
+        if kind is not _F and kind is not _W and (stage, mb) in loaded:
+            needs.append(Message(WHAT[RESTORE], stage, mb))
+        return needs
+
+    def transfer_waits(self, action: Action) -> Message | None:
+        """What a BPipe transfer waits for (``Transfer.waits``): RS the payload it returns, AC
+        the size header it reads first; None for EV / LD."""
+        slot = self.transfers[action.kind].waits[action.stage]
+        return self._message(slot, action)
+
+    def loads(self, action: Action) -> Message | None:
+        """The restore a later backward of the LD's stage and micro-batch consumes."""
+        slot = self.transfers[action.kind].loads[action.stage]
+        return self._message(slot, action)
+
+    def awaits(self, action: Action) -> bool:
+        """Whether the next compute after this transfer (EV / RS) waits until the partner has
+        posted its receive (``Transfer.awaits``): the one statement of that BPipe rule."""
+        return self.transfers[action.kind].awaits[action.stage] >= 0
+
+    def _message(self, slot: int, action: Action) -> Message | None:
+        if slot < 0:
+            return None
+        return self.keys.message(slot + (action.microbatch or 0) * self.per_mb)[0]
+
     def recorded_message(self, key: int) -> Message:
         """The message a recording's key names (``_recorded_tables``)."""
         if key >= self.recorded_limit:
@@ -347,6 +385,15 @@ class Rules:
         microbatch, slot = divmod(key, self.recorded_stride)
         stage, what = divmod(slot, 2)
         return Message(WHAT[what], stage, microbatch)
+
+
+def match_channels(sent: Sequence[T], received: Sequence[T]) -> Iterator[tuple[T, T | None]]:
+    """Pair the messages of one channel (sender -> receiver): the k-th send posted matches the
+    k-th receive posted, as NCCL and gloo match point-to-point messages; a send without its
+    receive pairs with None. The one statement of that rule: the validator compares the two
+    sides by it and the NCCL model pairs its ops by it."""
+    for k, item in enumerate(sent):
+        yield item, received[k] if k < len(received) else None
 
 
 class Transfer(NamedTuple):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import math
 import os
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from megatron_bfpp.flags import positive_int
+from megatron_bfpp.flags import positive_int, printable_output
 from megatron_bfpp.schedules.registry import SCHEDULES
 
 
@@ -44,6 +45,7 @@ def closed_pipe_ends_quietly(main: Main) -> Main:
 
     @functools.wraps(main)
     def run(argv: Sequence[str] | None = None) -> int:
+        printable_output()
         try:
             code = main(argv)
             sys.stdout.flush()  # a closed pipe shows here when the output fit in the buffer
@@ -55,6 +57,17 @@ def closed_pipe_ends_quietly(main: Main) -> Main:
             return CLOSED_PIPE_EXIT
 
     return run
+
+
+def optional_package_problem(flag: str, module: str, extra: str) -> str | None:
+    """One line when ``flag`` needs ``module`` and it does not import (missing, or installed
+    broken), checked before any work so that it is not a traceback after it."""
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # a broken install fails in its own ways; any is "not usable"
+        reason = "not installed" if isinstance(error, ModuleNotFoundError) else "broken"
+        return f"{flag} needs {module} ({reason}): pip install '{extra}'"
+    return None
 
 
 def stages_per_rank_defaults() -> str:

@@ -16,6 +16,7 @@ from megatron_bfpp.cli.common import (
     fail,
     finite_float,
     json_text,
+    optional_package_problem,
     output_file_problem,
     positive_int_up_to,
 )
@@ -41,6 +42,7 @@ from megatron_bfpp.plan.search import (
     SearchResult,
     family_name,
 )
+from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, P2P_MODELS
 from megatron_bfpp.train.run_config import DEFAULT_FFN_TEXT
 
 PROG = "bfpp-plan"
@@ -220,11 +222,26 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         help=f"comma-separated subset of {','.join(RECOMPUTE)} (default: all)",
     )
     search.add_argument(
+        "--sequence-parallel",
+        choices=("on", "off"),
+        default="on",
+        help="with tensor parallelism (Megatron-LM's --sequence-parallel; default: on); off: "
+        "the 2022 papers' setting (docs/planner.md#the-papers-conditions)",
+    )
+    search.add_argument(
         "--profile",
         metavar="FILE",
         help="a stage profile (bfpp-plan profile) instead of the built-in efficiency curve",
     )
     search.add_argument("--top", type=positive_int, default=10, metavar="K")
+    search.add_argument(
+        "--p2p-model",
+        choices=list(P2P_MODELS),
+        default=DEFAULT_P2P_MODEL,
+        help="how the simulator times point-to-point messages: "
+        + "; ".join(f"{name}: {text}" for name, text in P2P_MODELS.items())
+        + f" (default: {DEFAULT_P2P_MODEL})",
+    )
     out = command.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument(
@@ -319,6 +336,8 @@ def _recommend(args: argparse.Namespace) -> int:
             top=args.top,
             efficiency=efficiency,
             best_per_family=not args.json,  # the table explains the ranking family by family
+            sequence_parallel=args.sequence_parallel == "on",
+            p2p_model=args.p2p_model,
         )
         from megatron_bfpp.plan.search import recommend
 
@@ -367,12 +386,9 @@ def _recommend(args: argparse.Namespace) -> int:
 
 
 def _check_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ScheduleError(
-            "--plot needs matplotlib: pip install 'megatron-bfpp[plot]' (or drop --plot)"
-        ) from None
+    problem = optional_package_problem("--plot", "matplotlib", "megatron-bfpp[plot]")
+    if problem is not None:
+        raise ScheduleError(f"{problem} (or drop --plot)")
 
 
 def _gib(nbytes: int) -> str:
@@ -403,6 +419,15 @@ def format_recommendation(
         f"{result.candidates_evaluated} candidates, {result.rejected_out_of_memory} do not fit "
         f"in {gpu.memory_bytes / 2**30:.0f} GiB, {result.simulated} simulated, {result.pruned} "
         f"pruned by bounds, {result.seconds:.1f} s; compute from the {result.efficiency_source}",
+        f"p2p timing model: {result.p2p_model} ({P2P_MODELS[result.p2p_model]})",
+        *(
+            [f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS['megatron']}"]
+            if any(
+                plan.p2p_model == "megatron"
+                for plan in (*result.plans, *result.best_per_family.values())
+            )
+            else []
+        ),
         "",
         header,
         "-" * len(header),
@@ -412,11 +437,10 @@ def format_recommendation(
     if result.best_per_family and result.plans:
         first = result.plans[0].step_time_s
         lines += ["", "best of each schedule family (slower than #1 by):"]
-        for family, plan in result.best_per_family.items():
+        for plan in result.best_per_family.values():
             c = plan.candidate
-            group = f" g={c.group_size}" if c.group_size else ""
             lines.append(
-                f"  {family + group:<28} {plan.step_time_s:8.3f} s  "
+                f"  {_name(plan):<28} {plan.step_time_s:8.3f} s  "
                 f"{100 * (plan.step_time_s / first - 1):+6.1f}%  tp={c.tp} pp={c.pp} vp={c.vp} "
                 f"dp={c.dp} b={c.micro_batch_size} {c.recompute}, bubble "
                 f"{100 * plan.bubble_fraction:.1f}%"
@@ -437,9 +461,16 @@ def format_recommendation(
     return "\n".join(lines)
 
 
+def _name(plan: Plan) -> str:
+    """A row's family, its breadth-first group, and [M] when it stands for Megatron's own."""
+    c = plan.candidate
+    group = f" g={c.group_size}" if c.group_size else ""
+    return c.family + group + (" [M]" if plan.p2p_model == "megatron" else "")
+
+
 def _row(rank: int, plan: Plan) -> str:
     c, mem = plan.candidate, plan.memory
-    name = c.family + (f" g={c.group_size}" if c.group_size else "")
+    name = _name(plan)
     return (
         f"{rank:>2}  {name:<28} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
         f"{c.micro_batch_size:>3} {plan.num_microbatches:>4} {c.recompute:<9} "

@@ -14,6 +14,7 @@ from megatron_bfpp.cli.common import (
     fail,
     json_text,
     non_negative_float,
+    optional_package_problem,
     output_file_problem,
 )
 from megatron_bfpp.flags import OneLineParser, positive_int
@@ -48,7 +49,7 @@ from megatron_bfpp.sim import (
     simulate,
 )
 from megatron_bfpp.sim.cost import cost_fields, cost_flag
-from megatron_bfpp.sim.simulator import UNITS
+from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, P2P_MODELS, UNITS
 from megatron_bfpp.validate import has_communication, validate_schedule
 
 PROG = "bfpp-sim"
@@ -114,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         costs.add_argument(
             cost_flag(cost.name), type=non_negative_float, default=default, help=text
         )
+    costs.add_argument(
+        "--p2p-model",
+        choices=list(P2P_MODELS),
+        default=DEFAULT_P2P_MODEL,
+        help="how point-to-point messages are timed: "
+        + "; ".join(f"{name}: {text}" for name, text in P2P_MODELS.items())
+        + f" (default: {DEFAULT_P2P_MODEL})",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument(
@@ -148,13 +157,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return fail(PROG, problem)
     if args.png and args.pp is not None and (problem := png_problem(args.pp)):
         return fail(PROG, problem)
+    if args.png and (
+        problem := optional_package_problem("--png", "matplotlib", "megatron-bfpp[plot]")
+    ):
+        return fail(PROG, problem)
     defaults = apply_defaults(args)
     try:
         schedule = _schedule_from(args)
         if args.png and (problem := png_problem(schedule.num_ranks)):
             return fail(PROG, problem)
         costs = CostModel(**{cost.name: getattr(args, cost.name) for cost in cost_fields()})
-        result = simulate(schedule, costs)
+        result = simulate(schedule, costs, p2p=args.p2p_model)
         nccl = nccl_report(schedule) if args.nccl or args.load_csv else None
         if not math.isfinite(result.step_time):
             return fail(
@@ -356,6 +369,7 @@ def format_report(result: SimResult) -> str:
         f"micro-batches={data['num_microbatches']}",
         f"step time {data['step_time']:.4g}   bubble {100 * data['bubble_fraction']:.2f}%   "
         f"exposed DP comm {data['exposed_dp_comm_time']:.4g}",
+        f"p2p timing model: {data['p2p_model']} ({P2P_MODELS[data['p2p_model']]})",
         "",
         f"{'rank':>4}  {'busy':>10}  {'bubble %':>8}  {'peak act.':>9}  {'peak par.':>9}  "
         f"{'peak grad':>9}  {'exposed DP':>10}",

@@ -21,6 +21,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from megatron_bfpp.cli.common import (
@@ -30,7 +31,7 @@ from megatron_bfpp.cli.common import (
     stages_per_rank_defaults,
 )
 from megatron_bfpp.compat import UnsupportedMegatronError, check_megatron_core
-from megatron_bfpp.flags import OneLineParser, positive_int
+from megatron_bfpp.flags import OneLineParser, positive_int, printable_output
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.fit import check_fit
@@ -41,12 +42,24 @@ from megatron_bfpp.schedules.registry import (
     options_from_args,
     schedule_names,
 )
-from megatron_bfpp.train.checkpoint_files import CheckpointError
+from megatron_bfpp.train.checkpoint_files import (
+    CheckpointError,
+    fresh_start_reason,
+    save_path_problem,
+)
 from megatron_bfpp.train.checkpoint_metadata import (
     CKPT_FORMATS,
     check_resume,
     read_checkpoint,
+    resume_warnings,
     scheduler_policy,
+)
+from megatron_bfpp.train.data_source import (
+    DEFAULT_SPLIT,
+    DataPathError,
+    TextSource,
+    data_source,
+    default_cache_dir,
 )
 from megatron_bfpp.train.metric_writers import missing_packages
 from megatron_bfpp.train.run_config import DEFAULT_FFN_TEXT, run_config
@@ -199,7 +212,26 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--seed", type=int, default=1234, help=f"0 .. {MAX_SEED}")
     t.add_argument(
-        "--data-path", default=None, help="local text file, byte-level tokens (default: synthetic)"
+        "--data-path",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="a local text file (byte-level tokens), or Megatron indexed datasets (.bin + .idx) "
+        "as Megatron-LM takes them: PREFIX, or weights and prefixes W1 P1 W2 P2 ... "
+        "(default: synthetic data)",
+    )
+    t.add_argument(
+        "--split",
+        default=None,
+        help=f"indexed datasets: train,validation,test weights, as Megatron-LM's (default "
+        f"{DEFAULT_SPLIT}); bfpp-train trains on the first part",
+    )
+    t.add_argument(
+        "--data-cache-path",
+        default=None,
+        metavar="DIR",
+        help="indexed datasets: where megatron-core caches its sample indices (default: "
+        "PREFIX/cache beside the dataset)",
     )
 
 
@@ -277,9 +309,11 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> None:
+def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> list[str]:
     """Raise :class:`FlagError` for a combination that cannot run on ``world_size`` ranks
-    (checked by ``rank``: the metrics file is rank 0's alone)."""
+    (checked by ``rank``: the metrics file is rank 0's alone); return what the run should say
+    about ``--load`` before it starts (a fresh start, a resume Megatron-LM would accept with a
+    changed data stream): ``(info or warning, line)`` pairs."""
     name = args.pipeline_schedule
     try:
         check_auto_flags(args)
@@ -294,6 +328,11 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
     problem = (
         number_problem(args)
         or output_problem(args, metrics=rank == 0)
+        or (
+            save_path_problem(args.save, world_size=world_size, iterations=args.train_iters)
+            if args.save is not None
+            else None
+        )
         or checkpoint_format_problem(args)
     )
     if problem is not None:
@@ -315,12 +354,9 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
             f"--num-attention-heads {args.num_attention_heads} must be a multiple of "
             f"--num-query-groups {groups}, and both of --tensor-model-parallel-size {tp}"
         )
-    if args.data_path is not None:
-        problem = data_path_problem(args.data_path, args.seq_length)
-        if problem is not None:
-            raise FlagError(problem)
-        if args.vocab_size < 256:
-            raise FlagError("--data-path uses byte tokens: --vocab-size must be >= 256")
+    data_problem = data_path_problem(args)
+    if data_problem is not None:
+        raise FlagError(data_problem)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise FlagError(
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
@@ -341,8 +377,7 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> Non
         )
     except ScheduleError as error:
         raise FlagError(str(error)) from None
-    if args.load is not None:
-        check_load(args, world_size)
+    return check_load(args, world_size) if args.load is not None else []
 
 
 def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
@@ -363,33 +398,54 @@ def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
         raise FlagError(str(error).splitlines()[0]) from None
 
 
-def data_path_problem(path: str, seq_length: int) -> str | None:
-    """What keeps ``--data-path`` from being read as byte tokens, from ``stat`` alone (nothing is
-    opened: a FIFO would block the reader), in its own words, before any rank starts."""
-    import stat
-
-    flag = f"--data-path {path}"
+def data_path_problem(args: argparse.Namespace) -> str | None:
+    """What keeps ``--data-path`` (and ``--split``, ``--data-cache-path``) from being read, in
+    its own words, before any rank starts (:mod:`megatron_bfpp.train.data_source`)."""
+    if args.data_path is None:
+        for flag, value in (("--split", args.split), ("--data-cache-path", args.data_cache_path)):
+            if value is not None:
+                return f"{flag} needs --data-path (Megatron indexed datasets)"
+        return None
     try:
-        mode = os.stat(path)
-    except FileNotFoundError:
-        return f"{flag}: no such file"
-    except OSError as error:
-        return f"{flag}: cannot be read ({error.strerror})"
-    if stat.S_ISDIR(mode.st_mode):
-        return f"{flag}: is a directory; give one text file"
-    if not stat.S_ISREG(mode.st_mode):
-        return f"{flag}: is not a regular file (a FIFO, socket or device); give one text file"
-    if not os.access(path, os.R_OK):
-        return f"{flag}: permission denied"
-    need = seq_length + 2  # one sample is seq_length + 1 tokens, at one offset at least
-    if mode.st_size == 0:
-        return f"{flag}: is empty; it needs at least seq_length + 2 = {need} bytes"
-    if mode.st_size < need:
-        return (
-            f"{flag}: has {mode.st_size} bytes; it needs at least seq_length + 2 = {need} "
-            "(or lower --seq-length)"
-        )
+        source = data_source(args.data_path, seq_length=args.seq_length, split=args.split)
+    except DataPathError as error:
+        return str(error)
+    if isinstance(source, TextSource):
+        for flag, value in (("--split", args.split), ("--data-cache-path", args.data_cache_path)):
+            if value is not None:
+                return f"{flag} applies to Megatron indexed datasets; {source.path} is a text file"
+        if args.vocab_size < 256:
+            return "--data-path uses byte tokens: --vocab-size must be >= 256"
+        return None
+    problem = dataset_helpers_problem()
+    if problem is not None:
+        return problem
+    if args.data_cache_path is not None:
+        return output_dir_problem("--data-cache-path", args.data_cache_path)
+    if len(source.prefixes) == 1:  # megatron-core caches a single dataset's indices beside it
+        cache = default_cache_dir(source.prefixes[0])
+        if output_dir_problem("--data-path", cache) is not None:
+            return (
+                f"--data-path {source.prefixes[0]}: megatron-core cannot create its index cache "
+                f"{cache}; give --data-cache-path DIR"
+            )
     return None
+
+
+def dataset_helpers_problem() -> str | None:
+    """megatron-core's compiled dataset helpers (the wheels ship them; a Megatron-LM checkout
+    compiles them with its Makefile), found without importing megatron-core (seconds)."""
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        return None  # no megatron-core at all: check_megatron_core says so
+    folders = [Path(p) / "core" / "datasets" for p in spec.submodule_search_locations]
+    folders = [folder for folder in folders if folder.is_dir()]
+    if not folders or any(any(f.glob("helpers_cpp*.so")) for f in folders):
+        return None
+    return (
+        "--data-path: megatron-core's dataset helpers (helpers_cpp) are not compiled; run "
+        f"`make -C {folders[0]}` (needs pybind11), as Megatron-LM does on its first run"
+    )
 
 
 def number_problem(args: argparse.Namespace) -> str | None:
@@ -499,19 +555,24 @@ def memory_problem(args: argparse.Namespace, world_size: int, *, launched: bool)
     )
 
 
-def check_load(args: argparse.Namespace, world_size: int) -> None:
+def check_load(args: argparse.Namespace, world_size: int) -> list[str]:
     """Refuse a resume that cannot work, from the checkpoint's metadata alone (before any rank
-    starts or any weight is read): one line naming every differing flag."""
+    starts or any weight is read): one line naming every differing flag. A directory with no
+    checkpoint yet starts fresh, as in Megatron-LM (``--save D --load D`` under a requeue);
+    a changed seed or data path is accepted, as Megatron-LM accepts it, with a warning."""
+    fresh = fresh_start_reason(args.load)
+    if fresh is not None:
+        return [
+            f"info: --load {args.load} {fresh}: no checkpoint to resume, starting from "
+            "iteration 0 (as Megatron-LM does)"
+        ]
     try:
         _, metadata = read_checkpoint(args.load)
-        check_resume(
-            metadata,
-            run_config(args, world_size),
-            root=args.load,
-            scheduler=scheduler_policy(args),
-        )
+        current = run_config(args, world_size)
+        check_resume(metadata, current, root=args.load, scheduler=scheduler_policy(args))
     except CheckpointError as error:
         raise FlagError(str(error)) from None
+    return [f"warning: {line}" for line in resume_warnings(metadata, current, root=args.load)]
 
 
 def _error(message: str) -> int:
@@ -625,6 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.filterwarnings("ignore", message=message)
     for logger, prefix in _QUIET_LOGS:
         logging.getLogger(logger).addFilter(_DropRecord(prefix))
+    printable_output()
     args = build_parser().parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
@@ -637,7 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         resolve_auto(args, world_size)
-        validate(args, world_size, rank=int(os.environ["RANK"]) if launched else 0)
+        notes = validate(args, world_size, rank=int(os.environ["RANK"]) if launched else 0)
         check_megatron_core()
         problem = memory_problem(args, world_size, launched=launched)
         if problem is not None:
@@ -645,6 +707,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FlagError, UnsupportedMegatronError) as error:
         # Under torchrun every rank checks the same flags: one line per node, not per rank.
         return 2 if launched and os.environ.get("LOCAL_RANK", "0") != "0" else _error(str(error))
+    if not launched or os.environ["RANK"] == "0":  # said once for the job
+        for note in notes:
+            print(f"{PROG}: {note}", flush=True)
     if launched:
         code, reason = _run_rank(args)  # under torchrun, rank 0 takes --save's lock
         if reason:

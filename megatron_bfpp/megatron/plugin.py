@@ -323,6 +323,10 @@ def _wrap_add_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_megatron_arguments(parser: Any, *args: Any, **kwargs: Any) -> Any:
         global _megatron_sharding_default
         parser = original(parser, *args, **kwargs)
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            # Every rank parses the same arguments: local rank 0 prints an argparse error and
+            # its usage (once per node, not once per rank), the others exit with its code.
+            parser.error = _exit_quietly
         options = {o for action in getattr(parser, "_actions", ()) for o in action.option_strings}
         if "--pipeline-schedule" not in options:
             add_schedule_arguments(parser)
@@ -336,6 +340,10 @@ def _wrap_add_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
 
     add_megatron_arguments.__dict__["megatron_bfpp_wrapped"] = True
     return add_megatron_arguments
+
+
+def _exit_quietly(message: str) -> NoReturn:
+    raise SystemExit(2)
 
 
 def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:

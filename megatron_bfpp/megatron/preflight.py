@@ -77,7 +77,13 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(flag, type=positive_int, default=None)
     for flag in ("--hidden-dropout", "--attention-dropout"):
         parser.add_argument(flag, type=float, default=0.1)
-    for flag in ("--swiglu", "--bf16", "--fp16", "--use-distributed-optimizer"):
+    for flag in (
+        "--swiglu",
+        "--bf16",
+        "--fp16",
+        "--use-distributed-optimizer",
+        "--sequence-parallel",
+    ):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--recompute-granularity", default=None)
     parser.add_argument("--optimizer", default="adam")

@@ -35,7 +35,15 @@ from megatron_bfpp.plan.costs import BuiltinCurve, Efficiency, ProfileCurve
 from megatron_bfpp.plan.memory import RECOMPUTE, MemoryBreakdown
 from megatron_bfpp.plan.presets import BF16_MIXED, GPUS, GiB, Gpu, Model, Precision, get_gpu
 from megatron_bfpp.plan.profile import load_profile
-from megatron_bfpp.plan.search import Candidate, Cluster, Plan, SearchOptions, evaluate, memory_of
+from megatron_bfpp.plan.search import (
+    Candidate,
+    Cluster,
+    Plan,
+    SearchOptions,
+    evaluate,
+    lower_bound_of,
+    memory_of,
+)
 from megatron_bfpp.schedules.registry import SCHEDULES, get_spec
 
 __all__ = [
@@ -137,6 +145,7 @@ class AutoRequest:
     group_size: int | None = None
     max_stored: int | None = None
     vp_flag: str = "--num-virtual-stages-per-pipeline-rank"
+    sequence_parallel: bool = True  # with tp > 1 (Megatron-LM's --sequence-parallel)
     # (schedule, why): what the front end cannot run whatever the layout (Bridge: the V-shapes)
     unavailable: tuple[tuple[str, str], ...] = ()
 
@@ -154,6 +163,7 @@ class Row:
     fits: bool
     plan: Plan | None = None
     excluded: str | None = None
+    lower_bound_s: float | None = None  # not simulated: this bound cannot beat the runner-up
 
     @property
     def label(self) -> str:
@@ -171,6 +181,8 @@ class Row:
             "bubble_fraction": None if self.plan is None else self.plan.bubble_fraction,
             "memory_per_gpu_bytes": None if self.memory is None else self.memory.to_dict(),
             "excluded": self.excluded,
+            "lower_bound_s": self.lower_bound_s,
+            "p2p_model": None if self.plan is None else self.plan.p2p_model,
         }
 
 
@@ -436,7 +448,17 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
 
     def make(name: str, vp: int, group: int | None = None, cap: int | None = None) -> Candidate:
         return Candidate(
-            name, r.sharding, r.tp, r.pp, vp, r.dp, r.micro_batch_size, r.recompute, group, cap
+            name,
+            r.sharding,
+            r.tp,
+            r.pp,
+            vp,
+            r.dp,
+            r.micro_batch_size,
+            r.recompute,
+            group_size=group,
+            plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel,
+            max_stored=cap,
         )
 
     def refuse(name: str, vp: int, why: str) -> None:
@@ -503,7 +525,17 @@ def _megatron_default(r: AutoRequest) -> Candidate:
     """Megatron's own choice for the layout: interleaved with the user's virtual stages, else
     1F1B (on its distributed optimizer, whatever our sharding)."""
     name, vp = ("interleaved", r.vp) if r.vp not in (None, 1) else ("1f1b", 1)
-    return Candidate(name, "optim", r.tp, r.pp, vp or 1, r.dp, r.micro_batch_size, r.recompute)
+    return Candidate(
+        name,
+        "optim",
+        r.tp,
+        r.pp,
+        vp or 1,
+        r.dp,
+        r.micro_batch_size,
+        r.recompute,
+        plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel,
+    )
 
 
 # --------------------------------------------------------------------------- the decision
@@ -511,24 +543,30 @@ def _megatron_default(r: AutoRequest) -> Candidate:
 
 def decide(r: AutoRequest) -> Decision:
     """Rank the schedules the layout admits, or refuse in one line (:class:`ScheduleError`)
-    when none does or none fits the GPU's memory. Simulates each candidate that fits once (and
-    Megatron's default once more if it does not): ``Decision.simulations`` counts them."""
+    when none does or none fits the GPU's memory. Simulates each candidate that fits once, and
+    Megatron's default once more under megatron-core's own posting: ``Decision.simulations``
+    counts them."""
     _check_request(r)
     model = r.model if r.cp == 1 else r.model.with_seq_length(r.model.seq_length // r.cp)
     n = r.tp * r.pp * r.dp
     cluster = Cluster(n, math.gcd(n, max(1, r.gpus_per_node // r.cp)), r.hardware.gpu)
+    # Our schedules are timed as our runtime posts their messages (the planner's default
+    # model), 1f1b and interleaved included: under auto they run in our runtime. Megatron's own
+    # default is timed as megatron-core posts it (``megatron_baselines``).
     options = SearchOptions(
         precision=r.precision,
         distributed_optimizer=r.distributed_optimizer,
         efficiency=r.hardware.efficiency,
+        megatron_baselines=False,
     )
+    megatron_options = dataclasses.replace(options, megatron_baselines=True)
     budget = None if r.hardware.memory_bytes is None else _budget(r.hardware)
     allowed, excluded = _candidates(r)
     simulations = 0
     simulated: list[Row] = []
     too_big: list[Row] = []
 
-    def row_of(c: Candidate, *, force: bool = False) -> Row:
+    def row_of(c: Candidate, *, force: bool = False, megatron: bool = False) -> Row:
         nonlocal simulations
         try:
             memory = memory_of(
@@ -545,14 +583,39 @@ def decide(r: AutoRequest) -> Decision:
                 model=model,
                 cluster=cluster,
                 global_batch_size=r.global_batch_size,
-                options=options,
+                options=megatron_options if megatron else options,
             )
         except ScheduleError as error:
             return Row(c, memory, False, excluded=_first_line(error))
         simulations += 1
         return Row(c, memory, fits, plan)
 
-    for c in allowed:
+    # Cheapest bound first; a candidate whose bound cannot beat the runner-up so far is not
+    # simulated (its row keeps the bound): the choice and the runner-up are exact.
+    bounded: list[tuple[float, int, Candidate]] = []
+    for index, c in enumerate(allowed):
+        try:
+            bound = lower_bound_of(
+                c,
+                model=model,
+                cluster=cluster,
+                global_batch_size=r.global_batch_size,
+                options=options,
+            )
+        except ScheduleError as error:
+            excluded.append(Row(c, None, False, excluded=_first_line(error)))
+            continue
+        bounded.append((bound, index, c))
+    pruned: list[Row] = []
+    for bound, _, c in sorted(bounded):
+        steps = sorted(row.plan.step_time_s for row in simulated if row.plan)
+        if len(steps) >= 2 and bound >= steps[1]:
+            memory = memory_of(
+                c, model=model, global_batch_size=r.global_batch_size, options=options
+            )
+            fits = budget is None or memory.total <= budget
+            (pruned if fits else too_big).append(Row(c, memory, fits, lower_bound_s=bound))
+            continue
         row = row_of(c)
         if row.excluded is not None:
             excluded.append(row)
@@ -561,15 +624,14 @@ def decide(r: AutoRequest) -> Decision:
         else:
             too_big.append(row)
     simulated.sort(key=lambda row: row.plan.step_time_s if row.plan else math.inf)
+    simulated += sorted(pruned, key=lambda row: row.lower_bound_s or 0.0)
     too_big.sort(key=lambda row: row.memory.total if row.memory else math.inf)
     if not simulated:
         raise ScheduleError(_refusal(r, too_big, excluded, budget))
     default = _megatron_default(r)
-    megatron = next((row for row in simulated if row.candidate == default), None)
-    if megatron is None:
-        megatron = next((row for row in excluded if row.candidate == default), None)
-    if megatron is None:
-        megatron = row_of(default, force=True)
+    megatron = next((row for row in excluded if row.candidate == default), None)
+    if megatron is None:  # Megatron's own posting: simulated apart from our 1f1b / interleaved
+        megatron = row_of(default, force=True, megatron=True)
     return Decision(r, tuple(simulated + too_big + excluded), megatron, simulations)
 
 

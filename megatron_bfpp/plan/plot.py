@@ -126,10 +126,17 @@ def render_plot(
     axes = figure.subplots(1, panels, squeeze=False)[0]
     n = cluster.num_gpus
     seq = model.seq_length
+    megatron = {
+        family
+        for point in sweep
+        for family, plan in point.result.best_per_family.items()
+        if plan.p2p_model == "megatron"
+    }
     for family, rows in sorted(families.items()):
         rows.sort()
         beta = [b / n for b, _, _ in rows]
-        axes[0].plot(beta, [t / n for _, t, _ in rows], marker="o", label=family)
+        label = family + (" [M]" if family in megatron else "")
+        axes[0].plot(beta, [t / n for _, t, _ in rows], marker="o", label=label)
         if critical_batch_size:
             frontier = trade_off(
                 [(b / n, t / seq / n) for b, t, _ in rows],
@@ -140,7 +147,11 @@ def render_plot(
     axes[0].set_xscale("log", base=2)
     axes[0].set_xlabel("batch size per GPU (samples)")
     axes[0].set_ylabel("predicted tokens/s per GPU")
-    axes[0].set_title(f"{model.name} on {n} x {cluster.gpu.name}")
+    timing = sweep[0].result.p2p_model if sweep else "lockstep"
+    marked = "; [M]: Megatron's own, p2p as megatron-core posts it" if megatron else ""
+    axes[0].set_title(
+        f"{model.name} on {n} x {cluster.gpu.name}\np2p timing: {timing}{marked}", fontsize=9
+    )
     axes[0].grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
     if critical_batch_size:

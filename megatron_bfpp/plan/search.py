@@ -45,9 +45,11 @@ from megatron_bfpp.plan.memory import (
 from megatron_bfpp.plan.presets import BF16_MIXED, Gpu, Model, Precision, padded_vocab_size
 from megatron_bfpp.schedules.registry import build_schedule, get_spec
 from megatron_bfpp.sim import CostModel, simulate
+from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL
 
 __all__ = [
     "FAMILIES",
+    "MEGATRON_SCHEDULES",
     "Candidate",
     "Cluster",
     "Plan",
@@ -55,7 +57,9 @@ __all__ = [
     "SearchResult",
     "candidates",
     "evaluate",
+    "lower_bound_of",
     "memory_of",
+    "p2p_model_of",
     "rank_parameters_of",
     "recommend",
 ]
@@ -119,6 +123,13 @@ class SearchOptions:
     optimizer: bool = True
     output_layer: bool = True
     best_per_family: bool = False  # also find each family's best (the plot, comparisons)
+    # Megatron-LM's --sequence-parallel with tp > 1 (today's default); off: plain tensor
+    # parallelism, as the breadth-first and BPipe papers ran it in 2022
+    sequence_parallel: bool = True
+    p2p_model: str = DEFAULT_P2P_MODEL  # how the simulator times messages (sim.P2P_MODELS)
+    # 1f1b / interleaved rows stand for Megatron's own schedules, timed by megatron-core's own
+    # posting (p2p model "megatron") whenever the others are by our runtime's (lockstep)
+    megatron_baselines: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +143,7 @@ class Candidate:
     micro_batch_size: int
     recompute: str
     group_size: int | None = None  # breadth-first's memory-bounded groups (None: one group)
+    plain_tensor_parallel: bool = False  # tp > 1 without sequence parallelism
     max_stored: int | None = None  # BPipe's cap (None: BPipe's own ceil((p+2)/2))
 
     @property
@@ -140,7 +152,7 @@ class Candidate:
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.tp > 1
+        return self.tp > 1 and not self.plain_tensor_parallel
 
     @property
     def shape(self) -> tuple[str, int, int]:
@@ -159,6 +171,7 @@ class Plan:
     mfu: float
     memory: MemoryBreakdown
     bubble_fraction: float
+    p2p_model: str = DEFAULT_P2P_MODEL  # the simulator's p2p timing model for this row
 
     def to_dict(self) -> dict[str, object]:
         c = self.candidate
@@ -173,10 +186,12 @@ class Plan:
             "recompute": c.recompute,
             "group_size": c.group_size,
             "max_stored": c.max_stored,
+            "sequence_parallel": c.sequence_parallel,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
             "memory_per_gpu_bytes": self.memory.to_dict(),
+            "p2p_model": self.p2p_model,
         }
 
 
@@ -190,9 +205,11 @@ class SearchResult:
     best_per_family: dict[str, Plan] = field(default_factory=dict)
     seconds: float = 0.0
     efficiency_source: str = ""
+    p2p_model: str = DEFAULT_P2P_MODEL
 
     def to_dict(self) -> dict[str, object]:
         return {
+            "p2p_model": self.p2p_model,
             "candidates_evaluated": self.candidates_evaluated,
             "rejected_out_of_memory": self.rejected_out_of_memory,
             "configs": [plan.to_dict() for plan in self.plans],
@@ -250,7 +267,16 @@ def candidates(
                         for recompute in options.recompute:
                             for group in groups:
                                 yield Candidate(
-                                    schedule, sharding, tp, pp, vp, dp, b, recompute, group
+                                    schedule,
+                                    sharding,
+                                    tp,
+                                    pp,
+                                    vp,
+                                    dp,
+                                    b,
+                                    recompute,
+                                    group,
+                                    plain_tensor_parallel=tp > 1 and not options.sequence_parallel,
                                 )
 
 
@@ -447,7 +473,7 @@ def _schedule(
     return _build(schedule, pp, vp, m, sharding, group, max_stored)
 
 
-def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]:
+def _simulated_ns(c: Candidate, m: int, costs: CostModel, p2p: str) -> tuple[float, float]:
     """(step time, bubble fraction) of ``c`` at m micro-batches, in the simulator's ns.
 
     Long schedules repeat a steady state: when three lengths p apart (congruent to m mod p, from
@@ -465,7 +491,7 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]
         steps = []
         for length in (first, first + period, first + 2 * period):
             built = _schedule(*c.shape, length, c.sharding, c.group_size, c.max_stored)
-            steps.append(simulate(built, costs).step_time)
+            steps.append(simulate(built, costs, p2p=p2p).step_time)
         slope = steps[1] - steps[0]
         # On one line: exactly with integer durations; within float rounding while a stage's
         # share (1/vp of a full stage) makes the simulator's sums inexact.
@@ -474,13 +500,32 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel) -> tuple[float, float]
             busy = m * (costs.t_forward + costs.t_backward)
             return step, (step - busy) / step if step > 0 else 0.0
     built = _schedule(*c.shape, m, c.sharding, c.group_size, c.max_stored)
-    result = simulate(built, costs)
+    result = simulate(built, costs, p2p=p2p)
     return result.step_time, result.bubble_fraction
 
 
-def _simulate(sized: _Sized, model: Model, cluster: Cluster, global_batch_size: int) -> Plan:
+MEGATRON_SCHEDULES = frozenset({"1f1b", "interleaved"})  # what Megatron-LM itself runs
+
+
+def p2p_model_of(candidate: Candidate, options: SearchOptions) -> str:
+    """The p2p timing model of one row: megatron-core's own posting for a Megatron baseline
+    (``SearchOptions.megatron_baselines``) when the search times our runtime's, else the
+    search's."""
+    if (
+        options.megatron_baselines
+        and options.p2p_model == DEFAULT_P2P_MODEL
+        and candidate.schedule in MEGATRON_SCHEDULES
+        and candidate.sharding == "optim"
+    ):
+        return "megatron"
+    return options.p2p_model
+
+
+def _simulate(
+    sized: _Sized, model: Model, cluster: Cluster, global_batch_size: int, p2p: str
+) -> Plan:
     c = sized.candidate
-    simulated_ns, bubble = _simulated_ns(c, sized.m, _cost_model(sized.times))
+    simulated_ns, bubble = _simulated_ns(c, sized.m, _cost_model(sized.times), p2p)
     step = simulated_ns / NS + sized.m * sized.times.output + sized.times.optimizer
     flops = model_flops_per_step(model, global_batch_size=global_batch_size)
     return Plan(
@@ -491,6 +536,7 @@ def _simulate(sized: _Sized, model: Model, cluster: Cluster, global_batch_size: 
         mfu=flops / (step * cluster.num_gpus * cluster.gpu.peak_flops),
         memory=sized.memory,
         bubble_fraction=bubble,
+        p2p_model=p2p,
     )
 
 
@@ -577,7 +623,31 @@ def evaluate(
     )
     if sized is None:  # cannot happen with force=True; keeps the type checker honest
         raise ScheduleError(f"could not size {candidate}")
-    return _simulate(sized, model, cluster, global_batch_size)
+    return _simulate(sized, model, cluster, global_batch_size, p2p_model_of(candidate, options))
+
+
+def lower_bound_of(
+    candidate: Candidate,
+    *,
+    model: Model,
+    cluster: Cluster,
+    global_batch_size: int,
+    options: SearchOptions = SearchOptions(),
+) -> float:
+    """Seconds no schedule of ``candidate``'s shape can beat (:func:`recommend`'s pruning
+    bound: the busiest rank's compute after the first micro-batch's fill), without simulating."""
+    sized, _ = _size(
+        candidate,
+        model=model,
+        cluster=cluster,
+        global_batch_size=global_batch_size,
+        options=options,
+        efficiency=options.efficiency or BuiltinCurve(cluster.gpu),
+        force=True,
+    )
+    if sized is None:  # cannot happen with force=True
+        raise ScheduleError(f"could not size {candidate}")
+    return sized.lower_bound
 
 
 def memory_of(
@@ -640,7 +710,8 @@ def recommend(
         ):
             pruned += 1
             continue
-        plan = _simulate(sized, model, cluster, global_batch_size)
+        p2p = p2p_model_of(sized.candidate, options)
+        plan = _simulate(sized, model, cluster, global_batch_size, p2p)
         simulated += 1
         if best is None or plan.step_time_s < best.step_time_s:
             family_best[family] = plan
@@ -657,4 +728,5 @@ def recommend(
         best_per_family=dict(sorted(family_best.items(), key=lambda kv: kv[1].step_time_s)),
         seconds=time.perf_counter() - start,
         efficiency_source=efficiency.source,
+        p2p_model=options.p2p_model,
     )

@@ -252,6 +252,8 @@ class _Executor:
                 if isinstance(item, Batch):
                     self._post_batch(item)
                     continue
+                if not isinstance(item, int):  # a deferred Wait: not in lock-step postings
+                    raise TypeError(f"the runtime posts lock-step batches only, not {item}")
                 action = program[item]
                 handlers[action.kind](step, item, action)
                 if settle and action.kind.is_compute:

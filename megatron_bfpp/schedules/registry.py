@@ -394,7 +394,8 @@ def build_schedule(
     if lower:
         schedule = add_grad_sync(add_communication(schedule), sharding=sharding)
     if validate:
-        validate_schedule(schedule, require_communication=lower)
+        # NCCL safety is proven by whoever posts it (validate's docstring): it costs 20x the rest
+        validate_schedule(schedule, require_communication=lower, nccl=False)
     return schedule
 
 
@@ -453,5 +454,5 @@ def forward_only_schedule(schedule: Schedule) -> Schedule:
     lowered = add_communication(compute)
     if any(a.kind is ActionKind.RELEASE for actions in schedule.per_rank for a in actions):
         lowered = add_grad_sync(lowered, sharding="optim_grads_params")
-    validate_schedule(lowered, require_backward=False)
+    validate_schedule(lowered, require_backward=False, nccl=False)  # posted: proven then
     return lowered

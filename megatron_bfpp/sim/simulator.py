@@ -1,31 +1,84 @@
-"""Time a schedule: ``semantics.replay`` under a cost model, summed up per rank.
+"""Time a schedule under a cost model, summed up per rank, by one of the p2p timing models.
 
-The rules (who waits for what, when a rank is stuck) and the clocks are ``semantics``': its
-``Rules`` and ``Wires``, which the validator applies too; see its docstring. Here a ``CostModel``
-becomes the replay's ``Timing``: compute times scale with the stage's share of a full 1F1B stage
-(``StageLayout.stage_fraction``), as does BPipe's transfer time ``t_evict``; ``t_p2p`` is one
-activation or gradient message, ``t_grad_reduce`` / ``t_param_gather`` one GS / PS. A rank ends
-when its compute and data-parallel lanes are both done; the step time is the latest rank end.
+``P2P_MODELS`` names them. The default, ``lockstep``, times what our runtime runs: the
+lock-step posting (``nccl.lockstep_posting``, one ``batch_isend_irecv`` per tick, the batches
+of a rank in tick order on one stream, a batch complete only when both halves of every op are
+posted; BPipe's header read blocking the acceptor) timed by ``nccl.posting_timer``.
+``megatron`` times Megatron's own ``1f1b`` / ``interleaved`` by the calls megatron-core posts
+for them (``native_posting.megatron_posting`` with Megatron-LM's settings: one
+``_communicate`` per pipeline step, waited at once; interleaved non-batched with p2p overlap),
+by the same model. ``gloo`` keeps gloo's rules (``semantics.replay``: sends never block, a
+receiver waits only where it consumes), which no NCCL run follows: an option for comparison,
+never a prediction's default.
+Either way ``semantics.replay`` runs first: it finds a deadlock (with the grid of where each
+rank waits), counts stored activations in program order and sees the RLs of sharded
+parameters, which do not depend on the timing model.
 
-A compute-only schedule (no SA/RA/SG/RG, e.g. a torch CSV) is timed as if every compute action
-sent its result the moment it finished, which is what ``add_communication`` would insert.
+A ``CostModel`` becomes the models' ``Timing``: compute times scale with the stage's share of a
+full 1F1B stage (``StageLayout.stage_fraction``), as does BPipe's transfer time ``t_evict``;
+``t_p2p`` is one activation or gradient message (and, under ``lockstep``, an eviction's size
+header), ``t_grad_reduce`` / ``t_param_gather`` one GS / PS; no bandwidth term: a message's
+size is not in the cost model. A rank ends when its CPU (under a posting: including the
+batches it waits for last) and its data-parallel lane are both done;
+the step time is the latest rank end.
 
-The replay runs in integer units (``CostModel.exact``) and every reported time is divided back
-once here, so results are exact up to that one rounding. Events are drawn only when read
-(``SimResult.events``, ``semantics.Timeline``).
+A compute-only schedule (no SA/RA/SG/RG, e.g. a torch CSV) is timed as ``add_communication``
+lowers it: under ``gloo`` as if every compute action sent its result the moment it finished.
+
+The models run in integer units (``CostModel.exact``) and every reported time is divided back
+once here, so results are exact up to that one rounding. Under ``gloo`` events are drawn only
+when read (``SimResult.events``, ``semantics.Timeline``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megatron_bfpp.ir import Schedule, ScheduleError, format_schedule
-from megatron_bfpp.semantics import Event, Lane, Replay, Timeline, describe_waits, replay
+from megatron_bfpp.messages import has_communication
+from megatron_bfpp.native_posting import megatron_lm_options, megatron_posting
+from megatron_bfpp.nccl import Posting, PostingRun, lockstep_posting, posting_timer
+from megatron_bfpp.passes.communication import add_communication
+from megatron_bfpp.semantics import (
+    Event,
+    Lane,
+    Replay,
+    Timeline,
+    Timing,
+    describe_waits,
+    replay,
+)
 from megatron_bfpp.sim.cost import CostModel
 
-__all__ = ["UNITS", "Event", "Lane", "RankMetrics", "SimResult", "simulate"]
+__all__ = [
+    "DEFAULT_P2P_MODEL",
+    "P2P_MODELS",
+    "UNITS",
+    "Event",
+    "Lane",
+    "PostingTimeline",
+    "RankMetrics",
+    "SimResult",
+    "simulate",
+]
+
+# The p2p timing models, each with what it times (bfpp-sim --p2p-model's help, the reports).
+P2P_MODELS = {
+    "lockstep": "the runtime's lock-step NCCL posting: one batch per tick, FIFO per rank, "
+    "a batch done when both halves of each op are posted",
+    "megatron": "megatron-core's own p2p for its 1f1b / interleaved as Megatron-LM runs them: "
+    "one call per pipeline step, batched and waited at once (interleaved: non-batched, "
+    "overlapped)",
+    "gloo": "gloo's rules: sends never block, a receiver waits only where it consumes "
+    "(not what runs on NCCL; for comparison)",
+}
+DEFAULT_P2P_MODEL = "lockstep"
+# The megatron-core whose posting ``megatron`` times (native_posting: 0.18 and later wait for a
+# forward send right after posting it under p2p overlap).
+MEGATRON_CORE_VERSION = (0, 19)
 
 # The one unit of stored activations, parameters and gradients everywhere (bfpp-sim's table and
 # JSON, bfpp-train's metrics, the planner): a full 1F1B stage, i.e. a rank's share of the layers
@@ -73,7 +126,8 @@ class SimResult:
 
     ``bubble_fraction`` is the idle share of all ranks' time, ``sum(step - busy) / (p * step)``;
     ``exposed_dp_comm_time`` is the largest per-rank exposed data-parallel time. ``events``
-    (rank by rank, each in program order) are built from ``timeline`` on first use.
+    (rank by rank; under ``gloo`` each in program order, under ``lockstep`` by start) come from
+    ``timeline``. ``p2p_model`` names the timing model (``P2P_MODELS``) behind the figures.
     """
 
     schedule_name: str
@@ -84,8 +138,9 @@ class SimResult:
     bubble_fraction: float
     exposed_dp_comm_time: float
     per_rank: tuple[RankMetrics, ...]
-    timeline: Timeline = field(repr=False, compare=False)
+    timeline: Timeline | PostingTimeline = field(repr=False, compare=False)
     costs: CostModel = field(default_factory=CostModel)
+    p2p_model: str = DEFAULT_P2P_MODEL
 
     @property
     def events(self) -> tuple[Event, ...]:
@@ -106,6 +161,7 @@ class SimResult:
     def to_dict(self, *, include_events: bool = False) -> dict[str, Any]:
         result: dict[str, Any] = {
             "schedule": self.schedule_name,
+            "p2p_model": self.p2p_model,
             "num_ranks": self.num_ranks,
             "num_chunks": self.num_chunks,
             "num_microbatches": self.num_microbatches,
@@ -121,11 +177,23 @@ class SimResult:
         return result
 
 
-def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimResult:  # noqa: B008
-    """Time ``schedule`` (one that ``validate_schedule`` accepts) under ``costs``.
+def simulate(
+    schedule: Schedule,
+    costs: CostModel = CostModel(),  # noqa: B008
+    *,
+    p2p: str = DEFAULT_P2P_MODEL,
+    posting: Posting | None = None,
+) -> SimResult:
+    """Time ``schedule`` (one that ``validate_schedule`` accepts) under ``costs`` by the p2p
+    timing model ``p2p`` (``P2P_MODELS``); ``posting`` replaces the lock-step posting (a
+    posting of the same schedule: what another executor posts).
 
     Raises ``ScheduleError`` showing the per-rank grid if the programs deadlock.
     """
+    if p2p not in P2P_MODELS:
+        raise ScheduleError(
+            f"unknown p2p timing model {p2p!r}; choose one of {', '.join(P2P_MODELS)}"
+        )
     exact = costs.exact(schedule.layout.exact_stage_fraction)
     try:
         run = replay(schedule, exact.timing)
@@ -133,11 +201,80 @@ def simulate(schedule: Schedule, costs: CostModel = CostModel()) -> SimResult:  
         raise ScheduleError(f"cannot simulate {error}") from None
     if run.blocked:
         raise _deadlock(schedule, run)
-    return _result(schedule, costs, run, exact.per_unit)
+    if p2p == "gloo":
+        return _result(
+            schedule, costs, run, exact.per_unit, p2p, run.timeline.scaled(exact.per_unit)
+        )
+    try:
+        timed = _timer(schedule, p2p, posting)(exact.timing)
+    except ScheduleError as error:
+        raise ScheduleError(f"cannot simulate {schedule.name!r} under {p2p}: {error}") from None
+    timed_run = run._replace(
+        compute_end=timed.clock, dp_end=timed.dp_end, busy=timed.busy, gather_wait=timed.gather_wait
+    )
+    timeline = PostingTimeline(timed.events, exact.per_unit)
+    return _result(schedule, costs, timed_run, exact.per_unit, p2p, timeline)
 
 
-def _result(schedule: Schedule, costs: CostModel, run: Replay, per_unit: int) -> SimResult:
-    """The metrics from the replay's integer times, each divided by ``per_unit`` once."""
+# The timers of the last schedules timed by their lock-step posting, by identity (the planner
+# times each of its cached schedules under many costs; hashing a schedule reads all of it).
+_TIMERS: dict[tuple[int, str], tuple[Schedule, Callable[[Timing], PostingRun]]] = {}
+_TIMERS_KEPT = 64
+
+
+def _timer(schedule: Schedule, p2p: str, posting: Posting | None) -> Callable[[Timing], PostingRun]:
+    """The timer of ``posting``, or of the posting ``p2p`` names for ``schedule`` lowered."""
+    if posting is not None:
+        return posting_timer(schedule, posting)
+    kept = _TIMERS.get((id(schedule), p2p))
+    if kept is not None and kept[0] is schedule:
+        return kept[1]
+    lowered = schedule if has_communication(schedule) else add_communication(schedule)
+    if p2p == "megatron":
+        options = megatron_lm_options(lowered, core_version=MEGATRON_CORE_VERSION)
+        posting = megatron_posting(lowered, options)
+    else:
+        posting = lockstep_posting(lowered)
+    timer = posting_timer(lowered, posting)
+    if len(_TIMERS) >= _TIMERS_KEPT:
+        del _TIMERS[next(iter(_TIMERS))]
+    _TIMERS[(id(schedule), p2p)] = (schedule, timer)
+    return timer
+
+
+class PostingTimeline:
+    """The events of a timed posting (``PostingRun.events``), built and divided by
+    ``per_unit`` when first read (``Timeline``'s interface)."""
+
+    __slots__ = ("_events", "_raw", "per_unit")
+
+    def __init__(self, raw: Callable[[], list[Event]], per_unit: int = 1) -> None:
+        self._raw, self.per_unit = raw, per_unit
+        self._events: tuple[Event, ...] | None = None
+
+    def scaled(self, per_unit: int) -> PostingTimeline:
+        return PostingTimeline(self._raw, per_unit)
+
+    def events(self) -> tuple[Event, ...]:
+        if self._events is None:
+            per_unit = self.per_unit
+            self._events = tuple(
+                e._replace(start=_user(e.start, per_unit), end=_user(e.end, per_unit))
+                for e in self._raw()
+            )
+        return self._events
+
+
+def _result(
+    schedule: Schedule,
+    costs: CostModel,
+    run: Replay,
+    per_unit: int,
+    p2p: str,
+    timeline: Timeline | PostingTimeline,
+) -> SimResult:
+    """The metrics from the model's integer times (``run``'s clocks, its memory), each divided
+    by ``per_unit`` once; ``timeline`` draws the events."""
     clock, dp_free, busy = run.compute_end, run.dp_end, run.busy
     num_ranks = schedule.num_ranks
     ends = [max(clock[r], dp_free[r]) for r in range(num_ranks)]
@@ -167,8 +304,9 @@ def _result(schedule: Schedule, costs: CostModel, run: Replay, per_unit: int) ->
         bubble_fraction=_ratio(sum(step - b for b in busy), num_ranks * step),
         exposed_dp_comm_time=max((r.exposed_dp_comm_time for r in per_rank), default=0.0),
         per_rank=tuple(per_rank),
-        timeline=run.timeline.scaled(per_unit),
+        timeline=timeline,
         costs=costs,
+        p2p_model=p2p,
     )
 
 

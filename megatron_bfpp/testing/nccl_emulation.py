@@ -3,7 +3,8 @@
 Gloo posts every ``isend`` / ``irecv`` at once and completes each on its own, so a message order
 that deadlocks (or crashes) on NCCL still passes on CPU. :func:`install` replaces
 ``torch.distributed.batch_isend_irecv`` / ``isend`` / ``irecv`` (in ``distributed_c10d`` too) with
-versions that, on gloo groups only, keep the rules of ProcessGroupNCCL (design.md, "NCCL facts"):
+versions that, on gloo groups only, keep the rules of ProcessGroupNCCL (docs/design-notes.md,
+"Execution semantics"):
 
 1. ``batch_isend_irecv`` returns ONE Work for the whole batch (code indexing one per op breaks).
 2. One stream per group: a worker thread per (process, group) runs the batches in posting order;

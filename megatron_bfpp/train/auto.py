@@ -62,6 +62,7 @@ def train_request(
         vp=args.num_virtual_stages_per_pipeline_rank,
         group_size=args.breadth_first_group_size,
         max_stored=args.bpipe_max_stored,
+        sequence_parallel=False,  # bfpp-train's presets (train.presets)
     )
 
 

@@ -39,6 +39,7 @@ import random
 import re
 import shutil
 import signal
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,7 @@ from megatron_bfpp.train.run_config import LRSchedule, RunConfig
 __all__ = [
     "FORMATS",
     "KILL_DURING_SAVE_ENV",
+    "PAUSE_DURING_SAVE_ENV",
     "OtherRankFailed",
     "load_checkpoint",
     "read_rank_file",
@@ -90,6 +92,10 @@ FORMATS = CKPT_FORMATS
 # "rank-file" before the rank writes its files, "publish" on rank 0 between moving an existing
 # checkpoint of the same iteration aside and renaming the new one in).
 KILL_DURING_SAVE_ENV = "BFPP_TEST_KILL_DURING_SAVE"
+# Test hook: a file name; rank 0 creates it before writing its files and waits there (up to 10
+# minutes) for the test to signal the job, as SLURM does when it preempts a job mid-save.
+PAUSE_DURING_SAVE_ENV = "BFPP_TEST_PAUSE_DURING_SAVE"
+_PAUSE_S = 600.0
 # Megatron-LM's default format for the distributed optimizer (megatron-core 0.16 rejects the
 # older "fully_sharded_model_space": flattened ShardedTensors are no longer supported).
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -137,6 +143,10 @@ def _agree(error: CheckpointError | None) -> None:
 def _kill_point(point: str) -> None:
     if os.environ.get(KILL_DURING_SAVE_ENV) == f"{point}:{dist.get_rank()}":
         os.kill(os.getpid(), signal.SIGKILL)
+    marker = os.environ.get(PAUSE_DURING_SAVE_ENV)
+    if marker and point == "rank-file" and dist.get_rank() == 0:
+        Path(marker).write_text(f"{os.getpid()}\n")
+        time.sleep(_PAUSE_S)
 
 
 # --------------------------------------------------------------------------- state

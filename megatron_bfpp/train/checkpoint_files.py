@@ -28,12 +28,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
+    "LOCK_FILE",
     "METADATA_FILE",
     "TRACKER",
     "CheckpointError",
     "checkpoint_dir",
     "clean_stale",
     "complete_checkpoint",
+    "fresh_start_reason",
     "fsync_dir",
     "fsync_file",
     "make_temp_dir",
@@ -42,6 +44,7 @@ __all__ = [
     "read_tracker",
     "regular_file_problem",
     "remove_old",
+    "save_path_problem",
     "write_file_atomic",
     "write_tracker",
 ]
@@ -51,6 +54,13 @@ METADATA_FILE = "bfpp_checkpoint.json"
 _TEMP = ".tmp-"
 _OLD = ".old-"
 _SIDE_DIR = re.compile(r"^iter_(\d{7})\.(tmp|old)-[A-Za-z0-9_]+$")
+LOCK_FILE = ".bfpp_save.lock"  # :mod:`.save_lock`'s
+# What a save leaves before its first checkpoint is published: its temporary directory, a
+# tracker's temporary file, and the save lock.
+_LEFT_BEFORE_FIRST_CHECKPOINT = re.compile(
+    rf"^(iter_\d{{7}}\.tmp-[A-Za-z0-9_]+|{re.escape(TRACKER + _TEMP)}[A-Za-z0-9_]+"
+    rf"|{re.escape(LOCK_FILE)})$"
+)
 
 
 class CheckpointError(ValueError):
@@ -128,6 +138,74 @@ def read_tracker(root: str | Path) -> int:
         shown = "".join(c if c.isprintable() else "?" for c in text[:40])
         raise CheckpointError(f"{label} holds {shown!r}, not an iteration number")
     return int(text)
+
+
+def fresh_start_reason(root: str | Path) -> str | None:
+    """Why ``--load root`` starts from iteration 0 instead of resuming, as Megatron-LM does when
+    it finds no tracker (the requeue pattern ``--save D --load D`` on a job's first start, or
+    after a kill during its first save); ``None``: there is something to resume, or something
+    :func:`read_tracker` refuses. Only a missing directory or one that holds nothing but what
+    bfpp-train's own first save leaves behind starts fresh: a directory with other files and no
+    tracker is more likely a wrong path than a new run."""
+    root = Path(root)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return "does not exist yet"
+    except OSError:
+        return None  # not a directory, unreadable: read_tracker names it
+    if not names:
+        return "is empty"
+    if all(_LEFT_BEFORE_FIRST_CHECKPOINT.match(name) for name in names):
+        return "holds no complete checkpoint yet (only what an interrupted first save left)"
+    return None
+
+
+_SUFFIX_CHARS = 12  # _unique_name's hex digits
+
+
+def _longest_save_path(root: str, world_size: int, iterations: int) -> str:
+    """The longest path a save creates under ``root``: a file inside a checkpoint directory set
+    aside (a rank's file, megatron-core's ``__RANK_N.distcp``, the metadata), or the tracker's
+    temporary file."""
+    digits = max(7, len(str(iterations)))
+    aside = f"iter_{'0' * digits}{_OLD}{'f' * _SUFFIX_CHARS}"
+    last = max(world_size - 1, 0)
+    inner = max(f"rank_{last:05d}.pt", f"__{last}_99.distcp", METADATA_FILE, key=len)
+    top = os.path.abspath(root)
+    return max(
+        os.path.join(top, aside, inner),
+        os.path.join(top, f"{TRACKER}{_TEMP}{'f' * _SUFFIX_CHARS}"),
+        key=len,
+    )
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long is not there
+        return False
+
+
+def save_path_problem(root: str, *, world_size: int, iterations: int) -> str | None:
+    """Whether every file a save will create under ``root`` has a path the file system takes,
+    checked at start: a ``--save`` path that is valid but too long for its checkpoint's files
+    used to fail only at the first save, after the training it was to keep."""
+    longest = _longest_save_path(root, world_size, iterations)
+    start = Path(os.path.abspath(root))
+    existing = next((p for p in (start, *start.parents) if _exists(p)), Path("/"))
+    try:
+        path_max = os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        path_max = 4096
+    size = len(os.fsencode(longest))
+    if size >= path_max:
+        return (
+            f"--save {root}: too long for the checkpoint files a save creates there ({size:,} "
+            f"bytes for {os.path.relpath(longest, start)}, the file system takes "
+            f"{path_max - 1:,}); choose a shorter path"
+        )
+    return None
 
 
 def fsync_file(path: Path) -> None:

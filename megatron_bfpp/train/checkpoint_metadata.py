@@ -44,6 +44,7 @@ from megatron_bfpp.train.checkpoint_files import (
     read_tracker,
     regular_file_problem,
 )
+from megatron_bfpp.train.data_source import DEFAULT_SPLIT
 from megatron_bfpp.train.run_config import LRSchedule, RunConfig, flag_name
 
 # bfpp_checkpoint.json: its flags and one record (name, size, SHA-256) per file, about 150 bytes
@@ -61,6 +62,7 @@ __all__ = [
     "metadata_from_json",
     "metadata_to_json",
     "read_checkpoint",
+    "resume_warnings",
     "scheduler_differences",
     "scheduler_policy",
 ]
@@ -132,13 +134,17 @@ def _build(kind: Any, value: Any, *, source: str, where: str) -> Any:
 
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         hints = typing.get_type_hints(kind)
-        names = [field.name for field in dataclasses.fields(kind)]
-        if not isinstance(value, dict) or set(value) != set(names):
+        fields = dataclasses.fields(kind)
+        names = [field.name for field in fields]
+        # fields added later, with a default, may be absent (checkpoints written before them)
+        required = {field.name for field in fields if field.default is dataclasses.MISSING}
+        if not isinstance(value, dict) or not required <= set(value) <= set(names):
             raise bad(f"an object with keys {', '.join(names)}")
         return kind(
             **{
                 name: _build(hints[name], value[name], source=source, where=f"{where}.{name}")
                 for name in names
+                if name in value
             }
         )
     origin, args = typing.get_origin(kind), typing.get_args(kind)
@@ -346,6 +352,37 @@ def check_resume(
             f"--load {root}: this run's learning-rate schedule differs from the checkpoint's: "
             f"{', '.join(differences)}; {_OVERRIDE_FLAGS}{hint}"
         )
+
+
+def resume_warnings(
+    metadata: CheckpointMetadata, current: RunConfig, *, root: str | Path
+) -> list[str]:
+    """What a resume accepts, as Megatron-LM does, though it changes the data the run reads on:
+    Megatron-LM's ``check_checkpoint_args`` compares the model and parallel sizes only (those
+    this run refuses too, :func:`check_resume`), never ``--seed``, ``--data-path`` or
+    ``--split``. Each is one line naming the flag and both values; the RNG states still come
+    from the checkpoint, only the samples from ``consumed_samples`` on change."""
+    saved, now = metadata.run.training, current.training
+    after = (
+        f"the samples from {metadata.consumed_samples:,} on come from another stream; "
+        "accepted, as Megatron-LM accepts it"
+    )
+    warnings = []
+    for flag, was, will in (
+        ("--seed", saved.seed, now.seed),
+        ("--data-path", saved.data_path, now.data_path),
+        ("--split", saved.split or DEFAULT_SPLIT, now.split or DEFAULT_SPLIT),
+    ):
+        if was != will and not (flag == "--split" and saved.data_path != now.data_path):
+            warnings.append(
+                f"--load {root}: checkpoint was saved with {flag} {_shown(was)}, this run has "
+                f"{_shown(will)}: {after}"
+            )
+    return warnings
+
+
+def _shown(value: object) -> str:
+    return "none (synthetic data)" if value is None else str(value)
 
 
 def scheduler_policy(args: Any) -> SchedulerPolicy:

@@ -1,4 +1,5 @@
-"""Deterministic training data for ``bfpp-train``: synthetic sequences or a local text file.
+"""Deterministic training data for ``bfpp-train``: synthetic sequences, a local text file, or
+Megatron's indexed datasets.
 
 Every sample is a pure function of ``(seed, global sample index)``, so the data position is just
 the number of consumed samples (a checkpoint records it): a resumed run reads exactly the samples
@@ -10,6 +11,12 @@ the uninterrupted run would have read, on any layout, and a run resumed with ano
   ``1..4``; the model learns to continue it.
 * ``--data-path FILE``: byte-level tokens (vocabulary 256) of a local file; sample ``i`` is a
   window at a pseudo-random offset drawn from ``(seed, i)``. No tokenizer, no downloads.
+* ``--data-path PREFIX`` (or Megatron-LM's ``W1 P1 W2 P2 ...``) naming Megatron indexed datasets
+  (``.bin`` + ``.idx``): megatron-core's own classes read them (``IndexedDataset``,
+  ``GPTDataset``, ``BlendedDataset`` through ``BlendedMegatronDatasetBuilder``), built for
+  ``--train-iters`` x ``--global-batch-size`` training samples of the ``--split``'s first part,
+  as Megatron-LM builds them; sample ``i`` is the train dataset's item ``i``
+  (:class:`IndexedTrainingData`). :mod:`.data_source` checks the files before any rank starts.
 
 A micro-batch is a dict ``tokens``, ``labels``, ``position_ids``, ``loss_mask`` of shape
 ``(micro_batch_size, seq_length)``.
@@ -17,11 +24,15 @@ A micro-batch is a dict ``tokens``, ``labels``, ``position_ids``, ``loss_mask`` 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["BYTE_VOCAB_SIZE", "Batch", "TrainingData"]
+from megatron_bfpp.train.data_source import IndexedSource, TextSource, data_source
+
+__all__ = ["BYTE_VOCAB_SIZE", "Batch", "IndexedTrainingData", "TrainingData", "training_data"]
 
 BYTE_VOCAB_SIZE = 256
 _MAX_STEP = 4
@@ -76,18 +87,164 @@ class TrainingData:
     ) -> list[Batch]:
         """This data-parallel rank's micro-batches of the global batch that starts at sample
         ``first_sample`` (the samples consumed so far)."""
-        per_rank = global_batch_size // dp_size
-        first = first_sample + dp_rank * per_rank
-        batches = []
-        for start in range(first, first + per_rank, micro_batch_size):
-            rows = torch.stack([self.sample(i) for i in range(start, start + micro_batch_size)])
-            shape = (micro_batch_size, self.seq_length)
-            batches.append(
-                {
-                    "tokens": rows[:, :-1].contiguous(),
-                    "labels": rows[:, 1:].contiguous(),
-                    "position_ids": torch.arange(self.seq_length).expand(shape).contiguous(),
-                    "loss_mask": torch.ones(shape),
-                }
+        return _microbatches(
+            self.sample,
+            self.seq_length,
+            first_sample=first_sample,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+        )
+
+
+def _microbatches(
+    sample: Any,
+    seq_length: int,
+    *,
+    first_sample: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+) -> list[Batch]:
+    """``sample(i)``: ``seq_length + 1`` tokens, or a megatron-core sample dict."""
+    per_rank = global_batch_size // dp_size
+    first = first_sample + dp_rank * per_rank
+    batches = []
+    shape = (micro_batch_size, seq_length)
+    for start in range(first, first + per_rank, micro_batch_size):
+        items = [sample(i) for i in range(start, start + micro_batch_size)]
+        if isinstance(items[0], dict):
+            batches.append({key: torch.stack([item[key] for item in items]) for key in _BATCH_KEYS})
+            continue
+        rows = torch.stack(items)
+        batches.append(
+            {
+                "tokens": rows[:, :-1].contiguous(),
+                "labels": rows[:, 1:].contiguous(),
+                "position_ids": torch.arange(seq_length).expand(shape).contiguous(),
+                "loss_mask": torch.ones(shape),
+            }
+        )
+    return batches
+
+
+_BATCH_KEYS = ("tokens", "labels", "position_ids", "loss_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenIds:
+    """What megatron-core's ``GPTDataset`` asks of a tokenizer when the tokens are already ids:
+    the vocabulary size (the token type of its caches) and an end-of-document id, used only
+    with ``eod_mask_loss`` or the reset flags, which bfpp-train leaves off. No ``pad``: the
+    dataset then pads with an id no token has."""
+
+    vocab_size: int
+    eod: int
+
+    @property
+    def unique_identifiers(self) -> dict[str, Any]:
+        """Part of the description megatron-core hashes to name its index cache."""
+        return {"class": "bfpp-train token ids", "vocab_size": self.vocab_size, "eod": self.eod}
+
+
+class IndexedTrainingData:
+    """Megatron indexed datasets through megatron-core's dataset classes (collective when the
+    process group is up: rank 0 builds and caches the indices first, as in Megatron-LM)."""
+
+    def __init__(
+        self,
+        source: IndexedSource,
+        *,
+        seq_length: int,
+        vocab_size: int,
+        seed: int,
+        num_samples: int,
+        cache_path: str | None = None,
+    ) -> None:
+        from megatron.core.datasets.blended_megatron_dataset_builder import (
+            BlendedMegatronDatasetBuilder,
+        )
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+        self.seq_length = seq_length
+        self.vocab_size = vocab_size
+        self.source = source
+        config = GPTDatasetConfig(
+            random_seed=seed,
+            sequence_length=seq_length,
+            blend=source.blend(),
+            split=source.split,
+            path_to_cache=cache_path,
+            tokenizer=_TokenIds(vocab_size=vocab_size, eod=vocab_size - 1),
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            create_attention_mask=False,
+        )
+        # Only the train part is read: its bookends stay Megatron-LM's (the same documents for
+        # the same --split), the others are not built (megatron-core would loop forever over a
+        # part with no document, as the test part of a small dataset has under 969,30,1).
+        config.split_matrix = [config.split_matrix[0], None, None]
+        train, _, _ = BlendedMegatronDatasetBuilder(
+            GPTDataset, [num_samples, 0, 0], lambda: True, config
+        ).build()
+        if train is None:
+            raise ValueError(
+                f"--split {source.split}: the train part of --data-path holds no documents; "
+                "give the train part a larger weight"
             )
-        return batches
+        self.dataset = train
+
+    def sample(self, index: int) -> dict[str, torch.Tensor]:
+        item = self.dataset[index % len(self.dataset)]
+        largest = int(item["tokens"].max())
+        if largest >= self.vocab_size or int(item["labels"].max()) >= self.vocab_size:
+            raise ValueError(
+                f"--data-path {' '.join(self.source.prefixes)}: sample {index} holds token id "
+                f"{max(largest, int(item['labels'].max()))}, not below --vocab-size "
+                f"{self.vocab_size}; give the tokenizer's vocabulary size"
+            )
+        return {key: item[key] for key in _BATCH_KEYS}
+
+    def microbatches(
+        self,
+        *,
+        first_sample: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+    ) -> list[Batch]:
+        return _microbatches(
+            self.sample,
+            self.seq_length,
+            first_sample=first_sample,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+        )
+
+
+def training_data(args: Any) -> TrainingData | IndexedTrainingData:
+    """The data a parsed ``bfpp-train`` namespace asks for."""
+    if args.data_path is None:
+        return TrainingData(seq_length=args.seq_length, vocab_size=args.vocab_size, seed=args.seed)
+    source = data_source(args.data_path, seq_length=args.seq_length, split=args.split)
+    if isinstance(source, TextSource):
+        return TrainingData(
+            seq_length=args.seq_length,
+            vocab_size=args.vocab_size,
+            seed=args.seed,
+            data_path=source.path,
+        )
+    return IndexedTrainingData(
+        source,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+        num_samples=args.train_iters * args.global_batch_size,
+        cache_path=args.data_cache_path,
+    )

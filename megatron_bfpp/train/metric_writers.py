@@ -18,12 +18,14 @@ import importlib.util
 import json
 import netrc
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
 __all__ = [
+    "GuardedWriter",
     "JsonlWriter",
+    "MetricWriteError",
     "MetricWriter",
     "TensorBoardWriter",
     "WandbWriter",
@@ -60,6 +62,61 @@ class MetricWriter(Protocol):
     def write(self, record: Mapping[str, Any]) -> None: ...
 
     def close(self) -> None: ...
+
+
+class MetricWriteError(ValueError):
+    """A logging destination failed; the message is the one line users see (its flag, its path,
+    why)."""
+
+
+def _reason(error: BaseException) -> str:
+    """Why a write failed in a few words: the first OS error in the chain (a full disk, a
+    closed file system), else the error's first line."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+class GuardedWriter:
+    """A writer whose failures are one line naming its flag: a full disk under
+    ``--metrics-file`` used to end the run at iteration 1 with 30 lines of chained tracebacks
+    (the write's, then the close's in the trainer's ``finally``). After a failure, closing is
+    quiet (the write's line is the report)."""
+
+    def __init__(self, flag: str, target: str, build: Callable[[], MetricWriter]) -> None:
+        self.flag, self.target = flag, target
+        self.failed = False
+        try:
+            self.writer = build()
+        except Exception as error:  # a package installed broken, a directory that vanished
+            raise MetricWriteError(
+                f"{flag} {target}: cannot start writing ({_reason(error)})"
+            ) from None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        try:
+            self.writer.write(record)
+        except Exception as error:
+            self.failed = True
+            raise MetricWriteError(
+                f"{self.flag} {self.target}: cannot write iteration {record.get('iteration')} "
+                f"({_reason(error)}); training stopped there (checkpoints saved before it are "
+                "complete)"
+            ) from None
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except Exception as error:
+            if not self.failed:
+                self.failed = True
+                raise MetricWriteError(
+                    f"{self.flag} {self.target}: cannot finish writing ({_reason(error)})"
+                ) from None
 
 
 def scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:

@@ -22,6 +22,7 @@ __all__ = [
     "ModelShape",
     "RunConfig",
     "Training",
+    "data_path_text",
     "default_ffn_hidden_size",
     "flag_name",
     "run_config",
@@ -126,7 +127,8 @@ class Training:
     global_batch_size: int
     micro_batch_size: int
     seed: int
-    data_path: str | None
+    data_path: str | None  # Megatron-LM's list (prefixes, or weights and prefixes) joined by spaces
+    split: str | None = None  # indexed datasets only; absent from older checkpoints
 
     @property
     def decay_iters(self) -> int:
@@ -160,6 +162,14 @@ class RunConfig:
     layout: Layout
     pipeline_schedule: str
     training: Training
+
+
+def data_path_text(data_path: str | list[str] | None) -> str | None:
+    """``--data-path`` as one string: Megatron-LM's list of prefixes (or weights and prefixes)
+    joined by spaces, as a checkpoint records it."""
+    if data_path is None or isinstance(data_path, str):
+        return data_path
+    return " ".join(data_path)
 
 
 def run_config(args: Any, world_size: int) -> RunConfig:
@@ -196,6 +206,7 @@ def run_config(args: Any, world_size: int) -> RunConfig:
             global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size,
             seed=args.seed,
-            data_path=args.data_path,
+            data_path=data_path_text(args.data_path),
+            split=getattr(args, "split", None),
         ),
     )

@@ -24,11 +24,10 @@ import os
 import socket
 from pathlib import Path
 
-from megatron_bfpp.train.checkpoint_files import CheckpointError
+from megatron_bfpp.train.checkpoint_files import LOCK_FILE, CheckpointError
 
 __all__ = ["LOCK_FILE", "SaveLock"]
 
-LOCK_FILE = ".bfpp_save.lock"
 _MAX_HOLDER_BYTES = 512  # what a holder writes is one short line; read no more than this
 
 

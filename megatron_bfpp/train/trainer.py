@@ -30,10 +30,12 @@ import torch.distributed as dist
 
 from megatron_bfpp.schedules.registry import get_spec, options_from_args
 from megatron_bfpp.train.checkpoint import OtherRankFailed
+from megatron_bfpp.train.checkpoint_files import fresh_start_reason
 from megatron_bfpp.train.checkpoint_metadata import SchedulerPolicy, scheduler_policy
-from megatron_bfpp.train.data import TrainingData
+from megatron_bfpp.train.data import IndexedTrainingData, TrainingData, training_data
 from megatron_bfpp.train.liveness import RanksLost, Verdict, start_liveness
 from megatron_bfpp.train.metric_writers import (
+    GuardedWriter,
     JsonlWriter,
     MetricWriter,
     TensorBoardWriter,
@@ -265,7 +267,7 @@ class _Run:
     scheduler: Any
     config: RunConfig
     forward_backward: Any
-    data: TrainingData
+    data: TrainingData | IndexedTrainingData
     dp_rank: int
     dp_size: int
     num_microbatches: int
@@ -377,7 +379,7 @@ def _set_up(args: Any, device: torch.device) -> _Run:
     policy = scheduler_policy(args)
     optimizer, scheduler = _optimizer_and_scheduler(args, model, run_cfg, policy)
     iteration, consumed_samples = 0, 0
-    if args.load:
+    if args.load and fresh_start_reason(args.load) is None:  # else: start fresh (the CLI said)
         iteration, consumed_samples = load_checkpoint(
             args.load,
             model=model,
@@ -393,12 +395,7 @@ def _set_up(args: Any, device: torch.device) -> _Run:
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
         **options,
     )
-    data = TrainingData(
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        seed=args.seed,
-        data_path=args.data_path,
-    )
+    data = training_data(args)
     dp_size = parallel_state.get_data_parallel_world_size()
     return _Run(
         args=args,
@@ -442,7 +439,7 @@ def _loop(run: _Run) -> TrainResult:
     if rank0 and progress.lines:
         print(_banner(run), flush=True)
     losses: list[tuple[int, float]] = []
-    last_saved = run.iteration if args.load else -1
+    last_saved = run.iteration if args.load and run.iteration else -1
     try:
         while run.iteration < args.train_iters:
             step = _train_step(run)
@@ -465,11 +462,25 @@ def _loop(run: _Run) -> TrainResult:
                 break  # Megatron-LM's --exit-interval: stop here (checkpoint below)
         if args.save and last_saved != run.iteration:
             _save(run)
-    finally:
+    except BaseException:
         progress.close()
-        for writer in writers:
-            writer.close()
+        _close_all(writers, quietly=True)  # the error on its way up is the report
+        raise
+    progress.close()
+    _close_all(writers, quietly=False)
     return TrainResult(losses=losses)
+
+
+def _close_all(writers: list[MetricWriter], *, quietly: bool) -> None:
+    """Close every writer even when one fails; the first failure is raised unless ``quietly``."""
+    first: Exception | None = None
+    for writer in writers:
+        try:
+            writer.close()
+        except Exception as error:
+            first = first or error
+    if first is not None and not quietly:
+        raise first
 
 
 def _logs_metrics(args: Any) -> bool:
@@ -496,16 +507,32 @@ def _metric_writers(run: _Run) -> list[MetricWriter]:
     }
     writers: list[MetricWriter] = []
     if args.metrics_file:
-        writers.append(JsonlWriter.open(args.metrics_file, append=bool(args.load)))
+        writers.append(
+            GuardedWriter(
+                "--metrics-file",
+                args.metrics_file,
+                lambda: JsonlWriter.open(args.metrics_file, append=bool(args.load)),
+            )
+        )
     if args.tensorboard_dir:
-        writers.append(TensorBoardWriter(args.tensorboard_dir, config=config))
+        writers.append(
+            GuardedWriter(
+                "--tensorboard-dir",
+                args.tensorboard_dir,
+                lambda: TensorBoardWriter(args.tensorboard_dir, config=config),
+            )
+        )
     if args.wandb_project:
         writers.append(
-            WandbWriter(
+            GuardedWriter(
+                "--wandb-project",
                 args.wandb_project,
-                name=args.wandb_exp_name,
-                save_dir=args.wandb_save_dir,
-                config=config,
+                lambda: WandbWriter(
+                    args.wandb_project,
+                    name=args.wandb_exp_name,
+                    save_dir=args.wandb_save_dir,
+                    config=config,
+                ),
             )
         )
     return writers

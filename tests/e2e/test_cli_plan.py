@@ -168,6 +168,7 @@ def test_recommend_table() -> None:
     assert lines[0].startswith("gpt3-52b: 64 layers, hidden 8192, 64 heads, sequence 2048; 64 x")
     assert "candidates," in lines[1] and "do not fit in 32 GiB" in lines[1]
     assert "built-in efficiency curve for v100-32gb" in lines[1]
+    assert lines[2].startswith("p2p timing model: lockstep (")
     rows = [line for line in lines[3:] if line[:2].strip().isdigit()]
     assert [int(row.split()[0]) for row in rows] == [1, 2, 3, 4, 5]
     assert "MFU: eq. 1 model FLOPs" in result.stdout
@@ -177,7 +178,8 @@ def test_recommend_json() -> None:
     result = bfpp_plan(*SMALL, "--global-batch-size", "32", "--top", "3", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert set(data) == {"candidates_evaluated", "rejected_out_of_memory", "configs"}
+    assert set(data) == {"p2p_model", "candidates_evaluated", "rejected_out_of_memory", "configs"}
+    assert data["p2p_model"] == "lockstep"
     assert data["candidates_evaluated"] >= 2000
     assert len(data["configs"]) == 3
     first = data["configs"][0]
@@ -193,6 +195,7 @@ def test_recommend_json() -> None:
         "step_time_s",
         "tokens_per_s",
         "mfu",
+        "p2p_model",
     ):
         assert key in first
     assert set(first["memory_per_gpu_bytes"]) == {

@@ -420,7 +420,7 @@ def test_help_shows_defaults() -> None:
             "is empty; it needs at least seq_length + 2 = 66 bytes",
         ),
         (lambda path: path.write_bytes(b"x" * 65), "has 65 bytes; it needs at least"),
-        (lambda path: path.mkdir(), "is a directory; give one text file"),
+        (lambda path: path.mkdir(), "is a directory; give a text file or the prefix"),
         (lambda path: os.mkfifo(path), "is not a regular file (a FIFO, socket or device)"),
     ],
     ids=["missing", "empty", "too-short", "directory", "fifo"],

@@ -17,6 +17,8 @@ PURE = [
     "flags.py",
     "ir.py",
     "messages.py",
+    "nccl.py",
+    "native_posting.py",
     "semantics.py",
     "validate.py",
     "passes",
@@ -36,6 +38,7 @@ PURE_LAYERS = {
     "ir",
     "messages",
     "nccl",
+    "native_posting",
     "semantics",
     "validate",
     "passes",
@@ -47,12 +50,23 @@ ALLOWED = {
     "flags": set(),  # the shared argument parser: the CLIs and the Megatron-LM pre-flight
     "ir": set(),
     "messages": {"ir"},
-    "nccl": {"ir", "messages"},  # NCCL's rules: the lock-step posting and its proof
+    "nccl": {"ir", "messages", "semantics"},  # NCCL's rules: lock-step posting, proof, timing
+    "native_posting": {"ir", "messages", "nccl"},  # megatron-core's own p2p calls, as a posting
     "semantics": {"ir", "messages"},
-    "validate": {"ir", "messages", "semantics"},
+    "validate": {"ir", "messages", "nccl", "semantics"},
     "passes": {"ir", "messages", "semantics", "validate", "passes"},
     "schedules": {"ir", "messages", "semantics", "validate", "passes", "schedules"},
-    "sim": {"ir", "messages", "nccl", "semantics", "validate", "passes", "schedules", "sim"},
+    "sim": {
+        "ir",
+        "messages",
+        "nccl",
+        "native_posting",
+        "semantics",
+        "validate",
+        "passes",
+        "schedules",
+        "sim",
+    },
     # train's torch-free modules (TORCH_FREE_TRAIN: what a run is, weights per rank), a layer
     # of their own below plan, so that plan may be read by train and megatron (auto's decision)
     "train_config": {"ir", "schedules"},
@@ -76,7 +90,8 @@ ALLOWED = {
     "megatron": {"flags", "ir", "schedules", "plan", "compat", "runtime", "megatron"},
     # megatron: CPU adapter and auto's front-end glue; plan: auto's decision
     "train": {"ir", "schedules", "plan", "compat", "megatron", "runtime", "train", "train_config"},
-    "launch": {"ir", "compat", "megatron"},  # ir: ScheduleError from the preflight
+    # ir: ScheduleError from the preflight; flags: printable output
+    "launch": {"flags", "ir", "compat", "megatron"},
     "cli": PURE_LAYERS
     | {"cli", "compat", "local_ranks", "runtime", "train", "train_config", "stage_timing"},
     # bfpp-plan profile's measurement (torch, megatron-core); the command line imports it lazily.

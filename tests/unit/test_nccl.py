@@ -250,3 +250,49 @@ def test_rest_items_belong_to_evictions_only() -> None:
                 if item.rest:
                     kind = schedule.per_rank[rank][item.position].kind
                     assert kind in (ActionKind.EVICT, ActionKind.ACCEPT)
+
+
+# --- validation -----------------------------------------------------------------------------------
+EVICT_THEN_LOAD = parse_schedule(
+    [
+        "0F0 0SA0>1 0EV0>1 0RG0<1 0LD0<1 0B0",
+        "1RA0<0 0AC0<0 1F0 1B0 1SG0>0 0RS0>0",
+    ],
+    layout=LOOPED2,
+    num_microbatches=1,
+)
+
+
+def test_an_eviction_loaded_back_before_the_next_compute_has_a_lockstep_posting() -> None:
+    """Rank 0 evicts and loads back before its next compute, the backward that consumes the
+    restore: the tick replay used to defer the eviction to that compute and wait forever (the
+    partner's RS waits for the eviction); it settles deferred transfers where a rank waits."""
+    posting = validate_nccl(EVICT_THEN_LOAD)
+    ticks = {
+        str(EVICT_THEN_LOAD.per_rank[r][i.position]) + "+" * i.rest: b.tick
+        for r in (0, 1)
+        for b in posting.batches(r)
+        for i in b.items
+    }
+    assert ticks["0EV0>1"] == ticks["0AC0<0"] == 1  # rank 0's SA tick: AC was posted at 0
+    assert ticks["0RS0>0"] == ticks["0LD0<1"] >= ticks["0EV0>1"] + 1
+
+
+def test_validate_schedule_proves_the_lockstep_posting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation includes the NCCL proof of a lowered schedule (the one the runtime posts);
+    build_schedule leaves it to the runtime and the simulator, a compute-only order has none."""
+    import megatron_bfpp.validate as validate
+
+    proven: list[str] = []
+
+    def prove(schedule: Schedule) -> Posting:
+        proven.append(schedule.name)
+        return validate_nccl(schedule)
+
+    monkeypatch.setattr(validate, "validate_nccl", prove)
+    validate.validate_schedule(EVICT_THEN_LOAD)
+    assert proven == ["custom"]
+    validate.validate_schedule(EVICT_THEN_LOAD, nccl=False)
+    validate.validate_schedule(EVICT_THEN_LOAD.compute_only(), require_communication=False)
+    build_schedule("bpipe", num_ranks=4, num_microbatches=8)
+    assert proven == ["custom"]

@@ -13,6 +13,7 @@ from megatron_bfpp.plan.costs import BuiltinCurve
 from megatron_bfpp.plan.memory import peak_points
 from megatron_bfpp.plan.presets import get_gpu, get_model
 from megatron_bfpp.plan.search import (
+    MEGATRON_SCHEDULES,
     Candidate,
     Cluster,
     SearchOptions,
@@ -21,7 +22,9 @@ from megatron_bfpp.plan.search import (
     _simulated_ns,
     _size,
     candidates,
+    evaluate,
     memory_microbatches,
+    p2p_model_of,
     recommend,
 )
 from megatron_bfpp.schedules.registry import build_schedule
@@ -79,8 +82,17 @@ EXPLICIT = [
 ]
 
 
-@pytest.mark.parametrize("candidate", [*_sample(128, 7), *EXPLICIT], ids=str)
-def test_bound_and_extrapolation_agree_with_full_simulation(candidate: Candidate) -> None:
+@pytest.mark.parametrize(
+    ("candidate", "p2p"),
+    [
+        (candidate, p2p)
+        for candidate in [*_sample(128, 7), *EXPLICIT]
+        for p2p in ("lockstep", "gloo", "megatron")
+        if p2p != "megatron" or candidate.schedule in MEGATRON_SCHEDULES
+    ],
+    ids=str,
+)
+def test_bound_and_extrapolation_agree_with_full_simulation(candidate: Candidate, p2p: str) -> None:
     sized, _ = _size(
         candidate,
         model=GPT52,
@@ -103,8 +115,9 @@ def test_bound_and_extrapolation_agree_with_full_simulation(candidate: Candidate
             **({"group_size": candidate.group_size} if candidate.group_size else {}),
         ),
         costs,
+        p2p=p2p,
     )
-    step, _ = _simulated_ns(candidate, sized.m, costs)
+    step, _ = _simulated_ns(candidate, sized.m, costs, p2p)
     assert step == pytest.approx(full.step_time, rel=1e-9)
     total = step / 1e9 + sized.m * sized.times.output + sized.times.optimizer
     assert sized.lower_bound <= total * (1 + 1e-12)
@@ -115,7 +128,8 @@ def test_search_size_and_json_fields() -> None:
     assert result.candidates_evaluated >= 2000
     assert 0 < result.rejected_out_of_memory < result.candidates_evaluated
     data = result.to_dict()
-    assert set(data) == {"candidates_evaluated", "rejected_out_of_memory", "configs"}
+    assert set(data) == {"p2p_model", "candidates_evaluated", "rejected_out_of_memory", "configs"}
+    assert data["p2p_model"] == "lockstep"
     steps = [c["step_time_s"] for c in data["configs"]]
     assert steps == sorted(steps) and len(steps) == 10
     config = data["configs"][0]
@@ -130,10 +144,12 @@ def test_search_size_and_json_fields() -> None:
         "recompute",
         "group_size",
         "max_stored",
+        "sequence_parallel",
         "step_time_s",
         "tokens_per_s",
         "mfu",
         "memory_per_gpu_bytes",
+        "p2p_model",
     }
     memory = config["memory_per_gpu_bytes"]
     assert memory["total"] == sum(
@@ -144,14 +160,17 @@ def test_search_size_and_json_fields() -> None:
     assert tp * pp * dp == 64
 
 
-def _advantage(global_batch_size: int) -> tuple[float, float, float]:
-    """Best step of breadth-first (either sharding), interleaved and 1F1B at one batch size."""
+def _advantage(global_batch_size: int, *, megatron: bool = True) -> tuple[float, float, float]:
+    """Best step of breadth-first (either sharding), interleaved and 1F1B at one batch size;
+    ``megatron``: the last two as Megatron runs them (megatron-core's posting), else as ours."""
     result = recommend(
         model=GPT52,
         cluster=V100_64,
         global_batch_size=global_batch_size,
         options=SearchOptions(
-            schedules=("breadth-first", "interleaved", "1f1b"), best_per_family=True
+            schedules=("breadth-first", "interleaved", "1f1b"),
+            best_per_family=True,
+            megatron_baselines=megatron,
         ),
     )
     best = result.best_per_family
@@ -164,9 +183,12 @@ def test_breadth_first_wins_at_small_batch_per_gpu_and_the_gap_closes() -> None:
     """The breadth-first paper's Figure 3 (52B, 64 x V100-32GB): at 0.25 samples per GPU
     breadth-first is at least as fast as depth-first interleaved (with m = pp micro-batches the
     two orders are the same schedule) and well ahead of 1F1B; at 8 per GPU its lead over 1F1B
-    is gone."""
+    is gone. Megatron's own interleaved posts the same order differently (non-batched, p2p
+    overlapped), which the simulator finds within 1% of our lock-step posting of it."""
+    breadth, ours, _ = _advantage(16, megatron=False)
+    assert breadth <= ours * (1 + 1e-9)
     breadth, interleaved, one_f_one_b = _advantage(16)
-    assert breadth <= interleaved * (1 + 1e-9)
+    assert abs(breadth / interleaved - 1) < 0.01
     small = 1 - breadth / one_f_one_b
     assert small > 0.15
     breadth, interleaved, one_f_one_b = _advantage(512)
@@ -191,3 +213,40 @@ def test_cluster_checks() -> None:
         Cluster(12, 8, get_gpu("a100-80gb"))
     with pytest.raises(ScheduleError, match="--num-gpus must be a positive integer"):
         Cluster(0, 8, get_gpu("a100-80gb"))
+
+
+def test_sequence_parallelism_off_is_the_2022_papers_setting() -> None:
+    """`recommend --sequence-parallel off`: tensor-parallel candidates keep the norms' and
+    dropouts' activations whole on every tp rank (Korthikanti's eq. 2 instead of eq. 4) and send
+    whole pipeline messages; tp = 1 is the same either way."""
+    off = SearchOptions(micro_batch_sizes=(1,), recompute=("none",), sequence_parallel=False)
+    on = SearchOptions(micro_batch_sizes=(1,), recompute=("none",))
+    plain = list(candidates(model=GPT52, cluster=V100_64, global_batch_size=64, options=off))
+    default = list(candidates(model=GPT52, cluster=V100_64, global_batch_size=64, options=on))
+    assert len(plain) == len(default)
+    assert all(c.sequence_parallel == (c.tp > 1) for c in default)
+    assert not any(c.sequence_parallel for c in plain)
+    picked = next(c for c in plain if c.tp == 4 and c.pp == 8 and c.schedule == "1f1b")
+    twin = next(c for c in default if c.tp == 4 and c.pp == 8 and c.schedule == "1f1b")
+    with_sp = evaluate(twin, model=GPT52, cluster=V100_64, global_batch_size=64, options=on)
+    without = evaluate(picked, model=GPT52, cluster=V100_64, global_batch_size=64, options=off)
+    assert without.memory.activations > with_sp.memory.activations
+    assert with_sp.to_dict()["sequence_parallel"] is True
+    assert without.to_dict()["sequence_parallel"] is False
+
+
+def test_megatron_rows_are_timed_by_megatron_cores_own_posting() -> None:
+    """1f1b / interleaved rows stand for Megatron's own schedules: timed by megatron-core's
+    posting while the rest are timed by the runtime's lock-step posting; a search under gloo's
+    rules (or with megatron_baselines off) times every row alike."""
+    plain = SearchOptions()
+    interleaved = Candidate("interleaved", "optim", 8, 4, 8, 2, 2, "selective")
+    breadth = Candidate("breadth-first", "optim", 8, 4, 8, 2, 2, "selective", 4)
+    assert p2p_model_of(interleaved, plain) == "megatron"
+    assert p2p_model_of(breadth, plain) == "lockstep"
+    assert p2p_model_of(interleaved, SearchOptions(p2p_model="gloo")) == "gloo"
+    assert p2p_model_of(interleaved, SearchOptions(megatron_baselines=False)) == "lockstep"
+    result = recommend(model=GPT52, cluster=V100_64, global_batch_size=32)
+    models = {plan.candidate.schedule: plan.p2p_model for plan in result.plans}
+    assert models.get("interleaved") == "megatron" and models.get("v-zb") == "lockstep"
+    assert result.to_dict()["configs"][0]["p2p_model"] in ("megatron", "lockstep")

@@ -151,7 +151,7 @@ def test_split_backward_durations_and_w_waits_for_nothing() -> None:
 def test_p2p_latency_adds_two_hops_per_microbatch_on_two_ranks() -> None:
     schedule = lowered(one_f_one_b(2, 1))
     c = 0.25
-    result = simulate(schedule, CostModel(t_p2p=c))
+    result = simulate(schedule, CostModel(t_p2p=c), p2p="gloo")  # gloo: a send never waits
     # 0F0 [0,1] -> act arrives 1+c -> 1F0, 1B0 [1+c, 4+c] -> grad arrives 4+2c -> 0B0 ends 6+2c
     assert compute_events(result, 1) == [("1F0", 1 + c, 2 + c), ("1B0", 2 + c, 4 + c)]
     assert compute_events(result, 0) == [("0F0", 0, 1), ("0B0", 4 + 2 * c, 6 + 2 * c)]
@@ -165,7 +165,7 @@ def test_messages_on_one_link_are_serialised() -> None:
     # rank 0: F0 [0,1] F1 [1,2]; acts travel [1,4] and [4,7] (the second waits for the link)
     # rank 1: F0 [4,5] F1 [7,8] B0 [8,10] B1 [10,12]; grads travel [10,13] and [13,16]
     # rank 0: B0 [13,15] B1 [16,18]
-    result = simulate(lowered(gpipe(2, 2)), CostModel(t_p2p=3.0))
+    result = simulate(lowered(gpipe(2, 2)), CostModel(t_p2p=3.0), p2p="gloo")
     assert compute_events(result, 1) == [
         ("1F0", 4, 5),
         ("1F1", 7, 8),
@@ -280,8 +280,8 @@ def test_eviction_transfers_occupy_the_link_and_delay_the_backward() -> None:
         num_microbatches=1,
     )
     validate_schedule(schedule)
-    assert simulate(schedule).step_time == 6.0
-    result = simulate(schedule, CostModel(t_evict=2.0))
+    assert simulate(schedule, p2p="gloo").step_time == 6.0
+    result = simulate(schedule, CostModel(t_evict=2.0), p2p="gloo")
     # EV leaves at 1 and lands at 3; RS waits for it and for rank 1's clock (4), lands at 6
     transfers = sorted((e.label, e.start, e.end) for e in result.events if e.lane == "p2p")
     assert transfers == [("0EV0>1", 1.0, 3.0), ("0RS0>0", 4.0, 6.0)]

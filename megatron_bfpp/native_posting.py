@@ -1,0 +1,446 @@
+"""How megatron-core itself posts the point-to-point messages of its 1F1B and interleaved
+schedules, as an ``nccl.Posting``, so that Megatron's own baselines are checked and timed by
+what Megatron runs rather than by our runtime's lock-step posting.
+
+megatron-core (read in 0.16.1 and 0.19.2, ``megatron/core/pipeline_parallel/schedules.py`` and
+``p2p_communication.py``) posts at most one call of ``P2PCommunicator._communicate`` per
+pipeline step: the sends of the compute just run and the receives for a later one, to and from
+the two neighbour ranks only (send_forward_recv_backward, send_backward_recv_forward,
+send_forward_recv_forward, ...). Each call is
+
+* batched (``batch_p2p_comm``, megatron-core's default): one ``batch_isend_irecv`` with the ops
+  in the order send-to-previous, receive-from-previous, send-to-next, receive-from-next, waited
+  right away (``req.wait()`` for each op, then ``torch.cuda.synchronize()`` with
+  ``batch_p2p_sync``, which on a GPU makes it a host wait; the model already waits on the host);
+* or non-batched (``_p2p_ops``): ``isend`` / ``irecv`` one by one, an even pipeline rank
+  send-next, receive-previous, send-previous, receive-next and an odd one receive-previous,
+  send-next, receive-next, send-previous, so that each pair of ranks meets head to head; waited
+  right away, except in the interleaved schedule with ``overlap_p2p_comm``, which keeps the
+  requests and waits for each later: a receive just before the compute that consumes it (the
+  oldest outstanding one, ``pp_pre_forward`` / ``pp_pre_backward`` and the cool-down), a send
+  after posting the next send in the same direction, or, from 0.18 with
+  ``deallocate_pipeline_outputs`` (Megatron-LM sets it), a forward send right after posting it
+  (``wait_forward_sends``); the last backward send after the cool-down.
+
+Which receive a step posts follows megatron-core's rules, not the schedule's needs: every rank
+receives for its next forward (backward) except the rank leading that direction (the first rank
+forwards, the last backward), which receives from the ending rank what that rank sends p - 1
+steps after it (``recv_tensor_from_previous_stage``) and buffers it; the last step of each phase
+receives nothing; 1F1B's steady state pairs a forward's send with the next backward's receive
+and a backward's send with the next forward's receive; the interleaved schedule without overlap
+pairs all four in one call in steady state and at the last warm-up step.
+
+``megatron_posting`` derives all of that from a schedule's compute order: the rank's forwards in
+order give megatron-core's schedule table (the first run of chunk-0 forwards is its
+``microbatch_group_size_per_vp_stage``), megatron-core's warm-up count
+(``get_pp_rank_microbatches``) splits the compute order into its phases, which must then read
+warm-up forwards, one forward one backward, cool-down backwards, or the schedule is refused. A
+receive's message is the next one on its channel (the k-th receive from a rank matches its k-th
+send, as ``validate`` proves of the schedule's own receives). What megatron-core 0.16-0.17 and
+0.18-0.19 post differs only in ``wait_forward_sends``.
+
+Not modelled: ``variable_seq_lengths`` (a shape exchange before each call), ring exchange,
+``overlap_p2p_comm_warmup_flush``, combined 1F1B (``overlap_moe_expert_parallel_comm``), and at
+pp = 2 the second communicator on which the non-batched path puts one direction of a pair (the
+model keeps both directions on the pair's one stream, which only orders more).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, StageLayout
+from megatron_bfpp.nccl import Batch, Item, Posting, Step, Wait
+
+__all__ = ["MEGATRON_CORE_DEFAULTS", "P2POptions", "megatron_lm_options", "megatron_posting"]
+
+K = ActionKind
+
+
+@dataclass(frozen=True, slots=True)
+class P2POptions:
+    """megatron-core's point-to-point settings (``ModelParallelConfig``) that shape a posting.
+
+    ``overlap_p2p`` is ``overlap_p2p_comm`` (interleaved only), ``batch_p2p`` is
+    ``batch_p2p_comm`` (not with overlap), ``wait_forward_sends`` is megatron-core >= 0.18 with
+    ``deallocate_pipeline_outputs``."""
+
+    overlap_p2p: bool = False
+    batch_p2p: bool = True
+    wait_forward_sends: bool = False
+
+
+MEGATRON_CORE_DEFAULTS = P2POptions()  # ModelParallelConfig's defaults, 0.16 to 0.19
+
+
+def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) -> P2POptions:
+    """What Megatron-LM's training loop sets: p2p overlap on for the interleaved schedule
+    (``--no-overlap-p2p-communication`` turns it off), off otherwise, ``batch_p2p_comm = not
+    overlap_p2p_comm``, and ``deallocate_pipeline_outputs`` on (whose early send wait exists
+    from megatron-core 0.18)."""
+    overlap = schedule.num_chunks > 1
+    return P2POptions(
+        overlap_p2p=overlap,
+        batch_p2p=not overlap,
+        wait_forward_sends=overlap and core_version >= (0, 18),  # only overlap defers sends
+    )
+
+
+def megatron_posting(schedule: Schedule, options: P2POptions = MEGATRON_CORE_DEFAULTS) -> Posting:
+    """Per rank, the p2p calls megatron-core's own schedule posts for ``schedule`` (a lowered
+    1f1b or interleaved schedule in megatron-core's compute order; module docstring): each call
+    one ``Batch`` (``blocking`` when waited right away, ``pairwise`` when non-batched), the
+    deferred waits as ``Wait`` steps, the computes and GS / PS / RL as program positions."""
+    _check_options(schedule, options)
+    shape = _Shape.of(schedule)
+    per_rank = []
+    for rank in range(schedule.num_ranks):
+        builder = _Builder(schedule, rank, options)
+        if shape.num_chunks == 1:
+            _one_f_one_b(builder, shape)
+        else:
+            _interleaved(builder, shape)
+        per_rank.append(builder.finish())
+    name = "as megatron-core posts it" + (
+        " (p2p overlap)" if options.overlap_p2p else "" if options.batch_p2p else " (non-batched)"
+    )
+    return Posting(name, tuple(per_rank))
+
+
+def _check_options(schedule: Schedule, options: P2POptions) -> None:
+    if options.overlap_p2p and options.batch_p2p:
+        raise ScheduleError(
+            "megatron-core cannot overlap batched p2p (overlap_p2p_comm with batch_p2p_comm); "
+            "turn one off"
+        )
+    if options.overlap_p2p and schedule.num_chunks == 1:
+        raise ScheduleError(
+            "megatron-core overlaps p2p only in the interleaved schedule; 1F1B runs without "
+            "overlap_p2p_comm"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """What megatron-core's schedule reads: sizes, the schedule table, the group size."""
+
+    num_ranks: int
+    num_chunks: int
+    num_microbatches: int
+    table: tuple[tuple[int, int], ...]  # (micro-batch, chunk) per forward, every rank alike
+    group: int
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> _Shape:
+        p, v, m = schedule.num_ranks, schedule.num_chunks, schedule.num_microbatches
+        if schedule.layout != StageLayout.looped(p, v):
+            raise ScheduleError(
+                f"{schedule.name}: megatron-core posts only its own looped placement (stage s on "
+                f"rank s % {p}); this layout is not"
+            )
+        tables = {
+            tuple(
+                (a.microbatch or 0, schedule.layout.chunk_of(a.stage))
+                for a in actions
+                if a.kind is K.FORWARD
+            )
+            for actions in schedule.per_rank
+        }
+        if len(tables) != 1:
+            raise ScheduleError(
+                f"{schedule.name}: its ranks run their forwards in different micro-batch and "
+                "chunk orders; megatron-core runs one schedule table on every rank"
+            )
+        (table,) = tables
+        group = next((i for i, (_, chunk) in enumerate(table) if chunk != 0), len(table))
+        return cls(p, v, m, table, group if v > 1 else m)
+
+    def warmup(self, rank: int) -> tuple[int, bool]:
+        """megatron-core's ``get_pp_rank_microbatches``: warm-up forwards, all in warm-up?"""
+        total = self.num_microbatches * self.num_chunks
+        if self.num_chunks == 1:
+            warmup = self.num_ranks - rank - 1
+        else:
+            warmup = (self.num_ranks - rank - 1) * 2 + (self.num_chunks - 1) * self.group
+        return min(warmup, total), warmup >= total
+
+    def chunk(self, k: int, forward: bool) -> int:
+        """megatron-core's ``get_model_chunk_id``: the chunk of virtual micro-batch k."""
+        chunk = self.table[k % len(self.table)][1]
+        return chunk if forward else self.num_chunks - 1 - chunk
+
+    def receives(self, rank: int, k: int, forward: bool) -> bool:
+        """megatron-core's ``recv_tensor_from_previous_stage``: whether step k receives (for a
+        later compute) in that direction."""
+        p = self.num_ranks
+        leading = rank == (0 if forward else p - 1)
+        if not leading:
+            return True
+        if k < p - 1:  # the ending rank has sent nothing yet
+            return False
+        return self.chunk(k - (p - 1), forward) != (self.num_chunks - 1 if forward else 0)
+
+
+class _Op(IntEnum):
+    SEND_PREV = 0
+    RECV_PREV = 1
+    SEND_NEXT = 2
+    RECV_NEXT = 3
+
+
+_BATCHED_ORDER = (_Op.SEND_PREV, _Op.RECV_PREV, _Op.SEND_NEXT, _Op.RECV_NEXT)
+_EVEN_ORDER = (_Op.SEND_NEXT, _Op.RECV_PREV, _Op.SEND_PREV, _Op.RECV_NEXT)
+_ODD_ORDER = (_Op.RECV_PREV, _Op.SEND_NEXT, _Op.RECV_NEXT, _Op.SEND_PREV)
+
+
+@dataclass
+class _Builder:
+    """One rank's steps, built call by call as megatron-core makes them."""
+
+    schedule: Schedule
+    rank: int
+    options: P2POptions
+    steps: list[Step] = field(default_factory=list)
+    forwards: list[int] = field(default_factory=list)  # positions, in run order
+    backwards: list[int] = field(default_factory=list)
+    computes: list[int] = field(default_factory=list)  # positions, in program order
+    before: dict[int, list[int]] = field(default_factory=dict)  # compute -> PS before it
+    after: dict[int, list[int]] = field(default_factory=dict)  # compute -> GS / RL after it
+    sends: dict[tuple[ActionKind, int, int], int] = field(default_factory=dict)
+    receives: dict[tuple[ActionKind, int], deque[int]] = field(default_factory=dict)
+    posted: set[int] = field(default_factory=set)
+    ran: int = 0  # computes run so far
+    prev: int = 0  # the neighbour ranks
+    next: int = 0
+
+    def __post_init__(self) -> None:
+        # GS / RL go after the compute before them (megatron-core starts a gradient reduction
+        # in or after that backward), PS before the compute after it (in its forward's
+        # preparation), each in program order.
+        num_ranks = self.schedule.num_ranks
+        self.prev, self.next = (self.rank - 1) % num_ranks, (self.rank + 1) % num_ranks
+        actions = self.schedule.per_rank[self.rank]
+        pending: list[int] = []
+        for position, action in enumerate(actions):
+            kind = action.kind
+            if kind is K.FORWARD or kind is K.BACKWARD:
+                (self.forwards if kind is K.FORWARD else self.backwards).append(position)
+                early = [q for q in pending if actions[q].kind is not K.PARAM_SYNC]
+                if self.computes and early:
+                    self.after[self.computes[-1]] += early
+                    pending = [q for q in pending if q not in early]
+                self.before[position], pending = pending, []
+                self.after[position] = []
+                self.computes.append(position)
+            elif kind in (K.SEND_ACT, K.SEND_GRAD):
+                self.sends[(kind, action.stage, action.microbatch or 0)] = position
+            elif kind in (K.RECV_ACT, K.RECV_GRAD):
+                self.receives.setdefault((kind, action.peer or 0), deque()).append(position)
+            elif kind in (K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE):
+                pending.append(position)
+            else:
+                raise self.refuse(f"step {position} is {action}, which megatron-core never runs")
+        if pending and not self.computes:
+            raise self.refuse("it runs no compute")
+        if pending:
+            self.after[self.computes[-1]] += pending
+
+    # the rank's compute order
+    def action(self, position: int) -> Action:
+        return self.schedule.per_rank[self.rank][position]
+
+    def run(self, position: int) -> None:
+        """Run a compute, which must be the next in the rank's program."""
+        if self.ran >= len(self.computes) or self.computes[self.ran] != position:
+            got = self.action(self.computes[self.ran]) if self.ran < len(self.computes) else "none"
+            raise self.refuse(
+                f"its compute #{self.ran} is {got} where megatron-core runs "
+                f"{self.action(position)} (warm-up, one forward one backward, cool-down)"
+            )
+        self.ran += 1
+        self.steps.extend(self.before[position])
+        self.steps.append(position)
+        self.steps.extend(self.after[position])
+
+    def output(self, position: int) -> int | None:
+        """A forward's activation or a backward's input gradient, unless its stage is the
+        pipeline's last (first): megatron-core sets the tensor to None there."""
+        action = self.action(position)
+        layout = self.schedule.layout
+        if action.kind is K.FORWARD:
+            if layout.is_last(action.stage):
+                return None
+            key = (K.SEND_ACT, action.stage, action.microbatch or 0)
+        else:
+            if action.stage == 0:
+                return None
+            key = (K.SEND_GRAD, action.stage, action.microbatch or 0)
+        if key not in self.sends:
+            raise self.refuse(f"{action}'s output is never sent")
+        return self.sends[key]
+
+    # posting
+    def call(
+        self,
+        *,
+        send_prev: int | None = None,
+        recv_prev: bool = False,
+        send_next: int | None = None,
+        recv_next: bool = False,
+        wait: bool = True,
+    ) -> dict[_Op, int]:
+        """One ``_communicate``: its ops in megatron-core's order; returns op -> position."""
+        chosen: dict[_Op, int] = {}
+        if send_prev is not None:
+            chosen[_Op.SEND_PREV] = send_prev
+        if recv_prev:
+            chosen[_Op.RECV_PREV] = self._receive(K.RECV_ACT, self.prev)
+        if send_next is not None:
+            chosen[_Op.SEND_NEXT] = send_next
+        if recv_next:
+            chosen[_Op.RECV_NEXT] = self._receive(K.RECV_GRAD, self.next)
+        if not chosen:
+            return chosen
+        pairwise = not self.options.batch_p2p
+        order = _BATCHED_ORDER if not pairwise else _ODD_ORDER if self.rank % 2 else _EVEN_ORDER
+        items = tuple(Item(chosen[op]) for op in order if op in chosen)
+        self.posted.update(chosen.values())
+        self.steps.append(Batch(-1, items, blocking=wait, pairwise=pairwise))
+        return chosen
+
+    def wait(self, position: int | None) -> None:
+        if position is not None:
+            self.steps.append(Wait((position,)))
+
+    def _receive(self, kind: ActionKind, peer: int) -> int:
+        queue = self.receives.get((kind, peer))
+        if not queue:
+            what = "activation" if kind is K.RECV_ACT else "gradient"
+            raise self.refuse(f"megatron-core receives an {what} from rank {peer} it never sends")
+        return queue.popleft()
+
+    def finish(self) -> tuple[Step, ...]:
+        actions = self.schedule.per_rank[self.rank]
+        missing = [q for q, a in enumerate(actions) if a.kind.is_p2p and q not in self.posted]
+        missing += self.computes[self.ran :]
+        if missing:
+            raise self.refuse(f"megatron-core never posts or runs its step {missing[0]}")
+        return tuple(self.steps)
+
+    def refuse(self, reason: str) -> ScheduleError:
+        return ScheduleError(
+            f"{self.schedule.name}, rank {self.rank}: {reason}; only megatron's own 1f1b and "
+            "interleaved orders are posted as megatron-core posts them"
+        )
+
+
+def _one_f_one_b(b: _Builder, shape: _Shape) -> None:
+    """``forward_backward_pipelining_without_interleaving``; every call waited right away."""
+    p, r = shape.num_ranks, b.rank
+    first, last = r == 0, r == p - 1
+    warmup, _ = shape.warmup(r)
+    remaining = shape.num_microbatches - warmup
+    if len(b.forwards) != shape.num_microbatches or len(b.backwards) != len(b.forwards):
+        raise b.refuse("it does not run one forward and one backward per micro-batch")
+    forwards, backwards = b.forwards, b.backwards
+    for i in range(warmup):
+        b.call(recv_prev=not first)  # recv_forward
+        b.run(forwards[i])
+        b.call(send_next=b.output(forwards[i]))  # send_forward
+    if remaining:
+        b.call(recv_prev=not first)
+    for i in range(remaining):
+        forward, backward = forwards[warmup + i], backwards[i]
+        b.run(forward)
+        b.call(send_next=b.output(forward), recv_next=not last)  # send_forward_recv_backward
+        b.run(backward)
+        final = i == remaining - 1  # send_backward, else send_backward_recv_forward
+        b.call(send_prev=b.output(backward), recv_prev=not first and not final)
+    for i in range(warmup):
+        b.call(recv_next=not last)  # recv_backward
+        b.run(backwards[remaining + i])
+        b.call(send_prev=b.output(backwards[remaining + i]))  # send_backward
+
+
+def _interleaved(b: _Builder, shape: _Shape) -> None:
+    """``forward_backward_pipelining_with_interleaving`` without warm-up / flush overlap."""
+    p, v, r = shape.num_ranks, shape.num_chunks, b.rank
+    last = r == p - 1
+    total = shape.num_microbatches * v
+    warmup, all_warmup = shape.warmup(r)
+    remaining = total - warmup
+    overlap, wait_forward_sends = b.options.overlap_p2p, b.options.wait_forward_sends
+    forwards, backwards = b.forwards, b.backwards
+    if len(forwards) != total or len(backwards) != total:
+        raise b.refuse("it does not run one forward and one backward per micro-batch and chunk")
+    # Deferred requests (overlap only): receives waited oldest first, the latest send each way.
+    recv_prev_waits: deque[int] = deque()
+    recv_next_waits: deque[int] = deque()
+    send_next_wait: int | None = None
+    send_prev_wait: int | None = None
+
+    def receives_input(position: int) -> bool:  # not the pipeline's first (last) stage
+        action = b.action(position)
+        if action.kind is K.FORWARD:
+            return action.stage != 0
+        return not b.schedule.layout.is_last(action.stage)
+
+    b.call(recv_prev=r != 0)  # recv_forward for chunk 0
+    for k in range(warmup):
+        recv_prev = shape.receives(r, k, True) and k != total - 1
+        b.run(forwards[k])
+        output = b.output(forwards[k])
+        if k == warmup - 1 and not overlap and not all_warmup:
+            b.call(send_next=output, recv_prev=recv_prev, recv_next=not last)
+        else:
+            b.call(send_next=output, recv_prev=recv_prev)
+        if overlap and k == warmup - 1 and not all_warmup:
+            handles = b.call(recv_next=not last, wait=False)
+            send_prev_wait = None
+            if _Op.RECV_NEXT in handles:
+                recv_next_waits.append(handles[_Op.RECV_NEXT])
+    for k in range(remaining):
+        forward, backward = forwards[warmup + k], backwards[k]
+        recv_prev = shape.receives(r, warmup + k, True) and k != remaining - 1
+        recv_next = shape.receives(r, k, False)
+        if not overlap:
+            b.run(forward)
+            b.run(backward)
+            b.call(
+                send_next=b.output(forward),
+                send_prev=b.output(backward),
+                recv_prev=recv_prev,
+                recv_next=recv_next,
+            )
+            continue
+        if receives_input(forward) and recv_prev_waits:  # pp_pre_forward
+            b.wait(recv_prev_waits.popleft())
+        b.run(forward)
+        handles = b.call(send_next=b.output(forward), recv_prev=recv_prev, wait=False)
+        b.wait(send_next_wait)  # the previous forward send
+        send_next_wait = handles.get(_Op.SEND_NEXT)
+        if _Op.RECV_PREV in handles:
+            recv_prev_waits.append(handles[_Op.RECV_PREV])
+        if wait_forward_sends:
+            b.wait(send_next_wait)
+            send_next_wait = None
+        if receives_input(backward) and recv_next_waits:  # pp_pre_backward
+            b.wait(recv_next_waits.popleft())
+        b.run(backward)
+        handles = b.call(send_prev=b.output(backward), recv_next=recv_next, wait=False)
+        b.wait(send_prev_wait)
+        send_prev_wait = handles.get(_Op.SEND_PREV)
+        if _Op.RECV_NEXT in handles:
+            recv_next_waits.append(handles[_Op.RECV_NEXT])
+    if all_warmup:
+        b.call(recv_next=not last)  # recv_backward for the last chunk
+    for k in range(remaining, total):
+        backward = backwards[k]
+        if receives_input(backward) and k != 0 and recv_next_waits:
+            b.wait(recv_next_waits.popleft())
+        recv_next = shape.receives(r, k, False) and k != total - 1
+        b.run(backward)
+        b.call(send_prev=b.output(backward), recv_next=recv_next)
+    b.wait(send_prev_wait)
