@@ -70,6 +70,9 @@ def _decide_on_this_rank(rank: int, store: Any) -> tuple[dict[str, Any], str, bo
     store.add("decided", 1)
     while int(store.add("decided", 0)) < WORLD:
         time.sleep(0.05)
+    store.add("left", 1)  # the last store call of ranks 1..n-1; rank 0 waits for all of them
+    while rank == 0 and int(store.add("left", 0)) < WORLD:
+        time.sleep(0.05)
     return decision.to_dict(), printed.getvalue(), initialised
 
 
