@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.registry import add_option_flags, options_from_args, schedule_names
 
 
@@ -29,10 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pipeline-schedule",
         default="breadth-first",
-        metavar="{" + ",".join(("default", *schedule_names())) + "}",
-        help="default: Bridge's own (megatron-core's) schedule",
+        metavar="{" + ",".join(("default", AUTO, *schedule_names())) + "}",
+        help="default: Bridge's own (megatron-core's) schedule; auto: the planner picks one of "
+        "ours for this layout (one line says which and why)",
     )
     add_option_flags(p, positive_int)
+    add_auto_flags(p)
     p.add_argument("--pipeline-model-parallel-size", type=positive_int, default=2)
     p.add_argument(
         "--virtual-pipeline-model-parallel-size",
@@ -190,7 +193,26 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_bfpp.megatron.bridge import use_schedule
 
         try:
-            use_schedule(config, name, **options_from_args(name, args))
+            if name == AUTO:  # the options given are constraints on auto's choice
+                options = {
+                    key: value
+                    for key, value in (
+                        ("group_size", args.breadth_first_group_size),
+                        ("max_stored", args.bpipe_max_stored),
+                    )
+                    if value is not None
+                }
+            else:
+                check_auto_flags(args)
+                options = options_from_args(name, args)
+            use_schedule(
+                config,
+                name,
+                auto_report=args.pipeline_schedule_auto_report,
+                auto_profile=args.pipeline_schedule_auto_profile,
+                auto_gpu=args.pipeline_schedule_auto_gpu,
+                **options,
+            )
         except ScheduleError as error:
             return _refuse(parser, error)
     elif args.microbatch_group_size_per_vp_stage is not None:

@@ -34,6 +34,7 @@ from megatron_bfpp.cli.common import (
 from megatron_bfpp.compat import UnsupportedVersionError, check_megatron_core, check_torch
 from megatron_bfpp.flags import OneLineParser, positive_int, printable_output
 from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import (
     SCHEDULES,
@@ -141,9 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument(
         "--pipeline-schedule",
         default="breadth-first",
-        metavar="{" + ",".join(schedule_names()) + "}",
+        metavar="{" + ",".join((AUTO, *schedule_names())) + "}",
+        help="auto: the planner picks the schedule, its virtual stages, group size or BPipe cap "
+        "for these sizes and this device (one line says which and why)",
     )
     add_option_flags(par, positive_int)
+    add_auto_flags(par)
     par.add_argument(
         "--data-parallel-sharding-strategy",
         choices=SHARDING_STRATEGIES,
@@ -313,9 +317,14 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
     about ``--load`` before it starts (a fresh start, a resume Megatron-LM would accept with a
     changed data stream): ``(info or warning, line)`` pairs."""
     name = args.pipeline_schedule
+    try:
+        check_auto_flags(args)
+    except ScheduleError as error:
+        raise FlagError(str(error)) from None
     if name not in schedule_names():
         raise FlagError(
-            f"unknown --pipeline-schedule {name!r}; choose one of: {', '.join(schedule_names())}"
+            f"unknown --pipeline-schedule {name!r}; choose one of: "
+            f"{', '.join((AUTO, *schedule_names()))}"
         )
     apply_schedule_defaults(args)
     problem = (
@@ -371,6 +380,24 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
     except ScheduleError as error:
         raise FlagError(str(error)) from None
     return check_load(args, world_size) if args.load is not None else []
+
+
+def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
+    """``--pipeline-schedule auto``: the schedule decided (and said, by rank 0) before any flag
+    check that needs a schedule and before any rank starts (:mod:`megatron_bfpp.train.auto`)."""
+    if args.pipeline_schedule != AUTO:
+        return
+    from megatron_bfpp.train.auto import resolve_train_auto
+
+    report = args.pipeline_schedule_auto_report
+    if report is not None and (
+        problem := output_file_problem("--pipeline-schedule-auto-report", report)
+    ):
+        raise FlagError(problem)
+    try:
+        resolve_train_auto(args, world_size)
+    except ScheduleError as error:
+        raise FlagError(str(error).splitlines()[0]) from None
 
 
 def data_path_problem(args: argparse.Namespace) -> str | None:
@@ -675,6 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or _guess_nproc())
     )
     try:
+        resolve_auto(args, world_size)
         notes = validate(args, world_size, rank=int(os.environ["RANK"]) if launched else 0)
         check_megatron_core()
         torch_warning = check_torch()

@@ -13,6 +13,7 @@ import argparse
 from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import (
     MEGATRON_VP_FLAGS,
@@ -35,8 +36,9 @@ __all__ = [
 
 
 def pipeline_schedule_choices() -> tuple[str, ...]:
-    """``default`` (Megatron's own schedule) and every schedule in the catalogue."""
-    return ("default", *schedule_names())
+    """``default`` (Megatron's own schedule), ``auto`` (the planner picks one for the layout:
+    :mod:`megatron_bfpp.megatron.auto`) and every schedule in the catalogue."""
+    return ("default", AUTO, *schedule_names())
 
 
 _GROUP_TITLE = "pipeline schedule (megatron_bfpp)"
@@ -50,10 +52,12 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         choices=pipeline_schedule_choices(),
         default="default",
         help="Pipeline schedule. 'default' keeps Megatron's own choice (1F1B, or interleaved "
-        "with virtual stages); the others run megatron_bfpp's schedules. breadth-first and "
+        "with virtual stages); 'auto' lets the planner pick one of ours for this layout (one "
+        "line says which and why); the others run megatron_bfpp's schedules. breadth-first and "
         f"interleaved need virtual stages ({MEGATRON_VP_FLAGS}; without either: 2 per rank).",
     )
     add_option_flags(group, int, megatron=True)
+    add_auto_flags(group)
     return parser
 
 
@@ -84,7 +88,7 @@ def apply_schedule_defaults(args: Any) -> None:
 def schedule_options_from_args(args: Any) -> dict[str, Any]:
     """The schedule's own options (registry names) read from Megatron's parsed ``args``."""
     name = getattr(args, "pipeline_schedule", "default")
-    if name == "default":
+    if name in ("default", AUTO):
         return {}
     return options_from_args(name, args, megatron=True)
 
@@ -102,6 +106,9 @@ def check_schedule_args(args: Any) -> None:
             f"--pipeline-schedule {name!r} is unknown; choose one of: "
             f"{', '.join(pipeline_schedule_choices())}"
         )
+    if name == AUTO:  # resolved in validate_args before Megatron's checks; never left here
+        raise ScheduleError("--pipeline-schedule auto was not resolved (megatron_bfpp.install())")
+    check_auto_flags(args)
     check_option_flags(None if name == "default" else name, args, megatron=True)
     if name == "default":
         return

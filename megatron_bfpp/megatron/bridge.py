@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.plan.auto import AUTO
 from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import get_spec, schedule_names
 
@@ -37,9 +38,22 @@ VP_FIELD = "config.model.virtual_pipeline_model_parallel_size"
 
 
 def use_schedule(
-    config: Any, name: str, *, data_parallel_sharding_strategy: str = "optim", **options: Any
+    config: Any,
+    name: str,
+    *,
+    data_parallel_sharding_strategy: str = "optim",
+    auto_report: str | None = None,
+    auto_profile: str | None = None,
+    auto_gpu: str | None = None,
+    **options: Any,
 ) -> None:
     """Run ``name`` (a ``--pipeline-schedule`` name) in Bridge's ``pretrain(config, ...)``.
+
+    ``name="auto"``: the planner picks the schedule for ``config``'s layout
+    (:mod:`megatron_bfpp.megatron.auto`; every rank alike, from ``config``, ``WORLD_SIZE`` and
+    the device), rank 0 prints one line, and ``auto_report`` / ``auto_profile`` / ``auto_gpu``
+    are the command lines' ``--pipeline-schedule-auto-*`` flags. The V-shapes are left out
+    (Bridge does not build V-placed chunks).
 
     ``options`` are the schedule's own (``group_size`` for breadth-first, ``max_stored`` for
     bpipe, ``microbatch_group_size`` for interleaved, else ``config.model``'s
@@ -50,6 +64,19 @@ def use_schedule(
     """
     from megatron_bfpp.megatron import plugin
 
+    if name == AUTO:
+        from megatron_bfpp.megatron.auto import resolve_bridge_auto
+
+        name, options, _ = resolve_bridge_auto(
+            config,
+            options,
+            sharding=data_parallel_sharding_strategy,
+            report=auto_report,
+            profile=auto_profile,
+            gpu=auto_gpu,
+        )
+    elif auto_report or auto_profile or auto_gpu:
+        raise ScheduleError("auto_report / auto_profile / auto_gpu apply to the schedule 'auto'")
     options = _with_config_options(config, name, options)
     check_bridge_config(config, name, options, sharding=data_parallel_sharding_strategy)
     plugin.install()

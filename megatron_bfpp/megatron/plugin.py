@@ -70,6 +70,7 @@ from megatron_bfpp.megatron.arguments import (
     schedule_options_from_args,
 )
 from megatron_bfpp.megatron.patches import Patches
+from megatron_bfpp.plan.auto import AUTO
 
 __all__ = [
     "current_schedule",
@@ -352,8 +353,10 @@ def _exit_quietly(message: str) -> NoReturn:
 def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
-        apply_schedule_defaults(args)
         given = getattr(args, SHARDING_DEST, None)
+        if getattr(args, "pipeline_schedule", "default") == AUTO:
+            _resolve_auto(args, given)
+        apply_schedule_defaults(args)
         if given is None:
             setattr(args, SHARDING_DEST, _megatron_sharding_default)
         ours = getattr(args, "pipeline_schedule", "default") != "default"
@@ -377,6 +380,21 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
 
     validate_args.__dict__["megatron_bfpp_wrapped"] = True
     return validate_args
+
+
+def _resolve_auto(args: Any, sharding: Any) -> None:
+    """``--pipeline-schedule auto``: every rank decides alike, before Megatron derives anything
+    from the schedule's virtual stages and before any model is built; rank 0 says it."""
+    from megatron_bfpp.megatron.auto import probe_device, resolve_megatron_auto
+
+    try:
+        resolve_megatron_auto(
+            args,
+            sharding=sharding if sharding in ("optim", "optim_grads_params") else None,
+            device=probe_device(),
+        )
+    except ScheduleError as error:
+        refuse(str(error).splitlines()[0])
 
 
 def refuse(message: str, *, prog: str = "megatron_bfpp") -> NoReturn:

@@ -29,6 +29,8 @@ from megatron_bfpp.megatron.arguments import (
     apply_schedule_defaults,
     check_schedule_args,
 )
+from megatron_bfpp.megatron.auto import resolve_megatron_auto
+from megatron_bfpp.plan.auto import AUTO
 from megatron_bfpp.schedules.fit import num_microbatches
 
 __all__ = ["check_megatron_command", "check_parallel_layout", "parse_megatron_command"]
@@ -70,6 +72,23 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--pipeline-model-parallel-layout", default=None)
     parser.add_argument("--rampup-batch-size", nargs="*", default=None)
+    # What --pipeline-schedule auto reads of the model and the training (Megatron's defaults).
+    for flag in ("--hidden-size", "--seq-length", "--ffn-hidden-size", "--vocab-size"):
+        parser.add_argument(flag, type=positive_int, default=None)
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        parser.add_argument(flag, type=float, default=0.1)
+    for flag in (
+        "--swiglu",
+        "--bf16",
+        "--fp16",
+        "--use-distributed-optimizer",
+        "--sequence-parallel",
+    ):
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("--recompute-granularity", default=None)
+    parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--tokenizer-type", default=None)
+    parser.add_argument("--data-parallel-sharding-strategy", default=None)
     parser.add_argument(
         "--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm"
     )
@@ -88,8 +107,16 @@ def parse_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.
     (``world_size``, ``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, the
     default ``global_batch_size``), so the plugin's checks see what they will see on the GPUs."""
     args, _ = _parser().parse_known_args(list(argv))
-    apply_schedule_defaults(args)  # what the plugin does before Megatron validates (vp 2)
     args.world_size = world_size
+    if args.pipeline_schedule == AUTO:  # decided as on the GPUs, but quietly and without CUDA
+        strategy = args.data_parallel_sharding_strategy
+        resolve_megatron_auto(
+            args,
+            sharding=strategy if strategy in ("optim", "optim_grads_params") else None,
+            env={"WORLD_SIZE": str(world_size)},
+            quiet=True,
+        )
+    apply_schedule_defaults(args)  # what the plugin does before Megatron validates (vp 2)
     model_size = (
         args.tensor_model_parallel_size
         * args.pipeline_model_parallel_size

@@ -59,6 +59,8 @@ __all__ = [
     "SearchResult",
     "candidates",
     "evaluate",
+    "lower_bound_of",
+    "memory_of",
     "p2p_model_of",
     "rank_parameters_of",
     "recommend",
@@ -115,6 +117,9 @@ class SearchOptions:
     top: int = 10
     memory_fraction: float = 0.9
     precision: Precision = BF16_MIXED
+    # megatron-core's distributed optimizer shards its state over data parallelism; without it
+    # (Megatron-LM without --use-distributed-optimizer) every rank holds all of it.
+    distributed_optimizer: bool = True
     efficiency: Efficiency | None = None
     communication: bool = True
     optimizer: bool = True
@@ -141,6 +146,7 @@ class Candidate:
     recompute: str
     group_size: int | None = None  # breadth-first's memory-bounded groups (None: one group)
     plain_tensor_parallel: bool = False  # tp > 1 without sequence parallelism
+    max_stored: int | None = None  # BPipe's cap (None: BPipe's own ceil((p+2)/2))
 
     @property
     def family(self) -> str:
@@ -149,6 +155,11 @@ class Candidate:
     @property
     def sequence_parallel(self) -> bool:
         return self.tp > 1 and not self.plain_tensor_parallel
+
+    @property
+    def shape(self) -> tuple[str, int, int]:
+        """(schedule, pp, vp): what a schedule of any length is built from."""
+        return self.schedule, self.pp, self.vp
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +187,7 @@ class Plan:
             "sharding": c.sharding,
             "recompute": c.recompute,
             "group_size": c.group_size,
+            "max_stored": c.max_stored,
             "sequence_parallel": c.sequence_parallel,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
@@ -290,18 +302,25 @@ def memory_microbatches(schedule: str, pp: int, vp: int, m: int) -> int:
     return min(m, 3 * pp)
 
 
-def _points(schedule: str, pp: int, vp: int, m: int, group: int | None) -> PeakPoints:
+def _points(
+    schedule: str, pp: int, vp: int, m: int, group: int | None, max_stored: int | None = None
+) -> PeakPoints:
     if schedule == "gpipe" or (schedule == "breadth-first" and group is None):
         # Every forward before any backward: each rank holds all m micro-batches of its chunks.
         last = pp - 1
         return PeakPoints(
             tuple(((m * vp, m if r == 0 else 0, m if r == last else 0),) for r in range(pp))
         )
-    return _walked_points(schedule, pp, vp, memory_microbatches(schedule, pp, vp, m), group)
+    length = memory_microbatches(schedule, pp, vp, m)
+    if group is not None:  # one whole group at least: its peak is the group's micro-batches
+        length = min(m, max(length, group))
+    return _walked_points(schedule, pp, vp, length, group, max_stored)
 
 
 @lru_cache(maxsize=4096)
-def _walked_points(schedule: str, pp: int, vp: int, m: int, group: int | None) -> PeakPoints:
+def _walked_points(
+    schedule: str, pp: int, vp: int, m: int, group: int | None, max_stored: int | None = None
+) -> PeakPoints:
     """The compute order straight from the catalogue's generator: the memory walk needs no
     messages, and ``build_schedule``'s validation of these generators is the tests' job (here it
     would double the walk's cost)."""
@@ -310,12 +329,24 @@ def _walked_points(schedule: str, pp: int, vp: int, m: int, group: int | None) -
     kwargs: dict[str, int] = {} if chunks is None else {"num_chunks": chunks}
     if group is not None:
         kwargs["group_size"] = group
+    if max_stored is not None:
+        kwargs["max_stored"] = max_stored
     return peak_points(spec.generator(num_ranks=pp, num_microbatches=m, **kwargs))
 
 
-def _build(schedule: str, pp: int, vp: int, m: int, sharding: str, group: int | None) -> Schedule:
+def _build(
+    schedule: str,
+    pp: int,
+    vp: int,
+    m: int,
+    sharding: str,
+    group: int | None,
+    max_stored: int | None = None,
+) -> Schedule:
     chunks = None if get_spec(schedule).placement is Placement.SINGLE else vp
     options: dict[str, Any] = {} if group is None else {"group_size": group}
+    if max_stored is not None:
+        options["max_stored"] = max_stored
     return build_schedule(
         schedule,
         num_ranks=pp,
@@ -379,14 +410,16 @@ class _Sized:
 
 
 def _weights(
-    c: Candidate, m: int, model: Model, precision: Precision
+    c: Candidate, m: int, model: Model, precision: Precision, distributed: bool = True
 ) -> list[tuple[int, int, int]]:
-    """(parameters, gradients, optimizer) bytes of each pipeline rank; fully sharded, the full
-    buffers the schedule walk holds at once on top of the shards."""
+    """(parameters, gradients, optimizer) bytes of each pipeline rank (``distributed``: the
+    optimizer's state sharded over dp); fully sharded, the full buffers the schedule walk holds
+    at once on top of the shards."""
     placement = get_spec(c.schedule).placement
     counts = _rank_parameters(model, c.tp, c.pp, c.vp, placement)
     if c.sharding != "optim_grads_params":
-        return [weights_bytes(n, dp=c.dp, precision=precision, sharded=False) for n in counts]
+        dp = c.dp if distributed else 1
+        return [weights_bytes(n, dp=dp, precision=precision, sharded=False) for n in counts]
     if c.schedule != "breadth-first":
         raise ScheduleError(f"the planner shards breadth-first only, not {c.schedule!r}")
     full = _full_buffers(model, c.tp, c.pp, c.vp, sharded_walk_length(m, c.group_size))
@@ -410,7 +443,8 @@ def _memory(
         recompute=c.recompute,
         precision=precision,
     )
-    activations = peak_activation_bytes(_points(c.schedule, c.pp, c.vp, m, c.group_size), stage)
+    points = _points(c.schedule, c.pp, c.vp, m, c.group_size, c.max_stored)
+    activations = peak_activation_bytes(points, stage)
     transient = 0
     if c.recompute == "full":  # the layer being recomputed holds its full activations
         transient = layer_activation_bytes(
@@ -451,9 +485,15 @@ def _cost_model(times: StageTimes) -> CostModel:
 
 @lru_cache(maxsize=256)
 def _schedule(
-    schedule: str, pp: int, vp: int, m: int, sharding: str, group: int | None
+    schedule: str,
+    pp: int,
+    vp: int,
+    m: int,
+    sharding: str,
+    group: int | None,
+    max_stored: int | None = None,
 ) -> Schedule:
-    return _build(schedule, pp, vp, m, sharding, group)
+    return _build(schedule, pp, vp, m, sharding, group, max_stored)
 
 
 def _simulated_ns(c: Candidate, m: int, costs: CostModel, p2p: str) -> tuple[float, float]:
@@ -465,14 +505,15 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel, p2p: str) -> tuple[flo
     are simulated; otherwise the whole schedule is. tests/unit/test_plan_search.py checks this
     against full simulations.
     """
-    p = c.pp
+    # A breadth-first group of g micro-batches repeats every g (the planner's g is pp).
+    p = c.pp if c.group_size is None else max(c.pp, c.group_size)
     attempts = ((p, p + m % p), (p, 2 * p + m % p), (2 * p, 2 * p + m % (2 * p)))
     for period, first in attempts:
         if m <= first + 2 * period:
             break
         steps = []
         for length in (first, first + period, first + 2 * period):
-            built = _schedule(c.schedule, c.pp, c.vp, length, c.sharding, c.group_size)
+            built = _schedule(*c.shape, length, c.sharding, c.group_size, c.max_stored)
             steps.append(simulate(built, costs, p2p=p2p).step_time)
         slope = steps[1] - steps[0]
         # On one line: exactly with integer durations; within float rounding while a stage's
@@ -481,7 +522,7 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel, p2p: str) -> tuple[flo
             step = steps[0] + (m - first) // period * slope
             busy = m * (costs.t_forward + costs.t_backward)
             return step, (step - busy) / step if step > 0 else 0.0
-    built = _schedule(c.schedule, c.pp, c.vp, m, c.sharding, c.group_size)
+    built = _schedule(*c.shape, m, c.sharding, c.group_size, c.max_stored)
     result = simulate(built, costs, p2p=p2p)
     return result.step_time, result.bubble_fraction
 
@@ -536,7 +577,7 @@ def _size(
     ``force``); and whether it fits."""
     m = global_batch_size // (c.dp * c.micro_batch_size)
     budget = options.memory_fraction * cluster.gpu.memory_bytes
-    weights = _weights(c, m, model, options.precision)
+    weights = _weights(c, m, model, options.precision, options.distributed_optimizer)
     if not force and max(sum(w) for w in weights) > budget:
         return None, False  # the weights alone do not fit: no need to walk the schedule
     memory, stage = _memory(c, m, model, options.precision, weights)
@@ -606,6 +647,44 @@ def evaluate(
     if sized is None:  # cannot happen with force=True; keeps the type checker honest
         raise ScheduleError(f"could not size {candidate}")
     return _simulate(sized, model, cluster, global_batch_size, p2p_model_of(candidate, options))
+
+
+def lower_bound_of(
+    candidate: Candidate,
+    *,
+    model: Model,
+    cluster: Cluster,
+    global_batch_size: int,
+    options: SearchOptions = SearchOptions(),
+) -> float:
+    """Seconds no schedule of ``candidate``'s shape can beat (:func:`recommend`'s pruning
+    bound: the busiest rank's compute after the first micro-batch's fill), without simulating."""
+    sized, _ = _size(
+        candidate,
+        model=model,
+        cluster=cluster,
+        global_batch_size=global_batch_size,
+        options=options,
+        efficiency=options.efficiency or BuiltinCurve(cluster.gpu),
+        force=True,
+    )
+    if sized is None:  # cannot happen with force=True
+        raise ScheduleError(f"could not size {candidate}")
+    return sized.lower_bound
+
+
+def memory_of(
+    candidate: Candidate,
+    *,
+    model: Model,
+    global_batch_size: int,
+    options: SearchOptions = SearchOptions(),
+) -> MemoryBreakdown:
+    """The busiest pipeline rank's bytes per GPU for ``candidate``: the memory filter of
+    :func:`recommend`, without timing (a closed form and one cached walk of the schedule)."""
+    m = global_batch_size // (candidate.dp * candidate.micro_batch_size)
+    weights = _weights(candidate, m, model, options.precision, options.distributed_optimizer)
+    return _memory(candidate, m, model, options.precision, weights)[0]
 
 
 def recommend(

@@ -273,6 +273,32 @@ def test_bad_schedule_flags_exit_with_one_line(tmp_path: Path) -> None:
     assert "arguments ------" not in output
 
 
+def test_auto_runs_its_choice_with_the_named_schedules_losses(tmp_path: Path) -> None:
+    """``--pipeline-schedule auto``: one line from rank 0 before Megatron's argument dump, the
+    report, and the losses of the schedule it chose named explicitly (same virtual stages)."""
+    import json
+
+    report = tmp_path / "auto.json"
+    auto, output = _train(
+        tmp_path, "--pipeline-schedule", "auto", "--pipeline-schedule-auto-report", str(report)
+    )
+    lines = [line for line in output.splitlines() if "megatron_bfpp: auto: " in line]
+    assert len(lines) == 1 and "no CUDA: memory is not a constraint" in lines[0], lines
+    assert output.index(lines[0]) < output.index("arguments ------")  # before any model
+    choice = json.loads(report.read_text())["choice"]
+    named = ["--pipeline-schedule", choice["schedule"]]
+    if choice["virtual_stages"] > 1:
+        named += ["--num-virtual-stages-per-pipeline-rank", str(choice["virtual_stages"])]
+    for flag, key in (
+        ("--breadth-first-group-size", "group_size"),
+        ("--bpipe-max-stored", "max_stored"),
+    ):
+        if choice[key] is not None:
+            named += [flag, str(choice[key])]
+    explicit, _ = _train(tmp_path, *named)
+    assert auto == explicit
+
+
 @needs_checkout
 def test_patch_applies_to_the_checkout(tmp_path: Path) -> None:
     """``patches/pretrain_gpt.patch`` applies without fuzz (offsets are fine), and the patched

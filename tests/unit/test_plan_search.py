@@ -203,6 +203,7 @@ def test_search_size_and_json_fields() -> None:
         "sharding",
         "recompute",
         "group_size",
+        "max_stored",
         "sequence_parallel",
         "step_time_s",
         "tokens_per_s",

@@ -286,3 +286,18 @@ def test_a_spooled_copy_without_its_checkout_says_so_in_one_line(tmp_path: Path)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "no megatron_bfpp checkout at" in result.stderr and "set REPO=" in result.stderr
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_auto_is_decided_quietly_before_the_job_and_refused_in_one_line(template: str) -> None:
+    """PIPELINE_SCHEDULE=auto: the pre-flight runs auto's decision without CUDA (memory is no
+    constraint there: the GPUs decide again, with their memory), prints only the commands, and
+    refuses in one line what cannot fit the GPU it is told of."""
+    result = _dry_run(template, PIPELINE_SCHEDULE="auto", VP="1")
+    assert result.returncode == 0, result.stderr
+    assert "--pipeline-schedule auto" in result.stdout and "auto:" not in result.stdout
+    refused = _dry_run(
+        template, "--pipeline-schedule-auto-gpu", "v100-32gb", PIPELINE_SCHEDULE="auto", VP="1"
+    )
+    assert refused.returncode != 0
+    assert refused.stderr.count("\n") == 1 and "nothing fits v100-32gb" in refused.stderr

@@ -1,0 +1,402 @@
+"""``--pipeline-schedule auto`` in the front ends: what each knows, turned into
+:class:`~megatron_bfpp.plan.auto.AutoRequest`, the decision written back as if the user had
+named it, and its one line printed once per job.
+
+Every rank runs this on its own, before any model is built (Megatron-LM: in ``validate_args``;
+Bridge: in ``use_schedule``; bfpp-train: before its ranks start, or on each torchrun rank): the
+inputs are the arguments, the files and the environment every rank sees alike, and the device,
+which is the same model of GPU on every rank of a job, so the ranks agree without talking
+(tests/multirank/test_auto.py). Rank 0 alone prints the line and writes the report.
+
+Torch is imported only to ask CUDA for the device (:func:`probe_device`); the translation of
+arguments is torch-free, so the SLURM pre-flight (:mod:`.preflight`) uses it on a login node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.plan.auto import (
+    AUTO,
+    AUTO_DEST,
+    AutoRequest,
+    Decision,
+    Hardware,
+    decide,
+    gpus_per_node_from_env,
+    hardware,
+    write_report,
+)
+from megatron_bfpp.plan.presets import BF16_MIXED, FP32, Model, Precision, model_from_shape
+from megatron_bfpp.schedules.registry import SCHEDULES, get_spec
+
+__all__ = [
+    "BRIDGE_NO_V",
+    "announce",
+    "apply_to_megatron_args",
+    "bridge_request",
+    "megatron_request",
+    "probe_device",
+    "resolve_bridge_auto",
+    "resolve_megatron_auto",
+]
+
+
+def probe_device() -> tuple[str | None, int | None]:
+    """The CUDA device's name and total memory (``None, None`` without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, None
+    # This rank's own GPU (torchrun's LOCAL_RANK): asking every rank about device 0 would make
+    # them all touch it before Megatron assigns devices. A node's GPUs are one model.
+    index = int(os.environ.get("LOCAL_RANK", "0") or 0) % max(1, torch.cuda.device_count())
+    properties = torch.cuda.get_device_properties(index)
+    return str(properties.name), int(properties.total_memory)
+
+
+def hardware_from_args(args: Any, *, device: tuple[str | None, int | None] | None) -> Hardware:
+    """``device``: :func:`probe_device`'s answer, or ``None`` where CUDA must not be asked (the
+    pre-flight on a login node)."""
+    name, memory = device if device is not None else (None, None)
+    return hardware(
+        device_name=name,
+        device_memory=memory,
+        gpu_flag=getattr(args, "pipeline_schedule_auto_gpu", None),
+        profile_path=getattr(args, "pipeline_schedule_auto_profile", None),
+    )
+
+
+def is_reporting_rank(env: Mapping[str, str] = os.environ) -> bool:
+    """Rank 0 of the job (torchrun's ``RANK``, srun's ``SLURM_PROCID``; no launcher: this
+    process is the job)."""
+    rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
+    return rank.strip() in ("", "0")
+
+
+def announce(
+    decision: Decision,
+    *,
+    report: str | None,
+    prog: str = "megatron_bfpp",
+    env: Mapping[str, str] = os.environ,
+) -> None:
+    """The one line (stdout) and the report, by rank 0 only: once per job."""
+    if not is_reporting_rank(env):
+        return
+    if report:
+        try:
+            write_report(report, decision)
+        except OSError as error:
+            raise ScheduleError(
+                f"--pipeline-schedule-auto-report {report}: cannot write it ({error.strerror})"
+            ) from None
+    print(f"{prog}: {decision.line()}", file=sys.stdout, flush=True)
+
+
+def precision_of(*, sixteen_bit: bool, optimizer: str = "adam") -> Precision:
+    """Bytes per element as megatron-core keeps them: bf16/fp16 weights with fp32 gradients and
+    master weights, or fp32 throughout; Adam keeps two moments, SGD one (momentum)."""
+    base = BF16_MIXED if sixteen_bit else FP32
+    if optimizer == "sgd":
+        master = 4 if sixteen_bit else 0
+        return dataclasses.replace(base, name=f"{base.name}-sgd", optimizer_bytes=master + 4)
+    return base
+
+
+# --------------------------------------------------------------------------- Megatron-LM
+
+# Megatron-LM's flags that place layers unevenly: auto plans even stages only.
+_UNEVEN = (
+    ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout"),
+    ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
+    ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
+    ("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split"),
+    ("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split"),
+)
+# What the V-shapes cannot run with in Megatron-LM (arguments._check_v_shape_args).
+_NO_V = (
+    ("--mtp-num-layers", "mtp_num_layers"),
+    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute"),
+)
+_TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
+
+
+def _megatron_model(args: Any) -> Model:
+    swiglu = bool(getattr(args, "swiglu", False))
+    hidden = int(args.hidden_size)
+    heads = int(args.num_attention_heads)
+    ffn = getattr(args, "ffn_hidden_size", None)
+    if ffn is None:  # Megatron's validate_args default
+        ffn = int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
+    groups = (
+        getattr(args, "num_query_groups", None)
+        if getattr(args, "group_query_attention", False)
+        else None
+    )
+    vocab = getattr(args, "vocab_size", None) or _TOKENIZER_VOCAB.get(
+        str(getattr(args, "tokenizer_type", "")), 32000 if swiglu else 50257
+    )
+    dropout = any(
+        float(getattr(args, name, 0.0) or 0.0) > 0
+        for name in ("hidden_dropout", "attention_dropout")
+    )
+    return model_from_shape(
+        arch="llama" if swiglu else "gpt",
+        num_layers=int(args.num_layers),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=int(groups) if groups else None,
+        ffn_hidden_size=int(ffn),
+        seq_length=int(args.seq_length),
+        vocab_size=int(vocab),
+        dropout=dropout,
+    )
+
+
+def _megatron_vp(args: Any, pp: int) -> int | None:
+    vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_stage:
+        layers = int(args.num_layers) // pp
+        if layers % int(per_stage):
+            raise ScheduleError(
+                f"{layers} layers per pipeline rank do not split into virtual stages of "
+                f"--num-layers-per-virtual-pipeline-stage {per_stage}; use a divisor"
+            )
+        vp = layers // int(per_stage)
+    return int(vp) if vp else None
+
+
+def megatron_request(
+    args: Any, *, world_size: int, env: Mapping[str, str], hw: Hardware, sharding: str | None
+) -> AutoRequest:
+    """What Megatron-LM's parsed arguments fixed (before its ``validate_args``: its derived
+    sizes are computed here the same way). ``sharding``: ``--data-parallel-sharding-strategy``
+    as given (``None``: not given)."""
+    uneven = [flag for flag, dest in _UNEVEN if getattr(args, dest, None)]
+    if uneven:
+        raise ScheduleError(
+            f"--pipeline-schedule auto plans even pipeline stages and does not read {uneven[0]}; "
+            "drop it or name the schedule"
+        )
+    if getattr(args, "rampup_batch_size", None):
+        raise ScheduleError("--pipeline-schedule auto does not support --rampup-batch-size")
+    missing = [
+        flag
+        for flag, dest in (
+            ("--num-layers", "num_layers"),
+            ("--hidden-size", "hidden_size"),
+            ("--num-attention-heads", "num_attention_heads"),
+            ("--seq-length", "seq_length"),
+            ("--micro-batch-size", "micro_batch_size"),
+        )
+        if getattr(args, dest, None) is None
+    ]
+    if missing:
+        raise ScheduleError(f"--pipeline-schedule auto needs {', '.join(missing)}")
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if world_size % (tp * pp * cp):
+        raise ScheduleError(
+            f"world size {world_size} is not a multiple of tensor x pipeline x context parallel "
+            f"sizes ({tp} x {pp} x {cp})"
+        )
+    dp = world_size // (tp * pp * cp)
+    mbs = int(args.micro_batch_size)
+    granularity = getattr(args, "recompute_granularity", None)
+    unavailable = [
+        (name, f"Megatron-LM's {flag} does not run with a V-shape")
+        for flag, dest in _NO_V
+        if getattr(args, dest, None)
+        for name, spec in SCHEDULES.items()
+        if spec.placement is Placement.V_SHAPE
+    ]
+    return AutoRequest(
+        model=_megatron_model(args),
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        cp=cp,
+        micro_batch_size=mbs,
+        global_batch_size=int(getattr(args, "global_batch_size", None) or mbs * dp),
+        hardware=hw,
+        recompute=str(granularity) if granularity in ("selective", "full") else "none",
+        precision=precision_of(
+            sixteen_bit=bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
+            optimizer=str(getattr(args, "optimizer", "adam") or "adam"),
+        ),
+        sharding=sharding or "optim",
+        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        gpus_per_node=gpus_per_node_from_env(env, world_size),
+        vp=_megatron_vp(args, pp),
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        group_size=getattr(args, "breadth_first_group_size", None),
+        max_stored=getattr(args, "bpipe_max_stored", None),
+        vp_flag="--num-virtual-stages-per-pipeline-rank",
+        unavailable=tuple(unavailable),
+    )
+
+
+def apply_to_megatron_args(args: Any, decision: Decision) -> None:
+    """Write the decision into Megatron's arguments as if the user had typed it."""
+    c = decision.chosen.candidate
+    args.pipeline_schedule = c.schedule
+    if get_spec(c.schedule).placement is not Placement.SINGLE:
+        given = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+        if not given:
+            args.num_virtual_stages_per_pipeline_rank = c.vp
+    args.breadth_first_group_size = c.group_size
+    args.bpipe_max_stored = c.max_stored
+    setattr(args, AUTO_DEST, decision.line())
+
+
+def resolve_megatron_auto(
+    args: Any,
+    *,
+    sharding: str | None,
+    env: Mapping[str, str] = os.environ,
+    device: tuple[str | None, int | None] | None = None,
+    quiet: bool = False,
+) -> Decision | None:
+    """``--pipeline-schedule auto`` on Megatron-LM's parsed ``args``: decide, announce (unless
+    ``quiet``: the pre-flight) and write the choice back; ``None`` without auto. Without
+    pipeline parallelism Megatron's own runs (said once). Raises :class:`ScheduleError`."""
+    if getattr(args, "pipeline_schedule", None) != AUTO:
+        return None
+    world = getattr(args, "world_size", None) or int(env.get("WORLD_SIZE", "1"))
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if pp < 2:
+        args.pipeline_schedule = "default"
+        setattr(args, AUTO_DEST, "auto: no pipeline (pp=1)")
+        if not quiet and is_reporting_rank(env):
+            print(
+                "megatron_bfpp: auto: pipeline-model-parallel-size 1, no pipeline schedule to "
+                "choose; Megatron's own runs",
+                flush=True,
+            )
+        return None
+    hw = hardware_from_args(args, device=device)
+    request = megatron_request(args, world_size=int(world), env=env, hw=hw, sharding=sharding)
+    decision = decide(request)
+    if not quiet:
+        announce(decision, report=getattr(args, "pipeline_schedule_auto_report", None), env=env)
+    apply_to_megatron_args(args, decision)
+    return decision
+
+
+# --------------------------------------------------------------------------- Megatron-Bridge
+
+BRIDGE_NO_V = "Megatron-Bridge's model provider does not build V-placed chunks"
+
+
+def bridge_request(
+    config: Any,
+    *,
+    options: Mapping[str, Any],
+    sharding: str,
+    env: Mapping[str, str],
+    hw: Hardware,
+) -> AutoRequest:
+    """What a Bridge ``ConfigContainer`` fixed. The data-parallel size needs the launcher's
+    ``WORLD_SIZE`` (torchrun, srun), as every rank's decision must be the same before Bridge
+    initialises anything."""
+    model = config.model
+    world = env.get("WORLD_SIZE", "")
+    if not world.isdigit():
+        raise ScheduleError(
+            "pipeline schedule auto needs the job's WORLD_SIZE (start it with torchrun or srun)"
+        )
+    tp = int(getattr(model, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(model, "pipeline_model_parallel_size", 1) or 1)
+    cp = int(getattr(model, "context_parallel_size", 1) or 1)
+    if int(world) % (tp * pp * cp):
+        raise ScheduleError(
+            f"WORLD_SIZE {world} is not a multiple of tensor x pipeline x context parallel size "
+            f"({tp} x {pp} x {cp})"
+        )
+    dp = int(world) // (tp * pp * cp)
+    gated = bool(getattr(model, "gated_linear_unit", False))
+    hidden = int(model.hidden_size)
+    seq = getattr(model, "seq_length", None) or getattr(
+        getattr(config, "dataset", None), "sequence_length", None
+    )
+    dropout = any(
+        float(getattr(model, name, 0.0) or 0.0) > 0
+        for name in ("hidden_dropout", "attention_dropout")
+    )
+    shape = model_from_shape(
+        arch="llama" if gated else "gpt",
+        num_layers=int(model.num_layers),
+        hidden_size=hidden,
+        num_attention_heads=int(model.num_attention_heads),
+        num_query_groups=getattr(model, "num_query_groups", None),
+        ffn_hidden_size=getattr(model, "ffn_hidden_size", None) or 4 * hidden,
+        seq_length=int(seq or 2048),
+        vocab_size=int(getattr(model, "vocab_size", None) or (32000 if gated else 50257)),
+        dropout=dropout,
+    )
+    optimizer = getattr(config, "optimizer", None)
+    granularity = getattr(model, "recompute_granularity", None)
+    return AutoRequest(
+        model=shape,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        cp=cp,
+        micro_batch_size=int(config.train.micro_batch_size),
+        global_batch_size=int(config.train.global_batch_size),
+        hardware=hw,
+        recompute=str(granularity) if granularity in ("selective", "full") else "none",
+        precision=precision_of(
+            sixteen_bit=bool(getattr(model, "bf16", False) or getattr(model, "fp16", False)),
+            optimizer=str(getattr(optimizer, "optimizer", "adam") or "adam"),
+        ),
+        sharding=sharding,
+        distributed_optimizer=bool(getattr(optimizer, "use_distributed_optimizer", True)),
+        gpus_per_node=gpus_per_node_from_env(env, int(world)),
+        vp=getattr(model, "virtual_pipeline_model_parallel_size", None),
+        sequence_parallel=bool(getattr(model, "sequence_parallel", False)),
+        group_size=options.get("group_size"),
+        max_stored=options.get("max_stored"),
+        vp_flag="config.model.virtual_pipeline_model_parallel_size",
+        unavailable=tuple(
+            (name, BRIDGE_NO_V)
+            for name, spec in SCHEDULES.items()
+            if spec.placement is Placement.V_SHAPE
+        ),
+    )
+
+
+def resolve_bridge_auto(
+    config: Any,
+    options: Mapping[str, Any],
+    *,
+    sharding: str = "optim",
+    report: str | None = None,
+    profile: str | None = None,
+    gpu: str | None = None,
+    env: Mapping[str, str] = os.environ,
+    device: tuple[str | None, int | None] | None = None,
+) -> tuple[str, dict[str, Any], Decision]:
+    """Decide for Bridge's ``pretrain(config, ...)`` and announce it (rank 0); returns the
+    schedule's name and options for ``use_schedule``, with ``config.model``'s virtual pipeline
+    size set to the choice's."""
+    name, memory = probe_device() if device is None else device
+    hw = hardware(device_name=name, device_memory=memory, gpu_flag=gpu, profile_path=profile)
+    decision = decide(bridge_request(config, options=options, sharding=sharding, env=env, hw=hw))
+    announce(decision, report=report, env=env)
+    c = decision.chosen.candidate
+    if get_spec(c.schedule).placement is Placement.LOOPED:
+        config.model.virtual_pipeline_model_parallel_size = c.vp
+    chosen = {**{k: v for k, v in options.items() if k not in ("group_size", "max_stored")}}
+    chosen.update(decision.options)
+    if c.schedule != "interleaved":
+        chosen.pop("microbatch_group_size", None)
+    return c.schedule, chosen, decision

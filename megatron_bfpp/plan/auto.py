@@ -1,0 +1,677 @@
+"""``--pipeline-schedule auto``: the planner picks the schedule for the layout the user fixed.
+
+Why a decision of its own and not ``recommend``: a user who typed ``--tensor-model-parallel-size
+8 --pipeline-model-parallel-size 16 --micro-batch-size 1`` has chosen the model, the parallel
+sizes, the batch, recomputation, precision, sharding and optimizer; ``recommend`` would change
+them. :func:`decide` keeps all of that and ranks only what a schedule may still choose on that
+layout: which schedule, its virtual stages (divisors of the user's layers per rank), the
+breadth-first group size and the BPipe cap. Flags the user gave for those are constraints.
+
+Why no communication between ranks: :func:`decide` is a pure function of the arguments and of
+files every rank reads alike (a profile), plus the device's name and memory and the launcher's
+environment, which are the same on every rank of a homogeneous job. Every rank computes the same
+decision before it builds a model, and only rank 0 prints it (tests/multirank/test_auto.py runs
+it on several ranks with no process group at all).
+
+What it reads from the planner is its public API (:mod:`megatron_bfpp.plan.search`):
+``Candidate``, the memory filter ``memory_of`` and the simulation ``evaluate``, so a new timing
+or memory model there changes the decision without a change here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.passes.eviction import bpipe_max_stored
+from megatron_bfpp.plan.costs import BuiltinCurve, Efficiency, ProfileCurve
+from megatron_bfpp.plan.memory import RECOMPUTE, MemoryBreakdown
+from megatron_bfpp.plan.presets import BF16_MIXED, GPUS, GiB, Gpu, Model, Precision, get_gpu
+from megatron_bfpp.plan.profile import load_profile
+from megatron_bfpp.plan.search import (
+    Candidate,
+    Cluster,
+    Plan,
+    SearchOptions,
+    evaluate,
+    lower_bound_of,
+    memory_of,
+)
+from megatron_bfpp.schedules.registry import SCHEDULES, get_spec
+
+__all__ = [
+    "AUTO",
+    "AUTO_FLAGS",
+    "AutoRequest",
+    "Decision",
+    "Hardware",
+    "Row",
+    "add_auto_flags",
+    "check_auto_flags",
+    "decide",
+    "gpu_from_device",
+    "gpus_per_node_from_env",
+    "hardware",
+    "write_report",
+]
+
+AUTO = "auto"
+MAX_CHUNKS = 8  # the planner's own bound on virtual stages per rank
+CPU_TIMING_GPU = "h100-80gb"  # what a run without CUDA is timed as, unless told otherwise
+REPORT_FORMAT = "bfpp-auto-report"
+# Where a front end records auto's line once it wrote the choice into the parsed arguments.
+AUTO_DEST = "pipeline_schedule_auto_line"
+
+# (flag, dest, help): the same three flags in every command line that names a schedule.
+AUTO_FLAGS = (
+    (
+        "--pipeline-schedule-auto-report",
+        "pipeline_schedule_auto_report",
+        "with --pipeline-schedule auto: write every candidate, ranked, as JSON to this file",
+    ),
+    (
+        "--pipeline-schedule-auto-profile",
+        "pipeline_schedule_auto_profile",
+        "with --pipeline-schedule auto: a stage profile (bfpp-plan profile) instead of the "
+        "built-in efficiency curve",
+    ),
+    (
+        "--pipeline-schedule-auto-gpu",
+        "pipeline_schedule_auto_gpu",
+        "with --pipeline-schedule auto: plan for this GPU preset (v100-32gb, a100-40gb, "
+        "a100-80gb, h100-80gb) instead of the device found, its memory a constraint",
+    ),
+)
+
+
+def add_auto_flags(group: Any) -> None:
+    for flag, dest, help_text in AUTO_FLAGS:
+        group.add_argument(
+            flag,
+            dest=dest,
+            default=None,
+            metavar="FILE" if "gpu" not in flag else "NAME",
+            help=help_text,
+        )
+
+
+def check_auto_flags(args: Any) -> None:
+    """The auto flags given with a named schedule say nothing: one line."""
+    if getattr(args, "pipeline_schedule", None) == AUTO or getattr(args, AUTO_DEST, None):
+        return  # auto, before or after it was resolved
+    for flag, dest, _ in AUTO_FLAGS:
+        if getattr(args, dest, None) is not None:
+            raise ScheduleError(f"{flag} applies to --pipeline-schedule auto")
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """What the decision is timed and budgeted on. ``memory_bytes`` ``None``: no CUDA, memory is
+    not a constraint. ``note`` says where the figures come from, for the line."""
+
+    gpu: Gpu
+    memory_bytes: int | None
+    efficiency: Efficiency
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class AutoRequest:
+    """Everything the user fixed, and the constraints on what auto may choose (``vp``,
+    ``group_size``, ``max_stored``: ``None`` when not given). ``vp_flag`` is the front end's
+    spelling of the virtual-pipeline flag, for its errors."""
+
+    model: Model
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+    hardware: Hardware
+    cp: int = 1
+    recompute: str = "none"
+    precision: Precision = BF16_MIXED
+    sharding: str = "optim"
+    distributed_optimizer: bool = True
+    gpus_per_node: int = 8
+    vp: int | None = None
+    group_size: int | None = None
+    max_stored: int | None = None
+    vp_flag: str = "--num-virtual-stages-per-pipeline-rank"
+    sequence_parallel: bool = True  # with tp > 1 (Megatron-LM's --sequence-parallel)
+    # (schedule, why): what the front end cannot run whatever the layout (Bridge: the V-shapes)
+    unavailable: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One candidate: its memory and, when it fits, its simulated plan; or why it cannot run."""
+
+    candidate: Candidate
+    memory: MemoryBreakdown | None
+    fits: bool
+    plan: Plan | None = None
+    excluded: str | None = None
+    lower_bound_s: float | None = None  # not simulated: this bound cannot beat the runner-up
+
+    @property
+    def label(self) -> str:
+        return label(self.candidate)
+
+    def to_dict(self) -> dict[str, object]:
+        c = self.candidate
+        return {
+            "schedule": c.schedule,
+            "virtual_stages": c.vp,
+            "group_size": c.group_size,
+            "max_stored": c.max_stored,
+            "fits": self.fits,
+            "step_time_s": None if self.plan is None else self.plan.step_time_s,
+            "bubble_fraction": None if self.plan is None else self.plan.bubble_fraction,
+            "memory_per_gpu_bytes": None if self.memory is None else self.memory.to_dict(),
+            "excluded": self.excluded,
+            "lower_bound_s": self.lower_bound_s,
+            "p2p_model": None if self.plan is None else self.plan.p2p_model,
+        }
+
+
+def label(c: Candidate) -> str:
+    """``breadth-first vp=4 group=8``: what a user would type, in short."""
+    text = c.schedule
+    if get_spec(c.schedule).placement is Placement.LOOPED:
+        text += f" vp={c.vp}"
+    if c.group_size is not None:
+        text += f" group={c.group_size}"
+    if c.max_stored is not None:
+        text += f" cap={c.max_stored}"
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The ranked rows (simulated, fastest first; then what does not fit memory, smallest
+    first; then what cannot run the layout), the choice, and Megatron's own default."""
+
+    request: AutoRequest
+    rows: tuple[Row, ...]
+    megatron: Row
+    simulations: int
+
+    @property
+    def chosen(self) -> Row:
+        return self.rows[0]
+
+    @property
+    def runner_up(self) -> Row | None:
+        second = self.rows[1] if len(self.rows) > 1 else None
+        return second if second is not None and second.plan is not None else None
+
+    @property
+    def schedule(self) -> str:
+        return self.chosen.candidate.schedule
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.chosen.candidate.vp
+
+    @property
+    def options(self) -> dict[str, int]:
+        """The chosen schedule's generator options (registry names)."""
+        c = self.chosen.candidate
+        chosen = {"group_size": c.group_size, "max_stored": c.max_stored}
+        return {name: value for name, value in chosen.items() if value is not None}
+
+    def line(self) -> str:
+        """The one line a job prints: the choice, its prediction, the runner-up, Megatron's."""
+        hw = self.request.hardware
+        chosen = self.chosen
+        plan, memory = chosen.plan, chosen.memory
+        assert plan is not None and memory is not None  # rows[0] is simulated by construction
+        if hw.memory_bytes is None:
+            held = f"{_held(memory.total)}; no CUDA: memory is not a constraint"
+        else:
+            held = f"{_gib(memory.total)} GiB/{hw.memory_bytes / GiB:.0f}"
+        text = (
+            f"auto: {chosen.label} (predicted {plan.step_time_s:.3g} s, bubble "
+            f"{plan.bubble_fraction:.0%}, {held})"
+        )
+        second = self.runner_up
+        if second is not None and second.plan is not None:
+            text += f" over {second.label} ({second.plan.step_time_s:.3g} s)"
+        text += f"; Megatron's {self.megatron.label}: {_megatron_figure(self.megatron)}"
+        return f"{text} [{hw.note}]"
+
+    def to_dict(self) -> dict[str, object]:
+        r = self.request
+        hw = r.hardware
+        return {
+            "format": REPORT_FORMAT,
+            "version": 1,
+            "line": self.line(),
+            "choice": self.chosen.to_dict(),
+            "megatron_default": self.megatron.to_dict(),
+            "gpu": hw.gpu.name,
+            "hardware": hw.note,
+            "memory_budget_bytes": None if hw.memory_bytes is None else _budget(hw),
+            "efficiency": hw.efficiency.source,
+            "simulations": self.simulations,
+            "layout": {
+                "model": r.model.name,
+                "tensor_parallel": r.tp,
+                "pipeline_parallel": r.pp,
+                "data_parallel": r.dp,
+                "context_parallel": r.cp,
+                "micro_batch_size": r.micro_batch_size,
+                "global_batch_size": r.global_batch_size,
+                "num_microbatches": r.num_microbatches,
+                "recompute": r.recompute,
+                "precision": r.precision.name,
+                "sharding": r.sharding,
+                "distributed_optimizer": r.distributed_optimizer,
+                "gpus_per_node": r.gpus_per_node,
+            },
+            "rows": [row.to_dict() for row in self.rows],
+        }
+
+
+def _megatron_figure(row: Row) -> str:
+    if row.excluded is not None:
+        return f"cannot run ({row.excluded})"
+    assert row.plan is not None and row.memory is not None
+    figure = f"{row.plan.step_time_s:.3g} s"
+    return figure if row.fits else f"{figure}, does not fit ({_gib(row.memory.total)} GiB)"
+
+
+def _held(nbytes: int) -> str:
+    """GiB, or MiB for what would print as 0.0 GiB (the CPU tests' models)."""
+    return f"{_gib(nbytes)} GiB" if nbytes >= GiB // 20 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GiB:.1f}"
+
+
+def _budget(hw: Hardware) -> int:
+    """The planner's budget: its ``memory_fraction`` of the GPU (the rest: allocator, NCCL)."""
+    assert hw.memory_bytes is not None
+    return int(SearchOptions().memory_fraction * hw.memory_bytes)
+
+
+# --------------------------------------------------------------------------- what it knows
+
+
+def gpu_from_device(name: str, total_memory: int | None = None) -> tuple[Gpu, str]:
+    """A planner preset for a CUDA device (``torch.cuda.get_device_name()``), with the device's
+    own memory when given: the compute and link figures are the family's, the budget is the
+    device's. A device of no known family is timed as an H100 and the note says so."""
+    lowered = name.lower()
+    preset = None
+    if "v100" in lowered:
+        preset = "v100-32gb"
+    elif "a100" in lowered or "a800" in lowered:
+        large = total_memory is None or total_memory > 48 * GiB
+        preset = "a100-80gb" if large else "a100-40gb"
+    elif any(family in lowered for family in ("h100", "h200", "h800", "gh200")):
+        preset = "h100-80gb"
+    if preset is None:
+        preset = CPU_TIMING_GPU
+        note = f"unknown GPU {name!r}: timed as {preset}"
+    else:
+        note = f"{name} timed as {preset}"
+    gpu = GPUS[preset]
+    if total_memory is not None:
+        gpu = dataclasses.replace(gpu, memory_bytes=int(total_memory))
+    return gpu, note
+
+
+def hardware(
+    *,
+    device_name: str | None,
+    device_memory: int | None,
+    gpu_flag: str | None = None,
+    profile_path: str | None = None,
+) -> Hardware:
+    """The hardware a front end found: ``device_name`` / ``device_memory`` from torch (``None``
+    without CUDA), ``gpu_flag`` a preset named by the user (it wins over the device, and makes
+    its memory a constraint even without CUDA), ``profile_path`` a ``bfpp-plan profile`` file
+    (its efficiencies instead of the built-in curve)."""
+    profile = load_profile(profile_path) if profile_path else None
+    if gpu_flag is not None:
+        gpu = get_gpu(gpu_flag)
+        memory: int | None = gpu.memory_bytes
+        note = f"{gpu_flag} as given"
+    elif device_name is not None:
+        gpu, note = gpu_from_device(device_name, device_memory)
+        memory = gpu.memory_bytes
+    elif profile is not None:
+        gpu, note = gpu_from_device(profile.device)
+        memory = None
+        note = f"no CUDA: timed as {gpu.name} (the profile's {profile.device})"
+    else:
+        gpu, memory = GPUS[CPU_TIMING_GPU], None
+        note = f"no CUDA: timed as {CPU_TIMING_GPU}"
+    if profile is not None:
+        efficiency: Efficiency = ProfileCurve.from_profile(profile, gpu)
+        note += f", {efficiency.source}"
+    else:
+        efficiency = BuiltinCurve(gpu)
+    return Hardware(gpu=gpu, memory_bytes=memory, efficiency=efficiency, note=note)
+
+
+def gpus_per_node_from_env(env: Mapping[str, str], world_size: int) -> int:
+    """GPUs per node from the launcher: torchrun's ``LOCAL_WORLD_SIZE``, SLURM's
+    ``SLURM_NTASKS_PER_NODE`` (``8`` or ``8(x2)``) or ``SLURM_GPUS_ON_NODE``; one node when
+    none is set. Same on every rank of a job whose nodes are alike."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE"):
+        digits = env.get(key, "").split("(")[0].split(",")[0].strip()
+        if digits.isdigit() and int(digits) > 0:
+            return min(int(digits), world_size)
+    return world_size
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _check_request(r: AutoRequest) -> None:
+    """One-line refusals for a layout auto cannot choose in, or constraints that contradict."""
+    if r.pp < 2:
+        raise ScheduleError(
+            f"--pipeline-schedule auto needs --pipeline-model-parallel-size >= 2 (got {r.pp}): "
+            "without pipeline parallelism there is no schedule to choose"
+        )
+    if r.recompute not in RECOMPUTE:
+        raise ScheduleError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {r.recompute}")
+    if r.global_batch_size % (r.micro_batch_size * r.dp):
+        raise ScheduleError(
+            f"--global-batch-size {r.global_batch_size} is not a multiple of micro-batch size x "
+            f"data-parallel size ({r.micro_batch_size} x {r.dp})"
+        )
+    if r.model.num_layers % r.pp:
+        raise ScheduleError(
+            f"--num-layers {r.model.num_layers} is not divisible by --pipeline-model-parallel-"
+            f"size {r.pp}: no schedule can split it"
+        )
+    if r.vp is not None and r.model.num_layers % (r.pp * r.vp):
+        raise ScheduleError(
+            f"--num-layers {r.model.num_layers} is not divisible by pipeline x virtual stages "
+            f"({r.pp} x {r.vp} = {r.pp * r.vp}) given by {r.vp_flag}"
+        )
+    if r.group_size is not None and r.max_stored is not None:
+        raise ScheduleError(
+            "--breadth-first-group-size (breadth-first) and --bpipe-max-stored (bpipe) exclude "
+            "each other under --pipeline-schedule auto: give at most one"
+        )
+    if r.max_stored is not None and r.vp not in (None, 1):
+        raise ScheduleError(
+            f"--bpipe-max-stored applies to bpipe, which runs one stage per rank, but "
+            f"{r.vp_flag} {r.vp} fixes {r.vp}: drop one of them"
+        )
+    if r.group_size is not None and r.vp == 1:
+        raise ScheduleError(
+            f"--breadth-first-group-size applies to breadth-first, which needs virtual stages, "
+            f"but {r.vp_flag} 1 fixes one stage per rank: drop one of them"
+        )
+    if r.sharding != "optim" and (r.max_stored is not None or r.vp == 1):
+        raise ScheduleError(
+            "--data-parallel-sharding-strategy optim_grads_params runs only breadth-first, "
+            "which needs virtual stages: drop --bpipe-max-stored / set virtual stages >= 2"
+        )
+    if r.sharding != "optim" and r.dp < 2:
+        raise ScheduleError(
+            f"--data-parallel-sharding-strategy {r.sharding} needs data parallelism "
+            f"(data-parallel size is {r.dp})"
+        )
+
+
+def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
+    """What a schedule may choose on the user's layout, and (as rows) what it may not and why."""
+    m = r.num_microbatches
+    layers_per_rank = r.model.num_layers // r.pp
+    allowed: list[Candidate] = []
+    excluded: list[Row] = []
+
+    def make(name: str, vp: int, group: int | None = None, cap: int | None = None) -> Candidate:
+        return Candidate(
+            name,
+            r.sharding,
+            r.tp,
+            r.pp,
+            vp,
+            r.dp,
+            r.micro_batch_size,
+            r.recompute,
+            group_size=group,
+            plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel,
+            max_stored=cap,
+        )
+
+    def refuse(name: str, vp: int, why: str) -> None:
+        excluded.append(Row(make(name, vp), None, False, excluded=why))
+
+    unavailable = dict(r.unavailable)
+    for name, spec in SCHEDULES.items():
+        if r.sharding != "optim" and name != "breadth-first":
+            continue
+        if name in unavailable:
+            refuse(name, 2 if spec.placement is Placement.V_SHAPE else 1, unavailable[name])
+            continue
+        if r.group_size is not None and name != "breadth-first":
+            continue
+        if r.max_stored is not None and name != "bpipe":
+            continue
+        if spec.placement is Placement.SINGLE:
+            vps = [1]
+        elif spec.placement is Placement.V_SHAPE:
+            vps = [2]
+            if layers_per_rank % 2:
+                refuse(name, 2, f"{layers_per_rank} layers per rank do not split into a V's 2")
+                continue
+        elif r.vp is not None:
+            vps = [r.vp]
+        else:
+            vps = [v for v in _divisors(layers_per_rank) if 2 <= v <= MAX_CHUNKS]
+            if not vps:
+                refuse(name, 2, f"{layers_per_rank} layer(s) per rank: no virtual stages")
+                continue
+        if r.vp is not None and r.vp not in vps:
+            continue  # the user's virtual stages rule this placement out
+        for vp in vps:
+            if name == "interleaved" and (m < r.pp or m % r.pp):
+                refuse(name, vp, f"needs a multiple of pp={r.pp} micro-batches, got {m}")
+                continue
+            allowed += [make(name, vp, group, cap) for group, cap in _options(name, r, m)]
+    return allowed, excluded
+
+
+def _options(name: str, r: AutoRequest, m: int) -> list[tuple[int | None, int | None]]:
+    """Breadth-first: one group, or groups of pp x 2^k micro-batches dividing m (each bounds
+    the stored activations at one group's); BPipe: its own cap and halfway to 1F1B's p."""
+    if name == "breadth-first":
+        if r.group_size is not None:
+            return [(r.group_size, None)]
+        groups: list[int | None] = [None]
+        g = r.pp
+        while g < m:
+            if m % g == 0:
+                groups.append(g)
+            g *= 2
+        return [(group, None) for group in groups]
+    if name == "bpipe":
+        if r.max_stored is not None:
+            return [(None, r.max_stored)]
+        default = bpipe_max_stored(r.pp)
+        halfway = (default + r.pp + 1) // 2
+        return [(None, None)] + ([(None, halfway)] if default < halfway < r.pp else [])
+    return [(None, None)]
+
+
+def _megatron_default(r: AutoRequest) -> Candidate:
+    """Megatron's own choice for the layout: interleaved with the user's virtual stages, else
+    1F1B (on its distributed optimizer, whatever our sharding)."""
+    name, vp = ("interleaved", r.vp) if r.vp not in (None, 1) else ("1f1b", 1)
+    return Candidate(
+        name,
+        "optim",
+        r.tp,
+        r.pp,
+        vp or 1,
+        r.dp,
+        r.micro_batch_size,
+        r.recompute,
+        plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel,
+    )
+
+
+# --------------------------------------------------------------------------- the decision
+
+
+def decide(r: AutoRequest) -> Decision:
+    """Rank the schedules the layout admits, or refuse in one line (:class:`ScheduleError`)
+    when none does or none fits the GPU's memory. Simulates each candidate that fits once, and
+    Megatron's default once more under megatron-core's own posting: ``Decision.simulations``
+    counts them."""
+    _check_request(r)
+    model = r.model if r.cp == 1 else r.model.with_seq_length(r.model.seq_length // r.cp)
+    n = r.tp * r.pp * r.dp
+    cluster = Cluster(n, math.gcd(n, max(1, r.gpus_per_node // r.cp)), r.hardware.gpu)
+    # Our schedules are timed as our runtime posts their messages (the planner's default
+    # model), 1f1b and interleaved included: under auto they run in our runtime. Megatron's own
+    # default is timed as megatron-core posts it (``megatron_baselines``).
+    options = SearchOptions(
+        precision=r.precision,
+        distributed_optimizer=r.distributed_optimizer,
+        efficiency=r.hardware.efficiency,
+        megatron_baselines=False,
+    )
+    megatron_options = dataclasses.replace(options, megatron_baselines=True)
+    budget = None if r.hardware.memory_bytes is None else _budget(r.hardware)
+    allowed, excluded = _candidates(r)
+    simulations = 0
+    simulated: list[Row] = []
+    too_big: list[Row] = []
+
+    def row_of(c: Candidate, *, force: bool = False, megatron: bool = False) -> Row:
+        nonlocal simulations
+        try:
+            memory = memory_of(
+                c, model=model, global_batch_size=r.global_batch_size, options=options
+            )
+        except ScheduleError as error:
+            return Row(c, None, False, excluded=_first_line(error))
+        fits = budget is None or memory.total <= budget
+        if not fits and not force:
+            return Row(c, memory, False)
+        try:
+            plan = evaluate(
+                c,
+                model=model,
+                cluster=cluster,
+                global_batch_size=r.global_batch_size,
+                options=megatron_options if megatron else options,
+            )
+        except ScheduleError as error:
+            return Row(c, memory, False, excluded=_first_line(error))
+        simulations += 1
+        return Row(c, memory, fits, plan)
+
+    # Cheapest bound first; a candidate whose bound cannot beat the runner-up so far is not
+    # simulated (its row keeps the bound): the choice and the runner-up are exact.
+    bounded: list[tuple[float, int, Candidate]] = []
+    for index, c in enumerate(allowed):
+        try:
+            bound = lower_bound_of(
+                c,
+                model=model,
+                cluster=cluster,
+                global_batch_size=r.global_batch_size,
+                options=options,
+            )
+        except ScheduleError as error:
+            excluded.append(Row(c, None, False, excluded=_first_line(error)))
+            continue
+        bounded.append((bound, index, c))
+    pruned: list[Row] = []
+    for bound, _, c in sorted(bounded):
+        steps = sorted(row.plan.step_time_s for row in simulated if row.plan)
+        if len(steps) >= 2 and bound >= steps[1]:
+            memory = memory_of(
+                c, model=model, global_batch_size=r.global_batch_size, options=options
+            )
+            fits = budget is None or memory.total <= budget
+            (pruned if fits else too_big).append(Row(c, memory, fits, lower_bound_s=bound))
+            continue
+        row = row_of(c)
+        if row.excluded is not None:
+            excluded.append(row)
+        elif row.plan is not None:
+            simulated.append(row)
+        else:
+            too_big.append(row)
+    simulated.sort(key=lambda row: row.plan.step_time_s if row.plan else math.inf)
+    simulated += sorted(pruned, key=lambda row: row.lower_bound_s or 0.0)
+    too_big.sort(key=lambda row: row.memory.total if row.memory else math.inf)
+    if not simulated:
+        raise ScheduleError(_refusal(r, too_big, excluded, budget))
+    default = _megatron_default(r)
+    megatron = next((row for row in excluded if row.candidate == default), None)
+    if megatron is None:  # Megatron's own posting: simulated apart from our 1f1b / interleaved
+        megatron = row_of(default, force=True, megatron=True)
+    return Decision(r, tuple(simulated + too_big + excluded), megatron, simulations)
+
+
+def _refusal(r: AutoRequest, too_big: list[Row], excluded: list[Row], budget: int | None) -> str:
+    if not too_big:
+        reasons = "; ".join(dict.fromkeys(f"{row.label}: {row.excluded}" for row in excluded))
+        return f"--pipeline-schedule auto: no schedule can run this layout ({reasons})"
+    smallest = too_big[0]
+    assert smallest.memory is not None and budget is not None
+    hints = []
+    if r.recompute != "full":
+        more = "full" if r.recompute == "selective" else "selective or full"
+        hints.append(f"{more} activation recomputation")
+    if r.micro_batch_size > 1:
+        hints.append(f"a micro-batch size below {r.micro_batch_size}")
+    hints.append(f"larger tensor / pipeline parallel sizes than tp={r.tp}, pp={r.pp}")
+    gpu = r.hardware.gpu.name
+    return (
+        f"--pipeline-schedule auto: nothing fits {gpu} ({_gib(budget)} GiB usable): the smallest "
+        f"predicted peak is {_gib(smallest.memory.total)} GiB per GPU ({smallest.label}); use "
+        + ", ".join(hints)
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def write_report(path: str, decision: Decision) -> None:
+    """The ranked table as JSON, written atomically (a temporary file in the same directory,
+    then renamed): a reader never sees half a report."""
+    text = json.dumps(decision.to_dict(), indent=2, allow_nan=False) + "\n"
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=".auto-report-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise

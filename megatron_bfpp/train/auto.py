@@ -1,0 +1,93 @@
+"""``bfpp-train --pipeline-schedule auto``: the run's flags as an
+:class:`~megatron_bfpp.plan.auto.AutoRequest`, decided before any rank builds a model and
+written back into the flags as if the user had named the schedule.
+
+bfpp-train trains in fp32 with megatron-core's distributed optimizer (Adam) and no
+recomputation, so those are fixed here; everything else is a flag. Started by the command
+itself, the decision is made once, before the ranks are forked; under torchrun or srun every
+rank decides alike from the same flags, files and device, and rank 0 prints the line
+(:mod:`megatron_bfpp.megatron.auto`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+from megatron_bfpp.megatron.auto import announce, hardware_from_args, precision_of, probe_device
+from megatron_bfpp.plan.auto import (
+    AUTO,
+    AUTO_DEST,
+    AutoRequest,
+    Decision,
+    decide,
+    gpus_per_node_from_env,
+)
+from megatron_bfpp.plan.presets import model_from_shape
+
+__all__ = ["resolve_train_auto", "train_request"]
+
+
+def train_request(
+    args: argparse.Namespace,
+    world_size: int,
+    *,
+    env: Mapping[str, str],
+    device: tuple[str | None, int | None] | None,
+) -> AutoRequest:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    model = model_from_shape(
+        arch=args.model,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        dropout=False,  # bfpp-train's models train without dropout
+    )
+    return AutoRequest(
+        model=model,
+        tp=tp,
+        pp=pp,
+        dp=world_size // (tp * pp),
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        hardware=hardware_from_args(args, device=device),
+        precision=precision_of(sixteen_bit=False),
+        sharding=args.data_parallel_sharding_strategy,
+        gpus_per_node=gpus_per_node_from_env(env, world_size),
+        vp=args.num_virtual_stages_per_pipeline_rank,
+        group_size=args.breadth_first_group_size,
+        max_stored=args.bpipe_max_stored,
+        sequence_parallel=False,  # bfpp-train's presets (train.presets)
+    )
+
+
+def resolve_train_auto(
+    args: argparse.Namespace,
+    world_size: int,
+    *,
+    env: Mapping[str, str] = os.environ,
+    device: tuple[str | None, int | None] | None = None,
+) -> Decision | None:
+    """Decide, announce (rank 0) and write the choice into ``args``; ``None`` without auto.
+    ``device``: CUDA's name and memory (default: asked of torch). Raises ``ScheduleError``."""
+    if args.pipeline_schedule != AUTO:
+        return None
+    if world_size % (args.tensor_model_parallel_size * args.pipeline_model_parallel_size):
+        return None  # the flags' own check says it in their words
+    request = train_request(
+        args, world_size, env=env, device=probe_device() if device is None else device
+    )
+    decision = decide(request)
+    announce(decision, report=args.pipeline_schedule_auto_report, prog="bfpp-train", env=env)
+    c = decision.chosen.candidate
+    args.pipeline_schedule = c.schedule
+    args.num_virtual_stages_per_pipeline_rank = decision.stages_per_rank
+    args.breadth_first_group_size = c.group_size
+    args.bpipe_max_stored = c.max_stored
+    setattr(args, AUTO_DEST, decision.line())
+    return decision

@@ -1,0 +1,282 @@
+"""``--pipeline-schedule auto``'s decision (``plan.auto``) on hand cases whose answer follows
+from the planner's models, its one-line refusals, and what it reads from the launcher."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.plan.auto import (
+    AutoRequest,
+    Decision,
+    decide,
+    gpu_from_device,
+    gpus_per_node_from_env,
+    hardware,
+    write_report,
+)
+from megatron_bfpp.plan.presets import GiB, get_model, model_from_shape
+from megatron_bfpp.schedules.registry import get_spec
+
+V100 = hardware(device_name=None, device_memory=None, gpu_flag="v100-32gb")
+CPU = hardware(device_name=None, device_memory=None)
+GPT52 = get_model("gpt3-52b")
+
+
+def request(**fields: object) -> AutoRequest:
+    base: dict[str, object] = dict(
+        model=GPT52,
+        tp=8,
+        pp=8,
+        dp=8,
+        micro_batch_size=1,
+        global_batch_size=64,
+        hardware=V100,
+        recompute="full",
+    )
+    base.update(fields)
+    return AutoRequest(**base)  # type: ignore[arg-type]
+
+
+def placement(decision: Decision) -> Placement:
+    return get_spec(decision.schedule).placement
+
+
+def test_batch_per_gpu_near_pp_with_heavy_data_parallel_traffic_loops() -> None:
+    """m = pp micro-batches (one sample per GPU), dp = 8 over InfiniBand: 1F1B's bubble is
+    (p-1)/(m+p-1), nearly half the step, and a looping schedule divides it by vp."""
+    decision = decide(request())
+    assert placement(decision) is Placement.LOOPED
+    assert decision.stages_per_rank > 1
+    chosen = decision.chosen.plan
+    megatron = decision.megatron.plan
+    assert chosen is not None and megatron is not None
+    assert decision.megatron.label == "1f1b"
+    assert chosen.step_time_s < megatron.step_time_s
+    assert chosen.bubble_fraction < megatron.bubble_fraction
+
+
+def test_activation_memory_binding_picks_a_memory_saving_schedule() -> None:
+    """No recomputation, 64 micro-batches: 1F1B (p micro-batches on rank 0), interleaved and
+    breadth-first do not fit 32 GB; BPipe and the V-shapes hold fewer."""
+    decision = decide(request(dp=1, recompute="none"))
+    assert decision.schedule in ("bpipe", "v-min", "v-half")
+    assert not decision.megatron.fits  # Megatron's 1f1b
+    budget = 0.9 * 32 * GiB
+    for row in decision.rows:
+        if row.plan is not None:
+            assert row.memory is not None and row.memory.total <= budget
+        elif row.memory is not None and row.lower_bound_s is None:
+            assert row.memory.total > budget
+    assert "does not fit" in decision.line()
+
+
+def test_fewer_microbatches_than_stages_leave_out_interleaved() -> None:
+    decision = decide(request(global_batch_size=32, dp=8))  # m = 4 < pp = 8
+    interleaved = [row for row in decision.rows if row.candidate.schedule == "interleaved"]
+    assert interleaved and all(row.plan is None and row.excluded for row in interleaved)
+    assert "multiple of pp=8" in (interleaved[0].excluded or "")
+    assert decision.schedule != "interleaved"
+
+
+def test_virtual_stages_only_divide_the_layers_per_rank() -> None:
+    model = model_from_shape(
+        arch="gpt",
+        num_layers=40,
+        hidden_size=4096,
+        num_attention_heads=32,
+        seq_length=2048,
+        vocab_size=50257,
+    )  # 5 layers per rank at pp=8: looped vp=5 only, no V (2 stages per rank)
+    decision = decide(request(model=model))
+    looped = {row.candidate.vp for row in decision.rows if row.candidate.schedule == "interleaved"}
+    assert looped == {5}
+    v_rows = [row for row in decision.rows if row.candidate.schedule.startswith("v-")]
+    assert v_rows and all(row.excluded and "V's 2" in row.excluded for row in v_rows)
+
+
+def test_layers_not_divisible_by_pp_is_one_line() -> None:
+    model = dataclasses.replace(GPT52, num_layers=63)
+    with pytest.raises(ScheduleError, match="not divisible by --pipeline-model-parallel-size 8"):
+        decide(request(model=model))
+
+
+@pytest.mark.parametrize("vp", [1, 2, 4])
+def test_user_fixed_virtual_stages_are_kept(vp: int) -> None:
+    decision = decide(request(vp=vp))
+    assert decision.stages_per_rank == vp
+    assert {row.candidate.vp for row in decision.rows} == {vp}
+    if vp == 4:
+        assert decision.megatron.label == "interleaved vp=4"  # Megatron's own with vp
+
+
+def test_user_fixed_group_and_cap_are_kept() -> None:
+    grouped = decide(request(dp=1, global_batch_size=64, group_size=16))
+    assert grouped.schedule == "breadth-first" and grouped.options == {"group_size": 16}
+    capped = decide(request(max_stored=6))
+    assert capped.schedule == "bpipe" and capped.options == {"max_stored": 6}
+
+
+def test_nothing_fits_is_one_line_with_the_smallest_peak() -> None:
+    with pytest.raises(ScheduleError) as caught:
+        decide(request(dp=1, micro_batch_size=2, recompute="none"))
+    line = str(caught.value)
+    assert "\n" not in line
+    assert "nothing fits v100-32gb" in line and "smallest predicted peak is" in line
+    assert "activation recomputation" in line and "micro-batch size below 2" in line
+
+
+def test_without_cuda_memory_is_no_constraint_and_the_line_says_so() -> None:
+    decision = decide(request(dp=1, micro_batch_size=2, recompute="none", hardware=CPU))
+    assert "no CUDA: memory is not a constraint" in decision.line()
+    assert all(row.fits for row in decision.rows if row.excluded is None)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"vp": 4, "max_stored": 5}, "--bpipe-max-stored applies to bpipe"),
+        ({"vp": 1, "group_size": 8}, "--breadth-first-group-size applies to breadth-first"),
+        ({"group_size": 8, "max_stored": 5}, "exclude each other"),
+        ({"pp": 1, "dp": 64}, "needs --pipeline-model-parallel-size >= 2"),
+        ({"global_batch_size": 60}, "not a multiple of micro-batch size"),
+        ({"vp": 3}, "not divisible by pipeline x virtual stages"),
+    ],
+)
+def test_contradicting_constraints_are_one_line(fields: dict[str, object], words: str) -> None:
+    with pytest.raises(ScheduleError, match=words) as caught:
+        decide(request(**fields))
+    assert "\n" not in str(caught.value)
+
+
+def test_simulations_are_one_per_fitting_candidate() -> None:
+    """Bounded work: each candidate that fits is simulated once, and Megatron's default once
+    more, as megatron-core posts its messages (the line gives its time even when it does not
+    fit)."""
+    for fields in ({}, {"dp": 1, "recompute": "none"}):
+        decision = decide(request(**fields))
+        simulated = [row for row in decision.rows if row.plan is not None]
+        assert decision.simulations == len(simulated) + 1
+        assert decision.megatron.plan is not None
+        assert decision.megatron.plan.p2p_model == "megatron"
+        assert {row.plan.p2p_model for row in simulated if row.plan} == {"lockstep"}
+
+
+def test_175b_on_4096_gpus_is_a_few_dozen_simulations() -> None:
+    h100 = hardware(device_name="NVIDIA H100 80GB HBM3", device_memory=80 * GiB)
+    decision = decide(
+        AutoRequest(
+            model=get_model("gpt3-175b"),
+            tp=8,
+            pp=16,
+            dp=32,
+            micro_batch_size=1,
+            global_batch_size=1536,
+            hardware=h100,
+            recompute="selective",
+        )
+    )
+    assert 0 < decision.simulations <= 32
+    assert decision.chosen.fits
+
+
+def test_line_and_report(tmp_path: Path) -> None:
+    decision = decide(request())
+    line = decision.line()
+    assert line.startswith(f"auto: {decision.chosen.label} (predicted ")
+    assert " over " in line and "; Megatron's 1f1b: " in line and "GiB/32" in line
+    path = tmp_path / "auto.json"
+    write_report(str(path), decision)
+    data = json.loads(path.read_text())
+    assert data["format"] == "bfpp-auto-report" and data["line"] == line
+    assert data["choice"]["schedule"] == decision.schedule
+    steps = [row["step_time_s"] for row in data["rows"] if row["step_time_s"] is not None]
+    assert steps == sorted(steps) and len(data["rows"]) == len(decision.rows)
+    assert [p.name for p in tmp_path.iterdir()] == ["auto.json"]  # no temporary left behind
+
+
+def test_same_inputs_same_decision() -> None:
+    assert decide(request()).to_dict() == decide(request()).to_dict()
+
+
+def test_unavailable_schedules_are_left_out_with_their_reason() -> None:
+    why = "Megatron-Bridge does not build V-placed chunks"
+    decision = decide(
+        request(dp=1, recompute="none", unavailable=(("v-min", why), ("v-half", why)))
+    )
+    assert decision.schedule == "bpipe"
+    assert any(row.excluded == why for row in decision.rows)
+
+
+@pytest.mark.parametrize(
+    ("name", "memory", "preset"),
+    [
+        ("Tesla V100-SXM2-32GB", 32 * GiB, "v100-32gb"),
+        ("NVIDIA A100-SXM4-40GB", 40 * GiB, "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", 80 * GiB, "a100-80gb"),
+        ("NVIDIA H100 80GB HBM3", 80 * GiB, "h100-80gb"),
+        ("NVIDIA H200", 141 * GiB, "h100-80gb"),
+        ("NVIDIA L40S", 48 * GiB, "h100-80gb"),
+    ],
+)
+def test_device_to_preset(name: str, memory: int, preset: str) -> None:
+    gpu, note = gpu_from_device(name, memory)
+    assert gpu.name == preset and gpu.memory_bytes == memory
+    assert ("unknown GPU" in note) == (name == "NVIDIA L40S")
+
+
+def test_gpus_per_node_from_the_launcher() -> None:
+    assert gpus_per_node_from_env({"LOCAL_WORLD_SIZE": "4"}, 16) == 4
+    assert gpus_per_node_from_env({"SLURM_NTASKS_PER_NODE": "8(x2)"}, 16) == 8
+    assert gpus_per_node_from_env({"SLURM_GPUS_ON_NODE": "8"}, 4) == 4
+    assert gpus_per_node_from_env({}, 16) == 16
+
+
+def test_profile_gives_the_efficiencies(tmp_path: Path) -> None:
+    profiles = Path(__file__).resolve().parents[2] / "docs" / "profiles"
+    path = sorted(profiles.glob("*.json"))[0]
+    measured = hardware(device_name=None, device_memory=None, profile_path=str(path))
+    assert "profile measured on" in measured.efficiency.source
+    assert measured.memory_bytes is None and "profile" in measured.note
+
+
+def test_grouped_breadth_first_extrapolates_to_the_full_simulation() -> None:
+    """Groups larger than pp repeat every group: the planner's short simulations extrapolate
+    to the full schedule's step (auto tries groups of pp x 2^k)."""
+    from megatron_bfpp.plan.costs import BuiltinCurve
+    from megatron_bfpp.plan.search import (
+        Candidate,
+        Cluster,
+        SearchOptions,
+        _cost_model,
+        _simulated_ns,
+        _size,
+    )
+    from megatron_bfpp.schedules.registry import build_schedule
+    from megatron_bfpp.sim import simulate
+
+    cluster = Cluster(64, 8, V100.gpu)
+    candidate = Candidate("breadth-first", "optim", 8, 4, 4, 2, 1, "full", group_size=16)
+    sized, _ = _size(
+        candidate,
+        model=GPT52,
+        cluster=cluster,
+        global_batch_size=128,
+        options=SearchOptions(),
+        efficiency=BuiltinCurve(V100.gpu),
+        force=True,
+    )
+    assert sized is not None and sized.m == 64
+    costs = _cost_model(sized.times)
+    full = simulate(
+        build_schedule(
+            "breadth-first", num_ranks=4, num_microbatches=64, num_chunks=4, group_size=16
+        ),
+        costs,
+    )
+    step, _ = _simulated_ns(candidate, 64, costs, "lockstep")
+    assert step == pytest.approx(full.step_time, rel=1e-9)
