@@ -32,7 +32,12 @@ import torch
 
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.presets import Model
-from megatron_bfpp.plan.profile import Measurement, StageProfile, profile_to_dict
+from megatron_bfpp.plan.profile import (
+    Measurement,
+    StageProfile,
+    profile_from_dict,
+    profile_to_dict,
+)
 from megatron_bfpp.runtime import deferred_wgrad
 
 __all__ = ["StoredActivations", "measure_stage", "measure_stored_activations", "write_profile"]
@@ -87,10 +92,19 @@ def measure_stage(
 
 
 def write_profile(profile: StageProfile, path: str | Path) -> None:
-    """Write the JSON profile (replacing the file only once it is complete)."""
+    """Write the JSON profile (replacing the file only once it is complete), after reading it
+    back as ``recommend --profile`` will: a measurement it would refuse (a split backward's half
+    slower than the whole, on a noisy device) is one line now, not a file that fails later."""
+    data = profile_to_dict(profile)
+    try:
+        profile_from_dict(data)
+    except ScheduleError as error:
+        raise ScheduleError(
+            f"{error} (measured here; rerun with more --iterations on a quieter device)"
+        ) from None
     target = Path(path)
     temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(profile_to_dict(profile), indent=2) + "\n")
+    temporary.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(temporary, target)
 
 

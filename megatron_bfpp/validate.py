@@ -136,7 +136,16 @@ def validate_grad_sync(schedule: Schedule, *, required: bool = False) -> None:
     """Each chunk's GS once, after its last backward, and its PS before its first use (rule 7
     of the module docstring); ``required`` checks a schedule without any GS / PS / RL too."""
     scan = _scan(schedule)
-    _raise(_first(scan.placement) or _grad_sync_problem(schedule, scan.chunk_level, required))
+    residency = (
+        _residency_problem(schedule, rank)
+        for rank, actions in enumerate(schedule.per_rank)
+        if any(action.kind is _RL for action in actions)  # fully sharded: a GS per run
+    )
+    _raise(
+        _first(scan.placement)
+        or next((problem for problem in residency if problem is not None), None)
+        or _grad_sync_problem(schedule, scan.chunk_level, required)
+    )
 
 
 def validate_message_order(schedule: Schedule) -> None:
@@ -571,11 +580,15 @@ def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
     ``_grad_sync_problem``). A plain walk: sharded schedules only."""
     gathered: set[int] = set()
     unreduced: dict[int, int] = {}  # stage -> its first backward since its last GS
-    reduces: set[int] = set()  # stages with a GS
+    reduces: dict[int, int] = {}  # stage -> its latest GS
     for position, action in enumerate(schedule.per_rank[rank]):
         kind, stage = action.kind, action.stage
         if kind is _GS:
-            reduces.add(stage)
+            if stage in reduces and stage not in unreduced:
+                return _at(schedule, rank, position, f"reduces stage {stage}'s gradients a second "
+                           f"time with no backward since its last GS (step {reduces[stage]}): "
+                           "fully sharded, keep one GS per run of its backwards")  # fmt: skip
+            reduces[stage] = position
             unreduced.pop(stage, None)
         elif kind.is_compute and kind is not _F:
             unreduced.setdefault(stage, position)
