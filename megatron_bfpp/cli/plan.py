@@ -242,6 +242,14 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         + "; ".join(f"{name}: {text}" for name, text in P2P_MODELS.items())
         + f" (default: {DEFAULT_P2P_MODEL})",
     )
+    search.add_argument(
+        "--megatron-p2p",
+        choices=("overlap", "blocking"),
+        default="overlap",
+        help="how Megatron's own interleaved rows post p2p: overlap (Megatron-LM's "
+        "--overlap-p2p-communication, its default) or blocking (--no-overlap-p2p-communication, "
+        "as in 2022; interleaved then needs pp > 2)",
+    )
     out = command.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument(
@@ -338,6 +346,7 @@ def _recommend(args: argparse.Namespace) -> int:
             best_per_family=not args.json,  # the table explains the ranking family by family
             sequence_parallel=args.sequence_parallel == "on",
             p2p_model=args.p2p_model,
+            megatron_p2p_overlap=args.megatron_p2p == "overlap",
         )
         from megatron_bfpp.plan.search import recommend
 
@@ -406,6 +415,11 @@ def format_recommendation(
     """The table people read: one row per configuration, best first, then what the columns
     mean and which schedules the runtime cannot run yet."""
     gpu = cluster.gpu
+    marked = [
+        plan.p2p_model
+        for plan in (*result.plans, *result.best_per_family.values())
+        if plan.p2p_model.startswith("megatron")
+    ]
     header = (
         f"{'#':>2}  {'schedule':<28} {'tp':>2} {'pp':>3} {'vp':>2} {'dp':>3} {'b':>3} "
         f"{'m':>4} {'recompute':<9} {'step s':>8} {'tokens/s':>9} {'MFU':>6} {'bubble':>6} "
@@ -421,11 +435,8 @@ def format_recommendation(
         f"pruned by bounds, {result.seconds:.1f} s; compute from the {result.efficiency_source}",
         f"p2p timing model: {result.p2p_model} ({P2P_MODELS[result.p2p_model]})",
         *(
-            [f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS['megatron']}"]
-            if any(
-                plan.p2p_model == "megatron"
-                for plan in (*result.plans, *result.best_per_family.values())
-            )
+            [f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS[marked[0]]}"]
+            if marked
             else []
         ),
         "",
@@ -465,7 +476,7 @@ def _name(plan: Plan) -> str:
     """A row's family, its breadth-first group, and [M] when it stands for Megatron's own."""
     c = plan.candidate
     group = f" g={c.group_size}" if c.group_size else ""
-    return c.family + group + (" [M]" if plan.p2p_model == "megatron" else "")
+    return c.family + group + (" [M]" if plan.p2p_model.startswith("megatron") else "")
 
 
 def _row(rank: int, plan: Plan) -> str:

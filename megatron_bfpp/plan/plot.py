@@ -130,7 +130,7 @@ def render_plot(
         family
         for point in sweep
         for family, plan in point.result.best_per_family.items()
-        if plan.p2p_model == "megatron"
+        if plan.p2p_model.startswith("megatron")
     }
     for family, rows in sorted(families.items()):
         rows.sort()

@@ -132,6 +132,9 @@ class SearchOptions:
     # 1f1b / interleaved rows stand for Megatron's own schedules, timed by megatron-core's own
     # posting (p2p model "megatron") whenever the others are by our runtime's (lockstep)
     megatron_baselines: bool = True
+    # Megatron-LM's --overlap-p2p-communication for its interleaved rows (its default); off:
+    # every p2p call batched and waited at once, as Megatron-LM ran in 2022 (which needs pp > 2)
+    megatron_p2p_overlap: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +266,12 @@ def candidates(
                         m = per_pipeline // b
                         if schedule == "interleaved" and m % pp:
                             continue
+                        if (
+                            schedule == "interleaved"
+                            and pp == 2
+                            and not options.megatron_p2p_overlap
+                        ):
+                            continue  # Megatron-LM refuses it: a batch would cross-match at pp 2
                         groups: list[int | None] = [None]
                         if schedule == "breadth-first" and m > pp and m % pp == 0:
                             groups.append(pp)
@@ -540,7 +549,7 @@ def p2p_model_of(candidate: Candidate, options: SearchOptions) -> str:
         and candidate.schedule in MEGATRON_SCHEDULES
         and candidate.sharding == "optim"
     ):
-        return "megatron"
+        return "megatron" if options.megatron_p2p_overlap else "megatron-blocking"
     return options.p2p_model
 
 

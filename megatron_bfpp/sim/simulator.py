@@ -40,7 +40,7 @@ from typing import Any
 
 from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, format_schedule
 from megatron_bfpp.messages import has_communication
-from megatron_bfpp.native_posting import megatron_lm_options, megatron_posting
+from megatron_bfpp.native_posting import P2POptions, megatron_lm_options, megatron_posting
 from megatron_bfpp.nccl import Posting, PostingRun, lockstep_posting, posting_timer
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.semantics import (
@@ -73,6 +73,9 @@ P2P_MODELS = {
     "megatron": "megatron-core's own p2p for its 1f1b / interleaved as Megatron-LM runs them: "
     "one call per pipeline step, batched and waited at once (interleaved: non-batched, "
     "overlapped)",
+    "megatron-blocking": "megatron-core's own p2p for its 1f1b / interleaved with "
+    "--no-overlap-p2p-communication: every call batched and waited at once (Megatron-LM before "
+    "p2p overlap, the 2022 papers' baseline)",
     "gloo": "gloo's rules: sends never block, a receiver waits only where it consumes "
     "(not what runs on NCCL; for comparison)",
 }
@@ -239,6 +242,8 @@ def _timer(schedule: Schedule, p2p: str, posting: Posting | None) -> Callable[[T
     if p2p == "megatron":
         options = megatron_lm_options(lowered, core_version=MEGATRON_CORE_VERSION)
         posting = megatron_posting(lowered, options)
+    elif p2p == "megatron-blocking":
+        posting = megatron_posting(lowered, P2POptions(overlap_p2p=False, batch_p2p=True))
     else:
         posting = lockstep_posting(lowered)
     timer = posting_timer(lowered, posting)

@@ -36,7 +36,7 @@ from megatron_bfpp.plan.search import (
     sharded_walk_length,
 )
 from megatron_bfpp.schedules.registry import build_schedule
-from megatron_bfpp.sim import simulate
+from megatron_bfpp.sim import CostModel, simulate
 
 V100_64 = Cluster(64, 8, get_gpu("v100-32gb"))
 GPT52 = get_model("gpt3-52b")
@@ -310,3 +310,23 @@ def test_megatron_rows_are_timed_by_megatron_cores_own_posting() -> None:
     models = {plan.candidate.schedule: plan.p2p_model for plan in result.plans}
     assert models.get("interleaved") == "megatron" and models.get("v-zb") == "lockstep"
     assert result.to_dict()["configs"][0]["p2p_model"] in ("megatron", "lockstep")
+
+
+def test_megatron_rows_can_be_timed_as_megatron_lm_ran_in_2022() -> None:
+    """`recommend --megatron-p2p blocking`: Megatron's interleaved rows are timed by
+    megatron-core's posting with --no-overlap-p2p-communication (every call batched and waited
+    at once), never slower to overlap, and the layout Megatron-LM refuses then (interleaved at
+    pp 2) is not searched."""
+    blocking = SearchOptions(megatron_p2p_overlap=False)
+    interleaved = Candidate("interleaved", "optim", 8, 4, 8, 2, 2, "selective")
+    assert p2p_model_of(interleaved, blocking) == "megatron-blocking"
+    schedule = build_schedule("interleaved", num_ranks=4, num_microbatches=8, num_chunks=2)
+    costs = CostModel(t_p2p=0.3)
+    overlapped = simulate(schedule, costs, p2p="megatron").step_time
+    assert simulate(schedule, costs, p2p="megatron-blocking").step_time >= overlapped
+    found = candidates(model=GPT52, cluster=V100_64, global_batch_size=64, options=blocking)
+    assert not any(c.schedule == "interleaved" and c.pp == 2 for c in found)
+    default = candidates(
+        model=GPT52, cluster=V100_64, global_batch_size=64, options=SearchOptions()
+    )
+    assert any(c.schedule == "interleaved" and c.pp == 2 for c in default)
