@@ -246,9 +246,8 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         "--megatron-p2p",
         choices=("overlap", "blocking"),
         default="overlap",
-        help="how Megatron's own interleaved rows post p2p: overlap (Megatron-LM's "
-        "--overlap-p2p-communication, its default) or blocking (--no-overlap-p2p-communication, "
-        "as in 2022; interleaved then needs pp > 2)",
+        help="how Megatron's own interleaved rows post p2p: overlap (Megatron-LM's default) or "
+        "blocking (p2p overlap off, as in 2022; interleaved then needs pp > 2)",
     )
     out = command.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")

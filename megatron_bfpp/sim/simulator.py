@@ -73,9 +73,9 @@ P2P_MODELS = {
     "megatron": "megatron-core's own p2p for its 1f1b / interleaved as Megatron-LM runs them: "
     "one call per pipeline step, batched and waited at once (interleaved: non-batched, "
     "overlapped)",
-    "megatron-blocking": "megatron-core's own p2p for its 1f1b / interleaved with "
-    "--no-overlap-p2p-communication: every call batched and waited at once (Megatron-LM before "
-    "p2p overlap, the 2022 papers' baseline)",
+    "megatron-blocking": "megatron-core's own p2p for its 1f1b / interleaved with p2p overlap "
+    "off: every call batched and waited at once (Megatron-LM before p2p overlap, the 2022 "
+    "papers' baseline)",
     "gloo": "gloo's rules: sends never block, a receiver waits only where it consumes "
     "(not what runs on NCCL; for comparison)",
 }
