@@ -57,12 +57,7 @@ def measure_stage(
 ) -> StageProfile:
     """Time ``num_layers`` layers of ``model`` at each micro-batch size (median of
     ``iterations`` after ``warmup``)."""
-    target = _device(device)
-    chosen = dtype or ("bf16" if target.type == "cuda" else "fp32")
-    if chosen not in _DTYPES:
-        raise ScheduleError(f"dtype must be one of {', '.join(_DTYPES)}, got {chosen!r}")
-    if target.type == "cpu" and chosen != "fp32":
-        raise ScheduleError(f"--dtype {chosen} on CPU: megatron-core's CPU path is fp32 only")
+    target, chosen = _device_and_dtype(device, dtype)
     if num_layers > model.num_layers:
         raise ScheduleError(
             f"--profile-layers {num_layers} is more than the model's {model.num_layers} layers"
@@ -106,6 +101,18 @@ def write_profile(profile: StageProfile, path: str | Path) -> None:
     temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     temporary.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(temporary, target)
+
+
+def _device_and_dtype(device: str, dtype: str | None) -> tuple[torch.device, str]:
+    """The device asked for and the dtype to run in: bf16 on a GPU unless told, fp32 on CPU
+    (megatron-core's CPU path runs nothing else)."""
+    target = _device(device)
+    chosen = dtype or ("bf16" if target.type == "cuda" else "fp32")
+    if chosen not in _DTYPES:
+        raise ScheduleError(f"dtype must be one of {', '.join(_DTYPES)}, got {chosen!r}")
+    if target.type == "cpu" and chosen != "fp32":
+        raise ScheduleError(f"--dtype {chosen} on CPU: megatron-core's CPU path is fp32 only")
+    return target, chosen
 
 
 def _device(device: str) -> torch.device:
@@ -267,12 +274,7 @@ def measure_stored_activations(
         )
     if stored < 1:
         raise ScheduleError(f"stored micro-batches must be >= 1, got {stored}")
-    target = _device(device)
-    chosen = dtype or ("bf16" if target.type == "cuda" else "fp32")
-    if chosen not in _DTYPES:
-        raise ScheduleError(f"dtype must be one of {', '.join(_DTYPES)}, got {chosen!r}")
-    if target.type == "cpu" and chosen != "fp32":
-        raise ScheduleError(f"--dtype {chosen} on CPU: megatron-core's CPU path is fp32 only")
+    target, chosen = _device_and_dtype(device, dtype)
     torch_dtype = _DTYPES[chosen]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -155,3 +155,36 @@ print("ok")
             [sys.executable, "-c", code, order], capture_output=True, text=True, timeout=300
         )
         assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_auto_runs_its_choice_with_the_named_schedules_losses(tmp_path: Path) -> None:
+    """``use_schedule(config, "auto")`` in Bridge's own ``pretrain()``: one line from rank 0,
+    the report, and exactly the losses of the schedule it chose named explicitly (same virtual
+    stages, group and cap). Bridge builds no V-placed chunks, so auto leaves the V-shapes out."""
+    import json
+
+    report = tmp_path / "auto.json"
+    proc = _run("--pipeline-schedule", "auto", "--pipeline-schedule-auto-report", str(report))
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "auto: " in line]
+    assert len(lines) == 1 and "no CUDA: memory is not a constraint" in lines[0], lines
+    choice = json.loads(report.read_text())["choice"]
+    assert not choice["schedule"].startswith("v-")
+    named = ["--pipeline-schedule", choice["schedule"]]
+    if choice["virtual_stages"] > 1:
+        named += ["--virtual-pipeline-model-parallel-size", str(choice["virtual_stages"])]
+    for flag, key in (
+        ("--breadth-first-group-size", "group_size"),
+        ("--bpipe-max-stored", "max_stored"),
+    ):
+        if choice[key] is not None:
+            named += [flag, str(choice[key])]
+    auto = sorted(
+        {
+            (int(parts[1]), parts[2], parts[3])
+            for line in proc.stdout.splitlines()
+            if (parts := line.split()) and parts[0] == bridge_cpu.EXACT_PREFIX
+        }
+    )
+    assert [row[0] for row in auto] == [1, 2, 3], proc.stdout[-2000:]
+    assert auto == _losses(*named)
