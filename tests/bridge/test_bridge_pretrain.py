@@ -166,7 +166,9 @@ def test_auto_runs_its_choice_with_the_named_schedules_losses(tmp_path: Path) ->
     report = tmp_path / "auto.json"
     proc = _run("--pipeline-schedule", "auto", "--pipeline-schedule-auto-report", str(report))
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "auto: " in line]
+    lines = [
+        line for line in (proc.stdout + proc.stderr).splitlines() if "megatron_bfpp: auto: " in line
+    ]
     assert len(lines) == 1 and "no CUDA: memory is not a constraint" in lines[0], lines
     choice = json.loads(report.read_text())["choice"]
     assert not choice["schedule"].startswith("v-")
