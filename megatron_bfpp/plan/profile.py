@@ -144,7 +144,13 @@ def profile_from_dict(data: Any) -> StageProfile:
     rows = _field(data, "measurements", list)
     if not rows:
         raise ScheduleError("'measurements' is empty: measure at least one micro-batch size")
-    measurements = tuple(_measurement(row, index) for index, row in enumerate(rows))
+    # On a CPU the deferred-GEMM machinery of a split backward can cost more than a small
+    # stage's whole backward (measured: I 6 ms against B 3 ms at hidden 64): a CPU profile tests
+    # the format, so only a GPU's halves are held to "no longer than the whole".
+    cpu = data.get("device_type") == "cpu"
+    measurements = tuple(
+        _measurement(row, index, split_bounded=not cpu) for index, row in enumerate(rows)
+    )
     sizes = [m.micro_batch_size for m in measurements]
     if len(set(sizes)) != len(sizes):
         raise ScheduleError(f"'measurements' repeats a micro-batch size: {sizes}")
@@ -161,7 +167,7 @@ def profile_from_dict(data: Any) -> StageProfile:
     )
 
 
-def _measurement(row: Any, index: int) -> Measurement:
+def _measurement(row: Any, index: int, *, split_bounded: bool = True) -> Measurement:
     where = f"measurements[{index}]."
     if not isinstance(row, dict):
         raise ScheduleError(f"'measurements[{index}]' must be an object")
@@ -177,7 +183,7 @@ def _measurement(row: Any, index: int) -> Measurement:
         # Each half of a split backward does part of the whole backward's work: one longer
         # than the whole is a mislabelled or broken measurement, and the planner would rank
         # split-backward schedules by it.
-        if part is not None and part > backward:
+        if split_bounded and part is not None and part > backward:
             raise ScheduleError(
                 f"'{where}{key}' ({part:.6g} s) exceeds '{where}backward_s' ({backward:.6g} s): "
                 "half of a split backward cannot take longer than the whole backward; measure "

@@ -386,3 +386,23 @@ def test_shipped_gpu_profiles_load_and_say_what_the_docs_say(path: Path) -> None
         split = row.backward_input_s + row.backward_weight_s
         assert abs(split / row.backward_s - 1) <= 0.05
         assert row.backward_weight_s / row.backward_s < 0.4
+
+
+def test_a_cpu_profile_may_spend_longer_on_half_a_split_backward() -> None:
+    """On CPU the deferral machinery can outweigh a small stage's whole backward (measured with
+    `bfpp-plan profile` at hidden 64: I 6 ms, B 3 ms): a CPU profile loads; a GPU's does not."""
+    from megatron_bfpp.plan.profile import profile_from_dict
+
+    data = profile_to_dict(_table5_profile())
+    data["measurements"] = [
+        {
+            **data["measurements"][0],
+            "backward_s": 0.02,
+            "backward_input_s": 0.03,
+            "backward_weight_s": 0.005,
+        }
+    ]
+    with pytest.raises(ScheduleError, match="exceeds"):
+        profile_from_dict(data)
+    loaded = profile_from_dict({**data, "device_type": "cpu"})
+    assert loaded.measurements[0].backward_input_s == 0.03
