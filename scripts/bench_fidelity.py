@@ -1,33 +1,49 @@
 #!/usr/bin/env python3
-"""Schedule fidelity: measured step time of every schedule next to the simulator's.
+"""Schedule fidelity: measured step time of every schedule next to its timing model's.
 
-Compute is emulated: each model chunk is a one-parameter module whose forward and backward sleep
-their share of ``--t-forward`` / ``--t-backward`` (seconds per micro-batch through one full 1F1B
-stage), so timing does not depend on this machine's cores. Everything else is real: our runtime,
-megatron-core's forward_step / backward_step, gloo point-to-point messages between forked ranks.
+The ranks run under the tests' NCCL emulation (``megatron_bfpp.testing.nccl_emulation``: one
+stream per group, a send posted only once its receiver's batch started) with an emulated
+transfer time ``--t-p2p``: each message completes that long after both halves started, the
+model of ``nccl.posting_timer``. Compute is emulated: each model chunk is a one-parameter module
+whose forward and backward sleep their share of ``--t-forward`` / ``--t-backward`` (seconds per
+micro-batch through one full 1F1B stage), so timing does not depend on this machine's cores.
+Everything else is real: our runtime and megatron-core's forward_step / backward_step, gloo
+point-to-point messages between forked ranks.
+
+Our schedules run through our runtime and are compared with ``simulate(..., p2p="lockstep")``;
+Megatron's own 1f1b and interleaved (``megatron-1f1b``, ``megatron-interleaved``) run through
+megatron-core's own forward-backward function with Megatron-LM's p2p settings
+(``native_posting.megatron_lm_options``: interleaved non-batched with p2p overlap and freed
+outputs, 1f1b batched) and are compared with ``simulate(..., p2p="megatron")``.
 ``--t-grad-reduce`` emulates a per-chunk data-parallel gradient reduction on a per-rank
-communication lane (a worker thread serving one reduction at a time), dispatched through
-``config.grad_sync_func`` exactly where the runtime calls it; ``finalize_model_grads_func`` waits
-for the lane, as megatron-core's finalize waits for DDP's reductions.
+communication lane (a worker thread serving one reduction at a time), started as megatron-core's
+DDP starts it (``ChunkSync``: by gradient hooks outside ``config.no_sync_func``, or by
+``config.grad_sync_func``, where each executor calls them); ``finalize_model_grads_func`` waits
+for the lane, as megatron-core's finalize waits for DDP's reductions. Each case runs with and
+without it.
 
-    python scripts/bench_fidelity.py                 # pp=4, every schedule, +DP case
-    python scripts/bench_fidelity.py --pp 8 --microbatches 16
+    python scripts/bench_fidelity.py                          # pp 4 and 8, every schedule
+    python scripts/bench_fidelity.py --pp 4 --only v-zb megatron-interleaved --dp-only
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import queue
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from megatron_bfpp.schedules import build_schedule
 from megatron_bfpp.sim import CostModel, simulate
-from megatron_bfpp.testing.multirank import run_ranks
+from megatron_bfpp.testing import nccl_emulation
+from megatron_bfpp.testing.multirank import RanksFailed, preload_megatron, run_ranks
 
 HIDDEN, SEQ, MBS = 8, 4, 1
 
@@ -99,6 +115,43 @@ class DataParallelLane:
         self.jobs.join()
 
 
+class ChunkSync:
+    """One chunk's gradient reduction as megatron-core's DDP starts it: by its parameters'
+    gradient hooks once every parameter's gradient is ready outside ``no_sync`` (megatron-core's
+    1F1B leaves ``no_sync`` before the first stage's last backward and never calls
+    ``grad_sync_func`` there), or by ``grad_sync_func``, whichever comes first, once per step."""
+
+    def __init__(self, lane: DataParallelLane, params: list[torch.nn.Parameter]) -> None:
+        self.lane, self.params = lane, params
+        self.synced, self.started = True, False
+        self.ready: set[int] = set()
+        for index, param in enumerate(params):
+            param.register_post_accumulate_grad_hook(lambda _, index=index: self._ready(index))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.synced = False
+        try:
+            yield
+        finally:
+            self.synced = True
+
+    def _ready(self, index: int) -> None:
+        if self.synced:
+            self.ready.add(index)
+            if len(self.ready) == len(self.params):
+                self.start()
+
+    def start(self, *unused: Any) -> None:
+        if not self.started:
+            self.started = True
+            self.lane.start()
+
+    def finish_step(self) -> None:
+        self.started = False
+        self.ready.clear()
+
+
 def _forward_step(data_iterator: Any, model: SleepChunk) -> Any:
     data = next(data_iterator)
     x = data if model.input_tensor is None else model.input_tensor
@@ -106,37 +159,53 @@ def _forward_step(data_iterator: Any, model: SleepChunk) -> Any:
     return output, lambda out: ((out * 0).sum(), {"loss": (out * 0).sum().detach()})
 
 
-def ping_pong(rounds: int = 200) -> float:
-    """One-way latency of a pipeline message between ranks 0 and 1 (median, seconds)."""
-    rank = torch.distributed.get_rank()
-    buffer = torch.zeros(SEQ, MBS, HIDDEN)
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        if rank == 0:
-            torch.distributed.send(buffer, 1)
-            torch.distributed.recv(buffer, 1)
-        elif rank == 1:
-            torch.distributed.recv(buffer, 0)
-            torch.distributed.send(buffer, 0)
-        samples.append((time.perf_counter() - start) / 2)
-    return statistics.median(samples)
+MEGATRON = "megatron-"  # the prefix of Megatron's own schedules in the case names
+
+
+def _megatron_options(name: str, pp: int, vp: int, num_microbatches: int) -> dict[str, Any]:
+    """The ``ModelParallelConfig`` p2p fields Megatron-LM sets for its own ``name``."""
+    from megatron_bfpp.compat import megatron_core_version
+    from megatron_bfpp.native_posting import megatron_lm_options
+
+    schedule = build_schedule(
+        name, num_ranks=pp, num_microbatches=num_microbatches, num_chunks=vp if vp > 1 else None
+    )
+    options = megatron_lm_options(schedule, core_version=megatron_core_version()[:2])
+    return {
+        "batch_p2p_comm": options.batch_p2p,
+        "overlap_p2p_comm": options.overlap_p2p,
+        "deallocate_pipeline_outputs": True,  # Megatron-LM's training loop sets it
+        # megatron-core counts its warm-up by the config's chunks; Megatron-LM's default
+        # group, which our interleaved builds as well
+        **(
+            {"virtual_pipeline_model_parallel_size": vp, "microbatch_group_size_per_vp_stage": pp}
+            if vp > 1
+            else {}
+        ),
+    }
 
 
 def rank_main(name: str, costs: dict[str, float], num_microbatches: int, steps: int) -> list[float]:
     from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.testing import nccl_emulation
 
+    if not nccl_emulation.installed():
+        raise RuntimeError("the NCCL emulation is not installed in the rank; see main()")
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    native = name.startswith(MEGATRON)
+    p2p = _megatron_options(name[len(MEGATRON) :], pp, vp, num_microbatches) if native else {}
     config = TransformerConfig(
         num_layers=pp * vp,
         hidden_size=HIDDEN,
         num_attention_heads=1,
         use_cpu_initialization=True,
         pipeline_dtype=torch.float32,
+        **p2p,
     )
     fraction = 1.0 / vp
     chunks = [
@@ -149,10 +218,18 @@ def rank_main(name: str, costs: dict[str, float], num_microbatches: int, steps: 
         for _ in range(vp)
     ]
     lane = DataParallelLane(costs["t_grad_reduce"])
+    syncs = [ChunkSync(lane, [chunk.linear.weight, chunk.weight]) for chunk in chunks]
+
+    def finalize(*unused: Any, **also_unused: Any) -> None:
+        lane.wait()
+        for sync in syncs:
+            sync.finish_step()
+
     if costs["t_grad_reduce"] > 0:
-        config.grad_sync_func = [lane.start] * vp if vp > 1 else lane.start
-    config.finalize_model_grads_func = lane.wait
-    func = get_forward_backward_func(name)
+        config.no_sync_func = [sync.no_sync for sync in syncs] if vp > 1 else syncs[0].no_sync
+        config.grad_sync_func = [sync.start for sync in syncs] if vp > 1 else syncs[0].start
+    config.finalize_model_grads_func = finalize
+    func = megatron_func() if native else get_forward_backward_func(name)
     times = []
     for _ in range(steps):
         iterators = [iter([torch.randn(SEQ, MBS, HIDDEN)] * num_microbatches) for _ in chunks]
@@ -171,13 +248,27 @@ def rank_main(name: str, costs: dict[str, float], num_microbatches: int, steps: 
     return times
 
 
+def predict(name: str, pp: int, vp: int, num_microbatches: int, costs: CostModel) -> float:
+    """The step time of the timing model that stands for what runs ``name``."""
+    native = name.startswith(MEGATRON)
+    schedule = build_schedule(
+        name[len(MEGATRON) :] if native else name,
+        num_ranks=pp,
+        num_microbatches=num_microbatches,
+        num_chunks=vp if vp > 1 else None,
+    )
+    return simulate(schedule, costs, p2p="megatron" if native else "lockstep").step_time
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--vp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--t-forward", type=float, default=0.04)
-    parser.add_argument("--t-backward", type=float, default=0.08)
+    parser.add_argument("--pp", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--vp", type=int, default=2, help="chunks per rank, interleaved / bf")
+    parser.add_argument(
+        "--microbatches", type=int, default=8, help="per step (at least pp: Megatron's own)"
+    )
+    parser.add_argument("--t-forward", type=float, default=0.08)
+    parser.add_argument("--t-backward", type=float, default=0.16)
     parser.add_argument(
         "--t-weight",
         type=float,
@@ -185,88 +276,110 @@ def main() -> None:
         help="the weight-gradient share of --t-backward (default half of it, as bfpp-sim's)",
     )
     parser.add_argument(
+        "--t-p2p", type=float, default=0.01, help="the emulated transfer time of one message"
+    )
+    parser.add_argument(
         "--t-grad-reduce",
         type=float,
-        default=0.0,
-        help="per-chunk reduction for the DP cases (default: twice one group's "
-        "backward, pp * t_backward / vp * 2, where depth-first cannot hide it)",
+        default=None,
+        help="per-chunk reduction of the DP cases (default: --t-backward)",
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these schedules")
+    parser.add_argument("--dp-only", action="store_true", help="only the cases with a reduction")
+    parser.add_argument("--no-dp", action="store_true", help="only the cases without one")
     args = parser.parse_args()
     if args.t_weight is None:
         args.t_weight = args.t_backward / 2
-    (latencies,) = [run_ranks(ping_pong, world_size=2, timeout=120)[0]]
-    t_p2p = latencies
-    reduce_time = args.t_grad_reduce or 2 * args.pp * args.t_backward / args.vp
-    cases = [
-        ("gpipe", None, 0.0),
-        ("1f1b", None, 0.0),
-        ("interleaved", args.vp, 0.0),
-        ("breadth-first", args.vp, 0.0),
-        ("interleaved", args.vp, reduce_time),
-        ("breadth-first", args.vp, reduce_time),
+    reduce_time = args.t_backward if args.t_grad_reduce is None else args.t_grad_reduce
+    # The forked ranks install the emulation (testing.multirank) with this transfer time.
+    os.environ[nccl_emulation.ENV] = "1"
+    os.environ[nccl_emulation.TRANSFER_ENV] = repr(args.t_p2p)
+    preload_megatron()
+    names = [
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("interleaved", args.vp),
+        ("breadth-first", args.vp),
+        ("bpipe", 1),
         # V-shapes: two half-stage chunks per rank; I defers the linear layer's weight GEMM and
         # W computes it (runtime.deferred_wgrad), so W takes t_weight as the simulator says.
-        ("v-min", 2, 0.0),
-        ("v-half", 2, 0.0),
-        ("v-zb", 2, 0.0),
+        ("v-min", 2),
+        ("v-half", 2),
+        ("v-zb", 2),
+        (MEGATRON + "1f1b", 1),
+        (MEGATRON + "interleaved", args.vp),
     ]
     if args.only:
-        cases = [case for case in cases if case[0] in args.only]
+        names = [case for case in names if case[0] in args.only]
+    reductions = [0.0, reduce_time]
+    if args.dp_only:
+        reductions = [reduce_time]
+    if args.no_dp:
+        reductions = [0.0]
     print(
-        f"pp={args.pp} m={args.microbatches} t_forward={args.t_forward}s "
-        f"t_backward={args.t_backward}s t_weight={args.t_weight}s (per full stage); "
-        "measured gloo message latency "
-        f"t_p2p={1e3 * t_p2p:.3f} ms (used by the simulator)"
+        f"t_forward={args.t_forward}s t_backward={args.t_backward}s t_weight={args.t_weight}s "
+        f"(per full stage), emulated transfer t_p2p={args.t_p2p}s, per-chunk reduction "
+        f"{reduce_time}s in the DP cases; {args.steps} timed steps after a warm-up, each the "
+        "slowest rank's; measured: their median, best: the fastest (load only slows a step)"
     )
     print(
-        f"{'schedule':<14} {'vp':>2} {'t_reduce':>8} {'simulated s':>11} {'measured s':>10} "
-        f"{'error':>7}"
+        f"{'schedule':<22} {'pp':>2} {'vp':>2} {'m':>3} {'t_reduce':>8} {'model':>8} "
+        f"{'simulated s':>11} {'measured s':>10} {'error':>7} {'best s':>7} {'error':>7}",
+        flush=True,
     )
-    measured_dp: dict[str, float] = {}
-    for name, vp, reduce in cases:
-        costs = {
-            "t_forward": args.t_forward,
-            "t_backward": args.t_backward,
-            "t_weight": args.t_weight,
-            "t_grad_reduce": reduce,
-        }
-        schedule = build_schedule(
-            name, num_ranks=args.pp, num_microbatches=args.microbatches, num_chunks=vp
-        )
-        predicted = simulate(
-            schedule,
-            CostModel(
-                t_forward=args.t_forward,
-                t_backward=args.t_backward,
-                t_weight=args.t_weight,
-                t_p2p=t_p2p,
-                t_grad_reduce=reduce,
-            ),
-        ).step_time
-        results = run_ranks(
-            rank_main,
-            world_size=args.pp,
-            pp=args.pp,
-            vp=vp,
-            timeout=600,
-            args=(name, costs, args.microbatches, args.steps + 1),
-        )
-        measured = statistics.median(max(r[i] for r in results) for i in range(1, args.steps + 1))
-        if reduce:
-            measured_dp[name] = measured
+    errors: list[float] = []
+    failed: list[str] = []
+    for pp in args.pp:
+        m = args.microbatches
+        for reduce in reductions:
+            for name, vp in names:
+                costs = CostModel(
+                    t_forward=args.t_forward,
+                    t_backward=args.t_backward,
+                    t_weight=args.t_weight,
+                    t_p2p=args.t_p2p,
+                    t_grad_reduce=reduce,
+                    t_evict=args.t_p2p,  # an eviction is one message too, at vp 1 unscaled
+                )
+                predicted = predict(name, pp, vp, m, costs)
+                rank_costs = {
+                    "t_forward": args.t_forward,
+                    "t_backward": args.t_backward,
+                    "t_weight": args.t_weight,
+                    "t_grad_reduce": reduce,
+                }
+                try:
+                    results = run_ranks(
+                        rank_main,
+                        world_size=pp,
+                        pp=pp,
+                        vp=vp if vp > 1 else None,
+                        timeout=600,
+                        args=(name, rank_costs, m, args.steps + 1),
+                    )
+                except RanksFailed as failure:  # report it, go on with the other cases
+                    print(f"{name:<22} {pp:>2} {vp:>2} {m:>3} failed: {failure.summary}")
+                    failed.append(name)
+                    continue
+                steps = [max(r[i] for r in results) for i in range(1, args.steps + 1)]
+                measured = statistics.median(steps)
+                error = (measured - predicted) / predicted
+                errors.append(abs(error))
+                model = "megatron" if name.startswith(MEGATRON) else "lockstep"
+                print(
+                    f"{name:<22} {pp:>2} {vp:>2} {m:>3} {reduce:>8.3f} {model:>8} "
+                    f"{predicted:>11.3f} {measured:>10.3f} {100 * error:>6.1f}% "
+                    f"{min(steps):>7.3f} {100 * (min(steps) - predicted) / predicted:>6.1f}%",
+                    flush=True,
+                )
+    if errors:
         print(
-            f"{name:<14} {vp or 1:>2} {reduce:>8.3f} {predicted:>11.3f} {measured:>10.3f} "
-            f"{100 * (measured - predicted) / predicted:>6.1f}%",
-            flush=True,
+            f"largest |error| {100 * max(errors):.1f}%, mean {100 * statistics.mean(errors):.1f}%"
         )
-    if len(measured_dp) == 2:
-        ratio = measured_dp["interleaved"] / measured_dp["breadth-first"]
-        print(
-            f"with a per-chunk gradient reduction, interleaved / breadth-first step time = "
-            f"{ratio:.3f} (> 1: breadth-first is faster)"
-        )
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    print("load averages (1, 5, 15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,15 @@ versions that, on gloo groups only, keep the rules of ProcessGroupNCCL (docs/des
 5. A Work's ``wait()`` blocks the CPU until the batch completed and raises if it failed.
 6. A batch not completed ``stall_seconds`` after it started, or a ``wait()`` blocked that long,
    fails with a one-line RuntimeError naming the rank, group, batch, its ops and what it waits for.
+7. Optionally a transfer time (``transfer_seconds``, ``$BFPP_NCCL_EMULATION_TRANSFER_S``; default
+   0, none): each op completes about that long after both its halves' batches started, the
+   ops of one batch in parallel (not one after another): the timing model of ``nccl.posting_timer``
+   with ``t_p2p`` = the transfer time, for ``scripts/bench_fidelity.py``. A receiver's batch
+   stamps its start time (``time.monotonic``, one clock for all processes of a machine) into the
+   rendezvous key; the sender posts the real ``isend`` at max(its batch's start, that stamp) +
+   the transfer time, so the delay does not depend on when the sender polled the key (it polls
+   at least every quarter of the transfer time). The receive completes when that data arrives;
+   gloo's own transfer (tens of microseconds on one machine) comes on top.
 
 The real transfers are the original gloo ``isend`` / ``irecv`` with the caller's tag, issued by
 the worker (gloo p2p uses the tag as its slot, apart from the collectives of the main thread).
@@ -47,28 +56,47 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["ENV", "STALL_ENV", "batches_posted", "install", "installed", "uninstall"]
+__all__ = [
+    "ENV",
+    "STALL_ENV",
+    "TRANSFER_ENV",
+    "batches_posted",
+    "install",
+    "installed",
+    "uninstall",
+]
 
 ENV = "BFPP_NCCL_EMULATION"  # "1": the tests install the emulation in every rank
 STALL_ENV = "BFPP_NCCL_EMULATION_STALL_S"
+TRANSFER_ENV = "BFPP_NCCL_EMULATION_TRANSFER_S"
 DEFAULT_STALL_S = 60.0
+MAX_POLL_S = 0.02  # the longest a sender sleeps between looks at its receivers' keys
 
 _originals: dict[tuple[Any, str], Any] = {}  # (module, name) -> what install replaced
 _NAMES = ("batch_isend_irecv", "isend", "irecv", "_check_op")
 # torch's own functions, for the workers even after uninstall (None: torch without distributed)
 _torch: dict[str, Any] = {name: getattr(c10d, name, None) for name in _NAMES}
 _stall_s = DEFAULT_STALL_S
+_transfer_s = 0.0
 _lock = threading.Lock()
 _process: tuple[int, dict[tuple[str, str], _Stream]] | None = None  # (pid, streams)
 
 
-def install(*, stall_seconds: float | None = None) -> None:
-    """Route gloo p2p through the emulation (again: only sets the stall limit). The limit is
-    ``stall_seconds``, else ``$BFPP_NCCL_EMULATION_STALL_S``, else 60 s."""
-    global _stall_s
+def install(*, stall_seconds: float | None = None, transfer_seconds: float | None = None) -> None:
+    """Route gloo p2p through the emulation (again: only sets the limits). The stall limit is
+    ``stall_seconds``, else ``$BFPP_NCCL_EMULATION_STALL_S``, else 60 s; the emulated transfer
+    time of a message (rule 7) ``transfer_seconds``, else ``$BFPP_NCCL_EMULATION_TRANSFER_S``,
+    else 0 (none)."""
+    global _stall_s, _transfer_s
     if stall_seconds is None:
         stall_seconds = float(os.environ.get(STALL_ENV, DEFAULT_STALL_S))
-    _stall_s = stall_seconds
+    if transfer_seconds is None:
+        transfer_seconds = float(os.environ.get(TRANSFER_ENV, 0.0))
+    if transfer_seconds < 0:
+        raise ValueError(
+            f"NCCL emulation: the transfer time must be >= 0 seconds, not {transfer_seconds}"
+        )
+    _stall_s, _transfer_s = stall_seconds, transfer_seconds
     if _originals or not dist.is_available():
         return
     patches = {"batch_isend_irecv": _batch_isend_irecv, "isend": _isend, "irecv": _irecv}
@@ -281,7 +309,9 @@ class _Stream:
         return ", ".join(op.waits_for(self.me) for op in batch.ops if op.state) or "nothing"
 
     def _run(self, batch: _Batch) -> None:
-        deadline = time.monotonic() + _stall_s
+        started = time.monotonic()
+        deadline = started + _stall_s
+        transfer = _transfer_s
         batch.started = True
         posted: list[tuple[_Op, dist.Work]] = []
         sends: dict[int, deque[_Op]] = {}
@@ -290,23 +320,39 @@ class _Stream:
                 op.state = "receiver's batch not started"
                 sends.setdefault(op.peer, deque()).append(op)
                 continue
-            self.store.set(f"{op.peer}>{self.me}/{op.k}", "1")  # announce: this batch started
+            # announce: this batch started, and when (rule 7)
+            self.store.set(f"{op.peer}>{self.me}/{op.k}", repr(started))
             posted.append((op, _torch["irecv"](op.tensor, op.peer, self.group, op.tag)))
             op.state = "nothing arrived"
-        delay = 0.0005
-        while any(sends.values()):  # each peer's sends in order, each once its receiver started
+        delay, longest = 0.0005, min(MAX_POLL_S, transfer / 4) if transfer else MAX_POLL_S
+        due: list[tuple[float, _Op]] = []  # sends whose receiver started, with their post time
+        while any(sends.values()) or due:  # each peer's sends in order, once its receiver started
             for peer, queue in sends.items():
                 while queue and self.store.check([key := f"{self.me}>{peer}/{queue[0].k}"]):
                     op = queue.popleft()
+                    if transfer:
+                        receiver_started = float(self.store.get(key))
+                        due.append((max(started, receiver_started) + transfer, op))
+                    else:
+                        due.append((0.0, op))
+                    op.state = "in transfer"
                     self.store.delete_key(key)
-                    posted.append((op, _torch["isend"](op.tensor, peer, self.group, op.tag)))
-                    op.state, delay = "not taken", 0.0005
-            if any(sends.values()):
-                if time.monotonic() >= deadline:
+                    delay = 0.0005
+            now = time.monotonic()
+            for when, op in due:
+                if when <= now:
+                    posted.append((op, _torch["isend"](op.tensor, op.peer, self.group, op.tag)))
+                    op.state = "not taken"
+            due = [(when, op) for when, op in due if when > now]
+            if any(sends.values()) or due:
+                if now >= deadline:
                     _refresh(posted)
                     raise _Stalled
-                time.sleep(delay)
-                delay = min(2 * delay, 0.02)
+                waiting = any(sends.values())
+                wake = min([when - now for when, _ in due] + ([delay] if waiting else []))
+                time.sleep(wake)
+                if waiting:
+                    delay = min(2 * delay, longest)
         for op, work in posted:
             try:
                 work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))

@@ -2,10 +2,12 @@
 the batches of a group in order, sends that wait for the receiver's batch, megatron-core's per-tick
 batches complete, crossing windows are reported as a one-line stall (and run on plain gloo),
 non-batched isend / irecv FIFO per pair of ranks, megatron-core's own schedules (batched or not)
-give plain gloo's losses, and subprocesses get the emulation through the sitecustomize.
+give plain gloo's losses, subprocesses get the emulation through the sitecustomize, and an
+optional transfer time delays each op once, the ops of a batch in parallel.
 
 Every ordering claim is proved by an outcome (a stall the emulation must report, or a run that
-must finish, where the other rule would give the opposite), never by timing.
+must finish, where the other rule would give the opposite), never by timing; only the transfer
+time's test measures time, with a full transfer time of margin on each side.
 """
 
 from __future__ import annotations
@@ -97,6 +99,20 @@ def one_work_per_batch() -> tuple[int, int, list[float]]:
     (works[0] if len(works) == 1 else works[-1]).wait()
     assert works[0].is_completed() and works[0].exception() is None
     return len(plain), len(works), [x for r in recvs for x in r.tensor.tolist()]
+
+
+def transfer_time(seconds: float) -> tuple[float, list[float]]:
+    """Rank 0 posts one batch [send to 1, send to 2], the others [recv from 0]: (the seconds
+    rank 0's batch took, what this rank received) under an emulated transfer time."""
+    E.install(stall_seconds=10 * seconds + STALL, transfer_seconds=seconds)
+    me = dist.get_rank()
+    got = torch.zeros(3)
+    sends = [_send(1, _payload(0, 0, 1)), _send(2, _payload(0, 0, 2))]
+    ops = sends if me == 0 else [_recv(0, got)]
+    dist.barrier()
+    start = time.monotonic()
+    dist.batch_isend_irecv(ops)[0].wait(LONG)
+    return time.monotonic() - start, got.tolist()
 
 
 def batches_in_order(emulate: bool) -> str:
@@ -268,6 +284,17 @@ def test_a_batch_returns_one_work_where_gloo_returns_one_per_op() -> None:
     for me, (plain, emulated, got) in enumerate(results):
         assert (plain, emulated) == (2, 1)
         assert got == [*_payload(1 - me, 1, 0).tolist(), *_payload(1 - me, 1, 1).tolist()]
+
+
+def test_a_transfer_time_delays_each_op_and_the_ops_of_a_batch_overlap() -> None:
+    """Rule 7: two sends in one batch take the transfer time once, not twice (the model of
+    ``nccl.posting_timer``). The bounds are t and 2t, a full transfer time apart."""
+    seconds = 1.0
+    (took, _), (_, one), (_, two) = run_ranks(
+        transfer_time, world_size=3, timeout=RANK_TIMEOUT, args=(seconds,)
+    )
+    assert (one, two) == (_payload(0, 0, 1).tolist(), _payload(0, 0, 2).tolist())
+    assert seconds <= took < 2 * seconds, took
 
 
 @MODES
