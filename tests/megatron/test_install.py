@@ -122,7 +122,11 @@ def _clean() -> Iterator[None]:
 
 @pytest.fixture
 def no_megatron_lm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``megatron.training`` unimportable even where a checkout happens to be on the path."""
+    """Make ``megatron.training`` unimportable even where a checkout happens to be on the path,
+    or an earlier test of the session imported it (its submodules would still be found in
+    ``sys.modules``)."""
+    for name in [n for n in sys.modules if n.startswith("megatron.training.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # type: ignore[arg-type]
     monkeypatch.setitem(sys.modules, "megatron.training", None)  # type: ignore[arg-type]
 
 
