@@ -32,7 +32,7 @@ from megatron_bfpp.cli.common import (
     stages_per_rank_defaults,
 )
 from megatron_bfpp.compat import UnsupportedVersionError, check_megatron_core, check_torch
-from megatron_bfpp.flags import OneLineParser, positive_int, printable_output
+from megatron_bfpp.flags import OneLineParser, positive_int, printable_output, quiet_exit
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.fit import check_fit
@@ -713,7 +713,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise FlagError(problem)
     except (FlagError, UnsupportedVersionError) as error:
         # Under torchrun every rank checks the same flags: one line per node, not per rank.
-        return 2 if launched and os.environ.get("LOCAL_RANK", "0") != "0" else _error(str(error))
+        if launched and os.environ.get("LOCAL_RANK", "0") != "0":
+            quiet_exit(2)  # local rank 0 prints the line first
+        return _error(str(error))
     if not launched or os.environ["RANK"] == "0":  # said once for the job
         for note in notes:
             print(f"{PROG}: {note}", flush=True)

@@ -62,6 +62,7 @@ from megatron_bfpp.compat import (
     check_torch,
     is_multi_module_collection,
 )
+from megatron_bfpp.flags import quiet_exit
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.megatron.arguments import (
     add_schedule_arguments,
@@ -347,7 +348,7 @@ def _wrap_add_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _exit_quietly(message: str) -> NoReturn:
-    raise SystemExit(2)
+    quiet_exit(2)
 
 
 def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -401,8 +402,9 @@ def refuse(message: str, *, prog: str = "megatron_bfpp") -> NoReturn:
     """End a rank for an argument error: exit code 2, the line printed once per node (by local
     rank 0: every rank checks the same arguments, and under torchrun each printing it made one
     mistake many lines)."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        quiet_exit(2)
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
