@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +33,13 @@ from megatron_bfpp.cli.common import (
     stages_per_rank_defaults,
 )
 from megatron_bfpp.compat import UnsupportedVersionError, check_megatron_core, check_torch
-from megatron_bfpp.flags import OneLineParser, positive_int, printable_output, quiet_exit
+from megatron_bfpp.flags import (
+    QUIET_RANK_GRACE_S,
+    OneLineParser,
+    positive_int,
+    printable_output,
+    quiet_exit,
+)
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.fit import check_fit
@@ -598,6 +605,8 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
     try:
         train(args, store=store)
     except OtherRankFailed:
+        if store is None:  # torchrun / srun: let the reporting rank print before torchrun
+            time.sleep(QUIET_RANK_GRACE_S)  # stops every worker at this one's exit
         return 2, None  # the failing rank reports the one line
     except RanksLost as lost:  # torchrun / srun: this rank speaks for the job
         return 1, str(lost)
