@@ -196,8 +196,14 @@ def _accumulate(items: list[_Deferred]) -> None:
             params.append(item.bias)
     if params:
         with torch.enable_grad():  # also when called from a backward (outside an I)
-            total = _WeightGradients.apply(items, *params)  # type: ignore[no-untyped-call]
+            total = _apply(_WeightGradients, items, *params)
         torch.autograd.backward(total)
+
+
+def _apply(function: Any, *args: Any) -> Any:
+    """``Function.apply`` is untyped in torch 2.13 and typed in 2.14: calling it through
+    ``Any`` keeps strict mypy clean on every torch in ``compat.TORCH_WINDOW``."""
+    return function.apply(*args)
 
 
 class _WeightGradients(torch.autograd.Function):
@@ -242,7 +248,7 @@ def _forward_impl(original: Any) -> Any:
         bias = margs[2]
         params = _Params(weight, bias if bias is not None and bias.requires_grad else None)
         detached = (margs[0], weight.detach(), None if bias is None else bias.detach())
-        return _DeferredLinear.apply(params, *detached, *margs[3:])  # type: ignore[no-untyped-call]
+        return _apply(_DeferredLinear, params, *detached, *margs[3:])
 
     return forward_impl
 
