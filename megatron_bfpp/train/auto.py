@@ -12,6 +12,7 @@ rank decides alike from the same flags, files and device, and rank 0 prints the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping
 
@@ -25,6 +26,7 @@ from megatron_bfpp.plan.auto import (
     gpus_per_node_from_env,
 )
 from megatron_bfpp.plan.presets import model_from_shape
+from megatron_bfpp.train.run_config import model_shape
 
 __all__ = ["resolve_train_auto", "train_request"]
 
@@ -37,17 +39,9 @@ def train_request(
     device: tuple[str | None, int | None] | None,
 ) -> AutoRequest:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    model = model_from_shape(
-        arch=args.model,
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        dropout=False,  # bfpp-train's models train without dropout
-    )
+    shape = dataclasses.asdict(model_shape(args))
+    # bfpp-train's models train without dropout
+    model = model_from_shape(arch=shape.pop("preset"), **shape, dropout=False)
     return AutoRequest(
         model=model,
         tp=tp,

@@ -40,9 +40,37 @@ _MAX_STEP = 4
 Batch = dict[str, torch.Tensor]
 
 
-class TrainingData:
-    """Samples by global index; :meth:`microbatches` cuts one iteration's global batch into this
-    data-parallel rank's micro-batches (dp rank ``d`` gets micro-batches ``d*m .. d*m+m-1``)."""
+class _Samples:
+    """Samples by global index (``sample``); :meth:`microbatches` cuts one iteration's global
+    batch into this data-parallel rank's micro-batches (dp rank ``d`` gets micro-batches
+    ``d*m .. d*m+m-1``), whichever source the samples come from."""
+
+    def microbatch(self, indices: range) -> Batch:
+        """The micro-batch of samples ``indices``."""
+        raise NotImplementedError
+
+    def microbatches(
+        self,
+        *,
+        first_sample: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+    ) -> list[Batch]:
+        """This data-parallel rank's micro-batches of the global batch that starts at sample
+        ``first_sample`` (the samples consumed so far)."""
+        per_rank = global_batch_size // dp_size
+        first = first_sample + dp_rank * per_rank
+        return [
+            self.microbatch(range(start, start + micro_batch_size))
+            for start in range(first, first + per_rank, micro_batch_size)
+        ]
+
+
+class TrainingData(_Samples):
+    """Token samples computed from their index: synthetic sequences, or windows of a byte-level
+    ``--data-path`` file, so every rank draws the same sample for the same index."""
 
     def __init__(
         self, *, seq_length: int, vocab_size: int, seed: int, data_path: str | None = None
@@ -76,58 +104,15 @@ class TrainingData:
         step = int(torch.randint(1, _MAX_STEP + 1, (1,), generator=generator))
         return (start + step * torch.arange(n)) % self.vocab_size
 
-    def microbatches(
-        self,
-        *,
-        first_sample: int,
-        global_batch_size: int,
-        micro_batch_size: int,
-        dp_rank: int,
-        dp_size: int,
-    ) -> list[Batch]:
-        """This data-parallel rank's micro-batches of the global batch that starts at sample
-        ``first_sample`` (the samples consumed so far)."""
-        return _microbatches(
-            self.sample,
-            self.seq_length,
-            first_sample=first_sample,
-            global_batch_size=global_batch_size,
-            micro_batch_size=micro_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-        )
-
-
-def _microbatches(
-    sample: Any,
-    seq_length: int,
-    *,
-    first_sample: int,
-    global_batch_size: int,
-    micro_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-) -> list[Batch]:
-    """``sample(i)``: ``seq_length + 1`` tokens, or a megatron-core sample dict."""
-    per_rank = global_batch_size // dp_size
-    first = first_sample + dp_rank * per_rank
-    batches = []
-    shape = (micro_batch_size, seq_length)
-    for start in range(first, first + per_rank, micro_batch_size):
-        items = [sample(i) for i in range(start, start + micro_batch_size)]
-        if isinstance(items[0], dict):
-            batches.append({key: torch.stack([item[key] for item in items]) for key in _BATCH_KEYS})
-            continue
-        rows = torch.stack(items)
-        batches.append(
-            {
-                "tokens": rows[:, :-1].contiguous(),
-                "labels": rows[:, 1:].contiguous(),
-                "position_ids": torch.arange(seq_length).expand(shape).contiguous(),
-                "loss_mask": torch.ones(shape),
-            }
-        )
-    return batches
+    def microbatch(self, indices: range) -> Batch:
+        rows = torch.stack([self.sample(i) for i in indices])
+        shape = (len(indices), self.seq_length)
+        return {
+            "tokens": rows[:, :-1].contiguous(),
+            "labels": rows[:, 1:].contiguous(),
+            "position_ids": torch.arange(self.seq_length).expand(shape).contiguous(),
+            "loss_mask": torch.ones(shape),
+        }
 
 
 _BATCH_KEYS = ("tokens", "labels", "position_ids", "loss_mask")
@@ -149,7 +134,7 @@ class _TokenIds:
         return {"class": "bfpp-train token ids", "vocab_size": self.vocab_size, "eod": self.eod}
 
 
-class IndexedTrainingData:
+class IndexedTrainingData(_Samples):
     """Megatron indexed datasets through megatron-core's dataset classes (collective when the
     process group is up: rank 0 builds and caches the indices first, as in Megatron-LM)."""
 
@@ -208,24 +193,9 @@ class IndexedTrainingData:
             )
         return {key: item[key] for key in _BATCH_KEYS}
 
-    def microbatches(
-        self,
-        *,
-        first_sample: int,
-        global_batch_size: int,
-        micro_batch_size: int,
-        dp_rank: int,
-        dp_size: int,
-    ) -> list[Batch]:
-        return _microbatches(
-            self.sample,
-            self.seq_length,
-            first_sample=first_sample,
-            global_batch_size=global_batch_size,
-            micro_batch_size=micro_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-        )
+    def microbatch(self, indices: range) -> Batch:
+        items = [self.sample(i) for i in indices]
+        return {key: torch.stack([item[key] for item in items]) for key in _BATCH_KEYS}
 
 
 def training_data(args: Any) -> TrainingData | IndexedTrainingData:

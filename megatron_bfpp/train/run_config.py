@@ -25,6 +25,7 @@ __all__ = [
     "data_path_text",
     "default_ffn_hidden_size",
     "flag_name",
+    "model_shape",
     "run_config",
 ]
 
@@ -172,21 +173,26 @@ def data_path_text(data_path: str | list[str] | None) -> str | None:
     return " ".join(data_path)
 
 
+def model_shape(args: Any) -> ModelShape:
+    """The model a parsed ``bfpp-train`` namespace asks for."""
+    return ModelShape(
+        preset=args.model,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+    )
+
+
 def run_config(args: Any, world_size: int) -> RunConfig:
     """The run a parsed ``bfpp-train`` namespace describes on ``world_size`` ranks (flags already
     validated: tp x pp divides the world size)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     return RunConfig(
-        model=ModelShape(
-            preset=args.model,
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            num_query_groups=args.num_query_groups,
-            ffn_hidden_size=args.ffn_hidden_size,
-            seq_length=args.seq_length,
-            vocab_size=args.vocab_size,
-        ),
+        model=model_shape(args),
         layout=Layout(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
