@@ -21,25 +21,26 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(180)]
 
 
-def _start(*flags: str) -> subprocess.Popen[str]:
+def _popen(*command: str) -> subprocess.Popen[str]:
+    """``command`` in its own process group (as a terminal job would be), outside any launcher's
+    rank environment, its output piped."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "megatron_bfpp.cli.train",
-            "--no-progress",
-            "--train-iters",
-            "100000",
-            "--log-interval",
-            "1",
-            *flags,
-        ],
+        [sys.executable, "-m", *command],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
-        start_new_session=True,  # its own process group, as a terminal job would have
+        start_new_session=True,
+    )
+
+
+def _start(*flags: str) -> subprocess.Popen[str]:
+    """bfpp-train started by hand (it forks its own ranks), training until stopped."""
+    return _popen(
+        "megatron_bfpp.cli.train",
+        *("--no-progress", "--train-iters", "100000", "--log-interval", "1"),
+        *flags,
     )
 
 
@@ -254,26 +255,13 @@ def test_nothing_outlives_a_launcher_killed_while_saving_torch_dist(tmp_path: Pa
 
 def _torchrun(*flags: str) -> subprocess.Popen[str]:
     """Four CPU ranks under torchrun (its agent hosts the store), pipeline size 4."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "4",
-            "--master-port",
-            str(_free_port()),
-            "-m",
-            "megatron_bfpp.cli.train",
-            *("--no-progress", "--log-interval", "1", "--pipeline-model-parallel-size", "4"),
-            *flags,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
+    return _popen(
+        "torch.distributed.run",
+        *("--nproc-per-node", "4", "--master-port", str(_free_port())),
+        "-m",
+        "megatron_bfpp.cli.train",
+        *("--no-progress", "--log-interval", "1", "--pipeline-model-parallel-size", "4"),
+        *flags,
     )
 
 
