@@ -210,6 +210,7 @@ def test_search_size_and_json_fields() -> None:
         "mfu",
         "memory_per_gpu_bytes",
         "p2p_model",
+        "megatron_grad_reduce",
     }
     memory = config["memory_per_gpu_bytes"]
     assert memory["total"] == sum(
