@@ -149,7 +149,7 @@ MEGATRON_CORE_DDP_DEFAULTS = GradSyncOptions()  # DistributedDataParallelConfig'
 
 def megatron_lm_grad_sync(*, overlap_grad_reduce: bool, align: bool = True) -> GradSyncOptions:
     """What Megatron-LM's training setup gives megatron-core: ``grad_sync_func`` only with
-    ``--overlap-grad-reduce`` and ``--align-grad-reduce`` (its default)."""
+    ``--overlap-grad-reduce``, unless ``--no-align-grad-reduce`` (``training.py``)."""
     return GradSyncOptions(overlap_grad_reduce, overlap_grad_reduce and align)
 
 

@@ -92,10 +92,11 @@ DEFAULT_P2P_MODEL = "lockstep"
 # How Megatron's own schedules start their data-parallel gradient reductions, under the megatron
 # p2p models (bfpp-sim / bfpp-plan --megatron-grad-reduce's help): native_posting's rules.
 MEGATRON_GRAD_REDUCE = {
-    "overlap": "Megatron-LM's --overlap-grad-reduce (with its default --align-grad-reduce): "
-    "each chunk's reduction starts where megatron-core starts it (1f1b: after the last "
-    "backward on the first pipeline rank, after the cool-down on the others; interleaved: "
-    "pipeline-rank backwards after the chunk's last one) and overlaps the rest of the step",
+    "overlap": "Megatron-LM's --overlap-grad-reduce (aligned across the pipeline: its default "
+    "without --no-align-grad-reduce): each chunk's reduction starts where megatron-core starts "
+    "it (1f1b: after the last backward on the first pipeline rank, after the cool-down on the "
+    "others; interleaved: pipeline-rank backwards after the chunk's last one) and overlaps the "
+    "rest of the step",
     "at-end": "without --overlap-grad-reduce: every chunk's reduction in finalize_model_grads "
     "after the schedule's last message, overlapping nothing",
 }

@@ -305,3 +305,23 @@ def test_megatron_grad_reduce_moves_each_ranks_end_where_megatron_core_starts_it
     )
     with pytest.raises(ScheduleError, match="applies to the megatron p2p models"):
         simulate(schedule, costs, megatron_grad_reduce="at-end")
+
+
+def test_bfpp_sim_says_where_megatrons_reductions_start(capsys: Any) -> None:
+    import json
+
+    from megatron_bfpp.cli.sim import main
+
+    flags = ["--schedule", "interleaved", "--pp", "4", "--vp", "2", "--microbatches", "8"]
+    flags += ["--t-grad-reduce", "50", "--json", "--p2p-model", "megatron"]
+    assert main(flags) == 0
+    overlap = json.loads(capsys.readouterr().out)
+    assert main([*flags, "--megatron-grad-reduce", "at-end"]) == 0
+    at_end = json.loads(capsys.readouterr().out)
+    assert (overlap["megatron_grad_reduce"], at_end["megatron_grad_reduce"]) == (
+        "overlap",
+        "at-end",
+    )
+    assert at_end["step_time"] > overlap["step_time"]
+    assert main(["--schedule", "1f1b", "--pp", "2", "--megatron-grad-reduce", "at-end"]) == 2
+    assert "applies to --p2p-model megatron" in capsys.readouterr().err
