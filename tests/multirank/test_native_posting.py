@@ -132,7 +132,7 @@ def megatron_events(
 
 
 def megatron_grad_sync_events(
-    mode: tuple[bool, bool, bool], count: int, syncs: list[GradSyncOptions]
+    mode: tuple[bool, bool, bool], count: int, group: int | None, syncs: list[GradSyncOptions]
 ) -> list[list[Event]]:
     """Per DDP setting: what this rank posted, ran and waited for, and when each chunk's
     gradient reduction started, in the second of two steps under megatron-core DDP (the first
@@ -140,12 +140,16 @@ def megatron_grad_sync_events(
     from megatron_bfpp.train.presets import wrap_ddp
 
     batch_p2p, overlap, deallocate = mode
+    grouping: dict[str, Any] = {}
+    if group is not None:
+        grouping["microbatch_group_size_per_vp_stage"] = group
     runs = []
     for sync in syncs:
         config = M.tiny_gpt_config(
             batch_p2p_comm=batch_p2p,
             overlap_p2p_comm=overlap,
             deallocate_pipeline_outputs=deallocate,
+            **grouping,
         )
         chunks = wrap_ddp(
             M.build_model_chunks(config), overlap_grad_reduce=sync.overlap_grad_reduce
@@ -353,15 +357,17 @@ GRAD_SYNCS = [
     GradSyncOptions(True, True),
 ]
 GRAD_SYNC_CASES = [
-    pytest.param(4, None, BATCHED, 6, id="1f1b-pp4"),
-    pytest.param(4, 2, OVERLAP, 8, id="interleaved-pp4-vp2-overlap"),
-    pytest.param(4, 2, BATCHED, 12, id="interleaved-pp4-vp2-batched"),
+    pytest.param(4, None, BATCHED, 6, None, id="1f1b-pp4"),
+    pytest.param(4, None, PAIRWISE, 2, None, id="1f1b-pp4-all-in-warm-up"),
+    pytest.param(4, 2, OVERLAP, 8, None, id="interleaved-pp4-vp2-overlap"),
+    pytest.param(4, 2, BATCHED, 12, None, id="interleaved-pp4-vp2-batched"),
+    pytest.param(4, 2, OVERLAP, 10, 5, id="interleaved-pp4-vp2-group5"),
 ]
 
 
-@pytest.mark.parametrize(("pp", "vp", "mode", "count"), GRAD_SYNC_CASES)
+@pytest.mark.parametrize(("pp", "vp", "mode", "count", "group"), GRAD_SYNC_CASES)
 def test_megatron_core_ddp_starts_each_reduction_where_the_model_puts_its_gs(
-    pp: int, vp: int | None, mode: tuple[bool, bool, bool], count: int
+    pp: int, vp: int | None, mode: tuple[bool, bool, bool], count: int, group: int | None
 ) -> None:
     from megatron_bfpp.compat import megatron_core_version
 
@@ -372,10 +378,11 @@ def test_megatron_core_ddp_starts_each_reduction_where_the_model_puts_its_gs(
         pp=pp,
         vp=vp,
         timeout=540,
-        args=(mode, count, GRAD_SYNCS),
+        args=(mode, count, group, GRAD_SYNCS),
     )
     name = "1f1b" if vp is None else "interleaved"
-    schedule = build_schedule(name, num_ranks=pp, num_microbatches=count, num_chunks=vp)
+    grouping: dict[str, Any] = {} if group is None else {"microbatch_group_size": group}
+    schedule = build_schedule(name, num_ranks=pp, num_microbatches=count, num_chunks=vp, **grouping)
     options = _options(mode, core)
     for index, sync in enumerate(GRAD_SYNCS):
         for rank in range(pp):
