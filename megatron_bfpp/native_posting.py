@@ -39,6 +39,41 @@ receive's message is the next one on its channel (the k-th receive from a rank m
 send, as ``validate`` proves of the schedule's own receives). What megatron-core 0.16-0.17 and
 0.18-0.19 post differs only in ``wait_forward_sends``.
 
+Where each chunk's data-parallel gradient reduction (its GS) starts follows megatron-core's
+rules too (``GradSyncOptions``), not the schedule's GS positions (``passes.grad_sync`` puts
+each right after its chunk's last backward). A GS in the posting is where the reduction is
+started on the data-parallel lane; ``finalize_model_grads`` waiting for it is the rank's end.
+
+* Without ``overlap_grad_reduce`` (megatron-core's default) DDP's gradient hooks start nothing
+  (``_make_backward_post_hook``) and ``finalize_model_grads`` reduces every chunk, in chunk
+  order, synchronously (``finish_grad_sync``), after the schedule's last p2p call: every GS
+  goes at the rank's end.
+* With ``overlap_grad_reduce`` and no ``grad_sync_func`` (Megatron-LM's
+  ``--no-align-grad-reduce``), the schedule runs the backward under ``no_sync`` except the
+  chunk's last micro-batch's backward (1F1B: ``enable_grad_sync`` before its last backward;
+  interleaved: ``backward_step_helper_preprocess`` when ``is_last_microbatch_for_model_chunk``),
+  during which DDP's hooks start the chunk's buckets (``register_grad_ready``): the GS goes
+  right after that backward, before its p2p call.
+* With ``overlap_grad_reduce`` and ``grad_sync_func = start_grad_sync`` (Megatron-LM's
+  ``--overlap-grad-reduce``, which aligns them by default): 1F1B lifts ``no_sync`` before the
+  last backward on the first pipeline rank only (its GS right after that backward) and calls
+  ``grad_sync_func`` on the others after its cool-down (after the last p2p call). The
+  interleaved schedule calls ``grad_sync_func[c]`` in ``backward_step_helper_postprocess``
+  after backward k when ``k - pipeline rank`` is chunk c's last micro-batch in backward order
+  (``grad_sync_microbatch_id``): rank r starts chunk c's reduction r backwards after its own
+  last backward of c, so that all ranks start it together; what is not started by the last
+  backward (``synchronized_model_chunks``) is started after the cool-down's last send wait, in
+  chunk order.
+
+The model starts a hook-started reduction at the end of its backward: megatron-core's first
+pipeline rank splits its first chunk into buckets (``bucket_size``; the other ranks and chunks
+are one bucket in Megatron-LM), whose reductions start during that backward. A first step
+(``is_first_batch``: reductions start in ``finish_grad_sync``) is not modelled, nor param sync:
+each chunk's PS stays before the rank's first compute (megatron-core gathers parameters after
+the optimizer step, or with ``overlap_param_gather`` at the step's start and, under
+``align_param_gather`` in the interleaved schedule, chunk c > 1 at its own delayed point in
+``forward_step_helper_preprocess``).
+
 Not modelled: ``variable_seq_lengths`` (a shape exchange before each call), ring exchange,
 ``overlap_p2p_comm_warmup_flush``, combined 1F1B (``overlap_moe_expert_parallel_comm``), and at
 pp = 2 the second communicator on which the non-batched path puts one direction of a pair (the
@@ -54,7 +89,15 @@ from enum import IntEnum
 from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, StageLayout
 from megatron_bfpp.nccl import Batch, Item, Posting, Step, Wait
 
-__all__ = ["MEGATRON_CORE_DEFAULTS", "P2POptions", "megatron_lm_options", "megatron_posting"]
+__all__ = [
+    "MEGATRON_CORE_DDP_DEFAULTS",
+    "MEGATRON_CORE_DEFAULTS",
+    "GradSyncOptions",
+    "P2POptions",
+    "megatron_lm_grad_sync",
+    "megatron_lm_options",
+    "megatron_posting",
+]
 
 K = ActionKind
 
@@ -88,20 +131,54 @@ def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) ->
     )
 
 
-def megatron_posting(schedule: Schedule, options: P2POptions = MEGATRON_CORE_DEFAULTS) -> Posting:
+@dataclass(frozen=True, slots=True)
+class GradSyncOptions:
+    """How megatron-core DDP starts each chunk's gradient reduction (module docstring).
+
+    ``overlap_grad_reduce`` is ``DistributedDataParallelConfig.overlap_grad_reduce``;
+    ``grad_sync_func`` says whether ``config.grad_sync_func`` is set (to each chunk's
+    ``start_grad_sync``, as Megatron-LM does with ``--overlap-grad-reduce`` unless
+    ``--no-align-grad-reduce``)."""
+
+    overlap_grad_reduce: bool = False
+    grad_sync_func: bool = False
+
+
+MEGATRON_CORE_DDP_DEFAULTS = GradSyncOptions()  # DistributedDataParallelConfig's, no sync funcs
+
+
+def megatron_lm_grad_sync(*, overlap_grad_reduce: bool, align: bool = True) -> GradSyncOptions:
+    """What Megatron-LM's training setup gives megatron-core: ``grad_sync_func`` only with
+    ``--overlap-grad-reduce``, unless ``--no-align-grad-reduce`` (``training.py``)."""
+    return GradSyncOptions(overlap_grad_reduce, overlap_grad_reduce and align)
+
+
+def megatron_posting(
+    schedule: Schedule,
+    options: P2POptions = MEGATRON_CORE_DEFAULTS,
+    grad_sync: GradSyncOptions = MEGATRON_CORE_DDP_DEFAULTS,
+) -> Posting:
     """Per rank, the p2p calls megatron-core's own schedule posts for ``schedule`` (a lowered
     1f1b or interleaved schedule in megatron-core's compute order; module docstring): each call
     one ``Batch`` (``blocking`` when waited right away, ``pairwise`` when non-batched), the
-    deferred waits as ``Wait`` steps, the computes and GS / PS / RL as program positions."""
+    deferred waits as ``Wait`` steps, the computes and PS / RL as program positions, and each
+    chunk's GS where megatron-core DDP starts its reduction under ``grad_sync``."""
     _check_options(schedule, options)
+    if grad_sync.grad_sync_func and not grad_sync.overlap_grad_reduce:
+        raise ScheduleError(
+            "grad_sync_func without overlap_grad_reduce makes every start_grad_sync a "
+            "synchronous reduction mid-schedule, which is not modelled; Megatron-LM sets "
+            "grad_sync_func only with --overlap-grad-reduce"
+        )
     shape = _Shape.of(schedule)
     per_rank = []
     for rank in range(schedule.num_ranks):
-        builder = _Builder(schedule, rank, options)
+        builder = _Builder(schedule, rank, options, grad_sync)
         if shape.num_chunks == 1:
             _one_f_one_b(builder, shape)
         else:
             _interleaved(builder, shape)
+        builder.sync_remaining()
         per_rank.append(builder.finish())
     name = "as megatron-core posts it" + (
         " (p2p overlap)" if options.overlap_p2p else "" if options.batch_p2p else " (non-batched)"
@@ -171,6 +248,25 @@ class _Shape:
         chunk = self.table[k % len(self.table)][1]
         return chunk if forward else self.num_chunks - 1 - chunk
 
+    def is_last_microbatch(self, k: int) -> bool:
+        """megatron-core's ``is_last_microbatch_for_model_chunk``: virtual micro-batch k is its
+        chunk's last (in forward order; in backward order, of the mirrored chunk)."""
+        return 0 <= k < len(self.table) and self.table[k][0] == self.num_microbatches - 1
+
+    def grad_sync_after(self, rank: int, k: int, grad_sync: GradSyncOptions) -> int | None:
+        """The chunk whose reduction megatron-core DDP starts right after the rank's backward
+        k (module docstring), if any."""
+        if not grad_sync.overlap_grad_reduce:
+            return None  # all in finalize_model_grads
+        if self.num_chunks == 1:  # forward_backward_pipelining_without_interleaving
+            last = k == self.num_microbatches - 1
+            hooks = not grad_sync.grad_sync_func or rank == 0  # enable_grad_sync before it
+            return 0 if last and hooks else None
+        if not grad_sync.grad_sync_func:  # backward_step_helper_preprocess: no_sync lifted
+            return self.chunk(k, False) if self.is_last_microbatch(k) else None
+        delayed = k - rank  # backward_step_helper_postprocess: grad_sync_microbatch_id
+        return self.chunk(delayed, False) if self.is_last_microbatch(delayed) else None
+
     def receives(self, rank: int, k: int, forward: bool) -> bool:
         """megatron-core's ``recv_tensor_from_previous_stage``: whether step k receives (for a
         later compute) in that direction."""
@@ -202,6 +298,7 @@ class _Builder:
     schedule: Schedule
     rank: int
     options: P2POptions
+    grad_sync: GradSyncOptions = MEGATRON_CORE_DDP_DEFAULTS
     steps: list[Step] = field(default_factory=list)
     forwards: list[int] = field(default_factory=list)  # positions, in run order
     backwards: list[int] = field(default_factory=list)
@@ -211,14 +308,15 @@ class _Builder:
     sends: dict[tuple[ActionKind, int, int], int] = field(default_factory=dict)
     receives: dict[tuple[ActionKind, int], deque[int]] = field(default_factory=dict)
     posted: set[int] = field(default_factory=set)
+    grad_syncs: dict[int, int] = field(default_factory=dict)  # chunk -> its GS, until started
     ran: int = 0  # computes run so far
     prev: int = 0  # the neighbour ranks
     next: int = 0
 
     def __post_init__(self) -> None:
-        # GS / RL go after the compute before them (megatron-core starts a gradient reduction
-        # in or after that backward), PS before the compute after it (in its forward's
-        # preparation), each in program order.
+        # RL goes after the compute before it, PS before the compute after it (in its
+        # forward's preparation), each in program order; GS where megatron-core DDP starts
+        # the chunk's reduction (sync_after, sync_remaining).
         num_ranks = self.schedule.num_ranks
         self.prev, self.next = (self.rank - 1) % num_ranks, (self.rank + 1) % num_ranks
         actions = self.schedule.per_rank[self.rank]
@@ -238,7 +336,15 @@ class _Builder:
                 self.sends[(kind, action.stage, action.microbatch or 0)] = position
             elif kind in (K.RECV_ACT, K.RECV_GRAD):
                 self.receives.setdefault((kind, action.peer or 0), deque()).append(position)
-            elif kind in (K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE):
+            elif kind is K.GRAD_SYNC:
+                chunk = self.schedule.layout.chunk_of(action.stage)
+                if chunk in self.grad_syncs:
+                    raise self.refuse(
+                        f"it reduces stage {action.stage}'s gradients twice per step; "
+                        "megatron-core DDP reduces each chunk once"
+                    )
+                self.grad_syncs[chunk] = position
+            elif kind in (K.PARAM_SYNC, K.RELEASE):
                 pending.append(position)
             else:
                 raise self.refuse(f"step {position} is {action}, which megatron-core never runs")
@@ -263,6 +369,19 @@ class _Builder:
         self.steps.extend(self.before[position])
         self.steps.append(position)
         self.steps.extend(self.after[position])
+
+    def sync_after(self, k: int, shape: _Shape) -> None:
+        """The GS megatron-core DDP starts right after backward k, which just ran."""
+        chunk = shape.grad_sync_after(self.rank, k, self.grad_sync)
+        if chunk is not None and chunk in self.grad_syncs:
+            self.steps.append(self.grad_syncs.pop(chunk))
+
+    def sync_remaining(self) -> None:
+        """After the schedule's last p2p call: the reductions not started yet, in chunk order
+        (the interleaved schedule's ``synchronized_model_chunks`` loop, 1F1B's last
+        ``grad_sync_func``, or ``finalize_model_grads`` without ``overlap_grad_reduce``)."""
+        for chunk in sorted(self.grad_syncs):
+            self.steps.append(self.grad_syncs.pop(chunk))
 
     def output(self, position: int) -> int | None:
         """A forward's activation or a backward's input gradient, unless its stage is the
@@ -356,11 +475,13 @@ def _one_f_one_b(b: _Builder, shape: _Shape) -> None:
         b.run(forward)
         b.call(send_next=b.output(forward), recv_next=not last)  # send_forward_recv_backward
         b.run(backward)
+        b.sync_after(i, shape)
         final = i == remaining - 1  # send_backward, else send_backward_recv_forward
         b.call(send_prev=b.output(backward), recv_prev=not first and not final)
     for i in range(warmup):
         b.call(recv_next=not last)  # recv_backward
         b.run(backwards[remaining + i])
+        b.sync_after(remaining + i, shape)
         b.call(send_prev=b.output(backwards[remaining + i]))  # send_backward
 
 
@@ -408,6 +529,7 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         if not overlap:
             b.run(forward)
             b.run(backward)
+            b.sync_after(k, shape)
             b.call(
                 send_next=b.output(forward),
                 send_prev=b.output(backward),
@@ -429,6 +551,7 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         if receives_input(backward) and recv_next_waits:  # pp_pre_backward
             b.wait(recv_next_waits.popleft())
         b.run(backward)
+        b.sync_after(k, shape)
         handles = b.call(send_prev=b.output(backward), recv_next=recv_next, wait=False)
         b.wait(send_prev_wait)
         send_prev_wait = handles.get(_Op.SEND_PREV)
@@ -442,5 +565,6 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
             b.wait(recv_next_waits.popleft())
         recv_next = shape.receives(r, k, False) and k != total - 1
         b.run(backward)
+        b.sync_after(k, shape)
         b.call(send_prev=b.output(backward), recv_next=recv_next)
     b.wait(send_prev_wait)

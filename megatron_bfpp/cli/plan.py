@@ -42,7 +42,7 @@ from megatron_bfpp.plan.search import (
     SearchResult,
     family_name,
 )
-from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, P2P_MODELS
+from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, MEGATRON_GRAD_REDUCE, P2P_MODELS
 from megatron_bfpp.train.run_config import DEFAULT_FFN_TEXT
 
 PROG = "bfpp-plan"
@@ -249,6 +249,15 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         help="how Megatron's own interleaved rows post p2p: overlap (Megatron-LM's default) or "
         "blocking (p2p overlap off, as in 2022; interleaved then needs pp > 2)",
     )
+    search.add_argument(
+        "--megatron-grad-reduce",
+        choices=list(MEGATRON_GRAD_REDUCE),
+        default="overlap",
+        help="where Megatron's own 1f1b / interleaved rows start each chunk's data-parallel "
+        "gradient reduction: "
+        + "; ".join(f"{name}: {text}" for name, text in MEGATRON_GRAD_REDUCE.items())
+        + " (default: overlap)",
+    )
     out = command.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument(
@@ -346,6 +355,7 @@ def _recommend(args: argparse.Namespace) -> int:
             sequence_parallel=args.sequence_parallel == "on",
             p2p_model=args.p2p_model,
             megatron_p2p_overlap=args.megatron_p2p == "overlap",
+            megatron_overlap_grad_reduce=args.megatron_grad_reduce == "overlap",
         )
         from megatron_bfpp.plan.search import recommend
 
@@ -415,7 +425,7 @@ def format_recommendation(
     mean and which schedules the runtime cannot run yet."""
     gpu = cluster.gpu
     marked = [
-        plan.p2p_model
+        (plan.p2p_model, plan.megatron_grad_reduce or "overlap")
         for plan in (*result.plans, *result.best_per_family.values())
         if plan.p2p_model.startswith("megatron")
     ]
@@ -434,7 +444,10 @@ def format_recommendation(
         f"pruned by bounds, {result.seconds:.1f} s; compute from the {result.efficiency_source}",
         f"p2p timing model: {result.p2p_model} ({P2P_MODELS[result.p2p_model]})",
         *(
-            [f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS[marked[0]]}"]
+            [
+                f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS[marked[0][0]]}; "
+                f"gradient reductions: {marked[0][1]} ({MEGATRON_GRAD_REDUCE[marked[0][1]]})"
+            ]
             if marked
             else []
         ),

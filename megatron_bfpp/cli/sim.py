@@ -49,7 +49,13 @@ from megatron_bfpp.sim import (
     simulate,
 )
 from megatron_bfpp.sim.cost import cost_fields, cost_flag
-from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, P2P_MODELS, UNITS
+from megatron_bfpp.sim.simulator import (
+    DEFAULT_MEGATRON_GRAD_REDUCE,
+    DEFAULT_P2P_MODEL,
+    MEGATRON_GRAD_REDUCE,
+    P2P_MODELS,
+    UNITS,
+)
 from megatron_bfpp.validate import has_communication, validate_schedule
 
 PROG = "bfpp-sim"
@@ -123,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
         + "; ".join(f"{name}: {text}" for name, text in P2P_MODELS.items())
         + f" (default: {DEFAULT_P2P_MODEL})",
     )
+    costs.add_argument(
+        "--megatron-grad-reduce",
+        choices=list(MEGATRON_GRAD_REDUCE),
+        default=None,
+        help="with --p2p-model megatron / megatron-blocking, where Megatron's own schedule "
+        "starts each chunk's data-parallel gradient reduction (a GS, --t-grad-reduce): "
+        + "; ".join(f"{name}: {text}" for name, text in MEGATRON_GRAD_REDUCE.items())
+        + f" (default: {DEFAULT_MEGATRON_GRAD_REDUCE})",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument(
@@ -161,13 +176,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem := optional_package_problem("--png", "matplotlib", "megatron-bfpp[plot]")
     ):
         return fail(PROG, problem)
+    if args.megatron_grad_reduce is not None and not args.p2p_model.startswith("megatron"):
+        return fail(
+            PROG,
+            "--megatron-grad-reduce applies to --p2p-model megatron or megatron-blocking "
+            "(Megatron's own 1f1b / interleaved); the other models start each reduction at the "
+            "schedule's GS",
+        )
     defaults = apply_defaults(args)
     try:
         schedule = _schedule_from(args)
         if args.png and (problem := png_problem(schedule.num_ranks)):
             return fail(PROG, problem)
         costs = CostModel(**{cost.name: getattr(args, cost.name) for cost in cost_fields()})
-        result = simulate(schedule, costs, p2p=args.p2p_model)
+        result = simulate(
+            schedule, costs, p2p=args.p2p_model, megatron_grad_reduce=args.megatron_grad_reduce
+        )
         nccl = nccl_report(schedule) if args.nccl or args.load_csv else None
         if not math.isfinite(result.step_time):
             return fail(
@@ -370,6 +394,11 @@ def format_report(result: SimResult) -> str:
         f"step time {data['step_time']:.4g}   bubble {100 * data['bubble_fraction']:.2f}%   "
         f"exposed DP comm {data['exposed_dp_comm_time']:.4g}",
         f"p2p timing model: {data['p2p_model']} ({P2P_MODELS[data['p2p_model']]})",
+        *(
+            [f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})"]
+            if (reduce := data["megatron_grad_reduce"])
+            else []
+        ),
         "",
         f"{'rank':>4}  {'busy':>10}  {'bubble %':>8}  {'peak act.':>9}  {'peak par.':>9}  "
         f"{'peak grad':>9}  {'GS':>5}  {'PS':>5}  {'exposed DP':>10}",

@@ -59,6 +59,7 @@ __all__ = [
     "SearchResult",
     "candidates",
     "evaluate",
+    "grad_reduce_of",
     "lower_bound_of",
     "memory_of",
     "p2p_model_of",
@@ -135,6 +136,10 @@ class SearchOptions:
     # Megatron-LM's --overlap-p2p-communication for its interleaved rows (its default); off:
     # every p2p call batched and waited at once, as Megatron-LM ran in 2022 (which needs pp > 2)
     megatron_p2p_overlap: bool = True
+    # Megatron-LM's --overlap-grad-reduce for its rows (as it runs with the distributed
+    # optimizer): each chunk's reduction started where megatron-core DDP starts it; off: all in
+    # finalize_model_grads at the step's end (sim.MEGATRON_GRAD_REDUCE)
+    megatron_overlap_grad_reduce: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +182,7 @@ class Plan:
     memory: MemoryBreakdown
     bubble_fraction: float
     p2p_model: str = DEFAULT_P2P_MODEL  # the simulator's p2p timing model for this row
+    megatron_grad_reduce: str | None = None  # sim.MEGATRON_GRAD_REDUCE's, for a megatron row
 
     def to_dict(self) -> dict[str, object]:
         c = self.candidate
@@ -197,6 +203,7 @@ class Plan:
             "mfu": self.mfu,
             "memory_per_gpu_bytes": self.memory.to_dict(),
             "p2p_model": self.p2p_model,
+            "megatron_grad_reduce": self.megatron_grad_reduce,
         }
 
 
@@ -505,8 +512,11 @@ def _schedule(
     return _build(schedule, pp, vp, m, sharding, group, max_stored)
 
 
-def _simulated_ns(c: Candidate, m: int, costs: CostModel, p2p: str) -> tuple[float, float]:
-    """(step time, bubble fraction) of ``c`` at m micro-batches, in the simulator's ns.
+def _simulated_ns(
+    c: Candidate, m: int, costs: CostModel, p2p: str, grad_reduce: str | None = None
+) -> tuple[float, float]:
+    """(step time, bubble fraction) of ``c`` at m micro-batches, in the simulator's ns, by the
+    p2p model ``p2p`` (and, for a megatron model, ``grad_reduce``: sim.MEGATRON_GRAD_REDUCE).
 
     Long schedules repeat a steady state: when three lengths p apart (congruent to m mod p, from
     about p, else from about 2p; else 2p apart) give step times on one line, exactly (integer
@@ -523,7 +533,9 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel, p2p: str) -> tuple[flo
         steps = []
         for length in (first, first + period, first + 2 * period):
             built = _schedule(*c.shape, length, c.sharding, c.group_size, c.max_stored)
-            steps.append(simulate(built, costs, p2p=p2p).step_time)
+            steps.append(
+                simulate(built, costs, p2p=p2p, megatron_grad_reduce=grad_reduce).step_time
+            )
         slope = steps[1] - steps[0]
         # On one line: exactly with integer durations; within float rounding while a stage's
         # share (1/vp of a full stage) makes the simulator's sums inexact.
@@ -532,7 +544,7 @@ def _simulated_ns(c: Candidate, m: int, costs: CostModel, p2p: str) -> tuple[flo
             busy = m * (costs.t_forward + costs.t_backward)
             return step, (step - busy) / step if step > 0 else 0.0
     built = _schedule(*c.shape, m, c.sharding, c.group_size, c.max_stored)
-    result = simulate(built, costs, p2p=p2p)
+    result = simulate(built, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
     return result.step_time, result.bubble_fraction
 
 
@@ -553,11 +565,26 @@ def p2p_model_of(candidate: Candidate, options: SearchOptions) -> str:
     return options.p2p_model
 
 
+def grad_reduce_of(p2p: str, options: SearchOptions) -> str | None:
+    """How a row timed by ``p2p`` starts its gradient reductions: Megatron-LM's setting
+    (``SearchOptions.megatron_overlap_grad_reduce``) for a megatron row, else None (the
+    schedule's GS)."""
+    if not p2p.startswith("megatron"):
+        return None
+    return "overlap" if options.megatron_overlap_grad_reduce else "at-end"
+
+
 def _simulate(
-    sized: _Sized, model: Model, cluster: Cluster, global_batch_size: int, p2p: str
+    sized: _Sized,
+    model: Model,
+    cluster: Cluster,
+    global_batch_size: int,
+    p2p: str,
+    grad_reduce: str | None = None,
 ) -> Plan:
     c = sized.candidate
-    simulated_ns, bubble = _simulated_ns(c, sized.m, _cost_model(sized.times), p2p)
+    costs = _cost_model(sized.times)
+    simulated_ns, bubble = _simulated_ns(c, sized.m, costs, p2p, grad_reduce)
     step = simulated_ns / NS + sized.m * sized.times.output + sized.times.optimizer
     flops = model_flops_per_step(model, global_batch_size=global_batch_size)
     return Plan(
@@ -569,6 +596,7 @@ def _simulate(
         memory=sized.memory,
         bubble_fraction=bubble,
         p2p_model=p2p,
+        megatron_grad_reduce=grad_reduce,
     )
 
 
@@ -655,7 +683,9 @@ def evaluate(
     )
     if sized is None:  # cannot happen with force=True; keeps the type checker honest
         raise ScheduleError(f"could not size {candidate}")
-    return _simulate(sized, model, cluster, global_batch_size, p2p_model_of(candidate, options))
+    p2p = p2p_model_of(candidate, options)
+    grad_reduce = grad_reduce_of(p2p, options)
+    return _simulate(sized, model, cluster, global_batch_size, p2p, grad_reduce)
 
 
 def lower_bound_of(
@@ -743,7 +773,9 @@ def recommend(
             pruned += 1
             continue
         p2p = p2p_model_of(sized.candidate, options)
-        plan = _simulate(sized, model, cluster, global_batch_size, p2p)
+        plan = _simulate(
+            sized, model, cluster, global_batch_size, p2p, grad_reduce_of(p2p, options)
+        )
         simulated += 1
         if best is None or plan.step_time_s < best.step_time_s:
             family_best[family] = plan

@@ -7,9 +7,11 @@ posted; BPipe's header read blocking the acceptor) timed by ``nccl.posting_timer
 ``megatron`` times Megatron's own ``1f1b`` / ``interleaved`` by the calls megatron-core posts
 for them (``native_posting.megatron_posting`` with Megatron-LM's settings: one
 ``_communicate`` per pipeline step, waited at once; interleaved non-batched with p2p overlap),
-by the same model. ``gloo`` keeps gloo's rules (``semantics.replay``: sends never block, a
-receiver waits only where it consumes), which no NCCL run follows: an option for comparison,
-never a prediction's default.
+by the same model, each chunk's gradient reduction started where megatron-core DDP starts it
+(``MEGATRON_GRAD_REDUCE``: with Megatron-LM's ``--overlap-grad-reduce`` by default, or all in
+``finalize_model_grads`` at the step's end without it). ``gloo`` keeps gloo's rules
+(``semantics.replay``: sends never block, a receiver waits only where it consumes), which no
+NCCL run follows: an option for comparison, never a prediction's default.
 Either way ``semantics.replay`` runs first: it finds a deadlock (with the grid of where each
 rank waits), counts stored activations in program order and sees the RLs of sharded
 parameters, which do not depend on the timing model.
@@ -34,13 +36,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from operator import attrgetter, countOf
 from typing import Any
 
 from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, format_schedule
 from megatron_bfpp.messages import has_communication
-from megatron_bfpp.native_posting import P2POptions, megatron_lm_options, megatron_posting
+from megatron_bfpp.native_posting import (
+    P2POptions,
+    megatron_lm_grad_sync,
+    megatron_lm_options,
+    megatron_posting,
+)
 from megatron_bfpp.nccl import Posting, PostingRun, lockstep_posting, posting_timer
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.semantics import (
@@ -55,7 +62,9 @@ from megatron_bfpp.semantics import (
 from megatron_bfpp.sim.cost import CostModel
 
 __all__ = [
+    "DEFAULT_MEGATRON_GRAD_REDUCE",
     "DEFAULT_P2P_MODEL",
+    "MEGATRON_GRAD_REDUCE",
     "P2P_MODELS",
     "UNITS",
     "Event",
@@ -80,6 +89,18 @@ P2P_MODELS = {
     "(not what runs on NCCL; for comparison)",
 }
 DEFAULT_P2P_MODEL = "lockstep"
+# How Megatron's own schedules start their data-parallel gradient reductions, under the megatron
+# p2p models (bfpp-sim / bfpp-plan --megatron-grad-reduce's help): native_posting's rules.
+MEGATRON_GRAD_REDUCE = {
+    "overlap": "Megatron-LM's --overlap-grad-reduce (aligned across the pipeline: its default "
+    "without --no-align-grad-reduce): each chunk's reduction starts where megatron-core starts "
+    "it (1f1b: after the last backward on the first pipeline rank, after the cool-down on the "
+    "others; interleaved: pipeline-rank backwards after the chunk's last one) and overlaps the "
+    "rest of the step",
+    "at-end": "without --overlap-grad-reduce: every chunk's reduction in finalize_model_grads "
+    "after the schedule's last message, overlapping nothing",
+}
+DEFAULT_MEGATRON_GRAD_REDUCE = "overlap"
 # The megatron-core whose posting ``megatron`` times (native_posting: 0.18 and later wait for a
 # forward send right after posting it under p2p overlap).
 MEGATRON_CORE_VERSION = (0, 19)
@@ -150,6 +171,7 @@ class SimResult:
     timeline: Timeline | PostingTimeline = field(repr=False, compare=False)
     costs: CostModel = field(default_factory=CostModel)
     p2p_model: str = DEFAULT_P2P_MODEL
+    megatron_grad_reduce: str | None = None  # MEGATRON_GRAD_REDUCE's, under a megatron model
 
     @property
     def events(self) -> tuple[Event, ...]:
@@ -171,6 +193,7 @@ class SimResult:
         result: dict[str, Any] = {
             "schedule": self.schedule_name,
             "p2p_model": self.p2p_model,
+            "megatron_grad_reduce": self.megatron_grad_reduce,
             "num_ranks": self.num_ranks,
             "num_chunks": self.num_chunks,
             "num_microbatches": self.num_microbatches,
@@ -192,10 +215,13 @@ def simulate(
     *,
     p2p: str = DEFAULT_P2P_MODEL,
     posting: Posting | None = None,
+    megatron_grad_reduce: str | None = None,
 ) -> SimResult:
     """Time ``schedule`` (one that ``validate_schedule`` accepts) under ``costs`` by the p2p
     timing model ``p2p`` (``P2P_MODELS``); ``posting`` replaces the lock-step posting (a
-    posting of the same schedule: what another executor posts).
+    posting of the same schedule: what another executor posts). ``megatron_grad_reduce``
+    (``MEGATRON_GRAD_REDUCE``; default ``overlap``) says where a megatron model starts each
+    chunk's gradient reduction; the other models start it at the schedule's GS.
 
     Raises ``ScheduleError`` showing the per-rank grid if the programs deadlock.
     """
@@ -203,6 +229,7 @@ def simulate(
         raise ScheduleError(
             f"unknown p2p timing model {p2p!r}; choose one of {', '.join(P2P_MODELS)}"
         )
+    megatron_grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, posting)
     exact = costs.exact(schedule.layout.exact_stage_fraction)
     try:
         run = replay(schedule, exact.timing)
@@ -215,41 +242,66 @@ def simulate(
             schedule, costs, run, exact.per_unit, p2p, run.timeline.scaled(exact.per_unit)
         )
     try:
-        timed = _timer(schedule, p2p, posting)(exact.timing)
+        timed = _timer(schedule, p2p, posting, megatron_grad_reduce)(exact.timing)
     except ScheduleError as error:
         raise ScheduleError(f"cannot simulate {schedule.name!r} under {p2p}: {error}") from None
     timed_run = run._replace(
         compute_end=timed.clock, dp_end=timed.dp_end, busy=timed.busy, gather_wait=timed.gather_wait
     )
     timeline = PostingTimeline(timed.events, exact.per_unit)
-    return _result(schedule, costs, timed_run, exact.per_unit, p2p, timeline)
+    result = _result(schedule, costs, timed_run, exact.per_unit, p2p, timeline)
+    return replace(result, megatron_grad_reduce=megatron_grad_reduce)
+
+
+def _grad_reduce(p2p: str, grad_reduce: str | None, posting: Posting | None) -> str | None:
+    """The megatron model's ``MEGATRON_GRAD_REDUCE`` setting (None for the other models)."""
+    megatron = p2p.startswith("megatron") and posting is None
+    if grad_reduce is None:
+        return DEFAULT_MEGATRON_GRAD_REDUCE if megatron else None
+    if grad_reduce not in MEGATRON_GRAD_REDUCE:
+        raise ScheduleError(
+            f"unknown megatron grad reduce {grad_reduce!r}; choose one of "
+            f"{', '.join(MEGATRON_GRAD_REDUCE)}"
+        )
+    if not megatron:
+        raise ScheduleError(
+            "megatron_grad_reduce applies to the megatron p2p models (Megatron's own 1f1b / "
+            "interleaved, posted by megatron-core); the others start each reduction at the "
+            "schedule's GS"
+        )
+    return grad_reduce
 
 
 # The timers of the last schedules timed by their lock-step posting, by identity (the planner
 # times each of its cached schedules under many costs; hashing a schedule reads all of it).
-_TIMERS: dict[tuple[int, str], tuple[Schedule, Callable[[Timing], PostingRun]]] = {}
+_TIMERS: dict[tuple[int, str, str | None], tuple[Schedule, Callable[[Timing], PostingRun]]] = {}
 _TIMERS_KEPT = 64
 
 
-def _timer(schedule: Schedule, p2p: str, posting: Posting | None) -> Callable[[Timing], PostingRun]:
+def _timer(
+    schedule: Schedule, p2p: str, posting: Posting | None, grad_reduce: str | None
+) -> Callable[[Timing], PostingRun]:
     """The timer of ``posting``, or of the posting ``p2p`` names for ``schedule`` lowered."""
     if posting is not None:
         return posting_timer(schedule, posting)
-    kept = _TIMERS.get((id(schedule), p2p))
+    key = (id(schedule), p2p, grad_reduce)
+    kept = _TIMERS.get(key)
     if kept is not None and kept[0] is schedule:
         return kept[1]
     lowered = schedule if has_communication(schedule) else add_communication(schedule)
+    grad_sync = megatron_lm_grad_sync(overlap_grad_reduce=grad_reduce == "overlap")
     if p2p == "megatron":
         options = megatron_lm_options(lowered, core_version=MEGATRON_CORE_VERSION)
-        posting = megatron_posting(lowered, options)
+        posting = megatron_posting(lowered, options, grad_sync)
     elif p2p == "megatron-blocking":
-        posting = megatron_posting(lowered, P2POptions(overlap_p2p=False, batch_p2p=True))
+        blocking = P2POptions(overlap_p2p=False, batch_p2p=True)
+        posting = megatron_posting(lowered, blocking, grad_sync)
     else:
         posting = lockstep_posting(lowered)
     timer = posting_timer(lowered, posting)
     if len(_TIMERS) >= _TIMERS_KEPT:
         del _TIMERS[next(iter(_TIMERS))]
-    _TIMERS[(id(schedule), p2p)] = (schedule, timer)
+    _TIMERS[key] = (schedule, timer)
     return timer
 
 

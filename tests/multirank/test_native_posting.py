@@ -1,7 +1,11 @@
 """megatron-core's own 1F1B and interleaved schedules, run on gloo ranks with torch's
 ``batch_isend_irecv`` / ``isend`` / ``irecv`` and their Works recorded, post exactly the calls
 ``native_posting.megatron_posting`` derives from our catalogue's schedule: op for op (send or
-receive, peer, shape), in order, batched or not, with the computes and the waits in between."""
+receive, peer, shape), in order, batched or not, with the computes and the waits in between.
+Under megatron-core DDP, each chunk's gradient reduction starts (its bucket group's
+``start_grad_sync``, whether DDP's hooks, ``grad_sync_func`` or ``finalize_model_grads`` call
+it) where the model puts the chunk's GS, with and without ``overlap_grad_reduce`` and
+``grad_sync_func``."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from megatron_bfpp.ir import ActionKind, Schedule
-from megatron_bfpp.native_posting import P2POptions, megatron_posting
+from megatron_bfpp.native_posting import GradSyncOptions, P2POptions, megatron_posting
 from megatron_bfpp.nccl import Batch, Wait, check_posting
 from megatron_bfpp.schedules.registry import build_schedule
 from megatron_bfpp.testing import models as M
@@ -127,13 +131,79 @@ def megatron_events(
     return runs
 
 
-def _one_step(chunks: list[Any], count: int) -> list[Event]:
+def megatron_grad_sync_events(
+    mode: tuple[bool, bool, bool], count: int, group: int | None, syncs: list[GradSyncOptions]
+) -> list[list[Event]]:
+    """Per DDP setting: what this rank posted, ran and waited for, and when each chunk's
+    gradient reduction started, in the second of two steps under megatron-core DDP (the first
+    step starts every reduction in ``finish_grad_sync``: ``is_first_batch``)."""
+    from megatron_bfpp.train.presets import wrap_ddp
+
+    batch_p2p, overlap, deallocate = mode
+    grouping: dict[str, Any] = {}
+    if group is not None:
+        grouping["microbatch_group_size_per_vp_stage"] = group
+    runs = []
+    for sync in syncs:
+        config = M.tiny_gpt_config(
+            batch_p2p_comm=batch_p2p,
+            overlap_p2p_comm=overlap,
+            deallocate_pipeline_outputs=deallocate,
+            **grouping,
+        )
+        chunks = wrap_ddp(
+            M.build_model_chunks(config), overlap_grad_reduce=sync.overlap_grad_reduce
+        )
+        if not sync.grad_sync_func:
+            config.grad_sync_func = None  # Megatron-LM's --no-align-grad-reduce
+        _one_step(chunks, count)  # the first step
+        runs.append(_merged_waits(_step_with_grad_syncs(chunks, count)))
+    return runs
+
+
+def _step_with_grad_syncs(chunks: list[Any], count: int) -> list[Event]:
+    """One step's record with ("GS", stage) where a chunk's first bucket group starts its
+    reduction (``_ParamAndGradBucketGroup.start_grad_sync``, whoever calls it)."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    stage_of = _stage_of_bucket_groups(chunks)
+    events: list[Event] = []
+    original = _ParamAndGradBucketGroup.start_grad_sync
+
+    def start_grad_sync(group: Any, *args: Any, **kwargs: Any) -> Any:
+        stage = stage_of[id(group)]
+        if ("GS", stage) not in events:
+            events.append(("GS", stage))
+        return original(group, *args, **kwargs)
+
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    _ParamAndGradBucketGroup.start_grad_sync = start_grad_sync
+    try:
+        return _one_step(chunks, count, events)
+    finally:
+        _ParamAndGradBucketGroup.start_grad_sync = original
+
+
+def _stage_of_bucket_groups(chunks: list[Any]) -> dict[int, int]:
+    from megatron.core import parallel_state
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return {
+        id(group): index * pp + pp_rank
+        for index, chunk in enumerate(chunks)
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups
+    }
+
+
+def _one_step(chunks: list[Any], count: int, events: list[Event] | None = None) -> list[Event]:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    events: list[Event] = []
+    events = [] if events is None else events
     forwards = [0] * len(chunks)
     original_backward = schedules.backward_step
 
@@ -169,10 +239,13 @@ def _one_step(chunks: list[Any], count: int) -> list[Event]:
 # --------------------------------------------------------------------------- the model's side
 
 
-def model_events(schedule: Schedule, options: P2POptions, rank: int) -> list[Event]:
+def model_events(
+    schedule: Schedule, options: P2POptions, rank: int, grad_sync: GradSyncOptions | None = None
+) -> list[Event]:
     """The same record, read from ``megatron_posting``: a pairwise batch as its isend / irecv
-    calls, a blocking batch followed by the wait of its ops, GS / PS / RL left out."""
-    posting = megatron_posting(schedule, options)
+    calls, a blocking batch followed by the wait of its ops, PS / RL left out, and GS as
+    ("GS", stage) under ``grad_sync`` (left out without)."""
+    posting = megatron_posting(schedule, options, grad_sync or GradSyncOptions())
     check_posting(schedule, posting)  # and the posting is proven under NCCL's rules
     actions = schedule.per_rank[rank]
     op_id: dict[int, int] = {}
@@ -184,6 +257,8 @@ def model_events(schedule: Schedule, options: P2POptions, rank: int) -> list[Eve
                 events.append(("F", action.stage, action.microbatch))
             elif action.kind is ActionKind.BACKWARD:
                 events.append(("B",))
+            elif action.kind is ActionKind.GRAD_SYNC and grad_sync is not None:
+                events.append(("GS", action.stage))
         elif isinstance(step, Wait):
             events.append(("wait", frozenset(op_id[q] for q in step.positions)))
         else:
@@ -272,3 +347,49 @@ def test_megatron_core_posts_what_the_model_derives(
                 f"{name} pp={pp} m={count} {options}, rank {rank}: {_first_difference(got, want)}"
             )
             assert any(event[0] in ("batch", "isend", "irecv") for event in got)
+
+
+# (overlap_grad_reduce, grad_sync_func): megatron-core's default (all in finalize_model_grads),
+# DDP's hooks alone (--no-align-grad-reduce), Megatron-LM's --overlap-grad-reduce.
+GRAD_SYNCS = [
+    GradSyncOptions(False, False),
+    GradSyncOptions(True, False),
+    GradSyncOptions(True, True),
+]
+GRAD_SYNC_CASES = [
+    pytest.param(4, None, BATCHED, 6, None, id="1f1b-pp4"),
+    pytest.param(4, None, PAIRWISE, 2, None, id="1f1b-pp4-all-in-warm-up"),
+    pytest.param(4, 2, OVERLAP, 8, None, id="interleaved-pp4-vp2-overlap"),
+    pytest.param(4, 2, BATCHED, 12, None, id="interleaved-pp4-vp2-batched"),
+    pytest.param(4, 2, OVERLAP, 10, 5, id="interleaved-pp4-vp2-group5"),
+]
+
+
+@pytest.mark.parametrize(("pp", "vp", "mode", "count", "group"), GRAD_SYNC_CASES)
+def test_megatron_core_ddp_starts_each_reduction_where_the_model_puts_its_gs(
+    pp: int, vp: int | None, mode: tuple[bool, bool, bool], count: int, group: int | None
+) -> None:
+    from megatron_bfpp.compat import megatron_core_version
+
+    core = megatron_core_version()[:2]
+    results = run_ranks(
+        megatron_grad_sync_events,
+        world_size=pp,
+        pp=pp,
+        vp=vp,
+        timeout=540,
+        args=(mode, count, group, GRAD_SYNCS),
+    )
+    name = "1f1b" if vp is None else "interleaved"
+    grouping: dict[str, Any] = {} if group is None else {"microbatch_group_size": group}
+    schedule = build_schedule(name, num_ranks=pp, num_microbatches=count, num_chunks=vp, **grouping)
+    options = _options(mode, core)
+    for index, sync in enumerate(GRAD_SYNCS):
+        for rank in range(pp):
+            got = results[rank][index]
+            want = model_events(schedule, options, rank, sync)
+            assert got == want, (
+                f"{name} pp={pp} m={count} {options} {sync}, rank {rank}: "
+                f"{_first_difference(got, want)}"
+            )
+            assert sum(event[0] == "GS" for event in got) == (vp or 1)

@@ -255,3 +255,73 @@ def test_megatron_times_megatron_cores_own_posting_of_its_schedules() -> None:
     breadth = build_schedule("breadth-first", num_ranks=4, num_microbatches=8, num_chunks=2)
     with pytest.raises(ScheduleError, match="cannot simulate 'breadth-first' under megatron"):
         simulate(breadth, costs, p2p="megatron")
+
+
+def test_megatron_grad_reduce_moves_each_ranks_end_where_megatron_core_starts_it() -> None:
+    """Interleaved pp 4, vp 2, m 8 under ``megatron``, with a data-parallel reduction (T = 50)
+    far longer than what follows any chunk's last backward: each rank's two reductions run
+    back to back on its lane from the first one's start, so rank r ends 2T after it. With
+    Megatron-LM's --overlap-grad-reduce megatron-core starts rank r's chunk 1 after its
+    backward 11 + r (chunk 1's last micro-batch is backward 11), so that every rank starts
+    about when rank 0 does and the step still ends 2T after rank 0's backward 11; DDP's hooks
+    alone start it after backward 11 on every rank (the ranks after 0 end earlier); without
+    overlap_grad_reduce both start after the rank's last message and the step ends later."""
+    from megatron_bfpp.native_posting import (
+        GradSyncOptions,
+        megatron_lm_options,
+        megatron_posting,
+    )
+
+    reduce = 50.0
+    costs = CostModel(t_forward=1, t_backward=2, t_p2p=0.25, t_grad_reduce=reduce)
+    schedule = build_schedule("interleaved", num_ranks=4, num_microbatches=8, num_chunks=2)
+
+    def backward_end(result: Any, rank: int, k: int) -> float:
+        ends = sorted(e.end for e in result.events if e.rank == rank and e.kind.value == "B")
+        return float(ends[k])
+
+    aligned = simulate(schedule, costs, p2p="megatron")
+    assert aligned.megatron_grad_reduce == "overlap"
+    assert aligned.to_dict()["megatron_grad_reduce"] == "overlap"
+    hooks = megatron_posting(
+        schedule,
+        megatron_lm_options(schedule, core_version=(0, 19)),
+        GradSyncOptions(overlap_grad_reduce=True),
+    )
+    by_hooks = simulate(schedule, costs, p2p="megatron", posting=hooks)
+    at_end = simulate(schedule, costs, p2p="megatron", megatron_grad_reduce="at-end")
+    for r in range(4):
+        assert aligned.per_rank[r].end_time == backward_end(aligned, r, 11 + r) + 2 * reduce
+        assert by_hooks.per_rank[r].end_time == backward_end(by_hooks, r, 11) + 2 * reduce
+        assert at_end.per_rank[r].end_time == at_end.per_rank[r].compute_end + 2 * reduce
+        if r:
+            assert by_hooks.per_rank[r].end_time < aligned.per_rank[r].end_time
+    assert aligned.step_time == by_hooks.step_time == aligned.per_rank[0].end_time
+    assert at_end.step_time > aligned.step_time + 1
+    # Without reductions where they start takes no time: the same step.
+    free = CostModel(t_forward=1, t_backward=2, t_p2p=0.25, t_grad_reduce=0)
+    assert simulate(schedule, free, p2p="megatron").step_time == pytest.approx(
+        simulate(schedule, free, p2p="megatron", megatron_grad_reduce="at-end").step_time
+    )
+    with pytest.raises(ScheduleError, match="applies to the megatron p2p models"):
+        simulate(schedule, costs, megatron_grad_reduce="at-end")
+
+
+def test_bfpp_sim_says_where_megatrons_reductions_start(capsys: Any) -> None:
+    import json
+
+    from megatron_bfpp.cli.sim import main
+
+    flags = ["--schedule", "interleaved", "--pp", "4", "--vp", "2", "--microbatches", "8"]
+    flags += ["--t-grad-reduce", "50", "--json", "--p2p-model", "megatron"]
+    assert main(flags) == 0
+    overlap = json.loads(capsys.readouterr().out)
+    assert main([*flags, "--megatron-grad-reduce", "at-end"]) == 0
+    at_end = json.loads(capsys.readouterr().out)
+    assert (overlap["megatron_grad_reduce"], at_end["megatron_grad_reduce"]) == (
+        "overlap",
+        "at-end",
+    )
+    assert at_end["step_time"] > overlap["step_time"]
+    assert main(["--schedule", "1f1b", "--pp", "2", "--megatron-grad-reduce", "at-end"]) == 2
+    assert "applies to --p2p-model megatron" in capsys.readouterr().err

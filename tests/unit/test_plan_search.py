@@ -30,6 +30,7 @@ from megatron_bfpp.plan.search import (
     _weights,
     candidates,
     evaluate,
+    grad_reduce_of,
     memory_microbatches,
     p2p_model_of,
     recommend,
@@ -210,6 +211,7 @@ def test_search_size_and_json_fields() -> None:
         "mfu",
         "memory_per_gpu_bytes",
         "p2p_model",
+        "megatron_grad_reduce",
     }
     memory = config["memory_per_gpu_bytes"]
     assert memory["total"] == sum(
@@ -330,3 +332,24 @@ def test_megatron_rows_can_be_timed_as_megatron_lm_ran_in_2022() -> None:
         model=GPT52, cluster=V100_64, global_batch_size=64, options=SearchOptions()
     )
     assert any(c.schedule == "interleaved" and c.pp == 2 for c in default)
+
+
+def test_megatron_rows_can_reduce_gradients_at_the_end() -> None:
+    """`recommend --megatron-grad-reduce at-end`: Megatron's rows start every reduction after
+    the schedule (Megatron-LM without --overlap-grad-reduce), never faster than overlapped; our
+    rows keep their GS and say none."""
+    at_end = SearchOptions(megatron_overlap_grad_reduce=False)
+    assert grad_reduce_of("megatron", SearchOptions()) == "overlap"
+    assert grad_reduce_of("megatron-blocking", at_end) == "at-end"
+    assert grad_reduce_of("lockstep", at_end) is None
+    interleaved = Candidate("interleaved", "optim", 8, 4, 8, 2, 2, "selective")
+    breadth = Candidate("breadth-first", "optim", 8, 4, 8, 2, 2, "selective", 4)
+    kwargs = dict(model=GPT52, cluster=V100_64, global_batch_size=32)
+    overlapped = evaluate(interleaved, **kwargs)
+    late = evaluate(interleaved, **kwargs, options=at_end)
+    assert (overlapped.megatron_grad_reduce, late.megatron_grad_reduce) == ("overlap", "at-end")
+    assert late.to_dict()["megatron_grad_reduce"] == "at-end"
+    assert late.step_time_s > overlapped.step_time_s
+    ours = evaluate(breadth, **kwargs, options=at_end)
+    assert ours.megatron_grad_reduce is None
+    assert ours.step_time_s == evaluate(breadth, **kwargs).step_time_s
