@@ -18,7 +18,7 @@ from tests.processes import alive, descendants, left_alive
 
 pytest.importorskip("megatron.core")
 
-pytestmark = [pytest.mark.megatron, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 
 
 def _popen(*command: str) -> subprocess.Popen[str]:
@@ -59,6 +59,10 @@ def _ranks_when_training(proc: subprocess.Popen[str]) -> list[int]:
 
 
 def _finish(proc: subprocess.Popen[str], ranks: list[int], within: float) -> tuple[int, list[str]]:
+    """The launcher's exit code and error lines once it ends. ``within`` only tells a hang from
+    a slow stop: it is generous (90 s where the launcher needs a few seconds), because on a
+    machine with many times more runnable processes than cores the launcher's own exit, torch's
+    tear-down included, took over 20 s (a full suite at load average 28)."""
     _, err = proc.communicate(timeout=within)  # raises if the launcher is still running then
     time.sleep(0.5)
     left = [pid for pid in ranks if alive(pid)]
@@ -72,7 +76,7 @@ def test_sigterm_to_the_launcher_stops_every_rank() -> None:
     proc = _start()
     ranks = _ranks_when_training(proc)
     proc.send_signal(signal.SIGTERM)
-    code, lines = _finish(proc, ranks, within=20)
+    code, lines = _finish(proc, ranks, within=90)
     assert code == 128 + signal.SIGTERM
     assert lines == ["bfpp-train: error: SIGTERM: stopped all 4 ranks"]
 
@@ -81,7 +85,7 @@ def test_ctrl_c_is_one_line() -> None:
     proc = _start()
     ranks = _ranks_when_training(proc)
     os.killpg(proc.pid, signal.SIGINT)  # the terminal sends it to the whole job
-    code, lines = _finish(proc, ranks, within=20)
+    code, lines = _finish(proc, ranks, within=90)
     assert code == 130
     assert lines == ["bfpp-train: error: interrupted; stopped all 4 ranks"]
 
@@ -90,7 +94,7 @@ def test_killed_rank_is_named_in_one_line() -> None:
     proc = _start()
     ranks = _ranks_when_training(proc)
     os.kill(ranks[2], signal.SIGKILL)
-    code, lines = _finish(proc, ranks, within=30)
+    code, lines = _finish(proc, ranks, within=90)
     assert code == 1
     assert len(lines) == 1, lines
     assert lines[0].startswith(
@@ -102,7 +106,7 @@ def test_stopped_rank_is_found_by_the_heartbeat() -> None:
     proc = _start("--heartbeat-timeout", "3")
     ranks = _ranks_when_training(proc)
     os.kill(ranks[1], signal.SIGSTOP)
-    code, lines = _finish(proc, ranks, within=40)
+    code, lines = _finish(proc, ranks, within=90)
     assert code == 1
     assert len(lines) == 1, lines
     assert lines[0].startswith("bfpp-train: error: rank 1 stopped responding: no heartbeat for")
