@@ -10,4 +10,4 @@ ruff format --check .
 echo "== mypy (pure layers, strict)"
 mypy
 echo "== pytest"
-pytest -q -p no:cacheprovider "$@"
+pytest -q -p no:cacheprovider --durations=15 "$@"
