@@ -46,7 +46,7 @@ import torch
 
 from megatron_bfpp.compat import forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
-from megatron_bfpp.messages import Message, message_of
+from megatron_bfpp.messages import Message, What, message_of
 from megatron_bfpp.nccl import Batch, Posting, validate_nccl
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
@@ -131,7 +131,7 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
             pseudo_free(produced)
         return handed
     previous = step.layout.rank_of(stage - 1)
-    return step.ctx.comm.wait_receive(Message("act", stage - 1, mb), previous)
+    return step.ctx.comm.wait_receive(Message(What.ACT, stage - 1, mb), previous)
 
 
 def backward(step: RankStep, position: int, action: Action) -> None:
