@@ -194,9 +194,9 @@ class _Consumed:
 
     def __init__(self, rules: Rules) -> None:
         self.rules = rules
-        self.cache: dict[tuple[ActionKind, int, bool], list[tuple[str, int]]] = {}
+        self.cache: dict[tuple[ActionKind, int, bool], list[tuple[What, int]]] = {}
 
-    def __call__(self, action: Action, loaded: set[tuple[int, int]]) -> list[tuple[str, int]]:
+    def __call__(self, action: Action, loaded: set[tuple[int, int]]) -> list[tuple[What, int]]:
         restored = bool(loaded) and (action.stage, action.microbatch or 0) in loaded
         key = (action.kind, action.stage, restored)
         found = self.cache.get(key)
