@@ -448,9 +448,10 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
     local_in, local_out, with_comm = scan.local_in, scan.local_out, scan.with_comm
     f_done, b_done, i_done, w_done, ra_done, rg_done, ev_done, ld_done = scan.flags
     forwarded, sides = scan.forwarded, _rank_channels(scan, rank)
-    # SA / RA / SG / RG: their _P2P rows with this rank's channel sides, as plain tuples.
+    # SA / RA / SG / RG: their _P2P rows with this rank's channel sides, as plain tuples (the
+    # flags a send reads, None for a receive, which sets ``done``).
     p2p = {
-        kind: (row.peers, row.slots, sides[row.side], row.done, row.also, row.rule)
+        kind: (row.peers, row.slots, sides[row.side], row.done, row.also if row.rule else None)
         for kind, row in scan.p2p.items()
     }.get
     # The execution rules (Rules): what F and B / I wait for, and send in a compute-only schedule.
@@ -528,18 +529,18 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                 elif with_comm and remote_out[stage] >= 0 and not rg_done[key]:
                     disorder(rank, position, "remote gradient")
             elif (row := p2p(kind)) is not None:  # SA, RA, SG, RG: one table (_P2P)
-                peers, slots, channel, done, also, breaks = row
+                peers, slots, channel, done, also = row
                 if s2r[stage] != rank or mb >= num_mb or action.peer != peers[stage]:
                     scan.misplaced(rank, position)
                     return recorded
                 key, message = stage * num_mb + mb, mb * stride + slots[stage]
                 channel[stage].append(message)
-                if breaks:  # a send, after what it sends
-                    if not (done[key] or also[key]):
-                        disorder(rank, position, breaks)
-                    op(message)
-                else:  # a receive, posted
+                if also is None:  # a receive, posted
                     done[key] = 1
+                else:  # a send, after what it sends
+                    if not (done[key] or also[key]):
+                        disorder(rank, position, scan.p2p[kind].rule)
+                    op(message)
             elif kind is _W:  # waits for nothing but its own rank's I
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
