@@ -11,6 +11,7 @@ tuple (hashing a small int is several times cheaper): ``MessageKeys`` defines th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ __all__ = [
     "ACT",
     "EVICT",
     "EVICT_POSTED",
+    "EVICT_SIZE",
     "GRAD",
     "RESTORE",
     "RESTORE_POSTED",
@@ -27,29 +29,57 @@ __all__ = [
     "WHAT_CODE",
     "Message",
     "MessageKeys",
+    "What",
     "has_communication",
     "message_of",
 ]
 
 K = ActionKind
 
-# What travels, as the small integer inside a message key. The last two are BPipe's
-# acknowledgements: the partner has posted the receive (AC / LD), so the sender may release the
-# payload's buffer. They carry no data; only the execution rules wait for them.
-ACT, GRAD, EVICT, RESTORE, EVICT_POSTED, RESTORE_POSTED = range(6)
-WHAT = ("act", "grad", "evict", "restore", "evict-posted", "restore-posted")
-WHAT_CODE = {name: code for code, name in enumerate(WHAT)}
-_WHAT_SLOTS = 8  # room for the six above; a power of two keeps the key arithmetic exact
+
+class What(StrEnum):
+    """What a message carries: the one list of message kinds, for the passes, the validator,
+    the simulator, the NCCL model and the runtime alike (a ``str``, so it prints as its value).
+
+    ``EVICT_POSTED`` / ``RESTORE_POSTED`` are BPipe's acknowledgements: the partner has posted
+    the receive (AC / LD), so the sender may release the payload's buffer. They carry no data;
+    only the execution rules wait for them. ``EVICT_SIZE`` is the runtime's 8-byte header of an
+    eviction, sent in the tick's batch before the payload (``runtime.p2p``): the acceptor posts
+    it as the ``EVICT`` message's header, the evictor tracks its send under its own kind.
+    """
+
+    ACT = "act"
+    GRAD = "grad"
+    EVICT = "evict"
+    RESTORE = "restore"
+    EVICT_POSTED = "evict-posted"
+    RESTORE_POSTED = "restore-posted"
+    EVICT_SIZE = "evict-size"
+
+
+# Each kind as the small integer inside a message key (``MessageKeys``), and back.
+WHAT: tuple[What, ...] = tuple(What)
+WHAT_CODE: dict[str, int] = {what: code for code, what in enumerate(WHAT)}
+ACT = WHAT_CODE[What.ACT]
+GRAD = WHAT_CODE[What.GRAD]
+EVICT = WHAT_CODE[What.EVICT]
+RESTORE = WHAT_CODE[What.RESTORE]
+EVICT_POSTED = WHAT_CODE[What.EVICT_POSTED]
+RESTORE_POSTED = WHAT_CODE[What.RESTORE_POSTED]
+EVICT_SIZE = WHAT_CODE[What.EVICT_SIZE]
+_WHAT_SLOTS = 8  # room for every kind; a power of two keeps the key arithmetic exact
+if len(WHAT) > _WHAT_SLOTS:
+    raise RuntimeError(f"{len(WHAT)} message kinds do not fit MessageKeys' {_WHAT_SLOTS} slots")
 
 
 class Message(NamedTuple):
-    """What travels: ``what`` in {act, grad, evict, restore} of (stage, microbatch).
+    """What travels: a :class:`What` of (stage, microbatch).
 
     ``act`` is stage ``stage``'s output, ``grad`` the gradient of stage ``stage``'s input, and
     ``evict``/``restore`` the stored activations of the evictor's stage ``stage``.
     """
 
-    what: str
+    what: What
     stage: int
     microbatch: int
 

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, format_schedule
-from megatron_bfpp.messages import WHAT_CODE, Message, message_of
+from megatron_bfpp.messages import WHAT_CODE, Message, What, message_of
 from megatron_bfpp.semantics import Event, Lane, Rules, Timing, match_channels
 
 __all__ = [
@@ -194,9 +194,9 @@ class _Consumed:
 
     def __init__(self, rules: Rules) -> None:
         self.rules = rules
-        self.cache: dict[tuple[ActionKind, int, bool], list[tuple[str, int]]] = {}
+        self.cache: dict[tuple[ActionKind, int, bool], list[tuple[What, int]]] = {}
 
-    def __call__(self, action: Action, loaded: set[tuple[int, int]]) -> list[tuple[str, int]]:
+    def __call__(self, action: Action, loaded: set[tuple[int, int]]) -> list[tuple[What, int]]:
         restored = bool(loaded) and (action.stage, action.microbatch or 0) in loaded
         key = (action.kind, action.stage, restored)
         found = self.cache.get(key)
@@ -512,7 +512,7 @@ class _Model:
                     if action.kind in _FREES_OUTPUT and not layout.is_last(action.stage):
                         # the output it frees: its send must be done (megatron-core's
                         # deallocate_pipeline_outputs; runtime/backward.py)
-                        unit = holder.get((True, "act", action.stage, mb, False))
+                        unit = holder.get((True, What.ACT, action.stage, mb, False))
                         if unit is not None:
                             steps.append(("wait", unit))
                 steps.append(("run", step))
@@ -664,7 +664,7 @@ class _Model:
         if timing is None:
             return 0
         what = op.what[0]
-        if what == "restore" or (what == "evict" and op.what[3]):
+        if what == What.RESTORE or (what == What.EVICT and op.what[3]):
             return timing.transfer  # a payload of stored activations
         return timing.p2p  # an activation, a gradient or an eviction's size header
 

@@ -32,6 +32,10 @@ problems, the first (in rank order) of the first kind below is reported:
    the last after its last backward: ``_residency_problem``); without sharded parameters at
    most one PS per chunk, before its first compute (with them, the residency rules of
    ``_residency_problem``, under 3).
+8. data order, per stage: its forwards take micro-batches in increasing order, since the runtime
+   reads each model chunk's data iterator once per forward, in order, as megatron-core's
+   ``forward_step`` does (a hand-made or CSV order that swaps two would train on the wrong
+   samples' labels). One line, without the grid: the fix is the order of one stage's forwards.
 
 The checks of one action do not depend on other ranks, so each rank is checked in one go, the
 part of a program after a step it would wait at forever included; recording rather than running
@@ -49,6 +53,7 @@ which they cannot see past).
 from __future__ import annotations
 
 from array import array
+from typing import NamedTuple
 
 from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, format_schedule
 from megatron_bfpp.messages import (
@@ -72,6 +77,7 @@ __all__ = [
     "has_communication",
     "message_of",
     "validate_completeness",
+    "validate_data_order",
     "validate_deadlock_free",
     "validate_grad_sync",
     "validate_message_order",
@@ -99,7 +105,8 @@ def validate_schedule(
     lowered schedule's lock-step posting is proven NCCL-safe too (check 6; the module docstring
     says who turns it off). A schedule with any GS / PS / RL has its data-parallel sync checked
     (check 7); ``require_grad_sync`` checks it in a schedule with none too, where a runner would
-    otherwise reduce nothing during the step (the runtime, a lowered CSV).
+    otherwise reduce nothing during the step (the runtime, a lowered CSV). Each stage's forwards
+    take their micro-batches in order (check 8: data iterators are read sequentially).
     """
     error = _find_problem(
         schedule,
@@ -111,6 +118,12 @@ def validate_schedule(
         raise error
     if nccl and has_communication(schedule):
         validate_nccl(schedule)
+
+
+def validate_data_order(schedule: Schedule) -> None:
+    """Each stage's forwards take micro-batches in increasing order (check 8)."""
+    scan = _scan(schedule)
+    _raise(_first(scan.placement) or _first(scan.data_order))
 
 
 def validate_placement(schedule: Schedule) -> None:
@@ -177,6 +190,7 @@ def _find_problem(
         or (scan.mismatched_channel() if require_communication or scan.with_comm else None)
         or scan.deadlock()
         or _grad_sync_problem(schedule, scan.chunk_level, require_grad_sync)
+        or _first(scan.data_order)
     )
 
 
@@ -218,13 +232,16 @@ class _Scan:
         "accepted",
         "channels",
         "chunk_level",
+        "data_order",
         "duplicate",
         "flags",
+        "forwarded",
         "local_in",
         "local_out",
         "mixed",
         "num_mb",
         "order",
+        "p2p",
         "placement",
         "rank_channels",
         "remote_in",
@@ -266,7 +283,20 @@ class _Scan:
         self.placement: dict[int, ScheduleError] = {}
         self.duplicate: dict[int, ScheduleError] = {}
         self.order: dict[int, ScheduleError] = {}
+        self.data_order: dict[int, ScheduleError] = {}
+        self.forwarded = [-1] * num_stages  # per stage: the latest micro-batch forwarded
         self.stuck: dict[int, tuple[int, Message]] = {}
+        # The pipeline messages' rules, one row per kind (``_P2P``; ``_scan_rank`` reads them):
+        # the slot of RA (RG) is the previous (next) stage's activation (input gradient).
+        act_base, grad_base = self.rules.recorded_base
+        f_done, b_done, i_done, _, ra_done, rg_done = self.flags[:6]
+        remote_in, remote_out = self.remote_in, self.remote_out
+        self.p2p = {
+            _SA: _P2P(remote_out, list(act_base), 1, f_done, f_done, "activation"),
+            _RA: _P2P(remote_in, [-1, *act_base[:-1]], 0, ra_done, ra_done, ""),
+            _SG: _P2P(remote_in, list(grad_base), 3, b_done, i_done, "gradient"),
+            _RG: _P2P(remote_out, [*grad_base[1:], -1], 2, rg_done, rg_done, ""),
+        }
 
     def channel(self, src: int, dst: int) -> tuple[list[int], list[int]]:
         """(messages sent, messages received) on the link src -> dst, in posting order."""
@@ -304,6 +334,17 @@ class _Scan:
             self.repeated(rank, position)
         else:
             self.mixed = True
+
+    def out_of_order(self, rank: int, position: int) -> None:
+        """Note the rank's first forward of a micro-batch after a later one of its stage."""
+        if rank not in self.data_order:
+            action = self.schedule.per_rank[rank][position]
+            self.data_order[rank] = ScheduleError(
+                f"{self.schedule.name}: rank {rank}, step {position}: {action} runs stage "
+                f"{action.stage}'s micro-batch {action.microbatch} after its micro-batch "
+                f"{self.forwarded[action.stage]}; data iterators are read in order, so order "
+                "each stage's forwards by micro-batch"
+            )
 
     def disorder(self, rank: int, position: int, rule: str) -> None:
         """Note the rank's first action that breaks the local order; ``rule`` keys ``_ORDER``."""
@@ -359,6 +400,23 @@ _SA, _RA, _SG, _RG = K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD
 _EV, _AC, _RS, _LD, _GS, _PS = K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD, K.GRAD_SYNC, K.PARAM_SYNC
 _RL = K.RELEASE
 
+
+class _P2P(NamedTuple):
+    """One pipeline message kind's rules for the pass, per stage where indexed: the peer it
+    must name (-1: none may), the slot of the message (a recording's key less
+    ``mb * stride``), which of the rank's four channel sides it goes to (``_RankChannels``:
+    0 activations in, 1 out, 2 gradients in, 3 out), and the completion flags it reads (a send
+    needs ``done`` or ``also`` set: what it sends is computed) or sets (a receive: ``done`` =
+    posted), with the ``_ORDER`` rule a send before its producer breaks ("": a receive)."""
+
+    peers: list[int]
+    slots: list[int]
+    side: int
+    done: bytearray
+    also: bytearray
+    rule: str
+
+
 # Why an action breaks the local order, by the rule it breaks (``str.format`` of the action's
 # stage, micro-batch, previous and next stage).
 _ORDER = {
@@ -381,19 +439,26 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
     """``rank``'s program: placement, completeness flags, local order and channels of each
     action, and its waits and sends under the execution rules, recorded (``run_recorded`` runs
     them). One branch per kind, the most common first, every table a local: it runs once per
-    action of every schedule built. BPipe's transfers, a few per rank, come last."""
+    action of every schedule built. The four pipeline messages share one branch, their
+    differences (peer, slot, channel, flags) read from a row of ``_Scan.p2p``. BPipe's
+    transfers, a few per rank, come last."""
     schedule, rules, disorder = scan.schedule, scan.rules, scan.disorder
     actions, s2r, num_mb = schedule.per_rank[rank], scan.stage_to_rank, schedule.num_microbatches
     num_stages, remote_in, remote_out = len(s2r), scan.remote_in, scan.remote_out
     local_in, local_out, with_comm = scan.local_in, scan.local_out, scan.with_comm
     f_done, b_done, i_done, w_done, ra_done, rg_done, ev_done, ld_done = scan.flags
-    act_in, act_out, grad_in, grad_out = _rank_channels(scan, rank)
+    forwarded, sides = scan.forwarded, _rank_channels(scan, rank)
+    # SA / RA / SG / RG: their _P2P rows with this rank's channel sides, as plain tuples (the
+    # flags a send reads, None for a receive, which sets ``done``).
+    p2p = {
+        kind: (row.peers, row.slots, sides[row.side], row.done, row.also if row.rule else None)
+        for kind, row in scan.p2p.items()
+    }.get
     # The execution rules (Rules): what F and B / I wait for, and send in a compute-only schedule.
     # Keyed as a recording keys them (Rules._recorded_tables): activations and gradients by
     # ``mb * stride`` plus a slot per stage, BPipe's messages by their MessageKeys key + limit.
     act_wait, grad_wait = rules.recorded_waits[_F], rules.recorded_waits[_B]
     act_send, grad_send = rules.recorded_sends[_F], rules.recorded_sends[_B]
-    act_base, grad_base = rules.recorded_base
     stride, implicit = rules.recorded_stride, rules.implicit
     evict_base, restore_base = rules.base[EVICT], rules.base[RESTORE]
     per_mb, num_ranks, transfers = rules.per_mb, rules.keys.num_ranks, rules.transfers
@@ -429,6 +494,9 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                 if f_done[key]:
                     scan.repeated(rank, position)
                 f_done[key] = 1
+                if mb < forwarded[stage]:  # the rank's first such F is reported
+                    scan.out_of_order(rank, position)
+                forwarded[stage] = mb
                 if local_in[stage]:
                     if not f_done[key - num_mb]:
                         disorder(rank, position, "local input")
@@ -460,39 +528,19 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                         disorder(rank, position, "local gradient")
                 elif with_comm and remote_out[stage] >= 0 and not rg_done[key]:
                     disorder(rank, position, "remote gradient")
-            elif kind is _SA:
-                if (s2r[stage] != rank or mb >= num_mb
-                        or action.peer != remote_out[stage]):  # fmt: skip
+            elif (row := p2p(kind)) is not None:  # SA, RA, SG, RG: one table (_P2P)
+                peers, slots, channel, done, also = row
+                if s2r[stage] != rank or mb >= num_mb or action.peer != peers[stage]:
                     scan.misplaced(rank, position)
                     return recorded
-                if not f_done[stage * num_mb + mb]:
-                    disorder(rank, position, "activation")
-                act_out[stage].append(sent := mb * stride + act_base[stage])
-                op(sent)
-            elif kind is _RA:
-                if (s2r[stage] != rank or mb >= num_mb
-                        or action.peer != remote_in[stage]):  # fmt: skip
-                    scan.misplaced(rank, position)
-                    return recorded
-                ra_done[stage * num_mb + mb] = 1
-                act_in[stage].append(mb * stride + act_base[stage - 1])
-            elif kind is _SG:
-                if (s2r[stage] != rank or mb >= num_mb
-                        or action.peer != remote_in[stage]):  # fmt: skip
-                    scan.misplaced(rank, position)
-                    return recorded
-                key = stage * num_mb + mb
-                if not (b_done[key] or i_done[key]):
-                    disorder(rank, position, "gradient")
-                grad_out[stage].append(sent := mb * stride + grad_base[stage])
-                op(sent)
-            elif kind is _RG:
-                if (s2r[stage] != rank or mb >= num_mb
-                        or action.peer != remote_out[stage]):  # fmt: skip
-                    scan.misplaced(rank, position)
-                    return recorded
-                rg_done[stage * num_mb + mb] = 1
-                grad_in[stage].append(mb * stride + grad_base[stage + 1])
+                key, message = stage * num_mb + mb, mb * stride + slots[stage]
+                channel[stage].append(message)
+                if also is None:  # a receive, posted
+                    done[key] = 1
+                else:  # a send, after what it sends
+                    if not (done[key] or also[key]):
+                        disorder(rank, position, scan.p2p[kind].rule)
+                    op(message)
             elif kind is _W:  # waits for nothing but its own rank's I
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)

@@ -1,9 +1,10 @@
 """How long one micro-batch takes on one stage, and what communication costs: the numbers the
 simulator runs the schedule under.
 
-* FLOPs: eq. 1 of "Re-evaluating BPipe" (seed bpipe-reevaluation-paper.txt), 72bslh^2(1 + s/6h +
-  v/16lh) per step for forward and backward, which is 24bsh^2(1 + s/6h) per layer forward (the
-  FFN of LLaMA's SwiGLU costs what GPT's does, the paper shows) and 2bshv for the output layer.
+* FLOPs: eq. 1 of "Re-evaluating the Memory-balanced Pipeline Parallelism: BPipe" (Huang et
+  al., Meituan), 72bslh^2(1 + s/6h + v/16lh) per step for forward and backward, which is
+  24bsh^2(1 + s/6h) per layer forward (the FFN of LLaMA's SwiGLU costs what GPT's does, the
+  paper shows) and 2bshv for the output layer.
 * Efficiency: the fraction of the GPU's peak a layer reaches grows with its work. Built in:
   ``e_max * w / (w + e_max * P * tau)`` for a layer forward of ``w`` FLOPs per GPU, i.e. the
   layer takes ``w / (e_max P) + tau`` (``Gpu.max_efficiency``, ``Gpu.layer_overhead_s``); or

@@ -1,8 +1,9 @@
 """The breadth-first paper's two pictures, predicted: throughput per GPU against batch size per
 GPU for each schedule family (its Figure 3), and training time against cost (its Figure 4).
 
-Figure 4 uses the paper's empirical model (seed breadth-first-pp-slides.txt): the samples needed
-to reach a loss grow as ``1 + B / B_crit`` with the batch size B, and the GPU utilisation depends
+Figure 4 uses the paper's empirical model (Lamy-Poirier, "Breadth-First Pipeline Parallelism",
+MLSys 2023, as presented there): the samples needed to reach a loss grow as
+``1 + B / B_crit`` with the batch size B, and the GPU utilisation depends
 mainly on the batch size per GPU ``beta``, so scaling the cluster to ``N`` GPUs at ``beta``
 (B = beta N) costs ``(1 + beta N / B_crit) / u(beta)`` GPU-seconds per minimum sample, ``u`` the
 samples per second per GPU, and takes that over N in time. Each family's curve is its best

@@ -1,8 +1,9 @@
 """A measured pipeline stage, as ``bfpp-plan profile`` writes it and ``recommend --profile``
 reads it: JSON only (a file users hand us is data), checked field by field with one-line errors.
 
-Why one stage is enough (seed: "Re-evaluating BPipe", section 4): a stage's time per micro-batch
-gives its efficiency at that micro-batch size, and the pipeline's time follows from the stage's
+Why one stage is enough ("Re-evaluating the Memory-balanced Pipeline Parallelism: BPipe", Huang
+et al., section 4): a stage's time per micro-batch gives its efficiency at that micro-batch
+size, and the pipeline's time follows from the stage's
 and the schedule's bubble. The planner turns each measurement into an efficiency (achieved
 FLOP/s over the planning GPU's peak) at that amount of work per layer, and interpolates between
 them for other micro-batch sizes and tensor-parallel slices (``costs.ProfileCurve``).

@@ -8,7 +8,8 @@ schedule for the current layout and runs this rank's actions.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ from megatron_bfpp.compat import (
     process_groups_without_embedding_group,
 )
 from megatron_bfpp.ir import ActionKind, Placement, Schedule, ScheduleError
-from megatron_bfpp.runtime.executor import nccl_posting, run_rank_program
+from megatron_bfpp.runtime.executor import PlannedSchedule, planned, run_rank_program
 from megatron_bfpp.runtime.p2p import PipeComm
 from megatron_bfpp.runtime.placement import (
     check_chunk_placement,
@@ -28,7 +29,7 @@ from megatron_bfpp.runtime.placement import (
     sum_tied_embedding_grads,
 )
 from megatron_bfpp.runtime.sharding import sharded_parameters
-from megatron_bfpp.runtime.step import MemoryReport, StepContext
+from megatron_bfpp.runtime.step import Call, MemoryReport, StepContext
 from megatron_bfpp.schedules.registry import (
     build_schedule,
     check_sharding,
@@ -92,8 +93,9 @@ def _prebuilt(
     schedule: Schedule, measure_memory: bool, sharding: str, options: dict[str, Any]
 ) -> ForwardBackwardFunc:
     """A lowered schedule given as data (e.g. loaded from a CSV, or a hand-made order), checked
-    here: complete, deadlock-free, data read in order, each chunk's GS once after its last
-    backward (validate rule 7), and sharded only with sharding on."""
+    here as a built one is (``validate_schedule``: complete, deadlock-free, each chunk's GS once
+    after its last backward, data read in order), sharded only with sharding on, and planned
+    with its NCCL-safe posting once, here, for every later step."""
     if options:
         raise ScheduleError(
             f"a Schedule object takes no schedule options (got {sorted(options)}): they shaped "
@@ -101,8 +103,7 @@ def _prebuilt(
         )
     # Grad sync is required: a chunk this rank never reduces during the step would leave its
     # replicas' gradients to the end-of-step fallback, and a misplaced GS leaves them unreduced.
-    validate_schedule(schedule, require_communication=True, require_grad_sync=True)
-    _check_data_order(schedule)
+    validate_schedule(schedule, require_communication=True, require_grad_sync=True, nccl=False)
     releases = any(a.kind is ActionKind.RELEASE for actions in schedule.per_rank for a in actions)
     if releases != (sharding == "optim_grads_params"):
         raise ScheduleError(
@@ -110,9 +111,11 @@ def _prebuilt(
             f"(RL) but data_parallel_sharding_strategy is {sharding!r}; lower it with "
             "add_grad_sync(..., sharding=...) to match"
         )
-    return ForwardBackwardFunc(
+    func = ForwardBackwardFunc(
         schedule=schedule.name, measure_memory=measure_memory, sharding=sharding, prebuilt=schedule
     )
+    func.prebuilt_plan(forward_only=False)  # the NCCL proof (validate check 6), once
+    return func
 
 
 @dataclass(eq=False)
@@ -153,11 +156,14 @@ class ForwardBackwardFunc:
     features the runtime does not implement (partial activation checkpointing, fine-grained
     activation offloading, local CUDA graphs, V-shapes with deferred embedding wgrad).
 
-    It behaves as a function (``__name__``, ``__qualname__``, ``__module__``, ``__doc__``, so
-    ``functools.wraps`` / ``functools.partial`` and loggers of ``fn.__name__`` work) and is the
-    one place that keeps what outlives a step: ``last_trace`` (the actions this rank ran in the
-    last call), ``last_memory`` (its :class:`~megatron_bfpp.runtime.step.MemoryReport`), and the
-    BPipe payload sizes both ends of each evictor/acceptor pair agreed, reused by later steps.
+    It behaves as a function (``__name__``, ``__qualname__``, ``__module__``, ``__doc__``,
+    ``__signature__``: megatron-core's keyword-only arguments and defaults, declared once in
+    :class:`~megatron_bfpp.runtime.step.Call`; an unknown keyword is a ``TypeError`` naming it,
+    so ``functools.wraps`` / ``functools.partial``, ``inspect.signature`` and loggers of
+    ``fn.__name__`` work) and is the one place that keeps what outlives a step: ``last_trace``
+    (the actions this rank ran in the last call), ``last_memory`` (its
+    :class:`~megatron_bfpp.runtime.step.MemoryReport`), and a prebuilt schedule's plans
+    (``prebuilt_plan``: with its NCCL-safe posting, made once).
     """
 
     schedule: str
@@ -167,68 +173,41 @@ class ForwardBackwardFunc:
     prebuilt: Schedule | None = field(default=None, repr=False)
     last_trace: list[str] = field(default_factory=list, repr=False)
     last_memory: MemoryReport = field(default_factory=MemoryReport, repr=False)
+    # The prebuilt schedule planned (its posting), for training and for forward-only.
+    _plans: dict[bool, PlannedSchedule] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # megatron-core's are named forward_backward_no_pipelining etc.; ours name the schedule.
-        name = "forward_backward_" + "".join(c if c.isalnum() else "_" for c in self.schedule)
-        vars(self).update(__name__=name, __qualname__=name)
+        name = _function_name(self.schedule)
+        vars(self).update(__name__=name, __qualname__=name, __signature__=_SIGNATURE)
 
-    def __call__(
-        self,
-        *,
-        forward_step_func: Callable[..., Any],
-        data_iterator: Iterator[Any] | list[Iterator[Any]] | None,
-        model: torch.nn.Module | list[torch.nn.Module],
-        num_microbatches: int,
-        seq_length: int,
-        micro_batch_size: int,
-        decoder_seq_length: int | None = None,
-        forward_only: bool = False,
-        collect_non_loss_data: bool = False,
-        first_val_step: bool | None = None,
-        adjust_tensor_shapes_fn: Callable[..., Any] | None = None,
-        p2p_communicator: Any = None,
-        pg_collection: Any = None,
-        force_all_reduce: bool | None = False,
-    ) -> list[Any]:
-        """See the class docstring: megatron-core's forward-backward arguments and result."""
-        call = _Call(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=model,
-            num_microbatches=num_microbatches,
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            decoder_seq_length=decoder_seq_length,
-            forward_only=bool(forward_only),
-            collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step,
-            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
-            p2p_communicator=p2p_communicator,
-            pg_collection=pg_collection,
-            force_all_reduce=force_all_reduce,
-        )
+    def prebuilt_plan(self, *, forward_only: bool) -> PlannedSchedule:
+        """The prebuilt schedule (its forward-only version) with its posting, planned once."""
+        plan = self._plans.get(forward_only)
+        if plan is None:
+            if self.prebuilt is None:
+                raise ValueError(f"{self.schedule!r} is a registry schedule, not a prebuilt one")
+            schedule = forward_only_schedule(self.prebuilt) if forward_only else self.prebuilt
+            plan = self._plans[forward_only] = planned(schedule)
+        return plan
+
+    def __call__(self, **kwargs: Any) -> list[Any]:
+        """See the class docstring: megatron-core's forward-backward arguments (their names
+        and defaults: ``runtime.step.Call``, this function's ``__signature__``) and result."""
+        try:
+            call = Call(**kwargs)
+        except TypeError as error:  # as a function says it: "f() got an unexpected keyword..."
+            name = _function_name(self.schedule)
+            raise TypeError(str(error).replace(Call.__init__.__qualname__, name)) from None
         return _run_step(self, call)
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One call's megatron-core arguments, as :class:`ForwardBackwardFunc` received them."""
+def _function_name(schedule: str) -> str:
+    """megatron-core's are named forward_backward_no_pipelining etc.; ours name the schedule."""
+    return "forward_backward_" + "".join(c if c.isalnum() else "_" for c in schedule)
 
-    forward_step_func: Callable[..., Any]
-    data_iterator: Any
-    model: Any
-    num_microbatches: int
-    seq_length: int
-    micro_batch_size: int
-    decoder_seq_length: int | None
-    forward_only: bool
-    collect_non_loss_data: bool
-    first_val_step: bool | None
-    adjust_tensor_shapes_fn: Callable[..., Any] | None
-    p2p_communicator: Any
-    pg_collection: Any
-    force_all_reduce: bool | None
+
+# ForwardBackwardFunc's signature as a function's: megatron-core's keyword-only arguments.
+_SIGNATURE = inspect.signature(Call).replace(return_annotation="list[Any]")
 
 
 @functools.lru_cache(maxsize=32)
@@ -240,9 +219,10 @@ def plan_schedule(
     options: tuple[tuple[str, Any], ...],
     forward_only: bool,
     sharding: str = "optim",
-) -> Schedule:
-    """The validated schedule for a layout, built once per process (every rank builds the same
-    one deterministically, so errors surface identically everywhere, before communication)."""
+) -> PlannedSchedule:
+    """The validated schedule for a layout with its NCCL-safe posting, planned once per process
+    (every rank builds the same one deterministically, so errors surface identically
+    everywhere, before communication); every step of the layout runs it as it is."""
     spec = get_spec(name)
     chunks = num_chunks if spec.placement is Placement.LOOPED or num_chunks > 1 else None
     schedule = build_schedule(
@@ -253,28 +233,10 @@ def plan_schedule(
         sharding=sharding,
         **dict(options),
     )
-    _check_data_order(schedule)
-    planned = forward_only_schedule(schedule) if forward_only else schedule
-    nccl_posting(planned)  # proven NCCL-safe here, before any message
-    return planned
+    return planned(forward_only_schedule(schedule) if forward_only else schedule)
 
 
-def _check_data_order(schedule: Schedule) -> None:
-    """Each chunk reads its data iterator in forward order, so micro-batch ids must increase."""
-    for actions in schedule.per_rank:
-        last: dict[int, int] = {}
-        for action in actions:
-            if action.kind is ActionKind.FORWARD:
-                mb = action.microbatch if action.microbatch is not None else -1
-                if mb < last.get(action.stage, -1):
-                    raise ScheduleError(
-                        f"{schedule.name} runs stage {action.stage}'s micro-batches out of order; "
-                        "megatron data iterators are read sequentially"
-                    )
-                last[action.stage] = mb
-
-
-def _run_step(func: ForwardBackwardFunc, call: _Call) -> list[Any]:
+def _run_step(func: ForwardBackwardFunc, call: Call) -> list[Any]:
     """One step, in its five jobs: read the call, fix the schedule, prepare sharded parameters,
     run this rank's program, finish the gradients."""
     from megatron.core.pipeline_parallel.schedules import (
@@ -284,7 +246,8 @@ def _run_step(func: ForwardBackwardFunc, call: _Call) -> list[Any]:
     from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 
     chunks, iterators, config, groups = _step_inputs(call)
-    schedule = _step_schedule(func, call, chunks, config, groups.pp)
+    plan = _step_schedule(func, call, chunks, config, groups.pp)
+    schedule = plan.schedule
     sharded = _step_sharding(func, call, chunks, config, groups)
     ctx = _step_context(func, call, chunks, iterators, config, groups, sharded)
     if config.timers is not None:
@@ -293,7 +256,7 @@ def _run_step(func: ForwardBackwardFunc, call: _Call) -> list[Any]:
     last_stage = is_pp_last_stage(groups.pp)
     embedding = clear_embedding_activation_buffer(config, chunks, last_stage) if finalize else None
     store, total_num_tokens, func.last_trace, func.last_memory = run_rank_program(
-        schedule, groups.pp.rank(), ctx
+        plan, groups.pp.rank(), ctx
     )
     if finalize:
         finish_embedding_wgrad_compute(config, embedding, last_stage, groups.tp)
@@ -303,7 +266,7 @@ def _run_step(func: ForwardBackwardFunc, call: _Call) -> list[Any]:
     return deliver_to_last_rank(store, schedule.layout, groups.pp, ctx.comm.device)
 
 
-def _step_inputs(call: _Call) -> tuple[list[Any], list[Any], Any, Any]:
+def _step_inputs(call: Call) -> tuple[list[Any], list[Any], Any, Any]:
     """The model chunks, their data iterators, their config and the call's process groups."""
     from megatron.core.utils import get_model_config
 
@@ -317,15 +280,14 @@ def _step_inputs(call: _Call) -> tuple[list[Any], list[Any], Any, Any]:
 
 
 def _step_schedule(
-    func: ForwardBackwardFunc, call: _Call, chunks: list[Any], config: Any, pp_group: Any
-) -> Schedule:
-    """The validated schedule for this call's layout, checked against the chunks handed in."""
+    func: ForwardBackwardFunc, call: Call, chunks: list[Any], config: Any, pp_group: Any
+) -> PlannedSchedule:
+    """The planned schedule for this call's layout, checked against the chunks handed in."""
     if func.prebuilt is not None:
-        schedule = _fitted(func.prebuilt, pp_group.size(), len(chunks), call.num_microbatches)
-        if call.forward_only:
-            schedule = forward_only_schedule(schedule)
+        _check_fits(func.prebuilt, pp_group.size(), len(chunks), call.num_microbatches)
+        plan = func.prebuilt_plan(forward_only=call.forward_only)
     else:
-        schedule = plan_schedule(
+        plan = plan_schedule(
             func.schedule,
             pp_group.size(),
             len(chunks),
@@ -334,6 +296,7 @@ def _step_schedule(
             call.forward_only,
             func.sharding,
         )
+    schedule = plan.schedule
     _check_chunk_count(schedule, len(chunks))
     check_chunk_placement(chunks, schedule.layout, pp_group.rank(), schedule.name)
     if _embedding_and_loss_on_one_rank(schedule) and getattr(
@@ -343,11 +306,11 @@ def _step_schedule(
             "defer_embedding_wgrad_compute is not supported with V-shape schedules yet (the "
             "output layer is on the first pipeline rank there); turn it off"
         )
-    return schedule
+    return plan
 
 
 def _step_sharding(
-    func: ForwardBackwardFunc, call: _Call, chunks: list[Any], config: Any, groups: Any
+    func: ForwardBackwardFunc, call: Call, chunks: list[Any], config: Any, groups: Any
 ) -> Any:
     """The sharded parameters' state for this step (gathers, releases), or None unsharded."""
     if func.sharding == "optim":
@@ -362,7 +325,7 @@ def _step_sharding(
 
 def _step_context(
     func: ForwardBackwardFunc,
-    call: _Call,
+    call: Call,
     chunks: list[Any],
     iterators: list[Any],
     config: Any,
@@ -382,16 +345,12 @@ def _step_context(
     )
     device = next(chunks[0].parameters()).device
     return StepContext(
-        forward_step_func=call.forward_step_func,
+        call=call,
         data_iterators=iterators,
         model=chunks,
-        num_microbatches=call.num_microbatches,
         config=config,
         model_type=get_model_type(chunks[0]),
         cp_group_size=groups.cp.size(),
-        forward_only=call.forward_only,
-        collect_non_loss_data=call.collect_non_loss_data,
-        first_val_step=call.first_val_step,
         comm=PipeComm(group=groups.pp, shape=shape, dtype=config.pipeline_dtype, device=device),
         measure_memory=func.measure_memory,
         sharded=sharded,
@@ -399,7 +358,7 @@ def _step_context(
 
 
 def _finish_grads(
-    call: _Call,
+    call: Call,
     schedule: Schedule,
     chunks: list[Any],
     config: Any,
@@ -482,8 +441,8 @@ def _check_sharded_finalize(config: Any) -> None:
         )
 
 
-def _fitted(schedule: Schedule, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
-    """A prebuilt schedule, if it fits the call's layout (one line saying what differs)."""
+def _check_fits(schedule: Schedule, num_ranks: int, num_chunks: int, num_microbatches: int) -> None:
+    """A prebuilt schedule fits the call's layout, or one line says what differs."""
     chunks = len(schedule.layout.stages_of(0))
     if (schedule.num_ranks, chunks, schedule.num_microbatches) != (
         num_ranks,
@@ -495,7 +454,6 @@ def _fitted(schedule: Schedule, num_ranks: int, num_chunks: int, num_microbatche
             f"rank, {schedule.num_microbatches} micro-batches; this call has pp={num_ranks}, "
             f"{num_chunks} model chunk(s), {num_microbatches} micro-batches"
         )
-    return schedule
 
 
 def _iterators_per_chunk(data_iterator: Any, num_chunks: int) -> list[Any]:

@@ -14,7 +14,7 @@ import torch
 
 from megatron_bfpp.compat import backward_step
 from megatron_bfpp.ir import Action
-from megatron_bfpp.messages import Message
+from megatron_bfpp.messages import Message, What
 from megatron_bfpp.runtime.step import Key, RankStep
 
 __all__ = ["begin_backward", "microbatch", "route_input_grad", "whole_backward"]
@@ -43,7 +43,7 @@ def begin_backward(step: RankStep, position: int, action: Action) -> tuple[Key, 
     chunk = step.layout.chunk_of(stage)
     output_grad = _output_grad(step, stage, mb)
     if step.frees_outputs(stage) and not step.layout.is_last(stage):
-        step.ctx.comm.finish_send_of(Message("act", stage, mb))
+        step.ctx.comm.finish_send_of(Message(What.ACT, stage, mb))
     if position in step.last_backward and step.grad_sync_funcs[chunk] is None:
         # No explicit sync function: megatron-core DDP's hooks dispatch the chunk's reduction
         # during its last backward once its no_sync context is left.
@@ -73,7 +73,7 @@ def _output_grad(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
     if step.layout.rank_of(stage + 1) == step.rank:
         return step.state.local_grads.pop((stage, mb))
     following = step.layout.rank_of(stage + 1)
-    return step.ctx.comm.wait_receive(Message("grad", stage + 1, mb), following)
+    return step.ctx.comm.wait_receive(Message(What.GRAD, stage + 1, mb), following)
 
 
 def microbatch(action: Action) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from megatron_bfpp.ir import Action, ActionKind
-from megatron_bfpp.messages import Message
+from megatron_bfpp.messages import Message, What
 from megatron_bfpp.runtime.p2p import Receive, Send
 from megatron_bfpp.runtime.step import Handlers, Key, RankStep, StepPart
 
@@ -48,7 +48,7 @@ class Transfers(StepPart):
         if key not in self.loads:
             return
         buffer, acceptor = self.loads.pop(key)
-        step.ctx.comm.wait_parts(Message("restore", *key), acceptor)
+        step.ctx.comm.wait_parts(Message(What.RESTORE, *key), acceptor)
         step.store.restore(key, buffer)
 
     def held_tensors(self, step: RankStep) -> Iterable[torch.Tensor]:
@@ -61,12 +61,12 @@ class Transfers(StepPart):
         held.update(
             (message.stage, message.microbatch)
             for message in comm.receives
-            if message.what == "evict"
+            if message.what == What.EVICT
         )
         held.update(
             (p.message.stage, p.message.microbatch)
             for p in comm.sends
-            if p.message.what in ("evict", "restore")
+            if p.message.what in (What.EVICT, What.RESTORE)
         )
         return held
 
@@ -89,14 +89,14 @@ def evict(step: RankStep, position: int, action: Action) -> None:
     transfers.payloads[key] = buffer
     # torch.full, not torch.tensor([nbytes]): no host-to-device copy that syncs the stream.
     header = torch.full((1,), record.nbytes, dtype=torch.int64, device=comm.device)
-    step.window.sends.append(Send(Message("evict-size", *key), header, acceptor))
+    step.window.sends.append(Send(Message(What.EVICT_SIZE, *key), header, acceptor))
 
 
 def evict_rest(step: RankStep, position: int, action: Action) -> None:
     """EV's payload, in the batch right after its size's."""
     key, acceptor = _key_and_peer(action)
     payload = step.part(Transfers).payloads.pop(key)
-    step.window.sends.append(Send(Message("evict", *key), payload, acceptor))
+    step.window.sends.append(Send(Message(What.EVICT, *key), payload, acceptor))
 
 
 def accept(step: RankStep, position: int, action: Action) -> None:
@@ -104,14 +104,14 @@ def accept(step: RankStep, position: int, action: Action) -> None:
     comm = step.ctx.comm
     key, evictor = _key_and_peer(action)
     header = torch.empty(1, dtype=torch.int64, device=comm.device)
-    step.window.receives.append(Receive(Message("evict", *key), evictor, (), header=header))
+    step.window.receives.append(Receive(Message(What.EVICT, *key), evictor, (), header=header))
 
 
 def accept_rest(step: RankStep, position: int, action: Action) -> None:
     """AC's payload: read the size (it came in the batch before) and receive that many bytes."""
     comm = step.ctx.comm
     key, evictor = _key_and_peer(action)
-    message = Message("evict", *key)
+    message = Message(What.EVICT, *key)
     payload = torch.empty(comm.read_header(message, evictor), dtype=torch.uint8, device=comm.device)
     step.window.receives.append(Receive(message, evictor, (payload,), more=True))
 
@@ -120,8 +120,8 @@ def restore(step: RankStep, position: int, action: Action) -> None:
     """RS: send the partner's payload back, once it has arrived (a tick after the EV or later)."""
     comm = step.ctx.comm
     key, evictor = _key_and_peer(action)
-    parts = comm.wait_parts(Message("evict", *key), evictor)
-    step.window.sends.extend(Send(Message("restore", *key), part, evictor) for part in parts)
+    parts = comm.wait_parts(Message(What.EVICT, *key), evictor)
+    step.window.sends.extend(Send(Message(What.RESTORE, *key), part, evictor) for part in parts)
 
 
 def load(step: RankStep, position: int, action: Action) -> None:
@@ -132,7 +132,7 @@ def load(step: RankStep, position: int, action: Action) -> None:
         transfers.evicted_bytes.pop(key), dtype=torch.uint8, device=step.ctx.comm.device
     )
     transfers.loads[key] = (buffer, acceptor)
-    step.window.receives.append(Receive(Message("restore", *key), acceptor, (buffer,)))
+    step.window.receives.append(Receive(Message(What.RESTORE, *key), acceptor, (buffer,)))
 
 
 def _key_and_peer(action: Action) -> tuple[Key, int]:

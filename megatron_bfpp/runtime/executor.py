@@ -14,10 +14,12 @@ loss, autocast, input-tensor plumbing), and behaviour comes from the model confi
 megatron-core reads it: ``no_sync_func``, ``grad_sync_func``, ``param_sync_func``,
 ``finalize_model_grads_func``, ``deallocate_pipeline_outputs``, timers.
 
-Messages: the executor follows the schedule's lock-step posting (``megatron_bfpp.nccl``,
-proven under NCCL's rules once per schedule): the computes and data-parallel actions in program
-order, and between them one batch per tick, whose items' handlers add their sends and receives
-to one window that is posted as one ``batch_isend_irecv`` (see runtime.p2p).
+Messages: the executor follows the schedule's lock-step posting (``megatron_bfpp.nccl``),
+which it is handed with the schedule as a :class:`PlannedSchedule` (``planned``: proven under
+NCCL's rules once per schedule, when the schedule is planned, not at every step): the computes
+and data-parallel actions in program order, and between them one batch per tick, whose items'
+handlers add their sends and receives to one window that is posted as one
+``batch_isend_irecv`` (see runtime.p2p).
 
 Data parallelism is per chunk: a chunk's ``no_sync`` context is left just before its last
 backward (megatron-core DDP's hooks then dispatch its gradient reduction during that backward),
@@ -38,15 +40,15 @@ process's high-water mark, which this runtime does not reset).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megatron_bfpp.compat import forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
-from megatron_bfpp.messages import Message, message_of
+from megatron_bfpp.messages import Message, What, message_of
 from megatron_bfpp.nccl import Batch, Posting, validate_nccl
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
@@ -67,8 +69,9 @@ __all__ = [
     "CORE",
     "TABLE",
     "MemoryReport",
+    "PlannedSchedule",
     "StepContext",
-    "nccl_posting",
+    "planned",
     "run_rank_program",
 ]
 
@@ -87,16 +90,18 @@ def forward(step: RankStep, position: int, action: Action) -> None:
     capture = step.store.capture((stage, mb)) if step.measuring else contextlib.nullcontext()
     with capture:
         output, num_tokens = forward_step(
-            ctx.forward_step_func,
+            ctx.call.forward_step_func,
             ctx.data_iterators[chunk],
             ctx.model[chunk],
-            ctx.num_microbatches,
+            ctx.call.num_microbatches,
             input_tensor,
             step.state.forward_data_store,
             ctx.config,
             ctx.cp_group_size,
-            collect_non_loss_data=ctx.collect_non_loss_data,
-            is_first_microbatch=check_first_val_step(ctx.first_val_step, ctx.forward_only, mb == 0),
+            collect_non_loss_data=ctx.call.collect_non_loss_data,
+            is_first_microbatch=check_first_val_step(
+                ctx.call.first_val_step, ctx.call.forward_only, mb == 0
+            ),
             current_microbatch=mb,
             vp_stage=chunk if len(ctx.model) > 1 else None,
             is_last_stage=step.layout.is_last(stage),
@@ -106,12 +111,12 @@ def forward(step: RankStep, position: int, action: Action) -> None:
     step.state.trace.append(str(action))
     key = (stage, mb)
     if step.layout.is_last(stage):
-        if not ctx.forward_only:
+        if not ctx.call.forward_only:
             step.state.inputs[key] = input_tensor
             step.state.outputs[key] = output
         return
     step.state.outputs[key] = output
-    if not ctx.forward_only:
+    if not ctx.call.forward_only:
         step.state.inputs[key] = input_tensor
 
 
@@ -121,9 +126,9 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
     if step.layout.rank_of(stage - 1) == step.rank:
         # Same-rank handoff (V-shape turn): a leaf like a received tensor, same storage.
         produced = step.state.outputs[(stage - 1, mb)]
-        if step.ctx.forward_only:
+        if step.ctx.call.forward_only:
             step.state.outputs.pop((stage - 1, mb))
-        handed = produced.detach().requires_grad_(not step.ctx.forward_only)
+        handed = produced.detach().requires_grad_(not step.ctx.call.forward_only)
         if step.frees_outputs(stage - 1):
             # As a sent output is once its send completes: the receiving stage's leaf keeps the
             # storage, the producer keeps only its autograd node (megatron's custom_backward
@@ -131,7 +136,7 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
             pseudo_free(produced)
         return handed
     previous = step.layout.rank_of(stage - 1)
-    return step.ctx.comm.wait_receive(Message("act", stage - 1, mb), previous)
+    return step.ctx.comm.wait_receive(Message(What.ACT, stage - 1, mb), previous)
 
 
 def backward(step: RankStep, position: int, action: Action) -> None:
@@ -144,7 +149,7 @@ def send_act(step: RankStep, position: int, action: Action) -> None:
     key = (action.stage, message.microbatch)
     tensor = step.state.outputs[key]
     release = tensor if step.frees_outputs(action.stage) else None
-    if step.ctx.forward_only:
+    if step.ctx.call.forward_only:
         step.state.outputs.pop(key)
     # Detached now: a later EV in this window may empty the output's .data.
     step.window.sends.append(Send(message, tensor.detach(), peer, release))
@@ -158,7 +163,7 @@ def send_grad(step: RankStep, position: int, action: Action) -> None:
 
 def recv_act(step: RankStep, position: int, action: Action) -> None:
     message, peer = _message_and_peer(action)
-    buffer = step.ctx.comm.new_buffer(not step.ctx.forward_only)
+    buffer = step.ctx.comm.new_buffer(not step.ctx.call.forward_only)
     step.window.receives.append(Receive(message, peer, (buffer,)))
 
 
@@ -180,15 +185,15 @@ def grad_sync(step: RankStep, position: int, action: Action) -> None:
     if sharded is not None and position not in step.last_grad_sync:
         # Fully sharded, a run of the chunk's backwards before its last (breadth-first with
         # groups): reduced into the kept shard now, the chunk staying in no_sync.
-        if not step.ctx.forward_only:
+        if not step.ctx.call.forward_only:
             sharded.grads_synced(chunk, overlapped=_overlapped(step, chunk), partial=True)
         step.state.trace.append(str(action))
         return
     step.leave_no_sync(chunk)
     func = step.grad_sync_funcs[chunk]
-    if func is not None and not step.ctx.forward_only:
+    if func is not None and not step.ctx.call.forward_only:
         func(step.ctx.model[chunk].parameters())
-    if sharded is not None and not step.ctx.forward_only:
+    if sharded is not None and not step.ctx.call.forward_only:
         # Fully sharded: the reduction lands into the chunk's kept gradient shard and its
         # buffer is freed (at the next GS when it runs overlapped, here when it does not).
         sharded.grads_synced(chunk, overlapped=_overlapped(step, chunk))
@@ -224,21 +229,41 @@ TABLE: DispatchTable = dispatch_table(
 )
 
 
+# --- what runs ---------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class PlannedSchedule:
+    """A validated schedule with the lock-step posting the executor runs it by, proven
+    NCCL-safe. Made once per schedule (``planned``) and handed to every step, which then
+    neither re-derives the posting nor hashes the schedule to find it (``eq=False``: the
+    identity is the key, a hash costs nothing)."""
+
+    schedule: Schedule
+    posting: Posting
+
+
+def planned(schedule: Schedule) -> PlannedSchedule:
+    """``schedule`` with its lock-step posting, proven under NCCL's rules
+    (``nccl.validate_nccl``) before its first message: every rank derives the same one, so a
+    failure is the same one-line-and-grid error everywhere, before any communication."""
+    return PlannedSchedule(schedule, validate_nccl(schedule))
+
+
 # --- the loop ---------------------------------------------------------------------------------
 class _Executor:
     """Dispatches one rank's program through the table and checks what the step leaves."""
 
     def __init__(
-        self, schedule: Schedule, rank: int, ctx: StepContext, table: DispatchTable = TABLE
+        self, plan: PlannedSchedule, rank: int, ctx: StepContext, table: DispatchTable = TABLE
     ) -> None:
+        schedule = plan.schedule
         program = schedule.per_rank[rank]
         captures = any(action.kind in table.captures for action in program)
-        measuring = not ctx.forward_only and (ctx.measure_memory or captures)
+        measuring = not ctx.call.forward_only and (ctx.measure_memory or captures)
         parts = [make() for make in table.parts]
         self.step = RankStep(schedule, rank, ctx, measuring=measuring, parts=parts)
         self.handlers: Mapping[ActionKind, Handler] = table.handlers
         self.rests: Mapping[ActionKind, Handler] = table.rests
-        self.posting = nccl_posting(schedule).per_rank[rank]
+        self.posting = plan.posting.per_rank[rank]
 
     @property
     def state(self) -> StepState:
@@ -313,7 +338,7 @@ class _Executor:
         step.ctx.comm.reap(wait=True)
         for chunk in sorted(step.state.no_sync):
             step.leave_no_sync(chunk)
-        if not step.ctx.forward_only:
+        if not step.ctx.call.forward_only:
             for chunk, func in enumerate(step.grad_sync_funcs):
                 if func is not None and chunk not in step.state.synced_chunks:
                     func(step.ctx.model[chunk].parameters())
@@ -347,18 +372,11 @@ class _Executor:
             )
 
 
-@functools.lru_cache(maxsize=32)
-def nccl_posting(schedule: Schedule) -> Posting:
-    """The schedule's lock-step posting, proven NCCL-safe before its first message (once per
-    schedule: every rank derives the same one, so a failure is the same error everywhere)."""
-    return validate_nccl(schedule)
-
-
 def run_rank_program(
-    schedule: Schedule, rank: int, ctx: StepContext
+    plan: PlannedSchedule, rank: int, ctx: StepContext
 ) -> tuple[list[Any], Any, list[str], MemoryReport]:
     """Execute ``rank``'s program; return (forward_data_store, total_num_tokens, trace, memory)."""
-    executor = _Executor(schedule, rank, ctx)
+    executor = _Executor(plan, rank, ctx)
     state = executor.run()
     executor.check_drained()
     return state.forward_data_store, state.total_num_tokens, state.trace, state.memory

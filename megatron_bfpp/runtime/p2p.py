@@ -39,7 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_bfpp.messages import Message
+from megatron_bfpp.messages import Message, What
 
 __all__ = [
     "NCCL_LEAD",
@@ -149,7 +149,7 @@ class PipeComm:
                 ops.append(dist.P2POp(dist.irecv, buffer, source, self.group))
         received = len(ops)
         for send in sends:
-            if send.message.what in ("act", "grad") and tuple(send.tensor.shape) != self.shape:
+            if send.message.what in _PIPELINE and tuple(send.tensor.shape) != self.shape:
                 raise RuntimeError(
                     f"pipeline message {send.message} has shape {tuple(send.tensor.shape)} but "
                     f"the receiver expects {self.shape} (seq_length / micro_batch_size / "
@@ -304,7 +304,8 @@ class PipeComm:
         return held
 
 
-_TRANSFERS = frozenset({"evict", "evict-size", "restore"})
+_PIPELINE = frozenset({What.ACT, What.GRAD})  # one tensor of the pipeline's message shape
+_TRANSFERS = frozenset({What.EVICT, What.EVICT_SIZE, What.RESTORE})  # BPipe's, of any size
 
 
 def _poll(work: dist.Work, deadline: float) -> bool:
@@ -334,13 +335,17 @@ def _works_per_op(posted: Sequence[dist.Work] | None, num_ops: int) -> list[dist
 
 
 def _describe(message: Message) -> str:
-    what = {
-        "act": "the activation",
-        "grad": "the gradient",
-        "evict": "the evicted activations",
-        "restore": "the returned activations",
-    }.get(message.what, message.what)
+    what = _DESCRIPTIONS.get(message.what, message.what)
     return f"{what} of stage {message.stage}, micro-batch {message.microbatch}"
+
+
+_DESCRIPTIONS = {
+    What.ACT: "the activation",
+    What.GRAD: "the gradient",
+    What.EVICT: "the evicted activations",
+    What.RESTORE: "the returned activations",
+    What.EVICT_SIZE: "the size of the evicted activations",
+}
 
 
 def pseudo_free(tensor: torch.Tensor) -> None:

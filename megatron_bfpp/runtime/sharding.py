@@ -640,7 +640,7 @@ def param_sync(step: RankStep, position: int, action: Action) -> None:
         sharded.gather(chunk)
     else:
         func = step.per_chunk(step.ctx.config.param_sync_func)[chunk]
-        if func is not None and not step.ctx.forward_only:
+        if func is not None and not step.ctx.call.forward_only:
             func(step.ctx.model[chunk].parameters())
     step.state.trace.append(str(action))
 

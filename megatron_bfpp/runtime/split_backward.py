@@ -47,7 +47,7 @@ class SplitBackward(StepPart):
         self._deferring: contextlib.ExitStack | None = None
 
     def begin(self, step: RankStep) -> None:
-        if step.ctx.forward_only or not any(
+        if step.ctx.call.forward_only or not any(
             action.kind == K.BACKWARD_INPUT for action in step.program
         ):
             return

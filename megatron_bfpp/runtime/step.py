@@ -27,6 +27,7 @@ from megatron_bfpp.runtime.activations import ActivationStore
 from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send
 
 __all__ = [
+    "Call",
     "DispatchTable",
     "Handler",
     "Handlers",
@@ -43,20 +44,45 @@ __all__ = [
 Key = tuple[int, int]  # (stage, micro-batch)
 
 
-@dataclass
-class StepContext:
-    """Everything one step needs besides the schedule: what megatron-core passes around."""
+@dataclass(frozen=True, kw_only=True)
+class Call:
+    """One call's megatron-core forward-backward arguments: the one declaration of their names
+    and defaults, those of megatron-core's ``forward_backward_pipelining_with_interleaving``
+    (keyword-only there too). ``ForwardBackwardFunc`` takes them as ``**kwargs``, builds this,
+    and shows this signature (``inspect.signature``, ``help``); what each means is its
+    docstring."""
 
     forward_step_func: Callable[..., Any]
-    data_iterators: list[Iterator[Any] | None]
-    model: list[torch.nn.Module]
+    data_iterator: Iterator[Any] | list[Iterator[Any]] | None
+    model: torch.nn.Module | list[torch.nn.Module]
     num_microbatches: int
+    seq_length: int
+    micro_batch_size: int
+    decoder_seq_length: int | None = None
+    forward_only: bool = False
+    collect_non_loss_data: bool = False
+    first_val_step: bool | None = None
+    adjust_tensor_shapes_fn: Callable[..., Any] | None = None
+    p2p_communicator: Any = None
+    pg_collection: Any = None
+    force_all_reduce: bool | None = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forward_only", bool(self.forward_only))
+
+
+@dataclass
+class StepContext:
+    """Everything one step needs besides the schedule: the call as megatron-core made it, and
+    what the step read from it once (the model chunks, one data iterator each, their config,
+    the pipeline's messages)."""
+
+    call: Call
+    data_iterators: list[Iterator[Any] | None]
+    model: list[torch.nn.Module]  # the call's model as a list of chunks
     config: Any
     model_type: Any
     cp_group_size: int
-    forward_only: bool
-    collect_non_loss_data: bool
-    first_val_step: bool | None
     comm: PipeComm
     measure_memory: bool = False
     sharded: Any = None  # runtime.sharding.ShardedParameters with optim_grads_params
@@ -242,7 +268,7 @@ class RankStep:
 
     def frees_outputs(self, stage: int) -> bool:
         """Pseudo-free a sent output once its send completes, as megatron-core does."""
-        return bool(self.ctx.config.deallocate_pipeline_outputs) and not self.ctx.forward_only
+        return bool(self.ctx.config.deallocate_pipeline_outputs) and not self.ctx.call.forward_only
 
     # --- data parallel ----------------------------------------------------------------------
     def enter_no_sync(self) -> None:

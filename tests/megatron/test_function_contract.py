@@ -74,6 +74,30 @@ def test_megatron_core_signature_is_ours() -> None:
     ours = inspect.signature(megatron_bfpp.get_forward_backward_func("1f1b")).parameters
     missing = [name for name in theirs if name not in ours]
     assert not missing, f"megatron-core passes {missing}, which ours does not take"
+    # Declared once (runtime.step.Call) and shown as the function's: names, kinds, defaults.
+    assert [(p.name, p.kind, p.default) for p in ours.values()] == [
+        (p.name, p.kind, p.default) for p in theirs.values()
+    ]
+
+
+def test_an_unknown_or_missing_argument_is_a_type_error_naming_it() -> None:
+    fn = megatron_bfpp.get_forward_backward_func("1f1b")
+    with pytest.raises(
+        TypeError,
+        match=r"^forward_backward_1f1b\(\) got an unexpected keyword "
+        "argument 'num_micro_batches'$",
+    ):
+        fn(num_micro_batches=4)
+    with pytest.raises(TypeError, match=r"^forward_backward_1f1b\(\) missing .*'model'"):
+        fn(
+            forward_step_func=print,
+            data_iterator=None,
+            num_microbatches=1,
+            seq_length=8,
+            micro_batch_size=1,
+        )
+    with pytest.raises(TypeError):
+        fn(print)  # keyword-only, as megatron-core's
 
 
 @pytest.mark.parametrize("case", ["early", "twice", "missing", "none"])

@@ -429,11 +429,12 @@ def runtime_posted(batches: list[M.Batch], as_written: bool) -> str:
     between computes, the runtime's posting before lock-step) or in lock-step."""
     from megatron_bfpp import get_forward_backward_func
     from megatron_bfpp.nccl import written_posting
-    from megatron_bfpp.runtime import executor
+    from megatron_bfpp.runtime import api
+    from megatron_bfpp.runtime.executor import PlannedSchedule
 
     E.install(stall_seconds=STALL)
-    if as_written:
-        executor.nccl_posting = written_posting  # type: ignore[assignment]
+    if as_written:  # the posting plan_schedule hands the executor (this rank process only)
+        api.planned = lambda schedule: PlannedSchedule(schedule, written_posting(schedule))
     config = M.tiny_gpt_config(num_layers=4, vp=2)
     chunks = M.build_model_chunks(config, placement="v-shape")
     try:

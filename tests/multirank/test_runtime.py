@@ -106,8 +106,8 @@ def observed_order(batches: list[M.Batch], schedule: str) -> tuple[list[str], li
         seq_length=M.SEQ_LENGTH,
         micro_batch_size=M.MICRO_BATCH_SIZE,
     )
-    planned = plan_schedule(schedule, pp, len(chunks), len(batches), (), False)
-    expected = [str(a) for a in planned.per_rank[rank] if a.kind.is_compute]
+    plan = plan_schedule(schedule, pp, len(chunks), len(batches), (), False)
+    expected = [str(a) for a in plan.schedule.per_rank[rank] if a.kind.is_compute]
     return seen, expected
 
 
@@ -368,7 +368,7 @@ def test_step_post_conditions_fail_loudly_on_leftovers() -> None:
 
     import torch
 
-    from megatron_bfpp.runtime.executor import _Executor
+    from megatron_bfpp.runtime.executor import _Executor, planned
     from megatron_bfpp.schedules import build_schedule
 
     schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
@@ -377,10 +377,10 @@ def test_step_post_conditions_fail_loudly_on_leftovers() -> None:
         comm=comm,
         config=SimpleNamespace(grad_sync_func=None),
         model=[torch.nn.Linear(1, 1)],
-        forward_only=False,
+        call=SimpleNamespace(forward_only=False),
         measure_memory=False,
     )
-    executor = _Executor(schedule, 0, ctx)
+    executor = _Executor(planned(schedule), 0, ctx)
     executor.check_drained()  # nothing left: passes
     executor.state.outputs[(0, 1)] = torch.zeros(1)
     with pytest.raises(RuntimeError, match=r"stored outputs: \['\(0, 1\)'\]"):

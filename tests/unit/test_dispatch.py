@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from megatron_bfpp.ir import ActionKind, parse_action
+from megatron_bfpp.ir import ActionKind, StageLayout, parse_action, parse_schedule
+from megatron_bfpp.passes.communication import add_communication
+from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.api import ForwardBackwardFunc
 from megatron_bfpp.runtime.executor import CORE, TABLE
@@ -85,3 +87,41 @@ def test_megatron_features_the_runtime_lacks_are_refused(
     _reject_unsupported(SimpleNamespace(cuda_graph_impl="none"))  # the default runs
     with pytest.raises(NotImplementedError, match=words):
         _reject_unsupported(SimpleNamespace(**{field: value}))
+
+
+# --- a plan: the validated schedule with its posting, made once, handed to every step --------
+
+
+def test_plan_schedule_hands_the_executor_the_posting_it_proved_once() -> None:
+    from megatron_bfpp.nccl import lockstep_posting
+    from megatron_bfpp.runtime.api import plan_schedule
+
+    plan = plan_schedule("interleaved", 2, 2, 4, (), False)
+    assert plan.posting == lockstep_posting(plan.schedule)
+    assert plan is plan_schedule("interleaved", 2, 2, 4, (), False)  # cached: built once
+    evaluation = plan_schedule("interleaved", 2, 2, 4, (), True)
+    kinds = {a.kind for actions in evaluation.schedule.per_rank for a in actions}
+    assert ActionKind.BACKWARD not in kinds and ActionKind.FORWARD in kinds
+    assert evaluation.posting == lockstep_posting(evaluation.schedule)
+
+
+def test_a_prebuilt_schedule_is_validated_and_planned_once_per_function() -> None:
+    from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.ir import ScheduleError
+    from megatron_bfpp.nccl import lockstep_posting
+    from megatron_bfpp.schedules.registry import build_schedule
+
+    built = build_schedule("1f1b", num_ranks=2, num_microbatches=3)
+    fn = get_forward_backward_func(built)
+    plan = fn.prebuilt_plan(forward_only=False)
+    assert plan.schedule is built and plan.posting == lockstep_posting(built)
+    assert fn.prebuilt_plan(forward_only=False) is plan  # every step runs this one
+    evaluation = fn.prebuilt_plan(forward_only=True)
+    assert evaluation is fn.prebuilt_plan(forward_only=True) and evaluation is not plan
+    # Validation is the registry's, data order included: forwards out of order are refused.
+    compute = parse_schedule(
+        ["0F1 0F0 0B1 0B0", "1F1 1B1 1F0 1B0"], layout=StageLayout.looped(2), num_microbatches=2
+    )
+    swapped = add_grad_sync(add_communication(compute))
+    with pytest.raises(ScheduleError, match="0F0 runs stage 0's micro-batch 0 after its micro"):
+        get_forward_backward_func(swapped)

@@ -18,7 +18,7 @@ from megatron_bfpp.ir import (
     parse_action,
     parse_schedule,
 )
-from megatron_bfpp.messages import Message, MessageKeys, message_of
+from megatron_bfpp.messages import WHAT, Message, MessageKeys, What, message_of
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.schedules.registry import SCHEDULES, build_schedule
@@ -27,7 +27,6 @@ from megatron_bfpp.sim import simulate
 from megatron_bfpp.validate import validate_deadlock_free, validate_placement, validate_schedule
 
 K = ActionKind
-WHATS = ("act", "grad", "evict", "restore", "evict-posted", "restore-posted")
 
 
 # --- messages --------------------------------------------------------------------------------
@@ -48,13 +47,30 @@ def test_message_keys_are_distinct_and_read_back() -> None:
     seen = {}
     for microbatch in range(4):
         for stage in range(5):
-            for what in WHATS:
+            for what in What:
                 for rank in range(3):
                     message = Message(what, stage, microbatch)
                     key = keys.key(message, rank)
                     assert key not in seen, (message, rank, seen.get(key))
                     seen[key] = (message, rank)
                     assert keys.message(key) == (message, rank)
+                    assert keys.message(key)[0].what is what
+
+
+def test_message_kinds_are_one_enum_that_prints_as_its_text() -> None:
+    # The runtime's own kinds (the eviction's size header) are members too, keyed like the rest.
+    assert What.EVICT_SIZE in WHAT and WHAT.index(What.EVICT_SIZE) < 8
+    assert [str(what) for what in What] == [
+        "act",
+        "grad",
+        "evict",
+        "restore",
+        "evict-posted",
+        "restore-posted",
+        "evict-size",
+    ]
+    assert f"{Message(What.ACT, 1, 2).what}" == "act"
+    assert Message(What.GRAD, 3, 5) == Message("grad", 3, 5)  # a str: old literals still match
 
 
 # --- the validator and the replay apply the same rules ---------------------------------------

@@ -22,6 +22,7 @@ from megatron_bfpp.validate import (
     _find_problem,
     has_communication,
     validate_completeness,
+    validate_data_order,
     validate_deadlock_free,
     validate_grad_sync,
     validate_message_order,
@@ -141,6 +142,40 @@ def test_forward_only_schedules_need_no_backward() -> None:
         validate_schedule(half, require_communication=False, require_backward=False)
 
 
+def test_forwards_out_of_micro_batch_order_are_refused_in_one_line() -> None:
+    """Data iterators are read in order: a stage's forwards must take micro-batches 0, 1, ...
+    A lowered, deadlock-free, NCCL-safe order that swaps two is refused by validation itself,
+    so by every path (the runtime's plan, a prebuilt / CSV schedule, the simulator's input)."""
+    rows = [
+        "0F1 0SA1>1 0F0 0SA0>1 0RG1<1 0B1 0RG0<1 0B0",
+        "1RA1<0 1F1 1B1 1SG1>0 1RA0<0 1F0 1B0 1SG0>0",
+    ]
+    swapped = parse_schedule(rows, layout=LOOPED2, num_microbatches=2, name="swapped")
+    expected = (
+        "swapped: rank 0, step 2: 0F0 runs stage 0's micro-batch 0 after its micro-batch 1; "
+        "data iterators are read in order, so order each stage's forwards by micro-batch"
+    )
+    for check in (validate_schedule, validate_data_order):
+        with pytest.raises(ScheduleError) as info:
+            check(swapped)
+        assert str(info.value) == expected  # one line, no grid
+    validate_deadlock_free(swapped)  # only the data order is wrong
+    # Backwards may take any order: forwards in order, backwards swapped, is accepted.
+    backwards_swapped = [
+        "0F0 0SA0>1 0F1 0SA1>1 0RG1<1 0B1 0RG0<1 0B0",
+        "1RA0<0 1F0 1RA1<0 1F1 1B1 1SG1>0 1B0 1SG0>0",
+    ]
+    validate_schedule(parse_schedule(backwards_swapped, layout=LOOPED2, num_microbatches=2))
+
+
+def test_every_catalogue_schedule_reads_data_in_order() -> None:
+    for name in schedule_names():
+        chunks = 2 if get_spec(name).placement is Placement.LOOPED else None
+        validate_data_order(
+            build_schedule(name, num_ranks=4, num_microbatches=8, num_chunks=chunks)
+        )
+
+
 # --- the one pass agrees with the checks run one by one -------------------------------------
 
 
@@ -152,6 +187,7 @@ def _each_check_passes(schedule: Schedule, require_communication: bool) -> bool:
         if require_communication or has_communication(schedule):
             validate_message_order(schedule)
         validate_deadlock_free(schedule)
+        validate_data_order(schedule)
     except ScheduleError:
         return False
     return True
