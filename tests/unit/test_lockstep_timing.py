@@ -255,3 +255,13 @@ def test_megatron_times_megatron_cores_own_posting_of_its_schedules() -> None:
     breadth = build_schedule("breadth-first", num_ranks=4, num_microbatches=8, num_chunks=2)
     with pytest.raises(ScheduleError, match="cannot simulate 'breadth-first' under megatron"):
         simulate(breadth, costs, p2p="megatron")
+
+
+@pytest.mark.parametrize("p2p", ["gloo", "lockstep", "megatron"])
+def test_host_time_on_1f1b_two_ranks_two_microbatches(p2p: str) -> None:
+    """F 1 + 0.5, B 2 + 0.5, free messages. Rank 1: F0 [1.5, 3], B0 [3, 5.5], F1 [5.5, 7],
+    B1 [7, 9.5]; rank 0: F0 [0, 1.5], F1 [1.5, 3], B0 [5.5, 8], B1 [9.5, 12]: 12 (9 without)."""
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    costs = CostModel(t_forward=1.0, t_backward=2.0, t_host=0.5)
+    assert simulate(schedule, costs, p2p=p2p).step_time == 12
+    assert simulate(schedule, CostModel(t_forward=1.0, t_backward=2.0), p2p=p2p).step_time == 9
