@@ -265,3 +265,29 @@ def test_host_time_on_1f1b_two_ranks_two_microbatches(p2p: str) -> None:
     costs = CostModel(t_forward=1.0, t_backward=2.0, t_host=0.5)
     assert simulate(schedule, costs, p2p=p2p).step_time == 12
     assert simulate(schedule, CostModel(t_forward=1.0, t_backward=2.0), p2p=p2p).step_time == 9
+
+
+def test_v_shape_step_ends_with_the_loss_delivery_to_the_last_rank() -> None:
+    """The V's last stage is on rank 0, and the runtime sends the step's losses to the last rank
+    after both programs (``deliver_to_last_rank``: two blocking messages). F 0.5, B 1 (half
+    stages), messages 0.25: rank 0 0F0 [0, 0.5]; rank 1 1F0 [0.75, 1.25], 2F0 [1.25, 1.75];
+    rank 0 3F0 [2, 2.5], 3B0 [2.5, 3.5]; rank 1 2B0 [3.75, 4.75], 1B0 [4.75, 5.75], its send
+    done at 6; rank 0 0B0 [6, 7]. Then the two messages: both ranks end at 7 + 2 x 0.25."""
+    schedule = parse_schedule(
+        [
+            "0F0 0SA0>1 3RA0<1 3F0 3B0 3SG0>1 0RG0<1 0B0",
+            "1RA0<0 1F0 2F0 2SA0>0 2RG0<0 2B0 1B0 1SG0>0",
+        ],
+        layout=StageLayout.v_shape(2),
+        num_microbatches=1,
+    )
+    result = simulate(schedule, CostModel(t_forward=1.0, t_backward=2.0, t_p2p=0.25))
+    assert result.step_time == 7.5
+    assert [rank.end_time for rank in result.per_rank] == [7.5, 7.5]
+    # gloo's rules time the schedule alone: rank 0's last backward ends at 7
+    assert (
+        simulate(
+            schedule, CostModel(t_forward=1.0, t_backward=2.0, t_p2p=0.25), p2p="gloo"
+        ).step_time
+        == 7
+    )
