@@ -22,6 +22,17 @@ DDP starts it (``ChunkSync``: by gradient hooks outside ``config.no_sync_func``,
 for the lane, as megatron-core's finalize waits for DDP's reductions. Each case runs with and
 without it.
 
+The models time compute as the emulation sleeps it; the CPU ranks also spend host time per
+action (Python, megatron-core's forward_step / backward_step, autograd, building and posting
+each tick's batch, the sleeps' overshoot, waking from waits) that a multi-chunk schedule pays v
+times as often for the same work. Each step measures it (``rank_main``: the step less the
+sleeps asked for, the time blocked in the emulation's waits and the reduction's wait), divides
+it by the rank's compute actions and times the schedule again with that ``CostModel.t_host``:
+each row prints the model without it, the measured step, the host time per action and the model
+with it (the error of the last is the fidelity of the p2p and timing rules with the host's own
+time accounted for, not fitted: ``t_host`` is the ranks' mean, and the model decides how much of
+it lies on the critical path).
+
     python scripts/bench_fidelity.py                          # pp 4 and 8, every schedule
     python scripts/bench_fidelity.py --pp 4 --only v-zb megatron-interleaved --dp-only
 """
@@ -362,7 +373,8 @@ def main() -> None:
         f"t_forward={args.t_forward}s t_backward={args.t_backward}s t_weight={args.t_weight}s "
         f"(per full stage), emulated transfer t_p2p={args.t_p2p}s, per-chunk reduction "
         f"{reduce_time}s in the DP cases; {args.steps} timed steps after a warm-up, each the "
-        "slowest rank's; measured: their median, best: the fastest (load only slows a step)"
+        "slowest rank's, each against the model with its own measured t_host (host time per "
+        "compute action); measured: the median step, best: the fastest (load only slows a step)"
     )
     print(
         f"{'schedule':<22} {'pp':>2} {'vp':>2} {'m':>3} {'t_reduce':>8} {'model':>8} "
