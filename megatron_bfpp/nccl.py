@@ -423,8 +423,9 @@ def posting_timer(schedule: Schedule, posting: Posting) -> Callable[[Timing], Po
     the header's batch and the payload's. GS / PS run on the data-parallel lane as in
     ``semantics.replay``. Where the last stage is not on the last rank (the V-shapes) the
     runtime then sends the step's losses there in two blocking messages
-    (``runtime.placement.deliver_to_last_rank``): both ranks' clocks end ``2 * timing.p2p``
-    after the later of the two. Unlike ``check_posting`` the CPU does not settle BPipe's sends after
+    (``runtime.placement.deliver_to_last_rank``) after its gradient finalization: both ranks'
+    clocks end ``2 * timing.p2p`` after the later of the two and of their data-parallel lanes.
+    Unlike ``check_posting`` the CPU does not settle BPipe's sends after
     the next compute: on NCCL the runtime polls them (``PipeComm.reap``) instead, so they cost
     no time there. A CPU that waits for a batch stands for a GPU stream that waits for it: the
     times are the same, the CPU only enqueues earlier."""
@@ -653,13 +654,15 @@ class _Model:
     def _deliver_outputs(self, timing: Timing) -> None:
         """``runtime.placement.deliver_to_last_rank``: where the last stage is not on the last
         rank (the V-shapes), its rank sends the step's loss values there once both are done
-        with their programs, as ``send_object_list`` does it: two blocking messages (the size,
-        then the pickled values), one after the other; both ranks' steps end with them."""
+        with their programs and their gradient finalization (which waits for the data-parallel
+        lane), as ``send_object_list`` does it: two blocking messages (the size, then the
+        pickled values), one after the other; both ranks' steps end with them."""
         layout = self.schedule.layout
         source, target = layout.rank_of(layout.num_stages - 1), layout.num_ranks - 1
         if source != target:
-            cpu = self.cpu
-            cpu[source] = cpu[target] = max(cpu[source], cpu[target]) + 2 * timing.p2p
+            cpu, dp_end = self.cpu, self.dp_free
+            ready = max(cpu[source], dp_end[source], cpu[target], dp_end[target])
+            cpu[source] = cpu[target] = ready + 2 * timing.p2p
 
     def _durations(self) -> dict[ActionKind, float]:
         timing = self.timing

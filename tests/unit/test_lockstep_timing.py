@@ -23,6 +23,7 @@ from megatron_bfpp.nccl import (
     time_posting,
     written_posting,
 )
+from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.schedules.registry import build_schedule, forward_only_schedule
 from megatron_bfpp.semantics import Timing
 from megatron_bfpp.sim import CostModel, simulate
@@ -291,3 +292,22 @@ def test_v_shape_step_ends_with_the_loss_delivery_to_the_last_rank() -> None:
         ).step_time
         == 7
     )
+
+
+def test_v_shape_loss_delivery_follows_the_data_parallel_reduction() -> None:
+    """The runtime finalizes the gradients (waiting for the reductions) before it delivers the
+    losses. With a reduction of 1 per chunk after its last backward: rank 0's lane runs 3GS
+    [3.5, 4.5] and 0GS [7, 8], rank 1's 2GS [4.75, 5.75] and 1GS [5.75, 6.75] (the computes
+    as in the test above): the delivery starts at 8 and both ranks end at 8.5."""
+    schedule = parse_schedule(
+        [
+            "0F0 0SA0>1 3RA0<1 3F0 3B0 3SG0>1 0RG0<1 0B0",
+            "1RA0<0 1F0 2F0 2SA0>0 2RG0<0 2B0 1B0 1SG0>0",
+        ],
+        layout=StageLayout.v_shape(2),
+        num_microbatches=1,
+    )
+    costs = CostModel(t_forward=1.0, t_backward=2.0, t_p2p=0.25, t_grad_reduce=1.0)
+    result = simulate(add_grad_sync(schedule), costs)
+    assert result.step_time == 8.5
+    assert [rank.end_time for rank in result.per_rank] == [8.5, 8.5]
