@@ -26,12 +26,16 @@ The models time compute as the emulation sleeps it; the CPU ranks also spend hos
 action (Python, megatron-core's forward_step / backward_step, autograd, building and posting
 each tick's batch, the sleeps' overshoot, waking from waits) that a multi-chunk schedule pays v
 times as often for the same work. Each step measures it (``rank_main``: the step less the
-sleeps asked for, the time blocked in the emulation's waits and the reduction's wait), divides
-it by the rank's compute actions and times the schedule again with that ``CostModel.t_host``:
-each row prints the model without it, the measured step, the host time per action and the model
-with it (the error of the last is the fidelity of the p2p and timing rules with the host's own
-time accounted for, not fitted: ``t_host`` is the ranks' mean, and the model decides how much of
-it lies on the critical path).
+sleeps asked for, the time blocked in the emulation's waits and the reduction's wait) and
+divides it by the rank's compute actions. The emulated transport also takes longer than
+``--t-p2p`` per message (the worker's sleep to the due time, gloo, thread wake-ups: a fraction
+of a millisecond, more under load); before each step the ranks time it in pairs with a chain of
+round trips that no host work interrupts (``_message_time``). Each row prints the model at the
+nominal costs, the measured step, the host time per action, the time per message and the model
+with both measured (``CostModel.t_host`` and ``t_p2p``): its error is the fidelity of the p2p
+and timing rules with the CPU ranks' own costs accounted for, not fitted (``t_host`` is the
+ranks' mean, and the model decides how much of it and of each message lies on the critical
+path).
 
     python scripts/bench_fidelity.py                          # pp 4 and 8, every schedule
     python scripts/bench_fidelity.py --pp 4 --only v-zb megatron-interleaved --dp-only
@@ -211,12 +215,13 @@ def _megatron_options(name: str, pp: int, vp: int, num_microbatches: int) -> dic
 
 def rank_main(
     name: str, costs: dict[str, float], num_microbatches: int, steps: int
-) -> list[tuple[float, float]]:
-    """Per step: (its time between two barriers, the host's time in it): the time until the
-    forward-backward function returned less the emulated compute's sleeps as asked for, the
-    time blocked waiting for messages (``nccl_emulation.blocked_seconds``) and for the
-    emulated reduction. What is left is the CPU's own work (Python, autograd, posting), the
-    sleeps' overshoot and waking from waits: what ``CostModel.t_host`` stands for."""
+) -> list[tuple[float, float, float]]:
+    """Per step: (its time between two barriers, the host's time in it, the emulated
+    transport's time per message just before it, ``_message_time``). The host's time is the
+    time until the forward-backward function returned less the emulated compute's sleeps as
+    asked for, the time blocked waiting for messages (``nccl_emulation.blocked_seconds``) and
+    for the emulated reduction: the CPU's own work (Python, autograd, posting) and the sleeps'
+    overshoot, what ``CostModel.t_host`` stands for."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -264,6 +269,7 @@ def rank_main(
     times = []
     for _ in range(steps):
         iterators = [iter([torch.randn(SEQ, MBS, HIDDEN)] * num_microbatches) for _ in chunks]
+        message = _message_time(parallel_state.get_pipeline_model_parallel_group())
         torch.distributed.barrier()
         emulated, blocked, waited = _EMULATED[0], nccl_emulation.blocked_seconds(), lane.waited
         start = time.perf_counter()
@@ -284,8 +290,33 @@ def rank_main(
             - (lane.waited - waited)
         )
         torch.distributed.barrier()
-        times.append((time.perf_counter() - start, host))
+        times.append((time.perf_counter() - start, host, message))
     return times
+
+
+ROUND_TRIPS = 5  # per step, to time the emulated transport (``_message_time``)
+
+
+def _message_time(group: Any) -> float:
+    """What one message of the emulated transport takes now, under this machine's load:
+    ``ROUND_TRIPS`` round trips with the partner rank (pipeline rank r ^ 1) on the group's
+    stream, every batch posted up front so that the emulation's workers chain them with no host
+    work in between; the time of the chain over its messages. It is ``--t-p2p`` plus the
+    emulation's own latency (sleeping to the due time, gloo, thread wake-ups)."""
+    import torch.distributed as dist
+
+    me = group.rank()
+    peer = dist.get_global_rank(group, me ^ 1)
+    out, into = torch.zeros(1), torch.zeros(1)
+    send = [dist.P2POp(dist.isend, out, peer, group)]
+    receive = [dist.P2POp(dist.irecv, into, peer, group)]
+    batches = [send, receive] if me % 2 == 0 else [receive, send]
+    dist.barrier(group)
+    start = time.perf_counter()
+    works = [dist.batch_isend_irecv(batch)[0] for _ in range(ROUND_TRIPS) for batch in batches]
+    for work in works:
+        work.wait()
+    return (time.perf_counter() - start) / (2 * ROUND_TRIPS)
 
 
 def _schedule(name: str, pp: int, vp: int, num_microbatches: int) -> Schedule:
@@ -374,11 +405,12 @@ def main() -> None:
         f"(per full stage), emulated transfer t_p2p={args.t_p2p}s, per-chunk reduction "
         f"{reduce_time}s in the DP cases; {args.steps} timed steps after a warm-up, each the "
         "slowest rank's, each against the model with its own measured t_host (host time per "
-        "compute action); measured: the median step, best: the fastest (load only slows a step)"
+        "compute action) and t_msg (time per message); measured: the median step, best: the "
+        "fastest (load only slows a step)"
     )
     print(
         f"{'schedule':<22} {'pp':>2} {'vp':>2} {'m':>3} {'t_reduce':>8} {'model':>8} "
-        f"{'simulated':>9} {'measured':>8} {'error':>6} {'t_host':>7} {'+ host':>7} "
+        f"{'simulated':>9} {'measured':>8} {'error':>6} {'t_host':>7} {'t_msg':>8} {'+ both':>7} "
         f"{'error':>6} {'best':>6} {'error':>6}",
         flush=True,
     )
@@ -416,15 +448,19 @@ def main() -> None:
                     print(f"{name:<22} {pp:>2} {vp:>2} {m:>3} failed: {failure.summary}")
                     failed.append(name)
                     continue
-                # Each timed step (the slowest rank's) against the model with its own t_host;
-                # the step of median time is reported, and the fastest.
+                # Each timed step (the slowest rank's) against the model with its own t_host
+                # and message time; the step of median time is reported, and the fastest.
                 rows = []
                 for i in range(1, args.steps + 1):
                     host = host_per_action(name, pp, vp, m, [r[i][1] for r in results])
-                    model_s = predict(name, pp, vp, m, dataclasses.replace(costs, t_host=host))
-                    rows.append((max(r[i][0] for r in results), host, model_s))
+                    message = statistics.mean(r[i][2] for r in results)
+                    measured_costs = dataclasses.replace(
+                        costs, t_host=host, t_p2p=message, t_evict=message
+                    )
+                    model_s = predict(name, pp, vp, m, measured_costs)
+                    rows.append((max(r[i][0] for r in results), host, message, model_s))
                 rows.sort()
-                measured, host, with_host = rows[(len(rows) - 1) // 2]
+                measured, host, message, with_host = rows[(len(rows) - 1) // 2]
                 error = (measured - with_host) / with_host
                 errors.append(abs(error))
                 model = "megatron" if name.startswith(MEGATRON) else "lockstep"
@@ -432,13 +468,13 @@ def main() -> None:
                     f"{name:<22} {pp:>2} {vp:>2} {m:>3} {reduce:>8.3f} {model:>8} "
                     f"{predicted:>9.3f} {measured:>8.3f} "
                     f"{100 * (measured - predicted) / predicted:>5.1f}% {1000 * host:>5.2f}ms "
-                    f"{with_host:>7.3f} {100 * error:>5.1f}% {rows[0][0]:>6.3f} "
-                    f"{100 * (rows[0][0] - rows[0][2]) / rows[0][2]:>5.1f}%",
+                    f"{1000 * message:>6.2f}ms {with_host:>7.3f} {100 * error:>5.1f}% "
+                    f"{rows[0][0]:>6.3f} {100 * (rows[0][0] - rows[0][3]) / rows[0][3]:>5.1f}%",
                     flush=True,
                 )
     if errors:
         print(
-            f"against the model with the measured t_host: largest |error| "
+            f"against the model with the measured t_host and t_msg: largest |error| "
             f"{100 * max(errors):.1f}%, mean {100 * statistics.mean(errors):.1f}%"
         )
     if failed:
