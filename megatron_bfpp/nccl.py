@@ -421,7 +421,11 @@ def posting_timer(schedule: Schedule, posting: Posting) -> Callable[[Timing], Po
     ``timing.transfer``) after both halves have started, and a batch when all its ops have.
     A ``blocking`` batch holds the CPU until it completes; so does BPipe's header read, between
     the header's batch and the payload's. GS / PS run on the data-parallel lane as in
-    ``semantics.replay``. Unlike ``check_posting`` the CPU does not settle BPipe's sends after
+    ``semantics.replay``. Where the last stage is not on the last rank (the V-shapes) the
+    runtime then sends the step's losses there in two blocking messages
+    (``runtime.placement.deliver_to_last_rank``) after its gradient finalization: both ranks'
+    clocks end ``2 * timing.p2p`` after the later of the two and of their data-parallel lanes.
+    Unlike ``check_posting`` the CPU does not settle BPipe's sends after
     the next compute: on NCCL the runtime polls them (``PipeComm.reap``) instead, so they cost
     no time there. A CPU that waits for a batch stands for a GPU stream that waits for it: the
     times are the same, the CPU only enqueues earlier."""
@@ -637,6 +641,7 @@ class _Model:
         """One run under ``timing`` (``posting_timer``)."""
         self.timing = timing
         self.run()
+        self._deliver_outputs(timing)
         records, unit_active, done_time = self.records, self.unit_active, self.done_time
         return PostingRun(
             self.cpu,
@@ -645,6 +650,19 @@ class _Model:
             self.gather_wait,
             lambda: self._events(records, unit_active, done_time),
         )
+
+    def _deliver_outputs(self, timing: Timing) -> None:
+        """``runtime.placement.deliver_to_last_rank``: where the last stage is not on the last
+        rank (the V-shapes), its rank sends the step's loss values there once both are done
+        with their programs and their gradient finalization (which waits for the data-parallel
+        lane), as ``send_object_list`` does it: two blocking messages (the size, then the
+        pickled values), one after the other; both ranks' steps end with them."""
+        layout = self.schedule.layout
+        source, target = layout.rank_of(layout.num_stages - 1), layout.num_ranks - 1
+        if source != target:
+            cpu, dp_end = self.cpu, self.dp_free
+            ready = max(cpu[source], dp_end[source], cpu[target], dp_end[target])
+            cpu[source] = cpu[target] = ready + 2 * timing.p2p
 
     def _durations(self) -> dict[ActionKind, float]:
         timing = self.timing

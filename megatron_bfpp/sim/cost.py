@@ -54,6 +54,11 @@ class CostModel:
     weight-gradient part W ``t_weight``. ``t_p2p`` runs from sender to receiver.
     ``t_grad_reduce`` / ``t_param_gather`` are per chunk, not scaled by the chunk's size;
     ``t_evict`` (one full-stage micro-batch's stored activations) is scaled like compute.
+    ``t_host`` is added to every compute action (F, B, I, W) and not scaled: the host's time per
+    action that the compute cannot hide (dispatch, posting the tick's batch, waking from a
+    wait), the same for a stage of ``1 / v`` of the layers, so it weighs ``v`` times as much in a
+    schedule with ``v`` chunks per rank. 0 by default (a GPU's host runs ahead of its kernels);
+    ``scripts/bench_fidelity.py`` measures it on its CPU ranks.
     """
 
     t_forward: float = _cost(_UNIT.forward, "forward time")
@@ -66,6 +71,9 @@ class CostModel:
     t_param_gather: float = _cost(_UNIT.param_sync, "one chunk's data-parallel parameter gather")
     t_evict: float = _cost(
         _UNIT.transfer, "BPipe: moving one micro-batch's activations to the partner"
+    )
+    t_host: float = _cost(
+        0.0, "host time per compute action (F, B, I, W) on top of its compute, not scaled"
     )
 
     def __post_init__(self) -> None:
@@ -87,7 +95,8 @@ class CostModel:
             )
 
     def compute_time(self, kind: ActionKind, stage_fraction: float = 1.0) -> float:
-        """Duration of one compute action on a stage holding ``stage_fraction`` of a full stage."""
+        """Duration of one compute action on a stage holding ``stage_fraction`` of a full stage,
+        its host time ``t_host`` included."""
         if kind == ActionKind.FORWARD:
             full = self.t_forward
         elif kind == ActionKind.BACKWARD:
@@ -98,7 +107,7 @@ class CostModel:
             full = self.t_weight
         else:
             raise ScheduleError(f"{kind.name} is not a compute action (F, B, I or W)")
-        return full * stage_fraction
+        return full * stage_fraction + self.t_host
 
     def exact(self, stage_fraction: Fraction = Fraction(1)) -> ExactTiming:
         """The replay's durations for stages of ``stage_fraction`` (``StageLayout.
@@ -106,11 +115,12 @@ class CostModel:
         prints as (0.05 is 1/20, the number the user wrote, not the binary float nearest it) and
         all are scaled by the least common denominator."""
         full = {name: _decimal(getattr(self, name)) for name in _FIELDS}
+        host = full["t_host"]  # per compute action, whatever the stage's size
         durations = {
-            "forward": full["t_forward"] * stage_fraction,
-            "backward": full["t_backward"] * stage_fraction,
-            "backward_input": (full["t_backward"] - full["t_weight"]) * stage_fraction,
-            "backward_weight": full["t_weight"] * stage_fraction,
+            "forward": full["t_forward"] * stage_fraction + host,
+            "backward": full["t_backward"] * stage_fraction + host,
+            "backward_input": (full["t_backward"] - full["t_weight"]) * stage_fraction + host,
+            "backward_weight": full["t_weight"] * stage_fraction + host,
             "p2p": full["t_p2p"],
             "transfer": full["t_evict"] * stage_fraction,
             "grad_sync": full["t_grad_reduce"],

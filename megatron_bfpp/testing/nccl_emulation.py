@@ -16,7 +16,9 @@ versions that, on gloo groups only, keep the rules of ProcessGroupNCCL (docs/des
    waits so: stricter than NCCL, which buffers small sends.
 4. Non-batched ``isend`` / ``irecv`` run as a batch of one on a stream per (group, pair of ranks),
    FIFO per pair, with counters of their own (another communicator on NCCL).
-5. A Work's ``wait()`` blocks the CPU until the batch completed and raises if it failed.
+5. A Work's ``wait()`` blocks the CPU until the batch completed and raises if it failed; the
+   process's total time blocked so is :func:`blocked_seconds` (``scripts/bench_fidelity.py``
+   takes it out of a step to find the host's own time).
 6. A batch not completed ``stall_seconds`` after it started, or a ``wait()`` blocked that long,
    fails with a one-line RuntimeError naming the rank, group, batch, its ops and what it waits for.
 7. Optionally a transfer time (``transfer_seconds``, ``$BFPP_NCCL_EMULATION_TRANSFER_S``; default
@@ -61,6 +63,7 @@ __all__ = [
     "STALL_ENV",
     "TRANSFER_ENV",
     "batches_posted",
+    "blocked_seconds",
     "install",
     "installed",
     "uninstall",
@@ -80,6 +83,7 @@ _stall_s = DEFAULT_STALL_S
 _transfer_s = 0.0
 _lock = threading.Lock()
 _process: tuple[int, dict[tuple[str, str], _Stream]] | None = None  # (pid, streams)
+_blocked_s = 0.0  # this process's time blocked in Work.wait() (rule 5)
 
 
 def install(*, stall_seconds: float | None = None, transfer_seconds: float | None = None) -> None:
@@ -127,6 +131,11 @@ def batches_posted() -> int:
 
 
 # --- the replacements ---------------------------------------------------------------------------
+def blocked_seconds() -> float:
+    """Seconds this process's threads have spent blocked in a batch's ``wait()`` so far."""
+    return _blocked_s
+
+
 def _check_op(op: Callable[..., Any]) -> None:
     if op not in (_torch["isend"], _torch["irecv"]):
         _torch["_check_op"](op)
@@ -366,8 +375,8 @@ class _Stream:
 
 def _after_fork_in_child() -> None:
     """The parent's workers did not survive the fork, and a lock held then would stay held."""
-    global _lock, _process
-    _lock, _process = threading.Lock(), None
+    global _lock, _process, _blocked_s
+    _lock, _process, _blocked_s = threading.Lock(), None, 0.0
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -409,6 +418,12 @@ def _stream(group: Any, name: str) -> _Stream:
         return streams[key]
 
 
+def _add_blocked(seconds: float) -> None:
+    global _blocked_s
+    with _lock:
+        _blocked_s += seconds
+
+
 class _Work(dist.Work):
     """One batch's Work, like ProcessGroupNCCL's coalesced one (megatron-core 0.16 / 0.19 only
     call ``wait()``; the rest serves code that polls)."""
@@ -421,7 +436,10 @@ class _Work(dist.Work):
         batch = self._batch
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout or 0.0
         limit = seconds if seconds > 0 else _stall_s  # torch's default timedelta(0): no limit
-        if not batch.done.wait(limit):
+        began = time.monotonic()
+        done = batch.done.wait(limit)
+        _add_blocked(time.monotonic() - began)
+        if not done:
             stream, head = batch.stream, batch.stream.head
             at = head.describe() if head is not None else "nothing"
             waits = stream.waits_for(head) if head is not None else "its worker"

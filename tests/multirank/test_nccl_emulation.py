@@ -3,7 +3,8 @@ the batches of a group in order, sends that wait for the receiver's batch, megat
 batches complete, crossing windows are reported as a one-line stall (and run on plain gloo),
 non-batched isend / irecv FIFO per pair of ranks, megatron-core's own schedules (batched or not)
 give plain gloo's losses, subprocesses get the emulation through the sitecustomize, and an
-optional transfer time delays each op once, the ops of a batch in parallel.
+optional transfer time delays each op once, the ops of a batch in parallel (and the time a
+wait() blocked for it is counted).
 
 Every ordering claim is proved by an outcome (a stall the emulation must report, or a run that
 must finish, where the other rule would give the opposite), never by timing; only the transfer
@@ -101,18 +102,22 @@ def one_work_per_batch() -> tuple[int, int, list[float]]:
     return len(plain), len(works), [x for r in recvs for x in r.tensor.tolist()]
 
 
-def transfer_time(seconds: float) -> tuple[float, list[float]]:
+def transfer_time(seconds: float) -> tuple[float, list[float], float]:
     """Rank 0 posts one batch [send to 1, send to 2], the others [recv from 0]: (the seconds
-    rank 0's batch took, what this rank received) under an emulated transfer time."""
+    rank 0's batch took, what this rank received, the seconds its wait() blocked by
+    ``blocked_seconds``) under an emulated transfer time."""
     E.install(stall_seconds=10 * seconds + STALL, transfer_seconds=seconds)
     me = dist.get_rank()
     got = torch.zeros(3)
     sends = [_send(1, _payload(0, 0, 1)), _send(2, _payload(0, 0, 2))]
     ops = sends if me == 0 else [_recv(0, got)]
     dist.barrier()
+    blocked = E.blocked_seconds()
     start = time.monotonic()
-    dist.batch_isend_irecv(ops)[0].wait(LONG)
-    return time.monotonic() - start, got.tolist()
+    work = dist.batch_isend_irecv(ops)[0]
+    work.wait(LONG)
+    took = time.monotonic() - start
+    return took, got.tolist(), E.blocked_seconds() - blocked
 
 
 def batches_in_order(emulate: bool) -> str:
@@ -290,11 +295,13 @@ def test_a_transfer_time_delays_each_op_and_the_ops_of_a_batch_overlap() -> None
     """Rule 7: two sends in one batch take the transfer time once, not twice (the model of
     ``nccl.posting_timer``). The bounds are t and 2t, a full transfer time apart."""
     seconds = 1.0
-    (took, _), (_, one), (_, two) = run_ranks(
+    (took, _, blocked), (_, one, _), (_, two, _) = run_ranks(
         transfer_time, world_size=3, timeout=RANK_TIMEOUT, args=(seconds,)
     )
     assert (one, two) == (_payload(0, 0, 1).tolist(), _payload(0, 0, 2).tolist())
     assert seconds <= took < 2 * seconds, took
+    # rule 5's account: the wait blocked for the transfer at least (posting took the rest)
+    assert took - seconds < blocked <= took, (blocked, took)
 
 
 @MODES

@@ -23,6 +23,7 @@ from megatron_bfpp.nccl import (
     time_posting,
     written_posting,
 )
+from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.schedules.registry import build_schedule, forward_only_schedule
 from megatron_bfpp.semantics import Timing
 from megatron_bfpp.sim import CostModel, simulate
@@ -325,3 +326,58 @@ def test_bfpp_sim_says_where_megatrons_reductions_start(capsys: Any) -> None:
     assert at_end["step_time"] > overlap["step_time"]
     assert main(["--schedule", "1f1b", "--pp", "2", "--megatron-grad-reduce", "at-end"]) == 2
     assert "applies to --p2p-model megatron" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("p2p", ["gloo", "lockstep", "megatron"])
+def test_host_time_on_1f1b_two_ranks_two_microbatches(p2p: str) -> None:
+    """F 1 + 0.5, B 2 + 0.5, free messages. Rank 1: F0 [1.5, 3], B0 [3, 5.5], F1 [5.5, 7],
+    B1 [7, 9.5]; rank 0: F0 [0, 1.5], F1 [1.5, 3], B0 [5.5, 8], B1 [9.5, 12]: 12 (9 without)."""
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    costs = CostModel(t_forward=1.0, t_backward=2.0, t_host=0.5)
+    assert simulate(schedule, costs, p2p=p2p).step_time == 12
+    assert simulate(schedule, CostModel(t_forward=1.0, t_backward=2.0), p2p=p2p).step_time == 9
+
+
+def test_v_shape_step_ends_with_the_loss_delivery_to_the_last_rank() -> None:
+    """The V's last stage is on rank 0, and the runtime sends the step's losses to the last rank
+    after both programs (``deliver_to_last_rank``: two blocking messages). F 0.5, B 1 (half
+    stages), messages 0.25: rank 0 0F0 [0, 0.5]; rank 1 1F0 [0.75, 1.25], 2F0 [1.25, 1.75];
+    rank 0 3F0 [2, 2.5], 3B0 [2.5, 3.5]; rank 1 2B0 [3.75, 4.75], 1B0 [4.75, 5.75], its send
+    done at 6; rank 0 0B0 [6, 7]. Then the two messages: both ranks end at 7 + 2 x 0.25."""
+    schedule = parse_schedule(
+        [
+            "0F0 0SA0>1 3RA0<1 3F0 3B0 3SG0>1 0RG0<1 0B0",
+            "1RA0<0 1F0 2F0 2SA0>0 2RG0<0 2B0 1B0 1SG0>0",
+        ],
+        layout=StageLayout.v_shape(2),
+        num_microbatches=1,
+    )
+    result = simulate(schedule, CostModel(t_forward=1.0, t_backward=2.0, t_p2p=0.25))
+    assert result.step_time == 7.5
+    assert [rank.end_time for rank in result.per_rank] == [7.5, 7.5]
+    # gloo's rules time the schedule alone: rank 0's last backward ends at 7
+    assert (
+        simulate(
+            schedule, CostModel(t_forward=1.0, t_backward=2.0, t_p2p=0.25), p2p="gloo"
+        ).step_time
+        == 7
+    )
+
+
+def test_v_shape_loss_delivery_follows_the_data_parallel_reduction() -> None:
+    """The runtime finalizes the gradients (waiting for the reductions) before it delivers the
+    losses. With a reduction of 1 per chunk after its last backward: rank 0's lane runs 3GS
+    [3.5, 4.5] and 0GS [7, 8], rank 1's 2GS [4.75, 5.75] and 1GS [5.75, 6.75] (the computes
+    as in the test above): the delivery starts at 8 and both ranks end at 8.5."""
+    schedule = parse_schedule(
+        [
+            "0F0 0SA0>1 3RA0<1 3F0 3B0 3SG0>1 0RG0<1 0B0",
+            "1RA0<0 1F0 2F0 2SA0>0 2RG0<0 2B0 1B0 1SG0>0",
+        ],
+        layout=StageLayout.v_shape(2),
+        num_microbatches=1,
+    )
+    costs = CostModel(t_forward=1.0, t_backward=2.0, t_p2p=0.25, t_grad_reduce=1.0)
+    result = simulate(add_grad_sync(schedule), costs)
+    assert result.step_time == 8.5
+    assert [rank.end_time for rank in result.per_rank] == [8.5, 8.5]

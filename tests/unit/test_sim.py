@@ -145,6 +145,37 @@ def test_split_backward_durations_and_w_waits_for_nothing() -> None:
     assert result.per_rank[0].peak_activations == 1.0
 
 
+def test_host_time_is_added_to_every_compute_action_and_not_scaled() -> None:
+    """``t_host`` is per action: the same work split into twice the actions pays it twice as
+    often (the multi-chunk schedules' excess on CPU ranks, scripts/bench_fidelity.py)."""
+    costs = CostModel(t_forward=1.0, t_backward=3.0, t_host=0.25)
+    looped = simulate(looped_gpipe(2, 2, 1), costs)
+    durations = {e.label: e.end - e.start for e in looped.events if e.lane == "compute"}
+    assert durations["0F0"] == 0.75 and durations["3B0"] == 1.75  # 0.5 / 1.5 of the stage + 0.25
+    # the chain of 4 forwards and 4 backwards: 4 * 0.75 + 4 * 1.75, against 8 without t_host
+    assert looped.step_time == 10
+    # one chunk per rank: 2 forwards of 1.25 and 2 backwards of 3.25, against 8 without t_host
+    assert simulate(gpipe(2, 1), costs).step_time == 9
+    assert costs.compute_time(K.FORWARD, 0.5) == 0.75
+    no_weight = dataclasses.replace(costs, t_weight=0.0)
+    assert no_weight.compute_time(K.BACKWARD_WEIGHT) == 0.25  # an empty W still costs the host
+
+
+def test_host_time_of_split_backward_is_paid_by_i_and_w() -> None:
+    layout = StageLayout.looped(2)
+    schedule = parse_schedule(
+        ["0F0 0SA0>1 0RG0<1 0I0 0W0", "1RA0<0 1F0 1I0 1SG0>0 1W0"],
+        layout=layout,
+        num_microbatches=1,
+    )
+    costs = CostModel(t_forward=1.0, t_backward=3.0, t_weight=1.0, t_host=0.5)
+    result = simulate(schedule, costs)
+    # F 1.5, I 2.5, W 1.5: rank 1 F [1.5, 3], I [3, 5.5], W [5.5, 7]; rank 0 I waits: [5.5, 8]
+    assert compute_events(result, 1) == [("1F0", 1.5, 3), ("1I0", 3, 5.5), ("1W0", 5.5, 7)]
+    assert compute_events(result, 0) == [("0F0", 0, 1.5), ("0I0", 5.5, 8), ("0W0", 8, 9.5)]
+    assert result.step_time == 9.5
+
+
 # --- point-to-point communication --------------------------------------------------------------
 
 
