@@ -188,6 +188,9 @@ CASES = [
     ("breadth-first", 1, 2, 2, 2, 4),  # the distributed optimizer's shards over dp
     ("interleaved", 1, 2, 2, 1, 4),
     ("v-half", 1, 2, 2, 1, 4),  # the V placement: rank 0 holds the first and last stages
+    ("gpipe", 1, 2, None, 1, 4),  # every forward before any backward
+    ("v-min", 1, 2, 2, 1, 4),
+    ("v-zb", 1, 2, 2, 1, 4),  # split backward: W frees what I kept
 ]
 
 
