@@ -22,17 +22,24 @@ pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
 
 
 def _popen(*command: str) -> subprocess.Popen[str]:
-    """``command`` in its own process group (as a terminal job would be), outside any launcher's
-    rank environment, its output piped."""
+    """``command`` as a terminal job: its own process group, SIGINT at its default, outside any
+    launcher's rank environment, its output piped. A suite started in the background by a
+    non-interactive shell (``.ci/run &``) inherits SIGINT ignored, which a child keeps across
+    exec; a handler (here Python's own) is reset to the default instead, as a terminal's job
+    has it."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.Popen(
-        [sys.executable, "-m", *command],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, saved)
 
 
 def _start(*flags: str) -> subprocess.Popen[str]:
