@@ -2,7 +2,7 @@
 # The project's test command (README quick start, CI): set up, lint, type-check, run every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+[ -n "${BFPP_SETUP_DONE:-}" ] || bash scripts/setup.sh  # set by .ci/run, which set it up
 . "${VENV:-.venv}/bin/activate"
 echo "== ruff (lint, format)"
 ruff check .
