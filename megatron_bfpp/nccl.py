@@ -15,8 +15,12 @@ So two ranks that each post "send" then "receive" as two batches deadlock on NCC
 (``semantics``) are gloo's, and accept such orders.
 
 **Lock-step posting** (``lockstep_posting``, what the runtime does: megatron-core's one batch per
-pipeline tick, generalised to any schedule). A unit-time as-soon-as-possible replay numbers the
-compute actions: each lasts one tick, a message takes none. A message goes in the batch of the
+pipeline tick, generalised to any schedule). An as-soon-as-possible replay in nominal time
+numbers the compute actions: a forward lasts one tick, a backward two (its input and weight
+gradients one each when split: ``TICKS``), a message none, so that the ticks two ranks reach
+together are close in real time too (with every compute one tick, a rank's backward-heavy
+steady state fell behind its tick, and the ranks it shares a tick with, BPipe's partner above
+all, waited for it). A message goes in the batch of the
 tick at which its sender posts it: SA / SG at the end of the compute before them, EV and RS
 there too but no earlier than the partner reaches its AC / LD (and RS a tick after the eviction
 it returns), so a payload arrives where the program order says it is received. Each rank
@@ -28,12 +32,18 @@ the tick every batch completes: the batches of tick t are all posted once every 
 ends by t has run, those computes consume only batches of ticks up to their start (< t), and
 the batches of a rank complete in tick order.
 
-BPipe's payload size is known only to the evictor, so an eviction travels in two batches of the
-same tick: its size header in the tick's batch, then the payload in a second batch that only the
-evictor and the acceptor post, right after it (the *rest* items below). The acceptor reads the
+BPipe's payloads go apart from the tick's batch, on a process group of the two partners alone
+(``runtime.p2p.pair_group``; on NCCL a communicator and stream of their own), so that a payload's
+transfer time holds neither rank's later tick batches, which carry the pipeline's activations
+and gradients (in the rank's one stream a payload, a micro-batch's stored activations, delayed
+both partners' next messages by its whole transfer: 21-38% of a 52B step at pp 4-8 in the
+planner's costs). The payload size is known only to the evictor, so an eviction is two messages
+of one tick: its size header in the tick's batch, then the payload in the pair's batch right
+after it (the *rest* items below), which also holds the tick's restores (RS) and their receives
+(LD), all in the canonical order on both sides (a ``side`` batch). The acceptor reads the
 header, blocking its CPU, between the two, so it can post a receive of the right size; both
 batches come before the computes that start at the tick. Neither blocks anyone else: the tick's
-batch completes as before, and the payload batch needs only the two ranks that posted it.
+batch completes as before, and the pair's batch needs only the two ranks that posted it.
 
 **The model** (``check_posting``) runs any posting under rules 1-3 with a strict CPU per rank:
 each rank executes its steps in order, waits at a compute for the batches holding what it
@@ -71,6 +81,7 @@ from megatron_bfpp.messages import WHAT_CODE, Message, What, message_of
 from megatron_bfpp.semantics import Event, Lane, Rules, Timing, match_channels
 
 __all__ = [
+    "TICKS",
     "Batch",
     "Item",
     "Posting",
@@ -88,7 +99,10 @@ __all__ = [
 K = ActionKind
 _FREES_OUTPUT = frozenset({K.BACKWARD, K.BACKWARD_INPUT})  # the backward that frees the output
 _UNIT = Timing()
+_SIDE = -2  # the peer of a rank's side stream in ``_Model.streams`` (-1: its group's)
 RS_DELAY = 1  # ticks from an eviction to its return: the payload is in by the end of its tick
+# Ticks per compute in the lock-step replay: the nominal timing's (semantics.Timing's defaults).
+TICKS = {K.FORWARD: 1, K.BACKWARD: 2, K.BACKWARD_INPUT: 1, K.BACKWARD_WEIGHT: 1}
 
 
 class Item(NamedTuple):
@@ -108,13 +122,16 @@ class Batch:
     (megatron-core's ``_communicate`` without p2p overlap, ``batch_p2p_sync``). ``pairwise``:
     the ops are separate ``isend`` / ``irecv`` calls, each on the stream of its (rank, peer)
     pair, first in first out per pair, instead of one group on the rank's single stream
-    (megatron-core's non-batched path, interleaved with ``overlap_p2p_comm``).
+    (megatron-core's non-batched path, interleaved with ``overlap_p2p_comm``). ``side``: one
+    group of ops on the rank's second stream, FIFO, apart from its first (BPipe's payloads on
+    the partners' own process group).
     """
 
     tick: int
     items: tuple[Item, ...]
     blocking: bool = False
     pairwise: bool = False
+    side: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +156,13 @@ class Posting:
     def batches(self, rank: int) -> list[Batch]:
         return [step for step in self.per_rank[rank] if isinstance(step, Batch)]
 
+    @property
+    def has_side(self) -> bool:
+        """Whether any rank posts a ``side`` batch (the runtime then makes the pair groups)."""
+        return any(
+            isinstance(step, Batch) and step.side for steps in self.per_rank for step in steps
+        )
+
 
 # --- lock-step posting --------------------------------------------------------------------------
 def lockstep_posting(schedule: Schedule) -> Posting:
@@ -155,18 +179,20 @@ def lockstep_posting(schedule: Schedule) -> Posting:
         end = 0  # the end of the latest compute
         for position, action in enumerate(actions):
             kind = action.kind
-            if kind.is_p2p:
+            if kind is K.RESTORE or kind is K.LOAD:  # a payload: in the pair's batch
+                by_tick[(tick_of[position], 1)].append(Item(position))
+            elif kind.is_p2p:
                 by_tick[(tick_of[position], 0)].append(Item(position))
                 if kind is K.EVICT or kind is K.ACCEPT:
                     by_tick[(tick_of[position], 1)].append(Item(position, rest=True))
             elif kind.is_compute:
                 steps.append(((tick_of[position], 3, position), position))
-                end = tick_of[position] + 1
+                end = tick_of[position] + TICKS[kind]
             else:
                 steps.append(((end, 2, position), position))
         for (tick, payload), items in by_tick.items():
             items.sort(key=lambda item: _canonical(actions[item.position]))
-            steps.append(((tick, payload, 0), Batch(tick, tuple(items))))
+            steps.append(((tick, payload, 0), Batch(tick, tuple(items), side=payload == 1)))
         steps.sort(key=lambda entry: entry[0])
         per_rank.append(tuple(step for _, step in steps))
     return Posting("lock-step", tuple(per_rank))
@@ -207,7 +233,7 @@ class _Consumed:
 
 
 class _TickReplay:
-    """An as-soon-as-possible replay with unit computes and instant messages.
+    """An as-soon-as-possible replay with nominal computes (``TICKS``) and instant messages.
 
     Each rank advances until it needs a message not yet sent. BPipe's EV (RS) goes out no
     earlier than the tick at which the partner reaches its AC (LD) in program order, and the
@@ -310,7 +336,7 @@ class _TickReplay:
                 if transfers_in is None:
                     break
                 ticks[position] = max(t, ready, transfers_in)
-                t = ticks[position] + 1
+                t = ticks[position] + TICKS[kind]
             elif kind is K.SEND_ACT or kind is K.SEND_GRAD:
                 ticks[position] = sent[message_of(action)] = t
             elif rule is not None and rule.carries_data and rules.awaits(action):
@@ -531,7 +557,8 @@ class _Model:
             self.batch_index.append(index)
             self.batch_tick.append(step.tick)
             index += 1
-            unit = -1 if step.pairwise else self._unit(batch, group)
+            stream = self._stream(rank, _SIDE) if step.side else group
+            unit = -1 if step.pairwise else self._unit(batch, stream)
             for item in step.items:
                 action = actions[item.position]
                 message = message_of(action)

@@ -53,7 +53,7 @@ from megatron_bfpp.nccl import Batch, Posting, validate_nccl
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
 from megatron_bfpp.runtime.backward import whole_backward
-from megatron_bfpp.runtime.p2p import Receive, Send, pseudo_free
+from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send, pair_group, pseudo_free
 from megatron_bfpp.runtime.step import (
     DispatchTable,
     Handler,
@@ -264,6 +264,7 @@ class _Executor:
         self.handlers: Mapping[ActionKind, Handler] = table.handlers
         self.rests: Mapping[ActionKind, Handler] = table.rests
         self.posting = plan.posting.per_rank[rank]
+        self.side = plan.posting.has_side
 
     @property
     def state(self) -> StepState:
@@ -282,6 +283,7 @@ class _Executor:
                 part.begin(step)
                 stack.callback(part.end, step)
             step.enter_no_sync()
+            self._open_side(comm)
             settle = not comm.sends_pollable
             program = step.program
             for item in self.posting:
@@ -305,13 +307,21 @@ class _Executor:
             )
         return step.state
 
+    def _open_side(self, comm: PipeComm) -> None:
+        """The partner pair's process group, before the first payload batch (``nccl``: BPipe's
+        payloads run on a stream of their own). Every rank of a schedule with transfers takes
+        part, those without any too (``pair_group`` is collective over the job)."""
+        if self.side and comm.side_group is None:
+            comm.side_group = pair_group(comm.group, comm.device)
+
     def _post_batch(self, batch: Batch) -> None:
-        """Run the handlers of one tick's items, then post what they gathered as one batch."""
+        """Run the handlers of one tick's items, then post what they gathered as one batch (on
+        the partner pair's group for BPipe's payloads)."""
         step = self.step
         for position, rest in batch.items:
             action = step.program[position]
             (self.rests if rest else self.handlers)[action.kind](step, position, action)
-        step.window.post(step.ctx.comm)
+        step.window.post(step.ctx.comm, side=batch.side)
         self._measure()
 
     def _measure(self) -> None:

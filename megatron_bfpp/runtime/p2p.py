@@ -13,7 +13,10 @@ BPipe's evictions carry a payload whose size only the evictor knows (whatever au
 so an eviction is two messages of one tick: an 8-byte *header* with the payload size in the
 tick's batch, then the payload in a batch of its own that only the evictor and the acceptor post
 right after it. The acceptor reads the header in between (``read_header``, which blocks: on a
-GPU a CPU sync per eviction) and posts a receive of exactly that size.
+GPU a CPU sync per eviction) and posts a receive of exactly that size. The payload batches
+(evictions and restores) go on a process group of the two partners alone (:func:`pair_group`,
+``PipeComm.side_group``): on NCCL another communicator and stream, so that a payload's transfer
+does not hold the rank's next tick batches (NCCL runs one group's batches one after another).
 
 Every wait here is bounded by the pipeline process group's timeout (``--distributed-timeout-
 minutes`` in Megatron-LM and bfpp-train), counted from when the message was posted: past it a
@@ -49,6 +52,7 @@ __all__ = [
     "Receive",
     "Send",
     "group_timeout_s",
+    "pair_group",
     "pseudo_free",
 ]
 
@@ -73,6 +77,44 @@ def group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
         timeout = c10d._get_default_timeout(dist.get_backend(group))
     seconds = float(timeout.total_seconds())
     return seconds if seconds > 0 else 1800.0
+
+
+# pipeline group's id -> (that group, this rank's BPipe pair group or None); the group is kept
+# and compared so that a new process group with a reused id() is never mistaken for it
+_PAIR_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup | None]] = {}
+
+
+def pair_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | None:
+    """The process group of this rank and its BPipe partner (pipeline ranks x and p-1-x) alone,
+    with the pipeline group's backend and timeout; None on the middle rank of an odd pipeline.
+    BPipe's payloads go there (module docstring).
+
+    Collective over the whole job, once per pipeline group: every rank gathers every pipeline's
+    global ranks and makes every pair's group in one order, as ``new_group`` requires (a group
+    made by its two members alone, ``use_local_synchronization``, is named after how many
+    groups each has, which differs between pipeline ranks). The executor calls it at the first
+    step of a schedule with transfers, which every rank of the job runs at the same point."""
+    kept = _PAIR_GROUPS.get(id(group))
+    if kept is not None and kept[0] is group:
+        return kept[1]
+    size, me = group.size(), dist.get_rank()
+    mine = torch.tensor(
+        [dist.get_global_rank(group, r) for r in range(size)], dtype=torch.int64, device=device
+    )
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    timeout = timedelta(seconds=group_timeout_s(group, device))
+    own: dist.ProcessGroup | None = None
+    for ranks in sorted({tuple(int(r) for r in t.tolist()) for t in gathered}):
+        for x in range(size // 2):
+            pair = [ranks[x], ranks[size - 1 - x]]
+            made: object = dist.new_group(pair, timeout=timeout, backend=dist.get_backend(group))
+            if me in pair:
+                if not isinstance(made, dist.ProcessGroup):  # torch's non-member marker
+                    raise RuntimeError(f"could not make the process group of global ranks {pair}")
+                own = made
+    _PAIR_GROUPS[id(group)] = (group, own)
+    return own
 
 
 @dataclass(frozen=True)
@@ -121,6 +163,7 @@ class PipeComm:
     sends: list[PendingSend] = field(default_factory=list)
     headers: dict[Message, _Header] = field(default_factory=dict)
     timeout_s: float | None = None  # None: the group's (group_timeout_s)
+    side_group: dist.ProcessGroup | None = None  # BPipe's partner pair (pair_group)
     posted_at: dict[Message, float] = field(default_factory=dict)  # receives' posting times
     _pollable: bool = field(init=False, default=False)  # not gloo: poll is_completed()
 
@@ -139,14 +182,25 @@ class PipeComm:
         )
 
     # --- posting ----------------------------------------------------------------------------
-    def post(self, sends: Sequence[Send], receives: Sequence[Receive]) -> None:
-        """One batch: receives, then sends, each in the posting's canonical order."""
+    def post(
+        self, sends: Sequence[Send], receives: Sequence[Receive], *, side: bool = False
+    ) -> None:
+        """One batch: receives, then sends, each in the posting's canonical order; ``side``: on
+        the partner pair's group (BPipe's payloads), which ``side_group`` must hold by then."""
+        group = self.group
+        if side:
+            if self.side_group is None:
+                raise RuntimeError(
+                    "a BPipe payload batch is posted before its pair's process group was made "
+                    "(this is a bug in megatron_bfpp, please report it)"
+                )
+            group = self.side_group
         ops: list[dist.P2POp] = []
         for receive in receives:
             source = self.global_rank(receive.peer)
             header = () if receive.header is None else (receive.header,)
             for buffer in (*header, *receive.buffers):
-                ops.append(dist.P2POp(dist.irecv, buffer, source, self.group))
+                ops.append(dist.P2POp(dist.irecv, buffer, source, group))
         received = len(ops)
         for send in sends:
             if send.message.what in _PIPELINE and tuple(send.tensor.shape) != self.shape:
@@ -156,7 +210,7 @@ class PipeComm:
                     "hidden_size or sequence parallelism do not match the model)"
                 )
             payload = send.tensor.detach().contiguous()
-            ops.append(dist.P2POp(dist.isend, payload, self.global_rank(send.peer), self.group))
+            ops.append(dist.P2POp(dist.isend, payload, self.global_rank(send.peer), group))
         if not ops:
             return
         try:

@@ -128,8 +128,8 @@ class Window:
     sends: list[Send] = field(default_factory=list)
     receives: list[Receive] = field(default_factory=list)
 
-    def post(self, comm: PipeComm) -> None:
-        comm.post(self.sends, self.receives)
+    def post(self, comm: PipeComm, *, side: bool = False) -> None:
+        comm.post(self.sends, self.receives, side=side)
         self.sends, self.receives = [], []
 
 

@@ -100,6 +100,55 @@ def test_bpipe_equals_1f1b_exactly(pp: int, m: int, options: dict[str, Any]) -> 
     _assert_same(bpipe, one_f_one_b)
 
 
+def recording_groups(
+    batches: list[M.Batch],
+) -> tuple[list[tuple[bool, list[str]]], list[int], list[int]]:
+    """BPipe's training step with every batch's messages and group recorded: (side, kinds) per
+    batch posted, the global ranks of the group the side batches went on, and the pipeline's."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_bfpp.runtime import p2p
+
+    original = p2p.PipeComm.post
+    posted: list[tuple[bool, list[str]]] = []
+    side_ranks: list[int] = []
+
+    def post(self: Any, sends: Any, receives: Any, *, side: bool = False) -> None:
+        whats = [str(send.message.what) for send in sends]
+        # an eviction's size header is received under the eviction's own message
+        whats += ["evict_size" if r.header is not None else str(r.message.what) for r in receives]
+        posted.append((side, whats))
+        if side and not side_ranks:
+            side_ranks.extend(dist.get_process_group_ranks(self.side_group))
+        original(self, sends, receives, side=side)
+
+    p2p.PipeComm.post = post  # type: ignore[method-assign]
+    train(batches, "bpipe", {"max_stored": 2}, {}, 1)
+    pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    return posted, side_ranks, pipeline
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_payloads_travel_on_the_partners_own_group(dp: int) -> None:
+    """Evicted and restored activations go on a process group of the two partners alone (on
+    NCCL a stream of their own, so a payload's transfer does not hold the pipeline's tick
+    batches); the tick batches carry the size header and the pipeline's messages. With two
+    pipelines every rank of the job makes every pair's group, in one order."""
+    pp = 4
+    results = run_ranks(
+        recording_groups, world_size=pp * dp, pp=pp, args=(M.make_batches(8, seed=5),)
+    )
+    for rank, (posted, side_ranks, pipeline) in enumerate(results):
+        payloads = {"evict", "restore"}
+        sides = [whats for side, whats in posted if side]
+        assert sides, f"rank {rank} posted no payload batch"
+        assert all(set(whats) <= payloads for whats in sides), sides
+        assert not any(set(whats) & payloads for side, whats in posted if not side)
+        x = pipeline.index(rank)
+        assert sorted(side_ranks) == sorted({pipeline[x], pipeline[pp - 1 - x]})
+
+
 # --------------------------------------------------------------------------- measured memory
 
 
@@ -221,13 +270,13 @@ def dying_evictor(batches: list[M.Batch]) -> Any:
 
     original = p2p.PipeComm.post
 
-    def post(self: Any, sends: Any, receives: Any) -> None:
-        # The payload goes in a batch of its own, right after the size's.
+    def post(self: Any, sends: Any, receives: Any, *, side: bool = False) -> None:
+        # The payload goes in a batch of its own on the pair's group, right after the size's.
         if any(send.message.what == "evict" for send in sends):
             for work in [pending.work for pending in self.sends]:
                 work.wait()
             os._exit(17)
-        original(self, sends, receives)
+        original(self, sends, receives, side=side)
 
     if dist.get_rank() == 0:
         p2p.PipeComm.post = post  # type: ignore[method-assign]

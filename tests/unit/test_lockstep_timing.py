@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from megatron_bfpp.ir import Schedule, ScheduleError, StageLayout, parse_schedule
+from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, StageLayout, parse_schedule
 from megatron_bfpp.nccl import (
+    TICKS,
     Batch,
     Item,
     Posting,
@@ -197,6 +198,62 @@ def test_every_catalogue_schedule_times_under_lockstep_no_faster_than_gloo(p: in
                 timed += 1
     assert timed > 100
     assert slower > 0  # the models differ somewhere: the property is not vacuous
+
+
+def test_the_lockstep_replay_counts_ticks_in_nominal_time() -> None:
+    """The posting's ticks are the nominal timing's (what ``Timing`` and ``CostModel`` default
+    to), so that ranks reaching one tick are close in real time."""
+    nominal, k = Timing(), ActionKind
+    assert {
+        k.FORWARD: nominal.forward,
+        k.BACKWARD: nominal.backward,
+        k.BACKWARD_INPUT: nominal.backward_input,
+        k.BACKWARD_WEIGHT: nominal.backward_weight,
+    } == TICKS
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m", "vp", "bound"),
+    [
+        ("bpipe", 4, 16, None, 1.0),
+        ("bpipe", 8, 32, None, 1.04),
+        ("interleaved", 8, 32, 2, 1.0),
+    ],
+)
+def test_partners_in_one_tick_do_not_wait_for_each_other(
+    name: str, p: int, m: int, vp: int | None, bound: float
+) -> None:
+    """With free messages the lock-step posting costs BPipe and interleaved (almost) nothing
+    over gloo's rules. With every compute one tick it did: BPipe's acceptor waited for its
+    partner's evictions in a tick its backward-heavy steady state reached later (63 against
+    57 at pp 4 m 16, 140 against 117 at pp 8 m 32, +20%), and interleaved lost 2.5 of 109 at
+    pp 8 m 32; in nominal time 57, 121 (+3.4%) and 106.5."""
+    schedule = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=vp)
+    lock = simulate(schedule).step_time
+    gloo = simulate(schedule, p2p="gloo").step_time
+    assert gloo <= lock <= bound * gloo
+
+
+@pytest.mark.parametrize(("p", "slower_before"), [(4, 76), (8, 185)])
+def test_a_costly_eviction_holds_no_tick_batch(p: int, slower_before: float) -> None:
+    """BPipe's payloads run on the partners' own stream (``Batch.side``), so a transfer of two
+    forwards' time delays neither rank's next activations and gradients: with m = 4p and free
+    messages otherwise, pp 4 takes 62 (gloo's rules 60) and pp 8 134 (123); on the rank's one
+    stream they took ``slower_before``."""
+    schedule = build_schedule("bpipe", num_ranks=p, num_microbatches=4 * p)
+    costs = CostModel(t_evict=2.0)
+    lock = simulate(schedule, costs).step_time
+    gloo = simulate(schedule, costs, p2p="gloo").step_time
+    assert gloo <= lock <= 1.1 * gloo < slower_before
+    posting = lockstep_posting(schedule)
+    payloads = {ActionKind.RESTORE, ActionKind.LOAD}
+    for rank, program in enumerate(schedule.per_rank):
+        for batch in posting.batches(rank):
+            kinds = {program[item.position].kind for item in batch.items}
+            if batch.side:  # eviction payloads (rest items), restores and their receives
+                assert all(i.rest or program[i.position].kind in payloads for i in batch.items)
+            else:
+                assert not kinds & payloads and not any(i.rest for i in batch.items)
 
 
 def test_compute_only_schedules_are_timed_as_their_lowered_form() -> None:

@@ -243,12 +243,14 @@ def _advantage(global_batch_size: int, *, megatron: bool = True) -> tuple[float,
 @pytest.mark.slow
 def test_breadth_first_wins_at_small_batch_per_gpu_and_the_gap_closes() -> None:
     """The breadth-first paper's Figure 3 (52B, 64 x V100-32GB): at 0.25 samples per GPU
-    breadth-first is at least as fast as depth-first interleaved (with m = pp micro-batches the
-    two orders are the same schedule) and well ahead of 1F1B; at 8 per GPU its lead over 1F1B
-    is gone. Megatron's own interleaved posts the same order differently (non-batched, p2p
-    overlapped), which the simulator finds within 1% of our lock-step posting of it."""
+    breadth-first is as fast as depth-first interleaved, within 1%, and well ahead of 1F1B; at
+    8 per GPU its lead over 1F1B is gone. With m = pp micro-batches the two orders differ only
+    on the last rank (interleaved runs its last chunk one forward, one backward; breadth-first
+    all forwards first), which gloo's rules time alike and the lock-step posting 0.5% apart in
+    interleaved's favour at the best layout (pp 8, vp 8). Megatron's own interleaved posts its
+    order differently (non-batched, p2p overlapped), also within 1%."""
     breadth, ours, _ = _advantage(16, megatron=False)
-    assert breadth <= ours * (1 + 1e-9)
+    assert abs(breadth / ours - 1) < 0.01
     breadth, interleaved, one_f_one_b = _advantage(16)
     assert abs(breadth / interleaved - 1) < 0.01
     small = 1 - breadth / one_f_one_b
