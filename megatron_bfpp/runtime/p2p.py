@@ -105,6 +105,7 @@ def pair_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
     dist.all_gather(gathered, mine)
     timeout = timedelta(seconds=group_timeout_s(group, device))
     own: dist.ProcessGroup | None = None
+    own_peer = -1  # the partner's global rank
     for ranks in sorted({tuple(int(r) for r in t.tolist()) for t in gathered}):
         for x in range(size // 2):
             pair = [ranks[x], ranks[size - 1 - x]]
@@ -112,9 +113,25 @@ def pair_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
             if me in pair:
                 if not isinstance(made, dist.ProcessGroup):  # torch's non-member marker
                     raise RuntimeError(f"could not make the process group of global ranks {pair}")
-                own = made
+                own, own_peer = made, pair[0] + pair[1] - me
+    if own is not None:
+        _first_exchange(own, own_peer, device)
     _PAIR_GROUPS[id(group)] = (group, own)
     return own
+
+
+def _first_exchange(pair: dist.ProcessGroup, peer: int, device: torch.device) -> None:
+    """One element each way on a new pair group, now that both ranks are known to be here:
+    NCCL sets a communicator up at its first op (an exchange of its id through the store), so a
+    partner that fails later fails a payload's wait, which is bounded and names it, rather than
+    that set-up."""
+    sent = torch.zeros(1, device=device)
+    received = torch.empty(1, device=device)
+    works = dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, sent, peer, pair), dist.P2POp(dist.irecv, received, peer, pair)]
+    )
+    for work in works or ():
+        work.wait()
 
 
 @dataclass(frozen=True)
