@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import os
 import sys
+from datetime import timedelta
 from typing import Any
 
 from megatron_bfpp.flags import OneLineParser, positive_int
@@ -228,9 +229,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _refuse(parser: argparse.ArgumentParser, error: Exception) -> int:
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # every rank checks: one line per node
+    """One line per node, from local rank 0. Every rank checks, and torchrun stops the others as
+    soon as one exits: under torchrun the other ranks first wait (at most 60 s) for local rank
+    0 to say it printed, through the launcher's own store, so that it is not stopped first."""
+    key = f"bfpp_refused/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    key += f"/{os.environ.get('GROUP_RANK', '0')}"
+    store = _launcher_store()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
+        if store is not None:
+            store.set(key, "printed")
+    elif store is not None:
+        with contextlib.suppress(Exception):  # bounded: local rank 0 may have failed otherwise
+            store.wait([key], timedelta(seconds=60))
     return 2
+
+
+def _launcher_store() -> Any:
+    """torchrun's store (its agent's, which outlives the workers), or None outside torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        import torch.distributed as dist
+
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=60),
+        )
+    except Exception:  # no store to reach: print as before
+        return None
 
 
 if __name__ == "__main__":
