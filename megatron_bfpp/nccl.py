@@ -102,7 +102,12 @@ _UNIT = Timing()
 _SIDE = -2  # the peer of a rank's side stream in ``_Model.streams`` (-1: its group's)
 RS_DELAY = 1  # ticks from an eviction to its return: the payload is in by the end of its tick
 # Ticks per compute in the lock-step replay: the nominal timing's (semantics.Timing's defaults).
-TICKS = {K.FORWARD: 1, K.BACKWARD: 2, K.BACKWARD_INPUT: 1, K.BACKWARD_WEIGHT: 1}
+TICKS = {
+    K.FORWARD: int(_UNIT.forward),
+    K.BACKWARD: int(_UNIT.backward),
+    K.BACKWARD_INPUT: int(_UNIT.backward_input),
+    K.BACKWARD_WEIGHT: int(_UNIT.backward_weight),
+}
 
 
 class Item(NamedTuple):

@@ -265,6 +265,7 @@ class _Executor:
         self.rests: Mapping[ActionKind, Handler] = table.rests
         self.posting = plan.posting.per_rank[rank]
         self.side = plan.posting.has_side
+        self.plan_posting = plan.posting
 
     @property
     def state(self) -> StepState:
@@ -311,8 +312,21 @@ class _Executor:
         """The partner pair's process group, before the first payload batch (``nccl``: BPipe's
         payloads run on a stream of their own). Every rank of a schedule with transfers takes
         part, those without any too (``pair_group`` is collective over the job)."""
-        if self.side and comm.side_group is None:
-            comm.side_group = pair_group(comm.group, comm.device)
+        if not self.side or comm.side_group is not None:
+            return
+        # every rank checks the whole schedule alike, before the collective pair_group
+        schedule, posting = self.step.schedule, self.plan_posting
+        last = schedule.num_ranks - 1
+        for rank in range(schedule.num_ranks):
+            for batch in posting.batches(rank):
+                action = schedule.per_rank[rank][batch.items[0].position]
+                if batch.side and action.peer != last - rank:  # pairs join x and p-1-x
+                    raise RuntimeError(
+                        f"{action} moves activations between pipeline ranks {rank} and "
+                        f"{action.peer}; the runtime pairs rank x with p-1-x only (as BPipe "
+                        "does): give the schedule that partner"
+                    )
+        comm.side_group = pair_group(comm.group, comm.device)
 
     def _post_batch(self, batch: Batch) -> None:
         """Run the handlers of one tick's items, then post what they gathered as one batch (on

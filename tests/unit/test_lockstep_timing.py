@@ -15,7 +15,6 @@ import pytest
 
 from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, StageLayout, parse_schedule
 from megatron_bfpp.nccl import (
-    TICKS,
     Batch,
     Item,
     Posting,
@@ -198,18 +197,6 @@ def test_every_catalogue_schedule_times_under_lockstep_no_faster_than_gloo(p: in
                 timed += 1
     assert timed > 100
     assert slower > 0  # the models differ somewhere: the property is not vacuous
-
-
-def test_the_lockstep_replay_counts_ticks_in_nominal_time() -> None:
-    """The posting's ticks are the nominal timing's (what ``Timing`` and ``CostModel`` default
-    to), so that ranks reaching one tick are close in real time."""
-    nominal, k = Timing(), ActionKind
-    assert {
-        k.FORWARD: nominal.forward,
-        k.BACKWARD: nominal.backward,
-        k.BACKWARD_INPUT: nominal.backward_input,
-        k.BACKWARD_WEIGHT: nominal.backward_weight,
-    } == TICKS
 
 
 @pytest.mark.parametrize(
