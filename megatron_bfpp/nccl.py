@@ -203,6 +203,28 @@ def lockstep_posting(schedule: Schedule) -> Posting:
     return Posting("lock-step", tuple(per_rank))
 
 
+def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
+    """The runtime makes a process group for each BPipe pair (x, p-1-x) and no other
+    (``runtime.p2p.pair_group``: every rank of the job makes the same groups in one order, so
+    which pairs exist cannot depend on a schedule), so a payload batch between other ranks has
+    no group to run on. Raises ``ScheduleError`` naming the first such transfer; every rank
+    finds the same one, before any communication."""
+    last = schedule.num_ranks - 1
+    for rank, steps in enumerate(posting.per_rank):
+        for step in steps:
+            if not isinstance(step, Batch) or not step.side:
+                continue
+            for item in step.items:
+                action = schedule.per_rank[rank][item.position]
+                if action.peer != last - rank:
+                    raise ScheduleError(
+                        f"{action} at position {item.position} of pipeline rank {rank} moves "
+                        f"activations between ranks {rank} and {action.peer}, but the runtime "
+                        f"runs such transfers only between partners x and {last}-x (BPipe's "
+                        f"pairs): give rank {rank} the partner {last - rank}"
+                    )
+
+
 def _canonical(action: Action) -> tuple[int, int, int]:
     """The order of a batch's ops, from the message alone so that both ends agree."""
     message = message_of(action)

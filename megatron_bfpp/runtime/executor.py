@@ -49,7 +49,7 @@ import torch
 from megatron_bfpp.compat import forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
 from megatron_bfpp.messages import Message, What, message_of
-from megatron_bfpp.nccl import Batch, Posting, validate_nccl
+from megatron_bfpp.nccl import Batch, Posting, check_side_pairs, validate_nccl
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
 from megatron_bfpp.runtime.backward import whole_backward
@@ -235,17 +235,22 @@ class PlannedSchedule:
     """A validated schedule with the lock-step posting the executor runs it by, proven
     NCCL-safe. Made once per schedule (``planned``) and handed to every step, which then
     neither re-derives the posting nor hashes the schedule to find it (``eq=False``: the
-    identity is the key, a hash costs nothing)."""
+    identity is the key, a hash costs nothing). ``side``: whether any rank posts a payload
+    batch on its partner pair's group (BPipe), so that every rank makes the pair groups."""
 
     schedule: Schedule
     posting: Posting
+    side: bool
 
 
 def planned(schedule: Schedule) -> PlannedSchedule:
     """``schedule`` with its lock-step posting, proven under NCCL's rules
-    (``nccl.validate_nccl``) before its first message: every rank derives the same one, so a
-    failure is the same one-line-and-grid error everywhere, before any communication."""
-    return PlannedSchedule(schedule, validate_nccl(schedule))
+    (``nccl.validate_nccl``) and with payloads between partner pairs only
+    (``nccl.check_side_pairs``) before its first message: every rank derives the same one, so a
+    failure is the same error everywhere, before any communication."""
+    posting = validate_nccl(schedule)
+    check_side_pairs(schedule, posting)
+    return PlannedSchedule(schedule, posting, posting.has_side)
 
 
 # --- the loop ---------------------------------------------------------------------------------
@@ -264,8 +269,7 @@ class _Executor:
         self.handlers: Mapping[ActionKind, Handler] = table.handlers
         self.rests: Mapping[ActionKind, Handler] = table.rests
         self.posting = plan.posting.per_rank[rank]
-        self.side = plan.posting.has_side
-        self.plan_posting = plan.posting
+        self.side = plan.side
 
     @property
     def state(self) -> StepState:
@@ -312,21 +316,8 @@ class _Executor:
         """The partner pair's process group, before the first payload batch (``nccl``: BPipe's
         payloads run on a stream of their own). Every rank of a schedule with transfers takes
         part, those without any too (``pair_group`` is collective over the job)."""
-        if not self.side or comm.side_group is not None:
-            return
-        # every rank checks the whole schedule alike, before the collective pair_group
-        schedule, posting = self.step.schedule, self.plan_posting
-        last = schedule.num_ranks - 1
-        for rank in range(schedule.num_ranks):
-            for batch in posting.batches(rank):
-                action = schedule.per_rank[rank][batch.items[0].position]
-                if batch.side and action.peer != last - rank:  # pairs join x and p-1-x
-                    raise RuntimeError(
-                        f"{action} moves activations between pipeline ranks {rank} and "
-                        f"{action.peer}; the runtime pairs rank x with p-1-x only (as BPipe "
-                        "does): give the schedule that partner"
-                    )
-        comm.side_group = pair_group(comm.group, comm.device)
+        if self.side and comm.side_group is None:  # partners x and p-1-x only: ``planned``
+            comm.side_group = pair_group(comm.group, comm.device)
 
     def _post_batch(self, batch: Batch) -> None:
         """Run the handlers of one tick's items, then post what they gathered as one batch (on

@@ -125,3 +125,14 @@ def test_a_prebuilt_schedule_is_validated_and_planned_once_per_function() -> Non
     swapped = add_grad_sync(add_communication(compute))
     with pytest.raises(ScheduleError, match="0F0 runs stage 0's micro-batch 0 after its micro"):
         get_forward_backward_func(swapped)
+
+
+def test_a_prebuilt_schedule_pairing_other_ranks_than_partners_fails_when_made() -> None:
+    # get_forward_backward_func plans a prebuilt schedule once, before any rank communicates:
+    # the pair groups BPipe's payloads run on join x and p-1-x only (runtime.p2p.pair_group)
+    from megatron_bfpp.ir import ScheduleError
+    from megatron_bfpp.runtime.api import get_forward_backward_func
+    from tests.unit.test_nccl import WRONG_PARTNER
+
+    with pytest.raises(ScheduleError, match="give rank 0 the partner 3"):
+        get_forward_backward_func(add_grad_sync(WRONG_PARTNER))

@@ -12,6 +12,7 @@ from megatron_bfpp.nccl import (
     Item,
     Posting,
     check_posting,
+    check_side_pairs,
     lockstep_posting,
     validate_nccl,
     written_posting,
@@ -134,6 +135,45 @@ def test_lockstep_places_each_batch_between_the_computes_around_its_tick() -> No
         assert p2p == [i for i, a in enumerate(program) if a.kind.is_p2p]  # each exactly once
         ticks = [b.tick for b in posting.batches(rank)]
         assert ticks == sorted(set(ticks))  # one batch per tick, in tick order
+
+
+# Rank 0 parks micro-batches 1-3 on rank 2, not on its BPipe partner 3: a schedule correct and
+# NCCL-safe in itself (checked below), whose payloads have no process group in the runtime.
+WRONG_PARTNER = parse_schedule(
+    [
+        "0F0 0SA0>1 0F1 0SA1>1 0EV1>2 0F2 0SA2>1 0EV2>2 0F3 0SA3>1 0RG0<1 0B0 0EV3>2 0LD1<2 "
+        "0F4 0SA4>1 0RG1<1 0B1 0LD2<2 0RG2<1 0B2 0LD3<2 0RG3<1 0B3 0RG4<1 0B4",
+        "1RA0<0 1F0 1SA0>2 1RA1<0 1F1 1SA1>2 1RA2<0 1F2 1SA2>2 1RG0<2 1B0 1SG0>0 1RA3<0 1F3 "
+        "1SA3>2 1RG1<2 1B1 1SG1>0 1RA4<0 1F4 1SA4>2 1RG2<2 1B2 1SG2>0 1RG3<2 1B3 1SG3>0 "
+        "1RG4<2 1B4 1SG4>0",
+        "0AC1<0 0AC2<0 2RA0<1 2F0 2SA0>3 2RA1<1 2F1 2SA1>3 2RG0<3 2B0 2SG0>1 0RS1>0 0AC3<0 "
+        "2RA2<1 2F2 2SA2>3 2RG1<3 2B1 2SG1>1 0RS2>0 2RA3<1 2F3 2SA3>3 2RG2<3 2B2 2SG2>1 "
+        "0RS3>0 2RA4<1 2F4 2SA4>3 2RG3<3 2B3 2SG3>1 2RG4<3 2B4 2SG4>1",
+        "3RA0<2 3F0 3B0 3SG0>2 3RA1<2 3F1 3B1 3SG1>2 3RA2<2 3F2 3B2 3SG2>2 3RA3<2 3F3 3B3 "
+        "3SG3>2 3RA4<2 3F4 3B4 3SG4>2",
+    ],
+    layout=StageLayout.looped(4),
+    num_microbatches=5,
+)
+
+
+def test_payloads_between_other_ranks_than_partners_are_refused_in_one_line() -> None:
+    posting = validate_nccl(WRONG_PARTNER)  # NCCL-safe: only the pairing is wrong
+    assert posting.has_side
+    with pytest.raises(ScheduleError) as error:
+        check_side_pairs(WRONG_PARTNER, posting)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("0EV1>2 at position 4 of pipeline rank 0")
+    assert "give rank 0 the partner 3" in message
+
+
+@pytest.mark.parametrize("num_ranks", [4, 5, 6, 8])
+def test_bpipe_payloads_run_between_partners(num_ranks: int) -> None:
+    schedule = build_schedule("bpipe", num_ranks=num_ranks, num_microbatches=2 * num_ranks)
+    posting = lockstep_posting(schedule)
+    assert posting.has_side  # from pp 4 the cap ceil((p+2)/2) is below p: ranks evict
+    check_side_pairs(schedule, posting)
 
 
 def test_bpipe_eviction_size_then_payload_in_one_tick_returned_later() -> None:
