@@ -400,9 +400,12 @@ def written_posting(schedule: Schedule) -> Posting:
 
 # --- the model --------------------------------------------------------------------------------
 def validate_nccl(schedule: Schedule) -> Posting:
-    """The lock-step posting of ``schedule``, proven under NCCL's rules (raises otherwise)."""
+    """The lock-step posting of ``schedule``, proven under NCCL's rules, its payloads between
+    partner pairs only (``check_side_pairs``: the runtime has no other groups); raises
+    otherwise."""
     posting = lockstep_posting(schedule)
     check_posting(schedule, posting)
+    check_side_pairs(schedule, posting)
     return posting
 
 
@@ -413,7 +416,10 @@ def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
     report: dict[str, dict[str, object]] = {}
     for key, make in (("as_written", written_posting), ("lock_step", lockstep_posting)):
         try:
-            check_posting(schedule, make(schedule))
+            posting = make(schedule)
+            check_posting(schedule, posting)
+            if key == "lock_step":  # the runtime's posting: payloads on partner pairs' groups
+                check_side_pairs(schedule, posting)
         except ScheduleError as error:
             report[key] = {"safe": False, "problem": str(error).split("\nrank ")[0]}
         else:

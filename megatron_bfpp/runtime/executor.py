@@ -49,7 +49,7 @@ import torch
 from megatron_bfpp.compat import forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule
 from megatron_bfpp.messages import Message, What, message_of
-from megatron_bfpp.nccl import Batch, Posting, check_side_pairs, validate_nccl
+from megatron_bfpp.nccl import Batch, Posting, validate_nccl
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
 from megatron_bfpp.runtime.backward import whole_backward
@@ -244,12 +244,11 @@ class PlannedSchedule:
 
 
 def planned(schedule: Schedule) -> PlannedSchedule:
-    """``schedule`` with its lock-step posting, proven under NCCL's rules
-    (``nccl.validate_nccl``) and with payloads between partner pairs only
-    (``nccl.check_side_pairs``) before its first message: every rank derives the same one, so a
-    failure is the same error everywhere, before any communication."""
+    """``schedule`` with its lock-step posting, proven under NCCL's rules and with payloads
+    between partner pairs only (``nccl.validate_nccl``) before its first message: every rank
+    derives the same one, so a failure is the same error everywhere, before any
+    communication."""
     posting = validate_nccl(schedule)
-    check_side_pairs(schedule, posting)
     return PlannedSchedule(schedule, posting, posting.has_side)
 
 

@@ -114,6 +114,24 @@ def test_malformed_csv_names_the_row(tmp_path: Path) -> None:
     assert "row 4, column 3" in result.stderr
 
 
+def test_a_csv_parking_activations_on_another_rank_than_the_partner_is_one_line(
+    tmp_path: Path,
+) -> None:
+    # A file whose order is correct and NCCL-safe, but whose evictions go to rank 2, not to
+    # rank 0's BPipe partner 3: the runtime has no process group for that pair, so bfpp-sim
+    # refuses to time it, naming the file and the fix, as the runtime refuses to run it.
+    from megatron_bfpp.passes.grad_sync import add_grad_sync
+    from tests.unit.test_nccl import WRONG_PARTNER
+
+    path = tmp_path / "wrong_partner.csv"
+    dump_csv(add_grad_sync(WRONG_PARTNER), path)
+    result = bfpp_sim("--load-csv", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert str(path) in lines[0] and "give rank 0 the partner 3" in lines[0]
+
+
 def test_csv_round_trip_through_the_cli(tmp_path: Path) -> None:
     out = tmp_path / "v.csv"
     result = bfpp_sim(

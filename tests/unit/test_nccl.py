@@ -14,10 +14,12 @@ from megatron_bfpp.nccl import (
     check_posting,
     check_side_pairs,
     lockstep_posting,
+    nccl_report,
     validate_nccl,
     written_posting,
 )
 from megatron_bfpp.schedules.registry import build_schedule, forward_only_schedule, get_spec
+from megatron_bfpp.validate import validate_schedule
 
 LOOPED2 = StageLayout.looped(2)
 ONE_F_ONE_B = parse_schedule(
@@ -158,7 +160,8 @@ WRONG_PARTNER = parse_schedule(
 
 
 def test_payloads_between_other_ranks_than_partners_are_refused_in_one_line() -> None:
-    posting = validate_nccl(WRONG_PARTNER)  # NCCL-safe: only the pairing is wrong
+    posting = lockstep_posting(WRONG_PARTNER)
+    check_posting(WRONG_PARTNER, posting)  # NCCL-safe as posted: only the pairing is wrong
     assert posting.has_side
     with pytest.raises(ScheduleError) as error:
         check_side_pairs(WRONG_PARTNER, posting)
@@ -166,6 +169,14 @@ def test_payloads_between_other_ranks_than_partners_are_refused_in_one_line() ->
     assert "\n" not in message
     assert message.startswith("0EV1>2 at position 4 of pipeline rank 0")
     assert "give rank 0 the partner 3" in message
+    # the checks the runtime, validate_schedule and bfpp-sim's NCCL report go through
+    with pytest.raises(ScheduleError, match="give rank 0 the partner 3"):
+        validate_nccl(WRONG_PARTNER)
+    with pytest.raises(ScheduleError, match="give rank 0 the partner 3"):
+        validate_schedule(WRONG_PARTNER)
+    report = nccl_report(WRONG_PARTNER)
+    assert report["as_written"]["safe"] is True  # a file's own order: no pair groups there
+    assert report["lock_step"] == {"safe": False, "problem": message}
 
 
 @pytest.mark.parametrize("num_ranks", [4, 5, 6, 8])
