@@ -702,11 +702,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     printable_output()
     args = build_parser().parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if launched:
-        # Before torch is imported (it reads this once): when a rank or the store host dies,
-        # every store and socket call of every rank would add a C++ warning with a stack of
-        # frames around the one line that names it. Errors still print; set it to see more.
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # Before torch is imported (it reads this once; ranks forked here inherit it): when a rank
+    # or the store's host dies, every store and socket call of every rank would add a C++
+    # warning with a stack of frames around the one line that names it (a forked rank's last
+    # store call after rank 0 left once added 14 lines to a one-line failure). Errors still
+    # print; set it to see more.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     world_size = (
         int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or _guess_nproc())
     )
