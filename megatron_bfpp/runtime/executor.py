@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -235,12 +235,16 @@ class PlannedSchedule:
     """A validated schedule with the lock-step posting the executor runs it by, proven
     NCCL-safe. Made once per schedule (``planned``) and handed to every step, which then
     neither re-derives the posting nor hashes the schedule to find it (``eq=False``: the
-    identity is the key, a hash costs nothing). ``side``: whether any rank posts a payload
-    batch on its partner pair's group (BPipe), so that every rank makes the pair groups."""
+    identity is the key, a hash costs nothing). ``side``, derived once here rather than at
+    every step: whether any rank posts a payload batch on its partner pair's group (BPipe), so
+    that every rank makes the pair groups."""
 
     schedule: Schedule
     posting: Posting
-    side: bool
+    side: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "side", self.posting.has_side)
 
 
 def planned(schedule: Schedule) -> PlannedSchedule:
@@ -248,8 +252,7 @@ def planned(schedule: Schedule) -> PlannedSchedule:
     between partner pairs only (``nccl.validate_nccl``) before its first message: every rank
     derives the same one, so a failure is the same error everywhere, before any
     communication."""
-    posting = validate_nccl(schedule)
-    return PlannedSchedule(schedule, posting, posting.has_side)
+    return PlannedSchedule(schedule, validate_nccl(schedule))
 
 
 # --- the loop ---------------------------------------------------------------------------------

@@ -419,7 +419,8 @@ sys.exit(train.main([]))
 def test_a_store_call_after_the_store_host_left_adds_no_cpp_warning() -> None:
     # bfpp-train sets torch's C++ log level to errors before torch is imported, so that its
     # forked ranks (as ranks under torchrun) print no C++ warning and stack of frames when the
-    # store's host is gone: at torch's default level this prints 14 lines to stderr.
+    # store's host is gone: at torch's default level this prints a warning and its stack of
+    # frames (16 lines with torch 2.13.0).
     env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
     run = subprocess.run(
         [sys.executable, "-c", _STORE_GONE], capture_output=True, text=True, timeout=120, env=env

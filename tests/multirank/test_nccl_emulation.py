@@ -441,7 +441,7 @@ def runtime_posted(batches: list[M.Batch], as_written: bool) -> str:
 
     E.install(stall_seconds=STALL)
     if as_written:  # the posting plan_schedule hands the executor (this rank process only)
-        api.planned = lambda schedule: PlannedSchedule(schedule, written_posting(schedule), False)
+        api.planned = lambda schedule: PlannedSchedule(schedule, written_posting(schedule))
     config = M.tiny_gpt_config(num_layers=4, vp=2)
     chunks = M.build_model_chunks(config, placement="v-shape")
     try:
