@@ -74,11 +74,20 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import NamedTuple
 
-from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, format_schedule
-from megatron_bfpp.messages import WHAT_CODE, Message, What, message_of
-from megatron_bfpp.semantics import Event, Lane, Rules, Timing, match_channels
+from megatron_bfpp.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    format_schedule,
+    paused_gc,
+)
+from megatron_bfpp.messages import ACT, WHAT_CODE, What
+from megatron_bfpp.program import Program, compiled
+from megatron_bfpp.semantics import Event, Lane, Timing, match_channels
 
 __all__ = [
     "TICKS",
@@ -119,8 +128,7 @@ class Item(NamedTuple):
     rest: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Batch:
+class Batch(NamedTuple):
     """One ``batch_isend_irecv`` of one rank; ``tick`` is -1 outside lock-step postings.
 
     ``blocking``: the posting rank's CPU waits for the batch to complete before its next step
@@ -129,7 +137,8 @@ class Batch:
     pair, first in first out per pair, instead of one group on the rank's single stream
     (megatron-core's non-batched path, interleaved with ``overlap_p2p_comm``). ``side``: one
     group of ops on the rank's second stream, FIFO, apart from its first (BPipe's payloads on
-    the partners' own process group).
+    the partners' own process group). A named tuple, like ``Item``: a large schedule's posting
+    holds half a million batches, and a frozen dataclass took four times as long to build.
     """
 
     tick: int
@@ -171,36 +180,76 @@ class Posting:
 
 # --- lock-step posting --------------------------------------------------------------------------
 def lockstep_posting(schedule: Schedule) -> Posting:
-    """The runtime's posting: one batch per tick, partners in the same tick (module docstring)."""
-    ticks = _unit_ticks(schedule)
-    per_rank = []
-    for rank, actions in enumerate(schedule.per_rank):
-        tick_of = ticks[rank]
-        by_tick: dict[tuple[int, int], list[Item]] = defaultdict(list)  # (tick, payload?)
-        # Sort keys (tick, phase, order): at a tick, its batch, its payload batch, the GS / PS /
-        # RL that follow the compute ending there (after its messages: the pipeline's critical
-        # path goes first), then the compute starting there.
-        steps: list[tuple[tuple[int, int, int], Step]] = []
-        end = 0  # the end of the latest compute
-        for position, action in enumerate(actions):
-            kind = action.kind
-            if kind is K.RESTORE or kind is K.LOAD:  # a payload: in the pair's batch
-                by_tick[(tick_of[position], 1)].append(Item(position))
-            elif kind.is_p2p:
-                by_tick[(tick_of[position], 0)].append(Item(position))
-                if kind is K.EVICT or kind is K.ACCEPT:
-                    by_tick[(tick_of[position], 1)].append(Item(position, rest=True))
-            elif kind.is_compute:
-                steps.append(((tick_of[position], 3, position), position))
-                end = tick_of[position] + TICKS[kind]
-            else:
-                steps.append(((end, 2, position), position))
-        for (tick, payload), items in by_tick.items():
-            items.sort(key=lambda item: _canonical(actions[item.position]))
-            steps.append(((tick, payload, 0), Batch(tick, tuple(items), side=payload == 1)))
-        steps.sort(key=lambda entry: entry[0])
-        per_rank.append(tuple(step for _, step in steps))
-    return Posting("lock-step", tuple(per_rank))
+    """The runtime's posting: one batch per tick, partners in the same tick (module docstring).
+    Built once while ``schedule`` is among the last few posted (validation proves the posting
+    that the simulator then times, and the planner times one schedule under many costs)."""
+    for kept, posting in _POSTINGS:
+        if kept is schedule:
+            return posting
+    with paused_gc():  # a tuple per batch and item, none freed: see paused_gc
+        program = compiled(schedule)
+        ticks = _unit_ticks(program)
+        posting = Posting(
+            "lock-step",
+            tuple(
+                _lockstep_steps(actions, ticks[rank], program.message[rank])
+                for rank, actions in enumerate(schedule.per_rank)
+            ),
+        )
+    _POSTINGS.insert(0, (schedule, posting))
+    del _POSTINGS[_KEEP:]
+    return posting
+
+
+_POSTINGS: list[tuple[Schedule, Posting]] = []
+_KEEP = 4
+
+
+def _lockstep_steps(
+    actions: tuple[Action, ...], tick_of: list[int], message: list[int]
+) -> tuple[Step, ...]:
+    """One rank's steps of the lock-step posting, from its actions' ticks. Sort keys are
+    ``(tick * 4 + phase) * span + order``: at a tick, its batch (phase 0), its payload batch
+    (1), the GS / PS / RL that follow the compute ending there (2: after its messages, the
+    pipeline's critical path goes first), then the compute starting there (3). A batch's items
+    are (canonical order: the message's number, position, rest), by ``tick * 2 + payload``."""
+    span = len(actions) + 1
+    by_tick: defaultdict[int, list[tuple[int, int, bool]]] = defaultdict(list)
+    keys: list[int] = []
+    steps: list[Step] = []
+    restore, load, evict, accept = K.RESTORE, K.LOAD, K.EVICT, K.ACCEPT
+    p2p, compute, ticks_of = _P2P, _COMPUTE, TICKS
+    end = 0  # the end of the latest compute
+    for position, action in enumerate(actions):
+        kind = action.kind
+        if kind in p2p:
+            tick = tick_of[position]
+            if kind is restore or kind is load:  # a payload: in the pair's batch
+                by_tick[tick * 2 + 1].append((message[position], position, False))
+                continue
+            by_tick[tick * 2].append((message[position], position, False))
+            if kind is evict or kind is accept:
+                by_tick[tick * 2 + 1].append((message[position], position, True))
+        elif kind in compute:
+            tick = tick_of[position]
+            keys.append((tick * 4 + 3) * span + position)
+            steps.append(position)
+            end = tick + ticks_of[kind]
+        else:
+            keys.append((end * 4 + 2) * span + position)
+            steps.append(position)
+    for key, items in by_tick.items():
+        tick, payload = divmod(key, 2)
+        items.sort(key=_first)  # stable: equal messages keep their program order
+        keys.append((tick * 4 + payload) * span)
+        steps.append(Batch(tick, tuple([Item(p, rest) for _, p, rest in items]), side=payload == 1))
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    return tuple([steps[i] for i in order])
+
+
+_first = itemgetter(0)
+_P2P = frozenset(kind for kind in K if kind.is_p2p)
+_COMPUTE = frozenset(kind for kind in K if kind.is_compute)
 
 
 def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
@@ -225,155 +274,169 @@ def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
                     )
 
 
-def _canonical(action: Action) -> tuple[int, int, int]:
-    """The order of a batch's ops, from the message alone so that both ends agree."""
-    message = message_of(action)
-    return (WHAT_CODE[message.what], message.stage, message.microbatch)
-
-
-def _unit_ticks(schedule: Schedule) -> list[list[int]]:
+def _unit_ticks(program: Program) -> list[list[int]]:
     """Per rank and position: a compute's start tick, a p2p action's batch tick, else -1."""
-    replay = _TickReplay(schedule)
+    replay = _TickReplay(program)
     replay.run()
     return replay.ticks
-
-
-class _Consumed:
-    """``Rules.consumed`` as (what, stage) pairs, once per (kind, stage, restored): what a
-    compute consumes is of its own micro-batch, so the loops over every action build only
-    that (the planner builds a posting per schedule it simulates)."""
-
-    __slots__ = ("cache", "rules")
-
-    def __init__(self, rules: Rules) -> None:
-        self.rules = rules
-        self.cache: dict[tuple[ActionKind, int, bool], list[tuple[What, int]]] = {}
-
-    def __call__(self, action: Action, loaded: set[tuple[int, int]]) -> list[tuple[What, int]]:
-        restored = bool(loaded) and (action.stage, action.microbatch or 0) in loaded
-        key = (action.kind, action.stage, restored)
-        found = self.cache.get(key)
-        if found is None:
-            messages = self.rules.consumed(action, loaded)
-            found = self.cache[key] = [(message.what, message.stage) for message in messages]
-        return found
 
 
 class _TickReplay:
     """An as-soon-as-possible replay with nominal computes (``TICKS``) and instant messages.
 
-    Each rank advances until it needs a message not yet sent. BPipe's EV (RS) goes out no
-    earlier than the tick at which the partner reaches its AC (LD) in program order, and the
-    evictor's (acceptor's) next compute waits for that, as the gloo rules have it: a payload
-    then arrives where the schedule's program order (which the memory model and the eviction
-    pass reason about) says it is received, not earlier."""
+    Each rank advances until it needs a message not yet sent, and is resumed when it is sent.
+    BPipe's EV (RS) goes out no earlier than the tick at which the partner reaches its AC (LD)
+    in program order, and the evictor's (acceptor's) next compute waits for that, as the gloo
+    rules have it: a payload then arrives where the schedule's program order (which the memory
+    model and the eviction pass reason about) says it is received, not earlier. Every tick is
+    the largest of the ticks it depends on, so the order in which ranks advance changes none;
+    messages are the compiled program's numbers (``program.Program``), their ticks in lists."""
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, program: Program) -> None:
+        schedule = self.schedule = program.schedule
         programs = schedule.per_rank
-        self.schedule = schedule
+        num_ranks = len(programs)
+        self.program, self.rules = program, program.rules
         self.ticks = [[-1] * len(actions) for actions in programs]
-        self.rules = rules = Rules(schedule, implicit=False)
-        self.consumed = _Consumed(rules)
-        self.sent: dict[Message, int] = {}
-        self.posted: dict[Message, int] = {}  # AC / LD: the receiver's tick at that position
-        self.loaded = [
+        self.sent = [-1] * program.num_messages  # the tick a message is sent at, -1 not yet
+        self.posted = [-1] * program.num_messages  # AC / LD: the receiver's tick there
+        rules = self.rules
+        self.loaded = [  # the restores each rank's LDs bring back (Rules.loads)
             {
-                (a.stage, a.microbatch or 0)
+                program.restore_of(a.stage, a.microbatch or 0)
                 for a in actions
                 if a.kind in rules.transfers and rules.loads(a) is not None
             }
             for actions in programs
         ]
-        self.at = [0] * len(programs)
-        self.now = [0] * len(programs)  # the end of each rank's latest compute
+        self.at = [0] * num_ranks
+        self.now = [0] * num_ranks  # the end of each rank's latest compute
         # EV / RS waiting for the partner's AC / LD: (position, message, earliest tick).
-        self.deferred: list[list[tuple[int, Message, int]]] = [[] for _ in programs]
-        self.settled = [0] * len(programs)  # the latest tick of a rank's settled transfers
+        self.deferred: list[list[tuple[int, int, int]]] = [[] for _ in programs]
+        self.settled = [0] * num_ranks  # the latest tick of a rank's settled transfers
+        self.waiters: dict[int, list[int]] = {}  # message -> ranks stopped until it is sent
+        self.owner: dict[int, int] = {}  # a deferred transfer's message -> its rank
+        self.ready = deque(range(num_ranks))
+        self.queued = [True] * num_ranks
 
     def run(self) -> None:
-        programs = self.schedule.per_rank
-        pending = list(range(len(programs)))
-        progressed = True
-        while pending and progressed:  # rounds over the ranks still running, while any moves
-            progressed, still = False, []
-            for rank in pending:
-                deferred = len(self.deferred[rank])
-                position = self._advance(rank, self.at[rank])
-                progressed |= position != self.at[rank] or len(self.deferred[rank]) < deferred
-                self.at[rank] = position
-                if position < len(programs[rank]) or self.deferred[rank]:
-                    still.append(rank)
-            pending = still
+        programs, ready, queued = self.schedule.per_rank, self.ready, self.queued
+        while ready:
+            rank = ready.popleft()
+            queued[rank] = False
+            self.at[rank] = self._advance(rank, self.at[rank])
+        pending = [
+            rank
+            for rank in range(len(programs))
+            if self.at[rank] < len(programs[rank]) or self.deferred[rank]
+        ]
         if pending:
             raise ScheduleError(
-                f"{self.schedule.name}: no lock-step posting exists (ranks {sorted(pending)} "
+                f"{self.schedule.name}: no lock-step posting exists (ranks {pending} "
                 "wait for messages nobody sends); validate the schedule first"
             )
+        sent = self.sent
         for rank, actions in enumerate(programs):
+            message, ticks = self.program.message[rank], self.ticks[rank]
             for position, action in enumerate(actions):
-                if action.kind.is_recv:
-                    message = message_of(action)
-                    if message not in self.sent:
+                if action.kind in _RECV:
+                    if sent[message[position]] < 0:
                         raise ScheduleError(f"rank {rank}, step {position}: {action} is never sent")
-                    self.ticks[rank][position] = self.sent[message]
+                    ticks[position] = sent[message[position]]
+
+    def _wake(self, rank: int) -> None:
+        if not self.queued[rank]:
+            self.queued[rank] = True
+            self.ready.append(rank)
+
+    def _send(self, message: int, tick: int) -> None:
+        self.sent[message] = tick
+        for rank in self.waiters.pop(message, ()):
+            self._wake(rank)
+
+    def _stop(self, rank: int, message: int) -> None:
+        """``rank`` needs ``message``, not sent yet: settle what can be (the partner may wait
+        for an eviction this rank deferred to the compute that waits here) and wait."""
+        self._resolved(rank)
+        self.waiters.setdefault(message, []).append(rank)
 
     def _resolved(self, rank: int) -> int | None:
         """Settle the deferred transfers whose partner has posted; the latest tick among them,
         or None while one still waits."""
-        latest, still = self.settled[rank], []
-        for position, message, earliest in self.deferred[rank]:
-            if message not in self.posted:  # AC / LD name the same message as EV / RS
-                still.append((position, message, earliest))
+        deferred = self.deferred[rank]
+        if not deferred:
+            return self.settled[rank]
+        latest, still, posted, ticks = self.settled[rank], [], self.posted, self.ticks[rank]
+        for entry in deferred:
+            position, message, earliest = entry
+            if posted[message] < 0:  # AC / LD name the same message as EV / RS
+                still.append(entry)
                 continue
-            tick = max(earliest, self.posted[message])
-            self.ticks[rank][position] = self.sent[message] = tick
+            tick = max(earliest, posted[message])
+            ticks[position] = tick
+            self._send(message, tick)
             latest = max(latest, tick)
         self.deferred[rank], self.settled[rank] = still, latest
         return None if still else latest
 
     def _advance(self, rank: int, position: int) -> int:
         """Number ``rank``'s actions from ``position``; return where it stopped. What an action
-        waits for is ``semantics.Rules``' (``consumed``, ``transfer_waits``); a transfer whose
-        next compute awaits the partner's receive (``Rules.awaits``) is deferred to it."""
-        rules, actions, t = self.rules, self.schedule.per_rank[rank], self.now[rank]
-        transfers, loaded = rules.transfers, self.loaded[rank]
-        sent, ticks, consumed = self.sent, self.ticks[rank], self.consumed
+        waits for is ``semantics.Rules``' (compiled: ``Program.wait``, ``transfer_waits``); a
+        transfer whose next compute awaits the partner's receive (``Rules.awaits``) is deferred
+        to it."""
+        program, rules = self.program, self.rules
+        actions, t, ticks = self.schedule.per_rank[rank], self.now[rank], self.ticks[rank]
+        message, wait, loaded = program.message[rank], program.wait[rank], self.loaded[rank]
+        sent, transfers = self.sent, rules.transfers
         while True:
             if position == len(actions):
                 self._resolved(rank)
                 break
             action = actions[position]
             kind = action.kind
-            rule = transfers.get(kind)
-            needs: list[Message] = []
-            if kind.is_compute:
-                mb = action.microbatch or 0
-                needs = [Message(what, stage, mb) for what, stage in consumed(action, loaded)]
-            elif rule is not None and rule.carries_data:
-                waited = rules.transfer_waits(action)
-                needs = [] if waited is None else [waited]  # RS: the payload it returns
-            if any(need not in sent for need in needs):
-                # settle what can be: the partner may wait for an eviction this rank deferred
-                # to its next compute, which waits here (an EV with its LD before any compute)
-                self._resolved(rank)
-                break
-            ready = max((sent[need] for need in needs), default=0)
-            if kind.is_compute:
+            if kind in _COMPUTE:
+                ready = 0
+                if (need := wait[position]) >= 0 and (ready := sent[need]) < 0:
+                    self._stop(rank, need)
+                    break
+                if loaded and kind is not K.FORWARD and kind is not K.BACKWARD_WEIGHT:
+                    restore = program.restore_of(action.stage, action.microbatch or 0)
+                    if restore in loaded:
+                        if sent[restore] < 0:
+                            self._stop(rank, restore)
+                            break
+                        ready = max(ready, sent[restore])
                 transfers_in = self._resolved(rank)
-                if transfers_in is None:
+                if transfers_in is None:  # resumed when the partner posts (``owner``)
                     break
                 ticks[position] = max(t, ready, transfers_in)
                 t = ticks[position] + TICKS[kind]
             elif kind is K.SEND_ACT or kind is K.SEND_GRAD:
-                ticks[position] = sent[message_of(action)] = t
-            elif rule is not None and rule.carries_data and rules.awaits(action):
-                earliest = max(t, ready + RS_DELAY) if needs else t  # RS: after the eviction
-                self.deferred[rank].append((position, message_of(action), earliest))
-            elif rule is not None and not rule.carries_data:  # AC / LD: the receive is posted
-                self.posted[message_of(action)] = t
+                ticks[position] = t
+                self._send(message[position], t)
+            elif (rule := transfers.get(kind)) is not None and rule.carries_data:
+                waited = rules.transfer_waits(action)  # RS: the payload it returns
+                ready = 0
+                if waited is not None:
+                    need = program.id_of(waited)
+                    if (ready := sent[need]) < 0:
+                        self._stop(rank, need)
+                        break
+                if rules.awaits(action):
+                    earliest = max(t, ready + RS_DELAY) if waited is not None else t
+                    self.deferred[rank].append((position, message[position], earliest))
+                    self.owner[message[position]] = rank
+            elif rule is not None:  # AC / LD: the receive is posted
+                self.posted[message[position]] = t
+                owner = self.owner.get(message[position])
+                if owner is not None:
+                    self._wake(owner)
             position += 1
         self.now[rank] = t
         return position
+
+
+_RECV = frozenset(kind for kind in K if kind.is_recv)
 
 
 # --- as written -------------------------------------------------------------------------------
@@ -428,16 +491,6 @@ def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
     return report
 
 
-class _Op(NamedTuple):
-    rank: int
-    batch: int  # global batch id
-    unit: int  # the unit it runs in: its batch, or itself in a pairwise batch
-    send: bool
-    peer: int
-    what: tuple[str, int, int, bool]  # the message, and whether it is an eviction's payload
-    position: int
-
-
 class PostingRun(NamedTuple):
     """What ``time_posting`` found, in ``Timing``'s units (integers when its durations are).
 
@@ -459,7 +512,8 @@ class PostingRun(NamedTuple):
 def check_posting(schedule: Schedule, posting: Posting) -> None:
     """Run ``posting`` under NCCL's rules (module docstring); raise a ScheduleError naming the
     cycle of waits, above the grid, if it cannot finish."""
-    _Model(schedule, posting).run()
+    with paused_gc():  # columns of a million ops: see paused_gc
+        _Model(schedule, posting).run()
 
 
 def time_posting(schedule: Schedule, posting: Posting, timing: Timing = _UNIT) -> PostingRun:
@@ -489,14 +543,20 @@ def posting_timer(schedule: Schedule, posting: Posting) -> Callable[[Timing], Po
     the next compute: on NCCL the runtime polls them (``PipeComm.reap``) instead, so they cost
     no time there. A CPU that waits for a batch stands for a GPU stream that waits for it: the
     times are the same, the CPU only enqueues earlier."""
-    return _Model(schedule, posting, settle=False).timed
+    with paused_gc():
+        model = _Model(schedule, posting, settle=False)
+    return model.timed
 
 
 class _Model:
     """NCCL's rules for one posting, optionally timed (``time_posting``).
 
     A *unit* is what runs on a stream as one: a batch, or one op of a pairwise batch. Streams
-    are the rank's group stream and, for pairwise ops, one per (rank, peer)."""
+    are the rank's group stream and, for pairwise ops, one per (rank, peer). Ops are columns
+    (``op_*``, by op id); messages are the compiled program's numbers (``program.Program``) and
+    an op's or a CPU wait's key is ``message * 4 + send * 2 + rest``; a rank's CPU steps are
+    ``value * 4 + code`` (``_POST`` a batch, ``_WAIT`` for a unit, ``_RUN`` a program
+    position)."""
 
     def __init__(
         self,
@@ -507,9 +567,13 @@ class _Model:
     ) -> None:
         self.schedule, self.posting, self.settle = schedule, posting, settle
         self.timing: Timing | None = None
-        self.rules = Rules(schedule, implicit=False)
+        self.program = compiled(schedule)
+        self.rules = self.program.rules
         num_ranks = schedule.num_ranks
-        self.ops: list[_Op] = []
+        self.op_unit: list[int] = []  # the unit it runs in: its batch, or itself if pairwise
+        self.op_key: list[int] = []  # message * 4 + send * 2 + rest (an eviction's payload)
+        self.op_peer: list[int] = []
+        self.op_position: list[int] = []
         self.batch_units: list[list[int]] = []
         self.batch_rank: list[int] = []
         self.batch_index: list[int] = []  # the batch's number on its rank
@@ -518,10 +582,7 @@ class _Model:
         self.unit_batch: list[int] = []
         self.unit_stream: list[int] = []
         self.streams: dict[tuple[int, int], int] = {}  # (rank, peer; -1 for the group) -> id
-        # Per rank: ("post", batch) / ("wait", batch) / ("run", position) in CPU order.
-        self.steps: list[list[tuple[str, int]]] = [
-            self._rank_steps(rank) for rank in range(num_ranks)
-        ]
+        self.steps: list[list[int]] = [self._rank_steps(rank) for rank in range(num_ranks)]
         self.partner = self._match()
 
     # building
@@ -536,26 +597,31 @@ class _Model:
         self.batch_units[batch].append(unit)
         return unit
 
-    def _rank_steps(self, rank: int) -> list[tuple[str, int]]:
-        actions, layout = self.schedule.per_rank[rank], self.schedule.layout
-        rules = self.rules
-        transfers = rules.transfers
-        # (send, message, rest) -> the unit running its op; a CPU waits for units
-        holder: dict[tuple[bool, str, int, int, bool], int] = {}
+    def _rank_steps(self, rank: int) -> list[int]:
+        """``rank``'s CPU steps: its posting, with the waits each step needs first."""
+        actions, messages = self.schedule.per_rank[rank], self.program.message[rank]
+        transfers, compute = self.rules.transfers, _COMPUTE
+        holder: dict[int, int] = {}  # op key -> the unit running it; a CPU waits for units
         unit_at: dict[int, int] = {}  # program position -> the unit running its op
-        loaded: set[tuple[int, int]] = set()  # restores a later backward consumes (LD)
-        steps: list[tuple[str, int]] = []
+        loaded: set[int] = set()  # restores a later backward consumes (LD)
+        steps: list[int] = []
         unsettled: list[int] = []
-
-        def wait(send: bool, message: Message, rest: bool = False) -> None:
-            unit = holder.get((send, *message, rest))
-            if unit is not None:
-                steps.append(("wait", unit))
-
-        consumed = _Consumed(rules)
         index = 0  # the rank's batches, numbered from 0
         group = self._stream(rank, -1)
+        add_step, unit_ops = steps.append, self.unit_ops
+        add_unit, add_key = self.op_unit.append, self.op_key.append
+        add_peer, add_position = self.op_peer.append, self.op_position.append
         for step in self.posting.per_rank[rank]:
+            if isinstance(step, int):
+                if actions[step].kind in compute:
+                    self._compute_waits(rank, step, holder, loaded, steps)
+                    add_step(step * 4 + _RUN)
+                    if self.settle:  # gloo: a transfer's send is settled after the next compute
+                        steps.extend(unit * 4 + _WAIT for unit in unsettled)
+                        unsettled = []
+                else:
+                    add_step(step * 4 + _RUN)
+                continue
             if isinstance(step, Wait):
                 for position in step.positions:
                     if position not in unit_at:
@@ -563,27 +629,7 @@ class _Model:
                             f"rank {rank} waits for step {position}, which no earlier batch posts",
                             {(rank, position): "ERROR HERE"},
                         )
-                    steps.append(("wait", unit_at[position]))
-                continue
-            if isinstance(step, int):
-                action = actions[step]
-                if action.kind.is_compute:
-                    mb = action.microbatch or 0
-                    for what, stage in consumed(action, loaded):
-                        unit = holder.get((False, what, stage, mb, False))
-                        if unit is not None:
-                            steps.append(("wait", unit))
-                    if action.kind in _FREES_OUTPUT and not layout.is_last(action.stage):
-                        # the output it frees: its send must be done (megatron-core's
-                        # deallocate_pipeline_outputs; runtime/backward.py)
-                        unit = holder.get((True, What.ACT, action.stage, mb, False))
-                        if unit is not None:
-                            steps.append(("wait", unit))
-                steps.append(("run", step))
-                if action.kind.is_compute and self.settle:
-                    # gloo: a transfer's send is settled after the next compute (Rules)
-                    steps.extend(("wait", unit) for unit in unsettled)
-                    unsettled = []
+                    add_step(unit_at[position] * 4 + _WAIT)
                 continue
             batch = len(self.batch_units)
             self.batch_units.append([])
@@ -593,76 +639,101 @@ class _Model:
             index += 1
             stream = self._stream(rank, _SIDE) if step.side else group
             unit = -1 if step.pairwise else self._unit(batch, stream)
-            for item in step.items:
-                action = actions[item.position]
-                message = message_of(action)
-                rule = transfers.get(action.kind)
-                send = action.kind.is_send
-                if rule is not None:
-                    waited = rules.transfer_waits(action)
-                    if waited is not None and not rule.carries_data and item.rest:
-                        wait(False, waited)  # AC: the header, read before the payload is posted
-                    elif waited is not None and rule.carries_data:  # RS: the payload it returns
-                        wait(False, waited)
-                        wait(False, waited, rest=True)
-                    if rules.loads(action) is not None:
-                        loaded.add((action.stage, action.microbatch or 0))
-                op_unit = (
-                    self._unit(batch, self._stream(rank, action.peer or 0)) if unit < 0 else unit
-                )
-                if rule is not None and send and rules.awaits(action):
+            for position, rest in step.items:
+                action = actions[position]
+                kind = action.kind
+                send = kind in _SENDS
+                peer = action.peer or 0
+                if kind in transfers:
+                    self._transfer_waits(action, rest, holder, loaded, steps)
+                op_unit = self._unit(batch, self._stream(rank, peer)) if unit < 0 else unit
+                if send and kind in transfers and self.rules.awaits(action):
                     unsettled.append(op_unit)
-                holder[(send, *message, item.rest)] = unit_at[item.position] = op_unit
-                op = _Op(
-                    rank,
-                    batch,
-                    op_unit,
-                    send,
-                    action.peer or 0,
-                    (*message, item.rest),
-                    item.position,
-                )
-                self.unit_ops[op_unit].append(len(self.ops))
-                self.ops.append(op)
-            steps.append(("post", batch))
+                key = messages[position] * 4 + send * 2 + rest
+                holder[key] = unit_at[position] = op_unit
+                unit_ops[op_unit].append(len(self.op_key))
+                add_unit(op_unit)
+                add_key(key)
+                add_peer(peer)
+                add_position(position)
+            add_step(batch * 4 + _POST)
             if step.blocking:
-                steps.extend(("wait", unit) for unit in self.batch_units[batch])
-        steps.extend(("wait", unit) for unit in sorted(set(holder.values())))
+                steps.extend(unit * 4 + _WAIT for unit in self.batch_units[batch])
+        steps.extend(unit * 4 + _WAIT for unit in sorted(set(holder.values())))
         return steps
+
+    def _compute_waits(
+        self, rank: int, position: int, holder: dict[int, int], loaded: set[int], steps: list[int]
+    ) -> None:
+        """A compute's waits: the batches holding what it consumes (``Rules.consumed``: the
+        compiled ``Program.wait``, and the restore once an LD brought it back), and the send
+        of its output before the backward that frees it (megatron-core's
+        ``deallocate_pipeline_outputs``; runtime/backward.py)."""
+        program, action = self.program, self.schedule.per_rank[rank][position]
+        kind, stage, mb = action.kind, action.stage, action.microbatch or 0
+        needs = []
+        if (need := program.wait[rank][position]) >= 0:
+            needs.append(need * 4)
+        restores = bool(loaded) and kind is not K.FORWARD and kind is not K.BACKWARD_WEIGHT
+        if restores and (restore := program.restore_of(stage, mb)) in loaded:
+            needs.append(restore * 4)
+        if kind in _FREES_OUTPUT and not self.schedule.layout.is_last(stage):
+            needs.append(program.id(ACT, stage, mb) * 4 + 2)
+        for key in needs:
+            if (unit := holder.get(key)) is not None:
+                steps.append(unit * 4 + _WAIT)
+
+    def _transfer_waits(
+        self, action: Action, rest: bool, holder: dict[int, int], loaded: set[int], steps: list[int]
+    ) -> None:
+        """A BPipe transfer's waits (``Rules.transfer_waits``): AC reads the header before the
+        payload is posted, RS waits for the payload it returns; an LD marks its restore as
+        consumed by the later backward (``Rules.loads``)."""
+        rules, program = self.rules, self.program
+        rule = rules.transfers[action.kind]
+        waited = rules.transfer_waits(action)
+        if waited is not None and (rule.carries_data or rest):
+            key = program.id_of(waited) * 4
+            for wanted in (key, key + 1) if rule.carries_data else (key,):
+                if (unit := holder.get(wanted)) is not None:
+                    steps.append(unit * 4 + _WAIT)
+        if rules.loads(action) is not None:
+            loaded.add(program.restore_of(action.stage, action.microbatch or 0))
 
     def _match(self) -> list[int]:
         """Pair each op with its partner (``semantics.match_channels``: by posting order)."""
         channels: dict[tuple[int, int, bool], list[int]] = defaultdict(list)
+        op_key, op_peer, unit_ops = self.op_key, self.op_peer, self.unit_ops
         for rank in range(self.schedule.num_ranks):
-            for kind, batch in self.steps[rank]:
-                if kind == "post":
-                    for unit in self.batch_units[batch]:
-                        for op_id in self.unit_ops[unit]:
-                            op = self.ops[op_id]
-                            src, dst = (rank, op.peer) if op.send else (op.peer, rank)
-                            channels[(src, dst, op.send)].append(op_id)
-        partner = [-1] * len(self.ops)
+            for step in self.steps[rank]:
+                if step & 3 != _POST:
+                    continue
+                for unit in self.batch_units[step >> 2]:
+                    for op_id in unit_ops[unit]:
+                        send = bool(op_key[op_id] & 2)
+                        peer = op_peer[op_id]
+                        src, dst = (rank, peer) if send else (peer, rank)
+                        channels[(src, dst, send)].append(op_id)
+        partner = [-1] * len(op_key)
         for (src, dst, send), op_ids in channels.items():
             if not send:
                 continue
             receives = channels.get((src, dst, False), [])
             for k, (op_id, other_id) in enumerate(match_channels(op_ids, receives)):
-                op = self.ops[op_id]
-                other = None if other_id is None else self.ops[other_id]
-                if other_id is None or other is None or other.what != op.what:
-                    got = "nothing" if other is None else _what_text(other.what)
+                if other_id is None or op_key[other_id] ^ 2 != op_key[op_id]:
+                    got = "nothing" if other_id is None else self._what_text(other_id)
                     raise self._error(
-                        f"send #{k} from rank {src} to rank {dst} is {_what_text(op.what)} but "
+                        f"send #{k} from rank {src} to rank {dst} is {self._what_text(op_id)} but "
                         f"rank {dst}'s receive #{k} from rank {src} is {got}",
-                        {(src, op.position): "ERROR HERE"},
+                        {(src, self.op_position[op_id]): "ERROR HERE"},
                     )
                 partner[op_id], partner[other_id] = other_id, op_id
-        for op_id, op in enumerate(self.ops):
-            if partner[op_id] < 0:
+        for op_id, other_id in enumerate(partner):
+            if other_id < 0:
                 raise self._error(
-                    f"rank {op.rank} receives {_what_text(op.what)} from rank {op.peer}, "
-                    "which never sends it",
-                    {(op.rank, op.position): "ERROR HERE"},
+                    f"rank {self._op_rank(op_id)} receives {self._what_text(op_id)} from rank "
+                    f"{op_peer[op_id]}, which never sends it",
+                    {(self._op_rank(op_id), self.op_position[op_id]): "ERROR HERE"},
                 )
         return partner
 
@@ -692,6 +763,7 @@ class _Model:
         self.done_time = [zero] * nbatches
         self.stream_free = [zero] * len(self.streams)
         self.durations = self._durations()
+        self.op_time = self._op_times()
         self.records: list[list[tuple[float, float, int]]] = [[] for _ in range(num_ranks)]
         while self.ready:
             self._advance(self.ready.popleft())
@@ -701,7 +773,8 @@ class _Model:
     def timed(self, timing: Timing) -> PostingRun:
         """One run under ``timing`` (``posting_timer``)."""
         self.timing = timing
-        self.run()
+        with paused_gc():
+            self.run()
         self._deliver_outputs(timing)
         records, unit_active, done_time = self.records, self.unit_active, self.done_time
         return PostingRun(
@@ -738,33 +811,45 @@ class _Model:
             K.PARAM_SYNC: timing.param_sync,
         }
 
-    def _op_time(self, op: _Op) -> float:
+    def _op_times(self) -> list[float]:
+        """Per op, how long it takes once both halves have started: a payload of stored
+        activations (a restore, or an eviction's payload) ``timing.transfer``, an activation,
+        a gradient or an eviction's size header ``timing.p2p``; 0 untimed."""
         timing = self.timing
         if timing is None:
-            return 0
-        what = op.what[0]
-        if what == What.RESTORE or (what == What.EVICT and op.what[3]):
-            return timing.transfer  # a payload of stored activations
-        return timing.p2p  # an activation, a gradient or an eviction's size header
+            return [0] * len(self.op_key)
+        p2p, transfer = timing.p2p, timing.transfer
+        if transfer == p2p:
+            return [p2p] * len(self.op_key)
+        per_what = self.program.stage_span * self.program.microbatches
+        restore, evict = WHAT_CODE[What.RESTORE], WHAT_CODE[What.EVICT]
+        return [
+            transfer
+            if (what := (key >> 2) // per_what) == restore or (what == evict and key & 1)
+            else p2p
+            for key in self.op_key
+        ]
 
     def _advance(self, rank: int) -> None:
         steps, pc = self.steps[rank], self.pc[rank]
-        while pc < len(steps):
-            kind, value = steps[pc]
-            if kind == "post":
+        end, unit_done, unit_end, cpu = len(steps), self.unit_done, self.unit_end, self.cpu
+        while pc < end:
+            step = steps[pc]
+            code, value = step & 3, step >> 2
+            if code == _WAIT:
+                if not unit_done[value]:
+                    self.waiter[value] = rank
+                    break
+                if unit_end[value] > cpu[rank]:
+                    cpu[rank] = unit_end[value]
+            elif code == _POST:
                 self.posted[value] = 1
-                self.post_time[value] = self.cpu[rank]
+                self.post_time[value] = cpu[rank]
                 for unit in self.batch_units[value]:
                     queue = self.queues[self.unit_stream[unit]]
                     queue.append(unit)
                     if len(queue) == 1:
                         self._start(unit)
-            elif kind == "wait":
-                if not self.unit_done[value]:
-                    self.waiter[value] = rank
-                    break
-                if self.unit_end[value] > self.cpu[rank]:
-                    self.cpu[rank] = self.unit_end[value]
             elif self.durations:
                 self._run(rank, value)
             pc += 1
@@ -778,7 +863,7 @@ class _Model:
         if duration is None:  # RL: frees memory, takes no time
             return
         now = self.cpu[rank]
-        if kind.is_compute:
+        if kind in _COMPUTE:
             start = now
             gathered = self.ps_done[rank].pop(action.stage, None)
             if gathered is not None and gathered > start:
@@ -798,34 +883,36 @@ class _Model:
     def _start(self, first: int) -> None:
         """Start a unit; completing units start their successors (no recursion)."""
         starting = [first]
-        ops, partner, left = self.ops, self.partner, self.left
+        op_unit, op_time, partner, left = self.op_unit, self.op_time, self.partner, self.left
+        started, start_time, unit_end = self.started, self.start_time, self.unit_end
+        unit_active, stream_free = self.unit_active, self.stream_free
         while starting:
             unit = starting.pop()
-            self.started[unit] = 1
+            started[unit] = 1
             stream = self.unit_stream[unit]
             start = self.post_time[self.unit_batch[unit]]
-            if self.stream_free[stream] > start:
-                start = self.stream_free[stream]
-            self.start_time[unit] = start
-            if start > self.unit_end[unit]:
-                self.unit_end[unit] = start
+            if stream_free[stream] > start:
+                start = stream_free[stream]
+            start_time[unit] = start
+            if start > unit_end[unit]:
+                unit_end[unit] = start
             finished = [] if left[unit] else [unit]
             for op_id in self.unit_ops[unit]:
-                other = ops[partner[op_id]].unit
+                other = op_unit[partner[op_id]]
                 if other == unit:  # a rank messaging itself: never in a valid schedule
                     left[unit] -= 1
                     if not left[unit]:
                         finished.append(unit)
                     continue
-                if not self.started[other]:
+                if not started[other]:
                     continue
-                begin = max(start, self.start_time[other])
-                end = begin + self._op_time(ops[op_id])
+                begin = start if start > start_time[other] else start_time[other]
+                end = begin + op_time[op_id]
                 for u in (unit, other):
-                    if end > self.unit_end[u]:
-                        self.unit_end[u] = end
-                    if begin < self.unit_active[u]:
-                        self.unit_active[u] = begin
+                    if end > unit_end[u]:
+                        unit_end[u] = end
+                    if begin < unit_active[u]:
+                        unit_active[u] = begin
                     left[u] -= 1
                     if not left[u]:
                         finished.append(u)
@@ -862,7 +949,7 @@ class _Model:
             events = []
             for start, end, position in rows:
                 action = programs[rank][position]
-                lane: Lane = "compute" if action.kind.is_compute else "dp"
+                lane: Lane = "compute" if action.kind in _COMPUTE else "dp"
                 label = str(action)
                 stage, mb = action.stage, action.microbatch
                 events.append(Event(rank, lane, label, stage, mb, action.kind, start, end))
@@ -873,9 +960,12 @@ class _Model:
             if end <= start:
                 continue
             rank = self.batch_rank[batch]
-            ops = [self.ops[op_id] for unit in units for op_id in self.unit_ops[unit]]
-            action = programs[rank][ops[0].position]
-            label = " ".join(str(programs[rank][op.position]) + "+" * op.what[3] for op in ops)
+            ops = [op_id for unit in units for op_id in self.unit_ops[unit]]
+            action = programs[rank][self.op_position[ops[0]]]
+            label = " ".join(
+                str(programs[rank][self.op_position[op]]) + "+" * (self.op_key[op] & 1)
+                for op in ops
+            )
             per_rank[rank].append(
                 Event(rank, "p2p", label, action.stage, action.microbatch, action.kind, start, end)
             )
@@ -916,7 +1006,7 @@ class _Model:
         kind, value = node
         if kind == "cpu":
             rank = value
-            _, unit = self.steps[rank][self.pc[rank]]
+            unit = self.steps[rank][self.pc[rank]] >> 2
             position = self._last_position(rank)
             return (
                 f"rank {rank} waits (after step {position}) for its {self._name(unit)}",
@@ -925,7 +1015,7 @@ class _Model:
             )
         unit = value
         rank = self.batch_rank[self.unit_batch[unit]]
-        mark = (rank, self.ops[self.unit_ops[unit][0]].position)
+        mark = (rank, self.op_position[self.unit_ops[unit][0]])
         if not self.started[unit]:
             head = self.queues[self.unit_stream[unit]][0]
             return (
@@ -934,46 +1024,54 @@ class _Model:
                 ("unit", head),
             )
         for op_id in self.unit_ops[unit]:
-            other = self.ops[self.partner[op_id]]
-            if not self.started[other.unit]:
-                op = self.ops[op_id]
-                verb = "sends" if op.send else "receives"
-                posted = self.posted[other.batch]
+            other = self.partner[op_id]
+            other_unit, other_rank = self.op_unit[other], self._op_rank(other)
+            if not self.started[other_unit]:
+                verb = "sends" if self.op_key[op_id] & 2 else "receives"
+                posted = self.posted[self.unit_batch[other_unit]]
                 state = "not started" if posted else "not posted yet"
-                nxt = ("unit", other.unit) if posted else ("cpu", other.rank)
+                nxt = ("unit", other_unit) if posted else ("cpu", other_rank)
                 return (
-                    f"rank {rank}'s {self._name(unit)} {verb} {_what_text(op.what)}: its "
-                    f"partner is in rank {other.rank}'s {self._name(other.unit)}, {state}",
+                    f"rank {rank}'s {self._name(unit)} {verb} {self._what_text(op_id)}: its "
+                    f"partner is in rank {other_rank}'s {self._name(other_unit)}, {state}",
                     mark,
                     nxt,
                 )
         raise AssertionError("a started batch with every partner started completes")
 
     def _last_position(self, rank: int) -> int:
-        for kind, value in reversed(self.steps[rank][: self.pc[rank]]):
-            if kind == "run":
-                return value
-            if kind == "post":
-                return self.ops[self._batch_ops(value)[-1]].position
+        for step in reversed(self.steps[rank][: self.pc[rank]]):
+            if step & 3 == _RUN:
+                return step >> 2
+            if step & 3 == _POST:
+                return self.op_position[self._batch_ops(step >> 2)[-1]]
         return -1
 
     def _name(self, unit: int) -> str:
         """A unit as its batch: the rank's batch number, tick, ops (a pairwise op alone)."""
         batch = self.unit_batch[unit]
-        ops = [self.ops[op_id] for op_id in self.unit_ops[unit]]
         text = " ".join(
-            f"{'S' if op.send else 'R'} {_what_text(op.what)}{'>' if op.send else '<'}{op.peer}"
-            for op in ops
+            f"{'S' if self.op_key[op] & 2 else 'R'} {self._what_text(op)}"
+            f"{'>' if self.op_key[op] & 2 else '<'}{self.op_peer[op]}"
+            for op in self.unit_ops[unit]
         )
         tick = self.batch_tick[batch]
         when = f" (tick {tick})" if tick >= 0 else ""
         return f"batch #{self.batch_index[batch]}{when} [{text}]"
+
+    def _op_rank(self, op_id: int) -> int:
+        return self.batch_rank[self.unit_batch[self.op_unit[op_id]]]
+
+    def _what_text(self, op_id: int) -> str:
+        key = self.op_key[op_id]
+        message = self.program.message_of(key >> 2)
+        payload = "-payload" if key & 1 else ""
+        return f"{message.what}{payload}{message.stage}.{message.microbatch}"
 
     def _error(self, message: str, marks: dict[tuple[int, int], str]) -> ScheduleError:
         grid = format_schedule(self.schedule, marks=marks)
         return ScheduleError(f"{message}\n{grid}")
 
 
-def _what_text(what: tuple[str, int, int, bool]) -> str:
-    name, stage, mb, rest = what
-    return f"{name}{'-payload' if rest else ''}{stage}.{mb}"
+_POST, _WAIT, _RUN = 0, 1, 2  # a CPU step's code (``_Model``)
+_SENDS = frozenset(kind for kind in K if kind.is_send)

@@ -19,6 +19,7 @@ PURE = [
     "messages.py",
     "nccl.py",
     "native_posting.py",
+    "program.py",
     "semantics.py",
     "validate.py",
     "passes",
@@ -39,6 +40,7 @@ PURE_LAYERS = {
     "messages",
     "nccl",
     "native_posting",
+    "program",
     "semantics",
     "validate",
     "passes",
@@ -50,7 +52,8 @@ ALLOWED = {
     "flags": set(),  # the shared argument parser: the CLIs and the Megatron-LM pre-flight
     "ir": set(),
     "messages": {"ir"},
-    "nccl": {"ir", "messages", "semantics"},  # NCCL's rules: lock-step posting, proof, timing
+    "program": {"ir", "messages", "semantics"},  # a schedule compiled once into integers
+    "nccl": {"ir", "messages", "semantics", "program"},  # NCCL's rules: lock-step posting, proof
     "native_posting": {"ir", "messages", "nccl"},  # megatron-core's own p2p calls, as a posting
     "semantics": {"ir", "messages"},
     "validate": {"ir", "messages", "nccl", "semantics"},
