@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.plan import search
 from megatron_bfpp.plan.costs import BuiltinCurve
 from megatron_bfpp.plan.memory import (
     full_buffer_peaks,
@@ -18,6 +19,7 @@ from megatron_bfpp.plan.memory import (
 )
 from megatron_bfpp.plan.presets import get_gpu, get_model
 from megatron_bfpp.plan.search import (
+    EXACT_UP_TO,
     MEGATRON_SCHEDULES,
     Candidate,
     Cluster,
@@ -355,3 +357,32 @@ def test_megatron_rows_can_reduce_gradients_at_the_end() -> None:
     ours = evaluate(breadth, **kwargs, options=at_end)
     assert ours.megatron_grad_reduce is None
     assert ours.step_time_s == evaluate(breadth, **kwargs).step_time_s
+
+
+@pytest.mark.parametrize(("pp", "extra"), [(4, 1), (4, 7), (8, 3)])
+def test_past_the_exact_range_bpipe_is_within_half_a_percent(
+    pp: int, extra: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BPipe's lock-step steps lie on no exact line; past EXACT_UP_TO periods the planner reads
+    the step off an approximating line (``_approximate``), held to the full simulation."""
+    candidate = Candidate("bpipe", "optim", 4, pp, 1, 2, 1, "selective")
+    m = EXACT_UP_TO * pp + extra
+    sized, _ = _size(
+        candidate,
+        model=GPT52,
+        cluster=V100_64,
+        global_batch_size=m * candidate.dp,
+        options=SearchOptions(),
+        efficiency=BuiltinCurve(V100_64.gpu),
+        force=True,
+    )
+    assert sized is not None and sized.m == m
+    costs = _cost_model(sized.times)
+    full = simulate(build_schedule("bpipe", num_ranks=pp, num_microbatches=m), costs).step_time
+    lengths: list[int] = []
+    build = search._schedule
+    monkeypatch.setattr(search, "_schedule", lambda *args: lengths.append(args[3]) or build(*args))
+    step, bubble = _simulated_ns(candidate, m, costs, "lockstep")
+    assert step == pytest.approx(full, rel=5e-3)
+    assert max(lengths) < m  # the approximation answered, no full simulation
+    assert 0 < bubble < 1
