@@ -204,10 +204,13 @@ def _store(env: Mapping[str, str], timeout: float) -> Any:
 
     import torch.distributed as dist
 
-    client = dist.TCPStore(  # type: ignore[attr-defined]
-        host, int(port), is_master=False, timeout=timedelta(seconds=timeout),
-        wait_for_workers=False,
-    )  # fmt: skip
+    try:
+        client = dist.TCPStore(  # type: ignore[attr-defined]
+            host, int(port), is_master=False, timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )  # fmt: skip
+    except Exception:  # unreachable: the process group's own start will say so in its words
+        return None
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"bfpp-auto/{attempt}/{next(_ROUNDS)}/", client)  # type: ignore[attr-defined]
 
@@ -236,7 +239,7 @@ def agree_across_ranks(
         missing = [rank for rank in range(world) if not store.check([str(rank)])]
         raise ScheduleError(
             f"--pipeline-schedule auto: {_ranks_text(missing)} did not decide within "
-            f"{timeout:g} s; see their logs"
+            f"{timeout:g} s; see {'their logs' if len(missing) > 1 else 'its log'}"
         ) from None
     problem = disagreement([json.loads(store.get(key)) for key in keys])
     if problem is not None:

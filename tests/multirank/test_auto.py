@@ -150,3 +150,28 @@ def test_ranks_that_read_different_profiles_stop_in_one_line_before_any_output(
         f"sha256 {digests['b']} -> v-zb); give every rank the same profile, by an absolute path "
         "every node reads, or name the schedule"
     }
+
+
+def _only_rank_0_decides(rank: int, store: Any) -> str:
+    from megatron_bfpp.ir import ScheduleError
+    from megatron_bfpp.megatron.auto import agree_across_ranks
+
+    raised = ""
+    if rank == 0:  # rank 1 stands for a rank that stopped before deciding
+        env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        try:
+            agree_across_ranks({"decision": "v-zb"}, env=env, timeout=1.0)
+        except ScheduleError as error:
+            raised = str(error)
+    store.add("left", 1)
+    while rank == 0 and int(store.add("left", 0)) < 2:
+        time.sleep(0.05)
+    return raised
+
+
+def test_a_rank_that_never_decides_is_named_after_the_wait() -> None:
+    run = fork_ranks(_only_rank_0_decides, 2, timeout=120, daemon=True)
+    assert not run.errors, run.errors
+    assert run.results[0] == (
+        "--pipeline-schedule auto: rank 1 did not decide within 1 s; see its log"
+    )
