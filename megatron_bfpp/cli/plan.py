@@ -357,7 +357,7 @@ def _recommend(args: argparse.Namespace) -> int:
             megatron_p2p_overlap=args.megatron_p2p == "overlap",
             megatron_overlap_grad_reduce=args.megatron_grad_reduce == "overlap",
         )
-        from megatron_bfpp.plan.search import recommend
+        from megatron_bfpp.plan.search import no_candidates_reason, recommend
 
         result = recommend(
             model=model,
@@ -365,6 +365,15 @@ def _recommend(args: argparse.Namespace) -> int:
             global_batch_size=args.global_batch_size,
             options=options,
         )
+        if not result.candidates_evaluated:
+            raise ScheduleError(
+                no_candidates_reason(
+                    model=model,
+                    cluster=cluster,
+                    global_batch_size=args.global_batch_size,
+                    options=options,
+                )
+            )
         if not result.plans:
             raise ScheduleError(
                 f"no configuration of {model.name} fits {cluster.num_gpus} x {gpu.name} at "

@@ -4,9 +4,12 @@ named it, and its one line printed once per job.
 
 Every rank runs this on its own, before any model is built (Megatron-LM: in ``validate_args``;
 Bridge: in ``use_schedule``; bfpp-train: before its ranks start, or on each torchrun rank): the
-inputs are the arguments, the files and the environment every rank sees alike, and the device,
-which is the same model of GPU on every rank of a job, so the ranks agree without talking
-(tests/multirank/test_auto.py). Rank 0 alone prints the line and writes the report.
+inputs are the arguments, the files and the environment, and the device. Meant to be alike on
+every rank, they need not be (a relative profile path read from different working directories,
+nodes of two GPU models): before rank 0 says anything, ranks started by torchrun compare their
+choices in the launcher's store (:func:`agree_across_ranks`) and, where they differ, every rank
+stops with one line naming the ranks and the input that differs (tests/multirank/test_auto.py).
+Rank 0 alone prints the line and writes the report.
 
 Torch is imported only to ask CUDA for the device (:func:`probe_device`); the translation of
 arguments is torch-free, so the SLURM pre-flight (:mod:`.preflight`) uses it on a login node.
@@ -15,9 +18,12 @@ arguments is torch-free, so the SLURM pre-flight (:mod:`.preflight`) uses it on 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
+import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
@@ -30,6 +36,7 @@ from megatron_bfpp.plan.auto import (
     decide,
     gpus_per_node_from_env,
     hardware,
+    label,
     write_report,
 )
 from megatron_bfpp.plan.presets import BF16_MIXED, FP32, Model, Precision, model_from_shape
@@ -37,9 +44,13 @@ from megatron_bfpp.schedules.registry import SCHEDULES, get_spec
 
 __all__ = [
     "BRIDGE_NO_V",
+    "agree_across_ranks",
     "announce",
     "apply_to_megatron_args",
+    "auto_inputs",
     "bridge_request",
+    "decide_alike",
+    "disagreement",
     "megatron_request",
     "probe_device",
     "resolve_bridge_auto",
@@ -97,6 +108,164 @@ def announce(
                 f"--pipeline-schedule-auto-report {report}: cannot write it ({error.strerror})"
             ) from None
     print(f"{prog}: {decision.line()}", file=sys.stdout, flush=True)
+
+
+# --------------------------------------------------------------------------- ranks alike
+
+AGREE_TIMEOUT_S = 300.0  # how long a rank waits for the others' choices in the store
+_ROUNDS = itertools.count()  # one exchange per decision, each under keys of its own
+# What a rank's choice depends on besides the arguments, in the order a difference is named,
+# with what to do about it.
+_INPUTS = (
+    ("profile", "give every rank the same profile, by an absolute path every node reads"),
+    ("GPU", "run the job on one GPU model, or name it with the auto GPU flag"),
+    ("launcher environment", "start the same number of ranks on every node"),
+)
+
+
+def auto_inputs(
+    *,
+    profile_path: str | None,
+    gpu_flag: str | None,
+    device: tuple[str | None, int | None] | None,
+    env: Mapping[str, str],
+) -> dict[str, str]:
+    """What a rank's decision reads besides the arguments, each as a short text: the profile by
+    its contents (the same path may hold other files on other nodes or working directories),
+    the GPU, and the launcher's variables auto reads."""
+    profile = "none"
+    if profile_path:
+        try:
+            with open(profile_path, "rb") as handle:
+                profile = f"{profile_path} sha256 {hashlib.sha256(handle.read()).hexdigest()[:12]}"
+        except OSError as error:
+            profile = f"{profile_path} unreadable ({error.strerror})"
+    name, memory = device if device is not None else (None, None)
+    if gpu_flag:
+        gpu = f"{gpu_flag} as given"
+    elif name is None:
+        gpu = "no CUDA"
+    else:
+        gpu = name + (f" {memory / 2**30:.0f} GiB" if memory else "")
+    keys = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE")
+    launcher = " ".join(f"{key}={env[key]}" for key in keys if key in env) or "none"
+    return {"profile": profile, "GPU": gpu, "launcher environment": launcher}
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][-1] + 1:
+            spans[-1].append(rank)
+        else:
+            spans.append([rank])
+    text = ", ".join(str(s[0]) if len(s) == 1 else f"{s[0]}-{s[-1]}" for s in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def disagreement(everyone: Sequence[Mapping[str, str]]) -> str | None:
+    """The one line for ranks whose choices differ (``None``: all alike). ``everyone[r]``: rank
+    r's :func:`auto_inputs` and its ``decision``; the first input that differs is named as the
+    reason, with each group of ranks, what it read and what it chose."""
+    decisions = [facts["decision"] for facts in everyone]
+    if len(set(decisions)) < 2:
+        return None
+    for facet, advice in (*_INPUTS, ("arguments", "give every rank the same arguments")):
+        values = [facts.get(facet, "") for facts in everyone] if facet != "arguments" else decisions
+        if len(set(values)) < 2:
+            continue
+        groups: dict[str, list[int]] = {}
+        for rank, value in enumerate(values):
+            groups.setdefault(value, []).append(rank)
+        shown = "; ".join(
+            f"{_ranks_text(ranks)}: {value}"
+            + (f" -> {decisions[ranks[0]]}" if facet != "arguments" else "")
+            for value, ranks in groups.items()
+        )
+        reason = f"their {facet} differs" if facet != "arguments" else "from the same inputs"
+        return (
+            f"--pipeline-schedule auto: the ranks chose differently, {reason} ({shown}); "
+            f"{advice}, or name the schedule"
+        )
+    return None  # unreachable: the decisions differ
+
+
+def _store(env: Mapping[str, str], timeout: float) -> Any:
+    """The launcher's rendezvous store, when one is up before the process group (torchrun's
+    agent hosts it); ``None`` otherwise (a single process; srun alone, where rank 0 hosts the
+    store only once Megatron initialises)."""
+    world, rank = env.get("WORLD_SIZE", ""), env.get("RANK", "")
+    host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
+    if not (world.isdigit() and rank.isdigit() and port.isdigit() and host) or int(world) < 2:
+        return None
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        client = dist.TCPStore(  # type: ignore[attr-defined]
+            host, int(port), is_master=False, timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )  # fmt: skip
+    except Exception:  # unreachable: the process group's own start will say so in its words
+        return None
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"bfpp-auto/{attempt}/{next(_ROUNDS)}/", client)  # type: ignore[attr-defined]
+
+
+def agree_across_ranks(
+    facts: Mapping[str, str],
+    *,
+    env: Mapping[str, str] = os.environ,
+    timeout: float = AGREE_TIMEOUT_S,
+) -> None:
+    """Exchange this rank's choice and inputs with every rank's through the launcher's store
+    and raise :class:`ScheduleError` (the same line on every rank) where they differ; before
+    any rank prints or builds anything, so a split job stops at once instead of at the first
+    collective's time-out. Without a store to use (see :func:`_store`) it trusts the inputs."""
+    store = _store(env, timeout)
+    if store is None:
+        return
+    from datetime import timedelta
+
+    world = int(env["WORLD_SIZE"])
+    store.set(env["RANK"], json.dumps(dict(facts), sort_keys=True))
+    keys = [str(rank) for rank in range(world)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:  # torch's store time-out (DistStoreError, a RuntimeError before 2.3)
+        missing = [rank for rank in range(world) if not store.check([str(rank)])]
+        raise ScheduleError(
+            f"--pipeline-schedule auto: {_ranks_text(missing)} did not decide within "
+            f"{timeout:g} s; see {'their logs' if len(missing) > 1 else 'its log'}"
+        ) from None
+    problem = disagreement([json.loads(store.get(key)) for key in keys])
+    if problem is not None:
+        raise ScheduleError(problem)
+
+
+def decide_alike(
+    request_of: Callable[[], AutoRequest],
+    *,
+    inputs: Mapping[str, str],
+    env: Mapping[str, str],
+    agree: bool = True,
+) -> Decision:
+    """:func:`decide` on this rank, then (``agree``) the choices compared across the job's
+    ranks; a refusal is compared too, so a rank that refuses does not leave the others
+    waiting."""
+    try:
+        decision = decide(request_of())
+    except ScheduleError as error:
+        if agree:
+            refused = f"refused ({str(error).splitlines()[0]})"
+            agree_across_ranks({**inputs, "decision": refused}, env=env)
+        raise
+    if agree:
+        agree_across_ranks({**inputs, "decision": label(decision.chosen.candidate)}, env=env)
+    return decision
 
 
 def precision_of(*, sixteen_bit: bool, optimizer: str = "adam") -> Precision:
@@ -282,9 +451,24 @@ def resolve_megatron_auto(
                 flush=True,
             )
         return None
-    hw = hardware_from_args(args, device=device)
-    request = megatron_request(args, world_size=int(world), env=env, hw=hw, sharding=sharding)
-    decision = decide(request)
+    inputs = auto_inputs(
+        profile_path=getattr(args, "pipeline_schedule_auto_profile", None),
+        gpu_flag=getattr(args, "pipeline_schedule_auto_gpu", None),
+        device=device,
+        env=env,
+    )
+    decision = decide_alike(
+        lambda: megatron_request(
+            args,
+            world_size=int(world),
+            env=env,
+            hw=hardware_from_args(args, device=device),
+            sharding=sharding,
+        ),
+        inputs=inputs,
+        env=env,
+        agree=not quiet,
+    )
     if not quiet:
         announce(decision, report=getattr(args, "pipeline_schedule_auto_report", None), env=env)
     apply_to_megatron_args(args, decision)
@@ -389,8 +573,17 @@ def resolve_bridge_auto(
     schedule's name and options for ``use_schedule``, with ``config.model``'s virtual pipeline
     size set to the choice's."""
     name, memory = probe_device() if device is None else device
-    hw = hardware(device_name=name, device_memory=memory, gpu_flag=gpu, profile_path=profile)
-    decision = decide(bridge_request(config, options=options, sharding=sharding, env=env, hw=hw))
+    decision = decide_alike(
+        lambda: bridge_request(
+            config,
+            options=options,
+            sharding=sharding,
+            env=env,
+            hw=hardware(device_name=name, device_memory=memory, gpu_flag=gpu, profile_path=profile),
+        ),
+        inputs=auto_inputs(profile_path=profile, gpu_flag=gpu, device=(name, memory), env=env),
+        env=env,
+    )
     announce(decision, report=report, env=env)
     c = decision.chosen.candidate
     if get_spec(c.schedule).placement is Placement.LOOPED:

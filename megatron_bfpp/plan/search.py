@@ -827,3 +827,97 @@ def recommend(
         efficiency_source=efficiency.source,
         p2p_model=options.p2p_model,
     )
+
+
+# --------------------------------------------------------------------------- no candidates
+
+
+def no_candidates_reason(
+    *, model: Model, cluster: Cluster, global_batch_size: int, options: SearchOptions
+) -> str:
+    """Why :func:`candidates` yields nothing, and the nearest GPU counts for which it yields
+    something: an empty search is not a memory problem (more or larger GPUs of the same count
+    would not help), but a count that tp x pp x dp cannot make for this model and batch."""
+    n = cluster.num_gpus
+    tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
+    shaped = [
+        t
+        for t in tps
+        if not (model.num_attention_heads % t or model.num_query_groups % t)
+        and not model.ffn_hidden_size % t
+    ]
+    splits = [
+        (t, p)
+        for t in shaped
+        if n % t == 0
+        for p in options.pipeline_parallel or _divisors(n // t)
+        if (n // t) % p == 0 and model.num_layers % p == 0
+    ]
+    rule = (
+        f"with tp in {', '.join(map(str, tps))} dividing the {model.num_attention_heads} heads "
+        f"and pp the {model.num_layers} layers"
+    )
+    dps = sorted({n // (t * p) for t, p in splits})
+    head = f"{n} x {cluster.gpu.name} cannot be split into tp x pp x dp"
+    if not splits:
+        why = f"{rule}, no tp x pp divides {n}"
+    elif all(global_batch_size % dp for dp in dps):
+        shown = ", ".join(map(str, dps[:4])) + (", ..." if len(dps) > 4 else "")
+        why = (
+            f"{rule}, every split leaves a data parallel size ({shown}) that does not divide "
+            "the global batch"
+        )
+    else:
+        head = f"the chosen schedules run on no split of {n} x {cluster.gpu.name}"
+        why = (
+            "all but 1f1b need pp >= 2, interleaved a multiple of pp micro-batches, the "
+            "V-shapes an even number of layers per rank, sharded ones dp >= 2 (micro-batch "
+            f"sizes {', '.join(map(str, options.micro_batch_sizes))})"
+        )
+    below, above = _nearest_searchable(
+        model=model,
+        cluster=cluster,
+        global_batch_size=global_batch_size,
+        options=options,
+        tensor_sizes=shaped,
+    )
+    near = " and ".join(str(c) for c in (below, above) if c is not None)
+    return f"{head} for {model.name} at global batch {global_batch_size}: {why}; " + (
+        f"the nearest GPU counts that can: {near}"
+        if near
+        else "no GPU count can; change the global batch or the schedules"
+    )
+
+
+def _nearest_searchable(
+    *,
+    model: Model,
+    cluster: Cluster,
+    global_batch_size: int,
+    options: SearchOptions,
+    tensor_sizes: list[int],
+) -> tuple[int | None, int | None]:
+    """The nearest GPU counts below and above ``cluster.num_gpus`` with a candidate. A count
+    with one is tp x pp x dp with pp dividing the layers and dp the global batch, so those
+    products are all there is to try (a few hundred), nearest first."""
+    gpn = cluster.gpus_per_node
+    pps = options.pipeline_parallel or _divisors(model.num_layers)
+    counts = {
+        t * p * d
+        for t in tensor_sizes
+        for p in pps
+        for d in _divisors(global_batch_size)
+        if t * p * d <= gpn or (t * p * d) % gpn == 0  # whole nodes, as Cluster requires
+    }
+
+    def searchable(count: int) -> bool:
+        other = Cluster(count, gpn, cluster.gpu)
+        found = candidates(
+            model=model, cluster=other, global_batch_size=global_batch_size, options=options
+        )
+        return next(found, None) is not None
+
+    n = cluster.num_gpus
+    below = next((c for c in sorted(counts, reverse=True) if c < n and searchable(c)), None)
+    above = next((c for c in sorted(counts) if c > n and searchable(c)), None)
+    return below, above

@@ -30,6 +30,9 @@ versions that, on gloo groups only, keep the rules of ProcessGroupNCCL (docs/des
    the transfer time, so the delay does not depend on when the sender polled the key (it polls
    at least every quarter of the transfer time). The receive completes when that data arrives;
    gloo's own transfer (tens of microseconds on one machine) comes on top.
+   :func:`batch_timing` returns what the emulation decided for a batch (its start, each send's
+   due and post times, its completion, its waits), so tests check rules 5 and 7 on that record
+   instead of bounding wall time.
 
 The real transfers are the original gloo ``isend`` / ``irecv`` with the caller's tag, issued by
 the worker (gloo p2p uses the tag as its slot, apart from the collectives of the main thread).
@@ -43,6 +46,7 @@ the CPU where NCCL blocks only the stream (what the runtime's posting model assu
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -62,6 +66,9 @@ __all__ = [
     "ENV",
     "STALL_ENV",
     "TRANSFER_ENV",
+    "BatchTiming",
+    "SendTiming",
+    "batch_timing",
     "batches_posted",
     "blocked_seconds",
     "install",
@@ -134,6 +141,36 @@ def batches_posted() -> int:
 def blocked_seconds() -> float:
     """Seconds this process's threads have spent blocked in a batch's ``wait()`` so far."""
     return _blocked_s
+
+
+@dataclass(frozen=True, slots=True)
+class SendTiming:
+    """When the emulation let one send of a batch go (rule 7), on ``time.monotonic``'s clock."""
+
+    peer: int
+    receiver_started: float | None  # the stamp the receiver's batch left (None: no transfer time)
+    due: float  # max(this batch's start, receiver_started) + the transfer time (0.0: none)
+    posted: float  # when the real gloo isend was posted (never before ``due``)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTiming:
+    """What the emulation decided for one batch, so a test checks the rules it controls (each
+    send's delay, the batch completing after its sends, the wait charged) without bounding wall
+    time, which a loaded machine stretches."""
+
+    started: float
+    completed: float
+    sends: tuple[SendTiming, ...]  # in the order they were let go
+    waits: tuple[tuple[float, float], ...]  # (began, ended) of each wait() on its Work
+
+
+def batch_timing(work: dist.Work) -> BatchTiming:
+    """The record of a completed batch posted through the emulation (its one Work)."""
+    if not isinstance(work, _Work) or not work.is_completed():
+        raise ValueError(f"NCCL emulation: {work!r} is not a completed batch of the emulation")
+    batch = work._batch
+    return BatchTiming(batch.started_at, batch.completed_at, tuple(batch.sends), work._waits)
 
 
 def _check_op(op: Callable[..., Any]) -> None:
@@ -235,6 +272,8 @@ class _Batch:
     def __init__(self, stream: _Stream, index: int, ops: list[_Op]) -> None:
         self.stream, self.index, self.ops = stream, index, ops
         self.started = False
+        self.started_at = self.completed_at = math.nan
+        self.sends: list[SendTiming] = []
         self.done = threading.Event()
         self.error: str | None = None
         self.cause: BaseException | None = None
@@ -246,6 +285,7 @@ class _Batch:
 
     def finish(self, error: str | None = None, cause: BaseException | None = None) -> None:
         self.error, self.cause = error, cause
+        self.completed_at = time.monotonic()  # before done: a wait() returns after this
         self.done.set()
         if error is None:
             self.future.set_result([op.tensor for op in self.ops])
@@ -321,7 +361,7 @@ class _Stream:
         started = time.monotonic()
         deadline = started + _stall_s
         transfer = _transfer_s
-        batch.started = True
+        batch.started, batch.started_at = True, started
         posted: list[tuple[_Op, dist.Work]] = []
         sends: dict[int, deque[_Op]] = {}
         for op in batch.ops:
@@ -334,31 +374,32 @@ class _Stream:
             posted.append((op, _torch["irecv"](op.tensor, op.peer, self.group, op.tag)))
             op.state = "nothing arrived"
         delay, longest = 0.0005, min(MAX_POLL_S, transfer / 4) if transfer else MAX_POLL_S
-        due: list[tuple[float, _Op]] = []  # sends whose receiver started, with their post time
+        due: list[tuple[float, _Op, float | None]] = []  # receiver started: post time, its stamp
         while any(sends.values()) or due:  # each peer's sends in order, once its receiver started
             for peer, queue in sends.items():
                 while queue and self.store.check([key := f"{self.me}>{peer}/{queue[0].k}"]):
                     op = queue.popleft()
                     if transfer:
-                        receiver_started = float(self.store.get(key))
-                        due.append((max(started, receiver_started) + transfer, op))
+                        stamp = float(self.store.get(key))
+                        due.append((max(started, stamp) + transfer, op, stamp))
                     else:
-                        due.append((0.0, op))
+                        due.append((0.0, op, None))
                     op.state = "in transfer"
                     self.store.delete_key(key)
                     delay = 0.0005
             now = time.monotonic()
-            for when, op in due:
+            for when, op, stamp in due:
                 if when <= now:
                     posted.append((op, _torch["isend"](op.tensor, op.peer, self.group, op.tag)))
                     op.state = "not taken"
-            due = [(when, op) for when, op in due if when > now]
+                    batch.sends.append(SendTiming(op.peer, stamp, when, now))
+            due = [entry for entry in due if entry[0] > now]
             if any(sends.values()) or due:
                 if now >= deadline:
                     _refresh(posted)
                     raise _Stalled
                 waiting = any(sends.values())
-                wake = min([when - now for when, _ in due] + ([delay] if waiting else []))
+                wake = min([entry[0] - now for entry in due] + ([delay] if waiting else []))
                 time.sleep(wake)
                 if waiting:
                     delay = min(2 * delay, longest)
@@ -431,6 +472,7 @@ class _Work(dist.Work):
     def __init__(self, batch: _Batch) -> None:
         super().__init__()
         self._batch = batch
+        self._waits: tuple[tuple[float, float], ...] = ()
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         batch = self._batch
@@ -438,7 +480,9 @@ class _Work(dist.Work):
         limit = seconds if seconds > 0 else _stall_s  # torch's default timedelta(0): no limit
         began = time.monotonic()
         done = batch.done.wait(limit)
-        _add_blocked(time.monotonic() - began)
+        ended = time.monotonic()
+        self._waits += ((began, ended),)
+        _add_blocked(ended - began)
         if not done:
             stream, head = batch.stream, batch.stream.head
             at = head.describe() if head is not None else "nothing"

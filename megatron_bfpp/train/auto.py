@@ -5,8 +5,8 @@ written back into the flags as if the user had named the schedule.
 bfpp-train trains in fp32 with megatron-core's distributed optimizer (Adam) and no
 recomputation, so those are fixed here; everything else is a flag. Started by the command
 itself, the decision is made once, before the ranks are forked; under torchrun or srun every
-rank decides alike from the same flags, files and device, and rank 0 prints the line
-(:mod:`megatron_bfpp.megatron.auto`).
+rank decides from its flags, files and device, the ranks compare their choices in torchrun's
+store, and rank 0 prints the line (:mod:`megatron_bfpp.megatron.auto`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,19 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from megatron_bfpp.megatron.auto import announce, hardware_from_args, precision_of, probe_device
+from megatron_bfpp.megatron.auto import (
+    announce,
+    auto_inputs,
+    decide_alike,
+    hardware_from_args,
+    precision_of,
+    probe_device,
+)
 from megatron_bfpp.plan.auto import (
     AUTO,
     AUTO_DEST,
     AutoRequest,
     Decision,
-    decide,
     gpus_per_node_from_env,
 )
 from megatron_bfpp.plan.presets import model_from_shape
@@ -73,10 +79,16 @@ def resolve_train_auto(
         return None
     if world_size % (args.tensor_model_parallel_size * args.pipeline_model_parallel_size):
         return None  # the flags' own check says it in their words
-    request = train_request(
-        args, world_size, env=env, device=probe_device() if device is None else device
+    device = probe_device() if device is None else device
+    inputs = auto_inputs(
+        profile_path=args.pipeline_schedule_auto_profile,
+        gpu_flag=args.pipeline_schedule_auto_gpu,
+        device=device,
+        env=env,
     )
-    decision = decide(request)
+    decision = decide_alike(
+        lambda: train_request(args, world_size, env=env, device=device), inputs=inputs, env=env
+    )
     announce(decision, report=args.pipeline_schedule_auto_report, prog="bfpp-train", env=env)
     c = decision.chosen.candidate
     args.pipeline_schedule = c.schedule

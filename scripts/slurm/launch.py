@@ -10,7 +10,8 @@ them all with ``srun`` (one task per node), or with ``--dry-run`` prints the exa
         --pipeline-model-parallel-size 16 --pipeline-schedule bpipe ...
 
 Everything after ``--`` goes to ``pretrain_gpt.py``. Nodes come from ``SLURM_JOB_NODELIST``
-(expanded with ``scontrol show hostnames``; ``--nodes host1,host2`` overrides, e.g. in tests).
+(expanded with ``scontrol show hostnames``; ``--nodes host1,host2`` overrides, e.g. in tests;
+a missing or failing ``scontrol`` is one line with its own message).
 ``MASTER_ADDR`` is the first node, ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as Megatron-LM expects.
 
 Before it prints or starts anything, the Megatron arguments are checked for the job's world size
@@ -78,10 +79,28 @@ def expand_nodes(nodelist: str | None, environ: Mapping[str, str]) -> list[str]:
         raise SystemExit("launch.py: error: no SLURM_JOB_NODELIST (run inside sbatch, or --nodes)")
     if "[" not in slurm and "," not in slurm:
         return [slurm]
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", slurm], check=True, capture_output=True, text=True
-    ).stdout
-    return out.split()
+    return _scontrol_hostnames(slurm)
+
+
+def _scontrol_hostnames(nodelist: str) -> list[str]:
+    """A missing or failing ``scontrol`` is the user's to fix (outside SLURM, a broken PATH):
+    one line with scontrol's own message, and the way round it (``--nodes``)."""
+    command = ["scontrol", "show", "hostnames", nodelist]
+    way_round = "run inside a SLURM job, or name the hosts with --nodes host1,host2"
+    try:
+        result = subprocess.run(command, check=False, capture_output=True, text=True)
+    except OSError as error:
+        raise SystemExit(
+            f"launch.py: error: cannot expand SLURM_JOB_NODELIST={nodelist}: scontrol: "
+            f"{error.strerror or error}; {way_round}"
+        ) from None
+    hosts = result.stdout.split()
+    if result.returncode != 0 or not hosts:
+        said = " ".join(result.stderr.split()) or (
+            f"exit status {result.returncode}" if result.returncode else "no host names"
+        )
+        raise SystemExit(f"launch.py: error: `{shlex.join(command)}` failed: {said}; {way_round}")
+    return hosts
 
 
 def rank_order(opts: argparse.Namespace, megatron: argparse.Namespace) -> str:

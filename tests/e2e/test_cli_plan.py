@@ -275,6 +275,21 @@ def test_recommend_explicit_shape_and_constraints() -> None:
             ("recommend", "--model", "gpt3-175b", "--num-gpus", "8", "--gpu", "v100-32gb"),
             "no configuration of gpt3-175b fits 8 x v100-32gb",
         ),
+        (
+            (
+                "recommend",
+                "--model",
+                "gpt3-175b",
+                "--num-gpus",
+                "1000",
+                "--gpu",
+                "h100-80gb",
+                "--global-batch-size",
+                "1536",
+            ),
+            "error: 1000 x h100-80gb cannot be split into tp x pp x dp for gpt3-175b at global "
+            "batch 1536: ",
+        ),
         ((*SMALL, "--global-batch-size", "0"), "expected a positive integer, got 0"),
     ],
 )

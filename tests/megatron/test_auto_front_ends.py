@@ -153,3 +153,30 @@ def test_bridge_config_reaches_a_decision_without_v_shapes(
 def test_bridge_needs_the_launchers_world_size() -> None:
     with pytest.raises(ScheduleError, match="needs the job's WORLD_SIZE"):
         resolve_bridge_auto(_bridge_config(), {}, env={}, device=CPU)
+
+
+def test_ranks_that_choose_differently_are_named_with_the_input_that_differs() -> None:
+    """The line every rank raises when the ranks' choices differ: the first input that differs
+    (here the GPU), each group of ranks with what it read and chose; equal choices pass, even
+    from different inputs; a rank that refused is a choice like any other."""
+    from megatron_bfpp.megatron.auto import auto_inputs, disagreement
+
+    def facts(device: tuple[str, int], decision: str) -> dict[str, str]:
+        inputs = auto_inputs(profile_path=None, gpu_flag=None, device=device, env={})
+        return {**inputs, "decision": decision}
+
+    h100, a100 = ("NVIDIA H100 80GB HBM3", 80 * 2**30), ("NVIDIA A100-SXM4-40GB", 40 * 2**30)
+    assert disagreement([facts(h100, "v-zb"), facts(a100, "v-zb")]) is None
+    line = disagreement([facts(h100, "v-zb"), facts(h100, "v-zb"), facts(a100, "1f1b")] * 2)
+    assert line == (
+        "--pipeline-schedule auto: the ranks chose differently, their GPU differs (ranks 0-1, "
+        "3-4: NVIDIA H100 80GB HBM3 80 GiB -> v-zb; ranks 2, 5: NVIDIA A100-SXM4-40GB 40 GiB -> "
+        "1f1b); run the job on one GPU model, or name it with the auto GPU flag, or name the "
+        "schedule"
+    )
+    refused = disagreement([facts(h100, "v-zb"), facts(h100, "refused (nothing fits)")])
+    assert refused == (
+        "--pipeline-schedule auto: the ranks chose differently, from the same inputs (rank 0: "
+        "v-zb; rank 1: refused (nothing fits)); give every rank the same arguments, or name the "
+        "schedule"
+    )

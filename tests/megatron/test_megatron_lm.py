@@ -351,3 +351,33 @@ def test_a_fresh_v_shape_run_starts_from_1f1bs_model(tmp_path: Path, schedule: s
     assert f"megatron_bfpp: pipeline schedule {schedule}" in output
     megatron, _ = _train(tmp_path)
     assert ours == megatron
+
+
+V_BOUND = re.compile(
+    r"iterations in bf16 with clipping, the V-shapes' losses stay within (\S+) and their grad "
+    r"norms within (\S+) of 1F1B's"
+)
+
+
+def _relative(ours: list[tuple[str, str]], theirs: list[tuple[str, str]], field: int) -> float:
+    return max(
+        abs(float(a[field]) - float(b[field])) / abs(float(b[field]))
+        for a, b in zip(ours, theirs, strict=True)
+    )
+
+
+def test_v_shapes_in_bf16_with_clipping_stay_within_the_documented_bound(tmp_path: Path) -> None:
+    """The global gradient norm is summed per rank over the layers it holds (megatron-core's
+    get_grad_norm_fp32), and the V holds other layers per rank than 1F1B: with clipping, the
+    clip factor differs in its last bits and bf16 runs drift apart. docs/megatron-lm.md states
+    the bound over 8 iterations; this keeps it (v-zb measured the same as v-half)."""
+    page = (Path(__file__).parents[2] / "docs" / "megatron-lm.md").read_text()
+    match = V_BOUND.search(" ".join(page.split()))
+    assert match, "docs/megatron-lm.md no longer states the V-shapes' bf16 bound"
+    loss_bound, norm_bound = float(match.group(1)), float(match.group(2))
+    run = ["--bf16", "--train-iters", "8"]
+    megatron, _ = _train(tmp_path, *run, iterations=8)
+    ours, _ = _train(tmp_path, *run, "--pipeline-schedule", "v-half", iterations=8)
+    assert ours[0] == megatron[0]  # the same model and batch: iteration 1 alike
+    assert _relative(ours, megatron, 0) <= loss_bound, (ours, megatron)
+    assert _relative(ours, megatron, 1) <= norm_bound, (ours, megatron)

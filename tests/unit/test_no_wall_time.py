@@ -45,44 +45,14 @@ def _durations(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
-# The one test whose subject is a duration: the NCCL emulation's optional transfer time (a
-# 1 s transfer must take between 1 and 2 s, and the wait must count it as blocked), with a whole
-# transfer time of margin on each side (its module's docstring says so).
-EXEMPT = {
-    "multirank/test_nccl_emulation.py": {
-        "test_a_transfer_time_delays_each_op_and_the_ops_of_a_batch_overlap"
-    },
-}
-
-
-def _exempt_lines(path: Path, tree: ast.AST) -> set[int]:
-    names = EXEMPT.get(str(path.relative_to(TESTS)), set())
-    return {
-        line
-        for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef) and node.name in names
-        for line in range(node.lineno, (node.end_lineno or node.lineno) + 1)
-    }
-
-
 def test_no_assert_compares_a_measured_duration() -> None:
     offenders = []
     for path in sorted(TESTS.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
-        exempt = _exempt_lines(path, tree)
         offenders += [
-            f"{path.relative_to(TESTS)}:{line}: assert {text}"
-            for line, text in _durations(tree)
-            if line not in exempt
+            f"{path.relative_to(TESTS)}:{line}: assert {text}" for line, text in _durations(tree)
         ]
     assert not offenders, "\n".join(offenders)
-
-
-def test_every_exemption_names_a_test_that_exists() -> None:
-    for relative, names in EXEMPT.items():
-        tree = ast.parse((TESTS / relative).read_text())
-        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-        assert names <= defined, (relative, names - defined)
 
 
 def test_the_check_finds_a_timed_assert() -> None:

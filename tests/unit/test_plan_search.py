@@ -34,6 +34,7 @@ from megatron_bfpp.plan.search import (
     evaluate,
     grad_reduce_of,
     memory_microbatches,
+    no_candidates_reason,
     p2p_model_of,
     recommend,
     sharded_walk_length,
@@ -272,6 +273,61 @@ def test_breadth_first_wins_at_small_batch_per_gpu_and_the_gap_closes() -> None:
 def test_bad_search_input(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ScheduleError, match=message):
         recommend(model=GPT52, cluster=V100_64, **kwargs)  # type: ignore[arg-type]
+
+
+def _has_candidates(num_gpus: int, model_name: str, batch: int, options: SearchOptions) -> bool:
+    cluster = Cluster(num_gpus, 8, get_gpu("h100-80gb"))
+    found = candidates(
+        model=get_model(model_name), cluster=cluster, global_batch_size=batch, options=options
+    )
+    return next(found, None) is not None
+
+
+def test_an_empty_search_says_the_gpus_cannot_be_split_and_the_nearest_counts_that_can() -> None:
+    """1,000 H100s for GPT-3 175B at batch 1536: no tp x pp x dp exists (a dp of 125, 250, 500
+    or 1000 never divides 1536), which is not a memory problem; the nearest whole-node counts
+    with a candidate are named, and every count between them has none."""
+    options = SearchOptions()
+    cluster = Cluster(1000, 8, get_gpu("h100-80gb"))
+    model = get_model("gpt3-175b")
+    assert (
+        next(
+            candidates(model=model, cluster=cluster, global_batch_size=1536, options=options), None
+        )
+        is None
+    )
+    reason = no_candidates_reason(
+        model=model, cluster=cluster, global_batch_size=1536, options=options
+    )
+    assert reason.startswith(
+        "1000 x h100-80gb cannot be split into tp x pp x dp for gpt3-175b at global batch 1536: "
+        "with tp in 1, 2, 4, 8 dividing the 96 heads and pp the 96 layers, every split leaves a "
+        "data parallel size (125, 250, 500, 1000) that does not divide the global batch; "
+        "the nearest GPU counts that can: "
+    ), reason
+    below, above = (int(c) for c in reason.rsplit(": ", 1)[1].split(" and "))
+    assert below < 1000 < above
+    assert _has_candidates(below, "gpt3-175b", 1536, options)
+    assert _has_candidates(above, "gpt3-175b", 1536, options)
+    between = range(below + 8, above, 8)
+    assert not any(_has_candidates(n, "gpt3-175b", 1536, options) for n in between)
+
+
+def test_an_empty_search_for_the_schedules_says_so() -> None:
+    """A split exists but none suits the chosen schedules: interleaved at batch 1 on 2 GPUs
+    (pp 1 runs only 1F1B, one micro-batch is not a multiple of pp 2), at any GPU count."""
+    options = SearchOptions(schedules=("interleaved",))
+    reason = no_candidates_reason(
+        model=get_model("llama-7b"),
+        cluster=Cluster(2, 8, get_gpu("h100-80gb")),
+        global_batch_size=1,
+        options=options,
+    )
+    assert reason.startswith(
+        "the chosen schedules run on no split of 2 x h100-80gb for llama-7b at global batch 1: "
+        "all but 1f1b need pp >= 2, interleaved a multiple of pp micro-batches"
+    ), reason
+    assert reason.endswith("; no GPU count can; change the global batch or the schedules")
 
 
 def test_cluster_checks() -> None:

@@ -167,3 +167,44 @@ def test_launcher_flags_and_placement_errors_are_one_line() -> None:
         assert result.returncode != 0
         assert result.stderr.startswith("launch.py: error: ")
         assert message in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def _path_without_scontrol(extra: Path | None = None) -> str:
+    """This machine's PATH less any directory holding an ``scontrol`` (a SLURM login node has
+    one), with ``extra`` first."""
+    kept = [d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "scontrol").exists()]
+    return os.pathsep.join(([str(extra)] if extra else []) + kept)
+
+
+def _failing_scontrol(directory: Path) -> Path:
+    script = directory / "scontrol"
+    script.write_text(
+        "#!/bin/sh\n"
+        'echo "scontrol: error: Invalid node name specified" >&2\n'
+        'echo "(second line of its own)" >&2\n'
+        "exit 1\n"
+    )
+    script.chmod(0o755)
+    return directory
+
+
+def test_a_bracketed_node_list_without_scontrol_is_one_line(tmp_path: Path) -> None:
+    """``node[01-02]`` needs ``scontrol show hostnames``: missing (no traceback of
+    FileNotFoundError) or failing (its own stderr shown, not a CalledProcessError), one line."""
+    args = ("--megatron-lm", "/opt/Megatron-LM", "--dry-run", "--", "--micro-batch-size", "1")
+    missing = _dry_run(
+        *args, env={"SLURM_JOB_NODELIST": "node[01-02]", "PATH": _path_without_scontrol()}
+    )
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr == (
+        "launch.py: error: cannot expand SLURM_JOB_NODELIST=node[01-02]: scontrol: No such file "
+        "or directory; run inside a SLURM job, or name the hosts with --nodes host1,host2\n"
+    )
+    path = _path_without_scontrol(_failing_scontrol(tmp_path))
+    failing = _dry_run(*args, env={"SLURM_JOB_NODELIST": "node[01-02]", "PATH": path})
+    assert failing.returncode == 1 and failing.stdout == ""
+    assert failing.stderr == (
+        "launch.py: error: `scontrol show hostnames 'node[01-02]'` failed: scontrol: error: "
+        "Invalid node name specified (second line of its own); run inside a SLURM job, or name "
+        "the hosts with --nodes host1,host2\n"
+    )

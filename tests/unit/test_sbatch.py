@@ -301,3 +301,22 @@ def test_auto_is_decided_quietly_before_the_job_and_refused_in_one_line(template
     )
     assert refused.returncode != 0
     assert refused.stderr.count("\n") == 1 and "nothing fits v100-32gb" in refused.stderr
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_dry_run_in_a_job_without_scontrol_is_one_line(template: str, tmp_path: Path) -> None:
+    """DRY_RUN=1 inside an allocation (``SLURM_JOB_NODELIST=node[01-02]``) on a machine whose
+    ``scontrol`` is missing: the launcher's one line, not a FileNotFoundError traceback."""
+    path = [d for d in os.environ["PATH"].split(os.pathsep) if not Path(d, "scontrol").exists()]
+    result = _dry_run(
+        template,
+        PIPELINE_SCHEDULE="1f1b",
+        VP="1",
+        SLURM_JOB_NODELIST="node[01-02]",
+        PATH=os.pathsep.join(path),
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == (
+        "launch.py: error: cannot expand SLURM_JOB_NODELIST=node[01-02]: scontrol: No such file "
+        "or directory; run inside a SLURM job, or name the hosts with --nodes host1,host2\n"
+    )
