@@ -150,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--grid",
         choices=["compute", "full", "none"],
-        default="compute",
-        help="per-rank program printed after the table (default: compute)",
+        default=None,
+        help="per-rank program printed after the table (default: compute); by default one "
+        f"of over {GRID_ACTIONS:,} compute actions is a line saying so",
     )
     out.add_argument("--png", metavar="PATH", help="write a timeline picture")
     out.add_argument("--trace", metavar="PATH", help="write a Chrome trace (open in Perfetto)")
@@ -222,14 +223,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"default {name}: {text}")
         if nccl is not None:
             print(format_nccl(nccl))
-        if args.grid != "none":
-            shown = schedule.compute_only() if args.grid == "compute" else schedule
+        grid = _grid(args.grid, schedule)
+        if grid:
             print()
-            print(format_schedule(shown))
+            print(grid)
     for label, path in (("csv", args.csv), ("trace", args.trace), ("png", args.png)):
         if path:
             print(f"wrote {label}: {path}", file=sys.stderr)
     return 0
+
+
+GRID_ACTIONS = 4_096  # the default grid's most compute actions: a page or two, not megabytes
+
+
+def _grid(choice: str | None, schedule: Schedule) -> str:
+    """The grid printed after the table: ``--grid``'s, or by default the compute grid of a
+    schedule small enough to read (a pp 64, m 4,400 one printed 15 MB)."""
+    if choice == "none":
+        return ""
+    if choice == "full":
+        return format_schedule(schedule)
+    compute = schedule.compute_only()
+    if choice is None and compute.num_actions > GRID_ACTIONS:
+        return (
+            f"grid not printed: {compute.num_actions:,} compute actions (more than "
+            f"{GRID_ACTIONS:,}); --grid compute or --grid full prints it"
+        )
+    return format_schedule(compute)
 
 
 def png_problem(num_ranks: int) -> str | None:

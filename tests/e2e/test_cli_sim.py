@@ -67,6 +67,22 @@ def test_breadth_first_json_png_trace(tmp_path: Path) -> None:
     assert sum(1 for e in events if e.get("ph") == "X" and e.get("name", "")[-2:-1] != "S") > 0
 
 
+def test_a_large_schedules_default_grid_is_one_line() -> None:
+    """pp 16, m 512: 16,384 compute actions, past the default grid's 4,096 (a pp 64 one printed
+    15 MB); --grid compute still prints all of it."""
+    args = ("--schedule", "1f1b", "--pp", "16", "--microbatches", "512")
+    result = bfpp_sim(*args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().splitlines()[-1] == (
+        "grid not printed: 16,384 compute actions (more than 4,096); --grid compute or "
+        "--grid full prints it"
+    )
+    asked = bfpp_sim(*args, "--grid", "compute")
+    assert asked.returncode == 0, asked.stderr
+    assert "\nrank 15: 15F0 " in asked.stdout
+    assert len(asked.stdout) > 10 * len(result.stdout)
+
+
 def test_readable_table_and_grid() -> None:
     result = bfpp_sim("--schedule", "1f1b", "--pp", "4", "--microbatches", "8")
     assert result.returncode == 0, result.stderr
