@@ -54,17 +54,18 @@ MEGATRON_VP_FLAGS = (
     "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
 )
 
-# How large a schedule may be built. Building, validating and simulating costs 2-8 us per action
-# and bfpp-sim's PNG, trace and CSV another 6-9 (scripts/bench_schedules.py on 2 shared cores;
-# breadth-first pp=64 vp=8 m=1024, 3.1 M actions: 38 s and 1.2 GB with every output), so
-# MAX_ACTIONS is about a minute and 1.6 GB. A schedule has about 6 actions per stage and
+# How large a schedule may be built. bfpp-sim at the limit (v-zb pp=64 m=4400, 3.9 M actions,
+# the default lock-step timing model and its NCCL posting kept for the step) measured 43 s of
+# CPU and a 2.66 GB peak (about 675 bytes per action) on 2 shared cores; its PNG, trace and CSV
+# cost another 6-9 us per action (scripts/bench_schedules.py), so MAX_ACTIONS is about a minute
+# and 2.8 GB. A schedule has about 6 actions per stage and
 # micro-batch (F and B, or F, I and W, and the four messages at a rank boundary); 7 counts
 # BPipe's transfers and split backwards too. The checks also keep per-rank tables over every
 # stage (0.3 us and 32 bytes per rank and stage: pp=8000 took 20 s and 2 GB even at one
 # micro-batch), hence MAX_RANK_STAGES (about 10 s and 1 GB). MAX_ACTIONS lives in ir, where
 # a schedule CSV is read against it too.
 ACTIONS_PER_STAGE_MICROBATCH = 7
-BYTES_PER_ACTION = 400
+BYTES_PER_ACTION = 700
 MAX_RANK_STAGES = 32_000_000
 _BYTES_PER_RANK_STAGE = 32
 

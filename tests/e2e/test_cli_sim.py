@@ -430,12 +430,12 @@ def test_unwritable_outputs_fail_before_any_work(
         (
             ["--schedule", "1f1b", "--pp", "4", "--microbatches", "99999999999"],
             "schedule too large: pp=4 x 1 stage(s) per rank x 99999999999 micro-batches is about "
-            "2,799,999,999,980 actions and 1,120,000.0 GB (limit 4,000,000 actions, about a "
-            "minute and 1.6 GB); use fewer micro-batches, ranks or stages per rank",
+            "2,799,999,999,980 actions and 1,960,000.0 GB (limit 4,000,000 actions, about a "
+            "minute and 2.8 GB); use fewer micro-batches, ranks or stages per rank",
         ),
         (
             ["--schedule", "1f1b", "--pp", "100000", "--microbatches", "8"],
-            "is about 5,800,000 actions and 2.3 GB (limit 4,000,000 actions",
+            "is about 5,800,000 actions and 4.1 GB (limit 4,000,000 actions",
         ),
         (
             ["--schedule", "1f1b", "--pp", "100000", "--microbatches", "1"],

@@ -41,8 +41,8 @@ def test_too_many_actions_is_refused_with_the_estimate() -> None:
     assert "\n" not in message
     assert message == (
         "schedule too large: pp=4 x 2 stage(s) per rank x 1000000000 micro-batches is about "
-        "56,000,000,016 actions and 22,400.0 GB (limit 4,000,000 actions, about a minute and "
-        "1.6 GB); use fewer micro-batches, ranks or stages per rank"
+        "56,000,000,016 actions and 39,200.0 GB (limit 4,000,000 actions, about a minute and "
+        "2.8 GB); use fewer micro-batches, ranks or stages per rank"
     )
 
 
