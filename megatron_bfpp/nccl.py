@@ -582,6 +582,8 @@ class _Model:
         self.unit_batch: list[int] = []
         self.unit_stream: list[int] = []
         self.streams: dict[tuple[int, int], int] = {}  # (rank, peer; -1 for the group) -> id
+        # (sender, receiver, send) -> its ops in posting order (``_match``)
+        self.channels: dict[tuple[int, int, bool], list[int]] = {}
         self.steps: list[list[int]] = [self._rank_steps(rank) for rank in range(num_ranks)]
         self.partner = self._match()
 
@@ -608,7 +610,7 @@ class _Model:
         unsettled: list[int] = []
         index = 0  # the rank's batches, numbered from 0
         group = self._stream(rank, -1)
-        add_step, unit_ops = steps.append, self.unit_ops
+        add_step, unit_ops, channels = steps.append, self.unit_ops, self.channels
         add_unit, add_key = self.op_unit.append, self.op_key.append
         add_peer, add_position = self.op_peer.append, self.op_position.append
         for step in self.posting.per_rank[rank]:
@@ -651,7 +653,12 @@ class _Model:
                     unsettled.append(op_unit)
                 key = messages[position] * 4 + send * 2 + rest
                 holder[key] = unit_at[position] = op_unit
-                unit_ops[op_unit].append(len(self.op_key))
+                op_id = len(self.op_key)
+                unit_ops[op_unit].append(op_id)
+                channel = (rank, peer, True) if send else (peer, rank, False)
+                if (members := channels.get(channel)) is None:
+                    members = channels[channel] = []
+                members.append(op_id)
                 add_unit(op_unit)
                 add_key(key)
                 add_peer(peer)
@@ -701,22 +708,12 @@ class _Model:
             loaded.add(program.restore_of(action.stage, action.microbatch or 0))
 
     def _match(self) -> list[int]:
-        """Pair each op with its partner (``semantics.match_channels``: by posting order)."""
-        channels: dict[tuple[int, int, bool], list[int]] = defaultdict(list)
-        op_key, op_peer, unit_ops = self.op_key, self.op_peer, self.unit_ops
-        for rank in range(self.schedule.num_ranks):
-            for step in self.steps[rank]:
-                if step & 3 != _POST:
-                    continue
-                for unit in self.batch_units[step >> 2]:
-                    for op_id in unit_ops[unit]:
-                        send = bool(op_key[op_id] & 2)
-                        peer = op_peer[op_id]
-                        src, dst = (rank, peer) if send else (peer, rank)
-                        channels[(src, dst, send)].append(op_id)
+        """Pair each op with its partner (``semantics.match_channels``: by posting order, the
+        order in which ``_rank_steps`` filled ``channels``)."""
+        op_key, op_peer, channels = self.op_key, self.op_peer, self.channels
         partner = [-1] * len(op_key)
         for (src, dst, send), op_ids in channels.items():
-            if not send:
+            if not send:  # receives: matched from their sends
                 continue
             receives = channels.get((src, dst, False), [])
             for k, (op_id, other_id) in enumerate(match_channels(op_ids, receives)):
