@@ -662,10 +662,11 @@ class NonFiniteGradients(FloatingPointError):
 
 
 def _check_gradients(run: _Run, loss: float) -> None:
-    """Megatron-LM's ``--check-for-nan-in-loss-and-grad``, always on: bfpp-train trains in fp32,
-    which has no grad scaler to skip a step with NaN or inf gradients, so the optimizer would
-    apply it and the next save would keep it. Every rank's verdict is reduced over the world
-    (one scalar), so all ranks stop at the same step, whatever the schedule or sharding."""
+    """Megatron-LM's check for NaN in loss and grad (on by default there), always on: bfpp-train
+    trains in fp32, which has no grad scaler to skip a step with NaN or inf gradients, so the
+    optimizer would apply it and the next save would keep it. Every rank's verdict is reduced
+    over the world (one scalar), so all ranks stop at the same step, whatever the schedule or
+    sharding."""
     from megatron_bfpp.runtime import gradients_finite
 
     sharded = run.args.data_parallel_sharding_strategy != "optim"
