@@ -122,8 +122,10 @@ class GuardedWriter:
 
 
 def scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
-    """The record's numbers as (name, value) scalars; absent or null values are left out (an
-    overflowing grad norm is null: the optimizer skipped that step)."""
+    """The record's numbers as (name, value) scalars; absent or null values are left out (a
+    grad norm that is not finite is null. In fp32 no optimizer skips such a step: bfpp-train
+    stops before applying one whose gradients hold NaN or inf, so only finite gradients whose
+    squares overflow the global sum get here, and clipping scales them to zero)."""
     for key, name in SCALARS.items():
         value = record.get(key)
         if isinstance(value, (int, float)):
