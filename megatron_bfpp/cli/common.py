@@ -180,6 +180,17 @@ def output_file_problem(flag: str, path: str, *, replaced: bool = True) -> str |
     return None
 
 
+def write_problem(flag: str, path: str, write: Callable[[str], object]) -> str | None:
+    """Run ``write(path)`` (a writer through :func:`megatron_bfpp.files.write_output`); a
+    failure the checks could not foresee (a full disk, a device that refuses) as one line
+    naming the flag, not a bare ``[Errno 28]`` or a traceback."""
+    try:
+        write(path)
+    except OSError as error:
+        return f"{flag} {path}: cannot write it ({error.strerror or error})"
+    return None
+
+
 def output_dir_problem(flag: str, path: str) -> str | None:
     """Why ``flag path``, a directory the run creates (with its parents) and fills, could not
     be, known before any work starts. A symbolic link is checked where it leads (the run

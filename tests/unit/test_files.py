@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_bfpp.cli.common import write_problem
 from megatron_bfpp.files import follow_links, make_dirs, write_output
 
 NULL, FULL = os.makedev(1, 3), os.makedev(1, 7)  # Linux's /dev/null and /dev/full
@@ -259,3 +260,15 @@ def test_every_writer_leaves_a_device_node_a_device(tmp_path: Path, name: str) -
     null = _device(tmp_path, "null", NULL)
     WRITERS[name](null)
     assert stat.S_ISCHR(os.lstat(null).st_mode)
+
+
+@pytest.mark.parametrize("name", WRITERS)
+def test_every_writer_on_a_full_device_is_one_line_for_the_command(
+    tmp_path: Path, name: str
+) -> None:
+    """What ``bfpp-plan profile --output /dev/full`` (a traceback) and the other outputs say."""
+    full = _device(tmp_path, "full", FULL)
+    assert write_problem("--output", str(full), lambda path: WRITERS[name](Path(path))) == (
+        f"--output {full}: cannot write it (No space left on device)"
+    )
+    assert stat.S_ISCHR(os.lstat(full).st_mode)
