@@ -28,6 +28,8 @@ from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple
 
+from megatron_bfpp.files import write_output
+
 __all__ = [
     "COMPUTE_KINDS",
     "MAX_ACTIONS",
@@ -655,7 +657,9 @@ def dump_csv_text(schedule: Schedule) -> str:
 
 
 def dump_csv(schedule: Schedule, path: str | Path) -> None:
-    Path(path).write_text(dump_csv_text(schedule))
+    """``dump_csv_text(schedule)`` written where ``path`` says (a device in place, a symbolic
+    link's target, a regular file atomically: :func:`megatron_bfpp.files.write_output`)."""
+    write_output(path, dump_csv_text(schedule).encode())
 
 
 def load_csv(path: str | Path) -> Schedule:

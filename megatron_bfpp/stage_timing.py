@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import statistics
 import time
 import warnings
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.files import write_output
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.presets import Model
 from megatron_bfpp.plan.profile import (
@@ -97,10 +97,7 @@ def write_profile(profile: StageProfile, path: str | Path) -> None:
         raise ScheduleError(
             f"{error} (measured here; rerun with more --iterations on a quieter device)"
         ) from None
-    target = Path(path)
-    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(temporary, target)
+    write_output(path, (json.dumps(data, indent=2) + "\n").encode())
 
 
 def _device_and_dtype(device: str, dtype: str | None) -> tuple[torch.device, str]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.files import write_output
 from megatron_bfpp.passes.eviction import bpipe_max_stored
 from megatron_bfpp.testing.multirank import run_ranks
 
@@ -202,7 +203,7 @@ def main() -> None:
     if args.json is not None:
         payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
         payload["runs"] = runs
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_output(args.json, (json.dumps(payload, indent=2) + "\n").encode())
         print(f"wrote {args.json}")
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from megatron_bfpp.files import write_output
 from megatron_bfpp.plan.memory import RECOMPUTE, stage_activation_bytes
 from megatron_bfpp.plan.presets import BF16_MIXED, FP32, Model, get_model
 
@@ -103,9 +103,7 @@ def main() -> int:
             "megatron_core_version": ".".join(map(str, megatron_core_version())),
             "rows": rows,
         }
-        temporary = args.json.with_name(f".{args.json.name}.tmp-{os.getpid()}")
-        temporary.write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(temporary, args.json)
+        write_output(args.json, (json.dumps(record, indent=2) + "\n").encode())
     return 0
 
 

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
+from megatron_bfpp.files import write_output
 from megatron_bfpp.plan.costs import ProfileCurve
 from megatron_bfpp.plan.presets import get_gpu, get_model
 from megatron_bfpp.plan.profile import load_profile
 from megatron_bfpp.plan.search import Cluster, SearchOptions, recommend
+from megatron_bfpp.sim.export import figure_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = ("v100-32gb", "a100-80gb", "h100-80gb")
@@ -141,7 +142,7 @@ def draw(rows: list[dict[str, object]], path: Path) -> None:
         fontsize=10,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_output(path, figure_bytes(fig, path, dpi=110))
 
 
 def main() -> int:
@@ -173,9 +174,7 @@ def main() -> int:
             flush=True,
         )
     if args.json:
-        temporary = args.json.with_name(f".{args.json.name}.tmp-{os.getpid()}")
-        temporary.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-        os.replace(temporary, args.json)
+        write_output(args.json, (json.dumps({"rows": rows}, indent=1) + "\n").encode())
     if args.png:
         draw(rows, args.png)
     return 0

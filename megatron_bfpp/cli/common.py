@@ -5,17 +5,20 @@ pre-flight)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import importlib
 import json
 import math
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from megatron_bfpp.files import follow_links
 from megatron_bfpp.flags import positive_int, printable_output
 from megatron_bfpp.schedules.registry import SCHEDULES
 
@@ -134,40 +137,71 @@ def _finite_or_null(data: Any) -> Any:
     return data
 
 
-def output_file_problem(flag: str, path: str) -> str | None:
+_LOOP = "a symbolic link that loops (too many levels of symbolic links)"
+
+
+def output_file_problem(flag: str, path: str, *, replaced: bool = True) -> str | None:
     """Why ``flag path`` could not be written, known before any work starts (``None``: no reason
-    found; a full disk still shows at the write). Writes nothing the run would not: an existing
-    file is opened for appending and closed (never truncated), otherwise a temporary file is
-    created beside it and removed."""
-    target = Path(path)
+    found; a full disk still shows at the write). The write is
+    :func:`megatron_bfpp.files.write_output`'s (``replaced``: a regular file is replaced by a
+    new one beside it, so its directory must take files) or a stream's (``--metrics-file``:
+    the file itself is appended to). A symbolic link is checked where it leads; a device or
+    FIFO is written in place. Writes nothing the run would not: an existing file is opened for
+    appending and closed (never truncated), a new one is tried as a temporary file beside it
+    and removed."""
     if not path:
         return f"{flag}: empty path"
-    if target.is_dir():
+    try:
+        info: os.stat_result | None = os.stat(path)
+        target = follow_links(path)
+    except (FileNotFoundError, NotADirectoryError):  # named below: the directory's problem
+        info, target = None, follow_links(path)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return f"{flag} {path}: {_LOOP}; point it at a file or remove it"
+        return f"{flag} {path}: {error.strerror or error}"
+    if info is not None and stat.S_ISDIR(info.st_mode):
         return f"{flag} {path}: is a directory"
     parent = target.parent
-    if not parent.exists():
-        return f"{flag} {path}: directory {parent} does not exist"
-    if not parent.is_dir():
-        return f"{flag} {path}: {parent} is not a directory"
+    if info is None or stat.S_ISREG(info.st_mode):
+        if not parent.exists():
+            return f"{flag} {path}: directory {parent} does not exist"
+        if not parent.is_dir():
+            return f"{flag} {path}: {parent} is not a directory"
     try:
-        if target.exists():
+        if info is not None:
             # O_NONBLOCK: a FIFO without a reader fails here instead of blocking the check.
-            os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
-        else:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+        if info is None or (replaced and stat.S_ISREG(info.st_mode)):
             _write_test(parent, directory=False)
     except OSError as error:
-        where = path if target.exists() else f"files in {parent}"
+        where = path if info is not None and error.filename == path else f"files in {parent}"
         return f"{flag} {path}: cannot write {where} ({error.strerror or error})"
+    return None
+
+
+def write_problem(flag: str, path: str, write: Callable[[str], object]) -> str | None:
+    """Run ``write(path)`` (a writer through :func:`megatron_bfpp.files.write_output`); a
+    failure the checks could not foresee (a full disk, a device that refuses) as one line
+    naming the flag, not a bare ``[Errno 28]`` or a traceback."""
+    try:
+        write(path)
+    except OSError as error:
+        return f"{flag} {path}: cannot write it ({error.strerror or error})"
     return None
 
 
 def output_dir_problem(flag: str, path: str) -> str | None:
     """Why ``flag path``, a directory the run creates (with its parents) and fills, could not
-    be, known before any work starts. Creates and removes one temporary directory in the
-    nearest directory that exists."""
+    be, known before any work starts. A symbolic link is checked where it leads (the run
+    creates a dangling link's target: :func:`megatron_bfpp.files.make_dirs`). Creates and
+    removes one temporary directory in the nearest directory that exists."""
     if not path:
         return f"{flag}: empty path"
-    target = Path(path)
+    try:
+        target = follow_links(path)
+    except OSError:  # a loop
+        return f"{flag} {path}: {_LOOP}; point it at a directory or remove it"
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():
         return f"{flag} {path}: {existing} is not a directory"

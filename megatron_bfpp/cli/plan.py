@@ -8,6 +8,7 @@ Pure like the planner: ``profile`` imports torch and megatron-core only when it 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +20,7 @@ from megatron_bfpp.cli.common import (
     optional_package_problem,
     output_file_problem,
     positive_int_up_to,
+    write_problem,
 )
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
@@ -386,13 +388,15 @@ def _recommend(args: argparse.Namespace) -> int:
 
             sizes = sorted({*default_batch_sizes(cluster.num_gpus), args.global_batch_size})
             sweep = batch_sweep(model=model, cluster=cluster, options=options, batch_sizes=sizes)
-            render_plot(
+            plot = functools.partial(
+                render_plot,
                 sweep,
-                args.plot,
                 model=model,
                 cluster=cluster,
                 critical_batch_size=args.critical_batch_size,
             )
+            if problem := write_problem("--plot", args.plot, plot):
+                raise ScheduleError(problem)
     except ScheduleError as error:
         return fail(prog, error)
     if args.json:
@@ -567,7 +571,9 @@ def _profile(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             iterations=args.iterations,
         )
-        stage_timing.write_profile(profile, args.output)
+        write = functools.partial(stage_timing.write_profile, profile)
+        if problem := write_problem("--output", args.output, write):
+            raise ScheduleError(problem)
     except ScheduleError as error:
         return fail(prog, error)
     rows = ", ".join(

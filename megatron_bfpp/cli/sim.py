@@ -16,6 +16,7 @@ from megatron_bfpp.cli.common import (
     non_negative_float,
     optional_package_problem,
     output_file_problem,
+    write_problem,
 )
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import (
@@ -200,12 +201,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"the costs overflow: the step time is {result.step_time}; use smaller --t-* "
                 "values (one unit can be a millisecond or a second)",
             )
-        if args.csv:
-            dump_csv(schedule, args.csv)
-        if args.trace:
-            dump_chrome_trace(result, args.trace)
-        if args.png:
-            render_png(result, args.png)
+        writes = (
+            ("--csv", args.csv, lambda path: dump_csv(schedule, path)),
+            ("--trace", args.trace, lambda path: dump_chrome_trace(result, path)),
+            ("--png", args.png, lambda path: render_png(result, path)),
+        )
+        for flag, path, write in writes:
+            if path and (problem := write_problem(flag, path, write)):
+                return fail(PROG, problem)
     except ScheduleError as error:
         return fail(PROG, in_flag_terms(str(error), args.schedule or "", sim=True))
     except OSError as error:

@@ -60,6 +60,7 @@ from megatron_bfpp.train.checkpoint_metadata import (
     check_resume,
     read_checkpoint,
     resume_warnings,
+    save_problem,
     scheduler_policy,
 )
 from megatron_bfpp.train.data_source import (
@@ -386,7 +387,22 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
         )
     except ScheduleError as error:
         raise FlagError(str(error)) from None
-    return check_load(args, world_size) if args.load is not None else []
+    notes = check_load(args, world_size) if args.load is not None else []
+    if args.save is not None and not _same_directory(args.save, args.load):
+        problem = save_problem(args.save, run_config(args, world_size))
+        if problem is not None:
+            raise FlagError(problem)
+    return notes
+
+
+def _same_directory(path: str, other: str | None) -> bool:
+    """Whether ``--save path`` is the ``--load`` directory (then the resume rules apply)."""
+    if other is None:
+        return False
+    try:
+        return os.path.samefile(path, other)
+    except OSError:  # one of them does not exist yet
+        return os.path.abspath(path) == os.path.abspath(other)
 
 
 def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
@@ -491,7 +507,7 @@ def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | N
     if (problem := logging_flags_problem(args)) is not None or not metrics:
         return problem
     if args.metrics_file is not None and (
-        problem := output_file_problem("--metrics-file", args.metrics_file)
+        problem := output_file_problem("--metrics-file", args.metrics_file, replaced=False)
     ):
         return problem
     return logging_problem(args)

@@ -23,12 +23,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_bfpp.files import write_output
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.passes.eviction import bpipe_max_stored
 from megatron_bfpp.plan.costs import BuiltinCurve, Efficiency, ProfileCurve
@@ -662,16 +661,8 @@ def _first_line(error: BaseException) -> str:
 
 
 def write_report(path: str, decision: Decision) -> None:
-    """The ranked table as JSON, written atomically (a temporary file in the same directory,
-    then renamed): a reader never sees half a report."""
+    """The ranked table as JSON, where ``path`` says (:func:`megatron_bfpp.files.write_output`:
+    a regular file atomically, so a reader never sees half a report; a device in place; a
+    symbolic link's target)."""
     text = json.dumps(decision.to_dict(), indent=2, allow_nan=False) + "\n"
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(prefix=".auto-report-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+    write_output(path, text.encode())

@@ -18,9 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from megatron_bfpp.files import write_output
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.presets import Model
 from megatron_bfpp.plan.search import Cluster, SearchOptions, SearchResult, recommend
+from megatron_bfpp.sim.export import figure_bytes
 
 __all__ = [
     "CLUSTER_SCALES",
@@ -166,5 +168,5 @@ def render_plot(
         axes[1].grid(True, alpha=0.3, which="both")
         axes[1].legend(fontsize=7)
     target = Path(path)
-    figure.savefig(target)
+    write_output(target, figure_bytes(figure, target))
     return target

@@ -418,6 +418,28 @@ def sharded_optimizer_step(optimizer: Any, model: torch.nn.Module | list[torch.n
     return sharded_parameters(chunks).optimizer_step(optimizer.step, optimizer)
 
 
+def gradients_finite(model: torch.nn.Module | list[torch.nn.Module], *, sharded: bool) -> bool:
+    """Whether every gradient this rank's optimizer step is about to read has a finite norm
+    (each parameter's ``main_grad``; fully sharded, the kept gradient shards). As Megatron-LM's
+    ``--check-for-nan-in-loss-and-grad`` tests each bucket's norm, a NaN, an infinity or
+    squares past the dtype's range all count: fp32 has no grad scaler that would skip such a
+    step, so it would be applied. Local: the caller agrees over ranks before stepping."""
+    chunks = model if isinstance(model, list) else [model]
+    if sharded:
+        grads = sharded_parameters(chunks).grad_shards()
+    else:
+        grads = [
+            grad
+            for chunk in chunks
+            for param in chunk.parameters()
+            if (grad := getattr(param, "main_grad", param.grad)) is not None
+        ]
+    if not grads:
+        return True
+    norms = torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads])
+    return bool(torch.isfinite(norms).all())
+
+
 def _check_sharded_finalize(config: Any) -> None:
     """Fully sharded steps finish the gradients themselves (``finalize_model_grads`` reads
     full buffers); a finalize function other than megatron-core's would be skipped, so one

@@ -411,6 +411,10 @@ class ShardedParameters:
             for index in released:
                 self.release(index)
 
+    def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's reduced gradients, as the optimizer step reads them: the kept shards."""
+        return [bucket.grad_shard for state in self.chunks for bucket in state.buckets]
+
     def resident_bytes(self) -> int:
         """Parameter bytes this rank holds now: the kept shards and the gathered buffers."""
         return sum(

@@ -9,10 +9,12 @@ without it.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_bfpp.files import write_output
 from megatron_bfpp.ir import ActionKind
 from megatron_bfpp.sim.simulator import Event, SimResult
 
@@ -24,6 +26,7 @@ __all__ = [
     "PNG_SECONDS_PER_RANK",
     "chrome_trace",
     "dump_chrome_trace",
+    "figure_bytes",
     "render_png",
 ]
 
@@ -77,7 +80,16 @@ def chrome_trace(result: SimResult, *, us_per_unit: float = 1000.0) -> dict[str,
 def dump_chrome_trace(result: SimResult, path: str | Path, *, us_per_unit: float = 1000.0) -> None:
     """Write ``chrome_trace(result)`` to ``path``; open it in https://ui.perfetto.dev."""
     text = json.dumps(chrome_trace(result, us_per_unit=us_per_unit), separators=(",", ":"))
-    Path(path).write_text(text)
+    write_output(path, text.encode())
+
+
+def figure_bytes(figure: Any, path: str | Path, **savefig: Any) -> bytes:
+    """A matplotlib figure as the bytes of the file ``path`` names (its format from the
+    suffix, matplotlib's default without one), for :func:`megatron_bfpp.files.write_output`:
+    matplotlib would open ``path`` itself, truncating a file it then fails to finish."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=Path(path).suffix[1:] or None, **savefig)
+    return buffer.getvalue()
 
 
 def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -172,7 +184,7 @@ def render_png(
         handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
     )
     out = Path(path)
-    figure.savefig(out, dpi=dpi)
+    write_output(out, figure_bytes(figure, out, dpi=dpi))
     return out
 
 

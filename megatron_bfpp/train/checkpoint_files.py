@@ -27,6 +27,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_bfpp.files import TEMP_INFIX, fsync_dir, make_dirs, write_output
+
 __all__ = [
     "LOCK_FILE",
     "METADATA_FILE",
@@ -45,13 +47,12 @@ __all__ = [
     "regular_file_problem",
     "remove_old",
     "save_path_problem",
-    "write_file_atomic",
     "write_tracker",
 ]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "bfpp_checkpoint.json"
-_TEMP = ".tmp-"
+_TEMP = TEMP_INFIX  # the tracker's temporary file, as files.write_output names it
 _OLD = ".old-"
 _SIDE_DIR = re.compile(r"^iter_(\d{7})\.(tmp|old)-[A-Za-z0-9_]+$")
 LOCK_FILE = ".bfpp_save.lock"  # :mod:`.save_lock`'s
@@ -213,53 +214,21 @@ def fsync_file(path: Path) -> None:
         os.fsync(file.fileno())
 
 
-def fsync_dir(path: Path) -> None:
-    """Make renames and new entries in ``path`` durable (a no-op where directories cannot be
-    opened, as on Windows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _unique_name(prefix: str) -> str:
     return prefix + secrets.token_hex(6)
 
 
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """Readers see the old content or the new, never a torn file. (Not ``tempfile``: its files
-    are private to the user; these get the permissions ``open`` gives under the umask.)"""
-    while True:
-        temp = path.with_name(_unique_name(path.name + _TEMP))
-        try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            break
-        except FileExistsError:
-            continue
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
 def write_tracker(root: str | Path, iteration: int) -> None:
-    write_file_atomic(Path(root) / TRACKER, f"{iteration}\n".encode())
+    """Replace the tracker atomically (:func:`megatron_bfpp.files.write_output`: readers see
+    the old iteration or the new, never a torn file)."""
+    write_output(Path(root) / TRACKER, f"{iteration}\n".encode())
 
 
 def make_temp_dir(root: str | Path, iteration: int) -> Path:
     """A fresh directory beside ``iter_N`` (same file system, so the final rename is atomic),
-    with the permissions ``mkdir`` gives under the umask."""
-    Path(root).mkdir(parents=True, exist_ok=True)
+    with the permissions ``mkdir`` gives under the umask (``root`` made first; a symbolic link
+    there is followed)."""
+    make_dirs(root)
     name = checkpoint_dir(root, iteration).name
     while True:
         temp = Path(root) / _unique_name(name + _TEMP)

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from megatron_bfpp.train.checkpoint_files import (
     METADATA_FILE,
+    TRACKER,
     CheckpointError,
     checkpoint_dir,
     complete_checkpoint,
@@ -61,8 +62,10 @@ __all__ = [
     "layout_differences",
     "metadata_from_json",
     "metadata_to_json",
+    "model_differences",
     "read_checkpoint",
     "resume_warnings",
+    "save_problem",
     "scheduler_differences",
     "scheduler_policy",
 ]
@@ -239,13 +242,20 @@ def _check_file(root: str | Path, path: Path, record: FileRecord) -> None:
         )
 
 
+def model_differences(saved: RunConfig, current: RunConfig) -> list[str]:
+    """``--flag saved, this run has current`` for each model flag that differs (defaults
+    filled in): the shapes of two models."""
+    model_saved, model_now = saved.model.effective_flags(), current.model.effective_flags()
+    return [
+        f"{flag_name(dest)} {value}, this run has {model_now[dest]}"
+        for dest, value in model_saved.items()
+        if model_now[dest] != value
+    ]
+
+
 def layout_differences(saved: RunConfig, current: RunConfig) -> list[str]:
     """``--flag saved, this run has current`` for each model or layout difference."""
-    differences = []
-    model_saved, model_now = saved.model.effective_flags(), current.model.effective_flags()
-    for dest, value in model_saved.items():
-        if model_now[dest] != value:
-            differences.append(f"{flag_name(dest)} {value}, this run has {model_now[dest]}")
+    differences = model_differences(saved, current)
     a, b = saved.layout, current.layout
     for dest in (
         "tensor_model_parallel_size",
@@ -352,6 +362,34 @@ def check_resume(
             f"--load {root}: this run's learning-rate schedule differs from the checkpoint's: "
             f"{', '.join(differences)}; {_OVERRIDE_FLAGS}{hint}"
         )
+
+
+def save_problem(root: str | Path, current: RunConfig) -> str | None:
+    """Why ``--save root`` (not resumed from: ``--load`` names another directory, or none)
+    would overwrite another model's checkpoint: its saves would replace the tracker and any
+    iteration of the same number, so the checkpoint there would be lost to a run that could
+    never have resumed it (:func:`check_resume`'s model rule). Checked before any rank starts.
+    A directory with no checkpoint, or one this bfpp-train cannot read, is left to the save as
+    Megatron-LM leaves it; a tracker that is not a regular file is refused, as ``--load``
+    refuses it (the save would write through a symbolic link)."""
+    tracker = Path(root) / TRACKER
+    problem = regular_file_problem(tracker)
+    if problem == "is missing":
+        return None
+    if problem is not None:
+        return f"--save {root}: {TRACKER} {problem}; remove it or choose another --save directory"
+    try:
+        _, metadata = read_checkpoint(root)
+    except CheckpointError:
+        return None
+    differences = model_differences(metadata.run, current)
+    if not differences:
+        return None
+    return (
+        f"--save {root}: holds a checkpoint of another model (iteration {metadata.iteration}, "
+        f"saved with {'; '.join(differences)}); this run's saves would overwrite it: choose "
+        "another --save directory"
+    )
 
 
 def resume_warnings(

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
+from megatron_bfpp.files import make_dirs
+
 __all__ = [
     "GuardedWriter",
     "JsonlWriter",
@@ -120,8 +122,10 @@ class GuardedWriter:
 
 
 def scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
-    """The record's numbers as (name, value) scalars; absent or null values are left out (an
-    overflowing grad norm is null: the optimizer skipped that step)."""
+    """The record's numbers as (name, value) scalars; absent or null values are left out (a
+    grad norm that is not finite is null. In fp32 no optimizer skips such a step: bfpp-train
+    stops before applying one whose gradients hold NaN or inf, so only finite gradients whose
+    squares overflow the global sum get here, and clipping scales them to zero)."""
     for key, name in SCALARS.items():
         value = record.get(key)
         if isinstance(value, (int, float)):
@@ -163,7 +167,9 @@ def wandb_mode(environ: Mapping[str, str] = os.environ, netrc_path: str | None =
 
 @dataclass
 class JsonlWriter:
-    """One JSON object per line (strict JSON: no NaN), flushed each iteration."""
+    """One JSON object per line (strict JSON: no NaN), flushed each iteration. A stream, not
+    :func:`megatron_bfpp.files.write_output`: ``open`` already writes a device in place and
+    follows a symbolic link, and rewriting the file at each iteration would cost its size."""
 
     stream: TextIO
 
@@ -185,6 +191,7 @@ class TensorBoardWriter:
     def __init__(self, log_dir: str, *, config: Mapping[str, Any]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        make_dirs(log_dir)  # a symbolic link there is followed (its target made if missing)
         self._writer = SummaryWriter(log_dir=log_dir)
         self._writer.add_text("config", json.dumps(dict(config), sort_keys=True, default=str))
 
@@ -212,7 +219,7 @@ class WandbWriter:
         import wandb
 
         if save_dir:
-            os.makedirs(save_dir, exist_ok=True)
+            make_dirs(save_dir)
         self._run = wandb.init(
             project=project,
             name=name,

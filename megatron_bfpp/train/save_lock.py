@@ -19,11 +19,13 @@ Torch-free: the command line takes the lock before any rank starts.
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import os
 import socket
 from pathlib import Path
 
+from megatron_bfpp.files import make_dirs
 from megatron_bfpp.train.checkpoint_files import LOCK_FILE, CheckpointError
 
 __all__ = ["LOCK_FILE", "SaveLock"]
@@ -40,16 +42,17 @@ class SaveLock:
 
     @classmethod
     def acquire(cls, root: str | Path) -> SaveLock:
-        """Take ``root``'s lock or raise :class:`CheckpointError` naming the run that holds it."""
+        """Take ``root``'s lock or raise :class:`CheckpointError`, one line: the run that holds
+        it, or why it could not be taken (a full disk, a symbolic link that loops). ``root``
+        is made first; a symbolic link there is followed (a dangling one's target made). What
+        cannot be taken leaves nothing behind: a lock file this call created is removed."""
         root = Path(root)
         path = root / LOCK_FILE
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+            make_dirs(root)
         except OSError as error:
-            raise CheckpointError(
-                f"--save {root}: cannot create its lock file {LOCK_FILE} ({error.strerror})"
-            ) from None
+            raise CheckpointError(_directory_problem(root, error)) from None
+        fd, created = _open_lock_file(root, path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -60,14 +63,21 @@ class SaveLock:
                 "another --save directory, or wait for that one to end"
             ) from None
         except OSError as error:
-            os.close(fd)
+            _give_up(fd, path, created)
             raise CheckpointError(
                 f"--save {root}: cannot lock {LOCK_FILE} ({error.strerror})"
             ) from None
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        line = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, line.encode(), 0)
+        line = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode()
+        try:  # written before the old line is cut: a failed write never leaves an empty file
+            os.pwrite(fd, line, 0)
+            os.ftruncate(fd, len(line))
+        except OSError as error:
+            _give_up(fd, path, created)
+            raise CheckpointError(
+                f"--save {root}: cannot write its lock file {LOCK_FILE} ({error.strerror}); "
+                "free space there or choose another --save directory"
+            ) from None
         return cls(fd, path)
 
     def release(self) -> None:
@@ -77,6 +87,39 @@ class SaveLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def _directory_problem(root: Path, error: OSError) -> str:
+    if error.errno == errno.ELOOP:
+        return (
+            f"--save {root}: a symbolic link that loops (too many levels of symbolic links); "
+            "point it at a directory or remove it"
+        )
+    where = "" if error.filename in (None, str(root)) else f" ({error.filename})"
+    return f"--save {root}: cannot create the directory{where} ({error.strerror})"
+
+
+def _open_lock_file(root: Path, path: Path) -> tuple[int, bool]:
+    """The lock file's descriptor (never through a symbolic link), and whether this call
+    created it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+    try:
+        try:
+            return os.open(path, flags | os.O_EXCL, 0o666), True
+        except FileExistsError:
+            return os.open(path, flags, 0o666), False
+    except OSError as error:
+        raise CheckpointError(
+            f"--save {root}: cannot create its lock file {LOCK_FILE} ({error.strerror})"
+        ) from None
+
+
+def _give_up(fd: int, path: Path, created: bool) -> None:
+    """Close the lock file; remove it if this call created it (nobody else holds it: the lock
+    was never ours or is ours alone)."""
+    if created:
+        path.unlink(missing_ok=True)
+    os.close(fd)
 
 
 def _holder(fd: int) -> str:

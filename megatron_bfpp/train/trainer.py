@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_bfpp.schedules.registry import get_spec, options_from_args
 from megatron_bfpp.train.checkpoint import OtherRankFailed
-from megatron_bfpp.train.checkpoint_files import fresh_start_reason
+from megatron_bfpp.train.checkpoint_files import CheckpointError, fresh_start_reason, read_tracker
 from megatron_bfpp.train.checkpoint_metadata import SchedulerPolicy, scheduler_policy
 from megatron_bfpp.train.data import IndexedTrainingData, TrainingData, training_data
 from megatron_bfpp.train.liveness import RanksLost, Verdict, start_liveness
@@ -368,7 +368,6 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
 def _take_save_lock(args: Any) -> Any:
     """Rank 0 takes ``--save``'s lock (:mod:`.save_lock`); every rank learns if it could not."""
     from megatron_bfpp.train.checkpoint import _agree
-    from megatron_bfpp.train.checkpoint_files import CheckpointError
     from megatron_bfpp.train.save_lock import SaveLock
 
     lock, error = None, None
@@ -493,13 +492,12 @@ def _loop(run: _Run) -> TrainResult:
     last_saved = run.iteration if args.load and run.iteration else -1
     try:
         while run.iteration < args.train_iters:
-            step = _train_step(run)
+            try:
+                step = _train_step(run)
+            except NonFiniteGradients as error:
+                kept = _kept_checkpoint(args)
+                raise FloatingPointError(f"{error}{kept}; try a lower --lr") from None
             losses.append((step.iteration, step.loss))
-            if not math.isfinite(step.loss):
-                raise FloatingPointError(
-                    f"lm loss is {step.loss} at iteration {step.iteration}: training diverged "
-                    "(try a lower --lr)"
-                )
             progress.update(step.iteration, step.loss, step.step_time, step.lr)
             memory = _memory_per_pipeline_rank(run) if _logs_metrics(args) else {}
             if writers:
@@ -624,6 +622,13 @@ def _train_step(run: _Run) -> _Step:
         micro_batch_size=args.micro_batch_size,
         forward_only=False,
     )
+    loss = _reduce_loss(list(store), run.device)
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"lm loss is {loss} at iteration {run.iteration + 1}: training diverged "
+            "(try a lower --lr)"
+        )
+    _check_gradients(run, loss)
     if run.args.data_parallel_sharding_strategy == "optim":
         ok, grad_norm, _ = run.optimizer.step()
     else:
@@ -632,7 +637,6 @@ def _train_step(run: _Run) -> _Step:
         ok, grad_norm, _ = sharded_optimizer_step(run.optimizer, run.model)
     if ok:
         run.scheduler.step(increment=args.global_batch_size)
-    loss = _reduce_loss(list(store), run.device)
     run.iteration += 1
     run.consumed_samples += args.global_batch_size
     return _Step(
@@ -645,6 +649,49 @@ def _train_step(run: _Run) -> _Step:
     )
 
 
+class NonFiniteGradients(FloatingPointError):
+    """The step's gradients hold a NaN or an infinity though its loss is finite; nothing of the
+    step was applied."""
+
+    def __init__(self, iteration: int, loss: float) -> None:
+        super().__init__(
+            f"iteration {iteration}: the gradient norm is not finite (NaN or inf) though the lm "
+            f"loss is ({loss:.6g}): stopped before the optimizer step"
+        )
+        self.iteration = iteration
+
+
+def _check_gradients(run: _Run, loss: float) -> None:
+    """Megatron-LM's check for NaN in loss and grad (on by default there), always on: bfpp-train
+    trains in fp32, which has no grad scaler to skip a step with NaN or inf gradients, so the
+    optimizer would apply it and the next save would keep it. Every rank's verdict is reduced
+    over the world (one scalar), so all ranks stop at the same step, whatever the schedule or
+    sharding."""
+    from megatron_bfpp.runtime import gradients_finite
+
+    sharded = run.args.data_parallel_sharding_strategy != "optim"
+    bad = torch.tensor(
+        [0 if gradients_finite(run.model, sharded=sharded) else 1],
+        dtype=torch.int64,
+        device=run.device,
+    )
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        raise NonFiniteGradients(run.iteration + 1, loss)
+
+
+def _kept_checkpoint(args: Any) -> str:
+    """What a run that stops before a bad step leaves as the latest checkpoint (its tracker,
+    as a resume would read it), for its line."""
+    if not args.save:
+        return "; nothing was saved (no --save)"
+    try:
+        latest = read_tracker(args.save)
+    except CheckpointError:
+        return f"; --save {args.save} holds no checkpoint"
+    return f"; the latest checkpoint in --save {args.save} stays iteration {latest}"
+
+
 def _metrics_record(run: _Run, step: _Step, memory: dict[str, Any]) -> dict[str, Any]:
     args = run.args
     return {
@@ -654,7 +701,10 @@ def _metrics_record(run: _Run, step: _Step, memory: dict[str, Any]) -> dict[str,
         "step_time_s": step.step_time,
         "pipeline_schedule": args.pipeline_schedule,
         "lr": step.lr,
-        # strict JSON: an overflowing norm (the optimizer then skips the step) is null
+        # strict JSON: a norm that is not finite is null. The run stops before applying a step
+        # whose gradients hold NaN or inf (_check_gradients; fp32 has no grad scaler to skip
+        # it); finite gradients whose squares overflow the global sum still reach here, and
+        # clipping scales them to zero.
         "grad_norm": step.grad_norm if _finite(step.grad_norm) else None,
         "tokens_per_s": args.global_batch_size * args.seq_length / step.step_time,
         "num_microbatches": run.num_microbatches,

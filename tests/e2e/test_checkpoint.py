@@ -469,3 +469,77 @@ def test_a_second_run_on_the_same_save_directory_is_refused(tmp_path: Path) -> N
         first.terminate()
         first.communicate(timeout=120)
     assert sorted(p.name for p in ckpt.iterdir()) == [LOCK]  # neither run saved anything
+
+
+def test_saving_over_another_models_checkpoint_is_refused_before_start(ckpt: Path) -> None:
+    """``--save`` into a directory whose checkpoint records another model (hidden 64 there,
+    128 here) used to overwrite it and exit 0, though ``--load`` of it would be refused."""
+    before = _digests(ckpt / f"iter_{SAVED_AT:07d}")
+    proc = _run("--hidden-size", "128", "--train-iters", "1", "--save", str(ckpt))
+    line = _error_line(proc)
+    assert line == (
+        f"bfpp-train: error: --save {ckpt}: holds a checkpoint of another model (iteration "
+        f"{SAVED_AT}, saved with --hidden-size 64, this run has 128; --ffn-hidden-size 256, "
+        "this run has 512); this run's saves would overwrite it: choose another --save directory"
+    ), line
+    assert proc.stdout == ""  # no rank started
+    assert (ckpt / TRACKER).read_text().strip() == str(SAVED_AT)
+    assert _digests(ckpt / f"iter_{SAVED_AT:07d}") == before
+
+
+# Taking --save's lock on a full disk (os.pwrite fails with ENOSPC, as it does there), then the
+# command line as usual.
+_FULL_DISK_AT_THE_LOCK = """
+import errno, os, sys
+from megatron_bfpp.cli.train import main
+
+def full(fd, data, offset):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+os.pwrite = full
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_at_the_save_lock_is_one_line_and_leaves_no_lock_file(
+    tmp_path: Path,
+) -> None:
+    """It was a 10-line OSError traceback, and a 0-byte lock file stayed behind."""
+    save = tmp_path / "ckpt"
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_AT_THE_LOCK, "--no-progress", "--train-iters", "1",
+         "--save", str(save)],
+        capture_output=True, text=True, timeout=120, env=base,
+    )  # fmt: skip
+    line = _error_line(proc)
+    assert line == (
+        f"bfpp-train: error: --save {save}: cannot write its lock file {LOCK} (No space left "
+        "on device); free space there or choose another --save directory"
+    ), line
+    assert list(save.iterdir()) == []
+
+
+def test_a_dangling_save_symlink_is_followed(tmp_path: Path) -> None:
+    """The link's target is created and holds the checkpoint; the link stays. It was refused
+    with "cannot create its lock file ... (File exists)"."""
+    link = tmp_path / "ckpt"
+    link.symlink_to(tmp_path / "disk" / "ckpt")
+    proc = _run(
+        *("--nproc-per-node", "1", "--pipeline-model-parallel-size", "1"),
+        *("--pipeline-schedule", "1f1b", "--train-iters", "1", "--save", str(link)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert link.is_symlink()
+    assert (tmp_path / "disk" / "ckpt" / TRACKER).read_text().strip() == "1"
+    assert (tmp_path / "disk" / "ckpt" / "iter_0000001" / META).is_file()
+
+
+def test_a_looping_save_symlink_is_one_line_naming_it(tmp_path: Path) -> None:
+    loop = tmp_path / "ckpt"
+    loop.symlink_to(loop)
+    line = _error_line(_run("--train-iters", "1", "--save", str(loop)))
+    assert line == (
+        f"bfpp-train: error: --save {loop}: a symbolic link that loops (too many levels of "
+        "symbolic links); point it at a directory or remove it"
+    ), line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -634,3 +635,17 @@ def test_csv_with_misplaced_gradient_sync_is_refused(
     )  # fmt: skip
     line = _one_error_line(bfpp_sim("--load-csv", str(path)))
     assert re.search(message, line), line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+@pytest.mark.parametrize("flag", ["--csv", "--trace"])
+def test_an_output_on_a_full_device_is_one_line_naming_its_flag(flag: str) -> None:
+    """Written in place (never replaced), and its failure named: it was a bare `[Errno 28]`.
+    (``--png`` on devices: tests/unit/test_files.py, on device nodes of its own: matplotlib
+    used to add ``.png`` to a path without a suffix, here ``/dev/full.png``.)"""
+    proc = bfpp_sim("--schedule", "1f1b", "--pp", "2", "--grid", "none", flag, "/dev/full")
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"bfpp-sim: error: {flag} /dev/full: cannot write it (No space left on device)\n"
+    )
+    assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")

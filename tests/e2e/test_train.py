@@ -407,6 +407,70 @@ def test_a_diverged_run_is_one_line() -> None:
     ], proc.stderr
 
 
+# bfpp-train whose backward turns every gradient non-finite from iteration 3 on while the loss
+# stays finite (what an overflow in the backward does): a hook on each forward's output, in
+# every rank (the launcher forks them after this runs).
+SHARDED = ("--data-parallel-sharding-strategy", "optim_grads_params")
+_POISONED_BACKWARD = """
+import sys
+import megatron_bfpp.train.trainer as trainer
+from megatron_bfpp.cli.train import main
+
+plain_step, plain_forward, at = trainer._train_step, trainer.forward_step, [0]
+
+def train_step(run):
+    at[0] = run.iteration + 1
+    return plain_step(run)
+
+def forward_step(device, data_iterator, model):
+    output, loss = plain_forward(device, data_iterator, model)
+    if at[0] >= 3 and output.requires_grad:
+        output.register_hook(lambda grad: grad * float("inf"))
+    return output, loss
+
+trainer._train_step, trainer.forward_step = train_step, forward_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--pipeline-schedule", "1f1b", "--pipeline-model-parallel-size", "2"),
+        ("--pipeline-model-parallel-size", "2", *SHARDED),
+    ],
+    ids=["1f1b", "breadth-first-sharded"],
+)
+def test_a_non_finite_gradient_is_never_applied_nor_saved(
+    tmp_path: Path, layout: tuple[str, ...]
+) -> None:
+    """A finite loss with NaN / inf gradients at the last iteration (fp32: no grad scaler
+    skips the step): the run used to apply the step, save NaN weights as the latest checkpoint
+    and exit 0. It stops
+    before the optimizer step in one line naming the iteration; the tracker keeps the last
+    good checkpoint."""
+    save = tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _POISONED_BACKWARD, "--no-progress", *layout, "--train-iters",
+         "3", "--save", str(save), "--save-interval", "1"],
+        capture_output=True, text=True, timeout=180, env=env,
+    )  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(
+        "bfpp-train: error: iteration 3: the gradient norm is not finite (NaN or inf) though "
+        "the lm loss is ("
+    ), lines
+    assert lines[0].endswith(
+        f"stopped before the optimizer step; the latest checkpoint in --save {save} stays "
+        "iteration 2; try a lower --lr"
+    ), lines
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+
+
 def test_help_shows_defaults() -> None:
     proc = _run("--help", timeout=60)
     assert proc.returncode == 0

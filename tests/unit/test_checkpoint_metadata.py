@@ -37,6 +37,7 @@ from megatron_bfpp.train.checkpoint_metadata import (
     metadata_from_json,
     metadata_to_json,
     read_checkpoint,
+    save_problem,
     scheduler_policy,
 )
 from megatron_bfpp.train.run_config import RunConfig, run_config
@@ -270,6 +271,23 @@ def test_a_tracker_that_is_a_fifo_or_a_symlink_is_refused_without_waiting(tmp_pa
     (link / TRACKER).symlink_to(tmp_path / "elsewhere")
     with pytest.raises(CheckpointError, match="is a symbolic link"):
         read_tracker(link)
+
+
+def test_saving_over_another_models_checkpoint_is_named_with_both_shapes(tmp_path: Path) -> None:
+    _complete(tmp_path, 3, {"rank_00000.pt": b"x"})
+    assert save_problem(tmp_path, _config()) is None  # the same model may save there
+    assert save_problem(tmp_path / "empty", _config("--hidden-size", "128")) is None
+    assert save_problem(tmp_path, _config("--num-layers", "4")) == (
+        f"--save {tmp_path}: holds a checkpoint of another model (iteration 3, saved with "
+        "--num-layers 8, this run has 4); this run's saves would overwrite it: choose another "
+        "--save directory"
+    )
+    (tmp_path / TRACKER).unlink()
+    (tmp_path / TRACKER).symlink_to(tmp_path / "elsewhere")
+    assert save_problem(tmp_path, _config()) == (
+        f"--save {tmp_path}: {TRACKER} is a symbolic link (a checkpoint holds only its own "
+        "regular files); remove it or choose another --save directory"
+    )
 
 
 def test_deep_or_huge_metadata_is_one_line(tmp_path: Path) -> None:

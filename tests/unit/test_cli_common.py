@@ -77,6 +77,29 @@ def test_a_fifo_without_reader_does_not_block_the_check(tmp_path: Path) -> None:
     assert problem is not None and problem.startswith(f"--trace {fifo}: cannot write {fifo} (")
 
 
+def test_a_device_is_fine_and_untouched() -> None:
+    assert output_file_problem("--pipeline-schedule-auto-report", os.devnull) is None
+    assert os.path.exists(os.devnull) and not os.path.isfile(os.devnull)
+
+
+def test_a_symlinked_output_is_checked_where_it_leads(tmp_path: Path) -> None:
+    dangling = tmp_path / "report.json"
+    dangling.symlink_to(tmp_path / "missing" / "report.json")
+    assert output_file_problem("--plot", str(dangling)) == (
+        f"--plot {dangling}: directory {tmp_path / 'missing'} does not exist"
+    )
+    (tmp_path / "missing").mkdir()
+    assert output_file_problem("--plot", str(dangling)) is None
+    assert _entries(tmp_path / "missing") == []
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    expected = "a symbolic link that loops (too many levels of symbolic links); point it at a"
+    assert output_file_problem("--csv", str(loop)) == f"--csv {loop}: {expected} file or remove it"
+    assert output_dir_problem("--save", str(loop)) == (
+        f"--save {loop}: {expected} directory or remove it"
+    )
+
+
 def test_a_new_save_directory_is_fine_and_nothing_is_created(tmp_path: Path) -> None:
     assert output_dir_problem("--save", str(tmp_path / "new" / "deeper")) is None
     assert _entries(tmp_path) == []

@@ -625,6 +625,18 @@ def test_the_readme_is_a_first_page() -> None:
     assert "bash scripts/quickstart.sh" in text
 
 
+def test_the_readme_says_what_the_first_run_needs() -> None:
+    """The quick start's "about 10 s" hid the first set-up (minutes, gigabytes of CUDA torch),
+    and the Megatron-LM command assumed an activated environment and a checkout in
+    ``MEGATRON_LM`` without saying how to get either."""
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    quick_start = text[text.index("about 10 s") : text.index("<!-- megatron-lm-cpu-command -->")]
+    assert re.search(r"about \d+ minutes and [\d.]+ GB", quick_start), quick_start
+    assert ". .venv/bin/activate" in quick_start
+    assert re.search(r"git clone [^`]*https://github.com/NVIDIA/Megatron-LM", quick_start)
+    assert "export MEGATRON_LM=" in quick_start
+
+
 def test_no_page_prints_a_machines_paths() -> None:
     """Paths like one machine's pyenv interpreter say nothing to a reader elsewhere."""
     found = [

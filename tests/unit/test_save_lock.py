@@ -4,6 +4,7 @@ symlink."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -68,3 +69,55 @@ def test_what_the_holder_wrote_is_shown_bounded_and_printable(tmp_path: Path) ->
     holder = str(info.value).split("(", 1)[1].split(")", 1)[0]
     assert "\x1b" not in holder and len(holder) <= 200
     first.release()
+
+
+def _full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_empty_lock_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It raised a bare OSError (a 10-line traceback) after truncating the file to 0 bytes."""
+    _full_disk(monkeypatch)
+    with pytest.raises(CheckpointError) as info:
+        SaveLock.acquire(tmp_path / "ckpt")
+    assert str(info.value) == (
+        f"--save {tmp_path / 'ckpt'}: cannot write its lock file {LOCK_FILE} (No space left on "
+        "device); free space there or choose another --save directory"
+    )
+    assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_a_full_disk_keeps_an_earlier_runs_lock_file_and_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / LOCK_FILE).write_text("pid 1 on elsewhere, started earlier\n")
+    _full_disk(monkeypatch)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        SaveLock.acquire(tmp_path)
+    assert (tmp_path / LOCK_FILE).read_text() == "pid 1 on elsewhere, started earlier\n"
+    monkeypatch.undo()
+    SaveLock.acquire(tmp_path).release()  # not left locked
+
+
+def test_a_dangling_save_symlink_is_followed_and_kept(tmp_path: Path) -> None:
+    link = tmp_path / "ckpt"
+    link.symlink_to(tmp_path / "disk" / "ckpt")
+    lock = SaveLock.acquire(link)
+    assert link.is_symlink() and (tmp_path / "disk" / "ckpt" / LOCK_FILE).is_file()
+    lock.release()
+
+
+def test_a_looping_save_symlink_is_one_line_naming_it(tmp_path: Path) -> None:
+    loop = tmp_path / "ckpt"
+    loop.symlink_to(loop)
+    with pytest.raises(CheckpointError) as info:
+        SaveLock.acquire(loop)
+    assert str(info.value) == (
+        f"--save {loop}: a symbolic link that loops (too many levels of symbolic links); "
+        "point it at a directory or remove it"
+    )

@@ -1,0 +1,117 @@
+"""Every file the product writes lands where the user said.
+
+One helper, :func:`write_output`, writes every report, profile, picture, trace, CSV and
+checkpoint tracker, and :func:`make_dirs` creates every directory a run fills, because a path
+can be three things and each needs its own write:
+
+* a **device, FIFO or socket** (``/dev/null``, ``/dev/stdout``, a named pipe) is written in
+  place, as ``command > /dev/null`` would: replacing it would swap the device node for a
+  regular file holding the output (a report written to ``/dev/null`` by root used to do that);
+* a **symbolic link** is followed: its target is written, or created if the link dangles, and
+  the link stays (a rename over the link used to replace it and never write its target);
+* a **regular file**, or a new one, is replaced atomically: a temporary file beside it, synced,
+  then renamed over it, so a reader never sees half of it and a failed write (a full disk)
+  leaves the old content. The new file keeps the old one's permissions.
+
+Torch-free and import-free within the package: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from pathlib import Path
+
+__all__ = ["TEMP_INFIX", "follow_links", "fsync_dir", "make_dirs", "write_output"]
+
+TEMP_INFIX = ".tmp-"  # name + TEMP_INFIX + 12 hex digits: the temporary file beside the target
+_MAX_LINKS = 40  # as many links as Linux follows in one lookup
+_MAX_STEM = 200  # of the target's name in its temporary file's (the file system takes 255)
+
+
+def follow_links(path: str | Path) -> Path:
+    """``path`` with the symbolic links of its last component followed, as ``open`` follows
+    them (a dangling link: the path it names, which need not exist). A link that loops is
+    ``OSError(ELOOP)`` naming ``path``. Directories above are left to the kernel."""
+    target = Path(path)
+    for _ in range(_MAX_LINKS):
+        try:
+            link = os.readlink(target)
+        except OSError:  # not a link (EINVAL), missing, or a lookup the caller's call reports
+            return target
+        target = target.parent / link  # an absolute link replaces the whole path
+    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
+
+
+def make_dirs(path: str | Path) -> Path:
+    """``mkdir -p path``, following a symbolic link at ``path`` (a dangling link's target is
+    created) instead of failing on it with "File exists"; returns the directory made or found.
+    A link that loops is ``OSError(ELOOP)`` naming ``path``."""
+    target = follow_links(path)
+    target.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def write_output(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` as the module docstring says (a device in place, a link's
+    target, a regular file atomically). OSError on failure, naming the file; a failed
+    atomic write leaves no temporary file behind."""
+    try:
+        info: os.stat_result | None = os.stat(path)  # follows links as the kernel does
+    except FileNotFoundError:
+        info = None
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        _write_in_place(path, data)
+        return
+    mode = None if info is None else stat.S_IMODE(info.st_mode)
+    _replace(follow_links(path), data, mode)
+
+
+def _write_in_place(path: str | Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def _replace(target: Path, data: bytes, mode: int | None) -> None:
+    """A temporary file beside ``target`` (same file system: the rename is atomic), synced,
+    renamed over it. (Not ``tempfile``: its files are private to the user; these get the
+    permissions ``open`` gives under the umask, or the replaced file's.)"""
+    while True:
+        temp = target.with_name(target.name[:_MAX_STEM] + TEMP_INFIX + secrets.token_hex(6))
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as file:
+            if mode is not None:
+                os.fchmod(file.fileno(), mode)
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make renames and new entries in ``path`` durable (a no-op where directories cannot be
+    opened, as on Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
