@@ -33,6 +33,7 @@ from megatron_bfpp.plan.auto import (
     write_report,
 )
 from megatron_bfpp.plan.presets import BF16_MIXED, FP32, Model, Precision, model_from_shape
+from megatron_bfpp.schedules.fit import step_batch_sizes
 from megatron_bfpp.schedules.registry import SCHEDULES, get_spec
 
 __all__ = [
@@ -210,6 +211,9 @@ def megatron_request(
         )
     dp = world_size // (tp * pp * cp)
     mbs = int(args.micro_batch_size)
+    # Megatron-LM's --step-batch-size-schedule: timed at its last step's batch (where a ramp
+    # ends), every step's micro-batches checked; its global_batch_size would be mbs x dp
+    steps = step_batch_sizes(args)
     granularity = getattr(args, "recompute_granularity", None)
     unavailable = [
         (name, f"Megatron-LM's {flag} does not run with a V-shape")
@@ -225,7 +229,10 @@ def megatron_request(
         dp=dp,
         cp=cp,
         micro_batch_size=mbs,
-        global_batch_size=int(getattr(args, "global_batch_size", None) or mbs * dp),
+        global_batch_size=steps[-1]
+        if steps
+        else int(getattr(args, "global_batch_size", None) or mbs * dp),
+        batch_schedule=steps,
         hardware=hw,
         recompute=str(granularity) if granularity in ("selective", "full") else "none",
         precision=precision_of(
@@ -344,6 +351,7 @@ def bridge_request(
     )
     optimizer = getattr(config, "optimizer", None)
     granularity = getattr(model, "recompute_granularity", None)
+    steps = step_batch_sizes(config.train)  # where Bridge's config carries Megatron's schedule
     return AutoRequest(
         model=shape,
         tp=tp,
@@ -351,7 +359,8 @@ def bridge_request(
         dp=dp,
         cp=cp,
         micro_batch_size=int(config.train.micro_batch_size),
-        global_batch_size=int(config.train.global_batch_size),
+        global_batch_size=steps[-1] if steps else int(config.train.global_batch_size),
+        batch_schedule=steps,
         hardware=hw,
         recompute=str(granularity) if granularity in ("selective", "full") else "none",
         precision=precision_of(
