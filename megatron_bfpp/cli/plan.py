@@ -35,7 +35,7 @@ from megatron_bfpp.plan.presets import (
     Model,
     get_gpu,
     get_model,
-    model_from_shape,
+    model_description,
 )
 from megatron_bfpp.plan.profile import load_profile
 from megatron_bfpp.plan.search import (
@@ -312,15 +312,16 @@ def _model_from_args(args: argparse.Namespace) -> Model:
             f"give --model NAME ({', '.join(MODELS)}) or an explicit shape; missing "
             f"{', '.join(missing)}"
         )
-    return model_from_shape(
-        arch=args.arch,
+    return model_description(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size,
         seq_length=args.seq_length or 2048,
-        vocab_size=args.vocab_size or (50257 if args.arch == "gpt" else 32000),
+        gated=args.arch == "llama",
+        ffn_default="bfpp-train",  # DEFAULT_FFN_TEXT: the models bfpp-train builds
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups,
+        vocab_size=args.vocab_size,
     )
 
 

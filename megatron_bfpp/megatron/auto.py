@@ -32,7 +32,7 @@ from megatron_bfpp.plan.auto import (
     hardware,
     write_report,
 )
-from megatron_bfpp.plan.presets import BF16_MIXED, FP32, Model, Precision, model_from_shape
+from megatron_bfpp.plan.presets import BF16_MIXED, FP32, Model, Precision, model_description
 from megatron_bfpp.schedules.fit import step_batch_sizes
 from megatron_bfpp.schedules.registry import SCHEDULES, get_spec
 
@@ -129,34 +129,34 @@ _TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
 
 
 def _megatron_model(args: Any) -> Model:
-    swiglu = bool(getattr(args, "swiglu", False))
-    hidden = int(args.hidden_size)
-    heads = int(args.num_attention_heads)
-    ffn = getattr(args, "ffn_hidden_size", None)
-    if ffn is None:  # Megatron's validate_args default
-        ffn = int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
+    """Megatron-LM's parsed arguments as the planner's model (``validate_args``'s defaults)."""
     groups = (
         getattr(args, "num_query_groups", None)
         if getattr(args, "group_query_attention", False)
         else None
     )
     vocab = getattr(args, "vocab_size", None) or _TOKENIZER_VOCAB.get(
-        str(getattr(args, "tokenizer_type", "")), 32000 if swiglu else 50257
+        str(getattr(args, "tokenizer_type", ""))
     )
-    dropout = any(
-        float(getattr(args, name, 0.0) or 0.0) > 0
-        for name in ("hidden_dropout", "attention_dropout")
-    )
-    return model_from_shape(
-        arch="llama" if swiglu else "gpt",
+    return model_description(
         num_layers=int(args.num_layers),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=int(groups) if groups else None,
-        ffn_hidden_size=int(ffn),
+        hidden_size=int(args.hidden_size),
+        num_attention_heads=int(args.num_attention_heads),
         seq_length=int(args.seq_length),
-        vocab_size=int(vocab),
-        dropout=dropout,
+        gated=bool(getattr(args, "swiglu", False)),
+        ffn_default="megatron-lm",
+        ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
+        num_query_groups=int(groups) if groups else None,
+        vocab_size=vocab,
+        dropout=_has_dropout(args),
+    )
+
+
+def _has_dropout(config: Any) -> bool:
+    """Whether activations hold dropout masks (Megatron-LM's and TransformerConfig's names)."""
+    return any(
+        float(getattr(config, name, 0.0) or 0.0) > 0
+        for name in ("hidden_dropout", "attention_dropout")
     )
 
 
@@ -329,25 +329,20 @@ def bridge_request(
             f"({tp} x {pp} x {cp})"
         )
     dp = int(world) // (tp * pp * cp)
-    gated = bool(getattr(model, "gated_linear_unit", False))
-    hidden = int(model.hidden_size)
     seq = getattr(model, "seq_length", None) or getattr(
         getattr(config, "dataset", None), "sequence_length", None
     )
-    dropout = any(
-        float(getattr(model, name, 0.0) or 0.0) > 0
-        for name in ("hidden_dropout", "attention_dropout")
-    )
-    shape = model_from_shape(
-        arch="llama" if gated else "gpt",
+    shape = model_description(
         num_layers=int(model.num_layers),
-        hidden_size=hidden,
+        hidden_size=int(model.hidden_size),
         num_attention_heads=int(model.num_attention_heads),
-        num_query_groups=getattr(model, "num_query_groups", None),
-        ffn_hidden_size=getattr(model, "ffn_hidden_size", None) or 4 * hidden,
         seq_length=int(seq or 2048),
-        vocab_size=int(getattr(model, "vocab_size", None) or (32000 if gated else 50257)),
-        dropout=dropout,
+        gated=bool(getattr(model, "gated_linear_unit", False)),
+        ffn_default="megatron-core",  # Bridge's config is a TransformerConfig
+        ffn_hidden_size=getattr(model, "ffn_hidden_size", None),
+        num_query_groups=getattr(model, "num_query_groups", None),
+        vocab_size=getattr(model, "vocab_size", None),
+        dropout=_has_dropout(model),
     )
     optimizer = getattr(config, "optimizer", None)
     granularity = getattr(model, "recompute_granularity", None)
