@@ -73,6 +73,9 @@ MAX_CHUNKS = PLANNER_MAX_CHUNKS  # the planner's own bound on virtual stages per
 # What one decision may walk and simulate, in actions as ``registry.estimate_actions`` counts
 # them (docs/planner.md#pipeline-schedule-auto: the figures it was set from).
 AUTO_ACTION_BUDGET = 2_000_000
+# The most of it one candidate's simulations may take (a third): one whose steps do not lie on a
+# line and must be simulated whole cannot leave the others untimed.
+CANDIDATE_SHARE = 3
 CPU_TIMING_GPU = "h100-80gb"  # what a run without CUDA is timed as, unless told otherwise
 REPORT_FORMAT = "bfpp-auto-report"
 # Where a front end records auto's line once it wrote the choice into the parsed arguments.
@@ -586,7 +589,8 @@ def decide(r: AutoRequest) -> Decision:
     when none does or none fits the GPU's memory. Simulates each candidate that fits once, and
     Megatron's default once more under megatron-core's own posting: ``Decision.simulations``
     counts them. Bounded: the walks and simulations are charged to one ``ActionBudget`` of
-    :data:`AUTO_ACTION_BUDGET` actions; a candidate that would exceed what is left is not timed
+    :data:`AUTO_ACTION_BUDGET` actions, a candidate's simulations to at most
+    1/:data:`CANDIDATE_SHARE` of it; a candidate that would exceed what is left is not timed
     (its row says so) and the decision is made from the others."""
     _check_request(r)
     judge = _Judge.of(r)
@@ -611,7 +615,9 @@ def decide(r: AutoRequest) -> Decision:
             continue
         bounded.append((bound, index, c))
     pruned: list[Row] = []
-    for bound, _, c in sorted(bounded):
+    # Our run of Megatron's own default first, then cheapest bound first: should the budget run
+    # out, the choice is never one predicted slower than the schedule Megatron would run.
+    for _, bound, _, c in sorted((c != default, b, i, c) for b, i, c in bounded):
         steps = sorted(row.plan.step_time_s for row in simulated if row.plan)
         if len(steps) >= 2 and bound >= steps[1]:
             try:
@@ -712,6 +718,7 @@ class _Judge:
         options = self.options
         if megatron:
             options = dataclasses.replace(options, megatron_baselines=True)
+        share = self.actions.part(self.actions.limit // CANDIDATE_SHARE)
         try:
             plan = evaluate(
                 c,
@@ -719,12 +726,14 @@ class _Judge:
                 cluster=self.cluster,
                 global_batch_size=self.request.global_batch_size,
                 options=options,
-                budget=self.actions,
+                budget=share,
             )
         except OverBudget as error:
             return _untimed(c, memory, self.actions, error)
         except ScheduleError as error:
             return Row(c, memory, False, excluded=_first_line(error))
+        finally:
+            self.actions.spent += share.spent
         self.counter[0] += 1
         return Row(c, memory, fits, plan)
 
@@ -732,7 +741,10 @@ class _Judge:
 def _untimed(
     c: Candidate, memory: MemoryBreakdown | None, actions: ActionBudget, error: OverBudget
 ) -> Row:
-    why = f"not timed: over auto's budget of {actions.limit:,} simulated actions ({error})"
+    why = (
+        f"not timed: over auto's budget of {actions.limit:,} simulated actions, of which one "
+        f"candidate may take 1/{CANDIDATE_SHARE} ({error})"
+    )
     return Row(c, memory, False, excluded=why, untimed=True)
 
 

@@ -107,6 +107,11 @@ class ActionBudget:
             )
         self.spent += actions
 
+    def part(self, most: int) -> ActionBudget:
+        """A budget of at most ``most`` of what is left; its spending is added back by whoever
+        asked for it (``spent += part.spent``)."""
+        return ActionBudget(max(0, min(most, self.limit - self.spent)))
+
 
 def families() -> tuple[tuple[str, str], ...]:
     """(schedule, data-parallel sharding strategy): the families the planner compares, as the

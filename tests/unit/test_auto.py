@@ -372,6 +372,10 @@ def test_auto_is_bounded_by_its_action_budget(monkeypatch: pytest.MonkeyPatch) -
     assert bounded.action_budget == limit and bounded.actions_spent <= limit
     assert bounded.untimed > 0 and bounded.simulations < full.simulations
     assert bounded.chosen.plan is not None  # decided from what it timed
+    # our run of Megatron's default (1f1b here) is timed first: the choice is never slower
+    ours = [row for row in bounded.rows if row.candidate == bounded.megatron.candidate]
+    assert len(ours) == 1 and ours[0].plan is not None
+    assert bounded.chosen.plan.step_time_s <= ours[0].plan.step_time_s
     assert f"not timed (over the budget of {limit:,} simulated actions)" in bounded.line()
     report = bounded.to_dict()
     assert report["untimed"] == bounded.untimed and report["action_budget"] == limit
