@@ -21,6 +21,7 @@ from megatron_bfpp.cli.common import (
     output_file_problem,
     positive_int_up_to,
 )
+from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.auto import AutoRequest, decide, hardware
@@ -49,7 +50,6 @@ from megatron_bfpp.plan.search import (
 from megatron_bfpp.schedules.fit import BATCH_SCHEDULE_FLAG, step_batch_sizes
 from megatron_bfpp.schedules.registry import GROUP_SIZE, MAX_STORED, SHARDING_STRATEGIES
 from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, MEGATRON_GRAD_REDUCE, P2P_MODELS
-from megatron_bfpp.train.run_config import DEFAULT_FFN_TEXT
 
 PROG = "bfpp-plan"
 

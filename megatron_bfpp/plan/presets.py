@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_bfpp.config.run_config import ModelShape, default_ffn_hidden_size
 from megatron_bfpp.ir import ScheduleError
-from megatron_bfpp.train.run_config import ModelShape, default_ffn_hidden_size
 
 __all__ = [
     "BF16_MIXED",
@@ -51,7 +51,7 @@ class Model:
 
     def shape(self, *, tp: int) -> ModelShape:
         """bfpp-train's ``ModelShape`` with the vocabulary padded as Megatron pads it for ``tp``,
-        so that ``train.model_memory`` counts the parameters megatron-core builds."""
+        so that ``config.model_memory`` counts the parameters megatron-core builds."""
         return ModelShape(
             self.arch,
             self.num_layers,

@@ -15,6 +15,7 @@ import argparse
 import os
 from collections.abc import Mapping
 
+from megatron_bfpp.config.run_config import model_shape
 from megatron_bfpp.megatron.auto import announce, hardware_from_args, precision_of, probe_device
 from megatron_bfpp.plan.auto import (
     AUTO,
@@ -25,7 +26,6 @@ from megatron_bfpp.plan.auto import (
     gpus_per_node_from_env,
 )
 from megatron_bfpp.plan.presets import model_description
-from megatron_bfpp.train.run_config import model_shape
 
 __all__ = ["resolve_train_auto", "train_request"]
 
