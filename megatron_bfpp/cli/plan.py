@@ -1,6 +1,7 @@
 """``bfpp-plan``: estimates made before a run. Subcommands: ``recommend`` (the configuration
-search), ``profile`` (measure one stage on this machine's device, for ``recommend --profile``)
-and ``bpipe-estimate``.
+search), ``auto`` (what ``--pipeline-schedule auto`` would decide for a layout), ``profile``
+(measure one stage on this machine's device, for ``recommend --profile``) and
+``bpipe-estimate``.
 
 Pure like the planner: ``profile`` imports torch and megatron-core only when it runs
 (``megatron_bfpp.stage_timing``)."""
@@ -22,30 +23,35 @@ from megatron_bfpp.cli.common import (
     positive_int_up_to,
     write_problem,
 )
+from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.plan.auto import AutoRequest, decide, hardware
 from megatron_bfpp.plan.bpipe import Estimate, bpipe_speedup_estimate
 from megatron_bfpp.plan.costs import ProfileCurve
 from megatron_bfpp.plan.memory import RECOMPUTE
 from megatron_bfpp.plan.presets import (
+    BF16_MIXED,
+    FP32,
     GPUS,
     MODELS,
     Model,
     get_gpu,
     get_model,
-    model_from_shape,
+    model_description,
 )
 from megatron_bfpp.plan.profile import load_profile
 from megatron_bfpp.plan.search import (
-    FAMILIES,
     Cluster,
     Plan,
     SearchOptions,
     SearchResult,
+    families,
     family_name,
 )
+from megatron_bfpp.schedules.fit import BATCH_SCHEDULE_FLAG, step_batch_sizes
+from megatron_bfpp.schedules.registry import GROUP_SIZE, MAX_STORED, SHARDING_STRATEGIES
 from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, MEGATRON_GRAD_REDUCE, P2P_MODELS
-from megatron_bfpp.train.run_config import DEFAULT_FFN_TEXT
 
 PROG = "bfpp-plan"
 
@@ -57,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     _add_recommend(commands)
+    _add_auto(commands)
     _add_profile(commands)
     bpipe = commands.add_parser(
         "bpipe-estimate",
@@ -106,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("choose a command, e.g. recommend or bpipe-estimate")
     if args.command == "recommend":
         return _recommend(args)
+    if args.command == "auto":
+        return _auto(args)
     if args.command == "profile":
         return _profile(args)
     try:
@@ -212,7 +221,7 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     cluster.add_argument("--gpu", required=True, metavar="NAME", help=f"{', '.join(GPUS)}")
     cluster.add_argument("--global-batch-size", type=_BATCH, required=True, metavar="B")
     search = command.add_argument_group("search")
-    names = sorted({name for name, _ in FAMILIES})
+    names = sorted({name for name, _ in families()})
     search.add_argument(
         "--schedules",
         metavar="LIST",
@@ -305,15 +314,16 @@ def _model_from_args(args: argparse.Namespace) -> Model:
             f"give --model NAME ({', '.join(MODELS)}) or an explicit shape; missing "
             f"{', '.join(missing)}"
         )
-    return model_from_shape(
-        arch=args.arch,
+    return model_description(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size,
         seq_length=args.seq_length or 2048,
-        vocab_size=args.vocab_size or (50257 if args.arch == "gpt" else 32000),
+        gated=args.arch == "llama",
+        ffn_default="bfpp-train",  # DEFAULT_FFN_TEXT: the models bfpp-train builds
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups,
+        vocab_size=args.vocab_size,
     )
 
 
@@ -335,7 +345,7 @@ def _recommend(args: argparse.Namespace) -> int:
         model = _model_from_args(args)
         gpu = get_gpu(args.gpu)
         cluster = Cluster(args.num_gpus, args.gpus_per_node, gpu)
-        schedules = _choices(args.schedules, sorted({n for n, _ in FAMILIES}), "--schedules")
+        schedules = _choices(args.schedules, sorted({n for n, _ in families()}), "--schedules")
         recompute = _choices(args.recompute, RECOMPUTE, "--recompute") or RECOMPUTE
         efficiency = None
         if args.profile:
@@ -482,9 +492,9 @@ def format_recommendation(
                 f"{100 * plan.bubble_fraction:.1f}%"
             )
         missing = sorted(
-            {family_name(n, sh) for n, sh in FAMILIES}
+            {family_name(n, sh) for n, sh in families()}
             - set(result.best_per_family)
-            - {family_name(n, sh) for n, sh in FAMILIES if schedules and n not in schedules}
+            - {family_name(n, sh) for n, sh in families() if schedules and n not in schedules}
         )
         if missing:
             lines.append(f"  none fits in memory (or none exists): {', '.join(missing)}")
@@ -498,10 +508,12 @@ def format_recommendation(
 
 
 def _name(plan: Plan) -> str:
-    """A row's family, its breadth-first group, and [M] when it stands for Megatron's own."""
+    """A row's family, its breadth-first group or BPipe cap, and [M] when it stands for
+    Megatron's own."""
     c = plan.candidate
     group = f" g={c.group_size}" if c.group_size else ""
-    return c.family + group + (" [M]" if plan.p2p_model.startswith("megatron") else "")
+    cap = f" cap={c.max_stored}" if c.max_stored else ""
+    return c.family + group + cap + (" [M]" if plan.p2p_model.startswith("megatron") else "")
 
 
 def _row(rank: int, plan: Plan) -> str:
@@ -517,6 +529,114 @@ def _row(rank: int, plan: Plan) -> str:
 
 
 # --------------------------------------------------------------------------- profile
+
+
+def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
+    command = commands.add_parser(
+        "auto",
+        help="the decision --pipeline-schedule auto would make for a layout, before the job",
+        description="Print the line a job started with --pipeline-schedule auto prints (rank "
+        "0, before any model is built): the schedule, virtual stages, breadth-first group or "
+        "BPipe cap the planner picks for the model, parallel sizes and batch given, with the "
+        "runner-up and Megatron's own default; --json for the ranked table (the job's "
+        "--pipeline-schedule-auto-report). docs/planner.md#bfpp-plan-auto.",
+    )
+    _add_shape_flags(command)
+    cluster = command.add_argument_group("cluster")
+    cluster.add_argument("--num-gpus", type=_GPUS, required=True, metavar="N")
+    cluster.add_argument("--gpus-per-node", type=_GPUS_PER_NODE, default=8, metavar="G")
+    cluster.add_argument(
+        "--gpu",
+        required=True,
+        metavar="NAME",
+        help=f"{', '.join(GPUS)} (the job's --pipeline-schedule-auto-gpu; its memory a bound)",
+    )
+    cluster.add_argument("--profile", metavar="FILE", help="a stage profile (bfpp-plan profile)")
+    layout = command.add_argument_group("layout and batch, as Megatron-LM's flags")
+    for flag in (
+        "--tensor-model-parallel-size",
+        "--context-parallel-size",
+        "--micro-batch-size",
+    ):
+        layout.add_argument(flag, type=positive_int, default=1, metavar="N")
+    layout.add_argument(
+        "--pipeline-model-parallel-size", type=positive_int, required=True, metavar="N"
+    )
+    layout.add_argument(
+        "--num-virtual-stages-per-pipeline-rank",
+        type=positive_int,
+        metavar="N",
+        help="fix the virtual stages (default: auto chooses)",
+    )
+    layout.add_argument("--global-batch-size", type=_BATCH, metavar="B")
+    layout.add_argument(
+        BATCH_SCHEDULE_FLAG,
+        metavar="SCHEDULE",
+        help="Megatron-LM's batch-size schedule (0:256,1M:512) instead of --global-batch-size",
+    )
+    layout.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    layout.add_argument("--sequence-parallel", choices=("on", "off"), default="on")
+    layout.add_argument("--precision", choices=("bf16-mixed", "fp32"), default="bf16-mixed")
+    layout.add_argument(
+        "--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES, default="optim"
+    )
+    for option in (GROUP_SIZE, MAX_STORED):
+        layout.add_argument(
+            option.flag, dest=option.dest, type=positive_int, metavar="N", help=option.help
+        )
+    command.add_argument("--json", action="store_true", help="print the ranked table as JSON")
+
+
+def _auto_request(args: argparse.Namespace) -> AutoRequest:
+    """The job's ``AutoRequest`` from the command's flags (Megatron-LM's names and defaults)."""
+    tp, pp, cp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+    )
+    if args.num_gpus % (tp * pp * cp):
+        raise ScheduleError(
+            f"--num-gpus {args.num_gpus} is not a multiple of tensor x pipeline x context "
+            f"parallel sizes ({tp} x {pp} x {cp} = {tp * pp * cp})"
+        )
+    dp = args.num_gpus // (tp * pp * cp)
+    steps = step_batch_sizes(args) if args.step_batch_size_schedule else ()
+    if bool(steps) == (args.global_batch_size is not None):
+        raise ScheduleError(f"give one of --global-batch-size and {BATCH_SCHEDULE_FLAG}")
+    hw = hardware(
+        device_name=None, device_memory=None, gpu_flag=args.gpu, profile_path=args.profile
+    )
+    return AutoRequest(
+        model=_model_from_args(args),
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        cp=cp,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=steps[-1] if steps else args.global_batch_size,
+        batch_schedule=steps,
+        hardware=hw,
+        recompute=args.recompute,
+        precision=FP32 if args.precision == "fp32" else BF16_MIXED,
+        sharding=args.data_parallel_sharding_strategy,
+        gpus_per_node=min(args.gpus_per_node, args.num_gpus),
+        vp=args.num_virtual_stages_per_pipeline_rank,
+        group_size=args.breadth_first_group_size,
+        max_stored=args.bpipe_max_stored,
+        sequence_parallel=args.sequence_parallel == "on",
+    )
+
+
+def _auto(args: argparse.Namespace) -> int:
+    try:
+        decision = decide(_auto_request(args))
+    except ScheduleError as error:
+        return fail(f"{PROG} auto", error)
+    if args.json:
+        print(json_text(decision.to_dict()))
+    else:
+        print(f"megatron_bfpp: {decision.line()}")
+    return 0
 
 
 def _add_profile(commands: argparse._SubParsersAction[OneLineParser]) -> None:

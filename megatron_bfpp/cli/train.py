@@ -33,6 +33,7 @@ from megatron_bfpp.cli.common import (
     stages_per_rank_defaults,
 )
 from megatron_bfpp.compat import UnsupportedVersionError, check_megatron_core, check_torch
+from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT, run_config
 from megatron_bfpp.flags import (
     QUIET_RANK_GRACE_S,
     OneLineParser,
@@ -71,7 +72,6 @@ from megatron_bfpp.train.data_source import (
     default_cache_dir,
 )
 from megatron_bfpp.train.metric_writers import missing_packages
-from megatron_bfpp.train.run_config import DEFAULT_FFN_TEXT, run_config
 from megatron_bfpp.train.save_lock import SaveLock
 
 PROG = "bfpp-train"
@@ -561,11 +561,11 @@ def checkpoint_format_problem(args: argparse.Namespace) -> str | None:
 def memory_problem(args: argparse.Namespace, world_size: int, *, launched: bool) -> str | None:
     """On a CPU-only machine, a model whose weights, gradients and Adam state do not fit this
     machine's available RAM (all its ranks together), refused before any rank starts: it used
-    to be killed by the kernel after start (:mod:`megatron_bfpp.train.model_memory`). GPUs are
+    to be killed by the kernel after start (:mod:`megatron_bfpp.config.model_memory`). GPUs are
     checked by each rank against its own device (the trainer). ``--no-memory-check`` skips it."""
     import torch
 
-    from megatron_bfpp.train import model_memory
+    from megatron_bfpp.config import model_memory
 
     if args.no_memory_check or torch.cuda.is_available():  # is_available does not start CUDA
         return None

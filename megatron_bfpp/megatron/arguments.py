@@ -14,7 +14,7 @@ from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
-from megatron_bfpp.schedules.fit import check_fit
+from megatron_bfpp.schedules.fit import check_fit, step_batch_sizes
 from megatron_bfpp.schedules.registry import (
     MEGATRON_VP_FLAGS,
     SCHEDULES,
@@ -130,6 +130,9 @@ def check_schedule_args(args: Any) -> None:
         vp_flag=MEGATRON_VP_FLAGS,
         sharding=sharding,
         options=options,
+        # Megatron-LM's --step-batch-size-schedule: its global_batch_size (micro-batch x
+        # data-parallel size) is no step's; every step's micro-batches must run.
+        batch_schedule=step_batch_sizes(args),
     )
     if getattr(args, "rampup_batch_size", None):
         raise ScheduleError(

@@ -39,7 +39,8 @@ from megatron_bfpp.plan.auto import (
     label,
     write_report,
 )
-from megatron_bfpp.plan.presets import BF16_MIXED, FP32, Model, Precision, model_from_shape
+from megatron_bfpp.plan.presets import BF16_MIXED, FP32, Model, Precision, model_description
+from megatron_bfpp.schedules.fit import step_batch_sizes
 from megatron_bfpp.schedules.registry import SCHEDULES, get_spec
 
 __all__ = [
@@ -297,34 +298,34 @@ _TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
 
 
 def _megatron_model(args: Any) -> Model:
-    swiglu = bool(getattr(args, "swiglu", False))
-    hidden = int(args.hidden_size)
-    heads = int(args.num_attention_heads)
-    ffn = getattr(args, "ffn_hidden_size", None)
-    if ffn is None:  # Megatron's validate_args default
-        ffn = int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden
+    """Megatron-LM's parsed arguments as the planner's model (``validate_args``'s defaults)."""
     groups = (
         getattr(args, "num_query_groups", None)
         if getattr(args, "group_query_attention", False)
         else None
     )
     vocab = getattr(args, "vocab_size", None) or _TOKENIZER_VOCAB.get(
-        str(getattr(args, "tokenizer_type", "")), 32000 if swiglu else 50257
+        str(getattr(args, "tokenizer_type", ""))
     )
-    dropout = any(
-        float(getattr(args, name, 0.0) or 0.0) > 0
-        for name in ("hidden_dropout", "attention_dropout")
-    )
-    return model_from_shape(
-        arch="llama" if swiglu else "gpt",
+    return model_description(
         num_layers=int(args.num_layers),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=int(groups) if groups else None,
-        ffn_hidden_size=int(ffn),
+        hidden_size=int(args.hidden_size),
+        num_attention_heads=int(args.num_attention_heads),
         seq_length=int(args.seq_length),
-        vocab_size=int(vocab),
-        dropout=dropout,
+        gated=bool(getattr(args, "swiglu", False)),
+        ffn_default="megatron-lm",
+        ffn_hidden_size=getattr(args, "ffn_hidden_size", None),
+        num_query_groups=int(groups) if groups else None,
+        vocab_size=vocab,
+        dropout=_has_dropout(args),
+    )
+
+
+def _has_dropout(config: Any) -> bool:
+    """Whether activations hold dropout masks (Megatron-LM's and TransformerConfig's names)."""
+    return any(
+        float(getattr(config, name, 0.0) or 0.0) > 0
+        for name in ("hidden_dropout", "attention_dropout")
     )
 
 
@@ -379,6 +380,9 @@ def megatron_request(
         )
     dp = world_size // (tp * pp * cp)
     mbs = int(args.micro_batch_size)
+    # Megatron-LM's --step-batch-size-schedule: timed at its last step's batch (where a ramp
+    # ends), every step's micro-batches checked; its global_batch_size would be mbs x dp
+    steps = step_batch_sizes(args)
     granularity = getattr(args, "recompute_granularity", None)
     unavailable = [
         (name, f"Megatron-LM's {flag} does not run with a V-shape")
@@ -394,7 +398,10 @@ def megatron_request(
         dp=dp,
         cp=cp,
         micro_batch_size=mbs,
-        global_batch_size=int(getattr(args, "global_batch_size", None) or mbs * dp),
+        global_batch_size=steps[-1]
+        if steps
+        else int(getattr(args, "global_batch_size", None) or mbs * dp),
+        batch_schedule=steps,
         hardware=hw,
         recompute=str(granularity) if granularity in ("selective", "full") else "none",
         precision=precision_of(
@@ -506,28 +513,24 @@ def bridge_request(
             f"({tp} x {pp} x {cp})"
         )
     dp = int(world) // (tp * pp * cp)
-    gated = bool(getattr(model, "gated_linear_unit", False))
-    hidden = int(model.hidden_size)
     seq = getattr(model, "seq_length", None) or getattr(
         getattr(config, "dataset", None), "sequence_length", None
     )
-    dropout = any(
-        float(getattr(model, name, 0.0) or 0.0) > 0
-        for name in ("hidden_dropout", "attention_dropout")
-    )
-    shape = model_from_shape(
-        arch="llama" if gated else "gpt",
+    shape = model_description(
         num_layers=int(model.num_layers),
-        hidden_size=hidden,
+        hidden_size=int(model.hidden_size),
         num_attention_heads=int(model.num_attention_heads),
-        num_query_groups=getattr(model, "num_query_groups", None),
-        ffn_hidden_size=getattr(model, "ffn_hidden_size", None) or 4 * hidden,
         seq_length=int(seq or 2048),
-        vocab_size=int(getattr(model, "vocab_size", None) or (32000 if gated else 50257)),
-        dropout=dropout,
+        gated=bool(getattr(model, "gated_linear_unit", False)),
+        ffn_default="megatron-core",  # Bridge's config is a TransformerConfig
+        ffn_hidden_size=getattr(model, "ffn_hidden_size", None),
+        num_query_groups=getattr(model, "num_query_groups", None),
+        vocab_size=getattr(model, "vocab_size", None),
+        dropout=_has_dropout(model),
     )
     optimizer = getattr(config, "optimizer", None)
     granularity = getattr(model, "recompute_granularity", None)
+    steps = step_batch_sizes(config.train)  # where Bridge's config carries Megatron's schedule
     return AutoRequest(
         model=shape,
         tp=tp,
@@ -535,7 +538,8 @@ def bridge_request(
         dp=dp,
         cp=cp,
         micro_batch_size=int(config.train.micro_batch_size),
-        global_batch_size=int(config.train.global_batch_size),
+        global_batch_size=steps[-1] if steps else int(config.train.global_batch_size),
+        batch_schedule=steps,
         hardware=hw,
         recompute=str(granularity) if granularity in ("selective", "full") else "none",
         precision=precision_of(

@@ -27,7 +27,7 @@ from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.plan.auto import AUTO
-from megatron_bfpp.schedules.fit import check_fit
+from megatron_bfpp.schedules.fit import check_fit, step_batch_sizes
 from megatron_bfpp.schedules.registry import get_spec, schedule_names
 
 __all__ = ["BRIDGE_SITES", "bridge_modules", "check_bridge_config", "use_schedule"]
@@ -142,9 +142,10 @@ def check_bridge_config(
         vp=vp,
         dp=dp,
         micro_batch_size=int(config.train.micro_batch_size),
-        global_batch_size=int(config.train.global_batch_size),
+        global_batch_size=int(config.train.global_batch_size or config.train.micro_batch_size * dp),
         vp_flag=VP_FIELD,
         options=options,
+        batch_schedule=step_batch_sizes(config.train),
     )
 
 

@@ -31,7 +31,7 @@ from megatron_bfpp.megatron.arguments import (
 )
 from megatron_bfpp.megatron.auto import resolve_megatron_auto
 from megatron_bfpp.plan.auto import AUTO
-from megatron_bfpp.schedules.fit import num_microbatches
+from megatron_bfpp.schedules.fit import BATCH_SCHEDULE_FLAG, num_microbatches, step_batch_sizes
 
 __all__ = ["check_megatron_command", "check_parallel_layout", "parse_megatron_command"]
 
@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--pipeline-model-parallel-layout", default=None)
     parser.add_argument("--rampup-batch-size", nargs="*", default=None)
+    parser.add_argument(BATCH_SCHEDULE_FLAG, default=None)
     # What --pipeline-schedule auto reads of the model and the training (Megatron's defaults).
     for flag in ("--hidden-size", "--seq-length", "--ffn-hidden-size", "--vocab-size"):
         parser.add_argument(flag, type=positive_int, default=None)
@@ -108,6 +109,11 @@ def parse_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.
     default ``global_batch_size``), so the plugin's checks see what they will see on the GPUs."""
     args, _ = _parser().parse_known_args(list(argv))
     args.world_size = world_size
+    if args.step_batch_size_schedule is not None and args.global_batch_size is not None:
+        raise ScheduleError(  # Megatron-LM's own refusal, before the nodes start
+            f"{BATCH_SCHEDULE_FLAG} and --global-batch-size exclude each other; drop "
+            "--global-batch-size (the schedule gives every step's)"
+        )
     if args.pipeline_schedule == AUTO:  # decided as on the GPUs, but quietly and without CUDA
         strategy = args.data_parallel_sharding_strategy
         resolve_megatron_auto(
@@ -221,11 +227,14 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
             f"virtual pipeline stages need --pipeline-model-parallel-size >= {least} (got {pp})"
             + ("" if args.overlap_p2p_comm else " without p2p overlap")
         )
-    num_microbatches(
-        global_batch_size=args.global_batch_size,
-        micro_batch_size=args.micro_batch_size,
-        data_parallel_size=args.data_parallel_size,
-    )
+    steps = step_batch_sizes(args)
+    for batch in steps or (args.global_batch_size,):
+        num_microbatches(
+            global_batch_size=batch,
+            micro_batch_size=args.micro_batch_size,
+            data_parallel_size=args.data_parallel_size,
+            what=f"{BATCH_SCHEDULE_FLAG}'s batch size {batch}" if steps else None,
+        )
 
 
 def check_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.Namespace:

@@ -29,21 +29,27 @@ from typing import Any
 
 from megatron_bfpp.files import write_output
 from megatron_bfpp.ir import Placement, ScheduleError
-from megatron_bfpp.passes.eviction import bpipe_max_stored
 from megatron_bfpp.plan.costs import BuiltinCurve, Efficiency, ProfileCurve
 from megatron_bfpp.plan.memory import RECOMPUTE, MemoryBreakdown
 from megatron_bfpp.plan.presets import BF16_MIXED, GPUS, GiB, Gpu, Model, Precision, get_gpu
 from megatron_bfpp.plan.profile import load_profile
 from megatron_bfpp.plan.search import (
+    ActionBudget,
     Candidate,
     Cluster,
+    OverBudget,
     Plan,
     SearchOptions,
     evaluate,
     lower_bound_of,
     memory_of,
 )
-from megatron_bfpp.schedules.registry import SCHEDULES, get_spec
+from megatron_bfpp.schedules.registry import (
+    PLANNER_MAX_CHUNKS,
+    build_schedule,
+    get_spec,
+    planned_schedules,
+)
 
 __all__ = [
     "AUTO",
@@ -62,7 +68,13 @@ __all__ = [
 ]
 
 AUTO = "auto"
-MAX_CHUNKS = 8  # the planner's own bound on virtual stages per rank
+MAX_CHUNKS = PLANNER_MAX_CHUNKS  # the planner's own bound on virtual stages per rank
+# What one decision may walk and simulate, in actions as ``registry.estimate_actions`` counts
+# them (docs/planner.md#pipeline-schedule-auto: the figures it was set from).
+AUTO_ACTION_BUDGET = 2_000_000
+# The most of it one candidate's simulations may take (a third): one whose steps do not lie on a
+# line and must be simulated whole cannot leave the others untimed.
+CANDIDATE_SHARE = 3
 CPU_TIMING_GPU = "h100-80gb"  # what a run without CUDA is timed as, unless told otherwise
 REPORT_FORMAT = "bfpp-auto-report"
 # Where a front end records auto's line once it wrote the choice into the parsed arguments.
@@ -147,10 +159,24 @@ class AutoRequest:
     sequence_parallel: bool = True  # with tp > 1 (Megatron-LM's --sequence-parallel)
     # (schedule, why): what the front end cannot run whatever the layout (Bridge: the V-shapes)
     unavailable: tuple[tuple[str, str], ...] = ()
+    # Megatron-LM's --step-batch-size-schedule: the global batch of every step, in order (the
+    # decision is timed at ``global_batch_size``, the last step's; every step must run)
+    batch_schedule: tuple[int, ...] = ()
 
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def step_microbatches(self) -> tuple[int, ...]:
+        """The micro-batches of every step the schedule will run (one without a schedule)."""
+        batches = self.batch_schedule or (self.global_batch_size,)
+        return tuple(batch // (self.micro_batch_size * self.dp) for batch in batches)
+
+    @property
+    def peak_batch_size(self) -> int:
+        """The largest step's global batch: what memory is planned for."""
+        return max(self.batch_schedule or (self.global_batch_size,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +189,7 @@ class Row:
     plan: Plan | None = None
     excluded: str | None = None
     lower_bound_s: float | None = None  # not simulated: this bound cannot beat the runner-up
+    untimed: bool = False  # not timed: it would have exceeded auto's action budget
 
     @property
     def label(self) -> str:
@@ -181,6 +208,7 @@ class Row:
             "memory_per_gpu_bytes": None if self.memory is None else self.memory.to_dict(),
             "excluded": self.excluded,
             "lower_bound_s": self.lower_bound_s,
+            "over_budget": self.untimed,
             "p2p_model": None if self.plan is None else self.plan.p2p_model,
         }
 
@@ -206,6 +234,13 @@ class Decision:
     rows: tuple[Row, ...]
     megatron: Row
     simulations: int
+    actions_spent: int = 0  # of the action budget (AUTO_ACTION_BUDGET)
+    action_budget: int = AUTO_ACTION_BUDGET
+
+    @property
+    def untimed(self) -> int:
+        """Candidates left untimed because the action budget was spent."""
+        return sum(row.untimed for row in self.rows)
 
     @property
     def chosen(self) -> Row:
@@ -249,6 +284,11 @@ class Decision:
         if second is not None and second.plan is not None:
             text += f" over {second.label} ({second.plan.step_time_s:.3g} s)"
         text += f"; Megatron's {self.megatron.label}: {_megatron_figure(self.megatron)}"
+        if self.untimed:
+            text += (
+                f"; {self.untimed} of {len(self.rows)} candidates not timed (over the budget "
+                f"of {self.action_budget:,} simulated actions)"
+            )
         return f"{text} [{hw.note}]"
 
     def to_dict(self) -> dict[str, object]:
@@ -265,6 +305,9 @@ class Decision:
             "memory_budget_bytes": None if hw.memory_bytes is None else _budget(hw),
             "efficiency": hw.efficiency.source,
             "simulations": self.simulations,
+            "actions_simulated": self.actions_spent,
+            "action_budget": self.action_budget,
+            "untimed": self.untimed,
             "layout": {
                 "model": r.model.name,
                 "tensor_parallel": r.tp,
@@ -274,6 +317,7 @@ class Decision:
                 "micro_batch_size": r.micro_batch_size,
                 "global_batch_size": r.global_batch_size,
                 "num_microbatches": r.num_microbatches,
+                "step_batch_sizes": list(r.batch_schedule) or None,
                 "recompute": r.recompute,
                 "precision": r.precision.name,
                 "sharding": r.sharding,
@@ -285,6 +329,8 @@ class Decision:
 
 
 def _megatron_figure(row: Row) -> str:
+    if row.untimed:
+        return "not timed (over the action budget)"
     if row.excluded is not None:
         return f"cannot run ({row.excluded})"
     assert row.plan is not None and row.memory is not None
@@ -396,11 +442,17 @@ def _check_request(r: AutoRequest) -> None:
         )
     if r.recompute not in RECOMPUTE:
         raise ScheduleError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {r.recompute}")
-    if r.global_batch_size % (r.micro_batch_size * r.dp):
-        raise ScheduleError(
-            f"--global-batch-size {r.global_batch_size} is not a multiple of micro-batch size x "
-            f"data-parallel size ({r.micro_batch_size} x {r.dp})"
-        )
+    for batch in r.batch_schedule or (r.global_batch_size,):
+        if batch % (r.micro_batch_size * r.dp):
+            named = (
+                f"--step-batch-size-schedule's batch size {batch}"
+                if r.batch_schedule
+                else f"--global-batch-size {batch}"
+            )
+            raise ScheduleError(
+                f"{named} is not a multiple of micro-batch size x data-parallel size "
+                f"({r.micro_batch_size} x {r.dp})"
+            )
     if r.model.num_layers % r.pp:
         raise ScheduleError(
             f"--num-layers {r.model.num_layers} is not divisible by --pipeline-model-parallel-"
@@ -439,13 +491,15 @@ def _check_request(r: AutoRequest) -> None:
 
 
 def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
-    """What a schedule may choose on the user's layout, and (as rows) what it may not and why."""
-    m = r.num_microbatches
+    """What a schedule may choose on the user's layout, and (as rows) what it may not and why:
+    the grid each catalogue entry declares (``ScheduleSpec.planned_stages``, ``PlanGrid``),
+    the same one ``recommend`` searches, narrowed by what the user fixed."""
     layers_per_rank = r.model.num_layers // r.pp
     allowed: list[Candidate] = []
     excluded: list[Row] = []
 
-    def make(name: str, vp: int, group: int | None = None, cap: int | None = None) -> Candidate:
+    def make(name: str, vp: int, chosen: Mapping[str, int] | None = None) -> Candidate:
+        chosen = chosen or {}
         return Candidate(
             name,
             r.sharding,
@@ -455,69 +509,58 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
             r.dp,
             r.micro_batch_size,
             r.recompute,
-            group_size=group,
+            group_size=chosen.get("group_size"),
             plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel,
-            max_stored=cap,
+            max_stored=chosen.get("max_stored"),
         )
 
     def refuse(name: str, vp: int, why: str) -> None:
         excluded.append(Row(make(name, vp), None, False, excluded=why))
 
     unavailable = dict(r.unavailable)
-    for name, spec in SCHEDULES.items():
-        if r.sharding != "optim" and name != "breadth-first":
+    given = {"group_size": r.group_size, "max_stored": r.max_stored}
+    fixed = {key: value for key, value in given.items() if value is not None}
+    for spec in planned_schedules():
+        name = spec.name
+        if r.sharding not in spec.plan.shardings:
             continue
         if name in unavailable:
-            refuse(name, 2 if spec.placement is Placement.V_SHAPE else 1, unavailable[name])
+            refuse(name, spec.default_stages_per_rank, unavailable[name])
             continue
-        if r.group_size is not None and name != "breadth-first":
-            continue
-        if r.max_stored is not None and name != "bpipe":
-            continue
-        if spec.placement is Placement.SINGLE:
-            vps = [1]
-        elif spec.placement is Placement.V_SHAPE:
-            vps = [2]
-            if layers_per_rank % 2:
-                refuse(name, 2, f"{layers_per_rank} layers per rank do not split into a V's 2")
-                continue
-        elif r.vp is not None:
-            vps = [r.vp]
+        if not set(fixed) <= set(spec.option_names):
+            continue  # the user's option belongs to another schedule
+        if spec.placement is Placement.LOOPED and r.vp is not None:
+            vps: tuple[int, ...] = (r.vp,)
         else:
-            vps = [v for v in _divisors(layers_per_rank) if 2 <= v <= MAX_CHUNKS]
-            if not vps:
-                refuse(name, 2, f"{layers_per_rank} layer(s) per rank: no virtual stages")
+            vps, why = spec.planned_stages(layers_per_rank, max_chunks=MAX_CHUNKS)
+            if why is not None:
+                refuse(name, spec.default_stages_per_rank, why)
                 continue
-        if r.vp is not None and r.vp not in vps:
-            continue  # the user's virtual stages rule this placement out
+            if r.vp is not None:
+                if r.vp not in vps:
+                    continue  # the user's virtual stages rule this placement out
+                vps = (r.vp,)
         for vp in vps:
-            if name == "interleaved" and (m < r.pp or m % r.pp):
-                refuse(name, vp, f"needs a multiple of pp={r.pp} micro-batches, got {m}")
+            problem = next(
+                (
+                    p
+                    for m in r.step_microbatches
+                    if (p := spec.planned_microbatches_problem(r.pp, m))
+                ),
+                None,
+            )
+            if problem is not None:
+                refuse(name, vp, problem)
                 continue
-            allowed += [make(name, vp, group, cap) for group, cap in _options(name, r, m)]
+            # the timed (last) step's grid; the other steps are checked per candidate
+            grid = _grid(spec.plan.options(r.pp, r.num_microbatches), fixed)
+            allowed += [make(name, vp, chosen) for chosen in grid]
     return allowed, excluded
 
 
-def _options(name: str, r: AutoRequest, m: int) -> list[tuple[int | None, int | None]]:
-    """Breadth-first: one group, or groups of pp x 2^k micro-batches dividing m (each bounds
-    the stored activations at one group's); BPipe: its own cap and halfway to 1F1B's p."""
-    if name == "breadth-first":
-        if r.group_size is not None:
-            return [(r.group_size, None)]
-        groups: list[int | None] = [None]
-        g = r.pp
-        while g < m:
-            if m % g == 0:
-                groups.append(g)
-            g *= 2
-        return [(group, None) for group in groups]
-    if name == "bpipe":
-        if r.max_stored is not None:
-            return [(None, r.max_stored)]
-        default = bpipe_max_stored(r.pp)
-        halfway = (default + r.pp + 1) // 2
-        return [(None, None)] + ([(None, halfway)] if default < halfway < r.pp else [])
-    return [(None, None)]
+def _grid(grid: tuple[Mapping[str, int], ...], fixed: Mapping[str, int]) -> list[Mapping[str, int]]:
+    """The catalogue's option grid, or only the options the user fixed."""
+    return [dict(fixed)] if fixed else list(grid)
 
 
 def _megatron_default(r: AutoRequest) -> Candidate:
@@ -544,79 +587,53 @@ def decide(r: AutoRequest) -> Decision:
     """Rank the schedules the layout admits, or refuse in one line (:class:`ScheduleError`)
     when none does or none fits the GPU's memory. Simulates each candidate that fits once, and
     Megatron's default once more under megatron-core's own posting: ``Decision.simulations``
-    counts them."""
+    counts them. Bounded: the walks and simulations are charged to one ``ActionBudget`` of
+    :data:`AUTO_ACTION_BUDGET` actions, a candidate's simulations to at most
+    1/:data:`CANDIDATE_SHARE` of it; a candidate that would exceed what is left is not timed
+    (its row says so) and the decision is made from the others."""
     _check_request(r)
-    model = r.model if r.cp == 1 else r.model.with_seq_length(r.model.seq_length // r.cp)
-    n = r.tp * r.pp * r.dp
-    cluster = Cluster(n, math.gcd(n, max(1, r.gpus_per_node // r.cp)), r.hardware.gpu)
-    # Our schedules are timed as our runtime posts their messages (the planner's default
-    # model), 1f1b and interleaved included: under auto they run in our runtime. Megatron's own
-    # default is timed as megatron-core posts it (``megatron_baselines``).
-    options = SearchOptions(
-        precision=r.precision,
-        distributed_optimizer=r.distributed_optimizer,
-        efficiency=r.hardware.efficiency,
-        megatron_baselines=False,
-    )
-    megatron_options = dataclasses.replace(options, megatron_baselines=True)
-    budget = None if r.hardware.memory_bytes is None else _budget(r.hardware)
+    judge = _Judge.of(r)
     allowed, excluded = _candidates(r)
-    simulations = 0
+    # Megatron's own default first, under megatron-core's posting: the line compares with it,
+    # so it is timed before the budget can run out.
+    default = _megatron_default(r)
+    megatron = next((row for row in excluded if row.candidate == default), None)
+    if megatron is None:
+        megatron = judge.row(default, force=True, megatron=True)
     simulated: list[Row] = []
     too_big: list[Row] = []
-
-    def row_of(c: Candidate, *, force: bool = False, megatron: bool = False) -> Row:
-        nonlocal simulations
-        try:
-            memory = memory_of(
-                c, model=model, global_batch_size=r.global_batch_size, options=options
-            )
-        except ScheduleError as error:
-            return Row(c, None, False, excluded=_first_line(error))
-        fits = budget is None or memory.total <= budget
-        if not fits and not force:
-            return Row(c, memory, False)
-        try:
-            plan = evaluate(
-                c,
-                model=model,
-                cluster=cluster,
-                global_batch_size=r.global_batch_size,
-                options=megatron_options if megatron else options,
-            )
-        except ScheduleError as error:
-            return Row(c, memory, False, excluded=_first_line(error))
-        simulations += 1
-        return Row(c, memory, fits, plan)
-
+    untimed: list[Row] = []
     # Cheapest bound first; a candidate whose bound cannot beat the runner-up so far is not
     # simulated (its row keeps the bound): the choice and the runner-up are exact.
     bounded: list[tuple[float, int, Candidate]] = []
     for index, c in enumerate(allowed):
         try:
-            bound = lower_bound_of(
-                c,
-                model=model,
-                cluster=cluster,
-                global_batch_size=r.global_batch_size,
-                options=options,
-            )
+            bound = judge.lower_bound(c)
         except ScheduleError as error:
             excluded.append(Row(c, None, False, excluded=_first_line(error)))
             continue
         bounded.append((bound, index, c))
     pruned: list[Row] = []
-    for bound, _, c in sorted(bounded):
+    # Our run of Megatron's own default first, then cheapest bound first: should the budget run
+    # out, the choice is never one predicted slower than the schedule Megatron would run.
+    for _, bound, _, c in sorted((c != default, b, i, c) for b, i, c in bounded):
         steps = sorted(row.plan.step_time_s for row in simulated if row.plan)
         if len(steps) >= 2 and bound >= steps[1]:
-            memory = memory_of(
-                c, model=model, global_batch_size=r.global_batch_size, options=options
-            )
-            fits = budget is None or memory.total <= budget
+            try:
+                memory = judge.memory(c)
+            except OverBudget as error:
+                untimed.append(_untimed(c, None, judge.actions, error))
+                continue
+            except ScheduleError as error:
+                excluded.append(Row(c, None, False, excluded=_first_line(error)))
+                continue
+            fits = judge.fits(memory)
             (pruned if fits else too_big).append(Row(c, memory, fits, lower_bound_s=bound))
             continue
-        row = row_of(c)
-        if row.excluded is not None:
+        row = judge.row(c)
+        if row.untimed:
+            untimed.append(row)
+        elif row.excluded is not None:
             excluded.append(row)
         elif row.plan is not None:
             simulated.append(row)
@@ -626,15 +643,146 @@ def decide(r: AutoRequest) -> Decision:
     simulated += sorted(pruned, key=lambda row: row.lower_bound_s or 0.0)
     too_big.sort(key=lambda row: row.memory.total if row.memory else math.inf)
     if not simulated:
-        raise ScheduleError(_refusal(r, too_big, excluded, budget))
-    default = _megatron_default(r)
-    megatron = next((row for row in excluded if row.candidate == default), None)
-    if megatron is None:  # Megatron's own posting: simulated apart from our 1f1b / interleaved
-        megatron = row_of(default, force=True, megatron=True)
-    return Decision(r, tuple(simulated + too_big + excluded), megatron, simulations)
+        raise ScheduleError(_refusal(r, too_big, excluded, untimed, judge))
+    rows = tuple(simulated + too_big + untimed + excluded)
+    return Decision(r, rows, megatron, judge.simulations, judge.actions.spent, judge.actions.limit)
 
 
-def _refusal(r: AutoRequest, too_big: list[Row], excluded: list[Row], budget: int | None) -> str:
+@dataclass(frozen=True, slots=True)
+class _Judge:
+    """How :func:`decide` sizes and times a candidate of one request: the model per context
+    rank, the cluster, the search's options (ours timed as our runtime posts, Megatron's
+    default as megatron-core posts it), the memory budget and the action budget it spends."""
+
+    request: AutoRequest
+    model: Model
+    cluster: Cluster
+    options: SearchOptions
+    memory_budget: int | None
+    actions: ActionBudget
+    counter: list[int]  # simulations so far (one cell: the judge is frozen, its count is not)
+
+    @staticmethod
+    def of(r: AutoRequest) -> _Judge:
+        model = r.model if r.cp == 1 else r.model.with_seq_length(r.model.seq_length // r.cp)
+        n = r.tp * r.pp * r.dp
+        cluster = Cluster(n, math.gcd(n, max(1, r.gpus_per_node // r.cp)), r.hardware.gpu)
+        options = SearchOptions(
+            precision=r.precision,
+            distributed_optimizer=r.distributed_optimizer,
+            efficiency=r.hardware.efficiency,
+            megatron_baselines=False,
+        )
+        memory = None if r.hardware.memory_bytes is None else _budget(r.hardware)
+        return _Judge(r, model, cluster, options, memory, ActionBudget(AUTO_ACTION_BUDGET), [0])
+
+    @property
+    def simulations(self) -> int:
+        return self.counter[0]
+
+    def fits(self, memory: MemoryBreakdown) -> bool:
+        return self.memory_budget is None or memory.total <= self.memory_budget
+
+    def lower_bound(self, c: Candidate) -> float:
+        return lower_bound_of(
+            c,
+            model=self.model,
+            cluster=self.cluster,
+            global_batch_size=self.request.global_batch_size,
+            options=self.options,
+        )
+
+    def memory(self, c: Candidate) -> MemoryBreakdown:
+        """At the largest step of a batch-size schedule (the global batch without one)."""
+        return memory_of(
+            c,
+            model=self.model,
+            global_batch_size=self.request.peak_batch_size,
+            options=self.options,
+            budget=self.actions,
+        )
+
+    def row(self, c: Candidate, *, force: bool = False, megatron: bool = False) -> Row:
+        """Its memory and, when it fits (or ``force``), its simulated plan; or why not."""
+        try:
+            memory = self.memory(c)
+            _check_every_step(c, self.request, self.actions)
+        except OverBudget as error:
+            return _untimed(c, None, self.actions, error)
+        except ScheduleError as error:
+            return Row(c, None, False, excluded=_first_line(error))
+        fits = self.fits(memory)
+        if not fits and not force:
+            return Row(c, memory, False)
+        options = self.options
+        if megatron:
+            options = dataclasses.replace(options, megatron_baselines=True)
+        share = self.actions.part(self.actions.limit // CANDIDATE_SHARE)
+        try:
+            plan = evaluate(
+                c,
+                model=self.model,
+                cluster=self.cluster,
+                global_batch_size=self.request.global_batch_size,
+                options=options,
+                budget=share,
+            )
+        except OverBudget as error:
+            return _untimed(c, memory, self.actions, error)
+        except ScheduleError as error:
+            return Row(c, memory, False, excluded=_first_line(error))
+        finally:
+            self.actions.spent += share.spent
+        self.counter[0] += 1
+        return Row(c, memory, fits, plan)
+
+
+def _untimed(
+    c: Candidate, memory: MemoryBreakdown | None, actions: ActionBudget, error: OverBudget
+) -> Row:
+    why = (
+        f"not timed: over auto's budget of {actions.limit:,} simulated actions, of which one "
+        f"candidate may take 1/{CANDIDATE_SHARE} ({error})"
+    )
+    return Row(c, memory, False, excluded=why, untimed=True)
+
+
+def _check_every_step(c: Candidate, r: AutoRequest, actions: ActionBudget) -> None:
+    """A batch-size schedule's other steps: the candidate's compute order must build at each
+    step's micro-batches (the timed step is checked by its simulation)."""
+    spec = get_spec(c.schedule)
+    chunks = spec.chunks_for(None if spec.placement is not Placement.LOOPED else c.vp)
+    options: dict[str, Any] = {"group_size": c.group_size, "max_stored": c.max_stored}
+    chosen = {key: value for key, value in options.items() if value is not None}
+    for m in sorted(set(r.step_microbatches) - {r.num_microbatches}):
+        actions.charge(num_ranks=c.pp, stages_per_rank=c.vp, num_microbatches=m)
+        try:
+            build_schedule(
+                c.schedule,
+                num_ranks=c.pp,
+                num_microbatches=m,
+                num_chunks=chunks,
+                lower=False,
+                validate=False,
+                **chosen,
+            )
+        except ScheduleError as error:
+            raise ScheduleError(
+                f"cannot run a step of {m} micro-batches: {_first_line(error)}"
+            ) from None
+
+
+def _refusal(
+    r: AutoRequest, too_big: list[Row], excluded: list[Row], untimed: list[Row], judge: _Judge
+) -> str:
+    budget = judge.memory_budget
+    if not too_big and untimed:
+        return (
+            f"--pipeline-schedule auto: timing this layout's schedules (pp={r.pp}, "
+            f"{r.num_microbatches} micro-batches) needs more than auto's budget of "
+            f"{judge.actions.limit:,} simulated actions; name the schedule with "
+            "--pipeline-schedule (bfpp-plan auto shows the candidates)"
+        )
     if not too_big:
         reasons = "; ".join(dict.fromkeys(f"{row.label}: {row.excluded}" for row in excluded))
         return f"--pipeline-schedule auto: no schedule can run this layout ({reasons})"

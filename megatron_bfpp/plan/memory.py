@@ -5,7 +5,7 @@ Models" (MLSys 2023), section 4, counted per tensor autograd keeps for megatron-
 transformer layer, so that the same count serves GPT and LLaMA, any precision, with and without
 dropout (their 34sbh + 5as^2b is the GPT case in 16-bit with dropout: ``layer_activation_bytes``
 reproduces it exactly, see tests/unit/test_plan_model.py). Weights come from
-``train.model_memory``, which is checked against models megatron-core builds.
+``config.model_memory``, which is checked against models megatron-core builds.
 
 Why per-stage weights and a walk over the schedule: the first stage also keeps the embedding's
 inputs and the last stage the logits, and a schedule stores different stages' micro-batches at
@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatron_bfpp.config.model_memory import parameters_per_pipeline_rank, parameters_per_stage
+from megatron_bfpp.config.run_config import Layout
 from megatron_bfpp.ir import MEMORY_DELTA, ActionKind, Placement, Schedule, ScheduleError
 from megatron_bfpp.plan.presets import Model, Precision
-from megatron_bfpp.train.model_memory import parameters_per_pipeline_rank, parameters_per_stage
-from megatron_bfpp.train.run_config import Layout
 
 __all__ = [
     "RECOMPUTE",
@@ -209,7 +209,7 @@ def rank_parameters(
     model: Model, *, tp: int, pp: int, chunks: int, placement: Placement
 ) -> list[int]:
     """Parameters of one tensor-parallel rank at each pipeline rank, as megatron-core builds the
-    model (``train.model_memory``, tested against megatron-core): layers, embeddings, final
+    model (``config.model_memory``, tested against megatron-core): layers, embeddings, final
     norm and output layer (a tied GPT output weight's copy on the last stage)."""
     layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
     return parameters_per_pipeline_rank(model.shape(tp=tp), layout)
@@ -219,7 +219,7 @@ def stage_parameters(
     model: Model, *, tp: int, pp: int, chunks: int, placement: Placement
 ) -> list[int]:
     """Parameters of one tensor-parallel rank at each global stage (``rank_parameters``, stage
-    by stage: ``train.model_memory.parameters_per_stage``)."""
+    by stage: ``config.model_memory.parameters_per_stage``)."""
     layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
     return parameters_per_stage(model.shape(tp=tp), layout)
 
@@ -256,7 +256,7 @@ def full_buffer_peaks(
     The walk is the schedule's own (``Schedule.held_parameter_chunks`` from PS to RL,
     ``held_gradient_chunks`` from a backward until its run's reduction lands), each stage
     weighed by its parameters (``stage_parameters``, in global stage order:
-    ``train.model_memory.parameters_per_stage``), so chunks of unequal size (the embedding's,
+    ``config.model_memory.parameters_per_stage``), so chunks of unequal size (the embedding's,
     the output layer's) count as what they are. Without sharded parameters (no RL on a rank)
     every stage of the rank is whole all step.
     """

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_bfpp.config.run_config import ModelShape, default_ffn_hidden_size
 from megatron_bfpp.ir import ScheduleError
-from megatron_bfpp.train.run_config import ModelShape, default_ffn_hidden_size
 
 __all__ = [
     "BF16_MIXED",
+    "FFN_DEFAULTS",
     "FP32",
     "GPUS",
     "MODELS",
@@ -22,6 +23,7 @@ __all__ = [
     "Precision",
     "get_gpu",
     "get_model",
+    "model_description",
     "model_from_shape",
     "padded_vocab_size",
 ]
@@ -49,7 +51,7 @@ class Model:
 
     def shape(self, *, tp: int) -> ModelShape:
         """bfpp-train's ``ModelShape`` with the vocabulary padded as Megatron pads it for ``tp``,
-        so that ``train.model_memory`` counts the parameters megatron-core builds."""
+        so that ``config.model_memory`` counts the parameters megatron-core builds."""
         return ModelShape(
             self.arch,
             self.num_layers,
@@ -166,6 +168,56 @@ def model_from_shape(
         seq_length=seq_length,
         vocab_size=vocab_size,
         dropout=arch == "gpt" if dropout is None else dropout,
+    )
+
+
+# Whose FFN size a model gets when the front end leaves it unset: Megatron-LM's validate_args
+# (SwiGLU: 2/3 of 4h rounded down to 64), megatron-core's TransformerConfig (4h whatever the MLP:
+# what Megatron-Bridge's config builds) or bfpp-train's presets (``default_ffn_hidden_size``).
+FFN_DEFAULTS = ("megatron-lm", "megatron-core", "bfpp-train")
+
+
+def _default_ffn(rule: str, *, gated: bool, hidden_size: int) -> int:
+    if rule == "megatron-lm":
+        return int((4 * hidden_size * 2 / 3) / 64) * 64 if gated else 4 * hidden_size
+    if rule == "megatron-core":
+        return 4 * hidden_size
+    if rule == "bfpp-train":
+        return default_ffn_hidden_size("llama" if gated else "gpt", hidden_size)
+    raise ScheduleError(f"FFN default must be one of {', '.join(FFN_DEFAULTS)}, got {rule!r}")
+
+
+def model_description(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    seq_length: int,
+    gated: bool,
+    ffn_default: str,
+    ffn_hidden_size: int | None = None,
+    num_query_groups: int | None = None,
+    vocab_size: int | None = None,
+    dropout: bool | None = None,
+) -> Model:
+    """The planner's model of what a front end builds: the one translation every front end
+    (Megatron-LM's arguments, Megatron-Bridge's config, bfpp-train's and bfpp-plan's flags)
+    calls, so the same model is described alike everywhere. ``gated``: a SwiGLU MLP (Megatron's
+    ``--swiglu``, Bridge's ``gated_linear_unit``, bfpp-train's llama), planned as the llama
+    architecture; its FFN size is the one given, else ``ffn_default``'s rule
+    (:data:`FFN_DEFAULTS`), the builder's own; the vocabulary, when not given, 32000 gated and
+    50257 (GPT-2's) otherwise."""
+    ffn = ffn_hidden_size or _default_ffn(ffn_default, gated=gated, hidden_size=hidden_size)
+    return model_from_shape(
+        arch="llama" if gated else "gpt",
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        ffn_hidden_size=ffn,
+        seq_length=seq_length,
+        vocab_size=vocab_size or (32000 if gated else 50257),
+        dropout=dropout,
     )
 
 

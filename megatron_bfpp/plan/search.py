@@ -45,20 +45,28 @@ from megatron_bfpp.plan.memory import (
     weights_bytes,
 )
 from megatron_bfpp.plan.presets import BF16_MIXED, Gpu, Model, Precision, padded_vocab_size
-from megatron_bfpp.schedules.registry import build_schedule, get_spec
-from megatron_bfpp.sim import CostModel, simulate
+from megatron_bfpp.schedules.registry import (
+    PLANNER_MAX_CHUNKS,
+    build_schedule,
+    estimate_actions,
+    get_spec,
+    planned_schedules,
+)
+from megatron_bfpp.sim import CostModel, SimResult, simulate
 from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL
 
 __all__ = [
-    "FAMILIES",
     "MEGATRON_SCHEDULES",
+    "ActionBudget",
     "Candidate",
     "Cluster",
+    "OverBudget",
     "Plan",
     "SearchOptions",
     "SearchResult",
     "candidates",
     "evaluate",
+    "families",
     "grad_reduce_of",
     "lower_bound_of",
     "memory_of",
@@ -67,19 +75,50 @@ __all__ = [
     "recommend",
 ]
 
-# (schedule, data-parallel sharding strategy): the families the planner compares.
-FAMILIES: tuple[tuple[str, str], ...] = (
-    ("1f1b", "optim"),
-    ("interleaved", "optim"),
-    ("breadth-first", "optim"),
-    ("breadth-first", "optim_grads_params"),
-    ("bpipe", "optim"),
-    ("v-min", "optim"),
-    ("v-half", "optim"),
-    ("v-zb", "optim"),
-    ("gpipe", "optim"),
-)
 NS = 1e9  # the simulator runs in integer nanoseconds: exact, whatever its arithmetic
+
+
+class OverBudget(ScheduleError):
+    """Walking or simulating a candidate would spend more than what is left of its search's
+    :class:`ActionBudget`; nothing was spent on it."""
+
+
+class ActionBudget:
+    """How many schedule actions (as ``registry.estimate_actions`` counts them) a search may
+    still walk for memory and simulate: ``--pipeline-schedule auto``'s bound. A count from the
+    sizes, never a clock, so every rank stops at the same candidate. Charged before the work
+    whether or not a cache would spare it, so a decision does not depend on what ran before."""
+
+    __slots__ = ("limit", "spent")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.spent = 0
+
+    def charge(self, *, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> None:
+        """Spend a schedule's actions, or raise :class:`OverBudget` and spend nothing."""
+        actions = estimate_actions(
+            num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=num_microbatches
+        )
+        if self.spent + actions > self.limit:
+            raise OverBudget(
+                f"pp={num_ranks} x {stages_per_rank} stage(s) per rank x {num_microbatches} "
+                f"micro-batches ({actions:,} actions) exceeds what is left of {self.limit:,}"
+            )
+        self.spent += actions
+
+    def part(self, most: int) -> ActionBudget:
+        """A budget of at most ``most`` of what is left; its spending is added back by whoever
+        asked for it (``spent += part.spent``)."""
+        return ActionBudget(max(0, min(most, self.limit - self.spent)))
+
+
+def families() -> tuple[tuple[str, str], ...]:
+    """(schedule, data-parallel sharding strategy): the families the planner compares, as the
+    catalogue declares them (``PlanGrid.shardings``), in the planners' order."""
+    return tuple(
+        (spec.name, sharding) for spec in planned_schedules() for sharding in spec.plan.shardings
+    )
 
 
 def family_name(schedule: str, sharding: str) -> str:
@@ -114,7 +153,7 @@ class SearchOptions:
     tensor_parallel: tuple[int, ...] = ()  # empty: 1, 2, 4, 8 within a node
     pipeline_parallel: tuple[int, ...] = ()  # empty: every divisor
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
-    max_chunks: int = 8
+    max_chunks: int = PLANNER_MAX_CHUNKS
     top: int = 10
     memory_fraction: float = 0.9
     precision: Precision = BF16_MIXED
@@ -246,7 +285,7 @@ def candidates(
     dp x micro-batch; interleaved needs a multiple of pp micro-batches (Megatron's rule);
     sharded parameters need dp > 1; one pipeline rank only as 1F1B, i.e. plain data parallelism
     (Megatron's default schedule: the plugin's schedules need pp >= 2)."""
-    families = [f for f in FAMILIES if not options.schedules or f[0] in options.schedules]
+    searched = [f for f in families() if not options.schedules or f[0] in options.schedules]
     n = cluster.num_gpus
     tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
     for tp in tps:
@@ -260,51 +299,63 @@ def candidates(
             dp = n // (tp * pp)
             if global_batch_size % dp:
                 continue
-            per_pipeline = global_batch_size // dp
-            for schedule, sharding in families:
+            for schedule, sharding in searched:
                 if sharding != "optim" and dp == 1:
                     continue
                 if pp == 1 and schedule != "1f1b":
                     continue
-                for vp in _chunk_choices(schedule, model.num_layers // pp, options.max_chunks):
-                    for b in options.micro_batch_sizes:
-                        if per_pipeline % b:
-                            continue
-                        m = per_pipeline // b
-                        if schedule == "interleaved" and m % pp:
-                            continue
-                        if (
-                            schedule == "interleaved"
-                            and pp == 2
-                            and not options.megatron_p2p_overlap
-                        ):
-                            continue  # Megatron-LM refuses it: a batch would cross-match at pp 2
-                        groups: list[int | None] = [None]
-                        if schedule == "breadth-first" and m > pp and m % pp == 0:
-                            groups.append(pp)
-                        for recompute in options.recompute:
-                            for group in groups:
-                                yield Candidate(
-                                    schedule,
-                                    sharding,
-                                    tp,
-                                    pp,
-                                    vp,
-                                    dp,
-                                    b,
-                                    recompute,
-                                    group,
-                                    plain_tensor_parallel=tp > 1 and not options.sequence_parallel,
-                                )
+                yield from _schedule_candidates(
+                    schedule,
+                    sharding,
+                    tp=tp,
+                    pp=pp,
+                    dp=dp,
+                    per_pipeline=global_batch_size // dp,
+                    layers_per_rank=model.num_layers // pp,
+                    options=options,
+                )
 
 
-def _chunk_choices(schedule: str, layers_per_rank: int, max_chunks: int) -> list[int]:
-    placement = get_spec(schedule).placement
-    if placement is Placement.SINGLE:
-        return [1]
-    if placement is Placement.V_SHAPE:
-        return [2] if layers_per_rank % 2 == 0 else []
-    return [v for v in _divisors(layers_per_rank) if 2 <= v <= max_chunks]
+def _schedule_candidates(
+    schedule: str,
+    sharding: str,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    per_pipeline: int,
+    layers_per_rank: int,
+    options: SearchOptions,
+) -> Iterator[Candidate]:
+    """One family's candidates on one (tp, pp, dp): the grid its catalogue entry declares
+    (virtual stages, micro-batch rule, option grid) over micro-batch sizes and recomputation."""
+    spec = get_spec(schedule)
+    vps, _ = spec.planned_stages(layers_per_rank, max_chunks=options.max_chunks)
+    for vp in vps:
+        for b in options.micro_batch_sizes:
+            if per_pipeline % b:
+                continue
+            m = per_pipeline // b
+            if spec.planned_microbatches_problem(pp, m) is not None:
+                continue
+            if schedule == "interleaved" and pp == 2 and not options.megatron_p2p_overlap:
+                continue  # Megatron-LM refuses it: a batch would cross-match at pp 2
+            grid = spec.plan.options(pp, m)
+            for recompute in options.recompute:
+                for chosen in grid:
+                    yield Candidate(
+                        schedule,
+                        sharding,
+                        tp,
+                        pp,
+                        vp,
+                        dp,
+                        b,
+                        recompute,
+                        chosen.get("group_size"),
+                        plain_tensor_parallel=tp > 1 and not options.sequence_parallel,
+                        max_stored=chosen.get("max_stored"),
+                    )
 
 
 # --------------------------------------------------------------------------- memory
@@ -319,7 +370,13 @@ def memory_microbatches(schedule: str, pp: int, vp: int, m: int) -> int:
 
 
 def _points(
-    schedule: str, pp: int, vp: int, m: int, group: int | None, max_stored: int | None = None
+    schedule: str,
+    pp: int,
+    vp: int,
+    m: int,
+    group: int | None,
+    max_stored: int | None = None,
+    budget: ActionBudget | None = None,
 ) -> PeakPoints:
     if schedule == "gpipe" or (schedule == "breadth-first" and group is None):
         # Every forward before any backward: each rank holds all m micro-batches of its chunks.
@@ -330,6 +387,8 @@ def _points(
     length = memory_microbatches(schedule, pp, vp, m)
     if group is not None:  # one whole group at least: its peak is the group's micro-batches
         length = min(m, max(length, group))
+    if budget is not None:
+        budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
     return _walked_points(schedule, pp, vp, length, group, max_stored)
 
 
@@ -446,20 +505,15 @@ def _weights(
 
 
 def _memory(
-    c: Candidate, m: int, model: Model, precision: Precision, weights: list[tuple[int, int, int]]
+    c: Candidate,
+    m: int,
+    model: Model,
+    precision: Precision,
+    weights: list[tuple[int, int, int]],
+    budget: ActionBudget | None = None,
 ) -> tuple[MemoryBreakdown, StageBytes]:
-    layers_per_stage = model.num_layers // (c.pp * c.vp)
-    stage = stage_activation_bytes(
-        model,
-        micro_batch_size=c.micro_batch_size,
-        tp=c.tp,
-        layers_per_stage=layers_per_stage,
-        vocab_size=padded_vocab_size(model.vocab_size, tp=c.tp),
-        sequence_parallel=c.sequence_parallel,
-        recompute=c.recompute,
-        precision=precision,
-    )
-    points = _points(c.schedule, c.pp, c.vp, m, c.group_size, c.max_stored)
+    stage = _stage_bytes(c, model, precision)
+    points = _points(c.schedule, c.pp, c.vp, m, c.group_size, c.max_stored, budget)
     activations = peak_activation_bytes(points, stage)
     transient = 0
     if c.recompute == "full":  # the layer being recomputed holds its full activations
@@ -476,6 +530,20 @@ def _memory(
         for rank, (p, g, o) in enumerate(weights)
     ]
     return max(breakdowns, key=lambda b: b.total), stage
+
+
+def _stage_bytes(c: Candidate, model: Model, precision: Precision) -> StageBytes:
+    """What one stage stores per micro-batch (closed form)."""
+    return stage_activation_bytes(
+        model,
+        micro_batch_size=c.micro_batch_size,
+        tp=c.tp,
+        layers_per_stage=model.num_layers // (c.pp * c.vp),
+        vocab_size=padded_vocab_size(model.vocab_size, tp=c.tp),
+        sequence_parallel=c.sequence_parallel,
+        recompute=c.recompute,
+        precision=precision,
+    )
 
 
 # --------------------------------------------------------------------------- timing
@@ -513,7 +581,12 @@ def _schedule(
 
 
 def _simulated_ns(
-    c: Candidate, m: int, costs: CostModel, p2p: str, grad_reduce: str | None = None
+    c: Candidate,
+    m: int,
+    costs: CostModel,
+    p2p: str,
+    grad_reduce: str | None = None,
+    budget: ActionBudget | None = None,
 ) -> tuple[float, float]:
     """(step time, bubble fraction) of ``c`` at m micro-batches, in the simulator's ns, by the
     p2p model ``p2p`` (and, for a megatron model, ``grad_reduce``: sim.MEGATRON_GRAD_REDUCE).
@@ -535,12 +608,10 @@ def _simulated_ns(
     for period, first in attempts:
         if m <= first + 2 * period:
             break
-        steps = []
-        for length in (first, first + period, first + 2 * period):
-            built = _schedule(*c.shape, length, c.sharding, c.group_size, c.max_stored)
-            steps.append(
-                simulate(built, costs, p2p=p2p, megatron_grad_reduce=grad_reduce).step_time
-            )
+        steps = [
+            _step(c, length, costs, p2p, grad_reduce, budget).step_time
+            for length in (first, first + period, first + 2 * period)
+        ]
         slope = steps[1] - steps[0]
         # On one line: exactly with integer durations; within float rounding while a stage's
         # share (1/vp of a full stage) makes the simulator's sums inexact.
@@ -549,10 +620,24 @@ def _simulated_ns(
             busy = m * (costs.t_forward + costs.t_backward)
             return step, (step - busy) / step if step > 0 else 0.0
     if m > EXACT_UP_TO * p:
-        return _approximate(c, m, costs, p2p, grad_reduce, p)
-    built = _schedule(*c.shape, m, c.sharding, c.group_size, c.max_stored)
-    result = simulate(built, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
+        return _approximate(c, m, costs, p2p, grad_reduce, p, budget)
+    result = _step(c, m, costs, p2p, grad_reduce, budget)
     return result.step_time, result.bubble_fraction
+
+
+def _step(
+    c: Candidate,
+    m: int,
+    costs: CostModel,
+    p2p: str,
+    grad_reduce: str | None,
+    budget: ActionBudget | None,
+) -> SimResult:
+    """``c`` at m micro-batches, simulated; its actions charged to ``budget`` first."""
+    if budget is not None:
+        budget.charge(num_ranks=c.pp, stages_per_rank=c.vp, num_microbatches=m)
+    built = _schedule(*c.shape, m, c.sharding, c.group_size, c.max_stored)
+    return simulate(built, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
 
 
 EXACT_UP_TO = 48  # periods (the pipeline size, or the group) simulated whole at most
@@ -560,7 +645,13 @@ _APPROX_FROM, _APPROX_SPAN = 8, 32  # periods: where the approximating line star
 
 
 def _approximate(
-    c: Candidate, m: int, costs: CostModel, p2p: str, grad_reduce: str | None, period: int
+    c: Candidate,
+    m: int,
+    costs: CostModel,
+    p2p: str,
+    grad_reduce: str | None,
+    period: int,
+    budget: ActionBudget | None = None,
 ) -> tuple[float, float]:
     """``_simulated_ns`` past ``EXACT_UP_TO`` periods without an exact line: the line through
     the steps at two lengths ``_APPROX_SPAN`` periods apart, congruent to m, from
@@ -568,13 +659,7 @@ def _approximate(
     first = _APPROX_FROM * period + m % period
     last = first + _APPROX_SPAN * period
     steps = [
-        simulate(
-            _schedule(*c.shape, length, c.sharding, c.group_size, c.max_stored),
-            costs,
-            p2p=p2p,
-            megatron_grad_reduce=grad_reduce,
-        ).step_time
-        for length in (first, last)
+        _step(c, length, costs, p2p, grad_reduce, budget).step_time for length in (first, last)
     ]
     step = steps[1] + (m - last) * (steps[1] - steps[0]) / (last - first)
     busy = m * (costs.t_forward + costs.t_backward)
@@ -614,10 +699,11 @@ def _simulate(
     global_batch_size: int,
     p2p: str,
     grad_reduce: str | None = None,
+    budget: ActionBudget | None = None,
 ) -> Plan:
     c = sized.candidate
     costs = _cost_model(sized.times)
-    simulated_ns, bubble = _simulated_ns(c, sized.m, costs, p2p, grad_reduce)
+    simulated_ns, bubble = _simulated_ns(c, sized.m, costs, p2p, grad_reduce, budget)
     step = simulated_ns / NS + sized.m * sized.times.output + sized.times.optimizer
     flops = model_flops_per_step(model, global_batch_size=global_batch_size)
     return Plan(
@@ -642,6 +728,7 @@ def _size(
     options: SearchOptions,
     efficiency: Efficiency,
     force: bool = False,
+    actions: ActionBudget | None = None,
 ) -> tuple[_Sized | None, bool]:
     """Memory, durations and bounds of one candidate (None when it does not fit, unless
     ``force``); and whether it fits."""
@@ -650,10 +737,28 @@ def _size(
     weights = _weights(c, m, model, options.precision, options.distributed_optimizer)
     if not force and max(sum(w) for w in weights) > budget:
         return None, False  # the weights alone do not fit: no need to walk the schedule
-    memory, stage = _memory(c, m, model, options.precision, weights)
+    memory, stage = _memory(c, m, model, options.precision, weights, actions)
     fits = memory.total <= budget
     if not fits and not force:
         return None, False
+    times, lower, estimate = _timing(
+        c, m, model=model, cluster=cluster, options=options, efficiency=efficiency, stage=stage
+    )
+    return _Sized(c, m, memory, times, lower, estimate), fits
+
+
+def _timing(
+    c: Candidate,
+    m: int,
+    *,
+    model: Model,
+    cluster: Cluster,
+    options: SearchOptions,
+    efficiency: Efficiency,
+    stage: StageBytes,
+) -> tuple[StageTimes, float, float]:
+    """Durations of one candidate, the step no schedule of its shape can beat, and the order
+    of simulation (closed forms: no schedule is walked)."""
     placement = get_spec(c.schedule).placement
     times = stage_times(
         model=model,
@@ -689,7 +794,7 @@ def _size(
     # Order of simulation: the bound plus the data-parallel collectives, which breadth-first
     # mostly hides and depth-first schedules mostly expose.
     estimate = lower + c.vp * (times.grad_reduce + times.param_gather)
-    return _Sized(c, m, memory, times, lower, estimate), fits
+    return times, lower, estimate
 
 
 # --------------------------------------------------------------------------- search
@@ -702,8 +807,10 @@ def evaluate(
     cluster: Cluster,
     global_batch_size: int,
     options: SearchOptions = SearchOptions(),
+    budget: ActionBudget | None = None,
 ) -> Plan:
-    """One configuration, simulated whether or not it fits (``Plan.memory`` says)."""
+    """One configuration, simulated whether or not it fits (``Plan.memory`` says); its
+    simulations charged to ``budget`` (:class:`OverBudget` past it)."""
     efficiency = options.efficiency or BuiltinCurve(cluster.gpu)
     sized, _ = _size(
         candidate,
@@ -718,7 +825,7 @@ def evaluate(
         raise ScheduleError(f"could not size {candidate}")
     p2p = p2p_model_of(candidate, options)
     grad_reduce = grad_reduce_of(p2p, options)
-    return _simulate(sized, model, cluster, global_batch_size, p2p, grad_reduce)
+    return _simulate(sized, model, cluster, global_batch_size, p2p, grad_reduce, budget)
 
 
 def lower_bound_of(
@@ -730,19 +837,19 @@ def lower_bound_of(
     options: SearchOptions = SearchOptions(),
 ) -> float:
     """Seconds no schedule of ``candidate``'s shape can beat (:func:`recommend`'s pruning
-    bound: the busiest rank's compute after the first micro-batch's fill), without simulating."""
-    sized, _ = _size(
+    bound: the busiest rank's compute after the first micro-batch's fill), in closed form:
+    nothing is walked or simulated."""
+    m = global_batch_size // (candidate.dp * candidate.micro_batch_size)
+    _, lower, _ = _timing(
         candidate,
+        m,
         model=model,
         cluster=cluster,
-        global_batch_size=global_batch_size,
         options=options,
         efficiency=options.efficiency or BuiltinCurve(cluster.gpu),
-        force=True,
+        stage=_stage_bytes(candidate, model, options.precision),
     )
-    if sized is None:  # cannot happen with force=True
-        raise ScheduleError(f"could not size {candidate}")
-    return sized.lower_bound
+    return lower
 
 
 def memory_of(
@@ -751,12 +858,14 @@ def memory_of(
     model: Model,
     global_batch_size: int,
     options: SearchOptions = SearchOptions(),
+    budget: ActionBudget | None = None,
 ) -> MemoryBreakdown:
     """The busiest pipeline rank's bytes per GPU for ``candidate``: the memory filter of
-    :func:`recommend`, without timing (a closed form and one cached walk of the schedule)."""
+    :func:`recommend`, without timing (a closed form and one cached walk of the schedule,
+    charged to ``budget``)."""
     m = global_batch_size // (candidate.dp * candidate.micro_batch_size)
     weights = _weights(candidate, m, model, options.precision, options.distributed_optimizer)
-    return _memory(candidate, m, model, options.precision, weights)[0]
+    return _memory(candidate, m, model, options.precision, weights, budget)[0]
 
 
 def recommend(

@@ -11,7 +11,8 @@ own spelling of the virtual-pipeline flag; the options' flags come from the cata
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,18 @@ from megatron_bfpp.schedules.registry import (
     in_flag_terms,
 )
 
-__all__ = ["Fit", "check_fit", "num_microbatches"]
+__all__ = [
+    "BATCH_SCHEDULE_FLAG",
+    "Fit",
+    "check_fit",
+    "num_microbatches",
+    "parse_batch_schedule",
+    "step_batch_sizes",
+]
+
+# Megatron-LM's batch-size schedule (megatron-core's StepBatchsizeNumMicroBatchesCalculator).
+BATCH_SCHEDULE_FLAG = "--step-batch-size-schedule"
+_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,17 +50,83 @@ class Fit:
 
 
 def num_microbatches(
-    *, global_batch_size: int, micro_batch_size: int, data_parallel_size: int
+    *,
+    global_batch_size: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    what: str | None = None,
 ) -> int:
     """Micro-batches per step on each pipeline (Megatron-LM's rule): the global batch is split
-    evenly over the data-parallel replicas, and each replica's share into micro-batches."""
+    evenly over the data-parallel replicas, and each replica's share into micro-batches.
+    ``what`` names the batch in the error (default: ``--global-batch-size N``)."""
     per_step = micro_batch_size * data_parallel_size
     if global_batch_size % per_step:
+        named = what or f"--global-batch-size {global_batch_size}"
         raise ScheduleError(
-            f"--global-batch-size {global_batch_size} is not a multiple of micro-batch size x "
-            f"data-parallel size ({micro_batch_size} x {data_parallel_size})"
+            f"{named} is not a multiple of micro-batch size x data-parallel size "
+            f"({micro_batch_size} x {data_parallel_size})"
         )
     return global_batch_size // per_step
+
+
+def _count(text: str, entry: str) -> int:
+    """A number of the schedule as megatron-core reads it: ``512``, ``2.5K``, ``250B``."""
+    digits = text.strip().upper()
+    scale = _SUFFIXES.get(digits[-1:], 1)
+    if scale > 1:
+        digits = digits[:-1]
+    try:
+        return int(float(digits) * scale)
+    except ValueError:
+        raise ScheduleError(
+            f"{BATCH_SCHEDULE_FLAG}: {entry!r} is not THRESHOLD:BATCH_SIZE (numbers, with an "
+            "optional K, M, B or T)"
+        ) from None
+
+
+def parse_batch_schedule(text: str, *, seq_length: int | None) -> tuple[tuple[int, int], ...]:
+    """Megatron-LM's ``--step-batch-size-schedule`` (``"0:4,512:8"`` or ``"0:768 250B:1536"``)
+    as megatron-core reads it: (threshold in samples, global batch size) pairs in threshold
+    order, thresholds in tokens when ``seq_length`` is given (as Megatron-LM passes it), or one
+    :class:`ScheduleError` line where megatron-core would stop with an assertion."""
+    steps = []
+    for entry in text.replace(",", " ").split():
+        if ":" not in entry:
+            raise ScheduleError(
+                f"{BATCH_SCHEDULE_FLAG}: {entry!r} is not THRESHOLD:BATCH_SIZE (e.g. 0:256,1M:512)"
+            )
+        threshold, batch = (_count(part, entry) for part in entry.split(":", 1))
+        steps.append((threshold // seq_length if seq_length else threshold, batch))
+    steps.sort(key=lambda step: step[0])
+    if not steps:
+        raise ScheduleError(f"{BATCH_SCHEDULE_FLAG} is empty; give THRESHOLD:BATCH_SIZE pairs")
+    if steps[0][0] != 0:
+        raise ScheduleError(
+            f"{BATCH_SCHEDULE_FLAG}: the first step must start at 0 (it starts at "
+            f"{steps[0][0]} samples)"
+        )
+    for (before, _), (after, _) in itertools.pairwise(steps):
+        if after <= before:
+            raise ScheduleError(
+                f"{BATCH_SCHEDULE_FLAG}: thresholds must increase (two steps start at {after} "
+                "samples)"
+            )
+    bad = [batch for _, batch in steps if batch < 1]
+    if bad:
+        raise ScheduleError(f"{BATCH_SCHEDULE_FLAG}: batch sizes must be positive, got {bad[0]}")
+    return tuple(steps)
+
+
+def step_batch_sizes(args: object) -> tuple[int, ...]:
+    """The global batch of every step of Megatron-LM's batch-size schedule, read from parsed
+    arguments (``step_batch_size_schedule``, ``seq_length``); ``()`` without one. Megatron-LM
+    then sets ``global_batch_size`` to micro-batch x data-parallel size, which no step runs."""
+    text = getattr(args, "step_batch_size_schedule", None)
+    if not text:
+        return ()
+    seq = getattr(args, "seq_length", None)
+    steps = parse_batch_schedule(str(text), seq_length=int(seq) if seq else None)
+    return tuple(batch for _, batch in steps)
 
 
 def check_fit(
@@ -63,6 +141,7 @@ def check_fit(
     num_layers: int | None = None,
     sharding: str = "optim",
     options: Mapping[str, Any] | None = None,
+    batch_schedule: Sequence[int] = (),
 ) -> Fit:
     """Schedule ``name`` on ``pp`` pipeline ranks with ``vp`` virtual stages per rank (``None``:
     not given), ``dp`` data-parallel replicas and the given batch sizes, or one
@@ -70,7 +149,9 @@ def check_fit(
     (naming ``vp_flag``), the layers over the stages (with ``num_layers``; a front end that
     splits layers its own way checks them itself), the micro-batches, the sharding strategy,
     then the schedule built and validated with ``options`` (a generator's error in flag terms,
-    after the sizes it was built for)."""
+    after the sizes it was built for). ``batch_schedule``: the global batch of each step of a
+    batch-size schedule (:func:`step_batch_sizes`), which replaces ``global_batch_size``: the
+    schedule must run every step's micro-batches; the last step's is returned."""
     spec = get_spec(name)
     chunks = spec.chunks_for(vp, vp_flag=vp_flag)
     stages = spec.stages_per_rank(chunks)
@@ -79,13 +160,45 @@ def check_fit(
             f"--num-layers {num_layers} is not divisible by pipeline x virtual stages "
             f"({pp} x {stages} = {pp * stages})"
         )
-    m = num_microbatches(
-        global_batch_size=global_batch_size,
-        micro_batch_size=micro_batch_size,
-        data_parallel_size=dp,
-    )
+    batches = tuple(batch_schedule) or (global_batch_size,)
+    counts = [
+        num_microbatches(
+            global_batch_size=batch,
+            micro_batch_size=micro_batch_size,
+            data_parallel_size=dp,
+            what=f"{BATCH_SCHEDULE_FLAG}'s batch size {batch}" if batch_schedule else None,
+        )
+        for batch in batches
+    ]
     check_sharding(name, sharding)
     check_sharding_data_parallel(sharding, dp)
+    for m in dict.fromkeys(counts):  # each distinct count once, in the schedule's order
+        _check_builds(
+            name,
+            pp=pp,
+            chunks=chunks,
+            stages=stages,
+            m=m,
+            sharding=sharding,
+            options=options,
+            step=bool(batch_schedule),
+        )
+    return Fit(num_chunks=chunks, stages_per_rank=stages, num_microbatches=counts[-1])
+
+
+def _check_builds(
+    name: str,
+    *,
+    pp: int,
+    chunks: int | None,
+    stages: int,
+    m: int,
+    sharding: str,
+    options: Mapping[str, Any] | None,
+    step: bool,
+) -> None:
+    """The schedule built and validated at ``m`` micro-batches, or its first error in flag
+    terms after the sizes it was built for (``step``: one step of a batch-size schedule)."""
     try:
         build_schedule(
             name,
@@ -97,8 +210,8 @@ def check_fit(
         )
     except ScheduleError as error:
         sizes = f"pp={pp}" + (f", vp={stages}" if stages > 1 else "")
+        where = f" (a step of {BATCH_SCHEDULE_FLAG})" if step else ""
         first = in_flag_terms(str(error).strip().splitlines()[0], name)
         raise ScheduleError(
-            f"--pipeline-schedule {name} cannot run {m} micro-batches on {sizes}: {first}"
+            f"--pipeline-schedule {name} cannot run {m} micro-batches on {sizes}{where}: {first}"
         ) from None
-    return Fit(num_chunks=chunks, stages_per_rank=stages, num_microbatches=m)

@@ -7,13 +7,15 @@ parameter sync) and validates the result, so every caller gets a schedule that i
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_bfpp.ir import MAX_ACTIONS, ActionKind, Placement, Schedule, ScheduleError
 from megatron_bfpp.passes.communication import add_communication
+from megatron_bfpp.passes.eviction import bpipe_max_stored
 from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
 from megatron_bfpp.schedules.bpipe import build_bpipe
 from megatron_bfpp.schedules.breadth_first import build_breadth_first
@@ -30,8 +32,10 @@ __all__ = [
     "MAX_ACTIONS",
     "MAX_RANK_STAGES",
     "MEGATRON_VP_FLAGS",
+    "PLANNER_MAX_CHUNKS",
     "SCHEDULES",
     "SHARDING_STRATEGIES",
+    "PlanGrid",
     "ScheduleOption",
     "ScheduleSpec",
     "add_option_flags",
@@ -45,6 +49,7 @@ __all__ = [
     "get_spec",
     "in_flag_terms",
     "options_from_args",
+    "planned_schedules",
     "schedule_names",
 ]
 
@@ -114,6 +119,53 @@ MAX_STORED = ScheduleOption(
 )
 
 
+# The planners' bound on virtual stages per rank (recommend's default and auto's).
+PLANNER_MAX_CHUNKS = 8
+
+OptionGrid = Callable[[int, int], tuple[Mapping[str, int], ...]]
+
+
+def _no_options(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
+    return ({},)
+
+
+def breadth_first_groups(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
+    """One group, or groups of pp x 2^k micro-batches below m and dividing it: each bounds the
+    stored activations at one group's (pp: the least that keeps the pipeline full)."""
+    grid: list[Mapping[str, int]] = [{}]
+    group = pp
+    while group < m:
+        if m % group == 0:
+            grid.append({"group_size": group})
+        group *= 2
+    return tuple(grid)
+
+
+def bpipe_caps(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
+    """BPipe's own cap, and halfway from it to 1F1B's p (fewer transfers, more memory)."""
+    default = bpipe_max_stored(pp)
+    halfway = (default + pp + 1) // 2
+    return ({},) + (({"max_stored": halfway},) if default < halfway < pp else ())
+
+
+@dataclass(frozen=True, slots=True)
+class PlanGrid:
+    """What the planners (``bfpp-plan recommend`` and ``--pipeline-schedule auto``) try of a
+    schedule, declared once on its catalogue entry so both search the same grid.
+
+    ``shardings``: the data-parallel sharding strategies it runs (sharded parameters need
+    several chunks whose backwards run back to back: breadth-first). ``microbatches_per_pp``:
+    the micro-batches must be a multiple of pp (Megatron's rule for its interleaved schedule).
+    ``options``: ``(pp, m) -> generator options`` to try, ``{}`` being the schedule's
+    defaults. ``last``: on equal predictions the others rank first (GPipe holds every
+    micro-batch's activations)."""
+
+    shardings: tuple[str, ...] = ("optim",)
+    microbatches_per_pp: bool = False
+    options: OptionGrid = _no_options
+    last: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduleSpec:
     """What a user-facing schedule name means: the one catalogue every front end reads.
@@ -129,6 +181,7 @@ class ScheduleSpec:
     placement: Placement
     options: tuple[ScheduleOption, ...] = ()
     split_backward: bool = False
+    plan: PlanGrid = field(default_factory=PlanGrid)
 
     @property
     def option_names(self) -> tuple[str, ...]:
@@ -185,11 +238,42 @@ class ScheduleSpec:
             )
         return None
 
+    def planned_stages(
+        self, layers_per_rank: int, *, max_chunks: int = PLANNER_MAX_CHUNKS
+    ) -> tuple[tuple[int, ...], str | None]:
+        """The virtual stages per rank a planner tries with this many layers per pipeline rank
+        (one for a single stage, two for a V, the divisors from 2 to ``max_chunks`` looped), or
+        none and why."""
+        if self.placement is Placement.SINGLE:
+            return (1,), None
+        if self.placement is Placement.V_SHAPE:
+            if layers_per_rank % 2:
+                return (), f"{layers_per_rank} layers per rank do not split into a V's 2"
+            return (2,), None
+        small = [d for d in range(1, math.isqrt(layers_per_rank) + 1) if layers_per_rank % d == 0]
+        divisors = sorted({*small, *(layers_per_rank // d for d in small)})
+        vps = tuple(v for v in divisors if 2 <= v <= max_chunks)
+        if not vps:
+            return (), f"{layers_per_rank} layer(s) per rank: no virtual stages"
+        return vps, None
+
+    def planned_microbatches_problem(self, pp: int, m: int) -> str | None:
+        """Why a planner may not run this schedule with ``m`` micro-batches on ``pp`` ranks."""
+        if self.plan.microbatches_per_pp and (m < pp or m % pp):
+            return f"needs a multiple of pp={pp} micro-batches, got {m}"
+        return None
+
 
 SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
-        ScheduleSpec("gpipe", "all forwards, then all backwards", build_gpipe, Placement.SINGLE),
+        ScheduleSpec(
+            "gpipe",
+            "all forwards, then all backwards",
+            build_gpipe,
+            Placement.SINGLE,
+            plan=PlanGrid(last=True),
+        ),
         ScheduleSpec(
             "1f1b",
             "one forward one backward (megatron-core default)",
@@ -202,6 +286,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             build_interleaved,
             Placement.LOOPED,
             (MICROBATCH_GROUP_SIZE,),
+            plan=PlanGrid(microbatches_per_pp=True),
         ),
         ScheduleSpec(
             "breadth-first",
@@ -209,6 +294,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             build_breadth_first,
             Placement.LOOPED,
             (GROUP_SIZE,),
+            plan=PlanGrid(shardings=SHARDING_STRATEGIES, options=breadth_first_groups),
         ),
         ScheduleSpec(
             "bpipe",
@@ -216,6 +302,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             build_bpipe,
             Placement.SINGLE,
             (MAX_STORED,),
+            plan=PlanGrid(options=bpipe_caps),
         ),
         ScheduleSpec(
             "v-min",
@@ -248,6 +335,12 @@ ALL_OPTIONS: tuple[ScheduleOption, ...] = tuple(
 
 def schedule_names() -> tuple[str, ...]:
     return tuple(SCHEDULES)
+
+
+def planned_schedules() -> tuple[ScheduleSpec, ...]:
+    """The catalogue in the planners' order (``PlanGrid.last`` ones at the end), read when
+    called: a schedule added to the catalogue is searched by ``recommend`` and ``auto``."""
+    return tuple(sorted(SCHEDULES.values(), key=lambda spec: spec.plan.last))
 
 
 def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -> None:

@@ -12,10 +12,10 @@ store, and rank 0 prints the line (:mod:`megatron_bfpp.megatron.auto`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from collections.abc import Mapping
 
+from megatron_bfpp.config.run_config import model_shape
 from megatron_bfpp.megatron.auto import (
     announce,
     auto_inputs,
@@ -31,8 +31,7 @@ from megatron_bfpp.plan.auto import (
     Decision,
     gpus_per_node_from_env,
 )
-from megatron_bfpp.plan.presets import model_from_shape
-from megatron_bfpp.train.run_config import model_shape
+from megatron_bfpp.plan.presets import model_description
 
 __all__ = ["resolve_train_auto", "train_request"]
 
@@ -45,9 +44,19 @@ def train_request(
     device: tuple[str | None, int | None] | None,
 ) -> AutoRequest:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    shape = dataclasses.asdict(model_shape(args))
-    # bfpp-train's models train without dropout
-    model = model_from_shape(arch=shape.pop("preset"), **shape, dropout=False)
+    shape = model_shape(args)
+    model = model_description(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        seq_length=shape.seq_length,
+        gated=shape.preset == "llama",
+        ffn_default="bfpp-train",
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_query_groups=shape.num_query_groups,
+        vocab_size=shape.vocab_size,
+        dropout=False,  # bfpp-train's models train without dropout
+    )
     return AutoRequest(
         model=model,
         tp=tp,

@@ -53,6 +53,7 @@ from megatron_bfpp.compat import (
     restore_torch_adam_steps,
     torch_adam_state_for_load,
 )
+from megatron_bfpp.config.run_config import LRSchedule, RunConfig
 from megatron_bfpp.train.checkpoint_files import (
     METADATA_FILE,
     CheckpointError,
@@ -75,7 +76,6 @@ from megatron_bfpp.train.checkpoint_metadata import (
     metadata_to_json,
     read_checkpoint,
 )
-from megatron_bfpp.train.run_config import LRSchedule, RunConfig
 
 __all__ = [
     "FORMATS",

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from megatron_bfpp.config.run_config import LRSchedule, RunConfig, flag_name
 from megatron_bfpp.train.checkpoint_files import (
     METADATA_FILE,
     TRACKER,
@@ -46,7 +47,6 @@ from megatron_bfpp.train.checkpoint_files import (
     regular_file_problem,
 )
 from megatron_bfpp.train.data_source import DEFAULT_SPLIT
-from megatron_bfpp.train.run_config import LRSchedule, RunConfig, flag_name
 
 # bfpp_checkpoint.json: its flags and one record (name, size, SHA-256) per file, about 150 bytes
 # each; 64 MiB is 400,000 files, far above any real job.

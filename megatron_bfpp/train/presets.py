@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.config.run_config import ModelShape, default_ffn_hidden_size
 from megatron_bfpp.ir import Placement
-from megatron_bfpp.train.run_config import ModelShape, default_ffn_hidden_size
 
 __all__ = [
     "PRESETS",

@@ -29,6 +29,8 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
+from megatron_bfpp.config.model_memory import memory_problem
+from megatron_bfpp.config.run_config import RunConfig, run_config
 from megatron_bfpp.schedules.registry import get_spec, options_from_args
 from megatron_bfpp.train.checkpoint import OtherRankFailed
 from megatron_bfpp.train.checkpoint_files import CheckpointError, fresh_start_reason, read_tracker
@@ -42,9 +44,7 @@ from megatron_bfpp.train.metric_writers import (
     TensorBoardWriter,
     WandbWriter,
 )
-from megatron_bfpp.train.model_memory import memory_problem
 from megatron_bfpp.train.presets import build_model_chunks, transformer_config, wrap_ddp
-from megatron_bfpp.train.run_config import RunConfig, run_config
 from megatron_bfpp.train.step_functions import forward_step
 
 __all__ = ["TrainResult", "train"]

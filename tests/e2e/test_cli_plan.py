@@ -390,3 +390,54 @@ def test_profile_on_cpu_then_recommend_reads_it(tmp_path: Path) -> None:
     )
     assert planned.returncode == 0, planned.stderr
     assert "compute from the profile measured on CPU" in planned.stdout
+
+
+AUTO = [
+    "auto", "--model", "gpt3-52b", "--num-gpus", "64", "--gpu", "v100-32gb",
+    "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8",
+    "--recompute", "full",
+]  # fmt: skip
+
+
+def test_auto_prints_the_jobs_line_and_its_report() -> None:
+    """``bfpp-plan auto``: the line a job under --pipeline-schedule auto prints, from the same
+    decision (plan.auto.decide on the same request), and --json its report."""
+    from megatron_bfpp.plan.auto import AutoRequest, decide, hardware
+    from megatron_bfpp.plan.presets import get_model
+
+    result = bfpp_plan(*AUTO, "--global-batch-size", "64")
+    assert result.returncode == 0, result.stderr
+    request = AutoRequest(
+        model=get_model("gpt3-52b"),
+        tp=8,
+        pp=8,
+        dp=1,
+        micro_batch_size=1,
+        global_batch_size=64,
+        hardware=hardware(device_name=None, device_memory=None, gpu_flag="v100-32gb"),
+        recompute="full",
+    )
+    line = decide(request).line()
+    assert result.stdout == f"megatron_bfpp: {line}\n"
+    report = bfpp_plan(*AUTO, "--step-batch-size-schedule", "0:32,1M:64", "--json")
+    assert report.returncode == 0, report.stderr
+    data = json.loads(report.stdout)
+    assert data["format"] == "bfpp-auto-report" and data["line"] == line
+    assert data["layout"]["step_batch_sizes"] == [32, 64]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--num-gpus", "60", "--global-batch-size", "64"], "--num-gpus 60 is not a multiple of"),
+        ([], "give one of --global-batch-size and --step-batch-size-schedule"),
+        (["--global-batch-size", "63", "--micro-batch-size", "2"], "63 is not a multiple of"),
+        (["--global-batch-size", "64", "--gpu", "k80"], "unknown GPU 'k80'"),
+    ],
+)
+def test_auto_refuses_bad_input_in_one_line(extra: list[str], message: str) -> None:
+    result = bfpp_plan(*AUTO, *extra)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bfpp-plan auto: error: "), lines
+    assert message in lines[0]

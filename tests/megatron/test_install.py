@@ -410,6 +410,27 @@ def test_check_schedule_args_is_pure() -> None:
         check_schedule_args(args)
 
 
+def test_check_schedule_args_runs_every_step_of_a_batch_size_schedule() -> None:
+    """Megatron-LM's validate_args leaves global_batch_size at micro-batch x data-parallel size
+    (1 here) with --step-batch-size-schedule; the plugin refused interleaved on pp 4 as "cannot
+    run 1 micro-batches", though Megatron runs 4 and then 8 per step."""
+    args = SimpleNamespace(
+        pipeline_schedule="interleaved",
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_model_parallel_size=2,
+        micro_batch_size=1,
+        global_batch_size=1,
+        data_parallel_size=1,
+        step_batch_size_schedule="0:4,512:8",
+        seq_length=128,
+        microbatch_group_size_per_vp_stage=None,
+    )
+    check_schedule_args(args)
+    args.step_batch_size_schedule = "0:4 2M:6"  # 2M tokens / 128: a step of 6 from sample 15625
+    with pytest.raises(ScheduleError, match=r"cannot run 6 micro-batches on pp=4, vp=2 \(a step"):
+        check_schedule_args(args)
+
+
 @pytest.mark.parametrize(
     "changes, expected",
     [

@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from megatron_bfpp.config.model_memory import parameters_per_pipeline_rank
+from megatron_bfpp.config.run_config import Layout, ModelShape
 from megatron_bfpp.ir import Placement
 from megatron_bfpp.testing.multirank import run_ranks
-from megatron_bfpp.train.model_memory import parameters_per_pipeline_rank
-from megatron_bfpp.train.run_config import Layout, ModelShape
 
 pytestmark = pytest.mark.megatron
 

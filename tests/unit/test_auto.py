@@ -280,3 +280,110 @@ def test_grouped_breadth_first_extrapolates_to_the_full_simulation() -> None:
     )
     step, _ = _simulated_ns(candidate, 64, costs, "lockstep")
     assert step == pytest.approx(full.step_time, rel=1e-9)
+
+
+def test_a_schedule_added_to_the_catalogue_is_searched_by_recommend_and_auto(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Planning knowledge lives on the catalogue entry (``PlanGrid``): a new entry, with an
+    option grid of its own, is a candidate of both searches with no change to either (recommend
+    used to skip any schedule missing from its own FAMILIES list)."""
+    from megatron_bfpp.plan.search import Cluster, SearchOptions, candidates, families
+    from megatron_bfpp.schedules import registry
+    from megatron_bfpp.schedules.bpipe import build_bpipe
+
+    def caps(pp: int, m: int) -> tuple[dict[str, int], ...]:
+        return ({"max_stored": pp},)  # 1F1B's own p: no transfers
+
+    spec = registry.ScheduleSpec(
+        "new-bpipe",
+        "a new catalogue entry",
+        build_bpipe,
+        Placement.SINGLE,
+        (registry.MAX_STORED,),
+        plan=registry.PlanGrid(options=caps),
+    )
+    monkeypatch.setitem(registry.SCHEDULES, "new-bpipe", spec)
+    assert ("new-bpipe", "optim") in families()
+    searched = list(
+        candidates(
+            model=GPT52,
+            cluster=Cluster(64, 8, V100.gpu),
+            global_batch_size=64,
+            options=SearchOptions(schedules=("new-bpipe",), recompute=("full",)),
+        )
+    )
+    assert searched
+    assert all(c.schedule == "new-bpipe" and c.max_stored == c.pp for c in searched)
+    decision = decide(request())
+    rows = [row for row in decision.rows if row.candidate.schedule == "new-bpipe"]
+    assert [row.candidate.max_stored for row in rows] == [8]
+    assert rows[0].plan is not None or rows[0].lower_bound_s is not None
+
+
+def test_recommend_and_auto_search_the_same_grid() -> None:
+    """Breadth-first's groups (one, or pp x 2^k dividing m) and BPipe's caps (its own and
+    halfway to p): one grid, the catalogue's, for both searches."""
+    from megatron_bfpp.plan.search import Cluster, SearchOptions, candidates
+
+    searched = {
+        (c.schedule, c.vp, c.group_size, c.max_stored)
+        for c in candidates(
+            model=GPT52,
+            cluster=Cluster(512, 8, V100.gpu),
+            global_batch_size=512,
+            options=SearchOptions(
+                tensor_parallel=(8,),
+                pipeline_parallel=(8,),
+                micro_batch_sizes=(1,),
+                recompute=("full",),
+                schedules=("breadth-first", "bpipe"),
+            ),
+        )
+    }
+    decision = decide(request(global_batch_size=512, hardware=CPU))  # m = 64, every row timed
+    auto = {
+        (
+            row.candidate.schedule,
+            row.candidate.vp,
+            row.candidate.group_size,
+            row.candidate.max_stored,
+        )
+        for row in decision.rows
+        if row.candidate.schedule in ("breadth-first", "bpipe")
+    }
+    assert searched == auto
+    groups = {group for name, _, group, _ in auto if name == "breadth-first"}
+    assert groups == {None, 8, 16, 32}  # recommend tried groups of pp only before
+    assert {cap for name, _, _, cap in auto if name == "bpipe"} == {None, 7}
+
+
+def test_auto_is_bounded_by_its_action_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout whose timing needs more than the budget decides from what it timed, each
+    candidate left out saying so in its row and the line; a count, not a clock, so every rank
+    stops at the same candidate. Nothing timed at all is one line."""
+    import megatron_bfpp.plan.auto as auto
+
+    full = decide(request(hardware=CPU))
+    assert full.untimed == 0 and 0 < full.actions_spent <= full.action_budget
+    limit = full.actions_spent // 3
+    monkeypatch.setattr(auto, "AUTO_ACTION_BUDGET", limit)
+    bounded = decide(request(hardware=CPU))
+    assert bounded.action_budget == limit and bounded.actions_spent <= limit
+    assert bounded.untimed > 0 and bounded.simulations < full.simulations
+    assert bounded.chosen.plan is not None  # decided from what it timed
+    # our run of Megatron's default (1f1b here) is timed first: the choice is never slower
+    ours = [row for row in bounded.rows if row.candidate == bounded.megatron.candidate]
+    assert len(ours) == 1 and ours[0].plan is not None
+    assert bounded.chosen.plan.step_time_s <= ours[0].plan.step_time_s
+    assert f"not timed (over the budget of {limit:,} simulated actions)" in bounded.line()
+    report = bounded.to_dict()
+    assert report["untimed"] == bounded.untimed and report["action_budget"] == limit
+    assert all("over auto's budget" in (row.excluded or "") for row in bounded.rows if row.untimed)
+    again = decide(request(hardware=CPU))  # caches warm: the same candidates left out
+    assert [row.to_dict() for row in again.rows] == [row.to_dict() for row in bounded.rows]
+    monkeypatch.setattr(auto, "AUTO_ACTION_BUDGET", 1000)
+    with pytest.raises(ScheduleError) as error:
+        decide(request(hardware=CPU))
+    assert "needs more than auto's budget of 1,000 simulated actions" in str(error.value)
+    assert "\n" not in str(error.value)

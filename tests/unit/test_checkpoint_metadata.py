@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from megatron_bfpp.cli.train import build_parser
+from megatron_bfpp.config.run_config import RunConfig, run_config
 from megatron_bfpp.train.checkpoint_files import (
     METADATA_FILE,
     TRACKER,
@@ -40,7 +41,6 @@ from megatron_bfpp.train.checkpoint_metadata import (
     save_problem,
     scheduler_policy,
 )
-from megatron_bfpp.train.run_config import RunConfig, run_config
 
 WORLD = 4
 
@@ -398,7 +398,7 @@ def test_reading_a_checkpoint_loads_no_torch() -> None:
     """The command line checks a resume before it starts ranks: without importing torch."""
     code = (
         "import sys\n"
-        "import megatron_bfpp.train.checkpoint_metadata, megatron_bfpp.train.run_config\n"
+        "import megatron_bfpp.train.checkpoint_metadata, megatron_bfpp.config.run_config\n"
         "import megatron_bfpp.train.checkpoint_files\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
         "print(bad)\n"

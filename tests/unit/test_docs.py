@@ -7,9 +7,9 @@ Which command a ``--flag`` belongs to (the rule the flag tests apply):
 * Pages: README.md, CONTRIBUTING.md, scripts/slurm/README.md and docs/*.md (the CHANGELOG keeps
   history, old flags included, and is not checked).
 * Commands are recognised by name: ``bfpp-train``, ``bfpp-sim``, ``bfpp-plan`` (with its
-  subcommand ``recommend``, ``profile`` or ``bpipe-estimate`` when one follows), the Megatron-LM
-  launcher (``megatron_bfpp.launch``, ``pretrain_gpt.py``, the sbatch templates, or the word
-  ``Megatron-LM``), ``torchrun``, the SLURM launcher ``scripts/slurm/launch.py`` and the
+  subcommand ``recommend``, ``auto``, ``profile`` or ``bpipe-estimate`` when one follows), the
+  Megatron-LM launcher (``megatron_bfpp.launch``, ``pretrain_gpt.py``, the sbatch templates, or
+  the word ``Megatron-LM``), ``torchrun``, the SLURM launcher ``scripts/slurm/launch.py`` and the
   Megatron-Bridge example ``examples/bridge_pretrain.py``. Other
   programs are recognised so that their flags are left alone: ``scripts/*.py`` and
   ``scripts/*.sh`` (benchmarks, setup), ``pip install``, ``git``, ``patch -p1``, ``ruff``,
@@ -70,10 +70,10 @@ TORCHRUN = "torchrun"
 SLURM = "scripts/slurm/launch.py"
 BRIDGE_EXAMPLE = "examples/bridge_pretrain.py"
 OTHER = "other"  # a program whose flags are not ours to check
-PLAN_SUBCOMMANDS = ("recommend", "profile", "bpipe-estimate")
+PLAN_SUBCOMMANDS = ("recommend", "auto", "profile", "bpipe-estimate")
 
 _COMMAND = re.compile(
-    r"(?P<plan_sub>(?<![\w-])bfpp-plan\s+(?:recommend|profile|bpipe-estimate)(?![\w-]))"
+    r"(?P<plan_sub>(?<![\w-])bfpp-plan\s+(?:recommend|auto|profile|bpipe-estimate)(?![\w-]))"
     r"|(?P<bfpp>(?<![\w-])bfpp-(?:train|sim|plan)(?![\w-]))"
     r"|(?P<slurm>(?<![\w.-])(?:scripts/slurm/)?launch\.py)"
     r"|(?P<megatron>megatron_bfpp\.launch(?![\w.])|pretrain_gpt\.py|pretrain_(?:gpt3|llama)\.sbatch"

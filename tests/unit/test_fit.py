@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from megatron_bfpp.ir import ScheduleError
-from megatron_bfpp.schedules.fit import Fit, check_fit, num_microbatches
+from megatron_bfpp.schedules.fit import Fit, check_fit, num_microbatches, parse_batch_schedule
 from megatron_bfpp.schedules.registry import check_sharding_data_parallel
 
 BASE: dict[str, Any] = {
@@ -82,3 +82,26 @@ def test_sharding_over_one_data_parallel_rank_is_refused_only_when_sharded() -> 
     check_sharding_data_parallel("optim_grads_params", 2)
     with pytest.raises(ScheduleError, match="nothing to shard over"):
         check_sharding_data_parallel("optim_grads_params", 1)
+
+
+def test_a_batch_size_schedule_must_run_every_step() -> None:
+    """The global batch of each step replaces --global-batch-size; the last step's micro-batches
+    are returned (the steady state), each step's are checked."""
+    ramp = {**BASE, "dp": 1, "global_batch_size": 1}
+    assert check_fit("interleaved", **ramp, batch_schedule=(4, 8)).num_microbatches == 8
+    with pytest.raises(ScheduleError, match="cannot run 6 micro-batches on pp=4, vp=2 \\(a step"):
+        check_fit("interleaved", **ramp, batch_schedule=(4, 6, 8))
+    with pytest.raises(ScheduleError, match="schedule's batch size 5 is not a multiple"):
+        check_fit("1f1b", **{**ramp, "vp": None, "dp": 2}, batch_schedule=(4, 5))
+
+
+def test_batch_size_schedule_is_read_as_megatron_core_reads_it() -> None:
+    """Commas or spaces, K/M/B/T suffixes, sorted by threshold, thresholds in tokens when the
+    sequence length is given (megatron-core's StepBatchsizeNumMicroBatchesCalculator)."""
+    assert parse_batch_schedule("512:8,0:4", seq_length=None) == ((0, 4), (512, 8))
+    assert parse_batch_schedule("0:768 250B:1.5K", seq_length=2048) == (
+        (0, 768),
+        (250_000_000_000 // 2048, 1500),
+    )
+    with pytest.raises(ScheduleError, match="thresholds must increase"):
+        parse_batch_schedule("0:4 100:8 200:16", seq_length=128)  # 100 and 200 tokens: sample 0

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from megatron_bfpp.cli import train as cli_train
+from megatron_bfpp.config import model_memory
+from megatron_bfpp.config.run_config import Layout, ModelShape, run_config
 from megatron_bfpp.ir import Placement
-from megatron_bfpp.train import model_memory
-from megatron_bfpp.train.run_config import Layout, ModelShape, run_config
 
 
 def _shape(preset: str = "gpt", layers: int = 8, hidden: int = 64) -> ModelShape:

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.megatron.auto import megatron_request
 from megatron_bfpp.megatron.preflight import check_megatron_command
+from megatron_bfpp.plan.auto import decide, hardware
 
 BASE = "--num-layers 16 --num-attention-heads 8 --micro-batch-size 1 --global-batch-size 16"
 
@@ -151,3 +153,76 @@ def test_looped_and_v_schedules_get_two_virtual_stages_as_the_plugin_gives_them(
             world_size=4,
         )  # fmt: skip
         assert args.virtual_pipeline_model_parallel_size == 2, name
+
+
+# Megatron-LM's batch-size schedule: no --global-batch-size (Megatron refuses both), so its
+# global_batch_size is micro-batch x data-parallel size, which no step runs.
+RAMP = ["--micro-batch-size", "1", "--num-layers", "16", "--pipeline-model-parallel-size", "4"]
+
+
+def test_a_batch_size_schedule_is_checked_at_every_step_not_at_one_micro_batch() -> None:
+    """``0:4,512:8`` on pp 4 runs 4 then 8 micro-batches per step; the pre-flight used to take
+    the global batch as 1 x 1 and refuse interleaved ("cannot run 1 micro-batches")."""
+    for name in ("interleaved", "breadth-first", "1f1b"):
+        args = check_megatron_command(
+            [*RAMP, "--pipeline-schedule", name, "--step-batch-size-schedule", "0:4,512:8"],
+            world_size=4,
+        )
+        assert args.pipeline_schedule == name
+    with pytest.raises(ScheduleError) as error:  # a step interleaved cannot run
+        check_megatron_command(
+            [*RAMP, "--pipeline-schedule", "interleaved", "--step-batch-size-schedule", "0:4 1K:6"],
+            world_size=4,
+        )
+    assert str(error.value).startswith(
+        "--pipeline-schedule interleaved cannot run 6 micro-batches on pp=4, vp=2 (a step of "
+        "--step-batch-size-schedule): "
+    )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "extra", "world", "message"),
+    [
+        ("0:4,512:8", ["--global-batch-size", "8"], 4, "exclude each other; drop --global-batch"),
+        ("0:4,512:5", [], 8, "--step-batch-size-schedule's batch size 5 is not a multiple of"),
+        ("0:4,512", [], 4, "'512' is not THRESHOLD:BATCH_SIZE"),
+        ("4:4,512:8", [], 4, "the first step must start at 0 (it starts at 4 samples)"),
+        ("0:4,x:8", [], 4, "'x:8' is not THRESHOLD:BATCH_SIZE"),
+    ],
+)
+def test_batch_size_schedule_mistakes_are_one_line(
+    schedule: str, extra: list[str], world: int, message: str
+) -> None:
+    with pytest.raises(ScheduleError) as error:
+        check_megatron_command(
+            [*RAMP, "--pipeline-schedule", "1f1b", "--step-batch-size-schedule", schedule, *extra],
+            world_size=world,
+        )
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_auto_plans_for_the_batch_schedule_steps() -> None:
+    """auto used to plan the same run for m = 1 (global batch = micro-batch x dp): it times
+    the last step's batch and keeps only what runs every step's micro-batches."""
+    args = argparse.Namespace(
+        num_layers=16, hidden_size=64, num_attention_heads=4, seq_length=32,
+        micro_batch_size=1, global_batch_size=None, pipeline_model_parallel_size=4,
+        step_batch_size_schedule="0:4,512:8",
+    )  # fmt: skip
+    hw = hardware(device_name=None, device_memory=None)
+    request = megatron_request(args, world_size=4, env={}, hw=hw, sharding=None)
+    assert (request.global_batch_size, request.batch_schedule) == (8, (4, 8))
+    assert request.step_microbatches == (4, 8)
+    decision = decide(request)
+    assert decision.to_dict()["layout"]["num_microbatches"] == 8  # type: ignore[index]
+    rows = [row for row in decision.rows if row.plan is not None or row.lower_bound_s]
+    assert {row.candidate.schedule for row in rows} >= {"interleaved", "breadth-first"}
+    # breadth-first's groups of the timed step (8 micro-batches): one group, or groups of pp
+    groups = {row.candidate.group_size for row in rows if row.candidate.schedule == "breadth-first"}
+    assert groups == {None, 4}
+    # a group that an earlier step cannot run is ruled out, saying why
+    args.breadth_first_group_size, args.step_batch_size_schedule = 8, "0:4,512:8,1K:16"
+    with pytest.raises(ScheduleError) as error:
+        decide(megatron_request(args, world_size=4, env={}, hw=hw, sharding=None))
+    assert "breadth-first vp=2 group=8: cannot run a step of 4 micro-batches" in str(error.value)
+    assert "\n" not in str(error.value)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from megatron_bfpp.config.run_config import LRSchedule, run_config
 from megatron_bfpp.launch import script_problem
 from megatron_bfpp.train.checkpoint_files import fresh_start_reason, save_path_problem
 from megatron_bfpp.train.checkpoint_metadata import (
@@ -28,7 +29,6 @@ from megatron_bfpp.train.data_source import (
     data_source,
 )
 from megatron_bfpp.train.metric_writers import GuardedWriter, MetricWriteError
-from megatron_bfpp.train.run_config import LRSchedule, run_config
 
 
 def test_fresh_start_only_for_a_missing_directory_or_a_first_saves_leftovers(

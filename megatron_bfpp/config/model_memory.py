@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from megatron_bfpp.config.run_config import Layout, ModelShape
 from megatron_bfpp.ir import Placement
-from megatron_bfpp.train.run_config import Layout, ModelShape
 
 __all__ = [
     "MemoryEstimate",
