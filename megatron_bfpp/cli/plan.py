@@ -205,6 +205,17 @@ def _add_shape_flags(command: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_cluster_flags(
+    command: OneLineParser, title: str, gpu_help: str
+) -> argparse._ArgumentGroup:
+    """The cluster's flags, alike in ``recommend`` and ``auto``: the group they are in."""
+    cluster = command.add_argument_group(title)
+    cluster.add_argument("--num-gpus", type=_GPUS, required=True, metavar="N")
+    cluster.add_argument("--gpus-per-node", type=_GPUS_PER_NODE, default=8, metavar="G")
+    cluster.add_argument("--gpu", required=True, metavar="NAME", help=gpu_help)
+    return cluster
+
+
 def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     command = commands.add_parser(
         "recommend",
@@ -215,10 +226,7 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         "docs/planner.md.",
     )
     _add_shape_flags(command)
-    cluster = command.add_argument_group("cluster and batch")
-    cluster.add_argument("--num-gpus", type=_GPUS, required=True, metavar="N")
-    cluster.add_argument("--gpus-per-node", type=_GPUS_PER_NODE, default=8, metavar="G")
-    cluster.add_argument("--gpu", required=True, metavar="NAME", help=f"{', '.join(GPUS)}")
+    cluster = _add_cluster_flags(command, "cluster and batch", f"{', '.join(GPUS)}")
     cluster.add_argument("--global-batch-size", type=_BATCH, required=True, metavar="B")
     search = command.add_argument_group("search")
     names = sorted({name for name, _ in families()})
@@ -542,14 +550,10 @@ def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         "--pipeline-schedule-auto-report). docs/planner.md#bfpp-plan-auto.",
     )
     _add_shape_flags(command)
-    cluster = command.add_argument_group("cluster")
-    cluster.add_argument("--num-gpus", type=_GPUS, required=True, metavar="N")
-    cluster.add_argument("--gpus-per-node", type=_GPUS_PER_NODE, default=8, metavar="G")
-    cluster.add_argument(
-        "--gpu",
-        required=True,
-        metavar="NAME",
-        help=f"{', '.join(GPUS)} (the job's --pipeline-schedule-auto-gpu; its memory a bound)",
+    cluster = _add_cluster_flags(
+        command,
+        "cluster",
+        f"{', '.join(GPUS)} (the job's --pipeline-schedule-auto-gpu; its memory a bound)",
     )
     cluster.add_argument("--profile", metavar="FILE", help="a stage profile (bfpp-plan profile)")
     layout = command.add_argument_group("layout and batch, as Megatron-LM's flags")
