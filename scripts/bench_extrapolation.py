@@ -3,12 +3,13 @@
 
 Past ``EXACT_UP_TO`` periods a schedule whose steps lie on no exact line (BPipe under the
 lock-step posting) is timed by ``plan.search._approximate``: the line through two shorter
-schedules. This prints, for BPipe (and 1F1B, V-Half and breadth-first where the exact line is
-missed) at pp 4-16 with the planner's own costs of real models, the approximate step, the full
-simulation of every micro-batch, their relative error and each one's CPU seconds.
+schedules. The searches reach it with BPipe under the default lock-step model and V-Half under
+``--p2p-model gloo`` (counted on recommend's 52B / 64 x V100 search at global batch 8,192).
+This prints, for both at pp 4-16 with the planner's own costs of real models, the approximate
+step, the full simulation of every micro-batch, their relative error and each one's CPU seconds.
 
-    python scripts/bench_extrapolation.py            # 60 layouts
-    python scripts/bench_extrapolation.py --quick    # 8
+    python scripts/bench_extrapolation.py            # 60 BPipe layouts, 12 V-Half
+    python scripts/bench_extrapolation.py --quick    # every eighth
 """
 
 from __future__ import annotations
@@ -37,15 +38,23 @@ CLUSTERS = {
 }
 
 
-def layouts() -> list[tuple[str, Candidate, int]]:
-    """(model, candidate, micro-batches): BPipe at pp 4, 8, 16 and m past the exact range."""
+def layouts() -> list[tuple[str, Candidate, int, str]]:
+    """(model, candidate, micro-batches, p2p model): past the exact range, BPipe at pp 4, 8, 16
+    under lock-step and V-Half at pp 4 and 8 under gloo."""
     found = []
     for model in CLUSTERS:
         for pp in (4, 8, 16):
             for m in (EXACT_UP_TO * pp + 1, EXACT_UP_TO * pp + pp // 2, 64 * pp + 3, 96 * pp):
                 for tp in (4, 8):
-                    found.append((model, Candidate("bpipe", "optim", tp, pp, 1, 2, 1, "full"), m))
-    return found[:60]
+                    bpipe = Candidate("bpipe", "optim", tp, pp, 1, 2, 1, "full")
+                    found.append((model, bpipe, m, "lockstep"))
+    found = found[:60]
+    for model in CLUSTERS:
+        for pp in (4, 8):
+            for m in (EXACT_UP_TO * pp + 1, 64 * pp + 3):
+                v_half = Candidate("v-half", "optim", 4, pp, 2, 2, 1, "full")
+                found.append((model, v_half, m, "gloo"))
+    return found
 
 
 def main() -> None:
@@ -54,9 +63,9 @@ def main() -> None:
     args = parser.parse_args()
     cases = layouts()[:: 8 if args.quick else 1]
     header = f"{'model':<10} {'pp':>3} {'tp':>3} {'m':>5} {'error %':>9} {'approx s':>9}"
-    print(f"{header} {'full s':>8}")
+    print(f"{'schedule':<8} {header} {'full s':>8}")
     worst = 0.0
-    for model_name, candidate, m in cases:
+    for model_name, candidate, m, p2p in cases:
         model, cluster = get_model(model_name), CLUSTERS[model_name]
         batch = m * candidate.dp * candidate.micro_batch_size
         sized, _ = _size(
@@ -71,17 +80,24 @@ def main() -> None:
         assert sized is not None
         costs = _cost_model(sized.times)
         start = time.process_time()
-        approx, _ = _approximate(candidate, m, costs, "lockstep", None, candidate.pp)
+        approx, _ = _approximate(candidate, m, costs, p2p, None, candidate.pp)
         approx_s = time.process_time() - start
         start = time.process_time()
-        built = build_schedule("bpipe", num_ranks=candidate.pp, num_microbatches=m, validate=False)
-        full = simulate(built, costs).step_time
+        chunks = None if candidate.vp == 1 else candidate.vp
+        built = build_schedule(
+            candidate.schedule,
+            num_ranks=candidate.pp,
+            num_microbatches=m,
+            num_chunks=chunks,
+            validate=False,
+        )
+        full = simulate(built, costs, p2p=p2p).step_time
         full_s = time.process_time() - start
         error = (approx - full) / full
         worst = max(worst, abs(error))
         print(
-            f"{model_name:<10} {candidate.pp:>3} {candidate.tp:>3} {m:>5} {100 * error:>9.4f} "
-            f"{approx_s:>9.2f} {full_s:>8.2f}"
+            f"{candidate.schedule:<8} {model_name:<10} {candidate.pp:>3} {candidate.tp:>3} "
+            f"{m:>5} {100 * error:>9.4f} {approx_s:>9.2f} {full_s:>8.2f}"
         )
     print(f"{len(cases)} layouts, largest error {100 * worst:.4f}%")
 
