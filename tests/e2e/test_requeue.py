@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.ports import free_port, run_launch
+
 pytest.importorskip("megatron.core")
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
@@ -118,7 +120,7 @@ def _sbatch(tmp_path: Path, root: Path, **extra: str) -> subprocess.Popen[str]:
         CHECKPOINT_DIR=str(root),
         PYTHON=sys.executable,
         GPUS_PER_NODE="2",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         **extra,
     )
     return subprocess.Popen(
@@ -131,14 +133,6 @@ def _sbatch(tmp_path: Path, root: Path, **extra: str) -> subprocess.Popen[str]:
         env=env,
         start_new_session=True,  # the job's processes, all signalled as SLURM signals them
     )  # fmt: skip
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_sbatch_template_requeues_after_a_sigterm_during_the_first_save(tmp_path: Path) -> None:
@@ -301,10 +295,12 @@ def test_the_launcher_prints_megatrons_usage_once_under_torchrun(tmp_path: Path)
     pytest.importorskip("megatron.training")
     script = tmp_path / "parse.py"
     script.write_text("from megatron.training.arguments import parse_args\nparse_args()\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), "-m", "megatron_bfpp.launch", str(script),
-         "--num-layers", "x"],
+    proc = run_launch(
+        lambda port: [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(port), "-m", "megatron_bfpp.launch", str(script),
+            "--num-layers", "x",
+        ],
         capture_output=True, text=True, timeout=400, env=_env(),
     )  # fmt: skip
     assert proc.returncode != 0

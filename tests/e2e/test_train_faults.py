@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
 from tests.processes import alive, descendants, left_alive
 
 pytest.importorskip("megatron.core")
@@ -183,14 +184,6 @@ def _start_launched_ranks(port: int, *flags: str) -> list[subprocess.Popen[str]]
     return procs
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.parametrize(
     ("victim", "expected"),
     [
@@ -204,7 +197,7 @@ def test_killed_launched_rank_is_one_line_from_the_survivors(victim: int, expect
     traceback, most blaming the wrong rank; now the job says once which rank is gone."""
     import threading
 
-    procs = _start_launched_ranks(_free_port())
+    procs = _start_launched_ranks(free_port())
     errors: dict[int, list[str]] = {rank: [] for rank in range(4)}
     readers = [
         threading.Thread(target=lambda r=r, p=p: errors[r].extend(p.stderr), daemon=True)
@@ -268,7 +261,7 @@ def _torchrun(*flags: str) -> subprocess.Popen[str]:
     """Four CPU ranks under torchrun (its agent hosts the store), pipeline size 4."""
     return _popen(
         "torch.distributed.run",
-        *("--nproc-per-node", "4", "--master-port", str(_free_port())),
+        *("--nproc-per-node", "4", "--master-port", str(free_port())),
         "-m",
         "megatron_bfpp.cli.train",
         *("--no-progress", "--log-interval", "1", "--pipeline-model-parallel-size", "4"),
@@ -354,7 +347,7 @@ def test_stopped_rank_under_srun_is_named_within_the_timeout() -> None:
     """Ranks as srun starts them (rank 0 hosts the store): a rank stopped with SIGSTOP is named
     in one line once the waits on it pass --distributed-timeout-minutes, and every other rank
     exits (srun then ends the step, the stopped rank with it; here the test kills it)."""
-    procs = _start_launched_ranks(_free_port(), "--distributed-timeout-minutes", "0.25")
+    procs = _start_launched_ranks(free_port(), "--distributed-timeout-minutes", "0.25")
     errors: dict[int, list[str]] = {rank: [] for rank in range(4)}
     for rank, proc in enumerate(procs):
         threading.Thread(

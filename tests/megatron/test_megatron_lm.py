@@ -32,7 +32,6 @@ import importlib.util
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +39,7 @@ from pathlib import Path
 import pytest
 
 import megatron_bfpp.testing.pretrain_gpt
+from tests.ports import run_launch
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 
@@ -91,12 +91,6 @@ LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: (\S+) .*?grad norm:
 ZEROS = re.compile(r"num zeros: (\S+) ")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 # Runs that neither save nor load, by their flags: a baseline several tests compare with runs once.
 _RUNS: dict[tuple[str, ...], tuple[list[tuple[str, str]], str]] = {}
 
@@ -105,13 +99,16 @@ def _train(tmp_path: Path, *extra: str, iterations: int = 3) -> tuple[list[tuple
     stateless = not any(flag in extra for flag in ("--save", "--load"))
     if stateless and extra in _RUNS:
         return _RUNS[extra]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-        "--master-port", str(_free_port()),
-        "-m", "megatron_bfpp.launch", str(SCRIPT), *COMMON, *extra,
-    ]  # fmt: skip
+
+    def cmd(port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+            "--master-port", str(port),
+            "-m", "megatron_bfpp.launch", str(SCRIPT), *COMMON, *extra,
+        ]  # fmt: skip
+
     env = _environment()
-    result = subprocess.run(
+    result = run_launch(
         cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540, check=False
     )
     output = result.stdout + result.stderr
@@ -248,13 +245,15 @@ def test_sharded_checkpoints_and_16_bit_parameters(tmp_path: Path) -> None:
 
 
 def test_bad_schedule_flags_exit_with_one_line(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-        "--master-port", str(_free_port()),
-        "-m", "megatron_bfpp.launch", str(SCRIPT), *COMMON, "--pipeline-schedule", "breadth-first",
-        "--num-virtual-stages-per-pipeline-rank", "1",
-    ]  # fmt: skip
-    result = subprocess.run(
+    def cmd(port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+            "--master-port", str(port),
+            "-m", "megatron_bfpp.launch", str(SCRIPT), *COMMON,
+            "--pipeline-schedule", "breadth-first", "--num-virtual-stages-per-pipeline-rank", "1",
+        ]  # fmt: skip
+
+    result = run_launch(
         cmd,
         cwd=tmp_path,
         env=_environment(),
@@ -325,11 +324,15 @@ def test_the_readme_command_runs_as_written(tmp_path: Path) -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     found = re.search(r"<!-- megatron-lm-cpu-command -->\n```bash\n(.*?)```", readme, re.DOTALL)
     assert found, "README.md lost its marked Megatron-LM CPU command"
-    env = {**_environment(), "MEGATRON_LM": str(MEGATRON_LM), "PET_MASTER_PORT": str(_free_port())}
-    result = subprocess.run(
-        ["bash", "-c", found.group(1)],
+    script = found.group(1)
+
+    def cmd(port: int) -> list[str]:
+        return ["env", f"PET_MASTER_PORT={port}", "bash", "-c", script]
+
+    result = run_launch(
+        cmd,
         cwd=tmp_path,
-        env=env,
+        env={**_environment(), "MEGATRON_LM": str(MEGATRON_LM)},
         capture_output=True,
         text=True,
         timeout=540,
