@@ -25,14 +25,13 @@ waits for and sends, as ``MessageKeys``; BPipe's transfers as ``Transfer``); ``W
 the messages of one run (which are sent, who waits for which, who is stuck), applies the BPipe
 rules, and drives the ranks: each rank's program is a generator that yields the message its
 next action waits for and is resumed once that message is sent, so a run is linear in the
-number of actions. Three programs apply the tables, each doing something else besides:
-``replay`` keeps time, notes where busy intervals start (``Timeline`` draws the events
-from them on demand) and counts memory; ``compute_ends`` keeps only the time of
-compute actions (for planning passes); and the validator's single pass (``validate._scan``)
-checks every action and records what it waits for and sends (``Recorded``), which
-``run_recorded`` then runs without clocks. They are separate loops because in CPython a
-function call per action costs as much as the checking or the timing itself; what they share
-is everything that decides when an action may run, and tests hold them to the same answers.
+number of actions. Two programs apply the tables: ``replay`` keeps time, notes where busy
+intervals start (``Timeline`` draws the events from them on demand) and counts memory, and
+``compute_ends`` (for planning passes) reads the compute ends off those starts; the validator's
+single pass (``validate._scan``) checks every action and records what it waits for and sends
+(``Recorded``), which ``run_recorded`` then runs without clocks. They are separate loops because
+the validator must check a schedule before any table may be trusted with it; what they share is
+everything that decides when an action may run, and tests hold them to the same answers.
 
 ``replay`` times a run under ``Timing``: a compute action starts when the rank is free and every
 message it consumes has arrived, and lasts its duration; a send occupies its directed link
@@ -213,16 +212,39 @@ def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
             f"{', '.join(sorted(kind.value for kind in kinds - _COMPUTE))}"
         )
     rules = Rules(schedule, implicit=True)
-    wires, clocks = Wires(rules), _Clocks(rules, timing)
-    ends: list[list[float]] = [[] for _ in schedule.per_rank]
     try:
-        wires.run([_compute_times(wires, clocks, rank, ends[rank]) for rank in range(len(ends))])
+        try:
+            run = _replayed(rules, timing, bounded=True)
+        except IndexError:  # a micro-batch past the count: see _Run.flow
+            run = _replayed(rules, timing, bounded=False)
     except IndexError:  # a stage outside the layout indexed a per-stage table
         raise ScheduleError(
             f"{schedule.name!r}: an action names a stage outside the layout; run "
             "validate_schedule for details"
         ) from None
-    return Ends(ends, wires.stuck())
+    return Ends([_ends(run, rank) for rank in range(len(run.starts))], run.stuck())
+
+
+def _ends(run: _Run, rank: int) -> list[float]:
+    """A compute-only rank's compute ends from the starts ``_timed`` recorded: one per compute,
+    each followed by its implicit send's when messages take time (``Timeline._rank_events``)."""
+    timing, starts, sends_for = run.durations, run.starts[rank], run.rules.sends_for
+    duration = {
+        _F: timing.forward,
+        _B: timing.backward,
+        _I: timing.backward_input,
+        _W: timing.backward_weight,
+    }
+    actions = run.rules.schedule.per_rank[rank]
+    if timing.p2p == 0:
+        return [start + duration[a.kind] for a, start in zip(actions, starts, strict=False)]
+    ends, at = [], 0
+    for a in actions[: len(starts)]:
+        if at >= len(starts):
+            break
+        ends.append(starts[at] + duration[a.kind])
+        at += 2 if sends_for[a.kind][a.stage] >= 0 else 1
+    return ends
 
 
 class Ends(NamedTuple):
@@ -896,78 +918,4 @@ class Timeline:
             return math.inf
 
 
-class _Clocks:
-    """``compute_ends``'s messages as flat lists instead of ``Wires.arrivals``: a compute-only
-    schedule sends only the activations and gradients across stage boundaries, one message per
-    (boundary, micro-batch), so a list index replaces the dict (the loop is the eviction pass's
-    hot path). ``spec[kind]``: per stage, the index of the message it waits for and the one it
-    sends (the boundary's offset, -1 for none; add the micro-batch), the message keys of both
-    (``Rules``, for ``Wires.stuck``) and its duration. ``arrived`` holds arrival times (None:
-    not sent), ``waiter`` the rank stopped for a message (-1: none)."""
-
-    __slots__ = ("arrived", "p2p", "spec", "waiter")
-
-    def __init__(self, rules: Rules, timing: Timing) -> None:
-        per_rank = rules.schedule.per_rank
-        num_mb = 1 + max((max(map(_microbatch_of, a), default=-1) for a in per_rank), default=-1)
-        durations = {
-            _F: timing.forward,
-            _B: timing.backward,
-            _I: timing.backward_input,
-            _W: timing.backward_weight,
-        }
-        tables = (rules.waits_for, rules.sends_for)
-        slots = sorted({slot for table in tables for row in table.values() for slot in row})
-        offset = {slot: -1 if slot < 0 else i * num_mb for i, slot in enumerate(slots)}
-        self.spec = {
-            kind: (
-                [offset[slot] for slot in rules.waits_for[kind]],
-                [offset[slot] for slot in rules.sends_for[kind]],
-                rules.waits_for[kind],
-                rules.sends_for[kind],
-                duration,
-            )
-            for kind, duration in durations.items()
-        }
-        self.arrived: list[float | None] = [None] * (len(slots) * num_mb)
-        self.waiter = [-1] * (len(slots) * num_mb)
-        self.p2p = timing.p2p
-
-
 _kind_of = attrgetter("kind")
-_microbatch_of = attrgetter("microbatch")
-
-
-def _compute_times(wires: Wires, clocks: _Clocks, rank: int, ends: list[float]) -> Program:
-    """``_timed`` for ``compute_ends``: the same waits, clock and link, nothing else. With
-    instant messages a link is always free by the sender's clock (its earlier sends left no
-    later), so the link clocks are kept only when p2p > 0."""
-    rules, waiting, ready = wires.rules, wires.waiting, wires.ready
-    spec, arrived, waiter, per_mb = clocks.spec, clocks.arrived, clocks.waiter, rules.per_mb
-    link_free: dict[int, float] = {}  # this rank's links, by receiving rank
-    num_ranks, t, d_p2p, record = rules.keys.num_ranks, 0.0, clocks.p2p, ends.append
-    for i, a in enumerate(rules.schedule.per_rank[rank]):
-        waits, sends, wait_keys, send_keys, duration = spec[a.kind]
-        s = a.stage
-        mb: int = a.microbatch  # type: ignore[assignment]  # compute: never None
-        start = t
-        if (at := waits[s]) >= 0:
-            if (arrival := arrived[at := at + mb]) is None:
-                waiter[at] = rank
-                yield i, mb * per_mb + wait_keys[s]
-                arrival = arrived[at]
-            if arrival > start:  # type: ignore[operator]  # sent: not None
-                start = arrival  # type: ignore[assignment]
-        t = start + duration
-        record(t)
-        if (at := sends[s]) >= 0:  # to the neighbour stage's rank, over its link
-            at += mb
-            if d_p2p:
-                sent = link_free.get(dst := send_keys[s] % num_ranks, 0.0)
-                arrived[at] = link_free[dst] = (sent if sent > t else t) + d_p2p
-            else:
-                arrived[at] = t
-            if (woken := waiter[at]) >= 0:
-                waiter[at] = -1
-                del waiting[mb * per_mb + send_keys[s]]
-                ready.append(woken)
