@@ -438,43 +438,57 @@ _ORDER = {
 def _scan_rank(scan: _Scan, rank: int) -> Recorded:
     """``rank``'s program: placement, completeness flags, local order and channels of each
     action, and its waits and sends under the execution rules, recorded (``run_recorded`` runs
-    them). One branch per kind, the most common first, every table a local: it runs once per
-    action of every schedule built. The four pipeline messages share one branch, their
-    differences (peer, slot, channel, flags) read from a row of ``_Scan.p2p``. BPipe's
-    transfers, a few per rank, come last."""
-    schedule, rules, disorder = scan.schedule, scan.rules, scan.disorder
-    actions, s2r, num_mb = schedule.per_rank[rank], scan.stage_to_rank, schedule.num_microbatches
-    num_stages, remote_in, remote_out = len(s2r), scan.remote_in, scan.remote_out
-    local_in, local_out, with_comm = scan.local_in, scan.local_out, scan.with_comm
-    f_done, b_done, i_done, w_done, ra_done, rg_done, ev_done, ld_done = scan.flags
-    forwarded, sides = scan.forwarded, _rank_channels(scan, rank)
-    # SA / RA / SG / RG: their _P2P rows with this rank's channel sides, as plain tuples (the
-    # flags a send reads, None for a receive, which sets ``done``).
-    p2p = {
+    them); then, if no action was misplaced, the checks of the whole rank."""
+    recorded = Recorded([], array("q"))
+    if _scan_actions(scan, rank, recorded):
+        scan.finish(rank)
+        actions = scan.schedule.per_rank[rank]
+        sharded = any(actions[p].kind is _RL for p in scan.chunk_level[rank])
+        if sharded and rank not in scan.order:
+            problem = _residency_problem(scan.schedule, rank)
+            if problem is not None:
+                scan.order[rank] = problem
+    return recorded
+
+
+def _p2p_rows(
+    scan: _Scan, rank: int
+) -> dict[ActionKind, tuple[list[int], list[int], list[list[int]], bytearray, bytearray | None]]:
+    """SA / RA / SG / RG: their ``_P2P`` rows with ``rank``'s channel sides, as plain tuples
+    (the flags a send reads, None for a receive, which sets ``done``)."""
+    sides = _rank_channels(scan, rank)
+    return {
         kind: (row.peers, row.slots, sides[row.side], row.done, row.also if row.rule else None)
         for kind, row in scan.p2p.items()
-    }.get
-    # The execution rules (Rules): what F and B / I wait for, and send in a compute-only schedule.
-    # Keyed as a recording keys them (Rules._recorded_tables): activations and gradients by
-    # ``mb * stride`` plus a slot per stage, BPipe's messages by their MessageKeys key + limit.
+    }
+
+
+def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
+    """``_scan_rank``'s pass over the actions; False when it ended at a misplaced one. One
+    branch per kind, the most common first, every table a local: it runs once per action of
+    every schedule built. The four pipeline messages share one branch, their differences
+    (peer, slot, channel, flags) read from a row of ``_Scan.p2p``. BPipe's transfers, a few per
+    rank, come last (``_scan_transfer``)."""
+    schedule, rules, disorder = scan.schedule, scan.rules, scan.disorder
+    actions, s2r, num_mb = schedule.per_rank[rank], scan.stage_to_rank, schedule.num_microbatches
+    remote_in, remote_out = scan.remote_in, scan.remote_out
+    local_in, local_out, with_comm = scan.local_in, scan.local_out, scan.with_comm
+    f_done, b_done, i_done, w_done, ra_done, rg_done, ev_done, ld_done = scan.flags
+    forwarded, p2p = scan.forwarded, _p2p_rows(scan, rank).get
+    # What F and B / I wait for and send (compute-only) in recorded keys (Rules._recorded_tables).
     act_wait, grad_wait = rules.recorded_waits[_F], rules.recorded_waits[_B]
     act_send, grad_send = rules.recorded_sends[_F], rules.recorded_sends[_B]
     stride, implicit = rules.recorded_stride, rules.implicit
-    evict_base, restore_base = rules.base[EVICT], rules.base[RESTORE]
-    per_mb, num_ranks, transfers = rules.per_mb, rules.keys.num_ranks, rules.transfers
-    limit = rules.recorded_limit
-    recorded = Recorded([], array("q"))
+    restore_base, per_mb, limit = rules.base[RESTORE], rules.per_mb, rules.recorded_limit
     op, wait_at = recorded.ops.append, recorded.wait_at.append
     awaiting: list[int] = []  # acknowledgements the next compute waits for (Wires.awaiting)
     loaded: set[int] = set()  # restores a backward waits for (Wires.loaded)
-    accepted, unloaded = scan.accepted[rank], 0  # keys of this rank's ACs; its EVs minus LDs
-    sharded = False  # an RL: this rank's parameters are sharded (checked after the loop)
+    unloaded = 0  # this rank's EVs minus LDs
     chunk_level = scan.chunk_level[rank]  # positions of its GS / PS / RL
     position = 0
     try:  # a stage past the layout raises IndexError at s2r[stage], before any change
         for position, action in enumerate(actions):
-            kind = action.kind
-            stage = action.stage
+            kind, stage = action.kind, action.stage
             mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
             if awaiting and (kind is _F or kind is _B or kind is _I or kind is _W):
                 for need in awaiting:  # Wires.unacknowledged: BPipe's acknowledgements first
@@ -484,7 +498,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
             if kind is _F:
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
-                    return recorded
+                    return False
                 if (slot := act_wait[stage]) >= 0:
                     op(~(mb * stride + slot))
                     wait_at(position)
@@ -505,7 +519,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
             elif kind is _B or kind is _I:
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
-                    return recorded
+                    return False
                 if (slot := grad_wait[stage]) >= 0:
                     op(~(mb * stride + slot))
                     wait_at(position)
@@ -532,7 +546,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
                 peers, slots, channel, done, also = row
                 if s2r[stage] != rank or mb >= num_mb or action.peer != peers[stage]:
                     scan.misplaced(rank, position)
-                    return recorded
+                    return False
                 key, message = stage * num_mb + mb, mb * stride + slots[stage]
                 channel[stage].append(message)
                 if also is None:  # a receive, posted
@@ -544,7 +558,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
             elif kind is _W:  # waits for nothing but its own rank's I
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
-                    return recorded
+                    return False
                 key = stage * num_mb + mb
                 if w_done[key] or b_done[key]:
                     scan.note_backward(rank, position, key)  # a repeat, or W with B
@@ -554,69 +568,85 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
             elif kind is _GS or kind is _PS or kind is _RL:
                 if s2r[stage] != rank:
                     scan.misplaced(rank, position)
-                    return recorded
-                sharded = sharded or kind is _RL
+                    return False
                 chunk_level.append(position)  # checked by _grad_sync_problem
             else:  # BPipe's EV / AC / RS / LD, a few per rank
-                peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
-                owner = s2r[stage] if stage < num_stages else -1
-                if kind is _EV or kind is _LD:  # the evictor's side
-                    placed = owner == rank and peer != rank
-                else:
-                    placed = owner not in (-1, rank) and peer == owner
-                if not placed or mb >= num_mb:
-                    scan.misplaced(rank, position)
-                    return recorded
-                # Rules.transfers, recorded (Wires.transfer runs the same table).
-                rule, base, key = transfers[kind], mb * per_mb + limit, stage * num_mb + mb
-                if (slot := rule.waits[stage]) >= 0:
-                    op(~(base + slot + rank))
-                    wait_at(position)
-                sent = base + rule.sends[stage] + peer
-                if peer < num_ranks:  # a rank outside the layout: the message reaches nobody
-                    op(sent)
-                if (slot := rule.awaits[stage]) >= 0:
-                    awaiting.append(base + slot + rank)
-                if (slot := rule.loads[stage]) >= 0:
-                    loaded.add(base + slot + rank)
-                # The checks, and the channel of the payload (evict / restore).
-                if kind is _EV:
-                    scan.channel(rank, peer)[0].append(sent)
-                    if ev_done[key]:
-                        scan.repeated(rank, position)
-                    else:
-                        ev_done[key] = 1
-                        unloaded += 1
-                    if not f_done[key] or b_done[key] or i_done[key]:
-                        disorder(rank, position, "window")
-                elif kind is _AC:
-                    scan.channel(peer, rank)[1].append(base + evict_base[stage] + rank)
-                    accepted.add(key)
-                elif kind is _RS:
-                    scan.channel(rank, peer)[0].append(sent)
-                    if key not in accepted:
-                        disorder(rank, position, "never accepted")
-                else:
-                    scan.channel(peer, rank)[1].append(base + restore_base[stage] + rank)
-                    if ld_done[key]:
-                        scan.repeated(rank, position)
-                    else:
-                        ld_done[key] = 1
-                        unloaded -= 1
-                    if not ev_done[key]:
-                        disorder(rank, position, "never evicted")
+                moved = _scan_transfer(scan, rank, position, recorded, awaiting, loaded)
+                if moved is None:
+                    return False
+                unloaded += moved
     except IndexError:
         if _placement_problem(actions[position], rank, schedule) is None:
             raise  # not a stage past the layout: a bug, not a schedule problem
         scan.misplaced(rank, position)
-        return recorded
+        return False
     scan.unloaded[rank] = unloaded
-    scan.finish(rank)
-    if sharded and rank not in scan.order:
-        problem = _residency_problem(schedule, rank)
-        if problem is not None:
-            scan.order[rank] = problem
-    return recorded
+    return True
+
+
+def _scan_transfer(
+    scan: _Scan,
+    rank: int,
+    position: int,
+    recorded: Recorded,
+    awaiting: list[int],
+    loaded: set[int],
+) -> int | None:
+    """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD at ``position``: placement, the
+    waits and sends of ``Rules.transfers`` recorded (``Wires.transfer`` runs the same table),
+    the payload's channel and the transfer's checks. Returns how it changes the rank's count
+    of evicted-not-loaded activations, or None when misplaced (the rank's pass ends)."""
+    action, rules, flags = scan.schedule.per_rank[rank][position], scan.rules, scan.flags
+    kind, stage, s2r = action.kind, action.stage, scan.stage_to_rank
+    mb: int = action.microbatch  # type: ignore[assignment]  # transfers name one
+    peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
+    owner = s2r[stage] if stage < len(s2r) else -1
+    if kind is _EV or kind is _LD:  # the evictor's side
+        placed = owner == rank and peer != rank
+    else:
+        placed = owner not in (-1, rank) and peer == owner
+    if not placed or mb >= scan.num_mb:
+        scan.misplaced(rank, position)
+        return None
+    rule, base = rules.transfers[kind], mb * rules.per_mb + rules.recorded_limit
+    key = stage * scan.num_mb + mb
+    if (slot := rule.waits[stage]) >= 0:
+        recorded.ops.append(~(base + slot + rank))
+        recorded.wait_at.append(position)
+    sent = base + rule.sends[stage] + peer
+    if peer < rules.keys.num_ranks:  # a rank outside the layout: the message reaches nobody
+        recorded.ops.append(sent)
+    if (slot := rule.awaits[stage]) >= 0:
+        awaiting.append(base + slot + rank)
+    if (slot := rule.loads[stage]) >= 0:
+        loaded.add(base + slot + rank)
+    f_done, b_done, i_done, _, _, _, ev_done, ld_done = flags
+    if kind is _EV:
+        scan.channel(rank, peer)[0].append(sent)
+        if not f_done[key] or b_done[key] or i_done[key]:
+            scan.disorder(rank, position, "window")
+        if ev_done[key]:
+            scan.repeated(rank, position)
+            return 0
+        ev_done[key] = 1
+        return 1
+    if kind is _AC:
+        scan.channel(peer, rank)[1].append(base + rules.base[EVICT][stage] + rank)
+        scan.accepted[rank].add(key)
+        return 0
+    if kind is _RS:
+        scan.channel(rank, peer)[0].append(sent)
+        if key not in scan.accepted[rank]:
+            scan.disorder(rank, position, "never accepted")
+        return 0
+    scan.channel(peer, rank)[1].append(base + rules.base[RESTORE][stage] + rank)
+    if not ev_done[key]:
+        scan.disorder(rank, position, "never evicted")
+    if ld_done[key]:
+        scan.repeated(rank, position)
+        return 0
+    ld_done[key] = 1
+    return -1
 
 
 def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:

@@ -251,3 +251,19 @@ def test_importing_pure_layers_loads_no_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+LONGEST_FUNCTION = 120  # lines, decorators and docstring included (issue 41)
+
+
+def test_no_product_function_is_longer_than_the_limit() -> None:
+    """Small functions: none in the product over ``LONGEST_FUNCTION`` lines."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                lines = (node.end_lineno or node.lineno) - first + 1
+                if lines > LONGEST_FUNCTION:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.name} ({lines} lines)")
+    assert not long, f"split these below {LONGEST_FUNCTION} lines: {long}"
