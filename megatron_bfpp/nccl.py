@@ -58,9 +58,10 @@ names. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream w
 the model proves holds on both. A posting that cannot finish is reported with
 the cycle of waits and the per-rank grid.
 
-What each compute and BPipe transfer waits for is read from ``semantics.Rules`` (``consumed``,
-``transfer_waits``, ``loads``, ``awaits``), in the tick replay and in the model alike, and ops
-are paired by ``semantics.match_channels``: the rules are stated once, there.
+What each compute and BPipe transfer waits for is read from ``semantics.Rules``, compiled
+(``program.Program``: ``wait``, ``restore``) or directly (``transfer_waits``, ``awaits``), in the
+tick replay and in the model alike, and ops are paired by ``semantics.match_channels``: the
+rules are stated once, there.
 
 **Timing** (``posting_timer``, the simulator's ``lockstep`` and ``megatron`` models) runs the
 same model with clocks: computes take their durations, an op completes a message time after both
@@ -300,15 +301,6 @@ class _TickReplay:
         self.ticks = [[-1] * len(actions) for actions in programs]
         self.sent = [-1] * program.num_messages  # the tick a message is sent at, -1 not yet
         self.posted = [-1] * program.num_messages  # AC / LD: the receiver's tick there
-        rules = self.rules
-        self.loaded = [  # the restores each rank's LDs bring back (Rules.loads)
-            {
-                program.restore_of(a.stage, a.microbatch or 0)
-                for a in actions
-                if a.kind in rules.transfers and rules.loads(a) is not None
-            }
-            for actions in programs
-        ]
         self.at = [0] * num_ranks
         self.now = [0] * num_ranks  # the end of each rank's latest compute
         # EV / RS waiting for the partner's AC / LD: (position, message, earliest tick).
@@ -386,7 +378,7 @@ class _TickReplay:
         to it."""
         program, rules = self.program, self.rules
         actions, t, ticks = self.schedule.per_rank[rank], self.now[rank], self.ticks[rank]
-        message, wait, loaded = program.message[rank], program.wait[rank], self.loaded[rank]
+        message, wait, restores = program.message[rank], program.wait[rank], program.restore[rank]
         sent, transfers = self.sent, rules.transfers
         while True:
             if position == len(actions):
@@ -399,13 +391,11 @@ class _TickReplay:
                 if (need := wait[position]) >= 0 and (ready := sent[need]) < 0:
                     self._stop(rank, need)
                     break
-                if loaded and kind is not K.FORWARD and kind is not K.BACKWARD_WEIGHT:
-                    restore = program.restore_of(action.stage, action.microbatch or 0)
-                    if restore in loaded:
-                        if sent[restore] < 0:
-                            self._stop(rank, restore)
-                            break
-                        ready = max(ready, sent[restore])
+                if restores and (restore := restores.get(position, -1)) >= 0:
+                    if sent[restore] < 0:
+                        self._stop(rank, restore)
+                        break
+                    ready = max(ready, sent[restore])
                 transfers_in = self._resolved(rank)
                 if transfers_in is None:  # resumed when the partner posts (``owner``)
                     break
@@ -605,7 +595,6 @@ class _Model:
         transfers, compute = self.rules.transfers, _COMPUTE
         holder: dict[int, int] = {}  # op key -> the unit running it; a CPU waits for units
         unit_at: dict[int, int] = {}  # program position -> the unit running its op
-        loaded: set[int] = set()  # restores a later backward consumes (LD)
         steps: list[int] = []
         unsettled: list[int] = []
         index = 0  # the rank's batches, numbered from 0
@@ -616,7 +605,7 @@ class _Model:
         for step in self.posting.per_rank[rank]:
             if isinstance(step, int):
                 if actions[step].kind in compute:
-                    self._compute_waits(rank, step, holder, loaded, steps)
+                    self._compute_waits(rank, step, holder, steps)
                     add_step(step * 4 + _RUN)
                     if self.settle:  # gloo: a transfer's send is settled after the next compute
                         steps.extend(unit * 4 + _WAIT for unit in unsettled)
@@ -647,7 +636,7 @@ class _Model:
                 send = kind in _SENDS
                 peer = action.peer or 0
                 if kind in transfers:
-                    self._transfer_waits(action, rest, holder, loaded, steps)
+                    self._transfer_waits(action, rest, holder, steps)
                 op_unit = self._unit(batch, self._stream(rank, peer)) if unit < 0 else unit
                 if send and kind in transfers and self.rules.awaits(action):
                     unsettled.append(op_unit)
@@ -670,19 +659,18 @@ class _Model:
         return steps
 
     def _compute_waits(
-        self, rank: int, position: int, holder: dict[int, int], loaded: set[int], steps: list[int]
+        self, rank: int, position: int, holder: dict[int, int], steps: list[int]
     ) -> None:
-        """A compute's waits: the batches holding what it consumes (``Rules.consumed``: the
-        compiled ``Program.wait``, and the restore once an LD brought it back), and the send
-        of its output before the backward that frees it (megatron-core's
-        ``deallocate_pipeline_outputs``; runtime/backward.py)."""
+        """A compute's waits: the batches holding what it consumes (``Rules``' tables as
+        compiled: ``Program.wait`` and ``Program.restore``), and the send of its output before
+        the backward that frees it (megatron-core's ``deallocate_pipeline_outputs``;
+        runtime/backward.py)."""
         program, action = self.program, self.schedule.per_rank[rank][position]
         kind, stage, mb = action.kind, action.stage, action.microbatch or 0
         needs = []
         if (need := program.wait[rank][position]) >= 0:
             needs.append(need * 4)
-        restores = bool(loaded) and kind is not K.FORWARD and kind is not K.BACKWARD_WEIGHT
-        if restores and (restore := program.restore_of(stage, mb)) in loaded:
+        if (restore := program.restore[rank].get(position, -1)) >= 0:
             needs.append(restore * 4)
         if kind in _FREES_OUTPUT and not self.schedule.layout.is_last(stage):
             needs.append(program.id(ACT, stage, mb) * 4 + 2)
@@ -691,11 +679,10 @@ class _Model:
                 steps.append(unit * 4 + _WAIT)
 
     def _transfer_waits(
-        self, action: Action, rest: bool, holder: dict[int, int], loaded: set[int], steps: list[int]
+        self, action: Action, rest: bool, holder: dict[int, int], steps: list[int]
     ) -> None:
         """A BPipe transfer's waits (``Rules.transfer_waits``): AC reads the header before the
-        payload is posted, RS waits for the payload it returns; an LD marks its restore as
-        consumed by the later backward (``Rules.loads``)."""
+        payload is posted, RS waits for the payload it returns."""
         rules, program = self.rules, self.program
         rule = rules.transfers[action.kind]
         waited = rules.transfer_waits(action)
@@ -704,8 +691,6 @@ class _Model:
             for wanted in (key, key + 1) if rule.carries_data else (key,):
                 if (unit := holder.get(wanted)) is not None:
                     steps.append(unit * 4 + _WAIT)
-        if rules.loads(action) is not None:
-            loaded.add(program.restore_of(action.stage, action.microbatch or 0))
 
     def _match(self) -> list[int]:
         """Pair each op with its partner (``semantics.match_channels``: by posting order, the

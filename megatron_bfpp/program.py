@@ -13,8 +13,10 @@ answers them once per schedule from ``Rules``' tables, as dense integers:
 * ``message[rank][position]``: a point-to-point action's message, -1 for the others;
 * ``wait[rank][position]``: the message a compute waits for from another rank (its input
   activation or its output gradient, ``Rules.waits_for``), -1 for none or a non-compute;
-  whether a B / I also waits for a restore depends on which LDs its rank has posted before it,
-  which each loop knows, so ``restore_of`` gives that message's number on demand.
+* ``restore[rank]``: position -> the restore a B / I also waits for because an LD earlier in
+  its rank's program brought its activations back (``Rules.transfers``' ``loads``, as
+  ``semantics.Wires.restore`` applies it: each LD serves the first such backward), empty but
+  for BPipe.
 
 ``compiled`` keeps the programs of the last schedules it compiled, by identity: the runtime, the
 simulator and validation each lower one schedule into a posting and then run it, and the
@@ -23,10 +25,11 @@ planner times one schedule under many costs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
-from megatron_bfpp.ir import COMPUTE_KINDS, ActionKind, Schedule
+from megatron_bfpp.ir import COMPUTE_KINDS, Action, ActionKind, Schedule
 from megatron_bfpp.messages import RESTORE, WHAT, WHAT_CODE, Message
 from megatron_bfpp.semantics import Rules
 
@@ -58,6 +61,7 @@ class Program:
     microbatches: int  # one more than the largest micro-batch any action names
     message: tuple[list[int], ...]
     wait: tuple[list[int], ...]
+    restore: tuple[dict[int, int], ...]
 
     @property
     def num_messages(self) -> int:
@@ -68,10 +72,6 @@ class Program:
 
     def id_of(self, message: Message) -> int:
         return self.id(WHAT_CODE[message.what], message.stage, message.microbatch)
-
-    def restore_of(self, stage: int, microbatch: int) -> int:
-        """The restore (BPipe's LD) of a stage's micro-batch: what its B / I then waits for."""
-        return self.id(RESTORE, stage, microbatch)
 
     def message_of(self, message_id: int) -> Message:
         """The inverse of ``id``."""
@@ -92,7 +92,7 @@ def compile_program(schedule: Schedule) -> Program:
     for kind in COMPUTE_KINDS:
         slots = rules.waits_for[kind]
         waits[kind] = [_wait_base(rules, slot, span, microbatches) for slot in slots]
-    messages, wait = [], []
+    messages, wait, restore = [], [], []
     for actions in per_rank:
         kinds = list(map(_kind_of, actions))
         stages = list(map(_stage_of, actions))
@@ -108,7 +108,34 @@ def compile_program(schedule: Schedule) -> Program:
                 wait_row[position] = base + mbs[position]
         messages.append(message_row)
         wait.append(wait_row)
-    return Program(schedule, rules, span, microbatches, tuple(messages), tuple(wait))
+        restore.append(_restores(rules, actions, kinds, span, microbatches))
+    return Program(
+        schedule, rules, span, microbatches, tuple(messages), tuple(wait), tuple(restore)
+    )
+
+
+def _restores(
+    rules: Rules, actions: Sequence[Action], kinds: list[ActionKind], span: int, microbatches: int
+) -> dict[int, int]:
+    """``Program.restore`` of one rank (module docstring)."""
+    if not any(kind in rules.transfers for kind in set(kinds)):
+        return {}
+    restore, loaded = {}, set()
+    for position, (kind, action) in enumerate(zip(kinds, actions, strict=True)):
+        mb = action.microbatch or 0
+        if (rule := rules.transfers.get(kind)) is not None:
+            if rule.loads[action.stage] >= 0:
+                loaded.add((RESTORE * span + action.stage + 1) * microbatches + mb)
+        elif (
+            kind in _RESTORED
+            and (key := (RESTORE * span + action.stage + 1) * microbatches + mb) in loaded
+        ):
+            loaded.discard(key)
+            restore[position] = key
+    return restore
+
+
+_RESTORED = frozenset({K.BACKWARD, K.BACKWARD_INPUT})  # what an LD's activations serve
 
 
 def _mb_or_zero(action: object) -> int:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import deque
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Literal, NamedTuple, TypeVar
@@ -360,30 +360,10 @@ class Rules:
             _B: [grad[s] if grad_to[s] >= 0 else -1 for s in range(num_stages)],
         }
 
-    def consumed(self, action: Action, loaded: Container[tuple[int, int]] = ()) -> list[Message]:
-        """The messages a compute action waits for, as ``waits_for`` and ``Wires.restore``
-        say: its input activation (F) or output gradient (B / I) from another rank, and, for a
-        B / I whose activations an LD brought back (``loaded``: the (stage, micro-batch) of
-        the rank's LDs, ``Transfer.loads``), the restore. For the loops that speak of messages
-        rather than keys (``nccl``)."""
-        kind, stage, mb = action.kind, action.stage, action.microbatch or 0
-        needs = []
-        row = self.waits_for.get(kind)
-        if row is not None and (slot := row[stage]) >= 0:
-            needs.append(self.keys.message(slot + mb * self.per_mb)[0])
-        if kind is not _F and kind is not _W and (stage, mb) in loaded:
-            needs.append(Message(WHAT[RESTORE], stage, mb))
-        return needs
-
     def transfer_waits(self, action: Action) -> Message | None:
         """What a BPipe transfer waits for (``Transfer.waits``): RS the payload it returns, AC
         the size header it reads first; None for EV / LD."""
         slot = self.transfers[action.kind].waits[action.stage]
-        return self._message(slot, action)
-
-    def loads(self, action: Action) -> Message | None:
-        """The restore a later backward of the LD's stage and micro-batch consumes."""
-        slot = self.transfers[action.kind].loads[action.stage]
         return self._message(slot, action)
 
     def awaits(self, action: Action) -> bool:
