@@ -63,9 +63,9 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "bfpp-sim=megatron_bfpp.cli.sim:main",
+            "bfpp-sim=megatron_bfpp.cli.sim:command",
             "bfpp-train=megatron_bfpp.cli.train:main",
-            "bfpp-plan=megatron_bfpp.cli.plan:main",
+            "bfpp-plan=megatron_bfpp.cli.plan:command",
         ]
     },
 )

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from megatron_bfpp.files import follow_links
 from megatron_bfpp.flags import positive_int, printable_output
@@ -60,6 +60,23 @@ def closed_pipe_ends_quietly(main: Main) -> Main:
             return CLOSED_PIPE_EXIT
 
     return run
+
+
+def ends_without_teardown(main: Main) -> Callable[[], NoReturn]:
+    """The console script of a command that may leave millions of small objects behind (a
+    simulated or planned schedule at pp 64 and a thousand micro-batches): once ``main`` has
+    returned and the output is flushed, the process ends with ``os._exit``, skipping the
+    interpreter's teardown, which frees each object one by one (3-4 s of CPU after 11 s of work
+    there; mypy's ``--fast-exit`` does the same). Every file the command writes is closed before
+    ``main`` returns (``files.write_output``); an exception still ends the usual way."""
+
+    def command() -> NoReturn:
+        code = main()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    return command
 
 
 def optional_package_problem(flag: str, module: str, extra: str) -> str | None:

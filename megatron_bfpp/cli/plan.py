@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from megatron_bfpp.cli.common import (
     closed_pipe_ends_quietly,
+    ends_without_teardown,
     fail,
     finite_float,
     json_text,
@@ -710,5 +711,7 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+command = ends_without_teardown(main)  # the console script (setup.py)
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    command()

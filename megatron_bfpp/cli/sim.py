@@ -11,6 +11,7 @@ from typing import Any
 
 from megatron_bfpp.cli.common import (
     closed_pipe_ends_quietly,
+    ends_without_teardown,
     fail,
     json_text,
     non_negative_float,
@@ -441,5 +442,7 @@ def format_report(result: SimResult) -> str:
     return "\n".join(lines)
 
 
+command = ends_without_teardown(main)  # the console script (setup.py)
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    command()

@@ -266,3 +266,42 @@ def test_visible_gpus_are_counted_without_torch(tmp_path: Path) -> None:
     for visible, count in cases.items():
         env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
         assert cli_train._visible_gpus(env, str(driver)) == count, visible
+
+
+def test_the_console_script_flushes_and_ends_with_mains_code(monkeypatch, capsys) -> None:
+    """``ends_without_teardown``: main's output is out before ``os._exit`` ends the process
+    with main's exit code; an exception from main ends the usual way."""
+    from megatron_bfpp.cli.common import ends_without_teardown
+
+    ended: list[int] = []
+
+    class Ended(Exception):
+        pass
+
+    def fake_exit(code: int) -> None:
+        ended.append(code)
+        raise Ended
+
+    def main(argv=None) -> int:  # type: ignore[no-untyped-def]
+        print("the table")
+        return 3
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    with pytest.raises(Ended):
+        ends_without_teardown(main)()
+    assert ended == [3]
+    assert capsys.readouterr().out == "the table\n"
+
+    def broken(argv=None) -> int:  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        ends_without_teardown(broken)()
+    assert ended == [3]
+
+
+def test_bfpp_sim_and_bfpp_plan_console_scripts_end_without_teardown() -> None:
+    """setup.py points the two pure commands at their ``command``, not ``main``."""
+    setup = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
+    assert '"bfpp-sim=megatron_bfpp.cli.sim:command"' in setup
+    assert '"bfpp-plan=megatron_bfpp.cli.plan:command"' in setup
