@@ -35,12 +35,20 @@ when read (``SimResult.events``, ``semantics.Timeline``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from itertools import accumulate
 from operator import attrgetter, countOf
 from typing import Any
 
-from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, format_schedule
+from megatron_bfpp.ir import (
+    MEMORY_DELTA,
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    format_schedule,
+)
 from megatron_bfpp.messages import has_communication
 from megatron_bfpp.native_posting import (
     P2POptions,
@@ -231,26 +239,48 @@ def simulate(
         )
     megatron_grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, posting)
     exact = costs.exact(schedule.layout.exact_stage_fraction)
-    try:
-        run = replay(schedule, exact.timing)
-    except ScheduleError as error:  # a stage outside the layout
-        raise ScheduleError(f"cannot simulate {error}") from None
-    if run.blocked:
-        raise _deadlock(schedule, run)
     if p2p == "gloo":
+        run = _replay(schedule, exact.timing)
         return _result(
             schedule, costs, run, exact.per_unit, p2p, run.timeline.scaled(exact.per_unit)
         )
     try:
         timed = _timer(schedule, p2p, posting, megatron_grad_reduce)(exact.timing)
-    except ScheduleError as error:
+    except (ScheduleError, IndexError, KeyError) as error:
+        _replay(schedule, exact.timing)  # a deadlock or a stage outside the layout, explained
         raise ScheduleError(f"cannot simulate {schedule.name!r} under {p2p}: {error}") from None
-    timed_run = run._replace(
-        compute_end=timed.clock, dp_end=timed.dp_end, busy=timed.busy, gather_wait=timed.gather_wait
+    # The timer gives the clocks; memory is counted in program order (Schedule.stored_activations),
+    # which needs no replay of its own.
+    timed_run = Replay(
+        blocked={},
+        timeline=None,  # type: ignore[arg-type]  # the posting's timeline, below
+        compute_end=timed.clock,
+        dp_end=timed.dp_end,
+        busy=timed.busy,
+        gather_wait=timed.gather_wait,
+        peak=[_peak_stored(actions) for actions in schedule.per_rank],
+        released=[_RL in map(_KIND, actions) for actions in schedule.per_rank],
     )
     timeline = PostingTimeline(timed.events, exact.per_unit)
     result = _result(schedule, costs, timed_run, exact.per_unit, p2p, timeline)
     return replace(result, megatron_grad_reduce=megatron_grad_reduce)
+
+
+def _replay(schedule: Schedule, timing: Timing) -> Replay:
+    """The gloo replay, refusing a schedule that deadlocks or names a stage outside the layout."""
+    try:
+        run = replay(schedule, timing)
+    except ScheduleError as error:  # a stage outside the layout
+        raise ScheduleError(f"cannot simulate {error}") from None
+    if run.blocked:
+        raise _deadlock(schedule, run)
+    return run
+
+
+def _peak_stored(actions: Sequence[Action]) -> int:
+    """The most stored activations a rank holds after any of its actions, in stages' worth
+    (``MEMORY_DELTA`` in program order, as ``replay`` counts them; at least 0)."""
+    return max(0, max(accumulate(map(_DELTA.__getitem__, map(_KIND, actions))), default=0))
 
 
 def _grad_reduce(p2p: str, grad_reduce: str | None, posting: Posting | None) -> str | None:
@@ -381,6 +411,8 @@ def _count(schedule: Schedule, rank: int, kind: ActionKind) -> int:
 
 
 _KIND = attrgetter("kind")
+_DELTA = {kind: MEMORY_DELTA.get(kind, 0) for kind in ActionKind}
+_RL = ActionKind.RELEASE
 
 
 def _peak_gradients(schedule: Schedule, rank: int, *, sharded: bool) -> float:
