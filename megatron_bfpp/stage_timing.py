@@ -8,7 +8,10 @@ process on one device; the profile holds seconds per micro-batch for its forward
 (B), and the backward split as the V-shape schedules run it (``runtime.deferred_wgrad``): I, the
 backward with the linear layers' weight GEMMs deferred, and W, those GEMMs computed and
 accumulated, each timed on its own, at each micro-batch size. So the split the planner reads is
-the runtime's, overheads included (I + W may exceed B).
+the runtime's, overheads included (I + W may exceed B). It also holds ``t_host``, the runtime's
+own time per compute action beyond those kernels (``measure_host_time``: a fixed one-rank 1F1B
+step through our runtime against the same forwards and backwards called bare), the planner's
+``CostModel.t_host``.
 
 torch and megatron-core are imported here only; the command line imports this module when the
 ``profile`` command runs. On CPU it runs in seconds for a tiny model (the format and the tests);
@@ -40,7 +43,13 @@ from megatron_bfpp.plan.profile import (
 )
 from megatron_bfpp.runtime import deferred_wgrad
 
-__all__ = ["StoredActivations", "measure_stage", "measure_stored_activations", "write_profile"]
+__all__ = [
+    "StoredActivations",
+    "measure_host_time",
+    "measure_stage",
+    "measure_stored_activations",
+    "write_profile",
+]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -70,6 +79,13 @@ def measure_stage(
                 _measure(block, model, b, target, _DTYPES[chosen], warmup, iterations)
                 for b in micro_batch_sizes
             ]
+            host = measure_host_time(
+                block,
+                model,
+                micro_batch_size=min(micro_batch_sizes),
+                warmup=warmup,
+                iterations=iterations,
+            )
     from megatron_bfpp.compat import megatron_core_version
 
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else _cpu_name()
@@ -83,7 +99,102 @@ def measure_stage(
         measurements=tuple(rows),
         torch_version=torch.__version__,
         megatron_core_version=".".join(map(str, megatron_core_version())),
+        t_host=host,
     )
+
+
+HOST_MICROBATCHES = 4  # per calibration step: 8 compute actions
+
+
+def measure_host_time(
+    block: torch.nn.Module,
+    model: Model,
+    *,
+    micro_batch_size: int = 1,
+    warmup: int = 2,
+    iterations: int = 5,
+) -> float:
+    """Seconds per compute action our runtime spends beyond the kernels: per iteration, one step
+    of a fixed schedule, 1F1B on a one-rank pipeline with ``HOST_MICROBATCHES`` micro-batches,
+    through ``get_forward_backward_func`` (megatron-core's forward_step / backward_step, our
+    handlers, the loss), less the same forwards and backwards called bare, over its compute
+    actions; the median of ``iterations`` after ``warmup``, 0 when the kernels hide it (a GPU's
+    host running ahead). Why a fixed schedule: the host time is a per-action cost that the
+    planner multiplies by each schedule's actions, so it is measured apart from every schedule it
+    predicts. The bare calls run the same layers (so their own dispatch is in ``forward_s`` /
+    ``backward_s``, not here). Needs a one-rank pipeline (``measure_stage``'s)."""
+    from megatron.core import parallel_state
+
+    from megatron_bfpp.runtime.api import get_forward_backward_func
+
+    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ScheduleError(
+            "measure_host_time times a one-rank pipeline: call it outside a pipeline-parallel job"
+        )
+    device = next(block.parameters()).device
+    dtype = next(block.parameters()).dtype
+    chunk = _Chunk(block, _rotary(block, model, device))
+    step = get_forward_backward_func("1f1b")
+    shape = (model.seq_length, micro_batch_size, model.hidden_size)
+    m = HOST_MICROBATCHES
+
+    def bare(inputs: list[torch.Tensor]) -> None:
+        for x in inputs:
+            torch.autograd.backward(chunk(x).float().mean())
+
+    def runtime(inputs: list[torch.Tensor]) -> None:
+        step(
+            forward_step_func=_host_forward_step,
+            data_iterator=iter(inputs),
+            model=[chunk],
+            num_microbatches=m,
+            seq_length=model.seq_length,
+            micro_batch_size=micro_batch_size,
+        )
+
+    extra = []
+    for index in range(warmup + iterations):
+        inputs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(m)]
+        seconds = {}
+        for work in (bare, runtime) if index % 2 else (runtime, bare):  # neither always first
+            for p in block.parameters():  # each creates the gradients alike: none accumulated
+                p.grad = None
+            seconds[work] = _timed(device, functools.partial(work, inputs))
+        if index >= warmup:
+            extra.append((seconds[runtime] - seconds[bare]) / (2 * m))
+    return max(0.0, statistics.median(extra))
+
+
+class _Chunk(torch.nn.Module):
+    """The profiled layers as a model chunk for our runtime: megatron-core's chunk attributes
+    (config, model_type, set_input_tensor), one call of the block per micro-batch."""
+
+    def __init__(self, block: torch.nn.Module, rotary: Any) -> None:
+        from megatron.core.enums import ModelType
+
+        super().__init__()
+        self.block, self.rotary = block, rotary
+        self.config = block.config
+        self.model_type = ModelType.encoder_or_decoder
+
+    def set_input_tensor(self, tensors: Any) -> None:
+        """A one-rank pipeline's only stage takes its input from the data."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        output: torch.Tensor = self.block(hidden, attention_mask=None, rotary_pos_emb=self.rotary)
+        return output
+
+
+def _host_forward_step(data_iterator: Any, model: torch.nn.Module) -> Any:
+    """The bare calls' work as a megatron-core forward step: the chunk, then the output's mean as
+    the loss."""
+    output = model(next(data_iterator))
+
+    def loss(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        value = out.float().mean()
+        return value, {"loss": value.detach()}
+
+    return output, loss
 
 
 def write_profile(profile: StageProfile, path: str | Path) -> None:

@@ -30,15 +30,26 @@ sleeps asked for, the time blocked in the emulation's waits and the reduction's 
 divides it by the rank's compute actions. The emulated transport also takes longer than
 ``--t-p2p`` per message (the worker's sleep to the due time, gloo, thread wake-ups: a fraction
 of a millisecond, more under load); before each step the ranks time it in pairs with a chain of
-round trips that no host work interrupts (``_message_time``). Each row prints the model at the
-nominal costs, the measured step, the host time per action, the time per message and the model
-with both measured (``CostModel.t_host`` and ``t_p2p``): its error is the fidelity of the p2p
-and timing rules with the CPU ranks' own costs accounted for, not fitted (``t_host`` is the
-ranks' mean, and the model decides how much of it and of each message lies on the critical
-path).
+round trips that no host work interrupts (``_message_time``).
+
+Each row holds three models of its measured (median) step, none fitted to it:
+
+* nominal: the costs as set, no host time (``CostModel.t_host`` 0, ``t_p2p`` as emulated);
+* calibrated (the default mode): ``t_host`` and ``t_p2p`` from a calibration run apart from
+  every predicted case (``calibrate``: before each pp's cases, its own launch of a fixed
+  schedule, 1F1B at the same pp without a reduction, measured as above, medians over its
+  steps), so each prediction is fixed before its case runs and reads nothing of it; the planner
+  does the same with a ``bfpp-plan profile``'s ``t_host``;
+* in-step (for reference): each step's own measured ``t_host`` and message time, the fidelity
+  of the p2p and timing rules with the CPU ranks' costs accounted for (the model still decides
+  how much of them lies on the critical path), but read from the step it predicts.
+
+The calibrated model's error is what a prediction from independent inputs achieves; the gap to
+the in-step one is how much a step's host time and message time vary from run to run (load).
 
     python scripts/bench_fidelity.py                          # pp 4 and 8, every schedule
     python scripts/bench_fidelity.py --pp 4 --only v-zb megatron-interleaved --dp-only
+    python scripts/bench_fidelity.py --no-calibration        # nominal and in-step models only
 """
 
 from __future__ import annotations
@@ -343,7 +354,7 @@ def host_per_action(name: str, pp: int, vp: int, m: int, hosts: list[float]) -> 
     return statistics.mean(hosts[rank] / computes[rank] for rank in range(pp))
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--vp", type=int, default=2, help="chunks per rank, interleaved / bf")
@@ -371,14 +382,35 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="run only these schedules")
     parser.add_argument("--dp-only", action="store_true", help="only the cases with a reduction")
     parser.add_argument("--no-dp", action="store_true", help="only the cases without one")
+    calibration = parser.add_argument_group(
+        "calibration", "t_host and t_msg measured apart, before each pp's cases (the default)"
+    )
+    calibration.add_argument(
+        "--no-calibration", action="store_true", help="only the nominal and in-step models"
+    )
+    calibration.add_argument(
+        "--calibration-schedule",
+        choices=("1f1b", "gpipe"),
+        default="1f1b",
+        help="the fixed schedule run to calibrate (default 1f1b, no reduction)",
+    )
+    calibration.add_argument(
+        "--calibration-microbatches", type=int, default=None, help="default: --microbatches"
+    )
+    calibration.add_argument(
+        "--calibration-steps", type=int, default=None, help="timed steps (default: --steps)"
+    )
     args = parser.parse_args()
     if args.t_weight is None:
         args.t_weight = args.t_backward / 2
-    reduce_time = args.t_backward if args.t_grad_reduce is None else args.t_grad_reduce
-    # The forked ranks install the emulation (testing.multirank) with this transfer time.
-    os.environ[nccl_emulation.ENV] = "1"
-    os.environ[nccl_emulation.TRANSFER_ENV] = repr(args.t_p2p)
-    preload_megatron()
+    if args.t_grad_reduce is None:
+        args.t_grad_reduce = args.t_backward
+    args.calibration_microbatches = args.calibration_microbatches or args.microbatches
+    args.calibration_steps = args.calibration_steps or args.steps
+    return args
+
+
+def _cases(args: argparse.Namespace) -> list[tuple[str, int]]:
     names = [
         ("gpipe", 1),
         ("1f1b", 1),
@@ -393,90 +425,199 @@ def main() -> None:
         (MEGATRON + "1f1b", 1),
         (MEGATRON + "interleaved", args.vp),
     ]
-    if args.only:
-        names = [case for case in names if case[0] in args.only]
-    reductions = [0.0, reduce_time]
+    return [case for case in names if not args.only or case[0] in args.only]
+
+
+def _rank_costs(args: argparse.Namespace, reduce: float) -> dict[str, float]:
+    return {
+        "t_forward": args.t_forward,
+        "t_backward": args.t_backward,
+        "t_weight": args.t_weight,
+        "t_grad_reduce": reduce,
+    }
+
+
+def _load() -> str:
+    return "load " + " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What the calibration run measured: the host's time per compute action and one message's
+    time, each the median over its timed steps; the model of every case at this pp reads only
+    these (``CostModel.t_host``, ``t_p2p``), never its own run's."""
+
+    t_host: float
+    t_msg: float
+
+
+def calibrate(args: argparse.Namespace, pp: int) -> Calibration:
+    """Run the calibration schedule (1F1B by default, ``--calibration-microbatches``, no
+    data-parallel reduction) in its own launch of ``pp`` ranks, apart from every predicted case,
+    and measure as ``rank_main`` measures each step: per timed step the ranks' mean host time
+    per compute action and the message time of ``_message_time``; the medians."""
+    name, m = args.calibration_schedule, args.calibration_microbatches
+    results = run_ranks(
+        rank_main,
+        world_size=pp,
+        pp=pp,
+        timeout=600,
+        args=(name, _rank_costs(args, 0.0), m, args.calibration_steps + 1),
+    )
+    steps = range(1, args.calibration_steps + 1)
+    hosts = [host_per_action(name, pp, 1, m, [r[i][1] for r in results]) for i in steps]
+    messages = [statistics.mean(r[i][2] for r in results) for i in steps]
+    return Calibration(statistics.median(hosts), statistics.median(messages))
+
+
+def _error(measured: float, model: float) -> float:
+    return (measured - model) / model
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One case: the measured median step and fastest step, and the models' steps (nominal,
+    calibrated, in-step: the median step's own measured t_host and t_msg)."""
+
+    measured: float
+    fastest: float
+    nominal: float
+    calibrated: float | None
+    in_step: float
+    t_host: float
+    t_msg: float
+
+
+def run_case(
+    args: argparse.Namespace,
+    name: str,
+    pp: int,
+    vp: int,
+    reduce: float,
+    calibration: Calibration | None,
+) -> Row:
+    m = args.microbatches
+    costs = CostModel(
+        t_forward=args.t_forward,
+        t_backward=args.t_backward,
+        t_weight=args.t_weight,
+        t_p2p=args.t_p2p,
+        t_grad_reduce=reduce,
+        t_evict=args.t_p2p,  # an eviction is one message too, at vp 1 unscaled
+    )
+    # The calibrated model, fixed before this case runs: the calibration's costs only.
+    calibrated = None
+    if calibration is not None:
+        measured_apart = dataclasses.replace(
+            costs, t_host=calibration.t_host, t_p2p=calibration.t_msg, t_evict=calibration.t_msg
+        )
+        calibrated = predict(name, pp, vp, m, measured_apart)
+    results = run_ranks(
+        rank_main,
+        world_size=pp,
+        pp=pp,
+        vp=vp if vp > 1 else None,
+        timeout=600,
+        args=(name, _rank_costs(args, reduce), m, args.steps + 1),
+    )
+    # Each timed step (the slowest rank's) against the model with its own t_host and message
+    # time; the step of median time is reported, and the fastest.
+    rows = []
+    for i in range(1, args.steps + 1):
+        host = host_per_action(name, pp, vp, m, [r[i][1] for r in results])
+        message = statistics.mean(r[i][2] for r in results)
+        own = dataclasses.replace(costs, t_host=host, t_p2p=message, t_evict=message)
+        rows.append((max(r[i][0] for r in results), host, message, predict(name, pp, vp, m, own)))
+    rows.sort()
+    measured, host, message, in_step = rows[(len(rows) - 1) // 2]
+    nominal = predict(name, pp, vp, m, costs)
+    return Row(measured, rows[0][0], nominal, calibrated, in_step, host, message)
+
+
+HEADER = (
+    f"{'schedule':<22} {'pp':>2} {'vp':>2} {'m':>3} {'t_red':>5} {'model':>8} {'measured':>8} "
+    f"{'nominal':>7} {'error':>6} {'calib.':>6} {'error':>6} {'in-step':>7} {'error':>6} "
+    f"{'t_host':>7} {'t_msg':>8} {'fastest':>7} {'calib.':>6}"
+)
+
+
+def format_row(name: str, pp: int, vp: int, m: int, reduce: float, row: Row) -> str:
+    model = "megatron" if name.startswith(MEGATRON) else "lockstep"
+    calibrated = "     -      -"
+    fastest = "     -"
+    if row.calibrated is not None:
+        calibrated = f"{row.calibrated:>6.3f} {100 * _error(row.measured, row.calibrated):>5.1f}%"
+        fastest = f"{100 * _error(row.fastest, row.calibrated):>5.1f}%"
+    return (
+        f"{name:<22} {pp:>2} {vp:>2} {m:>3} {reduce:>5.2f} {model:>8} {row.measured:>8.3f} "
+        f"{row.nominal:>7.3f} {100 * _error(row.measured, row.nominal):>5.1f}% {calibrated} "
+        f"{row.in_step:>7.3f} {100 * _error(row.measured, row.in_step):>5.1f}% "
+        f"{1000 * row.t_host:>5.2f}ms {1000 * row.t_msg:>6.2f}ms {row.fastest:>7.3f} {fastest}"
+    )
+
+
+def _summary(rows: list[Row]) -> None:
+    for label, model in (
+        ("nominal (t_host 0, t_p2p as set)", lambda r: r.nominal),
+        ("calibrated (t_host, t_msg of the calibration run)", lambda r: r.calibrated),
+        ("in-step (each step's own t_host, t_msg)", lambda r: r.in_step),
+    ):
+        errors = [abs(_error(r.measured, model(r))) for r in rows if model(r) is not None]
+        if errors:
+            print(
+                f"{label}: largest |error| {100 * max(errors):.1f}%, mean "
+                f"{100 * statistics.mean(errors):.1f}%, within 5%: "
+                f"{sum(e <= 0.05 for e in errors)} of {len(errors)}"
+            )
+
+
+def main() -> None:
+    args = _parse_args()
+    # The forked ranks install the emulation (testing.multirank) with this transfer time.
+    os.environ[nccl_emulation.ENV] = "1"
+    os.environ[nccl_emulation.TRANSFER_ENV] = repr(args.t_p2p)
+    preload_megatron()
+    reductions = [0.0, args.t_grad_reduce]
     if args.dp_only:
-        reductions = [reduce_time]
+        reductions = [args.t_grad_reduce]
     if args.no_dp:
         reductions = [0.0]
     print(
         f"t_forward={args.t_forward}s t_backward={args.t_backward}s t_weight={args.t_weight}s "
         f"(per full stage), emulated transfer t_p2p={args.t_p2p}s, per-chunk reduction "
-        f"{reduce_time}s in the DP cases; {args.steps} timed steps after a warm-up, each the "
-        "slowest rank's, each against the model with its own measured t_host (host time per "
-        "compute action) and t_msg (time per message); measured: the median step, best: the "
-        "fastest (load only slows a step)"
-    )
-    print(
-        f"{'schedule':<22} {'pp':>2} {'vp':>2} {'m':>3} {'t_reduce':>8} {'model':>8} "
-        f"{'simulated':>9} {'measured':>8} {'error':>6} {'t_host':>7} {'t_msg':>8} {'+ both':>7} "
-        f"{'error':>6} {'best':>6} {'error':>6}",
+        f"{args.t_grad_reduce}s in the DP cases; {args.steps} timed steps after a warm-up, each "
+        "the slowest rank's; measured: the median step. Models: nominal (no host time, t_p2p as "
+        "set); calib.: t_host and t_msg of the calibration run before each pp's cases; in-step: "
+        "the median step's own t_host and t_msg (printed); fastest: the fastest step, its error "
+        "against calib. (load only slows a step)",
         flush=True,
     )
-    errors: list[float] = []
+    rows: list[Row] = []
     failed: list[str] = []
     for pp in args.pp:
-        m = args.microbatches
+        calibration = None
+        if not args.no_calibration:
+            calibration = calibrate(args, pp)
+            schedule, m = args.calibration_schedule, args.calibration_microbatches
+            print(
+                f"calibration pp={pp}: {schedule} m={m}, {args.calibration_steps} timed steps: "
+                f"t_host {1000 * calibration.t_host:.2f} ms per compute action, t_msg "
+                f"{1000 * calibration.t_msg:.2f} ms ({_load()})",
+                flush=True,
+            )
+        print(HEADER, flush=True)
         for reduce in reductions:
-            for name, vp in names:
-                costs = CostModel(
-                    t_forward=args.t_forward,
-                    t_backward=args.t_backward,
-                    t_weight=args.t_weight,
-                    t_p2p=args.t_p2p,
-                    t_grad_reduce=reduce,
-                    t_evict=args.t_p2p,  # an eviction is one message too, at vp 1 unscaled
-                )
-                predicted = predict(name, pp, vp, m, costs)
-                rank_costs = {
-                    "t_forward": args.t_forward,
-                    "t_backward": args.t_backward,
-                    "t_weight": args.t_weight,
-                    "t_grad_reduce": reduce,
-                }
+            for name, vp in _cases(args):
                 try:
-                    results = run_ranks(
-                        rank_main,
-                        world_size=pp,
-                        pp=pp,
-                        vp=vp if vp > 1 else None,
-                        timeout=600,
-                        args=(name, rank_costs, m, args.steps + 1),
-                    )
+                    row = run_case(args, name, pp, vp, reduce, calibration)
                 except RanksFailed as failure:  # report it, go on with the other cases
-                    print(f"{name:<22} {pp:>2} {vp:>2} {m:>3} failed: {failure.summary}")
+                    print(f"{name:<22} {pp:>2} {vp:>2} failed: {failure.summary}")
                     failed.append(name)
                     continue
-                # Each timed step (the slowest rank's) against the model with its own t_host
-                # and message time; the step of median time is reported, and the fastest.
-                rows = []
-                for i in range(1, args.steps + 1):
-                    host = host_per_action(name, pp, vp, m, [r[i][1] for r in results])
-                    message = statistics.mean(r[i][2] for r in results)
-                    measured_costs = dataclasses.replace(
-                        costs, t_host=host, t_p2p=message, t_evict=message
-                    )
-                    model_s = predict(name, pp, vp, m, measured_costs)
-                    rows.append((max(r[i][0] for r in results), host, message, model_s))
-                rows.sort()
-                measured, host, message, with_host = rows[(len(rows) - 1) // 2]
-                error = (measured - with_host) / with_host
-                errors.append(abs(error))
-                model = "megatron" if name.startswith(MEGATRON) else "lockstep"
-                print(
-                    f"{name:<22} {pp:>2} {vp:>2} {m:>3} {reduce:>8.3f} {model:>8} "
-                    f"{predicted:>9.3f} {measured:>8.3f} "
-                    f"{100 * (measured - predicted) / predicted:>5.1f}% {1000 * host:>5.2f}ms "
-                    f"{1000 * message:>6.2f}ms {with_host:>7.3f} {100 * error:>5.1f}% "
-                    f"{rows[0][0]:>6.3f} {100 * (rows[0][0] - rows[0][3]) / rows[0][3]:>5.1f}%",
-                    flush=True,
-                )
-    if errors:
-        print(
-            f"against the model with the measured t_host and t_msg: largest |error| "
-            f"{100 * max(errors):.1f}%, mean {100 * statistics.mean(errors):.1f}%"
-        )
+                rows.append(row)
+                print(format_row(name, pp, vp, args.microbatches, reduce, row), flush=True)
+        print(f"pp={pp} done ({_load()})", flush=True)
+    _summary(rows)
     if failed:
         print(f"failed: {', '.join(failed)}")
     print("load averages (1, 5, 15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))

@@ -651,9 +651,11 @@ def _add_profile(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         "and write a JSON profile for 'recommend --profile'",
         description="Build a few transformer layers of the model with megatron-core (tp=1) on "
         "the local device and time their forward, backward, and the backward's input- and "
-        "weight-gradient parts at each micro-batch size. Runs on CPU too (for the format and "
-        "tests); its figures mean something on the GPU you plan for. Needs torch and "
-        "megatron-core (pip install megatron-bfpp[megatron]).",
+        "weight-gradient parts at each micro-batch size, and the runtime's host time per "
+        "compute action beyond them (t_host: a one-rank 1F1B step against the same calls made "
+        "bare, at the smallest micro-batch size). Runs on CPU too (for the format and tests); "
+        "its figures mean something on the GPU you plan for. Needs torch and megatron-core "
+        "(pip install megatron-bfpp[megatron]).",
     )
     _add_shape_flags(command)
     command.add_argument(
@@ -705,7 +707,10 @@ def _profile(args: argparse.Namespace) -> int:
         f"b={m.micro_batch_size}: F {1e3 * m.forward_s:.2f} ms, B {1e3 * m.backward_s:.2f} ms"
         for m in profile.measurements
     )
-    print(f"{prog}: {profile.device} ({profile.dtype}), {profile.num_layers} layer(s): {rows}")
+    host = "" if profile.t_host is None else f"; host {1e3 * profile.t_host:.3f} ms per action"
+    print(
+        f"{prog}: {profile.device} ({profile.dtype}), {profile.num_layers} layer(s): {rows}{host}"
+    )
     print(f"wrote {args.output}")
     sys.stdout.flush()
     return 0

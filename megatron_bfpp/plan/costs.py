@@ -89,6 +89,12 @@ class Efficiency(Protocol):
         """The weight-gradient part W of a backward (split-backward schedules)."""
         ...
 
+    @property
+    def host_s(self) -> float:
+        """Seconds the runtime spends per compute action beyond the kernels, not hidden by
+        them (``CostModel.t_host``)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class BuiltinCurve:
@@ -114,18 +120,29 @@ class BuiltinCurve:
     def weight_share(self, work: float) -> float:
         return 0.5
 
+    @property
+    def host_s(self) -> float:
+        """0: a GPU's host enqueues its kernels ahead of them (nothing measured says otherwise)."""
+        return 0.0
+
 
 @dataclass(frozen=True, slots=True)
 class ProfileCurve:
     """Efficiencies measured by ``bfpp-plan profile``, against ``gpu``'s peak, at the work per
     layer of each measured micro-batch size; linear in log(work) between them, the nearest
-    measurement outside their range (the profile says nothing there)."""
+    measurement outside their range (the profile says nothing there); ``host`` the profile's
+    ``t_host`` (0 when it has none: a profile written before it was measured)."""
 
     works: tuple[float, ...]
     forwards: tuple[float, ...]
     backwards: tuple[float, ...]
     weight_shares: tuple[float, ...]
     origin: str
+    host: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        return self.host
 
     @property
     def source(self) -> str:
@@ -160,7 +177,9 @@ class ProfileCurve:
             forwards=tuple(r[1] for r in rows),
             backwards=tuple(r[2] for r in rows),
             weight_shares=tuple(r[3] for r in rows),
-            origin=f"profile measured on {profile.device}",
+            origin=f"profile measured on {profile.device}"
+            + (f", host {1e3 * profile.t_host:.3g} ms per action" if profile.t_host else ""),
+            host=profile.t_host or 0.0,
         )
 
     def _interpolate(self, values: tuple[float, ...], work: float) -> float:
@@ -198,7 +217,8 @@ class StageTimes:
     micro-batch through one full stage (``layers`` layers); ``output`` the output layer's extra
     forward + backward on the last stage; ``p2p`` one pipeline message; ``grad_reduce`` /
     ``param_gather`` one chunk's data-parallel collective; ``evict`` BPipe's transfer of one
-    full-stage micro-batch; ``optimizer`` the optimizer step."""
+    full-stage micro-batch; ``optimizer`` the optimizer step; ``host`` the host's time per
+    compute action, whatever its stage's size (``Efficiency.host_s``)."""
 
     forward: float
     backward: float
@@ -209,6 +229,7 @@ class StageTimes:
     param_gather: float
     evict: float
     optimizer: float
+    host: float = 0.0
 
 
 def stage_times(
@@ -288,4 +309,5 @@ def stage_times(
         param_gather=param_gather,
         evict=evict,
         optimizer=optimizer_time,
+        host=efficiency.host_s,
     )

@@ -7,6 +7,12 @@ size, and the pipeline's time follows from the stage's
 and the schedule's bubble. The planner turns each measurement into an efficiency (achieved
 FLOP/s over the planning GPU's peak) at that amount of work per layer, and interpolates between
 them for other micro-batch sizes and tensor-parallel slices (``costs.ProfileCurve``).
+
+``t_host`` (optional; profiles written before it load without it): the runtime's own time per
+compute action beyond the kernels, measured apart from any schedule the planner predicts
+(``stage_timing.measure_host_time``); the planner's ``CostModel.t_host``. A profile holds no
+message time: one device has no peer to time a pipeline message to, and the planner derives it
+from the link's bandwidth and each configuration's message size instead.
 """
 
 from __future__ import annotations
@@ -60,9 +66,11 @@ class StageProfile:
     measurements: tuple[Measurement, ...]
     torch_version: str = ""
     megatron_core_version: str = ""
+    t_host: float | None = None  # seconds per compute action; None: not measured
 
 
 def profile_to_dict(profile: StageProfile) -> dict[str, Any]:
+    host = {} if profile.t_host is None else {"t_host": profile.t_host}
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -86,6 +94,7 @@ def profile_to_dict(profile: StageProfile) -> dict[str, Any]:
         "tensor_parallel": profile.tensor_parallel,
         "dtype": profile.dtype,
         "measurements": [asdict(m) for m in profile.measurements],
+        **host,
     }
 
 
@@ -165,6 +174,7 @@ def profile_from_dict(data: Any) -> StageProfile:
         measurements=tuple(sorted(measurements, key=lambda m: m.micro_batch_size)),
         torch_version=str(data.get("torch_version", "")),
         megatron_core_version=str(data.get("megatron_core_version", "")),
+        t_host=_optional_seconds(data, "t_host", ""),
     )
 
 
@@ -225,7 +235,8 @@ MAX_SECONDS = 86_400.0
 
 
 def _optional_seconds(row: dict[str, Any], key: str, where: str) -> float | None:
-    """A part of the split backward: zero is a measurement too (W too small to time)."""
+    """An optional timing (a part of the split backward, the host's time per action): zero is a
+    measurement too (W too small to time, a host its kernels hide)."""
     if row.get(key) is None:
         return None
     value = _field(row, key, (int, float), where=where)

@@ -564,6 +564,7 @@ def _cost_model(times: StageTimes) -> CostModel:
         t_grad_reduce=ns(times.grad_reduce),
         t_param_gather=ns(times.param_gather),
         t_evict=ns(times.evict),
+        t_host=ns(times.host),
     )
 
 
@@ -618,7 +619,7 @@ def _simulated_ns(
         # share (1/vp of a full stage) makes the simulator's sums inexact.
         if abs(steps[2] - steps[1] - slope) <= 1e-9 * steps[2]:
             step = steps[0] + (m - first) // period * slope
-            busy = m * (costs.t_forward + costs.t_backward)
+            busy = _busy(c, m, costs)
             return step, (step - busy) / step if step > 0 else 0.0
     if m > EXACT_UP_TO * p:
         return _approximate(c, m, costs, p2p, grad_reduce, p, budget)
@@ -663,8 +664,15 @@ def _approximate(
         _step(c, length, costs, p2p, grad_reduce, budget).step_time for length in (first, last)
     ]
     step = steps[1] + (m - last) * (steps[1] - steps[0]) / (last - first)
-    busy = m * (costs.t_forward + costs.t_backward)
+    busy = _busy(c, m, costs)
     return step, (step - busy) / step if step > 0 else 0.0
+
+
+def _busy(c: Candidate, m: int, costs: CostModel) -> float:
+    """A rank's compute in a step of m micro-batches: m full stages of forward and backward,
+    and the host's time of each of its compute actions (F and B, or F, I and W, per chunk)."""
+    actions = 3 if get_spec(c.schedule).split_backward else 2
+    return m * (costs.t_forward + costs.t_backward + actions * c.vp * costs.t_host)
 
 
 MEGATRON_SCHEDULES = frozenset({"1f1b", "interleaved"})  # what Megatron-LM itself runs
@@ -781,16 +789,18 @@ def _timing(
         optimizer=options.optimizer,
         output_layer=options.output_layer,
     )
-    busy = m * (times.forward + times.backward)
+    # Each rank runs at least a forward and a backward action per micro-batch and chunk, each
+    # paying the host's time per action.
+    busy = m * (times.forward + times.backward + 2 * c.vp * times.host)
     extra = m * times.output + times.optimizer
     # No schedule beats this: the last rank starts after the first micro-batch's forward has
     # crossed the p-1 stages before it, then computes its m full stages; with whole backwards
     # (every family but the split V-shapes) its last backward's gradient still crosses p-1
     # stages to rank 0. (Each stage holds 1/vp of a full stage.)
     hops = c.pp - 1
-    fill = hops * (times.forward / c.vp + times.p2p)
+    fill = hops * (times.forward / c.vp + times.host + times.p2p)
     if get_spec(c.schedule).placement is not Placement.V_SHAPE:
-        fill += hops * (times.backward / c.vp + times.p2p)
+        fill += hops * (times.backward / c.vp + times.host + times.p2p)
     lower = busy + fill + extra
     # Order of simulation: the bound plus the data-parallel collectives, which breadth-first
     # mostly hides and depth-first schedules mostly expose.

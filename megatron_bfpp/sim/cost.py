@@ -58,7 +58,9 @@ class CostModel:
     action that the compute cannot hide (dispatch, posting the tick's batch, waking from a
     wait), the same for a stage of ``1 / v`` of the layers, so it weighs ``v`` times as much in a
     schedule with ``v`` chunks per rank. 0 by default (a GPU's host runs ahead of its kernels);
-    ``scripts/bench_fidelity.py`` measures it on its CPU ranks.
+    ``bfpp-plan profile`` measures it for the planner (a stage profile's ``t_host``), and
+    ``scripts/bench_fidelity.py`` on its CPU ranks, in a calibration run apart from the steps it
+    predicts.
     """
 
     t_forward: float = _cost(_UNIT.forward, "forward time")

@@ -376,6 +376,8 @@ def test_profile_on_cpu_then_recommend_reads_it(tmp_path: Path) -> None:
         # I and W are timed on their own, through the runtime's split (the profiler refuses
         # a run in which I deferred no weight GEMM), so they need not add up to B exactly.
         assert m["backward_input_s"] > 0 and m["backward_weight_s"] > 0
+    # the runtime's host time per compute action, measured apart (tests/unit/test_host_time.py)
+    assert data["t_host"] >= 0 and "ms per action" in result.stdout
     planned = bfpp_plan(
         "recommend",
         *shape,

@@ -244,6 +244,24 @@ def test_profile_gives_the_efficiencies(tmp_path: Path) -> None:
     assert measured.memory_bytes is None and "profile" in measured.note
 
 
+def test_auto_charges_the_profiles_host_time(tmp_path: Path) -> None:
+    """A profile's ``t_host`` reaches auto's simulations: every row simulated both times (its
+    bounds prune others) predicts a longer step."""
+    profiles = Path(__file__).resolve().parents[2] / "docs" / "profiles"
+    data = json.loads(sorted(profiles.glob("*.json"))[0].read_text())
+    steps = []
+    for t_host in (None, 0.01):
+        path = tmp_path / f"{t_host}.json"
+        path.write_text(json.dumps({**data, "t_host": t_host}))
+        measured = hardware(device_name=None, device_memory=None, profile_path=str(path))
+        assert measured.efficiency.host_s == (t_host or 0.0)
+        decision = decide(request(hardware=measured, global_batch_size=16))
+        steps.append({row.label: row.plan.step_time_s for row in decision.rows if row.plan})
+    without, with_host = steps
+    both = without.keys() & with_host.keys()
+    assert len(both) >= 3 and all(with_host[key] > without[key] for key in both)
+
+
 def test_grouped_breadth_first_extrapolates_to_the_full_simulation() -> None:
     """Groups larger than pp repeat every group: the planner's short simulations extrapolate
     to the full schedule's step (auto tries groups of pp x 2^k)."""

@@ -4,6 +4,7 @@ profiles, and the paper's worked example through recommend's own model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -37,9 +38,17 @@ from megatron_bfpp.plan.profile import (
     Measurement,
     StageProfile,
     load_profile,
+    profile_from_dict,
     profile_to_dict,
 )
-from megatron_bfpp.plan.search import Candidate, Cluster, SearchOptions, evaluate
+from megatron_bfpp.plan.search import (
+    Candidate,
+    Cluster,
+    SearchOptions,
+    evaluate,
+    lower_bound_of,
+    recommend,
+)
 from megatron_bfpp.schedules.registry import build_schedule
 
 GPT = model_from_shape(
@@ -229,6 +238,26 @@ def test_profile_round_trip(tmp_path: Path) -> None:
     assert load_profile(path) == profile
 
 
+@pytest.mark.parametrize("t_host", [0.0, 1.5e-4, 2.0])
+def test_profile_round_trip_with_host_time(tmp_path: Path, t_host: float) -> None:
+    profile = dataclasses.replace(_table5_profile(), t_host=t_host)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_to_dict(profile)))
+    loaded = load_profile(path)
+    assert loaded == profile and loaded.t_host == t_host
+
+
+def test_a_profile_written_before_host_time_loads_without_it() -> None:
+    """Profiles written before ``t_host`` was measured (docs/profiles/ holds some) have no such
+    key; they load, and the planner charges no host time for them."""
+    data = profile_to_dict(_table5_profile())
+    assert "t_host" not in data  # a profile without it writes none
+    old = profile_from_dict(data)
+    assert old.t_host is None
+    assert profile_from_dict({**data, "t_host": None}).t_host is None
+    assert ProfileCurve.from_profile(old, get_gpu("a100-80gb")).host_s == 0.0
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
@@ -258,6 +287,16 @@ def test_profile_round_trip(tmp_path: Path) -> None:
             lambda d: {**d, "measurements": d["measurements"] * 2},
             "'measurements' repeats a micro-batch size",
         ),
+        (
+            lambda d: {**d, "t_host": -0.001},
+            "'t_host' must be 0 or between 1e-09 and 86400 seconds, got -0.001",
+        ),
+        (
+            lambda d: {**d, "t_host": 1e308},
+            "'t_host' must be 0 or between 1e-09 and 86400 seconds, got 1e+308",
+        ),
+        (lambda d: {**d, "t_host": "1 ms"}, "'t_host' must be a number, got '1 ms'"),
+        (lambda d: {**d, "t_host": True}, "'t_host' must be a number, got True"),
         (
             lambda d: {
                 **d,
@@ -310,6 +349,59 @@ def test_nan_in_a_profile_is_refused(tmp_path: Path) -> None:
 def test_a_profile_above_the_gpus_peak_is_refused() -> None:
     with pytest.raises(ScheduleError, match="ran above the v100-32gb's peak"):
         ProfileCurve.from_profile(_table5_profile(), get_gpu("v100-32gb")).forward(1.0)
+
+
+def _host_options(t_host: float | None, gpu_name: str = "a100-80gb") -> SearchOptions:
+    """The worked example's assumptions (no communication, optimizer or output layer; gloo's
+    rules), compute from the Table 5 profile with ``t_host``."""
+    profile = dataclasses.replace(_table5_profile(), t_host=t_host)
+    return SearchOptions(
+        efficiency=ProfileCurve.from_profile(profile, get_gpu(gpu_name)),
+        communication=False,
+        optimizer=False,
+        output_layer=False,
+        p2p_model="gloo",
+    )
+
+
+def test_the_planner_charges_the_profiles_host_time_to_every_compute_action() -> None:
+    """1F1B with free messages takes (m + p - 1)(F + B); a host time h on each action makes it
+    (m + p - 1)(F + B + 2h): the profile's ``t_host`` reaches the planner's CostModel."""
+    model, gpu = get_model("gpt3-96b"), get_gpu("a100-80gb")
+    common = dict(model=model, cluster=Cluster(32, 8, gpu), global_batch_size=128)
+    c = Candidate("1f1b", "optim", 4, 8, 1, 1, 1, "selective")
+    without = evaluate(c, options=_host_options(None), **common)  # type: ignore[arg-type]
+    host = 0.002
+    with_host = evaluate(c, options=_host_options(host), **common)  # type: ignore[arg-type]
+    m, p = 128, 8
+    assert with_host.step_time_s - without.step_time_s == pytest.approx(2 * host * (m + p - 1))
+    assert with_host.bubble_fraction == pytest.approx(without.bubble_fraction, abs=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "breadth-first", "v-zb", "v-half"])
+def test_the_search_bound_stays_below_the_step_with_host_time(schedule: str) -> None:
+    """recommend prunes by ``lower_bound_of``: with host time per action it must stay a bound."""
+    model, gpu = get_model("gpt3-96b"), get_gpu("a100-80gb")
+    common = dict(model=model, cluster=Cluster(32, 8, gpu), global_batch_size=64)
+    vp = 1 if schedule == "1f1b" else 2
+    c = Candidate(schedule, "optim", 4, 8, vp, 1, 1, "selective")
+    options = dataclasses.replace(_host_options(0.05), communication=True)
+    bound = lower_bound_of(c, options=options, **common)  # type: ignore[arg-type]
+    step = evaluate(c, options=options, **common).step_time_s  # type: ignore[arg-type]
+    without = lower_bound_of(c, options=_host_options(None), **common)  # type: ignore[arg-type]
+    # The simulation runs on durations rounded to whole nanoseconds; the bound on the floats
+    # (breadth-first's is tight: equal to its step without host time too, up to that rounding).
+    assert without < bound <= step + 1e-6
+
+
+def test_recommend_says_it_charges_the_profiles_host_time() -> None:
+    result = recommend(
+        model=get_model("gpt3-96b"),
+        cluster=Cluster(32, 8, get_gpu("a100-80gb")),
+        global_batch_size=128,
+        options=dataclasses.replace(_host_options(0.002), schedules=("1f1b",), top=1),
+    )
+    assert "host 2 ms per action" in result.efficiency_source
 
 
 def test_time_and_cost_follow_the_papers_model() -> None:
