@@ -48,13 +48,29 @@ import time
 from typing import Any
 
 import torch
-from bench_fidelity import ping_pong  # scripts/ is on the path when run as a script
 
 from megatron_bfpp.schedules import build_schedule
 from megatron_bfpp.sim import CostModel, simulate
 from megatron_bfpp.testing.multirank import run_ranks
 
 HIDDEN, SEQ, MBS = 8, 4, 1
+
+
+def ping_pong(rounds: int = 200) -> float:
+    """One-way time of a pipeline message between ranks 0 and 1 (median, seconds)."""
+    rank = torch.distributed.get_rank()
+    buffer = torch.zeros(SEQ, MBS, HIDDEN)
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        if rank == 0:
+            torch.distributed.send(buffer, 1)
+            torch.distributed.recv(buffer, 1)
+        elif rank == 1:
+            torch.distributed.recv(buffer, 0)
+            torch.distributed.send(buffer, 0)
+        samples.append((time.perf_counter() - start) / 2)
+    return statistics.median(samples)
 
 
 class _Sleep(torch.autograd.Function):
