@@ -97,15 +97,29 @@ class ActionBudget:
 
     def charge(self, *, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> None:
         """Spend a schedule's actions, or raise :class:`OverBudget` and spend nothing."""
-        actions = estimate_actions(
+        self.require(
+            num_ranks=num_ranks, stages_per_rank=stages_per_rank, lengths=(num_microbatches,)
+        )
+        self.spent += estimate_actions(
             num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=num_microbatches
         )
+
+    def require(self, *, num_ranks: int, stages_per_rank: int, lengths: tuple[int, ...]) -> None:
+        """Raise :class:`OverBudget` unless schedules of ``lengths`` micro-batches fit in what is
+        left; spend nothing. A candidate whose cheapest timing cannot finish does not start it
+        (its first short simulations were charged, and their CPU spent, for nothing)."""
+        actions = sum(
+            estimate_actions(
+                num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=m
+            )
+            for m in lengths
+        )
         if self.spent + actions > self.limit:
+            shown = " + ".join(map(str, lengths))
             raise OverBudget(
-                f"pp={num_ranks} x {stages_per_rank} stage(s) per rank x {num_microbatches} "
+                f"pp={num_ranks} x {stages_per_rank} stage(s) per rank x {shown} "
                 f"micro-batches ({actions:,} actions) exceeds what is left of {self.limit:,}"
             )
-        self.spent += actions
 
     def part(self, most: int) -> ActionBudget:
         """A budget of at most ``most`` of what is left; its spending is added back by whoever
@@ -595,30 +609,39 @@ def _simulated_ns(
     Long schedules repeat a steady state: when three lengths p apart (congruent to m mod p, from
     about p, else from about 2p; else 2p apart) give step times on one line, exactly (integer
     durations), the step at m lies on it too (to float rounding), and only those short schedules
-    are simulated; otherwise the whole schedule is, up to ``EXACT_UP_TO`` periods. Past that
-    (BPipe's lock-step posting: its evictions wander against the ticks, so its steps are on no
-    exact line) the step is read off the line through two lengths ``_APPROX_SPAN`` periods apart,
-    past the fill (``_approximate``): within 0.16% of the full simulation on 60 BPipe layouts
-    and exact on 12 of V-Half under gloo, the two the searches reach it with
-    (scripts/bench_extrapolation.py), where a full simulation of thousands of micro-batches took
-    most of a minute's search. tests/unit/test_plan_search.py checks both against full
-    simulations.
+    are simulated, each length once (the attempts share lengths); otherwise the whole schedule
+    is, up to ``EXACT_UP_TO`` periods. Past that (BPipe's lock-step posting: its evictions
+    wander against the ticks, so its steps are on no exact line) the step is read off the line
+    through two lengths ``_APPROX_SPAN`` periods apart, past the fill (``_approximate``): within
+    0.16% of the full simulation on 60 BPipe layouts and exact on 12 of V-Half under gloo, the
+    two the searches reach it with (scripts/bench_extrapolation.py), where a full simulation of
+    thousands of micro-batches took most of a minute's search. tests/unit/test_plan_search.py
+    checks both against full simulations. (Not more attempts: three lengths on a line at 4p-6p
+    can still bend at 7p, when the data-parallel collectives come to bind.)
     """
     # A breadth-first group of g micro-batches repeats every g (the planner's g is pp).
     p = c.pp if c.group_size is None else max(c.pp, c.group_size)
+    steps: dict[int, float] = {}  # by length: attempts 1 and 2 share two, 3 often one
+
+    def step_at(length: int) -> float:
+        if length not in steps:
+            steps[length] = _step(c, length, costs, p2p, grad_reduce, budget).step_time
+        return steps[length]
+
     attempts = ((p, p + m % p), (p, 2 * p + m % p), (2 * p, 2 * p + m % (2 * p)))
+    first = attempts[0][1]
+    if budget is not None:  # the cheapest timing: attempt 1's three lengths, else the whole
+        cheapest = (first, first + p, first + 2 * p) if m > first + 2 * p else (m,)
+        budget.require(num_ranks=c.pp, stages_per_rank=c.vp, lengths=cheapest)
     for period, first in attempts:
         if m <= first + 2 * period:
             break
-        steps = [
-            _step(c, length, costs, p2p, grad_reduce, budget).step_time
-            for length in (first, first + period, first + 2 * period)
-        ]
-        slope = steps[1] - steps[0]
+        line = [step_at(length) for length in (first, first + period, first + 2 * period)]
+        slope = line[1] - line[0]
         # On one line: exactly with integer durations; within float rounding while a stage's
         # share (1/vp of a full stage) makes the simulator's sums inexact.
-        if abs(steps[2] - steps[1] - slope) <= 1e-9 * steps[2]:
-            step = steps[0] + (m - first) // period * slope
+        if abs(line[2] - line[1] - slope) <= 1e-9 * line[2]:
+            step = line[0] + (m - first) // period * slope
             busy = _busy(c, m, costs)
             return step, (step - busy) / step if step > 0 else 0.0
     if m > EXACT_UP_TO * p:

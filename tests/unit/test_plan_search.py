@@ -21,8 +21,10 @@ from megatron_bfpp.plan.presets import get_gpu, get_model
 from megatron_bfpp.plan.search import (
     EXACT_UP_TO,
     MEGATRON_SCHEDULES,
+    ActionBudget,
     Candidate,
     Cluster,
+    OverBudget,
     SearchOptions,
     _cost_model,
     _full_buffers,
@@ -39,7 +41,7 @@ from megatron_bfpp.plan.search import (
     recommend,
     sharded_walk_length,
 )
-from megatron_bfpp.schedules.registry import build_schedule
+from megatron_bfpp.schedules.registry import build_schedule, estimate_actions
 from megatron_bfpp.sim import CostModel, simulate
 
 V100_64 = Cluster(64, 8, get_gpu("v100-32gb"))
@@ -413,6 +415,66 @@ def test_megatron_rows_can_reduce_gradients_at_the_end() -> None:
     ours = evaluate(breadth, **kwargs, options=at_end)
     assert ours.megatron_grad_reduce is None
     assert ours.step_time_s == evaluate(breadth, **kwargs).step_time_s
+
+
+def _timed(candidate: Candidate, global_batch_size: int) -> tuple[int, CostModel]:
+    sized, _ = _size(
+        candidate,
+        model=GPT52,
+        cluster=V100_64,
+        global_batch_size=global_batch_size,
+        options=SearchOptions(),
+        efficiency=BuiltinCurve(V100_64.gpu),
+        force=True,
+    )
+    assert sized is not None
+    return sized.m, _cost_model(sized.times)
+
+
+def _recording(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The lengths ``_simulated_ns`` simulates, in order."""
+    lengths: list[int] = []
+    step = search._step
+    monkeypatch.setattr(search, "_step", lambda c, m, *args: lengths.append(m) or step(c, m, *args))
+    return lengths
+
+
+def test_each_short_length_is_simulated_and_charged_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interleaved at pp 8 with one data-parallel rank lies on none of the three lines: the
+    attempts share lengths (p+r, 2p+r, 3p+r, then 4p+r, then 2p apart), each simulated and
+    charged once, then the whole schedule is; the step is the full simulation's."""
+    candidate = Candidate("interleaved", "optim", 8, 8, 2, 1, 1, "selective")
+    m, costs = _timed(candidate, 128)
+    lengths = _recording(monkeypatch)
+    budget = ActionBudget(10**9)
+    step, _ = _simulated_ns(candidate, m, costs, "lockstep", budget=budget)
+    assert len(lengths) > 4 and lengths[-1] == m  # every attempt, then the whole
+    assert len(set(lengths)) == len(lengths)
+    assert budget.spent == sum(
+        estimate_actions(num_ranks=8, stages_per_rank=2, num_microbatches=n) for n in lengths
+    )
+    full = build_schedule("interleaved", num_ranks=8, num_microbatches=m, num_chunks=2)
+    assert step == pytest.approx(simulate(full, costs).step_time, rel=1e-9)
+
+
+def test_a_timing_that_cannot_finish_in_the_budget_does_not_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Short of attempt 1's three lengths, nothing is simulated or charged (auto's untimed
+    row); with them, the step is timed from those three alone."""
+    candidate = Candidate("interleaved", "optim", 8, 4, 2, 2, 1, "selective")
+    m, costs = _timed(candidate, 64)
+    cheapest = sum(
+        estimate_actions(num_ranks=4, stages_per_rank=2, num_microbatches=n) for n in (4, 8, 12)
+    )
+    lengths = _recording(monkeypatch)
+    short = ActionBudget(cheapest - 1)
+    with pytest.raises(OverBudget, match="4 \\+ 8 \\+ 12 micro-batches"):
+        _simulated_ns(candidate, m, costs, "lockstep", budget=short)
+    assert lengths == [] and short.spent == 0
+    enough = ActionBudget(cheapest)
+    _simulated_ns(candidate, m, costs, "lockstep", budget=enough)
+    assert lengths == [4, 8, 12] and enough.spent == cheapest
 
 
 @pytest.mark.parametrize(("pp", "extra"), [(4, 1), (4, 7), (8, 3)])
