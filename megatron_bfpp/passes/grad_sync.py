@@ -123,9 +123,10 @@ def _first_forwards(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dic
     missing = set(stages)
     forward, pair = K.FORWARD, K.OVERLAP_F_B
     for position, action in enumerate(actions):
-        if action.kind is pair:  # an overlapped pair's forward
-            action = parts(action)[0]
-        if action.kind is forward and action.stage in missing:
+        kind = action.kind
+        if kind is pair:  # an overlapped pair's forward
+            action, kind = parts(action)[0], forward
+        if kind is forward and action.stage in missing:
             first[action.stage] = position
             missing.discard(action.stage)
             if not missing:
@@ -141,9 +142,10 @@ def _last_grads(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[in
     full, weight, pair = K.BACKWARD, K.BACKWARD_WEIGHT, K.OVERLAP_F_B
     for position in range(len(actions) - 1, -1, -1):
         action = actions[position]
-        if action.kind is pair:  # an overlapped pair's backward (a B; an I needs W)
-            action = parts(action)[-1]
         kind = action.kind
+        if kind is pair:  # an overlapped pair's backward (a B; an I needs W)
+            action = parts(action)[-1]
+            kind = action.kind
         if (kind is full or kind is weight) and action.stage in missing:
             last[action.stage] = position
             missing.discard(action.stage)
