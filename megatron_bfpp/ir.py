@@ -7,8 +7,9 @@ GPUs run.
 
 Text form of one action: ``{stage}{kind}{microbatch}`` with an optional peer, written ``>peer`` for
 actions that ship data away and ``<peer`` for actions that receive it: ``3F5``, ``0SA5>1``,
-``1RA5<0``, ``2GS`` (per-chunk actions carry no micro-batch). ``parse_action`` is the inverse of
-``str``.
+``1RA5<0``, ``2GS`` (per-chunk actions carry no micro-batch); a composite is its parts joined by
+``&``: ``3F5&1B2`` (``Composite``: a forward and a backward of another micro-batch run as one
+overlapped action). ``parse_action`` is the inverse of ``str``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "MEMORY_DELTA",
     "Action",
     "ActionKind",
+    "Composite",
     "Placement",
     "Schedule",
     "ScheduleError",
@@ -49,7 +51,10 @@ __all__ = [
     "load_csv_text",
     "parse_action",
     "parse_schedule",
+    "parts",
     "paused_gc",
+    "primitives",
+    "stored_counts",
     "unchecked_action",
 ]
 
@@ -84,10 +89,15 @@ class ActionKind(StrEnum):
     GRAD_SYNC = "GS"  # start this chunk's data-parallel gradient reduction
     PARAM_SYNC = "PS"  # start this chunk's data-parallel parameter gather
     RELEASE = "RL"  # sharded parameters: free this chunk's gathered ones, keep the local shard
+    # A forward and a backward of another micro-batch run as one overlapped action (torch's
+    # OVERLAP_F_B, DualPipe's core): a ``Composite``, written ``3F5&1B2``, never a plain Action.
+    OVERLAP_F_B = "F&B"
 
     @property
     def is_compute(self) -> bool:
-        return self in COMPUTE_KINDS
+        """F, B, I, W (``COMPUTE_KINDS``) and the composite made of them: what runs on the
+        compute lane."""
+        return self in _COMPUTE_LANE
 
     @property
     def is_send(self) -> bool:
@@ -110,14 +120,17 @@ COMPUTE_KINDS = frozenset(
         ActionKind.BACKWARD_WEIGHT,
     }
 )
+_COMPUTE_LANE = COMPUTE_KINDS | {ActionKind.OVERLAP_F_B}
 _SENDS = frozenset(
     {ActionKind.SEND_ACT, ActionKind.SEND_GRAD, ActionKind.EVICT, ActionKind.RESTORE}
 )
 _RECVS = frozenset({ActionKind.RECV_ACT, ActionKind.RECV_GRAD, ActionKind.ACCEPT, ActionKind.LOAD})
 _CHUNK_LEVEL = frozenset({ActionKind.GRAD_SYNC, ActionKind.PARAM_SYNC, ActionKind.RELEASE})
 
-# Longest kinds first so "SA" is not read as "S" + "A".
-_KIND_PATTERN = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
+# Longest kinds first so "SA" is not read as "S" + "A". A composite is written by its parts.
+_KIND_PATTERN = "|".join(
+    sorted((k.value for k in ActionKind if k is not ActionKind.OVERLAP_F_B), key=len, reverse=True)
+)
 # ASCII digits only: str.isdigit and \d also take digits int() rejects or misreads ("²", "３").
 _ACTION_RE = re.compile(rf"(\d+)({_KIND_PATTERN})(\d+)?(?:([<>])(\d+))?", re.ASCII)
 # Stage, micro-batch and rank indices stop at nine digits: no real schedule comes near, and
@@ -178,6 +191,64 @@ _set_microbatch: Callable[[Action, int | None], None] = Action.__dict__["microba
 _set_peer: Callable[[Action, int | None], None] = Action.__dict__["peer"].__set__
 
 
+@dataclass(frozen=True, slots=True, order=True, init=False)
+class Composite(Action):
+    """Actions of one rank run as one: ``OVERLAP_F_B``, a forward and a backward of another
+    micro-batch (torch's ``OVERLAP_F_B``, DualPipe's overlapped pair), written ``3F5&1B2``; the
+    backward is a whole one (B) or a split backward's input gradient (I: ``3F5&1I2``).
+
+    ``parts`` is (forward, backward), the order the pair runs in. What the composite waits for,
+    sends, lasts and holds is its parts' (``semantics.Rules``, "the composite rule"); its own
+    ``stage`` and ``microbatch`` are its forward's, so code that only asks a compute action for
+    its stage and micro-batch reads the forward's. The parts may sit on different stages of one
+    rank (a V's two chunks); the validator checks where they run, as for any action.
+    """
+
+    parts: tuple[Action, ...] = ()  # a default only because Action's fields have one
+
+    def __init__(self, forward: Action, backward: Action) -> None:
+        plain = type(forward) is Action and type(backward) is Action
+        if not (plain and forward.kind is ActionKind.FORWARD and backward.kind in _PAIRED):
+            raise ScheduleError(
+                "an overlapped pair is a forward and then a backward (B, or I), e.g. '3F5&1B2'; "
+                f"got {_shown(f'{forward}&{backward}')}"
+            )
+        if forward.microbatch == backward.microbatch:
+            raise ScheduleError(
+                f"{forward}&{backward}: an overlapped pair joins a forward and a backward of "
+                "different micro-batches (a micro-batch's backward needs its own forward first)"
+            )
+        _set_stage(self, forward.stage)
+        _set_kind(self, ActionKind.OVERLAP_F_B)
+        _set_microbatch(self, forward.microbatch)
+        _set_peer(self, None)
+        _set_parts(self, (forward, backward))
+
+    def __str__(self) -> str:
+        return "&".join(map(str, self.parts))
+
+    def __repr__(self) -> str:
+        return f"Composite({self})"
+
+
+_set_parts: Callable[[Composite, tuple[Action, ...]], None] = Composite.__dict__["parts"].__set__
+_PAIRED = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})  # a pair's backward
+
+
+def parts(action: Action) -> tuple[Action, ...]:
+    """The plain actions ``action`` runs, in order: a composite's parts, else the action."""
+    return action.parts if action.kind is ActionKind.OVERLAP_F_B else (action,)  # type: ignore[attr-defined]
+
+
+def primitives(actions: Sequence[Action]) -> Iterable[tuple[int, Action]]:
+    """(position, action) over a program, each composite as its parts at its own position: the
+    view of walkers that ask which forwards and backwards run where (memory, gradient sync, a
+    chunk's last backward). ``enumerate(actions)`` itself when there is no composite."""
+    if ActionKind.OVERLAP_F_B not in map(_kind_of, actions):
+        return enumerate(actions)
+    return ((position, part) for position, action in enumerate(actions) for part in parts(action))
+
+
 class _ActionFields:
     """``Action``'s memory layout (the same slots) without its frozen ``__setattr__``.
 
@@ -234,6 +305,11 @@ def paused_gc() -> Iterator[None]:
 
 def _check_action(stage: int, kind: ActionKind, microbatch: int | None, peer: int | None) -> None:
     """The constructor's checks, with the message for the first field that is wrong."""
+    if kind is ActionKind.OVERLAP_F_B:
+        raise ScheduleError(
+            "an overlapped pair is made of its parts: Composite(forward, backward), or "
+            "parse_action('3F5&1B2')"
+        )
     if stage < 0:
         raise ScheduleError(f"action stage must be >= 0, got {stage}")
     if kind in _CHUNK_LEVEL:
@@ -252,6 +328,8 @@ def parse_action(text: str) -> Action:
     """Inverse of ``str(action)``; raises ScheduleError naming the bad text."""
     match = _ACTION_RE.fullmatch(text.strip())
     if match is None:
+        if "&" in text:
+            return _parse_composite(text)
         raise ScheduleError(
             f"cannot parse action {_shown(text)}: expected e.g. '3F5', '0SA5>1', '1RA5<0' or '2GS'"
         )
@@ -268,6 +346,18 @@ def parse_action(text: str) -> Action:
         microbatch=None if microbatch is None else _index(microbatch, "micro-batch", text),
         peer=None if peer is None else _index(peer, "peer rank", text),
     )
+
+
+def _parse_composite(text: str) -> Composite:
+    """``3F5&1B2``: a forward and a backward, joined by ``&``, each parsed as an action."""
+    pieces = text.strip().split("&")
+    if len(pieces) != 2 or not all(pieces):
+        raise ScheduleError(
+            f"cannot parse action {_shown(text)}: an overlapped pair is two actions joined by "
+            "'&', e.g. '3F5&1B2'"
+        )
+    forward, backward = (parse_action(piece) for piece in pieces)
+    return Composite(forward, backward)
 
 
 def _index(digits: str, what: str, text: str) -> int:
@@ -435,12 +525,13 @@ class Schedule:
         stage of a looped or V layout counts ``stage_fraction``. A forward stores its
         activations until its backward (B, or W for split backward) frees them; BPipe's EV/RS
         hand them to the partner and AC/LD take them in. Program order, not time: this is what
-        the runtime holds between two actions, transfers in flight included.
+        the runtime holds between two actions, transfers in flight included. A composite
+        counts its parts in order and shows their peak: its forward's activations stored, its
+        backward's not yet freed.
         """
         fraction = self.layout.stage_fraction
         # Integer counts, scaled once: no rounding drift.
-        held = accumulate(map(_FULL_MEMORY_DELTA.__getitem__, map(_kind_of, self.per_rank[rank])))
-        return tuple(count * fraction for count in held)
+        return tuple(count * fraction for count in stored_counts(self.per_rank[rank]))
 
     def resident_parameters(self, rank: int) -> tuple[float, ...]:
         """Gathered (full) parameters held on ``rank`` after each of its actions, in full-stage
@@ -483,14 +574,15 @@ class Schedule:
         held: set[int] = set()
         synced: list[int] = []  # GS'd stages whose reduction has not landed yet
         for action in self.per_rank[rank]:
-            kind, stage = action.kind, action.stage
-            if kind in _BACKWARD_KINDS:
-                if stage in synced:  # its reduction lands first, then the buffer is new
-                    synced.remove(stage)
-                held.add(stage)
-            elif kind is ActionKind.GRAD_SYNC:
-                held.difference_update(synced)
-                synced = [stage]
+            for part in parts(action):  # a composite's backward allocates too
+                kind, stage = part.kind, part.stage
+                if kind in _BACKWARD_KINDS:
+                    if stage in synced:  # its reduction lands first, then the buffer is new
+                        synced.remove(stage)
+                    held.add(stage)
+                elif kind is ActionKind.GRAD_SYNC:
+                    held.difference_update(synced)
+                    synced = [stage]
             yield held
 
     def held_parameter_chunks(self, rank: int) -> Iterator[set[int]]:
@@ -524,7 +616,8 @@ class Schedule:
                 yield rank, position, action
 
 
-# Stored activations an action adds (+1) or frees (-1), in units of its stage's share.
+# Stored activations an action adds (+1) or frees (-1), in units of its stage's share. A
+# composite's are its parts', in order (``Schedule.stored_activations``).
 MEMORY_DELTA: dict[ActionKind, int] = {
     ActionKind.FORWARD: 1,
     ActionKind.BACKWARD: -1,
@@ -539,6 +632,23 @@ _kind_of = attrgetter("kind")
 _BACKWARD_KINDS = frozenset(
     {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT}
 )
+
+
+def stored_counts(program: Sequence[Action]) -> Iterable[int]:
+    """Stored activations after each action of ``program``, in its stages' units
+    (``Schedule.stored_activations``): a running sum of ``MEMORY_DELTA``, a composite's parts in
+    order and shown at their peak."""
+    kinds = list(map(_kind_of, program))
+    if ActionKind.OVERLAP_F_B not in kinds:
+        return accumulate(map(_FULL_MEMORY_DELTA.__getitem__, kinds))
+    counts, count = [], 0
+    for action in program:
+        during = []
+        for part in parts(action):
+            count += _FULL_MEMORY_DELTA[part.kind]
+            during.append(count)
+        counts.append(max(during))
+    return counts
 
 
 def format_schedule(schedule: Schedule, *, marks: dict[tuple[int, int], str] | None = None) -> str:
@@ -779,8 +889,14 @@ def _load_ours(rows: list[_Row], source: str) -> Schedule:
         )
     for rank, (row, program) in enumerate(zip(rank_rows, programs, strict=True)):
         for column, action in program:
-            problem = _stage_or_peer_problem(action, layout) or _row_problem(
-                action, rank, layout, rank_rows
+            problem = next(
+                (
+                    found
+                    for part in parts(action)
+                    if (found := _stage_or_peer_problem(part, layout))
+                    or (found := _row_problem(part, rank, layout, rank_rows))
+                ),
+                None,
             )
             if problem is not None:
                 raise ScheduleError(
@@ -901,11 +1017,12 @@ def _checked_schedule(
     for row, program in zip(rank_rows, programs, strict=True):
         for column, action in program:
             # Forwards passed the check above, so only other kinds can be out of range here.
-            if action.microbatch is not None and action.microbatch >= m:
-                raise ScheduleError(
-                    f"{source}: row {row.number}, column {column}: {str(action)!r}: micro-batch "
-                    f"{action.microbatch} does not exist ({counted})"
-                )
+            for part in parts(action):
+                if part.microbatch is not None and part.microbatch >= m:
+                    raise ScheduleError(
+                        f"{source}: row {row.number}, column {column}: {str(action)!r}: "
+                        f"micro-batch {part.microbatch} does not exist ({counted})"
+                    )
     return schedule
 
 
@@ -917,7 +1034,7 @@ def _check_forwards(schedule: Schedule, rank_rows: Sequence[int], counted: str) 
     m = schedule.num_microbatches
     forwards: list[list[int]] = [[] for _ in range(schedule.num_stages)]
     for actions in schedule.per_rank:
-        for action in actions:
+        for _, action in primitives(actions):
             if action.kind is ActionKind.FORWARD and action.microbatch is not None:
                 forwards[action.stage].append(action.microbatch)
     problems = []

@@ -217,6 +217,11 @@ class _Shape:
                 f"{schedule.name}: megatron-core posts only its own looped placement (stage s on "
                 f"rank s % {p}); this layout is not"
             )
+        if any(a.kind is K.OVERLAP_F_B for actions in schedule.per_rank for a in actions):
+            raise ScheduleError(
+                f"{schedule.name}: megatron-core's own schedules run no overlapped pairs (F&B); "
+                "time this schedule as our runtime posts it (lockstep)"
+            )
         tables = {
             tuple(
                 (a.microbatch or 0, schedule.layout.chunk_of(a.stage))

@@ -84,11 +84,19 @@ from megatron_bfpp.ir import (
     Schedule,
     ScheduleError,
     format_schedule,
+    parts,
     paused_gc,
 )
 from megatron_bfpp.messages import ACT, WHAT_CODE, What
 from megatron_bfpp.program import Program, compiled
-from megatron_bfpp.semantics import Event, Lane, Timing, match_channels
+from megatron_bfpp.semantics import (
+    Event,
+    Lane,
+    Timing,
+    action_duration,
+    compute_durations,
+    match_channels,
+)
 
 __all__ = [
     "TICKS",
@@ -111,13 +119,10 @@ _FREES_OUTPUT = frozenset({K.BACKWARD, K.BACKWARD_INPUT})  # the backward that f
 _UNIT = Timing()
 _SIDE = -2  # the peer of a rank's side stream in ``_Model.streams`` (-1: its group's)
 RS_DELAY = 1  # ticks from an eviction to its return: the payload is in by the end of its tick
-# Ticks per compute in the lock-step replay: the nominal timing's (semantics.Timing's defaults).
-TICKS = {
-    K.FORWARD: int(_UNIT.forward),
-    K.BACKWARD: int(_UNIT.backward),
-    K.BACKWARD_INPUT: int(_UNIT.backward_input),
-    K.BACKWARD_WEIGHT: int(_UNIT.backward_weight),
-}
+# Ticks per compute in the lock-step replay: the nominal timing's (semantics.Timing's defaults);
+# a composite's are its parts' together (the composite rule: ``semantics.action_duration``).
+TICKS = {kind: int(time) for kind, time in compute_durations(_UNIT).items()}
+_FB = K.OVERLAP_F_B
 
 
 class Item(NamedTuple):
@@ -235,7 +240,7 @@ def _lockstep_steps(
             tick = tick_of[position]
             keys.append((tick * 4 + 3) * span + position)
             steps.append(position)
-            end = tick + ticks_of[kind]
+            end = tick + (ticks_of[kind] if kind is not _FB else action_duration(ticks_of, action))
         else:
             keys.append((end * 4 + 2) * span + position)
             steps.append(position)
@@ -391,6 +396,8 @@ class _TickReplay:
                 if (need := wait[position]) >= 0 and (ready := sent[need]) < 0:
                     self._stop(rank, need)
                     break
+                if kind is _FB and (ready := self._parts_ready(rank, action)) < 0:
+                    break  # the composite rule: what each of its parts waits for
                 if restores and (restore := restores.get(position, -1)) >= 0:
                     if sent[restore] < 0:
                         self._stop(rank, restore)
@@ -400,7 +407,9 @@ class _TickReplay:
                 if transfers_in is None:  # resumed when the partner posts (``owner``)
                     break
                 ticks[position] = max(t, ready, transfers_in)
-                t = ticks[position] + TICKS[kind]
+                t = ticks[position] + (
+                    TICKS[kind] if kind is not _FB else action_duration(TICKS, action)
+                )
             elif kind is K.SEND_ACT or kind is K.SEND_GRAD:
                 ticks[position] = t
                 self._send(message[position], t)
@@ -424,6 +433,19 @@ class _TickReplay:
             position += 1
         self.now[rank] = t
         return position
+
+    def _parts_ready(self, rank: int, composite: Action) -> int:
+        """The tick by which the messages a composite's parts wait for are sent (its
+        backward's restore is its position's, ``Program.restore``), or -1 with ``rank``
+        stopped at the first not sent yet."""
+        program, sent, ready = self.program, self.sent, 0
+        for part in parts(composite):
+            if (need := program.wait_of(part)) >= 0:
+                if sent[need] < 0:
+                    self._stop(rank, need)
+                    return -1
+                ready = max(ready, sent[need])
+        return ready
 
 
 _RECV = frozenset(kind for kind in K if kind.is_recv)
@@ -664,7 +686,8 @@ class _Model:
         """A compute's waits: the batches holding what it consumes (``Rules``' tables as
         compiled: ``Program.wait`` and ``Program.restore``), and the send of its output before
         the backward that frees it (megatron-core's ``deallocate_pipeline_outputs``;
-        runtime/backward.py)."""
+        runtime/backward.py). A composite's: each of its parts', all before it runs (the
+        composite rule)."""
         program, action = self.program, self.schedule.per_rank[rank][position]
         kind, stage, mb = action.kind, action.stage, action.microbatch or 0
         needs = []
@@ -674,9 +697,22 @@ class _Model:
             needs.append(restore * 4)
         if kind in _FREES_OUTPUT and not self.schedule.layout.is_last(stage):
             needs.append(program.id(ACT, stage, mb) * 4 + 2)
+        if kind is _FB:
+            needs += self._parts_needs(action)
         for key in needs:
             if (unit := holder.get(key)) is not None:
                 steps.append(unit * 4 + _WAIT)
+
+    def _parts_needs(self, composite: Action) -> list[int]:
+        """``_compute_waits``' keys of a composite's parts: their messages and a backward's
+        output send (its restore is its position's)."""
+        program, needs = self.program, []
+        for part in parts(composite):
+            if (need := program.wait_of(part)) >= 0:
+                needs.append(need * 4)
+            if part.kind in _FREES_OUTPUT and not self.schedule.layout.is_last(part.stage):
+                needs.append(program.id(ACT, part.stage, part.microbatch or 0) * 4 + 2)
+        return needs
 
     def _transfer_waits(
         self, action: Action, rest: bool, holder: dict[int, int], steps: list[int]
@@ -785,10 +821,7 @@ class _Model:
         if timing is None:
             return {}
         return {
-            K.FORWARD: timing.forward,
-            K.BACKWARD: timing.backward,
-            K.BACKWARD_INPUT: timing.backward_input,
-            K.BACKWARD_WEIGHT: timing.backward_weight,
+            **compute_durations(timing),
             K.GRAD_SYNC: timing.grad_sync,
             K.PARAM_SYNC: timing.param_sync,
         }
@@ -842,12 +875,18 @@ class _Model:
         action = self.schedule.per_rank[rank][position]
         kind = action.kind
         duration = self.durations.get(kind)
+        if duration is None and kind is _FB:  # the composite rule: its parts' durations
+            duration = action_duration(self.durations, action)
         if duration is None:  # RL: frees memory, takes no time
             return
         now = self.cpu[rank]
         if kind in _COMPUTE:
             start = now
-            gathered = self.ps_done[rank].pop(action.stage, None)
+            if kind is _FB:  # the composite rule: both parts' stages gathered
+                gathers = [self.ps_done[rank].pop(part.stage, None) for part in parts(action)]
+                gathered = max((g for g in gathers if g is not None), default=None)
+            else:
+                gathered = self.ps_done[rank].pop(action.stage, None)
             if gathered is not None and gathered > start:
                 self.gather_wait[rank] += gathered - start
                 start = gathered

@@ -17,6 +17,8 @@ answers them once per schedule from ``Rules``' tables, as dense integers:
   its rank's program brought its activations back (``Rules.transfers``' ``loads``, as
   ``semantics.Wires.restore`` applies it: each LD serves the first such backward), empty but
   for BPipe.
+* a composite waits for what its parts wait for (the composite rule): -1 in ``wait``, its parts'
+  by ``wait_of``, its backward's restore under its position in ``restore``.
 
 ``compiled`` keeps the programs of the last schedules it compiled, by identity: the runtime, the
 simulator and validation each lower one schedule into a posting and then run it, and the
@@ -29,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
-from megatron_bfpp.ir import COMPUTE_KINDS, Action, ActionKind, Schedule
+from megatron_bfpp.ir import COMPUTE_KINDS, Action, ActionKind, Schedule, parts
 from megatron_bfpp.messages import RESTORE, WHAT, WHAT_CODE, Message
 from megatron_bfpp.semantics import Rules
 
@@ -62,6 +64,7 @@ class Program:
     message: tuple[list[int], ...]
     wait: tuple[list[int], ...]
     restore: tuple[dict[int, int], ...]
+    wait_base: dict[ActionKind, list[int]]  # per compute kind and stage: ``wait``'s, of mb 0
 
     @property
     def num_messages(self) -> int:
@@ -72,6 +75,11 @@ class Program:
 
     def id_of(self, message: Message) -> int:
         return self.id(WHAT_CODE[message.what], message.stage, message.microbatch)
+
+    def wait_of(self, action: Action) -> int:
+        """What a plain compute action (a composite's part) waits for: ``wait``'s entry."""
+        base = self.wait_base[action.kind][action.stage]
+        return -1 if base < 0 else base + (action.microbatch or 0)
 
     def message_of(self, message_id: int) -> Message:
         """The inverse of ``id``."""
@@ -110,7 +118,7 @@ def compile_program(schedule: Schedule) -> Program:
         wait.append(wait_row)
         restore.append(_restores(rules, actions, kinds, span, microbatches))
     return Program(
-        schedule, rules, span, microbatches, tuple(messages), tuple(wait), tuple(restore)
+        schedule, rules, span, microbatches, tuple(messages), tuple(wait), tuple(restore), waits
     )
 
 
@@ -122,6 +130,9 @@ def _restores(
         return {}
     restore, loaded = {}, set()
     for position, (kind, action) in enumerate(zip(kinds, actions, strict=True)):
+        if kind is K.OVERLAP_F_B:  # an overlapped pair: its backward's, at its position
+            action = parts(action)[-1]
+            kind = action.kind
         mb = action.microbatch or 0
         if (rule := rules.transfers.get(kind)) is not None:
             if rule.loads[action.stage] >= 0:

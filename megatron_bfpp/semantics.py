@@ -17,6 +17,13 @@ Each rank runs its program in order, under these rules:
   the payload's buffer there (gloo sends are only known done once waited for).
 * A compute-only schedule (no SA/RA/SG/RG) runs as if every compute action sent its result to
   the neighbour stage's rank the moment it finished, which is what ``add_communication`` adds.
+* The composite rule: a composite (``OVERLAP_F_B``, ``3F5&1B2``) runs its parts as one compute
+  action. It waits for everything each part waits for before it starts, runs them back to back
+  for the sum of their durations (``action_duration``; on a GPU the two overlap, which is the point:
+  the time that saves is not modelled here), holds its forward's activations before its
+  backward frees its own (its parts' ``MEMORY_DELTA`` in order: the peak counts both), and what
+  its parts send leaves after it (lowered: its SA / SG follow it; compute-only: at its end).
+  Every other rule applies to each part as to that action alone.
 * A rank that needs a message nobody has sent yet stops until it is sent. When every unfinished
   rank is stopped, the schedule deadlocks, and each stuck rank is marked where it waits.
 
@@ -47,12 +54,20 @@ from __future__ import annotations
 import math
 from array import array
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Literal, NamedTuple, TypeVar
 
-from megatron_bfpp.ir import MEMORY_DELTA, Action, ActionKind, Schedule, ScheduleError, paused_gc
+from megatron_bfpp.ir import (
+    MEMORY_DELTA,
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    parts,
+    paused_gc,
+)
 from megatron_bfpp.messages import (
     ACT,
     EVICT,
@@ -78,6 +93,8 @@ __all__ = [
     "Timing",
     "Transfer",
     "Wires",
+    "action_duration",
+    "compute_durations",
     "compute_ends",
     "describe_waits",
     "match_channels",
@@ -87,6 +104,7 @@ __all__ = [
 
 K = ActionKind
 T = TypeVar("T")
+Number = TypeVar("Number", int, float)
 Lane = Literal["compute", "p2p", "dp"]
 
 
@@ -108,6 +126,28 @@ class Timing:
     transfer: float = 0.0
     grad_sync: float = 0.0
     param_sync: float = 0.0
+
+
+def compute_durations(timing: Timing) -> dict[ActionKind, float]:
+    """Each plain compute kind's duration under ``timing`` (a composite's: ``action_duration``)."""
+    return {
+        K.FORWARD: timing.forward,
+        K.BACKWARD: timing.backward,
+        K.BACKWARD_INPUT: timing.backward_input,
+        K.BACKWARD_WEIGHT: timing.backward_weight,
+    }
+
+
+def action_duration(durations: Mapping[ActionKind, Number], action: Action) -> Number:
+    """A compute action's duration from each kind's (``compute_durations``, ``nccl.TICKS``): a
+    composite's is the sum of its parts' (the composite rule)."""
+    if action.kind is not K.OVERLAP_F_B:
+        return durations[action.kind]
+    first, *rest = parts(action)
+    total = durations[first.kind]
+    for part in rest:
+        total += durations[part.kind]
+    return total
 
 
 class Event(NamedTuple):
@@ -267,6 +307,7 @@ _F, _B, _I, _W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
 _SA, _RA, _SG, _RG = K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD
 _EV, _AC, _RS, _LD = K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD
 _GS, _PS, _RL = K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE
+_FB = K.OVERLAP_F_B
 
 
 _COMPUTE = frozenset({_F, _B, _I, _W})
@@ -282,7 +323,10 @@ class Rules:
     schedule's F (B / I) sends to the neighbour stage's rank; -1 for none (W never waits for
     data). ``base[what][stage]``: the slot to which a message adds the rank it is sent to (an
     SA / SG its peer). ``transfers[kind]``: BPipe's rules for EV / AC / RS / LD (``Transfer``),
-    which ``Wires.transfer`` and the validator apply.
+    which ``Wires.transfer`` and the validator apply. A composite (``OVERLAP_F_B``) has no row:
+    the composite rule (module docstring) applies these tables to each of its parts
+    (``ir.parts``): it waits for the union of their waits before it starts, sends the union of
+    their sends after it, and lasts the sum of their durations.
     """
 
     __slots__ = (
@@ -676,6 +720,21 @@ class _Run(Wires):
         self.starts: list[list[float]] = [[] for _ in range(num_ranks)]  # see Timeline
         self.released = [False] * num_ranks
 
+    def message(self, rank: int, key: int, dst: int, t: float) -> None:
+        """An activation or gradient (a dense key, ``flow``'s) sent at ``t`` from ``rank`` to
+        ``dst``, as ``_timed`` sends one inline: at once when messages take no time, else over
+        its link, one at a time, drawn when it takes time."""
+        arrival = t
+        if not self.instant:
+            link = rank * self.rules.keys.num_ranks + dst
+            start = max(self.link_free.get(link, 0), t)
+            arrival = self.link_free[link] = start + self.durations.p2p
+            if self.durations.p2p > 0:
+                self.starts[rank].append(start)
+        self.flow[key] = arrival
+        if key in self.waiting:
+            self.ready.append(self.waiting.pop(key))
+
     def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
         """BPipe's EV / RS (``_timed`` sends the rest itself): the message occupies its link,
         one at a time, for the transfer's duration, and is drawn if that takes time."""
@@ -770,6 +829,13 @@ def _timed(run: _Run, rank: int) -> Program:
         elif kind is _RL:  # frees memory at once; the program order already counts it
             run.released[rank] = True
             continue
+        elif kind is _FB:  # the composite rule, on this rank's clock and memory (_overlapped)
+            run.clock[rank], run.busy[rank], run.waited[rank] = t, busy_r, wait_r
+            run.held[rank], run.peak[rank] = held_r, peak_r
+            yield from _overlapped(run, rank, i, a)
+            t, busy_r, wait_r = run.clock[rank], run.busy[rank], run.waited[rank]
+            held_r, peak_r = run.held[rank], run.peak[rank]
+            continue
         else:  # BPipe's EV / AC / RS / LD
             while (moved := run.transfer(rank, a, t))[1] >= 0:
                 yield i, moved[1]
@@ -799,6 +865,47 @@ def _timed(run: _Run, rank: int) -> Program:
             record(start)
     run.clock[rank], run.busy[rank], run.waited[rank] = t, busy_r, wait_r
     run.held[rank], run.peak[rank] = held_r, peak_r
+
+
+def _overlapped(run: _Run, rank: int, i: int, composite: Action) -> Program:
+    """A composite at position ``i`` under the composite rule, as ``_timed`` runs a compute
+    (``rank``'s clock and memory in ``run``): it starts once BPipe's acknowledgements, each
+    part's message and restore and each part's parameter gather are in, lasts the sum of its
+    parts' durations, counts their memory in order, and sends what they send at its end."""
+    stride, flow, compute = run.rules.recorded_stride, run.flow, run.compute
+    while run.awaiting[rank] and (need := run.unacknowledged(rank)) >= 0:
+        yield i, need
+    start = run.clock[rank]
+    for part in parts(composite):
+        mb: int = part.microbatch  # type: ignore[assignment]  # compute: never None
+        if slot := compute[part.kind][2][part.stage]:
+            if (arrival := flow[need := slot - mb * stride]) is None:
+                yield i, need
+                arrival = flow[need]
+            start = max(start, arrival)  # type: ignore[type-var, assignment]  # sent: not None
+        if run.loaded[rank] and (need := run.restore(rank, part)) >= 0:
+            if (arrival := run.arrivals.get(need)) is None:
+                yield i, need
+                arrival = run.arrivals[need]
+            start = max(start, arrival)
+    for part in parts(composite):
+        gathered = run.ps_done[rank].pop(part.stage, None)
+        if gathered is not None and gathered > start:
+            run.waited[rank] += gathered - start
+            start = gathered
+    run.starts[rank].append(start)
+    t = start
+    for part in parts(composite):
+        duration, delta = compute[part.kind][:2]
+        t += duration
+        run.busy[rank] += duration
+        run.held[rank] += delta
+        run.peak[rank] = max(run.peak[rank], run.held[rank])
+    run.clock[rank] = t
+    for part in parts(composite):  # a compute-only schedule: each part's result, sent now
+        _, _, _, sends_row, peers_row = compute[part.kind]
+        if slot := sends_row[part.stage]:
+            run.message(rank, slot - part.microbatch * stride, peers_row[part.stage], t)  # type: ignore[operator]
 
 
 def _data_parallel(run: _Run, rank: int, action: Action, t: float) -> None:
@@ -850,27 +957,26 @@ class Timeline:
         run out (a rank stuck in a deadlock stops there)."""
         rules, timing, starts = self.rules, self.timing, iter(self.starts[rank])
         num_ranks, implicit, sends_for = rules.keys.num_ranks, rules.implicit, rules.sends_for
-        computes = {
-            _F: timing.forward,
-            _B: timing.backward,
-            _I: timing.backward_input,
-            _W: timing.backward_weight,
-        }
+        computes = compute_durations(timing)
         lanes = {_GS: timing.grad_sync, _PS: timing.param_sync}
         user = self._user
         for a in rules.schedule.per_rank[rank]:
             kind, s, mb = a.kind, a.stage, a.microbatch
-            if kind in computes:
+            if kind in computes or kind is _FB:
                 if (start := next(starts, None)) is None:
                     return
-                end = start + computes[kind]
+                end = start + (computes[kind] if kind is not _FB else action_duration(computes, a))
                 yield Event(rank, "compute", str(a), s, mb, kind, user(start), user(end))
-                if implicit and timing.p2p > 0 and (slot := sends_for[kind][s]) >= 0:
-                    send = _SA if kind is _F else _SG
-                    start = next(starts)  # recorded with the compute, no wait between
-                    label = f"{s}{send.value}{mb}>{slot % num_ranks}"
-                    end = start + timing.p2p
-                    yield Event(rank, "p2p", label, s, mb, send, user(start), user(end))
+                if not (implicit and timing.p2p > 0):
+                    continue
+                for part in parts(a):  # a composite's parts each send theirs, after it
+                    kind, s, mb = part.kind, part.stage, part.microbatch
+                    if (slot := sends_for[kind][s]) >= 0:
+                        send = _SA if kind is _F else _SG
+                        start = next(starts)  # recorded with the compute, no wait between
+                        label = f"{s}{send.value}{mb}>{slot % num_ranks}"
+                        end = start + timing.p2p
+                        yield Event(rank, "p2p", label, s, mb, send, user(start), user(end))
                 continue
             if kind in lanes:
                 if (start := next(starts, None)) is None:

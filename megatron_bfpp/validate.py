@@ -53,9 +53,18 @@ which they cannot see past).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, format_schedule
+from megatron_bfpp.ir import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    format_schedule,
+    parts,
+    primitives,
+)
 from megatron_bfpp.messages import (
     EVICT,
     RESTORE,
@@ -209,10 +218,17 @@ def _fail(schedule: Schedule, message: str, marks: dict[tuple[int, int], str]) -
     return ScheduleError(f"{message}\n{grid}")
 
 
-def _at(schedule: Schedule, rank: int, position: int, problem: str) -> ScheduleError:
-    action = schedule.per_rank[rank][position]
-    message = f"rank {rank}, step {position}: {action}: {problem}"
+def _at(
+    schedule: Schedule, rank: int, position: int, problem: str, part: Action | None = None
+) -> ScheduleError:
+    """The problem of the action at (rank, position), or of ``part`` of the composite there."""
+    message = f"rank {rank}, step {position}: {_label(schedule, rank, position, part)}: {problem}"
     return _fail(schedule, message, {(rank, position): "ERROR HERE"})
+
+
+def _label(schedule: Schedule, rank: int, position: int, part: Action | None = None) -> str:
+    action = schedule.per_rank[rank][position]
+    return str(action) if part is None or part is action else f"{part} of {action}"
 
 
 # --- the pass -------------------------------------------------------------------------------
@@ -232,6 +248,7 @@ class _Scan:
         "accepted",
         "channels",
         "chunk_level",
+        "composites",
         "data_order",
         "duplicate",
         "flags",
@@ -242,6 +259,7 @@ class _Scan:
         "num_mb",
         "order",
         "p2p",
+        "part",
         "placement",
         "rank_channels",
         "remote_in",
@@ -286,6 +304,8 @@ class _Scan:
         self.data_order: dict[int, ScheduleError] = {}
         self.forwarded = [-1] * num_stages  # per stage: the latest micro-batch forwarded
         self.stuck: dict[int, tuple[int, Message]] = {}
+        self.part: Action | None = None  # the part of a composite being checked (``_parts``)
+        self.composites = False  # whether ranks are checked with composites as parts (``_scan``)
         # The pipeline messages' rules, one row per kind (``_P2P``; ``_scan_rank`` reads them):
         # the slot of RA (RG) is the previous (next) stage's activation (input gradient).
         act_base, grad_base = self.rules.recorded_base
@@ -305,20 +325,26 @@ class _Scan:
             sides = self.channels[(src, dst)] = ([], [])
         return sides
 
+    def acting(self, rank: int, position: int) -> Action:
+        """The action the pass checks at (rank, position): while it checks a composite's parts
+        (``_parts``), the part."""
+        action = self.schedule.per_rank[rank][position]
+        return self.part if action.kind is K.OVERLAP_F_B and self.part is not None else action
+
     def misplaced(self, rank: int, position: int) -> None:
         """Note the rank's first placement problem; its pass ends here."""
-        action = self.schedule.per_rank[rank][position]
+        action = self.acting(rank, position)
         problem = _placement_problem(action, rank, self.schedule)
-        self.placement[rank] = _at(self.schedule, rank, position, problem or "misplaced")
+        self.placement[rank] = _at(self.schedule, rank, position, problem or "misplaced", action)
 
     def repeated(self, rank: int, position: int) -> None:
         """Note the rank's first action seen twice (flags of F, B, I, W, EV and LD)."""
         if rank in self.duplicate:
             return
-        action = self.schedule.per_rank[rank][position]
+        action = self.acting(rank, position)
         first = next(
             p
-            for p, other in enumerate(self.schedule.per_rank[rank])
+            for p, other in primitives(self.schedule.per_rank[rank])
             if (other.kind, other.stage, other.microbatch)
             == (action.kind, action.stage, action.microbatch)
         )
@@ -328,7 +354,7 @@ class _Scan:
     def note_backward(self, rank: int, position: int, key: int) -> None:
         """A B, I or W whose (stage, micro-batch) already has one of them: a repeat, or B
         mixed with I / W (reported by ``incomplete``)."""
-        kind = self.schedule.per_rank[rank][position].kind
+        kind = self.acting(rank, position).kind
         _, b_done, i_done, w_done = self.flags[:4]
         if {_B: b_done, _I: i_done, _W: w_done}[kind][key]:
             self.repeated(rank, position)
@@ -338,9 +364,10 @@ class _Scan:
     def out_of_order(self, rank: int, position: int) -> None:
         """Note the rank's first forward of a micro-batch after a later one of its stage."""
         if rank not in self.data_order:
-            action = self.schedule.per_rank[rank][position]
+            action = self.acting(rank, position)
+            label = _label(self.schedule, rank, position, action)
             self.data_order[rank] = ScheduleError(
-                f"{self.schedule.name}: rank {rank}, step {position}: {action} runs stage "
+                f"{self.schedule.name}: rank {rank}, step {position}: {label} runs stage "
                 f"{action.stage}'s micro-batch {action.microbatch} after its micro-batch "
                 f"{self.forwarded[action.stage]}; data iterators are read in order, so order "
                 "each stage's forwards by micro-batch"
@@ -349,9 +376,9 @@ class _Scan:
     def disorder(self, rank: int, position: int, rule: str) -> None:
         """Note the rank's first action that breaks the local order; ``rule`` keys ``_ORDER``."""
         if rank not in self.order:
-            stage, mb = (a := self.schedule.per_rank[rank][position]).stage, a.microbatch
+            stage, mb = (a := self.acting(rank, position)).stage, a.microbatch
             problem = _ORDER[rule].format(stage=stage, mb=mb, prev=stage - 1, next=stage + 1)
-            self.order[rank] = _at(self.schedule, rank, position, problem)
+            self.order[rank] = _at(self.schedule, rank, position, problem, a)
 
     def finish(self, rank: int) -> None:
         """The rank's pass reached its end: do its evictions and loads pair up?"""
@@ -391,6 +418,10 @@ def _scan(schedule: Schedule) -> _Scan:
     recordings (see the module docstring)."""
     scan = _Scan(schedule)
     programs = [_scan_rank(scan, rank) for rank in range(len(schedule.per_rank))]
+    if scan.composites:  # a rank met one: all again, each composite as its parts (_parts)
+        scan = _Scan(schedule)
+        scan.composites = True
+        programs = [_scan_rank(scan, rank) for rank in range(len(schedule.per_rank))]
     scan.stuck = run_recorded(scan.rules, programs)
     return scan
 
@@ -398,7 +429,35 @@ def _scan(schedule: Schedule) -> _Scan:
 _F, _B, _I, _W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
 _SA, _RA, _SG, _RG = K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD
 _EV, _AC, _RS, _LD, _GS, _PS = K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD, K.GRAD_SYNC, K.PARAM_SYNC
-_RL = K.RELEASE
+_RL, _FB = K.RELEASE, K.OVERLAP_F_B
+
+
+def _steps(
+    scan: _Scan, actions: tuple[Action, ...], recorded: Recorded
+) -> Iterable[tuple[int, Action]]:
+    """(position, action) of the program the pass checks: ``enumerate(actions)``, or, once
+    ``_scan`` met a composite, each composite as its parts (``_parts``)."""
+    return _parts(scan, actions, recorded) if scan.composites else enumerate(actions)
+
+
+def _parts(
+    scan: _Scan, actions: tuple[Action, ...], recorded: Recorded
+) -> Iterator[tuple[int, Action]]:
+    """(position, action) of a program with composites, each composite as its parts at its
+    position (``scan.part`` names the one under check), so the pass checks each part as that
+    action alone. The composite rule (``semantics``): the composite waits for what every part
+    waits for before any part sends, so its recorded waits go before its sends."""
+    ops = recorded.ops
+    for position, action in enumerate(actions):
+        if action.kind is not _FB:
+            yield position, action
+            continue
+        start = len(ops)
+        for part in parts(action):
+            scan.part = part
+            yield position, part
+        scan.part = None
+        ops[start:] = [op for op in ops[start:] if op < 0] + [op for op in ops[start:] if op >= 0]
 
 
 class _P2P(NamedTuple):
@@ -487,7 +546,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
     chunk_level = scan.chunk_level[rank]  # positions of its GS / PS / RL
     position = 0
     try:  # a stage past the layout raises IndexError at s2r[stage], before any change
-        for position, action in enumerate(actions):
+        for position, action in _steps(scan, actions, recorded):
             kind, stage = action.kind, action.stage
             mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
             if awaiting and (kind is _F or kind is _B or kind is _I or kind is _W):
@@ -570,13 +629,13 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
                     scan.misplaced(rank, position)
                     return False
                 chunk_level.append(position)  # checked by _grad_sync_problem
-            else:  # BPipe's EV / AC / RS / LD, a few per rank
+            else:  # BPipe's EV / AC / RS / LD, a few per rank (or a composite: _scan_transfer)
                 moved = _scan_transfer(scan, rank, position, recorded, awaiting, loaded)
                 if moved is None:
                     return False
                 unloaded += moved
     except IndexError:
-        if _placement_problem(actions[position], rank, schedule) is None:
+        if _placement_problem(scan.acting(rank, position), rank, schedule) is None:
             raise  # not a stage past the layout: a bug, not a schedule problem
         scan.misplaced(rank, position)
         return False
@@ -595,8 +654,11 @@ def _scan_transfer(
     """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD at ``position``: placement, the
     waits and sends of ``Rules.transfers`` recorded (``Wires.transfer`` runs the same table),
     the payload's channel and the transfer's checks. Returns how it changes the rank's count
-    of evicted-not-loaded activations, or None when misplaced (the rank's pass ends)."""
+    of evicted-not-loaded activations, or None when misplaced or a composite (the pass ends)."""
     action, rules, flags = scan.schedule.per_rank[rank][position], scan.rules, scan.flags
+    if action.kind is _FB:  # a composite: _scan checks every rank again, with them as parts
+        scan.composites = True
+        return None
     kind, stage, s2r = action.kind, action.stage, scan.stage_to_rank
     mb: int = action.microbatch  # type: ignore[assignment]  # transfers name one
     peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
@@ -659,7 +721,7 @@ def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
     gathered: set[int] = set()
     unreduced: dict[int, int] = {}  # stage -> its first backward since its last GS
     reduces: dict[int, int] = {}  # stage -> its latest GS
-    for position, action in enumerate(schedule.per_rank[rank]):
+    for position, action in primitives(schedule.per_rank[rank]):
         kind, stage = action.kind, action.stage
         if kind is _GS:
             if stage in reduces and stage not in unreduced:
@@ -770,13 +832,17 @@ def _last_of(
     until every stage has one."""
     last = dict.fromkeys(stages, -1)
     missing = set(stages)
+    counted = kinds | {_FB}  # an overlapped pair: its backward (its last part) counts
     for position in range(len(actions) - 1, -1, -1):
         action = actions[position]
-        if action.kind in kinds and action.stage in missing:
-            last[action.stage] = position
-            missing.discard(action.stage)
-            if not missing:
-                break
+        if action.kind in counted:
+            if action.kind is _FB:
+                action = parts(action)[-1]
+            if action.kind in kinds and action.stage in missing:
+                last[action.stage] = position
+                missing.discard(action.stage)
+                if not missing:
+                    break
     return last
 
 
@@ -785,10 +851,12 @@ def _first_of(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int,
     front only until every stage has one."""
     first = dict.fromkeys(stages, len(actions))
     missing = set(stages)
+    pair = _FB  # an overlapped pair: both parts' stages are used
     for position, action in enumerate(actions):
-        if action.kind.is_compute and action.stage in missing:
-            first[action.stage] = position
-            missing.discard(action.stage)
+        if action.kind.is_compute and (action.stage in missing or action.kind is pair):
+            for stage in {part.stage for part in parts(action)} & missing:
+                first[stage] = position
+                missing.discard(stage)
             if not missing:
                 break
     return first

@@ -2,7 +2,9 @@
 
 Sends go right after the compute that produced the data; receives go right before the compute
 that consumes it, then move earlier where needed so that, between any two ranks, receives are
-posted in the order the sender posts the sends (the order NCCL and gloo match messages by).
+posted in the order the sender posts the sends (the order NCCL and gloo match messages by). An
+overlapped pair (a composite) has every part's receives before it and their sends after it (the
+composite rule: ``semantics``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from megatron_bfpp.ir import (
     ActionKind,
     Schedule,
     ScheduleError,
+    parts,
     paused_gc,
     unchecked_action,
 )
@@ -133,6 +136,9 @@ def add_communication(schedule: Schedule) -> Schedule:
             elif kind is full or kind is split:
                 plan = backwards[action.stage]
                 receive, send = recv_grad, send_grad
+            elif kind is K.OVERLAP_F_B:
+                program += _around(action, forwards, backwards, per_mb)
+                continue
             else:
                 append(action)
                 transfer = _TRANSFERS.get(kind)
@@ -172,6 +178,32 @@ def add_communication(schedule: Schedule) -> Schedule:
         indices = [send_index.get(message, -1) for message in receives]
         programs[rank] = _reorder_rank(program, {source: (positions, indices)})
     return schedule.with_programs(programs)
+
+
+def _around(
+    composite: Action, forwards: _RankPlans, backwards: _RankPlans, per_mb: int
+) -> list[Action]:
+    """An overlapped pair with its parts' messages: every receive before it, every send after
+    it, each noted on its channel in that order."""
+    before: list[Action] = []
+    after: list[Action] = []
+    for part in parts(composite):
+        forward = part.kind is K.FORWARD
+        stage, mb = part.stage, part.microbatch or 0
+        source, note_in, slot_in, target, note_out, slot_out = (forwards if forward else backwards)[
+            stage
+        ]
+        if source >= 0:
+            before.append(
+                unchecked_action(stage, K.RECV_ACT if forward else K.RECV_GRAD, mb, source)
+            )
+            note_in(mb * per_mb + slot_in)
+        if target >= 0:
+            after.append(
+                unchecked_action(stage, K.SEND_ACT if forward else K.SEND_GRAD, mb, target)
+            )
+            note_out(mb * per_mb + slot_out)
+    return [*before, composite, *after]
 
 
 def _in_send_order(indices: list[int]) -> bool:

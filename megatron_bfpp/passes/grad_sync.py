@@ -38,6 +38,7 @@ from megatron_bfpp.ir import (
     ActionKind,
     Schedule,
     ScheduleError,
+    parts,
     paused_gc,
     unchecked_action,
 )
@@ -66,6 +67,12 @@ def add_grad_sync(
             f"add_grad_sync: sharding={sharding!r} is not one of {', '.join(SHARDING_STRATEGIES)}"
         )
     if sharding == "optim_grads_params":
+        if any(K.OVERLAP_F_B in map(get_kind, actions) for actions in schedule.per_rank):
+            raise ScheduleError(
+                "add_grad_sync: sharded parameters (optim_grads_params) gather and release per "
+                "run of one chunk's computes, and an overlapped pair (F&B) may run two chunks "
+                "at once; use sharding='optim' for schedules with overlapped pairs"
+            )
         if isinstance(max_resident, bool) or not isinstance(max_resident, int) or max_resident < 1:
             raise ScheduleError(
                 f"add_grad_sync: max_resident={max_resident!r} must be an integer >= 1 (chunks "
@@ -114,9 +121,12 @@ def _first_forwards(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dic
     only until every stage has one."""
     first = dict.fromkeys(stages, len(actions))
     missing = set(stages)
-    forward = K.FORWARD
+    forward, pair = K.FORWARD, K.OVERLAP_F_B
     for position, action in enumerate(actions):
-        if action.kind is forward and action.stage in missing:
+        kind = action.kind
+        if kind is pair:  # an overlapped pair's forward
+            action, kind = parts(action)[0], forward
+        if kind is forward and action.stage in missing:
             first[action.stage] = position
             missing.discard(action.stage)
             if not missing:
@@ -129,10 +139,13 @@ def _last_grads(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[in
     every stage has one."""
     last = dict.fromkeys(stages, -1)
     missing = set(stages)
-    full, weight = K.BACKWARD, K.BACKWARD_WEIGHT
+    full, weight, pair = K.BACKWARD, K.BACKWARD_WEIGHT, K.OVERLAP_F_B
     for position in range(len(actions) - 1, -1, -1):
         action = actions[position]
         kind = action.kind
+        if kind is pair:  # an overlapped pair's backward (a B; an I needs W)
+            action = parts(action)[-1]
+            kind = action.kind
         if (kind is full or kind is weight) and action.stage in missing:
             last[action.stage] = position
             missing.discard(action.stage)

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 
 from megatron_bfpp.config.model_memory import parameters_per_pipeline_rank, parameters_per_stage
 from megatron_bfpp.config.run_config import Layout
-from megatron_bfpp.ir import MEMORY_DELTA, ActionKind, Placement, Schedule, ScheduleError
+from megatron_bfpp.ir import (
+    MEMORY_DELTA,
+    Action,
+    ActionKind,
+    Placement,
+    Schedule,
+    ScheduleError,
+    parts,
+)
 from megatron_bfpp.plan.presets import Model, Precision
 
 __all__ = [
@@ -167,7 +175,7 @@ class PeakPoints:
 
 def peak_points(schedule: Schedule) -> PeakPoints:
     """Walk each rank's program once (``ir.MEMORY_DELTA``: F stores, B / W free, BPipe's
-    transfers move micro-batches between ranks)."""
+    transfers move micro-batches between ranks; an overlapped pair's parts in order)."""
     last_stage = schedule.num_stages - 1
     result = []
     for actions in schedule.per_rank:
@@ -176,6 +184,10 @@ def peak_points(schedule: Schedule) -> PeakPoints:
         for action in actions:
             delta = MEMORY_DELTA.get(action.kind, 0)
             if not delta:
+                if action.kind is _OVERLAP:
+                    held, first, last = _pair_points(
+                        action, (held, first, last), last_stage, points
+                    )
                 continue
             held += delta
             if action.stage == 0:
@@ -186,6 +198,24 @@ def peak_points(schedule: Schedule) -> PeakPoints:
                 points.add((held, first, last))
         result.append(tuple(_pareto(points)))
     return PeakPoints(tuple(result))
+
+
+_OVERLAP = ActionKind.OVERLAP_F_B
+
+
+def _pair_points(
+    pair: Action, counts: tuple[int, int, int], last_stage: int, points: set[tuple[int, int, int]]
+) -> tuple[int, int, int]:
+    """``peak_points``' walk over an overlapped pair: its parts in order (the composite rule)."""
+    held, first, last = counts
+    for part in parts(pair):
+        delta = MEMORY_DELTA.get(part.kind, 0)
+        held += delta
+        first += delta if part.stage == 0 else 0
+        last += delta if part.stage == last_stage else 0
+        if delta > 0:
+            points.add((held, first, last))
+    return held, first, last
 
 
 def _pareto(points: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

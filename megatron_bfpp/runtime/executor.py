@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from megatron_bfpp.compat import forward_step
-from megatron_bfpp.ir import Action, ActionKind, Schedule
+from megatron_bfpp.ir import Action, ActionKind, Schedule, parts
 from megatron_bfpp.messages import Message, What, message_of
 from megatron_bfpp.nccl import Batch, Posting, validate_nccl
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
@@ -143,6 +143,17 @@ def backward(step: RankStep, position: int, action: Action) -> None:
     whole_backward(step, position, action)
 
 
+def overlapped(step: RankStep, position: int, action: Action) -> None:
+    """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward (B, or
+    a split backward's I), each through its own handler in ``TABLE`` at the pair's position,
+    one after the other on any device. The lock-step posting has posted what both parts receive
+    before this step (the composite rule: ``semantics``); running the two at once, to hide one's
+    communication behind the other's compute, is for a handler that splits them into their
+    layers (DualPipe's), not this one."""
+    for part in parts(action):
+        TABLE.handlers[part.kind](step, position, part)
+
+
 # --- pipeline messages ----------------------------------------------------------------------
 def send_act(step: RankStep, position: int, action: Action) -> None:
     message, peer = _message_and_peer(action)
@@ -217,6 +228,7 @@ CORE = Handlers(
     kinds={
         K.FORWARD: forward,
         K.BACKWARD: backward,
+        K.OVERLAP_F_B: overlapped,
         K.SEND_ACT: send_act,
         K.RECV_ACT: recv_act,
         K.SEND_GRAD: send_grad,

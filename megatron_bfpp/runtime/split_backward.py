@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from megatron_bfpp.ir import Action, ActionKind
+from megatron_bfpp.ir import Action, ActionKind, primitives
 from megatron_bfpp.runtime import deferred_wgrad
 from megatron_bfpp.runtime.backward import microbatch, whole_backward
 from megatron_bfpp.runtime.step import Handlers, Key, RankStep, StepPart
@@ -48,7 +48,7 @@ class SplitBackward(StepPart):
 
     def begin(self, step: RankStep) -> None:
         if step.ctx.call.forward_only or not any(
-            action.kind == K.BACKWARD_INPUT for action in step.program
+            action.kind == K.BACKWARD_INPUT for _, action in primitives(step.program)
         ):
             return
         deferred_wgrad.install(step.ctx.model)

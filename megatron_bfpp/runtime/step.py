@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from megatron_bfpp.ir import Action, ActionKind, Schedule
+from megatron_bfpp.ir import Action, ActionKind, Schedule, primitives
 from megatron_bfpp.runtime.activations import ActivationStore
 from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send
 
@@ -318,7 +318,7 @@ def _last_backward_positions(program: tuple[Action, ...]) -> set[int]:
     accumulate, so where megatron-core DDP's hooks may start its reduction. That is its last B,
     or with a split backward its last I (runtime.split_backward accumulates them there)."""
     last: dict[int, int] = {}
-    for position, action in enumerate(program):
+    for position, action in primitives(program):  # an overlapped pair's backward included
         if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
             last[action.stage] = position
     return set(last.values())

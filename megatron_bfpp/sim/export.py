@@ -112,6 +112,7 @@ _STYLE: dict[ActionKind, tuple[float, str | None, str]] = {
     K.BACKWARD: (-0.35, "///", "B backward"),
     K.BACKWARD_INPUT: (0.4, "///", "I input grad"),
     K.BACKWARD_WEIGHT: (0.65, "...", "W weight grad"),
+    K.OVERLAP_F_B: (-0.15, "xx", "F&B overlapped pair"),
 }
 
 
@@ -242,7 +243,8 @@ def _draw_compute(
         stage_px = page.char_px * (0.8 + np.floor(np.log10(np.maximum(stages, 1))) + 1)
         for index in np.flatnonzero(width_px > text_px):
             event = compute[kind][int(index)]
-            text = event.label if with_stage else f"{kind.value}{event.microbatch}"
+            composite = kind is K.OVERLAP_F_B  # "3F5&1B2": its parts say what it runs
+            text = event.label if with_stage or composite else f"{kind.value}{event.microbatch}"
             labelled.append(((event.start + event.end) / 2, event.rank, text))
         if with_stage:
             for index in np.flatnonzero((width_px <= text_px) & (width_px > stage_px)):

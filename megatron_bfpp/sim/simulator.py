@@ -48,6 +48,7 @@ from megatron_bfpp.ir import (
     Schedule,
     ScheduleError,
     format_schedule,
+    stored_counts,
 )
 from megatron_bfpp.messages import has_communication
 from megatron_bfpp.native_posting import (
@@ -251,6 +252,7 @@ def simulate(
         raise ScheduleError(f"cannot simulate {schedule.name!r} under {p2p}: {error}") from None
     # The timer gives the clocks; memory is counted in program order (Schedule.stored_activations),
     # which needs no replay of its own.
+    ran = [set(map(_KIND, actions)) for actions in schedule.per_rank]  # each rank's kinds
     timed_run = Replay(
         blocked={},
         timeline=None,  # type: ignore[arg-type]  # the posting's timeline, below
@@ -258,8 +260,8 @@ def simulate(
         dp_end=timed.dp_end,
         busy=timed.busy,
         gather_wait=timed.gather_wait,
-        peak=[_peak_stored(actions) for actions in schedule.per_rank],
-        released=[_RL in map(_KIND, actions) for actions in schedule.per_rank],
+        peak=[_peak_stored(schedule.per_rank[rank], kinds) for rank, kinds in enumerate(ran)],
+        released=[_RL in kinds for kinds in ran],
     )
     timeline = PostingTimeline(timed.events, exact.per_unit)
     result = _result(schedule, costs, timed_run, exact.per_unit, p2p, timeline)
@@ -277,9 +279,12 @@ def _replay(schedule: Schedule, timing: Timing) -> Replay:
     return run
 
 
-def _peak_stored(actions: Sequence[Action]) -> int:
+def _peak_stored(actions: Sequence[Action], kinds: set[ActionKind]) -> int:
     """The most stored activations a rank holds after any of its actions, in stages' worth
-    (``MEMORY_DELTA`` in program order, as ``replay`` counts them; at least 0)."""
+    (``MEMORY_DELTA`` in program order, as ``replay`` counts them; at least 0). An overlapped
+    pair counts its parts in order (``ir.stored_counts``: the composite rule)."""
+    if ActionKind.OVERLAP_F_B in kinds:
+        return max(0, max(stored_counts(actions), default=0))
     return max(0, max(accumulate(map(_DELTA.__getitem__, map(_KIND, actions))), default=0))
 
 

@@ -136,3 +136,22 @@ def test_a_prebuilt_schedule_pairing_other_ranks_than_partners_fails_when_made()
 
     with pytest.raises(ScheduleError, match="give rank 0 the partner 3"):
         get_forward_backward_func(add_grad_sync(WRONG_PARTNER))
+
+
+def test_an_overlapped_pair_runs_its_parts_handlers_in_order_at_its_position(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron_bfpp.runtime import executor
+
+    ran: list[tuple[int, str]] = []
+    for kind in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+        monkeypatch.setitem(
+            TABLE.handlers,  # type: ignore[arg-type]  # a dict, read-only by its annotation
+            kind,
+            lambda step, position, action: ran.append((position, str(action))),
+        )
+    assert TABLE.handlers[ActionKind.OVERLAP_F_B] is executor.overlapped
+    step: Any = SimpleNamespace()
+    executor.overlapped(step, 7, parse_action("3F5&1B2"))
+    executor.overlapped(step, 9, parse_action("4F0&0I1"))
+    assert ran == [(7, "3F5"), (7, "1B2"), (9, "4F0"), (9, "0I1")]

@@ -1,0 +1,162 @@
+"""Fuse a forward and a backward of another micro-batch on one rank into an overlapped pair.
+
+An overlapped pair (``ir.Composite``, kind ``OVERLAP_F_B``, written ``3F5&1B2``) runs its two
+parts as one action: torch's ``OVERLAP_F_B`` and DualPipe's core, where a GPU hides one part's
+communication behind the other's compute. ``fuse_overlapped`` turns chosen pairs of an existing
+schedule, compute-only or lowered, into such composites; ``overlap_pairs`` picks the pairs a
+1F1B-like steady state offers. What a composite waits for, sends, lasts and holds is the
+composite rule of ``semantics``; the runtime runs it with ``runtime.executor.overlapped``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from megatron_bfpp.ir import Action, ActionKind, Composite, Schedule, ScheduleError
+from megatron_bfpp.validate import validate_deadlock_free
+
+__all__ = ["fuse_overlapped", "overlap_pairs"]
+
+K = ActionKind
+Pair = tuple[Action, Action]  # (forward, backward)
+
+
+def overlap_pairs(schedule: Schedule) -> list[Pair]:
+    """The pairs ``fuse_overlapped`` fuses by default: each forward that its rank's next
+    compute, a backward (B, or a split backward's I) of another micro-batch, follows directly,
+    from the front, an action in one pair at most (1F1B's steady state: rank r's forward of
+    micro-batch i + p - r - 1 and backward of i), each kept only if the schedule with it and
+    the pairs kept before it still runs (``validate_deadlock_free``; a pair waits for its
+    backward's input before its forward runs, which can close a cycle of waits: the V-shapes'
+    ranks have such pairs). A pair in that order keeps each rank's stored activations as they
+    were. One deadlock check per candidate: for tests and small schedules."""
+    kept: list[Pair] = []
+    for pair in _candidates(schedule):
+        try:
+            validate_deadlock_free(fuse_overlapped(schedule, [*kept, pair]))
+        except ScheduleError:
+            continue
+        kept.append(pair)
+    return kept
+
+
+def _candidates(schedule: Schedule) -> list[Pair]:
+    pairs: list[Pair] = []
+    for actions in schedule.per_rank:
+        computes = [action for action in actions if action.kind.is_compute]
+        index = 0
+        while index + 1 < len(computes):
+            first, then = computes[index], computes[index + 1]
+            if _fusable(first, then):
+                pairs.append((first, then))
+                index += 2
+            else:
+                index += 1
+    return pairs
+
+
+def fuse_overlapped(schedule: Schedule, pairs: Iterable[Pair] | None = None) -> Schedule:
+    """``schedule`` with each (forward, backward) of ``pairs`` (default: ``overlap_pairs``) run
+    as one overlapped pair, at the earlier of the two's place.
+
+    The two must be on one rank with no other compute between them (either may come first; the
+    pair runs its forward first). What lay between them moves around the pair so that it keeps
+    its meaning: receives and parameter gathers (PS) before it, sends and the rest after it, in
+    their order; per channel the messages keep their order, so a validated schedule stays
+    paired. The result is not validated here: ``validate_schedule`` proves it (the composite
+    rule waits for both parts' inputs before either runs, which can deadlock where the two
+    apart would not). Raises ``ScheduleError`` naming the pair that cannot fuse.
+    """
+    chosen = overlap_pairs(schedule) if pairs is None else list(pairs)
+    by_rank: dict[int, list[tuple[int, int]]] = {}
+    where = _positions(schedule)
+    used: set[Action] = set()
+    for forward, backward in chosen:
+        composite = Composite(forward, backward)  # checks the kinds and micro-batches
+        if forward in used or backward in used:
+            raise ScheduleError(f"fuse_overlapped: {composite}: each action fuses once")
+        used.update((forward, backward))
+        rank, first, last = _placed(schedule, where, forward, backward)
+        by_rank.setdefault(rank, []).append((first, last))
+    programs = [
+        _fused(actions, by_rank.get(rank, [])) for rank, actions in enumerate(schedule.per_rank)
+    ]
+    return schedule.with_programs(programs)
+
+
+def _fusable(first: Action, then: Action) -> bool:
+    return (
+        first.kind is K.FORWARD
+        and (then.kind is K.BACKWARD or then.kind is K.BACKWARD_INPUT)
+        and type(first) is type(then) is Action
+        and first.microbatch != then.microbatch
+    )
+
+
+def _positions(schedule: Schedule) -> dict[Action, tuple[int, int]]:
+    """(rank, position) of every plain forward and backward (B or I)."""
+    return {
+        action: (rank, position)
+        for rank, actions in enumerate(schedule.per_rank)
+        for position, action in enumerate(actions)
+        if action.kind in _FUSABLE
+    }
+
+
+_FUSABLE = frozenset({K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT})
+
+
+def _placed(
+    schedule: Schedule, where: dict[Action, tuple[int, int]], forward: Action, backward: Action
+) -> tuple[int, int, int]:
+    """(rank, earlier position, later position) of a pair that can fuse."""
+    text = f"fuse_overlapped: {forward}&{backward}"
+    missing = [str(a) for a in (forward, backward) if a not in where]
+    if missing:
+        raise ScheduleError(
+            f"{text}: {' and '.join(missing)} not in the schedule (as a plain action)"
+        )
+    (rank, at), (other, then) = where[forward], where[backward]
+    if rank != other:
+        raise ScheduleError(
+            f"{text}: {forward} runs on rank {rank} and {backward} on rank {other}; an "
+            "overlapped pair runs on one rank"
+        )
+    first, last = sorted((at, then))
+    actions = schedule.per_rank[rank]
+    between = next((p for p in range(first + 1, last) if actions[p].kind.is_compute), None)
+    if between is not None:
+        raise ScheduleError(
+            f"{text}: {actions[between]} runs between them on rank {rank} (step {between}); "
+            "fuse computes that run one after the other"
+        )
+    return rank, first, last
+
+
+def _fused(actions: tuple[Action, ...], spans: list[tuple[int, int]]) -> list[Action]:
+    """One rank's program with each (first, last) span's computes fused in place of the first;
+    the actions between them that the pair consumes go before it, the rest after it."""
+    if not spans:
+        return list(actions)
+    starts = dict(spans)
+    program: list[Action] = []
+    position = 0
+    while position < len(actions):
+        last = starts.get(position)
+        if last is None:
+            program.append(actions[position])
+            position += 1
+            continue
+        ends = (actions[position], actions[last])
+        forward, backward = ends if ends[0].kind is K.FORWARD else ends[::-1]
+        between = actions[position + 1 : last]
+        program += [a for a in between if _goes_before(a)]
+        program.append(Composite(forward, backward))
+        program += [a for a in between if not _goes_before(a)]
+        position = last + 1
+    return program
+
+
+def _goes_before(action: Action) -> bool:
+    """What an overlapped pair may need before it runs: a receive it consumes, a gather."""
+    return action.kind.is_recv or action.kind is K.PARAM_SYNC
