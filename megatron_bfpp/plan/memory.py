@@ -219,11 +219,19 @@ def _pair_points(
 
 
 def _pareto(points: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    ordered = sorted(points, reverse=True)
+    """The points no other point is at least as large as in all three counts, largest first.
+    In descending order every earlier point holds at least as much, so a point is dominated
+    exactly when an earlier kept one also has as many first- and last-stage micro-batches."""
     kept: list[tuple[int, int, int]] = []
-    for point in ordered:
-        if not any(all(k >= p for k, p in zip(other, point, strict=True)) for other in kept):
+    fronts: list[tuple[int, int]] = []  # the kept points' (first, last)
+    for point in sorted(points, reverse=True):
+        _, first, last = point
+        for kept_first, kept_last in fronts:
+            if kept_first >= first and kept_last >= last:
+                break
+        else:
             kept.append(point)
+            fronts.append((first, last))
     return kept
 
 
