@@ -8,6 +8,6 @@ echo "== ruff (lint, format)"
 ruff check .
 ruff format --check .
 echo "== mypy (pure layers, strict)"
-mypy
+mypy --cache-dir "${VENV:-.venv}/.mypy_cache"  # a cache per environment: two lanes at once (.ci/run) share none
 echo "== pytest"
 pytest -q -p no:cacheprovider --durations=15 "$@"
