@@ -45,10 +45,12 @@ def _measure(arch: str = "gpt") -> float | None:
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_the_profile_holds_a_finite_host_time(arch: str) -> None:
-    """The runtime's step does more than the bare calls (megatron-core's forward_step and
-    backward_step, our handlers): a positive, finite host time per action (sanity bounds only)."""
+    """A finite host time per action within sanity bounds, written and read back. Not asserted
+    positive: on a loaded CPU the median difference of two timings can be noise at or below
+    zero, which the measurement clamps to 0 (CI once measured 0.0 here with 7 runnable
+    processes on 2 cores); that it sees host work is the next test's, with work injected."""
     t_host = _measure(arch)
-    assert t_host is not None and math.isfinite(t_host) and 0 < t_host < 1.0
+    assert t_host is not None and math.isfinite(t_host) and 0 <= t_host < 1.0
 
 
 def test_host_work_in_the_runtimes_step_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
