@@ -35,15 +35,12 @@ when read (``SimResult.events``, ``semantics.Timeline``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from itertools import accumulate
 from operator import attrgetter, countOf
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_bfpp.ir import (
-    MEMORY_DELTA,
-    Action,
     ActionKind,
     Schedule,
     ScheduleError,
@@ -250,18 +247,15 @@ def simulate(
     except (ScheduleError, IndexError, KeyError) as error:
         _replay(schedule, exact.timing)  # a deadlock or a stage outside the layout, explained
         raise ScheduleError(f"cannot simulate {schedule.name!r} under {p2p}: {error}") from None
-    # The timer gives the clocks; memory is counted in program order (Schedule.stored_activations),
-    # which needs no replay of its own.
-    ran = [set(map(_KIND, actions)) for actions in schedule.per_rank]  # each rank's kinds
-    timed_run = Replay(
-        blocked={},
-        timeline=None,  # type: ignore[arg-type]  # the posting's timeline, below
+    # The timer gives the clocks; memory is counted in program order (ir.stored_counts, as
+    # Schedule.stored_activations), which needs no replay of its own.
+    timed_run = _Clocks(
         compute_end=timed.clock,
         dp_end=timed.dp_end,
         busy=timed.busy,
         gather_wait=timed.gather_wait,
-        peak=[_peak_stored(schedule.per_rank[rank], kinds) for rank, kinds in enumerate(ran)],
-        released=[_RL in kinds for kinds in ran],
+        peak=[max(0, max(stored_counts(actions), default=0)) for actions in schedule.per_rank],
+        released=[_RL in map(_KIND, actions) for actions in schedule.per_rank],
     )
     timeline = PostingTimeline(timed.events, exact.per_unit)
     result = _result(schedule, costs, timed_run, exact.per_unit, p2p, timeline)
@@ -277,15 +271,6 @@ def _replay(schedule: Schedule, timing: Timing) -> Replay:
     if run.blocked:
         raise _deadlock(schedule, run)
     return run
-
-
-def _peak_stored(actions: Sequence[Action], kinds: set[ActionKind]) -> int:
-    """The most stored activations a rank holds after any of its actions, in stages' worth
-    (``MEMORY_DELTA`` in program order, as ``replay`` counts them; at least 0). An overlapped
-    pair counts its parts in order (``ir.stored_counts``: the composite rule)."""
-    if ActionKind.OVERLAP_F_B in kinds:
-        return max(0, max(stored_counts(actions), default=0))
-    return max(0, max(accumulate(map(_DELTA.__getitem__, map(_KIND, actions))), default=0))
 
 
 def _grad_reduce(p2p: str, grad_reduce: str | None, posting: Posting | None) -> str | None:
@@ -363,10 +348,22 @@ class PostingTimeline:
         return self._events
 
 
+class _Clocks(NamedTuple):
+    """What ``_result`` reads of a run (``Replay``'s fields of these names): a posting model's
+    clocks with the program-order memory."""
+
+    compute_end: list[float]
+    dp_end: list[float]
+    busy: list[float]
+    gather_wait: list[float]
+    peak: list[int]
+    released: list[bool]
+
+
 def _result(
     schedule: Schedule,
     costs: CostModel,
-    run: Replay,
+    run: Replay | _Clocks,
     per_unit: int,
     p2p: str,
     timeline: Timeline | PostingTimeline,
@@ -416,7 +413,6 @@ def _count(schedule: Schedule, rank: int, kind: ActionKind) -> int:
 
 
 _KIND = attrgetter("kind")
-_DELTA = {kind: MEMORY_DELTA.get(kind, 0) for kind in ActionKind}
 _RL = ActionKind.RELEASE
 
 
