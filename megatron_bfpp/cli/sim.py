@@ -56,7 +56,9 @@ from megatron_bfpp.sim.simulator import (
     DEFAULT_P2P_MODEL,
     MEGATRON_GRAD_REDUCE,
     P2P_MODELS,
+    STEADY_FROM_ACTIONS,
     UNITS,
+    simulate_steady,
 )
 from megatron_bfpp.validate import has_communication, validate_schedule
 
@@ -156,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-rank program printed after the table (default: compute); by default one "
         f"of over {GRID_ACTIONS:,} compute actions is a line saying so",
     )
+    out.add_argument(
+        "--exact",
+        action="store_true",
+        help="time every micro-batch of a long step (over "
+        f"{STEADY_FROM_ACTIONS:,} actions) instead of reading its steady state off three "
+        "shorter steps whose times lie exactly on one line (the same figures, several times "
+        "faster; the report says when it did)",
+    )
     out.add_argument("--png", metavar="PATH", help="write a timeline picture")
     out.add_argument("--trace", metavar="PATH", help="write a Chrome trace (open in Perfetto)")
     out.add_argument("--csv", metavar="PATH", help="write the lowered schedule as CSV")
@@ -192,9 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.png and (problem := png_problem(schedule.num_ranks)):
             return fail(PROG, problem)
         costs = CostModel(**{cost.name: getattr(args, cost.name) for cost in cost_fields()})
-        result = simulate(
-            schedule, costs, p2p=args.p2p_model, megatron_grad_reduce=args.megatron_grad_reduce
-        )
+        result = _simulated(args, schedule, costs)
         nccl = nccl_report(schedule) if args.nccl or args.load_csv else None
         if not math.isfinite(result.step_time):
             return fail(
@@ -235,6 +243,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if path:
             print(f"wrote {label}: {path}", file=sys.stderr)
     return 0
+
+
+def _simulated(args: argparse.Namespace, schedule: Schedule, costs: CostModel) -> SimResult:
+    """A catalogue schedule's long step from its steady state (``simulate_steady``), unless
+    ``--exact`` or an output that draws every event asks for the whole step."""
+    grad_reduce = args.megatron_grad_reduce
+    if args.load_csv or args.exact or args.png or args.trace:
+        return simulate(schedule, costs, p2p=args.p2p_model, megatron_grad_reduce=grad_reduce)
+    options = _options(args)
+    group = max(options.get("group_size") or 0, options.get("microbatch_group_size") or 0)
+    return simulate_steady(
+        schedule,
+        costs,
+        shorter=lambda n: _built(args, n, options, validate=False),
+        period=max(args.pp, group),
+        p2p=args.p2p_model,
+        megatron_grad_reduce=grad_reduce,
+    )
 
 
 GRID_ACTIONS = 4_096  # the default grid's most compute actions: a page or two, not megabytes
@@ -307,6 +333,13 @@ def _schedule_from(args: argparse.Namespace) -> Schedule:
     ]
     if missing:
         raise ScheduleError(f"missing {', '.join(missing)} (or pass --load-csv PATH)")
+    options = _options(args)
+    check_sharding(args.schedule, args.data_parallel_sharding_strategy)
+    return _built(args, args.microbatches, options)
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The schedule options bfpp-sim's flags set (one flag may serve several schedules')."""
     spec = get_spec(args.schedule)
     options: dict[str, Any] = {}
     for flag, flag_options in _SIM_FLAGS.items():
@@ -320,13 +353,20 @@ def _schedule_from(args: argparse.Namespace) -> Schedule:
             )
             raise ScheduleError(f"{spec.name} takes no {flag} ({takers} do)")
         options.update((option.name, value) for option in taken)
-    check_sharding(args.schedule, args.data_parallel_sharding_strategy)
+    return options
+
+
+def _built(
+    args: argparse.Namespace, microbatches: int, options: dict[str, Any], *, validate: bool = True
+) -> Schedule:
+    """The catalogue schedule the flags name, with ``microbatches``."""
     return build_schedule(
         args.schedule,
         num_ranks=args.pp,
-        num_microbatches=args.microbatches,
+        num_microbatches=microbatches,
         num_chunks=args.vp,
         sharding=args.data_parallel_sharding_strategy,
+        validate=validate,
         **options,
     )
 
@@ -418,6 +458,14 @@ def format_report(result: SimResult) -> str:
         f"step time {data['step_time']:.4g}   bubble {100 * data['bubble_fraction']:.2f}%   "
         f"exposed DP comm {data['exposed_dp_comm_time']:.4g}",
         f"p2p timing model: {data['p2p_model']} ({P2P_MODELS[data['p2p_model']]})",
+        *(
+            [
+                f"timed from its steady state: steps of {', '.join(map(str, lengths))} "
+                "micro-batches lie exactly on one line (--exact times every micro-batch)"
+            ]
+            if (lengths := data["steady_from"])
+            else []
+        ),
         *(
             [f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})"]
             if (reduce := data["megatron_grad_reduce"])

@@ -79,6 +79,8 @@ __all__ = [
     "RankMetrics",
     "SimResult",
     "simulate",
+    "simulate_steady",
+    "steady_lengths",
 ]
 
 # The p2p timing models, each with what it times (bfpp-sim --p2p-model's help, the reports).
@@ -178,6 +180,8 @@ class SimResult:
     costs: CostModel = field(default_factory=CostModel)
     p2p_model: str = DEFAULT_P2P_MODEL
     megatron_grad_reduce: str | None = None  # MEGATRON_GRAD_REDUCE's, under a megatron model
+    # ``simulate_steady``: the shorter steps whose line gave the clocks; () when timed whole
+    steady_from: tuple[int, ...] = ()
 
     @property
     def events(self) -> tuple[Event, ...]:
@@ -206,6 +210,7 @@ class SimResult:
             "step_time": self.step_time,
             "bubble_fraction": self.bubble_fraction,
             "exposed_dp_comm_time": self.exposed_dp_comm_time,
+            "steady_from": list(self.steady_from),
             "costs": asdict(self.costs),
             "units": dict(UNITS),
             "per_rank": [r.to_dict() for r in self.per_rank],
@@ -236,30 +241,162 @@ def simulate(
             f"unknown p2p timing model {p2p!r}; choose one of {', '.join(P2P_MODELS)}"
         )
     megatron_grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, posting)
+    clocks, per_unit, timeline = _clocks(schedule, costs, p2p, posting, megatron_grad_reduce)
+    result = _result(schedule, costs, clocks, per_unit, p2p, timeline)
+    return replace(result, megatron_grad_reduce=megatron_grad_reduce)
+
+
+def _clocks(
+    schedule: Schedule,
+    costs: CostModel,
+    p2p: str,
+    posting: Posting | None,
+    grad_reduce: str | None,
+) -> tuple[Replay | _Clocks, int, Timeline | PostingTimeline]:
+    """The model's integer clocks of ``schedule`` with its memory, their unit
+    (``CostModel.exact``) and the events drawn on demand: ``simulate`` less the summing up."""
     exact = costs.exact(schedule.layout.exact_stage_fraction)
     if p2p == "gloo":
         run = _replay(schedule, exact.timing)
-        return _result(
-            schedule, costs, run, exact.per_unit, p2p, run.timeline.scaled(exact.per_unit)
-        )
+        return run, exact.per_unit, run.timeline.scaled(exact.per_unit)
     try:
-        timed = _timer(schedule, p2p, posting, megatron_grad_reduce)(exact.timing)
+        timed = _timer(schedule, p2p, posting, grad_reduce)(exact.timing)
     except (ScheduleError, IndexError, KeyError) as error:
         _replay(schedule, exact.timing)  # a deadlock or a stage outside the layout, explained
         raise ScheduleError(f"cannot simulate {schedule.name!r} under {p2p}: {error}") from None
     # The timer gives the clocks; memory is counted in program order (ir.stored_counts, as
     # Schedule.stored_activations), which needs no replay of its own.
-    timed_run = _Clocks(
+    clocks = _Clocks(
         compute_end=timed.clock,
         dp_end=timed.dp_end,
         busy=timed.busy,
         gather_wait=timed.gather_wait,
-        peak=[max(0, max(stored_counts(actions), default=0)) for actions in schedule.per_rank],
-        released=[_RL in map(_KIND, actions) for actions in schedule.per_rank],
+        **_memory(schedule),
     )
-    timeline = PostingTimeline(timed.events, exact.per_unit)
-    result = _result(schedule, costs, timed_run, exact.per_unit, p2p, timeline)
-    return replace(result, megatron_grad_reduce=megatron_grad_reduce)
+    return clocks, exact.per_unit, PostingTimeline(timed.events, exact.per_unit)
+
+
+def _memory(schedule: Schedule) -> dict[str, list[Any]]:
+    """``_Clocks``' memory fields, in program order."""
+    return {
+        "peak": [max(0, max(stored_counts(actions), default=0)) for actions in schedule.per_rank],
+        "released": [_RL in map(_KIND, actions) for actions in schedule.per_rank],
+    }
+
+
+# ``simulate_steady`` times a step whole below this many actions (a few seconds of CPU above)
+STEADY_FROM_ACTIONS = 200_000
+
+
+def steady_lengths(m: int, period: int) -> tuple[tuple[int, int, int], ...]:
+    """The shorter steps whose clocks may lie on one line through the step of m micro-batches:
+    three lengths ``period`` apart and congruent to m (a whole number of periods short of it),
+    from about one period, else two, else two-period steps from two; those shorter than m."""
+    attempts = (
+        (period, period + m % period),
+        (period, 2 * period + m % period),
+        (2 * period, 2 * period + m % (2 * period)),
+    )
+    return tuple(
+        (first, first + step, first + 2 * step) for step, first in attempts if m > first + 2 * step
+    )
+
+
+def simulate_steady(
+    schedule: Schedule,
+    costs: CostModel,
+    *,
+    shorter: Callable[[int], Schedule],
+    period: int,
+    p2p: str = DEFAULT_P2P_MODEL,
+    megatron_grad_reduce: str | None = None,
+) -> SimResult:
+    """``simulate(schedule, ...)``'s figures from three shorter steps when a long step repeats a
+    steady state: ``shorter(n)`` builds the same schedule with n micro-batches, whose structure
+    repeats every ``period`` (the pipeline size, or a breadth-first group).
+
+    A step is timed in integer units (``CostModel.exact``), so when every rank's clocks (compute
+    end, data-parallel end, busy and gather-wait time) at three lengths a period apart lie
+    exactly on lines, and each rank's compute end grows by exactly the busiest rank's compute
+    per period (the step is bound by compute, which nothing else outgrows later), the clocks at
+    m are read off those lines (``steady_lengths``' attempts in turn); otherwise, or below
+    ``STEADY_FROM_ACTIONS``, the step is timed whole. Memory always comes from ``schedule``'s
+    own program order, and its events, when asked for, from timing it whole then.
+    ``scripts/bench_steady.py`` measures the figures against whole steps.
+    """
+    if p2p not in P2P_MODELS:
+        raise ScheduleError(
+            f"unknown p2p timing model {p2p!r}; choose one of {', '.join(P2P_MODELS)}"
+        )
+    grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, None)
+    if schedule.num_actions >= STEADY_FROM_ACTIONS:
+        line = _steady_clocks(schedule, costs, shorter, period, p2p, grad_reduce)
+        if line is not None:
+            lengths, fields = line
+            clocks = _Clocks(*fields, **_memory(schedule))
+            per_unit = costs.exact(schedule.layout.exact_stage_fraction).per_unit
+
+            def events() -> list[Event]:  # in user units already: PostingTimeline's per_unit 1
+                return list(
+                    simulate(schedule, costs, p2p=p2p, megatron_grad_reduce=grad_reduce).events
+                )
+
+            result = _result(schedule, costs, clocks, per_unit, p2p, PostingTimeline(events))
+            return replace(result, megatron_grad_reduce=grad_reduce, steady_from=lengths)
+    return simulate(schedule, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
+
+
+def _on_lines(
+    first: tuple[list[Any], ...],
+    second: tuple[list[Any], ...],
+    third: tuple[list[Any], ...],
+    *,
+    periods: int,
+) -> tuple[list[Any], ...] | None:
+    """The clock fields ``periods`` periods past ``first``, when every value of the three runs
+    is an integer on a line and each rank's compute end grows by the busiest rank's compute
+    (``simulate_steady``); else None."""
+    fields = []
+    for a, b, c in zip(first, second, third, strict=True):
+        if any(type(v) is not int for v in (*a, *b, *c)) or any(
+            z - y != y - x for x, y, z in zip(a, b, c, strict=True)
+        ):
+            return None
+        fields.append([x + periods * (y - x) for x, y in zip(a, b, strict=True)])
+    compute = [y - x for x, y in zip(first[2], second[2], strict=True)]
+    grows = [y - x for x, y in zip(first[0], second[0], strict=True)]
+    if not compute or any(g != max(compute) for g in grows):
+        return None
+    return tuple(fields)
+
+
+def _steady_clocks(
+    schedule: Schedule,
+    costs: CostModel,
+    shorter: Callable[[int], Schedule],
+    period: int,
+    p2p: str,
+    grad_reduce: str | None,
+) -> tuple[tuple[int, ...], tuple[list[Any], ...]] | None:
+    """``simulate_steady``'s lines: the lengths and the four clock fields at m, or None."""
+    m, runs = schedule.num_microbatches, {}
+    for lengths in steady_lengths(m, period):
+        for n in lengths:
+            if n not in runs:
+                try:  # a length the schedule's options refuse, or one that cannot run
+                    short = shorter(n)
+                    if short.layout != schedule.layout:
+                        return None
+                    run = _clocks(short, costs, p2p, None, grad_reduce)[0]
+                except ScheduleError:
+                    return None
+                runs[n] = (run.compute_end, run.dp_end, run.busy, run.gather_wait)
+        line = _on_lines(
+            *(runs[n] for n in lengths), periods=(m - lengths[0]) // (lengths[1] - lengths[0])
+        )
+        if line is not None:
+            return lengths, line
+    return None
 
 
 def _replay(schedule: Schedule, timing: Timing) -> Replay:
