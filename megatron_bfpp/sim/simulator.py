@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 from operator import attrgetter, countOf
 from typing import Any, NamedTuple
 
@@ -317,11 +318,12 @@ def simulate_steady(
 
     A step is timed in integer units (``CostModel.exact``), so when every rank's clocks (compute
     end, data-parallel end, busy and gather-wait time) at three lengths a period apart lie
-    exactly on lines, and each rank's compute end grows by exactly the busiest rank's compute
-    per period (the step is bound by compute, which nothing else outgrows later), the clocks at
-    m are read off those lines (``steady_lengths``' attempts in turn); otherwise, or below
-    ``STEADY_FROM_ACTIONS``, the step is timed whole. Memory always comes from ``schedule``'s
-    own program order, and its events, when asked for, from timing it whole then.
+    exactly on lines, the clocks at m are read off those lines (``steady_lengths``' attempts in
+    turn). Lines are no proof that nothing bends later: where each rank's compute end grows by
+    exactly the busiest rank's compute per period (bound by compute) three lengths are taken,
+    otherwise (bound by messages or a data-parallel lane) a fourth one must lie on the lines
+    too. Else, or below ``STEADY_FROM_ACTIONS``, the step is timed whole. Memory always comes
+    from ``schedule``'s own program order, and its events, when asked for, from timing it whole.
     ``scripts/bench_steady.py`` measures the figures against whole steps.
     """
     if p2p not in P2P_MODELS:
@@ -346,28 +348,27 @@ def simulate_steady(
     return simulate(schedule, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
 
 
-def _on_lines(
-    first: tuple[list[Any], ...],
-    second: tuple[list[Any], ...],
-    third: tuple[list[Any], ...],
-    *,
-    periods: int,
-) -> tuple[list[Any], ...] | None:
-    """The clock fields ``periods`` periods past ``first``, when every value of the three runs
-    is an integer on a line and each rank's compute end grows by the busiest rank's compute
-    (``simulate_steady``); else None."""
+_Run4 = tuple[list[Any], list[Any], list[Any], list[Any]]  # compute / dp end, busy, gather wait
+
+
+def _on_lines(runs: list[_Run4], periods: int) -> tuple[tuple[list[Any], ...], bool] | None:
+    """The clock fields ``periods`` periods past the first of ``runs`` (steps a period apart),
+    when every value is an integer on a line through them, and whether each rank's compute end
+    grows by exactly the busiest rank's compute per period; else None."""
     fields = []
-    for a, b, c in zip(first, second, third, strict=True):
-        if any(type(v) is not int for v in (*a, *b, *c)) or any(
-            z - y != y - x for x, y, z in zip(a, b, c, strict=True)
-        ):
-            return None
-        fields.append([x + periods * (y - x) for x, y in zip(a, b, strict=True)])
-    compute = [y - x for x, y in zip(first[2], second[2], strict=True)]
-    grows = [y - x for x, y in zip(first[0], second[0], strict=True)]
-    if not compute or any(g != max(compute) for g in grows):
-        return None
-    return tuple(fields)
+    for values in zip(*runs, strict=True):  # one field of every run
+        first, second = values[0], values[1]
+        for rank in range(len(first)):
+            points = [run[rank] for run in values]
+            step = points[1] - points[0]
+            if any(type(v) is not int for v in points) or any(
+                later - earlier != step for earlier, later in pairwise(points)
+            ):
+                return None
+        fields.append([x + periods * (y - x) for x, y in zip(first, second, strict=True)])
+    compute = [y - x for x, y in zip(runs[0][2], runs[1][2], strict=True)]
+    grows = [y - x for x, y in zip(runs[0][0], runs[1][0], strict=True)]
+    return tuple(fields), bool(compute) and all(g == max(compute) for g in grows)
 
 
 def _steady_clocks(
@@ -380,22 +381,35 @@ def _steady_clocks(
 ) -> tuple[tuple[int, ...], tuple[list[Any], ...]] | None:
     """``simulate_steady``'s lines: the lengths and the four clock fields at m, or None."""
     m, runs = schedule.num_microbatches, {}
-    for lengths in steady_lengths(m, period):
-        for n in lengths:
-            if n not in runs:
-                try:  # a length the schedule's options refuse, or one that cannot run
-                    short = shorter(n)
-                    if short.layout != schedule.layout:
-                        return None
-                    run = _clocks(short, costs, p2p, None, grad_reduce)[0]
-                except ScheduleError:
+
+    def clocks_at(n: int) -> _Run4 | None:
+        if n not in runs:
+            try:  # a length the schedule's options refuse, or one that cannot run
+                short = shorter(n)
+                if short.layout != schedule.layout:
                     return None
-                runs[n] = (run.compute_end, run.dp_end, run.busy, run.gather_wait)
-        line = _on_lines(
-            *(runs[n] for n in lengths), periods=(m - lengths[0]) // (lengths[1] - lengths[0])
-        )
-        if line is not None:
-            return lengths, line
+                run = _clocks(short, costs, p2p, None, grad_reduce)[0]
+            except ScheduleError:
+                return None
+            runs[n] = (run.compute_end, run.dp_end, run.busy, run.gather_wait)
+        return runs[n]
+
+    for lengths in steady_lengths(m, period):
+        step = lengths[1] - lengths[0]
+        points = [clocks_at(n) for n in lengths]
+        if any(point is None for point in points):
+            return None
+        line = _on_lines(points, (m - lengths[0]) // step)  # type: ignore[arg-type]
+        if line is None:
+            continue
+        fields, compute_bound = line
+        if compute_bound:
+            return lengths, fields
+        fourth = lengths[-1] + step  # bound by messages or the lanes: one more point first
+        if fourth < m and (point := clocks_at(fourth)) is not None:
+            line = _on_lines([*points, point], (m - lengths[0]) // step)  # type: ignore[list-item]
+            if line is not None:
+                return (*lengths, fourth), line[0]
     return None
 
 

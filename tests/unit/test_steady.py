@@ -66,15 +66,20 @@ def test_events_are_the_whole_steps(any_size: None) -> None:
     assert steady.events == simulate(schedule, CostModel()).events
 
 
-def test_message_bound_steps_are_timed_whole(any_size: None) -> None:
-    """With message time the step grows by more than the busiest rank's compute per period:
-    a later bend cannot be ruled out from three lengths, so the whole step is timed."""
+def test_message_bound_steps_need_a_fourth_length(any_size: None) -> None:
+    """With message time the step grows by more than the busiest rank's compute per period, so
+    a fourth length must lie on the lines too before they are read."""
     build = _builder("1f1b", 4)
     schedule = build(40)
     costs = CostModel(t_p2p=0.1)
     steady = simulate_steady(schedule, costs, shorter=build, period=4)
-    assert steady.steady_from == ()
+    assert steady.steady_from == (4, 8, 12, 16)
     assert _rows(steady) == _rows(simulate(schedule, costs))
+
+    def bent(m: int):  # the fourth length one micro-batch longer: off the line
+        return build(17 if m == 16 else m)
+
+    assert simulate_steady(schedule, costs, shorter=bent, period=4).steady_from == ()
 
 
 def test_steps_off_a_line_are_timed_whole(any_size: None) -> None:
