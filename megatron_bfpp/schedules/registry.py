@@ -59,16 +59,10 @@ MEGATRON_VP_FLAGS = (
     "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
 )
 
-# How large a schedule may be built. bfpp-sim at the limit (v-zb pp=64 m=4400, 3.9 M actions,
-# the default lock-step timing model and its NCCL posting kept for the step) measured 43 s of
-# CPU and a 2.66 GB peak (about 675 bytes per action) on 2 shared cores; its PNG, trace and CSV
-# cost another 6-9 us per action (scripts/bench_schedules.py), so MAX_ACTIONS is about a minute
-# and 2.8 GB. A schedule has about 6 actions per stage and
-# micro-batch (F and B, or F, I and W, and the four messages at a rank boundary); 7 counts
-# BPipe's transfers and split backwards too. The checks also keep per-rank tables over every
-# stage (0.3 us and 32 bytes per rank and stage: pp=8000 took 20 s and 2 GB even at one
-# micro-batch), hence MAX_RANK_STAGES (about 10 s and 1 GB). MAX_ACTIONS lives in ir, where
-# a schedule CSV is read against it too.
+# How large a schedule may be built: MAX_ACTIONS (in ir, which reads CSVs against it too) is
+# about a minute and 2.8 GB of bfpp-sim, MAX_RANK_STAGES bounds the checks' per-rank tables over
+# every stage (figures: docs/architecture.md, "Generator bounds"). 7 actions per stage and
+# micro-batch: F and B (or F, I, W), the four messages at a rank boundary, BPipe's transfers.
 ACTIONS_PER_STAGE_MICROBATCH = 7
 BYTES_PER_ACTION = 700
 MAX_RANK_STAGES = 32_000_000
@@ -407,9 +401,8 @@ def estimate_actions(*, num_ranks: int, stages_per_rank: int, num_microbatches: 
 
 
 def check_size(*, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> None:
-    """Refuse a schedule too large to build in about a minute, from its sizes alone (before
-    anything is allocated: a billion micro-batches used to grow until the kernel killed it).
-    Sizes that are not integers are left to the generator's own checks."""
+    """Refuse a schedule too large to build in about a minute, from its sizes alone, before
+    anything is allocated; sizes that are not integers are left to the generator's checks."""
     sizes_given = (num_ranks, stages_per_rank, num_microbatches)
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes_given):
         return
@@ -462,15 +455,12 @@ def build_schedule(
 ) -> Schedule:
     """A validated schedule; ``lower=False`` stops at the compute order (still validated).
 
-    ``validate=False`` is for the planner, which builds the catalogue's own schedules hundreds of
-    times per search: that every generator's output validates is the tests' job
-    (tests/unit/test_generators.py), and the simulator still stops on a deadlock.
-
-    ``num_chunks`` is the virtual pipeline size (stages per rank): required for looped
-    schedules, 1 or omitted for single-stage ones, 2 or omitted for V-shape ones. Options left
-    at ``None`` take the schedule's default. ``sharding`` is Megatron's data-parallel sharding
-    strategy, ``optim`` or ``optim_grads_params`` (sharded parameters: gathers and releases per
-    chunk, see ``passes.grad_sync``); it shapes the lowered schedule only.
+    ``validate=False`` is for the planner, which builds catalogue schedules hundreds of times per
+    search (tests/unit/test_generators.py validates every generator's output; the simulator still
+    stops on a deadlock). ``num_chunks`` is the virtual pipeline size: required for looped
+    schedules, 1 or omitted for single-stage ones, 2 or omitted for V-shape ones. Options left at
+    ``None`` take the schedule's default. ``sharding`` (Megatron's data-parallel sharding
+    strategy, see ``passes.grad_sync``) shapes the lowered schedule only.
     """
     spec = get_spec(name)
     chosen = {key: value for key, value in options.items() if value is not None}
@@ -522,10 +512,8 @@ def check_sharding(schedule: str, strategy: str) -> None:
 
 
 def check_sharding_data_parallel(strategy: str, data_parallel_size: int) -> None:
-    """Sharded parameters and gradients (``optim_grads_params``) are split over the
-    data-parallel ranks: with one such rank there is nothing to split, and megatron-core's
-    buffers would hold every parameter whole anyway. Every front end and the runtime refuse it
-    with this one line."""
+    """Refuse sharded parameters and gradients without data parallelism, where there is
+    nothing to split them over: every front end and the runtime say this one line."""
     if strategy != "optim" and data_parallel_size < 2:
         raise ScheduleError(
             f"--data-parallel-sharding-strategy {strategy} needs data parallelism "
@@ -535,13 +523,8 @@ def check_sharding_data_parallel(strategy: str, data_parallel_size: int) -> None
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
-    """The evaluation schedule: every rank's forwards in the training order, lowered again.
-
-    For ``interleaved`` this is exactly megatron-core's forward-only order (all forwards in
-    schedule-table order), and for every schedule each stage still reads its data in order.
-    A schedule with sharded parameters (RL actions) keeps them: forwards need the parameters
-    gathered too.
-    """
+    """The evaluation schedule: every rank's forwards in the training order, lowered again
+    (megatron-core's forward-only order for ``interleaved``), sharded parameters kept."""
     compute = schedule.with_programs(
         [a for a in actions if a.kind is ActionKind.FORWARD] for actions in schedule.per_rank
     )

@@ -1,45 +1,25 @@
 """V-shape schedules with controllable activation memory: v-min, v-half and v-zb.
 
 Qi et al., "Pipeline Parallelism with Controllable Memory" (NeurIPS 2024) place 2p stages on p
-ranks in a V: rank r holds stage r (its chunk 0) and stage 2p-1-r (its chunk 1), so rank 0 holds
-both the first stage and the loss. Every rank then carries one stage that is used early in a
-micro-batch's life and one that is used late, and the activation memory balances across ranks.
-With the backward split into I (input gradient) and W (weight gradient), how long each
-activation lives, and therefore the peak memory, is set by the order in which a rank runs them.
+ranks in a V: rank r holds stage r (its chunk 0) and stage 2p-1-r (its chunk 1), so every rank
+carries one stage used early in a micro-batch's life and one used late, and activation memory
+balances across ranks. With the backward split into I (input gradient) and W (weight gradient),
+the order a rank runs them in sets how long each activation lives, hence the peak.
 
-The generators return compute-only schedules (F, I and W actions; the communication pass adds
-the messages). Memory is counted the way the simulator counts it: the activation of
-(stage, micro-batch) is held from the start of its F to the end of its W, and one V stage holds
-half of a 1F1B stage's layers, so one held activation is 0.5 "1F1B units"; 1F1B's rank 0 peaks
-at p units. Peaks depend only on program order, never on timing. Bubble figures below assume
-F = I = W = 0.5 time units per V stage (a full stage's forward 1, backward 2), no communication
-time, and a rank starting an action as soon as it is free and its inputs exist:
+The generators return compute-only schedules (F, I and W). An activation is held from the start
+of its F to the end of its W and one V stage is half a 1F1B stage, so one held activation is 0.5
+"1F1B units"; peaks depend on program order only (bounds and bubbles: docs/architecture.md,
+"Generator bounds"). Three constructions, each used where it measured better
+(``tests/unit/test_v_shape.py``):
 
-* v-min: floor((p + 4) / 3) units on the busiest rank (about p/3; at most p/3 + 1, or p/3 + 4/3
-  when p % 3 == 2). Bubble below 1F1B's; about 0.8x of it or less for m >= 2p, 7.1% at p=16,
-  m=128 (1F1B: 10.5%).
-* v-half: at most p/2 + 1 units (and never more than 1F1B's p). Bubble about half of 1F1B's
-  (p-1)/(m+p-1): at most 0.65x of it for m >= 2p.
-* v-zb: at most p units, 1F1B's. For every m >= p the step time is 3m + (p-1)/2 (6m + p - 1
-  slots), the pipeline-fill bound no schedule on this placement can beat (bubble
-  (p-1)/(6m+p-1)), measured for m up to 8p at p <= 24; torch.distributed.pipelining's
-  ScheduleZBVZeroBubble reaches it from m >= (3p-1)/2 and is never shorter.
-
-Three constructions, each used where it measured better (see ``tests/unit/test_v_shape.py``):
-
-* v-min repeats the paper's V-Min building block: one micro-batch's F, I and W slots on every
-  rank, shifted by 6 slots per micro-batch. The program order is the block order; executing it
-  eagerly squeezes the warm-up and cool-down gaps, and the peak memory is the block's, because
-  memory depends on order alone. At this tight budget the block's collision-free steady state
-  beats a greedy scheduler (whose steady state develops recurring bubbles).
-* v-half uses a greedy list scheduler under a memory limit (the paper's adaptive scheduler): a
-  free rank runs a ready I first (it unblocks the rank upstream and lets a W free memory), else
-  a ready F that fits the limit, else a W (to free memory or fill a bubble). v-zb uses it too
-  when m < p, where its memory limit never binds.
-* v-zb (m >= p) is the zero-bubble paper's ZB-V order, phase by phase; its warm-up reaches the
-  fill bound and its steady state has no bubble. Where its cool-down leaves gaps (m < 1.5p), a
-  unit-time replay lets ready input gradients overtake weight gradients, which closes them
-  without changing the memory.
+* v-min repeats the paper's V-Min building block: at this tight budget the block's
+  collision-free steady state beats a greedy scheduler (whose steady state develops recurring
+  bubbles); executed eagerly it squeezes the warm-up and cool-down, and keeps the block's peak.
+* v-half uses a greedy list scheduler under a memory limit (the paper's adaptive scheduler);
+  v-zb uses it too when m < p, where its memory limit never binds.
+* v-zb (m >= p) is the zero-bubble paper's ZB-V order, phase by phase; where its cool-down
+  leaves gaps (m < 1.5p), a unit-time replay lets ready input gradients overtake weight
+  gradients, which closes them without changing the memory.
 """
 
 from __future__ import annotations
@@ -63,16 +43,8 @@ _PERIOD = 6
 
 @paused_gc()
 def build_v_min(*, num_ranks: int, num_microbatches: int) -> Schedule:
-    """V-Min: about a third of 1F1B's activation memory, paid for with more bubble than v-half.
-
-    Repeats the V-Min building block (chunk-0 forwards one slot apart down the ranks, chunk-1
-    forwards one slot apart back up, the input-gradient wave mirrored, weight gradients in the
-    first free slot after their input gradient), so activations live as briefly as the V allows.
-    Peak memory is exactly floor((p + 4) / 3) 1F1B units on the busiest rank for m >= p (less for
-    fewer micro-batches): at most p/3 + 1, except p/3 + 4/3 when p % 3 == 2. The bubble is below
-    1F1B's for m >= 2p and shrinks with m (no recurring bubble in the steady phase when F, I and W
-    cost the same); with unequal costs the paper notes it grows with m instead.
-    """
+    """V-Min: about a third of 1F1B's activation memory (floor((p + 4) / 3) units on the busiest
+    rank for m >= p), paid for with more bubble than v-half; ``_block_programs``."""
     check_counts("v-min", num_ranks=num_ranks, num_microbatches=num_microbatches)
     programs = _block_programs(num_ranks, num_microbatches)
     return _make("v-min", num_ranks, num_microbatches, programs)
@@ -83,12 +55,9 @@ def build_v_half(*, num_ranks: int, num_microbatches: int) -> Schedule:
     """V-Half: half of 1F1B's activation memory with about half of 1F1B's bubble.
 
     Greedy under a limit of p + 2 held activations per rank, i.e. at most p/2 + 1 1F1B units
-    (2 for p = 1, so that it never needs more than 1F1B).
-    Rank r also keeps at most p - r + 1 micro-batches between its chunk 0 and chunk 1: about
-    that many are in flight on the way down the V and back when the pipeline runs at full rate,
-    and admitting more only fills the rank with chunk-0 activations and starves chunk 1, which
-    then moves one micro-batch at a time (the greedy's failure mode at this budget without it).
-    Measured bubble with m = 2p: 13% at p=4, 18% at p=8, 20% at p=16 (1F1B: 27%, 30%, 32%).
+    (2 for p = 1, so that it never needs more than 1F1B). Rank r also keeps at most p - r + 1
+    micro-batches between its chunk 0 and chunk 1, about what is in flight down the V and back at
+    full rate: admitting more fills the rank with chunk-0 activations and starves chunk 1.
     """
     check_counts("v-half", num_ranks=num_ranks, num_microbatches=num_microbatches)
     p = num_ranks
@@ -105,20 +74,11 @@ def build_v_half(*, num_ranks: int, num_microbatches: int) -> Schedule:
 def build_v_zb(*, num_ranks: int, num_microbatches: int) -> Schedule:
     """V-ZB: zero bubble at 1F1B's activation memory (2p held activations = p units).
 
-    Built on the zero-bubble paper's ZB-V order (``_zb_programs``; torch.distributed.pipelining's
-    ScheduleZBVZeroBubble runs the same order). With F = I = W and free messages that order
-    takes max(6m + p - 1, 4m + 4p - 2) slots for m >= p (measured, p <= 24), so:
-
-    * m >= (3p - 1) / 2: the first term, the pipeline-fill floor (3m + (p-1)/2 time units,
-      bubble (p-1)/(6m+p-1)): the order is kept as it is. The W's it runs between the last
-      input gradients also hide message latency.
-    * p <= m < (3p - 1) / 2: the cool-down's input-gradient waves wait behind weight gradients.
-      Replayed so that a ready I never waits behind a W (``_input_gradients_first``), the step
-      reaches the floor too (measured for every such m at p <= 24).
-    * m < p: no rank can hold more than 2m < 2p activations, so the memory limit never binds
-      and ZB-V's memory-paced order only costs time; the greedy (input gradients first,
-      ``_greedy_programs``) measured shorter, at the same limit. There are too few
-      micro-batches to fill the warm-up, as for every schedule.
+    The ZB-V order (``_zb_programs``, torch's ScheduleZBVZeroBubble's) takes max(6m + p - 1,
+    4m + 4p - 2) unit slots for m >= p: from m >= (3p - 1) / 2 the first, the pipeline-fill
+    floor, so it is kept (its W's between the last input gradients also hide message latency);
+    below, ``_input_gradients_first`` replays it to reach the floor too. For m < p the memory
+    limit never binds and the greedy measured shorter.
     """
     check_counts("v-zb", num_ranks=num_ranks, num_microbatches=num_microbatches)
     p, m_count = num_ranks, num_microbatches
@@ -211,10 +171,8 @@ def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
       each later chunk-0 one followed by a weight gradient; then the remaining weight gradients.
 
     The phases assume at least 2p-1 micro-batches. With fewer, rank r keeps the order built
-    for 2p-1 and drops the micro-batches that do not exist: removing a micro-batch from every
-    rank keeps a deadlock-free order deadlock-free, since no dependency crosses micro-batches.
-    Repetitions past the last real micro-batch are skipped, not built and dropped, so large p
-    with few micro-batches stays linear in the actions.
+    for 2p-1 without the micro-batches that do not exist (no dependency crosses micro-batches,
+    so the order stays deadlock-free); those are skipped, not built, to stay linear in actions.
     """
     p, m_count = num_ranks, num_microbatches
     n = max(m_count, 2 * p - 1)
@@ -254,16 +212,12 @@ def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[list[_Step]]:
     """Replay ``programs`` in unit time steps and return the order each rank ran them in.
 
-    Every F keeps its place: it runs after everything listed before it and before everything
-    listed after it. Between two F's a rank runs the first ready I, else the first W whose I
-    is done: an input gradient (on the critical path back through the V) never waits behind a
-    weight gradient, which nothing depends on and which only fills time. Held activations at
-    every F, hence the peak, and each stage's forward order are unchanged.
-
-    It cannot deadlock if ``programs`` does not (every generator's order here): among the
-    actions still to run, ordered by their programs and their dependencies, some action has
-    its dependencies and listed predecessors all done; it is an F heading its rank's program,
-    or an I or W before that rank's next F, so that rank acts.
+    Every F keeps its place. Between two F's a rank runs the first ready I, else the first W
+    whose I is done: an input gradient (on the critical path back through the V) never waits
+    behind a weight gradient, which nothing depends on. Held activations at every F, hence the
+    peak, and each stage's forward order are unchanged. It cannot deadlock if ``programs`` does
+    not: some action still to run has its dependencies and listed predecessors all done, an F
+    heading its rank's program or an I or W before that rank's next F, so that rank acts.
     """
     p = num_ranks
     last = 2 * p - 1
