@@ -493,12 +493,7 @@ class Schedule:
 
     def with_programs(self, per_rank: Iterable[Iterable[Action]]) -> Schedule:
         """Same layout and name, new programs: how passes return their result."""
-        return Schedule(
-            layout=self.layout,
-            num_microbatches=self.num_microbatches,
-            per_rank=tuple(tuple(actions) for actions in per_rank),
-            name=self.name,
-        )
+        return Schedule(self.layout, self.num_microbatches, tuple(map(tuple, per_rank)), self.name)
 
     def compute_only(self) -> Schedule:
         return self.with_programs(
@@ -646,12 +641,8 @@ def parse_schedule(
     rows: Sequence[str], *, layout: StageLayout, num_microbatches: int, name: str = "custom"
 ) -> Schedule:
     """Literal schedules for tests and docs: one whitespace-separated string per rank."""
-    return Schedule(
-        layout=layout,
-        num_microbatches=num_microbatches,
-        per_rank=tuple(tuple(parse_action(t) for t in row.split()) for row in rows),
-        name=name,
-    )
+    programs = tuple(tuple(map(parse_action, row.split())) for row in rows)
+    return Schedule(layout, num_microbatches, programs, name)
 
 
 # --- CSV ------------------------------------------------------------------------------------

@@ -43,9 +43,8 @@ _Plan = tuple[int, _Note, int, int, _Note, int]
 
 class _RankPlans(dict[int, _Plan]):
     """One rank's ``_Plan`` per stage for its forwards (or its backwards), made on first use:
-    one lookup per compute action instead of one per peer and per note. A rank touches only
-    its own few stages: lists over every stage, built for every rank, made this pass
-    quadratic in the number of ranks (1f1b at pp=1500: 18.6 s, 0.12 s made lazily)."""
+    one lookup per compute action, and only for the rank's own few stages (lists over every
+    stage for every rank made the pass quadratic in the number of ranks)."""
 
     def __init__(
         self,
@@ -100,14 +99,12 @@ def add_communication(schedule: Schedule) -> Schedule:
             "already has activation/gradient messages"
         )
     stage_to_rank = schedule.layout.stage_to_rank
-    # Per stage: the rank its input comes from and the rank its output goes to (-1: none). One
-    # stage past the end, so a stray action there gets what the layout implies, not an error.
+    # Per stage: the rank its input comes from and the rank its output goes to (-1: none), one
+    # stage past the end too, so a stray action there gets what the layout implies.
     input_rank = [-1, *stage_to_rank]
     output_rank = [*stage_to_rank[1:], -1, -1]
-    # Each channel's messages in posting order (``MessageKeys``, without a rank), sends on one
-    # side and receives on the other. Where the two sides agree (the common case), no receive
-    # needs to move.
-    keys = MessageKeys(len(stage_to_rank) + 1, 1)  # one stage past the end too, as above
+    # Each channel's messages in posting order (``MessageKeys``, without a rank): sends, receives.
+    keys = MessageKeys(len(stage_to_rank) + 1, 1)
     per_mb = keys.per_microbatch
     slots = [[keys.slot(what, stage) for stage in range(keys.num_stages)] for what in range(4)]
     act_slot, grad_slot = slots[ACT], slots[GRAD]
@@ -118,12 +115,9 @@ def add_communication(schedule: Schedule) -> Schedule:
     discard: list[object] = []
     programs: list[list[Action]] = []
     for rank, actions in enumerate(schedule.per_rank):
-        forwards = _RankPlans(
-            rank, False, input_rank, output_rank, act_slot, channels, discard.append
-        )
-        backwards = _RankPlans(
-            rank, True, input_rank, output_rank, grad_slot, channels, discard.append
-        )
+        ranks = (input_rank, output_rank)
+        forwards = _RankPlans(rank, False, *ranks, act_slot, channels, discard.append)
+        backwards = _RankPlans(rank, True, *ranks, grad_slot, channels, discard.append)
         program: list[Action] = []
         append = program.append
         peer: int
@@ -147,8 +141,7 @@ def add_communication(schedule: Schedule) -> Schedule:
                     peer = action.peer  # type: ignore[assignment]  # p2p: never None
                     src, dst, side = (rank, peer, 0) if is_send else (peer, rank, 1)
                     stage, mb = action.stage, action.microbatch or 0
-                    # (a stage past the layout, which validation rejects: a tuple, unequal to
-                    # every key)
+                    # A stage past the layout (validation rejects it): a tuple, unequal to any key.
                     in_range = stage < keys.num_stages
                     message = mb * per_mb + slots[what][stage] if in_range else (what, stage, mb)
                     channels.setdefault((src, dst), ([], []))[side].append(message)
@@ -176,7 +169,7 @@ def add_communication(schedule: Schedule) -> Schedule:
             if action.peer == source and action.kind in _RECEIVES
         ]
         indices = [send_index.get(message, -1) for message in receives]
-        programs[rank] = _reorder_rank(program, {source: (positions, indices)})
+        programs[rank] = _reorder_rank(program, positions, indices)
     return schedule.with_programs(programs)
 
 
@@ -206,31 +199,18 @@ def _around(
     return [*before, composite, *after]
 
 
-def _in_send_order(indices: list[int]) -> bool:
-    return all(a < b for a, b in pairwise(indices))
-
-
-def _reorder_rank(
-    program: list[Action], by_source: dict[int, tuple[list[int], list[int]]]
-) -> list[Action]:
-    """Give each receive a sort key no later than the key of the receive that must follow it.
-
-    ``by_source`` maps a source rank to the positions of the receives from it and, for each,
-    the index of its send on that channel (-1: never sent). Keys are (anchor position, offset):
-    untouched actions keep (position, 0); a hoisted receive sits just before its successor, so
-    the sort moves receives earlier and nothing else.
+def _reorder_rank(program: list[Action], positions: list[int], indices: list[int]) -> list[Action]:
+    """Give each receive from one source (at ``positions``, the index of its send on that
+    channel in ``indices``, -1: never sent) a sort key no later than the key of the receive that
+    must follow it. Keys are (anchor position, offset): untouched actions keep (position, 0); a
+    hoisted receive sits just before its successor, so the sort moves receives earlier only.
     """
-    keys: dict[int, tuple[int, int]] = {}
-    for positions, indices in by_source.values():
-        if _in_send_order(indices):
-            continue  # the common case: nothing to hoist on this channel
-        if not keys:
-            keys = {position: (position, 0) for position in range(len(program))}
-        order = dict(zip(positions, indices, strict=True))
-        in_send_order = sorted(positions, key=order.__getitem__)
-        for earlier, later in reversed(list(pairwise(in_send_order))):
-            anchor, offset = keys[later]
-            keys[earlier] = min(keys[earlier], (anchor, offset - 1))
-    if not keys:
-        return program
+    if all(a < b for a, b in pairwise(indices)):
+        return program  # nothing to hoist on this channel
+    keys = {position: (position, 0) for position in range(len(program))}
+    order = dict(zip(positions, indices, strict=True))
+    in_send_order = sorted(positions, key=order.__getitem__)
+    for earlier, later in reversed(list(pairwise(in_send_order))):
+        anchor, offset = keys[later]
+        keys[earlier] = min(keys[earlier], (anchor, offset - 1))
     return [program[p] for p in sorted(keys, key=lambda p: (keys[p], p))]

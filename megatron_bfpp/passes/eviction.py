@@ -8,27 +8,20 @@ acceptor) and gets it back before the backward that needs it (RS on the acceptor
 evictor). With BPipe's cap ``ceil((p + 2) / 2)`` the pair's ``p - x + x + 1 = p + 1`` micro-batches
 (plus one in flight) fit in ``2 * cap``, so no rank stores more than the cap.
 
-The pass runs on a compute-only, single-chunk schedule, before ``add_communication`` (which keeps
-these transfers and only posts receives earlier where a channel's order requires it):
+The pass runs on a compute-only, single-chunk schedule, before ``add_communication``:
 
-* Evictor, in program order (what ``Schedule.stored_activations`` counts): evict *before* the
-  forward that would exceed the cap, choosing the resident micro-batch whose backward comes last
-  (Belady's rule, which needs the fewest loads). A load goes one compute action ahead of its
-  backward so the transfer overlaps that action; before a forward this costs no more memory than
-  loading after it, so the pass evicts for it if needed; before a backward it would need one more
-  slot than loading after it, so it goes early only if the slot is free, otherwise right before
-  the backward.
-* Acceptor: a unit-cost replay of the compute order (``semantics.compute_ends``: F = 1, B = 2,
-  messages instant) gives each transfer a time. AC is posted in the acceptor's last gap between
-  compute actions that starts no later than the evict is sent, RS in its last gap that starts no
-  later than the evictor posts the load. Both therefore run when the simulated pipeline would, and
-  the original timeline satisfies every new dependency (an RS waits for its evict, a backward for
-  its load), which is why the result cannot deadlock. Ties put RS before AC, which keeps the
-  acceptor's count at or below the evictor's parked count at the same time. ACs follow the EVs'
-  order and RSs the LDs', so each channel is FIFO; where the pair are neighbours (only below
-  BPipe's cap), an AC precedes the activation receives sent after its EV and an LD the gradient
-  receives sent after its RS, so ``add_communication`` never has to hoist them and the memory
-  profile survives.
+* Evictor, in program order: evict *before* the forward that would exceed the cap, choosing the
+  resident micro-batch whose backward comes last (Belady's rule: the fewest loads). A load goes
+  one compute action ahead of its backward so the transfer overlaps that action: before a
+  forward always (making room if needed: it peaks no higher than loading after it), before a
+  backward only if a slot is free (it needs one more), otherwise right before the backward.
+* Acceptor: a unit-cost replay of the compute order (``semantics.compute_ends``: F = 1, B = 2)
+  times each transfer; AC goes in the acceptor's last gap between computes that starts no later
+  than the evict is sent, RS in the last that starts no later than the load is posted. The
+  original timeline then satisfies every new dependency, so the result cannot deadlock. Ties put
+  RS before AC (the acceptor never holds more than the evictor parked). ACs follow the EVs' order
+  and RSs the LDs', so each channel is FIFO; between neighbours each AC (LD) precedes the messages
+  sent after its EV (RS), so ``add_communication`` never hoists them and the memory profile holds.
 
 Memory bound (proof sketch, checked by the tests for p <= 16, m <= 64): the pass evicts only to
 make room, leaving ``cap - 1`` resident before a lone forward or load and ``cap - 2`` before a
@@ -259,11 +252,8 @@ def _merge_timed(
     ends: list[float],
     events: list[tuple[float, int, int, Action]],
 ) -> list[Action]:
-    """Insert (time, tie, seq, action) events in the last gap that starts no later than time.
-
-    A gap starts when the compute before it ends; gap g (before compute g) is found by counting
-    the compute actions that end by ``time``.
-    """
+    """Insert (time, tie, seq, action) events in the last gap that starts no later than time
+    (gap g, before compute g, starts when compute g-1 ends)."""
     by_gap = sorted((bisect_right(ends, time), time, tie, seq, a) for time, tie, seq, a in events)
     return _merge(program, [(gap, action) for gap, _, _, _, action in by_gap])
 
@@ -275,12 +265,8 @@ def _acceptor_side(action: Action, evictor: int) -> Action:
 
 
 def _unit_time_ends(schedule: Schedule) -> list[list[float]]:
-    """End time of every compute action, per rank, with F = 1, B = 2 and instant messages.
-
-    ``semantics.compute_ends`` of the compute-only schedule under these unit costs: each action
-    starts when its rank is free and its input (the previous stage's forward or the next stage's
-    backward) has arrived, which is how the compute order would run.
-    """
+    """End time of every compute action, per rank, with F = 1, B = 2 and instant messages
+    (``semantics.compute_ends``): how the compute order would run."""
     ends, blocked = compute_ends(schedule, _UNIT_TIME)
     if blocked:
         raise ScheduleError(
@@ -306,11 +292,8 @@ def _acceptor_overflow(schedule: Schedule, limit: float) -> tuple[int, float] | 
 
 
 def _what_works(schedule: Schedule, cap: int) -> str:
-    """The smallest larger cap that balances this schedule, as advice.
-
-    Binary search (a larger cap parks fewer micro-batches), so the error stays quick for long
-    schedules; at the schedule's own peak nothing needs evicting, which always works.
-    """
+    """The smallest larger cap that balances this schedule, as advice: a binary search (a larger
+    cap parks fewer micro-batches) up to the schedule's own peak, which needs no eviction."""
     original = int(max(schedule.peak_activations()))
     low, high = cap + 1, original  # high always works
     while low < high:

@@ -48,9 +48,4 @@ def interleave_1f1b(forwards: list[Action], backwards: list[Action], warmup: int
 def make_schedule(
     name: str, layout: StageLayout, num_microbatches: int, programs: Iterable[Iterable[Action]]
 ) -> Schedule:
-    return Schedule(
-        layout=layout,
-        num_microbatches=num_microbatches,
-        per_rank=tuple(tuple(p) for p in programs),
-        name=name,
-    )
+    return Schedule(layout, num_microbatches, tuple(map(tuple, programs)), name)
