@@ -57,16 +57,11 @@ class What(StrEnum):
     EVICT_SIZE = "evict-size"
 
 
-# Each kind as the small integer inside a message key (``MessageKeys``), and back.
+# Each kind as the small integer inside a message key (``MessageKeys``), and back; the names
+# below in What's order.
 WHAT: tuple[What, ...] = tuple(What)
 WHAT_CODE: dict[str, int] = {what: code for code, what in enumerate(WHAT)}
-ACT = WHAT_CODE[What.ACT]
-GRAD = WHAT_CODE[What.GRAD]
-EVICT = WHAT_CODE[What.EVICT]
-RESTORE = WHAT_CODE[What.RESTORE]
-EVICT_POSTED = WHAT_CODE[What.EVICT_POSTED]
-RESTORE_POSTED = WHAT_CODE[What.RESTORE_POSTED]
-EVICT_SIZE = WHAT_CODE[What.EVICT_SIZE]
+ACT, GRAD, EVICT, RESTORE, EVICT_POSTED, RESTORE_POSTED, EVICT_SIZE = range(len(WHAT))
 _WHAT_SLOTS = 8  # room for every kind; a power of two keeps the key arithmetic exact
 if len(WHAT) > _WHAT_SLOTS:
     raise RuntimeError(f"{len(WHAT)} message kinds do not fit MessageKeys' {_WHAT_SLOTS} slots")
@@ -108,9 +103,8 @@ _MESSAGE_TABLE = {
 
 def has_communication(schedule: Schedule) -> bool:
     """A schedule without activation/gradient messages is compute-only (not yet lowered)."""
-    get_kind = _get_kind
     return any(
-        not _LOWERED_KINDS.isdisjoint(map(get_kind, actions)) for actions in schedule.per_rank
+        not _LOWERED_KINDS.isdisjoint(map(_get_kind, actions)) for actions in schedule.per_rank
     )
 
 
@@ -134,10 +128,8 @@ class MessageKeys:
 
     @property
     def per_microbatch(self) -> int:
-        # One more than the slots: an odd stride spreads micro-batches over the low bits, which
-        # is all a hash table of ints looks at. With an even one (a power of two times the
-        # stages and ranks) the keys of one stage pile into a few buckets: validation measured
-        # a quarter slower.
+        # One more than the slots: an odd stride spreads micro-batches over the low bits, all a
+        # hash table of ints looks at (an even one piles one stage's keys into a few buckets).
         return self.num_stages * _WHAT_SLOTS * self.num_ranks + 1
 
     def slot(self, what: int, stage: int, rank: int = 0) -> int:

@@ -138,8 +138,10 @@ def _check_input(schedule: Schedule) -> None:
 def _evict(schedule: Schedule, cap: int) -> Schedule:
     """The schedule with transfers for every evictor that exceeds ``cap``, or ``schedule``."""
     num_ranks = schedule.num_ranks
-    steps = [_Steps(actions) for actions in schedule.per_rank]
-    plans = {x: _plan_evictor(x, steps[x], cap, num_ranks - 1 - x) for x in range(num_ranks // 2)}
+    per_rank = schedule.per_rank
+    plans = {
+        x: _plan_evictor(x, per_rank[x], cap, num_ranks - 1 - x) for x in range(num_ranks // 2)
+    }
     if not any(transfers for transfers in plans.values()):
         return schedule
     ends = _unit_time_ends(schedule)
@@ -158,25 +160,16 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
     return schedule.with_programs(programs)
 
 
-class _Steps:
-    """A compute-only program as plain lists (is it a forward, its micro-batch): the planner
-    touches every action, and attribute lookups on Actions dominate otherwise."""
-
-    __slots__ = ("forward", "microbatch")
-
-    def __init__(self, program: tuple[Action, ...]) -> None:
-        forward = K.FORWARD
-        self.forward = [a.kind is forward for a in program]
-        # Every action names a micro-batch: _check_input refused any that does not.
-        self.microbatch: list[int] = list(map(_microbatch_of, program))
-
-
-def _plan_evictor(stage: int, steps: _Steps, cap: int, acceptor: int) -> list[tuple[int, Action]]:
+def _plan_evictor(
+    stage: int, program: tuple[Action, ...], cap: int, acceptor: int
+) -> list[tuple[int, Action]]:
     """(gap, action) for the evictor's EV/LD, gap i being the slot before compute action i.
 
     Invariant: at most ``cap`` micro-batches resident after every action.
     """
-    forward, microbatch = steps.forward, steps.microbatch
+    # Plain lists: the planner touches every action, and attribute lookups would dominate.
+    forward = [a.kind is K.FORWARD for a in program]
+    microbatch: list[int] = list(map(_microbatch_of, program))  # _check_input: never None
     count = len(forward)
     backward_at = {mb: i for i, mb in enumerate(microbatch) if not forward[i]}
     resident: set[int] = set()

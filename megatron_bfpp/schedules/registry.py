@@ -119,10 +119,6 @@ PLANNER_MAX_CHUNKS = 8
 OptionGrid = Callable[[int, int], tuple[Mapping[str, int], ...]]
 
 
-def _no_options(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
-    return ({},)
-
-
 def breadth_first_groups(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
     """One group, or groups of pp x 2^k micro-batches below m and dividing it: each bounds the
     stored activations at one group's (pp: the least that keeps the pipeline full)."""
@@ -156,7 +152,7 @@ class PlanGrid:
 
     shardings: tuple[str, ...] = ("optim",)
     microbatches_per_pp: bool = False
-    options: OptionGrid = _no_options
+    options: OptionGrid = lambda pp, m: ({},)
     last: bool = False
 
 

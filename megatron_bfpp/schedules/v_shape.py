@@ -96,15 +96,11 @@ def build_v_zb(*, num_ranks: int, num_microbatches: int) -> Schedule:
 def _make(
     name: str, num_ranks: int, num_microbatches: int, programs: list[list[_Step]]
 ) -> Schedule:
-    return make_schedule(
-        name,
-        StageLayout.v_shape(num_ranks),
-        num_microbatches,
-        (
-            [unchecked_action(stage, _KINDS[kind], mb) for kind, stage, mb in program]
-            for program in programs
-        ),
+    actions = (
+        [unchecked_action(stage, _KINDS[kind], mb) for kind, stage, mb in program]
+        for program in programs
     )
+    return make_schedule(name, StageLayout.v_shape(num_ranks), num_microbatches, actions)
 
 
 def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
@@ -338,64 +334,45 @@ def _greedy_programs(
         acted = False
         for r in range(p):
             chunk0, chunk1 = r, last - r
-            program = programs[r]
-            # 1. input gradients: chunk 0's candidate is always the older micro-batch, since
-            # I(chunk0, m) needs I(chunk1, m) first.
-            mb = next_i[chunk0]
-            if mb < next_f[chunk0] and i_time[(chunk0 + 1) * m_count + mb] < step:
-                i_time[chunk0 * m_count + mb] = step
-                next_i[chunk0] = mb + 1
-                pending_w[r].append((chunk0, mb))
-                program.append((_I, chunk0, mb))
-                remaining -= 1
-                acted = True
-                continue
-            mb = next_i[chunk1]
-            if mb < next_f[chunk1] and (
+            # 1. input gradients, chunk 0's first: it is always the older micro-batch, since
+            # I(chunk0, m) needs I(chunk1, m) first; 2. forwards, chunk 1's first (the older).
+            if (mb := next_i[chunk0]) < next_f[chunk0] and (
+                i_time[(chunk0 + 1) * m_count + mb] < step
+            ):
+                kind, stage = _I, chunk0
+            elif (mb := next_i[chunk1]) < next_f[chunk1] and (
                 chunk1 == last or i_time[(chunk1 + 1) * m_count + mb] < step
             ):
-                i_time[chunk1 * m_count + mb] = step
-                next_i[chunk1] = mb + 1
-                pending_w[r].append((chunk1, mb))
-                program.append((_I, chunk1, mb))
-                remaining -= 1
-                acted = True
-                continue
-            # 2. forwards: chunk 1's candidate is always the older micro-batch.
-            mb = next_f[chunk1]
-            if (
-                mb < m_count
+                kind, stage = _I, chunk1
+            elif (
+                (mb := next_f[chunk1]) < m_count
                 and held[r] + 1 <= memory_limit
                 and f_time[(chunk1 - 1) * m_count + mb] < step
             ):
-                f_time[chunk1 * m_count + mb] = step
-                next_f[chunk1] = mb + 1
-                held[r] += 1
-                program.append((_F, chunk1, mb))
-                remaining -= 1
-                acted = True
-                continue
-            mb = next_f[chunk0]
-            if (
-                mb < m_count
+                kind, stage = _F, chunk1
+            elif (
+                (mb := next_f[chunk0]) < m_count
                 and held[r] + 2 <= memory_limit
                 and mb - next_f[chunk1] < open_limits[r]
                 and (chunk0 == 0 or f_time[(chunk0 - 1) * m_count + mb] < step)
             ):
-                f_time[chunk0 * m_count + mb] = step
-                next_f[chunk0] = mb + 1
-                held[r] += 1
-                program.append((_F, chunk0, mb))
-                remaining -= 1
-                acted = True
-                continue
-            # 3. weight gradients.
-            if pending_w[r]:
-                stage, mb = pending_w[r].popleft()
+                kind, stage = _F, chunk0
+            elif pending_w[r]:  # 3. weight gradients
+                kind, (stage, mb) = _W, pending_w[r].popleft()
                 held[r] -= 1
-                program.append((_W, stage, mb))
-                remaining -= 1
-                acted = True
+            else:
+                continue
+            if kind == _I:
+                i_time[stage * m_count + mb] = step
+                next_i[stage] = mb + 1
+                pending_w[r].append((stage, mb))
+            elif kind == _F:
+                f_time[stage * m_count + mb] = step
+                next_f[stage] = mb + 1
+                held[r] += 1
+            programs[r].append((kind, stage, mb))
+            remaining -= 1
+            acted = True
         if not acted and remaining:
             _force_oldest_forward(p, m_count, step, f_time, next_f, held, programs)
             remaining -= 1
