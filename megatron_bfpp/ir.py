@@ -112,20 +112,12 @@ class ActionKind(StrEnum):
         return self in _SENDS or self in _RECVS
 
 
-COMPUTE_KINDS = frozenset(
-    {
-        ActionKind.FORWARD,
-        ActionKind.BACKWARD,
-        ActionKind.BACKWARD_INPUT,
-        ActionKind.BACKWARD_WEIGHT,
-    }
-)
-_COMPUTE_LANE = COMPUTE_KINDS | {ActionKind.OVERLAP_F_B}
-_SENDS = frozenset(
-    {ActionKind.SEND_ACT, ActionKind.SEND_GRAD, ActionKind.EVICT, ActionKind.RESTORE}
-)
-_RECVS = frozenset({ActionKind.RECV_ACT, ActionKind.RECV_GRAD, ActionKind.ACCEPT, ActionKind.LOAD})
-_CHUNK_LEVEL = frozenset({ActionKind.GRAD_SYNC, ActionKind.PARAM_SYNC, ActionKind.RELEASE})
+K = ActionKind
+COMPUTE_KINDS = frozenset({K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
+_COMPUTE_LANE = COMPUTE_KINDS | {K.OVERLAP_F_B}
+_SENDS = frozenset({K.SEND_ACT, K.SEND_GRAD, K.EVICT, K.RESTORE})
+_RECVS = frozenset({K.RECV_ACT, K.RECV_GRAD, K.ACCEPT, K.LOAD})
+_CHUNK_LEVEL = frozenset({K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE})
 
 # Longest kinds first so "SA" is not read as "S" + "A". A composite is written by its parts.
 _KIND_PATTERN = "|".join(
@@ -599,9 +591,7 @@ MEMORY_DELTA: dict[ActionKind, int] = {
 }
 _FULL_MEMORY_DELTA = {kind: MEMORY_DELTA.get(kind, 0) for kind in ActionKind}
 _kind_of = attrgetter("kind")
-_BACKWARD_KINDS = frozenset(
-    {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT}
-)
+_BACKWARD_KINDS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
 
 
 def stored_counts(program: Sequence[Action]) -> Iterable[int]:
@@ -664,11 +654,7 @@ _TORCH_RE = re.compile(
 )
 _TORCH_GROUP_RE = re.compile(r"\((.*)\)([A-Z_]+)", re.ASCII | re.DOTALL)
 _TORCH_COMPUTE = {kind.value: kind for kind in COMPUTE_KINDS}  # torch's letters are ours
-_TORCH_CHUNK = {
-    "UNSHARD": ActionKind.PARAM_SYNC,
-    "RESHARD": ActionKind.RELEASE,
-    "REDUCE_GRAD": ActionKind.GRAD_SYNC,
-}
+_TORCH_CHUNK = {"UNSHARD": K.PARAM_SYNC, "RESHARD": K.RELEASE, "REDUCE_GRAD": K.GRAD_SYNC}
 # torch's message kinds: ours, and where the peer stage is (+1 the next stage, -1 the previous).
 _TORCH_P2P = {
     "SEND_F": (ActionKind.SEND_ACT, 1),

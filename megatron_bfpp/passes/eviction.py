@@ -1,12 +1,10 @@
 """BPipe: cap the activations a rank stores by parking some of them on a partner rank.
 
-In 1F1B, stage ``x`` of ``p`` holds up to ``p - x`` micro-batches of activations while the last
-stage holds one, so the first ranks run out of memory long before the last ones do. BPipe pairs
-each *evictor* ``x < p // 2`` with the *acceptor* ``p - 1 - x``: whenever the evictor would store
-more than ``cap`` micro-batches it ships one to the acceptor (EV on the evictor, AC on the
-acceptor) and gets it back before the backward that needs it (RS on the acceptor, LD on the
-evictor). With BPipe's cap ``ceil((p + 2) / 2)`` the pair's ``p - x + x + 1 = p + 1`` micro-batches
-(plus one in flight) fit in ``2 * cap``, so no rank stores more than the cap.
+In 1F1B, stage ``x`` of ``p`` holds up to ``p - x`` micro-batches of activations, the last one.
+BPipe pairs each *evictor* ``x < p // 2`` with the *acceptor* ``p - 1 - x``: whenever the evictor
+would store more than ``cap`` micro-batches it ships one to the acceptor (EV, AC) and gets it back
+before the backward that needs it (RS, LD). With BPipe's cap ``ceil((p + 2) / 2)`` the pair's
+``p + 1`` micro-batches (plus one in flight) fit in ``2 * cap``: no rank stores more than the cap.
 
 The pass runs on a compute-only, single-chunk schedule, before ``add_communication``:
 

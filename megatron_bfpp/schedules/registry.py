@@ -71,13 +71,10 @@ _BYTES_PER_RANK_STAGE = 32
 
 @dataclass(frozen=True, slots=True)
 class ScheduleOption:
-    """One schedule option: its generator keyword and the flag that sets it in each front end.
-
-    ``flag`` / ``dest`` are the bfpp-train and Megatron-LM flag and its argparse destination;
-    ``sim_flag`` is bfpp-sim's (one ``--group-size`` serves both group options).
+    """One schedule option: its generator keyword and the flag that sets it in each front end
+    (``flag`` / ``dest``: bfpp-train's and Megatron-LM's; ``sim_flag``: bfpp-sim's).
     ``megatron_owned``: Megatron-LM defines (and defaults) the flag itself, so its presence says
-    nothing about the chosen schedule there.
-    """
+    nothing about the chosen schedule there."""
 
     name: str
     flag: str
@@ -140,15 +137,11 @@ def bpipe_caps(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
 
 @dataclass(frozen=True, slots=True)
 class PlanGrid:
-    """What the planners (``bfpp-plan recommend`` and ``--pipeline-schedule auto``) try of a
-    schedule, declared once on its catalogue entry so both search the same grid.
-
-    ``shardings``: the data-parallel sharding strategies it runs (sharded parameters need
-    several chunks whose backwards run back to back: breadth-first). ``microbatches_per_pp``:
-    the micro-batches must be a multiple of pp (Megatron's rule for its interleaved schedule).
-    ``options``: ``(pp, m) -> generator options`` to try, ``{}`` being the schedule's
-    defaults. ``last``: on equal predictions the others rank first (GPipe holds every
-    micro-batch's activations)."""
+    """What the planners (``bfpp-plan recommend``, ``--pipeline-schedule auto``) try of a
+    schedule, declared once so both search the same grid: the data-parallel ``shardings`` it
+    runs; ``microbatches_per_pp``: m must be a multiple of pp (Megatron's interleaved rule);
+    ``options``: ``(pp, m) -> generator options`` to try (``{}``: the defaults); ``last``: on
+    equal predictions the others rank first (GPipe holds every micro-batch's activations)."""
 
     shardings: tuple[str, ...] = ("optim",)
     microbatches_per_pp: bool = False
@@ -159,11 +152,7 @@ class PlanGrid:
 @dataclass(frozen=True, slots=True)
 class ScheduleSpec:
     """What a user-facing schedule name means: the one catalogue every front end reads.
-
-    ``placement`` says where its stages sit (:class:`~megatron_bfpp.ir.Placement`). ``options``
-    are the extra keyword arguments its generator accepts. Every entry runs on megatron-core too:
-    the runtime's dispatch table covers every action kind.
-    """
+    ``options`` are the extra keyword arguments its generator accepts."""
 
     name: str
     summary: str
@@ -294,26 +283,13 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             (MAX_STORED,),
             plan=PlanGrid(options=bpipe_caps),
         ),
-        ScheduleSpec(
-            "v-min",
-            "V-shape, about 1/3 of 1F1B's activation memory",
-            build_v_min,
-            Placement.V_SHAPE,
-            split_backward=True,
-        ),
-        ScheduleSpec(
-            "v-half",
-            "V-shape, about 1/2 of 1F1B's activation memory",
-            build_v_half,
-            Placement.V_SHAPE,
-            split_backward=True,
-        ),
-        ScheduleSpec(
-            "v-zb",
-            "V-shape zero bubble at 1F1B's activation memory",
-            build_v_zb,
-            Placement.V_SHAPE,
-            split_backward=True,
+        *(
+            ScheduleSpec(name, summary, generator, Placement.V_SHAPE, split_backward=True)
+            for name, summary, generator in (
+                ("v-min", "V-shape, about 1/3 of 1F1B's activation memory", build_v_min),
+                ("v-half", "V-shape, about 1/2 of 1F1B's activation memory", build_v_half),
+                ("v-zb", "V-shape zero bubble at 1F1B's activation memory", build_v_zb),
+            )
         ),
     )
 }
@@ -334,10 +310,9 @@ def planned_schedules() -> tuple[ScheduleSpec, ...]:
 
 
 def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -> None:
-    """Reject a schedule option's flag given for a schedule that does not take it (``name``
-    ``None``: a schedule with no options, like Megatron's own ``default``). ``args`` is a parsed
-    namespace using ``ScheduleOption.dest``; with ``megatron``, flags Megatron-LM owns (and
-    defaults) are left alone."""
+    """Reject a schedule option's flag (on parsed ``args``) given for a schedule that does not
+    take it (``name`` ``None``: one with no options, like Megatron's own ``default``); with
+    ``megatron``, flags Megatron-LM owns (and defaults) are left alone."""
     mine = {option.dest for option in get_spec(name).options} if name is not None else set()
     for option in ALL_OPTIONS:
         if getattr(args, option.dest, None) is None or option.dest in mine:
@@ -349,9 +324,8 @@ def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -
 
 
 def add_option_flags(group: Any, value_type: Any, *, megatron: bool = False) -> None:
-    """The catalogue's schedule options as flags of an argparse ``group`` (every front end's
-    spelling is the option's ``flag``); ``megatron``: leave out the flags Megatron-LM defines
-    itself."""
+    """The catalogue's schedule options as flags of an argparse ``group``; ``megatron``: leave
+    out the flags Megatron-LM defines itself."""
     for option in ALL_OPTIONS:
         if not (megatron and option.megatron_owned):
             group.add_argument(
@@ -480,10 +454,9 @@ def build_schedule(
 
 
 def check_sharding(schedule: str, strategy: str) -> None:
-    """Megatron's ``--data-parallel-sharding-strategy`` for a schedule: a one-line
-    :class:`ScheduleError` where it cannot apply, before any work. Sharded parameters are
-    gathered and released per model chunk, so only a looped schedule (several chunks per rank)
-    has anything to release during the step."""
+    """Megatron's ``--data-parallel-sharding-strategy`` for a schedule, or a one-line
+    :class:`ScheduleError` before any work: sharded parameters are gathered and released per
+    model chunk, which only breadth-first runs back to back."""
     if strategy not in SHARDING_STRATEGIES:
         raise ScheduleError(
             f"data-parallel sharding strategy {strategy!r} is not one of "

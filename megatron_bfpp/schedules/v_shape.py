@@ -153,14 +153,14 @@ def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
     """Every rank's ZB-V order: the V schedule of "Zero Bubble Pipeline Parallelism" (Qi et al.,
     ICLR 2024, section 6).
 
-    Rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1). Counting slots with F = I = W,
-    every phase is set by when work can first reach the rank and by the memory limit:
+    Counting slots with F = I = W, every phase is set by when work can first reach the rank and
+    by the memory limit:
 
     * warm-up: rank r starts at slot r and its first chunk-1 input arrives at slot 2p-1-r, so it
       fills the gap with 2(p-r)-1 chunk-0 forwards; it alternates chunk-1 and chunk-0 forwards
       (r pairs) until its first input gradient can arrive, at slot 2p+r; then it runs p-r
-      (F, I, W) triples of chunk 1. It now holds 2p-1 activations and each triple peaks at 2p,
-      1F1B's p units: from here every forward follows a weight gradient.
+      (F, I, W) triples of chunk 1, each peaking at 2p held (1F1B's p units): from here every
+      forward follows a weight gradient.
     * steady: (F, I, W) of chunk 0, then of chunk 1, per micro-batch; once chunk 0's forwards
       are done the group drops its forward, until chunk 1's are done too.
     * cool-down: the p chunk-0 and r chunk-1 input gradients left, paired while both remain,
@@ -297,25 +297,19 @@ def _greedy_programs(
     """List-schedule F, I and W in unit time steps; return each rank's order.
 
     ``memory_limit`` caps the activations a rank holds (F start to W end); ``open_limits[r]``
-    caps how many micro-batches rank r has forwarded through chunk 0 but not yet chunk 1. Each
-    stage runs its micro-batches in order. In each unit step every rank picks one action,
-    reading only results of earlier steps:
+    caps the micro-batches rank r has forwarded through chunk 0 but not yet chunk 1. Each stage
+    runs its micro-batches in order. In each unit step every rank picks, from earlier steps'
+    results: 1. a ready I, the older micro-batch first (it unblocks the rank upstream and its W
+    can then free memory); 2. a ready F, chunk 1 first, if it fits: a chunk-1 F needs one free
+    slot, a chunk-0 F two (and ``open_limits``), so an admitted micro-batch's chunk-1 forward
+    always finds one; 3. the oldest pending W, which frees memory or fills a bubble.
 
-    1. a ready I, the older micro-batch first (it unblocks the rank upstream and its W can then
-       free memory);
-    2. a ready F, chunk 1 first (an older micro-batch), if it fits: a chunk-1 F needs one free
-       activation slot, a chunk-0 F needs two (and must respect ``open_limits``), so a slot is
-       always left for the chunk-1 forward of a micro-batch already admitted;
-    3. the oldest pending W, which frees memory or fills what would otherwise be a bubble.
-
-    Why this cannot deadlock for ``memory_limit >= 2``: take the oldest micro-batch with work
-    left. Every older one is finished (a rank with a pending W is never idle), so the first
-    unfinished action in its F/I chain is ready. An I is always allowed. A chunk-0 F finds the
-    rank empty (nothing younger was admitted there). A chunk-1 F finds at most limit - 1 held:
-    the rank holds only chunk-0 activations of this and younger micro-batches, and each
-    chunk-0 F left a free slot. So some rank acts in every step. Below 2 one micro-batch cannot
-    pass a rank within the limit; then, when no rank can act, the dependency-ready F of the
-    oldest micro-batch runs anyway, so the scheduler still finishes (over the limit).
+    No deadlock for ``memory_limit >= 2``: every micro-batch older than the oldest one with work
+    left is finished (a rank with a pending W is never idle), so the first unfinished action in
+    its F/I chain is ready: an I is always allowed, a chunk-0 F finds the rank empty, a chunk-1 F
+    at most limit - 1 held (only chunk-0 activations of this and younger micro-batches, each of
+    which left a free slot). Below 2, when no rank can act, the dependency-ready F of the oldest
+    micro-batch runs anyway (over the limit), so the scheduler still finishes.
     """
     p, m_count = num_ranks, num_microbatches
     num_stages = 2 * p
