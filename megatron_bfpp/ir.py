@@ -64,9 +64,8 @@ class ScheduleError(ValueError):
 
 
 class Placement(StrEnum):
-    """How a schedule's stages sit on the pipeline ranks: what a front end's virtual-pipeline
-    flag may say and how model chunks are built. A string enum, so reports, JSON and messages
-    print the name itself."""
+    """How a schedule's stages sit on the pipeline ranks (a string enum: it prints as its name):
+    what a front end's virtual-pipeline flag may say and how model chunks are built."""
 
     SINGLE = "single"  # one stage per rank: stage s on rank s
     LOOPED = "looped"  # num_chunks >= 2 stages per rank: stage s on rank s % p
@@ -132,14 +131,10 @@ _MAX_INDEX = 999_999_999
 
 @dataclass(frozen=True, slots=True, order=True, init=False)
 class Action:
-    """One step of one rank's program.
-
-    ``stage`` is the global virtual stage the action belongs to (for communication: the local
-    stage that sends or receives; for BPipe transfers: the evictor's stage). ``peer`` is the
-    other pipeline rank of a point-to-point action and ``None`` otherwise.
-
-    The constructor checks the fields (``ScheduleError`` says what is wrong); generators and
-    passes that build valid actions by construction use ``unchecked_action``.
+    """One step of one rank's program: ``stage`` is the global virtual stage it belongs to (for
+    communication: the local stage that sends or receives; for BPipe transfers: the evictor's),
+    ``peer`` the other pipeline rank of a point-to-point action. The constructor checks the
+    fields; generators and passes use ``unchecked_action``.
     """
 
     stage: int
@@ -232,9 +227,8 @@ def parts(action: Action) -> tuple[Action, ...]:
 
 
 def primitives(actions: Sequence[Action]) -> Iterable[tuple[int, Action]]:
-    """(position, action) over a program, each composite as its parts at its own position: the
-    view of walkers that ask which forwards and backwards run where (memory, gradient sync, a
-    chunk's last backward). ``enumerate(actions)`` itself when there is no composite."""
+    """(position, action) over a program, each composite as its parts at its own position, for
+    walkers that ask which forwards and backwards run where (``enumerate`` without composites)."""
     if ActionKind.OVERLAP_F_B not in map(_kind_of, actions):
         return enumerate(actions)
     return ((position, part) for position, action in enumerate(actions) for part in parts(action))
@@ -364,11 +358,8 @@ def _shown_sequence(values: Sequence[int], limit: int = 16) -> str:
 
 @dataclass(frozen=True, slots=True)
 class StageLayout:
-    """Which pipeline rank holds each global stage.
-
-    Looped placement puts stage ``s`` on rank ``s % p``; the V-shape puts it on
-    ``min(s, 2p - 1 - s)``. A rank's chunks are its stages in increasing order, which is
-    megatron-core's ``vp_stage`` numbering for both placements.
+    """Which pipeline rank holds each global stage (looped: ``s % p``; V: ``min(s, 2p - 1 - s)``).
+    A rank's chunks are its stages in increasing order: megatron-core's ``vp_stage`` numbering.
     """
 
     stage_to_rank: tuple[int, ...]

@@ -1,11 +1,8 @@
 """What travels between pipeline ranks, and the one integer form every hot loop keys it by.
 
 A point-to-point action (SA, RA, SG, RG; BPipe's EV, AC, RS, LD) sends or receives one
-``Message``; ``message_of`` names it. Passes, the validator, the simulator and the runtime all
-speak of messages this way, so it sits next to the IR rather than inside one of them.
-
-Loops that touch every action of a large schedule key messages by an integer instead of a
-tuple (hashing a small int is several times cheaper): ``MessageKeys`` defines that integer once.
+``Message`` (``message_of``), the same for passes, validator, simulator and runtime. Hot loops
+key messages by an integer (``MessageKeys``), several times cheaper to hash than a tuple.
 """
 
 from __future__ import annotations
@@ -38,14 +35,12 @@ K = ActionKind
 
 
 class What(StrEnum):
-    """What a message carries: the one list of message kinds, for the passes, the validator,
-    the simulator, the NCCL model and the runtime alike (a ``str``, so it prints as its value).
+    """What a message carries: the one list of message kinds (a ``str``: prints as its value).
 
-    ``EVICT_POSTED`` / ``RESTORE_POSTED`` are BPipe's acknowledgements: the partner has posted
-    the receive (AC / LD), so the sender may release the payload's buffer. They carry no data;
-    only the execution rules wait for them. ``EVICT_SIZE`` is the runtime's 8-byte header of an
-    eviction, sent in the tick's batch before the payload (``runtime.p2p``): the acceptor posts
-    it as the ``EVICT`` message's header, the evictor tracks its send under its own kind.
+    ``EVICT_POSTED`` / ``RESTORE_POSTED`` are BPipe's data-less acknowledgements that the partner
+    posted the receive (AC / LD), so the sender may release the payload's buffer. ``EVICT_SIZE``
+    is the runtime's 8-byte header of an eviction, sent in the tick's batch before the payload
+    (``runtime.p2p``): the acceptor posts it as the ``EVICT`` message's header.
     """
 
     ACT = "act"

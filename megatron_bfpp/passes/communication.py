@@ -2,9 +2,8 @@
 
 Sends go right after the compute that produced the data; receives go right before the compute
 that consumes it, then move earlier where needed so that, between any two ranks, receives are
-posted in the order the sender posts the sends (the order NCCL and gloo match messages by). An
-overlapped pair (a composite) has every part's receives before it and their sends after it (the
-composite rule: ``semantics``).
+posted in the order the sends are (NCCL's and gloo's matching order). An overlapped pair has its
+parts' receives before it and their sends after it.
 """
 
 from __future__ import annotations
@@ -181,20 +180,17 @@ def _around(
     before: list[Action] = []
     after: list[Action] = []
     for part in parts(composite):
-        forward = part.kind is K.FORWARD
         stage, mb = part.stage, part.microbatch or 0
-        source, note_in, slot_in, target, note_out, slot_out = (forwards if forward else backwards)[
-            stage
-        ]
+        if part.kind is K.FORWARD:
+            plans, receive, send = forwards, K.RECV_ACT, K.SEND_ACT
+        else:
+            plans, receive, send = backwards, K.RECV_GRAD, K.SEND_GRAD
+        source, note_in, slot_in, target, note_out, slot_out = plans[stage]
         if source >= 0:
-            before.append(
-                unchecked_action(stage, K.RECV_ACT if forward else K.RECV_GRAD, mb, source)
-            )
+            before.append(unchecked_action(stage, receive, mb, source))
             note_in(mb * per_mb + slot_in)
         if target >= 0:
-            after.append(
-                unchecked_action(stage, K.SEND_ACT if forward else K.SEND_GRAD, mb, target)
-            )
+            after.append(unchecked_action(stage, send, mb, target))
             note_out(mb * per_mb + slot_out)
     return [*before, composite, *after]
 

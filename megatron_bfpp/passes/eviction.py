@@ -76,10 +76,9 @@ def add_eviction(schedule: Schedule, *, max_stored: int | None = None) -> Schedu
     result = _evict(schedule, cap)
     if result is schedule:
         return schedule
-    over = _acceptor_overflow(result, cap)
-    if over is not None:
-        # Below BPipe's cap the acceptors must take more than the cap; allow it up to what the
-        # busiest rank stored without BPipe, past which balancing made things worse.
+    # Below BPipe's cap the acceptors must take more than the cap; allow it up to what the
+    # busiest rank stored without BPipe, past which balancing made things worse.
+    if _acceptor_overflow(result, cap) is not None:
         limit = max(cap, max(schedule.peak_activations()))
         over = _acceptor_overflow(result, limit)
         if over is not None:

@@ -1,11 +1,10 @@
 """Fuse a forward and a backward of another micro-batch on one rank into an overlapped pair.
 
-An overlapped pair (``ir.Composite``, kind ``OVERLAP_F_B``, written ``3F5&1B2``) runs its two
-parts as one action: torch's ``OVERLAP_F_B`` and DualPipe's core, where a GPU hides one part's
-communication behind the other's compute. ``fuse_overlapped`` turns chosen pairs of an existing
-schedule, compute-only or lowered, into such composites; ``overlap_pairs`` picks the pairs a
-1F1B-like steady state offers. What a composite waits for, sends, lasts and holds is the
-composite rule of ``semantics``; the runtime runs it with ``runtime.executor.overlapped``.
+An overlapped pair (``ir.Composite``, written ``3F5&1B2``) runs its two parts as one action:
+torch's ``OVERLAP_F_B`` and DualPipe's core, where a GPU hides one part's communication behind
+the other's compute. ``fuse_overlapped`` fuses chosen pairs of a compute-only or lowered schedule;
+``overlap_pairs`` picks the pairs a 1F1B-like steady state offers. What a composite waits for,
+sends, lasts and holds is ``semantics``' composite rule.
 """
 
 from __future__ import annotations

@@ -49,11 +49,8 @@ def build_interleaved(
     num_chunks: int,
     microbatch_group_size: int | None = None,
 ) -> Schedule:
-    """Megatron's interleaved order; the group size is its ``microbatch_group_size_per_vp_stage``.
-
-    It defaults to p, megatron-core's default; the constraints are megatron-core's own, checked
-    here so a bad value fails before any rank starts.
-    """
+    """Megatron's interleaved order; the group size is its ``microbatch_group_size_per_vp_stage``
+    (default p), with megatron-core's constraints checked before any rank starts."""
     check_counts(
         "interleaved", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks
     )
@@ -96,10 +93,8 @@ def _rank_program(
     group: int,
     table: list[tuple[int, int]],
 ) -> list[Action]:
-    """Warm-up forwards, then one forward one backward, then the remaining backwards.
-
-    Forward k runs table[k] through its chunk; backward k runs it through the mirrored chunk.
-    """
+    """Warm-up forwards, one forward one backward, the remaining backwards: forward k runs
+    table[k] through its chunk, backward k through the mirrored chunk."""
     f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
     forwards = [action(chunk * num_ranks + rank, f, microbatch) for microbatch, chunk in table]
     last_chunk = num_chunks - 1

@@ -224,9 +224,8 @@ def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[
     replayed: list[list[_Step]] = [[] for _ in range(p)]
     # Per rank: its I's and W's listed before its next F and not run yet, in listed order.
     window: list[list[_Step]] = [[] for _ in range(p)]
-    position = [0] * p  # each program's first action neither run nor in the window (an F)
-    for r in range(p):
-        position[r] = _fill_window(programs[r], 0, window[r])
+    # Each program's first action neither run nor in the window (an F).
+    position = [_fill_window(programs[r], 0, window[r]) for r in range(p)]
     remaining = sum(len(program) for program in programs)
     step = 0
 
@@ -383,10 +382,8 @@ def _force_oldest_forward(
     held: list[int],
     programs: list[list[_Step]],
 ) -> None:
-    """Run the dependency-ready F of the oldest micro-batch, ignoring the memory limit.
-
-    Only reachable with a memory limit below one micro-batch's need (see ``_greedy_programs``).
-    """
+    """Run the dependency-ready F of the oldest micro-batch over the memory limit: only reached
+    with a limit below one micro-batch's need (``_greedy_programs``)."""
     last = 2 * p - 1
     best: tuple[int, int, int] | None = None  # (micro-batch, stage, rank)
     for r in range(p):
