@@ -134,8 +134,7 @@ class Action:
     """One step of one rank's program: ``stage`` is the global virtual stage it belongs to (for
     communication: the local stage that sends or receives; for BPipe transfers: the evictor's),
     ``peer`` the other pipeline rank of a point-to-point action. The constructor checks the
-    fields; generators and passes use ``unchecked_action``.
-    """
+    fields; generators and passes use ``unchecked_action``."""
 
     stage: int
     kind: ActionKind
@@ -180,15 +179,11 @@ _set_peer: Callable[[Action, int | None], None] = Action.__dict__["peer"].__set_
 
 @dataclass(frozen=True, slots=True, order=True, init=False)
 class Composite(Action):
-    """Actions of one rank run as one: ``OVERLAP_F_B``, a forward and a backward of another
-    micro-batch (torch's ``OVERLAP_F_B``, DualPipe's overlapped pair), written ``3F5&1B2``; the
-    backward is a whole one (B) or a split backward's input gradient (I: ``3F5&1I2``).
-
-    ``parts`` is (forward, backward), the order the pair runs in. What the composite waits for,
-    sends, lasts and holds is its parts' (``semantics.Rules``, "the composite rule"); its own
-    ``stage`` and ``microbatch`` are its forward's. The parts may sit on different stages of one
-    rank (a V's two chunks).
-    """
+    """Actions of one rank run as one: ``OVERLAP_F_B``, a forward and a backward (B, or I) of
+    another micro-batch (torch's ``OVERLAP_F_B``, DualPipe's overlapped pair), written
+    ``3F5&1B2``. ``parts`` is (forward, backward), the order the pair runs in; what the composite
+    waits for, sends, lasts and holds is its parts' (``semantics.Rules``, "the composite rule");
+    its own ``stage`` and ``microbatch`` are its forward's. The parts may be on two stages."""
 
     parts: tuple[Action, ...] = ()  # a default only because Action's fields have one
 
@@ -359,8 +354,7 @@ def _shown_sequence(values: Sequence[int], limit: int = 16) -> str:
 @dataclass(frozen=True, slots=True)
 class StageLayout:
     """Which pipeline rank holds each global stage (looped: ``s % p``; V: ``min(s, 2p - 1 - s)``).
-    A rank's chunks are its stages in increasing order: megatron-core's ``vp_stage`` numbering.
-    """
+    A rank's chunks are its stages in increasing order: megatron-core's ``vp_stage`` numbering."""
 
     stage_to_rank: tuple[int, ...]
 
@@ -486,17 +480,15 @@ class Schedule:
     def stored_activations(self, rank: int) -> tuple[float, ...]:
         """Activations held on ``rank`` after each of its actions, in full-stage micro-batches
         (``stage_fraction`` per stage of a looped or V layout), in program order: what the
-        runtime holds between two actions, transfers in flight included (``MEMORY_DELTA``).
-        """
+        runtime holds between two actions, transfers in flight included (``MEMORY_DELTA``)."""
         fraction = self.layout.stage_fraction
         # Integer counts, scaled once: no rounding drift.
         return tuple(count * fraction for count in stored_counts(self.per_rank[rank]))
 
     def resident_parameters(self, rank: int) -> tuple[float, ...]:
         """Gathered (full) parameters held on ``rank`` after each of its actions, in full-stage
-        units, program order: every chunk's without sharded parameters (no RL on the rank), else
-        a chunk's from its PS (which allocates the buffer) to its RL; the local shard is left out.
-        """
+        units, program order: every chunk's without sharded parameters (no RL on the rank), else a
+        chunk's from its PS (which allocates the buffer) to its RL; the local shard is left out."""
         program = self.per_rank[rank]
         fraction = self.layout.stage_fraction
         if ActionKind.RELEASE not in map(_kind_of, program):
@@ -510,8 +502,7 @@ class Schedule:
         program order: every chunk's all step without sharded parameters (no RL on the rank),
         else a chunk's from a backward (B, I or W) until its run's reduction has landed, which
         the runtime waits for at the rank's next GS (or the chunk's next backward, which
-        allocates the buffer again); the kept shards are left out.
-        """
+        allocates the buffer again); the kept shards are left out."""
         if ActionKind.RELEASE not in map(_kind_of, self.per_rank[rank]):
             return self._all_chunks(rank)
         fraction = self.layout.stage_fraction
@@ -935,10 +926,9 @@ def _checked_schedule(
 
 
 def _check_forwards(schedule: Schedule, rank_rows: Sequence[int], counted: str) -> None:
-    """Every stage runs forwards for micro-batches 0..m-1, each once: a schedule that skips or
-    repeats a micro-batch on one stage is reported per stage (what it misses, what is extra),
-    which says more than the validator's first missing action, and m is bounded by the file's
-    size before anything allocates per micro-batch."""
+    """Every stage runs forwards for micro-batches 0..m-1, each once, reported per stage (what it
+    misses, what is extra: more than the validator's first missing action says), before
+    anything allocates per micro-batch."""
     m = schedule.num_microbatches
     forwards: list[list[int]] = [[] for _ in range(schedule.num_stages)]
     for actions in schedule.per_rank:
@@ -1021,9 +1011,8 @@ def _torch_microbatches(
     cells: list[list[_TorchCell]], layout: StageLayout, source: str
 ) -> tuple[int, str]:
     """torch's CSV does not say m: take the number of micro-batches most stages run forwards
-    for (the larger on a tie). A stage that skips or renumbers one then reads as that stage's
-    problem (torch 2.13's Schedule1F1B numbers its last stage's forwards 1..m), where
-    "largest index + 1" would blame every other stage."""
+    for (the larger on a tie), so a stage that skips or renumbers one (torch 2.13's Schedule1F1B
+    numbers its last stage's 1..m) is that stage's problem, not every other stage's."""
     forwards: list[set[int]] = [set() for _ in range(layout.num_stages)]
     for row_cells in cells:
         for cell in row_cells:

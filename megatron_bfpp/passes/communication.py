@@ -199,8 +199,7 @@ def _reorder_rank(program: list[Action], positions: list[int], indices: list[int
     """Give each receive from one source (at ``positions``, the index of its send on that
     channel in ``indices``, -1: never sent) a sort key no later than the key of the receive that
     must follow it. Keys are (anchor position, offset): untouched actions keep (position, 0); a
-    hoisted receive sits just before its successor, so the sort moves receives earlier only.
-    """
+    hoisted receive sits just before its successor, so the sort moves receives earlier only."""
     if all(a < b for a, b in pairwise(indices)):
         return program  # nothing to hoist on this channel
     keys = {position: (position, 0) for position in range(len(program))}

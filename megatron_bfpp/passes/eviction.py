@@ -57,13 +57,11 @@ def bpipe_max_stored(num_ranks: int) -> int:
 
 
 def add_eviction(schedule: Schedule, *, max_stored: int | None = None) -> Schedule:
-    """EV/AC/RS/LD so that no evictor stores more than ``max_stored`` micro-batches.
-
-    ``max_stored`` defaults to ``bpipe_max_stored(p)``, with which acceptors stay under it too. A
-    smaller cap still bounds the evictors; the acceptors then take the excess, and the pass raises
-    if one would end up holding more than the cap and more than the busiest rank held before.
-    Returns ``schedule`` itself when no rank exceeds the cap.
-    """
+    """EV/AC/RS/LD so that no evictor stores more than ``max_stored`` micro-batches: it defaults to
+    ``bpipe_max_stored(p)``, with which acceptors stay under it too. A smaller cap still bounds the
+    evictors; the acceptors then take the excess, and the pass raises if one would end up holding
+    more than the cap and more than the busiest rank held before. Returns ``schedule`` itself when
+    no rank exceeds the cap."""
     _check_input(schedule)
     num_ranks = schedule.num_ranks
     cap = bpipe_max_stored(num_ranks) if max_stored is None else max_stored
@@ -160,10 +158,8 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
 def _plan_evictor(
     stage: int, program: tuple[Action, ...], cap: int, acceptor: int
 ) -> list[tuple[int, Action]]:
-    """(gap, action) for the evictor's EV/LD, gap i being the slot before compute action i.
-
-    Invariant: at most ``cap`` micro-batches resident after every action.
-    """
+    """(gap, action) for the evictor's EV/LD, gap i being the slot before compute action i, with
+    at most ``cap`` micro-batches resident after every action."""
     # Plain lists: the planner touches every action, and attribute lookups would dominate.
     forward = [a.kind is K.FORWARD for a in program]
     microbatch: list[int] = list(map(_microbatch_of, program))  # _check_input: never None

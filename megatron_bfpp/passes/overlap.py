@@ -53,15 +53,12 @@ def _candidates(schedule: Schedule) -> list[Pair]:
 
 
 def fuse_overlapped(schedule: Schedule, pairs: Iterable[Pair] | None = None) -> Schedule:
-    """``schedule`` with each (forward, backward) of ``pairs`` (default: ``overlap_pairs``) run
-    as one overlapped pair, at the earlier of the two's place.
-
-    The two must be on one rank with no other compute between them (either may come first; the
-    pair runs its forward first). What lay between them keeps its meaning and its order per
-    channel: receives and parameter gathers (PS) move before the pair, the rest after it. The
-    result may deadlock where the two apart would not: ``validate_schedule`` proves it. Raises
-    ``ScheduleError`` naming the pair that cannot fuse.
-    """
+    """``schedule`` with each (forward, backward) of ``pairs`` (default: ``overlap_pairs``) run as
+    one overlapped pair, at the earlier of the two's place. The two must be on one rank with no
+    other compute between them (either may come first; the pair runs its forward first). What lay
+    between them keeps its meaning and its order per channel: receives and parameter gathers (PS)
+    move before the pair, the rest after it. The result may deadlock where the two apart would not:
+    ``validate_schedule`` proves it. Raises ``ScheduleError`` naming the pair that cannot fuse."""
     chosen = overlap_pairs(schedule) if pairs is None else list(pairs)
     by_rank: dict[int, list[tuple[int, int]]] = {}
     where = _positions(schedule)

@@ -139,15 +139,12 @@ def check_fit(
     options: Mapping[str, Any] | None = None,
     batch_schedule: Sequence[int] = (),
 ) -> Fit:
-    """Schedule ``name`` on ``pp`` pipeline ranks with ``vp`` virtual stages per rank (``None``:
-    not given), ``dp`` data-parallel replicas and the given batch sizes, or one
-    :class:`ScheduleError` line saying what to change, cheapest question first: the placement
-    (naming ``vp_flag``), the layers over the stages (with ``num_layers``; a front end that
-    splits layers its own way checks them itself), the micro-batches, the sharding strategy,
-    then the schedule built and validated with ``options`` (a generator's error in flag terms,
-    after the sizes it was built for). ``batch_schedule``: the global batch of each step of a
-    batch-size schedule (:func:`step_batch_sizes`), which replaces ``global_batch_size``: the
-    schedule must run every step's micro-batches; the last step's is returned."""
+    """Schedule ``name`` on ``pp`` ranks with ``vp`` virtual stages per rank (``None``: not
+    given) and ``dp`` replicas, or one :class:`ScheduleError` line saying what to change, cheapest
+    question first: the placement (naming ``vp_flag``), the layers (with ``num_layers``), the
+    micro-batches, the sharding, then the schedule built with ``options`` (its error in flag
+    terms). ``batch_schedule`` (:func:`step_batch_sizes`) replaces ``global_batch_size``: every
+    step's micro-batches must run; the last step's is returned."""
     spec = get_spec(name)
     chunks = spec.chunks_for(vp, vp_flag=vp_flag)
     stages = spec.stages_per_rank(chunks)

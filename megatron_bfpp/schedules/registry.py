@@ -424,14 +424,12 @@ def build_schedule(
     **options: Any,
 ) -> Schedule:
     """A validated schedule; ``lower=False`` stops at the compute order (still validated).
-
     ``validate=False`` is for the planner, which builds catalogue schedules hundreds of times per
     search (tests/unit/test_generators.py validates every generator's output; the simulator still
     stops on a deadlock). ``num_chunks`` is the virtual pipeline size: required for looped
     schedules, 1 or omitted for single-stage ones, 2 or omitted for V-shape ones. Options left at
     ``None`` take the schedule's default. ``sharding`` (Megatron's data-parallel sharding
-    strategy, see ``passes.grad_sync``) shapes the lowered schedule only.
-    """
+    strategy, see ``passes.grad_sync``) shapes the lowered schedule only."""
     spec = get_spec(name)
     chosen = {key: value for key, value in options.items() if value is not None}
     spec.check_option_names(chosen)

@@ -52,13 +52,11 @@ def build_v_min(*, num_ranks: int, num_microbatches: int) -> Schedule:
 
 @paused_gc()
 def build_v_half(*, num_ranks: int, num_microbatches: int) -> Schedule:
-    """V-Half: half of 1F1B's activation memory with about half of 1F1B's bubble.
-
-    Greedy under a limit of p + 2 held activations per rank, i.e. at most p/2 + 1 1F1B units
-    (2 for p = 1, so that it never needs more than 1F1B). Rank r also keeps at most p - r + 1
-    micro-batches between its chunk 0 and chunk 1, about what is in flight down the V and back at
-    full rate: admitting more fills the rank with chunk-0 activations and starves chunk 1.
-    """
+    """V-Half: half of 1F1B's activation memory with about half of 1F1B's bubble: greedy under a
+    limit of p + 2 held activations per rank, i.e. at most p/2 + 1 1F1B units (2 for p = 1, so that
+    it never needs more than 1F1B). Rank r also keeps at most p - r + 1 micro-batches between its
+    chunk 0 and chunk 1, about what is in flight down the V and back at full rate: admitting more
+    fills the rank with chunk-0 activations and starves chunk 1."""
     check_counts("v-half", num_ranks=num_ranks, num_microbatches=num_microbatches)
     p = num_ranks
     programs = _greedy_programs(
@@ -72,14 +70,12 @@ def build_v_half(*, num_ranks: int, num_microbatches: int) -> Schedule:
 
 @paused_gc()
 def build_v_zb(*, num_ranks: int, num_microbatches: int) -> Schedule:
-    """V-ZB: zero bubble at 1F1B's activation memory (2p held activations = p units).
-
-    The ZB-V order (``_zb_programs``, torch's ScheduleZBVZeroBubble's) takes max(6m + p - 1,
-    4m + 4p - 2) unit slots for m >= p: from m >= (3p - 1) / 2 the first, the pipeline-fill
-    floor, so it is kept (its W's between the last input gradients also hide message latency);
-    below, ``_input_gradients_first`` replays it to reach the floor too. For m < p the memory
-    limit never binds and the greedy measured shorter.
-    """
+    """V-ZB: zero bubble at 1F1B's activation memory (2p held activations = p units). The ZB-V order
+    (``_zb_programs``, torch's ScheduleZBVZeroBubble's) takes max(6m + p - 1, 4m + 4p - 2) unit
+    slots for m >= p: from m >= (3p - 1) / 2 the first, the pipeline-fill floor, so it is kept (its
+    W's between the last input gradients also hide message latency); below,
+    ``_input_gradients_first`` replays it to reach the floor too. For m < p the memory limit never
+    binds and the greedy measured shorter."""
     check_counts("v-zb", num_ranks=num_ranks, num_microbatches=num_microbatches)
     p, m_count = num_ranks, num_microbatches
     if m_count < p:
@@ -104,16 +100,14 @@ def _make(
 
 
 def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
-    """Program order of the repeated V-Min building block (slot times are only a means).
-
-    In block slot units (one F, I or W each), micro-batch k's actions on rank r sit at 6k plus:
-    F chunk 0 at r, F chunk 1 at 2p-1-r, I chunk 1 at 2p+d+r, I chunk 0 at 4p+d-1-r. Every
-    dependency sits in an earlier slot, so the order cannot deadlock. The four offsets must fall
-    in distinct residues mod 6 on each rank so that repeated blocks never collide; working the
-    pairs through, that holds iff d is even and 2p + d is not a multiple of 6, hence d = 0 unless
-    3 divides p, else d = 2. Each W takes the rank's next free slot after its I (two free
-    residues per period, first come first served), which keeps lifespans short.
-    """
+    """Program order of the repeated V-Min building block (slot times are only a means). In slots
+    (one F, I or W each), micro-batch k's actions on rank r sit at 6k plus: F chunk 0 at r, F chunk
+    1 at 2p-1-r, I chunk 1 at 2p+d+r, I chunk 0 at 4p+d-1-r. Every dependency sits in an earlier
+    slot, so the order cannot deadlock. The four offsets must fall in distinct residues mod 6 on
+    each rank so that repeated blocks never collide; working the pairs through, that holds iff d is
+    even and 2p + d is not a multiple of 6, hence d = 0 unless 3 divides p, else d = 2. Each W takes
+    the rank's next free slot after its I (two free residues per period, first come first served),
+    which keeps lifespans short."""
     p, m_count = num_ranks, num_microbatches
     last_stage = 2 * p - 1
     d = 0 if p % 3 else 2
@@ -150,11 +144,9 @@ def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
 
 def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
-    """Every rank's ZB-V order: the V schedule of "Zero Bubble Pipeline Parallelism" (Qi et al.,
-    ICLR 2024, section 6).
-
-    Counting slots with F = I = W, every phase is set by when work can first reach the rank and
-    by the memory limit:
+    """Every rank's ZB-V order ("Zero Bubble Pipeline Parallelism", Qi et al., ICLR 2024, section
+    6). Counting slots with F = I = W, each phase is set by when work can first reach the rank
+    and by the memory limit:
 
     * warm-up: rank r starts at slot r and its first chunk-1 input arrives at slot 2p-1-r, so it
       fills the gap with 2(p-r)-1 chunk-0 forwards; it alternates chunk-1 and chunk-0 forwards
@@ -168,8 +160,7 @@ def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
     The phases assume at least 2p-1 micro-batches. With fewer, rank r keeps the order built
     for 2p-1 without the micro-batches that do not exist (no dependency crosses micro-batches,
-    so the order stays deadlock-free); those are skipped, not built, to stay linear in actions.
-    """
+    so the order stays deadlock-free); those are skipped, not built, to stay linear in actions."""
     p, m_count = num_ranks, num_microbatches
     n = max(m_count, 2 * p - 1)
     fa, fb, ia, ib, wa, wb = range(6)  # 2 * kind + chunk
@@ -206,15 +197,13 @@ def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
 
 def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[list[_Step]]:
-    """Replay ``programs`` in unit time steps and return the order each rank ran them in.
-
-    Every F keeps its place. Between two F's a rank runs the first ready I, else the first W
+    """Replay ``programs`` in unit time steps, returning the order each rank ran them in. Every F
+    keeps its place. Between two F's a rank runs the first ready I, else the first W
     whose I is done: an input gradient (on the critical path back through the V) never waits
     behind a weight gradient, which nothing depends on. Held activations at every F, hence the
     peak, and each stage's forward order are unchanged. It cannot deadlock if ``programs`` does
     not: some action still to run has its dependencies and listed predecessors all done, an F
-    heading its rank's program or an I or W before that rank's next F, so that rank acts.
-    """
+    heading its rank's program or an I or W before that rank's next F, so that rank acts."""
     p = num_ranks
     last = 2 * p - 1
     m_count = 1 + max((mb for program in programs for _, _, mb in program), default=0)
@@ -308,8 +297,7 @@ def _greedy_programs(
     its F/I chain is ready: an I is always allowed, a chunk-0 F finds the rank empty, a chunk-1 F
     at most limit - 1 held (only chunk-0 activations of this and younger micro-batches, each of
     which left a free slot). Below 2, when no rank can act, the dependency-ready F of the oldest
-    micro-batch runs anyway (over the limit), so the scheduler still finishes.
-    """
+    micro-batch runs anyway (over the limit), so the scheduler still finishes."""
     p, m_count = num_ranks, num_microbatches
     num_stages = 2 * p
     last = num_stages - 1
