@@ -146,12 +146,15 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
             continue
         acceptor = num_ranks - 1 - evictor
         programs[evictor] = _merge(schedule.per_rank[evictor], transfers)
-        gap_time = [0.0, *ends[evictor]]  # gap i sits before compute i: after compute i-1 ends
-        events = [
-            (gap_time[gap], 0 if action.kind == K.LOAD else 1, seq, _acceptor_side(action, evictor))
+        # Gap i sits before compute i, from when compute i-1 ends; each AC / RS goes in the
+        # acceptor's last gap that starts no later than its EV / LD's (RS first on ties).
+        gap_time = [0.0, *ends[evictor]]
+        timed = sorted(
+            (bisect_right(ends[acceptor], gap_time[gap]), gap_time[gap], action.kind != K.LOAD, seq)
             for seq, (gap, action) in enumerate(transfers)
-        ]
-        programs[acceptor] = _merge_timed(schedule.per_rank[acceptor], ends[acceptor], events)
+        )
+        placed = [(gap, _acceptor_side(transfers[seq][1], evictor)) for gap, _, _, seq in timed]
+        programs[acceptor] = _merge(schedule.per_rank[acceptor], placed)
     return schedule.with_programs(programs)
 
 
@@ -231,17 +234,6 @@ def _merge(program: tuple[Action, ...], transfers: list[tuple[int, Action]]) -> 
         merged.append(action)
     merged.extend(program[done:])
     return merged
-
-
-def _merge_timed(
-    program: tuple[Action, ...],
-    ends: list[float],
-    events: list[tuple[float, int, int, Action]],
-) -> list[Action]:
-    """Insert (time, tie, seq, action) events in the last gap that starts no later than time
-    (gap g, before compute g, starts when compute g-1 ends)."""
-    by_gap = sorted((bisect_right(ends, time), time, tie, seq, a) for time, tie, seq, a in events)
-    return _merge(program, [(gap, action) for gap, _, _, _, action in by_gap])
 
 
 def _acceptor_side(action: Action, evictor: int) -> Action:

@@ -58,10 +58,21 @@ def build_interleaved(
     _check_group(num_ranks, num_microbatches, num_chunks, group)
     layout = StageLayout.looped(num_ranks, num_chunks)
     table = schedule_table(num_microbatches, num_chunks, group)
-    programs = [
-        _rank_program(rank, num_ranks, num_chunks, num_microbatches, group, table)
-        for rank in range(num_ranks)
-    ]
+    f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
+    last_chunk = num_chunks - 1
+    programs: list[list[Action]] = []
+    for rank in range(num_ranks):
+        # Forward k runs table[k] through its chunk, backward k through the mirrored chunk.
+        forwards = [action(chunk * num_ranks + rank, f, mb) for mb, chunk in table]
+        backwards = [action((last_chunk - chunk) * num_ranks + rank, b, mb) for mb, chunk in table]
+        warmup = warmup_count(
+            rank=rank,
+            num_ranks=num_ranks,
+            num_chunks=num_chunks,
+            num_microbatches=num_microbatches,
+            group_size=group,
+        )
+        programs.append(interleave_1f1b(forwards, backwards, warmup))
     return make_schedule("interleaved", layout, num_microbatches, programs)
 
 
@@ -83,30 +94,3 @@ def _check_group(num_ranks: int, num_microbatches: int, num_chunks: int, group: 
             f"interleaved needs num_microbatches % group size to be 0 or >= pp={num_ranks}; "
             f"got {num_microbatches} % {group} = {remainder} (use a multiple of {group})"
         )
-
-
-def _rank_program(
-    rank: int,
-    num_ranks: int,
-    num_chunks: int,
-    num_microbatches: int,
-    group: int,
-    table: list[tuple[int, int]],
-) -> list[Action]:
-    """Warm-up forwards, one forward one backward, the remaining backwards: forward k runs
-    table[k] through its chunk, backward k through the mirrored chunk."""
-    f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
-    forwards = [action(chunk * num_ranks + rank, f, microbatch) for microbatch, chunk in table]
-    last_chunk = num_chunks - 1
-    backwards = [
-        action((last_chunk - chunk) * num_ranks + rank, b, microbatch)
-        for microbatch, chunk in table
-    ]
-    warmup = warmup_count(
-        rank=rank,
-        num_ranks=num_ranks,
-        num_chunks=num_chunks,
-        num_microbatches=num_microbatches,
-        group_size=group,
-    )
-    return interleave_1f1b(forwards, backwards, warmup)
