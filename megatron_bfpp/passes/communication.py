@@ -48,27 +48,23 @@ class _RankPlans(dict[int, _Plan]):
     def __init__(
         self,
         rank: int,
-        backward: bool,
-        input_rank: list[int],
-        output_rank: list[int],
+        sources: list[int],
+        targets: list[int],
+        step: int,
         slots: list[int],
         channels: _Channels,
         discard: _Note,
     ) -> None:
         super().__init__()
-        self._rank, self._backward, self._slots = rank, backward, slots
-        self._input_rank, self._output_rank = input_rank, output_rank
-        self._channels, self._discard = channels, discard
+        self._rank, self._sources, self._targets, self._step = rank, sources, targets, step
+        self._slots, self._channels, self._discard = slots, channels, discard
 
     def __missing__(self, stage: int) -> _Plan:
-        """A forward receives its input from the previous stage's rank and sends its output to
-        the next one's; a backward receives its output gradient from the next stage's rank and
-        sends its input gradient to the previous one's (-1: on this rank, or none)."""
-        rank, slots = self._rank, self._slots
-        if self._backward:
-            source, target, previous = self._output_rank[stage], self._input_rank[stage], stage + 1
-        else:
-            source, target, previous = self._input_rank[stage], self._output_rank[stage], stage - 1
+        """Receive from the rank of ``sources[stage]`` (its data's slot is stage + ``step``'s),
+        send to ``targets[stage]``'s (-1: on this rank, or none). A forward receives from the
+        previous stage's rank and sends to the next's; a backward the other way round."""
+        rank, slots, previous = self._rank, self._slots, stage + self._step
+        source, target = self._sources[stage], self._targets[stage]
         source = -1 if source == rank else source
         target = -1 if target == rank else target
         # Slots only where there is a message: a stray stage past the layout has no neighbour.
@@ -112,11 +108,11 @@ def add_communication(schedule: Schedule) -> Schedule:
     recv_act, send_act, recv_grad, send_grad = K.RECV_ACT, K.SEND_ACT, K.RECV_GRAD, K.SEND_GRAD
     new = unchecked_action  # the fields below are right by construction
     discard: list[object] = []
+    drop = discard.append  # where a message with no channel is noted
     programs: list[list[Action]] = []
     for rank, actions in enumerate(schedule.per_rank):
-        ranks = (input_rank, output_rank)
-        forwards = _RankPlans(rank, False, *ranks, act_slot, channels, discard.append)
-        backwards = _RankPlans(rank, True, *ranks, grad_slot, channels, discard.append)
+        forwards = _RankPlans(rank, input_rank, output_rank, -1, act_slot, channels, drop)
+        backwards = _RankPlans(rank, output_rank, input_rank, 1, grad_slot, channels, drop)
         program: list[Action] = []
         append = program.append
         peer: int
