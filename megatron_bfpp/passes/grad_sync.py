@@ -105,13 +105,13 @@ _CHUNK_LEVEL = frozenset({K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE})
 
 def _first_forwards(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
     """Position of each stage's first forward (len(actions) if none)."""
-    return _find(actions, stages, range(len(actions)), 0, frozenset({K.FORWARD}))
+    return _find(actions, stages, range(len(actions)), 0, (K.FORWARD,))
 
 
 def _last_grads(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
     """Position of each stage's last B or W (-1 if none; a pair's I needs its W)."""
     backwards = range(len(actions) - 1, -1, -1)
-    return _find(actions, stages, backwards, -1, frozenset({K.BACKWARD, K.BACKWARD_WEIGHT}))
+    return _find(actions, stages, backwards, -1, (K.BACKWARD, K.BACKWARD_WEIGHT))
 
 
 def _find(
@@ -119,18 +119,21 @@ def _find(
     stages: tuple[int, ...],
     positions: range,
     part: int,
-    kinds: frozenset[ActionKind],
+    kinds: tuple[ActionKind, ...],
 ) -> dict[int, int]:
     """Each stage's first position in ``positions`` (one past their end if none) holding an
     action of ``kinds`` (an overlapped pair: its ``part``), scanning only until every stage has
     one."""
     found = dict.fromkeys(stages, positions.stop)
     missing = set(stages)
+    pair = K.OVERLAP_F_B
     for position in positions:
         action = actions[position]
-        if action.kind is K.OVERLAP_F_B:
+        kind = action.kind
+        if kind is pair:
             action = parts(action)[part]
-        if action.kind in kinds and action.stage in missing:
+            kind = action.kind
+        if kind in kinds and action.stage in missing:  # a tuple: compared by identity first
             found[action.stage] = position
             missing.discard(action.stage)
             if not missing:
