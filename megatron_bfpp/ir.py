@@ -64,9 +64,8 @@ class ScheduleError(ValueError):
 
 
 class Placement(StrEnum):
-    """How a schedule's stages sit on the pipeline ranks: what a front end's virtual-pipeline
-    flag may say and how model chunks are built. A string enum, so reports, JSON and messages
-    print the name itself."""
+    """How a schedule's stages sit on the pipeline ranks (a string enum: it prints as its name):
+    what a front end's virtual-pipeline flag may say and how model chunks are built."""
 
     SINGLE = "single"  # one stage per rank: stage s on rank s
     LOOPED = "looped"  # num_chunks >= 2 stages per rank: stage s on rank s % p
@@ -112,20 +111,12 @@ class ActionKind(StrEnum):
         return self in _SENDS or self in _RECVS
 
 
-COMPUTE_KINDS = frozenset(
-    {
-        ActionKind.FORWARD,
-        ActionKind.BACKWARD,
-        ActionKind.BACKWARD_INPUT,
-        ActionKind.BACKWARD_WEIGHT,
-    }
-)
-_COMPUTE_LANE = COMPUTE_KINDS | {ActionKind.OVERLAP_F_B}
-_SENDS = frozenset(
-    {ActionKind.SEND_ACT, ActionKind.SEND_GRAD, ActionKind.EVICT, ActionKind.RESTORE}
-)
-_RECVS = frozenset({ActionKind.RECV_ACT, ActionKind.RECV_GRAD, ActionKind.ACCEPT, ActionKind.LOAD})
-_CHUNK_LEVEL = frozenset({ActionKind.GRAD_SYNC, ActionKind.PARAM_SYNC, ActionKind.RELEASE})
+K = ActionKind
+COMPUTE_KINDS = frozenset({K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
+_COMPUTE_LANE = COMPUTE_KINDS | {K.OVERLAP_F_B}
+_SENDS = frozenset({K.SEND_ACT, K.SEND_GRAD, K.EVICT, K.RESTORE})
+_RECVS = frozenset({K.RECV_ACT, K.RECV_GRAD, K.ACCEPT, K.LOAD})
+_CHUNK_LEVEL = frozenset({K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE})
 
 # Longest kinds first so "SA" is not read as "S" + "A". A composite is written by its parts.
 _KIND_PATTERN = "|".join(
@@ -140,15 +131,10 @@ _MAX_INDEX = 999_999_999
 
 @dataclass(frozen=True, slots=True, order=True, init=False)
 class Action:
-    """One step of one rank's program.
-
-    ``stage`` is the global virtual stage the action belongs to (for communication: the local
-    stage that sends or receives; for BPipe transfers: the evictor's stage). ``peer`` is the
-    other pipeline rank of a point-to-point action and ``None`` otherwise.
-
-    The constructor checks the fields (``ScheduleError`` says what is wrong); generators and
-    passes that build valid actions by construction use ``unchecked_action``.
-    """
+    """One step of one rank's program: ``stage`` is the global virtual stage it belongs to (for
+    communication: the local stage that sends or receives; for BPipe transfers: the evictor's),
+    ``peer`` the other pipeline rank of a point-to-point action. The constructor checks the
+    fields; generators and passes use ``unchecked_action``."""
 
     stage: int
     kind: ActionKind
@@ -193,16 +179,11 @@ _set_peer: Callable[[Action, int | None], None] = Action.__dict__["peer"].__set_
 
 @dataclass(frozen=True, slots=True, order=True, init=False)
 class Composite(Action):
-    """Actions of one rank run as one: ``OVERLAP_F_B``, a forward and a backward of another
-    micro-batch (torch's ``OVERLAP_F_B``, DualPipe's overlapped pair), written ``3F5&1B2``; the
-    backward is a whole one (B) or a split backward's input gradient (I: ``3F5&1I2``).
-
-    ``parts`` is (forward, backward), the order the pair runs in. What the composite waits for,
-    sends, lasts and holds is its parts' (``semantics.Rules``, "the composite rule"); its own
-    ``stage`` and ``microbatch`` are its forward's, so code that only asks a compute action for
-    its stage and micro-batch reads the forward's. The parts may sit on different stages of one
-    rank (a V's two chunks); the validator checks where they run, as for any action.
-    """
+    """Actions of one rank run as one: ``OVERLAP_F_B``, a forward and a backward (B, or I) of
+    another micro-batch (torch's ``OVERLAP_F_B``, DualPipe's overlapped pair), written
+    ``3F5&1B2``. ``parts`` is (forward, backward), the order the pair runs in; what the composite
+    waits for, sends, lasts and holds is its parts' (``semantics.Rules``, "the composite rule");
+    its own ``stage`` and ``microbatch`` are its forward's. The parts may be on two stages."""
 
     parts: tuple[Action, ...] = ()  # a default only because Action's fields have one
 
@@ -241,23 +222,17 @@ def parts(action: Action) -> tuple[Action, ...]:
 
 
 def primitives(actions: Sequence[Action]) -> Iterable[tuple[int, Action]]:
-    """(position, action) over a program, each composite as its parts at its own position: the
-    view of walkers that ask which forwards and backwards run where (memory, gradient sync, a
-    chunk's last backward). ``enumerate(actions)`` itself when there is no composite."""
+    """(position, action) over a program, each composite as its parts at its own position, for
+    walkers that ask which forwards and backwards run where (``enumerate`` without composites)."""
     if ActionKind.OVERLAP_F_B not in map(_kind_of, actions):
         return enumerate(actions)
     return ((position, part) for position, action in enumerate(actions) for part in parts(action))
 
 
 class _ActionFields:
-    """``Action``'s memory layout (the same slots) without its frozen ``__setattr__``.
-
-    ``unchecked_action`` fills one of these with plain attribute stores, which the interpreter
-    turns into direct slot writes, then makes it an ``Action`` by assigning ``__class__``
-    (allowed between classes of the same layout). Setting an ``Action``'s slots through their
-    descriptors instead costs a call each: twice the time of the whole object here, on the
-    millions of actions a large schedule's generator and passes build.
-    """
+    """``Action``'s slots without its frozen ``__setattr__``: ``unchecked_action`` fills one with
+    plain attribute stores (direct slot writes, where descriptors cost a call each), then makes
+    it an ``Action`` by assigning ``__class__`` (allowed between classes of the same layout)."""
 
     __slots__ = Action.__slots__
     stage: int
@@ -269,14 +244,9 @@ class _ActionFields:
 def unchecked_action(
     stage: int, kind: ActionKind, microbatch: int | None = None, peer: int | None = None
 ) -> Action:
-    """``Action(stage, kind, microbatch, peer)`` without the field checks, for trusted callers.
-
-    Generators and passes build hundreds of thousands of actions whose fields are right by
-    construction (and ``validate_schedule`` checks every one of them in context); skipping the
-    checks, and filling the slots as ``_ActionFields`` says, makes each a quarter of the cost.
-    The result is an ordinary ``Action``: its type, equality, hashing, ordering, text and
-    immutability are the same.
-    """
+    """``Action(stage, kind, microbatch, peer)`` without the field checks, at a quarter of the
+    cost: for generators and passes, whose millions of actions are right by construction (and
+    validated in context). The result is an ordinary ``Action`` in every respect."""
     fields = _ActionFields()
     fields.stage = stage
     fields.kind = kind
@@ -288,12 +258,9 @@ def unchecked_action(
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector for a bulk build, check or simulation of a schedule.
-
-    These allocate up to millions of actions, keys and events that form no reference cycles;
-    left on, the collector rescans the growing heap again and again, which costs as much as
-    the work itself on large schedules. Restores the previous state; nests.
-    """
+    """Pause the cyclic garbage collector for a bulk build, check or simulation of a schedule:
+    its millions of objects form no cycles, and rescanning the growing heap costs as much as the
+    work itself. Restores the previous state; nests."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -340,11 +307,12 @@ def parse_action(text: str) -> Action:
         raise ScheduleError(
             f"cannot parse action {_shown(text)}: {kind} is written with '{want}peer'"
         )
+    where = f"cannot parse action {_shown(text)}"
     return Action(
-        stage=_index(stage, "stage", text),
+        stage=_index(stage, "stage", where),
         kind=action_kind,
-        microbatch=None if microbatch is None else _index(microbatch, "micro-batch", text),
-        peer=None if peer is None else _index(peer, "peer rank", text),
+        microbatch=None if microbatch is None else _index(microbatch, "micro-batch", where),
+        peer=None if peer is None else _index(peer, "peer rank", where),
     )
 
 
@@ -360,12 +328,12 @@ def _parse_composite(text: str) -> Composite:
     return Composite(forward, backward)
 
 
-def _index(digits: str, what: str, text: str) -> int:
-    """An index of ``text`` from its ASCII digits, refused past ``_MAX_INDEX`` before int()."""
+def _index(digits: str, what: str, where: str) -> int:
+    """An index from its ASCII digits, refused past ``_MAX_INDEX`` before int(); ``where`` starts
+    the message."""
     if len(digits.lstrip("0")) > len(str(_MAX_INDEX)):
         raise ScheduleError(
-            f"cannot parse action {_shown(text)}: {what} {_shown(digits, 12)} is out of range "
-            f"(at most {_MAX_INDEX})"
+            f"{where}: {what} {_shown(digits, 12)} is out of range (at most {_MAX_INDEX})"
         )
     return int(digits)
 
@@ -385,12 +353,8 @@ def _shown_sequence(values: Sequence[int], limit: int = 16) -> str:
 
 @dataclass(frozen=True, slots=True)
 class StageLayout:
-    """Which pipeline rank holds each global stage.
-
-    Looped placement puts stage ``s`` on rank ``s % p``; the V-shape puts it on
-    ``min(s, 2p - 1 - s)``. A rank's chunks are its stages in increasing order, which is
-    megatron-core's ``vp_stage`` numbering for both placements.
-    """
+    """Which pipeline rank holds each global stage (looped: ``s % p``; V: ``min(s, 2p - 1 - s)``).
+    A rank's chunks are its stages in increasing order: megatron-core's ``vp_stage`` numbering."""
 
     stage_to_rank: tuple[int, ...]
 
@@ -506,12 +470,7 @@ class Schedule:
 
     def with_programs(self, per_rank: Iterable[Iterable[Action]]) -> Schedule:
         """Same layout and name, new programs: how passes return their result."""
-        return Schedule(
-            layout=self.layout,
-            num_microbatches=self.num_microbatches,
-            per_rank=tuple(tuple(actions) for actions in per_rank),
-            name=self.name,
-        )
+        return Schedule(self.layout, self.num_microbatches, tuple(map(tuple, per_rank)), self.name)
 
     def compute_only(self) -> Schedule:
         return self.with_programs(
@@ -519,58 +478,44 @@ class Schedule:
         )
 
     def stored_activations(self, rank: int) -> tuple[float, ...]:
-        """Activations held on ``rank`` after each of its actions, in full-stage micro-batches.
-
-        One unit is one micro-batch through one full 1F1B stage (num_layers / pp layers), so a
-        stage of a looped or V layout counts ``stage_fraction``. A forward stores its
-        activations until its backward (B, or W for split backward) frees them; BPipe's EV/RS
-        hand them to the partner and AC/LD take them in. Program order, not time: this is what
-        the runtime holds between two actions, transfers in flight included. A composite
-        counts its parts in order and shows their peak: its forward's activations stored, its
-        backward's not yet freed.
-        """
+        """Activations held on ``rank`` after each of its actions, in full-stage micro-batches
+        (``stage_fraction`` per stage of a looped or V layout), in program order: what the
+        runtime holds between two actions, transfers in flight included (``MEMORY_DELTA``)."""
         fraction = self.layout.stage_fraction
         # Integer counts, scaled once: no rounding drift.
         return tuple(count * fraction for count in stored_counts(self.per_rank[rank]))
 
     def resident_parameters(self, rank: int) -> tuple[float, ...]:
         """Gathered (full) parameters held on ``rank`` after each of its actions, in full-stage
-        units (the parameters of ``num_layers / pp`` layers), program order.
-
-        Without sharded parameters (no RL on the rank) every chunk stays gathered. With them
-        (``add_grad_sync(..., sharding="optim_grads_params")``) a chunk's parameters exist from
-        its PS, which allocates the buffer the all-gather fills, to its RL. The local shard (1/d
-        of the rank's parameters) is left out: it does not depend on the schedule.
-        """
+        units, program order: every chunk's without sharded parameters (no RL on the rank), else a
+        chunk's from its PS (which allocates the buffer) to its RL; the local shard is left out."""
         program = self.per_rank[rank]
         fraction = self.layout.stage_fraction
         if ActionKind.RELEASE not in map(_kind_of, program):
-            return (len(self.layout.stages_of(rank)) * fraction,) * len(program)
+            return self._all_chunks(rank)
         step = {ActionKind.PARAM_SYNC: 1, ActionKind.RELEASE: -1}
         held = accumulate(step.get(kind, 0) for kind in map(_kind_of, program))
         return tuple(count * fraction for count in held)
 
     def resident_gradients(self, rank: int) -> tuple[float, ...]:
-        """Full (unsharded) gradient buffers held on ``rank`` after each of its actions, in
-        full-stage units, program order.
-
-        Without sharded parameters (no RL on the rank) every chunk's gradient buffer is
-        allocated all step. With them (fully sharded, ``optim_grads_params``) a chunk's buffer
-        exists from a backward (B, I or W) until the reduction of its run of backwards has
-        landed: the runtime waits for it at the rank's next GS (or at the chunk's next backward,
-        which allocates the buffer again), so it is counted through that GS, or to the end of
-        the step if none follows. The kept 1/d shards are left out, as for parameters.
-        """
-        program = self.per_rank[rank]
+        """Full gradient buffers held on ``rank`` after each of its actions, in full-stage units,
+        program order: every chunk's all step without sharded parameters (no RL on the rank),
+        else a chunk's from a backward (B, I or W) until its run's reduction has landed, which
+        the runtime waits for at the rank's next GS (or the chunk's next backward, which
+        allocates the buffer again); the kept shards are left out."""
+        if ActionKind.RELEASE not in map(_kind_of, self.per_rank[rank]):
+            return self._all_chunks(rank)
         fraction = self.layout.stage_fraction
-        if ActionKind.RELEASE not in map(_kind_of, program):
-            return (len(self.layout.stages_of(rank)) * fraction,) * len(program)
         return tuple(len(held) * fraction for held in self.held_gradient_chunks(rank))
+
+    def _all_chunks(self, rank: int) -> tuple[float, ...]:
+        """Every chunk of ``rank`` after each of its actions, in full-stage units."""
+        chunks = len(self.layout.stages_of(rank)) * self.layout.stage_fraction
+        return (chunks,) * len(self.per_rank[rank])
 
     def held_gradient_chunks(self, rank: int) -> Iterator[set[int]]:
         """The stages whose full gradient buffers a fully sharded ``rank`` holds after each of
-        its actions (see ``resident_gradients``); the planner weighs them by their sizes. One
-        set, updated in place between items: read it before asking for the next."""
+        its actions (``resident_gradients``), one set updated in place: read it before the next."""
         held: set[int] = set()
         synced: list[int] = []  # GS'd stages whose reduction has not landed yet
         for action in self.per_rank[rank]:
@@ -586,9 +531,8 @@ class Schedule:
             yield held
 
     def held_parameter_chunks(self, rank: int) -> Iterator[set[int]]:
-        """The stages whose full parameters a fully sharded ``rank`` holds gathered after each
-        of its actions (from PS to RL; see ``resident_parameters``), one set updated in place
-        as ``held_gradient_chunks``'."""
+        """The stages a fully sharded ``rank`` holds gathered after each of its actions (PS to RL),
+        one set updated in place as ``held_gradient_chunks``'."""
         held: set[int] = set()
         for action in self.per_rank[rank]:
             if action.kind is ActionKind.PARAM_SYNC:
@@ -629,9 +573,7 @@ MEMORY_DELTA: dict[ActionKind, int] = {
 }
 _FULL_MEMORY_DELTA = {kind: MEMORY_DELTA.get(kind, 0) for kind in ActionKind}
 _kind_of = attrgetter("kind")
-_BACKWARD_KINDS = frozenset(
-    {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT}
-)
+_BACKWARD_KINDS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
 
 
 def stored_counts(program: Sequence[Action]) -> Iterable[int]:
@@ -671,44 +613,21 @@ def parse_schedule(
     rows: Sequence[str], *, layout: StageLayout, num_microbatches: int, name: str = "custom"
 ) -> Schedule:
     """Literal schedules for tests and docs: one whitespace-separated string per rank."""
-    return Schedule(
-        layout=layout,
-        num_microbatches=num_microbatches,
-        per_rank=tuple(tuple(parse_action(t) for t in row.split()) for row in rows),
-        name=name,
-    )
+    programs = tuple(tuple(map(parse_action, row.split())) for row in rows)
+    return Schedule(layout, num_microbatches, programs, name)
 
 
 # --- CSV ------------------------------------------------------------------------------------
-# Our format: a "layout" row (the rank of each stage), a "microbatches" row, an optional "name"
-# row, then one row per rank: the rank number followed by its actions. torch.distributed
-# .pipelining's ``_dump_csv`` writes one row per rank of action strings with empty cells for idle
-# steps and no header; ``load_csv`` reads both, inferring the layout from torch's rows.
-#
-# torch writes two formats. Compute-only (``pipeline_order``): F, B, I, W, composite
-# ``(0F7;7B3)OVERLAP_F_B`` cells (DualPipeV's overlapped pairs) and, for GPipe and 1F1B, one
-# ``REDUCE_GRAD`` per stage. Lowered (``pipeline_order_with_comms``, what ``_dump_csv`` writes
-# by default for the multi-stage schedules): the same plus UNSHARD / RESHARD (FSDP's gather and
-# free of a stage's parameters) and SEND_F / RECV_F / SEND_B / RECV_B. The mapping:
-#
-# * a composite cell is its actions in order, as torch's runtime runs it unless a custom
-#   OVERLAP_F_B function is registered;
-# * compute-only: REDUCE_GRAD is dropped. Lowering a compute-only schedule (``add_grad_sync``)
-#   puts GS where torch puts REDUCE_GRAD, right after the stage's last B / W (behind that
-#   backward's gradient send), and refuses a schedule that already has GS: keeping torch's
-#   would only make the file fail to lower, and say nothing the compute order does not;
-# * lowered: everything is kept, so the simulator times the program torch runs: UNSHARD -> PS,
-#   RESHARD -> RL (a rank with RL is sharded: the validator checks each compute runs gathered),
-#   REDUCE_GRAD -> GS, and the messages -> SA / RA / SG / RG with the peer read from the inferred
-#   layout. torch posts each receive when its sender sends, so both ends of every pair of ranks
-#   post messages in the same order, as ``validate_schedule`` requires of ours (not so with
-#   ``defer_pp_recv=True``: ``cli.sim.schedule_from_csv`` derives those messages again).
+# Ours: a "layout" row (the rank of each stage), a "microbatches" row, an optional "name" row,
+# then per rank its number and its actions. torch.distributed.pipelining's ``_dump_csv``: one
+# row per rank, no header, empty cells for idle steps; the layout is inferred from its rows. Its
+# compute-only format drops REDUCE_GRAD (``add_grad_sync`` puts GS in its place); its lowered
+# format is kept whole, so the simulator times the program torch runs (docs/architecture.md,
+# "torch's CSV formats").
 
 _HEADER_KEYS = ("layout", "microbatches", "name")
-# About a minute and 1.6 GB to check and simulate (schedules.registry explains the figure; it
-# refuses generated schedules past it too). A CSV may hold no more actions, on no more rank rows
-# than MAX_CSV_ROWS; a cell is a short action ("12B345"), so MAX_CSV_BYTES leaves room for all of
-# them. Each is checked while the file is read: the reading stops at the row that passes it.
+# What bfpp-sim checks and simulates in about a minute (schedules.registry refuses generated
+# schedules past it too); a CSV past a limit is refused at the row that passes it.
 MAX_ACTIONS = 4_000_000
 MAX_CSV_ROWS = 100_000
 MAX_CSV_BYTES = 64 << 20
@@ -716,17 +635,8 @@ _TORCH_RE = re.compile(
     r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)", re.ASCII
 )
 _TORCH_GROUP_RE = re.compile(r"\((.*)\)([A-Z_]+)", re.ASCII | re.DOTALL)
-_TORCH_COMPUTE = {
-    "F": ActionKind.FORWARD,
-    "B": ActionKind.BACKWARD,
-    "I": ActionKind.BACKWARD_INPUT,
-    "W": ActionKind.BACKWARD_WEIGHT,
-}
-_TORCH_CHUNK = {
-    "UNSHARD": ActionKind.PARAM_SYNC,
-    "RESHARD": ActionKind.RELEASE,
-    "REDUCE_GRAD": ActionKind.GRAD_SYNC,
-}
+_TORCH_COMPUTE = {kind.value: kind for kind in COMPUTE_KINDS}  # torch's letters are ours
+_TORCH_CHUNK = {"UNSHARD": K.PARAM_SYNC, "RESHARD": K.RELEASE, "REDUCE_GRAD": K.GRAD_SYNC}
 # torch's message kinds: ours, and where the peer stage is (+1 the next stage, -1 the previous).
 _TORCH_P2P = {
     "SEND_F": (ActionKind.SEND_ACT, 1),
@@ -889,30 +799,19 @@ def _load_ours(rows: list[_Row], source: str) -> Schedule:
         )
     for rank, (row, program) in enumerate(zip(rank_rows, programs, strict=True)):
         for column, action in program:
-            problem = next(
-                (
-                    found
-                    for part in parts(action)
-                    if (found := _stage_or_peer_problem(part, layout))
-                    or (found := _row_problem(part, rank, layout, rank_rows))
-                ),
-                None,
-            )
-            if problem is not None:
-                raise ScheduleError(
-                    f"{source}: row {row.number}, column {column}: {str(action)!r}: {problem}"
+            for part in parts(action):
+                problem = _stage_or_peer_problem(part, layout) or _row_problem(
+                    part, rank, layout, rank_rows
                 )
+                if problem is not None:
+                    raise ScheduleError(
+                        f"{source}: row {row.number}, column {column}: {str(action)!r}: {problem}"
+                    )
     name_row = header.get("name")
     names = [c.strip() for c in name_row.cells[1:] if c.strip()] if name_row else []
-    return _checked_schedule(
-        layout,
-        m,
-        rank_rows,
-        programs,
-        names[0] if names else "custom",
-        source,
-        counted=f"the 'microbatches' row (row {counted.number}) says {m}",
-    )
+    counted_by = f"the 'microbatches' row (row {counted.number}) says {m}"
+    name = names[0] if names else "custom"
+    return _checked_schedule(layout, m, rank_rows, programs, name, source, counted=counted_by)
 
 
 def _parse_cells(row: _Row, source: str) -> _Program:
@@ -1027,10 +926,9 @@ def _checked_schedule(
 
 
 def _check_forwards(schedule: Schedule, rank_rows: Sequence[int], counted: str) -> None:
-    """Every stage runs forwards for micro-batches 0..m-1, each once: a schedule that skips or
-    repeats a micro-batch on one stage is reported per stage (what it misses, what is extra),
-    which says more than the validator's first missing action, and m is bounded by the file's
-    size before anything allocates per micro-batch."""
+    """Every stage runs forwards for micro-batches 0..m-1, each once, reported per stage (what it
+    misses, what is extra: more than the validator's first missing action says), before
+    anything allocates per micro-batch."""
     m = schedule.num_microbatches
     forwards: list[list[int]] = [[] for _ in range(schedule.num_stages)]
     for actions in schedule.per_rank:
@@ -1113,9 +1011,8 @@ def _torch_microbatches(
     cells: list[list[_TorchCell]], layout: StageLayout, source: str
 ) -> tuple[int, str]:
     """torch's CSV does not say m: take the number of micro-batches most stages run forwards
-    for (the larger on a tie). A stage that skips or renumbers one then reads as that stage's
-    problem (torch 2.13's Schedule1F1B numbers its last stage's forwards 1..m), where
-    "largest index + 1" would blame every other stage."""
+    for (the larger on a tie), so a stage that skips or renumbers one (torch 2.13's Schedule1F1B
+    numbers its last stage's 1..m) is that stage's problem, not every other stage's."""
     forwards: list[set[int]] = [set() for _ in range(layout.num_stages)]
     for row_cells in cells:
         for cell in row_cells:
@@ -1167,13 +1064,10 @@ def _torch_single(text: str, column: int, where: str) -> _TorchCell:
         raise ScheduleError(f"{where}: {_shown(text)}: {kind} is per stage, without a micro-batch")
     if kind not in _TORCH_CHUNK and not microbatch:
         raise ScheduleError(f"{where}: {_shown(text)}: {kind} needs a micro-batch, e.g. '0{kind}3'")
-    for digits, what in ((stage, "stage"), (microbatch, "micro-batch")):
-        if len(digits.lstrip("0")) > len(str(_MAX_INDEX)):
-            raise ScheduleError(
-                f"{where}: {_shown(text)}: {what} {_shown(digits, 12)} is out of range (at most "
-                f"{_MAX_INDEX})"
-            )
-    return _TorchCell(column, text, int(stage), kind, int(microbatch) if microbatch else None)
+    where = f"{where}: {_shown(text)}"
+    index = _index(stage, "stage", where)
+    mb = _index(microbatch, "micro-batch", where) if microbatch else None
+    return _TorchCell(column, text, index, kind, mb)
 
 
 def _torch_layout(rows: list[_Row], cells: list[list[_TorchCell]], source: str) -> StageLayout:

@@ -1,11 +1,8 @@
 """What travels between pipeline ranks, and the one integer form every hot loop keys it by.
 
 A point-to-point action (SA, RA, SG, RG; BPipe's EV, AC, RS, LD) sends or receives one
-``Message``; ``message_of`` names it. Passes, the validator, the simulator and the runtime all
-speak of messages this way, so it sits next to the IR rather than inside one of them.
-
-Loops that touch every action of a large schedule key messages by an integer instead of a
-tuple (hashing a small int is several times cheaper): ``MessageKeys`` defines that integer once.
+``Message`` (``message_of``), the same for passes, validator, simulator and runtime. Hot loops
+key messages by an integer (``MessageKeys``), several times cheaper to hash than a tuple.
 """
 
 from __future__ import annotations
@@ -38,14 +35,12 @@ K = ActionKind
 
 
 class What(StrEnum):
-    """What a message carries: the one list of message kinds, for the passes, the validator,
-    the simulator, the NCCL model and the runtime alike (a ``str``, so it prints as its value).
+    """What a message carries: the one list of message kinds (a ``str``: prints as its value).
 
-    ``EVICT_POSTED`` / ``RESTORE_POSTED`` are BPipe's acknowledgements: the partner has posted
-    the receive (AC / LD), so the sender may release the payload's buffer. They carry no data;
-    only the execution rules wait for them. ``EVICT_SIZE`` is the runtime's 8-byte header of an
-    eviction, sent in the tick's batch before the payload (``runtime.p2p``): the acceptor posts
-    it as the ``EVICT`` message's header, the evictor tracks its send under its own kind.
+    ``EVICT_POSTED`` / ``RESTORE_POSTED`` are BPipe's data-less acknowledgements that the partner
+    posted the receive (AC / LD), so the sender may release the payload's buffer. ``EVICT_SIZE``
+    is the runtime's 8-byte header of an eviction, sent in the tick's batch before the payload
+    (``runtime.p2p``): the acceptor posts it as the ``EVICT`` message's header.
     """
 
     ACT = "act"
@@ -57,16 +52,11 @@ class What(StrEnum):
     EVICT_SIZE = "evict-size"
 
 
-# Each kind as the small integer inside a message key (``MessageKeys``), and back.
+# Each kind as the small integer inside a message key (``MessageKeys``), and back; the names
+# below in What's order.
 WHAT: tuple[What, ...] = tuple(What)
 WHAT_CODE: dict[str, int] = {what: code for code, what in enumerate(WHAT)}
-ACT = WHAT_CODE[What.ACT]
-GRAD = WHAT_CODE[What.GRAD]
-EVICT = WHAT_CODE[What.EVICT]
-RESTORE = WHAT_CODE[What.RESTORE]
-EVICT_POSTED = WHAT_CODE[What.EVICT_POSTED]
-RESTORE_POSTED = WHAT_CODE[What.RESTORE_POSTED]
-EVICT_SIZE = WHAT_CODE[What.EVICT_SIZE]
+ACT, GRAD, EVICT, RESTORE, EVICT_POSTED, RESTORE_POSTED, EVICT_SIZE = range(len(WHAT))
 _WHAT_SLOTS = 8  # room for every kind; a power of two keeps the key arithmetic exact
 if len(WHAT) > _WHAT_SLOTS:
     raise RuntimeError(f"{len(WHAT)} message kinds do not fit MessageKeys' {_WHAT_SLOTS} slots")
@@ -108,9 +98,8 @@ _MESSAGE_TABLE = {
 
 def has_communication(schedule: Schedule) -> bool:
     """A schedule without activation/gradient messages is compute-only (not yet lowered)."""
-    get_kind = _get_kind
     return any(
-        not _LOWERED_KINDS.isdisjoint(map(get_kind, actions)) for actions in schedule.per_rank
+        not _LOWERED_KINDS.isdisjoint(map(_get_kind, actions)) for actions in schedule.per_rank
     )
 
 
@@ -134,10 +123,8 @@ class MessageKeys:
 
     @property
     def per_microbatch(self) -> int:
-        # One more than the slots: an odd stride spreads micro-batches over the low bits, which
-        # is all a hash table of ints looks at. With an even one (a power of two times the
-        # stages and ranks) the keys of one stage pile into a few buckets: validation measured
-        # a quarter slower.
+        # One more than the slots: an odd stride spreads micro-batches over the low bits, all a
+        # hash table of ints looks at (an even one piles one stage's keys into a few buckets).
         return self.num_stages * _WHAT_SLOTS * self.num_ranks + 1
 
     def slot(self, what: int, stage: int, rank: int = 0) -> int:

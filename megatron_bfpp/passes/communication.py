@@ -2,9 +2,8 @@
 
 Sends go right after the compute that produced the data; receives go right before the compute
 that consumes it, then move earlier where needed so that, between any two ranks, receives are
-posted in the order the sender posts the sends (the order NCCL and gloo match messages by). An
-overlapped pair (a composite) has every part's receives before it and their sends after it (the
-composite rule: ``semantics``).
+posted in the order the sends are (NCCL's and gloo's matching order). An overlapped pair has its
+parts' receives before it and their sends after it.
 """
 
 from __future__ import annotations
@@ -43,34 +42,29 @@ _Plan = tuple[int, _Note, int, int, _Note, int]
 
 class _RankPlans(dict[int, _Plan]):
     """One rank's ``_Plan`` per stage for its forwards (or its backwards), made on first use:
-    one lookup per compute action instead of one per peer and per note. A rank touches only
-    its own few stages: lists over every stage, built for every rank, made this pass
-    quadratic in the number of ranks (1f1b at pp=1500: 18.6 s, 0.12 s made lazily)."""
+    one lookup per compute action, and only for the rank's own few stages (lists over every
+    stage for every rank made the pass quadratic in the number of ranks)."""
 
     def __init__(
         self,
         rank: int,
-        backward: bool,
-        input_rank: list[int],
-        output_rank: list[int],
+        sources: list[int],
+        targets: list[int],
+        step: int,
         slots: list[int],
         channels: _Channels,
         discard: _Note,
     ) -> None:
         super().__init__()
-        self._rank, self._backward, self._slots = rank, backward, slots
-        self._input_rank, self._output_rank = input_rank, output_rank
-        self._channels, self._discard = channels, discard
+        self._rank, self._sources, self._targets, self._step = rank, sources, targets, step
+        self._slots, self._channels, self._discard = slots, channels, discard
 
     def __missing__(self, stage: int) -> _Plan:
-        """A forward receives its input from the previous stage's rank and sends its output to
-        the next one's; a backward receives its output gradient from the next stage's rank and
-        sends its input gradient to the previous one's (-1: on this rank, or none)."""
-        rank, slots = self._rank, self._slots
-        if self._backward:
-            source, target, previous = self._output_rank[stage], self._input_rank[stage], stage + 1
-        else:
-            source, target, previous = self._input_rank[stage], self._output_rank[stage], stage - 1
+        """Receive from the rank of ``sources[stage]`` (its data's slot is stage + ``step``'s),
+        send to ``targets[stage]``'s (-1: on this rank, or none). A forward receives from the
+        previous stage's rank and sends to the next's; a backward the other way round."""
+        rank, slots, previous = self._rank, self._slots, stage + self._step
+        source, target = self._sources[stage], self._targets[stage]
         source = -1 if source == rank else source
         target = -1 if target == rank else target
         # Slots only where there is a message: a stray stage past the layout has no neighbour.
@@ -100,14 +94,12 @@ def add_communication(schedule: Schedule) -> Schedule:
             "already has activation/gradient messages"
         )
     stage_to_rank = schedule.layout.stage_to_rank
-    # Per stage: the rank its input comes from and the rank its output goes to (-1: none). One
-    # stage past the end, so a stray action there gets what the layout implies, not an error.
+    # Per stage: the rank its input comes from and the rank its output goes to (-1: none), one
+    # stage past the end too, so a stray action there gets what the layout implies.
     input_rank = [-1, *stage_to_rank]
     output_rank = [*stage_to_rank[1:], -1, -1]
-    # Each channel's messages in posting order (``MessageKeys``, without a rank), sends on one
-    # side and receives on the other. Where the two sides agree (the common case), no receive
-    # needs to move.
-    keys = MessageKeys(len(stage_to_rank) + 1, 1)  # one stage past the end too, as above
+    # Each channel's messages in posting order (``MessageKeys``, without a rank): sends, receives.
+    keys = MessageKeys(len(stage_to_rank) + 1, 1)
     per_mb = keys.per_microbatch
     slots = [[keys.slot(what, stage) for stage in range(keys.num_stages)] for what in range(4)]
     act_slot, grad_slot = slots[ACT], slots[GRAD]
@@ -116,14 +108,11 @@ def add_communication(schedule: Schedule) -> Schedule:
     recv_act, send_act, recv_grad, send_grad = K.RECV_ACT, K.SEND_ACT, K.RECV_GRAD, K.SEND_GRAD
     new = unchecked_action  # the fields below are right by construction
     discard: list[object] = []
+    drop = discard.append  # where a message with no channel is noted
     programs: list[list[Action]] = []
     for rank, actions in enumerate(schedule.per_rank):
-        forwards = _RankPlans(
-            rank, False, input_rank, output_rank, act_slot, channels, discard.append
-        )
-        backwards = _RankPlans(
-            rank, True, input_rank, output_rank, grad_slot, channels, discard.append
-        )
+        forwards = _RankPlans(rank, input_rank, output_rank, -1, act_slot, channels, drop)
+        backwards = _RankPlans(rank, output_rank, input_rank, 1, grad_slot, channels, drop)
         program: list[Action] = []
         append = program.append
         peer: int
@@ -147,8 +136,7 @@ def add_communication(schedule: Schedule) -> Schedule:
                     peer = action.peer  # type: ignore[assignment]  # p2p: never None
                     src, dst, side = (rank, peer, 0) if is_send else (peer, rank, 1)
                     stage, mb = action.stage, action.microbatch or 0
-                    # (a stage past the layout, which validation rejects: a tuple, unequal to
-                    # every key)
+                    # A stage past the layout (validation rejects it): a tuple, unequal to any key.
                     in_range = stage < keys.num_stages
                     message = mb * per_mb + slots[what][stage] if in_range else (what, stage, mb)
                     channels.setdefault((src, dst), ([], []))[side].append(message)
@@ -176,7 +164,7 @@ def add_communication(schedule: Schedule) -> Schedule:
             if action.peer == source and action.kind in _RECEIVES
         ]
         indices = [send_index.get(message, -1) for message in receives]
-        programs[rank] = _reorder_rank(program, {source: (positions, indices)})
+        programs[rank] = _reorder_rank(program, positions, indices)
     return schedule.with_programs(programs)
 
 
@@ -188,49 +176,32 @@ def _around(
     before: list[Action] = []
     after: list[Action] = []
     for part in parts(composite):
-        forward = part.kind is K.FORWARD
         stage, mb = part.stage, part.microbatch or 0
-        source, note_in, slot_in, target, note_out, slot_out = (forwards if forward else backwards)[
-            stage
-        ]
+        if part.kind is K.FORWARD:
+            plans, receive, send = forwards, K.RECV_ACT, K.SEND_ACT
+        else:
+            plans, receive, send = backwards, K.RECV_GRAD, K.SEND_GRAD
+        source, note_in, slot_in, target, note_out, slot_out = plans[stage]
         if source >= 0:
-            before.append(
-                unchecked_action(stage, K.RECV_ACT if forward else K.RECV_GRAD, mb, source)
-            )
+            before.append(unchecked_action(stage, receive, mb, source))
             note_in(mb * per_mb + slot_in)
         if target >= 0:
-            after.append(
-                unchecked_action(stage, K.SEND_ACT if forward else K.SEND_GRAD, mb, target)
-            )
+            after.append(unchecked_action(stage, send, mb, target))
             note_out(mb * per_mb + slot_out)
     return [*before, composite, *after]
 
 
-def _in_send_order(indices: list[int]) -> bool:
-    return all(a < b for a, b in pairwise(indices))
-
-
-def _reorder_rank(
-    program: list[Action], by_source: dict[int, tuple[list[int], list[int]]]
-) -> list[Action]:
-    """Give each receive a sort key no later than the key of the receive that must follow it.
-
-    ``by_source`` maps a source rank to the positions of the receives from it and, for each,
-    the index of its send on that channel (-1: never sent). Keys are (anchor position, offset):
-    untouched actions keep (position, 0); a hoisted receive sits just before its successor, so
-    the sort moves receives earlier and nothing else.
-    """
-    keys: dict[int, tuple[int, int]] = {}
-    for positions, indices in by_source.values():
-        if _in_send_order(indices):
-            continue  # the common case: nothing to hoist on this channel
-        if not keys:
-            keys = {position: (position, 0) for position in range(len(program))}
-        order = dict(zip(positions, indices, strict=True))
-        in_send_order = sorted(positions, key=order.__getitem__)
-        for earlier, later in reversed(list(pairwise(in_send_order))):
-            anchor, offset = keys[later]
-            keys[earlier] = min(keys[earlier], (anchor, offset - 1))
-    if not keys:
-        return program
+def _reorder_rank(program: list[Action], positions: list[int], indices: list[int]) -> list[Action]:
+    """Give each receive from one source (at ``positions``, the index of its send on that
+    channel in ``indices``, -1: never sent) a sort key no later than the key of the receive that
+    must follow it. Keys are (anchor position, offset): untouched actions keep (position, 0); a
+    hoisted receive sits just before its successor, so the sort moves receives earlier only."""
+    if all(a < b for a, b in pairwise(indices)):
+        return program  # nothing to hoist on this channel
+    keys = {position: (position, 0) for position in range(len(program))}
+    order = dict(zip(positions, indices, strict=True))
+    in_send_order = sorted(positions, key=order.__getitem__)
+    for earlier, later in reversed(list(pairwise(in_send_order))):
+        anchor, offset = keys[later]
+        keys[earlier] = min(keys[earlier], (anchor, offset - 1))
     return [program[p] for p in sorted(keys, key=lambda p: (keys[p], p))]

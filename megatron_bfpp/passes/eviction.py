@@ -1,34 +1,25 @@
 """BPipe: cap the activations a rank stores by parking some of them on a partner rank.
 
-In 1F1B, stage ``x`` of ``p`` holds up to ``p - x`` micro-batches of activations while the last
-stage holds one, so the first ranks run out of memory long before the last ones do. BPipe pairs
-each *evictor* ``x < p // 2`` with the *acceptor* ``p - 1 - x``: whenever the evictor would store
-more than ``cap`` micro-batches it ships one to the acceptor (EV on the evictor, AC on the
-acceptor) and gets it back before the backward that needs it (RS on the acceptor, LD on the
-evictor). With BPipe's cap ``ceil((p + 2) / 2)`` the pair's ``p - x + x + 1 = p + 1`` micro-batches
-(plus one in flight) fit in ``2 * cap``, so no rank stores more than the cap.
+In 1F1B, stage ``x`` of ``p`` holds up to ``p - x`` micro-batches of activations, the last one.
+BPipe pairs each *evictor* ``x < p // 2`` with the *acceptor* ``p - 1 - x``: whenever the evictor
+would store more than ``cap`` micro-batches it ships one to the acceptor (EV, AC) and gets it back
+before the backward that needs it (RS, LD). With BPipe's cap ``ceil((p + 2) / 2)`` the pair's
+``p + 1`` micro-batches (plus one in flight) fit in ``2 * cap``: no rank stores more than the cap.
 
-The pass runs on a compute-only, single-chunk schedule, before ``add_communication`` (which keeps
-these transfers and only posts receives earlier where a channel's order requires it):
+The pass runs on a compute-only, single-chunk schedule, before ``add_communication``:
 
-* Evictor, in program order (what ``Schedule.stored_activations`` counts): evict *before* the
-  forward that would exceed the cap, choosing the resident micro-batch whose backward comes last
-  (Belady's rule, which needs the fewest loads). A load goes one compute action ahead of its
-  backward so the transfer overlaps that action; before a forward this costs no more memory than
-  loading after it, so the pass evicts for it if needed; before a backward it would need one more
-  slot than loading after it, so it goes early only if the slot is free, otherwise right before
-  the backward.
-* Acceptor: a unit-cost replay of the compute order (``semantics.compute_ends``: F = 1, B = 2,
-  messages instant) gives each transfer a time. AC is posted in the acceptor's last gap between
-  compute actions that starts no later than the evict is sent, RS in its last gap that starts no
-  later than the evictor posts the load. Both therefore run when the simulated pipeline would, and
-  the original timeline satisfies every new dependency (an RS waits for its evict, a backward for
-  its load), which is why the result cannot deadlock. Ties put RS before AC, which keeps the
-  acceptor's count at or below the evictor's parked count at the same time. ACs follow the EVs'
-  order and RSs the LDs', so each channel is FIFO; where the pair are neighbours (only below
-  BPipe's cap), an AC precedes the activation receives sent after its EV and an LD the gradient
-  receives sent after its RS, so ``add_communication`` never has to hoist them and the memory
-  profile survives.
+* Evictor, in program order: evict *before* the forward that would exceed the cap, choosing the
+  resident micro-batch whose backward comes last (Belady's rule: the fewest loads). A load goes
+  one compute action ahead of its backward so the transfer overlaps that action: before a
+  forward always (making room if needed: it peaks no higher than loading after it), before a
+  backward only if a slot is free (it needs one more), otherwise right before the backward.
+* Acceptor: a unit-cost replay of the compute order (``semantics.compute_ends``: F = 1, B = 2)
+  times each transfer; AC goes in the acceptor's last gap between computes that starts no later
+  than the evict is sent, RS in the last that starts no later than the load is posted. The
+  original timeline then satisfies every new dependency, so the result cannot deadlock. Ties put
+  RS before AC (the acceptor never holds more than the evictor parked). ACs follow the EVs' order
+  and RSs the LDs', so each channel is FIFO; between neighbours each AC (LD) precedes the messages
+  sent after its EV (RS), so ``add_communication`` never hoists them and the memory profile holds.
 
 Memory bound (proof sketch, checked by the tests for p <= 16, m <= 64): the pass evicts only to
 make room, leaving ``cap - 1`` resident before a lone forward or load and ``cap - 2`` before a
@@ -66,13 +57,11 @@ def bpipe_max_stored(num_ranks: int) -> int:
 
 
 def add_eviction(schedule: Schedule, *, max_stored: int | None = None) -> Schedule:
-    """EV/AC/RS/LD so that no evictor stores more than ``max_stored`` micro-batches.
-
-    ``max_stored`` defaults to ``bpipe_max_stored(p)``, with which acceptors stay under it too. A
-    smaller cap still bounds the evictors; the acceptors then take the excess, and the pass raises
-    if one would end up holding more than the cap and more than the busiest rank held before.
-    Returns ``schedule`` itself when no rank exceeds the cap.
-    """
+    """EV/AC/RS/LD so that no evictor stores more than ``max_stored`` micro-batches: it defaults to
+    ``bpipe_max_stored(p)``, with which acceptors stay under it too. A smaller cap still bounds the
+    evictors; the acceptors then take the excess, and the pass raises if one would end up holding
+    more than the cap and more than the busiest rank held before. Returns ``schedule`` itself when
+    no rank exceeds the cap."""
     _check_input(schedule)
     num_ranks = schedule.num_ranks
     cap = bpipe_max_stored(num_ranks) if max_stored is None else max_stored
@@ -85,10 +74,9 @@ def add_eviction(schedule: Schedule, *, max_stored: int | None = None) -> Schedu
     result = _evict(schedule, cap)
     if result is schedule:
         return schedule
-    over = _acceptor_overflow(result, cap)
-    if over is not None:
-        # Below BPipe's cap the acceptors must take more than the cap; allow it up to what the
-        # busiest rank stored without BPipe, past which balancing made things worse.
+    # Below BPipe's cap the acceptors must take more than the cap; allow it up to what the
+    # busiest rank stored without BPipe, past which balancing made things worse.
+    if _acceptor_overflow(result, cap) is not None:
         limit = max(cap, max(schedule.peak_activations()))
         over = _acceptor_overflow(result, limit)
         if over is not None:
@@ -145,8 +133,10 @@ def _check_input(schedule: Schedule) -> None:
 def _evict(schedule: Schedule, cap: int) -> Schedule:
     """The schedule with transfers for every evictor that exceeds ``cap``, or ``schedule``."""
     num_ranks = schedule.num_ranks
-    steps = [_Steps(actions) for actions in schedule.per_rank]
-    plans = {x: _plan_evictor(x, steps[x], cap, num_ranks - 1 - x) for x in range(num_ranks // 2)}
+    per_rank = schedule.per_rank
+    plans = {
+        x: _plan_evictor(x, per_rank[x], cap, num_ranks - 1 - x) for x in range(num_ranks // 2)
+    }
     if not any(transfers for transfers in plans.values()):
         return schedule
     ends = _unit_time_ends(schedule)
@@ -156,34 +146,26 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
             continue
         acceptor = num_ranks - 1 - evictor
         programs[evictor] = _merge(schedule.per_rank[evictor], transfers)
-        gap_time = [0.0, *ends[evictor]]  # gap i sits before compute i: after compute i-1 ends
-        events = [
-            (gap_time[gap], 0 if action.kind == K.LOAD else 1, seq, _acceptor_side(action, evictor))
+        # Gap i sits before compute i, from when compute i-1 ends; each AC / RS goes in the
+        # acceptor's last gap that starts no later than its EV / LD's (RS first on ties).
+        gap_time = [0.0, *ends[evictor]]
+        timed = sorted(
+            (bisect_right(ends[acceptor], gap_time[gap]), gap_time[gap], action.kind != K.LOAD, seq)
             for seq, (gap, action) in enumerate(transfers)
-        ]
-        programs[acceptor] = _merge_timed(schedule.per_rank[acceptor], ends[acceptor], events)
+        )
+        placed = [(gap, _acceptor_side(transfers[seq][1], evictor)) for gap, _, _, seq in timed]
+        programs[acceptor] = _merge(schedule.per_rank[acceptor], placed)
     return schedule.with_programs(programs)
 
 
-class _Steps:
-    """A compute-only program as plain lists (is it a forward, its micro-batch): the planner
-    touches every action, and attribute lookups on Actions dominate otherwise."""
-
-    __slots__ = ("forward", "microbatch")
-
-    def __init__(self, program: tuple[Action, ...]) -> None:
-        forward = K.FORWARD
-        self.forward = [a.kind is forward for a in program]
-        # Every action names a micro-batch: _check_input refused any that does not.
-        self.microbatch: list[int] = list(map(_microbatch_of, program))
-
-
-def _plan_evictor(stage: int, steps: _Steps, cap: int, acceptor: int) -> list[tuple[int, Action]]:
-    """(gap, action) for the evictor's EV/LD, gap i being the slot before compute action i.
-
-    Invariant: at most ``cap`` micro-batches resident after every action.
-    """
-    forward, microbatch = steps.forward, steps.microbatch
+def _plan_evictor(
+    stage: int, program: tuple[Action, ...], cap: int, acceptor: int
+) -> list[tuple[int, Action]]:
+    """(gap, action) for the evictor's EV/LD, gap i being the slot before compute action i, with
+    at most ``cap`` micro-batches resident after every action."""
+    # Plain lists: the planner touches every action, and attribute lookups would dominate.
+    forward = [a.kind is K.FORWARD for a in program]
+    microbatch: list[int] = list(map(_microbatch_of, program))  # _check_input: never None
     count = len(forward)
     backward_at = {mb: i for i, mb in enumerate(microbatch) if not forward[i]}
     resident: set[int] = set()
@@ -254,20 +236,6 @@ def _merge(program: tuple[Action, ...], transfers: list[tuple[int, Action]]) -> 
     return merged
 
 
-def _merge_timed(
-    program: tuple[Action, ...],
-    ends: list[float],
-    events: list[tuple[float, int, int, Action]],
-) -> list[Action]:
-    """Insert (time, tie, seq, action) events in the last gap that starts no later than time.
-
-    A gap starts when the compute before it ends; gap g (before compute g) is found by counting
-    the compute actions that end by ``time``.
-    """
-    by_gap = sorted((bisect_right(ends, time), time, tie, seq, a) for time, tie, seq, a in events)
-    return _merge(program, [(gap, action) for gap, _, _, _, action in by_gap])
-
-
 def _acceptor_side(action: Action, evictor: int) -> Action:
     """The acceptor's half of an evictor's EV (AC) or LD (RS)."""
     kind = K.ACCEPT if action.kind == K.EVICT else K.RESTORE
@@ -275,12 +243,8 @@ def _acceptor_side(action: Action, evictor: int) -> Action:
 
 
 def _unit_time_ends(schedule: Schedule) -> list[list[float]]:
-    """End time of every compute action, per rank, with F = 1, B = 2 and instant messages.
-
-    ``semantics.compute_ends`` of the compute-only schedule under these unit costs: each action
-    starts when its rank is free and its input (the previous stage's forward or the next stage's
-    backward) has arrived, which is how the compute order would run.
-    """
+    """End time of every compute action, per rank, with F = 1, B = 2 and instant messages
+    (``semantics.compute_ends``): how the compute order would run."""
     ends, blocked = compute_ends(schedule, _UNIT_TIME)
     if blocked:
         raise ScheduleError(
@@ -306,11 +270,8 @@ def _acceptor_overflow(schedule: Schedule, limit: float) -> tuple[int, float] | 
 
 
 def _what_works(schedule: Schedule, cap: int) -> str:
-    """The smallest larger cap that balances this schedule, as advice.
-
-    Binary search (a larger cap parks fewer micro-batches), so the error stays quick for long
-    schedules; at the schedule's own peak nothing needs evicting, which always works.
-    """
+    """The smallest larger cap that balances this schedule, as advice: a binary search (a larger
+    cap parks fewer micro-batches) up to the schedule's own peak, which needs no eviction."""
     original = int(max(schedule.peak_activations()))
     low, high = cap + 1, original  # high always works
     while low < high:

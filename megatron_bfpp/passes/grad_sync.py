@@ -1,29 +1,22 @@
 """Mark where each chunk's data-parallel parameter gather and gradient reduction start.
 
 A chunk's parameters are gathered (PS) at the start of the step, in the order the chunks first
-run, so later chunks' gathers overlap earlier chunks' forwards; its gradient reduction (GS) starts
-right after its last backward, so it overlaps the backward of every chunk that finishes later.
-This is where breadth-first wins: its first chunk to finish does so long before the step ends.
+run, so later chunks' gathers overlap earlier chunks' forwards; its gradient reduction (GS)
+starts right after its last backward, so it overlaps the backward of every chunk that finishes
+later: breadth-first's first chunk finishes long before the step ends.
 
 With sharded parameters (``sharding="optim_grads_params"``, ZeRO-3) a chunk's full parameters
-exist only between a gather (PS) and a release (RL), and at most ``max_resident`` chunks of a
-rank are gathered at once. A rank's compute actions fall into segments, maximal runs on one
-chunk; at the start of each segment the next segment's chunk is gathered, so the gather overlaps
-this segment's compute, and when that needs room the gathered chunk used again latest is released
-first (which needs the fewest gathers for the room, as in Belady's cache). After a chunk's last
-backward come its GS and its RL. Breadth-first runs each chunk's forwards, then its backwards, in
-long segments: every chunk is gathered at most twice per step, and with two chunks resident the
-chunk whose backwards directly follow its forwards and the one before it once. Depth-first
-interleaved alternates chunks every micro-batch or two, so with fewer chunks resident than it
-has it gathers again for every group.
+exist only between a gather (PS) and a release (RL), at most ``max_resident`` chunks of a rank at
+once. At the start of each segment (a maximal run of computes on one chunk) the next segment's
+chunk is gathered, overlapping this segment's compute; for room, the gathered chunk used again
+latest is released first (Belady's rule: the fewest gathers). After a chunk's last backward come
+its GS and its RL. Breadth-first's long segments gather every chunk at most twice per step;
+depth-first interleaved, with fewer chunks resident than it has, gathers again for every group.
 
-Sharded gradients are reduced after every run of a chunk's backwards, not only after its last:
-a GS follows the last B / W of each maximal run of one stage's backward work, and the runtime
-adds each reduction's shard into the kept one. Breadth-first with groups (``group_size`` < m)
-runs each chunk's backwards once per group, so it reduces each chunk once per group and never
-holds more than two chunks' full gradients; reduced only after the last group, every chunk's
-gradients would stay whole from its first group to its last, more than the unsharded run holds
-once the shards are counted (docs/design-notes.md, "Grouped breadth-first, fully sharded").
+Sharded gradients are reduced after every run of a chunk's backwards (a GS after the last B / W
+of each maximal run of one stage's backward work; the runtime adds each shard into the kept
+one), so grouped breadth-first never holds more than two chunks' full gradients
+(docs/design-notes.md, "Grouped breadth-first, fully sharded").
 """
 
 from __future__ import annotations
@@ -92,17 +85,11 @@ def add_grad_sync(
         ]
         after: dict[int, list[Action]] = {}
         for stage in stages:
-            position = last_grad[stage]
-            if position >= 0:
-                # After the backward's own gradient send: that send is on the upstream rank's
-                # critical path, the reduction is not.
-                while position + 1 < len(actions) and actions[position + 1].kind is K.SEND_GRAD:
-                    position += 1
+            if last_grad[stage] >= 0:
+                position = _past_sends(actions, last_grad[stage])
                 after.setdefault(position, []).append(unchecked_action(stage, K.GRAD_SYNC))
-        # Splice: a handful of insertion points in a program of many actions. Chained views
-        # of the program into one tuple touch each action once; slices into a list, then the
-        # list into a tuple, touched each three times (a tenth of a second at 1.6 M actions).
-        # The parts share one iterator over the program, consumed in order.
+        # Splice a handful of insertion points: chained views over one iterator of the program
+        # touch each action once (slices into a list, then a tuple, touched each three times).
         rest, start = iter(actions), 0
         parts: list[Iterable[Action]] = [gathers]
         for position in sorted(after):
@@ -117,41 +104,49 @@ _CHUNK_LEVEL = frozenset({K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE})
 
 
 def _first_forwards(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
-    """Position of each stage's first forward (len(actions) if none), scanning from the front
-    only until every stage has one."""
-    first = dict.fromkeys(stages, len(actions))
-    missing = set(stages)
-    forward, pair = K.FORWARD, K.OVERLAP_F_B
-    for position, action in enumerate(actions):
-        kind = action.kind
-        if kind is pair:  # an overlapped pair's forward
-            action, kind = parts(action)[0], forward
-        if kind is forward and action.stage in missing:
-            first[action.stage] = position
-            missing.discard(action.stage)
-            if not missing:
-                break
-    return first
+    """Position of each stage's first forward (len(actions) if none)."""
+    return _find(actions, stages, range(len(actions)), 0, (K.FORWARD,))
 
 
 def _last_grads(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
-    """Position of each stage's last B or W (-1 if none), scanning from the back only until
-    every stage has one."""
-    last = dict.fromkeys(stages, -1)
+    """Position of each stage's last B or W (-1 if none; a pair's I needs its W)."""
+    backwards = range(len(actions) - 1, -1, -1)
+    return _find(actions, stages, backwards, -1, (K.BACKWARD, K.BACKWARD_WEIGHT))
+
+
+def _find(
+    actions: tuple[Action, ...],
+    stages: tuple[int, ...],
+    positions: range,
+    part: int,
+    kinds: tuple[ActionKind, ...],
+) -> dict[int, int]:
+    """Each stage's first position in ``positions`` (one past their end if none) holding an
+    action of ``kinds`` (an overlapped pair: its ``part``), scanning only until every stage has
+    one."""
+    found = dict.fromkeys(stages, positions.stop)
     missing = set(stages)
-    full, weight, pair = K.BACKWARD, K.BACKWARD_WEIGHT, K.OVERLAP_F_B
-    for position in range(len(actions) - 1, -1, -1):
+    pair = K.OVERLAP_F_B
+    for position in positions:
         action = actions[position]
         kind = action.kind
-        if kind is pair:  # an overlapped pair's backward (a B; an I needs W)
-            action = parts(action)[-1]
+        if kind is pair:
+            action = parts(action)[part]
             kind = action.kind
-        if (kind is full or kind is weight) and action.stage in missing:
-            last[action.stage] = position
+        if kind in kinds and action.stage in missing:  # a tuple: compared by identity first
+            found[action.stage] = position
             missing.discard(action.stage)
             if not missing:
                 break
-    return last
+    return found
+
+
+def _past_sends(actions: tuple[Action, ...], position: int) -> int:
+    """``position`` moved past the gradient sends after it: a backward's send is on the upstream
+    rank's critical path, a reduction is not."""
+    while position + 1 < len(actions) and actions[position + 1].kind is K.SEND_GRAD:
+        position += 1
+    return position
 
 
 def _sharded_program(
@@ -181,9 +176,7 @@ def _sharded_program(
             done = [unchecked_action(stage, K.GRAD_SYNC), unchecked_action(stage, K.RELEASE)]
         marks.append((position, done))
     for position, done in sorted(marks, key=lambda mark: mark[0]):
-        while position + 1 < len(actions) and actions[position + 1].kind is K.SEND_GRAD:
-            position += 1
-        after.setdefault(position, []).extend(done)
+        after.setdefault(_past_sends(actions, position), []).extend(done)
     uses: dict[int, list[int]] = {stage: [] for stage in stages}  # segment indices per stage
     for index, (stage, _) in enumerate(segments):
         uses[stage].append(index)

@@ -1,11 +1,10 @@
 """Fuse a forward and a backward of another micro-batch on one rank into an overlapped pair.
 
-An overlapped pair (``ir.Composite``, kind ``OVERLAP_F_B``, written ``3F5&1B2``) runs its two
-parts as one action: torch's ``OVERLAP_F_B`` and DualPipe's core, where a GPU hides one part's
-communication behind the other's compute. ``fuse_overlapped`` turns chosen pairs of an existing
-schedule, compute-only or lowered, into such composites; ``overlap_pairs`` picks the pairs a
-1F1B-like steady state offers. What a composite waits for, sends, lasts and holds is the
-composite rule of ``semantics``; the runtime runs it with ``runtime.executor.overlapped``.
+An overlapped pair (``ir.Composite``, written ``3F5&1B2``) runs its two parts as one action:
+torch's ``OVERLAP_F_B`` and DualPipe's core, where a GPU hides one part's communication behind
+the other's compute. ``fuse_overlapped`` fuses chosen pairs of a compute-only or lowered schedule;
+``overlap_pairs`` picks the pairs a 1F1B-like steady state offers. What a composite waits for,
+sends, lasts and holds is ``semantics``' composite rule.
 """
 
 from __future__ import annotations
@@ -22,14 +21,12 @@ Pair = tuple[Action, Action]  # (forward, backward)
 
 
 def overlap_pairs(schedule: Schedule) -> list[Pair]:
-    """The pairs ``fuse_overlapped`` fuses by default: each forward that its rank's next
-    compute, a backward (B, or a split backward's I) of another micro-batch, follows directly,
-    from the front, an action in one pair at most (1F1B's steady state: rank r's forward of
-    micro-batch i + p - r - 1 and backward of i), each kept only if the schedule with it and
-    the pairs kept before it still runs (``validate_deadlock_free``; a pair waits for its
-    backward's input before its forward runs, which can close a cycle of waits: the V-shapes'
-    ranks have such pairs). A pair in that order keeps each rank's stored activations as they
-    were. One deadlock check per candidate: for tests and small schedules."""
+    """The pairs ``fuse_overlapped`` fuses by default: from the front, each forward directly
+    followed by a backward (B, or I) of another micro-batch on its rank (1F1B's steady state),
+    an action in one pair at most, kept only if the schedule with it and the pairs before it
+    still runs (a pair waits for its backward's input before its forward runs, which can close
+    a cycle of waits, as on the V-shapes). Such pairs keep each rank's stored activations. One
+    deadlock check per candidate: for tests and small schedules."""
     kept: list[Pair] = []
     for pair in _candidates(schedule):
         try:
@@ -56,17 +53,12 @@ def _candidates(schedule: Schedule) -> list[Pair]:
 
 
 def fuse_overlapped(schedule: Schedule, pairs: Iterable[Pair] | None = None) -> Schedule:
-    """``schedule`` with each (forward, backward) of ``pairs`` (default: ``overlap_pairs``) run
-    as one overlapped pair, at the earlier of the two's place.
-
-    The two must be on one rank with no other compute between them (either may come first; the
-    pair runs its forward first). What lay between them moves around the pair so that it keeps
-    its meaning: receives and parameter gathers (PS) before it, sends and the rest after it, in
-    their order; per channel the messages keep their order, so a validated schedule stays
-    paired. The result is not validated here: ``validate_schedule`` proves it (the composite
-    rule waits for both parts' inputs before either runs, which can deadlock where the two
-    apart would not). Raises ``ScheduleError`` naming the pair that cannot fuse.
-    """
+    """``schedule`` with each (forward, backward) of ``pairs`` (default: ``overlap_pairs``) run as
+    one overlapped pair, at the earlier of the two's place. The two must be on one rank with no
+    other compute between them (either may come first; the pair runs its forward first). What lay
+    between them keeps its meaning and its order per channel: receives and parameter gathers (PS)
+    move before the pair, the rest after it. The result may deadlock where the two apart would not:
+    ``validate_schedule`` proves it. Raises ``ScheduleError`` naming the pair that cannot fuse."""
     chosen = overlap_pairs(schedule) if pairs is None else list(pairs)
     by_rank: dict[int, list[tuple[int, int]]] = {}
     where = _positions(schedule)

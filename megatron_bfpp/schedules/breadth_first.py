@@ -1,15 +1,12 @@
 """Breadth-first pipeline parallelism (Lamy-Poirier, MLSys 2023).
 
 Looped stages; each rank runs every micro-batch through its chunk 0, then chunk 1, ..., then the
-backwards in reverse chunk order. Within a chunk the backwards run in micro-batch order (torch's
-LoopedBFS reverses them): the bubble is the same, and gradients then accumulate in the order of
-an unpipelined run and of megatron-core's interleaved schedule, so results are bitwise equal.
-The first chunk to finish its backward is done long before the step ends, so its gradient
-reduction, and the next chunk's parameter gather, overlap the other chunks' compute.
+backwards in reverse chunk order, within a chunk in micro-batch order (torch's LoopedBFS reverses
+them: the same bubble, but ours accumulates gradients in megatron-core's order, bitwise equal).
+The first chunk's gradient reduction overlaps the other chunks' compute.
 
-``group_size`` gives the memory-bounded form (Fast-LLM's breadth-first / depth-first split): the
-micro-batches run in consecutive groups of that size, each group fully breadth-first, so at most
-one group's activations are stored, at the cost of one pipeline fill and drain per group.
+``group_size`` bounds memory (Fast-LLM's breadth-first / depth-first split): consecutive groups
+of that many micro-batches, each fully breadth-first, at one pipeline fill and drain per group.
 """
 
 from __future__ import annotations

@@ -34,11 +34,8 @@ def backward(stage: int, microbatch: int) -> Action:
 
 
 def interleave_1f1b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
-    """``warmup`` forwards, then one forward one backward, then the remaining backwards.
-
-    ``forwards`` and ``backwards`` are in run order and equally long; list slicing does the
-    interleaving, which matters for schedules with millions of actions.
-    """
+    """``warmup`` forwards, then one forward one backward, then the remaining backwards, by list
+    slicing (fast for millions of actions); ``forwards`` and ``backwards`` are equally long."""
     steady_count = len(forwards) - warmup
     steady: list[Action] = [*forwards[warmup:], *backwards[:steady_count]]
     steady[0::2], steady[1::2] = forwards[warmup:], backwards[:steady_count]
@@ -48,9 +45,4 @@ def interleave_1f1b(forwards: list[Action], backwards: list[Action], warmup: int
 def make_schedule(
     name: str, layout: StageLayout, num_microbatches: int, programs: Iterable[Iterable[Action]]
 ) -> Schedule:
-    return Schedule(
-        layout=layout,
-        num_microbatches=num_microbatches,
-        per_rank=tuple(tuple(p) for p in programs),
-        name=name,
-    )
+    return Schedule(layout, num_microbatches, tuple(map(tuple, programs)), name)

@@ -1,12 +1,8 @@
 """Does a schedule fit a parallel layout: the one check every training front end runs first.
 
-bfpp-train and Megatron-LM (its ``validate_args`` and the pre-flight of
-``megatron_bfpp.megatron.preflight``) ask the same questions of the same numbers: may the
-schedule's placement take this many virtual stages, do the layers split over the stages, how
-many micro-batches does a step hold, may parameters be sharded, and does the schedule build and
-validate. Asked once here, they cannot drift apart between front ends. Each front end passes its
-own spelling of the virtual-pipeline flag; the options' flags come from the catalogue
-(:func:`~megatron_bfpp.schedules.registry.in_flag_terms`).
+bfpp-train and Megatron-LM (``validate_args`` and ``megatron_bfpp.megatron.preflight``) ask the
+same questions of the same numbers (virtual stages, layers, micro-batches, sharding, does the
+schedule build), so they are asked once here and cannot drift apart between front ends.
 """
 
 from __future__ import annotations
@@ -143,15 +139,12 @@ def check_fit(
     options: Mapping[str, Any] | None = None,
     batch_schedule: Sequence[int] = (),
 ) -> Fit:
-    """Schedule ``name`` on ``pp`` pipeline ranks with ``vp`` virtual stages per rank (``None``:
-    not given), ``dp`` data-parallel replicas and the given batch sizes, or one
-    :class:`ScheduleError` line saying what to change, cheapest question first: the placement
-    (naming ``vp_flag``), the layers over the stages (with ``num_layers``; a front end that
-    splits layers its own way checks them itself), the micro-batches, the sharding strategy,
-    then the schedule built and validated with ``options`` (a generator's error in flag terms,
-    after the sizes it was built for). ``batch_schedule``: the global batch of each step of a
-    batch-size schedule (:func:`step_batch_sizes`), which replaces ``global_batch_size``: the
-    schedule must run every step's micro-batches; the last step's is returned."""
+    """Schedule ``name`` on ``pp`` ranks with ``vp`` virtual stages per rank (``None``: not
+    given) and ``dp`` replicas, or one :class:`ScheduleError` line saying what to change, cheapest
+    question first: the placement (naming ``vp_flag``), the layers (with ``num_layers``), the
+    micro-batches, the sharding, then the schedule built with ``options`` (its error in flag
+    terms). ``batch_schedule`` (:func:`step_batch_sizes`) replaces ``global_batch_size``: every
+    step's micro-batches must run; the last step's is returned."""
     spec = get_spec(name)
     chunks = spec.chunks_for(vp, vp_flag=vp_flag)
     stages = spec.stages_per_rank(chunks)
@@ -172,46 +165,22 @@ def check_fit(
     ]
     check_sharding(name, sharding)
     check_sharding_data_parallel(sharding, dp)
+    sizes = f"pp={pp}" + (f", vp={stages}" if stages > 1 else "")
+    where = f" (a step of {BATCH_SCHEDULE_FLAG})" if batch_schedule else ""
     for m in dict.fromkeys(counts):  # each distinct count once, in the schedule's order
-        _check_builds(
-            name,
-            pp=pp,
-            chunks=chunks,
-            stages=stages,
-            m=m,
-            sharding=sharding,
-            options=options,
-            step=bool(batch_schedule),
-        )
+        try:
+            build_schedule(
+                name,
+                num_ranks=pp,
+                num_microbatches=m,
+                num_chunks=chunks,
+                sharding=sharding,
+                **(options or {}),
+            )
+        except ScheduleError as error:
+            first = in_flag_terms(str(error).strip().splitlines()[0], name)
+            raise ScheduleError(
+                f"--pipeline-schedule {name} cannot run {m} micro-batches on {sizes}{where}: "
+                f"{first}"
+            ) from None
     return Fit(num_chunks=chunks, stages_per_rank=stages, num_microbatches=counts[-1])
-
-
-def _check_builds(
-    name: str,
-    *,
-    pp: int,
-    chunks: int | None,
-    stages: int,
-    m: int,
-    sharding: str,
-    options: Mapping[str, Any] | None,
-    step: bool,
-) -> None:
-    """The schedule built and validated at ``m`` micro-batches, or its first error in flag
-    terms after the sizes it was built for (``step``: one step of a batch-size schedule)."""
-    try:
-        build_schedule(
-            name,
-            num_ranks=pp,
-            num_microbatches=m,
-            num_chunks=chunks,
-            sharding=sharding,
-            **(options or {}),
-        )
-    except ScheduleError as error:
-        sizes = f"pp={pp}" + (f", vp={stages}" if stages > 1 else "")
-        where = f" (a step of {BATCH_SCHEDULE_FLAG})" if step else ""
-        first = in_flag_terms(str(error).strip().splitlines()[0], name)
-        raise ScheduleError(
-            f"--pipeline-schedule {name} cannot run {m} micro-batches on {sizes}{where}: {first}"
-        ) from None

@@ -49,11 +49,8 @@ def build_interleaved(
     num_chunks: int,
     microbatch_group_size: int | None = None,
 ) -> Schedule:
-    """Megatron's interleaved order; the group size is its ``microbatch_group_size_per_vp_stage``.
-
-    It defaults to p, megatron-core's default; the constraints are megatron-core's own, checked
-    here so a bad value fails before any rank starts.
-    """
+    """Megatron's interleaved order; the group size is its ``microbatch_group_size_per_vp_stage``
+    (default p), with megatron-core's constraints checked before any rank starts."""
     check_counts(
         "interleaved", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks
     )
@@ -61,10 +58,21 @@ def build_interleaved(
     _check_group(num_ranks, num_microbatches, num_chunks, group)
     layout = StageLayout.looped(num_ranks, num_chunks)
     table = schedule_table(num_microbatches, num_chunks, group)
-    programs = [
-        _rank_program(rank, num_ranks, num_chunks, num_microbatches, group, table)
-        for rank in range(num_ranks)
-    ]
+    f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
+    last_chunk = num_chunks - 1
+    programs: list[list[Action]] = []
+    for rank in range(num_ranks):
+        # Forward k runs table[k] through its chunk, backward k through the mirrored chunk.
+        forwards = [action(chunk * num_ranks + rank, f, mb) for mb, chunk in table]
+        backwards = [action((last_chunk - chunk) * num_ranks + rank, b, mb) for mb, chunk in table]
+        warmup = warmup_count(
+            rank=rank,
+            num_ranks=num_ranks,
+            num_chunks=num_chunks,
+            num_microbatches=num_microbatches,
+            group_size=group,
+        )
+        programs.append(interleave_1f1b(forwards, backwards, warmup))
     return make_schedule("interleaved", layout, num_microbatches, programs)
 
 
@@ -86,32 +94,3 @@ def _check_group(num_ranks: int, num_microbatches: int, num_chunks: int, group: 
             f"interleaved needs num_microbatches % group size to be 0 or >= pp={num_ranks}; "
             f"got {num_microbatches} % {group} = {remainder} (use a multiple of {group})"
         )
-
-
-def _rank_program(
-    rank: int,
-    num_ranks: int,
-    num_chunks: int,
-    num_microbatches: int,
-    group: int,
-    table: list[tuple[int, int]],
-) -> list[Action]:
-    """Warm-up forwards, then one forward one backward, then the remaining backwards.
-
-    Forward k runs table[k] through its chunk; backward k runs it through the mirrored chunk.
-    """
-    f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
-    forwards = [action(chunk * num_ranks + rank, f, microbatch) for microbatch, chunk in table]
-    last_chunk = num_chunks - 1
-    backwards = [
-        action((last_chunk - chunk) * num_ranks + rank, b, microbatch)
-        for microbatch, chunk in table
-    ]
-    warmup = warmup_count(
-        rank=rank,
-        num_ranks=num_ranks,
-        num_chunks=num_chunks,
-        num_microbatches=num_microbatches,
-        group_size=group,
-    )
-    return interleave_1f1b(forwards, backwards, warmup)

@@ -59,16 +59,10 @@ MEGATRON_VP_FLAGS = (
     "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
 )
 
-# How large a schedule may be built. bfpp-sim at the limit (v-zb pp=64 m=4400, 3.9 M actions,
-# the default lock-step timing model and its NCCL posting kept for the step) measured 43 s of
-# CPU and a 2.66 GB peak (about 675 bytes per action) on 2 shared cores; its PNG, trace and CSV
-# cost another 6-9 us per action (scripts/bench_schedules.py), so MAX_ACTIONS is about a minute
-# and 2.8 GB. A schedule has about 6 actions per stage and
-# micro-batch (F and B, or F, I and W, and the four messages at a rank boundary); 7 counts
-# BPipe's transfers and split backwards too. The checks also keep per-rank tables over every
-# stage (0.3 us and 32 bytes per rank and stage: pp=8000 took 20 s and 2 GB even at one
-# micro-batch), hence MAX_RANK_STAGES (about 10 s and 1 GB). MAX_ACTIONS lives in ir, where
-# a schedule CSV is read against it too.
+# How large a schedule may be built: MAX_ACTIONS (in ir, which reads CSVs against it too) is
+# about a minute and 2.8 GB of bfpp-sim, MAX_RANK_STAGES bounds the checks' per-rank tables over
+# every stage (figures: docs/architecture.md, "Generator bounds"). 7 actions per stage and
+# micro-batch: F and B (or F, I, W), the four messages at a rank boundary, BPipe's transfers.
 ACTIONS_PER_STAGE_MICROBATCH = 7
 BYTES_PER_ACTION = 700
 MAX_RANK_STAGES = 32_000_000
@@ -77,13 +71,10 @@ _BYTES_PER_RANK_STAGE = 32
 
 @dataclass(frozen=True, slots=True)
 class ScheduleOption:
-    """One schedule option: its generator keyword and the flag that sets it in each front end.
-
-    ``flag`` / ``dest`` are the bfpp-train and Megatron-LM flag and its argparse destination;
-    ``sim_flag`` is bfpp-sim's (one ``--group-size`` serves both group options).
+    """One schedule option: its generator keyword and the flag that sets it in each front end
+    (``flag`` / ``dest``: bfpp-train's and Megatron-LM's; ``sim_flag``: bfpp-sim's).
     ``megatron_owned``: Megatron-LM defines (and defaults) the flag itself, so its presence says
-    nothing about the chosen schedule there.
-    """
+    nothing about the chosen schedule there."""
 
     name: str
     flag: str
@@ -125,10 +116,6 @@ PLANNER_MAX_CHUNKS = 8
 OptionGrid = Callable[[int, int], tuple[Mapping[str, int], ...]]
 
 
-def _no_options(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
-    return ({},)
-
-
 def breadth_first_groups(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
     """One group, or groups of pp x 2^k micro-batches below m and dividing it: each bounds the
     stored activations at one group's (pp: the least that keeps the pipeline full)."""
@@ -150,30 +137,22 @@ def bpipe_caps(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
 
 @dataclass(frozen=True, slots=True)
 class PlanGrid:
-    """What the planners (``bfpp-plan recommend`` and ``--pipeline-schedule auto``) try of a
-    schedule, declared once on its catalogue entry so both search the same grid.
-
-    ``shardings``: the data-parallel sharding strategies it runs (sharded parameters need
-    several chunks whose backwards run back to back: breadth-first). ``microbatches_per_pp``:
-    the micro-batches must be a multiple of pp (Megatron's rule for its interleaved schedule).
-    ``options``: ``(pp, m) -> generator options`` to try, ``{}`` being the schedule's
-    defaults. ``last``: on equal predictions the others rank first (GPipe holds every
-    micro-batch's activations)."""
+    """What the planners (``bfpp-plan recommend``, ``--pipeline-schedule auto``) try of a
+    schedule, declared once so both search the same grid: the data-parallel ``shardings`` it
+    runs; ``microbatches_per_pp``: m must be a multiple of pp (Megatron's interleaved rule);
+    ``options``: ``(pp, m) -> generator options`` to try (``{}``: the defaults); ``last``: on
+    equal predictions the others rank first (GPipe holds every micro-batch's activations)."""
 
     shardings: tuple[str, ...] = ("optim",)
     microbatches_per_pp: bool = False
-    options: OptionGrid = _no_options
+    options: OptionGrid = lambda pp, m: ({},)
     last: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduleSpec:
     """What a user-facing schedule name means: the one catalogue every front end reads.
-
-    ``placement`` says where its stages sit (:class:`~megatron_bfpp.ir.Placement`). ``options``
-    are the extra keyword arguments its generator accepts. Every entry runs on megatron-core too:
-    the runtime's dispatch table covers every action kind.
-    """
+    ``options`` are the extra keyword arguments its generator accepts."""
 
     name: str
     summary: str
@@ -304,26 +283,13 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             (MAX_STORED,),
             plan=PlanGrid(options=bpipe_caps),
         ),
-        ScheduleSpec(
-            "v-min",
-            "V-shape, about 1/3 of 1F1B's activation memory",
-            build_v_min,
-            Placement.V_SHAPE,
-            split_backward=True,
-        ),
-        ScheduleSpec(
-            "v-half",
-            "V-shape, about 1/2 of 1F1B's activation memory",
-            build_v_half,
-            Placement.V_SHAPE,
-            split_backward=True,
-        ),
-        ScheduleSpec(
-            "v-zb",
-            "V-shape zero bubble at 1F1B's activation memory",
-            build_v_zb,
-            Placement.V_SHAPE,
-            split_backward=True,
+        *(
+            ScheduleSpec(name, summary, generator, Placement.V_SHAPE, split_backward=True)
+            for name, summary, generator in (
+                ("v-min", "V-shape, about 1/3 of 1F1B's activation memory", build_v_min),
+                ("v-half", "V-shape, about 1/2 of 1F1B's activation memory", build_v_half),
+                ("v-zb", "V-shape zero bubble at 1F1B's activation memory", build_v_zb),
+            )
         ),
     )
 }
@@ -344,10 +310,9 @@ def planned_schedules() -> tuple[ScheduleSpec, ...]:
 
 
 def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -> None:
-    """Reject a schedule option's flag given for a schedule that does not take it (``name``
-    ``None``: a schedule with no options, like Megatron's own ``default``). ``args`` is a parsed
-    namespace using ``ScheduleOption.dest``; with ``megatron``, flags Megatron-LM owns (and
-    defaults) are left alone."""
+    """Reject a schedule option's flag (on parsed ``args``) given for a schedule that does not
+    take it (``name`` ``None``: one with no options, like Megatron's own ``default``); with
+    ``megatron``, flags Megatron-LM owns (and defaults) are left alone."""
     mine = {option.dest for option in get_spec(name).options} if name is not None else set()
     for option in ALL_OPTIONS:
         if getattr(args, option.dest, None) is None or option.dest in mine:
@@ -359,9 +324,8 @@ def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -
 
 
 def add_option_flags(group: Any, value_type: Any, *, megatron: bool = False) -> None:
-    """The catalogue's schedule options as flags of an argparse ``group`` (every front end's
-    spelling is the option's ``flag``); ``megatron``: leave out the flags Megatron-LM defines
-    itself."""
+    """The catalogue's schedule options as flags of an argparse ``group``; ``megatron``: leave
+    out the flags Megatron-LM defines itself."""
     for option in ALL_OPTIONS:
         if not (megatron and option.megatron_owned):
             group.add_argument(
@@ -407,9 +371,8 @@ def estimate_actions(*, num_ranks: int, stages_per_rank: int, num_microbatches: 
 
 
 def check_size(*, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> None:
-    """Refuse a schedule too large to build in about a minute, from its sizes alone (before
-    anything is allocated: a billion micro-batches used to grow until the kernel killed it).
-    Sizes that are not integers are left to the generator's own checks."""
+    """Refuse a schedule too large to build in about a minute, from its sizes alone, before
+    anything is allocated; sizes that are not integers are left to the generator's checks."""
     sizes_given = (num_ranks, stages_per_rank, num_microbatches)
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes_given):
         return
@@ -461,17 +424,12 @@ def build_schedule(
     **options: Any,
 ) -> Schedule:
     """A validated schedule; ``lower=False`` stops at the compute order (still validated).
-
-    ``validate=False`` is for the planner, which builds the catalogue's own schedules hundreds of
-    times per search: that every generator's output validates is the tests' job
-    (tests/unit/test_generators.py), and the simulator still stops on a deadlock.
-
-    ``num_chunks`` is the virtual pipeline size (stages per rank): required for looped
-    schedules, 1 or omitted for single-stage ones, 2 or omitted for V-shape ones. Options left
-    at ``None`` take the schedule's default. ``sharding`` is Megatron's data-parallel sharding
-    strategy, ``optim`` or ``optim_grads_params`` (sharded parameters: gathers and releases per
-    chunk, see ``passes.grad_sync``); it shapes the lowered schedule only.
-    """
+    ``validate=False`` is for the planner, which builds catalogue schedules hundreds of times per
+    search (tests/unit/test_generators.py validates every generator's output; the simulator still
+    stops on a deadlock). ``num_chunks`` is the virtual pipeline size: required for looped
+    schedules, 1 or omitted for single-stage ones, 2 or omitted for V-shape ones. Options left at
+    ``None`` take the schedule's default. ``sharding`` (Megatron's data-parallel sharding
+    strategy, see ``passes.grad_sync``) shapes the lowered schedule only."""
     spec = get_spec(name)
     chosen = {key: value for key, value in options.items() if value is not None}
     spec.check_option_names(chosen)
@@ -494,10 +452,9 @@ def build_schedule(
 
 
 def check_sharding(schedule: str, strategy: str) -> None:
-    """Megatron's ``--data-parallel-sharding-strategy`` for a schedule: a one-line
-    :class:`ScheduleError` where it cannot apply, before any work. Sharded parameters are
-    gathered and released per model chunk, so only a looped schedule (several chunks per rank)
-    has anything to release during the step."""
+    """Megatron's ``--data-parallel-sharding-strategy`` for a schedule, or a one-line
+    :class:`ScheduleError` before any work: sharded parameters are gathered and released per
+    model chunk, which only breadth-first runs back to back."""
     if strategy not in SHARDING_STRATEGIES:
         raise ScheduleError(
             f"data-parallel sharding strategy {strategy!r} is not one of "
@@ -522,10 +479,8 @@ def check_sharding(schedule: str, strategy: str) -> None:
 
 
 def check_sharding_data_parallel(strategy: str, data_parallel_size: int) -> None:
-    """Sharded parameters and gradients (``optim_grads_params``) are split over the
-    data-parallel ranks: with one such rank there is nothing to split, and megatron-core's
-    buffers would hold every parameter whole anyway. Every front end and the runtime refuse it
-    with this one line."""
+    """Refuse sharded parameters and gradients without data parallelism, where there is
+    nothing to split them over: every front end and the runtime say this one line."""
     if strategy != "optim" and data_parallel_size < 2:
         raise ScheduleError(
             f"--data-parallel-sharding-strategy {strategy} needs data parallelism "
@@ -535,13 +490,8 @@ def check_sharding_data_parallel(strategy: str, data_parallel_size: int) -> None
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
-    """The evaluation schedule: every rank's forwards in the training order, lowered again.
-
-    For ``interleaved`` this is exactly megatron-core's forward-only order (all forwards in
-    schedule-table order), and for every schedule each stage still reads its data in order.
-    A schedule with sharded parameters (RL actions) keeps them: forwards need the parameters
-    gathered too.
-    """
+    """The evaluation schedule: every rank's forwards in the training order, lowered again
+    (megatron-core's forward-only order for ``interleaved``), sharded parameters kept."""
     compute = schedule.with_programs(
         [a for a in actions if a.kind is ActionKind.FORWARD] for actions in schedule.per_rank
     )

@@ -1,45 +1,25 @@
 """V-shape schedules with controllable activation memory: v-min, v-half and v-zb.
 
 Qi et al., "Pipeline Parallelism with Controllable Memory" (NeurIPS 2024) place 2p stages on p
-ranks in a V: rank r holds stage r (its chunk 0) and stage 2p-1-r (its chunk 1), so rank 0 holds
-both the first stage and the loss. Every rank then carries one stage that is used early in a
-micro-batch's life and one that is used late, and the activation memory balances across ranks.
-With the backward split into I (input gradient) and W (weight gradient), how long each
-activation lives, and therefore the peak memory, is set by the order in which a rank runs them.
+ranks in a V: rank r holds stage r (its chunk 0) and stage 2p-1-r (its chunk 1), so every rank
+carries one stage used early in a micro-batch's life and one used late, and activation memory
+balances across ranks. With the backward split into I (input gradient) and W (weight gradient),
+the order a rank runs them in sets how long each activation lives, hence the peak.
 
-The generators return compute-only schedules (F, I and W actions; the communication pass adds
-the messages). Memory is counted the way the simulator counts it: the activation of
-(stage, micro-batch) is held from the start of its F to the end of its W, and one V stage holds
-half of a 1F1B stage's layers, so one held activation is 0.5 "1F1B units"; 1F1B's rank 0 peaks
-at p units. Peaks depend only on program order, never on timing. Bubble figures below assume
-F = I = W = 0.5 time units per V stage (a full stage's forward 1, backward 2), no communication
-time, and a rank starting an action as soon as it is free and its inputs exist:
+The generators return compute-only schedules (F, I and W). An activation is held from the start
+of its F to the end of its W and one V stage is half a 1F1B stage, so one held activation is 0.5
+"1F1B units"; peaks depend on program order only (bounds and bubbles: docs/architecture.md,
+"Generator bounds"). Three constructions, each used where it measured better
+(``tests/unit/test_v_shape.py``):
 
-* v-min: floor((p + 4) / 3) units on the busiest rank (about p/3; at most p/3 + 1, or p/3 + 4/3
-  when p % 3 == 2). Bubble below 1F1B's; about 0.8x of it or less for m >= 2p, 7.1% at p=16,
-  m=128 (1F1B: 10.5%).
-* v-half: at most p/2 + 1 units (and never more than 1F1B's p). Bubble about half of 1F1B's
-  (p-1)/(m+p-1): at most 0.65x of it for m >= 2p.
-* v-zb: at most p units, 1F1B's. For every m >= p the step time is 3m + (p-1)/2 (6m + p - 1
-  slots), the pipeline-fill bound no schedule on this placement can beat (bubble
-  (p-1)/(6m+p-1)), measured for m up to 8p at p <= 24; torch.distributed.pipelining's
-  ScheduleZBVZeroBubble reaches it from m >= (3p-1)/2 and is never shorter.
-
-Three constructions, each used where it measured better (see ``tests/unit/test_v_shape.py``):
-
-* v-min repeats the paper's V-Min building block: one micro-batch's F, I and W slots on every
-  rank, shifted by 6 slots per micro-batch. The program order is the block order; executing it
-  eagerly squeezes the warm-up and cool-down gaps, and the peak memory is the block's, because
-  memory depends on order alone. At this tight budget the block's collision-free steady state
-  beats a greedy scheduler (whose steady state develops recurring bubbles).
-* v-half uses a greedy list scheduler under a memory limit (the paper's adaptive scheduler): a
-  free rank runs a ready I first (it unblocks the rank upstream and lets a W free memory), else
-  a ready F that fits the limit, else a W (to free memory or fill a bubble). v-zb uses it too
-  when m < p, where its memory limit never binds.
-* v-zb (m >= p) is the zero-bubble paper's ZB-V order, phase by phase; its warm-up reaches the
-  fill bound and its steady state has no bubble. Where its cool-down leaves gaps (m < 1.5p), a
-  unit-time replay lets ready input gradients overtake weight gradients, which closes them
-  without changing the memory.
+* v-min repeats the paper's V-Min building block: at this tight budget the block's
+  collision-free steady state beats a greedy scheduler (whose steady state develops recurring
+  bubbles); executed eagerly it squeezes the warm-up and cool-down, and keeps the block's peak.
+* v-half uses a greedy list scheduler under a memory limit (the paper's adaptive scheduler);
+  v-zb uses it too when m < p, where its memory limit never binds.
+* v-zb (m >= p) is the zero-bubble paper's ZB-V order, phase by phase; where its cool-down
+  leaves gaps (m < 1.5p), a unit-time replay lets ready input gradients overtake weight
+  gradients, which closes them without changing the memory.
 """
 
 from __future__ import annotations
@@ -63,16 +43,8 @@ _PERIOD = 6
 
 @paused_gc()
 def build_v_min(*, num_ranks: int, num_microbatches: int) -> Schedule:
-    """V-Min: about a third of 1F1B's activation memory, paid for with more bubble than v-half.
-
-    Repeats the V-Min building block (chunk-0 forwards one slot apart down the ranks, chunk-1
-    forwards one slot apart back up, the input-gradient wave mirrored, weight gradients in the
-    first free slot after their input gradient), so activations live as briefly as the V allows.
-    Peak memory is exactly floor((p + 4) / 3) 1F1B units on the busiest rank for m >= p (less for
-    fewer micro-batches): at most p/3 + 1, except p/3 + 4/3 when p % 3 == 2. The bubble is below
-    1F1B's for m >= 2p and shrinks with m (no recurring bubble in the steady phase when F, I and W
-    cost the same); with unequal costs the paper notes it grows with m instead.
-    """
+    """V-Min: about a third of 1F1B's activation memory (floor((p + 4) / 3) units on the busiest
+    rank for m >= p), paid for with more bubble than v-half; ``_block_programs``."""
     check_counts("v-min", num_ranks=num_ranks, num_microbatches=num_microbatches)
     programs = _block_programs(num_ranks, num_microbatches)
     return _make("v-min", num_ranks, num_microbatches, programs)
@@ -80,16 +52,11 @@ def build_v_min(*, num_ranks: int, num_microbatches: int) -> Schedule:
 
 @paused_gc()
 def build_v_half(*, num_ranks: int, num_microbatches: int) -> Schedule:
-    """V-Half: half of 1F1B's activation memory with about half of 1F1B's bubble.
-
-    Greedy under a limit of p + 2 held activations per rank, i.e. at most p/2 + 1 1F1B units
-    (2 for p = 1, so that it never needs more than 1F1B).
-    Rank r also keeps at most p - r + 1 micro-batches between its chunk 0 and chunk 1: about
-    that many are in flight on the way down the V and back when the pipeline runs at full rate,
-    and admitting more only fills the rank with chunk-0 activations and starves chunk 1, which
-    then moves one micro-batch at a time (the greedy's failure mode at this budget without it).
-    Measured bubble with m = 2p: 13% at p=4, 18% at p=8, 20% at p=16 (1F1B: 27%, 30%, 32%).
-    """
+    """V-Half: half of 1F1B's activation memory with about half of 1F1B's bubble: greedy under a
+    limit of p + 2 held activations per rank, i.e. at most p/2 + 1 1F1B units (2 for p = 1, so that
+    it never needs more than 1F1B). Rank r also keeps at most p - r + 1 micro-batches between its
+    chunk 0 and chunk 1, about what is in flight down the V and back at full rate: admitting more
+    fills the rank with chunk-0 activations and starves chunk 1."""
     check_counts("v-half", num_ranks=num_ranks, num_microbatches=num_microbatches)
     p = num_ranks
     programs = _greedy_programs(
@@ -103,23 +70,12 @@ def build_v_half(*, num_ranks: int, num_microbatches: int) -> Schedule:
 
 @paused_gc()
 def build_v_zb(*, num_ranks: int, num_microbatches: int) -> Schedule:
-    """V-ZB: zero bubble at 1F1B's activation memory (2p held activations = p units).
-
-    Built on the zero-bubble paper's ZB-V order (``_zb_programs``; torch.distributed.pipelining's
-    ScheduleZBVZeroBubble runs the same order). With F = I = W and free messages that order
-    takes max(6m + p - 1, 4m + 4p - 2) slots for m >= p (measured, p <= 24), so:
-
-    * m >= (3p - 1) / 2: the first term, the pipeline-fill floor (3m + (p-1)/2 time units,
-      bubble (p-1)/(6m+p-1)): the order is kept as it is. The W's it runs between the last
-      input gradients also hide message latency.
-    * p <= m < (3p - 1) / 2: the cool-down's input-gradient waves wait behind weight gradients.
-      Replayed so that a ready I never waits behind a W (``_input_gradients_first``), the step
-      reaches the floor too (measured for every such m at p <= 24).
-    * m < p: no rank can hold more than 2m < 2p activations, so the memory limit never binds
-      and ZB-V's memory-paced order only costs time; the greedy (input gradients first,
-      ``_greedy_programs``) measured shorter, at the same limit. There are too few
-      micro-batches to fill the warm-up, as for every schedule.
-    """
+    """V-ZB: zero bubble at 1F1B's activation memory (2p held activations = p units). The ZB-V order
+    (``_zb_programs``, torch's ScheduleZBVZeroBubble's) takes max(6m + p - 1, 4m + 4p - 2) unit
+    slots for m >= p: from m >= (3p - 1) / 2 the first, the pipeline-fill floor, so it is kept (its
+    W's between the last input gradients also hide message latency); below,
+    ``_input_gradients_first`` replays it to reach the floor too. For m < p the memory limit never
+    binds and the greedy measured shorter."""
     check_counts("v-zb", num_ranks=num_ranks, num_microbatches=num_microbatches)
     p, m_count = num_ranks, num_microbatches
     if m_count < p:
@@ -136,28 +92,22 @@ def build_v_zb(*, num_ranks: int, num_microbatches: int) -> Schedule:
 def _make(
     name: str, num_ranks: int, num_microbatches: int, programs: list[list[_Step]]
 ) -> Schedule:
-    return make_schedule(
-        name,
-        StageLayout.v_shape(num_ranks),
-        num_microbatches,
-        (
-            [unchecked_action(stage, _KINDS[kind], mb) for kind, stage, mb in program]
-            for program in programs
-        ),
+    actions = (
+        [unchecked_action(stage, _KINDS[kind], mb) for kind, stage, mb in program]
+        for program in programs
     )
+    return make_schedule(name, StageLayout.v_shape(num_ranks), num_microbatches, actions)
 
 
 def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
-    """Program order of the repeated V-Min building block (slot times are only a means).
-
-    In block slot units (one F, I or W each), micro-batch k's actions on rank r sit at 6k plus:
-    F chunk 0 at r, F chunk 1 at 2p-1-r, I chunk 1 at 2p+d+r, I chunk 0 at 4p+d-1-r. Every
-    dependency sits in an earlier slot, so the order cannot deadlock. The four offsets must fall
-    in distinct residues mod 6 on each rank so that repeated blocks never collide; working the
-    pairs through, that holds iff d is even and 2p + d is not a multiple of 6, hence d = 0 unless
-    3 divides p, else d = 2. Each W takes the rank's next free slot after its I (two free
-    residues per period, first come first served), which keeps lifespans short.
-    """
+    """Program order of the repeated V-Min building block (slot times are only a means). In slots
+    (one F, I or W each), micro-batch k's actions on rank r sit at 6k plus: F chunk 0 at r, F chunk
+    1 at 2p-1-r, I chunk 1 at 2p+d+r, I chunk 0 at 4p+d-1-r. Every dependency sits in an earlier
+    slot, so the order cannot deadlock. The four offsets must fall in distinct residues mod 6 on
+    each rank so that repeated blocks never collide; working the pairs through, that holds iff d is
+    even and 2p + d is not a multiple of 6, hence d = 0 unless 3 divides p, else d = 2. Each W takes
+    the rank's next free slot after its I (two free residues per period, first come first served),
+    which keeps lifespans short."""
     p, m_count = num_ranks, num_microbatches
     last_stage = 2 * p - 1
     d = 0 if p % 3 else 2
@@ -194,28 +144,23 @@ def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
 
 def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
-    """Every rank's ZB-V order: the V schedule of "Zero Bubble Pipeline Parallelism" (Qi et al.,
-    ICLR 2024, section 6).
-
-    Rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1). Counting slots with F = I = W,
-    every phase is set by when work can first reach the rank and by the memory limit:
+    """Every rank's ZB-V order ("Zero Bubble Pipeline Parallelism", Qi et al., ICLR 2024, section
+    6). Counting slots with F = I = W, each phase is set by when work can first reach the rank
+    and by the memory limit:
 
     * warm-up: rank r starts at slot r and its first chunk-1 input arrives at slot 2p-1-r, so it
       fills the gap with 2(p-r)-1 chunk-0 forwards; it alternates chunk-1 and chunk-0 forwards
       (r pairs) until its first input gradient can arrive, at slot 2p+r; then it runs p-r
-      (F, I, W) triples of chunk 1. It now holds 2p-1 activations and each triple peaks at 2p,
-      1F1B's p units: from here every forward follows a weight gradient.
+      (F, I, W) triples of chunk 1, each peaking at 2p held (1F1B's p units): from here every
+      forward follows a weight gradient.
     * steady: (F, I, W) of chunk 0, then of chunk 1, per micro-batch; once chunk 0's forwards
       are done the group drops its forward, until chunk 1's are done too.
     * cool-down: the p chunk-0 and r chunk-1 input gradients left, paired while both remain,
       each later chunk-0 one followed by a weight gradient; then the remaining weight gradients.
 
     The phases assume at least 2p-1 micro-batches. With fewer, rank r keeps the order built
-    for 2p-1 and drops the micro-batches that do not exist: removing a micro-batch from every
-    rank keeps a deadlock-free order deadlock-free, since no dependency crosses micro-batches.
-    Repetitions past the last real micro-batch are skipped, not built and dropped, so large p
-    with few micro-batches stays linear in the actions.
-    """
+    for 2p-1 without the micro-batches that do not exist (no dependency crosses micro-batches,
+    so the order stays deadlock-free); those are skipped, not built, to stay linear in actions."""
     p, m_count = num_ranks, num_microbatches
     n = max(m_count, 2 * p - 1)
     fa, fb, ia, ib, wa, wb = range(6)  # 2 * kind + chunk
@@ -252,19 +197,13 @@ def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
 
 def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[list[_Step]]:
-    """Replay ``programs`` in unit time steps and return the order each rank ran them in.
-
-    Every F keeps its place: it runs after everything listed before it and before everything
-    listed after it. Between two F's a rank runs the first ready I, else the first W whose I
-    is done: an input gradient (on the critical path back through the V) never waits behind a
-    weight gradient, which nothing depends on and which only fills time. Held activations at
-    every F, hence the peak, and each stage's forward order are unchanged.
-
-    It cannot deadlock if ``programs`` does not (every generator's order here): among the
-    actions still to run, ordered by their programs and their dependencies, some action has
-    its dependencies and listed predecessors all done; it is an F heading its rank's program,
-    or an I or W before that rank's next F, so that rank acts.
-    """
+    """Replay ``programs`` in unit time steps, returning the order each rank ran them in. Every F
+    keeps its place. Between two F's a rank runs the first ready I, else the first W
+    whose I is done: an input gradient (on the critical path back through the V) never waits
+    behind a weight gradient, which nothing depends on. Held activations at every F, hence the
+    peak, and each stage's forward order are unchanged. It cannot deadlock if ``programs`` does
+    not: some action still to run has its dependencies and listed predecessors all done, an F
+    heading its rank's program or an I or W before that rank's next F, so that rank acts."""
     p = num_ranks
     last = 2 * p - 1
     m_count = 1 + max((mb for program in programs for _, _, mb in program), default=0)
@@ -274,9 +213,8 @@ def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[
     replayed: list[list[_Step]] = [[] for _ in range(p)]
     # Per rank: its I's and W's listed before its next F and not run yet, in listed order.
     window: list[list[_Step]] = [[] for _ in range(p)]
-    position = [0] * p  # each program's first action neither run nor in the window (an F)
-    for r in range(p):
-        position[r] = _fill_window(programs[r], 0, window[r])
+    # Each program's first action neither run nor in the window (an F).
+    position = [_fill_window(programs[r], 0, window[r]) for r in range(p)]
     remaining = sum(len(program) for program in programs)
     step = 0
 
@@ -347,26 +285,19 @@ def _greedy_programs(
     """List-schedule F, I and W in unit time steps; return each rank's order.
 
     ``memory_limit`` caps the activations a rank holds (F start to W end); ``open_limits[r]``
-    caps how many micro-batches rank r has forwarded through chunk 0 but not yet chunk 1. Each
-    stage runs its micro-batches in order. In each unit step every rank picks one action,
-    reading only results of earlier steps:
+    caps the micro-batches rank r has forwarded through chunk 0 but not yet chunk 1. Each stage
+    runs its micro-batches in order. In each unit step every rank picks, from earlier steps'
+    results: 1. a ready I, the older micro-batch first (it unblocks the rank upstream and its W
+    can then free memory); 2. a ready F, chunk 1 first, if it fits: a chunk-1 F needs one free
+    slot, a chunk-0 F two (and ``open_limits``), so an admitted micro-batch's chunk-1 forward
+    always finds one; 3. the oldest pending W, which frees memory or fills a bubble.
 
-    1. a ready I, the older micro-batch first (it unblocks the rank upstream and its W can then
-       free memory);
-    2. a ready F, chunk 1 first (an older micro-batch), if it fits: a chunk-1 F needs one free
-       activation slot, a chunk-0 F needs two (and must respect ``open_limits``), so a slot is
-       always left for the chunk-1 forward of a micro-batch already admitted;
-    3. the oldest pending W, which frees memory or fills what would otherwise be a bubble.
-
-    Why this cannot deadlock for ``memory_limit >= 2``: take the oldest micro-batch with work
-    left. Every older one is finished (a rank with a pending W is never idle), so the first
-    unfinished action in its F/I chain is ready. An I is always allowed. A chunk-0 F finds the
-    rank empty (nothing younger was admitted there). A chunk-1 F finds at most limit - 1 held:
-    the rank holds only chunk-0 activations of this and younger micro-batches, and each
-    chunk-0 F left a free slot. So some rank acts in every step. Below 2 one micro-batch cannot
-    pass a rank within the limit; then, when no rank can act, the dependency-ready F of the
-    oldest micro-batch runs anyway, so the scheduler still finishes (over the limit).
-    """
+    No deadlock for ``memory_limit >= 2``: every micro-batch older than the oldest one with work
+    left is finished (a rank with a pending W is never idle), so the first unfinished action in
+    its F/I chain is ready: an I is always allowed, a chunk-0 F finds the rank empty, a chunk-1 F
+    at most limit - 1 held (only chunk-0 activations of this and younger micro-batches, each of
+    which left a free slot). Below 2, when no rank can act, the dependency-ready F of the oldest
+    micro-batch runs anyway (over the limit), so the scheduler still finishes."""
     p, m_count = num_ranks, num_microbatches
     num_stages = 2 * p
     last = num_stages - 1
@@ -384,64 +315,45 @@ def _greedy_programs(
         acted = False
         for r in range(p):
             chunk0, chunk1 = r, last - r
-            program = programs[r]
-            # 1. input gradients: chunk 0's candidate is always the older micro-batch, since
-            # I(chunk0, m) needs I(chunk1, m) first.
-            mb = next_i[chunk0]
-            if mb < next_f[chunk0] and i_time[(chunk0 + 1) * m_count + mb] < step:
-                i_time[chunk0 * m_count + mb] = step
-                next_i[chunk0] = mb + 1
-                pending_w[r].append((chunk0, mb))
-                program.append((_I, chunk0, mb))
-                remaining -= 1
-                acted = True
-                continue
-            mb = next_i[chunk1]
-            if mb < next_f[chunk1] and (
+            # 1. input gradients, chunk 0's first: it is always the older micro-batch, since
+            # I(chunk0, m) needs I(chunk1, m) first; 2. forwards, chunk 1's first (the older).
+            if (mb := next_i[chunk0]) < next_f[chunk0] and (
+                i_time[(chunk0 + 1) * m_count + mb] < step
+            ):
+                kind, stage = _I, chunk0
+            elif (mb := next_i[chunk1]) < next_f[chunk1] and (
                 chunk1 == last or i_time[(chunk1 + 1) * m_count + mb] < step
             ):
-                i_time[chunk1 * m_count + mb] = step
-                next_i[chunk1] = mb + 1
-                pending_w[r].append((chunk1, mb))
-                program.append((_I, chunk1, mb))
-                remaining -= 1
-                acted = True
-                continue
-            # 2. forwards: chunk 1's candidate is always the older micro-batch.
-            mb = next_f[chunk1]
-            if (
-                mb < m_count
+                kind, stage = _I, chunk1
+            elif (
+                (mb := next_f[chunk1]) < m_count
                 and held[r] + 1 <= memory_limit
                 and f_time[(chunk1 - 1) * m_count + mb] < step
             ):
-                f_time[chunk1 * m_count + mb] = step
-                next_f[chunk1] = mb + 1
-                held[r] += 1
-                program.append((_F, chunk1, mb))
-                remaining -= 1
-                acted = True
-                continue
-            mb = next_f[chunk0]
-            if (
-                mb < m_count
+                kind, stage = _F, chunk1
+            elif (
+                (mb := next_f[chunk0]) < m_count
                 and held[r] + 2 <= memory_limit
                 and mb - next_f[chunk1] < open_limits[r]
                 and (chunk0 == 0 or f_time[(chunk0 - 1) * m_count + mb] < step)
             ):
-                f_time[chunk0 * m_count + mb] = step
-                next_f[chunk0] = mb + 1
-                held[r] += 1
-                program.append((_F, chunk0, mb))
-                remaining -= 1
-                acted = True
-                continue
-            # 3. weight gradients.
-            if pending_w[r]:
-                stage, mb = pending_w[r].popleft()
+                kind, stage = _F, chunk0
+            elif pending_w[r]:  # 3. weight gradients
+                kind, (stage, mb) = _W, pending_w[r].popleft()
                 held[r] -= 1
-                program.append((_W, stage, mb))
-                remaining -= 1
-                acted = True
+            else:
+                continue
+            if kind == _I:
+                i_time[stage * m_count + mb] = step
+                next_i[stage] = mb + 1
+                pending_w[r].append((stage, mb))
+            elif kind == _F:
+                f_time[stage * m_count + mb] = step
+                next_f[stage] = mb + 1
+                held[r] += 1
+            programs[r].append((kind, stage, mb))
+            remaining -= 1
+            acted = True
         if not acted and remaining:
             _force_oldest_forward(p, m_count, step, f_time, next_f, held, programs)
             remaining -= 1
@@ -458,10 +370,8 @@ def _force_oldest_forward(
     held: list[int],
     programs: list[list[_Step]],
 ) -> None:
-    """Run the dependency-ready F of the oldest micro-batch, ignoring the memory limit.
-
-    Only reachable with a memory limit below one micro-batch's need (see ``_greedy_programs``).
-    """
+    """Run the dependency-ready F of the oldest micro-batch over the memory limit: only reached
+    with a limit below one micro-batch's need (``_greedy_programs``)."""
     last = 2 * p - 1
     best: tuple[int, int, int] | None = None  # (micro-batch, stage, rank)
     for r in range(p):
