@@ -1,40 +1,31 @@
 """Run one rank's program of a validated Schedule on megatron-core model chunks.
 
-The executor is one dispatch table, action kind -> handler, over an explicit per-step state
-(runtime.step). The table is assembled from the runtime modules' ``Handlers`` and checked to
-cover every ``ActionKind`` exactly once when this module is imported: a kind added to the IR
-without a handler fails the import, before any step. This module holds the core handlers
-(compute, pipeline messages, data-parallel sync); a protocol with its own actions and state
-lives in its own module, listed in ``TABLE`` below (BPipe's transfers: runtime.bpipe; sharded
-parameters' gathers and releases: runtime.sharding; split backward's I and W:
-runtime.split_backward), so a new one is a module of its own too, not an edit here or in theirs.
+One dispatch table, action kind -> handler, over an explicit per-step state (runtime.step),
+assembled from the runtime modules' ``Handlers`` and checked at import to cover every
+``ActionKind`` exactly once, so a kind added to the IR without a handler fails before any step.
+Core handlers (compute, pipeline messages, data-parallel sync) live here; a protocol with its own
+actions and state is a module of its own listed in ``TABLE`` (runtime.bpipe, runtime.sharding,
+runtime.split_backward), so adding one edits neither this module nor theirs.
 
-Compute reuses megatron-core's own ``forward_step`` / ``backward_step`` (loss scaling, per-token
-loss, autocast, input-tensor plumbing), and behaviour comes from the model config exactly as
-megatron-core reads it: ``no_sync_func``, ``grad_sync_func``, ``param_sync_func``,
-``finalize_model_grads_func``, ``deallocate_pipeline_outputs``, timers.
+Compute reuses megatron-core's ``forward_step`` / ``backward_step``, and behaviour comes from the
+model config as megatron-core reads it (``no_sync_func``, ``grad_sync_func``, ``param_sync_func``,
+``finalize_model_grads_func``, ``deallocate_pipeline_outputs``, timers).
 
-Messages: the executor follows the schedule's lock-step posting (``megatron_bfpp.nccl``),
-which it is handed with the schedule as a :class:`PlannedSchedule` (``planned``: proven under
-NCCL's rules once per schedule, when the schedule is planned, not at every step): the computes
-and data-parallel actions in program order, and between them one batch per tick, whose items'
-handlers add their sends and receives to one window that is posted as one
-``batch_isend_irecv`` (see runtime.p2p).
+Messages follow the schedule's lock-step posting (``megatron_bfpp.nccl``), proven under NCCL's
+rules once when the schedule is planned (:class:`PlannedSchedule`), not per step: computes and
+data-parallel actions in program order, and between them one ``batch_isend_irecv`` per tick
+(runtime.p2p).
 
-Data parallelism is per chunk: a chunk's ``no_sync`` context is left just before its last
-backward (megatron-core DDP's hooks then dispatch its gradient reduction during that backward),
-``grad_sync_func[chunk]`` runs at the chunk's GS action and ``param_sync_func[chunk]`` at its PS
-action (with sharded parameters PS gathers the chunk instead, see runtime.sharding). With
-breadth-first, the first chunk to finish does so long before the step ends, so its reduction
-overlaps the other chunks' backward.
+Data parallelism is per chunk: a chunk leaves ``no_sync`` just before its last backward (DDP's
+hooks then reduce during it), ``grad_sync_func[chunk]`` runs at its GS and ``param_sync_func``
+at its PS (sharded parameters gather instead, runtime.sharding); so breadth-first's first
+finished chunk reduces under the other chunks' backwards.
 
-Memory accounting (``StepContext.measure_memory``, always on for a rank whose program has a
-kind that needs the activation store, such as BPipe's EV): after every window of messages and
-every compute action the executor adds up the distinct storages this rank holds for pipelining:
-tensors saved for backward, stage inputs and outputs, payloads received, posted or in flight
-(the parts add theirs). ``MemoryReport`` keeps the peak bytes and, separately, the most
-micro-batches resident at once; on CUDA it also reads ``torch.cuda.max_memory_allocated`` (the
-process's high-water mark, which this runtime does not reset).
+Memory accounting (``StepContext.measure_memory``, always on for a rank needing the activation
+store, e.g. BPipe's EV): after every message window and compute, the distinct storages held for
+pipelining (saved tensors, stage inputs/outputs, payloads received, posted or in flight) are
+summed; ``MemoryReport`` keeps the peak bytes, the most micro-batches resident at once and, on
+CUDA, ``torch.cuda.max_memory_allocated`` (never reset by this runtime).
 """
 
 from __future__ import annotations

@@ -1,35 +1,27 @@
 """Point-to-point messages between pipeline ranks, posted as the NCCL-safe posting says.
 
-Every message of a step goes through here. The executor posts the messages of one lock-step
-tick (``megatron_bfpp.nccl``) as one ``batch_isend_irecv``, whose partners are in the peers'
-batches of the same tick, so the batches never cross under NCCL's rules (one communicator and
-stream per process group, a batch done only when all its ops are matched). A backend may return
-one Work per op (gloo) or one for the whole batch (NCCL): a receive is waited for by the action
-that consumes it, through its own Work where there is one and the batch's otherwise, and a
-send's buffer is released only after its Work completes (gloo reads send buffers from a
-background thread after ``isend`` returns).
+The executor posts one lock-step tick's messages (``megatron_bfpp.nccl``) as one
+``batch_isend_irecv`` whose partners are in the peers' batches of the same tick, so batches never
+cross under NCCL's rules (one communicator and stream per process group, a batch done only when
+all its ops are matched). gloo returns one Work per op, NCCL one per batch: a receive is waited
+for by its consuming action through its own Work if any, else the batch's, and a send's buffer
+is released only after its Work completes (gloo reads send buffers from a background thread).
 
-BPipe's evictions carry a payload whose size only the evictor knows (whatever autograd saved),
-so an eviction is two messages of one tick: an 8-byte *header* with the payload size in the
-tick's batch, then the payload in a batch of its own that only the evictor and the acceptor post
-right after it. The acceptor reads the header in between (``read_header``, which blocks: on a
-GPU a CPU sync per eviction) and posts a receive of exactly that size. The payload batches
-(evictions and restores) go on a process group of the two partners alone (:func:`pair_group`,
-``PipeComm.side_group``): on NCCL another communicator and stream, so that a payload's transfer
-does not hold the rank's next tick batches (NCCL runs one group's batches one after another).
+A BPipe eviction's payload size is known only to the evictor, so it is two messages of one tick:
+an 8-byte *header* in the tick's batch, then the payload in a batch of its own posted right after
+by evictor and acceptor; the acceptor reads the header in between (``read_header`` blocks: a CPU
+sync per eviction on GPU). Payloads go on the partners' own group (:func:`pair_group`,
+``PipeComm.side_group``): on NCCL another communicator and stream, so a transfer does not hold
+the rank's next tick batches (NCCL runs one group's batches in order).
 
-Every wait here is bounded by the pipeline process group's timeout (``--distributed-timeout-
-minutes`` in Megatron-LM and bfpp-train), counted from when the message was posted: past it a
-:class:`PipelineTimeout` names the message and the peer rank in one line. How, by backend
-(torch 2.13): gloo honours ``Work.wait(timeout)`` (it raises once the timeout passes; a plain
-``wait()`` uses the group's own), so the remaining time is passed. On NCCL, ``wait()`` with a
-timeout blocks the CPU until the work completes (without one it only orders the current
-stream after it), and the group's watchdog aborts the whole process once an op is older than the
-group's timeout, with no word on which peer never came. So the wait polls ``is_completed()``
-until a deadline of the group's timeout less :data:`NCCL_LEAD` of it, which comes before the
-watchdog, then calls ``wait()`` for the stream order. The CPU thus waits until each consumed
-message is in, as megatron-core's default ``batch_p2p_sync`` (a ``torch.cuda.synchronize()``
-after every batch) already makes it do.
+Every wait is bounded by the pipeline group's timeout (``--distributed-timeout-minutes``), from
+when the message was posted; past it :class:`PipelineTimeout` names message and peer in one line.
+By backend (torch 2.13): gloo honours ``Work.wait(timeout)``, so the remaining time is passed. On
+NCCL, ``wait()`` with a timeout blocks the CPU until completion (without one it only orders the
+stream), and the watchdog aborts the process once an op outlives the group's timeout, naming no
+peer; so the wait polls ``is_completed()`` until the timeout less :data:`NCCL_LEAD` of it (before
+the watchdog), then calls ``wait()`` for stream order. The CPU waiting for each consumed message
+matches megatron-core's default ``batch_p2p_sync`` (a ``torch.cuda.synchronize()`` per batch).
 """
 
 from __future__ import annotations
@@ -87,13 +79,11 @@ _PAIR_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup | None]] = {}
 def pair_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | None:
     """The process group of this rank and its BPipe partner (pipeline ranks x and p-1-x) alone,
     with the pipeline group's backend and timeout; None on the middle rank of an odd pipeline.
-    BPipe's payloads go there (module docstring).
 
-    Collective over the whole job, once per pipeline group: every rank gathers every pipeline's
-    global ranks and makes every pair's group in one order, as ``new_group`` requires (a group
-    made by its two members alone, ``use_local_synchronization``, is named after how many
-    groups each has, which differs between pipeline ranks). The executor calls it at the first
-    step of a schedule with transfers, which every rank of the job runs at the same point."""
+    Collective over the whole job, once per pipeline group (the executor calls it at the first step
+    with transfers): every rank makes every pair's group in one order, as ``new_group`` requires;
+    ``use_local_synchronization`` would name a group by how many groups each member has, which
+    differs between pipeline ranks."""
     kept = _PAIR_GROUPS.get(id(group))
     if kept is not None and kept[0] is group:
         return kept[1]

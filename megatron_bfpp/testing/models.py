@@ -1,27 +1,13 @@
 """Tiny megatron-core GPT models whose weights do not depend on how they are split.
 
 Call these inside a :func:`megatron_bfpp.testing.multirank.run_ranks` rank function (parallel
-state initialised, CPU adapter enabled).
-
-* :func:`tiny_gpt_config` - fp32, dropout 0, CPU initialisation, ``batch_p2p_comm=False``;
-  parallel sizes default to the current parallel state.
-* :func:`build_model_chunks` - this rank's ``GPTModel`` chunks (local layer spec, one per
-  virtual stage, megatron-core's looped placement), initialised by :func:`init_from_global_names`:
-  every parameter is drawn at its full unsplit shape from a generator seeded by a hash of its
-  *global* name (global layer number), then the rank's tensor-parallel slice is taken, so any
-  (tp, pp, vp, dp) split holds exactly the weights of the single-process model.
-* :func:`make_batches`, :func:`forward_step_func`, :func:`loss_func` - synthetic data and
-  megatron-style step functions. The loss function returns megatron-core 0.16's 3-tuple
-  ``(summed loss, num_tokens, {"lm loss": [summed loss, num_tokens]})``: ``forward_step``
-  divides the loss by ``num_tokens`` and by ``num_microbatches`` (``calculate_per_token_loss``
-  off), so each micro-batch contributes its mean token loss / ``num_microbatches``.
-* :func:`reference_losses_and_grads` - the unpipelined tp=pp=1 model run on the same
-  micro-batches with exactly that scaling; :func:`grad_shards` + :func:`merge_shards` rebuild
-  full gradients from every rank of a split run for comparison.
-* :func:`wrap_ddp`, :func:`run_schedule`, :func:`data_parallel_share`,
-  :func:`losses_from_store` - megatron-core DDP (configured as Megatron-LM's training loop does)
-  and one forward-backward call (megatron-core's own by default, or any function with its
-  signature); :func:`assert_tensors_close` compares gradient dicts.
+state initialised, CPU adapter enabled). :func:`init_from_global_names` draws every parameter at
+its full shape from a generator seeded by its *global* name, then takes the rank's tensor-parallel
+slice, so any (tp, pp, vp, dp) split holds the single-process model's weights and
+:func:`reference_losses_and_grads` is the exact reference. :func:`loss_func` returns
+megatron-core 0.16's 3-tuple ``(summed loss, num_tokens, {"lm loss": [summed loss, num_tokens]})``:
+``forward_step`` divides by ``num_tokens`` and ``num_microbatches`` (``calculate_per_token_loss``
+off), so each micro-batch contributes its mean token loss / ``num_microbatches``.
 """
 
 from __future__ import annotations
@@ -441,17 +427,14 @@ def run_schedule(
 
 def reduction_tolerance(num_terms: int, dtype: torch.dtype = torch.float32) -> float:
     """Relative tolerance for a result that sums ``num_terms`` values in another order than the
-    reference does (tensor- and data-parallel all-reduces, sequence-parallel norm gradients, GEMM
+    reference (tensor- and data-parallel all-reduces, sequence-parallel norm gradients, GEMM
     blocking that depends on the CPU's vector width).
 
-    Recursive summation of n terms in any order is within (n-1)·u·Σ|x| of the exact sum (Higham,
-    *Accuracy and Stability of Numerical Algorithms*, 2nd ed., eq. 4.4; u = eps/2), so two orders
-    differ by at most (n-1)·eps·Σ|x|. The test has no Σ|x|, so the bound is applied relative to
-    max|want|: an approximation, with a wide margin here (measured differences are about 1e-6
-    against bounds of 1.5e-5 to 3e-5). A fixed 1e-6 passed on one host and failed on another
-    (1.06e-6, layernorm gradients with tp=2). A wrong schedule (a micro-batch missing or run
-    twice) is off by more than 1e-2, far above the bound.
-    """
+    Two summation orders of n terms differ by at most (n-1)·eps·Σ|x| (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, 2nd ed., eq. 4.4), applied here relative to max|want|
+    for lack of Σ|x|: measured differences are about 1e-6 against bounds of 1.5e-5 to 3e-5,
+    where a fixed 1e-6 failed on one host (1.06e-6, tp=2 layernorm gradients), and a wrong
+    schedule (a micro-batch missing or run twice) is off by more than 1e-2."""
     if num_terms < 1:
         raise ValueError(f"num_terms must be >= 1, got {num_terms}")
     return max(num_terms - 1, 1) * torch.finfo(dtype).eps
