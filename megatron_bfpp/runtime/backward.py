@@ -1,9 +1,8 @@
 """The parts of a micro-batch's backward that B and a split backward's I and W share.
 
-A backward starts the same way whether it computes everything (B) or only the gradient for the
-previous stage (I): the gradient arriving from the next stage, the stored input and output, the
-parts' and the data-parallel hooks; and its input gradient goes on the same way. Kept here so the
-core handlers (runtime.executor) and split backward (runtime.split_backward) share one copy.
+Whether it computes everything (B) or only the previous stage's gradient (I), a backward starts
+alike (incoming gradient, stored input and output, the parts' and data-parallel hooks) and sends
+its input gradient on alike: one copy for runtime.executor and runtime.split_backward.
 """
 
 from __future__ import annotations

@@ -1,26 +1,22 @@
 """Deferred weight gradients: the cheap split backward on megatron-core's own linear layers.
 
 Zero-bubble's saving is that ``I`` computes only what the previous stage waits for and ``W``,
-placed later in a bubble, does the weight-gradient GEMMs. Re-running autograd from a kept graph
-cannot give that exactly on megatron-core (its vocab-parallel cross entropy rewrites its saved
-softmax in its backward), so the cut is made where the weight GEMMs are: while a split schedule
-runs, the local ``ColumnParallelLinear`` / ``RowParallelLinear`` layers go through
-:class:`_DeferredLinear`, whose forward *is* megatron-core's and whose backward computes the
-input gradient (and its tensor-parallel all-reduce or reduce-scatter) with megatron-core's
-operations, and files the weight and bias gradients as a :class:`_Deferred` under the
-micro-batch whose ``I`` is running. ``W`` computes them with megatron-core's own operations
-(same operands, same GEMM, fused accumulation into ``main_grad`` on GPU as megatron-core does)
-inside the backward of one autograd Function over the parameters (:class:`_WeightGradients`),
-so they accumulate into ``.grad`` and megatron-core DDP's hooks run exactly as after a whole
-backward, and each gradient is moved into ``.grad``, not copied.
-Each parameter gets the same gradient added in the same micro-batch order as under 1F1B, so the
-result is bit-identical.
+later in a bubble, the weight-gradient GEMMs. Re-running autograd from a kept graph cannot do
+that exactly on megatron-core (its vocab-parallel cross entropy rewrites its saved softmax in its
+backward), so the cut is at the weight GEMMs: during a split schedule, local
+``ColumnParallelLinear`` / ``RowParallelLinear`` layers go through :class:`_DeferredLinear`,
+whose forward *is* megatron-core's and whose backward computes the input gradient (and its
+tensor-parallel all-reduce or reduce-scatter) with megatron-core's operations and files the weight
+and bias gradients as a :class:`_Deferred` under the running ``I``'s micro-batch. ``W`` computes
+them with megatron-core's own operations (same GEMM, fused ``main_grad`` accumulation on GPU)
+inside the backward of one autograd Function over the parameters (:class:`_WeightGradients`), so
+DDP's hooks run as after a whole backward and each gradient is moved into ``.grad``, not copied:
+the same gradients in 1F1B's micro-batch order, bit-identical.
 
-What stays in ``I``: everything that is not a local linear layer's weight GEMM (layer norms,
-embeddings, attention, the loss). Transformer Engine layers are not touched (their weight GEMMs
-stay in ``I``); nor are weights that are frozen, sharded by Megatron-FSDP or 0.19's weight-sharded
-tensor parallelism, nor a layer deferring its own weight GEMM (``defer_embedding_wgrad_compute``).
-A backward that runs outside an ``I`` (a ``B``, or a caller's own) computes everything at once.
+Everything else stays in ``I`` (layer norms, embeddings, attention, the loss), as do Transformer
+Engine layers, frozen weights, weights sharded by Megatron-FSDP or 0.19's weight-sharded tensor
+parallelism, and layers deferring their own GEMM (``defer_embedding_wgrad_compute``). A backward
+outside an ``I`` (a ``B``, or a caller's own) computes everything at once.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """What the runtime needs to know about where a schedule puts model chunks.
 
-A schedule's layout says which global stage each chunk of a rank runs; the chunks themselves are
-built elsewhere (``megatron.chunks`` for bfpp-train, the tests and the Megatron-LM plugin;
-megatron-core's own model builders for the looped placement). The runtime checks, before any
-message, that the chunks it is handed are the layout's (a looped model under a V-shape schedule
-would otherwise train a different network with no error), and where one rank holds both copies of
-a tied embedding (the V-shape's rank 0), adds their gradients in place of Megatron's all-reduce
-over the first and last pipeline rank.
+Chunks are built elsewhere (``megatron.chunks``; megatron-core's builders for looped placement);
+the runtime checks before any message that they are the layout's (a looped model under a V-shape
+would silently train another network), and where one rank holds both copies of a tied embedding
+(the V-shape's rank 0) adds their gradients in place of Megatron's first/last-rank all-reduce.
 
-Where the loss is computed (the last stage's rank: rank 0 in the V-shape) is not always where
-megatron-core's callers read it: Megatron-LM's training loop, its evaluation and any custom loop
-take the losses a forward-backward function returns on the last pipeline rank
-(``is_pipeline_last_stage(ignore_virtual=True)``) and log from the last global rank. The step's
-returned values are therefore delivered there (:func:`deliver_to_last_rank`), so every caller
-keeps working unchanged.
+The loss is computed on the last stage's rank (rank 0 in the V-shape), but Megatron-LM's loop,
+its evaluation and custom loops read returned losses on the last pipeline rank
+(``is_pipeline_last_stage(ignore_virtual=True)``), so :func:`deliver_to_last_rank` sends them
+there and every caller works unchanged.
 """
 
 from __future__ import annotations

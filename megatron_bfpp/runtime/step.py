@@ -1,16 +1,12 @@
 """What a handler of one action kind works on: one rank's side of one training step.
 
-The executor (``runtime.executor``) sends every action of a rank's program to the handler its
-kind maps to in one table. A handler is a plain function of ``(step, position, action)``; this
-module holds the :class:`RankStep` it receives (the step's context, the core bookkeeping, the
-activation store, the window of messages being gathered, each handler module's per-step part)
-and :class:`Handlers`, the form in which a runtime module registers the kinds it executes.
-
-Why parts: a protocol that needs state between its actions (BPipe: the payloads a rank evicted,
-the loads it posted) keeps it in its own :class:`StepPart`, created once per step. The core asks
-every part the same few questions (what to do before a micro-batch's backward, what memory it
-holds, what it left behind), so the core never names a protocol and a new one arrives as a new
-module registering its handlers and part.
+A handler is a plain function of ``(step, position, action)`` (the executor's table maps kinds
+to them); here are the :class:`RankStep` it receives (context, core bookkeeping, activation store,
+the message window being gathered, each handler module's per-step part) and :class:`Handlers`,
+the form a runtime module registers its kinds in. A protocol with state between its actions
+(BPipe's evicted payloads, posted loads) keeps it in its own :class:`StepPart`, made once per
+step; the core asks every part the same few questions (before a backward, memory held, leftovers),
+so it never names a protocol.
 """
 
 from __future__ import annotations

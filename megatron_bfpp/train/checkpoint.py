@@ -1,32 +1,23 @@
 """``bfpp-train`` checkpoints, in one of two formats (``--ckpt-format``):
 
-* ``torch`` (default): one ``torch.save`` file per rank (``rank_00000.pt`` ...) with the rank's
-  model chunks, its shard of the distributed optimizer's Adam state, the scheduler, RNG states,
-  iteration and consumed samples. Resumes exactly, on the same model and layout.
-* ``torch_dist``: megatron-core distributed checkpointing (``dist_checkpointing.save``): the model
-  chunks' ``sharded_state_dict()`` (unwrapped from DDP, keys by global layer number), the
-  distributed optimizer's ``sharded_state_dict`` (format ``dp_reshardable``) and every rank's RNG
-  states (one ``ShardedObject`` per global rank). Fully sharded runs leave the parameters out of
-  the model part (they are the optimizer's main-parameter shards: nothing is gathered); every
-  load takes the parameters from the main parameters. Resumes exactly too (tested on CPU/gloo with
-  0.16 and 0.19). megatron-core's writer needs psutil (the command line checks it before
-  start: without it the writer failed after training, or hung on 0.16), starts a
-  ``multiprocessing`` Manager in every rank (the local launcher stops it with the rank), and,
-  without Apex or Transformer Engine, loses Adam's step on load
+* ``torch`` (default): one ``torch.save`` file per rank (``rank_00000.pt`` ...): model chunks,
+  its distributed-optimizer Adam shard, scheduler, RNG states, iteration, consumed samples.
+* ``torch_dist``: megatron-core's ``dist_checkpointing.save`` of the chunks'
+  ``sharded_state_dict()`` (unwrapped from DDP, keys by global layer), the optimizer's
+  (``dp_reshardable``) and one RNG ``ShardedObject`` per global rank. Fully sharded runs leave the
+  parameters out of the model part (they are the optimizer's main-parameter shards); every load
+  takes them from there. megatron-core's writer needs psutil (checked before start: without it
+  the writer failed after training, or hung on 0.16), starts a ``multiprocessing`` Manager per
+  rank (the launcher stops it), and without Apex or Transformer Engine loses Adam's step on load
   (:func:`megatron_bfpp.compat.restore_torch_adam_steps`).
 
-Both share the directory handling of :mod:`.checkpoint_files` (temporary directory, fsync,
-atomic rename, atomic tracker: a kill never loses the last complete checkpoint) and the metadata
-of :mod:`.checkpoint_metadata` (``bfpp_checkpoint.json``: what a resume must match, checked
-before any weight is read).
-
-Loading never runs code from a file: the per-rank files are read with
-``torch.load(weights_only=True)`` (everything saved is tensors and plain Python values: the
-RNG states are byte tensors and ``random.getstate()``'s tuple of ints, so no type needs to be
-allowed specially), megatron-core's own ``torch.load`` calls are forced to ``weights_only`` too,
-and torch's distributed-checkpoint ``.metadata`` pickle is first read by an unpickler that only
-knows torch's checkpoint metadata types. Each rank reads its own file, then all ranks agree:
-the first rank that failed prints one line naming its file, the others exit quietly.
+Both resume exactly (tested on CPU/gloo with 0.16 and 0.19) and share :mod:`.checkpoint_files`
+(atomic publish: a kill never loses the last complete checkpoint) and :mod:`.checkpoint_metadata`
+(what a resume must match, checked before any weight is read). Loading never runs code from a
+file: ``torch.load(weights_only=True)`` (only tensors and plain values are saved), megatron-core's
+own ``torch.load`` forced to ``weights_only``, and torch's ``.metadata`` pickle first read by an
+unpickler knowing only its metadata types (docs/design-notes.md, "Checkpoints"). After each
+collective step all ranks agree: the first failing rank prints one line, the others exit quietly.
 """
 
 from __future__ import annotations
@@ -260,20 +251,14 @@ def save_checkpoint(
     gather_chunk: GatherChunk | None = None,
     sharded: bool = False,
 ) -> Path:
-    """Save one checkpoint on every rank (collective): all ranks write into a temporary
-    directory, agree that every file is written, then rank 0 adds the metadata, renames the
-    directory into place and updates the tracker; the previous checkpoint stays complete until
-    then.
+    """Save one checkpoint on every rank (collective), atomically (:mod:`.checkpoint_files`): the
+    previous checkpoint stays complete until rank 0 renames the new one into place.
 
-    ``gather_chunk(i)`` (fully sharded models, torch format) is a context in which chunk ``i``'s
-    parameters are whole: the chunks are then read one at a time, each copied to host memory
-    before the next is gathered, so the device holds at most one chunk beyond the shards.
-
-    ``sharded`` (fully sharded models, torch_dist): nothing is gathered. The parameters are
-    saved only as the distributed optimizer's main parameters (its ``dp_reshardable`` state,
-    this rank's shard of every bucket), the model part keeps the chunks' other entries; loading
-    rebuilds the parameters from the main parameters, as it does for every torch_dist
-    checkpoint."""
+    ``gather_chunk(i)`` (fully sharded, torch format): a context making chunk ``i``'s parameters
+    whole; chunks are copied to host one at a time, so the device holds at most one chunk beyond
+    the shards. ``sharded`` (fully sharded, torch_dist): nothing is gathered; parameters are saved
+    only as the optimizer's main parameters (its ``dp_reshardable`` shard of every bucket), which
+    every torch_dist load rebuilds them from."""
     root = Path(root)
     temp = _shared_temp_dir(root, iteration)
     records: list[FileRecord] = []

@@ -7,14 +7,12 @@ Layout of ``--save DIR`` (Megatron-LM's names)::
     DIR/iter_0000020/                          one complete checkpoint
     DIR/iter_0000020/bfpp_checkpoint.json      written last: its presence means "complete"
 
-Why it is written this way: a save can be killed at any moment, and it must never destroy the
-last good copy. Every checkpoint is written into ``iter_0000020.tmp-XXXX`` beside its final name,
-every file and the directory are fsynced, the metadata file goes in last, and only then is the
-directory renamed into place and the tracker replaced (temporary file, fsync, ``os.replace``).
-Re-saving an iteration that exists moves the old directory aside (``iter_0000020.old-XXXX``)
-just before the new one is renamed in, and deletes it only after the tracker is updated; if a
-kill falls between those two renames, :func:`complete_checkpoint` finds the old copy and the next
-save puts it back (:func:`clean_stale`).
+A save killed at any moment must never destroy the last good copy: it is written into
+``iter_0000020.tmp-XXXX`` beside its final name, files and directory fsynced, metadata last, then
+renamed into place and the tracker replaced (temporary file, fsync, ``os.replace``). Re-saving an
+existing iteration moves the old directory aside (``iter_0000020.old-XXXX``) just before the
+rename and deletes it after the tracker update; a kill between the two renames is healed by
+:func:`complete_checkpoint` (finds the old copy) and the next save (:func:`clean_stale`).
 """
 
 from __future__ import annotations

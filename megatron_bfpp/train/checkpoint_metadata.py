@@ -1,26 +1,20 @@
 """What a ``bfpp-train`` checkpoint says about itself (``bfpp_checkpoint.json``), and whether a
 run may resume from it.
 
-Torch-free: the command line reads it and refuses a resume that cannot work before any rank
-starts or any weight is read, with one line naming each differing flag, instead of a
-``load_state_dict`` traceback per rank. The file is JSON (data, never code) and is checked field
-by field; it also lists every file of the checkpoint with its size (and, for the per-rank files,
-its SHA-256), so a truncated or replaced file is named before anything is unpickled.
+Torch-free, so the command line refuses an impossible resume before any rank starts, in one line
+per differing flag rather than a ``load_state_dict`` traceback per rank. The JSON (data, never
+code) is checked field by field and lists every file with its size (rank files also SHA-256), so
+a truncated or replaced file is named before anything is unpickled.
 
-What a resume must match (docs/design-notes.md, "Checkpoints"):
-
-* the model (every model flag, defaults filled in) and the parallel layout (tensor, pipeline and
-  virtual pipeline sizes, the schedule's placement, the number of ranks and so data-parallel
-  size): each rank's files hold its own layers and its shard of the optimizer state;
-* the learning-rate schedule, by Megatron-LM's rule: by default a changed ``--lr``,
-  ``--min-lr``, ``--lr-warmup-iters``, decay length (``--lr-decay-iters``, else
-  ``--train-iters``) or ``--weight-decay`` is refused; ``--override-opt_param-scheduler`` takes
-  this run's values, ``--use-checkpoint-opt_param-scheduler`` keeps the checkpoint's.
-
-Free to change: the schedule within a placement (it does not change the parameters: resuming
-under another schedule is bit-exact), ``--micro-batch-size``, and ``--global-batch-size`` (the
-data position is the consumed-sample count, so no sample is skipped or repeated; only the
-learning-rate schedule, which counts samples, notices).
+A resume must match (docs/design-notes.md, "Checkpoints") the model (every flag, defaults filled
+in) and the parallel layout (tp, pp, virtual stages, placement, ranks and so dp: each rank's
+files hold its own layers and optimizer shard), and the learning-rate schedule by Megatron-LM's
+rule: a changed ``--lr``, ``--min-lr``, ``--lr-warmup-iters``, decay length (``--lr-decay-iters``,
+else ``--train-iters``) or ``--weight-decay`` is refused unless ``--override-opt_param-scheduler``
+(this run's values) or ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's). Free to
+change: the schedule within a placement (resuming under another is bit-exact),
+``--micro-batch-size`` and ``--global-batch-size`` (the data position is the consumed-sample
+count; only the sample-counting learning-rate schedule notices).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Where bfpp-train's per-iteration record goes: the JSONL file, TensorBoard, Weights & Biases.
 
-Why several: Megatron users read curves in TensorBoard or W&B, and scripts read the JSONL file.
-The trainer builds one record per iteration (``trainer._metrics_record``) on rank 0 and hands it
-to every writer asked for, so the three always show the same numbers. Scalar names follow
-Megatron-LM's (``lm loss``, ``learning-rate``, ``grad-norm``, ``iteration-time``) so dashboards
-built for Megatron-LM runs read ours; per-pipeline-rank memory is one scalar per rank
-(``memory/peak_activation_bytes/pp-rank-0``, ...).
-
-The optional packages (``tensorboard``, ``wandb``) are imported only when their writer is built;
-:func:`missing_packages` lets the command line refuse a missing one in one line before any rank
-starts.
+Megatron users read curves in TensorBoard or W&B, scripts read the JSONL; rank 0 builds one record
+per iteration (``trainer._metrics_record``) for every writer, so all show the same numbers.
+Scalar names follow Megatron-LM's (``lm loss``, ``learning-rate``, ``grad-norm``,
+``iteration-time``) so its dashboards read ours; per-pipeline-rank memory is one scalar per rank
+(``memory/peak_activation_bytes/pp-rank-0``, ...). ``tensorboard`` and ``wandb`` are imported
+only when their writer is built; :func:`missing_packages` lets the command line refuse a missing
+one in one line before any rank starts.
 """
 
 from __future__ import annotations

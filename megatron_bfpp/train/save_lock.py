@@ -1,19 +1,15 @@
 """One run at a time per ``--save`` directory.
 
-Two runs saving into one directory used to both exit 0 with the first run's checkpoint
-directories holding the second run's weights and metadata, and, started together, one's
-clean-up deleted the other's temporary directory. A run now holds an exclusive lock on
-``DIR/.bfpp_save.lock`` from before its ranks start to its end; a second run is refused in one
-line naming the holder (process, host, start time: written into the file by the holder).
+Two runs saving into one directory both exited 0 with one's checkpoints holding the other's
+weights, and one's clean-up deleted the other's temporary directory. A run now holds an exclusive
+``flock`` on ``DIR/.bfpp_save.lock`` from before its ranks start to its end; a second run is
+refused in one line naming the holder (process, host, start time, written by the holder).
 
-The lock is ``flock`` on an open file: the kernel releases it when the holder's last process
-dies, however it dies (SIGKILL included), so a stale file from a dead run is simply taken over:
-there is no pid to check and no race between checking and taking. ``flock`` covers the
-processes of one machine and, on Linux, NFS (it is emulated with POSIX locks there); on file
-systems that ignore it (Lustre mounted without ``flock``) the lock does not protect (the README
-says so): keep one run per ``--save`` there.
-
-Torch-free: the command line takes the lock before any rank starts.
+The kernel releases a ``flock`` when the holder's last process dies (SIGKILL included), so a
+stale file is simply taken over: no pid to check, no check-then-take race. It covers one
+machine's processes and, on Linux, NFS (emulated with POSIX locks); file systems that ignore it
+(Lustre without ``flock``) are not protected (the README says so). Torch-free: the command line
+takes the lock before any rank starts.
 """
 
 from __future__ import annotations
