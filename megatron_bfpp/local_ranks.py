@@ -145,15 +145,12 @@ def fork_ranks(
     """Run ``target(rank, store)`` in ``world_size`` forked processes and collect how each ended.
 
     Each rank has ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-    ``LOCAL_WORLD_SIZE`` set and gets the ``TCPStore`` for ``init_process_group(store=...)``.
-    ``target`` and what it closes over are inherited through fork; its result must pickle.
-    ``failed(result)`` says whether a returned result is a failure (an exit code, say); a raised
-    exception always is. ``after()`` runs in the rank once its result is sent (tear-down whose
-    errors must not hide the result). A rank silent for ``heartbeat_timeout`` seconds counts as
-    failed. With ``warn_once`` a warning or log record that several ranks emit is printed
-    once. Every rank is dead when this returns or raises (:class:`Stopped` on SIGTERM or
-    SIGHUP, ``KeyboardInterrupt`` on Ctrl-C).
-    """
+    ``LOCAL_WORLD_SIZE`` set and gets the ``TCPStore`` for ``init_process_group(store=...)``;
+    ``target`` is inherited through fork, its result must pickle. ``failed(result)`` says whether
+    a returned result is a failure (a raised exception always is); ``after()`` runs in the
+    rank once its result is sent (tear-down whose errors must not hide it). Every rank is dead
+    when this returns or raises (:class:`Stopped` on SIGTERM or SIGHUP, ``KeyboardInterrupt``
+    on Ctrl-C)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     import torch.distributed  # noqa: F401  (once, here: each rank would import it again)

@@ -178,13 +178,10 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 def _accumulate(items: list[_Deferred]) -> None:
-    """Compute the deferred gradients and let autograd accumulate them into the parameters (so
-    ``.grad`` and megatron-core DDP's hooks see what a whole backward gives).
-
-    The GEMMs run inside an autograd Function's backward, as megatron-core's do: each gradient
-    is then referenced by autograd alone, so it is moved into ``.grad`` rather than copied
-    (handing precomputed gradients to ``torch.autograd.backward`` made autograd clone every one
-    of them, which cost W more time than the GEMMs)."""
+    """Compute the deferred gradients and let autograd accumulate them (so ``.grad`` and DDP's hooks
+    see what a whole backward gives). Inside an autograd Function's backward each gradient is
+    referenced by autograd alone and moved into ``.grad``; handed to ``torch.autograd.backward``,
+    every one was cloned, costing W more than its GEMMs."""
     params: list[torch.Tensor] = []
     for item in items:
         params.append(item.weight)

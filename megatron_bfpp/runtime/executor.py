@@ -135,12 +135,10 @@ def backward(step: RankStep, position: int, action: Action) -> None:
 
 
 def overlapped(step: RankStep, position: int, action: Action) -> None:
-    """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward (B, or
-    a split backward's I), each through its own handler in ``TABLE`` at the pair's position,
-    one after the other on any device. The lock-step posting has posted what both parts receive
-    before this step (the composite rule: ``semantics``); running the two at once, to hide one's
-    communication behind the other's compute, is for a handler that splits them into their
-    layers (DualPipe's), not this one."""
+    """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward (B or I),
+    each through its own handler in ``TABLE``. The posting has already posted what both receive
+    (the composite rule: ``semantics``); running them concurrently to hide communication needs a
+    handler splitting them into layers (DualPipe's), not this one."""
     for part in parts(action):
         TABLE.handlers[part.kind](step, position, part)
 
@@ -235,12 +233,10 @@ TABLE: DispatchTable = dispatch_table(
 # --- what runs ---------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class PlannedSchedule:
-    """A validated schedule with the lock-step posting the executor runs it by, proven
-    NCCL-safe. Made once per schedule (``planned``) and handed to every step, which then
-    neither re-derives the posting nor hashes the schedule to find it (``eq=False``: the
-    identity is the key, a hash costs nothing). ``side``, derived once here rather than at
-    every step: whether any rank posts a payload batch on its partner pair's group (BPipe), so
-    that every rank makes the pair groups."""
+    """A validated schedule with its proven NCCL-safe lock-step posting, made once (``planned``) and
+    handed to every step (``eq=False``: identity is the key, so no step re-derives or hashes it).
+    ``side``: whether any rank posts a payload batch on a partner pair's group (BPipe), so that
+    every rank makes the pair groups."""
 
     schedule: Schedule
     posting: Posting
@@ -251,10 +247,9 @@ class PlannedSchedule:
 
 
 def planned(schedule: Schedule) -> PlannedSchedule:
-    """``schedule`` with its lock-step posting, proven under NCCL's rules and with payloads
-    between partner pairs only (``nccl.validate_nccl``) before its first message: every rank
-    derives the same one, so a failure is the same error everywhere, before any
-    communication."""
+    """``schedule`` with its lock-step posting, proven under NCCL's rules with payloads
+    between partner pairs only (``nccl.validate_nccl``): every rank derives the same one, so a
+    failure is the same error everywhere, before any communication."""
     return PlannedSchedule(schedule, validate_nccl(schedule))
 
 

@@ -230,11 +230,9 @@ class ShardedParameters:
     def finalize_grads(
         self, config: Any, groups: Any, num_tokens: torch.Tensor | None, force_all_reduce: bool
     ) -> None:
-        """What megatron-core's ``finalize_model_grads`` does after the data-parallel
-        reduction, on the kept shards: the tensor-parallel all-reduce of sequence-parallel
-        parameters, the tied-embedding all-reduce over the pipeline ends, the per-token
-        scaling. Element for element the same arithmetic, so the optimizer sees the same
-        numbers as without sharding."""
+        """``finalize_model_grads``' work after the data-parallel reduction, on the kept shards (the
+        sequence-parallel tensor-parallel all-reduce, the tied-embedding all-reduce, per-token
+        scaling), with the same arithmetic element for element as without sharding."""
         from megatron.core.pipeline_parallel.utils import get_pp_last_rank
 
         if force_all_reduce:
@@ -489,11 +487,8 @@ _REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, ShardedParameters] = (
 
 
 def sharded_parameters(chunks: Sequence[torch.nn.Module]) -> ShardedParameters:
-    """The model's :class:`ShardedParameters`, made (and every chunk released) on first use.
-
-    Keyed by the model's first chunk, so the forward-backward function, the optimizer step and
-    checkpointing all find the same kept shards.
-    """
+    """The model's :class:`ShardedParameters`, made (and every chunk released) on first use; keyed
+    by the first chunk, so forward-backward, optimizer step and checkpointing share the shards."""
     if not chunks:
         raise ShardingError("sharded parameters need at least one model chunk")
     found = _REGISTRY.get(chunks[0])

@@ -42,11 +42,9 @@ Key = tuple[int, int]  # (stage, micro-batch)
 
 @dataclass(frozen=True, kw_only=True)
 class Call:
-    """One call's megatron-core forward-backward arguments: the one declaration of their names
-    and defaults, those of megatron-core's ``forward_backward_pipelining_with_interleaving``
-    (keyword-only there too). ``ForwardBackwardFunc`` takes them as ``**kwargs``, builds this,
-    and shows this signature (``inspect.signature``, ``help``); what each means is its
-    docstring."""
+    """One call's megatron-core forward-backward arguments: the one declaration of their names and
+    defaults (``forward_backward_pipelining_with_interleaving``'s, keyword-only there too), built
+    by ``ForwardBackwardFunc`` from ``**kwargs`` and shown as its signature."""
 
     forward_step_func: Callable[..., Any]
     data_iterator: Iterator[Any] | list[Iterator[Any]] | None
@@ -167,12 +165,10 @@ P = TypeVar("P", bound=StepPart)
 class Handlers:
     """One runtime module's share of the dispatch table.
 
-    ``kinds`` maps each action kind the module executes to its handler; ``rests`` the kinds
-    whose action also has a *rest* item in a later batch of the posting (``megatron_bfpp.nccl``:
-    an eviction's payload, after its size) to that item's handler; ``part`` makes the module's
-    per-step state, if it has any; ``captures`` are the kinds that need the tensors a forward
-    saves for backward routed through the activation store (BPipe's EV ships them).
-    """
+    ``kinds``: action kind -> handler; ``rests``: kinds whose action has a *rest* item in a later
+    batch of the posting (an eviction's payload, after its size) -> that item's handler; ``part``
+    makes the module's per-step state, if any; ``captures``: kinds needing the forward's saved
+    tensors routed through the activation store (BPipe's EV ships them)."""
 
     kinds: Mapping[ActionKind, Handler]
     rests: Mapping[ActionKind, Handler] = field(default_factory=dict)
@@ -191,11 +187,8 @@ class DispatchTable:
 
 
 def dispatch_table(*modules: Handlers) -> DispatchTable:
-    """Merge the modules' handlers into one table that covers every action kind exactly once.
-
-    Checked when the table is built (at import of ``runtime.executor``), so an action kind
-    added to the IR without a handler fails before any step instead of being skipped in one.
-    """
+    """Merge the modules' handlers into one table covering every action kind exactly once, checked
+    at import of ``runtime.executor`` so a kind without a handler fails before any step."""
     handlers: dict[ActionKind, Handler] = {}
     for module in modules:
         twice = sorted(kind.name for kind in module.kinds if kind in handlers)
