@@ -84,11 +84,8 @@ def tiny_gpt_config(
     **overrides: Any,
 ) -> TransformerConfig:
     """A small fp32 GPT config: 8 layers, hidden 32, 4 heads, ffn 64, dropout 0, CPU init,
-    ``batch_p2p_comm=False``, no fused kernels.
-
-    ``tp`` and ``pp`` default to the initialised parallel state (1 without one); ``vp`` too
-    when ``pp`` is not given. ``overrides`` go to ``TransformerConfig`` last.
-    """
+    ``batch_p2p_comm=False``, no fused kernels. ``tp``, ``pp`` (and ``vp`` without ``pp``) default
+    to the initialised parallel state (1 without one); ``overrides`` go to ``TransformerConfig``."""
     initialized = parallel_state.model_parallel_is_initialized()
     if tp is None:
         tp = parallel_state.get_tensor_model_parallel_world_size() if initialized else 1
@@ -212,12 +209,10 @@ def reference_losses_and_grads(
     seed: int = 0,
     share_embeddings_and_output_weights: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Run the unpipelined tp = pp = 1 model (same global-name init) on ``batches`` in this
-    process (its parallel state must be tp = pp = 1, e.g. ``run_ranks(..., world_size=1)``).
-
-    Each micro-batch's loss is scaled as megatron-core's ``forward_step`` does (divide by its
-    token count, then by ``len(batches)``) and back-propagated; gradients accumulate over the
-    micro-batches. Returns per-micro-batch mean losses and every gradient by global name."""
+    """Run the unpipelined model (same global-name init) on ``batches`` in this process, whose
+    parallel state must be tp = pp = 1 (``run_ranks(..., world_size=1)``), scaling each
+    micro-batch's loss as ``forward_step`` does (by its token count, then ``len(batches)``).
+    Returns per-micro-batch mean losses and every accumulated gradient by global name."""
     assert parallel_state.get_tensor_model_parallel_world_size() == 1
     assert parallel_state.get_pipeline_model_parallel_world_size() == 1
     (model,) = build_model_chunks(

@@ -79,9 +79,8 @@ __all__ = [
 ]
 
 FORMATS = CKPT_FORMATS
-# Test hook: "<point>:<rank>" kills that rank with SIGKILL at that point of a save (points:
-# "rank-file" before the rank writes its files, "publish" on rank 0 between moving an existing
-# checkpoint of the same iteration aside and renaming the new one in).
+# Test hook "<point>:<rank>": SIGKILL that rank at "rank-file" (before writing its files) or
+# "publish" (rank 0, between moving an existing same-iteration checkpoint aside and renaming in).
 KILL_DURING_SAVE_ENV = "BFPP_TEST_KILL_DURING_SAVE"
 # Test hook: a file name; rank 0 creates it before writing its files and waits there (up to 10
 # minutes) for the test to signal the job, as SLURM does when it preempts a job mid-save.

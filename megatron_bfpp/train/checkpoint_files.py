@@ -140,12 +140,11 @@ def read_tracker(root: str | Path) -> int:
 
 
 def fresh_start_reason(root: str | Path) -> str | None:
-    """Why ``--load root`` starts from iteration 0 instead of resuming, as Megatron-LM does when
-    it finds no tracker (the requeue pattern ``--save D --load D`` on a job's first start, or
-    after a kill during its first save); ``None``: there is something to resume, or something
-    :func:`read_tracker` refuses. Only a missing directory or one that holds nothing but what
-    bfpp-train's own first save leaves behind starts fresh: a directory with other files and no
-    tracker is more likely a wrong path than a new run."""
+    """Why ``--load root`` starts from iteration 0 instead of resuming, as Megatron-LM does with no
+    tracker (requeued ``--save D --load D`` on a job's first start, or after a kill during its
+    first save); ``None``: something to resume, or something :func:`read_tracker` refuses. Only a
+    missing directory or one holding just what bfpp-train's first save leaves starts fresh: other
+    files and no tracker more likely mean a wrong path than a new run."""
     root = Path(root)
     try:
         names = os.listdir(root)

@@ -359,13 +359,12 @@ def check_resume(
 
 
 def save_problem(root: str | Path, current: RunConfig) -> str | None:
-    """Why ``--save root`` (not resumed from: ``--load`` names another directory, or none)
-    would overwrite another model's checkpoint: its saves would replace the tracker and any
-    iteration of the same number, so the checkpoint there would be lost to a run that could
-    never have resumed it (:func:`check_resume`'s model rule). Checked before any rank starts.
-    A directory with no checkpoint, or one this bfpp-train cannot read, is left to the save as
-    Megatron-LM leaves it; a tracker that is not a regular file is refused, as ``--load``
-    refuses it (the save would write through a symbolic link)."""
+    """Why ``--save root`` (not resumed from) would overwrite another model's checkpoint, which
+    this run could never have resumed (:func:`check_resume`'s model rule) but whose tracker and
+    same-numbered iterations its saves would replace. Checked before any rank starts. No
+    checkpoint, or one this bfpp-train cannot read, is left to the save as Megatron-LM leaves it;
+    a tracker that is not a regular file is refused as ``--load`` refuses it (the save would
+    write through a symbolic link)."""
     tracker = Path(root) / TRACKER
     problem = regular_file_problem(tracker)
     if problem == "is missing":

@@ -81,10 +81,8 @@ def _reason(error: BaseException) -> str:
 
 
 class GuardedWriter:
-    """A writer whose failures are one line naming its flag: a full disk under
-    ``--metrics-file`` used to end the run at iteration 1 with 30 lines of chained tracebacks
-    (the write's, then the close's in the trainer's ``finally``). After a failure, closing is
-    quiet (the write's line is the report)."""
+    """A writer whose failures are one line naming its flag (a full disk under ``--metrics-file``
+    gave 30 lines of chained tracebacks); after a failure, closing is quiet."""
 
     def __init__(self, flag: str, target: str, build: Callable[[], MetricWriter]) -> None:
         self.flag, self.target = flag, target
@@ -120,9 +118,8 @@ class GuardedWriter:
 
 def scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
     """The record's numbers as (name, value) scalars; absent or null values are left out (a
-    grad norm that is not finite is null. In fp32 no optimizer skips such a step: bfpp-train
-    stops before applying one whose gradients hold NaN or inf, so only finite gradients whose
-    squares overflow the global sum get here, and clipping scales them to zero)."""
+    non-finite grad norm is null: bfpp-train stops before applying NaN or inf gradients, so only
+    finite ones whose squares overflow the sum get here, and clipping scales them to zero)."""
     for key, name in SCALARS.items():
         value = record.get(key)
         if isinstance(value, (int, float)):

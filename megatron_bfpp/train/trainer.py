@@ -197,8 +197,7 @@ def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
     report = forward_backward.last_memory
     cuda = report.cuda_max_memory_allocated
     if run.args.data_parallel_sharding_strategy != "optim":
-        # The runtime's high-water marks since the step's forward-backward began, its
-        # optimizer step included: the whole iteration.
+        # the runtime's high-water marks since forward-backward began, optimizer step included
         from megatron_bfpp.runtime.sharding import sharded_parameters
 
         sharded = sharded_parameters(run.model)
@@ -701,10 +700,7 @@ def _metrics_record(run: _Run, step: _Step, memory: dict[str, Any]) -> dict[str,
         "step_time_s": step.step_time,
         "pipeline_schedule": args.pipeline_schedule,
         "lr": step.lr,
-        # strict JSON: a norm that is not finite is null. The run stops before applying a step
-        # whose gradients hold NaN or inf (_check_gradients; fp32 has no grad scaler to skip
-        # it); finite gradients whose squares overflow the global sum still reach here, and
-        # clipping scales them to zero.
+        # strict JSON: a non-finite norm is null (metric_writers.scalars says when one occurs)
         "grad_norm": step.grad_norm if _finite(step.grad_norm) else None,
         "tokens_per_s": args.global_batch_size * args.seq_length / step.step_time,
         "num_microbatches": run.num_microbatches,
@@ -716,10 +712,8 @@ def _save(run: _Run) -> None:
     from megatron_bfpp.runtime.sharding import sharded_parameters
 
     args = run.args
-    # Fully sharded, nothing is gathered at once. The torch format reads the chunks one at a
-    # time (at most one gathered beyond the shards, the files those of an unsharded run);
-    # torch_dist saves the parameters only as the optimizer's main-parameter shards. Either
-    # strategy resumes from either.
+    # Fully sharded, nothing is gathered at once (save_checkpoint's gather_chunk / sharded);
+    # either strategy resumes from either.
     sharded = args.data_parallel_sharding_strategy != "optim"
     gather_chunk = (
         (lambda index: sharded_parameters(run.model).whole([index]))
