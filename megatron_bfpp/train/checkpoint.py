@@ -112,9 +112,8 @@ def _collective_device() -> torch.device:
 
 
 def _agree(error: CheckpointError | None) -> None:
-    """Every rank learns whether any rank failed, so none waits forever for a failed one; the
-    lowest failing rank raises its error (the one line users see), the others
-    :class:`OtherRankFailed`."""
+    """Every rank learns whether any failed, so none waits forever; the lowest failing rank raises
+    its error (the one line users see), the others :class:`OtherRankFailed`."""
     world = dist.get_world_size()
     first = torch.tensor(
         [dist.get_rank() if error is not None else world],
@@ -333,8 +332,7 @@ def _agree_or_clear(error: CheckpointError | None, temp: Path) -> None:
 
 def _write_failure(failure: BaseException, root: Path) -> str:
     """What failed, in one line, with the space left where it matters (a full disk shows as
-    ``RuntimeError: [enforce fail at inline_container.cc]`` from torch, or as megatron-core's
-    CheckpointException around the OSError)."""
+    torch's ``[enforce fail at inline_container.cc]`` or megatron-core's CheckpointException)."""
     cause: BaseException | None = failure
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
@@ -348,8 +346,7 @@ def _write_failure(failure: BaseException, root: Path) -> str:
 
 
 def _shared_temp_dir(root: Path, iteration: int) -> Path:
-    """Rank 0 clears what interrupted saves left and makes the temporary directory; every rank
-    gets its name."""
+    """Rank 0 clears interrupted saves' leftovers and makes the temporary directory for all."""
     names: list[str | None] = [None]
     error = None
     if dist.get_rank() == 0:
@@ -418,9 +415,8 @@ def _save_torch(
     consumed_samples: int,
     gather_chunk: GatherChunk | None = None,
 ) -> FileRecord:
-    """Per-rank format: this rank's chunks (``state_dict`` of each GPTModel), its shard of the
-    Adam state (the inner torch optimizers' ``state_dict``: with fp32 parameters the distributed
-    optimizer's main parameters are views of the model's), the scheduler, RNG, iteration."""
+    """Per-rank format: chunks' ``state_dict``, this rank's Adam shard (inner torch optimizers'
+    ``state_dict``; fp32 main parameters are views of the model's), scheduler, RNG, iteration."""
     state = _rank_state(scheduler, iteration, consumed_samples)
     state["model"] = [_chunk_state(index, chunk, gather_chunk) for index, chunk in enumerate(model)]
     state["optimizer"] = [o.state_dict() for o in _inner_optimizers(optimizer)]
@@ -484,8 +480,8 @@ def load_checkpoint(
     scheduler_policy: SchedulerPolicy = "check",
 ) -> tuple[int, int]:
     """Restore model, optimizer, scheduler and RNG from ``root``'s latest complete checkpoint
-    (collective); returns ``(iteration, consumed_samples)``. The command line has already
-    checked the metadata; it is checked again here for callers that did not."""
+    (collective); returns ``(iteration, consumed_samples)``. Metadata is re-checked for callers
+    other than the command line."""
     policy = scheduler_policy
     found, error = _read_metadata(root, run, policy)
     _agree(error)
@@ -516,9 +512,9 @@ def _read_metadata(
 
 
 def read_rank_file(file: Path, *, record: FileRecord | None = None, label: str = "") -> Any:
-    """A per-rank file's content: checked against its recorded size and SHA-256, then read with
-    ``torch.load(weights_only=True)``: anything but tensors and plain values is refused, never
-    run. ``label`` prefixes the error (``--load DIR:``)."""
+    """A per-rank file checked against its recorded size and SHA-256, then read with
+    ``torch.load(weights_only=True)`` (only tensors and plain values, never code); ``label``
+    prefixes the error (``--load DIR:``)."""
     name = f"{label}{file.parent.name}/{file.name}"
     if record is not None and _sha256(file) != record.sha256:
         raise CheckpointError(

@@ -63,8 +63,7 @@ _LEFT_BEFORE_FIRST_CHECKPOINT = re.compile(
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, written or resumed; its message is the one line users
-    see (it names the file or the flags)."""
+    """A checkpoint that cannot be read, written or resumed; the message names the file or flags."""
 
 
 def checkpoint_dir(root: str | Path, iteration: int) -> Path:
@@ -163,9 +162,8 @@ _SUFFIX_CHARS = 12  # _unique_name's hex digits
 
 
 def _longest_save_path(root: str, world_size: int, iterations: int) -> str:
-    """The longest path a save creates under ``root``: a file inside a checkpoint directory set
-    aside (a rank's file, megatron-core's ``__RANK_N.distcp``, the metadata), or the tracker's
-    temporary file."""
+    """The longest path a save creates under ``root``: a file in a checkpoint set aside (rank
+    file, megatron-core's ``__RANK_N.distcp``, metadata) or the tracker's temporary file."""
     digits = max(7, len(str(iterations)))
     aside = f"iter_{'0' * digits}{_OLD}{'f' * _SUFFIX_CHARS}"
     last = max(world_size - 1, 0)
@@ -186,9 +184,8 @@ def _exists(path: Path) -> bool:
 
 
 def save_path_problem(root: str, *, world_size: int, iterations: int) -> str | None:
-    """Whether every file a save will create under ``root`` has a path the file system takes,
-    checked at start: a ``--save`` path that is valid but too long for its checkpoint's files
-    used to fail only at the first save, after the training it was to keep."""
+    """Whether every file a save creates under ``root`` has a path the file system takes, checked
+    at start: a valid but too long ``--save`` path failed only at the first save, after training."""
     longest = _longest_save_path(root, world_size, iterations)
     start = Path(os.path.abspath(root))
     existing = next((p for p in (start, *start.parents) if _exists(p)), Path("/"))
@@ -216,15 +213,13 @@ def _unique_name(prefix: str) -> str:
 
 
 def write_tracker(root: str | Path, iteration: int) -> None:
-    """Replace the tracker atomically (:func:`megatron_bfpp.files.write_output`: readers see
-    the old iteration or the new, never a torn file)."""
+    """Replace the tracker atomically (:func:`megatron_bfpp.files.write_output`: never torn)."""
     write_output(Path(root) / TRACKER, f"{iteration}\n".encode())
 
 
 def make_temp_dir(root: str | Path, iteration: int) -> Path:
-    """A fresh directory beside ``iter_N`` (same file system, so the final rename is atomic),
-    with the permissions ``mkdir`` gives under the umask (``root`` made first; a symbolic link
-    there is followed)."""
+    """A fresh directory beside ``iter_N`` (same file system: an atomic rename) with ``mkdir``'s
+    umask permissions (``root`` made first; a symbolic link there is followed)."""
     make_dirs(root)
     name = checkpoint_dir(root, iteration).name
     while True:
@@ -261,8 +256,8 @@ def remove_old(old: Path | None) -> None:
 
 
 def complete_checkpoint(root: str | Path, iteration: int) -> Path | None:
-    """The complete checkpoint of ``iteration``: ``iter_N`` itself, or, after a kill between the
-    two renames of a re-save, the complete copy moved aside."""
+    """``iteration``'s complete checkpoint: ``iter_N``, or after a kill between a re-save's two
+    renames, the complete copy set aside."""
     final = checkpoint_dir(root, iteration)
     if _is_complete(final):
         return final

@@ -177,9 +177,8 @@ def _build(kind: Any, value: Any, *, source: str, where: str) -> Any:
 
 
 def read_checkpoint(root: str | Path) -> tuple[Path, CheckpointMetadata]:
-    """The complete checkpoint ``root``'s tracker names and its metadata, after checking that
-    every file it lists is there with its recorded size (a truncated or missing file is named
-    here, before anything is loaded)."""
+    """The complete checkpoint ``root``'s tracker names and its metadata, every listed file checked
+    present at its recorded size (a truncated or missing file named before anything loads)."""
     iteration = read_tracker(root)
     path = complete_checkpoint(root, iteration)
     if path is None:
@@ -237,8 +236,7 @@ def _check_file(root: str | Path, path: Path, record: FileRecord) -> None:
 
 
 def model_differences(saved: RunConfig, current: RunConfig) -> list[str]:
-    """``--flag saved, this run has current`` for each model flag that differs (defaults
-    filled in): the shapes of two models."""
+    """``--flag saved, this run has current`` per differing model flag (defaults filled in)."""
     model_saved, model_now = saved.model.effective_flags(), current.model.effective_flags()
     return [
         f"{flag_name(dest)} {value}, this run has {model_now[dest]}"

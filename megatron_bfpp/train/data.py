@@ -39,9 +39,8 @@ Batch = dict[str, torch.Tensor]
 
 
 class _Samples:
-    """Samples by global index (``sample``); :meth:`microbatches` cuts one iteration's global
-    batch into this data-parallel rank's micro-batches (dp rank ``d`` gets micro-batches
-    ``d*m .. d*m+m-1``), whichever source the samples come from."""
+    """Samples by global index (``sample``); :meth:`microbatches` gives dp rank ``d`` micro-batches
+    ``d*m .. d*m+m-1`` of an iteration's global batch, whatever the source."""
 
     def microbatch(self, indices: range) -> Batch:
         """The micro-batch of samples ``indices``."""
@@ -56,8 +55,7 @@ class _Samples:
         dp_rank: int,
         dp_size: int,
     ) -> list[Batch]:
-        """This data-parallel rank's micro-batches of the global batch that starts at sample
-        ``first_sample`` (the samples consumed so far)."""
+        """This dp rank's micro-batches of the global batch starting at sample ``first_sample``."""
         per_rank = global_batch_size // dp_size
         first = first_sample + dp_rank * per_rank
         return [
@@ -118,10 +116,9 @@ _BATCH_KEYS = ("tokens", "labels", "position_ids", "loss_mask")
 
 @dataclasses.dataclass(frozen=True)
 class _TokenIds:
-    """What megatron-core's ``GPTDataset`` asks of a tokenizer when the tokens are already ids:
-    the vocabulary size (the token type of its caches) and an end-of-document id, used only
-    with ``eod_mask_loss`` or the reset flags, which bfpp-train leaves off. No ``pad``: the
-    dataset then pads with an id no token has."""
+    """What ``GPTDataset`` asks of a tokenizer when tokens are already ids: the vocabulary size
+    (its caches' token type) and an end-of-document id (used only with ``eod_mask_loss`` or the
+    reset flags, left off). No ``pad``: the dataset then pads with an id no token has."""
 
     vocab_size: int
     eod: int

@@ -146,8 +146,7 @@ def _first_on_this_node(where: str) -> bool:
 
 
 def start_liveness(rank: int, world_size: int) -> Liveness | None:
-    """Connect to the job's store and start beating; None where there is no store to use (not
-    launched through ``MASTER_ADDR`` / ``MASTER_PORT``)."""
+    """Join the job's store and start beating; None without ``MASTER_ADDR`` / ``MASTER_PORT``."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port or not port.isdigit():
         return None

@@ -64,8 +64,7 @@ class MetricWriter(Protocol):
 
 
 class MetricWriteError(ValueError):
-    """A logging destination failed; the message is the one line users see (its flag, its path,
-    why)."""
+    """A logging destination failed; the message is the one line users see (flag, path, why)."""
 
 
 def _reason(error: BaseException) -> str:

@@ -130,10 +130,9 @@ def gpt_chunks(
     to_gpu: bool = False,
     placement: Placement = Placement.LOOPED,
 ) -> list[Any]:
-    """``GPTModel`` chunks for this rank, one per stage it holds, in ``placement`` (``looped``:
-    megatron-core's, chunk ``c`` of pipeline rank ``r`` is global stage ``c * pp + r``;
-    ``v-shape``: stages ``r`` and ``2pp - 1 - r``; see megatron_bfpp.megatron.chunks): the one
-    place bfpp-train and the tests build models."""
+    """This rank's ``GPTModel`` chunks, one per stage it holds, in ``placement`` (``looped``:
+    chunk ``c`` of pipeline rank ``r`` is stage ``c * pp + r``; ``v-shape``: stages ``r`` and
+    ``2pp - 1 - r``): the one place bfpp-train and the tests build models."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 

@@ -38,10 +38,9 @@ class SaveLock:
 
     @classmethod
     def acquire(cls, root: str | Path) -> SaveLock:
-        """Take ``root``'s lock or raise :class:`CheckpointError`, one line: the run that holds
-        it, or why it could not be taken (a full disk, a symbolic link that loops). ``root``
-        is made first; a symbolic link there is followed (a dangling one's target made). What
-        cannot be taken leaves nothing behind: a lock file this call created is removed."""
+        """Take ``root``'s lock or raise :class:`CheckpointError` in one line (the holder, or why:
+        a full disk, a looping link). ``root`` is made first, a symbolic link there followed (a
+        dangling one's target made); failing leaves nothing behind (a created file is removed)."""
         root = Path(root)
         path = root / LOCK_FILE
         try:
@@ -96,8 +95,7 @@ def _directory_problem(root: Path, error: OSError) -> str:
 
 
 def _open_lock_file(root: Path, path: Path) -> tuple[int, bool]:
-    """The lock file's descriptor (never through a symbolic link), and whether this call
-    created it."""
+    """The lock file's descriptor (never via a symbolic link) and whether this call created it."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
     try:
         try:

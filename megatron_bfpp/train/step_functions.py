@@ -18,10 +18,9 @@ __all__ = ["forward_step", "loss_func"]
 def loss_func(
     loss_mask: torch.Tensor, output_tensor: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Megatron-LM ``pretrain_gpt.loss_func``: summed masked token loss, token count, and
-    ``{"lm loss": [summed loss, tokens]}`` for reporting. megatron-core's ``forward_step``
-    divides the loss by the token count and by the number of micro-batches
-    (``calculate_per_token_loss`` off), so each micro-batch contributes its mean token loss."""
+    """Megatron-LM ``pretrain_gpt.loss_func``: summed masked token loss, token count and
+    ``{"lm loss": [summed loss, tokens]}``; ``forward_step`` divides by the token count and the
+    micro-batch count (``calculate_per_token_loss`` off): a mean token loss per micro-batch."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)

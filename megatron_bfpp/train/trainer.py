@@ -93,9 +93,8 @@ class RendezvousTimeout(RuntimeError):
 
 
 def _rendezvous(backend: str, kwargs: dict[str, Any], timeout_s: float) -> None:
-    """``init_process_group``, its store errors (a rank that never started, stopped during
-    start-up, or cannot reach the address: torch raises DistStoreError with a traceback once the
-    timeout passes) one line saying so."""
+    """``init_process_group``, its store errors (a rank that never started, stopped during start-up
+    or cannot reach the address: torch's DistStoreError traceback at the timeout) one line."""
     try:
         dist.init_process_group(backend, **kwargs)
     except (dist.DistStoreError, dist.DistNetworkError) as error:
@@ -113,9 +112,8 @@ def _rendezvous(backend: str, kwargs: dict[str, Any], timeout_s: float) -> None:
 
 
 def _claim_start_up_report() -> bool:
-    """True for the first rank to ask the job's store (torchrun's agent hosts it): that rank
-    prints the line, the others stay quiet. Where no store answers (its host is the rank that
-    stopped, under srun), every rank reports."""
+    """True for the first rank to ask the job's store (torchrun's agent hosts it), which prints the
+    line; where no store answers (under srun its host may be the rank that stopped), every rank."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
     if not host or not port.isdigit():
         return True
@@ -256,9 +254,8 @@ def _allocated_gradient_bytes(model: list[Any]) -> int:
 
 
 def _logs_lines(no_progress: bool, stream: TextIO) -> bool:
-    """A redrawn bar only on a terminal: in a SLURM or redirected log, carriage returns would
-    leave every iteration on one unreadable line, so there the run logs lines as with
-    ``--no-progress``."""
+    """A redrawn bar only on a terminal: in a SLURM or redirected log carriage returns would put
+    every iteration on one line, so there it logs lines as with ``--no-progress``."""
     if no_progress:
         return True
     isatty = getattr(stream, "isatty", None)
@@ -266,8 +263,7 @@ def _logs_lines(no_progress: bool, stream: TextIO) -> bool:
 
 
 class _Progress:
-    """One line on rank 0, redrawn with a carriage return on a terminal; otherwise (or with
-    ``--no-progress``) one line per ``--log-interval`` iterations."""
+    """Rank 0's progress line, redrawn on a terminal, else one per ``--log-interval`` iterations."""
 
     def __init__(
         self, enabled: bool, no_progress: bool, total: int, log_interval: int, stream: TextIO
@@ -649,8 +645,7 @@ def _train_step(run: _Run) -> _Step:
 
 
 class NonFiniteGradients(FloatingPointError):
-    """The step's gradients hold a NaN or an infinity though its loss is finite; nothing of the
-    step was applied."""
+    """The step's gradients hold NaN or inf though its loss is finite; nothing of it was applied."""
 
     def __init__(self, iteration: int, loss: float) -> None:
         super().__init__(
@@ -680,8 +675,7 @@ def _check_gradients(run: _Run, loss: float) -> None:
 
 
 def _kept_checkpoint(args: Any) -> str:
-    """What a run that stops before a bad step leaves as the latest checkpoint (its tracker,
-    as a resume would read it), for its line."""
+    """The latest checkpoint (tracker, as resume reads it) of a run stopped before a bad step."""
     if not args.save:
         return "; nothing was saved (no --save)"
     try:
