@@ -144,7 +144,7 @@ class ActivationStore:
     def evict(
         self, key: Key, pipeline_tensors: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, Evicted]:
-        """Pack ``key``'s saved tensors and ``pipeline_tensors`` into one uint8 buffer and release
+        """Pack ``key``'s saved tensors and ``pipeline_tensors`` into one uint8 buffer, release
         them locally; returns the buffer and the recipe."""
         if key in self.evicted:
             raise RuntimeError(f"stage {key[0]}, micro-batch {key[1]} is already evicted")

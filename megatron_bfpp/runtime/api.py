@@ -178,8 +178,7 @@ class ForwardBackwardFunc:
         return plan
 
     def __call__(self, **kwargs: Any) -> list[Any]:
-        """See the class docstring: megatron-core's forward-backward arguments (their names
-        and defaults: ``runtime.step.Call``, this function's ``__signature__``) and result."""
+        """See the class docstring (signature: ``runtime.step.Call``, ``__signature__``)."""
         try:
             call = Call(**kwargs)
         except TypeError as error:  # as a function says it: "f() got an unexpected keyword..."
@@ -208,8 +207,7 @@ def plan_schedule(
     sharding: str = "optim",
 ) -> PlannedSchedule:
     """The validated schedule for a layout with its NCCL-safe posting, planned once per process
-    (every rank builds the same one deterministically, so errors surface identically
-    everywhere, before communication); every step of the layout runs it as it is."""
+    (deterministic on every rank, so errors surface identically before any communication)."""
     spec = get_spec(name)
     chunks = num_chunks if spec.placement is Placement.LOOPED or num_chunks > 1 else None
     schedule = build_schedule(
@@ -353,9 +351,8 @@ def _finish_grads(
     sharded: Any,
     total_num_tokens: torch.Tensor,
 ) -> None:
-    """megatron-core's gradient finalization, or its sharded equivalent; under the V (embedding
-    and output layer on one rank) without the all-reduce over the pipeline: the rank adds its
-    two copies' gradients after the data-parallel reduction."""
+    """megatron-core's gradient finalization, or its sharded equivalent; under the V (embedding and
+    output layer on one rank) the rank adds its two copies instead of the pipeline all-reduce."""
     on_one_rank = _embedding_and_loss_on_one_rank(schedule)
     if on_one_rank and config.calculate_per_token_loss:
         # finalize_model_grads broadcasts the token count from the last pipeline rank, but
@@ -425,9 +422,8 @@ def gradients_finite(model: torch.nn.Module | list[torch.nn.Module], *, sharded:
 
 
 def _check_sharded_finalize(config: Any) -> None:
-    """Fully sharded steps finish the gradients themselves (``finalize_model_grads`` reads
-    full buffers); a finalize function other than megatron-core's would be skipped, so one
-    line instead."""
+    """Fully sharded steps finish gradients themselves (``finalize_model_grads`` reads full
+    buffers), so a finalize function other than megatron-core's would be skipped: refused."""
     func = config.finalize_model_grads_func
     if func is None:
         raise ScheduleError(

@@ -20,8 +20,7 @@ __all__ = ["begin_backward", "microbatch", "route_input_grad", "whole_backward"]
 
 
 def whole_backward(step: RankStep, position: int, action: Action) -> Key:
-    """A micro-batch's whole backward through megatron-core's ``backward_step`` (B, and I of the
-    exact split backward); returns its key."""
+    """A micro-batch's whole backward via ``backward_step`` (B, and the split backward's I)."""
     ctx = step.ctx
     key, input_tensor, output, output_grad = begin_backward(step, position, action)
     input_grad = backward_step(
@@ -34,9 +33,8 @@ def whole_backward(step: RankStep, position: int, action: Action) -> Key:
 
 
 def begin_backward(step: RankStep, position: int, action: Action) -> tuple[Key, Any, Any, Any]:
-    """What every backward of a micro-batch starts with (B, and I of a split backward): the
-    gradient arriving from the next stage, the stored input and output, the parts' and the
-    data-parallel hooks. Returns (key, input tensor, output, output gradient)."""
+    """What every backward (B, and a split backward's I) starts with: the next stage's gradient, the
+    stored input and output, the parts' and data-parallel hooks; returns those and the key."""
     stage, mb = action.stage, microbatch(action)
     key = (stage, mb)
     chunk = step.layout.chunk_of(stage)
@@ -56,8 +54,7 @@ def begin_backward(step: RankStep, position: int, action: Action) -> tuple[Key, 
 
 
 def route_input_grad(step: RankStep, stage: int, mb: int, input_grad: Any) -> None:
-    """Hand the gradient for the previous stage on: to a send, or to this rank's own earlier
-    stage (V-shape turn)."""
+    """The previous stage's gradient to a send, or to this rank's earlier stage (V-shape turn)."""
     if stage == 0:
         return
     if step.layout.rank_of(stage - 1) == step.rank:

@@ -43,7 +43,7 @@ _INSTALLED = "_bfpp_deferred_wgrad"
 @dataclass
 class _Deferred:
     """One linear layer's weight (and bias) gradient for one micro-batch, not yet computed: the
-    operands megatron-core's backward would have used at that point."""
+    operands megatron-core's backward would have used."""
 
     input: torch.Tensor  # the saved input (this rank's sequence shard under sequence parallel)
     weight: torch.Tensor
@@ -247,10 +247,10 @@ def _forward_impl(original: Any) -> Any:
 
 
 def install(chunks: Iterable[torch.nn.Module]) -> int:
-    """Route the chunks' local linear layers through the deferring function whenever a split
-    backward step is running (outside one they run megatron-core's own, untouched). Idempotent;
-    returns how many layers are routed. Says once (log warning) when Transformer Engine layers
-    are present: their weight GEMMs stay in I, so W has less work than the schedule plans."""
+    """Route the chunks' local linear layers through the deferring function while a split backward
+    step runs (megatron-core's own otherwise); idempotent, returns how many are routed. Warns once
+    when Transformer Engine layers are present: their weight GEMMs stay in I, so W does less than
+    planned."""
     count = 0
     chunks = list(chunks)
     if not _warned and any(compat.transformer_engine_layers(chunk) for chunk in chunks):

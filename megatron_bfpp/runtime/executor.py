@@ -313,15 +313,14 @@ class _Executor:
         return step.state
 
     def _open_side(self, comm: PipeComm) -> None:
-        """The partner pair's process group, before the first payload batch (``nccl``: BPipe's
-        payloads run on a stream of their own). Every rank of a schedule with transfers takes
-        part, those without any too (``pair_group`` is collective over the job)."""
+        """The partner pair's group, before the first payload batch (BPipe's payloads get their own
+        stream); every rank takes part, with transfers or not (``pair_group`` is job-collective)."""
         if self.side and comm.side_group is None:  # partners x and p-1-x only: ``planned``
             comm.side_group = pair_group(comm.group, comm.device)
 
     def _post_batch(self, batch: Batch) -> None:
-        """Run the handlers of one tick's items, then post what they gathered as one batch (on
-        the partner pair's group for BPipe's payloads)."""
+        """Run one tick's item handlers, then post what they gathered as one batch (BPipe's
+        payloads on the partner pair's group)."""
         step = self.step
         for position, rest in batch.items:
             action = step.program[position]

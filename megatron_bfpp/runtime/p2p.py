@@ -57,9 +57,8 @@ class PipelineTimeout(RuntimeError):
 
 
 def group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
-    """The process group's timeout in seconds (``init_process_group`` / ``new_group``'s
-    ``timeout``: megatron-core's groups take ``--distributed-timeout-minutes``), else torch's
-    default for the backend."""
+    """The group's timeout in seconds (megatron-core's: ``--distributed-timeout-minutes``), else
+    torch's default for the backend."""
     try:
         backend = group._get_backend(device)
         timeout = backend.options._timeout
@@ -111,10 +110,9 @@ def pair_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
 
 
 def _first_exchange(pair: dist.ProcessGroup, peer: int, device: torch.device) -> None:
-    """One element each way on a new pair group, now that both ranks are known to be here:
-    NCCL sets a communicator up at its first op (an exchange of its id through the store), so a
-    partner that fails later fails a payload's wait, which is bounded and names it, rather than
-    that set-up."""
+    """One element each way on a new pair group while both ranks are known to be here: NCCL sets
+    up a communicator at its first op, so a partner failing later fails a bounded, named payload
+    wait rather than that set-up."""
     sent = torch.zeros(1, device=device)
     received = torch.empty(1, device=device)
     works = dist.batch_isend_irecv(
@@ -331,10 +329,9 @@ class PipeComm:
         self.sends = still
 
     def settle_transfers(self) -> None:
-        """Wait for the eviction and restore payloads sent so far, whose receives the partner
-        posted in the same tick. Called after the compute that follows them on
-        backends whose sends cannot be polled (gloo reports a send complete only once waited
-        for); the NCCL model (``megatron_bfpp.nccl``) includes this wait in what it proves."""
+        """Wait for the payloads sent so far (receives posted in the same tick), after the compute
+        following them, where sends cannot be polled (gloo completes a send only once waited
+        for); the NCCL model (``megatron_bfpp.nccl``) includes this wait."""
         still: list[PendingSend] = []
         for pending in self.sends:
             if pending.message.what in _TRANSFERS:
@@ -356,8 +353,7 @@ class PipeComm:
             self.sends.remove(pending)
 
     def transfer_tensors(self) -> list[torch.Tensor]:
-        """Eviction payloads this rank holds in communication: posted receive buffers and sends
-        in flight (what the memory accounting adds to the store)."""
+        """Eviction payloads in communication (posted receives, sends in flight), for memory."""
         held = [p.tensor for p in self.sends if p.message.what in _TRANSFERS]
         for message, parts in self.receives.items():
             if message.what in _TRANSFERS:
@@ -382,8 +378,7 @@ def _poll(work: dist.Work, deadline: float) -> bool:
 
 
 def _works_per_op(posted: Sequence[dist.Work] | None, num_ops: int) -> list[dist.Work]:
-    """One Work per op: gloo gives one per op, a coalescing backend (NCCL) one for the batch,
-    which then stands for each of its ops (waiting for one waits for all)."""
+    """One Work per op: gloo's own, or NCCL's batch Work for each (one wait waits for all)."""
     works = list(posted or ())
     if len(works) == num_ops:
         return works

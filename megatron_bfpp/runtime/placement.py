@@ -30,8 +30,8 @@ __all__ = [
 
 
 def layout_for(placement: Placement, *, num_ranks: int, num_chunks: int) -> StageLayout:
-    """The stage layout of a catalogue placement (``single`` is looped with one chunk); its
-    name as a plain string is taken too, as model builders are called with one."""
+    """The stage layout of a catalogue placement (``single``: looped with one chunk); its name as
+    a plain string is taken too, as model builders are called with one."""
     try:
         placement = Placement(placement)
     except ValueError:
@@ -78,9 +78,8 @@ def check_chunk_placement(
 
 
 def tied_embedding_weights(chunks: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(input embedding, output layer) weights when this rank holds both copies of a tied
-    embedding in different chunks; ``None`` otherwise (also for models without megatron-core's
-    ``pre_process`` / ``post_process``)."""
+    """(input embedding, output layer) weights when this rank holds both copies of a tied embedding
+    in different chunks, else ``None`` (also without ``pre_process`` / ``post_process``)."""
     if len(chunks) < 2 or not (
         _flag(chunks[0], "pre_process") and _flag(chunks[-1], "post_process")
     ):
@@ -100,9 +99,8 @@ def tied_embedding_weights(chunks: Sequence[Any]) -> tuple[torch.Tensor, torch.T
 
 @torch.no_grad()
 def sum_tied_embedding_grads(chunks: Sequence[Any]) -> None:
-    """Both copies' gradient := their sum, on the rank that holds both: what Megatron's
-    all-reduce of the word-embedding gradient over the first and last stage computes. Called
-    after the data-parallel reduction (``finalize_model_grads``), as that all-reduce is."""
+    """Both copies' gradient := their sum on the rank holding both, as Megatron's first/last-stage
+    word-embedding all-reduce computes, after the data-parallel reduction as that one is."""
     weights = tied_embedding_weights(chunks)
     if weights is None:
         return

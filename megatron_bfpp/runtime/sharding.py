@@ -141,8 +141,7 @@ class ShardedParameters:
 
     # --- parameters: the two actions ------------------------------------------------------
     def gather(self, chunk: int, *, async_op: bool = True) -> None:
-        """Allocate the chunk's full parameter buffers and all-gather them from the kept
-        shards (waited on by :meth:`wait`)."""
+        """Allocate the chunk's full parameter buffers and all-gather them (see :meth:`wait`)."""
         state = self.chunks[chunk]
         if state.resident:
             raise RuntimeError(
@@ -187,7 +186,7 @@ class ShardedParameters:
     # --- gradients ----------------------------------------------------------------------------
     def allocate_grads(self, chunk: int) -> None:
         """Before the first backward of each run of the chunk's backwards: its gradient buffer,
-        zeroed (the previous run's reduction landed first if it is still in flight)."""
+        zeroed (after landing the previous run's reduction if still in flight)."""
         state = self.chunks[chunk]
         if chunk in self.pending_grads:
             self.pending_grads.remove(chunk)
@@ -299,8 +298,7 @@ class ShardedParameters:
         self.deferred = None if shared is None else shared[0]
 
     def _land(self, chunk: int) -> None:
-        """Wait for the chunk's reduction, keep this rank's reduced part (added to the parts of
-        its earlier runs this step), free the buffer."""
+        """Wait for the chunk's reduction, keep (add) this rank's part, free the buffer."""
         state = self.chunks[chunk]
         if chunk in self.partial:
             self.partial.discard(chunk)
@@ -363,8 +361,7 @@ class ShardedParameters:
 
     # --- outside the schedule ---------------------------------------------------------------
     def optimizer_step(self, step: Callable[[], Any], optimizer: Any) -> Any:
-        """Run ``step`` (the optimizer's ``step``) on the kept shards: no full buffer is
-        allocated, and the distributed optimizer's closing all-gather is skipped."""
+        """The optimizer's ``step`` on the kept shards (see :func:`sharded_optimizer_step`)."""
         for index, state in enumerate(self.chunks):
             if state.resident or state.grads_resident:
                 raise RuntimeError(
@@ -420,8 +417,8 @@ class ShardedParameters:
         return sum(sum(state.grad_nbytes) for state in self.chunks)
 
     def begin_step(self) -> None:
-        """A forward-backward starts: no chunk's kept gradient shard holds any of its sum yet,
-        and the iteration's high-water marks start (its zeroing, just before, counted in)."""
+        """A forward-backward starts: no kept gradient shard holds this step's sum yet, and the
+        high-water marks start (the zeroing just before counted in)."""
         self.landed.clear()
         self.reset_peak()
 
@@ -586,8 +583,8 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
 
 # --- the executor's handlers ------------------------------------------------------------------
 class ShardingPart(StepPart):
-    """The step's view of the sharded model: the first compute on a chunk after its gather
-    waits for it, and its first backward allocates its gradients."""
+    """The step's view of the sharded model: a chunk's first compute after its gather waits for
+    it, and its first backward allocates its gradients."""
 
     def __init__(self) -> None:
         self.sharded: ShardedParameters | None = None

@@ -31,8 +31,8 @@ K = ActionKind
 
 
 class SplitBackward(StepPart):
-    """Micro-batches between their I and their W (checked drained at the end of the step),
-    and the weight gradients their I deferred."""
+    """Micro-batches between their I and W (checked drained at the step's end) and their deferred
+    weight gradients."""
 
     def __init__(self) -> None:
         self.pending: set[Key] = set()

@@ -67,9 +67,8 @@ class Call:
 
 @dataclass
 class StepContext:
-    """Everything one step needs besides the schedule: the call as megatron-core made it, and
-    what the step read from it once (the model chunks, one data iterator each, their config,
-    the pipeline's messages)."""
+    """Everything a step needs besides the schedule: megatron-core's call and what was read from it
+    once (chunks, a data iterator each, their config, the pipeline's messages)."""
 
     call: Call
     data_iterators: list[Iterator[Any] | None]
@@ -116,8 +115,7 @@ class StepState:
 
 @dataclass
 class Window:
-    """The messages of one batch of the posting (see runtime.p2p): the handlers of its items
-    add sends and receives here, and the executor posts them as one batch."""
+    """One posting batch's messages (runtime.p2p): handlers add to it, the executor posts it."""
 
     sends: list[Send] = field(default_factory=list)
     receives: list[Receive] = field(default_factory=list)
@@ -128,12 +126,11 @@ class Window:
 
 
 class StepPart:
-    """A handler module's per-step state and its answers to the core; the defaults suit a part
-    that holds no activations. The executor makes one of each registered part per step."""
+    """A handler module's per-step state and answers to the core (defaults: no activations held),
+    made once per step per registered part."""
 
     def begin(self, step: RankStep) -> None:
-        """Set up before the rank's first action (the executor calls ``end`` after its last,
-        also when the step fails)."""
+        """Set up before the rank's first action (``end`` runs after its last, also on failure)."""
 
     def end(self, step: RankStep) -> None:
         """Undo what ``begin`` set up."""
@@ -303,9 +300,8 @@ def _last_grad_sync_positions(program: tuple[Action, ...]) -> set[int]:
 
 
 def _last_backward_positions(program: tuple[Action, ...]) -> set[int]:
-    """Position of each chunk's last backward on this rank: where its weight gradients last
-    accumulate, so where megatron-core DDP's hooks may start its reduction. That is its last B,
-    or with a split backward its last I (runtime.split_backward accumulates them there)."""
+    """Position of each chunk's last backward on this rank (its last B, or last I with a split
+    backward): where its weight gradients last accumulate and DDP's hooks may start reducing."""
     last: dict[int, int] = {}
     for position, action in primitives(program):  # an overlapped pair's backward included
         if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
