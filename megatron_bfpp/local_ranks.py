@@ -97,9 +97,8 @@ class LocalRun:
 
     @property
     def culprit(self) -> int | None:
-        """The rank to blame: the first one lost (died without a result, or stopped beating),
-        since the ranks talking to it fail soon after and may even report first; otherwise the
-        first to fail."""
+        """The rank to blame: the first lost (no result, or no heartbeat), since its peers fail soon
+        after and may report first; otherwise the first to fail."""
         if self.lost:
             return min(self.lost, key=self.failed_at.__getitem__)
         return self.first_failed
@@ -219,9 +218,8 @@ class _StopState:
 
 @contextlib.contextmanager
 def _forward_stop_signals() -> Any:
-    """While ranks run, SIGTERM / SIGHUP raise in the launcher (which then stops its ranks)
-    instead of killing it outright and orphaning them. Only the main thread can set handlers;
-    elsewhere the defaults stay."""
+    """While ranks run, SIGTERM / SIGHUP raise in the launcher (which stops its ranks) instead of
+    killing it and orphaning them; only the main thread can set handlers."""
     state = _StopState()
     if threading.current_thread() is not threading.main_thread():
         yield state
@@ -293,8 +291,7 @@ def _child(
 
 
 def _stop_children() -> None:
-    """Stop this rank's ``multiprocessing`` children (see the module docstring): SIGTERM, a short
-    wait, then SIGKILL for any that did not go."""
+    """Stop this rank's ``multiprocessing`` children: SIGTERM, a short wait, then SIGKILL."""
     children = multiprocessing.active_children()
     for child in children:
         child.terminate()
@@ -395,8 +392,7 @@ def _run(spec: _Rank, target: Callable[[int, Any], Any], port_writer: Connection
 
 
 def _say_once(store: Any) -> None:
-    """Warnings and log records of this rank are printed only if no other rank printed the same
-    text first (see the module docstring)."""
+    """Print this rank's warnings and log records unless another rank printed the text first."""
     first = _FirstToSay(store)
     show = warnings.showwarning
 
@@ -522,9 +518,8 @@ def _wait_time(watch: _Watch, first_error: float | None) -> float | None:
 def _silent(
     pending: dict[Connection, int], watch: _Watch, *, failing: bool = False
 ) -> list[tuple[Connection, int, float]]:
-    """Ranks silent past the heartbeat limit; once some rank failed, past
-    :data:`SILENT_AFTER_FAILURE` too: a rank that failed waiting on a stopped one (its wait
-    bounded by the process group's timeout) would otherwise be blamed instead of it."""
+    """Ranks silent past the heartbeat limit, or after any failure past
+    :data:`SILENT_AFTER_FAILURE`, lest a rank failing on a stopped one's wait be blamed for it."""
     if watch.heartbeat_timeout is None:
         return []
     limit = (

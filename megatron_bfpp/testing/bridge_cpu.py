@@ -132,8 +132,7 @@ def disable_cpu_bridge() -> None:
 
 
 def record_losses(print_line: Callable[[str], None] | None = None) -> None:
-    """Print each iteration's exact lm loss (``float.hex``) and grad norm, from Bridge's
-    ``training_log``, on the last rank."""
+    """Print each iteration's exact lm loss (``float.hex``) and grad norm on the last rank."""
     import importlib
 
     emit = print_line or _write_line

@@ -83,9 +83,9 @@ def tiny_gpt_config(
     sequence_parallel: bool = False,
     **overrides: Any,
 ) -> TransformerConfig:
-    """A small fp32 GPT config: 8 layers, hidden 32, 4 heads, ffn 64, dropout 0, CPU init,
-    ``batch_p2p_comm=False``, no fused kernels. ``tp``, ``pp`` (and ``vp`` without ``pp``) default
-    to the initialised parallel state (1 without one); ``overrides`` go to ``TransformerConfig``."""
+    """A small fp32 GPT config (8 layers, hidden 32, 4 heads, ffn 64, no dropout or fused kernels,
+    CPU init, ``batch_p2p_comm=False``); ``tp``, ``pp`` (and ``vp`` without ``pp``) default to
+    the parallel state (1 without one); ``overrides`` go to ``TransformerConfig``."""
     initialized = parallel_state.model_parallel_is_initialized()
     if tp is None:
         tp = parallel_state.get_tensor_model_parallel_world_size() if initialized else 1
@@ -129,9 +129,9 @@ def build_model_chunks(
     share_embeddings_and_output_weights: bool = False,
     placement: Placement = Placement.LOOPED,
 ) -> list[GPTModel]:
-    """This rank's ``GPTModel`` chunks, one per stage it holds, built as bfpp-train builds them
-    (:func:`megatron_bfpp.train.presets.gpt_chunks`: local layer spec, in ``placement``:
-    megatron-core's looped one or the V-shape), initialised by :func:`init_from_global_names`."""
+    """This rank's ``GPTModel`` chunks built as bfpp-train builds them
+    (:func:`megatron_bfpp.train.presets.gpt_chunks`), initialised by
+    :func:`init_from_global_names`."""
     return gpt_chunks(
         config,
         layer_spec=get_gpt_layer_local_spec(),
@@ -189,8 +189,7 @@ def make_batches(
 
 
 def forward_step_func(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[Any, Any]:
-    """bfpp-train's step function (:func:`megatron_bfpp.train.step_functions.forward_step`) with the
-    batch left where it is."""
+    """bfpp-train's :func:`~megatron_bfpp.train.step_functions.forward_step`, batch not moved."""
     return forward_step(None, data_iterator, model)
 
 
@@ -275,10 +274,9 @@ def _shards(model_chunks: Sequence[torch.nn.Module], what: str) -> dict[str, Gra
 
 
 def grad_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]:
-    """This rank's gradients by global name (``main_grad`` under megatron DDP, else ``.grad``),
-    with their tensor-parallel slice info; return it from a rank and :func:`merge_shards` the
-    list in the parent. With the distributed optimizer only the rank's own shard of
-    ``main_grad`` is reduced: compare parameters or losses there instead."""
+    """This rank's gradients by global name (``main_grad`` under DDP, else ``.grad``) with their
+    tensor-parallel slice info, for :func:`merge_shards` in the parent. The distributed optimizer
+    reduces only the rank's own ``main_grad`` shard: compare parameters or losses there instead."""
     return _shards(model_chunks, "grad")
 
 
@@ -290,10 +288,9 @@ def param_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard
 def merge_shards(
     per_rank: Iterable[dict[str, GradShard]], *, check_replicas: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Full tensors by global name from every rank's shards. Copies of one piece held by several
-    ranks (data-parallel replicas, tensor-parallel-replicated parameters, a tied embedding on the
-    first and last stage) must be bitwise equal when ``check_replicas``: they are after
-    ``finalize_model_grads``, and a difference means a missing reduction."""
+    """Full tensors by global name from every rank's shards. With ``check_replicas``, copies held by
+    several ranks (dp replicas, tp-replicated parameters, a tied embedding's two ends) must be
+    bitwise equal, as they are after ``finalize_model_grads``: else a reduction is missing."""
     pieces: dict[str, dict[int, GradShard]] = {}
     for shards in per_rank:
         for name, shard in shards.items():
@@ -337,10 +334,9 @@ def train_steps(
     placement: Placement = Placement.LOOPED,
     share_embeddings_and_output_weights: bool = False,
 ) -> list[list[float]]:
-    """Adam steps with megatron-core DDP and the distributed optimizer (overlapping reductions and
-    gathers when ``overlap``); this rank's per-micro-batch losses for each step.
-    ``forward_backward_func`` as in ``run_schedule`` (default: megatron-core's own); chunks in
-    ``placement`` (``looped`` or ``v-shape``)."""
+    """Adam steps with megatron-core DDP and the distributed optimizer (overlapped when
+    ``overlap``); this rank's per-micro-batch losses per step. ``forward_backward_func`` as in
+    ``run_schedule``; chunks in ``placement`` (``looped`` or ``v-shape``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     chunks = wrap_ddp(
@@ -379,8 +375,7 @@ def train_steps(
 
 
 def data_parallel_share(batches: Sequence[Batch]) -> list[Batch]:
-    """This data-parallel rank's contiguous share of a global list of micro-batches (what a
-    single-process reference runs in full)."""
+    """This dp rank's contiguous share of a global micro-batch list (a reference runs it whole)."""
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
     if len(batches) % dp:
@@ -398,9 +393,8 @@ def run_schedule(
     micro_batch_size: int | None = None,
     seq_length: int = SEQ_LENGTH,
 ) -> list[dict[str, torch.Tensor]]:
-    """One forward-backward call over ``batches`` (this rank's micro-batches), each chunk reading
-    them from its own iterator. ``forward_backward_func`` defaults to megatron-core's own for the
-    current layout (``get_forward_backward_func()``); pass any function with its signature."""
+    """One forward-backward call over this rank's ``batches``, one iterator per chunk;
+    ``forward_backward_func``: megatron-core's own by default, or any with its signature."""
     if forward_backward_func is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -444,7 +438,7 @@ def assert_tensors_close(
     got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, rel: float = 0.0
 ) -> None:
     """Same names, and per tensor ``max|got - want| <= rel * max|want|`` (``rel=0``: bitwise
-    equal). The error lists every offending tensor, worst first."""
+    equal); the error lists every offending tensor, worst first."""
     if set(got) != set(want):
         raise AssertionError(
             f"names differ: only got {sorted(set(got) - set(want))}, "

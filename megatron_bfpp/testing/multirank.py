@@ -30,9 +30,8 @@ ERROR_GRACE = 1.0  # seconds the other ranks get to report after the first error
 
 
 class RanksFailed(RuntimeError):
-    """One or more ranks raised, died or timed out. ``reports`` maps every rank to its
-    traceback, its stacks when killed, or "finished normally"; ``first_failed`` is the rank whose
-    failure came first (the others often fail because it left)."""
+    """One or more ranks raised, died or timed out. ``reports``: each rank's traceback, its stacks
+    when killed, or "finished normally"; ``first_failed``: whose failure came first."""
 
     def __init__(
         self, summary: str, reports: dict[int, str], first_failed: int | None = None

@@ -87,10 +87,9 @@ _blocked_s = 0.0  # this process's time blocked in Work.wait() (rule 5)
 
 
 def install(*, stall_seconds: float | None = None, transfer_seconds: float | None = None) -> None:
-    """Route gloo p2p through the emulation (again: only sets the limits). The stall limit is
-    ``stall_seconds``, else ``$BFPP_NCCL_EMULATION_STALL_S``, else 60 s; the emulated transfer
-    time of a message (rule 7) ``transfer_seconds``, else ``$BFPP_NCCL_EMULATION_TRANSFER_S``,
-    else 0 (none)."""
+    """Route gloo p2p through the emulation (again: only sets the limits). Stall limit:
+    ``stall_seconds``, else ``$BFPP_NCCL_EMULATION_STALL_S``, else 60 s; transfer time (rule 7):
+    ``transfer_seconds``, else ``$BFPP_NCCL_EMULATION_TRANSFER_S``, else 0."""
     global _stall_s, _transfer_s
     if stall_seconds is None:
         stall_seconds = float(os.environ.get(STALL_ENV, DEFAULT_STALL_S))
@@ -148,9 +147,8 @@ class SendTiming:
 
 @dataclass(frozen=True, slots=True)
 class BatchTiming:
-    """What the emulation decided for one batch, so a test checks the rules it controls (each
-    send's delay, the batch completing after its sends, the wait charged) without bounding wall
-    time, which a loaded machine stretches."""
+    """What the emulation decided for one batch, so tests check the rules it controls (send delays,
+    completion after sends, the wait charged) without bounding wall time."""
 
     started: float
     completed: float

@@ -24,9 +24,8 @@ import torch
 
 
 class MockTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """``num_samples`` token sequences counting up (modulo the vocabulary) from a start drawn
-    from a generator seeded by ``(seed, i)``: the same data on every rank and after every
-    resume, and a next token the model can learn to predict."""
+    """``num_samples`` sequences counting up (modulo the vocabulary) from a start seeded by
+    ``(seed, i)``: the same on every rank and resume, with a learnable next token."""
 
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> None:
         self.num_samples = num_samples
