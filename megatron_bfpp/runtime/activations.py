@@ -88,7 +88,6 @@ class ActivationStore:
         excluded.discard(0)
         return cls(device=device, excluded=excluded)
 
-    # --- capture ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def capture(self, key: Key) -> Iterator[None]:
         """Route every tensor the forward of ``key`` saves for backward through this store."""
@@ -140,7 +139,6 @@ class ActivationStore:
                 if handle is not None and handle.tensor is not None:
                     yield handle.tensor
 
-    # --- eviction ---------------------------------------------------------------------------
     def evict(
         self, key: Key, pipeline_tensors: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, Evicted]:

@@ -69,7 +69,6 @@ __all__ = [
 K = ActionKind
 
 
-# --- compute ------------------------------------------------------------------------------
 def forward(step: RankStep, position: int, action: Action) -> None:
     from megatron.core.pipeline_parallel.schedules import check_first_val_step
 
@@ -143,7 +142,6 @@ def overlapped(step: RankStep, position: int, action: Action) -> None:
         TABLE.handlers[part.kind](step, position, part)
 
 
-# --- pipeline messages ----------------------------------------------------------------------
 def send_act(step: RankStep, position: int, action: Action) -> None:
     message, peer = _message_and_peer(action)
     key = (action.stage, message.microbatch)
@@ -178,7 +176,6 @@ def _message_and_peer(action: Action) -> tuple[Message, int]:
     return message_of(action), peer
 
 
-# --- data parallel --------------------------------------------------------------------------
 def grad_sync(step: RankStep, position: int, action: Action) -> None:
     chunk = step.layout.chunk_of(action.stage)
     sharded = step.ctx.sharded
@@ -212,7 +209,6 @@ def _mb(action: Action) -> int:
     return action.microbatch
 
 
-# --- the table --------------------------------------------------------------------------------
 CORE = Handlers(
     kinds={
         K.FORWARD: forward,
@@ -230,7 +226,6 @@ TABLE: DispatchTable = dispatch_table(
 )
 
 
-# --- what runs ---------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class PlannedSchedule:
     """A validated schedule with its proven NCCL-safe lock-step posting, made once (``planned``) and
@@ -253,7 +248,6 @@ def planned(schedule: Schedule) -> PlannedSchedule:
     return PlannedSchedule(schedule, validate_nccl(schedule))
 
 
-# --- the loop ---------------------------------------------------------------------------------
 class _Executor:
     """Dispatches one rank's program through the table and checks what the step leaves."""
 

@@ -186,7 +186,6 @@ class PipeComm:
             self.shape, dtype=self.dtype, device=self.device, requires_grad=requires_grad
         )
 
-    # --- posting ----------------------------------------------------------------------------
     def post(
         self, sends: Sequence[Send], receives: Sequence[Receive], *, side: bool = False
     ) -> None:
@@ -252,7 +251,6 @@ class PipeComm:
         self._wait(header.work, message, peer, header.posted_at)
         return int(header.size.item())
 
-    # --- consuming --------------------------------------------------------------------------
     def wait_receive(self, message: Message, peer: int) -> torch.Tensor:
         """The one tensor of an activation or gradient message, once it has arrived."""
         (buffer,) = self.wait_parts(message, peer)

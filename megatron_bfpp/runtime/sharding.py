@@ -139,7 +139,6 @@ class ShardedParameters:
         if sizes and all(s.device.type == "cpu" for st in self.chunks for s in st.storages):
             return_freed_buffers(min(sizes))
 
-    # --- parameters: the two actions ------------------------------------------------------
     def gather(self, chunk: int, *, async_op: bool = True) -> None:
         """Allocate the chunk's full parameter buffers and all-gather them (see :meth:`wait`)."""
         state = self.chunks[chunk]
@@ -183,7 +182,6 @@ class ShardedParameters:
             storage.resize_(0)
         state.resident = False
 
-    # --- gradients ----------------------------------------------------------------------------
     def allocate_grads(self, chunk: int) -> None:
         """Before the first backward of each run of the chunk's backwards: its gradient buffer,
         zeroed (after landing the previous run's reduction if still in flight)."""
@@ -359,7 +357,6 @@ class ShardedParameters:
 
         return around
 
-    # --- outside the schedule ---------------------------------------------------------------
     def optimizer_step(self, step: Callable[[], Any], optimizer: Any) -> Any:
         """The optimizer's ``step`` on the kept shards (see :func:`sharded_optimizer_step`)."""
         for index, state in enumerate(self.chunks):
@@ -581,7 +578,6 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
     return state
 
 
-# --- the executor's handlers ------------------------------------------------------------------
 class ShardingPart(StepPart):
     """The step's view of the sharded model: a chunk's first compute after its gather waits for
     it, and its first backward allocates its gradients."""

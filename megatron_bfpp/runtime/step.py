@@ -256,7 +256,6 @@ class RankStep:
         """Pseudo-free a sent output once its send completes, as megatron-core does."""
         return bool(self.ctx.config.deallocate_pipeline_outputs) and not self.ctx.call.forward_only
 
-    # --- data parallel ----------------------------------------------------------------------
     def enter_no_sync(self) -> None:
         """Hold every chunk's gradient reduction until its last backward."""
         funcs = self.per_chunk(self.ctx.config.no_sync_func)

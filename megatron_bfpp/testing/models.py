@@ -72,9 +72,6 @@ VOCAB_SIZE = 64
 MICRO_BATCH_SIZE = 2
 
 
-# --------------------------------------------------------------------------- configuration
-
-
 def tiny_gpt_config(
     *,
     tp: int | None = None,
@@ -117,9 +114,6 @@ def unparallel_config(config: TransformerConfig) -> TransformerConfig:
     )
 
 
-# --------------------------------------------------------------------------- model chunks
-
-
 def build_model_chunks(
     config: TransformerConfig,
     *,
@@ -159,9 +153,6 @@ def init_from_global_names(model: torch.nn.Module, *, seed: int = 0) -> None:
     init_by_global_names(model, seed=seed, draw=_draw)
 
 
-# --------------------------------------------------------------------------- data and steps
-
-
 def make_batches(
     num_microbatches: int,
     micro_batch_size: int = MICRO_BATCH_SIZE,
@@ -198,9 +189,6 @@ def losses_from_store(store: Iterable[dict[str, torch.Tensor]]) -> list[float]:
     return [float(d["lm loss"][0] / d["lm loss"][1]) for d in store]
 
 
-# --------------------------------------------------------------------------- reference
-
-
 def reference_losses_and_grads(
     config: TransformerConfig,
     batches: Sequence[Batch],
@@ -228,9 +216,6 @@ def reference_losses_and_grads(
         loss.backward()
         losses.append(float(report["lm loss"][0] / report["lm loss"][1]))
     return losses, merge_shards([grad_shards([model])])
-
-
-# --------------------------------------------------------------------------- shards
 
 
 @dataclasses.dataclass
@@ -321,9 +306,6 @@ def merge_shards(
         full[name] = torch.cat([p for p in ordered if p is not None], dim=dim)
         assert tuple(full[name].shape) == first.full_shape, name
     return full
-
-
-# --------------------------------------------------------------------------- megatron-core glue
 
 
 def train_steps(

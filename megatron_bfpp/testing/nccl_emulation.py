@@ -129,7 +129,6 @@ def batches_posted() -> int:
     return sum(stream.posted for stream in list(_process[1].values()))
 
 
-# --- the replacements ---------------------------------------------------------------------------
 def blocked_seconds() -> float:
     """Seconds this process's threads have spent blocked in a batch's ``wait()`` so far."""
     return _blocked_s
@@ -234,7 +233,6 @@ def _peer(group: Any, op: dist.P2POp) -> int:
     return dist.get_global_rank(group, op.group_peer)
 
 
-# --- streams: one worker thread each -------------------------------------------------------------
 @dataclass
 class _Op:
     send: bool

@@ -102,9 +102,6 @@ class OtherRankFailed(Exception):
     """Another rank failed and reports it (one line in all); this rank exits quietly."""
 
 
-# --------------------------------------------------------------------------- collectives
-
-
 def _collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -136,9 +133,6 @@ def _kill_point(point: str) -> None:
     if marker and point == "rank-file" and dist.get_rank() == 0:
         Path(marker).write_text(f"{os.getpid()}\n")
         time.sleep(_PAUSE_S)
-
-
-# --------------------------------------------------------------------------- state
 
 
 def _rng_state() -> dict[str, Any]:
@@ -231,9 +225,6 @@ def _refusal(error: BaseException) -> str:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-# --------------------------------------------------------------------------- save
 
 
 def save_checkpoint(
@@ -465,9 +456,6 @@ def _save_torch_dist(
     except CheckpointException as failure:  # a BaseException: turned into an ordinary error
         ranks = ", ".join(str(rank) for rank in sorted(failure.failures))
         raise RuntimeError(f"megatron-core's checkpoint writer failed on rank(s) {ranks}") from None
-
-
-# --------------------------------------------------------------------------- load
 
 
 def load_checkpoint(

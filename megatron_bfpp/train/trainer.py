@@ -57,9 +57,6 @@ class TrainResult:
     losses: list[tuple[int, float]]
 
 
-# --------------------------------------------------------------------------- setup
-
-
 def init_distributed(store: Any = None, timeout_s: float = 600.0) -> torch.device:
     """Process group from the environment (torchrun / our launcher). GPU: NCCL on
     ``cuda:LOCAL_RANK``. CPU only: gloo, and megatron-core's CUDA calls redirected to the CPU."""
@@ -167,9 +164,6 @@ def _optimizer_and_scheduler(
         override_opt_param_scheduler=policy == "override",
     )
     return optimizer, scheduler
-
-
-# --------------------------------------------------------------------------- steps
 
 
 def _reduce_loss(store: list[dict[str, torch.Tensor]], device: torch.device) -> float:
@@ -294,9 +288,6 @@ class _Progress:
         if self.drawn:
             self.stream.write("\n")
             self.stream.flush()
-
-
-# --------------------------------------------------------------------------- main loop
 
 
 @dataclasses.dataclass
