@@ -409,10 +409,6 @@ class ShardedParameters:
         """Parameter bytes of this rank's chunks unsharded (the buffers' full size)."""
         return sum(sum(state.full_nbytes) for state in self.chunks)
 
-    def full_grad_bytes(self) -> int:
-        """Gradient bytes of this rank's chunks unsharded."""
-        return sum(sum(state.grad_nbytes) for state in self.chunks)
-
     def begin_step(self) -> None:
         """A forward-backward starts: no kept gradient shard holds this step's sum yet, and the
         high-water marks start (the zeroing just before counted in)."""

@@ -1,13 +1,11 @@
 """What ``--data-path`` names, decided before any rank starts: a text file (byte-level tokens) or
-Megatron's indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``, what ``tools/preprocess_data.py``
-writes and every Megatron-LM user has), one prefix or Megatron-LM's weighted blend ``W1 P1 W2
-P2 ...``.
+Megatron's indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``, as ``tools/preprocess_data.py``
+writes), one prefix or Megatron-LM's weighted blend ``W1 P1 W2 P2 ...``.
 
-Torch-free: only file sizes and the 34-byte header of each ``.idx`` are read (the layout of
-megatron-core's ``_IndexReader``), so a truncated, mismatched or foreign file is one line before
-any rank imports megatron-core, instead of an ``AssertionError`` per rank or, for a ``.bin``
-given as a text file, training on its bytes. A file that is neither (binary data that is not an
-indexed dataset) is refused too.
+Torch-free: only file sizes and each ``.idx``'s 34-byte header are read (megatron-core's
+``_IndexReader`` layout), so a truncated, mismatched or foreign file is one line before any rank
+imports megatron-core, instead of an ``AssertionError`` per rank or, for a ``.bin`` given as
+text, training on its bytes; binary data that is no indexed dataset is refused too.
 """
 
 from __future__ import annotations
