@@ -73,10 +73,9 @@ class Stopped(BaseException):
 
 @dataclasses.dataclass(frozen=True)
 class LocalRun:
-    """How the ranks ended. ``results``: what ``target`` returned, by rank. ``errors``: the
-    traceback (or how the rank died) of each rank that failed, with ``failed_at`` its wall-clock
-    time. ``killed``: ranks still running when the grace period or the timeout ended, with their
-    ``stacks`` when a ``stack_dir`` was given."""
+    """How the ranks ended: ``results`` by rank; ``errors``, each failed rank's traceback (or how it
+    died) with ``failed_at``; ``killed``, ranks still running at the grace period's or timeout's
+    end, with their ``stacks`` when a ``stack_dir`` was given."""
 
     results: dict[int, Any]
     errors: dict[int, str]

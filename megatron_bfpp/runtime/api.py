@@ -401,10 +401,9 @@ def sharded_optimizer_step(optimizer: Any, model: torch.nn.Module | list[torch.n
 
 
 def gradients_finite(model: torch.nn.Module | list[torch.nn.Module], *, sharded: bool) -> bool:
-    """Whether every gradient this rank's optimizer step will read (``main_grad``; sharded: the kept
-    shards) has a finite norm, as Megatron-LM's ``--check-for-nan-in-loss-and-grad`` tests bucket
-    norms: fp32 has no grad scaler to skip a NaN, inf or overflowing step. Local: the caller agrees
-    over ranks before stepping."""
+    """Whether every gradient the optimizer step will read (``main_grad``; sharded: kept shards) has
+    a finite norm, as Megatron-LM's ``--check-for-nan-in-loss-and-grad`` tests: fp32 has no grad
+    scaler to skip a NaN, inf or overflowing step. Local: the caller agrees over ranks."""
     chunks = model if isinstance(model, list) else [model]
     if sharded:
         grads = sharded_parameters(chunks).grad_shards()

@@ -248,9 +248,8 @@ def _forward_impl(original: Any) -> Any:
 
 def install(chunks: Iterable[torch.nn.Module]) -> int:
     """Route the chunks' local linear layers through the deferring function while a split backward
-    step runs (megatron-core's own otherwise); idempotent, returns how many are routed. Warns once
-    when Transformer Engine layers are present: their weight GEMMs stay in I, so W does less than
-    planned."""
+    step runs; idempotent, returns how many are routed. Warns once about Transformer Engine
+    layers, whose weight GEMMs stay in I (W does less than planned)."""
     count = 0
     chunks = list(chunks)
     if not _warned and any(compat.transformer_engine_layers(chunk) for chunk in chunks):

@@ -134,10 +134,9 @@ def backward(step: RankStep, position: int, action: Action) -> None:
 
 
 def overlapped(step: RankStep, position: int, action: Action) -> None:
-    """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward (B or I),
-    each through its own handler in ``TABLE``. The posting has already posted what both receive
-    (the composite rule: ``semantics``); running them concurrently to hide communication needs a
-    handler splitting them into layers (DualPipe's), not this one."""
+    """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward, each via
+    its ``TABLE`` handler, both receives already posted (``semantics``' composite rule); hiding
+    communication by running them concurrently needs a layer-splitting handler (DualPipe's)."""
     for part in parts(action):
         TABLE.handlers[part.kind](step, position, part)
 

@@ -105,11 +105,9 @@ class _Chunk:
 
 
 class ShardedParameters:
-    """One rank's model chunks with parameters and gradients sharded over their data-parallel
-    groups; made once per model (:func:`sharded_parameters`), it owns the kept shards.
-
-    The resident-byte high-water marks are reset at each forward-backward's start and cover the
-    step's optimizer step too."""
+    """One rank's chunks with parameters and gradients sharded over their data-parallel groups;
+    made once per model (:func:`sharded_parameters`), it owns the kept shards and high-water
+    marks (reset at each forward-backward, covering the optimizer step too)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
         self.chunks = [_chunk_of(index, chunk) for index, chunk in enumerate(chunks)]
@@ -198,11 +196,10 @@ class ShardedParameters:
         self._observe()
 
     def grads_synced(self, chunk: int, *, overlapped: bool, partial: bool = False) -> None:
-        """At the chunk's GS (its reduction just started, or with ``overlapped`` False not
-        started: megatron-core then reduces synchronously in ``finish_grad_sync``): land the
-        reductions started before it, and this one unless it is still in flight. ``partial``:
-        a GS before the chunk's last (breadth-first with groups), whose reduction this method
-        starts, the chunk staying in ``no_sync``."""
+        """At the chunk's GS (reduction just started; with ``overlapped`` False not started, as
+        megatron-core then reduces in ``finish_grad_sync``): land earlier reductions, and this one
+        unless in flight. ``partial``: a GS before the chunk's last (grouped breadth-first), whose
+        reduction this starts, the chunk staying in ``no_sync``."""
         state = self.chunks[chunk]
         if not state.grads_resident:
             raise RuntimeError(
@@ -335,9 +332,8 @@ class ShardedParameters:
         return None
 
     def _zero_around(self, chunk: int) -> Callable[[Callable[[], None]], None]:
-        """DDP's ``zero_grad_buffer`` on a released gradient buffer: allocate it for the call
-        (one chunk at a time) so megatron-core resets its flags and bucket state as it always
-        does; the buffer is zeroed again when the chunk's first backward allocates it."""
+        """DDP's ``zero_grad_buffer`` on a released buffer, allocated for the call (one chunk at
+        a time) so megatron-core resets its flags and bucket state; re-zeroed at first backward."""
 
         def around(original: Callable[[], None]) -> None:
             state = self.chunks[chunk]

@@ -123,9 +123,8 @@ def build_model_chunks(
     share_embeddings_and_output_weights: bool = False,
     placement: Placement = Placement.LOOPED,
 ) -> list[GPTModel]:
-    """This rank's ``GPTModel`` chunks built as bfpp-train builds them
-    (:func:`megatron_bfpp.train.presets.gpt_chunks`), initialised by
-    :func:`init_from_global_names`."""
+    """This rank's chunks as bfpp-train builds them (:func:`~.presets.gpt_chunks`), initialised
+    by :func:`init_from_global_names`."""
     return gpt_chunks(
         config,
         layer_spec=get_gpt_layer_local_spec(),
@@ -273,9 +272,9 @@ def param_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard
 def merge_shards(
     per_rank: Iterable[dict[str, GradShard]], *, check_replicas: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Full tensors by global name from every rank's shards. With ``check_replicas``, copies held by
-    several ranks (dp replicas, tp-replicated parameters, a tied embedding's two ends) must be
-    bitwise equal, as they are after ``finalize_model_grads``: else a reduction is missing."""
+    """Full tensors by global name from every rank's shards. With ``check_replicas`` copies held by
+    several ranks (dp replicas, tp-replicated parameters, a tied embedding's ends) must be bitwise
+    equal, as after ``finalize_model_grads``: else a reduction is missing."""
     pieces: dict[str, dict[int, GradShard]] = {}
     for shards in per_rank:
         for name, shard in shards.items():

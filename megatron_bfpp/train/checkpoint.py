@@ -524,10 +524,9 @@ def read_rank_file(file: Path, *, record: FileRecord | None = None, label: str =
 
 
 def _scheduler_group_values(optimizer: Any) -> list[list[dict[str, Any]]]:
-    """What megatron-core's scheduler reads from each parameter group in preference to its own
-    values. The optimizer's state dict carries them, so loading it brings the checkpoint's back:
-    with ``--override-opt_param-scheduler`` this run's are put back (else the override would
-    change the scheduler's numbers and not the learning rate)."""
+    """What megatron-core's scheduler reads from each parameter group before its own values; loading
+    the optimizer brings the checkpoint's back, so with ``--override-opt_param-scheduler`` this
+    run's are restored (else the override would change the scheduler's numbers, not the rate)."""
     return [
         [{key: group[key] for key in _SCHEDULER_GROUP_KEYS if key in group} for group in groups]
         for groups in (inner.param_groups for inner in _inner_optimizers(optimizer))

@@ -139,11 +139,10 @@ def read_tracker(root: str | Path) -> int:
 
 
 def fresh_start_reason(root: str | Path) -> str | None:
-    """Why ``--load root`` starts from iteration 0 instead of resuming, as Megatron-LM does with no
-    tracker (requeued ``--save D --load D`` on a job's first start, or after a kill during its
-    first save); ``None``: something to resume, or something :func:`read_tracker` refuses. Only a
-    missing directory or one holding just what bfpp-train's first save leaves starts fresh: other
-    files and no tracker more likely mean a wrong path than a new run."""
+    """Why ``--load root`` starts from iteration 0, as Megatron-LM does with no tracker (requeued
+    ``--save D --load D`` on a first start, or after a kill in the first save); ``None``: there
+    is something to resume or :func:`read_tracker` refuses it. Only a missing directory or one
+    holding just what a first save leaves starts fresh: other files suggest a wrong path."""
     root = Path(root)
     try:
         names = os.listdir(root)
@@ -236,9 +235,8 @@ def _is_complete(path: Path) -> bool:
 
 
 def publish(temp: Path, final: Path, *, between: Callable[[], None] | None = None) -> Path | None:
-    """Rename the complete checkpoint ``temp`` to ``final``. An existing ``final`` is moved aside
-    first, not deleted (returned, for :func:`remove_old` once the tracker is updated).
-    ``between`` runs after the move aside and before the rename (a test's kill point)."""
+    """Rename the complete ``temp`` to ``final``, an existing ``final`` moved aside first (returned
+    for :func:`remove_old` after the tracker update); ``between`` runs in between (a kill point)."""
     old = None
     if final.exists():
         old = final.with_name(f"{final.name}{_OLD}{temp.name.rsplit(_TEMP, 1)[-1]}")

@@ -357,12 +357,11 @@ def check_resume(
 
 
 def save_problem(root: str | Path, current: RunConfig) -> str | None:
-    """Why ``--save root`` (not resumed from) would overwrite another model's checkpoint, which
-    this run could never have resumed (:func:`check_resume`'s model rule) but whose tracker and
-    same-numbered iterations its saves would replace. Checked before any rank starts. No
-    checkpoint, or one this bfpp-train cannot read, is left to the save as Megatron-LM leaves it;
-    a tracker that is not a regular file is refused as ``--load`` refuses it (the save would
-    write through a symbolic link)."""
+    """Why ``--save root`` (not resumed from) would overwrite another model's checkpoint, which this
+    run could never resume (:func:`check_resume`) but whose tracker and same-numbered iterations
+    it would replace; checked before any rank starts. No or unreadable checkpoint: left to the
+    save, as Megatron-LM does; a tracker that is no regular file: refused like ``--load`` (the
+    save would write through a symbolic link)."""
     tracker = Path(root) / TRACKER
     problem = regular_file_problem(tracker)
     if problem == "is missing":
@@ -386,11 +385,10 @@ def save_problem(root: str | Path, current: RunConfig) -> str | None:
 def resume_warnings(
     metadata: CheckpointMetadata, current: RunConfig, *, root: str | Path
 ) -> list[str]:
-    """What a resume accepts, as Megatron-LM does, though it changes the data the run reads on:
-    Megatron-LM's ``check_checkpoint_args`` compares the model and parallel sizes only (those
-    this run refuses too, :func:`check_resume`), never ``--seed``, ``--data-path`` or
-    ``--split``. Each is one line naming the flag and both values; the RNG states still come
-    from the checkpoint, only the samples from ``consumed_samples`` on change."""
+    """What a resume accepts, as Megatron-LM's ``check_checkpoint_args`` does (it compares only the
+    model and parallel sizes, :func:`check_resume`), though ``--seed``, ``--data-path`` or
+    ``--split`` change the samples read from ``consumed_samples`` on (RNG states still come from
+    the checkpoint); one line per flag with both values."""
     saved, now = metadata.run.training, current.training
     after = (
         f"the samples from {metadata.consumed_samples:,} on come from another stream; "

@@ -144,9 +144,9 @@ def _importable(package: str) -> bool:
 
 
 def wandb_mode(environ: Mapping[str, str] = os.environ, netrc_path: str | None = None) -> str:
-    """``WANDB_MODE`` when set; else online only when an API key is configured (environment or
-    ~/.netrc, where ``wandb login`` puts it), so a machine without one writes offline runs
-    (``wandb sync`` uploads them) instead of failing at the first iteration."""
+    """``WANDB_MODE`` when set; else online only with an API key (environment or ~/.netrc, from
+    ``wandb login``), so a machine without one writes offline runs (``wandb sync`` uploads
+    them) instead of failing at the first iteration."""
     if environ.get("WANDB_MODE"):
         return environ["WANDB_MODE"]
     if environ.get("WANDB_API_KEY"):

@@ -33,9 +33,8 @@ def forward_step(
     device: torch.device | None, data_iterator: Iterator[Batch], model: torch.nn.Module
 ) -> tuple[Any, Any]:
     """megatron-core's ``forward_step_func(data_iterator, model)`` once ``device`` is bound
-    (``None``: the batch stays where it is). Every stage reads the batch (``GPTModel`` ignores
-    tokens without ``pre_process``); the attention mask is ``None`` because the local spec's
-    causal softmax builds it."""
+    (``None``: batch not moved). Every stage reads the batch (``GPTModel`` ignores tokens
+    without ``pre_process``); the mask is ``None``: the local spec's causal softmax builds it."""
     batch = next(data_iterator)
     if device is not None:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -133,10 +133,10 @@ def _first_line(error: BaseException) -> str:
 def _optimizer_and_scheduler(
     args: Any, model: list[Any], config: RunConfig, policy: SchedulerPolicy
 ) -> tuple[Any, Any]:
-    """Adam (distributed optimizer) and megatron-core's scheduler with the values of
-    :meth:`Training.lr_schedule` (the ones a resume is checked against). On resume, megatron-core
-    compares them with the checkpoint's (default), keeps this run's (``override``) or the
-    checkpoint's (``checkpoint``), as Megatron-LM's two flags do."""
+    """Adam (distributed optimizer) and megatron-core's scheduler with
+    :meth:`Training.lr_schedule`'s values, which on resume megatron-core compares with the
+    checkpoint's (default) or replaces by this run's (``override``) or the checkpoint's
+    (``checkpoint``), as Megatron-LM's two flags do."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -177,12 +177,10 @@ def _reduce_loss(store: list[dict[str, torch.Tensor]], device: torch.device) -> 
 
 
 def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
-    """The step's measured activation, parameter and gradient memory, one entry per pipeline
-    rank (of this rank's tensor/data-parallel replica), gathered over the pipeline group:
-    collective, every rank calls it. Parameter and gradient peaks cover the whole iteration
-    (forward-backward and optimizer step). With sharded parameters, also the data-parallel
-    collectives this rank's schedule issued (its trace: one all-gather per PS, one
-    reduce-scatter per GS)."""
+    """The step's measured activation, parameter and gradient memory per pipeline rank of this
+    replica, gathered over the pipeline group (collective). Parameter and gradient peaks cover
+    the whole iteration, optimizer step included; sharded, also the data-parallel collectives
+    this rank's schedule issued (one all-gather per PS, one reduce-scatter per GS)."""
     from megatron.core import parallel_state
 
     forward_backward, device = run.forward_backward, run.device
@@ -647,11 +645,9 @@ class NonFiniteGradients(FloatingPointError):
 
 
 def _check_gradients(run: _Run, loss: float) -> None:
-    """Megatron-LM's check for NaN in loss and grad (on by default there), always on: bfpp-train
-    trains in fp32, which has no grad scaler to skip a step with NaN or inf gradients, so the
-    optimizer would apply it and the next save would keep it. Every rank's verdict is reduced
-    over the world (one scalar), so all ranks stop at the same step, whatever the schedule or
-    sharding."""
+    """Megatron-LM's NaN check on loss and grad, always on: fp32 has no grad scaler to skip a step
+    with NaN or inf gradients, so the optimizer would apply it and the next save keep it. The
+    verdict is reduced over the world, so all ranks stop at the same step."""
     from megatron_bfpp.runtime import gradients_finite
 
     sharded = run.args.data_parallel_sharding_strategy != "optim"
