@@ -123,8 +123,9 @@ def build_model_chunks(
     share_embeddings_and_output_weights: bool = False,
     placement: Placement = Placement.LOOPED,
 ) -> list[GPTModel]:
-    """This rank's chunks as bfpp-train builds them (:func:`~.presets.gpt_chunks`), initialised
-    by :func:`init_from_global_names`."""
+    """This rank's chunks as bfpp-train builds them
+    (:func:`megatron_bfpp.train.presets.gpt_chunks`), initialised by
+    :func:`init_from_global_names`."""
     return gpt_chunks(
         config,
         layer_spec=get_gpt_layer_local_spec(),
