@@ -1,25 +1,19 @@
 """Run one rank's program of a validated Schedule on megatron-core model chunks.
 
-One dispatch table, action kind -> handler, over an explicit per-step state (runtime.step),
-assembled from the runtime modules' ``Handlers`` and checked at import to cover every
-``ActionKind`` exactly once, so a kind added to the IR without a handler fails before any step.
-Core handlers (compute, pipeline messages, data-parallel sync) live here; a protocol with its own
-actions and state is a module of its own listed in ``TABLE`` (runtime.bpipe, runtime.sharding,
-runtime.split_backward), so adding one edits neither this module nor theirs.
-
+One dispatch table, action kind -> handler (``runtime.step.dispatch_table``, checked at import),
+over an explicit per-step state. The core handlers (compute, pipeline messages, data-parallel
+sync) live here; a protocol with actions and state of its own is a module listed in ``TABLE``
+(runtime.bpipe, runtime.sharding, runtime.split_backward), so adding one edits none of these.
 Compute reuses megatron-core's ``forward_step`` / ``backward_step``, and behaviour comes from the
 model config as megatron-core reads it (``no_sync_func``, ``grad_sync_func``, ``param_sync_func``,
 ``finalize_model_grads_func``, ``deallocate_pipeline_outputs``, timers).
 
-Messages follow the schedule's lock-step posting (``megatron_bfpp.nccl``), proven under NCCL's
-rules once when the schedule is planned (:class:`PlannedSchedule`), not per step: computes and
-data-parallel actions in program order, and between them one ``batch_isend_irecv`` per tick
-(runtime.p2p).
-
-Data parallelism is per chunk: a chunk leaves ``no_sync`` just before its last backward (DDP's
-hooks then reduce during it), ``grad_sync_func[chunk]`` runs at its GS and ``param_sync_func``
-at its PS (sharded parameters gather instead, runtime.sharding); so breadth-first's first
-finished chunk reduces under the other chunks' backwards.
+Messages follow the lock-step posting (``megatron_bfpp.nccl``) proven once when the schedule is
+planned (:class:`PlannedSchedule`): computes and data-parallel actions in program order, between
+them one ``batch_isend_irecv`` per tick (runtime.p2p). Data parallelism is per chunk: a chunk
+leaves ``no_sync`` just before its last backward (DDP's hooks then reduce during it),
+``grad_sync_func[chunk]`` runs at its GS and ``param_sync_func`` at its PS (sharded: a gather),
+so breadth-first's first finished chunk reduces under the other chunks' backwards.
 
 Memory accounting (``StepContext.measure_memory``, always on for a rank needing the activation
 store, e.g. BPipe's EV): after every message window and compute, the distinct storages held for
