@@ -114,9 +114,8 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
             step.state.outputs.pop((stage - 1, mb))
         handed = produced.detach().requires_grad_(not step.ctx.call.forward_only)
         if step.frees_outputs(stage - 1):
-            # As a sent output is once its send completes: the receiving stage's leaf keeps the
-            # storage, the producer keeps only its autograd node (megatron's custom_backward
-            # checks for exactly that).
+            # as a sent output once sent: the receiver's leaf keeps the storage, the producer only
+            # its autograd node (megatron's custom_backward checks for exactly that)
             pseudo_free(produced)
         return handed
     previous = step.layout.rank_of(stage - 1)
@@ -173,8 +172,7 @@ def grad_sync(step: RankStep, position: int, action: Action) -> None:
     chunk = step.layout.chunk_of(action.stage)
     sharded = step.ctx.sharded
     if sharded is not None and position not in step.last_grad_sync:
-        # Fully sharded, a run of the chunk's backwards before its last (breadth-first with
-        # groups): reduced into the kept shard now, the chunk staying in no_sync.
+        # fully sharded, a run before the chunk's last (grads_synced's ``partial``)
         if not step.ctx.call.forward_only:
             sharded.grads_synced(chunk, overlapped=_overlapped(step, chunk), partial=True)
         step.state.trace.append(str(action))
@@ -184,8 +182,7 @@ def grad_sync(step: RankStep, position: int, action: Action) -> None:
     if func is not None and not step.ctx.call.forward_only:
         func(step.ctx.model[chunk].parameters())
     if sharded is not None and not step.ctx.call.forward_only:
-        # Fully sharded: the reduction lands into the chunk's kept gradient shard and its
-        # buffer is freed (at the next GS when it runs overlapped, here when it does not).
+        # fully sharded: landed into the kept shard at the next GS if overlapped, else now
         sharded.grads_synced(chunk, overlapped=_overlapped(step, chunk))
     step.state.synced_chunks.add(chunk)
     step.state.trace.append(str(action))

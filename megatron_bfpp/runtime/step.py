@@ -231,9 +231,8 @@ class RankStep:
         self.program = schedule.per_rank[rank]
         self.last_backward = _last_backward_positions(self.program)
         self.last_grad_sync = _last_grad_sync_positions(self.program)
-        # With explicit sync functions (overlap_grad_reduce in Megatron-LM) the chunk keeps its
-        # no_sync context through its last backward and GS dispatches the reduction, as
-        # megatron-core's interleaved schedule does; otherwise DDP's hooks dispatch it.
+        # With sync functions (overlap_grad_reduce) a chunk stays in no_sync through its last
+        # backward and GS reduces, as megatron-core's interleaved schedule does; else DDP's hooks.
         self.grad_sync_funcs = self.per_chunk(ctx.config.grad_sync_func)
         self.measuring = measuring
         modules = ctx.model if measuring else []

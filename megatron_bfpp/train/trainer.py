@@ -394,8 +394,7 @@ def _set_up(args: Any, device: torch.device) -> _Run:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
-        # megatron-core's groups (pipeline, data parallel) default to 30 minutes: the flag
-        # bounds every wait of the step, pipeline messages included (runtime.p2p)
+        # megatron-core's groups default to 30 minutes; this bounds every wait (runtime.p2p)
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     random.seed(args.seed)
