@@ -1,44 +1,31 @@
 """Fork N ranks on this machine that meet on one ``TCPStore``: the one local process launcher.
 
-bfpp-train uses it when it is not started by torchrun (``--nproc-per-node``, CPU ranks by
-default), and the test harness (``megatron_bfpp.testing.multirank``) for every multi-rank test,
-so what the tests launch is what users launch.
+bfpp-train uses it when not started by torchrun (``--nproc-per-node``, CPU ranks by default), and
+so does every multi-rank test (``megatron_bfpp.testing.multirank``): tests launch what users do.
 
 Why it is built this way:
 
-* **fork, after the caller imported torch and megatron-core once**: a rank pays for process
-  start-up and its process groups, not for importing them again.
-* **a rendezvous port without a race**: rank 0 is forked first and hosts the ``TCPStore`` on
-  ``127.0.0.1:0`` (the kernel picks a free port), reports the port through a pipe, and only then
-  are the other ranks forked to join it. The parent starts no threads (a store thread in the
-  parent was inherited mid-lock by forked children and hung them).
-* **results as plain pickle bytes** through one pipe per rank, not ``Connection.send``: torch
-  registers reducers that pass tensors as shared-memory handles, which die with the rank.
-* **never hangs**: after the first failure the other ranks get ``error_grace`` seconds to report
-  their own, then every rank still running is killed; the same at ``timeout``. With
-  ``stack_dir`` the parent first asks each of them for its Python stacks (``faulthandler`` on
-  ``SIGUSR1``), so a deadlock shows where every rank waited; without it ``kill -USR1 <pid>``
-  prints a rank's stacks to its stderr.
-* **supervised**: a rank that stops beating (``heartbeat_timeout``: stopped with SIGSTOP, or
-  frozen) counts as failed, named; once another rank failed, a few seconds' silence
-  (``SILENT_AFTER_FAILURE``) suffice: the ranks waiting on a stopped one fail at the process
-  group's timeout, each naming the peer it waited on; SIGTERM or SIGHUP to the launcher is
-  forwarded to the ranks, which are reaped before :class:`Stopped` is raised, and Ctrl-C
-  (SIGINT, which the terminal sends to every rank too) is left to the launcher: ranks ignore it
-  and are stopped the same way, so one ``KeyboardInterrupt`` reaches the caller. A rank dies
-  with the launcher (``PR_SET_PDEATHSIG`` on Linux), even if the launcher is killed with
-  SIGKILL: no orphans.
-  What a rank started through ``multiprocessing`` (megatron-core's checkpoint writer starts a
-  ``Manager`` server per rank) is stopped by the rank before it reports its result; a rank that
-  dies any other way (the launcher killed with SIGKILL included) has its process group killed by
-  a guard process (:func:`_guard_descendants`), and a rank the launcher kills takes its
-  descendants with it: a rank leaves with ``os._exit``, which skips
-  the exit handlers that would have stopped them, and such processes outlived the job holding
-  its output pipes open (a caller reading them waited forever).
-* **one copy of each warning** (``warn_once``): every rank runs the same code, so a library's
-  warning or log record would otherwise be printed once per rank. The first rank to say a text
-  claims it in the store (``TCPStore.add``); the others stay silent. A text only one rank says
-  (its rank number in it, say) is still printed.
+* **fork, after the caller imported torch and megatron-core once**: a rank pays for start-up and
+  its process groups, not for importing them again.
+* **a race-free rendezvous port**: rank 0 is forked first, hosts the ``TCPStore`` on
+  ``127.0.0.1:0`` (the kernel picks the port) and reports it through a pipe before the others are
+  forked. The parent starts no threads (a parent store thread, inherited mid-lock, hung children).
+* **results as plain pickle bytes** through one pipe per rank, not ``Connection.send``: torch's
+  reducers pass tensors as shared-memory handles, which die with the rank.
+* **never hangs**: after the first failure (or at ``timeout``) the others get ``error_grace``
+  seconds to report, then every rank left is killed; with ``stack_dir`` their Python stacks are
+  dumped first (``faulthandler`` on ``SIGUSR1``; ``kill -USR1 <pid>`` works by hand too).
+* **supervised**: a rank that stops beating (``heartbeat_timeout``: SIGSTOP, frozen) fails, named;
+  after another failure a few seconds' silence (``SILENT_AFTER_FAILURE``) suffice, since ranks
+  waiting on a stopped one fail only at the group timeout, each naming its own peer. SIGTERM or
+  SIGHUP is forwarded and the ranks reaped before :class:`Stopped`; ranks ignore Ctrl-C (the
+  terminal sends it to all), so one ``KeyboardInterrupt`` reaches the caller. ``PR_SET_PDEATHSIG``
+  kills a rank with the launcher, even on SIGKILL. A rank stops its ``multiprocessing`` children
+  (megatron-core's checkpoint writer ``Manager``) before reporting; its other descendants die by
+  a guard (:func:`_guard_descendants`) or with it when the launcher kills it: ``os._exit`` skips
+  the handlers that would stop them, and they outlived the job holding its output pipes open.
+* **one copy of each warning** (``warn_once``): the first rank to say a text claims it in the
+  store (``TCPStore.add``), the others stay silent; a text only one rank says is still printed.
 """
 
 from __future__ import annotations
@@ -86,10 +73,9 @@ class Stopped(BaseException):
 
 @dataclasses.dataclass(frozen=True)
 class LocalRun:
-    """How the ranks ended. ``results``: what ``target`` returned, by rank. ``errors``: the
-    traceback (or how the rank died) of each rank that failed, with ``failed_at`` its wall-clock
-    time. ``killed``: ranks still running when the grace period or the timeout ended, with their
-    ``stacks`` when a ``stack_dir`` was given."""
+    """How the ranks ended: ``results`` by rank; ``errors``, each failed rank's traceback (or how it
+    died) with ``failed_at``; ``killed``, ranks still running at the grace period's or timeout's
+    end, with their ``stacks`` when a ``stack_dir`` was given."""
 
     results: dict[int, Any]
     errors: dict[int, str]
@@ -110,9 +96,8 @@ class LocalRun:
 
     @property
     def culprit(self) -> int | None:
-        """The rank to blame: the first one lost (died without a result, or stopped beating),
-        since the ranks talking to it fail soon after and may even report first; otherwise the
-        first to fail."""
+        """The rank to blame: the first lost (no result, or no heartbeat), since its peers fail soon
+        after and may report first; otherwise the first to fail."""
         if self.lost:
             return min(self.lost, key=self.failed_at.__getitem__)
         return self.first_failed
@@ -158,15 +143,12 @@ def fork_ranks(
     """Run ``target(rank, store)`` in ``world_size`` forked processes and collect how each ended.
 
     Each rank has ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-    ``LOCAL_WORLD_SIZE`` set and gets the ``TCPStore`` for ``init_process_group(store=...)``.
-    ``target`` and what it closes over are inherited through fork; its result must pickle.
-    ``failed(result)`` says whether a returned result is a failure (an exit code, say); a raised
-    exception always is. ``after()`` runs in the rank once its result is sent (tear-down whose
-    errors must not hide the result). A rank silent for ``heartbeat_timeout`` seconds counts as
-    failed. With ``warn_once`` a warning or log record that several ranks emit is printed
-    once. Every rank is dead when this returns or raises (:class:`Stopped` on SIGTERM or
-    SIGHUP, ``KeyboardInterrupt`` on Ctrl-C).
-    """
+    ``LOCAL_WORLD_SIZE`` set and gets the ``TCPStore`` for ``init_process_group(store=...)``;
+    ``target`` is inherited through fork, its result must pickle. ``failed(result)`` says whether
+    a returned result is a failure (a raised exception always is); ``after()`` runs in the
+    rank once its result is sent (tear-down whose errors must not hide it). Every rank is dead
+    when this returns or raises (:class:`Stopped` on SIGTERM or SIGHUP, ``KeyboardInterrupt``
+    on Ctrl-C)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     import torch.distributed  # noqa: F401  (once, here: each rank would import it again)
@@ -235,9 +217,8 @@ class _StopState:
 
 @contextlib.contextmanager
 def _forward_stop_signals() -> Any:
-    """While ranks run, SIGTERM / SIGHUP raise in the launcher (which then stops its ranks)
-    instead of killing it outright and orphaning them. Only the main thread can set handlers;
-    elsewhere the defaults stay."""
+    """While ranks run, SIGTERM / SIGHUP raise in the launcher (which stops its ranks) instead of
+    killing it and orphaning them; only the main thread can set handlers."""
     state = _StopState()
     if threading.current_thread() is not threading.main_thread():
         yield state
@@ -309,8 +290,7 @@ def _child(
 
 
 def _stop_children() -> None:
-    """Stop this rank's ``multiprocessing`` children (see the module docstring): SIGTERM, a short
-    wait, then SIGKILL for any that did not go."""
+    """Stop this rank's ``multiprocessing`` children: SIGTERM, a short wait, then SIGKILL."""
     children = multiprocessing.active_children()
     for child in children:
         child.terminate()
@@ -346,15 +326,11 @@ def _supervised(spec: _Rank, beats: Any) -> None:
 def _guard_descendants() -> None:
     """Kill whatever this rank started once the rank is gone, however it went.
 
-    A launcher killed with SIGKILL takes its ranks with it (``PR_SET_PDEATHSIG``), but not what
-    the ranks started: megatron-core's torch_dist writer processes and multiprocessing's
-    resource tracker (about 560 MB each) outlived the job holding its output pipes, for half an
-    hour and more. So the rank leads its own process group, which those processes join (neither
-    ``fork`` nor multiprocessing's ``spawn`` leaves the group), and a small guard process forked
-    here (outside that group) waits for the rank's death (its own ``PR_SET_PDEATHSIG``) and
-    then kills the group. The guard is a fork of this process that only waits: its pages stay
-    shared with the rank's.
-    """
+    ``PR_SET_PDEATHSIG`` does not reach the ranks' own children: torch_dist writers and
+    multiprocessing's resource tracker (about 560 MB each) outlived the job holding its output pipes
+    for half an hour. So the rank leads its own process group (``fork`` and ``spawn`` children stay
+    in it) and a guard forked here, outside it, waits for the rank's death (its own
+    ``PR_SET_PDEATHSIG``) and kills the group; only waiting, it shares the rank's pages."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     group = os.getpgid(0)
@@ -415,8 +391,7 @@ def _run(spec: _Rank, target: Callable[[int, Any], Any], port_writer: Connection
 
 
 def _say_once(store: Any) -> None:
-    """Warnings and log records of this rank are printed only if no other rank printed the same
-    text first (see the module docstring)."""
+    """Print this rank's warnings and log records unless another rank printed the text first."""
     first = _FirstToSay(store)
     show = warnings.showwarning
 
@@ -542,9 +517,8 @@ def _wait_time(watch: _Watch, first_error: float | None) -> float | None:
 def _silent(
     pending: dict[Connection, int], watch: _Watch, *, failing: bool = False
 ) -> list[tuple[Connection, int, float]]:
-    """Ranks silent past the heartbeat limit; once some rank failed, past
-    :data:`SILENT_AFTER_FAILURE` too: a rank that failed waiting on a stopped one (its wait
-    bounded by the process group's timeout) would otherwise be blamed instead of it."""
+    """Ranks silent past the heartbeat limit, or after any failure past
+    :data:`SILENT_AFTER_FAILURE`, lest a rank failing on a stopped one's wait be blamed for it."""
     if watch.heartbeat_timeout is None:
         return []
     limit = (

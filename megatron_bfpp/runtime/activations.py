@@ -1,28 +1,26 @@
 """The activations a rank stores between a micro-batch's forward and its backward.
 
-Why a store: BPipe ships a micro-batch's stored activations to the partner stage and back, and the
-memory accounting has to say how many bytes a rank actually holds. Both need to know exactly which
-tensors autograd keeps for one (stage, micro-batch), so the forward of each micro-batch runs under
-:func:`torch.autograd.graph.saved_tensors_hooks` installed by :meth:`ActivationStore.capture`:
+BPipe ships a micro-batch's stored activations to the partner and back, and memory accounting
+counts the bytes a rank holds: both need exactly the tensors autograd keeps per (stage,
+micro-batch), so each forward runs under the ``saved_tensors_hooks`` of
+:meth:`ActivationStore.capture`:
 
-* the pack hook wraps every tensor autograd saves in a :class:`_Saved` handle, except parameters,
-  module buffers and tensors aliasing their storage (they stay put), tensors of another device
-  (already offloaded) and tensor subclasses (FP8 and other wrappers pass through untouched);
-* autograd owns the handles and frees each one when its node has run in the backward, as it would
-  free the tensor itself, so capturing costs no memory; the store keeps weak references only;
-* hooks nest the way PyTorch nests them: hooks entered *inside* the forward (activation
-  recomputation's inner forward, Transformer Engine's CPU offload, ``save_on_cpu``) take
-  precedence for what they save, and what they hand back (a checkpoint's inputs, an offload
-  handle's tensor) is saved through ours only if it is itself a tensor saved in our scope.
+* the pack hook wraps each saved tensor in a :class:`_Saved` handle, except parameters, module
+  buffers and tensors aliasing their storage (they stay put), tensors of another device (already
+  offloaded) and tensor subclasses (FP8 and other wrappers pass untouched);
+* autograd owns the handles and frees each after its node ran, as it would the tensor, so
+  capturing costs no memory (the store keeps weak references only);
+* hooks nest as PyTorch nests them: hooks entered *inside* the forward (recomputation's inner
+  forward, Transformer Engine's CPU offload, ``save_on_cpu``) take precedence, and what they hand
+  back is saved through ours only if it is itself a tensor saved in our scope.
 
-Eviction (:meth:`ActivationStore.evict`) copies the distinct storages behind a micro-batch's live
-handles, plus the stage's input (and its output when megatron-core does not deallocate outputs),
-into one contiguous byte buffer, then drops every local reference: the handles point nowhere and
-the pipeline tensors get empty ``.data`` (their autograd identity stays). :meth:`restore` rebuilds
-every tensor as a view of the returned buffer with its original dtype, shape, strides and offset,
-so aliasing between saved tensors survives the round trip. Metadata is read at eviction time, not
-at pack time, because megatron-core's recomputation may replace a saved tensor's data after saving
-it (``distribute_saved_activations``).
+:meth:`ActivationStore.evict` copies the distinct storages behind a micro-batch's live handles,
+plus the stage's input (and output, when megatron-core does not deallocate outputs), into one
+byte buffer and drops every local reference (pipeline tensors get empty ``.data``, keeping their
+autograd identity); :meth:`restore` rebuilds each tensor as a view of the returned buffer with its
+dtype, shape, strides and offset, so aliasing survives. Metadata is read at eviction, not at
+pack, because megatron-core's recomputation may replace a saved tensor's data after saving it
+(``distribute_saved_activations``).
 """
 
 from __future__ import annotations
@@ -90,7 +88,6 @@ class ActivationStore:
         excluded.discard(0)
         return cls(device=device, excluded=excluded)
 
-    # --- capture ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def capture(self, key: Key) -> Iterator[None]:
         """Route every tensor the forward of ``key`` saves for backward through this store."""
@@ -142,11 +139,10 @@ class ActivationStore:
                 if handle is not None and handle.tensor is not None:
                     yield handle.tensor
 
-    # --- eviction ---------------------------------------------------------------------------
     def evict(
         self, key: Key, pipeline_tensors: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, Evicted]:
-        """Pack ``key``'s saved tensors and ``pipeline_tensors`` into one uint8 buffer and release
+        """Pack ``key``'s saved tensors and ``pipeline_tensors`` into one uint8 buffer, release
         them locally; returns the buffer and the recipe."""
         if key in self.evicted:
             raise RuntimeError(f"stage {key[0]}, micro-batch {key[1]} is already evicted")

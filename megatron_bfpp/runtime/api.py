@@ -55,26 +55,19 @@ def get_forward_backward_func(
     **options: Any,
 ) -> ForwardBackwardFunc:
     """A forward-backward function running ``schedule``, to call where megatron-core's
-    ``get_forward_backward_func()`` result is called: what it takes and returns is
-    :class:`ForwardBackwardFunc`'s docstring (``help(fn)``).
+    ``get_forward_backward_func()`` result is called (arguments and result:
+    :class:`ForwardBackwardFunc`, ``help(fn)``).
 
     ``schedule`` is a registry name (``megatron_bfpp.schedule_names()``) or a lowered
-    :class:`~megatron_bfpp.ir.Schedule` (checked here: complete, deadlock-free, data read in
-    order, each chunk's gradient sync (GS) once after its last backward and its PS before its
-    first use). ``options`` are the schedule's own (``microbatch_group_size`` for interleaved,
-    ``group_size`` for breadth-first, ``max_stored`` for bpipe). Unknown names and options fail
-    here with one line, before any communication.
+    :class:`~megatron_bfpp.ir.Schedule` (checked as :func:`_prebuilt` says). ``options`` are the
+    schedule's own (``microbatch_group_size`` for interleaved, ``group_size`` for breadth-first,
+    ``max_stored`` for bpipe). Unknown names and options fail here in one line, before any message.
 
-    ``data_parallel_sharding_strategy`` is Megatron's: ``optim`` (the distributed optimizer as
-    built; the default) or ``optim_grads_params``, parameters sharded over the data-parallel
-    group and gathered per chunk where the schedule says (runtime.sharding; needs DDP chunks
-    built for the distributed optimizer, a schedule with several chunks per rank, and
-    data-parallel size > 1). Step the optimizer through :func:`sharded_optimizer_step` then.
-
-    After each call the function's ``last_memory`` attribute holds this rank's
-    :class:`~megatron_bfpp.runtime.step.MemoryReport` (measured when ``measure_memory`` is
-    true, or on a rank that evicts; otherwise zeros) and ``last_trace`` the actions it ran.
-    """
+    ``data_parallel_sharding_strategy`` is Megatron's: ``optim`` (default) or
+    ``optim_grads_params``, parameters sharded over the data-parallel group and gathered per chunk
+    where the schedule says (runtime.sharding: needs DDP chunks built for the distributed optimizer,
+    several chunks per rank and dp > 1); then step through :func:`sharded_optimizer_step`.
+    ``last_memory`` is measured when ``measure_memory`` is true or the rank evicts (else zeros)."""
     check_megatron_core()
     if isinstance(schedule, Schedule):
         return _prebuilt(schedule, measure_memory, data_parallel_sharding_strategy, options)
@@ -92,9 +85,9 @@ def get_forward_backward_func(
 def _prebuilt(
     schedule: Schedule, measure_memory: bool, sharding: str, options: dict[str, Any]
 ) -> ForwardBackwardFunc:
-    """A lowered schedule given as data (e.g. loaded from a CSV, or a hand-made order), checked
-    here as a built one is (``validate_schedule``: complete, deadlock-free, each chunk's GS once
-    after its last backward, data read in order), sharded only with sharding on, and planned
+    """A lowered schedule given as data (a CSV, a hand-made order), checked as a built one is
+    (``validate_schedule``: complete, deadlock-free, each chunk's GS once after its last backward
+    and PS before its first use, data read in order), sharded only with sharding on, and planned
     with its NCCL-safe posting once, here, for every later step."""
     if options:
         raise ScheduleError(
@@ -127,44 +120,38 @@ class ForwardBackwardFunc:
 
     * ``forward_step_func(data_iterator, model)`` returns ``(output_tensor, loss_func)``;
       ``loss_func(output_tensor)`` returns ``(loss, reported)`` or ``(loss, num_tokens,
-      reported)``, with ``reported`` a dict of str -> tensor (``"lm loss"``), exactly as for
-      megatron-core.
-    * ``data_iterator``: one iterator per model chunk (a list, as for megatron-core's
-      interleaved schedule) or a single iterator for a single chunk. Each chunk's iterator is
-      read once per micro-batch, in order.
-    * ``model``: this rank's model chunks (a module or a list): megatron-core modules, built in
-      the schedule's placement (``megatron_bfpp.megatron.chunks``: looped for interleaved and
-      breadth-first, the V for ``v-*``); checked before any message.
+      reported)``, ``reported`` a dict of str -> tensor (``"lm loss"``).
+    * ``data_iterator``: one iterator per model chunk (a list) or a single one for a single chunk,
+      each read once per micro-batch, in order.
+    * ``model``: this rank's megatron-core chunks (a module or a list) in the schedule's placement
+      (``megatron_bfpp.megatron.chunks``: looped for interleaved and breadth-first, the V for
+      ``v-*``); checked before any message.
     * ``num_microbatches``, ``seq_length``, ``micro_batch_size``, ``decoder_seq_length``: as
       megatron-core; the message between stages is ``(seq / cp [/ tp with sequence parallel],
       micro_batch_size, hidden)`` in ``config.pipeline_dtype``.
     * ``forward_only``: forwards only (evaluation), every schedule's forward order.
-    * ``collect_non_loss_data``, ``first_val_step``, ``force_all_reduce``: passed to
-      megatron-core's ``forward_step`` / ``finalize_model_grads`` as megatron-core does.
+    * ``collect_non_loss_data``, ``first_val_step``, ``force_all_reduce``: passed on to
+      ``forward_step`` / ``finalize_model_grads`` as megatron-core does.
     * ``adjust_tensor_shapes_fn``: may rename the shape, not split it into several tensors.
-    * ``p2p_communicator`` and ``pg_collection``: both or neither (then megatron-core's global
-      process groups).
+    * ``p2p_communicator`` and ``pg_collection``: both or neither (then the global groups).
 
-    Returns what megatron-core's functions return: on the last pipeline rank, the list of what
-    ``loss_func`` reported, one entry per micro-batch (delivered there when another rank
-    computed the last stage, as in the V-shapes); ``[]`` on other ranks. Gradients are reduced
-    and finalized (``config.finalize_model_grads_func``) before it returns, unless
+    Returns, on the last pipeline rank, what ``loss_func`` reported per micro-batch (delivered
+    there when another rank computed the last stage, as in the V-shapes); ``[]`` elsewhere.
+    Gradients are reduced and finalized (``config.finalize_model_grads_func``) unless
     ``forward_only``.
 
-    Refused with one line, before any message: a model whose chunks are not the schedule's
-    placement, a chunk count or micro-batch count the schedule cannot run, and megatron-core
-    features the runtime does not implement (partial activation checkpointing, fine-grained
-    activation offloading, local CUDA graphs, V-shapes with deferred embedding wgrad).
+    Refused in one line, before any message: chunks not in the schedule's placement, chunk or
+    micro-batch counts the schedule cannot run, and megatron-core features the runtime lacks
+    (partial activation checkpointing, fine-grained activation offloading, local CUDA graphs,
+    V-shapes with deferred embedding wgrad).
 
     It behaves as a function (``__name__``, ``__qualname__``, ``__module__``, ``__doc__``,
-    ``__signature__``: megatron-core's keyword-only arguments and defaults, declared once in
-    :class:`~megatron_bfpp.runtime.step.Call`; an unknown keyword is a ``TypeError`` naming it,
-    so ``functools.wraps`` / ``functools.partial``, ``inspect.signature`` and loggers of
-    ``fn.__name__`` work) and is the one place that keeps what outlives a step: ``last_trace``
-    (the actions this rank ran in the last call), ``last_memory`` (its
-    :class:`~megatron_bfpp.runtime.step.MemoryReport`), and a prebuilt schedule's plans
-    (``prebuilt_plan``: with its NCCL-safe posting, made once).
-    """
+    ``__signature__`` from :class:`~megatron_bfpp.runtime.step.Call`; an unknown keyword is a
+    ``TypeError`` naming it), so ``functools.wraps`` / ``partial``, ``inspect.signature`` and
+    loggers of ``fn.__name__`` work, and keeps what outlives a step: ``last_trace`` (the
+    actions this rank ran last call), ``last_memory`` (its
+    :class:`~megatron_bfpp.runtime.step.MemoryReport`) and a prebuilt schedule's
+    ``prebuilt_plan`` (with its NCCL-safe posting, made once)."""
 
     schedule: str
     options: tuple[tuple[str, Any], ...] = ()
@@ -191,8 +178,7 @@ class ForwardBackwardFunc:
         return plan
 
     def __call__(self, **kwargs: Any) -> list[Any]:
-        """See the class docstring: megatron-core's forward-backward arguments (their names
-        and defaults: ``runtime.step.Call``, this function's ``__signature__``) and result."""
+        """See the class docstring (signature: ``runtime.step.Call``, ``__signature__``)."""
         try:
             call = Call(**kwargs)
         except TypeError as error:  # as a function says it: "f() got an unexpected keyword..."
@@ -221,8 +207,7 @@ def plan_schedule(
     sharding: str = "optim",
 ) -> PlannedSchedule:
     """The validated schedule for a layout with its NCCL-safe posting, planned once per process
-    (every rank builds the same one deterministically, so errors surface identically
-    everywhere, before communication); every step of the layout runs it as it is."""
+    (deterministic on every rank, so errors surface identically before any communication)."""
     spec = get_spec(name)
     chunks = num_chunks if spec.placement is Placement.LOOPED or num_chunks > 1 else None
     schedule = build_schedule(
@@ -366,9 +351,8 @@ def _finish_grads(
     sharded: Any,
     total_num_tokens: torch.Tensor,
 ) -> None:
-    """megatron-core's gradient finalization, or its sharded equivalent; under the V (embedding
-    and output layer on one rank) without the all-reduce over the pipeline: the rank adds its
-    two copies' gradients after the data-parallel reduction."""
+    """megatron-core's gradient finalization, or its sharded equivalent; under the V (embedding and
+    output layer on one rank) the rank adds its two copies instead of the pipeline all-reduce."""
     on_one_rank = _embedding_and_loss_on_one_rank(schedule)
     if on_one_rank and config.calculate_per_token_loss:
         # finalize_model_grads broadcasts the token count from the last pipeline rank, but
@@ -410,20 +394,16 @@ def _embedding_and_loss_on_one_rank(schedule: Schedule) -> bool:
 
 
 def sharded_optimizer_step(optimizer: Any, model: torch.nn.Module | list[torch.nn.Module]) -> Any:
-    """``optimizer.step()`` for a model trained with ``optim_grads_params``: megatron-core's
-    distributed optimizer steps on the kept parameter and gradient shards (no full buffer is
-    allocated), without its closing all-gather (the schedule gathers each chunk when it needs
-    it). Returns what ``optimizer.step()`` returns."""
+    """``optimizer.step()`` for ``optim_grads_params``: the distributed optimizer steps on the kept
+    shards, without its closing all-gather (the schedule gathers chunks when needed)."""
     chunks = model if isinstance(model, list) else [model]
     return sharded_parameters(chunks).optimizer_step(optimizer.step, optimizer)
 
 
 def gradients_finite(model: torch.nn.Module | list[torch.nn.Module], *, sharded: bool) -> bool:
-    """Whether every gradient this rank's optimizer step is about to read has a finite norm
-    (each parameter's ``main_grad``; fully sharded, the kept gradient shards). As Megatron-LM's
-    ``--check-for-nan-in-loss-and-grad`` tests each bucket's norm, a NaN, an infinity or
-    squares past the dtype's range all count: fp32 has no grad scaler that would skip such a
-    step, so it would be applied. Local: the caller agrees over ranks before stepping."""
+    """Whether every gradient the optimizer step will read (``main_grad``; sharded: kept shards) has
+    a finite norm, as Megatron-LM's ``--check-for-nan-in-loss-and-grad`` tests: fp32 has no grad
+    scaler to skip a NaN, inf or overflowing step. Local: the caller agrees over ranks."""
     chunks = model if isinstance(model, list) else [model]
     if sharded:
         grads = sharded_parameters(chunks).grad_shards()
@@ -441,9 +421,8 @@ def gradients_finite(model: torch.nn.Module | list[torch.nn.Module], *, sharded:
 
 
 def _check_sharded_finalize(config: Any) -> None:
-    """Fully sharded steps finish the gradients themselves (``finalize_model_grads`` reads
-    full buffers); a finalize function other than megatron-core's would be skipped, so one
-    line instead."""
+    """Fully sharded steps finish gradients themselves (``finalize_model_grads`` reads full
+    buffers), so a finalize function other than megatron-core's would be skipped: refused."""
     func = config.finalize_model_grads_func
     if func is None:
         raise ScheduleError(

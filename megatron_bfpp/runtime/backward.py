@@ -1,9 +1,8 @@
 """The parts of a micro-batch's backward that B and a split backward's I and W share.
 
-A backward starts the same way whether it computes everything (B) or only the gradient for the
-previous stage (I): the gradient arriving from the next stage, the stored input and output, the
-parts' and the data-parallel hooks; and its input gradient goes on the same way. Kept here so the
-core handlers (runtime.executor) and split backward (runtime.split_backward) share one copy.
+Whether it computes everything (B) or only the previous stage's gradient (I), a backward starts
+alike (incoming gradient, stored input and output, the parts' and data-parallel hooks) and sends
+its input gradient on alike: one copy for runtime.executor and runtime.split_backward.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ __all__ = ["begin_backward", "microbatch", "route_input_grad", "whole_backward"]
 
 
 def whole_backward(step: RankStep, position: int, action: Action) -> Key:
-    """A micro-batch's whole backward through megatron-core's ``backward_step`` (B, and I of the
-    exact split backward); returns its key."""
+    """A micro-batch's whole backward via ``backward_step`` (B, and the split backward's I)."""
     ctx = step.ctx
     key, input_tensor, output, output_grad = begin_backward(step, position, action)
     input_grad = backward_step(
@@ -35,9 +33,8 @@ def whole_backward(step: RankStep, position: int, action: Action) -> Key:
 
 
 def begin_backward(step: RankStep, position: int, action: Action) -> tuple[Key, Any, Any, Any]:
-    """What every backward of a micro-batch starts with (B, and I of a split backward): the
-    gradient arriving from the next stage, the stored input and output, the parts' and the
-    data-parallel hooks. Returns (key, input tensor, output, output gradient)."""
+    """What every backward (B, and a split backward's I) starts with: the next stage's gradient, the
+    stored input and output, the parts' and data-parallel hooks; returns those and the key."""
     stage, mb = action.stage, microbatch(action)
     key = (stage, mb)
     chunk = step.layout.chunk_of(stage)
@@ -57,8 +54,7 @@ def begin_backward(step: RankStep, position: int, action: Action) -> tuple[Key, 
 
 
 def route_input_grad(step: RankStep, stage: int, mb: int, input_grad: Any) -> None:
-    """Hand the gradient for the previous stage on: to a send, or to this rank's own earlier
-    stage (V-shape turn)."""
+    """The previous stage's gradient to a send, or to this rank's earlier stage (V-shape turn)."""
     if stage == 0:
         return
     if step.layout.rank_of(stage - 1) == step.rank:

@@ -1,19 +1,14 @@
 """BPipe's transfers on the runtime: a micro-batch's stored activations go to the partner rank
 and come back before its backward.
 
-The evictor's EV packs a micro-batch's stored activations (see runtime.activations) into one
-buffer and sends its size to the acceptor; the acceptor's AC posts the size's receive, its RS
-sends the payload back (waiting for it first) and the evictor's LD posts the receive that the
-micro-batch's backward waits for before rebuilding its tensors. The payload itself travels in a
-batch of its own right after the size's, in the same tick: the *rest* handlers (``evict_rest``,
-``accept_rest``) run there, the acceptor's after reading the size. That batch, and those of RS
-and LD, go on the two partners' own process group (``p2p.pair_group``), so a payload's transfer
-does not hold the pipeline's messages (see runtime.p2p and the lock-step posting in
-megatron_bfpp.nccl).
-
-This module registers those four kinds and the two rests in the executor's dispatch table
-together with its per-step part, :class:`Transfers`; the core knows BPipe only through that
-part's answers.
+The evictor's EV packs them (runtime.activations) into one buffer and sends its size; the
+acceptor's AC posts the size's receive, its RS sends the payload back (waiting for it first), and
+the evictor's LD posts the receive the backward waits for before rebuilding its tensors. The
+payload travels in a batch of its own right after the size's, in the same tick (the *rest*
+handlers ``evict_rest``, ``accept_rest``; the acceptor's after reading the size); it, RS and LD go
+on the partners' own group (``p2p.pair_group``) so transfers do not hold pipeline messages. The
+four kinds and two rests register in the dispatch table with :class:`Transfers`, the per-step
+part through which alone the core knows BPipe.
 """
 
 from __future__ import annotations

@@ -1,26 +1,22 @@
 """Deferred weight gradients: the cheap split backward on megatron-core's own linear layers.
 
 Zero-bubble's saving is that ``I`` computes only what the previous stage waits for and ``W``,
-placed later in a bubble, does the weight-gradient GEMMs. Re-running autograd from a kept graph
-cannot give that exactly on megatron-core (its vocab-parallel cross entropy rewrites its saved
-softmax in its backward), so the cut is made where the weight GEMMs are: while a split schedule
-runs, the local ``ColumnParallelLinear`` / ``RowParallelLinear`` layers go through
-:class:`_DeferredLinear`, whose forward *is* megatron-core's and whose backward computes the
-input gradient (and its tensor-parallel all-reduce or reduce-scatter) with megatron-core's
-operations, and files the weight and bias gradients as a :class:`_Deferred` under the
-micro-batch whose ``I`` is running. ``W`` computes them with megatron-core's own operations
-(same operands, same GEMM, fused accumulation into ``main_grad`` on GPU as megatron-core does)
-inside the backward of one autograd Function over the parameters (:class:`_WeightGradients`),
-so they accumulate into ``.grad`` and megatron-core DDP's hooks run exactly as after a whole
-backward, and each gradient is moved into ``.grad``, not copied.
-Each parameter gets the same gradient added in the same micro-batch order as under 1F1B, so the
-result is bit-identical.
+later in a bubble, the weight-gradient GEMMs. Re-running autograd from a kept graph cannot do
+that exactly on megatron-core (its vocab-parallel cross entropy rewrites its saved softmax in its
+backward), so the cut is at the weight GEMMs: during a split schedule, local
+``ColumnParallelLinear`` / ``RowParallelLinear`` layers go through :class:`_DeferredLinear`,
+whose forward *is* megatron-core's and whose backward computes the input gradient (and its
+tensor-parallel all-reduce or reduce-scatter) with megatron-core's operations and files the weight
+and bias gradients as a :class:`_Deferred` under the running ``I``'s micro-batch. ``W`` computes
+them with megatron-core's own operations (same GEMM, fused ``main_grad`` accumulation on GPU)
+inside the backward of one autograd Function over the parameters (:class:`_WeightGradients`), so
+DDP's hooks run as after a whole backward and each gradient is moved into ``.grad``, not copied:
+the same gradients in 1F1B's micro-batch order, bit-identical.
 
-What stays in ``I``: everything that is not a local linear layer's weight GEMM (layer norms,
-embeddings, attention, the loss). Transformer Engine layers are not touched (their weight GEMMs
-stay in ``I``); nor are weights that are frozen, sharded by Megatron-FSDP or 0.19's weight-sharded
-tensor parallelism, nor a layer deferring its own weight GEMM (``defer_embedding_wgrad_compute``).
-A backward that runs outside an ``I`` (a ``B``, or a caller's own) computes everything at once.
+Everything else stays in ``I`` (layer norms, embeddings, attention, the loss), as do Transformer
+Engine layers, frozen weights, weights sharded by Megatron-FSDP or 0.19's weight-sharded tensor
+parallelism, and layers deferring their own GEMM (``defer_embedding_wgrad_compute``). A backward
+outside an ``I`` (a ``B``, or a caller's own) computes everything at once.
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ _INSTALLED = "_bfpp_deferred_wgrad"
 @dataclass
 class _Deferred:
     """One linear layer's weight (and bias) gradient for one micro-batch, not yet computed: the
-    operands megatron-core's backward would have used at that point."""
+    operands megatron-core's backward would have used."""
 
     input: torch.Tensor  # the saved input (this rank's sequence shard under sequence parallel)
     weight: torch.Tensor
@@ -182,13 +178,10 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 def _accumulate(items: list[_Deferred]) -> None:
-    """Compute the deferred gradients and let autograd accumulate them into the parameters (so
-    ``.grad`` and megatron-core DDP's hooks see what a whole backward gives).
-
-    The GEMMs run inside an autograd Function's backward, as megatron-core's do: each gradient
-    is then referenced by autograd alone, so it is moved into ``.grad`` rather than copied
-    (handing precomputed gradients to ``torch.autograd.backward`` made autograd clone every one
-    of them, which cost W more time than the GEMMs)."""
+    """Compute the deferred gradients and let autograd accumulate them (so ``.grad`` and DDP's hooks
+    see what a whole backward gives). Inside an autograd Function's backward each gradient is
+    referenced by autograd alone and moved into ``.grad``; handed to ``torch.autograd.backward``,
+    every one was cloned, costing W more than its GEMMs."""
     params: list[torch.Tensor] = []
     for item in items:
         params.append(item.weight)
@@ -254,10 +247,9 @@ def _forward_impl(original: Any) -> Any:
 
 
 def install(chunks: Iterable[torch.nn.Module]) -> int:
-    """Route the chunks' local linear layers through the deferring function whenever a split
-    backward step is running (outside one they run megatron-core's own, untouched). Idempotent;
-    returns how many layers are routed. Says once (log warning) when Transformer Engine layers
-    are present: their weight GEMMs stay in I, so W has less work than the schedule plans."""
+    """Route the chunks' local linear layers through the deferring function while a split backward
+    step runs; idempotent, returns how many are routed. Warns once about Transformer Engine
+    layers, whose weight GEMMs stay in I (W does less than planned)."""
     count = 0
     chunks = list(chunks)
     if not _warned and any(compat.transformer_engine_layers(chunk) for chunk in chunks):

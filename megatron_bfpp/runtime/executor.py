@@ -1,40 +1,25 @@
 """Run one rank's program of a validated Schedule on megatron-core model chunks.
 
-The executor is one dispatch table, action kind -> handler, over an explicit per-step state
-(runtime.step). The table is assembled from the runtime modules' ``Handlers`` and checked to
-cover every ``ActionKind`` exactly once when this module is imported: a kind added to the IR
-without a handler fails the import, before any step. This module holds the core handlers
-(compute, pipeline messages, data-parallel sync); a protocol with its own actions and state
-lives in its own module, listed in ``TABLE`` below (BPipe's transfers: runtime.bpipe; sharded
-parameters' gathers and releases: runtime.sharding; split backward's I and W:
-runtime.split_backward), so a new one is a module of its own too, not an edit here or in theirs.
+One dispatch table, action kind -> handler (``runtime.step.dispatch_table``, checked at import),
+over an explicit per-step state. The core handlers (compute, pipeline messages, data-parallel
+sync) live here; a protocol with actions and state of its own is a module listed in ``TABLE``
+(runtime.bpipe, runtime.sharding, runtime.split_backward), so adding one edits none of these.
+Compute reuses megatron-core's ``forward_step`` / ``backward_step``, and behaviour comes from the
+model config as megatron-core reads it (``no_sync_func``, ``grad_sync_func``, ``param_sync_func``,
+``finalize_model_grads_func``, ``deallocate_pipeline_outputs``, timers).
 
-Compute reuses megatron-core's own ``forward_step`` / ``backward_step`` (loss scaling, per-token
-loss, autocast, input-tensor plumbing), and behaviour comes from the model config exactly as
-megatron-core reads it: ``no_sync_func``, ``grad_sync_func``, ``param_sync_func``,
-``finalize_model_grads_func``, ``deallocate_pipeline_outputs``, timers.
+Messages follow the lock-step posting (``megatron_bfpp.nccl``) proven once when the schedule is
+planned (:class:`PlannedSchedule`): computes and data-parallel actions in program order, between
+them one ``batch_isend_irecv`` per tick (runtime.p2p). Data parallelism is per chunk: a chunk
+leaves ``no_sync`` just before its last backward (DDP's hooks then reduce during it),
+``grad_sync_func[chunk]`` runs at its GS and ``param_sync_func`` at its PS (sharded: a gather),
+so breadth-first's first finished chunk reduces under the other chunks' backwards.
 
-Messages: the executor follows the schedule's lock-step posting (``megatron_bfpp.nccl``),
-which it is handed with the schedule as a :class:`PlannedSchedule` (``planned``: proven under
-NCCL's rules once per schedule, when the schedule is planned, not at every step): the computes
-and data-parallel actions in program order, and between them one batch per tick, whose items'
-handlers add their sends and receives to one window that is posted as one
-``batch_isend_irecv`` (see runtime.p2p).
-
-Data parallelism is per chunk: a chunk's ``no_sync`` context is left just before its last
-backward (megatron-core DDP's hooks then dispatch its gradient reduction during that backward),
-``grad_sync_func[chunk]`` runs at the chunk's GS action and ``param_sync_func[chunk]`` at its PS
-action (with sharded parameters PS gathers the chunk instead, see runtime.sharding). With
-breadth-first, the first chunk to finish does so long before the step ends, so its reduction
-overlaps the other chunks' backward.
-
-Memory accounting (``StepContext.measure_memory``, always on for a rank whose program has a
-kind that needs the activation store, such as BPipe's EV): after every window of messages and
-every compute action the executor adds up the distinct storages this rank holds for pipelining:
-tensors saved for backward, stage inputs and outputs, payloads received, posted or in flight
-(the parts add theirs). ``MemoryReport`` keeps the peak bytes and, separately, the most
-micro-batches resident at once; on CUDA it also reads ``torch.cuda.max_memory_allocated`` (the
-process's high-water mark, which this runtime does not reset).
+Memory accounting (``StepContext.measure_memory``, always on for a rank needing the activation
+store, e.g. BPipe's EV): after every message window and compute, the distinct storages held for
+pipelining (saved tensors, stage inputs/outputs, payloads received, posted or in flight) are
+summed; ``MemoryReport`` keeps the peak bytes, the most micro-batches resident at once and, on
+CUDA, ``torch.cuda.max_memory_allocated`` (never reset by this runtime).
 """
 
 from __future__ import annotations
@@ -78,7 +63,6 @@ __all__ = [
 K = ActionKind
 
 
-# --- compute ------------------------------------------------------------------------------
 def forward(step: RankStep, position: int, action: Action) -> None:
     from megatron.core.pipeline_parallel.schedules import check_first_val_step
 
@@ -130,9 +114,8 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
             step.state.outputs.pop((stage - 1, mb))
         handed = produced.detach().requires_grad_(not step.ctx.call.forward_only)
         if step.frees_outputs(stage - 1):
-            # As a sent output is once its send completes: the receiving stage's leaf keeps the
-            # storage, the producer keeps only its autograd node (megatron's custom_backward
-            # checks for exactly that).
+            # as a sent output once sent: the receiver's leaf keeps the storage, the producer only
+            # its autograd node (megatron's custom_backward checks for exactly that)
             pseudo_free(produced)
         return handed
     previous = step.layout.rank_of(stage - 1)
@@ -144,17 +127,13 @@ def backward(step: RankStep, position: int, action: Action) -> None:
 
 
 def overlapped(step: RankStep, position: int, action: Action) -> None:
-    """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward (B, or
-    a split backward's I), each through its own handler in ``TABLE`` at the pair's position,
-    one after the other on any device. The lock-step posting has posted what both parts receive
-    before this step (the composite rule: ``semantics``); running the two at once, to hide one's
-    communication behind the other's compute, is for a handler that splits them into their
-    layers (DualPipe's), not this one."""
+    """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward, each via
+    its ``TABLE`` handler, both receives already posted (``semantics``' composite rule); hiding
+    communication by running them concurrently needs a layer-splitting handler (DualPipe's)."""
     for part in parts(action):
         TABLE.handlers[part.kind](step, position, part)
 
 
-# --- pipeline messages ----------------------------------------------------------------------
 def send_act(step: RankStep, position: int, action: Action) -> None:
     message, peer = _message_and_peer(action)
     key = (action.stage, message.microbatch)
@@ -189,13 +168,11 @@ def _message_and_peer(action: Action) -> tuple[Message, int]:
     return message_of(action), peer
 
 
-# --- data parallel --------------------------------------------------------------------------
 def grad_sync(step: RankStep, position: int, action: Action) -> None:
     chunk = step.layout.chunk_of(action.stage)
     sharded = step.ctx.sharded
     if sharded is not None and position not in step.last_grad_sync:
-        # Fully sharded, a run of the chunk's backwards before its last (breadth-first with
-        # groups): reduced into the kept shard now, the chunk staying in no_sync.
+        # fully sharded, a run before the chunk's last (grads_synced's ``partial``)
         if not step.ctx.call.forward_only:
             sharded.grads_synced(chunk, overlapped=_overlapped(step, chunk), partial=True)
         step.state.trace.append(str(action))
@@ -205,8 +182,7 @@ def grad_sync(step: RankStep, position: int, action: Action) -> None:
     if func is not None and not step.ctx.call.forward_only:
         func(step.ctx.model[chunk].parameters())
     if sharded is not None and not step.ctx.call.forward_only:
-        # Fully sharded: the reduction lands into the chunk's kept gradient shard and its
-        # buffer is freed (at the next GS when it runs overlapped, here when it does not).
+        # fully sharded: landed into the kept shard at the next GS if overlapped, else now
         sharded.grads_synced(chunk, overlapped=_overlapped(step, chunk))
     step.state.synced_chunks.add(chunk)
     step.state.trace.append(str(action))
@@ -223,7 +199,6 @@ def _mb(action: Action) -> int:
     return action.microbatch
 
 
-# --- the table --------------------------------------------------------------------------------
 CORE = Handlers(
     kinds={
         K.FORWARD: forward,
@@ -241,15 +216,12 @@ TABLE: DispatchTable = dispatch_table(
 )
 
 
-# --- what runs ---------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class PlannedSchedule:
-    """A validated schedule with the lock-step posting the executor runs it by, proven
-    NCCL-safe. Made once per schedule (``planned``) and handed to every step, which then
-    neither re-derives the posting nor hashes the schedule to find it (``eq=False``: the
-    identity is the key, a hash costs nothing). ``side``, derived once here rather than at
-    every step: whether any rank posts a payload batch on its partner pair's group (BPipe), so
-    that every rank makes the pair groups."""
+    """A validated schedule with its proven NCCL-safe lock-step posting, made once (``planned``) and
+    handed to every step (``eq=False``: identity is the key, so no step re-derives or hashes it).
+    ``side``: whether any rank posts a payload batch on a partner pair's group (BPipe), so that
+    every rank makes the pair groups."""
 
     schedule: Schedule
     posting: Posting
@@ -260,14 +232,12 @@ class PlannedSchedule:
 
 
 def planned(schedule: Schedule) -> PlannedSchedule:
-    """``schedule`` with its lock-step posting, proven under NCCL's rules and with payloads
-    between partner pairs only (``nccl.validate_nccl``) before its first message: every rank
-    derives the same one, so a failure is the same error everywhere, before any
-    communication."""
+    """``schedule`` with its lock-step posting, proven under NCCL's rules with payloads
+    between partner pairs only (``nccl.validate_nccl``): every rank derives the same one, so a
+    failure is the same error everywhere, before any communication."""
     return PlannedSchedule(schedule, validate_nccl(schedule))
 
 
-# --- the loop ---------------------------------------------------------------------------------
 class _Executor:
     """Dispatches one rank's program through the table and checks what the step leaves."""
 
@@ -327,15 +297,14 @@ class _Executor:
         return step.state
 
     def _open_side(self, comm: PipeComm) -> None:
-        """The partner pair's process group, before the first payload batch (``nccl``: BPipe's
-        payloads run on a stream of their own). Every rank of a schedule with transfers takes
-        part, those without any too (``pair_group`` is collective over the job)."""
+        """The partner pair's group, before the first payload batch (BPipe's payloads get their own
+        stream); every rank takes part, with transfers or not (``pair_group`` is job-collective)."""
         if self.side and comm.side_group is None:  # partners x and p-1-x only: ``planned``
             comm.side_group = pair_group(comm.group, comm.device)
 
     def _post_batch(self, batch: Batch) -> None:
-        """Run the handlers of one tick's items, then post what they gathered as one batch (on
-        the partner pair's group for BPipe's payloads)."""
+        """Run one tick's item handlers, then post what they gathered as one batch (BPipe's
+        payloads on the partner pair's group)."""
         step = self.step
         for position, rest in batch.items:
             action = step.program[position]

@@ -1,35 +1,27 @@
 """Point-to-point messages between pipeline ranks, posted as the NCCL-safe posting says.
 
-Every message of a step goes through here. The executor posts the messages of one lock-step
-tick (``megatron_bfpp.nccl``) as one ``batch_isend_irecv``, whose partners are in the peers'
-batches of the same tick, so the batches never cross under NCCL's rules (one communicator and
-stream per process group, a batch done only when all its ops are matched). A backend may return
-one Work per op (gloo) or one for the whole batch (NCCL): a receive is waited for by the action
-that consumes it, through its own Work where there is one and the batch's otherwise, and a
-send's buffer is released only after its Work completes (gloo reads send buffers from a
-background thread after ``isend`` returns).
+The executor posts one lock-step tick's messages (``megatron_bfpp.nccl``) as one
+``batch_isend_irecv`` whose partners are in the peers' batches of the same tick, so batches never
+cross under NCCL's rules (one communicator and stream per process group, a batch done only when
+all its ops are matched). gloo returns one Work per op, NCCL one per batch: a receive is waited
+for by its consuming action through its own Work if any, else the batch's, and a send's buffer
+is released only after its Work completes (gloo reads send buffers from a background thread).
 
-BPipe's evictions carry a payload whose size only the evictor knows (whatever autograd saved),
-so an eviction is two messages of one tick: an 8-byte *header* with the payload size in the
-tick's batch, then the payload in a batch of its own that only the evictor and the acceptor post
-right after it. The acceptor reads the header in between (``read_header``, which blocks: on a
-GPU a CPU sync per eviction) and posts a receive of exactly that size. The payload batches
-(evictions and restores) go on a process group of the two partners alone (:func:`pair_group`,
-``PipeComm.side_group``): on NCCL another communicator and stream, so that a payload's transfer
-does not hold the rank's next tick batches (NCCL runs one group's batches one after another).
+A BPipe eviction's payload size is known only to the evictor, so it is two messages of one tick:
+an 8-byte *header* in the tick's batch, then the payload in a batch of its own posted right after
+by evictor and acceptor; the acceptor reads the header in between (``read_header`` blocks: a CPU
+sync per eviction on GPU). Payloads go on the partners' own group (:func:`pair_group`,
+``PipeComm.side_group``): on NCCL another communicator and stream, so a transfer does not hold
+the rank's next tick batches (NCCL runs one group's batches in order).
 
-Every wait here is bounded by the pipeline process group's timeout (``--distributed-timeout-
-minutes`` in Megatron-LM and bfpp-train), counted from when the message was posted: past it a
-:class:`PipelineTimeout` names the message and the peer rank in one line. How, by backend
-(torch 2.13): gloo honours ``Work.wait(timeout)`` (it raises once the timeout passes; a plain
-``wait()`` uses the group's own), so the remaining time is passed. On NCCL, ``wait()`` with a
-timeout blocks the CPU until the work completes (without one it only orders the current
-stream after it), and the group's watchdog aborts the whole process once an op is older than the
-group's timeout, with no word on which peer never came. So the wait polls ``is_completed()``
-until a deadline of the group's timeout less :data:`NCCL_LEAD` of it, which comes before the
-watchdog, then calls ``wait()`` for the stream order. The CPU thus waits until each consumed
-message is in, as megatron-core's default ``batch_p2p_sync`` (a ``torch.cuda.synchronize()``
-after every batch) already makes it do.
+Every wait is bounded by the pipeline group's timeout (``--distributed-timeout-minutes``), from
+when the message was posted; past it :class:`PipelineTimeout` names message and peer in one line.
+By backend (torch 2.13): gloo honours ``Work.wait(timeout)``, so the remaining time is passed. On
+NCCL, ``wait()`` with a timeout blocks the CPU until completion (without one it only orders the
+stream), and the watchdog aborts the process once an op outlives the group's timeout, naming no
+peer; so the wait polls ``is_completed()`` until the timeout less :data:`NCCL_LEAD` of it (before
+the watchdog), then calls ``wait()`` for stream order. The CPU waiting for each consumed message
+matches megatron-core's default ``batch_p2p_sync`` (a ``torch.cuda.synchronize()`` per batch).
 """
 
 from __future__ import annotations
@@ -65,9 +57,8 @@ class PipelineTimeout(RuntimeError):
 
 
 def group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
-    """The process group's timeout in seconds (``init_process_group`` / ``new_group``'s
-    ``timeout``: megatron-core's groups take ``--distributed-timeout-minutes``), else torch's
-    default for the backend."""
+    """The group's timeout in seconds (megatron-core's: ``--distributed-timeout-minutes``), else
+    torch's default for the backend."""
     try:
         backend = group._get_backend(device)
         timeout = backend.options._timeout
@@ -87,13 +78,11 @@ _PAIR_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup | None]] = {}
 def pair_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | None:
     """The process group of this rank and its BPipe partner (pipeline ranks x and p-1-x) alone,
     with the pipeline group's backend and timeout; None on the middle rank of an odd pipeline.
-    BPipe's payloads go there (module docstring).
 
-    Collective over the whole job, once per pipeline group: every rank gathers every pipeline's
-    global ranks and makes every pair's group in one order, as ``new_group`` requires (a group
-    made by its two members alone, ``use_local_synchronization``, is named after how many
-    groups each has, which differs between pipeline ranks). The executor calls it at the first
-    step of a schedule with transfers, which every rank of the job runs at the same point."""
+    Collective over the whole job, once per pipeline group (the executor calls it at the first step
+    with transfers): every rank makes every pair's group in one order, as ``new_group`` requires;
+    ``use_local_synchronization`` would name a group by how many groups each member has, which
+    differs between pipeline ranks."""
     kept = _PAIR_GROUPS.get(id(group))
     if kept is not None and kept[0] is group:
         return kept[1]
@@ -121,10 +110,9 @@ def pair_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
 
 
 def _first_exchange(pair: dist.ProcessGroup, peer: int, device: torch.device) -> None:
-    """One element each way on a new pair group, now that both ranks are known to be here:
-    NCCL sets a communicator up at its first op (an exchange of its id through the store), so a
-    partner that fails later fails a payload's wait, which is bounded and names it, rather than
-    that set-up."""
+    """One element each way on a new pair group while both ranks are known to be here: NCCL sets
+    up a communicator at its first op, so a partner failing later fails a bounded, named payload
+    wait rather than that set-up."""
     sent = torch.zeros(1, device=device)
     received = torch.empty(1, device=device)
     works = dist.batch_isend_irecv(
@@ -198,7 +186,6 @@ class PipeComm:
             self.shape, dtype=self.dtype, device=self.device, requires_grad=requires_grad
         )
 
-    # --- posting ----------------------------------------------------------------------------
     def post(
         self, sends: Sequence[Send], receives: Sequence[Receive], *, side: bool = False
     ) -> None:
@@ -264,7 +251,6 @@ class PipeComm:
         self._wait(header.work, message, peer, header.posted_at)
         return int(header.size.item())
 
-    # --- consuming --------------------------------------------------------------------------
     def wait_receive(self, message: Message, peer: int) -> torch.Tensor:
         """The one tensor of an activation or gradient message, once it has arrived."""
         (buffer,) = self.wait_parts(message, peer)
@@ -341,10 +327,9 @@ class PipeComm:
         self.sends = still
 
     def settle_transfers(self) -> None:
-        """Wait for the eviction and restore payloads sent so far, whose receives the partner
-        posted in the same tick. Called after the compute that follows them on
-        backends whose sends cannot be polled (gloo reports a send complete only once waited
-        for); the NCCL model (``megatron_bfpp.nccl``) includes this wait in what it proves."""
+        """Wait for the payloads sent so far (receives posted in the same tick), after the compute
+        following them, where sends cannot be polled (gloo completes a send only once waited
+        for); the NCCL model (``megatron_bfpp.nccl``) includes this wait."""
         still: list[PendingSend] = []
         for pending in self.sends:
             if pending.message.what in _TRANSFERS:
@@ -366,8 +351,7 @@ class PipeComm:
             self.sends.remove(pending)
 
     def transfer_tensors(self) -> list[torch.Tensor]:
-        """Eviction payloads this rank holds in communication: posted receive buffers and sends
-        in flight (what the memory accounting adds to the store)."""
+        """Eviction payloads in communication (posted receives, sends in flight), for memory."""
         held = [p.tensor for p in self.sends if p.message.what in _TRANSFERS]
         for message, parts in self.receives.items():
             if message.what in _TRANSFERS:
@@ -392,8 +376,7 @@ def _poll(work: dist.Work, deadline: float) -> bool:
 
 
 def _works_per_op(posted: Sequence[dist.Work] | None, num_ops: int) -> list[dist.Work]:
-    """One Work per op: gloo gives one per op, a coalescing backend (NCCL) one for the batch,
-    which then stands for each of its ops (waiting for one waits for all)."""
+    """One Work per op: gloo's own, or NCCL's batch Work for each (one wait waits for all)."""
     works = list(posted or ())
     if len(works) == num_ops:
         return works

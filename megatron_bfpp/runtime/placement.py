@@ -1,19 +1,14 @@
 """What the runtime needs to know about where a schedule puts model chunks.
 
-A schedule's layout says which global stage each chunk of a rank runs; the chunks themselves are
-built elsewhere (``megatron.chunks`` for bfpp-train, the tests and the Megatron-LM plugin;
-megatron-core's own model builders for the looped placement). The runtime checks, before any
-message, that the chunks it is handed are the layout's (a looped model under a V-shape schedule
-would otherwise train a different network with no error), and where one rank holds both copies of
-a tied embedding (the V-shape's rank 0), adds their gradients in place of Megatron's all-reduce
-over the first and last pipeline rank.
+Chunks are built elsewhere (``megatron.chunks``; megatron-core's builders for looped placement);
+the runtime checks before any message that they are the layout's (a looped model under a V-shape
+would silently train another network), and where one rank holds both copies of a tied embedding
+(the V-shape's rank 0) adds their gradients in place of Megatron's first/last-rank all-reduce.
 
-Where the loss is computed (the last stage's rank: rank 0 in the V-shape) is not always where
-megatron-core's callers read it: Megatron-LM's training loop, its evaluation and any custom loop
-take the losses a forward-backward function returns on the last pipeline rank
-(``is_pipeline_last_stage(ignore_virtual=True)``) and log from the last global rank. The step's
-returned values are therefore delivered there (:func:`deliver_to_last_rank`), so every caller
-keeps working unchanged.
+The loss is computed on the last stage's rank (rank 0 in the V-shape), but Megatron-LM's loop,
+its evaluation and custom loops read returned losses on the last pipeline rank
+(``is_pipeline_last_stage(ignore_virtual=True)``), so :func:`deliver_to_last_rank` sends them
+there and every caller works unchanged.
 """
 
 from __future__ import annotations
@@ -35,8 +30,8 @@ __all__ = [
 
 
 def layout_for(placement: Placement, *, num_ranks: int, num_chunks: int) -> StageLayout:
-    """The stage layout of a catalogue placement (``single`` is looped with one chunk); its
-    name as a plain string is taken too, as model builders are called with one."""
+    """The stage layout of a catalogue placement (``single``: looped with one chunk); its name as
+    a plain string is taken too, as model builders are called with one."""
     try:
         placement = Placement(placement)
     except ValueError:
@@ -83,9 +78,8 @@ def check_chunk_placement(
 
 
 def tied_embedding_weights(chunks: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(input embedding, output layer) weights when this rank holds both copies of a tied
-    embedding in different chunks; ``None`` otherwise (also for models without megatron-core's
-    ``pre_process`` / ``post_process``)."""
+    """(input embedding, output layer) weights when this rank holds both copies of a tied embedding
+    in different chunks, else ``None`` (also without ``pre_process`` / ``post_process``)."""
     if len(chunks) < 2 or not (
         _flag(chunks[0], "pre_process") and _flag(chunks[-1], "post_process")
     ):
@@ -105,9 +99,8 @@ def tied_embedding_weights(chunks: Sequence[Any]) -> tuple[torch.Tensor, torch.T
 
 @torch.no_grad()
 def sum_tied_embedding_grads(chunks: Sequence[Any]) -> None:
-    """Both copies' gradient := their sum, on the rank that holds both: what Megatron's
-    all-reduce of the word-embedding gradient over the first and last stage computes. Called
-    after the data-parallel reduction (``finalize_model_grads``), as that all-reduce is."""
+    """Both copies' gradient := their sum on the rank holding both, as Megatron's first/last-stage
+    word-embedding all-reduce computes, after the data-parallel reduction as that one is."""
     weights = tied_embedding_weights(chunks)
     if weights is None:
         return

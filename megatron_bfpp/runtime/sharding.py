@@ -1,45 +1,30 @@
 """Fully sharded data parallelism (ZeRO-3) on megatron-core's own buffers, driven by the schedule.
 
-``--data-parallel-sharding-strategy optim_grads_params`` lowers a schedule with a gather (PS)
-before a chunk's parameters are needed, a release (RL) when they are not, and the chunk's
-gradient reduction (GS) right after its last backward (see ``passes.grad_sync``). This module
-executes them on megatron-core DDP chunks built for the distributed optimizer, whose parameters
-and gradients are views into one flat buffer per dtype, split into buckets the optimizer
-already shards over the data-parallel group. Every bucket has two kept shards, this rank's part
-of its parameters and of its reduced gradients, allocated once (1/d of the chunk each); the full
-buffers exist only while the schedule needs them:
+Executes a schedule's gathers (PS), releases (RL) and gradient reductions (GS) (see
+``passes.grad_sync`` and docs/design-notes.md, "Sharded parameters") on megatron-core DDP chunks
+built for the distributed optimizer. Each bucket keeps two shards (1/d of the chunk each): this
+rank's part of its parameters and of its reduced gradients; the full buffers exist only while the
+schedule needs them:
 
-- **parameters**: a release copies this rank's part of the full buffer into the kept shard and
-  frees the full buffer's storage (``untyped_storage().resize_(0)``: the parameters' views, and
-  the tensors autograd saved for a later backward, keep pointing at that storage); a gather
-  re-allocates it and all-gathers every bucket from the kept shards, posted asynchronously at
-  the PS and waited on by the chunk's first compute after it, so the next chunk's gather
-  overlaps this chunk's compute;
-- **gradients**: a chunk's gradient buffer is allocated (and zeroed) at the first backward of
-  each run of its backwards and reduce-scattered at the GS that ends the run, by
-  megatron-core's own ``start_grad_sync`` / ``finish_grad_sync``; once the reduction has
-  landed (waited on at the rank's next GS, so it runs under the next chunk's backward, or at
-  the end of the step) this rank's reduced part is copied into the kept gradient shard (added
-  to it from the chunk's second run of the step on) and the buffer is freed. Breadth-first runs
-  each chunk's backwards back to back, once per group of micro-batches, so at most two chunks'
-  full gradients exist at once for any group size. A reduction before the chunk's last run
-  (``partial``) keeps the chunk in ``no_sync`` and is started here, not by DDP's hooks;
-- **the end of the step** (:meth:`ShardedParameters.finalize_grads`, in place of megatron-core's
-  ``finalize_model_grads``, which reads full gradients): the tensor-parallel all-reduce of
-  sequence-parallel parameters and the per-token scaling run on the kept shards, element for
-  element what megatron-core computes on the full buffers; the chunk holding a tied word
-  embedding keeps its full gradients until the all-reduce over the embedding group, as that sums
-  whole tensors whose shard boundaries differ between the two ends of the pipeline;
-- **the optimizer step** (:meth:`ShardedParameters.optimizer_step`) runs megatron-core's
-  distributed optimizer on the kept shards (``compat.optimizer_on_shards``): no full buffer is
-  allocated, and its closing all-gather is skipped (the schedule gathers each chunk when it
-  needs it).
+- **parameters**: a release copies this rank's part into the kept shard and frees the full
+  buffer's storage (``untyped_storage().resize_(0)``: parameter views and tensors autograd saved
+  keep pointing at it); a gather re-allocates it and all-gathers asynchronously at the PS, waited
+  on by the chunk's first compute after it, so it overlaps the previous chunk's compute;
+- **gradients**: allocated (zeroed) at the first backward of each run of the chunk's backwards,
+  reduce-scattered at the GS ending the run by megatron-core's ``start_grad_sync`` /
+  ``finish_grad_sync``, landed at the rank's next GS (or the step's end) into the kept shard
+  (added from the chunk's second run on), then freed. A ``partial`` reduction (before the
+  chunk's last run) keeps the chunk in ``no_sync`` and is started here, not by DDP's hooks;
+- **the end of the step** (:meth:`ShardedParameters.finalize_grads`, replacing
+  ``finalize_model_grads``, which reads full gradients): the same arithmetic on the kept shards;
+  a tied word embedding's chunk keeps full gradients until the embedding-group all-reduce, since
+  shard boundaries differ between the pipeline's two ends;
+- **the optimizer step** (:meth:`ShardedParameters.optimizer_step`) runs the distributed
+  optimizer on the kept shards (``compat.optimizer_on_shards``), skipping its closing all-gather.
 
-Why this mechanism (``docs/design-notes.md``, "Sharded parameters"): megatron-core's
-distributed optimizer, its mixed precision and its checkpoint format keep working unchanged, on
-both megatron-core versions we serve; PyTorch FSDP2 gave the same collective counts but its
-DTensor parameters do not work with that optimizer, and Megatron-FSDP cannot be built with
-pipeline parallelism.
+Why: megatron-core's distributed optimizer, mixed precision and checkpoint format keep working on
+both megatron-core versions we serve; FSDP2's DTensor parameters do not work with that optimizer,
+and Megatron-FSDP cannot be built with pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -120,14 +105,9 @@ class _Chunk:
 
 
 class ShardedParameters:
-    """One rank's model chunks with parameters and gradients sharded over their data-parallel
-    groups.
-
-    Made once per model (:func:`sharded_parameters`) and kept across steps: it owns the kept
-    shards. The resident-byte high-water marks (parameters and gradients: kept shards plus full
-    buffers) are reset at the start of each forward-backward and cover the step's optimizer
-    step too; the gather counts come from the runtime's trace.
-    """
+    """One rank's chunks with parameters and gradients sharded over their data-parallel groups;
+    made once per model (:func:`sharded_parameters`), it owns the kept shards and high-water
+    marks (reset at each forward-backward, covering the optimizer step too)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
         self.chunks = [_chunk_of(index, chunk) for index, chunk in enumerate(chunks)]
@@ -157,10 +137,8 @@ class ShardedParameters:
         if sizes and all(s.device.type == "cpu" for st in self.chunks for s in st.storages):
             return_freed_buffers(min(sizes))
 
-    # --- parameters: the two actions ------------------------------------------------------
     def gather(self, chunk: int, *, async_op: bool = True) -> None:
-        """Allocate the chunk's full parameter buffers and all-gather them from the kept
-        shards (waited on by :meth:`wait`)."""
+        """Allocate the chunk's full parameter buffers and all-gather them (see :meth:`wait`)."""
         state = self.chunks[chunk]
         if state.resident:
             raise RuntimeError(
@@ -202,10 +180,9 @@ class ShardedParameters:
             storage.resize_(0)
         state.resident = False
 
-    # --- gradients ----------------------------------------------------------------------------
     def allocate_grads(self, chunk: int) -> None:
         """Before the first backward of each run of the chunk's backwards: its gradient buffer,
-        zeroed (the previous run's reduction landed first if it is still in flight)."""
+        zeroed (after landing the previous run's reduction if still in flight)."""
         state = self.chunks[chunk]
         if chunk in self.pending_grads:
             self.pending_grads.remove(chunk)
@@ -219,11 +196,10 @@ class ShardedParameters:
         self._observe()
 
     def grads_synced(self, chunk: int, *, overlapped: bool, partial: bool = False) -> None:
-        """At the chunk's GS (its reduction just started, or with ``overlapped`` False not
-        started: megatron-core then reduces synchronously in ``finish_grad_sync``): land the
-        reductions started before it, and this one unless it is still in flight. ``partial``:
-        a GS before the chunk's last (breadth-first with groups), whose reduction this method
-        starts, the chunk staying in ``no_sync``."""
+        """At the chunk's GS (reduction just started; with ``overlapped`` False not started, as
+        megatron-core then reduces in ``finish_grad_sync``): land earlier reductions, and this one
+        unless in flight. ``partial``: a GS before the chunk's last (grouped breadth-first), whose
+        reduction this starts, the chunk staying in ``no_sync``."""
         state = self.chunks[chunk]
         if not state.grads_resident:
             raise RuntimeError(
@@ -248,11 +224,9 @@ class ShardedParameters:
     def finalize_grads(
         self, config: Any, groups: Any, num_tokens: torch.Tensor | None, force_all_reduce: bool
     ) -> None:
-        """What megatron-core's ``finalize_model_grads`` does after the data-parallel
-        reduction, on the kept shards: the tensor-parallel all-reduce of sequence-parallel
-        parameters, the tied-embedding all-reduce over the pipeline ends, the per-token
-        scaling. Element for element the same arithmetic, so the optimizer sees the same
-        numbers as without sharding."""
+        """``finalize_model_grads``' work after the data-parallel reduction, on the kept shards (the
+        sequence-parallel tensor-parallel all-reduce, the tied-embedding all-reduce, per-token
+        scaling), with the same arithmetic element for element as without sharding."""
         from megatron.core.pipeline_parallel.utils import get_pp_last_rank
 
         if force_all_reduce:
@@ -319,8 +293,7 @@ class ShardedParameters:
         self.deferred = None if shared is None else shared[0]
 
     def _land(self, chunk: int) -> None:
-        """Wait for the chunk's reduction, keep this rank's reduced part (added to the parts of
-        its earlier runs this step), free the buffer."""
+        """Wait for the chunk's reduction, keep (add) this rank's part, free the buffer."""
         state = self.chunks[chunk]
         if chunk in self.partial:
             self.partial.discard(chunk)
@@ -359,9 +332,8 @@ class ShardedParameters:
         return None
 
     def _zero_around(self, chunk: int) -> Callable[[Callable[[], None]], None]:
-        """DDP's ``zero_grad_buffer`` on a released gradient buffer: allocate it for the call
-        (one chunk at a time) so megatron-core resets its flags and bucket state as it always
-        does; the buffer is zeroed again when the chunk's first backward allocates it."""
+        """DDP's ``zero_grad_buffer`` on a released buffer, allocated for the call (one chunk at
+        a time) so megatron-core resets its flags and bucket state; re-zeroed at first backward."""
 
         def around(original: Callable[[], None]) -> None:
             state = self.chunks[chunk]
@@ -381,10 +353,8 @@ class ShardedParameters:
 
         return around
 
-    # --- outside the schedule ---------------------------------------------------------------
     def optimizer_step(self, step: Callable[[], Any], optimizer: Any) -> Any:
-        """Run ``step`` (the optimizer's ``step``) on the kept shards: no full buffer is
-        allocated, and the distributed optimizer's closing all-gather is skipped."""
+        """The optimizer's ``step`` on the kept shards (see :func:`sharded_optimizer_step`)."""
         for index, state in enumerate(self.chunks):
             if state.resident or state.grads_resident:
                 raise RuntimeError(
@@ -435,13 +405,9 @@ class ShardedParameters:
         """Parameter bytes of this rank's chunks unsharded (the buffers' full size)."""
         return sum(sum(state.full_nbytes) for state in self.chunks)
 
-    def full_grad_bytes(self) -> int:
-        """Gradient bytes of this rank's chunks unsharded."""
-        return sum(sum(state.grad_nbytes) for state in self.chunks)
-
     def begin_step(self) -> None:
-        """A forward-backward starts: no chunk's kept gradient shard holds any of its sum yet,
-        and the iteration's high-water marks start (its zeroing, just before, counted in)."""
+        """A forward-backward starts: no kept gradient shard holds this step's sum yet, and the
+        high-water marks start (the zeroing just before counted in)."""
         self.landed.clear()
         self.reset_peak()
 
@@ -479,14 +445,11 @@ _threshold: list[int] = []  # the value this process set, if any
 def return_freed_buffers(nbytes: int) -> None:
     """On CPU with glibc, let a freed chunk buffer of ``nbytes`` or more go back to the system.
 
-    glibc serves a large allocation by mmap and returns it at free, but after such a free it
-    raises its mmap threshold to that size (up to 32 MiB), so the next chunk buffer of the same
-    size comes from its heap and, freed, stays in the process: the released chunks of a fully
-    sharded step then cost resident memory as if they were never freed (docs/design-notes.md,
-    "The process's own peak"). Setting the threshold fixes it at this size, the smallest chunk
-    buffer's (at least glibc's default 128 KiB): chunk buffers are mapped and unmapped, smaller
-    allocations stay in the heap. Once per process, at the smallest size asked; a no-op without
-    glibc. GPUs are unaffected (their caching allocator reuses freed blocks)."""
+    After freeing an mmap'd block glibc raises its mmap threshold to that size (up to 32 MiB), so
+    the next same-size chunk buffer comes from the heap and stays resident once freed
+    (docs/design-notes.md, "The process's own peak"). Fixing the threshold at the smallest chunk
+    buffer's size (at least glibc's default 128 KiB) keeps chunk buffers mapped. Once per process;
+    a no-op without glibc; GPUs are unaffected (their caching allocator reuses freed blocks)."""
     threshold = max(128 * 2**10, min(nbytes, _MMAP_THRESHOLD_MAX))
     if _threshold and _threshold[0] <= threshold:
         return
@@ -510,11 +473,8 @@ _REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, ShardedParameters] = (
 
 
 def sharded_parameters(chunks: Sequence[torch.nn.Module]) -> ShardedParameters:
-    """The model's :class:`ShardedParameters`, made (and every chunk released) on first use.
-
-    Keyed by the model's first chunk, so the forward-backward function, the optimizer step and
-    checkpointing all find the same kept shards.
-    """
+    """The model's :class:`ShardedParameters`, made (and every chunk released) on first use; keyed
+    by the first chunk, so forward-backward, optimizer step and checkpointing share the shards."""
     if not chunks:
         raise ShardingError("sharded parameters need at least one model chunk")
     found = _REGISTRY.get(chunks[0])
@@ -610,10 +570,9 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
     return state
 
 
-# --- the executor's handlers ------------------------------------------------------------------
 class ShardingPart(StepPart):
-    """The step's view of the sharded model: the first compute on a chunk after its gather
-    waits for it, and its first backward allocates its gradients."""
+    """The step's view of the sharded model: a chunk's first compute after its gather waits for
+    it, and its first backward allocates its gradients."""
 
     def __init__(self) -> None:
         self.sharded: ShardedParameters | None = None

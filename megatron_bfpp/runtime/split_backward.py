@@ -1,22 +1,15 @@
 """Split backward (zero-bubble's I and W) on megatron-core chunks, exact for every layer.
 
-A V-shape schedule (v-min, v-half, v-zb) splits each micro-batch's backward into ``I``
-(BACKWARD_INPUT: the gradient the previous stage needs, sent as early as possible) and ``W``
-(BACKWARD_WEIGHT: the weight gradients, placed later to fill bubbles).
+V-shape schedules (v-min, v-half, v-zb) split a micro-batch's backward into ``I``
+(BACKWARD_INPUT: the previous stage's gradient, sent early) and ``W`` (BACKWARD_WEIGHT: weight
+gradients, filling bubbles later). ``I`` runs megatron-core's ``backward_step`` with the chunk's
+local linear layers deferring their weight GEMMs, ``W`` computes those
+(``runtime.deferred_wgrad``, which says why this is bit-identical to 1F1B).
 
-``I`` runs the micro-batch's backward through megatron-core's own ``backward_step``, with the
-chunk's local linear layers deferring their weight and bias GEMMs (``runtime.deferred_wgrad``):
-everything else (layer norms, embeddings, attention, the loss) is computed there, as under ``B``.
-``W`` computes the deferred GEMMs and hands the gradients to autograd, so they accumulate into
-``.grad`` / ``main_grad`` through megatron-core DDP's hooks in the same micro-batch order as under
-1F1B: the gradients are bit-identical. Layers that cannot defer (Transformer Engine's, frozen or
-FSDP-sharded weights) compute their weight gradients in ``I``.
-
-Data-parallel reduction: a chunk's gradients are complete only after its last ``W``. With
-megatron-core DDP's ``overlap_grad_reduce`` and no sync function from the caller, the chunk's
-hooks would dispatch the reduction before that (they fire at ``I`` for some parameters and at
-``W`` for others), so the chunk keeps its ``no_sync`` context and its own ``start_grad_sync``
-dispatches the reduction at the chunk's GS, as Megatron-LM's ``grad_sync_func`` does.
+A chunk's gradients are complete only after its last ``W``, but with ``overlap_grad_reduce`` and
+no caller sync function DDP's hooks would dispatch the reduction earlier (they fire at ``I`` for
+some parameters, at ``W`` for others); so the chunk stays in ``no_sync`` and its own
+``start_grad_sync`` runs at the chunk's GS, as Megatron-LM's ``grad_sync_func`` does.
 """
 
 from __future__ import annotations
@@ -38,8 +31,8 @@ K = ActionKind
 
 
 class SplitBackward(StepPart):
-    """Micro-batches between their I and their W (checked drained at the end of the step),
-    and the weight gradients their I deferred."""
+    """Micro-batches between their I and W (checked drained at the step's end) and their deferred
+    weight gradients."""
 
     def __init__(self) -> None:
         self.pending: set[Key] = set()

@@ -1,16 +1,12 @@
 """What a handler of one action kind works on: one rank's side of one training step.
 
-The executor (``runtime.executor``) sends every action of a rank's program to the handler its
-kind maps to in one table. A handler is a plain function of ``(step, position, action)``; this
-module holds the :class:`RankStep` it receives (the step's context, the core bookkeeping, the
-activation store, the window of messages being gathered, each handler module's per-step part)
-and :class:`Handlers`, the form in which a runtime module registers the kinds it executes.
-
-Why parts: a protocol that needs state between its actions (BPipe: the payloads a rank evicted,
-the loads it posted) keeps it in its own :class:`StepPart`, created once per step. The core asks
-every part the same few questions (what to do before a micro-batch's backward, what memory it
-holds, what it left behind), so the core never names a protocol and a new one arrives as a new
-module registering its handlers and part.
+A handler is a plain function of ``(step, position, action)`` (the executor's table maps kinds
+to them); here are the :class:`RankStep` it receives (context, core bookkeeping, activation store,
+the message window being gathered, each handler module's per-step part) and :class:`Handlers`,
+the form a runtime module registers its kinds in. A protocol with state between its actions
+(BPipe's evicted payloads, posted loads) keeps it in its own :class:`StepPart`, made once per
+step; the core asks every part the same few questions (before a backward, memory held, leftovers),
+so it never names a protocol.
 """
 
 from __future__ import annotations
@@ -46,11 +42,9 @@ Key = tuple[int, int]  # (stage, micro-batch)
 
 @dataclass(frozen=True, kw_only=True)
 class Call:
-    """One call's megatron-core forward-backward arguments: the one declaration of their names
-    and defaults, those of megatron-core's ``forward_backward_pipelining_with_interleaving``
-    (keyword-only there too). ``ForwardBackwardFunc`` takes them as ``**kwargs``, builds this,
-    and shows this signature (``inspect.signature``, ``help``); what each means is its
-    docstring."""
+    """One call's megatron-core forward-backward arguments: the one declaration of their names and
+    defaults (``forward_backward_pipelining_with_interleaving``'s, keyword-only there too), built
+    by ``ForwardBackwardFunc`` from ``**kwargs`` and shown as its signature."""
 
     forward_step_func: Callable[..., Any]
     data_iterator: Iterator[Any] | list[Iterator[Any]] | None
@@ -73,9 +67,8 @@ class Call:
 
 @dataclass
 class StepContext:
-    """Everything one step needs besides the schedule: the call as megatron-core made it, and
-    what the step read from it once (the model chunks, one data iterator each, their config,
-    the pipeline's messages)."""
+    """Everything a step needs besides the schedule: megatron-core's call and what was read from it
+    once (chunks, a data iterator each, their config, the pipeline's messages)."""
 
     call: Call
     data_iterators: list[Iterator[Any] | None]
@@ -122,8 +115,7 @@ class StepState:
 
 @dataclass
 class Window:
-    """The messages of one batch of the posting (see runtime.p2p): the handlers of its items
-    add sends and receives here, and the executor posts them as one batch."""
+    """One posting batch's messages (runtime.p2p): handlers add to it, the executor posts it."""
 
     sends: list[Send] = field(default_factory=list)
     receives: list[Receive] = field(default_factory=list)
@@ -134,12 +126,11 @@ class Window:
 
 
 class StepPart:
-    """A handler module's per-step state and its answers to the core; the defaults suit a part
-    that holds no activations. The executor makes one of each registered part per step."""
+    """A handler module's per-step state and answers to the core (defaults: no activations held),
+    made once per step per registered part."""
 
     def begin(self, step: RankStep) -> None:
-        """Set up before the rank's first action (the executor calls ``end`` after its last,
-        also when the step fails)."""
+        """Set up before the rank's first action (``end`` runs after its last, also on failure)."""
 
     def end(self, step: RankStep) -> None:
         """Undo what ``begin`` set up."""
@@ -171,12 +162,10 @@ P = TypeVar("P", bound=StepPart)
 class Handlers:
     """One runtime module's share of the dispatch table.
 
-    ``kinds`` maps each action kind the module executes to its handler; ``rests`` the kinds
-    whose action also has a *rest* item in a later batch of the posting (``megatron_bfpp.nccl``:
-    an eviction's payload, after its size) to that item's handler; ``part`` makes the module's
-    per-step state, if it has any; ``captures`` are the kinds that need the tensors a forward
-    saves for backward routed through the activation store (BPipe's EV ships them).
-    """
+    ``kinds``: action kind -> handler; ``rests``: kinds whose action has a *rest* item in a later
+    batch of the posting (an eviction's payload, after its size) -> that item's handler; ``part``
+    makes the module's per-step state, if any; ``captures``: kinds needing the forward's saved
+    tensors routed through the activation store (BPipe's EV ships them)."""
 
     kinds: Mapping[ActionKind, Handler]
     rests: Mapping[ActionKind, Handler] = field(default_factory=dict)
@@ -195,11 +184,8 @@ class DispatchTable:
 
 
 def dispatch_table(*modules: Handlers) -> DispatchTable:
-    """Merge the modules' handlers into one table that covers every action kind exactly once.
-
-    Checked when the table is built (at import of ``runtime.executor``), so an action kind
-    added to the IR without a handler fails before any step instead of being skipped in one.
-    """
+    """Merge the modules' handlers into one table covering every action kind exactly once, checked
+    at import of ``runtime.executor`` so a kind without a handler fails before any step."""
     handlers: dict[ActionKind, Handler] = {}
     for module in modules:
         twice = sorted(kind.name for kind in module.kinds if kind in handlers)
@@ -245,9 +231,8 @@ class RankStep:
         self.program = schedule.per_rank[rank]
         self.last_backward = _last_backward_positions(self.program)
         self.last_grad_sync = _last_grad_sync_positions(self.program)
-        # With explicit sync functions (overlap_grad_reduce in Megatron-LM) the chunk keeps its
-        # no_sync context through its last backward and GS dispatches the reduction, as
-        # megatron-core's interleaved schedule does; otherwise DDP's hooks dispatch it.
+        # With sync functions (overlap_grad_reduce) a chunk stays in no_sync through its last
+        # backward and GS reduces, as megatron-core's interleaved schedule does; else DDP's hooks.
         self.grad_sync_funcs = self.per_chunk(ctx.config.grad_sync_func)
         self.measuring = measuring
         modules = ctx.model if measuring else []
@@ -270,7 +255,6 @@ class RankStep:
         """Pseudo-free a sent output once its send completes, as megatron-core does."""
         return bool(self.ctx.config.deallocate_pipeline_outputs) and not self.ctx.call.forward_only
 
-    # --- data parallel ----------------------------------------------------------------------
     def enter_no_sync(self) -> None:
         """Hold every chunk's gradient reduction until its last backward."""
         funcs = self.per_chunk(self.ctx.config.no_sync_func)
@@ -314,9 +298,8 @@ def _last_grad_sync_positions(program: tuple[Action, ...]) -> set[int]:
 
 
 def _last_backward_positions(program: tuple[Action, ...]) -> set[int]:
-    """Position of each chunk's last backward on this rank: where its weight gradients last
-    accumulate, so where megatron-core DDP's hooks may start its reduction. That is its last B,
-    or with a split backward its last I (runtime.split_backward accumulates them there)."""
+    """Position of each chunk's last backward on this rank (its last B, or last I with a split
+    backward): where its weight gradients last accumulate and DDP's hooks may start reducing."""
     last: dict[int, int] = {}
     for position, action in primitives(program):  # an overlapped pair's backward included
         if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):

@@ -1,20 +1,19 @@
-"""Megatron-Bridge on CPU ranks: what Bridge needs beyond the megatron-core / Megatron-LM CPU
-adapters (``megatron.cpu``, ``megatron.cpu_launch``). Test support and the CPU demo only
-(``examples/bridge_pretrain.py`` without a GPU), never the GPU path, like those adapters.
+"""Megatron-Bridge on CPU ranks: what Bridge needs beyond the CPU adapters (``megatron.cpu``,
+``megatron.cpu_launch``); test support and the CPU demo (``examples/bridge_pretrain.py``) only.
 
-Each redirect, and the error it answers (Megatron-Bridge 0.6.2, megatron-core 0.19.2):
+Each redirect and the error it answers (Megatron-Bridge 0.6.2, megatron-core 0.19.2):
 
 * :func:`bridge_imports`: ``megatron/bridge/peft/lora_layers.py`` imports Transformer Engine
-  unconditionally (``ModuleNotFoundError: transformer_engine``). While Bridge is imported, that
-  module alone sees a stub whose classes match nothing; megatron-core's own
-  ``import transformer_engine`` checks still fail, so it keeps its non-TE paths.
-* :func:`enable_cpu_bridge`: Bridge's own ``initialize_megatron`` asserts CUDA unless
-  ``allow_no_cuda=True`` ("Megatron requires CUDA."), its JIT warm-up runs CUDA-only fused
-  kernels ("Found no NVIDIA driver"), and it compiles the dataset helpers with ``make`` (the
-  wheel ships ``helpers_cpp.so``).
+  unconditionally (``ModuleNotFoundError: transformer_engine``); while Bridge is imported, that
+  module alone sees a stub whose classes match nothing (megatron-core's own checks still fail,
+  keeping its non-TE paths).
+* :func:`enable_cpu_bridge`: Bridge's ``initialize_megatron`` asserts CUDA unless
+  ``allow_no_cuda=True`` ("Megatron requires CUDA."), its JIT warm-up runs CUDA-only kernels
+  ("Found no NVIDIA driver"), and it compiles dataset helpers with ``make`` (the wheel ships
+  ``helpers_cpp.so``).
 * :func:`record_losses`: Bridge logs six digits of the loss; the equality tests need the floats.
 
-Every redirect is undone by :func:`disable_cpu_bridge` (the one patch registry).
+:func:`disable_cpu_bridge` undoes every redirect (the one patch registry).
 """
 
 from __future__ import annotations
@@ -132,8 +131,7 @@ def disable_cpu_bridge() -> None:
 
 
 def record_losses(print_line: Callable[[str], None] | None = None) -> None:
-    """Print each iteration's exact lm loss (``float.hex``) and grad norm, from Bridge's
-    ``training_log``, on the last rank."""
+    """Print each iteration's exact lm loss (``float.hex``) and grad norm on the last rank."""
     import importlib
 
     emit = print_line or _write_line

@@ -1,27 +1,13 @@
 """Tiny megatron-core GPT models whose weights do not depend on how they are split.
 
 Call these inside a :func:`megatron_bfpp.testing.multirank.run_ranks` rank function (parallel
-state initialised, CPU adapter enabled).
-
-* :func:`tiny_gpt_config` - fp32, dropout 0, CPU initialisation, ``batch_p2p_comm=False``;
-  parallel sizes default to the current parallel state.
-* :func:`build_model_chunks` - this rank's ``GPTModel`` chunks (local layer spec, one per
-  virtual stage, megatron-core's looped placement), initialised by :func:`init_from_global_names`:
-  every parameter is drawn at its full unsplit shape from a generator seeded by a hash of its
-  *global* name (global layer number), then the rank's tensor-parallel slice is taken, so any
-  (tp, pp, vp, dp) split holds exactly the weights of the single-process model.
-* :func:`make_batches`, :func:`forward_step_func`, :func:`loss_func` - synthetic data and
-  megatron-style step functions. The loss function returns megatron-core 0.16's 3-tuple
-  ``(summed loss, num_tokens, {"lm loss": [summed loss, num_tokens]})``: ``forward_step``
-  divides the loss by ``num_tokens`` and by ``num_microbatches`` (``calculate_per_token_loss``
-  off), so each micro-batch contributes its mean token loss / ``num_microbatches``.
-* :func:`reference_losses_and_grads` - the unpipelined tp=pp=1 model run on the same
-  micro-batches with exactly that scaling; :func:`grad_shards` + :func:`merge_shards` rebuild
-  full gradients from every rank of a split run for comparison.
-* :func:`wrap_ddp`, :func:`run_schedule`, :func:`data_parallel_share`,
-  :func:`losses_from_store` - megatron-core DDP (configured as Megatron-LM's training loop does)
-  and one forward-backward call (megatron-core's own by default, or any function with its
-  signature); :func:`assert_tensors_close` compares gradient dicts.
+state initialised, CPU adapter enabled). :func:`init_from_global_names` draws every parameter at
+its full shape from a generator seeded by its *global* name, then takes the rank's tensor-parallel
+slice, so any (tp, pp, vp, dp) split holds the single-process model's weights and
+:func:`reference_losses_and_grads` is the exact reference. :func:`loss_func` returns
+megatron-core 0.16's 3-tuple ``(summed loss, num_tokens, {"lm loss": [summed loss, num_tokens]})``:
+``forward_step`` divides by ``num_tokens`` and ``num_microbatches`` (``calculate_per_token_loss``
+off), so each micro-batch contributes its mean token loss / ``num_microbatches``.
 """
 
 from __future__ import annotations
@@ -86,9 +72,6 @@ VOCAB_SIZE = 64
 MICRO_BATCH_SIZE = 2
 
 
-# --------------------------------------------------------------------------- configuration
-
-
 def tiny_gpt_config(
     *,
     tp: int | None = None,
@@ -97,12 +80,9 @@ def tiny_gpt_config(
     sequence_parallel: bool = False,
     **overrides: Any,
 ) -> TransformerConfig:
-    """A small fp32 GPT config: 8 layers, hidden 32, 4 heads, ffn 64, dropout 0, CPU init,
-    ``batch_p2p_comm=False``, no fused kernels.
-
-    ``tp`` and ``pp`` default to the initialised parallel state (1 without one); ``vp`` too
-    when ``pp`` is not given. ``overrides`` go to ``TransformerConfig`` last.
-    """
+    """A small fp32 GPT config (8 layers, hidden 32, 4 heads, ffn 64, no dropout or fused kernels,
+    CPU init, ``batch_p2p_comm=False``); ``tp``, ``pp`` (and ``vp`` without ``pp``) default to
+    the parallel state (1 without one); ``overrides`` go to ``TransformerConfig``."""
     initialized = parallel_state.model_parallel_is_initialized()
     if tp is None:
         tp = parallel_state.get_tensor_model_parallel_world_size() if initialized else 1
@@ -134,9 +114,6 @@ def unparallel_config(config: TransformerConfig) -> TransformerConfig:
     )
 
 
-# --------------------------------------------------------------------------- model chunks
-
-
 def build_model_chunks(
     config: TransformerConfig,
     *,
@@ -146,9 +123,9 @@ def build_model_chunks(
     share_embeddings_and_output_weights: bool = False,
     placement: Placement = Placement.LOOPED,
 ) -> list[GPTModel]:
-    """This rank's ``GPTModel`` chunks, one per stage it holds, built as bfpp-train builds them
-    (:func:`megatron_bfpp.train.presets.gpt_chunks`: local layer spec, in ``placement``:
-    megatron-core's looped one or the V-shape), initialised by :func:`init_from_global_names`."""
+    """This rank's chunks as bfpp-train builds them
+    (:func:`megatron_bfpp.train.presets.gpt_chunks`), initialised by
+    :func:`init_from_global_names`."""
     return gpt_chunks(
         config,
         layer_spec=get_gpt_layer_local_spec(),
@@ -174,9 +151,6 @@ def init_from_global_names(model: torch.nn.Module, *, seed: int = 0) -> None:
     """The product's global-name initialisation (``megatron_bfpp.train.presets``) with every
     tensor random, biases and norm weights included, so equivalence tests cover them too."""
     init_by_global_names(model, seed=seed, draw=_draw)
-
-
-# --------------------------------------------------------------------------- data and steps
 
 
 def make_batches(
@@ -206,17 +180,13 @@ def make_batches(
 
 
 def forward_step_func(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[Any, Any]:
-    """bfpp-train's step function (:func:`megatron_bfpp.train.step_functions.forward_step`) with the
-    batch left where it is."""
+    """bfpp-train's :func:`~megatron_bfpp.train.step_functions.forward_step`, batch not moved."""
     return forward_step(None, data_iterator, model)
 
 
 def losses_from_store(store: Iterable[dict[str, torch.Tensor]]) -> list[float]:
     """Per-micro-batch mean token loss from what a forward-backward function returned."""
     return [float(d["lm loss"][0] / d["lm loss"][1]) for d in store]
-
-
-# --------------------------------------------------------------------------- reference
 
 
 def reference_losses_and_grads(
@@ -226,12 +196,10 @@ def reference_losses_and_grads(
     seed: int = 0,
     share_embeddings_and_output_weights: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Run the unpipelined tp = pp = 1 model (same global-name init) on ``batches`` in this
-    process (its parallel state must be tp = pp = 1, e.g. ``run_ranks(..., world_size=1)``).
-
-    Each micro-batch's loss is scaled as megatron-core's ``forward_step`` does (divide by its
-    token count, then by ``len(batches)``) and back-propagated; gradients accumulate over the
-    micro-batches. Returns per-micro-batch mean losses and every gradient by global name."""
+    """Run the unpipelined model (same global-name init) on ``batches`` in this process, whose
+    parallel state must be tp = pp = 1 (``run_ranks(..., world_size=1)``), scaling each
+    micro-batch's loss as ``forward_step`` does (by its token count, then ``len(batches)``).
+    Returns per-micro-batch mean losses and every accumulated gradient by global name."""
     assert parallel_state.get_tensor_model_parallel_world_size() == 1
     assert parallel_state.get_pipeline_model_parallel_world_size() == 1
     (model,) = build_model_chunks(
@@ -248,9 +216,6 @@ def reference_losses_and_grads(
         loss.backward()
         losses.append(float(report["lm loss"][0] / report["lm loss"][1]))
     return losses, merge_shards([grad_shards([model])])
-
-
-# --------------------------------------------------------------------------- shards
 
 
 @dataclasses.dataclass
@@ -294,10 +259,9 @@ def _shards(model_chunks: Sequence[torch.nn.Module], what: str) -> dict[str, Gra
 
 
 def grad_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]:
-    """This rank's gradients by global name (``main_grad`` under megatron DDP, else ``.grad``),
-    with their tensor-parallel slice info; return it from a rank and :func:`merge_shards` the
-    list in the parent. With the distributed optimizer only the rank's own shard of
-    ``main_grad`` is reduced: compare parameters or losses there instead."""
+    """This rank's gradients by global name (``main_grad`` under DDP, else ``.grad``) with their
+    tensor-parallel slice info, for :func:`merge_shards` in the parent. The distributed optimizer
+    reduces only the rank's own ``main_grad`` shard: compare parameters or losses there instead."""
     return _shards(model_chunks, "grad")
 
 
@@ -309,10 +273,9 @@ def param_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard
 def merge_shards(
     per_rank: Iterable[dict[str, GradShard]], *, check_replicas: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Full tensors by global name from every rank's shards. Copies of one piece held by several
-    ranks (data-parallel replicas, tensor-parallel-replicated parameters, a tied embedding on the
-    first and last stage) must be bitwise equal when ``check_replicas``: they are after
-    ``finalize_model_grads``, and a difference means a missing reduction."""
+    """Full tensors by global name from every rank's shards. With ``check_replicas`` copies held by
+    several ranks (dp replicas, tp-replicated parameters, a tied embedding's ends) must be bitwise
+    equal, as after ``finalize_model_grads``: else a reduction is missing."""
     pieces: dict[str, dict[int, GradShard]] = {}
     for shards in per_rank:
         for name, shard in shards.items():
@@ -345,9 +308,6 @@ def merge_shards(
     return full
 
 
-# --------------------------------------------------------------------------- megatron-core glue
-
-
 def train_steps(
     steps: Sequence[Sequence[Batch]],
     *,
@@ -356,10 +316,9 @@ def train_steps(
     placement: Placement = Placement.LOOPED,
     share_embeddings_and_output_weights: bool = False,
 ) -> list[list[float]]:
-    """Adam steps with megatron-core DDP and the distributed optimizer (overlapping reductions and
-    gathers when ``overlap``); this rank's per-micro-batch losses for each step.
-    ``forward_backward_func`` as in ``run_schedule`` (default: megatron-core's own); chunks in
-    ``placement`` (``looped`` or ``v-shape``)."""
+    """Adam steps with megatron-core DDP and the distributed optimizer (overlapped when
+    ``overlap``); this rank's per-micro-batch losses per step. ``forward_backward_func`` as in
+    ``run_schedule``; chunks in ``placement`` (``looped`` or ``v-shape``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     chunks = wrap_ddp(
@@ -398,8 +357,7 @@ def train_steps(
 
 
 def data_parallel_share(batches: Sequence[Batch]) -> list[Batch]:
-    """This data-parallel rank's contiguous share of a global list of micro-batches (what a
-    single-process reference runs in full)."""
+    """This dp rank's contiguous share of a global micro-batch list (a reference runs it whole)."""
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
     if len(batches) % dp:
@@ -417,9 +375,8 @@ def run_schedule(
     micro_batch_size: int | None = None,
     seq_length: int = SEQ_LENGTH,
 ) -> list[dict[str, torch.Tensor]]:
-    """One forward-backward call over ``batches`` (this rank's micro-batches), each chunk reading
-    them from its own iterator. ``forward_backward_func`` defaults to megatron-core's own for the
-    current layout (``get_forward_backward_func()``); pass any function with its signature."""
+    """One forward-backward call over this rank's ``batches``, one iterator per chunk;
+    ``forward_backward_func``: megatron-core's own by default, or any with its signature."""
     if forward_backward_func is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -441,17 +398,14 @@ def run_schedule(
 
 def reduction_tolerance(num_terms: int, dtype: torch.dtype = torch.float32) -> float:
     """Relative tolerance for a result that sums ``num_terms`` values in another order than the
-    reference does (tensor- and data-parallel all-reduces, sequence-parallel norm gradients, GEMM
+    reference (tensor- and data-parallel all-reduces, sequence-parallel norm gradients, GEMM
     blocking that depends on the CPU's vector width).
 
-    Recursive summation of n terms in any order is within (n-1)·u·Σ|x| of the exact sum (Higham,
-    *Accuracy and Stability of Numerical Algorithms*, 2nd ed., eq. 4.4; u = eps/2), so two orders
-    differ by at most (n-1)·eps·Σ|x|. The test has no Σ|x|, so the bound is applied relative to
-    max|want|: an approximation, with a wide margin here (measured differences are about 1e-6
-    against bounds of 1.5e-5 to 3e-5). A fixed 1e-6 passed on one host and failed on another
-    (1.06e-6, layernorm gradients with tp=2). A wrong schedule (a micro-batch missing or run
-    twice) is off by more than 1e-2, far above the bound.
-    """
+    Two summation orders of n terms differ by at most (n-1)·eps·Σ|x| (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, 2nd ed., eq. 4.4), applied here relative to max|want|
+    for lack of Σ|x|: measured differences are about 1e-6 against bounds of 1.5e-5 to 3e-5,
+    where a fixed 1e-6 failed on one host (1.06e-6, tp=2 layernorm gradients), and a wrong
+    schedule (a micro-batch missing or run twice) is off by more than 1e-2."""
     if num_terms < 1:
         raise ValueError(f"num_terms must be >= 1, got {num_terms}")
     return max(num_terms - 1, 1) * torch.finfo(dtype).eps
@@ -466,7 +420,7 @@ def assert_tensors_close(
     got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, rel: float = 0.0
 ) -> None:
     """Same names, and per tensor ``max|got - want| <= rel * max|want|`` (``rel=0``: bitwise
-    equal). The error lists every offending tensor, worst first."""
+    equal); the error lists every offending tensor, worst first."""
     if set(got) != set(want):
         raise AssertionError(
             f"names differ: only got {sorted(set(got) - set(want))}, "

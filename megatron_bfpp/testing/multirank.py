@@ -1,20 +1,13 @@
 """Run a function on N gloo ranks with megatron-core's parallel state set up; fast, never hangs.
 
-The parent imports megatron-core once (:func:`preload_megatron`), then every :func:`run_ranks`
-call forks one process per rank through the product's local launcher
-(:func:`megatron_bfpp.local_ranks.fork_ranks`, which bfpp-train uses too): a fresh rendezvous
-port without a race, results through pipes, a grace period after the first failure, a deadline.
-
-Each rank: one intra-op thread; the CPU adapter (:mod:`megatron_bfpp.megatron.cpu`); gloo and
-``parallel_state.initialize_model_parallel(tp, pp, vp)``, under ``BFPP_NCCL_EMULATION=1`` NCCL's
-point-to-point rules on gloo (:mod:`.nccl_emulation`); seeds (``random``, ``torch``,
-``model_parallel_cuda_manual_seed``); ``fn(*args)``; once the result is sent, the groups are
-destroyed.
-
-On a rank's error, death or the timeout, :func:`run_ranks` raises :class:`RanksFailed` with each
-rank's traceback, and for ranks that were still running, their Python stacks at the moment they
-were killed (dumped by ``faulthandler`` on ``SIGUSR1``), so a deadlock shows where every rank was
-waiting.
+The parent imports megatron-core once (:func:`preload_megatron`); every :func:`run_ranks` call
+forks the ranks through the product's launcher (:func:`megatron_bfpp.local_ranks.fork_ranks`).
+Each rank: one intra-op thread, the CPU adapter (:mod:`megatron_bfpp.megatron.cpu`), gloo and
+``initialize_model_parallel(tp, pp, vp)`` (NCCL's point-to-point rules on gloo under
+``BFPP_NCCL_EMULATION=1``, :mod:`.nccl_emulation`), seeds (``random``, ``torch``,
+``model_parallel_cuda_manual_seed``), ``fn(*args)``, and the groups destroyed once the result is
+sent. :class:`RanksFailed` carries each rank's traceback and, for ranks killed while running,
+their Python stacks (``faulthandler`` on ``SIGUSR1``), so a deadlock shows where each rank waited.
 """
 
 from __future__ import annotations
@@ -37,9 +30,8 @@ ERROR_GRACE = 1.0  # seconds the other ranks get to report after the first error
 
 
 class RanksFailed(RuntimeError):
-    """One or more ranks raised, died or timed out. ``reports`` maps every rank to its
-    traceback, its stacks when killed, or "finished normally"; ``first_failed`` is the rank whose
-    failure came first (the others often fail because it left)."""
+    """One or more ranks raised, died or timed out. ``reports``: each rank's traceback, its stacks
+    when killed, or "finished normally"; ``first_failed``: whose failure came first."""
 
     def __init__(
         self, summary: str, reports: dict[int, str], first_failed: int | None = None
@@ -83,16 +75,13 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` forked gloo ranks; return the results by global rank.
 
-    ``fn`` and ``args`` are inherited through ``fork`` (closures and lambdas are fine); each
-    result must be picklable. ``world_size`` must be a multiple of ``tp * pp`` (the rest is data
-    parallel). ``parallel_kwargs`` go to ``initialize_model_parallel`` as extra keywords.
-    After the first failure the other ranks get ``error_grace`` seconds to report their own
-    (raise it to test how the survivors of a failure fail). ``daemon=False`` lets ``fn`` start
-    processes of its own (megatron-core's torch_dist writer starts a ``multiprocessing``
-    Manager); they are stopped before the rank reports, as under bfpp-train.
-    Raises :class:`RanksFailed` if any rank raises, dies, or is still running after ``timeout``
-    seconds; every child is killed before this returns or raises.
-    """
+    ``fn`` and ``args`` are inherited through ``fork`` (closures are fine); results must pickle.
+    ``world_size`` is a multiple of ``tp * pp`` (the rest data parallel); ``parallel_kwargs`` go
+    to ``initialize_model_parallel``. ``error_grace``: seconds the others get to report after the
+    first failure. ``daemon=False`` lets ``fn`` start processes (megatron-core's torch_dist
+    writer's ``multiprocessing`` Manager), stopped before the rank reports, as under bfpp-train.
+    Raises :class:`RanksFailed` if a rank raises, dies or outlives ``timeout``; every child is
+    dead by then."""
     if world_size < 1 or world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp * pp}")
     preload_megatron()

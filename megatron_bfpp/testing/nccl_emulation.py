@@ -1,47 +1,40 @@
 """NCCL's point-to-point rules on gloo process groups, so that a CPU test fails where NCCL would.
 
-Gloo posts every ``isend`` / ``irecv`` at once and completes each on its own, so a message order
-that deadlocks (or crashes) on NCCL still passes on CPU. :func:`install` replaces
-``torch.distributed.batch_isend_irecv`` / ``isend`` / ``irecv`` (in ``distributed_c10d`` too) with
-versions that, on gloo groups only, keep the rules of ProcessGroupNCCL (docs/design-notes.md,
-"Execution semantics"):
+Gloo posts every ``isend`` / ``irecv`` at once and completes each on its own, so an order that
+deadlocks on NCCL passes on CPU. :func:`install` replaces ``torch.distributed.batch_isend_irecv`` /
+``isend`` / ``irecv`` (in ``distributed_c10d`` too) with versions keeping ProcessGroupNCCL's rules
+on gloo groups only (docs/design-notes.md, "Execution semantics"):
 
-1. ``batch_isend_irecv`` returns ONE Work for the whole batch (code indexing one per op breaks).
-2. One stream per group: a worker thread per (process, group) runs the batches in posting order;
-   batch k+1 starts only once every op of batch k has completed.
-3. Rendezvous: the k-th send from a to b (per group and stream) matches the k-th receive at b
-   from a. When b's batch holding that receive starts, b's worker sets the key ``a>b/k`` in the
-   default store (prefixed per group and stream, on a connection of the worker's own); a's
-   worker posts the real gloo ``isend`` only once it sees the key (and deletes it). Every send
-   waits so: stricter than NCCL, which buffers small sends.
-4. Non-batched ``isend`` / ``irecv`` run as a batch of one on a stream per (group, pair of ranks),
-   FIFO per pair, with counters of their own (another communicator on NCCL).
-5. A Work's ``wait()`` blocks the CPU until the batch completed and raises if it failed; the
-   process's total time blocked so is :func:`blocked_seconds` (``scripts/bench_fidelity.py``
-   takes it out of a step to find the host's own time).
+1. ``batch_isend_irecv`` returns ONE Work per batch (code indexing one per op breaks).
+2. One stream per group: a worker thread per (process, group) runs batches in posting order,
+   batch k+1 only once every op of batch k completed.
+3. Rendezvous: the k-th send a->b (per group and stream) matches b's k-th receive from a. When b's
+   batch holding it starts, b's worker sets key ``a>b/k`` in the default store (prefixed per group
+   and stream, on its own connection); a's worker posts the real ``isend`` only once it sees (and
+   deletes) the key. Every send waits so: stricter than NCCL, which buffers small sends.
+4. Non-batched ``isend`` / ``irecv`` are a batch of one on a stream per (group, pair of ranks),
+   FIFO per pair, with their own counters (another communicator on NCCL).
+5. ``Work.wait()`` blocks the CPU until the batch completed, raising if it failed; the total time
+   blocked is :func:`blocked_seconds` (``scripts/bench_fidelity.py`` subtracts it from a step).
 6. A batch not completed ``stall_seconds`` after it started, or a ``wait()`` blocked that long,
-   fails with a one-line RuntimeError naming the rank, group, batch, its ops and what it waits for.
-7. Optionally a transfer time (``transfer_seconds``, ``$BFPP_NCCL_EMULATION_TRANSFER_S``; default
-   0, none): each op completes about that long after both its halves' batches started, the
-   ops of one batch in parallel (not one after another): the timing model of ``nccl.posting_timer``
-   with ``t_p2p`` = the transfer time, for ``scripts/bench_fidelity.py``. A receiver's batch
-   stamps its start time (``time.monotonic``, one clock for all processes of a machine) into the
-   rendezvous key; the sender posts the real ``isend`` at max(its batch's start, that stamp) +
-   the transfer time, so the delay does not depend on when the sender polled the key (it polls
-   at least every quarter of the transfer time). The receive completes when that data arrives;
-   gloo's own transfer (tens of microseconds on one machine) comes on top.
-   :func:`batch_timing` returns what the emulation decided for a batch (its start, each send's
-   due and post times, its completion, its waits), so tests check rules 5 and 7 on that record
+   fails with a one-line RuntimeError naming rank, group, batch, its ops and what it waits for.
+7. Optional transfer time (``transfer_seconds``, ``$BFPP_NCCL_EMULATION_TRANSFER_S``; default 0):
+   each op completes about that long after both halves' batches started, one batch's ops in
+   parallel: ``nccl.posting_timer``'s model with ``t_p2p`` = the transfer time. The receiver stamps
+   its batch start (``time.monotonic``, one clock per machine) into the rendezvous key; the sender
+   posts the real ``isend`` at max(its batch start, that stamp) + the transfer time, independent
+   of when it polled (at least every quarter of the transfer time); gloo's own transfer (tens of
+   microseconds) comes on top. :func:`batch_timing` records what the emulation decided per batch
+   (start, each send's due and post times, completion, waits), so tests check rules 5 and 7 on it
    instead of bounding wall time.
 
-The real transfers are the original gloo ``isend`` / ``irecv`` with the caller's tag, issued by
-the worker (gloo p2p uses the tag as its slot, apart from the collectives of the main thread).
-State is per process (``os.getpid()``) and created lazily, so forked ranks each get their own.
+Real transfers are the original gloo ``isend`` / ``irecv`` with the caller's tag, issued by the
+worker (gloo p2p uses the tag as its slot, apart from the main thread's collectives). State is
+per process (``os.getpid()``), created lazily, so forked ranks each get their own.
 
-Not modelled: NCCL ignores tags and matches by order only (here gloo also matches by tag, so ops
-whose tags disagree with their order differ); batched and non-batched ops between the same pair
-on one group with the same tag may cross-match on gloo (NCCL keeps them apart); ``wait()`` blocks
-the CPU where NCCL blocks only the stream (what the runtime's posting model assumes as well).
+Not modelled: NCCL matches by order only, ignoring tags (gloo also matches by tag); batched and
+non-batched ops between one pair on one group with the same tag may cross-match on gloo (not on
+NCCL); ``wait()`` blocks the CPU where NCCL blocks only the stream (as the posting model assumes).
 """
 
 from __future__ import annotations
@@ -94,10 +87,9 @@ _blocked_s = 0.0  # this process's time blocked in Work.wait() (rule 5)
 
 
 def install(*, stall_seconds: float | None = None, transfer_seconds: float | None = None) -> None:
-    """Route gloo p2p through the emulation (again: only sets the limits). The stall limit is
-    ``stall_seconds``, else ``$BFPP_NCCL_EMULATION_STALL_S``, else 60 s; the emulated transfer
-    time of a message (rule 7) ``transfer_seconds``, else ``$BFPP_NCCL_EMULATION_TRANSFER_S``,
-    else 0 (none)."""
+    """Route gloo p2p through the emulation (again: only sets the limits). Stall limit:
+    ``stall_seconds``, else ``$BFPP_NCCL_EMULATION_STALL_S``, else 60 s; transfer time (rule 7):
+    ``transfer_seconds``, else ``$BFPP_NCCL_EMULATION_TRANSFER_S``, else 0."""
     global _stall_s, _transfer_s
     if stall_seconds is None:
         stall_seconds = float(os.environ.get(STALL_ENV, DEFAULT_STALL_S))
@@ -137,7 +129,6 @@ def batches_posted() -> int:
     return sum(stream.posted for stream in list(_process[1].values()))
 
 
-# --- the replacements ---------------------------------------------------------------------------
 def blocked_seconds() -> float:
     """Seconds this process's threads have spent blocked in a batch's ``wait()`` so far."""
     return _blocked_s
@@ -155,9 +146,8 @@ class SendTiming:
 
 @dataclass(frozen=True, slots=True)
 class BatchTiming:
-    """What the emulation decided for one batch, so a test checks the rules it controls (each
-    send's delay, the batch completing after its sends, the wait charged) without bounding wall
-    time, which a loaded machine stretches."""
+    """What the emulation decided for one batch, so tests check the rules it controls (send delays,
+    completion after sends, the wait charged) without bounding wall time."""
 
     started: float
     completed: float
@@ -243,7 +233,6 @@ def _peer(group: Any, op: dist.P2POp) -> int:
     return dist.get_global_rank(group, op.group_peer)
 
 
-# --- streams: one worker thread each -------------------------------------------------------------
 @dataclass
 class _Op:
     send: bool

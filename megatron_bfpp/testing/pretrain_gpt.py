@@ -1,24 +1,16 @@
 """A GPT pretrain script for Megatron-LM's own ``pretrain()``, as a Megatron-LM user writes one.
 
-The megatron-core wheels from 0.17 on ship ``megatron.training`` (the training loop, its
-arguments, checkpointing and initialisation) but not Megatron-LM's ``pretrain_gpt.py``. This is
-our own script of that kind, for the tests to run Megatron-LM's loop on every stack whose wheel
-has it (``tests/megatron/test_megatron_lm.py``), through ``python -m megatron_bfpp.launch``
-exactly as a user runs theirs:
+megatron-core wheels from 0.17 on ship ``megatron.training`` but not Megatron-LM's
+``pretrain_gpt.py``; this one lets the tests run Megatron-LM's loop on every stack whose wheel has
+it (``tests/megatron/test_megatron_lm.py``), through ``python -m megatron_bfpp.launch`` as users
+do. ``model_provider``: ``GPTModel`` with the local (non-Transformer-Engine) layer spec;
+``forward_step``'s loss returns ``(loss, num_tokens, {"lm loss": [loss, num_tokens]})``; data are
+learnable mock sequences (each counts up by one from a start seeded by ``--seed`` and the sample
+index), so every schedule and resume sees the same samples and the loss falls; the first and last
+stage (asked per model chunk, as the V-shapes need) read a batch, the others none.
 
-* ``model_provider``: megatron-core's ``GPTModel`` with the local (non-Transformer-Engine) layer
-  spec, from Megatron-LM's parsed arguments;
-* ``forward_step``: the model on a batch, with a loss function returning Megatron-LM's
-  ``(loss, num_tokens, {"lm loss": [loss, num_tokens]})``;
-* data: deterministic mock sequences that can be learnt (each counts up by one from a start
-  drawn from a generator seeded by ``--seed`` and the sample's index), so every schedule and
-  every resume sees the same samples and the loss falls; the first
-  and last pipeline stage (asked per model chunk, which the V-shape schedules answer) read a
-  batch, the others none.
-
-``pretrain()`` changed its form between releases: 0.17 takes the providers and parses the
-arguments itself; 0.18 and 0.19 take a config container built from arguments parsed first (and
-order the providers differently).
+``pretrain()`` changed form: 0.17 takes the providers and parses arguments itself; 0.18 and 0.19
+take a config container built from arguments parsed first (providers ordered differently).
 Tensor and context parallelism are not handled (tp = cp = 1): it is a test script.
 """
 
@@ -32,9 +24,8 @@ import torch
 
 
 class MockTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """``num_samples`` token sequences counting up (modulo the vocabulary) from a start drawn
-    from a generator seeded by ``(seed, i)``: the same data on every rank and after every
-    resume, and a next token the model can learn to predict."""
+    """``num_samples`` sequences counting up (modulo the vocabulary) from a start seeded by
+    ``(seed, i)``: the same on every rank and resume, with a learnable next token."""
 
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> None:
         self.num_samples = num_samples

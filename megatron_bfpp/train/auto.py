@@ -2,11 +2,10 @@
 :class:`~megatron_bfpp.plan.auto.AutoRequest`, decided before any rank builds a model and
 written back into the flags as if the user had named the schedule.
 
-bfpp-train trains in fp32 with megatron-core's distributed optimizer (Adam) and no
-recomputation, so those are fixed here; everything else is a flag. Started by the command
-itself, the decision is made once, before the ranks are forked; under torchrun or srun every
-rank decides from its flags, files and device, the ranks compare their choices in torchrun's
-store, and rank 0 prints the line (:mod:`megatron_bfpp.megatron.auto`).
+fp32, the distributed optimizer (Adam) and no recomputation are bfpp-train's fixed choices; the
+rest are flags. Started by the command, it decides once before forking; under torchrun or srun
+every rank decides from its flags, files and device, the ranks compare choices in torchrun's
+store and rank 0 prints the line (:mod:`megatron_bfpp.megatron.auto`).
 """
 
 from __future__ import annotations

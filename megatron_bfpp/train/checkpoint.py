@@ -1,32 +1,23 @@
 """``bfpp-train`` checkpoints, in one of two formats (``--ckpt-format``):
 
-* ``torch`` (default): one ``torch.save`` file per rank (``rank_00000.pt`` ...) with the rank's
-  model chunks, its shard of the distributed optimizer's Adam state, the scheduler, RNG states,
-  iteration and consumed samples. Resumes exactly, on the same model and layout.
-* ``torch_dist``: megatron-core distributed checkpointing (``dist_checkpointing.save``): the model
-  chunks' ``sharded_state_dict()`` (unwrapped from DDP, keys by global layer number), the
-  distributed optimizer's ``sharded_state_dict`` (format ``dp_reshardable``) and every rank's RNG
-  states (one ``ShardedObject`` per global rank). Fully sharded runs leave the parameters out of
-  the model part (they are the optimizer's main-parameter shards: nothing is gathered); every
-  load takes the parameters from the main parameters. Resumes exactly too (tested on CPU/gloo with
-  0.16 and 0.19). megatron-core's writer needs psutil (the command line checks it before
-  start: without it the writer failed after training, or hung on 0.16), starts a
-  ``multiprocessing`` Manager in every rank (the local launcher stops it with the rank), and,
-  without Apex or Transformer Engine, loses Adam's step on load
+* ``torch`` (default): one ``torch.save`` file per rank (``rank_00000.pt`` ...): model chunks,
+  its distributed-optimizer Adam shard, scheduler, RNG states, iteration, consumed samples.
+* ``torch_dist``: megatron-core's ``dist_checkpointing.save`` of the chunks'
+  ``sharded_state_dict()`` (unwrapped from DDP, keys by global layer), the optimizer's
+  (``dp_reshardable``) and one RNG ``ShardedObject`` per global rank. Fully sharded runs leave the
+  parameters out of the model part (they are the optimizer's main-parameter shards); every load
+  takes them from there. megatron-core's writer needs psutil (checked before start: without it
+  the writer failed after training, or hung on 0.16), starts a ``multiprocessing`` Manager per
+  rank (the launcher stops it), and without Apex or Transformer Engine loses Adam's step on load
   (:func:`megatron_bfpp.compat.restore_torch_adam_steps`).
 
-Both share the directory handling of :mod:`.checkpoint_files` (temporary directory, fsync,
-atomic rename, atomic tracker: a kill never loses the last complete checkpoint) and the metadata
-of :mod:`.checkpoint_metadata` (``bfpp_checkpoint.json``: what a resume must match, checked
-before any weight is read).
-
-Loading never runs code from a file: the per-rank files are read with
-``torch.load(weights_only=True)`` (everything saved is tensors and plain Python values: the
-RNG states are byte tensors and ``random.getstate()``'s tuple of ints, so no type needs to be
-allowed specially), megatron-core's own ``torch.load`` calls are forced to ``weights_only`` too,
-and torch's distributed-checkpoint ``.metadata`` pickle is first read by an unpickler that only
-knows torch's checkpoint metadata types. Each rank reads its own file, then all ranks agree:
-the first rank that failed prints one line naming its file, the others exit quietly.
+Both resume exactly (tested on CPU/gloo with 0.16 and 0.19) and share :mod:`.checkpoint_files`
+(atomic publish: a kill never loses the last complete checkpoint) and :mod:`.checkpoint_metadata`
+(what a resume must match, checked before any weight is read). Loading never runs code from a
+file: ``torch.load(weights_only=True)`` (only tensors and plain values are saved), megatron-core's
+own ``torch.load`` forced to ``weights_only``, and torch's ``.metadata`` pickle first read by an
+unpickler knowing only its metadata types (docs/design-notes.md, "Checkpoints"). After each
+collective step all ranks agree: the first failing rank prints one line, the others exit quietly.
 """
 
 from __future__ import annotations
@@ -88,9 +79,8 @@ __all__ = [
 ]
 
 FORMATS = CKPT_FORMATS
-# Test hook: "<point>:<rank>" kills that rank with SIGKILL at that point of a save (points:
-# "rank-file" before the rank writes its files, "publish" on rank 0 between moving an existing
-# checkpoint of the same iteration aside and renaming the new one in).
+# Test hook "<point>:<rank>": SIGKILL that rank at "rank-file" (before writing its files) or
+# "publish" (rank 0, between moving an existing same-iteration checkpoint aside and renaming in).
 KILL_DURING_SAVE_ENV = "BFPP_TEST_KILL_DURING_SAVE"
 # Test hook: a file name; rank 0 creates it before writing its files and waits there (up to 10
 # minutes) for the test to signal the job, as SLURM does when it preempts a job mid-save.
@@ -112,9 +102,6 @@ class OtherRankFailed(Exception):
     """Another rank failed and reports it (one line in all); this rank exits quietly."""
 
 
-# --------------------------------------------------------------------------- collectives
-
-
 def _collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -122,9 +109,8 @@ def _collective_device() -> torch.device:
 
 
 def _agree(error: CheckpointError | None) -> None:
-    """Every rank learns whether any rank failed, so none waits forever for a failed one; the
-    lowest failing rank raises its error (the one line users see), the others
-    :class:`OtherRankFailed`."""
+    """Every rank learns whether any failed, so none waits forever; the lowest failing rank raises
+    its error (the one line users see), the others :class:`OtherRankFailed`."""
     world = dist.get_world_size()
     first = torch.tensor(
         [dist.get_rank() if error is not None else world],
@@ -147,9 +133,6 @@ def _kill_point(point: str) -> None:
     if marker and point == "rank-file" and dist.get_rank() == 0:
         Path(marker).write_text(f"{os.getpid()}\n")
         time.sleep(_PAUSE_S)
-
-
-# --------------------------------------------------------------------------- state
 
 
 def _rng_state() -> dict[str, Any]:
@@ -244,9 +227,6 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-# --------------------------------------------------------------------------- save
-
-
 def save_checkpoint(
     root: str | Path,
     *,
@@ -260,20 +240,14 @@ def save_checkpoint(
     gather_chunk: GatherChunk | None = None,
     sharded: bool = False,
 ) -> Path:
-    """Save one checkpoint on every rank (collective): all ranks write into a temporary
-    directory, agree that every file is written, then rank 0 adds the metadata, renames the
-    directory into place and updates the tracker; the previous checkpoint stays complete until
-    then.
+    """Save one checkpoint on every rank (collective), atomically (:mod:`.checkpoint_files`): the
+    previous checkpoint stays complete until rank 0 renames the new one into place.
 
-    ``gather_chunk(i)`` (fully sharded models, torch format) is a context in which chunk ``i``'s
-    parameters are whole: the chunks are then read one at a time, each copied to host memory
-    before the next is gathered, so the device holds at most one chunk beyond the shards.
-
-    ``sharded`` (fully sharded models, torch_dist): nothing is gathered. The parameters are
-    saved only as the distributed optimizer's main parameters (its ``dp_reshardable`` state,
-    this rank's shard of every bucket), the model part keeps the chunks' other entries; loading
-    rebuilds the parameters from the main parameters, as it does for every torch_dist
-    checkpoint."""
+    ``gather_chunk(i)`` (fully sharded, torch format): a context making chunk ``i``'s parameters
+    whole; chunks are copied to host one at a time, so the device holds at most one chunk beyond
+    the shards. ``sharded`` (fully sharded, torch_dist): nothing is gathered; parameters are saved
+    only as the optimizer's main parameters (its ``dp_reshardable`` shard of every bucket), which
+    every torch_dist load rebuilds them from."""
     root = Path(root)
     temp = _shared_temp_dir(root, iteration)
     records: list[FileRecord] = []
@@ -349,8 +323,7 @@ def _agree_or_clear(error: CheckpointError | None, temp: Path) -> None:
 
 def _write_failure(failure: BaseException, root: Path) -> str:
     """What failed, in one line, with the space left where it matters (a full disk shows as
-    ``RuntimeError: [enforce fail at inline_container.cc]`` from torch, or as megatron-core's
-    CheckpointException around the OSError)."""
+    torch's ``[enforce fail at inline_container.cc]`` or megatron-core's CheckpointException)."""
     cause: BaseException | None = failure
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
@@ -364,8 +337,7 @@ def _write_failure(failure: BaseException, root: Path) -> str:
 
 
 def _shared_temp_dir(root: Path, iteration: int) -> Path:
-    """Rank 0 clears what interrupted saves left and makes the temporary directory; every rank
-    gets its name."""
+    """Rank 0 clears interrupted saves' leftovers and makes the temporary directory for all."""
     names: list[str | None] = [None]
     error = None
     if dist.get_rank() == 0:
@@ -434,9 +406,8 @@ def _save_torch(
     consumed_samples: int,
     gather_chunk: GatherChunk | None = None,
 ) -> FileRecord:
-    """Per-rank format: this rank's chunks (``state_dict`` of each GPTModel), its shard of the
-    Adam state (the inner torch optimizers' ``state_dict``: with fp32 parameters the distributed
-    optimizer's main parameters are views of the model's), the scheduler, RNG, iteration."""
+    """Per-rank format: chunks' ``state_dict``, this rank's Adam shard (inner torch optimizers'
+    ``state_dict``; fp32 main parameters are views of the model's), scheduler, RNG, iteration."""
     state = _rank_state(scheduler, iteration, consumed_samples)
     state["model"] = [_chunk_state(index, chunk, gather_chunk) for index, chunk in enumerate(model)]
     state["optimizer"] = [o.state_dict() for o in _inner_optimizers(optimizer)]
@@ -487,9 +458,6 @@ def _save_torch_dist(
         raise RuntimeError(f"megatron-core's checkpoint writer failed on rank(s) {ranks}") from None
 
 
-# --------------------------------------------------------------------------- load
-
-
 def load_checkpoint(
     root: str | Path,
     *,
@@ -500,8 +468,8 @@ def load_checkpoint(
     scheduler_policy: SchedulerPolicy = "check",
 ) -> tuple[int, int]:
     """Restore model, optimizer, scheduler and RNG from ``root``'s latest complete checkpoint
-    (collective); returns ``(iteration, consumed_samples)``. The command line has already
-    checked the metadata; it is checked again here for callers that did not."""
+    (collective); returns ``(iteration, consumed_samples)``. Metadata is re-checked for callers
+    other than the command line."""
     policy = scheduler_policy
     found, error = _read_metadata(root, run, policy)
     _agree(error)
@@ -532,9 +500,9 @@ def _read_metadata(
 
 
 def read_rank_file(file: Path, *, record: FileRecord | None = None, label: str = "") -> Any:
-    """A per-rank file's content: checked against its recorded size and SHA-256, then read with
-    ``torch.load(weights_only=True)``: anything but tensors and plain values is refused, never
-    run. ``label`` prefixes the error (``--load DIR:``)."""
+    """A per-rank file checked against its recorded size and SHA-256, then read with
+    ``torch.load(weights_only=True)`` (only tensors and plain values, never code); ``label``
+    prefixes the error (``--load DIR:``)."""
     name = f"{label}{file.parent.name}/{file.name}"
     if record is not None and _sha256(file) != record.sha256:
         raise CheckpointError(
@@ -556,10 +524,9 @@ def read_rank_file(file: Path, *, record: FileRecord | None = None, label: str =
 
 
 def _scheduler_group_values(optimizer: Any) -> list[list[dict[str, Any]]]:
-    """What megatron-core's scheduler reads from each parameter group in preference to its own
-    values. The optimizer's state dict carries them, so loading it brings the checkpoint's back:
-    with ``--override-opt_param-scheduler`` this run's are put back (else the override would
-    change the scheduler's numbers and not the learning rate)."""
+    """What megatron-core's scheduler reads from each parameter group before its own values; loading
+    the optimizer brings the checkpoint's back, so with ``--override-opt_param-scheduler`` this
+    run's are restored (else the override would change the scheduler's numbers, not the rate)."""
     return [
         [{key: group[key] for key in _SCHEDULER_GROUP_KEYS if key in group} for group in groups]
         for groups in (inner.param_groups for inner in _inner_optimizers(optimizer))

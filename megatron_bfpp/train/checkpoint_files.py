@@ -7,14 +7,12 @@ Layout of ``--save DIR`` (Megatron-LM's names)::
     DIR/iter_0000020/                          one complete checkpoint
     DIR/iter_0000020/bfpp_checkpoint.json      written last: its presence means "complete"
 
-Why it is written this way: a save can be killed at any moment, and it must never destroy the
-last good copy. Every checkpoint is written into ``iter_0000020.tmp-XXXX`` beside its final name,
-every file and the directory are fsynced, the metadata file goes in last, and only then is the
-directory renamed into place and the tracker replaced (temporary file, fsync, ``os.replace``).
-Re-saving an iteration that exists moves the old directory aside (``iter_0000020.old-XXXX``)
-just before the new one is renamed in, and deletes it only after the tracker is updated; if a
-kill falls between those two renames, :func:`complete_checkpoint` finds the old copy and the next
-save puts it back (:func:`clean_stale`).
+A save killed at any moment must never destroy the last good copy: it is written into
+``iter_0000020.tmp-XXXX`` beside its final name, files and directory fsynced, metadata last, then
+renamed into place and the tracker replaced (temporary file, fsync, ``os.replace``). Re-saving an
+existing iteration moves the old directory aside (``iter_0000020.old-XXXX``) just before the
+rename and deletes it after the tracker update; a kill between the two renames is healed by
+:func:`complete_checkpoint` (finds the old copy) and the next save (:func:`clean_stale`).
 """
 
 from __future__ import annotations
@@ -65,8 +63,7 @@ _LEFT_BEFORE_FIRST_CHECKPOINT = re.compile(
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, written or resumed; its message is the one line users
-    see (it names the file or the flags)."""
+    """A checkpoint that cannot be read, written or resumed; the message names the file or flags."""
 
 
 def checkpoint_dir(root: str | Path, iteration: int) -> Path:
@@ -142,12 +139,10 @@ def read_tracker(root: str | Path) -> int:
 
 
 def fresh_start_reason(root: str | Path) -> str | None:
-    """Why ``--load root`` starts from iteration 0 instead of resuming, as Megatron-LM does when
-    it finds no tracker (the requeue pattern ``--save D --load D`` on a job's first start, or
-    after a kill during its first save); ``None``: there is something to resume, or something
-    :func:`read_tracker` refuses. Only a missing directory or one that holds nothing but what
-    bfpp-train's own first save leaves behind starts fresh: a directory with other files and no
-    tracker is more likely a wrong path than a new run."""
+    """Why ``--load root`` starts from iteration 0, as Megatron-LM does with no tracker (requeued
+    ``--save D --load D`` on a first start, or after a kill in the first save); ``None``: there
+    is something to resume or :func:`read_tracker` refuses it. Only a missing directory or one
+    holding just what a first save leaves starts fresh: other files suggest a wrong path."""
     root = Path(root)
     try:
         names = os.listdir(root)
@@ -166,9 +161,8 @@ _SUFFIX_CHARS = 12  # _unique_name's hex digits
 
 
 def _longest_save_path(root: str, world_size: int, iterations: int) -> str:
-    """The longest path a save creates under ``root``: a file inside a checkpoint directory set
-    aside (a rank's file, megatron-core's ``__RANK_N.distcp``, the metadata), or the tracker's
-    temporary file."""
+    """The longest path a save creates under ``root``: a file in a checkpoint set aside (rank
+    file, megatron-core's ``__RANK_N.distcp``, metadata) or the tracker's temporary file."""
     digits = max(7, len(str(iterations)))
     aside = f"iter_{'0' * digits}{_OLD}{'f' * _SUFFIX_CHARS}"
     last = max(world_size - 1, 0)
@@ -189,9 +183,8 @@ def _exists(path: Path) -> bool:
 
 
 def save_path_problem(root: str, *, world_size: int, iterations: int) -> str | None:
-    """Whether every file a save will create under ``root`` has a path the file system takes,
-    checked at start: a ``--save`` path that is valid but too long for its checkpoint's files
-    used to fail only at the first save, after the training it was to keep."""
+    """Whether every file a save creates under ``root`` has a path the file system takes, checked
+    at start: a valid but too long ``--save`` path failed only at the first save, after training."""
     longest = _longest_save_path(root, world_size, iterations)
     start = Path(os.path.abspath(root))
     existing = next((p for p in (start, *start.parents) if _exists(p)), Path("/"))
@@ -219,15 +212,13 @@ def _unique_name(prefix: str) -> str:
 
 
 def write_tracker(root: str | Path, iteration: int) -> None:
-    """Replace the tracker atomically (:func:`megatron_bfpp.files.write_output`: readers see
-    the old iteration or the new, never a torn file)."""
+    """Replace the tracker atomically (:func:`megatron_bfpp.files.write_output`: never torn)."""
     write_output(Path(root) / TRACKER, f"{iteration}\n".encode())
 
 
 def make_temp_dir(root: str | Path, iteration: int) -> Path:
-    """A fresh directory beside ``iter_N`` (same file system, so the final rename is atomic),
-    with the permissions ``mkdir`` gives under the umask (``root`` made first; a symbolic link
-    there is followed)."""
+    """A fresh directory beside ``iter_N`` (same file system: an atomic rename) with ``mkdir``'s
+    umask permissions (``root`` made first; a symbolic link there is followed)."""
     make_dirs(root)
     name = checkpoint_dir(root, iteration).name
     while True:
@@ -244,9 +235,8 @@ def _is_complete(path: Path) -> bool:
 
 
 def publish(temp: Path, final: Path, *, between: Callable[[], None] | None = None) -> Path | None:
-    """Rename the complete checkpoint ``temp`` to ``final``. An existing ``final`` is moved aside
-    first, not deleted (returned, for :func:`remove_old` once the tracker is updated).
-    ``between`` runs after the move aside and before the rename (a test's kill point)."""
+    """Rename the complete ``temp`` to ``final``, an existing ``final`` moved aside first (returned
+    for :func:`remove_old` after the tracker update); ``between`` runs in between (a kill point)."""
     old = None
     if final.exists():
         old = final.with_name(f"{final.name}{_OLD}{temp.name.rsplit(_TEMP, 1)[-1]}")
@@ -264,8 +254,8 @@ def remove_old(old: Path | None) -> None:
 
 
 def complete_checkpoint(root: str | Path, iteration: int) -> Path | None:
-    """The complete checkpoint of ``iteration``: ``iter_N`` itself, or, after a kill between the
-    two renames of a re-save, the complete copy moved aside."""
+    """``iteration``'s complete checkpoint: ``iter_N``, or after a kill between a re-save's two
+    renames, the complete copy set aside."""
     final = checkpoint_dir(root, iteration)
     if _is_complete(final):
         return final

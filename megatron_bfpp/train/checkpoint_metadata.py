@@ -1,26 +1,20 @@
 """What a ``bfpp-train`` checkpoint says about itself (``bfpp_checkpoint.json``), and whether a
 run may resume from it.
 
-Torch-free: the command line reads it and refuses a resume that cannot work before any rank
-starts or any weight is read, with one line naming each differing flag, instead of a
-``load_state_dict`` traceback per rank. The file is JSON (data, never code) and is checked field
-by field; it also lists every file of the checkpoint with its size (and, for the per-rank files,
-its SHA-256), so a truncated or replaced file is named before anything is unpickled.
+Torch-free, so the command line refuses an impossible resume before any rank starts, in one line
+per differing flag rather than a ``load_state_dict`` traceback per rank. The JSON (data, never
+code) is checked field by field and lists every file with its size (rank files also SHA-256), so
+a truncated or replaced file is named before anything is unpickled.
 
-What a resume must match (docs/design-notes.md, "Checkpoints"):
-
-* the model (every model flag, defaults filled in) and the parallel layout (tensor, pipeline and
-  virtual pipeline sizes, the schedule's placement, the number of ranks and so data-parallel
-  size): each rank's files hold its own layers and its shard of the optimizer state;
-* the learning-rate schedule, by Megatron-LM's rule: by default a changed ``--lr``,
-  ``--min-lr``, ``--lr-warmup-iters``, decay length (``--lr-decay-iters``, else
-  ``--train-iters``) or ``--weight-decay`` is refused; ``--override-opt_param-scheduler`` takes
-  this run's values, ``--use-checkpoint-opt_param-scheduler`` keeps the checkpoint's.
-
-Free to change: the schedule within a placement (it does not change the parameters: resuming
-under another schedule is bit-exact), ``--micro-batch-size``, and ``--global-batch-size`` (the
-data position is the consumed-sample count, so no sample is skipped or repeated; only the
-learning-rate schedule, which counts samples, notices).
+A resume must match (docs/design-notes.md, "Checkpoints") the model (every flag, defaults filled
+in) and the parallel layout (tp, pp, virtual stages, placement, ranks and so dp: each rank's
+files hold its own layers and optimizer shard), and the learning-rate schedule by Megatron-LM's
+rule: a changed ``--lr``, ``--min-lr``, ``--lr-warmup-iters``, decay length (``--lr-decay-iters``,
+else ``--train-iters``) or ``--weight-decay`` is refused unless ``--override-opt_param-scheduler``
+(this run's values) or ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's). Free to
+change: the schedule within a placement (resuming under another is bit-exact),
+``--micro-batch-size`` and ``--global-batch-size`` (the data position is the consumed-sample
+count; only the sample-counting learning-rate schedule notices).
 """
 
 from __future__ import annotations
@@ -183,9 +177,8 @@ def _build(kind: Any, value: Any, *, source: str, where: str) -> Any:
 
 
 def read_checkpoint(root: str | Path) -> tuple[Path, CheckpointMetadata]:
-    """The complete checkpoint ``root``'s tracker names and its metadata, after checking that
-    every file it lists is there with its recorded size (a truncated or missing file is named
-    here, before anything is loaded)."""
+    """The complete checkpoint ``root``'s tracker names and its metadata, every listed file checked
+    present at its recorded size (a truncated or missing file named before anything loads)."""
     iteration = read_tracker(root)
     path = complete_checkpoint(root, iteration)
     if path is None:
@@ -243,8 +236,7 @@ def _check_file(root: str | Path, path: Path, record: FileRecord) -> None:
 
 
 def model_differences(saved: RunConfig, current: RunConfig) -> list[str]:
-    """``--flag saved, this run has current`` for each model flag that differs (defaults
-    filled in): the shapes of two models."""
+    """``--flag saved, this run has current`` per differing model flag (defaults filled in)."""
     model_saved, model_now = saved.model.effective_flags(), current.model.effective_flags()
     return [
         f"{flag_name(dest)} {value}, this run has {model_now[dest]}"
@@ -365,13 +357,11 @@ def check_resume(
 
 
 def save_problem(root: str | Path, current: RunConfig) -> str | None:
-    """Why ``--save root`` (not resumed from: ``--load`` names another directory, or none)
-    would overwrite another model's checkpoint: its saves would replace the tracker and any
-    iteration of the same number, so the checkpoint there would be lost to a run that could
-    never have resumed it (:func:`check_resume`'s model rule). Checked before any rank starts.
-    A directory with no checkpoint, or one this bfpp-train cannot read, is left to the save as
-    Megatron-LM leaves it; a tracker that is not a regular file is refused, as ``--load``
-    refuses it (the save would write through a symbolic link)."""
+    """Why ``--save root`` (not resumed from) would overwrite another model's checkpoint, which this
+    run could never resume (:func:`check_resume`) but whose tracker and same-numbered iterations
+    it would replace; checked before any rank starts. No or unreadable checkpoint: left to the
+    save, as Megatron-LM does; a tracker that is no regular file: refused like ``--load`` (the
+    save would write through a symbolic link)."""
     tracker = Path(root) / TRACKER
     problem = regular_file_problem(tracker)
     if problem == "is missing":
@@ -395,11 +385,10 @@ def save_problem(root: str | Path, current: RunConfig) -> str | None:
 def resume_warnings(
     metadata: CheckpointMetadata, current: RunConfig, *, root: str | Path
 ) -> list[str]:
-    """What a resume accepts, as Megatron-LM does, though it changes the data the run reads on:
-    Megatron-LM's ``check_checkpoint_args`` compares the model and parallel sizes only (those
-    this run refuses too, :func:`check_resume`), never ``--seed``, ``--data-path`` or
-    ``--split``. Each is one line naming the flag and both values; the RNG states still come
-    from the checkpoint, only the samples from ``consumed_samples`` on change."""
+    """What a resume accepts, as Megatron-LM's ``check_checkpoint_args`` does (it compares only the
+    model and parallel sizes, :func:`check_resume`), though ``--seed``, ``--data-path`` or
+    ``--split`` change the samples read from ``consumed_samples`` on (RNG states still come from
+    the checkpoint); one line per flag with both values."""
     saved, now = metadata.run.training, current.training
     after = (
         f"the samples from {metadata.consumed_samples:,} on come from another stream; "

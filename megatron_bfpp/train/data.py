@@ -1,22 +1,20 @@
 """Deterministic training data for ``bfpp-train``: synthetic sequences, a local text file, or
 Megatron's indexed datasets.
 
-Every sample is a pure function of ``(seed, global sample index)``, so the data position is just
-the number of consumed samples (a checkpoint records it): a resumed run reads exactly the samples
-the uninterrupted run would have read, on any layout, and a run resumed with another
-``--global-batch-size`` goes on from the next unread sample (none skipped, none repeated).
+Every sample is a pure function of ``(seed, global sample index)``, so the data position is the
+consumed-sample count (a checkpoint records it): a resumed run reads what the uninterrupted run
+would have, on any layout, and a changed ``--global-batch-size`` neither skips nor repeats.
 
-* Synthetic (default): learnable sequences, so the loss visibly falls: each sample is an
-  arithmetic progression modulo the vocabulary with a random start and a random step from
-  ``1..4``; the model learns to continue it.
+* Synthetic (default): learnable arithmetic progressions modulo the vocabulary (random start,
+  random step in ``1..4``), so the loss visibly falls.
 * ``--data-path FILE``: byte-level tokens (vocabulary 256) of a local file; sample ``i`` is a
-  window at a pseudo-random offset drawn from ``(seed, i)``. No tokenizer, no downloads.
-* ``--data-path PREFIX`` (or Megatron-LM's ``W1 P1 W2 P2 ...``) naming Megatron indexed datasets
-  (``.bin`` + ``.idx``): megatron-core's own classes read them (``IndexedDataset``,
-  ``GPTDataset``, ``BlendedDataset`` through ``BlendedMegatronDatasetBuilder``), built for
-  ``--train-iters`` x ``--global-batch-size`` training samples of the ``--split``'s first part,
-  as Megatron-LM builds them; sample ``i`` is the train dataset's item ``i``
-  (:class:`IndexedTrainingData`). :mod:`.data_source` checks the files before any rank starts.
+  window at a pseudo-random offset from ``(seed, i)``. No tokenizer, no downloads.
+* ``--data-path PREFIX`` (or Megatron-LM's ``W1 P1 W2 P2 ...``) of indexed datasets (``.bin`` +
+  ``.idx``): read by megatron-core's own classes (``IndexedDataset``, ``GPTDataset``,
+  ``BlendedDataset`` via ``BlendedMegatronDatasetBuilder``), built as Megatron-LM does for
+  ``--train-iters`` x ``--global-batch-size`` samples of the ``--split``'s first part; sample
+  ``i`` is the train dataset's item ``i`` (:class:`IndexedTrainingData`). :mod:`.data_source`
+  checks the files before any rank starts.
 
 A micro-batch is a dict ``tokens``, ``labels``, ``position_ids``, ``loss_mask`` of shape
 ``(micro_batch_size, seq_length)``.
@@ -41,9 +39,8 @@ Batch = dict[str, torch.Tensor]
 
 
 class _Samples:
-    """Samples by global index (``sample``); :meth:`microbatches` cuts one iteration's global
-    batch into this data-parallel rank's micro-batches (dp rank ``d`` gets micro-batches
-    ``d*m .. d*m+m-1``), whichever source the samples come from."""
+    """Samples by global index (``sample``); :meth:`microbatches` gives dp rank ``d`` micro-batches
+    ``d*m .. d*m+m-1`` of an iteration's global batch, whatever the source."""
 
     def microbatch(self, indices: range) -> Batch:
         """The micro-batch of samples ``indices``."""
@@ -58,8 +55,7 @@ class _Samples:
         dp_rank: int,
         dp_size: int,
     ) -> list[Batch]:
-        """This data-parallel rank's micro-batches of the global batch that starts at sample
-        ``first_sample`` (the samples consumed so far)."""
+        """This dp rank's micro-batches of the global batch starting at sample ``first_sample``."""
         per_rank = global_batch_size // dp_size
         first = first_sample + dp_rank * per_rank
         return [
@@ -120,10 +116,9 @@ _BATCH_KEYS = ("tokens", "labels", "position_ids", "loss_mask")
 
 @dataclasses.dataclass(frozen=True)
 class _TokenIds:
-    """What megatron-core's ``GPTDataset`` asks of a tokenizer when the tokens are already ids:
-    the vocabulary size (the token type of its caches) and an end-of-document id, used only
-    with ``eod_mask_loss`` or the reset flags, which bfpp-train leaves off. No ``pad``: the
-    dataset then pads with an id no token has."""
+    """What ``GPTDataset`` asks of a tokenizer when tokens are already ids: the vocabulary size
+    (its caches' token type) and an end-of-document id (used only with ``eod_mask_loss`` or the
+    reset flags, left off). No ``pad``: the dataset then pads with an id no token has."""
 
     vocab_size: int
     eod: int

@@ -1,13 +1,11 @@
 """What ``--data-path`` names, decided before any rank starts: a text file (byte-level tokens) or
-Megatron's indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``, what ``tools/preprocess_data.py``
-writes and every Megatron-LM user has), one prefix or Megatron-LM's weighted blend ``W1 P1 W2
-P2 ...``.
+Megatron's indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``, as ``tools/preprocess_data.py``
+writes), one prefix or Megatron-LM's weighted blend ``W1 P1 W2 P2 ...``.
 
-Torch-free: only file sizes and the 34-byte header of each ``.idx`` are read (the layout of
-megatron-core's ``_IndexReader``), so a truncated, mismatched or foreign file is one line before
-any rank imports megatron-core, instead of an ``AssertionError`` per rank or, for a ``.bin``
-given as a text file, training on its bytes. A file that is neither (binary data that is not an
-indexed dataset) is refused too.
+Torch-free: only file sizes and each ``.idx``'s 34-byte header are read (megatron-core's
+``_IndexReader`` layout), so a truncated, mismatched or foreign file is one line before any rank
+imports megatron-core, instead of an ``AssertionError`` per rank or, for a ``.bin`` given as
+text, training on its bytes; binary data that is no indexed dataset is refused too.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ class TextSource:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class IndexedSource:
-    """Megatron-LM's blend: ``weights`` is ``None`` when none were given (megatron-core then
-    weighs each dataset by its size)."""
+    """Megatron-LM's blend; ``weights`` ``None``: megatron-core weighs datasets by their size."""
 
     prefixes: tuple[str, ...]
     weights: tuple[float, ...] | None
@@ -72,8 +69,7 @@ def default_cache_dir(prefix: str) -> str:
 def data_source(
     paths: str | Sequence[str], *, seq_length: int, split: str | None = None
 ) -> TextSource | IndexedSource:
-    """The data ``--data-path`` names (Megatron-LM's list or one path), checked; raises
-    :class:`DataPathError`."""
+    """The data ``--data-path`` names, checked; raises :class:`DataPathError`."""
     items = [paths] if isinstance(paths, str) else list(paths)
     if not items:
         raise DataPathError("--data-path: give a text file or a dataset prefix")
@@ -91,8 +87,7 @@ def data_source(
 
 
 def _indexed_prefix(path: str) -> str | None:
-    """The dataset prefix ``path`` names (``P``, or ``P.bin`` / ``P.idx`` given for it), or
-    ``None`` for a text file."""
+    """The dataset prefix ``path`` names (``P``, ``P.bin`` or ``P.idx``); ``None``: a text file."""
     for suffix in (".bin", ".idx"):
         if path.endswith(suffix):
             return path[: -len(suffix)]
@@ -186,9 +181,8 @@ def _checked_text(path: str, seq_length: int) -> str:
 
 
 def _checked_indexed(prefix: str) -> int:
-    """A Megatron indexed dataset's tokens, after checking its two files agree: the ``.idx``
-    header, the ``.idx`` size its counts imply, and the ``.bin`` size its last pointer and
-    length imply."""
+    """An indexed dataset's tokens, once its ``.idx`` header, the ``.idx`` size its counts imply
+    and the ``.bin`` size its last pointer and length imply agree."""
     flag = f"--data-path {prefix}"
     for suffix in (".idx", ".bin"):
         problem = _regular_problem(prefix + suffix)

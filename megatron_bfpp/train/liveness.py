@@ -1,24 +1,18 @@
 """Who is still alive, for ranks that torchrun or srun started (no bfpp-train launcher above them).
 
-Under bfpp-train's own launcher the parent sees a rank die and reports it in one line. Ranks that
-torchrun or srun started have no such parent that speaks for the job: when one dies, every rank
-that talked to it fails in gloo or NCCL with a traceback, and the peer its error names is often
-not the dead rank but one that failed in turn (a cascade). So these ranks keep a heartbeat in the
-job's rendezvous store (``MASTER_ADDR:MASTER_PORT``: torchrun's agent or rank 0 hosts it):
+With no parent speaking for the job, a dead rank makes every peer fail in gloo or NCCL with a
+traceback, often naming not the dead rank but one that failed in turn (a cascade). So these
+ranks keep a heartbeat in the job's rendezvous store (``MASTER_ADDR:MASTER_PORT``, hosted by
+torchrun's agent or rank 0): a daemon thread adds 1 to the rank's counter every
+:data:`BEAT_INTERVAL` s; a rank failing on communication reads the counters twice,
+:data:`SILENCE` s apart, and the still ones are the ranks gone; the first failing rank to claim
+the report in the store prints the one line, the others exit quietly (a rank failing for its own
+reason claims it too, so its line is not followed by one per rank that lost it).
 
-* every rank adds 1 to its own counter every :data:`BEAT_INTERVAL` seconds (a daemon thread);
-* a rank that fails on communication reads the counters twice, :data:`SILENCE` seconds apart:
-  the ranks whose counter stood still are the ones gone (killed, crashed or stopped), whichever
-  rank the error named;
-* the first failing rank to claim the report in the store prints the one line; every other rank
-  exits quietly. A rank that fails for its own reason (a bad value, a bug) claims it the same way,
-  so its line is not followed by one line per rank that lost it.
-
-Under srun rank 0 hosts the store. Failing, it stays :data:`HOST_LINGER` seconds before it
-exits, and every rank's heartbeat thread also notes whether a report was claimed: a rank that
-finds the store gone after that stays quiet. If the store is gone before any claim (rank 0 was
-killed), nothing can be agreed: the first rank of each node to create a marker file says so, one
-line per node.
+Under srun rank 0 hosts the store: failing, it stays :data:`HOST_LINGER` s, and every heartbeat
+thread notes whether a report was claimed, so a rank finding the store gone after that stays
+quiet. Gone before any claim (rank 0 killed), nothing can be agreed: the first rank of each node
+to create a marker file says so, one line per node.
 """
 
 from __future__ import annotations
@@ -152,8 +146,7 @@ def _first_on_this_node(where: str) -> bool:
 
 
 def start_liveness(rank: int, world_size: int) -> Liveness | None:
-    """Connect to the job's store and start beating; None where there is no store to use (not
-    launched through ``MASTER_ADDR`` / ``MASTER_PORT``)."""
+    """Join the job's store and start beating; None without ``MASTER_ADDR`` / ``MASTER_PORT``."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port or not port.isdigit():
         return None

@@ -1,15 +1,12 @@
 """Where bfpp-train's per-iteration record goes: the JSONL file, TensorBoard, Weights & Biases.
 
-Why several: Megatron users read curves in TensorBoard or W&B, and scripts read the JSONL file.
-The trainer builds one record per iteration (``trainer._metrics_record``) on rank 0 and hands it
-to every writer asked for, so the three always show the same numbers. Scalar names follow
-Megatron-LM's (``lm loss``, ``learning-rate``, ``grad-norm``, ``iteration-time``) so dashboards
-built for Megatron-LM runs read ours; per-pipeline-rank memory is one scalar per rank
-(``memory/peak_activation_bytes/pp-rank-0``, ...).
-
-The optional packages (``tensorboard``, ``wandb``) are imported only when their writer is built;
-:func:`missing_packages` lets the command line refuse a missing one in one line before any rank
-starts.
+Megatron users read curves in TensorBoard or W&B, scripts read the JSONL; rank 0 builds one record
+per iteration (``trainer._metrics_record``) for every writer, so all show the same numbers.
+Scalar names follow Megatron-LM's (``lm loss``, ``learning-rate``, ``grad-norm``,
+``iteration-time``) so its dashboards read ours; per-pipeline-rank memory is one scalar per rank
+(``memory/peak_activation_bytes/pp-rank-0``, ...). ``tensorboard`` and ``wandb`` are imported
+only when their writer is built; :func:`missing_packages` lets the command line refuse a missing
+one in one line before any rank starts.
 """
 
 from __future__ import annotations
@@ -67,8 +64,7 @@ class MetricWriter(Protocol):
 
 
 class MetricWriteError(ValueError):
-    """A logging destination failed; the message is the one line users see (its flag, its path,
-    why)."""
+    """A logging destination failed; the message is the one line users see (flag, path, why)."""
 
 
 def _reason(error: BaseException) -> str:
@@ -84,10 +80,8 @@ def _reason(error: BaseException) -> str:
 
 
 class GuardedWriter:
-    """A writer whose failures are one line naming its flag: a full disk under
-    ``--metrics-file`` used to end the run at iteration 1 with 30 lines of chained tracebacks
-    (the write's, then the close's in the trainer's ``finally``). After a failure, closing is
-    quiet (the write's line is the report)."""
+    """A writer whose failures are one line naming its flag (a full disk under ``--metrics-file``
+    gave 30 lines of chained tracebacks); after a failure, closing is quiet."""
 
     def __init__(self, flag: str, target: str, build: Callable[[], MetricWriter]) -> None:
         self.flag, self.target = flag, target
@@ -123,9 +117,8 @@ class GuardedWriter:
 
 def scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
     """The record's numbers as (name, value) scalars; absent or null values are left out (a
-    grad norm that is not finite is null. In fp32 no optimizer skips such a step: bfpp-train
-    stops before applying one whose gradients hold NaN or inf, so only finite gradients whose
-    squares overflow the global sum get here, and clipping scales them to zero)."""
+    non-finite grad norm is null: bfpp-train stops before applying NaN or inf gradients, so only
+    finite ones whose squares overflow the sum get here, and clipping scales them to zero)."""
     for key, name in SCALARS.items():
         value = record.get(key)
         if isinstance(value, (int, float)):
@@ -151,9 +144,9 @@ def _importable(package: str) -> bool:
 
 
 def wandb_mode(environ: Mapping[str, str] = os.environ, netrc_path: str | None = None) -> str:
-    """``WANDB_MODE`` when set; else online only when an API key is configured (environment or
-    ~/.netrc, where ``wandb login`` puts it), so a machine without one writes offline runs
-    (``wandb sync`` uploads them) instead of failing at the first iteration."""
+    """``WANDB_MODE`` when set; else online only with an API key (environment or ~/.netrc, from
+    ``wandb login``), so a machine without one writes offline runs (``wandb sync`` uploads
+    them) instead of failing at the first iteration."""
     if environ.get("WANDB_MODE"):
         return environ["WANDB_MODE"]
     if environ.get("WANDB_API_KEY"):

@@ -1,18 +1,11 @@
 """Model presets for ``bfpp-train`` and a split-independent initialisation.
 
-* :func:`transformer_config` - a megatron-core ``TransformerConfig`` for the ``gpt`` or ``llama``
-  preset (fp32, dropout 0, no fused kernels, so it runs on CPU and GPU alike).
-  ``gpt``: LayerNorm, GELU, learned absolute positions, biases, tied embeddings.
-  ``llama``: RMSNorm, SwiGLU, RoPE, no biases, untied embeddings, grouped-query attention
-  (``num_query_groups``).
-* :func:`build_model_chunks` - this rank's ``GPTModel`` chunks, one per virtual stage
-  (megatron-core's looped placement, ``vp_stage``), built from megatron-core's local layer spec
-  by :func:`gpt_chunks`, which the tests' tiny models use too.
-* :func:`init_by_global_names` - every parameter is drawn at its full unsplit shape from a
-  generator seeded by its *global* name (global layer number), then this rank's tensor-parallel
-  slice is taken: any (tp, pp, vp, dp) layout holds the same model, so schedules and layouts can be
-  compared loss for loss.
-* :func:`wrap_ddp` - megatron-core DDP with the config hooks Megatron-LM's training setup sets.
+``gpt``: LayerNorm, GELU, learned absolute positions, biases, tied embeddings. ``llama``: RMSNorm,
+SwiGLU, RoPE, no biases, untied embeddings, grouped-query attention (``num_query_groups``). Both
+fp32, dropout 0, no fused kernels, so they run on CPU and GPU alike. :func:`init_by_global_names`
+draws each parameter at its full shape from a generator seeded by its *global* name, then takes
+this rank's tensor-parallel slice: every (tp, pp, vp, dp) layout holds the same model, so
+schedules and layouts compare loss for loss.
 """
 
 from __future__ import annotations
@@ -137,10 +130,9 @@ def gpt_chunks(
     to_gpu: bool = False,
     placement: Placement = Placement.LOOPED,
 ) -> list[Any]:
-    """``GPTModel`` chunks for this rank, one per stage it holds, in ``placement`` (``looped``:
-    megatron-core's, chunk ``c`` of pipeline rank ``r`` is global stage ``c * pp + r``;
-    ``v-shape``: stages ``r`` and ``2pp - 1 - r``; see megatron_bfpp.megatron.chunks): the one
-    place bfpp-train and the tests build models."""
+    """This rank's ``GPTModel`` chunks, one per stage it holds, in ``placement`` (``looped``:
+    chunk ``c`` of pipeline rank ``r`` is stage ``c * pp + r``; ``v-shape``: stages ``r`` and
+    ``2pp - 1 - r``): the one place bfpp-train and the tests build models."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 

@@ -1,19 +1,15 @@
 """One run at a time per ``--save`` directory.
 
-Two runs saving into one directory used to both exit 0 with the first run's checkpoint
-directories holding the second run's weights and metadata, and, started together, one's
-clean-up deleted the other's temporary directory. A run now holds an exclusive lock on
-``DIR/.bfpp_save.lock`` from before its ranks start to its end; a second run is refused in one
-line naming the holder (process, host, start time: written into the file by the holder).
+Two runs saving into one directory both exited 0 with one's checkpoints holding the other's
+weights, and one's clean-up deleted the other's temporary directory. A run now holds an exclusive
+``flock`` on ``DIR/.bfpp_save.lock`` from before its ranks start to its end; a second run is
+refused in one line naming the holder (process, host, start time, written by the holder).
 
-The lock is ``flock`` on an open file: the kernel releases it when the holder's last process
-dies, however it dies (SIGKILL included), so a stale file from a dead run is simply taken over:
-there is no pid to check and no race between checking and taking. ``flock`` covers the
-processes of one machine and, on Linux, NFS (it is emulated with POSIX locks there); on file
-systems that ignore it (Lustre mounted without ``flock``) the lock does not protect (the README
-says so): keep one run per ``--save`` there.
-
-Torch-free: the command line takes the lock before any rank starts.
+The kernel releases a ``flock`` when the holder's last process dies (SIGKILL included), so a
+stale file is simply taken over: no pid to check, no check-then-take race. It covers one
+machine's processes and, on Linux, NFS (emulated with POSIX locks); file systems that ignore it
+(Lustre without ``flock``) are not protected (the README says so). Torch-free: the command line
+takes the lock before any rank starts.
 """
 
 from __future__ import annotations
@@ -42,10 +38,9 @@ class SaveLock:
 
     @classmethod
     def acquire(cls, root: str | Path) -> SaveLock:
-        """Take ``root``'s lock or raise :class:`CheckpointError`, one line: the run that holds
-        it, or why it could not be taken (a full disk, a symbolic link that loops). ``root``
-        is made first; a symbolic link there is followed (a dangling one's target made). What
-        cannot be taken leaves nothing behind: a lock file this call created is removed."""
+        """Take ``root``'s lock or raise :class:`CheckpointError` in one line (the holder, or why:
+        a full disk, a looping link). ``root`` is made first, a symbolic link there followed (a
+        dangling one's target made); failing leaves nothing behind (a created file is removed)."""
         root = Path(root)
         path = root / LOCK_FILE
         try:
@@ -100,8 +95,7 @@ def _directory_problem(root: Path, error: OSError) -> str:
 
 
 def _open_lock_file(root: Path, path: Path) -> tuple[int, bool]:
-    """The lock file's descriptor (never through a symbolic link), and whether this call
-    created it."""
+    """The lock file's descriptor (never via a symbolic link) and whether this call created it."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
     try:
         try:

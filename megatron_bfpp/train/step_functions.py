@@ -18,10 +18,9 @@ __all__ = ["forward_step", "loss_func"]
 def loss_func(
     loss_mask: torch.Tensor, output_tensor: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Megatron-LM ``pretrain_gpt.loss_func``: summed masked token loss, token count, and
-    ``{"lm loss": [summed loss, tokens]}`` for reporting. megatron-core's ``forward_step``
-    divides the loss by the token count and by the number of micro-batches
-    (``calculate_per_token_loss`` off), so each micro-batch contributes its mean token loss."""
+    """Megatron-LM ``pretrain_gpt.loss_func``: summed masked token loss, token count and
+    ``{"lm loss": [summed loss, tokens]}``; ``forward_step`` divides by the token count and the
+    micro-batch count (``calculate_per_token_loss`` off): a mean token loss per micro-batch."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
@@ -34,11 +33,8 @@ def forward_step(
     device: torch.device | None, data_iterator: Iterator[Batch], model: torch.nn.Module
 ) -> tuple[Any, Any]:
     """megatron-core's ``forward_step_func(data_iterator, model)`` once ``device`` is bound
-    (``None``: the batch stays where it is).
-
-    Every stage reads the batch (``GPTModel`` ignores tokens without ``pre_process`` and returns
-    per-token losses with ``post_process`` and labels). The attention mask is ``None``: the local
-    spec's causal softmax builds the causal mask itself."""
+    (``None``: batch not moved). Every stage reads the batch (``GPTModel`` ignores tokens
+    without ``pre_process``); the mask is ``None``: the local spec's causal softmax builds it."""
     batch = next(data_iterator)
     if device is not None:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -57,9 +57,6 @@ class TrainResult:
     losses: list[tuple[int, float]]
 
 
-# --------------------------------------------------------------------------- setup
-
-
 def init_distributed(store: Any = None, timeout_s: float = 600.0) -> torch.device:
     """Process group from the environment (torchrun / our launcher). GPU: NCCL on
     ``cuda:LOCAL_RANK``. CPU only: gloo, and megatron-core's CUDA calls redirected to the CPU."""
@@ -93,9 +90,8 @@ class RendezvousTimeout(RuntimeError):
 
 
 def _rendezvous(backend: str, kwargs: dict[str, Any], timeout_s: float) -> None:
-    """``init_process_group``, its store errors (a rank that never started, stopped during
-    start-up, or cannot reach the address: torch raises DistStoreError with a traceback once the
-    timeout passes) one line saying so."""
+    """``init_process_group``, its store errors (a rank that never started, stopped during start-up
+    or cannot reach the address: torch's DistStoreError traceback at the timeout) one line."""
     try:
         dist.init_process_group(backend, **kwargs)
     except (dist.DistStoreError, dist.DistNetworkError) as error:
@@ -113,9 +109,8 @@ def _rendezvous(backend: str, kwargs: dict[str, Any], timeout_s: float) -> None:
 
 
 def _claim_start_up_report() -> bool:
-    """True for the first rank to ask the job's store (torchrun's agent hosts it): that rank
-    prints the line, the others stay quiet. Where no store answers (its host is the rank that
-    stopped, under srun), every rank reports."""
+    """True for the first rank to ask the job's store (torchrun's agent hosts it), which prints the
+    line; where no store answers (under srun its host may be the rank that stopped), every rank."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
     if not host or not port.isdigit():
         return True
@@ -138,10 +133,10 @@ def _first_line(error: BaseException) -> str:
 def _optimizer_and_scheduler(
     args: Any, model: list[Any], config: RunConfig, policy: SchedulerPolicy
 ) -> tuple[Any, Any]:
-    """Adam (distributed optimizer) and megatron-core's scheduler with the values of
-    :meth:`Training.lr_schedule` (the ones a resume is checked against). On resume, megatron-core
-    compares them with the checkpoint's (default), keeps this run's (``override``) or the
-    checkpoint's (``checkpoint``), as Megatron-LM's two flags do."""
+    """Adam (distributed optimizer) and megatron-core's scheduler with
+    :meth:`Training.lr_schedule`'s values, which on resume megatron-core compares with the
+    checkpoint's (default) or replaces by this run's (``override``) or the checkpoint's
+    (``checkpoint``), as Megatron-LM's two flags do."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -171,9 +166,6 @@ def _optimizer_and_scheduler(
     return optimizer, scheduler
 
 
-# --------------------------------------------------------------------------- steps
-
-
 def _reduce_loss(store: list[dict[str, torch.Tensor]], device: torch.device) -> float:
     """Megatron-LM's reporting: sum ``[loss, tokens]`` over micro-batches and data-parallel
     ranks. Reduced over the world (only last-stage ranks contribute) so every rank knows it."""
@@ -185,20 +177,17 @@ def _reduce_loss(store: list[dict[str, torch.Tensor]], device: torch.device) -> 
 
 
 def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
-    """The step's measured activation, parameter and gradient memory, one entry per pipeline
-    rank (of this rank's tensor/data-parallel replica), gathered over the pipeline group:
-    collective, every rank calls it. Parameter and gradient peaks cover the whole iteration
-    (forward-backward and optimizer step). With sharded parameters, also the data-parallel
-    collectives this rank's schedule issued (its trace: one all-gather per PS, one
-    reduce-scatter per GS)."""
+    """The step's measured activation, parameter and gradient memory per pipeline rank of this
+    replica, gathered over the pipeline group (collective). Parameter and gradient peaks cover
+    the whole iteration, optimizer step included; sharded, also the data-parallel collectives
+    this rank's schedule issued (one all-gather per PS, one reduce-scatter per GS)."""
     from megatron.core import parallel_state
 
     forward_backward, device = run.forward_backward, run.device
     report = forward_backward.last_memory
     cuda = report.cuda_max_memory_allocated
     if run.args.data_parallel_sharding_strategy != "optim":
-        # The runtime's high-water marks since the step's forward-backward began, its
-        # optimizer step included: the whole iteration.
+        # the runtime's high-water marks since forward-backward began, optimizer step included
         from megatron_bfpp.runtime.sharding import sharded_parameters
 
         sharded = sharded_parameters(run.model)
@@ -257,9 +246,8 @@ def _allocated_gradient_bytes(model: list[Any]) -> int:
 
 
 def _logs_lines(no_progress: bool, stream: TextIO) -> bool:
-    """A redrawn bar only on a terminal: in a SLURM or redirected log, carriage returns would
-    leave every iteration on one unreadable line, so there the run logs lines as with
-    ``--no-progress``."""
+    """A redrawn bar only on a terminal: in a SLURM or redirected log carriage returns would put
+    every iteration on one line, so there it logs lines as with ``--no-progress``."""
     if no_progress:
         return True
     isatty = getattr(stream, "isatty", None)
@@ -267,8 +255,7 @@ def _logs_lines(no_progress: bool, stream: TextIO) -> bool:
 
 
 class _Progress:
-    """One line on rank 0, redrawn with a carriage return on a terminal; otherwise (or with
-    ``--no-progress``) one line per ``--log-interval`` iterations."""
+    """Rank 0's progress line, redrawn on a terminal, else one per ``--log-interval`` iterations."""
 
     def __init__(
         self, enabled: bool, no_progress: bool, total: int, log_interval: int, stream: TextIO
@@ -299,9 +286,6 @@ class _Progress:
         if self.drawn:
             self.stream.write("\n")
             self.stream.flush()
-
-
-# --------------------------------------------------------------------------- main loop
 
 
 @dataclasses.dataclass
@@ -410,8 +394,7 @@ def _set_up(args: Any, device: torch.device) -> _Run:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
-        # megatron-core's groups (pipeline, data parallel) default to 30 minutes: the flag
-        # bounds every wait of the step, pipeline messages included (runtime.p2p)
+        # megatron-core's groups default to 30 minutes; this bounds every wait (runtime.p2p)
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     random.seed(args.seed)
@@ -650,8 +633,7 @@ def _train_step(run: _Run) -> _Step:
 
 
 class NonFiniteGradients(FloatingPointError):
-    """The step's gradients hold a NaN or an infinity though its loss is finite; nothing of the
-    step was applied."""
+    """The step's gradients hold NaN or inf though its loss is finite; nothing of it was applied."""
 
     def __init__(self, iteration: int, loss: float) -> None:
         super().__init__(
@@ -662,11 +644,9 @@ class NonFiniteGradients(FloatingPointError):
 
 
 def _check_gradients(run: _Run, loss: float) -> None:
-    """Megatron-LM's check for NaN in loss and grad (on by default there), always on: bfpp-train
-    trains in fp32, which has no grad scaler to skip a step with NaN or inf gradients, so the
-    optimizer would apply it and the next save would keep it. Every rank's verdict is reduced
-    over the world (one scalar), so all ranks stop at the same step, whatever the schedule or
-    sharding."""
+    """Megatron-LM's NaN check on loss and grad, always on: fp32 has no grad scaler to skip a step
+    with NaN or inf gradients, so the optimizer would apply it and the next save keep it. The
+    verdict is reduced over the world, so all ranks stop at the same step."""
     from megatron_bfpp.runtime import gradients_finite
 
     sharded = run.args.data_parallel_sharding_strategy != "optim"
@@ -681,8 +661,7 @@ def _check_gradients(run: _Run, loss: float) -> None:
 
 
 def _kept_checkpoint(args: Any) -> str:
-    """What a run that stops before a bad step leaves as the latest checkpoint (its tracker,
-    as a resume would read it), for its line."""
+    """The latest checkpoint (tracker, as resume reads it) of a run stopped before a bad step."""
     if not args.save:
         return "; nothing was saved (no --save)"
     try:
@@ -701,10 +680,7 @@ def _metrics_record(run: _Run, step: _Step, memory: dict[str, Any]) -> dict[str,
         "step_time_s": step.step_time,
         "pipeline_schedule": args.pipeline_schedule,
         "lr": step.lr,
-        # strict JSON: a norm that is not finite is null. The run stops before applying a step
-        # whose gradients hold NaN or inf (_check_gradients; fp32 has no grad scaler to skip
-        # it); finite gradients whose squares overflow the global sum still reach here, and
-        # clipping scales them to zero.
+        # strict JSON: a non-finite norm is null (metric_writers.scalars says when one occurs)
         "grad_norm": step.grad_norm if _finite(step.grad_norm) else None,
         "tokens_per_s": args.global_batch_size * args.seq_length / step.step_time,
         "num_microbatches": run.num_microbatches,
@@ -716,10 +692,8 @@ def _save(run: _Run) -> None:
     from megatron_bfpp.runtime.sharding import sharded_parameters
 
     args = run.args
-    # Fully sharded, nothing is gathered at once. The torch format reads the chunks one at a
-    # time (at most one gathered beyond the shards, the files those of an unsharded run);
-    # torch_dist saves the parameters only as the optimizer's main-parameter shards. Either
-    # strategy resumes from either.
+    # Fully sharded, nothing is gathered at once (save_checkpoint's gather_chunk / sharded);
+    # either strategy resumes from either.
     sharded = args.data_parallel_sharding_strategy != "optim"
     gather_chunk = (
         (lambda index: sharded_parameters(run.model).whole([index]))
