@@ -392,18 +392,34 @@ def _points(
     max_stored: int | None = None,
     budget: ActionBudget | None = None,
 ) -> PeakPoints:
-    if schedule == "gpipe" or (schedule == "breadth-first" and group is None):
-        # Every forward before any backward: each rank holds all m micro-batches of its chunks.
-        last = pp - 1
-        return PeakPoints(
-            tuple(((m * vp, m if r == 0 else 0, m if r == last else 0),) for r in range(pp))
-        )
+    if schedule == "gpipe" or schedule == "breadth-first":
+        return _group_points(schedule, pp, vp, m, group, budget)
     length = memory_microbatches(schedule, pp, vp, m)
-    if group is not None:  # one whole group at least: its peak is the group's micro-batches
-        length = min(m, max(length, group))
     if budget is not None:
         budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
     return _walked_points(schedule, pp, vp, length, group, max_stored)
+
+
+def _group_points(
+    schedule: str, pp: int, vp: int, m: int, group: int | None, budget: ActionBudget | None
+) -> PeakPoints:
+    """GPipe's and breadth-first's peaks in closed form: every forward of a group (all m
+    micro-batches without groups) runs before any of its backwards, and a rank starts a group
+    only when the one before is freed, so each rank's one Pareto point is the first (largest)
+    group's micro-batches of each of its chunks, counted on the first stage at rank 0 and on the
+    last at rank pp - 1 (``peak_points`` of the generator's schedule: tests/unit/
+    test_plan_search.py). A grouped schedule is still charged to ``budget`` as the walk of its
+    first group that this replaces (so ``--pipeline-schedule auto`` decides as it did)."""
+    held = m if group is None else min(m, group)
+    if group is not None and budget is not None:
+        length = min(m, max(memory_microbatches(schedule, pp, vp, m), group))
+        budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
+    last = pp - 1
+    return PeakPoints(
+        tuple(
+            ((held * vp, held if r == 0 else 0, held if r == last else 0),) for r in range(pp)
+        )
+    )
 
 
 @lru_cache(maxsize=4096)

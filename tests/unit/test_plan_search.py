@@ -132,6 +132,26 @@ def test_closed_form_peaks_of_all_forwards_first_schedules(schedule: str, pp: in
         assert _points(schedule, pp, vp, m, None) == peak_points(full)
 
 
+@pytest.mark.parametrize(("pp", "vp"), [(2, 2), (3, 4), (4, 2), (8, 2)])
+def test_closed_form_peaks_of_grouped_breadth_first(pp: int, vp: int) -> None:
+    """The planner's grouped breadth-first peaks (one group's micro-batches per chunk, no walk)
+    are the full schedule's, with the last group smaller or whole, and what the walk of the
+    first group the planner used to do gives; the budget is charged as for that walk."""
+    for m, group in [(1, 1), (7, 2), (8, 8), (12, 5), (3 * pp + 1, pp), (9 * pp, 4 * pp)]:
+        full = build_schedule(
+            "breadth-first", num_ranks=pp, num_microbatches=m, num_chunks=vp, group_size=group
+        )
+        budget = ActionBudget(10**9)
+        assert _points("breadth-first", pp, vp, m, group, budget=budget) == peak_points(full)
+        length = min(m, max(memory_microbatches("breadth-first", pp, vp, m), group))
+        walked = build_schedule(
+            "breadth-first", num_ranks=pp, num_microbatches=length, num_chunks=vp, group_size=group
+        )
+        assert peak_points(walked) == peak_points(full), (m, group)
+        charged = estimate_actions(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
+        assert budget.spent == charged
+
+
 def _sample(global_batch_size: int, every: int) -> list[Candidate]:
     options = SearchOptions(micro_batch_sizes=(1, 2), recompute=("selective",))
     found = candidates(
