@@ -416,9 +416,7 @@ def _group_points(
         budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
     last = pp - 1
     return PeakPoints(
-        tuple(
-            ((held * vp, held if r == 0 else 0, held if r == last else 0),) for r in range(pp)
-        )
+        tuple(((held * vp, held if r == 0 else 0, held if r == last else 0),) for r in range(pp))
     )
 
 
