@@ -477,6 +477,30 @@ def test_each_short_length_is_simulated_and_charged_once(monkeypatch: pytest.Mon
     assert step == pytest.approx(simulate(full, costs).step_time, rel=1e-9)
 
 
+@pytest.mark.parametrize(
+    ("schedule", "vp", "m"), [("v-zb", 2, 24), ("1f1b", 1, 30), ("v-min", 2, 27)]
+)
+def test_a_schedule_no_longer_than_the_attempts_is_simulated_whole(
+    monkeypatch: pytest.MonkeyPatch, schedule: str, vp: int, m: int
+) -> None:
+    """At pp 4, m up to 6p + 3r (attempt 1's lengths together) is simulated whole, once, and
+    charged as such; the step is the full simulation's, which the line also gives (to
+    rounding) when it holds."""
+    candidate = Candidate(schedule, "optim", 8, 4, vp, 2, 1, "selective")
+    sized_m, costs = _timed(candidate, 2 * m)
+    assert sized_m == m
+    lengths = _recording(monkeypatch)
+    budget = ActionBudget(10**9)
+    step, bubble = _simulated_ns(candidate, m, costs, "lockstep", budget=budget)
+    assert lengths == [m]
+    assert budget.spent == estimate_actions(num_ranks=4, stages_per_rank=vp, num_microbatches=m)
+    chunks = None if vp == 1 else vp
+    full = simulate(
+        build_schedule(schedule, num_ranks=4, num_microbatches=m, num_chunks=chunks), costs
+    )
+    assert (step, bubble) == (full.step_time, full.bubble_fraction)
+
+
 def test_a_timing_that_cannot_finish_in_the_budget_does_not_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
