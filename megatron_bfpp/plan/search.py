@@ -808,6 +808,7 @@ def _timing(
     options: SearchOptions,
     efficiency: Efficiency,
     stage: StageBytes,
+    grouped: bool = True,
 ) -> tuple[StageTimes, float, float]:
     """Durations of one candidate, the step no schedule of its shape can beat, and the order
     of simulation (closed forms: no schedule is walked)."""
@@ -844,11 +845,29 @@ def _timing(
     fill = hops * (times.forward / c.vp + times.host + times.p2p)
     if get_spec(c.schedule).placement is not Placement.V_SHAPE:
         fill += hops * (times.backward / c.vp + times.host + times.p2p)
-    lower = busy + fill + extra
-    # Order of simulation: the bound plus the data-parallel collectives, which breadth-first
-    # mostly hides and depth-first schedules mostly expose.
-    estimate = lower + c.vp * (times.grad_reduce + times.param_gather)
+    # Order of simulation: the bound (with the fill) plus the data-parallel collectives, which
+    # breadth-first mostly hides and depth-first schedules mostly expose.
+    estimate = busy + fill + extra + c.vp * (times.grad_reduce + times.param_gather)
+    # Grouped breadth-first's rank 0 also idles at every group's turn (``_group_idle``).
+    lower = busy + max(fill, _group_idle(c, m, times) if grouped else 0.0) + extra
     return times, lower, estimate
+
+
+def _group_idle(c: Candidate, m: int, times: StageTimes) -> float:
+    """Rank 0's idle time that grouped breadth-first cannot avoid: in each group, between
+    rank 0's forward of the group's first micro-batch on its last chunk and that chunk's
+    backward of it, the micro-batch crosses the p - 1 later stages forward and back (at least
+    a stage's forward and backward each), while rank 0 has only the group's g - 1 other
+    forwards of that chunk to run (each at most a stage's forward and the host's time): every
+    group pays a pipeline's fill and drain the closed-form bound above leaves out. 0 for other
+    schedules."""
+    if c.schedule != "breadth-first" or c.group_size is None:
+        return 0.0
+    forward, backward = times.forward / c.vp, times.backward / c.vp
+    crossing = (c.pp - 1) * (forward + backward)
+    full, rest = divmod(m, c.group_size)
+    sizes = [c.group_size] * full + ([rest] if rest else [])
+    return sum(max(0.0, crossing - (g - 1) * (forward + times.host)) for g in sizes)
 
 
 # --------------------------------------------------------------------------- search
@@ -889,10 +908,14 @@ def lower_bound_of(
     cluster: Cluster,
     global_batch_size: int,
     options: SearchOptions = SearchOptions(),
+    grouped: bool = True,
 ) -> float:
     """Seconds no schedule of ``candidate``'s shape can beat (:func:`recommend`'s pruning
-    bound: the busiest rank's compute after the first micro-batch's fill), in closed form:
-    nothing is walked or simulated."""
+    bound: the busiest rank's compute after the first micro-batch's fill, or grouped
+    breadth-first's rank 0 after its idle at every group's turn), in closed form: nothing is
+    walked or simulated. ``grouped=False``: the fill alone (``--pipeline-schedule auto`` times
+    its candidates in that order, so that its action budget reaches the candidates it did
+    before the groups' idle was counted)."""
     m = global_batch_size // (candidate.dp * candidate.micro_batch_size)
     _, lower, _ = _timing(
         candidate,
@@ -902,6 +925,7 @@ def lower_bound_of(
         options=options,
         efficiency=options.efficiency or BuiltinCurve(cluster.gpu),
         stage=_stage_bytes(candidate, model, options.precision),
+        grouped=grouped,
     )
     return lower
 
