@@ -4,11 +4,11 @@ cluster allows, dropped when it does not fit, ranked by the simulated step time.
 Why it is fast enough to run on a laptop (>= 2,000 candidates in seconds): the memory of every
 candidate comes from closed forms and one walk per distinct schedule shape (activation peaks stop
 growing with the number of micro-batches for every schedule but GPipe and breadth-first, whose
-peaks are exactly m micro-batches per chunk, so a long schedule is walked at a short length,
-``memory_microbatches``); the step time of every candidate is bounded below in closed form by its
-busiest rank's compute; candidates are simulated in order of a closed-form estimate, and one whose
-bound cannot beat the current top ``k`` (nor, when asked, its schedule family's best) is never
-simulated.
+peaks are exactly one group's micro-batches per chunk, m without groups, in closed form, so a long
+schedule is walked at a short length, ``memory_microbatches``); the step time of every candidate is
+bounded below in closed form by its busiest rank's compute; candidates are simulated in order of a
+closed-form estimate, and one whose bound cannot beat the current top ``k`` (nor, when asked, its
+schedule family's best) is never simulated.
 What is simulated is the schedule ``build_schedule`` builds, the one the runtime runs.
 """
 
