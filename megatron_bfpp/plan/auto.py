@@ -603,20 +603,22 @@ def decide(r: AutoRequest) -> Decision:
     simulated: list[Row] = []
     too_big: list[Row] = []
     untimed: list[Row] = []
-    # Cheapest bound first; a candidate whose bound cannot beat the runner-up so far is not
-    # simulated (its row keeps the bound): the choice and the runner-up are exact.
-    bounded: list[tuple[float, int, Candidate]] = []
+    # Cheapest bound first (by the fill alone: ``lower_bound_of(grouped=False)``); a candidate
+    # whose bound (grouped breadth-first's idle at each group counted) cannot beat the runner-up
+    # so far is not simulated (its row keeps the bound): the choice and the runner-up are exact.
+    bounded: list[tuple[float, float, int, Candidate]] = []  # (order, bound, index, candidate)
     for index, c in enumerate(allowed):
         try:
             bound = judge.lower_bound(c)
+            order = judge.lower_bound(c, grouped=False)
         except ScheduleError as error:
             excluded.append(Row(c, None, False, excluded=_first_line(error)))
             continue
-        bounded.append((bound, index, c))
+        bounded.append((order, bound, index, c))
     pruned: list[Row] = []
     # Our run of Megatron's own default first, then cheapest bound first: should the budget run
     # out, the choice is never one predicted slower than the schedule Megatron would run.
-    for _, bound, _, c in sorted((c != default, b, i, c) for b, i, c in bounded):
+    for *_, bound, c in sorted((c != default, o, i, b, c) for o, b, i, c in bounded):
         steps = sorted(row.plan.step_time_s for row in simulated if row.plan)
         if len(steps) >= 2 and bound >= steps[1]:
             try:
@@ -683,13 +685,14 @@ class _Judge:
     def fits(self, memory: MemoryBreakdown) -> bool:
         return self.memory_budget is None or memory.total <= self.memory_budget
 
-    def lower_bound(self, c: Candidate) -> float:
+    def lower_bound(self, c: Candidate, *, grouped: bool = True) -> float:
         return lower_bound_of(
             c,
             model=self.model,
             cluster=self.cluster,
             global_batch_size=self.request.global_batch_size,
             options=self.options,
+            grouped=grouped,
         )
 
     def memory(self, c: Candidate) -> MemoryBreakdown:

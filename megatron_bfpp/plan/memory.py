@@ -177,45 +177,71 @@ def peak_points(schedule: Schedule) -> PeakPoints:
     """Walk each rank's program once (``ir.MEMORY_DELTA``: F stores, B / W free, BPipe's
     transfers move micro-batches between ranks; an overlapped pair's parts in order)."""
     last_stage = schedule.num_stages - 1
-    result = []
-    for actions in schedule.per_rank:
-        held = first = last = 0
-        points: set[tuple[int, int, int]] = set()
-        for action in actions:
-            delta = MEMORY_DELTA.get(action.kind, 0)
-            if not delta:
-                if action.kind is _OVERLAP:
-                    held, first, last = _pair_points(
-                        action, (held, first, last), last_stage, points
-                    )
-                continue
-            held += delta
-            if action.stage == 0:
-                first += delta
-            if action.stage == last_stage:
-                last += delta
-            if delta > 0:
-                points.add((held, first, last))
-        result.append(tuple(_pareto(points)))
-    return PeakPoints(tuple(result))
+    return PeakPoints(
+        tuple(tuple(_pareto(_rank_points(actions, last_stage))) for actions in schedule.per_rank)
+    )
 
 
 _OVERLAP = ActionKind.OVERLAP_F_B
 
 
-def _pair_points(
-    pair: Action, counts: tuple[int, int, int], last_stage: int, points: set[tuple[int, int, int]]
-) -> tuple[int, int, int]:
-    """``peak_points``' walk over an overlapped pair: its parts in order (the composite rule)."""
-    held, first, last = counts
-    for part in parts(pair):
-        delta = MEMORY_DELTA.get(part.kind, 0)
+def _rank_points(actions: Sequence[Action], last_stage: int) -> set[tuple[int, int, int]]:
+    """One rank's counts where a run of stores ends (before a free, or at the program's end):
+    a store never lowers a count, so every count within a run is dominated by the run's last,
+    and keeping only those (a few per micro-batch, not one per action) leaves the Pareto front
+    as it is while sparing most of the tuples and set insertions."""
+    counts = [0, 0, 0, 0]  # an overlapped pair's: held, first, last, rising (0 or 1)
+    held = first = last = 0
+    rising = False
+    points: set[tuple[int, int, int]] = set()
+    delta_of = MEMORY_DELTA.get
+    for action in actions:
+        kind = action.kind
+        if kind is _OVERLAP:  # its parts in order (the composite rule), rarely: by the helper
+            counts[:] = held, first, last, rising
+            for part in parts(action):
+                _count(delta_of(part.kind, 0), part.stage, last_stage, counts, points)
+            held, first, last = counts[:3]
+            rising = bool(counts[3])
+            continue
+        delta = delta_of(kind, 0)
+        if not delta:
+            continue
+        if delta < 0:
+            if rising:
+                points.add((held, first, last))
+                rising = False
+        else:
+            rising = True
         held += delta
-        first += delta if part.stage == 0 else 0
-        last += delta if part.stage == last_stage else 0
-        if delta > 0:
-            points.add((held, first, last))
-    return held, first, last
+        stage = action.stage
+        if stage == 0:
+            first += delta
+        if stage == last_stage:
+            last += delta
+    if rising:
+        points.add((held, first, last))
+    return points
+
+
+def _count(
+    delta: int,
+    stage: int,
+    last_stage: int,
+    counts: list[int],
+    points: set[tuple[int, int, int]],
+) -> None:
+    """``_rank_points``' step: a free ending a run of stores records the run's counts."""
+    if not delta:
+        return
+    if delta < 0 and counts[3]:
+        points.add((counts[0], counts[1], counts[2]))
+    counts[3] = delta > 0
+    counts[0] += delta
+    if stage == 0:
+        counts[1] += delta
+    if stage == last_stage:
+        counts[2] += delta
 
 
 def _pareto(points: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

@@ -132,6 +132,26 @@ def test_closed_form_peaks_of_all_forwards_first_schedules(schedule: str, pp: in
         assert _points(schedule, pp, vp, m, None) == peak_points(full)
 
 
+@pytest.mark.parametrize(("pp", "vp"), [(2, 2), (3, 4), (4, 2), (8, 2)])
+def test_closed_form_peaks_of_grouped_breadth_first(pp: int, vp: int) -> None:
+    """The planner's grouped breadth-first peaks (one group's micro-batches per chunk, no walk)
+    are the full schedule's, with the last group smaller or whole, and what the walk of the
+    first group the planner used to do gives; the budget is charged as for that walk."""
+    for m, group in [(1, 1), (7, 2), (8, 8), (12, 5), (3 * pp + 1, pp), (9 * pp, 4 * pp)]:
+        full = build_schedule(
+            "breadth-first", num_ranks=pp, num_microbatches=m, num_chunks=vp, group_size=group
+        )
+        budget = ActionBudget(10**9)
+        assert _points("breadth-first", pp, vp, m, group, budget=budget) == peak_points(full)
+        length = min(m, max(memory_microbatches("breadth-first", pp, vp, m), group))
+        walked = build_schedule(
+            "breadth-first", num_ranks=pp, num_microbatches=length, num_chunks=vp, group_size=group
+        )
+        assert peak_points(walked) == peak_points(full), (m, group)
+        charged = estimate_actions(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
+        assert budget.spent == charged
+
+
 def _sample(global_batch_size: int, every: int) -> list[Candidate]:
     options = SearchOptions(micro_batch_sizes=(1, 2), recompute=("selective",))
     found = candidates(
@@ -455,6 +475,30 @@ def test_each_short_length_is_simulated_and_charged_once(monkeypatch: pytest.Mon
     )
     full = build_schedule("interleaved", num_ranks=8, num_microbatches=m, num_chunks=2)
     assert step == pytest.approx(simulate(full, costs).step_time, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "vp", "m"), [("v-zb", 2, 24), ("1f1b", 1, 30), ("v-min", 2, 27)]
+)
+def test_a_schedule_no_longer_than_the_attempts_is_simulated_whole(
+    monkeypatch: pytest.MonkeyPatch, schedule: str, vp: int, m: int
+) -> None:
+    """At pp 4, m up to 6p + 3r (attempt 1's lengths together) is simulated whole, once, and
+    charged as such; the step is the full simulation's, which the line also gives (to
+    rounding) when it holds."""
+    candidate = Candidate(schedule, "optim", 8, 4, vp, 2, 1, "selective")
+    sized_m, costs = _timed(candidate, 2 * m)
+    assert sized_m == m
+    lengths = _recording(monkeypatch)
+    budget = ActionBudget(10**9)
+    step, bubble = _simulated_ns(candidate, m, costs, "lockstep", budget=budget)
+    assert lengths == [m]
+    assert budget.spent == estimate_actions(num_ranks=4, stages_per_rank=vp, num_microbatches=m)
+    chunks = None if vp == 1 else vp
+    full = simulate(
+        build_schedule(schedule, num_ranks=4, num_microbatches=m, num_chunks=chunks), costs
+    )
+    assert (step, bubble) == (full.step_time, full.bubble_fraction)
 
 
 def test_a_timing_that_cannot_finish_in_the_budget_does_not_start(
