@@ -66,7 +66,9 @@ rules are stated once, there.
 **Timing** (``posting_timer``, the simulator's ``lockstep`` and ``megatron`` models) runs the
 same model with clocks: computes take their durations, an op completes a message time after both
 halves have started, a batch when all its ops have; the CPU does not settle BPipe's sends after
-the next compute there (on NCCL the runtime polls them), which only the proof keeps.
+the next compute there (on NCCL the runtime polls them), which only the proof keeps. Where no
+send is settled so (all but BPipe), the proof's model and the timer's are one, built once per
+posting (``_model``): validation proves the posting that the simulator then times.
 """
 
 from __future__ import annotations
@@ -524,8 +526,10 @@ class PostingRun(NamedTuple):
 def check_posting(schedule: Schedule, posting: Posting) -> None:
     """Run ``posting`` under NCCL's rules (module docstring); raise a ScheduleError naming the
     cycle of waits, above the grid, if it cannot finish."""
+    model = _model(schedule, posting, settle=True)
+    model.timing = None  # a model kept from a timed run: untimed again
     with paused_gc():  # columns of a million ops: see paused_gc
-        _Model(schedule, posting).run()
+        model.run()
 
 
 def time_posting(schedule: Schedule, posting: Posting, timing: Timing = _UNIT) -> PostingRun:
@@ -555,9 +559,29 @@ def posting_timer(schedule: Schedule, posting: Posting) -> Callable[[Timing], Po
     the next compute: on NCCL the runtime polls them (``PipeComm.reap``) instead, so they cost
     no time there. A CPU that waits for a batch stands for a GPU stream that waits for it: the
     times are the same, the CPU only enqueues earlier."""
-    with paused_gc():
-        model = _Model(schedule, posting, settle=False)
-    return model.timed
+    return _model(schedule, posting, settle=False).timed
+
+
+def _model(schedule: Schedule, posting: Posting, *, settle: bool) -> _Model:
+    """The model of ``posting``, built once while it is among the last few modelled: validation
+    proves the posting that the simulator then times. The proof's model (``settle``) serves
+    the timer too, and the other way round, where no BPipe send is settled after a compute
+    (``_Model.settles``): the two then have the same steps, and ``run`` starts afresh."""
+    for kept_schedule, kept_posting, model in _MODELS:
+        if (
+            kept_posting is posting
+            and kept_schedule is schedule
+            and (model.settle == settle or not model.settles)
+        ):
+            return model
+    with paused_gc():  # columns of a million ops: see paused_gc
+        model = _Model(schedule, posting, settle=settle)
+    _MODELS.insert(0, (schedule, posting, model))
+    del _MODELS[_KEEP:]
+    return model
+
+
+_MODELS: list[tuple[Schedule, Posting, _Model]] = []
 
 
 class _Model:
@@ -596,6 +620,7 @@ class _Model:
         self.streams: dict[tuple[int, int], int] = {}  # (rank, peer; -1 for the group) -> id
         # (sender, receiver, send) -> its ops in posting order (``_match``)
         self.channels: dict[tuple[int, int, bool], list[int]] = {}
+        self.settles = False  # whether a send is settled after a compute (``settle`` or not)
         self.steps: list[list[int]] = [self._rank_steps(rank) for rank in range(num_ranks)]
         self.partner = self._match()
 
@@ -629,8 +654,10 @@ class _Model:
                 if actions[step].kind in compute:
                     self._compute_waits(rank, step, holder, steps)
                     add_step(step * 4 + _RUN)
-                    if self.settle:  # gloo: a transfer's send is settled after the next compute
-                        steps.extend(unit * 4 + _WAIT for unit in unsettled)
+                    if unsettled:  # gloo: a transfer's send is settled after the next compute
+                        self.settles = True
+                        if self.settle:
+                            steps.extend(unit * 4 + _WAIT for unit in unsettled)
                         unsettled = []
                 else:
                     add_step(step * 4 + _RUN)
