@@ -239,8 +239,10 @@ class _Lowered:
     """A posting as integers, what ``_Model`` reads: per rank its steps ``value * 4 + code``
     (``_RUN`` a program position, ``_POST`` a batch, ``_WAIT`` a ``Wait``: indices into the
     columns below, all ranks' together); a batch's items are ``position * 2 + rest`` and its
-    flags ``_BLOCKING | _PAIRWISE | _SIDE_BATCH``. No object per batch or item: a large
-    schedule's posting holds half a million batches and a million items."""
+    flags ``_BLOCKING | _PAIRWISE | _SIDE_BATCH``. Batches are numbered in the order the ranks'
+    steps post them, rank by rank (``_Model`` numbers its batches and ops so). No object per
+    batch or item: a large schedule's posting holds half a million batches and a million
+    items."""
 
     steps: list[list[int]]
     batch_items: list[list[int]]
@@ -686,10 +688,11 @@ def posting_timer(schedule: Schedule, posting: Posting) -> Callable[[Timing], Po
 
 
 def _model(schedule: Schedule, posting: Posting, *, settle: bool) -> _Model:
-    """The model of ``posting``, built once while it is among the last few modelled: validation
+    """The model of ``posting``, built once while it is among the last two modelled: validation
     proves the posting that the simulator then times. The proof's model (``settle``) serves
     the timer too, and the other way round, where no BPipe send is settled after a compute
-    (``_Model.settles``): the two then have the same steps, and ``run`` starts afresh."""
+    (``_Model.settles``): the two then have the same steps, and ``run`` starts afresh. A kept
+    model holds its memory until two more postings are modelled (the runtime's proof too)."""
     for kept_schedule, kept_posting, model in _MODELS:
         if (
             kept_posting is posting
@@ -700,22 +703,25 @@ def _model(schedule: Schedule, posting: Posting, *, settle: bool) -> _Model:
     with paused_gc():  # columns of a million ops: see paused_gc
         model = _Model(schedule, posting, settle=settle)
     _MODELS.insert(0, (schedule, posting, model))
-    del _MODELS[_KEEP:]
+    del _MODELS[_MODELS_KEPT:]
     return model
 
 
+# The last models built: two, each up to 0.4 GB (pp 64, vp 4, m 1,024).
 _MODELS: list[tuple[Schedule, Posting, _Model]] = []
+_MODELS_KEPT = 2
 
 
 class _Model:
     """NCCL's rules for one posting, optionally timed (``time_posting``).
 
     A *unit* is what runs on a stream as one: a batch, or one op of a pairwise batch. Streams
-    are the rank's group stream and, for pairwise ops, one per (rank, peer). Ops are columns
-    (``op_*``, by op id); messages are the compiled program's numbers (``program.Program``) and
-    an op's or a CPU wait's key is ``message * 4 + send * 2 + rest``; a rank's CPU steps are
-    ``value * 4 + code`` (``_POST`` a batch, ``_WAIT`` for a unit, ``_RUN`` a program
-    position)."""
+    are the rank's group stream, its side stream and, for pairwise ops, one per (rank, peer).
+    Batches are the posting's (``_Lowered``'s numbers); ops are numbered in posting order, a
+    batch's from ``op_start[batch]``, and are columns (``op_*``, by op id); messages are the
+    compiled program's numbers (``program.Program``) and an op's or a CPU wait's key is
+    ``message * 4 + send * 2 + rest``; a rank's CPU steps are ``value * 4 + code`` (``_POST`` a
+    batch, ``_WAIT`` for a unit, ``_RUN`` a program position)."""
 
     def __init__(
         self,
