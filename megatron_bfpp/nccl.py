@@ -186,30 +186,43 @@ class Posting:
 
     __slots__ = ("_lowered", "_per_rank", "name")
 
+    name: str
+    _per_rank: tuple[tuple[Step, ...], ...] | None
+    _lowered: _Lowered | None
+
     def __init__(self, name: str, per_rank: tuple[tuple[Step, ...], ...]) -> None:
-        self.name = name
-        self._per_rank: tuple[tuple[Step, ...], ...] | None = per_rank
-        self._lowered: _Lowered | None = None
+        _set(self, "name", name)
+        _set(self, "_per_rank", per_rank)
+        _set(self, "_lowered", None)
 
     @classmethod
     def _compiled(cls, name: str, lowered: _Lowered) -> Posting:
         posting = cls.__new__(cls)
-        posting.name, posting._per_rank, posting._lowered = name, None, lowered
+        _set(posting, "name", name)
+        _set(posting, "_per_rank", None)
+        _set(posting, "_lowered", lowered)
         return posting
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a Posting is immutable: cannot set {name}")
 
     @property
     def per_rank(self) -> tuple[tuple[Step, ...], ...]:
-        if self._per_rank is None:
+        per_rank = self._per_rank
+        if per_rank is None:
             with paused_gc():  # a tuple per batch and item, none freed: see paused_gc
-                self._per_rank = _raised(self.lowered)
-        return self._per_rank
+                per_rank = _raised(self.lowered)
+            _set(self, "_per_rank", per_rank)
+        return per_rank
 
     @property
     def lowered(self) -> _Lowered:
         """The posting as integers (``_Lowered``)."""
-        if self._lowered is None:
-            self._lowered = _lower(self.per_rank)
-        return self._lowered
+        lowered = self._lowered
+        if lowered is None:
+            lowered = _lower(self.per_rank)
+            _set(self, "_lowered", lowered)
+        return lowered
 
     def batches(self, rank: int) -> list[Batch]:
         return [step for step in self.per_rank[rank] if isinstance(step, Batch)]
@@ -231,6 +244,7 @@ class Posting:
         return f"Posting(name={self.name!r}, per_rank={self.per_rank!r})"
 
 
+_set = object.__setattr__  # Posting's own fields, set once (the lazy ones when first read)
 _BLOCKING, _PAIRWISE, _SIDE_BATCH = 1, 2, 4  # ``_Lowered.batch_flags``
 
 
