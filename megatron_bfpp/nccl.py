@@ -514,7 +514,7 @@ class _TickReplay:
             ticks[position] = tick
             self._send(message, tick)
             latest = max(latest, tick)
-        self.deferred[rank], self.settled[rank] = still, latest
+        deferred[:], self.settled[rank] = still, latest  # in place: ``_advance`` holds the list
         return None if still else latest
 
     def _advance(self, rank: int, position: int) -> int:
@@ -526,6 +526,7 @@ class _TickReplay:
         actions, t, ticks = self.schedule.per_rank[rank], self.now[rank], self.ticks[rank]
         message, wait, restores = program.message[rank], program.wait[rank], program.restore[rank]
         sent, transfers = self.sent, rules.transfers
+        deferred, settled = self.deferred[rank], self.settled  # BPipe's transfers (``_resolved``)
         while True:
             if position == len(actions):
                 self._resolved(rank)
@@ -544,7 +545,7 @@ class _TickReplay:
                         self._stop(rank, restore)
                         break
                     ready = max(ready, sent[restore])
-                transfers_in = self._resolved(rank)
+                transfers_in = self._resolved(rank) if deferred else settled[rank]
                 if transfers_in is None:  # resumed when the partner posts (``owner``)
                     break
                 ticks[position] = max(t, ready, transfers_in)
