@@ -58,6 +58,14 @@ names. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream w
 the model proves holds on both. A posting that cannot finish is reported with
 the cycle of waits and the per-rank grid.
 
+A posting is read by the model as integers (``_Lowered``: per rank its steps, per batch its
+items ``position * 2 + rest``, its tick and flags). ``lockstep_posting`` compiles straight into
+that form from the compiled program and the tick replay; the ``Batch`` / ``Item`` steps the
+runtime posts by (``Posting.per_rank``) are made from it when first read, so validation and the
+simulator make no object per batch or item, and what they prove and time is what runs. Other
+postings (written out, megatron-core's) are lowered from their steps. The model's columns are
+built once per posting (``_model``).
+
 What each compute and BPipe transfer waits for is read from ``semantics.Rules``, compiled
 (``program.Program``: ``wait``, ``restore``) or directly (``transfer_waits``, ``awaits``), in the
 tick replay and in the model alike, and ops are paired by ``semantics.match_channels``: the
@@ -66,7 +74,9 @@ rules are stated once, there.
 **Timing** (``posting_timer``, the simulator's ``lockstep`` and ``megatron`` models) runs the
 same model with clocks: computes take their durations, an op completes a message time after both
 halves have started, a batch when all its ops have; the CPU does not settle BPipe's sends after
-the next compute there (on NCCL the runtime polls them), which only the proof keeps.
+the next compute there (on NCCL the runtime polls them), which only the proof keeps. Where no
+send is settled so (all but BPipe), the proof's model and the timer's are one, built once per
+posting (``_model``): validation proves the posting that the simulator then times.
 """
 
 from __future__ import annotations
@@ -75,7 +85,8 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import accumulate, repeat
+from operator import attrgetter
 from typing import NamedTuple
 
 from megatron_bfpp.ir import (
@@ -115,7 +126,7 @@ __all__ = [
 ]
 
 K = ActionKind
-_FREES_OUTPUT = frozenset({K.BACKWARD, K.BACKWARD_INPUT})  # the backward that frees the output
+_FREES = frozenset({K.BACKWARD, K.BACKWARD_INPUT})  # the backward that frees the output
 _UNIT = Timing()
 _SIDE = -2  # the peer of a rank's side stream in ``_Model.streams`` (-1: its group's)
 RS_DELAY = 1  # ticks from an eviction to its return: the payload is in by the end of its tick
@@ -166,12 +177,52 @@ class Wait:
 Step = int | Batch | Wait
 
 
-@dataclass(frozen=True, slots=True)
 class Posting:
-    """Per rank, the order in which the CPU runs the non-p2p actions and posts the batches."""
+    """Per rank, the order in which the CPU runs the non-p2p actions and posts the batches.
+
+    Immutable. Its models read it as integers (``_Lowered``); the lock-step posting is
+    compiled straight into them, and its ``per_rank`` steps are built from them when first
+    read (the runtime reads them; validation and the simulator need only the integers)."""
+
+    __slots__ = ("_lowered", "_per_rank", "name")
 
     name: str
-    per_rank: tuple[tuple[Step, ...], ...]
+    _per_rank: tuple[tuple[Step, ...], ...] | None
+    _lowered: _Lowered | None
+
+    def __init__(self, name: str, per_rank: tuple[tuple[Step, ...], ...]) -> None:
+        _set(self, "name", name)
+        _set(self, "_per_rank", per_rank)
+        _set(self, "_lowered", None)
+
+    @classmethod
+    def _compiled(cls, name: str, lowered: _Lowered) -> Posting:
+        posting = cls.__new__(cls)
+        _set(posting, "name", name)
+        _set(posting, "_per_rank", None)
+        _set(posting, "_lowered", lowered)
+        return posting
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a Posting is immutable: cannot set {name}")
+
+    @property
+    def per_rank(self) -> tuple[tuple[Step, ...], ...]:
+        per_rank = self._per_rank
+        if per_rank is None:
+            with paused_gc():  # a tuple per batch and item, none freed: see paused_gc
+                per_rank = _raised(self.lowered)
+            _set(self, "_per_rank", per_rank)
+        return per_rank
+
+    @property
+    def lowered(self) -> _Lowered:
+        """The posting as integers (``_Lowered``)."""
+        lowered = self._lowered
+        if lowered is None:
+            lowered = _lower(self.per_rank)
+            _set(self, "_lowered", lowered)
+        return lowered
 
     def batches(self, rank: int) -> list[Batch]:
         return [step for step in self.per_rank[rank] if isinstance(step, Batch)]
@@ -179,9 +230,93 @@ class Posting:
     @property
     def has_side(self) -> bool:
         """Whether any rank posts a ``side`` batch (the runtime then makes the pair groups)."""
-        return any(
-            isinstance(step, Batch) and step.side for steps in self.per_rank for step in steps
-        )
+        return any(flags & _SIDE_BATCH for flags in self.lowered.batch_flags)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Posting):
+            return NotImplemented
+        return self is other or (self.name == other.name and self.per_rank == other.per_rank)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.per_rank))
+
+    def __repr__(self) -> str:
+        return f"Posting(name={self.name!r}, per_rank={self.per_rank!r})"
+
+
+_set = object.__setattr__  # Posting's own fields, set once (the lazy ones when first read)
+_BLOCKING, _PAIRWISE, _SIDE_BATCH = 1, 2, 4  # ``_Lowered.batch_flags``
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Lowered:
+    """A posting as integers, what ``_Model`` reads: per rank its steps ``value * 4 + code``
+    (``_RUN`` a program position, ``_POST`` a batch, ``_WAIT`` a ``Wait``: indices into the
+    columns below, all ranks' together); a batch's items are ``position * 2 + rest`` and its
+    flags ``_BLOCKING | _PAIRWISE | _SIDE_BATCH``. Batches are numbered in the order the ranks'
+    steps post them, rank by rank (``_Model`` numbers its batches and ops so). No object per
+    batch or item: a large schedule's posting holds half a million batches and a million
+    items."""
+
+    steps: list[list[int]]
+    batch_items: list[list[int]]
+    batch_tick: list[int]
+    batch_flags: list[int]
+    waits: list[tuple[int, ...]]
+
+
+def _lower(per_rank: tuple[tuple[Step, ...], ...]) -> _Lowered:
+    """``Posting.per_rank`` as integers (``_Lowered``)."""
+    lowered = _Lowered([], [], [], [], [])
+    for steps in per_rank:
+        row: list[int] = []
+        for step in steps:
+            if isinstance(step, int):
+                row.append(step * 4 + _RUN)
+            elif isinstance(step, Wait):
+                row.append(len(lowered.waits) * 4 + _WAIT)
+                lowered.waits.append(step.positions)
+            else:
+                row.append(len(lowered.batch_items) * 4 + _POST)
+                lowered.batch_items.append([p * 2 + rest for p, rest in step.items])
+                lowered.batch_tick.append(step.tick)
+                flags = _BLOCKING * step.blocking | _PAIRWISE * step.pairwise
+                lowered.batch_flags.append(flags | _SIDE_BATCH * step.side)
+        lowered.steps.append(row)
+    return lowered
+
+
+def _raised(lowered: _Lowered) -> tuple[tuple[Step, ...], ...]:
+    """The inverse of ``_lower``: ``Posting.per_rank`` of integers."""
+    items, ticks, flags, waits = (
+        lowered.batch_items,
+        lowered.batch_tick,
+        lowered.batch_flags,
+        lowered.waits,
+    )
+    per_rank = []
+    for row in lowered.steps:
+        steps: list[Step] = []
+        for step in row:
+            code, value = step & 3, step >> 2
+            if code == _RUN:
+                steps.append(value)
+            elif code == _WAIT:
+                steps.append(Wait(waits[value]))
+            else:
+                batch_items = tuple([Item(i >> 1, i & 1 == 1) for i in items[value]])
+                bits = flags[value]
+                steps.append(
+                    Batch(
+                        ticks[value],
+                        batch_items,
+                        bits & _BLOCKING != 0,
+                        bits & _PAIRWISE != 0,
+                        bits & _SIDE_BATCH != 0,
+                    )
+                )
+        per_rank.append(tuple(steps))
+    return tuple(per_rank)
 
 
 # --- lock-step posting --------------------------------------------------------------------------
@@ -192,16 +327,13 @@ def lockstep_posting(schedule: Schedule) -> Posting:
     for kept, posting in _POSTINGS:
         if kept is schedule:
             return posting
-    with paused_gc():  # a tuple per batch and item, none freed: see paused_gc
-        program = compiled(schedule)
+    program = compiled(schedule)
+    lowered = _Lowered([], [], [], [], [])
+    with paused_gc():  # a list per batch, none freed: see paused_gc
         ticks = _unit_ticks(program)
-        posting = Posting(
-            "lock-step",
-            tuple(
-                _lockstep_steps(actions, ticks[rank], program.message[rank])
-                for rank, actions in enumerate(schedule.per_rank)
-            ),
-        )
+        for rank, actions in enumerate(schedule.per_rank):
+            _lockstep_steps(lowered, actions, ticks[rank], program.message[rank])
+    posting = Posting._compiled("lock-step", lowered)
     _POSTINGS.insert(0, (schedule, posting))
     del _POSTINGS[_KEEP:]
     return posting
@@ -212,17 +344,18 @@ _KEEP = 4
 
 
 def _lockstep_steps(
-    actions: tuple[Action, ...], tick_of: list[int], message: list[int]
-) -> tuple[Step, ...]:
-    """One rank's steps of the lock-step posting, from its actions' ticks. Sort keys are
-    ``(tick * 4 + phase) * span + order``: at a tick, its batch (phase 0), its payload batch
-    (1), the GS / PS / RL that follow the compute ending there (2: after its messages, the
-    pipeline's critical path goes first), then the compute starting there (3). A batch's items
-    are (canonical order: the message's number, position, rest), by ``tick * 2 + payload``."""
+    lowered: _Lowered, actions: tuple[Action, ...], tick_of: list[int], message: list[int]
+) -> None:
+    """One rank's steps of the lock-step posting, from its actions' ticks, added to
+    ``lowered``. Sort keys are ``(tick * 4 + phase) * span + order``: at a tick, its batch
+    (phase 0), its payload batch (1), the GS / PS / RL that follow the compute ending there (2:
+    after its messages, the pipeline's critical path goes first), then the compute starting
+    there (3); ``order`` is the position, or a batch's number on the rank. A batch's items
+    are in canonical order (the message's number, position, rest: sort keys
+    ``(message * span + position) * 2 + rest``), by ``tick * 2 + payload``."""
     span = len(actions) + 1
-    by_tick: defaultdict[int, list[tuple[int, int, bool]]] = defaultdict(list)
+    by_tick: defaultdict[int, list[int]] = defaultdict(list)
     keys: list[int] = []
-    steps: list[Step] = []
     restore, load, evict, accept = K.RESTORE, K.LOAD, K.EVICT, K.ACCEPT
     p2p, compute, ticks_of = _P2P, _COMPUTE, TICKS
     end = 0  # the end of the latest compute
@@ -230,30 +363,37 @@ def _lockstep_steps(
         kind = action.kind
         if kind in p2p:
             tick = tick_of[position]
+            item = (message[position] * span + position) * 2
             if kind is restore or kind is load:  # a payload: in the pair's batch
-                by_tick[tick * 2 + 1].append((message[position], position, False))
+                by_tick[tick * 2 + 1].append(item)
                 continue
-            by_tick[tick * 2].append((message[position], position, False))
+            by_tick[tick * 2].append(item)
             if kind is evict or kind is accept:
-                by_tick[tick * 2 + 1].append((message[position], position, True))
+                by_tick[tick * 2 + 1].append(item + 1)
         elif kind in compute:
             tick = tick_of[position]
             keys.append((tick * 4 + 3) * span + position)
-            steps.append(position)
             end = tick + (ticks_of[kind] if kind is not _FB else action_duration(ticks_of, action))
         else:
             keys.append((end * 4 + 2) * span + position)
-            steps.append(position)
-    for key, items in by_tick.items():
-        tick, payload = divmod(key, 2)
-        items.sort(key=_first)  # stable: equal messages keep their program order
-        keys.append((tick * 4 + payload) * span)
-        steps.append(Batch(tick, tuple([Item(p, rest) for _, p, rest in items]), side=payload == 1))
-    order = sorted(range(len(keys)), key=keys.__getitem__)
-    return tuple([steps[i] for i in order])
+    batches = sorted(by_tick)  # by tick, then payload
+    # a batch's key: (tick * 4 + payload) * span + its number among the rank's batches
+    keys += [(key + (key & ~1)) * span + index for index, key in enumerate(batches)]
+    keys.sort()
+    first, per_item = len(lowered.batch_items), 2 * span
+    lowered.steps.append(
+        [
+            low * 4 + _RUN if phase_tick & 2 else (first + low) * 4 + _POST
+            for phase_tick, low in map(divmod, keys, repeat(span))
+        ]
+    )
+    lowered.batch_items.extend(
+        [item % per_item for item in sorted(by_tick[key])] for key in batches
+    )
+    lowered.batch_tick.extend([key >> 1 for key in batches])
+    lowered.batch_flags.extend([_SIDE_BATCH * (key & 1) for key in batches])
 
 
-_first = itemgetter(0)
 _P2P = frozenset(kind for kind in K if kind.is_p2p)
 _COMPUTE = frozenset(kind for kind in K if kind.is_compute)
 
@@ -264,16 +404,17 @@ def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
     which pairs exist cannot depend on a schedule), so a payload batch between other ranks has
     no group to run on. Raises ``ScheduleError`` naming the first such transfer; every rank
     finds the same one, before any communication."""
-    last = schedule.num_ranks - 1
-    for rank, steps in enumerate(posting.per_rank):
+    last, lowered = schedule.num_ranks - 1, posting.lowered
+    for rank, steps in enumerate(lowered.steps):
         for step in steps:
-            if not isinstance(step, Batch) or not step.side:
+            if step & 3 != _POST or not lowered.batch_flags[step >> 2] & _SIDE_BATCH:
                 continue
-            for item in step.items:
-                action = schedule.per_rank[rank][item.position]
+            for item in lowered.batch_items[step >> 2]:
+                position = item >> 1
+                action = schedule.per_rank[rank][position]
                 if action.peer != last - rank:
                     raise ScheduleError(
-                        f"{action} at position {item.position} of pipeline rank {rank} moves "
+                        f"{action} at position {position} of pipeline rank {rank} moves "
                         f"activations between ranks {rank} and {action.peer}, but the runtime "
                         f"runs such transfers only between partners x and {last}-x (BPipe's "
                         f"pairs): give rank {rank} the partner {last - rank}"
@@ -373,7 +514,7 @@ class _TickReplay:
             ticks[position] = tick
             self._send(message, tick)
             latest = max(latest, tick)
-        self.deferred[rank], self.settled[rank] = still, latest
+        deferred[:], self.settled[rank] = still, latest  # in place: ``_advance`` holds the list
         return None if still else latest
 
     def _advance(self, rank: int, position: int) -> int:
@@ -385,6 +526,7 @@ class _TickReplay:
         actions, t, ticks = self.schedule.per_rank[rank], self.now[rank], self.ticks[rank]
         message, wait, restores = program.message[rank], program.wait[rank], program.restore[rank]
         sent, transfers = self.sent, rules.transfers
+        deferred, settled = self.deferred[rank], self.settled  # BPipe's transfers (``_resolved``)
         while True:
             if position == len(actions):
                 self._resolved(rank)
@@ -403,7 +545,7 @@ class _TickReplay:
                         self._stop(rank, restore)
                         break
                     ready = max(ready, sent[restore])
-                transfers_in = self._resolved(rank)
+                transfers_in = self._resolved(rank) if deferred else settled[rank]
                 if transfers_in is None:  # resumed when the partner posts (``owner``)
                     break
                 ticks[position] = max(t, ready, transfers_in)
@@ -524,8 +666,10 @@ class PostingRun(NamedTuple):
 def check_posting(schedule: Schedule, posting: Posting) -> None:
     """Run ``posting`` under NCCL's rules (module docstring); raise a ScheduleError naming the
     cycle of waits, above the grid, if it cannot finish."""
+    model = _model(schedule, posting, settle=True)
+    model.timing = None  # a model kept from a timed run: untimed again
     with paused_gc():  # columns of a million ops: see paused_gc
-        _Model(schedule, posting).run()
+        model.run()
 
 
 def time_posting(schedule: Schedule, posting: Posting, timing: Timing = _UNIT) -> PostingRun:
@@ -555,20 +699,44 @@ def posting_timer(schedule: Schedule, posting: Posting) -> Callable[[Timing], Po
     the next compute: on NCCL the runtime polls them (``PipeComm.reap``) instead, so they cost
     no time there. A CPU that waits for a batch stands for a GPU stream that waits for it: the
     times are the same, the CPU only enqueues earlier."""
-    with paused_gc():
-        model = _Model(schedule, posting, settle=False)
-    return model.timed
+    return _model(schedule, posting, settle=False).timed
+
+
+def _model(schedule: Schedule, posting: Posting, *, settle: bool) -> _Model:
+    """The model of ``posting``, built once while it is among the last two modelled: validation
+    proves the posting that the simulator then times. The proof's model (``settle``) serves
+    the timer too, and the other way round, where no BPipe send is settled after a compute
+    (``_Model.settles``): the two then have the same steps, and ``run`` starts afresh. A kept
+    model holds its memory until two more postings are modelled (the runtime's proof too)."""
+    for kept_schedule, kept_posting, model in _MODELS:
+        if (
+            kept_posting is posting
+            and kept_schedule is schedule
+            and (model.settle == settle or not model.settles)
+        ):
+            return model
+    with paused_gc():  # columns of a million ops: see paused_gc
+        model = _Model(schedule, posting, settle=settle)
+    _MODELS.insert(0, (schedule, posting, model))
+    del _MODELS[_MODELS_KEPT:]
+    return model
+
+
+# The last models built: two, each up to 0.4 GB (pp 64, vp 4, m 1,024).
+_MODELS: list[tuple[Schedule, Posting, _Model]] = []
+_MODELS_KEPT = 2
 
 
 class _Model:
     """NCCL's rules for one posting, optionally timed (``time_posting``).
 
     A *unit* is what runs on a stream as one: a batch, or one op of a pairwise batch. Streams
-    are the rank's group stream and, for pairwise ops, one per (rank, peer). Ops are columns
-    (``op_*``, by op id); messages are the compiled program's numbers (``program.Program``) and
-    an op's or a CPU wait's key is ``message * 4 + send * 2 + rest``; a rank's CPU steps are
-    ``value * 4 + code`` (``_POST`` a batch, ``_WAIT`` for a unit, ``_RUN`` a program
-    position)."""
+    are the rank's group stream, its side stream and, for pairwise ops, one per (rank, peer).
+    Batches are the posting's (``_Lowered``'s numbers); ops are numbered in posting order, a
+    batch's from ``op_start[batch]``, and are columns (``op_*``, by op id); messages are the
+    compiled program's numbers (``program.Program``) and an op's or a CPU wait's key is
+    ``message * 4 + send * 2 + rest``; a rank's CPU steps are ``value * 4 + code`` (``_POST`` a
+    batch, ``_WAIT`` for a unit, ``_RUN`` a program position)."""
 
     def __init__(
         self,
@@ -582,20 +750,28 @@ class _Model:
         self.program = compiled(schedule)
         self.rules = self.program.rules
         num_ranks = schedule.num_ranks
-        self.op_unit: list[int] = []  # the unit it runs in: its batch, or itself if pairwise
+        lowered = posting.lowered
+        items = lowered.batch_items
+        # ops, numbered in posting order (rank by rank: ``_Lowered``), a batch's in a row
+        self.op_start = [0, *accumulate(map(len, items))]  # per batch, its first op
+        self.op_position = [item >> 1 for batch in items for item in batch]
         self.op_key: list[int] = []  # message * 4 + send * 2 + rest (an eviction's payload)
-        self.op_peer: list[int] = []
-        self.op_position: list[int] = []
-        self.batch_units: list[list[int]] = []
+        # batches are the posting's (``_Lowered``'s numbers)
+        self.batch_tick = lowered.batch_tick
         self.batch_rank: list[int] = []
         self.batch_index: list[int] = []  # the batch's number on its rank
-        self.batch_tick: list[int] = []
+        self.batch_units: list[list[int]] = []
         self.unit_ops: list[list[int]] = []
         self.unit_batch: list[int] = []
         self.unit_stream: list[int] = []
         self.streams: dict[tuple[int, int], int] = {}  # (rank, peer; -1 for the group) -> id
+        self.rank_batches = [0]  # per rank, its first batch (one more: the end)
+        self._units()
+        # the unit it runs in: its batch's, or its own if pairwise
+        self.op_unit = [unit for unit, ops in enumerate(self.unit_ops) for _ in ops]
         # (sender, receiver, send) -> its ops in posting order (``_match``)
         self.channels: dict[tuple[int, int, bool], list[int]] = {}
+        self.settles = False  # whether a send is settled after a compute (``settle`` or not)
         self.steps: list[list[int]] = [self._rank_steps(rank) for rank in range(num_ranks)]
         self.partner = self._match()
 
@@ -603,114 +779,174 @@ class _Model:
     def _stream(self, rank: int, peer: int) -> int:
         return self.streams.setdefault((rank, peer), len(self.streams))
 
-    def _unit(self, batch: int, stream: int) -> int:
-        unit = len(self.unit_ops)
-        self.unit_ops.append([])
-        self.unit_batch.append(batch)
-        self.unit_stream.append(stream)
-        self.batch_units[batch].append(unit)
-        return unit
+    def _units(self) -> None:
+        """Per batch its rank, number there and units: one on the rank's group (or side)
+        stream, or if ``pairwise`` one per op, on the stream of its (rank, peer) pair."""
+        lowered, starts, positions = self.posting.lowered, self.op_start, self.op_position
+        flags, unit_ops, programs = lowered.batch_flags, self.unit_ops, self.schedule.per_rank
+        for rank, row in enumerate(lowered.steps):
+            group = self._stream(rank, -1)
+            posted = [step >> 2 for step in row if step & 3 == _POST]
+            self.rank_batches.append(len(self.batch_rank) + len(posted))
+            self.batch_rank += [rank] * len(posted)
+            self.batch_index += range(len(posted))
+            if not any(flags[batch] & _PAIRWISE for batch in posted):  # a unit per batch
+                side = (
+                    [self._stream(rank, _SIDE)]
+                    if any(flags[b] & _SIDE_BATCH for b in posted)
+                    else []
+                )
+                streams = [group, *side]
+                first = len(unit_ops)
+                self.batch_units += [[unit] for unit in range(first, first + len(posted))]
+                unit_ops += [list(range(starts[batch], starts[batch + 1])) for batch in posted]
+                self.unit_batch += posted
+                self.unit_stream += [streams[flags[batch] & _SIDE_BATCH != 0] for batch in posted]
+                continue
+            for batch in posted:
+                bits, units = flags[batch], list[int]()
+                self.batch_units.append(units)
+                if bits & _PAIRWISE:
+                    ops = [[op] for op in range(starts[batch], starts[batch + 1])]
+                    peers = [programs[rank][positions[op]].peer or 0 for [op] in ops]
+                    streams = [self._stream(rank, peer) for peer in peers]
+                else:
+                    ops = [list(range(starts[batch], starts[batch + 1]))]
+                    streams = [self._stream(rank, _SIDE) if bits & _SIDE_BATCH else group]
+                units += range(len(unit_ops), len(unit_ops) + len(ops))
+                unit_ops += ops
+                self.unit_batch += [batch] * len(ops)
+                self.unit_stream += streams
 
     def _rank_steps(self, rank: int) -> list[int]:
-        """``rank``'s CPU steps: its posting, with the waits each step needs first."""
-        actions, messages = self.schedule.per_rank[rank], self.program.message[rank]
-        transfers, compute = self.rules.transfers, _COMPUTE
-        holder: dict[int, int] = {}  # op key -> the unit running it; a CPU waits for units
-        unit_at: dict[int, int] = {}  # program position -> the unit running its op
-        steps: list[int] = []
-        unsettled: list[int] = []
-        index = 0  # the rank's batches, numbered from 0
-        group = self._stream(rank, -1)
-        add_step, unit_ops, channels = steps.append, self.unit_ops, self.channels
-        add_unit, add_key = self.op_unit.append, self.op_key.append
-        add_peer, add_position = self.op_peer.append, self.op_position.append
-        for step in self.posting.per_rank[rank]:
-            if isinstance(step, int):
-                if actions[step].kind in compute:
-                    self._compute_waits(rank, step, holder, steps)
-                    add_step(step * 4 + _RUN)
-                    if self.settle:  # gloo: a transfer's send is settled after the next compute
-                        steps.extend(unit * 4 + _WAIT for unit in unsettled)
-                        unsettled = []
-                else:
-                    add_step(step * 4 + _RUN)
-                continue
-            if isinstance(step, Wait):
-                for position in step.positions:
-                    if position not in unit_at:
-                        raise self._error(
-                            f"rank {rank} waits for step {position}, which no earlier batch posts",
-                            {(rank, position): "ERROR HERE"},
-                        )
-                    add_step(unit_at[position] * 4 + _WAIT)
-                continue
-            batch = len(self.batch_units)
-            self.batch_units.append([])
-            self.batch_rank.append(rank)
-            self.batch_index.append(index)
-            self.batch_tick.append(step.tick)
-            index += 1
-            stream = self._stream(rank, _SIDE) if step.side else group
-            unit = -1 if step.pairwise else self._unit(batch, stream)
-            for position, rest in step.items:
-                action = actions[position]
-                kind = action.kind
-                send = kind in _SENDS
-                peer = action.peer or 0
-                if kind in transfers:
-                    self._transfer_waits(action, rest, holder, steps)
-                op_unit = self._unit(batch, self._stream(rank, peer)) if unit < 0 else unit
-                if send and kind in transfers and self.rules.awaits(action):
-                    unsettled.append(op_unit)
-                key = messages[position] * 4 + send * 2 + rest
-                holder[key] = unit_at[position] = op_unit
-                op_id = len(self.op_key)
-                unit_ops[op_unit].append(op_id)
-                channel = (rank, peer, True) if send else (peer, rank, False)
-                if (members := channels.get(channel)) is None:
-                    members = channels[channel] = []
-                members.append(op_id)
-                add_unit(op_unit)
-                add_key(key)
-                add_peer(peer)
-                add_position(position)
-            add_step(batch * 4 + _POST)
-            if step.blocking:
-                steps.extend(unit * 4 + _WAIT for unit in self.batch_units[batch])
-        steps.extend(unit * 4 + _WAIT for unit in sorted(set(holder.values())))
-        return steps
-
-    def _compute_waits(
-        self, rank: int, position: int, holder: dict[int, int], steps: list[int]
-    ) -> None:
-        """A compute's waits: the batches holding what it consumes (``Rules``' tables as
+        """``rank``'s CPU steps: its posting (``_Lowered``), with the waits each step needs
+        first. A compute's waits: the batches holding what it consumes (``Rules``' tables as
         compiled: ``Program.wait`` and ``Program.restore``), and the send of its output before
         the backward that frees it (megatron-core's ``deallocate_pipeline_outputs``;
-        runtime/backward.py). A composite's: each of its parts', all before it runs (the
+        runtime/backward.py); a composite's: each of its parts', all before it runs (the
         composite rule)."""
-        program, action = self.program, self.schedule.per_rank[rank][position]
-        kind, stage, mb = action.kind, action.stage, action.microbatch or 0
-        needs = []
-        if (need := program.wait[rank][position]) >= 0:
-            needs.append(need * 4)
-        if (restore := program.restore[rank].get(position, -1)) >= 0:
-            needs.append(restore * 4)
-        if kind in _FREES_OUTPUT and not self.schedule.layout.is_last(stage):
-            needs.append(program.id(ACT, stage, mb) * 4 + 2)
-        if kind is _FB:
-            needs += self._parts_needs(action)
-        for key in needs:
-            if (unit := holder.get(key)) is not None:
-                steps.append(unit * 4 + _WAIT)
+        lowered, program, actions = self.posting.lowered, self.program, self.schedule.per_rank[rank]
+        wait, restores, compute, frees = program.wait[rank], program.restore[rank], _COMPUTE, _FREES
+        last, mbs = self.schedule.num_stages - 1, program.microbatches
+        act = ACT * program.stage_span  # an activation's id: (act + stage + 1) * mbs + mb
+        first, end = self._op_keys(rank)
+        moves = not self.rules.transfers.keys().isdisjoint(map(_kind_of, actions))
+        holder: dict[int, int] = {}  # op key -> the unit running it; a CPU waits for units
+        unit_at: dict[int, int] | None = {} if lowered.waits else None  # position -> unit
+        steps: list[int] = []
+        unsettled: list[int] = []  # BPipe's sends the next compute settles (``settle``)
+        add_step, get = steps.append, holder.get
+        starts, keys, op_unit = self.op_start, self.op_key, self.op_unit
+        for step in lowered.steps[rank]:
+            code, value = step & 3, step >> 2
+            if code == _POST:
+                if moves or unit_at is not None:
+                    self._post(rank, value, holder, unit_at, steps, unsettled)
+                else:
+                    for op in range(starts[value], starts[value + 1]):
+                        holder[keys[op]] = op_unit[op]
+                add_step(step)
+                if lowered.batch_flags[value] & _BLOCKING:
+                    steps.extend(unit * 4 + _WAIT for unit in self.batch_units[value])
+            elif code == _WAIT:
+                self._wait_for(rank, lowered.waits[value], unit_at or {}, steps)
+            elif (kind := actions[value].kind) not in compute:
+                add_step(step)
+            else:
+                if (need := wait[value]) >= 0 and (unit := get(need * 4)) is not None:
+                    add_step(unit * 4 + _WAIT)
+                if restores and (unit := get(restores.get(value, -1) * 4)) is not None:
+                    add_step(unit * 4 + _WAIT)  # the restore of an LD's activations
+                if kind in frees and (action := actions[value]).stage != last:
+                    need = (act + action.stage + 1) * mbs + (action.microbatch or 0)
+                    if (unit := get(need * 4 + 2)) is not None:
+                        add_step(unit * 4 + _WAIT)
+                if kind is _FB:
+                    for key in self._parts_needs(actions[value]):
+                        if (unit := get(key)) is not None:
+                            add_step(unit * 4 + _WAIT)
+                add_step(step)
+                if unsettled:  # gloo: a transfer's send is settled after the next compute
+                    self.settles = True
+                    if self.settle:
+                        steps.extend(unit * 4 + _WAIT for unit in unsettled)
+                    unsettled.clear()
+        steps.extend(unit * 4 + _WAIT for unit in sorted(set(holder.values())))
+        self._channels(rank, first, end)
+        return steps
+
+    def _op_keys(self, rank: int) -> tuple[int, int]:
+        """Fill ``op_key`` for ``rank``'s ops; their ids, ``first`` to ``end``."""
+        actions, messages = self.schedule.per_rank[rank], self.program.message[rank]
+        items, send = self.posting.lowered.batch_items, _SEND_BIT
+        batches = items[self.rank_batches[rank] : self.rank_batches[rank + 1]]
+        first = len(self.op_key)
+        self.op_key += [
+            messages[item >> 1] * 4 + send[actions[item >> 1].kind] + (item & 1)
+            for batch in batches
+            for item in batch
+        ]
+        return first, len(self.op_key)
+
+    def _post(
+        self,
+        rank: int,
+        batch: int,
+        holder: dict[int, int],
+        unit_at: dict[int, int] | None,
+        steps: list[int],
+        unsettled: list[int],
+    ) -> None:
+        """Note the ops of a batch of ``rank``'s as posted, after the waits of its BPipe
+        transfers (in order: an op may wait for one before it)."""
+        actions, transfers = self.schedule.per_rank[rank], self.rules.transfers
+        for op in range(self.op_start[batch], self.op_start[batch + 1]):
+            position, unit = self.op_position[op], self.op_unit[op]
+            action = actions[position]
+            if action.kind in transfers:
+                self._transfer_waits(action, self.op_key[op] & 1 == 1, holder, steps)
+                if action.kind in _SENDS and self.rules.awaits(action):
+                    unsettled.append(unit)
+            holder[self.op_key[op]] = unit
+            if unit_at is not None:
+                unit_at[position] = unit
+
+    def _wait_for(
+        self, rank: int, positions: tuple[int, ...], unit_at: dict[int, int], steps: list[int]
+    ) -> None:
+        """A ``Wait``: for the units of these positions' ops, posted earlier."""
+        for position in positions:
+            if position not in unit_at:
+                raise self._error(
+                    f"rank {rank} waits for step {position}, which no earlier batch posts",
+                    {(rank, position): "ERROR HERE"},
+                )
+            steps.append(unit_at[position] * 4 + _WAIT)
+
+    def _channels(self, rank: int, first: int, end: int) -> None:
+        """Add ``rank``'s ops ``first`` to ``end`` to their channels, in posting order."""
+        actions, positions, keys, channels = (
+            self.schedule.per_rank[rank],
+            self.op_position,
+            self.op_key,
+            self.channels,
+        )
+        mine: dict[int, list[int]] = {}  # peer * 2 + send -> the channel's ops
+        for op in range(first, end):
+            peer, send = actions[positions[op]].peer or 0, keys[op] >> 1 & 1
+            if (members := mine.get(peer * 2 + send)) is None:
+                members = mine[peer * 2 + send] = []
+                channels[(rank, peer, True) if send else (peer, rank, False)] = members
+            members.append(op)
 
     def _parts_needs(self, composite: Action) -> list[int]:
-        """``_compute_waits``' keys of a composite's parts: their messages and a backward's
+        """``_rank_steps``' wait keys of a composite's parts: their messages and a backward's
         output send (its restore is its position's)."""
         program, needs = self.program, []
         for part in parts(composite):
             if (need := program.wait_of(part)) >= 0:
                 needs.append(need * 4)
-            if part.kind in _FREES_OUTPUT and not self.schedule.layout.is_last(part.stage):
+            if part.kind in _FREES and not self.schedule.layout.is_last(part.stage):
                 needs.append(program.id(ACT, part.stage, part.microbatch or 0) * 4 + 2)
         return needs
 
@@ -731,7 +967,7 @@ class _Model:
     def _match(self) -> list[int]:
         """Pair each op with its partner (``semantics.match_channels``: by posting order, the
         order in which ``_rank_steps`` filled ``channels``)."""
-        op_key, op_peer, channels = self.op_key, self.op_peer, self.channels
+        op_key, channels = self.op_key, self.channels
         partner = [-1] * len(op_key)
         for (src, dst, send), op_ids in channels.items():
             if not send:  # receives: matched from their sends
@@ -750,7 +986,7 @@ class _Model:
             if other_id < 0:
                 raise self._error(
                     f"rank {self._op_rank(op_id)} receives {self._what_text(op_id)} from rank "
-                    f"{op_peer[op_id]}, which never sends it",
+                    f"{self._op_peer(op_id)}, which never sends it",
                     {(self._op_rank(op_id), self.op_position[op_id]): "ERROR HERE"},
                 )
         return partner
@@ -846,8 +1082,10 @@ class _Model:
         ]
 
     def _advance(self, rank: int) -> None:
-        steps, pc = self.steps[rank], self.pc[rank]
+        steps, pc, timed = self.steps[rank], self.pc[rank], bool(self.durations)
         end, unit_done, unit_end, cpu = len(steps), self.unit_done, self.unit_end, self.cpu
+        posted, post_time, batch_units = self.posted, self.post_time, self.batch_units
+        queues, unit_stream, start, run = self.queues, self.unit_stream, self._start, self._run
         while pc < end:
             step = steps[pc]
             code, value = step & 3, step >> 2
@@ -858,15 +1096,15 @@ class _Model:
                 if unit_end[value] > cpu[rank]:
                     cpu[rank] = unit_end[value]
             elif code == _POST:
-                self.posted[value] = 1
-                self.post_time[value] = cpu[rank]
-                for unit in self.batch_units[value]:
-                    queue = self.queues[self.unit_stream[unit]]
+                posted[value] = 1
+                post_time[value] = cpu[rank]
+                for unit in batch_units[value]:
+                    queue = queues[unit_stream[unit]]
                     queue.append(unit)
                     if len(queue) == 1:
-                        self._start(unit)
-            elif self.durations:
-                self._run(rank, value)
+                        start(unit)
+            elif timed:
+                run(rank, value)
             pc += 1
         self.pc[rank] = pc
 
@@ -881,12 +1119,14 @@ class _Model:
             return
         now = self.cpu[rank]
         if kind in _COMPUTE:
-            start = now
-            if kind is _FB:  # the composite rule: both parts' stages gathered
-                gathers = [self.ps_done[rank].pop(part.stage, None) for part in parts(action)]
+            start, gathered, ps_done = now, None, self.ps_done[rank]
+            if not ps_done:
+                pass  # no gather pending
+            elif kind is _FB:  # the composite rule: both parts' stages gathered
+                gathers = [ps_done.pop(part.stage, None) for part in parts(action)]
                 gathered = max((g for g in gathers if g is not None), default=None)
             else:
-                gathered = self.ps_done[rank].pop(action.stage, None)
+                gathered = ps_done.pop(action.stage, None)
             if gathered is not None and gathered > start:
                 self.gather_wait[rank] += gathered - start
                 start = gathered
@@ -902,23 +1142,24 @@ class _Model:
         self.records[rank].append((start, start + duration, position))
 
     def _start(self, first: int) -> None:
-        """Start a unit; completing units start their successors (no recursion)."""
+        """Start a unit; completing units start their successors (no recursion) and wake the
+        CPU waiting for them."""
         starting = [first]
         op_unit, op_time, partner, left = self.op_unit, self.op_time, self.partner, self.left
         started, start_time, unit_end = self.started, self.start_time, self.unit_end
-        unit_active, stream_free = self.unit_active, self.stream_free
+        unit_active, stream_free, unit_stream = self.unit_active, self.stream_free, self.unit_stream
+        post_time, unit_batch, unit_ops = self.post_time, self.unit_batch, self.unit_ops
         while starting:
             unit = starting.pop()
             started[unit] = 1
-            stream = self.unit_stream[unit]
-            start = self.post_time[self.unit_batch[unit]]
-            if stream_free[stream] > start:
-                start = stream_free[stream]
+            start = post_time[unit_batch[unit]]
+            if stream_free[unit_stream[unit]] > start:
+                start = stream_free[unit_stream[unit]]
             start_time[unit] = start
             if start > unit_end[unit]:
                 unit_end[unit] = start
             finished = [] if left[unit] else [unit]
-            for op_id in self.unit_ops[unit]:
+            for op_id in unit_ops[unit]:
                 other = op_unit[partner[op_id]]
                 if other == unit:  # a rank messaging itself: never in a valid schedule
                     left[unit] -= 1
@@ -929,28 +1170,34 @@ class _Model:
                     continue
                 begin = start if start > start_time[other] else start_time[other]
                 end = begin + op_time[op_id]
-                for u in (unit, other):
-                    if end > unit_end[u]:
-                        unit_end[u] = end
-                    if begin < unit_active[u]:
-                        unit_active[u] = begin
-                    left[u] -= 1
-                    if not left[u]:
-                        finished.append(u)
-            for u in finished:
-                self._finish(u, starting)
+                if end > unit_end[unit]:
+                    unit_end[unit] = end
+                if begin < unit_active[unit]:
+                    unit_active[unit] = begin
+                left[unit] -= 1
+                if not left[unit]:
+                    finished.append(unit)
+                if end > unit_end[other]:
+                    unit_end[other] = end
+                if begin < unit_active[other]:
+                    unit_active[other] = begin
+                left[other] -= 1
+                if not left[other]:
+                    finished.append(other)
+            for done in finished:
+                self._finish(done, starting)
 
     def _finish(self, unit: int, starting: list[int]) -> None:
         self.unit_done[unit] = 1
         stream = self.unit_stream[unit]
-        self.stream_free[stream] = self.unit_end[unit]
+        self.stream_free[stream] = end = self.unit_end[unit]
         queue = self.queues[stream]
         queue.popleft()
         if queue:
             starting.append(queue[0])
         batch = self.unit_batch[unit]
-        if self.unit_end[unit] > self.done_time[batch]:
-            self.done_time[batch] = self.unit_end[unit]
+        if end > self.done_time[batch]:
+            self.done_time[batch] = end
         woken = self.waiter.pop(unit, None)
         if woken is not None:
             self.ready.append(woken)
@@ -1073,7 +1320,7 @@ class _Model:
         batch = self.unit_batch[unit]
         text = " ".join(
             f"{'S' if self.op_key[op] & 2 else 'R'} {self._what_text(op)}"
-            f"{'>' if self.op_key[op] & 2 else '<'}{self.op_peer[op]}"
+            f"{'>' if self.op_key[op] & 2 else '<'}{self._op_peer(op)}"
             for op in self.unit_ops[unit]
         )
         tick = self.batch_tick[batch]
@@ -1082,6 +1329,9 @@ class _Model:
 
     def _op_rank(self, op_id: int) -> int:
         return self.batch_rank[self.unit_batch[self.op_unit[op_id]]]
+
+    def _op_peer(self, op_id: int) -> int:
+        return self.schedule.per_rank[self._op_rank(op_id)][self.op_position[op_id]].peer or 0
 
     def _what_text(self, op_id: int) -> str:
         key = self.op_key[op_id]
@@ -1096,3 +1346,5 @@ class _Model:
 
 _POST, _WAIT, _RUN = 0, 1, 2  # a CPU step's code (``_Model``)
 _SENDS = frozenset(kind for kind in K if kind.is_send)
+_SEND_BIT = {kind: 2 * kind.is_send for kind in K}  # an op key's send bit
+_kind_of = attrgetter("kind")

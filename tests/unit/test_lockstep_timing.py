@@ -425,3 +425,27 @@ def test_v_shape_loss_delivery_follows_the_data_parallel_reduction() -> None:
     result = simulate(add_grad_sync(schedule), costs)
     assert result.step_time == 8.5
     assert [rank.end_time for rank in result.per_rank] == [8.5, 8.5]
+
+
+@pytest.mark.parametrize("name", ["breadth-first", "bpipe", "v-zb"])
+def test_a_proven_model_times_as_a_fresh_one(name: str) -> None:
+    """The proof's model serves the timer (``nccl._model``): timed after an untimed run, and
+    proven again after a timed one, a posting's timings are those of a model built afresh."""
+    from megatron_bfpp import nccl
+
+    chunks = {"num_chunks": 2} if name == "breadth-first" else {}
+    schedule = build_schedule(name, num_ranks=4, num_microbatches=8, **chunks)
+    posting = lockstep_posting(schedule)
+    timing = Timing(forward=1, backward=2, p2p=0.5, transfer=1.5, grad_sync=3, param_sync=1)
+
+    def figures() -> tuple[object, ...]:
+        run = time_posting(schedule, posting, timing)
+        return run.clock, run.dp_end, run.busy, run.gather_wait, run.events()
+
+    nccl._MODELS.clear()
+    fresh = figures()
+    nccl._MODELS.clear()
+    check_posting(schedule, posting)
+    assert figures() == fresh
+    check_posting(schedule, posting)
+    assert figures() == fresh
