@@ -120,6 +120,7 @@ __all__ = [
     "lockstep_posting",
     "nccl_report",
     "posting_timer",
+    "release_models",
     "time_posting",
     "validate_nccl",
     "written_posting",
@@ -725,6 +726,12 @@ def _model(schedule: Schedule, posting: Posting, *, settle: bool) -> _Model:
 # The last models built: two, each up to 0.4 GB (pp 64, vp 4, m 1,024).
 _MODELS: list[tuple[Schedule, Posting, _Model]] = []
 _MODELS_KEPT = 2
+
+
+def release_models() -> None:
+    """Drop the kept models: a training process proves its posting once and never times it,
+    so it need not hold the model's columns through training."""
+    _MODELS.clear()
 
 
 class _Model:

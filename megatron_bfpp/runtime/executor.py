@@ -34,7 +34,7 @@ import torch
 from megatron_bfpp.compat import forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule, parts
 from megatron_bfpp.messages import Message, What, message_of
-from megatron_bfpp.nccl import Batch, Posting, validate_nccl
+from megatron_bfpp.nccl import Batch, Posting, release_models, validate_nccl
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
 from megatron_bfpp.runtime.backward import whole_backward
@@ -234,8 +234,11 @@ class PlannedSchedule:
 def planned(schedule: Schedule) -> PlannedSchedule:
     """``schedule`` with its lock-step posting, proven under NCCL's rules with payloads
     between partner pairs only (``nccl.validate_nccl``): every rank derives the same one, so a
-    failure is the same error everywhere, before any communication."""
-    return PlannedSchedule(schedule, validate_nccl(schedule))
+    failure is the same error everywhere, before any communication. The proof's model is not
+    kept (``nccl.release_models``): a training process never times its posting."""
+    posting = validate_nccl(schedule)
+    release_models()
+    return PlannedSchedule(schedule, posting)
 
 
 class _Executor:
