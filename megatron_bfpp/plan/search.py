@@ -53,7 +53,7 @@ from megatron_bfpp.schedules.registry import (
     planned_schedules,
 )
 from megatron_bfpp.sim import CostModel, SimResult, simulate
-from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL
+from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, steady_lengths
 
 __all__ = [
     "MEGATRON_SCHEDULES",
@@ -645,23 +645,20 @@ def _simulated_ns(
             steps[length] = _step(c, length, costs, p2p, grad_reduce, budget).step_time
         return steps[length]
 
-    attempts = ((p, p + m % p), (p, 2 * p + m % p), (2 * p, 2 * p + m % (2 * p)))
-    first = attempts[0][1]
+    attempts = steady_lengths(m, p)  # bfpp-sim's (sim.simulate_steady), congruent to m
     # The whole schedule when it is no longer than attempt 1's three lengths together: as
     # exact, and no dearer even when the line holds.
-    whole = m <= 3 * (first + p)
+    whole = not attempts or m <= sum(attempts[0])
     if budget is not None:  # the cheapest timing: attempt 1's three lengths, else the whole
-        cheapest = (m,) if whole else (first, first + p, first + 2 * p)
+        cheapest = (m,) if whole else attempts[0]
         budget.require(num_ranks=c.pp, stages_per_rank=c.vp, lengths=cheapest)
-    for period, first in attempts:
-        if whole or m <= first + 2 * period:
-            break
-        line = [step_at(length) for length in (first, first + period, first + 2 * period)]
+    for lengths in () if whole else attempts:
+        line = [step_at(length) for length in lengths]
         slope = line[1] - line[0]
         # On one line: exactly with integer durations; within float rounding while a stage's
         # share (1/vp of a full stage) makes the simulator's sums inexact.
         if abs(line[2] - line[1] - slope) <= 1e-9 * line[2]:
-            step = line[0] + (m - first) // period * slope
+            step = line[0] + (m - lengths[0]) // (lengths[1] - lengths[0]) * slope
             busy = _busy(c, m, costs)
             return step, (step - busy) / step if step > 0 else 0.0
     if m > EXACT_UP_TO * p:

@@ -322,7 +322,9 @@ def simulate_steady(
     turn). Lines are no proof that nothing bends later: where each rank's compute end grows by
     exactly the busiest rank's compute per period (bound by compute) three lengths are taken,
     otherwise (bound by messages or a data-parallel lane) a fourth one must lie on the lines
-    too. Else, or below ``STEADY_FROM_ACTIONS``, the step is timed whole. Memory always comes
+    too. Else, below ``STEADY_FROM_ACTIONS``, or where the first three lengths together are not
+    shorter than m (no cheaper), the step is timed whole. The planner reads its steps off the
+    same lengths (``plan.search._simulated_ns``). Memory always comes
     from ``schedule``'s own program order, and its events, when asked for, from timing it whole.
     ``scripts/bench_steady.py`` measures the figures against whole steps.
     """
@@ -394,7 +396,10 @@ def _steady_clocks(
             runs[n] = (run.compute_end, run.dp_end, run.busy, run.gather_wait)
         return runs[n]
 
-    for lengths in steady_lengths(m, period):
+    attempts = steady_lengths(m, period)
+    if not attempts or m <= sum(attempts[0]):  # timing it whole is no dearer
+        return None
+    for lengths in attempts:
         step = lengths[1] - lengths[0]
         points = [clocks_at(n) for n in lengths]
         if any(point is None for point in points):
