@@ -2,82 +2,14 @@
 schedules, as an ``nccl.Posting``, so that Megatron's own baselines are checked and timed by
 what Megatron runs rather than by our runtime's lock-step posting.
 
-megatron-core (read in 0.16.1 and 0.19.2, ``megatron/core/pipeline_parallel/schedules.py`` and
-``p2p_communication.py``) posts at most one call of ``P2PCommunicator._communicate`` per
-pipeline step: the sends of the compute just run and the receives for a later one, to and from
-the two neighbour ranks only (send_forward_recv_backward, send_backward_recv_forward,
-send_forward_recv_forward, ...). Each call is
-
-* batched (``batch_p2p_comm``, megatron-core's default): one ``batch_isend_irecv`` with the ops
-  in the order send-to-previous, receive-from-previous, send-to-next, receive-from-next, waited
-  right away (``req.wait()`` for each op, then ``torch.cuda.synchronize()`` with
-  ``batch_p2p_sync``, which on a GPU makes it a host wait; the model already waits on the host);
-* or non-batched (``_p2p_ops``): ``isend`` / ``irecv`` one by one, an even pipeline rank
-  send-next, receive-previous, send-previous, receive-next and an odd one receive-previous,
-  send-next, receive-next, send-previous, so that each pair of ranks meets head to head; waited
-  right away, except in the interleaved schedule with ``overlap_p2p_comm``, which keeps the
-  requests and waits for each later: a receive just before the compute that consumes it (the
-  oldest outstanding one, ``pp_pre_forward`` / ``pp_pre_backward`` and the cool-down), a send
-  after posting the next send in the same direction, or, from 0.18 with
-  ``deallocate_pipeline_outputs`` (Megatron-LM sets it), a forward send right after posting it
-  (``wait_forward_sends``); the last backward send after the cool-down.
-
-Which receive a step posts follows megatron-core's rules, not the schedule's needs: every rank
-receives for its next forward (backward) except the rank leading that direction (the first rank
-forwards, the last backward), which receives from the ending rank what that rank sends p - 1
-steps after it (``recv_tensor_from_previous_stage``) and buffers it; the last step of each phase
-receives nothing; 1F1B's steady state pairs a forward's send with the next backward's receive
-and a backward's send with the next forward's receive; the interleaved schedule without overlap
-pairs all four in one call in steady state and at the last warm-up step.
-
-``megatron_posting`` derives all of that from a schedule's compute order: the rank's forwards in
-order give megatron-core's schedule table (the first run of chunk-0 forwards is its
-``microbatch_group_size_per_vp_stage``), megatron-core's warm-up count
-(``get_pp_rank_microbatches``) splits the compute order into its phases, which must then read
-warm-up forwards, one forward one backward, cool-down backwards, or the schedule is refused. A
-receive's message is the next one on its channel (the k-th receive from a rank matches its k-th
-send, as ``validate`` proves of the schedule's own receives). What megatron-core 0.16-0.17 and
-0.18-0.19 post differs only in ``wait_forward_sends``.
-
-Where each chunk's data-parallel gradient reduction (its GS) starts follows megatron-core's
-rules too (``GradSyncOptions``), not the schedule's GS positions (``passes.grad_sync`` puts
-each right after its chunk's last backward). A GS in the posting is where the reduction is
-started on the data-parallel lane; ``finalize_model_grads`` waiting for it is the rank's end.
-
-* Without ``overlap_grad_reduce`` (megatron-core's default) DDP's gradient hooks start nothing
-  (``_make_backward_post_hook``) and ``finalize_model_grads`` reduces every chunk, in chunk
-  order, synchronously (``finish_grad_sync``), after the schedule's last p2p call: every GS
-  goes at the rank's end.
-* With ``overlap_grad_reduce`` and no ``grad_sync_func`` (Megatron-LM's
-  ``--no-align-grad-reduce``), the schedule runs the backward under ``no_sync`` except the
-  chunk's last micro-batch's backward (1F1B: ``enable_grad_sync`` before its last backward;
-  interleaved: ``backward_step_helper_preprocess`` when ``is_last_microbatch_for_model_chunk``),
-  during which DDP's hooks start the chunk's buckets (``register_grad_ready``): the GS goes
-  right after that backward, before its p2p call.
-* With ``overlap_grad_reduce`` and ``grad_sync_func = start_grad_sync`` (Megatron-LM's
-  ``--overlap-grad-reduce``, which aligns them by default): 1F1B lifts ``no_sync`` before the
-  last backward on the first pipeline rank only (its GS right after that backward) and calls
-  ``grad_sync_func`` on the others after its cool-down (after the last p2p call). The
-  interleaved schedule calls ``grad_sync_func[c]`` in ``backward_step_helper_postprocess``
-  after backward k when ``k - pipeline rank`` is chunk c's last micro-batch in backward order
-  (``grad_sync_microbatch_id``): rank r starts chunk c's reduction r backwards after its own
-  last backward of c, so that all ranks start it together; what is not started by the last
-  backward (``synchronized_model_chunks``) is started after the cool-down's last send wait, in
-  chunk order.
-
-The model starts a hook-started reduction at the end of its backward: megatron-core's first
-pipeline rank splits its first chunk into buckets (``bucket_size``; the other ranks and chunks
-are one bucket in Megatron-LM), whose reductions start during that backward. A first step
-(``is_first_batch``: reductions start in ``finish_grad_sync``) is not modelled, nor param sync:
-each chunk's PS stays before the rank's first compute (megatron-core gathers parameters after
-the optimizer step, or with ``overlap_param_gather`` at the step's start and, under
-``align_param_gather`` in the interleaved schedule, chunk c > 1 at its own delayed point in
-``forward_step_helper_preprocess``).
-
-Not modelled: ``variable_seq_lengths`` (a shape exchange before each call), ring exchange,
-``overlap_p2p_comm_warmup_flush``, combined 1F1B (``overlap_moe_expert_parallel_comm``), and at
-pp = 2 the second communicator on which the non-batched path puts one direction of a pair (the
-model keeps both directions on the pair's one stream, which only orders more).
+megatron-core (read in 0.16.1 and 0.19.2) makes at most one ``_communicate`` call per pipeline
+step: the sends of the compute just run and the receives for a later one, batched
+(``batch_p2p_comm``) or op by op, waited right away or, with ``overlap_p2p_comm``, later. Which
+receive a step posts, where each chunk's gradient reduction (GS) starts (``GradSyncOptions``)
+and what is not modelled: docs/design-notes.md, "megatron-core's own posting".
+``megatron_posting`` derives all of it from a schedule's compute order (its forwards give the
+schedule table and group size, megatron-core's warm-up count its phases) and refuses a compute
+order megatron-core would not run; a receive's message is the next one on its channel.
 """
 
 from __future__ import annotations

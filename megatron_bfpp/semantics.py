@@ -27,18 +27,12 @@ Each rank runs its program in order, under these rules:
 * A rank that needs a message nobody has sent yet stops until it is sent. When every unfinished
   rank is stopped, the schedule deadlocks, and each stuck rank is marked where it waits.
 
-``Rules`` holds these rules for one schedule as tables (what each kind of action at each stage
-waits for and sends, as ``MessageKeys``; BPipe's transfers as ``Transfer``); ``Wires`` holds
-the messages of one run (which are sent, who waits for which, who is stuck), applies the BPipe
-rules, and drives the ranks: each rank's program is a generator that yields the message its
-next action waits for and is resumed once that message is sent, so a run is linear in the
-number of actions. Two programs apply the tables: ``replay`` keeps time, notes where busy
-intervals start (``Timeline`` draws the events from them on demand) and counts memory, and
-``compute_ends`` (for planning passes) reads the compute ends off those starts; the validator's
-single pass (``validate._scan``) checks every action and records what it waits for and sends
-(``Recorded``), which ``run_recorded`` then runs without clocks. They are separate loops because
-the validator must check a schedule before any table may be trusted with it; what they share is
-everything that decides when an action may run, and tests hold them to the same answers.
+``Rules`` holds these rules for one schedule as tables; ``Wires`` holds the messages of one run
+and drives the ranks' programs, generators that yield the message their next action waits for,
+so a run is linear in the number of actions. ``replay`` (and ``compute_ends``) run them with
+clocks; the validator records each rank's waits and sends while it checks it (``Recorded``) and
+``run_recorded`` runs those without clocks, since it must check a schedule before any table may
+be trusted with it. Both share everything that decides when an action may run.
 
 ``replay`` times a run under ``Timing``: a compute action starts when the rank is free and every
 message it consumes has arrived, and lasts its duration; a send occupies its directed link
@@ -110,13 +104,10 @@ Lane = Literal["compute", "p2p", "dp"]
 
 @dataclass(frozen=True, slots=True)
 class Timing:
-    """Durations of one replay, already scaled to the stage (``CostModel.exact`` derives them).
-
-    ``p2p`` is one activation or gradient message on its link, ``transfer`` one BPipe evict or
-    restore; ``grad_sync`` / ``param_sync`` one GS / PS on the data-parallel lane. The defaults
-    are the unit timing (a forward 1, a backward 2 of which W is half, communication free),
-    which orders a replay when no costs are given; ``CostModel``'s defaults are these.
-    """
+    """Durations of one replay, already scaled to the stage (``CostModel.exact`` derives them):
+    ``p2p`` one activation or gradient message on its link, ``transfer`` one BPipe evict or
+    restore, ``grad_sync`` / ``param_sync`` one GS / PS on the data-parallel lane. The defaults
+    (a forward 1, a backward 2 of which W is half, communication free) are ``CostModel``'s."""
 
     forward: float = 1.0
     backward: float = 2.0
@@ -151,13 +142,10 @@ def action_duration(durations: Mapping[ActionKind, Number], action: Action) -> N
 
 
 class Event(NamedTuple):
-    """One busy interval on one lane of one rank.
-
-    ``lane`` is ``compute`` (F/B/I/W, every one), ``p2p`` (a send occupying its link, drawn on
-    the sender) or ``dp`` (GS / PS); communication that takes no time leaves no event.
-    ``label`` is the action's text, e.g. ``3F5``. A named tuple rather than a dataclass: a
-    large schedule produces hundreds of thousands of these, and a tuple is cheaper to build.
-    """
+    """One busy interval on one lane of one rank: ``compute`` (F/B/I/W, every one), ``p2p`` (a
+    send occupying its link, drawn on the sender) or ``dp`` (GS / PS); communication that takes
+    no time leaves none. ``label`` is the action's text, e.g. ``3F5``. A named tuple: cheaper
+    to build than a dataclass, by the hundred thousand."""
 
     rank: int
     lane: Lane
@@ -175,11 +163,8 @@ class Event(NamedTuple):
 
 class Replay(NamedTuple):
     """What ``replay`` found, in ``Timing``'s units (integers when its durations are).
-
     ``blocked`` maps each rank that cannot finish to (position in its program, the message it
-    waits for); empty when every program runs to its end. ``events`` are built from
-    ``timeline`` when first asked for.
-    """
+    waits for). ``events`` are built from ``timeline`` when first asked for."""
 
     blocked: dict[int, tuple[int, Message]]
     timeline: Timeline
@@ -203,17 +188,7 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
     explains such a schedule; ``replay`` only refuses it); a message to a rank outside the layout
     reaches nobody.
     """
-    rules = Rules(schedule)
-    try:
-        run = _replayed(rules, timing, bounded=True)
-    except IndexError:  # a micro-batch past the count, or a stage outside the layout
-        try:
-            run = _replayed(rules, timing, bounded=False)
-        except IndexError:  # a stage outside the layout indexed a per-stage table
-            raise ScheduleError(
-                f"{schedule.name!r}: an action names a stage outside the layout; run "
-                "validate_schedule for details"
-            ) from None
+    run = _replayed(Rules(schedule), timing)
     timeline = Timeline(run.rules, timing, run.starts)
     return Replay(
         run.stuck(),
@@ -227,11 +202,20 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
     )
 
 
-def _replayed(rules: Rules, timing: Timing, *, bounded: bool) -> _Run:
-    """One run of ``replay``; ``bounded``: see ``_Run.flow``."""
-    run = _Run(rules, timing, bounded=bounded)
-    run.run([_timed(run, rank) for rank in range(rules.keys.num_ranks)])
-    return run
+def _replayed(rules: Rules, timing: Timing) -> _Run:
+    """One run of ``replay``, again with ``_Run.flow`` unbounded after an IndexError (a
+    micro-batch past the count); a stage outside the layout is a ``ScheduleError``."""
+    for bounded in (True, False):
+        try:
+            run = _Run(rules, timing, bounded=bounded)
+            run.run([_timed(run, rank) for rank in range(rules.keys.num_ranks)])
+            return run
+        except IndexError:  # a micro-batch past the count, or a stage outside the layout
+            pass
+    raise ScheduleError(
+        f"{rules.schedule.name!r}: an action names a stage outside the layout; run "
+        "validate_schedule for details"
+    )
 
 
 @paused_gc()
@@ -251,17 +235,7 @@ def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
             "compute_ends takes a compute-only schedule of F, B, I and W; use replay for "
             f"{', '.join(sorted(kind.value for kind in kinds - _COMPUTE))}"
         )
-    rules = Rules(schedule, implicit=True)
-    try:
-        try:
-            run = _replayed(rules, timing, bounded=True)
-        except IndexError:  # a micro-batch past the count: see _Run.flow
-            run = _replayed(rules, timing, bounded=False)
-    except IndexError:  # a stage outside the layout indexed a per-stage table
-        raise ScheduleError(
-            f"{schedule.name!r}: an action names a stage outside the layout; run "
-            "validate_schedule for details"
-        ) from None
+    run = _replayed(Rules(schedule, implicit=True), timing)
     return Ends([_ends(run, rank) for rank in range(len(run.starts))], run.stuck())
 
 
@@ -269,12 +243,7 @@ def _ends(run: _Run, rank: int) -> list[float]:
     """A compute-only rank's compute ends from the starts ``_timed`` recorded: one per compute,
     each followed by its implicit send's when messages take time (``Timeline._rank_events``)."""
     timing, starts, sends_for = run.durations, run.starts[rank], run.rules.sends_for
-    duration = {
-        _F: timing.forward,
-        _B: timing.backward,
-        _I: timing.backward_input,
-        _W: timing.backward_weight,
-    }
+    duration = compute_durations(timing)
     actions = run.rules.schedule.per_rank[rank]
     if timing.p2p == 0:
         return [start + duration[a.kind] for a, start in zip(actions, starts, strict=False)]
@@ -520,10 +489,7 @@ class Wires:
 
     def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
         """Send ``key`` from ``rank`` to ``dst``: untimed, it is there at once."""
-        self.arrivals[key] = 0.0
-        woken = self.waiting.pop(key, None)
-        if woken is not None:
-            self.ready.append(woken)
+        self.signal(key)
 
     def unacknowledged(self, rank: int) -> int:
         """The first acknowledgement a compute action on ``rank`` still waits for, else -1
@@ -577,9 +543,8 @@ class Wires:
 class Recorded(NamedTuple):
     """One rank's program recorded rather than run (the validator's way, see ``run_recorded``):
     ``ops`` in program order, ``key`` to send a message and ``~key`` to wait for one (keys as
-    ``Rules._recorded_tables`` gives them), and
-    ``wait_at``, the program position of each wait in the same order, as machine integers (an
-    int object per entry, allocated amid the keys, measurably slows the run that reads them)."""
+    ``Rules._recorded_tables`` gives them), and ``wait_at``, the program position of each wait,
+    as machine integers (int objects amid the keys slow the run that reads them)."""
 
     ops: list[int]
     wait_at: array[int]
@@ -587,19 +552,15 @@ class Recorded(NamedTuple):
 
 def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int, Message]]:
     """``Wires.run`` for recorded programs, without clocks: which ranks cannot finish, as
-    ``Wires.stuck``. Recording each rank's program in one go and running the compact result
-    beat resuming the checking loop at every wait where ranks alternate often (measured on
-    BPipe pp=16-32: 1.10-1.14x the old fused check's time instead of 1.30x; about equal on
-    interleaved)."""
-    # Activations and gradients have dense keys (Rules._recorded_tables): a flag each. A set
-    # of half a million keys, each add and lookup a cache miss, took twice the time.
+    ``Wires.stuck`` (docs/architecture.md, "Performance of the shared rules", says why)."""
+    # Activations and gradients have dense keys (Rules._recorded_tables): a flag each, cheaper
+    # than a set of half a million keys.
     limit = rules.recorded_limit
     sent = bytearray(limit)
     sent_beyond: set[int] = set()  # BPipe's messages
     waiting: dict[int, int] = {}
     # Each rank's ops as one iterator, left where the rank stopped: a rank is woken only once
-    # the message it stopped for is sent, so it goes on after that wait (no index arithmetic
-    # per op, and no op read twice).
+    # the message it stopped for is sent, so it goes on after that wait.
     rest = [iter(program.ops) for program in programs]
     ready = deque(range(len(programs)))
     while ready:
@@ -622,9 +583,7 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
     stuck = {}
     for key, rank in waiting.items():
         ops = programs[rank].ops
-        # Where the rank stopped: its first wait for the key. Messages are never unsent, so an
-        # earlier wait for it would have stopped the rank there for good; hence no position is
-        # kept per op in the loop above.
+        # Where the rank stopped: its first wait for the key (messages are never unsent).
         waits_before = sum(1 for op in ops[: ops.index(~key)] if op < 0)
         stuck[rank] = (programs[rank].wait_at[waits_before], rules.recorded_message(key))
     return dict(sorted(stuck.items()))
@@ -659,11 +618,9 @@ class _Run(Wires):
         num_ranks = rules.keys.num_ranks
         self.durations = timing
         # Activations and gradients travel under their dense keys (Rules._recorded_tables),
-        # inverted: ``~(mb * stride + slot)``, negative, so they share ``waiting`` with BPipe's
-        # MessageKeys and index ``flow``, their arrival times (None: not sent), from its end.
-        # A list of a slot per message is a third faster than ``arrivals``, a dict of half a
-        # million keys; it ends at the last micro-batch, so ``bounded=False`` (after an
-        # IndexError) takes a dict for an action past the count.
+        # inverted (``~(mb * stride + slot)``: they share ``waiting`` with BPipe's MessageKeys)
+        # and index ``flow``, their arrival times (None: not sent), a list faster than a dict;
+        # ``bounded=False`` (after an IndexError) takes a dict for an action past the count.
         self.flow: list[float | None] | _Unbounded = (
             [None] * rules.recorded_limit if bounded else _Unbounded()
         )
@@ -701,10 +658,8 @@ class _Run(Wires):
             ),
         }
         self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
-        # Messages and transfers that take no time, in integer units (CostModel.exact, which
-        # bfpp-sim always uses): a link is then always free by its sender's clock (its earlier
-        # sends left no later), so a send arrives at the clock itself, the same int either
-        # way, and ``_timed`` keeps no link clocks (a third of a lowered schedule is sends).
+        # Messages and transfers that take no time, in integer units (CostModel.exact): a link
+        # is then always free by its sender's clock, so ``_timed`` keeps no link clocks.
         self.instant = (
             timing.p2p == 0
             and timing.transfer == 0
@@ -724,30 +679,24 @@ class _Run(Wires):
         """An activation or gradient (a dense key, ``flow``'s) sent at ``t`` from ``rank`` to
         ``dst``, as ``_timed`` sends one inline: at once when messages take no time, else over
         its link, one at a time, drawn when it takes time."""
-        arrival = t
-        if not self.instant:
-            link = rank * self.rules.keys.num_ranks + dst
-            start = max(self.link_free.get(link, 0), t)
-            arrival = self.link_free[link] = start + self.durations.p2p
-            if self.durations.p2p > 0:
-                self.starts[rank].append(start)
-        self.flow[key] = arrival
+        self.flow[key] = t if self.instant else self._occupy(rank, dst, t, self.durations.p2p)
         if key in self.waiting:
             self.ready.append(self.waiting.pop(key))
 
     def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
         """BPipe's EV / RS (``_timed`` sends the rest itself): the message occupies its link,
         one at a time, for the transfer's duration, and is drawn if that takes time."""
-        duration = self.durations.transfer
+        self.signal(key, self._occupy(rank, dst, posted, self.durations.transfer))
+
+    def _occupy(self, rank: int, dst: int, posted: float, duration: float) -> float:
+        """A message's arrival over the link ``rank`` -> ``dst``, one at a time from ``posted``;
+        its start noted for ``Timeline`` when it takes time."""
         link = rank * self.rules.keys.num_ranks + dst
-        start = self.link_free.get(link, 0)
-        if posted > start:
-            start = posted
-        arrival = start + duration
-        self.link_free[link] = arrival
+        start = max(self.link_free.get(link, 0), posted)
+        arrival = self.link_free[link] = start + duration
         if duration > 0:
             self.starts[rank].append(start)
-        self.signal(key, arrival)
+        return arrival
 
 
 class _Unbounded(dict[int, "float | None"]):
@@ -925,12 +874,10 @@ class Timeline:
     """The events of one ``replay``, drawn when first asked for.
 
     The replay keeps only, per rank, the start of each busy interval in program order (a
-    compute action, a send that takes time, every GS / PS); building an ``Event`` with its
-    label for each of hundreds of thousands of actions cost as much as the replay itself, and
-    most callers (the planner, ``--json``) never read them. ``events`` walks each program again
-    under the same rules, adds the durations, and divides every time by ``per_unit`` (the
-    ``Timing``'s units per user unit, see ``CostModel.exact``; a time too large for a float
-    becomes ``inf``). Events come rank by rank, each rank's in program order.
+    compute action, a send that takes time, every GS / PS), since most callers never read the
+    events. ``events`` walks each program again under the same rules, adds the durations, and
+    divides every time by ``per_unit`` (``CostModel.exact``; past the float range: ``inf``).
+    Events come rank by rank, each rank's in program order.
     """
 
     __slots__ = ("_events", "per_unit", "rules", "starts", "timing")

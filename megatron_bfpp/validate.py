@@ -2,11 +2,10 @@
 
 One pass over every action (``_scan``) checks it and records, under the execution rules the
 simulator shares (``semantics.Rules``), which messages it waits for and sends; then
-``semantics.run_recorded`` runs the recordings: a rank stops at an action whose message nobody
-has sent yet and resumes once it is sent. A failure is
-a ``ScheduleError`` whose message names the rank, the step (position in that rank's program)
-and the reason, above the per-rank grid with the step marked. When a schedule has several
-problems, the first (in rank order) of the first kind below is reported:
+``semantics.run_recorded`` runs the recordings. A failure is a ``ScheduleError`` whose message
+names the rank, the step (position in that rank's program) and the reason, above the per-rank
+grid with the step marked. Of several problems, the first (in rank order) of the first kind
+below is reported:
 
 1. placement: every action runs on the rank that owns its stage, names an existing micro-batch,
    and a message names the neighbour stage's rank (BPipe: the partner) as its peer;
@@ -23,37 +22,29 @@ problems, the first (in rank order) of the first kind below is reported:
 6. NCCL: the lock-step posting the runtime makes of a lowered schedule runs to its end under
    NCCL's rules too (``nccl.validate_nccl``: one stream per rank, a batch done only when both
    halves of every op are posted), so "validated" means safe under gloo's rules and NCCL's.
-7. data-parallel sync, per rank and chunk (stage), whatever the sharding strategy, once the
-   schedule has any GS / PS / RL (a lowered one; ``require_grad_sync`` asks it of every
-   schedule with a backward): exactly one GS for each chunk with a backward on the rank, after
-   its last backward (B, or I and W), since megatron-core DDP reduces what the gradient buffers
-   hold when GS dispatches it and a later backward's gradients would stay unreduced on each
-   replica (fully sharded, one GS per run of the chunk's backwards, each reduced into its shard,
-   the last after its last backward: ``_residency_problem``); without sharded parameters at
-   most one PS per chunk, before its first compute (with them, the residency rules of
-   ``_residency_problem``, under 3).
+7. data-parallel sync, per rank and chunk (stage), once the schedule has any GS / PS / RL
+   (``require_grad_sync``: always): exactly one GS for each chunk with a backward on the rank,
+   after its last backward, since megatron-core DDP reduces what the gradient buffers hold when
+   GS dispatches it (fully sharded: one GS per run of the chunk's backwards,
+   ``_residency_problem``); without sharded parameters at most one PS per chunk, before its
+   first compute (with them, the residency rules of ``_residency_problem``, under 3).
 8. data order, per stage: its forwards take micro-batches in increasing order, since the runtime
    reads each model chunk's data iterator once per forward, in order, as megatron-core's
    ``forward_step`` does (a hand-made or CSV order that swaps two would train on the wrong
    samples' labels). One line, without the grid: the fix is the order of one stage's forwards.
 
 The checks of one action do not depend on other ranks, so each rank is checked in one go, the
-part of a program after a step it would wait at forever included; recording rather than running
-keeps the working set small where ranks alternate often (resuming the checking loop at every wait,
-as ``Wires.run`` does for the simulator, measured 1.30x the old fused check's time on BPipe
-pp=16-32 against 1.10-1.14x). The NCCL proof costs about 20 times the rest (it builds the posting
-and runs it batch by batch), so ``build_schedule`` leaves it to whoever posts its schedules
-(the runtime before the first message, the simulator when it times the posting, the catalogue's
-tests for every built schedule); a hand-made or CSV schedule gets it here. ``validate_schedule``
-reports all kinds;
-``validate_placement`` and the others the first problem of their own kind (or of an earlier kind,
-which they cannot see past).
+part of a program after a step it would wait at forever included. The NCCL proof costs about 20
+times the rest, so ``build_schedule`` leaves it to whoever posts its schedules (the runtime, the
+simulator, the catalogue's tests); a hand-made or CSV schedule gets it here.
+``validate_schedule`` reports all kinds; ``validate_placement`` and the others the first problem
+of their own kind (or of an earlier kind, which they cannot see past).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from megatron_bfpp.ir import (
@@ -105,17 +96,14 @@ def validate_schedule(
     nccl: bool = True,
     require_grad_sync: bool = False,
 ) -> None:
-    """Every check, in one pass; a compute-only schedule may skip the pairing of messages.
+    """Every check, in one pass (the module docstring's kinds).
 
     A compute-only schedule (no SA/RA/SG/RG yet) is checked as if each compute action sent its
     result the moment it finished, which proves the order itself can run. With
-    ``require_backward=False`` (a forward-only schedule, e.g. evaluation) a (stage, micro-batch)
-    may have no backward at all; one that has any must still have a complete one. ``nccl``: a
-    lowered schedule's lock-step posting is proven NCCL-safe too (check 6; the module docstring
-    says who turns it off). A schedule with any GS / PS / RL has its data-parallel sync checked
-    (check 7); ``require_grad_sync`` checks it in a schedule with none too, where a runner would
-    otherwise reduce nothing during the step (the runtime, a lowered CSV). Each stage's forwards
-    take their micro-batches in order (check 8: data iterators are read sequentially).
+    ``require_backward=False`` (forward-only, e.g. evaluation) a (stage, micro-batch) may have
+    no backward, but one that has any must have a complete one. ``nccl``: check 6.
+    ``require_grad_sync``: check 7 in a schedule without GS / PS / RL too, where a runner would
+    otherwise reduce nothing during the step (the runtime, a lowered CSV).
     """
     error = _find_problem(
         schedule,
@@ -320,10 +308,7 @@ class _Scan:
 
     def channel(self, src: int, dst: int) -> tuple[list[int], list[int]]:
         """(messages sent, messages received) on the link src -> dst, in posting order."""
-        sides = self.channels.get((src, dst))
-        if sides is None:
-            sides = self.channels[(src, dst)] = ([], [])
-        return sides
+        return self.channels.setdefault((src, dst), ([], []))
 
     def acting(self, rank: int, position: int) -> Action:
         """The action the pass checks at (rank, position): while it checks a composite's parts
@@ -432,14 +417,6 @@ _EV, _AC, _RS, _LD, _GS, _PS = K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD, K.GRAD_SYNC
 _RL, _FB = K.RELEASE, K.OVERLAP_F_B
 
 
-def _steps(
-    scan: _Scan, actions: tuple[Action, ...], recorded: Recorded
-) -> Iterable[tuple[int, Action]]:
-    """(position, action) of the program the pass checks: ``enumerate(actions)``, or, once
-    ``_scan`` met a composite, each composite as its parts (``_parts``)."""
-    return _parts(scan, actions, recorded) if scan.composites else enumerate(actions)
-
-
 def _parts(
     scan: _Scan, actions: tuple[Action, ...], recorded: Recorded
 ) -> Iterator[tuple[int, Action]]:
@@ -544,9 +521,10 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
     loaded: set[int] = set()  # restores a backward waits for (Wires.loaded)
     unloaded = 0  # this rank's EVs minus LDs
     chunk_level = scan.chunk_level[rank]  # positions of its GS / PS / RL
+    steps = _parts(scan, actions, recorded) if scan.composites else enumerate(actions)
     position = 0
     try:  # a stage past the layout raises IndexError at s2r[stage], before any change
-        for position, action in _steps(scan, actions, recorded):
+        for position, action in steps:
             kind, stage = action.kind, action.stage
             mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
             if awaiting and (kind is _F or kind is _B or kind is _I or kind is _W):
@@ -767,11 +745,8 @@ def _grad_sync_problem(
     RL that the pass noted (a few per rank: the rest of a program is read only from its ends)."""
     if not required and not any(chunk_level):
         return None  # not lowered for data parallelism (compute-only, or messages only)
-    for rank, positions in enumerate(chunk_level):
-        problem = _rank_grad_sync_problem(schedule, rank, positions)
-        if problem is not None:
-            return problem
-    return None
+    problems = (_rank_grad_sync_problem(schedule, r, p) for r, p in enumerate(chunk_level))
+    return next((problem for problem in problems if problem is not None), None)
 
 
 def _rank_grad_sync_problem(
@@ -851,9 +826,8 @@ def _first_of(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int,
     front only until every stage has one."""
     first = dict.fromkeys(stages, len(actions))
     missing = set(stages)
-    pair = _FB  # an overlapped pair: both parts' stages are used
-    for position, action in enumerate(actions):
-        if action.kind.is_compute and (action.stage in missing or action.kind is pair):
+    for position, action in enumerate(actions):  # an overlapped pair: both parts' stages count
+        if action.kind.is_compute and (action.stage in missing or action.kind is _FB):
             for stage in {part.stage for part in parts(action)} & missing:
                 first[stage] = position
                 missing.discard(stage)
