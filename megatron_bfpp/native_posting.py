@@ -2,15 +2,14 @@
 schedules, as an ``nccl.Posting``, so that Megatron's own baselines are checked and timed by
 what Megatron runs rather than by our runtime's lock-step posting.
 
-megatron-core (read in 0.16.1 and 0.19.2) makes at most one ``_communicate`` call per pipeline
-step: the sends of the compute just run and the receives for a later one, batched
-(``batch_p2p_comm``) or op by op, waited right away or, with ``overlap_p2p_comm``, later. Which
-receive a step posts, where each chunk's gradient reduction (GS) starts (``GradSyncOptions``)
-and what is not modelled: docs/design-notes.md, "megatron-core's own posting".
-``megatron_posting`` derives all of it from a schedule's compute order (its forwards give the
-schedule table and group size, megatron-core's warm-up count its phases) and refuses a compute
-order megatron-core would not run; a receive's message is the next one on its channel.
-"""
+megatron-core (read in 0.16.1 and 0.19.2) makes at most one ``_communicate`` call per pipeline step:
+the sends of the compute just run and the receives for a later one, batched (``batch_p2p_comm``) or
+op by op, waited right away or, with ``overlap_p2p_comm``, later. Which receive a step posts, where
+each chunk's gradient reduction (GS) starts (``GradSyncOptions``) and what is not modelled:
+docs/design-notes.md, "megatron-core's own posting". ``megatron_posting`` derives all of it from a
+schedule's compute order (its forwards give the schedule table and group size, megatron-core's
+warm-up count its phases) and refuses a compute order megatron-core would not run; a receive's
+message is the next one on its channel."""
 
 from __future__ import annotations
 
@@ -37,9 +36,8 @@ K = ActionKind
 @dataclass(frozen=True, slots=True)
 class P2POptions:
     """megatron-core's point-to-point settings (``ModelParallelConfig``) that shape a posting.
-
-    ``overlap_p2p`` is ``overlap_p2p_comm`` (interleaved only), ``batch_p2p`` is
-    ``batch_p2p_comm`` (not with overlap), ``wait_forward_sends`` is megatron-core >= 0.18 with
+    ``overlap_p2p`` is ``overlap_p2p_comm`` (interleaved only), ``batch_p2p`` is ``batch_p2p_comm``
+    (not with overlap), ``wait_forward_sends`` is megatron-core >= 0.18 with
     ``deallocate_pipeline_outputs``."""
 
     overlap_p2p: bool = False
@@ -66,7 +64,6 @@ def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) ->
 @dataclass(frozen=True, slots=True)
 class GradSyncOptions:
     """How megatron-core DDP starts each chunk's gradient reduction (module docstring).
-
     ``overlap_grad_reduce`` is ``DistributedDataParallelConfig.overlap_grad_reduce``;
     ``grad_sync_func`` says whether ``config.grad_sync_func`` is set (to each chunk's
     ``start_grad_sync``, as Megatron-LM does with ``--overlap-grad-reduce`` unless

@@ -1,6 +1,5 @@
-"""How a schedule executes: the rules that the validator, the simulator and the passes share.
-
-Each rank runs its program in order, under these rules:
+"""How a schedule executes: the rules that the validator, the simulator and the passes share. Each
+rank runs its program in order, under these rules:
 
 * A send (SA, SG, EV, RS) is posted without waiting; its data leaves when its link is free.
 * A receive (RA, RG, AC, LD) is posted without waiting; the rank waits for the data only at the
@@ -35,13 +34,12 @@ clocks; the validator records each rank's waits and sends while it checks it (``
 be trusted with it. Both share everything that decides when an action may run.
 
 ``replay`` times a run under ``Timing``: a compute action starts when the rank is free and every
-message it consumes has arrived, and lasts its duration; a send occupies its directed link
-(sender, receiver) for its duration, one message at a time in posting order; GS / PS run in
-program order on one data-parallel lane per rank, starting no earlier than their position's
-time; the first compute of a stage after one of its PS waits for that gather to end; an RL
-(sharded parameters: release a chunk's gathered ones) takes no time. Every link and lane
-belongs to one rank's program, so the order in which ranks are advanced changes no time.
-"""
+message it consumes has arrived, and lasts its duration; a send occupies its directed link (sender,
+receiver) for its duration, one message at a time in posting order; GS / PS run in program order on
+one data-parallel lane per rank, starting no earlier than their position's time; the first compute
+of a stage after one of its PS waits for that gather to end; an RL (sharded parameters: release a
+chunk's gathered ones) takes no time. Every link and lane belongs to one rank's program, so the
+order in which ranks are advanced changes no time."""
 
 from __future__ import annotations
 
@@ -182,12 +180,10 @@ class Replay(NamedTuple):
 
 @paused_gc()  # one tuple per event and message, none freed: see paused_gc
 def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
-    """Run every program under the rules above with clocks, events and memory.
-
-    Raises ``ScheduleError`` when an action names a stage outside the layout (``validate_schedule``
+    """Run every program under the rules above with clocks, events and memory. Raises
+    ``ScheduleError`` when an action names a stage outside the layout (``validate_schedule``
     explains such a schedule; ``replay`` only refuses it); a message to a rank outside the layout
-    reaches nobody.
-    """
+    reaches nobody."""
     run = _replayed(Rules(schedule), timing)
     timeline = Timeline(run.rules, timing, run.starts)
     return Replay(
@@ -224,9 +220,8 @@ def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
     (per rank, in program order), and the ranks stuck; what a planning pass needs, at a fraction
     of ``replay``'s cost: no events, memory or data-parallel lane to keep.
 
-    Raises ``ScheduleError`` for a lowered schedule or an action naming a stage outside the
-    layout, like ``replay``.
-    """
+    Raises ``ScheduleError`` for a lowered schedule or an action naming a stage outside the layout,
+    like ``replay``."""
     kinds: set[ActionKind] = set()
     for actions in schedule.per_rank:
         kinds.update(map(_kind_of, actions))
@@ -287,16 +282,15 @@ class Rules:
     """The rules of one schedule as per-stage tables of message slots (``MessageKeys.slot``,
     addressed to the receiving rank; a key adds ``microbatch * keys.per_microbatch``).
 
-    ``waits_for[kind][stage]``: the message an F (B / I) waits for when its input (output
-    gradient) comes from another rank; ``sends_for[kind][stage]``: what a compute-only
-    schedule's F (B / I) sends to the neighbour stage's rank; -1 for none (W never waits for
-    data). ``base[what][stage]``: the slot to which a message adds the rank it is sent to (an
-    SA / SG its peer). ``transfers[kind]``: BPipe's rules for EV / AC / RS / LD (``Transfer``),
-    which ``Wires.transfer`` and the validator apply. A composite (``OVERLAP_F_B``) has no row:
-    the composite rule (module docstring) applies these tables to each of its parts
-    (``ir.parts``): it waits for the union of their waits before it starts, sends the union of
-    their sends after it, and lasts the sum of their durations.
-    """
+    ``waits_for[kind][stage]``: the message an F (B / I) waits for when its input (output gradient)
+    comes from another rank; ``sends_for[kind][stage]``: what a compute-only schedule's F (B / I)
+    sends to the neighbour stage's rank; -1 for none (W never waits for data).
+    ``base[what][stage]``: the slot to which a message adds the rank it is sent to (an SA / SG its
+    peer). ``transfers[kind]``: BPipe's rules for EV / AC / RS / LD (``Transfer``), which
+    ``Wires.transfer`` and the validator apply. A composite (``OVERLAP_F_B``) has no row: the
+    composite rule (module docstring) applies these tables to each of its parts (``ir.parts``): it
+    waits for the union of their waits before it starts, sends the union of their sends after it,
+    and lasts the sum of their durations."""
 
     __slots__ = (
         "base",
@@ -351,15 +345,13 @@ class Rules:
     def _recorded_tables(
         self, num_stages: int, num_microbatches: int, act_to: list[int], grad_to: list[int]
     ) -> None:
-        """The same rules keyed as a recording keys them (the validator's, see ``Recorded``).
-
-        An activation or gradient is ``microbatch * recorded_stride + recorded_base[what]
-        [stage]`` (``2 * stage + what``): the rank it goes to is the neighbour stage's, which
-        placement fixes, so the key needs no rank and the keys of a schedule are dense, below
-        ``recorded_limit``. BPipe's messages, whose partner is free, keep their ``MessageKeys``
-        key plus ``recorded_limit``. ``recorded_waits`` / ``recorded_sends`` are ``waits_for``
-        / ``sends_for`` (implicit sends included) in these keys.
-        """
+        """The same rules keyed as a recording keys them (the validator's, see ``Recorded``). An
+        activation or gradient is ``microbatch * recorded_stride + recorded_base[what] [stage]``
+        (``2 * stage + what``): the rank it goes to is the neighbour stage's, which placement fixes,
+        so the key needs no rank and the keys of a schedule are dense, below ``recorded_limit``.
+        BPipe's messages, whose partner is free, keep their ``MessageKeys`` key plus
+        ``recorded_limit``. ``recorded_waits`` / ``recorded_sends`` are ``waits_for`` /
+        ``sends_for`` (implicit sends included) in these keys."""
         stride = self.recorded_stride = 2 * num_stages
         self.recorded_limit = num_microbatches * stride
         act, grad = self.recorded_base = [
@@ -415,14 +407,12 @@ class Transfer(NamedTuple):
     """What one kind of BPipe transfer does, per stage as message slots (-1: nothing), so that a
     key adds ``microbatch * per_microbatch`` and a rank.
 
-    ``waits``: the evict it waits for, addressed to its own rank (RS returns that payload, so
-    it waits for it to arrive; AC only reads its size header first, an order without time).
-    ``sends``: the message it sends its peer, the payload (EV, RS: ``carries_data``) or the
-    acknowledgement that it posted the receive (AC, LD). ``awaits``: the acknowledgement, to its
-    own rank, that the next compute action waits for before the payload's buffer is reused
-    (EV, RS). ``loads``: the restore a later backward of the same stage and micro-batch waits
-    for, to its own rank (LD).
-    """
+    ``waits``: the evict it waits for, addressed to its own rank (RS returns that payload, so it
+    waits for it to arrive; AC only reads its size header first, an order without time). ``sends``:
+    the message it sends its peer, the payload (EV, RS: ``carries_data``) or the acknowledgement
+    that it posted the receive (AC, LD). ``awaits``: the acknowledgement, to its own rank, that the
+    next compute action waits for before the payload's buffer is reused (EV, RS). ``loads``: the
+    restore a later backward of the same stage and micro-batch waits for, to its own rank (LD)."""
 
     waits: list[int]
     sends: list[int]
@@ -871,14 +861,12 @@ def _data_parallel(run: _Run, rank: int, action: Action, t: float) -> None:
 
 
 class Timeline:
-    """The events of one ``replay``, drawn when first asked for.
-
-    The replay keeps only, per rank, the start of each busy interval in program order (a
-    compute action, a send that takes time, every GS / PS), since most callers never read the
-    events. ``events`` walks each program again under the same rules, adds the durations, and
-    divides every time by ``per_unit`` (``CostModel.exact``; past the float range: ``inf``).
-    Events come rank by rank, each rank's in program order.
-    """
+    """The events of one ``replay``, drawn when first asked for. The replay keeps only, per rank,
+    the start of each busy interval in program order (a compute action, a send that takes time,
+    every GS / PS), since most callers never read the events. ``events`` walks each program again
+    under the same rules, adds the durations, and divides every time by ``per_unit``
+    (``CostModel.exact``; past the float range: ``inf``). Events come rank by rank, each rank's in
+    program order."""
 
     __slots__ = ("_events", "per_unit", "rules", "starts", "timing")
 

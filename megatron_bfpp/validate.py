@@ -1,11 +1,9 @@
-"""Prove a schedule complete, correctly paired and free of deadlock before anything runs it.
-
-One pass over every action (``_scan``) checks it and records, under the execution rules the
-simulator shares (``semantics.Rules``), which messages it waits for and sends; then
-``semantics.run_recorded`` runs the recordings. A failure is a ``ScheduleError`` whose message
-names the rank, the step (position in that rank's program) and the reason, above the per-rank
-grid with the step marked. Of several problems, the first (in rank order) of the first kind
-below is reported:
+"""Prove a schedule complete, correctly paired and free of deadlock before anything runs it. One
+pass over every action (``_scan``) checks it and records, under the execution rules the simulator
+shares (``semantics.Rules``), which messages it waits for and sends; then ``semantics.run_recorded``
+runs the recordings. A failure is a ``ScheduleError`` whose message names the rank, the step
+(position in that rank's program) and the reason, above the per-rank grid with the step marked. Of
+several problems, the first (in rank order) of the first kind below is reported:
 
 1. placement: every action runs on the rank that owns its stage, names an existing micro-batch,
    and a message names the neighbour stage's rank (BPipe: the partner) as its peer;
@@ -33,13 +31,12 @@ below is reported:
    ``forward_step`` does (a hand-made or CSV order that swaps two would train on the wrong
    samples' labels). One line, without the grid: the fix is the order of one stage's forwards.
 
-The checks of one action do not depend on other ranks, so each rank is checked in one go, the
-part of a program after a step it would wait at forever included. The NCCL proof costs about 20
-times the rest, so ``build_schedule`` leaves it to whoever posts its schedules (the runtime, the
-simulator, the catalogue's tests); a hand-made or CSV schedule gets it here.
-``validate_schedule`` reports all kinds; ``validate_placement`` and the others the first problem
-of their own kind (or of an earlier kind, which they cannot see past).
-"""
+The checks of one action do not depend on other ranks, so each rank is checked in one go, the part
+of a program after a step it would wait at forever included. The NCCL proof costs about 20 times the
+rest, so ``build_schedule`` leaves it to whoever posts its schedules (the runtime, the simulator,
+the catalogue's tests); a hand-made or CSV schedule gets it here. ``validate_schedule`` reports all
+kinds; ``validate_placement`` and the others the first problem of their own kind (or of an earlier
+kind, which they cannot see past)."""
 
 from __future__ import annotations
 
@@ -96,15 +93,13 @@ def validate_schedule(
     nccl: bool = True,
     require_grad_sync: bool = False,
 ) -> None:
-    """Every check, in one pass (the module docstring's kinds).
-
-    A compute-only schedule (no SA/RA/SG/RG yet) is checked as if each compute action sent its
-    result the moment it finished, which proves the order itself can run. With
-    ``require_backward=False`` (forward-only, e.g. evaluation) a (stage, micro-batch) may have
-    no backward, but one that has any must have a complete one. ``nccl``: check 6.
-    ``require_grad_sync``: check 7 in a schedule without GS / PS / RL too, where a runner would
-    otherwise reduce nothing during the step (the runtime, a lowered CSV).
-    """
+    """Every check, in one pass (the module docstring's kinds). A compute-only schedule (no
+    SA/RA/SG/RG yet) is checked as if each compute action sent its result the moment it finished,
+    which proves the order itself can run. With ``require_backward=False`` (forward-only, e.g.
+    evaluation) a (stage, micro-batch) may have no backward, but one that has any must have a
+    complete one. ``nccl``: check 6. ``require_grad_sync``: check 7 in a schedule without GS / PS /
+    RL too, where a runner would otherwise reduce nothing during the step (the runtime, a lowered
+    CSV)."""
     error = _find_problem(
         schedule,
         require_communication=require_communication,
@@ -130,9 +125,7 @@ def validate_placement(schedule: Schedule) -> None:
 
 def validate_completeness(schedule: Schedule, *, require_backward: bool = True) -> None:
     """Exactly one F and one B (or one I and one W) per (stage, micro-batch), in local order.
-
-    ``require_backward=False`` accepts a (stage, micro-batch) with no backward at all.
-    """
+    ``require_backward=False`` accepts a (stage, micro-batch) with no backward at all."""
     scan = _scan(schedule)
     _raise(
         _first(scan.placement)
@@ -228,9 +221,8 @@ class _Scan:
     messages in posting order (``MessageKeys``, addressed to the receiving rank), and where stuck
     ranks wait.
 
-    A rank's pass ends at its first placement problem: every flag it sets belongs to an action
-    on its stage's own rank, so a flag is that rank's history, and every index is in range.
-    """
+    A rank's pass ends at its first placement problem: every flag it sets belongs to an action on
+    its stage's own rank, so a flag is that rank's history, and every index is in range."""
 
     __slots__ = (
         "accepted",
@@ -373,11 +365,9 @@ class _Scan:
                 self.order[rank] = _fail(self.schedule, problem, {})
 
     def incomplete(self, require_backward: bool) -> ScheduleError | None:
-        """The first (stage, micro-batch) without exactly one F and one complete backward.
-
-        Counting the flags suffices while nothing else is wrong: keys are in range, B never
-        meets I or W on one key, and every W follows its I. Otherwise look key by key.
-        """
+        """The first (stage, micro-batch) without exactly one F and one complete backward. Counting
+        the flags suffices while nothing else is wrong: keys are in range, B never meets I or W on
+        one key, and every W follows its I. Otherwise look key by key."""
         size = len(self.flags[0])
         count_f, count_b, count_i, count_w = (flags.count(1) for flags in self.flags[:4])
         trusted = not (self.mixed or self.order or self.duplicate)

@@ -1,8 +1,6 @@
 """How much memory a ``bfpp-train`` model takes before it computes anything, from its flags alone.
-
-A model too large for the machine used to be found by the kernel's OOM killer (or a CUDA
-out-of-memory error) on some rank after every rank had started; the command line now compares
-this estimate with the memory there is and refuses the run first (``--no-memory-check`` skips it).
+The command line compares this estimate with the memory there is and refuses a run that cannot fit
+before any rank starts (``--no-memory-check`` skips it).
 
 What is counted, per rank: the parameters it holds (the preset's layers of its stages, plus the
 embeddings, the output layer and the final norm where its stages have them, divided over tensor
@@ -12,11 +10,9 @@ data-parallel ranks by the distributed optimizer; the fp32 weights are its main 
 copy). Activations, communication buffers, the framework itself and fragmentation come on top:
 the estimate is a floor, so a run it refuses cannot fit.
 
-Torch-free, so the command line can check before it starts ranks: on CPU the ranks of this
-machine together against its available RAM (there); on GPUs each rank against its device's memory
-(in the rank, before it builds the model: querying a GPU in the launcher would initialise CUDA
-before it forks the ranks, which CUDA does not survive).
-"""
+On CPU the ranks of this machine together are checked against its available RAM; on GPUs each rank
+against its device's memory, in the rank (querying a GPU in the launcher would initialise CUDA
+before it forks the ranks, which CUDA does not survive)."""
 
 from __future__ import annotations
 
