@@ -92,7 +92,16 @@ def megatron_posting(
     one ``Batch`` (``blocking`` when waited right away, ``pairwise`` when non-batched), the
     deferred waits as ``Wait`` steps, the computes and PS / RL as program positions, and each
     chunk's GS where megatron-core DDP starts its reduction under ``grad_sync``."""
-    _check_options(schedule, options)
+    if options.overlap_p2p and options.batch_p2p:
+        raise ScheduleError(
+            "megatron-core cannot overlap batched p2p (overlap_p2p_comm with batch_p2p_comm); "
+            "turn one off"
+        )
+    if options.overlap_p2p and schedule.num_chunks == 1:
+        raise ScheduleError(
+            "megatron-core overlaps p2p only in the interleaved schedule; 1F1B runs without "
+            "overlap_p2p_comm"
+        )
     if grad_sync.grad_sync_func and not grad_sync.overlap_grad_reduce:
         raise ScheduleError(
             "grad_sync_func without overlap_grad_reduce makes every start_grad_sync a "
@@ -113,19 +122,6 @@ def megatron_posting(
         " (p2p overlap)" if options.overlap_p2p else "" if options.batch_p2p else " (non-batched)"
     )
     return Posting(name, tuple(per_rank))
-
-
-def _check_options(schedule: Schedule, options: P2POptions) -> None:
-    if options.overlap_p2p and options.batch_p2p:
-        raise ScheduleError(
-            "megatron-core cannot overlap batched p2p (overlap_p2p_comm with batch_p2p_comm); "
-            "turn one off"
-        )
-    if options.overlap_p2p and schedule.num_chunks == 1:
-        raise ScheduleError(
-            "megatron-core overlaps p2p only in the interleaved schedule; 1F1B runs without "
-            "overlap_p2p_comm"
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,15 +317,10 @@ class _Builder:
         """A forward's activation or a backward's input gradient, unless its stage is the
         pipeline's last (first): megatron-core sets the tensor to None there."""
         action = self.action(position)
-        layout = self.schedule.layout
-        if action.kind is K.FORWARD:
-            if layout.is_last(action.stage):
-                return None
-            key = (K.SEND_ACT, action.stage, action.microbatch or 0)
-        else:
-            if action.stage == 0:
-                return None
-            key = (K.SEND_GRAD, action.stage, action.microbatch or 0)
+        forward = action.kind is K.FORWARD
+        if self.schedule.layout.is_last(action.stage) if forward else action.stage == 0:
+            return None
+        key = (K.SEND_ACT if forward else K.SEND_GRAD, action.stage, action.microbatch or 0)
         if key not in self.sends:
             raise self.refuse(f"{action}'s output is never sent")
         return self.sends[key]

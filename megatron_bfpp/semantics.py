@@ -187,14 +187,7 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
     run = _replayed(Rules(schedule), timing)
     timeline = Timeline(run.rules, timing, run.starts)
     return Replay(
-        run.stuck(),
-        timeline,
-        run.clock,
-        run.dp_free,
-        run.busy,
-        run.waited,
-        run.peak,
-        run.released,
+        run.stuck(), timeline, run.clock, run.dp_free, run.busy, run.waited, run.peak, run.released
     )
 
 
@@ -217,11 +210,8 @@ def _replayed(rules: Rules, timing: Timing) -> _Run:
 @paused_gc()
 def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
     """When each compute action of a compute-only F / B / I / W schedule ends under ``replay``
-    (per rank, in program order), and the ranks stuck; what a planning pass needs, at a fraction
-    of ``replay``'s cost: no events, memory or data-parallel lane to keep.
-
-    Raises ``ScheduleError`` for a lowered schedule or an action naming a stage outside the layout,
-    like ``replay``."""
+    (per rank, in program order), and the ranks stuck: what a planning pass needs, cheaper.
+    Raises ``ScheduleError`` for a lowered schedule or a stage outside the layout."""
     kinds: set[ActionKind] = set()
     for actions in schedule.per_rank:
         kinds.update(map(_kind_of, actions))
@@ -292,22 +282,6 @@ class Rules:
     waits for the union of their waits before it starts, sends the union of their sends after it,
     and lasts the sum of their durations."""
 
-    __slots__ = (
-        "base",
-        "implicit",
-        "keys",
-        "per_mb",
-        "recorded_base",
-        "recorded_limit",
-        "recorded_sends",
-        "recorded_stride",
-        "recorded_waits",
-        "schedule",
-        "sends_for",
-        "transfers",
-        "waits_for",
-    )
-
     def __init__(self, schedule: Schedule, *, implicit: bool | None = None) -> None:
         """``implicit``: whether the schedule is compute-only, when the caller already knows
         (finding out reads every action)."""
@@ -333,11 +307,7 @@ class Rules:
         table[-1] = none
         self.transfers = {
             kind: Transfer(
-                waits=table[waits],
-                sends=table[sends],
-                awaits=table[awaits],
-                loads=table[loads],
-                carries_data=kind in _CARRIES_DATA,
+                table[waits], table[sends], table[awaits], table[loads], kind in _CARRIES_DATA
             )
             for kind, (waits, sends, awaits, loads) in _TRANSFER_RULES.items()
         }
@@ -346,7 +316,7 @@ class Rules:
         self, num_stages: int, num_microbatches: int, act_to: list[int], grad_to: list[int]
     ) -> None:
         """The same rules keyed as a recording keys them (the validator's, see ``Recorded``). An
-        activation or gradient is ``microbatch * recorded_stride + recorded_base[what] [stage]``
+        activation or gradient is ``microbatch * recorded_stride + recorded_base[what][stage]``
         (``2 * stage + what``): the rank it goes to is the neighbour stage's, which placement fixes,
         so the key needs no rank and the keys of a schedule are dense, below ``recorded_limit``.
         BPipe's messages, whose partner is free, keep their ``MessageKeys`` key plus
@@ -404,15 +374,12 @@ def match_channels(sent: Sequence[T], received: Sequence[T]) -> Iterator[tuple[T
 
 
 class Transfer(NamedTuple):
-    """What one kind of BPipe transfer does, per stage as message slots (-1: nothing), so that a
-    key adds ``microbatch * per_microbatch`` and a rank.
-
-    ``waits``: the evict it waits for, addressed to its own rank (RS returns that payload, so it
-    waits for it to arrive; AC only reads its size header first, an order without time). ``sends``:
-    the message it sends its peer, the payload (EV, RS: ``carries_data``) or the acknowledgement
-    that it posted the receive (AC, LD). ``awaits``: the acknowledgement, to its own rank, that the
-    next compute action waits for before the payload's buffer is reused (EV, RS). ``loads``: the
-    restore a later backward of the same stage and micro-batch waits for, to its own rank (LD)."""
+    """What one kind of BPipe transfer does, per stage as message slots (-1: nothing; a key adds
+    ``microbatch * per_microbatch`` and a rank): ``waits`` the evict it waits for (RS: to arrive;
+    AC: its size header only), ``sends`` what it sends its peer (EV, RS: the payload; AC, LD: the
+    acknowledgement that the receive is posted), ``awaits`` the acknowledgement the next compute
+    waits for before the payload's buffer is reused (EV, RS), ``loads`` the restore a later
+    backward of the same stage and micro-batch waits for (LD); all but ``sends`` to its own rank."""
 
     waits: list[int]
     sends: list[int]
@@ -584,24 +551,6 @@ _Sent = tuple[int, int, ActionKind]  # (stage, micro-batch, kind) of a message, 
 
 class _Run(Wires):
     """``Wires`` with a clock per rank, link and data-parallel lane, events and memory."""
-
-    __slots__ = (
-        "busy",
-        "clock",
-        "compute",
-        "dp_free",
-        "durations",
-        "flow",
-        "held",
-        "instant",
-        "link_free",
-        "peak",
-        "ps_done",
-        "released",
-        "sends",
-        "starts",
-        "waited",
-    )
 
     def __init__(self, rules: Rules, timing: Timing, *, bounded: bool = True) -> None:
         super().__init__(rules)

@@ -26,12 +26,7 @@ import torch
 from megatron_bfpp.files import write_output
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.presets import Model
-from megatron_bfpp.plan.profile import (
-    Measurement,
-    StageProfile,
-    profile_from_dict,
-    profile_to_dict,
-)
+from megatron_bfpp.plan.profile import Measurement, StageProfile, profile_from_dict, profile_to_dict
 from megatron_bfpp.runtime import deferred_wgrad
 
 __all__ = [
@@ -275,11 +270,7 @@ class _SingleRank:
 
 
 def _build_block(
-    model: Model,
-    num_layers: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    recompute: str = "none",
+    model: Model, num_layers: int, device: torch.device, dtype: torch.dtype, recompute: str = "none"
 ) -> torch.nn.Module:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlock

@@ -53,21 +53,9 @@ from megatron_bfpp.ir import (
     parts,
     primitives,
 )
-from megatron_bfpp.messages import (
-    EVICT,
-    RESTORE,
-    Message,
-    has_communication,
-    message_of,
-)
+from megatron_bfpp.messages import EVICT, RESTORE, Message, has_communication, message_of
 from megatron_bfpp.nccl import validate_nccl
-from megatron_bfpp.semantics import (
-    Recorded,
-    Rules,
-    describe_waits,
-    match_channels,
-    run_recorded,
-)
+from megatron_bfpp.semantics import Recorded, Rules, describe_waits, match_channels, run_recorded
 
 __all__ = [
     "Message",
@@ -212,45 +200,11 @@ def _label(schedule: Schedule, rank: int, position: int, part: Action | None = N
     return str(action) if part is None or part is action else f"{part} of {action}"
 
 
-# --- the pass -------------------------------------------------------------------------------
-
-
 class _Scan:
     """What the pass found: each rank's first problem of each kind, which (stage, micro-batch)
     has which action (flat flags, index ``stage * num_microbatches + mb``), each channel's
-    messages in posting order (``MessageKeys``, addressed to the receiving rank), and where stuck
-    ranks wait.
-
-    A rank's pass ends at its first placement problem: every flag it sets belongs to an action on
-    its stage's own rank, so a flag is that rank's history, and every index is in range."""
-
-    __slots__ = (
-        "accepted",
-        "channels",
-        "chunk_level",
-        "composites",
-        "data_order",
-        "duplicate",
-        "flags",
-        "forwarded",
-        "local_in",
-        "local_out",
-        "mixed",
-        "num_mb",
-        "order",
-        "p2p",
-        "part",
-        "placement",
-        "rank_channels",
-        "remote_in",
-        "remote_out",
-        "rules",
-        "schedule",
-        "stage_to_rank",
-        "stuck",
-        "unloaded",
-        "with_comm",
-    )
+    messages in posting order, and where stuck ranks wait. A rank's pass ends at its first
+    placement problem, so a flag is its stage's own rank's history and every index is in range."""
 
     def __init__(self, schedule: Schedule) -> None:
         stage_to_rank = schedule.layout.stage_to_rank
@@ -319,12 +273,9 @@ class _Scan:
         if rank in self.duplicate:
             return
         action = self.acting(rank, position)
-        first = next(
-            p
-            for p, other in primitives(self.schedule.per_rank[rank])
-            if (other.kind, other.stage, other.microbatch)
-            == (action.kind, action.stage, action.microbatch)
-        )
+        same = (action.kind, action.stage, action.microbatch)
+        actions = primitives(self.schedule.per_rank[rank])
+        first = next(p for p, a in actions if (a.kind, a.stage, a.microbatch) == same)
         marks = {(rank, first): "first", (rank, position): "again"}
         self.duplicate[rank] = _fail(self.schedule, f"{action} appears twice", marks)
 
@@ -428,12 +379,11 @@ def _parts(
 
 
 class _P2P(NamedTuple):
-    """One pipeline message kind's rules for the pass, per stage where indexed: the peer it
-    must name (-1: none may), the slot of the message (a recording's key less
-    ``mb * stride``), which of the rank's four channel sides it goes to (``_RankChannels``:
-    0 activations in, 1 out, 2 gradients in, 3 out), and the completion flags it reads (a send
-    needs ``done`` or ``also`` set: what it sends is computed) or sets (a receive: ``done`` =
-    posted), with the ``_ORDER`` rule a send before its producer breaks ("": a receive)."""
+    """One pipeline message kind's rules for the pass, per stage where indexed: the peer it must
+    name (-1: none may), the message's slot (a recording's key less ``mb * stride``), its channel
+    side (``_RankChannels``: 0 activations in, 1 out, 2 gradients in, 3 out), the flags a send
+    reads (``done`` or ``also``: computed) or a receive sets (``done``: posted), and the
+    ``_ORDER`` rule a send before its producer breaks ("": a receive)."""
 
     peers: list[int]
     slots: list[int]
@@ -612,12 +562,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
 
 
 def _scan_transfer(
-    scan: _Scan,
-    rank: int,
-    position: int,
-    recorded: Recorded,
-    awaiting: list[int],
-    loaded: set[int],
+    scan: _Scan, rank: int, position: int, recorded: Recorded, awaiting: list[int], loaded: set[int]
 ) -> int | None:
     """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD at ``position``: placement, the
     waits and sends of ``Rules.transfers`` recorded (``Wires.transfer`` runs the same table),
@@ -682,10 +627,8 @@ def _scan_transfer(
 def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
     """With sharded parameters (the rank has an RL) each chunk starts and ends the step
     released, is gathered (PS) only while released and released (RL) only while gathered, and
-    computes only while gathered; its gradients are allocated by a backward and reduced into
-    its shard at a GS (one per run of its backwards, ``passes.grad_sync``), so a GS follows
-    every backward of a chunk that has one (the last GS after its last backward is rule 7:
-    ``_grad_sync_problem``). A plain walk: sharded schedules only."""
+    computes only while gathered; a GS (one per run of its backwards) follows every backward of
+    a chunk that has one, reducing its gradients into its shard. Sharded schedules only."""
     gathered: set[int] = set()
     unreduced: dict[int, int] = {}  # stage -> its first backward since its last GS
     reduces: dict[int, int] = {}  # stage -> its latest GS
