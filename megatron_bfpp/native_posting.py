@@ -63,7 +63,7 @@ def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) ->
 
 @dataclass(frozen=True, slots=True)
 class GradSyncOptions:
-    """How megatron-core DDP starts each chunk's gradient reduction (module docstring).
+    """How megatron-core DDP starts each chunk's gradient reduction (``_Shape.grad_sync_after``).
     ``overlap_grad_reduce`` is ``DistributedDataParallelConfig.overlap_grad_reduce``;
     ``grad_sync_func`` says whether ``config.grad_sync_func`` is set (to each chunk's
     ``start_grad_sync``, as Megatron-LM does with ``--overlap-grad-reduce`` unless
@@ -167,10 +167,9 @@ class _Shape:
     def warmup(self, rank: int) -> tuple[int, bool]:
         """megatron-core's ``get_pp_rank_microbatches``: warm-up forwards, all in warm-up?"""
         total = self.num_microbatches * self.num_chunks
-        if self.num_chunks == 1:
-            warmup = self.num_ranks - rank - 1
-        else:
-            warmup = (self.num_ranks - rank - 1) * 2 + (self.num_chunks - 1) * self.group
+        warmup = self.num_ranks - rank - 1
+        if self.num_chunks > 1:
+            warmup = warmup * 2 + (self.num_chunks - 1) * self.group
         return min(warmup, total), warmup >= total
 
     def chunk(self, k: int, forward: bool) -> int:
@@ -185,17 +184,16 @@ class _Shape:
 
     def grad_sync_after(self, rank: int, k: int, grad_sync: GradSyncOptions) -> int | None:
         """The chunk whose reduction megatron-core DDP starts right after the rank's backward
-        k (module docstring), if any."""
+        k (docs/design-notes.md, "megatron-core's own posting"), if any."""
         if not grad_sync.overlap_grad_reduce:
             return None  # all in finalize_model_grads
         if self.num_chunks == 1:  # forward_backward_pipelining_without_interleaving
             last = k == self.num_microbatches - 1
             hooks = not grad_sync.grad_sync_func or rank == 0  # enable_grad_sync before it
             return 0 if last and hooks else None
-        if not grad_sync.grad_sync_func:  # backward_step_helper_preprocess: no_sync lifted
-            return self.chunk(k, False) if self.is_last_microbatch(k) else None
-        delayed = k - rank  # backward_step_helper_postprocess: grad_sync_microbatch_id
-        return self.chunk(delayed, False) if self.is_last_microbatch(delayed) else None
+        if grad_sync.grad_sync_func:  # backward_step_helper_postprocess: grad_sync_microbatch_id
+            k -= rank  # (without: backward_step_helper_preprocess lifts no_sync)
+        return self.chunk(k, False) if self.is_last_microbatch(k) else None
 
     def receives(self, rank: int, k: int, forward: bool) -> bool:
         """megatron-core's ``recv_tensor_from_previous_stage``: whether step k receives (for a
@@ -444,7 +442,6 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
             b.call(send_next=output, recv_prev=recv_prev)
         if overlap and k == warmup - 1 and not all_warmup:
             handles = b.call(recv_next=not last, wait=False)
-            send_prev_wait = None
             if _Op.RECV_NEXT in handles:
                 recv_next_waits.append(handles[_Op.RECV_NEXT])
     for k in range(remaining):

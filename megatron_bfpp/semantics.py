@@ -564,12 +564,15 @@ class _Run(Wires):
             [None] * rules.recorded_limit if bounded else _Unbounded()
         )
         s2r, none = rules.schedule.layout.stage_to_rank, [0] * len(rules.waits_for[_F])
+        # Per stage, the rank its activation (gradient) goes to when the neighbour stage is on
+        # another rank, else -1: an SA / SG sent elsewhere reaches nobody.
+        recorded = rules.recorded_sends
+        act_to = [s2r[s + 1] if slot >= 0 else -1 for s, slot in enumerate(recorded[_F])]
+        grad_to = [s2r[s - 1] if slot >= 0 else -1 for s, slot in enumerate(recorded[_B])]
         waits = {kind: _inverted(rules.recorded_waits[kind]) for kind in (_F, _B)}
-        sends = {kind: _inverted(rules.recorded_sends[kind]) for kind in (_F, _B)}
+        sends = {kind: _inverted(recorded[kind]) for kind in (_F, _B)}
         if not rules.implicit:  # a lowered schedule sends with its SA / SG
             sends = {_F: none, _B: none}
-        act_to = [s2r[s + 1] if slot else -1 for s, slot in enumerate(sends[_F])]
-        grad_to = [s2r[s - 1] if slot else -1 for s, slot in enumerate(sends[_B])]
         # Per compute kind: its duration, how many stored activations it adds, and per stage
         # what it waits for and sends (0 for nothing) and to which rank, in one lookup.
         self.compute = {
@@ -578,24 +581,9 @@ class _Run(Wires):
             _I: (timing.backward_input, 0, waits[_B], sends[_B], grad_to),
             _W: (timing.backward_weight, MEMORY_DELTA[_W], none, none, none),
         }
-        # What an SA / SG sends, per stage: (key as above, the rank it must go to). Sent to
-        # another rank it reaches nobody: every wait for it names the neighbour stage's rank.
+        # What an SA / SG sends, per stage: (key as above, the rank it must go to).
         act, grad = rules.recorded_base
-        remote = rules.waits_for[_F]  # >= 0 where a stage's input comes from another rank
-        num_stages = len(remote)
-        self.sends = {
-            _SA: (
-                [~act[s] for s in range(num_stages)],
-                [
-                    s2r[s + 1] if s + 1 < num_stages and remote[s + 1] >= 0 else -1
-                    for s in range(num_stages)
-                ],
-            ),
-            _SG: (
-                [~grad[s] for s in range(num_stages)],
-                [s2r[s - 1] if remote[s] >= 0 else -1 for s in range(num_stages)],
-            ),
-        }
+        self.sends = {_SA: ([~s for s in act], act_to), _SG: ([~s for s in grad], grad_to)}
         self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
         # Messages and transfers that take no time, in integer units (CostModel.exact): a link
         # is then always free by its sender's clock, so ``_timed`` keeps no link clocks.

@@ -314,12 +314,10 @@ _RECOMPUTE_FIELDS: dict[str, dict[str, Any]] = {
 @dataclasses.dataclass(frozen=True, slots=True)
 class StoredActivations:
     """What a stage holds while ``k`` micro-batches wait for their backward, for k = 1..K, as
-    the device's allocator counts it (``torch.cuda.memory_allocated``) or, on CPU, as the bytes
-    of the distinct storages autograd saved: ``weights`` the block's parameters alone,
-    ``stored[k-1]`` the bytes above them with k micro-batches stored (what the planner's
-    activation model predicts per micro-batch, times k), ``peak`` the most allocated at any
-    moment above the weights, backwards included (CUDA only; transient buffers the planner does
-    not model)."""
+    the device's allocator counts it or, on CPU, as the bytes of the distinct storages autograd
+    saved: ``weights`` the block's parameters alone, ``stored[k-1]`` the bytes above them with k
+    micro-batches stored, ``peak`` the most allocated above the weights, backwards included
+    (CUDA only)."""
 
     model: str
     recompute: str
@@ -351,10 +349,9 @@ def measure_stored_activations(
     dtype: str | None = None,
 ) -> StoredActivations:
     """Run ``stored`` forwards of ``num_layers`` layers of ``model`` back to back, keeping each
-    micro-batch's graph as a pipeline stage does until its backward (the output's data freed once
-    sent, as megatron-core's ``deallocate_output_tensor`` does), and count the bytes held after
-    each; then run the backwards. Why: the planner's activation model (``plan.memory``) is
-    Korthikanti's count per tensor; this is the measurement it must answer to."""
+    micro-batch's graph as a pipeline stage does until its backward (its output's data freed),
+    and count the bytes held after each; then run the backwards: the measurement the planner's
+    activation model (``plan.memory``) must answer to."""
     if recompute not in _RECOMPUTE_FIELDS:
         raise ScheduleError(
             f"recompute must be one of {', '.join(_RECOMPUTE_FIELDS)}, got {recompute!r}"

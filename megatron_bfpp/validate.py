@@ -13,9 +13,7 @@ several problems, the first (in rank order) of the first kind below is reported:
    a consumer after the receive that posts its input, I before W, an eviction between forward and
    backward and a load before the backward; every eviction loaded back;
 4. message order: between two ranks, both sides post the same messages in the same order, since
-   NCCL and gloo match point-to-point messages by posting order, not by meaning (with pp=2 and
-   looping an activation and a gradient of the same shape travel between the same two ranks,
-   and a swapped order would silently mix them up);
+   NCCL and gloo match point-to-point messages by posting order, not by meaning;
 5. deadlock: every program runs to its end;
 6. NCCL: the lock-step posting the runtime makes of a lowered schedule runs to its end under
    NCCL's rules too (``nccl.validate_nccl``: one stream per rank, a batch done only when both
@@ -28,8 +26,7 @@ several problems, the first (in rank order) of the first kind below is reported:
    first compute (with them, the residency rules of ``_residency_problem``, under 3).
 8. data order, per stage: its forwards take micro-batches in increasing order, since the runtime
    reads each model chunk's data iterator once per forward, in order, as megatron-core's
-   ``forward_step`` does (a hand-made or CSV order that swaps two would train on the wrong
-   samples' labels). One line, without the grid: the fix is the order of one stage's forwards.
+   ``forward_step`` does. One line, without the grid: the fix is one stage's forwards' order.
 
 The checks of one action do not depend on other ranks, so each rank is checked in one go, the part
 of a program after a step it would wait at forever included. The NCCL proof costs about 20 times the
@@ -871,14 +868,9 @@ def _channel_problem(schedule: Schedule, src: int, dst: int) -> ScheduleError:
         for position, a in enumerate(schedule.per_rank[dst])
         if a.kind.is_recv and a.peer == src
     ]
-    index = next(  # the first send whose receive differs (semantics.match_channels pairs them)
-        (
-            k
-            for k, (sent, got) in enumerate(match_channels(out, into))
-            if got is None or sent[1] != got[1]
-        ),
-        len(out),
-    )
+    # The first send whose receive differs (semantics.match_channels pairs them).
+    pairs = enumerate(match_channels(out, into))
+    index = next((k for k, (sent, got) in pairs if got is None or sent[1] != got[1]), len(out))
     if index < len(out) and index < len(into):
         (sent_at, sent), (received_at, received) = out[index], into[index]
         return _fail(
