@@ -242,9 +242,8 @@ class _Builder:
     next: int = 0
 
     def __post_init__(self) -> None:
-        # RL goes after the compute before it, PS before the compute after it (in its
-        # forward's preparation), each in program order; GS where megatron-core DDP starts
-        # the chunk's reduction (sync_after, sync_remaining).
+        # RL after the compute before it, PS before the compute after it (its forward's
+        # preparation); GS where megatron-core DDP starts the chunk's reduction (sync_after).
         num_ranks = self.schedule.num_ranks
         self.prev, self.next = (self.rank - 1) % num_ranks, (self.rank + 1) % num_ranks
         actions = self.schedule.per_rank[self.rank]
@@ -281,7 +280,6 @@ class _Builder:
         if pending:
             self.after[self.computes[-1]] += pending
 
-    # the rank's compute order
     def action(self, position: int) -> Action:
         return self.schedule.per_rank[self.rank][position]
 
@@ -323,7 +321,6 @@ class _Builder:
             raise self.refuse(f"{action}'s output is never sent")
         return self.sends[key]
 
-    # posting
     def call(
         self,
         *,

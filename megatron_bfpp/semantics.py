@@ -8,8 +8,8 @@ rank runs its program in order, under these rules:
   them back, for the evicted activations; RS for the activations its AC took in.
 * Between two ranks the k-th receive posted matches the k-th send posted, as NCCL and gloo
   match point-to-point messages by posting order. The validator checks that both sides post the
-  same messages in the same order; after that, matching a receive to "its" message (which is
-  what the replay does) is the same thing.
+  same messages in the same order, so matching a receive to "its" message (the replay's way) is
+  the same thing.
 * Two waits only order, they cost no time: AC reads the eviction's size header before any later
   receive from the evictor, so it waits for the evict to be sent; and the first compute after an
   EV (RS) waits until the partner has posted the matching AC (LD), because the runtime releases
@@ -18,11 +18,10 @@ rank runs its program in order, under these rules:
   the neighbour stage's rank the moment it finished, which is what ``add_communication`` adds.
 * The composite rule: a composite (``OVERLAP_F_B``, ``3F5&1B2``) runs its parts as one compute
   action. It waits for everything each part waits for before it starts, runs them back to back
-  for the sum of their durations (``action_duration``; on a GPU the two overlap, which is the point:
-  the time that saves is not modelled here), holds its forward's activations before its
-  backward frees its own (its parts' ``MEMORY_DELTA`` in order: the peak counts both), and what
-  its parts send leaves after it (lowered: its SA / SG follow it; compute-only: at its end).
-  Every other rule applies to each part as to that action alone.
+  for the sum of their durations (``action_duration``; on a GPU they overlap, a saving not
+  modelled here), holds its forward's activations before its backward frees its own (the peak
+  counts both), and what its parts send leaves after it (lowered: its SA / SG follow it;
+  compute-only: at its end). Every other rule applies to each part as to that action alone.
 * A rank that needs a message nobody has sent yet stops until it is sent. When every unfinished
   rank is stopped, the schedule deadlocks, and each stuck rank is marked where it waits.
 
@@ -278,9 +277,7 @@ class Rules:
     ``base[what][stage]``: the slot to which a message adds the rank it is sent to (an SA / SG its
     peer). ``transfers[kind]``: BPipe's rules for EV / AC / RS / LD (``Transfer``), which
     ``Wires.transfer`` and the validator apply. A composite (``OVERLAP_F_B``) has no row: the
-    composite rule (module docstring) applies these tables to each of its parts (``ir.parts``): it
-    waits for the union of their waits before it starts, sends the union of their sends after it,
-    and lasts the sum of their durations."""
+    composite rule (module docstring) applies these tables to each of its parts (``ir.parts``)."""
 
     def __init__(self, schedule: Schedule, *, implicit: bool | None = None) -> None:
         """``implicit``: whether the schedule is compute-only, when the caller already knows
@@ -339,17 +336,14 @@ class Rules:
         """What a BPipe transfer waits for (``Transfer.waits``): RS the payload it returns, AC
         the size header it reads first; None for EV / LD."""
         slot = self.transfers[action.kind].waits[action.stage]
-        return self._message(slot, action)
+        if slot < 0:
+            return None
+        return self.keys.message(slot + (action.microbatch or 0) * self.per_mb)[0]
 
     def awaits(self, action: Action) -> bool:
         """Whether the next compute after this transfer (EV / RS) waits until the partner has
         posted its receive (``Transfer.awaits``): the one statement of that BPipe rule."""
         return self.transfers[action.kind].awaits[action.stage] >= 0
-
-    def _message(self, slot: int, action: Action) -> Message | None:
-        if slot < 0:
-            return None
-        return self.keys.message(slot + (action.microbatch or 0) * self.per_mb)[0]
 
     def recorded_message(self, key: int) -> Message:
         """The message a recording's key names (``_recorded_tables``)."""
@@ -557,9 +551,8 @@ class _Run(Wires):
         num_ranks = rules.keys.num_ranks
         self.durations = timing
         # Activations and gradients travel under their dense keys (Rules._recorded_tables),
-        # inverted (``~(mb * stride + slot)``: they share ``waiting`` with BPipe's MessageKeys)
-        # and index ``flow``, their arrival times (None: not sent), a list faster than a dict;
-        # ``bounded=False`` (after an IndexError) takes a dict for an action past the count.
+        # inverted to share ``waiting`` with BPipe's MessageKeys, and index ``flow``, their
+        # arrival times (None: not sent); unbounded, a dict for an action past the count.
         self.flow: list[float | None] | _Unbounded = (
             [None] * rules.recorded_limit if bounded else _Unbounded()
         )

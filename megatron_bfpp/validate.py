@@ -203,7 +203,7 @@ class _Scan:
     messages in posting order, and where stuck ranks wait. A rank's pass ends at its first
     placement problem, so a flag is its stage's own rank's history and every index is in range."""
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, *, composites: bool = False) -> None:
         stage_to_rank = schedule.layout.stage_to_rank
         num_stages, num_ranks = len(stage_to_rank), len(schedule.per_rank)
         self.schedule, self.stage_to_rank = schedule, stage_to_rank
@@ -236,7 +236,7 @@ class _Scan:
         self.forwarded = [-1] * num_stages  # per stage: the latest micro-batch forwarded
         self.stuck: dict[int, tuple[int, Message]] = {}
         self.part: Action | None = None  # the part of a composite being checked (``_parts``)
-        self.composites = False  # whether ranks are checked with composites as parts (``_scan``)
+        self.composites = composites  # whether composites are checked as parts (``_scan``)
         # The pipeline messages' rules, one row per kind (``_P2P``; ``_scan_rank`` reads them):
         # the slot of RA (RG) is the previous (next) stage's activation (input gradient).
         act_base, grad_base = self.rules.recorded_base
@@ -342,8 +342,7 @@ def _scan(schedule: Schedule) -> _Scan:
     scan = _Scan(schedule)
     programs = [_scan_rank(scan, rank) for rank in range(len(schedule.per_rank))]
     if scan.composites:  # a rank met one: all again, each composite as its parts (_parts)
-        scan = _Scan(schedule)
-        scan.composites = True
+        scan = _Scan(schedule, composites=True)
         programs = [_scan_rank(scan, rank) for rank in range(len(schedule.per_rank))]
     scan.stuck = run_recorded(scan.rules, programs)
     return scan
