@@ -75,11 +75,9 @@ def parameters_per_pipeline_rank(shape: ModelShape, layout: Layout) -> list[int]
 
 
 def parameters_per_stage(shape: ModelShape, layout: Layout) -> list[int]:
-    """Parameters of one tensor-parallel rank at each global (virtual) stage, in stage order:
-    its ``num_layers / stages`` layers, the first stage's embeddings and the last stage's final
-    norm and output layer (as ``parameters_per_pipeline_rank``, whose figures are these summed
-    over each rank's stages). Fully sharded, a chunk's buffers are gathered and released whole,
-    so the planner weighs the chunks a schedule holds at once by these."""
+    """Parameters of one tensor-parallel rank at each global (virtual) stage, in stage order, as
+    ``parameters_per_pipeline_rank`` counts them: fully sharded, a chunk's buffers are gathered
+    and released whole, so the planner weighs the chunks a schedule holds at once by these."""
     tp = layout.tensor_model_parallel_size
     stages = layout.pipeline_model_parallel_size * layout.num_virtual_stages_per_pipeline_rank
     counts = [shape.num_layers // stages * layer_parameters(shape, tp=tp)] * stages
