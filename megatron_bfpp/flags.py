@@ -1,10 +1,7 @@
-"""The argument parser every command line of the package shares, and its integer type.
-
-Standard library only and cheap to import: the Megatron-LM pre-flight
-(``megatron_bfpp.megatron.preflight``) parses a training command with it before torch is
-imported, and the CLIs (``megatron_bfpp.cli``) print their errors with it, so both read a flag,
-and refuse a bad one, the same way.
-"""
+"""The argument parser every command line of the package shares, and its integer type. Standard
+library only and cheap to import: the Megatron-LM pre-flight (``megatron_bfpp.megatron.preflight``)
+parses a training command with it before torch is imported, and the CLIs (``megatron_bfpp.cli``)
+print their errors with it, so both read a flag, and refuse a bad one, the same way."""
 
 from __future__ import annotations
 
@@ -45,11 +42,9 @@ def _shows_default(action: argparse.Action) -> bool:
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse prints usage plus the error; users asked for one clear line and a non-zero exit.
-
-    ``raises``: raise it with the message instead of printing and exiting, for a caller that
-    checks a command line it does not own and reports it its own way (the pre-flight of a
-    Megatron-LM command raises a ``ScheduleError``).
-    """
+    ``raises``: raise it with the message instead of printing and exiting, for a caller that checks
+    a command line it does not own and reports it its own way (the pre-flight of a Megatron-LM
+    command raises a ``ScheduleError``)."""
 
     def __init__(
         self, *args: Any, raises: Callable[[str], Exception] | None = None, **kwargs: Any
@@ -77,9 +72,8 @@ def positive_int(text: str) -> int:
 
 def printable_output() -> None:
     """Every line can be printed, whatever stdout and stderr encode: a path or name they cannot
-    show (an ASCII locale, ``PYTHONIOENCODING=ascii``, a SLURM log) comes out as ``\\xe9``
-    escapes instead of ending the run with a UnicodeEncodeError, as an informational line
-    (``saved checkpoint DIR``) used to, after training."""
+    show (an ASCII locale, a SLURM log) comes out as ``\\xe9`` escapes instead of ending the
+    run with a UnicodeEncodeError."""
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
@@ -88,8 +82,7 @@ def printable_output() -> None:
 
 # How long a rank that leaves its node's error line to local rank 0 waits before it exits:
 # torchrun stops every worker at the first one that fails, so a quiet rank exiting first could
-# stop local rank 0 before its line is out (seen on a loaded 2-core machine). Local rank 0 exits
-# first and torchrun then ends the waiting ranks at once, so no run waits this long in practice.
+# stop local rank 0 before its line is out; torchrun ends the waiting ranks once rank 0 exits.
 QUIET_RANK_GRACE_S = 10.0
 
 

@@ -2,83 +2,14 @@
 schedules, as an ``nccl.Posting``, so that Megatron's own baselines are checked and timed by
 what Megatron runs rather than by our runtime's lock-step posting.
 
-megatron-core (read in 0.16.1 and 0.19.2, ``megatron/core/pipeline_parallel/schedules.py`` and
-``p2p_communication.py``) posts at most one call of ``P2PCommunicator._communicate`` per
-pipeline step: the sends of the compute just run and the receives for a later one, to and from
-the two neighbour ranks only (send_forward_recv_backward, send_backward_recv_forward,
-send_forward_recv_forward, ...). Each call is
-
-* batched (``batch_p2p_comm``, megatron-core's default): one ``batch_isend_irecv`` with the ops
-  in the order send-to-previous, receive-from-previous, send-to-next, receive-from-next, waited
-  right away (``req.wait()`` for each op, then ``torch.cuda.synchronize()`` with
-  ``batch_p2p_sync``, which on a GPU makes it a host wait; the model already waits on the host);
-* or non-batched (``_p2p_ops``): ``isend`` / ``irecv`` one by one, an even pipeline rank
-  send-next, receive-previous, send-previous, receive-next and an odd one receive-previous,
-  send-next, receive-next, send-previous, so that each pair of ranks meets head to head; waited
-  right away, except in the interleaved schedule with ``overlap_p2p_comm``, which keeps the
-  requests and waits for each later: a receive just before the compute that consumes it (the
-  oldest outstanding one, ``pp_pre_forward`` / ``pp_pre_backward`` and the cool-down), a send
-  after posting the next send in the same direction, or, from 0.18 with
-  ``deallocate_pipeline_outputs`` (Megatron-LM sets it), a forward send right after posting it
-  (``wait_forward_sends``); the last backward send after the cool-down.
-
-Which receive a step posts follows megatron-core's rules, not the schedule's needs: every rank
-receives for its next forward (backward) except the rank leading that direction (the first rank
-forwards, the last backward), which receives from the ending rank what that rank sends p - 1
-steps after it (``recv_tensor_from_previous_stage``) and buffers it; the last step of each phase
-receives nothing; 1F1B's steady state pairs a forward's send with the next backward's receive
-and a backward's send with the next forward's receive; the interleaved schedule without overlap
-pairs all four in one call in steady state and at the last warm-up step.
-
-``megatron_posting`` derives all of that from a schedule's compute order: the rank's forwards in
-order give megatron-core's schedule table (the first run of chunk-0 forwards is its
-``microbatch_group_size_per_vp_stage``), megatron-core's warm-up count
-(``get_pp_rank_microbatches``) splits the compute order into its phases, which must then read
-warm-up forwards, one forward one backward, cool-down backwards, or the schedule is refused. A
-receive's message is the next one on its channel (the k-th receive from a rank matches its k-th
-send, as ``validate`` proves of the schedule's own receives). What megatron-core 0.16-0.17 and
-0.18-0.19 post differs only in ``wait_forward_sends``.
-
-Where each chunk's data-parallel gradient reduction (its GS) starts follows megatron-core's
-rules too (``GradSyncOptions``), not the schedule's GS positions (``passes.grad_sync`` puts
-each right after its chunk's last backward). A GS in the posting is where the reduction is
-started on the data-parallel lane; ``finalize_model_grads`` waiting for it is the rank's end.
-
-* Without ``overlap_grad_reduce`` (megatron-core's default) DDP's gradient hooks start nothing
-  (``_make_backward_post_hook``) and ``finalize_model_grads`` reduces every chunk, in chunk
-  order, synchronously (``finish_grad_sync``), after the schedule's last p2p call: every GS
-  goes at the rank's end.
-* With ``overlap_grad_reduce`` and no ``grad_sync_func`` (Megatron-LM's
-  ``--no-align-grad-reduce``), the schedule runs the backward under ``no_sync`` except the
-  chunk's last micro-batch's backward (1F1B: ``enable_grad_sync`` before its last backward;
-  interleaved: ``backward_step_helper_preprocess`` when ``is_last_microbatch_for_model_chunk``),
-  during which DDP's hooks start the chunk's buckets (``register_grad_ready``): the GS goes
-  right after that backward, before its p2p call.
-* With ``overlap_grad_reduce`` and ``grad_sync_func = start_grad_sync`` (Megatron-LM's
-  ``--overlap-grad-reduce``, which aligns them by default): 1F1B lifts ``no_sync`` before the
-  last backward on the first pipeline rank only (its GS right after that backward) and calls
-  ``grad_sync_func`` on the others after its cool-down (after the last p2p call). The
-  interleaved schedule calls ``grad_sync_func[c]`` in ``backward_step_helper_postprocess``
-  after backward k when ``k - pipeline rank`` is chunk c's last micro-batch in backward order
-  (``grad_sync_microbatch_id``): rank r starts chunk c's reduction r backwards after its own
-  last backward of c, so that all ranks start it together; what is not started by the last
-  backward (``synchronized_model_chunks``) is started after the cool-down's last send wait, in
-  chunk order.
-
-The model starts a hook-started reduction at the end of its backward: megatron-core's first
-pipeline rank splits its first chunk into buckets (``bucket_size``; the other ranks and chunks
-are one bucket in Megatron-LM), whose reductions start during that backward. A first step
-(``is_first_batch``: reductions start in ``finish_grad_sync``) is not modelled, nor param sync:
-each chunk's PS stays before the rank's first compute (megatron-core gathers parameters after
-the optimizer step, or with ``overlap_param_gather`` at the step's start and, under
-``align_param_gather`` in the interleaved schedule, chunk c > 1 at its own delayed point in
-``forward_step_helper_preprocess``).
-
-Not modelled: ``variable_seq_lengths`` (a shape exchange before each call), ring exchange,
-``overlap_p2p_comm_warmup_flush``, combined 1F1B (``overlap_moe_expert_parallel_comm``), and at
-pp = 2 the second communicator on which the non-batched path puts one direction of a pair (the
-model keeps both directions on the pair's one stream, which only orders more).
-"""
+megatron-core (read in 0.16.1 and 0.19.2) makes at most one ``_communicate`` call per pipeline step:
+the sends of the compute just run and the receives for a later one, batched (``batch_p2p_comm``) or
+op by op, waited right away or, with ``overlap_p2p_comm``, later. Which receive a step posts, where
+each chunk's gradient reduction (GS) starts (``GradSyncOptions``) and what is not modelled:
+docs/design-notes.md, "megatron-core's own posting". ``megatron_posting`` derives all of it from a
+schedule's compute order (its forwards give the schedule table and group size, megatron-core's
+warm-up count its phases) and refuses a compute order megatron-core would not run; a receive's
+message is the next one on its channel."""
 
 from __future__ import annotations
 
@@ -105,9 +36,8 @@ K = ActionKind
 @dataclass(frozen=True, slots=True)
 class P2POptions:
     """megatron-core's point-to-point settings (``ModelParallelConfig``) that shape a posting.
-
-    ``overlap_p2p`` is ``overlap_p2p_comm`` (interleaved only), ``batch_p2p`` is
-    ``batch_p2p_comm`` (not with overlap), ``wait_forward_sends`` is megatron-core >= 0.18 with
+    ``overlap_p2p`` is ``overlap_p2p_comm`` (interleaved only), ``batch_p2p`` is ``batch_p2p_comm``
+    (not with overlap), ``wait_forward_sends`` is megatron-core >= 0.18 with
     ``deallocate_pipeline_outputs``."""
 
     overlap_p2p: bool = False
@@ -133,8 +63,7 @@ def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) ->
 
 @dataclass(frozen=True, slots=True)
 class GradSyncOptions:
-    """How megatron-core DDP starts each chunk's gradient reduction (module docstring).
-
+    """How megatron-core DDP starts each chunk's gradient reduction (``_Shape.grad_sync_after``).
     ``overlap_grad_reduce`` is ``DistributedDataParallelConfig.overlap_grad_reduce``;
     ``grad_sync_func`` says whether ``config.grad_sync_func`` is set (to each chunk's
     ``start_grad_sync``, as Megatron-LM does with ``--overlap-grad-reduce`` unless
@@ -163,7 +92,16 @@ def megatron_posting(
     one ``Batch`` (``blocking`` when waited right away, ``pairwise`` when non-batched), the
     deferred waits as ``Wait`` steps, the computes and PS / RL as program positions, and each
     chunk's GS where megatron-core DDP starts its reduction under ``grad_sync``."""
-    _check_options(schedule, options)
+    if options.overlap_p2p and options.batch_p2p:
+        raise ScheduleError(
+            "megatron-core cannot overlap batched p2p (overlap_p2p_comm with batch_p2p_comm); "
+            "turn one off"
+        )
+    if options.overlap_p2p and schedule.num_chunks == 1:
+        raise ScheduleError(
+            "megatron-core overlaps p2p only in the interleaved schedule; 1F1B runs without "
+            "overlap_p2p_comm"
+        )
     if grad_sync.grad_sync_func and not grad_sync.overlap_grad_reduce:
         raise ScheduleError(
             "grad_sync_func without overlap_grad_reduce makes every start_grad_sync a "
@@ -184,19 +122,6 @@ def megatron_posting(
         " (p2p overlap)" if options.overlap_p2p else "" if options.batch_p2p else " (non-batched)"
     )
     return Posting(name, tuple(per_rank))
-
-
-def _check_options(schedule: Schedule, options: P2POptions) -> None:
-    if options.overlap_p2p and options.batch_p2p:
-        raise ScheduleError(
-            "megatron-core cannot overlap batched p2p (overlap_p2p_comm with batch_p2p_comm); "
-            "turn one off"
-        )
-    if options.overlap_p2p and schedule.num_chunks == 1:
-        raise ScheduleError(
-            "megatron-core overlaps p2p only in the interleaved schedule; 1F1B runs without "
-            "overlap_p2p_comm"
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,10 +167,9 @@ class _Shape:
     def warmup(self, rank: int) -> tuple[int, bool]:
         """megatron-core's ``get_pp_rank_microbatches``: warm-up forwards, all in warm-up?"""
         total = self.num_microbatches * self.num_chunks
-        if self.num_chunks == 1:
-            warmup = self.num_ranks - rank - 1
-        else:
-            warmup = (self.num_ranks - rank - 1) * 2 + (self.num_chunks - 1) * self.group
+        warmup = self.num_ranks - rank - 1
+        if self.num_chunks > 1:
+            warmup = warmup * 2 + (self.num_chunks - 1) * self.group
         return min(warmup, total), warmup >= total
 
     def chunk(self, k: int, forward: bool) -> int:
@@ -260,17 +184,16 @@ class _Shape:
 
     def grad_sync_after(self, rank: int, k: int, grad_sync: GradSyncOptions) -> int | None:
         """The chunk whose reduction megatron-core DDP starts right after the rank's backward
-        k (module docstring), if any."""
+        k (docs/design-notes.md, "megatron-core's own posting"), if any."""
         if not grad_sync.overlap_grad_reduce:
             return None  # all in finalize_model_grads
         if self.num_chunks == 1:  # forward_backward_pipelining_without_interleaving
             last = k == self.num_microbatches - 1
             hooks = not grad_sync.grad_sync_func or rank == 0  # enable_grad_sync before it
             return 0 if last and hooks else None
-        if not grad_sync.grad_sync_func:  # backward_step_helper_preprocess: no_sync lifted
-            return self.chunk(k, False) if self.is_last_microbatch(k) else None
-        delayed = k - rank  # backward_step_helper_postprocess: grad_sync_microbatch_id
-        return self.chunk(delayed, False) if self.is_last_microbatch(delayed) else None
+        if grad_sync.grad_sync_func:  # backward_step_helper_postprocess: grad_sync_microbatch_id
+            k -= rank  # (without: backward_step_helper_preprocess lifts no_sync)
+        return self.chunk(k, False) if self.is_last_microbatch(k) else None
 
     def receives(self, rank: int, k: int, forward: bool) -> bool:
         """megatron-core's ``recv_tensor_from_previous_stage``: whether step k receives (for a
@@ -319,9 +242,8 @@ class _Builder:
     next: int = 0
 
     def __post_init__(self) -> None:
-        # RL goes after the compute before it, PS before the compute after it (in its
-        # forward's preparation), each in program order; GS where megatron-core DDP starts
-        # the chunk's reduction (sync_after, sync_remaining).
+        # RL after the compute before it, PS before the compute after it (its forward's
+        # preparation); GS where megatron-core DDP starts the chunk's reduction (sync_after).
         num_ranks = self.schedule.num_ranks
         self.prev, self.next = (self.rank - 1) % num_ranks, (self.rank + 1) % num_ranks
         actions = self.schedule.per_rank[self.rank]
@@ -358,7 +280,6 @@ class _Builder:
         if pending:
             self.after[self.computes[-1]] += pending
 
-    # the rank's compute order
     def action(self, position: int) -> Action:
         return self.schedule.per_rank[self.rank][position]
 
@@ -392,20 +313,14 @@ class _Builder:
         """A forward's activation or a backward's input gradient, unless its stage is the
         pipeline's last (first): megatron-core sets the tensor to None there."""
         action = self.action(position)
-        layout = self.schedule.layout
-        if action.kind is K.FORWARD:
-            if layout.is_last(action.stage):
-                return None
-            key = (K.SEND_ACT, action.stage, action.microbatch or 0)
-        else:
-            if action.stage == 0:
-                return None
-            key = (K.SEND_GRAD, action.stage, action.microbatch or 0)
+        forward = action.kind is K.FORWARD
+        if self.schedule.layout.is_last(action.stage) if forward else action.stage == 0:
+            return None
+        key = (K.SEND_ACT if forward else K.SEND_GRAD, action.stage, action.microbatch or 0)
         if key not in self.sends:
             raise self.refuse(f"{action}'s output is never sent")
         return self.sends[key]
 
-    # posting
     def call(
         self,
         *,
@@ -524,7 +439,6 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
             b.call(send_next=output, recv_prev=recv_prev)
         if overlap and k == warmup - 1 and not all_warmup:
             handles = b.call(recv_next=not last, wait=False)
-            send_prev_wait = None
             if _Op.RECV_NEXT in handles:
                 recv_next_waits.append(handles[_Op.RECV_NEXT])
     for k in range(remaining):

@@ -1,6 +1,5 @@
-"""How a schedule executes: the rules that the validator, the simulator and the passes share.
-
-Each rank runs its program in order, under these rules:
+"""How a schedule executes: the rules that the validator, the simulator and the passes share. Each
+rank runs its program in order, under these rules:
 
 * A send (SA, SG, EV, RS) is posted without waiting; its data leaves when its link is free.
 * A receive (RA, RG, AC, LD) is posted without waiting; the rank waits for the data only at the
@@ -9,8 +8,8 @@ Each rank runs its program in order, under these rules:
   them back, for the evicted activations; RS for the activations its AC took in.
 * Between two ranks the k-th receive posted matches the k-th send posted, as NCCL and gloo
   match point-to-point messages by posting order. The validator checks that both sides post the
-  same messages in the same order; after that, matching a receive to "its" message (which is
-  what the replay does) is the same thing.
+  same messages in the same order, so matching a receive to "its" message (the replay's way) is
+  the same thing.
 * Two waits only order, they cost no time: AC reads the eviction's size header before any later
   receive from the evictor, so it waits for the evict to be sent; and the first compute after an
   EV (RS) waits until the partner has posted the matching AC (LD), because the runtime releases
@@ -19,35 +18,27 @@ Each rank runs its program in order, under these rules:
   the neighbour stage's rank the moment it finished, which is what ``add_communication`` adds.
 * The composite rule: a composite (``OVERLAP_F_B``, ``3F5&1B2``) runs its parts as one compute
   action. It waits for everything each part waits for before it starts, runs them back to back
-  for the sum of their durations (``action_duration``; on a GPU the two overlap, which is the point:
-  the time that saves is not modelled here), holds its forward's activations before its
-  backward frees its own (its parts' ``MEMORY_DELTA`` in order: the peak counts both), and what
-  its parts send leaves after it (lowered: its SA / SG follow it; compute-only: at its end).
-  Every other rule applies to each part as to that action alone.
+  for the sum of their durations (``action_duration``; on a GPU they overlap, a saving not
+  modelled here), holds its forward's activations before its backward frees its own (the peak
+  counts both), and what its parts send leaves after it (lowered: its SA / SG follow it;
+  compute-only: at its end). Every other rule applies to each part as to that action alone.
 * A rank that needs a message nobody has sent yet stops until it is sent. When every unfinished
   rank is stopped, the schedule deadlocks, and each stuck rank is marked where it waits.
 
-``Rules`` holds these rules for one schedule as tables (what each kind of action at each stage
-waits for and sends, as ``MessageKeys``; BPipe's transfers as ``Transfer``); ``Wires`` holds
-the messages of one run (which are sent, who waits for which, who is stuck), applies the BPipe
-rules, and drives the ranks: each rank's program is a generator that yields the message its
-next action waits for and is resumed once that message is sent, so a run is linear in the
-number of actions. Two programs apply the tables: ``replay`` keeps time, notes where busy
-intervals start (``Timeline`` draws the events from them on demand) and counts memory, and
-``compute_ends`` (for planning passes) reads the compute ends off those starts; the validator's
-single pass (``validate._scan``) checks every action and records what it waits for and sends
-(``Recorded``), which ``run_recorded`` then runs without clocks. They are separate loops because
-the validator must check a schedule before any table may be trusted with it; what they share is
-everything that decides when an action may run, and tests hold them to the same answers.
+``Rules`` holds these rules for one schedule as tables; ``Wires`` holds the messages of one run
+and drives the ranks' programs, generators that yield the message their next action waits for,
+so a run is linear in the number of actions. ``replay`` (and ``compute_ends``) run them with
+clocks; the validator records each rank's waits and sends while it checks it (``Recorded``) and
+``run_recorded`` runs those without clocks, since it must check a schedule before any table may
+be trusted with it. Both share everything that decides when an action may run.
 
 ``replay`` times a run under ``Timing``: a compute action starts when the rank is free and every
-message it consumes has arrived, and lasts its duration; a send occupies its directed link
-(sender, receiver) for its duration, one message at a time in posting order; GS / PS run in
-program order on one data-parallel lane per rank, starting no earlier than their position's
-time; the first compute of a stage after one of its PS waits for that gather to end; an RL
-(sharded parameters: release a chunk's gathered ones) takes no time. Every link and lane
-belongs to one rank's program, so the order in which ranks are advanced changes no time.
-"""
+message it consumes has arrived, and lasts its duration; a send occupies its directed link (sender,
+receiver) for its duration, one message at a time in posting order; GS / PS run in program order on
+one data-parallel lane per rank, starting no earlier than their position's time; the first compute
+of a stage after one of its PS waits for that gather to end; an RL (sharded parameters: release a
+chunk's gathered ones) takes no time. Every link and lane belongs to one rank's program, so the
+order in which ranks are advanced changes no time."""
 
 from __future__ import annotations
 
@@ -110,13 +101,10 @@ Lane = Literal["compute", "p2p", "dp"]
 
 @dataclass(frozen=True, slots=True)
 class Timing:
-    """Durations of one replay, already scaled to the stage (``CostModel.exact`` derives them).
-
-    ``p2p`` is one activation or gradient message on its link, ``transfer`` one BPipe evict or
-    restore; ``grad_sync`` / ``param_sync`` one GS / PS on the data-parallel lane. The defaults
-    are the unit timing (a forward 1, a backward 2 of which W is half, communication free),
-    which orders a replay when no costs are given; ``CostModel``'s defaults are these.
-    """
+    """Durations of one replay, already scaled to the stage (``CostModel.exact`` derives them):
+    ``p2p`` one activation or gradient message on its link, ``transfer`` one BPipe evict or
+    restore, ``grad_sync`` / ``param_sync`` one GS / PS on the data-parallel lane. The defaults
+    (a forward 1, a backward 2 of which W is half, communication free) are ``CostModel``'s."""
 
     forward: float = 1.0
     backward: float = 2.0
@@ -151,13 +139,10 @@ def action_duration(durations: Mapping[ActionKind, Number], action: Action) -> N
 
 
 class Event(NamedTuple):
-    """One busy interval on one lane of one rank.
-
-    ``lane`` is ``compute`` (F/B/I/W, every one), ``p2p`` (a send occupying its link, drawn on
-    the sender) or ``dp`` (GS / PS); communication that takes no time leaves no event.
-    ``label`` is the action's text, e.g. ``3F5``. A named tuple rather than a dataclass: a
-    large schedule produces hundreds of thousands of these, and a tuple is cheaper to build.
-    """
+    """One busy interval on one lane of one rank: ``compute`` (F/B/I/W, every one), ``p2p`` (a
+    send occupying its link, drawn on the sender) or ``dp`` (GS / PS); communication that takes
+    no time leaves none. ``label`` is the action's text, e.g. ``3F5``. A named tuple: cheaper
+    to build than a dataclass, by the hundred thousand."""
 
     rank: int
     lane: Lane
@@ -175,11 +160,8 @@ class Event(NamedTuple):
 
 class Replay(NamedTuple):
     """What ``replay`` found, in ``Timing``'s units (integers when its durations are).
-
     ``blocked`` maps each rank that cannot finish to (position in its program, the message it
-    waits for); empty when every program runs to its end. ``events`` are built from
-    ``timeline`` when first asked for.
-    """
+    waits for). ``events`` are built from ``timeline`` when first asked for."""
 
     blocked: dict[int, tuple[int, Message]]
     timeline: Timeline
@@ -197,52 +179,38 @@ class Replay(NamedTuple):
 
 @paused_gc()  # one tuple per event and message, none freed: see paused_gc
 def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
-    """Run every program under the rules above with clocks, events and memory.
-
-    Raises ``ScheduleError`` when an action names a stage outside the layout (``validate_schedule``
+    """Run every program under the rules above with clocks, events and memory. Raises
+    ``ScheduleError`` when an action names a stage outside the layout (``validate_schedule``
     explains such a schedule; ``replay`` only refuses it); a message to a rank outside the layout
-    reaches nobody.
-    """
-    rules = Rules(schedule)
-    try:
-        run = _replayed(rules, timing, bounded=True)
-    except IndexError:  # a micro-batch past the count, or a stage outside the layout
-        try:
-            run = _replayed(rules, timing, bounded=False)
-        except IndexError:  # a stage outside the layout indexed a per-stage table
-            raise ScheduleError(
-                f"{schedule.name!r}: an action names a stage outside the layout; run "
-                "validate_schedule for details"
-            ) from None
+    reaches nobody."""
+    run = _replayed(Rules(schedule), timing)
     timeline = Timeline(run.rules, timing, run.starts)
     return Replay(
-        run.stuck(),
-        timeline,
-        run.clock,
-        run.dp_free,
-        run.busy,
-        run.waited,
-        run.peak,
-        run.released,
+        run.stuck(), timeline, run.clock, run.dp_free, run.busy, run.waited, run.peak, run.released
     )
 
 
-def _replayed(rules: Rules, timing: Timing, *, bounded: bool) -> _Run:
-    """One run of ``replay``; ``bounded``: see ``_Run.flow``."""
-    run = _Run(rules, timing, bounded=bounded)
-    run.run([_timed(run, rank) for rank in range(rules.keys.num_ranks)])
-    return run
+def _replayed(rules: Rules, timing: Timing) -> _Run:
+    """One run of ``replay``, again with ``_Run.flow`` unbounded after an IndexError (a
+    micro-batch past the count); a stage outside the layout is a ``ScheduleError``."""
+    for bounded in (True, False):
+        try:
+            run = _Run(rules, timing, bounded=bounded)
+            run.run([_timed(run, rank) for rank in range(rules.keys.num_ranks)])
+            return run
+        except IndexError:  # a micro-batch past the count, or a stage outside the layout
+            pass
+    raise ScheduleError(
+        f"{rules.schedule.name!r}: an action names a stage outside the layout; run "
+        "validate_schedule for details"
+    )
 
 
 @paused_gc()
 def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
     """When each compute action of a compute-only F / B / I / W schedule ends under ``replay``
-    (per rank, in program order), and the ranks stuck; what a planning pass needs, at a fraction
-    of ``replay``'s cost: no events, memory or data-parallel lane to keep.
-
-    Raises ``ScheduleError`` for a lowered schedule or an action naming a stage outside the
-    layout, like ``replay``.
-    """
+    (per rank, in program order), and the ranks stuck: what a planning pass needs, cheaper.
+    Raises ``ScheduleError`` for a lowered schedule or a stage outside the layout."""
     kinds: set[ActionKind] = set()
     for actions in schedule.per_rank:
         kinds.update(map(_kind_of, actions))
@@ -251,17 +219,7 @@ def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
             "compute_ends takes a compute-only schedule of F, B, I and W; use replay for "
             f"{', '.join(sorted(kind.value for kind in kinds - _COMPUTE))}"
         )
-    rules = Rules(schedule, implicit=True)
-    try:
-        try:
-            run = _replayed(rules, timing, bounded=True)
-        except IndexError:  # a micro-batch past the count: see _Run.flow
-            run = _replayed(rules, timing, bounded=False)
-    except IndexError:  # a stage outside the layout indexed a per-stage table
-        raise ScheduleError(
-            f"{schedule.name!r}: an action names a stage outside the layout; run "
-            "validate_schedule for details"
-        ) from None
+    run = _replayed(Rules(schedule, implicit=True), timing)
     return Ends([_ends(run, rank) for rank in range(len(run.starts))], run.stuck())
 
 
@@ -269,12 +227,7 @@ def _ends(run: _Run, rank: int) -> list[float]:
     """A compute-only rank's compute ends from the starts ``_timed`` recorded: one per compute,
     each followed by its implicit send's when messages take time (``Timeline._rank_events``)."""
     timing, starts, sends_for = run.durations, run.starts[rank], run.rules.sends_for
-    duration = {
-        _F: timing.forward,
-        _B: timing.backward,
-        _I: timing.backward_input,
-        _W: timing.backward_weight,
-    }
+    duration = compute_durations(timing)
     actions = run.rules.schedule.per_rank[rank]
     if timing.p2p == 0:
         return [start + duration[a.kind] for a, start in zip(actions, starts, strict=False)]
@@ -318,32 +271,13 @@ class Rules:
     """The rules of one schedule as per-stage tables of message slots (``MessageKeys.slot``,
     addressed to the receiving rank; a key adds ``microbatch * keys.per_microbatch``).
 
-    ``waits_for[kind][stage]``: the message an F (B / I) waits for when its input (output
-    gradient) comes from another rank; ``sends_for[kind][stage]``: what a compute-only
-    schedule's F (B / I) sends to the neighbour stage's rank; -1 for none (W never waits for
-    data). ``base[what][stage]``: the slot to which a message adds the rank it is sent to (an
-    SA / SG its peer). ``transfers[kind]``: BPipe's rules for EV / AC / RS / LD (``Transfer``),
-    which ``Wires.transfer`` and the validator apply. A composite (``OVERLAP_F_B``) has no row:
-    the composite rule (module docstring) applies these tables to each of its parts
-    (``ir.parts``): it waits for the union of their waits before it starts, sends the union of
-    their sends after it, and lasts the sum of their durations.
-    """
-
-    __slots__ = (
-        "base",
-        "implicit",
-        "keys",
-        "per_mb",
-        "recorded_base",
-        "recorded_limit",
-        "recorded_sends",
-        "recorded_stride",
-        "recorded_waits",
-        "schedule",
-        "sends_for",
-        "transfers",
-        "waits_for",
-    )
+    ``waits_for[kind][stage]``: the message an F (B / I) waits for when its input (output gradient)
+    comes from another rank; ``sends_for[kind][stage]``: what a compute-only schedule's F (B / I)
+    sends to the neighbour stage's rank; -1 for none (W never waits for data).
+    ``base[what][stage]``: the slot to which a message adds the rank it is sent to (an SA / SG its
+    peer). ``transfers[kind]``: BPipe's rules for EV / AC / RS / LD (``Transfer``), which
+    ``Wires.transfer`` and the validator apply. A composite (``OVERLAP_F_B``) has no row: the
+    composite rule (module docstring) applies these tables to each of its parts (``ir.parts``)."""
 
     def __init__(self, schedule: Schedule, *, implicit: bool | None = None) -> None:
         """``implicit``: whether the schedule is compute-only, when the caller already knows
@@ -370,11 +304,7 @@ class Rules:
         table[-1] = none
         self.transfers = {
             kind: Transfer(
-                waits=table[waits],
-                sends=table[sends],
-                awaits=table[awaits],
-                loads=table[loads],
-                carries_data=kind in _CARRIES_DATA,
+                table[waits], table[sends], table[awaits], table[loads], kind in _CARRIES_DATA
             )
             for kind, (waits, sends, awaits, loads) in _TRANSFER_RULES.items()
         }
@@ -382,15 +312,13 @@ class Rules:
     def _recorded_tables(
         self, num_stages: int, num_microbatches: int, act_to: list[int], grad_to: list[int]
     ) -> None:
-        """The same rules keyed as a recording keys them (the validator's, see ``Recorded``).
-
-        An activation or gradient is ``microbatch * recorded_stride + recorded_base[what]
-        [stage]`` (``2 * stage + what``): the rank it goes to is the neighbour stage's, which
-        placement fixes, so the key needs no rank and the keys of a schedule are dense, below
-        ``recorded_limit``. BPipe's messages, whose partner is free, keep their ``MessageKeys``
-        key plus ``recorded_limit``. ``recorded_waits`` / ``recorded_sends`` are ``waits_for``
-        / ``sends_for`` (implicit sends included) in these keys.
-        """
+        """The same rules keyed as a recording keys them (the validator's, see ``Recorded``). An
+        activation or gradient is ``microbatch * recorded_stride + recorded_base[what][stage]``
+        (``2 * stage + what``): the rank it goes to is the neighbour stage's, which placement fixes,
+        so the key needs no rank and the keys of a schedule are dense, below ``recorded_limit``.
+        BPipe's messages, whose partner is free, keep their ``MessageKeys`` key plus
+        ``recorded_limit``. ``recorded_waits`` / ``recorded_sends`` are ``waits_for`` /
+        ``sends_for`` (implicit sends included) in these keys."""
         stride = self.recorded_stride = 2 * num_stages
         self.recorded_limit = num_microbatches * stride
         act, grad = self.recorded_base = [
@@ -408,17 +336,14 @@ class Rules:
         """What a BPipe transfer waits for (``Transfer.waits``): RS the payload it returns, AC
         the size header it reads first; None for EV / LD."""
         slot = self.transfers[action.kind].waits[action.stage]
-        return self._message(slot, action)
+        if slot < 0:
+            return None
+        return self.keys.message(slot + (action.microbatch or 0) * self.per_mb)[0]
 
     def awaits(self, action: Action) -> bool:
         """Whether the next compute after this transfer (EV / RS) waits until the partner has
         posted its receive (``Transfer.awaits``): the one statement of that BPipe rule."""
         return self.transfers[action.kind].awaits[action.stage] >= 0
-
-    def _message(self, slot: int, action: Action) -> Message | None:
-        if slot < 0:
-            return None
-        return self.keys.message(slot + (action.microbatch or 0) * self.per_mb)[0]
 
     def recorded_message(self, key: int) -> Message:
         """The message a recording's key names (``_recorded_tables``)."""
@@ -443,17 +368,12 @@ def match_channels(sent: Sequence[T], received: Sequence[T]) -> Iterator[tuple[T
 
 
 class Transfer(NamedTuple):
-    """What one kind of BPipe transfer does, per stage as message slots (-1: nothing), so that a
-    key adds ``microbatch * per_microbatch`` and a rank.
-
-    ``waits``: the evict it waits for, addressed to its own rank (RS returns that payload, so
-    it waits for it to arrive; AC only reads its size header first, an order without time).
-    ``sends``: the message it sends its peer, the payload (EV, RS: ``carries_data``) or the
-    acknowledgement that it posted the receive (AC, LD). ``awaits``: the acknowledgement, to its
-    own rank, that the next compute action waits for before the payload's buffer is reused
-    (EV, RS). ``loads``: the restore a later backward of the same stage and micro-batch waits
-    for, to its own rank (LD).
-    """
+    """What one kind of BPipe transfer does, per stage as message slots (-1: nothing; a key adds
+    ``microbatch * per_microbatch`` and a rank): ``waits`` the evict it waits for (RS: to arrive;
+    AC: its size header only), ``sends`` what it sends its peer (EV, RS: the payload; AC, LD: the
+    acknowledgement that the receive is posted), ``awaits`` the acknowledgement the next compute
+    waits for before the payload's buffer is reused (EV, RS), ``loads`` the restore a later
+    backward of the same stage and micro-batch waits for (LD); all but ``sends`` to its own rank."""
 
     waits: list[int]
     sends: list[int]
@@ -520,10 +440,7 @@ class Wires:
 
     def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
         """Send ``key`` from ``rank`` to ``dst``: untimed, it is there at once."""
-        self.arrivals[key] = 0.0
-        woken = self.waiting.pop(key, None)
-        if woken is not None:
-            self.ready.append(woken)
+        self.signal(key)
 
     def unacknowledged(self, rank: int) -> int:
         """The first acknowledgement a compute action on ``rank`` still waits for, else -1
@@ -577,9 +494,8 @@ class Wires:
 class Recorded(NamedTuple):
     """One rank's program recorded rather than run (the validator's way, see ``run_recorded``):
     ``ops`` in program order, ``key`` to send a message and ``~key`` to wait for one (keys as
-    ``Rules._recorded_tables`` gives them), and
-    ``wait_at``, the program position of each wait in the same order, as machine integers (an
-    int object per entry, allocated amid the keys, measurably slows the run that reads them)."""
+    ``Rules._recorded_tables`` gives them), and ``wait_at``, the program position of each wait,
+    as machine integers (int objects amid the keys slow the run that reads them)."""
 
     ops: list[int]
     wait_at: array[int]
@@ -587,19 +503,15 @@ class Recorded(NamedTuple):
 
 def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int, Message]]:
     """``Wires.run`` for recorded programs, without clocks: which ranks cannot finish, as
-    ``Wires.stuck``. Recording each rank's program in one go and running the compact result
-    beat resuming the checking loop at every wait where ranks alternate often (measured on
-    BPipe pp=16-32: 1.10-1.14x the old fused check's time instead of 1.30x; about equal on
-    interleaved)."""
-    # Activations and gradients have dense keys (Rules._recorded_tables): a flag each. A set
-    # of half a million keys, each add and lookup a cache miss, took twice the time.
+    ``Wires.stuck`` (docs/architecture.md, "Performance of the shared rules", says why)."""
+    # Activations and gradients have dense keys (Rules._recorded_tables): a flag each, cheaper
+    # than a set of half a million keys.
     limit = rules.recorded_limit
     sent = bytearray(limit)
     sent_beyond: set[int] = set()  # BPipe's messages
     waiting: dict[int, int] = {}
     # Each rank's ops as one iterator, left where the rank stopped: a rank is woken only once
-    # the message it stopped for is sent, so it goes on after that wait (no index arithmetic
-    # per op, and no op read twice).
+    # the message it stopped for is sent, so it goes on after that wait.
     rest = [iter(program.ops) for program in programs]
     ready = deque(range(len(programs)))
     while ready:
@@ -622,9 +534,7 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
     stuck = {}
     for key, rank in waiting.items():
         ops = programs[rank].ops
-        # Where the rank stopped: its first wait for the key. Messages are never unsent, so an
-        # earlier wait for it would have stopped the rank there for good; hence no position is
-        # kept per op in the loop above.
+        # Where the rank stopped: its first wait for the key (messages are never unsent).
         waits_before = sum(1 for op in ops[: ops.index(~key)] if op < 0)
         stuck[rank] = (programs[rank].wait_at[waits_before], rules.recorded_message(key))
     return dict(sorted(stuck.items()))
@@ -636,44 +546,26 @@ _Sent = tuple[int, int, ActionKind]  # (stage, micro-batch, kind) of a message, 
 class _Run(Wires):
     """``Wires`` with a clock per rank, link and data-parallel lane, events and memory."""
 
-    __slots__ = (
-        "busy",
-        "clock",
-        "compute",
-        "dp_free",
-        "durations",
-        "flow",
-        "held",
-        "instant",
-        "link_free",
-        "peak",
-        "ps_done",
-        "released",
-        "sends",
-        "starts",
-        "waited",
-    )
-
     def __init__(self, rules: Rules, timing: Timing, *, bounded: bool = True) -> None:
         super().__init__(rules)
         num_ranks = rules.keys.num_ranks
         self.durations = timing
         # Activations and gradients travel under their dense keys (Rules._recorded_tables),
-        # inverted: ``~(mb * stride + slot)``, negative, so they share ``waiting`` with BPipe's
-        # MessageKeys and index ``flow``, their arrival times (None: not sent), from its end.
-        # A list of a slot per message is a third faster than ``arrivals``, a dict of half a
-        # million keys; it ends at the last micro-batch, so ``bounded=False`` (after an
-        # IndexError) takes a dict for an action past the count.
+        # inverted to share ``waiting`` with BPipe's MessageKeys, and index ``flow``, their
+        # arrival times (None: not sent); unbounded, a dict for an action past the count.
         self.flow: list[float | None] | _Unbounded = (
             [None] * rules.recorded_limit if bounded else _Unbounded()
         )
         s2r, none = rules.schedule.layout.stage_to_rank, [0] * len(rules.waits_for[_F])
+        # Per stage, the rank its activation (gradient) goes to when the neighbour stage is on
+        # another rank, else -1: an SA / SG sent elsewhere reaches nobody.
+        recorded = rules.recorded_sends
+        act_to = [s2r[s + 1] if slot >= 0 else -1 for s, slot in enumerate(recorded[_F])]
+        grad_to = [s2r[s - 1] if slot >= 0 else -1 for s, slot in enumerate(recorded[_B])]
         waits = {kind: _inverted(rules.recorded_waits[kind]) for kind in (_F, _B)}
-        sends = {kind: _inverted(rules.recorded_sends[kind]) for kind in (_F, _B)}
+        sends = {kind: _inverted(recorded[kind]) for kind in (_F, _B)}
         if not rules.implicit:  # a lowered schedule sends with its SA / SG
             sends = {_F: none, _B: none}
-        act_to = [s2r[s + 1] if slot else -1 for s, slot in enumerate(sends[_F])]
-        grad_to = [s2r[s - 1] if slot else -1 for s, slot in enumerate(sends[_B])]
         # Per compute kind: its duration, how many stored activations it adds, and per stage
         # what it waits for and sends (0 for nothing) and to which rank, in one lookup.
         self.compute = {
@@ -682,29 +574,12 @@ class _Run(Wires):
             _I: (timing.backward_input, 0, waits[_B], sends[_B], grad_to),
             _W: (timing.backward_weight, MEMORY_DELTA[_W], none, none, none),
         }
-        # What an SA / SG sends, per stage: (key as above, the rank it must go to). Sent to
-        # another rank it reaches nobody: every wait for it names the neighbour stage's rank.
+        # What an SA / SG sends, per stage: (key as above, the rank it must go to).
         act, grad = rules.recorded_base
-        remote = rules.waits_for[_F]  # >= 0 where a stage's input comes from another rank
-        num_stages = len(remote)
-        self.sends = {
-            _SA: (
-                [~act[s] for s in range(num_stages)],
-                [
-                    s2r[s + 1] if s + 1 < num_stages and remote[s + 1] >= 0 else -1
-                    for s in range(num_stages)
-                ],
-            ),
-            _SG: (
-                [~grad[s] for s in range(num_stages)],
-                [s2r[s - 1] if remote[s] >= 0 else -1 for s in range(num_stages)],
-            ),
-        }
+        self.sends = {_SA: ([~s for s in act], act_to), _SG: ([~s for s in grad], grad_to)}
         self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
-        # Messages and transfers that take no time, in integer units (CostModel.exact, which
-        # bfpp-sim always uses): a link is then always free by its sender's clock (its earlier
-        # sends left no later), so a send arrives at the clock itself, the same int either
-        # way, and ``_timed`` keeps no link clocks (a third of a lowered schedule is sends).
+        # Messages and transfers that take no time, in integer units (CostModel.exact): a link
+        # is then always free by its sender's clock, so ``_timed`` keeps no link clocks.
         self.instant = (
             timing.p2p == 0
             and timing.transfer == 0
@@ -724,30 +599,24 @@ class _Run(Wires):
         """An activation or gradient (a dense key, ``flow``'s) sent at ``t`` from ``rank`` to
         ``dst``, as ``_timed`` sends one inline: at once when messages take no time, else over
         its link, one at a time, drawn when it takes time."""
-        arrival = t
-        if not self.instant:
-            link = rank * self.rules.keys.num_ranks + dst
-            start = max(self.link_free.get(link, 0), t)
-            arrival = self.link_free[link] = start + self.durations.p2p
-            if self.durations.p2p > 0:
-                self.starts[rank].append(start)
-        self.flow[key] = arrival
+        self.flow[key] = t if self.instant else self._occupy(rank, dst, t, self.durations.p2p)
         if key in self.waiting:
             self.ready.append(self.waiting.pop(key))
 
     def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
         """BPipe's EV / RS (``_timed`` sends the rest itself): the message occupies its link,
         one at a time, for the transfer's duration, and is drawn if that takes time."""
-        duration = self.durations.transfer
+        self.signal(key, self._occupy(rank, dst, posted, self.durations.transfer))
+
+    def _occupy(self, rank: int, dst: int, posted: float, duration: float) -> float:
+        """A message's arrival over the link ``rank`` -> ``dst``, one at a time from ``posted``;
+        its start noted for ``Timeline`` when it takes time."""
         link = rank * self.rules.keys.num_ranks + dst
-        start = self.link_free.get(link, 0)
-        if posted > start:
-            start = posted
-        arrival = start + duration
-        self.link_free[link] = arrival
+        start = max(self.link_free.get(link, 0), posted)
+        arrival = self.link_free[link] = start + duration
         if duration > 0:
             self.starts[rank].append(start)
-        self.signal(key, arrival)
+        return arrival
 
 
 class _Unbounded(dict[int, "float | None"]):
@@ -922,16 +791,12 @@ def _data_parallel(run: _Run, rank: int, action: Action, t: float) -> None:
 
 
 class Timeline:
-    """The events of one ``replay``, drawn when first asked for.
-
-    The replay keeps only, per rank, the start of each busy interval in program order (a
-    compute action, a send that takes time, every GS / PS); building an ``Event`` with its
-    label for each of hundreds of thousands of actions cost as much as the replay itself, and
-    most callers (the planner, ``--json``) never read them. ``events`` walks each program again
-    under the same rules, adds the durations, and divides every time by ``per_unit`` (the
-    ``Timing``'s units per user unit, see ``CostModel.exact``; a time too large for a float
-    becomes ``inf``). Events come rank by rank, each rank's in program order.
-    """
+    """The events of one ``replay``, drawn when first asked for. The replay keeps only, per rank,
+    the start of each busy interval in program order (a compute action, a send that takes time,
+    every GS / PS), since most callers never read the events. ``events`` walks each program again
+    under the same rules, adds the durations, and divides every time by ``per_unit``
+    (``CostModel.exact``; past the float range: ``inf``). Events come rank by rank, each rank's in
+    program order."""
 
     __slots__ = ("_events", "per_unit", "rules", "starts", "timing")
 

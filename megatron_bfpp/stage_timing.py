@@ -1,22 +1,12 @@
 """``bfpp-plan profile``: time one pipeline stage of a megatron-core GPT / LLaMA on this machine.
-
 Why: the planner's built-in efficiency curve is a fit to one paper's numbers; a stage measured on
-the GPU you plan for replaces it (``recommend --profile``), as "Re-evaluating BPipe" predicts a
-pipeline from one stage measured alone. The stage is ``num_layers`` transformer layers of the
-model (megatron-core's local layer spec, the layers bfpp-train builds, tp = 1), run in this
-process on one device; the profile holds seconds per micro-batch for its forward, its backward
-(B), and the backward split as the V-shape schedules run it (``runtime.deferred_wgrad``): I, the
-backward with the linear layers' weight GEMMs deferred, and W, those GEMMs computed and
-accumulated, each timed on its own, at each micro-batch size. So the split the planner reads is
-the runtime's, overheads included (I + W may exceed B). It also holds ``t_host``, the runtime's
-own time per compute action beyond those kernels (``measure_host_time``: a fixed one-rank 1F1B
-step through our runtime against the same forwards and backwards called bare), the planner's
-``CostModel.t_host``.
-
-torch and megatron-core are imported here only; the command line imports this module when the
-``profile`` command runs. On CPU it runs in seconds for a tiny model (the format and the tests);
-only a GPU's figures mean anything for planning.
-"""
+the GPU you plan for replaces it (``recommend --profile``). The stage is ``num_layers`` layers of
+the model as bfpp-train builds them (tp = 1), run in this process on one device; the profile holds
+seconds per micro-batch for its forward, its backward (B), and the backward split as the V-shape
+schedules run it (``runtime.deferred_wgrad``: I, then W), so the split the planner reads is the
+runtime's, overheads included, and ``t_host``, the runtime's own time per compute action beyond
+those kernels (``measure_host_time``). torch and megatron-core are imported here only; only a GPU's
+figures mean anything for planning."""
 
 from __future__ import annotations
 
@@ -26,6 +16,7 @@ import json
 import statistics
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,12 +26,7 @@ import torch
 from megatron_bfpp.files import write_output
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.presets import Model
-from megatron_bfpp.plan.profile import (
-    Measurement,
-    StageProfile,
-    profile_from_dict,
-    profile_to_dict,
-)
+from megatron_bfpp.plan.profile import Measurement, StageProfile, profile_from_dict, profile_to_dict
 from megatron_bfpp.runtime import deferred_wgrad
 
 __all__ = [
@@ -114,15 +100,12 @@ def measure_host_time(
     warmup: int = 2,
     iterations: int = 5,
 ) -> float:
-    """Seconds per compute action our runtime spends beyond the kernels: per iteration, one step
-    of a fixed schedule, 1F1B on a one-rank pipeline with ``HOST_MICROBATCHES`` micro-batches,
-    through ``get_forward_backward_func`` (megatron-core's forward_step / backward_step, our
-    handlers, the loss), less the same forwards and backwards called bare, over its compute
-    actions; the median of ``iterations`` after ``warmup``, 0 when the kernels hide it (a GPU's
-    host running ahead). Why a fixed schedule: the host time is a per-action cost that the
-    planner multiplies by each schedule's actions, so it is measured apart from every schedule it
-    predicts. The bare calls run the same layers (so their own dispatch is in ``forward_s`` /
-    ``backward_s``, not here). Needs a one-rank pipeline (``measure_stage``'s)."""
+    """Seconds per compute action our runtime spends beyond the kernels: per iteration, one
+    1F1B step of a one-rank pipeline with ``HOST_MICROBATCHES`` micro-batches through
+    ``get_forward_backward_func``, less the same forwards and backwards called bare, over its
+    compute actions; the median of ``iterations`` after ``warmup``, 0 when the kernels hide it.
+    A fixed schedule, since the planner multiplies this per-action cost by each schedule's
+    actions. Needs a one-rank pipeline (``measure_stage``'s)."""
     from megatron.core import parallel_state
 
     from megatron_bfpp.runtime.api import get_forward_backward_func
@@ -287,11 +270,7 @@ class _SingleRank:
 
 
 def _build_block(
-    model: Model,
-    num_layers: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    recompute: str = "none",
+    model: Model, num_layers: int, device: torch.device, dtype: torch.dtype, recompute: str = "none"
 ) -> torch.nn.Module:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
@@ -335,12 +314,10 @@ _RECOMPUTE_FIELDS: dict[str, dict[str, Any]] = {
 @dataclasses.dataclass(frozen=True, slots=True)
 class StoredActivations:
     """What a stage holds while ``k`` micro-batches wait for their backward, for k = 1..K, as
-    the device's allocator counts it (``torch.cuda.memory_allocated``) or, on CPU, as the bytes
-    of the distinct storages autograd saved: ``weights`` the block's parameters alone,
-    ``stored[k-1]`` the bytes above them with k micro-batches stored (what the planner's
-    activation model predicts per micro-batch, times k), ``peak`` the most allocated at any
-    moment above the weights, backwards included (CUDA only; transient buffers the planner does
-    not model)."""
+    the device's allocator counts it or, on CPU, as the bytes of the distinct storages autograd
+    saved: ``weights`` the block's parameters alone, ``stored[k-1]`` the bytes above them with k
+    micro-batches stored, ``peak`` the most allocated above the weights, backwards included
+    (CUDA only)."""
 
     model: str
     recompute: str
@@ -372,10 +349,9 @@ def measure_stored_activations(
     dtype: str | None = None,
 ) -> StoredActivations:
     """Run ``stored`` forwards of ``num_layers`` layers of ``model`` back to back, keeping each
-    micro-batch's graph as a pipeline stage does until its backward (the output's data freed once
-    sent, as megatron-core's ``deallocate_output_tensor`` does), and count the bytes held after
-    each; then run the backwards. Why: the planner's activation model (``plan.memory``) is
-    Korthikanti's count per tensor; this is the measurement it must answer to."""
+    micro-batch's graph as a pipeline stage does until its backward (its output's data freed),
+    and count the bytes held after each; then run the backwards: the measurement the planner's
+    activation model (``plan.memory``) must answer to."""
     if recompute not in _RECOMPUTE_FIELDS:
         raise ScheduleError(
             f"recompute must be one of {', '.join(_RECOMPUTE_FIELDS)}, got {recompute!r}"
@@ -456,10 +432,7 @@ class _SavedStorages:
     stage holds, independent of any allocator."""
 
     def __init__(self) -> None:
-        import weakref
-
         self._refs: dict[int, tuple[Any, int]] = {}
-        self._weakref = weakref.ref
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, torch.nn.Parameter):
@@ -474,7 +447,7 @@ class _SavedStorages:
         key = storage.data_ptr()
         known = self._refs.get(key)
         if storage.nbytes() > 0 and (known is None or known[0]() is None):
-            self._refs[key] = (self._weakref(tensor), storage.nbytes())
+            self._refs[key] = (weakref.ref(tensor), storage.nbytes())
 
     def live_bytes(self, *, extra: Sequence[torch.Tensor] = ()) -> int:
         """Bytes of the live saved storages and of ``extra`` (the stage's inputs, kept for the
@@ -521,7 +494,7 @@ def _measure(
                 raise RuntimeError("profile: no weight GEMM was deferred; please report this bug")
             return backward_input, _timed(device, lambda: store.run(key))
 
-    forwards, backwards, inputs, weights = [], [], [], []
+    times: list[tuple[float, float, float, float]] = []  # F, B, I, W
     for step in range(warmup + iterations):
         hidden = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
         f = _timed(
@@ -534,16 +507,15 @@ def _measure(
         for p in parameters:
             p.grad = None
         if step >= warmup:
-            forwards.append(f)
-            backwards.append(b)
-            inputs.append(i)
-            weights.append(w)
+            times.append((f, b, i, w))
+    medians = [statistics.median([row[k] for row in times]) for k in range(4)]  # empty: raises
+    forward_s, backward_s, input_s, weight_s = medians
     return Measurement(
         micro_batch_size=micro_batch_size,
-        forward_s=statistics.median(forwards),
-        backward_s=statistics.median(backwards),
-        backward_input_s=statistics.median(inputs),
-        backward_weight_s=statistics.median(weights),
+        forward_s=forward_s,
+        backward_s=backward_s,
+        backward_input_s=input_s,
+        backward_weight_s=weight_s,
     )
 
 

@@ -1,12 +1,9 @@
-"""Prove a schedule complete, correctly paired and free of deadlock before anything runs it.
-
-One pass over every action (``_scan``) checks it and records, under the execution rules the
-simulator shares (``semantics.Rules``), which messages it waits for and sends; then
-``semantics.run_recorded`` runs the recordings: a rank stops at an action whose message nobody
-has sent yet and resumes once it is sent. A failure is
-a ``ScheduleError`` whose message names the rank, the step (position in that rank's program)
-and the reason, above the per-rank grid with the step marked. When a schedule has several
-problems, the first (in rank order) of the first kind below is reported:
+"""Prove a schedule complete, correctly paired and free of deadlock before anything runs it. One
+pass over every action (``_scan``) checks it and records, under the execution rules the simulator
+shares (``semantics.Rules``), which messages it waits for and sends; then ``semantics.run_recorded``
+runs the recordings. A failure is a ``ScheduleError`` whose message names the rank, the step
+(position in that rank's program) and the reason, above the per-rank grid with the step marked. Of
+several problems, the first (in rank order) of the first kind below is reported:
 
 1. placement: every action runs on the rank that owns its stage, names an existing micro-batch,
    and a message names the neighbour stage's rank (BPipe: the partner) as its peer;
@@ -16,44 +13,32 @@ problems, the first (in rank order) of the first kind below is reported:
    a consumer after the receive that posts its input, I before W, an eviction between forward and
    backward and a load before the backward; every eviction loaded back;
 4. message order: between two ranks, both sides post the same messages in the same order, since
-   NCCL and gloo match point-to-point messages by posting order, not by meaning (with pp=2 and
-   looping an activation and a gradient of the same shape travel between the same two ranks,
-   and a swapped order would silently mix them up);
+   NCCL and gloo match point-to-point messages by posting order, not by meaning;
 5. deadlock: every program runs to its end;
 6. NCCL: the lock-step posting the runtime makes of a lowered schedule runs to its end under
    NCCL's rules too (``nccl.validate_nccl``: one stream per rank, a batch done only when both
    halves of every op are posted), so "validated" means safe under gloo's rules and NCCL's.
-7. data-parallel sync, per rank and chunk (stage), whatever the sharding strategy, once the
-   schedule has any GS / PS / RL (a lowered one; ``require_grad_sync`` asks it of every
-   schedule with a backward): exactly one GS for each chunk with a backward on the rank, after
-   its last backward (B, or I and W), since megatron-core DDP reduces what the gradient buffers
-   hold when GS dispatches it and a later backward's gradients would stay unreduced on each
-   replica (fully sharded, one GS per run of the chunk's backwards, each reduced into its shard,
-   the last after its last backward: ``_residency_problem``); without sharded parameters at
-   most one PS per chunk, before its first compute (with them, the residency rules of
-   ``_residency_problem``, under 3).
+7. data-parallel sync, per rank and chunk (stage), once the schedule has any GS / PS / RL
+   (``require_grad_sync``: always): exactly one GS for each chunk with a backward on the rank,
+   after its last backward, since megatron-core DDP reduces what the gradient buffers hold when
+   GS dispatches it (fully sharded: one GS per run of the chunk's backwards,
+   ``_residency_problem``); without sharded parameters at most one PS per chunk, before its
+   first compute (with them, the residency rules of ``_residency_problem``, under 3).
 8. data order, per stage: its forwards take micro-batches in increasing order, since the runtime
    reads each model chunk's data iterator once per forward, in order, as megatron-core's
-   ``forward_step`` does (a hand-made or CSV order that swaps two would train on the wrong
-   samples' labels). One line, without the grid: the fix is the order of one stage's forwards.
+   ``forward_step`` does. One line, without the grid: the fix is one stage's forwards' order.
 
-The checks of one action do not depend on other ranks, so each rank is checked in one go, the
-part of a program after a step it would wait at forever included; recording rather than running
-keeps the working set small where ranks alternate often (resuming the checking loop at every wait,
-as ``Wires.run`` does for the simulator, measured 1.30x the old fused check's time on BPipe
-pp=16-32 against 1.10-1.14x). The NCCL proof costs about 20 times the rest (it builds the posting
-and runs it batch by batch), so ``build_schedule`` leaves it to whoever posts its schedules
-(the runtime before the first message, the simulator when it times the posting, the catalogue's
-tests for every built schedule); a hand-made or CSV schedule gets it here. ``validate_schedule``
-reports all kinds;
-``validate_placement`` and the others the first problem of their own kind (or of an earlier kind,
-which they cannot see past).
-"""
+The checks of one action do not depend on other ranks, so each rank is checked in one go, the part
+of a program after a step it would wait at forever included. The NCCL proof costs about 20 times the
+rest, so ``build_schedule`` leaves it to whoever posts its schedules (the runtime, the simulator,
+the catalogue's tests); a hand-made or CSV schedule gets it here. ``validate_schedule`` reports all
+kinds; ``validate_placement`` and the others the first problem of their own kind (or of an earlier
+kind, which they cannot see past)."""
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from megatron_bfpp.ir import (
@@ -65,21 +50,9 @@ from megatron_bfpp.ir import (
     parts,
     primitives,
 )
-from megatron_bfpp.messages import (
-    EVICT,
-    RESTORE,
-    Message,
-    has_communication,
-    message_of,
-)
+from megatron_bfpp.messages import EVICT, RESTORE, Message, has_communication, message_of
 from megatron_bfpp.nccl import validate_nccl
-from megatron_bfpp.semantics import (
-    Recorded,
-    Rules,
-    describe_waits,
-    match_channels,
-    run_recorded,
-)
+from megatron_bfpp.semantics import Recorded, Rules, describe_waits, match_channels, run_recorded
 
 __all__ = [
     "Message",
@@ -105,18 +78,13 @@ def validate_schedule(
     nccl: bool = True,
     require_grad_sync: bool = False,
 ) -> None:
-    """Every check, in one pass; a compute-only schedule may skip the pairing of messages.
-
-    A compute-only schedule (no SA/RA/SG/RG yet) is checked as if each compute action sent its
-    result the moment it finished, which proves the order itself can run. With
-    ``require_backward=False`` (a forward-only schedule, e.g. evaluation) a (stage, micro-batch)
-    may have no backward at all; one that has any must still have a complete one. ``nccl``: a
-    lowered schedule's lock-step posting is proven NCCL-safe too (check 6; the module docstring
-    says who turns it off). A schedule with any GS / PS / RL has its data-parallel sync checked
-    (check 7); ``require_grad_sync`` checks it in a schedule with none too, where a runner would
-    otherwise reduce nothing during the step (the runtime, a lowered CSV). Each stage's forwards
-    take their micro-batches in order (check 8: data iterators are read sequentially).
-    """
+    """Every check, in one pass (the module docstring's kinds). A compute-only schedule (no
+    SA/RA/SG/RG yet) is checked as if each compute action sent its result the moment it finished,
+    which proves the order itself can run. With ``require_backward=False`` (forward-only, e.g.
+    evaluation) a (stage, micro-batch) may have no backward, but one that has any must have a
+    complete one. ``nccl``: check 6. ``require_grad_sync``: check 7 in a schedule without GS / PS /
+    RL too, where a runner would otherwise reduce nothing during the step (the runtime, a lowered
+    CSV)."""
     error = _find_problem(
         schedule,
         require_communication=require_communication,
@@ -142,9 +110,7 @@ def validate_placement(schedule: Schedule) -> None:
 
 def validate_completeness(schedule: Schedule, *, require_backward: bool = True) -> None:
     """Exactly one F and one B (or one I and one W) per (stage, micro-batch), in local order.
-
-    ``require_backward=False`` accepts a (stage, micro-batch) with no backward at all.
-    """
+    ``require_backward=False`` accepts a (stage, micro-batch) with no backward at all."""
     scan = _scan(schedule)
     _raise(
         _first(scan.placement)
@@ -231,48 +197,13 @@ def _label(schedule: Schedule, rank: int, position: int, part: Action | None = N
     return str(action) if part is None or part is action else f"{part} of {action}"
 
 
-# --- the pass -------------------------------------------------------------------------------
-
-
 class _Scan:
     """What the pass found: each rank's first problem of each kind, which (stage, micro-batch)
     has which action (flat flags, index ``stage * num_microbatches + mb``), each channel's
-    messages in posting order (``MessageKeys``, addressed to the receiving rank), and where stuck
-    ranks wait.
+    messages in posting order, and where stuck ranks wait. A rank's pass ends at its first
+    placement problem, so a flag is its stage's own rank's history and every index is in range."""
 
-    A rank's pass ends at its first placement problem: every flag it sets belongs to an action
-    on its stage's own rank, so a flag is that rank's history, and every index is in range.
-    """
-
-    __slots__ = (
-        "accepted",
-        "channels",
-        "chunk_level",
-        "composites",
-        "data_order",
-        "duplicate",
-        "flags",
-        "forwarded",
-        "local_in",
-        "local_out",
-        "mixed",
-        "num_mb",
-        "order",
-        "p2p",
-        "part",
-        "placement",
-        "rank_channels",
-        "remote_in",
-        "remote_out",
-        "rules",
-        "schedule",
-        "stage_to_rank",
-        "stuck",
-        "unloaded",
-        "with_comm",
-    )
-
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, *, composites: bool = False) -> None:
         stage_to_rank = schedule.layout.stage_to_rank
         num_stages, num_ranks = len(stage_to_rank), len(schedule.per_rank)
         self.schedule, self.stage_to_rank = schedule, stage_to_rank
@@ -305,7 +236,7 @@ class _Scan:
         self.forwarded = [-1] * num_stages  # per stage: the latest micro-batch forwarded
         self.stuck: dict[int, tuple[int, Message]] = {}
         self.part: Action | None = None  # the part of a composite being checked (``_parts``)
-        self.composites = False  # whether ranks are checked with composites as parts (``_scan``)
+        self.composites = composites  # whether composites are checked as parts (``_scan``)
         # The pipeline messages' rules, one row per kind (``_P2P``; ``_scan_rank`` reads them):
         # the slot of RA (RG) is the previous (next) stage's activation (input gradient).
         act_base, grad_base = self.rules.recorded_base
@@ -320,10 +251,7 @@ class _Scan:
 
     def channel(self, src: int, dst: int) -> tuple[list[int], list[int]]:
         """(messages sent, messages received) on the link src -> dst, in posting order."""
-        sides = self.channels.get((src, dst))
-        if sides is None:
-            sides = self.channels[(src, dst)] = ([], [])
-        return sides
+        return self.channels.setdefault((src, dst), ([], []))
 
     def acting(self, rank: int, position: int) -> Action:
         """The action the pass checks at (rank, position): while it checks a composite's parts
@@ -342,12 +270,9 @@ class _Scan:
         if rank in self.duplicate:
             return
         action = self.acting(rank, position)
-        first = next(
-            p
-            for p, other in primitives(self.schedule.per_rank[rank])
-            if (other.kind, other.stage, other.microbatch)
-            == (action.kind, action.stage, action.microbatch)
-        )
+        same = (action.kind, action.stage, action.microbatch)
+        actions = primitives(self.schedule.per_rank[rank])
+        first = next(p for p, a in actions if (a.kind, a.stage, a.microbatch) == same)
         marks = {(rank, first): "first", (rank, position): "again"}
         self.duplicate[rank] = _fail(self.schedule, f"{action} appears twice", marks)
 
@@ -388,11 +313,9 @@ class _Scan:
                 self.order[rank] = _fail(self.schedule, problem, {})
 
     def incomplete(self, require_backward: bool) -> ScheduleError | None:
-        """The first (stage, micro-batch) without exactly one F and one complete backward.
-
-        Counting the flags suffices while nothing else is wrong: keys are in range, B never
-        meets I or W on one key, and every W follows its I. Otherwise look key by key.
-        """
+        """The first (stage, micro-batch) without exactly one F and one complete backward. Counting
+        the flags suffices while nothing else is wrong: keys are in range, B never meets I or W on
+        one key, and every W follows its I. Otherwise look key by key."""
         size = len(self.flags[0])
         count_f, count_b, count_i, count_w = (flags.count(1) for flags in self.flags[:4])
         trusted = not (self.mixed or self.order or self.duplicate)
@@ -419,8 +342,7 @@ def _scan(schedule: Schedule) -> _Scan:
     scan = _Scan(schedule)
     programs = [_scan_rank(scan, rank) for rank in range(len(schedule.per_rank))]
     if scan.composites:  # a rank met one: all again, each composite as its parts (_parts)
-        scan = _Scan(schedule)
-        scan.composites = True
+        scan = _Scan(schedule, composites=True)
         programs = [_scan_rank(scan, rank) for rank in range(len(schedule.per_rank))]
     scan.stuck = run_recorded(scan.rules, programs)
     return scan
@@ -430,14 +352,6 @@ _F, _B, _I, _W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
 _SA, _RA, _SG, _RG = K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD
 _EV, _AC, _RS, _LD, _GS, _PS = K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD, K.GRAD_SYNC, K.PARAM_SYNC
 _RL, _FB = K.RELEASE, K.OVERLAP_F_B
-
-
-def _steps(
-    scan: _Scan, actions: tuple[Action, ...], recorded: Recorded
-) -> Iterable[tuple[int, Action]]:
-    """(position, action) of the program the pass checks: ``enumerate(actions)``, or, once
-    ``_scan`` met a composite, each composite as its parts (``_parts``)."""
-    return _parts(scan, actions, recorded) if scan.composites else enumerate(actions)
 
 
 def _parts(
@@ -461,12 +375,11 @@ def _parts(
 
 
 class _P2P(NamedTuple):
-    """One pipeline message kind's rules for the pass, per stage where indexed: the peer it
-    must name (-1: none may), the slot of the message (a recording's key less
-    ``mb * stride``), which of the rank's four channel sides it goes to (``_RankChannels``:
-    0 activations in, 1 out, 2 gradients in, 3 out), and the completion flags it reads (a send
-    needs ``done`` or ``also`` set: what it sends is computed) or sets (a receive: ``done`` =
-    posted), with the ``_ORDER`` rule a send before its producer breaks ("": a receive)."""
+    """One pipeline message kind's rules for the pass, per stage where indexed: the peer it must
+    name (-1: none may), the message's slot (a recording's key less ``mb * stride``), its channel
+    side (``_RankChannels``: 0 activations in, 1 out, 2 gradients in, 3 out), the flags a send
+    reads (``done`` or ``also``: computed) or a receive sets (``done``: posted), and the
+    ``_ORDER`` rule a send before its producer breaks ("": a receive)."""
 
     peers: list[int]
     slots: list[int]
@@ -544,9 +457,10 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
     loaded: set[int] = set()  # restores a backward waits for (Wires.loaded)
     unloaded = 0  # this rank's EVs minus LDs
     chunk_level = scan.chunk_level[rank]  # positions of its GS / PS / RL
+    steps = _parts(scan, actions, recorded) if scan.composites else enumerate(actions)
     position = 0
     try:  # a stage past the layout raises IndexError at s2r[stage], before any change
-        for position, action in _steps(scan, actions, recorded):
+        for position, action in steps:
             kind, stage = action.kind, action.stage
             mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
             if awaiting and (kind is _F or kind is _B or kind is _I or kind is _W):
@@ -644,12 +558,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
 
 
 def _scan_transfer(
-    scan: _Scan,
-    rank: int,
-    position: int,
-    recorded: Recorded,
-    awaiting: list[int],
-    loaded: set[int],
+    scan: _Scan, rank: int, position: int, recorded: Recorded, awaiting: list[int], loaded: set[int]
 ) -> int | None:
     """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD at ``position``: placement, the
     waits and sends of ``Rules.transfers`` recorded (``Wires.transfer`` runs the same table),
@@ -714,10 +623,8 @@ def _scan_transfer(
 def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
     """With sharded parameters (the rank has an RL) each chunk starts and ends the step
     released, is gathered (PS) only while released and released (RL) only while gathered, and
-    computes only while gathered; its gradients are allocated by a backward and reduced into
-    its shard at a GS (one per run of its backwards, ``passes.grad_sync``), so a GS follows
-    every backward of a chunk that has one (the last GS after its last backward is rule 7:
-    ``_grad_sync_problem``). A plain walk: sharded schedules only."""
+    computes only while gathered; a GS (one per run of its backwards) follows every backward of
+    a chunk that has one, reducing its gradients into its shard. Sharded schedules only."""
     gathered: set[int] = set()
     unreduced: dict[int, int] = {}  # stage -> its first backward since its last GS
     reduces: dict[int, int] = {}  # stage -> its latest GS
@@ -767,11 +674,8 @@ def _grad_sync_problem(
     RL that the pass noted (a few per rank: the rest of a program is read only from its ends)."""
     if not required and not any(chunk_level):
         return None  # not lowered for data parallelism (compute-only, or messages only)
-    for rank, positions in enumerate(chunk_level):
-        problem = _rank_grad_sync_problem(schedule, rank, positions)
-        if problem is not None:
-            return problem
-    return None
+    problems = (_rank_grad_sync_problem(schedule, r, p) for r, p in enumerate(chunk_level))
+    return next((problem for problem in problems if problem is not None), None)
 
 
 def _rank_grad_sync_problem(
@@ -851,9 +755,8 @@ def _first_of(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int,
     front only until every stage has one."""
     first = dict.fromkeys(stages, len(actions))
     missing = set(stages)
-    pair = _FB  # an overlapped pair: both parts' stages are used
-    for position, action in enumerate(actions):
-        if action.kind.is_compute and (action.stage in missing or action.kind is pair):
+    for position, action in enumerate(actions):  # an overlapped pair: both parts' stages count
+        if action.kind.is_compute and (action.stage in missing or action.kind is _FB):
             for stage in {part.stage for part in parts(action)} & missing:
                 first[stage] = position
                 missing.discard(stage)
@@ -964,14 +867,9 @@ def _channel_problem(schedule: Schedule, src: int, dst: int) -> ScheduleError:
         for position, a in enumerate(schedule.per_rank[dst])
         if a.kind.is_recv and a.peer == src
     ]
-    index = next(  # the first send whose receive differs (semantics.match_channels pairs them)
-        (
-            k
-            for k, (sent, got) in enumerate(match_channels(out, into))
-            if got is None or sent[1] != got[1]
-        ),
-        len(out),
-    )
+    # The first send whose receive differs (semantics.match_channels pairs them).
+    pairs = enumerate(match_channels(out, into))
+    index = next((k for k, (sent, got) in pairs if got is None or sent[1] != got[1]), len(out))
     if index < len(out) and index < len(into):
         (sent_at, sent), (received_at, received) = out[index], into[index]
         return _fail(

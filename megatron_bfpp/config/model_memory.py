@@ -1,8 +1,6 @@
 """How much memory a ``bfpp-train`` model takes before it computes anything, from its flags alone.
-
-A model too large for the machine used to be found by the kernel's OOM killer (or a CUDA
-out-of-memory error) on some rank after every rank had started; the command line now compares
-this estimate with the memory there is and refuses the run first (``--no-memory-check`` skips it).
+The command line compares this estimate with the memory there is and refuses a run that cannot fit
+before any rank starts (``--no-memory-check`` skips it).
 
 What is counted, per rank: the parameters it holds (the preset's layers of its stages, plus the
 embeddings, the output layer and the final norm where its stages have them, divided over tensor
@@ -12,11 +10,9 @@ data-parallel ranks by the distributed optimizer; the fp32 weights are its main 
 copy). Activations, communication buffers, the framework itself and fragmentation come on top:
 the estimate is a floor, so a run it refuses cannot fit.
 
-Torch-free, so the command line can check before it starts ranks: on CPU the ranks of this
-machine together against its available RAM (there); on GPUs each rank against its device's memory
-(in the rank, before it builds the model: querying a GPU in the launcher would initialise CUDA
-before it forks the ranks, which CUDA does not survive).
-"""
+On CPU the ranks of this machine together are checked against its available RAM; on GPUs each rank
+against its device's memory, in the rank (querying a GPU in the launcher would initialise CUDA
+before it forks the ranks, which CUDA does not survive)."""
 
 from __future__ import annotations
 
@@ -79,11 +75,9 @@ def parameters_per_pipeline_rank(shape: ModelShape, layout: Layout) -> list[int]
 
 
 def parameters_per_stage(shape: ModelShape, layout: Layout) -> list[int]:
-    """Parameters of one tensor-parallel rank at each global (virtual) stage, in stage order:
-    its ``num_layers / stages`` layers, the first stage's embeddings and the last stage's final
-    norm and output layer (as ``parameters_per_pipeline_rank``, whose figures are these summed
-    over each rank's stages). Fully sharded, a chunk's buffers are gathered and released whole,
-    so the planner weighs the chunks a schedule holds at once by these."""
+    """Parameters of one tensor-parallel rank at each global (virtual) stage, in stage order, as
+    ``parameters_per_pipeline_rank`` counts them: fully sharded, a chunk's buffers are gathered
+    and released whole, so the planner weighs the chunks a schedule holds at once by these."""
     tp = layout.tensor_model_parallel_size
     stages = layout.pipeline_model_parallel_size * layout.num_virtual_stages_per_pipeline_rank
     counts = [shape.num_layers // stages * layer_parameters(shape, tp=tp)] * stages

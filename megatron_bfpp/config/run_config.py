@@ -2,10 +2,9 @@
 settings and the learning-rate schedule they imply.
 
 Torch-free on purpose: the command line compares a run with a checkpoint's record of the run that
-wrote it (:mod:`.checkpoint_metadata`) before it starts any rank, and the trainer builds its
-model and its ``OptimizerParamScheduler`` from the same values, so what is checked is what runs.
-Field names are the flags' ``argparse`` destinations, so a difference can be reported by its flag.
-"""
+wrote it (:mod:`.checkpoint_metadata`) before it starts any rank, and the trainer builds its model
+and its ``OptimizerParamScheduler`` from the same values, so what is checked is what runs. Field
+names are the flags' ``argparse`` destinations, so a difference can be reported by its flag."""
 
 from __future__ import annotations
 
@@ -28,9 +27,6 @@ __all__ = [
     "model_shape",
     "run_config",
 ]
-
-_LR_DECAY_STYLE = "cosine"
-_WD_INCR_STYLE = "constant"
 
 
 def flag_name(dest: str) -> str:
@@ -147,11 +143,11 @@ class Training:
             min_lr=float(self.min_lr),
             lr_warmup_steps=min(self.lr_warmup_iters, decay - 1) * gbs,
             lr_decay_steps=decay * gbs,
-            lr_decay_style=_LR_DECAY_STYLE,
+            lr_decay_style="cosine",
             start_wd=float(self.weight_decay),
             end_wd=float(self.weight_decay),
             wd_incr_steps=decay * gbs,
-            wd_incr_style=_WD_INCR_STYLE,
+            wd_incr_style="constant",
         )
 
 
