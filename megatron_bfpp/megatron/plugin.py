@@ -2,47 +2,28 @@
 
 ``install()`` (idempotent) patches, and ``uninstall()`` restores exactly:
 
-* ``get_forward_backward_func`` where it is bound: ``megatron.core.pipeline_parallel.schedules``,
-  ``megatron.core.pipeline_parallel`` and (with Megatron-LM) ``megatron.training.training``. The
-  replacement keeps megatron's ``(pp_size=None, vp_size=None, schedule_pg_collection=None)``
-  signature (the last from megatron-core 0.19 on); it returns megatron's
-  own function for ``default`` (and whenever there is no pipeline, pp=1) and megatron_bfpp's
-  forward-backward function for any other schedule.
-* with Megatron-LM: ``megatron.training.arguments.add_megatron_arguments`` (adds the
-  ``--pipeline-schedule`` group) and ``validate_args`` where ``megatron.training.arguments`` and
-  ``megatron.training.initialize`` bind it (fills in the schedule's virtual stages when none
-  were asked for, runs Megatron's checks, then
-  :func:`~megatron_bfpp.megatron.arguments.check_schedule_args`; a bad combination exits with
-  one ``megatron_bfpp: error: ...`` line).
-* with Megatron-LM, for ``--data-parallel-sharding-strategy optim_grads_params`` (sharded
-  parameters, see ``runtime.sharding``): ``setup_model_and_optimizer`` in
-  ``megatron.training.training`` (the optimizer it returns steps on the shards) and
-  ``save_checkpoint`` bound there (the parameters are gathered for the save, so the checkpoint
-  is the unsharded run's).
-* with Megatron-LM, for the V-shape schedules (v-min, v-half, v-zb): ``get_model`` bound in
-  ``megatron.training.training`` (its ``model_provider`` builds V-shape chunks:
-  ``megatron.chunks.placed_provider``) and ``megatron.core.parallel_state.is_pipeline_last_stage``
-  asked about one chunk (``ignore_virtual=False``): the last stage is rank 0's chunk 1, so
-  ``pretrain_gpt.get_batch`` gives that chunk labels and loss mask. Asked about the rank
-  (``ignore_virtual=True``) it keeps answering "the last pipeline rank", where the runtime
-  delivers the losses (``runtime.placement.deliver_to_last_rank``) and Megatron-LM logs them.
-  With Megatron-LM >= 0.19 the chunks are built in ``build_virtual_pipeline_stages`` of
-  ``megatron.training.models.dist_utils`` (wrapped alike), and ``get_batch_on_this_tp_rank``
-  (``megatron.core.utils``; 0.16: ``megatron.training.utils``) keeps every batch field on
-  pipeline rank 0, which both embeds and computes the loss.
+* ``get_forward_backward_func`` where it is bound (megatron-core's two modules and
+  ``megatron.training.training``), with megatron's signature: megatron's own function for
+  ``default`` or pp=1, ours for any other schedule.
+* with Megatron-LM: ``add_megatron_arguments`` (the ``--pipeline-schedule`` group) and
+  ``validate_args`` where ``arguments`` and ``initialize`` bind it (the schedule's defaults,
+  Megatron's checks, then :func:`~megatron_bfpp.megatron.arguments.check_schedule_args`; a bad
+  combination is one ``megatron_bfpp: error: ...`` line).
+* for ``--data-parallel-sharding-strategy optim_grads_params``: ``setup_model_and_optimizer``
+  (its optimizer steps on the shards) and ``save_checkpoint`` (gathered: the unsharded run's).
+* for the V-shape schedules: ``get_model`` and, from Megatron-LM 0.19 on,
+  ``build_virtual_pipeline_stages`` (V-shape chunks: ``megatron.chunks.placed_provider``);
+  ``is_pipeline_last_stage`` asked about one chunk (the last stage is rank 0's chunk 1, so
+  ``get_batch`` gives it labels; asked about the rank, still the last pipeline rank, where the
+  losses are delivered); ``get_batch_on_this_tp_rank`` (every field on pipeline rank 0).
 
-How our sharding meets Megatron-LM's flag of the same name: Megatron-LM defines
-``--data-parallel-sharding-strategy`` for Megatron-FSDP (``--use-megatron-fsdp``) only, with
-default ``no_shard`` (0.16) or ``optim_grads_params`` (0.19+) that nothing reads without
-Megatron-FSDP. The plugin makes the flag's default "not given": given with a megatron_bfpp
-schedule, ``optim`` or ``optim_grads_params`` choose our strategy; not given, our schedules run
-``optim`` (the distributed optimizer as usual) and Megatron-FSDP still sees its own default.
+Megatron-LM defines ``--data-parallel-sharding-strategy`` for Megatron-FSDP only, with a
+default nothing else reads; the plugin makes its default "not given", so only a given ``optim``
+or ``optim_grads_params`` chooses our strategy and Megatron-FSDP still sees its own default.
 
-The schedule comes from Megatron-LM's parsed arguments (``megatron.training.get_args()``) once
-they exist, otherwise from :func:`set_schedule` (for megatron-core-only training loops).
-``install()`` imports ``megatron.training`` itself, so it works whether or not the caller
-imported it first; if Megatron-LM is not importable only the megatron-core sites are patched
-(logged once).
+The schedule comes from Megatron-LM's parsed arguments once they exist, else from
+:func:`set_schedule` (megatron-core-only loops); without Megatron-LM only the megatron-core
+sites are patched (logged once).
 """
 
 from __future__ import annotations
@@ -93,8 +74,7 @@ CORE_SITES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeli
 TRAINING_SITE = "megatron.training.training"
 ARGUMENTS_MODULE = "megatron.training.arguments"
 VALIDATE_SITES = (ARGUMENTS_MODULE, "megatron.training.initialize")
-# Megatron-LM >= 0.19 builds pretrain_gpt.py's model chunks here (its model builders), not in
-# get_model; both are wrapped for the V-shape placement.
+# Megatron-LM >= 0.19 builds pretrain_gpt.py's model chunks here, not in get_model.
 STAGES_SITE = "megatron.training.models.dist_utils"
 # Where pretrain_gpt.py imports get_batch_on_this_tp_rank from (0.19+: core; 0.16: training).
 BATCH_SITES = ("megatron.core.utils", "megatron.training.utils")
@@ -115,11 +95,8 @@ def is_installed() -> bool:
 
 
 def set_schedule(name: str, **options: Any) -> None:
-    """Choose the schedule for megatron-core-only users (Megatron-LM users pass the flag).
-
-    ``name`` is ``default`` or a registry name; ``options`` are the schedule's own
-    (``group_size`` for breadth-first, ``microbatch_group_size`` for interleaved).
-    """
+    """Choose the schedule (``default`` or a registry name, with its own ``options``) for
+    megatron-core-only users; Megatron-LM users pass the flag."""
     if name != "default":
         from megatron_bfpp.runtime.api import get_forward_backward_func
 
@@ -224,9 +201,8 @@ def install() -> None:
 
 
 def add_patch(owner: Any, name: str, value: Any) -> None:
-    """Replace ``owner.name`` with ``value`` in the plugin's registry, so :func:`uninstall`
-    restores it with everything else (front ends such as ``megatron.bridge`` use it for the
-    sites only they know). Needs :func:`install` first."""
+    """Replace ``owner.name`` with ``value`` so :func:`uninstall` restores it too (for the sites
+    only a front end such as ``megatron.bridge`` knows). Needs :func:`install` first."""
     with _lock:
         if not _patches:
             raise ScheduleError("megatron_bfpp.install() must run before add_patch()")
@@ -400,8 +376,7 @@ def _resolve_auto(args: Any, sharding: Any) -> None:
 
 def refuse(message: str, *, prog: str = "megatron_bfpp") -> NoReturn:
     """End a rank for an argument error: exit code 2, the line printed once per node (by local
-    rank 0: every rank checks the same arguments, and under torchrun each printing it made one
-    mistake many lines)."""
+    rank 0), since every rank checks the same arguments."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         quiet_exit(2)
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
@@ -485,8 +460,7 @@ def _tied_embeddings() -> bool:
 
 def _wrap_build_stages(original: Callable[..., Any]) -> Callable[..., Any]:
     """Megatron-LM >= 0.19's model builders: under a V-shape schedule each ``vp_stage`` is
-    built as the V places it (``build_model_func(pg_collection, pre_process=, post_process=,
-    vp_stage=)``)."""
+    built as the V places it."""
 
     @functools.wraps(original)
     def build_virtual_pipeline_stages(
@@ -518,9 +492,8 @@ def _wrap_build_stages(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_tp_batch(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Under a V-shape schedule pipeline rank 0 both embeds and computes the loss, so its batch
-    keeps (and its tensor-parallel ranks receive) every field: what Megatron-LM's function
-    does for a rank with multi-token-prediction layers, which need them all too."""
+    """Under a V-shape schedule pipeline rank 0 both embeds and computes the loss, so it keeps
+    every batch field, as Megatron-LM does for multi-token-prediction layers."""
 
     @functools.wraps(original)
     def get_batch_on_this_tp_rank(*args: Any, **kwargs: Any) -> Any:
