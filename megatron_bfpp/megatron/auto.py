@@ -2,17 +2,11 @@
 :class:`~megatron_bfpp.plan.auto.AutoRequest`, the decision written back as if the user had
 named it, and its one line printed once per job.
 
-Every rank runs this on its own, before any model is built (Megatron-LM: in ``validate_args``;
-Bridge: in ``use_schedule``; bfpp-train: before its ranks start, or on each torchrun rank): the
-inputs are the arguments, the files and the environment, and the device. Meant to be alike on
-every rank, they need not be (a relative profile path read from different working directories,
-nodes of two GPU models): before rank 0 says anything, ranks started by torchrun compare their
-choices in the launcher's store (:func:`agree_across_ranks`) and, where they differ, every rank
-stops with one line naming the ranks and the input that differs (tests/multirank/test_auto.py).
-Rank 0 alone prints the line and writes the report.
-
-Torch is imported only to ask CUDA for the device (:func:`probe_device`); the translation of
-arguments is torch-free, so the SLURM pre-flight (:mod:`.preflight`) uses it on a login node.
+Every rank decides on its own, before any model is built, from inputs that may differ between
+ranks (a relative profile path, nodes of two GPU models): ranks started by torchrun compare
+their choices in the launcher's store (:func:`agree_across_ranks`) and stop alike with one line
+where they differ; then rank 0 alone prints the line and writes the report. Only
+:func:`probe_device` imports torch, so the SLURM pre-flight runs the rest on a login node.
 """
 
 from __future__ import annotations
@@ -65,8 +59,7 @@ def probe_device() -> tuple[str | None, int | None]:
 
     if not torch.cuda.is_available():
         return None, None
-    # This rank's own GPU (torchrun's LOCAL_RANK): asking every rank about device 0 would make
-    # them all touch it before Megatron assigns devices. A node's GPUs are one model.
+    # This rank's own GPU: asking about device 0 would make every rank touch it.
     index = int(os.environ.get("LOCAL_RANK", "0") or 0) % max(1, torch.cuda.device_count())
     properties = torch.cuda.get_device_properties(index)
     return str(properties.name), int(properties.total_memory)
@@ -131,9 +124,8 @@ def auto_inputs(
     device: tuple[str | None, int | None] | None,
     env: Mapping[str, str],
 ) -> dict[str, str]:
-    """What a rank's decision reads besides the arguments, each as a short text: the profile by
-    its contents (the same path may hold other files on other nodes or working directories),
-    the GPU, and the launcher's variables auto reads."""
+    """What a rank's decision reads besides the arguments, each as a short text (the profile
+    by its contents: one path may hold other files on other nodes)."""
     profile = "none"
     if profile_path:
         try:
@@ -165,9 +157,8 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def disagreement(everyone: Sequence[Mapping[str, str]]) -> str | None:
-    """The one line for ranks whose choices differ (``None``: all alike). ``everyone[r]``: rank
-    r's :func:`auto_inputs` and its ``decision``; the first input that differs is named as the
-    reason, with each group of ranks, what it read and what it chose."""
+    """The one line for ranks whose choices differ (``None``: all alike), naming the first input
+    that differs; ``everyone[r]``: rank r's :func:`auto_inputs` and its ``decision``."""
     decisions = [facts["decision"] for facts in everyone]
     if len(set(decisions)) < 2:
         return None
@@ -192,9 +183,8 @@ def disagreement(everyone: Sequence[Mapping[str, str]]) -> str | None:
 
 
 def _store(env: Mapping[str, str], timeout: float) -> Any:
-    """The launcher's rendezvous store, when one is up before the process group (torchrun's
-    agent hosts it); ``None`` otherwise (a single process; srun alone, where rank 0 hosts the
-    store only once Megatron initialises)."""
+    """The launcher's rendezvous store when one is up before the process group (torchrun's
+    agent's), else ``None`` (one process; srun alone)."""
     world, rank = env.get("WORLD_SIZE", ""), env.get("RANK", "")
     host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
     if not (world.isdigit() and rank.isdigit() and port.isdigit() and host) or int(world) < 2:
@@ -223,9 +213,8 @@ def agree_across_ranks(
     timeout: float = AGREE_TIMEOUT_S,
 ) -> None:
     """Exchange this rank's choice and inputs with every rank's through the launcher's store
-    and raise :class:`ScheduleError` (the same line on every rank) where they differ; before
-    any rank prints or builds anything, so a split job stops at once instead of at the first
-    collective's time-out. Without a store to use (see :func:`_store`) it trusts the inputs."""
+    and raise :class:`ScheduleError` (the same line on every rank) where they differ, so a split
+    job stops at once, not at the first collective's time-out. Without a store: trusted."""
     store = _store(env, timeout)
     if store is None:
         return
@@ -255,8 +244,7 @@ def decide_alike(
     agree: bool = True,
 ) -> Decision:
     """:func:`decide` on this rank, then (``agree``) the choices compared across the job's
-    ranks; a refusal is compared too, so a rank that refuses does not leave the others
-    waiting."""
+    ranks, a refusal too (so it does not leave the others waiting)."""
     try:
         decision = decide(request_of())
     except ScheduleError as error:
@@ -346,9 +334,8 @@ def _megatron_vp(args: Any, pp: int) -> int | None:
 def megatron_request(
     args: Any, *, world_size: int, env: Mapping[str, str], hw: Hardware, sharding: str | None
 ) -> AutoRequest:
-    """What Megatron-LM's parsed arguments fixed (before its ``validate_args``: its derived
-    sizes are computed here the same way). ``sharding``: ``--data-parallel-sharding-strategy``
-    as given (``None``: not given)."""
+    """What Megatron-LM's parsed arguments fixed, before its ``validate_args`` (its derived
+    sizes computed alike); ``sharding``: the flag as given, or ``None``."""
     uneven = [flag for flag, dest in _UNEVEN if getattr(args, dest, None)]
     if uneven:
         raise ScheduleError(
@@ -442,8 +429,7 @@ def resolve_megatron_auto(
     quiet: bool = False,
 ) -> Decision | None:
     """``--pipeline-schedule auto`` on Megatron-LM's parsed ``args``: decide, announce (unless
-    ``quiet``: the pre-flight) and write the choice back; ``None`` without auto. Without
-    pipeline parallelism Megatron's own runs (said once). Raises :class:`ScheduleError`."""
+    ``quiet``) and write the choice back; ``None`` without auto or pipeline parallelism."""
     if getattr(args, "pipeline_schedule", None) != AUTO:
         return None
     world = getattr(args, "world_size", None) or int(env.get("WORLD_SIZE", "1"))
@@ -495,9 +481,8 @@ def bridge_request(
     env: Mapping[str, str],
     hw: Hardware,
 ) -> AutoRequest:
-    """What a Bridge ``ConfigContainer`` fixed. The data-parallel size needs the launcher's
-    ``WORLD_SIZE`` (torchrun, srun), as every rank's decision must be the same before Bridge
-    initialises anything."""
+    """What a Bridge ``ConfigContainer`` fixed; the data-parallel size from the launcher's
+    ``WORLD_SIZE``, since every rank decides before Bridge initialises anything."""
     model = config.model
     world = env.get("WORLD_SIZE", "")
     if not world.isdigit():
@@ -573,9 +558,8 @@ def resolve_bridge_auto(
     env: Mapping[str, str] = os.environ,
     device: tuple[str | None, int | None] | None = None,
 ) -> tuple[str, dict[str, Any], Decision]:
-    """Decide for Bridge's ``pretrain(config, ...)`` and announce it (rank 0); returns the
-    schedule's name and options for ``use_schedule``, with ``config.model``'s virtual pipeline
-    size set to the choice's."""
+    """Decide for Bridge's ``pretrain(config, ...)`` and announce it; the schedule's name and
+    options for ``use_schedule`` (``config.model``'s virtual pipeline size set)."""
     name, memory = probe_device() if device is None else device
     decision = decide_alike(
         lambda: bridge_request(
@@ -592,7 +576,7 @@ def resolve_bridge_auto(
     c = decision.chosen.candidate
     if get_spec(c.schedule).placement is Placement.LOOPED:
         config.model.virtual_pipeline_model_parallel_size = c.vp
-    chosen = {**{k: v for k, v in options.items() if k not in ("group_size", "max_stored")}}
+    chosen = {k: v for k, v in options.items() if k not in ("group_size", "max_stored")}
     chosen.update(decision.options)
     if c.schedule != "interleaved":
         chosen.pop("microbatch_group_size", None)
