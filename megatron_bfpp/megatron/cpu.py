@@ -1,56 +1,27 @@
 """Run megatron-core 0.16-0.20 on CPU with gloo: the one place that redirects its CUDA-only calls.
 
-Used by the tests, bfpp-train's CPU ranks and the Megatron-LM CPU launcher
-(:mod:`megatron_bfpp.megatron.cpu_launch`), and only when there is no GPU: the GPU path never
-calls it, and the runtime and the plugin never import it. ``enable_cpu_megatron()`` installs
-every redirect below (idempotent); ``disable_cpu_megatron()`` puts every original back.
-On CPU the "current device" *is* the CPU, so each redirect maps a CUDA call onto its CPU meaning:
+Used by the tests, bfpp-train's CPU ranks and the Megatron-LM CPU launcher, only without a GPU
+(the runtime and the plugin never import it). ``enable_cpu_megatron()`` installs every redirect
+below (idempotent); ``disable_cpu_megatron()`` puts every original back. On CPU the "current
+device" *is* the CPU, so each redirect maps a CUDA call onto its CPU meaning:
 
-``torch.cuda.current_device()`` -> ``torch.device("cpu")``
-    megatron allocates with ``device=torch.cuda.current_device()``: p2p receive buffers
-    (``pipeline_parallel.p2p_communication``), TP all-gather / reduce-scatter outputs
-    (``tensor_parallel.mappings``, ``.layers``, ``.utils``), DDP grad buffers
-    (``distributed.param_and_grad_buffer``), distributed-optimizer shards, ``GPTModel`` /
-    ``Attention`` helpers, rotary embeddings.
-``torch.cuda.synchronize()`` -> no-op
-    ``p2p_communication`` (``batch_p2p_sync``), ``DistributedDataParallel`` buffer offload.
-``torch.cuda.Stream`` / ``Event`` / ``stream`` / ``current_stream`` / ``default_stream`` /
-``set_stream`` -> stand-ins that do nothing (everything on CPU is synchronous)
-    megatron-core 0.19+ DDP (``param_and_grad_buffer.start_grad_sync`` waits on the current
-    stream), overlapped p2p, Megatron-LM's timers and rerun machinery.
-``device="cuda"`` (or ``"cuda:N"``, a CUDA ``torch.device``, an int index) in the factories
-``torch.tensor``, ``as_tensor``, ``zeros``, ``ones``, ``empty``, ``full``, ``arange`` -> CPU
-    ``schedules`` (``total_num_tokens``), ``optimizer.optimizer`` (``found_inf``,
-    ``_scale_one``, ``_dummy_overflow_buf``), ``grad_scaler``, ``clip_grads`` (grad norm),
-    ``transformer.utils`` (default causal masks), ``tensor_parallel.data``.
-``Tensor.cuda()`` / ``Module.cuda()`` -> the tensor / module itself (it already is "on device")
-    ``LanguageModule`` tied-embedding sync (``weight.data.cuda()``), ``tensor_parallel.data``,
-    optimizer state reload, ``grad_scaler.load_state_dict``, Megatron-LM's ``get_model``.
-``Tensor.type()`` (no argument) reports a CPU tensor as ``torch.cuda.<T>Tensor``
-    the optimizers dispatch on ``param.type() == 'torch.cuda.FloatTensor'``
-    (``DistributedOptimizer._build_model_and_main_param_groups``,
-    ``Float16OptimizerWithFloat16Params``) and ``clip_grads`` asserts it; ``Tensor.type(T)`` with a
-    ``torch.cuda.*`` name converts to the CPU type.
-CUDA RNG in ``megatron.core.tensor_parallel.random`` -> the CPU default generator
-    ``_get_cuda_rng_state`` (raises on a CPU build) and ``_set_cuda_rng_state`` (silently queues a
-    lazy CUDA call that never runs) are what ``get_cuda_rng_tracker().fork()`` and activation
-    checkpointing use; ``CudaRNGStatesTracker.add`` calls ``torch.cuda.get_rng_state``;
-    ``model_parallel_cuda_manual_seed``'s ``torch.cuda.manual_seed`` is a silent no-op on CPU, so
-    the wrapper seeds the CPU generator with the data-parallel seed as that call seeds the device.
-    ``fork()`` then switches the CPU generator to the tensor-parallel stream and back. Its
-    "CPU RNG state changed within GPU RNG context" warning is expected here (device and CPU
-    generator are one) and is filtered out while enabled.
-``WrappedTorchNorm`` (``transformer.torch_norm``) accepts ``sequence_parallel``
-    without Apex the local spec's norms are ``torch.nn.LayerNorm`` via ``WrappedTorchNorm``, which
-    asserts ``not config.sequence_parallel``. A torch norm is correct on a sequence shard; what
-    sequence parallelism needs is the ``sequence_parallel`` mark on the norm's parameters (as
-    Apex's ``FusedLayerNorm`` sets it) so ``finalize_model_grads`` all-reduces their gradients
-    across tensor-parallel ranks. The redirect builds the norm from a copy of the config with
-    ``sequence_parallel=False`` and sets that mark.
+* ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` (megatron allocates with it);
+* ``torch.cuda.synchronize()`` and the ``Stream`` / ``Event`` / ``stream`` / ``current_stream`` /
+  ``default_stream`` / ``set_stream`` family -> stand-ins that do nothing (CPU is synchronous);
+* a CUDA ``device=`` in ``torch.tensor``, ``as_tensor``, ``zeros``, ``ones``, ``empty``,
+  ``full``, ``arange`` -> CPU; ``Tensor.cuda()`` / ``Module.cuda()`` -> themselves;
+* ``Tensor.type()`` reports a CPU tensor as ``torch.cuda.<T>Tensor`` (the optimizers dispatch
+  on it and ``clip_grads`` asserts it), and ``Tensor.type(T)`` of a CUDA name converts on CPU;
+* ``tensor_parallel.random``'s CUDA RNG -> the CPU default generator, which
+  ``model_parallel_cuda_manual_seed`` seeds with the data-parallel seed as it seeds the device
+  (its "CPU RNG state changed within GPU RNG context" warning is filtered: they are one here);
+* ``WrappedTorchNorm`` accepts ``sequence_parallel``: a torch norm is correct on a sequence
+  shard, and it marks the parameters ``sequence_parallel`` as Apex does, so their gradients
+  are all-reduced over tensor parallelism.
 
 Use with ``use_cpu_initialization=True``, fp32, dropout 0 and ``batch_p2p_comm=False``: with
-``batch_p2p_comm=True`` megatron-core's interleaved schedule at pp=2 (activation and gradient to
-the same peer) gives wrong gradients on gloo (measured: every gradient off), while 1F1B passes.
+``batch_p2p_comm=True`` megatron-core's interleaved schedule at pp=2 gives wrong gradients on
+gloo (measured), while 1F1B passes.
 """
 
 from __future__ import annotations
@@ -163,11 +134,21 @@ def _synchronize(device: Any = None) -> None:
     return None
 
 
-class _Stream:
-    """A CUDA stream stand-in: CPU work is synchronous, so waiting and syncing do nothing."""
+class _Synchronous:
+    """What CUDA streams and events share: CPU work is synchronous, so syncing does nothing."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream(_Synchronous):
+    """A CUDA stream stand-in: waiting does nothing."""
 
     def wait_stream(self, stream: Any) -> None:
         return None
@@ -178,12 +159,6 @@ class _Stream:
     def record_event(self, event: Any = None) -> Any:
         return event if event is not None else _Event()
 
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
     def __enter__(self) -> _Stream:
         return self
 
@@ -191,23 +166,14 @@ class _Stream:
         return None
 
 
-class _Event:
+class _Event(_Synchronous):
     """A CUDA event stand-in (``elapsed_time`` is 0: time CPU runs with the timers instead)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
 
     def record(self, stream: Any = None) -> None:
         return None
 
     def wait(self, stream: Any = None) -> None:
         return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
 
     def elapsed_time(self, other: Any) -> float:
         return 0.0
