@@ -1,19 +1,12 @@
 """Megatron-Bridge (and NeMo's recipes built on it): our schedules for Bridge's ``pretrain()``.
 
-Why a call of its own: Bridge binds ``get_forward_backward_func`` when its training modules are
-imported (``megatron.bridge.training.train`` and ``.eval`` do
-``from megatron.core.pipeline_parallel import get_forward_backward_func``), so the plugin's
-megatron-core patch reaches Bridge only if it was installed first. :func:`use_schedule` works
-in either order: it installs the plugin, sets the schedule, and replaces the two names Bridge
-bound (restored by :func:`megatron_bfpp.uninstall`, through the plugin's one patch registry).
-
-It reads the layout from Bridge's ``ConfigContainer`` and asks the same "does it fit" question
-as every other front end (``schedules.fit.check_fit``) before any rank starts work, phrased in
-Bridge's config names. Where Bridge runs a pipeline past the hook (``dist_train``, which calls
-megatron-core's non-interleaved schedule directly, and multi-module evaluation), or builds what
-a schedule cannot use (the V-shapes need V-placed model chunks, which Bridge's model provider
-does not build; fully sharded parameters need an optimizer that steps on shards, which Bridge's
-setup does not make), the answer is one line, not a silently different schedule.
+Bridge binds ``get_forward_backward_func`` when its training modules are imported, so the
+plugin's megatron-core patch would reach it only if installed first: :func:`use_schedule`
+works in either order, replacing the names Bridge bound too (:func:`megatron_bfpp.uninstall`
+restores them). It asks every front end's "does it fit" question (``check_fit``) in Bridge's
+config names, and where Bridge would run past the hook (``dist_train``, multi-module
+evaluation) or cannot build what a schedule needs (V-placed chunks, an optimizer stepping on
+shards), the answer is one line, not a silently different schedule.
 """
 
 from __future__ import annotations
@@ -49,18 +42,12 @@ def use_schedule(
 ) -> None:
     """Run ``name`` (a ``--pipeline-schedule`` name) in Bridge's ``pretrain(config, ...)``.
 
-    ``name="auto"``: the planner picks the schedule for ``config``'s layout
-    (:mod:`megatron_bfpp.megatron.auto`; every rank alike, from ``config``, ``WORLD_SIZE`` and
-    the device), rank 0 prints one line, and ``auto_report`` / ``auto_profile`` / ``auto_gpu``
-    are the command lines' ``--pipeline-schedule-auto-*`` flags. The V-shapes are left out
-    (Bridge does not build V-placed chunks).
-
-    ``options`` are the schedule's own (``group_size`` for breadth-first, ``max_stored`` for
-    bpipe, ``microbatch_group_size`` for interleaved, else ``config.model``'s
-    ``microbatch_group_size_per_vp_stage``). A looped schedule (interleaved, breadth-first)
-    given no virtual pipeline size gets 2, as in Megatron-LM. Raises :class:`ScheduleError`
-    (one line) for a schedule that does not fit ``config``, before any work; call it before
-    ``pretrain``, in any import order. :func:`megatron_bfpp.uninstall` undoes it.
+    ``name="auto"``: the planner picks a schedule (not a V-shape) for ``config``'s layout;
+    ``auto_report`` / ``auto_profile`` / ``auto_gpu`` are the ``--pipeline-schedule-auto-*``
+    flags. ``options`` are the schedule's own (interleaved's group defaults to
+    ``config.model.microbatch_group_size_per_vp_stage``); a looped schedule given no virtual
+    pipeline size gets 2, as in Megatron-LM. Raises :class:`ScheduleError` (one line) for a
+    schedule that does not fit ``config``, before any work.
     """
     from megatron_bfpp.megatron import plugin
 
@@ -150,8 +137,7 @@ def check_bridge_config(
 
 
 def _data_parallel_size(model: Any, pp: int) -> int | None:
-    """Bridge's data-parallel size, known before initialisation when the launcher set
-    WORLD_SIZE (torchrun, srun with the usual variables); None otherwise."""
+    """Bridge's data-parallel size from the launcher's WORLD_SIZE (None without it)."""
     world = os.environ.get("WORLD_SIZE", "")
     if not world.isdigit():
         return None
@@ -180,9 +166,8 @@ def bridge_modules() -> list[Any]:
 
 
 def _guard_multi_module(evaluate: Callable[..., Any]) -> Callable[..., Any]:
-    """Bridge's ``evaluate``, refusing in one line what it would run past our schedule:
-    multi-module (MegatronMIMO) evaluation calls megatron-core's non-interleaved schedule
-    directly."""
+    """Bridge's ``evaluate``, refusing in one line multi-module (MegatronMIMO) evaluation,
+    which it runs with megatron-core's schedule directly, past ours."""
     signature = inspect.signature(evaluate)
 
     @functools.wraps(evaluate)

@@ -1,25 +1,15 @@
 """A rank's model chunks in any placement the catalogue names: megatron-core's looped one and
 the V-shape.
 
-megatron-core builds chunks for the looped placement only: chunk ``c`` of pipeline rank ``r`` is
-global stage ``c * p + r``, and the chunk's layers (how many, their global numbers, their
-checkpoint keys), whether it embeds (``pre_process``) and whether it computes the loss
-(``post_process``) all follow from ``(vp_stage, pipeline rank)``. The V-shape puts stages ``r``
-and ``2p - 1 - r`` on rank ``r``: rank 0 embeds in chunk 0 and computes the loss in chunk 1.
+megatron-core derives a chunk's layers, ``pre_process`` and ``post_process`` from ``(vp_stage,
+pipeline rank)`` in the looped placement (chunk ``c`` of rank ``r`` is stage ``c * p + r``). The
+V-shape chunk holding stage ``s`` (rank ``r`` holds ``r`` and ``2p - 1 - r``) is built as looped
+slot ``(s // p, s % p)``, whose layers are the same, with its process groups reporting rank
+``s % p`` and the flags from the stage: so V and looped runs name their parameters alike.
 
-The V-shape chunk holding global stage ``s`` is built as megatron-core builds looped slot
-``(vp_stage = s // p, rank = s % p)``, which holds the same layers: ``vp_stage`` is the chunk index
-(``s // p`` is 0 for stages below ``p``, 1 above), and the model's process groups report pipeline
-rank ``s % p`` (compat.model_process_groups). ``pre_process`` / ``post_process`` come from the
-stage. So a V run and a looped run of one model hold the same layers under the same global
-numbers, and their checkpoints name parameters alike.
-
-Tied embeddings: both copies live on rank 0 (its chunk 0's input embedding, its chunk 1's output
-layer), so nothing is copied or all-reduced over the pipeline. The model is built without an
-embedding group, the output copy is set from the embedding here, and the runtime adds the two
-copies' gradients on the rank after the data-parallel reduction
-(``runtime.placement.sum_tied_embedding_grads``), which is what Megatron's all-reduce over the
-first and last stage computes.
+Tied embeddings both live on rank 0: the model is built without an embedding group, the output
+copy is set from the embedding here, and the runtime adds the two copies' gradients
+(``runtime.placement.sum_tied_embedding_grads``), as Megatron's all-reduce would.
 """
 
 from __future__ import annotations
@@ -116,13 +106,11 @@ def placed_provider(
     seeded_as: Callable[[int], contextlib.AbstractContextManager[bool]] | None = None,
 ) -> Callable[..., torch.nn.Module]:
     """A Megatron-LM ``model_provider`` building V-shape chunks in place of the looped ones its
-    ``get_model`` asks for: the same call per ``vp_stage``, with the V's ``pre_process`` /
-    ``post_process`` and process groups; the tied output copy is set once both chunks exist.
+    ``get_model`` asks for; the tied output copy is set once both chunks exist.
 
-    ``seeded_as(q)`` (:mod:`megatron_bfpp.megatron.seeding`): a context in which the generators
-    are seeded as 1F1B's pipeline rank ``q`` had them. Stage ``s`` is then built in the context
-    of ``q = s // 2``, after building and dropping stage ``s - 1`` for an odd ``s``: its weights
-    are the ones 1F1B's rank ``q`` drew for those layers."""
+    ``seeded_as(q)``: a context seeding the generators as 1F1B's pipeline rank ``q``; stage
+    ``s`` is built in that of ``s // 2`` (after stage ``s - 1``, dropped, for an odd ``s``), so
+    its weights are the ones 1F1B drew for those layers."""
     places = chunk_places(StageLayout.v_shape(num_ranks), rank)
     built: dict[int, torch.nn.Module] = {}
 
@@ -169,8 +157,7 @@ def placed_provider(
 @torch.no_grad()
 def tie_output_to_embedding(chunks: Sequence[Any]) -> None:
     """Set the tied output layer's weight from the input embedding where one rank holds both
-    (megatron-core zeroes the output copy and fills it by an all-reduce over the embedding
-    group, which a V-shape model does not have)."""
+    (megatron-core would fill it by an all-reduce over the embedding group)."""
     weights = tied_embedding_weights(chunks)
     if weights is not None:
         embedding, output = weights
