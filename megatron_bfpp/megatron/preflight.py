@@ -1,20 +1,11 @@
 """Check a Megatron-LM command line before a job starts, from its arguments and world size alone.
 
-Megatron-LM and the plugin check their arguments in ``validate_args`` on every rank, after the
-job has waited for its nodes and started them; a schedule that does not fit the pipeline, or
-layers that do not split over it, can be seen before that. ``scripts/slurm/launch.py`` (and so
-every sbatch template, dry run or not) calls :func:`check_megatron_command` before it prints or
-starts anything.
-
-The schedule checks are the plugin's own, :func:`~megatron_bfpp.megatron.arguments.
-check_schedule_args` (catalogue, placement, options, micro-batches, the schedule built and
-validated), run on the values Megatron's ``validate_args`` would derive
-(``data_parallel_size``, ``virtual_pipeline_model_parallel_size``). Before them,
-:func:`check_parallel_layout` repeats the few of Megatron's own checks that only the parallel
-sizes decide (Megatron's ``validate_args`` needs torch, a full argument set and a rank, so it
-cannot run on a login node). Arguments read by neither pass through untouched; with a
-``--pipeline-model-parallel-layout`` string the virtual stages come from the layout, which only
-Megatron parses, so the schedule is then checked on the GPUs as before. Torch-free.
+``validate_args`` checks on every rank only after the job has waited for its nodes, so
+``scripts/slurm/launch.py`` (every sbatch template) calls :func:`check_megatron_command` first,
+on a login node: the plugin's own :func:`~megatron_bfpp.megatron.arguments.check_schedule_args`
+on the values ``validate_args`` would derive, after :func:`check_parallel_layout` (the few of
+Megatron's checks the parallel sizes alone decide). With a ``--pipeline-model-parallel-layout``
+the schedule is checked on the GPUs as before (only Megatron parses it). Torch-free.
 """
 
 from __future__ import annotations

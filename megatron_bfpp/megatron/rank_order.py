@@ -1,27 +1,17 @@
 """Rank placement for BPipe: every evictor/acceptor pair on one node ("pair-adjacent").
 
-BPipe's stage ``x`` (evictor) ships activations to stage ``p-1-x`` (acceptor). The BPipe
-re-evaluation paper (Figure 2) places each pair on one node so that traffic stays on NVLink: for
-16-way pipeline parallelism on two nodes of 8 GPUs, GPUs 0..7 hold stages 0,15,1,14,2,13,3,12 and
-GPUs 8..15 hold 4,11,5,10,6,9,7,8 (the figure draws node 1 right to left, GPU 15 .. GPU 8, which
-reads 8,7,9,6,10,5,11,4).
+BPipe's stage ``x`` (evictor) ships activations to stage ``p-1-x`` (acceptor), so the BPipe
+re-evaluation paper (Figure 2) places each pair on one node, on NVLink: for p=16 on two nodes of
+8 GPUs, GPUs 0..7 hold stages 0,15,1,14,2,13,3,12 and GPUs 8..15 hold 4,11,5,10,6,9,7,8. With
+tensor and data parallelism a *unit* is the ``tp`` ranks of one stage of one replica, laid out
+replica by replica, pair by pair (``(d, 0), (d, p-1), (d, 1), ...``): a node holds an even
+number of units, so a pair never straddles two nodes.
 
-Generalised to tensor and data parallelism: a *unit* is the ``tp`` ranks of one pipeline stage
-of one data-parallel replica (kept together: tensor parallelism needs NVLink most). Units are laid
-out replica by replica, pair by pair: ``(d, 0), (d, p-1), (d, 1), (d, p-2), ...``. A node holds
-``gpus_per_node / tp`` units, an even number, so a pair never straddles two nodes.
-
-How it is applied: the launcher (``scripts/slurm/launch.py --rank-placement pair-adjacent``)
-exports ``BFPP_RANK_ORDER`` = the Megatron rank of each launch slot (slot = node_rank *
-gpus_per_node + local_rank, torchrun's ``RANK``), and ``python -m megatron_bfpp.launch`` rewrites
-``RANK`` from it before Megatron-LM reads it (``LOCAL_RANK`` stays: it picks the physical GPU).
-Megatron-LM itself only offers the order of parallel dimensions (``tp-cp-ep-dp-pp`` by default,
-``tp-pp-dp`` with ``--use-tp-pp-dp-mapping``), never a permutation of pipeline stages across
-nodes, so the remapping is done outside it, and it supports Megatron's default order with
-context/expert parallelism 1 (``order="tp-dp-pp"``) and ``--use-tp-pp-dp-mapping``
-(``order="tp-pp-dp"``).
-
-Pure (no torch, no megatron): unit-testable and usable from SLURM scripts.
+Megatron-LM offers only orders of parallel dimensions, never a permutation of stages across
+nodes, so the launcher (``scripts/slurm/launch.py --rank-placement pair-adjacent``) exports
+``BFPP_RANK_ORDER`` (the Megatron rank of each launch slot) and ``python -m
+megatron_bfpp.launch`` rewrites ``RANK`` from it before Megatron-LM reads it (``LOCAL_RANK``
+stays). Pure (no torch, no megatron), for SLURM scripts.
 """
 
 from __future__ import annotations
