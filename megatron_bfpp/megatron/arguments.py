@@ -1,10 +1,7 @@
 """``--pipeline-schedule`` and its options for Megatron-LM's argument parser, and their checks.
 
-Pure argparse plus the (torch-free) schedule registry: ``install()`` wires these into
-``megatron.training.arguments``; tests call them directly on a plain parser / namespace.
-
-``--pipeline-schedule default`` (the default) changes nothing: Megatron-LM keeps its own
-schedule selection bit for bit and none of the checks below run.
+Torch-free, so tests call them on a plain parser; ``--pipeline-schedule default`` (the
+default) changes nothing: Megatron-LM keeps its own schedule bit for bit.
 """
 
 from __future__ import annotations
@@ -72,11 +69,9 @@ _VP_SOURCES = (
 
 
 def apply_schedule_defaults(args: Any) -> None:
-    """Before Megatron's ``validate_args``: a looped schedule (interleaved, breadth-first) given
-    no virtual stages, and a V-shape one (which places two), get
-    ``--num-virtual-stages-per-pipeline-rank 2``, as in bfpp-train, and
-    Megatron derives and checks everything that follows from it as if the user had passed it.
-    Single-stage schedules need nothing: Megatron's default (None) is one stage per rank."""
+    """Before Megatron's ``validate_args``: a looped or V-shape schedule given no virtual
+    stages gets ``--num-virtual-stages-per-pipeline-rank 2``, as in bfpp-train, so Megatron
+    derives and checks everything from it as if the user had passed it."""
     spec = SCHEDULES.get(getattr(args, "pipeline_schedule", "default"))
     if spec is None or spec.placement is Placement.SINGLE:
         return
@@ -94,12 +89,8 @@ def schedule_options_from_args(args: Any) -> dict[str, Any]:
 
 
 def check_schedule_args(args: Any) -> None:
-    """Check ``--pipeline-schedule`` against Megatron's other (already validated) arguments.
-
-    Runs after Megatron's own ``validate_args`` (which derives
-    ``virtual_pipeline_model_parallel_size`` and ``data_parallel_size``). Raises
-    :class:`ScheduleError` with one line saying what to change.
-    """
+    """Check ``--pipeline-schedule`` against Megatron's arguments after its ``validate_args``
+    derived the rest; :class:`ScheduleError` says in one line what to change."""
     name = getattr(args, "pipeline_schedule", "default")
     if name not in pipeline_schedule_choices():
         raise ScheduleError(
@@ -169,10 +160,8 @@ def _check_v_shape_args(name: str, args: Any) -> None:
 
 
 def _sharding_strategy(name: str, args: Any) -> str:
-    """Our sharding strategy from Megatron-LM's ``--data-parallel-sharding-strategy`` (the
-    plugin records it as ``bfpp_data_parallel_sharding_strategy`` when given with one of our
-    schedules); Megatron-FSDP's values are refused in Megatron's terms. Whether the schedule
-    and the layout take it is :func:`check_fit`'s question."""
+    """Our sharding strategy from Megatron-LM's ``--data-parallel-sharding-strategy`` (as the
+    plugin recorded it); Megatron-FSDP's values are refused in Megatron's terms."""
     strategy: str = getattr(args, "bfpp_data_parallel_sharding_strategy", None) or "optim"
     if strategy not in SHARDING_STRATEGIES:
         raise ScheduleError(

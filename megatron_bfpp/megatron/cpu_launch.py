@@ -1,27 +1,16 @@
 """Run Megatron-LM's own training scripts on a machine without CUDA (gloo, CPU tensors).
 
-For CPU tests and demos; ``megatron_bfpp.launch`` calls :func:`enable_cpu_megatron_lm` when
-``torch.cuda.is_available()`` is false. On top of megatron-core's CPU adapter
-(:mod:`megatron_bfpp.megatron.cpu`) it redirects what Megatron-LM's training code needs:
+``megatron_bfpp.launch`` calls :func:`enable_cpu_megatron_lm` without CUDA. On top of
+megatron-core's CPU adapter (:mod:`megatron_bfpp.megatron.cpu`) it redirects:
 
-* ``initialize_megatron(..., allow_no_cuda=True)`` (where ``megatron.training.initialize`` and
-  ``megatron.training.training`` bind it): otherwise it asserts CUDA is available;
-* ``torch.cuda.set_device`` -> no-op, ``torch.cuda.device_count()`` -> 1: Megatron-LM only
-  initialises the model-parallel groups when it sees a device;
-* ``torch.distributed.init_process_group`` -> gloo, without a CUDA ``device_id``;
-* ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> the CPU generator's (the device *is* the
-  CPU; Megatron-LM's rerun state machine saves and restores both);
-* ``megatron.legacy.fused_kernels.load`` -> skipped (it compiles CUDA kernels);
-* ``megatron.training.initialize._warmup_jit_function`` -> skipped (it allocates on ``cuda``
-  to warm up the fused bias-GeLU/dropout JIT kernels);
-* ``load_checkpoint`` (where ``megatron.training.training`` binds it) -> the same, with torch
-  Adam given a zero state before and each parameter's step restored after
-  (:func:`megatron_bfpp.compat.torch_adam_state_for_load` / ``restore_torch_adam_steps``):
-  without Apex or Transformer Engine, which a CPU machine never has, megatron-core's
-  distributed optimizer cannot describe or restore torch Adam's state, and the resume failed
-  with ``assert len(steps) == 1``. It runs under ``torch.no_grad()``: in fp32 the main
-  parameters are views of the model's leaf parameters, and the optimizer's in-place load
-  into them failed (bfpp-train loads the same way).
+* ``initialize_megatron`` -> with ``allow_no_cuda=True`` (else it asserts CUDA);
+* ``torch.cuda.set_device`` -> no-op, ``device_count()`` -> 1 (Megatron-LM builds its groups
+  only when it sees a device); ``init_process_group`` -> gloo, without a CUDA ``device_id``;
+* ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> the CPU generator's;
+* ``fused_kernels.load`` and ``_warmup_jit_function`` -> skipped (they need CUDA);
+* ``load_checkpoint`` -> the same under ``torch.no_grad()`` (fp32 main parameters are views of
+  leaf parameters), with torch Adam's state prepared and its steps restored (:mod:`.compat`),
+  which megatron-core's distributed optimizer cannot do without Apex or Transformer Engine.
 
 Every redirect is recorded; :func:`disable_cpu_megatron_lm` restores the originals.
 """

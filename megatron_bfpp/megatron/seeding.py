@@ -1,23 +1,14 @@
 """A V-shape model in Megatron-LM starts from the weights a 1F1B run of the same seed draws.
 
-Megatron-LM seeds each rank's generators once, by its pipeline rank (``_set_random_seed``:
-``seed + 100 * pipeline rank``), and each layer draws its initial weights from the stream of the
-rank that builds it, in build order. Under 1F1B, pipeline rank ``q`` builds stages ``2q`` and
-``2q + 1`` of the V numbering (the V has 2p stages of half as many layers) one after the other;
-under the V another rank builds each of them. So a fresh ``v-half`` run started from another
-model than ``1f1b`` (Megatron-LM 0.20, pp=4: 5.557 against 5.561 at iteration 1).
+Megatron-LM seeds each rank's generators by its pipeline rank, and each layer draws its weights
+from the stream of the rank that builds it: 1F1B's rank ``q`` builds V stages ``2q`` and
+``2q + 1`` in turn, the V other ranks, so a fresh ``v-half`` run started from another model.
+Here V stage ``s`` is built with the generators seeded by Megatron's own ``_set_random_seed``
+seeing pipeline rank ``s // 2`` (after building and dropping stage ``s - 1`` for an odd ``s``):
+the 1F1B run's draws, number for number; every generator is put back afterwards.
 
-Here each V chunk of stage ``s`` is built with the generators seeded as rank ``q = s // 2``'s
-were (Megatron's own ``_set_random_seed``, called as Megatron called it, seeing pipeline rank
-``q``), after building and dropping stage ``s - 1`` when ``s`` is the second half of ``q``'s
-layers: the draws are the 1F1B run's, number for number. Every generator is put back afterwards,
-so what the rank draws later (dropout) is what it drew before. The extra build is one chunk
-(half a rank's parameters), freed at once.
-
-What it does not cover: a GPU run's JIT warm-up draws from the default CUDA generator between
-the seeding and the model (learned position embeddings without sequence parallelism draw from
-it too), which this reseeding does not replay: unverified on GPUs. Dropout streams still follow
-the building rank, so with dropout the curves differ after the first step.
+Not covered: a GPU run's JIT warm-up draws from the CUDA generator before the model
+(unverified on GPUs), and dropout streams still follow the building rank.
 """
 
 from __future__ import annotations
