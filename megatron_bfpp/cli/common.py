@@ -42,9 +42,8 @@ class Main(Protocol):
 
 
 def closed_pipe_ends_quietly(main: Main) -> Main:
-    """``bfpp-plan ... | head -3``: when the reader closes the pipe, end without a traceback
-    (exit 141, as a command killed by SIGPIPE). stdout is pointed at /dev/null first, so the
-    interpreter's flush at exit does not raise the same error again."""
+    """``bfpp-plan ... | head -3``: when the reader closes the pipe, exit 141 (as SIGPIPE would)
+    without a traceback, stdout pointed at /dev/null so the flush at exit does not raise again."""
 
     @functools.wraps(main)
     def run(argv: Sequence[str] | None = None) -> int:
@@ -63,12 +62,9 @@ def closed_pipe_ends_quietly(main: Main) -> Main:
 
 
 def ends_without_teardown(main: Main) -> Callable[[], NoReturn]:
-    """The console script of a command that may leave millions of small objects behind (a
-    simulated or planned schedule at pp 64 and a thousand micro-batches): once ``main`` has
-    returned and the output is flushed, the process ends with ``os._exit``, skipping the
-    interpreter's teardown, which frees each object one by one (3-4 s of CPU after 11 s of work
-    there; mypy's ``--fast-exit`` does the same). Every file the command writes is closed before
-    ``main`` returns (``files.write_output``); an exception still ends the usual way."""
+    """The console script of a command that may leave millions of small objects behind: once
+    ``main`` returned (its files closed) and the output is flushed, ``os._exit`` skips the
+    teardown that frees them one by one (seconds), as mypy's ``--fast-exit`` does."""
 
     def command() -> NoReturn:
         code = main()
@@ -80,8 +76,7 @@ def ends_without_teardown(main: Main) -> Callable[[], NoReturn]:
 
 
 def optional_package_problem(flag: str, module: str, extra: str) -> str | None:
-    """One line when ``flag`` needs ``module`` and it does not import (missing, or installed
-    broken), checked before any work so that it is not a traceback after it."""
+    """One line when ``flag`` needs ``module`` and it does not import, checked before any work."""
     try:
         importlib.import_module(module)
     except Exception as error:  # a broken install fails in its own ways; any is "not usable"
@@ -100,8 +95,8 @@ def stages_per_rank_defaults() -> str:
 
 
 def positive_int_up_to(limit: int, why: str) -> Callable[[str], int]:
-    """``positive_int`` with an upper bound (``why`` says where it comes from): a size past it
-    would make the command run for minutes or grow without end before saying anything."""
+    """``positive_int`` with an upper bound (``why`` says where it comes from), past which the
+    command would run for minutes before saying anything."""
 
     def parse(text: str) -> int:
         value = positive_int(text)
@@ -139,8 +134,7 @@ def positive_float(text: str) -> float:
 
 
 def json_text(data: Any) -> str:
-    """Strict JSON (RFC 8259 has no Infinity or NaN, and most parsers refuse them): a number
-    that is not finite becomes null."""
+    """Strict JSON (RFC 8259 has no Infinity or NaN): a number that is not finite becomes null."""
     return json.dumps(_finite_or_null(data), indent=2, allow_nan=False)
 
 
@@ -159,13 +153,9 @@ _LOOP = "a symbolic link that loops (too many levels of symbolic links)"
 
 def output_file_problem(flag: str, path: str, *, replaced: bool = True) -> str | None:
     """Why ``flag path`` could not be written, known before any work starts (``None``: no reason
-    found; a full disk still shows at the write). The write is
-    :func:`megatron_bfpp.files.write_output`'s (``replaced``: a regular file is replaced by a
-    new one beside it, so its directory must take files) or a stream's (``--metrics-file``:
-    the file itself is appended to). A symbolic link is checked where it leads; a device or
-    FIFO is written in place. Writes nothing the run would not: an existing file is opened for
-    appending and closed (never truncated), a new one is tried as a temporary file beside it
-    and removed."""
+    found). ``replaced``: written by :func:`megatron_bfpp.files.write_output`, a new file beside
+    it, so its directory must take files; else appended to. Writes nothing the run would not:
+    an existing file is opened for appending and closed, a new one tried beside it and removed."""
     if not path:
         return f"{flag}: empty path"
     try:
@@ -198,9 +188,8 @@ def output_file_problem(flag: str, path: str, *, replaced: bool = True) -> str |
 
 
 def write_problem(flag: str, path: str, write: Callable[[str], object]) -> str | None:
-    """Run ``write(path)`` (a writer through :func:`megatron_bfpp.files.write_output`); a
-    failure the checks could not foresee (a full disk, a device that refuses) as one line
-    naming the flag, not a bare ``[Errno 28]`` or a traceback."""
+    """Run ``write(path)``; a failure the checks could not foresee (a full disk) as one line
+    naming the flag, not a traceback."""
     try:
         write(path)
     except OSError as error:
@@ -210,9 +199,7 @@ def write_problem(flag: str, path: str, write: Callable[[str], object]) -> str |
 
 def output_dir_problem(flag: str, path: str) -> str | None:
     """Why ``flag path``, a directory the run creates (with its parents) and fills, could not
-    be, known before any work starts. A symbolic link is checked where it leads (the run
-    creates a dangling link's target: :func:`megatron_bfpp.files.make_dirs`). Creates and
-    removes one temporary directory in the nearest directory that exists."""
+    be, known before any work starts (a temporary directory tried in the nearest existing one)."""
     if not path:
         return f"{flag}: empty path"
     try:

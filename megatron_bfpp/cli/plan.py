@@ -1,10 +1,5 @@
-"""``bfpp-plan``: estimates made before a run. Subcommands: ``recommend`` (the configuration
-search), ``auto`` (what ``--pipeline-schedule auto`` would decide for a layout), ``profile``
-(measure one stage on this machine's device, for ``recommend --profile``) and
-``bpipe-estimate``.
-
-Pure like the planner: ``profile`` imports torch and megatron-core only when it runs
-(``megatron_bfpp.stage_timing``)."""
+"""``bfpp-plan``: estimates made before a run (``recommend``, ``auto``, ``profile``,
+``bpipe-estimate``); pure like the planner, only ``profile`` imports torch when it runs."""
 
 from __future__ import annotations
 
@@ -178,8 +173,7 @@ def format_estimate(estimate: Estimate) -> str:
 # --------------------------------------------------------------------------- recommend
 
 
-# Bounds on the search's inputs: the candidates and each one's schedule grow with them, and past
-# these the search ran for minutes before saying anything. Each is far above any real job.
+# Bounds on the search's inputs, far above any real job, past which it ran for minutes.
 _GPUS = positive_int_up_to(1 << 20, "GPUs this planner searches over")
 _GPUS_PER_NODE = positive_int_up_to(1024, "GPUs per node")
 _BATCH = positive_int_up_to(1 << 24, "sequences per global batch")
@@ -365,8 +359,10 @@ def _recommend(args: argparse.Namespace) -> int:
             )
         if args.plot and (problem := output_file_problem("--plot", args.plot)):
             raise ScheduleError(problem)
-        if args.plot:
-            _check_matplotlib()
+        if args.plot and (
+            problem := optional_package_problem("--plot", "matplotlib", "megatron-bfpp[plot]")
+        ):
+            raise ScheduleError(f"{problem} (or drop --plot)")
         options = SearchOptions(
             schedules=schedules,
             recompute=recompute,
@@ -435,12 +431,6 @@ def _recommend(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_matplotlib() -> None:
-    problem = optional_package_problem("--plot", "matplotlib", "megatron-bfpp[plot]")
-    if problem is not None:
-        raise ScheduleError(f"{problem} (or drop --plot)")
-
-
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f}"
 
@@ -453,8 +443,8 @@ def format_recommendation(
     global_batch_size: int,
     schedules: Sequence[str] = (),
 ) -> str:
-    """The table people read: one row per configuration, best first, then what the columns
-    mean and which schedules the runtime cannot run yet."""
+    """The table people read: one row per configuration, best first, then the best of each
+    family and what the columns mean."""
     gpu = cluster.gpu
     marked = [
         (plan.p2p_model, plan.megatron_grad_reduce or "overlap")
@@ -517,8 +507,7 @@ def format_recommendation(
 
 
 def _name(plan: Plan) -> str:
-    """A row's family, its breadth-first group or BPipe cap, and [M] when it stands for
-    Megatron's own."""
+    """A row's family, its group or BPipe cap, and [M] when it stands for Megatron's own."""
     c = plan.candidate
     group = f" g={c.group_size}" if c.group_size else ""
     cap = f" cap={c.max_stored}" if c.max_stored else ""
