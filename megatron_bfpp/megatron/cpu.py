@@ -66,17 +66,17 @@ def enable_cpu_megatron() -> None:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         _patches.patch(torch.cuda, "current_device", _current_device)
-        _patches.patch(torch.cuda, "synchronize", _synchronize)
+        _patches.patch(torch.cuda, "synchronize", _nothing)
         _patches.patch(torch.cuda, "Stream", _Stream)
         _patches.patch(torch.cuda, "Event", _Event)
         _patches.patch(torch.cuda, "stream", _stream_context)
         _patches.patch(torch.cuda, "current_stream", _current_stream)
         _patches.patch(torch.cuda, "default_stream", _current_stream)
-        _patches.patch(torch.cuda, "set_stream", _set_stream)
+        _patches.patch(torch.cuda, "set_stream", _nothing)
         for name in _FACTORIES:
             _patches.patch(torch, name, _on_cpu(getattr(torch, name)))
-        _patches.patch(torch.Tensor, "cuda", _tensor_cuda)
-        _patches.patch(torch.nn.Module, "cuda", _module_cuda)
+        _patches.patch(torch.Tensor, "cuda", _itself)
+        _patches.patch(torch.nn.Module, "cuda", _itself)
         _patches.patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type))
 
         _patches.patch(mrandom, "_get_cuda_rng_state", _get_rng_state)
@@ -130,7 +130,8 @@ def _current_device() -> torch.device:
     return _CPU
 
 
-def _synchronize(device: Any = None) -> None:
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    """``synchronize``, ``set_stream`` and the like: CPU work is synchronous."""
     return None
 
 
@@ -191,10 +192,6 @@ def _current_stream(device: Any = None) -> _Stream:
     return _STREAM
 
 
-def _set_stream(stream: Any) -> None:
-    return None
-
-
 def _on_cpu(factory: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(factory)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -205,13 +202,8 @@ def _on_cpu(factory: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _tensor_cuda(
-    self: torch.Tensor, device: Any = None, non_blocking: bool = False, **_: Any
-) -> Any:
-    return self
-
-
-def _module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+def _itself(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Tensor.cuda()`` / ``Module.cuda()``: already "on the device"."""
     return self
 
 

@@ -39,10 +39,15 @@ def enable_cpu_megatron_lm() -> None:
     """Install the redirects in the module docstring (no-op when already installed)."""
     if _patches:
         return
-    from megatron_bfpp.megatron.cpu import enable_cpu_megatron
+    from megatron_bfpp.megatron.cpu import (
+        _get_rng_state,
+        _nothing,
+        _set_rng_state,
+        enable_cpu_megatron,
+    )
 
     enable_cpu_megatron()
-    _patches.patch(torch.cuda, "set_device", _set_device)
+    _patches.patch(torch.cuda, "set_device", _nothing)
     _patches.patch(torch.cuda, "device_count", _device_count)
     _patches.patch(torch.cuda, "get_rng_state", _get_rng_state)
     _patches.patch(torch.cuda, "set_rng_state", _set_rng_state)
@@ -50,11 +55,11 @@ def enable_cpu_megatron_lm() -> None:
     _patches.patch(dist, "init_process_group", _gloo_init(dist.init_process_group))
     with contextlib.suppress(ImportError):
         fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
-        _patches.patch(fused_kernels, "load", _skip_fused_kernels)
+        _patches.patch(fused_kernels, "load", _nothing)
     with contextlib.suppress(ImportError):
         initialize = importlib.import_module("megatron.training.initialize")
         if hasattr(initialize, "_warmup_jit_function"):
-            _patches.patch(initialize, "_warmup_jit_function", _skip_jit_warmup)
+            _patches.patch(initialize, "_warmup_jit_function", _nothing)
         wrapped = _allow_no_cuda(initialize.initialize_megatron)
         _patches.patch(initialize, "initialize_megatron", wrapped)
         training = importlib.import_module("megatron.training.training")
@@ -74,28 +79,8 @@ def disable_cpu_megatron_lm() -> None:
     disable_cpu_megatron()
 
 
-def _set_device(device: Any) -> None:
-    return None
-
-
 def _device_count() -> int:
     return 1
-
-
-def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
-    return torch.get_rng_state()
-
-
-def _set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-    torch.set_rng_state(new_state)
-
-
-def _skip_jit_warmup(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def _skip_fused_kernels(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def _gloo_init(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -73,7 +73,6 @@ SHARDING_DEST = "data_parallel_sharding_strategy"
 CORE_SITES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel")
 TRAINING_SITE = "megatron.training.training"
 ARGUMENTS_MODULE = "megatron.training.arguments"
-VALIDATE_SITES = (ARGUMENTS_MODULE, "megatron.training.initialize")
 # Megatron-LM >= 0.19 builds pretrain_gpt.py's model chunks here, not in get_model.
 STAGES_SITE = "megatron.training.models.dist_utils"
 # Where pretrain_gpt.py imports get_batch_on_this_tp_rank from (0.19+: core; 0.16: training).
