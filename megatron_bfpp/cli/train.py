@@ -353,8 +353,7 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
             f"--num-attention-heads {args.num_attention_heads} must be a multiple of "
             f"--num-query-groups {groups}, and both of --tensor-model-parallel-size {tp}"
         )
-    data_problem = data_path_problem(args)
-    if data_problem is not None:
+    if (data_problem := data_path_problem(args)) is not None:
         raise FlagError(data_problem)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise FlagError(
@@ -431,8 +430,7 @@ def data_path_problem(args: argparse.Namespace) -> str | None:
         if args.vocab_size < 256:
             return "--data-path uses byte tokens: --vocab-size must be >= 256"
         return None
-    problem = dataset_helpers_problem()
-    if problem is not None:
+    if (problem := dataset_helpers_problem()) is not None:
         return problem
     if args.data_cache_path is not None:
         return output_dir_problem("--data-cache-path", args.data_cache_path)
@@ -707,8 +705,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch_warning = check_torch()
         if torch_warning and os.environ.get("RANK", "0") == "0":
             print(torch_warning, file=sys.stderr, flush=True)  # once per run
-        problem = memory_problem(args, world_size, launched=launched)
-        if problem is not None:
+        if (problem := memory_problem(args, world_size, launched=launched)) is not None:
             raise FlagError(problem)
     except (FlagError, UnsupportedVersionError) as error:
         # Under torchrun every rank checks the same flags: one line per node, not per rank.

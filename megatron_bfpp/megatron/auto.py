@@ -231,8 +231,7 @@ def agree_across_ranks(
             f"--pipeline-schedule auto: {_ranks_text(missing)} did not decide within "
             f"{timeout:g} s; see {'their logs' if len(missing) > 1 else 'its log'}"
         ) from None
-    problem = disagreement([json.loads(store.get(key)) for key in keys])
-    if problem is not None:
+    if (problem := disagreement([json.loads(store.get(key)) for key in keys])) is not None:
         raise ScheduleError(problem)
 
 

@@ -143,31 +143,13 @@ def install() -> None:
                 arguments, initialize, training = training_modules
                 _patches.patch(training, "get_forward_backward_func", get_forward_backward_func)
                 if all(hasattr(training, name) for name in SHARDING_SITES):
-                    _patches.patch(
-                        training,
-                        "setup_model_and_optimizer",
-                        _wrap_setup(training.setup_model_and_optimizer),
-                    )
-                    _patches.patch(
-                        training, "save_checkpoint", _wrap_save(training.save_checkpoint)
-                    )
-                if hasattr(training, "get_model"):
-                    _patches.patch(training, "get_model", _wrap_get_model(training.get_model))
+                    _wrap_site(training, "setup_model_and_optimizer", _wrap_setup)
+                    _wrap_site(training, "save_checkpoint", _wrap_save)
+                _wrap_site(training, "get_model", _wrap_get_model)
                 stages = _import_optional(STAGES_SITE)
-                if stages is not None and hasattr(stages, "build_virtual_pipeline_stages"):
-                    _patches.patch(
-                        stages,
-                        "build_virtual_pipeline_stages",
-                        _wrap_build_stages(stages.build_virtual_pipeline_stages),
-                    )
+                _wrap_site(stages, "build_virtual_pipeline_stages", _wrap_build_stages)
                 for site in BATCH_SITES:
-                    module = _import_optional(site)
-                    if module is not None and hasattr(module, "get_batch_on_this_tp_rank"):
-                        _patches.patch(
-                            module,
-                            "get_batch_on_this_tp_rank",
-                            _wrap_tp_batch(module.get_batch_on_this_tp_rank),
-                        )
+                    _wrap_site(_import_optional(site), "get_batch_on_this_tp_rank", _wrap_tp_batch)
                 from megatron.core import parallel_state
 
                 _patches.patch(
@@ -183,20 +165,18 @@ def install() -> None:
                 if hasattr(initialize, "_set_random_seed"):  # V chunks reseed as 1F1B ranks
                     from megatron_bfpp.megatron.seeding import record_seed_call
 
-                    _patches.patch(
-                        initialize,
-                        "_set_random_seed",
-                        record_seed_call(initialize._set_random_seed),
-                    )
-                for module in (arguments, initialize):
-                    # newer Megatron-LM (>= 0.17) no longer binds it in initialize
-                    if hasattr(module, "validate_args"):
-                        _patches.patch(
-                            module, "validate_args", _wrap_validate(module.validate_args)
-                        )
+                    _wrap_site(initialize, "_set_random_seed", record_seed_call)
+                for module in (arguments, initialize):  # Megatron-LM >= 0.17: arguments only
+                    _wrap_site(module, "validate_args", _wrap_validate)
         except BaseException:
             _patches.restore()
             raise
+
+
+def _wrap_site(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+    """Replace ``owner.name`` with ``wrap(owner.name)`` where this version has it."""
+    if owner is not None and hasattr(owner, name):
+        _patches.patch(owner, name, wrap(getattr(owner, name)))
 
 
 def add_patch(owner: Any, name: str, value: Any) -> None:
