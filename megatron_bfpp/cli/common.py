@@ -23,11 +23,15 @@ from megatron_bfpp.flags import positive_int, printable_output
 from megatron_bfpp.schedules.registry import SCHEDULES
 
 
-def fail(prog: str, error: BaseException | str) -> int:
-    """Print the first line of an error (schedule errors carry a grid after it) and return 2."""
+def first_line(error: BaseException | str) -> str:
+    """An error's first line (schedule errors carry a grid after it), or its type's name."""
     text = str(error).strip()
-    first = text.splitlines()[0] if text else type(error).__name__
-    sys.stderr.write(f"{prog}: error: {first}\n")
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def fail(prog: str, error: BaseException | str) -> int:
+    """Print the first line of an error and return 2."""
+    sys.stderr.write(f"{prog}: error: {first_line(error)}\n")
     return 2
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from megatron_bfpp.cli.common import (
     finite_float,
+    first_line,
     output_dir_problem,
     output_file_problem,
     positive_float,
@@ -587,11 +588,6 @@ def _error(message: str) -> int:
     return 2
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | None]:
     """One rank: train; an expected failure becomes an exit code and its one line, which the
     caller prints (under the local launcher: once, however many ranks hit it)."""
@@ -609,9 +605,9 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
     except RanksLost as lost:  # torchrun / srun: this rank speaks for the job
         return 1, str(lost)
     except (PipelineTimeout, RendezvousTimeout) as error:  # a rank stopped, slow or absent
-        return 1, _first_line(error)
+        return 1, first_line(error)
     except (FlagError, ScheduleError, ValueError, FileNotFoundError, FloatingPointError) as error:
-        return 2, _first_line(error)
+        return 2, first_line(error)
     except KeyboardInterrupt:
         return 130, None
     return 0, None

@@ -141,8 +141,7 @@ class _Synchronous:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def synchronize(self) -> None:
-        return None
+    synchronize = _nothing
 
     def query(self) -> bool:
         return True
@@ -151,11 +150,7 @@ class _Synchronous:
 class _Stream(_Synchronous):
     """A CUDA stream stand-in: waiting does nothing."""
 
-    def wait_stream(self, stream: Any) -> None:
-        return None
-
-    def wait_event(self, event: Any) -> None:
-        return None
+    wait_stream = wait_event = __exit__ = _nothing
 
     def record_event(self, event: Any = None) -> Any:
         return event if event is not None else _Event()
@@ -163,18 +158,11 @@ class _Stream(_Synchronous):
     def __enter__(self) -> _Stream:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        return None
-
 
 class _Event(_Synchronous):
     """A CUDA event stand-in (``elapsed_time`` is 0: time CPU runs with the timers instead)."""
 
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
+    record = wait = _nothing
 
     def elapsed_time(self, other: Any) -> float:
         return 0.0
