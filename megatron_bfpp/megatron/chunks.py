@@ -72,9 +72,8 @@ def build_chunks(
     rank: int,
     share_embeddings_and_output_weights: bool,
 ) -> list[torch.nn.Module]:
-    """This rank's chunks: ``provider(pre_process=, post_process=, vp_stage=, pg_collection=)``
-    builds one (a ``GPTModel``); ``pg_collection`` is ``None`` for the looped placement, where
-    megatron-core's defaults hold."""
+    """This rank's chunks, each ``provider(pre_process=, post_process=, vp_stage=,
+    pg_collection=)`` (``None``, megatron-core's default, for the looped placement)."""
     layout = layout_for(placement, num_ranks=num_ranks, num_chunks=num_chunks)
     v_shape = placement == Placement.V_SHAPE  # a plain string too, as layout_for takes
     chunks = []

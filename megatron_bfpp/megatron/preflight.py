@@ -95,9 +95,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.Namespace:
-    """The arguments these checks read, plus what Megatron's ``validate_args`` derives from them
-    (``world_size``, ``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, the
-    default ``global_batch_size``), so the plugin's checks see what they will see on the GPUs."""
+    """The arguments these checks read, plus what Megatron's ``validate_args`` derives from
+    them, so the plugin's checks see what they will see on the GPUs."""
     args, _ = _parser().parse_known_args(list(argv))
     args.world_size = world_size
     if args.step_batch_size_schedule is not None and args.global_batch_size is not None:
@@ -166,9 +165,8 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
 
 
 def _layers_per_rank(args: argparse.Namespace) -> int | None:
-    """Transformer layers per pipeline rank as Megatron splits them evenly (embedding and loss
-    count as a layer each when asked to), or ``None`` when the split is not even by design
-    (first/last stage sizes or a layout string) or the layer count is not given."""
+    """Transformer layers per pipeline rank as Megatron splits them evenly, or ``None`` when
+    the split is uneven by design or the layer count is not given."""
     uneven = (
         args.decoder_first_pipeline_num_layers,
         args.decoder_last_pipeline_num_layers,
@@ -191,9 +189,8 @@ def _layers_per_rank(args: argparse.Namespace) -> int | None:
 
 
 def check_parallel_layout(args: argparse.Namespace) -> None:
-    """Megatron's own checks that the parallel sizes alone decide (attention heads over tensor
-    ranks, layers over pipeline ranks and virtual stages, p2p overlap needs, micro-batches over
-    data-parallel ranks), on a namespace from :func:`parse_megatron_command`."""
+    """Megatron's own checks that the parallel sizes alone decide, on a namespace from
+    :func:`parse_megatron_command`."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     heads = args.num_attention_heads
     if heads is not None and heads % tp:
@@ -230,9 +227,7 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
 
 def check_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.Namespace:
     """Raise :class:`ScheduleError` (one line) for ``pretrain_gpt.py`` arguments that cannot run
-    on ``world_size`` GPUs: Megatron's layout checks, then the plugin's schedule checks (except
-    with a layout string, see the module docstring). Returns the parsed namespace: the launcher
-    reads the parallel sizes from it."""
+    on ``world_size`` GPUs; the parsed namespace, for the launcher's parallel sizes."""
     args = parse_megatron_command(argv, world_size=world_size)
     check_parallel_layout(args)
     if args.pipeline_model_parallel_layout is None:  # else vp comes from the layout, on the GPUs

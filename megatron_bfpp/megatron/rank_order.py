@@ -135,8 +135,8 @@ def parse_rank_order(text: str) -> tuple[int, ...]:
 
 
 def apply_rank_order_from_env(environ: MutableMapping[str, str]) -> int | None:
-    """If ``BFPP_RANK_ORDER`` is set, rewrite ``RANK`` (the launch slot) to the Megatron rank it
-    maps to, keeping the slot in ``BFPP_LAUNCH_RANK``; returns the new rank (None if unset)."""
+    """Rewrite ``RANK`` (the launch slot, kept in ``BFPP_LAUNCH_RANK``) to the Megatron rank
+    ``BFPP_RANK_ORDER`` maps it to; the new rank, or None without it."""
     text = environ.get(RANK_ORDER_ENV)
     if not text:
         return None
