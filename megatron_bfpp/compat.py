@@ -701,9 +701,7 @@ def linear_function_args(input: Any, weight: Any, *args: Any, **kwargs: Any) -> 
 def megatron_linear_forward(ctx: Any, *args: Any) -> Any:
     """megatron-core's own linear forward on ``ctx``, for a Function whose backward differs only
     in when the weight gradient is computed."""
-    from megatron.core.tensor_parallel.layers import (
-        LinearWithGradAccumulationAndAsyncCommunication,
-    )
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
 
     return LinearWithGradAccumulationAndAsyncCommunication.forward(ctx, *args)
 

@@ -54,8 +54,7 @@ PROG = "bfpp-plan"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog=PROG,
-        description="Plan a pipeline-parallel run before spending GPU hours on it.",
+        prog=PROG, description="Plan a pipeline-parallel run before spending GPU hours on it."
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     _add_recommend(commands)
@@ -377,10 +376,7 @@ def _recommend(args: argparse.Namespace) -> int:
         from megatron_bfpp.plan.search import no_candidates_reason, recommend
 
         result = recommend(
-            model=model,
-            cluster=cluster,
-            global_batch_size=args.global_batch_size,
-            options=options,
+            model=model, cluster=cluster, global_batch_size=args.global_batch_size, options=options
         )
         if not result.candidates_evaluated:
             raise ScheduleError(
@@ -547,11 +543,7 @@ def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     )
     cluster.add_argument("--profile", metavar="FILE", help="a stage profile (bfpp-plan profile)")
     layout = command.add_argument_group("layout and batch, as Megatron-LM's flags")
-    for flag in (
-        "--tensor-model-parallel-size",
-        "--context-parallel-size",
-        "--micro-batch-size",
-    ):
+    for flag in ("--tensor-model-parallel-size", "--context-parallel-size", "--micro-batch-size"):
         layout.add_argument(flag, type=positive_int, default=1, metavar="N")
     layout.add_argument(
         "--pipeline-model-parallel-size", type=positive_int, required=True, metavar="N"

@@ -119,10 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="grouped-query attention (default: --num-attention-heads, no grouping)",
     )
     m.add_argument(
-        "--ffn-hidden-size",
-        type=positive_int,
-        default=None,
-        help=f"(default: {DEFAULT_FFN_TEXT})",
+        "--ffn-hidden-size", type=positive_int, default=None, help=f"(default: {DEFAULT_FFN_TEXT})"
     )
     m.add_argument("--seq-length", type=positive_int, default=64)
     m.add_argument("--vocab-size", type=positive_int, default=256)
@@ -556,10 +553,7 @@ def memory_problem(args: argparse.Namespace, world_size: int, *, launched: bool)
     run = run_config(args, world_size)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if launched else world_size
     return model_memory.memory_problem(
-        run.model,
-        run.layout,
-        local_ranks=local,
-        ram_bytes=model_memory.available_ram_bytes(),
+        run.model, run.layout, local_ranks=local, ram_bytes=model_memory.available_ram_bytes()
     )
 
 

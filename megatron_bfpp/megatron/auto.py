@@ -473,12 +473,7 @@ BRIDGE_NO_V = "Megatron-Bridge's model provider does not build V-placed chunks"
 
 
 def bridge_request(
-    config: Any,
-    *,
-    options: Mapping[str, Any],
-    sharding: str,
-    env: Mapping[str, str],
-    hw: Hardware,
+    config: Any, *, options: Mapping[str, Any], sharding: str, env: Mapping[str, str], hw: Hardware
 ) -> AutoRequest:
     """What a Bridge ``ConfigContainer`` fixed; the data-parallel size from the launcher's
     ``WORLD_SIZE``, since every rank decides before Bridge initialises anything."""

@@ -116,9 +116,7 @@ def placed_provider(
     def build(stage: int, vp_stage: int, kwargs: dict[str, Any]) -> torch.nn.Module:
         kwargs = dict(kwargs)
         kwargs["pg_collection"] = model_process_groups(
-            pipeline_rank=stage % num_ranks,
-            embedding_group=False,
-            base=kwargs.get("pg_collection"),
+            pipeline_rank=stage % num_ranks, embedding_group=False, base=kwargs.get("pg_collection")
         )
         return provider(
             pre_process=stage == 0,

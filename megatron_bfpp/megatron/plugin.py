@@ -199,9 +199,7 @@ def uninstall() -> None:
 
 
 def get_forward_backward_func(
-    pp_size: int | None = None,
-    vp_size: int | None = None,
-    schedule_pg_collection: Any = None,
+    pp_size: int | None = None, vp_size: int | None = None, schedule_pg_collection: Any = None
 ) -> Any:
     """megatron's ``get_forward_backward_func`` signature (0.19+ adds ``schedule_pg_collection``),
     dispatching on the chosen schedule."""
@@ -238,8 +236,7 @@ def get_forward_backward_func(
     func = _cached_forward_backward_func(name, tuple(sorted(options.items())), sharding)
     sharded = "" if sharding == "optim" else f" (parameters sharded: {sharding})"
     _log_once(
-        f"megatron_bfpp: pipeline schedule {name} {options or ''}".rstrip() + sharded,
-        logging.INFO,
+        f"megatron_bfpp: pipeline schedule {name} {options or ''}".rstrip() + sharded, logging.INFO
     )
     return func
 

@@ -169,9 +169,7 @@ def render_png(
     _decorate(axes, result, page.span, font)
     axes.set_title(title or _title(result), fontsize=11)
     handles = _legend_handles(
-        [kind for kind, events in compute.items() if events],
-        comm,
-        with_stage=result.num_chunks > 1,
+        [kind for kind, events in compute.items() if events], comm, with_stage=result.num_chunks > 1
     )
     figure.legend(
         handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
