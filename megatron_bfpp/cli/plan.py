@@ -349,9 +349,8 @@ def _recommend(args: argparse.Namespace) -> int:
         cluster = Cluster(args.num_gpus, args.gpus_per_node, gpu)
         schedules = _choices(args.schedules, sorted({n for n, _ in families()}), "--schedules")
         recompute = _choices(args.recompute, RECOMPUTE, "--recompute") or RECOMPUTE
-        efficiency = None
-        if args.profile:
-            efficiency = ProfileCurve.from_profile(load_profile(args.profile), gpu)
+        profile = load_profile(args.profile) if args.profile else None
+        efficiency = ProfileCurve.from_profile(profile, gpu) if profile is not None else None
         if args.critical_batch_size is not None and args.critical_batch_size <= 0:
             raise ScheduleError(
                 f"--critical-batch-size must be positive, got {args.critical_batch_size}"

@@ -72,10 +72,6 @@ _SIM_FLAGS: dict[str, tuple[ScheduleOption, ...]] = {
 }
 
 
-def _sim_dest(flag: str) -> str:
-    return flag.removeprefix("--").replace("-", "_")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog=PROG,
@@ -342,7 +338,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     spec = get_spec(args.schedule)
     options: dict[str, Any] = {}
     for flag, flag_options in _SIM_FLAGS.items():
-        value = getattr(args, _sim_dest(flag))
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))  # argparse's dest
         if value is None:
             continue
         taken = [option for option in spec.options if option in flag_options]
