@@ -1,15 +1,7 @@
 """A rank's model chunks in any placement the catalogue names: megatron-core's looped one and
-the V-shape.
-
-megatron-core derives a chunk's layers, ``pre_process`` and ``post_process`` from ``(vp_stage,
-pipeline rank)`` in the looped placement (chunk ``c`` of rank ``r`` is stage ``c * p + r``). The
-V-shape chunk holding stage ``s`` (rank ``r`` holds ``r`` and ``2p - 1 - r``) is built as looped
-slot ``(s // p, s % p)``, whose layers are the same, with its process groups reporting rank
-``s % p`` and the flags from the stage: so V and looped runs name their parameters alike.
-
-Tied embeddings both live on rank 0: the model is built without an embedding group, the output
-copy is set from the embedding here, and the runtime adds the two copies' gradients
-(``runtime.placement.sum_tied_embedding_grads``), as Megatron's all-reduce would.
+the V-shape, whose chunk holding stage ``s`` is built as looped slot ``(s // p, s % p)`` (the
+same layers, so checkpoints name parameters alike), tied embeddings both on rank 0
+(docs/architecture.md#megatron-integration).
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Run megatron-core 0.16-0.20 on CPU with gloo: the one place that redirects its CUDA-only calls.
 
-Used by the tests, bfpp-train's CPU ranks and the Megatron-LM CPU launcher, only without a GPU
-(the runtime and the plugin never import it). ``enable_cpu_megatron()`` installs every redirect
-below (idempotent); ``disable_cpu_megatron()`` puts every original back. On CPU the "current
-device" *is* the CPU, so each redirect maps a CUDA call onto its CPU meaning:
-
-* ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` (megatron allocates with it);
-* ``torch.cuda.synchronize()`` and the ``Stream`` / ``Event`` / ``stream`` / ``current_stream`` /
-  ``default_stream`` / ``set_stream`` family -> stand-ins that do nothing (CPU is synchronous);
-* a CUDA ``device=`` in ``torch.tensor``, ``as_tensor``, ``zeros``, ``ones``, ``empty``,
-  ``full``, ``arange`` -> CPU; ``Tensor.cuda()`` / ``Module.cuda()`` -> themselves;
-* ``Tensor.type()`` reports a CPU tensor as ``torch.cuda.<T>Tensor`` (the optimizers dispatch
-  on it and ``clip_grads`` asserts it), and ``Tensor.type(T)`` of a CUDA name converts on CPU;
-* ``tensor_parallel.random``'s CUDA RNG -> the CPU default generator, which
-  ``model_parallel_cuda_manual_seed`` seeds with the data-parallel seed as it seeds the device
-  (its "CPU RNG state changed within GPU RNG context" warning is filtered: they are one here);
-* ``WrappedTorchNorm`` accepts ``sequence_parallel``: a torch norm is correct on a sequence
-  shard, and it marks the parameters ``sequence_parallel`` as Apex does, so their gradients
-  are all-reduced over tensor parallelism.
-
-Use with ``use_cpu_initialization=True``, fp32, dropout 0 and ``batch_p2p_comm=False``: with
-``batch_p2p_comm=True`` megatron-core's interleaved schedule at pp=2 gives wrong gradients on
-gloo (measured), while 1F1B passes.
+Only without a GPU (tests, bfpp-train's CPU ranks, the Megatron-LM CPU launcher): the CPU *is*
+the current device, so each redirect maps a CUDA call onto its CPU meaning (the list, and the
+megatron-core calls that need each: docs/architecture.md#megatron-integration). Use with
+``use_cpu_initialization=True``, fp32, dropout 0 and ``batch_p2p_comm=False`` (batched p2p gave
+wrong gradients on gloo).
 """
 
 from __future__ import annotations
@@ -56,7 +39,7 @@ def is_cpu_megatron_enabled() -> bool:
 
 
 def enable_cpu_megatron() -> None:
-    """Install every redirect listed in the module docstring (a no-op if already installed)."""
+    """Install every redirect (a no-op if already installed)."""
     global _log_filter
     with _lock:
         if _patches:

@@ -1,18 +1,8 @@
 """Run Megatron-LM's own training scripts on a machine without CUDA (gloo, CPU tensors).
 
-``megatron_bfpp.launch`` calls :func:`enable_cpu_megatron_lm` without CUDA. On top of
-megatron-core's CPU adapter (:mod:`megatron_bfpp.megatron.cpu`) it redirects:
-
-* ``initialize_megatron`` -> with ``allow_no_cuda=True`` (else it asserts CUDA);
-* ``torch.cuda.set_device`` -> no-op, ``device_count()`` -> 1 (Megatron-LM builds its groups
-  only when it sees a device); ``init_process_group`` -> gloo, without a CUDA ``device_id``;
-* ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> the CPU generator's;
-* ``fused_kernels.load`` and ``_warmup_jit_function`` -> skipped (they need CUDA);
-* ``load_checkpoint`` -> the same under ``torch.no_grad()`` (fp32 main parameters are views of
-  leaf parameters), with torch Adam's state prepared and its steps restored (:mod:`.compat`),
-  which megatron-core's distributed optimizer cannot do without Apex or Transformer Engine.
-
-Every redirect is recorded; :func:`disable_cpu_megatron_lm` restores the originals.
+On top of megatron-core's CPU adapter (:mod:`megatron_bfpp.megatron.cpu`), the redirects
+Megatron-LM's training code needs (the list and why: docs/architecture.md#megatron-integration);
+:func:`disable_cpu_megatron_lm` restores them.
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ _patches = Patches()
 
 
 def enable_cpu_megatron_lm() -> None:
-    """Install the redirects in the module docstring (no-op when already installed)."""
+    """Install the redirects (no-op when already installed)."""
     if _patches:
         return
     from megatron_bfpp.megatron.cpu import (

@@ -1,29 +1,9 @@
 """``install()`` / ``uninstall()``: plug megatron_bfpp's schedules into Megatron-LM / megatron-core.
 
-``install()`` (idempotent) patches, and ``uninstall()`` restores exactly:
-
-* ``get_forward_backward_func`` where it is bound (megatron-core's two modules and
-  ``megatron.training.training``), with megatron's signature: megatron's own function for
-  ``default`` or pp=1, ours for any other schedule.
-* with Megatron-LM: ``add_megatron_arguments`` (the ``--pipeline-schedule`` group) and
-  ``validate_args`` where ``arguments`` and ``initialize`` bind it (the schedule's defaults,
-  Megatron's checks, then :func:`~megatron_bfpp.megatron.arguments.check_schedule_args`; a bad
-  combination is one ``megatron_bfpp: error: ...`` line).
-* for ``--data-parallel-sharding-strategy optim_grads_params``: ``setup_model_and_optimizer``
-  (its optimizer steps on the shards) and ``save_checkpoint`` (gathered: the unsharded run's).
-* for the V-shape schedules: ``get_model`` and, from Megatron-LM 0.19 on,
-  ``build_virtual_pipeline_stages`` (V-shape chunks: ``megatron.chunks.placed_provider``);
-  ``is_pipeline_last_stage`` asked about one chunk (the last stage is rank 0's chunk 1, so
-  ``get_batch`` gives it labels; asked about the rank, still the last pipeline rank, where the
-  losses are delivered); ``get_batch_on_this_tp_rank`` (every field on pipeline rank 0).
-
-Megatron-LM defines ``--data-parallel-sharding-strategy`` for Megatron-FSDP only, with a
-default nothing else reads; the plugin makes its default "not given", so only a given ``optim``
-or ``optim_grads_params`` chooses our strategy and Megatron-FSDP still sees its own default.
-
+``install()`` (idempotent) wraps each site where the installed version binds it, and
+``uninstall()`` restores them exactly; the sites and why: docs/architecture.md#megatron-integration.
 The schedule comes from Megatron-LM's parsed arguments once they exist, else from
-:func:`set_schedule` (megatron-core-only loops); without Megatron-LM only the megatron-core
-sites are patched (logged once).
+:func:`set_schedule`; without Megatron-LM only megatron-core's sites are patched.
 """
 
 from __future__ import annotations
@@ -123,7 +103,7 @@ def current_sharding() -> str:
 
 
 def install() -> None:
-    """Patch the sites listed in the module docstring (a no-op when already installed)."""
+    """Patch the sites (a no-op when already installed)."""
     global _megatron_get_fbf, _training_available
     with _lock:
         if _patches:
@@ -288,7 +268,7 @@ def _wrap_add_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
         if "--pipeline-schedule" not in options:
             add_schedule_arguments(parser)
         if SHARDING_FLAG in options:
-            # "Not given" must be visible to validate_args (see the module docstring).
+            # "Not given" must be visible to validate_args: Megatron-FSDP's default is not ours.
             _megatron_sharding_default = parser.get_default(SHARDING_DEST)
             parser.set_defaults(**{SHARDING_DEST: None})
         else:

@@ -1,17 +1,9 @@
 """Rank placement for BPipe: every evictor/acceptor pair on one node ("pair-adjacent").
 
-BPipe's stage ``x`` (evictor) ships activations to stage ``p-1-x`` (acceptor), so the BPipe
-re-evaluation paper (Figure 2) places each pair on one node, on NVLink: for p=16 on two nodes of
-8 GPUs, GPUs 0..7 hold stages 0,15,1,14,2,13,3,12 and GPUs 8..15 hold 4,11,5,10,6,9,7,8. With
-tensor and data parallelism a *unit* is the ``tp`` ranks of one stage of one replica, laid out
-replica by replica, pair by pair (``(d, 0), (d, p-1), (d, 1), ...``): a node holds an even
-number of units, so a pair never straddles two nodes.
-
-Megatron-LM offers only orders of parallel dimensions, never a permutation of stages across
-nodes, so the launcher (``scripts/slurm/launch.py --rank-placement pair-adjacent``) exports
-``BFPP_RANK_ORDER`` (the Megatron rank of each launch slot) and ``python -m
-megatron_bfpp.launch`` rewrites ``RANK`` from it before Megatron-LM reads it (``LOCAL_RANK``
-stays). Pure (no torch, no megatron), for SLURM scripts.
+BPipe's stage ``x`` ships activations to stage ``p-1-x``, so each pair shares a node (NVLink), as
+in the BPipe re-evaluation paper's Figure 2. Megatron-LM permutes only parallel dimensions, so
+the launcher exports the order as ``BFPP_RANK_ORDER`` and ``python -m megatron_bfpp.launch``
+rewrites ``RANK`` from it (docs/architecture.md#megatron-integration). Pure, for SLURM scripts.
 """
 
 from __future__ import annotations
