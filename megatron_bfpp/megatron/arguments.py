@@ -136,14 +136,17 @@ def check_schedule_args(args: Any) -> None:
         _check_sharded_optimizer_args(args)
 
 
-# Megatron-LM flags that place layers by megatron's looped stage arithmetic, which a V-shape
-# model does not follow (its chunks are built as the looped slots holding the same stages).
-_V_SHAPE_UNSUPPORTED = (
+# Megatron-LM's flags that place layers unevenly, by megatron's looped stage arithmetic, which
+# neither a V-shape model (built as the looped slots holding its stages) nor auto follows.
+UNEVEN_LAYOUT_FLAGS = (
     ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout"),
     ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
     ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
     ("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split"),
     ("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split"),
+)
+# What else the V-shapes cannot run with in Megatron-LM.
+NO_V_SHAPE_FLAGS = (
     ("--mtp-num-layers", "mtp_num_layers"),
     ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute"),
 )
@@ -151,7 +154,8 @@ _V_SHAPE_UNSUPPORTED = (
 
 def _check_v_shape_args(name: str, args: Any) -> None:
     """What a V-shape schedule cannot run with in Megatron-LM yet, one line each."""
-    given = [flag for flag, dest in _V_SHAPE_UNSUPPORTED if getattr(args, dest, None)]
+    unsupported = (*UNEVEN_LAYOUT_FLAGS, *NO_V_SHAPE_FLAGS)
+    given = [flag for flag, dest in unsupported if getattr(args, dest, None)]
     if given:
         raise ScheduleError(
             f"--pipeline-schedule {name} places layers evenly on a V (rank r holds stages r and "

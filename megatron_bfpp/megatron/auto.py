@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.megatron.arguments import NO_V_SHAPE_FLAGS, UNEVEN_LAYOUT_FLAGS
 from megatron_bfpp.plan.auto import (
     AUTO,
     AUTO_DEST,
@@ -268,19 +269,6 @@ def precision_of(*, sixteen_bit: bool, optimizer: str = "adam") -> Precision:
 
 # --------------------------------------------------------------------------- Megatron-LM
 
-# Megatron-LM's flags that place layers unevenly: auto plans even stages only.
-_UNEVEN = (
-    ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout"),
-    ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
-    ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
-    ("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split"),
-    ("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split"),
-)
-# What the V-shapes cannot run with in Megatron-LM (arguments._check_v_shape_args).
-_NO_V = (
-    ("--mtp-num-layers", "mtp_num_layers"),
-    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute"),
-)
 _TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
 
 
@@ -335,7 +323,7 @@ def megatron_request(
 ) -> AutoRequest:
     """What Megatron-LM's parsed arguments fixed, before its ``validate_args`` (its derived
     sizes computed alike); ``sharding``: the flag as given, or ``None``."""
-    uneven = [flag for flag, dest in _UNEVEN if getattr(args, dest, None)]
+    uneven = [flag for flag, dest in UNEVEN_LAYOUT_FLAGS if getattr(args, dest, None)]
     if uneven:
         raise ScheduleError(
             f"--pipeline-schedule auto plans even pipeline stages and does not read {uneven[0]}; "
@@ -372,7 +360,7 @@ def megatron_request(
     granularity = getattr(args, "recompute_granularity", None)
     unavailable = [
         (name, f"Megatron-LM's {flag} does not run with a V-shape")
-        for flag, dest in _NO_V
+        for flag, dest in NO_V_SHAPE_FLAGS
         if getattr(args, dest, None)
         for name, spec in SCHEDULES.items()
         if spec.placement is Placement.V_SHAPE
