@@ -2,11 +2,9 @@
 :class:`~megatron_bfpp.plan.auto.AutoRequest`, the decision written back as if the user had
 named it, and its one line printed once per job.
 
-Every rank decides on its own, before any model is built, from inputs that may differ between
-ranks (a relative profile path, nodes of two GPU models): ranks started by torchrun compare
-their choices in the launcher's store (:func:`agree_across_ranks`) and stop alike with one line
-where they differ; then rank 0 alone prints the line and writes the report. Only
-:func:`probe_device` imports torch, so the SLURM pre-flight runs the rest on a login node.
+Every rank decides on its own; ranks started by torchrun compare their choices in the launcher's
+store (:func:`agree_across_ranks`), since their inputs may differ, and stop alike with one line
+where they do. Only :func:`probe_device` imports torch (the SLURM pre-flight uses the rest).
 """
 
 from __future__ import annotations

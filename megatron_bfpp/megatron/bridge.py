@@ -1,12 +1,8 @@
 """Megatron-Bridge (and NeMo's recipes built on it): our schedules for Bridge's ``pretrain()``.
 
-Bridge binds ``get_forward_backward_func`` when its training modules are imported, so the
-plugin's megatron-core patch would reach it only if installed first: :func:`use_schedule`
-works in either order, replacing the names Bridge bound too (:func:`megatron_bfpp.uninstall`
-restores them). It asks every front end's "does it fit" question (``check_fit``) in Bridge's
-config names, and where Bridge would run past the hook (``dist_train``, multi-module
-evaluation) or cannot build what a schedule needs (V-placed chunks, an optimizer stepping on
-shards), the answer is one line, not a silently different schedule.
+Bridge binds ``get_forward_backward_func`` at import, so :func:`use_schedule` replaces its names
+too, in any import order; what Bridge would run past the hook or cannot build for a schedule is
+refused in one line, not run with a silently different schedule.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Check a Megatron-LM command line before a job starts, from its arguments and world size alone.
 
-``validate_args`` checks on every rank only after the job has waited for its nodes, so
-``scripts/slurm/launch.py`` (every sbatch template) calls :func:`check_megatron_command` first,
-on a login node: the plugin's own :func:`~megatron_bfpp.megatron.arguments.check_schedule_args`
-on the values ``validate_args`` would derive, after :func:`check_parallel_layout` (the few of
-Megatron's checks the parallel sizes alone decide). With a ``--pipeline-model-parallel-layout``
-the schedule is checked on the GPUs as before (only Megatron parses it). Torch-free.
+``validate_args`` checks only after the job has waited for its nodes, so
+``scripts/slurm/launch.py`` runs Megatron's parallel-size checks and the plugin's schedule checks
+first, on a login node (torch-free).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """A V-shape model in Megatron-LM starts from the weights a 1F1B run of the same seed draws.
 
-Megatron-LM seeds each rank's generators by its pipeline rank, and each layer draws its weights
-from the stream of the rank that builds it: 1F1B's rank ``q`` builds V stages ``2q`` and
-``2q + 1`` in turn, the V other ranks, so a fresh ``v-half`` run started from another model.
-Here V stage ``s`` is built with the generators seeded by Megatron's own ``_set_random_seed``
-seeing pipeline rank ``s // 2`` (after building and dropping stage ``s - 1`` for an odd ``s``):
-the 1F1B run's draws, number for number; every generator is put back afterwards.
-
-Not covered: a GPU run's JIT warm-up draws from the CUDA generator before the model
-(unverified on GPUs), and dropout streams still follow the building rank.
+Each layer draws its weights from the stream of the rank that builds it, seeded by pipeline rank,
+so V stage ``s`` is built with the generators seeded by Megatron's own ``_set_random_seed`` as
+1F1B's rank ``s // 2`` (docs/architecture.md#megatron-integration); dropout streams still differ.
 """
 
 from __future__ import annotations
