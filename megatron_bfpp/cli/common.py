@@ -1,6 +1,4 @@
-"""What every CLI shares: one-line errors, argument types, output-path checks and strict JSON (the
-parser itself and ``positive_int`` are :mod:`megatron_bfpp.flags`', shared with the Megatron-LM
-pre-flight)."""
+"""What every CLI shares: one-line errors, argument types, output-path checks and strict JSON."""
 
 from __future__ import annotations
 
@@ -67,8 +65,7 @@ def closed_pipe_ends_quietly(main: Main) -> Main:
 
 def ends_without_teardown(main: Main) -> Callable[[], NoReturn]:
     """The console script of a command that may leave millions of small objects behind: once
-    ``main`` returned (its files closed) and the output is flushed, ``os._exit`` skips the
-    teardown that frees them one by one (seconds), as mypy's ``--fast-exit`` does."""
+    ``main`` returned and the output is flushed, ``os._exit`` skips their teardown (seconds)."""
 
     def command() -> NoReturn:
         code = main()
@@ -156,10 +153,9 @@ _LOOP = "a symbolic link that loops (too many levels of symbolic links)"
 
 
 def output_file_problem(flag: str, path: str, *, replaced: bool = True) -> str | None:
-    """Why ``flag path`` could not be written, known before any work starts (``None``: no reason
-    found). ``replaced``: written by :func:`megatron_bfpp.files.write_output`, a new file beside
-    it, so its directory must take files; else appended to. Writes nothing the run would not:
-    an existing file is opened for appending and closed, a new one tried beside it and removed."""
+    """Why ``flag path`` could not be written, known before any work starts (``replaced``: by a new
+    file beside it, so its directory must take files; else appended to). Writes nothing the run
+    would not: an existing file is opened for appending, a new one tried and removed."""
     if not path:
         return f"{flag}: empty path"
     try:
@@ -192,8 +188,7 @@ def output_file_problem(flag: str, path: str, *, replaced: bool = True) -> str |
 
 
 def write_problem(flag: str, path: str, write: Callable[[str], object]) -> str | None:
-    """Run ``write(path)``; a failure the checks could not foresee (a full disk) as one line
-    naming the flag, not a traceback."""
+    """Run ``write(path)``; a failure the checks could not foresee (a full disk) as one line."""
     try:
         write(path)
     except OSError as error:

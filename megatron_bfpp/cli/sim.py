@@ -368,13 +368,9 @@ def _built(
 
 def schedule_from_csv(path: str, *, sharding: str = "optim") -> Schedule:
     """A schedule from a CSV, lowered and validated as bfpp-sim simulates it (errors name the
-    file).
-
-    A compute-only file gets our messages and GS / PS (/ RL with ``sharding``); a lowered one is
-    taken as written, except that torch's format may post paired messages in different orders
-    on the two sides (torch matches by tag, not posting order): those are derived again from
-    the compute order, and the name says so. Our own format is checked, never repaired.
-    """
+    file). A lowered one is taken as written, except that torch's may post paired messages in
+    different orders on the two sides (torch matches by tag): they are derived again, as the
+    name then says. Our own format is checked, never repaired."""
     loaded = load_csv(path)
     lowered = has_communication(loaded) or any(
         action.kind in _PER_CHUNK for actions in loaded.per_rank for action in actions

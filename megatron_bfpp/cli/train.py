@@ -308,9 +308,8 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> list[str]:
-    """Raise :class:`FlagError` for a combination that cannot run on ``world_size`` ranks
-    (checked by ``rank``: the metrics file is rank 0's alone); return the lines to say about
-    ``--load`` before the run starts."""
+    """Raise :class:`FlagError` for a combination that cannot run on ``world_size`` ranks (as
+    ``rank`` sees it); return the lines to say about ``--load`` before the run starts."""
     name = args.pipeline_schedule
     try:
         check_auto_flags(args)
@@ -542,8 +541,7 @@ def checkpoint_format_problem(args: argparse.Namespace) -> str | None:
 
 def memory_problem(args: argparse.Namespace, world_size: int, *, launched: bool) -> str | None:
     """On a CPU-only machine, a model whose weights, gradients and Adam state do not fit the
-    available RAM (all ranks together), refused before the kernel kills it after start; each
-    GPU rank checks its own device instead."""
+    available RAM, refused before the kernel kills it after start (GPU ranks check theirs)."""
     import torch
 
     from megatron_bfpp.config import model_memory
@@ -558,9 +556,8 @@ def memory_problem(args: argparse.Namespace, world_size: int, *, launched: bool)
 
 
 def check_load(args: argparse.Namespace, world_size: int) -> list[str]:
-    """Refuse a resume that cannot work from the checkpoint's metadata alone, before any rank
-    starts: one line naming every differing flag. As in Megatron-LM, a directory with no
-    checkpoint yet starts fresh, and a changed seed or data path is accepted with a warning."""
+    """Refuse a resume that cannot work, from the checkpoint's metadata alone, in one line; as
+    in Megatron-LM no checkpoint yet starts fresh, and a changed seed or data path warns."""
     fresh = fresh_start_reason(args.load)
     if fresh is not None:
         return [
@@ -620,9 +617,8 @@ def _default_nproc() -> int:
 def _visible_gpus(
     env: dict[str, str] | None = None, driver: str = "/proc/driver/nvidia/gpus"
 ) -> int:
-    """The GPUs torch will likely see, counted without importing torch (seconds), so a flag
-    mistake is refused at once: the driver's list, narrowed by ``CUDA_VISIBLE_DEVICES`` as
-    CUDA reads it. :func:`_spawn` checks it against torch's count."""
+    """The GPUs torch will likely see (the driver's, narrowed by ``CUDA_VISIBLE_DEVICES``),
+    counted without importing torch (seconds) so a flag mistake is refused at once."""
     try:
         found = len(os.listdir(driver))
     except OSError:

@@ -36,14 +36,9 @@ def use_schedule(
     auto_gpu: str | None = None,
     **options: Any,
 ) -> None:
-    """Run ``name`` (a ``--pipeline-schedule`` name) in Bridge's ``pretrain(config, ...)``.
-
-    ``name="auto"``: the planner picks a schedule (not a V-shape) for ``config``'s layout;
-    ``auto_report`` / ``auto_profile`` / ``auto_gpu`` are the ``--pipeline-schedule-auto-*``
-    flags. ``options`` are the schedule's own (interleaved's group defaults to
-    ``config.model.microbatch_group_size_per_vp_stage``); a looped schedule given no virtual
-    pipeline size gets 2, as in Megatron-LM. Raises :class:`ScheduleError` (one line) for a
-    schedule that does not fit ``config``, before any work.
+    """Run ``name`` (a ``--pipeline-schedule`` name, ``options`` its own) in Bridge's
+    ``pretrain(config, ...)``; ``auto_*`` are the ``--pipeline-schedule-auto-*`` flags. Raises
+    :class:`ScheduleError` (one line) for a schedule that does not fit ``config``, before any work.
     """
     from megatron_bfpp.megatron import plugin
 

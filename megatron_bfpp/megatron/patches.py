@@ -1,9 +1,7 @@
 """The one registry of attribute replacements the integration makes, and its one restore loop.
 
-``megatron.cpu``, ``megatron.cpu_launch`` and ``megatron.plugin`` each own a :class:`Patches`,
-so "restore exactly" is written once and an uninstall never leaves a half-patched Megatron: an
-attribute the owner held gets back its raw entry (a ``staticmethod`` stays one), an inherited
-one is deleted again, in reverse order. Pure Python.
+Written once so an uninstall never leaves a half-patched Megatron: an attribute the owner held
+gets back its raw entry (a ``staticmethod`` stays one), an inherited one is deleted again.
 """
 
 from __future__ import annotations

@@ -38,12 +38,9 @@ def pair_adjacent_rank_order(
     data_parallel_size: int = 1,
     order: str = "tp-dp-pp",
 ) -> tuple[int, ...]:
-    """The Megatron global rank to run in each launch slot (``slot = node * gpus_per_node +
-    local_rank``) so that pipeline stages ``x`` and ``p-1-x`` of every replica share a node.
-
-    ``order`` is Megatron's rank order: ``tp-dp-pp`` (default; rank = t + tp*d + tp*dp*x) or
-    ``tp-pp-dp`` (``--use-tp-pp-dp-mapping``; rank = t + tp*x + tp*p*d).
-    """
+    """The Megatron global rank to run in each launch slot (``node * gpus_per_node +
+    local_rank``) so that pipeline stages ``x`` and ``p-1-x`` of every replica share a node;
+    ``order``: ``tp-dp-pp`` (Megatron's default) or ``tp-pp-dp`` (``--use-tp-pp-dp-mapping``)."""
     p, g, tp, dp = pipeline_parallel_size, gpus_per_node, tensor_parallel_size, data_parallel_size
     for flag, value in (
         ("pipeline_parallel_size", p),

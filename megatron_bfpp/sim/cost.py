@@ -1,10 +1,7 @@
 """How long each action takes: a handful of numbers in one abstract time unit.
 
-Compute times are for one micro-batch through one *full* 1F1B stage, scaled by
-``StageLayout.stage_fraction``; communication times are per message, per chunk or (BPipe) per
-full-stage micro-batch of activations. The simulator times in integers (``CostModel.exact``),
-since summing a stage's 1/3 as a float drifts (13 came out as 12.999999999999996): results are
-exact, or correctly rounded once.
+The simulator times in integers (``CostModel.exact``), since summing a stage's 1/3 as a float
+drifts (13 came out as 12.999999999999996): results are exact, or correctly rounded once.
 """
 
 from __future__ import annotations
@@ -38,15 +35,10 @@ def _cost(default: float, text: str) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Durations in one abstract time unit (``chrome_trace`` maps it to milliseconds); each
-    field's ``help`` says what it times.
-
-    Compute and ``t_evict`` scale with the stage fraction; I takes ``t_backward - t_weight``.
-    ``t_grad_reduce`` / ``t_param_gather`` are per chunk, unscaled. ``t_host``, the host's time
-    per compute action that compute cannot hide, is unscaled, so it weighs ``v`` times as much
-    with ``v`` chunks per rank; 0 by default (a GPU's host runs ahead), measured by ``bfpp-plan
-    profile`` and ``scripts/bench_fidelity.py``.
-    """
+    """Durations in one abstract time unit, each field's ``help`` saying what it times: compute
+    (one micro-batch through one full 1F1B stage) and ``t_evict`` scale with the stage fraction;
+    ``t_host``, the host's time per compute action (0: a GPU's host runs ahead), does not, so it
+    weighs ``v`` times as much with ``v`` chunks per rank."""
 
     t_forward: float = _cost(_UNIT.forward, "forward time")
     t_backward: float = _cost(_UNIT.backward, "backward time (input + weight gradients)")
@@ -82,8 +74,7 @@ class CostModel:
             )
 
     def compute_time(self, kind: ActionKind, stage_fraction: float = 1.0) -> float:
-        """Duration of one compute action on a stage holding ``stage_fraction`` of a full stage,
-        its host time ``t_host`` included."""
+        """One compute action's duration on a stage of ``stage_fraction``, ``t_host`` included."""
         if kind == ActionKind.FORWARD:
             full = self.t_forward
         elif kind == ActionKind.BACKWARD:
@@ -97,9 +88,8 @@ class CostModel:
         return full * stage_fraction + self.t_host
 
     def exact(self, stage_fraction: Fraction = Fraction(1)) -> ExactTiming:
-        """The replay's durations for stages of ``stage_fraction`` in integer units: each as
-        the decimal it prints as (0.05 is 1/20, as the user wrote it), scaled by the least
-        common denominator."""
+        """The replay's durations in integer units: each as the decimal it prints as (0.05 is
+        1/20, as written), scaled by the least common denominator."""
         full = {name: _decimal(getattr(self, name)) for name in _FIELDS}
         host = full["t_host"]  # per compute action, whatever the stage's size
         durations = {

@@ -1,8 +1,5 @@
-"""Timelines of a simulated step: Chrome trace-event JSON (Perfetto, chrome://tracing) and a PNG.
-
-Both draw ``SimResult.events``; matplotlib is imported only inside ``render_png``, so the rest
-of the package works without it.
-"""
+"""Timelines of a simulated step: Chrome trace-event JSON (Perfetto, chrome://tracing) and a PNG
+(matplotlib imported only inside ``render_png``, so the rest works without it)."""
 
 from __future__ import annotations
 
@@ -119,12 +116,8 @@ def render_png(
     width: float = 14.0,
     max_labels: int = 3000,
 ) -> Path:
-    """Draw the step as one row per rank and write a PNG to ``path`` (returned as a Path).
-
-    Colour is the micro-batch, shade and hatch the compute kind; boxes wide enough carry
-    ``F3``-style labels (none when more than ``max_labels`` would), and each row ends with the
-    rank's peak stored activations. About ``PNG_SECONDS_PER_RANK`` per rank.
-    """
+    """Draw the step as one row per rank (colour: micro-batch; shade and hatch: compute kind;
+    labels where boxes are wide enough, up to ``max_labels``) and write a PNG to ``path``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
