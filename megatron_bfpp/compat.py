@@ -1,11 +1,8 @@
 """The one module that owns every megatron-core call whose form depends on the installed version.
 
-megatron-core names that are the same across ``SUPPORTED_WINDOW`` are imported directly
-elsewhere (docs/architecture.md lists them); a call whose signature or location changed goes
-through a shim here, which says which versions it covers. The version is read from
-``megatron.core.package_info`` (never guessed from a ``TypeError``), so a megatron-core outside
-the window, or a torch older than ``TORCH_WINDOW``, fails with one line naming it before any
-rank starts; a newer torch runs with one warning line.
+Names alike across ``SUPPORTED_WINDOW`` are imported directly elsewhere (docs/architecture.md);
+a call that changed goes through a shim here, saying which versions it covers. The version is
+read from ``megatron.core.package_info``, never guessed from a ``TypeError``.
 """
 
 from __future__ import annotations
@@ -230,9 +227,8 @@ def backward_step(
 
 
 def default_process_groups() -> Any:
-    """The ``ProcessGroupCollection`` megatron-core's schedules build from ``parallel_state`` when
-    the caller passes none (0.16 and 0.17: tp, cp, embd, pos_embd, pp, dp_cp; 0.18 adds
-    tp_dp_cp; 0.19 and 0.20 add dp too; their ``finalize_model_grads`` may read them)."""
+    """The ``ProcessGroupCollection`` megatron-core's schedules build when the caller passes none
+    (0.18 adds tp_dp_cp, 0.19 dp; their ``finalize_model_grads`` may read them)."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -335,8 +331,7 @@ def param_bucket_ranges(chunk: Any) -> dict[Any, tuple[Any, int, int]]:
 
 def tensor_parallel_reduced_params(chunks: Any, config: Any) -> tuple[list[Any], list[Any]]:
     """``(summed, averaged)``: the parameters whose gradients ``finalize_model_grads``
-    all-reduces over tensor parallelism, as its ``_allreduce_non_tensor_model_parallel_grads``
-    (0.16.1 to 0.20.0) chooses them."""
+    all-reduces over tensor parallelism (``_allreduce_non_tensor_model_parallel_grads``)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     summed: list[Any] = []
@@ -427,14 +422,9 @@ ShardOf = Callable[[Any], Any]
 def optimizer_on_shards(
     optimizer: Any, param_shard: ShardOf, grad_shard: ShardOf
 ) -> Iterator[None]:
-    """Step megatron-core's distributed optimizer on shard-only buffers.
-
-    It touches the full buffers only in ``_copy_model_grads_to_main_grads`` and
-    ``_copy_main_params_to_model_params`` (and fp32 main parameters are views into them), the
-    same in 0.16.1 to 0.20.0: those two read and write the kept shards (``param_shard(bucket)``,
-    ``grad_shard(bucket)``, in ``gbuf_local`` coordinates) for the step, and the fp32 main
-    parameters are re-pointed at the kept shards once (the tensors Adam's state is keyed by).
-    """
+    """Step megatron-core's distributed optimizer on shard-only buffers: the two copies that
+    touch the full buffers (0.16.1 to 0.20.0) read and write the kept shards for the step, and
+    fp32 main parameters, views into them, are re-pointed at the kept shards once."""
     import torch
 
     inner = distributed_optimizers(optimizer)
@@ -520,8 +510,7 @@ def guard_zero_grad_buffer(chunk: Any, around: Callable[[Callable[[], None]], No
 @contextlib.contextmanager
 def param_gather_suppressed(chunks: Any) -> Iterator[None]:
     """Run a distributed-optimizer step without its closing parameter all-gather (the schedule
-    gathers each sharded chunk itself): 0.16.1 to 0.20.0 skip it under ``overlap_param_gather``,
-    set for the step only."""
+    gathers each sharded chunk): ``overlap_param_gather`` set for the step skips it."""
     configs = {id(chunk.ddp_config): chunk.ddp_config for chunk in chunks}.values()
     saved = [(config, config.overlap_param_gather) for config in configs]
     for config, _ in saved:
@@ -534,9 +523,8 @@ def param_gather_suppressed(chunks: Any) -> Iterator[None]:
 
 
 def model_params_from_main_params(optimizer: Any, chunks: Any) -> None:
-    """Rebuild the whole model's parameters from the distributed optimizer's main parameters
-    (all a fully sharded ``torch_dist`` checkpoint stores), with the two calls every step makes,
-    so the result is bit-identical to the model a step leaves."""
+    """Rebuild the model's parameters from the optimizer's main parameters (all a fully sharded
+    ``torch_dist`` checkpoint stores) with a step's two calls: bit-identical to a step's."""
     for opt in distributed_optimizers(optimizer):
         opt._copy_main_params_to_model_params()
     for chunk in chunks:
@@ -553,9 +541,8 @@ def _torch_adams(optimizer: Any) -> list[Any]:
 
 
 def torch_adam_state_for_load(optimizer: Any) -> None:
-    """Zero Adam state (step 0) for parameters that have none yet, before a load: with torch
-    Adam, the distributed optimizer's ``sharded_state_dict`` asserts a ``step`` in its state,
-    so a fresh one cannot describe what it loads. A zero state is the same as none to Adam."""
+    """Zero Adam state for parameters that have none yet, before a load: the distributed
+    optimizer's ``sharded_state_dict`` asserts torch Adam's ``step`` (zero is none to Adam)."""
     import torch
 
     for inner in _torch_adams(optimizer):
@@ -570,9 +557,8 @@ def torch_adam_state_for_load(optimizer: Any) -> None:
 
 
 def restore_torch_adam_steps(optimizer: Any) -> None:
-    """Each parameter's Adam ``step`` from the checkpoint, in its own tensor, after a load: the
-    distributed optimizer shares one tensor (incremented once per parameter) and overwrites it
-    with the template's step, so a resumed run differed from an uninterrupted one."""
+    """Each parameter's Adam ``step`` from the checkpoint, in its own tensor, after a load (the
+    distributed optimizer loads one shared, stale tensor: a resumed run differed)."""
     import torch
 
     for inner in _torch_adams(optimizer):
@@ -586,12 +572,8 @@ def restore_torch_adam_steps(optimizer: Any) -> None:
 
 
 class _PipelineGroupAs:
-    """A pipeline process group that reports another rank: what a V-shape chunk's layers see.
-
-    megatron-core numbers a chunk's layers from ``(vp_stage, pipeline rank)`` in the looped
-    placement (global stage ``c * p + r``), so a V-shape chunk holding stage ``s`` reports rank
-    ``s % p`` through the model's ``pg_collection.pp``; anything else is the real group's.
-    """
+    """A pipeline process group that reports another rank, so megatron-core numbers a V-shape
+    chunk's layers as the looped slot's holding its stage (``megatron.chunks``)."""
 
     def __init__(self, group: Any, rank: int) -> None:
         self._group = group
@@ -618,9 +600,8 @@ class _OneRankGroup:
 def model_process_groups(
     *, pipeline_rank: int | None, embedding_group: bool, base: Any = None
 ) -> Any:
-    """The ``ProcessGroupCollection`` a model builds with (a copy of ``base``, or
-    ``use_mpu_process_groups``), its pipeline group reporting ``pipeline_rank`` (``None``: the
-    real one) and, without ``embedding_group``, no embedding group (tied embeddings on one rank)."""
+    """The ``ProcessGroupCollection`` a model builds with (a copy of ``base``, or megatron's),
+    its pipeline group reporting ``pipeline_rank``; without ``embedding_group``, none."""
     import copy
 
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -683,9 +664,8 @@ def _linear_parameter_names() -> tuple[tuple[str, ...], Any]:
 
 
 def linear_function_args(input: Any, weight: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-    """The arguments megatron-core's ``linear_with_grad_accumulation_and_async_allreduce``
-    would hand its autograd Function for this call of a layer's ``_forward_impl``, in the
-    Function's order (defaults filled in, the tensor-parallel group resolved)."""
+    """The arguments ``linear_with_grad_accumulation_and_async_allreduce`` would hand its
+    autograd Function for this call, in its order (defaults filled in, group resolved)."""
     from megatron.core.tensor_parallel.layers import get_tensor_model_parallel_group_if_none
 
     names, wrapper = _linear_parameter_names()

@@ -1,9 +1,7 @@
 """``bfpp-train``: pretrain a small GPT or LLaMA on megatron-core with any catalogue schedule.
 
-Under ``torchrun`` / ``srun`` (``RANK`` and ``WORLD_SIZE`` set) this process is one rank;
-otherwise it forks ``--nproc-per-node`` local ranks after importing megatron-core once. Flags
-are validated before anything starts: a bad one is one line ``bfpp-train: error: ...`` and exit
-code 2 (once per node under torchrun), never a hang or a traceback.
+One rank under ``torchrun`` / ``srun``, else the launcher of ``--nproc-per-node`` forked ranks;
+flags are validated before anything starts: a bad one is one line and exit code 2, never a hang.
 """
 
 from __future__ import annotations

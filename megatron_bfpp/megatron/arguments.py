@@ -69,9 +69,8 @@ _VP_SOURCES = (
 
 
 def apply_schedule_defaults(args: Any) -> None:
-    """Before Megatron's ``validate_args``: a looped or V-shape schedule given no virtual
-    stages gets ``--num-virtual-stages-per-pipeline-rank 2``, as in bfpp-train, so Megatron
-    derives and checks everything from it as if the user had passed it."""
+    """Before Megatron's ``validate_args``: a looped or V-shape schedule given no virtual stages
+    gets 2 per rank, as in bfpp-train, as if the user had passed it."""
     spec = SCHEDULES.get(getattr(args, "pipeline_schedule", "default"))
     if spec is None or spec.placement is Placement.SINGLE:
         return

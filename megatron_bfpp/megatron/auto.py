@@ -211,9 +211,8 @@ def agree_across_ranks(
     env: Mapping[str, str] = os.environ,
     timeout: float = AGREE_TIMEOUT_S,
 ) -> None:
-    """Exchange this rank's choice and inputs with every rank's through the launcher's store
-    and raise :class:`ScheduleError` (the same line on every rank) where they differ, so a split
-    job stops at once, not at the first collective's time-out. Without a store: trusted."""
+    """Raise :class:`ScheduleError` on every rank where the ranks' choices differ (through the
+    launcher's store), so a split job stops at once, not at a collective's time-out."""
     store = _store(env, timeout)
     if store is None:
         return

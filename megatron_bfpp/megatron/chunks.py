@@ -97,11 +97,7 @@ def placed_provider(
     seeded_as: Callable[[int], contextlib.AbstractContextManager[bool]] | None = None,
 ) -> Callable[..., torch.nn.Module]:
     """A Megatron-LM ``model_provider`` building V-shape chunks in place of the looped ones its
-    ``get_model`` asks for; the tied output copy is set once both chunks exist.
-
-    ``seeded_as(q)``: a context seeding the generators as 1F1B's pipeline rank ``q``; stage
-    ``s`` is built in that of ``s // 2`` (after stage ``s - 1``, dropped, for an odd ``s``), so
-    its weights are the ones 1F1B drew for those layers."""
+    ``get_model`` asks for; ``seeded_as(q)`` seeds as 1F1B's pipeline rank ``q`` (``seeding``)."""
     places = chunk_places(StageLayout.v_shape(num_ranks), rank)
     built: dict[int, torch.nn.Module] = {}
 

@@ -73,9 +73,8 @@ def _restore(state: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def seeded_as_pipeline_rank(pipeline_rank: int) -> Iterator[bool]:
-    """Inside: every generator seeded as Megatron seeded pipeline rank ``pipeline_rank``
-    (yields True), or untouched when Megatron's seeding was not seen (yields False: a
-    megatron-core loop of its own keeps its own seeding)."""
+    """Inside: every generator seeded as Megatron seeded ``pipeline_rank`` (True), or untouched
+    when Megatron's seeding was not seen (False: a megatron-core loop keeps its own)."""
     if _seed_call is None:
         yield False
         return
