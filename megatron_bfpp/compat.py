@@ -377,8 +377,7 @@ def shared_embedding_chunk(chunks: Any, config: Any, groups: Any) -> tuple[int, 
 
 
 def uses_position_embedding_group(groups: Any) -> bool:
-    """Whether ``finalize_model_grads`` would all-reduce position embeddings over the pipeline
-    (encoder-decoder models split at a pipeline rank)."""
+    """Whether ``finalize_model_grads`` would all-reduce position embeddings over the pipeline."""
     import torch.distributed as dist
 
     group = getattr(groups, "pos_embd", None)
@@ -483,8 +482,7 @@ def optimizer_on_shards(
 
 
 def start_partial_grad_sync(chunk: Any) -> None:
-    """Start the DDP chunk's gradient reduction inside ``no_sync``, where DDP's hooks would not
-    (fully sharded breadth-first with groups, before the chunk's last backward)."""
+    """Start the chunk's gradient reduction inside ``no_sync``, where DDP's hooks would not."""
     chunk.start_grad_sync()
 
 
@@ -498,8 +496,7 @@ def finish_partial_grad_sync(chunk: Any) -> None:
 
 
 def guard_zero_grad_buffer(chunk: Any, around: Callable[[Callable[[], None]], None]) -> None:
-    """Route the DDP chunk's ``zero_grad_buffer`` through ``around(original)`` (once), so a
-    released gradient buffer is allocated before it is zeroed."""
+    """Route ``zero_grad_buffer`` through ``around(original)``: a released buffer is allocated."""
     if getattr(chunk, "_bfpp_zero_guarded", False):
         return
     original = chunk.zero_grad_buffer
@@ -532,8 +529,7 @@ def model_params_from_main_params(optimizer: Any, chunks: Any) -> None:
 
 
 def _torch_adams(optimizer: Any) -> list[Any]:
-    """The torch ``Adam`` optimizers inside megatron-core's (chained) optimizer (FusedAdam
-    keeps its step in the param groups and needs neither fix below)."""
+    """The torch ``Adam`` optimizers inside megatron-core's (chained) optimizer."""
     import torch
 
     inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]]
@@ -620,8 +616,7 @@ def model_process_groups(
 
 
 def process_groups_without_embedding_group(groups: Any) -> Any:
-    """A copy of a schedule's process groups whose embedding group is this rank alone, for
-    ``finalize_model_grads`` of a model whose tied embedding copies sit on one rank."""
+    """A copy of ``groups`` whose embedding group is this rank alone (tied copies on one rank)."""
     import copy
 
     stripped = copy.copy(groups)
@@ -635,8 +630,7 @@ def process_groups_without_embedding_group(groups: Any) -> Any:
 
 
 def transformer_engine_layers(module: Any) -> list[Any]:
-    """The Transformer Engine layers megatron-core built into ``module`` (they keep their own
-    weight GEMMs in the backward)."""
+    """The Transformer Engine layers in ``module`` (they keep their own weight GEMMs)."""
     prefix = "megatron.core.extensions.transformer_engine"
     return [
         m
@@ -679,16 +673,14 @@ def linear_function_args(input: Any, weight: Any, *args: Any, **kwargs: Any) -> 
 
 
 def megatron_linear_forward(ctx: Any, *args: Any) -> Any:
-    """megatron-core's own linear forward on ``ctx``, for a Function whose backward differs only
-    in when the weight gradient is computed."""
+    """megatron-core's own linear forward on ``ctx``, for a Function deferring its weight GEMM."""
     from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
 
     return LinearWithGradAccumulationAndAsyncCommunication.forward(ctx, *args)
 
 
 def linear_function_option(args: tuple[Any, ...], name: str, default: Any = None) -> Any:
-    """One named argument of a ``linear_function_args`` tuple (``default`` if this version
-    has no such argument, e.g. ``gtp_remat_size`` before 0.19)."""
+    """One named argument of a ``linear_function_args`` tuple, or ``default`` in this version."""
     names, _ = _linear_parameter_names()
     return args[names.index(name)] if name in names else default
 
@@ -701,8 +693,7 @@ def wgrad_operands(grad_output: Any, total_input: Any) -> tuple[Any, Any]:
 
 
 def accumulate_wgrad_fused(total_input: Any, grad_output: Any, main_grad: Any) -> None:
-    """Gradient-accumulation fusion: add the weight gradient into ``main_grad`` with the CUDA
-    kernel megatron-core's linear backward uses (GPU only, like that option)."""
+    """Add the weight gradient into ``main_grad`` with megatron-core's fused CUDA kernel."""
     import torch
     from megatron.core.tensor_parallel import layers
 

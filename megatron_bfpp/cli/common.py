@@ -96,8 +96,7 @@ def stages_per_rank_defaults() -> str:
 
 
 def positive_int_up_to(limit: int, why: str) -> Callable[[str], int]:
-    """``positive_int`` with an upper bound (``why`` says where it comes from), past which the
-    command would run for minutes before saying anything."""
+    """``positive_int`` bounded (``why`` says by what): past it the command ran for minutes."""
 
     def parse(text: str) -> int:
         value = positive_int(text)

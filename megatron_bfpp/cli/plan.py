@@ -438,8 +438,7 @@ def format_recommendation(
     global_batch_size: int,
     schedules: Sequence[str] = (),
 ) -> str:
-    """The table people read: one row per configuration, best first, then the best of each
-    family and what the columns mean."""
+    """The table people read: one row per configuration, best first, then each family's best."""
     gpu = cluster.gpu
     marked = [
         (plan.p2p_model, plan.megatron_grad_reduce or "overlap")

@@ -242,8 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _simulated(args: argparse.Namespace, schedule: Schedule, costs: CostModel) -> SimResult:
-    """A catalogue schedule's long step from its steady state (``simulate_steady``), unless
-    ``--exact`` or an output that draws every event asks for the whole step."""
+    """The step from its steady state, unless ``--exact`` or a drawing asks for every event."""
     grad_reduce = args.megatron_grad_reduce
     if args.load_csv or args.exact or args.png or args.trace:
         return simulate(schedule, costs, p2p=args.p2p_model, megatron_grad_reduce=grad_reduce)
@@ -263,8 +262,7 @@ GRID_ACTIONS = 4_096  # the default grid's most compute actions: a page or two, 
 
 
 def _grid(choice: str | None, schedule: Schedule) -> str:
-    """The grid printed after the table: ``--grid``'s, or by default the compute grid of a
-    schedule small enough to read (a large one printed megabytes)."""
+    """``--grid``'s grid, by default the compute grid of a schedule small enough to read."""
     if choice == "none":
         return ""
     if choice == "full":
@@ -299,8 +297,7 @@ _SCHEDULE_DEFAULTS = {
 
 
 def apply_defaults(args: argparse.Namespace) -> dict[str, str]:
-    """Fill the defaults that depend on the schedule; returns what was filled, in words, for
-    the report to say (``--microbatches`` 2 x pp, ``--t-evict`` for bpipe)."""
+    """Fill the defaults that depend on the schedule; what was filled, in words, for the report."""
     used: dict[str, str] = {}
     if args.microbatches is None and args.schedule and args.pp is not None and not args.load_csv:
         args.microbatches = 2 * args.pp

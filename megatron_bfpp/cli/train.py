@@ -92,8 +92,7 @@ class _Parser(OneLineParser):
 
 
 def apply_schedule_defaults(args: argparse.Namespace) -> None:
-    """Virtual stages per rank, when not given, are the schedule's own (1 or 2), as in
-    Megatron-LM."""
+    """Virtual stages per rank, when not given, are the schedule's own, as in Megatron-LM."""
     spec = SCHEDULES.get(getattr(args, "pipeline_schedule", ""))
     if spec is not None and getattr(args, "num_virtual_stages_per_pipeline_rank", 0) is None:
         args.num_virtual_stages_per_pipeline_rank = spec.default_stages_per_rank
@@ -389,8 +388,7 @@ def _same_directory(path: str, other: str | None) -> bool:
 
 
 def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
-    """``--pipeline-schedule auto``: decided (and said, by rank 0) before any check that needs
-    a schedule."""
+    """``--pipeline-schedule auto``: decided (said by rank 0) before any check needs a schedule."""
     if args.pipeline_schedule != AUTO:
         return
     from megatron_bfpp.train.auto import resolve_train_auto
@@ -407,8 +405,7 @@ def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
 
 
 def data_path_problem(args: argparse.Namespace) -> str | None:
-    """What keeps ``--data-path`` (and ``--split``, ``--data-cache-path``) from being read,
-    before any rank starts."""
+    """What keeps ``--data-path`` (``--split``, ``--data-cache-path``) from being read."""
     if args.data_path is None:
         for flag, value in (("--split", args.split), ("--data-cache-path", args.data_cache_path)):
             if value is not None:
@@ -440,8 +437,7 @@ def data_path_problem(args: argparse.Namespace) -> str | None:
 
 
 def dataset_helpers_problem() -> str | None:
-    """megatron-core's compiled dataset helpers (a checkout compiles them with its Makefile),
-    found without importing megatron-core."""
+    """megatron-core's compiled dataset helpers, found without importing megatron-core."""
     spec = importlib.util.find_spec("megatron")
     if spec is None or not spec.submodule_search_locations:
         return None  # no megatron-core at all: check_megatron_core says so
@@ -508,8 +504,7 @@ def logging_flags_problem(args: argparse.Namespace) -> str | None:
 
 
 def logging_problem(args: argparse.Namespace) -> str | None:
-    """TensorBoard and W&B, rank 0's (the writer): the packages they need (one line before any
-    rank starts, not an ImportError after setup) and the directories."""
+    """TensorBoard's and W&B's packages and directories (rank 0's), before any rank starts."""
     problem = missing_packages(
         {"--tensorboard-dir": args.tensorboard_dir, "--wandb-project": args.wandb_project}
     )
@@ -721,8 +716,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _spawn(args: argparse.Namespace, world_size: int) -> int:
-    """Fork ``world_size`` ranks (megatron-core imported once, here) on the local launcher and
-    report how they ended in as few lines as say it (:func:`_report`)."""
+    """Fork ``world_size`` ranks (megatron-core imported once, here) and report how they ended."""
     import megatron.core.distributed
     import megatron.core.models.gpt
     import megatron.core.optimizer  # noqa: F401

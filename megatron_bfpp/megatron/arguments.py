@@ -33,8 +33,7 @@ __all__ = [
 
 
 def pipeline_schedule_choices() -> tuple[str, ...]:
-    """``default`` (Megatron's own schedule), ``auto`` (the planner picks one for the layout:
-    :mod:`megatron_bfpp.megatron.auto`) and every schedule in the catalogue."""
+    """``default`` (Megatron's own), ``auto`` (the planner's pick) and the catalogue."""
     return ("default", AUTO, *schedule_names())
 
 
@@ -88,8 +87,7 @@ def schedule_options_from_args(args: Any) -> dict[str, Any]:
 
 
 def check_schedule_args(args: Any) -> None:
-    """Check ``--pipeline-schedule`` against Megatron's arguments after its ``validate_args``
-    derived the rest; :class:`ScheduleError` says in one line what to change."""
+    """Check ``--pipeline-schedule`` against the arguments ``validate_args`` completed."""
     name = getattr(args, "pipeline_schedule", "default")
     if name not in pipeline_schedule_choices():
         raise ScheduleError(
@@ -163,8 +161,7 @@ def _check_v_shape_args(name: str, args: Any) -> None:
 
 
 def _sharding_strategy(name: str, args: Any) -> str:
-    """Our sharding strategy from Megatron-LM's ``--data-parallel-sharding-strategy`` (as the
-    plugin recorded it); Megatron-FSDP's values are refused in Megatron's terms."""
+    """Our sharding strategy from Megatron-LM's flag; Megatron-FSDP's values refused."""
     strategy: str = getattr(args, "bfpp_data_parallel_sharding_strategy", None) or "optim"
     if strategy not in SHARDING_STRATEGIES:
         raise ScheduleError(

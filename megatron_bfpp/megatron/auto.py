@@ -65,8 +65,7 @@ def probe_device() -> tuple[str | None, int | None]:
 
 
 def hardware_from_args(args: Any, *, device: tuple[str | None, int | None] | None) -> Hardware:
-    """``device``: :func:`probe_device`'s answer, or ``None`` where CUDA must not be asked (the
-    pre-flight on a login node)."""
+    """``device``: :func:`probe_device`'s answer, or ``None`` where CUDA must not be asked."""
     name, memory = device if device is not None else (None, None)
     return hardware(
         device_name=name,
@@ -77,8 +76,7 @@ def hardware_from_args(args: Any, *, device: tuple[str | None, int | None] | Non
 
 
 def is_reporting_rank(env: Mapping[str, str] = os.environ) -> bool:
-    """Rank 0 of the job (torchrun's ``RANK``, srun's ``SLURM_PROCID``; no launcher: this
-    process is the job)."""
+    """Rank 0 of the job (torchrun's ``RANK``, srun's ``SLURM_PROCID``; no launcher: this one)."""
     rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
     return rank.strip() in ("", "0")
 
@@ -182,8 +180,7 @@ def disagreement(everyone: Sequence[Mapping[str, str]]) -> str | None:
 
 
 def _store(env: Mapping[str, str], timeout: float) -> Any:
-    """The launcher's rendezvous store when one is up before the process group (torchrun's
-    agent's), else ``None`` (one process; srun alone)."""
+    """The launcher's store when one is up before the process group (torchrun's), else ``None``."""
     world, rank = env.get("WORLD_SIZE", ""), env.get("RANK", "")
     host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
     if not (world.isdigit() and rank.isdigit() and port.isdigit() and host) or int(world) < 2:
@@ -240,8 +237,7 @@ def decide_alike(
     env: Mapping[str, str],
     agree: bool = True,
 ) -> Decision:
-    """:func:`decide` on this rank, then (``agree``) the choices compared across the job's
-    ranks, a refusal too (so it does not leave the others waiting)."""
+    """:func:`decide`, then the choices (a refusal too) compared across the job's ranks."""
     try:
         decision = decide(request_of())
     except ScheduleError as error:
@@ -318,8 +314,7 @@ def _megatron_vp(args: Any, pp: int) -> int | None:
 def megatron_request(
     args: Any, *, world_size: int, env: Mapping[str, str], hw: Hardware, sharding: str | None
 ) -> AutoRequest:
-    """What Megatron-LM's parsed arguments fixed, before its ``validate_args`` (its derived
-    sizes computed alike); ``sharding``: the flag as given, or ``None``."""
+    """What Megatron-LM's parsed arguments fixed, derived as its ``validate_args`` would."""
     uneven = [flag for flag, dest in UNEVEN_LAYOUT_FLAGS if getattr(args, dest, None)]
     if uneven:
         raise ScheduleError(
@@ -537,8 +532,7 @@ def resolve_bridge_auto(
     env: Mapping[str, str] = os.environ,
     device: tuple[str | None, int | None] | None = None,
 ) -> tuple[str, dict[str, Any], Decision]:
-    """Decide for Bridge's ``pretrain(config, ...)`` and announce it; the schedule's name and
-    options for ``use_schedule`` (``config.model``'s virtual pipeline size set)."""
+    """Decide for Bridge's ``pretrain``: the schedule's name and options for ``use_schedule``."""
     name, memory = probe_device() if device is None else device
     decision = decide_alike(
         lambda: bridge_request(

@@ -70,8 +70,7 @@ def use_schedule(
 def check_bridge_config(
     config: Any, name: str, options: dict[str, Any], *, sharding: str = "optim"
 ) -> None:
-    """The one-line refusals for ``config``, before any rank starts work; sets the looped
-    schedules' default virtual pipeline size (2) when the config leaves it unset."""
+    """The one-line refusals for ``config``; a looped schedule's default vp (2) set."""
     if name not in schedule_names():
         raise ScheduleError(
             f"pipeline schedule {name!r} is unknown; choose one of: {', '.join(schedule_names())}"

@@ -141,8 +141,7 @@ def placed_provider(
 
 @torch.no_grad()
 def tie_output_to_embedding(chunks: Sequence[Any]) -> None:
-    """Set the tied output layer's weight from the input embedding where one rank holds both
-    (megatron-core would fill it by an all-reduce over the embedding group)."""
+    """Set the tied output weight from the embedding where one rank holds both (no all-reduce)."""
     weights = tied_embedding_weights(chunks)
     if weights is not None:
         embedding, output = weights

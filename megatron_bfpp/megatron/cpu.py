@@ -89,8 +89,7 @@ def disable_cpu_megatron() -> None:
 
 @contextlib.contextmanager
 def cpu_megatron() -> Iterator[None]:
-    """``with cpu_megatron(): ...`` enables the redirects and restores them on exit (if this
-    call was the one that enabled them)."""
+    """The redirects enabled inside, restored on exit if this call enabled them."""
     was_enabled = is_cpu_megatron_enabled()
     enable_cpu_megatron()
     try:

@@ -74,8 +74,7 @@ def is_installed() -> bool:
 
 
 def set_schedule(name: str, **options: Any) -> None:
-    """Choose the schedule (``default`` or a registry name, with its own ``options``) for
-    megatron-core-only users; Megatron-LM users pass the flag."""
+    """Choose the schedule and its ``options`` for megatron-core-only users."""
     if name != "default":
         from megatron_bfpp.runtime.api import get_forward_backward_func
 
@@ -87,8 +86,7 @@ def set_schedule(name: str, **options: Any) -> None:
 
 
 def current_schedule() -> tuple[str, dict[str, Any]]:
-    """``(name, options)`` in effect: Megatron-LM's ``--pipeline-schedule`` once its arguments
-    are parsed and set, else the :func:`set_schedule` setting (``default`` initially)."""
+    """``(name, options)`` in effect: Megatron-LM's flag once parsed, else set_schedule's."""
     args = _megatron_lm_args()
     if args is not None and hasattr(args, "pipeline_schedule"):
         return args.pipeline_schedule, schedule_options_from_args(args)
@@ -96,8 +94,7 @@ def current_schedule() -> tuple[str, dict[str, Any]]:
 
 
 def current_sharding() -> str:
-    """The data-parallel sharding strategy our schedules run: Megatron-LM's flag when given
-    (``optim`` or ``optim_grads_params``), otherwise ``optim``."""
+    """The sharding strategy our schedules run: Megatron-LM's flag when given, else ``optim``."""
     args = _megatron_lm_args()
     return str(getattr(args, "bfpp_data_parallel_sharding_strategy", "optim") or "optim")
 
@@ -181,8 +178,7 @@ def uninstall() -> None:
 def get_forward_backward_func(
     pp_size: int | None = None, vp_size: int | None = None, schedule_pg_collection: Any = None
 ) -> Any:
-    """megatron's ``get_forward_backward_func`` signature (0.19+ adds ``schedule_pg_collection``),
-    dispatching on the chosen schedule."""
+    """megatron's ``get_forward_backward_func``, dispatching on the chosen schedule."""
     original = _megatron_get_fbf
     if original is None:  # called through a reference kept after uninstall()
         from megatron.core.pipeline_parallel import schedules
@@ -316,8 +312,7 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _resolve_auto(args: Any, sharding: Any) -> None:
-    """``--pipeline-schedule auto``: every rank decides alike, before Megatron derives anything
-    from the schedule's virtual stages and before any model is built; rank 0 says it."""
+    """``--pipeline-schedule auto``: decided alike on every rank before Megatron derives vp."""
     from megatron_bfpp.megatron.auto import probe_device, resolve_megatron_auto
 
     try:
@@ -331,8 +326,7 @@ def _resolve_auto(args: Any, sharding: Any) -> None:
 
 
 def refuse(message: str, *, prog: str = "megatron_bfpp") -> NoReturn:
-    """End a rank for an argument error: exit code 2, the line printed once per node (by local
-    rank 0), since every rank checks the same arguments."""
+    """End a rank for an argument error: exit 2, the line printed by local rank 0 only."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         quiet_exit(2)
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
@@ -415,8 +409,7 @@ def _tied_embeddings() -> bool:
 
 
 def _wrap_build_stages(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Megatron-LM >= 0.19's model builders: under a V-shape schedule each ``vp_stage`` is
-    built as the V places it."""
+    """Megatron-LM >= 0.19's model builders: V-shape chunks under a V-shape schedule."""
 
     @functools.wraps(original)
     def build_virtual_pipeline_stages(
@@ -471,8 +464,7 @@ def _import_optional(name: str) -> Any:
 
 
 def _wrap_is_last_stage(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Asked about one chunk under a V-shape schedule: is it the V's last stage (rank 0's
-    chunk 1)? Asked about the rank: megatron's answer, the last pipeline rank."""
+    """Asked about one chunk under a V-shape: is it rank 0's chunk 1? Else megatron's answer."""
 
     @functools.wraps(original)
     def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:

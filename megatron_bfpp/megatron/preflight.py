@@ -92,8 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.Namespace:
-    """The arguments these checks read, plus what Megatron's ``validate_args`` derives from
-    them, so the plugin's checks see what they will see on the GPUs."""
+    """The arguments these checks read, plus what Megatron's ``validate_args`` derives."""
     args, _ = _parser().parse_known_args(list(argv))
     args.world_size = world_size
     if args.step_batch_size_schedule is not None and args.global_batch_size is not None:
@@ -162,8 +161,7 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
 
 
 def _layers_per_rank(args: argparse.Namespace) -> int | None:
-    """Transformer layers per pipeline rank as Megatron splits them evenly, or ``None`` when
-    the split is uneven by design or the layer count is not given."""
+    """Layers per pipeline rank, split evenly; ``None`` when uneven by design or not given."""
     uneven = (
         args.decoder_first_pipeline_num_layers,
         args.decoder_last_pipeline_num_layers,
@@ -186,8 +184,7 @@ def _layers_per_rank(args: argparse.Namespace) -> int | None:
 
 
 def check_parallel_layout(args: argparse.Namespace) -> None:
-    """Megatron's own checks that the parallel sizes alone decide, on a namespace from
-    :func:`parse_megatron_command`."""
+    """Megatron's own checks that the parallel sizes alone decide."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     heads = args.num_attention_heads
     if heads is not None and heads % tp:

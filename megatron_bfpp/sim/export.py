@@ -35,8 +35,7 @@ _LANES = ("compute", "p2p", "dp")
 
 
 def chrome_trace(result: SimResult, *, us_per_unit: float = 1000.0) -> dict[str, Any]:
-    """Chrome trace-event JSON as a dict: one process per rank, a thread per lane, ``"X"``
-    events; ``us_per_unit`` microseconds per cost-model unit (default: 1 unit = 1 ms)."""
+    """Chrome trace-event JSON as a dict; ``us_per_unit`` microseconds per cost-model unit."""
     if not us_per_unit > 0:
         raise ValueError(f"us_per_unit must be > 0, got {us_per_unit}")
     trace: list[dict[str, Any]] = []
