@@ -255,8 +255,7 @@ def default_process_groups() -> Any:
 def call_megatron_get_forward_backward_func(
     original: Any, *, pp_size: int | None, vp_size: int | None, schedule_pg_collection: Any
 ) -> Any:
-    """megatron-core's own ``get_forward_backward_func``: only 0.19 and 0.20 take
-    ``schedule_pg_collection`` (Megatron-LM passes it on every call)."""
+    """megatron's own ``get_forward_backward_func``: 0.19+ take ``schedule_pg_collection``."""
     if _at_least(0, 19):
         return original(
             pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection
@@ -309,8 +308,7 @@ def sharded_param_buckets(chunk: Any) -> list[ShardedBucket]:
 
 
 def extra_main_grad_params(chunk: Any) -> int:
-    """How many parameters keep their ``main_grad`` outside the gradient buffer (0.19's
-    ``params_with_extra_main_grads``, copied in and out around the reduction); 0.16 has none."""
+    """Parameters keeping ``main_grad`` outside the gradient buffer (0.19's; 0.16 has none)."""
     return sum(
         len(getattr(bucket, "params_with_extra_main_grads", ()))
         for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
@@ -319,8 +317,7 @@ def extra_main_grad_params(chunk: Any) -> int:
 
 
 def param_bucket_ranges(chunk: Any) -> dict[Any, tuple[Any, int, int]]:
-    """``param -> (bucket, start, end)``: where each parameter's elements lie in its bucket
-    (``param_index_map`` and ``bucket.offset``, the same in 0.16.1, 0.19.2 and 0.20.0)."""
+    """``param -> (bucket, start, end)``: where each parameter lies in its bucket."""
     ranges: dict[Any, tuple[Any, int, int]] = {}
     for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
         for param, (start, end, bucket_id) in buffer.param_index_map.items():
@@ -387,8 +384,7 @@ def uses_position_embedding_group(groups: Any) -> bool:
 
 
 def distributed_optimizers(optimizer: Any) -> list[Any]:
-    """The distributed optimizers inside what ``get_megatron_optimizer`` returned (it chains
-    several for separate parameter groups in 0.19), or a one-line error naming what it is."""
+    """The distributed optimizers in ``get_megatron_optimizer``'s result, or a one-line error."""
     inner = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     for each in inner:
         if not hasattr(each, "model_param_gbuf_map"):
@@ -583,8 +579,7 @@ class _PipelineGroupAs:
 
 
 class _OneRankGroup:
-    """An embedding group of this rank alone: ``finalize_model_grads`` skips the embedding
-    all-reduce at size 1 (``None`` would look up the global group)."""
+    """An embedding group of this rank alone: ``finalize_model_grads`` skips its all-reduce."""
 
     def size(self) -> int:
         return 1

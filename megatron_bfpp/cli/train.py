@@ -573,8 +573,7 @@ def _error(message: str) -> int:
 
 
 def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | None]:
-    """One rank: train; an expected failure becomes an exit code and its one line, which the
-    caller prints (under the local launcher: once, however many ranks hit it)."""
+    """One rank: train; an expected failure as an exit code and its one line, for the caller."""
     from megatron_bfpp.runtime.p2p import PipelineTimeout
     from megatron_bfpp.train.checkpoint import OtherRankFailed
     from megatron_bfpp.train.liveness import RanksLost

@@ -1,8 +1,5 @@
-"""``--pipeline-schedule`` and its options for Megatron-LM's argument parser, and their checks.
-
-Torch-free, so tests call them on a plain parser; ``--pipeline-schedule default`` (the
-default) changes nothing: Megatron-LM keeps its own schedule bit for bit.
-"""
+"""``--pipeline-schedule`` and its options for Megatron-LM's argument parser, and their checks
+(torch-free); ``default`` changes nothing: Megatron-LM keeps its own schedule bit for bit."""
 
 from __future__ import annotations
 

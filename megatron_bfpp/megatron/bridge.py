@@ -156,8 +156,7 @@ def bridge_modules() -> list[Any]:
 
 
 def _guard_multi_module(evaluate: Callable[..., Any]) -> Callable[..., Any]:
-    """Bridge's ``evaluate``, refusing in one line multi-module (MegatronMIMO) evaluation,
-    which it runs with megatron-core's schedule directly, past ours."""
+    """Bridge's ``evaluate``, refusing multi-module evaluation, which it runs past our schedule."""
     signature = inspect.signature(evaluate)
 
     @functools.wraps(evaluate)
