@@ -1,24 +1,8 @@
 """The one module that owns every megatron-core call whose form depends on the installed version.
 
-megatron_bfpp serves the megatron-core versions in ``SUPPORTED_WINDOW`` (the 0.16.1, 0.17.1,
-0.18.2 and 0.19.2 wheels, and Megatron-LM checkouts whose ``megatron/core`` is 0.16, 0.19 or
-0.20) on the torch versions of ``TORCH_WINDOW``. Everything else
-imports megatron-core names that are the same across that window directly; a call whose
-signature or location changed goes through a shim here, and each shim says which versions it
-covers. The version is read from ``megatron.core.package_info`` (never guessed from a
-``TypeError``), and a version outside the window fails with one line that names it, before any
-rank builds a model or sends a message. A torch older than ``TORCH_WINDOW`` fails the same way;
-a newer one runs, with one warning line naming the tested versions.
-
-Calls checked to be the same in 0.16.1, 0.17.1, 0.18.2, 0.19.2 and 0.20.0 (so they are made
-directly):
-``finalize_model_grads_func(model, num_tokens, pg_collection=, force_all_reduce=)``,
-``clear_embedding_activation_buffer``, ``finish_embedding_wgrad_compute``, the model config's
-``no_sync_func`` / ``grad_sync_func`` / ``param_sync_func``, ``get_model_config``,
-``get_model_type``, ``is_pp_last_stage``, the ``parallel_state`` getters and
-``initialize_model_parallel``, ``DistributedDataParallel`` / ``DistributedDataParallelConfig``,
-``get_megatron_optimizer`` / ``OptimizerConfig``, ``OptimizerParamScheduler``, ``GPTModel`` and
-the local layer spec, and the ``tensor_parallel.random`` internals the CPU adapter redirects.
+Names alike across ``SUPPORTED_WINDOW`` are imported directly elsewhere (docs/architecture.md);
+a call that changed goes through a shim here, saying which versions it covers. The version is
+read from ``megatron.core.package_info``, never guessed from a ``TypeError``.
 """
 
 from __future__ import annotations
@@ -90,8 +74,7 @@ class MinorRange:
         return f"{first if first == last else f'{first}-{last}'} (Python {self.python})"
 
 
-# The megatron-core versions we test and serve: the one statement of the window. setup.py's pin
-# is tied to it by tests/unit/test_versions.py.
+# The one statement of the megatron-core window (setup.py's pin: tests/unit/test_versions.py).
 SUPPORTED_WINDOW: tuple[MinorRange, ...] = (
     MinorRange((0, 16), (0, 16), "3.10/3.11"),
     MinorRange((0, 17), (0, 20), ">= 3.12"),
@@ -101,10 +84,8 @@ _WINDOW_TEXT = " or ".join(map(str, SUPPORTED_WINDOW))
 
 @dataclass(frozen=True)
 class TorchWindow:
-    """The torch releases megatron_bfpp is tested with: from ``first`` (major, minor) on; the
-    ``tested`` versions are the ones the CI stacks run (scripts/setup.sh pins each stack to one).
-    Older releases are refused; newer ones run with a warning, since a torch release rarely
-    breaks what we call but nothing here has run on it."""
+    """torch from ``first`` (major, minor) on; ``tested``: the CI stacks' versions. Newer
+    releases run with a warning, since one rarely breaks what we call but none has run here."""
 
     first: tuple[int, int]
     tested: tuple[str, ...]
@@ -113,8 +94,7 @@ class TorchWindow:
         return f"torch {' and '.join(self.tested)}"
 
 
-# The one statement of the torch window; setup.py's pin and scripts/setup.sh's stacks are tied
-# to it by tests/unit/test_versions.py.
+# The one statement of the torch window (setup.py, scripts/setup.sh: tests/unit/test_versions.py).
 TORCH_WINDOW = TorchWindow(first=(2, 13), tested=("2.13.0", "2.14.1"))
 
 
@@ -140,9 +120,8 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def check_torch(version: str | None = None) -> str | None:
-    """Raise :class:`UnsupportedTorchError` (one line naming the version) for a torch older than
-    ``TORCH_WINDOW``; return the one warning line for a torch newer than every tested one, else
-    None. The callers (launcher, ``install()``, bfpp-train) print the warning once per run."""
+    """Raise :class:`UnsupportedTorchError` for a torch older than ``TORCH_WINDOW``; return the
+    warning line (its callers print once per run) for one newer than every tested one."""
     if version is None:
         import torch
 
@@ -212,8 +191,7 @@ def forward_step(
     vp_stage: int | None,
     is_last_stage: bool,
 ) -> Any:
-    """megatron-core's ``forward_step``: the same signature in 0.16, 0.19 and 0.20 (0.19 moved
-    ``set_current_microbatch`` into ``cuda_graphs`` without changing this call)."""
+    """megatron-core's ``forward_step``: the same signature in 0.16, 0.19 and 0.20."""
     check_megatron_core()
     from megatron.core.pipeline_parallel import schedules
 
@@ -238,8 +216,7 @@ def forward_step(
 def backward_step(
     input_tensor: Any, output_tensor: Any, output_tensor_grad: Any, *, model_type: Any, config: Any
 ) -> Any:
-    """megatron-core's ``backward_step``: 0.16 takes ``model_type`` before ``config``; 0.17 to
-    0.20 dropped it."""
+    """megatron-core's ``backward_step``: 0.16 takes ``model_type`` before ``config``."""
     from megatron.core.pipeline_parallel import schedules
 
     if _at_least(0, 17):
@@ -250,9 +227,8 @@ def backward_step(
 
 
 def default_process_groups() -> Any:
-    """The ``ProcessGroupCollection`` megatron-core's schedules build from ``parallel_state`` when
-    the caller passes none (0.16 and 0.17: tp, cp, embd, pos_embd, pp, dp_cp; 0.18 adds
-    tp_dp_cp; 0.19 and 0.20 add dp too; their ``finalize_model_grads`` may read them)."""
+    """The ``ProcessGroupCollection`` megatron-core's schedules build when the caller passes none
+    (0.18 adds tp_dp_cp, 0.19 dp; their ``finalize_model_grads`` may read them)."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -279,9 +255,7 @@ def default_process_groups() -> Any:
 def call_megatron_get_forward_backward_func(
     original: Any, *, pp_size: int | None, vp_size: int | None, schedule_pg_collection: Any
 ) -> Any:
-    """megatron-core's own ``get_forward_backward_func``: 0.19 and 0.20 take
-    ``schedule_pg_collection`` (Megatron-LM passes it on every call); 0.16 to 0.18 have no such
-    argument and none of their callers pass one."""
+    """megatron's own ``get_forward_backward_func``: 0.19+ take ``schedule_pg_collection``."""
     if _at_least(0, 19):
         return original(
             pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection
@@ -296,8 +270,7 @@ def call_megatron_get_forward_backward_func(
 
 def is_multi_module_collection(schedule_pg_collection: Any) -> bool:
     """True for 0.19+'s ``MultiModuleProcessGroupCollection`` (cross-grid multi-module pipelines,
-    which megatron runs with its bridge schedule); 0.16 has no such class, and 0.17 and 0.18,
-    which define it, take no ``schedule_pg_collection`` to pass one in."""
+    run by megatron's bridge schedule); older versions take no ``schedule_pg_collection``."""
     if schedule_pg_collection is None or not _at_least(0, 19):
         return False
     from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
@@ -317,13 +290,8 @@ class ShardedBucket(NamedTuple):
 
 
 def sharded_param_buckets(chunk: Any) -> list[ShardedBucket]:
-    """Each bucket of a megatron-core DDP chunk's buffers, dense and expert-parallel.
-
-    The same attributes in 0.16.1, 0.19.2 and 0.20.0 (``bucket_groups``,
-    ``expert_parallel_bucket_groups``, ``buckets``, ``param_data``, ``grad_data``,
-    ``intra_distributed_optimizer_instance_group/size/rank``); kept here because they are
-    buffer internals rather than API, so a release that moves them changes one function.
-    """
+    """Each bucket of a megatron-core DDP chunk's buffers, dense and expert-parallel: buffer
+    internals (the same in 0.16.1 to 0.20.0) rather than API, so a move changes one function."""
     groups = [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
     return [
         ShardedBucket(
@@ -340,8 +308,7 @@ def sharded_param_buckets(chunk: Any) -> list[ShardedBucket]:
 
 
 def extra_main_grad_params(chunk: Any) -> int:
-    """How many parameters keep their ``main_grad`` outside the gradient buffer (0.19's
-    ``params_with_extra_main_grads``, copied in and out around the reduction); 0.16 has none."""
+    """Parameters keeping ``main_grad`` outside the gradient buffer (0.19's; 0.16 has none)."""
     return sum(
         len(getattr(bucket, "params_with_extra_main_grads", ()))
         for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
@@ -350,8 +317,7 @@ def extra_main_grad_params(chunk: Any) -> int:
 
 
 def param_bucket_ranges(chunk: Any) -> dict[Any, tuple[Any, int, int]]:
-    """``param -> (bucket, start, end)``: where each parameter's elements lie in its bucket
-    (``param_index_map`` and ``bucket.offset``, the same in 0.16.1, 0.19.2 and 0.20.0)."""
+    """``param -> (bucket, start, end)``: where each parameter lies in its bucket."""
     ranges: dict[Any, tuple[Any, int, int]] = {}
     for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
         for param, (start, end, bucket_id) in buffer.param_index_map.items():
@@ -361,12 +327,8 @@ def param_bucket_ranges(chunk: Any) -> dict[Any, tuple[Any, int, int]]:
 
 
 def tensor_parallel_reduced_params(chunks: Any, config: Any) -> tuple[list[Any], list[Any]]:
-    """The parameters whose gradients megatron-core's ``finalize_model_grads`` all-reduces over
-    the tensor-parallel group after the data-parallel reduction: ``(summed, averaged)``.
-
-    Mirrors ``_allreduce_non_tensor_model_parallel_grads`` of 0.16.1, 0.19.2 and 0.20.0:
-    sequence-parallel parameters and q/k layer norms are summed, parameters marked
-    ``average_gradients_across_tp_domain`` averaged."""
+    """``(summed, averaged)``: the parameters whose gradients ``finalize_model_grads``
+    all-reduces over tensor parallelism (``_allreduce_non_tensor_model_parallel_grads``)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     summed: list[Any] = []
@@ -385,10 +347,8 @@ def tensor_parallel_reduced_params(chunks: Any, config: Any) -> tuple[list[Any],
 
 
 def shared_embedding_chunk(chunks: Any, config: Any, groups: Any) -> tuple[int, Any] | None:
-    """``(chunk index, weight)`` of the word-embedding weight this rank all-reduces with the
-    other end of the pipeline in ``finalize_model_grads`` (tied input and output embeddings),
-    or None. Mirrors ``_allreduce_embedding_grad``'s choice (0.16.1, 0.19.2, 0.20.0): the
-    first chunk on the first pipeline stage, the last chunk on the last."""
+    """``(chunk index, weight)`` of the tied word embedding this rank all-reduces with the other
+    pipeline end in ``finalize_model_grads``, or None, as ``_allreduce_embedding_grad`` chooses."""
     import torch.distributed as dist
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
     from megatron.core.utils import get_attr_wrapped_model
@@ -414,8 +374,7 @@ def shared_embedding_chunk(chunks: Any, config: Any, groups: Any) -> tuple[int, 
 
 
 def uses_position_embedding_group(groups: Any) -> bool:
-    """Whether ``finalize_model_grads`` would all-reduce position embeddings over the pipeline
-    (encoder-decoder models split at a pipeline rank)."""
+    """Whether ``finalize_model_grads`` would all-reduce position embeddings over the pipeline."""
     import torch.distributed as dist
 
     group = getattr(groups, "pos_embd", None)
@@ -425,8 +384,7 @@ def uses_position_embedding_group(groups: Any) -> bool:
 
 
 def distributed_optimizers(optimizer: Any) -> list[Any]:
-    """The distributed optimizers inside what ``get_megatron_optimizer`` returned (it chains
-    several for separate parameter groups in 0.19), or a one-line error naming what it is."""
+    """The distributed optimizers in ``get_megatron_optimizer``'s result, or a one-line error."""
     inner = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     for each in inner:
         if not hasattr(each, "model_param_gbuf_map"):
@@ -459,20 +417,9 @@ ShardOf = Callable[[Any], Any]
 def optimizer_on_shards(
     optimizer: Any, param_shard: ShardOf, grad_shard: ShardOf
 ) -> Iterator[None]:
-    """Step megatron-core's distributed optimizer on shard-only buffers.
-
-    The optimizer touches the full buffers in exactly two places, the same in 0.16.1, 0.19.2
-    and 0.20.0: ``_copy_model_grads_to_main_grads`` reads this rank's range of each
-    parameter's ``main_grad`` (a view into the gradient buffer) and
-    ``_copy_main_params_to_model_params`` writes the updated range into the parameter buffer;
-    with fp32 parameters its main parameters are themselves views into that buffer. Here
-    ``param_shard(bucket)`` / ``grad_shard(bucket)`` give the bucket's kept shard (this rank's
-    part of the bucket, ``gbuf_local`` coordinates): the fp32 main parameters are re-pointed at
-    the kept parameter shards (once: they stay there, the same tensor objects the Adam state
-    is keyed by), and for the step's duration the two copies read and write the kept shards.
-    Everything else (unscaling and the inf check, the global norm and clipping, zero counting,
-    Adam) runs on the main parameters and their gradients, unchanged.
-    """
+    """Step megatron-core's distributed optimizer on shard-only buffers: the two copies that
+    touch the full buffers (0.16.1 to 0.20.0) read and write the kept shards for the step, and
+    fp32 main parameters, views into them, are re-pointed at the kept shards once."""
     import torch
 
     inner = distributed_optimizers(optimizer)
@@ -531,18 +478,13 @@ def optimizer_on_shards(
 
 
 def start_partial_grad_sync(chunk: Any) -> None:
-    """Start the DDP chunk's gradient reduction while it is still in ``no_sync``, for a run of
-    its backwards before its last (fully sharded breadth-first with groups): megatron-core's own
-    ``start_grad_sync`` (scaling, reduce-scatter into the buffer), which DDP's hooks would not
-    dispatch inside ``no_sync``. 0.16.1, 0.19.2 and 0.20.0 alike."""
+    """Start the chunk's gradient reduction inside ``no_sync``, where DDP's hooks would not."""
     chunk.start_grad_sync()
 
 
 def finish_partial_grad_sync(chunk: Any) -> None:
-    """Finish such a reduction (start and finish it without ``overlap_grad_reduce``) and leave
-    the chunk's buckets ready to reduce again this step: 0.19 marks a bucket group finished for
-    the iteration (``grad_reduce_finished``, cleared by ``zero_grad_buffer``), which would turn
-    the chunk's last reduction of the step into a no-op; 0.16.1 has no such flag."""
+    """Finish such a reduction and leave the buckets ready to reduce again this step: 0.19's
+    ``grad_reduce_finished`` (0.16.1 has none) would make the step's last reduction a no-op."""
     chunk.finish_grad_sync()
     for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]:
         if hasattr(group, "grad_reduce_finished"):
@@ -550,9 +492,7 @@ def finish_partial_grad_sync(chunk: Any) -> None:
 
 
 def guard_zero_grad_buffer(chunk: Any, around: Callable[[Callable[[], None]], None]) -> None:
-    """Route the DDP chunk's ``zero_grad_buffer`` (which zeroes the whole gradient buffer, and
-    which training loops call before each step) through ``around(original)``, so a released
-    buffer is allocated for it. An instance attribute, set once."""
+    """Route ``zero_grad_buffer`` through ``around(original)``: a released buffer is allocated."""
     if getattr(chunk, "_bfpp_zero_guarded", False):
         return
     original = chunk.zero_grad_buffer
@@ -562,13 +502,8 @@ def guard_zero_grad_buffer(chunk: Any, around: Callable[[Callable[[], None]], No
 
 @contextlib.contextmanager
 def param_gather_suppressed(chunks: Any) -> Iterator[None]:
-    """Run a distributed-optimizer step without its closing parameter all-gather.
-
-    0.16.1, 0.19.2 and 0.20.0 skip that gather when the DDP config's ``overlap_param_gather``
-    is set (the forward pre-hooks would gather instead); with sharded parameters the schedule
-    gathers each chunk itself, so the step's gather would be a whole extra collective per
-    bucket. The flag is set only for the step and restored after it, also on error.
-    """
+    """Run a distributed-optimizer step without its closing parameter all-gather (the schedule
+    gathers each sharded chunk): ``overlap_param_gather`` set for the step skips it."""
     configs = {id(chunk.ddp_config): chunk.ddp_config for chunk in chunks}.values()
     saved = [(config, config.overlap_param_gather) for config in configs]
     for config, _ in saved:
@@ -581,16 +516,8 @@ def param_gather_suppressed(chunks: Any) -> Iterator[None]:
 
 
 def model_params_from_main_params(optimizer: Any, chunks: Any) -> None:
-    """Make the (whole, unsharded) model's parameters what the distributed optimizer's main
-    parameters say, as after an optimizer step: each rank casts its main parameters into its
-    range of the parameter buffers and the buffers are all-gathered over data parallelism.
-
-    A ``torch_dist`` checkpoint of a fully sharded run stores the parameters only as the main
-    parameters of the optimizer's ``dp_reshardable`` state, so no rank gathers a chunk to save;
-    loading rebuilds the model from them. The same two calls run after every step in 0.16.1,
-    0.19.2 and 0.20.0 (``_copy_main_params_to_model_params``, then the DDP chunks'
-    ``start_param_sync``), so the result is bit-identical to the model the step left.
-    """
+    """Rebuild the model's parameters from the optimizer's main parameters (all a fully sharded
+    ``torch_dist`` checkpoint stores) with a step's two calls: bit-identical to a step's."""
     for opt in distributed_optimizers(optimizer):
         opt._copy_main_params_to_model_params()
     for chunk in chunks:
@@ -598,9 +525,7 @@ def model_params_from_main_params(optimizer: Any, chunks: Any) -> None:
 
 
 def _torch_adams(optimizer: Any) -> list[Any]:
-    """The torch ``Adam`` optimizers inside megatron-core's (chained) optimizer. Apex's and
-    Transformer Engine's FusedAdam keep the step in their param groups and need neither fix
-    below."""
+    """The torch ``Adam`` optimizers inside megatron-core's (chained) optimizer."""
     import torch
 
     inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]]
@@ -608,15 +533,8 @@ def _torch_adams(optimizer: Any) -> list[Any]:
 
 
 def torch_adam_state_for_load(optimizer: Any) -> None:
-    """Zero Adam state (step 0) for parameters that have none yet, before a load.
-
-    Without Apex or Transformer Engine (on CPU, always), megatron-core's distributed optimizer
-    (0.16.1, 0.19.2, 0.20.0) reads ``step`` from torch Adam's state to build its
-    ``sharded_state_dict`` and asserts there is one (``assert len(steps) == 1`` in
-    ``state_dict``), so a fresh optimizer cannot describe what it loads: Megatron-LM's own
-    resume failed so. The load overwrites these values; without a load, Adam's first step from
-    a zero state at step 0 is its first step from no state.
-    """
+    """Zero Adam state for parameters that have none yet, before a load: the distributed
+    optimizer's ``sharded_state_dict`` asserts torch Adam's ``step`` (zero is none to Adam)."""
     import torch
 
     for inner in _torch_adams(optimizer):
@@ -631,14 +549,8 @@ def torch_adam_state_for_load(optimizer: Any) -> None:
 
 
 def restore_torch_adam_steps(optimizer: Any) -> None:
-    """Each parameter's Adam ``step`` from the checkpoint, in its own tensor, after a load.
-
-    Without Apex or Transformer Engine, megatron-core's distributed optimizer keeps the step in
-    its param groups and, loading, (1) puts one tensor in every parameter's state (torch Adam
-    adds 1 to it in place once per parameter) and then (2) copies the loading template's step
-    over it (the optimizer's step before the load). Measured with 0.16 and 0.19: without this,
-    training after a resume differs from the uninterrupted run.
-    """
+    """Each parameter's Adam ``step`` from the checkpoint, in its own tensor, after a load (the
+    distributed optimizer loads one shared, stale tensor: a resumed run differed)."""
     import torch
 
     for inner in _torch_adams(optimizer):
@@ -652,16 +564,8 @@ def restore_torch_adam_steps(optimizer: Any) -> None:
 
 
 class _PipelineGroupAs:
-    """A pipeline process group that reports another rank: what a V-shape chunk's layers see.
-
-    megatron-core derives a chunk's layers (how many, their global numbers, the checkpoint keys
-    of its layers) from ``(vp_stage, pipeline rank)`` in the looped placement, where chunk ``c``
-    of rank ``r`` is global stage ``c * p + r``. A V-shape chunk holding global stage ``s`` is,
-    to that arithmetic, looped slot ``(s // p, s % p)``; this group reports ``s % p``. It is
-    used only as the model's ``pg_collection.pp``, which 0.16.1, 0.19.2 and 0.20.0 read for
-    ``rank()`` (layer offsets, first/last checks of the tied-embedding setup) and ``size()``;
-    anything else is the real group's.
-    """
+    """A pipeline process group that reports another rank, so megatron-core numbers a V-shape
+    chunk's layers as the looped slot's holding its stage (``megatron.chunks``)."""
 
     def __init__(self, group: Any, rank: int) -> None:
         self._group = group
@@ -675,9 +579,7 @@ class _PipelineGroupAs:
 
 
 class _OneRankGroup:
-    """An embedding group of this rank alone, for ``finalize_model_grads``: 0.16.1, 0.19.2 and
-    0.20.0 skip the embedding all-reduce when ``embd.size()`` is 1 (and look the global group
-    up when it is ``None``, which would pair ranks that hold no embedding under the V-shape)."""
+    """An embedding group of this rank alone: ``finalize_model_grads`` skips its all-reduce."""
 
     def size(self) -> int:
         return 1
@@ -689,11 +591,8 @@ class _OneRankGroup:
 def model_process_groups(
     *, pipeline_rank: int | None, embedding_group: bool, base: Any = None
 ) -> Any:
-    """The ``ProcessGroupCollection`` a megatron-core model builds with (a copy of ``base``, or
-    by default ``use_mpu_process_groups``, the same in 0.16.1, 0.19.2 and 0.20.0), with the
-    pipeline group reporting ``pipeline_rank`` (``None``: the real rank) and, without
-    ``embedding_group``, no embedding group: a model with its input embedding and its tied
-    output layer on one rank neither copies nor all-reduces them over the pipeline."""
+    """The ``ProcessGroupCollection`` a model builds with (a copy of ``base``, or megatron's),
+    its pipeline group reporting ``pipeline_rank``; without ``embedding_group``, none."""
     import copy
 
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -712,8 +611,7 @@ def model_process_groups(
 
 
 def process_groups_without_embedding_group(groups: Any) -> Any:
-    """A copy of a schedule's process groups whose embedding group is this rank alone, for
-    ``finalize_model_grads`` of a model whose tied embedding copies sit on one rank."""
+    """A copy of ``groups`` whose embedding group is this rank alone (tied copies on one rank)."""
     import copy
 
     stripped = copy.copy(groups)
@@ -722,18 +620,12 @@ def process_groups_without_embedding_group(groups: Any) -> Any:
 
 
 # --- deferred weight gradients (runtime.deferred_wgrad) ---------------------------------------
-# megatron-core's local linear layers (``ColumnParallelLinear``, ``RowParallelLinear``) run their
-# GEMMs through ``LinearWithGradAccumulationAndAsyncCommunication``. Its forward, and the context
-# fields its backward reads (saved input and weight, ``main_grad``, ``use_bias``,
-# ``gradient_accumulation_fusion``, ``allreduce_dgrad``, ``sequence_parallel``, ``tp_group``),
-# are the same in 0.16.1, 0.19.2 and 0.20.0; its argument list is not (0.16 wraps a deprecated
-# ``async_grad_allreduce``, 0.19 adds ``gtp_remat_size``), so the arguments are built by name.
+# ``LinearWithGradAccumulationAndAsyncCommunication``'s forward and the context its backward
+# reads are the same in 0.16.1 to 0.20.0; its argument list is not, so it is built by name.
 
 
 def transformer_engine_layers(module: Any) -> list[Any]:
-    """The Transformer Engine layers megatron-core built into ``module`` (its
-    ``megatron.core.extensions.transformer_engine`` wrappers), which keep their own weight GEMMs
-    in the backward."""
+    """The Transformer Engine layers in ``module`` (they keep their own weight GEMMs)."""
     prefix = "megatron.core.extensions.transformer_engine"
     return [
         m
@@ -743,8 +635,7 @@ def transformer_engine_layers(module: Any) -> list[Any]:
 
 
 def local_linear_layers(module: Any) -> list[Any]:
-    """megatron-core's own tensor-parallel linear layers in ``module`` (not Transformer
-    Engine's, which have their own delayed weight-gradient mechanism)."""
+    """megatron-core's tensor-parallel linear layers in ``module`` (not Transformer Engine's)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     return [m for m in module.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
@@ -762,9 +653,8 @@ def _linear_parameter_names() -> tuple[tuple[str, ...], Any]:
 
 
 def linear_function_args(input: Any, weight: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-    """The arguments megatron-core's ``linear_with_grad_accumulation_and_async_allreduce``
-    would hand its autograd Function for this call of a layer's ``_forward_impl``, in the
-    Function's order (defaults filled in, the tensor-parallel group resolved)."""
+    """The arguments ``linear_with_grad_accumulation_and_async_allreduce`` would hand its
+    autograd Function for this call, in its order (defaults filled in, group resolved)."""
     from megatron.core.tensor_parallel.layers import get_tensor_model_parallel_group_if_none
 
     names, wrapper = _linear_parameter_names()
@@ -778,19 +668,14 @@ def linear_function_args(input: Any, weight: Any, *args: Any, **kwargs: Any) -> 
 
 
 def megatron_linear_forward(ctx: Any, *args: Any) -> Any:
-    """megatron-core's own linear forward on ``ctx``: the same output and saved state as
-    ``linear_with_grad_accumulation_and_async_allreduce``, for a Function whose backward
-    differs only in when the weight gradient is computed."""
-    from megatron.core.tensor_parallel.layers import (
-        LinearWithGradAccumulationAndAsyncCommunication,
-    )
+    """megatron-core's own linear forward on ``ctx``, for a Function deferring its weight GEMM."""
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
 
     return LinearWithGradAccumulationAndAsyncCommunication.forward(ctx, *args)
 
 
 def linear_function_option(args: tuple[Any, ...], name: str, default: Any = None) -> Any:
-    """One named argument of a ``linear_function_args`` tuple (``default`` if this version
-    has no such argument, e.g. ``gtp_remat_size`` before 0.19)."""
+    """One named argument of a ``linear_function_args`` tuple, or ``default`` in this version."""
     names, _ = _linear_parameter_names()
     return args[names.index(name)] if name in names else default
 
@@ -803,8 +688,7 @@ def wgrad_operands(grad_output: Any, total_input: Any) -> tuple[Any, Any]:
 
 
 def accumulate_wgrad_fused(total_input: Any, grad_output: Any, main_grad: Any) -> None:
-    """Gradient-accumulation fusion: add the weight gradient into ``main_grad`` with the CUDA
-    kernel megatron-core's linear backward uses (GPU only, like that option)."""
+    """Add the weight gradient into ``main_grad`` with megatron-core's fused CUDA kernel."""
     import torch
     from megatron.core.tensor_parallel import layers
 

@@ -1,6 +1,4 @@
-"""What every CLI shares: one-line errors, argument types, output-path checks and strict JSON (the
-parser itself and ``positive_int`` are :mod:`megatron_bfpp.flags`', shared with the Megatron-LM
-pre-flight)."""
+"""What every CLI shares: one-line errors, argument types, output-path checks and strict JSON."""
 
 from __future__ import annotations
 
@@ -23,11 +21,15 @@ from megatron_bfpp.flags import positive_int, printable_output
 from megatron_bfpp.schedules.registry import SCHEDULES
 
 
-def fail(prog: str, error: BaseException | str) -> int:
-    """Print the first line of an error (schedule errors carry a grid after it) and return 2."""
+def first_line(error: BaseException | str) -> str:
+    """An error's first line (schedule errors carry a grid after it), or its type's name."""
     text = str(error).strip()
-    first = text.splitlines()[0] if text else type(error).__name__
-    sys.stderr.write(f"{prog}: error: {first}\n")
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def fail(prog: str, error: BaseException | str) -> int:
+    """Print the first line of an error and return 2."""
+    sys.stderr.write(f"{prog}: error: {first_line(error)}\n")
     return 2
 
 
@@ -42,9 +44,8 @@ class Main(Protocol):
 
 
 def closed_pipe_ends_quietly(main: Main) -> Main:
-    """``bfpp-plan ... | head -3``: when the reader closes the pipe, end without a traceback
-    (exit 141, as a command killed by SIGPIPE). stdout is pointed at /dev/null first, so the
-    interpreter's flush at exit does not raise the same error again."""
+    """``bfpp-plan ... | head -3``: when the reader closes the pipe, exit 141 (as SIGPIPE would)
+    without a traceback, stdout pointed at /dev/null so the flush at exit does not raise again."""
 
     @functools.wraps(main)
     def run(argv: Sequence[str] | None = None) -> int:
@@ -63,12 +64,8 @@ def closed_pipe_ends_quietly(main: Main) -> Main:
 
 
 def ends_without_teardown(main: Main) -> Callable[[], NoReturn]:
-    """The console script of a command that may leave millions of small objects behind (a
-    simulated or planned schedule at pp 64 and a thousand micro-batches): once ``main`` has
-    returned and the output is flushed, the process ends with ``os._exit``, skipping the
-    interpreter's teardown, which frees each object one by one (3-4 s of CPU after 11 s of work
-    there; mypy's ``--fast-exit`` does the same). Every file the command writes is closed before
-    ``main`` returns (``files.write_output``); an exception still ends the usual way."""
+    """The console script of a command that may leave millions of small objects behind: once
+    ``main`` returned and the output is flushed, ``os._exit`` skips their teardown (seconds)."""
 
     def command() -> NoReturn:
         code = main()
@@ -80,8 +77,7 @@ def ends_without_teardown(main: Main) -> Callable[[], NoReturn]:
 
 
 def optional_package_problem(flag: str, module: str, extra: str) -> str | None:
-    """One line when ``flag`` needs ``module`` and it does not import (missing, or installed
-    broken), checked before any work so that it is not a traceback after it."""
+    """One line when ``flag`` needs ``module`` and it does not import, checked before any work."""
     try:
         importlib.import_module(module)
     except Exception as error:  # a broken install fails in its own ways; any is "not usable"
@@ -100,8 +96,7 @@ def stages_per_rank_defaults() -> str:
 
 
 def positive_int_up_to(limit: int, why: str) -> Callable[[str], int]:
-    """``positive_int`` with an upper bound (``why`` says where it comes from): a size past it
-    would make the command run for minutes or grow without end before saying anything."""
+    """``positive_int`` bounded (``why`` says by what): past it the command ran for minutes."""
 
     def parse(text: str) -> int:
         value = positive_int(text)
@@ -139,8 +134,7 @@ def positive_float(text: str) -> float:
 
 
 def json_text(data: Any) -> str:
-    """Strict JSON (RFC 8259 has no Infinity or NaN, and most parsers refuse them): a number
-    that is not finite becomes null."""
+    """Strict JSON (RFC 8259 has no Infinity or NaN): a number that is not finite becomes null."""
     return json.dumps(_finite_or_null(data), indent=2, allow_nan=False)
 
 
@@ -158,14 +152,9 @@ _LOOP = "a symbolic link that loops (too many levels of symbolic links)"
 
 
 def output_file_problem(flag: str, path: str, *, replaced: bool = True) -> str | None:
-    """Why ``flag path`` could not be written, known before any work starts (``None``: no reason
-    found; a full disk still shows at the write). The write is
-    :func:`megatron_bfpp.files.write_output`'s (``replaced``: a regular file is replaced by a
-    new one beside it, so its directory must take files) or a stream's (``--metrics-file``:
-    the file itself is appended to). A symbolic link is checked where it leads; a device or
-    FIFO is written in place. Writes nothing the run would not: an existing file is opened for
-    appending and closed (never truncated), a new one is tried as a temporary file beside it
-    and removed."""
+    """Why ``flag path`` could not be written, known before any work starts (``replaced``: by a new
+    file beside it, so its directory must take files; else appended to). Writes nothing the run
+    would not: an existing file is opened for appending, a new one tried and removed."""
     if not path:
         return f"{flag}: empty path"
     try:
@@ -198,9 +187,7 @@ def output_file_problem(flag: str, path: str, *, replaced: bool = True) -> str |
 
 
 def write_problem(flag: str, path: str, write: Callable[[str], object]) -> str | None:
-    """Run ``write(path)`` (a writer through :func:`megatron_bfpp.files.write_output`); a
-    failure the checks could not foresee (a full disk, a device that refuses) as one line
-    naming the flag, not a bare ``[Errno 28]`` or a traceback."""
+    """Run ``write(path)``; a failure the checks could not foresee (a full disk) as one line."""
     try:
         write(path)
     except OSError as error:
@@ -210,9 +197,7 @@ def write_problem(flag: str, path: str, write: Callable[[str], object]) -> str |
 
 def output_dir_problem(flag: str, path: str) -> str | None:
     """Why ``flag path``, a directory the run creates (with its parents) and fills, could not
-    be, known before any work starts. A symbolic link is checked where it leads (the run
-    creates a dangling link's target: :func:`megatron_bfpp.files.make_dirs`). Creates and
-    removes one temporary directory in the nearest directory that exists."""
+    be, known before any work starts (a temporary directory tried in the nearest existing one)."""
     if not path:
         return f"{flag}: empty path"
     try:

@@ -1,10 +1,5 @@
-"""``bfpp-plan``: estimates made before a run. Subcommands: ``recommend`` (the configuration
-search), ``auto`` (what ``--pipeline-schedule auto`` would decide for a layout), ``profile``
-(measure one stage on this machine's device, for ``recommend --profile``) and
-``bpipe-estimate``.
-
-Pure like the planner: ``profile`` imports torch and megatron-core only when it runs
-(``megatron_bfpp.stage_timing``)."""
+"""``bfpp-plan``: estimates made before a run (``recommend``, ``auto``, ``profile``,
+``bpipe-estimate``); pure like the planner, only ``profile`` imports torch when it runs."""
 
 from __future__ import annotations
 
@@ -59,8 +54,7 @@ PROG = "bfpp-plan"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog=PROG,
-        description="Plan a pipeline-parallel run before spending GPU hours on it.",
+        prog=PROG, description="Plan a pipeline-parallel run before spending GPU hours on it."
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     _add_recommend(commands)
@@ -178,8 +172,7 @@ def format_estimate(estimate: Estimate) -> str:
 # --------------------------------------------------------------------------- recommend
 
 
-# Bounds on the search's inputs: the candidates and each one's schedule grow with them, and past
-# these the search ran for minutes before saying anything. Each is far above any real job.
+# Bounds on the search's inputs, far above any real job, past which it ran for minutes.
 _GPUS = positive_int_up_to(1 << 20, "GPUs this planner searches over")
 _GPUS_PER_NODE = positive_int_up_to(1024, "GPUs per node")
 _BATCH = positive_int_up_to(1 << 24, "sequences per global batch")
@@ -356,17 +349,18 @@ def _recommend(args: argparse.Namespace) -> int:
         cluster = Cluster(args.num_gpus, args.gpus_per_node, gpu)
         schedules = _choices(args.schedules, sorted({n for n, _ in families()}), "--schedules")
         recompute = _choices(args.recompute, RECOMPUTE, "--recompute") or RECOMPUTE
-        efficiency = None
-        if args.profile:
-            efficiency = ProfileCurve.from_profile(load_profile(args.profile), gpu)
+        profile = load_profile(args.profile) if args.profile else None
+        efficiency = ProfileCurve.from_profile(profile, gpu) if profile is not None else None
         if args.critical_batch_size is not None and args.critical_batch_size <= 0:
             raise ScheduleError(
                 f"--critical-batch-size must be positive, got {args.critical_batch_size}"
             )
         if args.plot and (problem := output_file_problem("--plot", args.plot)):
             raise ScheduleError(problem)
-        if args.plot:
-            _check_matplotlib()
+        if args.plot and (
+            problem := optional_package_problem("--plot", "matplotlib", "megatron-bfpp[plot]")
+        ):
+            raise ScheduleError(f"{problem} (or drop --plot)")
         options = SearchOptions(
             schedules=schedules,
             recompute=recompute,
@@ -381,10 +375,7 @@ def _recommend(args: argparse.Namespace) -> int:
         from megatron_bfpp.plan.search import no_candidates_reason, recommend
 
         result = recommend(
-            model=model,
-            cluster=cluster,
-            global_batch_size=args.global_batch_size,
-            options=options,
+            model=model, cluster=cluster, global_batch_size=args.global_batch_size, options=options
         )
         if not result.candidates_evaluated:
             raise ScheduleError(
@@ -435,12 +426,6 @@ def _recommend(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_matplotlib() -> None:
-    problem = optional_package_problem("--plot", "matplotlib", "megatron-bfpp[plot]")
-    if problem is not None:
-        raise ScheduleError(f"{problem} (or drop --plot)")
-
-
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f}"
 
@@ -453,8 +438,7 @@ def format_recommendation(
     global_batch_size: int,
     schedules: Sequence[str] = (),
 ) -> str:
-    """The table people read: one row per configuration, best first, then what the columns
-    mean and which schedules the runtime cannot run yet."""
+    """The table people read: one row per configuration, best first, then each family's best."""
     gpu = cluster.gpu
     marked = [
         (plan.p2p_model, plan.megatron_grad_reduce or "overlap")
@@ -517,8 +501,7 @@ def format_recommendation(
 
 
 def _name(plan: Plan) -> str:
-    """A row's family, its breadth-first group or BPipe cap, and [M] when it stands for
-    Megatron's own."""
+    """A row's family, its group or BPipe cap, and [M] when it stands for Megatron's own."""
     c = plan.candidate
     group = f" g={c.group_size}" if c.group_size else ""
     cap = f" cap={c.max_stored}" if c.max_stored else ""
@@ -558,11 +541,7 @@ def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     )
     cluster.add_argument("--profile", metavar="FILE", help="a stage profile (bfpp-plan profile)")
     layout = command.add_argument_group("layout and batch, as Megatron-LM's flags")
-    for flag in (
-        "--tensor-model-parallel-size",
-        "--context-parallel-size",
-        "--micro-batch-size",
-    ):
+    for flag in ("--tensor-model-parallel-size", "--context-parallel-size", "--micro-batch-size"):
         layout.add_argument(flag, type=positive_int, default=1, metavar="N")
     layout.add_argument(
         "--pipeline-model-parallel-size", type=positive_int, required=True, metavar="N"

@@ -72,10 +72,6 @@ _SIM_FLAGS: dict[str, tuple[ScheduleOption, ...]] = {
 }
 
 
-def _sim_dest(flag: str) -> str:
-    return flag.removeprefix("--").replace("-", "_")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog=PROG,
@@ -246,8 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _simulated(args: argparse.Namespace, schedule: Schedule, costs: CostModel) -> SimResult:
-    """A catalogue schedule's long step from its steady state (``simulate_steady``), unless
-    ``--exact`` or an output that draws every event asks for the whole step."""
+    """The step from its steady state, unless ``--exact`` or a drawing asks for every event."""
     grad_reduce = args.megatron_grad_reduce
     if args.load_csv or args.exact or args.png or args.trace:
         return simulate(schedule, costs, p2p=args.p2p_model, megatron_grad_reduce=grad_reduce)
@@ -267,8 +262,7 @@ GRID_ACTIONS = 4_096  # the default grid's most compute actions: a page or two, 
 
 
 def _grid(choice: str | None, schedule: Schedule) -> str:
-    """The grid printed after the table: ``--grid``'s, or by default the compute grid of a
-    schedule small enough to read (a pp 64, m 4,400 one printed 15 MB)."""
+    """``--grid``'s grid, by default the compute grid of a schedule small enough to read."""
     if choice == "none":
         return ""
     if choice == "full":
@@ -293,8 +287,7 @@ def png_problem(num_ranks: int) -> str | None:
     )
 
 
-# bfpp-sim's default --t-evict for bpipe: a quarter of a forward. With 0 its transfers take no
-# time, leave no event, and its timeline looked exactly like 1F1B's.
+# bfpp-sim's default --t-evict for bpipe (a quarter of a forward): with 0 its timeline is 1F1B's.
 BPIPE_T_EVICT = 0.25
 # Cost flags whose default depends on the schedule (filled by apply_defaults), in --help's words.
 _SCHEDULE_DEFAULTS = {
@@ -304,8 +297,7 @@ _SCHEDULE_DEFAULTS = {
 
 
 def apply_defaults(args: argparse.Namespace) -> dict[str, str]:
-    """Fill the defaults that depend on the schedule; returns what was filled, in words, for
-    the report to say (``--microbatches`` 2 x pp, ``--t-evict`` for bpipe)."""
+    """Fill the defaults that depend on the schedule; what was filled, in words, for the report."""
     used: dict[str, str] = {}
     if args.microbatches is None and args.schedule and args.pp is not None and not args.load_csv:
         args.microbatches = 2 * args.pp
@@ -343,7 +335,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     spec = get_spec(args.schedule)
     options: dict[str, Any] = {}
     for flag, flag_options in _SIM_FLAGS.items():
-        value = getattr(args, _sim_dest(flag))
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))  # argparse's dest
         if value is None:
             continue
         taken = [option for option in spec.options if option in flag_options]
@@ -372,19 +364,10 @@ def _built(
 
 
 def schedule_from_csv(path: str, *, sharding: str = "optim") -> Schedule:
-    """A schedule from a CSV, lowered and validated as bfpp-sim simulates it.
-
-    A compute-only file gets our messages and GS / PS (/ RL with ``sharding``). A lowered one
-    (messages, or per-chunk GS / PS / RL: torch's lowered format has them even at pp=1, where it
-    has no messages) is taken as written, with one exception for torch's format only: when its
-    messages pair up but two ranks post them in different orders (torch's ``defer_pp_recv=True``
-    moves receives to their consumers, and torch matches messages by tag, not by posting
-    order), they would be matched wrongly under posting-order matching, so they are dropped and
-    ``add_communication`` derives them again from the compute order, which the file keeps, as it
-    keeps its GS / PS / RL; the schedule's name then says so. A file in our own format is ours to
-    check, not to repair: the validator refuses reordered messages there. Validation errors are
-    prefixed with the file, so the one line bfpp-sim prints says which file failed.
-    """
+    """A schedule from a CSV, lowered and validated as bfpp-sim simulates it (errors name the
+    file). A lowered one is taken as written, except that torch's may post paired messages in
+    different orders on the two sides (torch matches by tag): they are derived again, as the
+    name then says. Our own format is checked, never repaired."""
     loaded = load_csv(path)
     lowered = has_communication(loaded) or any(
         action.kind in _PER_CHUNK for actions in loaded.per_rank for action in actions
@@ -417,10 +400,8 @@ _MESSAGES = frozenset(
 
 
 def _messages_reordered(schedule: Schedule) -> bool:
-    """True when the activation / gradient messages pair up, each pair of ranks receiving
-    exactly what it is sent, but some pair posts them in another order on the two sides; False
-    when they are in order, and when they do not pair up (the validator says what is missing).
-    Schedules with BPipe transfers, which share those channels, are left to the validator."""
+    """True when the activation / gradient messages pair up but some pair of ranks posts them
+    in another order on the two sides; anything else (BPipe transfers too) is the validator's."""
     channels: dict[tuple[int, int], tuple[list[Message], list[Message]]] = {}
     for rank, actions in enumerate(schedule.per_rank):
         for action in actions:

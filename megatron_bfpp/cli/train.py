@@ -1,14 +1,7 @@
 """``bfpp-train``: pretrain a small GPT or LLaMA on megatron-core with any catalogue schedule.
 
-Launch modes:
-
-* Under ``torchrun`` / ``srun`` (``RANK`` and ``WORLD_SIZE`` set): this process is one rank.
-* Otherwise: the command starts ``--nproc-per-node`` local ranks itself (default 4 on a CPU-only
-  machine, the number of GPUs otherwise), forked after importing megatron-core once.
-
-Flags are validated before anything starts (and on every rank under torchrun, where each node's
-local rank 0 reports): a bad flag, an unwritable output path or a schedule too large to build is
-one line ``bfpp-train: error: ...`` on stderr and exit code 2, never a hang or a traceback.
+One rank under ``torchrun`` / ``srun``, else the launcher of ``--nproc-per-node`` forked ranks;
+flags are validated before anything starts: a bad one is one line and exit code 2, never a hang.
 """
 
 from __future__ import annotations
@@ -21,12 +14,13 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from megatron_bfpp.cli.common import (
     finite_float,
+    first_line,
     output_dir_problem,
     output_file_problem,
     positive_float,
@@ -76,11 +70,8 @@ from megatron_bfpp.train.save_lock import SaveLock
 
 PROG = "bfpp-train"
 _ERROR_GRACE_S = 3.0
-# Local ranks are processes of one machine, each with its own model: more is a typo (torchrun or
-# srun spread larger jobs over nodes).
-MAX_LOCAL_RANKS = 256
-# numpy's range; the data's generators are seeded with seed x 1,000,003 + sample, which torch
-# refuses (in every rank, after start-up) from 2**64 on.
+MAX_LOCAL_RANKS = 256  # processes of one machine, each with its own model: more is a typo
+# numpy's range; torch refuses the data's seeds (seed x 1,000,003 + sample) from 2**64 on.
 MAX_SEED = 2**32 - 1
 MAX_TIMEOUT_MINUTES = 1_000_000  # about two years; timedelta overflows from about 1e15 minutes
 
@@ -90,8 +81,7 @@ class FlagError(ValueError):
 
 
 class _Parser(OneLineParser):
-    """Fills in the defaults that depend on other flags, so every reader of the parsed flags
-    (the checks, the run's configuration, the trainer) sees the same values."""
+    """Fills in the defaults that depend on other flags, so every reader sees the same values."""
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
@@ -102,9 +92,7 @@ class _Parser(OneLineParser):
 
 
 def apply_schedule_defaults(args: argparse.Namespace) -> None:
-    """Virtual stages per rank, when not given, are the schedule's own (1 for single-stage
-    schedules, 2 for looped and V-shape ones): ``--pipeline-schedule 1f1b`` works as it does in
-    Megatron-LM, without ``--num-virtual-stages-per-pipeline-rank 1``."""
+    """Virtual stages per rank, when not given, are the schedule's own, as in Megatron-LM."""
     spec = SCHEDULES.get(getattr(args, "pipeline_schedule", ""))
     if spec is not None and getattr(args, "num_virtual_stages_per_pipeline_rank", 0) is None:
         args.num_virtual_stages_per_pipeline_rank = spec.default_stages_per_rank
@@ -128,10 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="grouped-query attention (default: --num-attention-heads, no grouping)",
     )
     m.add_argument(
-        "--ffn-hidden-size",
-        type=positive_int,
-        default=None,
-        help=f"(default: {DEFAULT_FFN_TEXT})",
+        "--ffn-hidden-size", type=positive_int, default=None, help=f"(default: {DEFAULT_FFN_TEXT})"
     )
     m.add_argument("--seq-length", type=positive_int, default=64)
     m.add_argument("--vocab-size", type=positive_int, default=256)
@@ -320,10 +305,8 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> list[str]:
-    """Raise :class:`FlagError` for a combination that cannot run on ``world_size`` ranks
-    (checked by ``rank``: the metrics file is rank 0's alone); return what the run should say
-    about ``--load`` before it starts (a fresh start, a resume Megatron-LM would accept with a
-    changed data stream): ``(info or warning, line)`` pairs."""
+    """Raise :class:`FlagError` for a combination that cannot run on ``world_size`` ranks (as
+    ``rank`` sees it); return the lines to say about ``--load`` before the run starts."""
     name = args.pipeline_schedule
     try:
         check_auto_flags(args)
@@ -364,8 +347,7 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
             f"--num-attention-heads {args.num_attention_heads} must be a multiple of "
             f"--num-query-groups {groups}, and both of --tensor-model-parallel-size {tp}"
         )
-    data_problem = data_path_problem(args)
-    if data_problem is not None:
+    if (data_problem := data_path_problem(args)) is not None:
         raise FlagError(data_problem)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise FlagError(
@@ -406,8 +388,7 @@ def _same_directory(path: str, other: str | None) -> bool:
 
 
 def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
-    """``--pipeline-schedule auto``: the schedule decided (and said, by rank 0) before any flag
-    check that needs a schedule and before any rank starts (:mod:`megatron_bfpp.train.auto`)."""
+    """``--pipeline-schedule auto``: decided (said by rank 0) before any check needs a schedule."""
     if args.pipeline_schedule != AUTO:
         return
     from megatron_bfpp.train.auto import resolve_train_auto
@@ -424,8 +405,7 @@ def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
 
 
 def data_path_problem(args: argparse.Namespace) -> str | None:
-    """What keeps ``--data-path`` (and ``--split``, ``--data-cache-path``) from being read, in
-    its own words, before any rank starts (:mod:`megatron_bfpp.train.data_source`)."""
+    """What keeps ``--data-path`` (``--split``, ``--data-cache-path``) from being read."""
     if args.data_path is None:
         for flag, value in (("--split", args.split), ("--data-cache-path", args.data_cache_path)):
             if value is not None:
@@ -442,8 +422,7 @@ def data_path_problem(args: argparse.Namespace) -> str | None:
         if args.vocab_size < 256:
             return "--data-path uses byte tokens: --vocab-size must be >= 256"
         return None
-    problem = dataset_helpers_problem()
-    if problem is not None:
+    if (problem := dataset_helpers_problem()) is not None:
         return problem
     if args.data_cache_path is not None:
         return output_dir_problem("--data-cache-path", args.data_cache_path)
@@ -458,8 +437,7 @@ def data_path_problem(args: argparse.Namespace) -> str | None:
 
 
 def dataset_helpers_problem() -> str | None:
-    """megatron-core's compiled dataset helpers (the wheels ship them; a Megatron-LM checkout
-    compiles them with its Makefile), found without importing megatron-core (seconds)."""
+    """megatron-core's compiled dataset helpers, found without importing megatron-core."""
     spec = importlib.util.find_spec("megatron")
     if spec is None or not spec.submodule_search_locations:
         return None  # no megatron-core at all: check_megatron_core says so
@@ -474,8 +452,7 @@ def dataset_helpers_problem() -> str | None:
 
 
 def number_problem(args: argparse.Namespace) -> str | None:
-    """The numeric flags' ranges (argparse already refused inf and nan): a value outside them
-    used to train first and fail later, or never."""
+    """The numeric flags' ranges (argparse already refused inf and nan), checked before training."""
     if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
         return f"need --lr > 0 and 0 <= --min-lr <= --lr (got {args.lr}, {args.min_lr})"
     if args.lr_warmup_iters < 0:
@@ -499,9 +476,8 @@ def number_problem(args: argparse.Namespace) -> str | None:
 
 
 def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | None:
-    """Where the run writes, checked before it starts (a bad path used to fail only at the
-    first write, after training). Every rank saves; only rank 0 writes the metrics file, which
-    may be on a path other nodes lack (``metrics``: check it)."""
+    """Where the run writes, checked before it starts rather than at the first write; only
+    rank 0 writes the metrics file (``metrics``: check it), a path other nodes may lack."""
     if args.save is not None and (problem := output_dir_problem("--save", args.save)):
         return problem
     if (problem := logging_flags_problem(args)) is not None or not metrics:
@@ -528,8 +504,7 @@ def logging_flags_problem(args: argparse.Namespace) -> str | None:
 
 
 def logging_problem(args: argparse.Namespace) -> str | None:
-    """TensorBoard and W&B, rank 0's (the writer): the packages they need (one line before any
-    rank starts, not an ImportError after setup) and the directories."""
+    """TensorBoard's and W&B's packages and directories (rank 0's), before any rank starts."""
     problem = missing_packages(
         {"--tensorboard-dir": args.tensorboard_dir, "--wandb-project": args.wandb_project}
     )
@@ -545,9 +520,8 @@ def logging_problem(args: argparse.Namespace) -> str | None:
 
 
 def checkpoint_format_problem(args: argparse.Namespace) -> str | None:
-    """megatron-core's ``torch_dist`` writer measures its memory with psutil, which megatron-core
-    does not install: without it every save failed after training (0.19) or its writer processes
-    died and the ranks waited for them forever (0.16)."""
+    """megatron-core's ``torch_dist`` writer needs psutil, which it does not install: without
+    it every save failed after training, or (0.16) the ranks waited forever."""
     if args.save is None or args.ckpt_format != "torch_dist":
         return None
     if importlib.util.find_spec("psutil") is None:
@@ -559,10 +533,8 @@ def checkpoint_format_problem(args: argparse.Namespace) -> str | None:
 
 
 def memory_problem(args: argparse.Namespace, world_size: int, *, launched: bool) -> str | None:
-    """On a CPU-only machine, a model whose weights, gradients and Adam state do not fit this
-    machine's available RAM (all its ranks together), refused before any rank starts: it used
-    to be killed by the kernel after start (:mod:`megatron_bfpp.config.model_memory`). GPUs are
-    checked by each rank against its own device (the trainer). ``--no-memory-check`` skips it."""
+    """On a CPU-only machine, a model whose weights, gradients and Adam state do not fit the
+    available RAM, refused before the kernel kills it after start (GPU ranks check theirs)."""
     import torch
 
     from megatron_bfpp.config import model_memory
@@ -572,18 +544,13 @@ def memory_problem(args: argparse.Namespace, world_size: int, *, launched: bool)
     run = run_config(args, world_size)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if launched else world_size
     return model_memory.memory_problem(
-        run.model,
-        run.layout,
-        local_ranks=local,
-        ram_bytes=model_memory.available_ram_bytes(),
+        run.model, run.layout, local_ranks=local, ram_bytes=model_memory.available_ram_bytes()
     )
 
 
 def check_load(args: argparse.Namespace, world_size: int) -> list[str]:
-    """Refuse a resume that cannot work, from the checkpoint's metadata alone (before any rank
-    starts or any weight is read): one line naming every differing flag. A directory with no
-    checkpoint yet starts fresh, as in Megatron-LM (``--save D --load D`` under a requeue);
-    a changed seed or data path is accepted, as Megatron-LM accepts it, with a warning."""
+    """Refuse a resume that cannot work, from the checkpoint's metadata alone, in one line; as
+    in Megatron-LM no checkpoint yet starts fresh, and a changed seed or data path warns."""
     fresh = fresh_start_reason(args.load)
     if fresh is not None:
         return [
@@ -605,14 +572,8 @@ def _error(message: str) -> int:
     return 2
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | None]:
-    """One rank: train; an expected failure becomes an exit code and its one line, which the
-    caller prints (under the local launcher: once, however many ranks hit it)."""
+    """One rank: train; an expected failure as an exit code and its one line, for the caller."""
     from megatron_bfpp.runtime.p2p import PipelineTimeout
     from megatron_bfpp.train.checkpoint import OtherRankFailed
     from megatron_bfpp.train.liveness import RanksLost
@@ -627,9 +588,9 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
     except RanksLost as lost:  # torchrun / srun: this rank speaks for the job
         return 1, str(lost)
     except (PipelineTimeout, RendezvousTimeout) as error:  # a rank stopped, slow or absent
-        return 1, _first_line(error)
+        return 1, first_line(error)
     except (FlagError, ScheduleError, ValueError, FileNotFoundError, FloatingPointError) as error:
-        return 2, _first_line(error)
+        return 2, first_line(error)
     except KeyboardInterrupt:
         return 130, None
     return 0, None
@@ -648,10 +609,8 @@ def _default_nproc() -> int:
 def _visible_gpus(
     env: dict[str, str] | None = None, driver: str = "/proc/driver/nvidia/gpus"
 ) -> int:
-    """The GPUs torch will likely see, counted without importing torch (seconds on a loaded
-    machine), so that a flag mistake is refused at once: the driver's list, narrowed by
-    ``CUDA_VISIBLE_DEVICES`` (its entries up to the first that is not a device, as CUDA reads
-    it). :func:`_spawn` checks the count against torch's before any rank starts."""
+    """The GPUs torch will likely see (the driver's, narrowed by ``CUDA_VISIBLE_DEVICES``),
+    counted without importing torch (seconds) so a flag mistake is refused at once."""
     try:
         found = len(os.listdir(driver))
     except OSError:
@@ -667,10 +626,6 @@ def _visible_gpus(
         else:
             break
     return count
-
-
-def _guess_nproc() -> int:
-    return _visible_gpus() or CPU_RANKS
 
 
 _QUIET = (
@@ -701,31 +656,25 @@ _QUIET_LOGS = (
 )
 
 
-class _DropRecord(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
+def _drop_record(prefix: str) -> Callable[[logging.LogRecord], bool]:
+    return lambda record: not record.getMessage().startswith(prefix)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     for message in _QUIET:
         warnings.filterwarnings("ignore", message=message)
     for logger, prefix in _QUIET_LOGS:
-        logging.getLogger(logger).addFilter(_DropRecord(prefix))
+        logging.getLogger(logger).addFilter(_drop_record(prefix))
     printable_output()
     args = build_parser().parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    # Before torch is imported (it reads this once; ranks forked here inherit it): when a rank
-    # or the store's host dies, every store and socket call of every rank would add a C++
-    # warning with a stack of frames around the one line that names it (a forked rank's last
-    # store call after rank 0 left once added 14 lines to a one-line failure). Errors still
-    # print; set it to see more.
+    # Before torch is imported: when a rank or the store's host dies, every store call of every
+    # rank would add a C++ warning and its stack around the one line that names it.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     world_size = (
-        int(os.environ["WORLD_SIZE"]) if launched else (args.nproc_per_node or _guess_nproc())
+        int(os.environ["WORLD_SIZE"])
+        if launched
+        else (args.nproc_per_node or _visible_gpus() or CPU_RANKS)
     )
     try:
         resolve_auto(args, world_size)
@@ -734,8 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch_warning = check_torch()
         if torch_warning and os.environ.get("RANK", "0") == "0":
             print(torch_warning, file=sys.stderr, flush=True)  # once per run
-        problem = memory_problem(args, world_size, launched=launched)
-        if problem is not None:
+        if (problem := memory_problem(args, world_size, launched=launched)) is not None:
             raise FlagError(problem)
     except (FlagError, UnsupportedVersionError) as error:
         # Under torchrun every rank checks the same flags: one line per node, not per rank.
@@ -767,8 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _spawn(args: argparse.Namespace, world_size: int) -> int:
-    """Fork ``world_size`` ranks (megatron-core imported once, here) on the local launcher and
-    report how they ended in as few lines as say it (:func:`_report`)."""
+    """Fork ``world_size`` ranks (megatron-core imported once, here) and report how they ended."""
     import megatron.core.distributed
     import megatron.core.models.gpt
     import megatron.core.optimizer  # noqa: F401
@@ -804,11 +751,8 @@ def _spawn(args: argparse.Namespace, world_size: int) -> int:
 
 
 def _report(run: Any) -> int:
-    """One line per distinct failure; the exit code of the rank to blame.
-
-    Ranks that failed because another one left or stopped (gloo's "connection closed by peer", a
-    pipeline wait past the timeout) say nothing new: only the culprit is reported. A traceback
-    is printed only for an unexpected exception (a bug), once."""
+    """One line per distinct failure and the exit code of the rank to blame: ranks that failed
+    because another left say nothing new, and only a bug's traceback is printed, once."""
     messages = [
         outcome[1] for _, outcome in sorted(run.results.items()) if outcome[0] != 0 and outcome[1]
     ]

@@ -1,8 +1,5 @@
-"""Integration with megatron-core and Megatron-LM: the only package that patches anything.
-
-``install()`` adds ``--pipeline-schedule`` to Megatron-LM and routes its forward-backward
-function to megatron_bfpp; ``set_schedule()`` does the same for megatron-core-only loops.
-"""
+"""Integration with megatron-core and Megatron-LM: the only package that patches anything
+(``install()`` for Megatron-LM's ``--pipeline-schedule``, ``set_schedule()`` for core loops)."""
 
 from megatron_bfpp.megatron.plugin import (
     current_schedule,

@@ -1,11 +1,5 @@
-"""``--pipeline-schedule`` and its options for Megatron-LM's argument parser, and their checks.
-
-Pure argparse plus the (torch-free) schedule registry: ``install()`` wires these into
-``megatron.training.arguments``; tests call them directly on a plain parser / namespace.
-
-``--pipeline-schedule default`` (the default) changes nothing: Megatron-LM keeps its own
-schedule selection bit for bit and none of the checks below run.
-"""
+"""``--pipeline-schedule`` and its options for Megatron-LM's argument parser, and their checks
+(torch-free); ``default`` changes nothing: Megatron-LM keeps its own schedule bit for bit."""
 
 from __future__ import annotations
 
@@ -36,8 +30,7 @@ __all__ = [
 
 
 def pipeline_schedule_choices() -> tuple[str, ...]:
-    """``default`` (Megatron's own schedule), ``auto`` (the planner picks one for the layout:
-    :mod:`megatron_bfpp.megatron.auto`) and every schedule in the catalogue."""
+    """``default`` (Megatron's own), ``auto`` (the planner's pick) and the catalogue."""
     return ("default", AUTO, *schedule_names())
 
 
@@ -72,11 +65,8 @@ _VP_SOURCES = (
 
 
 def apply_schedule_defaults(args: Any) -> None:
-    """Before Megatron's ``validate_args``: a looped schedule (interleaved, breadth-first) given
-    no virtual stages, and a V-shape one (which places two), get
-    ``--num-virtual-stages-per-pipeline-rank 2``, as in bfpp-train, and
-    Megatron derives and checks everything that follows from it as if the user had passed it.
-    Single-stage schedules need nothing: Megatron's default (None) is one stage per rank."""
+    """Before Megatron's ``validate_args``: a looped or V-shape schedule given no virtual stages
+    gets 2 per rank, as in bfpp-train, as if the user had passed it."""
     spec = SCHEDULES.get(getattr(args, "pipeline_schedule", "default"))
     if spec is None or spec.placement is Placement.SINGLE:
         return
@@ -94,12 +84,7 @@ def schedule_options_from_args(args: Any) -> dict[str, Any]:
 
 
 def check_schedule_args(args: Any) -> None:
-    """Check ``--pipeline-schedule`` against Megatron's other (already validated) arguments.
-
-    Runs after Megatron's own ``validate_args`` (which derives
-    ``virtual_pipeline_model_parallel_size`` and ``data_parallel_size``). Raises
-    :class:`ScheduleError` with one line saying what to change.
-    """
+    """Check ``--pipeline-schedule`` against the arguments ``validate_args`` completed."""
     name = getattr(args, "pipeline_schedule", "default")
     if name not in pipeline_schedule_choices():
         raise ScheduleError(
@@ -145,14 +130,17 @@ def check_schedule_args(args: Any) -> None:
         _check_sharded_optimizer_args(args)
 
 
-# Megatron-LM flags that place layers by megatron's looped stage arithmetic, which a V-shape
-# model does not follow (its chunks are built as the looped slots holding the same stages).
-_V_SHAPE_UNSUPPORTED = (
+# Megatron-LM's flags that place layers unevenly, by megatron's looped stage arithmetic, which
+# neither a V-shape model (built as the looped slots holding its stages) nor auto follows.
+UNEVEN_LAYOUT_FLAGS = (
     ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout"),
     ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
     ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
     ("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split"),
     ("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split"),
+)
+# What else the V-shapes cannot run with in Megatron-LM.
+NO_V_SHAPE_FLAGS = (
     ("--mtp-num-layers", "mtp_num_layers"),
     ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute"),
 )
@@ -160,7 +148,8 @@ _V_SHAPE_UNSUPPORTED = (
 
 def _check_v_shape_args(name: str, args: Any) -> None:
     """What a V-shape schedule cannot run with in Megatron-LM yet, one line each."""
-    given = [flag for flag, dest in _V_SHAPE_UNSUPPORTED if getattr(args, dest, None)]
+    unsupported = (*UNEVEN_LAYOUT_FLAGS, *NO_V_SHAPE_FLAGS)
+    given = [flag for flag, dest in unsupported if getattr(args, dest, None)]
     if given:
         raise ScheduleError(
             f"--pipeline-schedule {name} places layers evenly on a V (rank r holds stages r and "
@@ -169,10 +158,7 @@ def _check_v_shape_args(name: str, args: Any) -> None:
 
 
 def _sharding_strategy(name: str, args: Any) -> str:
-    """Our sharding strategy from Megatron-LM's ``--data-parallel-sharding-strategy`` (the
-    plugin records it as ``bfpp_data_parallel_sharding_strategy`` when given with one of our
-    schedules); Megatron-FSDP's values are refused in Megatron's terms. Whether the schedule
-    and the layout take it is :func:`check_fit`'s question."""
+    """Our sharding strategy from Megatron-LM's flag; Megatron-FSDP's values refused."""
     strategy: str = getattr(args, "bfpp_data_parallel_sharding_strategy", None) or "optim"
     if strategy not in SHARDING_STRATEGIES:
         raise ScheduleError(

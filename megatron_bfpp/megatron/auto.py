@@ -2,17 +2,9 @@
 :class:`~megatron_bfpp.plan.auto.AutoRequest`, the decision written back as if the user had
 named it, and its one line printed once per job.
 
-Every rank runs this on its own, before any model is built (Megatron-LM: in ``validate_args``;
-Bridge: in ``use_schedule``; bfpp-train: before its ranks start, or on each torchrun rank): the
-inputs are the arguments, the files and the environment, and the device. Meant to be alike on
-every rank, they need not be (a relative profile path read from different working directories,
-nodes of two GPU models): before rank 0 says anything, ranks started by torchrun compare their
-choices in the launcher's store (:func:`agree_across_ranks`) and, where they differ, every rank
-stops with one line naming the ranks and the input that differs (tests/multirank/test_auto.py).
-Rank 0 alone prints the line and writes the report.
-
-Torch is imported only to ask CUDA for the device (:func:`probe_device`); the translation of
-arguments is torch-free, so the SLURM pre-flight (:mod:`.preflight`) uses it on a login node.
+Every rank decides on its own; ranks started by torchrun compare their choices in the launcher's
+store (:func:`agree_across_ranks`), since their inputs may differ, and stop alike with one line
+where they do. Only :func:`probe_device` imports torch (the SLURM pre-flight uses the rest).
 """
 
 from __future__ import annotations
@@ -27,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.megatron.arguments import NO_V_SHAPE_FLAGS, UNEVEN_LAYOUT_FLAGS
 from megatron_bfpp.plan.auto import (
     AUTO,
     AUTO_DEST,
@@ -65,16 +58,14 @@ def probe_device() -> tuple[str | None, int | None]:
 
     if not torch.cuda.is_available():
         return None, None
-    # This rank's own GPU (torchrun's LOCAL_RANK): asking every rank about device 0 would make
-    # them all touch it before Megatron assigns devices. A node's GPUs are one model.
+    # This rank's own GPU: asking about device 0 would make every rank touch it.
     index = int(os.environ.get("LOCAL_RANK", "0") or 0) % max(1, torch.cuda.device_count())
     properties = torch.cuda.get_device_properties(index)
     return str(properties.name), int(properties.total_memory)
 
 
 def hardware_from_args(args: Any, *, device: tuple[str | None, int | None] | None) -> Hardware:
-    """``device``: :func:`probe_device`'s answer, or ``None`` where CUDA must not be asked (the
-    pre-flight on a login node)."""
+    """``device``: :func:`probe_device`'s answer, or ``None`` where CUDA must not be asked."""
     name, memory = device if device is not None else (None, None)
     return hardware(
         device_name=name,
@@ -85,8 +76,7 @@ def hardware_from_args(args: Any, *, device: tuple[str | None, int | None] | Non
 
 
 def is_reporting_rank(env: Mapping[str, str] = os.environ) -> bool:
-    """Rank 0 of the job (torchrun's ``RANK``, srun's ``SLURM_PROCID``; no launcher: this
-    process is the job)."""
+    """Rank 0 of the job (torchrun's ``RANK``, srun's ``SLURM_PROCID``; no launcher: this one)."""
     rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
     return rank.strip() in ("", "0")
 
@@ -131,9 +121,8 @@ def auto_inputs(
     device: tuple[str | None, int | None] | None,
     env: Mapping[str, str],
 ) -> dict[str, str]:
-    """What a rank's decision reads besides the arguments, each as a short text: the profile by
-    its contents (the same path may hold other files on other nodes or working directories),
-    the GPU, and the launcher's variables auto reads."""
+    """What a rank's decision reads besides the arguments, each as a short text (the profile
+    by its contents: one path may hold other files on other nodes)."""
     profile = "none"
     if profile_path:
         try:
@@ -165,9 +154,8 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def disagreement(everyone: Sequence[Mapping[str, str]]) -> str | None:
-    """The one line for ranks whose choices differ (``None``: all alike). ``everyone[r]``: rank
-    r's :func:`auto_inputs` and its ``decision``; the first input that differs is named as the
-    reason, with each group of ranks, what it read and what it chose."""
+    """The one line for ranks whose choices differ (``None``: all alike), naming the first input
+    that differs; ``everyone[r]``: rank r's :func:`auto_inputs` and its ``decision``."""
     decisions = [facts["decision"] for facts in everyone]
     if len(set(decisions)) < 2:
         return None
@@ -192,9 +180,7 @@ def disagreement(everyone: Sequence[Mapping[str, str]]) -> str | None:
 
 
 def _store(env: Mapping[str, str], timeout: float) -> Any:
-    """The launcher's rendezvous store, when one is up before the process group (torchrun's
-    agent hosts it); ``None`` otherwise (a single process; srun alone, where rank 0 hosts the
-    store only once Megatron initialises)."""
+    """The launcher's store when one is up before the process group (torchrun's), else ``None``."""
     world, rank = env.get("WORLD_SIZE", ""), env.get("RANK", "")
     host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
     if not (world.isdigit() and rank.isdigit() and port.isdigit() and host) or int(world) < 2:
@@ -222,10 +208,8 @@ def agree_across_ranks(
     env: Mapping[str, str] = os.environ,
     timeout: float = AGREE_TIMEOUT_S,
 ) -> None:
-    """Exchange this rank's choice and inputs with every rank's through the launcher's store
-    and raise :class:`ScheduleError` (the same line on every rank) where they differ; before
-    any rank prints or builds anything, so a split job stops at once instead of at the first
-    collective's time-out. Without a store to use (see :func:`_store`) it trusts the inputs."""
+    """Raise :class:`ScheduleError` on every rank where the ranks' choices differ (through the
+    launcher's store), so a split job stops at once, not at a collective's time-out."""
     store = _store(env, timeout)
     if store is None:
         return
@@ -242,8 +226,7 @@ def agree_across_ranks(
             f"--pipeline-schedule auto: {_ranks_text(missing)} did not decide within "
             f"{timeout:g} s; see {'their logs' if len(missing) > 1 else 'its log'}"
         ) from None
-    problem = disagreement([json.loads(store.get(key)) for key in keys])
-    if problem is not None:
+    if (problem := disagreement([json.loads(store.get(key)) for key in keys])) is not None:
         raise ScheduleError(problem)
 
 
@@ -254,9 +237,7 @@ def decide_alike(
     env: Mapping[str, str],
     agree: bool = True,
 ) -> Decision:
-    """:func:`decide` on this rank, then (``agree``) the choices compared across the job's
-    ranks; a refusal is compared too, so a rank that refuses does not leave the others
-    waiting."""
+    """:func:`decide`, then the choices (a refusal too) compared across the job's ranks."""
     try:
         decision = decide(request_of())
     except ScheduleError as error:
@@ -281,19 +262,6 @@ def precision_of(*, sixteen_bit: bool, optimizer: str = "adam") -> Precision:
 
 # --------------------------------------------------------------------------- Megatron-LM
 
-# Megatron-LM's flags that place layers unevenly: auto plans even stages only.
-_UNEVEN = (
-    ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout"),
-    ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
-    ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
-    ("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split"),
-    ("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split"),
-)
-# What the V-shapes cannot run with in Megatron-LM (arguments._check_v_shape_args).
-_NO_V = (
-    ("--mtp-num-layers", "mtp_num_layers"),
-    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute"),
-)
 _TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
 
 
@@ -346,10 +314,8 @@ def _megatron_vp(args: Any, pp: int) -> int | None:
 def megatron_request(
     args: Any, *, world_size: int, env: Mapping[str, str], hw: Hardware, sharding: str | None
 ) -> AutoRequest:
-    """What Megatron-LM's parsed arguments fixed (before its ``validate_args``: its derived
-    sizes are computed here the same way). ``sharding``: ``--data-parallel-sharding-strategy``
-    as given (``None``: not given)."""
-    uneven = [flag for flag, dest in _UNEVEN if getattr(args, dest, None)]
+    """What Megatron-LM's parsed arguments fixed, derived as its ``validate_args`` would."""
+    uneven = [flag for flag, dest in UNEVEN_LAYOUT_FLAGS if getattr(args, dest, None)]
     if uneven:
         raise ScheduleError(
             f"--pipeline-schedule auto plans even pipeline stages and does not read {uneven[0]}; "
@@ -386,7 +352,7 @@ def megatron_request(
     granularity = getattr(args, "recompute_granularity", None)
     unavailable = [
         (name, f"Megatron-LM's {flag} does not run with a V-shape")
-        for flag, dest in _NO_V
+        for flag, dest in NO_V_SHAPE_FLAGS
         if getattr(args, dest, None)
         for name, spec in SCHEDULES.items()
         if spec.placement is Placement.V_SHAPE
@@ -442,8 +408,7 @@ def resolve_megatron_auto(
     quiet: bool = False,
 ) -> Decision | None:
     """``--pipeline-schedule auto`` on Megatron-LM's parsed ``args``: decide, announce (unless
-    ``quiet``: the pre-flight) and write the choice back; ``None`` without auto. Without
-    pipeline parallelism Megatron's own runs (said once). Raises :class:`ScheduleError`."""
+    ``quiet``) and write the choice back; ``None`` without auto or pipeline parallelism."""
     if getattr(args, "pipeline_schedule", None) != AUTO:
         return None
     world = getattr(args, "world_size", None) or int(env.get("WORLD_SIZE", "1"))
@@ -488,16 +453,10 @@ BRIDGE_NO_V = "Megatron-Bridge's model provider does not build V-placed chunks"
 
 
 def bridge_request(
-    config: Any,
-    *,
-    options: Mapping[str, Any],
-    sharding: str,
-    env: Mapping[str, str],
-    hw: Hardware,
+    config: Any, *, options: Mapping[str, Any], sharding: str, env: Mapping[str, str], hw: Hardware
 ) -> AutoRequest:
-    """What a Bridge ``ConfigContainer`` fixed. The data-parallel size needs the launcher's
-    ``WORLD_SIZE`` (torchrun, srun), as every rank's decision must be the same before Bridge
-    initialises anything."""
+    """What a Bridge ``ConfigContainer`` fixed; the data-parallel size from the launcher's
+    ``WORLD_SIZE``, since every rank decides before Bridge initialises anything."""
     model = config.model
     world = env.get("WORLD_SIZE", "")
     if not world.isdigit():
@@ -573,9 +532,7 @@ def resolve_bridge_auto(
     env: Mapping[str, str] = os.environ,
     device: tuple[str | None, int | None] | None = None,
 ) -> tuple[str, dict[str, Any], Decision]:
-    """Decide for Bridge's ``pretrain(config, ...)`` and announce it (rank 0); returns the
-    schedule's name and options for ``use_schedule``, with ``config.model``'s virtual pipeline
-    size set to the choice's."""
+    """Decide for Bridge's ``pretrain``: the schedule's name and options for ``use_schedule``."""
     name, memory = probe_device() if device is None else device
     decision = decide_alike(
         lambda: bridge_request(
@@ -592,7 +549,7 @@ def resolve_bridge_auto(
     c = decision.chosen.candidate
     if get_spec(c.schedule).placement is Placement.LOOPED:
         config.model.virtual_pipeline_model_parallel_size = c.vp
-    chosen = {**{k: v for k, v in options.items() if k not in ("group_size", "max_stored")}}
+    chosen = {k: v for k, v in options.items() if k not in ("group_size", "max_stored")}
     chosen.update(decision.options)
     if c.schedule != "interleaved":
         chosen.pop("microbatch_group_size", None)

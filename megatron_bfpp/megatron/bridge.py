@@ -1,19 +1,8 @@
 """Megatron-Bridge (and NeMo's recipes built on it): our schedules for Bridge's ``pretrain()``.
 
-Why a call of its own: Bridge binds ``get_forward_backward_func`` when its training modules are
-imported (``megatron.bridge.training.train`` and ``.eval`` do
-``from megatron.core.pipeline_parallel import get_forward_backward_func``), so the plugin's
-megatron-core patch reaches Bridge only if it was installed first. :func:`use_schedule` works
-in either order: it installs the plugin, sets the schedule, and replaces the two names Bridge
-bound (restored by :func:`megatron_bfpp.uninstall`, through the plugin's one patch registry).
-
-It reads the layout from Bridge's ``ConfigContainer`` and asks the same "does it fit" question
-as every other front end (``schedules.fit.check_fit``) before any rank starts work, phrased in
-Bridge's config names. Where Bridge runs a pipeline past the hook (``dist_train``, which calls
-megatron-core's non-interleaved schedule directly, and multi-module evaluation), or builds what
-a schedule cannot use (the V-shapes need V-placed model chunks, which Bridge's model provider
-does not build; fully sharded parameters need an optimizer that steps on shards, which Bridge's
-setup does not make), the answer is one line, not a silently different schedule.
+Bridge binds ``get_forward_backward_func`` at import, so :func:`use_schedule` replaces its names
+too, in any import order; what Bridge would run past the hook or cannot build for a schedule is
+refused in one line, not run with a silently different schedule.
 """
 
 from __future__ import annotations
@@ -47,20 +36,9 @@ def use_schedule(
     auto_gpu: str | None = None,
     **options: Any,
 ) -> None:
-    """Run ``name`` (a ``--pipeline-schedule`` name) in Bridge's ``pretrain(config, ...)``.
-
-    ``name="auto"``: the planner picks the schedule for ``config``'s layout
-    (:mod:`megatron_bfpp.megatron.auto`; every rank alike, from ``config``, ``WORLD_SIZE`` and
-    the device), rank 0 prints one line, and ``auto_report`` / ``auto_profile`` / ``auto_gpu``
-    are the command lines' ``--pipeline-schedule-auto-*`` flags. The V-shapes are left out
-    (Bridge does not build V-placed chunks).
-
-    ``options`` are the schedule's own (``group_size`` for breadth-first, ``max_stored`` for
-    bpipe, ``microbatch_group_size`` for interleaved, else ``config.model``'s
-    ``microbatch_group_size_per_vp_stage``). A looped schedule (interleaved, breadth-first)
-    given no virtual pipeline size gets 2, as in Megatron-LM. Raises :class:`ScheduleError`
-    (one line) for a schedule that does not fit ``config``, before any work; call it before
-    ``pretrain``, in any import order. :func:`megatron_bfpp.uninstall` undoes it.
+    """Run ``name`` (a ``--pipeline-schedule`` name, ``options`` its own) in Bridge's
+    ``pretrain(config, ...)``; ``auto_*`` are the ``--pipeline-schedule-auto-*`` flags. Raises
+    :class:`ScheduleError` (one line) for a schedule that does not fit ``config``, before any work.
     """
     from megatron_bfpp.megatron import plugin
 
@@ -92,8 +70,7 @@ def use_schedule(
 def check_bridge_config(
     config: Any, name: str, options: dict[str, Any], *, sharding: str = "optim"
 ) -> None:
-    """The one-line refusals for ``config``, before any rank starts work; sets the looped
-    schedules' default virtual pipeline size (2) when the config leaves it unset."""
+    """The one-line refusals for ``config``; a looped schedule's default vp (2) set."""
     if name not in schedule_names():
         raise ScheduleError(
             f"pipeline schedule {name!r} is unknown; choose one of: {', '.join(schedule_names())}"
@@ -150,8 +127,7 @@ def check_bridge_config(
 
 
 def _data_parallel_size(model: Any, pp: int) -> int | None:
-    """Bridge's data-parallel size, known before initialisation when the launcher set
-    WORLD_SIZE (torchrun, srun with the usual variables); None otherwise."""
+    """Bridge's data-parallel size from the launcher's WORLD_SIZE (None without it)."""
     world = os.environ.get("WORLD_SIZE", "")
     if not world.isdigit():
         return None
@@ -180,9 +156,7 @@ def bridge_modules() -> list[Any]:
 
 
 def _guard_multi_module(evaluate: Callable[..., Any]) -> Callable[..., Any]:
-    """Bridge's ``evaluate``, refusing in one line what it would run past our schedule:
-    multi-module (MegatronMIMO) evaluation calls megatron-core's non-interleaved schedule
-    directly."""
+    """Bridge's ``evaluate``, refusing multi-module evaluation, which it runs past our schedule."""
     signature = inspect.signature(evaluate)
 
     @functools.wraps(evaluate)

@@ -1,25 +1,7 @@
 """A rank's model chunks in any placement the catalogue names: megatron-core's looped one and
-the V-shape.
-
-megatron-core builds chunks for the looped placement only: chunk ``c`` of pipeline rank ``r`` is
-global stage ``c * p + r``, and the chunk's layers (how many, their global numbers, their
-checkpoint keys), whether it embeds (``pre_process``) and whether it computes the loss
-(``post_process``) all follow from ``(vp_stage, pipeline rank)``. The V-shape puts stages ``r``
-and ``2p - 1 - r`` on rank ``r``: rank 0 embeds in chunk 0 and computes the loss in chunk 1.
-
-The V-shape chunk holding global stage ``s`` is built as megatron-core builds looped slot
-``(vp_stage = s // p, rank = s % p)``, which holds the same layers: ``vp_stage`` is the chunk index
-(``s // p`` is 0 for stages below ``p``, 1 above), and the model's process groups report pipeline
-rank ``s % p`` (compat.model_process_groups). ``pre_process`` / ``post_process`` come from the
-stage. So a V run and a looped run of one model hold the same layers under the same global
-numbers, and their checkpoints name parameters alike.
-
-Tied embeddings: both copies live on rank 0 (its chunk 0's input embedding, its chunk 1's output
-layer), so nothing is copied or all-reduced over the pipeline. The model is built without an
-embedding group, the output copy is set from the embedding here, and the runtime adds the two
-copies' gradients on the rank after the data-parallel reduction
-(``runtime.placement.sum_tied_embedding_grads``), which is what Megatron's all-reduce over the
-first and last stage computes.
+the V-shape, whose chunk holding stage ``s`` is built as looped slot ``(s // p, s % p)`` (the
+same layers, so checkpoints name parameters alike), tied embeddings both on rank 0
+(docs/architecture.md#megatron-integration).
 """
 
 from __future__ import annotations
@@ -82,9 +64,8 @@ def build_chunks(
     rank: int,
     share_embeddings_and_output_weights: bool,
 ) -> list[torch.nn.Module]:
-    """This rank's chunks: ``provider(pre_process=, post_process=, vp_stage=, pg_collection=)``
-    builds one (a ``GPTModel``); ``pg_collection`` is ``None`` for the looped placement, where
-    megatron-core's defaults hold."""
+    """This rank's chunks, each ``provider(pre_process=, post_process=, vp_stage=,
+    pg_collection=)`` (``None``, megatron-core's default, for the looped placement)."""
     layout = layout_for(placement, num_ranks=num_ranks, num_chunks=num_chunks)
     v_shape = placement == Placement.V_SHAPE  # a plain string too, as layout_for takes
     chunks = []
@@ -116,22 +97,14 @@ def placed_provider(
     seeded_as: Callable[[int], contextlib.AbstractContextManager[bool]] | None = None,
 ) -> Callable[..., torch.nn.Module]:
     """A Megatron-LM ``model_provider`` building V-shape chunks in place of the looped ones its
-    ``get_model`` asks for: the same call per ``vp_stage``, with the V's ``pre_process`` /
-    ``post_process`` and process groups; the tied output copy is set once both chunks exist.
-
-    ``seeded_as(q)`` (:mod:`megatron_bfpp.megatron.seeding`): a context in which the generators
-    are seeded as 1F1B's pipeline rank ``q`` had them. Stage ``s`` is then built in the context
-    of ``q = s // 2``, after building and dropping stage ``s - 1`` for an odd ``s``: its weights
-    are the ones 1F1B's rank ``q`` drew for those layers."""
+    ``get_model`` asks for; ``seeded_as(q)`` seeds as 1F1B's pipeline rank ``q`` (``seeding``)."""
     places = chunk_places(StageLayout.v_shape(num_ranks), rank)
     built: dict[int, torch.nn.Module] = {}
 
     def build(stage: int, vp_stage: int, kwargs: dict[str, Any]) -> torch.nn.Module:
         kwargs = dict(kwargs)
         kwargs["pg_collection"] = model_process_groups(
-            pipeline_rank=stage % num_ranks,
-            embedding_group=False,
-            base=kwargs.get("pg_collection"),
+            pipeline_rank=stage % num_ranks, embedding_group=False, base=kwargs.get("pg_collection")
         )
         return provider(
             pre_process=stage == 0,
@@ -168,9 +141,7 @@ def placed_provider(
 
 @torch.no_grad()
 def tie_output_to_embedding(chunks: Sequence[Any]) -> None:
-    """Set the tied output layer's weight from the input embedding where one rank holds both
-    (megatron-core zeroes the output copy and fills it by an all-reduce over the embedding
-    group, which a V-shape model does not have)."""
+    """Set the tied output weight from the embedding where one rank holds both (no all-reduce)."""
     weights = tied_embedding_weights(chunks)
     if weights is not None:
         embedding, output = weights

@@ -1,56 +1,10 @@
 """Run megatron-core 0.16-0.20 on CPU with gloo: the one place that redirects its CUDA-only calls.
 
-Used by the tests, bfpp-train's CPU ranks and the Megatron-LM CPU launcher
-(:mod:`megatron_bfpp.megatron.cpu_launch`), and only when there is no GPU: the GPU path never
-calls it, and the runtime and the plugin never import it. ``enable_cpu_megatron()`` installs
-every redirect below (idempotent); ``disable_cpu_megatron()`` puts every original back.
-On CPU the "current device" *is* the CPU, so each redirect maps a CUDA call onto its CPU meaning:
-
-``torch.cuda.current_device()`` -> ``torch.device("cpu")``
-    megatron allocates with ``device=torch.cuda.current_device()``: p2p receive buffers
-    (``pipeline_parallel.p2p_communication``), TP all-gather / reduce-scatter outputs
-    (``tensor_parallel.mappings``, ``.layers``, ``.utils``), DDP grad buffers
-    (``distributed.param_and_grad_buffer``), distributed-optimizer shards, ``GPTModel`` /
-    ``Attention`` helpers, rotary embeddings.
-``torch.cuda.synchronize()`` -> no-op
-    ``p2p_communication`` (``batch_p2p_sync``), ``DistributedDataParallel`` buffer offload.
-``torch.cuda.Stream`` / ``Event`` / ``stream`` / ``current_stream`` / ``default_stream`` /
-``set_stream`` -> stand-ins that do nothing (everything on CPU is synchronous)
-    megatron-core 0.19+ DDP (``param_and_grad_buffer.start_grad_sync`` waits on the current
-    stream), overlapped p2p, Megatron-LM's timers and rerun machinery.
-``device="cuda"`` (or ``"cuda:N"``, a CUDA ``torch.device``, an int index) in the factories
-``torch.tensor``, ``as_tensor``, ``zeros``, ``ones``, ``empty``, ``full``, ``arange`` -> CPU
-    ``schedules`` (``total_num_tokens``), ``optimizer.optimizer`` (``found_inf``,
-    ``_scale_one``, ``_dummy_overflow_buf``), ``grad_scaler``, ``clip_grads`` (grad norm),
-    ``transformer.utils`` (default causal masks), ``tensor_parallel.data``.
-``Tensor.cuda()`` / ``Module.cuda()`` -> the tensor / module itself (it already is "on device")
-    ``LanguageModule`` tied-embedding sync (``weight.data.cuda()``), ``tensor_parallel.data``,
-    optimizer state reload, ``grad_scaler.load_state_dict``, Megatron-LM's ``get_model``.
-``Tensor.type()`` (no argument) reports a CPU tensor as ``torch.cuda.<T>Tensor``
-    the optimizers dispatch on ``param.type() == 'torch.cuda.FloatTensor'``
-    (``DistributedOptimizer._build_model_and_main_param_groups``,
-    ``Float16OptimizerWithFloat16Params``) and ``clip_grads`` asserts it; ``Tensor.type(T)`` with a
-    ``torch.cuda.*`` name converts to the CPU type.
-CUDA RNG in ``megatron.core.tensor_parallel.random`` -> the CPU default generator
-    ``_get_cuda_rng_state`` (raises on a CPU build) and ``_set_cuda_rng_state`` (silently queues a
-    lazy CUDA call that never runs) are what ``get_cuda_rng_tracker().fork()`` and activation
-    checkpointing use; ``CudaRNGStatesTracker.add`` calls ``torch.cuda.get_rng_state``;
-    ``model_parallel_cuda_manual_seed``'s ``torch.cuda.manual_seed`` is a silent no-op on CPU, so
-    the wrapper seeds the CPU generator with the data-parallel seed as that call seeds the device.
-    ``fork()`` then switches the CPU generator to the tensor-parallel stream and back. Its
-    "CPU RNG state changed within GPU RNG context" warning is expected here (device and CPU
-    generator are one) and is filtered out while enabled.
-``WrappedTorchNorm`` (``transformer.torch_norm``) accepts ``sequence_parallel``
-    without Apex the local spec's norms are ``torch.nn.LayerNorm`` via ``WrappedTorchNorm``, which
-    asserts ``not config.sequence_parallel``. A torch norm is correct on a sequence shard; what
-    sequence parallelism needs is the ``sequence_parallel`` mark on the norm's parameters (as
-    Apex's ``FusedLayerNorm`` sets it) so ``finalize_model_grads`` all-reduces their gradients
-    across tensor-parallel ranks. The redirect builds the norm from a copy of the config with
-    ``sequence_parallel=False`` and sets that mark.
-
-Use with ``use_cpu_initialization=True``, fp32, dropout 0 and ``batch_p2p_comm=False``: with
-``batch_p2p_comm=True`` megatron-core's interleaved schedule at pp=2 (activation and gradient to
-the same peer) gives wrong gradients on gloo (measured: every gradient off), while 1F1B passes.
+Only without a GPU (tests, bfpp-train's CPU ranks, the Megatron-LM CPU launcher): the CPU *is*
+the current device, so each redirect maps a CUDA call onto its CPU meaning (the list, and the
+megatron-core calls that need each: docs/architecture.md#megatron-integration). Use with
+``use_cpu_initialization=True``, fp32, dropout 0 and ``batch_p2p_comm=False`` (batched p2p gave
+wrong gradients on gloo).
 """
 
 from __future__ import annotations
@@ -85,7 +39,7 @@ def is_cpu_megatron_enabled() -> bool:
 
 
 def enable_cpu_megatron() -> None:
-    """Install every redirect listed in the module docstring (a no-op if already installed)."""
+    """Install every redirect (a no-op if already installed)."""
     global _log_filter
     with _lock:
         if _patches:
@@ -95,17 +49,17 @@ def enable_cpu_megatron() -> None:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         _patches.patch(torch.cuda, "current_device", _current_device)
-        _patches.patch(torch.cuda, "synchronize", _synchronize)
+        _patches.patch(torch.cuda, "synchronize", _nothing)
         _patches.patch(torch.cuda, "Stream", _Stream)
         _patches.patch(torch.cuda, "Event", _Event)
         _patches.patch(torch.cuda, "stream", _stream_context)
         _patches.patch(torch.cuda, "current_stream", _current_stream)
         _patches.patch(torch.cuda, "default_stream", _current_stream)
-        _patches.patch(torch.cuda, "set_stream", _set_stream)
+        _patches.patch(torch.cuda, "set_stream", _nothing)
         for name in _FACTORIES:
             _patches.patch(torch, name, _on_cpu(getattr(torch, name)))
-        _patches.patch(torch.Tensor, "cuda", _tensor_cuda)
-        _patches.patch(torch.nn.Module, "cuda", _module_cuda)
+        _patches.patch(torch.Tensor, "cuda", _itself)
+        _patches.patch(torch.nn.Module, "cuda", _itself)
         _patches.patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type))
 
         _patches.patch(mrandom, "_get_cuda_rng_state", _get_rng_state)
@@ -135,8 +89,7 @@ def disable_cpu_megatron() -> None:
 
 @contextlib.contextmanager
 def cpu_megatron() -> Iterator[None]:
-    """``with cpu_megatron(): ...`` enables the redirects and restores them on exit (if this
-    call was the one that enabled them)."""
+    """The redirects enabled inside, restored on exit if this call enabled them."""
     was_enabled = is_cpu_megatron_enabled()
     enable_cpu_megatron()
     try:
@@ -159,55 +112,39 @@ def _current_device() -> torch.device:
     return _CPU
 
 
-def _synchronize(device: Any = None) -> None:
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    """``synchronize``, ``set_stream`` and the like: CPU work is synchronous."""
     return None
 
 
-class _Stream:
-    """A CUDA stream stand-in: CPU work is synchronous, so waiting and syncing do nothing."""
+class _Synchronous:
+    """What CUDA streams and events share: CPU work is synchronous, so syncing does nothing."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def wait_stream(self, stream: Any) -> None:
-        return None
+    synchronize = _nothing
 
-    def wait_event(self, event: Any) -> None:
-        return None
+    def query(self) -> bool:
+        return True
+
+
+class _Stream(_Synchronous):
+    """A CUDA stream stand-in: waiting does nothing."""
+
+    wait_stream = wait_event = __exit__ = _nothing
 
     def record_event(self, event: Any = None) -> Any:
         return event if event is not None else _Event()
 
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
     def __enter__(self) -> _Stream:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        return None
 
-
-class _Event:
+class _Event(_Synchronous):
     """A CUDA event stand-in (``elapsed_time`` is 0: time CPU runs with the timers instead)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
+    record = wait = _nothing
 
     def elapsed_time(self, other: Any) -> float:
         return 0.0
@@ -225,10 +162,6 @@ def _current_stream(device: Any = None) -> _Stream:
     return _STREAM
 
 
-def _set_stream(stream: Any) -> None:
-    return None
-
-
 def _on_cpu(factory: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(factory)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -239,13 +172,8 @@ def _on_cpu(factory: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _tensor_cuda(
-    self: torch.Tensor, device: Any = None, non_blocking: bool = False, **_: Any
-) -> Any:
-    return self
-
-
-def _module_cuda(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+def _itself(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Tensor.cuda()`` / ``Module.cuda()``: already "on the device"."""
     return self
 
 

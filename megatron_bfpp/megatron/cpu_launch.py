@@ -1,29 +1,8 @@
 """Run Megatron-LM's own training scripts on a machine without CUDA (gloo, CPU tensors).
 
-For CPU tests and demos; ``megatron_bfpp.launch`` calls :func:`enable_cpu_megatron_lm` when
-``torch.cuda.is_available()`` is false. On top of megatron-core's CPU adapter
-(:mod:`megatron_bfpp.megatron.cpu`) it redirects what Megatron-LM's training code needs:
-
-* ``initialize_megatron(..., allow_no_cuda=True)`` (where ``megatron.training.initialize`` and
-  ``megatron.training.training`` bind it): otherwise it asserts CUDA is available;
-* ``torch.cuda.set_device`` -> no-op, ``torch.cuda.device_count()`` -> 1: Megatron-LM only
-  initialises the model-parallel groups when it sees a device;
-* ``torch.distributed.init_process_group`` -> gloo, without a CUDA ``device_id``;
-* ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> the CPU generator's (the device *is* the
-  CPU; Megatron-LM's rerun state machine saves and restores both);
-* ``megatron.legacy.fused_kernels.load`` -> skipped (it compiles CUDA kernels);
-* ``megatron.training.initialize._warmup_jit_function`` -> skipped (it allocates on ``cuda``
-  to warm up the fused bias-GeLU/dropout JIT kernels);
-* ``load_checkpoint`` (where ``megatron.training.training`` binds it) -> the same, with torch
-  Adam given a zero state before and each parameter's step restored after
-  (:func:`megatron_bfpp.compat.torch_adam_state_for_load` / ``restore_torch_adam_steps``):
-  without Apex or Transformer Engine, which a CPU machine never has, megatron-core's
-  distributed optimizer cannot describe or restore torch Adam's state, and the resume failed
-  with ``assert len(steps) == 1``. It runs under ``torch.no_grad()``: in fp32 the main
-  parameters are views of the model's leaf parameters, and the optimizer's in-place load
-  into them failed (bfpp-train loads the same way).
-
-Every redirect is recorded; :func:`disable_cpu_megatron_lm` restores the originals.
+On top of megatron-core's CPU adapter (:mod:`megatron_bfpp.megatron.cpu`), the redirects
+Megatron-LM's training code needs (the list and why: docs/architecture.md#megatron-integration);
+:func:`disable_cpu_megatron_lm` restores them.
 """
 
 from __future__ import annotations
@@ -47,13 +26,18 @@ _patches = Patches()
 
 
 def enable_cpu_megatron_lm() -> None:
-    """Install the redirects in the module docstring (no-op when already installed)."""
+    """Install the redirects (no-op when already installed)."""
     if _patches:
         return
-    from megatron_bfpp.megatron.cpu import enable_cpu_megatron
+    from megatron_bfpp.megatron.cpu import (
+        _get_rng_state,
+        _nothing,
+        _set_rng_state,
+        enable_cpu_megatron,
+    )
 
     enable_cpu_megatron()
-    _patches.patch(torch.cuda, "set_device", _set_device)
+    _patches.patch(torch.cuda, "set_device", _nothing)
     _patches.patch(torch.cuda, "device_count", _device_count)
     _patches.patch(torch.cuda, "get_rng_state", _get_rng_state)
     _patches.patch(torch.cuda, "set_rng_state", _set_rng_state)
@@ -61,11 +45,11 @@ def enable_cpu_megatron_lm() -> None:
     _patches.patch(dist, "init_process_group", _gloo_init(dist.init_process_group))
     with contextlib.suppress(ImportError):
         fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
-        _patches.patch(fused_kernels, "load", _skip_fused_kernels)
+        _patches.patch(fused_kernels, "load", _nothing)
     with contextlib.suppress(ImportError):
         initialize = importlib.import_module("megatron.training.initialize")
         if hasattr(initialize, "_warmup_jit_function"):
-            _patches.patch(initialize, "_warmup_jit_function", _skip_jit_warmup)
+            _patches.patch(initialize, "_warmup_jit_function", _nothing)
         wrapped = _allow_no_cuda(initialize.initialize_megatron)
         _patches.patch(initialize, "initialize_megatron", wrapped)
         training = importlib.import_module("megatron.training.training")
@@ -85,28 +69,8 @@ def disable_cpu_megatron_lm() -> None:
     disable_cpu_megatron()
 
 
-def _set_device(device: Any) -> None:
-    return None
-
-
 def _device_count() -> int:
     return 1
-
-
-def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
-    return torch.get_rng_state()
-
-
-def _set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-    torch.set_rng_state(new_state)
-
-
-def _skip_jit_warmup(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def _skip_fused_kernels(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def _gloo_init(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,13 +1,7 @@
 """The one registry of attribute replacements the integration makes, and its one restore loop.
 
-Three layers patch other people's objects: the CPU adapter for megatron-core (``megatron.cpu``),
-the CPU launcher's Megatron-LM redirects (``megatron.cpu_launch``) and the plugin
-(``megatron.plugin``). Each owns a :class:`Patches`; this is where "restore exactly" is written
-once, so an uninstall can never leave a half-patched Megatron behind: an attribute the owner
-held itself gets back its raw entry (a ``staticmethod`` stays one), an attribute it inherited
-(or served from a module ``__getattr__``) is deleted again, in reverse order of patching.
-
-Pure Python, no torch: it holds whatever it is given.
+Written once so an uninstall never leaves a half-patched Megatron: an attribute the owner held
+gets back its raw entry (a ``staticmethod`` stays one), an inherited one is deleted again.
 """
 
 from __future__ import annotations

@@ -1,48 +1,9 @@
 """``install()`` / ``uninstall()``: plug megatron_bfpp's schedules into Megatron-LM / megatron-core.
 
-``install()`` (idempotent) patches, and ``uninstall()`` restores exactly:
-
-* ``get_forward_backward_func`` where it is bound: ``megatron.core.pipeline_parallel.schedules``,
-  ``megatron.core.pipeline_parallel`` and (with Megatron-LM) ``megatron.training.training``. The
-  replacement keeps megatron's ``(pp_size=None, vp_size=None, schedule_pg_collection=None)``
-  signature (the last from megatron-core 0.19 on); it returns megatron's
-  own function for ``default`` (and whenever there is no pipeline, pp=1) and megatron_bfpp's
-  forward-backward function for any other schedule.
-* with Megatron-LM: ``megatron.training.arguments.add_megatron_arguments`` (adds the
-  ``--pipeline-schedule`` group) and ``validate_args`` where ``megatron.training.arguments`` and
-  ``megatron.training.initialize`` bind it (fills in the schedule's virtual stages when none
-  were asked for, runs Megatron's checks, then
-  :func:`~megatron_bfpp.megatron.arguments.check_schedule_args`; a bad combination exits with
-  one ``megatron_bfpp: error: ...`` line).
-* with Megatron-LM, for ``--data-parallel-sharding-strategy optim_grads_params`` (sharded
-  parameters, see ``runtime.sharding``): ``setup_model_and_optimizer`` in
-  ``megatron.training.training`` (the optimizer it returns steps on the shards) and
-  ``save_checkpoint`` bound there (the parameters are gathered for the save, so the checkpoint
-  is the unsharded run's).
-* with Megatron-LM, for the V-shape schedules (v-min, v-half, v-zb): ``get_model`` bound in
-  ``megatron.training.training`` (its ``model_provider`` builds V-shape chunks:
-  ``megatron.chunks.placed_provider``) and ``megatron.core.parallel_state.is_pipeline_last_stage``
-  asked about one chunk (``ignore_virtual=False``): the last stage is rank 0's chunk 1, so
-  ``pretrain_gpt.get_batch`` gives that chunk labels and loss mask. Asked about the rank
-  (``ignore_virtual=True``) it keeps answering "the last pipeline rank", where the runtime
-  delivers the losses (``runtime.placement.deliver_to_last_rank``) and Megatron-LM logs them.
-  With Megatron-LM >= 0.19 the chunks are built in ``build_virtual_pipeline_stages`` of
-  ``megatron.training.models.dist_utils`` (wrapped alike), and ``get_batch_on_this_tp_rank``
-  (``megatron.core.utils``; 0.16: ``megatron.training.utils``) keeps every batch field on
-  pipeline rank 0, which both embeds and computes the loss.
-
-How our sharding meets Megatron-LM's flag of the same name: Megatron-LM defines
-``--data-parallel-sharding-strategy`` for Megatron-FSDP (``--use-megatron-fsdp``) only, with
-default ``no_shard`` (0.16) or ``optim_grads_params`` (0.19+) that nothing reads without
-Megatron-FSDP. The plugin makes the flag's default "not given": given with a megatron_bfpp
-schedule, ``optim`` or ``optim_grads_params`` choose our strategy; not given, our schedules run
-``optim`` (the distributed optimizer as usual) and Megatron-FSDP still sees its own default.
-
-The schedule comes from Megatron-LM's parsed arguments (``megatron.training.get_args()``) once
-they exist, otherwise from :func:`set_schedule` (for megatron-core-only training loops).
-``install()`` imports ``megatron.training`` itself, so it works whether or not the caller
-imported it first; if Megatron-LM is not importable only the megatron-core sites are patched
-(logged once).
+``install()`` (idempotent) wraps each site where the installed version binds it, and
+``uninstall()`` restores them exactly; the sites and why: docs/architecture.md#megatron-integration.
+The schedule comes from Megatron-LM's parsed arguments once they exist, else from
+:func:`set_schedule`; without Megatron-LM only megatron-core's sites are patched.
 """
 
 from __future__ import annotations
@@ -92,9 +53,7 @@ SHARDING_DEST = "data_parallel_sharding_strategy"
 CORE_SITES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel")
 TRAINING_SITE = "megatron.training.training"
 ARGUMENTS_MODULE = "megatron.training.arguments"
-VALIDATE_SITES = (ARGUMENTS_MODULE, "megatron.training.initialize")
-# Megatron-LM >= 0.19 builds pretrain_gpt.py's model chunks here (its model builders), not in
-# get_model; both are wrapped for the V-shape placement.
+# Megatron-LM >= 0.19 builds pretrain_gpt.py's model chunks here, not in get_model.
 STAGES_SITE = "megatron.training.models.dist_utils"
 # Where pretrain_gpt.py imports get_batch_on_this_tp_rank from (0.19+: core; 0.16: training).
 BATCH_SITES = ("megatron.core.utils", "megatron.training.utils")
@@ -115,11 +74,7 @@ def is_installed() -> bool:
 
 
 def set_schedule(name: str, **options: Any) -> None:
-    """Choose the schedule for megatron-core-only users (Megatron-LM users pass the flag).
-
-    ``name`` is ``default`` or a registry name; ``options`` are the schedule's own
-    (``group_size`` for breadth-first, ``microbatch_group_size`` for interleaved).
-    """
+    """Choose the schedule and its ``options`` for megatron-core-only users."""
     if name != "default":
         from megatron_bfpp.runtime.api import get_forward_backward_func
 
@@ -131,8 +86,7 @@ def set_schedule(name: str, **options: Any) -> None:
 
 
 def current_schedule() -> tuple[str, dict[str, Any]]:
-    """``(name, options)`` in effect: Megatron-LM's ``--pipeline-schedule`` once its arguments
-    are parsed and set, else the :func:`set_schedule` setting (``default`` initially)."""
+    """``(name, options)`` in effect: Megatron-LM's flag once parsed, else set_schedule's."""
     args = _megatron_lm_args()
     if args is not None and hasattr(args, "pipeline_schedule"):
         return args.pipeline_schedule, schedule_options_from_args(args)
@@ -140,14 +94,13 @@ def current_schedule() -> tuple[str, dict[str, Any]]:
 
 
 def current_sharding() -> str:
-    """The data-parallel sharding strategy our schedules run: Megatron-LM's flag when given
-    (``optim`` or ``optim_grads_params``), otherwise ``optim``."""
+    """The sharding strategy our schedules run: Megatron-LM's flag when given, else ``optim``."""
     args = _megatron_lm_args()
     return str(getattr(args, "bfpp_data_parallel_sharding_strategy", "optim") or "optim")
 
 
 def install() -> None:
-    """Patch the sites listed in the module docstring (a no-op when already installed)."""
+    """Patch the sites (a no-op when already installed)."""
     global _megatron_get_fbf, _training_available
     with _lock:
         if _patches:
@@ -167,31 +120,13 @@ def install() -> None:
                 arguments, initialize, training = training_modules
                 _patches.patch(training, "get_forward_backward_func", get_forward_backward_func)
                 if all(hasattr(training, name) for name in SHARDING_SITES):
-                    _patches.patch(
-                        training,
-                        "setup_model_and_optimizer",
-                        _wrap_setup(training.setup_model_and_optimizer),
-                    )
-                    _patches.patch(
-                        training, "save_checkpoint", _wrap_save(training.save_checkpoint)
-                    )
-                if hasattr(training, "get_model"):
-                    _patches.patch(training, "get_model", _wrap_get_model(training.get_model))
+                    _wrap_site(training, "setup_model_and_optimizer", _wrap_setup)
+                    _wrap_site(training, "save_checkpoint", _wrap_save)
+                _wrap_site(training, "get_model", _wrap_get_model)
                 stages = _import_optional(STAGES_SITE)
-                if stages is not None and hasattr(stages, "build_virtual_pipeline_stages"):
-                    _patches.patch(
-                        stages,
-                        "build_virtual_pipeline_stages",
-                        _wrap_build_stages(stages.build_virtual_pipeline_stages),
-                    )
+                _wrap_site(stages, "build_virtual_pipeline_stages", _wrap_build_stages)
                 for site in BATCH_SITES:
-                    module = _import_optional(site)
-                    if module is not None and hasattr(module, "get_batch_on_this_tp_rank"):
-                        _patches.patch(
-                            module,
-                            "get_batch_on_this_tp_rank",
-                            _wrap_tp_batch(module.get_batch_on_this_tp_rank),
-                        )
+                    _wrap_site(_import_optional(site), "get_batch_on_this_tp_rank", _wrap_tp_batch)
                 from megatron.core import parallel_state
 
                 _patches.patch(
@@ -207,26 +142,23 @@ def install() -> None:
                 if hasattr(initialize, "_set_random_seed"):  # V chunks reseed as 1F1B ranks
                     from megatron_bfpp.megatron.seeding import record_seed_call
 
-                    _patches.patch(
-                        initialize,
-                        "_set_random_seed",
-                        record_seed_call(initialize._set_random_seed),
-                    )
-                for module in (arguments, initialize):
-                    # newer Megatron-LM (>= 0.17) no longer binds it in initialize
-                    if hasattr(module, "validate_args"):
-                        _patches.patch(
-                            module, "validate_args", _wrap_validate(module.validate_args)
-                        )
+                    _wrap_site(initialize, "_set_random_seed", record_seed_call)
+                for module in (arguments, initialize):  # Megatron-LM >= 0.17: arguments only
+                    _wrap_site(module, "validate_args", _wrap_validate)
         except BaseException:
             _patches.restore()
             raise
 
 
+def _wrap_site(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+    """Replace ``owner.name`` with ``wrap(owner.name)`` where this version has it."""
+    if owner is not None and hasattr(owner, name):
+        _patches.patch(owner, name, wrap(getattr(owner, name)))
+
+
 def add_patch(owner: Any, name: str, value: Any) -> None:
-    """Replace ``owner.name`` with ``value`` in the plugin's registry, so :func:`uninstall`
-    restores it with everything else (front ends such as ``megatron.bridge`` use it for the
-    sites only they know). Needs :func:`install` first."""
+    """Replace ``owner.name`` with ``value`` so :func:`uninstall` restores it too (for the sites
+    only a front end such as ``megatron.bridge`` knows). Needs :func:`install` first."""
     with _lock:
         if not _patches:
             raise ScheduleError("megatron_bfpp.install() must run before add_patch()")
@@ -244,12 +176,9 @@ def uninstall() -> None:
 
 
 def get_forward_backward_func(
-    pp_size: int | None = None,
-    vp_size: int | None = None,
-    schedule_pg_collection: Any = None,
+    pp_size: int | None = None, vp_size: int | None = None, schedule_pg_collection: Any = None
 ) -> Any:
-    """megatron's ``get_forward_backward_func`` signature (0.19+ adds ``schedule_pg_collection``),
-    dispatching on the chosen schedule."""
+    """megatron's ``get_forward_backward_func``, dispatching on the chosen schedule."""
     original = _megatron_get_fbf
     if original is None:  # called through a reference kept after uninstall()
         from megatron.core.pipeline_parallel import schedules
@@ -283,8 +212,7 @@ def get_forward_backward_func(
     func = _cached_forward_backward_func(name, tuple(sorted(options.items())), sharding)
     sharded = "" if sharding == "optim" else f" (parameters sharded: {sharding})"
     _log_once(
-        f"megatron_bfpp: pipeline schedule {name} {options or ''}".rstrip() + sharded,
-        logging.INFO,
+        f"megatron_bfpp: pipeline schedule {name} {options or ''}".rstrip() + sharded, logging.INFO
     )
     return func
 
@@ -336,7 +264,7 @@ def _wrap_add_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
         if "--pipeline-schedule" not in options:
             add_schedule_arguments(parser)
         if SHARDING_FLAG in options:
-            # "Not given" must be visible to validate_args (see the module docstring).
+            # "Not given" must be visible to validate_args: Megatron-FSDP's default is not ours.
             _megatron_sharding_default = parser.get_default(SHARDING_DEST)
             parser.set_defaults(**{SHARDING_DEST: None})
         else:
@@ -384,8 +312,7 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _resolve_auto(args: Any, sharding: Any) -> None:
-    """``--pipeline-schedule auto``: every rank decides alike, before Megatron derives anything
-    from the schedule's virtual stages and before any model is built; rank 0 says it."""
+    """``--pipeline-schedule auto``: decided alike on every rank before Megatron derives vp."""
     from megatron_bfpp.megatron.auto import probe_device, resolve_megatron_auto
 
     try:
@@ -399,9 +326,7 @@ def _resolve_auto(args: Any, sharding: Any) -> None:
 
 
 def refuse(message: str, *, prog: str = "megatron_bfpp") -> NoReturn:
-    """End a rank for an argument error: exit code 2, the line printed once per node (by local
-    rank 0: every rank checks the same arguments, and under torchrun each printing it made one
-    mistake many lines)."""
+    """End a rank for an argument error: exit 2, the line printed by local rank 0 only."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         quiet_exit(2)
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
@@ -484,9 +409,7 @@ def _tied_embeddings() -> bool:
 
 
 def _wrap_build_stages(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Megatron-LM >= 0.19's model builders: under a V-shape schedule each ``vp_stage`` is
-    built as the V places it (``build_model_func(pg_collection, pre_process=, post_process=,
-    vp_stage=)``)."""
+    """Megatron-LM >= 0.19's model builders: V-shape chunks under a V-shape schedule."""
 
     @functools.wraps(original)
     def build_virtual_pipeline_stages(
@@ -518,9 +441,8 @@ def _wrap_build_stages(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_tp_batch(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Under a V-shape schedule pipeline rank 0 both embeds and computes the loss, so its batch
-    keeps (and its tensor-parallel ranks receive) every field: what Megatron-LM's function
-    does for a rank with multi-token-prediction layers, which need them all too."""
+    """Under a V-shape schedule pipeline rank 0 both embeds and computes the loss, so it keeps
+    every batch field, as Megatron-LM does for multi-token-prediction layers."""
 
     @functools.wraps(original)
     def get_batch_on_this_tp_rank(*args: Any, **kwargs: Any) -> Any:
@@ -542,8 +464,7 @@ def _import_optional(name: str) -> Any:
 
 
 def _wrap_is_last_stage(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Asked about one chunk under a V-shape schedule: is it the V's last stage (rank 0's
-    chunk 1)? Asked about the rank: megatron's answer, the last pipeline rank."""
+    """Asked about one chunk under a V-shape: is it rank 0's chunk 1? Else megatron's answer."""
 
     @functools.wraps(original)
     def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:

@@ -1,20 +1,8 @@
 """Check a Megatron-LM command line before a job starts, from its arguments and world size alone.
 
-Megatron-LM and the plugin check their arguments in ``validate_args`` on every rank, after the
-job has waited for its nodes and started them; a schedule that does not fit the pipeline, or
-layers that do not split over it, can be seen before that. ``scripts/slurm/launch.py`` (and so
-every sbatch template, dry run or not) calls :func:`check_megatron_command` before it prints or
-starts anything.
-
-The schedule checks are the plugin's own, :func:`~megatron_bfpp.megatron.arguments.
-check_schedule_args` (catalogue, placement, options, micro-batches, the schedule built and
-validated), run on the values Megatron's ``validate_args`` would derive
-(``data_parallel_size``, ``virtual_pipeline_model_parallel_size``). Before them,
-:func:`check_parallel_layout` repeats the few of Megatron's own checks that only the parallel
-sizes decide (Megatron's ``validate_args`` needs torch, a full argument set and a rank, so it
-cannot run on a login node). Arguments read by neither pass through untouched; with a
-``--pipeline-model-parallel-layout`` string the virtual stages come from the layout, which only
-Megatron parses, so the schedule is then checked on the GPUs as before. Torch-free.
+``validate_args`` checks only after the job has waited for its nodes, so
+``scripts/slurm/launch.py`` runs Megatron's parallel-size checks and the plugin's schedule checks
+first, on a login node (torch-free).
 """
 
 from __future__ import annotations
@@ -104,9 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.Namespace:
-    """The arguments these checks read, plus what Megatron's ``validate_args`` derives from them
-    (``world_size``, ``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, the
-    default ``global_batch_size``), so the plugin's checks see what they will see on the GPUs."""
+    """The arguments these checks read, plus what Megatron's ``validate_args`` derives."""
     args, _ = _parser().parse_known_args(list(argv))
     args.world_size = world_size
     if args.step_batch_size_schedule is not None and args.global_batch_size is not None:
@@ -175,9 +161,7 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
 
 
 def _layers_per_rank(args: argparse.Namespace) -> int | None:
-    """Transformer layers per pipeline rank as Megatron splits them evenly (embedding and loss
-    count as a layer each when asked to), or ``None`` when the split is not even by design
-    (first/last stage sizes or a layout string) or the layer count is not given."""
+    """Layers per pipeline rank, split evenly; ``None`` when uneven by design or not given."""
     uneven = (
         args.decoder_first_pipeline_num_layers,
         args.decoder_last_pipeline_num_layers,
@@ -200,9 +184,7 @@ def _layers_per_rank(args: argparse.Namespace) -> int | None:
 
 
 def check_parallel_layout(args: argparse.Namespace) -> None:
-    """Megatron's own checks that the parallel sizes alone decide (attention heads over tensor
-    ranks, layers over pipeline ranks and virtual stages, p2p overlap needs, micro-batches over
-    data-parallel ranks), on a namespace from :func:`parse_megatron_command`."""
+    """Megatron's own checks that the parallel sizes alone decide."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     heads = args.num_attention_heads
     if heads is not None and heads % tp:
@@ -239,9 +221,7 @@ def check_parallel_layout(args: argparse.Namespace) -> None:
 
 def check_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.Namespace:
     """Raise :class:`ScheduleError` (one line) for ``pretrain_gpt.py`` arguments that cannot run
-    on ``world_size`` GPUs: Megatron's layout checks, then the plugin's schedule checks (except
-    with a layout string, see the module docstring). Returns the parsed namespace: the launcher
-    reads the parallel sizes from it."""
+    on ``world_size`` GPUs; the parsed namespace, for the launcher's parallel sizes."""
     args = parse_megatron_command(argv, world_size=world_size)
     check_parallel_layout(args)
     if args.pipeline_model_parallel_layout is None:  # else vp comes from the layout, on the GPUs

@@ -1,27 +1,9 @@
 """Rank placement for BPipe: every evictor/acceptor pair on one node ("pair-adjacent").
 
-BPipe's stage ``x`` (evictor) ships activations to stage ``p-1-x`` (acceptor). The BPipe
-re-evaluation paper (Figure 2) places each pair on one node so that traffic stays on NVLink: for
-16-way pipeline parallelism on two nodes of 8 GPUs, GPUs 0..7 hold stages 0,15,1,14,2,13,3,12 and
-GPUs 8..15 hold 4,11,5,10,6,9,7,8 (the figure draws node 1 right to left, GPU 15 .. GPU 8, which
-reads 8,7,9,6,10,5,11,4).
-
-Generalised to tensor and data parallelism: a *unit* is the ``tp`` ranks of one pipeline stage
-of one data-parallel replica (kept together: tensor parallelism needs NVLink most). Units are laid
-out replica by replica, pair by pair: ``(d, 0), (d, p-1), (d, 1), (d, p-2), ...``. A node holds
-``gpus_per_node / tp`` units, an even number, so a pair never straddles two nodes.
-
-How it is applied: the launcher (``scripts/slurm/launch.py --rank-placement pair-adjacent``)
-exports ``BFPP_RANK_ORDER`` = the Megatron rank of each launch slot (slot = node_rank *
-gpus_per_node + local_rank, torchrun's ``RANK``), and ``python -m megatron_bfpp.launch`` rewrites
-``RANK`` from it before Megatron-LM reads it (``LOCAL_RANK`` stays: it picks the physical GPU).
-Megatron-LM itself only offers the order of parallel dimensions (``tp-cp-ep-dp-pp`` by default,
-``tp-pp-dp`` with ``--use-tp-pp-dp-mapping``), never a permutation of pipeline stages across
-nodes, so the remapping is done outside it, and it supports Megatron's default order with
-context/expert parallelism 1 (``order="tp-dp-pp"``) and ``--use-tp-pp-dp-mapping``
-(``order="tp-pp-dp"``).
-
-Pure (no torch, no megatron): unit-testable and usable from SLURM scripts.
+BPipe's stage ``x`` ships activations to stage ``p-1-x``, so each pair shares a node (NVLink), as
+in the BPipe re-evaluation paper's Figure 2. Megatron-LM permutes only parallel dimensions, so
+the launcher exports the order as ``BFPP_RANK_ORDER`` and ``python -m megatron_bfpp.launch``
+rewrites ``RANK`` from it (docs/architecture.md#megatron-integration). Pure, for SLURM scripts.
 """
 
 from __future__ import annotations
@@ -56,12 +38,9 @@ def pair_adjacent_rank_order(
     data_parallel_size: int = 1,
     order: str = "tp-dp-pp",
 ) -> tuple[int, ...]:
-    """The Megatron global rank to run in each launch slot (``slot = node * gpus_per_node +
-    local_rank``) so that pipeline stages ``x`` and ``p-1-x`` of every replica share a node.
-
-    ``order`` is Megatron's rank order: ``tp-dp-pp`` (default; rank = t + tp*d + tp*dp*x) or
-    ``tp-pp-dp`` (``--use-tp-pp-dp-mapping``; rank = t + tp*x + tp*p*d).
-    """
+    """The Megatron global rank to run in each launch slot (``node * gpus_per_node +
+    local_rank``) so that pipeline stages ``x`` and ``p-1-x`` of every replica share a node;
+    ``order``: ``tp-dp-pp`` (Megatron's default) or ``tp-pp-dp`` (``--use-tp-pp-dp-mapping``)."""
     p, g, tp, dp = pipeline_parallel_size, gpus_per_node, tensor_parallel_size, data_parallel_size
     for flag, value in (
         ("pipeline_parallel_size", p),
@@ -145,8 +124,8 @@ def parse_rank_order(text: str) -> tuple[int, ...]:
 
 
 def apply_rank_order_from_env(environ: MutableMapping[str, str]) -> int | None:
-    """If ``BFPP_RANK_ORDER`` is set, rewrite ``RANK`` (the launch slot) to the Megatron rank it
-    maps to, keeping the slot in ``BFPP_LAUNCH_RANK``; returns the new rank (None if unset)."""
+    """Rewrite ``RANK`` (the launch slot, kept in ``BFPP_LAUNCH_RANK``) to the Megatron rank
+    ``BFPP_RANK_ORDER`` maps it to; the new rank, or None without it."""
     text = environ.get(RANK_ORDER_ENV)
     if not text:
         return None

@@ -1,23 +1,8 @@
 """A V-shape model in Megatron-LM starts from the weights a 1F1B run of the same seed draws.
 
-Megatron-LM seeds each rank's generators once, by its pipeline rank (``_set_random_seed``:
-``seed + 100 * pipeline rank``), and each layer draws its initial weights from the stream of the
-rank that builds it, in build order. Under 1F1B, pipeline rank ``q`` builds stages ``2q`` and
-``2q + 1`` of the V numbering (the V has 2p stages of half as many layers) one after the other;
-under the V another rank builds each of them. So a fresh ``v-half`` run started from another
-model than ``1f1b`` (Megatron-LM 0.20, pp=4: 5.557 against 5.561 at iteration 1).
-
-Here each V chunk of stage ``s`` is built with the generators seeded as rank ``q = s // 2``'s
-were (Megatron's own ``_set_random_seed``, called as Megatron called it, seeing pipeline rank
-``q``), after building and dropping stage ``s - 1`` when ``s`` is the second half of ``q``'s
-layers: the draws are the 1F1B run's, number for number. Every generator is put back afterwards,
-so what the rank draws later (dropout) is what it drew before. The extra build is one chunk
-(half a rank's parameters), freed at once.
-
-What it does not cover: a GPU run's JIT warm-up draws from the default CUDA generator between
-the seeding and the model (learned position embeddings without sequence parallelism draw from
-it too), which this reseeding does not replay: unverified on GPUs. Dropout streams still follow
-the building rank, so with dropout the curves differ after the first step.
+Each layer draws its weights from the stream of the rank that builds it, seeded by pipeline rank,
+so V stage ``s`` is built with the generators seeded by Megatron's own ``_set_random_seed`` as
+1F1B's rank ``s // 2`` (docs/architecture.md#megatron-integration); dropout streams still differ.
 """
 
 from __future__ import annotations
@@ -88,9 +73,8 @@ def _restore(state: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def seeded_as_pipeline_rank(pipeline_rank: int) -> Iterator[bool]:
-    """Inside: every generator seeded as Megatron seeded pipeline rank ``pipeline_rank``
-    (yields True), or untouched when Megatron's seeding was not seen (yields False: a
-    megatron-core loop of its own keeps its own seeding)."""
+    """Inside: every generator seeded as Megatron seeded ``pipeline_rank`` (True), or untouched
+    when Megatron's seeding was not seen (False: a megatron-core loop keeps its own)."""
     if _seed_call is None:
         yield False
         return

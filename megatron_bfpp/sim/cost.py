@@ -1,16 +1,7 @@
 """How long each action takes: a handful of numbers in one abstract time unit.
 
-Compute times are given for one micro-batch through one *full* 1F1B stage (``num_layers / pp``
-layers); a stage of a looped layout with ``v`` chunks per rank takes ``1 / v`` of that and a
-V-shape stage ``1 / 2``, which is ``StageLayout.stage_fraction``. Communication times are per
-message (p2p), per chunk (data-parallel gradient reduce / parameter gather) or per full-stage
-micro-batch of stored activations (BPipe eviction).
-
-The simulator times in integers (``CostModel.exact``): a stage's share 1/3 of 1.0 is not a
-float, and summing 0.333... thousands of times drifts (pp=2, vp=3, m=4 interleaved gave
-12.999999999999996 for 13). Every duration is scaled by one common denominator to an integer,
-the replay adds and compares integers exactly, and each result is divided back once, so a
-result that is mathematically an integer comes out as one and any other is correctly rounded.
+The simulator times in integers (``CostModel.exact``), since summing a stage's 1/3 as a float
+drifts (13 came out as 12.999999999999996): results are exact, or correctly rounded once.
 """
 
 from __future__ import annotations
@@ -27,8 +18,7 @@ __all__ = ["CostModel", "ExactTiming", "cost_fields", "cost_flag"]
 
 
 class ExactTiming(NamedTuple):
-    """A replay's durations as integers and how many of them make one cost-model unit: a
-    replay time ``t`` is ``t / per_unit`` in the cost model's unit."""
+    """A replay's integer durations; a replay time ``t`` is ``t / per_unit`` cost-model units."""
 
     timing: Timing
     per_unit: int
@@ -39,29 +29,16 @@ _UNIT = Timing()
 
 
 def _cost(default: float, text: str) -> Any:
-    """A cost field: its default and the help its bfpp-sim flag (:func:`cost_flag`) shows,
-    declared once here for the library and the command line."""
+    """A cost field with the help its bfpp-sim flag shows, declared once for both."""
     return field(default=default, metadata={"help": text})
 
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Durations in one abstract time unit (``chrome_trace`` maps it to milliseconds); each
-    field's ``help`` says what it times.
-
-    Compute is one micro-batch through one full 1F1B stage, scaled by the stage fraction. A
-    split schedule's input-gradient part I takes ``t_backward - t_weight`` and its
-    weight-gradient part W ``t_weight``. ``t_p2p`` runs from sender to receiver.
-    ``t_grad_reduce`` / ``t_param_gather`` are per chunk, not scaled by the chunk's size;
-    ``t_evict`` (one full-stage micro-batch's stored activations) is scaled like compute.
-    ``t_host`` is added to every compute action (F, B, I, W) and not scaled: the host's time per
-    action that the compute cannot hide (dispatch, posting the tick's batch, waking from a
-    wait), the same for a stage of ``1 / v`` of the layers, so it weighs ``v`` times as much in a
-    schedule with ``v`` chunks per rank. 0 by default (a GPU's host runs ahead of its kernels);
-    ``bfpp-plan profile`` measures it for the planner (a stage profile's ``t_host``), and
-    ``scripts/bench_fidelity.py`` on its CPU ranks, in a calibration run apart from the steps it
-    predicts.
-    """
+    """Durations in one abstract time unit, each field's ``help`` saying what it times: compute
+    (one micro-batch through one full 1F1B stage) and ``t_evict`` scale with the stage fraction;
+    ``t_host``, the host's time per compute action (0: a GPU's host runs ahead), does not, so it
+    weighs ``v`` times as much with ``v`` chunks per rank."""
 
     t_forward: float = _cost(_UNIT.forward, "forward time")
     t_backward: float = _cost(_UNIT.backward, "backward time (input + weight gradients)")
@@ -97,8 +74,7 @@ class CostModel:
             )
 
     def compute_time(self, kind: ActionKind, stage_fraction: float = 1.0) -> float:
-        """Duration of one compute action on a stage holding ``stage_fraction`` of a full stage,
-        its host time ``t_host`` included."""
+        """One compute action's duration on a stage of ``stage_fraction``, ``t_host`` included."""
         if kind == ActionKind.FORWARD:
             full = self.t_forward
         elif kind == ActionKind.BACKWARD:
@@ -112,10 +88,8 @@ class CostModel:
         return full * stage_fraction + self.t_host
 
     def exact(self, stage_fraction: Fraction = Fraction(1)) -> ExactTiming:
-        """The replay's durations for stages of ``stage_fraction`` (``StageLayout.
-        exact_stage_fraction``) in integer units: each duration is taken as the decimal it
-        prints as (0.05 is 1/20, the number the user wrote, not the binary float nearest it) and
-        all are scaled by the least common denominator."""
+        """The replay's durations in integer units: each as the decimal it prints as (0.05 is
+        1/20, as written), scaled by the least common denominator."""
         full = {name: _decimal(getattr(self, name)) for name in _FIELDS}
         host = full["t_host"]  # per compute action, whatever the stage's size
         durations = {
@@ -134,8 +108,7 @@ class CostModel:
 
 
 def cost_fields() -> tuple[Field[Any], ...]:
-    """CostModel's fields, each with its default and ``metadata["help"]``: what a front end
-    derives its cost flags from."""
+    """CostModel's fields (default, ``metadata["help"]``): what front ends derive flags from."""
     return fields(CostModel)
 
 
@@ -148,6 +121,5 @@ _FIELDS = tuple(cost.name for cost in cost_fields())
 
 
 def _decimal(value: float) -> Fraction:
-    """``value`` as the shortest decimal that reads back as it (``repr``): exact, and small
-    denominators for the numbers people type."""
+    """``value`` as the shortest decimal that reads back as it: small denominators."""
     return Fraction(value) if isinstance(value, int) else Fraction(repr(value))

@@ -1,10 +1,5 @@
-"""Timelines of a simulated step: Chrome trace-event JSON (Perfetto, chrome://tracing) and a PNG.
-
-Both draw ``SimResult.events``. The trace has one process per rank with three threads
-(compute, p2p, dp); the PNG has one row per rank, a colour per micro-batch and a shade / hatch per
-compute kind. matplotlib is imported only inside ``render_png``, so the rest of the package works
-without it.
-"""
+"""Timelines of a simulated step: Chrome trace-event JSON (Perfetto, chrome://tracing) and a PNG
+(matplotlib imported only inside ``render_png``, so the rest works without it)."""
 
 from __future__ import annotations
 
@@ -30,9 +25,8 @@ __all__ = [
     "render_png",
 ]
 
-# Measured: a PNG costs about 10 ms per rank (its row, label and tick) on top of 3-7 us per
-# action (pp=1024 and pp=2048 at one micro-batch: 9.8 s and 19 s; pp=5600: about 110 s and an
-# image 90,000 pixels tall). bfpp-sim refuses more ranks than about 20 s of drawing.
+# A PNG's measured drawing time per rank (docs/architecture.md); bfpp-sim refuses more ranks
+# than about 20 s of drawing.
 PNG_SECONDS_PER_RANK = 0.0095
 MAX_PNG_RANKS = 2048
 
@@ -41,10 +35,7 @@ _LANES = ("compute", "p2p", "dp")
 
 
 def chrome_trace(result: SimResult, *, us_per_unit: float = 1000.0) -> dict[str, Any]:
-    """Chrome trace-event JSON as a dict: ``"X"`` events, ``ts``/``dur`` in microseconds.
-
-    ``us_per_unit`` maps the cost model's time unit to microseconds (default: 1 unit = 1 ms).
-    """
+    """Chrome trace-event JSON as a dict; ``us_per_unit`` microseconds per cost-model unit."""
     if not us_per_unit > 0:
         raise ValueError(f"us_per_unit must be > 0, got {us_per_unit}")
     trace: list[dict[str, Any]] = []
@@ -84,9 +75,8 @@ def dump_chrome_trace(result: SimResult, path: str | Path, *, us_per_unit: float
 
 
 def figure_bytes(figure: Any, path: str | Path, **savefig: Any) -> bytes:
-    """A matplotlib figure as the bytes of the file ``path`` names (its format from the
-    suffix, matplotlib's default without one), for :func:`megatron_bfpp.files.write_output`:
-    matplotlib would open ``path`` itself, truncating a file it then fails to finish."""
+    """A matplotlib figure as the bytes of the file ``path`` names (format from its suffix), for
+    :func:`megatron_bfpp.files.write_output`: matplotlib would truncate a file it cannot finish."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format=Path(path).suffix[1:] or None, **savefig)
     return buffer.getvalue()
@@ -125,14 +115,8 @@ def render_png(
     width: float = 14.0,
     max_labels: int = 3000,
 ) -> Path:
-    """Draw the step as one row per rank and write a PNG to ``path`` (returned as a Path).
-
-    Colour is the micro-batch (a qualitative palette, cycled); F is solid, B darker, I lighter,
-    W lighter still, and while boxes are a few pixels wide B and I are hatched and W dotted;
-    boxes wide enough carry ``F3``-style labels (none when more than ``max_labels`` would).
-    Each row ends with the rank's peak stored activations in full-stage micro-batches.
-    Drawing costs about ``PNG_SECONDS_PER_RANK`` per rank (``MAX_PNG_RANKS``: bfpp-sim's limit).
-    """
+    """Draw the step as one row per rank (colour: micro-batch; shade and hatch: compute kind;
+    labels where boxes are wide enough, up to ``max_labels``) and write a PNG to ``path``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -177,9 +161,7 @@ def render_png(
     _decorate(axes, result, page.span, font)
     axes.set_title(title or _title(result), fontsize=11)
     handles = _legend_handles(
-        [kind for kind, events in compute.items() if events],
-        comm,
-        with_stage=result.num_chunks > 1,
+        [kind for kind, events in compute.items() if events], comm, with_stage=result.num_chunks > 1
     )
     figure.legend(
         handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
@@ -234,9 +216,8 @@ def _draw_compute(
                 hatch=hatch if detailed else None,
             )
         )
-        # With several chunks per rank the stage tells them apart ("4F3": stage 4, micro-batch 3);
-        # a box too narrow for that still names its stage ("4"): the colour gives the
-        # micro-batch, so every box of a looped or V schedule says which chunk it runs.
+        # With several chunks per rank the stage tells them apart ("4F3"); a box too narrow
+        # for that still names its stage ("4"), the colour giving the micro-batch.
         digits = np.floor(np.log10(np.maximum(mbs, 1))) + 1
         text_px = page.char_px * (1.6 + digits + (2.0 if with_stage else 0.0))
         stages = np.fromiter((e.stage for e in compute[kind]), int, len(compute[kind]))
@@ -327,26 +308,11 @@ def _decorate(axes: Axes, result: SimResult, span: float, font: float) -> None:
     axes.grid(axis="x", linewidth=0.3, alpha=0.5)
     axes.set_axisbelow(True)
     transform = axes.get_yaxis_transform()  # x in axes fraction, y in data
-    axes.text(
-        1.005,
-        -0.5,
-        "peak act.",
-        transform=transform,
-        fontsize=font,
-        va="bottom",
-        ha="left",
-        clip_on=False,
-    )
-    for metrics in result.per_rank:
+    column = [(-0.5, "peak act.", "bottom")]
+    column += [(m.rank, f"{m.peak_activations:.3g}", "center") for m in result.per_rank]
+    for y, text, va in column:
         axes.text(
-            1.005,
-            metrics.rank,
-            f"{metrics.peak_activations:.3g}",
-            transform=transform,
-            fontsize=font,
-            va="center",
-            ha="left",
-            clip_on=False,
+            1.005, y, text, transform=transform, fontsize=font, va=va, ha="left", clip_on=False
         )
 
 
