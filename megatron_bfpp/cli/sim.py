@@ -242,9 +242,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _simulated(args: argparse.Namespace, schedule: Schedule, costs: CostModel) -> SimResult:
-    """The step from its steady state, unless ``--exact`` or a drawing asks for every event."""
+    """The step from its steady state, unless ``--exact``, a drawing that asks for every event
+    or a schedule whose steps lie on no lines (``PlanGrid.steady``) times it whole."""
     grad_reduce = args.megatron_grad_reduce
-    if args.load_csv or args.exact or args.png or args.trace:
+    whole = args.load_csv or args.exact or args.png or args.trace
+    if whole or not get_spec(args.schedule).plan.steady:
         return simulate(schedule, costs, p2p=args.p2p_model, megatron_grad_reduce=grad_reduce)
     options = _options(args)
     group = max(options.get("group_size") or 0, options.get("microbatch_group_size") or 0)

@@ -141,12 +141,16 @@ class PlanGrid:
     schedule, declared once so both search the same grid: the data-parallel ``shardings`` it
     runs; ``microbatches_per_pp``: m must be a multiple of pp (Megatron's interleaved rule);
     ``options``: ``(pp, m) -> generator options`` to try (``{}``: the defaults); ``last``: on
-    equal predictions the others rank first (GPipe holds every micro-batch's activations)."""
+    equal predictions the others rank first (GPipe holds every micro-batch's activations);
+    ``steady``: a long step's times lie on lines through shorter ones under the lock-step
+    posting, so bfpp-sim reads them off those (``sim.simulate_steady``; BPipe's evictions wander
+    against the ticks: trying would only add the shorter steps to the whole one)."""
 
     shardings: tuple[str, ...] = ("optim",)
     microbatches_per_pp: bool = False
     options: OptionGrid = lambda pp, m: ({},)
     last: bool = False
+    steady: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +285,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             build_bpipe,
             Placement.SINGLE,
             (MAX_STORED,),
-            plan=PlanGrid(options=bpipe_caps),
+            plan=PlanGrid(options=bpipe_caps, steady=False),
         ),
         *(
             ScheduleSpec(name, summary, generator, Placement.V_SHAPE, split_backward=True)

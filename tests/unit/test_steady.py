@@ -119,3 +119,18 @@ def test_bfpp_sim_reads_the_steady_state_unless_exact(any_size: None) -> None:
     with contextlib.redirect_stdout(text):
         assert sim_main(list(args)) == 0
     assert "timed from its steady state: steps of 4, 8, 12 micro-batches" in text.getvalue()
+
+
+def test_bfpp_sim_times_bpipe_whole(any_size: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BPipe's steps lie on no lines (its catalogue entry says so): bfpp-sim does not time
+    shorter steps for nothing."""
+    calls: list[int] = []
+    real = simulator.simulate_steady
+    monkeypatch.setattr(
+        "megatron_bfpp.cli.sim.simulate_steady",
+        lambda *a, **k: calls.append(1) or real(*a, **k),
+    )
+    data = _sim_json("--schedule", "bpipe", "--pp", "4", "--microbatches", "32")
+    assert data["steady_from"] == [] and calls == []
+    _sim_json("--schedule", "1f1b", "--pp", "4", "--microbatches", "32")
+    assert calls == [1]
