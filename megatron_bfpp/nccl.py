@@ -173,8 +173,7 @@ class Posting:
 
     @classmethod
     def _compiled(cls, name: str, lowered: _Lowered) -> Posting:
-        posting = cls.__new__(cls)
-        _set(posting, "name", name)
+        posting = cls(name, ())
         _set(posting, "_per_rank", None)
         _set(posting, "_lowered", lowered)
         return posting
@@ -199,6 +198,9 @@ class Posting:
             lowered = _lower(self.per_rank)
             _set(self, "_lowered", lowered)
         return lowered
+
+    def batches(self, rank: int) -> list[Batch]:
+        return [step for step in self.per_rank[rank] if isinstance(step, Batch)]
 
     @property
     def has_side(self) -> bool:
@@ -259,12 +261,7 @@ def _lower(per_rank: tuple[tuple[Step, ...], ...]) -> _Lowered:
 
 def _raised(lowered: _Lowered) -> tuple[tuple[Step, ...], ...]:
     """The inverse of ``_lower``: ``Posting.per_rank`` of integers."""
-    items, ticks, flags, waits = (
-        lowered.batch_items,
-        lowered.batch_tick,
-        lowered.batch_flags,
-        lowered.waits,
-    )
+    items, ticks, flags = lowered.batch_items, lowered.batch_tick, lowered.batch_flags
     per_rank = []
     for row in lowered.steps:
         steps: list[Step] = []
@@ -273,7 +270,7 @@ def _raised(lowered: _Lowered) -> tuple[tuple[Step, ...], ...]:
             if code == _RUN:
                 steps.append(value)
             elif code == _WAIT:
-                steps.append(Wait(waits[value]))
+                steps.append(Wait(lowered.waits[value]))
             else:
                 batch_items = tuple([Item(i >> 1, i & 1 == 1) for i in items[value]])
                 bits = flags[value]
@@ -286,8 +283,7 @@ def _raised(lowered: _Lowered) -> tuple[tuple[Step, ...], ...]:
 # --- lock-step posting --------------------------------------------------------------------------
 def lockstep_posting(schedule: Schedule) -> Posting:
     """The runtime's posting: one batch per tick, partners in the same tick (module docstring).
-    Built once while ``schedule`` is among the last few posted (validation proves the posting
-    that the simulator then times, and the planner times one schedule under many costs)."""
+    Built once while ``schedule`` is among the last few posted."""
     for kept, posting in _POSTINGS:
         if kept is schedule:
             return posting
@@ -364,10 +360,8 @@ _COMPUTE = frozenset(kind for kind in K if kind.is_compute)
 
 def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
     """The runtime makes a process group for each BPipe pair (x, p-1-x) and no other
-    (``runtime.p2p.pair_group``: every rank of the job makes the same groups in one order, so
-    which pairs exist cannot depend on a schedule), so a payload batch between other ranks has
-    no group to run on. Raises ``ScheduleError`` naming the first such transfer; every rank
-    finds the same one, before any communication."""
+    (``runtime.p2p.pair_group``), so a payload batch between other ranks has no group to run
+    on. Raises ``ScheduleError`` naming the first such transfer."""
     last, lowered = schedule.num_ranks - 1, posting.lowered
     for rank, steps in enumerate(lowered.steps):
         for step in steps:
@@ -575,8 +569,7 @@ def written_posting(schedule: Schedule) -> Posting:
 # --- the model --------------------------------------------------------------------------------
 def validate_nccl(schedule: Schedule) -> Posting:
     """The lock-step posting of ``schedule``, proven under NCCL's rules, its payloads between
-    partner pairs only (``check_side_pairs``: the runtime has no other groups); raises
-    otherwise."""
+    partner pairs only (``check_side_pairs``); raises otherwise."""
     posting = lockstep_posting(schedule)
     check_posting(schedule, posting)
     check_side_pairs(schedule, posting)
@@ -585,8 +578,8 @@ def validate_nccl(schedule: Schedule) -> Posting:
 
 def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
     """Whether ``schedule`` is NCCL-safe as written (one batch per run of messages between two
-    computes: what a file states, and what torch's runtime or ours before lock-step would post)
-    and as the runtime posts it (lock-step); a failure's reason without the grid."""
+    computes, what a file states) and as the runtime posts it (lock-step); a failure's reason
+    without the grid."""
     report: dict[str, dict[str, object]] = {}
     checks: tuple[tuple[str, Callable[[Schedule], object]], ...] = (
         ("as_written", lambda s: check_posting(s, written_posting(s))),
@@ -605,13 +598,10 @@ def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
 class PostingRun(NamedTuple):
     """What ``time_posting`` found, in ``Timing``'s units (integers when its durations are).
 
-    ``clock``: per rank, when its CPU finished its last step (its last compute, or the last
-    batch it waited for); ``dp_end``: when its data-parallel lane is done; ``busy``: the sum of
-    its compute durations; ``gather_wait``: the time computes waited for their stage's PS;
-    ``events()``: compute, batch (p2p lane, from when its first op had both halves started to
-    its completion) and GS / PS intervals that take time, rank by rank, each rank's by start;
-    built when called (the planner never draws).
-    """
+    ``clock``: per rank, when its CPU finished its last step; ``dp_end``: when its data-parallel
+    lane is done; ``busy``: the sum of its compute durations; ``gather_wait``: the time computes
+    waited for their stage's PS; ``events()``: compute, batch and GS / PS intervals that take
+    time, rank by rank, each rank's by start, built when called (the planner never draws)."""
 
     clock: list[float]
     dp_end: list[float]
@@ -675,8 +665,7 @@ _MODELS_KEPT = 2
 
 
 def release_models() -> None:
-    """Drop the kept models: a training process proves its posting once and never times it,
-    so it need not hold the model's columns through training."""
+    """Drop the kept models: a training process proves its posting once and never times it."""
     _MODELS.clear()
 
 
@@ -685,11 +674,9 @@ class _Model:
 
     A *unit* is what runs on a stream as one: a batch, or one op of a pairwise batch. Streams
     are the rank's group stream, its side stream and, for pairwise ops, one per (rank, peer).
-    Batches are the posting's (``_Lowered``'s numbers); ops are numbered in posting order, a
-    batch's from ``op_start[batch]``, and are columns (``op_*``, by op id); messages are the
-    compiled program's numbers (``program.Program``) and an op's or a CPU wait's key is
-    ``message * 4 + send * 2 + rest``; a rank's CPU steps are ``value * 4 + code`` (``_POST`` a
-    batch, ``_WAIT`` for a unit, ``_RUN`` a program position)."""
+    Ops are numbered in posting order, a batch's from ``op_start[batch]``, as columns (``op_*``);
+    an op's or a CPU wait's key is ``message * 4 + send * 2 + rest``; a rank's CPU steps are
+    ``value * 4 + code`` (``_POST`` a batch, ``_WAIT`` for a unit, ``_RUN`` a position)."""
 
     def __init__(self, schedule: Schedule, posting: Posting, *, settle: bool = True) -> None:
         self.schedule, self.posting, self.settle = schedule, posting, settle
@@ -872,18 +859,13 @@ class _Model:
 
     def _channels(self, rank: int, first: int, end: int) -> None:
         """Add ``rank``'s ops ``first`` to ``end`` to their channels, in posting order."""
-        actions, positions, keys, channels = (
-            self.schedule.per_rank[rank],
-            self.op_position,
-            self.op_key,
-            self.channels,
-        )
+        actions, positions, keys = self.schedule.per_rank[rank], self.op_position, self.op_key
         mine: dict[int, list[int]] = {}  # peer * 2 + send -> the channel's ops
         for op in range(first, end):
             peer, send = actions[positions[op]].peer or 0, keys[op] >> 1 & 1
             if (members := mine.get(peer * 2 + send)) is None:
                 members = mine[peer * 2 + send] = []
-                channels[(rank, peer, True) if send else (peer, rank, False)] = members
+                self.channels[(rank, peer, True) if send else (peer, rank, False)] = members
             members.append(op)
 
     def _parts_needs(self, composite: Action) -> list[int]:
@@ -988,10 +970,8 @@ class _Model:
 
     def _deliver_outputs(self, timing: Timing) -> None:
         """``runtime.placement.deliver_to_last_rank``: where the last stage is not on the last
-        rank (the V-shapes), its rank sends the step's loss values there once both are done
-        with their programs and their gradient finalization (which waits for the data-parallel
-        lane), as ``send_object_list`` does it: two blocking messages (the size, then the
-        pickled values), one after the other; both ranks' steps end with them."""
+        rank (the V-shapes), its rank sends the step's losses there once both are done (their
+        data-parallel lanes too) in two blocking messages; both ranks' steps end with them."""
         layout = self.schedule.layout
         source, target = layout.rank_of(layout.num_stages - 1), layout.num_ranks - 1
         if source != target:

@@ -407,7 +407,11 @@ def _replay(schedule: Schedule, timing: Timing) -> Replay:
     except ScheduleError as error:  # a stage outside the layout
         raise ScheduleError(f"cannot simulate {error}") from None
     if run.blocked:
-        raise _deadlock(schedule, run)
+        raise ScheduleError(
+            f"cannot simulate {schedule.name!r}: deadlock: ranks {sorted(run.blocked)} each wait "
+            "for a message that is never sent\n"
+            + format_schedule(schedule, marks=describe_waits(run.blocked))
+        )
     return run
 
 
@@ -477,9 +481,6 @@ class PostingTimeline:
     def __init__(self, raw: Callable[[], list[Event]], per_unit: int = 1) -> None:
         self._raw, self.per_unit = raw, per_unit
         self._events: tuple[Event, ...] | None = None
-
-    def scaled(self, per_unit: int) -> PostingTimeline:
-        return PostingTimeline(self._raw, per_unit)
 
     def events(self) -> tuple[Event, ...]:
         if self._events is None:
@@ -585,11 +586,3 @@ def _ratio(part: float, whole: float) -> float:
     """``part / whole`` of two replay times (0 when ``whole`` is), correctly rounded even when
     both are integers too large for floats."""
     return part / whole if whole > 0 else 0.0
-
-
-def _deadlock(schedule: Schedule, run: Replay) -> ScheduleError:
-    marks = describe_waits(run.blocked)
-    return ScheduleError(
-        f"cannot simulate {schedule.name!r}: deadlock: ranks {sorted(run.blocked)} each wait for "
-        f"a message that is never sent\n{format_schedule(schedule, marks=marks)}"
-    )
