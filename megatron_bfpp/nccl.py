@@ -117,8 +117,7 @@ _FB = K.OVERLAP_F_B
 
 class Item(NamedTuple):
     """One action's ops in a batch: its message (for EV / AC the size header), or with
-    ``rest`` an eviction's payload (the evictor sends it; the acceptor first reads the header,
-    then receives it)."""
+    ``rest`` an eviction's payload (received after the acceptor read the header)."""
 
     position: int
     rest: bool = False
@@ -310,9 +309,8 @@ def _lockstep_steps(
     ``lowered``. Sort keys are ``(tick * 4 + phase) * span + order``: at a tick, its batch
     (phase 0), its payload batch (1), the GS / PS / RL that follow the compute ending there (2:
     after its messages, the pipeline's critical path goes first), then the compute starting
-    there (3); ``order`` is the position, or a batch's number on the rank. A batch's items
-    are in canonical order (the message's number, position, rest: sort keys
-    ``(message * span + position) * 2 + rest``), by ``tick * 2 + payload``."""
+    there (3); ``order`` is the position, or a batch's number on the rank. A batch's items are
+    in canonical order (sort keys ``(message * span + position) * 2 + rest``)."""
     span = len(actions) + 1
     by_tick: defaultdict[int, list[int]] = defaultdict(list)
     keys: list[int] = []
@@ -444,8 +442,8 @@ class _TickReplay:
             self._wake(rank)
 
     def _stop(self, rank: int, message: int) -> None:
-        """``rank`` needs ``message``, not sent yet: settle what can be (the partner may wait
-        for an eviction this rank deferred to the compute that waits here) and wait."""
+        """``rank`` needs ``message``, not sent yet: settle what can be (the partner may wait for
+        an eviction deferred to this compute) and wait."""
         self._resolved(rank)
         self.waiters.setdefault(message, []).append(rank)
 
@@ -469,10 +467,8 @@ class _TickReplay:
         return None if still else latest
 
     def _advance(self, rank: int, position: int) -> int:
-        """Number ``rank``'s actions from ``position``; return where it stopped. What an action
-        waits for is ``semantics.Rules``' (compiled: ``Program.wait``, ``transfer_waits``); a
-        transfer whose next compute awaits the partner's receive (``Rules.awaits``) is deferred
-        to it."""
+        """Number ``rank``'s actions from ``position``; return where it stopped. A transfer whose
+        next compute awaits the partner's receive (``Rules.awaits``) is deferred to it."""
         program, rules = self.program, self.rules
         actions, t, ticks = self.schedule.per_rank[rank], self.now[rank], self.ticks[rank]
         message, wait, restores = program.message[rank], program.wait[rank], program.restore[rank]
@@ -690,7 +686,6 @@ class _Model:
         self.op_start = [0, *accumulate(map(len, items))]  # per batch, its first op
         self.op_position = [item >> 1 for batch in items for item in batch]
         self.op_key: list[int] = []  # message * 4 + send * 2 + rest (an eviction's payload)
-        # batches are the posting's (``_Lowered``'s numbers)
         self.batch_tick = lowered.batch_tick
         self.batch_rank: list[int] = []
         self.batch_index: list[int] = []  # the batch's number on its rank
@@ -753,12 +748,10 @@ class _Model:
                 self.unit_stream += streams
 
     def _rank_steps(self, rank: int) -> list[int]:
-        """``rank``'s CPU steps: its posting (``_Lowered``), with the waits each step needs
-        first. A compute's waits: the batches holding what it consumes (``Rules``' tables as
-        compiled: ``Program.wait`` and ``Program.restore``), and the send of its output before
-        the backward that frees it (megatron-core's ``deallocate_pipeline_outputs``;
-        runtime/backward.py); a composite's: each of its parts', all before it runs (the
-        composite rule)."""
+        """``rank``'s CPU steps: its posting, with the waits each step needs first. A compute
+        waits for the batches holding what it consumes (``Program.wait`` / ``restore``) and for
+        the send of its output before the backward that frees it (megatron-core's
+        ``deallocate_pipeline_outputs``); a composite for each of its parts'."""
         lowered, program, actions = self.posting.lowered, self.program, self.schedule.per_rank[rank]
         wait, restores, compute, frees = program.wait[rank], program.restore[rank], _COMPUTE, _FREES
         last, mbs = self.schedule.num_stages - 1, program.microbatches
