@@ -11,72 +11,50 @@ NCCL (torch's ProcessGroupNCCL) is stricter than gloo in three ways that matter 
    the model assumes it buffers none).
 
 So two ranks that each post "send" then "receive" as two batches deadlock on NCCL, though gloo
-(whose sends never wait) runs them; the execution rules the validator and simulator share
-(``semantics``) are gloo's, and accept such orders.
+(whose sends never wait, the rules of ``semantics``) runs them.
 
 **Lock-step posting** (``lockstep_posting``, what the runtime does: megatron-core's one batch per
 pipeline tick, generalised to any schedule). An as-soon-as-possible replay in nominal time
-numbers the compute actions: a forward lasts one tick, a backward two (its input and weight
-gradients one each when split: ``TICKS``), a message none, so that the ticks two ranks reach
-together are close in real time too (with every compute one tick, a rank's backward-heavy
-steady state fell behind its tick, and the ranks it shares a tick with, BPipe's partner above
-all, waited for it). A message goes in the batch of the
-tick at which its sender posts it: SA / SG at the end of the compute before them, EV and RS
-there too but no earlier than the partner reaches its AC / LD (and RS a tick after the eviction
-it returns), so a payload arrives where the program order says it is received. Each rank
-posts one batch per tick it sends or receives at, holding its sends of that tick and the
-receives of everything sent to it at that tick, in one canonical order both sides compute
-alike, and posts it after its computes that end by that tick and before those that start at it
-or later. Every op's partner is then in the peer's batch of the same tick, and by induction on
-the tick every batch completes: the batches of tick t are all posted once every compute that
-ends by t has run, those computes consume only batches of ticks up to their start (< t), and
-the batches of a rank complete in tick order.
+numbers the compute actions: a forward lasts one tick, a backward two (``TICKS``), a message
+none, so that the ticks two ranks reach together are close in real time too. A message goes in
+the batch of the tick at which its sender posts it: SA / SG at the end of the compute before
+them, EV and RS there too but no earlier than the partner reaches its AC / LD (and RS a tick
+after the eviction it returns), so a payload arrives where the program order says it is
+received. Each rank posts one batch per tick it sends or receives at, in one canonical order
+both sides compute alike, after its computes that end by that tick and before those that start
+at it or later. Every op's partner is then in the peer's batch of the same tick, and by
+induction on the tick every batch completes: the batches of tick t are all posted once every
+compute that ends by t has run, those computes consume only batches of ticks before t, and the
+batches of a rank complete in tick order.
 
 BPipe's payloads go apart from the tick's batch, on a process group of the two partners alone
-(``runtime.p2p.pair_group``; on NCCL a communicator and stream of their own), so that a payload's
-transfer time holds neither rank's later tick batches, which carry the pipeline's activations
-and gradients (in the rank's one stream a payload, a micro-batch's stored activations, delayed
-both partners' next messages by its whole transfer: 21-38% of a 52B step at pp 4-8 in the
-planner's costs). The payload size is known only to the evictor, so an eviction is two messages
-of one tick: its size header in the tick's batch, then the payload in the pair's batch right
-after it (the *rest* items below), which also holds the tick's restores (RS) and their receives
-(LD), all in the canonical order on both sides (a ``side`` batch). The acceptor reads the
-header, blocking its CPU, between the two, so it can post a receive of the right size; both
-batches come before the computes that start at the tick. Neither blocks anyone else: the tick's
-batch completes as before, and the pair's batch needs only the two ranks that posted it.
+(``runtime.p2p.pair_group``), so that a payload's transfer holds neither rank's later tick
+batches. An eviction is two messages of one tick: its size header in the tick's batch, then the
+payload in the pair's batch right after it (the *rest* items), which also holds the tick's
+restores (RS) and their receives (LD) (a ``side`` batch); the acceptor reads the header between
+the two, so it can post a receive of the right size.
 
 **The model** (``check_posting``) runs any posting under rules 1-3 with a strict CPU per rank:
 each rank executes its steps in order, waits at a compute for the batches holding what it
 consumes (and the send of its output before the backward that frees it, and BPipe's transfers
 after the next compute, as the runtime does on gloo), at a BPipe RS for the eviction it returns,
 before a payload batch for the eviction's header; a batch starts when posted and its predecessor
-on the rank has completed. Postings of other executors say more (``native_posting``:
-megatron-core's own): a ``blocking`` batch is waited right after it is posted, a ``pairwise``
-batch's ops (non-batched ``isend`` / ``irecv``) each run on the stream of their (rank, peer) pair,
-FIFO per pair, instead of the rank's one stream, and a ``Wait`` step waits for the ops it
-names. A CPU that waits is stricter than a GPU (whose CPU only enqueues stream waits), so what
-the model proves holds on both. A posting that cannot finish is reported with
-the cycle of waits and the per-rank grid.
+on the rank has completed. Postings of other executors (``native_posting``) may also have
+``blocking`` batches, ``pairwise`` ones (each op on the stream of its (rank, peer) pair) and
+``Wait`` steps. A CPU that waits is stricter than a GPU, so what the model proves holds on both.
+A posting that cannot finish is reported with the cycle of waits and the per-rank grid.
 
-A posting is read by the model as integers (``_Lowered``: per rank its steps, per batch its
-items ``position * 2 + rest``, its tick and flags). ``lockstep_posting`` compiles straight into
-that form from the compiled program and the tick replay; the ``Batch`` / ``Item`` steps the
-runtime posts by (``Posting.per_rank``) are made from it when first read, so validation and the
-simulator make no object per batch or item, and what they prove and time is what runs. Other
-postings (written out, megatron-core's) are lowered from their steps. The model's columns are
-built once per posting (``_model``).
+The model reads a posting as integers (``_Lowered``); ``lockstep_posting`` compiles straight into
+them, and the ``Batch`` / ``Item`` steps the runtime posts by (``Posting.per_rank``) are made
+from them when first read, so validation and the simulator build no object per batch. What each
+compute and BPipe transfer waits for is read from ``semantics.Rules`` (compiled:
+``program.Program``) and ops are paired by ``semantics.match_channels``: the rules are stated
+once, there.
 
-What each compute and BPipe transfer waits for is read from ``semantics.Rules``, compiled
-(``program.Program``: ``wait``, ``restore``) or directly (``transfer_waits``, ``awaits``), in the
-tick replay and in the model alike, and ops are paired by ``semantics.match_channels``: the
-rules are stated once, there.
-
-**Timing** (``posting_timer``, the simulator's ``lockstep`` and ``megatron`` models) runs the
-same model with clocks: computes take their durations, an op completes a message time after both
-halves have started, a batch when all its ops have; the CPU does not settle BPipe's sends after
-the next compute there (on NCCL the runtime polls them), which only the proof keeps. Where no
-send is settled so (all but BPipe), the proof's model and the timer's are one, built once per
-posting (``_model``): validation proves the posting that the simulator then times.
+**Timing** (``posting_timer``) runs the same model with clocks: computes take their durations,
+an op completes a message time after both halves have started, a batch when all its ops have.
+Where no BPipe send is settled after a compute, the proof's model and the timer's are one, built
+once per posting (``_model``): validation proves the posting that the simulator then times.
 """
 
 from __future__ import annotations
@@ -139,8 +117,7 @@ _FB = K.OVERLAP_F_B
 
 class Item(NamedTuple):
     """One action's ops in a batch: its message (for EV / AC the size header), or with
-    ``rest`` an eviction's payload (the evictor sends it; the acceptor first reads the header,
-    then receives it)."""
+    ``rest`` an eviction's payload (received after the acceptor read the header)."""
 
     position: int
     rest: bool = False
@@ -155,9 +132,7 @@ class Batch(NamedTuple):
     pair, first in first out per pair, instead of one group on the rank's single stream
     (megatron-core's non-batched path, interleaved with ``overlap_p2p_comm``). ``side``: one
     group of ops on the rank's second stream, FIFO, apart from its first (BPipe's payloads on
-    the partners' own process group). A named tuple, like ``Item``: a large schedule's posting
-    holds half a million batches, and a frozen dataclass took four times as long to build.
-    """
+    the partners' own process group). A named tuple: cheaper to build than a dataclass."""
 
     tick: int
     items: tuple[Item, ...]
@@ -181,9 +156,8 @@ Step = int | Batch | Wait
 class Posting:
     """Per rank, the order in which the CPU runs the non-p2p actions and posts the batches.
 
-    Immutable. Its models read it as integers (``_Lowered``); the lock-step posting is
-    compiled straight into them, and its ``per_rank`` steps are built from them when first
-    read (the runtime reads them; validation and the simulator need only the integers)."""
+    Immutable; held as integers (``_Lowered``) or steps (``per_rank``), each made from the other
+    when first read (validation and the simulator need only the integers)."""
 
     __slots__ = ("_lowered", "_per_rank", "name")
 
@@ -198,8 +172,7 @@ class Posting:
 
     @classmethod
     def _compiled(cls, name: str, lowered: _Lowered) -> Posting:
-        posting = cls.__new__(cls)
-        _set(posting, "name", name)
+        posting = cls(name, ())
         _set(posting, "_per_rank", None)
         _set(posting, "_lowered", lowered)
         return posting
@@ -246,7 +219,7 @@ class Posting:
 
 
 _set = object.__setattr__  # Posting's own fields, set once (the lazy ones when first read)
-_BLOCKING, _PAIRWISE, _SIDE_BATCH = 1, 2, 4  # ``_Lowered.batch_flags``
+_BLOCKING, _PAIRWISE, _SIDE_BATCH = _FLAG_BITS = (1, 2, 4)  # ``_Lowered.batch_flags``
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -255,9 +228,7 @@ class _Lowered:
     (``_RUN`` a program position, ``_POST`` a batch, ``_WAIT`` a ``Wait``: indices into the
     columns below, all ranks' together); a batch's items are ``position * 2 + rest`` and its
     flags ``_BLOCKING | _PAIRWISE | _SIDE_BATCH``. Batches are numbered in the order the ranks'
-    steps post them, rank by rank (``_Model`` numbers its batches and ops so). No object per
-    batch or item: a large schedule's posting holds half a million batches and a million
-    items."""
+    steps post them, rank by rank (``_Model`` numbers its batches and ops so)."""
 
     steps: list[list[int]]
     batch_items: list[list[int]]
@@ -289,12 +260,7 @@ def _lower(per_rank: tuple[tuple[Step, ...], ...]) -> _Lowered:
 
 def _raised(lowered: _Lowered) -> tuple[tuple[Step, ...], ...]:
     """The inverse of ``_lower``: ``Posting.per_rank`` of integers."""
-    items, ticks, flags, waits = (
-        lowered.batch_items,
-        lowered.batch_tick,
-        lowered.batch_flags,
-        lowered.waits,
-    )
+    items, ticks, flags = lowered.batch_items, lowered.batch_tick, lowered.batch_flags
     per_rank = []
     for row in lowered.steps:
         steps: list[Step] = []
@@ -303,19 +269,12 @@ def _raised(lowered: _Lowered) -> tuple[tuple[Step, ...], ...]:
             if code == _RUN:
                 steps.append(value)
             elif code == _WAIT:
-                steps.append(Wait(waits[value]))
+                steps.append(Wait(lowered.waits[value]))
             else:
                 batch_items = tuple([Item(i >> 1, i & 1 == 1) for i in items[value]])
                 bits = flags[value]
-                steps.append(
-                    Batch(
-                        ticks[value],
-                        batch_items,
-                        bits & _BLOCKING != 0,
-                        bits & _PAIRWISE != 0,
-                        bits & _SIDE_BATCH != 0,
-                    )
-                )
+                blocking, pairwise, side = (bits & bit != 0 for bit in _FLAG_BITS)
+                steps.append(Batch(ticks[value], batch_items, blocking, pairwise, side))
         per_rank.append(tuple(steps))
     return tuple(per_rank)
 
@@ -323,15 +282,14 @@ def _raised(lowered: _Lowered) -> tuple[tuple[Step, ...], ...]:
 # --- lock-step posting --------------------------------------------------------------------------
 def lockstep_posting(schedule: Schedule) -> Posting:
     """The runtime's posting: one batch per tick, partners in the same tick (module docstring).
-    Built once while ``schedule`` is among the last few posted (validation proves the posting
-    that the simulator then times, and the planner times one schedule under many costs)."""
+    Built once while ``schedule`` is among the last few posted."""
     for kept, posting in _POSTINGS:
         if kept is schedule:
             return posting
     program = compiled(schedule)
     lowered = _Lowered([], [], [], [], [])
     with paused_gc():  # a list per batch, none freed: see paused_gc
-        ticks = _unit_ticks(program)
+        ticks = _TickReplay(program).run()
         for rank, actions in enumerate(schedule.per_rank):
             _lockstep_steps(lowered, actions, ticks[rank], program.message[rank])
     posting = Posting._compiled("lock-step", lowered)
@@ -351,9 +309,8 @@ def _lockstep_steps(
     ``lowered``. Sort keys are ``(tick * 4 + phase) * span + order``: at a tick, its batch
     (phase 0), its payload batch (1), the GS / PS / RL that follow the compute ending there (2:
     after its messages, the pipeline's critical path goes first), then the compute starting
-    there (3); ``order`` is the position, or a batch's number on the rank. A batch's items
-    are in canonical order (the message's number, position, rest: sort keys
-    ``(message * span + position) * 2 + rest``), by ``tick * 2 + payload``."""
+    there (3); ``order`` is the position, or a batch's number on the rank. A batch's items are
+    in canonical order (sort keys ``(message * span + position) * 2 + rest``)."""
     span = len(actions) + 1
     by_tick: defaultdict[int, list[int]] = defaultdict(list)
     keys: list[int] = []
@@ -401,10 +358,8 @@ _COMPUTE = frozenset(kind for kind in K if kind.is_compute)
 
 def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
     """The runtime makes a process group for each BPipe pair (x, p-1-x) and no other
-    (``runtime.p2p.pair_group``: every rank of the job makes the same groups in one order, so
-    which pairs exist cannot depend on a schedule), so a payload batch between other ranks has
-    no group to run on. Raises ``ScheduleError`` naming the first such transfer; every rank
-    finds the same one, before any communication."""
+    (``runtime.p2p.pair_group``), so a payload batch between other ranks has no group to run
+    on. Raises ``ScheduleError`` naming the first such transfer."""
     last, lowered = schedule.num_ranks - 1, posting.lowered
     for rank, steps in enumerate(lowered.steps):
         for step in steps:
@@ -422,23 +377,14 @@ def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
                     )
 
 
-def _unit_ticks(program: Program) -> list[list[int]]:
-    """Per rank and position: a compute's start tick, a p2p action's batch tick, else -1."""
-    replay = _TickReplay(program)
-    replay.run()
-    return replay.ticks
-
-
 class _TickReplay:
     """An as-soon-as-possible replay with nominal computes (``TICKS``) and instant messages.
 
     Each rank advances until it needs a message not yet sent, and is resumed when it is sent.
     BPipe's EV (RS) goes out no earlier than the tick at which the partner reaches its AC (LD)
     in program order, and the evictor's (acceptor's) next compute waits for that, as the gloo
-    rules have it: a payload then arrives where the schedule's program order (which the memory
-    model and the eviction pass reason about) says it is received, not earlier. Every tick is
-    the largest of the ticks it depends on, so the order in which ranks advance changes none;
-    messages are the compiled program's numbers (``program.Program``), their ticks in lists."""
+    rules have it, so a payload arrives where program order says it is received. Every tick is
+    the largest of the ticks it depends on, so the order in which ranks advance changes none."""
 
     def __init__(self, program: Program) -> None:
         schedule = self.schedule = program.schedule
@@ -458,7 +404,8 @@ class _TickReplay:
         self.ready = deque(range(num_ranks))
         self.queued = [True] * num_ranks
 
-    def run(self) -> None:
+    def run(self) -> list[list[int]]:
+        """Per rank and position: a compute's start tick, a p2p action's batch tick, else -1."""
         programs, ready, queued = self.schedule.per_rank, self.ready, self.queued
         while ready:
             rank = ready.popleft()
@@ -482,6 +429,7 @@ class _TickReplay:
                     if sent[message[position]] < 0:
                         raise ScheduleError(f"rank {rank}, step {position}: {action} is never sent")
                     ticks[position] = sent[message[position]]
+        return self.ticks
 
     def _wake(self, rank: int) -> None:
         if not self.queued[rank]:
@@ -494,8 +442,8 @@ class _TickReplay:
             self._wake(rank)
 
     def _stop(self, rank: int, message: int) -> None:
-        """``rank`` needs ``message``, not sent yet: settle what can be (the partner may wait
-        for an eviction this rank deferred to the compute that waits here) and wait."""
+        """``rank`` needs ``message``, not sent yet: settle what can be (the partner may wait for
+        an eviction deferred to this compute) and wait."""
         self._resolved(rank)
         self.waiters.setdefault(message, []).append(rank)
 
@@ -519,10 +467,8 @@ class _TickReplay:
         return None if still else latest
 
     def _advance(self, rank: int, position: int) -> int:
-        """Number ``rank``'s actions from ``position``; return where it stopped. What an action
-        waits for is ``semantics.Rules``' (compiled: ``Program.wait``, ``transfer_waits``); a
-        transfer whose next compute awaits the partner's receive (``Rules.awaits``) is deferred
-        to it."""
+        """Number ``rank``'s actions from ``position``; return where it stopped. A transfer whose
+        next compute awaits the partner's receive (``Rules.awaits``) is deferred to it."""
         program, rules = self.program, self.rules
         actions, t, ticks = self.schedule.per_rank[rank], self.now[rank], self.ticks[rank]
         message, wait, restores = program.message[rank], program.wait[rank], program.restore[rank]
@@ -619,8 +565,7 @@ def written_posting(schedule: Schedule) -> Posting:
 # --- the model --------------------------------------------------------------------------------
 def validate_nccl(schedule: Schedule) -> Posting:
     """The lock-step posting of ``schedule``, proven under NCCL's rules, its payloads between
-    partner pairs only (``check_side_pairs``: the runtime has no other groups); raises
-    otherwise."""
+    partner pairs only (``check_side_pairs``); raises otherwise."""
     posting = lockstep_posting(schedule)
     check_posting(schedule, posting)
     check_side_pairs(schedule, posting)
@@ -629,8 +574,8 @@ def validate_nccl(schedule: Schedule) -> Posting:
 
 def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
     """Whether ``schedule`` is NCCL-safe as written (one batch per run of messages between two
-    computes: what a file states, and what torch's runtime or ours before lock-step would post)
-    and as the runtime posts it (lock-step); a failure's reason without the grid."""
+    computes, what a file states) and as the runtime posts it (lock-step); a failure's reason
+    without the grid."""
     report: dict[str, dict[str, object]] = {}
     checks: tuple[tuple[str, Callable[[Schedule], object]], ...] = (
         ("as_written", lambda s: check_posting(s, written_posting(s))),
@@ -649,13 +594,10 @@ def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
 class PostingRun(NamedTuple):
     """What ``time_posting`` found, in ``Timing``'s units (integers when its durations are).
 
-    ``clock``: per rank, when its CPU finished its last step (its last compute, or the last
-    batch it waited for); ``dp_end``: when its data-parallel lane is done; ``busy``: the sum of
-    its compute durations; ``gather_wait``: the time computes waited for their stage's PS;
-    ``events()``: compute, batch (p2p lane, from when its first op had both halves started to
-    its completion) and GS / PS intervals that take time, rank by rank, each rank's by start;
-    built when called (the planner never draws).
-    """
+    ``clock``: per rank, when its CPU finished its last step; ``dp_end``: when its data-parallel
+    lane is done; ``busy``: the sum of its compute durations; ``gather_wait``: the time computes
+    waited for their stage's PS; ``events()``: compute, batch and GS / PS intervals that take
+    time, rank by rank, each rank's by start, built when called (the planner never draws)."""
 
     clock: list[float]
     dp_end: list[float]
@@ -683,23 +625,14 @@ def posting_timer(schedule: Schedule, posting: Posting) -> Callable[[Timing], Po
     with clocks; built once per posting and run per ``Timing`` (the planner times one schedule
     under many costs).
 
-    Each rank's CPU runs its steps in order: a compute starts once the CPU is free (it waited
-    for the batches holding what it consumes: those waits are steps of the model) and, for a
-    stage's first compute after its PS, the gather has ended; it lasts its ``Timing``
-    duration. A batch is posted at the CPU's time and starts once posted and the batch before
-    it on its stream (the rank's, or per op the (rank, peer) pair's when ``pairwise``) has
-    completed; an op completes ``timing.p2p`` (an eviction's or restore's payload:
-    ``timing.transfer``) after both halves have started, and a batch when all its ops have.
-    A ``blocking`` batch holds the CPU until it completes; so does BPipe's header read, between
-    the header's batch and the payload's. GS / PS run on the data-parallel lane as in
-    ``semantics.replay``. Where the last stage is not on the last rank (the V-shapes) the
-    runtime then sends the step's losses there in two blocking messages
-    (``runtime.placement.deliver_to_last_rank``) after its gradient finalization: both ranks'
-    clocks end ``2 * timing.p2p`` after the later of the two and of their data-parallel lanes.
-    Unlike ``check_posting`` the CPU does not settle BPipe's sends after
-    the next compute: on NCCL the runtime polls them (``PipeComm.reap``) instead, so they cost
-    no time there. A CPU that waits for a batch stands for a GPU stream that waits for it: the
-    times are the same, the CPU only enqueues earlier."""
+    A compute starts once the CPU is free and, for a stage's first compute after its PS, the
+    gather has ended. A batch starts once posted and the batch before it on its stream has
+    completed; an op completes ``timing.p2p`` (a payload: ``timing.transfer``) after both halves
+    have started. GS / PS run on the data-parallel lane as in ``semantics.replay``; the V-shapes'
+    loss delivery ends with two blocking messages (``_deliver_outputs``). Unlike
+    ``check_posting`` the CPU does not settle BPipe's sends after the next compute: on NCCL the
+    runtime polls them (``PipeComm.reap``). A CPU that waits for a batch stands for a GPU stream
+    that waits for it: the times are the same."""
     return _model(schedule, posting, settle=False).timed
 
 
@@ -707,8 +640,7 @@ def _model(schedule: Schedule, posting: Posting, *, settle: bool) -> _Model:
     """The model of ``posting``, built once while it is among the last two modelled: validation
     proves the posting that the simulator then times. The proof's model (``settle``) serves
     the timer too, and the other way round, where no BPipe send is settled after a compute
-    (``_Model.settles``): the two then have the same steps, and ``run`` starts afresh. A kept
-    model holds its memory until two more postings are modelled (the runtime's proof too)."""
+    (``_Model.settles``): the two then have the same steps, and ``run`` starts afresh."""
     for kept_schedule, kept_posting, model in _MODELS:
         if (
             kept_posting is posting
@@ -729,8 +661,7 @@ _MODELS_KEPT = 2
 
 
 def release_models() -> None:
-    """Drop the kept models: a training process proves its posting once and never times it,
-    so it need not hold the model's columns through training."""
+    """Drop the kept models: a training process proves its posting once and never times it."""
     _MODELS.clear()
 
 
@@ -739,19 +670,11 @@ class _Model:
 
     A *unit* is what runs on a stream as one: a batch, or one op of a pairwise batch. Streams
     are the rank's group stream, its side stream and, for pairwise ops, one per (rank, peer).
-    Batches are the posting's (``_Lowered``'s numbers); ops are numbered in posting order, a
-    batch's from ``op_start[batch]``, and are columns (``op_*``, by op id); messages are the
-    compiled program's numbers (``program.Program``) and an op's or a CPU wait's key is
-    ``message * 4 + send * 2 + rest``; a rank's CPU steps are ``value * 4 + code`` (``_POST`` a
-    batch, ``_WAIT`` for a unit, ``_RUN`` a program position)."""
+    Ops are numbered in posting order, a batch's from ``op_start[batch]``, as columns (``op_*``);
+    an op's or a CPU wait's key is ``message * 4 + send * 2 + rest``; a rank's CPU steps are
+    ``value * 4 + code`` (``_POST`` a batch, ``_WAIT`` for a unit, ``_RUN`` a position)."""
 
-    def __init__(
-        self,
-        schedule: Schedule,
-        posting: Posting,
-        *,
-        settle: bool = True,
-    ) -> None:
+    def __init__(self, schedule: Schedule, posting: Posting, *, settle: bool = True) -> None:
         self.schedule, self.posting, self.settle = schedule, posting, settle
         self.timing: Timing | None = None
         self.program = compiled(schedule)
@@ -763,7 +686,6 @@ class _Model:
         self.op_start = [0, *accumulate(map(len, items))]  # per batch, its first op
         self.op_position = [item >> 1 for batch in items for item in batch]
         self.op_key: list[int] = []  # message * 4 + send * 2 + rest (an eviction's payload)
-        # batches are the posting's (``_Lowered``'s numbers)
         self.batch_tick = lowered.batch_tick
         self.batch_rank: list[int] = []
         self.batch_index: list[int] = []  # the batch's number on its rank
@@ -826,12 +748,10 @@ class _Model:
                 self.unit_stream += streams
 
     def _rank_steps(self, rank: int) -> list[int]:
-        """``rank``'s CPU steps: its posting (``_Lowered``), with the waits each step needs
-        first. A compute's waits: the batches holding what it consumes (``Rules``' tables as
-        compiled: ``Program.wait`` and ``Program.restore``), and the send of its output before
-        the backward that frees it (megatron-core's ``deallocate_pipeline_outputs``;
-        runtime/backward.py); a composite's: each of its parts', all before it runs (the
-        composite rule)."""
+        """``rank``'s CPU steps: its posting, with the waits each step needs first. A compute
+        waits for the batches holding what it consumes (``Program.wait`` / ``restore``) and for
+        the send of its output before the backward that frees it (megatron-core's
+        ``deallocate_pipeline_outputs``); a composite for each of its parts'."""
         lowered, program, actions = self.posting.lowered, self.program, self.schedule.per_rank[rank]
         wait, restores, compute, frees = program.wait[rank], program.restore[rank], _COMPUTE, _FREES
         last, mbs = self.schedule.num_stages - 1, program.microbatches
@@ -932,18 +852,13 @@ class _Model:
 
     def _channels(self, rank: int, first: int, end: int) -> None:
         """Add ``rank``'s ops ``first`` to ``end`` to their channels, in posting order."""
-        actions, positions, keys, channels = (
-            self.schedule.per_rank[rank],
-            self.op_position,
-            self.op_key,
-            self.channels,
-        )
+        actions, positions, keys = self.schedule.per_rank[rank], self.op_position, self.op_key
         mine: dict[int, list[int]] = {}  # peer * 2 + send -> the channel's ops
         for op in range(first, end):
             peer, send = actions[positions[op]].peer or 0, keys[op] >> 1 & 1
             if (members := mine.get(peer * 2 + send)) is None:
                 members = mine[peer * 2 + send] = []
-                channels[(rank, peer, True) if send else (peer, rank, False)] = members
+                self.channels[(rank, peer, True) if send else (peer, rank, False)] = members
             members.append(op)
 
     def _parts_needs(self, composite: Action) -> list[int]:
@@ -1048,10 +963,8 @@ class _Model:
 
     def _deliver_outputs(self, timing: Timing) -> None:
         """``runtime.placement.deliver_to_last_rank``: where the last stage is not on the last
-        rank (the V-shapes), its rank sends the step's loss values there once both are done
-        with their programs and their gradient finalization (which waits for the data-parallel
-        lane), as ``send_object_list`` does it: two blocking messages (the size, then the
-        pickled values), one after the other; both ranks' steps end with them."""
+        rank (the V-shapes), its rank sends the step's losses there once both are done (their
+        data-parallel lanes too) in two blocking messages; both ranks' steps end with them."""
         layout = self.schedule.layout
         source, target = layout.rank_of(layout.num_stages - 1), layout.num_ranks - 1
         if source != target:
@@ -1235,7 +1148,7 @@ class _Model:
             if end <= start:
                 continue
             rank = self.batch_rank[batch]
-            ops = [op_id for unit in units for op_id in self.unit_ops[unit]]
+            ops = self._batch_ops(batch)
             action = programs[rank][self.op_position[ops[0]]]
             label = " ".join(
                 str(programs[rank][self.op_position[op]]) + "+" * (self.op_key[op] & 1)
@@ -1252,7 +1165,8 @@ class _Model:
     def _deadlock(self) -> ScheduleError:
         """Follow the waits from a stuck rank until one repeats: that is the cycle."""
         stuck = [r for r in range(self.schedule.num_ranks) if self.pc[r] < len(self.steps[r])]
-        node: tuple[str, int] = ("cpu", stuck[0]) if stuck else ("unit", self._any_queued())
+        queued = next(queue[0] for queue in self.queues if queue) if not stuck else -1
+        node: tuple[str, int] = ("cpu", stuck[0]) if stuck else ("unit", queued)
         seen: dict[tuple[str, int], int] = {}
         chain: list[tuple[tuple[str, int], str, tuple[int, int]]] = []
         while node not in seen:
@@ -1268,9 +1182,6 @@ class _Model:
             "cycle of waits:\n" + "\n".join(lines),
             marks,
         )
-
-    def _any_queued(self) -> int:
-        return next(queue[0] for queue in self.queues if queue)
 
     def _batch_ops(self, batch: int) -> list[int]:
         return [op_id for unit in self.batch_units[batch] for op_id in self.unit_ops[unit]]

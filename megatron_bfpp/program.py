@@ -1,11 +1,8 @@
 """A schedule compiled once into the integer form that the loops running it read.
 
 Every loop over a schedule's actions asks the same questions of each one: which message a
-point-to-point action sends or receives, and which message a compute waits for. Asked of
-``Action`` objects through ``Message`` tuples and ``semantics.Rules``, each answer built a tuple
-and hashed it, in each loop again (the lock-step tick replay, the posting's canonical order and
-the NCCL model each spent seconds on a 1,024-micro-batch schedule doing only that). ``compile``
-answers them once per schedule from ``Rules``' tables, as dense integers:
+point-to-point action sends or receives, and which message a compute waits for.
+``compile_program`` answers them once per schedule from ``Rules``' tables, as dense integers:
 
 * a message is ``(what * stage_span + stage + 1) * microbatches + microbatch`` (``Program.id``):
   sender and receiver compute the same number for the same ``Message``, and the numbers sort as
@@ -20,9 +17,7 @@ answers them once per schedule from ``Rules``' tables, as dense integers:
 * a composite waits for what its parts wait for (the composite rule): -1 in ``wait``, its parts'
   by ``wait_of``, its backward's restore under its position in ``restore``.
 
-``compiled`` keeps the programs of the last schedules it compiled, by identity: the runtime, the
-simulator and validation each lower one schedule into a posting and then run it, and the
-planner times one schedule under many costs.
+``compiled`` keeps the programs of the last schedules it compiled, by identity.
 """
 
 from __future__ import annotations

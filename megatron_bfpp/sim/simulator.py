@@ -5,24 +5,18 @@ lock-step posting (``nccl.lockstep_posting``, one ``batch_isend_irecv`` per tick
 of a rank in tick order on one stream, a batch complete only when both halves of every op are
 posted; BPipe's header read blocking the acceptor) timed by ``nccl.posting_timer``.
 ``megatron`` times Megatron's own ``1f1b`` / ``interleaved`` by the calls megatron-core posts
-for them (``native_posting.megatron_posting`` with Megatron-LM's settings: one
-``_communicate`` per pipeline step, waited at once; interleaved non-batched with p2p overlap),
-by the same model, each chunk's gradient reduction started where megatron-core DDP starts it
-(``MEGATRON_GRAD_REDUCE``: with Megatron-LM's ``--overlap-grad-reduce`` by default, or all in
-``finalize_model_grads`` at the step's end without it). ``gloo`` keeps gloo's rules
-(``semantics.replay``: sends never block, a receiver waits only where it consumes), which no
-NCCL run follows: an option for comparison, never a prediction's default.
-Either way ``semantics.replay`` runs first: it finds a deadlock (with the grid of where each
-rank waits), counts stored activations in program order and sees the RLs of sharded
-parameters, which do not depend on the timing model.
+for them (``native_posting.megatron_posting`` with Megatron-LM's settings), by the same model,
+each chunk's gradient reduction started where megatron-core DDP starts it
+(``MEGATRON_GRAD_REDUCE``). ``gloo`` keeps gloo's rules (``semantics.replay``: sends never
+block, a receiver waits only where it consumes), which no NCCL run follows: for comparison only.
 
 A ``CostModel`` becomes the models' ``Timing``: compute times scale with the stage's share of a
 full 1F1B stage (``StageLayout.stage_fraction``), as does BPipe's transfer time ``t_evict``;
 ``t_p2p`` is one activation or gradient message (and, under ``lockstep``, an eviction's size
 header), ``t_grad_reduce`` / ``t_param_gather`` one GS / PS; no bandwidth term: a message's
 size is not in the cost model. A rank ends when its CPU (under a posting: including the
-batches it waits for last) and its data-parallel lane are both done;
-the step time is the latest rank end.
+batches it waits for last) and its data-parallel lane are both done; the step time is the latest
+rank end.
 
 A compute-only schedule (no SA/RA/SG/RG, e.g. a torch CSV) is timed as ``add_communication``
 lowers it: under ``gloo`` as if every compute action sent its result the moment it finished.
@@ -136,9 +130,7 @@ class RankMetrics:
     of ``Schedule.resident_gradients``, full gradient buffers in full stages (fully sharded: from
     a backward until the reduction of its run of backwards lands; else all of the rank's);
     ``grad_syncs`` / ``param_syncs`` count its GS (gradient reductions) and PS (parameter
-    gathers, or megatron-core's ``param_sync_func`` calls) per step: fully sharded
-    breadth-first reduces each chunk once per group of micro-batches;
-    ``exposed_dp_comm_time``
+    gathers, or megatron-core's ``param_sync_func`` calls) per step; ``exposed_dp_comm_time``
     is the time the rank waits on data-parallel communication: computes held back by their
     parameter gather, plus the tail between its last compute and its last GS / PS.
     """
@@ -237,10 +229,6 @@ def simulate(
 
     Raises ``ScheduleError`` showing the per-rank grid if the programs deadlock.
     """
-    if p2p not in P2P_MODELS:
-        raise ScheduleError(
-            f"unknown p2p timing model {p2p!r}; choose one of {', '.join(P2P_MODELS)}"
-        )
     megatron_grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, posting)
     clocks, per_unit, timeline = _clocks(schedule, costs, p2p, posting, megatron_grad_reduce)
     result = _result(schedule, costs, clocks, per_unit, p2p, timeline)
@@ -323,15 +311,9 @@ def simulate_steady(
     exactly the busiest rank's compute per period (bound by compute) three lengths are taken,
     otherwise (bound by messages or a data-parallel lane) a fourth one must lie on the lines
     too. Else, below ``STEADY_FROM_ACTIONS``, or where the first three lengths together are not
-    shorter than m (no cheaper), the step is timed whole. The planner reads its steps off the
-    same lengths (``plan.search._simulated_ns``). Memory always comes
-    from ``schedule``'s own program order, and its events, when asked for, from timing it whole.
-    ``scripts/bench_steady.py`` measures the figures against whole steps.
+    shorter than m (no cheaper), the step is timed whole. Memory always comes from
+    ``schedule``'s own program order, and its events, when asked for, from timing it whole.
     """
-    if p2p not in P2P_MODELS:
-        raise ScheduleError(
-            f"unknown p2p timing model {p2p!r}; choose one of {', '.join(P2P_MODELS)}"
-        )
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, None)
     if schedule.num_actions >= STEADY_FROM_ACTIONS:
         line = _steady_clocks(schedule, costs, shorter, period, p2p, grad_reduce)
@@ -425,12 +407,21 @@ def _replay(schedule: Schedule, timing: Timing) -> Replay:
     except ScheduleError as error:  # a stage outside the layout
         raise ScheduleError(f"cannot simulate {error}") from None
     if run.blocked:
-        raise _deadlock(schedule, run)
+        raise ScheduleError(
+            f"cannot simulate {schedule.name!r}: deadlock: ranks {sorted(run.blocked)} each wait "
+            "for a message that is never sent\n"
+            + format_schedule(schedule, marks=describe_waits(run.blocked))
+        )
     return run
 
 
 def _grad_reduce(p2p: str, grad_reduce: str | None, posting: Posting | None) -> str | None:
-    """The megatron model's ``MEGATRON_GRAD_REDUCE`` setting (None for the other models)."""
+    """The megatron model's ``MEGATRON_GRAD_REDUCE`` setting (None for the other models), after
+    checking that ``p2p`` names a model."""
+    if p2p not in P2P_MODELS:
+        raise ScheduleError(
+            f"unknown p2p timing model {p2p!r}; choose one of {', '.join(P2P_MODELS)}"
+        )
     megatron = p2p.startswith("megatron") and posting is None
     if grad_reduce is None:
         return DEFAULT_MEGATRON_GRAD_REDUCE if megatron else None
@@ -491,9 +482,6 @@ class PostingTimeline:
         self._raw, self.per_unit = raw, per_unit
         self._events: tuple[Event, ...] | None = None
 
-    def scaled(self, per_unit: int) -> PostingTimeline:
-        return PostingTimeline(self._raw, per_unit)
-
     def events(self) -> tuple[Event, ...]:
         if self._events is None:
             per_unit = self.per_unit
@@ -533,14 +521,15 @@ def _result(
     per_rank = []
     for rank in range(num_ranks):
         exposed = run.gather_wait[rank] + max(0, dp_free[rank] - clock[rank])
+        sharded = run.released[rank]
         per_rank.append(
             RankMetrics(
                 rank=rank,
                 busy_time=_user(busy[rank], per_unit),
                 bubble_fraction=_ratio(step - busy[rank], step),
                 peak_activations=run.peak[rank] * schedule.layout.stage_fraction,
-                peak_parameters=_peak_parameters(schedule, rank, sharded=run.released[rank]),
-                peak_gradients=_peak_gradients(schedule, rank, sharded=run.released[rank]),
+                peak_parameters=_peak(schedule.resident_parameters, schedule, rank, sharded),
+                peak_gradients=_peak(schedule.resident_gradients, schedule, rank, sharded),
                 grad_syncs=_count(schedule, rank, ActionKind.GRAD_SYNC),
                 param_syncs=_count(schedule, rank, ActionKind.PARAM_SYNC),
                 exposed_dp_comm_time=_user(exposed, per_unit),
@@ -572,20 +561,13 @@ _KIND = attrgetter("kind")
 _RL = ActionKind.RELEASE
 
 
-def _peak_gradients(schedule: Schedule, rank: int, *, sharded: bool) -> float:
-    """The peak of ``Schedule.resident_gradients`` (all chunks without sharding)."""
+def _peak(
+    resident: Callable[[int], tuple[float, ...]], schedule: Schedule, rank: int, sharded: bool
+) -> float:
+    """The peak of ``Schedule.resident_parameters`` / ``resident_gradients``: without an RL (the
+    replay saw none) every chunk stays resident, which needs no walk over the program."""
     if sharded:
-        return max(schedule.resident_gradients(rank), default=0.0)
-    if not schedule.per_rank[rank]:
-        return 0.0
-    return schedule.num_chunks * schedule.layout.stage_fraction
-
-
-def _peak_parameters(schedule: Schedule, rank: int, *, sharded: bool) -> float:
-    """The peak of ``Schedule.resident_parameters``: without an RL (the replay saw none) every
-    chunk stays gathered, which needs no second walk over the program."""
-    if sharded:
-        return max(schedule.resident_parameters(rank), default=0.0)
+        return max(resident(rank), default=0.0)
     if not schedule.per_rank[rank]:
         return 0.0
     return schedule.num_chunks * schedule.layout.stage_fraction
@@ -604,11 +586,3 @@ def _ratio(part: float, whole: float) -> float:
     """``part / whole`` of two replay times (0 when ``whole`` is), correctly rounded even when
     both are integers too large for floats."""
     return part / whole if whole > 0 else 0.0
-
-
-def _deadlock(schedule: Schedule, run: Replay) -> ScheduleError:
-    marks = describe_waits(run.blocked)
-    return ScheduleError(
-        f"cannot simulate {schedule.name!r}: deadlock: ranks {sorted(run.blocked)} each wait for "
-        f"a message that is never sent\n{format_schedule(schedule, marks=marks)}"
-    )
