@@ -1,21 +1,11 @@
 """``--pipeline-schedule auto``: the planner picks the schedule for the layout the user fixed.
 
-Why a decision of its own and not ``recommend``: a user who typed ``--tensor-model-parallel-size
-8 --pipeline-model-parallel-size 16 --micro-batch-size 1`` has chosen the model, the parallel
-sizes, the batch, recomputation, precision, sharding and optimizer; ``recommend`` would change
-them. :func:`decide` keeps all of that and ranks only what a schedule may still choose on that
-layout: which schedule, its virtual stages (divisors of the user's layers per rank), the
-breadth-first group size and the BPipe cap. Flags the user gave for those are constraints.
-
-Why no communication between ranks: :func:`decide` is a pure function of the arguments and of
-files every rank reads alike (a profile), plus the device's name and memory and the launcher's
-environment, which are the same on every rank of a homogeneous job. Every rank computes the same
-decision before it builds a model, and only rank 0 prints it (tests/multirank/test_auto.py runs
-it on several ranks with no process group at all).
-
-What it reads from the planner is its public API (:mod:`megatron_bfpp.plan.search`):
-``Candidate``, the memory filter ``memory_of`` and the simulation ``evaluate``, so a new timing
-or memory model there changes the decision without a change here.
+A decision of its own, not ``recommend``, because the user fixed the model, parallel sizes,
+batch, recomputation, precision and sharding: :func:`decide` ranks only what a schedule may
+still choose (schedule, virtual stages, group size, BPipe cap), the user's flags for those as
+constraints. It is a pure function of what every rank sees alike, so every rank decides the
+same without communicating (tests/multirank/test_auto.py). It uses only the planner's public
+API (``Candidate``, ``memory_of``, ``evaluate``), so new models there change it unedited.
 """
 
 from __future__ import annotations
@@ -69,11 +59,9 @@ __all__ = [
 
 AUTO = "auto"
 MAX_CHUNKS = PLANNER_MAX_CHUNKS  # the planner's own bound on virtual stages per rank
-# What one decision may walk and simulate, in actions as ``registry.estimate_actions`` counts
-# them (docs/planner.md#pipeline-schedule-auto: the figures it was set from).
+# What one decision may walk and simulate, in actions (docs/planner.md#pipeline-schedule-auto).
 AUTO_ACTION_BUDGET = 2_000_000
-# The most of it one candidate's simulations may take (a third): one whose steps do not lie on a
-# line and must be simulated whole cannot leave the others untimed.
+# The most of it one candidate may take (a third), so one cannot leave the others untimed.
 CANDIDATE_SHARE = 3
 CPU_TIMING_GPU = "h100-80gb"  # what a run without CUDA is timed as, unless told otherwise
 REPORT_FORMAT = "bfpp-auto-report"
@@ -357,9 +345,8 @@ def _budget(hw: Hardware) -> int:
 
 
 def gpu_from_device(name: str, total_memory: int | None = None) -> tuple[Gpu, str]:
-    """A planner preset for a CUDA device (``torch.cuda.get_device_name()``), with the device's
-    own memory when given: the compute and link figures are the family's, the budget is the
-    device's. A device of no known family is timed as an H100 and the note says so."""
+    """A planner preset for a CUDA device name, with the device's own memory when given; a
+    device of no known family is timed as an H100 and the note says so."""
     lowered = name.lower()
     preset = None
     if "v100" in lowered:
@@ -387,10 +374,9 @@ def hardware(
     gpu_flag: str | None = None,
     profile_path: str | None = None,
 ) -> Hardware:
-    """The hardware a front end found: ``device_name`` / ``device_memory`` from torch (``None``
-    without CUDA), ``gpu_flag`` a preset named by the user (it wins over the device, and makes
-    its memory a constraint even without CUDA), ``profile_path`` a ``bfpp-plan profile`` file
-    (its efficiencies instead of the built-in curve)."""
+    """The hardware a front end found: the device from torch (``None`` without CUDA), unless
+    ``gpu_flag`` names a preset (its memory then a constraint even without CUDA);
+    ``profile_path``'s efficiencies instead of the built-in curve."""
     profile = load_profile(profile_path) if profile_path else None
     if gpu_flag is not None:
         gpu = get_gpu(gpu_flag)
@@ -426,11 +412,6 @@ def gpus_per_node_from_env(env: Mapping[str, str], world_size: int) -> int:
 
 
 # --------------------------------------------------------------------------- candidates
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
 
 
 def _check_request(r: AutoRequest) -> None:
@@ -492,8 +473,7 @@ def _check_request(r: AutoRequest) -> None:
 
 def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
     """What a schedule may choose on the user's layout, and (as rows) what it may not and why:
-    the grid each catalogue entry declares (``ScheduleSpec.planned_stages``, ``PlanGrid``),
-    the same one ``recommend`` searches, narrowed by what the user fixed."""
+    the grid ``recommend`` searches too, narrowed by what the user fixed."""
     layers_per_rank = r.model.num_layers // r.pp
     allowed: list[Candidate] = []
     excluded: list[Row] = []
@@ -553,14 +533,9 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
                 refuse(name, vp, problem)
                 continue
             # the timed (last) step's grid; the other steps are checked per candidate
-            grid = _grid(spec.plan.options(r.pp, r.num_microbatches), fixed)
+            grid = [fixed] if fixed else spec.plan.options(r.pp, r.num_microbatches)
             allowed += [make(name, vp, chosen) for chosen in grid]
     return allowed, excluded
-
-
-def _grid(grid: tuple[Mapping[str, int], ...], fixed: Mapping[str, int]) -> list[Mapping[str, int]]:
-    """The catalogue's option grid, or only the options the user fixed."""
-    return [dict(fixed)] if fixed else list(grid)
 
 
 def _megatron_default(r: AutoRequest) -> Candidate:
@@ -585,12 +560,9 @@ def _megatron_default(r: AutoRequest) -> Candidate:
 
 def decide(r: AutoRequest) -> Decision:
     """Rank the schedules the layout admits, or refuse in one line (:class:`ScheduleError`)
-    when none does or none fits the GPU's memory. Simulates each candidate that fits once, and
-    Megatron's default once more under megatron-core's own posting: ``Decision.simulations``
-    counts them. Bounded: the walks and simulations are charged to one ``ActionBudget`` of
-    :data:`AUTO_ACTION_BUDGET` actions, a candidate's simulations to at most
-    1/:data:`CANDIDATE_SHARE` of it; a candidate that would exceed what is left is not timed
-    (its row says so) and the decision is made from the others."""
+    when none does or none fits. Each fitting candidate is simulated once, Megatron's default
+    once more under megatron-core's posting, all within :data:`AUTO_ACTION_BUDGET`; a candidate
+    over what is left is not timed (its row says so)."""
     _check_request(r)
     judge = _Judge.of(r)
     allowed, excluded = _candidates(r)
@@ -603,9 +575,8 @@ def decide(r: AutoRequest) -> Decision:
     simulated: list[Row] = []
     too_big: list[Row] = []
     untimed: list[Row] = []
-    # Cheapest bound first (by the fill alone: ``lower_bound_of(grouped=False)``); a candidate
-    # whose bound (grouped breadth-first's idle at each group counted) cannot beat the runner-up
-    # so far is not simulated (its row keeps the bound): the choice and the runner-up are exact.
+    # A candidate whose bound cannot beat the runner-up so far is not simulated (its row keeps
+    # the bound): the choice and the runner-up stay exact.
     bounded: list[tuple[float, float, int, Candidate]] = []  # (order, bound, index, candidate)
     for index, c in enumerate(allowed):
         try:
@@ -616,8 +587,8 @@ def decide(r: AutoRequest) -> Decision:
             continue
         bounded.append((order, bound, index, c))
     pruned: list[Row] = []
-    # Our run of Megatron's own default first, then cheapest bound first: should the budget run
-    # out, the choice is never one predicted slower than the schedule Megatron would run.
+    # Megatron's default first, then cheapest bound (the fill alone) first: should the budget
+    # run out, the choice is never predicted slower than what Megatron would run.
     for *_, bound, c in sorted((c != default, o, i, b, c) for o, b, i, c in bounded):
         steps = sorted(row.plan.step_time_s for row in simulated if row.plan)
         if len(steps) >= 2 and bound >= steps[1]:
@@ -652,9 +623,8 @@ def decide(r: AutoRequest) -> Decision:
 
 @dataclass(frozen=True, slots=True)
 class _Judge:
-    """How :func:`decide` sizes and times a candidate of one request: the model per context
-    rank, the cluster, the search's options (ours timed as our runtime posts, Megatron's
-    default as megatron-core posts it), the memory budget and the action budget it spends."""
+    """How :func:`decide` sizes and times a candidate of one request, and the budgets it
+    spends."""
 
     request: AutoRequest
     model: Model
@@ -812,8 +782,6 @@ def _first_line(error: BaseException) -> str:
 
 
 def write_report(path: str, decision: Decision) -> None:
-    """The ranked table as JSON, where ``path`` says (:func:`megatron_bfpp.files.write_output`:
-    a regular file atomically, so a reader never sees half a report; a device in place; a
-    symbolic link's target)."""
+    """The ranked table as JSON, written as :func:`megatron_bfpp.files.write_output` writes."""
     text = json.dumps(decision.to_dict(), indent=2, allow_nan=False) + "\n"
     write_output(path, text.encode())

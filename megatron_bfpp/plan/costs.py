@@ -98,11 +98,9 @@ class Efficiency(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BuiltinCurve:
-    """``e_max * w / (w + e_max * P * tau)``: a layer takes ``w / (e_max P) + tau``. Fit for the
-    A100 to the BPipe re-evaluation's single-stage MFUs with flash attention (Table 5: 57.7% at
-    b=1, 62.4% at b=2 for GPT-3 96B, t=4); the other GPUs use the same shape, not calibrated.
-    Backward: twice the forward's work at the forward's efficiency, half of it weight
-    gradients."""
+    """``e_max * w / (w + e_max * P * tau)``: a layer takes ``w / (e_max P) + tau``, fit for the
+    A100 to the BPipe re-evaluation's Table 5 (docs/planner.md), the same shape elsewhere.
+    Backward: twice the forward's work at its efficiency, half of it weight gradients."""
 
     gpu: Gpu
 
@@ -128,10 +126,9 @@ class BuiltinCurve:
 
 @dataclass(frozen=True, slots=True)
 class ProfileCurve:
-    """Efficiencies measured by ``bfpp-plan profile``, against ``gpu``'s peak, at the work per
-    layer of each measured micro-batch size; linear in log(work) between them, the nearest
-    measurement outside their range (the profile says nothing there); ``host`` the profile's
-    ``t_host`` (0 when it has none: a profile written before it was measured)."""
+    """Efficiencies measured by ``bfpp-plan profile`` against ``gpu``'s peak at each measured
+    work per layer: linear in log(work) between them, the nearest outside; ``host`` the
+    profile's ``t_host`` (0 when it has none)."""
 
     works: tuple[float, ...]
     forwards: tuple[float, ...]
@@ -213,12 +210,9 @@ def ring_collective_time(nbytes: float, *, group: int, bandwidth: float, latency
 
 @dataclass(frozen=True, slots=True)
 class StageTimes:
-    """Seconds, for the simulator's ``CostModel``: ``forward`` / ``backward`` / ``weight`` of one
-    micro-batch through one full stage (``layers`` layers); ``output`` the output layer's extra
-    forward + backward on the last stage; ``p2p`` one pipeline message; ``grad_reduce`` /
-    ``param_gather`` one chunk's data-parallel collective; ``evict`` BPipe's transfer of one
-    full-stage micro-batch; ``optimizer`` the optimizer step; ``host`` the host's time per
-    compute action, whatever its stage's size (``Efficiency.host_s``)."""
+    """Seconds, for the simulator's ``CostModel``: one micro-batch through one full stage
+    (``forward`` / ``backward`` / ``weight``), the last stage's extra ``output``, one message or
+    collective, BPipe's eviction, the optimizer step and the host's time per action."""
 
     forward: float
     backward: float

@@ -5,11 +5,8 @@ Models" (MLSys 2023), section 4, counted per tensor autograd keeps for megatron-
 transformer layer, so that the same count serves GPT and LLaMA, any precision, with and without
 dropout (their 34sbh + 5as^2b is the GPT case in 16-bit with dropout: ``layer_activation_bytes``
 reproduces it exactly, see tests/unit/test_plan_model.py). Weights come from
-``config.model_memory``, which is checked against models megatron-core builds.
-
-Why per-stage weights and a walk over the schedule: the first stage also keeps the embedding's
-inputs and the last stage the logits, and a schedule stores different stages' micro-batches at
-different times; the peak bytes of a rank is the peak of the weighted count, not count x average.
+``config.model_memory``. The schedule is walked because first and last stages store more, at
+different times: a rank's peak is the peak of the weighted count, not count x average.
 """
 
 from __future__ import annotations
@@ -187,9 +184,8 @@ _OVERLAP = ActionKind.OVERLAP_F_B
 
 def _rank_points(actions: Sequence[Action], last_stage: int) -> set[tuple[int, int, int]]:
     """One rank's counts where a run of stores ends (before a free, or at the program's end):
-    a store never lowers a count, so every count within a run is dominated by the run's last,
-    and keeping only those (a few per micro-batch, not one per action) leaves the Pareto front
-    as it is while sparing most of the tuples and set insertions."""
+    every count within a run is dominated by the run's last, so the Pareto front is the same
+    from far fewer tuples."""
     counts = [0, 0, 0, 0]  # an overlapped pair's: held, first, last, rising (0 or 1)
     held = first = last = 0
     rising = False
@@ -245,9 +241,8 @@ def _count(
 
 
 def _pareto(points: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """The points no other point is at least as large as in all three counts, largest first.
-    In descending order every earlier point holds at least as much, so a point is dominated
-    exactly when an earlier kept one also has as many first- and last-stage micro-batches."""
+    """The points no other point is at least as large as in all three counts, largest first
+    (a point is dominated exactly when an earlier kept one has as many first and last)."""
     kept: list[tuple[int, int, int]] = []
     fronts: list[tuple[int, int]] = []  # the kept points' (first, last)
     for point in sorted(points, reverse=True):
@@ -273,8 +268,7 @@ def rank_parameters(
     model: Model, *, tp: int, pp: int, chunks: int, placement: Placement
 ) -> list[int]:
     """Parameters of one tensor-parallel rank at each pipeline rank, as megatron-core builds the
-    model (``config.model_memory``, tested against megatron-core): layers, embeddings, final
-    norm and output layer (a tied GPT output weight's copy on the last stage)."""
+    model (``config.model_memory``)."""
     layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
     return parameters_per_pipeline_rank(model.shape(tp=tp), layout)
 
@@ -282,8 +276,7 @@ def rank_parameters(
 def stage_parameters(
     model: Model, *, tp: int, pp: int, chunks: int, placement: Placement
 ) -> list[int]:
-    """Parameters of one tensor-parallel rank at each global stage (``rank_parameters``, stage
-    by stage: ``config.model_memory.parameters_per_stage``)."""
+    """Parameters of one tensor-parallel rank at each global stage."""
     layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
     return parameters_per_stage(model.shape(tp=tp), layout)
 
@@ -315,14 +308,9 @@ def full_buffer_peaks(
     schedule: Schedule, stage_parameters: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:
     """Per rank, (parameters, gradients): the most parameters whose full (gathered) parameter
-    buffers, and the most whose full gradient buffers, the rank holds at once over its program.
-
-    The walk is the schedule's own (``Schedule.held_parameter_chunks`` from PS to RL,
-    ``held_gradient_chunks`` from a backward until its run's reduction lands), each stage
-    weighed by its parameters (``stage_parameters``, in global stage order:
-    ``config.model_memory.parameters_per_stage``), so chunks of unequal size (the embedding's,
-    the output layer's) count as what they are. Without sharded parameters (no RL on a rank)
-    every stage of the rank is whole all step.
+    buffers, and the most whose full gradient buffers, the rank holds at once over its program
+    (the schedule's own walks, each stage weighed by its ``stage_parameters``). Without sharded
+    parameters (no RL on a rank) every stage of the rank is whole all step.
     """
     result = []
     for rank in range(schedule.num_ranks):
@@ -348,15 +336,10 @@ def weights_bytes(
     gathered: int = 0,
     accumulated: int = 0,
 ) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``.
-
-    The distributed optimizer shards its state over ``dp`` (megatron-core's; the buffers' padding
-    to a multiple of dp is left out). Fully sharded (``optim_grads_params``, breadth-first) the
-    rank keeps its 1/dp shard of every chunk's parameters and reduced gradients, plus at its
-    peaks the full buffers of ``gathered`` parameters and of ``accumulated`` parameters'
-    gradients (the schedule walk, ``full_buffer_peaks``: two chunks for breadth-first, with
-    any group size), so (2 + 4 + 12) / dp bytes per parameter for bf16 with fp32 gradients and
-    Adam, plus those.
+    """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``: the
+    optimizer's state sharded over ``dp`` (padding left out); fully sharded, also a 1/dp shard
+    of parameters and gradients plus the full buffers of ``gathered`` / ``accumulated``
+    parameters (``full_buffer_peaks``).
     """
     if sharded:
         kept = -(-parameters // dp)
