@@ -112,8 +112,8 @@ def check_auto_flags(args: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Hardware:
-    """What the decision is timed and budgeted on. ``memory_bytes`` ``None``: no CUDA, memory is
-    not a constraint. ``note`` says where the figures come from, for the line."""
+    """What the decision is timed and budgeted on (``memory_bytes`` None: no constraint), and
+    a ``note`` for the line saying where the figures come from."""
 
     gpu: Gpu
     memory_bytes: int | None
@@ -123,9 +123,8 @@ class Hardware:
 
 @dataclass(frozen=True, slots=True)
 class AutoRequest:
-    """Everything the user fixed, and the constraints on what auto may choose (``vp``,
-    ``group_size``, ``max_stored``: ``None`` when not given). ``vp_flag`` is the front end's
-    spelling of the virtual-pipeline flag, for its errors."""
+    """Everything the user fixed, and the constraints on what auto may choose (``None`` when
+    not given); ``vp_flag`` the front end's virtual-pipeline flag, for its errors."""
 
     model: Model
     tp: int
@@ -147,8 +146,7 @@ class AutoRequest:
     sequence_parallel: bool = True  # with tp > 1 (Megatron-LM's --sequence-parallel)
     # (schedule, why): what the front end cannot run whatever the layout (Bridge: the V-shapes)
     unavailable: tuple[tuple[str, str], ...] = ()
-    # Megatron-LM's --step-batch-size-schedule: the global batch of every step, in order (the
-    # decision is timed at ``global_batch_size``, the last step's; every step must run)
+    # Megatron-LM's --step-batch-size-schedule: every step's global batch, timed at the last
     batch_schedule: tuple[int, ...] = ()
 
     @property
@@ -215,8 +213,8 @@ def label(c: Candidate) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The ranked rows (simulated, fastest first; then what does not fit memory, smallest
-    first; then what cannot run the layout), the choice, and Megatron's own default."""
+    """The ranked rows (simulated fastest first, then too big smallest first, then what cannot
+    run), the choice, and Megatron's own default."""
 
     request: AutoRequest
     rows: tuple[Row, ...]
@@ -401,9 +399,8 @@ def hardware(
 
 
 def gpus_per_node_from_env(env: Mapping[str, str], world_size: int) -> int:
-    """GPUs per node from the launcher: torchrun's ``LOCAL_WORLD_SIZE``, SLURM's
-    ``SLURM_NTASKS_PER_NODE`` (``8`` or ``8(x2)``) or ``SLURM_GPUS_ON_NODE``; one node when
-    none is set. Same on every rank of a job whose nodes are alike."""
+    """GPUs per node from torchrun's or SLURM's environment (``8`` or ``8(x2)``); one node when
+    none is set."""
     for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE"):
         digits = env.get(key, "").split("(")[0].split(",")[0].strip()
         if digits.isdigit() and int(digits) > 0:
@@ -478,24 +475,8 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
     allowed: list[Candidate] = []
     excluded: list[Row] = []
 
-    def make(name: str, vp: int, chosen: Mapping[str, int] | None = None) -> Candidate:
-        chosen = chosen or {}
-        return Candidate(
-            name,
-            r.sharding,
-            r.tp,
-            r.pp,
-            vp,
-            r.dp,
-            r.micro_batch_size,
-            r.recompute,
-            group_size=chosen.get("group_size"),
-            plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel,
-            max_stored=chosen.get("max_stored"),
-        )
-
     def refuse(name: str, vp: int, why: str) -> None:
-        excluded.append(Row(make(name, vp), None, False, excluded=why))
+        excluded.append(Row(_candidate(r, name, vp, r.sharding), None, False, excluded=why))
 
     unavailable = dict(r.unavailable)
     given = {"group_size": r.group_size, "max_stored": r.max_stored}
@@ -534,7 +515,7 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
                 continue
             # the timed (last) step's grid; the other steps are checked per candidate
             grid = [fixed] if fixed else spec.plan.options(r.pp, r.num_microbatches)
-            allowed += [make(name, vp, chosen) for chosen in grid]
+            allowed += [_candidate(r, name, vp, r.sharding, chosen) for chosen in grid]
     return allowed, excluded
 
 
@@ -542,16 +523,26 @@ def _megatron_default(r: AutoRequest) -> Candidate:
     """Megatron's own choice for the layout: interleaved with the user's virtual stages, else
     1F1B (on its distributed optimizer, whatever our sharding)."""
     name, vp = ("interleaved", r.vp) if r.vp not in (None, 1) else ("1f1b", 1)
+    return _candidate(r, name, vp or 1, "optim")
+
+
+def _candidate(
+    r: AutoRequest, name: str, vp: int, sharding: str, chosen: Mapping[str, int] | None = None
+) -> Candidate:
+    """``name`` on the user's layout, with the generator options ``chosen``."""
+    chosen = chosen or {}
     return Candidate(
         name,
-        "optim",
+        sharding,
         r.tp,
         r.pp,
-        vp or 1,
+        vp,
         r.dp,
         r.micro_batch_size,
         r.recompute,
+        group_size=chosen.get("group_size"),
         plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel,
+        max_stored=chosen.get("max_stored"),
     )
 
 
@@ -721,8 +712,7 @@ def _untimed(
 
 
 def _check_every_step(c: Candidate, r: AutoRequest, actions: ActionBudget) -> None:
-    """A batch-size schedule's other steps: the candidate's compute order must build at each
-    step's micro-batches (the timed step is checked by its simulation)."""
+    """A batch-size schedule's other steps must build too (the timed one is simulated)."""
     spec = get_spec(c.schedule)
     chunks = spec.chunks_for(None if spec.placement is not Placement.LOOPED else c.vp)
     options: dict[str, Any] = {"group_size": c.group_size, "max_stored": c.max_stored}

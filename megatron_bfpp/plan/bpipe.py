@@ -1,16 +1,10 @@
 """When is BPipe worth it: the performance estimate of "Re-evaluating BPipe" (section 4, eq. 2-4).
 
-BPipe caps the stored activations of every pipeline rank at ceil((p+2)/2) micro-batches instead of
-1F1B's p on rank 0; the memory it frees is spent on a larger micro-batch size. Whether that pays
-is decided by two opposing effects, both computable from single-stage measurements:
-
-* a larger micro-batch makes one stage faster: MFU_stage(x) / MFU_stage(y);
-* with a fixed batch B per pipeline, fewer, larger micro-batches make the bubble longer: the
-  pipeline runs B/b + p - 1 micro-batch slots of T(b) each (eq. 2), so it loses the factor
-  (B + y(p-1)) / (B + x(p-1)).
-
-Eq. 4 multiplies the two. Like the paper, this ignores pipeline communication, the optimizer and
-BPipe's own transfer overhead (the paper measured 1.35 where eq. 4 predicts 1.39).
+BPipe caps every rank's stored activations at ceil((p+2)/2) micro-batches instead of 1F1B's p,
+and spends the memory on a larger micro-batch: one stage gets faster by MFU_stage(x) /
+MFU_stage(y), while with a fixed batch B per pipeline the bubble grows by (B + y(p-1)) /
+(B + x(p-1)) (eq. 2); eq. 4 multiplies the two, ignoring communication, the optimizer and
+BPipe's own transfers, as the paper does (it measured 1.35 where eq. 4 predicts 1.39).
 """
 
 from __future__ import annotations

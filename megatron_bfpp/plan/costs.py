@@ -1,24 +1,7 @@
 """How long one micro-batch takes on one stage, and what communication costs: the numbers the
-simulator runs the schedule under.
-
-* FLOPs: eq. 1 of "Re-evaluating the Memory-balanced Pipeline Parallelism: BPipe" (Huang et
-  al., Meituan), 72bslh^2(1 + s/6h + v/16lh) per step for forward and backward, which is
-  24bsh^2(1 + s/6h) per layer forward (the FFN of LLaMA's SwiGLU costs what GPT's does, the
-  paper shows) and 2bshv for the output layer.
-* Efficiency: the fraction of the GPU's peak a layer reaches grows with its work. Built in:
-  ``e_max * w / (w + e_max * P * tau)`` for a layer forward of ``w`` FLOPs per GPU, i.e. the
-  layer takes ``w / (e_max P) + tau`` (``Gpu.max_efficiency``, ``Gpu.layer_overhead_s``); or
-  measured (``ProfileCurve``: a stage profile's efficiencies, interpolated in log work).
-* Tensor parallelism: two all-reduces of the layer's activations per layer in the forward and two
-  in the backward (Megatron-LM; with sequence parallelism the same volume as all-gathers and
-  reduce-scatters), ring time ``2(t-1)/t * bytes / NVLink bandwidth``, not overlapped.
-* Pipeline messages: ``b s h * e`` bytes (``/t`` with sequence parallelism) over NVLink when the
-  whole pipeline sits in one node, else InfiniBand.
-* Data parallelism: per model chunk, a reduce-scatter of its fp32 gradients and an all-gather of
-  its 16-bit parameters (distributed optimizer), ``(d-1)/d * bytes / bandwidth``; NVLink when the
-  data-parallel group fits in a node.
-* Optimizer step: memory-bound, the bytes Adam reads and writes per parameter shard over HBM
-  bandwidth.
+simulator runs the schedule under. FLOPs follow eq. 1 of the BPipe re-evaluation, efficiency a
+built-in curve or a measured profile, and communication ring collectives over NVLink or
+InfiniBand (docs/planner.md, "Compute" and "Communication", has every formula).
 """
 
 from __future__ import annotations

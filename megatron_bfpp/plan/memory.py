@@ -67,28 +67,9 @@ def layer_activation_bytes(
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one
     tensor-parallel rank, as megatron-core's local layers keep them (measured on an H100,
     docs/measurements/h100-stage-memory.json: equal to the byte for GPT-3 6.7B and LLaMA-7B).
-
-    Per token (s x b of them), in elements of ``e = precision.activation_bytes`` bytes:
-
-    * replicated over tp unless sequence parallel: the two norms' inputs and outputs (4h), their
-      fp32 statistics (2 per norm for LayerNorm, 1 for RMSNorm), and with dropout the two
-      hidden-dropout masks (2h bytes);
-    * split over tp: Q, K and V as core attention keeps them (3h: views of the fused QKV output,
-      GQA keys and values repeated to every head; with rotary embeddings and a head per group,
-      5h: the fused output, which V still views, and the rotated Q and K), the projection's
-      input (h), the MLP's activation input and fc2 input (2f for GeLU; 5f for SwiGLU: fc1's
-      output, 2f, and three f-sized tensors), and per attention score (a*s): the softmax output,
-      in fp32 when ``softmax_in_fp32`` (megatron-core's ``attention_softmax_in_fp32``, on by
-      default), the 16-bit probabilities the context product reads (after dropout, whose mask
-      is 1 byte) unless the softmax output is that tensor;
-    * per micro-batch, not per token: the causal mask (s*s bytes) and, with rotary embeddings,
-      the cos and sin tables applied to Q and K (4*s*d elements, d the head size).
-
-    With ``softmax_in_fp32=False`` and without the causal mask, GPT in 16-bit with dropout is
-    Korthikanti's sbh(10 + 24/t + 5as/(ht)) (their eq. 2; with sequence parallelism everything
-    is divided by t, their eq. 4). ``selective`` recomputes core attention (drops the scores and
-    the mask); ``full`` keeps only the layer's input (``sbh*e``, split by t with sequence
-    parallelism).
+    Each tensor counted, and how it reduces to Korthikanti's eq. 2 and 4, is in docs/planner.md
+    ("Memory"). ``selective`` recomputes core attention (drops the scores and the mask);
+    ``full`` keeps only the layer's input.
     """
     _check_recompute(recompute)
     s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads

@@ -226,22 +226,16 @@ MAX_SECONDS = 86_400.0
 def _optional_seconds(row: dict[str, Any], key: str, where: str) -> float | None:
     """An optional timing (a part of the split backward, the host's time per action): zero is a
     measurement too (W too small to time, a host its kernels hide)."""
-    if row.get(key) is None:
-        return None
-    value = _field(row, key, (int, float), where=where)
-    if not math.isfinite(value) or not (value == 0 or MIN_SECONDS <= value <= MAX_SECONDS):
-        raise ScheduleError(
-            f"'{where}{key}' must be 0 or between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, "
-            f"got {value!r:.40}"
-        )
-    return float(value)
+    return None if row.get(key) is None else _seconds(row, key, where, zero=True)
 
 
-def _seconds(row: dict[str, Any], key: str, where: str) -> float:
+def _seconds(row: dict[str, Any], key: str, where: str, *, zero: bool = False) -> float:
     value = _field(row, key, (int, float), where=where)
-    if not math.isfinite(value) or not MIN_SECONDS <= value <= MAX_SECONDS:
+    timing = MIN_SECONDS <= value <= MAX_SECONDS or (zero and value == 0)
+    if not math.isfinite(value) or not timing:
+        allowed = "0 or between" if zero else "between"
         raise ScheduleError(
-            f"'{where}{key}' must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, got "
+            f"'{where}{key}' must be {allowed} {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, got "
             f"{value!r:.40}"
         )
     return float(value)

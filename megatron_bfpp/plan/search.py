@@ -281,11 +281,8 @@ def candidates(
     pp 1 only as 1F1B (plain data parallelism)."""
     searched = [f for f in families() if not options.schedules or f[0] in options.schedules]
     n = cluster.num_gpus
-    tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
-    for tp in tps:
-        if n % tp or model.num_attention_heads % tp or model.num_query_groups % tp:
-            continue
-        if model.ffn_hidden_size % tp:
+    for tp in _tensor_sizes(model, cluster, options)[1]:
+        if n % tp:
             continue
         for pp in options.pipeline_parallel or _divisors(n // tp):
             if (n // tp) % pp or model.num_layers % pp:
@@ -308,6 +305,15 @@ def candidates(
                     layers_per_rank=model.num_layers // pp,
                     options=options,
                 )
+
+
+def _tensor_sizes(
+    model: Model, cluster: Cluster, options: SearchOptions
+) -> tuple[tuple[int, ...], list[int]]:
+    """The tensor-parallel sizes searched, and those dividing the heads, query groups and FFN."""
+    tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
+    dims = (model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size)
+    return tps, [t for t in tps if not any(d % t for d in dims)]
 
 
 def _schedule_candidates(
@@ -950,13 +956,7 @@ def no_candidates_reason(
     """Why :func:`candidates` yields nothing (a GPU count tp x pp x dp cannot make, not a
     memory problem), and the nearest GPU counts for which it yields something."""
     n = cluster.num_gpus
-    tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
-    shaped = [
-        t
-        for t in tps
-        if not (model.num_attention_heads % t or model.num_query_groups % t)
-        and not model.ffn_hidden_size % t
-    ]
+    tps, shaped = _tensor_sizes(model, cluster, options)
     splits = [
         (t, p)
         for t in shaped
