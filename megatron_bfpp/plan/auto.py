@@ -502,14 +502,8 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
                     continue  # the user's virtual stages rule this placement out
                 vps = (r.vp,)
         for vp in vps:
-            problem = next(
-                (
-                    p
-                    for m in r.step_microbatches
-                    if (p := spec.planned_microbatches_problem(r.pp, m))
-                ),
-                None,
-            )
+            problems = (spec.planned_microbatches_problem(r.pp, m) for m in r.step_microbatches)
+            problem = next((p for p in problems if p), None)
             if problem is not None:
                 refuse(name, vp, problem)
                 continue

@@ -89,16 +89,13 @@ class ActionBudget:
 
     def charge(self, *, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> None:
         """Spend a schedule's actions, or raise :class:`OverBudget` and spend nothing."""
-        self.require(
+        self.spent += self.require(
             num_ranks=num_ranks, stages_per_rank=stages_per_rank, lengths=(num_microbatches,)
         )
-        self.spent += estimate_actions(
-            num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=num_microbatches
-        )
 
-    def require(self, *, num_ranks: int, stages_per_rank: int, lengths: tuple[int, ...]) -> None:
-        """Raise :class:`OverBudget` unless schedules of ``lengths`` micro-batches fit in what is
-        left; spend nothing, so a timing that cannot finish does not start."""
+    def require(self, *, num_ranks: int, stages_per_rank: int, lengths: tuple[int, ...]) -> int:
+        """The actions of schedules of ``lengths`` micro-batches; :class:`OverBudget` unless they
+        fit in what is left. Spends nothing, so a timing that cannot finish does not start."""
         actions = sum(
             estimate_actions(
                 num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=m
@@ -111,6 +108,7 @@ class ActionBudget:
                 f"pp={num_ranks} x {stages_per_rank} stage(s) per rank x {shown} "
                 f"micro-batches ({actions:,} actions) exceeds what is left of {self.limit:,}"
             )
+        return actions
 
     def part(self, most: int) -> ActionBudget:
         """A budget of at most ``most`` of what is left; its spending is added back by whoever
@@ -495,8 +493,7 @@ def _weights(
     """(parameters, gradients, optimizer) bytes of each pipeline rank (``distributed``: the
     optimizer's state sharded over dp); fully sharded, the full buffers the schedule walk holds
     at once on top of the shards."""
-    placement = get_spec(c.schedule).placement
-    counts = _rank_parameters(model, c.tp, c.pp, c.vp, placement)
+    counts = rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp)
     if c.sharding != "optim_grads_params":
         dp = c.dp if distributed else 1
         return [weights_bytes(n, dp=dp, precision=precision, sharded=False) for n in counts]
@@ -607,8 +604,7 @@ def _simulated_ns(
         # share (1/vp of a full stage) makes the simulator's sums inexact.
         if abs(line[2] - line[1] - slope) <= 1e-9 * line[2]:
             step = line[0] + (m - lengths[0]) // (lengths[1] - lengths[0]) * slope
-            busy = _busy(c, m, costs)
-            return step, (step - busy) / step if step > 0 else 0.0
+            return _with_bubble(c, m, costs, step)
     if m > EXACT_UP_TO * p:
         return _approximate(c, m, costs, p2p, grad_reduce, p, budget)
     result = _step(c, m, costs, p2p, grad_reduce, budget)
@@ -652,15 +648,15 @@ def _approximate(
         _step(c, length, costs, p2p, grad_reduce, budget).step_time for length in (first, last)
     ]
     step = steps[1] + (m - last) * (steps[1] - steps[0]) / (last - first)
-    busy = _busy(c, m, costs)
-    return step, (step - busy) / step if step > 0 else 0.0
+    return _with_bubble(c, m, costs, step)
 
 
-def _busy(c: Candidate, m: int, costs: CostModel) -> float:
-    """A rank's compute in a step of m micro-batches: m full stages of forward and backward,
-    and the host's time of each of its compute actions (F and B, or F, I and W, per chunk)."""
+def _with_bubble(c: Candidate, m: int, costs: CostModel, step: float) -> tuple[float, float]:
+    """(step, bubble fraction): the share of the step a rank is not busy with its m micro-batches'
+    full stages and the host's time of each compute action (F and B, or F, I and W, per chunk)."""
     actions = 3 if get_spec(c.schedule).split_backward else 2
-    return m * (costs.t_forward + costs.t_backward + actions * c.vp * costs.t_host)
+    busy = m * (costs.t_forward + costs.t_backward + actions * c.vp * costs.t_host)
+    return step, (step - busy) / step if step > 0 else 0.0
 
 
 MEGATRON_SCHEDULES = frozenset({"1f1b", "interleaved"})  # what Megatron-LM itself runs
