@@ -576,25 +576,15 @@ def decide(r: AutoRequest) -> Decision:
     # run out, the choice is never predicted slower than what Megatron would run.
     for *_, bound, c in sorted((c != default, o, i, b, c) for o, b, i, c in bounded):
         steps = sorted(row.plan.step_time_s for row in simulated if row.plan)
-        if len(steps) >= 2 and bound >= steps[1]:
-            try:
-                memory = judge.memory(c)
-            except OverBudget as error:
-                untimed.append(_untimed(c, None, judge.actions, error))
-                continue
-            except ScheduleError as error:
-                excluded.append(Row(c, None, False, excluded=_first_line(error)))
-                continue
-            fits = judge.fits(memory)
-            (pruned if fits else too_big).append(Row(c, memory, fits, lower_bound_s=bound))
-            continue
-        row = judge.row(c)
+        row = judge.row(c, bound=bound if len(steps) >= 2 and bound >= steps[1] else None)
         if row.untimed:
             untimed.append(row)
         elif row.excluded is not None:
             excluded.append(row)
         elif row.plan is not None:
             simulated.append(row)
+        elif row.lower_bound_s is not None and row.fits:
+            pruned.append(row)
         else:
             too_big.append(row)
     simulated.sort(key=lambda row: row.plan.step_time_s if row.plan else math.inf)
@@ -660,16 +650,27 @@ class _Judge:
             budget=self.actions,
         )
 
-    def row(self, c: Candidate, *, force: bool = False, megatron: bool = False) -> Row:
-        """Its memory and, when it fits (or ``force``), its simulated plan; or why not."""
+    def row(
+        self,
+        c: Candidate,
+        *,
+        force: bool = False,
+        megatron: bool = False,
+        bound: float | None = None,
+    ) -> Row:
+        """Its memory and, when it fits (or ``force``), its simulated plan; or why not. With a
+        ``bound`` that cannot beat the runner-up, only its memory (its row keeps the bound)."""
         try:
             memory = self.memory(c)
-            _check_every_step(c, self.request, self.actions)
+            if bound is None:
+                _check_every_step(c, self.request, self.actions)
         except OverBudget as error:
             return _untimed(c, None, self.actions, error)
         except ScheduleError as error:
             return Row(c, None, False, excluded=_first_line(error))
         fits = self.fits(memory)
+        if bound is not None:
+            return Row(c, memory, fits, lower_bound_s=bound)
         if not fits and not force:
             return Row(c, memory, False)
         options = self.options

@@ -100,9 +100,8 @@ def layer_activation_bytes(
 @dataclass(frozen=True, slots=True)
 class StageBytes:
     """Activation bytes of one micro-batch at a pipeline stage: ``layers`` for its transformer
-    layers, ``first`` extra on the first stage (token and position indices, the embedding's
-    dropout mask), ``last`` extra on the last (final norm, output layer input, the loss's fp32
-    softmax over the vocabulary and its indices)."""
+    layers, ``first`` / ``last`` extra on the first stage (the embedding's inputs) and on the
+    last (final norm, output layer and loss)."""
 
     layers: int
     first: int
@@ -143,10 +142,9 @@ def stage_activation_bytes(
 
 @dataclass(frozen=True, slots=True)
 class PeakPoints:
-    """For each rank, the moments that can hold its peak: the distinct Pareto-maximal triples
-    (stored stage-micro-batches, of which on the first stage, of which on the last stage) in
-    program order. The peak bytes for any ``StageBytes`` is the best of these points, so one
-    walk over a schedule serves every micro-batch size and recomputation."""
+    """For each rank, the Pareto-maximal (stored stage-micro-batches, of which on the first
+    stage, of which on the last) where its peak can lie, so one walk over a schedule serves
+    every ``StageBytes``."""
 
     per_rank: tuple[tuple[tuple[int, int, int], ...], ...]
 

@@ -34,10 +34,9 @@ GiB = 2**30
 
 @dataclass(frozen=True, slots=True)
 class Model:
-    """A transformer to plan for. ``arch`` is ``gpt`` (LayerNorm, GeLU MLP of ``ffn``, biases,
-    learned positions, tied embeddings) or ``llama`` (RMSNorm, SwiGLU, no biases, RoPE, untied
-    output, grouped-query attention with ``num_query_groups``). ``dropout``: whether the
-    activations hold dropout masks (GPT-3 trains with 0.1, LLaMA with none)."""
+    """A transformer to plan for: ``gpt`` (LayerNorm, GeLU, biases, learned positions, tied
+    embeddings) or ``llama`` (RMSNorm, SwiGLU, RoPE, untied output, grouped-query attention);
+    ``dropout``: whether activations hold dropout masks (GPT-3's 0.1, none for LLaMA)."""
 
     name: str
     arch: str
@@ -89,7 +88,7 @@ MODELS: dict[str, Model] = {
     for m in (
         _gpt("gpt3-6.7b", 32, 4096, 32),
         _gpt("gpt3-52b", 64, 8192, 64),
-        Model("gpt3-96b", "gpt", 80, 9984, 104, 104, 4 * 9984, 2048, 50257, True),
+        _gpt("gpt3-96b", 80, 9984, 104),
         _gpt("gpt3-175b", 96, 12288, 96),
         _llama("llama-7b", 32, 4096, 32, 32, 11008, 2048),
         _llama("llama-13b", 40, 5120, 40, 40, 13824, 2048),
