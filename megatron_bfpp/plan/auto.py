@@ -513,13 +513,6 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
     return allowed, excluded
 
 
-def _megatron_default(r: AutoRequest) -> Candidate:
-    """Megatron's own choice for the layout: interleaved with the user's virtual stages, else
-    1F1B (on its distributed optimizer, whatever our sharding)."""
-    name, vp = ("interleaved", r.vp) if r.vp not in (None, 1) else ("1f1b", 1)
-    return _candidate(r, name, vp or 1, "optim")
-
-
 def _candidate(
     r: AutoRequest, name: str, vp: int, sharding: str, chosen: Mapping[str, int] | None = None
 ) -> Candidate:
@@ -551,9 +544,11 @@ def decide(r: AutoRequest) -> Decision:
     _check_request(r)
     judge = _Judge.of(r)
     allowed, excluded = _candidates(r)
-    # Megatron's own default first, under megatron-core's posting: the line compares with it,
+    # Megatron's own default (interleaved with the user's virtual stages, else 1F1B, on its
+    # distributed optimizer) first, under megatron-core's posting: the line compares with it,
     # so it is timed before the budget can run out.
-    default = _megatron_default(r)
+    name, vp = ("interleaved", r.vp) if r.vp not in (None, 1) else ("1f1b", 1)
+    default = _candidate(r, name, vp or 1, "optim")
     megatron = next((row for row in excluded if row.candidate == default), None)
     if megatron is None:
         megatron = judge.row(default, force=True, megatron=True)
