@@ -1,21 +1,11 @@
 """``--pipeline-schedule auto``: the planner picks the schedule for the layout the user fixed.
 
-Why a decision of its own and not ``recommend``: a user who typed ``--tensor-model-parallel-size
-8 --pipeline-model-parallel-size 16 --micro-batch-size 1`` has chosen the model, the parallel
-sizes, the batch, recomputation, precision, sharding and optimizer; ``recommend`` would change
-them. :func:`decide` keeps all of that and ranks only what a schedule may still choose on that
-layout: which schedule, its virtual stages (divisors of the user's layers per rank), the
-breadth-first group size and the BPipe cap. Flags the user gave for those are constraints.
-
-Why no communication between ranks: :func:`decide` is a pure function of the arguments and of
-files every rank reads alike (a profile), plus the device's name and memory and the launcher's
-environment, which are the same on every rank of a homogeneous job. Every rank computes the same
-decision before it builds a model, and only rank 0 prints it (tests/multirank/test_auto.py runs
-it on several ranks with no process group at all).
-
-What it reads from the planner is its public API (:mod:`megatron_bfpp.plan.search`):
-``Candidate``, the memory filter ``memory_of`` and the simulation ``evaluate``, so a new timing
-or memory model there changes the decision without a change here.
+A decision of its own, not ``recommend``, because the user fixed the model, parallel sizes,
+batch, recomputation, precision and sharding: :func:`decide` ranks only what a schedule may
+still choose (schedule, virtual stages, group size, BPipe cap), the user's flags for those as
+constraints. It is a pure function of what every rank sees alike, so every rank decides the
+same without communicating (tests/multirank/test_auto.py). It uses only the planner's public
+API (``Candidate``, ``memory_of``, ``evaluate``), so new models there change it unedited.
 """
 
 from __future__ import annotations
@@ -69,11 +59,9 @@ __all__ = [
 
 AUTO = "auto"
 MAX_CHUNKS = PLANNER_MAX_CHUNKS  # the planner's own bound on virtual stages per rank
-# What one decision may walk and simulate, in actions as ``registry.estimate_actions`` counts
-# them (docs/planner.md#pipeline-schedule-auto: the figures it was set from).
+# What one decision may walk and simulate, in actions (docs/planner.md#pipeline-schedule-auto).
 AUTO_ACTION_BUDGET = 2_000_000
-# The most of it one candidate's simulations may take (a third): one whose steps do not lie on a
-# line and must be simulated whole cannot leave the others untimed.
+# The most of it one candidate may take (a third), so one cannot leave the others untimed.
 CANDIDATE_SHARE = 3
 CPU_TIMING_GPU = "h100-80gb"  # what a run without CUDA is timed as, unless told otherwise
 REPORT_FORMAT = "bfpp-auto-report"
@@ -124,8 +112,8 @@ def check_auto_flags(args: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Hardware:
-    """What the decision is timed and budgeted on. ``memory_bytes`` ``None``: no CUDA, memory is
-    not a constraint. ``note`` says where the figures come from, for the line."""
+    """What the decision is timed and budgeted on (``memory_bytes`` None: no constraint), and
+    a ``note`` for the line saying where the figures come from."""
 
     gpu: Gpu
     memory_bytes: int | None
@@ -135,9 +123,8 @@ class Hardware:
 
 @dataclass(frozen=True, slots=True)
 class AutoRequest:
-    """Everything the user fixed, and the constraints on what auto may choose (``vp``,
-    ``group_size``, ``max_stored``: ``None`` when not given). ``vp_flag`` is the front end's
-    spelling of the virtual-pipeline flag, for its errors."""
+    """Everything the user fixed, and the constraints on what auto may choose (``None`` when
+    not given); ``vp_flag`` the front end's virtual-pipeline flag, for its errors."""
 
     model: Model
     tp: int
@@ -159,8 +146,7 @@ class AutoRequest:
     sequence_parallel: bool = True  # with tp > 1 (Megatron-LM's --sequence-parallel)
     # (schedule, why): what the front end cannot run whatever the layout (Bridge: the V-shapes)
     unavailable: tuple[tuple[str, str], ...] = ()
-    # Megatron-LM's --step-batch-size-schedule: the global batch of every step, in order (the
-    # decision is timed at ``global_batch_size``, the last step's; every step must run)
+    # Megatron-LM's --step-batch-size-schedule: every step's global batch, timed at the last
     batch_schedule: tuple[int, ...] = ()
 
     @property
@@ -227,8 +213,8 @@ def label(c: Candidate) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The ranked rows (simulated, fastest first; then what does not fit memory, smallest
-    first; then what cannot run the layout), the choice, and Megatron's own default."""
+    """The ranked rows (simulated fastest first, then too big smallest first, then what cannot
+    run), the choice, and Megatron's own default."""
 
     request: AutoRequest
     rows: tuple[Row, ...]
@@ -357,9 +343,8 @@ def _budget(hw: Hardware) -> int:
 
 
 def gpu_from_device(name: str, total_memory: int | None = None) -> tuple[Gpu, str]:
-    """A planner preset for a CUDA device (``torch.cuda.get_device_name()``), with the device's
-    own memory when given: the compute and link figures are the family's, the budget is the
-    device's. A device of no known family is timed as an H100 and the note says so."""
+    """A planner preset for a CUDA device name, with the device's own memory when given; a
+    device of no known family is timed as an H100 and the note says so."""
     lowered = name.lower()
     preset = None
     if "v100" in lowered:
@@ -387,10 +372,9 @@ def hardware(
     gpu_flag: str | None = None,
     profile_path: str | None = None,
 ) -> Hardware:
-    """The hardware a front end found: ``device_name`` / ``device_memory`` from torch (``None``
-    without CUDA), ``gpu_flag`` a preset named by the user (it wins over the device, and makes
-    its memory a constraint even without CUDA), ``profile_path`` a ``bfpp-plan profile`` file
-    (its efficiencies instead of the built-in curve)."""
+    """The hardware a front end found: the device from torch (``None`` without CUDA), unless
+    ``gpu_flag`` names a preset (its memory then a constraint even without CUDA);
+    ``profile_path``'s efficiencies instead of the built-in curve."""
     profile = load_profile(profile_path) if profile_path else None
     if gpu_flag is not None:
         gpu = get_gpu(gpu_flag)
@@ -415,9 +399,8 @@ def hardware(
 
 
 def gpus_per_node_from_env(env: Mapping[str, str], world_size: int) -> int:
-    """GPUs per node from the launcher: torchrun's ``LOCAL_WORLD_SIZE``, SLURM's
-    ``SLURM_NTASKS_PER_NODE`` (``8`` or ``8(x2)``) or ``SLURM_GPUS_ON_NODE``; one node when
-    none is set. Same on every rank of a job whose nodes are alike."""
+    """GPUs per node from torchrun's or SLURM's environment (``8`` or ``8(x2)``); one node when
+    none is set."""
     for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE"):
         digits = env.get(key, "").split("(")[0].split(",")[0].strip()
         if digits.isdigit() and int(digits) > 0:
@@ -426,11 +409,6 @@ def gpus_per_node_from_env(env: Mapping[str, str], world_size: int) -> int:
 
 
 # --------------------------------------------------------------------------- candidates
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
 
 
 def _check_request(r: AutoRequest) -> None:
@@ -492,30 +470,13 @@ def _check_request(r: AutoRequest) -> None:
 
 def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
     """What a schedule may choose on the user's layout, and (as rows) what it may not and why:
-    the grid each catalogue entry declares (``ScheduleSpec.planned_stages``, ``PlanGrid``),
-    the same one ``recommend`` searches, narrowed by what the user fixed."""
+    the grid ``recommend`` searches too, narrowed by what the user fixed."""
     layers_per_rank = r.model.num_layers // r.pp
     allowed: list[Candidate] = []
     excluded: list[Row] = []
 
-    def make(name: str, vp: int, chosen: Mapping[str, int] | None = None) -> Candidate:
-        chosen = chosen or {}
-        return Candidate(
-            name,
-            r.sharding,
-            r.tp,
-            r.pp,
-            vp,
-            r.dp,
-            r.micro_batch_size,
-            r.recompute,
-            group_size=chosen.get("group_size"),
-            plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel,
-            max_stored=chosen.get("max_stored"),
-        )
-
     def refuse(name: str, vp: int, why: str) -> None:
-        excluded.append(Row(make(name, vp), None, False, excluded=why))
+        excluded.append(Row(_candidate(r, name, vp, r.sharding), None, False, excluded=why))
 
     unavailable = dict(r.unavailable)
     given = {"group_size": r.group_size, "max_stored": r.max_stored}
@@ -541,42 +502,34 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
                     continue  # the user's virtual stages rule this placement out
                 vps = (r.vp,)
         for vp in vps:
-            problem = next(
-                (
-                    p
-                    for m in r.step_microbatches
-                    if (p := spec.planned_microbatches_problem(r.pp, m))
-                ),
-                None,
-            )
+            problems = (spec.planned_microbatches_problem(r.pp, m) for m in r.step_microbatches)
+            problem = next((p for p in problems if p), None)
             if problem is not None:
                 refuse(name, vp, problem)
                 continue
             # the timed (last) step's grid; the other steps are checked per candidate
-            grid = _grid(spec.plan.options(r.pp, r.num_microbatches), fixed)
-            allowed += [make(name, vp, chosen) for chosen in grid]
+            grid = [fixed] if fixed else spec.plan.options(r.pp, r.num_microbatches)
+            allowed += [_candidate(r, name, vp, r.sharding, chosen) for chosen in grid]
     return allowed, excluded
 
 
-def _grid(grid: tuple[Mapping[str, int], ...], fixed: Mapping[str, int]) -> list[Mapping[str, int]]:
-    """The catalogue's option grid, or only the options the user fixed."""
-    return [dict(fixed)] if fixed else list(grid)
-
-
-def _megatron_default(r: AutoRequest) -> Candidate:
-    """Megatron's own choice for the layout: interleaved with the user's virtual stages, else
-    1F1B (on its distributed optimizer, whatever our sharding)."""
-    name, vp = ("interleaved", r.vp) if r.vp not in (None, 1) else ("1f1b", 1)
+def _candidate(
+    r: AutoRequest, name: str, vp: int, sharding: str, chosen: Mapping[str, int] | None = None
+) -> Candidate:
+    """``name`` on the user's layout, with the generator options ``chosen``."""
+    chosen = chosen or {}
     return Candidate(
         name,
-        "optim",
+        sharding,
         r.tp,
         r.pp,
-        vp or 1,
+        vp,
         r.dp,
         r.micro_batch_size,
         r.recompute,
+        group_size=chosen.get("group_size"),
         plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel,
+        max_stored=chosen.get("max_stored"),
     )
 
 
@@ -585,27 +538,25 @@ def _megatron_default(r: AutoRequest) -> Candidate:
 
 def decide(r: AutoRequest) -> Decision:
     """Rank the schedules the layout admits, or refuse in one line (:class:`ScheduleError`)
-    when none does or none fits the GPU's memory. Simulates each candidate that fits once, and
-    Megatron's default once more under megatron-core's own posting: ``Decision.simulations``
-    counts them. Bounded: the walks and simulations are charged to one ``ActionBudget`` of
-    :data:`AUTO_ACTION_BUDGET` actions, a candidate's simulations to at most
-    1/:data:`CANDIDATE_SHARE` of it; a candidate that would exceed what is left is not timed
-    (its row says so) and the decision is made from the others."""
+    when none does or none fits. Each fitting candidate is simulated once, Megatron's default
+    once more under megatron-core's posting, all within :data:`AUTO_ACTION_BUDGET`; a candidate
+    over what is left is not timed (its row says so)."""
     _check_request(r)
     judge = _Judge.of(r)
     allowed, excluded = _candidates(r)
-    # Megatron's own default first, under megatron-core's posting: the line compares with it,
+    # Megatron's own default (interleaved with the user's virtual stages, else 1F1B, on its
+    # distributed optimizer) first, under megatron-core's posting: the line compares with it,
     # so it is timed before the budget can run out.
-    default = _megatron_default(r)
+    name, vp = ("interleaved", r.vp) if r.vp not in (None, 1) else ("1f1b", 1)
+    default = _candidate(r, name, vp or 1, "optim")
     megatron = next((row for row in excluded if row.candidate == default), None)
     if megatron is None:
         megatron = judge.row(default, force=True, megatron=True)
     simulated: list[Row] = []
     too_big: list[Row] = []
     untimed: list[Row] = []
-    # Cheapest bound first (by the fill alone: ``lower_bound_of(grouped=False)``); a candidate
-    # whose bound (grouped breadth-first's idle at each group counted) cannot beat the runner-up
-    # so far is not simulated (its row keeps the bound): the choice and the runner-up are exact.
+    # A candidate whose bound cannot beat the runner-up so far is not simulated (its row keeps
+    # the bound): the choice and the runner-up stay exact.
     bounded: list[tuple[float, float, int, Candidate]] = []  # (order, bound, index, candidate)
     for index, c in enumerate(allowed):
         try:
@@ -616,29 +567,19 @@ def decide(r: AutoRequest) -> Decision:
             continue
         bounded.append((order, bound, index, c))
     pruned: list[Row] = []
-    # Our run of Megatron's own default first, then cheapest bound first: should the budget run
-    # out, the choice is never one predicted slower than the schedule Megatron would run.
+    # Megatron's default first, then cheapest bound (the fill alone) first: should the budget
+    # run out, the choice is never predicted slower than what Megatron would run.
     for *_, bound, c in sorted((c != default, o, i, b, c) for o, b, i, c in bounded):
         steps = sorted(row.plan.step_time_s for row in simulated if row.plan)
-        if len(steps) >= 2 and bound >= steps[1]:
-            try:
-                memory = judge.memory(c)
-            except OverBudget as error:
-                untimed.append(_untimed(c, None, judge.actions, error))
-                continue
-            except ScheduleError as error:
-                excluded.append(Row(c, None, False, excluded=_first_line(error)))
-                continue
-            fits = judge.fits(memory)
-            (pruned if fits else too_big).append(Row(c, memory, fits, lower_bound_s=bound))
-            continue
-        row = judge.row(c)
+        row = judge.row(c, bound=bound if len(steps) >= 2 and bound >= steps[1] else None)
         if row.untimed:
             untimed.append(row)
         elif row.excluded is not None:
             excluded.append(row)
         elif row.plan is not None:
             simulated.append(row)
+        elif row.lower_bound_s is not None and row.fits:
+            pruned.append(row)
         else:
             too_big.append(row)
     simulated.sort(key=lambda row: row.plan.step_time_s if row.plan else math.inf)
@@ -652,9 +593,8 @@ def decide(r: AutoRequest) -> Decision:
 
 @dataclass(frozen=True, slots=True)
 class _Judge:
-    """How :func:`decide` sizes and times a candidate of one request: the model per context
-    rank, the cluster, the search's options (ours timed as our runtime posts, Megatron's
-    default as megatron-core posts it), the memory budget and the action budget it spends."""
+    """How :func:`decide` sizes and times a candidate of one request, and the budgets it
+    spends."""
 
     request: AutoRequest
     model: Model
@@ -705,16 +645,27 @@ class _Judge:
             budget=self.actions,
         )
 
-    def row(self, c: Candidate, *, force: bool = False, megatron: bool = False) -> Row:
-        """Its memory and, when it fits (or ``force``), its simulated plan; or why not."""
+    def row(
+        self,
+        c: Candidate,
+        *,
+        force: bool = False,
+        megatron: bool = False,
+        bound: float | None = None,
+    ) -> Row:
+        """Its memory and, when it fits (or ``force``), its simulated plan; or why not. With a
+        ``bound`` that cannot beat the runner-up, only its memory (its row keeps the bound)."""
         try:
             memory = self.memory(c)
-            _check_every_step(c, self.request, self.actions)
+            if bound is None:
+                _check_every_step(c, self.request, self.actions)
         except OverBudget as error:
             return _untimed(c, None, self.actions, error)
         except ScheduleError as error:
             return Row(c, None, False, excluded=_first_line(error))
         fits = self.fits(memory)
+        if bound is not None:
+            return Row(c, memory, fits, lower_bound_s=bound)
         if not fits and not force:
             return Row(c, memory, False)
         options = self.options
@@ -751,8 +702,7 @@ def _untimed(
 
 
 def _check_every_step(c: Candidate, r: AutoRequest, actions: ActionBudget) -> None:
-    """A batch-size schedule's other steps: the candidate's compute order must build at each
-    step's micro-batches (the timed step is checked by its simulation)."""
+    """A batch-size schedule's other steps must build too (the timed one is simulated)."""
     spec = get_spec(c.schedule)
     chunks = spec.chunks_for(None if spec.placement is not Placement.LOOPED else c.vp)
     options: dict[str, Any] = {"group_size": c.group_size, "max_stored": c.max_stored}
@@ -812,8 +762,6 @@ def _first_line(error: BaseException) -> str:
 
 
 def write_report(path: str, decision: Decision) -> None:
-    """The ranked table as JSON, where ``path`` says (:func:`megatron_bfpp.files.write_output`:
-    a regular file atomically, so a reader never sees half a report; a device in place; a
-    symbolic link's target)."""
+    """The ranked table as JSON, written as :func:`megatron_bfpp.files.write_output` writes."""
     text = json.dumps(decision.to_dict(), indent=2, allow_nan=False) + "\n"
     write_output(path, text.encode())

@@ -1,16 +1,10 @@
 """When is BPipe worth it: the performance estimate of "Re-evaluating BPipe" (section 4, eq. 2-4).
 
-BPipe caps the stored activations of every pipeline rank at ceil((p+2)/2) micro-batches instead of
-1F1B's p on rank 0; the memory it frees is spent on a larger micro-batch size. Whether that pays
-is decided by two opposing effects, both computable from single-stage measurements:
-
-* a larger micro-batch makes one stage faster: MFU_stage(x) / MFU_stage(y);
-* with a fixed batch B per pipeline, fewer, larger micro-batches make the bubble longer: the
-  pipeline runs B/b + p - 1 micro-batch slots of T(b) each (eq. 2), so it loses the factor
-  (B + y(p-1)) / (B + x(p-1)).
-
-Eq. 4 multiplies the two. Like the paper, this ignores pipeline communication, the optimizer and
-BPipe's own transfer overhead (the paper measured 1.35 where eq. 4 predicts 1.39).
+BPipe caps every rank's stored activations at ceil((p+2)/2) micro-batches instead of 1F1B's p,
+and spends the memory on a larger micro-batch: one stage gets faster by MFU_stage(x) /
+MFU_stage(y), while with a fixed batch B per pipeline the bubble grows by (B + y(p-1)) /
+(B + x(p-1)) (eq. 2); eq. 4 multiplies the two, ignoring communication, the optimizer and
+BPipe's own transfers, as the paper does (it measured 1.35 where eq. 4 predicts 1.39).
 """
 
 from __future__ import annotations
@@ -32,11 +26,8 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class Estimate:
     """The eq. 4 estimate for raising the micro-batch size from ``micro_batch_small`` (1F1B) to
-    ``micro_batch_large`` (BPipe), plus the activation memory each side needs.
-
-    Memory is counted as micro-batches stored on the busiest rank (``*_stored``) and, for the
-    ratio, in units of one small micro-batch's activations (activations scale with b).
-    """
+    ``micro_batch_large`` (BPipe), plus the activation memory each side needs on the busiest
+    rank (micro-batches stored; the ratio in small micro-batches' activations)."""
 
     pp: int
     global_batch_size: int
@@ -81,12 +72,10 @@ def pipeline_mfu(
 ) -> float:
     """Eq. 3: the whole pipeline's MFU from one stage's MFU measured at the same micro-batch size.
 
-    MFU(b) = F * MFU_stage(b) / ((1 + b/B (p-1)) * F_stage), normalised per device: the paper's P
-    is one device's peak, and a pipeline has p of them, so we divide by p; with uniform stages
-    (``stage_fraction`` = F_stage / F = 1/p, the default) this is MFU_stage / (1 + b(p-1)/B).
-    A larger ``stage_fraction`` models a heavier measured stage that paces the whole pipeline.
-    ``global_batch_size`` is the batch one pipeline processes per step (global batch / data
-    parallel size). The normalisation cancels in ratios, so eq. 4 does not depend on it.
+    MFU(b) = F * MFU_stage(b) / ((1 + b/B (p-1)) * F_stage), divided by p (the paper's P is one
+    device's peak): MFU_stage / (1 + b(p-1)/B) with uniform stages (``stage_fraction`` 1/p); a
+    larger ``stage_fraction`` models a heavier stage that paces the pipeline.
+    ``global_batch_size`` is the batch one pipeline processes per step.
     """
     _check_mfu("stage MFU", stage_mfu)
     _check_batches(global_batch_size, (micro_batch_size,))
@@ -112,9 +101,8 @@ def bpipe_speedup_estimate(
 ) -> Estimate:
     """Eq. 4 for 1F1B at ``micro_batch_small`` -> BPipe at ``micro_batch_large``, with memory.
 
-    ``stage_mfu_*`` are MFUs (fractions in (0, 1]) of one pipeline stage run alone at each
-    micro-batch size (Table 5 of the paper); ``global_batch_size`` is the batch one pipeline
-    processes per step (global batch / data-parallel size).
+    ``stage_mfu_*``: MFUs in (0, 1] of one stage run alone at each micro-batch size (the
+    paper's Table 5); ``global_batch_size``: the batch one pipeline processes per step.
     """
     _check_mfu("stage MFU at the small micro-batch", stage_mfu_small)
     _check_mfu("stage MFU at the large micro-batch", stage_mfu_large)

@@ -1,24 +1,7 @@
 """How long one micro-batch takes on one stage, and what communication costs: the numbers the
-simulator runs the schedule under.
-
-* FLOPs: eq. 1 of "Re-evaluating the Memory-balanced Pipeline Parallelism: BPipe" (Huang et
-  al., Meituan), 72bslh^2(1 + s/6h + v/16lh) per step for forward and backward, which is
-  24bsh^2(1 + s/6h) per layer forward (the FFN of LLaMA's SwiGLU costs what GPT's does, the
-  paper shows) and 2bshv for the output layer.
-* Efficiency: the fraction of the GPU's peak a layer reaches grows with its work. Built in:
-  ``e_max * w / (w + e_max * P * tau)`` for a layer forward of ``w`` FLOPs per GPU, i.e. the
-  layer takes ``w / (e_max P) + tau`` (``Gpu.max_efficiency``, ``Gpu.layer_overhead_s``); or
-  measured (``ProfileCurve``: a stage profile's efficiencies, interpolated in log work).
-* Tensor parallelism: two all-reduces of the layer's activations per layer in the forward and two
-  in the backward (Megatron-LM; with sequence parallelism the same volume as all-gathers and
-  reduce-scatters), ring time ``2(t-1)/t * bytes / NVLink bandwidth``, not overlapped.
-* Pipeline messages: ``b s h * e`` bytes (``/t`` with sequence parallelism) over NVLink when the
-  whole pipeline sits in one node, else InfiniBand.
-* Data parallelism: per model chunk, a reduce-scatter of its fp32 gradients and an all-gather of
-  its 16-bit parameters (distributed optimizer), ``(d-1)/d * bytes / bandwidth``; NVLink when the
-  data-parallel group fits in a node.
-* Optimizer step: memory-bound, the bytes Adam reads and writes per parameter shard over HBM
-  bandwidth.
+simulator runs the schedule under. FLOPs follow eq. 1 of the BPipe re-evaluation, efficiency a
+built-in curve or a measured profile, and communication ring collectives over NVLink or
+InfiniBand (docs/planner.md, "Compute" and "Communication", has every formula).
 """
 
 from __future__ import annotations
@@ -98,11 +81,9 @@ class Efficiency(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BuiltinCurve:
-    """``e_max * w / (w + e_max * P * tau)``: a layer takes ``w / (e_max P) + tau``. Fit for the
-    A100 to the BPipe re-evaluation's single-stage MFUs with flash attention (Table 5: 57.7% at
-    b=1, 62.4% at b=2 for GPT-3 96B, t=4); the other GPUs use the same shape, not calibrated.
-    Backward: twice the forward's work at the forward's efficiency, half of it weight
-    gradients."""
+    """``e_max * w / (w + e_max * P * tau)``: a layer takes ``w / (e_max P) + tau``, fit for the
+    A100 to the BPipe re-evaluation's Table 5 (docs/planner.md), the same shape elsewhere.
+    Backward: twice the forward's work at its efficiency, half of it weight gradients."""
 
     gpu: Gpu
 
@@ -128,10 +109,9 @@ class BuiltinCurve:
 
 @dataclass(frozen=True, slots=True)
 class ProfileCurve:
-    """Efficiencies measured by ``bfpp-plan profile``, against ``gpu``'s peak, at the work per
-    layer of each measured micro-batch size; linear in log(work) between them, the nearest
-    measurement outside their range (the profile says nothing there); ``host`` the profile's
-    ``t_host`` (0 when it has none: a profile written before it was measured)."""
+    """Efficiencies measured by ``bfpp-plan profile`` against ``gpu``'s peak at each measured
+    work per layer: linear in log(work) between them, the nearest outside; ``host`` the
+    profile's ``t_host`` (0 when it has none)."""
 
     works: tuple[float, ...]
     forwards: tuple[float, ...]
@@ -213,12 +193,9 @@ def ring_collective_time(nbytes: float, *, group: int, bandwidth: float, latency
 
 @dataclass(frozen=True, slots=True)
 class StageTimes:
-    """Seconds, for the simulator's ``CostModel``: ``forward`` / ``backward`` / ``weight`` of one
-    micro-batch through one full stage (``layers`` layers); ``output`` the output layer's extra
-    forward + backward on the last stage; ``p2p`` one pipeline message; ``grad_reduce`` /
-    ``param_gather`` one chunk's data-parallel collective; ``evict`` BPipe's transfer of one
-    full-stage micro-batch; ``optimizer`` the optimizer step; ``host`` the host's time per
-    compute action, whatever its stage's size (``Efficiency.host_s``)."""
+    """Seconds, for the simulator's ``CostModel``: one micro-batch through one full stage
+    (``forward`` / ``backward`` / ``weight``), the last stage's extra ``output``, one message or
+    collective, BPipe's eviction, the optimizer step and the host's time per action."""
 
     forward: float
     backward: float

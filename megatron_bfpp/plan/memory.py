@@ -5,11 +5,8 @@ Models" (MLSys 2023), section 4, counted per tensor autograd keeps for megatron-
 transformer layer, so that the same count serves GPT and LLaMA, any precision, with and without
 dropout (their 34sbh + 5as^2b is the GPT case in 16-bit with dropout: ``layer_activation_bytes``
 reproduces it exactly, see tests/unit/test_plan_model.py). Weights come from
-``config.model_memory``, which is checked against models megatron-core builds.
-
-Why per-stage weights and a walk over the schedule: the first stage also keeps the embedding's
-inputs and the last stage the logits, and a schedule stores different stages' micro-batches at
-different times; the peak bytes of a rank is the peak of the weighted count, not count x average.
+``config.model_memory``. The schedule is walked because first and last stages store more, at
+different times: a rank's peak is the peak of the weighted count, not count x average.
 """
 
 from __future__ import annotations
@@ -70,28 +67,9 @@ def layer_activation_bytes(
     """Bytes one transformer layer keeps for the backward of one micro-batch, on one
     tensor-parallel rank, as megatron-core's local layers keep them (measured on an H100,
     docs/measurements/h100-stage-memory.json: equal to the byte for GPT-3 6.7B and LLaMA-7B).
-
-    Per token (s x b of them), in elements of ``e = precision.activation_bytes`` bytes:
-
-    * replicated over tp unless sequence parallel: the two norms' inputs and outputs (4h), their
-      fp32 statistics (2 per norm for LayerNorm, 1 for RMSNorm), and with dropout the two
-      hidden-dropout masks (2h bytes);
-    * split over tp: Q, K and V as core attention keeps them (3h: views of the fused QKV output,
-      GQA keys and values repeated to every head; with rotary embeddings and a head per group,
-      5h: the fused output, which V still views, and the rotated Q and K), the projection's
-      input (h), the MLP's activation input and fc2 input (2f for GeLU; 5f for SwiGLU: fc1's
-      output, 2f, and three f-sized tensors), and per attention score (a*s): the softmax output,
-      in fp32 when ``softmax_in_fp32`` (megatron-core's ``attention_softmax_in_fp32``, on by
-      default), the 16-bit probabilities the context product reads (after dropout, whose mask
-      is 1 byte) unless the softmax output is that tensor;
-    * per micro-batch, not per token: the causal mask (s*s bytes) and, with rotary embeddings,
-      the cos and sin tables applied to Q and K (4*s*d elements, d the head size).
-
-    With ``softmax_in_fp32=False`` and without the causal mask, GPT in 16-bit with dropout is
-    Korthikanti's sbh(10 + 24/t + 5as/(ht)) (their eq. 2; with sequence parallelism everything
-    is divided by t, their eq. 4). ``selective`` recomputes core attention (drops the scores and
-    the mask); ``full`` keeps only the layer's input (``sbh*e``, split by t with sequence
-    parallelism).
+    Each tensor counted, and how it reduces to Korthikanti's eq. 2 and 4, is in docs/planner.md
+    ("Memory"). ``selective`` recomputes core attention (drops the scores and the mask);
+    ``full`` keeps only the layer's input.
     """
     _check_recompute(recompute)
     s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
@@ -122,9 +100,8 @@ def layer_activation_bytes(
 @dataclass(frozen=True, slots=True)
 class StageBytes:
     """Activation bytes of one micro-batch at a pipeline stage: ``layers`` for its transformer
-    layers, ``first`` extra on the first stage (token and position indices, the embedding's
-    dropout mask), ``last`` extra on the last (final norm, output layer input, the loss's fp32
-    softmax over the vocabulary and its indices)."""
+    layers, ``first`` / ``last`` extra on the first stage (the embedding's inputs) and on the
+    last (final norm, output layer and loss)."""
 
     layers: int
     first: int
@@ -165,10 +142,9 @@ def stage_activation_bytes(
 
 @dataclass(frozen=True, slots=True)
 class PeakPoints:
-    """For each rank, the moments that can hold its peak: the distinct Pareto-maximal triples
-    (stored stage-micro-batches, of which on the first stage, of which on the last stage) in
-    program order. The peak bytes for any ``StageBytes`` is the best of these points, so one
-    walk over a schedule serves every micro-batch size and recomputation."""
+    """For each rank, the Pareto-maximal (stored stage-micro-batches, of which on the first
+    stage, of which on the last) where its peak can lie, so one walk over a schedule serves
+    every ``StageBytes``."""
 
     per_rank: tuple[tuple[tuple[int, int, int], ...], ...]
 
@@ -187,9 +163,8 @@ _OVERLAP = ActionKind.OVERLAP_F_B
 
 def _rank_points(actions: Sequence[Action], last_stage: int) -> set[tuple[int, int, int]]:
     """One rank's counts where a run of stores ends (before a free, or at the program's end):
-    a store never lowers a count, so every count within a run is dominated by the run's last,
-    and keeping only those (a few per micro-batch, not one per action) leaves the Pareto front
-    as it is while sparing most of the tuples and set insertions."""
+    every count within a run is dominated by the run's last, so the Pareto front is the same
+    from far fewer tuples."""
     counts = [0, 0, 0, 0]  # an overlapped pair's: held, first, last, rising (0 or 1)
     held = first = last = 0
     rising = False
@@ -245,9 +220,8 @@ def _count(
 
 
 def _pareto(points: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """The points no other point is at least as large as in all three counts, largest first.
-    In descending order every earlier point holds at least as much, so a point is dominated
-    exactly when an earlier kept one also has as many first- and last-stage micro-batches."""
+    """The points no other point is at least as large as in all three counts, largest first
+    (a point is dominated exactly when an earlier kept one has as many first and last)."""
     kept: list[tuple[int, int, int]] = []
     fronts: list[tuple[int, int]] = []  # the kept points' (first, last)
     for point in sorted(points, reverse=True):
@@ -273,8 +247,7 @@ def rank_parameters(
     model: Model, *, tp: int, pp: int, chunks: int, placement: Placement
 ) -> list[int]:
     """Parameters of one tensor-parallel rank at each pipeline rank, as megatron-core builds the
-    model (``config.model_memory``, tested against megatron-core): layers, embeddings, final
-    norm and output layer (a tied GPT output weight's copy on the last stage)."""
+    model (``config.model_memory``)."""
     layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
     return parameters_per_pipeline_rank(model.shape(tp=tp), layout)
 
@@ -282,8 +255,7 @@ def rank_parameters(
 def stage_parameters(
     model: Model, *, tp: int, pp: int, chunks: int, placement: Placement
 ) -> list[int]:
-    """Parameters of one tensor-parallel rank at each global stage (``rank_parameters``, stage
-    by stage: ``config.model_memory.parameters_per_stage``)."""
+    """Parameters of one tensor-parallel rank at each global stage."""
     layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
     return parameters_per_stage(model.shape(tp=tp), layout)
 
@@ -315,14 +287,9 @@ def full_buffer_peaks(
     schedule: Schedule, stage_parameters: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:
     """Per rank, (parameters, gradients): the most parameters whose full (gathered) parameter
-    buffers, and the most whose full gradient buffers, the rank holds at once over its program.
-
-    The walk is the schedule's own (``Schedule.held_parameter_chunks`` from PS to RL,
-    ``held_gradient_chunks`` from a backward until its run's reduction lands), each stage
-    weighed by its parameters (``stage_parameters``, in global stage order:
-    ``config.model_memory.parameters_per_stage``), so chunks of unequal size (the embedding's,
-    the output layer's) count as what they are. Without sharded parameters (no RL on a rank)
-    every stage of the rank is whole all step.
+    buffers, and the most whose full gradient buffers, the rank holds at once over its program
+    (the schedule's own walks, each stage weighed by its ``stage_parameters``). Without sharded
+    parameters (no RL on a rank) every stage of the rank is whole all step.
     """
     result = []
     for rank in range(schedule.num_ranks):
@@ -348,15 +315,10 @@ def weights_bytes(
     gathered: int = 0,
     accumulated: int = 0,
 ) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``.
-
-    The distributed optimizer shards its state over ``dp`` (megatron-core's; the buffers' padding
-    to a multiple of dp is left out). Fully sharded (``optim_grads_params``, breadth-first) the
-    rank keeps its 1/dp shard of every chunk's parameters and reduced gradients, plus at its
-    peaks the full buffers of ``gathered`` parameters and of ``accumulated`` parameters'
-    gradients (the schedule walk, ``full_buffer_peaks``: two chunks for breadth-first, with
-    any group size), so (2 + 4 + 12) / dp bytes per parameter for bf16 with fp32 gradients and
-    Adam, plus those.
+    """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``: the
+    optimizer's state sharded over ``dp`` (padding left out); fully sharded, also a 1/dp shard
+    of parameters and gradients plus the full buffers of ``gathered`` / ``accumulated``
+    parameters (``full_buffer_peaks``).
     """
     if sharded:
         kept = -(-parameters // dp)

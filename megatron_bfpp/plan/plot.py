@@ -1,15 +1,11 @@
 """The breadth-first paper's two pictures, predicted: throughput per GPU against batch size per
 GPU for each schedule family (its Figure 3), and training time against cost (its Figure 4).
 
-Figure 4 uses the paper's empirical model (Lamy-Poirier, "Breadth-First Pipeline Parallelism",
-MLSys 2023, as presented there): the samples needed to reach a loss grow as
-``1 + B / B_crit`` with the batch size B, and the GPU utilisation depends
-mainly on the batch size per GPU ``beta``, so scaling the cluster to ``N`` GPUs at ``beta``
-(B = beta N) costs ``(1 + beta N / B_crit) / u(beta)`` GPU-seconds per minimum sample, ``u`` the
-samples per second per GPU, and takes that over N in time. Each family's curve is its best
-trade-off over the swept ``beta`` (each predicted on the given cluster) and cluster sizes from
-1/8 to 16 times the given one. Both axes are per minimum sample, so only the critical batch size
-is an input. matplotlib is imported only when drawing (the ``plot`` extra).
+Figure 4 uses the paper's empirical model: the samples needed grow as ``1 + B / B_crit`` and
+utilisation depends mainly on the batch per GPU ``beta``, so ``N`` GPUs at ``beta`` cost
+``(1 + beta N / B_crit) / u(beta)`` GPU-seconds per minimum sample (``u`` samples/s per GPU) and
+take that over N in time; each family's curve is its best trade-off over the swept ``beta`` and
+cluster sizes 1/8 to 16 times the given one. matplotlib is imported only when drawing.
 """
 
 from __future__ import annotations

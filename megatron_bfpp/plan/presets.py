@@ -7,6 +7,7 @@ hardware figures the papers used, not look them up. Every figure's source is in 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_bfpp.config.run_config import ModelShape, default_ffn_hidden_size
@@ -33,10 +34,9 @@ GiB = 2**30
 
 @dataclass(frozen=True, slots=True)
 class Model:
-    """A transformer to plan for. ``arch`` is ``gpt`` (LayerNorm, GeLU MLP of ``ffn``, biases,
-    learned positions, tied embeddings) or ``llama`` (RMSNorm, SwiGLU, no biases, RoPE, untied
-    output, grouped-query attention with ``num_query_groups``). ``dropout``: whether the
-    activations hold dropout masks (GPT-3 trains with 0.1, LLaMA with none)."""
+    """A transformer to plan for: ``gpt`` (LayerNorm, GeLU, biases, learned positions, tied
+    embeddings) or ``llama`` (RMSNorm, SwiGLU, RoPE, untied output, grouped-query attention);
+    ``dropout``: whether activations hold dropout masks (GPT-3's 0.1, none for LLaMA)."""
 
     name: str
     arch: str
@@ -64,18 +64,7 @@ class Model:
         )
 
     def with_seq_length(self, seq_length: int) -> Model:
-        return Model(
-            self.name,
-            self.arch,
-            self.num_layers,
-            self.hidden_size,
-            self.num_attention_heads,
-            self.num_query_groups,
-            self.ffn_hidden_size,
-            seq_length,
-            self.vocab_size,
-            self.dropout,
-        )
+        return dataclasses.replace(self, seq_length=seq_length)
 
 
 def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = 128) -> int:
@@ -99,7 +88,7 @@ MODELS: dict[str, Model] = {
     for m in (
         _gpt("gpt3-6.7b", 32, 4096, 32),
         _gpt("gpt3-52b", 64, 8192, 64),
-        Model("gpt3-96b", "gpt", 80, 9984, 104, 104, 4 * 9984, 2048, 50257, True),
+        _gpt("gpt3-96b", 80, 9984, 104),
         _gpt("gpt3-175b", 96, 12288, 96),
         _llama("llama-7b", 32, 4096, 32, 32, 11008, 2048),
         _llama("llama-13b", 40, 5120, 40, 40, 13824, 2048),
@@ -201,12 +190,9 @@ def model_description(
     dropout: bool | None = None,
 ) -> Model:
     """The planner's model of what a front end builds: the one translation every front end
-    (Megatron-LM's arguments, Megatron-Bridge's config, bfpp-train's and bfpp-plan's flags)
-    calls, so the same model is described alike everywhere. ``gated``: a SwiGLU MLP (Megatron's
-    ``--swiglu``, Bridge's ``gated_linear_unit``, bfpp-train's llama), planned as the llama
-    architecture; its FFN size is the one given, else ``ffn_default``'s rule
-    (:data:`FFN_DEFAULTS`), the builder's own; the vocabulary, when not given, 32000 gated and
-    50257 (GPT-2's) otherwise."""
+    calls, so the same model is described alike everywhere. ``gated``: a SwiGLU MLP, planned
+    as llama; FFN size as given, else ``ffn_default``'s rule; vocabulary as given, else 32000
+    gated and 50257 (GPT-2's) otherwise."""
     ffn = ffn_hidden_size or _default_ffn(ffn_default, gated=gated, hidden_size=hidden_size)
     return model_from_shape(
         arch="llama" if gated else "gpt",
@@ -223,12 +209,9 @@ def model_description(
 
 @dataclass(frozen=True, slots=True)
 class Gpu:
-    """One GPU model in its usual 8-GPU server. Bandwidths are per GPU and direction, in bytes/s:
-    ``intra_node_bandwidth`` over NVLink, ``inter_node_bandwidth`` its share of the server's
-    InfiniBand. ``max_efficiency`` and ``layer_overhead_s`` shape the built-in efficiency curve
-    (``costs.efficiency``): the fraction of peak a large transformer layer reaches, and the
-    per-layer time that does not shrink with the work (kernel launches, memory-bound kernels),
-    which makes small micro-batches and thin tensor-parallel slices less efficient."""
+    """One GPU model in its usual 8-GPU server; bandwidths per GPU and direction, in bytes/s
+    (NVLink, and its share of the server's InfiniBand). ``max_efficiency`` and
+    ``layer_overhead_s`` shape the built-in efficiency curve (``costs.BuiltinCurve``)."""
 
     name: str
     peak_flops: float  # dense fp16/bf16 tensor-core FLOP/s
@@ -265,10 +248,9 @@ def get_gpu(name: str) -> Gpu:
 
 @dataclass(frozen=True, slots=True)
 class Precision:
-    """Bytes per element of what a rank keeps: weights, their gradients (megatron-core DDP's
-    gradient buffer), the optimizer's state per parameter (Adam's two moments, plus an fp32
-    master copy when the weights are 16-bit; sharded over data parallelism by the distributed
-    optimizer) and stored activations."""
+    """Bytes per element of what a rank keeps: weights, their gradients, the optimizer's state
+    per parameter (Adam's moments, plus an fp32 master copy of 16-bit weights) and stored
+    activations."""
 
     name: str
     param_bytes: int

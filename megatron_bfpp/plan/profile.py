@@ -1,18 +1,11 @@
 """A measured pipeline stage, as ``bfpp-plan profile`` writes it and ``recommend --profile``
 reads it: JSON only (a file users hand us is data), checked field by field with one-line errors.
 
-Why one stage is enough ("Re-evaluating the Memory-balanced Pipeline Parallelism: BPipe", Huang
-et al., section 4): a stage's time per micro-batch gives its efficiency at that micro-batch
-size, and the pipeline's time follows from the stage's
-and the schedule's bubble. The planner turns each measurement into an efficiency (achieved
-FLOP/s over the planning GPU's peak) at that amount of work per layer, and interpolates between
-them for other micro-batch sizes and tensor-parallel slices (``costs.ProfileCurve``).
-
-``t_host`` (optional; profiles written before it load without it): the runtime's own time per
-compute action beyond the kernels, measured apart from any schedule the planner predicts
-(``stage_timing.measure_host_time``); the planner's ``CostModel.t_host``. A profile holds no
-message time: one device has no peer to time a pipeline message to, and the planner derives it
-from the link's bandwidth and each configuration's message size instead.
+One stage is enough (the BPipe re-evaluation, section 4): its time per micro-batch gives an
+efficiency at that work per layer, interpolated for other sizes (``costs.ProfileCurve``), and
+the pipeline follows from the schedule. ``t_host`` (optional): the runtime's time per compute
+action beyond the kernels (``stage_timing.measure_host_time``). No message time: one device has
+no peer, so the planner derives it from the link's bandwidth.
 """
 
 from __future__ import annotations
@@ -154,9 +147,8 @@ def profile_from_dict(data: Any) -> StageProfile:
     rows = _field(data, "measurements", list)
     if not rows:
         raise ScheduleError("'measurements' is empty: measure at least one micro-batch size")
-    # On a CPU the deferred-GEMM machinery of a split backward can cost more than a small
-    # stage's whole backward (measured: I 6 ms against B 3 ms at hidden 64): a CPU profile tests
-    # the format, so only a GPU's halves are held to "no longer than the whole".
+    # On a CPU a split backward's machinery can outcost a small stage's whole backward, so only
+    # a GPU's halves are held to "no longer than the whole".
     cpu = data.get("device_type") == "cpu"
     measurements = tuple(
         _measurement(row, index, split_bounded=not cpu) for index, row in enumerate(rows)
@@ -191,9 +183,7 @@ def _measurement(row: Any, index: int, *, split_bounded: bool = True) -> Measure
             f"'{where}backward_input_s' and 'backward_weight_s' come together or not at all"
         )
     for key, part in (("backward_input_s", split_input), ("backward_weight_s", split_weight)):
-        # Each half of a split backward does part of the whole backward's work: one longer
-        # than the whole is a mislabelled or broken measurement, and the planner would rank
-        # split-backward schedules by it.
+        # a half longer than the whole is a broken measurement the planner would rank by
         if split_bounded and part is not None and part > backward:
             raise ScheduleError(
                 f"'{where}{key}' ({part:.6g} s) exceeds '{where}backward_s' ({backward:.6g} s): "
@@ -228,8 +218,7 @@ def _positive(data: dict[str, Any], key: str, *, where: str = "") -> int:
     return int(value)
 
 
-# A layer's forward or backward on one micro-batch: a nanosecond to a day. Outside that a number
-# is not a timing, and the planner's arithmetic on it overflows (1e308 divided by zero).
+# A timing lies between a nanosecond and a day; outside, the planner's arithmetic overflows.
 MIN_SECONDS = 1e-9
 MAX_SECONDS = 86_400.0
 
@@ -237,22 +226,16 @@ MAX_SECONDS = 86_400.0
 def _optional_seconds(row: dict[str, Any], key: str, where: str) -> float | None:
     """An optional timing (a part of the split backward, the host's time per action): zero is a
     measurement too (W too small to time, a host its kernels hide)."""
-    if row.get(key) is None:
-        return None
-    value = _field(row, key, (int, float), where=where)
-    if not math.isfinite(value) or not (value == 0 or MIN_SECONDS <= value <= MAX_SECONDS):
-        raise ScheduleError(
-            f"'{where}{key}' must be 0 or between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, "
-            f"got {value!r:.40}"
-        )
-    return float(value)
+    return None if row.get(key) is None else _seconds(row, key, where, zero=True)
 
 
-def _seconds(row: dict[str, Any], key: str, where: str) -> float:
+def _seconds(row: dict[str, Any], key: str, where: str, *, zero: bool = False) -> float:
     value = _field(row, key, (int, float), where=where)
-    if not math.isfinite(value) or not MIN_SECONDS <= value <= MAX_SECONDS:
+    timing = MIN_SECONDS <= value <= MAX_SECONDS or (zero and value == 0)
+    if not math.isfinite(value) or not timing:
+        allowed = "0 or between" if zero else "between"
         raise ScheduleError(
-            f"'{where}{key}' must be between {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, got "
+            f"'{where}{key}' must be {allowed} {MIN_SECONDS:g} and {MAX_SECONDS:g} seconds, got "
             f"{value!r:.40}"
         )
     return float(value)

@@ -1,15 +1,8 @@
 """The configuration search: every (schedule, tp, pp, vp, dp, micro-batch, recomputation) a
-cluster allows, dropped when it does not fit, ranked by the simulated step time.
-
-Why it is fast enough to run on a laptop (>= 2,000 candidates in seconds): the memory of every
-candidate comes from closed forms and one walk per distinct schedule shape (activation peaks stop
-growing with the number of micro-batches for every schedule but GPipe and breadth-first, whose
-peaks are exactly one group's micro-batches per chunk, m without groups, in closed form, so a long
-schedule is walked at a short length, ``memory_microbatches``); the step time of every candidate is
-bounded below in closed form by its busiest rank's compute; candidates are simulated in order of a
-closed-form estimate, and one whose bound cannot beat the current top ``k`` (nor, when asked, its
-schedule family's best) is never simulated.
-What is simulated is the schedule ``build_schedule`` builds, the one the runtime runs.
+cluster allows, dropped when it does not fit, ranked by the simulated step time of the schedule
+``build_schedule`` builds. It is fast because memory comes from closed forms and short walks,
+and a candidate whose closed-form lower bound cannot reach the top ``k`` is never simulated
+(docs/planner.md).
 """
 
 from __future__ import annotations
@@ -84,10 +77,9 @@ class OverBudget(ScheduleError):
 
 
 class ActionBudget:
-    """How many schedule actions (as ``registry.estimate_actions`` counts them) a search may
-    still walk for memory and simulate: ``--pipeline-schedule auto``'s bound. A count from the
-    sizes, never a clock, so every rank stops at the same candidate. Charged before the work
-    whether or not a cache would spare it, so a decision does not depend on what ran before."""
+    """How many schedule actions (``registry.estimate_actions``) a search may still walk and
+    simulate: a count, never a clock, charged whether or not a cache spares the work, so every
+    rank and every run stops at the same candidate."""
 
     __slots__ = ("limit", "spent")
 
@@ -97,17 +89,13 @@ class ActionBudget:
 
     def charge(self, *, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> None:
         """Spend a schedule's actions, or raise :class:`OverBudget` and spend nothing."""
-        self.require(
+        self.spent += self.require(
             num_ranks=num_ranks, stages_per_rank=stages_per_rank, lengths=(num_microbatches,)
         )
-        self.spent += estimate_actions(
-            num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=num_microbatches
-        )
 
-    def require(self, *, num_ranks: int, stages_per_rank: int, lengths: tuple[int, ...]) -> None:
-        """Raise :class:`OverBudget` unless schedules of ``lengths`` micro-batches fit in what is
-        left; spend nothing. A candidate whose cheapest timing cannot finish does not start it
-        (its first short simulations were charged, and their CPU spent, for nothing)."""
+    def require(self, *, num_ranks: int, stages_per_rank: int, lengths: tuple[int, ...]) -> int:
+        """The actions of schedules of ``lengths`` micro-batches; :class:`OverBudget` unless they
+        fit in what is left. Spends nothing, so a timing that cannot finish does not start."""
         actions = sum(
             estimate_actions(
                 num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=m
@@ -120,6 +108,7 @@ class ActionBudget:
                 f"pp={num_ranks} x {stages_per_rank} stage(s) per rank x {shown} "
                 f"micro-batches ({actions:,} actions) exceeds what is left of {self.limit:,}"
             )
+        return actions
 
     def part(self, most: int) -> ActionBudget:
         """A budget of at most ``most`` of what is left; its spending is added back by whoever
@@ -128,8 +117,7 @@ class ActionBudget:
 
 
 def families() -> tuple[tuple[str, str], ...]:
-    """(schedule, data-parallel sharding strategy): the families the planner compares, as the
-    catalogue declares them (``PlanGrid.shardings``), in the planners' order."""
+    """(schedule, sharding): the families the planner compares, as the catalogue declares them."""
     return tuple(
         (spec.name, sharding) for spec in planned_schedules() for sharding in spec.plan.shardings
     )
@@ -158,9 +146,8 @@ class Cluster:
 
 @dataclass(frozen=True, slots=True)
 class SearchOptions:
-    """What to search and under which assumptions. ``communication`` / ``optimizer`` /
-    ``output_layer``: include those costs (the BPipe paper's estimate, eq. 2-4, leaves all three
-    out; so can a comparison with it)."""
+    """What to search and under which assumptions; ``communication`` / ``optimizer`` /
+    ``output_layer`` off leave those costs out, as the BPipe paper's estimate does."""
 
     schedules: tuple[str, ...] = ()  # empty: every family
     recompute: tuple[str, ...] = RECOMPUTE
@@ -171,27 +158,21 @@ class SearchOptions:
     top: int = 10
     memory_fraction: float = 0.9
     precision: Precision = BF16_MIXED
-    # megatron-core's distributed optimizer shards its state over data parallelism; without it
-    # (Megatron-LM without --use-distributed-optimizer) every rank holds all of it.
+    # off: Megatron-LM without --use-distributed-optimizer, every rank holds all optimizer state
     distributed_optimizer: bool = True
     efficiency: Efficiency | None = None
     communication: bool = True
     optimizer: bool = True
     output_layer: bool = True
     best_per_family: bool = False  # also find each family's best (the plot, comparisons)
-    # Megatron-LM's --sequence-parallel with tp > 1 (today's default); off: plain tensor
-    # parallelism, as the breadth-first and BPipe papers ran it in 2022
+    # Megatron-LM's --sequence-parallel with tp > 1; off: plain tensor parallelism (2022 papers)
     sequence_parallel: bool = True
     p2p_model: str = DEFAULT_P2P_MODEL  # how the simulator times messages (sim.P2P_MODELS)
-    # 1f1b / interleaved rows stand for Megatron's own schedules, timed by megatron-core's own
-    # posting (p2p model "megatron") whenever the others are by our runtime's (lockstep)
+    # 1f1b / interleaved rows timed by megatron-core's own posting when the others are lockstep
     megatron_baselines: bool = True
-    # Megatron-LM's --overlap-p2p-communication for its interleaved rows (its default); off:
-    # every p2p call batched and waited at once, as Megatron-LM ran in 2022 (which needs pp > 2)
+    # Megatron-LM's --overlap-p2p-communication for interleaved; off: batched (needs pp > 2)
     megatron_p2p_overlap: bool = True
-    # Megatron-LM's --overlap-grad-reduce for its rows (as it runs with the distributed
-    # optimizer): each chunk's reduction started where megatron-core DDP starts it; off: all in
-    # finalize_model_grads at the step's end (sim.MEGATRON_GRAD_REDUCE)
+    # Megatron-LM's --overlap-grad-reduce for its rows; off: all at the step's end
     megatron_overlap_grad_reduce: bool = True
 
 
@@ -285,8 +266,7 @@ class SearchResult:
 
 
 def _divisors(n: int) -> list[int]:
-    """In O(sqrt(n)) steps (the command line bounds n): every integer up to n took minutes for
-    --num-gpus 1000000000000."""
+    """In O(sqrt(n)) steps, since the command line allows a huge n."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)})
 
@@ -294,18 +274,13 @@ def _divisors(n: int) -> list[int]:
 def candidates(
     *, model: Model, cluster: Cluster, global_batch_size: int, options: SearchOptions
 ) -> Iterator[Candidate]:
-    """Every configuration the shapes allow: tp divides the heads, the query groups and the FFN
-    and stays in a node; the layers split evenly over pp x stages per rank; the global batch over
-    dp x micro-batch; interleaved needs a multiple of pp micro-batches (Megatron's rule);
-    sharded parameters need dp > 1; one pipeline rank only as 1F1B, i.e. plain data parallelism
-    (Megatron's default schedule: the plugin's schedules need pp >= 2)."""
+    """Every configuration the shapes allow: tp divides heads, query groups and FFN within a
+    node; layers split evenly over pp; the batch over dp x micro-batch; sharding needs dp > 1;
+    pp 1 only as 1F1B (plain data parallelism)."""
     searched = [f for f in families() if not options.schedules or f[0] in options.schedules]
     n = cluster.num_gpus
-    tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
-    for tp in tps:
-        if n % tp or model.num_attention_heads % tp or model.num_query_groups % tp:
-            continue
-        if model.ffn_hidden_size % tp:
+    for tp in _tensor_sizes(model, cluster, options)[1]:
+        if n % tp:
             continue
         for pp in options.pipeline_parallel or _divisors(n // tp):
             if (n // tp) % pp or model.num_layers % pp:
@@ -330,6 +305,15 @@ def candidates(
                 )
 
 
+def _tensor_sizes(
+    model: Model, cluster: Cluster, options: SearchOptions
+) -> tuple[tuple[int, ...], list[int]]:
+    """The tensor-parallel sizes searched, and those dividing the heads, query groups and FFN."""
+    tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
+    dims = (model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size)
+    return tps, [t for t in tps if not any(d % t for d in dims)]
+
+
 def _schedule_candidates(
     schedule: str,
     sharding: str,
@@ -341,8 +325,7 @@ def _schedule_candidates(
     layers_per_rank: int,
     options: SearchOptions,
 ) -> Iterator[Candidate]:
-    """One family's candidates on one (tp, pp, dp): the grid its catalogue entry declares
-    (virtual stages, micro-batch rule, option grid) over micro-batch sizes and recomputation."""
+    """One family's candidates on one (tp, pp, dp): the grid its catalogue entry declares."""
     spec = get_spec(schedule)
     vps, _ = spec.planned_stages(layers_per_rank, max_chunks=options.max_chunks)
     for vp in vps:
@@ -376,10 +359,8 @@ def _schedule_candidates(
 
 
 def memory_microbatches(schedule: str, pp: int, vp: int, m: int) -> int:
-    """How many micro-batches to walk for ``schedule``'s activation peaks at m: they stop growing
-    by 2pp for 1F1B, BPipe, interleaved and the V-shapes (measured over pp <= 16, vp <= 8), so 3pp
-    (a multiple of pp, as interleaved needs) or m if smaller. tests/unit/test_plan_search.py
-    checks that walking this many gives the peaks of walking m."""
+    """How many micro-batches to walk for ``schedule``'s activation peaks at m: they stop
+    growing by 2pp (tests/unit/test_plan_search.py), so 3pp, a multiple of pp, or m if smaller."""
     return min(m, 3 * pp)
 
 
@@ -403,13 +384,9 @@ def _points(
 def _group_points(
     schedule: str, pp: int, vp: int, m: int, group: int | None, budget: ActionBudget | None
 ) -> PeakPoints:
-    """GPipe's and breadth-first's peaks in closed form: every forward of a group (all m
-    micro-batches without groups) runs before any of its backwards, and a rank starts a group
-    only when the one before is freed, so each rank's one Pareto point is the first (largest)
-    group's micro-batches of each of its chunks, counted on the first stage at rank 0 and on the
-    last at rank pp - 1 (``peak_points`` of the generator's schedule: tests/unit/
-    test_plan_search.py). A grouped schedule is still charged to ``budget`` as the walk of its
-    first group that this replaces (so ``--pipeline-schedule auto`` decides as it did)."""
+    """GPipe's and breadth-first's peaks in closed form: all forwards of a group run before its
+    backwards, so each rank holds the first group's micro-batches on each chunk. A grouped
+    schedule is still charged to ``budget`` as the walk this replaces, so decisions stay."""
     held = m if group is None else min(m, group)
     if group is not None and budget is not None:
         length = min(m, max(memory_microbatches(schedule, pp, vp, m), group))
@@ -424,9 +401,8 @@ def _group_points(
 def _walked_points(
     schedule: str, pp: int, vp: int, m: int, group: int | None, max_stored: int | None = None
 ) -> PeakPoints:
-    """The compute order straight from the catalogue's generator: the memory walk needs no
-    messages, and ``build_schedule``'s validation of these generators is the tests' job (here it
-    would double the walk's cost)."""
+    """The compute order straight from the catalogue's generator: the walk needs no messages,
+    and validating the generators is the tests' job."""
     spec = get_spec(schedule)
     chunks = spec.chunks_for(None if spec.placement is Placement.SINGLE else vp)
     kwargs: dict[str, int] = {} if chunks is None else {"num_chunks": chunks}
@@ -437,7 +413,8 @@ def _walked_points(
     return peak_points(spec.generator(num_ranks=pp, num_microbatches=m, **kwargs))
 
 
-def _build(
+@lru_cache(maxsize=256)
+def _schedule(
     schedule: str,
     pp: int,
     vp: int,
@@ -477,10 +454,8 @@ def rank_parameters_of(
 
 def sharded_walk_length(m: int, group: int | None) -> int:
     """Micro-batches of the short breadth-first schedule (groups of one) whose fully sharded
-    walk holds the chunks ``m`` micro-batches in groups of ``group`` hold: which chunks are
-    whole at once depends on the order of the chunks' runs, not on how many micro-batches a
-    run has, and the first, a middle and the last group are all the groups there are.
-    tests/unit/test_plan_search.py checks it against the full walks."""
+    walk holds the chunks ``m`` in groups of ``group`` hold: only the order of the groups
+    matters, and a first, a middle and a last group are all there are."""
     return min(-(-m // (group or m)), 3)
 
 
@@ -518,8 +493,7 @@ def _weights(
     """(parameters, gradients, optimizer) bytes of each pipeline rank (``distributed``: the
     optimizer's state sharded over dp); fully sharded, the full buffers the schedule walk holds
     at once on top of the shards."""
-    placement = get_spec(c.schedule).placement
-    counts = _rank_parameters(model, c.tp, c.pp, c.vp, placement)
+    counts = rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp)
     if c.sharding != "optim_grads_params":
         dp = c.dp if distributed else 1
         return [weights_bytes(n, dp=dp, precision=precision, sharded=False) for n in counts]
@@ -585,8 +559,7 @@ def _cost_model(times: StageTimes) -> CostModel:
     return CostModel(
         t_forward=ns(times.forward),
         t_backward=backward,
-        # W runs all the weight GEMMs I deferred (runtime/deferred_wgrad.py, megatron-core's
-        # local linear layers; Transformer Engine's stay in I, which this planner does not model).
+        # W runs the weight GEMMs I deferred (runtime/deferred_wgrad.py)
         t_weight=min(ns(times.weight), backward),
         t_p2p=ns(times.p2p),
         t_grad_reduce=ns(times.grad_reduce),
@@ -594,19 +567,6 @@ def _cost_model(times: StageTimes) -> CostModel:
         t_evict=ns(times.evict),
         t_host=ns(times.host),
     )
-
-
-@lru_cache(maxsize=256)
-def _schedule(
-    schedule: str,
-    pp: int,
-    vp: int,
-    m: int,
-    sharding: str,
-    group: int | None,
-    max_stored: int | None = None,
-) -> Schedule:
-    return _build(schedule, pp, vp, m, sharding, group, max_stored)
 
 
 def _simulated_ns(
@@ -618,23 +578,10 @@ def _simulated_ns(
     budget: ActionBudget | None = None,
 ) -> tuple[float, float]:
     """(step time, bubble fraction) of ``c`` at m micro-batches, in the simulator's ns, by the
-    p2p model ``p2p`` (and, for a megatron model, ``grad_reduce``: sim.MEGATRON_GRAD_REDUCE).
-
-    Long schedules repeat a steady state: when three lengths p apart (congruent to m mod p, from
-    about p, else from about 2p; else 2p apart) give step times on one line, exactly (integer
-    durations), the step at m lies on it too (to float rounding), and only those short schedules
-    are simulated, each length once (the attempts share lengths); otherwise the whole schedule
-    is, up to ``EXACT_UP_TO`` periods. Past that (BPipe's lock-step posting: its evictions
-    wander against the ticks, so its steps are on no exact line) the step is read off the line
-    through two lengths ``_APPROX_SPAN`` periods apart, past the fill (``_approximate``): within
-    0.16% of the full simulation on 60 BPipe layouts and exact on 12 of V-Half under gloo, the
-    two the searches reach it with (scripts/bench_extrapolation.py), where a full simulation of
-    thousands of micro-batches took most of a minute's search. tests/unit/test_plan_search.py
-    checks both against full simulations. (Not more attempts: three lengths on a line at 4p-6p
-    can still bend at 7p, when the data-parallel collectives come to bind.) A schedule no longer
-    than attempt 1's three lengths together (m <= 6p + 3r, r = m mod p) is simulated whole at
-    once: as exact, and no dearer even where the line holds (recommend 52B / 64 V100 at global
-    batch 64: 4.5 -> 2.7 s of CPU).
+    p2p model ``p2p`` (and ``grad_reduce`` for a megatron one). Long schedules repeat a steady
+    state: when three short lengths give step times on one exact line, the step at m is read
+    off it; otherwise the whole schedule is simulated, up to ``EXACT_UP_TO`` periods, and past
+    that read off an approximate line (``_approximate``); docs/planner.md has the figures.
     """
     # A breadth-first group of g micro-batches repeats every g (the planner's g is pp).
     p = c.pp if c.group_size is None else max(c.pp, c.group_size)
@@ -646,8 +593,6 @@ def _simulated_ns(
         return steps[length]
 
     attempts = steady_lengths(m, p)  # bfpp-sim's (sim.simulate_steady), congruent to m
-    # The whole schedule when it is no longer than attempt 1's three lengths together: as
-    # exact, and no dearer even when the line holds.
     whole = not attempts or m <= sum(attempts[0])
     if budget is not None:  # the cheapest timing: attempt 1's three lengths, else the whole
         cheapest = (m,) if whole else attempts[0]
@@ -659,8 +604,7 @@ def _simulated_ns(
         # share (1/vp of a full stage) makes the simulator's sums inexact.
         if abs(line[2] - line[1] - slope) <= 1e-9 * line[2]:
             step = line[0] + (m - lengths[0]) // (lengths[1] - lengths[0]) * slope
-            busy = _busy(c, m, costs)
-            return step, (step - busy) / step if step > 0 else 0.0
+            return _with_bubble(c, m, costs, step)
     if m > EXACT_UP_TO * p:
         return _approximate(c, m, costs, p2p, grad_reduce, p, budget)
     result = _step(c, m, costs, p2p, grad_reduce, budget)
@@ -704,15 +648,15 @@ def _approximate(
         _step(c, length, costs, p2p, grad_reduce, budget).step_time for length in (first, last)
     ]
     step = steps[1] + (m - last) * (steps[1] - steps[0]) / (last - first)
-    busy = _busy(c, m, costs)
-    return step, (step - busy) / step if step > 0 else 0.0
+    return _with_bubble(c, m, costs, step)
 
 
-def _busy(c: Candidate, m: int, costs: CostModel) -> float:
-    """A rank's compute in a step of m micro-batches: m full stages of forward and backward,
-    and the host's time of each of its compute actions (F and B, or F, I and W, per chunk)."""
+def _with_bubble(c: Candidate, m: int, costs: CostModel, step: float) -> tuple[float, float]:
+    """(step, bubble fraction): the share of the step a rank is not busy with its m micro-batches'
+    full stages and the host's time of each compute action (F and B, or F, I and W, per chunk)."""
     actions = 3 if get_spec(c.schedule).split_backward else 2
-    return m * (costs.t_forward + costs.t_backward + actions * c.vp * costs.t_host)
+    busy = m * (costs.t_forward + costs.t_backward + actions * c.vp * costs.t_host)
+    return step, (step - busy) / step if step > 0 else 0.0
 
 
 MEGATRON_SCHEDULES = frozenset({"1f1b", "interleaved"})  # what Megatron-LM itself runs
@@ -720,8 +664,7 @@ MEGATRON_SCHEDULES = frozenset({"1f1b", "interleaved"})  # what Megatron-LM itse
 
 def p2p_model_of(candidate: Candidate, options: SearchOptions) -> str:
     """The p2p timing model of one row: megatron-core's own posting for a Megatron baseline
-    (``SearchOptions.megatron_baselines``) when the search times our runtime's, else the
-    search's."""
+    when the search times our runtime's, else the search's."""
     if (
         options.megatron_baselines
         and options.p2p_model == DEFAULT_P2P_MODEL
@@ -733,9 +676,7 @@ def p2p_model_of(candidate: Candidate, options: SearchOptions) -> str:
 
 
 def grad_reduce_of(p2p: str, options: SearchOptions) -> str | None:
-    """How a row timed by ``p2p`` starts its gradient reductions: Megatron-LM's setting
-    (``SearchOptions.megatron_overlap_grad_reduce``) for a megatron row, else None (the
-    schedule's GS)."""
+    """How a megatron row starts its gradient reductions; None (the schedule's GS) for others."""
     if not p2p.startswith("megatron"):
         return None
     return "overlap" if options.megatron_overlap_grad_reduce else "at-end"
@@ -834,16 +775,13 @@ def _timing(
     # paying the host's time per action.
     busy = m * (times.forward + times.backward + 2 * c.vp * times.host)
     extra = m * times.output + times.optimizer
-    # No schedule beats this: the last rank starts after the first micro-batch's forward has
-    # crossed the p-1 stages before it, then computes its m full stages; with whole backwards
-    # (every family but the split V-shapes) its last backward's gradient still crosses p-1
-    # stages to rank 0. (Each stage holds 1/vp of a full stage.)
+    # No schedule beats this: the last rank waits for the first forward to cross p-1 stages;
+    # with whole backwards (all but the V-shapes) the last gradient crosses them back.
     hops = c.pp - 1
     fill = hops * (times.forward / c.vp + times.host + times.p2p)
     if get_spec(c.schedule).placement is not Placement.V_SHAPE:
         fill += hops * (times.backward / c.vp + times.host + times.p2p)
-    # Order of simulation: the bound (with the fill) plus the data-parallel collectives, which
-    # breadth-first mostly hides and depth-first schedules mostly expose.
+    # Order of simulation: the bound plus the data-parallel collectives.
     estimate = busy + fill + extra + c.vp * (times.grad_reduce + times.param_gather)
     # Grouped breadth-first's rank 0 also idles at every group's turn (``_group_idle``).
     lower = busy + max(fill, _group_idle(c, m, times) if grouped else 0.0) + extra
@@ -851,13 +789,9 @@ def _timing(
 
 
 def _group_idle(c: Candidate, m: int, times: StageTimes) -> float:
-    """Rank 0's idle time that grouped breadth-first cannot avoid: in each group, between
-    rank 0's forward of the group's first micro-batch on its last chunk and that chunk's
-    backward of it, the micro-batch crosses the p - 1 later stages forward and back (at least
-    a stage's forward and backward each), while rank 0 has only the group's g - 1 other
-    forwards of that chunk to run (each at most a stage's forward and the host's time): every
-    group pays a pipeline's fill and drain the closed-form bound above leaves out. 0 for other
-    schedules."""
+    """Rank 0's idle time that grouped breadth-first cannot avoid: each group's first
+    micro-batch crosses the p - 1 later stages and back while rank 0 has only the group's
+    g - 1 other forwards to run. 0 for other schedules."""
     if c.schedule != "breadth-first" or c.group_size is None:
         return 0.0
     forward, backward = times.forward / c.vp, times.backward / c.vp
@@ -908,11 +842,8 @@ def lower_bound_of(
     grouped: bool = True,
 ) -> float:
     """Seconds no schedule of ``candidate``'s shape can beat (:func:`recommend`'s pruning
-    bound: the busiest rank's compute after the first micro-batch's fill, or grouped
-    breadth-first's rank 0 after its idle at every group's turn), in closed form: nothing is
-    walked or simulated. ``grouped=False``: the fill alone (``--pipeline-schedule auto`` times
-    its candidates in that order, so that its action budget reaches the candidates it did
-    before the groups' idle was counted)."""
+    bound), in closed form. ``grouped=False``: without breadth-first's group idle, the order
+    ``--pipeline-schedule auto`` times in, so its action budget reaches the same candidates."""
     m = global_batch_size // (candidate.dp * candidate.micro_batch_size)
     _, lower, _ = _timing(
         candidate,
@@ -935,9 +866,8 @@ def memory_of(
     options: SearchOptions = SearchOptions(),
     budget: ActionBudget | None = None,
 ) -> MemoryBreakdown:
-    """The busiest pipeline rank's bytes per GPU for ``candidate``: the memory filter of
-    :func:`recommend`, without timing (a closed form and one cached walk of the schedule,
-    charged to ``budget``)."""
+    """The busiest pipeline rank's bytes per GPU for ``candidate``: :func:`recommend`'s memory
+    filter, without timing; its walk charged to ``budget``."""
     m = global_batch_size // (candidate.dp * candidate.micro_batch_size)
     weights = _weights(candidate, m, model, options.precision, options.distributed_optimizer)
     return _memory(candidate, m, model, options.precision, weights, budget)[0]
@@ -1019,17 +949,10 @@ def recommend(
 def no_candidates_reason(
     *, model: Model, cluster: Cluster, global_batch_size: int, options: SearchOptions
 ) -> str:
-    """Why :func:`candidates` yields nothing, and the nearest GPU counts for which it yields
-    something: an empty search is not a memory problem (more or larger GPUs of the same count
-    would not help), but a count that tp x pp x dp cannot make for this model and batch."""
+    """Why :func:`candidates` yields nothing (a GPU count tp x pp x dp cannot make, not a
+    memory problem), and the nearest GPU counts for which it yields something."""
     n = cluster.num_gpus
-    tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
-    shaped = [
-        t
-        for t in tps
-        if not (model.num_attention_heads % t or model.num_query_groups % t)
-        and not model.ffn_hidden_size % t
-    ]
+    tps, shaped = _tensor_sizes(model, cluster, options)
     splits = [
         (t, p)
         for t in shaped
@@ -1081,9 +1004,8 @@ def _nearest_searchable(
     options: SearchOptions,
     tensor_sizes: list[int],
 ) -> tuple[int | None, int | None]:
-    """The nearest GPU counts below and above ``cluster.num_gpus`` with a candidate. A count
-    with one is tp x pp x dp with pp dividing the layers and dp the global batch, so those
-    products are all there is to try (a few hundred), nearest first."""
+    """The nearest GPU counts below and above ``cluster.num_gpus`` with a candidate, tried
+    among the products tp x pp x dp with pp dividing the layers and dp the batch."""
     gpn = cluster.gpus_per_node
     pps = options.pipeline_parallel or _divisors(model.num_layers)
     counts = {
