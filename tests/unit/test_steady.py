@@ -34,7 +34,7 @@ def any_size(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_lengths_are_congruent_to_m_and_shorter() -> None:
-    assert steady_lengths(100, 8) == ((12, 20, 28), (20, 28, 36), (20, 36, 52))
+    assert steady_lengths(100, 8) == ((12, 20, 28), (20, 28, 36), (28, 36, 44), (20, 36, 52))
     assert steady_lengths(20, 8) == ()  # too short for three lengths a period apart
     for m in range(1, 200):
         for lengths in steady_lengths(m, 8):
@@ -84,12 +84,12 @@ def test_message_bound_steps_need_a_fourth_length(any_size: None) -> None:
 
 def test_steps_off_a_line_are_timed_whole(any_size: None) -> None:
     """Shorter steps that are not on one line leave the step to be timed whole (here every
-    length past 8 gets one micro-batch more, so no three of them are a period apart)."""
+    length past 8 gets micro-batches more, quadratically many, so no three lie on a line)."""
     build = _builder("gpipe", 4)
     schedule = build(40)
 
     def bent(m: int):
-        return build(m if m <= 8 else m + 1)
+        return build(m if m <= 8 else m + (m - 8) ** 2 // 16)
 
     steady = simulate_steady(schedule, CostModel(), shorter=bent, period=4)
     assert steady.steady_from == ()
