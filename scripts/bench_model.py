@@ -8,7 +8,8 @@ process:
 * ``bfpp-sim`` at pp 64, vp 4, m 1,024 under the default timing model (lock-step), in-process
   (``cli.sim.main`` with ``--json``) and as a command;
 * the NCCL proof (``validate_schedule`` with ``nccl=True``) at that size;
-* ``bfpp-plan recommend`` for GPT-3 52B on 64 x V100 at global batch 16, 64, 1,024 and 8,192.
+* ``bfpp-plan recommend`` for GPT-3 52B on 64 x V100 at global batch 16, 64, 1,024 and 8,192;
+* the floor under bfpp-sim's figure: building the full step and its gloo checks, per action.
 
 Targets (issue 41): bfpp-sim under 1 s in-process and 1.5 s as a command; the proof under 2 s;
 recommend under 10 s. Wall time is printed too, but the machines this runs on are shared: read
@@ -26,6 +27,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 SIM = ["--pp", "64", "--microbatches", "1024", "--json"]
 SIM_CASES = {"breadth-first": ["--vp", "4"], "interleaved": ["--vp", "4"], "v-zb": [], "bpipe": []}
@@ -39,6 +41,18 @@ if kind == "sim":
     from megatron_bfpp.cli.sim import main
 elif kind == "plan":
     from megatron_bfpp.cli.plan import main
+elif kind == "floor":  # what bfpp-sim pays before it times anything: build and gloo checks
+    from megatron_bfpp.schedules.registry import build_schedule
+    from megatron_bfpp.validate import validate_schedule
+    name, chunks = args[0], args[1]
+    cpu = time.process_time()
+    schedule = build_schedule(name, num_ranks=64, num_microbatches=1024, num_chunks=chunks,
+                              validate=False)
+    built = time.process_time()
+    validate_schedule(schedule, nccl=False)
+    print(json.dumps({"actions": schedule.num_actions, "build": built - cpu,
+                      "validate": time.process_time() - built}))
+    sys.exit()
 else:
     from megatron_bfpp.schedules.registry import build_schedule
     from megatron_bfpp.validate import validate_schedule
@@ -53,7 +67,7 @@ print(json.dumps({"cpu": time.process_time() - cpu, "wall": time.perf_counter() 
 """
 
 
-def in_process(kind: str, args: list[str]) -> dict[str, float]:
+def in_process(kind: str, args: Sequence[object]) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, "-c", CHILD, kind, json.dumps(args)],
         capture_output=True,
@@ -92,6 +106,16 @@ def main() -> None:
         command = [sys.executable, "-m", "megatron_bfpp.cli.sim", *sim]
         row(f"bfpp-sim {name} (command)", as_command(command), 1.5)
     if not args.quick:
+        print("\nfloor (bfpp-sim builds and checks the full step before timing it):")
+        for name in sims:
+            chunks = int(SIM_CASES[name][1]) if SIM_CASES[name] else None
+            f = in_process("floor", [name, chunks])
+            per = 1e6 * (f["build"] + f["validate"]) / f["actions"]
+            print(
+                f"  {name:<14} {f['actions']:>9,} actions: build {f['build']:.2f} s, gloo "
+                f"checks {f['validate']:.2f} s ({per:.1f} us per action)"
+            )
+        print()
         for name in ("breadth-first", "interleaved"):
             row(f"NCCL proof {name} (in-process)", in_process("proof", [name]), 2.0)
     for batch in batches:
