@@ -1,26 +1,11 @@
 """The activations a rank stores between a micro-batch's forward and its backward.
 
-BPipe ships a micro-batch's stored activations to the partner and back, and memory accounting
-counts the bytes a rank holds: both need exactly the tensors autograd keeps per (stage,
-micro-batch), so each forward runs under the ``saved_tensors_hooks`` of
-:meth:`ActivationStore.capture`:
-
-* the pack hook wraps each saved tensor in a :class:`_Saved` handle, except parameters, module
-  buffers and tensors aliasing their storage (they stay put), tensors of another device (already
-  offloaded) and tensor subclasses (FP8 and other wrappers pass untouched);
-* autograd owns the handles and frees each after its node ran, as it would the tensor, so
-  capturing costs no memory (the store keeps weak references only);
-* hooks nest as PyTorch nests them: hooks entered *inside* the forward (recomputation's inner
-  forward, Transformer Engine's CPU offload, ``save_on_cpu``) take precedence, and what they hand
-  back is saved through ours only if it is itself a tensor saved in our scope.
-
-:meth:`ActivationStore.evict` copies the distinct storages behind a micro-batch's live handles,
-plus the stage's input (and output, when megatron-core does not deallocate outputs), into one
-byte buffer and drops every local reference (pipeline tensors get empty ``.data``, keeping their
-autograd identity); :meth:`restore` rebuilds each tensor as a view of the returned buffer with its
-dtype, shape, strides and offset, so aliasing survives. Metadata is read at eviction, not at
+Each forward runs under :meth:`ActivationStore.capture`'s ``saved_tensors_hooks``, so BPipe ships,
+and the accounting counts, exactly what autograd keeps per (stage, micro-batch): autograd owns the
+handles (the store keeps weak references, so capturing costs no memory); parameters, buffers,
+tensors of another device and tensor subclasses stay put. Metadata is read at eviction, not at
 pack, because megatron-core's recomputation may replace a saved tensor's data after saving it
-(``distribute_saved_activations``).
+(docs/design-notes.md, "BPipe runtime").
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,18 +222,31 @@ def plan_schedule(
 
 def _run_step(func: ForwardBackwardFunc, call: Call) -> list[Any]:
     """One step, in its five jobs: read the call, fix the schedule, prepare sharded parameters,
-    run this rank's program, finish the gradients."""
+    run this rank's program (with what every action handler reads), finish the gradients."""
     from megatron.core.pipeline_parallel.schedules import (
         clear_embedding_activation_buffer,
         finish_embedding_wgrad_compute,
     )
     from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+    from megatron.core.utils import get_model_type
 
     chunks, iterators, config, groups = _step_inputs(call)
     plan = _step_schedule(func, call, chunks, config, groups.pp)
     schedule = plan.schedule
     sharded = _step_sharding(func, call, chunks, config, groups)
-    ctx = _step_context(func, call, chunks, iterators, config, groups, sharded)
+    shape = _message_shape(call, config, groups)
+    device = next(chunks[0].parameters()).device
+    ctx = StepContext(
+        call=call,
+        data_iterators=iterators,
+        model=chunks,
+        config=config,
+        model_type=get_model_type(chunks[0]),
+        cp_group_size=groups.cp.size(),
+        comm=PipeComm(group=groups.pp, shape=shape, dtype=config.pipeline_dtype, device=device),
+        measure_memory=func.measure_memory,
+        sharded=sharded,
+    )
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
     finalize = config.finalize_model_grads_func is not None and not call.forward_only
@@ -306,40 +318,6 @@ def _step_sharding(
         _check_sharded_finalize(config)
         sharded.prepare_step(config, groups)
     return sharded
-
-
-def _step_context(
-    func: ForwardBackwardFunc,
-    call: Call,
-    chunks: list[Any],
-    iterators: list[Any],
-    config: Any,
-    groups: Any,
-    sharded: Any,
-) -> StepContext:
-    """What every action handler of this step reads: the call, the pipe, the model."""
-    from megatron.core.utils import get_model_type
-
-    shape = _message_shape(
-        call.seq_length,
-        call.micro_batch_size,
-        call.decoder_seq_length,
-        config,
-        groups,
-        call.adjust_tensor_shapes_fn,
-    )
-    device = next(chunks[0].parameters()).device
-    return StepContext(
-        call=call,
-        data_iterators=iterators,
-        model=chunks,
-        config=config,
-        model_type=get_model_type(chunks[0]),
-        cp_group_size=groups.cp.size(),
-        comm=PipeComm(group=groups.pp, shape=shape, dtype=config.pipeline_dtype, device=device),
-        measure_memory=func.measure_memory,
-        sharded=sharded,
-    )
 
 
 def _finish_grads(
@@ -445,11 +423,8 @@ def _check_sharded_finalize(config: Any) -> None:
 def _check_fits(schedule: Schedule, num_ranks: int, num_chunks: int, num_microbatches: int) -> None:
     """A prebuilt schedule fits the call's layout, or one line says what differs."""
     chunks = len(schedule.layout.stages_of(0))
-    if (schedule.num_ranks, chunks, schedule.num_microbatches) != (
-        num_ranks,
-        num_chunks,
-        num_microbatches,
-    ):
+    wanted = (schedule.num_ranks, chunks, schedule.num_microbatches)
+    if wanted != (num_ranks, num_chunks, num_microbatches):
         raise ScheduleError(
             f"schedule {schedule.name!r} is for pp={schedule.num_ranks}, {chunks} chunk(s) per "
             f"rank, {schedule.num_microbatches} micro-batches; this call has pp={num_ranks}, "
@@ -505,22 +480,15 @@ def _resolve_groups(p2p_communicator: Any, pg_collection: Any) -> Any:
     )
 
 
-def _message_shape(
-    seq_length: int,
-    micro_batch_size: int,
-    decoder_seq_length: int | None,
-    config: Any,
-    groups: Any,
-    adjust_tensor_shapes_fn: Callable[..., Any] | None,
-) -> tuple[int, ...]:
+def _message_shape(call: Call, config: Any, groups: Any) -> tuple[int, ...]:
     """megatron-core's get_tensor_shapes: (seq / cp [/ tp with sequence parallel], mbs, hidden)."""
-    length = decoder_seq_length if decoder_seq_length is not None else seq_length
+    length = call.seq_length if call.decoder_seq_length is None else call.decoder_seq_length
     length //= groups.cp.size()
     if config.sequence_parallel:
         length //= groups.tp.size()
-    shape = (length, micro_batch_size, config.hidden_size)
-    if adjust_tensor_shapes_fn is not None:
-        recv, send = adjust_tensor_shapes_fn([shape], [shape])
+    shape = (length, call.micro_batch_size, config.hidden_size)
+    if call.adjust_tensor_shapes_fn is not None:
+        recv, send = call.adjust_tensor_shapes_fn([shape], [shape])
         if len(recv) != 1 or len(send) != 1 or tuple(recv[0]) != tuple(send[0]):
             raise NotImplementedError(
                 "megatron_bfpp schedules send one tensor of one shape between stages; "

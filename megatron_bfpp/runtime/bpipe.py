@@ -1,14 +1,10 @@
 """BPipe's transfers on the runtime: a micro-batch's stored activations go to the partner rank
 and come back before its backward.
 
-The evictor's EV packs them (runtime.activations) into one buffer and sends its size; the
-acceptor's AC posts the size's receive, its RS sends the payload back (waiting for it first), and
-the evictor's LD posts the receive the backward waits for before rebuilding its tensors. The
-payload travels in a batch of its own right after the size's, in the same tick (the *rest*
-handlers ``evict_rest``, ``accept_rest``; the acceptor's after reading the size); it, RS and LD go
-on the partners' own group (``p2p.pair_group``) so transfers do not hold pipeline messages. The
-four kinds and two rests register in the dispatch table with :class:`Transfers`, the per-step
-part through which alone the core knows BPipe.
+EV packs them (runtime.activations) and sends their size, AC receives it, RS sends the payload
+back, LD posts its receive; the payloads travel in a batch of their own right after the size's
+(the *rest* handlers), on the partners' own group (``p2p.pair_group``). :class:`Transfers` is the
+per-step part through which alone the core knows BPipe.
 """
 
 from __future__ import annotations

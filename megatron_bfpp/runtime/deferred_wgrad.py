@@ -1,22 +1,11 @@
 """Deferred weight gradients: the cheap split backward on megatron-core's own linear layers.
 
-Zero-bubble's saving is that ``I`` computes only what the previous stage waits for and ``W``,
-later in a bubble, the weight-gradient GEMMs. Re-running autograd from a kept graph cannot do
-that exactly on megatron-core (its vocab-parallel cross entropy rewrites its saved softmax in its
-backward), so the cut is at the weight GEMMs: during a split schedule, local
-``ColumnParallelLinear`` / ``RowParallelLinear`` layers go through :class:`_DeferredLinear`,
-whose forward *is* megatron-core's and whose backward computes the input gradient (and its
-tensor-parallel all-reduce or reduce-scatter) with megatron-core's operations and files the weight
-and bias gradients as a :class:`_Deferred` under the running ``I``'s micro-batch. ``W`` computes
-them with megatron-core's own operations (same GEMM, fused ``main_grad`` accumulation on GPU)
-inside the backward of one autograd Function over the parameters (:class:`_WeightGradients`), so
-DDP's hooks run as after a whole backward and each gradient is moved into ``.grad``, not copied:
-the same gradients in 1F1B's micro-batch order, bit-identical.
-
-Everything else stays in ``I`` (layer norms, embeddings, attention, the loss), as do Transformer
-Engine layers, frozen weights, weights sharded by Megatron-FSDP or 0.19's weight-sharded tensor
-parallelism, and layers deferring their own GEMM (``defer_embedding_wgrad_compute``). A backward
-outside an ``I`` (a ``B``, or a caller's own) computes everything at once.
+During a split schedule, local ``ColumnParallelLinear`` / ``RowParallelLinear`` layers go through
+:class:`_DeferredLinear` (megatron-core's forward; a backward computing the input gradient and
+filing the weight GEMM under the running ``I``); ``W`` computes those inside one autograd
+Function's backward (:class:`_WeightGradients`), so gradients are moved, not copied, into
+``.grad`` in 1F1B's order: bit-identical. Everything else (Transformer Engine layers too) stays in
+``I``; why the cut is at the GEMMs: docs/design-notes.md, "Split backward (I and W) at runtime".
 """
 
 from __future__ import annotations
