@@ -155,7 +155,11 @@ class ActivationStore:
                 int(tensor.storage_offset()),
             )
             views.append((target, view))
-        offsets, nbytes = _layout(storage.nbytes() for storage in storages)
+        offsets: list[int] = []  # each storage's aligned start in the payload
+        nbytes = 0
+        for storage in storages:
+            offsets.append(-(-nbytes // ALIGNMENT) * ALIGNMENT)
+            nbytes = offsets[-1] + storage.nbytes()
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         for storage, offset in zip(storages, offsets, strict=True):
             source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
@@ -189,17 +193,6 @@ class ActivationStore:
                 target.tensor = rebuilt
             else:
                 target.data = rebuilt
-
-
-def _layout(sizes: Iterable[int]) -> tuple[list[int], int]:
-    """Aligned byte offsets of consecutive storages, and the bytes they span."""
-    offsets: list[int] = []
-    end = 0
-    for size in sizes:
-        start = -(-end // ALIGNMENT) * ALIGNMENT
-        offsets.append(start)
-        end = start + size
-    return offsets, end
 
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -58,15 +58,12 @@ def get_forward_backward_func(
     :class:`ForwardBackwardFunc`, ``help(fn)``).
 
     ``schedule`` is a registry name (``megatron_bfpp.schedule_names()``) or a lowered
-    :class:`~megatron_bfpp.ir.Schedule` (checked as :func:`_prebuilt` says). ``options`` are the
-    schedule's own (``microbatch_group_size`` for interleaved, ``group_size`` for breadth-first,
-    ``max_stored`` for bpipe). Unknown names and options fail here in one line, before any message.
-
-    ``data_parallel_sharding_strategy`` is Megatron's: ``optim`` (default) or
-    ``optim_grads_params``, parameters sharded over the data-parallel group and gathered per chunk
-    where the schedule says (runtime.sharding: needs DDP chunks built for the distributed optimizer,
-    several chunks per rank and dp > 1); then step through :func:`sharded_optimizer_step`.
-    ``last_memory`` is measured when ``measure_memory`` is true or the rank evicts (else zeros)."""
+    :class:`~megatron_bfpp.ir.Schedule` (checked as :func:`_prebuilt` says); ``options`` are the
+    schedule's own (``microbatch_group_size``, ``group_size``, ``max_stored``). Unknown names and
+    options fail here in one line. ``data_parallel_sharding_strategy`` is Megatron's ``optim`` or
+    ``optim_grads_params`` (runtime.sharding: DDP chunks built for the distributed optimizer,
+    several chunks per rank, dp > 1; step through :func:`sharded_optimizer_step`). ``last_memory``
+    is measured when ``measure_memory`` is true or the rank evicts (else zeros)."""
     check_megatron_core()
     if isinstance(schedule, Schedule):
         return _prebuilt(schedule, measure_memory, data_parallel_sharding_strategy, options)
@@ -84,10 +81,8 @@ def get_forward_backward_func(
 def _prebuilt(
     schedule: Schedule, measure_memory: bool, sharding: str, options: dict[str, Any]
 ) -> ForwardBackwardFunc:
-    """A lowered schedule given as data (a CSV, a hand-made order), checked as a built one is
-    (``validate_schedule``: complete, deadlock-free, each chunk's GS once after its last backward
-    and PS before its first use, data read in order), sharded only with sharding on, and planned
-    with its NCCL-safe posting once, here, for every later step."""
+    """A lowered schedule given as data (a CSV, a hand-made order), validated as a built one is,
+    sharded only with sharding on, and planned with its NCCL-safe posting once, here."""
     if options:
         raise ScheduleError(
             f"a Schedule object takes no schedule options (got {sorted(options)}): they shaped "

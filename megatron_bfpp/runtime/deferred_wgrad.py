@@ -27,6 +27,7 @@ Key = tuple[int, int]  # (stage, micro-batch)
 # The store of the split-backward step running in this process (one pipeline rank per process).
 _ACTIVE: WeightGradStore | None = None
 _INSTALLED = "_bfpp_deferred_wgrad"
+_warned = False  # the Transformer Engine warning was logged (once per process)
 
 
 @dataclass
@@ -73,10 +74,6 @@ class _Deferred:
         grad_bias = grad_output.sum(dim=0) if self.bias is not None else None
         return grad_weight, grad_bias
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What it holds until its W (the memory accounting counts these)."""
-        return self.input, self.grad_output
-
 
 class WeightGradStore:
     """The weight gradients filed by each micro-batch's I, until its W."""
@@ -109,9 +106,10 @@ class WeightGradStore:
         return len(items)
 
     def held_tensors(self) -> Iterable[torch.Tensor]:
+        """What the pending items hold until their W (the memory accounting counts these)."""
         for items in self.pending.values():
             for item in items:
-                yield from item.tensors()
+                yield from (item.input, item.grad_output)
 
 
 @dataclass(frozen=True)
@@ -239,10 +237,17 @@ def install(chunks: Iterable[torch.nn.Module]) -> int:
     """Route the chunks' local linear layers through the deferring function while a split backward
     step runs; idempotent, returns how many are routed. Warns once about Transformer Engine
     layers, whose weight GEMMs stay in I (W does less than planned)."""
+    global _warned
     count = 0
     chunks = list(chunks)
     if not _warned and any(compat.transformer_engine_layers(chunk) for chunk in chunks):
-        _warn_transformer_engine()
+        _warned = True
+        logging.getLogger("megatron_bfpp").warning(
+            "split backward: Transformer Engine layers compute their weight gradients in I (their "
+            "delayed weight-gradient path is not wired yet), so v-min/v-half/v-zb keep their "
+            "memory but lose their W time; use --transformer-impl local to defer every linear "
+            "layer's weight GEMM to W"
+        )
     for chunk in chunks:
         for layer in compat.local_linear_layers(chunk):
             if not getattr(layer, _INSTALLED, False):
@@ -250,20 +255,6 @@ def install(chunks: Iterable[torch.nn.Module]) -> int:
                 setattr(layer, _INSTALLED, True)
             count += 1
     return count
-
-
-_warned = False
-
-
-def _warn_transformer_engine() -> None:
-    global _warned
-    _warned = True
-    logging.getLogger("megatron_bfpp").warning(
-        "split backward: Transformer Engine layers compute their weight gradients in I (their "
-        "delayed weight-gradient path is not wired yet), so v-min/v-half/v-zb keep their memory "
-        "but lose their W time; use --transformer-impl local to defer every linear layer's "
-        "weight GEMM to W"
-    )
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from megatron_bfpp.nccl import Batch, Posting, release_models, validate_nccl
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
 from megatron_bfpp.runtime.backward import microbatch, overlaps_grad_reduce, whole_backward
-from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send, pair_group, pseudo_free
+from megatron_bfpp.runtime.p2p import Receive, Send, pair_group, pseudo_free
 from megatron_bfpp.runtime.step import (
     DispatchTable,
     Handler,
@@ -107,10 +107,6 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
     return step.ctx.comm.wait_receive(Message(What.ACT, stage - 1, mb), previous)
 
 
-def backward(step: RankStep, position: int, action: Action) -> None:
-    whole_backward(step, position, action)
-
-
 def overlapped(step: RankStep, position: int, action: Action) -> None:
     """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward, each via
     its ``TABLE`` handler, both receives already posted (``semantics``' composite rule); hiding
@@ -177,7 +173,7 @@ def grad_sync(step: RankStep, position: int, action: Action) -> None:
 CORE = Handlers(
     kinds={
         K.FORWARD: forward,
-        K.BACKWARD: backward,
+        K.BACKWARD: whole_backward,
         K.OVERLAP_F_B: overlapped,
         K.SEND_ACT: send_act,
         K.RECV_ACT: recv_act,
@@ -194,23 +190,20 @@ TABLE: DispatchTable = dispatch_table(
 @dataclass(frozen=True, eq=False)
 class PlannedSchedule:
     """A validated schedule with its proven NCCL-safe lock-step posting, made once (``planned``) and
-    handed to every step (``eq=False``: identity is the key, so no step re-derives or hashes it).
-    ``side``: whether any rank posts a payload batch on a partner pair's group (BPipe), so that
-    every rank makes the pair groups."""
+    handed to every step (``eq=False``: identity is the key, so no step re-derives or hashes it)."""
 
     schedule: Schedule
     posting: Posting
 
     @functools.cached_property
     def side(self) -> bool:
+        """Whether a rank posts payloads on a partner pair's group (BPipe): all make the groups."""
         return self.posting.has_side
 
 
 def planned(schedule: Schedule) -> PlannedSchedule:
-    """``schedule`` with its lock-step posting, proven under NCCL's rules with payloads
-    between partner pairs only (``nccl.validate_nccl``): every rank derives the same one, so a
-    failure is the same error everywhere, before any communication. The proof's model is not
-    kept (``nccl.release_models``): a training process never times its posting."""
+    """``schedule`` with its lock-step posting proven under NCCL's rules (``nccl.validate_nccl``,
+    the same on every rank, before any message); the proof's model is not kept."""
     posting = validate_nccl(schedule)
     release_models()
     return PlannedSchedule(schedule, posting)
@@ -250,7 +243,10 @@ class _Executor:
                 part.begin(step)
                 stack.callback(part.end, step)
             step.enter_no_sync()
-            self._open_side(comm)
+            # The partner pair's group, before the first payload batch (BPipe's payloads get
+            # their own stream); every rank takes part (``pair_group`` is job-collective).
+            if self.side and comm.side_group is None:  # partners x and p-1-x only: ``planned``
+                comm.side_group = pair_group(comm.group, comm.device)
             settle = not comm.sends_pollable
             program = step.program
             for item in self.posting:
@@ -273,12 +269,6 @@ class _Executor:
                 comm.device
             )
         return step.state
-
-    def _open_side(self, comm: PipeComm) -> None:
-        """The partner pair's group, before the first payload batch (BPipe's payloads get their own
-        stream); every rank takes part, with transfers or not (``pair_group`` is job-collective)."""
-        if self.side and comm.side_group is None:  # partners x and p-1-x only: ``planned``
-            comm.side_group = pair_group(comm.group, comm.device)
 
     def _post_batch(self, batch: Batch) -> None:
         """Run one tick's item handlers, then post what they gathered as one batch (BPipe's

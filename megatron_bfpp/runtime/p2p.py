@@ -65,11 +65,9 @@ _PAIR_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup | None]] = {}
 def pair_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | None:
     """The process group of this rank and its BPipe partner (pipeline ranks x and p-1-x) alone,
     with the pipeline group's backend and timeout; None on the middle rank of an odd pipeline.
-
-    Collective over the whole job, once per pipeline group (the executor calls it at the first step
-    with transfers): every rank makes every pair's group in one order, as ``new_group`` requires;
-    ``use_local_synchronization`` would name a group by how many groups each member has, which
-    differs between pipeline ranks."""
+    Collective over the whole job, once per pipeline group: every rank makes every pair's group
+    in one order, as ``new_group`` requires (``use_local_synchronization`` would name groups by
+    how many each member has, which differs between pipeline ranks)."""
     kept = _PAIR_GROUPS.get(id(group))
     if kept is not None and kept[0] is group:
         return kept[1]
@@ -137,13 +135,6 @@ class PendingSend:
 
 
 @dataclass
-class _Header:
-    work: dist.Work
-    size: torch.Tensor  # int64[1]
-    posted_at: float
-
-
-@dataclass
 class PipeComm:
     """Messages of one rank in one step: posted receives and sends still in flight."""
 
@@ -153,7 +144,8 @@ class PipeComm:
     device: torch.device
     receives: dict[Message, list[tuple[dist.Work, torch.Tensor]]] = field(default_factory=dict)
     sends: list[PendingSend] = field(default_factory=list)
-    headers: dict[Message, _Header] = field(default_factory=dict)
+    # an eviction's size header: its Work, the int64[1] size, when it was posted
+    headers: dict[Message, tuple[dist.Work, torch.Tensor, float]] = field(default_factory=dict)
     timeout_s: float | None = None  # None: the group's (group_timeout_s)
     side_group: dist.ProcessGroup | None = None  # BPipe's partner pair (pair_group)
     posted_at: dict[Message, float] = field(default_factory=dict)  # receives' posting times
@@ -178,14 +170,12 @@ class PipeComm:
     ) -> None:
         """One batch: receives, then sends, each in the posting's canonical order; ``side``: on
         the partner pair's group (BPipe's payloads), which ``side_group`` must hold by then."""
-        group = self.group
-        if side:
-            if self.side_group is None:
-                raise RuntimeError(
-                    "a BPipe payload batch is posted before its pair's process group was made "
-                    "(this is a bug in megatron_bfpp, please report it)"
-                )
-            group = self.side_group
+        group = self.side_group if side else self.group
+        if group is None:
+            raise RuntimeError(
+                "a BPipe payload batch is posted before its pair's process group was made "
+                "(this is a bug in megatron_bfpp, please report it)"
+            )
         ops: list[dist.P2POp] = []
         for receive in receives:
             source = self.global_rank(receive.peer)
@@ -225,7 +215,7 @@ class PipeComm:
                 parts = self.receives[receive.message] = []
                 self.posted_at[receive.message] = now
             if receive.header is not None:
-                self.headers[receive.message] = _Header(next(works), receive.header, now)
+                self.headers[receive.message] = (next(works), receive.header, now)
             parts.extend((next(works), buffer) for buffer in receive.buffers)
         for send, op in zip(sends, ops[received:], strict=True):
             self.sends.append(
@@ -234,9 +224,9 @@ class PipeComm:
 
     def read_header(self, message: Message, peer: int) -> int:
         """An eviction's payload size, once its header is in (blocking)."""
-        header = self.headers.pop(message)
-        self._wait(header.work, message, peer, header.posted_at)
-        return int(header.size.item())
+        work, size, posted_at = self.headers.pop(message)
+        self._wait(work, message, peer, posted_at)
+        return int(size.item())
 
     def wait_receive(self, message: Message, peer: int) -> torch.Tensor:
         """The one tensor of an activation or gradient message, once it has arrived."""
@@ -285,9 +275,11 @@ class PipeComm:
     def _who(self, message: Message, peer: int, send: bool) -> str:
         """The start of a failed wait's one line: this rank, the message, its peer."""
         verb, way = ("sending", "to") if send else ("receiving", "from")
+        what = _DESCRIPTIONS.get(message.what, message.what)
         return (
-            f"pipeline rank {self.group.rank()}: {verb} {_describe(message)} {way} pipeline rank "
-            f"{peer} (global rank {self.global_rank(peer)})"
+            f"pipeline rank {self.group.rank()}: {verb} {what} of stage {message.stage}, "
+            f"micro-batch {message.microbatch} {way} pipeline rank {peer} (global rank "
+            f"{self.global_rank(peer)})"
         )
 
     def _late(
@@ -369,11 +361,6 @@ def _works_per_op(posted: Sequence[dist.Work] | None, num_ops: int) -> list[dist
         f"batch_isend_irecv returned {len(works)} works for {num_ops} ops; expected one per op "
         "or one for the batch (is the process group's backend supported?)"
     )
-
-
-def _describe(message: Message) -> str:
-    what = _DESCRIPTIONS.get(message.what, message.what)
-    return f"{what} of stage {message.stage}, micro-batch {message.microbatch}"
 
 
 _DESCRIPTIONS = {

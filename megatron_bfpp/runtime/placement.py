@@ -99,11 +99,9 @@ def sum_tied_embedding_grads(chunks: Sequence[Any]) -> None:
     weights = tied_embedding_weights(chunks)
     if weights is None:
         return
-    grads = [_grad(weight) for weight in weights]
-    if any(grad is None for grad in grads):
+    embedding, output = (_grad(weight) for weight in weights)
+    if embedding is None or output is None:
         return
-    embedding, output = grads
-    assert embedding is not None and output is not None
     total = embedding + output
     embedding.copy_(total)
     output.copy_(total)

@@ -59,7 +59,6 @@ class _Bucket:
     grad_full: torch.Tensor  # the bucket's flat view into its gradient buffer (grad_data)
     grad_shard: torch.Tensor  # this rank's part of the reduced gradients, kept for good
     group: Any
-    size: int
     rank: int
     megatron_bucket: Any  # the bucket object the distributed optimizer's buffers point at
 
@@ -279,10 +278,8 @@ class ShardedParameters:
             state.module.finish_grad_sync()  # type: ignore[operator]
         with torch.no_grad():
             for bucket in state.buckets:
-                if chunk in self.landed:
-                    bucket.grad_shard.add_(bucket.local_view(grad=True))
-                else:
-                    bucket.grad_shard.copy_(bucket.local_view(grad=True))
+                keep = bucket.grad_shard.add_ if chunk in self.landed else bucket.grad_shard.copy_
+                keep(bucket.local_view(grad=True))
         self.landed.add(chunk)
         self._free_grads(chunk)
 
@@ -401,13 +398,9 @@ _threshold: list[int] = []  # the value this process set, if any
 
 
 def return_freed_buffers(nbytes: int) -> None:
-    """On CPU with glibc, let a freed chunk buffer of ``nbytes`` or more go back to the system.
-
-    After freeing an mmap'd block glibc raises its mmap threshold to that size (up to 32 MiB), so
-    the next same-size chunk buffer comes from the heap and stays resident once freed
-    (docs/design-notes.md, "The process's own peak"). Fixing the threshold at the smallest chunk
-    buffer's size (at least glibc's default 128 KiB) keeps chunk buffers mapped. Once per process;
-    a no-op without glibc; GPUs are unaffected (their caching allocator reuses freed blocks)."""
+    """On CPU with glibc, fix the mmap threshold at the smallest chunk buffer's size (at least
+    128 KiB), so a freed chunk buffer goes back to the system instead of staying on the heap
+    (docs/design-notes.md, "The process's own peak"); once per process, a no-op without glibc."""
     threshold = max(128 * 2**10, min(nbytes, _MMAP_THRESHOLD_MAX))
     if _threshold and _threshold[0] <= threshold:
         return
@@ -514,7 +507,6 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
                 grad_full=grad,
                 grad_shard=torch.zeros(grad.numel() // size, dtype=grad.dtype, device=grad.device),
                 group=found.group,
-                size=size,
                 rank=found.rank,
                 megatron_bucket=found.bucket,
             )
