@@ -131,14 +131,11 @@ class ActivationStore:
         them locally; returns the buffer and the recipe."""
         if key in self.evicted:
             raise RuntimeError(f"stage {key[0]}, micro-batch {key[1]} is already evicted")
-        targets: list[tuple[_Saved | torch.Tensor, torch.Tensor]] = []
-        for ref in self.entries.get(key, []):
-            handle = ref()
-            if handle is not None and handle.tensor is not None:
-                targets.append((handle, handle.tensor))
-        for tensor in pipeline_tensors:
-            if tensor.untyped_storage().nbytes() > 0:
-                targets.append((tensor, tensor))
+        handles = [ref() for ref in self.entries.get(key, [])]
+        targets: list[tuple[_Saved | torch.Tensor, torch.Tensor]] = [
+            (h, h.tensor) for h in handles if h is not None and h.tensor is not None
+        ]
+        targets += [(t, t) for t in pipeline_tensors if t.untyped_storage().nbytes() > 0]
         index: dict[int, int] = {}
         storages: list[torch.UntypedStorage] = []
         views: list[tuple[_Saved | torch.Tensor, _View]] = []

@@ -139,13 +139,11 @@ class ForwardBackwardFunc:
     (partial activation checkpointing, fine-grained activation offloading, local CUDA graphs,
     V-shapes with deferred embedding wgrad).
 
-    It behaves as a function (``__name__``, ``__qualname__``, ``__module__``, ``__doc__``,
-    ``__signature__`` from :class:`~megatron_bfpp.runtime.step.Call`; an unknown keyword is a
-    ``TypeError`` naming it), so ``functools.wraps`` / ``partial``, ``inspect.signature`` and
-    loggers of ``fn.__name__`` work, and keeps what outlives a step: ``last_trace`` (the
-    actions this rank ran last call), ``last_memory`` (its
-    :class:`~megatron_bfpp.runtime.step.MemoryReport`) and a prebuilt schedule's
-    ``prebuilt_plan`` (with its NCCL-safe posting, made once)."""
+    It behaves as a function (``__name__``, ``__doc__``, ``__signature__`` from
+    :class:`~megatron_bfpp.runtime.step.Call`; an unknown keyword is a ``TypeError`` naming it)
+    and keeps what outlives a step: ``last_trace`` (the actions this rank ran last call),
+    ``last_memory`` (a :class:`~megatron_bfpp.runtime.step.MemoryReport`) and a prebuilt
+    schedule's ``prebuilt_plan`` (with its NCCL-safe posting, made once)."""
 
     schedule: str
     options: tuple[tuple[str, Any], ...] = ()

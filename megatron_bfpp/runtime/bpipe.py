@@ -50,18 +50,9 @@ class Transfers(StepPart):
     def held_microbatches(self, step: RankStep) -> Iterable[Key]:
         """Own micro-batches on their way back, and the partner's payloads held or in flight."""
         comm = step.ctx.comm
-        held = set(self.loads)
-        held.update(
-            (message.stage, message.microbatch)
-            for message in comm.receives
-            if message.what == What.EVICT
-        )
-        held.update(
-            (p.message.stage, p.message.microbatch)
-            for p in comm.sends
-            if p.message.what in (What.EVICT, What.RESTORE)
-        )
-        return held
+        received = [m for m in comm.receives if m.what == What.EVICT]
+        sent = [p.message for p in comm.sends if p.message.what in (What.EVICT, What.RESTORE)]
+        return {*self.loads, *((m.stage, m.microbatch) for m in (*received, *sent))}
 
     def leftovers(self) -> dict[str, Collection[Any]]:
         return {"loads never consumed": self.loads, "payloads never sent": self.payloads}

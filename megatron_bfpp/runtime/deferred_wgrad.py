@@ -61,11 +61,9 @@ class _Deferred:
             if hasattr(weight, "grad_added_to_main_grad"):
                 # As megatron-core: a placeholder gradient, so DDP's hooks run on this thread
                 # and skip the addition the kernel already made.
-                shape, dtype = weight.main_grad.shape, self.input.dtype  # type: ignore[attr-defined]
-                device = weight.main_grad.device  # type: ignore[attr-defined]
-                zero = getattr(weight, "zero_out_wgrad", False)
-                make = torch.zeros if zero else torch.empty
-                grad_weight = make(shape, dtype=dtype, device=device)
+                main_grad = weight.main_grad  # type: ignore[attr-defined]
+                make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+                grad_weight = make(main_grad.shape, dtype=self.input.dtype, device=main_grad.device)
                 weight.grad_added_to_main_grad = True
             else:
                 grad_weight = None

@@ -107,6 +107,10 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
     return step.ctx.comm.wait_receive(Message(What.ACT, stage - 1, mb), previous)
 
 
+def backward(step: RankStep, position: int, action: Action) -> None:
+    whole_backward(step, position, action)
+
+
 def overlapped(step: RankStep, position: int, action: Action) -> None:
     """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward, each via
     its ``TABLE`` handler, both receives already posted (``semantics``' composite rule); hiding
@@ -173,7 +177,7 @@ def grad_sync(step: RankStep, position: int, action: Action) -> None:
 CORE = Handlers(
     kinds={
         K.FORWARD: forward,
-        K.BACKWARD: whole_backward,
+        K.BACKWARD: backward,
         K.OVERLAP_F_B: overlapped,
         K.SEND_ACT: send_act,
         K.RECV_ACT: recv_act,

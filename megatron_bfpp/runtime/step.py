@@ -154,12 +154,10 @@ P = TypeVar("P", bound=StepPart)
 
 @dataclass(frozen=True)
 class Handlers:
-    """One runtime module's share of the dispatch table.
-
-    ``kinds``: action kind -> handler; ``rests``: kinds whose action has a *rest* item in a later
-    batch of the posting (an eviction's payload, after its size) -> that item's handler; ``part``
-    makes the module's per-step state, if any; ``captures``: kinds needing the forward's saved
-    tensors routed through the activation store (BPipe's EV ships them)."""
+    """One runtime module's share of the dispatch table: ``kinds`` -> handler; ``rests``: kinds
+    with a *rest* item in a later batch (an eviction's payload) -> its handler; ``part`` makes the
+    module's per-step state; ``captures``: kinds needing the forward's saved tensors in the
+    activation store (BPipe's EV ships them)."""
 
     kinds: Mapping[ActionKind, Handler]
     rests: Mapping[ActionKind, Handler] = field(default_factory=dict)
