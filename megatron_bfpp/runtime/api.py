@@ -250,7 +250,7 @@ def _run_step(func: ForwardBackwardFunc, call: Call) -> list[Any]:
     )
     if finalize:
         finish_embedding_wgrad_compute(config, embedding, last_stage, groups.tp)
-        _finish_grads(call, schedule, chunks, config, groups, sharded, total_num_tokens)
+        _finish_grads(ctx, schedule, groups, total_num_tokens)
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return deliver_to_last_rank(store, schedule.layout, groups.pp, ctx.comm.device)
@@ -314,26 +314,21 @@ def _step_sharding(
 
 
 def _finish_grads(
-    call: Call,
-    schedule: Schedule,
-    chunks: list[Any],
-    config: Any,
-    groups: Any,
-    sharded: Any,
-    total_num_tokens: torch.Tensor,
+    ctx: StepContext, schedule: Schedule, groups: Any, total_num_tokens: torch.Tensor
 ) -> None:
     """megatron-core's gradient finalization, or its sharded equivalent; under the V (embedding and
     output layer on one rank) the rank adds its two copies instead of the pipeline all-reduce."""
+    config, chunks = ctx.config, ctx.model
     on_one_rank = _embedding_and_loss_on_one_rank(schedule)
     if on_one_rank and config.calculate_per_token_loss:
         # finalize_model_grads broadcasts the token count from the last pipeline rank, but
         # under the V the loss (and so the count) is on the first: give it to every rank.
         torch.distributed.all_reduce(total_num_tokens, group=groups.pp)
     num_tokens = total_num_tokens if config.calculate_per_token_loss else None
-    if sharded is not None:
+    if ctx.sharded is not None:
         # megatron-core's finalize reads full gradients; the sharded model finishes the
         # same reductions on its kept shards.
-        sharded.finalize_grads(config, groups, num_tokens, bool(call.force_all_reduce))
+        ctx.sharded.finalize_grads(config, groups, num_tokens, bool(ctx.call.force_all_reduce))
     else:
         config.finalize_model_grads_func(
             chunks,
@@ -341,7 +336,7 @@ def _finish_grads(
             pg_collection=(
                 process_groups_without_embedding_group(groups) if on_one_rank else groups
             ),
-            force_all_reduce=call.force_all_reduce,
+            force_all_reduce=ctx.call.force_all_reduce,
         )
     if on_one_rank:
         sum_tied_embedding_grads(chunks)

@@ -167,11 +167,7 @@ def _accumulate(items: list[_Deferred]) -> None:
     see what a whole backward gives). Inside an autograd Function's backward each gradient is
     referenced by autograd alone and moved into ``.grad``; handed to ``torch.autograd.backward``,
     every one was cloned, costing W more than its GEMMs."""
-    params: list[torch.Tensor] = []
-    for item in items:
-        params.append(item.weight)
-        if item.bias is not None:
-            params.append(item.bias)
+    params = [param for item in items for param in (item.weight, item.bias) if param is not None]
     if params:
         with torch.enable_grad():  # also when called from a backward (outside an I)
             total = _apply(_WeightGradients, items, *params)
