@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,6 @@ from megatron_bfpp.runtime.backward import microbatch, overlaps_grad_reduce, who
 from megatron_bfpp.runtime.p2p import Receive, Send, pair_group, pseudo_free
 from megatron_bfpp.runtime.step import (
     DispatchTable,
-    Handler,
     Handlers,
     MemoryReport,
     RankStep,
@@ -225,8 +223,7 @@ class _Executor:
         measuring = not ctx.call.forward_only and (ctx.measure_memory or captures)
         parts = [make() for make in table.parts]
         self.step = RankStep(schedule, rank, ctx, measuring=measuring, parts=parts)
-        self.handlers: Mapping[ActionKind, Handler] = table.handlers
-        self.rests: Mapping[ActionKind, Handler] = table.rests
+        self.table = table
         self.posting = plan.posting.per_rank[rank]
         self.side = plan.side
 
@@ -235,7 +232,7 @@ class _Executor:
         return self.step.state
 
     def run(self) -> StepState:
-        step, handlers = self.step, self.handlers
+        step, handlers = self.step, self.table.handlers
         comm = step.ctx.comm
         step.state.total_num_tokens = torch.zeros([], dtype=torch.int, device=comm.device)
         sharded = step.ctx.sharded
@@ -280,7 +277,7 @@ class _Executor:
         step = self.step
         for position, rest in batch.items:
             action = step.program[position]
-            (self.rests if rest else self.handlers)[action.kind](step, position, action)
+            (self.table.rests if rest else self.table.handlers)[action.kind](step, position, action)
         step.window.post(step.ctx.comm, side=batch.side)
         self._measure()
 
