@@ -1,26 +1,11 @@
 """The activations a rank stores between a micro-batch's forward and its backward.
 
-BPipe ships a micro-batch's stored activations to the partner and back, and memory accounting
-counts the bytes a rank holds: both need exactly the tensors autograd keeps per (stage,
-micro-batch), so each forward runs under the ``saved_tensors_hooks`` of
-:meth:`ActivationStore.capture`:
-
-* the pack hook wraps each saved tensor in a :class:`_Saved` handle, except parameters, module
-  buffers and tensors aliasing their storage (they stay put), tensors of another device (already
-  offloaded) and tensor subclasses (FP8 and other wrappers pass untouched);
-* autograd owns the handles and frees each after its node ran, as it would the tensor, so
-  capturing costs no memory (the store keeps weak references only);
-* hooks nest as PyTorch nests them: hooks entered *inside* the forward (recomputation's inner
-  forward, Transformer Engine's CPU offload, ``save_on_cpu``) take precedence, and what they hand
-  back is saved through ours only if it is itself a tensor saved in our scope.
-
-:meth:`ActivationStore.evict` copies the distinct storages behind a micro-batch's live handles,
-plus the stage's input (and output, when megatron-core does not deallocate outputs), into one
-byte buffer and drops every local reference (pipeline tensors get empty ``.data``, keeping their
-autograd identity); :meth:`restore` rebuilds each tensor as a view of the returned buffer with its
-dtype, shape, strides and offset, so aliasing survives. Metadata is read at eviction, not at
+Each forward runs under :meth:`ActivationStore.capture`'s ``saved_tensors_hooks``, so BPipe ships,
+and the accounting counts, exactly what autograd keeps per (stage, micro-batch): autograd owns the
+handles (the store keeps weak references, so capturing costs no memory); parameters, buffers,
+tensors of another device and tensor subclasses stay put. Metadata is read at eviction, not at
 pack, because megatron-core's recomputation may replace a saved tensor's data after saving it
-(``distribute_saved_activations``).
+(docs/design-notes.md, "BPipe runtime").
 """
 
 from __future__ import annotations
@@ -146,14 +131,11 @@ class ActivationStore:
         them locally; returns the buffer and the recipe."""
         if key in self.evicted:
             raise RuntimeError(f"stage {key[0]}, micro-batch {key[1]} is already evicted")
-        targets: list[tuple[_Saved | torch.Tensor, torch.Tensor]] = []
-        for ref in self.entries.get(key, []):
-            handle = ref()
-            if handle is not None and handle.tensor is not None:
-                targets.append((handle, handle.tensor))
-        for tensor in pipeline_tensors:
-            if tensor.untyped_storage().nbytes() > 0:
-                targets.append((tensor, tensor))
+        handles = [ref() for ref in self.entries.get(key, [])]
+        targets: list[tuple[_Saved | torch.Tensor, torch.Tensor]] = [
+            (h, h.tensor) for h in handles if h is not None and h.tensor is not None
+        ]
+        targets += [(t, t) for t in pipeline_tensors if t.untyped_storage().nbytes() > 0]
         index: dict[int, int] = {}
         storages: list[torch.UntypedStorage] = []
         views: list[tuple[_Saved | torch.Tensor, _View]] = []
@@ -170,7 +152,11 @@ class ActivationStore:
                 int(tensor.storage_offset()),
             )
             views.append((target, view))
-        offsets, nbytes = _layout(storage.nbytes() for storage in storages)
+        offsets: list[int] = []  # each storage's aligned start in the payload
+        nbytes = 0
+        for storage in storages:
+            offsets.append(-(-nbytes // ALIGNMENT) * ALIGNMENT)
+            nbytes = offsets[-1] + storage.nbytes()
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         for storage, offset in zip(storages, offsets, strict=True):
             source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
@@ -204,17 +190,6 @@ class ActivationStore:
                 target.tensor = rebuilt
             else:
                 target.data = rebuilt
-
-
-def _layout(sizes: Iterable[int]) -> tuple[list[int], int]:
-    """Aligned byte offsets of consecutive storages, and the bytes they span."""
-    offsets: list[int] = []
-    end = 0
-    for size in sizes:
-        start = -(-end // ALIGNMENT) * ALIGNMENT
-        offsets.append(start)
-        end = start + size
-    return offsets, end
 
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

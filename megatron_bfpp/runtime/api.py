@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,15 +58,12 @@ def get_forward_backward_func(
     :class:`ForwardBackwardFunc`, ``help(fn)``).
 
     ``schedule`` is a registry name (``megatron_bfpp.schedule_names()``) or a lowered
-    :class:`~megatron_bfpp.ir.Schedule` (checked as :func:`_prebuilt` says). ``options`` are the
-    schedule's own (``microbatch_group_size`` for interleaved, ``group_size`` for breadth-first,
-    ``max_stored`` for bpipe). Unknown names and options fail here in one line, before any message.
-
-    ``data_parallel_sharding_strategy`` is Megatron's: ``optim`` (default) or
-    ``optim_grads_params``, parameters sharded over the data-parallel group and gathered per chunk
-    where the schedule says (runtime.sharding: needs DDP chunks built for the distributed optimizer,
-    several chunks per rank and dp > 1); then step through :func:`sharded_optimizer_step`.
-    ``last_memory`` is measured when ``measure_memory`` is true or the rank evicts (else zeros)."""
+    :class:`~megatron_bfpp.ir.Schedule` (checked as :func:`_prebuilt` says); ``options`` are the
+    schedule's own (``microbatch_group_size``, ``group_size``, ``max_stored``). Unknown names and
+    options fail here in one line. ``data_parallel_sharding_strategy`` is Megatron's ``optim`` or
+    ``optim_grads_params`` (runtime.sharding: DDP chunks built for the distributed optimizer,
+    several chunks per rank, dp > 1; step through :func:`sharded_optimizer_step`). ``last_memory``
+    is measured when ``measure_memory`` is true or the rank evicts (else zeros)."""
     check_megatron_core()
     if isinstance(schedule, Schedule):
         return _prebuilt(schedule, measure_memory, data_parallel_sharding_strategy, options)
@@ -85,10 +81,8 @@ def get_forward_backward_func(
 def _prebuilt(
     schedule: Schedule, measure_memory: bool, sharding: str, options: dict[str, Any]
 ) -> ForwardBackwardFunc:
-    """A lowered schedule given as data (a CSV, a hand-made order), checked as a built one is
-    (``validate_schedule``: complete, deadlock-free, each chunk's GS once after its last backward
-    and PS before its first use, data read in order), sharded only with sharding on, and planned
-    with its NCCL-safe posting once, here, for every later step."""
+    """A lowered schedule given as data (a CSV, a hand-made order), validated as a built one is,
+    sharded only with sharding on, and planned with its NCCL-safe posting once, here."""
     if options:
         raise ScheduleError(
             f"a Schedule object takes no schedule options (got {sorted(options)}): they shaped "
@@ -145,13 +139,11 @@ class ForwardBackwardFunc:
     (partial activation checkpointing, fine-grained activation offloading, local CUDA graphs,
     V-shapes with deferred embedding wgrad).
 
-    It behaves as a function (``__name__``, ``__qualname__``, ``__module__``, ``__doc__``,
-    ``__signature__`` from :class:`~megatron_bfpp.runtime.step.Call`; an unknown keyword is a
-    ``TypeError`` naming it), so ``functools.wraps`` / ``partial``, ``inspect.signature`` and
-    loggers of ``fn.__name__`` work, and keeps what outlives a step: ``last_trace`` (the
-    actions this rank ran last call), ``last_memory`` (its
-    :class:`~megatron_bfpp.runtime.step.MemoryReport`) and a prebuilt schedule's
-    ``prebuilt_plan`` (with its NCCL-safe posting, made once)."""
+    It behaves as a function (``__name__``, ``__doc__``, ``__signature__`` from
+    :class:`~megatron_bfpp.runtime.step.Call`; an unknown keyword is a ``TypeError`` naming it)
+    and keeps what outlives a step: ``last_trace`` (the actions this rank ran last call),
+    ``last_memory`` (a :class:`~megatron_bfpp.runtime.step.MemoryReport`) and a prebuilt
+    schedule's ``prebuilt_plan`` (with its NCCL-safe posting, made once)."""
 
     schedule: str
     options: tuple[tuple[str, Any], ...] = ()
@@ -223,18 +215,31 @@ def plan_schedule(
 
 def _run_step(func: ForwardBackwardFunc, call: Call) -> list[Any]:
     """One step, in its five jobs: read the call, fix the schedule, prepare sharded parameters,
-    run this rank's program, finish the gradients."""
+    run this rank's program (with what every action handler reads), finish the gradients."""
     from megatron.core.pipeline_parallel.schedules import (
         clear_embedding_activation_buffer,
         finish_embedding_wgrad_compute,
     )
     from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+    from megatron.core.utils import get_model_type
 
     chunks, iterators, config, groups = _step_inputs(call)
     plan = _step_schedule(func, call, chunks, config, groups.pp)
     schedule = plan.schedule
     sharded = _step_sharding(func, call, chunks, config, groups)
-    ctx = _step_context(func, call, chunks, iterators, config, groups, sharded)
+    shape = _message_shape(call, config, groups)
+    device = next(chunks[0].parameters()).device
+    ctx = StepContext(
+        call=call,
+        data_iterators=iterators,
+        model=chunks,
+        config=config,
+        model_type=get_model_type(chunks[0]),
+        cp_group_size=groups.cp.size(),
+        comm=PipeComm(group=groups.pp, shape=shape, dtype=config.pipeline_dtype, device=device),
+        measure_memory=func.measure_memory,
+        sharded=sharded,
+    )
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
     finalize = config.finalize_model_grads_func is not None and not call.forward_only
@@ -245,7 +250,7 @@ def _run_step(func: ForwardBackwardFunc, call: Call) -> list[Any]:
     )
     if finalize:
         finish_embedding_wgrad_compute(config, embedding, last_stage, groups.tp)
-        _finish_grads(call, schedule, chunks, config, groups, sharded, total_num_tokens)
+        _finish_grads(ctx, schedule, groups, total_num_tokens)
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return deliver_to_last_rank(store, schedule.layout, groups.pp, ctx.comm.device)
@@ -308,61 +313,22 @@ def _step_sharding(
     return sharded
 
 
-def _step_context(
-    func: ForwardBackwardFunc,
-    call: Call,
-    chunks: list[Any],
-    iterators: list[Any],
-    config: Any,
-    groups: Any,
-    sharded: Any,
-) -> StepContext:
-    """What every action handler of this step reads: the call, the pipe, the model."""
-    from megatron.core.utils import get_model_type
-
-    shape = _message_shape(
-        call.seq_length,
-        call.micro_batch_size,
-        call.decoder_seq_length,
-        config,
-        groups,
-        call.adjust_tensor_shapes_fn,
-    )
-    device = next(chunks[0].parameters()).device
-    return StepContext(
-        call=call,
-        data_iterators=iterators,
-        model=chunks,
-        config=config,
-        model_type=get_model_type(chunks[0]),
-        cp_group_size=groups.cp.size(),
-        comm=PipeComm(group=groups.pp, shape=shape, dtype=config.pipeline_dtype, device=device),
-        measure_memory=func.measure_memory,
-        sharded=sharded,
-    )
-
-
 def _finish_grads(
-    call: Call,
-    schedule: Schedule,
-    chunks: list[Any],
-    config: Any,
-    groups: Any,
-    sharded: Any,
-    total_num_tokens: torch.Tensor,
+    ctx: StepContext, schedule: Schedule, groups: Any, total_num_tokens: torch.Tensor
 ) -> None:
     """megatron-core's gradient finalization, or its sharded equivalent; under the V (embedding and
     output layer on one rank) the rank adds its two copies instead of the pipeline all-reduce."""
+    config, chunks = ctx.config, ctx.model
     on_one_rank = _embedding_and_loss_on_one_rank(schedule)
     if on_one_rank and config.calculate_per_token_loss:
         # finalize_model_grads broadcasts the token count from the last pipeline rank, but
         # under the V the loss (and so the count) is on the first: give it to every rank.
         torch.distributed.all_reduce(total_num_tokens, group=groups.pp)
     num_tokens = total_num_tokens if config.calculate_per_token_loss else None
-    if sharded is not None:
+    if ctx.sharded is not None:
         # megatron-core's finalize reads full gradients; the sharded model finishes the
         # same reductions on its kept shards.
-        sharded.finalize_grads(config, groups, num_tokens, bool(call.force_all_reduce))
+        ctx.sharded.finalize_grads(config, groups, num_tokens, bool(ctx.call.force_all_reduce))
     else:
         config.finalize_model_grads_func(
             chunks,
@@ -370,7 +336,7 @@ def _finish_grads(
             pg_collection=(
                 process_groups_without_embedding_group(groups) if on_one_rank else groups
             ),
-            force_all_reduce=call.force_all_reduce,
+            force_all_reduce=ctx.call.force_all_reduce,
         )
     if on_one_rank:
         sum_tied_embedding_grads(chunks)
@@ -445,11 +411,8 @@ def _check_sharded_finalize(config: Any) -> None:
 def _check_fits(schedule: Schedule, num_ranks: int, num_chunks: int, num_microbatches: int) -> None:
     """A prebuilt schedule fits the call's layout, or one line says what differs."""
     chunks = len(schedule.layout.stages_of(0))
-    if (schedule.num_ranks, chunks, schedule.num_microbatches) != (
-        num_ranks,
-        num_chunks,
-        num_microbatches,
-    ):
+    wanted = (schedule.num_ranks, chunks, schedule.num_microbatches)
+    if wanted != (num_ranks, num_chunks, num_microbatches):
         raise ScheduleError(
             f"schedule {schedule.name!r} is for pp={schedule.num_ranks}, {chunks} chunk(s) per "
             f"rank, {schedule.num_microbatches} micro-batches; this call has pp={num_ranks}, "
@@ -505,22 +468,15 @@ def _resolve_groups(p2p_communicator: Any, pg_collection: Any) -> Any:
     )
 
 
-def _message_shape(
-    seq_length: int,
-    micro_batch_size: int,
-    decoder_seq_length: int | None,
-    config: Any,
-    groups: Any,
-    adjust_tensor_shapes_fn: Callable[..., Any] | None,
-) -> tuple[int, ...]:
+def _message_shape(call: Call, config: Any, groups: Any) -> tuple[int, ...]:
     """megatron-core's get_tensor_shapes: (seq / cp [/ tp with sequence parallel], mbs, hidden)."""
-    length = decoder_seq_length if decoder_seq_length is not None else seq_length
+    length = call.seq_length if call.decoder_seq_length is None else call.decoder_seq_length
     length //= groups.cp.size()
     if config.sequence_parallel:
         length //= groups.tp.size()
-    shape = (length, micro_batch_size, config.hidden_size)
-    if adjust_tensor_shapes_fn is not None:
-        recv, send = adjust_tensor_shapes_fn([shape], [shape])
+    shape = (length, call.micro_batch_size, config.hidden_size)
+    if call.adjust_tensor_shapes_fn is not None:
+        recv, send = call.adjust_tensor_shapes_fn([shape], [shape])
         if len(recv) != 1 or len(send) != 1 or tuple(recv[0]) != tuple(send[0]):
             raise NotImplementedError(
                 "megatron_bfpp schedules send one tensor of one shape between stages; "

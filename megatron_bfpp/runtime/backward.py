@@ -16,7 +16,13 @@ from megatron_bfpp.ir import Action
 from megatron_bfpp.messages import Message, What
 from megatron_bfpp.runtime.step import Key, RankStep
 
-__all__ = ["begin_backward", "microbatch", "route_input_grad", "whole_backward"]
+__all__ = [
+    "begin_backward",
+    "microbatch",
+    "overlaps_grad_reduce",
+    "route_input_grad",
+    "whole_backward",
+]
 
 
 def whole_backward(step: RankStep, position: int, action: Action) -> Key:
@@ -66,10 +72,15 @@ def route_input_grad(step: RankStep, stage: int, mb: int, input_grad: Any) -> No
 def _output_grad(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
     if step.layout.is_last(stage):
         return None
-    if step.layout.rank_of(stage + 1) == step.rank:
-        return step.state.local_grads.pop((stage, mb))
     following = step.layout.rank_of(stage + 1)
+    if following == step.rank:
+        return step.state.local_grads.pop((stage, mb))
     return step.ctx.comm.wait_receive(Message(What.GRAD, stage + 1, mb), following)
+
+
+def overlaps_grad_reduce(model: Any) -> bool:
+    """Does the chunk's DDP reduce asynchronously (``overlap_grad_reduce``)?"""
+    return bool(getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False))
 
 
 def microbatch(action: Action) -> int:

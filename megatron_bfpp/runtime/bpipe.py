@@ -1,14 +1,10 @@
 """BPipe's transfers on the runtime: a micro-batch's stored activations go to the partner rank
 and come back before its backward.
 
-The evictor's EV packs them (runtime.activations) into one buffer and sends its size; the
-acceptor's AC posts the size's receive, its RS sends the payload back (waiting for it first), and
-the evictor's LD posts the receive the backward waits for before rebuilding its tensors. The
-payload travels in a batch of its own right after the size's, in the same tick (the *rest*
-handlers ``evict_rest``, ``accept_rest``; the acceptor's after reading the size); it, RS and LD go
-on the partners' own group (``p2p.pair_group``) so transfers do not hold pipeline messages. The
-four kinds and two rests register in the dispatch table with :class:`Transfers`, the per-step
-part through which alone the core knows BPipe.
+EV packs them (runtime.activations) and sends their size, AC receives it, RS sends the payload
+back, LD posts its receive; the payloads travel in a batch of their own right after the size's
+(the *rest* handlers), on the partners' own group (``p2p.pair_group``). :class:`Transfers` is the
+per-step part through which alone the core knows BPipe.
 """
 
 from __future__ import annotations
@@ -54,18 +50,9 @@ class Transfers(StepPart):
     def held_microbatches(self, step: RankStep) -> Iterable[Key]:
         """Own micro-batches on their way back, and the partner's payloads held or in flight."""
         comm = step.ctx.comm
-        held = set(self.loads)
-        held.update(
-            (message.stage, message.microbatch)
-            for message in comm.receives
-            if message.what == What.EVICT
-        )
-        held.update(
-            (p.message.stage, p.message.microbatch)
-            for p in comm.sends
-            if p.message.what in (What.EVICT, What.RESTORE)
-        )
-        return held
+        received = [m for m in comm.receives if m.what == What.EVICT]
+        sent = [p.message for p in comm.sends if p.message.what in (What.EVICT, What.RESTORE)]
+        return {*self.loads, *((m.stage, m.microbatch) for m in (*received, *sent))}
 
     def leftovers(self) -> dict[str, Collection[Any]]:
         return {"loads never consumed": self.loads, "payloads never sent": self.payloads}

@@ -1,22 +1,11 @@
 """Deferred weight gradients: the cheap split backward on megatron-core's own linear layers.
 
-Zero-bubble's saving is that ``I`` computes only what the previous stage waits for and ``W``,
-later in a bubble, the weight-gradient GEMMs. Re-running autograd from a kept graph cannot do
-that exactly on megatron-core (its vocab-parallel cross entropy rewrites its saved softmax in its
-backward), so the cut is at the weight GEMMs: during a split schedule, local
-``ColumnParallelLinear`` / ``RowParallelLinear`` layers go through :class:`_DeferredLinear`,
-whose forward *is* megatron-core's and whose backward computes the input gradient (and its
-tensor-parallel all-reduce or reduce-scatter) with megatron-core's operations and files the weight
-and bias gradients as a :class:`_Deferred` under the running ``I``'s micro-batch. ``W`` computes
-them with megatron-core's own operations (same GEMM, fused ``main_grad`` accumulation on GPU)
-inside the backward of one autograd Function over the parameters (:class:`_WeightGradients`), so
-DDP's hooks run as after a whole backward and each gradient is moved into ``.grad``, not copied:
-the same gradients in 1F1B's micro-batch order, bit-identical.
-
-Everything else stays in ``I`` (layer norms, embeddings, attention, the loss), as do Transformer
-Engine layers, frozen weights, weights sharded by Megatron-FSDP or 0.19's weight-sharded tensor
-parallelism, and layers deferring their own GEMM (``defer_embedding_wgrad_compute``). A backward
-outside an ``I`` (a ``B``, or a caller's own) computes everything at once.
+During a split schedule, local ``ColumnParallelLinear`` / ``RowParallelLinear`` layers go through
+:class:`_DeferredLinear` (megatron-core's forward; a backward computing the input gradient and
+filing the weight GEMM under the running ``I``); ``W`` computes those inside one autograd
+Function's backward (:class:`_WeightGradients`), so gradients are moved, not copied, into
+``.grad`` in 1F1B's order: bit-identical. Everything else (Transformer Engine layers too) stays in
+``I``; why the cut is at the GEMMs: docs/design-notes.md, "Split backward (I and W) at runtime".
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ Key = tuple[int, int]  # (stage, micro-batch)
 # The store of the split-backward step running in this process (one pipeline rank per process).
 _ACTIVE: WeightGradStore | None = None
 _INSTALLED = "_bfpp_deferred_wgrad"
+_warned = False  # the Transformer Engine warning was logged (once per process)
 
 
 @dataclass
@@ -71,11 +61,9 @@ class _Deferred:
             if hasattr(weight, "grad_added_to_main_grad"):
                 # As megatron-core: a placeholder gradient, so DDP's hooks run on this thread
                 # and skip the addition the kernel already made.
-                shape, dtype = weight.main_grad.shape, self.input.dtype  # type: ignore[attr-defined]
-                device = weight.main_grad.device  # type: ignore[attr-defined]
-                zero = getattr(weight, "zero_out_wgrad", False)
-                make = torch.zeros if zero else torch.empty
-                grad_weight = make(shape, dtype=dtype, device=device)
+                main_grad = weight.main_grad  # type: ignore[attr-defined]
+                make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+                grad_weight = make(main_grad.shape, dtype=self.input.dtype, device=main_grad.device)
                 weight.grad_added_to_main_grad = True
             else:
                 grad_weight = None
@@ -83,10 +71,6 @@ class _Deferred:
             grad_weight = grad_output.t().matmul(total_input)
         grad_bias = grad_output.sum(dim=0) if self.bias is not None else None
         return grad_weight, grad_bias
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What it holds until its W (the memory accounting counts these)."""
-        return self.input, self.grad_output
 
 
 class WeightGradStore:
@@ -120,9 +104,10 @@ class WeightGradStore:
         return len(items)
 
     def held_tensors(self) -> Iterable[torch.Tensor]:
+        """What the pending items hold until their W (the memory accounting counts these)."""
         for items in self.pending.values():
             for item in items:
-                yield from item.tensors()
+                yield from (item.input, item.grad_output)
 
 
 @dataclass(frozen=True)
@@ -182,11 +167,7 @@ def _accumulate(items: list[_Deferred]) -> None:
     see what a whole backward gives). Inside an autograd Function's backward each gradient is
     referenced by autograd alone and moved into ``.grad``; handed to ``torch.autograd.backward``,
     every one was cloned, costing W more than its GEMMs."""
-    params: list[torch.Tensor] = []
-    for item in items:
-        params.append(item.weight)
-        if item.bias is not None:
-            params.append(item.bias)
+    params = [param for item in items for param in (item.weight, item.bias) if param is not None]
     if params:
         with torch.enable_grad():  # also when called from a backward (outside an I)
             total = _apply(_WeightGradients, items, *params)
@@ -250,10 +231,17 @@ def install(chunks: Iterable[torch.nn.Module]) -> int:
     """Route the chunks' local linear layers through the deferring function while a split backward
     step runs; idempotent, returns how many are routed. Warns once about Transformer Engine
     layers, whose weight GEMMs stay in I (W does less than planned)."""
+    global _warned
     count = 0
     chunks = list(chunks)
     if not _warned and any(compat.transformer_engine_layers(chunk) for chunk in chunks):
-        _warn_transformer_engine()
+        _warned = True
+        logging.getLogger("megatron_bfpp").warning(
+            "split backward: Transformer Engine layers compute their weight gradients in I (their "
+            "delayed weight-gradient path is not wired yet), so v-min/v-half/v-zb keep their "
+            "memory but lose their W time; use --transformer-impl local to defer every linear "
+            "layer's weight GEMM to W"
+        )
     for chunk in chunks:
         for layer in compat.local_linear_layers(chunk):
             if not getattr(layer, _INSTALLED, False):
@@ -261,20 +249,6 @@ def install(chunks: Iterable[torch.nn.Module]) -> int:
                 setattr(layer, _INSTALLED, True)
             count += 1
     return count
-
-
-_warned = False
-
-
-def _warn_transformer_engine() -> None:
-    global _warned
-    _warned = True
-    logging.getLogger("megatron_bfpp").warning(
-        "split backward: Transformer Engine layers compute their weight gradients in I (their "
-        "delayed weight-gradient path is not wired yet), so v-min/v-half/v-zb keep their memory "
-        "but lose their W time; use --transformer-impl local to defer every linear layer's "
-        "weight GEMM to W"
-    )
 
 
 @contextlib.contextmanager

@@ -1,32 +1,20 @@
 """Run one rank's program of a validated Schedule on megatron-core model chunks.
 
-One dispatch table, action kind -> handler (``runtime.step.dispatch_table``, checked at import),
-over an explicit per-step state. The core handlers (compute, pipeline messages, data-parallel
-sync) live here; a protocol with actions and state of its own is a module listed in ``TABLE``
-(runtime.bpipe, runtime.sharding, runtime.split_backward), so adding one edits none of these.
-Compute reuses megatron-core's ``forward_step`` / ``backward_step``, and behaviour comes from the
-model config as megatron-core reads it (``no_sync_func``, ``grad_sync_func``, ``param_sync_func``,
-``finalize_model_grads_func``, ``deallocate_pipeline_outputs``, timers).
-
-Messages follow the lock-step posting (``megatron_bfpp.nccl``) proven once when the schedule is
-planned (:class:`PlannedSchedule`): computes and data-parallel actions in program order, between
-them one ``batch_isend_irecv`` per tick (runtime.p2p). Data parallelism is per chunk: a chunk
-leaves ``no_sync`` just before its last backward (DDP's hooks then reduce during it),
-``grad_sync_func[chunk]`` runs at its GS and ``param_sync_func`` at its PS (sharded: a gather),
-so breadth-first's first finished chunk reduces under the other chunks' backwards.
-
-Memory accounting (``StepContext.measure_memory``, always on for a rank needing the activation
-store, e.g. BPipe's EV): after every message window and compute, the distinct storages held for
-pipelining (saved tensors, stage inputs/outputs, payloads received, posted or in flight) are
-summed; ``MemoryReport`` keeps the peak bytes, the most micro-batches resident at once and, on
-CUDA, ``torch.cuda.max_memory_allocated`` (never reset by this runtime).
+One dispatch table, action kind -> handler (``runtime.step.dispatch_table``, checked at import):
+the core handlers (compute through megatron-core's ``forward_step`` / ``backward_step``, pipeline
+messages, data-parallel sync from the model config) live here; a protocol with actions and state
+of its own is a module listed in ``TABLE`` (runtime.bpipe, runtime.sharding,
+runtime.split_backward). Messages follow the lock-step posting proven once when the schedule is
+planned (:class:`PlannedSchedule`): actions in program order, one ``batch_isend_irecv`` per tick
+between them. Memory accounting (``StepContext.measure_memory``, always on for BPipe's EV) sums
+the distinct storages held for pipelining after every window and compute.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,11 +25,10 @@ from megatron_bfpp.messages import Message, What, message_of
 from megatron_bfpp.nccl import Batch, Posting, release_models, validate_nccl
 from megatron_bfpp.runtime import bpipe, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
-from megatron_bfpp.runtime.backward import whole_backward
-from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send, pair_group, pseudo_free
+from megatron_bfpp.runtime.backward import microbatch, overlaps_grad_reduce, whole_backward
+from megatron_bfpp.runtime.p2p import Receive, Send, pair_group, pseudo_free
 from megatron_bfpp.runtime.step import (
     DispatchTable,
-    Handler,
     Handlers,
     MemoryReport,
     RankStep,
@@ -66,7 +53,7 @@ K = ActionKind
 def forward(step: RankStep, position: int, action: Action) -> None:
     from megatron.core.pipeline_parallel.schedules import check_first_val_step
 
-    ctx, stage, mb = step.ctx, action.stage, _mb(action)
+    ctx, stage, mb = step.ctx, action.stage, microbatch(action)
     chunk = step.layout.chunk_of(stage)
     input_tensor = _forward_input(step, stage, mb)
     for part in step.parts.values():
@@ -94,12 +81,8 @@ def forward(step: RankStep, position: int, action: Action) -> None:
     step.state.total_num_tokens += num_tokens
     step.state.trace.append(str(action))
     key = (stage, mb)
-    if step.layout.is_last(stage):
-        if not ctx.call.forward_only:
-            step.state.inputs[key] = input_tensor
-            step.state.outputs[key] = output
-        return
-    step.state.outputs[key] = output
+    if not (ctx.call.forward_only and step.layout.is_last(stage)):
+        step.state.outputs[key] = output
     if not ctx.call.forward_only:
         step.state.inputs[key] = input_tensor
 
@@ -107,7 +90,8 @@ def forward(step: RankStep, position: int, action: Action) -> None:
 def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
     if stage == 0:
         return None
-    if step.layout.rank_of(stage - 1) == step.rank:
+    previous = step.layout.rank_of(stage - 1)
+    if previous == step.rank:
         # Same-rank handoff (V-shape turn): a leaf like a received tensor, same storage.
         produced = step.state.outputs[(stage - 1, mb)]
         if step.ctx.call.forward_only:
@@ -118,7 +102,6 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
             # its autograd node (megatron's custom_backward checks for exactly that)
             pseudo_free(produced)
         return handed
-    previous = step.layout.rank_of(stage - 1)
     return step.ctx.comm.wait_receive(Message(What.ACT, stage - 1, mb), previous)
 
 
@@ -152,14 +135,17 @@ def send_grad(step: RankStep, position: int, action: Action) -> None:
 
 
 def recv_act(step: RankStep, position: int, action: Action) -> None:
-    message, peer = _message_and_peer(action)
-    buffer = step.ctx.comm.new_buffer(not step.ctx.call.forward_only)
-    step.window.receives.append(Receive(message, peer, (buffer,)))
+    _receive(step, action, requires_grad=not step.ctx.call.forward_only)
 
 
 def recv_grad(step: RankStep, position: int, action: Action) -> None:
+    _receive(step, action, requires_grad=False)
+
+
+def _receive(step: RankStep, action: Action, *, requires_grad: bool) -> None:
     message, peer = _message_and_peer(action)
-    step.window.receives.append(Receive(message, peer, (step.ctx.comm.new_buffer(False),)))
+    buffer = step.ctx.comm.new_buffer(requires_grad)
+    step.window.receives.append(Receive(message, peer, (buffer,)))
 
 
 def _message_and_peer(action: Action) -> tuple[Message, int]:
@@ -170,33 +156,20 @@ def _message_and_peer(action: Action) -> tuple[Message, int]:
 
 def grad_sync(step: RankStep, position: int, action: Action) -> None:
     chunk = step.layout.chunk_of(action.stage)
-    sharded = step.ctx.sharded
-    if sharded is not None and position not in step.last_grad_sync:
-        # fully sharded, a run before the chunk's last (grads_synced's ``partial``)
-        if not step.ctx.call.forward_only:
-            sharded.grads_synced(chunk, overlapped=_overlapped(step, chunk), partial=True)
-        step.state.trace.append(str(action))
-        return
-    step.leave_no_sync(chunk)
-    func = step.grad_sync_funcs[chunk]
-    if func is not None and not step.ctx.call.forward_only:
-        func(step.ctx.model[chunk].parameters())
-    if sharded is not None and not step.ctx.call.forward_only:
-        # fully sharded: landed into the kept shard at the next GS if overlapped, else now
-        sharded.grads_synced(chunk, overlapped=_overlapped(step, chunk))
-    step.state.synced_chunks.add(chunk)
+    sharded, forward_only = step.ctx.sharded, step.ctx.call.forward_only
+    last = position in step.last_grad_sync
+    if sharded is None or last:
+        step.leave_no_sync(chunk)
+        func = step.grad_sync_funcs[chunk]
+        if func is not None and not forward_only:
+            func(step.ctx.model[chunk].parameters())
+        step.state.synced_chunks.add(chunk)
+    if sharded is not None and not forward_only:
+        # fully sharded: landed into the kept shard at the next GS if overlapped, else now; a GS
+        # before the chunk's last is a run's partial reduction (grads_synced's ``partial``)
+        overlapped = overlaps_grad_reduce(step.ctx.model[chunk])
+        sharded.grads_synced(chunk, overlapped=overlapped, partial=not last)
     step.state.trace.append(str(action))
-
-
-def _overlapped(step: RankStep, chunk: int) -> bool:
-    """Does the chunk's DDP reduce asynchronously (``overlap_grad_reduce``)?"""
-    ddp_config: Any = getattr(step.ctx.model[chunk], "ddp_config", None)
-    return bool(getattr(ddp_config, "overlap_grad_reduce", False))
-
-
-def _mb(action: Action) -> int:
-    assert action.microbatch is not None  # compute actions always carry one
-    return action.microbatch
 
 
 CORE = Handlers(
@@ -219,23 +192,20 @@ TABLE: DispatchTable = dispatch_table(
 @dataclass(frozen=True, eq=False)
 class PlannedSchedule:
     """A validated schedule with its proven NCCL-safe lock-step posting, made once (``planned``) and
-    handed to every step (``eq=False``: identity is the key, so no step re-derives or hashes it).
-    ``side``: whether any rank posts a payload batch on a partner pair's group (BPipe), so that
-    every rank makes the pair groups."""
+    handed to every step (``eq=False``: identity is the key, so no step re-derives or hashes it)."""
 
     schedule: Schedule
     posting: Posting
-    side: bool = field(init=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "side", self.posting.has_side)
+    @functools.cached_property
+    def side(self) -> bool:
+        """Whether a rank posts payloads on a partner pair's group (BPipe): all make the groups."""
+        return self.posting.has_side
 
 
 def planned(schedule: Schedule) -> PlannedSchedule:
-    """``schedule`` with its lock-step posting, proven under NCCL's rules with payloads
-    between partner pairs only (``nccl.validate_nccl``): every rank derives the same one, so a
-    failure is the same error everywhere, before any communication. The proof's model is not
-    kept (``nccl.release_models``): a training process never times its posting."""
+    """``schedule`` with its lock-step posting proven under NCCL's rules (``nccl.validate_nccl``,
+    the same on every rank, before any message); the proof's model is not kept."""
     posting = validate_nccl(schedule)
     release_models()
     return PlannedSchedule(schedule, posting)
@@ -253,8 +223,7 @@ class _Executor:
         measuring = not ctx.call.forward_only and (ctx.measure_memory or captures)
         parts = [make() for make in table.parts]
         self.step = RankStep(schedule, rank, ctx, measuring=measuring, parts=parts)
-        self.handlers: Mapping[ActionKind, Handler] = table.handlers
-        self.rests: Mapping[ActionKind, Handler] = table.rests
+        self.table = table
         self.posting = plan.posting.per_rank[rank]
         self.side = plan.side
 
@@ -263,7 +232,7 @@ class _Executor:
         return self.step.state
 
     def run(self) -> StepState:
-        step, handlers = self.step, self.handlers
+        step, handlers = self.step, self.table.handlers
         comm = step.ctx.comm
         step.state.total_num_tokens = torch.zeros([], dtype=torch.int, device=comm.device)
         sharded = step.ctx.sharded
@@ -275,7 +244,10 @@ class _Executor:
                 part.begin(step)
                 stack.callback(part.end, step)
             step.enter_no_sync()
-            self._open_side(comm)
+            # The partner pair's group, before the first payload batch (BPipe's payloads get
+            # their own stream); every rank takes part (``pair_group`` is job-collective).
+            if self.side and comm.side_group is None:  # partners x and p-1-x only: ``planned``
+                comm.side_group = pair_group(comm.group, comm.device)
             settle = not comm.sends_pollable
             program = step.program
             for item in self.posting:
@@ -299,19 +271,13 @@ class _Executor:
             )
         return step.state
 
-    def _open_side(self, comm: PipeComm) -> None:
-        """The partner pair's group, before the first payload batch (BPipe's payloads get their own
-        stream); every rank takes part, with transfers or not (``pair_group`` is job-collective)."""
-        if self.side and comm.side_group is None:  # partners x and p-1-x only: ``planned``
-            comm.side_group = pair_group(comm.group, comm.device)
-
     def _post_batch(self, batch: Batch) -> None:
         """Run one tick's item handlers, then post what they gathered as one batch (BPipe's
         payloads on the partner pair's group)."""
         step = self.step
         for position, rest in batch.items:
             action = step.program[position]
-            (self.rests if rest else self.handlers)[action.kind](step, position, action)
+            (self.table.rests if rest else self.table.handlers)[action.kind](step, position, action)
         step.window.post(step.ctx.comm, side=batch.side)
         self._measure()
 

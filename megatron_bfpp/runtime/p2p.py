@@ -1,33 +1,20 @@
 """Point-to-point messages between pipeline ranks, posted as the NCCL-safe posting says.
 
-The executor posts one lock-step tick's messages (``megatron_bfpp.nccl``) as one
-``batch_isend_irecv`` whose partners are in the peers' batches of the same tick, so batches never
-cross under NCCL's rules (one communicator and stream per process group, a batch done only when
-all its ops are matched). gloo returns one Work per op, NCCL one per batch: a receive is waited
-for by its consuming action through its own Work if any, else the batch's, and a send's buffer
+One lock-step tick's messages (``megatron_bfpp.nccl``) are one ``batch_isend_irecv`` whose
+partners are in the peers' batches of the same tick. gloo returns one Work per op, NCCL one per
+batch: a receive is waited for through its own Work if any, else the batch's, and a send's buffer
 is released only after its Work completes (gloo reads send buffers from a background thread).
-
-A BPipe eviction's payload size is known only to the evictor, so it is two messages of one tick:
-an 8-byte *header* in the tick's batch, then the payload in a batch of its own posted right after
-by evictor and acceptor; the acceptor reads the header in between (``read_header`` blocks: a CPU
-sync per eviction on GPU). Payloads go on the partners' own group (:func:`pair_group`,
-``PipeComm.side_group``): on NCCL another communicator and stream, so a transfer does not hold
-the rank's next tick batches (NCCL runs one group's batches in order).
-
-Every wait is bounded by the pipeline group's timeout (``--distributed-timeout-minutes``), from
-when the message was posted; past it :class:`PipelineTimeout` names message and peer in one line.
-By backend (torch 2.13): gloo honours ``Work.wait(timeout)``, so the remaining time is passed. On
-NCCL, ``wait()`` with a timeout blocks the CPU until completion (without one it only orders the
-stream), and the watchdog aborts the process once an op outlives the group's timeout, naming no
-peer; so the wait polls ``is_completed()`` until the timeout less :data:`NCCL_LEAD` of it (before
-the watchdog), then calls ``wait()`` for stream order. The CPU waiting for each consumed message
-matches megatron-core's default ``batch_p2p_sync`` (a ``torch.cuda.synchronize()`` per batch).
+A BPipe eviction is an 8-byte size *header* in the tick's batch, then the payload in a batch of
+its own on the partners' group (:func:`pair_group`: on NCCL another stream, so transfers do not
+hold the tick batches). Every wait is bounded by the group's timeout: gloo honours
+``Work.wait(timeout)``; on NCCL the wait polls ``is_completed()`` until the timeout less
+:data:`NCCL_LEAD`, before the watchdog aborts naming no peer (docs/train.md).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -78,11 +65,9 @@ _PAIR_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup | None]] = {}
 def pair_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup | None:
     """The process group of this rank and its BPipe partner (pipeline ranks x and p-1-x) alone,
     with the pipeline group's backend and timeout; None on the middle rank of an odd pipeline.
-
-    Collective over the whole job, once per pipeline group (the executor calls it at the first step
-    with transfers): every rank makes every pair's group in one order, as ``new_group`` requires;
-    ``use_local_synchronization`` would name a group by how many groups each member has, which
-    differs between pipeline ranks."""
+    Collective over the whole job, once per pipeline group: every rank makes every pair's group
+    in one order, as ``new_group`` requires (``use_local_synchronization`` would name groups by
+    how many each member has, which differs between pipeline ranks)."""
     kept = _PAIR_GROUPS.get(id(group))
     if kept is not None and kept[0] is group:
         return kept[1]
@@ -150,13 +135,6 @@ class PendingSend:
 
 
 @dataclass
-class _Header:
-    work: dist.Work
-    size: torch.Tensor  # int64[1]
-    posted_at: float
-
-
-@dataclass
 class PipeComm:
     """Messages of one rank in one step: posted receives and sends still in flight."""
 
@@ -166,7 +144,8 @@ class PipeComm:
     device: torch.device
     receives: dict[Message, list[tuple[dist.Work, torch.Tensor]]] = field(default_factory=dict)
     sends: list[PendingSend] = field(default_factory=list)
-    headers: dict[Message, _Header] = field(default_factory=dict)
+    # an eviction's size header: its Work, the int64[1] size, when it was posted
+    headers: dict[Message, tuple[dist.Work, torch.Tensor, float]] = field(default_factory=dict)
     timeout_s: float | None = None  # None: the group's (group_timeout_s)
     side_group: dist.ProcessGroup | None = None  # BPipe's partner pair (pair_group)
     posted_at: dict[Message, float] = field(default_factory=dict)  # receives' posting times
@@ -191,14 +170,12 @@ class PipeComm:
     ) -> None:
         """One batch: receives, then sends, each in the posting's canonical order; ``side``: on
         the partner pair's group (BPipe's payloads), which ``side_group`` must hold by then."""
-        group = self.group
-        if side:
-            if self.side_group is None:
-                raise RuntimeError(
-                    "a BPipe payload batch is posted before its pair's process group was made "
-                    "(this is a bug in megatron_bfpp, please report it)"
-                )
-            group = self.side_group
+        group = self.side_group if side else self.group
+        if group is None:
+            raise RuntimeError(
+                "a BPipe payload batch is posted before its pair's process group was made "
+                "(this is a bug in megatron_bfpp, please report it)"
+            )
         ops: list[dist.P2POp] = []
         for receive in receives:
             source = self.global_rank(receive.peer)
@@ -238,7 +215,7 @@ class PipeComm:
                 parts = self.receives[receive.message] = []
                 self.posted_at[receive.message] = now
             if receive.header is not None:
-                self.headers[receive.message] = _Header(next(works), receive.header, now)
+                self.headers[receive.message] = (next(works), receive.header, now)
             parts.extend((next(works), buffer) for buffer in receive.buffers)
         for send, op in zip(sends, ops[received:], strict=True):
             self.sends.append(
@@ -247,9 +224,9 @@ class PipeComm:
 
     def read_header(self, message: Message, peer: int) -> int:
         """An eviction's payload size, once its header is in (blocking)."""
-        header = self.headers.pop(message)
-        self._wait(header.work, message, peer, header.posted_at)
-        return int(header.size.item())
+        work, size, posted_at = self.headers.pop(message)
+        self._wait(work, message, peer, posted_at)
+        return int(size.item())
 
     def wait_receive(self, message: Message, peer: int) -> torch.Tensor:
         """The one tensor of an activation or gradient message, once it has arrived."""
@@ -275,19 +252,11 @@ class PipeComm:
     ) -> None:
         """Wait for ``work`` until the group's timeout after ``posted_at`` (module docstring)."""
         assert self.timeout_s is not None  # set by __post_init__
-        me, verb = self.group.rank(), "sending" if send else "receiving"
-        way = "to" if send else "from"
         try:
             if self._pollable:
                 limit = self.timeout_s * (1.0 - NCCL_LEAD)
                 if not _poll(work, posted_at + limit):
-                    raise PipelineTimeout(
-                        f"pipeline rank {me}: {verb} {_describe(message)} {way} pipeline rank "
-                        f"{peer} (global rank {self.global_rank(peer)}) did not complete in "
-                        f"{limit:.0f} s (the process group's timeout, "
-                        "--distributed-timeout-minutes, less its NCCL lead): rank "
-                        f"{peer} is stopped, hung or far slower; look at it first"
-                    )
+                    raise self._late(message, peer, send, limit, ", less its NCCL lead")
                 work.wait()  # the stream order (completed: does not block)
                 return
             remaining = posted_at + self.timeout_s - time.monotonic()
@@ -297,46 +266,56 @@ class PipeComm:
         except RuntimeError as error:
             # gloo's words for it vary by op; the clock does not
             if time.monotonic() >= posted_at + self.timeout_s - 0.01:
-                raise PipelineTimeout(
-                    f"pipeline rank {me}: {verb} {_describe(message)} {way} pipeline rank {peer} "
-                    f"(global rank {self.global_rank(peer)}) did not complete in "
-                    f"{self.timeout_s:.0f} s (the process group's timeout, "
-                    f"--distributed-timeout-minutes): rank {peer} is stopped, hung or far "
-                    "slower; look at it first"
-                ) from error
+                raise self._late(message, peer, send, self.timeout_s) from error
             raise RuntimeError(
-                f"pipeline rank {me}: {verb} {_describe(message)} {way} pipeline rank {peer} "
-                f"(global rank {self.global_rank(peer)}) failed: {error}. Rank {peer} has "
+                f"{self._who(message, peer, send)} failed: {error}. Rank {peer} has "
                 "probably failed or been killed: look at its log first"
             ) from error
 
-    def _wait_send(self, pending: PendingSend) -> None:
-        self._wait(pending.work, pending.message, pending.peer, pending.posted_at, send=True)
+    def _who(self, message: Message, peer: int, send: bool) -> str:
+        """The start of a failed wait's one line: this rank, the message, its peer."""
+        verb, way = ("sending", "to") if send else ("receiving", "from")
+        what = _DESCRIPTIONS.get(message.what, message.what)
+        return (
+            f"pipeline rank {self.group.rank()}: {verb} {what} of stage {message.stage}, "
+            f"micro-batch {message.microbatch} {way} pipeline rank {peer} (global rank "
+            f"{self.global_rank(peer)})"
+        )
 
-    def reap(self, *, wait: bool = False) -> None:
-        """Release the buffers of completed sends (all of them, waiting, when ``wait``)."""
+    def _late(
+        self, message: Message, peer: int, send: bool, seconds: float, lead: str = ""
+    ) -> PipelineTimeout:
+        return PipelineTimeout(
+            f"{self._who(message, peer, send)} did not complete in {seconds:.0f} s (the process "
+            f"group's timeout, --distributed-timeout-minutes{lead}): rank {peer} is stopped, "
+            "hung or far slower; look at it first"
+        )
+
+    def _finish_sends(self, done: Callable[[PendingSend], bool], *, wait: bool = True) -> None:
+        """Drop the sends ``done`` picks, in order (waiting for each when ``wait``), releasing
+        their outputs; the others stay pending."""
         still: list[PendingSend] = []
         for pending in self.sends:
-            if wait:
-                self._wait_send(pending)
-            elif not pending.work.is_completed():
+            if not done(pending):
                 still.append(pending)
                 continue
+            if wait:
+                self._wait(
+                    pending.work, pending.message, pending.peer, pending.posted_at, send=True
+                )
             if pending.release is not None:
                 pseudo_free(pending.release)
         self.sends = still
+
+    def reap(self, *, wait: bool = False) -> None:
+        """Release the buffers of completed sends (all of them, waiting, when ``wait``)."""
+        self._finish_sends(lambda pending: wait or pending.work.is_completed(), wait=wait)
 
     def settle_transfers(self) -> None:
         """Wait for the payloads sent so far (receives posted in the same tick), after the compute
         following them, where sends cannot be polled (gloo completes a send only once waited
         for); the NCCL model (``megatron_bfpp.nccl``) includes this wait."""
-        still: list[PendingSend] = []
-        for pending in self.sends:
-            if pending.message.what in _TRANSFERS:
-                self._wait_send(pending)
-            else:
-                still.append(pending)
-        self.sends = still
+        self._finish_sends(lambda pending: pending.message.what in _TRANSFERS)
 
     @property
     def sends_pollable(self) -> bool:
@@ -344,11 +323,7 @@ class PipeComm:
 
     def finish_send_of(self, message: Message) -> None:
         """Wait for one message's send (its output must be freed before a custom backward)."""
-        for pending in [p for p in self.sends if p.message == message]:
-            self._wait_send(pending)
-            if pending.release is not None:
-                pseudo_free(pending.release)
-            self.sends.remove(pending)
+        self._finish_sends(lambda pending: pending.message == message)
 
     def transfer_tensors(self) -> list[torch.Tensor]:
         """Eviction payloads in communication (posted receives, sends in flight), for memory."""
@@ -386,11 +361,6 @@ def _works_per_op(posted: Sequence[dist.Work] | None, num_ops: int) -> list[dist
         f"batch_isend_irecv returned {len(works)} works for {num_ops} ops; expected one per op "
         "or one for the batch (is the process group's backend supported?)"
     )
-
-
-def _describe(message: Message) -> str:
-    what = _DESCRIPTIONS.get(message.what, message.what)
-    return f"{what} of stage {message.stage}, micro-batch {message.microbatch}"
 
 
 _DESCRIPTIONS = {

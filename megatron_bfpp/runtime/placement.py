@@ -1,14 +1,9 @@
 """What the runtime needs to know about where a schedule puts model chunks.
 
-Chunks are built elsewhere (``megatron.chunks``; megatron-core's builders for looped placement);
-the runtime checks before any message that they are the layout's (a looped model under a V-shape
-would silently train another network), and where one rank holds both copies of a tied embedding
-(the V-shape's rank 0) adds their gradients in place of Megatron's first/last-rank all-reduce.
-
-The loss is computed on the last stage's rank (rank 0 in the V-shape), but Megatron-LM's loop,
-its evaluation and custom loops read returned losses on the last pipeline rank
-(``is_pipeline_last_stage(ignore_virtual=True)``), so :func:`deliver_to_last_rank` sends them
-there and every caller works unchanged.
+The chunks must be the layout's (a looped model under a V-shape would silently train another
+network); where one rank holds both copies of a tied embedding (the V-shape's rank 0) their
+gradients are summed in place of Megatron's all-reduce; and the losses go to the last pipeline
+rank, where Megatron-LM and custom loops read them (:func:`deliver_to_last_rank`).
 """
 
 from __future__ import annotations
@@ -104,11 +99,9 @@ def sum_tied_embedding_grads(chunks: Sequence[Any]) -> None:
     weights = tied_embedding_weights(chunks)
     if weights is None:
         return
-    grads = [_grad(weight) for weight in weights]
-    if any(grad is None for grad in grads):
+    embedding, output = (_grad(weight) for weight in weights)
+    if embedding is None or output is None:
         return
-    embedding, output = grads
-    assert embedding is not None and output is not None
     total = embedding + output
     embedding.copy_(total)
     output.copy_(total)

@@ -1,30 +1,13 @@
 """Fully sharded data parallelism (ZeRO-3) on megatron-core's own buffers, driven by the schedule.
 
-Executes a schedule's gathers (PS), releases (RL) and gradient reductions (GS) (see
-``passes.grad_sync`` and docs/design-notes.md, "Sharded parameters") on megatron-core DDP chunks
-built for the distributed optimizer. Each bucket keeps two shards (1/d of the chunk each): this
-rank's part of its parameters and of its reduced gradients; the full buffers exist only while the
-schedule needs them:
-
-- **parameters**: a release copies this rank's part into the kept shard and frees the full
-  buffer's storage (``untyped_storage().resize_(0)``: parameter views and tensors autograd saved
-  keep pointing at it); a gather re-allocates it and all-gathers asynchronously at the PS, waited
-  on by the chunk's first compute after it, so it overlaps the previous chunk's compute;
-- **gradients**: allocated (zeroed) at the first backward of each run of the chunk's backwards,
-  reduce-scattered at the GS ending the run by megatron-core's ``start_grad_sync`` /
-  ``finish_grad_sync``, landed at the rank's next GS (or the step's end) into the kept shard
-  (added from the chunk's second run on), then freed. A ``partial`` reduction (before the
-  chunk's last run) keeps the chunk in ``no_sync`` and is started here, not by DDP's hooks;
-- **the end of the step** (:meth:`ShardedParameters.finalize_grads`, replacing
-  ``finalize_model_grads``, which reads full gradients): the same arithmetic on the kept shards;
-  a tied word embedding's chunk keeps full gradients until the embedding-group all-reduce, since
-  shard boundaries differ between the pipeline's two ends;
-- **the optimizer step** (:meth:`ShardedParameters.optimizer_step`) runs the distributed
-  optimizer on the kept shards (``compat.optimizer_on_shards``), skipping its closing all-gather.
-
-Why: megatron-core's distributed optimizer, mixed precision and checkpoint format keep working on
-both megatron-core versions we serve; FSDP2's DTensor parameters do not work with that optimizer,
-and Megatron-FSDP cannot be built with pipeline parallelism.
+Executes a schedule's gathers (PS), releases (RL) and gradient reductions (GS) on megatron-core
+DDP chunks built for the distributed optimizer. Each bucket keeps this rank's shard of its
+parameters and of its reduced gradients; the full buffers' storages are freed
+(``untyped_storage().resize_(0)``: views and saved tensors keep pointing at them) and allocated
+only while the schedule needs them; the step's end (:meth:`ShardedParameters.finalize_grads`) and
+the optimizer step (:meth:`ShardedParameters.optimizer_step`) work on the kept shards. Why (the
+distributed optimizer, mixed precision and checkpoints keep working) and each buffer's life:
+docs/design-notes.md, "Sharded parameters (ZeRO-3)".
 """
 
 from __future__ import annotations
@@ -76,17 +59,13 @@ class _Bucket:
     grad_full: torch.Tensor  # the bucket's flat view into its gradient buffer (grad_data)
     grad_shard: torch.Tensor  # this rank's part of the reduced gradients, kept for good
     group: Any
-    size: int
     rank: int
     megatron_bucket: Any  # the bucket object the distributed optimizer's buffers point at
 
-    def local_view(self) -> torch.Tensor:
-        numel = self.shard.numel()
-        return self.full.view(-1)[self.rank * numel : (self.rank + 1) * numel]
-
-    def local_grad_view(self) -> torch.Tensor:
-        numel = self.grad_shard.numel()
-        return self.grad_full.view(-1)[self.rank * numel : (self.rank + 1) * numel]
+    def local_view(self, grad: bool = False) -> torch.Tensor:
+        """This rank's part of the full parameter (``grad``: gradient) buffer."""
+        full, shard = (self.grad_full, self.grad_shard) if grad else (self.full, self.shard)
+        return _part(full, self.rank, shard.numel())
 
 
 @dataclass
@@ -145,8 +124,7 @@ class ShardedParameters:
                 f"model chunk {chunk} is gathered twice without a release in between; the "
                 "schedule and the sharding runtime disagree: please report this bug"
             )
-        for storage, nbytes in zip(state.storages, state.full_nbytes, strict=True):
-            storage.resize_(nbytes)
+        _resize(state.storages, state.full_nbytes)
         state.resident = True
         self._observe()
         for bucket in state.buckets:
@@ -176,8 +154,7 @@ class ShardedParameters:
         with torch.no_grad():
             for bucket in state.buckets:
                 bucket.shard.copy_(bucket.local_view())
-        for storage in state.storages:
-            storage.resize_(0)
+        _resize(state.storages)
         state.resident = False
 
     def allocate_grads(self, chunk: int) -> None:
@@ -189,9 +166,7 @@ class ShardedParameters:
             self._land(chunk)
         if state.grads_resident:
             return
-        for storage, nbytes in zip(state.grad_storages, state.grad_nbytes, strict=True):
-            storage.resize_(nbytes)
-            _bytes_of(storage).zero_()
+        _resize(state.grad_storages, state.grad_nbytes, zero=True)
         state.grads_resident = True
         self._observe()
 
@@ -209,9 +184,7 @@ class ShardedParameters:
             )
         if chunk == self.deferred:
             return
-        earlier, self.pending_grads = self.pending_grads, []
-        for index in earlier:
-            self._land(index)
+        self._land_pending()
         if partial:
             self.partial.add(chunk)
         if overlapped:
@@ -235,9 +208,7 @@ class ShardedParameters:
                 "asks for whole gradients on every rank: use data_parallel_sharding_strategy "
                 "'optim' for it"
             )
-        earlier, self.pending_grads = self.pending_grads, []
-        for index in earlier:
-            self._land(index)
+        self._land_pending()
         if self.deferred is not None:
             self.chunks[self.deferred].module.finish_grad_sync()  # type: ignore[operator]
         summed, averaged = tensor_parallel_reduced_params(self.modules, config)
@@ -292,6 +263,11 @@ class ShardedParameters:
         shared = shared_embedding_chunk(self.modules, config, groups)
         self.deferred = None if shared is None else shared[0]
 
+    def _land_pending(self) -> None:
+        earlier, self.pending_grads = self.pending_grads, []
+        for index in earlier:
+            self._land(index)
+
     def _land(self, chunk: int) -> None:
         """Wait for the chunk's reduction, keep (add) this rank's part, free the buffer."""
         state = self.chunks[chunk]
@@ -302,17 +278,14 @@ class ShardedParameters:
             state.module.finish_grad_sync()  # type: ignore[operator]
         with torch.no_grad():
             for bucket in state.buckets:
-                if chunk in self.landed:
-                    bucket.grad_shard.add_(bucket.local_grad_view())
-                else:
-                    bucket.grad_shard.copy_(bucket.local_grad_view())
+                keep = bucket.grad_shard.add_ if chunk in self.landed else bucket.grad_shard.copy_
+                keep(bucket.local_view(grad=True))
         self.landed.add(chunk)
         self._free_grads(chunk)
 
     def _free_grads(self, chunk: int) -> None:
         state = self.chunks[chunk]
-        for storage in state.grad_storages:
-            storage.resize_(0)
+        _resize(state.grad_storages)
         state.grads_resident = False
 
     def _reduced_grad_view(self, param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -327,7 +300,7 @@ class ShardedParameters:
             lo, hi = max(start - bucket.rank * numel, 0), min(end - bucket.rank * numel, numel)
             if hi <= lo:
                 return None
-            source = bucket.local_grad_view() if state.grads_resident else bucket.grad_shard
+            source = bucket.local_view(grad=True) if state.grads_resident else bucket.grad_shard
             return source[lo:hi]
         return None
 
@@ -340,16 +313,14 @@ class ShardedParameters:
             if state.grads_resident:
                 original()
                 return
-            for storage, nbytes in zip(state.grad_storages, state.grad_nbytes, strict=True):
-                storage.resize_(nbytes)
+            _resize(state.grad_storages, state.grad_nbytes)
             # Zeroing opens the iteration, before the forward-backward resets the peaks:
             # remembered here and counted in by that reset.
-            self.zeroing_grad_bytes = max(self.zeroing_grad_bytes, self.resident_grad_bytes())
+            self.zeroing_grad_bytes = max(self.zeroing_grad_bytes, self.resident_bytes(grad=True))
             try:
                 original()
             finally:
-                for storage in state.grad_storages:
-                    storage.resize_(0)
+                _resize(state.grad_storages)
 
         return around
 
@@ -362,7 +333,9 @@ class ShardedParameters:
                     "step after the forward-backward function has returned"
                 )
         with (
-            optimizer_on_shards(optimizer, self._param_shard, self._grad_shard),
+            optimizer_on_shards(
+                optimizer, lambda b: self._bucket(b).shard, lambda b: self._bucket(b).grad_shard
+            ),
             param_gather_suppressed(self.modules),
         ):
             return step()
@@ -385,20 +358,12 @@ class ShardedParameters:
         """This rank's reduced gradients, as the optimizer step reads them: the kept shards."""
         return [bucket.grad_shard for state in self.chunks for bucket in state.buckets]
 
-    def resident_bytes(self) -> int:
-        """Parameter bytes this rank holds now: the kept shards and the gathered buffers."""
+    def resident_bytes(self, grad: bool = False) -> int:
+        """Parameter (``grad``: gradient) bytes held now: the kept shards and the full buffers."""
         return sum(
-            sum(b.shard.untyped_storage().nbytes() for b in state.buckets)
-            + sum(storage.nbytes() for storage in state.storages)
-            for state in self.chunks
-        )
-
-    def resident_grad_bytes(self) -> int:
-        """Gradient bytes this rank holds now: the kept shards and the allocated buffers."""
-        return sum(
-            sum(b.grad_shard.untyped_storage().nbytes() for b in state.buckets)
-            + sum(storage.nbytes() for storage in state.grad_storages)
-            for state in self.chunks
+            sum((b.grad_shard if grad else b.shard).untyped_storage().nbytes() for b in st.buckets)
+            + sum(storage.nbytes() for storage in (st.grad_storages if grad else st.storages))
+            for st in self.chunks
         )
 
     def full_bytes(self) -> int:
@@ -409,23 +374,13 @@ class ShardedParameters:
         """A forward-backward starts: no kept gradient shard holds this step's sum yet, and the
         high-water marks start (the zeroing just before counted in)."""
         self.landed.clear()
-        self.reset_peak()
-
-    def reset_peak(self) -> None:
-        """Start the iteration's high-water marks (its zeroing, just before, counted in)."""
         self.peak_bytes = self.resident_bytes()
-        self.peak_grad_bytes = max(self.resident_grad_bytes(), self.zeroing_grad_bytes)
+        self.peak_grad_bytes = max(self.resident_bytes(grad=True), self.zeroing_grad_bytes)
         self.zeroing_grad_bytes = 0
 
     def _observe(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes())
-        self.peak_grad_bytes = max(self.peak_grad_bytes, self.resident_grad_bytes())
-
-    def _param_shard(self, megatron_bucket: Any) -> torch.Tensor:
-        return self._bucket(megatron_bucket).shard
-
-    def _grad_shard(self, megatron_bucket: Any) -> torch.Tensor:
-        return self._bucket(megatron_bucket).grad_shard
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self.resident_bytes(grad=True))
 
     def _bucket(self, megatron_bucket: Any) -> _Bucket:
         found = self.by_bucket.get(id(megatron_bucket))
@@ -443,13 +398,9 @@ _threshold: list[int] = []  # the value this process set, if any
 
 
 def return_freed_buffers(nbytes: int) -> None:
-    """On CPU with glibc, let a freed chunk buffer of ``nbytes`` or more go back to the system.
-
-    After freeing an mmap'd block glibc raises its mmap threshold to that size (up to 32 MiB), so
-    the next same-size chunk buffer comes from the heap and stays resident once freed
-    (docs/design-notes.md, "The process's own peak"). Fixing the threshold at the smallest chunk
-    buffer's size (at least glibc's default 128 KiB) keeps chunk buffers mapped. Once per process;
-    a no-op without glibc; GPUs are unaffected (their caching allocator reuses freed blocks)."""
+    """On CPU with glibc, fix the mmap threshold at the smallest chunk buffer's size (at least
+    128 KiB), so a freed chunk buffer goes back to the system instead of staying on the heap
+    (docs/design-notes.md, "The process's own peak"); once per process, a no-op without glibc."""
     threshold = max(128 * 2**10, min(nbytes, _MMAP_THRESHOLD_MAX))
     if _threshold and _threshold[0] <= threshold:
         return
@@ -462,9 +413,19 @@ def return_freed_buffers(nbytes: int) -> None:
         _threshold[:] = [threshold]
 
 
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A byte tensor over the whole storage (to zero it, whatever the dtypes in it)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+def _resize(
+    storages: list[torch.UntypedStorage], nbytes: list[int] | None = None, *, zero: bool = False
+) -> None:
+    """Free the storages (``nbytes`` None) or re-allocate them at ``nbytes`` (``zero``: zeroed,
+    through a byte tensor over each, whatever the dtypes in it)."""
+    for storage, size in zip(storages, nbytes or [0] * len(storages), strict=True):
+        storage.resize_(size)
+        if zero:
+            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
+
+
+def _part(full: torch.Tensor, rank: int, numel: int) -> torch.Tensor:
+    return full.view(-1)[rank * numel : (rank + 1) * numel]
 
 
 _REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, ShardedParameters] = (
@@ -539,15 +500,13 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
         storages.setdefault(storage.data_ptr(), storage)
         grad_storage = grad.untyped_storage()
         grad_storages.setdefault(grad_storage.data_ptr(), grad_storage)
-        part = full.numel() // size
         buckets.append(
             _Bucket(
                 full=full,
-                shard=full.view(-1)[found.rank * part : (found.rank + 1) * part].clone(),
+                shard=_part(full, found.rank, full.numel() // size).clone(),
                 grad_full=grad,
                 grad_shard=torch.zeros(grad.numel() // size, dtype=grad.dtype, device=grad.device),
                 group=found.group,
-                size=size,
                 rank=found.rank,
                 megatron_bucket=found.bucket,
             )
@@ -557,9 +516,8 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
             "sharded parameters cannot release a parameter buffer that shares storage with the "
             "gradient buffer (reuse_grad_buf_for_mxfp8_param_ag); turn that option off"
         )
-    kept = list(storages.values())
-    kept_grads = list(grad_storages.values())
-    state = _Chunk(
+    kept, kept_grads = list(storages.values()), list(grad_storages.values())
+    return _Chunk(
         module=module,
         buckets=buckets,
         storages=kept,
@@ -567,7 +525,6 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
         grad_storages=kept_grads,
         grad_nbytes=[s.nbytes() for s in kept_grads],
     )
-    return state
 
 
 class ShardingPart(StepPart):

@@ -1,15 +1,9 @@
 """Split backward (zero-bubble's I and W) on megatron-core chunks, exact for every layer.
 
-V-shape schedules (v-min, v-half, v-zb) split a micro-batch's backward into ``I``
-(BACKWARD_INPUT: the previous stage's gradient, sent early) and ``W`` (BACKWARD_WEIGHT: weight
-gradients, filling bubbles later). ``I`` runs megatron-core's ``backward_step`` with the chunk's
-local linear layers deferring their weight GEMMs, ``W`` computes those
-(``runtime.deferred_wgrad``, which says why this is bit-identical to 1F1B).
-
-A chunk's gradients are complete only after its last ``W``, but with ``overlap_grad_reduce`` and
-no caller sync function DDP's hooks would dispatch the reduction earlier (they fire at ``I`` for
-some parameters, at ``W`` for others); so the chunk stays in ``no_sync`` and its own
-``start_grad_sync`` runs at the chunk's GS, as Megatron-LM's ``grad_sync_func`` does.
+``I`` runs ``backward_step`` with the chunk's local linear layers deferring their weight GEMMs,
+``W`` computes them (``runtime.deferred_wgrad``). DDP's hooks would reduce before the last ``W``
+(some gradients come at ``I``), so the chunk stays in ``no_sync`` and its own
+``start_grad_sync`` runs at its GS, as Megatron-LM's ``grad_sync_func`` does.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ import torch
 
 from megatron_bfpp.ir import Action, ActionKind, primitives
 from megatron_bfpp.runtime import deferred_wgrad
-from megatron_bfpp.runtime.backward import microbatch, whole_backward
+from megatron_bfpp.runtime.backward import microbatch, overlaps_grad_reduce, whole_backward
 from megatron_bfpp.runtime.step import Handlers, Key, RankStep, StepPart
 
 __all__ = ["HANDLERS", "SplitBackward"]
@@ -47,7 +41,7 @@ class SplitBackward(StepPart):
         deferred_wgrad.install(step.ctx.model)
         if step.ctx.config.grad_sync_func is None:
             for chunk, model in enumerate(step.ctx.model):
-                if _overlaps_grad_reduce(model):
+                if overlaps_grad_reduce(model) and hasattr(model, "start_grad_sync"):
                     step.grad_sync_funcs[chunk] = _start_grad_sync(model)
         self._deferring = contextlib.ExitStack()
         self._deferring.enter_context(deferred_wgrad.deferring(self.store))
@@ -65,13 +59,6 @@ class SplitBackward(StepPart):
             "input gradients without their weight gradients": self.pending,
             "deferred weight gradients never computed": self.store.pending,
         }
-
-
-def _overlaps_grad_reduce(model: torch.nn.Module) -> bool:
-    ddp_config = getattr(model, "ddp_config", None)
-    return bool(getattr(ddp_config, "overlap_grad_reduce", False)) and hasattr(
-        model, "start_grad_sync"
-    )
 
 
 def _start_grad_sync(model: Any) -> Callable[..., None]:

@@ -1,12 +1,8 @@
 """What a handler of one action kind works on: one rank's side of one training step.
 
-A handler is a plain function of ``(step, position, action)`` (the executor's table maps kinds
-to them); here are the :class:`RankStep` it receives (context, core bookkeeping, activation store,
-the message window being gathered, each handler module's per-step part) and :class:`Handlers`,
-the form a runtime module registers its kinds in. A protocol with state between its actions
-(BPipe's evicted payloads, posted loads) keeps it in its own :class:`StepPart`, made once per
-step; the core asks every part the same few questions (before a backward, memory held, leftovers),
-so it never names a protocol.
+A handler is a plain function of ``(step, position, action)``; a runtime module registers its
+kinds as :class:`Handlers`. A protocol with state between its actions keeps it in its own
+:class:`StepPart`, which the core asks the same few questions, so it never names a protocol.
 """
 
 from __future__ import annotations
@@ -91,10 +87,8 @@ class MemoryReport:
     cuda_max_memory_allocated: int | None = None
 
     def observe(self, nbytes: int, microbatches: int) -> None:
-        if nbytes > self.peak_activation_bytes:
-            self.peak_activation_bytes = nbytes
-        if microbatches > self.peak_stored_microbatches:
-            self.peak_stored_microbatches = microbatches
+        self.peak_activation_bytes = max(self.peak_activation_bytes, nbytes)
+        self.peak_stored_microbatches = max(self.peak_stored_microbatches, microbatches)
 
 
 @dataclass
@@ -160,12 +154,10 @@ P = TypeVar("P", bound=StepPart)
 
 @dataclass(frozen=True)
 class Handlers:
-    """One runtime module's share of the dispatch table.
-
-    ``kinds``: action kind -> handler; ``rests``: kinds whose action has a *rest* item in a later
-    batch of the posting (an eviction's payload, after its size) -> that item's handler; ``part``
-    makes the module's per-step state, if any; ``captures``: kinds needing the forward's saved
-    tensors routed through the activation store (BPipe's EV ships them)."""
+    """One runtime module's share of the dispatch table: ``kinds`` -> handler; ``rests``: kinds
+    with a *rest* item in a later batch (an eviction's payload) -> its handler; ``part`` makes the
+    module's per-step state; ``captures``: kinds needing the forward's saved tensors in the
+    activation store (BPipe's EV ships them)."""
 
     kinds: Mapping[ActionKind, Handler]
     rests: Mapping[ActionKind, Handler] = field(default_factory=dict)
@@ -229,8 +221,11 @@ class RankStep:
         self.rank = rank
         self.ctx = ctx
         self.program = schedule.per_rank[rank]
-        self.last_backward = _last_backward_positions(self.program)
-        self.last_grad_sync = _last_grad_sync_positions(self.program)
+        # Each chunk's last backward (B, or I with a split backward; an overlapped pair's
+        # included): where DDP's hooks may start reducing; and its last GS: the reduction DDP
+        # dispatches (fully sharded breadth-first with groups reduces once per group before it).
+        self.last_backward = _last_positions(primitives(self.program), _BACKWARDS)
+        self.last_grad_sync = _last_positions(enumerate(self.program), {ActionKind.GRAD_SYNC})
         # With sync functions (overlap_grad_reduce) a chunk stays in no_sync through its last
         # backward and GS reduces, as megatron-core's interleaved schedule does; else DDP's hooks.
         self.grad_sync_funcs = self.per_chunk(ctx.config.grad_sync_func)
@@ -287,21 +282,12 @@ class RankStep:
         return [func] + [None] * (chunks - 1)
 
 
-def _last_grad_sync_positions(program: tuple[Action, ...]) -> set[int]:
-    """Position of each chunk's last GS on this rank: the reduction megatron-core's DDP
-    dispatches (fully sharded breadth-first with groups reduces once per group before it)."""
-    last: dict[int, int] = {}
-    for position, action in enumerate(program):
-        if action.kind is ActionKind.GRAD_SYNC:
-            last[action.stage] = position
-    return set(last.values())
+_BACKWARDS = {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT}
 
 
-def _last_backward_positions(program: tuple[Action, ...]) -> set[int]:
-    """Position of each chunk's last backward on this rank (its last B, or last I with a split
-    backward): where its weight gradients last accumulate and DDP's hooks may start reducing."""
-    last: dict[int, int] = {}
-    for position, action in primitives(program):  # an overlapped pair's backward included
-        if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
-            last[action.stage] = position
+def _last_positions(
+    program: Iterable[tuple[int, Action]], kinds: Collection[ActionKind]
+) -> set[int]:
+    """The position of each stage's last action of ``kinds`` in ``program``."""
+    last = {action.stage: position for position, action in program if action.kind in kinds}
     return set(last.values())
