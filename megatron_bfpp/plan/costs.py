@@ -139,10 +139,8 @@ class ProfileCurve:
             forward = total / (m.forward_s * gpu.peak_flops)
             backward = 2.0 * total / (m.backward_s * gpu.peak_flops)
             split = (m.backward_input_s or 0.0) + (m.backward_weight_s or 0.0)
-            if m.backward_weight_s is not None and split > 0:
-                share = m.backward_weight_s / split
-            else:
-                share = 0.5
+            weight = m.backward_weight_s
+            share = weight / split if weight is not None and split > 0 else 0.5
             rows.append((work, forward, backward, share))
         rows.sort()
         for work, forward, backward, _ in rows:

@@ -1,12 +1,6 @@
 """The breadth-first paper's two pictures, predicted: throughput per GPU against batch size per
-GPU for each schedule family (its Figure 3), and training time against cost (its Figure 4).
-
-Figure 4 uses the paper's empirical model: the samples needed grow as ``1 + B / B_crit`` and
-utilisation depends mainly on the batch per GPU ``beta``, so ``N`` GPUs at ``beta`` cost
-``(1 + beta N / B_crit) / u(beta)`` GPU-seconds per minimum sample (``u`` samples/s per GPU) and
-take that over N in time; each family's curve is its best trade-off over the swept ``beta`` and
-cluster sizes 1/8 to 16 times the given one. matplotlib is imported only when drawing.
-"""
+GPU for each schedule family (its Figure 3), and training time against cost (its Figure 4, by
+the paper's model: samples needed grow as ``1 + B / B_crit``). matplotlib only when drawing."""
 
 from __future__ import annotations
 
