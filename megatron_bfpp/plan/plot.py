@@ -108,23 +108,22 @@ def render_plot(
     from matplotlib.figure import Figure
 
     families: dict[str, list[tuple[int, float, float]]] = {}
+    megatron: set[str] = (
+        set()
+    )  # the families standing for Megatron's own (p2p as megatron-core posts it)
     for point in sweep:
         for family, plan in point.result.best_per_family.items():
             families.setdefault(family, []).append(
                 (point.global_batch_size, plan.tokens_per_s, plan.mfu)
             )
+            if plan.p2p_model.startswith("megatron"):
+                megatron.add(family)
     panels = 2 if critical_batch_size else 1
     figure = Figure(figsize=(6.0 * panels, 4.5), dpi=90, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, panels, squeeze=False)[0]
     n = cluster.num_gpus
     seq = model.seq_length
-    megatron = {
-        family
-        for point in sweep
-        for family, plan in point.result.best_per_family.items()
-        if plan.p2p_model.startswith("megatron")
-    }
     for family, rows in sorted(families.items()):
         rows.sort()
         beta = [b / n for b, _, _ in rows]

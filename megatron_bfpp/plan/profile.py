@@ -119,14 +119,13 @@ def profile_from_dict(data: Any) -> StageProfile:
     if data.get("version") != VERSION:
         raise ScheduleError(f"'version' must be {VERSION}, got {data.get('version')!r}")
     model_data = _field(data, "model", dict)
-    model = Model(  # its fields checked in their order
-        **{
-            f.name: _field(model_data, f.name, _MODEL_TEXT[f.name], where="model.")
-            if f.name in _MODEL_TEXT
-            else _positive(model_data, f.name, where="model.")
-            for f in fields(Model)
-        }
-    )
+    checked: dict[str, Any] = {  # the model's fields, in their order
+        f.name: _field(model_data, f.name, _MODEL_TEXT[f.name], where="model.")
+        if f.name in _MODEL_TEXT
+        else _positive(model_data, f.name, where="model.")
+        for f in fields(Model)
+    }
+    model = Model(**checked)
     if model.arch not in ("gpt", "llama"):
         raise ScheduleError(f"'model.arch' must be 'gpt' or 'llama', got {model.arch!r}")
     rows = _field(data, "measurements", list)

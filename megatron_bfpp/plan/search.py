@@ -733,7 +733,7 @@ def _timing(
     # with whole backwards (all but the V-shapes) the last gradient crosses them back.
     hops = c.pp - 1
     fill = hops * (times.forward / c.vp + times.host + times.p2p)
-    if get_spec(c.schedule).placement is not Placement.V_SHAPE:
+    if placement is not Placement.V_SHAPE:
         fill += hops * (times.backward / c.vp + times.host + times.p2p)
     # Order of simulation: the bound plus the data-parallel collectives.
     estimate = busy + fill + extra + c.vp * (times.grad_reduce + times.param_gather)
