@@ -530,12 +530,9 @@ def _simulated_ns(
     grad_reduce: str | None = None,
     budget: ActionBudget | None = None,
 ) -> tuple[float, float]:
-    """(step time, bubble fraction) of ``c`` at m micro-batches, in the simulator's ns, by the
-    p2p model ``p2p`` (and ``grad_reduce`` for a megatron one). Long schedules repeat a steady
-    state: when three short lengths give step times on one exact line, the step at m is read
-    off it; otherwise the whole schedule is simulated, up to ``EXACT_UP_TO`` periods, and past
-    that read off an approximate line (``_approximate``); docs/planner.md has the figures.
-    """
+    """(step time, bubble fraction) of ``c`` at m micro-batches in the simulator's ns: read off
+    the line through three short lengths when they lie on one (a steady state repeats), else
+    simulated whole up to ``EXACT_UP_TO`` periods, past that off an approximate line."""
     # A breadth-first group of g micro-batches repeats every g (the planner's g is pp).
     p = c.pp if c.group_size is None else max(c.pp, c.group_size)
     steps: dict[int, float] = {}  # by length: attempts 1 and 2 share two, 3 often one
@@ -838,24 +835,22 @@ def recommend(
         raise ScheduleError(f"--global-batch-size must be positive, got {global_batch_size}")
     start = time.perf_counter()
     efficiency = options.efficiency or BuiltinCurve(cluster.gpu)
-    evaluated = rejected = 0
-    fitting: list[_Sized] = []
-    for c in candidates(
+    found = candidates(
         model=model, cluster=cluster, global_batch_size=global_batch_size, options=options
-    ):
-        evaluated += 1
-        sized, _ = _size(
+    )
+    sizes = [
+        _size(
             c,
             model=model,
             cluster=cluster,
             global_batch_size=global_batch_size,
             options=options,
             efficiency=efficiency,
-        )
-        if sized is not None:
-            fitting.append(sized)
-        else:
-            rejected += 1
+        )[0]
+        for c in found
+    ]
+    fitting = [sized for sized in sizes if sized is not None]
+    evaluated, rejected = len(sizes), len(sizes) - len(fitting)
     fitting.sort(key=lambda s: s.estimate)  # stable: ties keep the enumeration order
     top: list[tuple[float, int, Plan]] = []  # max-heap of the best ``top`` by -step time
     family_best: dict[str, Plan] = {}
