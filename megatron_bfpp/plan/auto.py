@@ -1,11 +1,8 @@
 """``--pipeline-schedule auto``: the planner picks the schedule for the layout the user fixed.
 
-A decision of its own, not ``recommend``, because the user fixed the model, parallel sizes,
-batch, recomputation, precision and sharding: :func:`decide` ranks only what a schedule may
-still choose (schedule, virtual stages, group size, BPipe cap), the user's flags for those as
-constraints. It is a pure function of what every rank sees alike, so every rank decides the
-same without communicating (tests/multirank/test_auto.py). It uses only the planner's public
-API (``Candidate``, ``memory_of``, ``evaluate``), so new models there change it unedited.
+Not ``recommend``: the user fixed the layout, so :func:`decide` ranks only what a schedule may
+still choose (schedule, virtual stages, group size, BPipe cap). It is a pure function of what
+every rank sees alike, so every rank decides the same without communicating.
 """
 
 from __future__ import annotations
@@ -346,19 +343,15 @@ def gpu_from_device(name: str, total_memory: int | None = None) -> tuple[Gpu, st
     """A planner preset for a CUDA device name, with the device's own memory when given; a
     device of no known family is timed as an H100 and the note says so."""
     lowered = name.lower()
-    preset = None
-    if "v100" in lowered:
-        preset = "v100-32gb"
-    elif "a100" in lowered or "a800" in lowered:
-        large = total_memory is None or total_memory > 48 * GiB
-        preset = "a100-80gb" if large else "a100-40gb"
-    elif any(family in lowered for family in ("h100", "h200", "h800", "gh200")):
-        preset = "h100-80gb"
-    if preset is None:
-        preset = CPU_TIMING_GPU
-        note = f"unknown GPU {name!r}: timed as {preset}"
-    else:
-        note = f"{name} timed as {preset}"
+    large = total_memory is None or total_memory > 48 * GiB
+    families = {  # the first whose names the device's contains
+        "v100-32gb": ("v100",),
+        "a100-80gb" if large else "a100-40gb": ("a100", "a800"),
+        "h100-80gb": ("h100", "h200", "h800", "gh200"),
+    }
+    found = next((p for p, names in families.items() if any(f in lowered for f in names)), None)
+    preset = found or CPU_TIMING_GPU
+    note = f"{name} timed as {preset}" if found else f"unknown GPU {name!r}: timed as {preset}"
     gpu = GPUS[preset]
     if total_memory is not None:
         gpu = dataclasses.replace(gpu, memory_bytes=int(total_memory))
@@ -518,18 +511,10 @@ def _candidate(
 ) -> Candidate:
     """``name`` on the user's layout, with the generator options ``chosen``."""
     chosen = chosen or {}
+    group, cap = chosen.get("group_size"), chosen.get("max_stored")
+    plain = r.tp > 1 and not r.sequence_parallel
     return Candidate(
-        name,
-        sharding,
-        r.tp,
-        r.pp,
-        vp,
-        r.dp,
-        r.micro_batch_size,
-        r.recompute,
-        group_size=chosen.get("group_size"),
-        plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel,
-        max_stored=chosen.get("max_stored"),
+        name, sharding, r.tp, r.pp, vp, r.dp, r.micro_batch_size, r.recompute, group, plain, cap
     )
 
 
@@ -588,7 +573,7 @@ def decide(r: AutoRequest) -> Decision:
     if not simulated:
         raise ScheduleError(_refusal(r, too_big, excluded, untimed, judge))
     rows = tuple(simulated + too_big + untimed + excluded)
-    return Decision(r, rows, megatron, judge.simulations, judge.actions.spent, judge.actions.limit)
+    return Decision(r, rows, megatron, judge.counter[0], judge.actions.spent, judge.actions.limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -618,13 +603,6 @@ class _Judge:
         memory = None if r.hardware.memory_bytes is None else _budget(r.hardware)
         return _Judge(r, model, cluster, options, memory, ActionBudget(AUTO_ACTION_BUDGET), [0])
 
-    @property
-    def simulations(self) -> int:
-        return self.counter[0]
-
-    def fits(self, memory: MemoryBreakdown) -> bool:
-        return self.memory_budget is None or memory.total <= self.memory_budget
-
     def lower_bound(self, c: Candidate, *, grouped: bool = True) -> float:
         return lower_bound_of(
             c,
@@ -635,16 +613,6 @@ class _Judge:
             grouped=grouped,
         )
 
-    def memory(self, c: Candidate) -> MemoryBreakdown:
-        """At the largest step of a batch-size schedule (the global batch without one)."""
-        return memory_of(
-            c,
-            model=self.model,
-            global_batch_size=self.request.peak_batch_size,
-            options=self.options,
-            budget=self.actions,
-        )
-
     def row(
         self,
         c: Candidate,
@@ -653,17 +621,24 @@ class _Judge:
         megatron: bool = False,
         bound: float | None = None,
     ) -> Row:
-        """Its memory and, when it fits (or ``force``), its simulated plan; or why not. With a
-        ``bound`` that cannot beat the runner-up, only its memory (its row keeps the bound)."""
+        """Its memory (at the largest step of a batch-size schedule) and, when it fits (or
+        ``force``), its simulated plan; or why not. With a ``bound`` that cannot beat the
+        runner-up, only its memory (its row keeps the bound)."""
         try:
-            memory = self.memory(c)
+            memory = memory_of(
+                c,
+                model=self.model,
+                global_batch_size=self.request.peak_batch_size,
+                options=self.options,
+                budget=self.actions,
+            )
             if bound is None:
                 _check_every_step(c, self.request, self.actions)
         except OverBudget as error:
             return _untimed(c, None, self.actions, error)
         except ScheduleError as error:
             return Row(c, None, False, excluded=_first_line(error))
-        fits = self.fits(memory)
+        fits = self.memory_budget is None or memory.total <= self.memory_budget
         if bound is not None:
             return Row(c, memory, fits, lower_bound_s=bound)
         if not fits and not force:
@@ -705,8 +680,6 @@ def _check_every_step(c: Candidate, r: AutoRequest, actions: ActionBudget) -> No
     """A batch-size schedule's other steps must build too (the timed one is simulated)."""
     spec = get_spec(c.schedule)
     chunks = spec.chunks_for(None if spec.placement is not Placement.LOOPED else c.vp)
-    options: dict[str, Any] = {"group_size": c.group_size, "max_stored": c.max_stored}
-    chosen = {key: value for key, value in options.items() if value is not None}
     for m in sorted(set(r.step_microbatches) - {r.num_microbatches}):
         actions.charge(num_ranks=c.pp, stages_per_rank=c.vp, num_microbatches=m)
         try:
@@ -717,7 +690,8 @@ def _check_every_step(c: Candidate, r: AutoRequest, actions: ActionBudget) -> No
                 num_chunks=chunks,
                 lower=False,
                 validate=False,
-                **chosen,
+                group_size=c.group_size,  # None: the default (build_schedule drops it)
+                max_stored=c.max_stored,
             )
         except ScheduleError as error:
             raise ScheduleError(

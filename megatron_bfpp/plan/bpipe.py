@@ -70,13 +70,9 @@ def pipeline_mfu(
     pp: int,
     stage_fraction: float | None = None,
 ) -> float:
-    """Eq. 3: the whole pipeline's MFU from one stage's MFU measured at the same micro-batch size.
-
-    MFU(b) = F * MFU_stage(b) / ((1 + b/B (p-1)) * F_stage), divided by p (the paper's P is one
-    device's peak): MFU_stage / (1 + b(p-1)/B) with uniform stages (``stage_fraction`` 1/p); a
-    larger ``stage_fraction`` models a heavier stage that paces the pipeline.
-    ``global_batch_size`` is the batch one pipeline processes per step.
-    """
+    """Eq. 3: the whole pipeline's MFU from one stage's at the same micro-batch size,
+    F * MFU_stage(b) / ((1 + b/B (p-1)) * F_stage) over p (the paper's P is one device's peak);
+    a ``stage_fraction`` above 1/p models a heavier stage that paces the pipeline."""
     _check_mfu("stage MFU", stage_mfu)
     _check_batches(global_batch_size, (micro_batch_size,))
     _check_pp(pp)
@@ -99,11 +95,8 @@ def bpipe_speedup_estimate(
     global_batch_size: int,
     pp: int,
 ) -> Estimate:
-    """Eq. 4 for 1F1B at ``micro_batch_small`` -> BPipe at ``micro_batch_large``, with memory.
-
-    ``stage_mfu_*``: MFUs in (0, 1] of one stage run alone at each micro-batch size (the
-    paper's Table 5); ``global_batch_size``: the batch one pipeline processes per step.
-    """
+    """Eq. 4 for 1F1B at ``micro_batch_small`` -> BPipe at ``micro_batch_large``, with memory;
+    ``stage_mfu_*``: MFUs in (0, 1] of one stage run alone at each size (the paper's Table 5)."""
     _check_mfu("stage MFU at the small micro-batch", stage_mfu_small)
     _check_mfu("stage MFU at the large micro-batch", stage_mfu_large)
     _check_pp(pp)

@@ -60,23 +60,16 @@ class Efficiency(Protocol):
     """Achieved fraction of peak for a layer forward of ``work`` FLOPs per GPU."""
 
     @property
-    def source(self) -> str:
-        """Where the figures come from, for the output."""
-        ...
+    def source(self) -> str: ...  # where the figures come from, for the output
 
     def forward(self, work: float) -> float: ...
 
     def backward(self, work: float) -> float: ...
 
-    def weight_share(self, work: float) -> float:
-        """The weight-gradient part W of a backward (split-backward schedules)."""
-        ...
+    def weight_share(self, work: float) -> float: ...  # W's part of a backward (split-backward)
 
     @property
-    def host_s(self) -> float:
-        """Seconds the runtime spends per compute action beyond the kernels, not hidden by
-        them (``CostModel.t_host``)."""
-        ...
+    def host_s(self) -> float: ...  # per compute action beyond its kernels (CostModel.t_host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,10 +132,8 @@ class ProfileCurve:
             forward = total / (m.forward_s * gpu.peak_flops)
             backward = 2.0 * total / (m.backward_s * gpu.peak_flops)
             split = (m.backward_input_s or 0.0) + (m.backward_weight_s or 0.0)
-            if m.backward_weight_s is not None and split > 0:
-                share = m.backward_weight_s / split
-            else:
-                share = 0.5
+            weight = m.backward_weight_s
+            share = weight / split if weight is not None and split > 0 else 0.5
             rows.append((work, forward, backward, share))
         rows.sort()
         for work, forward, backward, _ in rows:

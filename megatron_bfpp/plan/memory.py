@@ -1,18 +1,14 @@
 """What one GPU holds: weights, gradients, optimizer state, and stored activations.
 
-Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-Models" (MLSys 2023), section 4, counted per tensor autograd keeps for megatron-core's
-transformer layer, so that the same count serves GPT and LLaMA, any precision, with and without
-dropout (their 34sbh + 5as^2b is the GPT case in 16-bit with dropout: ``layer_activation_bytes``
-reproduces it exactly, see tests/unit/test_plan_model.py). Weights come from
-``config.model_memory``. The schedule is walked because first and last stages store more, at
-different times: a rank's peak is the peak of the weighted count, not count x average.
+Activations follow Korthikanti et al. (MLSys 2023), section 4, counted per tensor autograd keeps
+for megatron-core's layer (docs/planner.md, "Memory"). The schedule is walked because first and
+last stages store more, at different times: a rank's peak is not count x average.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from megatron_bfpp.config.model_memory import parameters_per_pipeline_rank, parameters_per_stage
 from megatron_bfpp.config.run_config import Layout
@@ -64,13 +60,9 @@ def layer_activation_bytes(
     precision: Precision,
     softmax_in_fp32: bool = True,
 ) -> int:
-    """Bytes one transformer layer keeps for the backward of one micro-batch, on one
-    tensor-parallel rank, as megatron-core's local layers keep them (measured on an H100,
-    docs/measurements/h100-stage-memory.json: equal to the byte for GPT-3 6.7B and LLaMA-7B).
-    Each tensor counted, and how it reduces to Korthikanti's eq. 2 and 4, is in docs/planner.md
-    ("Memory"). ``selective`` recomputes core attention (drops the scores and the mask);
-    ``full`` keeps only the layer's input.
-    """
+    """Bytes one layer keeps for the backward of one micro-batch on one tensor-parallel rank,
+    as megatron-core's local layers keep them (docs/planner.md, "Memory"). ``selective``
+    recomputes core attention (drops the scores and the mask); ``full`` keeps only the input."""
     _check_recompute(recompute)
     s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
     f = model.ffn_hidden_size
@@ -165,20 +157,14 @@ def _rank_points(actions: Sequence[Action], last_stage: int) -> set[tuple[int, i
     """One rank's counts where a run of stores ends (before a free, or at the program's end):
     every count within a run is dominated by the run's last, so the Pareto front is the same
     from far fewer tuples."""
-    counts = [0, 0, 0, 0]  # an overlapped pair's: held, first, last, rising (0 or 1)
     held = first = last = 0
     rising = False
     points: set[tuple[int, int, int]] = set()
     delta_of = MEMORY_DELTA.get
     for action in actions:
         kind = action.kind
-        if kind is _OVERLAP:  # its parts in order (the composite rule), rarely: by the helper
-            counts[:] = held, first, last, rising
-            for part in parts(action):
-                _count(delta_of(part.kind, 0), part.stage, last_stage, counts, points)
-            held, first, last = counts[:3]
-            rising = bool(counts[3])
-            continue
+        if kind is _OVERLAP:  # rarely: walk again with each overlapped pair's parts in order
+            return _rank_points([part for a in actions for part in parts(a)], last_stage)
         delta = delta_of(kind, 0)
         if not delta:
             continue
@@ -197,26 +183,6 @@ def _rank_points(actions: Sequence[Action], last_stage: int) -> set[tuple[int, i
     if rising:
         points.add((held, first, last))
     return points
-
-
-def _count(
-    delta: int,
-    stage: int,
-    last_stage: int,
-    counts: list[int],
-    points: set[tuple[int, int, int]],
-) -> None:
-    """``_rank_points``' step: a free ending a run of stores records the run's counts."""
-    if not delta:
-        return
-    if delta < 0 and counts[3]:
-        points.add((counts[0], counts[1], counts[2]))
-    counts[3] = delta > 0
-    counts[0] += delta
-    if stage == 0:
-        counts[1] += delta
-    if stage == last_stage:
-        counts[2] += delta
 
 
 def _pareto(points: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -274,23 +240,15 @@ class MemoryBreakdown:
         return self.parameters + self.gradients + self.optimizer + self.activations
 
     def to_dict(self) -> dict[str, int]:
-        return {
-            "parameters": self.parameters,
-            "gradients": self.gradients,
-            "optimizer": self.optimizer,
-            "activations": self.activations,
-            "total": self.total,
-        }
+        return {**asdict(self), "total": self.total}
 
 
 def full_buffer_peaks(
     schedule: Schedule, stage_parameters: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:
-    """Per rank, (parameters, gradients): the most parameters whose full (gathered) parameter
-    buffers, and the most whose full gradient buffers, the rank holds at once over its program
-    (the schedule's own walks, each stage weighed by its ``stage_parameters``). Without sharded
-    parameters (no RL on a rank) every stage of the rank is whole all step.
-    """
+    """Per rank, (parameters, gradients): the most parameters whose full parameter buffers, and
+    whose full gradient buffers, the rank holds at once over its program; every stage whole all
+    step on a rank without sharded parameters (no RL)."""
     result = []
     for rank in range(schedule.num_ranks):
         stages = schedule.layout.stages_of(rank)
@@ -315,11 +273,9 @@ def weights_bytes(
     gathered: int = 0,
     accumulated: int = 0,
 ) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``: the
-    optimizer's state sharded over ``dp`` (padding left out); fully sharded, also a 1/dp shard
-    of parameters and gradients plus the full buffers of ``gathered`` / ``accumulated``
-    parameters (``full_buffer_peaks``).
-    """
+    """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``, the optimizer
+    sharded over ``dp``; fully sharded, 1/dp of parameters and gradients plus the full buffers of
+    ``gathered`` / ``accumulated`` parameters (``full_buffer_peaks``)."""
     if sharded:
         kept = -(-parameters // dp)
         params = (kept + gathered) * precision.param_bytes

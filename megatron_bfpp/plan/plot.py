@@ -1,12 +1,6 @@
 """The breadth-first paper's two pictures, predicted: throughput per GPU against batch size per
-GPU for each schedule family (its Figure 3), and training time against cost (its Figure 4).
-
-Figure 4 uses the paper's empirical model: the samples needed grow as ``1 + B / B_crit`` and
-utilisation depends mainly on the batch per GPU ``beta``, so ``N`` GPUs at ``beta`` cost
-``(1 + beta N / B_crit) / u(beta)`` GPU-seconds per minimum sample (``u`` samples/s per GPU) and
-take that over N in time; each family's curve is its best trade-off over the swept ``beta`` and
-cluster sizes 1/8 to 16 times the given one. matplotlib is imported only when drawing.
-"""
+GPU for each schedule family (its Figure 3), and training time against cost (its Figure 4, by
+the paper's model: samples needed grow as ``1 + B / B_crit``). matplotlib only when drawing."""
 
 from __future__ import annotations
 
@@ -114,23 +108,22 @@ def render_plot(
     from matplotlib.figure import Figure
 
     families: dict[str, list[tuple[int, float, float]]] = {}
+    megatron: set[str] = (
+        set()
+    )  # the families standing for Megatron's own (p2p as megatron-core posts it)
     for point in sweep:
         for family, plan in point.result.best_per_family.items():
             families.setdefault(family, []).append(
                 (point.global_batch_size, plan.tokens_per_s, plan.mfu)
             )
+            if plan.p2p_model.startswith("megatron"):
+                megatron.add(family)
     panels = 2 if critical_batch_size else 1
     figure = Figure(figsize=(6.0 * panels, 4.5), dpi=90, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, panels, squeeze=False)[0]
     n = cluster.num_gpus
     seq = model.seq_length
-    megatron = {
-        family
-        for point in sweep
-        for family, plan in point.result.best_per_family.items()
-        if plan.p2p_model.startswith("megatron")
-    }
     for family, rows in sorted(families.items()):
         rows.sort()
         beta = [b / n for b, _, _ in rows]

@@ -1,9 +1,5 @@
-"""The models and GPUs the planner knows by name, and the precision a run trains in.
-
-Why presets: a user should type ``--model gpt3-52b --gpu v100-32gb`` and get the shapes and the
-hardware figures the papers used, not look them up. Every figure's source is in docs/planner.md
-("Presets"); an explicit shape (``model_from_shape``) covers any other model.
-"""
+"""The models and GPUs the planner knows by name (the papers' shapes and hardware figures,
+sources in docs/planner.md, "Presets"), and the precision a run trains in."""
 
 from __future__ import annotations
 

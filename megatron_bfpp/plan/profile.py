@@ -1,18 +1,13 @@
 """A measured pipeline stage, as ``bfpp-plan profile`` writes it and ``recommend --profile``
 reads it: JSON only (a file users hand us is data), checked field by field with one-line errors.
-
-One stage is enough (the BPipe re-evaluation, section 4): its time per micro-batch gives an
-efficiency at that work per layer, interpolated for other sizes (``costs.ProfileCurve``), and
-the pipeline follows from the schedule. ``t_host`` (optional): the runtime's time per compute
-action beyond the kernels (``stage_timing.measure_host_time``). No message time: one device has
-no peer, so the planner derives it from the link's bandwidth.
-"""
+One stage is enough (the BPipe re-evaluation, section 4): the pipeline follows from the
+schedule, and message times from the link's bandwidth (one device has no peer)."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +57,11 @@ class StageProfile:
     t_host: float | None = None  # seconds per compute action; None: not measured
 
 
+# A profile file lists the model's fields in their order but ``num_layers`` last (its format).
+_MODEL_KEYS = [f.name for f in fields(Model) if f.name != "num_layers"] + ["num_layers"]
+_MODEL_TEXT = {"name": str, "arch": str, "dropout": bool}  # the rest: positive integers
+
+
 def profile_to_dict(profile: StageProfile) -> dict[str, Any]:
     host = {} if profile.t_host is None else {"t_host": profile.t_host}
     return {
@@ -71,18 +71,7 @@ def profile_to_dict(profile: StageProfile) -> dict[str, Any]:
         "device_type": profile.device_type,
         "torch_version": profile.torch_version,
         "megatron_core_version": profile.megatron_core_version,
-        "model": {
-            "name": profile.model.name,
-            "arch": profile.model.arch,
-            "hidden_size": profile.model.hidden_size,
-            "num_attention_heads": profile.model.num_attention_heads,
-            "num_query_groups": profile.model.num_query_groups,
-            "ffn_hidden_size": profile.model.ffn_hidden_size,
-            "seq_length": profile.model.seq_length,
-            "vocab_size": profile.model.vocab_size,
-            "dropout": profile.model.dropout,
-            "num_layers": profile.model.num_layers,
-        },
+        "model": {key: getattr(profile.model, key) for key in _MODEL_KEYS},
         "num_layers": profile.num_layers,
         "tensor_parallel": profile.tensor_parallel,
         "dtype": profile.dtype,
@@ -130,18 +119,13 @@ def profile_from_dict(data: Any) -> StageProfile:
     if data.get("version") != VERSION:
         raise ScheduleError(f"'version' must be {VERSION}, got {data.get('version')!r}")
     model_data = _field(data, "model", dict)
-    model = Model(
-        name=_field(model_data, "name", str, where="model."),
-        arch=_field(model_data, "arch", str, where="model."),
-        num_layers=_positive(model_data, "num_layers", where="model."),
-        hidden_size=_positive(model_data, "hidden_size", where="model."),
-        num_attention_heads=_positive(model_data, "num_attention_heads", where="model."),
-        num_query_groups=_positive(model_data, "num_query_groups", where="model."),
-        ffn_hidden_size=_positive(model_data, "ffn_hidden_size", where="model."),
-        seq_length=_positive(model_data, "seq_length", where="model."),
-        vocab_size=_positive(model_data, "vocab_size", where="model."),
-        dropout=_field(model_data, "dropout", bool, where="model."),
-    )
+    checked: dict[str, Any] = {  # the model's fields, in their order
+        f.name: _field(model_data, f.name, _MODEL_TEXT[f.name], where="model.")
+        if f.name in _MODEL_TEXT
+        else _positive(model_data, f.name, where="model.")
+        for f in fields(Model)
+    }
+    model = Model(**checked)
     if model.arch not in ("gpt", "llama"):
         raise ScheduleError(f"'model.arch' must be 'gpt' or 'llama', got {model.arch!r}")
     rows = _field(data, "measurements", list)

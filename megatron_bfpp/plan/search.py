@@ -1,19 +1,16 @@
 """The configuration search: every (schedule, tp, pp, vp, dp, micro-batch, recomputation) a
-cluster allows, dropped when it does not fit, ranked by the simulated step time of the schedule
-``build_schedule`` builds. It is fast because memory comes from closed forms and short walks,
-and a candidate whose closed-form lower bound cannot reach the top ``k`` is never simulated
-(docs/planner.md).
-"""
+cluster allows that fits, ranked by simulated step time; memory comes from closed forms and short
+walks, and a candidate whose lower bound cannot reach the top ``k`` is never simulated."""
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
 
 from megatron_bfpp.ir import Placement, Schedule, ScheduleError
 from megatron_bfpp.plan.costs import (
@@ -76,16 +73,14 @@ class OverBudget(ScheduleError):
     :class:`ActionBudget`; nothing was spent on it."""
 
 
+@dataclass(slots=True)
 class ActionBudget:
     """How many schedule actions (``registry.estimate_actions``) a search may still walk and
     simulate: a count, never a clock, charged whether or not a cache spares the work, so every
     rank and every run stops at the same candidate."""
 
-    __slots__ = ("limit", "spent")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.spent = 0
+    limit: int
+    spent: int = 0
 
     def charge(self, *, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> None:
         """Spend a schedule's actions, or raise :class:`OverBudget` and spend nothing."""
@@ -276,33 +271,30 @@ def candidates(
 ) -> Iterator[Candidate]:
     """Every configuration the shapes allow: tp divides heads, query groups and FFN within a
     node; layers split evenly over pp; the batch over dp x micro-batch; sharding needs dp > 1;
-    pp 1 only as 1F1B (plain data parallelism)."""
+    pp 1 only as 1F1B (plain data parallelism); each family's grid from its catalogue entry."""
     searched = [f for f in families() if not options.schedules or f[0] in options.schedules]
-    n = cluster.num_gpus
-    for tp in _tensor_sizes(model, cluster, options)[1]:
-        if n % tp:
+    for tp, pp in _splits(model, cluster, _tensor_sizes(model, cluster, options)[1], options):
+        dp = cluster.num_gpus // (tp * pp)
+        if global_batch_size % dp:
             continue
-        for pp in options.pipeline_parallel or _divisors(n // tp):
-            if (n // tp) % pp or model.num_layers % pp:
+        per_pipeline, plain = global_batch_size // dp, tp > 1 and not options.sequence_parallel
+        for schedule, sharding in searched:
+            if (sharding != "optim" and dp == 1) or (pp == 1 and schedule != "1f1b"):
                 continue
-            dp = n // (tp * pp)
-            if global_batch_size % dp:
-                continue
-            for schedule, sharding in searched:
-                if sharding != "optim" and dp == 1:
+            if schedule == "interleaved" and pp == 2 and not options.megatron_p2p_overlap:
+                continue  # Megatron-LM refuses it: a batch would cross-match at pp 2
+            spec = get_spec(schedule)
+            vps, _ = spec.planned_stages(model.num_layers // pp, max_chunks=options.max_chunks)
+            for vp, b in itertools.product(vps, options.micro_batch_sizes):
+                m = per_pipeline // b
+                if per_pipeline % b or spec.planned_microbatches_problem(pp, m) is not None:
                     continue
-                if pp == 1 and schedule != "1f1b":
-                    continue
-                yield from _schedule_candidates(
-                    schedule,
-                    sharding,
-                    tp=tp,
-                    pp=pp,
-                    dp=dp,
-                    per_pipeline=global_batch_size // dp,
-                    layers_per_rank=model.num_layers // pp,
-                    options=options,
-                )
+                grid = spec.plan.options(pp, m)
+                for recompute, chosen in itertools.product(options.recompute, grid):
+                    group, cap = chosen.get("group_size"), chosen.get("max_stored")
+                    yield Candidate(
+                        schedule, sharding, tp, pp, vp, dp, b, recompute, group, plain, cap
+                    )
 
 
 def _tensor_sizes(
@@ -314,45 +306,18 @@ def _tensor_sizes(
     return tps, [t for t in tps if not any(d % t for d in dims)]
 
 
-def _schedule_candidates(
-    schedule: str,
-    sharding: str,
-    *,
-    tp: int,
-    pp: int,
-    dp: int,
-    per_pipeline: int,
-    layers_per_rank: int,
-    options: SearchOptions,
-) -> Iterator[Candidate]:
-    """One family's candidates on one (tp, pp, dp): the grid its catalogue entry declares."""
-    spec = get_spec(schedule)
-    vps, _ = spec.planned_stages(layers_per_rank, max_chunks=options.max_chunks)
-    for vp in vps:
-        for b in options.micro_batch_sizes:
-            if per_pipeline % b:
-                continue
-            m = per_pipeline // b
-            if spec.planned_microbatches_problem(pp, m) is not None:
-                continue
-            if schedule == "interleaved" and pp == 2 and not options.megatron_p2p_overlap:
-                continue  # Megatron-LM refuses it: a batch would cross-match at pp 2
-            grid = spec.plan.options(pp, m)
-            for recompute in options.recompute:
-                for chosen in grid:
-                    yield Candidate(
-                        schedule,
-                        sharding,
-                        tp,
-                        pp,
-                        vp,
-                        dp,
-                        b,
-                        recompute,
-                        chosen.get("group_size"),
-                        plain_tensor_parallel=tp > 1 and not options.sequence_parallel,
-                        max_stored=chosen.get("max_stored"),
-                    )
+def _splits(
+    model: Model, cluster: Cluster, tensor_sizes: list[int], options: SearchOptions
+) -> list[tuple[int, int]]:
+    """(tp, pp) of ``tensor_sizes`` and pp dividing the GPUs, pp also the layers."""
+    n = cluster.num_gpus
+    return [
+        (t, p)
+        for t in tensor_sizes
+        if n % t == 0
+        for p in options.pipeline_parallel or _divisors(n // t)
+        if (n // t) % p == 0 and model.num_layers % p == 0
+    ]
 
 
 # --------------------------------------------------------------------------- memory
@@ -373,20 +338,14 @@ def _points(
     max_stored: int | None = None,
     budget: ActionBudget | None = None,
 ) -> PeakPoints:
-    if schedule == "gpipe" or schedule == "breadth-first":
-        return _group_points(schedule, pp, vp, m, group, budget)
-    length = memory_microbatches(schedule, pp, vp, m)
-    if budget is not None:
-        budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
-    return _walked_points(schedule, pp, vp, length, group, max_stored)
-
-
-def _group_points(
-    schedule: str, pp: int, vp: int, m: int, group: int | None, budget: ActionBudget | None
-) -> PeakPoints:
     """GPipe's and breadth-first's peaks in closed form: all forwards of a group run before its
-    backwards, so each rank holds the first group's micro-batches on each chunk. A grouped
-    schedule is still charged to ``budget`` as the walk this replaces, so decisions stay."""
+    backwards, so each rank holds the first group's micro-batches on each chunk (charged to
+    ``budget`` as the walk this replaced, so decisions stay); the others' walked short."""
+    if schedule != "gpipe" and schedule != "breadth-first":
+        length = memory_microbatches(schedule, pp, vp, m)
+        if budget is not None:
+            budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
+        return _walked_points(schedule, pp, vp, length, group, max_stored)
     held = m if group is None else min(m, group)
     if group is not None and budget is not None:
         length = min(m, max(memory_microbatches(schedule, pp, vp, m), group))
@@ -405,11 +364,8 @@ def _walked_points(
     and validating the generators is the tests' job."""
     spec = get_spec(schedule)
     chunks = spec.chunks_for(None if spec.placement is Placement.SINGLE else vp)
-    kwargs: dict[str, int] = {} if chunks is None else {"num_chunks": chunks}
-    if group is not None:
-        kwargs["group_size"] = group
-    if max_stored is not None:
-        kwargs["max_stored"] = max_stored
+    given = {"num_chunks": chunks, "group_size": group, "max_stored": max_stored}
+    kwargs = {key: value for key, value in given.items() if value is not None}
     return peak_points(spec.generator(num_ranks=pp, num_microbatches=m, **kwargs))
 
 
@@ -423,18 +379,15 @@ def _schedule(
     group: int | None,
     max_stored: int | None = None,
 ) -> Schedule:
-    chunks = None if get_spec(schedule).placement is Placement.SINGLE else vp
-    options: dict[str, Any] = {} if group is None else {"group_size": group}
-    if max_stored is not None:
-        options["max_stored"] = max_stored
     return build_schedule(
         schedule,
         num_ranks=pp,
         num_microbatches=m,
-        num_chunks=chunks,
+        num_chunks=None if get_spec(schedule).placement is Placement.SINGLE else vp,
         sharding=sharding,
         validate=False,  # the catalogue's own generators: the tests validate them
-        **options,
+        group_size=group,  # None: the schedule's default (build_schedule drops it)
+        max_stored=max_stored,
     )
 
 
@@ -577,12 +530,9 @@ def _simulated_ns(
     grad_reduce: str | None = None,
     budget: ActionBudget | None = None,
 ) -> tuple[float, float]:
-    """(step time, bubble fraction) of ``c`` at m micro-batches, in the simulator's ns, by the
-    p2p model ``p2p`` (and ``grad_reduce`` for a megatron one). Long schedules repeat a steady
-    state: when three short lengths give step times on one exact line, the step at m is read
-    off it; otherwise the whole schedule is simulated, up to ``EXACT_UP_TO`` periods, and past
-    that read off an approximate line (``_approximate``); docs/planner.md has the figures.
-    """
+    """(step time, bubble fraction) of ``c`` at m micro-batches in the simulator's ns: read off
+    the line through three short lengths when they lie on one (a steady state repeats), else
+    simulated whole up to ``EXACT_UP_TO`` periods, past that off an approximate line."""
     # A breadth-first group of g micro-batches repeats every g (the planner's g is pp).
     p = c.pp if c.group_size is None else max(c.pp, c.group_size)
     steps: dict[int, float] = {}  # by length: attempts 1 and 2 share two, 3 often one
@@ -687,11 +637,12 @@ def _simulate(
     model: Model,
     cluster: Cluster,
     global_batch_size: int,
-    p2p: str,
-    grad_reduce: str | None = None,
+    options: SearchOptions,
     budget: ActionBudget | None = None,
 ) -> Plan:
     c = sized.candidate
+    p2p = p2p_model_of(c, options)
+    grad_reduce = grad_reduce_of(p2p, options)
     costs = _cost_model(sized.times)
     simulated_ns, bubble = _simulated_ns(c, sized.m, costs, p2p, grad_reduce, budget)
     step = simulated_ns / NS + sized.m * sized.times.output + sized.times.optimizer
@@ -779,7 +730,7 @@ def _timing(
     # with whole backwards (all but the V-shapes) the last gradient crosses them back.
     hops = c.pp - 1
     fill = hops * (times.forward / c.vp + times.host + times.p2p)
-    if get_spec(c.schedule).placement is not Placement.V_SHAPE:
+    if placement is not Placement.V_SHAPE:
         fill += hops * (times.backward / c.vp + times.host + times.p2p)
     # Order of simulation: the bound plus the data-parallel collectives.
     estimate = busy + fill + extra + c.vp * (times.grad_reduce + times.param_gather)
@@ -825,11 +776,8 @@ def evaluate(
         efficiency=efficiency,
         force=True,
     )
-    if sized is None:  # cannot happen with force=True; keeps the type checker honest
-        raise ScheduleError(f"could not size {candidate}")
-    p2p = p2p_model_of(candidate, options)
-    grad_reduce = grad_reduce_of(p2p, options)
-    return _simulate(sized, model, cluster, global_batch_size, p2p, grad_reduce, budget)
+    assert sized is not None  # force=True always sizes
+    return _simulate(sized, model, cluster, global_batch_size, options, budget)
 
 
 def lower_bound_of(
@@ -887,24 +835,22 @@ def recommend(
         raise ScheduleError(f"--global-batch-size must be positive, got {global_batch_size}")
     start = time.perf_counter()
     efficiency = options.efficiency or BuiltinCurve(cluster.gpu)
-    evaluated = rejected = 0
-    fitting: list[_Sized] = []
-    for c in candidates(
+    found = candidates(
         model=model, cluster=cluster, global_batch_size=global_batch_size, options=options
-    ):
-        evaluated += 1
-        sized, _ = _size(
+    )
+    sizes = [
+        _size(
             c,
             model=model,
             cluster=cluster,
             global_batch_size=global_batch_size,
             options=options,
             efficiency=efficiency,
-        )
-        if sized is not None:
-            fitting.append(sized)
-        else:
-            rejected += 1
+        )[0]
+        for c in found
+    ]
+    fitting = [sized for sized in sizes if sized is not None]
+    evaluated, rejected = len(sizes), len(sizes) - len(fitting)
     fitting.sort(key=lambda s: s.estimate)  # stable: ties keep the enumeration order
     top: list[tuple[float, int, Plan]] = []  # max-heap of the best ``top`` by -step time
     family_best: dict[str, Plan] = {}
@@ -919,10 +865,7 @@ def recommend(
         ):
             pruned += 1
             continue
-        p2p = p2p_model_of(sized.candidate, options)
-        plan = _simulate(
-            sized, model, cluster, global_batch_size, p2p, grad_reduce_of(p2p, options)
-        )
+        plan = _simulate(sized, model, cluster, global_batch_size, options)
         simulated += 1
         if best is None or plan.step_time_s < best.step_time_s:
             family_best[family] = plan
@@ -950,16 +893,11 @@ def no_candidates_reason(
     *, model: Model, cluster: Cluster, global_batch_size: int, options: SearchOptions
 ) -> str:
     """Why :func:`candidates` yields nothing (a GPU count tp x pp x dp cannot make, not a
-    memory problem), and the nearest GPU counts for which it yields something."""
-    n = cluster.num_gpus
+    memory problem), and the nearest GPU counts for which it yields something: tried among the
+    products tp x pp x dp with pp dividing the layers and dp the batch."""
+    n, gpn = cluster.num_gpus, cluster.gpus_per_node
     tps, shaped = _tensor_sizes(model, cluster, options)
-    splits = [
-        (t, p)
-        for t in shaped
-        if n % t == 0
-        for p in options.pipeline_parallel or _divisors(n // t)
-        if (n // t) % p == 0 and model.num_layers % p == 0
-    ]
+    splits = _splits(model, cluster, shaped, options)
     rule = (
         f"with tp in {', '.join(map(str, tps))} dividing the {model.num_attention_heads} heads "
         f"and pp the {model.num_layers} layers"
@@ -981,37 +919,10 @@ def no_candidates_reason(
             "V-shapes an even number of layers per rank, sharded ones dp >= 2 (micro-batch "
             f"sizes {', '.join(map(str, options.micro_batch_sizes))})"
         )
-    below, above = _nearest_searchable(
-        model=model,
-        cluster=cluster,
-        global_batch_size=global_batch_size,
-        options=options,
-        tensor_sizes=shaped,
-    )
-    near = " and ".join(str(c) for c in (below, above) if c is not None)
-    return f"{head} for {model.name} at global batch {global_batch_size}: {why}; " + (
-        f"the nearest GPU counts that can: {near}"
-        if near
-        else "no GPU count can; change the global batch or the schedules"
-    )
-
-
-def _nearest_searchable(
-    *,
-    model: Model,
-    cluster: Cluster,
-    global_batch_size: int,
-    options: SearchOptions,
-    tensor_sizes: list[int],
-) -> tuple[int | None, int | None]:
-    """The nearest GPU counts below and above ``cluster.num_gpus`` with a candidate, tried
-    among the products tp x pp x dp with pp dividing the layers and dp the batch."""
-    gpn = cluster.gpus_per_node
-    pps = options.pipeline_parallel or _divisors(model.num_layers)
     counts = {
         t * p * d
-        for t in tensor_sizes
-        for p in pps
+        for t in shaped
+        for p in options.pipeline_parallel or _divisors(model.num_layers)
         for d in _divisors(global_batch_size)
         if t * p * d <= gpn or (t * p * d) % gpn == 0  # whole nodes, as Cluster requires
     }
@@ -1023,7 +934,11 @@ def _nearest_searchable(
         )
         return next(found, None) is not None
 
-    n = cluster.num_gpus
     below = next((c for c in sorted(counts, reverse=True) if c < n and searchable(c)), None)
     above = next((c for c in sorted(counts) if c > n and searchable(c)), None)
-    return below, above
+    near = " and ".join(str(c) for c in (below, above) if c is not None)
+    return f"{head} for {model.name} at global batch {global_batch_size}: {why}; " + (
+        f"the nearest GPU counts that can: {near}"
+        if near
+        else "no GPU count can; change the global batch or the schedules"
+    )
