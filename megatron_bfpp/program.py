@@ -8,8 +8,8 @@ point-to-point action sends or receives, and which message a compute waits for.
 * ``message[rank][position]``: a point-to-point action's message, -1 for the others;
 * ``wait[rank][position]``: the message a compute waits for from another rank (its input
   activation or its output gradient, ``Rules.waits_for``), -1 for none or a non-compute;
-* ``restore[rank]``: ``Rules.restores``, the restore a B / I also waits for because an LD
-  brought its activations back, empty but for BPipe.
+* ``restore[rank]``: position -> the restore a B / I also waits for because an LD brought its
+  activations back (``Rules.restored``), empty but for BPipe.
 * a composite waits for what its parts wait for (the composite rule): -1 in ``wait``, its parts'
   by ``wait_of``, its backward's restore under its position in ``restore``.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from megatron_bfpp.ir import COMPUTE_KINDS, Action, ActionKind, Schedule
-from megatron_bfpp.messages import MESSAGE_TABLE, WHAT, WHAT_CODE, Message
+from megatron_bfpp.messages import MESSAGE_TABLE, RESTORE, WHAT, WHAT_CODE, Message
 from megatron_bfpp.semantics import Rules
 
 __all__ = ["Program", "compiled"]
@@ -92,8 +92,19 @@ def compile_program(schedule: Schedule) -> Program:
                 wait_row[position] = base + mbs[position]
         messages.append(message_row)
         wait.append(wait_row)
-        restore.append(rules.restores(rank) if K.LOAD in kinds else {})
+        restore.append(_restores(rules, rank, kinds, stages, mbs))
     return Program(schedule, rules, tuple(messages), tuple(wait), tuple(restore), waits)
+
+
+def _restores(
+    rules: Rules, rank: int, kinds: list[ActionKind], stages: list[int], mbs: list[int]
+) -> dict[int, int]:
+    """``Program.restore`` of one rank: each LD's restore where ``Rules.restored`` puts it."""
+    if K.LOAD not in kinds:
+        return {}
+    loads = (p for p, kind in enumerate(kinds) if kind is K.LOAD)
+    waited = ((rules.restored(rank, p), p) for p in loads)
+    return {at: rules.id(RESTORE, stages[p], mbs[p]) for at, p in waited if at >= 0}
 
 
 def _mb_or_zero(action: object) -> int:

@@ -337,23 +337,19 @@ class Rules:
         what, stage = divmod(rest, self.span)
         return Message(WHAT[what], stage - 1, microbatch)
 
-    def restores(self, rank: int, addressed: bool = False) -> dict[int, int]:
-        """The restore rule: per position of ``rank``'s program, the restore (its id; its key
-        addressed to ``rank``) a B / I waits for because an LD earlier in the program brought
-        its activations back. Each LD serves the first such backward of its stage and
-        micro-batch; a composite's backward at the composite's position."""
-        restores, loaded = {}, set()
-        for position, action in enumerate(self.schedule.per_rank[rank]):
-            for part in parts(action):
-                kind, key = part.kind, (part.stage, part.microbatch or 0)
-                if kind is _LD:
-                    loaded.add(key)
-                elif (kind is _B or kind is _I) and key in loaded:
-                    loaded.discard(key)
-                    restores[position] = self.id(RESTORE, *key)
-        if addressed:
-            return {p: key * self.num_ranks + rank for p, key in restores.items()}
-        return restores
+    def restored(self, rank: int, position: int) -> int:
+        """The restore rule: where in ``rank``'s program the LD at ``position`` is waited for,
+        -1 nowhere. Its restore is the next B / I of its stage and micro-batch (a composite's
+        backward, at the composite's position) that waits for it."""
+        actions = self.schedule.per_rank[rank]
+        key = (actions[position].stage, actions[position].microbatch)
+        for later in range(position + 1, len(actions)):
+            action = actions[later]
+            if action.kind is _FB:
+                action = parts(action)[-1]
+            if action.kind in _RESTORED and (action.stage, action.microbatch) == key:
+                return later
+        return -1
 
     def transfer_waits(self, action: Action) -> Message | None:
         """What a BPipe transfer waits for (``Transfer.waits``): RS the payload it returns, AC
@@ -387,7 +383,7 @@ class Transfer(NamedTuple):
     it sends its peer (EV, RS: the payload; AC, LD: the acknowledgement that the receive is
     posted), ``awaits`` the acknowledgement the next compute waits for before the payload's
     buffer is reused (EV, RS); all but ``sends`` to its own rank. An LD's restore is waited for
-    by a later backward (``Rules.restores``)."""
+    by a later backward (``Rules.restored``)."""
 
     waits: list[int]
     sends: list[int]
@@ -403,6 +399,7 @@ _TRANSFER_RULES = {
     _LD: (-1, RESTORE_POSTED, -1),
 }
 _CARRIES_DATA = frozenset({_EV, _RS})
+_RESTORED = frozenset({_B, _I})  # what waits for an LD's restore
 
 
 class Wires:
@@ -419,7 +416,7 @@ class Wires:
         self.waiting: dict[int, int] = {}  # message key -> the rank stopped for it
         self.at = [0] * num_ranks  # where each stopped rank waits: a position in its program
         self.ready = deque(range(num_ranks))
-        # Per rank, from its first LD: ``Rules.restores``, addressed to it.
+        # Per rank: position -> the restore a backward there waits for (``Rules.restored``).
         self.restores: list[dict[int, int]] = [{} for _ in range(num_ranks)]
         self.awaiting: list[list[int]] = [[] for _ in range(num_ranks)]  # see transfer
 
@@ -462,11 +459,12 @@ class Wires:
         awaiting.clear()
         return -1
 
-    def transfer(self, rank: int, action: Action, t: float) -> tuple[float, int]:
-        """BPipe's EV / AC / RS / LD under ``Rules.transfers``: (the rank's clock after it, the
-        message key it waits for, or -1 once done). What is sent to a rank outside the layout
-        reaches nobody."""
-        rules, s, mb, kind = self.rules, action.stage, action.microbatch or 0, action.kind
+    def transfer(self, rank: int, position: int, t: float) -> tuple[float, int]:
+        """BPipe's EV / AC / RS / LD at ``position`` under ``Rules.transfers``: (the rank's clock
+        after it, the message key it waits for, or -1 once done). What is sent to a rank outside
+        the layout reaches nobody."""
+        rules, action = self.rules, self.rules.schedule.per_rank[rank][position]
+        s, mb, kind = action.stage, action.microbatch or 0, action.kind
         if s >= rules.num_stages or mb >= rules.microbatches:
             raise IndexError(s)  # reported like any stage outside the layout
         peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
@@ -485,8 +483,8 @@ class Wires:
                 self.signal(key)
         if (base := rule.awaits[s]) >= 0:
             self.awaiting[rank].append((base + mb) * num_ranks + rank)
-        if kind is _LD and not self.restores[rank]:  # the restore rule, read once per rank
-            self.restores[rank].update(rules.restores(rank, addressed=True))
+        if kind is _LD and (later := rules.restored(rank, position)) >= 0:
+            self.restores[rank][later] = (rules.base[RESTORE][s] + mb) * num_ranks + rank
         return t, -1
 
 
@@ -684,7 +682,7 @@ def _timed(run: _Run, rank: int) -> Program:
             held_r, peak_r = run.held[rank], run.peak[rank]
             continue
         else:  # BPipe's EV / AC / RS / LD
-            while (moved := run.transfer(rank, a, t))[1] >= 0:
+            while (moved := run.transfer(rank, i, t))[1] >= 0:
                 yield i, moved[1]
             t = moved[0]
             held_r += MEMORY_DELTA[kind]

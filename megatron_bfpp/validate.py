@@ -452,7 +452,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
     act_send, grad_send = rules.sends_for[_F], rules.sends_for[_B]
     op, wait_at = recorded.ops.append, recorded.wait_at.append
     awaiting: list[int] = []  # acknowledgements the next compute waits for (Wires.awaiting)
-    restores: dict[int, int] = {}  # Rules.restores, addressed, from the rank's first LD
+    restores: dict[int, int] = {}  # position -> the restore a backward there waits for
     unloaded = 0  # this rank's EVs minus LDs
     chunk_level = scan.chunk_level[rank]  # positions of its GS / PS / RL
     steps = _parts(scan, actions, recorded) if scan.composites else enumerate(actions)
@@ -591,8 +591,8 @@ def _scan_transfer(
         recorded.ops.append(sent)
     if (base := rule.awaits[stage]) >= 0:
         awaiting.append((base + mb) * num_ranks + rank)
-    if kind is _LD and not restores:  # the restore rule (Wires.transfer), read once per rank
-        restores.update(rules.restores(rank, addressed=True))
+    if kind is _LD and (later := rules.restored(rank, position)) >= 0:  # as Wires.transfer
+        restores[later] = (rules.base[RESTORE][stage] + mb) * num_ranks + rank
     f_done, b_done, i_done, _, _, _, ev_done, ld_done = flags
     if kind is _EV:
         scan.channel(rank, peer)[0].append(sent)
