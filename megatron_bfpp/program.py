@@ -77,6 +77,9 @@ def compile_program(schedule: Schedule) -> Program:
     # per compute kind and stage the id of micro-batch 0 it waits for (add the micro-batch), -1
     # for none
     waits = {kind: [base or -1 for base in rules.waits_for[kind]] for kind in COMPUTE_KINDS}
+    # per p2p kind the id of its stage 0's message of micro-batch 0: ids are linear in the stage
+    firsts = {kind: rules.id(what, offset, 0) for kind, (what, offset) in MESSAGE_TABLE.items()}
+    per_stage = rules.microbatches
     messages, wait, restore = [], [], []
     for rank, actions in enumerate(schedule.per_rank):
         kinds = list(map(_kind_of, actions))
@@ -84,10 +87,8 @@ def compile_program(schedule: Schedule) -> Program:
         mbs = list(map(_mb_or_zero, actions))
         message_row, wait_row = [-1] * len(actions), [-1] * len(actions)
         for position, kind in enumerate(kinds):
-            entry = MESSAGE_TABLE.get(kind)
-            if entry is not None:
-                what, offset = entry
-                message_row[position] = rules.id(what, stages[position] + offset, mbs[position])
+            if (first := firsts.get(kind)) is not None:
+                message_row[position] = first + stages[position] * per_stage + mbs[position]
             elif (bases := waits.get(kind)) is not None and (base := bases[stages[position]]) >= 0:
                 wait_row[position] = base + mbs[position]
         messages.append(message_row)
