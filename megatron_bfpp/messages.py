@@ -1,13 +1,12 @@
-"""What travels between pipeline ranks, and the one integer form every hot loop keys it by.
+"""What travels between pipeline ranks.
 
 A point-to-point action (SA, RA, SG, RG; BPipe's EV, AC, RS, LD) sends or receives one
 ``Message`` (``message_of``), the same for passes, validator, simulator and runtime. Hot loops
-key messages by an integer (``MessageKeys``), several times cheaper to hash than a tuple.
+key messages by an integer, ``semantics.Rules.id``, several times cheaper to hash than a tuple.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 from operator import attrgetter
 from typing import NamedTuple
@@ -20,12 +19,12 @@ __all__ = [
     "EVICT_POSTED",
     "EVICT_SIZE",
     "GRAD",
+    "MESSAGE_TABLE",
     "RESTORE",
     "RESTORE_POSTED",
     "WHAT",
     "WHAT_CODE",
     "Message",
-    "MessageKeys",
     "What",
     "has_communication",
     "message_of",
@@ -52,14 +51,11 @@ class What(StrEnum):
     EVICT_SIZE = "evict-size"
 
 
-# Each kind as the small integer inside a message key (``MessageKeys``), and back; the names
-# below in What's order.
+# Each kind as the small integer inside a message id (``semantics.Rules.id``), and back; the
+# names below in What's order.
 WHAT: tuple[What, ...] = tuple(What)
 WHAT_CODE: dict[str, int] = {what: code for code, what in enumerate(WHAT)}
 ACT, GRAD, EVICT, RESTORE, EVICT_POSTED, RESTORE_POSTED, EVICT_SIZE = range(len(WHAT))
-_WHAT_SLOTS = 8  # room for every kind; a power of two keeps the key arithmetic exact
-if len(WHAT) > _WHAT_SLOTS:
-    raise RuntimeError(f"{len(WHAT)} message kinds do not fit MessageKeys' {_WHAT_SLOTS} slots")
 
 
 class Message(NamedTuple):
@@ -76,7 +72,7 @@ class Message(NamedTuple):
 
 def message_of(action: Action) -> Message:
     """The message a point-to-point action sends or receives."""
-    entry = _MESSAGE_TABLE.get(action.kind)
+    entry = MESSAGE_TABLE.get(action.kind)
     mb = action.microbatch
     if entry is None or mb is None:
         raise ScheduleError(f"{action} is not a point-to-point action")
@@ -84,7 +80,7 @@ def message_of(action: Action) -> Message:
 
 
 # kind -> (what travels, stage offset from the action's stage to the message's stage)
-_MESSAGE_TABLE = {
+MESSAGE_TABLE = {
     K.SEND_ACT: (ACT, 0),
     K.RECV_ACT: (ACT, -1),
     K.SEND_GRAD: (GRAD, 0),
@@ -105,38 +101,3 @@ def has_communication(schedule: Schedule) -> bool:
 
 _get_kind = attrgetter("kind")
 _LOWERED_KINDS = frozenset({K.SEND_ACT, K.RECV_ACT, K.SEND_GRAD, K.RECV_GRAD})
-
-
-@dataclass(frozen=True, slots=True)
-class MessageKeys:
-    """The integer of a message addressed to a rank, for one layout.
-
-    ``key = microbatch * per_microbatch + slot(what, stage, rank)`` with
-    ``slot = (stage * 8 + what) * num_ranks + rank``: distinct for every (what, stage,
-    micro-batch, rank) with ``stage < num_stages`` and ``rank < num_ranks``, and split so that a
-    loop can precompute the slot per stage and add ``microbatch * per_microbatch``. Without the
-    rank (``rank=0, num_ranks=1``, ``MessageKeys(num_stages, 1)``) it keys a message alone.
-    """
-
-    num_stages: int
-    num_ranks: int
-
-    @property
-    def per_microbatch(self) -> int:
-        # One more than the slots: an odd stride spreads micro-batches over the low bits, all a
-        # hash table of ints looks at (an even one piles one stage's keys into a few buckets).
-        return self.num_stages * _WHAT_SLOTS * self.num_ranks + 1
-
-    def slot(self, what: int, stage: int, rank: int = 0) -> int:
-        return (stage * _WHAT_SLOTS + what) * self.num_ranks + rank
-
-    def key(self, message: Message, rank: int = 0) -> int:
-        slot = self.slot(WHAT_CODE[message.what], message.stage, rank)
-        return message.microbatch * self.per_microbatch + slot
-
-    def message(self, key: int) -> tuple[Message, int]:
-        """The inverse of ``key``: (message, rank it is addressed to)."""
-        microbatch, slot = divmod(key, self.per_microbatch)
-        rest, rank = divmod(slot, self.num_ranks)
-        stage, what = divmod(rest, _WHAT_SLOTS)
-        return Message(WHAT[what], stage, microbatch), rank

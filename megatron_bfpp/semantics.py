@@ -68,7 +68,6 @@ from megatron_bfpp.messages import (
     RESTORE_POSTED,
     WHAT,
     Message,
-    MessageKeys,
     has_communication,
 )
 
@@ -183,20 +182,23 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
     ``ScheduleError`` when an action names a stage outside the layout (``validate_schedule``
     explains such a schedule; ``replay`` only refuses it); a message to a rank outside the layout
     reaches nobody."""
-    run = _replayed(Rules(schedule), timing)
+    run = _replayed(schedule, timing)
     timeline = Timeline(run.rules, timing, run.starts)
     return Replay(
         run.stuck(), timeline, run.clock, run.dp_free, run.busy, run.waited, run.peak, run.released
     )
 
 
-def _replayed(rules: Rules, timing: Timing) -> _Run:
-    """One run of ``replay``, again with ``_Run.flow`` unbounded after an IndexError (a
+def _replayed(schedule: Schedule, timing: Timing, implicit: bool | None = None) -> _Run:
+    """One run of ``replay``, again with ids for any micro-batch after an IndexError (a
     micro-batch past the count); a stage outside the layout is a ``ScheduleError``."""
-    for bounded in (True, False):
+    rules = Rules(schedule, implicit=implicit)
+    for any_microbatch in (False, True):
         try:
-            run = _Run(rules, timing, bounded=bounded)
-            run.run([_timed(run, rank) for rank in range(rules.keys.num_ranks)])
+            if any_microbatch:
+                rules = Rules(schedule, implicit=rules.implicit, any_microbatch=True)
+            run = _Run(rules, timing)
+            run.run([_timed(run, rank) for rank in range(rules.num_ranks)])
             return run
         except IndexError:  # a micro-batch past the count, or a stage outside the layout
             pass
@@ -219,7 +221,7 @@ def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
             "compute_ends takes a compute-only schedule of F, B, I and W; use replay for "
             f"{', '.join(sorted(kind.value for kind in kinds - _COMPUTE))}"
         )
-    run = _replayed(Rules(schedule, implicit=True), timing)
+    run = _replayed(schedule, timing, implicit=True)
     return Ends([_ends(run, rank) for rank in range(len(run.starts))], run.stuck())
 
 
@@ -236,7 +238,7 @@ def _ends(run: _Run, rank: int) -> list[float]:
         if at >= len(starts):
             break
         ends.append(starts[at] + duration[a.kind])
-        at += 2 if sends_for[a.kind][a.stage] >= 0 else 1
+        at += 2 if sends_for[a.kind][a.stage] else 1
     return ends
 
 
@@ -268,94 +270,101 @@ Program = Iterator[tuple[int, int]]  # a rank's program under way: see Wires.run
 
 
 class Rules:
-    """The rules of one schedule as per-stage tables of message slots (``MessageKeys.slot``,
-    addressed to the receiving rank; a key adds ``microbatch * keys.per_microbatch``).
+    """The rules of one schedule as per-stage tables of message ids (``id``; a message's id is
+    its stage's id of micro-batch 0 plus its micro-batch).
 
-    ``waits_for[kind][stage]``: the message an F (B / I) waits for when its input (output gradient)
-    comes from another rank; ``sends_for[kind][stage]``: what a compute-only schedule's F (B / I)
-    sends to the neighbour stage's rank; -1 for none (W never waits for data).
-    ``base[what][stage]``: the slot to which a message adds the rank it is sent to (an SA / SG its
-    peer). ``transfers[kind]``: BPipe's rules for EV / AC / RS / LD (``Transfer``), which
-    ``Wires.transfer`` and the validator apply. A composite (``OVERLAP_F_B``) has no row: the
-    composite rule (module docstring) applies these tables to each of its parts (``ir.parts``)."""
+    ``waits_for[kind][stage]``: the message an F (B / I) waits for when its input (output
+    gradient) comes from another rank; ``outputs[kind][stage]``: what an F (B / I) sends to the
+    neighbour stage's rank when that is another, ``output_rank[kind][stage]`` that rank (-1:
+    none); ``sends_for``: ``outputs`` where a compute-only schedule sends them without an SA /
+    SG; 0 for no message (no message has id 0; W never waits for data). ``base[what][stage]``:
+    a message's id of micro-batch 0. ``transfers[kind]``: BPipe's rules for EV / AC / RS / LD
+    (``Transfer``), which ``Wires.transfer`` and the validator apply. A composite
+    (``OVERLAP_F_B``) has no row: the composite rule (module docstring) applies these tables to
+    each of its parts (``ir.parts``)."""
 
-    def __init__(self, schedule: Schedule, *, implicit: bool | None = None) -> None:
+    def __init__(
+        self, schedule: Schedule, *, implicit: bool | None = None, any_microbatch: bool = False
+    ) -> None:
         """``implicit``: whether the schedule is compute-only, when the caller already knows
-        (finding out reads every action)."""
+        (finding out reads every action). ``any_microbatch``: ids for every micro-batch an
+        action names, not only those below the count (which costs a pass over every action)."""
         s2r = schedule.layout.stage_to_rank
-        num_stages = len(s2r)
-        keys = self.keys = MessageKeys(num_stages, len(schedule.per_rank))
-        self.schedule, self.per_mb = schedule, keys.per_microbatch
+        num_stages = self.num_stages = len(s2r)
+        self.schedule, self.num_ranks = schedule, len(schedule.per_rank)
+        self.span = num_stages + 2  # message stages run from -1 to num_stages
+        microbatches = schedule.num_microbatches
+        if any_microbatch:
+            named = (max(map(_mb_or_zero, actions), default=0) for actions in schedule.per_rank)
+            microbatches = max(max(named, default=0) + 1, microbatches)
+        self.microbatches = max(microbatches, 1)
+        # Activations and gradients have ids below ``limit``; BPipe's messages, whose partner is
+        # free, are keyed ``id * num_ranks + rank`` (``addressed``), at or above it.
+        self.limit = 2 * self.span * self.microbatches
         self.implicit = not has_communication(schedule) if implicit is None else implicit
-        self.base = [[keys.slot(what, s) for s in range(num_stages)] for what in range(6)]
-        act_from, grad_from = [-1] * num_stages, [-1] * num_stages
-        act_to, grad_to = [-1] * num_stages, [-1] * num_stages
+        base = self.base = [[self.id(what, s, 0) for s in range(num_stages)] for what in range(6)]
+        act_from, grad_from = [0] * num_stages, [0] * num_stages
+        act_to, grad_to = [0] * num_stages, [0] * num_stages
+        act_rank, grad_rank = [-1] * num_stages, [-1] * num_stages
         for s in range(1, num_stages):
             if s2r[s - 1] != s2r[s]:
-                act_from[s] = act_to[s - 1] = keys.slot(ACT, s - 1, s2r[s])
-                grad_from[s - 1] = grad_to[s] = keys.slot(GRAD, s, s2r[s - 1])
-        none = [-1] * num_stages
+                act_from[s] = act_to[s - 1] = base[ACT][s - 1]
+                grad_from[s - 1] = grad_to[s] = base[GRAD][s]
+                act_rank[s - 1], grad_rank[s] = s2r[s], s2r[s - 1]
+        none = [0] * num_stages
         self.waits_for = {_F: act_from, _B: grad_from, _I: grad_from, _W: none}
-        self._recorded_tables(num_stages, schedule.num_microbatches, act_to, grad_to)
-        if not self.implicit:  # a lowered schedule sends with its SA / SG
-            act_to = grad_to = none
-        self.sends_for = {_F: act_to, _B: grad_to, _I: grad_to, _W: none}
-        table = {what: self.base[what] for what in range(6)}
-        table[-1] = none
+        self.outputs = {_F: act_to, _B: grad_to, _I: grad_to, _W: none}
+        self.output_rank = {_F: act_rank, _B: grad_rank, _I: grad_rank, _W: [-1] * num_stages}
+        self.sends_for = self.outputs if self.implicit else dict.fromkeys(self.outputs, none)
+        table = {what: base[what] for what in range(6)}
+        table[-1] = [-1] * num_stages
         self.transfers = {
-            kind: Transfer(
-                table[waits], table[sends], table[awaits], table[loads], kind in _CARRIES_DATA
-            )
-            for kind, (waits, sends, awaits, loads) in _TRANSFER_RULES.items()
+            kind: Transfer(table[waits], table[sends], table[awaits], kind in _CARRIES_DATA)
+            for kind, (waits, sends, awaits) in _TRANSFER_RULES.items()
         }
 
-    def _recorded_tables(
-        self, num_stages: int, num_microbatches: int, act_to: list[int], grad_to: list[int]
-    ) -> None:
-        """The same rules keyed as a recording keys them (the validator's, see ``Recorded``). An
-        activation or gradient is ``microbatch * recorded_stride + recorded_base[what][stage]``
-        (``2 * stage + what``): the rank it goes to is the neighbour stage's, which placement fixes,
-        so the key needs no rank and the keys of a schedule are dense, below ``recorded_limit``.
-        BPipe's messages, whose partner is free, keep their ``MessageKeys`` key plus
-        ``recorded_limit``. ``recorded_waits`` / ``recorded_sends`` are ``waits_for`` /
-        ``sends_for`` (implicit sends included) in these keys."""
-        stride = self.recorded_stride = 2 * num_stages
-        self.recorded_limit = num_microbatches * stride
-        act, grad = self.recorded_base = [
-            [2 * s + what for s in range(num_stages)] for what in (ACT, GRAD)
-        ]
-        act_wait = [act[s - 1] if self.waits_for[_F][s] >= 0 else -1 for s in range(num_stages)]
-        grad_wait = [grad[s + 1] if self.waits_for[_B][s] >= 0 else -1 for s in range(num_stages)]
-        self.recorded_waits = {_F: act_wait, _B: grad_wait}
-        self.recorded_sends = {
-            _F: [act[s] if act_to[s] >= 0 else -1 for s in range(num_stages)],
-            _B: [grad[s] if grad_to[s] >= 0 else -1 for s in range(num_stages)],
-        }
+    def id(self, what: int, stage: int, microbatch: int) -> int:
+        """A message's id: ``(what * span + stage + 1) * microbatches + microbatch``, the one
+        integer form of a message. Both sides compute the same one, and ids sort as (kind code,
+        stage, micro-batch) do, which is the canonical order of a batch's ops (``nccl``)."""
+        return (what * self.span + stage + 1) * self.microbatches + microbatch
+
+    def message(self, key: int, keyed: bool = False) -> Message:
+        """The message of an id; ``keyed``: of a run's key (an id, or BPipe's addressed key)."""
+        if keyed and key >= self.limit:
+            key //= self.num_ranks
+        rest, microbatch = divmod(key, self.microbatches)
+        what, stage = divmod(rest, self.span)
+        return Message(WHAT[what], stage - 1, microbatch)
+
+    def restored(self, rank: int, position: int) -> int:
+        """The restore rule: where in ``rank``'s program the LD at ``position`` is waited for,
+        -1 nowhere. Its restore is the next B / I of its stage and micro-batch (a composite's
+        backward, at the composite's position) that waits for it."""
+        actions = self.schedule.per_rank[rank]
+        key = (actions[position].stage, actions[position].microbatch)
+        for later in range(position + 1, len(actions)):
+            action = actions[later]
+            if action.kind is _FB:
+                action = parts(action)[-1]
+            if action.kind in _RESTORED and (action.stage, action.microbatch) == key:
+                return later
+        return -1
 
     def transfer_waits(self, action: Action) -> Message | None:
         """What a BPipe transfer waits for (``Transfer.waits``): RS the payload it returns, AC
         the size header it reads first; None for EV / LD."""
-        slot = self.transfers[action.kind].waits[action.stage]
-        if slot < 0:
-            return None
-        return self.keys.message(slot + (action.microbatch or 0) * self.per_mb)[0]
+        base = self.transfers[action.kind].waits[action.stage]
+        return None if base < 0 else self.message(base + (action.microbatch or 0))
 
     def awaits(self, action: Action) -> bool:
         """Whether the next compute after this transfer (EV / RS) waits until the partner has
         posted its receive (``Transfer.awaits``): the one statement of that BPipe rule."""
         return self.transfers[action.kind].awaits[action.stage] >= 0
 
-    def recorded_message(self, key: int) -> Message:
-        """The message a recording's key names (``_recorded_tables``)."""
-        if key >= self.recorded_limit:
-            return self.keys.message(key - self.recorded_limit)[0]
-        return self.compact_message(key)
 
-    def compact_message(self, key: int) -> Message:
-        """The activation or gradient of a dense key (``_recorded_tables``), any micro-batch."""
-        microbatch, slot = divmod(key, self.recorded_stride)
-        stage, what = divmod(slot, 2)
-        return Message(WHAT[what], stage, microbatch)
+def _mb_or_zero(action: Action) -> int:
+    return action.microbatch or 0
 
 
 def match_channels(sent: Sequence[T], received: Sequence[T]) -> Iterator[tuple[T, T | None]]:
@@ -368,28 +377,29 @@ def match_channels(sent: Sequence[T], received: Sequence[T]) -> Iterator[tuple[T
 
 
 class Transfer(NamedTuple):
-    """What one kind of BPipe transfer does, per stage as message slots (-1: nothing; a key adds
-    ``microbatch * per_microbatch`` and a rank): ``waits`` the evict it waits for (RS: to arrive;
-    AC: its size header only), ``sends`` what it sends its peer (EV, RS: the payload; AC, LD: the
-    acknowledgement that the receive is posted), ``awaits`` the acknowledgement the next compute
-    waits for before the payload's buffer is reused (EV, RS), ``loads`` the restore a later
-    backward of the same stage and micro-batch waits for (LD); all but ``sends`` to its own rank."""
+    """What one kind of BPipe transfer does, per stage as message ids of micro-batch 0 (-1:
+    nothing; a key adds the micro-batch and is addressed to a rank, ``Rules.message``):
+    ``waits`` the evict it waits for (RS: to arrive; AC: its size header only), ``sends`` what
+    it sends its peer (EV, RS: the payload; AC, LD: the acknowledgement that the receive is
+    posted), ``awaits`` the acknowledgement the next compute waits for before the payload's
+    buffer is reused (EV, RS); all but ``sends`` to its own rank. An LD's restore is waited for
+    by a later backward (``Rules.restored``)."""
 
     waits: list[int]
     sends: list[int]
     awaits: list[int]
-    loads: list[int]
     carries_data: bool
 
 
-# kind -> what it (waits for, sends, awaits, loads), -1 for nothing; see Transfer.
+# kind -> what it (waits for, sends, awaits), -1 for nothing; see Transfer.
 _TRANSFER_RULES = {
-    _EV: (-1, EVICT, EVICT_POSTED, -1),
-    _AC: (EVICT, EVICT_POSTED, -1, -1),
-    _RS: (EVICT, RESTORE, RESTORE_POSTED, -1),
-    _LD: (-1, RESTORE_POSTED, -1, RESTORE),
+    _EV: (-1, EVICT, EVICT_POSTED),
+    _AC: (EVICT, EVICT_POSTED, -1),
+    _RS: (EVICT, RESTORE, RESTORE_POSTED),
+    _LD: (-1, RESTORE_POSTED, -1),
 }
 _CARRIES_DATA = frozenset({_EV, _RS})
+_RESTORED = frozenset({_B, _I})  # what waits for an LD's restore
 
 
 class Wires:
@@ -397,16 +407,17 @@ class Wires:
     untimed), which rank waits for which, the ranks ready to continue, and BPipe's per-rank
     state. ``run`` drives the ranks' programs."""
 
-    __slots__ = ("arrivals", "at", "awaiting", "loaded", "ready", "rules", "waiting")
+    __slots__ = ("arrivals", "at", "awaiting", "ready", "restores", "rules", "waiting")
 
     def __init__(self, rules: Rules) -> None:
-        num_ranks = rules.keys.num_ranks
+        num_ranks = rules.num_ranks
         self.rules = rules
         self.arrivals: dict[int, float] = {}  # message key -> arrival time
         self.waiting: dict[int, int] = {}  # message key -> the rank stopped for it
         self.at = [0] * num_ranks  # where each stopped rank waits: a position in its program
         self.ready = deque(range(num_ranks))
-        self.loaded: list[set[int]] = [set() for _ in range(num_ranks)]  # restores awaited
+        # Per rank: position -> the restore a backward there waits for (``Rules.restored``).
+        self.restores: list[dict[int, int]] = [{} for _ in range(num_ranks)]
         self.awaiting: list[list[int]] = [[] for _ in range(num_ranks)]  # see transfer
 
     def run(self, programs: list[Program]) -> None:
@@ -423,13 +434,9 @@ class Wires:
 
     def stuck(self) -> dict[int, tuple[int, Message]]:
         """Each rank that cannot finish: (position in its program, the message it waits for)."""
-        message, compact = self.rules.keys.message, self.rules.compact_message
-        return dict(
-            sorted(
-                (rank, (self.at[rank], message(key)[0] if key >= 0 else compact(~key)))
-                for key, rank in self.waiting.items()
-            )
-        )
+        message, at = self.rules.message, self.at
+        stuck = ((rank, (at[rank], message(key, True))) for key, rank in self.waiting.items())
+        return dict(sorted(stuck))
 
     def signal(self, key: int, arrival: float = 0.0) -> None:
         """Mark ``key`` sent, arriving at ``arrival``, and wake the rank waiting for it."""
@@ -452,49 +459,39 @@ class Wires:
         awaiting.clear()
         return -1
 
-    def restore(self, rank: int, action: Action) -> int:
-        """The restore a B / I waits for once an LD brought its activations back, else -1.
-        Asked once per action, so the LD's entry goes: ``loaded`` stays short."""
-        if action.kind is _F or action.kind is _W:
-            return -1
-        key = (action.microbatch or 0) * self.rules.per_mb + self.rules.base[RESTORE][action.stage]
-        if key + rank not in self.loaded[rank]:
-            return -1
-        self.loaded[rank].discard(key + rank)
-        return key + rank
-
-    def transfer(self, rank: int, action: Action, t: float) -> tuple[float, int]:
-        """BPipe's EV / AC / RS / LD under ``Rules.transfers``: (the rank's clock after it, the
-        message key it waits for, or -1 once done). What is sent to a rank outside the layout
-        reaches nobody."""
-        rules, s, mb = self.rules, action.stage, action.microbatch or 0
-        if s >= rules.keys.num_stages:
+    def transfer(self, rank: int, position: int, t: float) -> tuple[float, int]:
+        """BPipe's EV / AC / RS / LD at ``position`` under ``Rules.transfers``: (the rank's clock
+        after it, the message key it waits for, or -1 once done). What is sent to a rank outside
+        the layout reaches nobody."""
+        rules, action = self.rules, self.rules.schedule.per_rank[rank][position]
+        s, mb, kind = action.stage, action.microbatch or 0, action.kind
+        if s >= rules.num_stages or mb >= rules.microbatches:
             raise IndexError(s)  # reported like any stage outside the layout
         peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
-        rule, base = rules.transfers[action.kind], mb * rules.per_mb
-        if (slot := rule.waits[s]) >= 0:
-            arrival = self.arrivals.get(evict := base + slot + rank)
+        rule, num_ranks = rules.transfers[kind], rules.num_ranks
+        if (base := rule.waits[s]) >= 0:
+            arrival = self.arrivals.get(evict := (base + mb) * num_ranks + rank)
             if arrival is None:
                 return t, evict
             if rule.carries_data and arrival > t:
                 t = arrival
-        if peer < rules.keys.num_ranks:
-            key = base + rule.sends[s] + peer
+        if peer < num_ranks:
+            key = (rule.sends[s] + mb) * num_ranks + peer
             if rule.carries_data:
-                self.send(rank, peer, key, t, (s, mb, action.kind))
+                self.send(rank, peer, key, t, (s, mb, kind))
             else:
                 self.signal(key)
-        if (slot := rule.awaits[s]) >= 0:
-            self.awaiting[rank].append(base + slot + rank)
-        if (slot := rule.loads[s]) >= 0:
-            self.loaded[rank].add(base + slot + rank)
+        if (base := rule.awaits[s]) >= 0:
+            self.awaiting[rank].append((base + mb) * num_ranks + rank)
+        if kind is _LD and (later := rules.restored(rank, position)) >= 0:
+            self.restores[rank][later] = (rules.base[RESTORE][s] + mb) * num_ranks + rank
         return t, -1
 
 
 class Recorded(NamedTuple):
     """One rank's program recorded rather than run (the validator's way, see ``run_recorded``):
-    ``ops`` in program order, ``key`` to send a message and ``~key`` to wait for one (keys as
-    ``Rules._recorded_tables`` gives them), and ``wait_at``, the program position of each wait,
+    ``ops`` in program order, ``key`` to send a message and ``~key`` to wait for one (ids and
+    addressed keys, ``Rules.message``), and ``wait_at``, the program position of each wait,
     as machine integers (int objects amid the keys slow the run that reads them)."""
 
     ops: list[int]
@@ -504,9 +501,9 @@ class Recorded(NamedTuple):
 def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int, Message]]:
     """``Wires.run`` for recorded programs, without clocks: which ranks cannot finish, as
     ``Wires.stuck`` (docs/architecture.md, "Performance of the shared rules", says why)."""
-    # Activations and gradients have dense keys (Rules._recorded_tables): a flag each, cheaper
-    # than a set of half a million keys.
-    limit = rules.recorded_limit
+    # Activations and gradients have ids below ``Rules.limit``: a flag each, cheaper than a set
+    # of half a million keys.
+    limit = rules.limit
     sent = bytearray(limit)
     sent_beyond: set[int] = set()  # BPipe's messages
     waiting: dict[int, int] = {}
@@ -536,7 +533,7 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
         ops = programs[rank].ops
         # Where the rank stopped: its first wait for the key (messages are never unsent).
         waits_before = sum(1 for op in ops[: ops.index(~key)] if op < 0)
-        stuck[rank] = (programs[rank].wait_at[waits_before], rules.recorded_message(key))
+        stuck[rank] = (programs[rank].wait_at[waits_before], rules.message(key, True))
     return dict(sorted(stuck.items()))
 
 
@@ -546,37 +543,22 @@ _Sent = tuple[int, int, ActionKind]  # (stage, micro-batch, kind) of a message, 
 class _Run(Wires):
     """``Wires`` with a clock per rank, link and data-parallel lane, events and memory."""
 
-    def __init__(self, rules: Rules, timing: Timing, *, bounded: bool = True) -> None:
+    def __init__(self, rules: Rules, timing: Timing) -> None:
         super().__init__(rules)
-        num_ranks = rules.keys.num_ranks
+        num_ranks = rules.num_ranks
         self.durations = timing
-        # Activations and gradients travel under their dense keys (Rules._recorded_tables),
-        # inverted to share ``waiting`` with BPipe's MessageKeys, and index ``flow``, their
-        # arrival times (None: not sent); unbounded, a dict for an action past the count.
-        self.flow: list[float | None] | _Unbounded = (
-            [None] * rules.recorded_limit if bounded else _Unbounded()
-        )
-        s2r, none = rules.schedule.layout.stage_to_rank, [0] * len(rules.waits_for[_F])
-        # Per stage, the rank its activation (gradient) goes to when the neighbour stage is on
-        # another rank, else -1: an SA / SG sent elsewhere reaches nobody.
-        recorded = rules.recorded_sends
-        act_to = [s2r[s + 1] if slot >= 0 else -1 for s, slot in enumerate(recorded[_F])]
-        grad_to = [s2r[s - 1] if slot >= 0 else -1 for s, slot in enumerate(recorded[_B])]
-        waits = {kind: _inverted(rules.recorded_waits[kind]) for kind in (_F, _B)}
-        sends = {kind: _inverted(recorded[kind]) for kind in (_F, _B)}
-        if not rules.implicit:  # a lowered schedule sends with its SA / SG
-            sends = {_F: none, _B: none}
+        # Activations and gradients index ``flow``, their arrival times (None: not sent).
+        self.flow: list[float | None] = [None] * rules.limit
+        waits, sends, to = rules.waits_for, rules.sends_for, rules.output_rank
         # Per compute kind: its duration, how many stored activations it adds, and per stage
         # what it waits for and sends (0 for nothing) and to which rank, in one lookup.
         self.compute = {
-            _F: (timing.forward, MEMORY_DELTA[_F], waits[_F], sends[_F], act_to),
-            _B: (timing.backward, MEMORY_DELTA[_B], waits[_B], sends[_B], grad_to),
-            _I: (timing.backward_input, 0, waits[_B], sends[_B], grad_to),
-            _W: (timing.backward_weight, MEMORY_DELTA[_W], none, none, none),
+            kind: (duration, MEMORY_DELTA.get(kind, 0), waits[kind], sends[kind], to[kind])
+            for kind, duration in compute_durations(timing).items()
         }
-        # What an SA / SG sends, per stage: (key as above, the rank it must go to).
-        act, grad = rules.recorded_base
-        self.sends = {_SA: ([~s for s in act], act_to), _SG: ([~s for s in grad], grad_to)}
+        # What an SA / SG sends, per stage: (its id of micro-batch 0, the rank it must go to:
+        # one sent elsewhere reaches nobody).
+        self.sends = {_SA: (rules.base[ACT], to[_F]), _SG: (rules.base[GRAD], to[_B])}
         self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
         # Messages and transfers that take no time, in integer units (CostModel.exact): a link
         # is then always free by its sender's clock, so ``_timed`` keeps no link clocks.
@@ -596,7 +578,7 @@ class _Run(Wires):
         self.released = [False] * num_ranks
 
     def message(self, rank: int, key: int, dst: int, t: float) -> None:
-        """An activation or gradient (a dense key, ``flow``'s) sent at ``t`` from ``rank`` to
+        """An activation or gradient (its id, ``flow``'s) sent at ``t`` from ``rank`` to
         ``dst``, as ``_timed`` sends one inline: at once when messages take no time, else over
         its link, one at a time, drawn when it takes time."""
         self.flow[key] = t if self.instant else self._occupy(rank, dst, t, self.durations.p2p)
@@ -611,24 +593,12 @@ class _Run(Wires):
     def _occupy(self, rank: int, dst: int, posted: float, duration: float) -> float:
         """A message's arrival over the link ``rank`` -> ``dst``, one at a time from ``posted``;
         its start noted for ``Timeline`` when it takes time."""
-        link = rank * self.rules.keys.num_ranks + dst
+        link = rank * self.rules.num_ranks + dst
         start = max(self.link_free.get(link, 0), posted)
         arrival = self.link_free[link] = start + duration
         if duration > 0:
             self.starts[rank].append(start)
         return arrival
-
-
-class _Unbounded(dict[int, "float | None"]):
-    """``_Run.flow`` for any micro-batch: a message not sent reads None."""
-
-    def __missing__(self, key: int) -> None:
-        return None
-
-
-def _inverted(slots: list[int]) -> list[int]:
-    """``_Run.flow``'s form of a per-stage table of dense slots: ``~slot``, 0 for none."""
-    return [~slot if slot >= 0 else 0 for slot in slots]
 
 
 def _timed(run: _Run, rank: int) -> Program:
@@ -638,9 +608,9 @@ def _timed(run: _Run, rank: int) -> Program:
     program, flow, waiting = rules.schedule.per_rank[rank], run.flow, run.waiting
     ready, link_free, compute, d_p2p = run.ready, run.link_free, run.compute, run.durations.p2p
     (act_keys, act_peers), (grad_keys, grad_peers) = run.sends[_SA], run.sends[_SG]
-    stride, num_ranks = rules.recorded_stride, rules.keys.num_ranks
+    microbatches, num_ranks = rules.microbatches, rules.num_ranks
     link_base = rank * num_ranks
-    loaded_r, awaiting_r, arrivals = run.loaded[rank], run.awaiting[rank], run.arrivals
+    restores_r, awaiting_r, arrivals = run.restores[rank], run.awaiting[rank], run.arrivals
     ps_r, t, busy_r, wait_r = run.ps_done[rank], run.clock[rank], run.busy[rank], run.waited[rank]
     held_r, peak_r = run.held[rank], run.peak[rank]
     instant = run.instant
@@ -656,24 +626,30 @@ def _timed(run: _Run, rank: int) -> Program:
             peer = a.peer  # type: ignore[assignment]  # sends always name a peer
             if peer >= num_ranks:
                 continue  # a rank outside the layout: the message reaches nobody
-            key = act_keys[s] - mb * stride if peer == act_peers[s] else None
+            if mb >= microbatches:
+                raise IndexError(mb)  # past the count: _replayed runs again for any
+            key = act_keys[s] + mb if peer == act_peers[s] else None
         elif kind is _SG:
             peer = a.peer  # type: ignore[assignment]
             if peer >= num_ranks:
                 continue
-            key = grad_keys[s] - mb * stride if peer == grad_peers[s] else None
+            if mb >= microbatches:
+                raise IndexError(mb)
+            key = grad_keys[s] + mb if peer == grad_peers[s] else None
         elif (spec := compute.get(kind)) is not None:  # F, B, I, W on the compute lane
             while awaiting_r and (need := run.unacknowledged(rank)) >= 0:
                 yield i, need
             start = t
             duration, delta, waits_row, sends_row, peers_row = spec
-            if slot := waits_row[s]:
-                if (arrival := flow[need := slot - mb * stride]) is None:
+            if mb >= microbatches:
+                raise IndexError(mb)
+            if need := waits_row[s]:
+                if (arrival := flow[need := need + mb]) is None:
                     yield i, need
                     arrival = flow[need]
                 if arrival > start:  # type: ignore[operator]  # sent: not None
                     start = arrival  # type: ignore[assignment]
-            if loaded_r and (need := run.restore(rank, a)) >= 0:
+            if restores_r and (need := restores_r.get(i, -1)) >= 0:
                 if (arrival := arrivals.get(need)) is None:
                     yield i, need
                     arrival = arrivals[need]
@@ -688,10 +664,10 @@ def _timed(run: _Run, rank: int) -> Program:
             if held_r > peak_r:
                 peak_r = held_r
             record(start)
-            if not (slot := sends_row[s]):
+            if not (key := sends_row[s]):
                 continue
             # A compute-only schedule: send the result as its SA / SG would.
-            key, peer = slot - mb * stride, peers_row[s]
+            key, peer = key + mb, peers_row[s]
         elif kind is _GS or kind is _PS:
             _data_parallel(run, rank, a, t)
             continue
@@ -706,7 +682,7 @@ def _timed(run: _Run, rank: int) -> Program:
             held_r, peak_r = run.held[rank], run.peak[rank]
             continue
         else:  # BPipe's EV / AC / RS / LD
-            while (moved := run.transfer(rank, a, t))[1] >= 0:
+            while (moved := run.transfer(rank, i, t))[1] >= 0:
                 yield i, moved[1]
             t = moved[0]
             held_r += MEMORY_DELTA[kind]
@@ -741,22 +717,24 @@ def _overlapped(run: _Run, rank: int, i: int, composite: Action) -> Program:
     (``rank``'s clock and memory in ``run``): it starts once BPipe's acknowledgements, each
     part's message and restore and each part's parameter gather are in, lasts the sum of its
     parts' durations, counts their memory in order, and sends what they send at its end."""
-    stride, flow, compute = run.rules.recorded_stride, run.flow, run.compute
+    flow, compute = run.flow, run.compute
     while run.awaiting[rank] and (need := run.unacknowledged(rank)) >= 0:
         yield i, need
     start = run.clock[rank]
     for part in parts(composite):
         mb: int = part.microbatch  # type: ignore[assignment]  # compute: never None
-        if slot := compute[part.kind][2][part.stage]:
-            if (arrival := flow[need := slot - mb * stride]) is None:
+        if mb >= run.rules.microbatches:
+            raise IndexError(mb)  # past the count: _replayed runs again for any
+        if need := compute[part.kind][2][part.stage]:
+            if (arrival := flow[need := need + mb]) is None:
                 yield i, need
                 arrival = flow[need]
             start = max(start, arrival)  # type: ignore[type-var, assignment]  # sent: not None
-        if run.loaded[rank] and (need := run.restore(rank, part)) >= 0:
-            if (arrival := run.arrivals.get(need)) is None:
-                yield i, need
-                arrival = run.arrivals[need]
-            start = max(start, arrival)
+    if (need := run.restores[rank].get(i, -1)) >= 0:  # its backward's (the last part)
+        if (arrival := run.arrivals.get(need)) is None:
+            yield i, need
+            arrival = run.arrivals[need]
+        start = max(start, arrival)
     for part in parts(composite):
         gathered = run.ps_done[rank].pop(part.stage, None)
         if gathered is not None and gathered > start:
@@ -773,8 +751,8 @@ def _overlapped(run: _Run, rank: int, i: int, composite: Action) -> Program:
     run.clock[rank] = t
     for part in parts(composite):  # a compute-only schedule: each part's result, sent now
         _, _, _, sends_row, peers_row = compute[part.kind]
-        if slot := sends_row[part.stage]:
-            run.message(rank, slot - part.microbatch * stride, peers_row[part.stage], t)  # type: ignore[operator]
+        if key := sends_row[part.stage]:
+            run.message(rank, key + part.microbatch, peers_row[part.stage], t)  # type: ignore[operator]
 
 
 def _data_parallel(run: _Run, rank: int, action: Action, t: float) -> None:
@@ -821,7 +799,7 @@ class Timeline:
         """``rank``'s events: the starts ``_timed`` recorded, one per busy interval, until they
         run out (a rank stuck in a deadlock stops there)."""
         rules, timing, starts = self.rules, self.timing, iter(self.starts[rank])
-        num_ranks, implicit, sends_for = rules.keys.num_ranks, rules.implicit, rules.sends_for
+        num_ranks, implicit, sends_for = rules.num_ranks, rules.implicit, rules.sends_for
         computes = compute_durations(timing)
         lanes = {_GS: timing.grad_sync, _PS: timing.param_sync}
         user = self._user
@@ -836,10 +814,10 @@ class Timeline:
                     continue
                 for part in parts(a):  # a composite's parts each send theirs, after it
                     kind, s, mb = part.kind, part.stage, part.microbatch
-                    if (slot := sends_for[kind][s]) >= 0:
+                    if sends_for[kind][s]:
                         send = _SA if kind is _F else _SG
                         start = next(starts)  # recorded with the compute, no wait between
-                        label = f"{s}{send.value}{mb}>{slot % num_ranks}"
+                        label = f"{s}{send.value}{mb}>{rules.output_rank[kind][s]}"
                         end = start + timing.p2p
                         yield Event(rank, "p2p", label, s, mb, send, user(start), user(end))
                 continue

@@ -50,7 +50,7 @@ from megatron_bfpp.ir import (
     parts,
     primitives,
 )
-from megatron_bfpp.messages import EVICT, RESTORE, Message, has_communication, message_of
+from megatron_bfpp.messages import ACT, EVICT, GRAD, RESTORE, Message, has_communication, message_of
 from megatron_bfpp.nccl import validate_nccl
 from megatron_bfpp.semantics import Recorded, Rules, describe_waits, match_channels, run_recorded
 
@@ -239,7 +239,7 @@ class _Scan:
         self.composites = composites  # whether composites are checked as parts (``_scan``)
         # The pipeline messages' rules, one row per kind (``_P2P``; ``_scan_rank`` reads them):
         # the slot of RA (RG) is the previous (next) stage's activation (input gradient).
-        act_base, grad_base = self.rules.recorded_base
+        act_base, grad_base = self.rules.base[ACT], self.rules.base[GRAD]
         f_done, b_done, i_done, _, ra_done, rg_done = self.flags[:6]
         remote_in, remote_out = self.remote_in, self.remote_out
         self.p2p = {
@@ -376,7 +376,7 @@ def _parts(
 
 class _P2P(NamedTuple):
     """One pipeline message kind's rules for the pass, per stage where indexed: the peer it must
-    name (-1: none may), the message's slot (a recording's key less ``mb * stride``), its channel
+    name (-1: none may), the message's id of micro-batch 0 (``Rules.base``), its channel
     side (``_RankChannels``: 0 activations in, 1 out, 2 gradients in, 3 out), the flags a send
     reads (``done`` or ``also``: computed) or a receive sets (``done``: posted), and the
     ``_ORDER`` rule a send before its producer breaks ("": a receive)."""
@@ -447,14 +447,12 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
     local_in, local_out, with_comm = scan.local_in, scan.local_out, scan.with_comm
     f_done, b_done, i_done, w_done, ra_done, rg_done, ev_done, ld_done = scan.flags
     forwarded, p2p = scan.forwarded, _p2p_rows(scan, rank).get
-    # What F and B / I wait for and send (compute-only) in recorded keys (Rules._recorded_tables).
-    act_wait, grad_wait = rules.recorded_waits[_F], rules.recorded_waits[_B]
-    act_send, grad_send = rules.recorded_sends[_F], rules.recorded_sends[_B]
-    stride, implicit = rules.recorded_stride, rules.implicit
-    restore_base, per_mb, limit = rules.base[RESTORE], rules.per_mb, rules.recorded_limit
+    # What F and B / I wait for and send (compute-only), as ids of micro-batch 0 (0: nothing).
+    act_wait, grad_wait = rules.waits_for[_F], rules.waits_for[_B]
+    act_send, grad_send = rules.sends_for[_F], rules.sends_for[_B]
     op, wait_at = recorded.ops.append, recorded.wait_at.append
     awaiting: list[int] = []  # acknowledgements the next compute waits for (Wires.awaiting)
-    loaded: set[int] = set()  # restores a backward waits for (Wires.loaded)
+    restores: dict[int, int] = {}  # position -> the restore a backward there waits for
     unloaded = 0  # this rank's EVs minus LDs
     chunk_level = scan.chunk_level[rank]  # positions of its GS / PS / RL
     steps = _parts(scan, actions, recorded) if scan.composites else enumerate(actions)
@@ -472,11 +470,11 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
                     return False
-                if (slot := act_wait[stage]) >= 0:
-                    op(~(mb * stride + slot))
+                if need := act_wait[stage]:
+                    op(~(need + mb))
                     wait_at(position)
-                if implicit and (slot := act_send[stage]) >= 0:
-                    op(mb * stride + slot)
+                if sent := act_send[stage]:
+                    op(sent + mb)
                 key = stage * num_mb + mb
                 if f_done[key]:
                     scan.repeated(rank, position)
@@ -493,15 +491,14 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
                     return False
-                if (slot := grad_wait[stage]) >= 0:
-                    op(~(mb * stride + slot))
+                if need := grad_wait[stage]:
+                    op(~(need + mb))
                     wait_at(position)
-                if loaded and (need := mb * per_mb + limit + restore_base[stage] + rank) in loaded:
-                    loaded.discard(need)  # Wires.restore: the activations an LD brought back
-                    op(~need)
+                if restores and (need := restores.get(position, -1)) >= 0:
+                    op(~need)  # the restore of the activations an LD brought back
                     wait_at(position)
-                if implicit and (slot := grad_send[stage]) >= 0:
-                    op(mb * stride + slot)
+                if sent := grad_send[stage]:
+                    op(sent + mb)
                 key = stage * num_mb + mb
                 if b_done[key] or i_done[key]:
                     scan.note_backward(rank, position, key)  # a repeat, or B with I
@@ -520,7 +517,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
                 if s2r[stage] != rank or mb >= num_mb or action.peer != peers[stage]:
                     scan.misplaced(rank, position)
                     return False
-                key, message = stage * num_mb + mb, mb * stride + slots[stage]
+                key, message = stage * num_mb + mb, slots[stage] + mb
                 channel[stage].append(message)
                 if also is None:  # a receive, posted
                     done[key] = 1
@@ -544,7 +541,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
                     return False
                 chunk_level.append(position)  # checked by _grad_sync_problem
             else:  # BPipe's EV / AC / RS / LD, a few per rank (or a composite: _scan_transfer)
-                moved = _scan_transfer(scan, rank, position, recorded, awaiting, loaded)
+                moved = _scan_transfer(scan, rank, position, recorded, awaiting, restores)
                 if moved is None:
                     return False
                 unloaded += moved
@@ -558,7 +555,12 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
 
 
 def _scan_transfer(
-    scan: _Scan, rank: int, position: int, recorded: Recorded, awaiting: list[int], loaded: set[int]
+    scan: _Scan,
+    rank: int,
+    position: int,
+    recorded: Recorded,
+    awaiting: list[int],
+    restores: dict[int, int],
 ) -> int | None:
     """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD at ``position``: placement, the
     waits and sends of ``Rules.transfers`` recorded (``Wires.transfer`` runs the same table),
@@ -579,18 +581,18 @@ def _scan_transfer(
     if not placed or mb >= scan.num_mb:
         scan.misplaced(rank, position)
         return None
-    rule, base = rules.transfers[kind], mb * rules.per_mb + rules.recorded_limit
+    rule, num_ranks = rules.transfers[kind], rules.num_ranks
     key = stage * scan.num_mb + mb
-    if (slot := rule.waits[stage]) >= 0:
-        recorded.ops.append(~(base + slot + rank))
+    if (base := rule.waits[stage]) >= 0:
+        recorded.ops.append(~((base + mb) * num_ranks + rank))
         recorded.wait_at.append(position)
-    sent = base + rule.sends[stage] + peer
-    if peer < rules.keys.num_ranks:  # a rank outside the layout: the message reaches nobody
+    sent = (rule.sends[stage] + mb) * num_ranks + peer
+    if peer < num_ranks:  # a rank outside the layout: the message reaches nobody
         recorded.ops.append(sent)
-    if (slot := rule.awaits[stage]) >= 0:
-        awaiting.append(base + slot + rank)
-    if (slot := rule.loads[stage]) >= 0:
-        loaded.add(base + slot + rank)
+    if (base := rule.awaits[stage]) >= 0:
+        awaiting.append((base + mb) * num_ranks + rank)
+    if kind is _LD and (later := rules.restored(rank, position)) >= 0:  # as Wires.transfer
+        restores[later] = (rules.base[RESTORE][stage] + mb) * num_ranks + rank
     f_done, b_done, i_done, _, _, _, ev_done, ld_done = flags
     if kind is _EV:
         scan.channel(rank, peer)[0].append(sent)
@@ -602,7 +604,7 @@ def _scan_transfer(
         ev_done[key] = 1
         return 1
     if kind is _AC:
-        scan.channel(peer, rank)[1].append(base + rules.base[EVICT][stage] + rank)
+        scan.channel(peer, rank)[1].append((rules.base[EVICT][stage] + mb) * num_ranks + rank)
         scan.accepted[rank].add(key)
         return 0
     if kind is _RS:
@@ -610,7 +612,7 @@ def _scan_transfer(
         if key not in scan.accepted[rank]:
             scan.disorder(rank, position, "never accepted")
         return 0
-    scan.channel(peer, rank)[1].append(base + rules.base[RESTORE][stage] + rank)
+    scan.channel(peer, rank)[1].append((rules.base[RESTORE][stage] + mb) * num_ranks + rank)
     if not ev_done[key]:
         scan.disorder(rank, position, "never evicted")
     if ld_done[key]:

@@ -20,7 +20,7 @@ from megatron_bfpp.ir import (
     paused_gc,
     unchecked_action,
 )
-from megatron_bfpp.messages import ACT, EVICT, GRAD, RESTORE, MessageKeys, has_communication
+from megatron_bfpp.messages import ACT, EVICT, GRAD, RESTORE, has_communication
 
 __all__ = ["add_communication"]
 
@@ -36,7 +36,8 @@ _RECEIVES = frozenset({K.RECV_ACT, K.RECV_GRAD, K.ACCEPT, K.LOAD})
 _Note = Callable[[object], None]
 _Channels = dict[tuple[int, int], tuple[list[object], list[object]]]
 # What a compute action adds around itself: the peer of the receive before it (-1: none),
-# where to note that message and its slot (MessageKeys); the same three for the send after it.
+# where to note that message and its slot (a key less ``mb * per_mb``); the same three for the
+# send after it.
 _Plan = tuple[int, _Note, int, int, _Note, int]
 
 
@@ -98,10 +99,11 @@ def add_communication(schedule: Schedule) -> Schedule:
     # stage past the end too, so a stray action there gets what the layout implies.
     input_rank = [-1, *stage_to_rank]
     output_rank = [*stage_to_rank[1:], -1, -1]
-    # Each channel's messages in posting order (``MessageKeys``, without a rank): sends, receives.
-    keys = MessageKeys(len(stage_to_rank) + 1, 1)
-    per_mb = keys.per_microbatch
-    slots = [[keys.slot(what, stage) for stage in range(keys.num_stages)] for what in range(4)]
+    # Each channel's messages in posting order, keyed ``mb * per_mb + what * span + stage`` for
+    # any micro-batch (compared only, so no ``Rules.id``, which needs their count): sends, receives.
+    span = len(stage_to_rank) + 1
+    per_mb = 4 * span
+    slots = [[what * span + stage for stage in range(span)] for what in range(4)]
     act_slot, grad_slot = slots[ACT], slots[GRAD]
     channels: _Channels = {}
     forward, full, split = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT
@@ -137,7 +139,7 @@ def add_communication(schedule: Schedule) -> Schedule:
                     src, dst, side = (rank, peer, 0) if is_send else (peer, rank, 1)
                     stage, mb = action.stage, action.microbatch or 0
                     # A stage past the layout (validation rejects it): a tuple, unequal to any key.
-                    in_range = stage < keys.num_stages
+                    in_range = stage < span
                     message = mb * per_mb + slots[what][stage] if in_range else (what, stage, mb)
                     channels.setdefault((src, dst), ([], []))[side].append(message)
                 continue

@@ -18,7 +18,7 @@ from megatron_bfpp.ir import (
     parse_action,
     parse_schedule,
 )
-from megatron_bfpp.messages import WHAT, Message, MessageKeys, What, message_of
+from megatron_bfpp.messages import WHAT, WHAT_CODE, Message, What, message_of
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import add_grad_sync
 from megatron_bfpp.schedules.registry import SCHEDULES, build_schedule
@@ -42,19 +42,35 @@ def test_both_sides_of_a_message_name_the_same_message() -> None:
         message_of(parse_action("2F5"))
 
 
-def test_message_keys_are_distinct_and_read_back() -> None:
-    keys = MessageKeys(num_stages=5, num_ranks=3)
-    seen = {}
-    for microbatch in range(4):
-        for stage in range(5):
+def test_message_ids_are_distinct_and_read_back() -> None:
+    """Every message's id, and BPipe's keys addressed to a rank past the ids of activations and
+    gradients, name the message they were made from (validator, replay and programs alike)."""
+    schedule = build_schedule("bpipe", num_ranks=4, num_microbatches=4)
+    rules = semantics.Rules(schedule)
+    num_ranks = schedule.num_ranks
+    seen: dict[int, tuple[Message, int]] = {}
+    for microbatch in range(schedule.num_microbatches):
+        for stage in range(-1, schedule.num_stages + 1):
             for what in What:
-                for rank in range(3):
-                    message = Message(what, stage, microbatch)
-                    key = keys.key(message, rank)
+                message = Message(what, stage, microbatch)
+                key = rules.id(WHAT_CODE[what], stage, microbatch)
+                assert rules.message(key) == message
+                assert rules.message(key).what is what
+                assert (key < rules.limit) == (what in ("act", "grad"))
+                keys = (
+                    [key] if key < rules.limit else [key * num_ranks + r for r in range(num_ranks)]
+                )
+                for rank, key in enumerate(keys):
                     assert key not in seen, (message, rank, seen.get(key))
                     seen[key] = (message, rank)
-                    assert keys.message(key) == (message, rank)
-                    assert keys.message(key)[0].what is what
+                    assert rules.message(key, True) == message
+    ids = [
+        rules.id(code, stage, microbatch)
+        for code in range(len(WHAT))
+        for stage in range(-1, schedule.num_stages + 1)
+        for microbatch in range(schedule.num_microbatches)
+    ]
+    assert ids == sorted(ids)  # the canonical order of a batch's ops (nccl)
 
 
 def test_message_kinds_are_one_enum_that_prints_as_its_text() -> None:
@@ -170,12 +186,12 @@ def test_a_stage_outside_the_layout_is_refused_not_indexed() -> None:
 
 
 def _replays(schedule: Schedule, timing: Timing) -> list[tuple[object, ...]]:
-    """What one run of ``replay`` finds, under each of its paths: a list of arrivals to the last
-    micro-batch (bounded) or a dict, and, where messages take no time, with link clocks kept."""
-    rules = semantics.Rules(schedule)
+    """What one run of ``replay`` finds, under each of its paths: ids to the last micro-batch
+    or for any, and, where messages take no time, with link clocks kept."""
     found = []
-    for bounded, instant in ((True, None), (False, None), (True, False), (False, False)):
-        run = semantics._Run(rules, timing, bounded=bounded)
+    for any_microbatch, instant in ((False, None), (True, None), (False, False), (True, False)):
+        rules = semantics.Rules(schedule, any_microbatch=any_microbatch)
+        run = semantics._Run(rules, timing)
         if instant is not None:
             run.instant = instant
         run.run([semantics._timed(run, rank) for rank in range(schedule.num_ranks)])
@@ -186,7 +202,7 @@ def _replays(schedule: Schedule, timing: Timing) -> list[tuple[object, ...]]:
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_replay_paths_agree_on_generated_and_broken_schedules(name: str) -> None:
-    """The list of arrivals and the dict, and instant messages without link clocks and with
+    """Ids to the count and for any micro-batch, and instant messages without link clocks and with
     them, time every schedule alike, deadlocked ones included (integer times, as bfpp-sim's)."""
     rng = random.Random(name)
     compute, lowered = _small_pair(name)
@@ -223,27 +239,6 @@ def test_a_message_to_another_rank_than_the_neighbour_stages_reaches_nobody() ->
         1: (1, Message("act", 0, 0)),
         2: (1, Message("act", 1, 0)),
     }
-
-
-def test_recorded_keys_read_back() -> None:
-    """The dense keys of activations and gradients (validator and replay) and BPipe's keys past
-    them name the messages they were made from."""
-    schedule = build_schedule("interleaved", num_ranks=2, num_microbatches=4, num_chunks=2)
-    rules = semantics.Rules(schedule)
-    act, grad = rules.recorded_base
-    seen = set()
-    for microbatch in range(6):  # past the count too: compact_message takes any
-        for stage in range(schedule.num_stages):
-            for what, base in (("act", act), ("grad", grad)):
-                key = microbatch * rules.recorded_stride + base[stage]
-                assert key not in seen
-                seen.add(key)
-                assert rules.compact_message(key) == Message(what, stage, microbatch)
-                if microbatch < schedule.num_microbatches:
-                    assert key < rules.recorded_limit
-                    assert rules.recorded_message(key) == Message(what, stage, microbatch)
-    evict = rules.keys.key(Message("evict", 1, 3), 1)
-    assert rules.recorded_message(evict + rules.recorded_limit) == Message("evict", 1, 3)
 
 
 # --- compute_ends is replay's clock ----------------------------------------------------------
