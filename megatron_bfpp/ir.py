@@ -534,11 +534,9 @@ class Schedule:
             yield held
 
     def peak_gradients(self) -> tuple[float, ...]:
-        """Per-rank peak of ``resident_gradients``."""
         return tuple(max(self.resident_gradients(r), default=0.0) for r in range(self.num_ranks))
 
     def peak_parameters(self) -> tuple[float, ...]:
-        """Per-rank peak of ``resident_parameters``."""
         return tuple(max(self.resident_parameters(r), default=0.0) for r in range(self.num_ranks))
 
     def peak_activations(self) -> tuple[float, ...]:
@@ -885,12 +883,32 @@ def _checked_schedule(
     *,
     counted: str,
 ) -> Schedule:
-    """The schedule, once every stage's forwards are micro-batches 0..m-1 (each once) and no
-    other action names a micro-batch past them. ``counted`` says where m comes from."""
+    """The schedule, once every stage's forwards are micro-batches 0..m-1 (each once: reported
+    per stage, what it misses and what is extra, more than the validator's first missing action
+    says) and no other action names a micro-batch past them, before anything allocates per
+    micro-batch. ``counted`` says where m comes from."""
     schedule = Schedule(
         layout, m, tuple(tuple(action for _, action in p) for p in programs), name=name
     )
-    _check_forwards(schedule, [row.number for row in rank_rows], f"{source}: {counted}")
+    forwards: list[list[int]] = [[] for _ in range(layout.num_stages)]
+    for actions in schedule.per_rank:
+        for _, action in primitives(actions):
+            if action.kind is ActionKind.FORWARD and action.microbatch is not None:
+                forwards[action.stage].append(action.microbatch)
+    problems = []
+    for stage, microbatches in enumerate(forwards):
+        problem = _microbatch_problem(microbatches, m)
+        if problem is not None:
+            row_number = rank_rows[layout.rank_of(stage)].number
+            problems.append(f"stage {stage} (row {row_number}) {problem}")
+    if problems:
+        shown = "; ".join(problems[:3])
+        if len(problems) > 3:
+            shown += f"; {len(problems) - 3} more stages too"
+        raise ScheduleError(
+            f"{source}: {counted}, so every stage needs forwards for micro-batches 0..{m - 1}, "
+            f"each once: {shown}"
+        )
     for row, program in zip(rank_rows, programs, strict=True):
         for column, action in program:
             # Forwards passed the check above, so only other kinds can be out of range here.
@@ -901,32 +919,6 @@ def _checked_schedule(
                         f"micro-batch {part.microbatch} does not exist ({counted})"
                     )
     return schedule
-
-
-def _check_forwards(schedule: Schedule, rank_rows: Sequence[int], counted: str) -> None:
-    """Every stage runs forwards for micro-batches 0..m-1, each once, reported per stage (what it
-    misses, what is extra: more than the validator's first missing action says), before
-    anything allocates per micro-batch."""
-    m = schedule.num_microbatches
-    forwards: list[list[int]] = [[] for _ in range(schedule.num_stages)]
-    for actions in schedule.per_rank:
-        for _, action in primitives(actions):
-            if action.kind is ActionKind.FORWARD and action.microbatch is not None:
-                forwards[action.stage].append(action.microbatch)
-    problems = []
-    for stage, microbatches in enumerate(forwards):
-        problem = _microbatch_problem(microbatches, m)
-        if problem is not None:
-            row = rank_rows[schedule.layout.rank_of(stage)]
-            problems.append(f"stage {stage} (row {row}) {problem}")
-    if problems:
-        shown = "; ".join(problems[:3])
-        if len(problems) > 3:
-            shown += f"; {len(problems) - 3} more stages too"
-        raise ScheduleError(
-            f"{counted}, so every stage needs forwards for micro-batches 0..{m - 1}, each once: "
-            f"{shown}"
-        )
 
 
 def _microbatch_problem(microbatches: list[int], m: int) -> str | None:
@@ -971,12 +963,7 @@ def _load_torch(rows: list[_Row], source: str) -> Schedule:
     lowered = any(cell.kind in _TORCH_LOWERING for row_cells in cells for cell in row_cells)
     programs = [
         tuple(
-            (
-                cell.column,
-                _torch_action(
-                    cell, rank, layout, f"{source}: row {row.number}, column {cell.column}"
-                ),
-            )
+            (cell.column, _torch_action(cell, rank, layout, f"{source}: row {row.number}"))
             for cell in row_cells
             if lowered or cell.kind != "REDUCE_GRAD"
         )
@@ -1079,11 +1066,12 @@ def _torch_layout(rows: list[_Row], cells: list[list[_TorchCell]], source: str) 
     return layout
 
 
-def _torch_action(cell: _TorchCell, rank: int, layout: StageLayout, where: str) -> Action:
+def _torch_action(cell: _TorchCell, rank: int, layout: StageLayout, row: str) -> Action:
     if cell.kind in _TORCH_COMPUTE:
         return Action(cell.stage, _TORCH_COMPUTE[cell.kind], cell.microbatch)
     if cell.kind in _TORCH_CHUNK:
         return Action(cell.stage, _TORCH_CHUNK[cell.kind])
+    where = f"{row}, column {cell.column}"
     kind, step = _TORCH_P2P[cell.kind]
     neighbour = cell.stage + step
     if not 0 <= neighbour < layout.num_stages:

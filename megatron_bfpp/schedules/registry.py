@@ -198,14 +198,12 @@ class ScheduleSpec:
                     f"with one chunk per rank use 1f1b (got {num_chunks})"
                 )
             return num_chunks
-        if self.placement is Placement.V_SHAPE:
-            if num_chunks not in (None, 2):
-                raise ScheduleError(
-                    f"{self.name} places exactly 2 stages per rank (V-shape); "
-                    f"drop {vp_flag} or set it to 2, got {num_chunks}"
-                )
-            return None
-        if num_chunks not in (None, 1):
+        if self.placement is Placement.V_SHAPE and num_chunks not in (None, 2):
+            raise ScheduleError(
+                f"{self.name} places exactly 2 stages per rank (V-shape); "
+                f"drop {vp_flag} or set it to 2, got {num_chunks}"
+            )
+        if self.placement is Placement.SINGLE and num_chunks not in (None, 1):
             raise ScheduleError(
                 f"{self.name} runs one stage per rank; drop {vp_flag} or set it to 1 (got "
                 f"{num_chunks}), or choose interleaved / breadth-first"

@@ -92,12 +92,9 @@ def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
         )
         horizon = _PERIOD * (m_count - 1) + max(o for o, _, _ in offsets) + 1
         slots: list[_Step | None] = [None] * horizon
-        for offset, kind, stage in offsets:
-            for mb in range(m_count):
-                slot = offset + _PERIOD * mb
-                if slots[slot] is not None:  # pragma: no cover - excluded by the choice of d
-                    raise RuntimeError(f"v-min block collides on rank {r} at slot {slot}")
-                slots[slot] = (kind, stage, mb)
+        for offset, kind, stage in offsets:  # distinct residues mod 6 (d): no slot taken twice
+            end = offset + _PERIOD * m_count
+            slots[offset:end:_PERIOD] = [(kind, stage, mb) for mb in range(m_count)]
         program: list[_Step] = []
         waiting: deque[tuple[int, int]] = deque()  # input gradients done, weight gradient not
         for step in slots:
