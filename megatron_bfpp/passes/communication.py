@@ -148,9 +148,8 @@ def add_communication(schedule: Schedule) -> Schedule:
                 append(new(stage, send, mb, target))
                 note_out(mb * per_mb + slot_out)
         programs.append(program)
+    # Commonly none: every channel already receives in send order.
     mismatched = {channel: sides for channel, sides in channels.items() if sides[0] != sides[1]}
-    if not mismatched:  # the common case: every channel already receives in send order
-        return schedule.with_programs(programs)
     for (source, rank), (sends, receives) in sorted(mismatched.items()):
         program = programs[rank]
         send_index = {message: index for index, message in enumerate(sends)}
