@@ -168,7 +168,7 @@ class Action:
         return text
 
     def __repr__(self) -> str:
-        return f"Action({self})"
+        return f"{type(self).__name__}({self})"
 
 
 _set_stage: Callable[[Action, int], None] = Action.__dict__["stage"].__set__
@@ -177,7 +177,7 @@ _set_microbatch: Callable[[Action, int | None], None] = Action.__dict__["microba
 _set_peer: Callable[[Action, int | None], None] = Action.__dict__["peer"].__set__
 
 
-@dataclass(frozen=True, slots=True, order=True, init=False)
+@dataclass(frozen=True, slots=True, order=True, init=False, repr=False)  # Action's __repr__
 class Composite(Action):
     """Actions of one rank run as one: ``OVERLAP_F_B``, a forward and a backward (B, or I) of
     another micro-batch (torch's ``OVERLAP_F_B``, DualPipe's overlapped pair), written
@@ -207,9 +207,6 @@ class Composite(Action):
 
     def __str__(self) -> str:
         return "&".join(map(str, self.parts))
-
-    def __repr__(self) -> str:
-        return f"Composite({self})"
 
 
 _set_parts: Callable[[Composite, tuple[Action, ...]], None] = Composite.__dict__["parts"].__set__
@@ -295,8 +292,15 @@ def parse_action(text: str) -> Action:
     """Inverse of ``str(action)``; raises ScheduleError naming the bad text."""
     match = _ACTION_RE.fullmatch(text.strip())
     if match is None:
-        if "&" in text:
-            return _parse_composite(text)
+        if "&" in text:  # an overlapped pair: a forward and a backward joined by "&"
+            pieces = text.strip().split("&")
+            if len(pieces) != 2 or not all(pieces):
+                raise ScheduleError(
+                    f"cannot parse action {_shown(text)}: an overlapped pair is two actions "
+                    "joined by '&', e.g. '3F5&1B2'"
+                )
+            forward, backward = (parse_action(piece) for piece in pieces)
+            return Composite(forward, backward)
         raise ScheduleError(
             f"cannot parse action {_shown(text)}: expected e.g. '3F5', '0SA5>1', '1RA5<0' or '2GS'"
         )
@@ -314,18 +318,6 @@ def parse_action(text: str) -> Action:
         microbatch=None if microbatch is None else _index(microbatch, "micro-batch", where),
         peer=None if peer is None else _index(peer, "peer rank", where),
     )
-
-
-def _parse_composite(text: str) -> Composite:
-    """``3F5&1B2``: a forward and a backward, joined by ``&``, each parsed as an action."""
-    pieces = text.strip().split("&")
-    if len(pieces) != 2 or not all(pieces):
-        raise ScheduleError(
-            f"cannot parse action {_shown(text)}: an overlapped pair is two actions joined by "
-            "'&', e.g. '3F5&1B2'"
-        )
-    forward, backward = (parse_action(piece) for piece in pieces)
-    return Composite(forward, backward)
 
 
 def _index(digits: str, what: str, where: str) -> int:
@@ -542,11 +534,9 @@ class Schedule:
             yield held
 
     def peak_gradients(self) -> tuple[float, ...]:
-        """Per-rank peak of ``resident_gradients``."""
         return tuple(max(self.resident_gradients(r), default=0.0) for r in range(self.num_ranks))
 
     def peak_parameters(self) -> tuple[float, ...]:
-        """Per-rank peak of ``resident_parameters``."""
         return tuple(max(self.resident_parameters(r), default=0.0) for r in range(self.num_ranks))
 
     def peak_activations(self) -> tuple[float, ...]:
@@ -695,7 +685,15 @@ def load_csv(path: str | Path) -> Schedule:
             f"{path}: more than {MAX_CSV_BYTES >> 20} MiB, more than a schedule of "
             f"{MAX_ACTIONS:,} actions takes; is this the right file?"
         )
-    return load_csv_text(_decoded(data, str(path)), source=str(path))
+    try:  # UTF-8, a byte-order mark dropped (spreadsheets write one); say which byte is not
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        row = data.count(b"\n", 0, error.start) + 1
+        raise ScheduleError(
+            f"{path}: row {row}: byte 0x{data[error.start]:02x} (offset {error.start}) is not "
+            "UTF-8 text; a schedule CSV is UTF-8 text, is this the right file?"
+        ) from None
+    return load_csv_text(text, source=str(path))
 
 
 def load_csv_text(text: str, *, source: str = "<csv>") -> Schedule:
@@ -705,19 +703,6 @@ def load_csv_text(text: str, *, source: str = "<csv>") -> Schedule:
     if rows[0].cells[0].strip() in _HEADER_KEYS:
         return _load_ours(rows, source)
     return _load_torch(rows, source)
-
-
-def _decoded(data: bytes, source: str) -> str:
-    """UTF-8 text, a byte-order mark dropped (spreadsheets write one); anything else is not a
-    schedule, and saying which byte beats a codec traceback."""
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        row = data.count(b"\n", 0, error.start) + 1
-        raise ScheduleError(
-            f"{source}: row {row}: byte 0x{data[error.start]:02x} (offset {error.start}) is not "
-            "UTF-8 text; a schedule CSV is UTF-8 text, is this the right file?"
-        ) from None
 
 
 def _read_rows(text: str, source: str) -> list[_Row]:
@@ -741,7 +726,14 @@ def _read_rows(text: str, source: str) -> list[_Row]:
         except StopIteration:
             return rows
         except csv.Error as error:
-            raise ScheduleError(f"{source}: row {start}: {_csv_problem(error)}") from None
+            problem = f"not readable as CSV ({error})"
+            if "field limit" in str(error):
+                problem = (
+                    f"a cell is longer than {csv.field_size_limit()} characters (csv's field "
+                    "size limit); schedule cells are short actions such as '3F5', is this the "
+                    "right file?"
+                )
+            raise ScheduleError(f"{source}: row {start}: {problem}") from None
         if any(cell.strip() for cell in cells):
             rows.append(_Row(start, tuple(cells)))
             actions += len(cells)
@@ -751,15 +743,6 @@ def _read_rows(text: str, source: str) -> list[_Row]:
                     f"{MAX_CSV_ROWS:,} ranks and {MAX_ACTIONS:,} actions); is this the right "
                     "file?"
                 )
-
-
-def _csv_problem(error: csv.Error) -> str:
-    if "field limit" in str(error):
-        return (
-            f"a cell is longer than {csv.field_size_limit()} characters (csv's field size limit); "
-            "schedule cells are short actions such as '3F5', is this the right file?"
-        )
-    return f"not readable as CSV ({error})"
 
 
 # One rank row's actions, each with the column it came from (for messages naming the cell).
@@ -800,9 +783,7 @@ def _load_ours(rows: list[_Row], source: str) -> Schedule:
     for rank, (row, program) in enumerate(zip(rank_rows, programs, strict=True)):
         for column, action in program:
             for part in parts(action):
-                problem = _stage_or_peer_problem(part, layout) or _row_problem(
-                    part, rank, layout, rank_rows
-                )
+                problem = _cell_problem(part, rank, layout, rank_rows)
                 if problem is not None:
                     raise ScheduleError(
                         f"{source}: row {row.number}, column {column}: {str(action)!r}: {problem}"
@@ -869,21 +850,16 @@ def _header_count(row: _Row, source: str) -> int:
     return int(values[0])
 
 
-def _stage_or_peer_problem(action: Action, layout: StageLayout) -> str | None:
-    """Indices our header bounds, named by cell before validation meets them."""
+def _cell_problem(
+    action: Action, rank: int, layout: StageLayout, rank_rows: Sequence[_Row]
+) -> str | None:
+    """Indices our header bounds, and an action on another rank's row, named by cell before
+    anything counts it against its stage's own row (the forwards' check) or the validator names
+    it by rank and step. BPipe's AC / RS are the acceptor's, on a rank other than the stage's."""
     if action.stage >= layout.num_stages:
         return f"stage {action.stage} does not exist (the layout has {layout.num_stages})"
     if action.peer is not None and action.peer >= layout.num_ranks:
         return f"peer rank {action.peer} does not exist (the layout has {layout.num_ranks})"
-    return None
-
-
-def _row_problem(
-    action: Action, rank: int, layout: StageLayout, rank_rows: Sequence[_Row]
-) -> str | None:
-    """An action on another rank's row, named by the row it is on, before anything counts it
-    against its stage's own row (the forwards' check) or the validator names it by rank and
-    step. BPipe's AC / RS are the acceptor's, on a rank other than the stage's."""
     owner = layout.rank_of(action.stage)
     if action.kind in (ActionKind.ACCEPT, ActionKind.RESTORE):
         if owner == rank:
@@ -907,12 +883,32 @@ def _checked_schedule(
     *,
     counted: str,
 ) -> Schedule:
-    """The schedule, once every stage's forwards are micro-batches 0..m-1 (each once) and no
-    other action names a micro-batch past them. ``counted`` says where m comes from."""
+    """The schedule, once every stage's forwards are micro-batches 0..m-1 (each once: reported
+    per stage, what it misses and what is extra, more than the validator's first missing action
+    says) and no other action names a micro-batch past them, before anything allocates per
+    micro-batch. ``counted`` says where m comes from."""
     schedule = Schedule(
         layout, m, tuple(tuple(action for _, action in p) for p in programs), name=name
     )
-    _check_forwards(schedule, [row.number for row in rank_rows], f"{source}: {counted}")
+    forwards: list[list[int]] = [[] for _ in range(layout.num_stages)]
+    for actions in schedule.per_rank:
+        for _, action in primitives(actions):
+            if action.kind is ActionKind.FORWARD and action.microbatch is not None:
+                forwards[action.stage].append(action.microbatch)
+    problems = []
+    for stage, microbatches in enumerate(forwards):
+        problem = _microbatch_problem(microbatches, m)
+        if problem is not None:
+            row_number = rank_rows[layout.rank_of(stage)].number
+            problems.append(f"stage {stage} (row {row_number}) {problem}")
+    if problems:
+        shown = "; ".join(problems[:3])
+        if len(problems) > 3:
+            shown += f"; {len(problems) - 3} more stages too"
+        raise ScheduleError(
+            f"{source}: {counted}, so every stage needs forwards for micro-batches 0..{m - 1}, "
+            f"each once: {shown}"
+        )
     for row, program in zip(rank_rows, programs, strict=True):
         for column, action in program:
             # Forwards passed the check above, so only other kinds can be out of range here.
@@ -923,32 +919,6 @@ def _checked_schedule(
                         f"micro-batch {part.microbatch} does not exist ({counted})"
                     )
     return schedule
-
-
-def _check_forwards(schedule: Schedule, rank_rows: Sequence[int], counted: str) -> None:
-    """Every stage runs forwards for micro-batches 0..m-1, each once, reported per stage (what it
-    misses, what is extra: more than the validator's first missing action says), before
-    anything allocates per micro-batch."""
-    m = schedule.num_microbatches
-    forwards: list[list[int]] = [[] for _ in range(schedule.num_stages)]
-    for actions in schedule.per_rank:
-        for _, action in primitives(actions):
-            if action.kind is ActionKind.FORWARD and action.microbatch is not None:
-                forwards[action.stage].append(action.microbatch)
-    problems = []
-    for stage, microbatches in enumerate(forwards):
-        problem = _microbatch_problem(microbatches, m)
-        if problem is not None:
-            row = rank_rows[schedule.layout.rank_of(stage)]
-            problems.append(f"stage {stage} (row {row}) {problem}")
-    if problems:
-        shown = "; ".join(problems[:3])
-        if len(problems) > 3:
-            shown += f"; {len(problems) - 3} more stages too"
-        raise ScheduleError(
-            f"{counted}, so every stage needs forwards for micro-batches 0..{m - 1}, each once: "
-            f"{shown}"
-        )
 
 
 def _microbatch_problem(microbatches: list[int], m: int) -> str | None:
@@ -993,12 +963,7 @@ def _load_torch(rows: list[_Row], source: str) -> Schedule:
     lowered = any(cell.kind in _TORCH_LOWERING for row_cells in cells for cell in row_cells)
     programs = [
         tuple(
-            (
-                cell.column,
-                _torch_action(
-                    cell, rank, layout, f"{source}: row {row.number}, column {cell.column}"
-                ),
-            )
+            (cell.column, _torch_action(cell, rank, layout, f"{source}: row {row.number}"))
             for cell in row_cells
             if lowered or cell.kind != "REDUCE_GRAD"
         )
@@ -1101,11 +1066,12 @@ def _torch_layout(rows: list[_Row], cells: list[list[_TorchCell]], source: str) 
     return layout
 
 
-def _torch_action(cell: _TorchCell, rank: int, layout: StageLayout, where: str) -> Action:
+def _torch_action(cell: _TorchCell, rank: int, layout: StageLayout, row: str) -> Action:
     if cell.kind in _TORCH_COMPUTE:
         return Action(cell.stage, _TORCH_COMPUTE[cell.kind], cell.microbatch)
     if cell.kind in _TORCH_CHUNK:
         return Action(cell.stage, _TORCH_CHUNK[cell.kind])
+    where = f"{row}, column {cell.column}"
     kind, step = _TORCH_P2P[cell.kind]
     neighbour = cell.stage + step
     if not 0 <= neighbour < layout.num_stages:

@@ -9,6 +9,7 @@ parts' receives before it and their sends after it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import pairwise
 
 from megatron_bfpp.ir import (
@@ -41,31 +42,26 @@ _Channels = dict[tuple[int, int], tuple[list[object], list[object]]]
 _Plan = tuple[int, _Note, int, int, _Note, int]
 
 
+@dataclass(eq=False, repr=False)  # a dict: its own equality and repr
 class _RankPlans(dict[int, _Plan]):
     """One rank's ``_Plan`` per stage for its forwards (or its backwards), made on first use:
     one lookup per compute action, and only for the rank's own few stages (lists over every
     stage for every rank made the pass quadratic in the number of ranks)."""
 
-    def __init__(
-        self,
-        rank: int,
-        sources: list[int],
-        targets: list[int],
-        step: int,
-        slots: list[int],
-        channels: _Channels,
-        discard: _Note,
-    ) -> None:
-        super().__init__()
-        self._rank, self._sources, self._targets, self._step = rank, sources, targets, step
-        self._slots, self._channels, self._discard = slots, channels, discard
+    rank: int
+    sources: list[int]
+    targets: list[int]
+    step: int
+    slots: list[int]
+    channels: _Channels
+    discard: _Note
 
     def __missing__(self, stage: int) -> _Plan:
         """Receive from the rank of ``sources[stage]`` (its data's slot is stage + ``step``'s),
         send to ``targets[stage]``'s (-1: on this rank, or none). A forward receives from the
         previous stage's rank and sends to the next's; a backward the other way round."""
-        rank, slots, previous = self._rank, self._slots, stage + self._step
-        source, target = self._sources[stage], self._targets[stage]
+        rank, slots, previous = self.rank, self.slots, stage + self.step
+        source, target = self.sources[stage], self.targets[stage]
         source = -1 if source == rank else source
         target = -1 if target == rank else target
         # Slots only where there is a message: a stray stage past the layout has no neighbour.
@@ -82,8 +78,8 @@ class _RankPlans(dict[int, _Plan]):
     def _note(self, src: int, dst: int, side: int) -> _Note:
         """Where a message on the channel src -> dst is noted: its sends (side 0) or receives."""
         if src < 0 or dst < 0:
-            return self._discard
-        return self._channels.setdefault((src, dst), ([], []))[side].append
+            return self.discard
+        return self.channels.setdefault((src, dst), ([], []))[side].append
 
 
 @paused_gc()
@@ -154,9 +150,8 @@ def add_communication(schedule: Schedule) -> Schedule:
                 append(new(stage, send, mb, target))
                 note_out(mb * per_mb + slot_out)
         programs.append(program)
+    # Commonly none: every channel already receives in send order.
     mismatched = {channel: sides for channel, sides in channels.items() if sides[0] != sides[1]}
-    if not mismatched:  # the common case: every channel already receives in send order
-        return schedule.with_programs(programs)
     for (source, rank), (sends, receives) in sorted(mismatched.items()):
         program = programs[rank]
         send_index = {message: index for index, message in enumerate(sends)}

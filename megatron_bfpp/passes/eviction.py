@@ -6,26 +6,12 @@ would store more than ``cap`` micro-batches it ships one to the acceptor (EV, AC
 before the backward that needs it (RS, LD). With BPipe's cap ``ceil((p + 2) / 2)`` the pair's
 ``p + 1`` micro-batches (plus one in flight) fit in ``2 * cap``: no rank stores more than the cap.
 
-The pass runs on a compute-only, single-chunk schedule, before ``add_communication``:
-
-* Evictor, in program order: evict *before* the forward that would exceed the cap, choosing the
-  resident micro-batch whose backward comes last (Belady's rule: the fewest loads). A load goes
-  one compute action ahead of its backward so the transfer overlaps that action: before a
-  forward always (making room if needed: it peaks no higher than loading after it), before a
-  backward only if a slot is free (it needs one more), otherwise right before the backward.
-* Acceptor: a unit-cost replay of the compute order (``semantics.compute_ends``: F = 1, B = 2)
-  times each transfer; AC goes in the acceptor's last gap between computes that starts no later
-  than the evict is sent, RS in the last that starts no later than the load is posted. The
-  original timeline then satisfies every new dependency, so the result cannot deadlock. Ties put
-  RS before AC (the acceptor never holds more than the evictor parked). ACs follow the EVs' order
-  and RSs the LDs', so each channel is FIFO; between neighbours each AC (LD) precedes the messages
-  sent after its EV (RS), so ``add_communication`` never hoists them and the memory profile holds.
-
-Memory bound (proof sketch, checked by the tests for p <= 16, m <= 64): the pass evicts only to
-make room, leaving ``cap - 1`` resident before a lone forward or load and ``cap - 2`` before a
-forward with a load ahead of it, so at most ``live - cap + 1`` micro-batches are parked, where
-``live <= min(p - x, m)`` is what 1F1B keeps alive on rank ``x``. The acceptor holds its own
-``min(x + 1, m)`` plus those, at most ``p - cap + 2 <= cap`` for BPipe's cap.
+The pass runs on a compute-only, single-chunk schedule, before ``add_communication``. The
+evictor evicts before the forward that would exceed the cap, the resident micro-batch whose
+backward comes last (Belady's rule: the fewest loads), and loads one compute ahead of the
+backward where a slot allows; the acceptor's AC / RS go where a unit-time replay of the compute
+order says the transfer happens, so the result cannot deadlock (placement rules and the memory
+bound's proof sketch: docs/architecture.md, "BPipe's eviction pass").
 """
 
 from __future__ import annotations
@@ -139,7 +125,13 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
     }
     if not any(transfers for transfers in plans.values()):
         return schedule
-    ends = _unit_time_ends(schedule)
+    # How the compute order would run (F = 1, B = 2, instant messages): times the transfers.
+    ends, blocked = compute_ends(schedule, _UNIT_TIME)
+    if blocked:
+        raise ScheduleError(
+            f"add_eviction: the compute order cannot run to the end (ranks {sorted(blocked)} "
+            "wait forever); validate_schedule(schedule, require_communication=False) shows where"
+        )
     programs = [list(actions) for actions in schedule.per_rank]
     for evictor, transfers in plans.items():
         if not transfers:
@@ -153,7 +145,11 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
             (bisect_right(ends[acceptor], gap_time[gap]), gap_time[gap], action.kind != K.LOAD, seq)
             for seq, (gap, action) in enumerate(transfers)
         )
-        placed = [(gap, _acceptor_side(transfers[seq][1], evictor)) for gap, _, _, seq in timed]
+        placed = []
+        for gap, _, _, seq in timed:  # the acceptor's half: AC for an EV, RS for an LD
+            action = transfers[seq][1]
+            kind = K.ACCEPT if action.kind == K.EVICT else K.RESTORE
+            placed.append((gap, unchecked_action(action.stage, kind, action.microbatch, evictor)))
         programs[acceptor] = _merge(schedule.per_rank[acceptor], placed)
     return schedule.with_programs(programs)
 
@@ -195,9 +191,7 @@ def _plan_evictor(
             ahead = following if following in parked else None
         if forward[index]:
             # Loading before this forward peaks no higher than loading after it, so make room.
-            room = cap - 1 if ahead is None else cap - 2
-            if len(resident) > room:
-                evict_down_to(index, room)
+            evict_down_to(index, cap - 1 if ahead is None else cap - 2)
             if ahead is not None:
                 load(index, ahead)
             resident.add(mb)
@@ -234,24 +228,6 @@ def _merge(program: tuple[Action, ...], transfers: list[tuple[int, Action]]) -> 
         merged.append(action)
     merged.extend(program[done:])
     return merged
-
-
-def _acceptor_side(action: Action, evictor: int) -> Action:
-    """The acceptor's half of an evictor's EV (AC) or LD (RS)."""
-    kind = K.ACCEPT if action.kind == K.EVICT else K.RESTORE
-    return unchecked_action(action.stage, kind, action.microbatch, evictor)
-
-
-def _unit_time_ends(schedule: Schedule) -> list[list[float]]:
-    """End time of every compute action, per rank, with F = 1, B = 2 and instant messages
-    (``semantics.compute_ends``): how the compute order would run."""
-    ends, blocked = compute_ends(schedule, _UNIT_TIME)
-    if blocked:
-        raise ScheduleError(
-            f"add_eviction: the compute order cannot run to the end (ranks {sorted(blocked)} "
-            "wait forever); validate_schedule(schedule, require_communication=False) shows where"
-        )
-    return ends
 
 
 _UNIT_TIME = Timing(forward=1.0, backward=2.0)

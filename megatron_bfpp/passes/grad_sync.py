@@ -1,21 +1,15 @@
 """Mark where each chunk's data-parallel parameter gather and gradient reduction start.
 
 A chunk's parameters are gathered (PS) at the start of the step, in the order the chunks first
-run, so later chunks' gathers overlap earlier chunks' forwards; its gradient reduction (GS)
-starts right after its last backward, so it overlaps the backward of every chunk that finishes
-later: breadth-first's first chunk finishes long before the step ends.
+run (later gathers overlap earlier forwards); its gradient reduction (GS) starts right after its
+last backward, overlapping the backwards of every chunk that finishes later.
 
 With sharded parameters (``sharding="optim_grads_params"``, ZeRO-3) a chunk's full parameters
 exist only between a gather (PS) and a release (RL), at most ``max_resident`` chunks of a rank at
-once. At the start of each segment (a maximal run of computes on one chunk) the next segment's
-chunk is gathered, overlapping this segment's compute; for room, the gathered chunk used again
-latest is released first (Belady's rule: the fewest gathers). After a chunk's last backward come
-its GS and its RL. Breadth-first's long segments gather every chunk at most twice per step;
-depth-first interleaved, with fewer chunks resident than it has, gathers again for every group.
-
-Sharded gradients are reduced after every run of a chunk's backwards (a GS after the last B / W
-of each maximal run of one stage's backward work; the runtime adds each shard into the kept
-one), so grouped breadth-first never holds more than two chunks' full gradients
+once: each segment (a maximal run of computes on one chunk) gathers the next segment's chunk,
+releasing the one used again latest (Belady's rule: the fewest gathers); a chunk's last
+backward is followed by its GS and RL. Sharded gradients are reduced after every run of a
+chunk's backwards, so grouped breadth-first holds at most two chunks' full gradients
 (docs/design-notes.md, "Grouped breadth-first, fully sharded").
 """
 
@@ -78,34 +72,33 @@ def add_grad_sync(
     programs = []
     for rank, actions in enumerate(schedule.per_rank):
         stages = schedule.layout.stages_of(rank)
-        first_forward = _first_forwards(actions, stages)
+        first_forward = _find(actions, stages, range(len(actions)), 0, (K.FORWARD,))
         last_grad = _last_grads(actions, stages)
         gathers = [
             unchecked_action(s, K.PARAM_SYNC) for s in sorted(stages, key=first_forward.__getitem__)
         ]
-        after: dict[int, list[Action]] = {}
+        inserts = {0: gathers}
         for stage in stages:
             if last_grad[stage] >= 0:
-                position = _past_sends(actions, last_grad[stage])
-                after.setdefault(position, []).append(unchecked_action(stage, K.GRAD_SYNC))
-        # Splice a handful of insertion points: chained views over one iterator of the program
-        # touch each action once (slices into a list, then a tuple, touched each three times).
-        rest, start = iter(actions), 0
-        parts: list[Iterable[Action]] = [gathers]
-        for position in sorted(after):
-            parts += (islice(rest, position + 1 - start), after[position])
-            start = position + 1
-        parts.append(rest)
-        programs.append(tuple(chain.from_iterable(parts)))
+                position = _past_sends(actions, last_grad[stage]) + 1
+                inserts.setdefault(position, []).append(unchecked_action(stage, K.GRAD_SYNC))
+        programs.append(_spliced(actions, inserts))
     return schedule.with_programs(programs)
 
 
+def _spliced(actions: tuple[Action, ...], inserts: dict[int, list[Action]]) -> tuple[Action, ...]:
+    """``actions`` with ``inserts[i]`` before action i (after the last: i = len): chained views
+    over one iterator touch each action once (slices into a list, then a tuple: three times)."""
+    rest, start = iter(actions), 0
+    pieces: list[Iterable[Action]] = []
+    for position in sorted(inserts):
+        pieces += (islice(rest, position - start), inserts[position])
+        start = position
+    pieces.append(rest)
+    return tuple(chain.from_iterable(pieces))
+
+
 _CHUNK_LEVEL = frozenset({K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE})
-
-
-def _first_forwards(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
-    """Position of each stage's first forward (len(actions) if none)."""
-    return _find(actions, stages, range(len(actions)), 0, (K.FORWARD,))
 
 
 def _last_grads(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
@@ -151,12 +144,11 @@ def _past_sends(actions: tuple[Action, ...], position: int) -> int:
 
 def _sharded_program(
     actions: tuple[Action, ...], stages: tuple[int, ...], max_resident: int
-) -> list[Action]:
+) -> tuple[Action, ...]:
     """One rank's program with sharded parameters (see the module docstring)."""
     segments = _segments(actions)  # (stage, position of its first compute), in program order
     last_grad = _last_grads(actions, stages)
-    before: dict[int, list[Action]] = {}
-    after: dict[int, list[Action]] = {}
+    inserts: dict[int, list[Action]] = {}  # before each position; a chunk's GS / RL first
     marks: list[tuple[int, list[Action]]] = [
         (position, [unchecked_action(stage, K.GRAD_SYNC)])
         for stage, position in _run_ends(actions)
@@ -176,7 +168,7 @@ def _sharded_program(
             done = [unchecked_action(stage, K.GRAD_SYNC), unchecked_action(stage, K.RELEASE)]
         marks.append((position, done))
     for position, done in sorted(marks, key=lambda mark: mark[0]):
-        after.setdefault(_past_sends(actions, position), []).extend(done)
+        inserts.setdefault(_past_sends(actions, position) + 1, []).extend(done)
     uses: dict[int, list[int]] = {stage: [] for stage in stages}  # segment indices per stage
     for index, (stage, _) in enumerate(segments):
         uses[stage].append(index)
@@ -188,8 +180,8 @@ def _sharded_program(
 
     gathered: list[int] = []
     for index, (stage, start) in enumerate(segments):
-        inserted = before.setdefault(start, [])
-        # A chunk past its last use was released after its last backward (``after``).
+        inserted = inserts.setdefault(start, [])
+        # A chunk past its last use was released after its last backward (above).
         gathered = [s for s in gathered if uses[s][-1] >= index]
         wanted = [stage]
         if max_resident >= 2 and index + 1 < len(segments):
@@ -204,12 +196,7 @@ def _sharded_program(
                 inserted.append(unchecked_action(victim, K.RELEASE))
             gathered.append(want)
             inserted.append(unchecked_action(want, K.PARAM_SYNC))
-    program: list[Action] = []
-    for position, action in enumerate(actions):
-        program += before.get(position, ())
-        program.append(action)
-        program += after.get(position, ())
-    return program
+    return _spliced(actions, inserts)
 
 
 def _run_ends(actions: tuple[Action, ...]) -> list[tuple[int, int]]:

@@ -25,10 +25,25 @@ def overlap_pairs(schedule: Schedule) -> list[Pair]:
     followed by a backward (B, or I) of another micro-batch on its rank (1F1B's steady state),
     an action in one pair at most, kept only if the schedule with it and the pairs before it
     still runs (a pair waits for its backward's input before its forward runs, which can close
-    a cycle of waits, as on the V-shapes). Such pairs keep each rank's stored activations. One
-    deadlock check per candidate: for tests and small schedules."""
+    a cycle of waits, as on the V-shapes). One deadlock check per candidate: for small ones."""
+    candidates: list[Pair] = []
+    for actions in schedule.per_rank:
+        computes = [action for action in actions if action.kind.is_compute]
+        index = 0
+        while index + 1 < len(computes):
+            first, then = computes[index], computes[index + 1]
+            if (
+                first.kind is K.FORWARD
+                and (then.kind is K.BACKWARD or then.kind is K.BACKWARD_INPUT)
+                and type(first) is type(then) is Action
+                and first.microbatch != then.microbatch
+            ):
+                candidates.append((first, then))
+                index += 2
+            else:
+                index += 1
     kept: list[Pair] = []
-    for pair in _candidates(schedule):
+    for pair in candidates:
         try:
             validate_deadlock_free(fuse_overlapped(schedule, [*kept, pair]))
         except ScheduleError:
@@ -37,31 +52,19 @@ def overlap_pairs(schedule: Schedule) -> list[Pair]:
     return kept
 
 
-def _candidates(schedule: Schedule) -> list[Pair]:
-    pairs: list[Pair] = []
-    for actions in schedule.per_rank:
-        computes = [action for action in actions if action.kind.is_compute]
-        index = 0
-        while index + 1 < len(computes):
-            first, then = computes[index], computes[index + 1]
-            if _fusable(first, then):
-                pairs.append((first, then))
-                index += 2
-            else:
-                index += 1
-    return pairs
-
-
 def fuse_overlapped(schedule: Schedule, pairs: Iterable[Pair] | None = None) -> Schedule:
     """``schedule`` with each (forward, backward) of ``pairs`` (default: ``overlap_pairs``) run as
-    one overlapped pair, at the earlier of the two's place. The two must be on one rank with no
-    other compute between them (either may come first; the pair runs its forward first). What lay
-    between them keeps its meaning and its order per channel: receives and parameter gathers (PS)
-    move before the pair, the rest after it. The result may deadlock where the two apart would not:
-    ``validate_schedule`` proves it. Raises ``ScheduleError`` naming the pair that cannot fuse."""
+    one overlapped pair, at the earlier of the two's place: on one rank, no other compute between
+    them, either first. What lay between keeps its order per channel: receives and gathers (PS)
+    move before the pair, the rest after. It may deadlock where the two apart would not."""
     chosen = overlap_pairs(schedule) if pairs is None else list(pairs)
     by_rank: dict[int, list[tuple[int, int]]] = {}
-    where = _positions(schedule)
+    where = {  # (rank, position) of every plain forward and backward (B or I)
+        action: (rank, position)
+        for rank, actions in enumerate(schedule.per_rank)
+        for position, action in enumerate(actions)
+        if action.kind in _FUSABLE
+    }
     used: set[Action] = set()
     for forward, backward in chosen:
         composite = Composite(forward, backward)  # checks the kinds and micro-batches
@@ -74,25 +77,6 @@ def fuse_overlapped(schedule: Schedule, pairs: Iterable[Pair] | None = None) -> 
         _fused(actions, by_rank.get(rank, [])) for rank, actions in enumerate(schedule.per_rank)
     ]
     return schedule.with_programs(programs)
-
-
-def _fusable(first: Action, then: Action) -> bool:
-    return (
-        first.kind is K.FORWARD
-        and (then.kind is K.BACKWARD or then.kind is K.BACKWARD_INPUT)
-        and type(first) is type(then) is Action
-        and first.microbatch != then.microbatch
-    )
-
-
-def _positions(schedule: Schedule) -> dict[Action, tuple[int, int]]:
-    """(rank, position) of every plain forward and backward (B or I)."""
-    return {
-        action: (rank, position)
-        for rank, actions in enumerate(schedule.per_rank)
-        for position, action in enumerate(actions)
-        if action.kind in _FUSABLE
-    }
 
 
 _FUSABLE = frozenset({K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT})

@@ -1,9 +1,5 @@
-"""Does a schedule fit a parallel layout: the one check every training front end runs first.
-
-bfpp-train and Megatron-LM (``validate_args`` and ``megatron_bfpp.megatron.preflight``) ask the
-same questions of the same numbers (virtual stages, layers, micro-batches, sharding, does the
-schedule build), so they are asked once here and cannot drift apart between front ends.
-"""
+"""Does a schedule fit a parallel layout: the one check every training front end (bfpp-train,
+Megatron-LM's ``validate_args`` and pre-flight) runs first, asked once so they cannot drift."""
 
 from __future__ import annotations
 
@@ -141,10 +137,8 @@ def check_fit(
 ) -> Fit:
     """Schedule ``name`` on ``pp`` ranks with ``vp`` virtual stages per rank (``None``: not
     given) and ``dp`` replicas, or one :class:`ScheduleError` line saying what to change, cheapest
-    question first: the placement (naming ``vp_flag``), the layers (with ``num_layers``), the
-    micro-batches, the sharding, then the schedule built with ``options`` (its error in flag
-    terms). ``batch_schedule`` (:func:`step_batch_sizes`) replaces ``global_batch_size``: every
-    step's micro-batches must run; the last step's is returned."""
+    question first. ``batch_schedule`` (:func:`step_batch_sizes`) replaces ``global_batch_size``:
+    every step's micro-batches must run; the last step's is returned."""
     spec = get_spec(name)
     chunks = spec.chunks_for(vp, vp_flag=vp_flag)
     stages = spec.stages_per_rank(chunks)
@@ -167,6 +161,7 @@ def check_fit(
     check_sharding_data_parallel(sharding, dp)
     sizes = f"pp={pp}" + (f", vp={stages}" if stages > 1 else "")
     where = f" (a step of {BATCH_SCHEDULE_FLAG})" if batch_schedule else ""
+    chosen = options or {}
     for m in dict.fromkeys(counts):  # each distinct count once, in the schedule's order
         try:
             build_schedule(
@@ -175,7 +170,7 @@ def check_fit(
                 num_microbatches=m,
                 num_chunks=chunks,
                 sharding=sharding,
-                **(options or {}),
+                **chosen,
             )
         except ScheduleError as error:
             first = in_flag_terms(str(error).strip().splitlines()[0], name)

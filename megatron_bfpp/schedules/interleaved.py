@@ -55,28 +55,6 @@ def build_interleaved(
         "interleaved", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks
     )
     group = num_ranks if microbatch_group_size is None else microbatch_group_size
-    _check_group(num_ranks, num_microbatches, num_chunks, group)
-    layout = StageLayout.looped(num_ranks, num_chunks)
-    table = schedule_table(num_microbatches, num_chunks, group)
-    f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
-    last_chunk = num_chunks - 1
-    programs: list[list[Action]] = []
-    for rank in range(num_ranks):
-        # Forward k runs table[k] through its chunk, backward k through the mirrored chunk.
-        forwards = [action(chunk * num_ranks + rank, f, mb) for mb, chunk in table]
-        backwards = [action((last_chunk - chunk) * num_ranks + rank, b, mb) for mb, chunk in table]
-        warmup = warmup_count(
-            rank=rank,
-            num_ranks=num_ranks,
-            num_chunks=num_chunks,
-            num_microbatches=num_microbatches,
-            group_size=group,
-        )
-        programs.append(interleave_1f1b(forwards, backwards, warmup))
-    return make_schedule("interleaved", layout, num_microbatches, programs)
-
-
-def _check_group(num_ranks: int, num_microbatches: int, num_chunks: int, group: int) -> None:
     if num_chunks < 2:
         raise ScheduleError(
             "interleaved needs a virtual pipeline size (--vp / num_chunks) of at least 2; "
@@ -94,3 +72,16 @@ def _check_group(num_ranks: int, num_microbatches: int, num_chunks: int, group: 
             f"interleaved needs num_microbatches % group size to be 0 or >= pp={num_ranks}; "
             f"got {num_microbatches} % {group} = {remainder} (use a multiple of {group})"
         )
+    layout = StageLayout.looped(num_ranks, num_chunks)
+    table = schedule_table(num_microbatches, num_chunks, group)
+    f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
+    last_chunk = num_chunks - 1
+    sizes = dict(num_ranks=num_ranks, num_chunks=num_chunks, num_microbatches=num_microbatches)
+    programs: list[list[Action]] = []
+    for rank in range(num_ranks):
+        # Forward k runs table[k] through its chunk, backward k through the mirrored chunk.
+        forwards = [action(chunk * num_ranks + rank, f, mb) for mb, chunk in table]
+        backwards = [action((last_chunk - chunk) * num_ranks + rank, b, mb) for mb, chunk in table]
+        warmup = warmup_count(rank=rank, group_size=group, **sizes)
+        programs.append(interleave_1f1b(forwards, backwards, warmup))
+    return make_schedule("interleaved", layout, num_microbatches, programs)

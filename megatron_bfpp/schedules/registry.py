@@ -1,13 +1,8 @@
-"""The schedule generators behind one registry keyed by the user-facing names.
-
-``build_schedule`` is the one way in: it checks the inputs against the schedule's placement,
-runs the family's generator (a compute order), lowers it with the passes (messages, gradient and
-parameter sync) and validates the result, so every caller gets a schedule that is proven to run.
-"""
+"""The schedule generators behind one registry keyed by the user-facing names; ``build_schedule``
+is the one way in, so every caller gets a checked, lowered schedule that is proven to run."""
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -138,18 +133,14 @@ def bpipe_caps(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
 @dataclass(frozen=True, slots=True)
 class PlanGrid:
     """What the planners (``bfpp-plan recommend``, ``--pipeline-schedule auto``) try of a
-    schedule, declared once so both search the same grid: the data-parallel ``shardings`` it
-    runs; ``microbatches_per_pp``: m must be a multiple of pp (Megatron's interleaved rule);
-    ``options``: ``(pp, m) -> generator options`` to try (``{}``: the defaults); ``last``: on
-    equal predictions the others rank first (GPipe holds every micro-batch's activations);
-    ``steady``: a long step's times lie on lines through shorter ones under the lock-step
-    posting, so bfpp-sim reads them off those (``sim.simulate_steady``; BPipe's evictions wander
-    against the ticks: trying would only add the shorter steps to the whole one)."""
+    schedule, declared once so both search the same grid."""
 
-    shardings: tuple[str, ...] = ("optim",)
-    microbatches_per_pp: bool = False
-    options: OptionGrid = lambda pp, m: ({},)
-    last: bool = False
+    shardings: tuple[str, ...] = ("optim",)  # the data-parallel sharding strategies it runs
+    microbatches_per_pp: bool = False  # m must be a multiple of pp (Megatron's interleaved rule)
+    options: OptionGrid = lambda pp, m: ({},)  # generator options to try ({}: the defaults)
+    last: bool = False  # ranks after equal predictions (GPipe holds every micro-batch)
+    # A long step's times lie on lines through shorter ones under the lock-step posting, so
+    # bfpp-sim reads them off those (sim.simulate_steady); not BPipe's, whose evictions wander.
     steady: bool = True
 
 
@@ -207,14 +198,12 @@ class ScheduleSpec:
                     f"with one chunk per rank use 1f1b (got {num_chunks})"
                 )
             return num_chunks
-        if self.placement is Placement.V_SHAPE:
-            if num_chunks not in (None, 2):
-                raise ScheduleError(
-                    f"{self.name} places exactly 2 stages per rank (V-shape); "
-                    f"drop {vp_flag} or set it to 2, got {num_chunks}"
-                )
-            return None
-        if num_chunks not in (None, 1):
+        if self.placement is Placement.V_SHAPE and num_chunks not in (None, 2):
+            raise ScheduleError(
+                f"{self.name} places exactly 2 stages per rank (V-shape); "
+                f"drop {vp_flag} or set it to 2, got {num_chunks}"
+            )
+        if self.placement is Placement.SINGLE and num_chunks not in (None, 1):
             raise ScheduleError(
                 f"{self.name} runs one stage per rank; drop {vp_flag} or set it to 1 (got "
                 f"{num_chunks}), or choose interleaved / breadth-first"
@@ -233,9 +222,8 @@ class ScheduleSpec:
             if layers_per_rank % 2:
                 return (), f"{layers_per_rank} layers per rank do not split into a V's 2"
             return (2,), None
-        small = [d for d in range(1, math.isqrt(layers_per_rank) + 1) if layers_per_rank % d == 0]
-        divisors = sorted({*small, *(layers_per_rank // d for d in small)})
-        vps = tuple(v for v in divisors if 2 <= v <= max_chunks)
+        top = min(max_chunks, layers_per_rank)
+        vps = tuple(v for v in range(2, top + 1) if layers_per_rank % v == 0)
         if not vps:
             return (), f"{layers_per_rank} layer(s) per rank: no virtual stages"
         return vps, None
@@ -258,10 +246,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             plan=PlanGrid(last=True),
         ),
         ScheduleSpec(
-            "1f1b",
-            "one forward one backward (megatron-core default)",
-            build_1f1b,
-            Placement.SINGLE,
+            "1f1b", "one forward one backward (megatron-core default)", build_1f1b, Placement.SINGLE
         ),
         ScheduleSpec(
             "interleaved",
@@ -319,9 +304,8 @@ def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -
     ``megatron``, flags Megatron-LM owns (and defaults) are left alone."""
     mine = {option.dest for option in get_spec(name).options} if name is not None else set()
     for option in ALL_OPTIONS:
-        if getattr(args, option.dest, None) is None or option.dest in mine:
-            continue
-        if megatron and option.megatron_owned:
+        given = getattr(args, option.dest, None) is not None
+        if not given or option.dest in mine or (megatron and option.megatron_owned):
             continue
         takers = " / ".join(s.name for s in SCHEDULES.values() if option in s.options)
         raise ScheduleError(f"{option.flag} applies to --pipeline-schedule {takers}")
@@ -427,13 +411,10 @@ def build_schedule(
     validate: bool = True,
     **options: Any,
 ) -> Schedule:
-    """A validated schedule; ``lower=False`` stops at the compute order (still validated).
-    ``validate=False`` is for the planner, which builds catalogue schedules hundreds of times per
-    search (tests/unit/test_generators.py validates every generator's output; the simulator still
-    stops on a deadlock). ``num_chunks`` is the virtual pipeline size: required for looped
-    schedules, 1 or omitted for single-stage ones, 2 or omitted for V-shape ones. Options left at
-    ``None`` take the schedule's default. ``sharding`` (Megatron's data-parallel sharding
-    strategy, see ``passes.grad_sync``) shapes the lowered schedule only."""
+    """A validated schedule; ``lower=False`` stops at the compute order. ``validate=False`` is for
+    the planner's hundreds of builds per search (tests/unit/test_generators.py validates every
+    generator). ``num_chunks``: the virtual pipeline size (``chunks_for``); options left at
+    ``None`` take the schedule's default; ``sharding`` shapes the lowered schedule only."""
     spec = get_spec(name)
     chosen = {key: value for key, value in options.items() if value is not None}
     spec.check_option_names(chosen)

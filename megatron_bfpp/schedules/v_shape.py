@@ -1,25 +1,11 @@
 """V-shape schedules with controllable activation memory: v-min, v-half and v-zb.
 
-Qi et al., "Pipeline Parallelism with Controllable Memory" (NeurIPS 2024) place 2p stages on p
-ranks in a V: rank r holds stage r (its chunk 0) and stage 2p-1-r (its chunk 1), so every rank
-carries one stage used early in a micro-batch's life and one used late, and activation memory
-balances across ranks. With the backward split into I (input gradient) and W (weight gradient),
-the order a rank runs them in sets how long each activation lives, hence the peak.
-
-The generators return compute-only schedules (F, I and W). An activation is held from the start
-of its F to the end of its W and one V stage is half a 1F1B stage, so one held activation is 0.5
-"1F1B units"; peaks depend on program order only (bounds and bubbles: docs/architecture.md,
-"Generator bounds"). Three constructions, each used where it measured better
-(``tests/unit/test_v_shape.py``):
-
-* v-min repeats the paper's V-Min building block: at this tight budget the block's
-  collision-free steady state beats a greedy scheduler (whose steady state develops recurring
-  bubbles); executed eagerly it squeezes the warm-up and cool-down, and keeps the block's peak.
-* v-half uses a greedy list scheduler under a memory limit (the paper's adaptive scheduler);
-  v-zb uses it too when m < p, where its memory limit never binds.
-* v-zb (m >= p) is the zero-bubble paper's ZB-V order, phase by phase; where its cool-down
-  leaves gaps (m < 1.5p), a unit-time replay lets ready input gradients overtake weight
-  gradients, which closes them without changing the memory.
+Qi et al., "Pipeline Parallelism with Controllable Memory" (NeurIPS 2024): rank r holds stage r
+(its chunk 0) and stage 2p-1-r (its chunk 1), one stage used early in a micro-batch's life and
+one late, so activation memory balances across ranks; with the backward split into I and W, the
+order a rank runs them in sets how long each activation lives (F start to W end, 0.5 "1F1B
+units" each), hence the peak. The generators return compute-only schedules (F, I, W); why each
+uses its construction, and the bounds: docs/architecture.md, "Generator bounds".
 """
 
 from __future__ import annotations
@@ -52,36 +38,24 @@ def build_v_min(*, num_ranks: int, num_microbatches: int) -> Schedule:
 
 @paused_gc()
 def build_v_half(*, num_ranks: int, num_microbatches: int) -> Schedule:
-    """V-Half: half of 1F1B's activation memory with about half of 1F1B's bubble: greedy under a
-    limit of p + 2 held activations per rank, i.e. at most p/2 + 1 1F1B units (2 for p = 1, so that
-    it never needs more than 1F1B). Rank r also keeps at most p - r + 1 micro-batches between its
-    chunk 0 and chunk 1, about what is in flight down the V and back at full rate: admitting more
-    fills the rank with chunk-0 activations and starves chunk 1."""
+    """V-Half: half of 1F1B's activation memory and about half its bubble: greedy under p + 2 held
+    activations per rank (2 for p = 1: never more than 1F1B), rank r keeping at most p - r + 1
+    micro-batches between its chunks (in flight down the V and back: more starves chunk 1)."""
     check_counts("v-half", num_ranks=num_ranks, num_microbatches=num_microbatches)
     p = num_ranks
-    programs = _greedy_programs(
-        p,
-        num_microbatches,
-        memory_limit=min(p + 2, 2 * p),
-        open_limits=[p - r + 1 for r in range(p)],
-    )
+    programs = _greedy_programs(p, num_microbatches, memory_limit=min(p + 2, 2 * p))
     return _make("v-half", num_ranks, num_microbatches, programs)
 
 
 @paused_gc()
 def build_v_zb(*, num_ranks: int, num_microbatches: int) -> Schedule:
-    """V-ZB: zero bubble at 1F1B's activation memory (2p held activations = p units). The ZB-V order
-    (``_zb_programs``, torch's ScheduleZBVZeroBubble's) takes max(6m + p - 1, 4m + 4p - 2) unit
-    slots for m >= p: from m >= (3p - 1) / 2 the first, the pipeline-fill floor, so it is kept (its
-    W's between the last input gradients also hide message latency); below,
-    ``_input_gradients_first`` replays it to reach the floor too. For m < p the memory limit never
-    binds and the greedy measured shorter."""
+    """V-ZB: zero bubble at 1F1B's activation memory (2p held activations = p units): the ZB-V
+    order, replayed by ``_input_gradients_first`` below m = (3p - 1) / 2 to reach the
+    pipeline-fill floor; the greedy for m < p, where the limit never binds and it is shorter."""
     check_counts("v-zb", num_ranks=num_ranks, num_microbatches=num_microbatches)
     p, m_count = num_ranks, num_microbatches
     if m_count < p:
-        programs = _greedy_programs(
-            p, m_count, memory_limit=2 * p, open_limits=[p - r + 1 for r in range(p)]
-        )
+        programs = _greedy_programs(p, m_count, memory_limit=2 * p)
     elif 2 * m_count < 3 * p - 1:
         programs = _input_gradients_first(p, _zb_programs(p, m_count))
     else:
@@ -100,14 +74,10 @@ def _make(
 
 
 def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
-    """Program order of the repeated V-Min building block (slot times are only a means). In slots
-    (one F, I or W each), micro-batch k's actions on rank r sit at 6k plus: F chunk 0 at r, F chunk
-    1 at 2p-1-r, I chunk 1 at 2p+d+r, I chunk 0 at 4p+d-1-r. Every dependency sits in an earlier
-    slot, so the order cannot deadlock. The four offsets must fall in distinct residues mod 6 on
-    each rank so that repeated blocks never collide; working the pairs through, that holds iff d is
-    even and 2p + d is not a multiple of 6, hence d = 0 unless 3 divides p, else d = 2. Each W takes
-    the rank's next free slot after its I (two free residues per period, first come first served),
-    which keeps lifespans short."""
+    """Program order of the repeated V-Min building block: micro-batch k's F and I sit in slots 6k
+    + an offset each (every dependency in an earlier slot: no deadlock); the offsets fall in
+    distinct residues mod 6 (blocks never collide) iff d is even and 2p + d is no multiple of 6,
+    hence d. Each W takes the rank's next free slot after its I, keeping lifespans short."""
     p, m_count = num_ranks, num_microbatches
     last_stage = 2 * p - 1
     d = 0 if p % 3 else 2
@@ -122,12 +92,9 @@ def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
         )
         horizon = _PERIOD * (m_count - 1) + max(o for o, _, _ in offsets) + 1
         slots: list[_Step | None] = [None] * horizon
-        for offset, kind, stage in offsets:
-            for mb in range(m_count):
-                slot = offset + _PERIOD * mb
-                if slots[slot] is not None:  # pragma: no cover - excluded by the choice of d
-                    raise RuntimeError(f"v-min block collides on rank {r} at slot {slot}")
-                slots[slot] = (kind, stage, mb)
+        for offset, kind, stage in offsets:  # distinct residues mod 6 (d): no slot taken twice
+            end = offset + _PERIOD * m_count
+            slots[offset:end:_PERIOD] = [(kind, stage, mb) for mb in range(m_count)]
         program: list[_Step] = []
         waiting: deque[tuple[int, int]] = deque()  # input gradients done, weight gradient not
         for step in slots:
@@ -145,22 +112,10 @@ def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
 def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
     """Every rank's ZB-V order ("Zero Bubble Pipeline Parallelism", Qi et al., ICLR 2024, section
-    6). Counting slots with F = I = W, each phase is set by when work can first reach the rank
-    and by the memory limit:
-
-    * warm-up: rank r starts at slot r and its first chunk-1 input arrives at slot 2p-1-r, so it
-      fills the gap with 2(p-r)-1 chunk-0 forwards; it alternates chunk-1 and chunk-0 forwards
-      (r pairs) until its first input gradient can arrive, at slot 2p+r; then it runs p-r
-      (F, I, W) triples of chunk 1, each peaking at 2p held (1F1B's p units): from here every
-      forward follows a weight gradient.
-    * steady: (F, I, W) of chunk 0, then of chunk 1, per micro-batch; once chunk 0's forwards
-      are done the group drops its forward, until chunk 1's are done too.
-    * cool-down: the p chunk-0 and r chunk-1 input gradients left, paired while both remain,
-      each later chunk-0 one followed by a weight gradient; then the remaining weight gradients.
-
-    The phases assume at least 2p-1 micro-batches. With fewer, rank r keeps the order built
-    for 2p-1 without the micro-batches that do not exist (no dependency crosses micro-batches,
-    so the order stays deadlock-free); those are skipped, not built, to stay linear in actions."""
+    6), phase by phase, each phase's length set by when work can first reach the rank and by the
+    memory limit (docs/architecture.md, "Generator bounds"). The phases assume at least 2p - 1
+    micro-batches; with fewer, the ones that do not exist are skipped (no dependency crosses
+    micro-batches, so the order stays deadlock-free), not built: linear in actions."""
     p, m_count = num_ranks, num_microbatches
     n = max(m_count, 2 * p - 1)
     fa, fb, ia, ib, wa, wb = range(6)  # 2 * kind + chunk
@@ -197,13 +152,10 @@ def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
 
 def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[list[_Step]]:
-    """Replay ``programs`` in unit time steps, returning the order each rank ran them in. Every F
-    keeps its place. Between two F's a rank runs the first ready I, else the first W
-    whose I is done: an input gradient (on the critical path back through the V) never waits
-    behind a weight gradient, which nothing depends on. Held activations at every F, hence the
-    peak, and each stage's forward order are unchanged. It cannot deadlock if ``programs`` does
-    not: some action still to run has its dependencies and listed predecessors all done, an F
-    heading its rank's program or an I or W before that rank's next F, so that rank acts."""
+    """Replay ``programs`` in unit time steps, returning the order each rank ran them in: every F
+    keeps its place (so the peak and the forward order do too); between two F's a rank runs the
+    first ready I, else the first ready W, so an input gradient (on the critical path) never
+    waits behind a weight gradient. Deadlock-free if ``programs`` is (docs/architecture.md)."""
     p = num_ranks
     last = 2 * p - 1
     m_count = 1 + max((mb for program in programs for _, _, mb in program), default=0)
@@ -229,11 +181,9 @@ def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[
         for r in range(p):
             pending = window[r]
             if pending:
-                pick = _first_ready(pending, _I, ready)
+                pick = _first_ready(pending, ready)
                 if pick < 0:
-                    pick = _first_ready(pending, _W, ready)
-                    if pick < 0:
-                        continue
+                    continue
                 action = pending.pop(pick)
                 if action[0] == _I:
                     i_time[action[1] * m_count + action[2]] = step
@@ -257,11 +207,12 @@ def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[
     return replayed
 
 
-def _first_ready(window: list[_Step], kind: int, ready: Callable[[_Step], bool]) -> int:
-    """Index of the first action of ``kind`` in ``window`` that is ready, or -1."""
-    for index, action in enumerate(window):
-        if action[0] == kind and ready(action):
-            return index
+def _first_ready(window: list[_Step], ready: Callable[[_Step], bool]) -> int:
+    """Index of the first ready I in ``window``, else of the first ready W, or -1."""
+    for kind in (_I, _W):
+        for index, action in enumerate(window):
+            if action[0] == kind and ready(action):
+                return index
     return -1
 
 
@@ -276,29 +227,17 @@ def _fill_window(program: list[_Step], start: int, window: list[_Step]) -> int:
 
 
 def _greedy_programs(
-    num_ranks: int,
-    num_microbatches: int,
-    *,
-    memory_limit: int,
-    open_limits: Sequence[int],
+    num_ranks: int, num_microbatches: int, *, memory_limit: int, open_limits: Sequence[int] = ()
 ) -> list[list[_Step]]:
-    """List-schedule F, I and W in unit time steps; return each rank's order.
-
-    ``memory_limit`` caps the activations a rank holds (F start to W end); ``open_limits[r]``
-    caps the micro-batches rank r has forwarded through chunk 0 but not yet chunk 1. Each stage
-    runs its micro-batches in order. In each unit step every rank picks, from earlier steps'
-    results: 1. a ready I, the older micro-batch first (it unblocks the rank upstream and its W
-    can then free memory); 2. a ready F, chunk 1 first, if it fits: a chunk-1 F needs one free
-    slot, a chunk-0 F two (and ``open_limits``), so an admitted micro-batch's chunk-1 forward
-    always finds one; 3. the oldest pending W, which frees memory or fills a bubble.
-
-    No deadlock for ``memory_limit >= 2``: every micro-batch older than the oldest one with work
-    left is finished (a rank with a pending W is never idle), so the first unfinished action in
-    its F/I chain is ready: an I is always allowed, a chunk-0 F finds the rank empty, a chunk-1 F
-    at most limit - 1 held (only chunk-0 activations of this and younger micro-batches, each of
-    which left a free slot). Below 2, when no rank can act, the dependency-ready F of the oldest
-    micro-batch runs anyway (over the limit), so the scheduler still finishes."""
+    """List-schedule F, I and W in unit time steps; return each rank's order. ``memory_limit``
+    caps the activations a rank holds, ``open_limits[r]`` (default p - r + 1) the micro-batches
+    rank r has through chunk 0 but not chunk 1. Each step every rank runs, from earlier steps'
+    results: a ready I (older first: it unblocks upstream, and its W frees memory), else a ready F
+    that fits (chunk 1 first, needing one free slot; chunk 0 two, so its chunk-1 F always finds
+    one), else its oldest pending W. Never stuck for ``memory_limit >= 2`` (docs/architecture.md);
+    below, the oldest ready F runs over the limit (``_force_oldest_forward``)."""
     p, m_count = num_ranks, num_microbatches
+    open_limits = open_limits or [p - r + 1 for r in range(p)]
     num_stages = 2 * p
     last = num_stages - 1
     never = 1 << 62
