@@ -8,6 +8,7 @@ read from ``megatron.core.package_info``, never guessed from a ``TypeError``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import itertools
 from collections.abc import Callable, Iterator
@@ -349,21 +350,14 @@ def tensor_parallel_reduced_params(chunks: Any, config: Any) -> tuple[list[Any],
 def shared_embedding_chunk(chunks: Any, config: Any, groups: Any) -> tuple[int, Any] | None:
     """``(chunk index, weight)`` of the tied word embedding this rank all-reduces with the other
     pipeline end in ``finalize_model_grads``, or None, as ``_allreduce_embedding_grad`` chooses."""
-    import torch.distributed as dist
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
     from megatron.core.utils import get_attr_wrapped_model
 
-    group = getattr(groups, "embd", None)
-    if group is None or group.size() <= 1:
+    if not _all_reduces_over(groups, "embd"):
         return None
-    if dist.get_rank() not in dist.get_process_group_ranks(group):
-        return None
-    if is_pp_first_stage(groups.pp):
-        index = 0
-    elif is_pp_last_stage(groups.pp) or getattr(config, "mtp_num_layers", None):
-        index = len(chunks) - 1
-    else:
-        index = 0
+    first = is_pp_first_stage(groups.pp)
+    last = not first and (is_pp_last_stage(groups.pp) or getattr(config, "mtp_num_layers", None))
+    index = len(chunks) - 1 if last else 0
     module = get_attr_wrapped_model(chunks[index], "pre_process", return_model_obj=True)
     if not (
         getattr(module, "share_embeddings_and_output_weights", False)
@@ -375,9 +369,14 @@ def shared_embedding_chunk(chunks: Any, config: Any, groups: Any) -> tuple[int, 
 
 def uses_position_embedding_group(groups: Any) -> bool:
     """Whether ``finalize_model_grads`` would all-reduce position embeddings over the pipeline."""
+    return _all_reduces_over(groups, "pos_embd")
+
+
+def _all_reduces_over(groups: Any, name: str) -> bool:
+    """Whether this rank is in ``groups.<name>`` and it holds another rank to all-reduce with."""
     import torch.distributed as dist
 
-    group = getattr(groups, "pos_embd", None)
+    group = getattr(groups, name, None)
     if group is None or group.size() <= 1:
         return False
     return dist.get_rank() in dist.get_process_group_ranks(group)
@@ -430,45 +429,36 @@ def optimizer_on_shards(
         found = opt._get_model_param_range_map(param)["gbuf_local"]
         return bucket, int(found.start), int(found.end)
 
-    def pairs(opt: Any) -> Iterator[tuple[Any, Any]]:
-        for model_groups, main_groups in (
-            (opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
-            (opt.model_fp32_groups, opt.shard_fp32_groups),
-        ):
+    def pairs(opt: Any, *, fp32_only: bool = False) -> Iterator[tuple[Any, Any]]:
+        kinds = [(opt.model_fp32_groups, opt.shard_fp32_groups)]
+        if not fp32_only:
+            kinds.insert(0, (opt.model_float16_groups, opt.shard_fp32_from_float16_groups))
+        for model_groups, main_groups in kinds:
             for model_group, main_group in zip(model_groups, main_groups, strict=True):
                 yield from zip(model_group, main_group, strict=True)
 
-    def copy_grads(opt: Any) -> Callable[[], None]:
-        def copy() -> None:
-            for param, main in pairs(opt):
-                bucket, start, end = local(opt, param)
-                main.grad = grad_shard(bucket)[start:end].float()
+    def copy_grads(opt: Any) -> None:
+        for param, main in pairs(opt):
+            bucket, start, end = local(opt, param)
+            main.grad = grad_shard(bucket)[start:end].float()
 
-        return copy
-
-    def copy_params(opt: Any) -> Callable[[], None]:
-        def copy() -> None:
-            for param, main in pairs(opt):
-                bucket, start, end = local(opt, param)
-                param_shard(bucket)[start:end].copy_(main)
-
-        return copy
+    def copy_params(opt: Any) -> None:
+        for param, main in pairs(opt):
+            bucket, start, end = local(opt, param)
+            param_shard(bucket)[start:end].copy_(main)
 
     with torch.no_grad():
         for opt in inner:
             if getattr(opt, "_bfpp_on_shards", False):
                 continue
-            for model_group, main_group in zip(
-                opt.model_fp32_groups, opt.shard_fp32_groups, strict=True
-            ):
-                for param, main in zip(model_group, main_group, strict=True):
-                    bucket, start, end = local(opt, param)
-                    kept = param_shard(bucket)
-                    main.set_(kept.untyped_storage(), kept.storage_offset() + start, (end - start,))
+            for param, main in pairs(opt, fp32_only=True):
+                bucket, start, end = local(opt, param)
+                kept = param_shard(bucket)
+                main.set_(kept.untyped_storage(), kept.storage_offset() + start, (end - start,))
             opt._bfpp_on_shards = True
     for opt in inner:
-        opt._copy_model_grads_to_main_grads = copy_grads(opt)
-        opt._copy_main_params_to_model_params = copy_params(opt)
+        opt._copy_model_grads_to_main_grads = functools.partial(copy_grads, opt)
+        opt._copy_main_params_to_model_params = functools.partial(copy_params, opt)
     try:
         yield
     finally:
@@ -593,8 +583,6 @@ def model_process_groups(
 ) -> Any:
     """The ``ProcessGroupCollection`` a model builds with (a copy of ``base``, or megatron's),
     its pipeline group reporting ``pipeline_rank``; without ``embedding_group``, none."""
-    import copy
-
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if base is None:
@@ -612,8 +600,6 @@ def model_process_groups(
 
 def process_groups_without_embedding_group(groups: Any) -> Any:
     """A copy of ``groups`` whose embedding group is this rank alone (tied copies on one rank)."""
-    import copy
-
     stripped = copy.copy(groups)
     stripped.embd = _OneRankGroup()
     return stripped

@@ -2,30 +2,8 @@
 
 bfpp-train uses it when not started by torchrun (``--nproc-per-node``, CPU ranks by default), and
 so does every multi-rank test (``megatron_bfpp.testing.multirank``): tests launch what users do.
-
-Why it is built this way:
-
-* **fork, after the caller imported torch and megatron-core once**: a rank pays for start-up and
-  its process groups, not for importing them again.
-* **a race-free rendezvous port**: rank 0 is forked first, hosts the ``TCPStore`` on
-  ``127.0.0.1:0`` (the kernel picks the port) and reports it through a pipe before the others are
-  forked. The parent starts no threads (a parent store thread, inherited mid-lock, hung children).
-* **results as plain pickle bytes** through one pipe per rank, not ``Connection.send``: torch's
-  reducers pass tensors as shared-memory handles, which die with the rank.
-* **never hangs**: after the first failure (or at ``timeout``) the others get ``error_grace``
-  seconds to report, then every rank left is killed; with ``stack_dir`` their Python stacks are
-  dumped first (``faulthandler`` on ``SIGUSR1``; ``kill -USR1 <pid>`` works by hand too).
-* **supervised**: a rank that stops beating (``heartbeat_timeout``: SIGSTOP, frozen) fails, named;
-  after another failure a few seconds' silence (``SILENT_AFTER_FAILURE``) suffice, since ranks
-  waiting on a stopped one fail only at the group timeout, each naming its own peer. SIGTERM or
-  SIGHUP is forwarded and the ranks reaped before :class:`Stopped`; ranks ignore Ctrl-C (the
-  terminal sends it to all), so one ``KeyboardInterrupt`` reaches the caller. ``PR_SET_PDEATHSIG``
-  kills a rank with the launcher, even on SIGKILL. A rank stops its ``multiprocessing`` children
-  (megatron-core's checkpoint writer ``Manager``) before reporting; its other descendants die by
-  a guard (:func:`_guard_descendants`) or with it when the launcher kills it: ``os._exit`` skips
-  the handlers that would stop them, and they outlived the job holding its output pipes open.
-* **one copy of each warning** (``warn_once``): the first rank to say a text claims it in the
-  store (``TCPStore.add``), the others stay silent; a text only one rank says is still printed.
+Why it forks, how it finds its port, never hangs and reaps every descendant:
+docs/architecture.md#the-local-launcher.
 """
 
 from __future__ import annotations
@@ -49,7 +27,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 __all__ = ["LocalRun", "Stopped", "fork_ranks"]
 
@@ -59,6 +37,7 @@ SILENT_AFTER_FAILURE = 10 * HEARTBEAT_INTERVAL  # silence marking a rank stopped
 STOP_GRACE = 2.0  # seconds ranks get to exit after a forwarded SIGTERM before SIGKILL
 _STACK_DUMP_WAIT = 0.5
 _PR_SET_PDEATHSIG = 1
+_DECIDED = "bfpp_first_to_say"  # a log record's attribute: whether this rank prints it
 
 
 class Stopped(BaseException):
@@ -324,13 +303,8 @@ def _supervised(spec: _Rank, beats: Any) -> None:
 
 
 def _guard_descendants() -> None:
-    """Kill whatever this rank started once the rank is gone, however it went.
-
-    ``PR_SET_PDEATHSIG`` does not reach the ranks' own children: torch_dist writers and
-    multiprocessing's resource tracker (about 560 MB each) outlived the job holding its output pipes
-    for half an hour. So the rank leads its own process group (``fork`` and ``spawn`` children stay
-    in it) and a guard forked here, outside it, waits for the rank's death (its own
-    ``PR_SET_PDEATHSIG``) and kills the group; only waiting, it shares the rank's pages."""
+    """Kill whatever this rank started once the rank is gone, however it went: a guard outside
+    the rank's own process group waits for its death, then kills the group (see the docs)."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     group = os.getpgid(0)
@@ -392,8 +366,18 @@ def _run(spec: _Rank, target: Callable[[int, Any], Any], port_writer: Connection
 
 def _say_once(store: Any) -> None:
     """Print this rank's warnings and log records unless another rank printed the text first."""
-    first = _FirstToSay(store)
+    pid = os.getpid()
     show = warnings.showwarning
+
+    def first(text: str) -> bool:
+        """True for the first rank of the job to ask about ``text``."""
+        if os.getpid() != pid:  # a process the rank forked: the store's socket is not its
+            return True
+        key = "bfpp-said/" + hashlib.sha256(text.encode()).hexdigest()
+        try:
+            return int(store.add(key, 1)) == 1
+        except Exception:  # the store is gone (rank 0 left): better twice than never
+            return True
 
     def showwarning(
         message: Warning | str,
@@ -406,43 +390,17 @@ def _say_once(store: Any) -> None:
         if first(f"{category.__name__}:{filename}:{lineno}:{message}"):
             show(message, category, filename, lineno, file, line)
 
+    def once(record: logging.LogRecord) -> bool:
+        decided = record.__dict__.get(_DECIDED)  # a record passes several handlers: decide once
+        if decided is None:
+            text = f"{record.levelname}:{record.name}:{record.getMessage()}"
+            decided = record.__dict__[_DECIDED] = first(text)
+        return bool(decided)
+
     warnings.showwarning = showwarning
-    once = _OncePerJob(first)
     for handler in (*logging.getLogger().handlers, logging.lastResort):
         if handler is not None:
             handler.addFilter(once)
-
-
-class _FirstToSay:
-    """True for the first rank of the job to ask about a text."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.pid = os.getpid()
-
-    def __call__(self, text: str) -> bool:
-        if os.getpid() != self.pid:  # a process the rank forked: the store's socket is not its
-            return True
-        key = "bfpp-said/" + hashlib.sha256(text.encode()).hexdigest()
-        try:
-            return int(self.store.add(key, 1)) == 1
-        except Exception:  # the store is gone (rank 0 left): better twice than never
-            return True
-
-
-class _OncePerJob(logging.Filter):
-    _DECIDED = "bfpp_first_to_say"  # a record passes several handlers: decide once, on it
-
-    def __init__(self, first: _FirstToSay) -> None:
-        super().__init__()
-        self.first = first
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        decided = record.__dict__.get(self._DECIDED)
-        if decided is None:
-            text = f"{record.levelname}:{record.name}:{record.getMessage()}"
-            decided = record.__dict__[self._DECIDED] = self.first(text)
-        return bool(decided)
 
 
 def _collect(
@@ -461,9 +419,7 @@ def _collect(
         wait_s = _wait_time(watch, first_error)
         if wait_s is not None and wait_s <= 0:
             break
-        for conn in wait(list(pending), timeout=wait_s):
-            if not isinstance(conn, Connection):  # wait() returns what it was given
-                raise TypeError(f"unexpected object from wait(): {conn!r}")
+        for conn in cast(list[Connection], wait(list(pending), timeout=wait_s)):
             rank = pending.pop(conn)
             status, payload, when = _receive(conn, rank, procs[rank])
             if status == "ok":
@@ -476,9 +432,7 @@ def _collect(
                 if status == "died":
                     lost.append(rank)
             failed_at[rank] = when
-            if first_error is None:
-                first_error = time.monotonic()
-        for conn, rank, silence in _silent(pending, watch, failing=first_error is not None):
+        for conn, rank, silence in _silent(pending, watch, failing=bool(failed_at)):
             del pending[conn]
             errors[rank] = (
                 f"rank {rank} stopped responding: no heartbeat for {silence:.0f} s "
@@ -486,27 +440,17 @@ def _collect(
             )
             failed_at[rank] = time.time()
             lost.append(rank)
-            if first_error is None:
-                first_error = time.monotonic()
+        if failed_at and first_error is None:
+            first_error = time.monotonic()
     killed = tuple(sorted(pending.values()))
     stacks = _dump_stacks(procs, killed, stack_dir) if killed and stack_dir is not None else {}
-    return LocalRun(
-        results=results,
-        errors=errors,
-        failed_at=failed_at,
-        killed=killed,
-        stacks=stacks,
-        lost=tuple(lost),
-    )
+    return LocalRun(results, errors, failed_at, killed, stacks, tuple(lost))
 
 
 def _wait_time(watch: _Watch, first_error: float | None) -> float | None:
     """Seconds until the deadline, the end of the grace period or the next heartbeat check."""
-    limits = []
-    if watch.deadline is not None:
-        limits.append(watch.deadline)
-    if first_error is not None:
-        limits.append(first_error + watch.error_grace)
+    grace_end = None if first_error is None else first_error + watch.error_grace
+    limits = [end for end in (watch.deadline, grace_end) if end is not None]
     now = time.monotonic()
     wait_s = min(limits) - now if limits else None
     if watch.heartbeat_timeout is not None:
@@ -525,12 +469,8 @@ def _silent(
         min(watch.heartbeat_timeout, SILENT_AFTER_FAILURE) if failing else watch.heartbeat_timeout
     )
     now = time.monotonic()
-    silent = []
-    for conn, rank in pending.items():
-        silence = now - watch.beats[rank]
-        if silence > limit:
-            silent.append((conn, rank, silence))
-    return silent
+    silences = [(conn, rank, now - watch.beats[rank]) for conn, rank in pending.items()]
+    return [(conn, rank, silence) for conn, rank, silence in silences if silence > limit]
 
 
 def _receive(conn: Connection, rank: int, proc: Any) -> tuple[str, Any, float]:

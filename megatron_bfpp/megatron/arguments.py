@@ -29,6 +29,16 @@ __all__ = [
 ]
 
 
+def stages_of_layers(layers: int, per_stage: int) -> int:
+    """Virtual stages per rank from ``--num-layers-per-virtual-pipeline-stage``, as Megatron's."""
+    if layers % per_stage:
+        raise ScheduleError(
+            f"{layers} layers per pipeline rank do not split into virtual stages of "
+            f"--num-layers-per-virtual-pipeline-stage {per_stage}; use a divisor"
+        )
+    return layers // per_stage
+
+
 def pipeline_schedule_choices() -> tuple[str, ...]:
     """``default`` (Megatron's own), ``auto`` (the planner's pick) and the catalogue."""
     return ("default", AUTO, *schedule_names())

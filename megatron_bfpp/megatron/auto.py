@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
-from megatron_bfpp.megatron.arguments import NO_V_SHAPE_FLAGS, UNEVEN_LAYOUT_FLAGS
+from megatron_bfpp.megatron.arguments import NO_V_SHAPE_FLAGS, UNEVEN_LAYOUT_FLAGS, stages_of_layers
 from megatron_bfpp.plan.auto import (
     AUTO,
     AUTO_DEST,
@@ -301,14 +301,24 @@ def _megatron_vp(args: Any, pp: int) -> int | None:
     vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
     per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if per_stage:
-        layers = int(args.num_layers) // pp
-        if layers % int(per_stage):
-            raise ScheduleError(
-                f"{layers} layers per pipeline rank do not split into virtual stages of "
-                f"--num-layers-per-virtual-pipeline-stage {per_stage}; use a divisor"
-            )
-        vp = layers // int(per_stage)
+        vp = stages_of_layers(int(args.num_layers) // pp, int(per_stage))
     return int(vp) if vp else None
+
+
+def split_world(config: Any, world: int, *, megatron: bool = False) -> tuple[int, int, int, int]:
+    """``(tp, pp, cp, dp)``: the parallel sizes Megatron-LM's ``args`` or a ``TransformerConfig``
+    name alike, and the data-parallel size they leave of ``world`` ranks (in either's words)."""
+    tp, pp, cp = (
+        int(getattr(config, f"{kind}_parallel_size", 1) or 1)
+        for kind in ("tensor_model", "pipeline_model", "context")
+    )
+    if world % (tp * pp * cp):
+        world_text, sizes = ("world size", "sizes") if megatron else ("WORLD_SIZE", "size")
+        raise ScheduleError(
+            f"{world_text} {world} is not a multiple of tensor x pipeline x context parallel "
+            f"{sizes} ({tp} x {pp} x {cp})"
+        )
+    return tp, pp, cp, world // (tp * pp * cp)
 
 
 def megatron_request(
@@ -336,15 +346,7 @@ def megatron_request(
     ]
     if missing:
         raise ScheduleError(f"--pipeline-schedule auto needs {', '.join(missing)}")
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    if world_size % (tp * pp * cp):
-        raise ScheduleError(
-            f"world size {world_size} is not a multiple of tensor x pipeline x context parallel "
-            f"sizes ({tp} x {pp} x {cp})"
-        )
-    dp = world_size // (tp * pp * cp)
+    tp, pp, cp, dp = split_world(args, world_size, megatron=True)
     mbs = int(args.micro_batch_size)
     # Megatron-LM's --step-batch-size-schedule: timed at its last step's batch (where a ramp
     # ends), every step's micro-batches checked; its global_batch_size would be mbs x dp
@@ -463,15 +465,7 @@ def bridge_request(
         raise ScheduleError(
             "pipeline schedule auto needs the job's WORLD_SIZE (start it with torchrun or srun)"
         )
-    tp = int(getattr(model, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(model, "pipeline_model_parallel_size", 1) or 1)
-    cp = int(getattr(model, "context_parallel_size", 1) or 1)
-    if int(world) % (tp * pp * cp):
-        raise ScheduleError(
-            f"WORLD_SIZE {world} is not a multiple of tensor x pipeline x context parallel size "
-            f"({tp} x {pp} x {cp})"
-        )
-    dp = int(world) // (tp * pp * cp)
+    tp, pp, cp, dp = split_world(model, int(world))
     seq = getattr(model, "seq_length", None) or getattr(
         getattr(config, "dataset", None), "sequence_length", None
     )

@@ -109,7 +109,7 @@ def check_bridge_config(
     if spec.placement is Placement.LOOPED and not model.virtual_pipeline_model_parallel_size:
         model.virtual_pipeline_model_parallel_size = 2
     vp = model.virtual_pipeline_model_parallel_size
-    dp = _data_parallel_size(model, pp)
+    dp = _data_parallel_size(model)
     if dp is None:  # the runtime checks the micro-batches at the first step
         spec.chunks_for(vp, vp_flag=VP_FIELD)
         return
@@ -126,20 +126,12 @@ def check_bridge_config(
     )
 
 
-def _data_parallel_size(model: Any, pp: int) -> int | None:
+def _data_parallel_size(model: Any) -> int | None:
     """Bridge's data-parallel size from the launcher's WORLD_SIZE (None without it)."""
+    from megatron_bfpp.megatron.auto import split_world
+
     world = os.environ.get("WORLD_SIZE", "")
-    if not world.isdigit():
-        return None
-    tp = int(getattr(model, "tensor_model_parallel_size", 1) or 1)
-    cp = int(getattr(model, "context_parallel_size", 1) or 1)
-    size = int(world)
-    if size % (tp * pp * cp):
-        raise ScheduleError(
-            f"WORLD_SIZE {size} is not a multiple of tensor x pipeline x context parallel size "
-            f"({tp} x {pp} x {cp})"
-        )
-    return size // (tp * pp * cp)
+    return split_world(model, int(world))[3] if world.isdigit() else None
 
 
 def _with_config_options(config: Any, name: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,6 @@ _RNG_WARNING = "CPU RNG state changed within GPU RNG context"
 
 _lock = threading.Lock()
 _patches = Patches()
-_log_filter: logging.Filter | None = None
 
 
 def is_cpu_megatron_enabled() -> bool:
@@ -40,7 +39,6 @@ def is_cpu_megatron_enabled() -> bool:
 
 def enable_cpu_megatron() -> None:
     """Install every redirect (a no-op if already installed)."""
-    global _log_filter
     with _lock:
         if _patches:
             return
@@ -71,20 +69,18 @@ def enable_cpu_megatron() -> None:
 
         _patches.patch(WrappedTorchNorm, "__new__", _torch_norm_new(WrappedTorchNorm.__new__))
 
-        _log_filter = _DropMessage(_RNG_WARNING)
-        logging.getLogger(mrandom.__name__).addFilter(_log_filter)
+        logging.getLogger(mrandom.__name__).addFilter(_without_rng_warning)
 
 
 def disable_cpu_megatron() -> None:
     """Restore every original installed by :func:`enable_cpu_megatron` (no-op if not enabled)."""
-    global _log_filter
     with _lock:
+        if not _patches:
+            return
         _patches.restore()
-        if _log_filter is not None:
-            import megatron.core.tensor_parallel.random as mrandom
+        import megatron.core.tensor_parallel.random as mrandom
 
-            logging.getLogger(mrandom.__name__).removeFilter(_log_filter)
-            _log_filter = None
+        logging.getLogger(mrandom.__name__).removeFilter(_without_rng_warning)
 
 
 @contextlib.contextmanager
@@ -236,10 +232,5 @@ def _torch_norm_new(original: Callable[..., Any]) -> Callable[..., Any]:
     return staticmethod(__new__)
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        self.message = message
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.message not in record.getMessage()
+def _without_rng_warning(record: logging.LogRecord) -> bool:
+    return _RNG_WARNING not in record.getMessage()

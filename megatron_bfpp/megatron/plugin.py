@@ -129,16 +129,8 @@ def install() -> None:
                     _wrap_site(_import_optional(site), "get_batch_on_this_tp_rank", _wrap_tp_batch)
                 from megatron.core import parallel_state
 
-                _patches.patch(
-                    parallel_state,
-                    "is_pipeline_last_stage",
-                    _wrap_is_last_stage(parallel_state.is_pipeline_last_stage),
-                )
-                _patches.patch(
-                    arguments,
-                    "add_megatron_arguments",
-                    _wrap_add_arguments(arguments.add_megatron_arguments),
-                )
+                _wrap_site(parallel_state, "is_pipeline_last_stage", _wrap_is_last_stage)
+                _wrap_site(arguments, "add_megatron_arguments", _wrap_add_arguments)
                 if hasattr(initialize, "_set_random_seed"):  # V chunks reseed as 1F1B ranks
                     from megatron_bfpp.megatron.seeding import record_seed_call
 
@@ -291,7 +283,8 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
         ours = getattr(args, "pipeline_schedule", "default") != "default"
         fsdp = bool(getattr(args, "use_megatron_fsdp", False))
         args.bfpp_data_parallel_sharding_strategy = given if ours and not fsdp else None
-        if given not in (None, "optim") and ours and not fsdp and not _sharding_wired():
+        wired = _patches.owner_of("setup_model_and_optimizer") is not None
+        if given not in (None, "optim") and ours and not fsdp and not wired:
             refuse(
                 "this Megatron-LM's megatron.training.training has no "
                 f"{' / '.join(SHARDING_SITES)} to wrap, so --data-parallel-sharding-strategy "
@@ -331,10 +324,6 @@ def refuse(message: str, *, prog: str = "megatron_bfpp") -> NoReturn:
         quiet_exit(2)
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
-
-
-def _sharding_wired() -> bool:
-    return _patches.owner_of("setup_model_and_optimizer") is not None
 
 
 def _wrap_setup(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -389,23 +378,27 @@ def _wrap_get_model(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(model_provider_func, *args, **kwargs)
         from megatron.core import parallel_state
 
-        from megatron_bfpp.megatron.chunks import placed_provider
-        from megatron_bfpp.megatron.seeding import seeded_as_pipeline_rank
-
-        provider = placed_provider(
-            model_provider_func,
-            num_ranks=parallel_state.get_pipeline_model_parallel_world_size(),
-            rank=parallel_state.get_pipeline_model_parallel_rank(),
-            share_embeddings_and_output_weights=_tied_embeddings(),
-            seeded_as=seeded_as_pipeline_rank,
-        )
-        return original(provider, *args, **kwargs)
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        return original(_v_shape_provider(model_provider_func, pp_size, rank), *args, **kwargs)
 
     return get_model
 
 
-def _tied_embeddings() -> bool:
-    return not getattr(_megatron_lm_args(), "untie_embeddings_and_output_weights", False)
+def _v_shape_provider(provider: Any, num_ranks: int, rank: int) -> Any:
+    """``provider`` building this rank's V-shape chunks, each seeded as 1F1B's pipeline rank."""
+    from megatron_bfpp.megatron.chunks import placed_provider
+    from megatron_bfpp.megatron.seeding import seeded_as_pipeline_rank
+
+    return placed_provider(
+        provider,
+        num_ranks=num_ranks,
+        rank=rank,
+        share_embeddings_and_output_weights=not getattr(
+            _megatron_lm_args(), "untie_embeddings_and_output_weights", False
+        ),
+        seeded_as=seeded_as_pipeline_rank,
+    )
 
 
 def _wrap_build_stages(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -417,20 +410,11 @@ def _wrap_build_stages(original: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         if not _v_shape_active() or vp_size is None:
             return original(build_model_func, pg_collection, vp_size, *args, **kwargs)
-        from megatron_bfpp.megatron.chunks import placed_provider
 
         def provider(*, pg_collection: Any, **flags: Any) -> Any:
             return build_model_func(pg_collection, **flags)
 
-        from megatron_bfpp.megatron.seeding import seeded_as_pipeline_rank
-
-        placed = placed_provider(
-            provider,
-            num_ranks=pg_collection.pp.size(),
-            rank=pg_collection.pp.rank(),
-            share_embeddings_and_output_weights=_tied_embeddings(),
-            seeded_as=seeded_as_pipeline_rank,
-        )
+        placed = _v_shape_provider(provider, pg_collection.pp.size(), pg_collection.pp.rank())
 
         def build(groups: Any, **flags: Any) -> Any:
             return placed(pg_collection=groups, **flags)

@@ -16,6 +16,7 @@ from megatron_bfpp.megatron.arguments import (
     add_schedule_arguments,
     apply_schedule_defaults,
     check_schedule_args,
+    stages_of_layers,
 )
 from megatron_bfpp.megatron.auto import resolve_megatron_auto
 from megatron_bfpp.plan.auto import AUTO
@@ -40,12 +41,23 @@ _OPTIONAL_SIZES = (
     "--num-virtual-stages-per-pipeline-rank",
     "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers",
+    # What --pipeline-schedule auto reads of the model.
+    "--hidden-size",
+    "--seq-length",
+    "--ffn-hidden-size",
+    "--vocab-size",
 )
 _SWITCHES = (
     "--group-query-attention",
     "--account-for-embedding-in-pipeline-split",
     "--account-for-loss-in-pipeline-split",
     "--use-tp-pp-dp-mapping",
+    # What --pipeline-schedule auto reads of the model and the training.
+    "--swiglu",
+    "--bf16",
+    "--fp16",
+    "--use-distributed-optimizer",
+    "--sequence-parallel",
 )
 
 
@@ -61,19 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pipeline-model-parallel-layout", default=None)
     parser.add_argument("--rampup-batch-size", nargs="*", default=None)
     parser.add_argument(BATCH_SCHEDULE_FLAG, default=None)
-    # What --pipeline-schedule auto reads of the model and the training (Megatron's defaults).
-    for flag in ("--hidden-size", "--seq-length", "--ffn-hidden-size", "--vocab-size"):
-        parser.add_argument(flag, type=positive_int, default=None)
+    # What --pipeline-schedule auto reads of the training (Megatron's defaults).
     for flag in ("--hidden-dropout", "--attention-dropout"):
         parser.add_argument(flag, type=float, default=0.1)
-    for flag in (
-        "--swiglu",
-        "--bf16",
-        "--fp16",
-        "--use-distributed-optimizer",
-        "--sequence-parallel",
-    ):
-        parser.add_argument(flag, action="store_true")
     parser.add_argument("--recompute-granularity", default=None)
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--tokenizer-type", default=None)
@@ -150,13 +152,7 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
                 "--num-layers-per-virtual-pipeline-stage needs --num-layers split evenly over "
                 "the pipeline; otherwise use --num-virtual-stages-per-pipeline-rank"
             )
-        if layers % args.num_layers_per_virtual_pipeline_stage:
-            raise ScheduleError(
-                f"{layers} layers per pipeline rank do not split into virtual stages of "
-                f"--num-layers-per-virtual-pipeline-stage "
-                f"{args.num_layers_per_virtual_pipeline_stage}; use a divisor"
-            )
-        vp = layers // args.num_layers_per_virtual_pipeline_stage
+        vp = stages_of_layers(layers, args.num_layers_per_virtual_pipeline_stage)
     return None if vp == 1 else vp
 
 

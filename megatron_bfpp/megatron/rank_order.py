@@ -68,16 +68,15 @@ def pair_adjacent_rank_order(
             f"world size tp*pp*dp = {tp}*{p}*{dp} = {world} must be a multiple of "
             f"gpus_per_node ({g}) (or fit on one node)"
         )
-    slots: list[int] = []
-    for d in range(dp):
-        for x in range(p // 2):
-            for stage in (x, p - 1 - x):
-                for t in range(tp):
-                    if order == "tp-dp-pp":
-                        slots.append(t + tp * d + tp * dp * stage)
-                    else:
-                        slots.append(t + tp * stage + tp * p * d)
-    return tuple(slots)
+    # Rank strides of one data-parallel replica and of one pipeline stage under ``order``.
+    replica, stage_stride = (tp, tp * dp) if order == "tp-dp-pp" else (tp * p, tp)
+    return tuple(
+        t + replica * d + stage_stride * stage
+        for d in range(dp)
+        for x in range(p // 2)
+        for stage in (x, p - 1 - x)
+        for t in range(tp)
+    )
 
 
 def pipeline_stage_of_rank(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,29 +46,24 @@ class _MpuAs:
         return getattr(self._real, name)
 
 
-def _snapshot() -> dict[str, Any]:
+def _snapshot() -> Callable[[], None]:
+    """What puts every generator back in its state now."""
     import numpy as np
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    return {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
+    python, numpy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    tracker = get_cuda_rng_tracker().get_states()
 
+    def restore() -> None:
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        get_cuda_rng_tracker().set_states(tracker)
 
-def _restore(state: dict[str, Any]) -> None:
-    import numpy as np
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    return restore
 
 
 @contextlib.contextmanager
@@ -82,7 +77,7 @@ def seeded_as_pipeline_rank(pipeline_rank: int) -> Iterator[bool]:
     import importlib
 
     initialize: Any = importlib.import_module("megatron.training.initialize")
-    state = _snapshot()
+    restore = _snapshot()
     real = initialize.mpu
     kwargs = {k: v for k, v in kwargs.items() if k != "pp_group"}  # the rank comes from mpu
     initialize.mpu = _MpuAs(real, pipeline_rank)
@@ -93,4 +88,4 @@ def seeded_as_pipeline_rank(pipeline_rank: int) -> Iterator[bool]:
     try:
         yield True
     finally:
-        _restore(state)
+        restore()
