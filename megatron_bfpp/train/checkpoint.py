@@ -102,20 +102,14 @@ class OtherRankFailed(Exception):
     """Another rank failed and reports it (one line in all); this rank exits quietly."""
 
 
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _agree(error: CheckpointError | None) -> None:
     """Every rank learns whether any failed, so none waits forever; the lowest failing rank raises
     its error (the one line users see), the others :class:`OtherRankFailed`."""
     world = dist.get_world_size()
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     first = torch.tensor(
-        [dist.get_rank() if error is not None else world],
-        dtype=torch.int64,
-        device=_collective_device(),
+        [dist.get_rank() if error is not None else world], dtype=torch.int64, device=device
     )
     dist.all_reduce(first, op=dist.ReduceOp.MIN)
     failed = int(first.item())
@@ -168,11 +162,8 @@ def _parameter_keys(module: Any) -> set[str]:
 def _model_state(chunk: Any, *, parameters: bool) -> dict[str, Any]:
     """A chunk's ``sharded_state_dict``, or (``parameters=False``) its entries that are not
     parameters: only metadata is read from released (sharded) parameters, never their data."""
-    state = dict(chunk.module.sharded_state_dict())
-    if parameters:
-        return state
-    dropped = _parameter_keys(chunk.module)
-    return {key: value for key, value in state.items() if key not in dropped}
+    dropped = set() if parameters else _parameter_keys(chunk.module)
+    return {k: v for k, v in chunk.module.sharded_state_dict().items() if k not in dropped}
 
 
 def _sharded_state(
@@ -250,26 +241,15 @@ def save_checkpoint(
     every torch_dist load rebuilds them from."""
     root = Path(root)
     temp = _shared_temp_dir(root, iteration)
+    common = (temp, model, optimizer, scheduler, iteration, consumed_samples)
     records: list[FileRecord] = []
     error = None
     try:
         _kill_point("rank-file")
         if ckpt_format == "torch":
-            records = [
-                _save_torch(
-                    temp, model, optimizer, scheduler, iteration, consumed_samples, gather_chunk
-                )
-            ]
+            records = [_save_torch(*common, gather_chunk)]
         else:
-            _save_torch_dist(
-                temp,
-                model,
-                optimizer,
-                scheduler,
-                iteration,
-                consumed_samples,
-                parameters=not sharded,
-            )
+            _save_torch_dist(*common, parameters=not sharded)
     except Exception as failure:  # torch re-raises ENOSPC as RuntimeError, megatron-core's
         # writer as CheckpointException: any failure to write is the same one line
         error = CheckpointError(
@@ -346,12 +326,9 @@ def _shared_temp_dir(root: Path, iteration: int) -> Path:
             names[0] = make_temp_dir(root, iteration).name
         except OSError as failure:
             error = CheckpointError(f"--save {root}: cannot create a checkpoint there: {failure}")
-    _agree(error)
+    _agree(error)  # past it, rank 0 has named the directory
     dist.broadcast_object_list(names, src=0)
-    name = names[0]
-    if name is None:  # cannot happen: rank 0 either named it or failed in _agree
-        raise OtherRankFailed("rank 0 sent no checkpoint directory")
-    return root / name
+    return root / str(names[0])
 
 
 def _publish(root: Path, temp: Path, final: Path, metadata: CheckpointMetadata) -> None:
@@ -471,11 +448,13 @@ def load_checkpoint(
     (collective); returns ``(iteration, consumed_samples)``. Metadata is re-checked for callers
     other than the command line."""
     policy = scheduler_policy
-    found, error = _read_metadata(root, run, policy)
-    _agree(error)
-    if found is None:  # cannot happen: a rank without metadata failed in _agree
-        raise OtherRankFailed("no checkpoint metadata")
-    path, metadata = found
+    error = None
+    try:
+        path, metadata = read_checkpoint(root)
+        check_resume(metadata, run, root=root, scheduler=policy)
+    except CheckpointError as failure:
+        error = failure
+    _agree(error)  # past it, every rank has read its metadata
     try:
         own_groups = _scheduler_group_values(optimizer)
         if metadata.ckpt_format == "torch":
@@ -486,17 +465,6 @@ def load_checkpoint(
         error = failure
     _agree(error)
     return metadata.iteration, metadata.consumed_samples
-
-
-def _read_metadata(
-    root: str | Path, run: RunConfig, scheduler_policy: SchedulerPolicy
-) -> tuple[tuple[Path, CheckpointMetadata] | None, CheckpointError | None]:
-    try:
-        path, metadata = read_checkpoint(root)
-        check_resume(metadata, run, root=root, scheduler=scheduler_policy)
-    except CheckpointError as error:
-        return None, error
-    return (path, metadata), None
 
 
 def read_rank_file(file: Path, *, record: FileRecord | None = None, label: str = "") -> Any:
@@ -596,38 +564,28 @@ def _weights_only_loads() -> Iterator[None]:
 
 
 _DCP = "torch.distributed.checkpoint"
-# Exactly the (module, name) pairs torch's distributed-checkpoint ``.metadata`` holds as written by
-# megatron-core 0.16 and 0.19 (torch's dataclasses and enums: building them runs no code of the
+# Module -> exactly the names torch's distributed-checkpoint ``.metadata`` holds from it as written
+# by megatron-core 0.16 and 0.19 (torch's dataclasses and enums: building them runs no code of the
 # file's choosing), plus megatron-core's empty stand-ins kept so older checkpoints unpickle.
-_DCP_METADATA_GLOBALS = frozenset(
-    [
-        *(
-            (f"{_DCP}.metadata", name)
-            for name in (
-                "Metadata",
-                "MetadataIndex",
-                "StorageMeta",
-                "TensorProperties",
-                "TensorStorageMetadata",
-                "BytesStorageMetadata",
-                "ChunkStorageMetadata",
-                "_MEM_FORMAT_ENCODING",
-            )
-        ),
-        (f"{_DCP}.filesystem", "_StorageInfo"),
-        *(
-            (f"{_DCP}.planner", name)
-            for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
-        ),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("collections", "OrderedDict"),
-        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
-        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
-    ]
-)
+_DCP_METADATA_GLOBALS: dict[str, tuple[str, ...]] = {
+    f"{_DCP}.metadata": (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    ),
+    f"{_DCP}.filesystem": ("_StorageInfo",),
+    f"{_DCP}.planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
+    "torch": ("Size",),
+    "torch.serialization": ("_get_layout",),
+    "pathlib": ("PosixPath", "WindowsPath"),
+    "collections": ("OrderedDict",),
+    "megatron.core.dist_checkpointing.strategies.torch": ("MCoreMetadata", "MCoreSavePlan"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -637,7 +595,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     so any module that imports ``os`` would hand out ``os.system``."""
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in _DCP_METADATA_GLOBALS
+        allowed = name in _DCP_METADATA_GLOBALS.get(module, ())
         if module == "torch" and name.isidentifier():
             allowed |= isinstance(
                 getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format

@@ -195,21 +195,13 @@ class IndexedTrainingData(_Samples):
 
 def training_data(args: Any) -> TrainingData | IndexedTrainingData:
     """The data a parsed ``bfpp-train`` namespace asks for."""
+    common = dict(seq_length=args.seq_length, vocab_size=args.vocab_size, seed=args.seed)
     if args.data_path is None:
-        return TrainingData(seq_length=args.seq_length, vocab_size=args.vocab_size, seed=args.seed)
+        return TrainingData(**common)
     source = data_source(args.data_path, seq_length=args.seq_length, split=args.split)
     if isinstance(source, TextSource):
-        return TrainingData(
-            seq_length=args.seq_length,
-            vocab_size=args.vocab_size,
-            seed=args.seed,
-            data_path=source.path,
-        )
+        return TrainingData(**common, data_path=source.path)
+    num_samples = args.train_iters * args.global_batch_size
     return IndexedTrainingData(
-        source,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        seed=args.seed,
-        num_samples=args.train_iters * args.global_batch_size,
-        cache_path=args.data_cache_path,
+        source, **common, num_samples=num_samples, cache_path=args.data_cache_path
     )

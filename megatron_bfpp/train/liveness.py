@@ -49,9 +49,6 @@ _PREFIX = "bfpp-liveness/"
 class RanksLost(RuntimeError):
     """Ranks that stopped beating; the message is the one line users see."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-
 
 class Verdict(enum.Enum):
     REPORT = "report"  # this rank reports its own error
@@ -121,14 +118,10 @@ class Liveness:
 
 def _lost_line(ranks: list[int]) -> str:
     if len(ranks) == 1:
-        return (
-            f"rank {ranks[0]} is gone: its heartbeat stopped (killed, crashed or stopped); "
-            "stopped the other ranks"
-        )
-    return (
-        f"ranks {ranks} are gone: their heartbeats stopped (killed, crashed or stopped); "
-        "stopped the other ranks"
-    )
+        who = f"rank {ranks[0]} is gone: its heartbeat"
+    else:
+        who = f"ranks {ranks} are gone: their heartbeats"
+    return f"{who} stopped (killed, crashed or stopped); stopped the other ranks"
 
 
 def _first_on_this_node(where: str) -> bool:
