@@ -1,23 +1,11 @@
-"""``bfpp-train`` checkpoints, in one of two formats (``--ckpt-format``):
+"""``bfpp-train`` checkpoints (``--ckpt-format``): ``torch``, one ``torch.save`` file per rank
+(``rank_00000.pt`` ...), or ``torch_dist``, megatron-core's ``dist_checkpointing.save`` of the
+chunks' sharded state (fully sharded runs keep the parameters only as the optimizer's main
+parameters, which every load takes them from), the optimizer's and one RNG object per rank.
 
-* ``torch`` (default): one ``torch.save`` file per rank (``rank_00000.pt`` ...): model chunks,
-  its distributed-optimizer Adam shard, scheduler, RNG states, iteration, consumed samples.
-* ``torch_dist``: megatron-core's ``dist_checkpointing.save`` of the chunks'
-  ``sharded_state_dict()`` (unwrapped from DDP, keys by global layer), the optimizer's
-  (``dp_reshardable``) and one RNG ``ShardedObject`` per global rank. Fully sharded runs leave the
-  parameters out of the model part (they are the optimizer's main-parameter shards); every load
-  takes them from there. megatron-core's writer needs psutil (checked before start: without it
-  the writer failed after training, or hung on 0.16), starts a ``multiprocessing`` Manager per
-  rank (the launcher stops it), and without Apex or Transformer Engine loses Adam's step on load
-  (:func:`megatron_bfpp.compat.restore_torch_adam_steps`).
-
-Both resume exactly (tested on CPU/gloo with 0.16 and 0.19) and share :mod:`.checkpoint_files`
-(atomic publish: a kill never loses the last complete checkpoint) and :mod:`.checkpoint_metadata`
-(what a resume must match, checked before any weight is read). Loading never runs code from a
-file: ``torch.load(weights_only=True)`` (only tensors and plain values are saved), megatron-core's
-own ``torch.load`` forced to ``weights_only``, and torch's ``.metadata`` pickle first read by an
-unpickler knowing only its metadata types (docs/design-notes.md, "Checkpoints"). After each
-collective step all ranks agree: the first failing rank prints one line, the others exit quietly.
+Both share :mod:`.checkpoint_files` (atomic publish) and :mod:`.checkpoint_metadata` (what a resume
+must match). Loading never runs code from a file, and after each collective step the lowest failing
+rank prints one line while the others exit quietly (docs/design-notes.md, "Checkpoints").
 """
 
 from __future__ import annotations

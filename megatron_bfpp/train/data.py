@@ -1,23 +1,10 @@
-"""Deterministic training data for ``bfpp-train``: synthetic sequences, a local text file, or
-Megatron's indexed datasets.
+"""Deterministic training data for ``bfpp-train``: synthetic arithmetic progressions (a loss that
+visibly falls), byte-level windows of a local text file, or Megatron's indexed datasets read by
+megatron-core's own classes (``GPTDataset``, ``BlendedDataset``).
 
 Every sample is a pure function of ``(seed, global sample index)``, so the data position is the
-consumed-sample count (a checkpoint records it): a resumed run reads what the uninterrupted run
-would have, on any layout, and a changed ``--global-batch-size`` neither skips nor repeats.
-
-* Synthetic (default): learnable arithmetic progressions modulo the vocabulary (random start,
-  random step in ``1..4``), so the loss visibly falls.
-* ``--data-path FILE``: byte-level tokens (vocabulary 256) of a local file; sample ``i`` is a
-  window at a pseudo-random offset from ``(seed, i)``. No tokenizer, no downloads.
-* ``--data-path PREFIX`` (or Megatron-LM's ``W1 P1 W2 P2 ...``) of indexed datasets (``.bin`` +
-  ``.idx``): read by megatron-core's own classes (``IndexedDataset``, ``GPTDataset``,
-  ``BlendedDataset`` via ``BlendedMegatronDatasetBuilder``), built as Megatron-LM does for
-  ``--train-iters`` x ``--global-batch-size`` samples of the ``--split``'s first part; sample
-  ``i`` is the train dataset's item ``i`` (:class:`IndexedTrainingData`). :mod:`.data_source`
-  checks the files before any rank starts.
-
-A micro-batch is a dict ``tokens``, ``labels``, ``position_ids``, ``loss_mask`` of shape
-``(micro_batch_size, seq_length)``.
+consumed-sample count a checkpoint records: a resumed run reads what the uninterrupted run would
+have, on any layout, and a changed ``--global-batch-size`` neither skips nor repeats.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Who is still alive, for ranks that torchrun or srun started (no bfpp-train launcher above them).
 
-With no parent speaking for the job, a dead rank makes every peer fail in gloo or NCCL with a
-traceback, often naming not the dead rank but one that failed in turn (a cascade). So these
-ranks keep a heartbeat in the job's rendezvous store (``MASTER_ADDR:MASTER_PORT``, hosted by
-torchrun's agent or rank 0): a daemon thread adds 1 to the rank's counter every
-:data:`BEAT_INTERVAL` s; a rank failing on communication reads the counters twice,
-:data:`SILENCE` s apart, and the still ones are the ranks gone; the first failing rank to claim
-the report in the store prints the one line, the others exit quietly (a rank failing for its own
-reason claims it too, so its line is not followed by one per rank that lost it).
-
-Under srun rank 0 hosts the store: failing, it stays :data:`HOST_LINGER` s, and every heartbeat
-thread notes whether a report was claimed, so a rank finding the store gone after that stays
-quiet. Gone before any claim (rank 0 killed), nothing can be agreed: the first rank of each node
-to create a marker file says so, one line per node.
+With no parent speaking for the job, a dead rank makes every peer fail with a traceback that
+often names another survivor. So each rank beats a counter in the job's rendezvous store; a rank
+failing on communication reads the counters twice and the still ones are the ranks gone; the first
+failing rank to claim the report prints one line, the others exit quietly. Timings and the srun
+case (rank 0 hosts the store): docs/design-notes.md, "A dead rank under srun".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""``bfpp-train``'s training loop on megatron-core alone (one process = one rank).
-
-:func:`train` runs on every rank: process group (NCCL on GPUs, gloo plus the CPU adapter on a
-CPU-only machine), megatron-core parallel state, the preset model's chunks (one per virtual
-stage, initialised by global layer), megatron-core DDP and the distributed optimizer (Adam), a
-warm-up + cosine learning-rate schedule (megatron-core's ``OptimizerParamScheduler``), and one
-``get_forward_backward_func(schedule)`` call per iteration from :mod:`megatron_bfpp`.
-
-The loss is reported as Megatron-LM does: the last pipeline stage sums ``[loss, tokens]`` over its
-micro-batches, the sum is reduced over data-parallel ranks, and ``lm_loss = loss / tokens``.
-Rank 0 shows progress and writes each iteration's record to ``--metrics-file`` (one JSON object
-per iteration), ``--tensorboard-dir`` and ``--wandb-project`` (``train.metric_writers``).
+"""``bfpp-train``'s training loop on megatron-core alone (one process = one rank): the preset
+model's chunks in megatron-core DDP with the distributed optimizer (Adam), megatron-core's
+learning-rate scheduler, and one ``get_forward_backward_func(schedule)`` call per iteration.
+The loss is reported as Megatron-LM does (``lm_loss = sum of losses / sum of tokens`` over the
+micro-batches and data-parallel ranks); rank 0 writes each iteration's record to every
+destination asked for (:mod:`.metric_writers`).
 """
 
 from __future__ import annotations
