@@ -119,15 +119,14 @@ def _kill_point(point: str) -> None:
 
 def _rng_state() -> dict[str, Any]:
     """Byte tensors and ``random``'s tuple of ints: loadable with ``weights_only=True``."""
-    state: dict[str, Any] = {
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {
         "random": random.getstate(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
     }
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    state["tracker"] = get_cuda_rng_tracker().get_states()
-    return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
@@ -219,14 +218,10 @@ def save_checkpoint(
     gather_chunk: GatherChunk | None = None,
     sharded: bool = False,
 ) -> Path:
-    """Save one checkpoint on every rank (collective), atomically (:mod:`.checkpoint_files`): the
-    previous checkpoint stays complete until rank 0 renames the new one into place.
-
-    ``gather_chunk(i)`` (fully sharded, torch format): a context making chunk ``i``'s parameters
-    whole; chunks are copied to host one at a time, so the device holds at most one chunk beyond
-    the shards. ``sharded`` (fully sharded, torch_dist): nothing is gathered; parameters are saved
-    only as the optimizer's main parameters (its ``dp_reshardable`` shard of every bucket), which
-    every torch_dist load rebuilds them from."""
+    """Save one checkpoint on every rank (collective), atomically (:mod:`.checkpoint_files`).
+    Fully sharded, ``gather_chunk(i)`` (torch format) makes chunk ``i`` whole while it is copied to
+    host, one chunk at a time; ``sharded`` (torch_dist) gathers nothing: the parameters are saved
+    only as the optimizer's main parameters, which every torch_dist load rebuilds them from."""
     root = Path(root)
     temp = _shared_temp_dir(root, iteration)
     common = (temp, model, optimizer, scheduler, iteration, consumed_samples)
@@ -256,13 +251,15 @@ def save_checkpoint(
             if ckpt_format == "torch"
             else _file_sizes(temp)
         )
+        saved = scheduler.state_dict()
+        schedule = LRSchedule(**{k: saved[k] for k in LRSchedule.__dataclass_fields__})
         metadata = CheckpointMetadata(
             format_version=FORMAT_VERSION,
             ckpt_format=ckpt_format,
             iteration=iteration,
             consumed_samples=consumed_samples,
             run=run,
-            opt_param_scheduler=_lr_schedule(scheduler.state_dict()),
+            opt_param_scheduler=schedule,
             megatron_core=".".join(map(str, megatron_core_version())),
             files=tuple(sorted(files, key=lambda r: r.name)),
         )
@@ -344,10 +341,6 @@ def _file_sizes(temp: Path) -> list[FileRecord]:
         for path in sorted(temp.rglob("*"))
         if path.is_file()
     ]
-
-
-def _lr_schedule(state: dict[str, Any]) -> LRSchedule:
-    return LRSchedule(**{name: state[name] for name in LRSchedule.__dataclass_fields__})
 
 
 def _rank_state(scheduler: Any, iteration: int, consumed_samples: int) -> dict[str, Any]:

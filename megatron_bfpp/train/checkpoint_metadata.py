@@ -340,10 +340,8 @@ def check_resume(
 
 def save_problem(root: str | Path, current: RunConfig) -> str | None:
     """Why ``--save root`` (not resumed from) would overwrite another model's checkpoint, which this
-    run could never resume (:func:`check_resume`) but whose tracker and same-numbered iterations
-    it would replace; checked before any rank starts. No or unreadable checkpoint: left to the
-    save, as Megatron-LM does; a tracker that is no regular file: refused like ``--load`` (the
-    save would write through a symbolic link)."""
+    run could never resume; no or unreadable checkpoint: left to the save, as Megatron-LM does; a
+    tracker that is no regular file: refused (the save would write through a symbolic link)."""
     tracker = Path(root) / TRACKER
     problem = regular_file_problem(tracker)
     if problem == "is missing":

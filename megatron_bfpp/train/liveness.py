@@ -78,16 +78,12 @@ class Liveness:
         after = self.counters()
         return [rank for rank in range(self.world_size) if after[rank] == before[rank]]
 
-    def claim_report(self) -> bool:
-        """True for the first rank of the job to ask: it reports, the others stay quiet."""
-        return int(self.store.add("reported", 1)) == 1
-
     def judge(self, error: BaseException, *, silence: float = SILENCE) -> Verdict | RanksLost:
         """What this failing rank does with ``error``: report it, stay quiet, or report the ranks
         that are gone (communication failures only: a lost peer fails them)."""
         try:
             lost = self.silent_ranks(silence=silence) if isinstance(error, RuntimeError) else []
-            claimed = self.claim_report()
+            claimed = int(self.store.add("reported", 1)) == 1  # the first to ask reports
         except Exception:  # the store is gone with its host
             return Verdict.QUIET if self.claim_seen else self._store_lost()
         if self.rank == 0:  # it may host the store (srun): the others still need it
