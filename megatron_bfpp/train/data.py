@@ -166,12 +166,12 @@ class IndexedTrainingData(_Samples):
 
     def sample(self, index: int) -> dict[str, torch.Tensor]:
         item = self.dataset[index % len(self.dataset)]
-        largest = int(item["tokens"].max())
-        if largest >= self.vocab_size or int(item["labels"].max()) >= self.vocab_size:
+        largest = max(int(item["tokens"].max()), int(item["labels"].max()))
+        if largest >= self.vocab_size:
             raise ValueError(
                 f"--data-path {' '.join(self.source.prefixes)}: sample {index} holds token id "
-                f"{max(largest, int(item['labels'].max()))}, not below --vocab-size "
-                f"{self.vocab_size}; give the tokenizer's vocabulary size"
+                f"{largest}, not below --vocab-size {self.vocab_size}; give the tokenizer's "
+                "vocabulary size"
             )
         return {key: item[key] for key in _BATCH_KEYS}
 
