@@ -1,23 +1,11 @@
-"""``bfpp-train`` checkpoints, in one of two formats (``--ckpt-format``):
+"""``bfpp-train`` checkpoints (``--ckpt-format``): ``torch``, one ``torch.save`` file per rank
+(``rank_00000.pt`` ...), or ``torch_dist``, megatron-core's ``dist_checkpointing.save`` of the
+chunks' sharded state (fully sharded runs keep the parameters only as the optimizer's main
+parameters, which every load takes them from), the optimizer's and one RNG object per rank.
 
-* ``torch`` (default): one ``torch.save`` file per rank (``rank_00000.pt`` ...): model chunks,
-  its distributed-optimizer Adam shard, scheduler, RNG states, iteration, consumed samples.
-* ``torch_dist``: megatron-core's ``dist_checkpointing.save`` of the chunks'
-  ``sharded_state_dict()`` (unwrapped from DDP, keys by global layer), the optimizer's
-  (``dp_reshardable``) and one RNG ``ShardedObject`` per global rank. Fully sharded runs leave the
-  parameters out of the model part (they are the optimizer's main-parameter shards); every load
-  takes them from there. megatron-core's writer needs psutil (checked before start: without it
-  the writer failed after training, or hung on 0.16), starts a ``multiprocessing`` Manager per
-  rank (the launcher stops it), and without Apex or Transformer Engine loses Adam's step on load
-  (:func:`megatron_bfpp.compat.restore_torch_adam_steps`).
-
-Both resume exactly (tested on CPU/gloo with 0.16 and 0.19) and share :mod:`.checkpoint_files`
-(atomic publish: a kill never loses the last complete checkpoint) and :mod:`.checkpoint_metadata`
-(what a resume must match, checked before any weight is read). Loading never runs code from a
-file: ``torch.load(weights_only=True)`` (only tensors and plain values are saved), megatron-core's
-own ``torch.load`` forced to ``weights_only``, and torch's ``.metadata`` pickle first read by an
-unpickler knowing only its metadata types (docs/design-notes.md, "Checkpoints"). After each
-collective step all ranks agree: the first failing rank prints one line, the others exit quietly.
+Both share :mod:`.checkpoint_files` (atomic publish) and :mod:`.checkpoint_metadata` (what a resume
+must match). Loading never runs code from a file, and after each collective step the lowest failing
+rank prints one line while the others exit quietly (docs/design-notes.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -102,20 +90,14 @@ class OtherRankFailed(Exception):
     """Another rank failed and reports it (one line in all); this rank exits quietly."""
 
 
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _agree(error: CheckpointError | None) -> None:
     """Every rank learns whether any failed, so none waits forever; the lowest failing rank raises
     its error (the one line users see), the others :class:`OtherRankFailed`."""
     world = dist.get_world_size()
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     first = torch.tensor(
-        [dist.get_rank() if error is not None else world],
-        dtype=torch.int64,
-        device=_collective_device(),
+        [dist.get_rank() if error is not None else world], dtype=torch.int64, device=device
     )
     dist.all_reduce(first, op=dist.ReduceOp.MIN)
     failed = int(first.item())
@@ -137,15 +119,14 @@ def _kill_point(point: str) -> None:
 
 def _rng_state() -> dict[str, Any]:
     """Byte tensors and ``random``'s tuple of ints: loadable with ``weights_only=True``."""
-    state: dict[str, Any] = {
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {
         "random": random.getstate(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
     }
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    state["tracker"] = get_cuda_rng_tracker().get_states()
-    return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
@@ -168,11 +149,8 @@ def _parameter_keys(module: Any) -> set[str]:
 def _model_state(chunk: Any, *, parameters: bool) -> dict[str, Any]:
     """A chunk's ``sharded_state_dict``, or (``parameters=False``) its entries that are not
     parameters: only metadata is read from released (sharded) parameters, never their data."""
-    state = dict(chunk.module.sharded_state_dict())
-    if parameters:
-        return state
-    dropped = _parameter_keys(chunk.module)
-    return {key: value for key, value in state.items() if key not in dropped}
+    dropped = set() if parameters else _parameter_keys(chunk.module)
+    return {k: v for k, v in chunk.module.sharded_state_dict().items() if k not in dropped}
 
 
 def _sharded_state(
@@ -240,36 +218,21 @@ def save_checkpoint(
     gather_chunk: GatherChunk | None = None,
     sharded: bool = False,
 ) -> Path:
-    """Save one checkpoint on every rank (collective), atomically (:mod:`.checkpoint_files`): the
-    previous checkpoint stays complete until rank 0 renames the new one into place.
-
-    ``gather_chunk(i)`` (fully sharded, torch format): a context making chunk ``i``'s parameters
-    whole; chunks are copied to host one at a time, so the device holds at most one chunk beyond
-    the shards. ``sharded`` (fully sharded, torch_dist): nothing is gathered; parameters are saved
-    only as the optimizer's main parameters (its ``dp_reshardable`` shard of every bucket), which
-    every torch_dist load rebuilds them from."""
+    """Save one checkpoint on every rank (collective), atomically (:mod:`.checkpoint_files`).
+    Fully sharded, ``gather_chunk(i)`` (torch format) makes chunk ``i`` whole while it is copied to
+    host, one chunk at a time; ``sharded`` (torch_dist) gathers nothing: the parameters are saved
+    only as the optimizer's main parameters, which every torch_dist load rebuilds them from."""
     root = Path(root)
     temp = _shared_temp_dir(root, iteration)
+    common = (temp, model, optimizer, scheduler, iteration, consumed_samples)
     records: list[FileRecord] = []
     error = None
     try:
         _kill_point("rank-file")
         if ckpt_format == "torch":
-            records = [
-                _save_torch(
-                    temp, model, optimizer, scheduler, iteration, consumed_samples, gather_chunk
-                )
-            ]
+            records = [_save_torch(*common, gather_chunk)]
         else:
-            _save_torch_dist(
-                temp,
-                model,
-                optimizer,
-                scheduler,
-                iteration,
-                consumed_samples,
-                parameters=not sharded,
-            )
+            _save_torch_dist(*common, parameters=not sharded)
     except Exception as failure:  # torch re-raises ENOSPC as RuntimeError, megatron-core's
         # writer as CheckpointException: any failure to write is the same one line
         error = CheckpointError(
@@ -288,13 +251,15 @@ def save_checkpoint(
             if ckpt_format == "torch"
             else _file_sizes(temp)
         )
+        saved = scheduler.state_dict()
+        schedule = LRSchedule(**{k: saved[k] for k in LRSchedule.__dataclass_fields__})
         metadata = CheckpointMetadata(
             format_version=FORMAT_VERSION,
             ckpt_format=ckpt_format,
             iteration=iteration,
             consumed_samples=consumed_samples,
             run=run,
-            opt_param_scheduler=_lr_schedule(scheduler.state_dict()),
+            opt_param_scheduler=schedule,
             megatron_core=".".join(map(str, megatron_core_version())),
             files=tuple(sorted(files, key=lambda r: r.name)),
         )
@@ -346,12 +311,9 @@ def _shared_temp_dir(root: Path, iteration: int) -> Path:
             names[0] = make_temp_dir(root, iteration).name
         except OSError as failure:
             error = CheckpointError(f"--save {root}: cannot create a checkpoint there: {failure}")
-    _agree(error)
+    _agree(error)  # past it, rank 0 has named the directory
     dist.broadcast_object_list(names, src=0)
-    name = names[0]
-    if name is None:  # cannot happen: rank 0 either named it or failed in _agree
-        raise OtherRankFailed("rank 0 sent no checkpoint directory")
-    return root / name
+    return root / str(names[0])
 
 
 def _publish(root: Path, temp: Path, final: Path, metadata: CheckpointMetadata) -> None:
@@ -379,10 +341,6 @@ def _file_sizes(temp: Path) -> list[FileRecord]:
         for path in sorted(temp.rglob("*"))
         if path.is_file()
     ]
-
-
-def _lr_schedule(state: dict[str, Any]) -> LRSchedule:
-    return LRSchedule(**{name: state[name] for name in LRSchedule.__dataclass_fields__})
 
 
 def _rank_state(scheduler: Any, iteration: int, consumed_samples: int) -> dict[str, Any]:
@@ -471,11 +429,13 @@ def load_checkpoint(
     (collective); returns ``(iteration, consumed_samples)``. Metadata is re-checked for callers
     other than the command line."""
     policy = scheduler_policy
-    found, error = _read_metadata(root, run, policy)
-    _agree(error)
-    if found is None:  # cannot happen: a rank without metadata failed in _agree
-        raise OtherRankFailed("no checkpoint metadata")
-    path, metadata = found
+    error = None
+    try:
+        path, metadata = read_checkpoint(root)
+        check_resume(metadata, run, root=root, scheduler=policy)
+    except CheckpointError as failure:
+        error = failure
+    _agree(error)  # past it, every rank has read its metadata
     try:
         own_groups = _scheduler_group_values(optimizer)
         if metadata.ckpt_format == "torch":
@@ -486,17 +446,6 @@ def load_checkpoint(
         error = failure
     _agree(error)
     return metadata.iteration, metadata.consumed_samples
-
-
-def _read_metadata(
-    root: str | Path, run: RunConfig, scheduler_policy: SchedulerPolicy
-) -> tuple[tuple[Path, CheckpointMetadata] | None, CheckpointError | None]:
-    try:
-        path, metadata = read_checkpoint(root)
-        check_resume(metadata, run, root=root, scheduler=scheduler_policy)
-    except CheckpointError as error:
-        return None, error
-    return (path, metadata), None
 
 
 def read_rank_file(file: Path, *, record: FileRecord | None = None, label: str = "") -> Any:
@@ -596,38 +545,28 @@ def _weights_only_loads() -> Iterator[None]:
 
 
 _DCP = "torch.distributed.checkpoint"
-# Exactly the (module, name) pairs torch's distributed-checkpoint ``.metadata`` holds as written by
-# megatron-core 0.16 and 0.19 (torch's dataclasses and enums: building them runs no code of the
+# Module -> exactly the names torch's distributed-checkpoint ``.metadata`` holds from it as written
+# by megatron-core 0.16 and 0.19 (torch's dataclasses and enums: building them runs no code of the
 # file's choosing), plus megatron-core's empty stand-ins kept so older checkpoints unpickle.
-_DCP_METADATA_GLOBALS = frozenset(
-    [
-        *(
-            (f"{_DCP}.metadata", name)
-            for name in (
-                "Metadata",
-                "MetadataIndex",
-                "StorageMeta",
-                "TensorProperties",
-                "TensorStorageMetadata",
-                "BytesStorageMetadata",
-                "ChunkStorageMetadata",
-                "_MEM_FORMAT_ENCODING",
-            )
-        ),
-        (f"{_DCP}.filesystem", "_StorageInfo"),
-        *(
-            (f"{_DCP}.planner", name)
-            for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
-        ),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("collections", "OrderedDict"),
-        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
-        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
-    ]
-)
+_DCP_METADATA_GLOBALS: dict[str, tuple[str, ...]] = {
+    f"{_DCP}.metadata": (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    ),
+    f"{_DCP}.filesystem": ("_StorageInfo",),
+    f"{_DCP}.planner": ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
+    "torch": ("Size",),
+    "torch.serialization": ("_get_layout",),
+    "pathlib": ("PosixPath", "WindowsPath"),
+    "collections": ("OrderedDict",),
+    "megatron.core.dist_checkpointing.strategies.torch": ("MCoreMetadata", "MCoreSavePlan"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -637,7 +576,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     so any module that imports ``os`` would hand out ``os.system``."""
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in _DCP_METADATA_GLOBALS
+        allowed = name in _DCP_METADATA_GLOBALS.get(module, ())
         if module == "torch" and name.isidentifier():
             allowed |= isinstance(
                 getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format

@@ -157,7 +157,7 @@ def fresh_start_reason(root: str | Path) -> str | None:
     return None
 
 
-_SUFFIX_CHARS = 12  # _unique_name's hex digits
+_SUFFIX_CHARS = 12  # hex digits of a temporary directory's random suffix
 
 
 def _longest_save_path(root: str, world_size: int, iterations: int) -> str:
@@ -207,10 +207,6 @@ def fsync_file(path: Path) -> None:
         os.fsync(file.fileno())
 
 
-def _unique_name(prefix: str) -> str:
-    return prefix + secrets.token_hex(6)
-
-
 def write_tracker(root: str | Path, iteration: int) -> None:
     """Replace the tracker atomically (:func:`megatron_bfpp.files.write_output`: never torn)."""
     write_output(Path(root) / TRACKER, f"{iteration}\n".encode())
@@ -222,7 +218,7 @@ def make_temp_dir(root: str | Path, iteration: int) -> Path:
     make_dirs(root)
     name = checkpoint_dir(root, iteration).name
     while True:
-        temp = Path(root) / _unique_name(name + _TEMP)
+        temp = Path(root) / f"{name}{_TEMP}{secrets.token_hex(_SUFFIX_CHARS // 2)}"
         try:
             temp.mkdir()
             return temp

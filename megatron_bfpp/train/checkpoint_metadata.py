@@ -1,20 +1,9 @@
 """What a ``bfpp-train`` checkpoint says about itself (``bfpp_checkpoint.json``), and whether a
-run may resume from it.
+run may resume from it (the rules: docs/design-notes.md, "Checkpoints").
 
 Torch-free, so the command line refuses an impossible resume before any rank starts, in one line
-per differing flag rather than a ``load_state_dict`` traceback per rank. The JSON (data, never
-code) is checked field by field and lists every file with its size (rank files also SHA-256), so
-a truncated or replaced file is named before anything is unpickled.
-
-A resume must match (docs/design-notes.md, "Checkpoints") the model (every flag, defaults filled
-in) and the parallel layout (tp, pp, virtual stages, placement, ranks and so dp: each rank's
-files hold its own layers and optimizer shard), and the learning-rate schedule by Megatron-LM's
-rule: a changed ``--lr``, ``--min-lr``, ``--lr-warmup-iters``, decay length (``--lr-decay-iters``,
-else ``--train-iters``) or ``--weight-decay`` is refused unless ``--override-opt_param-scheduler``
-(this run's values) or ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's). Free to
-change: the schedule within a placement (resuming under another is bit-exact),
-``--micro-batch-size`` and ``--global-batch-size`` (the data position is the consumed-sample
-count; only the sample-counting learning-rate schedule notices).
+per differing flag; the JSON lists every file with its size (rank files also SHA-256), so a
+truncated or replaced file is named before anything is unpickled.
 """
 
 from __future__ import annotations
@@ -295,10 +284,7 @@ def scheduler_differences(saved: CheckpointMetadata, current: RunConfig) -> list
             f"{same_batch.lr_warmup_steps // old_gbs} iterations, checkpoint: "
             f"{was.lr_warmup_steps / old_gbs:g})"
         )
-    if (was.lr_decay_steps, was.wd_incr_steps) != (
-        same_batch.lr_decay_steps,
-        same_batch.wd_incr_steps,
-    ):
+    if _steps(was)[1:] != _steps(same_batch)[1:]:  # the decay and weight-decay spans
         flag = (
             f"--lr-decay-iters {training.lr_decay_iters}"
             if training.lr_decay_iters is not None
@@ -337,31 +323,25 @@ def check_resume(
             "only on the same model and parallel layout (the schedule, --micro-batch-size and "
             "--global-batch-size may change)"
         )
-    if scheduler != "check":
+    differences = scheduler_differences(metadata, current) if scheduler == "check" else []
+    if not differences:
         return
-    differences = scheduler_differences(metadata, current)
-    if differences:
-        hint = ""
-        gbs = current.training.global_batch_size
-        decay = metadata.opt_param_scheduler.lr_decay_steps
-        if any(d.startswith(("--train-iters", "--lr-decay-iters")) for d in differences) and (
-            decay % gbs == 0
-        ):
-            hint = (
-                f"; to train further on the checkpoint's schedule: --lr-decay-iters {decay // gbs}"
-            )
-        raise CheckpointError(
-            f"--load {root}: this run's learning-rate schedule differs from the checkpoint's: "
-            f"{', '.join(differences)}; {_OVERRIDE_FLAGS}{hint}"
-        )
+    hint = ""
+    gbs = current.training.global_batch_size
+    decay = metadata.opt_param_scheduler.lr_decay_steps
+    decay_changed = any(d.startswith(("--train-iters", "--lr-decay-iters")) for d in differences)
+    if decay_changed and decay % gbs == 0:
+        hint = f"; to train further on the checkpoint's schedule: --lr-decay-iters {decay // gbs}"
+    raise CheckpointError(
+        f"--load {root}: this run's learning-rate schedule differs from the checkpoint's: "
+        f"{', '.join(differences)}; {_OVERRIDE_FLAGS}{hint}"
+    )
 
 
 def save_problem(root: str | Path, current: RunConfig) -> str | None:
     """Why ``--save root`` (not resumed from) would overwrite another model's checkpoint, which this
-    run could never resume (:func:`check_resume`) but whose tracker and same-numbered iterations
-    it would replace; checked before any rank starts. No or unreadable checkpoint: left to the
-    save, as Megatron-LM does; a tracker that is no regular file: refused like ``--load`` (the
-    save would write through a symbolic link)."""
+    run could never resume; no or unreadable checkpoint: left to the save, as Megatron-LM does; a
+    tracker that is no regular file: refused (the save would write through a symbolic link)."""
     tracker = Path(root) / TRACKER
     problem = regular_file_problem(tracker)
     if problem == "is missing":

@@ -1,23 +1,10 @@
-"""Deterministic training data for ``bfpp-train``: synthetic sequences, a local text file, or
-Megatron's indexed datasets.
+"""Deterministic training data for ``bfpp-train``: synthetic arithmetic progressions (a loss that
+visibly falls), byte-level windows of a local text file, or Megatron's indexed datasets read by
+megatron-core's own classes (``GPTDataset``, ``BlendedDataset``).
 
 Every sample is a pure function of ``(seed, global sample index)``, so the data position is the
-consumed-sample count (a checkpoint records it): a resumed run reads what the uninterrupted run
-would have, on any layout, and a changed ``--global-batch-size`` neither skips nor repeats.
-
-* Synthetic (default): learnable arithmetic progressions modulo the vocabulary (random start,
-  random step in ``1..4``), so the loss visibly falls.
-* ``--data-path FILE``: byte-level tokens (vocabulary 256) of a local file; sample ``i`` is a
-  window at a pseudo-random offset from ``(seed, i)``. No tokenizer, no downloads.
-* ``--data-path PREFIX`` (or Megatron-LM's ``W1 P1 W2 P2 ...``) of indexed datasets (``.bin`` +
-  ``.idx``): read by megatron-core's own classes (``IndexedDataset``, ``GPTDataset``,
-  ``BlendedDataset`` via ``BlendedMegatronDatasetBuilder``), built as Megatron-LM does for
-  ``--train-iters`` x ``--global-batch-size`` samples of the ``--split``'s first part; sample
-  ``i`` is the train dataset's item ``i`` (:class:`IndexedTrainingData`). :mod:`.data_source`
-  checks the files before any rank starts.
-
-A micro-batch is a dict ``tokens``, ``labels``, ``position_ids``, ``loss_mask`` of shape
-``(micro_batch_size, seq_length)``.
+consumed-sample count a checkpoint records: a resumed run reads what the uninterrupted run would
+have, on any layout, and a changed ``--global-batch-size`` neither skips nor repeats.
 """
 
 from __future__ import annotations
@@ -179,12 +166,12 @@ class IndexedTrainingData(_Samples):
 
     def sample(self, index: int) -> dict[str, torch.Tensor]:
         item = self.dataset[index % len(self.dataset)]
-        largest = int(item["tokens"].max())
-        if largest >= self.vocab_size or int(item["labels"].max()) >= self.vocab_size:
+        largest = max(int(item["tokens"].max()), int(item["labels"].max()))
+        if largest >= self.vocab_size:
             raise ValueError(
                 f"--data-path {' '.join(self.source.prefixes)}: sample {index} holds token id "
-                f"{max(largest, int(item['labels'].max()))}, not below --vocab-size "
-                f"{self.vocab_size}; give the tokenizer's vocabulary size"
+                f"{largest}, not below --vocab-size {self.vocab_size}; give the tokenizer's "
+                "vocabulary size"
             )
         return {key: item[key] for key in _BATCH_KEYS}
 
@@ -195,21 +182,13 @@ class IndexedTrainingData(_Samples):
 
 def training_data(args: Any) -> TrainingData | IndexedTrainingData:
     """The data a parsed ``bfpp-train`` namespace asks for."""
+    common = dict(seq_length=args.seq_length, vocab_size=args.vocab_size, seed=args.seed)
     if args.data_path is None:
-        return TrainingData(seq_length=args.seq_length, vocab_size=args.vocab_size, seed=args.seed)
+        return TrainingData(**common)
     source = data_source(args.data_path, seq_length=args.seq_length, split=args.split)
     if isinstance(source, TextSource):
-        return TrainingData(
-            seq_length=args.seq_length,
-            vocab_size=args.vocab_size,
-            seed=args.seed,
-            data_path=source.path,
-        )
+        return TrainingData(**common, data_path=source.path)
+    num_samples = args.train_iters * args.global_batch_size
     return IndexedTrainingData(
-        source,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        seed=args.seed,
-        num_samples=args.train_iters * args.global_batch_size,
-        cache_path=args.data_cache_path,
+        source, **common, num_samples=num_samples, cache_path=args.data_cache_path
     )

@@ -1,11 +1,8 @@
 """What ``--data-path`` names, decided before any rank starts: a text file (byte-level tokens) or
-Megatron's indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``, as ``tools/preprocess_data.py``
-writes), one prefix or Megatron-LM's weighted blend ``W1 P1 W2 P2 ...``.
-
-Torch-free: only file sizes and each ``.idx``'s 34-byte header are read (megatron-core's
-``_IndexReader`` layout), so a truncated, mismatched or foreign file is one line before any rank
-imports megatron-core, instead of an ``AssertionError`` per rank or, for a ``.bin`` given as
-text, training on its bytes; binary data that is no indexed dataset is refused too.
+Megatron's indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``), one prefix or Megatron-LM's blend
+``W1 P1 W2 P2 ...``. Torch-free: only file sizes and each ``.idx``'s header are read, so a
+truncated, mismatched or foreign file is one line before any rank imports megatron-core, instead
+of an ``AssertionError`` per rank or, for binary data given as text, training on its bytes.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Who is still alive, for ranks that torchrun or srun started (no bfpp-train launcher above them).
 
-With no parent speaking for the job, a dead rank makes every peer fail in gloo or NCCL with a
-traceback, often naming not the dead rank but one that failed in turn (a cascade). So these
-ranks keep a heartbeat in the job's rendezvous store (``MASTER_ADDR:MASTER_PORT``, hosted by
-torchrun's agent or rank 0): a daemon thread adds 1 to the rank's counter every
-:data:`BEAT_INTERVAL` s; a rank failing on communication reads the counters twice,
-:data:`SILENCE` s apart, and the still ones are the ranks gone; the first failing rank to claim
-the report in the store prints the one line, the others exit quietly (a rank failing for its own
-reason claims it too, so its line is not followed by one per rank that lost it).
-
-Under srun rank 0 hosts the store: failing, it stays :data:`HOST_LINGER` s, and every heartbeat
-thread notes whether a report was claimed, so a rank finding the store gone after that stays
-quiet. Gone before any claim (rank 0 killed), nothing can be agreed: the first rank of each node
-to create a marker file says so, one line per node.
+With no parent speaking for the job, a dead rank makes every peer fail with a traceback that
+often names another survivor. So each rank beats a counter in the job's rendezvous store; a rank
+failing on communication reads the counters twice and the still ones are the ranks gone; the first
+failing rank to claim the report prints one line, the others exit quietly. Timings and the srun
+case (rank 0 hosts the store): docs/design-notes.md, "A dead rank under srun".
 """
 
 from __future__ import annotations
@@ -48,9 +40,6 @@ _PREFIX = "bfpp-liveness/"
 
 class RanksLost(RuntimeError):
     """Ranks that stopped beating; the message is the one line users see."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
 
 
 class Verdict(enum.Enum):
@@ -89,16 +78,12 @@ class Liveness:
         after = self.counters()
         return [rank for rank in range(self.world_size) if after[rank] == before[rank]]
 
-    def claim_report(self) -> bool:
-        """True for the first rank of the job to ask: it reports, the others stay quiet."""
-        return int(self.store.add("reported", 1)) == 1
-
     def judge(self, error: BaseException, *, silence: float = SILENCE) -> Verdict | RanksLost:
         """What this failing rank does with ``error``: report it, stay quiet, or report the ranks
         that are gone (communication failures only: a lost peer fails them)."""
         try:
             lost = self.silent_ranks(silence=silence) if isinstance(error, RuntimeError) else []
-            claimed = self.claim_report()
+            claimed = int(self.store.add("reported", 1)) == 1  # the first to ask reports
         except Exception:  # the store is gone with its host
             return Verdict.QUIET if self.claim_seen else self._store_lost()
         if self.rank == 0:  # it may host the store (srun): the others still need it
@@ -121,14 +106,10 @@ class Liveness:
 
 def _lost_line(ranks: list[int]) -> str:
     if len(ranks) == 1:
-        return (
-            f"rank {ranks[0]} is gone: its heartbeat stopped (killed, crashed or stopped); "
-            "stopped the other ranks"
-        )
-    return (
-        f"ranks {ranks} are gone: their heartbeats stopped (killed, crashed or stopped); "
-        "stopped the other ranks"
-    )
+        who = f"rank {ranks[0]} is gone: its heartbeat"
+    else:
+        who = f"ranks {ranks} are gone: their heartbeats"
+    return f"{who} stopped (killed, crashed or stopped); stopped the other ranks"
 
 
 def _first_on_this_node(where: str) -> bool:

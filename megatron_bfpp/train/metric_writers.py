@@ -1,12 +1,8 @@
 """Where bfpp-train's per-iteration record goes: the JSONL file, TensorBoard, Weights & Biases.
 
-Megatron users read curves in TensorBoard or W&B, scripts read the JSONL; rank 0 builds one record
-per iteration (``trainer._metrics_record``) for every writer, so all show the same numbers.
-Scalar names follow Megatron-LM's (``lm loss``, ``learning-rate``, ``grad-norm``,
-``iteration-time``) so its dashboards read ours; per-pipeline-rank memory is one scalar per rank
-(``memory/peak_activation_bytes/pp-rank-0``, ...). ``tensorboard`` and ``wandb`` are imported
-only when their writer is built; :func:`missing_packages` lets the command line refuse a missing
-one in one line before any rank starts.
+Rank 0 builds one record per iteration for every writer, so all show the same numbers; scalar
+names follow Megatron-LM's so its dashboards read ours. ``tensorboard`` and ``wandb`` are imported
+only when their writer is built (:func:`missing_packages`: refused before any rank starts).
 """
 
 from __future__ import annotations

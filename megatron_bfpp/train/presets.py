@@ -192,11 +192,10 @@ def global_param_names(model: torch.nn.Module) -> dict[str, str]:
     tied = getattr(module, "share_embeddings_and_output_weights", False)
     names = {}
     for name, _ in module.named_parameters():
-        global_name = name
-        for local, global_ in layer_prefix.items():
-            if name.startswith(local):
-                global_name = global_ + name[len(local) :]
-                break
+        global_name = next(
+            (g + name[len(local) :] for local, g in layer_prefix.items() if name.startswith(local)),
+            name,
+        )
         if tied and name == "output_layer.weight":
             global_name = "embedding.word_embeddings.weight"
         names[name] = global_name

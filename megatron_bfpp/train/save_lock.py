@@ -1,15 +1,9 @@
-"""One run at a time per ``--save`` directory.
+"""One run at a time per ``--save`` directory: two runs saving into one directory mixed their
+checkpoints and deleted each other's temporary directories.
 
-Two runs saving into one directory both exited 0 with one's checkpoints holding the other's
-weights, and one's clean-up deleted the other's temporary directory. A run now holds an exclusive
-``flock`` on ``DIR/.bfpp_save.lock`` from before its ranks start to its end; a second run is
-refused in one line naming the holder (process, host, start time, written by the holder).
-
-The kernel releases a ``flock`` when the holder's last process dies (SIGKILL included), so a
-stale file is simply taken over: no pid to check, no check-then-take race. It covers one
-machine's processes and, on Linux, NFS (emulated with POSIX locks); file systems that ignore it
-(Lustre without ``flock``) are not protected (the README says so). Torch-free: the command line
-takes the lock before any rank starts.
+A run holds an exclusive ``flock`` on ``DIR/.bfpp_save.lock`` from before its ranks start to its
+end; the kernel releases it when the holder dies, so a stale file is simply taken over (no pid
+check, no race). Torch-free: the command line takes the lock before any rank starts.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""``bfpp-train``'s training loop on megatron-core alone (one process = one rank).
-
-:func:`train` runs on every rank: process group (NCCL on GPUs, gloo plus the CPU adapter on a
-CPU-only machine), megatron-core parallel state, the preset model's chunks (one per virtual
-stage, initialised by global layer), megatron-core DDP and the distributed optimizer (Adam), a
-warm-up + cosine learning-rate schedule (megatron-core's ``OptimizerParamScheduler``), and one
-``get_forward_backward_func(schedule)`` call per iteration from :mod:`megatron_bfpp`.
-
-The loss is reported as Megatron-LM does: the last pipeline stage sums ``[loss, tokens]`` over its
-micro-batches, the sum is reduced over data-parallel ranks, and ``lm_loss = loss / tokens``.
-Rank 0 shows progress and writes each iteration's record to ``--metrics-file`` (one JSON object
-per iteration), ``--tensorboard-dir`` and ``--wandb-project`` (``train.metric_writers``).
+"""``bfpp-train``'s training loop on megatron-core alone (one process = one rank): the preset
+model's chunks in megatron-core DDP with the distributed optimizer (Adam), megatron-core's
+learning-rate scheduler, and one ``get_forward_backward_func(schedule)`` call per iteration.
+The loss is reported as Megatron-LM does (``lm_loss = sum of losses / sum of tokens`` over the
+micro-batches and data-parallel ranks); rank 0 writes each iteration's record to every
+destination asked for (:mod:`.metric_writers`).
 """
 
 from __future__ import annotations
@@ -23,6 +17,7 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, TextIO
 
@@ -32,7 +27,13 @@ import torch.distributed as dist
 from megatron_bfpp.config.model_memory import memory_problem
 from megatron_bfpp.config.run_config import RunConfig, run_config
 from megatron_bfpp.schedules.registry import get_spec, options_from_args
-from megatron_bfpp.train.checkpoint import OtherRankFailed
+from megatron_bfpp.train.checkpoint import (
+    OtherRankFailed,
+    _agree,
+    _first_line,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_bfpp.train.checkpoint_files import CheckpointError, fresh_start_reason, read_tracker
 from megatron_bfpp.train.checkpoint_metadata import SchedulerPolicy, scheduler_policy
 from megatron_bfpp.train.data import IndexedTrainingData, TrainingData, training_data
@@ -60,18 +61,18 @@ class TrainResult:
 def init_distributed(store: Any = None, timeout_s: float = 600.0) -> torch.device:
     """Process group from the environment (torchrun / our launcher). GPU: NCCL on
     ``cuda:LOCAL_RANK``. CPU only: gloo, and megatron-core's CUDA calls redirected to the CPU."""
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    kwargs: dict[str, Any] = dict(rank=rank, world_size=world_size)
-    kwargs["timeout"] = timedelta(seconds=timeout_s)
+    kwargs: dict[str, Any] = dict(
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=timeout_s),
+    )
     if store is not None:
         kwargs["store"] = store
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
         _rendezvous("nccl", kwargs, timeout_s)
-        return device
+        return torch.device("cuda", local_rank)
     from megatron_bfpp.megatron.cpu import enable_cpu_megatron  # the one CPU/gloo adapter
 
     # megatron-core 0.16 calls these by their old names; torch warns once per rank
@@ -104,7 +105,7 @@ def _rendezvous(backend: str, kwargs: dict[str, Any], timeout_s: float) -> None:
             f"rank {kwargs['rank']}: the job's rendezvous at {where} did not complete within "
             f"{timeout_s:g} s (--distributed-timeout-minutes){count}: a rank did not start, "
             "stopped during start-up or cannot reach that address; look at the ranks that "
-            f"printed nothing ({type(error).__name__}: {_first_line(error)})"
+            f"printed nothing ({type(error).__name__}: {_first_line(error)[:200]})"
         ) from None
 
 
@@ -123,11 +124,6 @@ def _claim_start_up_report() -> bool:
         return int(store.add(f"bfpp-start-up-reported/{attempt}", 1)) == 1
     except Exception:  # no store to agree on
         return True
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def _optimizer_and_scheduler(
@@ -183,8 +179,7 @@ def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
     this rank's schedule issued (one all-gather per PS, one reduce-scatter per GS)."""
     from megatron.core import parallel_state
 
-    forward_backward, device = run.forward_backward, run.device
-    report = forward_backward.last_memory
+    report = run.forward_backward.last_memory
     cuda = report.cuda_max_memory_allocated
     if run.args.data_parallel_sharding_strategy != "optim":
         # the runtime's high-water marks since forward-backward began, optimizer step included
@@ -193,55 +188,38 @@ def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
         sharded = sharded_parameters(run.model)
         parameters, gradients = sharded.peak_bytes, sharded.peak_grad_bytes
     else:  # unsharded: every parameter and gradient buffer is allocated all the time
-        parameters = _allocated_parameter_bytes(run.model)
-        gradients = _allocated_gradient_bytes(run.model)
-    mine = torch.tensor(
-        [
-            report.peak_activation_bytes,
-            report.peak_stored_microbatches,
-            -1 if cuda is None else cuda,
-            parameters,
-            gradients,
-        ],
-        dtype=torch.int64,
-        device=device,
-    )
-    group = parallel_state.get_pipeline_model_parallel_group()
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [[int(v) for v in t.tolist()] for t in gathered]
-    memory: dict[str, Any] = {
-        "peak_activation_bytes": [row[0] for row in rows],
-        # bfpp-sim's unit (sim.simulator.UNITS): a rank's chunk is 1/len(model) of a full stage
-        "peak_activations": [round(row[1] / len(run.model), 6) for row in rows],
-        "peak_parameter_bytes": [row[3] for row in rows],
-        "peak_gradient_bytes": [row[4] for row in rows],
+        params = [p for chunk in run.model for p in chunk.parameters()]
+        parameters = _storage_bytes(params)
+        gradients = _storage_bytes(
+            g for p in params if (g := getattr(p, "main_grad", None)) is not None
+        )
+    mine = {  # in the record's key order
+        "peak_activation_bytes": report.peak_activation_bytes,
+        "peak_activations": report.peak_stored_microbatches,
+        "peak_parameter_bytes": parameters,
+        "peak_gradient_bytes": gradients,
+        "cuda_max_memory_allocated": -1 if cuda is None else cuda,
     }
-    if cuda is not None:
-        memory["cuda_max_memory_allocated"] = [row[2] for row in rows]
+    local = torch.tensor(list(mine.values()), dtype=torch.int64, device=run.device)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    rows = [[int(v) for v in t.tolist()] for t in gathered]
+    memory: dict[str, Any] = {key: [row[i] for row in rows] for i, key in enumerate(mine)}
+    # bfpp-sim's unit (sim.simulator.UNITS): a rank's chunk is 1/len(model) of a full stage
+    memory["peak_activations"] = [round(v / len(run.model), 6) for v in memory["peak_activations"]]
+    if cuda is None:
+        del memory["cuda_max_memory_allocated"]
     if run.args.data_parallel_sharding_strategy != "optim":
-        trace = forward_backward.last_trace
+        trace = run.forward_backward.last_trace
         memory["param_all_gathers_per_step"] = sum(a.endswith("PS") for a in trace)
         memory["grad_reduce_scatters_per_step"] = sum(a.endswith("GS") for a in trace)
     return memory
 
 
-def _allocated_parameter_bytes(model: list[Any]) -> int:
-    """Bytes of the distinct storages behind the model's parameters, as allocated now."""
-    storages = {
-        p.untyped_storage().data_ptr(): p.untyped_storage() for c in model for p in c.parameters()
-    }
-    return sum(storage.nbytes() for storage in storages.values())
-
-
-def _allocated_gradient_bytes(model: list[Any]) -> int:
-    """Bytes of the distinct storages behind the model's gradient buffers (``main_grad``)."""
-    storages = {
-        grad.untyped_storage().data_ptr(): grad.untyped_storage()
-        for c in model
-        for p in c.parameters()
-        if (grad := getattr(p, "main_grad", None)) is not None
-    }
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``, as allocated now."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
     return sum(storage.nbytes() for storage in storages.values())
 
 
@@ -351,17 +329,17 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
 
 def _take_save_lock(args: Any) -> Any:
     """Rank 0 takes ``--save``'s lock (:mod:`.save_lock`); every rank learns if it could not."""
-    from megatron_bfpp.train.checkpoint import _agree
     from megatron_bfpp.train.save_lock import SaveLock
 
+    if args.save is None:
+        return None
     lock, error = None, None
-    if args.save is not None and dist.get_rank() == 0:
+    if dist.get_rank() == 0:
         try:
             lock = SaveLock.acquire(args.save)
         except CheckpointError as failure:
             error = failure
-    if args.save is not None:
-        _agree(error)
+    _agree(error)
     return lock
 
 
@@ -387,7 +365,6 @@ def _set_up(args: Any, device: torch.device) -> _Run:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_bfpp.runtime import get_forward_backward_func
-    from megatron_bfpp.train.checkpoint import load_checkpoint
 
     tp, pp, vp = _layout(args)
     parallel_state.initialize_model_parallel(
@@ -475,11 +452,7 @@ def _loop(run: _Run) -> TrainResult:
     last_saved = run.iteration if args.load and run.iteration else -1
     try:
         while run.iteration < args.train_iters:
-            try:
-                step = _train_step(run)
-            except NonFiniteGradients as error:
-                kept = _kept_checkpoint(args)
-                raise FloatingPointError(f"{error}{kept}; try a lower --lr") from None
+            step = _train_step(run)
             losses.append((step.iteration, step.loss))
             progress.update(step.iteration, step.loss, step.step_time, step.lr)
             memory = _memory_per_pipeline_rank(run) if _logs_metrics(args) else {}
@@ -537,37 +510,28 @@ def _metric_writers(run: _Run) -> list[MetricWriter]:
         "seq_length": args.seq_length,
         "lr": args.lr,
     }
-    writers: list[MetricWriter] = []
-    if args.metrics_file:
-        writers.append(
-            GuardedWriter(
-                "--metrics-file",
-                args.metrics_file,
-                lambda: JsonlWriter.open(args.metrics_file, append=bool(args.load)),
-            )
-        )
-    if args.tensorboard_dir:
-        writers.append(
-            GuardedWriter(
-                "--tensorboard-dir",
-                args.tensorboard_dir,
-                lambda: TensorBoardWriter(args.tensorboard_dir, config=config),
-            )
-        )
-    if args.wandb_project:
-        writers.append(
-            GuardedWriter(
-                "--wandb-project",
+    builders: dict[str, tuple[str | None, Callable[[], MetricWriter]]] = {
+        "--metrics-file": (
+            args.metrics_file,
+            lambda: JsonlWriter.open(args.metrics_file, append=bool(args.load)),
+        ),
+        "--tensorboard-dir": (
+            args.tensorboard_dir,
+            lambda: TensorBoardWriter(args.tensorboard_dir, config=config),
+        ),
+        "--wandb-project": (
+            args.wandb_project,
+            lambda: WandbWriter(
                 args.wandb_project,
-                lambda: WandbWriter(
-                    args.wandb_project,
-                    name=args.wandb_exp_name,
-                    save_dir=args.wandb_save_dir,
-                    config=config,
-                ),
-            )
-        )
-    return writers
+                name=args.wandb_exp_name,
+                save_dir=args.wandb_save_dir,
+                config=config,
+            ),
+        ),
+    }
+    return [
+        GuardedWriter(flag, target, build) for flag, (target, build) in builders.items() if target
+    ]
 
 
 def _banner(run: _Run) -> str:
@@ -632,17 +596,6 @@ def _train_step(run: _Run) -> _Step:
     )
 
 
-class NonFiniteGradients(FloatingPointError):
-    """The step's gradients hold NaN or inf though its loss is finite; nothing of it was applied."""
-
-    def __init__(self, iteration: int, loss: float) -> None:
-        super().__init__(
-            f"iteration {iteration}: the gradient norm is not finite (NaN or inf) though the lm "
-            f"loss is ({loss:.6g}): stopped before the optimizer step"
-        )
-        self.iteration = iteration
-
-
 def _check_gradients(run: _Run, loss: float) -> None:
     """Megatron-LM's NaN check on loss and grad, always on: fp32 has no grad scaler to skip a step
     with NaN or inf gradients, so the optimizer would apply it and the next save keep it. The
@@ -657,7 +610,11 @@ def _check_gradients(run: _Run, loss: float) -> None:
     )
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
-        raise NonFiniteGradients(run.iteration + 1, loss)
+        raise FloatingPointError(
+            f"iteration {run.iteration + 1}: the gradient norm is not finite (NaN or inf) though "
+            f"the lm loss is ({loss:.6g}): stopped before the optimizer step"
+            f"{_kept_checkpoint(run.args)}; try a lower --lr"
+        )
 
 
 def _kept_checkpoint(args: Any) -> str:
@@ -681,7 +638,7 @@ def _metrics_record(run: _Run, step: _Step, memory: dict[str, Any]) -> dict[str,
         "pipeline_schedule": args.pipeline_schedule,
         "lr": step.lr,
         # strict JSON: a non-finite norm is null (metric_writers.scalars says when one occurs)
-        "grad_norm": step.grad_norm if _finite(step.grad_norm) else None,
+        "grad_norm": step.grad_norm if math.isfinite(step.grad_norm or 0.0) else None,
         "tokens_per_s": args.global_batch_size * args.seq_length / step.step_time,
         "num_microbatches": run.num_microbatches,
         **memory,
@@ -700,16 +657,7 @@ def _save(run: _Run) -> None:
         if sharded and args.ckpt_format == "torch"
         else None
     )
-    path = _write_checkpoint(run, gather_chunk, sharded=sharded)
-    if dist.get_rank() == 0 and _logs_lines(args.no_progress, sys.stdout):
-        print(f"saved checkpoint {path}", flush=True)
-
-
-def _write_checkpoint(run: _Run, gather_chunk: Any = None, *, sharded: bool = False) -> Any:
-    from megatron_bfpp.train.checkpoint import save_checkpoint
-
-    args = run.args
-    return save_checkpoint(
+    path = save_checkpoint(
         args.save,
         ckpt_format=args.ckpt_format,
         iteration=run.iteration,
@@ -721,7 +669,5 @@ def _write_checkpoint(run: _Run, gather_chunk: Any = None, *, sharded: bool = Fa
         gather_chunk=gather_chunk,
         sharded=sharded,
     )
-
-
-def _finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)
+    if dist.get_rank() == 0 and _logs_lines(args.no_progress, sys.stdout):
+        print(f"saved checkpoint {path}", flush=True)
