@@ -106,12 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         parser.error("choose a command, e.g. recommend or bpipe-estimate")
-    if args.command == "recommend":
-        return _recommend(args)
-    if args.command == "auto":
-        return _auto(args)
-    if args.command == "profile":
-        return _profile(args)
+    handler = {"recommend": _recommend, "auto": _auto, "profile": _profile}.get(args.command)
+    if handler is not None:
+        return handler(args)
     try:
         scale = 0.01 if args.percent else 1.0
         mfu_small, mfu_large = (value * scale for value in args.stage_mfu)
@@ -169,9 +166,6 @@ def format_estimate(estimate: Estimate) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- recommend
-
-
 # Bounds on the search's inputs, far above any real job, past which it ran for minutes.
 _GPUS = positive_int_up_to(1 << 20, "GPUs this planner searches over")
 _GPUS_PER_NODE = positive_int_up_to(1024, "GPUs per node")
@@ -223,17 +217,12 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     cluster = _add_cluster_flags(command, "cluster and batch", f"{', '.join(GPUS)}")
     cluster.add_argument("--global-batch-size", type=_BATCH, required=True, metavar="B")
     search = command.add_argument_group("search")
-    names = sorted({name for name, _ in families()})
-    search.add_argument(
-        "--schedules",
-        metavar="LIST",
-        help=f"comma-separated subset of {','.join(names)} (default: all)",
-    )
-    search.add_argument(
-        "--recompute",
-        metavar="LIST",
-        help=f"comma-separated subset of {','.join(RECOMPUTE)} (default: all)",
-    )
+    for flag, names in (
+        ("--schedules", sorted({n for n, _ in families()})),
+        ("--recompute", RECOMPUTE),
+    ):
+        text = f"comma-separated subset of {','.join(names)} (default: all)"
+        search.add_argument(flag, metavar="LIST", help=text)
     search.add_argument(
         "--sequence-parallel",
         choices=("on", "off"),
@@ -510,17 +499,13 @@ def _name(plan: Plan) -> str:
 
 def _row(rank: int, plan: Plan) -> str:
     c, mem = plan.candidate, plan.memory
-    name = _name(plan)
     return (
-        f"{rank:>2}  {name:<28} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
+        f"{rank:>2}  {_name(plan):<28} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
         f"{c.micro_batch_size:>3} {plan.num_microbatches:>4} {c.recompute:<9} "
         f"{plan.step_time_s:>8.3f} {plan.tokens_per_s:>9.0f} {100 * plan.mfu:>5.1f}% "
         f"{100 * plan.bubble_fraction:>5.1f}% {_gib(mem.parameters):>6} {_gib(mem.gradients):>6} "
         f"{_gib(mem.optimizer):>6} {_gib(mem.activations):>6} {_gib(mem.total):>6}"
     )
-
-
-# --------------------------------------------------------------------------- profile
 
 
 def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
@@ -647,7 +632,6 @@ def _add_profile(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     command.add_argument(
         "--dtype",
         choices=("bf16", "fp16", "fp32"),
-        default=None,
         help="default: bf16 on CUDA, fp32 on CPU",
     )
     command.add_argument("--warmup", type=positive_int, default=2, metavar="N")

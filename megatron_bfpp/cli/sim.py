@@ -90,7 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--vp",
         type=positive_int,
-        default=None,
         help="virtual stages (chunks) per rank: interleaved and breadth-first need it (>= 2); "
         "the V-shapes place 2, the others 1",
     )
@@ -110,9 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a shard after its last backward (GS), at most two chunks whole per rank",
     )
     for flag, options in _SIM_FLAGS.items():
-        source.add_argument(
-            flag, type=positive_int, default=None, help="; ".join(o.help for o in options)
-        )
+        source.add_argument(flag, type=positive_int, help="; ".join(o.help for o in options))
     costs = parser.add_argument_group("costs (one micro-batch through one full 1F1B stage)")
     for cost in cost_fields():  # CostModel's own defaults and help, one flag each
         default, text = cost.default, cost.metadata["help"]
@@ -150,7 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--grid",
         choices=["compute", "full", "none"],
-        default=None,
         help="per-rank program printed after the table (default: compute); by default one "
         f"of over {GRID_ACTIONS:,} compute actions is a line saying so",
     )
@@ -168,16 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_OUTPUTS = (("--csv", "csv"), ("--trace", "trace"), ("--png", "png"))
+_OUTPUTS = ("csv", "trace", "png")  # each written by --NAME PATH, reported as "wrote NAME: PATH"
 
 
 @closed_pipe_ends_quietly
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for flag, dest in _OUTPUTS:
-        path = getattr(args, dest)
-        problem = None if path is None else output_file_problem(flag, path)
-        if problem is not None:
+    for name in _OUTPUTS:
+        path = getattr(args, name)
+        if path is not None and (problem := output_file_problem(f"--{name}", path)):
             return fail(PROG, problem)
     if args.png and args.pp is not None and (problem := png_problem(args.pp)):
         return fail(PROG, problem)
@@ -235,9 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if grid:
             print()
             print(grid)
-    for label, path in (("csv", args.csv), ("trace", args.trace), ("png", args.png)):
-        if path:
-            print(f"wrote {label}: {path}", file=sys.stderr)
+    for name in _OUTPUTS:
+        if path := getattr(args, name):
+            print(f"wrote {name}: {path}", file=sys.stderr)
     return 0
 
 
