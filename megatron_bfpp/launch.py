@@ -45,8 +45,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
         _refuse(f"no such script: {argv[0]}")
-    problem = script_problem(script, shown=argv[0])
-    if problem is not None:
+    if (problem := script_problem(script, shown=argv[0])) is not None:
         _refuse(problem)
     _check_schedule_flags(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -131,17 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def format_estimate(estimate: Estimate) -> str:
-    e = estimate
+    e, pct = estimate, "{:.1%}".format
     small, large = e.micro_batch_small, e.micro_batch_large
     rows = [
         ("micro-batch size", f"{small}", f"{large}"),
         ("schedule", "1f1b", "bpipe"),
-        ("stage MFU", f"{100 * e.stage_mfu_small:.1f}%", f"{100 * e.stage_mfu_large:.1f}%"),
-        (
-            "pipeline MFU (eq. 3)",
-            f"{100 * e.pipeline_mfu_small:.1f}%",
-            f"{100 * e.pipeline_mfu_large:.1f}%",
-        ),
+        ("stage MFU", pct(e.stage_mfu_small), pct(e.stage_mfu_large)),
+        ("pipeline MFU (eq. 3)", pct(e.pipeline_mfu_small), pct(e.pipeline_mfu_large)),
         ("stored micro-batches", f"{e.one_f_one_b_stored}", f"{e.bpipe_stored}"),
         ("activation memory", "1", f"{e.memory_ratio:.3g}"),
     ]
@@ -277,19 +273,16 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
 
 
 def _model_from_args(args: argparse.Namespace) -> Model:
-    explicit = [
-        flag
-        for flag, value in (
-            ("--arch", args.arch),
-            ("--num-layers", args.num_layers),
-            ("--hidden-size", args.hidden_size),
-            ("--num-attention-heads", args.num_attention_heads),
-            ("--num-query-groups", args.num_query_groups),
-            ("--ffn-hidden-size", args.ffn_hidden_size),
-            ("--vocab-size", args.vocab_size),
-        )
-        if value is not None
-    ]
+    given = {
+        "--arch": args.arch,
+        "--num-layers": args.num_layers,
+        "--hidden-size": args.hidden_size,
+        "--num-attention-heads": args.num_attention_heads,
+        "--num-query-groups": args.num_query_groups,
+        "--ffn-hidden-size": args.ffn_hidden_size,
+        "--vocab-size": args.vocab_size,
+    }
+    explicit = [flag for flag, value in given.items() if value is not None]
     if args.model is not None:
         if explicit:
             raise ScheduleError(
@@ -448,18 +441,14 @@ def format_recommendation(
         f"in {gpu.memory_bytes / 2**30:.0f} GiB, {result.simulated} simulated, {result.pruned} "
         f"pruned by bounds, {result.seconds:.1f} s; compute from the {result.efficiency_source}",
         f"p2p timing model: {result.p2p_model} ({P2P_MODELS[result.p2p_model]})",
-        *(
-            [
-                f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS[marked[0][0]]}; "
-                f"gradient reductions: {marked[0][1]} ({MEGATRON_GRAD_REDUCE[marked[0][1]]})"
-            ]
-            if marked
-            else []
-        ),
-        "",
-        header,
-        "-" * len(header),
     ]
+    if marked:
+        p2p, reduce = marked[0]
+        lines.append(
+            f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS[p2p]}; "
+            f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})"
+        )
+    lines += ["", header, "-" * len(header)]
     for rank, plan in enumerate(result.plans, 1):
         lines.append(_row(rank, plan))
     if result.best_per_family and result.plans:

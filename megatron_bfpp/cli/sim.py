@@ -113,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     costs = parser.add_argument_group("costs (one micro-batch through one full 1F1B stage)")
     for cost in cost_fields():  # CostModel's own defaults and help, one flag each
         default, text = cost.default, cost.metadata["help"]
-        if cost.name in _SCHEDULE_DEFAULTS:
-            default, text = None, f"{text} ({_SCHEDULE_DEFAULTS[cost.name]})"
+        if cost.name == "t_evict":  # its default depends on the schedule (apply_defaults)
+            default = None
+            text += f" (default: {BPIPE_T_EVICT:g} for bpipe, so its transfers show in the "
+            text += "timeline; 0 otherwise)"
         costs.add_argument(
             cost_flag(cost.name), type=non_negative_float, default=default, help=text
         )
@@ -286,11 +288,6 @@ def png_problem(num_ranks: int) -> str | None:
 
 # bfpp-sim's default --t-evict for bpipe (a quarter of a forward): with 0 its timeline is 1F1B's.
 BPIPE_T_EVICT = 0.25
-# Cost flags whose default depends on the schedule (filled by apply_defaults), in --help's words.
-_SCHEDULE_DEFAULTS = {
-    "t_evict": f"default: {BPIPE_T_EVICT:g} for bpipe, so its transfers show in the timeline; "
-    "0 otherwise"
-}
 
 
 def apply_defaults(args: argparse.Namespace) -> dict[str, str]:
@@ -311,15 +308,8 @@ def _schedule_from(args: argparse.Namespace) -> Schedule:
         if args.schedule:
             raise ScheduleError("pass either --schedule or --load-csv, not both")
         return schedule_from_csv(args.load_csv, sharding=args.data_parallel_sharding_strategy)
-    missing = [
-        flag
-        for flag, value in (
-            ("--schedule", args.schedule),
-            ("--pp", args.pp),
-            ("--microbatches", args.microbatches),
-        )
-        if value is None
-    ]
+    given = {"--schedule": args.schedule, "--pp": args.pp, "--microbatches": args.microbatches}
+    missing = [flag for flag, value in given.items() if value is None]
     if missing:
         raise ScheduleError(f"missing {', '.join(missing)} (or pass --load-csv PATH)")
     options = _options(args)
@@ -436,19 +426,15 @@ def format_report(result: SimResult) -> str:
         f"step time {data['step_time']:.4g}   bubble {100 * data['bubble_fraction']:.2f}%   "
         f"exposed DP comm {data['exposed_dp_comm_time']:.4g}",
         f"p2p timing model: {data['p2p_model']} ({P2P_MODELS[data['p2p_model']]})",
-        *(
-            [
-                f"timed from its steady state: steps of {', '.join(map(str, lengths))} "
-                "micro-batches lie exactly on one line (--exact times every micro-batch)"
-            ]
-            if (lengths := data["steady_from"])
-            else []
-        ),
-        *(
-            [f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})"]
-            if (reduce := data["megatron_grad_reduce"])
-            else []
-        ),
+    ]
+    if lengths := data["steady_from"]:
+        lines.append(
+            f"timed from its steady state: steps of {', '.join(map(str, lengths))} "
+            "micro-batches lie exactly on one line (--exact times every micro-batch)"
+        )
+    if reduce := data["megatron_grad_reduce"]:
+        lines.append(f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})")
+    lines += [
         "",
         f"{'rank':>4}  {'busy':>10}  {'bubble %':>8}  {'peak act.':>9}  {'peak par.':>9}  "
         f"{'peak grad':>9}  {'GS':>5}  {'PS':>5}  {'exposed DP':>10}",

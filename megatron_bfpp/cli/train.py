@@ -567,13 +567,6 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
 CPU_RANKS = 4  # bfpp-train's default without a GPU
 
 
-def _default_nproc() -> int:
-    """One rank per GPU torch sees, else ``CPU_RANKS``."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else CPU_RANKS
-
-
 def _visible_gpus(
     env: dict[str, str] | None = None, driver: str = "/proc/driver/nvidia/gpus"
 ) -> int:
@@ -679,14 +672,16 @@ def _spawn(args: argparse.Namespace, world_size: int) -> int:
     import megatron.core.distributed
     import megatron.core.models.gpt
     import megatron.core.optimizer  # noqa: F401
-    import torch  # noqa: F401
+    import torch
 
     import megatron_bfpp.runtime
     import megatron_bfpp.train.trainer  # noqa: F401
     from megatron_bfpp.local_ranks import Stopped, fork_ranks
 
-    if args.nproc_per_node is None and _default_nproc() != world_size:
-        world_size = _default_nproc()  # torch sees other GPUs than the driver listed
+    if args.nproc_per_node is None and world_size != (
+        seen := torch.cuda.device_count() if torch.cuda.is_available() else CPU_RANKS
+    ):
+        world_size = seen  # one rank per GPU torch sees: other GPUs than the driver listed
         try:
             validate(args, world_size)
         except FlagError as error:
@@ -723,8 +718,8 @@ def _report(run: Any) -> int:
     if culprit is None:
         return _error(f"ranks {list(run.killed)} still running when stopped") if run.killed else 0
     if culprit in run.results:
-        code = run.results[culprit][0]
-        return code if code > 0 else 1
+        code: int = run.results[culprit][0]
+        return max(code, 1)
     others = sorted((set(run.failed_at) | set(run.killed)) - {culprit})
     after = f"; stopped the other ranks ({others})" if others else ""
     text = run.errors[culprit].rstrip()
