@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from collections.abc import Sequence
 
 from megatron_bfpp.cli.common import (
@@ -123,10 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ScheduleError as error:
         return fail(f"{PROG} {args.command}", error)
-    if args.json:
-        print(json_text(estimate.to_dict()))
-    else:
-        print(format_estimate(estimate))
+    print(json_text(estimate.to_dict()) if args.json else format_estimate(estimate))
     return 0
 
 
@@ -547,11 +543,8 @@ def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
 
 def _auto_request(args: argparse.Namespace) -> AutoRequest:
     """The job's ``AutoRequest`` from the command's flags (Megatron-LM's names and defaults)."""
-    tp, pp, cp = (
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
-        args.context_parallel_size,
-    )
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
     if args.num_gpus % (tp * pp * cp):
         raise ScheduleError(
             f"--num-gpus {args.num_gpus} is not a multiple of tensor x pipeline x context "
@@ -590,10 +583,7 @@ def _auto(args: argparse.Namespace) -> int:
         decision = decide(_auto_request(args))
     except ScheduleError as error:
         return fail(f"{PROG} auto", error)
-    if args.json:
-        print(json_text(decision.to_dict()))
-    else:
-        print(f"megatron_bfpp: {decision.line()}")
+    print(json_text(decision.to_dict()) if args.json else f"megatron_bfpp: {decision.line()}")
     return 0
 
 
@@ -664,7 +654,6 @@ def _profile(args: argparse.Namespace) -> int:
         f"{prog}: {profile.device} ({profile.dtype}), {profile.num_layers} layer(s): {rows}{host}"
     )
     print(f"wrote {args.output}")
-    sys.stdout.flush()
     return 0
 
 

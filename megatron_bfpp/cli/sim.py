@@ -228,10 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"default {name}: {text}")
         if nccl is not None:
             print(format_nccl(nccl))
-        grid = _grid(args.grid, schedule)
-        if grid:
-            print()
-            print(grid)
+        if grid := _grid(args.grid, schedule):
+            print(f"\n{grid}")
     for name in _OUTPUTS:
         if path := getattr(args, name):
             print(f"wrote {name}: {path}", file=sys.stderr)

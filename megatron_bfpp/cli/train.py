@@ -121,7 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument(
         "--num-virtual-stages-per-pipeline-rank",
         "--virtual-pipeline-model-parallel-size",
-        dest="num_virtual_stages_per_pipeline_rank",
         type=positive_int,
         help=f"virtual pipeline stages per rank (default: {stages_per_rank_defaults()})",
     )
@@ -232,7 +231,6 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     )
     io.add_argument(
         "--override-opt_param-scheduler",
-        dest="override_opt_param_scheduler",
         action="store_true",
         help="on --load, use this run's learning-rate schedule (--lr, --min-lr, "
         "--lr-warmup-iters, --lr-decay-iters/--train-iters, --weight-decay) instead of the "
@@ -240,7 +238,6 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     )
     io.add_argument(
         "--use-checkpoint-opt_param-scheduler",
-        dest="use_checkpoint_opt_param_scheduler",
         action="store_true",
         help="on --load, keep the checkpoint's learning-rate schedule whatever this run's "
         "flags say (Megatron-LM's flag); without either flag a changed schedule is refused",
