@@ -1,20 +1,9 @@
-"""Every file the product writes lands where the user said.
-
-One helper, :func:`write_output`, writes every report, profile, picture, trace, CSV and
-checkpoint tracker, and :func:`make_dirs` creates every directory a run fills, because a path
-can be three things and each needs its own write:
-
-* a **device, FIFO or socket** (``/dev/null``, ``/dev/stdout``, a named pipe) is written in
-  place, as ``command > /dev/null`` would: replacing it would swap the device node for a
-  regular file holding the output (a report written to ``/dev/null`` by root used to do that);
-* a **symbolic link** is followed: its target is written, or created if the link dangles, and
-  the link stays (a rename over the link used to replace it and never write its target);
-* a **regular file**, or a new one, is replaced atomically: a temporary file beside it, synced,
-  then renamed over it, so a reader never sees half of it and a failed write (a full disk)
-  leaves the old content. The new file keeps the old one's permissions.
-
-Torch-free and import-free within the package: every layer may use it.
-"""
+"""Every file the product writes lands where the user said: :func:`write_output` writes every
+report, profile, picture, trace, CSV and checkpoint tracker, :func:`make_dirs` creates every
+directory a run fills. A device, FIFO or socket (``/dev/null``) is written in place (replacing it
+would swap the device node for a regular file); a symbolic link is followed (a rename over it would
+replace the link); a regular file, or a new one, is replaced atomically (a temporary file beside it,
+synced, renamed over it, the old permissions kept). Torch-free: every layer may use it."""
 
 from __future__ import annotations
 

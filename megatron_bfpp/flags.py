@@ -1,7 +1,5 @@
-"""The argument parser every command line of the package shares, and its integer type. Standard
-library only and cheap to import: the Megatron-LM pre-flight (``megatron_bfpp.megatron.preflight``)
-parses a training command with it before torch is imported, and the CLIs (``megatron_bfpp.cli``)
-print their errors with it, so both read a flag, and refuse a bad one, the same way."""
+"""The argument parser every command line of the package shares, standard library only: the
+Megatron-LM pre-flight and the CLIs read a flag, and refuse a bad one, the same way."""
 
 from __future__ import annotations
 
@@ -41,10 +39,8 @@ def _shows_default(action: argparse.Action) -> bool:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage plus the error; users asked for one clear line and a non-zero exit.
-    ``raises``: raise it with the message instead of printing and exiting, for a caller that checks
-    a command line it does not own and reports it its own way (the pre-flight of a Megatron-LM
-    command raises a ``ScheduleError``)."""
+    """One clear line and exit 2 instead of argparse's usage plus the error; ``raises``: raise it
+    with the message instead, for a caller checking a command line it does not own (pre-flight)."""
 
     def __init__(
         self, *args: Any, raises: Callable[[str], Exception] | None = None, **kwargs: Any
@@ -71,9 +67,8 @@ def positive_int(text: str) -> int:
 
 
 def printable_output() -> None:
-    """Every line can be printed, whatever stdout and stderr encode: a path or name they cannot
-    show (an ASCII locale, a SLURM log) comes out as ``\\xe9`` escapes instead of ending the
-    run with a UnicodeEncodeError."""
+    """A path or name stdout and stderr cannot encode (an ASCII locale, a SLURM log) comes out as
+    ``\\xe9`` escapes instead of ending the run with a UnicodeEncodeError."""
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:

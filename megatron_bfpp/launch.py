@@ -32,8 +32,6 @@ __all__ = ["main"]
 log = logging.getLogger("megatron_bfpp.launch")
 
 USAGE = "usage: python -m megatron_bfpp.launch SCRIPT.py [script arguments ...]"
-
-
 PROG = "megatron_bfpp.launch"
 
 
@@ -47,8 +45,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
         _refuse(f"no such script: {argv[0]}")
-    problem = script_problem(script, shown=argv[0])
-    if problem is not None:
+    if (problem := script_problem(script, shown=argv[0])) is not None:
         _refuse(problem)
     _check_schedule_flags(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -100,9 +97,7 @@ _MAX_SCRIPT_BYTES = 16 << 20  # a training script is a few hundred KiB at most
 
 def script_problem(script: str, *, shown: str) -> str | None:
     """Why ``script`` is not a Python script the launcher can run (a shell script, a binary, a
-    file with a syntax error), found by compiling it here, in milliseconds, before torch or
-    Megatron is imported: it used to be a SyntaxError traceback from every rank after ~10 s of
-    imports. Nothing of it runs."""
+    syntax error), found by compiling it (nothing runs) before every rank's seconds of imports."""
     try:
         with open(script, "rb") as file:
             source = file.read(_MAX_SCRIPT_BYTES + 1)
@@ -135,11 +130,8 @@ def _refuse(message: str) -> NoReturn:
 
 
 def _check_schedule_flags(args: Sequence[str]) -> None:
-    """With one of our schedules asked for, the plugin's checks (and Megatron's own layout
-    checks they rest on) run here, before torch or Megatron is imported: a mistake is one line
-    per node, exit 2, in well under a second, not a line per rank after every rank's imports and
-    Megatron's argument dump (:mod:`megatron_bfpp.megatron.preflight`; the plugin checks again
-    in ``validate_args``). Without ``--pipeline-schedule`` the script is Megatron's business."""
+    """With ``--pipeline-schedule``, the plugin's checks (:mod:`megatron_bfpp.megatron.preflight`)
+    before torch or Megatron is imported: a mistake is one line per node in well under a second."""
     if not any(a == "--pipeline-schedule" or a.startswith("--pipeline-schedule=") for a in args):
         return
     from megatron_bfpp.ir import ScheduleError
@@ -160,11 +152,7 @@ def _use_prebuilt_dataset_helpers() -> None:
         import megatron.core.datasets.utils as dataset_utils
     except ImportError:
         return
-    dataset_utils.compile_helpers = _no_compile
-
-
-def _no_compile() -> None:
-    return None
+    dataset_utils.compile_helpers = lambda: None
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from collections.abc import Sequence
 
 from megatron_bfpp.cli.common import (
@@ -106,12 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         parser.error("choose a command, e.g. recommend or bpipe-estimate")
-    if args.command == "recommend":
-        return _recommend(args)
-    if args.command == "auto":
-        return _auto(args)
-    if args.command == "profile":
-        return _profile(args)
+    handler = {"recommend": _recommend, "auto": _auto, "profile": _profile}.get(args.command)
+    if handler is not None:
+        return handler(args)
     try:
         scale = 0.01 if args.percent else 1.0
         mfu_small, mfu_large = (value * scale for value in args.stage_mfu)
@@ -126,25 +122,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ScheduleError as error:
         return fail(f"{PROG} {args.command}", error)
-    if args.json:
-        print(json_text(estimate.to_dict()))
-    else:
-        print(format_estimate(estimate))
+    print(json_text(estimate.to_dict()) if args.json else format_estimate(estimate))
     return 0
 
 
 def format_estimate(estimate: Estimate) -> str:
-    e = estimate
+    e, pct = estimate, "{:.1%}".format
     small, large = e.micro_batch_small, e.micro_batch_large
     rows = [
         ("micro-batch size", f"{small}", f"{large}"),
         ("schedule", "1f1b", "bpipe"),
-        ("stage MFU", f"{100 * e.stage_mfu_small:.1f}%", f"{100 * e.stage_mfu_large:.1f}%"),
-        (
-            "pipeline MFU (eq. 3)",
-            f"{100 * e.pipeline_mfu_small:.1f}%",
-            f"{100 * e.pipeline_mfu_large:.1f}%",
-        ),
+        ("stage MFU", pct(e.stage_mfu_small), pct(e.stage_mfu_large)),
+        ("pipeline MFU (eq. 3)", pct(e.pipeline_mfu_small), pct(e.pipeline_mfu_large)),
         ("stored micro-batches", f"{e.one_f_one_b_stored}", f"{e.bpipe_stored}"),
         ("activation memory", "1", f"{e.memory_ratio:.3g}"),
     ]
@@ -167,9 +156,6 @@ def format_estimate(estimate: Estimate) -> str:
         f"verdict: {e.verdict}",
     ]
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- recommend
 
 
 # Bounds on the search's inputs, far above any real job, past which it ran for minutes.
@@ -223,17 +209,12 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     cluster = _add_cluster_flags(command, "cluster and batch", f"{', '.join(GPUS)}")
     cluster.add_argument("--global-batch-size", type=_BATCH, required=True, metavar="B")
     search = command.add_argument_group("search")
-    names = sorted({name for name, _ in families()})
-    search.add_argument(
-        "--schedules",
-        metavar="LIST",
-        help=f"comma-separated subset of {','.join(names)} (default: all)",
-    )
-    search.add_argument(
-        "--recompute",
-        metavar="LIST",
-        help=f"comma-separated subset of {','.join(RECOMPUTE)} (default: all)",
-    )
+    for flag, names in (
+        ("--schedules", sorted({n for n, _ in families()})),
+        ("--recompute", RECOMPUTE),
+    ):
+        text = f"comma-separated subset of {','.join(names)} (default: all)"
+        search.add_argument(flag, metavar="LIST", help=text)
     search.add_argument(
         "--sequence-parallel",
         choices=("on", "off"),
@@ -288,19 +269,16 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
 
 
 def _model_from_args(args: argparse.Namespace) -> Model:
-    explicit = [
-        flag
-        for flag, value in (
-            ("--arch", args.arch),
-            ("--num-layers", args.num_layers),
-            ("--hidden-size", args.hidden_size),
-            ("--num-attention-heads", args.num_attention_heads),
-            ("--num-query-groups", args.num_query_groups),
-            ("--ffn-hidden-size", args.ffn_hidden_size),
-            ("--vocab-size", args.vocab_size),
-        )
-        if value is not None
-    ]
+    given = {
+        "--arch": args.arch,
+        "--num-layers": args.num_layers,
+        "--hidden-size": args.hidden_size,
+        "--num-attention-heads": args.num_attention_heads,
+        "--num-query-groups": args.num_query_groups,
+        "--ffn-hidden-size": args.ffn_hidden_size,
+        "--vocab-size": args.vocab_size,
+    }
+    explicit = [flag for flag, value in given.items() if value is not None]
     if args.model is not None:
         if explicit:
             raise ScheduleError(
@@ -459,18 +437,14 @@ def format_recommendation(
         f"in {gpu.memory_bytes / 2**30:.0f} GiB, {result.simulated} simulated, {result.pruned} "
         f"pruned by bounds, {result.seconds:.1f} s; compute from the {result.efficiency_source}",
         f"p2p timing model: {result.p2p_model} ({P2P_MODELS[result.p2p_model]})",
-        *(
-            [
-                f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS[marked[0][0]]}; "
-                f"gradient reductions: {marked[0][1]} ({MEGATRON_GRAD_REDUCE[marked[0][1]]})"
-            ]
-            if marked
-            else []
-        ),
-        "",
-        header,
-        "-" * len(header),
     ]
+    if marked:
+        p2p, reduce = marked[0]
+        lines.append(
+            f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS[p2p]}; "
+            f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})"
+        )
+    lines += ["", header, "-" * len(header)]
     for rank, plan in enumerate(result.plans, 1):
         lines.append(_row(rank, plan))
     if result.best_per_family and result.plans:
@@ -510,17 +484,13 @@ def _name(plan: Plan) -> str:
 
 def _row(rank: int, plan: Plan) -> str:
     c, mem = plan.candidate, plan.memory
-    name = _name(plan)
     return (
-        f"{rank:>2}  {name:<28} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
+        f"{rank:>2}  {_name(plan):<28} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
         f"{c.micro_batch_size:>3} {plan.num_microbatches:>4} {c.recompute:<9} "
         f"{plan.step_time_s:>8.3f} {plan.tokens_per_s:>9.0f} {100 * plan.mfu:>5.1f}% "
         f"{100 * plan.bubble_fraction:>5.1f}% {_gib(mem.parameters):>6} {_gib(mem.gradients):>6} "
         f"{_gib(mem.optimizer):>6} {_gib(mem.activations):>6} {_gib(mem.total):>6}"
     )
-
-
-# --------------------------------------------------------------------------- profile
 
 
 def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
@@ -573,11 +543,8 @@ def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
 
 def _auto_request(args: argparse.Namespace) -> AutoRequest:
     """The job's ``AutoRequest`` from the command's flags (Megatron-LM's names and defaults)."""
-    tp, pp, cp = (
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
-        args.context_parallel_size,
-    )
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
     if args.num_gpus % (tp * pp * cp):
         raise ScheduleError(
             f"--num-gpus {args.num_gpus} is not a multiple of tensor x pipeline x context "
@@ -616,10 +583,7 @@ def _auto(args: argparse.Namespace) -> int:
         decision = decide(_auto_request(args))
     except ScheduleError as error:
         return fail(f"{PROG} auto", error)
-    if args.json:
-        print(json_text(decision.to_dict()))
-    else:
-        print(f"megatron_bfpp: {decision.line()}")
+    print(json_text(decision.to_dict()) if args.json else f"megatron_bfpp: {decision.line()}")
     return 0
 
 
@@ -647,7 +611,6 @@ def _add_profile(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     command.add_argument(
         "--dtype",
         choices=("bf16", "fp16", "fp32"),
-        default=None,
         help="default: bf16 on CUDA, fp32 on CPU",
     )
     command.add_argument("--warmup", type=positive_int, default=2, metavar="N")
@@ -691,7 +654,6 @@ def _profile(args: argparse.Namespace) -> int:
         f"{prog}: {profile.device} ({profile.dtype}), {profile.num_layers} layer(s): {rows}{host}"
     )
     print(f"wrote {args.output}")
-    sys.stdout.flush()
     return 0
 
 

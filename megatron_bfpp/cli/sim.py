@@ -90,7 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--vp",
         type=positive_int,
-        default=None,
         help="virtual stages (chunks) per rank: interleaved and breadth-first need it (>= 2); "
         "the V-shapes place 2, the others 1",
     )
@@ -110,14 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         "a shard after its last backward (GS), at most two chunks whole per rank",
     )
     for flag, options in _SIM_FLAGS.items():
-        source.add_argument(
-            flag, type=positive_int, default=None, help="; ".join(o.help for o in options)
-        )
+        source.add_argument(flag, type=positive_int, help="; ".join(o.help for o in options))
     costs = parser.add_argument_group("costs (one micro-batch through one full 1F1B stage)")
     for cost in cost_fields():  # CostModel's own defaults and help, one flag each
         default, text = cost.default, cost.metadata["help"]
-        if cost.name in _SCHEDULE_DEFAULTS:
-            default, text = None, f"{text} ({_SCHEDULE_DEFAULTS[cost.name]})"
+        if cost.name == "t_evict":  # its default depends on the schedule (apply_defaults)
+            default = None
+            text += f" (default: {BPIPE_T_EVICT:g} for bpipe, so its transfers show in the "
+            text += "timeline; 0 otherwise)"
         costs.add_argument(
             cost_flag(cost.name), type=non_negative_float, default=default, help=text
         )
@@ -150,7 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--grid",
         choices=["compute", "full", "none"],
-        default=None,
         help="per-rank program printed after the table (default: compute); by default one "
         f"of over {GRID_ACTIONS:,} compute actions is a line saying so",
     )
@@ -168,16 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_OUTPUTS = (("--csv", "csv"), ("--trace", "trace"), ("--png", "png"))
+_OUTPUTS = ("csv", "trace", "png")  # each written by --NAME PATH, reported as "wrote NAME: PATH"
 
 
 @closed_pipe_ends_quietly
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for flag, dest in _OUTPUTS:
-        path = getattr(args, dest)
-        problem = None if path is None else output_file_problem(flag, path)
-        if problem is not None:
+    for name in _OUTPUTS:
+        path = getattr(args, name)
+        if path is not None and (problem := output_file_problem(f"--{name}", path)):
             return fail(PROG, problem)
     if args.png and args.pp is not None and (problem := png_problem(args.pp)):
         return fail(PROG, problem)
@@ -231,13 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"default {name}: {text}")
         if nccl is not None:
             print(format_nccl(nccl))
-        grid = _grid(args.grid, schedule)
-        if grid:
-            print()
-            print(grid)
-    for label, path in (("csv", args.csv), ("trace", args.trace), ("png", args.png)):
-        if path:
-            print(f"wrote {label}: {path}", file=sys.stderr)
+        if grid := _grid(args.grid, schedule):
+            print(f"\n{grid}")
+    for name in _OUTPUTS:
+        if path := getattr(args, name):
+            print(f"wrote {name}: {path}", file=sys.stderr)
     return 0
 
 
@@ -291,11 +286,6 @@ def png_problem(num_ranks: int) -> str | None:
 
 # bfpp-sim's default --t-evict for bpipe (a quarter of a forward): with 0 its timeline is 1F1B's.
 BPIPE_T_EVICT = 0.25
-# Cost flags whose default depends on the schedule (filled by apply_defaults), in --help's words.
-_SCHEDULE_DEFAULTS = {
-    "t_evict": f"default: {BPIPE_T_EVICT:g} for bpipe, so its transfers show in the timeline; "
-    "0 otherwise"
-}
 
 
 def apply_defaults(args: argparse.Namespace) -> dict[str, str]:
@@ -316,15 +306,8 @@ def _schedule_from(args: argparse.Namespace) -> Schedule:
         if args.schedule:
             raise ScheduleError("pass either --schedule or --load-csv, not both")
         return schedule_from_csv(args.load_csv, sharding=args.data_parallel_sharding_strategy)
-    missing = [
-        flag
-        for flag, value in (
-            ("--schedule", args.schedule),
-            ("--pp", args.pp),
-            ("--microbatches", args.microbatches),
-        )
-        if value is None
-    ]
+    given = {"--schedule": args.schedule, "--pp": args.pp, "--microbatches": args.microbatches}
+    missing = [flag for flag, value in given.items() if value is None]
     if missing:
         raise ScheduleError(f"missing {', '.join(missing)} (or pass --load-csv PATH)")
     options = _options(args)
@@ -441,19 +424,15 @@ def format_report(result: SimResult) -> str:
         f"step time {data['step_time']:.4g}   bubble {100 * data['bubble_fraction']:.2f}%   "
         f"exposed DP comm {data['exposed_dp_comm_time']:.4g}",
         f"p2p timing model: {data['p2p_model']} ({P2P_MODELS[data['p2p_model']]})",
-        *(
-            [
-                f"timed from its steady state: steps of {', '.join(map(str, lengths))} "
-                "micro-batches lie exactly on one line (--exact times every micro-batch)"
-            ]
-            if (lengths := data["steady_from"])
-            else []
-        ),
-        *(
-            [f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})"]
-            if (reduce := data["megatron_grad_reduce"])
-            else []
-        ),
+    ]
+    if lengths := data["steady_from"]:
+        lines.append(
+            f"timed from its steady state: steps of {', '.join(map(str, lengths))} "
+            "micro-batches lie exactly on one line (--exact times every micro-batch)"
+        )
+    if reduce := data["megatron_grad_reduce"]:
+        lines.append(f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})")
+    lines += [
         "",
         f"{'rank':>4}  {'busy':>10}  {'bubble %':>8}  {'peak act.':>9}  {'peak par.':>9}  "
         f"{'peak grad':>9}  {'GS':>5}  {'PS':>5}  {'exposed DP':>10}",

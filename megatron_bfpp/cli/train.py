@@ -1,8 +1,5 @@
-"""``bfpp-train``: pretrain a small GPT or LLaMA on megatron-core with any catalogue schedule.
-
-One rank under ``torchrun`` / ``srun``, else the launcher of ``--nproc-per-node`` forked ranks;
-flags are validated before anything starts: a bad one is one line and exit code 2, never a hang.
-"""
+"""``bfpp-train``: pretrain a small GPT or LLaMA on megatron-core with any catalogue schedule; one
+rank under torchrun / srun, else ``--nproc-per-node`` forked ranks; a bad flag: one line, exit 2."""
 
 from __future__ import annotations
 
@@ -112,12 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--num-query-groups",
         type=positive_int,
-        default=None,
         help="grouped-query attention (default: --num-attention-heads, no grouping)",
     )
-    m.add_argument(
-        "--ffn-hidden-size", type=positive_int, default=None, help=f"(default: {DEFAULT_FFN_TEXT})"
-    )
+    m.add_argument("--ffn-hidden-size", type=positive_int, help=f"(default: {DEFAULT_FFN_TEXT})")
     m.add_argument("--seq-length", type=positive_int, default=64)
     m.add_argument("--vocab-size", type=positive_int, default=256)
 
@@ -127,9 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument(
         "--num-virtual-stages-per-pipeline-rank",
         "--virtual-pipeline-model-parallel-size",
-        dest="num_virtual_stages_per_pipeline_rank",
         type=positive_int,
-        default=None,
         help=f"virtual pipeline stages per rank (default: {stages_per_rank_defaults()})",
     )
     par.add_argument(
@@ -153,7 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument(
         "--nproc-per-node",
         type=positive_int,
-        default=None,
         help="ranks to start when not launched by torchrun (default: 4 on CPU, #GPUs on GPU; "
         f"at most {MAX_LOCAL_RANKS})",
     )
@@ -197,7 +188,6 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--lr-decay-iters",
         type=positive_int,
-        default=None,
         help="iterations of cosine decay (default: --train-iters); to train a finished run "
         "further on its schedule, resume with a larger --train-iters and the old decay length",
     )
@@ -209,7 +199,6 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--data-path",
         nargs="+",
-        default=None,
         metavar="PATH",
         help="a local text file (byte-level tokens), or Megatron indexed datasets (.bin + .idx) "
         "as Megatron-LM takes them: PREFIX, or weights and prefixes W1 P1 W2 P2 ... "
@@ -217,13 +206,11 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--split",
-        default=None,
         help=f"indexed datasets: train,validation,test weights, as Megatron-LM's (default "
         f"{DEFAULT_SPLIT}); bfpp-train trains on the first part",
     )
     t.add_argument(
         "--data-cache-path",
-        default=None,
         metavar="DIR",
         help="indexed datasets: where megatron-core caches its sample indices (default: "
         "PREFIX/cache beside the dataset)",
@@ -232,8 +219,8 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     io = p.add_argument_group("checkpoints and logging")
-    io.add_argument("--save", default=None, metavar="DIR", help="write checkpoints here")
-    io.add_argument("--load", default=None, metavar="DIR", help="resume from this checkpoint")
+    io.add_argument("--save", metavar="DIR", help="write checkpoints here")
+    io.add_argument("--load", metavar="DIR", help="resume from this checkpoint")
     io.add_argument(
         "--ckpt-format",
         choices=CKPT_FORMATS,
@@ -244,7 +231,6 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     )
     io.add_argument(
         "--override-opt_param-scheduler",
-        dest="override_opt_param_scheduler",
         action="store_true",
         help="on --load, use this run's learning-rate schedule (--lr, --min-lr, "
         "--lr-warmup-iters, --lr-decay-iters/--train-iters, --weight-decay) instead of the "
@@ -252,7 +238,6 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     )
     io.add_argument(
         "--use-checkpoint-opt_param-scheduler",
-        dest="use_checkpoint_opt_param_scheduler",
         action="store_true",
         help="on --load, keep the checkpoint's learning-rate schedule whatever this run's "
         "flags say (Megatron-LM's flag); without either flag a changed schedule is refused",
@@ -260,39 +245,32 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument(
         "--save-interval",
         type=positive_int,
-        default=None,
         help="also save every N iterations (default: at the end only)",
     )
     io.add_argument(
         "--exit-interval",
         type=positive_int,
-        default=None,
         help="stop after an iteration divisible by N (saving a checkpoint with --save); the "
         "learning-rate schedule still spans --lr-decay-iters (default --train-iters)",
     )
-    io.add_argument(
-        "--metrics-file", default=None, metavar="PATH", help="one JSON line per iteration"
-    )
+    io.add_argument("--metrics-file", metavar="PATH", help="one JSON line per iteration")
     io.add_argument("--log-interval", type=positive_int, default=1)
     io.add_argument(
         "--tensorboard-dir",
-        default=None,
         metavar="DIR",
         help="also write TensorBoard event files here (rank 0; pip install "
         "'megatron-bfpp[tensorboard]')",
     )
     io.add_argument(
         "--wandb-project",
-        default=None,
         metavar="NAME",
         help="also log to this Weights & Biases project (rank 0; pip install "
         "'megatron-bfpp[wandb]'); offline (wandb sync uploads it) unless an API key is "
         "configured or WANDB_MODE says otherwise",
     )
-    io.add_argument("--wandb-exp-name", default=None, metavar="NAME", help="the W&B run's name")
+    io.add_argument("--wandb-exp-name", metavar="NAME", help="the W&B run's name")
     io.add_argument(
         "--wandb-save-dir",
-        default=None,
         metavar="DIR",
         help="where W&B writes its run directory (default: ./wandb)",
     )
@@ -406,19 +384,17 @@ def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
 
 def data_path_problem(args: argparse.Namespace) -> str | None:
     """What keeps ``--data-path`` (``--split``, ``--data-cache-path``) from being read."""
+    pairs = (("--split", args.split), ("--data-cache-path", args.data_cache_path))
+    given = [flag for flag, value in pairs if value is not None]  # flags for indexed datasets
     if args.data_path is None:
-        for flag, value in (("--split", args.split), ("--data-cache-path", args.data_cache_path)):
-            if value is not None:
-                return f"{flag} needs --data-path (Megatron indexed datasets)"
-        return None
+        return f"{given[0]} needs --data-path (Megatron indexed datasets)" if given else None
     try:
         source = data_source(args.data_path, seq_length=args.seq_length, split=args.split)
     except DataPathError as error:
         return str(error)
     if isinstance(source, TextSource):
-        for flag, value in (("--split", args.split), ("--data-cache-path", args.data_cache_path)):
-            if value is not None:
-                return f"{flag} applies to Megatron indexed datasets; {source.path} is a text file"
+        if given:
+            return f"{given[0]} applies to Megatron indexed datasets; {source.path} is a text file"
         if args.vocab_size < 256:
             return "--data-path uses byte tokens: --vocab-size must be >= 256"
         return None
@@ -476,21 +452,11 @@ def number_problem(args: argparse.Namespace) -> str | None:
 
 
 def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | None:
-    """Where the run writes, checked before it starts rather than at the first write; only
-    rank 0 writes the metrics file (``metrics``: check it), a path other nodes may lack."""
+    """Where the run writes, checked before it starts rather than at the first write. Every rank
+    refuses the W&B flags that do not go together; only rank 0 (``metrics``) checks the metrics
+    file and TensorBoard's and W&B's packages and directories, paths other nodes may lack."""
     if args.save is not None and (problem := output_dir_problem("--save", args.save)):
         return problem
-    if (problem := logging_flags_problem(args)) is not None or not metrics:
-        return problem
-    if args.metrics_file is not None and (
-        problem := output_file_problem("--metrics-file", args.metrics_file, replaced=False)
-    ):
-        return problem
-    return logging_problem(args)
-
-
-def logging_flags_problem(args: argparse.Namespace) -> str | None:
-    """The W&B flags that go together (every rank knows these, so every rank refuses them)."""
     if args.wandb_project is None:
         for flag, value in (
             ("--wandb-exp-name", args.wandb_exp_name),
@@ -500,15 +466,14 @@ def logging_flags_problem(args: argparse.Namespace) -> str | None:
                 return f"{flag} needs --wandb-project NAME"
     elif not args.wandb_project.strip():
         return "--wandb-project: empty name"
-    return None
-
-
-def logging_problem(args: argparse.Namespace) -> str | None:
-    """TensorBoard's and W&B's packages and directories (rank 0's), before any rank starts."""
-    problem = missing_packages(
-        {"--tensorboard-dir": args.tensorboard_dir, "--wandb-project": args.wandb_project}
-    )
-    if problem is not None:
+    if not metrics:
+        return None
+    if args.metrics_file is not None and (
+        problem := output_file_problem("--metrics-file", args.metrics_file, replaced=False)
+    ):
+        return problem
+    packages = {"--tensorboard-dir": args.tensorboard_dir, "--wandb-project": args.wandb_project}
+    if (problem := missing_packages(packages)) is not None:
         return problem
     for flag, path in (
         ("--tensorboard-dir", args.tensorboard_dir),
@@ -599,13 +564,6 @@ def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | N
 CPU_RANKS = 4  # bfpp-train's default without a GPU
 
 
-def _default_nproc() -> int:
-    """One rank per GPU torch sees, else ``CPU_RANKS``."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else CPU_RANKS
-
-
 def _visible_gpus(
     env: dict[str, str] | None = None, driver: str = "/proc/driver/nvidia/gpus"
 ) -> int:
@@ -618,14 +576,9 @@ def _visible_gpus(
     visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return found
-    count = 0
-    for entry in visible.split(","):
-        entry = entry.strip()
-        if (entry.isdigit() and int(entry) < found) or entry.startswith(("GPU-", "MIG-")):
-            count += 1
-        else:
-            break
-    return count
+    entries = [entry.strip() for entry in visible.split(",")]
+    usable = [(e.isdigit() and int(e) < found) or e.startswith(("GPU-", "MIG-")) for e in entries]
+    return [*usable, False].index(False)  # CUDA stops at the first entry it cannot use
 
 
 _QUIET = (
@@ -711,22 +664,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             lock.release()
 
 
-# --------------------------------------------------------------------------- local ranks
-
-
 def _spawn(args: argparse.Namespace, world_size: int) -> int:
     """Fork ``world_size`` ranks (megatron-core imported once, here) and report how they ended."""
     import megatron.core.distributed
     import megatron.core.models.gpt
     import megatron.core.optimizer  # noqa: F401
-    import torch  # noqa: F401
+    import torch
 
     import megatron_bfpp.runtime
     import megatron_bfpp.train.trainer  # noqa: F401
     from megatron_bfpp.local_ranks import Stopped, fork_ranks
 
-    if args.nproc_per_node is None and _default_nproc() != world_size:
-        world_size = _default_nproc()  # torch sees other GPUs than the driver listed
+    if args.nproc_per_node is None and world_size != (
+        seen := torch.cuda.device_count() if torch.cuda.is_available() else CPU_RANKS
+    ):
+        world_size = seen  # one rank per GPU torch sees: other GPUs than the driver listed
         try:
             validate(args, world_size)
         except FlagError as error:
@@ -763,8 +715,8 @@ def _report(run: Any) -> int:
     if culprit is None:
         return _error(f"ranks {list(run.killed)} still running when stopped") if run.killed else 0
     if culprit in run.results:
-        code = run.results[culprit][0]
-        return code if code > 0 else 1
+        code: int = run.results[culprit][0]
+        return max(code, 1)
     others = sorted((set(run.failed_at) | set(run.killed)) - {culprit})
     after = f"; stopped the other ranks ({others})" if others else ""
     text = run.errors[culprit].rstrip()

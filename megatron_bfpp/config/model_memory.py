@@ -1,18 +1,7 @@
-"""How much memory a ``bfpp-train`` model takes before it computes anything, from its flags alone.
-The command line compares this estimate with the memory there is and refuses a run that cannot fit
-before any rank starts (``--no-memory-check`` skips it).
-
-What is counted, per rank: the parameters it holds (the preset's layers of its stages, plus the
-embeddings, the output layer and the final norm where its stages have them, divided over tensor
-parallelism as megatron-core divides them) times the bytes each parameter costs in bfpp-train:
-4 (fp32 weights) + 4 (fp32 gradient buffer) + 8 / dp (Adam's two fp32 moments, sharded over the
-data-parallel ranks by the distributed optimizer; the fp32 weights are its main parameters, no
-copy). Activations, communication buffers, the framework itself and fragmentation come on top:
-the estimate is a floor, so a run it refuses cannot fit.
-
-On CPU the ranks of this machine together are checked against its available RAM; on GPUs each rank
-against its device's memory, in the rank (querying a GPU in the launcher would initialise CUDA
-before it forks the ranks, which CUDA does not survive)."""
+"""How much memory a ``bfpp-train`` model's weights, gradients and Adam state take per rank, from
+its flags alone (4 + 4 + 8 / dp bytes per parameter held, docs/train.md): a floor, activations come
+on top, so a run it refuses cannot fit. On CPU this machine's ranks are checked against its RAM; on
+GPUs each rank against its device, in the rank (CUDA must not start in the launcher that forks)."""
 
 from __future__ import annotations
 
@@ -60,41 +49,33 @@ def layer_parameters(shape: ModelShape, *, tp: int) -> int:
 
 
 def parameters_per_pipeline_rank(shape: ModelShape, layout: Layout) -> list[int]:
-    """Parameters of one tensor-parallel rank at each pipeline rank. Every pipeline rank holds
-    ``num_layers / pp`` layers (over its virtual stages); the first stage's rank (rank 0) adds
-    the word embedding (and GPT's learned positions), the last stage's rank (``pp - 1`` looped,
-    rank 0 for V-shape placements) the final norm and the output layer: LLaMA's own, and for
-    GPT's tied embedding a copy unless the first and last stage are one model chunk (megatron-core
-    keeps the last stage's copy in sync over the embedding group)."""
-    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-    counts = [shape.num_layers // pp * layer_parameters(shape, tp=tp)] * pp
-    first, last = _end_parameters(shape, layout)
-    counts[0] += first
-    counts[0 if layout.placement is Placement.V_SHAPE else pp - 1] += last
-    return counts
+    """Parameters of one tensor-parallel rank at each pipeline rank: ``num_layers / pp`` layers
+    each, the first stage's ends on rank 0, the last stage's on ``pp - 1`` looped, 0 V-shape."""
+    pp = layout.pipeline_model_parallel_size
+    return _spread(shape, layout, pp, last=0 if layout.placement is Placement.V_SHAPE else pp - 1)
 
 
 def parameters_per_stage(shape: ModelShape, layout: Layout) -> list[int]:
-    """Parameters of one tensor-parallel rank at each global (virtual) stage, in stage order, as
-    ``parameters_per_pipeline_rank`` counts them: fully sharded, a chunk's buffers are gathered
-    and released whole, so the planner weighs the chunks a schedule holds at once by these."""
-    tp = layout.tensor_model_parallel_size
+    """The same per global (virtual) stage: a fully sharded chunk is gathered and released whole,
+    so the planner weighs the chunks a schedule holds at once by these."""
     stages = layout.pipeline_model_parallel_size * layout.num_virtual_stages_per_pipeline_rank
-    counts = [shape.num_layers // stages * layer_parameters(shape, tp=tp)] * stages
-    first, last = _end_parameters(shape, layout)
-    counts[0] += first
-    counts[-1] += last
-    return counts
+    return _spread(shape, layout, stages, last=stages - 1)
 
 
-def _end_parameters(shape: ModelShape, layout: Layout) -> tuple[int, int]:
-    """(first stage's, last stage's) parameters beside their layers."""
+def _spread(shape: ModelShape, layout: Layout, parts: int, *, last: int) -> list[int]:
+    """``num_layers / parts`` layers on each part; the word embedding (and GPT's learned positions)
+    on part 0; the final norm and the output layer on part ``last``: LLaMA's own, and for GPT's
+    tied embedding a copy unless the first and last stage are one model chunk (megatron-core
+    keeps the last stage's copy in sync over the embedding group)."""
     h, tp = shape.hidden_size, layout.tensor_model_parallel_size
     llama = shape.preset == "llama"
+    counts = [shape.num_layers // parts * layer_parameters(shape, tp=tp)] * parts
     embedding = _split(shape.vocab_size * h, tp)
     stages = layout.pipeline_model_parallel_size * layout.num_virtual_stages_per_pipeline_rank
     output = embedding if llama or stages > 1 else 0  # a tied one is shared in one chunk only
-    return embedding + (0 if llama else shape.seq_length * h), (h if llama else 2 * h) + output
+    counts[0] += embedding + (0 if llama else shape.seq_length * h)
+    counts[last] += (h if llama else 2 * h) + output
+    return counts
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

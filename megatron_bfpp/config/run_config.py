@@ -1,10 +1,6 @@
-"""What a ``bfpp-train`` run is, read from its flags: the model, the parallel layout, the training
-settings and the learning-rate schedule they imply.
-
-Torch-free on purpose: the command line compares a run with a checkpoint's record of the run that
-wrote it (:mod:`.checkpoint_metadata`) before it starts any rank, and the trainer builds its model
-and its ``OptimizerParamScheduler`` from the same values, so what is checked is what runs. Field
-names are the flags' ``argparse`` destinations, so a difference can be reported by its flag."""
+"""What a ``bfpp-train`` run is, read from its flags, torch-free: the command line compares it with
+a checkpoint's record before any rank starts, and the trainer builds from the same values. Field
+names are the flags' ``argparse`` destinations, so a difference is reported by its flag."""
 
 from __future__ import annotations
 
@@ -69,13 +65,9 @@ class ModelShape:
         its default are the same model)."""
         return {
             "model": self.preset,
-            "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_attention_heads,
+            **{field.name: getattr(self, field.name) for field in dataclasses.fields(self)[1:]},
             "num_query_groups": self.num_query_groups or self.num_attention_heads,
             "ffn_hidden_size": self.ffn,
-            "seq_length": self.seq_length,
-            "vocab_size": self.vocab_size,
         }
 
 
@@ -170,17 +162,15 @@ def data_path_text(data_path: str | list[str] | None) -> str | None:
 
 
 def model_shape(args: Any) -> ModelShape:
-    """The model a parsed ``bfpp-train`` namespace asks for."""
-    return ModelShape(
-        preset=args.model,
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-    )
+    """The model a parsed ``bfpp-train`` namespace asks for: ``--model``, then the fields' flags."""
+    names = [field.name for field in dataclasses.fields(ModelShape)[1:]]
+    return ModelShape(args.model, **{name: getattr(args, name) for name in names})
+
+
+# Training's fields read as the flags are (``data_path`` and ``split`` are not).
+_TRAINING_FLAGS = [
+    f.name for f in dataclasses.fields(Training) if f.name not in ("data_path", "split")
+]
 
 
 def run_config(args: Any, world_size: int) -> RunConfig:
@@ -199,15 +189,7 @@ def run_config(args: Any, world_size: int) -> RunConfig:
         ),
         pipeline_schedule=args.pipeline_schedule,
         training=Training(
-            lr=args.lr,
-            min_lr=args.min_lr,
-            lr_warmup_iters=args.lr_warmup_iters,
-            lr_decay_iters=args.lr_decay_iters,
-            train_iters=args.train_iters,
-            weight_decay=args.weight_decay,
-            global_batch_size=args.global_batch_size,
-            micro_batch_size=args.micro_batch_size,
-            seed=args.seed,
+            **{name: getattr(args, name) for name in _TRAINING_FLAGS},
             data_path=data_path_text(args.data_path),
             split=getattr(args, "split", None),
         ),
