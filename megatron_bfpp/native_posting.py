@@ -1,15 +1,8 @@
 """How megatron-core itself posts the point-to-point messages of its 1F1B and interleaved
-schedules, as an ``nccl.Posting``, so that Megatron's own baselines are checked and timed by
-what Megatron runs rather than by our runtime's lock-step posting.
-
-megatron-core (read in 0.16.1 and 0.19.2) makes at most one ``_communicate`` call per pipeline step:
-the sends of the compute just run and the receives for a later one, batched (``batch_p2p_comm``) or
-op by op, waited right away or, with ``overlap_p2p_comm``, later. Which receive a step posts, where
-each chunk's gradient reduction (GS) starts (``GradSyncOptions``) and what is not modelled:
-docs/design-notes.md, "megatron-core's own posting". ``megatron_posting`` derives all of it from a
-schedule's compute order (its forwards give the schedule table and group size, megatron-core's
-warm-up count its phases) and refuses a compute order megatron-core would not run; a receive's
-message is the next one on its channel."""
+schedules, as an ``nccl.Posting``, so that Megatron's own baselines are checked and timed by what
+Megatron runs rather than by our runtime's lock-step posting. What it reads in megatron-core
+(0.16.1, 0.19.2) and what it does not model: docs/design-notes.md, "megatron-core's own posting".
+"""
 
 from __future__ import annotations
 
@@ -35,10 +28,8 @@ K = ActionKind
 
 @dataclass(frozen=True, slots=True)
 class P2POptions:
-    """megatron-core's point-to-point settings (``ModelParallelConfig``) that shape a posting.
-    ``overlap_p2p`` is ``overlap_p2p_comm`` (interleaved only), ``batch_p2p`` is ``batch_p2p_comm``
-    (not with overlap), ``wait_forward_sends`` is megatron-core >= 0.18 with
-    ``deallocate_pipeline_outputs``."""
+    """megatron-core's ``overlap_p2p_comm`` and ``batch_p2p_comm`` (``ModelParallelConfig``);
+    ``wait_forward_sends``: megatron-core >= 0.18 with ``deallocate_pipeline_outputs``."""
 
     overlap_p2p: bool = False
     batch_p2p: bool = True
@@ -63,11 +54,9 @@ def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) ->
 
 @dataclass(frozen=True, slots=True)
 class GradSyncOptions:
-    """How megatron-core DDP starts each chunk's gradient reduction (``_Shape.grad_sync_after``).
-    ``overlap_grad_reduce`` is ``DistributedDataParallelConfig.overlap_grad_reduce``;
-    ``grad_sync_func`` says whether ``config.grad_sync_func`` is set (to each chunk's
-    ``start_grad_sync``, as Megatron-LM does with ``--overlap-grad-reduce`` unless
-    ``--no-align-grad-reduce``)."""
+    """How megatron-core DDP starts each chunk's gradient reduction (``_Shape.grad_sync_after``):
+    ``DistributedDataParallelConfig.overlap_grad_reduce``, and whether ``config.grad_sync_func``
+    is set (to each chunk's ``start_grad_sync``)."""
 
     overlap_grad_reduce: bool = False
     grad_sync_func: bool = False
@@ -238,14 +227,10 @@ class _Builder:
     posted: set[int] = field(default_factory=set)
     grad_syncs: dict[int, int] = field(default_factory=dict)  # chunk -> its GS, until started
     ran: int = 0  # computes run so far
-    prev: int = 0  # the neighbour ranks
-    next: int = 0
 
     def __post_init__(self) -> None:
         # RL after the compute before it, PS before the compute after it (its forward's
         # preparation); GS where megatron-core DDP starts the chunk's reduction (sync_after).
-        num_ranks = self.schedule.num_ranks
-        self.prev, self.next = (self.rank - 1) % num_ranks, (self.rank + 1) % num_ranks
         actions = self.schedule.per_rank[self.rank]
         pending: list[int] = []
         for position, action in enumerate(actions):
@@ -335,11 +320,11 @@ class _Builder:
         if send_prev is not None:
             chosen[_Op.SEND_PREV] = send_prev
         if recv_prev:
-            chosen[_Op.RECV_PREV] = self._receive(K.RECV_ACT, self.prev)
+            chosen[_Op.RECV_PREV] = self._receive(K.RECV_ACT)
         if send_next is not None:
             chosen[_Op.SEND_NEXT] = send_next
         if recv_next:
-            chosen[_Op.RECV_NEXT] = self._receive(K.RECV_GRAD, self.next)
+            chosen[_Op.RECV_NEXT] = self._receive(K.RECV_GRAD)
         if not chosen:
             return chosen
         pairwise = not self.options.batch_p2p
@@ -353,7 +338,9 @@ class _Builder:
         if position is not None:
             self.steps.append(Wait((position,)))
 
-    def _receive(self, kind: ActionKind, peer: int) -> int:
+    def _receive(self, kind: ActionKind) -> int:
+        """The next receive of ``kind``: from the previous rank (activations) or the next."""
+        peer = (self.rank + (-1 if kind is K.RECV_ACT else 1)) % self.schedule.num_ranks
         queue = self.receives.get((kind, peer))
         if not queue:
             what = "activation" if kind is K.RECV_ACT else "gradient"
@@ -433,11 +420,9 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         recv_prev = shape.receives(r, k, True) and k != total - 1
         b.run(forwards[k])
         output = b.output(forwards[k])
-        if k == warmup - 1 and not overlap and not all_warmup:
-            b.call(send_next=output, recv_prev=recv_prev, recv_next=not last)
-        else:
-            b.call(send_next=output, recv_prev=recv_prev)
-        if overlap and k == warmup - 1 and not all_warmup:
+        at_end = k == warmup - 1 and not all_warmup  # the last warm-up step also receives
+        b.call(send_next=output, recv_prev=recv_prev, recv_next=at_end and not overlap and not last)
+        if overlap and at_end:
             handles = b.call(recv_next=not last, wait=False)
             if _Op.RECV_NEXT in handles:
                 recv_next_waits.append(handles[_Op.RECV_NEXT])

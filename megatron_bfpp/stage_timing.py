@@ -1,15 +1,11 @@
-"""``bfpp-plan profile``: time one pipeline stage of a megatron-core GPT / LLaMA on this machine.
-Why: the planner's built-in efficiency curve is a fit to one paper's numbers; a stage measured on
-the GPU you plan for replaces it (``recommend --profile``). The stage is ``num_layers`` layers of
-the model as bfpp-train builds them (tp = 1), run in this process on one device; the profile holds
-seconds per micro-batch for its forward, its backward (B), and the backward split as the V-shape
-schedules run it (``runtime.deferred_wgrad``: I, then W), so the split the planner reads is the
-runtime's, overheads included, and ``t_host``, the runtime's own time per compute action beyond
-those kernels (``measure_host_time``). torch and megatron-core are imported here only; only a GPU's
-figures mean anything for planning."""
+"""``bfpp-plan profile``: time one pipeline stage of a megatron-core GPT / LLaMA on this machine,
+so that ``recommend --profile`` plans with a measured stage instead of the built-in efficiency
+curve: seconds per micro-batch for its forward, backward (B) and split backward as the runtime runs
+it (``runtime.deferred_wgrad``: I, then W), and ``t_host`` (``measure_host_time``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -17,7 +13,7 @@ import statistics
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,21 +53,20 @@ def measure_stage(
         raise ScheduleError(
             f"--profile-layers {num_layers} is more than the model's {model.num_layers} layers"
         )
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _SingleRank(target):
         warnings.simplefilter("ignore")  # megatron-core's notes on missing GPU-only extras
-        with _SingleRank(target):
-            block = _build_block(model, num_layers, target, _DTYPES[chosen])
-            rows = [
-                _measure(block, model, b, target, _DTYPES[chosen], warmup, iterations)
-                for b in micro_batch_sizes
-            ]
-            host = measure_host_time(
-                block,
-                model,
-                micro_batch_size=min(micro_batch_sizes),
-                warmup=warmup,
-                iterations=iterations,
-            )
+        block = _build_block(model, num_layers, target, _DTYPES[chosen])
+        rows = [
+            _measure(block, model, b, target, _DTYPES[chosen], warmup, iterations)
+            for b in micro_batch_sizes
+        ]
+        host = measure_host_time(
+            block,
+            model,
+            micro_batch_size=min(micro_batch_sizes),
+            warmup=warmup,
+            iterations=iterations,
+        )
     from megatron_bfpp.compat import megatron_core_version
 
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else _cpu_name()
@@ -100,12 +95,9 @@ def measure_host_time(
     warmup: int = 2,
     iterations: int = 5,
 ) -> float:
-    """Seconds per compute action our runtime spends beyond the kernels: per iteration, one
-    1F1B step of a one-rank pipeline with ``HOST_MICROBATCHES`` micro-batches through
-    ``get_forward_backward_func``, less the same forwards and backwards called bare, over its
-    compute actions; the median of ``iterations`` after ``warmup``, 0 when the kernels hide it.
-    A fixed schedule, since the planner multiplies this per-action cost by each schedule's
-    actions. Needs a one-rank pipeline (``measure_stage``'s)."""
+    """Seconds per compute action our runtime spends beyond the kernels: a one-rank 1F1B step of
+    ``HOST_MICROBATCHES`` through ``get_forward_backward_func`` less the same computes called
+    bare, per compute action (median of ``iterations`` after ``warmup``; 0 when hidden)."""
     from megatron.core import parallel_state
 
     from megatron_bfpp.runtime.api import get_forward_backward_func
@@ -181,9 +173,8 @@ def _host_forward_step(data_iterator: Any, model: torch.nn.Module) -> Any:
 
 
 def write_profile(profile: StageProfile, path: str | Path) -> None:
-    """Write the JSON profile (replacing the file only once it is complete), after reading it
-    back as ``recommend --profile`` will: a measurement it would refuse (a split backward's half
-    slower than the whole, on a noisy device) is one line now, not a file that fails later."""
+    """Write the JSON profile atomically, after reading it back as ``recommend --profile`` will,
+    so that a measurement it would refuse fails now rather than later."""
     data = profile_to_dict(profile)
     try:
         profile_from_dict(data)
@@ -225,48 +216,39 @@ def _cpu_name() -> str:
     return "CPU"
 
 
-class _SingleRank:
+@contextlib.contextmanager
+def _single_rank(device: torch.device) -> Iterator[None]:
     """A one-rank process group and megatron-core parallel state (tp = pp = 1), torn down after,
     unless the caller already has them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.owned = False
-        self.cpu_redirects = False
+    from megatron_bfpp.megatron import cpu
 
-    def __enter__(self) -> None:
-        import torch.distributed as dist
-        from megatron.core import parallel_state
+    cpu_redirects = device.type == "cpu" and not cpu.is_cpu_megatron_enabled()
+    if cpu_redirects:
+        cpu.enable_cpu_megatron()
+    owned = not dist.is_initialized()
+    if owned:
+        from torch.distributed import HashStore  # type: ignore[attr-defined]
 
-        if self.device.type == "cpu":
-            from megatron_bfpp.megatron.cpu import enable_cpu_megatron, is_cpu_megatron_enabled
-
-            if not is_cpu_megatron_enabled():
-                enable_cpu_megatron()
-                self.cpu_redirects = True
-        if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            from torch.distributed import HashStore  # type: ignore[attr-defined]
-
-            dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1)
-            parallel_state.initialize_model_parallel(1, 1)
-            self.owned = True
-        from megatron.core.tensor_parallel import random as mrandom
-
-        torch.manual_seed(0)
-        mrandom.model_parallel_cuda_manual_seed(0)
-
-    def __exit__(self, *exc: object) -> None:
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        if self.owned:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(0)
+    mrandom.model_parallel_cuda_manual_seed(0)
+    try:
+        yield
+    finally:
+        if owned:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
-        if self.cpu_redirects:
-            from megatron_bfpp.megatron.cpu import disable_cpu_megatron
+        if cpu_redirects:
+            cpu.disable_cpu_megatron()
 
-            disable_cpu_megatron()
+
+_SingleRank = _single_rank  # the name scripts/bench_stage_memory.py uses
 
 
 def _build_block(
@@ -313,11 +295,9 @@ _RECOMPUTE_FIELDS: dict[str, dict[str, Any]] = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StoredActivations:
-    """What a stage holds while ``k`` micro-batches wait for their backward, for k = 1..K, as
-    the device's allocator counts it or, on CPU, as the bytes of the distinct storages autograd
-    saved: ``weights`` the block's parameters alone, ``stored[k-1]`` the bytes above them with k
-    micro-batches stored, ``peak`` the most allocated above the weights, backwards included
-    (CUDA only)."""
+    """Bytes a stage holds above its ``weights`` with k = 1..K micro-batches stored
+    (``stored[k-1]``; the allocator's count, on CPU the distinct storages autograd saved), and
+    the ``peak`` above the weights, backwards included (CUDA only)."""
 
     model: str
     recompute: str
@@ -348,10 +328,8 @@ def measure_stored_activations(
     device: str = "auto",
     dtype: str | None = None,
 ) -> StoredActivations:
-    """Run ``stored`` forwards of ``num_layers`` layers of ``model`` back to back, keeping each
-    micro-batch's graph as a pipeline stage does until its backward (its output's data freed),
-    and count the bytes held after each; then run the backwards: the measurement the planner's
-    activation model (``plan.memory``) must answer to."""
+    """Run ``stored`` forwards back to back, keeping each graph as a pipeline stage does (its
+    output's data freed), count the bytes held after each, then run the backwards."""
     if recompute not in _RECOMPUTE_FIELDS:
         raise ScheduleError(
             f"recompute must be one of {', '.join(_RECOMPUTE_FIELDS)}, got {recompute!r}"
@@ -360,14 +338,13 @@ def measure_stored_activations(
         raise ScheduleError(f"stored micro-batches must be >= 1, got {stored}")
     target, chosen = _device_and_dtype(device, dtype)
     torch_dtype = _DTYPES[chosen]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _SingleRank(target):
         warnings.simplefilter("ignore")
-        with _SingleRank(target):
-            block = _build_block(model, num_layers, target, torch_dtype, recompute)
-            block.train()
-            held, weights, peak = _hold_microbatches(
-                block, model, micro_batch_size, stored, target, torch_dtype
-            )
+        block = _build_block(model, num_layers, target, torch_dtype, recompute)
+        block.train()
+        held, weights, peak = _hold_microbatches(
+            block, model, micro_batch_size, stored, target, torch_dtype
+        )
     return StoredActivations(
         model=model.name,
         recompute=recompute,
@@ -427,9 +404,8 @@ def _hold_microbatches(
 
 
 class _SavedStorages:
-    """The distinct storages autograd saved, by their data pointer (a tensor saved twice, or two
-    views of one buffer, count once), and whether they are still alive: the CPU's count of what a
-    stage holds, independent of any allocator."""
+    """The distinct storages autograd saved, by data pointer, and whether they are alive: the
+    CPU's count of what a stage holds, independent of any allocator."""
 
     def __init__(self) -> None:
         self._refs: dict[int, tuple[Any, int]] = {}
@@ -509,14 +485,7 @@ def _measure(
         if step >= warmup:
             times.append((f, b, i, w))
     medians = [statistics.median([row[k] for row in times]) for k in range(4)]  # empty: raises
-    forward_s, backward_s, input_s, weight_s = medians
-    return Measurement(
-        micro_batch_size=micro_batch_size,
-        forward_s=forward_s,
-        backward_s=backward_s,
-        backward_input_s=input_s,
-        backward_weight_s=weight_s,
-    )
+    return Measurement(micro_batch_size, *medians)  # its fields after the size: F, B, I, W
 
 
 def _rotary(block: torch.nn.Module, model: Model, device: torch.device) -> Any:

@@ -1,6 +1,6 @@
 """Every rank the tests run follows NCCL's point-to-point rules on gloo
 (:mod:`megatron_bfpp.testing.nccl_emulation`), so an order that would deadlock on NCCL fails on
-CPU: forked ranks install it (``multirank._set_up_rank``), subprocesses through the
+CPU: forked ranks install it (``multirank.run_ranks``), subprocesses through the
 ``sitecustomize`` put first on ``PYTHONPATH``. ``BFPP_NCCL_EMULATION=0 pytest`` opts out."""
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
 """Time a schedule and count its memory: cost model, event simulator, timeline export.
-
-Pure Python: no torch, no megatron; matplotlib only when ``render_png`` is called.
-
->>> result = simulate(schedule, CostModel(t_p2p=0.05))     # doctest: +SKIP
->>> result.step_time, result.bubble_fraction                # doctest: +SKIP
->>> dump_chrome_trace(result, "step.json"); render_png(result, "step.png")  # doctest: +SKIP
-"""
+Pure Python: no torch, no megatron; matplotlib only when ``render_png`` is called."""
 
 from megatron_bfpp.sim.cost import CostModel
 from megatron_bfpp.sim.export import (

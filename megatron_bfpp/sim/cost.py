@@ -75,17 +75,15 @@ class CostModel:
 
     def compute_time(self, kind: ActionKind, stage_fraction: float = 1.0) -> float:
         """One compute action's duration on a stage of ``stage_fraction``, ``t_host`` included."""
-        if kind == ActionKind.FORWARD:
-            full = self.t_forward
-        elif kind == ActionKind.BACKWARD:
-            full = self.t_backward
-        elif kind == ActionKind.BACKWARD_INPUT:
-            full = self.t_backward - self.t_weight
-        elif kind == ActionKind.BACKWARD_WEIGHT:
-            full = self.t_weight
-        else:
+        full = {
+            ActionKind.FORWARD: self.t_forward,
+            ActionKind.BACKWARD: self.t_backward,
+            ActionKind.BACKWARD_INPUT: self.t_backward - self.t_weight,
+            ActionKind.BACKWARD_WEIGHT: self.t_weight,
+        }
+        if kind not in full:
             raise ScheduleError(f"{kind.name} is not a compute action (F, B, I or W)")
-        return full * stage_fraction + self.t_host
+        return full[kind] * stage_fraction + self.t_host
 
     def exact(self, stage_fraction: Fraction = Fraction(1)) -> ExactTiming:
         """The replay's durations in integer units: each as the decimal it prints as (0.05 is

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,11 +91,17 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 # them and p2p transfers a thin grey strip above, so communication never reads as busy time.
 
 _BOX = (-0.34, 0.30)  # compute box, relative to the row centre (y grows downwards)
+_LABEL: dict[str, Any] = {"ha": "center", "va": "center", "color": "black", "clip_on": True}
 _P2P = (-0.45, -0.38)
 # BPipe's activation transfers (evict to the partner, restore from it), apart from messages.
 _BPIPE_TRANSFERS = frozenset({ActionKind.EVICT, ActionKind.RESTORE})
-_BPIPE_COLOUR = "#c0392b"
 _DP = (0.34, 0.45)
+# The communication strips: lane, rows, colour, legend text.
+_COMM = (
+    ("p2p", _P2P, "0.6", "p2p transfer"),
+    ("bpipe", _P2P, "#c0392b", "BPipe evict / restore"),
+    ("dp", _DP, "0.15", "DP sync (GS/PS)"),
+)
 _STYLE: dict[ActionKind, tuple[float, str | None, str]] = {
     # kind: (shade: < 0 darkens, > 0 mixes towards white; hatch; legend text)
     K.FORWARD: (0.0, None, "F forward"),
@@ -127,15 +133,11 @@ def render_png(
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     font = max(5.0, min(9.0, row_inches * 72 * 0.45))
-    page = _Page(
-        span=result.step_time if result.step_time > 0 else 1.0,
-        axes_px=width * dpi * 0.85,  # approximate drawing width in pixels
-        font=font,
-        char_px=font * 0.62 * dpi / 72,
-    )
+    span = result.step_time if result.step_time > 0 else 1.0
+    axes_px = width * dpi * 0.85  # approximate drawing width in pixels
 
     compute: dict[ActionKind, list[Event]] = {kind: [] for kind in _STYLE}
-    comm: dict[str, list[Event]] = {"p2p": [], "bpipe": [], "dp": []}
+    comm: dict[str, list[Event]] = {lane: [] for lane, *_ in _COMM}
     for event in result.events:
         if event.lane == "compute":
             compute[event.kind].append(event)
@@ -144,21 +146,13 @@ def render_png(
         else:
             comm[event.lane].append(event)
 
-    labelled = _draw_compute(axes, compute, page, with_stage=result.num_chunks > 1)
+    char_px = font * 0.62 * dpi / 72
+    labelled = _draw_compute(axes, compute, span, axes_px, char_px, result.num_chunks > 1)
     _draw_comm(axes, comm)
     if len(labelled) <= max_labels:
         for x, y, text in labelled:
-            axes.text(
-                x,
-                y + (_BOX[0] + _BOX[1]) / 2,
-                text,
-                ha="center",
-                va="center",
-                fontsize=font,
-                color="black",
-                clip_on=True,
-            )
-    _decorate(axes, result, page.span, font)
+            axes.text(x, y + (_BOX[0] + _BOX[1]) / 2, text, fontsize=font, **_LABEL)
+    _decorate(axes, result, span, font)
     axes.set_title(title or _title(result), fontsize=11)
     handles = _legend_handles(
         [kind for kind, events in compute.items() if events], comm, with_stage=result.num_chunks > 1
@@ -171,18 +165,13 @@ def render_png(
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class _Page:
-    """Sizes the drawing decisions depend on: the time span and pixels per character."""
-
-    span: float
-    axes_px: float
-    font: float
-    char_px: float
-
-
 def _draw_compute(
-    axes: Axes, compute: dict[ActionKind, list[Event]], page: _Page, *, with_stage: bool
+    axes: Axes,
+    compute: dict[ActionKind, list[Event]],
+    span: float,
+    axes_px: float,
+    char_px: float,
+    with_stage: bool,
 ) -> list[tuple[float, float, str]]:
     """One collection per compute kind; returns the labels of the boxes wide enough for one."""
     import numpy as np
@@ -190,16 +179,11 @@ def _draw_compute(
 
     palette = _palette()
     columns = {
-        kind: (
-            np.fromiter((e.start for e in events), float, len(events)),
-            np.fromiter((e.end for e in events), float, len(events)),
-            np.fromiter((e.rank for e in events), float, len(events)),
-            np.fromiter((e.microbatch or 0 for e in events), int, len(events)),
-        )
+        kind: (*_columns(events), np.fromiter((e.microbatch or 0 for e in events), int))
         for kind, events in compute.items()
         if events
     }
-    widths = [(ends - starts) / page.span * page.axes_px for starts, ends, _, _ in columns.values()]
+    widths = [(ends - starts) / span * axes_px for starts, ends, _, _ in columns.values()]
     # Hatches and outlines only help boxes a few pixels wide, and hatching tens of thousands of
     # slivers is what makes Agg slow: drop both when the typical box is narrow.
     detailed = bool(widths) and float(np.median(np.concatenate(widths))) >= 5.0
@@ -219,9 +203,9 @@ def _draw_compute(
         # With several chunks per rank the stage tells them apart ("4F3"); a box too narrow
         # for that still names its stage ("4"), the colour giving the micro-batch.
         digits = np.floor(np.log10(np.maximum(mbs, 1))) + 1
-        text_px = page.char_px * (1.6 + digits + (2.0 if with_stage else 0.0))
+        text_px = char_px * (1.6 + digits + (2.0 if with_stage else 0.0))
         stages = np.fromiter((e.stage for e in compute[kind]), int, len(compute[kind]))
-        stage_px = page.char_px * (0.8 + np.floor(np.log10(np.maximum(stages, 1))) + 1)
+        stage_px = char_px * (0.8 + np.floor(np.log10(np.maximum(stages, 1))) + 1)
         for index in np.flatnonzero(width_px > text_px):
             event = compute[kind][int(index)]
             composite = kind is K.OVERLAP_F_B  # "3F5&1B2": its parts say what it runs
@@ -234,28 +218,25 @@ def _draw_compute(
     return labelled
 
 
-def _draw_comm(axes: Axes, comm: dict[str, list[Event]]) -> None:
+def _columns(events: list[Event]) -> tuple[Any, Any, Any]:
+    """The events' starts, ends and rows (ranks) as float arrays."""
     import numpy as np
+
+    starts, ends, rows = (np.fromiter(map(attrgetter(n), events), float) for n in _COLUMNS)
+    return starts, ends, rows
+
+
+_COLUMNS = ("start", "end", "rank")
+
+
+def _draw_comm(axes: Axes, comm: dict[str, list[Event]]) -> None:
     from matplotlib.collections import PolyCollection
 
-    for lane, where, colour in (
-        ("p2p", _P2P, "0.6"),
-        ("bpipe", _P2P, _BPIPE_COLOUR),
-        ("dp", _DP, "0.15"),
-    ):
-        events = comm[lane]
-        if events:
-            starts = np.fromiter((e.start for e in events), float, len(events))
-            ends = np.fromiter((e.end for e in events), float, len(events))
-            rows = np.fromiter((e.rank for e in events), float, len(events))
-            # Thin white edges keep back-to-back operations (queued reductions) apart.
+    for lane, where, colour, _ in _COMM:
+        if comm[lane]:  # thin white edges keep back-to-back operations (queued reductions) apart
+            boxes = _boxes(*_columns(comm[lane]), where)
             axes.add_collection(
-                PolyCollection(
-                    _boxes(starts, ends, rows, where),
-                    facecolors=colour,
-                    edgecolors="white",
-                    linewidths=0.6,
-                )
+                PolyCollection(boxes, facecolors=colour, edgecolors="white", linewidths=0.6)
             )
 
 
@@ -283,14 +264,11 @@ def _legend_handles(
         )
         for k in present
     ]
-    if comm["p2p"]:
-        handles.append(Line2D([], [], color="0.6", linewidth=3, label="p2p transfer"))
-    if comm["bpipe"]:
-        handles.append(
-            Line2D([], [], color=_BPIPE_COLOUR, linewidth=3, label="BPipe evict / restore")
-        )
-    if comm["dp"]:
-        handles.append(Line2D([], [], color="0.15", linewidth=3, label="DP sync (GS/PS)"))
+    handles += [
+        Line2D([], [], color=colour, linewidth=3, label=label)
+        for lane, _, colour, label in _COMM
+        if comm[lane]
+    ]
     handles.append(Patch(facecolor="none", edgecolor="none", label="colour = micro-batch"))
     if with_stage:
         handles.append(
@@ -321,14 +299,8 @@ def _boxes(starts: Any, ends: Any, rows: Any, where: tuple[float, float]) -> Any
     import numpy as np
 
     top, bottom = rows + where[0], rows + where[1]
-    return np.stack(
-        [
-            np.stack([starts, top], axis=1),
-            np.stack([ends, top], axis=1),
-            np.stack([ends, bottom], axis=1),
-            np.stack([starts, bottom], axis=1),
-        ],
-        axis=1,
+    return np.stack([starts, top, ends, top, ends, bottom, starts, bottom], axis=1).reshape(
+        -1, 4, 2
     )
 
 

@@ -1,29 +1,7 @@
-"""Time a schedule under a cost model, summed up per rank, by one of the p2p timing models.
-
-``P2P_MODELS`` names them. The default, ``lockstep``, times what our runtime runs: the
-lock-step posting (``nccl.lockstep_posting``, one ``batch_isend_irecv`` per tick, the batches
-of a rank in tick order on one stream, a batch complete only when both halves of every op are
-posted; BPipe's header read blocking the acceptor) timed by ``nccl.posting_timer``.
-``megatron`` times Megatron's own ``1f1b`` / ``interleaved`` by the calls megatron-core posts
-for them (``native_posting.megatron_posting`` with Megatron-LM's settings), by the same model,
-each chunk's gradient reduction started where megatron-core DDP starts it
-(``MEGATRON_GRAD_REDUCE``). ``gloo`` keeps gloo's rules (``semantics.replay``: sends never
-block, a receiver waits only where it consumes), which no NCCL run follows: for comparison only.
-
-A ``CostModel`` becomes the models' ``Timing``: compute times scale with the stage's share of a
-full 1F1B stage (``StageLayout.stage_fraction``), as does BPipe's transfer time ``t_evict``;
-``t_p2p`` is one activation or gradient message (and, under ``lockstep``, an eviction's size
-header), ``t_grad_reduce`` / ``t_param_gather`` one GS / PS; no bandwidth term: a message's
-size is not in the cost model. A rank ends when its CPU (under a posting: including the
-batches it waits for last) and its data-parallel lane are both done; the step time is the latest
-rank end.
-
-A compute-only schedule (no SA/RA/SG/RG, e.g. a torch CSV) is timed as ``add_communication``
-lowers it: under ``gloo`` as if every compute action sent its result the moment it finished.
-
-The models run in integer units (``CostModel.exact``) and every reported time is divided back
-once here, so results are exact up to that one rounding. Under ``gloo`` events are drawn only
-when read (``SimResult.events``, ``semantics.Timeline``).
+"""Time a schedule under a cost model, summed up per rank, by one of the p2p timing models
+(``P2P_MODELS``; docs/simulator.md, "Timing models"). A ``CostModel`` becomes the models'
+``Timing`` in integer units (``CostModel.exact``), and every reported time is divided back once
+here, so results are exact up to that one rounding (docs/design-notes.md, "Simulator").
 """
 
 from __future__ import annotations
@@ -120,20 +98,10 @@ UNITS = {
 
 @dataclass(frozen=True, slots=True)
 class RankMetrics:
-    """One rank's share of the step.
-
-    ``busy_time`` sums its compute durations (communication is not busy time); ``bubble_fraction``
-    is ``(step_time - busy_time) / step_time``; ``peak_activations`` is the program-order peak of
-    ``Schedule.stored_activations`` in full-stage micro-batches; ``peak_parameters`` that of
-    ``Schedule.resident_parameters``, gathered parameters in full stages (with sharded
-    parameters, at most ``max_resident`` chunks; else all of the rank's); ``peak_gradients`` that
-    of ``Schedule.resident_gradients``, full gradient buffers in full stages (fully sharded: from
-    a backward until the reduction of its run of backwards lands; else all of the rank's);
-    ``grad_syncs`` / ``param_syncs`` count its GS (gradient reductions) and PS (parameter
-    gathers, or megatron-core's ``param_sync_func`` calls) per step; ``exposed_dp_comm_time``
-    is the time the rank waits on data-parallel communication: computes held back by their
-    parameter gather, plus the tail between its last compute and its last GS / PS.
-    """
+    """One rank's share of the step (docs/simulator.md, "Output"): the peaks are program-order
+    peaks of ``Schedule.stored_activations`` / ``resident_parameters`` / ``resident_gradients``
+    in ``UNITS``; ``exposed_dp_comm_time`` is computes held back by their parameter gather plus
+    the tail between the rank's last compute and its last GS / PS."""
 
     rank: int
     busy_time: float
@@ -153,13 +121,8 @@ class RankMetrics:
 
 @dataclass(frozen=True, slots=True)
 class SimResult:
-    """What ``simulate`` measured; ``to_dict`` is JSON-ready.
-
-    ``bubble_fraction`` is the idle share of all ranks' time, ``sum(step - busy) / (p * step)``;
-    ``exposed_dp_comm_time`` is the largest per-rank exposed data-parallel time. ``events``
-    (rank by rank; under ``gloo`` each in program order, under ``lockstep`` by start) come from
-    ``timeline``. ``p2p_model`` names the timing model (``P2P_MODELS``) behind the figures.
-    """
+    """What ``simulate`` measured under ``p2p_model``; ``to_dict`` is JSON-ready, ``events`` come
+    from ``timeline`` when first read."""
 
     schedule_name: str
     num_ranks: int
@@ -222,17 +185,12 @@ def simulate(
     megatron_grad_reduce: str | None = None,
 ) -> SimResult:
     """Time ``schedule`` (one that ``validate_schedule`` accepts) under ``costs`` by the p2p
-    timing model ``p2p`` (``P2P_MODELS``); ``posting`` replaces the lock-step posting (a
-    posting of the same schedule: what another executor posts). ``megatron_grad_reduce``
-    (``MEGATRON_GRAD_REDUCE``; default ``overlap``) says where a megatron model starts each
-    chunk's gradient reduction; the other models start it at the schedule's GS.
-
-    Raises ``ScheduleError`` showing the per-rank grid if the programs deadlock.
-    """
-    megatron_grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, posting)
-    clocks, per_unit, timeline = _clocks(schedule, costs, p2p, posting, megatron_grad_reduce)
-    result = _result(schedule, costs, clocks, per_unit, p2p, timeline)
-    return replace(result, megatron_grad_reduce=megatron_grad_reduce)
+    timing model ``p2p``; ``posting`` replaces the lock-step posting (what another executor
+    posts), ``megatron_grad_reduce`` where a megatron model starts each chunk's gradient
+    reduction. Raises ``ScheduleError`` showing the per-rank grid if the programs deadlock."""
+    grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, posting)
+    clocks, per_unit, timeline = _clocks(schedule, costs, p2p, posting, grad_reduce)
+    return _result(schedule, costs, clocks, per_unit, p2p, timeline, grad_reduce)
 
 
 def _clocks(
@@ -255,13 +213,7 @@ def _clocks(
         raise ScheduleError(f"cannot simulate {schedule.name!r} under {p2p}: {error}") from None
     # The timer gives the clocks; memory is counted in program order (ir.stored_counts, as
     # Schedule.stored_activations), which needs no replay of its own.
-    clocks = _Clocks(
-        compute_end=timed.clock,
-        dp_end=timed.dp_end,
-        busy=timed.busy,
-        gather_wait=timed.gather_wait,
-        **_memory(schedule),
-    )
+    clocks = _Clocks(timed.clock, timed.dp_end, timed.busy, timed.gather_wait, **_memory(schedule))
     return clocks, exact.per_unit, PostingTimeline(timed.events, exact.per_unit)
 
 
@@ -302,20 +254,9 @@ def simulate_steady(
     p2p: str = DEFAULT_P2P_MODEL,
     megatron_grad_reduce: str | None = None,
 ) -> SimResult:
-    """``simulate(schedule, ...)``'s figures from three shorter steps when a long step repeats a
-    steady state: ``shorter(n)`` builds the same schedule with n micro-batches, whose structure
-    repeats every ``period`` (the pipeline size, or a breadth-first group).
-
-    A step is timed in integer units (``CostModel.exact``), so when every rank's clocks (compute
-    end, data-parallel end, busy and gather-wait time) at three lengths a period apart lie
-    exactly on lines, the clocks at m are read off those lines (``steady_lengths``' attempts in
-    turn). Lines are no proof that nothing bends later: where each rank's compute end grows by
-    exactly the busiest rank's compute per period (bound by compute) three lengths are taken,
-    otherwise (bound by messages or a data-parallel lane) a fourth one must lie on the lines
-    too. Else, below ``STEADY_FROM_ACTIONS``, or where the first three lengths together are not
-    shorter than m (no cheaper), the step is timed whole. Memory always comes from
-    ``schedule``'s own program order, and its events, when asked for, from timing it whole.
-    """
+    """``simulate(schedule, ...)``'s figures read off the exact clocks of shorter steps
+    (``shorter(n)``: n micro-batches, repeating every ``period``) where they lie on lines, else
+    from timing it whole (docs/simulator.md, "Usage"); memory from ``schedule``'s own program."""
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, None)
     if schedule.num_actions >= STEADY_FROM_ACTIONS:
         line = _steady_clocks(schedule, costs, shorter, period, p2p, grad_reduce)
@@ -329,8 +270,9 @@ def simulate_steady(
                     simulate(schedule, costs, p2p=p2p, megatron_grad_reduce=grad_reduce).events
                 )
 
-            result = _result(schedule, costs, clocks, per_unit, p2p, PostingTimeline(events))
-            return replace(result, megatron_grad_reduce=grad_reduce, steady_from=lengths)
+            timeline = PostingTimeline(events)
+            result = _result(schedule, costs, clocks, per_unit, p2p, timeline, grad_reduce)
+            return replace(result, steady_from=lengths)
     return simulate(schedule, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
 
 
@@ -459,12 +401,11 @@ def _timer(
         return kept[1]
     lowered = schedule if has_communication(schedule) else add_communication(schedule)
     grad_sync = megatron_lm_grad_sync(overlap_grad_reduce=grad_reduce == "overlap")
-    if p2p == "megatron":
-        options = megatron_lm_options(lowered, core_version=MEGATRON_CORE_VERSION)
+    if p2p.startswith("megatron"):  # megatron-blocking: Megatron-LM with p2p overlap off
+        options = P2POptions(overlap_p2p=False, batch_p2p=True)
+        if p2p == "megatron":
+            options = megatron_lm_options(lowered, core_version=MEGATRON_CORE_VERSION)
         posting = megatron_posting(lowered, options, grad_sync)
-    elif p2p == "megatron-blocking":
-        blocking = P2POptions(overlap_p2p=False, batch_p2p=True)
-        posting = megatron_posting(lowered, blocking, grad_sync)
     else:
         posting = lockstep_posting(lowered)
     timer = posting_timer(lowered, posting)
@@ -513,6 +454,7 @@ def _result(
     per_unit: int,
     p2p: str,
     timeline: Timeline | PostingTimeline,
+    grad_reduce: str | None,
 ) -> SimResult:
     """The metrics from the model's integer times (``run``'s clocks, its memory), each divided
     by ``per_unit`` once; ``timeline`` draws the events."""
@@ -551,6 +493,7 @@ def _result(
         timeline=timeline,
         costs=costs,
         p2p_model=p2p,
+        megatron_grad_reduce=grad_reduce,
     )
 
 
@@ -576,8 +519,7 @@ def _peak(
 
 
 def _user(time: float, per_unit: int) -> float:
-    """A replay time in the cost model's unit, rounded once; ``inf`` past the float range (the
-    CLI reports such costs as overflowing)."""
+    """A replay time in the cost model's unit, rounded once; ``inf`` past the float range."""
     try:
         return time / per_unit
     except OverflowError:
@@ -585,6 +527,5 @@ def _user(time: float, per_unit: int) -> float:
 
 
 def _ratio(part: float, whole: float) -> float:
-    """``part / whole`` of two replay times (0 when ``whole`` is), correctly rounded even when
-    both are integers too large for floats."""
+    """``part / whole`` (0 when ``whole`` is), correctly rounded for integers beyond floats."""
     return part / whole if whole > 0 else 0.0

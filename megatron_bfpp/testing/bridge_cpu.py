@@ -1,18 +1,6 @@
 """Megatron-Bridge on CPU ranks: what Bridge needs beyond the CPU adapters (``megatron.cpu``,
 ``megatron.cpu_launch``); test support and the CPU demo (``examples/bridge_pretrain.py``) only.
-
-Each redirect and the error it answers (Megatron-Bridge 0.6.2, megatron-core 0.19.2):
-
-* :func:`bridge_imports`: ``megatron/bridge/peft/lora_layers.py`` imports Transformer Engine
-  unconditionally (``ModuleNotFoundError: transformer_engine``); while Bridge is imported, that
-  module alone sees a stub whose classes match nothing (megatron-core's own checks still fail,
-  keeping its non-TE paths).
-* :func:`enable_cpu_bridge`: Bridge's ``initialize_megatron`` asserts CUDA unless
-  ``allow_no_cuda=True`` ("Megatron requires CUDA."), its JIT warm-up runs CUDA-only kernels
-  ("Found no NVIDIA driver"), and it compiles dataset helpers with ``make`` (the wheel ships
-  ``helpers_cpp.so``).
-* :func:`record_losses`: Bridge logs six digits of the loss; the equality tests need the floats.
-
+Each redirect and the error it answers (Megatron-Bridge 0.6.2): docs/bridge.md.
 :func:`disable_cpu_bridge` undoes every redirect (the one patch registry).
 """
 
@@ -56,20 +44,14 @@ def _te_stub() -> types.ModuleType:
     te = types.ModuleType("transformer_engine")
     pytorch = types.ModuleType("transformer_engine.pytorch")
     ops = types.ModuleType("transformer_engine.pytorch.ops")
-    for name in (
-        "Sequential",
-        "Linear",
-        "LayerNorm",
-        "RMSNorm",
-        "Quantize",
-        "MakeExtraOutput",
-        "Dropout",
-        "ConstantScale",
+    names = {
+        ops: "Sequential Linear LayerNorm RMSNorm Quantize MakeExtraOutput Dropout ConstantScale "
         "AddExtraInput",
-    ):
-        setattr(ops, name, type(name, (_Unavailable,), {}))
-    for name in ("Linear", "LayerNormLinear", "TransformerLayer"):
-        setattr(pytorch, name, type(name, (_Unavailable,), {}))
+        pytorch: "Linear LayerNormLinear TransformerLayer",
+    }
+    for module in names:
+        for name in names[module].split():
+            setattr(module, name, type(name, (_Unavailable,), {}))
     pytorch.fp8_autocast = _Unavailable  # type: ignore[attr-defined]
     pytorch.ops = ops  # type: ignore[attr-defined]
     te.pytorch = pytorch  # type: ignore[attr-defined]

@@ -1,13 +1,9 @@
 """Tiny megatron-core GPT models whose weights do not depend on how they are split.
 
-Call these inside a :func:`megatron_bfpp.testing.multirank.run_ranks` rank function (parallel
-state initialised, CPU adapter enabled). :func:`init_from_global_names` draws every parameter at
-its full shape from a generator seeded by its *global* name, then takes the rank's tensor-parallel
-slice, so any (tp, pp, vp, dp) split holds the single-process model's weights and
-:func:`reference_losses_and_grads` is the exact reference. :func:`loss_func` returns
-megatron-core 0.16's 3-tuple ``(summed loss, num_tokens, {"lm loss": [summed loss, num_tokens]})``:
-``forward_step`` divides by ``num_tokens`` and ``num_microbatches`` (``calculate_per_token_loss``
-off), so each micro-batch contributes its mean token loss / ``num_microbatches``.
+Call these inside a :func:`megatron_bfpp.testing.multirank.run_ranks` rank function.
+:func:`init_from_global_names` draws every parameter at its full shape from a generator seeded by
+its *global* name, so any (tp, pp, vp, dp) split holds the single-process model's weights and
+:func:`reference_losses_and_grads` is the exact reference.
 """
 
 from __future__ import annotations
@@ -99,8 +95,7 @@ def tiny_gpt_config(
         sequence_parallel=sequence_parallel,
         batch_p2p_comm=False,
     )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
+    return TransformerConfig(**(fields | overrides))
 
 
 def unparallel_config(config: TransformerConfig) -> TransformerConfig:
@@ -238,14 +233,11 @@ def _shards(model_chunks: Sequence[torch.nn.Module], what: str) -> dict[str, Gra
         module = unwrap(chunk)
         names = global_param_names(module)
         for name, param in module.named_parameters():
-            if what == "param":
-                value = param.detach()
-            else:
-                value = getattr(param, "main_grad", None)
-                if value is None:
-                    value = param.grad
-                if value is None:
-                    continue
+            value = param.detach() if what == "param" else getattr(param, "main_grad", None)
+            if value is None:
+                value = param.grad
+            if value is None:
+                continue
             dim, stride = tp_partition(param)
             out[names[name]] = GradShard(
                 tensor=value.detach().clone().float().cpu(),
@@ -398,14 +390,8 @@ def run_schedule(
 
 def reduction_tolerance(num_terms: int, dtype: torch.dtype = torch.float32) -> float:
     """Relative tolerance for a result that sums ``num_terms`` values in another order than the
-    reference (tensor- and data-parallel all-reduces, sequence-parallel norm gradients, GEMM
-    blocking that depends on the CPU's vector width).
-
-    Two summation orders of n terms differ by at most (n-1)·eps·Σ|x| (Higham, *Accuracy and
-    Stability of Numerical Algorithms*, 2nd ed., eq. 4.4), applied here relative to max|want|
-    for lack of Σ|x|: measured differences are about 1e-6 against bounds of 1.5e-5 to 3e-5,
-    where a fixed 1e-6 failed on one host (1.06e-6, tp=2 layernorm gradients), and a wrong
-    schedule (a micro-batch missing or run twice) is off by more than 1e-2."""
+    reference: (n-1)·eps, Higham's bound on two summation orders (docs/architecture.md,
+    "Tolerances of the equivalence tests")."""
     if num_terms < 1:
         raise ValueError(f"num_terms must be >= 1, got {num_terms}")
     return max(num_terms - 1, 1) * torch.finfo(dtype).eps

@@ -1,18 +1,13 @@
 """Run a function on N gloo ranks with megatron-core's parallel state set up; fast, never hangs.
 
-The parent imports megatron-core once (:func:`preload_megatron`); every :func:`run_ranks` call
-forks the ranks through the product's launcher (:func:`megatron_bfpp.local_ranks.fork_ranks`).
-Each rank: one intra-op thread, the CPU adapter (:mod:`megatron_bfpp.megatron.cpu`), gloo and
-``initialize_model_parallel(tp, pp, vp)`` (NCCL's point-to-point rules on gloo under
-``BFPP_NCCL_EMULATION=1``, :mod:`.nccl_emulation`), seeds (``random``, ``torch``,
-``model_parallel_cuda_manual_seed``), ``fn(*args)``, and the groups destroyed once the result is
-sent. :class:`RanksFailed` carries each rank's traceback and, for ranks killed while running,
-their Python stacks (``faulthandler`` on ``SIGUSR1``), so a deadlock shows where each rank waited.
+Every :func:`run_ranks` call forks the ranks through :func:`megatron_bfpp.local_ranks.fork_ranks`;
+each rank sets up the CPU adapter, gloo (NCCL's p2p rules under ``BFPP_NCCL_EMULATION=1``), the
+parallel state and the seeds, runs ``fn`` and tears the groups down. :class:`RanksFailed` carries
+each rank's traceback and, for ranks killed while running, their Python stacks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import tempfile
@@ -73,22 +68,46 @@ def run_ranks(
     error_grace: float = ERROR_GRACE,
     daemon: bool = True,
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` forked gloo ranks; return the results by global rank.
-
-    ``fn`` and ``args`` are inherited through ``fork`` (closures are fine); results must pickle.
-    ``world_size`` is a multiple of ``tp * pp`` (the rest data parallel); ``parallel_kwargs`` go
-    to ``initialize_model_parallel``. ``error_grace``: seconds the others get to report after the
-    first failure. ``daemon=False`` lets ``fn`` start processes (megatron-core's torch_dist
-    writer's ``multiprocessing`` Manager), stopped before the rank reports, as under bfpp-train.
-    Raises :class:`RanksFailed` if a rank raises, dies or outlives ``timeout``; every child is
-    dead by then."""
+    """Run ``fn(*args)`` (inherited through ``fork``; results must pickle) on ``world_size``
+    forked gloo ranks; return the results by global rank. ``daemon=False`` lets ``fn`` start
+    processes. Raises :class:`RanksFailed` if a rank raises, dies or outlives ``timeout``; every
+    child is dead by then."""
     if world_size < 1 or world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp * pp}")
     preload_megatron()
-    spec = _Parallel(tp, pp, vp, seed, timeout, dict(parallel_kwargs or {}))
+    parallel = dict(parallel_kwargs or {})
 
     def target(rank: int, store: Any) -> Any:
-        _set_up_rank(spec, rank, world_size, store)
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import random as mrandom
+
+        from megatron_bfpp.megatron.cpu import enable_cpu_megatron
+        from megatron_bfpp.testing import nccl_emulation
+
+        torch.set_num_threads(1)
+        enable_cpu_megatron()
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        if (
+            os.environ.get(nccl_emulation.ENV) == "1"
+        ):  # NCCL's p2p rules on gloo (tests/conftest.py)
+            nccl_emulation.install()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp,
+            **parallel,
+        )
+        random.seed(seed)
+        torch.manual_seed(seed)
+        mrandom.model_parallel_cuda_manual_seed(seed)
         return fn(*args)
 
     with tempfile.TemporaryDirectory(prefix="bfpp-ranks-") as tmp:
@@ -107,47 +126,6 @@ def run_ranks(
     if len(run.results) != world_size:  # rank 0 returned without ever reporting its port
         raise RanksFailed("rank 0 never reported the rendezvous port", {})
     return [run.results[rank] for rank in range(world_size)]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Parallel:
-    tp: int
-    pp: int
-    vp: int | None
-    seed: int
-    timeout: float
-    parallel_kwargs: dict[str, Any]
-
-
-def _set_up_rank(spec: _Parallel, rank: int, world_size: int, store: Any) -> None:
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as mrandom
-
-    from megatron_bfpp.megatron.cpu import enable_cpu_megatron
-    from megatron_bfpp.testing import nccl_emulation
-
-    torch.set_num_threads(1)
-    enable_cpu_megatron()
-    dist.init_process_group(
-        "gloo",
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=spec.timeout),
-    )
-    if os.environ.get(nccl_emulation.ENV) == "1":  # NCCL's p2p rules on gloo (tests/conftest.py)
-        nccl_emulation.install()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=spec.tp,
-        pipeline_model_parallel_size=spec.pp,
-        virtual_pipeline_model_parallel_size=spec.vp,
-        **spec.parallel_kwargs,
-    )
-    random.seed(spec.seed)
-    torch.manual_seed(spec.seed)
-    mrandom.model_parallel_cuda_manual_seed(spec.seed)
 
 
 def _teardown() -> None:

@@ -1,40 +1,18 @@
 """NCCL's point-to-point rules on gloo process groups, so that a CPU test fails where NCCL would.
 
-Gloo posts every ``isend`` / ``irecv`` at once and completes each on its own, so an order that
-deadlocks on NCCL passes on CPU. :func:`install` replaces ``torch.distributed.batch_isend_irecv`` /
-``isend`` / ``irecv`` (in ``distributed_c10d`` too) with versions keeping ProcessGroupNCCL's rules
-on gloo groups only (docs/design-notes.md, "Execution semantics"):
+:func:`install` replaces ``torch.distributed.batch_isend_irecv`` / ``isend`` / ``irecv`` (in
+``distributed_c10d`` too) with versions keeping ProcessGroupNCCL's rules on gloo groups only
+(docs/design-notes.md, "Testing NCCL's rules on CPU", has the rules in full):
 
-1. ``batch_isend_irecv`` returns ONE Work per batch (code indexing one per op breaks).
-2. One stream per group: a worker thread per (process, group) runs batches in posting order,
-   batch k+1 only once every op of batch k completed.
-3. Rendezvous: the k-th send a->b (per group and stream) matches b's k-th receive from a. When b's
-   batch holding it starts, b's worker sets key ``a>b/k`` in the default store (prefixed per group
-   and stream, on its own connection); a's worker posts the real ``isend`` only once it sees (and
-   deletes) the key. Every send waits so: stricter than NCCL, which buffers small sends.
-4. Non-batched ``isend`` / ``irecv`` are a batch of one on a stream per (group, pair of ranks),
-   FIFO per pair, with their own counters (another communicator on NCCL).
-5. ``Work.wait()`` blocks the CPU until the batch completed, raising if it failed; the total time
-   blocked is :func:`blocked_seconds` (``scripts/bench_fidelity.py`` subtracts it from a step).
-6. A batch not completed ``stall_seconds`` after it started, or a ``wait()`` blocked that long,
-   fails with a one-line RuntimeError naming rank, group, batch, its ops and what it waits for.
-7. Optional transfer time (``transfer_seconds``, ``$BFPP_NCCL_EMULATION_TRANSFER_S``; default 0):
-   each op completes about that long after both halves' batches started, one batch's ops in
-   parallel: ``nccl.posting_timer``'s model with ``t_p2p`` = the transfer time. The receiver stamps
-   its batch start (``time.monotonic``, one clock per machine) into the rendezvous key; the sender
-   posts the real ``isend`` at max(its batch start, that stamp) + the transfer time, independent
-   of when it polled (at least every quarter of the transfer time); gloo's own transfer (tens of
-   microseconds) comes on top. :func:`batch_timing` records what the emulation decided per batch
-   (start, each send's due and post times, completion, waits), so tests check rules 5 and 7 on it
-   instead of bounding wall time.
-
-Real transfers are the original gloo ``isend`` / ``irecv`` with the caller's tag, issued by the
-worker (gloo p2p uses the tag as its slot, apart from the main thread's collectives). State is
-per process (``os.getpid()``), created lazily, so forked ranks each get their own.
-
-Not modelled: NCCL matches by order only, ignoring tags (gloo also matches by tag); batched and
-non-batched ops between one pair on one group with the same tag may cross-match on gloo (not on
-NCCL); ``wait()`` blocks the CPU where NCCL blocks only the stream (as the posting model assumes).
+1. ``batch_isend_irecv`` returns ONE Work per batch.
+2. One stream per group: a worker thread per (process, group) runs batches in posting order.
+3. Rendezvous: a send is posted only once the receiver's batch holding the matching receive
+   started (a store key per send); every send waits so, stricter than NCCL.
+4. Non-batched ``isend`` / ``irecv`` are a batch of one on a stream per (group, pair of ranks).
+5. ``Work.wait()`` blocks until the batch completed; :func:`blocked_seconds` sums the time.
+6. A batch or ``wait()`` stalled ``stall_seconds`` fails with a one-line RuntimeError.
+7. Optional transfer time: each op completes that long after both halves' batches started;
+   :func:`batch_timing` records what the emulation decided per batch.
 """
 
 from __future__ import annotations
@@ -103,12 +81,11 @@ def install(*, stall_seconds: float | None = None, transfer_seconds: float | Non
     if _originals or not dist.is_available():
         return
     patches = {"batch_isend_irecv": _batch_isend_irecv, "isend": _isend, "irecv": _irecv}
-    for module in (dist, c10d):
-        for name, replacement in patches.items():
-            _originals[module, name] = getattr(module, name)
-            setattr(module, name, replacement)
-    _originals[c10d, "_check_op"] = c10d._check_op  # P2POp accepts ops made before install
-    c10d._check_op = _check_op
+    targets = [(module, name, new) for module in (dist, c10d) for name, new in patches.items()]
+    # _check_op: P2POp accepts ops made before install
+    for module, name, replacement in [*targets, (c10d, "_check_op", _check_op)]:
+        _originals[module, name] = getattr(module, name)
+        setattr(module, name, replacement)
 
 
 def uninstall() -> None:
@@ -178,7 +155,12 @@ def _batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
         works: list[dist.Work] = _torch["batch_isend_irecv"](p2p_op_list)
         return works
     ops = [
-        _Op(op.op in (_isend, _torch["isend"]), op.tensor, _peer(group, op), op.tag)
+        _Op(
+            op.op in (_isend, _torch["isend"]),
+            op.tensor,
+            int(op.peer) if op.peer is not None else dist.get_global_rank(group, op.group_peer),
+            op.tag,
+        )
         for op in p2p_op_list
     ]
     return [_stream(group, "batch").submit(ops)]
@@ -225,12 +207,6 @@ def _gloo_group(group: Any, tensor: torch.Tensor) -> Any:
         )
     except (AttributeError, RuntimeError):
         return group if dist.get_backend(group) == "gloo" else None
-
-
-def _peer(group: Any, op: dist.P2POp) -> int:
-    if op.peer is not None:
-        return int(op.peer)
-    return dist.get_global_rank(group, op.group_peer)
 
 
 @dataclass
@@ -448,12 +424,6 @@ def _stream(group: Any, name: str) -> _Stream:
         return streams[key]
 
 
-def _add_blocked(seconds: float) -> None:
-    global _blocked_s
-    with _lock:
-        _blocked_s += seconds
-
-
 class _Work(dist.Work):
     """One batch's Work, like ProcessGroupNCCL's coalesced one (megatron-core 0.16 / 0.19 only
     call ``wait()``; the rest serves code that polls)."""
@@ -471,7 +441,9 @@ class _Work(dist.Work):
         done = batch.done.wait(limit)
         ended = time.monotonic()
         self._waits += ((began, ended),)
-        _add_blocked(ended - began)
+        global _blocked_s
+        with _lock:
+            _blocked_s += ended - began
         if not done:
             stream, head = batch.stream, batch.stream.head
             at = head.describe() if head is not None else "nothing"

@@ -3,19 +3,12 @@
 megatron-core wheels from 0.17 on ship ``megatron.training`` but not Megatron-LM's
 ``pretrain_gpt.py``; this one lets the tests run Megatron-LM's loop on every stack whose wheel has
 it (``tests/megatron/test_megatron_lm.py``), through ``python -m megatron_bfpp.launch`` as users
-do. ``model_provider``: ``GPTModel`` with the local (non-Transformer-Engine) layer spec;
-``forward_step``'s loss returns ``(loss, num_tokens, {"lm loss": [loss, num_tokens]})``; data are
-learnable mock sequences (each counts up by one from a start seeded by ``--seed`` and the sample
-index), so every schedule and resume sees the same samples and the loss falls; the first and last
-stage (asked per model chunk, as the V-shapes need) read a batch, the others none.
-
-``pretrain()`` changed form: 0.17 takes the providers and parses arguments itself; 0.18 and 0.19
-take a config container built from arguments parsed first (providers ordered differently).
-Tensor and context parallelism are not handled (tp = cp = 1): it is a test script.
+do: GPT with the local layer spec, learnable mock data, tp = cp = 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any
@@ -23,15 +16,15 @@ from typing import Any
 import torch
 
 
+@dataclasses.dataclass(eq=False)  # a torch Dataset: hashed by identity
 class MockTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     """``num_samples`` sequences counting up (modulo the vocabulary) from a start seeded by
     ``(seed, i)``: the same on every rank and resume, with a learnable next token."""
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> None:
-        self.num_samples = num_samples
-        self.seq_length = seq_length
-        self.vocab_size = vocab_size
-        self.seed = seed
+    num_samples: int
+    seq_length: int
+    vocab_size: int
+    seed: int
 
     def __len__(self) -> int:
         return self.num_samples

@@ -1,14 +1,9 @@
 """Installs the NCCL emulation in every Python process the tests start (``BFPP_NCCL_EMULATION=1``).
 
-``tests/conftest.py`` puts this directory first on ``PYTHONPATH``, so ``site`` runs this file at
-the start of each subprocess (bfpp-train end-to-end runs, ``python -m megatron_bfpp.launch``).
-It only adds a ``sys.meta_path`` finder: a process that never imports torch never pays for it;
-one that does gets :func:`megatron_bfpp.testing.nccl_emulation.install` as soon as ``torch`` and
-``torch.distributed`` have both finished importing (torch imports torch.distributed part way
-through its own ``__init__``), before any p2p can run.
-
-This file shadows any other ``sitecustomize`` (a distribution's, a virtual environment's): the
-next one on ``sys.path`` is found and run at the end, so nothing is lost.
+``tests/conftest.py`` puts this directory first on ``PYTHONPATH``; a ``sys.meta_path`` finder
+installs the emulation once ``torch`` and ``torch.distributed`` have both finished importing
+(before any p2p can run; a process that never imports torch pays nothing). The ``sitecustomize``
+this file shadows, the next one on ``sys.path``, is run at the end.
 """
 
 from __future__ import annotations
