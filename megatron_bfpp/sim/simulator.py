@@ -232,12 +232,11 @@ STEADY_FROM_ACTIONS = 200_000
 def steady_lengths(m: int, period: int) -> tuple[tuple[int, int, int], ...]:
     """The shorter steps whose clocks may lie on one line through the step of m micro-batches:
     three lengths ``period`` apart and congruent to m (a whole number of periods short of it),
-    from about one period, else two, else three (a long fill: interleaved's, at many virtual
-    stages), else two-period steps from two; those shorter than m."""
+    from about one period, else two, else two-period steps from two; those shorter than m. Not
+    from three periods: a fill that long may lie on a line and bend later (docs/simulator.md)."""
     attempts = (
         (period, period + m % period),
         (period, 2 * period + m % period),
-        (period, 3 * period + m % period),
         (2 * period, 2 * period + m % (2 * period)),
     )
     return tuple(

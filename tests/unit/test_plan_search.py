@@ -42,7 +42,7 @@ from megatron_bfpp.plan.search import (
     sharded_walk_length,
 )
 from megatron_bfpp.schedules.registry import build_schedule, estimate_actions
-from megatron_bfpp.sim import CostModel, simulate
+from megatron_bfpp.sim import CostModel, simulate, simulator
 
 V100_64 = Cluster(64, 8, get_gpu("v100-32gb"))
 GPT52 = get_model("gpt3-52b")
@@ -475,6 +475,27 @@ def test_each_short_length_is_simulated_and_charged_once(monkeypatch: pytest.Mon
     )
     full = build_schedule("interleaved", num_ranks=8, num_microbatches=m, num_chunks=2)
     assert step == pytest.approx(simulate(full, costs).step_time, rel=1e-9)
+
+
+def test_a_line_that_bends_later_is_not_read_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counterexample docs/simulator.md gives: interleaved at pp 8, vp 2 lies on one line
+    from 24 to 72 micro-batches and bends at 80, so lengths from three periods would read its
+    step at 128 short. The attempts (from one and two periods) see no line: bfpp-sim times it
+    whole, as the planner does above."""
+    candidate = Candidate("interleaved", "optim", 8, 8, 2, 1, 1, "selective")
+    m, costs = _timed(candidate, 128)
+
+    def build(n: int):
+        return build_schedule("interleaved", num_ranks=8, num_microbatches=n, num_chunks=2)
+
+    steps = {n: simulate(build(n), costs).step_time for n in (24, 32, 40, 48, 72, 80, 88)}
+    slope = steps[32] - steps[24]
+    assert steps[40] - steps[32] == slope == steps[48] - steps[40]  # on a line ...
+    assert steps[80] - steps[72] > slope  # ... that bends later
+    monkeypatch.setattr(simulator, "STEADY_FROM_ACTIONS", 0)
+    steady = simulator.simulate_steady(build(m), costs, shorter=build, period=8)
+    assert steady.steady_from == ()
+    assert steady.step_time == simulate(build(m), costs).step_time
 
 
 @pytest.mark.parametrize(
