@@ -7,54 +7,21 @@ NCCL (torch's ProcessGroupNCCL) is stricter than gloo in three ways that matter 
 2. all batches of one process group share one communicator and one stream: a rank's batch k+1
    starts only after its batch k has completed;
 3. a batch completes only when every op in it has been matched, and a send waits until the
-   receiver has *started* the batch holding its receive (rendezvous; NCCL buffers small sends,
-   the model assumes it buffers none).
+   receiver has *started* the batch holding its receive (the model assumes no buffering).
 
-So two ranks that each post "send" then "receive" as two batches deadlock on NCCL, though gloo
-(whose sends never wait, the rules of ``semantics``) runs them.
+**Lock-step posting** (``lockstep_posting``, what the runtime does): an as-soon-as-possible
+replay in nominal ticks (``TICKS``) puts each message in the batch of the tick its sender posts
+it at; each rank posts one batch per tick, in one canonical order, after its computes that end
+by that tick, so every op's partner is in the peer's batch of the same tick and, by induction on
+the tick, every batch completes. BPipe's payloads go in a ``side`` batch on the pair's own group
+right after the tick's batch, which holds the eviction's size header.
 
-**Lock-step posting** (``lockstep_posting``, what the runtime does: megatron-core's one batch per
-pipeline tick, generalised to any schedule). An as-soon-as-possible replay in nominal time
-numbers the compute actions: a forward lasts one tick, a backward two (``TICKS``), a message
-none, so that the ticks two ranks reach together are close in real time too. A message goes in
-the batch of the tick at which its sender posts it: SA / SG at the end of the compute before
-them, EV and RS there too but no earlier than the partner reaches its AC / LD (and RS a tick
-after the eviction it returns), so a payload arrives where the program order says it is
-received. Each rank posts one batch per tick it sends or receives at, in one canonical order
-both sides compute alike, after its computes that end by that tick and before those that start
-at it or later. Every op's partner is then in the peer's batch of the same tick, and by
-induction on the tick every batch completes: the batches of tick t are all posted once every
-compute that ends by t has run, those computes consume only batches of ticks before t, and the
-batches of a rank complete in tick order.
-
-BPipe's payloads go apart from the tick's batch, on a process group of the two partners alone
-(``runtime.p2p.pair_group``), so that a payload's transfer holds neither rank's later tick
-batches. An eviction is two messages of one tick: its size header in the tick's batch, then the
-payload in the pair's batch right after it (the *rest* items), which also holds the tick's
-restores (RS) and their receives (LD) (a ``side`` batch); the acceptor reads the header between
-the two, so it can post a receive of the right size.
-
-**The model** (``check_posting``) runs any posting under rules 1-3 with a strict CPU per rank:
-each rank executes its steps in order, waits at a compute for the batches holding what it
-consumes (and the send of its output before the backward that frees it, and BPipe's transfers
-after the next compute, as the runtime does on gloo), at a BPipe RS for the eviction it returns,
-before a payload batch for the eviction's header; a batch starts when posted and its predecessor
-on the rank has completed. Postings of other executors (``native_posting``) may also have
-``blocking`` batches, ``pairwise`` ones (each op on the stream of its (rank, peer) pair) and
-``Wait`` steps. A CPU that waits is stricter than a GPU, so what the model proves holds on both.
-A posting that cannot finish is reported with the cycle of waits and the per-rank grid.
-
-The model reads a posting as integers (``_Lowered``); ``lockstep_posting`` compiles straight into
-them, and the ``Batch`` / ``Item`` steps the runtime posts by (``Posting.per_rank``) are made
-from them when first read, so validation and the simulator build no object per batch. What each
-compute and BPipe transfer waits for is read from ``semantics.Rules`` (compiled:
-``program.Program``) and ops are paired by ``semantics.match_channels``: the rules are stated
-once, there.
-
-**Timing** (``posting_timer``) runs the same model with clocks: computes take their durations,
-an op completes a message time after both halves have started, a batch when all its ops have.
-Where no BPipe send is settled after a compute, the proof's model and the timer's are one, built
-once per posting (``_model``): validation proves the posting that the simulator then times.
+**The model** (``check_posting``) runs any posting under rules 1-3 with a strict CPU per rank,
+waiting where the runtime waits (what ``semantics.Rules`` says, compiled by ``program.Program``;
+ops paired by ``semantics.match_channels``), and reports a posting that cannot finish with its
+cycle of waits on the grid. It reads a posting as integers (``_Lowered``), into which
+``lockstep_posting`` compiles straight. **Timing** (``posting_timer``) runs the same model with
+clocks. Details: docs/design-notes.md, "NCCL-safe posting".
 """
 
 from __future__ import annotations
@@ -63,7 +30,7 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import accumulate, repeat
+from itertools import accumulate, groupby, repeat
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -125,14 +92,10 @@ class Item(NamedTuple):
 
 class Batch(NamedTuple):
     """One ``batch_isend_irecv`` of one rank; ``tick`` is -1 outside lock-step postings.
-
-    ``blocking``: the posting rank's CPU waits for the batch to complete before its next step
-    (megatron-core's ``_communicate`` without p2p overlap, ``batch_p2p_sync``). ``pairwise``:
-    the ops are separate ``isend`` / ``irecv`` calls, each on the stream of its (rank, peer)
-    pair, first in first out per pair, instead of one group on the rank's single stream
-    (megatron-core's non-batched path, interleaved with ``overlap_p2p_comm``). ``side``: one
-    group of ops on the rank's second stream, FIFO, apart from its first (BPipe's payloads on
-    the partners' own process group). A named tuple: cheaper to build than a dataclass."""
+    ``blocking``: the CPU waits for it before its next step (megatron-core's ``batch_p2p_sync``);
+    ``pairwise``: separate ``isend`` / ``irecv`` calls, each FIFO on the stream of its (rank,
+    peer) pair (megatron-core's non-batched path); ``side``: one group on the rank's second
+    stream (BPipe's payloads on the partners' own group)."""
 
     tick: int
     items: tuple[Item, ...]
@@ -165,17 +128,16 @@ class Posting:
     _per_rank: tuple[tuple[Step, ...], ...] | None
     _lowered: _Lowered | None
 
-    def __init__(self, name: str, per_rank: tuple[tuple[Step, ...], ...]) -> None:
+    def __init__(
+        self,
+        name: str,
+        per_rank: tuple[tuple[Step, ...], ...] | None,
+        lowered: _Lowered | None = None,
+    ) -> None:
+        """Either form may be None (not both): the other is made from it when first read."""
         _set(self, "name", name)
         _set(self, "_per_rank", per_rank)
-        _set(self, "_lowered", None)
-
-    @classmethod
-    def _compiled(cls, name: str, lowered: _Lowered) -> Posting:
-        posting = cls(name, ())
-        _set(posting, "_per_rank", None)
-        _set(posting, "_lowered", lowered)
-        return posting
+        _set(self, "_lowered", lowered)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"a Posting is immutable: cannot set {name}")
@@ -292,7 +254,7 @@ def lockstep_posting(schedule: Schedule) -> Posting:
         ticks = _TickReplay(program).run()
         for rank, actions in enumerate(schedule.per_rank):
             _lockstep_steps(lowered, actions, ticks[rank], program.message[rank])
-    posting = Posting._compiled("lock-step", lowered)
+    posting = Posting("lock-step", None, lowered)
     _POSTINGS.insert(0, (schedule, posting))
     del _POSTINGS[_KEEP:]
     return posting
@@ -540,6 +502,14 @@ class _TickReplay:
 _RECV = frozenset(kind for kind in K if kind.is_recv)
 
 
+def _durations(timing: Timing) -> dict[ActionKind, float]:
+    return {
+        **compute_durations(timing),
+        K.GRAD_SYNC: timing.grad_sync,
+        K.PARAM_SYNC: timing.param_sync,
+    }
+
+
 # --- as written -------------------------------------------------------------------------------
 def written_posting(schedule: Schedule) -> Posting:
     """Each run of p2p actions between two computes posted as one batch, in program order: how
@@ -547,17 +517,12 @@ def written_posting(schedule: Schedule) -> Posting:
     per_rank = []
     for actions in schedule.per_rank:
         steps: list[Step] = []
-        window: list[Item] = []
-        for position, action in enumerate(actions):
-            if action.kind.is_p2p:
-                window.append(Item(position))
-                continue
-            if window:
-                steps.append(Batch(-1, tuple(window)))
-                window = []
-            steps.append(position)
-        if window:
-            steps.append(Batch(-1, tuple(window)))
+        is_p2p = [action.kind.is_p2p for action in actions]
+        for p2p, run in groupby(range(len(actions)), is_p2p.__getitem__):
+            if p2p:
+                steps.append(Batch(-1, tuple(map(Item, run))))
+            else:
+                steps += run
         per_rank.append(tuple(steps))
     return Posting("as written", tuple(per_rank))
 
@@ -577,13 +542,12 @@ def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
     computes, what a file states) and as the runtime posts it (lock-step); a failure's reason
     without the grid."""
     report: dict[str, dict[str, object]] = {}
-    checks: tuple[tuple[str, Callable[[Schedule], object]], ...] = (
-        ("as_written", lambda s: check_posting(s, written_posting(s))),
-        ("lock_step", validate_nccl),  # the runtime's own check, partner pairs included
-    )
-    for key, check in checks:
+    for key, check in (
+        ("as_written", lambda: check_posting(schedule, written_posting(schedule))),
+        ("lock_step", lambda: validate_nccl(schedule)),  # the runtime's own check
+    ):
         try:
-            check(schedule)
+            check()
         except ScheduleError as error:
             report[key] = {"safe": False, "problem": str(error).split("\nrank ")[0]}
         else:
@@ -621,18 +585,9 @@ def time_posting(schedule: Schedule, posting: Posting, timing: Timing = _UNIT) -
 
 
 def posting_timer(schedule: Schedule, posting: Posting) -> Callable[[Timing], PostingRun]:
-    """A function that times ``posting`` under NCCL's rules, the model of ``check_posting``
-    with clocks; built once per posting and run per ``Timing`` (the planner times one schedule
-    under many costs).
-
-    A compute starts once the CPU is free and, for a stage's first compute after its PS, the
-    gather has ended. A batch starts once posted and the batch before it on its stream has
-    completed; an op completes ``timing.p2p`` (a payload: ``timing.transfer``) after both halves
-    have started. GS / PS run on the data-parallel lane as in ``semantics.replay``; the V-shapes'
-    loss delivery ends with two blocking messages (``_deliver_outputs``). Unlike
-    ``check_posting`` the CPU does not settle BPipe's sends after the next compute: on NCCL the
-    runtime polls them (``PipeComm.reap``). A CPU that waits for a batch stands for a GPU stream
-    that waits for it: the times are the same."""
+    """``check_posting``'s model with clocks, built once per posting and run per ``Timing`` (the
+    planner times one schedule under many costs). Its CPU does not settle BPipe's sends after
+    the next compute: on NCCL the runtime polls them (``PipeComm.reap``)."""
     return _model(schedule, posting, settle=False).timed
 
 
@@ -756,7 +711,7 @@ class _Model:
         wait, restores, compute, frees = program.wait[rank], program.restore[rank], _COMPUTE, _FREES
         last, mbs = self.schedule.num_stages - 1, program.microbatches
         act = ACT * program.stage_span  # an activation's id: (act + stage + 1) * mbs + mb
-        first, end = self._op_keys(rank)
+        self._ops(rank)
         moves = not self.rules.transfers.keys().isdisjoint(map(_kind_of, actions))
         holder: dict[int, int] = {}  # op key -> the unit running it; a CPU waits for units
         unit_at: dict[int, int] | None = {} if lowered.waits else None  # position -> unit
@@ -775,8 +730,14 @@ class _Model:
                 add_step(step)
                 if lowered.batch_flags[value] & _BLOCKING:
                     steps.extend(unit * 4 + _WAIT for unit in self.batch_units[value])
-            elif code == _WAIT:
-                self._wait_for(rank, lowered.waits[value], unit_at or {}, steps)
+            elif code == _WAIT:  # for the units of these positions' ops, posted earlier
+                for position in lowered.waits[value]:
+                    if unit_at is None or position not in unit_at:
+                        raise self._error(
+                            f"rank {rank} waits for step {position}, which no earlier batch posts",
+                            {(rank, position): "ERROR HERE"},
+                        )
+                    add_step(unit_at[position] * 4 + _WAIT)
             elif (kind := actions[value].kind) not in compute:
                 add_step(step)
             else:
@@ -799,21 +760,25 @@ class _Model:
                         steps.extend(unit * 4 + _WAIT for unit in unsettled)
                     unsettled.clear()
         steps.extend(unit * 4 + _WAIT for unit in sorted(set(holder.values())))
-        self._channels(rank, first, end)
         return steps
 
-    def _op_keys(self, rank: int) -> tuple[int, int]:
-        """Fill ``op_key`` for ``rank``'s ops; their ids, ``first`` to ``end``."""
+    def _ops(self, rank: int) -> None:
+        """Fill ``op_key`` for ``rank``'s ops and add them to their channels, in posting order."""
         actions, messages = self.schedule.per_rank[rank], self.program.message[rank]
-        items, send = self.posting.lowered.batch_items, _SEND_BIT
-        batches = items[self.rank_batches[rank] : self.rank_batches[rank + 1]]
-        first = len(self.op_key)
-        self.op_key += [
+        items, send, positions = self.posting.lowered.batch_items, _SEND_BIT, self.op_position
+        first, keys = len(self.op_key), self.op_key
+        keys += [
             messages[item >> 1] * 4 + send[actions[item >> 1].kind] + (item & 1)
-            for batch in batches
+            for batch in items[self.rank_batches[rank] : self.rank_batches[rank + 1]]
             for item in batch
         ]
-        return first, len(self.op_key)
+        mine: dict[int, list[int]] = {}  # peer * 2 + send -> the channel's ops
+        for op in range(first, len(keys)):
+            peer, send_bit = actions[positions[op]].peer or 0, keys[op] >> 1 & 1
+            if (members := mine.get(peer * 2 + send_bit)) is None:
+                members = mine[peer * 2 + send_bit] = []
+                self.channels[(rank, peer, True) if send_bit else (peer, rank, False)] = members
+            members.append(op)
 
     def _post(
         self,
@@ -826,40 +791,24 @@ class _Model:
     ) -> None:
         """Note the ops of a batch of ``rank``'s as posted, after the waits of its BPipe
         transfers (in order: an op may wait for one before it)."""
-        actions, transfers = self.schedule.per_rank[rank], self.rules.transfers
+        actions, rules = self.schedule.per_rank[rank], self.rules
         for op in range(self.op_start[batch], self.op_start[batch + 1]):
             position, unit = self.op_position[op], self.op_unit[op]
             action = actions[position]
-            if action.kind in transfers:
-                self._transfer_waits(action, self.op_key[op] & 1 == 1, holder, steps)
-                if action.kind in _SENDS and self.rules.awaits(action):
+            if (rule := rules.transfers.get(action.kind)) is not None:
+                # ``Rules.transfer_waits``: RS waits for the payload it returns, AC's payload
+                # for the header
+                waited = rules.transfer_waits(action)
+                if waited is not None and (rule.carries_data or self.op_key[op] & 1):
+                    key = self.program.id_of(waited) * 4
+                    for wanted in (key, key + 1) if rule.carries_data else (key,):
+                        if (waits_for := holder.get(wanted)) is not None:
+                            steps.append(waits_for * 4 + _WAIT)
+                if action.kind in _SENDS and rules.awaits(action):
                     unsettled.append(unit)
             holder[self.op_key[op]] = unit
             if unit_at is not None:
                 unit_at[position] = unit
-
-    def _wait_for(
-        self, rank: int, positions: tuple[int, ...], unit_at: dict[int, int], steps: list[int]
-    ) -> None:
-        """A ``Wait``: for the units of these positions' ops, posted earlier."""
-        for position in positions:
-            if position not in unit_at:
-                raise self._error(
-                    f"rank {rank} waits for step {position}, which no earlier batch posts",
-                    {(rank, position): "ERROR HERE"},
-                )
-            steps.append(unit_at[position] * 4 + _WAIT)
-
-    def _channels(self, rank: int, first: int, end: int) -> None:
-        """Add ``rank``'s ops ``first`` to ``end`` to their channels, in posting order."""
-        actions, positions, keys = self.schedule.per_rank[rank], self.op_position, self.op_key
-        mine: dict[int, list[int]] = {}  # peer * 2 + send -> the channel's ops
-        for op in range(first, end):
-            peer, send = actions[positions[op]].peer or 0, keys[op] >> 1 & 1
-            if (members := mine.get(peer * 2 + send)) is None:
-                members = mine[peer * 2 + send] = []
-                self.channels[(rank, peer, True) if send else (peer, rank, False)] = members
-            members.append(op)
 
     def _parts_needs(self, composite: Action) -> list[int]:
         """``_rank_steps``' wait keys of a composite's parts: their messages and a backward's
@@ -871,20 +820,6 @@ class _Model:
             if part.kind in _FREES and not self.schedule.layout.is_last(part.stage):
                 needs.append(program.id(ACT, part.stage, part.microbatch or 0) * 4 + 2)
         return needs
-
-    def _transfer_waits(
-        self, action: Action, rest: bool, holder: dict[int, int], steps: list[int]
-    ) -> None:
-        """A BPipe transfer's waits (``Rules.transfer_waits``): AC reads the header before the
-        payload is posted, RS waits for the payload it returns."""
-        rules, program = self.rules, self.program
-        rule = rules.transfers[action.kind]
-        waited = rules.transfer_waits(action)
-        if waited is not None and (rule.carries_data or rest):
-            key = program.id_of(waited) * 4
-            for wanted in (key, key + 1) if rule.carries_data else (key,):
-                if (unit := holder.get(wanted)) is not None:
-                    steps.append(unit * 4 + _WAIT)
 
     def _match(self) -> list[int]:
         """Pair each op with its partner (``semantics.match_channels``: by posting order, the
@@ -938,7 +873,7 @@ class _Model:
         self.unit_active: list[float] = [math.inf] * nunits  # when its first op got going
         self.done_time = [zero] * nbatches
         self.stream_free = [zero] * len(self.streams)
-        self.durations = self._durations()
+        self.durations = {} if self.timing is None else _durations(self.timing)
         self.op_time = self._op_times()
         self.records: list[list[tuple[float, float, int]]] = [[] for _ in range(num_ranks)]
         while self.ready:
@@ -971,16 +906,6 @@ class _Model:
             cpu, dp_end = self.cpu, self.dp_free
             ready = max(cpu[source], dp_end[source], cpu[target], dp_end[target])
             cpu[source] = cpu[target] = ready + 2 * timing.p2p
-
-    def _durations(self) -> dict[ActionKind, float]:
-        timing = self.timing
-        if timing is None:
-            return {}
-        return {
-            **compute_durations(timing),
-            K.GRAD_SYNC: timing.grad_sync,
-            K.PARAM_SYNC: timing.param_sync,
-        }
 
     def _op_times(self) -> list[float]:
         """Per op, how long it takes once both halves have started: a payload of stored
@@ -1132,16 +1057,7 @@ class _Model:
         batch on its rank's p2p lane from when its first op had both halves started to its
         completion where that takes time (a batch waiting for its peer is not busy)."""
         programs = self.schedule.per_rank
-        per_rank: list[list[Event]] = []
-        for rank, rows in enumerate(records):
-            events = []
-            for start, end, position in rows:
-                action = programs[rank][position]
-                lane: Lane = "compute" if action.kind in _COMPUTE else "dp"
-                label = str(action)
-                stage, mb = action.stage, action.microbatch
-                events.append(Event(rank, lane, label, stage, mb, action.kind, start, end))
-            per_rank.append(events)
+        per_rank = [[self._event(rank, *row) for row in rows] for rank, rows in enumerate(records)]
         for batch, units in enumerate(self.batch_units):
             start = min(unit_active[unit] for unit in units)
             end = done_time[batch]
@@ -1149,17 +1065,23 @@ class _Model:
                 continue
             rank = self.batch_rank[batch]
             ops = self._batch_ops(batch)
-            action = programs[rank][self.op_position[ops[0]]]
             label = " ".join(
                 str(programs[rank][self.op_position[op]]) + "+" * (self.op_key[op] & 1)
                 for op in ops
             )
-            per_rank[rank].append(
-                Event(rank, "p2p", label, action.stage, action.microbatch, action.kind, start, end)
-            )
+            per_rank[rank].append(self._event(rank, start, end, self.op_position[ops[0]], label))
         for events in per_rank:
-            events.sort(key=lambda event: event.start)
+            events.sort(key=_start_of)
         return [event for events in per_rank for event in events]
+
+    def _event(
+        self, rank: int, start: float, end: float, position: int, label: str | None = None
+    ) -> Event:
+        """A compute or GS / PS at ``position``, or with ``label`` a batch led by it."""
+        action = self.schedule.per_rank[rank][position]
+        lane: Lane = "p2p" if label else "compute" if action.kind in _COMPUTE else "dp"
+        text = label or str(action)
+        return Event(rank, lane, text, action.stage, action.microbatch, action.kind, start, end)
 
     # reporting
     def _deadlock(self) -> ScheduleError:
@@ -1266,3 +1188,4 @@ _POST, _WAIT, _RUN = 0, 1, 2  # a CPU step's code (``_Model``)
 _SENDS = frozenset(kind for kind in K if kind.is_send)
 _SEND_BIT = {kind: 2 * kind.is_send for kind in K}  # an op key's send bit
 _kind_of = attrgetter("kind")
+_start_of = attrgetter("start")
