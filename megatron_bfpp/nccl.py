@@ -30,6 +30,7 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate, groupby, repeat
 from operator import attrgetter
 from typing import NamedTuple
@@ -340,13 +341,10 @@ def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
 
 
 class _TickReplay:
-    """An as-soon-as-possible replay with nominal computes (``TICKS``) and instant messages.
-
-    Each rank advances until it needs a message not yet sent, and is resumed when it is sent.
-    BPipe's EV (RS) goes out no earlier than the tick at which the partner reaches its AC (LD)
-    in program order, and the evictor's (acceptor's) next compute waits for that, as the gloo
-    rules have it, so a payload arrives where program order says it is received. Every tick is
-    the largest of the ticks it depends on, so the order in which ranks advance changes none."""
+    """An as-soon-as-possible replay with nominal computes (``TICKS``) and instant messages: a
+    rank stops at a message not yet sent and resumes when it is; BPipe's EV (RS) goes out no
+    earlier than the partner's AC (LD), and the evictor's (acceptor's) next compute waits for it.
+    A tick is the largest of those it depends on, so the order ranks advance in changes none."""
 
     def __init__(self, program: Program) -> None:
         schedule = self.schedule = program.schedule
@@ -556,17 +554,14 @@ def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
 
 
 class PostingRun(NamedTuple):
-    """What ``time_posting`` found, in ``Timing``'s units (integers when its durations are).
+    """What ``time_posting`` found, per rank, in ``Timing``'s units (integers when its are)."""
 
-    ``clock``: per rank, when its CPU finished its last step; ``dp_end``: when its data-parallel
-    lane is done; ``busy``: the sum of its compute durations; ``gather_wait``: the time computes
-    waited for their stage's PS; ``events()``: compute, batch and GS / PS intervals that take
-    time, rank by rank, each rank's by start, built when called (the planner never draws)."""
-
-    clock: list[float]
-    dp_end: list[float]
-    busy: list[float]
-    gather_wait: list[float]
+    clock: list[float]  # when its CPU finished its last step
+    dp_end: list[float]  # when its data-parallel lane is done
+    busy: list[float]  # the sum of its compute durations
+    gather_wait: list[float]  # the time its computes waited for their stage's PS
+    # compute, batch and GS / PS intervals that take time, rank by rank, each rank's by start;
+    # built when called (the planner never draws)
     events: Callable[[], list[Event]]
 
 
@@ -574,9 +569,8 @@ def check_posting(schedule: Schedule, posting: Posting) -> None:
     """Run ``posting`` under NCCL's rules (module docstring); raise a ScheduleError naming the
     cycle of waits, above the grid, if it cannot finish."""
     model = _model(schedule, posting, settle=True)
-    model.timing = None  # a model kept from a timed run: untimed again
     with paused_gc():  # columns of a million ops: see paused_gc
-        model.run()
+        model.run(None)
 
 
 def time_posting(schedule: Schedule, posting: Posting, timing: Timing = _UNIT) -> PostingRun:
@@ -631,17 +625,14 @@ class _Model:
 
     def __init__(self, schedule: Schedule, posting: Posting, *, settle: bool = True) -> None:
         self.schedule, self.posting, self.settle = schedule, posting, settle
-        self.timing: Timing | None = None
         self.program = compiled(schedule)
         self.rules = self.program.rules
-        num_ranks = schedule.num_ranks
-        lowered = posting.lowered
-        items = lowered.batch_items
+        items = posting.lowered.batch_items
         # ops, numbered in posting order (rank by rank: ``_Lowered``), a batch's in a row
         self.op_start = [0, *accumulate(map(len, items))]  # per batch, its first op
         self.op_position = [item >> 1 for batch in items for item in batch]
         self.op_key: list[int] = []  # message * 4 + send * 2 + rest (an eviction's payload)
-        self.batch_tick = lowered.batch_tick
+        self.batch_tick = posting.lowered.batch_tick
         self.batch_rank: list[int] = []
         self.batch_index: list[int] = []  # the batch's number on its rank
         self.batch_units: list[list[int]] = []
@@ -656,7 +647,7 @@ class _Model:
         # (sender, receiver, send) -> its ops in posting order (``_match``)
         self.channels: dict[tuple[int, int, bool], list[int]] = {}
         self.settles = False  # whether a send is settled after a compute (``settle`` or not)
-        self.steps: list[list[int]] = [self._rank_steps(rank) for rank in range(num_ranks)]
+        self.steps: list[list[int]] = [self._rank_steps(rank) for rank in range(schedule.num_ranks)]
         self.partner = self._match()
 
     # building
@@ -712,21 +703,24 @@ class _Model:
         last, mbs = self.schedule.num_stages - 1, program.microbatches
         act = ACT * program.stage_span  # an activation's id: (act + stage + 1) * mbs + mb
         self._ops(rank)
-        moves = not self.rules.transfers.keys().isdisjoint(map(_kind_of, actions))
+        transfers = self.rules.transfers
+        moves = not transfers.keys().isdisjoint(map(_kind_of, actions))
         holder: dict[int, int] = {}  # op key -> the unit running it; a CPU waits for units
         unit_at: dict[int, int] | None = {} if lowered.waits else None  # position -> unit
         steps: list[int] = []
         unsettled: list[int] = []  # BPipe's sends the next compute settles (``settle``)
         add_step, get = steps.append, holder.get
-        starts, keys, op_unit = self.op_start, self.op_key, self.op_unit
+        starts, keys, positions = self.op_start, self.op_key, self.op_position
+        op_unit = self.op_unit
         for step in lowered.steps[rank]:
             code, value = step & 3, step >> 2
-            if code == _POST:
-                if moves or unit_at is not None:
-                    self._post(rank, value, holder, unit_at, steps, unsettled)
-                else:
-                    for op in range(starts[value], starts[value + 1]):
-                        holder[keys[op]] = op_unit[op]
+            if code == _POST:  # in order: an op may wait for a transfer before it
+                for op in range(starts[value], starts[value + 1]):
+                    if moves and (action := actions[positions[op]]).kind in transfers:
+                        self._transfer_waits(action, op, holder, steps, unsettled)
+                    holder[keys[op]] = op_unit[op]
+                    if unit_at is not None:
+                        unit_at[positions[op]] = op_unit[op]
                 add_step(step)
                 if lowered.batch_flags[value] & _BLOCKING:
                     steps.extend(unit * 4 + _WAIT for unit in self.batch_units[value])
@@ -780,35 +774,21 @@ class _Model:
                 self.channels[(rank, peer, True) if send_bit else (peer, rank, False)] = members
             members.append(op)
 
-    def _post(
-        self,
-        rank: int,
-        batch: int,
-        holder: dict[int, int],
-        unit_at: dict[int, int] | None,
-        steps: list[int],
-        unsettled: list[int],
+    def _transfer_waits(
+        self, action: Action, op: int, holder: dict[int, int], steps: list[int], later: list[int]
     ) -> None:
-        """Note the ops of a batch of ``rank``'s as posted, after the waits of its BPipe
-        transfers (in order: an op may wait for one before it)."""
-        actions, rules = self.schedule.per_rank[rank], self.rules
-        for op in range(self.op_start[batch], self.op_start[batch + 1]):
-            position, unit = self.op_position[op], self.op_unit[op]
-            action = actions[position]
-            if (rule := rules.transfers.get(action.kind)) is not None:
-                # ``Rules.transfer_waits``: RS waits for the payload it returns, AC's payload
-                # for the header
-                waited = rules.transfer_waits(action)
-                if waited is not None and (rule.carries_data or self.op_key[op] & 1):
-                    key = self.program.id_of(waited) * 4
-                    for wanted in (key, key + 1) if rule.carries_data else (key,):
-                        if (waits_for := holder.get(wanted)) is not None:
-                            steps.append(waits_for * 4 + _WAIT)
-                if action.kind in _SENDS and rules.awaits(action):
-                    unsettled.append(unit)
-            holder[self.op_key[op]] = unit
-            if unit_at is not None:
-                unit_at[position] = unit
+        """A BPipe transfer's waits before it is posted (``Rules.transfer_waits``: RS for the
+        payload it returns, AC's payload for the header); ``later`` gets a send that the next
+        compute settles."""
+        rules = self.rules
+        rule, waited = rules.transfers[action.kind], rules.transfer_waits(action)
+        if waited is not None and (rule.carries_data or self.op_key[op] & 1):
+            key = self.program.id_of(waited) * 4
+            for wanted in (key, key + 1) if rule.carries_data else (key,):
+                if (unit := holder.get(wanted)) is not None:
+                    steps.append(unit * 4 + _WAIT)
+        if action.kind in _SENDS and rules.awaits(action):
+            later.append(self.op_unit[op])
 
     def _parts_needs(self, composite: Action) -> list[int]:
         """``_rank_steps``' wait keys of a composite's parts: their messages and a backward's
@@ -849,23 +829,19 @@ class _Model:
         return partner
 
     # running
-    def run(self) -> None:
+    def run(self, timing: Timing | None) -> None:
+        """One run, afresh: untimed (all clocks 0) or under ``timing``."""
         num_ranks = self.schedule.num_ranks
         nbatches, nunits = len(self.batch_units), len(self.unit_ops)
-        self.started = bytearray(nunits)
-        self.unit_done = bytearray(nunits)
+        self.started, self.unit_done = bytearray(nunits), bytearray(nunits)
         self.posted = bytearray(nbatches)
         self.left = [len(ops) for ops in self.unit_ops]
         self.queues: list[deque[int]] = [deque() for _ in self.streams]
         self.pc = [0] * num_ranks
         self.waiter: dict[int, int] = {}  # unit -> rank whose CPU waits for it
         self.ready: deque[int] = deque(range(num_ranks))
-        # clocks (all 0 untimed)
         zero: float = 0
-        self.cpu = [zero] * num_ranks
-        self.dp_free = [zero] * num_ranks
-        self.busy = [zero] * num_ranks
-        self.gather_wait = [zero] * num_ranks
+        self.cpu, self.dp_free, self.busy, self.gather_wait = ([zero] * num_ranks for _ in "1234")
         self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
         self.post_time = [zero] * nbatches
         self.start_time = [zero] * nunits
@@ -873,8 +849,8 @@ class _Model:
         self.unit_active: list[float] = [math.inf] * nunits  # when its first op got going
         self.done_time = [zero] * nbatches
         self.stream_free = [zero] * len(self.streams)
-        self.durations = {} if self.timing is None else _durations(self.timing)
-        self.op_time = self._op_times()
+        self.durations = {} if timing is None else _durations(timing)
+        self.op_time = self._op_times(timing)
         self.records: list[list[tuple[float, float, int]]] = [[] for _ in range(num_ranks)]
         while self.ready:
             self._advance(self.ready.popleft())
@@ -883,18 +859,11 @@ class _Model:
 
     def timed(self, timing: Timing) -> PostingRun:
         """One run under ``timing`` (``posting_timer``)."""
-        self.timing = timing
         with paused_gc():
-            self.run()
+            self.run(timing)
         self._deliver_outputs(timing)
-        records, unit_active, done_time = self.records, self.unit_active, self.done_time
-        return PostingRun(
-            self.cpu,
-            self.dp_free,
-            self.busy,
-            self.gather_wait,
-            lambda: self._events(records, unit_active, done_time),
-        )
+        events = partial(self._events, self.records, self.unit_active, self.done_time)
+        return PostingRun(self.cpu, self.dp_free, self.busy, self.gather_wait, events)
 
     def _deliver_outputs(self, timing: Timing) -> None:
         """``runtime.placement.deliver_to_last_rank``: where the last stage is not on the last
@@ -907,11 +876,10 @@ class _Model:
             ready = max(cpu[source], dp_end[source], cpu[target], dp_end[target])
             cpu[source] = cpu[target] = ready + 2 * timing.p2p
 
-    def _op_times(self) -> list[float]:
+    def _op_times(self, timing: Timing | None) -> list[float]:
         """Per op, how long it takes once both halves have started: a payload of stored
         activations (a restore, or an eviction's payload) ``timing.transfer``, an activation,
         a gradient or an eviction's size header ``timing.p2p``; 0 untimed."""
-        timing = self.timing
         if timing is None:
             return [0] * len(self.op_key)
         p2p, transfer = timing.p2p, timing.transfer
@@ -1090,19 +1058,16 @@ class _Model:
         queued = next(queue[0] for queue in self.queues if queue) if not stuck else -1
         node: tuple[str, int] = ("cpu", stuck[0]) if stuck else ("unit", queued)
         seen: dict[tuple[str, int], int] = {}
-        chain: list[tuple[tuple[str, int], str, tuple[int, int]]] = []
+        chain: list[tuple[str, tuple[int, int]]] = []
         while node not in seen:
             seen[node] = len(chain)
-            text, mark, node_next = self._explain(node)
-            chain.append((node, text, mark))
-            node = node_next
+            text, mark, node = self._explain(node)
+            chain.append((text, mark))
         cycle = chain[seen[node] :]
-        lines = [f"  {text}" for _, text, _ in cycle]
-        marks = {mark: "NCCL: stuck" for _, _, mark in cycle if mark[1] >= 0}
         return self._error(
             f"{self.schedule.name} deadlocks on NCCL when posted {self.posting.name}; the "
-            "cycle of waits:\n" + "\n".join(lines),
-            marks,
+            "cycle of waits:\n" + "\n".join(f"  {text}" for text, _ in cycle),
+            {mark: "NCCL: stuck" for _, mark in cycle if mark[1] >= 0},
         )
 
     def _batch_ops(self, batch: int) -> list[int]:
@@ -1180,8 +1145,7 @@ class _Model:
         return f"{message.what}{payload}{message.stage}.{message.microbatch}"
 
     def _error(self, message: str, marks: dict[tuple[int, int], str]) -> ScheduleError:
-        grid = format_schedule(self.schedule, marks=marks)
-        return ScheduleError(f"{message}\n{grid}")
+        return ScheduleError(f"{message}\n{format_schedule(self.schedule, marks=marks)}")
 
 
 _POST, _WAIT, _RUN = 0, 1, 2  # a CPU step's code (``_Model``)
