@@ -119,9 +119,7 @@ Step = int | Batch | Wait
 
 class Posting:
     """Per rank, the order in which the CPU runs the non-p2p actions and posts the batches.
-
-    Immutable; held as integers (``_Lowered``) or steps (``per_rank``), each made from the other
-    when first read (validation and the simulator need only the integers)."""
+    Immutable; validation and the simulator read only its integers (``lowered``)."""
 
     __slots__ = ("_lowered", "_per_rank", "name")
 
@@ -235,9 +233,8 @@ def _raised(lowered: _Lowered) -> tuple[tuple[Step, ...], ...]:
                 steps.append(Wait(lowered.waits[value]))
             else:
                 batch_items = tuple([Item(i >> 1, i & 1 == 1) for i in items[value]])
-                bits = flags[value]
-                blocking, pairwise, side = (bits & bit != 0 for bit in _FLAG_BITS)
-                steps.append(Batch(ticks[value], batch_items, blocking, pairwise, side))
+                bits = (flags[value] & bit != 0 for bit in _FLAG_BITS)  # blocking, pairwise, side
+                steps.append(Batch(ticks[value], batch_items, *bits))
         per_rank.append(tuple(steps))
     return tuple(per_rank)
 
@@ -371,11 +368,8 @@ class _TickReplay:
             rank = ready.popleft()
             queued[rank] = False
             self.at[rank] = self._advance(rank, self.at[rank])
-        pending = [
-            rank
-            for rank in range(len(programs))
-            if self.at[rank] < len(programs[rank]) or self.deferred[rank]
-        ]
+        at, deferred = self.at, self.deferred
+        pending = [r for r, actions in enumerate(programs) if at[r] < len(actions) or deferred[r]]
         if pending:
             raise ScheduleError(
                 f"{self.schedule.name}: no lock-step posting exists (ranks {pending} "
@@ -591,11 +585,8 @@ def _model(schedule: Schedule, posting: Posting, *, settle: bool) -> _Model:
     the timer too, and the other way round, where no BPipe send is settled after a compute
     (``_Model.settles``): the two then have the same steps, and ``run`` starts afresh."""
     for kept_schedule, kept_posting, model in _MODELS:
-        if (
-            kept_posting is posting
-            and kept_schedule is schedule
-            and (model.settle == settle or not model.settles)
-        ):
+        same = kept_posting is posting and kept_schedule is schedule
+        if same and (model.settle == settle or not model.settles):
             return model
     with paused_gc():  # columns of a million ops: see paused_gc
         model = _Model(schedule, posting, settle=settle)
@@ -615,11 +606,9 @@ def release_models() -> None:
 
 
 class _Model:
-    """NCCL's rules for one posting, optionally timed (``time_posting``).
-
-    A *unit* is what runs on a stream as one: a batch, or one op of a pairwise batch. Streams
-    are the rank's group stream, its side stream and, for pairwise ops, one per (rank, peer).
-    Ops are numbered in posting order, a batch's from ``op_start[batch]``, as columns (``op_*``);
+    """NCCL's rules for one posting, optionally timed. A *unit* runs on a stream as one: a batch,
+    or one op of a pairwise batch (on the stream of its (rank, peer); the others on the rank's
+    group or side stream). Ops are numbered in posting order, as columns (``op_*``);
     an op's or a CPU wait's key is ``message * 4 + send * 2 + rest``; a rank's CPU steps are
     ``value * 4 + code`` (``_POST`` a batch, ``_WAIT`` for a unit, ``_RUN`` a position)."""
 
@@ -642,10 +631,8 @@ class _Model:
         self.streams: dict[tuple[int, int], int] = {}  # (rank, peer; -1 for the group) -> id
         self.rank_batches = [0]  # per rank, its first batch (one more: the end)
         self._units()
-        # the unit it runs in: its batch's, or its own if pairwise
-        self.op_unit = [unit for unit, ops in enumerate(self.unit_ops) for _ in ops]
-        # (sender, receiver, send) -> its ops in posting order (``_match``)
-        self.channels: dict[tuple[int, int, bool], list[int]] = {}
+        self.op_unit = [unit for unit, ops in enumerate(self.unit_ops) for _ in ops]  # per op
+        self.channels: dict[tuple[int, int, bool], list[int]] = {}  # (src, dst, send) -> ops
         self.settles = False  # whether a send is settled after a compute (``settle`` or not)
         self.steps: list[list[int]] = [self._rank_steps(rank) for rank in range(schedule.num_ranks)]
         self.partner = self._match()
@@ -666,12 +653,8 @@ class _Model:
             self.batch_rank += [rank] * len(posted)
             self.batch_index += range(len(posted))
             if not any(flags[batch] & _PAIRWISE for batch in posted):  # a unit per batch
-                side = (
-                    [self._stream(rank, _SIDE)]
-                    if any(flags[b] & _SIDE_BATCH for b in posted)
-                    else []
-                )
-                streams = [group, *side]
+                has_side = any(flags[batch] & _SIDE_BATCH for batch in posted)
+                streams = [group, self._stream(rank, _SIDE) if has_side else -1]
                 first = len(unit_ops)
                 self.batch_units += [[unit] for unit in range(first, first + len(posted))]
                 unit_ops += [list(range(starts[batch], starts[batch + 1])) for batch in posted]
@@ -679,8 +662,7 @@ class _Model:
                 self.unit_stream += [streams[flags[batch] & _SIDE_BATCH != 0] for batch in posted]
                 continue
             for batch in posted:
-                bits, units = flags[batch], list[int]()
-                self.batch_units.append(units)
+                bits = flags[batch]
                 if bits & _PAIRWISE:
                     ops = [[op] for op in range(starts[batch], starts[batch + 1])]
                     peers = [programs[rank][positions[op]].peer or 0 for [op] in ops]
@@ -688,7 +670,7 @@ class _Model:
                 else:
                     ops = [list(range(starts[batch], starts[batch + 1]))]
                     streams = [self._stream(rank, _SIDE) if bits & _SIDE_BATCH else group]
-                units += range(len(unit_ops), len(unit_ops) + len(ops))
+                self.batch_units.append(list(range(len(unit_ops), len(unit_ops) + len(ops))))
                 unit_ops += ops
                 self.unit_batch += [batch] * len(ops)
                 self.unit_stream += streams
@@ -880,9 +862,7 @@ class _Model:
         """Per op, how long it takes once both halves have started: a payload of stored
         activations (a restore, or an eviction's payload) ``timing.transfer``, an activation,
         a gradient or an eviction's size header ``timing.p2p``; 0 untimed."""
-        if timing is None:
-            return [0] * len(self.op_key)
-        p2p, transfer = timing.p2p, timing.transfer
+        p2p, transfer = (0, 0) if timing is None else (timing.p2p, timing.transfer)
         if transfer == p2p:
             return [p2p] * len(self.op_key)
         per_what = self.program.stage_span * self.program.microbatches
@@ -933,12 +913,10 @@ class _Model:
         now = self.cpu[rank]
         if kind in _COMPUTE:
             start, gathered, ps_done = now, None, self.ps_done[rank]
-            if not ps_done:
-                pass  # no gather pending
-            elif kind is _FB:  # the composite rule: both parts' stages gathered
+            if ps_done and kind is _FB:  # the composite rule: both parts' stages gathered
                 gathers = [ps_done.pop(part.stage, None) for part in parts(action)]
                 gathered = max((g for g in gathers if g is not None), default=None)
-            else:
+            elif ps_done:  # a gather pending
                 gathered = ps_done.pop(action.stage, None)
             if gathered is not None and gathered > start:
                 self.gather_wait[rank] += gathered - start
