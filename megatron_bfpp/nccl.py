@@ -7,54 +7,21 @@ NCCL (torch's ProcessGroupNCCL) is stricter than gloo in three ways that matter 
 2. all batches of one process group share one communicator and one stream: a rank's batch k+1
    starts only after its batch k has completed;
 3. a batch completes only when every op in it has been matched, and a send waits until the
-   receiver has *started* the batch holding its receive (rendezvous; NCCL buffers small sends,
-   the model assumes it buffers none).
+   receiver has *started* the batch holding its receive (the model assumes no buffering).
 
-So two ranks that each post "send" then "receive" as two batches deadlock on NCCL, though gloo
-(whose sends never wait, the rules of ``semantics``) runs them.
+**Lock-step posting** (``lockstep_posting``, what the runtime does): an as-soon-as-possible
+replay in nominal ticks (``TICKS``) puts each message in the batch of the tick its sender posts
+it at; each rank posts one batch per tick, in one canonical order, after its computes that end
+by that tick, so every op's partner is in the peer's batch of the same tick and, by induction on
+the tick, every batch completes. BPipe's payloads go in a ``side`` batch on the pair's own group
+right after the tick's batch, which holds the eviction's size header.
 
-**Lock-step posting** (``lockstep_posting``, what the runtime does: megatron-core's one batch per
-pipeline tick, generalised to any schedule). An as-soon-as-possible replay in nominal time
-numbers the compute actions: a forward lasts one tick, a backward two (``TICKS``), a message
-none, so that the ticks two ranks reach together are close in real time too. A message goes in
-the batch of the tick at which its sender posts it: SA / SG at the end of the compute before
-them, EV and RS there too but no earlier than the partner reaches its AC / LD (and RS a tick
-after the eviction it returns), so a payload arrives where the program order says it is
-received. Each rank posts one batch per tick it sends or receives at, in one canonical order
-both sides compute alike, after its computes that end by that tick and before those that start
-at it or later. Every op's partner is then in the peer's batch of the same tick, and by
-induction on the tick every batch completes: the batches of tick t are all posted once every
-compute that ends by t has run, those computes consume only batches of ticks before t, and the
-batches of a rank complete in tick order.
-
-BPipe's payloads go apart from the tick's batch, on a process group of the two partners alone
-(``runtime.p2p.pair_group``), so that a payload's transfer holds neither rank's later tick
-batches. An eviction is two messages of one tick: its size header in the tick's batch, then the
-payload in the pair's batch right after it (the *rest* items), which also holds the tick's
-restores (RS) and their receives (LD) (a ``side`` batch); the acceptor reads the header between
-the two, so it can post a receive of the right size.
-
-**The model** (``check_posting``) runs any posting under rules 1-3 with a strict CPU per rank:
-each rank executes its steps in order, waits at a compute for the batches holding what it
-consumes (and the send of its output before the backward that frees it, and BPipe's transfers
-after the next compute, as the runtime does on gloo), at a BPipe RS for the eviction it returns,
-before a payload batch for the eviction's header; a batch starts when posted and its predecessor
-on the rank has completed. Postings of other executors (``native_posting``) may also have
-``blocking`` batches, ``pairwise`` ones (each op on the stream of its (rank, peer) pair) and
-``Wait`` steps. A CPU that waits is stricter than a GPU, so what the model proves holds on both.
-A posting that cannot finish is reported with the cycle of waits and the per-rank grid.
-
-The model reads a posting as integers (``_Lowered``); ``lockstep_posting`` compiles straight into
-them, and the ``Batch`` / ``Item`` steps the runtime posts by (``Posting.per_rank``) are made
-from them when first read, so validation and the simulator build no object per batch. What each
-compute and BPipe transfer waits for is read from ``semantics.Rules`` (compiled:
-``program.Program``) and ops are paired by ``semantics.match_channels``: the rules are stated
-once, there.
-
-**Timing** (``posting_timer``) runs the same model with clocks: computes take their durations,
-an op completes a message time after both halves have started, a batch when all its ops have.
-Where no BPipe send is settled after a compute, the proof's model and the timer's are one, built
-once per posting (``_model``): validation proves the posting that the simulator then times.
+**The model** (``check_posting``) runs any posting under rules 1-3 with a strict CPU per rank,
+waiting where the runtime waits (what ``semantics.Rules`` says, compiled by ``program.Program``;
+ops paired by ``semantics.match_channels``), and reports a posting that cannot finish with its
+cycle of waits on the grid. It reads a posting as integers (``_Lowered``), into which
+``lockstep_posting`` compiles straight. **Timing** (``posting_timer``) runs the same model with
+clocks. Details: docs/design-notes.md, "NCCL-safe posting".
 """
 
 from __future__ import annotations
@@ -63,7 +30,8 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import accumulate, repeat
+from functools import partial
+from itertools import accumulate, groupby, repeat
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -125,14 +93,10 @@ class Item(NamedTuple):
 
 class Batch(NamedTuple):
     """One ``batch_isend_irecv`` of one rank; ``tick`` is -1 outside lock-step postings.
-
-    ``blocking``: the posting rank's CPU waits for the batch to complete before its next step
-    (megatron-core's ``_communicate`` without p2p overlap, ``batch_p2p_sync``). ``pairwise``:
-    the ops are separate ``isend`` / ``irecv`` calls, each on the stream of its (rank, peer)
-    pair, first in first out per pair, instead of one group on the rank's single stream
-    (megatron-core's non-batched path, interleaved with ``overlap_p2p_comm``). ``side``: one
-    group of ops on the rank's second stream, FIFO, apart from its first (BPipe's payloads on
-    the partners' own process group). A named tuple: cheaper to build than a dataclass."""
+    ``blocking``: the CPU waits for it before its next step (megatron-core's ``batch_p2p_sync``);
+    ``pairwise``: separate ``isend`` / ``irecv`` calls, each FIFO on the stream of its (rank,
+    peer) pair (megatron-core's non-batched path); ``side``: one group on the rank's second
+    stream (BPipe's payloads on the partners' own group)."""
 
     tick: int
     items: tuple[Item, ...]
@@ -155,9 +119,7 @@ Step = int | Batch | Wait
 
 class Posting:
     """Per rank, the order in which the CPU runs the non-p2p actions and posts the batches.
-
-    Immutable; held as integers (``_Lowered``) or steps (``per_rank``), each made from the other
-    when first read (validation and the simulator need only the integers)."""
+    Immutable; validation and the simulator read only its integers (``lowered``)."""
 
     __slots__ = ("_lowered", "_per_rank", "name")
 
@@ -165,17 +127,16 @@ class Posting:
     _per_rank: tuple[tuple[Step, ...], ...] | None
     _lowered: _Lowered | None
 
-    def __init__(self, name: str, per_rank: tuple[tuple[Step, ...], ...]) -> None:
+    def __init__(
+        self,
+        name: str,
+        per_rank: tuple[tuple[Step, ...], ...] | None,
+        lowered: _Lowered | None = None,
+    ) -> None:
+        """Either form may be None (not both): the other is made from it when first read."""
         _set(self, "name", name)
         _set(self, "_per_rank", per_rank)
-        _set(self, "_lowered", None)
-
-    @classmethod
-    def _compiled(cls, name: str, lowered: _Lowered) -> Posting:
-        posting = cls(name, ())
-        _set(posting, "_per_rank", None)
-        _set(posting, "_lowered", lowered)
-        return posting
+        _set(self, "_lowered", lowered)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"a Posting is immutable: cannot set {name}")
@@ -272,9 +233,8 @@ def _raised(lowered: _Lowered) -> tuple[tuple[Step, ...], ...]:
                 steps.append(Wait(lowered.waits[value]))
             else:
                 batch_items = tuple([Item(i >> 1, i & 1 == 1) for i in items[value]])
-                bits = flags[value]
-                blocking, pairwise, side = (bits & bit != 0 for bit in _FLAG_BITS)
-                steps.append(Batch(ticks[value], batch_items, blocking, pairwise, side))
+                bits = (flags[value] & bit != 0 for bit in _FLAG_BITS)  # blocking, pairwise, side
+                steps.append(Batch(ticks[value], batch_items, *bits))
         per_rank.append(tuple(steps))
     return tuple(per_rank)
 
@@ -292,7 +252,7 @@ def lockstep_posting(schedule: Schedule) -> Posting:
         ticks = _TickReplay(program).run()
         for rank, actions in enumerate(schedule.per_rank):
             _lockstep_steps(lowered, actions, ticks[rank], program.message[rank])
-    posting = Posting._compiled("lock-step", lowered)
+    posting = Posting("lock-step", None, lowered)
     _POSTINGS.insert(0, (schedule, posting))
     del _POSTINGS[_KEEP:]
     return posting
@@ -378,13 +338,10 @@ def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
 
 
 class _TickReplay:
-    """An as-soon-as-possible replay with nominal computes (``TICKS``) and instant messages.
-
-    Each rank advances until it needs a message not yet sent, and is resumed when it is sent.
-    BPipe's EV (RS) goes out no earlier than the tick at which the partner reaches its AC (LD)
-    in program order, and the evictor's (acceptor's) next compute waits for that, as the gloo
-    rules have it, so a payload arrives where program order says it is received. Every tick is
-    the largest of the ticks it depends on, so the order in which ranks advance changes none."""
+    """An as-soon-as-possible replay with nominal computes (``TICKS``) and instant messages: a
+    rank stops at a message not yet sent and resumes when it is; BPipe's EV (RS) goes out no
+    earlier than the partner's AC (LD), and the evictor's (acceptor's) next compute waits for it.
+    A tick is the largest of those it depends on, so the order ranks advance in changes none."""
 
     def __init__(self, program: Program) -> None:
         schedule = self.schedule = program.schedule
@@ -411,11 +368,8 @@ class _TickReplay:
             rank = ready.popleft()
             queued[rank] = False
             self.at[rank] = self._advance(rank, self.at[rank])
-        pending = [
-            rank
-            for rank in range(len(programs))
-            if self.at[rank] < len(programs[rank]) or self.deferred[rank]
-        ]
+        at, deferred = self.at, self.deferred
+        pending = [r for r, actions in enumerate(programs) if at[r] < len(actions) or deferred[r]]
         if pending:
             raise ScheduleError(
                 f"{self.schedule.name}: no lock-step posting exists (ranks {pending} "
@@ -540,6 +494,14 @@ class _TickReplay:
 _RECV = frozenset(kind for kind in K if kind.is_recv)
 
 
+def _durations(timing: Timing) -> dict[ActionKind, float]:
+    return {
+        **compute_durations(timing),
+        K.GRAD_SYNC: timing.grad_sync,
+        K.PARAM_SYNC: timing.param_sync,
+    }
+
+
 # --- as written -------------------------------------------------------------------------------
 def written_posting(schedule: Schedule) -> Posting:
     """Each run of p2p actions between two computes posted as one batch, in program order: how
@@ -547,17 +509,12 @@ def written_posting(schedule: Schedule) -> Posting:
     per_rank = []
     for actions in schedule.per_rank:
         steps: list[Step] = []
-        window: list[Item] = []
-        for position, action in enumerate(actions):
-            if action.kind.is_p2p:
-                window.append(Item(position))
-                continue
-            if window:
-                steps.append(Batch(-1, tuple(window)))
-                window = []
-            steps.append(position)
-        if window:
-            steps.append(Batch(-1, tuple(window)))
+        is_p2p = [action.kind.is_p2p for action in actions]
+        for p2p, run in groupby(range(len(actions)), is_p2p.__getitem__):
+            if p2p:
+                steps.append(Batch(-1, tuple(map(Item, run))))
+            else:
+                steps += run
         per_rank.append(tuple(steps))
     return Posting("as written", tuple(per_rank))
 
@@ -577,13 +534,12 @@ def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
     computes, what a file states) and as the runtime posts it (lock-step); a failure's reason
     without the grid."""
     report: dict[str, dict[str, object]] = {}
-    checks: tuple[tuple[str, Callable[[Schedule], object]], ...] = (
-        ("as_written", lambda s: check_posting(s, written_posting(s))),
-        ("lock_step", validate_nccl),  # the runtime's own check, partner pairs included
-    )
-    for key, check in checks:
+    for key, check in (
+        ("as_written", lambda: check_posting(schedule, written_posting(schedule))),
+        ("lock_step", lambda: validate_nccl(schedule)),  # the runtime's own check
+    ):
         try:
-            check(schedule)
+            check()
         except ScheduleError as error:
             report[key] = {"safe": False, "problem": str(error).split("\nrank ")[0]}
         else:
@@ -592,17 +548,14 @@ def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
 
 
 class PostingRun(NamedTuple):
-    """What ``time_posting`` found, in ``Timing``'s units (integers when its durations are).
+    """What ``time_posting`` found, per rank, in ``Timing``'s units (integers when its are)."""
 
-    ``clock``: per rank, when its CPU finished its last step; ``dp_end``: when its data-parallel
-    lane is done; ``busy``: the sum of its compute durations; ``gather_wait``: the time computes
-    waited for their stage's PS; ``events()``: compute, batch and GS / PS intervals that take
-    time, rank by rank, each rank's by start, built when called (the planner never draws)."""
-
-    clock: list[float]
-    dp_end: list[float]
-    busy: list[float]
-    gather_wait: list[float]
+    clock: list[float]  # when its CPU finished its last step
+    dp_end: list[float]  # when its data-parallel lane is done
+    busy: list[float]  # the sum of its compute durations
+    gather_wait: list[float]  # the time its computes waited for their stage's PS
+    # compute, batch and GS / PS intervals that take time, rank by rank, each rank's by start;
+    # built when called (the planner never draws)
     events: Callable[[], list[Event]]
 
 
@@ -610,9 +563,8 @@ def check_posting(schedule: Schedule, posting: Posting) -> None:
     """Run ``posting`` under NCCL's rules (module docstring); raise a ScheduleError naming the
     cycle of waits, above the grid, if it cannot finish."""
     model = _model(schedule, posting, settle=True)
-    model.timing = None  # a model kept from a timed run: untimed again
     with paused_gc():  # columns of a million ops: see paused_gc
-        model.run()
+        model.run(None)
 
 
 def time_posting(schedule: Schedule, posting: Posting, timing: Timing = _UNIT) -> PostingRun:
@@ -621,18 +573,9 @@ def time_posting(schedule: Schedule, posting: Posting, timing: Timing = _UNIT) -
 
 
 def posting_timer(schedule: Schedule, posting: Posting) -> Callable[[Timing], PostingRun]:
-    """A function that times ``posting`` under NCCL's rules, the model of ``check_posting``
-    with clocks; built once per posting and run per ``Timing`` (the planner times one schedule
-    under many costs).
-
-    A compute starts once the CPU is free and, for a stage's first compute after its PS, the
-    gather has ended. A batch starts once posted and the batch before it on its stream has
-    completed; an op completes ``timing.p2p`` (a payload: ``timing.transfer``) after both halves
-    have started. GS / PS run on the data-parallel lane as in ``semantics.replay``; the V-shapes'
-    loss delivery ends with two blocking messages (``_deliver_outputs``). Unlike
-    ``check_posting`` the CPU does not settle BPipe's sends after the next compute: on NCCL the
-    runtime polls them (``PipeComm.reap``). A CPU that waits for a batch stands for a GPU stream
-    that waits for it: the times are the same."""
+    """``check_posting``'s model with clocks, built once per posting and run per ``Timing`` (the
+    planner times one schedule under many costs). Its CPU does not settle BPipe's sends after
+    the next compute: on NCCL the runtime polls them (``PipeComm.reap``)."""
     return _model(schedule, posting, settle=False).timed
 
 
@@ -642,11 +585,8 @@ def _model(schedule: Schedule, posting: Posting, *, settle: bool) -> _Model:
     the timer too, and the other way round, where no BPipe send is settled after a compute
     (``_Model.settles``): the two then have the same steps, and ``run`` starts afresh."""
     for kept_schedule, kept_posting, model in _MODELS:
-        if (
-            kept_posting is posting
-            and kept_schedule is schedule
-            and (model.settle == settle or not model.settles)
-        ):
+        same = kept_posting is posting and kept_schedule is schedule
+        if same and (model.settle == settle or not model.settles):
             return model
     with paused_gc():  # columns of a million ops: see paused_gc
         model = _Model(schedule, posting, settle=settle)
@@ -666,27 +606,22 @@ def release_models() -> None:
 
 
 class _Model:
-    """NCCL's rules for one posting, optionally timed (``time_posting``).
-
-    A *unit* is what runs on a stream as one: a batch, or one op of a pairwise batch. Streams
-    are the rank's group stream, its side stream and, for pairwise ops, one per (rank, peer).
-    Ops are numbered in posting order, a batch's from ``op_start[batch]``, as columns (``op_*``);
+    """NCCL's rules for one posting, optionally timed. A *unit* runs on a stream as one: a batch,
+    or one op of a pairwise batch (on the stream of its (rank, peer); the others on the rank's
+    group or side stream). Ops are numbered in posting order, as columns (``op_*``);
     an op's or a CPU wait's key is ``message * 4 + send * 2 + rest``; a rank's CPU steps are
     ``value * 4 + code`` (``_POST`` a batch, ``_WAIT`` for a unit, ``_RUN`` a position)."""
 
     def __init__(self, schedule: Schedule, posting: Posting, *, settle: bool = True) -> None:
         self.schedule, self.posting, self.settle = schedule, posting, settle
-        self.timing: Timing | None = None
         self.program = compiled(schedule)
         self.rules = self.program.rules
-        num_ranks = schedule.num_ranks
-        lowered = posting.lowered
-        items = lowered.batch_items
+        items = posting.lowered.batch_items
         # ops, numbered in posting order (rank by rank: ``_Lowered``), a batch's in a row
         self.op_start = [0, *accumulate(map(len, items))]  # per batch, its first op
         self.op_position = [item >> 1 for batch in items for item in batch]
         self.op_key: list[int] = []  # message * 4 + send * 2 + rest (an eviction's payload)
-        self.batch_tick = lowered.batch_tick
+        self.batch_tick = posting.lowered.batch_tick
         self.batch_rank: list[int] = []
         self.batch_index: list[int] = []  # the batch's number on its rank
         self.batch_units: list[list[int]] = []
@@ -696,12 +631,10 @@ class _Model:
         self.streams: dict[tuple[int, int], int] = {}  # (rank, peer; -1 for the group) -> id
         self.rank_batches = [0]  # per rank, its first batch (one more: the end)
         self._units()
-        # the unit it runs in: its batch's, or its own if pairwise
-        self.op_unit = [unit for unit, ops in enumerate(self.unit_ops) for _ in ops]
-        # (sender, receiver, send) -> its ops in posting order (``_match``)
-        self.channels: dict[tuple[int, int, bool], list[int]] = {}
+        self.op_unit = [unit for unit, ops in enumerate(self.unit_ops) for _ in ops]  # per op
+        self.channels: dict[tuple[int, int, bool], list[int]] = {}  # (src, dst, send) -> ops
         self.settles = False  # whether a send is settled after a compute (``settle`` or not)
-        self.steps: list[list[int]] = [self._rank_steps(rank) for rank in range(num_ranks)]
+        self.steps: list[list[int]] = [self._rank_steps(rank) for rank in range(schedule.num_ranks)]
         self.partner = self._match()
 
     # building
@@ -720,12 +653,8 @@ class _Model:
             self.batch_rank += [rank] * len(posted)
             self.batch_index += range(len(posted))
             if not any(flags[batch] & _PAIRWISE for batch in posted):  # a unit per batch
-                side = (
-                    [self._stream(rank, _SIDE)]
-                    if any(flags[b] & _SIDE_BATCH for b in posted)
-                    else []
-                )
-                streams = [group, *side]
+                has_side = any(flags[batch] & _SIDE_BATCH for batch in posted)
+                streams = [group, self._stream(rank, _SIDE) if has_side else -1]
                 first = len(unit_ops)
                 self.batch_units += [[unit] for unit in range(first, first + len(posted))]
                 unit_ops += [list(range(starts[batch], starts[batch + 1])) for batch in posted]
@@ -733,8 +662,7 @@ class _Model:
                 self.unit_stream += [streams[flags[batch] & _SIDE_BATCH != 0] for batch in posted]
                 continue
             for batch in posted:
-                bits, units = flags[batch], list[int]()
-                self.batch_units.append(units)
+                bits = flags[batch]
                 if bits & _PAIRWISE:
                     ops = [[op] for op in range(starts[batch], starts[batch + 1])]
                     peers = [programs[rank][positions[op]].peer or 0 for [op] in ops]
@@ -742,7 +670,7 @@ class _Model:
                 else:
                     ops = [list(range(starts[batch], starts[batch + 1]))]
                     streams = [self._stream(rank, _SIDE) if bits & _SIDE_BATCH else group]
-                units += range(len(unit_ops), len(unit_ops) + len(ops))
+                self.batch_units.append(list(range(len(unit_ops), len(unit_ops) + len(ops))))
                 unit_ops += ops
                 self.unit_batch += [batch] * len(ops)
                 self.unit_stream += streams
@@ -756,27 +684,36 @@ class _Model:
         wait, restores, compute, frees = program.wait[rank], program.restore[rank], _COMPUTE, _FREES
         last, mbs = self.schedule.num_stages - 1, program.microbatches
         act = ACT * program.stage_span  # an activation's id: (act + stage + 1) * mbs + mb
-        first, end = self._op_keys(rank)
-        moves = not self.rules.transfers.keys().isdisjoint(map(_kind_of, actions))
+        self._ops(rank)
+        transfers = self.rules.transfers
+        moves = not transfers.keys().isdisjoint(map(_kind_of, actions))
         holder: dict[int, int] = {}  # op key -> the unit running it; a CPU waits for units
         unit_at: dict[int, int] | None = {} if lowered.waits else None  # position -> unit
         steps: list[int] = []
         unsettled: list[int] = []  # BPipe's sends the next compute settles (``settle``)
         add_step, get = steps.append, holder.get
-        starts, keys, op_unit = self.op_start, self.op_key, self.op_unit
+        starts, keys, positions = self.op_start, self.op_key, self.op_position
+        op_unit = self.op_unit
         for step in lowered.steps[rank]:
             code, value = step & 3, step >> 2
-            if code == _POST:
-                if moves or unit_at is not None:
-                    self._post(rank, value, holder, unit_at, steps, unsettled)
-                else:
-                    for op in range(starts[value], starts[value + 1]):
-                        holder[keys[op]] = op_unit[op]
+            if code == _POST:  # in order: an op may wait for a transfer before it
+                for op in range(starts[value], starts[value + 1]):
+                    if moves and (action := actions[positions[op]]).kind in transfers:
+                        self._transfer_waits(action, op, holder, steps, unsettled)
+                    holder[keys[op]] = op_unit[op]
+                    if unit_at is not None:
+                        unit_at[positions[op]] = op_unit[op]
                 add_step(step)
                 if lowered.batch_flags[value] & _BLOCKING:
                     steps.extend(unit * 4 + _WAIT for unit in self.batch_units[value])
-            elif code == _WAIT:
-                self._wait_for(rank, lowered.waits[value], unit_at or {}, steps)
+            elif code == _WAIT:  # for the units of these positions' ops, posted earlier
+                for position in lowered.waits[value]:
+                    if unit_at is None or position not in unit_at:
+                        raise self._error(
+                            f"rank {rank} waits for step {position}, which no earlier batch posts",
+                            {(rank, position): "ERROR HERE"},
+                        )
+                    add_step(unit_at[position] * 4 + _WAIT)
             elif (kind := actions[value].kind) not in compute:
                 add_step(step)
             else:
@@ -799,67 +736,41 @@ class _Model:
                         steps.extend(unit * 4 + _WAIT for unit in unsettled)
                     unsettled.clear()
         steps.extend(unit * 4 + _WAIT for unit in sorted(set(holder.values())))
-        self._channels(rank, first, end)
         return steps
 
-    def _op_keys(self, rank: int) -> tuple[int, int]:
-        """Fill ``op_key`` for ``rank``'s ops; their ids, ``first`` to ``end``."""
+    def _ops(self, rank: int) -> None:
+        """Fill ``op_key`` for ``rank``'s ops and add them to their channels, in posting order."""
         actions, messages = self.schedule.per_rank[rank], self.program.message[rank]
-        items, send = self.posting.lowered.batch_items, _SEND_BIT
-        batches = items[self.rank_batches[rank] : self.rank_batches[rank + 1]]
-        first = len(self.op_key)
-        self.op_key += [
+        items, send, positions = self.posting.lowered.batch_items, _SEND_BIT, self.op_position
+        first, keys = len(self.op_key), self.op_key
+        keys += [
             messages[item >> 1] * 4 + send[actions[item >> 1].kind] + (item & 1)
-            for batch in batches
+            for batch in items[self.rank_batches[rank] : self.rank_batches[rank + 1]]
             for item in batch
         ]
-        return first, len(self.op_key)
-
-    def _post(
-        self,
-        rank: int,
-        batch: int,
-        holder: dict[int, int],
-        unit_at: dict[int, int] | None,
-        steps: list[int],
-        unsettled: list[int],
-    ) -> None:
-        """Note the ops of a batch of ``rank``'s as posted, after the waits of its BPipe
-        transfers (in order: an op may wait for one before it)."""
-        actions, transfers = self.schedule.per_rank[rank], self.rules.transfers
-        for op in range(self.op_start[batch], self.op_start[batch + 1]):
-            position, unit = self.op_position[op], self.op_unit[op]
-            action = actions[position]
-            if action.kind in transfers:
-                self._transfer_waits(action, self.op_key[op] & 1 == 1, holder, steps)
-                if action.kind in _SENDS and self.rules.awaits(action):
-                    unsettled.append(unit)
-            holder[self.op_key[op]] = unit
-            if unit_at is not None:
-                unit_at[position] = unit
-
-    def _wait_for(
-        self, rank: int, positions: tuple[int, ...], unit_at: dict[int, int], steps: list[int]
-    ) -> None:
-        """A ``Wait``: for the units of these positions' ops, posted earlier."""
-        for position in positions:
-            if position not in unit_at:
-                raise self._error(
-                    f"rank {rank} waits for step {position}, which no earlier batch posts",
-                    {(rank, position): "ERROR HERE"},
-                )
-            steps.append(unit_at[position] * 4 + _WAIT)
-
-    def _channels(self, rank: int, first: int, end: int) -> None:
-        """Add ``rank``'s ops ``first`` to ``end`` to their channels, in posting order."""
-        actions, positions, keys = self.schedule.per_rank[rank], self.op_position, self.op_key
         mine: dict[int, list[int]] = {}  # peer * 2 + send -> the channel's ops
-        for op in range(first, end):
-            peer, send = actions[positions[op]].peer or 0, keys[op] >> 1 & 1
-            if (members := mine.get(peer * 2 + send)) is None:
-                members = mine[peer * 2 + send] = []
-                self.channels[(rank, peer, True) if send else (peer, rank, False)] = members
+        for op in range(first, len(keys)):
+            peer, send_bit = actions[positions[op]].peer or 0, keys[op] >> 1 & 1
+            if (members := mine.get(peer * 2 + send_bit)) is None:
+                members = mine[peer * 2 + send_bit] = []
+                self.channels[(rank, peer, True) if send_bit else (peer, rank, False)] = members
             members.append(op)
+
+    def _transfer_waits(
+        self, action: Action, op: int, holder: dict[int, int], steps: list[int], later: list[int]
+    ) -> None:
+        """A BPipe transfer's waits before it is posted (``Rules.transfer_waits``: RS for the
+        payload it returns, AC's payload for the header); ``later`` gets a send that the next
+        compute settles."""
+        rules = self.rules
+        rule, waited = rules.transfers[action.kind], rules.transfer_waits(action)
+        if waited is not None and (rule.carries_data or self.op_key[op] & 1):
+            key = self.program.id_of(waited) * 4
+            for wanted in (key, key + 1) if rule.carries_data else (key,):
+                if (unit := holder.get(wanted)) is not None:
+                    steps.append(unit * 4 + _WAIT)
+        if action.kind in _SENDS and rules.awaits(action):
+            later.append(self.op_unit[op])
 
     def _parts_needs(self, composite: Action) -> list[int]:
         """``_rank_steps``' wait keys of a composite's parts: their messages and a backward's
@@ -871,20 +782,6 @@ class _Model:
             if part.kind in _FREES and not self.schedule.layout.is_last(part.stage):
                 needs.append(program.id(ACT, part.stage, part.microbatch or 0) * 4 + 2)
         return needs
-
-    def _transfer_waits(
-        self, action: Action, rest: bool, holder: dict[int, int], steps: list[int]
-    ) -> None:
-        """A BPipe transfer's waits (``Rules.transfer_waits``): AC reads the header before the
-        payload is posted, RS waits for the payload it returns."""
-        rules, program = self.rules, self.program
-        rule = rules.transfers[action.kind]
-        waited = rules.transfer_waits(action)
-        if waited is not None and (rule.carries_data or rest):
-            key = program.id_of(waited) * 4
-            for wanted in (key, key + 1) if rule.carries_data else (key,):
-                if (unit := holder.get(wanted)) is not None:
-                    steps.append(unit * 4 + _WAIT)
 
     def _match(self) -> list[int]:
         """Pair each op with its partner (``semantics.match_channels``: by posting order, the
@@ -914,23 +811,19 @@ class _Model:
         return partner
 
     # running
-    def run(self) -> None:
+    def run(self, timing: Timing | None) -> None:
+        """One run, afresh: untimed (all clocks 0) or under ``timing``."""
         num_ranks = self.schedule.num_ranks
         nbatches, nunits = len(self.batch_units), len(self.unit_ops)
-        self.started = bytearray(nunits)
-        self.unit_done = bytearray(nunits)
+        self.started, self.unit_done = bytearray(nunits), bytearray(nunits)
         self.posted = bytearray(nbatches)
         self.left = [len(ops) for ops in self.unit_ops]
         self.queues: list[deque[int]] = [deque() for _ in self.streams]
         self.pc = [0] * num_ranks
         self.waiter: dict[int, int] = {}  # unit -> rank whose CPU waits for it
         self.ready: deque[int] = deque(range(num_ranks))
-        # clocks (all 0 untimed)
         zero: float = 0
-        self.cpu = [zero] * num_ranks
-        self.dp_free = [zero] * num_ranks
-        self.busy = [zero] * num_ranks
-        self.gather_wait = [zero] * num_ranks
+        self.cpu, self.dp_free, self.busy, self.gather_wait = ([zero] * num_ranks for _ in "1234")
         self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
         self.post_time = [zero] * nbatches
         self.start_time = [zero] * nunits
@@ -938,8 +831,8 @@ class _Model:
         self.unit_active: list[float] = [math.inf] * nunits  # when its first op got going
         self.done_time = [zero] * nbatches
         self.stream_free = [zero] * len(self.streams)
-        self.durations = self._durations()
-        self.op_time = self._op_times()
+        self.durations = {} if timing is None else _durations(timing)
+        self.op_time = self._op_times(timing)
         self.records: list[list[tuple[float, float, int]]] = [[] for _ in range(num_ranks)]
         while self.ready:
             self._advance(self.ready.popleft())
@@ -948,18 +841,11 @@ class _Model:
 
     def timed(self, timing: Timing) -> PostingRun:
         """One run under ``timing`` (``posting_timer``)."""
-        self.timing = timing
         with paused_gc():
-            self.run()
+            self.run(timing)
         self._deliver_outputs(timing)
-        records, unit_active, done_time = self.records, self.unit_active, self.done_time
-        return PostingRun(
-            self.cpu,
-            self.dp_free,
-            self.busy,
-            self.gather_wait,
-            lambda: self._events(records, unit_active, done_time),
-        )
+        events = partial(self._events, self.records, self.unit_active, self.done_time)
+        return PostingRun(self.cpu, self.dp_free, self.busy, self.gather_wait, events)
 
     def _deliver_outputs(self, timing: Timing) -> None:
         """``runtime.placement.deliver_to_last_rank``: where the last stage is not on the last
@@ -972,24 +858,11 @@ class _Model:
             ready = max(cpu[source], dp_end[source], cpu[target], dp_end[target])
             cpu[source] = cpu[target] = ready + 2 * timing.p2p
 
-    def _durations(self) -> dict[ActionKind, float]:
-        timing = self.timing
-        if timing is None:
-            return {}
-        return {
-            **compute_durations(timing),
-            K.GRAD_SYNC: timing.grad_sync,
-            K.PARAM_SYNC: timing.param_sync,
-        }
-
-    def _op_times(self) -> list[float]:
+    def _op_times(self, timing: Timing | None) -> list[float]:
         """Per op, how long it takes once both halves have started: a payload of stored
         activations (a restore, or an eviction's payload) ``timing.transfer``, an activation,
         a gradient or an eviction's size header ``timing.p2p``; 0 untimed."""
-        timing = self.timing
-        if timing is None:
-            return [0] * len(self.op_key)
-        p2p, transfer = timing.p2p, timing.transfer
+        p2p, transfer = (0, 0) if timing is None else (timing.p2p, timing.transfer)
         if transfer == p2p:
             return [p2p] * len(self.op_key)
         per_what = self.program.stage_span * self.program.microbatches
@@ -1040,12 +913,10 @@ class _Model:
         now = self.cpu[rank]
         if kind in _COMPUTE:
             start, gathered, ps_done = now, None, self.ps_done[rank]
-            if not ps_done:
-                pass  # no gather pending
-            elif kind is _FB:  # the composite rule: both parts' stages gathered
+            if ps_done and kind is _FB:  # the composite rule: both parts' stages gathered
                 gathers = [ps_done.pop(part.stage, None) for part in parts(action)]
                 gathered = max((g for g in gathers if g is not None), default=None)
-            else:
+            elif ps_done:  # a gather pending
                 gathered = ps_done.pop(action.stage, None)
             if gathered is not None and gathered > start:
                 self.gather_wait[rank] += gathered - start
@@ -1132,16 +1003,7 @@ class _Model:
         batch on its rank's p2p lane from when its first op had both halves started to its
         completion where that takes time (a batch waiting for its peer is not busy)."""
         programs = self.schedule.per_rank
-        per_rank: list[list[Event]] = []
-        for rank, rows in enumerate(records):
-            events = []
-            for start, end, position in rows:
-                action = programs[rank][position]
-                lane: Lane = "compute" if action.kind in _COMPUTE else "dp"
-                label = str(action)
-                stage, mb = action.stage, action.microbatch
-                events.append(Event(rank, lane, label, stage, mb, action.kind, start, end))
-            per_rank.append(events)
+        per_rank = [[self._event(rank, *row) for row in rows] for rank, rows in enumerate(records)]
         for batch, units in enumerate(self.batch_units):
             start = min(unit_active[unit] for unit in units)
             end = done_time[batch]
@@ -1149,17 +1011,23 @@ class _Model:
                 continue
             rank = self.batch_rank[batch]
             ops = self._batch_ops(batch)
-            action = programs[rank][self.op_position[ops[0]]]
             label = " ".join(
                 str(programs[rank][self.op_position[op]]) + "+" * (self.op_key[op] & 1)
                 for op in ops
             )
-            per_rank[rank].append(
-                Event(rank, "p2p", label, action.stage, action.microbatch, action.kind, start, end)
-            )
+            per_rank[rank].append(self._event(rank, start, end, self.op_position[ops[0]], label))
         for events in per_rank:
-            events.sort(key=lambda event: event.start)
+            events.sort(key=_start_of)
         return [event for events in per_rank for event in events]
+
+    def _event(
+        self, rank: int, start: float, end: float, position: int, label: str | None = None
+    ) -> Event:
+        """A compute or GS / PS at ``position``, or with ``label`` a batch led by it."""
+        action = self.schedule.per_rank[rank][position]
+        lane: Lane = "p2p" if label else "compute" if action.kind in _COMPUTE else "dp"
+        text = label or str(action)
+        return Event(rank, lane, text, action.stage, action.microbatch, action.kind, start, end)
 
     # reporting
     def _deadlock(self) -> ScheduleError:
@@ -1168,19 +1036,16 @@ class _Model:
         queued = next(queue[0] for queue in self.queues if queue) if not stuck else -1
         node: tuple[str, int] = ("cpu", stuck[0]) if stuck else ("unit", queued)
         seen: dict[tuple[str, int], int] = {}
-        chain: list[tuple[tuple[str, int], str, tuple[int, int]]] = []
+        chain: list[tuple[str, tuple[int, int]]] = []
         while node not in seen:
             seen[node] = len(chain)
-            text, mark, node_next = self._explain(node)
-            chain.append((node, text, mark))
-            node = node_next
+            text, mark, node = self._explain(node)
+            chain.append((text, mark))
         cycle = chain[seen[node] :]
-        lines = [f"  {text}" for _, text, _ in cycle]
-        marks = {mark: "NCCL: stuck" for _, _, mark in cycle if mark[1] >= 0}
         return self._error(
             f"{self.schedule.name} deadlocks on NCCL when posted {self.posting.name}; the "
-            "cycle of waits:\n" + "\n".join(lines),
-            marks,
+            "cycle of waits:\n" + "\n".join(f"  {text}" for text, _ in cycle),
+            {mark: "NCCL: stuck" for _, mark in cycle if mark[1] >= 0},
         )
 
     def _batch_ops(self, batch: int) -> list[int]:
@@ -1258,11 +1123,11 @@ class _Model:
         return f"{message.what}{payload}{message.stage}.{message.microbatch}"
 
     def _error(self, message: str, marks: dict[tuple[int, int], str]) -> ScheduleError:
-        grid = format_schedule(self.schedule, marks=marks)
-        return ScheduleError(f"{message}\n{grid}")
+        return ScheduleError(f"{message}\n{format_schedule(self.schedule, marks=marks)}")
 
 
 _POST, _WAIT, _RUN = 0, 1, 2  # a CPU step's code (``_Model``)
 _SENDS = frozenset(kind for kind in K if kind.is_send)
 _SEND_BIT = {kind: 2 * kind.is_send for kind in K}  # an op key's send bit
 _kind_of = attrgetter("kind")
+_start_of = attrgetter("start")
