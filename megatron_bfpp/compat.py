@@ -578,11 +578,9 @@ class _OneRankGroup:
         return 0
 
 
-def model_process_groups(
-    *, pipeline_rank: int | None, embedding_group: bool, base: Any = None
-) -> Any:
+def model_process_groups(*, pipeline_rank: int, base: Any = None) -> Any:
     """The ``ProcessGroupCollection`` a model builds with (a copy of ``base``, or megatron's),
-    its pipeline group reporting ``pipeline_rank``; without ``embedding_group``, none."""
+    its pipeline group reporting ``pipeline_rank``, without an embedding group."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if base is None:
@@ -591,10 +589,8 @@ def model_process_groups(
         groups = copy.copy(base)
         if isinstance(groups.pp, _PipelineGroupAs):
             groups.pp = groups.pp._group
-    if pipeline_rank is not None:
-        groups.pp = _PipelineGroupAs(groups.pp, pipeline_rank)
-    if not embedding_group:
-        groups.embd = None
+    groups.pp = _PipelineGroupAs(groups.pp, pipeline_rank)
+    groups.embd = None
     return groups
 
 

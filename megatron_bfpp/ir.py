@@ -336,11 +336,11 @@ def _shown(text: str, limit: int = 40) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def _shown_sequence(values: Sequence[int], limit: int = 16) -> str:
+def _shown_sequence(values: Sequence[int]) -> str:
     """A sequence for a one-line message: in full when short, else its start and its length."""
-    if len(values) <= limit:
+    if len(values) <= 16:
         return str(tuple(values))
-    return f"({', '.join(map(str, values[:limit]))}, ... {len(values):,} in all)"
+    return f"({', '.join(map(str, values[:16]))}, ... {len(values):,} in all)"
 
 
 @dataclass(frozen=True, slots=True)

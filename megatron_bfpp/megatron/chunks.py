@@ -70,11 +70,7 @@ def build_chunks(
     v_shape = placement == Placement.V_SHAPE  # a plain string too, as layout_for takes
     chunks = []
     for place in chunk_places(layout, rank):
-        groups = (
-            model_process_groups(pipeline_rank=place.megatron_rank, embedding_group=False)
-            if v_shape
-            else None
-        )
+        groups = model_process_groups(pipeline_rank=place.megatron_rank) if v_shape else None
         chunks.append(
             provider(
                 pre_process=place.pre_process,
@@ -94,7 +90,7 @@ def placed_provider(
     num_ranks: int,
     rank: int,
     share_embeddings_and_output_weights: bool,
-    seeded_as: Callable[[int], contextlib.AbstractContextManager[bool]] | None = None,
+    seeded_as: Callable[[int], contextlib.AbstractContextManager[bool]],
 ) -> Callable[..., torch.nn.Module]:
     """A Megatron-LM ``model_provider`` building V-shape chunks in place of the looped ones its
     ``get_model`` asks for; ``seeded_as(q)`` seeds as 1F1B's pipeline rank ``q`` (``seeding``)."""
@@ -104,7 +100,7 @@ def placed_provider(
     def build(stage: int, vp_stage: int, kwargs: dict[str, Any]) -> torch.nn.Module:
         kwargs = dict(kwargs)
         kwargs["pg_collection"] = model_process_groups(
-            pipeline_rank=stage % num_ranks, embedding_group=False, base=kwargs.get("pg_collection")
+            pipeline_rank=stage % num_ranks, base=kwargs.get("pg_collection")
         )
         return provider(
             pre_process=stage == 0,
@@ -125,8 +121,7 @@ def placed_provider(
                 f"{vp_stage} (is --num-virtual-stages-per-pipeline-rank 2?)"
             )
         place = places[vp_stage]
-        seeding = seeded_as(place.stage // 2) if seeded_as is not None else contextlib.nullcontext()
-        with seeding as reseeded:
+        with seeded_as(place.stage // 2) as reseeded:
             if reseeded and place.stage % 2:
                 previous = place.stage - 1  # the first half of the same 1F1B rank's layers
                 build(previous, previous // num_ranks, kwargs)  # drawn, then dropped

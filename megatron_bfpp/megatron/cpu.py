@@ -21,7 +21,7 @@ import torch
 
 from megatron_bfpp.megatron.patches import Patches
 
-__all__ = ["cpu_megatron", "disable_cpu_megatron", "enable_cpu_megatron", "is_cpu_megatron_enabled"]
+__all__ = ["disable_cpu_megatron", "enable_cpu_megatron", "is_cpu_megatron_enabled"]
 
 _CPU = torch.device("cpu")
 # Constructors megatron-core calls with a literal CUDA device (``*_like`` follow their input).
@@ -81,18 +81,6 @@ def disable_cpu_megatron() -> None:
         import megatron.core.tensor_parallel.random as mrandom
 
         logging.getLogger(mrandom.__name__).removeFilter(_without_rng_warning)
-
-
-@contextlib.contextmanager
-def cpu_megatron() -> Iterator[None]:
-    """The redirects enabled inside, restored on exit if this call enabled them."""
-    was_enabled = is_cpu_megatron_enabled()
-    enable_cpu_megatron()
-    try:
-        yield
-    finally:
-        if not was_enabled:
-            disable_cpu_megatron()
 
 
 def _is_cuda(device: Any) -> bool:

@@ -63,9 +63,9 @@ class Model:
         return dataclasses.replace(self, seq_length=seq_length)
 
 
-def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = 128) -> int:
+def padded_vocab_size(vocab_size: int, *, tp: int) -> int:
     """Megatron-LM's ``--make-vocab-size-divisible-by 128``, times tp (its default)."""
-    multiple = divisible_by * tp
+    multiple = 128 * tp
     return -(-vocab_size // multiple) * multiple
 
 

@@ -669,7 +669,6 @@ def _size(
     options: SearchOptions,
     efficiency: Efficiency,
     force: bool = False,
-    actions: ActionBudget | None = None,
 ) -> tuple[_Sized | None, bool]:
     """Memory, durations and bounds of one candidate (None when it does not fit, unless
     ``force``); and whether it fits."""
@@ -678,7 +677,7 @@ def _size(
     weights = _weights(c, m, model, options.precision, options.distributed_optimizer)
     if not force and max(sum(w) for w in weights) > budget:
         return None, False  # the weights alone do not fit: no need to walk the schedule
-    memory, stage = _memory(c, m, model, options.precision, weights, actions)
+    memory, stage = _memory(c, m, model, options.precision, weights)
     fits = memory.total <= budget
     if not fits and not force:
         return None, False
