@@ -213,9 +213,7 @@ def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
     """When each compute action of a compute-only F / B / I / W schedule ends under ``replay``
     (per rank, in program order), and the ranks stuck: what a planning pass needs, cheaper.
     Raises ``ScheduleError`` for a lowered schedule or a stage outside the layout."""
-    kinds: set[ActionKind] = set()
-    for actions in schedule.per_rank:
-        kinds.update(map(_kind_of, actions))
+    kinds: set[ActionKind] = set().union(*(map(_kind_of, actions) for actions in schedule.per_rank))
     if not kinds <= _COMPUTE:
         raise ScheduleError(
             "compute_ends takes a compute-only schedule of F, B, I and W; use replay for "
@@ -316,8 +314,7 @@ class Rules:
         self.outputs = {_F: act_to, _B: grad_to, _I: grad_to, _W: none}
         self.output_rank = {_F: act_rank, _B: grad_rank, _I: grad_rank, _W: [-1] * num_stages}
         self.sends_for = self.outputs if self.implicit else dict.fromkeys(self.outputs, none)
-        table = {what: base[what] for what in range(6)}
-        table[-1] = [-1] * num_stages
+        table = [*base, [-1] * num_stages]  # -1, the last row: nothing
         self.transfers = {
             kind: Transfer(table[waits], table[sends], table[awaits], kind in _CARRIES_DATA)
             for kind, (waits, sends, awaits) in _TRANSFER_RULES.items()
@@ -445,7 +442,7 @@ class Wires:
         if woken is not None:
             self.ready.append(woken)
 
-    def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
+    def send(self, rank: int, dst: int, key: int, posted: float) -> None:
         """Send ``key`` from ``rank`` to ``dst``: untimed, it is there at once."""
         self.signal(key)
 
@@ -478,7 +475,7 @@ class Wires:
         if peer < num_ranks:
             key = (rule.sends[s] + mb) * num_ranks + peer
             if rule.carries_data:
-                self.send(rank, peer, key, t, (s, mb, kind))
+                self.send(rank, peer, key, t)
             else:
                 self.signal(key)
         if (base := rule.awaits[s]) >= 0:
@@ -537,9 +534,6 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
     return dict(sorted(stuck.items()))
 
 
-_Sent = tuple[int, int, ActionKind]  # (stage, micro-batch, kind) of a message, for its event
-
-
 class _Run(Wires):
     """``Wires`` with a clock per rank, link and data-parallel lane, events and memory."""
 
@@ -585,7 +579,7 @@ class _Run(Wires):
         if key in self.waiting:
             self.ready.append(self.waiting.pop(key))
 
-    def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
+    def send(self, rank: int, dst: int, key: int, posted: float) -> None:
         """BPipe's EV / RS (``_timed`` sends the rest itself): the message occupies its link,
         one at a time, for the transfer's duration, and is drawn if that takes time."""
         self.signal(key, self._occupy(rank, dst, posted, self.durations.transfer))
@@ -802,6 +796,7 @@ class Timeline:
         num_ranks, implicit, sends_for = rules.num_ranks, rules.implicit, rules.sends_for
         computes = compute_durations(timing)
         lanes = {_GS: timing.grad_sync, _PS: timing.param_sync}
+        sent = {_SA: timing.p2p, _SG: timing.p2p, _EV: timing.transfer, _RS: timing.transfer}
         user = self._user
         for a in rules.schedule.per_rank[rank]:
             kind, s, mb = a.kind, a.stage, a.microbatch
@@ -827,12 +822,7 @@ class Timeline:
                 if (end := start + lanes[kind]) > start:
                     yield Event(rank, "dp", str(a), s, None, kind, user(start), user(end))
                 continue
-            if kind is _SA or kind is _SG:
-                duration = timing.p2p
-            elif kind is _EV or kind is _RS:
-                duration = timing.transfer
-            else:
-                continue
+            duration = sent.get(kind, 0)
             if duration > 0 and a.peer is not None and a.peer < num_ranks:
                 if (start := next(starts, None)) is None:
                     return
