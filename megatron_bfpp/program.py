@@ -1,17 +1,11 @@
-"""A schedule compiled once into the integer form that the loops running it read.
-
-Every loop over a schedule's actions asks the same questions of each one: which message a
-point-to-point action sends or receives, and which message a compute waits for.
-``compile_program`` answers them once per schedule from ``Rules``' tables, as message ids
-(``Rules.id``, the one integer form of a message, for every micro-batch an action names):
+"""A schedule compiled once, from ``Rules``' tables, into the message ids (``Rules.id``, for
+every micro-batch an action names) that every loop over its actions would otherwise work out:
 
 * ``message[rank][position]``: a point-to-point action's message, -1 for the others;
-* ``wait[rank][position]``: the message a compute waits for from another rank (its input
-  activation or its output gradient, ``Rules.waits_for``), -1 for none or a non-compute;
-* ``restore[rank]``: position -> the restore a B / I also waits for because an LD brought its
-  activations back (``Rules.restored``), empty but for BPipe.
-* a composite waits for what its parts wait for (the composite rule): -1 in ``wait``, its parts'
-  by ``wait_of``, its backward's restore under its position in ``restore``.
+* ``wait[rank][position]``: the message a compute waits for from another rank
+  (``Rules.waits_for``), -1 for none; a composite's is -1, its parts' by ``wait_of``;
+* ``restore[rank]``: position -> the restore a B / I (a composite's backward) also waits for
+  because an LD brought its activations back (``Rules.restored``), empty but for BPipe.
 
 ``compiled`` keeps the programs of the last schedules it compiled, by identity.
 """

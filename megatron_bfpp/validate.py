@@ -15,25 +15,20 @@ several problems, the first (in rank order) of the first kind below is reported:
 4. message order: between two ranks, both sides post the same messages in the same order, since
    NCCL and gloo match point-to-point messages by posting order, not by meaning;
 5. deadlock: every program runs to its end;
-6. NCCL: the lock-step posting the runtime makes of a lowered schedule runs to its end under
-   NCCL's rules too (``nccl.validate_nccl``: one stream per rank, a batch done only when both
-   halves of every op are posted), so "validated" means safe under gloo's rules and NCCL's.
-7. data-parallel sync, per rank and chunk (stage), once the schedule has any GS / PS / RL
-   (``require_grad_sync``: always): exactly one GS for each chunk with a backward on the rank,
-   after its last backward, since megatron-core DDP reduces what the gradient buffers hold when
-   GS dispatches it (fully sharded: one GS per run of the chunk's backwards,
-   ``_residency_problem``); without sharded parameters at most one PS per chunk, before its
-   first compute (with them, the residency rules of ``_residency_problem``, under 3).
+6. NCCL: the runtime's lock-step posting of a lowered schedule runs to its end under NCCL's rules
+   too (``nccl.validate_nccl``), so "validated" means safe under gloo's rules and NCCL's.
+7. data-parallel sync, per rank and chunk, once the schedule has any GS / PS / RL
+   (``require_grad_sync``: always): one GS per chunk with a backward on the rank, after its last
+   backward, since megatron-core DDP reduces what the gradient buffers hold at GS; at most one
+   PS per chunk, before its first compute (sharded parameters: ``_residency_problem``, under 3).
 8. data order, per stage: its forwards take micro-batches in increasing order, since the runtime
    reads each model chunk's data iterator once per forward, in order, as megatron-core's
    ``forward_step`` does. One line, without the grid: the fix is one stage's forwards' order.
 
-The checks of one action do not depend on other ranks, so each rank is checked in one go, the part
-of a program after a step it would wait at forever included. The NCCL proof costs about 20 times the
-rest, so ``build_schedule`` leaves it to whoever posts its schedules (the runtime, the simulator,
-the catalogue's tests); a hand-made or CSV schedule gets it here. ``validate_schedule`` reports all
-kinds; ``validate_placement`` and the others the first problem of their own kind (or of an earlier
-kind, which they cannot see past)."""
+The checks of one action do not depend on other ranks, so each rank is checked in one go. The NCCL
+proof costs most, so ``build_schedule`` leaves it to whoever posts its schedules.
+``validate_placement`` and the other single kinds report the first problem of their own kind (or
+of an earlier kind, which they cannot see past)."""
 
 from __future__ import annotations
 
@@ -536,15 +531,10 @@ def _scan_transfer(
     if action.kind is _FB:  # a composite: _scan checks every rank again, with them as parts
         scan.composites = True
         return None
-    kind, stage, s2r = action.kind, action.stage, scan.stage_to_rank
+    kind, stage = action.kind, action.stage
     mb: int = action.microbatch  # type: ignore[assignment]  # transfers name one
     peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
-    owner = s2r[stage] if stage < len(s2r) else -1
-    if kind is _EV or kind is _LD:  # the evictor's side
-        placed = owner == rank and peer != rank
-    else:
-        placed = owner not in (-1, rank) and peer == owner
-    if not placed or mb >= scan.num_mb:
+    if _placement_problem(action, rank, scan.schedule) is not None:
         scan.misplaced(rank, position)
         return None
     rule, num_ranks = rules.transfers[kind], rules.num_ranks
@@ -651,7 +641,7 @@ def _rank_grad_sync_problem(
 ) -> ScheduleError | None:
     actions = schedule.per_rank[rank]
     stages = schedule.layout.stages_of(rank)
-    last_backward = _last_of(actions, stages, _BACKWARDS)
+    last_backward = _last_backward(actions, stages)
     first_use = _first_of(actions, stages)
     sharded = any(actions[p].kind is _RL for p in positions)  # PS / RL: _residency_problem
     synced: dict[int, int] = {}
@@ -694,23 +684,17 @@ def _rank_grad_sync_problem(
     return None
 
 
-_BACKWARDS = frozenset({_B, _I, _W})
-
-
-def _last_of(
-    actions: tuple[Action, ...], stages: tuple[int, ...], kinds: frozenset[ActionKind]
-) -> dict[int, int]:
-    """Position of each stage's last action of ``kinds`` (-1 if none), read from the back only
-    until every stage has one."""
+def _last_backward(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
+    """Position of each stage's last B / I / W (-1 if none), read from the back only until every
+    stage has one; an overlapped pair's backward (its last part) counts."""
     last = dict.fromkeys(stages, -1)
     missing = set(stages)
-    counted = kinds | {_FB}  # an overlapped pair: its backward (its last part) counts
     for position in range(len(actions) - 1, -1, -1):
         action = actions[position]
-        if action.kind in counted:
+        if action.kind in _BACKWARDS_OR_PAIR:
             if action.kind is _FB:
                 action = parts(action)[-1]
-            if action.kind in kinds and action.stage in missing:
+            if action.kind in _BACKWARDS_OR_PAIR and action.stage in missing:
                 last[action.stage] = position
                 missing.discard(action.stage)
                 if not missing:
@@ -731,6 +715,9 @@ def _first_of(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int,
             if not missing:
                 break
     return first
+
+
+_BACKWARDS_OR_PAIR = frozenset({_B, _I, _W, _FB})
 
 
 def _rank_channels(scan: _Scan, rank: int) -> tuple[list[list[int]], ...]:
