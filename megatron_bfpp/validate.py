@@ -531,10 +531,15 @@ def _scan_transfer(
     if action.kind is _FB:  # a composite: _scan checks every rank again, with them as parts
         scan.composites = True
         return None
-    kind, stage = action.kind, action.stage
+    kind, stage, s2r = action.kind, action.stage, scan.stage_to_rank
     mb: int = action.microbatch  # type: ignore[assignment]  # transfers name one
     peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
-    if _placement_problem(action, rank, scan.schedule) is not None:
+    owner = s2r[stage] if stage < len(s2r) else -1
+    if kind is _EV or kind is _LD:  # the evictor's side
+        placed = owner == rank and peer != rank
+    else:
+        placed = owner not in (-1, rank) and peer == owner
+    if not placed or mb >= scan.num_mb:
         scan.misplaced(rank, position)
         return None
     rule, num_ranks = rules.transfers[kind], rules.num_ranks
