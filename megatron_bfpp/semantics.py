@@ -364,12 +364,10 @@ def match_channels(sent: Sequence[T], received: Sequence[T]) -> Iterator[tuple[T
 
 class Transfer(NamedTuple):
     """What one kind of BPipe transfer does, per stage as message ids of micro-batch 0 (-1:
-    nothing; a key adds the micro-batch and is addressed to a rank, ``Rules.message``):
-    ``waits`` the evict it waits for (RS: to arrive; AC: its size header only), ``sends`` what
-    it sends its peer (EV, RS: the payload; AC, LD: the acknowledgement that the receive is
-    posted), ``awaits`` the acknowledgement the next compute waits for before the payload's
-    buffer is reused (EV, RS); all but ``sends`` to its own rank. An LD's restore is waited for
-    by a later backward (``Rules.restored``)."""
+    nothing; a key adds the micro-batch and is addressed to a rank, ``Rules.message``): ``waits``
+    for an evict (RS: to arrive; AC: its size header), ``sends`` its peer the payload (EV, RS)
+    or the acknowledgement of a posted receive (AC, LD), ``awaits`` that acknowledgement before
+    the next compute reuses the payload's buffer (EV, RS); all but ``sends`` on its own rank."""
 
     waits: list[int]
     sends: list[int]

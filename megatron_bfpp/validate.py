@@ -523,10 +523,9 @@ def _scan_transfer(
     awaiting: list[int],
     restores: dict[int, int],
 ) -> int | None:
-    """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD at ``position``: placement, the
-    waits and sends of ``Rules.transfers`` recorded (``Wires.transfer`` runs the same table),
-    the payload's channel and the transfer's checks. Returns how it changes the rank's count
-    of evicted-not-loaded activations, or None when misplaced or a composite (the pass ends)."""
+    """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD at ``position``, recording the
+    table ``Wires.transfer`` runs: how it changes the rank's count of evicted-not-loaded
+    activations, or None when misplaced or a composite (the pass ends)."""
     action, rules, flags = scan.schedule.per_rank[rank][position], scan.rules, scan.flags
     if action.kind is _FB:  # a composite: _scan checks every rank again, with them as parts
         scan.composites = True
