@@ -87,19 +87,11 @@ def compile_program(schedule: Schedule) -> Program:
                 wait_row[position] = base + mbs[position]
         messages.append(message_row)
         wait.append(wait_row)
-        restore.append(_restores(rules, rank, kinds, stages, mbs))
+        # each LD's restore where ``Rules.restored`` puts it
+        loads = [p for p, kind in enumerate(kinds) if kind is K.LOAD] if K.LOAD in kinds else []
+        waited = ((rules.restored(rank, p), p) for p in loads)
+        restore.append({at: rules.id(RESTORE, stages[p], mbs[p]) for at, p in waited if at >= 0})
     return Program(schedule, rules, tuple(messages), tuple(wait), tuple(restore), waits)
-
-
-def _restores(
-    rules: Rules, rank: int, kinds: list[ActionKind], stages: list[int], mbs: list[int]
-) -> dict[int, int]:
-    """``Program.restore`` of one rank: each LD's restore where ``Rules.restored`` puts it."""
-    if K.LOAD not in kinds:
-        return {}
-    loads = (p for p, kind in enumerate(kinds) if kind is K.LOAD)
-    waited = ((rules.restored(rank, p), p) for p in loads)
-    return {at: rules.id(RESTORE, stages[p], mbs[p]) for at, p in waited if at >= 0}
 
 
 def _mb_or_zero(action: object) -> int:
