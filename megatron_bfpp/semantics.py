@@ -678,10 +678,8 @@ def _timed(run: Wires, rank: int) -> Program:
 
 
 def _overlapped(run: Wires, rank: int, i: int, composite: Action) -> Program:
-    """A composite at position ``i`` under the composite rule, as ``_timed`` runs a compute
-    (``rank``'s clock and memory in ``run``): it starts once BPipe's acknowledgements, each
-    part's message and restore and each part's parameter gather are in, lasts the sum of its
-    parts' durations, counts their memory in order, and sends what they send at its end."""
+    """A composite at position ``i`` under the composite rule (module docstring), as ``_timed``
+    runs a compute, with ``rank``'s clock and memory in ``run``."""
     flow, compute = run.flow, run.compute
     while run.awaiting[rank] and (need := run.unacknowledged(rank)) >= 0:
         yield i, need

@@ -72,13 +72,11 @@ def validate_schedule(
     nccl: bool = True,
     require_grad_sync: bool = False,
 ) -> None:
-    """Every check, in one pass (the module docstring's kinds). A compute-only schedule (no
-    SA/RA/SG/RG yet) is checked as if each compute action sent its result the moment it finished,
-    which proves the order itself can run. With ``require_backward=False`` (forward-only, e.g.
+    """Every check, in one pass (the module docstring's kinds), a compute-only schedule under the
+    compute-only rule (``semantics``). With ``require_backward=False`` (forward-only, e.g.
     evaluation) a (stage, micro-batch) may have no backward, but one that has any must have a
     complete one. ``nccl``: check 6. ``require_grad_sync``: check 7 in a schedule without GS / PS /
-    RL too, where a runner would otherwise reduce nothing during the step (the runtime, a lowered
-    CSV)."""
+    RL too, where a runner would otherwise reduce nothing during the step (the runtime, a CSV)."""
     error = _find_problem(
         schedule,
         require_communication=require_communication,
@@ -583,10 +581,9 @@ def _scan_transfer(
 
 
 def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
-    """With sharded parameters (the rank has an RL) each chunk starts and ends the step
-    released, is gathered (PS) only while released and released (RL) only while gathered, and
-    computes only while gathered; a GS (one per run of its backwards) follows every backward of
-    a chunk that has one, reducing its gradients into its shard. Sharded schedules only."""
+    """Rule 7 with sharded parameters (the rank has an RL): each chunk released at both ends of
+    the step, gathered (PS) only while released, released (RL) and computing only while
+    gathered, and a GS after each run of its backwards, reducing them into its shard."""
     gathered: set[int] = set()
     unreduced: dict[int, int] = {}  # stage -> its first backward since its last GS
     reduces: dict[int, int] = {}  # stage -> its latest GS
