@@ -35,12 +35,9 @@ K = ActionKind
 
 class What(StrEnum):
     """What a message carries: the one list of message kinds (a ``str``: prints as its value).
-
     ``EVICT_POSTED`` / ``RESTORE_POSTED`` are BPipe's data-less acknowledgements that the partner
-    posted the receive (AC / LD), so the sender may release the payload's buffer. ``EVICT_SIZE``
-    is the runtime's 8-byte header of an eviction, sent in the tick's batch before the payload
-    (``runtime.p2p``): the acceptor posts it as the ``EVICT`` message's header.
-    """
+    posted the receive (AC / LD), so the sender may release the payload's buffer; ``EVICT_SIZE``
+    the runtime's 8-byte header of an eviction, posted before the payload (``runtime.p2p``)."""
 
     ACT = "act"
     GRAD = "grad"
@@ -59,11 +56,8 @@ ACT, GRAD, EVICT, RESTORE, EVICT_POSTED, RESTORE_POSTED, EVICT_SIZE = range(len(
 
 
 class Message(NamedTuple):
-    """What travels: a :class:`What` of (stage, microbatch).
-
-    ``act`` is stage ``stage``'s output, ``grad`` the gradient of stage ``stage``'s input, and
-    ``evict``/``restore`` the stored activations of the evictor's stage ``stage``.
-    """
+    """What travels: a :class:`What` of (stage, microbatch): ``act`` is stage ``stage``'s output,
+    ``grad`` the gradient of its input, ``evict``/``restore`` the evictor's stored activations."""
 
     what: What
     stage: int

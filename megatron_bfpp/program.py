@@ -1,17 +1,11 @@
-"""A schedule compiled once into the integer form that the loops running it read.
-
-Every loop over a schedule's actions asks the same questions of each one: which message a
-point-to-point action sends or receives, and which message a compute waits for.
-``compile_program`` answers them once per schedule from ``Rules``' tables, as message ids
-(``Rules.id``, the one integer form of a message, for every micro-batch an action names):
+"""A schedule compiled once, from ``Rules``' tables, into the message ids (``Rules.id``, for
+every micro-batch an action names) that every loop over its actions would otherwise work out:
 
 * ``message[rank][position]``: a point-to-point action's message, -1 for the others;
-* ``wait[rank][position]``: the message a compute waits for from another rank (its input
-  activation or its output gradient, ``Rules.waits_for``), -1 for none or a non-compute;
-* ``restore[rank]``: position -> the restore a B / I also waits for because an LD brought its
-  activations back (``Rules.restored``), empty but for BPipe.
-* a composite waits for what its parts wait for (the composite rule): -1 in ``wait``, its parts'
-  by ``wait_of``, its backward's restore under its position in ``restore``.
+* ``wait[rank][position]``: the message a compute waits for from another rank
+  (``Rules.waits_for``), -1 for none; a composite's is -1, its parts' by ``wait_of``;
+* ``restore[rank]``: position -> the restore a B / I (a composite's backward) also waits for
+  because an LD brought its activations back (``Rules.restored``), empty but for BPipe.
 
 ``compiled`` keeps the programs of the last schedules it compiled, by identity.
 """
@@ -93,19 +87,11 @@ def compile_program(schedule: Schedule) -> Program:
                 wait_row[position] = base + mbs[position]
         messages.append(message_row)
         wait.append(wait_row)
-        restore.append(_restores(rules, rank, kinds, stages, mbs))
+        # each LD's restore where ``Rules.restored`` puts it
+        loads = [p for p, kind in enumerate(kinds) if kind is K.LOAD] if K.LOAD in kinds else []
+        waited = ((rules.restored(rank, p), p) for p in loads)
+        restore.append({at: rules.id(RESTORE, stages[p], mbs[p]) for at, p in waited if at >= 0})
     return Program(schedule, rules, tuple(messages), tuple(wait), tuple(restore), waits)
-
-
-def _restores(
-    rules: Rules, rank: int, kinds: list[ActionKind], stages: list[int], mbs: list[int]
-) -> dict[int, int]:
-    """``Program.restore`` of one rank: each LD's restore where ``Rules.restored`` puts it."""
-    if K.LOAD not in kinds:
-        return {}
-    loads = (p for p, kind in enumerate(kinds) if kind is K.LOAD)
-    waited = ((rules.restored(rank, p), p) for p in loads)
-    return {at: rules.id(RESTORE, stages[p], mbs[p]) for at, p in waited if at >= 0}
 
 
 def _mb_or_zero(action: object) -> int:

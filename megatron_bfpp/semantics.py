@@ -6,10 +6,9 @@ rank runs its program in order, under these rules:
   action that consumes it: F for its input activation when the previous stage is on another
   rank, B / I for its output gradient when the next stage is, and also, once an LD has brought
   them back, for the evicted activations; RS for the activations its AC took in.
-* Between two ranks the k-th receive posted matches the k-th send posted, as NCCL and gloo
-  match point-to-point messages by posting order. The validator checks that both sides post the
-  same messages in the same order, so matching a receive to "its" message (the replay's way) is
-  the same thing.
+* Between two ranks the k-th receive posted matches the k-th send posted (NCCL and gloo match
+  by posting order); the validator proves both sides post the same messages in the same order,
+  so matching a receive to "its" message (the replay's way) is the same thing.
 * Two waits only order, they cost no time: AC reads the eviction's size header before any later
   receive from the evictor, so it waits for the evict to be sent; and the first compute after an
   EV (RS) waits until the partner has posted the matching AC (LD), because the runtime releases
@@ -25,12 +24,9 @@ rank runs its program in order, under these rules:
 * A rank that needs a message nobody has sent yet stops until it is sent. When every unfinished
   rank is stopped, the schedule deadlocks, and each stuck rank is marked where it waits.
 
-``Rules`` holds these rules for one schedule as tables; ``Wires`` holds the messages of one run
-and drives the ranks' programs, generators that yield the message their next action waits for,
-so a run is linear in the number of actions. ``replay`` (and ``compute_ends``) run them with
-clocks; the validator records each rank's waits and sends while it checks it (``Recorded``) and
-``run_recorded`` runs those without clocks, since it must check a schedule before any table may
-be trusted with it. Both share everything that decides when an action may run.
+``Rules`` holds these rules for one schedule as tables; ``Wires`` drives a run's programs,
+linear in the number of actions, with clocks (``replay``, ``compute_ends``); ``run_recorded``
+runs the waits and sends the validator records while it checks a schedule, without clocks.
 
 ``replay`` times a run under ``Timing``: a compute action starts when the rank is free and every
 message it consumes has arrived, and lasts its duration; a send occupies its directed link (sender,
@@ -180,8 +176,7 @@ class Replay(NamedTuple):
 def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
     """Run every program under the rules above with clocks, events and memory. Raises
     ``ScheduleError`` when an action names a stage outside the layout (``validate_schedule``
-    explains such a schedule; ``replay`` only refuses it); a message to a rank outside the layout
-    reaches nobody."""
+    says why); a message to a rank outside the layout reaches nobody."""
     run = _replayed(schedule, timing)
     timeline = Timeline(run.rules, timing, run.starts)
     return Replay(
@@ -189,7 +184,7 @@ def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
     )
 
 
-def _replayed(schedule: Schedule, timing: Timing, implicit: bool | None = None) -> _Run:
+def _replayed(schedule: Schedule, timing: Timing, implicit: bool | None = None) -> Wires:
     """One run of ``replay``, again with ids for any micro-batch after an IndexError (a
     micro-batch past the count); a stage outside the layout is a ``ScheduleError``."""
     rules = Rules(schedule, implicit=implicit)
@@ -197,7 +192,7 @@ def _replayed(schedule: Schedule, timing: Timing, implicit: bool | None = None) 
         try:
             if any_microbatch:
                 rules = Rules(schedule, implicit=rules.implicit, any_microbatch=True)
-            run = _Run(rules, timing)
+            run = Wires(rules, timing)
             run.run([_timed(run, rank) for rank in range(rules.num_ranks)])
             return run
         except IndexError:  # a micro-batch past the count, or a stage outside the layout
@@ -213,9 +208,7 @@ def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
     """When each compute action of a compute-only F / B / I / W schedule ends under ``replay``
     (per rank, in program order), and the ranks stuck: what a planning pass needs, cheaper.
     Raises ``ScheduleError`` for a lowered schedule or a stage outside the layout."""
-    kinds: set[ActionKind] = set()
-    for actions in schedule.per_rank:
-        kinds.update(map(_kind_of, actions))
+    kinds: set[ActionKind] = set().union(*(map(_kind_of, actions) for actions in schedule.per_rank))
     if not kinds <= _COMPUTE:
         raise ScheduleError(
             "compute_ends takes a compute-only schedule of F, B, I and W; use replay for "
@@ -225,7 +218,7 @@ def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
     return Ends([_ends(run, rank) for rank in range(len(run.starts))], run.stuck())
 
 
-def _ends(run: _Run, rank: int) -> list[float]:
+def _ends(run: Wires, rank: int) -> list[float]:
     """A compute-only rank's compute ends from the starts ``_timed`` recorded: one per compute,
     each followed by its implicit send's when messages take time (``Timeline._rank_events``)."""
     timing, starts, sends_for = run.durations, run.starts[rank], run.rules.sends_for
@@ -270,18 +263,12 @@ Program = Iterator[tuple[int, int]]  # a rank's program under way: see Wires.run
 
 
 class Rules:
-    """The rules of one schedule as per-stage tables of message ids (``id``; a message's id is
-    its stage's id of micro-batch 0 plus its micro-batch).
-
-    ``waits_for[kind][stage]``: the message an F (B / I) waits for when its input (output
-    gradient) comes from another rank; ``outputs[kind][stage]``: what an F (B / I) sends to the
-    neighbour stage's rank when that is another, ``output_rank[kind][stage]`` that rank (-1:
-    none); ``sends_for``: ``outputs`` where a compute-only schedule sends them without an SA /
-    SG; 0 for no message (no message has id 0; W never waits for data). ``base[what][stage]``:
-    a message's id of micro-batch 0. ``transfers[kind]``: BPipe's rules for EV / AC / RS / LD
-    (``Transfer``), which ``Wires.transfer`` and the validator apply. A composite
-    (``OVERLAP_F_B``) has no row: the composite rule (module docstring) applies these tables to
-    each of its parts (``ir.parts``)."""
+    """The rules of one schedule as per-stage tables of message ids of micro-batch 0 (``id``; add
+    the micro-batch; 0: no message), read ``table[kind][stage]``: ``waits_for`` what an F (B / I)
+    waits for from another rank, ``outputs`` what it sends to the neighbour stage's rank
+    ``output_rank`` (-1: none), ``sends_for`` ``outputs`` where a compute-only schedule sends
+    them without an SA / SG; ``base[what]``; ``transfers[kind]``: BPipe's (``Transfer``). A
+    composite has no row: the composite rule applies them to each of its parts."""
 
     def __init__(
         self, schedule: Schedule, *, implicit: bool | None = None, any_microbatch: bool = False
@@ -316,8 +303,7 @@ class Rules:
         self.outputs = {_F: act_to, _B: grad_to, _I: grad_to, _W: none}
         self.output_rank = {_F: act_rank, _B: grad_rank, _I: grad_rank, _W: [-1] * num_stages}
         self.sends_for = self.outputs if self.implicit else dict.fromkeys(self.outputs, none)
-        table = {what: base[what] for what in range(6)}
-        table[-1] = [-1] * num_stages
+        table = [*base, [-1] * num_stages]  # -1, the last row: nothing
         self.transfers = {
             kind: Transfer(table[waits], table[sends], table[awaits], kind in _CARRIES_DATA)
             for kind, (waits, sends, awaits) in _TRANSFER_RULES.items()
@@ -378,12 +364,10 @@ def match_channels(sent: Sequence[T], received: Sequence[T]) -> Iterator[tuple[T
 
 class Transfer(NamedTuple):
     """What one kind of BPipe transfer does, per stage as message ids of micro-batch 0 (-1:
-    nothing; a key adds the micro-batch and is addressed to a rank, ``Rules.message``):
-    ``waits`` the evict it waits for (RS: to arrive; AC: its size header only), ``sends`` what
-    it sends its peer (EV, RS: the payload; AC, LD: the acknowledgement that the receive is
-    posted), ``awaits`` the acknowledgement the next compute waits for before the payload's
-    buffer is reused (EV, RS); all but ``sends`` to its own rank. An LD's restore is waited for
-    by a later backward (``Rules.restored``)."""
+    nothing; a key adds the micro-batch and is addressed to a rank, ``Rules.message``): ``waits``
+    for an evict (RS: to arrive; AC: its size header), ``sends`` its peer the payload (EV, RS)
+    or the acknowledgement of a posted receive (AC, LD), ``awaits`` that acknowledgement before
+    the next compute reuses the payload's buffer (EV, RS); all but ``sends`` on its own rank."""
 
     waits: list[int]
     sends: list[int]
@@ -403,13 +387,11 @@ _RESTORED = frozenset({_B, _I})  # what waits for an LD's restore
 
 
 class Wires:
-    """The messages of one run under ``Rules``: which are sent (arrival times; all 0 when
-    untimed), which rank waits for which, the ranks ready to continue, and BPipe's per-rank
-    state. ``run`` drives the ranks' programs."""
+    """One run under ``Rules``: its messages (which are sent, when they arrive, which rank waits
+    for which), the ranks ready to continue, BPipe's per-rank state, and per rank its clock,
+    links, data-parallel lane, events and memory. ``run`` drives the ranks' programs."""
 
-    __slots__ = ("arrivals", "at", "awaiting", "ready", "restores", "rules", "waiting")
-
-    def __init__(self, rules: Rules) -> None:
+    def __init__(self, rules: Rules, timing: Timing) -> None:
         num_ranks = rules.num_ranks
         self.rules = rules
         self.arrivals: dict[int, float] = {}  # message key -> arrival time
@@ -419,6 +401,54 @@ class Wires:
         # Per rank: position -> the restore a backward there waits for (``Rules.restored``).
         self.restores: list[dict[int, int]] = [{} for _ in range(num_ranks)]
         self.awaiting: list[list[int]] = [[] for _ in range(num_ranks)]  # see transfer
+        self.durations = timing
+        # Activations and gradients index ``flow``, their arrival times (None: not sent).
+        self.flow: list[float | None] = [None] * rules.limit
+        waits, sends, to = rules.waits_for, rules.sends_for, rules.output_rank
+        # Per compute kind: its duration, how many stored activations it adds, and per stage
+        # what it waits for and sends (0 for nothing) and to which rank, in one lookup.
+        self.compute = {
+            kind: (duration, MEMORY_DELTA.get(kind, 0), waits[kind], sends[kind], to[kind])
+            for kind, duration in compute_durations(timing).items()
+        }
+        # What an SA / SG sends, per stage: (its id of micro-batch 0, the rank it must go to:
+        # one sent elsewhere reaches nobody).
+        self.sends = {_SA: (rules.base[ACT], to[_F]), _SG: (rules.base[GRAD], to[_B])}
+        self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
+        # Messages and transfers that take no time, in integer units (CostModel.exact): a link
+        # is then always free by its sender's clock, so ``_timed`` keeps no link clocks.
+        self.instant = (
+            timing.p2p == 0
+            and timing.transfer == 0
+            and all(type(getattr(timing, f.name)) is int for f in fields(timing))
+        )
+        # Clocks start at integer 0, so integer durations (CostModel.exact) stay integers.
+        self.clock: list[float] = [0] * num_ranks
+        self.dp_free: list[float] = [0] * num_ranks
+        self.busy: list[float] = [0] * num_ranks
+        self.waited: list[float] = [0] * num_ranks  # for gathers
+        self.held, self.peak = [0] * num_ranks, [0] * num_ranks
+        self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
+        self.starts: list[list[float]] = [[] for _ in range(num_ranks)]  # see Timeline
+        self.released = [False] * num_ranks
+
+    def message(self, rank: int, key: int, dst: int, t: float) -> None:
+        """An activation or gradient (its id, ``flow``'s) sent at ``t`` from ``rank`` to
+        ``dst``, as ``_timed`` sends one inline: at once when messages take no time, else over
+        its link, one at a time, drawn when it takes time."""
+        self.flow[key] = t if self.instant else self._occupy(rank, dst, t, self.durations.p2p)
+        if key in self.waiting:
+            self.ready.append(self.waiting.pop(key))
+
+    def _occupy(self, rank: int, dst: int, posted: float, duration: float) -> float:
+        """A message's arrival over the link ``rank`` -> ``dst``, one at a time from ``posted``;
+        its start noted for ``Timeline`` when it takes time."""
+        link = rank * self.rules.num_ranks + dst
+        start = max(self.link_free.get(link, 0), posted)
+        arrival = self.link_free[link] = start + duration
+        if duration > 0:
+            self.starts[rank].append(start)
+        return arrival
 
     def run(self, programs: list[Program]) -> None:
         """Resume ranks while any can move. A program is a generator of (position, message key)
@@ -444,10 +474,6 @@ class Wires:
         woken = self.waiting.pop(key, None)
         if woken is not None:
             self.ready.append(woken)
-
-    def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
-        """Send ``key`` from ``rank`` to ``dst``: untimed, it is there at once."""
-        self.signal(key)
 
     def unacknowledged(self, rank: int) -> int:
         """The first acknowledgement a compute action on ``rank`` still waits for, else -1
@@ -477,8 +503,8 @@ class Wires:
                 t = arrival
         if peer < num_ranks:
             key = (rule.sends[s] + mb) * num_ranks + peer
-            if rule.carries_data:
-                self.send(rank, peer, key, t, (s, mb, kind))
+            if rule.carries_data:  # EV / RS: the payload occupies its link (_occupy)
+                self.signal(key, self._occupy(rank, peer, t, self.durations.transfer))
             else:
                 self.signal(key)
         if (base := rule.awaits[s]) >= 0:
@@ -537,71 +563,10 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
     return dict(sorted(stuck.items()))
 
 
-_Sent = tuple[int, int, ActionKind]  # (stage, micro-batch, kind) of a message, for its event
+_Run = Wires  # the name tests/unit/test_semantics.py drives a timed run by
 
 
-class _Run(Wires):
-    """``Wires`` with a clock per rank, link and data-parallel lane, events and memory."""
-
-    def __init__(self, rules: Rules, timing: Timing) -> None:
-        super().__init__(rules)
-        num_ranks = rules.num_ranks
-        self.durations = timing
-        # Activations and gradients index ``flow``, their arrival times (None: not sent).
-        self.flow: list[float | None] = [None] * rules.limit
-        waits, sends, to = rules.waits_for, rules.sends_for, rules.output_rank
-        # Per compute kind: its duration, how many stored activations it adds, and per stage
-        # what it waits for and sends (0 for nothing) and to which rank, in one lookup.
-        self.compute = {
-            kind: (duration, MEMORY_DELTA.get(kind, 0), waits[kind], sends[kind], to[kind])
-            for kind, duration in compute_durations(timing).items()
-        }
-        # What an SA / SG sends, per stage: (its id of micro-batch 0, the rank it must go to:
-        # one sent elsewhere reaches nobody).
-        self.sends = {_SA: (rules.base[ACT], to[_F]), _SG: (rules.base[GRAD], to[_B])}
-        self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
-        # Messages and transfers that take no time, in integer units (CostModel.exact): a link
-        # is then always free by its sender's clock, so ``_timed`` keeps no link clocks.
-        self.instant = (
-            timing.p2p == 0
-            and timing.transfer == 0
-            and all(type(getattr(timing, f.name)) is int for f in fields(timing))
-        )
-        # Clocks start at integer 0, so integer durations (CostModel.exact) stay integers.
-        self.clock: list[float] = [0] * num_ranks
-        self.dp_free: list[float] = [0] * num_ranks
-        self.busy: list[float] = [0] * num_ranks
-        self.waited: list[float] = [0] * num_ranks  # for gathers
-        self.held, self.peak = [0] * num_ranks, [0] * num_ranks
-        self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
-        self.starts: list[list[float]] = [[] for _ in range(num_ranks)]  # see Timeline
-        self.released = [False] * num_ranks
-
-    def message(self, rank: int, key: int, dst: int, t: float) -> None:
-        """An activation or gradient (its id, ``flow``'s) sent at ``t`` from ``rank`` to
-        ``dst``, as ``_timed`` sends one inline: at once when messages take no time, else over
-        its link, one at a time, drawn when it takes time."""
-        self.flow[key] = t if self.instant else self._occupy(rank, dst, t, self.durations.p2p)
-        if key in self.waiting:
-            self.ready.append(self.waiting.pop(key))
-
-    def send(self, rank: int, dst: int, key: int, posted: float, action: _Sent) -> None:
-        """BPipe's EV / RS (``_timed`` sends the rest itself): the message occupies its link,
-        one at a time, for the transfer's duration, and is drawn if that takes time."""
-        self.signal(key, self._occupy(rank, dst, posted, self.durations.transfer))
-
-    def _occupy(self, rank: int, dst: int, posted: float, duration: float) -> float:
-        """A message's arrival over the link ``rank`` -> ``dst``, one at a time from ``posted``;
-        its start noted for ``Timeline`` when it takes time."""
-        link = rank * self.rules.num_ranks + dst
-        start = max(self.link_free.get(link, 0), posted)
-        arrival = self.link_free[link] = start + duration
-        if duration > 0:
-            self.starts[rank].append(start)
-        return arrival
-
-
-def _timed(run: _Run, rank: int) -> Program:
+def _timed(run: Wires, rank: int) -> Program:
     """``rank``'s program under ``Wires.run``, keeping its clock: the hot loop of ``replay``,
     one branch per common kind, numbers in locals."""
     rules, record = run.rules, run.starts[rank].append
@@ -712,11 +677,9 @@ def _timed(run: _Run, rank: int) -> Program:
     run.held[rank], run.peak[rank] = held_r, peak_r
 
 
-def _overlapped(run: _Run, rank: int, i: int, composite: Action) -> Program:
-    """A composite at position ``i`` under the composite rule, as ``_timed`` runs a compute
-    (``rank``'s clock and memory in ``run``): it starts once BPipe's acknowledgements, each
-    part's message and restore and each part's parameter gather are in, lasts the sum of its
-    parts' durations, counts their memory in order, and sends what they send at its end."""
+def _overlapped(run: Wires, rank: int, i: int, composite: Action) -> Program:
+    """A composite at position ``i`` under the composite rule (module docstring), as ``_timed``
+    runs a compute, with ``rank``'s clock and memory in ``run``."""
     flow, compute = run.flow, run.compute
     while run.awaiting[rank] and (need := run.unacknowledged(rank)) >= 0:
         yield i, need
@@ -755,7 +718,7 @@ def _overlapped(run: _Run, rank: int, i: int, composite: Action) -> Program:
             run.message(rank, key + part.microbatch, peers_row[part.stage], t)  # type: ignore[operator]
 
 
-def _data_parallel(run: _Run, rank: int, action: Action, t: float) -> None:
+def _data_parallel(run: Wires, rank: int, action: Action, t: float) -> None:
     """GS / PS on the rank's data-parallel lane: in program order, from its position's time."""
     kind = action.kind
     start = run.dp_free[rank]
@@ -769,12 +732,9 @@ def _data_parallel(run: _Run, rank: int, action: Action, t: float) -> None:
 
 
 class Timeline:
-    """The events of one ``replay``, drawn when first asked for. The replay keeps only, per rank,
-    the start of each busy interval in program order (a compute action, a send that takes time,
-    every GS / PS), since most callers never read the events. ``events`` walks each program again
-    under the same rules, adds the durations, and divides every time by ``per_unit``
-    (``CostModel.exact``; past the float range: ``inf``). Events come rank by rank, each rank's in
-    program order."""
+    """The events of one ``replay``, drawn when first asked for (most callers never read them)
+    from the start of each busy interval the replay keeps per rank, in program order, with every
+    time divided by ``per_unit`` (``CostModel.exact``; past the float range: ``inf``)."""
 
     __slots__ = ("_events", "per_unit", "rules", "starts", "timing")
 
@@ -802,6 +762,7 @@ class Timeline:
         num_ranks, implicit, sends_for = rules.num_ranks, rules.implicit, rules.sends_for
         computes = compute_durations(timing)
         lanes = {_GS: timing.grad_sync, _PS: timing.param_sync}
+        sent = {_SA: timing.p2p, _SG: timing.p2p, _EV: timing.transfer, _RS: timing.transfer}
         user = self._user
         for a in rules.schedule.per_rank[rank]:
             kind, s, mb = a.kind, a.stage, a.microbatch
@@ -827,12 +788,7 @@ class Timeline:
                 if (end := start + lanes[kind]) > start:
                     yield Event(rank, "dp", str(a), s, None, kind, user(start), user(end))
                 continue
-            if kind is _SA or kind is _SG:
-                duration = timing.p2p
-            elif kind is _EV or kind is _RS:
-                duration = timing.transfer
-            else:
-                continue
+            duration = sent.get(kind, 0)
             if duration > 0 and a.peer is not None and a.peer < num_ranks:
                 if (start := next(starts, None)) is None:
                     return

@@ -15,31 +15,25 @@ several problems, the first (in rank order) of the first kind below is reported:
 4. message order: between two ranks, both sides post the same messages in the same order, since
    NCCL and gloo match point-to-point messages by posting order, not by meaning;
 5. deadlock: every program runs to its end;
-6. NCCL: the lock-step posting the runtime makes of a lowered schedule runs to its end under
-   NCCL's rules too (``nccl.validate_nccl``: one stream per rank, a batch done only when both
-   halves of every op are posted), so "validated" means safe under gloo's rules and NCCL's.
-7. data-parallel sync, per rank and chunk (stage), once the schedule has any GS / PS / RL
-   (``require_grad_sync``: always): exactly one GS for each chunk with a backward on the rank,
-   after its last backward, since megatron-core DDP reduces what the gradient buffers hold when
-   GS dispatches it (fully sharded: one GS per run of the chunk's backwards,
-   ``_residency_problem``); without sharded parameters at most one PS per chunk, before its
-   first compute (with them, the residency rules of ``_residency_problem``, under 3).
+6. NCCL: the runtime's lock-step posting of a lowered schedule runs to its end under NCCL's rules
+   too (``nccl.validate_nccl``), so "validated" means safe under gloo's rules and NCCL's.
+7. data-parallel sync, per rank and chunk, once the schedule has any GS / PS / RL
+   (``require_grad_sync``: always): one GS per chunk with a backward on the rank, after its last
+   backward, since megatron-core DDP reduces what the gradient buffers hold at GS; at most one
+   PS per chunk, before its first compute (sharded parameters: ``_residency_problem``, under 3).
 8. data order, per stage: its forwards take micro-batches in increasing order, since the runtime
    reads each model chunk's data iterator once per forward, in order, as megatron-core's
    ``forward_step`` does. One line, without the grid: the fix is one stage's forwards' order.
 
-The checks of one action do not depend on other ranks, so each rank is checked in one go, the part
-of a program after a step it would wait at forever included. The NCCL proof costs about 20 times the
-rest, so ``build_schedule`` leaves it to whoever posts its schedules (the runtime, the simulator,
-the catalogue's tests); a hand-made or CSV schedule gets it here. ``validate_schedule`` reports all
-kinds; ``validate_placement`` and the others the first problem of their own kind (or of an earlier
-kind, which they cannot see past)."""
+The checks of one action do not depend on other ranks, so each rank is checked in one go. The NCCL
+proof costs most, so ``build_schedule`` leaves it to whoever posts its schedules.
+``validate_placement`` and the other single kinds report the first problem of their own kind (or
+of an earlier kind, which they cannot see past)."""
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
-from typing import NamedTuple
 
 from megatron_bfpp.ir import (
     Action,
@@ -78,13 +72,11 @@ def validate_schedule(
     nccl: bool = True,
     require_grad_sync: bool = False,
 ) -> None:
-    """Every check, in one pass (the module docstring's kinds). A compute-only schedule (no
-    SA/RA/SG/RG yet) is checked as if each compute action sent its result the moment it finished,
-    which proves the order itself can run. With ``require_backward=False`` (forward-only, e.g.
+    """Every check, in one pass (the module docstring's kinds), a compute-only schedule under the
+    compute-only rule (``semantics``). With ``require_backward=False`` (forward-only, e.g.
     evaluation) a (stage, micro-batch) may have no backward, but one that has any must have a
     complete one. ``nccl``: check 6. ``require_grad_sync``: check 7 in a schedule without GS / PS /
-    RL too, where a runner would otherwise reduce nothing during the step (the runtime, a lowered
-    CSV)."""
+    RL too, where a runner would otherwise reduce nothing during the step (the runtime, a CSV)."""
     error = _find_problem(
         schedule,
         require_communication=require_communication,
@@ -210,7 +202,6 @@ class _Scan:
         self.num_mb = schedule.num_microbatches
         self.rules = Rules(schedule)
         self.with_comm = not self.rules.implicit
-        self.rank_channels: list[_RankChannels | None] = [None] * num_ranks
         # Per stage: the rank of the previous / next stage when it is another rank (the peer of
         # RA, SG / SA, RG), else -1; and whether that neighbour is on the same rank.
         self.remote_in, self.remote_out = [-1] * num_stages, [-1] * num_stages
@@ -225,7 +216,6 @@ class _Scan:
         # F, B, I, W done; RA, RG posted; EV, LD done (each on the stage's own rank).
         self.flags = tuple(bytearray(size) for _ in range(8))
         self.mixed = False  # some (stage, micro-batch) has B and also I or W
-        self.unloaded = [0] * num_ranks  # per rank: EVs minus LDs
         self.accepted: list[set[int]] = [set() for _ in range(num_ranks)]  # keys of ACs
         self.chunk_level: list[list[int]] = [[] for _ in range(num_ranks)]  # GS/PS/RL positions
         self.channels: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
@@ -237,17 +227,6 @@ class _Scan:
         self.stuck: dict[int, tuple[int, Message]] = {}
         self.part: Action | None = None  # the part of a composite being checked (``_parts``)
         self.composites = composites  # whether composites are checked as parts (``_scan``)
-        # The pipeline messages' rules, one row per kind (``_P2P``; ``_scan_rank`` reads them):
-        # the slot of RA (RG) is the previous (next) stage's activation (input gradient).
-        act_base, grad_base = self.rules.base[ACT], self.rules.base[GRAD]
-        f_done, b_done, i_done, _, ra_done, rg_done = self.flags[:6]
-        remote_in, remote_out = self.remote_in, self.remote_out
-        self.p2p = {
-            _SA: _P2P(remote_out, list(act_base), 1, f_done, f_done, "activation"),
-            _RA: _P2P(remote_in, [-1, *act_base[:-1]], 0, ra_done, ra_done, ""),
-            _SG: _P2P(remote_in, list(grad_base), 3, b_done, i_done, "gradient"),
-            _RG: _P2P(remote_out, [*grad_base[1:], -1], 2, rg_done, rg_done, ""),
-        }
 
     def channel(self, src: int, dst: int) -> tuple[list[int], list[int]]:
         """(messages sent, messages received) on the link src -> dst, in posting order."""
@@ -304,13 +283,6 @@ class _Scan:
             stage, mb = (a := self.acting(rank, position)).stage, a.microbatch
             problem = _ORDER[rule].format(stage=stage, mb=mb, prev=stage - 1, next=stage + 1)
             self.order[rank] = _at(self.schedule, rank, position, problem, a)
-
-    def finish(self, rank: int) -> None:
-        """The rank's pass reached its end: do its evictions and loads pair up?"""
-        if self.unloaded[rank] and rank not in self.order:
-            problem = _unpaired(self.schedule, rank)
-            if problem is not None:
-                self.order[rank] = _fail(self.schedule, problem, {})
 
     def incomplete(self, require_backward: bool) -> ScheduleError | None:
         """The first (stage, micro-batch) without exactly one F and one complete backward. Counting
@@ -374,21 +346,6 @@ def _parts(
         ops[start:] = [op for op in ops[start:] if op < 0] + [op for op in ops[start:] if op >= 0]
 
 
-class _P2P(NamedTuple):
-    """One pipeline message kind's rules for the pass, per stage where indexed: the peer it must
-    name (-1: none may), the message's id of micro-batch 0 (``Rules.base``), its channel
-    side (``_RankChannels``: 0 activations in, 1 out, 2 gradients in, 3 out), the flags a send
-    reads (``done`` or ``also``: computed) or a receive sets (``done``: posted), and the
-    ``_ORDER`` rule a send before its producer breaks ("": a receive)."""
-
-    peers: list[int]
-    slots: list[int]
-    side: int
-    done: bytearray
-    also: bytearray
-    rule: str
-
-
 # Why an action breaks the local order, by the rule it breaks (``str.format`` of the action's
 # stage, micro-batch, previous and next stage).
 _ORDER = {
@@ -412,35 +369,38 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
     action, and its waits and sends under the execution rules, recorded (``run_recorded`` runs
     them); then, if no action was misplaced, the checks of the whole rank."""
     recorded = Recorded([], array("q"))
-    if _scan_actions(scan, rank, recorded):
-        scan.finish(rank)
-        actions = scan.schedule.per_rank[rank]
-        sharded = any(actions[p].kind is _RL for p in scan.chunk_level[rank])
-        if sharded and rank not in scan.order:
-            problem = _residency_problem(scan.schedule, rank)
-            if problem is not None:
-                scan.order[rank] = problem
+    unloaded = _scan_actions(scan, rank, recorded)
+    if unloaded is not None and rank not in scan.order:
+        schedule, actions = scan.schedule, scan.schedule.per_rank[rank]
+        problem = _unpaired(schedule, rank) if unloaded else None
+        if problem is None and any(actions[p].kind is _RL for p in scan.chunk_level[rank]):
+            problem = _residency_problem(schedule, rank)  # sharded parameters
+        if problem is not None:
+            scan.order[rank] = problem
     return recorded
 
 
 def _p2p_rows(
     scan: _Scan, rank: int
 ) -> dict[ActionKind, tuple[list[int], list[int], list[list[int]], bytearray, bytearray | None]]:
-    """SA / RA / SG / RG: their ``_P2P`` rows with ``rank``'s channel sides, as plain tuples
-    (the flags a send reads, None for a receive, which sets ``done``)."""
-    sides = _rank_channels(scan, rank)
+    """SA / RA / SG / RG, per stage where indexed: the peer each must name (-1: none may), its
+    message's id of micro-batch 0 (RA / RG: the previous / next stage's), ``rank``'s side of its
+    channel, and the flags a send reads (either: computed) or a receive sets (then None)."""
+    act_in, act_out, grad_in, grad_out = _rank_channels(scan, rank)
+    act_base, grad_base = scan.rules.base[ACT], scan.rules.base[GRAD]
+    f_done, b_done, i_done, _, ra_done, rg_done = scan.flags[:6]
     return {
-        kind: (row.peers, row.slots, sides[row.side], row.done, row.also if row.rule else None)
-        for kind, row in scan.p2p.items()
+        _SA: (scan.remote_out, act_base, act_out, f_done, f_done),
+        _RA: (scan.remote_in, [-1, *act_base[:-1]], act_in, ra_done, None),
+        _SG: (scan.remote_in, grad_base, grad_out, b_done, i_done),
+        _RG: (scan.remote_out, [*grad_base[1:], -1], grad_in, rg_done, None),
     }
 
 
-def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
-    """``_scan_rank``'s pass over the actions; False when it ended at a misplaced one. One
-    branch per kind, the most common first, every table a local: it runs once per action of
-    every schedule built. The four pipeline messages share one branch, their differences
-    (peer, slot, channel, flags) read from a row of ``_Scan.p2p``. BPipe's transfers, a few per
-    rank, come last (``_scan_transfer``)."""
+def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
+    """``_scan_rank``'s pass over the actions: the rank's EVs minus LDs, None when it ended at a
+    misplaced one. One branch per kind, the most common first, tables in locals: it runs once
+    per action of every schedule built (BPipe's few transfers: ``_scan_transfer``)."""
     schedule, rules, disorder = scan.schedule, scan.rules, scan.disorder
     actions, s2r, num_mb = schedule.per_rank[rank], scan.stage_to_rank, schedule.num_microbatches
     remote_in, remote_out = scan.remote_in, scan.remote_out
@@ -469,7 +429,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
             if kind is _F:
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
-                    return False
+                    return None
                 if need := act_wait[stage]:
                     op(~(need + mb))
                     wait_at(position)
@@ -490,7 +450,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
             elif kind is _B or kind is _I:
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
-                    return False
+                    return None
                 if need := grad_wait[stage]:
                     op(~(need + mb))
                     wait_at(position)
@@ -512,23 +472,23 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
                         disorder(rank, position, "local gradient")
                 elif with_comm and remote_out[stage] >= 0 and not rg_done[key]:
                     disorder(rank, position, "remote gradient")
-            elif (row := p2p(kind)) is not None:  # SA, RA, SG, RG: one table (_P2P)
+            elif (row := p2p(kind)) is not None:  # SA, RA, SG, RG: one table (_p2p_rows)
                 peers, slots, channel, done, also = row
                 if s2r[stage] != rank or mb >= num_mb or action.peer != peers[stage]:
                     scan.misplaced(rank, position)
-                    return False
+                    return None
                 key, message = stage * num_mb + mb, slots[stage] + mb
                 channel[stage].append(message)
                 if also is None:  # a receive, posted
                     done[key] = 1
                 else:  # a send, after what it sends
                     if not (done[key] or also[key]):
-                        disorder(rank, position, scan.p2p[kind].rule)
+                        disorder(rank, position, "activation" if kind is _SA else "gradient")
                     op(message)
             elif kind is _W:  # waits for nothing but its own rank's I
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
-                    return False
+                    return None
                 key = stage * num_mb + mb
                 if w_done[key] or b_done[key]:
                     scan.note_backward(rank, position, key)  # a repeat, or W with B
@@ -538,20 +498,19 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> bool:
             elif kind is _GS or kind is _PS or kind is _RL:
                 if s2r[stage] != rank:
                     scan.misplaced(rank, position)
-                    return False
+                    return None
                 chunk_level.append(position)  # checked by _grad_sync_problem
             else:  # BPipe's EV / AC / RS / LD, a few per rank (or a composite: _scan_transfer)
                 moved = _scan_transfer(scan, rank, position, recorded, awaiting, restores)
                 if moved is None:
-                    return False
+                    return None
                 unloaded += moved
     except IndexError:
         if _placement_problem(scan.acting(rank, position), rank, schedule) is None:
             raise  # not a stage past the layout: a bug, not a schedule problem
         scan.misplaced(rank, position)
-        return False
-    scan.unloaded[rank] = unloaded
-    return True
+        return None
+    return unloaded
 
 
 def _scan_transfer(
@@ -562,10 +521,9 @@ def _scan_transfer(
     awaiting: list[int],
     restores: dict[int, int],
 ) -> int | None:
-    """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD at ``position``: placement, the
-    waits and sends of ``Rules.transfers`` recorded (``Wires.transfer`` runs the same table),
-    the payload's channel and the transfer's checks. Returns how it changes the rank's count
-    of evicted-not-loaded activations, or None when misplaced or a composite (the pass ends)."""
+    """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD at ``position``, recording the
+    table ``Wires.transfer`` runs: how it changes the rank's count of evicted-not-loaded
+    activations, or None when misplaced or a composite (the pass ends)."""
     action, rules, flags = scan.schedule.per_rank[rank][position], scan.rules, scan.flags
     if action.kind is _FB:  # a composite: _scan checks every rank again, with them as parts
         scan.composites = True
@@ -623,10 +581,9 @@ def _scan_transfer(
 
 
 def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
-    """With sharded parameters (the rank has an RL) each chunk starts and ends the step
-    released, is gathered (PS) only while released and released (RL) only while gathered, and
-    computes only while gathered; a GS (one per run of its backwards) follows every backward of
-    a chunk that has one, reducing its gradients into its shard. Sharded schedules only."""
+    """Rule 7 with sharded parameters (the rank has an RL): each chunk released at both ends of
+    the step, gathered (PS) only while released, released (RL) and computing only while
+    gathered, and a GS after each run of its backwards, reducing them into its shard."""
     gathered: set[int] = set()
     unreduced: dict[int, int] = {}  # stage -> its first backward since its last GS
     reduces: dict[int, int] = {}  # stage -> its latest GS
@@ -685,7 +642,7 @@ def _rank_grad_sync_problem(
 ) -> ScheduleError | None:
     actions = schedule.per_rank[rank]
     stages = schedule.layout.stages_of(rank)
-    last_backward = _last_of(actions, stages, _BACKWARDS)
+    last_backward = _last_backward(actions, stages)
     first_use = _first_of(actions, stages)
     sharded = any(actions[p].kind is _RL for p in positions)  # PS / RL: _residency_problem
     synced: dict[int, int] = {}
@@ -728,23 +685,17 @@ def _rank_grad_sync_problem(
     return None
 
 
-_BACKWARDS = frozenset({_B, _I, _W})
-
-
-def _last_of(
-    actions: tuple[Action, ...], stages: tuple[int, ...], kinds: frozenset[ActionKind]
-) -> dict[int, int]:
-    """Position of each stage's last action of ``kinds`` (-1 if none), read from the back only
-    until every stage has one."""
+def _last_backward(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
+    """Position of each stage's last B / I / W (-1 if none), read from the back only until every
+    stage has one; an overlapped pair's backward (its last part) counts."""
     last = dict.fromkeys(stages, -1)
     missing = set(stages)
-    counted = kinds | {_FB}  # an overlapped pair: its backward (its last part) counts
     for position in range(len(actions) - 1, -1, -1):
         action = actions[position]
-        if action.kind in counted:
+        if action.kind in _BACKWARDS_OR_PAIR:
             if action.kind is _FB:
                 action = parts(action)[-1]
-            if action.kind in kinds and action.stage in missing:
+            if action.kind in _BACKWARDS_OR_PAIR and action.stage in missing:
                 last[action.stage] = position
                 missing.discard(action.stage)
                 if not missing:
@@ -767,16 +718,13 @@ def _first_of(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int,
     return first
 
 
-_RankChannels = tuple[list[list[int]], list[list[int]], list[list[int]], list[list[int]]]
+_BACKWARDS_OR_PAIR = frozenset({_B, _I, _W, _FB})
 
 
-def _rank_channels(scan: _Scan, rank: int) -> _RankChannels:
+def _rank_channels(scan: _Scan, rank: int) -> tuple[list[list[int]], ...]:
     """Per stage of ``rank``, where its RA, SA, RG and SG note their messages: the receiving or
     sending side of the channel with the neighbour stage's rank. Stages of other ranks get a
-    list nothing reaches (placement ends the pass first). Built once per rank."""
-    built = scan.rank_channels[rank]
-    if built is not None:
-        return built
+    list nothing reaches (placement ends the pass first)."""
     unused: list[int] = []
     num_stages = len(scan.remote_in)
     act_in, act_out = [unused] * num_stages, [unused] * num_stages
@@ -790,8 +738,7 @@ def _rank_channels(scan: _Scan, rank: int) -> _RankChannels:
         if scan.remote_out[stage] >= 0:
             act_out[stage] = scan.channel(rank, scan.remote_out[stage])[0]
             grad_in[stage] = scan.channel(scan.remote_out[stage], rank)[1]
-    built = scan.rank_channels[rank] = (act_in, act_out, grad_in, grad_out)
-    return built
+    return act_in, act_out, grad_in, grad_out
 
 
 def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | None:
@@ -846,7 +793,7 @@ def _missing_action(
     return None
 
 
-def _unpaired(schedule: Schedule, rank: int) -> str | None:
+def _unpaired(schedule: Schedule, rank: int) -> ScheduleError | None:
     """Why ``rank``'s evictions and loads do not pair up, if they do not."""
     program = schedule.per_rank[rank]
     evicted = {(a.stage, a.microbatch) for a in program if a.kind is K.EVICT}
@@ -854,7 +801,7 @@ def _unpaired(schedule: Schedule, rank: int) -> str | None:
     if evicted == loaded:
         return None
     missing = sorted(evicted ^ loaded)
-    return f"rank {rank}: evictions and loads do not pair up: {missing}"
+    return _fail(schedule, f"rank {rank}: evictions and loads do not pair up: {missing}", {})
 
 
 def _channel_problem(schedule: Schedule, src: int, dst: int) -> ScheduleError:
