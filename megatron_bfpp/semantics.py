@@ -563,9 +563,6 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
     return dict(sorted(stuck.items()))
 
 
-_Run = Wires  # the name tests/unit/test_semantics.py drives a timed run by
-
-
 def _timed(run: Wires, rank: int) -> Program:
     """``rank``'s program under ``Wires.run``, keeping its clock: the hot loop of ``replay``,
     one branch per common kind, numbers in locals."""

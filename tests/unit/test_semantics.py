@@ -191,7 +191,7 @@ def _replays(schedule: Schedule, timing: Timing) -> list[tuple[object, ...]]:
     found = []
     for any_microbatch, instant in ((False, None), (True, None), (False, False), (True, False)):
         rules = semantics.Rules(schedule, any_microbatch=any_microbatch)
-        run = semantics._Run(rules, timing)
+        run = semantics.Wires(rules, timing)
         if instant is not None:
             run.instant = instant
         run.run([semantics._timed(run, rank) for rank in range(schedule.num_ranks)])
