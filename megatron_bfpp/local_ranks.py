@@ -243,8 +243,9 @@ def _child(
                 else stack.enter_context(open(spec.stack_path, "w"))
             )
             faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+            hosted: list[Any] = []  # rank 0's store: its server lives as long as the object
             try:
-                message: tuple[Any, ...] = ("ok", _run(spec, target, port_writer))
+                message: tuple[Any, ...] = ("ok", _run(spec, target, port_writer, hosted))
             except BaseException:
                 message = ("error", traceback.format_exc(), time.time())
             # before the result: once it has every result the launcher kills what is left
@@ -258,6 +259,10 @@ def _child(
             writer.send_bytes(payload)
             if after is not None:
                 after()
+            while hosted and spec.world_size > 1:
+                # the others may still use the store (NCCL emulation, said-once warnings): rank
+                # 0 leaves when the launcher, holding every result or a failure, kills it
+                time.sleep(3600)
     except BaseException:
         code = 1
     finally:
@@ -337,7 +342,12 @@ def _guard_descendants() -> None:
         os._exit(0)
 
 
-def _run(spec: _Rank, target: Callable[[int, Any], Any], port_writer: Connection | None) -> Any:
+def _run(
+    spec: _Rank,
+    target: Callable[[int, Any], Any],
+    port_writer: Connection | None,
+    hosted: list[Any],
+) -> Any:
     import torch.distributed as dist
 
     os.environ.update(
@@ -355,6 +365,8 @@ def _run(spec: _Rank, target: Callable[[int, Any], Any], port_writer: Connection
         timeout=timedelta(seconds=spec.store_timeout),
         wait_for_workers=False,
     )
+    if spec.rank == 0:
+        hosted.append(store)
     if port_writer is not None:
         port_writer.send_bytes(str(store.port).encode())
         port_writer.close()

@@ -92,6 +92,7 @@ def test_add_communication_is_linear_in_the_ranks() -> None:
         ranks: build_schedule("1f1b", num_ranks=ranks, num_microbatches=1, lower=False)
         for ranks in (200, 400, 3000)
     }
+    add_communication(computes[200])  # one-time allocations (caches, lazy tables) are not growth
     assert growth(python_lines, lambda r: add_communication(computes[r]), 200) < 2.3
     assert growth(peak_bytes, lambda r: add_communication(computes[r]), 200) < 2.3
     lowered = add_communication(computes[3000])
