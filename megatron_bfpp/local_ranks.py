@@ -256,6 +256,8 @@ def _child(
             except Exception:  # the result did not pickle
                 text = "result not picklable:\n" + traceback.format_exc()
                 payload = pickle.dumps(("error", text, time.time()))
+            sys.stdout.flush()  # the launcher may kill the rank once it has the result
+            sys.stderr.flush()
             writer.send_bytes(payload)
             if after is not None:
                 after()
