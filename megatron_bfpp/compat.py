@@ -29,7 +29,6 @@ __all__ = [
     "check_megatron_core",
     "check_torch",
     "default_process_groups",
-    "distributed_optimizers",
     "extra_main_grad_params",
     "finish_partial_grad_sync",
     "forward_step",
@@ -382,7 +381,7 @@ def _all_reduces_over(groups: Any, name: str) -> bool:
     return dist.get_rank() in dist.get_process_group_ranks(group)
 
 
-def distributed_optimizers(optimizer: Any) -> list[Any]:
+def _distributed_optimizers(optimizer: Any) -> list[Any]:
     """The distributed optimizers in ``get_megatron_optimizer``'s result, or a one-line error."""
     inner = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     for each in inner:
@@ -421,7 +420,7 @@ def optimizer_on_shards(
     fp32 main parameters, views into them, are re-pointed at the kept shards once."""
     import torch
 
-    inner = distributed_optimizers(optimizer)
+    inner = _distributed_optimizers(optimizer)
 
     def local(opt: Any, param: Any) -> tuple[Any, int, int]:
         gbuf_index, _, bucket_id = opt.model_param_gbuf_map[param]
@@ -508,7 +507,7 @@ def param_gather_suppressed(chunks: Any) -> Iterator[None]:
 def model_params_from_main_params(optimizer: Any, chunks: Any) -> None:
     """Rebuild the model's parameters from the optimizer's main parameters (all a fully sharded
     ``torch_dist`` checkpoint stores) with a step's two calls: bit-identical to a step's."""
-    for opt in distributed_optimizers(optimizer):
+    for opt in _distributed_optimizers(optimizer):
         opt._copy_main_params_to_model_params()
     for chunk in chunks:
         chunk.start_param_sync(force_sync=True)

@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-__all__ = ["HelpFormatter", "OneLineParser", "positive_int", "printable_output"]
+__all__ = ["OneLineParser", "positive_int", "printable_output"]
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` names each flag's default, as Megatron users expect. A help text that already
     says its default is left alone, and so are flags whose default is their absence (``None``,
     an unset switch): "(default: None)" would say nothing."""
@@ -45,7 +45,7 @@ class OneLineParser(argparse.ArgumentParser):
     def __init__(
         self, *args: Any, raises: Callable[[str], Exception] | None = None, **kwargs: Any
     ) -> None:
-        kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
         self.raises = raises
 

@@ -419,9 +419,6 @@ class StageLayout:
     def chunk_of(self, stage: int) -> int:
         return self.stages_of(self.stage_to_rank[stage]).index(stage)
 
-    def stage_of(self, rank: int, chunk: int) -> int:
-        return self.stages_of(rank)[chunk]
-
     def is_last(self, stage: int) -> bool:
         return stage == self.num_stages - 1
 

@@ -64,11 +64,6 @@ class LocalRun:
     lost: tuple[int, ...] = ()
 
     @property
-    def timed_out(self) -> bool:
-        """Ranks were still running at the deadline and nothing had failed."""
-        return bool(self.killed) and not self.failed_at
-
-    @property
     def first_failed(self) -> int | None:
         """The rank whose failure came first (the others often fail because it left)."""
         return min(self.failed_at, key=self.failed_at.__getitem__) if self.failed_at else None

@@ -17,7 +17,6 @@ __all__ = [
     "ModelShape",
     "RunConfig",
     "Training",
-    "data_path_text",
     "default_ffn_hidden_size",
     "flag_name",
     "model_shape",
@@ -153,7 +152,7 @@ class RunConfig:
     training: Training
 
 
-def data_path_text(data_path: str | list[str] | None) -> str | None:
+def _data_path_text(data_path: str | list[str] | None) -> str | None:
     """``--data-path`` as one string: Megatron-LM's list of prefixes (or weights and prefixes)
     joined by spaces, as a checkpoint records it."""
     if data_path is None or isinstance(data_path, str):
@@ -190,7 +189,7 @@ def run_config(args: Any, world_size: int) -> RunConfig:
         pipeline_schedule=args.pipeline_schedule,
         training=Training(
             **{name: getattr(args, name) for name in _TRAINING_FLAGS},
-            data_path=data_path_text(args.data_path),
+            data_path=_data_path_text(args.data_path),
             split=getattr(args, "split", None),
         ),
     )

@@ -40,7 +40,6 @@ __all__ = [
     "BRIDGE_NO_V",
     "agree_across_ranks",
     "announce",
-    "apply_to_megatron_args",
     "auto_inputs",
     "bridge_request",
     "decide_alike",
@@ -388,7 +387,7 @@ def megatron_request(
     )
 
 
-def apply_to_megatron_args(args: Any, decision: Decision) -> None:
+def _apply_to_megatron_args(args: Any, decision: Decision) -> None:
     """Write the decision into Megatron's arguments as if the user had typed it."""
     c = decision.chosen.candidate
     args.pipeline_schedule = c.schedule
@@ -445,7 +444,7 @@ def resolve_megatron_auto(
     )
     if not quiet:
         announce(decision, report=getattr(args, "pipeline_schedule_auto_report", None), env=env)
-    apply_to_megatron_args(args, decision)
+    _apply_to_megatron_args(args, decision)
     return decision
 
 

@@ -19,7 +19,7 @@ from megatron_bfpp.plan.auto import AUTO
 from megatron_bfpp.schedules.fit import check_fit, step_batch_sizes
 from megatron_bfpp.schedules.registry import get_spec, schedule_names
 
-__all__ = ["BRIDGE_SITES", "bridge_modules", "check_bridge_config", "use_schedule"]
+__all__ = ["BRIDGE_SITES", "check_bridge_config", "use_schedule"]
 
 # Bridge's modules that bind megatron-core's get_forward_backward_func at import.
 BRIDGE_SITES = ("megatron.bridge.training.train", "megatron.bridge.training.eval")
@@ -59,7 +59,7 @@ def use_schedule(
     check_bridge_config(config, name, options, sharding=data_parallel_sharding_strategy)
     plugin.install()
     plugin.set_schedule(name, **options)
-    for module in bridge_modules():
+    for module in _bridge_modules():
         if module.get_forward_backward_func is not plugin.get_forward_backward_func:
             plugin.add_patch(module, "get_forward_backward_func", plugin.get_forward_backward_func)
     evaluation = importlib.import_module("megatron.bridge.training.eval")
@@ -142,7 +142,7 @@ def _with_config_options(config: Any, name: str, options: dict[str, Any]) -> dic
     return dict(options)
 
 
-def bridge_modules() -> list[Any]:
+def _bridge_modules() -> list[Any]:
     """Bridge's training modules that bind the function (importing them: Bridge is in use)."""
     return [importlib.import_module(site) for site in BRIDGE_SITES]
 

@@ -18,16 +18,13 @@ from megatron_bfpp.ir import Placement, StageLayout
 from megatron_bfpp.runtime.placement import layout_for, tied_embedding_weights
 
 __all__ = [
-    "ChunkPlace",
     "build_chunks",
-    "chunk_places",
     "placed_provider",
-    "tie_output_to_embedding",
 ]
 
 
 @dataclass(frozen=True, slots=True)
-class ChunkPlace:
+class _ChunkPlace:
     """Where one model chunk sits and how megatron-core must be told to build it."""
 
     chunk: int
@@ -38,12 +35,12 @@ class ChunkPlace:
     megatron_rank: int  # the pipeline rank megatron-core's layer arithmetic must see
 
 
-def chunk_places(layout: StageLayout, rank: int) -> tuple[ChunkPlace, ...]:
+def _chunk_places(layout: StageLayout, rank: int) -> tuple[_ChunkPlace, ...]:
     """The chunks of pipeline ``rank`` under ``layout``, in chunk order."""
     stages = layout.stages_of(rank)
     p = layout.num_ranks
     return tuple(
-        ChunkPlace(
+        _ChunkPlace(
             chunk=chunk,
             stage=stage,
             pre_process=stage == 0,
@@ -69,7 +66,7 @@ def build_chunks(
     layout = layout_for(placement, num_ranks=num_ranks, num_chunks=num_chunks)
     v_shape = placement == Placement.V_SHAPE  # a plain string too, as layout_for takes
     chunks = []
-    for place in chunk_places(layout, rank):
+    for place in _chunk_places(layout, rank):
         groups = model_process_groups(pipeline_rank=place.megatron_rank) if v_shape else None
         chunks.append(
             provider(
@@ -80,7 +77,7 @@ def build_chunks(
             )
         )
     if v_shape and share_embeddings_and_output_weights:
-        tie_output_to_embedding(chunks)
+        _tie_output_to_embedding(chunks)
     return chunks
 
 
@@ -94,7 +91,7 @@ def placed_provider(
 ) -> Callable[..., torch.nn.Module]:
     """A Megatron-LM ``model_provider`` building V-shape chunks in place of the looped ones its
     ``get_model`` asks for; ``seeded_as(q)`` seeds as 1F1B's pipeline rank ``q`` (``seeding``)."""
-    places = chunk_places(StageLayout.v_shape(num_ranks), rank)
+    places = _chunk_places(StageLayout.v_shape(num_ranks), rank)
     built: dict[int, torch.nn.Module] = {}
 
     def build(stage: int, vp_stage: int, kwargs: dict[str, Any]) -> torch.nn.Module:
@@ -128,14 +125,14 @@ def placed_provider(
             model = build(place.stage, vp_stage, kwargs)
         built[vp_stage] = model
         if share_embeddings_and_output_weights and len(built) == len(places):
-            tie_output_to_embedding([built[chunk] for chunk in sorted(built)])
+            _tie_output_to_embedding([built[chunk] for chunk in sorted(built)])
         return model
 
     return v_shape_provider
 
 
 @torch.no_grad()
-def tie_output_to_embedding(chunks: Sequence[Any]) -> None:
+def _tie_output_to_embedding(chunks: Sequence[Any]) -> None:
     """Set the tied output weight from the embedding where one rank holds both (no all-reduce)."""
     weights = tied_embedding_weights(chunks)
     if weights is not None:

@@ -36,7 +36,6 @@ from megatron_bfpp.plan.auto import AUTO
 
 __all__ = [
     "current_schedule",
-    "current_sharding",
     "install",
     "is_installed",
     "set_schedule",
@@ -93,7 +92,7 @@ def current_schedule() -> tuple[str, dict[str, Any]]:
     return _setting[0], dict(_setting[1])
 
 
-def current_sharding() -> str:
+def _current_sharding() -> str:
     """The sharding strategy our schedules run: Megatron-LM's flag when given, else ``optim``."""
     args = _megatron_lm_args()
     return str(getattr(args, "bfpp_data_parallel_sharding_strategy", "optim") or "optim")
@@ -200,7 +199,7 @@ def get_forward_backward_func(
     if pp_size == 1:
         _log_once(f"pipeline schedule {name} needs pp >= 2; using megatron's own (no pipelining)")
         return megatrons_own()
-    sharding = current_sharding()
+    sharding = _current_sharding()
     func = _cached_forward_backward_func(name, tuple(sorted(options.items())), sharding)
     sharded = "" if sharding == "optim" else f" (parameters sharded: {sharding})"
     _log_once(
@@ -333,7 +332,7 @@ def _wrap_setup(original: Callable[..., Any]) -> Callable[..., Any]:
     def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         model, optimizer = result[0], result[1]
-        if current_sharding() != "optim" and optimizer is not None:
+        if _current_sharding() != "optim" and optimizer is not None:
             chunks = model if isinstance(model, list) else [model]
             optimizer.step = functools.partial(_sharded_step, chunks, optimizer, optimizer.step)
         return result
@@ -352,7 +351,7 @@ def _wrap_save(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def save_checkpoint(iteration: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        if current_sharding() == "optim":
+        if _current_sharding() == "optim":
             return original(iteration, model, *args, **kwargs)
         from megatron_bfpp.runtime.sharding import sharded_parameters
 

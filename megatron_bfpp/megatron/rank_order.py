@@ -15,7 +15,6 @@ __all__ = [
     "PlacementError",
     "apply_rank_order_from_env",
     "format_rank_order",
-    "invert_rank_order",
     "node_stages",
     "pair_adjacent_rank_order",
     "parse_rank_order",
@@ -94,15 +93,6 @@ def pipeline_stage_of_rank(
     if order == "tp-pp-dp":
         return (rank // tp) % p
     raise PlacementError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
-
-
-def invert_rank_order(slot_to_rank: Sequence[int]) -> tuple[int, ...]:
-    """``rank_to_slot`` from ``slot_to_rank`` (both permutations of ``range(n)``)."""
-    _check_permutation(slot_to_rank)
-    inverse = [0] * len(slot_to_rank)
-    for slot, rank in enumerate(slot_to_rank):
-        inverse[rank] = slot
-    return tuple(inverse)
 
 
 def format_rank_order(slot_to_rank: Sequence[int]) -> str:

@@ -40,7 +40,6 @@ from megatron_bfpp.schedules.registry import (
 
 __all__ = [
     "AUTO",
-    "AUTO_FLAGS",
     "AutoRequest",
     "Decision",
     "Hardware",
@@ -66,7 +65,7 @@ REPORT_FORMAT = "bfpp-auto-report"
 AUTO_DEST = "pipeline_schedule_auto_line"
 
 # (flag, dest, help): the same three flags in every command line that names a schedule.
-AUTO_FLAGS = (
+_AUTO_FLAGS = (
     (
         "--pipeline-schedule-auto-report",
         "pipeline_schedule_auto_report",
@@ -88,7 +87,7 @@ AUTO_FLAGS = (
 
 
 def add_auto_flags(group: Any) -> None:
-    for flag, dest, help_text in AUTO_FLAGS:
+    for flag, dest, help_text in _AUTO_FLAGS:
         group.add_argument(
             flag,
             dest=dest,
@@ -102,7 +101,7 @@ def check_auto_flags(args: Any) -> None:
     """The auto flags given with a named schedule say nothing: one line."""
     if getattr(args, "pipeline_schedule", None) == AUTO or getattr(args, AUTO_DEST, None):
         return  # auto, before or after it was resolved
-    for flag, dest, _ in AUTO_FLAGS:
+    for flag, dest, _ in _AUTO_FLAGS:
         if getattr(args, dest, None) is not None:
             raise ScheduleError(f"{flag} applies to --pipeline-schedule auto")
 

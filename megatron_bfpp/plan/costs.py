@@ -19,11 +19,8 @@ __all__ = [
     "BuiltinCurve",
     "Efficiency",
     "ProfileCurve",
-    "attention_core_flops",
     "layer_forward_flops",
     "model_flops_per_step",
-    "output_forward_flops",
-    "ring_collective_time",
 ]
 
 INTRA_NODE_LATENCY_S = 5e-6
@@ -44,14 +41,14 @@ def layer_forward_flops(model: Model, *, micro_batch_size: int, tp: int) -> floa
     return 24.0 * b * s * h * h * (1.0 + s / (6.0 * h)) / tp
 
 
-def attention_core_flops(model: Model, *, micro_batch_size: int, tp: int) -> float:
+def _attention_core_flops(model: Model, *, micro_batch_size: int, tp: int) -> float:
     """QK^T and attention over V in one layer's forward, 4bs^2h / t: what selective
     recomputation runs again in the backward."""
     b, s, h = micro_batch_size, model.seq_length, model.hidden_size
     return 4.0 * b * s * s * h / tp
 
 
-def output_forward_flops(model: Model, *, micro_batch_size: int, tp: int, vocab: int) -> float:
+def _output_forward_flops(model: Model, *, micro_batch_size: int, tp: int, vocab: int) -> float:
     """The output layer's logits, 2bshv / t (on the last stage only)."""
     return 2.0 * micro_batch_size * model.seq_length * model.hidden_size * vocab / tp
 
@@ -174,7 +171,7 @@ class ProfileCurve:
         return self._interpolate(self.weight_shares, work)
 
 
-def ring_collective_time(nbytes: float, *, group: int, bandwidth: float, latency: float) -> float:
+def _ring_collective_time(nbytes: float, *, group: int, bandwidth: float, latency: float) -> float:
     """A ring reduce-scatter or all-gather of ``nbytes`` (the full tensor) over ``group`` ranks:
     ``(n-1)/n * bytes / bandwidth`` plus a latency per step. An all-reduce is two of these."""
     if group <= 1:
@@ -232,7 +229,7 @@ def stage_times(
     activation = micro_batch_size * model.seq_length * model.hidden_size * e
     tp_comm = 0.0
     if communication and tp > 1:
-        all_reduce = 2 * ring_collective_time(
+        all_reduce = 2 * _ring_collective_time(
             activation, group=tp, bandwidth=gpu.intra_node_bandwidth, latency=INTRA_NODE_LATENCY_S
         )
         tp_comm = 2 * all_reduce
@@ -240,9 +237,9 @@ def stage_times(
     if recompute == "full":
         recompute_time = forward_compute + tp_comm
     elif recompute == "selective":
-        core = attention_core_flops(model, micro_batch_size=micro_batch_size, tp=tp)
+        core = _attention_core_flops(model, micro_batch_size=micro_batch_size, tp=tp)
         recompute_time = core / (efficiency.forward(work) * peak)
-    out_work = output_forward_flops(model, micro_batch_size=micro_batch_size, tp=tp, vocab=vocab)
+    out_work = _output_forward_flops(model, micro_batch_size=micro_batch_size, tp=tp, vocab=vocab)
     output = 3.0 * out_work / (efficiency.forward(out_work) * peak) if output_layer else 0.0
     p2p = grad_reduce = param_gather = evict = 0.0
     if communication:
@@ -256,10 +253,10 @@ def stage_times(
         dp_bandwidth = gpu.intra_node_bandwidth if dp_in_node else gpu.inter_node_bandwidth
         dp_latency = INTRA_NODE_LATENCY_S if dp_in_node else INTER_NODE_LATENCY_S
         chunk = rank_parameters / chunks
-        grad_reduce = ring_collective_time(
+        grad_reduce = _ring_collective_time(
             chunk * precision.grad_bytes, group=dp, bandwidth=dp_bandwidth, latency=dp_latency
         )
-        param_gather = ring_collective_time(
+        param_gather = _ring_collective_time(
             chunk * precision.param_bytes, group=dp, bandwidth=dp_bandwidth, latency=dp_latency
         )
     optimizer_time = 0.0

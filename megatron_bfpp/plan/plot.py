@@ -15,7 +15,6 @@ from megatron_bfpp.plan.search import Cluster, SearchOptions, SearchResult, reco
 from megatron_bfpp.sim.export import figure_bytes
 
 __all__ = [
-    "CLUSTER_SCALES",
     "SweepPoint",
     "batch_sweep",
     "default_batch_sizes",
@@ -53,7 +52,7 @@ def batch_sweep(
     ]
 
 
-CLUSTER_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+_CLUSTER_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 def time_and_cost(
@@ -75,11 +74,11 @@ def trade_off(
     rows: Sequence[tuple[float, float]], *, num_gpus: int, critical_batch_size: float
 ) -> list[tuple[float, float]]:
     """The (cost, time) frontier of one family: ``rows`` are (beta, samples/s per GPU); every
-    cluster size in ``CLUSTER_SCALES`` x ``num_gpus``; points no other beats on both axes,
+    cluster size in ``_CLUSTER_SCALES`` x ``num_gpus``; points no other beats on both axes,
     by cost."""
     points = []
     for beta, rate in rows:
-        for scale in CLUSTER_SCALES:
+        for scale in _CLUSTER_SCALES:
             time_s, cost = time_and_cost(
                 samples_per_s_per_gpu=rate,
                 batch_per_gpu=beta,

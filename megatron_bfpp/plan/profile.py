@@ -15,7 +15,6 @@ from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.presets import Model
 
 __all__ = [
-    "FORMAT",
     "Measurement",
     "StageProfile",
     "load_profile",
@@ -23,7 +22,7 @@ __all__ = [
     "profile_to_dict",
 ]
 
-FORMAT = "bfpp-stage-profile"
+_FORMAT = "bfpp-stage-profile"
 VERSION = 1
 MAX_BYTES = 1 << 20  # a profile is a few hundred bytes; refuse anything that is not one
 
@@ -65,7 +64,7 @@ _MODEL_TEXT = {"name": str, "arch": str, "dropout": bool}  # the rest: positive 
 def profile_to_dict(profile: StageProfile) -> dict[str, Any]:
     host = {} if profile.t_host is None else {"t_host": profile.t_host}
     return {
-        "format": FORMAT,
+        "format": _FORMAT,
         "version": VERSION,
         "device": profile.device,
         "device_type": profile.device_type,
@@ -114,8 +113,8 @@ def _refuse_constant(name: str) -> Any:
 def profile_from_dict(data: Any) -> StageProfile:
     if not isinstance(data, dict):
         raise ScheduleError("the file holds no JSON object")
-    if data.get("format") != FORMAT:
-        raise ScheduleError(f"'format' must be {FORMAT!r} (write one with 'bfpp-plan profile')")
+    if data.get("format") != _FORMAT:
+        raise ScheduleError(f"'format' must be {_FORMAT!r} (write one with 'bfpp-plan profile')")
     if data.get("version") != VERSION:
         raise ScheduleError(f"'version' must be {VERSION}, got {data.get('version')!r}")
     model_data = _field(data, "model", dict)

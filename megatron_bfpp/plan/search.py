@@ -323,9 +323,10 @@ def _splits(
 # --------------------------------------------------------------------------- memory
 
 
-def memory_microbatches(schedule: str, pp: int, vp: int, m: int) -> int:
-    """How many micro-batches to walk for ``schedule``'s activation peaks at m: they stop
-    growing by 2pp (tests/unit/test_plan_search.py), so 3pp, a multiple of pp, or m if smaller."""
+def memory_microbatches(pp: int, m: int) -> int:
+    """How many micro-batches to walk for a schedule's activation peaks at m: they stop growing
+    by 2pp, whatever the schedule, chunks or BPipe cap (tests/unit/test_plan_search.py), so 3pp,
+    a multiple of pp, or m if smaller."""
     return min(m, 3 * pp)
 
 
@@ -342,13 +343,13 @@ def _points(
     backwards, so each rank holds the first group's micro-batches on each chunk (charged to
     ``budget`` as the walk this replaced, so decisions stay); the others' walked short."""
     if schedule != "gpipe" and schedule != "breadth-first":
-        length = memory_microbatches(schedule, pp, vp, m)
+        length = memory_microbatches(pp, m)
         if budget is not None:
             budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
         return _walked_points(schedule, pp, vp, length, group, max_stored)
     held = m if group is None else min(m, group)
     if group is not None and budget is not None:
-        length = min(m, max(memory_microbatches(schedule, pp, vp, m), group))
+        length = min(m, max(memory_microbatches(pp, m), group))
         budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
     last = pp - 1
     return PeakPoints(

@@ -20,7 +20,6 @@ __all__ = [
     "begin_backward",
     "microbatch",
     "overlaps_grad_reduce",
-    "route_input_grad",
     "whole_backward",
 ]
 
@@ -34,7 +33,7 @@ def whole_backward(step: RankStep, position: int, action: Action) -> Key:
     )
     step.store.drop(key)
     step.state.trace.append(str(action))
-    route_input_grad(step, action.stage, key[1], input_grad)
+    _route_input_grad(step, action.stage, key[1], input_grad)
     return key
 
 
@@ -59,7 +58,7 @@ def begin_backward(step: RankStep, position: int, action: Action) -> tuple[Key, 
     return key, input_tensor, output, output_grad
 
 
-def route_input_grad(step: RankStep, stage: int, mb: int, input_grad: Any) -> None:
+def _route_input_grad(step: RankStep, stage: int, mb: int, input_grad: Any) -> None:
     """The previous stage's gradient to a send, or to this rank's earlier stage (V-shape turn)."""
     if stage == 0:
         return

@@ -8,7 +8,7 @@ A BPipe eviction is an 8-byte size *header* in the tick's batch, then the payloa
 its own on the partners' group (:func:`pair_group`: on NCCL another stream, so transfers do not
 hold the tick batches). Every wait is bounded by the group's timeout: gloo honours
 ``Work.wait(timeout)``; on NCCL the wait polls ``is_completed()`` until the timeout less
-:data:`NCCL_LEAD`, before the watchdog aborts naming no peer (docs/train.md).
+:data:`_NCCL_LEAD`, before the watchdog aborts naming no peer (docs/train.md).
 """
 
 from __future__ import annotations
@@ -24,18 +24,16 @@ import torch.distributed as dist
 from megatron_bfpp.messages import Message, What
 
 __all__ = [
-    "NCCL_LEAD",
     "PendingSend",
     "PipeComm",
     "PipelineTimeout",
     "Receive",
     "Send",
-    "group_timeout_s",
     "pair_group",
     "pseudo_free",
 ]
 
-NCCL_LEAD = 0.05  # of the group's timeout: our deadline comes this much before NCCL's watchdog
+_NCCL_LEAD = 0.05  # of the group's timeout: our deadline comes this much before NCCL's watchdog
 _POLL_MAX_S = 0.01  # longest sleep between two is_completed() polls
 
 
@@ -43,7 +41,7 @@ class PipelineTimeout(RuntimeError):
     """A message not in within the process group's timeout; the message is one line."""
 
 
-def group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
+def _group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
     """The group's timeout in seconds (megatron-core's: ``--distributed-timeout-minutes``), else
     torch's default for the backend."""
     try:
@@ -77,7 +75,7 @@ def pair_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
     )
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    timeout = timedelta(seconds=group_timeout_s(group, device))
+    timeout = timedelta(seconds=_group_timeout_s(group, device))
     own: dist.ProcessGroup | None = None
     own_peer = -1  # the partner's global rank
     for ranks in sorted({tuple(int(r) for r in t.tolist()) for t in gathered}):
@@ -146,14 +144,14 @@ class PipeComm:
     sends: list[PendingSend] = field(default_factory=list)
     # an eviction's size header: its Work, the int64[1] size, when it was posted
     headers: dict[Message, tuple[dist.Work, torch.Tensor, float]] = field(default_factory=dict)
-    timeout_s: float | None = None  # None: the group's (group_timeout_s)
+    timeout_s: float | None = None  # None: the group's (_group_timeout_s)
     side_group: dist.ProcessGroup | None = None  # BPipe's partner pair (pair_group)
     posted_at: dict[Message, float] = field(default_factory=dict)  # receives' posting times
     _pollable: bool = field(init=False, default=False)  # not gloo: poll is_completed()
 
     def __post_init__(self) -> None:
         if self.timeout_s is None:
-            self.timeout_s = group_timeout_s(self.group, self.device)
+            self.timeout_s = _group_timeout_s(self.group, self.device)
         self._pollable = dist.get_backend(self.group) != "gloo"
 
     def global_rank(self, pipeline_rank: int) -> int:
@@ -254,7 +252,7 @@ class PipeComm:
         assert self.timeout_s is not None  # set by __post_init__
         try:
             if self._pollable:
-                limit = self.timeout_s * (1.0 - NCCL_LEAD)
+                limit = self.timeout_s * (1.0 - _NCCL_LEAD)
                 if not _poll(work, posted_at + limit):
                     raise self._late(message, peer, send, limit, ", less its NCCL lead")
                 work.wait()  # the stream order (completed: does not block)

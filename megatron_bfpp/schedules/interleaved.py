@@ -20,10 +20,10 @@ from megatron_bfpp.ir import (
 )
 from megatron_bfpp.schedules.common import check_counts, interleave_1f1b, make_schedule
 
-__all__ = ["build_interleaved", "schedule_table", "warmup_count"]
+__all__ = ["build_interleaved"]
 
 
-def schedule_table(
+def _schedule_table(
     num_microbatches: int, num_chunks: int, group_size: int
 ) -> list[tuple[int, int]]:
     """(micro-batch, chunk) per virtual micro-batch; mirrors megatron-core's get_schedule_table."""
@@ -34,7 +34,7 @@ def schedule_table(
     return table
 
 
-def warmup_count(
+def _warmup_count(
     *, rank: int, num_ranks: int, num_chunks: int, num_microbatches: int, group_size: int
 ) -> int:
     total = num_microbatches * num_chunks
@@ -73,7 +73,7 @@ def build_interleaved(
             f"got {num_microbatches} % {group} = {remainder} (use a multiple of {group})"
         )
     layout = StageLayout.looped(num_ranks, num_chunks)
-    table = schedule_table(num_microbatches, num_chunks, group)
+    table = _schedule_table(num_microbatches, num_chunks, group)
     f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
     last_chunk = num_chunks - 1
     sizes = dict(num_ranks=num_ranks, num_chunks=num_chunks, num_microbatches=num_microbatches)
@@ -82,6 +82,6 @@ def build_interleaved(
         # Forward k runs table[k] through its chunk, backward k through the mirrored chunk.
         forwards = [action(chunk * num_ranks + rank, f, mb) for mb, chunk in table]
         backwards = [action((last_chunk - chunk) * num_ranks + rank, b, mb) for mb, chunk in table]
-        warmup = warmup_count(rank=rank, group_size=group, **sizes)
+        warmup = _warmup_count(rank=rank, group_size=group, **sizes)
         programs.append(interleave_1f1b(forwards, backwards, warmup))
     return make_schedule("interleaved", layout, num_microbatches, programs)

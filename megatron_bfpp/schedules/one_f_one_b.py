@@ -9,10 +9,10 @@ from __future__ import annotations
 from megatron_bfpp.ir import Action, ActionKind, Schedule, StageLayout, paused_gc, unchecked_action
 from megatron_bfpp.schedules.common import check_counts, interleave_1f1b, make_schedule
 
-__all__ = ["build_1f1b", "one_f_one_b_program"]
+__all__ = ["build_1f1b"]
 
 
-def one_f_one_b_program(*, rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
+def _one_f_one_b_program(*, rank: int, num_ranks: int, num_microbatches: int) -> list[Action]:
     warmup = min(num_ranks - rank - 1, num_microbatches)
     f, b, action = ActionKind.FORWARD, ActionKind.BACKWARD, unchecked_action
     forwards = [action(rank, f, m) for m in range(num_microbatches)]
@@ -24,7 +24,7 @@ def one_f_one_b_program(*, rank: int, num_ranks: int, num_microbatches: int) -> 
 def build_1f1b(*, num_ranks: int, num_microbatches: int) -> Schedule:
     check_counts("1f1b", num_ranks=num_ranks, num_microbatches=num_microbatches)
     programs = [
-        one_f_one_b_program(rank=r, num_ranks=num_ranks, num_microbatches=num_microbatches)
+        _one_f_one_b_program(rank=r, num_ranks=num_ranks, num_microbatches=num_microbatches)
         for r in range(num_ranks)
     ]
     return make_schedule("1f1b", StageLayout.looped(num_ranks, 1), num_microbatches, programs)

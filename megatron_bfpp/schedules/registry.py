@@ -21,9 +21,7 @@ from megatron_bfpp.schedules.v_shape import build_v_half, build_v_min, build_v_z
 from megatron_bfpp.validate import validate_schedule
 
 __all__ = [
-    "ACTIONS_PER_STAGE_MICROBATCH",
     "ALL_OPTIONS",
-    "BYTES_PER_ACTION",
     "MAX_ACTIONS",
     "MAX_RANK_STAGES",
     "MEGATRON_VP_FLAGS",
@@ -58,8 +56,8 @@ MEGATRON_VP_FLAGS = (
 # about a minute and 2.8 GB of bfpp-sim, MAX_RANK_STAGES bounds the checks' per-rank tables over
 # every stage (figures: docs/architecture.md, "Generator bounds"). 7 actions per stage and
 # micro-batch: F and B (or F, I, W), the four messages at a rank boundary, BPipe's transfers.
-ACTIONS_PER_STAGE_MICROBATCH = 7
-BYTES_PER_ACTION = 700
+_ACTIONS_PER_STAGE_MICROBATCH = 7
+_BYTES_PER_ACTION = 700
 MAX_RANK_STAGES = 32_000_000
 _BYTES_PER_RANK_STAGE = 32
 
@@ -353,9 +351,9 @@ def in_flag_terms(message: str, name: str, *, sim: bool = False) -> str:
 
 
 def estimate_actions(*, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> int:
-    """About how many actions the lowered schedule has: ``ACTIONS_PER_STAGE_MICROBATCH`` per
+    """About how many actions the lowered schedule has: ``_ACTIONS_PER_STAGE_MICROBATCH`` per
     stage and micro-batch, and a gradient sync and a parameter gather per stage."""
-    return num_ranks * stages_per_rank * (ACTIONS_PER_STAGE_MICROBATCH * num_microbatches + 2)
+    return num_ranks * stages_per_rank * (_ACTIONS_PER_STAGE_MICROBATCH * num_microbatches + 2)
 
 
 def check_size(*, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> None:
@@ -371,9 +369,9 @@ def check_size(*, num_ranks: int, stages_per_rank: int, num_microbatches: int) -
     if actions > MAX_ACTIONS:
         raise ScheduleError(
             f"schedule too large: {sizes} x {num_microbatches} micro-batches is about "
-            f"{actions:,} actions and {_gigabytes(actions * BYTES_PER_ACTION)} (limit "
+            f"{actions:,} actions and {_gigabytes(actions * _BYTES_PER_ACTION)} (limit "
             f"{MAX_ACTIONS:,} actions, about a minute and "
-            f"{_gigabytes(MAX_ACTIONS * BYTES_PER_ACTION)}); use fewer micro-batches, ranks "
+            f"{_gigabytes(MAX_ACTIONS * _BYTES_PER_ACTION)}); use fewer micro-batches, ranks "
             "or stages per rank"
         )
     tables = num_ranks * num_ranks * stages_per_rank

@@ -1,7 +1,7 @@
 """Tiny megatron-core GPT models whose weights do not depend on how they are split.
 
 Call these inside a :func:`megatron_bfpp.testing.multirank.run_ranks` rank function.
-:func:`init_from_global_names` draws every parameter at its full shape from a generator seeded by
+:func:`_init_from_global_names` draws every parameter at its full shape from a generator seeded by
 its *global* name, so any (tp, pp, vp, dp) split holds the single-process model's weights and
 :func:`reference_losses_and_grads` is the exact reference.
 """
@@ -37,7 +37,6 @@ from megatron_bfpp.train.step_functions import forward_step, loss_func
 __all__ = [
     "MICRO_BATCH_SIZE",
     "SEQ_LENGTH",
-    "VOCAB_SIZE",
     "Batch",
     "GradShard",
     "assert_tensors_close",
@@ -46,25 +45,22 @@ __all__ = [
     "forward_step_func",
     "global_param_names",
     "grad_shards",
-    "init_from_global_names",
     "loss_func",
     "losses_from_store",
     "make_batches",
     "merge_shards",
-    "param_shards",
     "reduction_tolerance",
     "reference_losses_and_grads",
     "run_schedule",
     "tiny_gpt_config",
     "tokens_per_step",
     "train_steps",
-    "unparallel_config",
     "unwrap",
     "wrap_ddp",
 ]
 
 SEQ_LENGTH = 16
-VOCAB_SIZE = 64
+_VOCAB_SIZE = 64
 MICRO_BATCH_SIZE = 2
 
 
@@ -98,7 +94,7 @@ def tiny_gpt_config(
     return TransformerConfig(**(fields | overrides))
 
 
-def unparallel_config(config: TransformerConfig) -> TransformerConfig:
+def _unparallel_config(config: TransformerConfig) -> TransformerConfig:
     """The same model as ``config`` with tp = pp = 1 and no virtual stages."""
     return dataclasses.replace(
         config,
@@ -113,21 +109,21 @@ def build_model_chunks(
     config: TransformerConfig,
     *,
     seed: int = 0,
-    vocab_size: int = VOCAB_SIZE,
+    vocab_size: int = _VOCAB_SIZE,
     max_sequence_length: int = SEQ_LENGTH,
     share_embeddings_and_output_weights: bool = False,
     placement: Placement = Placement.LOOPED,
 ) -> list[GPTModel]:
     """This rank's chunks as bfpp-train builds them
     (:func:`megatron_bfpp.train.presets.gpt_chunks`), initialised by
-    :func:`init_from_global_names`."""
+    :func:`_init_from_global_names`."""
     return gpt_chunks(
         config,
         layer_spec=get_gpt_layer_local_spec(),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        init=functools.partial(init_from_global_names, seed=seed),
+        init=functools.partial(_init_from_global_names, seed=seed),
         placement=placement,
     )
 
@@ -142,7 +138,7 @@ def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
     return 0.1 * noise
 
 
-def init_from_global_names(model: torch.nn.Module, *, seed: int = 0) -> None:
+def _init_from_global_names(model: torch.nn.Module, *, seed: int = 0) -> None:
     """The product's global-name initialisation (``megatron_bfpp.train.presets``) with every
     tensor random, biases and norm weights included, so equivalence tests cover them too."""
     init_by_global_names(model, seed=seed, draw=_draw)
@@ -152,7 +148,7 @@ def make_batches(
     num_microbatches: int,
     micro_batch_size: int = MICRO_BATCH_SIZE,
     seq_len: int = SEQ_LENGTH,
-    vocab: int = VOCAB_SIZE,
+    vocab: int = _VOCAB_SIZE,
     seed: int = 0,
 ) -> list[Batch]:
     """Deterministic synthetic micro-batches: random tokens and labels, ``position_ids``, and a
@@ -198,7 +194,7 @@ def reference_losses_and_grads(
     assert parallel_state.get_tensor_model_parallel_world_size() == 1
     assert parallel_state.get_pipeline_model_parallel_world_size() == 1
     (model,) = build_model_chunks(
-        unparallel_config(config),
+        _unparallel_config(config),
         seed=seed,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
     )
@@ -215,7 +211,7 @@ def reference_losses_and_grads(
 
 @dataclasses.dataclass
 class GradShard:
-    """One rank's piece of a parameter (or its gradient), keyed elsewhere by global name."""
+    """One rank's piece of a parameter's gradient, keyed elsewhere by global name."""
 
     tensor: torch.Tensor
     full_shape: tuple[int, ...]
@@ -225,7 +221,10 @@ class GradShard:
     tp_size: int
 
 
-def _shards(model_chunks: Sequence[torch.nn.Module], what: str) -> dict[str, GradShard]:
+def grad_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]:
+    """This rank's gradients by global name (``main_grad`` under DDP, else ``.grad``) with their
+    tensor-parallel slice info, for :func:`merge_shards` in the parent. The distributed optimizer
+    reduces only the rank's own ``main_grad`` shard: compare parameters or losses there instead."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     out: dict[str, GradShard] = {}
@@ -233,7 +232,7 @@ def _shards(model_chunks: Sequence[torch.nn.Module], what: str) -> dict[str, Gra
         module = unwrap(chunk)
         names = global_param_names(module)
         for name, param in module.named_parameters():
-            value = param.detach() if what == "param" else getattr(param, "main_grad", None)
+            value = getattr(param, "main_grad", None)
             if value is None:
                 value = param.grad
             if value is None:
@@ -248,18 +247,6 @@ def _shards(model_chunks: Sequence[torch.nn.Module], what: str) -> dict[str, Gra
                 tp_size=tp_size,
             )
     return out
-
-
-def grad_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]:
-    """This rank's gradients by global name (``main_grad`` under DDP, else ``.grad``) with their
-    tensor-parallel slice info, for :func:`merge_shards` in the parent. The distributed optimizer
-    reduces only the rank's own ``main_grad`` shard: compare parameters or losses there instead."""
-    return _shards(model_chunks, "grad")
-
-
-def param_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]:
-    """Like :func:`grad_shards` for the parameter values."""
-    return _shards(model_chunks, "param")
 
 
 def merge_shards(

@@ -35,7 +35,6 @@ from torch.distributed import distributed_c10d as c10d
 
 __all__ = [
     "ENV",
-    "STALL_ENV",
     "TRANSFER_ENV",
     "BatchTiming",
     "SendTiming",
@@ -48,7 +47,7 @@ __all__ = [
 ]
 
 ENV = "BFPP_NCCL_EMULATION"  # "1": the tests install the emulation in every rank
-STALL_ENV = "BFPP_NCCL_EMULATION_STALL_S"
+_STALL_ENV = "BFPP_NCCL_EMULATION_STALL_S"
 TRANSFER_ENV = "BFPP_NCCL_EMULATION_TRANSFER_S"
 DEFAULT_STALL_S = 60.0
 MAX_POLL_S = 0.02  # the longest a sender sleeps between looks at its receivers' keys
@@ -70,7 +69,7 @@ def install(*, stall_seconds: float | None = None, transfer_seconds: float | Non
     ``transfer_seconds``, else ``$BFPP_NCCL_EMULATION_TRANSFER_S``, else 0."""
     global _stall_s, _transfer_s
     if stall_seconds is None:
-        stall_seconds = float(os.environ.get(STALL_ENV, DEFAULT_STALL_S))
+        stall_seconds = float(os.environ.get(_STALL_ENV, DEFAULT_STALL_S))
     if transfer_seconds is None:
         transfer_seconds = float(os.environ.get(TRANSFER_ENV, 0.0))
     if transfer_seconds < 0:

@@ -46,7 +46,6 @@ from megatron_bfpp.train.checkpoint_files import (
     write_tracker,
 )
 from megatron_bfpp.train.checkpoint_metadata import (
-    CKPT_FORMATS,
     FORMAT_VERSION,
     CheckpointMetadata,
     FileRecord,
@@ -57,22 +56,18 @@ from megatron_bfpp.train.checkpoint_metadata import (
 )
 
 __all__ = [
-    "FORMATS",
-    "KILL_DURING_SAVE_ENV",
-    "PAUSE_DURING_SAVE_ENV",
     "OtherRankFailed",
     "load_checkpoint",
     "read_rank_file",
     "save_checkpoint",
 ]
 
-FORMATS = CKPT_FORMATS
 # Test hook "<point>:<rank>": SIGKILL that rank at "rank-file" (before writing its files) or
 # "publish" (rank 0, between moving an existing same-iteration checkpoint aside and renaming in).
-KILL_DURING_SAVE_ENV = "BFPP_TEST_KILL_DURING_SAVE"
+_KILL_DURING_SAVE_ENV = "BFPP_TEST_KILL_DURING_SAVE"
 # Test hook: a file name; rank 0 creates it before writing its files and waits there (up to 10
 # minutes) for the test to signal the job, as SLURM does when it preempts a job mid-save.
-PAUSE_DURING_SAVE_ENV = "BFPP_TEST_PAUSE_DURING_SAVE"
+_PAUSE_DURING_SAVE_ENV = "BFPP_TEST_PAUSE_DURING_SAVE"
 _PAUSE_S = 600.0
 # Megatron-LM's default format for the distributed optimizer (megatron-core 0.16 rejects the
 # older "fully_sharded_model_space": flattened ShardedTensors are no longer supported).
@@ -109,9 +104,9 @@ def _agree(error: CheckpointError | None) -> None:
 
 
 def _kill_point(point: str) -> None:
-    if os.environ.get(KILL_DURING_SAVE_ENV) == f"{point}:{dist.get_rank()}":
+    if os.environ.get(_KILL_DURING_SAVE_ENV) == f"{point}:{dist.get_rank()}":
         os.kill(os.getpid(), signal.SIGKILL)
-    marker = os.environ.get(PAUSE_DURING_SAVE_ENV)
+    marker = os.environ.get(_PAUSE_DURING_SAVE_ENV)
     if marker and point == "rank-file" and dist.get_rank() == 0:
         Path(marker).write_text(f"{os.getpid()}\n")
         time.sleep(_PAUSE_S)

@@ -42,14 +42,11 @@ __all__ = [
     "FileRecord",
     "SchedulerPolicy",
     "check_resume",
-    "layout_differences",
     "metadata_from_json",
     "metadata_to_json",
-    "model_differences",
     "read_checkpoint",
     "resume_warnings",
     "save_problem",
-    "scheduler_differences",
     "scheduler_policy",
 ]
 
@@ -224,7 +221,7 @@ def _check_file(root: str | Path, path: Path, record: FileRecord) -> None:
         )
 
 
-def model_differences(saved: RunConfig, current: RunConfig) -> list[str]:
+def _model_differences(saved: RunConfig, current: RunConfig) -> list[str]:
     """``--flag saved, this run has current`` per differing model flag (defaults filled in)."""
     model_saved, model_now = saved.model.effective_flags(), current.model.effective_flags()
     return [
@@ -234,9 +231,9 @@ def model_differences(saved: RunConfig, current: RunConfig) -> list[str]:
     ]
 
 
-def layout_differences(saved: RunConfig, current: RunConfig) -> list[str]:
+def _layout_differences(saved: RunConfig, current: RunConfig) -> list[str]:
     """``--flag saved, this run has current`` for each model or layout difference."""
-    differences = model_differences(saved, current)
+    differences = _model_differences(saved, current)
     a, b = saved.layout, current.layout
     for dest in (
         "tensor_model_parallel_size",
@@ -260,7 +257,7 @@ def layout_differences(saved: RunConfig, current: RunConfig) -> list[str]:
     return differences
 
 
-def scheduler_differences(saved: CheckpointMetadata, current: RunConfig) -> list[str]:
+def _scheduler_differences(saved: CheckpointMetadata, current: RunConfig) -> list[str]:
     """The flags whose values make this run's learning-rate schedule differ from the
     checkpoint's, compared as megatron-core compares them (steps count samples). A changed
     ``--global-batch-size`` is named alone when it is the only reason warm-up and decay differ."""
@@ -316,14 +313,14 @@ def check_resume(
     scheduler: SchedulerPolicy = "check",
 ) -> None:
     """Raise one line naming every difference that stops ``current`` from resuming."""
-    layout = layout_differences(metadata.run, current)
+    layout = _layout_differences(metadata.run, current)
     if layout:
         raise CheckpointError(
             f"--load {root}: checkpoint was saved with {'; '.join(layout)}; a checkpoint resumes "
             "only on the same model and parallel layout (the schedule, --micro-batch-size and "
             "--global-batch-size may change)"
         )
-    differences = scheduler_differences(metadata, current) if scheduler == "check" else []
+    differences = _scheduler_differences(metadata, current) if scheduler == "check" else []
     if not differences:
         return
     hint = ""
@@ -352,7 +349,7 @@ def save_problem(root: str | Path, current: RunConfig) -> str | None:
         _, metadata = read_checkpoint(root)
     except CheckpointError:
         return None
-    differences = model_differences(metadata.run, current)
+    differences = _model_differences(metadata.run, current)
     if not differences:
         return None
     return (

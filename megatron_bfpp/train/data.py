@@ -17,9 +17,9 @@ import torch
 
 from megatron_bfpp.train.data_source import IndexedSource, TextSource, data_source
 
-__all__ = ["BYTE_VOCAB_SIZE", "Batch", "IndexedTrainingData", "TrainingData", "training_data"]
+__all__ = ["Batch", "IndexedTrainingData", "TrainingData", "training_data"]
 
-BYTE_VOCAB_SIZE = 256
+_BYTE_VOCAB_SIZE = 256
 _MAX_STEP = 4
 
 Batch = dict[str, torch.Tensor]
@@ -69,10 +69,10 @@ class TrainingData(_Samples):
                     f"--data-path {data_path} has {len(raw)} bytes; need at least "
                     f"seq_length + 2 = {seq_length + 2}"
                 )
-            if vocab_size < BYTE_VOCAB_SIZE:
+            if vocab_size < _BYTE_VOCAB_SIZE:
                 raise ValueError(
                     f"--data-path uses byte-level tokens: --vocab-size must be >= "
-                    f"{BYTE_VOCAB_SIZE}, got {vocab_size}"
+                    f"{_BYTE_VOCAB_SIZE}, got {vocab_size}"
                 )
             self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
 

@@ -22,18 +22,15 @@ from typing import Any
 import torch.distributed as dist
 
 __all__ = [
-    "BEAT_INTERVAL",
-    "HOST_LINGER",
-    "SILENCE",
     "Liveness",
     "RanksLost",
     "Verdict",
     "start_liveness",
 ]
 
-BEAT_INTERVAL = 1.0
-SILENCE = 3.0  # > 2 beats: a live rank's counter moves at least once in this time
-HOST_LINGER = 2.5  # > 2 beats: every rank's heartbeat thread sees a claim before rank 0 exits
+_BEAT_INTERVAL = 1.0
+_SILENCE = 3.0  # > 2 beats: a live rank's counter moves at least once in this time
+_HOST_LINGER = 2.5  # > 2 beats: every rank's heartbeat thread sees a claim before rank 0 exits
 _STORE_TIMEOUT_S = 10.0
 _PREFIX = "bfpp-liveness/"
 
@@ -66,19 +63,19 @@ class Liveness:
                 self.claim_seen |= int(self.store.add("reported", 0)) > 0
             except Exception:  # the store is gone: its host died, or the job is ending
                 return
-            self.stop.wait(BEAT_INTERVAL)
+            self.stop.wait(_BEAT_INTERVAL)
 
     def counters(self) -> list[int]:
         return [self.store.add(f"beat/{rank}", 0) for rank in range(self.world_size)]
 
-    def silent_ranks(self, *, silence: float = SILENCE) -> list[int]:
+    def silent_ranks(self, *, silence: float = _SILENCE) -> list[int]:
         """Ranks whose heartbeat did not move in ``silence`` seconds (waits that long)."""
         before = self.counters()
         time.sleep(silence)
         after = self.counters()
         return [rank for rank in range(self.world_size) if after[rank] == before[rank]]
 
-    def judge(self, error: BaseException, *, silence: float = SILENCE) -> Verdict | RanksLost:
+    def judge(self, error: BaseException, *, silence: float = _SILENCE) -> Verdict | RanksLost:
         """What this failing rank does with ``error``: report it, stay quiet, or report the ranks
         that are gone (communication failures only: a lost peer fails them)."""
         try:
@@ -87,7 +84,7 @@ class Liveness:
         except Exception:  # the store is gone with its host
             return Verdict.QUIET if self.claim_seen else self._store_lost()
         if self.rank == 0:  # it may host the store (srun): the others still need it
-            time.sleep(HOST_LINGER)
+            time.sleep(_HOST_LINGER)
         if not claimed:
             return Verdict.QUIET
         lost = [rank for rank in lost if rank != self.rank]

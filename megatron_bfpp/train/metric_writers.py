@@ -26,7 +26,6 @@ __all__ = [
     "WandbWriter",
     "missing_packages",
     "scalars",
-    "wandb_mode",
 ]
 
 # Record key -> scalar name (Megatron-LM's names where it has one).
@@ -139,7 +138,7 @@ def _importable(package: str) -> bool:
         return False
 
 
-def wandb_mode(environ: Mapping[str, str] = os.environ, netrc_path: str | None = None) -> str:
+def _wandb_mode(environ: Mapping[str, str] = os.environ, netrc_path: str | None = None) -> str:
     """``WANDB_MODE`` when set; else online only with an API key (environment or ~/.netrc, from
     ``wandb login``), so a machine without one writes offline runs (``wandb sync`` uploads
     them) instead of failing at the first iteration."""
@@ -214,7 +213,7 @@ class WandbWriter:
             name=name,
             dir=save_dir,
             config=dict(config),
-            mode=wandb_mode(),  # type: ignore[arg-type]
+            mode=_wandb_mode(),  # type: ignore[arg-type]
         )
 
     def write(self, record: Mapping[str, Any]) -> None:

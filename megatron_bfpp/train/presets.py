@@ -22,7 +22,6 @@ from megatron_bfpp.config.run_config import ModelShape, default_ffn_hidden_size
 from megatron_bfpp.ir import Placement
 
 __all__ = [
-    "PRESETS",
     "ModelShape",
     "build_model_chunks",
     "default_ffn_hidden_size",
@@ -37,7 +36,7 @@ __all__ = [
     "wrap_ddp",
 ]
 
-PRESETS = ("gpt", "llama")
+_PRESETS = ("gpt", "llama")
 INIT_STD = 0.02
 _LAYER_PREFIX = re.compile(r"^(.*\.)(\d+)$")
 
@@ -93,7 +92,7 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, vp: int | None, o
     elif shape.preset == "gpt":
         fields.update(normalization="LayerNorm", num_query_groups=shape.num_query_groups)
     else:
-        raise ValueError(f"unknown model preset {shape.preset!r} (choose from {PRESETS})")
+        raise ValueError(f"unknown model preset {shape.preset!r} (choose from {_PRESETS})")
     return TransformerConfig(**fields)
 
 

@@ -110,7 +110,7 @@ def test_looped_and_v_layouts() -> None:
     v = StageLayout.v_shape(4)
     assert v.stage_to_rank == (0, 1, 2, 3, 3, 2, 1, 0)
     assert v.stages_of(0) == (0, 7)
-    assert v.stage_of(rank=3, chunk=1) == 4
+    assert v.rank_of(4) == 3 and v.chunk_of(4) == 1  # rank 3's second chunk
     assert v.kind == "v-shape"
     assert StageLayout((1, 0)).kind == "custom"
 

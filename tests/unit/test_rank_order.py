@@ -14,7 +14,6 @@ from megatron_bfpp.megatron.rank_order import (
     PlacementError,
     apply_rank_order_from_env,
     format_rank_order,
-    invert_rank_order,
     node_stages,
     pair_adjacent_rank_order,
     parse_rank_order,
@@ -97,7 +96,11 @@ def test_rank_order_round_trip_and_env() -> None:
     order = pair_adjacent_rank_order(pipeline_parallel_size=4, gpus_per_node=4)
     assert order == (0, 3, 1, 2)
     assert parse_rank_order(format_rank_order(order)) == order
-    assert invert_rank_order(order) == (0, 2, 3, 1)
+    slots = {}  # what the launcher does in each slot: Megatron rank -> the slot it runs in
+    for slot in range(4):
+        env = {"BFPP_RANK_ORDER": format_rank_order(order), "RANK": str(slot), "WORLD_SIZE": "4"}
+        slots[apply_rank_order_from_env(env)] = slot
+    assert [slots[rank] for rank in range(4)] == [0, 2, 3, 1]
     env = {"BFPP_RANK_ORDER": "0,3,1,2", "RANK": "1", "WORLD_SIZE": "4"}
     assert apply_rank_order_from_env(env) == 3
     assert env["RANK"] == "3" and env["BFPP_LAUNCH_RANK"] == "1"
