@@ -9,12 +9,12 @@ NCCL (torch's ProcessGroupNCCL) is stricter than gloo in three ways that matter 
 3. a batch completes only when every op in it has been matched, and a send waits until the
    receiver has *started* the batch holding its receive (the model assumes no buffering).
 
-**Lock-step posting** (``lockstep_posting``, what the runtime does): an as-soon-as-possible
-replay in nominal ticks (``TICKS``) puts each message in the batch of the tick its sender posts
-it at; each rank posts one batch per tick, in one canonical order, after its computes that end
-by that tick, so every op's partner is in the peer's batch of the same tick and, by induction on
-the tick, every batch completes. BPipe's payloads go in a ``side`` batch on the pair's own group
-right after the tick's batch, which holds the eviction's size header.
+**Lock-step posting** (``lockstep_posting``, what the runtime does): the gloo replay in nominal
+ticks (``TICKS``) on the lock-step channel (``semantics.lockstep_replay``) puts each message in the
+batch of the tick its sender posts it at; each rank posts one batch per tick, in one canonical
+order, after its computes that end by that tick, so every op's partner is in the peer's batch of the
+same tick and, by induction on the tick, every batch completes. BPipe's payloads go in a ``side``
+batch on the pair's own group right after the tick's batch, which holds the eviction's size header.
 
 **The model** (``check_posting``) runs any posting under rules 1-3 with a strict CPU per rank,
 waiting where the runtime waits (what ``semantics.Rules`` says, compiled by ``program.Program``;
@@ -29,11 +29,11 @@ from __future__ import annotations
 import math
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from itertools import accumulate, groupby, repeat
 from operator import attrgetter
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from megatron_bfpp.ir import (
     Action,
@@ -45,13 +45,15 @@ from megatron_bfpp.ir import (
     paused_gc,
 )
 from megatron_bfpp.messages import ACT, WHAT_CODE, What
-from megatron_bfpp.program import Program, compiled
+from megatron_bfpp.program import compiled
 from megatron_bfpp.semantics import (
     Event,
     Lane,
     Timing,
+    Wires,
     action_duration,
     compute_durations,
+    lockstep_replay,
     match_channels,
 )
 
@@ -76,10 +78,10 @@ K = ActionKind
 _FREES = frozenset({K.BACKWARD, K.BACKWARD_INPUT})  # the backward that frees the output
 _UNIT = Timing()
 _SIDE = -2  # the peer of a rank's side stream in ``_Model.streams`` (-1: its group's)
-RS_DELAY = 1  # ticks from an eviction to its return: the payload is in by the end of its tick
-# Ticks per compute in the lock-step replay: the nominal timing's (semantics.Timing's defaults);
+# The lock-step replay's timing: the nominal one's (semantics.Timing's defaults) in integer ticks;
 # a composite's are its parts' together (the composite rule: ``semantics.action_duration``).
-TICKS = {kind: int(time) for kind, time in compute_durations(_UNIT).items()}
+_TICKED = Timing(*(int(getattr(_UNIT, field.name)) for field in fields(Timing)))
+TICKS = {kind: int(time) for kind, time in compute_durations(_TICKED).items()}
 _FB = K.OVERLAP_F_B
 
 
@@ -249,9 +251,14 @@ def lockstep_posting(schedule: Schedule) -> Posting:
     program = compiled(schedule)
     lowered = _Lowered([], [], [], [], [])
     with paused_gc():  # a list per batch, none freed: see paused_gc
-        ticks = _TickReplay(program).run()
+        run = lockstep_replay(program.rules, _TICKED)
+        if pending := run.unfinished():
+            raise ScheduleError(
+                f"{schedule.name}: no lock-step posting exists (ranks {pending} "
+                "wait for messages nobody sends); validate the schedule first"
+            )
         for rank, actions in enumerate(schedule.per_rank):
-            _lockstep_steps(lowered, actions, ticks[rank], program.message[rank])
+            _lockstep_steps(lowered, actions, rank, run, program.message[rank])
     posting = Posting("lock-step", None, lowered)
     _POSTINGS.insert(0, (schedule, posting))
     del _POSTINGS[_KEEP:]
@@ -263,24 +270,34 @@ _KEEP = 4
 
 
 def _lockstep_steps(
-    lowered: _Lowered, actions: tuple[Action, ...], tick_of: list[int], message: list[int]
+    lowered: _Lowered, actions: tuple[Action, ...], rank: int, run: Wires, message: list[int]
 ) -> None:
-    """One rank's steps of the lock-step posting, from its actions' ticks, added to
-    ``lowered``. Sort keys are ``(tick * 4 + phase) * span + order``: at a tick, its batch
-    (phase 0), its payload batch (1), the GS / PS / RL that follow the compute ending there (2:
-    after its messages, the pipeline's critical path goes first), then the compute starting
-    there (3); ``order`` is the position, or a batch's number on the rank. A batch's items are
-    in canonical order (sort keys ``(message * span + position) * 2 + rest``)."""
+    """One rank's steps of the lock-step posting, from its actions' ticks in ``run``
+    (``lockstep_replay``: a compute's start, a message's send), added to ``lowered``. Sort keys
+    are ``(tick * 4 + phase) * span + order``: at a tick, its batch (phase 0), its payload batch
+    (1), the GS / PS / RL that follow the compute ending there (2: after its messages, the
+    pipeline's critical path goes first), then the compute starting there (3); ``order`` is the
+    position, or a batch's number on the rank. A batch's items are in canonical order (sort
+    keys ``(message * span + position) * 2 + rest``)."""
     span = len(actions) + 1
     by_tick: defaultdict[int, list[int]] = defaultdict(list)
     keys: list[int] = []
     restore, load, evict, accept = K.RESTORE, K.LOAD, K.EVICT, K.ACCEPT
-    p2p, compute, ticks_of = _P2P, _COMPUTE, TICKS
-    end = 0  # the end of the latest compute
+    p2p, compute, ticks_of, lanes = _P2P, _COMPUTE, TICKS, _LANES
+    # its computes' and GS / PS's starts in program order, and the messages' sends: integers
+    starts = iter(cast("list[int]", run.starts[rank]))
+    flow, arrivals = cast("list[int | None]", run.flow), cast("dict[int, int]", run.arrivals)
+    num_ranks = run.rules.num_ranks
+    end = 0  # the end of the latest compute: an SA / SG goes then
     for position, action in enumerate(actions):
         kind = action.kind
         if kind in p2p:
-            tick = tick_of[position]
+            if kind in _SENT_AT_END:
+                tick = end
+            elif (sent := _sent(flow, arrivals, message[position], num_ranks)) is None:
+                raise ScheduleError(f"rank {rank}, step {position}: {action} is never sent")
+            else:
+                tick = sent
             item = (message[position] * span + position) * 2
             if kind is restore or kind is load:  # a payload: in the pair's batch
                 by_tick[tick * 2 + 1].append(item)
@@ -289,10 +306,12 @@ def _lockstep_steps(
             if kind is evict or kind is accept:
                 by_tick[tick * 2 + 1].append(item + 1)
         elif kind in compute:
-            tick = tick_of[position]
+            tick = next(starts)
             keys.append((tick * 4 + 3) * span + position)
             end = tick + (ticks_of[kind] if kind is not _FB else action_duration(ticks_of, action))
         else:
+            if kind in lanes:
+                next(starts)
             keys.append((end * 4 + 2) * span + position)
     batches = sorted(by_tick)  # by tick, then payload
     # a batch's key: (tick * 4 + payload) * span + its number among the rank's batches
@@ -314,6 +333,16 @@ def _lockstep_steps(
 
 _P2P = frozenset(kind for kind in K if kind.is_p2p)
 _COMPUTE = frozenset(kind for kind in K if kind.is_compute)
+_LANES = frozenset({K.GRAD_SYNC, K.PARAM_SYNC})  # what ``Wires.starts`` also holds
+_SENT_AT_END = frozenset({K.SEND_ACT, K.SEND_GRAD})
+
+
+def _sent(
+    flow: list[int | None], arrivals: dict[int, int], message: int, num_ranks: int
+) -> int | None:
+    """The tick ``message`` is sent at in a lock-step run, None if never: an activation's or
+    gradient's in ``flow``, a BPipe transfer's in ``arrivals`` (keys name no rank there)."""
+    return flow[message] if message < len(flow) else arrivals.get(message * num_ranks)
 
 
 def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
@@ -335,163 +364,6 @@ def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
                         f"runs such transfers only between partners x and {last}-x (BPipe's "
                         f"pairs): give rank {rank} the partner {last - rank}"
                     )
-
-
-class _TickReplay:
-    """An as-soon-as-possible replay with nominal computes (``TICKS``) and instant messages: a
-    rank stops at a message not yet sent and resumes when it is; BPipe's EV (RS) goes out no
-    earlier than the partner's AC (LD), and the evictor's (acceptor's) next compute waits for it.
-    A tick is the largest of those it depends on, so the order ranks advance in changes none."""
-
-    def __init__(self, program: Program) -> None:
-        schedule = self.schedule = program.schedule
-        programs = schedule.per_rank
-        num_ranks = len(programs)
-        self.program, self.rules = program, program.rules
-        self.ticks = [[-1] * len(actions) for actions in programs]
-        self.sent = [-1] * program.num_messages  # the tick a message is sent at, -1 not yet
-        self.posted = [-1] * program.num_messages  # AC / LD: the receiver's tick there
-        self.at = [0] * num_ranks
-        self.now = [0] * num_ranks  # the end of each rank's latest compute
-        # EV / RS waiting for the partner's AC / LD: (position, message, earliest tick).
-        self.deferred: list[list[tuple[int, int, int]]] = [[] for _ in programs]
-        self.settled = [0] * num_ranks  # the latest tick of a rank's settled transfers
-        self.waiters: dict[int, list[int]] = {}  # message -> ranks stopped until it is sent
-        self.owner: dict[int, int] = {}  # a deferred transfer's message -> its rank
-        self.ready = deque(range(num_ranks))
-        self.queued = [True] * num_ranks
-
-    def run(self) -> list[list[int]]:
-        """Per rank and position: a compute's start tick, a p2p action's batch tick, else -1."""
-        programs, ready, queued = self.schedule.per_rank, self.ready, self.queued
-        while ready:
-            rank = ready.popleft()
-            queued[rank] = False
-            self.at[rank] = self._advance(rank, self.at[rank])
-        at, deferred = self.at, self.deferred
-        pending = [r for r, actions in enumerate(programs) if at[r] < len(actions) or deferred[r]]
-        if pending:
-            raise ScheduleError(
-                f"{self.schedule.name}: no lock-step posting exists (ranks {pending} "
-                "wait for messages nobody sends); validate the schedule first"
-            )
-        sent = self.sent
-        for rank, actions in enumerate(programs):
-            message, ticks = self.program.message[rank], self.ticks[rank]
-            for position, action in enumerate(actions):
-                if action.kind in _RECV:
-                    if sent[message[position]] < 0:
-                        raise ScheduleError(f"rank {rank}, step {position}: {action} is never sent")
-                    ticks[position] = sent[message[position]]
-        return self.ticks
-
-    def _wake(self, rank: int) -> None:
-        if not self.queued[rank]:
-            self.queued[rank] = True
-            self.ready.append(rank)
-
-    def _send(self, message: int, tick: int) -> None:
-        self.sent[message] = tick
-        for rank in self.waiters.pop(message, ()):
-            self._wake(rank)
-
-    def _stop(self, rank: int, message: int) -> None:
-        """``rank`` needs ``message``, not sent yet: settle what can be (the partner may wait for
-        an eviction deferred to this compute) and wait."""
-        self._resolved(rank)
-        self.waiters.setdefault(message, []).append(rank)
-
-    def _resolved(self, rank: int) -> int | None:
-        """Settle the deferred transfers whose partner has posted; the latest tick among them,
-        or None while one still waits."""
-        deferred = self.deferred[rank]
-        if not deferred:
-            return self.settled[rank]
-        latest, still, posted, ticks = self.settled[rank], [], self.posted, self.ticks[rank]
-        for entry in deferred:
-            position, message, earliest = entry
-            if posted[message] < 0:  # AC / LD name the same message as EV / RS
-                still.append(entry)
-                continue
-            tick = max(earliest, posted[message])
-            ticks[position] = tick
-            self._send(message, tick)
-            latest = max(latest, tick)
-        deferred[:], self.settled[rank] = still, latest  # in place: ``_advance`` holds the list
-        return None if still else latest
-
-    def _advance(self, rank: int, position: int) -> int:
-        """Number ``rank``'s actions from ``position``; return where it stopped. A transfer whose
-        next compute awaits the partner's receive (``Rules.awaits``) is deferred to it."""
-        program, rules = self.program, self.rules
-        actions, t, ticks = self.schedule.per_rank[rank], self.now[rank], self.ticks[rank]
-        message, wait, restores = program.message[rank], program.wait[rank], program.restore[rank]
-        sent, transfers = self.sent, rules.transfers
-        deferred, settled = self.deferred[rank], self.settled  # BPipe's transfers (``_resolved``)
-        while True:
-            if position == len(actions):
-                self._resolved(rank)
-                break
-            action = actions[position]
-            kind = action.kind
-            if kind in _COMPUTE:
-                ready = 0
-                if (need := wait[position]) >= 0 and (ready := sent[need]) < 0:
-                    self._stop(rank, need)
-                    break
-                if kind is _FB and (ready := self._parts_ready(rank, action)) < 0:
-                    break  # the composite rule: what each of its parts waits for
-                if restores and (restore := restores.get(position, -1)) >= 0:
-                    if sent[restore] < 0:
-                        self._stop(rank, restore)
-                        break
-                    ready = max(ready, sent[restore])
-                transfers_in = self._resolved(rank) if deferred else settled[rank]
-                if transfers_in is None:  # resumed when the partner posts (``owner``)
-                    break
-                ticks[position] = max(t, ready, transfers_in)
-                t = ticks[position] + (
-                    TICKS[kind] if kind is not _FB else action_duration(TICKS, action)
-                )
-            elif kind is K.SEND_ACT or kind is K.SEND_GRAD:
-                ticks[position] = t
-                self._send(message[position], t)
-            elif (rule := transfers.get(kind)) is not None and rule.carries_data:
-                waited = rules.transfer_waits(action)  # RS: the payload it returns
-                ready = 0
-                if waited is not None:
-                    need = program.id_of(waited)
-                    if (ready := sent[need]) < 0:
-                        self._stop(rank, need)
-                        break
-                if rules.awaits(action):
-                    earliest = max(t, ready + RS_DELAY) if waited is not None else t
-                    self.deferred[rank].append((position, message[position], earliest))
-                    self.owner[message[position]] = rank
-            elif rule is not None:  # AC / LD: the receive is posted
-                self.posted[message[position]] = t
-                owner = self.owner.get(message[position])
-                if owner is not None:
-                    self._wake(owner)
-            position += 1
-        self.now[rank] = t
-        return position
-
-    def _parts_ready(self, rank: int, composite: Action) -> int:
-        """The tick by which the messages a composite's parts wait for are sent (its
-        backward's restore is its position's, ``Program.restore``), or -1 with ``rank``
-        stopped at the first not sent yet."""
-        program, sent, ready = self.program, self.sent, 0
-        for part in parts(composite):
-            if (need := program.wait_of(part)) >= 0:
-                if sent[need] < 0:
-                    self._stop(rank, need)
-                    return -1
-                ready = max(ready, sent[need])
-        return ready
-
-
-_RECV = frozenset(kind for kind in K if kind.is_recv)
 
 
 def _durations(timing: Timing) -> dict[ActionKind, float]:

@@ -34,7 +34,14 @@ receiver) for its duration, one message at a time in posting order; GS / PS run 
 one data-parallel lane per rank, starting no earlier than their position's time; the first compute
 of a stage after one of its PS waits for that gather to end; an RL (sharded parameters: release a
 chunk's gathered ones) takes no time. Every link and lane belongs to one rank's program, so the
-order in which ranks are advanced changes no time."""
+order in which ranks are advanced changes no time.
+
+``lockstep_replay`` numbers the lock-step posting's ticks (``nccl``): ``replay`` in integer
+``Timing`` with instant messages on the lock-step channel, where messages match by id whoever
+they name, and BPipe's transfers wait as the posting does: an EV (RS) goes out no earlier than
+the partner posts its AC (LD), and the first compute after it waits for that tick (the
+acknowledgement then costs time), an RS at least ``RS_DELAY`` after the eviction it returns, and
+AC posts without waiting for the eviction (the posting puts it in the eviction's batch)."""
 
 from __future__ import annotations
 
@@ -68,6 +75,7 @@ from megatron_bfpp.messages import (
 )
 
 __all__ = [
+    "RS_DELAY",
     "Ends",
     "Event",
     "Lane",
@@ -83,6 +91,7 @@ __all__ = [
     "compute_durations",
     "compute_ends",
     "describe_waits",
+    "lockstep_replay",
     "match_channels",
     "replay",
     "run_recorded",
@@ -109,6 +118,9 @@ class Timing:
     transfer: float = 0.0
     grad_sync: float = 0.0
     param_sync: float = 0.0
+
+
+RS_DELAY = 1  # lock-step ticks from an eviction to its return: its payload is in by its tick's end
 
 
 def compute_durations(timing: Timing) -> dict[ActionKind, float]:
@@ -201,6 +213,14 @@ def _replayed(schedule: Schedule, timing: Timing, implicit: bool | None = None) 
         f"{rules.schedule.name!r}: an action names a stage outside the layout; run "
         "validate_schedule for details"
     )
+
+
+def lockstep_replay(rules: Rules, timing: Timing) -> Wires:
+    """Every program under ``timing`` (integers, messages instant) on the lock-step channel
+    (module docstring): ``Wires.starts`` and the messages' arrivals are the posting's ticks."""
+    run = Wires(rules, timing, lockstep=True)
+    run.run([_timed(run, rank) for rank in range(rules.num_ranks)])
+    return run
 
 
 @paused_gc()
@@ -391,9 +411,10 @@ class Wires:
     for which), the ranks ready to continue, BPipe's per-rank state, and per rank its clock,
     links, data-parallel lane, events and memory. ``run`` drives the ranks' programs."""
 
-    def __init__(self, rules: Rules, timing: Timing) -> None:
+    def __init__(self, rules: Rules, timing: Timing, *, lockstep: bool = False) -> None:
+        """``lockstep``: the lock-step channel (module docstring), for ``lockstep_replay``."""
         num_ranks = rules.num_ranks
-        self.rules = rules
+        self.rules, self.lockstep = rules, lockstep
         self.arrivals: dict[int, float] = {}  # message key -> arrival time
         self.waiting: dict[int, int] = {}  # message key -> the rank stopped for it
         self.at = [0] * num_ranks  # where each stopped rank waits: a position in its program
@@ -401,6 +422,12 @@ class Wires:
         # Per rank: position -> the restore a backward there waits for (``Rules.restored``).
         self.restores: list[dict[int, int]] = [{} for _ in range(num_ranks)]
         self.awaiting: list[list[int]] = [[] for _ in range(num_ranks)]  # see transfer
+        self.acked: list[float] = [0] * num_ranks  # the latest acknowledgement's arrival
+        # Lock-step: BPipe's transfers (acknowledgement key -> payload key, earliest, rank) and
+        # posted receives (acknowledgement key -> tick) each waiting for the other (``_meet``).
+        self.offered: dict[int, tuple[int, float, int]] = {}
+        self.posted: dict[int, float] = {}
+        self.delay = RS_DELAY if lockstep else 0  # from an eviction to the RS returning it
         self.durations = timing
         # Activations and gradients index ``flow``, their arrival times (None: not sent).
         self.flow: list[float | None] = [None] * rules.limit
@@ -477,41 +504,74 @@ class Wires:
 
     def unacknowledged(self, rank: int) -> int:
         """The first acknowledgement a compute action on ``rank`` still waits for, else -1
-        (and then none is awaited any more)."""
-        awaiting = self.awaiting[rank]
+        (and then none is awaited any more: ``acked`` holds the latest's arrival)."""
+        awaiting, arrivals = self.awaiting[rank], self.arrivals
         for key in awaiting:
-            if key not in self.arrivals:
+            if key not in arrivals:
                 return key
+        if self.lockstep:  # the latest tick (gloo's acknowledgements cost no time)
+            self.acked[rank] = max(self.acked[rank], *map(arrivals.__getitem__, awaiting))
         awaiting.clear()
         return -1
+
+    def unfinished(self) -> list[int]:
+        """The ranks stopped, or (lock-step) with a transfer whose partner never posts."""
+        owners = (rank for _, _, rank in self.offered.values())
+        return sorted({*self.waiting.values(), *owners})
 
     def transfer(self, rank: int, position: int, t: float) -> tuple[float, int]:
         """BPipe's EV / AC / RS / LD at ``position`` under ``Rules.transfers``: (the rank's clock
         after it, the message key it waits for, or -1 once done). What is sent to a rank outside
-        the layout reaches nobody."""
+        the layout reaches nobody. Lock-step: keys name no rank (messages match by id, whoever
+        they name, as the posting pairs them), AC posts without reading the header (the posting
+        puts it in the eviction's batch), and EV / RS meet their AC / LD (``_meet``)."""
         rules, action = self.rules, self.rules.schedule.per_rank[rank][position]
         s, mb, kind = action.stage, action.microbatch or 0, action.kind
         if s >= rules.num_stages or mb >= rules.microbatches:
             raise IndexError(s)  # reported like any stage outside the layout
         peer: int = action.peer  # type: ignore[assignment]  # point-to-point: never None
-        rule, num_ranks = rules.transfers[kind], rules.num_ranks
-        if (base := rule.waits[s]) >= 0:
-            arrival = self.arrivals.get(evict := (base + mb) * num_ranks + rank)
+        rule, num_ranks, lockstep = rules.transfers[kind], rules.num_ranks, self.lockstep
+        here = 0 if lockstep else rank
+        earliest = t
+        if (base := rule.waits[s]) >= 0 and (not lockstep or rule.carries_data):
+            arrival = self.arrivals.get(evict := (base + mb) * num_ranks + here)
             if arrival is None:
                 return t, evict
-            if rule.carries_data and arrival > t:
-                t = arrival
-        if peer < num_ranks:
+            if rule.carries_data and (arrival := arrival + self.delay) > t:
+                earliest = arrival  # RS: once the payload it returns is in
+        if lockstep:
+            self._meet(rule, s, mb, earliest, rank)
+        elif peer < num_ranks:
             key = (rule.sends[s] + mb) * num_ranks + peer
             if rule.carries_data:  # EV / RS: the payload occupies its link (_occupy)
-                self.signal(key, self._occupy(rank, peer, t, self.durations.transfer))
+                self.signal(key, self._occupy(rank, peer, earliest, self.durations.transfer))
             else:
                 self.signal(key)
         if (base := rule.awaits[s]) >= 0:
-            self.awaiting[rank].append((base + mb) * num_ranks + rank)
+            self.awaiting[rank].append((base + mb) * num_ranks + here)
         if kind is _LD and (later := rules.restored(rank, position)) >= 0:
-            self.restores[rank][later] = (rules.base[RESTORE][s] + mb) * num_ranks + rank
-        return t, -1
+            self.restores[rank][later] = (rules.base[RESTORE][s] + mb) * num_ranks + here
+        return (t if lockstep else earliest), -1
+
+    def _meet(self, rule: Transfer, stage: int, microbatch: int, at: float, rank: int) -> None:
+        """Lock-step: an EV / RS (its payload) or its partner's AC / LD posted at tick ``at``
+        (keys name no rank). The payload goes, and is acknowledged, at the later of the two's
+        ticks once both are posted: the next compute waits for that (``unacknowledged``)."""
+        num_ranks = self.rules.num_ranks
+        sent = (rule.sends[stage] + microbatch) * num_ranks
+        if not rule.carries_data:  # AC / LD: ``sent`` acknowledges
+            if (offer := self.offered.pop(sent, None)) is None:
+                self.posted[sent] = at
+                return
+            acknowledgement, payload, at = sent, offer[0], max(offer[1], at)
+        else:
+            acknowledgement, payload = (rule.awaits[stage] + microbatch) * num_ranks, sent
+            if (posted := self.posted.pop(acknowledgement, None)) is None:
+                self.offered[acknowledgement] = (payload, at, rank)
+                return
+            at = max(at, posted)
+        self.signal(payload, at)
+        self.signal(acknowledgement, at)
 
 
 class Recorded(NamedTuple):
@@ -575,7 +635,7 @@ def _timed(run: Wires, rank: int) -> Program:
     restores_r, awaiting_r, arrivals = run.restores[rank], run.awaiting[rank], run.arrivals
     ps_r, t, busy_r, wait_r = run.ps_done[rank], run.clock[rank], run.busy[rank], run.waited[rank]
     held_r, peak_r = run.held[rank], run.peak[rank]
-    instant = run.instant
+    instant, blind = run.instant, run.lockstep  # lock-step: sends match by id, whoever they name
     key: int | None
     peer: int
     for i, a in enumerate(program):
@@ -586,22 +646,25 @@ def _timed(run: Wires, rank: int) -> Program:
         mb: int = a.microbatch  # type: ignore[assignment]  # None only for GS / PS
         if kind is _SA:  # sends first: no lookup for a third of the actions
             peer = a.peer  # type: ignore[assignment]  # sends always name a peer
-            if peer >= num_ranks:
+            if peer >= num_ranks and not blind:
                 continue  # a rank outside the layout: the message reaches nobody
             if mb >= microbatches:
                 raise IndexError(mb)  # past the count: _replayed runs again for any
-            key = act_keys[s] + mb if peer == act_peers[s] else None
+            key = act_keys[s] + mb if peer == act_peers[s] or blind else None
         elif kind is _SG:
             peer = a.peer  # type: ignore[assignment]
-            if peer >= num_ranks:
+            if peer >= num_ranks and not blind:
                 continue
             if mb >= microbatches:
                 raise IndexError(mb)
-            key = grad_keys[s] + mb if peer == grad_peers[s] else None
+            key = grad_keys[s] + mb if peer == grad_peers[s] or blind else None
         elif (spec := compute.get(kind)) is not None:  # F, B, I, W on the compute lane
-            while awaiting_r and (need := run.unacknowledged(rank)) >= 0:
-                yield i, need
             start = t
+            if awaiting_r:
+                while (need := run.unacknowledged(rank)) >= 0:
+                    yield i, need
+                if run.acked[rank] > start:
+                    start = run.acked[rank]
             duration, delta, waits_row, sends_row, peers_row = spec
             if mb >= microbatches:
                 raise IndexError(mb)
@@ -680,7 +743,7 @@ def _overlapped(run: Wires, rank: int, i: int, composite: Action) -> Program:
     flow, compute = run.flow, run.compute
     while run.awaiting[rank] and (need := run.unacknowledged(rank)) >= 0:
         yield i, need
-    start = run.clock[rank]
+    start = max(run.clock[rank], run.acked[rank])
     for part in parts(composite):
         mb: int = part.microbatch  # type: ignore[assignment]  # compute: never None
         if mb >= run.rules.microbatches:
