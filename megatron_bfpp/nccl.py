@@ -837,17 +837,6 @@ class _Model:
         self.pc = [0] * num_ranks
         self.waiter: dict[int, int] = {}  # unit -> rank whose CPU waits for it
         self.ready: deque[int] = deque(range(num_ranks))
-        if timing is None:
-            self._prove()
-        else:
-            self._time(timing)
-        if any(self.pc[r] < len(self.steps[r]) for r in range(num_ranks)) or any(self.queues):
-            raise self._deadlock()
-
-    def _time(self, timing: Timing) -> None:
-        """``run`` under ``timing``: clocks per rank, batch, unit and stream."""
-        num_ranks = self.schedule.num_ranks
-        nbatches, nunits = len(self.batch_first) - 1, len(self.unit_batch)
         zero: float = 0
         self.cpu, self.dp_free, self.busy, self.gather_wait = ([zero] * num_ranks for _ in "1234")
         self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
@@ -857,70 +846,13 @@ class _Model:
         self.unit_active: list[float] = [math.inf] * nunits  # when its first op got going
         self.done_time = [zero] * nbatches
         self.stream_free = [zero] * len(self.streams)
-        self.durations = _durations(timing)
+        self.durations = {} if timing is None else _durations(timing)
         self.op_time = self._op_times(timing)
         self.records: list[list[tuple[float, float, int]]] = [[] for _ in range(num_ranks)]
         while self.ready:
             self._advance(self.ready.popleft())
-
-    def _prove(self) -> None:
-        """``run`` untimed, for the proof: what ``_advance``, ``_start`` and ``_finish`` do, in
-        the same order (the same ranks wake in the same order), in one loop and without the
-        clocks, which the proof never reads (``_time`` keeps them)."""
-        steps, pc, ready, waiter, queues = self.steps, self.pc, self.ready, self.waiter, self.queues
-        started, done, posted, left = self.started, self.unit_done, self.posted, self.left
-        batch_first, unit_first, unit_stream = self.batch_first, self.unit_first, self.unit_stream
-        partner_unit = list(map(self.op_unit.__getitem__, self.partner))  # per op
-        pop_waiter, wake = waiter.pop, ready.append
-        while ready:
-            rank = ready.popleft()
-            row = steps[rank]
-            end = len(row)
-            for at in range(pc[rank], end):
-                step = row[at]
-                if step & 3 == _WAIT:
-                    if not done[step >> 2]:
-                        waiter[step >> 2] = rank
-                        break
-                elif step & 3 == _POST:
-                    value = step >> 2
-                    posted[value] = 1
-                    for head in range(batch_first[value], batch_first[value + 1]):
-                        queue = queues[unit_stream[head]]
-                        queue.append(head)
-                        if len(queue) > 1:
-                            continue
-                        starting = [head]
-                        while starting:
-                            unit = starting.pop()
-                            started[unit] = 1
-                            finished = [] if left[unit] else [unit]
-                            for op in range(unit_first[unit], unit_first[unit + 1]):
-                                other = partner_unit[op]
-                                if other == unit:  # a rank messaging itself: never valid
-                                    left[unit] -= 1
-                                    if not left[unit]:
-                                        finished.append(unit)
-                                    continue
-                                if not started[other]:
-                                    continue
-                                left[unit] -= 1
-                                if not left[unit]:
-                                    finished.append(unit)
-                                left[other] -= 1
-                                if not left[other]:
-                                    finished.append(other)
-                            for ended in finished:
-                                done[ended] = 1
-                                queue = queues[unit_stream[ended]]
-                                queue.popleft()
-                                if queue:
-                                    starting.append(queue[0])
-                                if (woken := pop_waiter(ended, None)) is not None:
-                                    wake(woken)
-            else:
-                at = end
-            pc[rank] = at
+        if any(self.pc[r] < len(self.steps[r]) for r in range(num_ranks)) or any(self.queues):
+            raise self._deadlock()
 
     def timed(self, timing: Timing) -> PostingRun:
         """One run under ``timing`` (``posting_timer``)."""
