@@ -31,8 +31,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
-from itertools import accumulate, groupby, repeat
-from operator import attrgetter
+from itertools import accumulate, chain, groupby, repeat
+from operator import attrgetter, rshift, sub
 from typing import NamedTuple, cast
 
 from megatron_bfpp.ir import (
@@ -491,19 +491,20 @@ class _Model:
         items = posting.lowered.batch_items
         # ops, numbered in posting order (rank by rank: ``_Lowered``), a batch's in a row
         self.op_start = [0, *accumulate(map(len, items))]  # per batch, its first op
-        self.op_position = [item >> 1 for batch in items for item in batch]
+        self.op_position: list[int] = list(map(rshift, chain.from_iterable(items), repeat(1)))
         self.op_key: list[int] = []  # message * 4 + send * 2 + rest (an eviction's payload)
         self.batch_tick = posting.lowered.batch_tick
         self.batch_rank: list[int] = []
         self.batch_index: list[int] = []  # the batch's number on its rank
-        self.batch_units: list[list[int]] = []
-        self.unit_ops: list[list[int]] = []
+        self.batch_first = [0]  # per batch, its first unit (one more: the end)
+        self.unit_first = [0]  # per unit, its first op (one more: the end)
         self.unit_batch: list[int] = []
         self.unit_stream: list[int] = []
         self.streams: dict[tuple[int, int], int] = {}  # (rank, peer; -1 for the group) -> id
         self.rank_batches = [0]  # per rank, its first batch (one more: the end)
         self._units()
-        self.op_unit = [unit for unit, ops in enumerate(self.unit_ops) for _ in ops]  # per op
+        sizes = list(map(sub, self.unit_first[1:], self.unit_first))  # per unit, its ops
+        self.op_unit = list(chain.from_iterable(map(repeat, range(len(sizes)), sizes)))  # per op
         self.channels: dict[tuple[int, int, bool], list[int]] = {}  # (src, dst, send) -> ops
         self.settles = False  # whether a send is settled after a compute (``settle`` or not)
         self.steps: list[list[int]] = [self._rank_steps(rank) for rank in range(schedule.num_ranks)]
@@ -515,37 +516,51 @@ class _Model:
 
     def _units(self) -> None:
         """Per batch its rank, number there and units: one on the rank's group (or side)
-        stream, or if ``pairwise`` one per op, on the stream of its (rank, peer) pair."""
+        stream, or if ``pairwise`` one per op, on the stream of its (rank, peer) pair. A rank's
+        batches are numbered in posting order (``_Lowered``), so units and their ops are
+        contiguous: ``batch_first`` and ``unit_first`` delimit them."""
         lowered, starts, positions = self.posting.lowered, self.op_start, self.op_position
-        flags, unit_ops, programs = lowered.batch_flags, self.unit_ops, self.schedule.per_rank
+        flags, programs = lowered.batch_flags, self.schedule.per_rank
+        batch_first, unit_first = self.batch_first, self.unit_first
         for rank, row in enumerate(lowered.steps):
             group = self._stream(rank, -1)
             posted = [step >> 2 for step in row if step & 3 == _POST]
             self.rank_batches.append(len(self.batch_rank) + len(posted))
             self.batch_rank += [rank] * len(posted)
             self.batch_index += range(len(posted))
-            if not any(flags[batch] & _PAIRWISE for batch in posted):  # a unit per batch
-                has_side = any(flags[batch] & _SIDE_BATCH for batch in posted)
-                streams = [group, self._stream(rank, _SIDE) if has_side else -1]
-                first = len(unit_ops)
-                self.batch_units += [[unit] for unit in range(first, first + len(posted))]
-                unit_ops += [list(range(starts[batch], starts[batch + 1])) for batch in posted]
+            kinds = set(map(flags.__getitem__, posted))  # the rank's batches' flags
+            if not any(bits & _PAIRWISE for bits in kinds):  # a unit per batch, in order
+                first = len(self.unit_batch)
+                batch_first += range(first + 1, first + 1 + len(posted))
+                unit_first += starts[self.rank_batches[rank] + 1 : self.rank_batches[-1] + 1]
                 self.unit_batch += posted
+                if not any(bits & _SIDE_BATCH for bits in kinds):
+                    self.unit_stream += [group] * len(posted)
+                    continue
+                streams = [group, self._stream(rank, _SIDE)]
                 self.unit_stream += [streams[flags[batch] & _SIDE_BATCH != 0] for batch in posted]
                 continue
             for batch in posted:
                 bits = flags[batch]
                 if bits & _PAIRWISE:
-                    ops = [[op] for op in range(starts[batch], starts[batch + 1])]
-                    peers = [programs[rank][positions[op]].peer or 0 for [op] in ops]
+                    ops = range(starts[batch], starts[batch + 1])
+                    unit_first += range(starts[batch] + 1, starts[batch + 1] + 1)
+                    peers = [programs[rank][positions[op]].peer or 0 for op in ops]
                     streams = [self._stream(rank, peer) for peer in peers]
                 else:
-                    ops = [list(range(starts[batch], starts[batch + 1]))]
+                    unit_first.append(starts[batch + 1])
                     streams = [self._stream(rank, _SIDE) if bits & _SIDE_BATCH else group]
-                self.batch_units.append(list(range(len(unit_ops), len(unit_ops) + len(ops))))
-                unit_ops += ops
-                self.unit_batch += [batch] * len(ops)
+                batch_first.append(batch_first[-1] + len(streams))
+                self.unit_batch += [batch] * len(streams)
                 self.unit_stream += streams
+
+    def _unit_ops(self, unit: int) -> range:
+        """The ops a unit runs (``unit_first``)."""
+        return range(self.unit_first[unit], self.unit_first[unit + 1])
+
+    def _batch_units(self, batch: int) -> range:
+        """The units a batch runs as (``batch_first``): one, or a pairwise batch's per op."""
+        return range(self.batch_first[batch], self.batch_first[batch + 1])
 
     def _rank_steps(self, rank: int) -> list[int]:
         """``rank``'s CPU steps: its posting, with the waits each step needs first. A compute
@@ -577,7 +592,7 @@ class _Model:
                         unit_at[positions[op]] = op_unit[op]
                 add_step(step)
                 if lowered.batch_flags[value] & _BLOCKING:
-                    steps.extend(unit * 4 + _WAIT for unit in self.batch_units[value])
+                    steps.extend(unit * 4 + _WAIT for unit in self._batch_units(value))
             elif code == _WAIT:  # for the units of these positions' ops, posted earlier
                 for position in lowered.waits[value]:
                     if unit_at is None or position not in unit_at:
@@ -686,10 +701,10 @@ class _Model:
     def run(self, timing: Timing | None) -> None:
         """One run, afresh: untimed (all clocks 0) or under ``timing``."""
         num_ranks = self.schedule.num_ranks
-        nbatches, nunits = len(self.batch_units), len(self.unit_ops)
+        nbatches, nunits = len(self.batch_first) - 1, len(self.unit_batch)
         self.started, self.unit_done = bytearray(nunits), bytearray(nunits)
         self.posted = bytearray(nbatches)
-        self.left = [len(ops) for ops in self.unit_ops]
+        self.left = list(map(sub, self.unit_first[1:], self.unit_first))
         self.queues: list[deque[int]] = [deque() for _ in self.streams]
         self.pc = [0] * num_ranks
         self.waiter: dict[int, int] = {}  # unit -> rank whose CPU waits for it
@@ -749,7 +764,7 @@ class _Model:
     def _advance(self, rank: int) -> None:
         steps, pc, timed = self.steps[rank], self.pc[rank], bool(self.durations)
         end, unit_done, unit_end, cpu = len(steps), self.unit_done, self.unit_end, self.cpu
-        posted, post_time, batch_units = self.posted, self.post_time, self.batch_units
+        posted, post_time, batch_first = self.posted, self.post_time, self.batch_first
         queues, unit_stream, start, run = self.queues, self.unit_stream, self._start, self._run
         while pc < end:
             step = steps[pc]
@@ -763,7 +778,7 @@ class _Model:
             elif code == _POST:
                 posted[value] = 1
                 post_time[value] = cpu[rank]
-                for unit in batch_units[value]:
+                for unit in range(batch_first[value], batch_first[value + 1]):
                     queue = queues[unit_stream[unit]]
                     queue.append(unit)
                     if len(queue) == 1:
@@ -811,7 +826,7 @@ class _Model:
         op_unit, op_time, partner, left = self.op_unit, self.op_time, self.partner, self.left
         started, start_time, unit_end = self.started, self.start_time, self.unit_end
         unit_active, stream_free, unit_stream = self.unit_active, self.stream_free, self.unit_stream
-        post_time, unit_batch, unit_ops = self.post_time, self.unit_batch, self.unit_ops
+        post_time, unit_batch, unit_first = self.post_time, self.unit_batch, self.unit_first
         while starting:
             unit = starting.pop()
             started[unit] = 1
@@ -822,7 +837,7 @@ class _Model:
             if start > unit_end[unit]:
                 unit_end[unit] = start
             finished = [] if left[unit] else [unit]
-            for op_id in unit_ops[unit]:
+            for op_id in range(unit_first[unit], unit_first[unit + 1]):
                 other = op_unit[partner[op_id]]
                 if other == unit:  # a rank messaging itself: never in a valid schedule
                     left[unit] -= 1
@@ -876,8 +891,8 @@ class _Model:
         completion where that takes time (a batch waiting for its peer is not busy)."""
         programs = self.schedule.per_rank
         per_rank = [[self._event(rank, *row) for row in rows] for rank, rows in enumerate(records)]
-        for batch, units in enumerate(self.batch_units):
-            start = min(unit_active[unit] for unit in units)
+        for batch in range(len(self.batch_first) - 1):
+            start = min(unit_active[unit] for unit in self._batch_units(batch))
             end = done_time[batch]
             if end <= start:
                 continue
@@ -921,7 +936,8 @@ class _Model:
         )
 
     def _batch_ops(self, batch: int) -> list[int]:
-        return [op_id for unit in self.batch_units[batch] for op_id in self.unit_ops[unit]]
+        units = self._batch_units(batch)
+        return list(range(self.unit_first[units.start], self.unit_first[units.stop]))
 
     def _explain(self, node: tuple[str, int]) -> tuple[str, tuple[int, int], tuple[str, int]]:
         """One link of the cycle: a CPU waits for a unit (a batch, or a pairwise op), which is
@@ -938,7 +954,7 @@ class _Model:
             )
         unit = value
         rank = self.batch_rank[self.unit_batch[unit]]
-        mark = (rank, self.op_position[self.unit_ops[unit][0]])
+        mark = (rank, self.op_position[self._unit_ops(unit)[0]])
         if not self.started[unit]:
             head = self.queues[self.unit_stream[unit]][0]
             return (
@@ -946,7 +962,7 @@ class _Model:
                 mark,
                 ("unit", head),
             )
-        for op_id in self.unit_ops[unit]:
+        for op_id in self._unit_ops(unit):
             other = self.partner[op_id]
             other_unit, other_rank = self.op_unit[other], self._op_rank(other)
             if not self.started[other_unit]:
@@ -976,7 +992,7 @@ class _Model:
         text = " ".join(
             f"{'S' if self.op_key[op] & 2 else 'R'} {self._what_text(op)}"
             f"{'>' if self.op_key[op] & 2 else '<'}{self._op_peer(op)}"
-            for op in self.unit_ops[unit]
+            for op in self._unit_ops(unit)
         )
         tick = self.batch_tick[batch]
         when = f" (tick {tick})" if tick >= 0 else ""
