@@ -31,7 +31,6 @@ __all__ = [
     "default_process_groups",
     "extra_main_grad_params",
     "finish_partial_grad_sync",
-    "forward_step",
     "guard_zero_grad_buffer",
     "is_multi_module_collection",
     "is_supported",
@@ -39,7 +38,6 @@ __all__ = [
     "linear_function_option",
     "local_linear_layers",
     "megatron_core_version",
-    "megatron_linear_forward",
     "model_params_from_main_params",
     "model_process_groups",
     "optimizer_on_shards",
@@ -49,12 +47,10 @@ __all__ = [
     "restore_torch_adam_steps",
     "sharded_param_buckets",
     "shared_embedding_chunk",
-    "start_partial_grad_sync",
     "tensor_parallel_reduced_params",
     "torch_adam_state_for_load",
     "transformer_engine_layers",
     "uses_position_embedding_group",
-    "wgrad_operands",
 ]
 
 
@@ -173,44 +169,6 @@ def check_megatron_core(version: tuple[int, int, int] | None = None) -> tuple[in
 
 def _at_least(major: int, minor: int) -> bool:
     return check_megatron_core()[:2] >= (major, minor)
-
-
-def forward_step(
-    forward_step_func: Any,
-    data_iterator: Any,
-    model: Any,
-    num_microbatches: int,
-    input_tensor: Any,
-    forward_data_store: list[Any],
-    config: Any,
-    cp_group_size: int,
-    *,
-    collect_non_loss_data: bool,
-    is_first_microbatch: bool,
-    current_microbatch: int,
-    vp_stage: int | None,
-    is_last_stage: bool,
-) -> Any:
-    """megatron-core's ``forward_step``: the same signature in 0.16, 0.19 and 0.20."""
-    check_megatron_core()
-    from megatron.core.pipeline_parallel import schedules
-
-    return schedules.forward_step(
-        forward_step_func,
-        data_iterator,
-        model,
-        num_microbatches,
-        input_tensor,
-        forward_data_store,
-        config,
-        cp_group_size,
-        collect_non_loss_data=collect_non_loss_data,
-        checkpoint_activations_microbatch=None,
-        is_first_microbatch=is_first_microbatch,
-        current_microbatch=current_microbatch,
-        vp_stage=vp_stage,
-        is_last_stage=is_last_stage,
-    )
 
 
 def backward_step(
@@ -422,36 +380,32 @@ def optimizer_on_shards(
 
     inner = _distributed_optimizers(optimizer)
 
-    def local(opt: Any, param: Any) -> tuple[Any, int, int]:
-        gbuf_index, _, bucket_id = opt.model_param_gbuf_map[param]
-        bucket = opt.buffers[gbuf_index].buckets[bucket_id]
-        found = opt._get_model_param_range_map(param)["gbuf_local"]
-        return bucket, int(found.start), int(found.end)
-
-    def pairs(opt: Any, *, fp32_only: bool = False) -> Iterator[tuple[Any, Any]]:
+    def shards(opt: Any, *, fp32_only: bool = False) -> Iterator[tuple[Any, Any, int, int]]:
+        """Each main parameter with its model parameter's bucket and range in the bucket."""
         kinds = [(opt.model_fp32_groups, opt.shard_fp32_groups)]
         if not fp32_only:
             kinds.insert(0, (opt.model_float16_groups, opt.shard_fp32_from_float16_groups))
         for model_groups, main_groups in kinds:
             for model_group, main_group in zip(model_groups, main_groups, strict=True):
-                yield from zip(model_group, main_group, strict=True)
+                for param, main in zip(model_group, main_group, strict=True):
+                    gbuf_index, _, bucket_id = opt.model_param_gbuf_map[param]
+                    found = opt._get_model_param_range_map(param)["gbuf_local"]
+                    bucket = opt.buffers[gbuf_index].buckets[bucket_id]
+                    yield main, bucket, int(found.start), int(found.end)
 
     def copy_grads(opt: Any) -> None:
-        for param, main in pairs(opt):
-            bucket, start, end = local(opt, param)
+        for main, bucket, start, end in shards(opt):
             main.grad = grad_shard(bucket)[start:end].float()
 
     def copy_params(opt: Any) -> None:
-        for param, main in pairs(opt):
-            bucket, start, end = local(opt, param)
+        for main, bucket, start, end in shards(opt):
             param_shard(bucket)[start:end].copy_(main)
 
     with torch.no_grad():
         for opt in inner:
             if getattr(opt, "_bfpp_on_shards", False):
                 continue
-            for param, main in pairs(opt, fp32_only=True):
-                bucket, start, end = local(opt, param)
+            for main, bucket, start, end in shards(opt, fp32_only=True):
                 kept = param_shard(bucket)
                 main.set_(kept.untyped_storage(), kept.storage_offset() + start, (end - start,))
             opt._bfpp_on_shards = True
@@ -464,11 +418,6 @@ def optimizer_on_shards(
         for opt in inner:
             del opt._copy_model_grads_to_main_grads
             del opt._copy_main_params_to_model_params
-
-
-def start_partial_grad_sync(chunk: Any) -> None:
-    """Start the chunk's gradient reduction inside ``no_sync``, where DDP's hooks would not."""
-    chunk.start_grad_sync()
 
 
 def finish_partial_grad_sync(chunk: Any) -> None:
@@ -648,24 +597,10 @@ def linear_function_args(input: Any, weight: Any, *args: Any, **kwargs: Any) -> 
     return tuple(values[name] for name in names)
 
 
-def megatron_linear_forward(ctx: Any, *args: Any) -> Any:
-    """megatron-core's own linear forward on ``ctx``, for a Function deferring its weight GEMM."""
-    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
-
-    return LinearWithGradAccumulationAndAsyncCommunication.forward(ctx, *args)
-
-
 def linear_function_option(args: tuple[Any, ...], name: str, default: Any = None) -> Any:
     """One named argument of a ``linear_function_args`` tuple, or ``default`` in this version."""
     names, _ = _linear_parameter_names()
     return args[names.index(name)] if name in names else default
-
-
-def wgrad_operands(grad_output: Any, total_input: Any) -> tuple[Any, Any]:
-    """megatron-core's 2-D, contiguous operands of a weight-gradient GEMM."""
-    from megatron.core.tensor_parallel.layers import prepare_input_tensors_for_wgrad_compute
-
-    return prepare_input_tensors_for_wgrad_compute(grad_output, total_input)  # type: ignore[no-any-return]
 
 
 def accumulate_wgrad_fused(total_input: Any, grad_output: Any, main_grad: Any) -> None:

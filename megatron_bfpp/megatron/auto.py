@@ -34,7 +34,7 @@ from megatron_bfpp.plan.auto import (
 )
 from megatron_bfpp.plan.presets import BF16_MIXED, FP32, Model, Precision, model_description
 from megatron_bfpp.schedules.fit import step_batch_sizes
-from megatron_bfpp.schedules.registry import SCHEDULES, get_spec
+from megatron_bfpp.schedules.registry import SCHEDULES, SHARDING_STRATEGIES, get_spec
 
 __all__ = [
     "BRIDGE_NO_V",
@@ -375,7 +375,7 @@ def megatron_request(
             sixteen_bit=bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
             optimizer=str(getattr(args, "optimizer", "adam") or "adam"),
         ),
-        sharding=sharding or "optim",
+        sharding=sharding if sharding in SHARDING_STRATEGIES else "optim",  # else Megatron-FSDP's
         distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
         gpus_per_node=gpus_per_node_from_env(env, world_size),
         vp=_megatron_vp(args, pp),

@@ -308,11 +308,7 @@ def _resolve_auto(args: Any, sharding: Any) -> None:
     from megatron_bfpp.megatron.auto import probe_device, resolve_megatron_auto
 
     try:
-        resolve_megatron_auto(
-            args,
-            sharding=sharding if sharding in ("optim", "optim_grads_params") else None,
-            device=probe_device(),
-        )
+        resolve_megatron_auto(args, sharding=sharding, device=probe_device())
     except ScheduleError as error:
         refuse(str(error).splitlines()[0])
 

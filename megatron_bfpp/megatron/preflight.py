@@ -103,10 +103,9 @@ def parse_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.
             "--global-batch-size (the schedule gives every step's)"
         )
     if args.pipeline_schedule == AUTO:  # decided as on the GPUs, but quietly and without CUDA
-        strategy = args.data_parallel_sharding_strategy
         resolve_megatron_auto(
             args,
-            sharding=strategy if strategy in ("optim", "optim_grads_params") else None,
+            sharding=args.data_parallel_sharding_strategy,
             env={"WORLD_SIZE": str(world_size)},
             quiet=True,
         )

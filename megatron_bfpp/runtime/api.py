@@ -223,6 +223,7 @@ def _run_step(func: ForwardBackwardFunc, call: Call) -> list[Any]:
     from megatron.core.pipeline_parallel.utils import is_pp_last_stage
     from megatron.core.utils import get_model_type
 
+    check_megatron_core()
     chunks, iterators, config, groups = _step_inputs(call)
     plan = _step_schedule(func, call, chunks, config, groups.pp)
     schedule = plan.schedule

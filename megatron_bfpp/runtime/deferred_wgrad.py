@@ -46,13 +46,17 @@ class _Deferred:
 
     def compute(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(weight gradient, bias gradient), as megatron-core's backward computes them."""
+        from megatron.core.tensor_parallel.layers import prepare_input_tensors_for_wgrad_compute
+
         total_input = self.input
         if self.sequence_parallel:
             size = list(self.input.size())
             size[0] *= self.tp_group.size()
             total_input = torch.empty(size, dtype=self.input.dtype, device=self.input.device)
             torch.distributed.all_gather_into_tensor(total_input, self.input, group=self.tp_group)
-        grad_output, total_input = compat.wgrad_operands(self.grad_output, total_input)
+        grad_output, total_input = prepare_input_tensors_for_wgrad_compute(
+            self.grad_output, total_input
+        )
         grad_weight: torch.Tensor | None
         weight = self.weight
         if self.gradient_accumulation_fusion:
@@ -125,7 +129,9 @@ class _DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, params: _Params, *args: Any) -> Any:
-        output = compat.megatron_linear_forward(ctx, *args)
+        from megatron.core.tensor_parallel import layers
+
+        output = layers.LinearWithGradAccumulationAndAsyncCommunication.forward(ctx, *args)
         ctx.params = params
         ctx.num_args = len(args)
         weight = params.weight

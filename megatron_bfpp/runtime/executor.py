@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from megatron_bfpp.compat import forward_step
 from megatron_bfpp.ir import Action, ActionKind, Schedule, parts
 from megatron_bfpp.messages import Message, What, message_of
 from megatron_bfpp.nccl import Batch, Posting, release_models, validate_nccl
@@ -51,7 +50,8 @@ K = ActionKind
 
 
 def forward(step: RankStep, position: int, action: Action) -> None:
-    from megatron.core.pipeline_parallel.schedules import check_first_val_step
+    # forward_step's signature is the same in 0.16.1 to 0.20.0 (docs/architecture.md)
+    from megatron.core.pipeline_parallel.schedules import check_first_val_step, forward_step
 
     ctx, stage, mb = step.ctx, action.stage, microbatch(action)
     chunk = step.layout.chunk_of(stage)
@@ -70,6 +70,7 @@ def forward(step: RankStep, position: int, action: Action) -> None:
             ctx.config,
             ctx.cp_group_size,
             collect_non_loss_data=ctx.call.collect_non_loss_data,
+            checkpoint_activations_microbatch=None,
             is_first_microbatch=check_first_val_step(
                 ctx.call.first_val_step, ctx.call.forward_only, mb == 0
             ),

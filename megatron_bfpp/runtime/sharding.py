@@ -31,7 +31,6 @@ from megatron_bfpp.compat import (
     param_gather_suppressed,
     sharded_param_buckets,
     shared_embedding_chunk,
-    start_partial_grad_sync,
     tensor_parallel_reduced_params,
     uses_position_embedding_group,
 )
@@ -188,8 +187,8 @@ class ShardedParameters:
         if partial:
             self.partial.add(chunk)
         if overlapped:
-            if partial:
-                start_partial_grad_sync(self.chunks[chunk].module)
+            if partial:  # inside no_sync, where DDP's hooks would not start it
+                self.chunks[chunk].module.start_grad_sync()  # type: ignore[operator]
             self.pending_grads.append(chunk)
         else:
             self._land(chunk)

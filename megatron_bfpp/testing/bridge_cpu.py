@@ -92,6 +92,7 @@ def enable_cpu_bridge() -> None:
         return
     import importlib
 
+    from megatron_bfpp.megatron.cpu import _nothing
     from megatron_bfpp.megatron.cpu_launch import enable_cpu_megatron_lm
 
     enable_cpu_megatron_lm()
@@ -101,8 +102,8 @@ def enable_cpu_bridge() -> None:
     wrapped = _allow_no_cuda(initialize.initialize_megatron)
     for module in (initialize, setup):
         _patches.patch(module, "initialize_megatron", wrapped)
-    _patches.patch(initialize, "_warmup_jit_function", _skip)
-    _patches.patch(initialize, "compile_helpers", _skip)
+    _patches.patch(initialize, "_warmup_jit_function", _nothing)
+    _patches.patch(initialize, "compile_helpers", _nothing)
 
 
 def disable_cpu_bridge() -> None:
@@ -153,7 +154,3 @@ def _allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(*args, **kwargs)
 
     return initialize_megatron
-
-
-def _skip(*args: Any, **kwargs: Any) -> None:
-    return None

@@ -94,17 +94,6 @@ def tiny_gpt_config(
     return TransformerConfig(**(fields | overrides))
 
 
-def _unparallel_config(config: TransformerConfig) -> TransformerConfig:
-    """The same model as ``config`` with tp = pp = 1 and no virtual stages."""
-    return dataclasses.replace(
-        config,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None,
-        sequence_parallel=False,
-    )
-
-
 def build_model_chunks(
     config: TransformerConfig,
     *,
@@ -193,8 +182,15 @@ def reference_losses_and_grads(
     Returns per-micro-batch mean losses and every accumulated gradient by global name."""
     assert parallel_state.get_tensor_model_parallel_world_size() == 1
     assert parallel_state.get_pipeline_model_parallel_world_size() == 1
+    unparallel = dataclasses.replace(
+        config,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        sequence_parallel=False,
+    )
     (model,) = build_model_chunks(
-        _unparallel_config(config),
+        unparallel,
         seed=seed,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
     )

@@ -95,9 +95,7 @@ def run_ranks(
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
-        if (
-            os.environ.get(nccl_emulation.ENV) == "1"
-        ):  # NCCL's p2p rules on gloo (tests/conftest.py)
+        if os.environ.get(nccl_emulation.ENV) == "1":  # NCCL's rules on gloo: tests/conftest.py
             nccl_emulation.install()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
