@@ -53,7 +53,7 @@ def measure_stage(
         raise ScheduleError(
             f"--profile-layers {num_layers} is more than the model's {model.num_layers} layers"
         )
-    with warnings.catch_warnings(), _SingleRank(target):
+    with warnings.catch_warnings(), _single_rank(target):
         warnings.simplefilter("ignore")  # megatron-core's notes on missing GPU-only extras
         block = _build_block(model, num_layers, target, _DTYPES[chosen])
         rows = [
@@ -248,9 +248,6 @@ def _single_rank(device: torch.device) -> Iterator[None]:
             cpu.disable_cpu_megatron()
 
 
-_SingleRank = _single_rank  # the name scripts/bench_stage_memory.py uses
-
-
 def _build_block(
     model: Model, num_layers: int, device: torch.device, dtype: torch.dtype, recompute: str = "none"
 ) -> torch.nn.Module:
@@ -338,7 +335,7 @@ def measure_stored_activations(
         raise ScheduleError(f"stored micro-batches must be >= 1, got {stored}")
     target, chosen = _device_and_dtype(device, dtype)
     torch_dtype = _DTYPES[chosen]
-    with warnings.catch_warnings(), _SingleRank(target):
+    with warnings.catch_warnings(), _single_rank(target):
         warnings.simplefilter("ignore")
         block = _build_block(model, num_layers, target, torch_dtype, recompute)
         block.train()

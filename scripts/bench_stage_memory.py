@@ -135,7 +135,7 @@ def _breakdown(model: object, micro_batch_size: int, device: str) -> None:
             )
         return tensor
 
-    with warnings.catch_warnings(), stage_timing._SingleRank(target):
+    with warnings.catch_warnings(), stage_timing._single_rank(target):
         warnings.simplefilter("ignore")
         block = stage_timing._build_block(model, 1, target, dtype)  # type: ignore[arg-type]
         rotary = stage_timing._rotary(block, model, target)  # type: ignore[arg-type]

@@ -41,18 +41,6 @@ def layer_forward_flops(model: Model, *, micro_batch_size: int, tp: int) -> floa
     return 24.0 * b * s * h * h * (1.0 + s / (6.0 * h)) / tp
 
 
-def _attention_core_flops(model: Model, *, micro_batch_size: int, tp: int) -> float:
-    """QK^T and attention over V in one layer's forward, 4bs^2h / t: what selective
-    recomputation runs again in the backward."""
-    b, s, h = micro_batch_size, model.seq_length, model.hidden_size
-    return 4.0 * b * s * s * h / tp
-
-
-def _output_forward_flops(model: Model, *, micro_batch_size: int, tp: int, vocab: int) -> float:
-    """The output layer's logits, 2bshv / t (on the last stage only)."""
-    return 2.0 * micro_batch_size * model.seq_length * model.hidden_size * vocab / tp
-
-
 class Efficiency(Protocol):
     """Achieved fraction of peak for a layer forward of ``work`` FLOPs per GPU."""
 
@@ -221,12 +209,13 @@ def stage_times(
     """The durations of one candidate configuration (see the module docstring for each)."""
     layers = model.num_layers // pp
     peak = gpu.peak_flops
+    b, s, h = micro_batch_size, model.seq_length, model.hidden_size
     work = layer_forward_flops(model, micro_batch_size=micro_batch_size, tp=tp)
     forward_compute = work / (efficiency.forward(work) * peak)
     backward_compute = 2.0 * work / (efficiency.backward(work) * peak)
     weight_compute = backward_compute * efficiency.weight_share(work)
     e = precision.activation_bytes
-    activation = micro_batch_size * model.seq_length * model.hidden_size * e
+    activation = b * s * h * e
     tp_comm = 0.0
     if communication and tp > 1:
         all_reduce = 2 * _ring_collective_time(
@@ -236,10 +225,9 @@ def stage_times(
     recompute_time = 0.0
     if recompute == "full":
         recompute_time = forward_compute + tp_comm
-    elif recompute == "selective":
-        core = _attention_core_flops(model, micro_batch_size=micro_batch_size, tp=tp)
-        recompute_time = core / (efficiency.forward(work) * peak)
-    out_work = _output_forward_flops(model, micro_batch_size=micro_batch_size, tp=tp, vocab=vocab)
+    elif recompute == "selective":  # core attention (QK^T, over V: 4bs^2h / t) runs again
+        recompute_time = 4.0 * b * s * s * h / tp / (efficiency.forward(work) * peak)
+    out_work = 2.0 * b * s * h * vocab / tp  # the output layer's logits (on the last stage only)
     output = 3.0 * out_work / (efficiency.forward(out_work) * peak) if output_layer else 0.0
     p2p = grad_reduce = param_gather = evict = 0.0
     if communication:

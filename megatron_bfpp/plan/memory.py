@@ -45,11 +45,6 @@ INDEX_BYTES = 8  # int64 token / position / target indices
 SOFTMAX_BYTES = 4  # attention_softmax_in_fp32 keeps the softmax output in fp32
 
 
-def _check_recompute(recompute: str) -> None:
-    if recompute not in RECOMPUTE:
-        raise ScheduleError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
-
-
 def layer_activation_bytes(
     model: Model,
     *,
@@ -63,7 +58,8 @@ def layer_activation_bytes(
     """Bytes one layer keeps for the backward of one micro-batch on one tensor-parallel rank,
     as megatron-core's local layers keep them (docs/planner.md, "Memory"). ``selective``
     recomputes core attention (drops the scores and the mask); ``full`` keeps only the input."""
-    _check_recompute(recompute)
+    if recompute not in RECOMPUTE:
+        raise ScheduleError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
     f = model.ffn_hidden_size
     e = precision.activation_bytes

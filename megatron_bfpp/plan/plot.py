@@ -107,9 +107,8 @@ def render_plot(
     from matplotlib.figure import Figure
 
     families: dict[str, list[tuple[int, float, float]]] = {}
-    megatron: set[str] = (
-        set()
-    )  # the families standing for Megatron's own (p2p as megatron-core posts it)
+    # the families standing for Megatron's own (p2p as megatron-core posts it)
+    megatron: set[str] = set()
     for point in sweep:
         for family, plan in point.result.best_per_family.items():
             families.setdefault(family, []).append(

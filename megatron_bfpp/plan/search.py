@@ -418,15 +418,7 @@ def _full_buffers(
     model: Model, tp: int, pp: int, vp: int, groups: int
 ) -> tuple[tuple[int, int], ...]:
     """Fully sharded breadth-first's (gathered, accumulated) parameter peaks per rank."""
-    walked = build_schedule(
-        "breadth-first",
-        num_ranks=pp,
-        num_microbatches=groups,
-        num_chunks=vp,
-        sharding="optim_grads_params",
-        group_size=1,
-        validate=False,  # the catalogue's own generator: the tests validate it
-    )
+    walked = _schedule("breadth-first", pp, vp, groups, "optim_grads_params", 1)
     stages = stage_parameters(model, tp=tp, pp=pp, chunks=vp, placement=Placement.LOOPED)
     return full_buffer_peaks(walked, stages)
 
@@ -668,24 +660,22 @@ def _size(
     cluster: Cluster,
     global_batch_size: int,
     options: SearchOptions,
-    efficiency: Efficiency,
     force: bool = False,
-) -> tuple[_Sized | None, bool]:
+) -> _Sized | None:
     """Memory, durations and bounds of one candidate (None when it does not fit, unless
-    ``force``); and whether it fits."""
+    ``force``)."""
     m = global_batch_size // (c.dp * c.micro_batch_size)
     budget = options.memory_fraction * cluster.gpu.memory_bytes
     weights = _weights(c, m, model, options.precision, options.distributed_optimizer)
     if not force and max(sum(w) for w in weights) > budget:
-        return None, False  # the weights alone do not fit: no need to walk the schedule
+        return None  # the weights alone do not fit: no need to walk the schedule
     memory, stage = _memory(c, m, model, options.precision, weights)
-    fits = memory.total <= budget
-    if not fits and not force:
-        return None, False
+    if memory.total > budget and not force:
+        return None
     times, lower, estimate = _timing(
-        c, m, model=model, cluster=cluster, options=options, efficiency=efficiency, stage=stage
+        c, m, model=model, cluster=cluster, options=options, stage=stage
     )
-    return _Sized(c, m, memory, times, lower, estimate), fits
+    return _Sized(c, m, memory, times, lower, estimate)
 
 
 def _timing(
@@ -695,7 +685,6 @@ def _timing(
     model: Model,
     cluster: Cluster,
     options: SearchOptions,
-    efficiency: Efficiency,
     stage: StageBytes,
     grouped: bool = True,
 ) -> tuple[StageTimes, float, float]:
@@ -705,7 +694,7 @@ def _timing(
     times = stage_times(
         model=model,
         gpu=cluster.gpu,
-        efficiency=efficiency,
+        efficiency=options.efficiency or BuiltinCurve(cluster.gpu),
         precision=options.precision,
         micro_batch_size=c.micro_batch_size,
         tp=c.tp,
@@ -766,14 +755,12 @@ def evaluate(
 ) -> Plan:
     """One configuration, simulated whether or not it fits (``Plan.memory`` says); its
     simulations charged to ``budget`` (:class:`OverBudget` past it)."""
-    efficiency = options.efficiency or BuiltinCurve(cluster.gpu)
-    sized, _ = _size(
+    sized = _size(
         candidate,
         model=model,
         cluster=cluster,
         global_batch_size=global_batch_size,
         options=options,
-        efficiency=efficiency,
         force=True,
     )
     assert sized is not None  # force=True always sizes
@@ -799,7 +786,6 @@ def lower_bound_of(
         model=model,
         cluster=cluster,
         options=options,
-        efficiency=options.efficiency or BuiltinCurve(cluster.gpu),
         stage=_stage_bytes(candidate, model, options.precision),
         grouped=grouped,
     )
@@ -834,19 +820,11 @@ def recommend(
     if global_batch_size < 1:
         raise ScheduleError(f"--global-batch-size must be positive, got {global_batch_size}")
     start = time.perf_counter()
-    efficiency = options.efficiency or BuiltinCurve(cluster.gpu)
     found = candidates(
         model=model, cluster=cluster, global_batch_size=global_batch_size, options=options
     )
     sizes = [
-        _size(
-            c,
-            model=model,
-            cluster=cluster,
-            global_batch_size=global_batch_size,
-            options=options,
-            efficiency=efficiency,
-        )[0]
+        _size(c, model=model, cluster=cluster, global_batch_size=global_batch_size, options=options)
         for c in found
     ]
     fitting = [sized for sized in sizes if sized is not None]
@@ -881,7 +859,7 @@ def recommend(
         plans=plans,
         best_per_family=dict(sorted(family_best.items(), key=lambda kv: kv[1].step_time_s)),
         seconds=time.perf_counter() - start,
-        efficiency_source=efficiency.source,
+        efficiency_source=(options.efficiency or BuiltinCurve(cluster.gpu)).source,
         p2p_model=options.p2p_model,
     )
 

@@ -265,7 +265,6 @@ def test_auto_charges_the_profiles_host_time(tmp_path: Path) -> None:
 def test_grouped_breadth_first_extrapolates_to_the_full_simulation() -> None:
     """Groups larger than pp repeat every group: the planner's short simulations extrapolate
     to the full schedule's step (auto tries groups of pp x 2^k)."""
-    from megatron_bfpp.plan.costs import BuiltinCurve
     from megatron_bfpp.plan.search import (
         Candidate,
         Cluster,
@@ -279,13 +278,12 @@ def test_grouped_breadth_first_extrapolates_to_the_full_simulation() -> None:
 
     cluster = Cluster(64, 8, V100.gpu)
     candidate = Candidate("breadth-first", "optim", 8, 4, 4, 2, 1, "full", group_size=16)
-    sized, _ = _size(
+    sized = _size(
         candidate,
         model=GPT52,
         cluster=cluster,
         global_batch_size=128,
         options=SearchOptions(),
-        efficiency=BuiltinCurve(V100.gpu),
         force=True,
     )
     assert sized is not None and sized.m == 64

@@ -10,7 +10,6 @@ import pytest
 
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.plan import search
-from megatron_bfpp.plan.costs import BuiltinCurve
 from megatron_bfpp.plan.memory import (
     full_buffer_peaks,
     peak_points,
@@ -188,13 +187,12 @@ EXPLICIT = [
     ids=str,
 )
 def test_bound_and_extrapolation_agree_with_full_simulation(candidate: Candidate, p2p: str) -> None:
-    sized, _ = _size(
+    sized = _size(
         candidate,
         model=GPT52,
         cluster=V100_64,
         global_batch_size=128,
         options=SearchOptions(),
-        efficiency=BuiltinCurve(V100_64.gpu),
         force=True,
     )
     assert sized is not None
@@ -447,13 +445,12 @@ def test_megatron_rows_can_reduce_gradients_at_the_end() -> None:
 
 
 def _timed(candidate: Candidate, global_batch_size: int) -> tuple[int, CostModel]:
-    sized, _ = _size(
+    sized = _size(
         candidate,
         model=GPT52,
         cluster=V100_64,
         global_batch_size=global_batch_size,
         options=SearchOptions(),
-        efficiency=BuiltinCurve(V100_64.gpu),
         force=True,
     )
     assert sized is not None
@@ -559,13 +556,12 @@ def test_past_the_exact_range_bpipe_is_within_half_a_percent(
     the step off an approximating line (``_approximate``), held to the full simulation."""
     candidate = Candidate("bpipe", "optim", 4, pp, 1, 2, 1, "selective")
     m = EXACT_UP_TO * pp + extra
-    sized, _ = _size(
+    sized = _size(
         candidate,
         model=GPT52,
         cluster=V100_64,
         global_batch_size=m * candidate.dp,
         options=SearchOptions(),
-        efficiency=BuiltinCurve(V100_64.gpu),
         force=True,
     )
     assert sized is not None and sized.m == m
