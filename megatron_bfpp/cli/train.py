@@ -17,7 +17,6 @@ from typing import Any
 
 from megatron_bfpp.cli.common import (
     finite_float,
-    first_line,
     output_dir_problem,
     output_file_problem,
     positive_float,
@@ -32,7 +31,7 @@ from megatron_bfpp.flags import (
     printable_output,
     quiet_exit,
 )
-from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.ir import ScheduleError, first_line
 from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import (
