@@ -486,9 +486,8 @@ def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | N
 def checkpoint_format_problem(args: argparse.Namespace) -> str | None:
     """megatron-core's ``torch_dist`` writer needs psutil, which it does not install: without
     it every save failed after training, or (0.16) the ranks waited forever."""
-    if args.save is None or args.ckpt_format != "torch_dist":
-        return None
-    if importlib.util.find_spec("psutil") is None:
+    torch_dist = args.save is not None and args.ckpt_format == "torch_dist"
+    if torch_dist and importlib.util.find_spec("psutil") is None:
         return (
             "--ckpt-format torch_dist needs psutil (megatron-core's checkpoint writer uses it): "
             "pip install psutil (or megatron-bfpp[megatron]), or save with --ckpt-format torch"
