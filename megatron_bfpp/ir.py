@@ -46,6 +46,7 @@ __all__ = [
     "StageLayout",
     "dump_csv",
     "dump_csv_text",
+    "first_line",
     "format_schedule",
     "load_csv",
     "load_csv_text",
@@ -61,6 +62,12 @@ __all__ = [
 
 class ScheduleError(ValueError):
     """Any invalid schedule, layout or generator input; the message says what would work."""
+
+
+def first_line(error: BaseException | str) -> str:
+    """An error's first line (schedule errors carry a grid after it), or its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class Placement(StrEnum):

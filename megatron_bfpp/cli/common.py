@@ -18,17 +18,11 @@ from typing import Any, NoReturn, Protocol
 
 from megatron_bfpp.files import follow_links
 from megatron_bfpp.flags import positive_int, printable_output
+from megatron_bfpp.ir import first_line
 from megatron_bfpp.schedules.registry import SCHEDULES
 
 
-def first_line(error: BaseException | str) -> str:
-    """An error's first line (schedule errors carry a grid after it), or its type's name."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def fail(prog: str, error: BaseException | str) -> int:
-    """Print the first line of an error and return 2."""
     sys.stderr.write(f"{prog}: error: {first_line(error)}\n")
     return 2
 
@@ -215,7 +209,6 @@ def output_dir_problem(flag: str, path: str) -> str | None:
 
 
 def _write_test(where: Path, *, directory: bool) -> None:
-    """Create a uniquely named entry in ``where`` and remove it (OSError: cannot)."""
     prefix = ".bfpp-write-test-"
     if directory:
         os.rmdir(tempfile.mkdtemp(prefix=prefix, dir=where))

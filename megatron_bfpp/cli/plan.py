@@ -352,18 +352,12 @@ def _recommend(args: argparse.Namespace) -> int:
         )
         from megatron_bfpp.plan.search import no_candidates_reason, recommend
 
-        result = recommend(
+        query = dict(
             model=model, cluster=cluster, global_batch_size=args.global_batch_size, options=options
         )
+        result = recommend(**query)
         if not result.candidates_evaluated:
-            raise ScheduleError(
-                no_candidates_reason(
-                    model=model,
-                    cluster=cluster,
-                    global_batch_size=args.global_batch_size,
-                    options=options,
-                )
-            )
+            raise ScheduleError(no_candidates_reason(**query))
         if not result.plans:
             raise ScheduleError(
                 f"no configuration of {model.name} fits {cluster.num_gpus} x {gpu.name} at "

@@ -336,7 +336,6 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 def _built(
     args: argparse.Namespace, microbatches: int, options: dict[str, Any], *, validate: bool = True
 ) -> Schedule:
-    """The catalogue schedule the flags name, with ``microbatches``."""
     return build_schedule(
         args.schedule,
         num_ranks=args.pp,

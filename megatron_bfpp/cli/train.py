@@ -17,7 +17,6 @@ from typing import Any
 
 from megatron_bfpp.cli.common import (
     finite_float,
-    first_line,
     output_dir_problem,
     output_file_problem,
     positive_float,
@@ -32,7 +31,7 @@ from megatron_bfpp.flags import (
     printable_output,
     quiet_exit,
 )
-from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.ir import ScheduleError, first_line
 from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import (
@@ -487,9 +486,8 @@ def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | N
 def checkpoint_format_problem(args: argparse.Namespace) -> str | None:
     """megatron-core's ``torch_dist`` writer needs psutil, which it does not install: without
     it every save failed after training, or (0.16) the ranks waited forever."""
-    if args.save is None or args.ckpt_format != "torch_dist":
-        return None
-    if importlib.util.find_spec("psutil") is None:
+    torch_dist = args.save is not None and args.ckpt_format == "torch_dist"
+    if torch_dist and importlib.util.find_spec("psutil") is None:
         return (
             "--ckpt-format torch_dist needs psutil (megatron-core's checkpoint writer uses it): "
             "pip install psutil (or megatron-bfpp[megatron]), or save with --ckpt-format torch"

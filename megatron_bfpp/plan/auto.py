@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_bfpp.files import write_output
-from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.ir import Placement, ScheduleError, first_line
 from megatron_bfpp.plan.costs import BuiltinCurve, Efficiency, ProfileCurve
 from megatron_bfpp.plan.memory import RECOMPUTE, MemoryBreakdown
 from megatron_bfpp.plan.presets import BF16_MIXED, GPUS, GiB, Gpu, Model, Precision, get_gpu
@@ -547,7 +547,7 @@ def decide(r: AutoRequest) -> Decision:
             bound = judge.lower_bound(c)
             order = judge.lower_bound(c, grouped=False)
         except ScheduleError as error:
-            excluded.append(Row(c, None, False, excluded=_first_line(error)))
+            excluded.append(Row(c, None, False, excluded=first_line(error)))
             continue
         bounded.append((order, bound, index, c))
     pruned: list[Row] = []
@@ -636,7 +636,7 @@ class _Judge:
         except OverBudget as error:
             return _untimed(c, None, self.actions, error)
         except ScheduleError as error:
-            return Row(c, None, False, excluded=_first_line(error))
+            return Row(c, None, False, excluded=first_line(error))
         fits = self.memory_budget is None or memory.total <= self.memory_budget
         if bound is not None:
             return Row(c, memory, fits, lower_bound_s=bound)
@@ -658,7 +658,7 @@ class _Judge:
         except OverBudget as error:
             return _untimed(c, memory, self.actions, error)
         except ScheduleError as error:
-            return Row(c, memory, False, excluded=_first_line(error))
+            return Row(c, memory, False, excluded=first_line(error))
         finally:
             self.actions.spent += share.spent
         self.counter[0] += 1
@@ -694,7 +694,7 @@ def _check_every_step(c: Candidate, r: AutoRequest, actions: ActionBudget) -> No
             )
         except ScheduleError as error:
             raise ScheduleError(
-                f"cannot run a step of {m} micro-batches: {_first_line(error)}"
+                f"cannot run a step of {m} micro-batches: {first_line(error)}"
             ) from None
 
 
@@ -727,11 +727,6 @@ def _refusal(
         f"predicted peak is {_gib(smallest.memory.total)} GiB per GPU ({smallest.label}); use "
         + ", ".join(hints)
     )
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def write_report(path: str, decision: Decision) -> None:

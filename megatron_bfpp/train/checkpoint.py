@@ -33,6 +33,7 @@ from megatron_bfpp.compat import (
     torch_adam_state_for_load,
 )
 from megatron_bfpp.config.run_config import LRSchedule, RunConfig
+from megatron_bfpp.ir import first_line
 from megatron_bfpp.train.checkpoint_files import (
     METADATA_FILE,
     CheckpointError,
@@ -195,11 +196,6 @@ def _refusal(error: BaseException) -> str:
     return f"it is more than tensors and plain values ({reason})"
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def save_checkpoint(
     root: str | Path,
     *,
@@ -219,15 +215,15 @@ def save_checkpoint(
     only as the optimizer's main parameters, which every torch_dist load rebuilds them from."""
     root = Path(root)
     temp = _shared_temp_dir(root, iteration)
-    common = (temp, model, optimizer, scheduler, iteration, consumed_samples)
     records: list[FileRecord] = []
     error = None
     try:
         _kill_point("rank-file")
+        state = _rank_state(scheduler, iteration, consumed_samples)
         if ckpt_format == "torch":
-            records = [_save_torch(*common, gather_chunk)]
+            records = [_save_torch(temp, model, optimizer, state, gather_chunk)]
         else:
-            _save_torch_dist(*common, parameters=not sharded)
+            _save_torch_dist(temp, model, optimizer, state, parameters=not sharded)
     except Exception as failure:  # torch re-raises ENOSPC as RuntimeError, megatron-core's
         # writer as CheckpointException: any failure to write is the same one line
         error = CheckpointError(
@@ -288,7 +284,7 @@ def _write_failure(failure: BaseException, root: Path) -> str:
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     found = cause.strerror if isinstance(cause, OSError) else None
-    text = found or _first_line(failure)
+    text = found or first_line(failure)
     try:
         free = shutil.disk_usage(root).free
     except OSError:
@@ -354,14 +350,11 @@ def _save_torch(
     temp: Path,
     model: Sequence[Any],
     optimizer: Any,
-    scheduler: Any,
-    iteration: int,
-    consumed_samples: int,
-    gather_chunk: GatherChunk | None = None,
+    state: dict[str, Any],
+    gather_chunk: GatherChunk | None,
 ) -> FileRecord:
-    """Per-rank format: chunks' ``state_dict``, this rank's Adam shard (inner torch optimizers'
-    ``state_dict``; fp32 main parameters are views of the model's), scheduler, RNG, iteration."""
-    state = _rank_state(scheduler, iteration, consumed_samples)
+    """Per-rank format: ``state`` (scheduler, RNG, iteration), chunks' ``state_dict``, this rank's
+    Adam shard (inner torch optimizers' ``state_dict``; fp32 main parameters view the model's)."""
     state["model"] = [_chunk_state(index, chunk, gather_chunk) for index, chunk in enumerate(model)]
     state["optimizer"] = [o.state_dict() for o in _inner_optimizers(optimizer)]
     path = temp / _rank_file_name(dist.get_rank())
@@ -385,27 +378,20 @@ def _chunk_state(index: int, chunk: Any, gather_chunk: GatherChunk | None) -> di
 
 
 def _save_torch_dist(
-    temp: Path,
-    model: Sequence[Any],
-    optimizer: Any,
-    scheduler: Any,
-    iteration: int,
-    consumed_samples: int,
-    *,
-    parameters: bool,
+    temp: Path, model: Sequence[Any], optimizer: Any, state: dict[str, Any], *, parameters: bool
 ) -> None:
     from megatron.core import dist_checkpointing
 
-    state = _sharded_state(
-        model, optimizer, is_loading=False, rng=_rng_state(), parameters=parameters
+    sharded = _sharded_state(
+        model, optimizer, is_loading=False, rng=state["rng_state"], parameters=parameters
     )
-    extra = _rank_state(scheduler, iteration, consumed_samples)
-    state.update({k: v for k, v in extra.items() if k not in ("rank", "rng_state")})
-    state["format"] = "torch_dist"
+    sharded.update(
+        {k: v for k, v in state.items() if k not in ("rank", "rng_state")}, format="torch_dist"
+    )
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dist_checkpointing.save(state, str(temp))
+        dist_checkpointing.save(sharded, str(temp))
     except CheckpointException as failure:  # a BaseException: turned into an ordinary error
         ranks = ", ".join(str(rank) for rank in sorted(failure.failures))
         raise RuntimeError(f"megatron-core's checkpoint writer failed on rank(s) {ranks}") from None
@@ -432,11 +418,11 @@ def load_checkpoint(
         error = failure
     _agree(error)  # past it, every rank has read its metadata
     try:
-        own_groups = _scheduler_group_values(optimizer)
+        own_groups = _scheduler_group_values(optimizer) if policy == "override" else None
         if metadata.ckpt_format == "torch":
-            _load_torch(root, path, metadata, model, optimizer, scheduler, own_groups, policy)
+            _load_torch(root, path, metadata, model, optimizer, scheduler, own_groups)
         else:
-            _load_torch_dist(root, path, model, optimizer, scheduler, own_groups, policy)
+            _load_torch_dist(root, path, model, optimizer, scheduler, own_groups)
     except CheckpointError as failure:
         error = failure
     _agree(error)
@@ -462,7 +448,7 @@ def read_rank_file(file: Path, *, record: FileRecord | None = None, label: str =
         ) from None
     except Exception as error:  # a file users hand us: any failure to parse it is a bad file
         raise CheckpointError(
-            f"{name} is unreadable (truncated or corrupt: {_first_line(error)}); resume from "
+            f"{name} is unreadable (truncated or corrupt: {first_line(error)}); resume from "
             "another checkpoint"
         ) from None
 
@@ -478,9 +464,9 @@ def _scheduler_group_values(optimizer: Any) -> list[list[dict[str, Any]]]:
 
 
 def _restore_scheduler_group_values(
-    optimizer: Any, values: list[list[dict[str, Any]]], policy: SchedulerPolicy
+    optimizer: Any, values: list[list[dict[str, Any]]] | None
 ) -> None:
-    if policy != "override":
+    if values is None:  # not --override-opt_param-scheduler: the checkpoint's stay
         return
     for inner, groups in zip(_inner_optimizers(optimizer), values, strict=True):
         for group, own in zip(inner.param_groups, groups, strict=True):
@@ -494,8 +480,7 @@ def _load_torch(
     model: Sequence[Any],
     optimizer: Any,
     scheduler: Any,
-    own_groups: list[list[dict[str, Any]]],
-    policy: SchedulerPolicy,
+    own_groups: list[list[dict[str, Any]]] | None,
 ) -> None:
     rank = dist.get_rank()
     name = _rank_file_name(rank)
@@ -515,11 +500,11 @@ def _load_torch(
             chunk.module.load_state_dict(chunk_state)
         for opt, opt_state in zip(_inner_optimizers(optimizer), state["optimizer"], strict=True):
             opt.load_state_dict(opt_state)
-        _restore_scheduler_group_values(optimizer, own_groups, policy)
+        _restore_scheduler_group_values(optimizer, own_groups)
         scheduler.load_state_dict(state["opt_param_scheduler"])
         _set_rng_state(state["rng_state"])
     except (AssertionError, KeyError, IndexError, RuntimeError, TypeError, ValueError) as error:
-        raise CheckpointError(f"{where} does not fit this run: {_first_line(error)}") from None
+        raise CheckpointError(f"{where} does not fit this run: {first_line(error)}") from None
 
 
 @contextlib.contextmanager
@@ -594,7 +579,7 @@ def check_dcp_metadata(path: Path, *, label: str = "") -> None:
         ) from None
     except Exception as error:  # a file users hand us
         raise CheckpointError(
-            f"{label}{path.name}/.metadata is unreadable ({_first_line(error)})"
+            f"{label}{path.name}/.metadata is unreadable ({first_line(error)})"
         ) from None
 
 
@@ -615,8 +600,7 @@ def _load_torch_dist(
     model: Sequence[Any],
     optimizer: Any,
     scheduler: Any,
-    own_groups: list[list[dict[str, Any]]],
-    policy: SchedulerPolicy,
+    own_groups: list[list[dict[str, Any]]] | None,
 ) -> None:
     from megatron.core import dist_checkpointing
 
@@ -635,10 +619,10 @@ def _load_torch_dist(
             optimizer.load_state_dict(state["optimizer"])
             model_params_from_main_params(optimizer, model)
         restore_torch_adam_steps(optimizer)
-        _restore_scheduler_group_values(optimizer, own_groups, policy)
+        _restore_scheduler_group_values(optimizer, own_groups)
         scheduler.load_state_dict(state["opt_param_scheduler"])
         _set_rng_state(state["rng_state"])
     except Exception as error:  # megatron-core's reader: its errors name no flag we could
         raise CheckpointError(
-            f"{label}{path.name} could not be loaded: {_first_line(error)}"
+            f"{label}{path.name} could not be loaded: {first_line(error)}"
         ) from None

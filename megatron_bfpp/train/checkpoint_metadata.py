@@ -271,10 +271,9 @@ def _scheduler_differences(saved: CheckpointMetadata, current: RunConfig) -> lis
             f"--global-batch-size {training.global_batch_size} (checkpoint: {old_gbs}; warm-up "
             "and decay count samples)"
         )
-    if was.max_lr != now.max_lr:
-        differences.append(f"--lr {now.max_lr!r} (checkpoint: {was.max_lr!r})")
-    if was.min_lr != now.min_lr:
-        differences.append(f"--min-lr {now.min_lr!r} (checkpoint: {was.min_lr!r})")
+    for flag, old, new in (("--lr", was.max_lr, now.max_lr), ("--min-lr", was.min_lr, now.min_lr)):
+        if old != new:
+            differences.append(f"{flag} {new!r} (checkpoint: {old!r})")
     if was.lr_warmup_steps != same_batch.lr_warmup_steps:
         differences.append(
             f"--lr-warmup-iters {training.lr_warmup_iters} (warm-up over "

@@ -30,7 +30,6 @@ class _Samples:
     ``d*m .. d*m+m-1`` of an iteration's global batch, whatever the source."""
 
     def microbatch(self, indices: range) -> Batch:
-        """The micro-batch of samples ``indices``."""
         raise NotImplementedError
 
     def microbatches(
@@ -181,7 +180,6 @@ class IndexedTrainingData(_Samples):
 
 
 def training_data(args: Any) -> TrainingData | IndexedTrainingData:
-    """The data a parsed ``bfpp-train`` namespace asks for."""
     common = dict(seq_length=args.seq_length, vocab_size=args.vocab_size, seed=args.seed)
     if args.data_path is None:
         return TrainingData(**common)

@@ -258,9 +258,7 @@ def wrap_ddp(
     model_chunks: Sequence[torch.nn.Module],
     *,
     overlap_grad_reduce: bool = False,
-    use_distributed_optimizer: bool = False,
     overlap_param_gather: bool = False,
-    bucket_size: int | None = None,
     **ddp_overrides: Any,
 ) -> list[Any]:
     """Wrap each chunk in megatron-core DDP and set the config hooks as Megatron-LM's training
@@ -276,9 +274,7 @@ def wrap_ddp(
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=use_distributed_optimizer,
         overlap_param_gather=overlap_param_gather,
-        bucket_size=bucket_size,
         **ddp_overrides,
     )
     wrapped = [

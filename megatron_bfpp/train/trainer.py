@@ -26,11 +26,11 @@ import torch.distributed as dist
 
 from megatron_bfpp.config.model_memory import memory_problem
 from megatron_bfpp.config.run_config import RunConfig, run_config
+from megatron_bfpp.ir import first_line
 from megatron_bfpp.schedules.registry import get_spec, options_from_args
 from megatron_bfpp.train.checkpoint import (
     OtherRankFailed,
     _agree,
-    _first_line,
     load_checkpoint,
     save_checkpoint,
 )
@@ -105,7 +105,7 @@ def _rendezvous(backend: str, kwargs: dict[str, Any], timeout_s: float) -> None:
             f"rank {kwargs['rank']}: the job's rendezvous at {where} did not complete within "
             f"{timeout_s:g} s (--distributed-timeout-minutes){count}: a rank did not start, "
             "stopped during start-up or cannot reach that address; look at the ranks that "
-            f"printed nothing ({type(error).__name__}: {_first_line(error)[:200]})"
+            f"printed nothing ({type(error).__name__}: {first_line(error)[:200]})"
         ) from None
 
 
