@@ -646,9 +646,8 @@ def save_one_chunk_at_a_time(tmp: str) -> dict[str, Any]:
 
     folder = Path(tmp) / str(torch.distributed.get_rank())
     folder.mkdir(parents=True)
-    record = checkpoint._save_torch(
-        folder, chunks, optimizer, Scheduler(), 1, 8, lambda i: sharded.whole([i])
-    )
+    state = checkpoint._rank_state(Scheduler(), 1, 8)
+    record = checkpoint._save_torch(folder, chunks, optimizer, state, lambda i: sharded.whole([i]))
     sharded.gather = gather  # type: ignore[method-assign]
     saved = checkpoint.read_rank_file(folder / record.name)["model"]
     released_after = not any(state.resident for state in sharded.chunks)
@@ -698,13 +697,14 @@ def save_torch_dist_without_gathering(tmp: str) -> dict[str, Any]:
     if torch.distributed.get_rank() == 0:
         folder.mkdir(parents=True)
     torch.distributed.barrier()
-    checkpoint._save_torch_dist(folder, chunks, optimizer, Scheduler(), 1, 8, parameters=False)
+    state = checkpoint._rank_state(Scheduler(), 1, 8)
+    checkpoint._save_torch_dist(folder, chunks, optimizer, state, parameters=False)
     sharded.gather = gather  # type: ignore[method-assign]
 
     loaded, loaded_optimizer = _model_and_optimizer(seed=1)
     scheduler = Scheduler()
-    groups = checkpoint._scheduler_group_values(loaded_optimizer)
-    checkpoint._load_torch_dist(tmp, folder, loaded, loaded_optimizer, scheduler, groups, "check")
+    # None: the checkpoint's scheduler values stand (no --override-opt_param-scheduler)
+    checkpoint._load_torch_dist(tmp, folder, loaded, loaded_optimizer, scheduler, None)
 
     def adam_state(opt: Any) -> list[torch.Tensor]:
         return [
