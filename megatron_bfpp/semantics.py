@@ -19,8 +19,9 @@ rank runs its program in order, under these rules:
   action. It waits for everything each part waits for before it starts, runs them back to back
   for the sum of their durations (``action_duration``; on a GPU they overlap, a saving not
   modelled here), holds its forward's activations before its backward frees its own (the peak
-  counts both), and what its parts send leaves after it (lowered: its SA / SG follow it;
-  compute-only: at its end). Every other rule applies to each part as to that action alone.
+  counts both: ``ir.stored_counts``), and what its parts send leaves after it (lowered: its SA /
+  SG follow it; compute-only: at its end). Every other rule applies to each part as to that
+  action alone.
 * A rank that needs a message nobody has sent yet stops until it is sent. When every unfinished
   rank is stopped, the schedule deadlocks, and each stuck rank is marked where it waits.
 
@@ -54,7 +55,6 @@ from operator import attrgetter
 from typing import Literal, NamedTuple, TypeVar
 
 from megatron_bfpp.ir import (
-    MEMORY_DELTA,
     Action,
     ActionKind,
     Schedule,
@@ -176,8 +176,6 @@ class Replay(NamedTuple):
     dp_end: list[float]  # per rank: when its data-parallel lane is done
     busy: list[float]  # per rank: sum of compute durations
     gather_wait: list[float]  # per rank: time computes waited for their stage's PS
-    peak: list[int]  # per rank: peak count of stored stage activations (program order)
-    released: list[bool]  # per rank: ran an RL (sharded parameters)
 
     @property
     def events(self) -> tuple[Event, ...]:
@@ -186,14 +184,13 @@ class Replay(NamedTuple):
 
 @paused_gc()  # one tuple per event and message, none freed: see paused_gc
 def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
-    """Run every program under the rules above with clocks, events and memory. Raises
+    """Run every program under the rules above with clocks and events (memory is counted in
+    program order: ``ir.stored_counts``). Raises
     ``ScheduleError`` when an action names a stage outside the layout (``validate_schedule``
     says why); a message to a rank outside the layout reaches nobody."""
     run = _replayed(schedule, timing)
     timeline = Timeline(run.rules, timing, run.starts)
-    return Replay(
-        run.stuck(), timeline, run.clock, run.dp_free, run.busy, run.waited, run.peak, run.released
-    )
+    return Replay(run.stuck(), timeline, run.clock, run.dp_free, run.busy, run.waited)
 
 
 def _replayed(schedule: Schedule, timing: Timing, implicit: bool | None = None) -> Wires:
@@ -409,7 +406,7 @@ _RESTORED = frozenset({_B, _I})  # what waits for an LD's restore
 class Wires:
     """One run under ``Rules``: its messages (which are sent, when they arrive, which rank waits
     for which), the ranks ready to continue, BPipe's per-rank state, and per rank its clock,
-    links, data-parallel lane, events and memory. ``run`` drives the ranks' programs."""
+    links, data-parallel lane and events. ``run`` drives the ranks' programs."""
 
     def __init__(self, rules: Rules, timing: Timing, *, lockstep: bool = False) -> None:
         """``lockstep``: the lock-step channel (module docstring), for ``lockstep_replay``."""
@@ -432,10 +429,10 @@ class Wires:
         # Activations and gradients index ``flow``, their arrival times (None: not sent).
         self.flow: list[float | None] = [None] * rules.limit
         waits, sends, to = rules.waits_for, rules.sends_for, rules.output_rank
-        # Per compute kind: its duration, how many stored activations it adds, and per stage
-        # what it waits for and sends (0 for nothing) and to which rank, in one lookup.
+        # Per compute kind: its duration, and per stage what it waits for and sends (0 for
+        # nothing) and to which rank, in one lookup.
         self.compute = {
-            kind: (duration, MEMORY_DELTA.get(kind, 0), waits[kind], sends[kind], to[kind])
+            kind: (duration, waits[kind], sends[kind], to[kind])
             for kind, duration in compute_durations(timing).items()
         }
         # What an SA / SG sends, per stage: (its id of micro-batch 0, the rank it must go to:
@@ -454,10 +451,8 @@ class Wires:
         self.dp_free: list[float] = [0] * num_ranks
         self.busy: list[float] = [0] * num_ranks
         self.waited: list[float] = [0] * num_ranks  # for gathers
-        self.held, self.peak = [0] * num_ranks, [0] * num_ranks
         self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
         self.starts: list[list[float]] = [[] for _ in range(num_ranks)]  # see Timeline
-        self.released = [False] * num_ranks
 
     def message(self, rank: int, key: int, dst: int, t: float) -> None:
         """An activation or gradient (its id, ``flow``'s) sent at ``t`` from ``rank`` to
@@ -634,7 +629,6 @@ def _timed(run: Wires, rank: int) -> Program:
     link_base = rank * num_ranks
     restores_r, awaiting_r, arrivals = run.restores[rank], run.awaiting[rank], run.arrivals
     ps_r, t, busy_r, wait_r = run.ps_done[rank], run.clock[rank], run.busy[rank], run.waited[rank]
-    held_r, peak_r = run.held[rank], run.peak[rank]
     instant, blind = run.instant, run.lockstep  # lock-step: sends match by id, whoever they name
     key: int | None
     peer: int
@@ -665,7 +659,7 @@ def _timed(run: Wires, rank: int) -> Program:
                     yield i, need
                 if run.acked[rank] > start:
                     start = run.acked[rank]
-            duration, delta, waits_row, sends_row, peers_row = spec
+            duration, waits_row, sends_row, peers_row = spec
             if mb >= microbatches:
                 raise IndexError(mb)
             if need := waits_row[s]:
@@ -685,9 +679,6 @@ def _timed(run: Wires, rank: int) -> Program:
                 start = gathered
             t = start + duration
             busy_r += duration
-            held_r += delta
-            if held_r > peak_r:
-                peak_r = held_r
             record(start)
             if not (key := sends_row[s]):
                 continue
@@ -696,23 +687,17 @@ def _timed(run: Wires, rank: int) -> Program:
         elif kind is _GS or kind is _PS:
             _data_parallel(run, rank, a, t)
             continue
-        elif kind is _RL:  # frees memory at once; the program order already counts it
-            run.released[rank] = True
+        elif kind is _RL:  # frees memory at once, which takes no time
             continue
-        elif kind is _FB:  # the composite rule, on this rank's clock and memory (_overlapped)
+        elif kind is _FB:  # the composite rule, on this rank's clock (_overlapped)
             run.clock[rank], run.busy[rank], run.waited[rank] = t, busy_r, wait_r
-            run.held[rank], run.peak[rank] = held_r, peak_r
             yield from _overlapped(run, rank, i, a)
             t, busy_r, wait_r = run.clock[rank], run.busy[rank], run.waited[rank]
-            held_r, peak_r = run.held[rank], run.peak[rank]
             continue
         else:  # BPipe's EV / AC / RS / LD
             while (moved := run.transfer(rank, i, t))[1] >= 0:
                 yield i, moved[1]
             t = moved[0]
-            held_r += MEMORY_DELTA[kind]
-            if held_r > peak_r:
-                peak_r = held_r
             continue
         if instant:
             if key is not None:
@@ -734,12 +719,11 @@ def _timed(run: Wires, rank: int) -> Program:
         if d_p2p > 0:
             record(start)
     run.clock[rank], run.busy[rank], run.waited[rank] = t, busy_r, wait_r
-    run.held[rank], run.peak[rank] = held_r, peak_r
 
 
 def _overlapped(run: Wires, rank: int, i: int, composite: Action) -> Program:
     """A composite at position ``i`` under the composite rule (module docstring), as ``_timed``
-    runs a compute, with ``rank``'s clock and memory in ``run``."""
+    runs a compute, with ``rank``'s clock in ``run``."""
     flow, compute = run.flow, run.compute
     while run.awaiting[rank] and (need := run.unacknowledged(rank)) >= 0:
         yield i, need
@@ -748,7 +732,7 @@ def _overlapped(run: Wires, rank: int, i: int, composite: Action) -> Program:
         mb: int = part.microbatch  # type: ignore[assignment]  # compute: never None
         if mb >= run.rules.microbatches:
             raise IndexError(mb)  # past the count: _replayed runs again for any
-        if need := compute[part.kind][2][part.stage]:
+        if need := compute[part.kind][1][part.stage]:
             if (arrival := flow[need := need + mb]) is None:
                 yield i, need
                 arrival = flow[need]
@@ -766,14 +750,12 @@ def _overlapped(run: Wires, rank: int, i: int, composite: Action) -> Program:
     run.starts[rank].append(start)
     t = start
     for part in parts(composite):
-        duration, delta = compute[part.kind][:2]
+        duration = compute[part.kind][0]
         t += duration
         run.busy[rank] += duration
-        run.held[rank] += delta
-        run.peak[rank] = max(run.peak[rank], run.held[rank])
     run.clock[rank] = t
     for part in parts(composite):  # a compute-only schedule: each part's result, sent now
-        _, _, _, sends_row, peers_row = compute[part.kind]
+        _, _, sends_row, peers_row = compute[part.kind]
         if key := sends_row[part.stage]:
             run.message(rank, key + part.microbatch, peers_row[part.stage], t)  # type: ignore[operator]
 

@@ -7,7 +7,7 @@ here, so results are exact up to that one rounding (docs/design-notes.md, "Simul
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from operator import attrgetter, countOf
@@ -199,30 +199,31 @@ def _clocks(
     p2p: str,
     posting: Posting | None,
     grad_reduce: str | None,
-) -> tuple[Replay | _Clocks, int, Timeline | PostingTimeline]:
+) -> tuple[_Clocks, int, Timeline | PostingTimeline]:
     """The model's integer clocks of ``schedule`` with its memory, their unit
-    (``CostModel.exact``) and the events drawn on demand: ``simulate`` less the summing up."""
+    (``CostModel.exact``) and the events drawn on demand: ``simulate`` less the summing up.
+    Memory is counted in program order (``ir.stored_counts``, as ``Schedule.stored_activations``),
+    which needs no run of its own."""
     exact = costs.exact(schedule.layout.exact_stage_fraction)
     if p2p == "gloo":
         run = _replay(schedule, exact.timing)
-        return run, exact.per_unit, run.timeline.scaled(exact.per_unit)
+        clocks = _clocked(schedule, (run.compute_end, run.dp_end, run.busy, run.gather_wait))
+        return clocks, exact.per_unit, run.timeline.scaled(exact.per_unit)
     try:
         timed = _timer(schedule, p2p, posting, grad_reduce)(exact.timing)
     except (ScheduleError, IndexError, KeyError) as error:
         _replay(schedule, exact.timing)  # a deadlock or a stage outside the layout, explained
         raise ScheduleError(f"cannot simulate {schedule.name!r} under {p2p}: {error}") from None
-    # The timer gives the clocks; memory is counted in program order (ir.stored_counts, as
-    # Schedule.stored_activations), which needs no replay of its own.
-    clocks = _Clocks(timed.clock, timed.dp_end, timed.busy, timed.gather_wait, **_memory(schedule))
+    clocks = _clocked(schedule, (timed.clock, timed.dp_end, timed.busy, timed.gather_wait))
     return clocks, exact.per_unit, PostingTimeline(timed.events, exact.per_unit)
 
 
-def _memory(schedule: Schedule) -> dict[str, list[Any]]:
-    """``_Clocks``' memory fields, in program order."""
-    return {
-        "peak": [max(0, max(stored_counts(actions), default=0)) for actions in schedule.per_rank],
-        "released": [_RL in map(_KIND, actions) for actions in schedule.per_rank],
-    }
+def _clocked(schedule: Schedule, times: Sequence[list[Any]]) -> _Clocks:
+    """A run's four clock fields (``_Clocks``') with ``schedule``'s memory, in program order."""
+    peak = [max(0, max(stored_counts(actions), default=0)) for actions in schedule.per_rank]
+    compute_end, dp_end, busy, gather_wait = times
+    released = [_RL in map(_KIND, actions) for actions in schedule.per_rank]
+    return _Clocks(compute_end, dp_end, busy, gather_wait, peak, released)
 
 
 # ``simulate_steady`` times a step whole below this many actions (a few seconds of CPU above)
@@ -261,7 +262,7 @@ def simulate_steady(
         line = _steady_clocks(schedule, costs, shorter, period, p2p, grad_reduce)
         if line is not None:
             lengths, fields = line
-            clocks = _Clocks(*fields, **_memory(schedule))
+            clocks = _clocked(schedule, fields)
             per_unit = costs.exact(schedule.layout.exact_stage_fraction).per_unit
 
             def events() -> list[Event]:  # in user units already: PostingTimeline's per_unit 1
@@ -435,8 +436,8 @@ class PostingTimeline:
 
 
 class _Clocks(NamedTuple):
-    """What ``_result`` reads of a run (``Replay``'s fields of these names): a posting model's
-    clocks with the program-order memory."""
+    """What ``_result`` reads of a run: its clocks (``Replay``'s fields of these names) with
+    the program-order memory."""
 
     compute_end: list[float]
     dp_end: list[float]
@@ -449,7 +450,7 @@ class _Clocks(NamedTuple):
 def _result(
     schedule: Schedule,
     costs: CostModel,
-    run: Replay | _Clocks,
+    run: _Clocks,
     per_unit: int,
     p2p: str,
     timeline: Timeline | PostingTimeline,

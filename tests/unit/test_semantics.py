@@ -196,7 +196,7 @@ def _replays(schedule: Schedule, timing: Timing) -> list[tuple[object, ...]]:
             run.instant = instant
         run.run([semantics._timed(run, rank) for rank in range(schedule.num_ranks)])
         events = semantics.Timeline(rules, timing, run.starts).events()
-        found.append((run.stuck(), run.clock, run.dp_free, run.busy, run.peak, events))
+        found.append((run.stuck(), run.clock, run.dp_free, run.busy, events))
     return found
 
 
