@@ -189,7 +189,8 @@ def simulate(
     posts), ``megatron_grad_reduce`` where a megatron model starts each chunk's gradient
     reduction. Raises ``ScheduleError`` showing the per-rank grid if the programs deadlock."""
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, posting)
-    clocks, per_unit, timeline = _clocks(schedule, costs, p2p, posting, grad_reduce)
+    times, per_unit, timeline = _clocks(schedule, costs, p2p, posting, grad_reduce)
+    clocks = _clocked(schedule, times)
     return _result(schedule, costs, clocks, per_unit, p2p, timeline, grad_reduce)
 
 
@@ -199,27 +200,26 @@ def _clocks(
     p2p: str,
     posting: Posting | None,
     grad_reduce: str | None,
-) -> tuple[_Clocks, int, Timeline | PostingTimeline]:
-    """The model's integer clocks of ``schedule`` with its memory, their unit
-    (``CostModel.exact``) and the events drawn on demand: ``simulate`` less the summing up.
-    Memory is counted in program order (``ir.stored_counts``, as ``Schedule.stored_activations``),
-    which needs no run of its own."""
+) -> tuple[_Run4, int, Timeline | PostingTimeline]:
+    """The model's integer clocks of ``schedule`` (``_Run4``), their unit (``CostModel.exact``)
+    and the events drawn on demand: ``simulate`` less the memory and the summing up."""
     exact = costs.exact(schedule.layout.exact_stage_fraction)
     if p2p == "gloo":
         run = _replay(schedule, exact.timing)
-        clocks = _clocked(schedule, (run.compute_end, run.dp_end, run.busy, run.gather_wait))
-        return clocks, exact.per_unit, run.timeline.scaled(exact.per_unit)
+        times = (run.compute_end, run.dp_end, run.busy, run.gather_wait)
+        return times, exact.per_unit, run.timeline.scaled(exact.per_unit)
     try:
         timed = _timer(schedule, p2p, posting, grad_reduce)(exact.timing)
     except (ScheduleError, IndexError, KeyError) as error:
         _replay(schedule, exact.timing)  # a deadlock or a stage outside the layout, explained
         raise ScheduleError(f"cannot simulate {schedule.name!r} under {p2p}: {error}") from None
-    clocks = _clocked(schedule, (timed.clock, timed.dp_end, timed.busy, timed.gather_wait))
-    return clocks, exact.per_unit, PostingTimeline(timed.events, exact.per_unit)
+    times = (timed.clock, timed.dp_end, timed.busy, timed.gather_wait)
+    return times, exact.per_unit, PostingTimeline(timed.events, exact.per_unit)
 
 
 def _clocked(schedule: Schedule, times: Sequence[list[Any]]) -> _Clocks:
-    """A run's four clock fields (``_Clocks``') with ``schedule``'s memory, in program order."""
+    """A run's four clock fields with ``schedule``'s memory, counted in program order
+    (``ir.stored_counts``, as ``Schedule.stored_activations``): no run counts it."""
     peak = [max(0, max(stored_counts(actions), default=0)) for actions in schedule.per_rank]
     compute_end, dp_end, busy, gather_wait = times
     released = [_RL in map(_KIND, actions) for actions in schedule.per_rank]
@@ -316,10 +316,9 @@ def _steady_clocks(
                 short = shorter(n)
                 if short.layout != schedule.layout:
                     return None
-                run = _clocks(short, costs, p2p, None, grad_reduce)[0]
+                runs[n] = _clocks(short, costs, p2p, None, grad_reduce)[0]
             except ScheduleError:
                 return None
-            runs[n] = (run.compute_end, run.dp_end, run.busy, run.gather_wait)
         return runs[n]
 
     attempts = steady_lengths(m, period)
