@@ -119,29 +119,15 @@ class Wait:
 Step = int | Batch | Wait
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class Posting:
     """Per rank, the order in which the CPU runs the non-p2p actions and posts the batches.
-    Immutable; validation and the simulator read only its integers (``lowered``)."""
-
-    __slots__ = ("_lowered", "_per_rank", "name")
+    Immutable; validation and the simulator read only its integers (``lowered``). Either form
+    may be None (not both): the other is made from it when first read."""
 
     name: str
     _per_rank: tuple[tuple[Step, ...], ...] | None
-    _lowered: _Lowered | None
-
-    def __init__(
-        self,
-        name: str,
-        per_rank: tuple[tuple[Step, ...], ...] | None,
-        lowered: _Lowered | None = None,
-    ) -> None:
-        """Either form may be None (not both): the other is made from it when first read."""
-        _set(self, "name", name)
-        _set(self, "_per_rank", per_rank)
-        _set(self, "_lowered", lowered)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"a Posting is immutable: cannot set {name}")
+    _lowered: _Lowered | None = None
 
     @property
     def per_rank(self) -> tuple[tuple[Step, ...], ...]:
