@@ -52,20 +52,16 @@ def write_output(path: str | Path, data: bytes) -> None:
     except FileNotFoundError:
         info = None
     if info is not None and not stat.S_ISREG(info.st_mode):
-        _write_in_place(path, data)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
         return
     mode = None if info is None else stat.S_IMODE(info.st_mode)
     _replace(follow_links(path), data, mode)
-
-
-def _write_in_place(path: str | Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
 
 
 def _replace(target: Path, data: bytes, mode: int | None) -> None:

@@ -47,7 +47,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         _refuse(f"no such script: {argv[0]}")
     if (problem := script_problem(script, shown=argv[0])) is not None:
         _refuse(problem)
-    _check_schedule_flags(argv[1:])
+    # The plugin's checks before torch or Megatron is imported: one line per node in well under
+    # a second (megatron.preflight).
+    if any(a == "--pipeline-schedule" or a.startswith("--pipeline-schedule=") for a in argv[1:]):
+        from megatron_bfpp.ir import ScheduleError
+        from megatron_bfpp.megatron.preflight import check_megatron_command
+
+        try:
+            check_megatron_command(argv[1:], world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        except ScheduleError as error:
+            _refuse(str(error).splitlines()[0])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     from megatron_bfpp.megatron.rank_order import apply_rank_order_from_env
@@ -64,7 +73,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         install()
     except UnsupportedVersionError as error:
         _refuse(str(error))
-    _use_prebuilt_dataset_helpers()
+    # A megatron-core wheel ships the built helpers_cpp but no Makefile, so the ``make`` that
+    # Megatron-LM runs at start fails: when helpers_cpp imports, compile_helpers does nothing.
+    try:
+        import megatron.core.datasets.helpers_cpp
+        import megatron.core.datasets.utils as dataset_utils
+    except ImportError:
+        pass
+    else:
+        dataset_utils.compile_helpers = lambda: None
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         from megatron_bfpp.megatron.cpu_launch import enable_cpu_megatron_lm
@@ -127,32 +144,6 @@ def _refuse(message: str) -> NoReturn:
     from megatron_bfpp.megatron.plugin import refuse
 
     refuse(message, prog=PROG)
-
-
-def _check_schedule_flags(args: Sequence[str]) -> None:
-    """With ``--pipeline-schedule``, the plugin's checks (:mod:`megatron_bfpp.megatron.preflight`)
-    before torch or Megatron is imported: a mistake is one line per node in well under a second."""
-    if not any(a == "--pipeline-schedule" or a.startswith("--pipeline-schedule=") for a in args):
-        return
-    from megatron_bfpp.ir import ScheduleError
-    from megatron_bfpp.megatron.preflight import check_megatron_command
-
-    try:
-        check_megatron_command(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    except ScheduleError as error:
-        _refuse(str(error).splitlines()[0])
-
-
-def _use_prebuilt_dataset_helpers() -> None:
-    """Megatron-LM runs ``make`` in megatron-core's ``datasets`` directory (rank 0, at start).
-    A megatron-core wheel ships the built ``helpers_cpp`` but no Makefile, so that ``make`` fails:
-    when ``helpers_cpp`` already imports, make ``compile_helpers`` a no-op."""
-    try:
-        import megatron.core.datasets.helpers_cpp  # noqa: F401
-        import megatron.core.datasets.utils as dataset_utils
-    except ImportError:
-        return
-    dataset_utils.compile_helpers = lambda: None
 
 
 if __name__ == "__main__":

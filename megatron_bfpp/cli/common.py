@@ -13,7 +13,6 @@ import stat
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from megatron_bfpp.files import follow_links
@@ -25,10 +24,6 @@ from megatron_bfpp.schedules.registry import SCHEDULES
 def fail(prog: str, error: BaseException | str) -> int:
     sys.stderr.write(f"{prog}: error: {first_line(error)}\n")
     return 2
-
-
-# What a shell reports for a command killed by SIGPIPE (128 + 13).
-CLOSED_PIPE_EXIT = 141
 
 
 class Main(Protocol):
@@ -52,7 +47,7 @@ def closed_pipe_ends_quietly(main: Main) -> Main:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
-            return CLOSED_PIPE_EXIT
+            return 141  # what a shell reports for a command killed by SIGPIPE (128 + 13)
 
     return run
 
@@ -143,6 +138,7 @@ def _finite_or_null(data: Any) -> Any:
 
 
 _LOOP = "a symbolic link that loops (too many levels of symbolic links)"
+_WRITE_TEST = ".bfpp-write-test-"  # the file or directory made and removed to try a write
 
 
 def output_file_problem(flag: str, path: str, *, replaced: bool = True) -> str | None:
@@ -173,7 +169,9 @@ def output_file_problem(flag: str, path: str, *, replaced: bool = True) -> str |
             # O_NONBLOCK: a FIFO without a reader fails here instead of blocking the check.
             os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
         if info is None or (replaced and stat.S_ISREG(info.st_mode)):
-            _write_test(parent, directory=False)
+            handle, name = tempfile.mkstemp(prefix=_WRITE_TEST, dir=parent)
+            os.close(handle)
+            os.unlink(name)
     except OSError as error:
         where = path if info is not None and error.filename == path else f"files in {parent}"
         return f"{flag} {path}: cannot write {where} ({error.strerror or error})"
@@ -202,17 +200,7 @@ def output_dir_problem(flag: str, path: str) -> str | None:
     if not existing.is_dir():
         return f"{flag} {path}: {existing} is not a directory"
     try:
-        _write_test(existing, directory=True)
+        os.rmdir(tempfile.mkdtemp(prefix=_WRITE_TEST, dir=existing))
     except OSError as error:
         return f"{flag} {path}: cannot create files in {existing} ({error.strerror or error})"
     return None
-
-
-def _write_test(where: Path, *, directory: bool) -> None:
-    prefix = ".bfpp-write-test-"
-    if directory:
-        os.rmdir(tempfile.mkdtemp(prefix=prefix, dir=where))
-        return
-    handle, name = tempfile.mkstemp(prefix=prefix, dir=where)
-    os.close(handle)
-    os.unlink(name)

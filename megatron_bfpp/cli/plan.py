@@ -18,7 +18,7 @@ from megatron_bfpp.cli.common import (
     positive_int_up_to,
     write_problem,
 )
-from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT
+from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT, flag_name
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.auto import AutoRequest, decide, hardware
@@ -105,23 +105,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         parser.error("choose a command, e.g. recommend or bpipe-estimate")
-    handler = {"recommend": _recommend, "auto": _auto, "profile": _profile}.get(args.command)
-    if handler is not None:
-        return handler(args)
-    try:
-        scale = 0.01 if args.percent else 1.0
-        mfu_small, mfu_large = (value * scale for value in args.stage_mfu)
-        small, large = args.micro_batch_sizes
-        estimate = bpipe_speedup_estimate(
-            stage_mfu_small=mfu_small,
-            stage_mfu_large=mfu_large,
-            micro_batch_small=small,
-            micro_batch_large=large,
-            global_batch_size=args.global_batch_size,
-            pp=args.pp,
-        )
+    handlers = {"recommend": _recommend, "auto": _auto, "profile": _profile}
+    try:  # each command's expected failure (a ScheduleError) is one line naming the command
+        return handlers.get(args.command, _bpipe_estimate)(args)
     except ScheduleError as error:
         return fail(f"{PROG} {args.command}", error)
+
+
+def _bpipe_estimate(args: argparse.Namespace) -> int:
+    scale = 0.01 if args.percent else 1.0
+    mfu_small, mfu_large = (value * scale for value in args.stage_mfu)
+    small, large = args.micro_batch_sizes
+    estimate = bpipe_speedup_estimate(
+        stage_mfu_small=mfu_small,
+        stage_mfu_large=mfu_large,
+        micro_batch_small=small,
+        micro_batch_large=large,
+        global_batch_size=args.global_batch_size,
+        pp=args.pp,
+    )
     print(json_text(estimate.to_dict()) if args.json else format_estimate(estimate))
     return 0
 
@@ -269,16 +271,9 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
 
 
 def _model_from_args(args: argparse.Namespace) -> Model:
-    given = {
-        "--arch": args.arch,
-        "--num-layers": args.num_layers,
-        "--hidden-size": args.hidden_size,
-        "--num-attention-heads": args.num_attention_heads,
-        "--num-query-groups": args.num_query_groups,
-        "--ffn-hidden-size": args.ffn_hidden_size,
-        "--vocab-size": args.vocab_size,
-    }
-    explicit = [flag for flag, value in given.items() if value is not None]
+    required = ("arch", "num_layers", "hidden_size", "num_attention_heads")
+    dests = (*required, "num_query_groups", "ffn_hidden_size", "vocab_size")
+    explicit = [flag_name(dest) for dest in dests if getattr(args, dest) is not None]
     if args.model is not None:
         if explicit:
             raise ScheduleError(
@@ -287,8 +282,7 @@ def _model_from_args(args: argparse.Namespace) -> Model:
             )
         model = get_model(args.model)
         return model.with_seq_length(args.seq_length) if args.seq_length else model
-    required = ("--arch", "--num-layers", "--hidden-size", "--num-attention-heads")
-    missing = [flag for flag in required if flag not in explicit]
+    missing = [flag_name(dest) for dest in required if getattr(args, dest) is None]
     if missing:
         raise ScheduleError(
             f"give --model NAME ({', '.join(MODELS)}) or an explicit shape; missing "
@@ -320,67 +314,63 @@ def _choices(text: str | None, allowed: Sequence[str], flag: str) -> tuple[str, 
 
 
 def _recommend(args: argparse.Namespace) -> int:
-    prog = f"{PROG} recommend"
-    try:
-        model = _model_from_args(args)
-        gpu = get_gpu(args.gpu)
-        cluster = Cluster(args.num_gpus, args.gpus_per_node, gpu)
-        schedules = _choices(args.schedules, sorted({n for n, _ in families()}), "--schedules")
-        recompute = _choices(args.recompute, RECOMPUTE, "--recompute") or RECOMPUTE
-        profile = load_profile(args.profile) if args.profile else None
-        efficiency = ProfileCurve.from_profile(profile, gpu) if profile is not None else None
-        if args.critical_batch_size is not None and args.critical_batch_size <= 0:
-            raise ScheduleError(
-                f"--critical-batch-size must be positive, got {args.critical_batch_size}"
-            )
-        if args.plot and (problem := output_file_problem("--plot", args.plot)):
+    model = _model_from_args(args)
+    gpu = get_gpu(args.gpu)
+    cluster = Cluster(args.num_gpus, args.gpus_per_node, gpu)
+    schedules = _choices(args.schedules, sorted({n for n, _ in families()}), "--schedules")
+    recompute = _choices(args.recompute, RECOMPUTE, "--recompute") or RECOMPUTE
+    profile = load_profile(args.profile) if args.profile else None
+    efficiency = ProfileCurve.from_profile(profile, gpu) if profile is not None else None
+    if args.critical_batch_size is not None and args.critical_batch_size <= 0:
+        raise ScheduleError(
+            f"--critical-batch-size must be positive, got {args.critical_batch_size}"
+        )
+    if args.plot and (problem := output_file_problem("--plot", args.plot)):
+        raise ScheduleError(problem)
+    if args.plot and (
+        problem := optional_package_problem("--plot", "matplotlib", "megatron-bfpp[plot]")
+    ):
+        raise ScheduleError(f"{problem} (or drop --plot)")
+    options = SearchOptions(
+        schedules=schedules,
+        recompute=recompute,
+        top=args.top,
+        efficiency=efficiency,
+        best_per_family=not args.json,  # the table explains the ranking family by family
+        sequence_parallel=args.sequence_parallel == "on",
+        p2p_model=args.p2p_model,
+        megatron_p2p_overlap=args.megatron_p2p == "overlap",
+        megatron_overlap_grad_reduce=args.megatron_grad_reduce == "overlap",
+    )
+    from megatron_bfpp.plan.search import no_candidates_reason, recommend
+
+    query = dict(
+        model=model, cluster=cluster, global_batch_size=args.global_batch_size, options=options
+    )
+    result = recommend(**query)
+    if not result.candidates_evaluated:
+        raise ScheduleError(no_candidates_reason(**query))
+    if not result.plans:
+        raise ScheduleError(
+            f"no configuration of {model.name} fits {cluster.num_gpus} x {gpu.name} at "
+            f"global batch {args.global_batch_size} ({result.rejected_out_of_memory} of "
+            f"{result.candidates_evaluated} candidates do not fit in memory); use more or "
+            "larger GPUs"
+        )
+    if args.plot:
+        from megatron_bfpp.plan.plot import batch_sweep, default_batch_sizes, render_plot
+
+        sizes = sorted({*default_batch_sizes(cluster.num_gpus), args.global_batch_size})
+        sweep = batch_sweep(model=model, cluster=cluster, options=options, batch_sizes=sizes)
+        plot = functools.partial(
+            render_plot,
+            sweep,
+            model=model,
+            cluster=cluster,
+            critical_batch_size=args.critical_batch_size,
+        )
+        if problem := write_problem("--plot", args.plot, plot):
             raise ScheduleError(problem)
-        if args.plot and (
-            problem := optional_package_problem("--plot", "matplotlib", "megatron-bfpp[plot]")
-        ):
-            raise ScheduleError(f"{problem} (or drop --plot)")
-        options = SearchOptions(
-            schedules=schedules,
-            recompute=recompute,
-            top=args.top,
-            efficiency=efficiency,
-            best_per_family=not args.json,  # the table explains the ranking family by family
-            sequence_parallel=args.sequence_parallel == "on",
-            p2p_model=args.p2p_model,
-            megatron_p2p_overlap=args.megatron_p2p == "overlap",
-            megatron_overlap_grad_reduce=args.megatron_grad_reduce == "overlap",
-        )
-        from megatron_bfpp.plan.search import no_candidates_reason, recommend
-
-        query = dict(
-            model=model, cluster=cluster, global_batch_size=args.global_batch_size, options=options
-        )
-        result = recommend(**query)
-        if not result.candidates_evaluated:
-            raise ScheduleError(no_candidates_reason(**query))
-        if not result.plans:
-            raise ScheduleError(
-                f"no configuration of {model.name} fits {cluster.num_gpus} x {gpu.name} at "
-                f"global batch {args.global_batch_size} ({result.rejected_out_of_memory} of "
-                f"{result.candidates_evaluated} candidates do not fit in memory); use more or "
-                "larger GPUs"
-            )
-        if args.plot:
-            from megatron_bfpp.plan.plot import batch_sweep, default_batch_sizes, render_plot
-
-            sizes = sorted({*default_batch_sizes(cluster.num_gpus), args.global_batch_size})
-            sweep = batch_sweep(model=model, cluster=cluster, options=options, batch_sizes=sizes)
-            plot = functools.partial(
-                render_plot,
-                sweep,
-                model=model,
-                cluster=cluster,
-                critical_batch_size=args.critical_batch_size,
-            )
-            if problem := write_problem("--plot", args.plot, plot):
-                raise ScheduleError(problem)
-    except ScheduleError as error:
-        return fail(prog, error)
     if args.json:
         print(json_text(result.to_dict()))
     else:
@@ -453,9 +443,8 @@ def format_recommendation(
                 f"{100 * plan.bubble_fraction:.1f}%"
             )
         missing = sorted(
-            {family_name(n, sh) for n, sh in families()}
+            {family_name(n, sh) for n, sh in families() if not schedules or n in schedules}
             - set(result.best_per_family)
-            - {family_name(n, sh) for n, sh in families() if schedules and n not in schedules}
         )
         if missing:
             lines.append(f"  none fits in memory (or none exists): {', '.join(missing)}")
@@ -573,10 +562,7 @@ def _auto_request(args: argparse.Namespace) -> AutoRequest:
 
 
 def _auto(args: argparse.Namespace) -> int:
-    try:
-        decision = decide(_auto_request(args))
-    except ScheduleError as error:
-        return fail(f"{PROG} auto", error)
+    decision = decide(_auto_request(args))
     print(json_text(decision.to_dict()) if args.json else f"megatron_bfpp: {decision.line()}")
     return 0
 
@@ -613,39 +599,36 @@ def _add_profile(commands: argparse._SubParsersAction[OneLineParser]) -> None:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    prog = f"{PROG} profile"
+    model = _model_from_args(args)
+    if problem := output_file_problem("--output", args.output):
+        raise ScheduleError(problem)
     try:
-        model = _model_from_args(args)
-        if problem := output_file_problem("--output", args.output):
-            raise ScheduleError(problem)
-        try:
-            from megatron_bfpp import stage_timing
-        except ImportError as error:
-            raise ScheduleError(
-                f"profile needs torch and megatron-core ({error}); pip install "
-                "'megatron-bfpp[megatron]'"
-            ) from None
-        profile = stage_timing.measure_stage(
-            model=model,
-            num_layers=args.profile_layers,
-            micro_batch_sizes=tuple(args.micro_batch_sizes),
-            device=args.device,
-            dtype=args.dtype,
-            warmup=args.warmup,
-            iterations=args.iterations,
-        )
-        write = functools.partial(stage_timing.write_profile, profile)
-        if problem := write_problem("--output", args.output, write):
-            raise ScheduleError(problem)
-    except ScheduleError as error:
-        return fail(prog, error)
+        from megatron_bfpp import stage_timing
+    except ImportError as error:
+        raise ScheduleError(
+            f"profile needs torch and megatron-core ({error}); pip install "
+            "'megatron-bfpp[megatron]'"
+        ) from None
+    profile = stage_timing.measure_stage(
+        model=model,
+        num_layers=args.profile_layers,
+        micro_batch_sizes=tuple(args.micro_batch_sizes),
+        device=args.device,
+        dtype=args.dtype,
+        warmup=args.warmup,
+        iterations=args.iterations,
+    )
+    write = functools.partial(stage_timing.write_profile, profile)
+    if problem := write_problem("--output", args.output, write):
+        raise ScheduleError(problem)
     rows = ", ".join(
         f"b={m.micro_batch_size}: F {1e3 * m.forward_s:.2f} ms, B {1e3 * m.backward_s:.2f} ms"
         for m in profile.measurements
     )
     host = "" if profile.t_host is None else f"; host {1e3 * profile.t_host:.3f} ms per action"
     print(
-        f"{prog}: {profile.device} ({profile.dtype}), {profile.num_layers} layer(s): {rows}{host}"
+        f"{PROG} profile: {profile.device} ({profile.dtype}), {profile.num_layers} layer(s): "
+        f"{rows}{host}"
     )
     print(f"wrote {args.output}")
     return 0

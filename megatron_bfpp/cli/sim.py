@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _OUTPUTS = ("csv", "trace", "png")  # each written by --NAME PATH, reported as "wrote NAME: PATH"
+_NCCL_VIEWS = {"as_written": "as written", "lock_step": "as bfpp runs it (lock-step)"}
 
 
 @closed_pipe_ends_quietly
@@ -226,8 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_report(result))
         for name, text in defaults.items():
             print(f"default {name}: {text}")
-        if nccl is not None:
-            print(format_nccl(nccl))
+        if nccl is not None:  # NCCL safety as written and as the runtime posts it
+            for key, label in _NCCL_VIEWS.items():
+                verdict = nccl[key]
+                text = "NCCL-safe" if verdict["safe"] else f"NOT NCCL-safe: {verdict['problem']}"
+                print(f"NCCL, {label}: {text}")
         if grid := _grid(args.grid, schedule):
             print(f"\n{grid}")
     for name in _OUTPUTS:
@@ -403,16 +407,6 @@ def _messages_reordered(schedule: Schedule) -> bool:
                 return False
             reordered = True
     return reordered
-
-
-def format_nccl(report: dict[str, dict[str, object]]) -> str:
-    """Two lines: NCCL safety as written and as the runtime posts it (with the cycle if any)."""
-    lines = []
-    for key, label in (("as_written", "as written"), ("lock_step", "as bfpp runs it (lock-step)")):
-        verdict = report[key]
-        text = "NCCL-safe" if verdict["safe"] else f"NOT NCCL-safe: {verdict['problem']}"
-        lines.append(f"NCCL, {label}: {text}")
-    return "\n".join(lines)
 
 
 def format_report(result: SimResult) -> str:

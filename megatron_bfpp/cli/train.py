@@ -412,12 +412,11 @@ def data_path_problem(args: argparse.Namespace) -> str | None:
 
 
 def dataset_helpers_problem() -> str | None:
-    """megatron-core's compiled dataset helpers, found without importing megatron-core."""
+    """megatron-core's compiled dataset helpers, found without importing megatron-core (with
+    no megatron-core at all, check_megatron_core says so)."""
     spec = importlib.util.find_spec("megatron")
-    if spec is None or not spec.submodule_search_locations:
-        return None  # no megatron-core at all: check_megatron_core says so
-    folders = [Path(p) / "core" / "datasets" for p in spec.submodule_search_locations]
-    folders = [folder for folder in folders if folder.is_dir()]
+    locations = (spec.submodule_search_locations if spec else None) or []
+    folders = [folder for p in locations if (folder := Path(p) / "core" / "datasets").is_dir()]
     if not folders or any(any(f.glob("helpers_cpp*.so")) for f in folders):
         return None
     return (

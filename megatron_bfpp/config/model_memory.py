@@ -144,16 +144,12 @@ def memory_problem(
         f"{need.largest_rank_parameters:,} parameters x {need.bytes_per_parameter:g} bytes on "
         "the largest rank"
     )
-    if gpu_bytes is not None:
-        if need.largest_rank_bytes <= gpu_bytes:
-            return None
+    if gpu_bytes is not None and need.largest_rank_bytes > gpu_bytes:
         what = (
             f"the largest rank needs about {_gb(need.largest_rank_bytes)} for weights, gradients "
             f"and Adam state ({largest}), more than one GPU's {_gb(gpu_bytes)}"
         )
-    elif ram_bytes is not None:
-        if need.local_bytes <= ram_bytes:
-            return None
+    elif gpu_bytes is None and ram_bytes is not None and need.local_bytes > ram_bytes:
         plural = "s" if local_ranks > 1 else ""
         what = (
             f"the model needs about {_gb(need.local_bytes)} of RAM for weights, gradients and "

@@ -152,24 +152,14 @@ class RunConfig:
     training: Training
 
 
-def _data_path_text(data_path: str | list[str] | None) -> str | None:
-    """``--data-path`` as one string: Megatron-LM's list of prefixes (or weights and prefixes)
-    joined by spaces, as a checkpoint records it."""
-    if data_path is None or isinstance(data_path, str):
-        return data_path
-    return " ".join(data_path)
-
-
 def model_shape(args: Any) -> ModelShape:
     """The model a parsed ``bfpp-train`` namespace asks for: ``--model``, then the fields' flags."""
     names = [field.name for field in dataclasses.fields(ModelShape)[1:]]
     return ModelShape(args.model, **{name: getattr(args, name) for name in names})
 
 
-# Training's fields read as the flags are (``data_path`` and ``split`` are not).
-_TRAINING_FLAGS = [
-    f.name for f in dataclasses.fields(Training) if f.name not in ("data_path", "split")
-]
+# Training's fields read as the flags are (``data_path``'s list is joined by spaces).
+_TRAINING_FLAGS = [f.name for f in dataclasses.fields(Training) if f.name != "data_path"]
 
 
 def run_config(args: Any, world_size: int) -> RunConfig:
@@ -189,7 +179,6 @@ def run_config(args: Any, world_size: int) -> RunConfig:
         pipeline_schedule=args.pipeline_schedule,
         training=Training(
             **{name: getattr(args, name) for name in _TRAINING_FLAGS},
-            data_path=_data_path_text(args.data_path),
-            split=getattr(args, "split", None),
+            data_path=None if args.data_path is None else " ".join(args.data_path),
         ),
     )

@@ -1,8 +1,5 @@
-"""How long each action takes: a handful of numbers in one abstract time unit.
-
-The simulator times in integers (``CostModel.exact``), since summing a stage's 1/3 as a float
-drifts (13 came out as 12.999999999999996): results are exact, or correctly rounded once.
-"""
+"""How long each action takes, in one abstract time unit, timed in integers (``CostModel.exact``)
+since a stage's 1/3 summed as a float drifts (13 came out as 12.999999999999996)."""
 
 from __future__ import annotations
 
@@ -88,7 +85,7 @@ class CostModel:
     def exact(self, stage_fraction: Fraction = Fraction(1)) -> ExactTiming:
         """The replay's durations in integer units: each as the decimal it prints as (0.05 is
         1/20, as written), scaled by the least common denominator."""
-        full = {name: _decimal(getattr(self, name)) for name in _FIELDS}
+        full = {cost.name: _decimal(getattr(self, cost.name)) for cost in cost_fields()}
         host = full["t_host"]  # per compute action, whatever the stage's size
         durations = {
             "forward": full["t_forward"] * stage_fraction + host,
@@ -113,9 +110,6 @@ def cost_fields() -> tuple[Field[Any], ...]:
 def cost_flag(name: str) -> str:
     """The command-line flag of a cost field (``t_p2p`` -> ``--t-p2p``)."""
     return "--" + name.replace("_", "-")
-
-
-_FIELDS = tuple(cost.name for cost in cost_fields())
 
 
 def _decimal(value: float) -> Fraction:

@@ -93,14 +93,11 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 _BOX = (-0.34, 0.30)  # compute box, relative to the row centre (y grows downwards)
 _LABEL: dict[str, Any] = {"ha": "center", "va": "center", "color": "black", "clip_on": True}
 _P2P = (-0.45, -0.38)
-# BPipe's activation transfers (evict to the partner, restore from it), apart from messages.
-_BPIPE_TRANSFERS = frozenset({ActionKind.EVICT, ActionKind.RESTORE})
-_DP = (0.34, 0.45)
 # The communication strips: lane, rows, colour, legend text.
 _COMM = (
     ("p2p", _P2P, "0.6", "p2p transfer"),
     ("bpipe", _P2P, "#c0392b", "BPipe evict / restore"),
-    ("dp", _DP, "0.15", "DP sync (GS/PS)"),
+    ("dp", (0.34, 0.45), "0.15", "DP sync (GS/PS)"),
 )
 _STYLE: dict[ActionKind, tuple[float, str | None, str]] = {
     # kind: (shade: < 0 darkens, > 0 mixes towards white; hatch; legend text)
@@ -124,6 +121,7 @@ def render_png(
     """Draw the step as one row per rank (colour: micro-batch; shade and hatch: compute kind;
     labels where boxes are wide enough, up to ``max_labels``) and write a PNG to ``path``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
 
     num_ranks = max(result.num_ranks, 1)
@@ -141,19 +139,43 @@ def render_png(
     for event in result.events:
         if event.lane == "compute":
             compute[event.kind].append(event)
-        elif event.kind in _BPIPE_TRANSFERS:
+        elif event.kind in (K.EVICT, K.RESTORE):  # BPipe's activation transfers, apart
             comm["bpipe"].append(event)
         else:
             comm[event.lane].append(event)
 
     char_px = font * 0.62 * dpi / 72
     labelled = _draw_compute(axes, compute, span, axes_px, char_px, result.num_chunks > 1)
-    _draw_comm(axes, comm)
+    for lane, where, colour, _ in _COMM:
+        if comm[lane]:  # thin white edges keep back-to-back operations (queued reductions) apart
+            boxes = _boxes(*_columns(comm[lane]), where)
+            axes.add_collection(
+                PolyCollection(boxes, facecolors=colour, edgecolors="white", linewidths=0.6)
+            )
     if len(labelled) <= max_labels:
         for x, y, text in labelled:
             axes.text(x, y + (_BOX[0] + _BOX[1]) / 2, text, fontsize=font, **_LABEL)
-    _decorate(axes, result, span, font)
-    axes.set_title(title or _title(result), fontsize=11)
+    ranks = range(result.num_ranks)
+    axes.set_xlim(0, span)
+    axes.set_ylim(len(ranks) - 0.5, -0.5)
+    axes.set_yticks(ranks, [f"rank {r}" for r in ranks], fontsize=font)
+    axes.set_xlabel("time (cost-model units)")
+    axes.grid(axis="x", linewidth=0.3, alpha=0.5)
+    axes.set_axisbelow(True)
+    transform = axes.get_yaxis_transform()  # x in axes fraction, y in data
+    column = [(-0.5, "peak act.", "bottom")]
+    column += [(m.rank, f"{m.peak_activations:.3g}", "center") for m in result.per_rank]
+    for y, text, va in column:
+        axes.text(
+            1.005, y, text, transform=transform, fontsize=font, va=va, ha="left", clip_on=False
+        )
+    if not title:
+        shape = f"p={result.num_ranks}, v={result.num_chunks}, m={result.num_microbatches}"
+        title = f"{result.schedule_name} ({shape}): step {result.step_time:.4g}, bubble "
+        title += f"{result.bubble_fraction:.1%}"
+        if result.exposed_dp_comm_time > 0:
+            title += f", exposed DP {result.exposed_dp_comm_time:.3g}"
+    axes.set_title(title, fontsize=11)
     handles = _legend_handles(
         [kind for kind, events in compute.items() if events], comm, with_stage=result.num_chunks > 1
     )
@@ -175,9 +197,14 @@ def _draw_compute(
 ) -> list[tuple[float, float, str]]:
     """One collection per compute kind; returns the labels of the boxes wide enough for one."""
     import numpy as np
+    from matplotlib import colormaps
     from matplotlib.collections import PolyCollection
 
-    palette = _palette()
+    # 18 qualitative colours, strong ones first, so neighbouring micro-batches differ; tab20's
+    # greys are left out because grey means communication and legend swatches here.
+    tab20 = colormaps["tab20"]
+    paired = np.delete(tab20(np.arange(tab20.N))[:, :3], [14, 15], axis=0)
+    palette = np.concatenate([paired[0::2], paired[1::2]])
     columns = {
         kind: (*_columns(events), np.fromiter((e.microbatch or 0 for e in events), int))
         for kind, events in compute.items()
@@ -229,25 +256,6 @@ def _columns(events: list[Event]) -> tuple[Any, Any, Any]:
 _COLUMNS = ("start", "end", "rank")
 
 
-def _draw_comm(axes: Axes, comm: dict[str, list[Event]]) -> None:
-    from matplotlib.collections import PolyCollection
-
-    for lane, where, colour, _ in _COMM:
-        if comm[lane]:  # thin white edges keep back-to-back operations (queued reductions) apart
-            boxes = _boxes(*_columns(comm[lane]), where)
-            axes.add_collection(
-                PolyCollection(boxes, facecolors=colour, edgecolors="white", linewidths=0.6)
-            )
-
-
-def _title(result: SimResult) -> str:
-    stats = f"step {result.step_time:.4g}, bubble {result.bubble_fraction:.1%}"
-    if result.exposed_dp_comm_time > 0:
-        stats += f", exposed DP {result.exposed_dp_comm_time:.3g}"
-    shape = f"p={result.num_ranks}, v={result.num_chunks}, m={result.num_microbatches}"
-    return f"{result.schedule_name} ({shape}): {stats}"
-
-
 def _legend_handles(
     present: list[ActionKind], comm: dict[str, list[Event]], *, with_stage: bool = False
 ) -> list[Any]:
@@ -269,29 +277,8 @@ def _legend_handles(
         for lane, _, colour, label in _COMM
         if comm[lane]
     ]
-    handles.append(Patch(facecolor="none", edgecolor="none", label="colour = micro-batch"))
-    if with_stage:
-        handles.append(
-            Patch(facecolor="none", edgecolor="none", label="4F3 = stage 4, micro-batch 3")
-        )
-    return handles
-
-
-def _decorate(axes: Axes, result: SimResult, span: float, font: float) -> None:
-    num_ranks = result.num_ranks
-    axes.set_xlim(0, span)
-    axes.set_ylim(num_ranks - 0.5, -0.5)
-    axes.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)], fontsize=font)
-    axes.set_xlabel("time (cost-model units)")
-    axes.grid(axis="x", linewidth=0.3, alpha=0.5)
-    axes.set_axisbelow(True)
-    transform = axes.get_yaxis_transform()  # x in axes fraction, y in data
-    column = [(-0.5, "peak act.", "bottom")]
-    column += [(m.rank, f"{m.peak_activations:.3g}", "center") for m in result.per_rank]
-    for y, text, va in column:
-        axes.text(
-            1.005, y, text, transform=transform, fontsize=font, va=va, ha="left", clip_on=False
-        )
+    notes = ["colour = micro-batch", *(["4F3 = stage 4, micro-batch 3"] if with_stage else [])]
+    return handles + [Patch(facecolor="none", edgecolor="none", label=note) for note in notes]
 
 
 def _boxes(starts: Any, ends: Any, rows: Any, where: tuple[float, float]) -> Any:
@@ -302,17 +289,6 @@ def _boxes(starts: Any, ends: Any, rows: Any, where: tuple[float, float]) -> Any
     return np.stack([starts, top, ends, top, ends, bottom, starts, bottom], axis=1).reshape(
         -1, 4, 2
     )
-
-
-def _palette() -> Any:
-    """18 qualitative colours, strong ones first, so neighbouring micro-batches differ; tab20's
-    greys are left out because grey means communication and legend swatches here."""
-    import numpy as np
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab20"]
-    colours = np.delete(cmap(np.arange(cmap.N))[:, :3], [14, 15], axis=0)
-    return np.concatenate([colours[0::2], colours[1::2]])
 
 
 def _shade(rgb: Any, amount: float) -> Any:

@@ -1,8 +1,6 @@
-"""Time a schedule under a cost model, summed up per rank, by one of the p2p timing models
-(``P2P_MODELS``; docs/simulator.md, "Timing models"). A ``CostModel`` becomes the models'
-``Timing`` in integer units (``CostModel.exact``), and every reported time is divided back once
-here, so results are exact up to that one rounding (docs/design-notes.md, "Simulator").
-"""
+"""Time a schedule under a cost model by one of the p2p timing models (``P2P_MODELS``), in the
+integer units of ``CostModel.exact``, each reported time divided back once: exact up to that one
+rounding (docs/simulator.md, "Timing models"; docs/design-notes.md, "Simulator")."""
 
 from __future__ import annotations
 
@@ -86,9 +84,8 @@ DEFAULT_MEGATRON_GRAD_REDUCE = "overlap"
 # forward send right after posting it under p2p overlap).
 MEGATRON_CORE_VERSION = (0, 19)
 
-# The one unit of stored activations, parameters and gradients everywhere (bfpp-sim's table and
-# JSON, bfpp-train's metrics, the planner): a full 1F1B stage, i.e. a rank's share of the layers
-# (1/p of them). A breadth-first chunk at vp=4 is 0.25 of it, a V-shape chunk 0.5.
+# The one unit of stored activations, parameters and gradients everywhere (bfpp-sim, bfpp-train's
+# metrics, the planner): a full 1F1B stage (a breadth-first chunk at vp=4 is 0.25 of it).
 UNITS = {
     "peak_activations": "micro-batches through one full 1F1B stage (a rank's 1/p of the layers)",
     "peak_parameters": "gathered parameters of full 1F1B stages (sharded: the 1/d shard on top)",
