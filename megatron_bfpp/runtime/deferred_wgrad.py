@@ -1,11 +1,9 @@
 """Deferred weight gradients: the cheap split backward on megatron-core's own linear layers.
 
-During a split schedule, local ``ColumnParallelLinear`` / ``RowParallelLinear`` layers go through
-:class:`_DeferredLinear` (megatron-core's forward; a backward computing the input gradient and
-filing the weight GEMM under the running ``I``); ``W`` computes those inside one autograd
-Function's backward (:class:`_WeightGradients`), so gradients are moved, not copied, into
-``.grad`` in 1F1B's order: bit-identical. Everything else (Transformer Engine layers too) stays in
-``I``; why the cut is at the GEMMs: docs/design-notes.md, "Split backward (I and W) at runtime".
+Local ``ColumnParallelLinear`` / ``RowParallelLinear`` layers file their weight GEMMs under the
+running ``I`` and ``W`` computes them, bit-identical to a whole backward; everything else
+(Transformer Engine layers too) stays in ``I``. Why the cut is at the GEMMs: docs/design-notes.md,
+"Split backward (I and W) at runtime".
 """
 
 from __future__ import annotations
