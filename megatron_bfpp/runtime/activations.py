@@ -1,12 +1,7 @@
-"""The activations a rank stores between a micro-batch's forward and its backward.
-
-Each forward runs under :meth:`ActivationStore.capture`'s ``saved_tensors_hooks``, so BPipe ships,
-and the accounting counts, exactly what autograd keeps per (stage, micro-batch): autograd owns the
-handles (the store keeps weak references, so capturing costs no memory); parameters, buffers,
-tensors of another device and tensor subclasses stay put. Metadata is read at eviction, not at
-pack, because megatron-core's recomputation may replace a saved tensor's data after saving it
-(docs/design-notes.md, "BPipe runtime").
-"""
+"""The activations a rank stores between a micro-batch's forward and its backward: exactly what
+autograd keeps per (stage, micro-batch), held by autograd alone, so BPipe ships and the accounting
+counts that. Metadata is read at eviction, not at pack: megatron-core's recomputation may replace
+a saved tensor's data after saving it (docs/design-notes.md, "BPipe runtime")."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from megatron_bfpp.runtime.placement import (
     deliver_to_last_rank,
     sum_tied_embedding_grads,
 )
-from megatron_bfpp.runtime.sharding import sharded_parameters
+from megatron_bfpp.runtime.sharding import ShardedParameters, sharded_parameters
 from megatron_bfpp.runtime.step import Call, MemoryReport, StepContext
 from megatron_bfpp.schedules.registry import (
     build_schedule,
@@ -221,13 +221,25 @@ def _run_step(func: ForwardBackwardFunc, call: Call) -> list[Any]:
         finish_embedding_wgrad_compute,
     )
     from megatron.core.pipeline_parallel.utils import is_pp_last_stage
-    from megatron.core.utils import get_model_type
+    from megatron.core.utils import get_model_config, get_model_type
 
     check_megatron_core()
-    chunks, iterators, config, groups = _step_inputs(call)
+    chunks = call.model if isinstance(call.model, list) else [call.model]
+    if not chunks:
+        raise ValueError("model must be a module or a non-empty list of model chunks")
+    iterators = _iterators_per_chunk(call.data_iterator, len(chunks))
+    config = get_model_config(chunks[0])
+    _reject_unsupported(config)
+    groups = _resolve_groups(call.p2p_communicator, call.pg_collection)
     plan = _step_schedule(func, call, chunks, config, groups.pp)
     schedule = plan.schedule
-    sharded = _step_sharding(func, call, chunks, config, groups)
+    sharded: ShardedParameters | None = None
+    if func.sharding != "optim":
+        check_sharding_data_parallel(func.sharding, groups.dp_cp.size())
+        sharded = sharded_parameters(chunks)
+        if not call.forward_only:
+            _check_sharded_finalize(config)
+            sharded.prepare_step(config, groups)
     shape = _message_shape(call, config, groups)
     device = next(chunks[0].parameters()).device
     ctx = StepContext(
@@ -257,25 +269,21 @@ def _run_step(func: ForwardBackwardFunc, call: Call) -> list[Any]:
     return deliver_to_last_rank(store, schedule.layout, groups.pp, ctx.comm.device)
 
 
-def _step_inputs(call: Call) -> tuple[list[Any], list[Any], Any, Any]:
-    """The model chunks, their data iterators, their config and the call's process groups."""
-    from megatron.core.utils import get_model_config
-
-    chunks = call.model if isinstance(call.model, list) else [call.model]
-    if not chunks:
-        raise ValueError("model must be a module or a non-empty list of model chunks")
-    iterators = _iterators_per_chunk(call.data_iterator, len(chunks))
-    config = get_model_config(chunks[0])
-    _reject_unsupported(config)
-    return chunks, iterators, config, _resolve_groups(call.p2p_communicator, call.pg_collection)
-
-
 def _step_schedule(
     func: ForwardBackwardFunc, call: Call, chunks: list[Any], config: Any, pp_group: Any
 ) -> PlannedSchedule:
     """The planned schedule for this call's layout, checked against the chunks handed in."""
     if func.prebuilt is not None:
-        _check_fits(func.prebuilt, pp_group.size(), len(chunks), call.num_microbatches)
+        prebuilt = func.prebuilt
+        per_rank = len(prebuilt.layout.stages_of(0))
+        layout = (pp_group.size(), len(chunks), call.num_microbatches)
+        if (prebuilt.num_ranks, per_rank, prebuilt.num_microbatches) != layout:
+            raise ScheduleError(
+                f"schedule {prebuilt.name!r} is for pp={prebuilt.num_ranks}, {per_rank} chunk(s) "
+                f"per rank, {prebuilt.num_microbatches} micro-batches; this call has "
+                f"pp={pp_group.size()}, {len(chunks)} model chunk(s), {call.num_microbatches} "
+                "micro-batches"
+            )
         plan = func.prebuilt_plan(forward_only=call.forward_only)
     else:
         plan = plan_schedule(
@@ -288,7 +296,13 @@ def _step_schedule(
             func.sharding,
         )
     schedule = plan.schedule
-    _check_chunk_count(schedule, len(chunks))
+    wanted = schedule.layout.num_chunks  # a V-shape's two, whatever the call's chunk count
+    if wanted != len(chunks):
+        raise ScheduleError(
+            f"schedule {schedule.name!r} places {wanted} stages per pipeline rank but the model "
+            f"has {len(chunks)} chunk(s) here; build {wanted} chunks per rank (virtual pipeline "
+            f"size {wanted})"
+        )
     check_chunk_placement(chunks, schedule.layout, pp_group.rank(), schedule.name)
     if _embedding_and_loss_on_one_rank(schedule) and getattr(
         config, "defer_embedding_wgrad_compute", False
@@ -298,20 +312,6 @@ def _step_schedule(
             "output layer is on the first pipeline rank there); turn it off"
         )
     return plan
-
-
-def _step_sharding(
-    func: ForwardBackwardFunc, call: Call, chunks: list[Any], config: Any, groups: Any
-) -> Any:
-    """The sharded parameters' state for this step (gathers, releases), or None unsharded."""
-    if func.sharding == "optim":
-        return None
-    check_sharding_data_parallel(func.sharding, groups.dp_cp.size())
-    sharded = sharded_parameters(chunks)
-    if not call.forward_only:
-        _check_sharded_finalize(config)
-        sharded.prepare_step(config, groups)
-    return sharded
 
 
 def _finish_grads(
@@ -341,18 +341,6 @@ def _finish_grads(
         )
     if on_one_rank:
         sum_tied_embedding_grads(chunks)
-
-
-def _check_chunk_count(schedule: Schedule, num_chunks: int) -> None:
-    """A V-shape schedule places two stages per rank whatever the call's chunk count (the
-    looped ones are built for it); one line if the model is not two chunks."""
-    wanted = schedule.layout.num_chunks
-    if wanted != num_chunks:
-        raise ScheduleError(
-            f"schedule {schedule.name!r} places {wanted} stages per pipeline rank but the model "
-            f"has {num_chunks} chunk(s) here; build {wanted} chunks per rank (virtual pipeline "
-            f"size {wanted})"
-        )
 
 
 def _embedding_and_loss_on_one_rank(schedule: Schedule) -> bool:
@@ -406,18 +394,6 @@ def _check_sharded_finalize(config: Any) -> None:
             "reduction on shards in place of megatron-core's finalize_model_grads; a custom "
             f"finalize_model_grads_func ({getattr(target, '__qualname__', target)!r}) cannot "
             "run on them"
-        )
-
-
-def _check_fits(schedule: Schedule, num_ranks: int, num_chunks: int, num_microbatches: int) -> None:
-    """A prebuilt schedule fits the call's layout, or one line says what differs."""
-    chunks = len(schedule.layout.stages_of(0))
-    wanted = (schedule.num_ranks, chunks, schedule.num_microbatches)
-    if wanted != (num_ranks, num_chunks, num_microbatches):
-        raise ScheduleError(
-            f"schedule {schedule.name!r} is for pp={schedule.num_ranks}, {chunks} chunk(s) per "
-            f"rank, {schedule.num_microbatches} micro-batches; this call has pp={num_ranks}, "
-            f"{num_chunks} model chunk(s), {num_microbatches} micro-batches"
         )
 
 

@@ -1,11 +1,6 @@
 """BPipe's transfers on the runtime: a micro-batch's stored activations go to the partner rank
-and come back before its backward.
-
-EV packs them (runtime.activations) and sends their size, AC receives it, RS sends the payload
-back, LD posts its receive; the payloads travel in a batch of their own right after the size's
-(the *rest* handlers), on the partners' own group (``p2p.pair_group``). :class:`Transfers` is the
-per-step part through which alone the core knows BPipe.
-"""
+and come back before its backward; each payload travels in a batch of its own right after its
+size's (the *rest* handlers), on the partners' own group (``p2p.pair_group``)."""
 
 from __future__ import annotations
 
@@ -85,9 +80,8 @@ def evict_rest(step: RankStep, position: int, action: Action) -> None:
 
 def accept(step: RankStep, position: int, action: Action) -> None:
     """AC: post the receive of an eviction's size."""
-    comm = step.ctx.comm
     key, evictor = _key_and_peer(action)
-    header = torch.empty(1, dtype=torch.int64, device=comm.device)
+    header = torch.empty(1, dtype=torch.int64, device=step.ctx.comm.device)
     step.window.receives.append(Receive(Message(What.EVICT, *key), evictor, (), header=header))
 
 
@@ -102,9 +96,8 @@ def accept_rest(step: RankStep, position: int, action: Action) -> None:
 
 def restore(step: RankStep, position: int, action: Action) -> None:
     """RS: send the partner's payload back, once it has arrived (a tick after the EV or later)."""
-    comm = step.ctx.comm
     key, evictor = _key_and_peer(action)
-    parts = comm.wait_parts(Message(What.EVICT, *key), evictor)
+    parts = step.ctx.comm.wait_parts(Message(What.EVICT, *key), evictor)
     step.window.sends.extend(Send(Message(What.RESTORE, *key), part, evictor) for part in parts)
 
 

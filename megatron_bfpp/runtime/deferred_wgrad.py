@@ -1,11 +1,9 @@
 """Deferred weight gradients: the cheap split backward on megatron-core's own linear layers.
 
-During a split schedule, local ``ColumnParallelLinear`` / ``RowParallelLinear`` layers go through
-:class:`_DeferredLinear` (megatron-core's forward; a backward computing the input gradient and
-filing the weight GEMM under the running ``I``); ``W`` computes those inside one autograd
-Function's backward (:class:`_WeightGradients`), so gradients are moved, not copied, into
-``.grad`` in 1F1B's order: bit-identical. Everything else (Transformer Engine layers too) stays in
-``I``; why the cut is at the GEMMs: docs/design-notes.md, "Split backward (I and W) at runtime".
+Local ``ColumnParallelLinear`` / ``RowParallelLinear`` layers file their weight GEMMs under the
+running ``I`` and ``W`` computes them, bit-identical to a whole backward; everything else
+(Transformer Engine layers too) stays in ``I``. Why the cut is at the GEMMs: docs/design-notes.md,
+"Split backward (I and W) at runtime".
 """
 
 from __future__ import annotations
@@ -169,10 +167,8 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 def _accumulate(items: list[_Deferred]) -> None:
-    """Compute the deferred gradients and let autograd accumulate them (so ``.grad`` and DDP's hooks
-    see what a whole backward gives). Inside an autograd Function's backward each gradient is
-    referenced by autograd alone and moved into ``.grad``; handed to ``torch.autograd.backward``,
-    every one was cloned, costing W more than its GEMMs."""
+    """Compute the deferred gradients and let autograd accumulate them (``.grad`` and DDP's hooks
+    see what a whole backward gives), inside a Function's backward so each is moved, not cloned."""
     params = [param for item in items for param in (item.weight, item.bias) if param is not None]
     if params:
         with torch.enable_grad():  # also when called from a backward (outside an I)
@@ -207,23 +203,17 @@ class _WeightGradients(torch.autograd.Function):
         return (None, *grads)
 
 
-def _deferrable(args: tuple[Any, ...]) -> bool:
-    weight = args[1]
-    return (
-        torch.is_grad_enabled()
-        and weight.requires_grad
-        and not hasattr(weight, "__fsdp_param__")
-        and compat.linear_function_option(args, "grad_output_buffer") is None
-        and compat.linear_function_option(args, "gtp_remat_size", 1) <= 1
-    )
-
-
 def _forward_impl(original: Any) -> Any:
     def forward_impl(input: Any, weight: Any, *args: Any, **kwargs: Any) -> Any:
         if _ACTIVE is None or not weight.requires_grad:
             return original(input, weight, *args, **kwargs)
         margs = compat.linear_function_args(input, weight, *args, **kwargs)
-        if not _deferrable(margs):
+        if (
+            not torch.is_grad_enabled()
+            or hasattr(weight, "__fsdp_param__")
+            or compat.linear_function_option(margs, "grad_output_buffer") is not None
+            or compat.linear_function_option(margs, "gtp_remat_size", 1) > 1
+        ):
             return original(input, weight, *args, **kwargs)
         bias = margs[2]
         params = _Params(weight, bias if bias is not None and bias.requires_grad else None)

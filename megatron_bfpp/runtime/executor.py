@@ -1,13 +1,9 @@
 """Run one rank's program of a validated Schedule on megatron-core model chunks.
 
-One dispatch table, action kind -> handler (``runtime.step.dispatch_table``, checked at import):
-the core handlers (compute through megatron-core's ``forward_step`` / ``backward_step``, pipeline
-messages, data-parallel sync from the model config) live here; a protocol with actions and state
-of its own is a module listed in ``TABLE`` (runtime.bpipe, runtime.sharding,
-runtime.split_backward). Messages follow the lock-step posting proven once when the schedule is
-planned (:class:`PlannedSchedule`): actions in program order, one ``batch_isend_irecv`` per tick
-between them. Memory accounting (``StepContext.measure_memory``, always on for BPipe's EV) sums
-the distinct storages held for pipelining after every window and compute.
+The core handlers (compute through megatron-core's ``forward_step`` / ``backward_step``, pipeline
+messages, data-parallel sync) live here; a protocol with state of its own is a module in ``TABLE``.
+Actions run in program order, one ``batch_isend_irecv`` per tick of the lock-step posting proven
+when the schedule is planned (:class:`PlannedSchedule`); docs/design-notes.md, "Runtime".
 """
 
 from __future__ import annotations
@@ -106,10 +102,6 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
     return step.ctx.comm.wait_receive(Message(What.ACT, stage - 1, mb), previous)
 
 
-def backward(step: RankStep, position: int, action: Action) -> None:
-    whole_backward(step, position, action)
-
-
 def overlapped(step: RankStep, position: int, action: Action) -> None:
     """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward, each via
     its ``TABLE`` handler, both receives already posted (``semantics``' composite rule); hiding
@@ -135,18 +127,11 @@ def send_grad(step: RankStep, position: int, action: Action) -> None:
     step.window.sends.append(Send(message, gradient, peer))
 
 
-def recv_act(step: RankStep, position: int, action: Action) -> None:
-    _receive(step, action, requires_grad=not step.ctx.call.forward_only)
-
-
-def recv_grad(step: RankStep, position: int, action: Action) -> None:
-    _receive(step, action, requires_grad=False)
-
-
-def _receive(step: RankStep, action: Action, *, requires_grad: bool) -> None:
+def receive(step: RankStep, position: int, action: Action) -> None:
+    """RECV_ACT / RECV_GRAD: post a buffer; only a training activation takes a gradient."""
     message, peer = _message_and_peer(action)
-    buffer = step.ctx.comm.new_buffer(requires_grad)
-    step.window.receives.append(Receive(message, peer, (buffer,)))
+    requires_grad = action.kind is K.RECV_ACT and not step.ctx.call.forward_only
+    step.window.receives.append(Receive(message, peer, (step.ctx.comm.new_buffer(requires_grad),)))
 
 
 def _message_and_peer(action: Action) -> tuple[Message, int]:
@@ -176,12 +161,12 @@ def grad_sync(step: RankStep, position: int, action: Action) -> None:
 CORE = Handlers(
     kinds={
         K.FORWARD: forward,
-        K.BACKWARD: backward,
+        K.BACKWARD: whole_backward,
         K.OVERLAP_F_B: overlapped,
         K.SEND_ACT: send_act,
-        K.RECV_ACT: recv_act,
+        K.RECV_ACT: receive,
         K.SEND_GRAD: send_grad,
-        K.RECV_GRAD: recv_grad,
+        K.RECV_GRAD: receive,
         K.GRAD_SYNC: grad_sync,
     }
 )
@@ -212,139 +197,117 @@ def planned(schedule: Schedule) -> PlannedSchedule:
     return PlannedSchedule(schedule, posting)
 
 
-class _Executor:
-    """Dispatches one rank's program through the table and checks what the step leaves."""
+def _rank_step(plan: PlannedSchedule, rank: int, ctx: StepContext) -> RankStep:
+    """This rank's step, measuring memory when asked or when an action ships stored tensors."""
+    program = plan.schedule.per_rank[rank]
+    captures = any(action.kind in TABLE.captures for action in program)
+    measuring = not ctx.call.forward_only and (ctx.measure_memory or captures)
+    parts = [make() for make in TABLE.parts]
+    return RankStep(plan.schedule, rank, ctx, measuring=measuring, parts=parts)
 
-    def __init__(
-        self, plan: PlannedSchedule, rank: int, ctx: StepContext, table: DispatchTable = TABLE
-    ) -> None:
-        schedule = plan.schedule
-        program = schedule.per_rank[rank]
-        captures = any(action.kind in table.captures for action in program)
-        measuring = not ctx.call.forward_only and (ctx.measure_memory or captures)
-        parts = [make() for make in table.parts]
-        self.step = RankStep(schedule, rank, ctx, measuring=measuring, parts=parts)
-        self.table = table
-        self.posting = plan.posting.per_rank[rank]
-        self.side = plan.side
 
-    @property
-    def state(self) -> StepState:
-        return self.step.state
-
-    def run(self) -> StepState:
-        step, handlers = self.step, self.table.handlers
-        comm = step.ctx.comm
-        step.state.total_num_tokens = torch.zeros([], dtype=torch.int, device=comm.device)
-        sharded = step.ctx.sharded
-        if sharded is not None:
-            sharded.begin_step()
-        parts = list(step.parts.values())
-        with contextlib.ExitStack() as stack:
-            for part in parts:
-                part.begin(step)
-                stack.callback(part.end, step)
-            step.enter_no_sync()
-            # The partner pair's group, before the first payload batch (BPipe's payloads get
-            # their own stream); every rank takes part (``pair_group`` is job-collective).
-            if self.side and comm.side_group is None:  # partners x and p-1-x only: ``planned``
-                comm.side_group = pair_group(comm.group, comm.device)
-            settle = not comm.sends_pollable
-            program = step.program
-            for item in self.posting:
-                if isinstance(item, Batch):
-                    self._post_batch(item)
-                    continue
-                if not isinstance(item, int):  # a deferred Wait: not in lock-step postings
-                    raise TypeError(f"the runtime posts lock-step batches only, not {item}")
-                action = program[item]
-                handlers[action.kind](step, item, action)
-                if settle and action.kind.is_compute:
-                    comm.settle_transfers()
-                comm.reap()
-                self._measure()
-            self._finish()
-        if sharded is not None:
-            step.state.memory.peak_parameter_bytes = sharded.peak_bytes
-        if step.measuring and comm.device.type == "cuda":
-            step.state.memory.cuda_max_memory_allocated = torch.cuda.max_memory_allocated(
-                comm.device
-            )
-        return step.state
-
-    def _post_batch(self, batch: Batch) -> None:
-        """Run one tick's item handlers, then post what they gathered as one batch (BPipe's
-        payloads on the partner pair's group)."""
-        step = self.step
-        for position, rest in batch.items:
-            action = step.program[position]
-            (self.table.rests if rest else self.table.handlers)[action.kind](step, position, action)
-        step.window.post(step.ctx.comm, side=batch.side)
-        self._measure()
-
-    def _measure(self) -> None:
-        step = self.step
-        if not step.measuring:
-            return
-        state, store, parts = step.state, step.store, step.parts.values()
-        nbytes = unique_storage_bytes(
-            [
-                *store.live_tensors(),
-                *state.inputs.values(),
-                *state.outputs.values(),
-                *step.ctx.comm.transfer_tensors(),
-                *(tensor for part in parts for tensor in part.held_tensors(step)),
-            ]
-        )
-        resident = {key for key in state.inputs if key not in store.evicted}
+def _run(step: RankStep, plan: PlannedSchedule) -> StepState:
+    """Dispatch the program through the table, posting each tick's batch between actions."""
+    handlers = TABLE.handlers
+    comm = step.ctx.comm
+    step.state.total_num_tokens = torch.zeros([], dtype=torch.int, device=comm.device)
+    sharded = step.ctx.sharded
+    if sharded is not None:
+        sharded.begin_step()
+    parts = list(step.parts.values())
+    with contextlib.ExitStack() as stack:
         for part in parts:
-            resident.update(part.held_microbatches(step))
-        state.memory.observe(nbytes, len(resident))
-
-    def _finish(self) -> None:
-        step = self.step
-        step.ctx.comm.reap(wait=True)
+            part.begin(step)
+            stack.callback(part.end, step)
+        step.enter_no_sync()
+        # The partner pair's group, before the first payload batch (BPipe's payloads get
+        # their own stream); every rank takes part (``pair_group`` is job-collective).
+        if plan.side and comm.side_group is None:  # partners x and p-1-x only: ``planned``
+            comm.side_group = pair_group(comm.group, comm.device)
+        settle = not comm.sends_pollable
+        program = step.program
+        for item in plan.posting.per_rank[step.rank]:
+            if isinstance(item, Batch):  # a tick: its items' handlers, then one batch
+                for position, rest in item.items:
+                    action = program[position]
+                    (TABLE.rests if rest else handlers)[action.kind](step, position, action)
+                step.window.post(comm, side=item.side)
+                _measure(step)
+                continue
+            if not isinstance(item, int):  # a deferred Wait: not in lock-step postings
+                raise TypeError(f"the runtime posts lock-step batches only, not {item}")
+            action = program[item]
+            handlers[action.kind](step, item, action)
+            if settle and action.kind.is_compute:
+                comm.settle_transfers()
+            comm.reap()
+            _measure(step)
+        comm.reap(wait=True)
         for chunk in sorted(step.state.no_sync):
             step.leave_no_sync(chunk)
         if not step.ctx.call.forward_only:
             for chunk, func in enumerate(step.grad_sync_funcs):
                 if func is not None and chunk not in step.state.synced_chunks:
                     func(step.ctx.model[chunk].parameters())
+    if sharded is not None:
+        step.state.memory.peak_parameter_bytes = sharded.peak_bytes
+    if step.measuring and comm.device.type == "cuda":
+        step.state.memory.cuda_max_memory_allocated = torch.cuda.max_memory_allocated(comm.device)
+    return step.state
 
-    def check_drained(self) -> None:
-        """Post-conditions of a step: nothing stored, pending or buffered is left behind."""
-        step = self.step
-        comm = step.ctx.comm
-        leftovers: dict[str, Any] = {
-            "stored inputs": step.state.inputs,
-            "stored outputs": step.state.outputs,
-            "gradients not sent": step.state.grads_to_send,
-            "same-rank gradients not consumed": step.state.local_grads,
-            "receives never consumed": comm.receives,
-            "evicted and never loaded back": step.store.evicted,
-        }
-        for part in step.parts.values():
-            leftovers.update(part.leftovers())
-        problems = [
-            f"{what}: {sorted(map(str, items))[:6]}" for what, items in leftovers.items() if items
+
+def _measure(step: RankStep) -> None:
+    if not step.measuring:
+        return
+    state, store, parts = step.state, step.store, step.parts.values()
+    nbytes = unique_storage_bytes(
+        [
+            *store.live_tensors(),
+            *state.inputs.values(),
+            *state.outputs.values(),
+            *step.ctx.comm.transfer_tensors(),
+            *(tensor for part in parts for tensor in part.held_tensors(step)),
         ]
-        if comm.sends:
-            problems.append(f"sends still pending: {len(comm.sends)}")
-        if comm.headers:
-            problems.append(f"eviction headers never read: {len(comm.headers)}")
-        if problems:
-            raise RuntimeError(
-                f"pipeline rank {step.rank} ended the step with state left behind ("
-                + "; ".join(problems)
-                + "); the schedule and the executor disagree: please report this bug"
-            )
+    )
+    resident = {key for key in state.inputs if key not in store.evicted}
+    for part in parts:
+        resident.update(part.held_microbatches(step))
+    state.memory.observe(nbytes, len(resident))
+
+
+def _check_drained(step: RankStep) -> None:
+    """Post-conditions of a step: nothing stored, pending or buffered is left behind."""
+    comm = step.ctx.comm
+    leftovers: dict[str, Any] = {
+        "stored inputs": step.state.inputs,
+        "stored outputs": step.state.outputs,
+        "gradients not sent": step.state.grads_to_send,
+        "same-rank gradients not consumed": step.state.local_grads,
+        "receives never consumed": comm.receives,
+        "evicted and never loaded back": step.store.evicted,
+    }
+    for part in step.parts.values():
+        leftovers.update(part.leftovers())
+    problems = [
+        f"{what}: {sorted(map(str, items))[:6]}" for what, items in leftovers.items() if items
+    ]
+    if comm.sends:
+        problems.append(f"sends still pending: {len(comm.sends)}")
+    if comm.headers:
+        problems.append(f"eviction headers never read: {len(comm.headers)}")
+    if problems:
+        raise RuntimeError(
+            f"pipeline rank {step.rank} ended the step with state left behind ("
+            + "; ".join(problems)
+            + "); the schedule and the executor disagree: please report this bug"
+        )
 
 
 def run_rank_program(
     plan: PlannedSchedule, rank: int, ctx: StepContext
 ) -> tuple[list[Any], Any, list[str], MemoryReport]:
     """Execute ``rank``'s program; return (forward_data_store, total_num_tokens, trace, memory)."""
-    executor = _Executor(plan, rank, ctx)
-    state = executor.run()
-    executor.check_drained()
+    step = _rank_step(plan, rank, ctx)
+    state = _run(step, plan)
+    _check_drained(step)
     return state.forward_data_store, state.total_num_tokens, state.trace, state.memory

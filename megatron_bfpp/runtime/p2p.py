@@ -1,13 +1,11 @@
 """Point-to-point messages between pipeline ranks, posted as the NCCL-safe posting says.
 
-One lock-step tick's messages (``megatron_bfpp.nccl``) are one ``batch_isend_irecv`` whose
-partners are in the peers' batches of the same tick. gloo returns one Work per op, NCCL one per
-batch: a receive is waited for through its own Work if any, else the batch's, and a send's buffer
-is released only after its Work completes (gloo reads send buffers from a background thread).
-A BPipe eviction is an 8-byte size *header* in the tick's batch, then the payload in a batch of
-its own on the partners' group (:func:`pair_group`: on NCCL another stream, so transfers do not
-hold the tick batches). Every wait is bounded by the group's timeout: gloo honours
-``Work.wait(timeout)``; on NCCL the wait polls ``is_completed()`` until the timeout less
+One lock-step tick's messages (``megatron_bfpp.nccl``) are one ``batch_isend_irecv``. gloo returns
+one Work per op, NCCL one per batch; a send's buffer is released only after its Work completes
+(gloo reads send buffers from a background thread). A BPipe eviction is an 8-byte size *header*
+in the tick's batch, then the payload in a batch of its own on the partners' group
+(:func:`pair_group`: on NCCL another stream, so transfers do not hold the tick batches). Every wait
+is bounded by the group's timeout; on NCCL by polling ``is_completed()`` until the timeout less
 :data:`_NCCL_LEAD`, before the watchdog aborts naming no peer (docs/train.md).
 """
 
@@ -87,22 +85,17 @@ def pair_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGr
                     raise RuntimeError(f"could not make the process group of global ranks {pair}")
                 own, own_peer = made, pair[0] + pair[1] - me
     if own is not None:
-        _first_exchange(own, own_peer, device)
+        # One element each way while both ranks are known to be here: NCCL sets up a communicator
+        # at its first op, so a partner failing later fails a bounded, named payload wait instead.
+        ops = [
+            (dist.isend, torch.zeros(1, device=device)),
+            (dist.irecv, torch.empty(1, device=device)),
+        ]
+        works = dist.batch_isend_irecv([dist.P2POp(op, t, own_peer, own) for op, t in ops])
+        for work in works or ():
+            work.wait()
     _PAIR_GROUPS[id(group)] = (group, own)
     return own
-
-
-def _first_exchange(pair: dist.ProcessGroup, peer: int, device: torch.device) -> None:
-    """One element each way on a new pair group while both ranks are known to be here: NCCL sets
-    up a communicator at its first op, so a partner failing later fails a bounded, named payload
-    wait rather than that set-up."""
-    sent = torch.zeros(1, device=device)
-    received = torch.empty(1, device=device)
-    works = dist.batch_isend_irecv(
-        [dist.P2POp(dist.isend, sent, peer, pair), dist.P2POp(dist.irecv, received, peer, pair)]
-    )
-    for work in works or ():
-        work.wait()
 
 
 @dataclass(frozen=True)
@@ -147,12 +140,12 @@ class PipeComm:
     timeout_s: float | None = None  # None: the group's (_group_timeout_s)
     side_group: dist.ProcessGroup | None = None  # BPipe's partner pair (pair_group)
     posted_at: dict[Message, float] = field(default_factory=dict)  # receives' posting times
-    _pollable: bool = field(init=False, default=False)  # not gloo: poll is_completed()
+    sends_pollable: bool = field(init=False, default=False)  # not gloo: poll is_completed()
 
     def __post_init__(self) -> None:
         if self.timeout_s is None:
             self.timeout_s = _group_timeout_s(self.group, self.device)
-        self._pollable = dist.get_backend(self.group) != "gloo"
+        self.sends_pollable = dist.get_backend(self.group) != "gloo"
 
     def global_rank(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group, pipeline_rank)
@@ -202,7 +195,15 @@ class PipeComm:
                 f"rank(s) {peers} failed: {error}. Rank {who} has probably failed or been "
                 "killed: look at its log first"
             ) from error
-        works = iter(_works_per_op(batch_works, len(ops)))
+        posted = list(batch_works or ())
+        if len(posted) == 1:  # NCCL's one Work for the batch: one wait waits for all
+            posted *= len(ops)
+        if len(posted) != len(ops):
+            raise RuntimeError(
+                f"batch_isend_irecv returned {len(posted)} works for {len(ops)} ops; expected one "
+                "per op or one for the batch (is the process group's backend supported?)"
+            )
+        works = iter(posted)
         now = time.monotonic()
         for receive in receives:
             if receive.more:
@@ -251,7 +252,7 @@ class PipeComm:
         """Wait for ``work`` until the group's timeout after ``posted_at`` (module docstring)."""
         assert self.timeout_s is not None  # set by __post_init__
         try:
-            if self._pollable:
+            if self.sends_pollable:
                 limit = self.timeout_s * (1.0 - _NCCL_LEAD)
                 if not _poll(work, posted_at + limit):
                     raise self._late(message, peer, send, limit, ", less its NCCL lead")
@@ -315,10 +316,6 @@ class PipeComm:
         for); the NCCL model (``megatron_bfpp.nccl``) includes this wait."""
         self._finish_sends(lambda pending: pending.message.what in _TRANSFERS)
 
-    @property
-    def sends_pollable(self) -> bool:
-        return self._pollable
-
     def finish_send_of(self, message: Message) -> None:
         """Wait for one message's send (its output must be freed before a custom backward)."""
         self._finish_sends(lambda pending: pending.message == message)
@@ -346,19 +343,6 @@ def _poll(work: dist.Work, deadline: float) -> bool:
         time.sleep(pause)
         pause = min(_POLL_MAX_S, pause * 2 or 1e-5)
     return True
-
-
-def _works_per_op(posted: Sequence[dist.Work] | None, num_ops: int) -> list[dist.Work]:
-    """One Work per op: gloo's own, or NCCL's batch Work for each (one wait waits for all)."""
-    works = list(posted or ())
-    if len(works) == num_ops:
-        return works
-    if len(works) == 1:
-        return works * num_ops
-    raise RuntimeError(
-        f"batch_isend_irecv returned {len(works)} works for {num_ops} ops; expected one per op "
-        "or one for the batch (is the process group's backend supported?)"
-    )
 
 
 _DESCRIPTIONS = {

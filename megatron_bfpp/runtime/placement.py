@@ -1,10 +1,6 @@
-"""What the runtime needs to know about where a schedule puts model chunks.
-
-The chunks must be the layout's (a looped model under a V-shape would silently train another
-network); where one rank holds both copies of a tied embedding (the V-shape's rank 0) their
-gradients are summed in place of Megatron's all-reduce; and the losses go to the last pipeline
-rank, where Megatron-LM and custom loops read them (:func:`deliver_to_last_rank`).
-"""
+"""Where a schedule puts model chunks: checked against the chunks built (a looped model under a
+V-shape would silently train another network), tied embeddings summed on the rank holding both,
+losses delivered to the last pipeline rank, where Megatron-LM and custom loops read them."""
 
 from __future__ import annotations
 

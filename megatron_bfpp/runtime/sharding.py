@@ -1,13 +1,10 @@
 """Fully sharded data parallelism (ZeRO-3) on megatron-core's own buffers, driven by the schedule.
 
-Executes a schedule's gathers (PS), releases (RL) and gradient reductions (GS) on megatron-core
-DDP chunks built for the distributed optimizer. Each bucket keeps this rank's shard of its
-parameters and of its reduced gradients; the full buffers' storages are freed
-(``untyped_storage().resize_(0)``: views and saved tensors keep pointing at them) and allocated
-only while the schedule needs them; the step's end (:meth:`ShardedParameters.finalize_grads`) and
-the optimizer step (:meth:`ShardedParameters.optimizer_step`) work on the kept shards. Why (the
-distributed optimizer, mixed precision and checkpoints keep working) and each buffer's life:
-docs/design-notes.md, "Sharded parameters (ZeRO-3)".
+A schedule's gathers (PS), releases (RL) and gradient reductions (GS) on DDP chunks built for the
+distributed optimizer: each bucket keeps this rank's shard of its parameters and reduced gradients,
+and the full buffers' storages are allocated only while the schedule needs them (``resize_``: views
+and saved tensors keep pointing at them). Why and each buffer's life: docs/design-notes.md,
+"Sharded parameters (ZeRO-3)".
 """
 
 from __future__ import annotations
@@ -108,9 +105,10 @@ class ShardedParameters:
         self.partial: set[int] = set()  # ... of which reductions of a run before the last
         self.landed: set[int] = set()  # chunks whose kept gradient shard has this step's sum
         self.deferred: int | None = None  # the chunk kept whole until the embedding all-reduce
-        for index in range(len(self.chunks)):
+        for index, state in enumerate(self.chunks):
             self.release(index)
-            self._free_grads(index)
+            _resize(state.grad_storages)
+            state.grads_resident = False
         sizes = [n for state in self.chunks for n in (*state.full_nbytes, *state.grad_nbytes)]
         if sizes and all(s.device.type == "cpu" for st in self.chunks for s in st.storages):
             return_freed_buffers(min(sizes))
@@ -280,10 +278,6 @@ class ShardedParameters:
                 keep = bucket.grad_shard.add_ if chunk in self.landed else bucket.grad_shard.copy_
                 keep(bucket.local_view(grad=True))
         self.landed.add(chunk)
-        self._free_grads(chunk)
-
-    def _free_grads(self, chunk: int) -> None:
-        state = self.chunks[chunk]
         _resize(state.grad_storages)
         state.grads_resident = False
 
@@ -495,10 +489,8 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
                 f"model chunk {index}: a bucket of {full.numel()} elements does not split into "
                 f"{size} equal shards (megatron-core pads buckets for the distributed optimizer)"
             )
-        storage = full.untyped_storage()
-        storages.setdefault(storage.data_ptr(), storage)
-        grad_storage = grad.untyped_storage()
-        grad_storages.setdefault(grad_storage.data_ptr(), grad_storage)
+        for distinct, tensor in ((storages, full), (grad_storages, grad)):
+            distinct.setdefault(tensor.untyped_storage().data_ptr(), tensor.untyped_storage())
         buckets.append(
             _Bucket(
                 full=full,

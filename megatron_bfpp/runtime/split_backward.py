@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ class SplitBackward(StepPart):
     def __init__(self) -> None:
         self.pending: set[Key] = set()
         self.store = deferred_wgrad.WeightGradStore()
-        self._deferring: contextlib.ExitStack | None = None
+        self._deferring = contextlib.ExitStack()
 
     def begin(self, step: RankStep) -> None:
         if step.ctx.call.forward_only or not any(
@@ -42,14 +42,11 @@ class SplitBackward(StepPart):
         if step.ctx.config.grad_sync_func is None:
             for chunk, model in enumerate(step.ctx.model):
                 if overlaps_grad_reduce(model) and hasattr(model, "start_grad_sync"):
-                    step.grad_sync_funcs[chunk] = _start_grad_sync(model)
-        self._deferring = contextlib.ExitStack()
+                    step.grad_sync_funcs[chunk] = lambda *_, m=model: m.start_grad_sync()
         self._deferring.enter_context(deferred_wgrad.deferring(self.store))
 
     def end(self, step: RankStep) -> None:
-        if self._deferring is not None:
-            self._deferring.close()
-            self._deferring = None
+        self._deferring.close()
 
     def held_tensors(self, step: RankStep) -> Iterable[torch.Tensor]:
         return self.store.held_tensors()
@@ -61,18 +58,12 @@ class SplitBackward(StepPart):
         }
 
 
-def _start_grad_sync(model: Any) -> Callable[..., None]:
-    def grad_sync(*unused: Any) -> None:
-        model.start_grad_sync()
-
-    return grad_sync
-
-
 def backward_input(step: RankStep, position: int, action: Action) -> None:
     """I: the micro-batch's backward, with the local linear layers' weight GEMMs deferred."""
     part = step.part(SplitBackward)
-    with part.store.collect((action.stage, microbatch(action))):
-        key = whole_backward(step, position, action)
+    key = (action.stage, microbatch(action))
+    with part.store.collect(key):
+        whole_backward(step, position, action)
     part.pending.add(key)
 
 

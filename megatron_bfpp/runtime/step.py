@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -193,12 +193,9 @@ def dispatch_table(*modules: Handlers) -> DispatchTable:
             f"action kinds {missing} have no handler in the runtime's dispatch table; register "
             "one in a runtime module's Handlers (listed in runtime/executor.py)"
         )
-    rests: dict[ActionKind, Handler] = {}
-    for module in modules:
-        rests.update(module.rests)
     return DispatchTable(
         handlers=handlers,
-        rests=rests,
+        rests={kind: rest for module in modules for kind, rest in module.rests.items()},
         parts=tuple(module.part for module in modules if module.part is not None),
         captures=frozenset().union(*(module.captures for module in modules)),
     )
@@ -224,7 +221,8 @@ class RankStep:
         # Each chunk's last backward (B, or I with a split backward; an overlapped pair's
         # included): where DDP's hooks may start reducing; and its last GS: the reduction DDP
         # dispatches (fully sharded breadth-first with groups reduces once per group before it).
-        self.last_backward = _last_positions(primitives(self.program), _BACKWARDS)
+        backwards = {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT}
+        self.last_backward = _last_positions(primitives(self.program), backwards)
         self.last_grad_sync = _last_positions(enumerate(self.program), {ActionKind.GRAD_SYNC})
         # With sync functions (overlap_grad_reduce) a chunk stays in no_sync through its last
         # backward and GS reduces, as megatron-core's interleaved schedule does; else DDP's hooks.
@@ -237,14 +235,8 @@ class RankStep:
         self.parts: dict[type[StepPart], StepPart] = {type(part): part for part in parts}
 
     def part(self, kind: type[P]) -> P:
-        """The per-step part a handler module registered (its state between actions)."""
-        part = self.parts.get(kind)
-        if not isinstance(part, kind):
-            raise RuntimeError(
-                f"{kind.__name__} is not a registered part of the runtime's dispatch table; "
-                "name it in its module's Handlers(part=...)"
-            )
-        return part
+        """The per-step part a handler module registered (every ``TABLE`` part is made per step)."""
+        return cast(P, self.parts[kind])
 
     def frees_outputs(self, stage: int) -> bool:
         """Pseudo-free a sent output once its send completes, as megatron-core does."""
@@ -280,9 +272,6 @@ class RankStep:
         # One callable for every chunk: megatron-core's interleaved schedule enters it once for
         # all chunks; entering it per chunk would nest the same context, so only chunk 0 holds it.
         return [func] + [None] * (chunks - 1)
-
-
-_BACKWARDS = {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT}
 
 
 def _last_positions(

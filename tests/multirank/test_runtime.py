@@ -368,7 +368,7 @@ def test_step_post_conditions_fail_loudly_on_leftovers() -> None:
 
     import torch
 
-    from megatron_bfpp.runtime.executor import _Executor, planned
+    from megatron_bfpp.runtime.executor import _check_drained, _rank_step, planned
     from megatron_bfpp.schedules import build_schedule
 
     schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
@@ -380,12 +380,12 @@ def test_step_post_conditions_fail_loudly_on_leftovers() -> None:
         call=SimpleNamespace(forward_only=False),
         measure_memory=False,
     )
-    executor = _Executor(planned(schedule), 0, ctx)
-    executor.check_drained()  # nothing left: passes
-    executor.state.outputs[(0, 1)] = torch.zeros(1)
+    step = _rank_step(planned(schedule), 0, ctx)
+    _check_drained(step)  # nothing left: passes
+    step.state.outputs[(0, 1)] = torch.zeros(1)
     with pytest.raises(RuntimeError, match=r"stored outputs: \['\(0, 1\)'\]"):
-        executor.check_drained()
-    executor.state.outputs.clear()
+        _check_drained(step)
+    step.state.outputs.clear()
     comm.receives["x"] = None
     with pytest.raises(RuntimeError, match="receives never consumed"):
-        executor.check_drained()
+        _check_drained(step)
