@@ -31,12 +31,7 @@ from megatron_bfpp.plan.search import (
     lower_bound_of,
     memory_of,
 )
-from megatron_bfpp.schedules.registry import (
-    PLANNER_MAX_CHUNKS,
-    build_schedule,
-    get_spec,
-    planned_schedules,
-)
+from megatron_bfpp.schedules.registry import build_schedule, get_spec, planned_schedules
 
 __all__ = [
     "AUTO",
@@ -54,7 +49,6 @@ __all__ = [
 ]
 
 AUTO = "auto"
-MAX_CHUNKS = PLANNER_MAX_CHUNKS  # the planner's own bound on virtual stages per rank
 # What one decision may walk and simulate, in actions (docs/planner.md#pipeline-schedule-auto).
 AUTO_ACTION_BUDGET = 2_000_000
 # The most of it one candidate may take (a third), so one cannot leave the others untimed.
@@ -230,8 +224,7 @@ class Decision:
 
     @property
     def runner_up(self) -> Row | None:
-        second = self.rows[1] if len(self.rows) > 1 else None
-        return second if second is not None and second.plan is not None else None
+        return next((row for row in self.rows[1:2] if row.plan is not None), None)
 
     @property
     def schedule(self) -> str:
@@ -254,8 +247,10 @@ class Decision:
         chosen = self.chosen
         plan, memory = chosen.plan, chosen.memory
         assert plan is not None and memory is not None  # rows[0] is simulated by construction
-        if hw.memory_bytes is None:
-            held = f"{_held(memory.total)}; no CUDA: memory is not a constraint"
+        if hw.memory_bytes is None:  # MiB for what would print as 0.0 GiB (the CPU tests' models)
+            total = memory.total
+            shown = f"{_gib(total)} GiB" if total >= GiB // 20 else f"{total / 2**20:.1f} MiB"
+            held = f"{shown}; no CUDA: memory is not a constraint"
         else:
             held = f"{_gib(memory.total)} GiB/{hw.memory_bytes / GiB:.0f}"
         text = (
@@ -320,11 +315,6 @@ def _megatron_figure(row: Row) -> str:
     return figure if row.fits else f"{figure}, does not fit ({_gib(row.memory.total)} GiB)"
 
 
-def _held(nbytes: int) -> str:
-    """GiB, or MiB for what would print as 0.0 GiB (the CPU tests' models)."""
-    return f"{_gib(nbytes)} GiB" if nbytes >= GiB // 20 else f"{nbytes / 2**20:.1f} MiB"
-
-
 def _gib(nbytes: int) -> str:
     return f"{nbytes / GiB:.1f}"
 
@@ -376,8 +366,7 @@ def hardware(
         gpu, note = gpu_from_device(device_name, device_memory)
         memory = gpu.memory_bytes
     elif profile is not None:
-        gpu, note = gpu_from_device(profile.device)
-        memory = None
+        gpu, memory = gpu_from_device(profile.device)[0], None
         note = f"no CUDA: timed as {gpu.name} (the profile's {profile.device})"
     else:
         gpu, memory = GPUS[CPU_TIMING_GPU], None
@@ -485,7 +474,7 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
         if spec.placement is Placement.LOOPED and r.vp is not None:
             vps: tuple[int, ...] = (r.vp,)
         else:
-            vps, why = spec.planned_stages(layers_per_rank, max_chunks=MAX_CHUNKS)
+            vps, why = spec.planned_stages(layers_per_rank)
             if why is not None:
                 refuse(name, spec.default_stages_per_rank, why)
                 continue
@@ -535,7 +524,7 @@ def decide(r: AutoRequest) -> Decision:
     default = _candidate(r, name, vp or 1, "optim")
     megatron = next((row for row in excluded if row.candidate == default), None)
     if megatron is None:
-        megatron = judge.row(default, force=True, megatron=True)
+        megatron = judge.row(default, megatron=True)
     simulated: list[Row] = []
     too_big: list[Row] = []
     untimed: list[Row] = []
@@ -544,8 +533,7 @@ def decide(r: AutoRequest) -> Decision:
     bounded: list[tuple[float, float, int, Candidate]] = []  # (order, bound, index, candidate)
     for index, c in enumerate(allowed):
         try:
-            bound = judge.lower_bound(c)
-            order = judge.lower_bound(c, grouped=False)
+            bound, order = (judge.lower_bound(c, grouped=grouped) for grouped in (True, False))
         except ScheduleError as error:
             excluded.append(Row(c, None, False, excluded=first_line(error)))
             continue
@@ -612,17 +600,10 @@ class _Judge:
             grouped=grouped,
         )
 
-    def row(
-        self,
-        c: Candidate,
-        *,
-        force: bool = False,
-        megatron: bool = False,
-        bound: float | None = None,
-    ) -> Row:
-        """Its memory (at the largest step of a batch-size schedule) and, when it fits (or
-        ``force``), its simulated plan; or why not. With a ``bound`` that cannot beat the
-        runner-up, only its memory (its row keeps the bound)."""
+    def row(self, c: Candidate, *, megatron: bool = False, bound: float | None = None) -> Row:
+        """Its memory (at a batch-size schedule's largest step) and, when it fits or is Megatron's
+        default (``megatron``: timed under megatron-core's posting), its simulated plan, or why
+        not; with a ``bound`` that cannot beat the runner-up, only its memory and the bound."""
         try:
             memory = memory_of(
                 c,
@@ -640,11 +621,9 @@ class _Judge:
         fits = self.memory_budget is None or memory.total <= self.memory_budget
         if bound is not None:
             return Row(c, memory, fits, lower_bound_s=bound)
-        if not fits and not force:
+        if not fits and not megatron:
             return Row(c, memory, False)
-        options = self.options
-        if megatron:
-            options = dataclasses.replace(options, megatron_baselines=True)
+        options = dataclasses.replace(self.options, megatron_baselines=megatron)
         share = self.actions.part(self.actions.limit // CANDIDATE_SHARE)
         try:
             plan = evaluate(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.presets import Gpu, Model, Precision
@@ -64,6 +64,8 @@ class BuiltinCurve:
     Backward: twice the forward's work at its efficiency, half of it weight gradients."""
 
     gpu: Gpu
+    # 0: a GPU's host enqueues its kernels ahead of them (nothing measured says otherwise)
+    host_s: ClassVar[float] = 0.0
 
     @property
     def source(self) -> str:
@@ -79,11 +81,6 @@ class BuiltinCurve:
     def weight_share(self, work: float) -> float:
         return 0.5
 
-    @property
-    def host_s(self) -> float:
-        """0: a GPU's host enqueues its kernels ahead of them (nothing measured says otherwise)."""
-        return 0.0
-
 
 @dataclass(frozen=True, slots=True)
 class ProfileCurve:
@@ -95,16 +92,8 @@ class ProfileCurve:
     forwards: tuple[float, ...]
     backwards: tuple[float, ...]
     weight_shares: tuple[float, ...]
-    origin: str
-    host: float = 0.0
-
-    @property
-    def host_s(self) -> float:
-        return self.host
-
-    @property
-    def source(self) -> str:
-        return self.origin
+    source: str
+    host_s: float = 0.0
 
     @staticmethod
     def from_profile(profile: StageProfile, gpu: Gpu) -> ProfileCurve:
@@ -128,15 +117,10 @@ class ProfileCurve:
                     f"({max(forward, backward):.0%} at {work:.3g} FLOPs per layer): plan with the "
                     "GPU it was measured on (--gpu)"
                 )
-        return ProfileCurve(
-            works=tuple(r[0] for r in rows),
-            forwards=tuple(r[1] for r in rows),
-            backwards=tuple(r[2] for r in rows),
-            weight_shares=tuple(r[3] for r in rows),
-            origin=f"profile measured on {profile.device}"
-            + (f", host {1e3 * profile.t_host:.3g} ms per action" if profile.t_host else ""),
-            host=profile.t_host or 0.0,
-        )
+        works, forwards, backwards, shares = (tuple(column) for column in zip(*rows, strict=True))
+        host = f", host {1e3 * profile.t_host:.3g} ms per action" if profile.t_host else ""
+        source = f"profile measured on {profile.device}{host}"
+        return ProfileCurve(works, forwards, backwards, shares, source, profile.t_host or 0.0)
 
     def _interpolate(self, values: tuple[float, ...], work: float) -> float:
         works = self.works
@@ -231,21 +215,19 @@ def stage_times(
     output = 3.0 * out_work / (efficiency.forward(out_work) * peak) if output_layer else 0.0
     p2p = grad_reduce = param_gather = evict = 0.0
     if communication:
-        pipeline_in_node = tp * dp * pp <= gpus_per_node
-        bandwidth = gpu.intra_node_bandwidth if pipeline_in_node else gpu.inter_node_bandwidth
-        latency = INTRA_NODE_LATENCY_S if pipeline_in_node else INTER_NODE_LATENCY_S
+        intra = (gpu.intra_node_bandwidth, INTRA_NODE_LATENCY_S)
+        inter = (gpu.inter_node_bandwidth, INTER_NODE_LATENCY_S)
+        bandwidth, latency = intra if tp * dp * pp <= gpus_per_node else inter
         message = activation / (tp if sequence_parallel else 1)
         p2p = message / bandwidth + latency if pp > 1 else 0.0
         evict = stage_activation_bytes / bandwidth + latency
-        dp_in_node = tp * dp <= gpus_per_node
-        dp_bandwidth = gpu.intra_node_bandwidth if dp_in_node else gpu.inter_node_bandwidth
-        dp_latency = INTRA_NODE_LATENCY_S if dp_in_node else INTER_NODE_LATENCY_S
+        dp_bandwidth, dp_latency = intra if tp * dp <= gpus_per_node else inter
         chunk = rank_parameters / chunks
-        grad_reduce = _ring_collective_time(
-            chunk * precision.grad_bytes, group=dp, bandwidth=dp_bandwidth, latency=dp_latency
-        )
-        param_gather = _ring_collective_time(
-            chunk * precision.param_bytes, group=dp, bandwidth=dp_bandwidth, latency=dp_latency
+        grad_reduce, param_gather = (
+            _ring_collective_time(
+                chunk * size, group=dp, bandwidth=dp_bandwidth, latency=dp_latency
+            )
+            for size in (precision.grad_bytes, precision.param_bytes)
         )
     optimizer_time = 0.0
     if optimizer:

@@ -7,7 +7,7 @@ last stages store more, at different times: a rank's peak is not count x average
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from megatron_bfpp.config.model_memory import parameters_per_pipeline_rank, parameters_per_stage
@@ -247,16 +247,14 @@ def full_buffer_peaks(
     step on a rank without sharded parameters (no RL)."""
     result = []
     for rank in range(schedule.num_ranks):
-        stages = schedule.layout.stages_of(rank)
-        if not any(a.kind is ActionKind.RELEASE for a in schedule.per_rank[rank]):
-            whole = sum(stage_parameters[s] for s in stages)
-            result.append((whole, whole))
-            continue
-        peaks = [
+        walks: tuple[Iterable[Iterable[int]], ...] = ((schedule.layout.stages_of(rank),),) * 2
+        if any(a.kind is ActionKind.RELEASE for a in schedule.per_rank[rank]):
+            walks = (schedule.held_parameter_chunks(rank), schedule.held_gradient_chunks(rank))
+        parameters, gradients = (
             max((sum(stage_parameters[s] for s in held) for held in walk), default=0)
-            for walk in (schedule.held_parameter_chunks(rank), schedule.held_gradient_chunks(rank))
-        ]
-        result.append((peaks[0], peaks[1]))
+            for walk in walks
+        )
+        result.append((parameters, gradients))
     return tuple(result)
 
 

@@ -142,17 +142,10 @@ def model_from_shape(
             f"--num-query-groups {groups}"
         )
     ffn = default_ffn_hidden_size(arch, hidden_size) if ffn_hidden_size is None else ffn_hidden_size
+    name, heads = f"{arch}-{num_layers}x{hidden_size}", num_attention_heads
+    dropout = arch == "gpt" if dropout is None else dropout
     return Model(
-        name=f"{arch}-{num_layers}x{hidden_size}",
-        arch=arch,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        num_query_groups=groups,
-        ffn_hidden_size=ffn,
-        seq_length=seq_length,
-        vocab_size=vocab_size,
-        dropout=arch == "gpt" if dropout is None else dropout,
+        name, arch, num_layers, hidden_size, heads, groups, ffn, seq_length, vocab_size, dropout
     )
 
 

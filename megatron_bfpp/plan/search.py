@@ -9,7 +9,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 from megatron_bfpp.ir import Placement, Schedule, ScheduleError
@@ -36,7 +36,6 @@ from megatron_bfpp.plan.memory import (
 )
 from megatron_bfpp.plan.presets import BF16_MIXED, Gpu, Model, Precision, padded_vocab_size
 from megatron_bfpp.schedules.registry import (
-    PLANNER_MAX_CHUNKS,
     build_schedule,
     estimate_actions,
     get_spec,
@@ -149,7 +148,6 @@ class SearchOptions:
     tensor_parallel: tuple[int, ...] = ()  # empty: 1, 2, 4, 8 within a node
     pipeline_parallel: tuple[int, ...] = ()  # empty: every divisor
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
-    max_chunks: int = PLANNER_MAX_CHUNKS
     top: int = 10
     memory_fraction: float = 0.9
     precision: Precision = BF16_MIXED
@@ -192,11 +190,6 @@ class Candidate:
     @property
     def sequence_parallel(self) -> bool:
         return self.tp > 1 and not self.plain_tensor_parallel
-
-    @property
-    def shape(self) -> tuple[str, int, int]:
-        """(schedule, pp, vp): what a schedule of any length is built from."""
-        return self.schedule, self.pp, self.vp
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +277,7 @@ def candidates(
             if schedule == "interleaved" and pp == 2 and not options.megatron_p2p_overlap:
                 continue  # Megatron-LM refuses it: a batch would cross-match at pp 2
             spec = get_spec(schedule)
-            vps, _ = spec.planned_stages(model.num_layers // pp, max_chunks=options.max_chunks)
+            vps, _ = spec.planned_stages(model.num_layers // pp)
             for vp, b in itertools.product(vps, options.micro_batch_sizes):
                 m = per_pipeline // b
                 if per_pipeline % b or spec.planned_microbatches_problem(pp, m) is not None:
@@ -393,17 +386,12 @@ def _schedule(
 
 
 @lru_cache(maxsize=4096)
-def _rank_parameters(
-    model: Model, tp: int, pp: int, vp: int, placement: Placement
-) -> tuple[int, ...]:
-    return tuple(rank_parameters(model, tp=tp, pp=pp, chunks=vp, placement=placement))
-
-
 def rank_parameters_of(
     model: Model, *, schedule: str, tp: int, pp: int, vp: int
 ) -> tuple[int, ...]:
     """Parameters per pipeline rank of ``model`` laid out for ``schedule`` (its placement)."""
-    return _rank_parameters(model, tp, pp, vp, get_spec(schedule).placement)
+    placement = get_spec(schedule).placement
+    return tuple(rank_parameters(model, tp=tp, pp=pp, chunks=vp, placement=placement))
 
 
 def sharded_walk_length(m: int, group: int | None) -> int:
@@ -498,21 +486,11 @@ def _stage_bytes(c: Candidate, model: Model, precision: Precision) -> StageBytes
 
 
 def _cost_model(times: StageTimes) -> CostModel:
-    def ns(seconds: float) -> int:
-        return max(0, round(seconds * NS))
-
-    backward = ns(times.backward)
-    return CostModel(
-        t_forward=ns(times.forward),
-        t_backward=backward,
-        # W runs the weight GEMMs I deferred (runtime/deferred_wgrad.py)
-        t_weight=min(ns(times.weight), backward),
-        t_p2p=ns(times.p2p),
-        t_grad_reduce=ns(times.grad_reduce),
-        t_param_gather=ns(times.param_gather),
-        t_evict=ns(times.evict),
-        t_host=ns(times.host),
-    )
+    """Each ``t_<name>`` of the simulator's costs: ``times.<name>`` in whole nanoseconds."""
+    ns = {f.name: max(0, round(getattr(times, f.name[2:]) * NS)) for f in fields(CostModel)}
+    # W runs the weight GEMMs I deferred (runtime/deferred_wgrad.py)
+    ns["t_weight"] = min(ns["t_weight"], ns["t_backward"])
+    return CostModel(**ns)
 
 
 def _simulated_ns(
@@ -565,7 +543,7 @@ def _step(
     """``c`` at m micro-batches, simulated; its actions charged to ``budget`` first."""
     if budget is not None:
         budget.charge(num_ranks=c.pp, stages_per_rank=c.vp, num_microbatches=m)
-    built = _schedule(*c.shape, m, c.sharding, c.group_size, c.max_stored)
+    built = _schedule(c.schedule, c.pp, c.vp, m, c.sharding, c.group_size, c.max_stored)
     return simulate(built, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
 
 
@@ -655,7 +633,6 @@ def _simulate(
 
 def _size(
     c: Candidate,
-    *,
     model: Model,
     cluster: Cluster,
     global_batch_size: int,
@@ -672,16 +649,12 @@ def _size(
     memory, stage = _memory(c, m, model, options.precision, weights)
     if memory.total > budget and not force:
         return None
-    times, lower, estimate = _timing(
-        c, m, model=model, cluster=cluster, options=options, stage=stage
-    )
-    return _Sized(c, m, memory, times, lower, estimate)
+    return _Sized(c, m, memory, *_timing(c, m, model, cluster, options, stage))
 
 
 def _timing(
     c: Candidate,
     m: int,
-    *,
     model: Model,
     cluster: Cluster,
     options: SearchOptions,
@@ -705,7 +678,9 @@ def _timing(
         sequence_parallel=c.sequence_parallel,
         recompute=c.recompute,
         vocab=padded_vocab_size(model.vocab_size, tp=c.tp),
-        rank_parameters=max(_rank_parameters(model, c.tp, c.pp, c.vp, placement)),
+        rank_parameters=max(
+            rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp)
+        ),
         stage_activation_bytes=stage.layers * c.vp,
         communication=options.communication,
         optimizer=options.optimizer,
@@ -755,14 +730,7 @@ def evaluate(
 ) -> Plan:
     """One configuration, simulated whether or not it fits (``Plan.memory`` says); its
     simulations charged to ``budget`` (:class:`OverBudget` past it)."""
-    sized = _size(
-        candidate,
-        model=model,
-        cluster=cluster,
-        global_batch_size=global_batch_size,
-        options=options,
-        force=True,
-    )
+    sized = _size(candidate, model, cluster, global_batch_size, options, force=True)
     assert sized is not None  # force=True always sizes
     return _simulate(sized, model, cluster, global_batch_size, options, budget)
 
@@ -780,16 +748,8 @@ def lower_bound_of(
     bound), in closed form. ``grouped=False``: without breadth-first's group idle, the order
     ``--pipeline-schedule auto`` times in, so its action budget reaches the same candidates."""
     m = global_batch_size // (candidate.dp * candidate.micro_batch_size)
-    _, lower, _ = _timing(
-        candidate,
-        m,
-        model=model,
-        cluster=cluster,
-        options=options,
-        stage=_stage_bytes(candidate, model, options.precision),
-        grouped=grouped,
-    )
-    return lower
+    stage = _stage_bytes(candidate, model, options.precision)
+    return _timing(candidate, m, model, cluster, options, stage, grouped)[1]
 
 
 def memory_of(
@@ -823,16 +783,12 @@ def recommend(
     found = candidates(
         model=model, cluster=cluster, global_batch_size=global_batch_size, options=options
     )
-    sizes = [
-        _size(c, model=model, cluster=cluster, global_batch_size=global_batch_size, options=options)
-        for c in found
-    ]
+    sizes = [_size(c, model, cluster, global_batch_size, options) for c in found]
     fitting = [sized for sized in sizes if sized is not None]
-    evaluated, rejected = len(sizes), len(sizes) - len(fitting)
     fitting.sort(key=lambda s: s.estimate)  # stable: ties keep the enumeration order
     top: list[tuple[float, int, Plan]] = []  # max-heap of the best ``top`` by -step time
     family_best: dict[str, Plan] = {}
-    simulated = pruned = 0
+    simulated = 0
     for index, sized in enumerate(fitting):
         family = sized.candidate.family
         kth = -top[0][0] if len(top) >= options.top else math.inf
@@ -841,7 +797,6 @@ def recommend(
             not options.best_per_family
             or (best is not None and sized.lower_bound >= best.step_time_s)
         ):
-            pruned += 1
             continue
         plan = _simulate(sized, model, cluster, global_batch_size, options)
         simulated += 1
@@ -852,10 +807,10 @@ def recommend(
             heapq.heappop(top)
     plans = tuple(p for _, _, p in sorted(top, key=lambda t: (-t[0], -t[1])))
     return SearchResult(
-        candidates_evaluated=evaluated,
-        rejected_out_of_memory=rejected,
+        candidates_evaluated=len(sizes),
+        rejected_out_of_memory=len(sizes) - len(fitting),
         simulated=simulated,
-        pruned=pruned,
+        pruned=len(fitting) - simulated,
         plans=plans,
         best_per_family=dict(sorted(family_best.items(), key=lambda kv: kv[1].step_time_s)),
         seconds=time.perf_counter() - start,
