@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import time
 
-from megatron_bfpp.plan.costs import BuiltinCurve
 from megatron_bfpp.plan.presets import get_gpu, get_model
 from megatron_bfpp.plan.search import (
     EXACT_UP_TO,
@@ -68,15 +67,7 @@ def main() -> None:
     for model_name, candidate, m, p2p in cases:
         model, cluster = get_model(model_name), CLUSTERS[model_name]
         batch = m * candidate.dp * candidate.micro_batch_size
-        sized, _ = _size(
-            candidate,
-            model=model,
-            cluster=cluster,
-            global_batch_size=batch,
-            options=SearchOptions(),
-            efficiency=BuiltinCurve(cluster.gpu),
-            force=True,
-        )
+        sized = _size(candidate, model, cluster, batch, SearchOptions(), force=True)
         assert sized is not None
         costs = _cost_model(sized.times)
         start = time.process_time()
