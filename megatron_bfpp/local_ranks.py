@@ -155,10 +155,14 @@ def fork_ranks(
         gentle = False  # the launcher is being stopped: let the ranks take SIGTERM first
         try:
             port_reader, port_writer = ctx.Pipe(duplex=False)
+            port = None
             with port_reader:
                 start(0, 0, port_writer)
                 port_writer.close()
-                port = _read_port(port_reader, deadline)
+                wait_s = PORT_TIMEOUT if deadline is None else max(0.0, deadline - time.monotonic())
+                with contextlib.suppress(EOFError, OSError):
+                    if port_reader.poll(wait_s):
+                        port = int(port_reader.recv_bytes().decode())
             if port is not None:  # otherwise rank 0 failed or hung: collecting reports it
                 for rank in range(1, world_size):
                     start(rank, port, None)
@@ -208,16 +212,6 @@ def _forward_stop_signals() -> Any:
     finally:
         for sig, old in saved.items():
             signal.signal(sig, old)
-
-
-def _read_port(port_reader: Connection, deadline: float | None) -> int | None:
-    wait_s = PORT_TIMEOUT if deadline is None else max(0.0, deadline - time.monotonic())
-    try:
-        if port_reader.poll(wait_s):
-            return int(port_reader.recv_bytes().decode())
-    except (EOFError, OSError):
-        pass
-    return None
 
 
 def _child(
