@@ -481,7 +481,11 @@ def _receive(conn: Connection, rank: int, proc: Any) -> tuple[str, Any, float]:
         status, payload, *when = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         proc.join(1.0)
-        return "died", f"rank {rank} died without a result ({_how(proc.exitcode)})", time.time()
+        how = f"exit code {proc.exitcode}"
+        if proc.exitcode is not None and proc.exitcode < 0:
+            with contextlib.suppress(ValueError):
+                how = f"killed by {signal.Signals(-proc.exitcode).name}"
+        return "died", f"rank {rank} died without a result ({how})", time.time()
     return status, payload, (when[0] if when else time.time())
 
 
@@ -504,13 +508,6 @@ def _dump_stacks(procs: list[Any], ranks: tuple[int, ...], stack_dir: Path) -> d
             text = ""
         stacks[rank] = text or "(no stack dump)"
     return stacks
-
-
-def _how(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-exitcode).name}"
-    return f"exit code {exitcode}"
 
 
 def _stop_all(procs: list[Any], *, gentle: bool) -> None:

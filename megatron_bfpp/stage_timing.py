@@ -206,13 +206,10 @@ def _device(device: str) -> torch.device:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return f"CPU: {line.split(':', 1)[1].strip()}"
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return f"CPU: {line.split(':', 1)[1].strip()}"
     return "CPU"
 
 
