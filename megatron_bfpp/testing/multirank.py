@@ -39,7 +39,6 @@ class RanksFailed(RuntimeError):
 def preload_megatron() -> None:
     """Import torch and the megatron-core modules the tests use, once, in the parent."""
     import megatron.core.distributed
-    import megatron.core.models.gpt
     import megatron.core.models.gpt.gpt_layer_specs
     import megatron.core.optimizer
     import megatron.core.parallel_state
