@@ -155,10 +155,14 @@ def fork_ranks(
         gentle = False  # the launcher is being stopped: let the ranks take SIGTERM first
         try:
             port_reader, port_writer = ctx.Pipe(duplex=False)
+            port = None
             with port_reader:
                 start(0, 0, port_writer)
                 port_writer.close()
-                port = _read_port(port_reader, deadline)
+                wait_s = PORT_TIMEOUT if deadline is None else max(0.0, deadline - time.monotonic())
+                with contextlib.suppress(EOFError, OSError):
+                    if port_reader.poll(wait_s):
+                        port = int(port_reader.recv_bytes().decode())
             if port is not None:  # otherwise rank 0 failed or hung: collecting reports it
                 for rank in range(1, world_size):
                     start(rank, port, None)
@@ -208,16 +212,6 @@ def _forward_stop_signals() -> Any:
     finally:
         for sig, old in saved.items():
             signal.signal(sig, old)
-
-
-def _read_port(port_reader: Connection, deadline: float | None) -> int | None:
-    wait_s = PORT_TIMEOUT if deadline is None else max(0.0, deadline - time.monotonic())
-    try:
-        if port_reader.poll(wait_s):
-            return int(port_reader.recv_bytes().decode())
-    except (EOFError, OSError):
-        pass
-    return None
 
 
 def _child(
@@ -487,7 +481,11 @@ def _receive(conn: Connection, rank: int, proc: Any) -> tuple[str, Any, float]:
         status, payload, *when = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         proc.join(1.0)
-        return "died", f"rank {rank} died without a result ({_how(proc.exitcode)})", time.time()
+        how = f"exit code {proc.exitcode}"
+        if proc.exitcode is not None and proc.exitcode < 0:
+            with contextlib.suppress(ValueError):
+                how = f"killed by {signal.Signals(-proc.exitcode).name}"
+        return "died", f"rank {rank} died without a result ({how})", time.time()
     return status, payload, (when[0] if when else time.time())
 
 
@@ -510,13 +508,6 @@ def _dump_stacks(procs: list[Any], ranks: tuple[int, ...], stack_dir: Path) -> d
             text = ""
         stacks[rank] = text or "(no stack dump)"
     return stacks
-
-
-def _how(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-exitcode).name}"
-    return f"exit code {exitcode}"
 
 
 def _stop_all(procs: list[Any], *, gentle: bool) -> None:

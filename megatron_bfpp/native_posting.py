@@ -101,10 +101,7 @@ def megatron_posting(
     per_rank = []
     for rank in range(schedule.num_ranks):
         builder = _Builder(schedule, rank, options, grad_sync)
-        if shape.num_chunks == 1:
-            _one_f_one_b(builder, shape)
-        else:
-            _interleaved(builder, shape)
+        (_one_f_one_b if shape.num_chunks == 1 else _interleaved)(builder, shape)
         builder.sync_remaining()
         per_rank.append(builder.finish())
     name = "as megatron-core posts it" + (
@@ -316,15 +313,13 @@ class _Builder:
         wait: bool = True,
     ) -> dict[_Op, int]:
         """One ``_communicate``: its ops in megatron-core's order; returns op -> position."""
-        chosen: dict[_Op, int] = {}
-        if send_prev is not None:
-            chosen[_Op.SEND_PREV] = send_prev
-        if recv_prev:
-            chosen[_Op.RECV_PREV] = self._receive(K.RECV_ACT)
-        if send_next is not None:
-            chosen[_Op.SEND_NEXT] = send_next
-        if recv_next:
-            chosen[_Op.RECV_NEXT] = self._receive(K.RECV_GRAD)
+        asked = (
+            (_Op.SEND_PREV, send_prev),
+            (_Op.RECV_PREV, self._receive(K.RECV_ACT) if recv_prev else None),
+            (_Op.SEND_NEXT, send_next),
+            (_Op.RECV_NEXT, self._receive(K.RECV_GRAD) if recv_next else None),
+        )
+        chosen = {op: position for op, position in asked if position is not None}
         if not chosen:
             return chosen
         pairwise = not self.options.batch_p2p

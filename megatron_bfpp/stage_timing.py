@@ -206,13 +206,10 @@ def _device(device: str) -> torch.device:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return f"CPU: {line.split(':', 1)[1].strip()}"
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return f"CPU: {line.split(':', 1)[1].strip()}"
     return "CPU"
 
 
@@ -335,13 +332,45 @@ def measure_stored_activations(
         raise ScheduleError(f"stored micro-batches must be >= 1, got {stored}")
     target, chosen = _device_and_dtype(device, dtype)
     torch_dtype = _DTYPES[chosen]
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+
+    shape = (model.seq_length, micro_batch_size, model.hidden_size)
+    cuda = target.type == "cuda"
+    saved = _SavedStorages()
+    held: list[int] = []
+    graphs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    peak = None
     with warnings.catch_warnings(), _single_rank(target):
         warnings.simplefilter("ignore")
         block = _build_block(model, num_layers, target, torch_dtype, recompute)
         block.train()
-        held, weights, peak = _hold_microbatches(
-            block, model, micro_batch_size, stored, target, torch_dtype
-        )
+        rotary = _rotary(block, model, target)
+        if cuda:
+            torch.cuda.synchronize(target)
+            torch.cuda.empty_cache()
+            weights = torch.cuda.memory_allocated(target)
+            torch.cuda.reset_peak_memory_stats(target)
+        else:
+            weights = sum(p.numel() * p.element_size() for p in block.parameters())
+        for _ in range(stored):
+            hidden = torch.randn(shape, device=target, dtype=torch_dtype, requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                out = block(hidden, attention_mask=None, rotary_pos_emb=rotary)
+            # megatron-core frees a sent output's data, keeps its graph (deallocate_output_tensor)
+            out.data = torch.empty((1,), device=target, dtype=out.dtype)
+            graphs.append((hidden, out))
+            if cuda:
+                torch.cuda.synchronize(target)
+                held.append(torch.cuda.memory_allocated(target) - weights)
+            else:
+                held.append(saved.live_bytes(extra=[h for h, _ in graphs]))
+        while graphs:
+            hidden, out = graphs.pop(0)
+            custom_backward(out, torch.ones(shape, device=target, dtype=torch_dtype))
+            del hidden, out
+        if cuda:
+            torch.cuda.synchronize(target)
+            peak = torch.cuda.max_memory_allocated(target) - weights
     return StoredActivations(
         model=model.name,
         recompute=recompute,
@@ -352,52 +381,6 @@ def measure_stored_activations(
         stored=tuple(held),
         peak=peak,
     )
-
-
-def _hold_microbatches(
-    block: torch.nn.Module,
-    model: Model,
-    micro_batch_size: int,
-    stored: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> tuple[list[int], int, int | None]:
-    from megatron.core.pipeline_parallel.schedules import custom_backward
-
-    shape = (model.seq_length, micro_batch_size, model.hidden_size)
-    rotary = _rotary(block, model, device)
-    cuda = device.type == "cuda"
-    saved = _SavedStorages()
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        weights = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        weights = sum(p.numel() * p.element_size() for p in block.parameters())
-    held: list[int] = []
-    graphs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for _ in range(stored):
-        hidden = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            out = block(hidden, attention_mask=None, rotary_pos_emb=rotary)
-        # megatron-core frees a sent output's data and keeps its graph (deallocate_output_tensor)
-        out.data = torch.empty((1,), device=device, dtype=out.dtype)
-        graphs.append((hidden, out))
-        if cuda:
-            torch.cuda.synchronize(device)
-            held.append(torch.cuda.memory_allocated(device) - weights)
-        else:
-            held.append(saved.live_bytes(extra=[h for h, _ in graphs]))
-    while graphs:
-        hidden, out = graphs.pop(0)
-        custom_backward(out, torch.ones(shape, device=device, dtype=dtype))
-        del hidden, out
-    peak = None
-    if cuda:
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - weights
-    return held, weights, peak
 
 
 class _SavedStorages:

@@ -93,7 +93,7 @@ def enable_cpu_bridge() -> None:
     import importlib
 
     from megatron_bfpp.megatron.cpu import _nothing
-    from megatron_bfpp.megatron.cpu_launch import enable_cpu_megatron_lm
+    from megatron_bfpp.megatron.cpu_launch import _allow_no_cuda, enable_cpu_megatron_lm
 
     enable_cpu_megatron_lm()
     with bridge_imports():
@@ -117,6 +117,8 @@ def record_losses(print_line: Callable[[str], None] | None = None) -> None:
     """Print each iteration's exact lm loss (``float.hex``) and grad norm on the last rank."""
     import importlib
 
+    import torch.distributed as dist
+
     emit = print_line or _write_line
     train = importlib.import_module("megatron.bridge.training.train")
     original = train.training_log
@@ -126,7 +128,8 @@ def record_losses(print_line: Callable[[str], None] | None = None) -> None:
     def training_log(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind_partial(*args, **kwargs).arguments
         loss = bound["loss_dict"].get("lm loss")
-        if loss is not None and _is_last_rank():
+        # one printer: the last global rank (a last pipeline stage) has every iteration's loss
+        if loss is not None and dist.get_rank() == dist.get_world_size() - 1:
             value = float(loss.item() if hasattr(loss, "item") else loss)
             step = bound["global_state"].train_state.step
             emit(f"{EXACT_PREFIX} {step} {value.hex()} {bound['grad_norm']!r}")
@@ -135,22 +138,6 @@ def record_losses(print_line: Callable[[str], None] | None = None) -> None:
     _patches.patch(train, "training_log", training_log)
 
 
-def _is_last_rank() -> bool:
-    """One printer: the last global rank (a last pipeline stage) has every iteration's loss."""
-    import torch.distributed as dist
-
-    return dist.get_rank() == dist.get_world_size() - 1
-
-
 def _write_line(line: str) -> None:
     sys.stdout.write(line + "\n")  # one write: lines of other processes stay whole
     sys.stdout.flush()
-
-
-def _allow_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
-        kwargs["allow_no_cuda"] = True
-        return original(*args, **kwargs)
-
-    return initialize_megatron

@@ -1,7 +1,7 @@
 """Tiny megatron-core GPT models whose weights do not depend on how they are split.
 
 Call these inside a :func:`megatron_bfpp.testing.multirank.run_ranks` rank function.
-:func:`_init_from_global_names` draws every parameter at its full shape from a generator seeded by
+:func:`build_model_chunks` draws every parameter at its full shape from a generator seeded by
 its *global* name, so any (tp, pp, vp, dp) split holds the single-process model's weights and
 :func:`reference_losses_and_grads` is the exact reference.
 """
@@ -104,33 +104,27 @@ def build_model_chunks(
     placement: Placement = Placement.LOOPED,
 ) -> list[GPTModel]:
     """This rank's chunks as bfpp-train builds them
-    (:func:`megatron_bfpp.train.presets.gpt_chunks`), initialised by
-    :func:`_init_from_global_names`."""
+    (:func:`megatron_bfpp.train.presets.gpt_chunks`), initialised by global name with ``_draw``."""
     return gpt_chunks(
         config,
         layer_spec=get_gpt_layer_local_spec(),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        init=functools.partial(_init_from_global_names, seed=seed),
+        init=functools.partial(init_by_global_names, seed=seed, draw=_draw),
         placement=placement,
     )
 
 
 def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
-    """Random everywhere (norm weights around 1), from a generator seeded by the global name."""
+    """Random everywhere (norm weights around 1; biases and norms too, so equivalence tests cover
+    them), from a generator seeded by the global name."""
     generator = torch.Generator().manual_seed((zlib.crc32(global_name.encode()) + seed) % 2**63)
     noise = torch.randn(*shape, generator=generator, dtype=torch.float32)
     leaf = global_name.rsplit(".", 1)[-1]
     if "norm" in global_name and leaf == "weight":
         return 1.0 + 0.1 * noise
     return 0.1 * noise
-
-
-def _init_from_global_names(model: torch.nn.Module, *, seed: int = 0) -> None:
-    """The product's global-name initialisation (``megatron_bfpp.train.presets``) with every
-    tensor random, biases and norm weights included, so equivalence tests cover them too."""
-    init_by_global_names(model, seed=seed, draw=_draw)
 
 
 def make_batches(
@@ -245,19 +239,17 @@ def grad_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]
     return out
 
 
-def merge_shards(
-    per_rank: Iterable[dict[str, GradShard]], *, check_replicas: bool = True
-) -> dict[str, torch.Tensor]:
-    """Full tensors by global name from every rank's shards. With ``check_replicas`` copies held by
-    several ranks (dp replicas, tp-replicated parameters, a tied embedding's ends) must be bitwise
-    equal, as after ``finalize_model_grads``: else a reduction is missing."""
+def merge_shards(per_rank: Iterable[dict[str, GradShard]]) -> dict[str, torch.Tensor]:
+    """Full tensors by global name from every rank's shards. Copies held by several ranks (dp
+    replicas, tp-replicated parameters, a tied embedding's ends) must be bitwise equal, as after
+    ``finalize_model_grads``: else a reduction is missing."""
     pieces: dict[str, dict[int, GradShard]] = {}
     for shards in per_rank:
         for name, shard in shards.items():
             key = shard.tp_rank if shard.partition_dim is not None else 0
             held = pieces.setdefault(name, {})
             if key in held:
-                if check_replicas and not torch.equal(held[key].tensor, shard.tensor):
+                if not torch.equal(held[key].tensor, shard.tensor):
                     diff = (held[key].tensor - shard.tensor).abs().max().item()
                     raise AssertionError(f"replicas of {name} differ (max abs diff {diff:g})")
             else:

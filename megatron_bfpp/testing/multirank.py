@@ -1,9 +1,5 @@
-"""Run a function on N gloo ranks with megatron-core's parallel state set up; fast, never hangs.
-
-Every :func:`run_ranks` call forks the ranks through :func:`megatron_bfpp.local_ranks.fork_ranks`;
-each rank sets up the CPU adapter, gloo (NCCL's p2p rules under ``BFPP_NCCL_EMULATION=1``), the
-parallel state and the seeds, runs ``fn`` and tears the groups down. :class:`RanksFailed` carries
-each rank's traceback and, for ranks killed while running, their Python stacks.
+"""Run a function on N gloo ranks with megatron-core's parallel state set up; fast, never hangs
+(the ranks are forked by :func:`megatron_bfpp.local_ranks.fork_ranks`, as bfpp-train forks its own).
 """
 
 from __future__ import annotations
@@ -43,7 +39,6 @@ class RanksFailed(RuntimeError):
 def preload_megatron() -> None:
     """Import torch and the megatron-core modules the tests use, once, in the parent."""
     import megatron.core.distributed
-    import megatron.core.models.gpt
     import megatron.core.models.gpt.gpt_layer_specs
     import megatron.core.optimizer
     import megatron.core.parallel_state
@@ -64,7 +59,6 @@ def run_ranks(
     timeout: float = DEFAULT_TIMEOUT,
     args: Sequence[Any] = (),
     seed: int = 1234,
-    parallel_kwargs: dict[str, Any] | None = None,
     error_grace: float = ERROR_GRACE,
     daemon: bool = True,
 ) -> list[Any]:
@@ -75,7 +69,6 @@ def run_ranks(
     if world_size < 1 or world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp * pp}")
     preload_megatron()
-    parallel = dict(parallel_kwargs or {})
 
     def target(rank: int, store: Any) -> Any:
         import torch
@@ -101,7 +94,6 @@ def run_ranks(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vp,
-            **parallel,
         )
         random.seed(seed)
         torch.manual_seed(seed)

@@ -1,18 +1,8 @@
 """NCCL's point-to-point rules on gloo process groups, so that a CPU test fails where NCCL would.
 
 :func:`install` replaces ``torch.distributed.batch_isend_irecv`` / ``isend`` / ``irecv`` (in
-``distributed_c10d`` too) with versions keeping ProcessGroupNCCL's rules on gloo groups only
-(docs/design-notes.md, "Testing NCCL's rules on CPU", has the rules in full):
-
-1. ``batch_isend_irecv`` returns ONE Work per batch.
-2. One stream per group: a worker thread per (process, group) runs batches in posting order.
-3. Rendezvous: a send is posted only once the receiver's batch holding the matching receive
-   started (a store key per send); every send waits so, stricter than NCCL.
-4. Non-batched ``isend`` / ``irecv`` are a batch of one on a stream per (group, pair of ranks).
-5. ``Work.wait()`` blocks until the batch completed; :func:`blocked_seconds` sums the time.
-6. A batch or ``wait()`` stalled ``stall_seconds`` fails with a one-line RuntimeError.
-7. Optional transfer time: each op completes that long after both halves' batches started;
-   :func:`batch_timing` records what the emulation decided per batch.
+``distributed_c10d`` too) with versions keeping ProcessGroupNCCL's rules on gloo groups only; the
+rules, numbered as the comments here cite them: docs/design-notes.md, "Testing NCCL's rules on CPU".
 """
 
 from __future__ import annotations
@@ -59,7 +49,7 @@ _torch: dict[str, Any] = {name: getattr(c10d, name, None) for name in _NAMES}
 _stall_s = DEFAULT_STALL_S
 _transfer_s = 0.0
 _lock = threading.Lock()
-_process: tuple[int, dict[tuple[str, str], _Stream]] | None = None  # (pid, streams)
+_streams: dict[tuple[str, str], _Stream] = {}  # this process's, by (group name, stream name)
 _blocked_s = 0.0  # this process's time blocked in Work.wait() (rule 5)
 
 
@@ -100,9 +90,7 @@ def installed() -> bool:
 
 def batches_posted() -> int:
     """Batches this process has run through the emulation (tests check that it was used)."""
-    if _process is None or _process[0] != os.getpid():
-        return 0
-    return sum(stream.posted for stream in list(_process[1].values()))
+    return sum(stream.posted for stream in list(_streams.values()))
 
 
 def blocked_seconds() -> float:
@@ -241,7 +229,6 @@ class _Batch:
         self.done = threading.Event()
         self.error: str | None = None
         self.cause: BaseException | None = None
-        self.future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
 
     def describe(self) -> str:
         ops = "; ".join(op.describe(self.stream.me) for op in self.ops)
@@ -251,10 +238,6 @@ class _Batch:
         self.error, self.cause = error, cause
         self.completed_at = time.monotonic()  # before done: a wait() returns after this
         self.done.set()
-        if error is None:
-            self.future.set_result([op.tensor for op in self.ops])
-        else:
-            self.future.set_exception(RuntimeError(error))  # type: ignore[arg-type]
 
 
 class _Stalled(Exception):
@@ -380,8 +363,8 @@ class _Stream:
 
 def _after_fork_in_child() -> None:
     """The parent's workers did not survive the fork, and a lock held then would stay held."""
-    global _lock, _process, _blocked_s
-    _lock, _process, _blocked_s = threading.Lock(), None, 0.0
+    global _lock, _streams, _blocked_s
+    _lock, _streams, _blocked_s = threading.Lock(), {}, 0.0
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -412,15 +395,11 @@ def _own_store() -> Store:
 
 
 def _stream(group: Any, name: str) -> _Stream:
-    global _process
     with _lock:
-        if _process is None or _process[0] != os.getpid():  # first use, or a forked child
-            _process = (os.getpid(), {})
-        streams = _process[1]
         key = (group.group_name, name)
-        if key not in streams:
-            streams[key] = _Stream(group, name)
-        return streams[key]
+        if key not in _streams:
+            _streams[key] = _Stream(group, name)
+        return _streams[key]
 
 
 class _Work(dist.Work):
@@ -461,6 +440,3 @@ class _Work(dist.Work):
     def exception(self) -> BaseException | None:
         error = self._batch.error
         return None if error is None else RuntimeError(error)
-
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        return self._batch.future

@@ -84,18 +84,6 @@ def datasets_provider(
     return train, None, None
 
 
-def _reads_data(model: Any) -> bool:
-    """Whether this model chunk embeds or computes the loss (and so needs a batch)."""
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_attr_wrapped_model
-
-    vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    return bool(
-        parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-        or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    )
-
-
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Any:
     """Megatron-LM's per-token form: the summed loss, the token count, and what it logs."""
     mask = loss_mask.view(-1).float()
@@ -107,9 +95,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Any:
 
 def forward_step(data_iterator: Any, model: Any) -> Any:
     """One micro-batch through one model chunk; the loss function for the last stage."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
+
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     tokens = labels = loss_mask = position_ids = None
-    if _reads_data(model):
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    ends = (parallel_state.is_pipeline_first_stage, parallel_state.is_pipeline_last_stage)
+    if any(end(ignore_virtual=False, vp_stage=vp_stage) for end in ends):  # embeds, or the loss
         batch = {name: value.to(device) for name, value in next(data_iterator).items()}
         tokens, labels = batch["tokens"], batch["labels"]
         loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
