@@ -1,6 +1,2 @@
-"""bfpp-train's own trainer on megatron-core, apart from the Megatron-LM plugin.
-
-:mod:`.trainer` runs one rank's loop; :mod:`.checkpoint_metadata` and :mod:`.checkpoint_files`
-are torch-free, so the command line (:mod:`megatron_bfpp.cli.train`) reads a checkpoint before
-any rank starts; local ranks come from :mod:`megatron_bfpp.local_ranks`.
-"""
+"""bfpp-train's own trainer on megatron-core (:mod:`.trainer`), apart from the Megatron-LM plugin;
+its checkpoint metadata and files are torch-free, so the command line reads them before any rank."""

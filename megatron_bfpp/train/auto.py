@@ -1,12 +1,6 @@
 """``bfpp-train --pipeline-schedule auto``: the run's flags as an
-:class:`~megatron_bfpp.plan.auto.AutoRequest`, decided before any rank builds a model and
-written back into the flags as if the user had named the schedule.
-
-fp32, the distributed optimizer (Adam) and no recomputation are bfpp-train's fixed choices; the
-rest are flags. Started by the command, it decides once before forking; under torchrun or srun
-every rank decides from its flags, files and device, the ranks compare choices in torchrun's
-store and rank 0 prints the line (:mod:`megatron_bfpp.megatron.auto`).
-"""
+:class:`~megatron_bfpp.plan.auto.AutoRequest`, decided before any rank builds a model and written
+back into the flags as if the user had named the schedule (:mod:`megatron_bfpp.megatron.auto`)."""
 
 from __future__ import annotations
 

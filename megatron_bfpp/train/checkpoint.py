@@ -1,12 +1,7 @@
-"""``bfpp-train`` checkpoints (``--ckpt-format``): ``torch``, one ``torch.save`` file per rank
-(``rank_00000.pt`` ...), or ``torch_dist``, megatron-core's ``dist_checkpointing.save`` of the
-chunks' sharded state (fully sharded runs keep the parameters only as the optimizer's main
-parameters, which every load takes them from), the optimizer's and one RNG object per rank.
-
-Both share :mod:`.checkpoint_files` (atomic publish) and :mod:`.checkpoint_metadata` (what a resume
-must match). Loading never runs code from a file, and after each collective step the lowest failing
-rank prints one line while the others exit quietly (docs/design-notes.md, "Checkpoints").
-"""
+"""``bfpp-train`` checkpoints (``--ckpt-format``): ``torch``, one ``torch.save`` file per rank, or
+``torch_dist``, megatron-core's ``dist_checkpointing`` (fully sharded runs save the parameters only
+as the optimizer's main parameters). Loading never runs code from a file, and after each collective
+step the lowest failing rank prints one line (docs/design-notes.md, "Checkpoints")."""
 
 from __future__ import annotations
 
@@ -113,40 +108,10 @@ def _kill_point(point: str) -> None:
         time.sleep(_PAUSE_S)
 
 
-def _rng_state() -> dict[str, Any]:
-    """Byte tensors and ``random``'s tuple of ints: loadable with ``weights_only=True``."""
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    return {
-        "random": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    version, internal, gauss = state["random"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 def _parameter_keys(module: Any) -> set[str]:
     """The state-dict keys of the module's parameters (its other entries, such as Transformer
     Engine's ``_extra_state``, are not part of the optimizer's state)."""
     return {name for name, _ in module.named_parameters()}
-
-
-def _model_state(chunk: Any, *, parameters: bool) -> dict[str, Any]:
-    """A chunk's ``sharded_state_dict``, or (``parameters=False``) its entries that are not
-    parameters: only metadata is read from released (sharded) parameters, never their data."""
-    dropped = set() if parameters else _parameter_keys(chunk.module)
-    return {k: v for k, v in chunk.module.sharded_state_dict().items() if k not in dropped}
 
 
 def _sharded_state(
@@ -154,10 +119,12 @@ def _sharded_state(
 ) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    state: dict[str, Any] = {
-        f"model{index}": _model_state(chunk, parameters=parameters)
-        for index, chunk in enumerate(model)
-    }
+    state: dict[str, Any] = {}
+    for index, chunk in enumerate(model):
+        # without parameters: only metadata is read from released (sharded) ones, never their data
+        dropped = set() if parameters else _parameter_keys(chunk.module)
+        items = chunk.module.sharded_state_dict().items()
+        state[f"model{index}"] = {k: v for k, v in items if k not in dropped}
     state["optimizer"] = optimizer.sharded_state_dict(
         state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
     )
@@ -176,11 +143,8 @@ def _rank_file_name(rank: int) -> str:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def _refusal(error: BaseException) -> str:
@@ -209,10 +173,9 @@ def save_checkpoint(
     gather_chunk: GatherChunk | None = None,
     sharded: bool = False,
 ) -> Path:
-    """Save one checkpoint on every rank (collective), atomically (:mod:`.checkpoint_files`).
-    Fully sharded, ``gather_chunk(i)`` (torch format) makes chunk ``i`` whole while it is copied to
-    host, one chunk at a time; ``sharded`` (torch_dist) gathers nothing: the parameters are saved
-    only as the optimizer's main parameters, which every torch_dist load rebuilds them from."""
+    """Save one checkpoint on every rank (collective), atomically (:mod:`.checkpoint_files`). Fully
+    sharded, ``gather_chunk(i)`` (torch) makes chunk ``i`` whole while it is copied to host, and
+    ``sharded`` (torch_dist) gathers nothing (the optimizer's main parameters are saved)."""
     root = Path(root)
     temp = _shared_temp_dir(root, iteration)
     records: list[FileRecord] = []
@@ -237,11 +200,13 @@ def save_checkpoint(
     final = checkpoint_dir(root, iteration)
     error = None
     if dist.get_rank() == 0:
-        files = (
-            [record for rank_records in gathered for record in rank_records or []]
-            if ckpt_format == "torch"
-            else _file_sizes(temp)
-        )
+        files = [record for rank_records in gathered for record in rank_records or []]
+        if ckpt_format != "torch":  # megatron-core's files: sizes only
+            files = [
+                FileRecord(name=str(path.relative_to(temp)), size=path.stat().st_size, sha256=None)
+                for path in sorted(temp.rglob("*"))
+                if path.is_file()
+            ]
         saved = scheduler.state_dict()
         schedule = LRSchedule(**{k: saved[k] for k in LRSchedule.__dataclass_fields__})
         metadata = CheckpointMetadata(
@@ -326,15 +291,9 @@ def _publish(root: Path, temp: Path, final: Path, metadata: CheckpointMetadata) 
     remove_old(old)
 
 
-def _file_sizes(temp: Path) -> list[FileRecord]:
-    return [
-        FileRecord(name=str(path.relative_to(temp)), size=path.stat().st_size, sha256=None)
-        for path in sorted(temp.rglob("*"))
-        if path.is_file()
-    ]
-
-
 def _rank_state(scheduler: Any, iteration: int, consumed_samples: int) -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
     return {
         "format": "torch",
         "iteration": iteration,
@@ -342,7 +301,13 @@ def _rank_state(scheduler: Any, iteration: int, consumed_samples: int) -> dict[s
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
         "opt_param_scheduler": scheduler.state_dict(),
-        "rng_state": _rng_state(),
+        # byte tensors and random's tuple of ints: loadable with weights_only=True
+        "rng_state": {
+            "random": random.getstate(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": get_cuda_rng_tracker().get_states(),
+        },
     }
 
 
@@ -407,18 +372,16 @@ def load_checkpoint(
     scheduler_policy: SchedulerPolicy = "check",
 ) -> tuple[int, int]:
     """Restore model, optimizer, scheduler and RNG from ``root``'s latest complete checkpoint
-    (collective); returns ``(iteration, consumed_samples)``. Metadata is re-checked for callers
-    other than the command line."""
-    policy = scheduler_policy
+    (collective, metadata re-checked); returns ``(iteration, consumed_samples)``."""
     error = None
     try:
         path, metadata = read_checkpoint(root)
-        check_resume(metadata, run, root=root, scheduler=policy)
+        check_resume(metadata, run, root=root, scheduler=scheduler_policy)
     except CheckpointError as failure:
         error = failure
     _agree(error)  # past it, every rank has read its metadata
     try:
-        own_groups = _scheduler_group_values(optimizer) if policy == "override" else None
+        own_groups = _scheduler_group_values(optimizer) if scheduler_policy == "override" else None
         if metadata.ckpt_format == "torch":
             _load_torch(root, path, metadata, model, optimizer, scheduler, own_groups)
         else:
@@ -430,9 +393,8 @@ def load_checkpoint(
 
 
 def read_rank_file(file: Path, *, record: FileRecord | None = None, label: str = "") -> Any:
-    """A per-rank file checked against its recorded size and SHA-256, then read with
-    ``torch.load(weights_only=True)`` (only tensors and plain values, never code); ``label``
-    prefixes the error (``--load DIR:``)."""
+    """A per-rank file checked against its recorded SHA-256, then read with
+    ``torch.load(weights_only=True)`` (never code); ``label`` prefixes the error."""
     name = f"{label}{file.parent.name}/{file.name}"
     if record is not None and _sha256(file) != record.sha256:
         raise CheckpointError(
@@ -454,23 +416,36 @@ def read_rank_file(file: Path, *, record: FileRecord | None = None, label: str =
 
 
 def _scheduler_group_values(optimizer: Any) -> list[list[dict[str, Any]]]:
-    """What megatron-core's scheduler reads from each parameter group before its own values; loading
-    the optimizer brings the checkpoint's back, so with ``--override-opt_param-scheduler`` this
-    run's are restored (else the override would change the scheduler's numbers, not the rate)."""
+    """What megatron-core's scheduler prefers in each parameter group to its own values, which
+    loading the optimizer replaces by the checkpoint's (an override would not change the rate)."""
     return [
         [{key: group[key] for key in _SCHEDULER_GROUP_KEYS if key in group} for group in groups]
         for groups in (inner.param_groups for inner in _inner_optimizers(optimizer))
     ]
 
 
-def _restore_scheduler_group_values(
-    optimizer: Any, values: list[list[dict[str, Any]]] | None
+def _load_scheduler_and_rng(
+    state: dict[str, Any],
+    optimizer: Any,
+    scheduler: Any,
+    own_groups: list[list[dict[str, Any]]] | None,
 ) -> None:
-    if values is None:  # not --override-opt_param-scheduler: the checkpoint's stay
-        return
-    for inner, groups in zip(_inner_optimizers(optimizer), values, strict=True):
-        for group, own in zip(inner.param_groups, groups, strict=True):
-            group.update(own)
+    """After the optimizer: this run's parameter-group values under
+    ``--override-opt_param-scheduler`` (else the checkpoint's stay), the scheduler, the RNGs."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    if own_groups is not None:
+        for inner, groups in zip(_inner_optimizers(optimizer), own_groups, strict=True):
+            for group, own in zip(inner.param_groups, groups, strict=True):
+                group.update(own)
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    rng = state["rng_state"]
+    version, internal, gauss = rng["random"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    get_cuda_rng_tracker().set_states(rng["tracker"])
 
 
 def _load_torch(
@@ -500,9 +475,7 @@ def _load_torch(
             chunk.module.load_state_dict(chunk_state)
         for opt, opt_state in zip(_inner_optimizers(optimizer), state["optimizer"], strict=True):
             opt.load_state_dict(opt_state)
-        _restore_scheduler_group_values(optimizer, own_groups)
-        scheduler.load_state_dict(state["opt_param_scheduler"])
-        _set_rng_state(state["rng_state"])
+        _load_scheduler_and_rng(state, optimizer, scheduler, own_groups)
     except (AssertionError, KeyError, IndexError, RuntimeError, TypeError, ValueError) as error:
         raise CheckpointError(f"{where} does not fit this run: {first_line(error)}") from None
 
@@ -550,10 +523,9 @@ _DCP_METADATA_GLOBALS: dict[str, tuple[str, ...]] = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Knows only the types torch's distributed-checkpoint ``.metadata`` holds (an exact list,
-    plus torch's dtypes, layouts and memory formats); anything else is refused, never called.
-    Whole modules are not allowed: pickle resolves dotted names (``filesystem`` + ``os.system``),
-    so any module that imports ``os`` would hand out ``os.system``."""
+    """Knows only the types torch's distributed-checkpoint ``.metadata`` holds (and torch's dtypes,
+    layouts, memory formats), never a whole module: pickle resolves dotted names, so any module
+    importing ``os`` would hand out ``os.system``."""
 
     def find_class(self, module: str, name: str) -> Any:
         allowed = name in _DCP_METADATA_GLOBALS.get(module, ())
@@ -619,9 +591,7 @@ def _load_torch_dist(
             optimizer.load_state_dict(state["optimizer"])
             model_params_from_main_params(optimizer, model)
         restore_torch_adam_steps(optimizer)
-        _restore_scheduler_group_values(optimizer, own_groups)
-        scheduler.load_state_dict(state["opt_param_scheduler"])
-        _set_rng_state(state["rng_state"])
+        _load_scheduler_and_rng(state, optimizer, scheduler, own_groups)
     except Exception as error:  # megatron-core's reader: its errors name no flag we could
         raise CheckpointError(
             f"{label}{path.name} could not be loaded: {first_line(error)}"

@@ -1,19 +1,6 @@
-"""A checkpoint directory's files: the tracker, temporary directories and the atomic steps that
-publish a checkpoint. Torch-free (the command line reads a checkpoint before any rank starts).
-
-Layout of ``--save DIR`` (Megatron-LM's names)::
-
-    DIR/latest_checkpointed_iteration.txt     the last complete checkpoint's iteration
-    DIR/iter_0000020/                          one complete checkpoint
-    DIR/iter_0000020/bfpp_checkpoint.json      written last: its presence means "complete"
-
-A save killed at any moment must never destroy the last good copy: it is written into
-``iter_0000020.tmp-XXXX`` beside its final name, files and directory fsynced, metadata last, then
-renamed into place and the tracker replaced (temporary file, fsync, ``os.replace``). Re-saving an
-existing iteration moves the old directory aside (``iter_0000020.old-XXXX``) just before the
-rename and deletes it after the tracker update; a kill between the two renames is healed by
-:func:`complete_checkpoint` (finds the old copy) and the next save (:func:`clean_stale`).
-"""
+"""A checkpoint directory's files in Megatron-LM's layout (the tracker, ``iter_NNNNNNN/``) and the
+atomic steps that publish one, so a save killed at any moment keeps the last complete checkpoint
+(docs/train.md, "Checkpoints"). Torch-free: the command line reads a checkpoint before any rank."""
 
 from __future__ import annotations
 
@@ -139,10 +126,9 @@ def read_tracker(root: str | Path) -> int:
 
 
 def fresh_start_reason(root: str | Path) -> str | None:
-    """Why ``--load root`` starts from iteration 0, as Megatron-LM does with no tracker (requeued
-    ``--save D --load D`` on a first start, or after a kill in the first save); ``None``: there
-    is something to resume or :func:`read_tracker` refuses it. Only a missing directory or one
-    holding just what a first save leaves starts fresh: other files suggest a wrong path."""
+    """Why ``--load root`` starts from iteration 0 as Megatron-LM does with no tracker (a requeued
+    job's first start): only when missing or holding just what a first save leaves (other files
+    suggest a wrong path); ``None``: something to resume, or :func:`read_tracker` refuses it."""
     root = Path(root)
     try:
         names = os.listdir(root)
@@ -262,9 +248,8 @@ def complete_checkpoint(root: str | Path, iteration: int) -> Path | None:
 
 
 def clean_stale(root: str | Path) -> None:
-    """Before a save: put back a complete copy that a kill left aside (its ``iter_N`` is missing),
-    then delete what interrupted saves left: temporary directories (never pointed to by the
-    tracker) and copies aside whose ``iter_N`` is complete again."""
+    """Before a save: put back a complete copy a kill left aside (its ``iter_N`` missing), then
+    delete what interrupted saves left (temporary directories, copies aside of complete ones)."""
     root = Path(root)
     if not root.is_dir():
         return

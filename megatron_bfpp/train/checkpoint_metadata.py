@@ -1,9 +1,6 @@
-"""What a ``bfpp-train`` checkpoint says about itself (``bfpp_checkpoint.json``), and whether a
-run may resume from it (the rules: docs/design-notes.md, "Checkpoints").
-
-Torch-free, so the command line refuses an impossible resume before any rank starts, in one line
-per differing flag; the JSON lists every file with its size (rank files also SHA-256), so a
-truncated or replaced file is named before anything is unpickled.
+"""What a ``bfpp-train`` checkpoint says about itself (``bfpp_checkpoint.json``: its flags and every
+file's size, rank files' SHA-256) and whether a run may resume from it (docs/design-notes.md,
+"Checkpoints"); torch-free, so the command line refuses an impossible resume before any rank starts.
 """
 
 from __future__ import annotations
@@ -258,9 +255,8 @@ def _layout_differences(saved: RunConfig, current: RunConfig) -> list[str]:
 
 
 def _scheduler_differences(saved: CheckpointMetadata, current: RunConfig) -> list[str]:
-    """The flags whose values make this run's learning-rate schedule differ from the
-    checkpoint's, compared as megatron-core compares them (steps count samples). A changed
-    ``--global-batch-size`` is named alone when it is the only reason warm-up and decay differ."""
+    """The flags that make this run's learning-rate schedule differ from the checkpoint's as
+    megatron-core compares them (steps count samples: ``--global-batch-size`` alone moves them)."""
     was, now = saved.opt_param_scheduler, current.training.lr_schedule()
     training, old_gbs = current.training, saved.run.training.global_batch_size
     # this run's iteration counts at the checkpoint's batch size: what the iteration flags changed
@@ -335,9 +331,8 @@ def check_resume(
 
 
 def save_problem(root: str | Path, current: RunConfig) -> str | None:
-    """Why ``--save root`` (not resumed from) would overwrite another model's checkpoint, which this
-    run could never resume; no or unreadable checkpoint: left to the save, as Megatron-LM does; a
-    tracker that is no regular file: refused (the save would write through a symbolic link)."""
+    """Why ``--save root`` (not resumed from) would overwrite another model's checkpoint, or holds
+    a tracker that is no regular file; an unreadable checkpoint is left to the save."""
     tracker = Path(root) / TRACKER
     problem = regular_file_problem(tracker)
     if problem == "is missing":
@@ -361,10 +356,8 @@ def save_problem(root: str | Path, current: RunConfig) -> str | None:
 def resume_warnings(
     metadata: CheckpointMetadata, current: RunConfig, *, root: str | Path
 ) -> list[str]:
-    """What a resume accepts, as Megatron-LM's ``check_checkpoint_args`` does (it compares only the
-    model and parallel sizes, :func:`check_resume`), though ``--seed``, ``--data-path`` or
-    ``--split`` change the samples read from ``consumed_samples`` on (RNG states still come from
-    the checkpoint); one line per flag with both values."""
+    """One line per ``--seed``, ``--data-path`` or ``--split`` that differs: accepted as
+    Megatron-LM accepts it, though the samples from ``consumed_samples`` on change."""
     saved, now = metadata.run.training, current.training
     after = (
         f"the samples from {metadata.consumed_samples:,} on come from another stream; "

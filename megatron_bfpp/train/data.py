@@ -1,11 +1,7 @@
-"""Deterministic training data for ``bfpp-train``: synthetic arithmetic progressions (a loss that
-visibly falls), byte-level windows of a local text file, or Megatron's indexed datasets read by
-megatron-core's own classes (``GPTDataset``, ``BlendedDataset``).
-
-Every sample is a pure function of ``(seed, global sample index)``, so the data position is the
-consumed-sample count a checkpoint records: a resumed run reads what the uninterrupted run would
-have, on any layout, and a changed ``--global-batch-size`` neither skips nor repeats.
-"""
+"""Deterministic training data for ``bfpp-train``: synthetic arithmetic progressions, byte-level
+windows of a text file, or Megatron's indexed datasets through megatron-core's classes. A sample
+is a pure function of ``(seed, global index)``, so the consumed-sample count a checkpoint records
+is the data position on any layout and any ``--global-batch-size``."""
 
 from __future__ import annotations
 
@@ -19,7 +15,6 @@ from megatron_bfpp.train.data_source import IndexedSource, TextSource, data_sour
 
 __all__ = ["Batch", "IndexedTrainingData", "TrainingData", "training_data"]
 
-_BYTE_VOCAB_SIZE = 256
 _MAX_STEP = 4
 
 Batch = dict[str, torch.Tensor]
@@ -61,18 +56,8 @@ class TrainingData(_Samples):
         self.vocab_size = vocab_size
         self.seed = seed
         self.tokens: torch.Tensor | None = None
-        if data_path is not None:
+        if data_path is not None:  # its length and --vocab-size checked by the command line
             raw = Path(data_path).read_bytes()
-            if len(raw) < seq_length + 2:
-                raise ValueError(
-                    f"--data-path {data_path} has {len(raw)} bytes; need at least "
-                    f"seq_length + 2 = {seq_length + 2}"
-                )
-            if vocab_size < _BYTE_VOCAB_SIZE:
-                raise ValueError(
-                    f"--data-path uses byte-level tokens: --vocab-size must be >= "
-                    f"{_BYTE_VOCAB_SIZE}, got {vocab_size}"
-                )
             self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
 
     def sample(self, index: int) -> torch.Tensor:
@@ -102,9 +87,8 @@ _BATCH_KEYS = ("tokens", "labels", "position_ids", "loss_mask")
 
 @dataclasses.dataclass(frozen=True)
 class _TokenIds:
-    """What ``GPTDataset`` asks of a tokenizer when tokens are already ids: the vocabulary size
-    (its caches' token type) and an end-of-document id (used only with ``eod_mask_loss`` or the
-    reset flags, left off). No ``pad``: the dataset then pads with an id no token has."""
+    """What ``GPTDataset`` asks of a tokenizer when tokens are already ids (the end-of-document id
+    serves only flags left off; no ``pad``: the dataset then pads with an id no token has)."""
 
     vocab_size: int
     eod: int

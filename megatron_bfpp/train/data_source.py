@@ -1,9 +1,6 @@
-"""What ``--data-path`` names, decided before any rank starts: a text file (byte-level tokens) or
-Megatron's indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``), one prefix or Megatron-LM's blend
-``W1 P1 W2 P2 ...``. Torch-free: only file sizes and each ``.idx``'s header are read, so a
-truncated, mismatched or foreign file is one line before any rank imports megatron-core, instead
-of an ``AssertionError`` per rank or, for binary data given as text, training on its bytes.
-"""
+"""What ``--data-path`` names, checked before any rank starts: a text file (byte-level tokens) or
+Megatron's indexed datasets (one prefix or Megatron-LM's blend ``W1 P1 W2 P2 ...``). Torch-free and
+reading only sizes and ``.idx`` headers, so a bad file is one line, not an error per rank."""
 
 from __future__ import annotations
 

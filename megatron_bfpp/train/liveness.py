@@ -1,11 +1,6 @@
-"""Who is still alive, for ranks that torchrun or srun started (no bfpp-train launcher above them).
-
-With no parent speaking for the job, a dead rank makes every peer fail with a traceback that
-often names another survivor. So each rank beats a counter in the job's rendezvous store; a rank
-failing on communication reads the counters twice and the still ones are the ranks gone; the first
-failing rank to claim the report prints one line, the others exit quietly. Timings and the srun
-case (rank 0 hosts the store): docs/design-notes.md, "A dead rank under srun".
-"""
+"""Who is still alive, for ranks that torchrun or srun started (no bfpp-train launcher above them):
+each rank beats a counter in the job's store, so a rank failing on communication names the ranks
+whose counters stopped instead of a survivor (docs/design-notes.md, "A dead rank under srun")."""
 
 from __future__ import annotations
 
@@ -68,18 +63,16 @@ class Liveness:
     def counters(self) -> list[int]:
         return [self.store.add(f"beat/{rank}", 0) for rank in range(self.world_size)]
 
-    def silent_ranks(self, *, silence: float = _SILENCE) -> list[int]:
-        """Ranks whose heartbeat did not move in ``silence`` seconds (waits that long)."""
-        before = self.counters()
-        time.sleep(silence)
-        after = self.counters()
-        return [rank for rank in range(self.world_size) if after[rank] == before[rank]]
-
-    def judge(self, error: BaseException, *, silence: float = _SILENCE) -> Verdict | RanksLost:
+    def judge(self, error: BaseException) -> Verdict | RanksLost:
         """What this failing rank does with ``error``: report it, stay quiet, or report the ranks
-        that are gone (communication failures only: a lost peer fails them)."""
+        whose heartbeat stood still for ``_SILENCE`` s (communication failures only)."""
         try:
-            lost = self.silent_ranks(silence=silence) if isinstance(error, RuntimeError) else []
+            lost: list[int] = []
+            if isinstance(error, RuntimeError):
+                before = self.counters()
+                time.sleep(_SILENCE)
+                after = self.counters()
+                lost = [r for r, n in enumerate(after) if n == before[r] and r != self.rank]
             claimed = int(self.store.add("reported", 1)) == 1  # the first to ask reports
         except Exception:  # the store is gone with its host
             return Verdict.QUIET if self.claim_seen else self._store_lost()
@@ -87,10 +80,13 @@ class Liveness:
             time.sleep(_HOST_LINGER)
         if not claimed:
             return Verdict.QUIET
-        lost = [rank for rank in lost if rank != self.rank]
         if not lost:
             return Verdict.REPORT
-        return RanksLost(_lost_line(lost))
+        if len(lost) == 1:
+            who = f"rank {lost[0]} is gone: its heartbeat"
+        else:
+            who = f"ranks {lost} are gone: their heartbeats"
+        return RanksLost(f"{who} stopped (killed, crashed or stopped); stopped the other ranks")
 
     def _store_lost(self) -> Verdict | RanksLost:
         if not _first_on_this_node(self.where):
@@ -99,14 +95,6 @@ class Liveness:
             f"lost the job's rendezvous store at {self.where}: the rank or launcher hosting it "
             "(rank 0 under srun) is gone; stopped"
         )
-
-
-def _lost_line(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        who = f"rank {ranks[0]} is gone: its heartbeat"
-    else:
-        who = f"ranks {ranks} are gone: their heartbeats"
-    return f"{who} stopped (killed, crashed or stopped); stopped the other ranks"
 
 
 def _first_on_this_node(where: str) -> bool:

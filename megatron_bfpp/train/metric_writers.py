@@ -1,9 +1,6 @@
-"""Where bfpp-train's per-iteration record goes: the JSONL file, TensorBoard, Weights & Biases.
-
-Rank 0 builds one record per iteration for every writer, so all show the same numbers; scalar
-names follow Megatron-LM's so its dashboards read ours. ``tensorboard`` and ``wandb`` are imported
-only when their writer is built (:func:`missing_packages`: refused before any rank starts).
-"""
+"""Where bfpp-train's per-iteration record goes: the JSONL file, TensorBoard, Weights & Biases, all
+from rank 0's one record with Megatron-LM's scalar names; ``tensorboard`` and ``wandb`` are imported
+only when their writer is built (:func:`missing_packages`: refused before any rank starts)."""
 
 from __future__ import annotations
 
@@ -111,9 +108,8 @@ class GuardedWriter:
 
 
 def scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
-    """The record's numbers as (name, value) scalars; absent or null values are left out (a
-    non-finite grad norm is null: bfpp-train stops before applying NaN or inf gradients, so only
-    finite ones whose squares overflow the sum get here, and clipping scales them to zero)."""
+    """The record's numbers as (name, value) scalars; absent or null values (a grad norm whose
+    squares overflow the sum, which clipping scales to zero) are left out."""
     for key, name in SCALARS.items():
         value = record.get(key)
         if isinstance(value, (int, float)):
@@ -139,9 +135,8 @@ def _importable(package: str) -> bool:
 
 
 def _wandb_mode(environ: Mapping[str, str] = os.environ, netrc_path: str | None = None) -> str:
-    """``WANDB_MODE`` when set; else online only with an API key (environment or ~/.netrc, from
-    ``wandb login``), so a machine without one writes offline runs (``wandb sync`` uploads
-    them) instead of failing at the first iteration."""
+    """``WANDB_MODE`` when set, else online only with an API key (environment or ~/.netrc), so a
+    machine without one writes offline runs instead of failing at the first iteration."""
     if environ.get("WANDB_MODE"):
         return environ["WANDB_MODE"]
     if environ.get("WANDB_API_KEY"):
@@ -155,9 +150,8 @@ def _wandb_mode(environ: Mapping[str, str] = os.environ, netrc_path: str | None 
 
 @dataclass
 class JsonlWriter:
-    """One JSON object per line (strict JSON: no NaN), flushed each iteration. A stream, not
-    :func:`megatron_bfpp.files.write_output`: ``open`` already writes a device in place and
-    follows a symbolic link, and rewriting the file at each iteration would cost its size."""
+    """One strict JSON object per line, flushed each iteration; a stream, not
+    :func:`megatron_bfpp.files.write_output`, which would rewrite the whole file each time."""
 
     stream: TextIO
 

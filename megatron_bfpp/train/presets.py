@@ -1,12 +1,6 @@
-"""Model presets for ``bfpp-train`` and a split-independent initialisation.
-
-``gpt``: LayerNorm, GELU, learned absolute positions, biases, tied embeddings. ``llama``: RMSNorm,
-SwiGLU, RoPE, no biases, untied embeddings, grouped-query attention (``num_query_groups``). Both
-fp32, dropout 0, no fused kernels, so they run on CPU and GPU alike. :func:`init_by_global_names`
-draws each parameter at its full shape from a generator seeded by its *global* name, then takes
-this rank's tensor-parallel slice: every (tp, pp, vp, dp) layout holds the same model, so
-schedules and layouts compare loss for loss.
-"""
+"""Model presets for ``bfpp-train`` (``gpt``, ``llama``; fp32, no dropout or fused kernels, so CPU
+and GPU alike) and :func:`init_by_global_names`, so every (tp, pp, vp, dp) layout holds the same
+model and schedules and layouts compare loss for loss."""
 
 from __future__ import annotations
 
@@ -129,9 +123,8 @@ def gpt_chunks(
     to_gpu: bool = False,
     placement: Placement = Placement.LOOPED,
 ) -> list[Any]:
-    """This rank's ``GPTModel`` chunks, one per stage it holds, in ``placement`` (``looped``:
-    chunk ``c`` of pipeline rank ``r`` is stage ``c * pp + r``; ``v-shape``: stages ``r`` and
-    ``2pp - 1 - r``): the one place bfpp-train and the tests build models."""
+    """This rank's ``GPTModel`` chunks, one per stage it holds in ``placement``: the one place
+    bfpp-train and the tests build models."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -235,9 +228,8 @@ def init_by_global_names(
     seed: int,
     draw: Callable[[str, Sequence[int], int], torch.Tensor] | None = None,
 ) -> None:
-    """Fill every parameter deterministically from its global name (see the module docstring):
-    matrices and embeddings ~ N(0, 0.02), biases 0, norm weights 1. ``draw(global_name,
-    full_shape, seed)`` replaces that distribution (tests randomise biases and norms too)."""
+    """Fill every parameter from its global name at its full shape, then take this rank's tensor-
+    parallel slice; ``draw(global_name, full_shape, seed)`` replaces :func:`_draw`."""
     draw = draw or _draw
     from megatron.core import parallel_state
 
@@ -254,16 +246,9 @@ def init_by_global_names(
         param.copy_(full.to(device=param.device, dtype=param.dtype))
 
 
-def wrap_ddp(
-    model_chunks: Sequence[torch.nn.Module],
-    *,
-    overlap_grad_reduce: bool = False,
-    overlap_param_gather: bool = False,
-    **ddp_overrides: Any,
-) -> list[Any]:
-    """Wrap each chunk in megatron-core DDP and set the config hooks as Megatron-LM's training
-    setup does: ``no_sync_func``, ``grad_sync_func`` / ``param_sync_func`` (with overlap) and
-    ``finalize_model_grads_func``. Chunks after the first get ``disable_bucketing=True``."""
+def wrap_ddp(model_chunks: Sequence[torch.nn.Module], **ddp_overrides: Any) -> list[Any]:
+    """Wrap each chunk in megatron-core DDP (buckets for the first only) and set the config's
+    sync and finalize hooks as Megatron-LM's training setup does."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -271,12 +256,7 @@ def wrap_ddp(
     )
 
     config: Any = unwrap(model_chunks[0]).config
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather,
-        **ddp_overrides,
-    )
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **ddp_overrides)
     wrapped = [
         DistributedDataParallel(
             config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0
@@ -287,10 +267,10 @@ def wrap_ddp(
         chunk.broadcast_params()
     no_sync = [chunk.no_sync for chunk in wrapped]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    if overlap_grad_reduce:
+    if ddp_overrides.get("overlap_grad_reduce"):
         grad_sync = [chunk.start_grad_sync for chunk in wrapped]
         config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
-    if overlap_param_gather:
+    if ddp_overrides.get("overlap_param_gather"):
         param_sync = [chunk.start_param_sync for chunk in wrapped]
         config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
     config.finalize_model_grads_func = finalize_model_grads

@@ -1,10 +1,6 @@
-"""One run at a time per ``--save`` directory: two runs saving into one directory mixed their
-checkpoints and deleted each other's temporary directories.
-
-A run holds an exclusive ``flock`` on ``DIR/.bfpp_save.lock`` from before its ranks start to its
-end; the kernel releases it when the holder dies, so a stale file is simply taken over (no pid
-check, no race). Torch-free: the command line takes the lock before any rank starts.
-"""
+"""One run at a time per ``--save`` directory (two runs mixed their checkpoints): an exclusive
+``flock`` on ``DIR/.bfpp_save.lock``, which the kernel releases when its holder dies (a stale file
+is taken over). Torch-free: the command line takes the lock before any rank starts."""
 
 from __future__ import annotations
 
@@ -32,9 +28,8 @@ class SaveLock:
 
     @classmethod
     def acquire(cls, root: str | Path) -> SaveLock:
-        """Take ``root``'s lock or raise :class:`CheckpointError` in one line (the holder, or why:
-        a full disk, a looping link). ``root`` is made first, a symbolic link there followed (a
-        dangling one's target made); failing leaves nothing behind (a created file is removed)."""
+        """Take ``root``'s lock (``root`` made first, a symbolic link followed) or raise
+        :class:`CheckpointError` in one line naming the holder or why, leaving nothing behind."""
         root = Path(root)
         path = root / LOCK_FILE
         try:

@@ -1,10 +1,6 @@
-"""``bfpp-train``'s training loop on megatron-core alone (one process = one rank): the preset
-model's chunks in megatron-core DDP with the distributed optimizer (Adam), megatron-core's
-learning-rate scheduler, and one ``get_forward_backward_func(schedule)`` call per iteration.
-The loss is reported as Megatron-LM does (``lm_loss = sum of losses / sum of tokens`` over the
-micro-batches and data-parallel ranks); rank 0 writes each iteration's record to every
-destination asked for (:mod:`.metric_writers`).
-"""
+"""``bfpp-train``'s training loop on megatron-core alone (one process = one rank): DDP with the
+distributed optimizer (Adam), megatron-core's scheduler and one ``get_forward_backward_func``
+call per iteration; the loss is reported as Megatron-LM does, rank 0 writes the records."""
 
 from __future__ import annotations
 
@@ -65,9 +61,8 @@ def init_distributed(store: Any = None, timeout_s: float = 600.0) -> torch.devic
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timedelta(seconds=timeout_s),
+        **({} if store is None else {"store": store}),
     )
-    if store is not None:
-        kwargs["store"] = store
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -129,10 +124,8 @@ def _claim_start_up_report() -> bool:
 def _optimizer_and_scheduler(
     args: Any, model: list[Any], config: RunConfig, policy: SchedulerPolicy
 ) -> tuple[Any, Any]:
-    """Adam (distributed optimizer) and megatron-core's scheduler with
-    :meth:`Training.lr_schedule`'s values, which on resume megatron-core compares with the
-    checkpoint's (default) or replaces by this run's (``override``) or the checkpoint's
-    (``checkpoint``), as Megatron-LM's two flags do."""
+    """Adam (distributed optimizer) and megatron-core's scheduler, whose values on resume follow
+    ``policy`` as Megatron-LM's two flags do (compared, this run's, or the checkpoint's)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -162,21 +155,9 @@ def _optimizer_and_scheduler(
     return optimizer, scheduler
 
 
-def _reduce_loss(store: list[dict[str, torch.Tensor]], device: torch.device) -> float:
-    """Megatron-LM's reporting: sum ``[loss, tokens]`` over micro-batches and data-parallel
-    ranks. Reduced over the world (only last-stage ranks contribute) so every rank knows it."""
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for item in store:
-        total += item["lm loss"].to(device=device, dtype=torch.float64)
-    dist.all_reduce(total)
-    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
-
-
 def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
-    """The step's measured activation, parameter and gradient memory per pipeline rank of this
-    replica, gathered over the pipeline group (collective). Parameter and gradient peaks cover
-    the whole iteration, optimizer step included; sharded, also the data-parallel collectives
-    this rank's schedule issued (one all-gather per PS, one reduce-scatter per GS)."""
+    """The step's measured memory per pipeline rank of this replica (collective over the pipeline
+    group; peaks include the optimizer step) and, sharded, the data-parallel collectives issued."""
     from megatron.core import parallel_state
 
     report = run.forward_backward.last_memory
@@ -204,8 +185,7 @@ def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
     group = parallel_state.get_pipeline_model_parallel_group()
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
-    rows = [[int(v) for v in t.tolist()] for t in gathered]
-    memory: dict[str, Any] = {key: [row[i] for row in rows] for i, key in enumerate(mine)}
+    memory: dict[str, Any] = dict(zip(mine, torch.stack(gathered).T.tolist(), strict=True))
     # bfpp-sim's unit (sim.simulator.UNITS): a rank's chunk is 1/len(model) of a full stage
     memory["peak_activations"] = [round(v / len(run.model), 6) for v in memory["peak_activations"]]
     if cuda is None:
@@ -287,8 +267,6 @@ class _Run:
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-    iteration: int
-    consumed_samples: int
     loss: float
     grad_norm: float | None
     lr: float
@@ -453,17 +431,17 @@ def _loop(run: _Run) -> TrainResult:
     try:
         while run.iteration < args.train_iters:
             step = _train_step(run)
-            losses.append((step.iteration, step.loss))
-            progress.update(step.iteration, step.loss, step.step_time, step.lr)
+            losses.append((run.iteration, step.loss))
+            progress.update(run.iteration, step.loss, step.step_time, step.lr)
             memory = _memory_per_pipeline_rank(run) if _logs_metrics(args) else {}
             if writers:
                 record = _metrics_record(run, step, memory)
                 for writer in writers:
                     writer.write(record)
-            if args.save and args.save_interval and step.iteration % args.save_interval == 0:
+            if args.save and args.save_interval and run.iteration % args.save_interval == 0:
                 _save(run)
-                last_saved = step.iteration
-            if args.exit_interval and step.iteration % args.exit_interval == 0:
+                last_saved = run.iteration
+            if args.exit_interval and run.iteration % args.exit_interval == 0:
                 break  # Megatron-LM's --exit-interval: stop here (checkpoint below)
         if args.save and last_saved != run.iteration:
             _save(run)
@@ -496,20 +474,11 @@ def _logs_metrics(args: Any) -> bool:
 def _metric_writers(run: _Run) -> list[MetricWriter]:
     """Rank 0's writers of the per-iteration record, one per destination asked for."""
     args = run.args
-    config = {
-        "pipeline_schedule": args.pipeline_schedule,
-        "model": args.model,
-        "num_layers": args.num_layers,
-        "hidden_size": args.hidden_size,
-        "tensor_model_parallel_size": args.tensor_model_parallel_size,
-        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-        "data_parallel_size": run.dp_size,
-        "num_microbatches": run.num_microbatches,
-        "global_batch_size": args.global_batch_size,
-        "micro_batch_size": args.micro_batch_size,
-        "seq_length": args.seq_length,
-        "lr": args.lr,
-    }
+    first = "pipeline_schedule model num_layers hidden_size tensor_model_parallel_size"
+    config = {key: getattr(args, key) for key in [*first.split(), "pipeline_model_parallel_size"]}
+    config.update(data_parallel_size=run.dp_size, num_microbatches=run.num_microbatches)
+    for key in ("global_batch_size", "micro_batch_size", "seq_length", "lr"):
+        config[key] = getattr(args, key)
     builders: dict[str, tuple[str | None, Callable[[], MetricWriter]]] = {
         "--metrics-file": (
             args.metrics_file,
@@ -569,7 +538,13 @@ def _train_step(run: _Run) -> _Step:
         micro_batch_size=args.micro_batch_size,
         forward_only=False,
     )
-    loss = _reduce_loss(list(store), run.device)
+    # Megatron-LM's lm loss: [loss, tokens] summed over micro-batches and data-parallel ranks,
+    # reduced over the world (only last-stage ranks contribute) so every rank knows it
+    total = torch.zeros(2, dtype=torch.float64, device=run.device)
+    for item in store:
+        total += item["lm loss"].to(device=run.device, dtype=torch.float64)
+    dist.all_reduce(total)
+    loss = float(total[0] / total[1]) if total[1] > 0 else float("nan")
     if not math.isfinite(loss):
         raise FloatingPointError(
             f"lm loss is {loss} at iteration {run.iteration + 1}: training diverged "
@@ -587,8 +562,6 @@ def _train_step(run: _Run) -> _Step:
     run.iteration += 1
     run.consumed_samples += args.global_batch_size
     return _Step(
-        iteration=run.iteration,
-        consumed_samples=run.consumed_samples,
         loss=loss,
         grad_norm=None if grad_norm is None else float(grad_norm),
         lr=float(run.optimizer.param_groups[0]["lr"]),
@@ -597,9 +570,8 @@ def _train_step(run: _Run) -> _Step:
 
 
 def _check_gradients(run: _Run, loss: float) -> None:
-    """Megatron-LM's NaN check on loss and grad, always on: fp32 has no grad scaler to skip a step
-    with NaN or inf gradients, so the optimizer would apply it and the next save keep it. The
-    verdict is reduced over the world, so all ranks stop at the same step."""
+    """Megatron-LM's NaN check on the gradients, always on (fp32 has no grad scaler to skip such a
+    step), reduced over the world so all ranks stop at the same step."""
     from megatron_bfpp.runtime import gradients_finite
 
     sharded = run.args.data_parallel_sharding_strategy != "optim"
@@ -631,8 +603,8 @@ def _kept_checkpoint(args: Any) -> str:
 def _metrics_record(run: _Run, step: _Step, memory: dict[str, Any]) -> dict[str, Any]:
     args = run.args
     return {
-        "iteration": step.iteration,
-        "consumed_samples": step.consumed_samples,
+        "iteration": run.iteration,
+        "consumed_samples": run.consumed_samples,
         "lm_loss": step.loss,
         "step_time_s": step.step_time,
         "pipeline_schedule": args.pipeline_schedule,
