@@ -1,9 +1,6 @@
-"""The one module that owns every megatron-core call whose form depends on the installed version.
-
-Names alike across ``SUPPORTED_WINDOW`` are imported directly elsewhere (docs/architecture.md);
-a call that changed goes through a shim here, saying which versions it covers. The version is
-read from ``megatron.core.package_info``, never guessed from a ``TypeError``.
-"""
+"""Every megatron-core call whose form depends on the installed version, each shim saying which
+versions it covers (docs/architecture.md); the version is read from ``package_info``, never
+guessed from a ``TypeError``."""
 
 from __future__ import annotations
 
@@ -108,11 +105,10 @@ class UnsupportedTorchError(UnsupportedVersionError):
 
 def _release(version: str) -> tuple[int, ...]:
     """``(2, 14, 1)`` from ``2.14.1+cu130`` or ``2.15.0a0+git...``."""
-    parts = []
-    for part in version.split("+")[0].split(".")[:3]:
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        parts.append(int(digits or 0))
-    return tuple(parts)
+    return tuple(
+        int("".join(itertools.takewhile(str.isdigit, part)) or 0)
+        for part in version.split("+")[0].split(".")[:3]
+    )
 
 
 def check_torch(version: str | None = None) -> str | None:
@@ -123,7 +119,6 @@ def check_torch(version: str | None = None) -> str | None:
 
         version = str(torch.__version__)
     found = _release(version)
-    tested = [_release(v) for v in TORCH_WINDOW.tested]
     if found[:2] < TORCH_WINDOW.first:
         first = ".".join(map(str, TORCH_WINDOW.first))
         raise UnsupportedTorchError(
@@ -131,7 +126,7 @@ def check_torch(version: str | None = None) -> str | None:
             f"{', '.join(TORCH_WINDOW.tested)}); install e.g. pip install "
             f"'torch=={TORCH_WINDOW.tested[-1]}'"
         )
-    if found[:2] > max(tested)[:2]:
+    if found[:2] > max(map(_release, TORCH_WINDOW.tested))[:2]:
         return (
             f"megatron_bfpp: warning: torch {version} is newer than the versions megatron_bfpp "
             f"is tested with ({', '.join(TORCH_WINDOW.tested)}); it runs, untested"
@@ -214,16 +209,13 @@ def call_megatron_get_forward_backward_func(
     original: Any, *, pp_size: int | None, vp_size: int | None, schedule_pg_collection: Any
 ) -> Any:
     """megatron's own ``get_forward_backward_func``: 0.19+ take ``schedule_pg_collection``."""
-    if _at_least(0, 19):
-        return original(
-            pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection
-        )
-    if schedule_pg_collection is not None:
+    extra = {"schedule_pg_collection": schedule_pg_collection} if _at_least(0, 19) else {}
+    if schedule_pg_collection is not None and not extra:
         raise UnsupportedMegatronError(
             "schedule_pg_collection needs megatron-core >= 0.19; "
             f"found {'.'.join(map(str, megatron_core_version()))}"
         )
-    return original(pp_size=pp_size, vp_size=vp_size)
+    return original(pp_size=pp_size, vp_size=vp_size, **extra)
 
 
 def is_multi_module_collection(schedule_pg_collection: Any) -> bool:
@@ -267,11 +259,8 @@ def sharded_param_buckets(chunk: Any) -> list[ShardedBucket]:
 
 def extra_main_grad_params(chunk: Any) -> int:
     """Parameters keeping ``main_grad`` outside the gradient buffer (0.19's; 0.16 has none)."""
-    return sum(
-        len(getattr(bucket, "params_with_extra_main_grads", ()))
-        for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
-        for bucket in group.buckets
-    )
+    found = sharded_param_buckets(chunk)
+    return sum(len(getattr(each.bucket, "params_with_extra_main_grads", ())) for each in found)
 
 
 def param_bucket_ranges(chunk: Any) -> dict[Any, tuple[Any, int, int]]:
@@ -349,16 +338,12 @@ def _distributed_optimizers(optimizer: Any) -> list[Any]:
                 f"{type(each).__name__}; build the optimizer with use_distributed_optimizer=True "
                 "(Megatron-LM: --use-distributed-optimizer)"
             )
-        config = each.config
-        if getattr(config, "use_precision_aware_optimizer", False):
+        if getattr(each.config, "use_precision_aware_optimizer", False):
             raise ValueError(
                 "fully sharded training (optim_grads_params) does not support the "
                 "precision-aware optimizer; drop --use-precision-aware-optimizer"
             )
-        ddp_config = each.ddp_config
-        if getattr(ddp_config, "fp8_param_gather", False) or getattr(
-            ddp_config, "fp4_param_gather", False
-        ):
+        if any(getattr(each.ddp_config, f"{kind}_param_gather", False) for kind in ("fp8", "fp4")):
             raise ValueError(
                 "fully sharded training (optim_grads_params) does not support FP8/FP4 "
                 "parameter gathers; drop --fp8-param-gather"
@@ -462,12 +447,15 @@ def model_params_from_main_params(optimizer: Any, chunks: Any) -> None:
         chunk.start_param_sync(force_sync=True)
 
 
-def _torch_adams(optimizer: Any) -> list[Any]:
-    """The torch ``Adam`` optimizers inside megatron-core's (chained) optimizer."""
+def _adam_params(optimizer: Any) -> Iterator[tuple[Any, dict[str, Any], Any]]:
+    """Each parameter of the torch ``Adam`` optimizers inside megatron-core's (chained) one."""
     import torch
 
-    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]]
-    return [o for o in inner if isinstance(o, torch.optim.Adam)]
+    for each in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if isinstance(each.optimizer, torch.optim.Adam):
+            for group in each.optimizer.param_groups:
+                for param in group["params"]:
+                    yield each.optimizer, group, param
 
 
 def torch_adam_state_for_load(optimizer: Any) -> None:
@@ -475,15 +463,13 @@ def torch_adam_state_for_load(optimizer: Any) -> None:
     optimizer's ``sharded_state_dict`` asserts torch Adam's ``step`` (zero is none to Adam)."""
     import torch
 
-    for inner in _torch_adams(optimizer):
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if not inner.state[param]:
-                    inner.state[param] = {
-                        "step": torch.tensor(0.0),
-                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-                    }
+    for inner, _, param in _adam_params(optimizer):
+        if not inner.state[param]:
+            inner.state[param] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }
 
 
 def restore_torch_adam_steps(optimizer: Any) -> None:
@@ -491,14 +477,10 @@ def restore_torch_adam_steps(optimizer: Any) -> None:
     distributed optimizer loads one shared, stale tensor: a resumed run differed)."""
     import torch
 
-    for inner in _torch_adams(optimizer):
-        for group in inner.param_groups:
-            if "step" not in group:
-                continue
-            for param in group["params"]:
-                state = inner.state[param]
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = torch.full_like(state["step"], float(group["step"]))
+    for inner, group, param in _adam_params(optimizer):
+        state = inner.state[param] if "step" in group else {}
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = torch.full_like(state["step"], float(group["step"]))
 
 
 class _PipelineGroupAs:

@@ -44,12 +44,9 @@ def pipeline_schedule_choices() -> tuple[str, ...]:
     return ("default", AUTO, *schedule_names())
 
 
-_GROUP_TITLE = "pipeline schedule (megatron_bfpp)"
-
-
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the megatron_bfpp argument group to ``parser`` (returns it, like Megatron's helpers)."""
-    group = parser.add_argument_group(title=_GROUP_TITLE)
+    group = parser.add_argument_group(title="pipeline schedule (megatron_bfpp)")
     group.add_argument(
         "--pipeline-schedule",
         choices=pipeline_schedule_choices(),
@@ -78,11 +75,9 @@ def apply_schedule_defaults(args: Any) -> None:
     """Before Megatron's ``validate_args``: a looped or V-shape schedule given no virtual stages
     gets 2 per rank, as in bfpp-train, as if the user had passed it."""
     spec = SCHEDULES.get(getattr(args, "pipeline_schedule", "default"))
-    if spec is None or spec.placement is Placement.SINGLE:
-        return
-    if any(getattr(args, name, None) is not None for name in _VP_SOURCES):
-        return
-    args.num_virtual_stages_per_pipeline_rank = spec.default_stages_per_rank
+    given = any(getattr(args, name, None) is not None for name in _VP_SOURCES)
+    if spec is not None and spec.placement is not Placement.SINGLE and not given:
+        args.num_virtual_stages_per_pipeline_rank = spec.default_stages_per_rank
 
 
 def schedule_options_from_args(args: Any) -> dict[str, Any]:
@@ -114,7 +109,13 @@ def check_schedule_args(args: Any) -> None:
             f"--pipeline-schedule {name} needs --pipeline-model-parallel-size >= 2 (got {pp}); "
             "without pipeline parallelism use --pipeline-schedule default"
         )
-    sharding = _sharding_strategy(name, args)
+    sharding: str = getattr(args, "bfpp_data_parallel_sharding_strategy", None) or "optim"
+    if sharding not in SHARDING_STRATEGIES:  # Megatron-FSDP's values
+        raise ScheduleError(
+            f"--data-parallel-sharding-strategy {sharding} is Megatron-FSDP's; with "
+            f"--pipeline-schedule {name} choose optim (the distributed optimizer) or "
+            "optim_grads_params (parameters sharded too, gathered per chunk by the schedule)"
+        )
     check_fit(
         name,
         pp=pp,
@@ -134,8 +135,13 @@ def check_schedule_args(args: Any) -> None:
             f"--pipeline-schedule {name} does not support --rampup-batch-size yet; "
             "use --pipeline-schedule default"
         )
-    if get_spec(name).placement is Placement.V_SHAPE:
-        _check_v_shape_args(name, args)
+    v_shape_refused = (*UNEVEN_LAYOUT_FLAGS, *NO_V_SHAPE_FLAGS)
+    given = [flag for flag, dest in v_shape_refused if getattr(args, dest, None)]
+    if get_spec(name).placement is Placement.V_SHAPE and given:
+        raise ScheduleError(
+            f"--pipeline-schedule {name} places layers evenly on a V (rank r holds stages r and "
+            f"2p-1-r) and does not support {given[0]} yet; drop it"
+        )
     if sharding != "optim":
         _check_sharded_optimizer_args(args)
 
@@ -156,29 +162,6 @@ NO_V_SHAPE_FLAGS = (
 )
 
 
-def _check_v_shape_args(name: str, args: Any) -> None:
-    """What a V-shape schedule cannot run with in Megatron-LM yet, one line each."""
-    unsupported = (*UNEVEN_LAYOUT_FLAGS, *NO_V_SHAPE_FLAGS)
-    given = [flag for flag, dest in unsupported if getattr(args, dest, None)]
-    if given:
-        raise ScheduleError(
-            f"--pipeline-schedule {name} places layers evenly on a V (rank r holds stages r and "
-            f"2p-1-r) and does not support {given[0]} yet; drop it"
-        )
-
-
-def _sharding_strategy(name: str, args: Any) -> str:
-    """Our sharding strategy from Megatron-LM's flag; Megatron-FSDP's values refused."""
-    strategy: str = getattr(args, "bfpp_data_parallel_sharding_strategy", None) or "optim"
-    if strategy not in SHARDING_STRATEGIES:
-        raise ScheduleError(
-            f"--data-parallel-sharding-strategy {strategy} is Megatron-FSDP's; with "
-            f"--pipeline-schedule {name} choose optim (the distributed optimizer) or "
-            "optim_grads_params (parameters sharded too, gathered per chunk by the schedule)"
-        )
-    return strategy
-
-
 def _check_sharded_optimizer_args(args: Any) -> None:
     """The optimizer flags sharded parameters (``optim_grads_params``) need or cannot run with."""
     if not getattr(args, "use_distributed_optimizer", False):
@@ -188,14 +171,8 @@ def _check_sharded_optimizer_args(args: Any) -> None:
         )
     reads_parameters = [
         flag
-        for flag, dest in (
-            ("--log-params-norm", "log_params_norm"),
-            (
-                "--check-weight-hash-across-dp-replicas-interval",
-                "check_weight_hash_across_dp_replicas_interval",
-            ),
-        )
-        if getattr(args, dest, None)
+        for flag in ("--log-params-norm", "--check-weight-hash-across-dp-replicas-interval")
+        if getattr(args, flag[2:].replace("-", "_"), None)
     ]
     if reads_parameters:
         raise ScheduleError(
@@ -209,16 +186,11 @@ def _check_sharded_optimizer_args(args: Any) -> None:
         )
     unsupported = [
         flag
-        for flag, on in (
-            ("--use-precision-aware-optimizer", getattr(args, "use_precision_aware_optimizer", 0)),
-            ("--fp8-param-gather", getattr(args, "fp8_param_gather", False)),
-            (
-                "--num-distributed-optimizer-instances",
-                (getattr(args, "num_distributed_optimizer_instances", 1) or 1) > 1,
-            ),
-        )
-        if on
+        for flag in ("--use-precision-aware-optimizer", "--fp8-param-gather")
+        if getattr(args, flag[2:].replace("-", "_"), None)
     ]
+    if (getattr(args, "num_distributed_optimizer_instances", 1) or 1) > 1:
+        unsupported.append("--num-distributed-optimizer-instances")
     if unsupported:
         raise ScheduleError(
             f"{unsupported[0]} is not supported with --data-parallel-sharding-strategy "

@@ -1,11 +1,7 @@
-"""``--pipeline-schedule auto`` in the front ends: what each knows, turned into
-:class:`~megatron_bfpp.plan.auto.AutoRequest`, the decision written back as if the user had
-named it, and its one line printed once per job.
-
-Every rank decides on its own; ranks started by torchrun compare their choices in the launcher's
-store (:func:`agree_across_ranks`), since their inputs may differ, and stop alike with one line
-where they do. Only :func:`probe_device` imports torch (the SLURM pre-flight uses the rest).
-"""
+"""``--pipeline-schedule auto`` in the front ends: what each knows as an ``AutoRequest``, the
+decision written back as if the user had named it. Every rank decides alone; torchrun's ranks
+compare their choices in the launcher's store, since their inputs may differ. Only
+:func:`probe_device` imports torch (the SLURM pre-flight uses the rest)."""
 
 from __future__ import annotations
 
@@ -158,24 +154,23 @@ def disagreement(everyone: Sequence[Mapping[str, str]]) -> str | None:
     decisions = [facts["decision"] for facts in everyone]
     if len(set(decisions)) < 2:
         return None
-    for facet, advice in (*_INPUTS, ("arguments", "give every rank the same arguments")):
-        values = [facts.get(facet, "") for facts in everyone] if facet != "arguments" else decisions
-        if len(set(values)) < 2:
-            continue
-        groups: dict[str, list[int]] = {}
-        for rank, value in enumerate(values):
-            groups.setdefault(value, []).append(rank)
-        shown = "; ".join(
-            f"{_ranks_text(ranks)}: {value}"
-            + (f" -> {decisions[ranks[0]]}" if facet != "arguments" else "")
-            for value, ranks in groups.items()
-        )
-        reason = f"their {facet} differs" if facet != "arguments" else "from the same inputs"
-        return (
-            f"--pipeline-schedule auto: the ranks chose differently, {reason} ({shown}); "
-            f"{advice}, or name the schedule"
-        )
-    return None  # unreachable: the decisions differ
+    differs = (each for each in _INPUTS if len({facts.get(each[0], "") for facts in everyone}) > 1)
+    # the decisions differ: where no other input does, the arguments do
+    facet, advice = next(differs, ("arguments", "give every rank the same arguments"))
+    values = [facts.get(facet, "") for facts in everyone] if facet != "arguments" else decisions
+    groups: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    shown = "; ".join(
+        f"{_ranks_text(ranks)}: {value}"
+        + (f" -> {decisions[ranks[0]]}" if facet != "arguments" else "")
+        for value, ranks in groups.items()
+    )
+    reason = f"their {facet} differs" if facet != "arguments" else "from the same inputs"
+    return (
+        f"--pipeline-schedule auto: the ranks chose differently, {reason} ({shown}); "
+        f"{advice}, or name the schedule"
+    )
 
 
 def _store(env: Mapping[str, str], timeout: float) -> Any:
@@ -261,17 +256,11 @@ def precision_of(*, sixteen_bit: bool, optimizer: str = "adam") -> Precision:
 
 # --------------------------------------------------------------------------- Megatron-LM
 
-_TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257}
-
 
 def _megatron_model(args: Any) -> Model:
     """Megatron-LM's parsed arguments as the planner's model (``validate_args``'s defaults)."""
-    groups = (
-        getattr(args, "num_query_groups", None)
-        if getattr(args, "group_query_attention", False)
-        else None
-    )
-    vocab = getattr(args, "vocab_size", None) or _TOKENIZER_VOCAB.get(
+    groups = getattr(args, "group_query_attention", False) and getattr(args, "num_query_groups", 0)
+    vocab = getattr(args, "vocab_size", None) or {"GPT2BPETokenizer": 50257}.get(
         str(getattr(args, "tokenizer_type", ""))
     )
     return model_description(
@@ -332,16 +321,11 @@ def megatron_request(
         )
     if getattr(args, "rampup_batch_size", None):
         raise ScheduleError("--pipeline-schedule auto does not support --rampup-batch-size")
+    needed = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
     missing = [
         flag
-        for flag, dest in (
-            ("--num-layers", "num_layers"),
-            ("--hidden-size", "hidden_size"),
-            ("--num-attention-heads", "num_attention_heads"),
-            ("--seq-length", "seq_length"),
-            ("--micro-batch-size", "micro_batch_size"),
-        )
-        if getattr(args, dest, None) is None
+        for flag in (*needed, "--micro-batch-size")
+        if getattr(args, flag[2:].replace("-", "_"), None) is None
     ]
     if missing:
         raise ScheduleError(f"--pipeline-schedule auto needs {', '.join(missing)}")
@@ -382,22 +366,8 @@ def megatron_request(
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         group_size=getattr(args, "breadth_first_group_size", None),
         max_stored=getattr(args, "bpipe_max_stored", None),
-        vp_flag="--num-virtual-stages-per-pipeline-rank",
         unavailable=tuple(unavailable),
     )
-
-
-def _apply_to_megatron_args(args: Any, decision: Decision) -> None:
-    """Write the decision into Megatron's arguments as if the user had typed it."""
-    c = decision.chosen.candidate
-    args.pipeline_schedule = c.schedule
-    if get_spec(c.schedule).placement is not Placement.SINGLE:
-        given = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-        if not given:
-            args.num_virtual_stages_per_pipeline_rank = c.vp
-    args.breadth_first_group_size = c.group_size
-    args.bpipe_max_stored = c.max_stored
-    setattr(args, AUTO_DEST, decision.line())
 
 
 def resolve_megatron_auto(
@@ -424,12 +394,6 @@ def resolve_megatron_auto(
                 flush=True,
             )
         return None
-    inputs = auto_inputs(
-        profile_path=getattr(args, "pipeline_schedule_auto_profile", None),
-        gpu_flag=getattr(args, "pipeline_schedule_auto_gpu", None),
-        device=device,
-        env=env,
-    )
     decision = decide_alike(
         lambda: megatron_request(
             args,
@@ -438,13 +402,25 @@ def resolve_megatron_auto(
             hw=hardware_from_args(args, device=device),
             sharding=sharding,
         ),
-        inputs=inputs,
+        inputs=auto_inputs(
+            profile_path=getattr(args, "pipeline_schedule_auto_profile", None),
+            gpu_flag=getattr(args, "pipeline_schedule_auto_gpu", None),
+            device=device,
+            env=env,
+        ),
         env=env,
         agree=not quiet,
     )
     if not quiet:
         announce(decision, report=getattr(args, "pipeline_schedule_auto_report", None), env=env)
-    _apply_to_megatron_args(args, decision)
+    c = decision.chosen.candidate  # written back as if the user had typed it
+    args.pipeline_schedule = c.schedule
+    looped = get_spec(c.schedule).placement is not Placement.SINGLE
+    if looped and not getattr(args, "num_layers_per_virtual_pipeline_stage", None):
+        args.num_virtual_stages_per_pipeline_rank = c.vp
+    args.breadth_first_group_size = c.group_size
+    args.bpipe_max_stored = c.max_stored
+    setattr(args, AUTO_DEST, decision.line())
     return decision
 
 

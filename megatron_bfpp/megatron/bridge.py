@@ -1,9 +1,6 @@
-"""Megatron-Bridge (and NeMo's recipes built on it): our schedules for Bridge's ``pretrain()``.
-
-Bridge binds ``get_forward_backward_func`` at import, so :func:`use_schedule` replaces its names
-too, in any import order; what Bridge would run past the hook or cannot build for a schedule is
-refused in one line, not run with a silently different schedule.
-"""
+"""Our schedules for Megatron-Bridge's ``pretrain()`` (and NeMo's recipes built on it): Bridge
+binds ``get_forward_backward_func`` at import, so :func:`use_schedule` replaces its names too;
+what Bridge would run past the hook or cannot build for a schedule is refused in one line."""
 
 from __future__ import annotations
 
@@ -15,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.megatron.auto import resolve_bridge_auto, split_world
 from megatron_bfpp.plan.auto import AUTO
 from megatron_bfpp.schedules.fit import check_fit, step_batch_sizes
 from megatron_bfpp.schedules.registry import get_spec, schedule_names
@@ -38,13 +36,10 @@ def use_schedule(
 ) -> None:
     """Run ``name`` (a ``--pipeline-schedule`` name, ``options`` its own) in Bridge's
     ``pretrain(config, ...)``; ``auto_*`` are the ``--pipeline-schedule-auto-*`` flags. Raises
-    :class:`ScheduleError` (one line) for a schedule that does not fit ``config``, before any work.
-    """
+    :class:`ScheduleError` (one line) for a schedule that does not fit ``config``, before work."""
     from megatron_bfpp.megatron import plugin
 
     if name == AUTO:
-        from megatron_bfpp.megatron.auto import resolve_bridge_auto
-
         name, options, _ = resolve_bridge_auto(
             config,
             options,
@@ -59,7 +54,7 @@ def use_schedule(
     check_bridge_config(config, name, options, sharding=data_parallel_sharding_strategy)
     plugin.install()
     plugin.set_schedule(name, **options)
-    for module in _bridge_modules():
+    for module in map(importlib.import_module, BRIDGE_SITES):  # importing them: Bridge is in use
         if module.get_forward_backward_func is not plugin.get_forward_backward_func:
             plugin.add_patch(module, "get_forward_backward_func", plugin.get_forward_backward_func)
     evaluation = importlib.import_module("megatron.bridge.training.eval")
@@ -109,10 +104,11 @@ def check_bridge_config(
     if spec.placement is Placement.LOOPED and not model.virtual_pipeline_model_parallel_size:
         model.virtual_pipeline_model_parallel_size = 2
     vp = model.virtual_pipeline_model_parallel_size
-    dp = _data_parallel_size(model)
-    if dp is None:  # the runtime checks the micro-batches at the first step
+    world = os.environ.get("WORLD_SIZE", "")
+    if not world.isdigit():  # the runtime checks the micro-batches at the first step
         spec.chunks_for(vp, vp_flag=VP_FIELD)
         return
+    dp = split_world(model, int(world))[3]
     check_fit(
         name,
         pp=pp,
@@ -126,25 +122,12 @@ def check_bridge_config(
     )
 
 
-def _data_parallel_size(model: Any) -> int | None:
-    """Bridge's data-parallel size from the launcher's WORLD_SIZE (None without it)."""
-    from megatron_bfpp.megatron.auto import split_world
-
-    world = os.environ.get("WORLD_SIZE", "")
-    return split_world(model, int(world))[3] if world.isdigit() else None
-
-
 def _with_config_options(config: Any, name: str, options: dict[str, Any]) -> dict[str, Any]:
     """Interleaved's micro-batch group from Bridge's own field, as Megatron-LM's flag does."""
     group = getattr(config.model, "microbatch_group_size_per_vp_stage", None)
     if name == "interleaved" and group and "microbatch_group_size" not in options:
         return {**options, "microbatch_group_size": int(group)}
     return dict(options)
-
-
-def _bridge_modules() -> list[Any]:
-    """Bridge's training modules that bind the function (importing them: Bridge is in use)."""
-    return [importlib.import_module(site) for site in BRIDGE_SITES]
 
 
 def _guard_multi_module(evaluate: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,14 +1,12 @@
 """A rank's model chunks in any placement the catalogue names: megatron-core's looped one and
 the V-shape, whose chunk holding stage ``s`` is built as looped slot ``(s // p, s % p)`` (the
 same layers, so checkpoints name parameters alike), tied embeddings both on rank 0
-(docs/architecture.md#megatron-integration).
-"""
+(docs/architecture.md#megatron-integration)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,35 +21,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class _ChunkPlace:
-    """Where one model chunk sits and how megatron-core must be told to build it."""
-
-    chunk: int
-    stage: int
-    pre_process: bool
-    post_process: bool
-    vp_stage: int | None
-    megatron_rank: int  # the pipeline rank megatron-core's layer arithmetic must see
-
-
-def _chunk_places(layout: StageLayout, rank: int) -> tuple[_ChunkPlace, ...]:
-    """The chunks of pipeline ``rank`` under ``layout``, in chunk order."""
-    stages = layout.stages_of(rank)
-    p = layout.num_ranks
-    return tuple(
-        _ChunkPlace(
-            chunk=chunk,
-            stage=stage,
-            pre_process=stage == 0,
-            post_process=layout.is_last(stage),
-            vp_stage=stage // p if len(stages) > 1 else None,
-            megatron_rank=stage % p,
-        )
-        for chunk, stage in enumerate(stages)
-    )
-
-
 def build_chunks(
     provider: Callable[..., torch.nn.Module],
     *,
@@ -64,15 +33,16 @@ def build_chunks(
     """This rank's chunks, each ``provider(pre_process=, post_process=, vp_stage=,
     pg_collection=)`` (``None``, megatron-core's default, for the looped placement)."""
     layout = layout_for(placement, num_ranks=num_ranks, num_chunks=num_chunks)
+    stages = layout.stages_of(rank)
     v_shape = placement == Placement.V_SHAPE  # a plain string too, as layout_for takes
     chunks = []
-    for place in _chunk_places(layout, rank):
-        groups = model_process_groups(pipeline_rank=place.megatron_rank) if v_shape else None
+    for stage in stages:  # megatron-core's layer arithmetic must see the looped slot's rank
+        groups = model_process_groups(pipeline_rank=stage % num_ranks) if v_shape else None
         chunks.append(
             provider(
-                pre_process=place.pre_process,
-                post_process=place.post_process,
-                vp_stage=place.vp_stage,
+                pre_process=stage == 0,
+                post_process=layout.is_last(stage),
+                vp_stage=stage // num_ranks if len(stages) > 1 else None,
                 pg_collection=groups,
             )
         )
@@ -91,7 +61,7 @@ def placed_provider(
 ) -> Callable[..., torch.nn.Module]:
     """A Megatron-LM ``model_provider`` building V-shape chunks in place of the looped ones its
     ``get_model`` asks for; ``seeded_as(q)`` seeds as 1F1B's pipeline rank ``q`` (``seeding``)."""
-    places = _chunk_places(StageLayout.v_shape(num_ranks), rank)
+    stages = StageLayout.v_shape(num_ranks).stages_of(rank)
     built: dict[int, torch.nn.Module] = {}
 
     def build(stage: int, vp_stage: int, kwargs: dict[str, Any]) -> torch.nn.Module:
@@ -112,19 +82,19 @@ def placed_provider(
         vp_stage: int | None = None,
         **kwargs: Any,
     ) -> torch.nn.Module:
-        if vp_stage is None or not 0 <= vp_stage < len(places):
+        if vp_stage is None or not 0 <= vp_stage < len(stages):
             raise ValueError(
                 f"a V-shape model has 2 chunks per pipeline rank; Megatron asked for vp_stage "
                 f"{vp_stage} (is --num-virtual-stages-per-pipeline-rank 2?)"
             )
-        place = places[vp_stage]
-        with seeded_as(place.stage // 2) as reseeded:
-            if reseeded and place.stage % 2:
-                previous = place.stage - 1  # the first half of the same 1F1B rank's layers
+        stage = stages[vp_stage]
+        with seeded_as(stage // 2) as reseeded:
+            if reseeded and stage % 2:
+                previous = stage - 1  # the first half of the same 1F1B rank's layers
                 build(previous, previous // num_ranks, kwargs)  # drawn, then dropped
-            model = build(place.stage, vp_stage, kwargs)
+            model = build(stage, vp_stage, kwargs)
         built[vp_stage] = model
-        if share_embeddings_and_output_weights and len(built) == len(places):
+        if share_embeddings_and_output_weights and len(built) == len(stages):
             _tie_output_to_embedding([built[chunk] for chunk in sorted(built)])
         return model
 

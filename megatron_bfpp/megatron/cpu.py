@@ -1,11 +1,6 @@
-"""Run megatron-core 0.16-0.20 on CPU with gloo: the one place that redirects its CUDA-only calls.
-
-Only without a GPU (tests, bfpp-train's CPU ranks, the Megatron-LM CPU launcher): the CPU *is*
-the current device, so each redirect maps a CUDA call onto its CPU meaning (the list, and the
-megatron-core calls that need each: docs/architecture.md#megatron-integration). Use with
-``use_cpu_initialization=True``, fp32, dropout 0 and ``batch_p2p_comm=False`` (batched p2p gave
-wrong gradients on gloo).
-"""
+"""Run megatron-core on CPU with gloo, without a GPU: each redirect maps a CUDA-only call onto its
+CPU meaning (docs/architecture.md#megatron-integration). Use with ``use_cpu_initialization=True``,
+fp32, dropout 0 and ``batch_p2p_comm=False`` (batched p2p gave wrong gradients on gloo)."""
 
 from __future__ import annotations
 
@@ -48,8 +43,8 @@ def enable_cpu_megatron() -> None:
 
         _patches.patch(torch.cuda, "current_device", _current_device)
         _patches.patch(torch.cuda, "synchronize", _nothing)
-        _patches.patch(torch.cuda, "Stream", _Stream)
-        _patches.patch(torch.cuda, "Event", _Event)
+        _patches.patch(torch.cuda, "Stream", _Synchronous)
+        _patches.patch(torch.cuda, "Event", _Synchronous)
         _patches.patch(torch.cuda, "stream", _stream_context)
         _patches.patch(torch.cuda, "current_stream", _current_stream)
         _patches.patch(torch.cuda, "default_stream", _current_stream)
@@ -78,9 +73,7 @@ def disable_cpu_megatron() -> None:
         if not _patches:
             return
         _patches.restore()
-        import megatron.core.tensor_parallel.random as mrandom
-
-        logging.getLogger(mrandom.__name__).removeFilter(_without_rng_warning)
+        logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(_without_rng_warning)
 
 
 def _is_cuda(device: Any) -> bool:
@@ -102,39 +95,28 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 
 class _Synchronous:
-    """What CUDA streams and events share: CPU work is synchronous, so syncing does nothing."""
+    """A CUDA stream or event stand-in: CPU work is synchronous, so syncing and waiting do
+    nothing (``elapsed_time`` is 0: time CPU runs with the timers instead)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    synchronize = _nothing
+    synchronize = wait_stream = wait_event = record = wait = __exit__ = _nothing
 
     def query(self) -> bool:
         return True
 
-
-class _Stream(_Synchronous):
-    """A CUDA stream stand-in: waiting does nothing."""
-
-    wait_stream = wait_event = __exit__ = _nothing
-
     def record_event(self, event: Any = None) -> Any:
-        return event if event is not None else _Event()
+        return event if event is not None else _Synchronous()
 
-    def __enter__(self) -> _Stream:
+    def __enter__(self) -> _Synchronous:
         return self
-
-
-class _Event(_Synchronous):
-    """A CUDA event stand-in (``elapsed_time`` is 0: time CPU runs with the timers instead)."""
-
-    record = wait = _nothing
 
     def elapsed_time(self, other: Any) -> float:
         return 0.0
 
 
-_STREAM = _Stream()
+_STREAM = _Synchronous()
 
 
 @contextlib.contextmanager
@@ -142,7 +124,7 @@ def _stream_context(stream: Any = None) -> Iterator[None]:
     yield
 
 
-def _current_stream(device: Any = None) -> _Stream:
+def _current_stream(device: Any = None) -> _Synchronous:
     return _STREAM
 
 

@@ -1,9 +1,5 @@
-"""Run Megatron-LM's own training scripts on a machine without CUDA (gloo, CPU tensors).
-
-On top of megatron-core's CPU adapter (:mod:`megatron_bfpp.megatron.cpu`), the redirects
-Megatron-LM's training code needs (the list and why: docs/architecture.md#megatron-integration);
-:func:`disable_cpu_megatron_lm` restores them.
-"""
+"""Run Megatron-LM's own training scripts without CUDA: the redirects its training code needs on
+top of :mod:`megatron_bfpp.megatron.cpu` (docs/architecture.md#megatron-integration)."""
 
 from __future__ import annotations
 
@@ -29,27 +25,22 @@ def enable_cpu_megatron_lm() -> None:
     """Install the redirects (no-op when already installed)."""
     if _patches:
         return
-    from megatron_bfpp.megatron.cpu import (
-        _get_rng_state,
-        _nothing,
-        _set_rng_state,
-        enable_cpu_megatron,
-    )
+    from megatron_bfpp.megatron import cpu
 
-    enable_cpu_megatron()
-    _patches.patch(torch.cuda, "set_device", _nothing)
+    cpu.enable_cpu_megatron()
+    _patches.patch(torch.cuda, "set_device", cpu._nothing)
     _patches.patch(torch.cuda, "device_count", _device_count)
-    _patches.patch(torch.cuda, "get_rng_state", _get_rng_state)
-    _patches.patch(torch.cuda, "set_rng_state", _set_rng_state)
+    _patches.patch(torch.cuda, "get_rng_state", cpu._get_rng_state)
+    _patches.patch(torch.cuda, "set_rng_state", cpu._set_rng_state)
     dist = torch.distributed
     _patches.patch(dist, "init_process_group", _gloo_init(dist.init_process_group))
     with contextlib.suppress(ImportError):
         fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
-        _patches.patch(fused_kernels, "load", _nothing)
+        _patches.patch(fused_kernels, "load", cpu._nothing)
     with contextlib.suppress(ImportError):
         initialize = importlib.import_module("megatron.training.initialize")
         if hasattr(initialize, "_warmup_jit_function"):
-            _patches.patch(initialize, "_warmup_jit_function", _nothing)
+            _patches.patch(initialize, "_warmup_jit_function", cpu._nothing)
         wrapped = _allow_no_cuda(initialize.initialize_megatron)
         _patches.patch(initialize, "initialize_megatron", wrapped)
         training = importlib.import_module("megatron.training.training")

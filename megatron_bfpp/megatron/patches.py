@@ -1,8 +1,5 @@
-"""The one registry of attribute replacements the integration makes, and its one restore loop.
-
-Written once so an uninstall never leaves a half-patched Megatron: an attribute the owner held
-gets back its raw entry (a ``staticmethod`` stays one), an inherited one is deleted again.
-"""
+"""The one registry of attribute replacements, so an uninstall never leaves a half-patched
+Megatron: an owner's own attribute gets back its raw entry, an inherited one is deleted again."""
 
 from __future__ import annotations
 

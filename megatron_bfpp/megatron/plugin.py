@@ -1,10 +1,6 @@
-"""``install()`` / ``uninstall()``: plug megatron_bfpp's schedules into Megatron-LM / megatron-core.
-
-``install()`` (idempotent) wraps each site where the installed version binds it, and
-``uninstall()`` restores them exactly; the sites and why: docs/architecture.md#megatron-integration.
-The schedule comes from Megatron-LM's parsed arguments once they exist, else from
-:func:`set_schedule`; without Megatron-LM only megatron-core's sites are patched.
-"""
+"""``install()`` / ``uninstall()``: plug megatron_bfpp's schedules into Megatron-LM / megatron-core
+at each site the installed version binds (docs/architecture.md#megatron-integration); the schedule
+comes from Megatron-LM's parsed arguments once they exist, else from :func:`set_schedule`."""
 
 from __future__ import annotations
 
@@ -50,8 +46,7 @@ SHARDING_SITES = ("setup_model_and_optimizer", "save_checkpoint")
 SHARDING_DEST = "data_parallel_sharding_strategy"
 
 CORE_SITES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel")
-TRAINING_SITE = "megatron.training.training"
-ARGUMENTS_MODULE = "megatron.training.arguments"
+TRAINING_MODULES = ("arguments", "initialize", "training")  # of megatron.training
 # Megatron-LM >= 0.19 builds pretrain_gpt.py's model chunks here, not in get_model.
 STAGES_SITE = "megatron.training.models.dist_utils"
 # Where pretrain_gpt.py imports get_batch_on_this_tp_rank from (0.19+: core; 0.16: training).
@@ -128,12 +123,12 @@ def install() -> None:
                     _wrap_site(_import_optional(site), "get_batch_on_this_tp_rank", _wrap_tp_batch)
                 from megatron.core import parallel_state
 
+                from megatron_bfpp.megatron.seeding import record_seed_call
+
                 _wrap_site(parallel_state, "is_pipeline_last_stage", _wrap_is_last_stage)
                 _wrap_site(arguments, "add_megatron_arguments", _wrap_add_arguments)
-                if hasattr(initialize, "_set_random_seed"):  # V chunks reseed as 1F1B ranks
-                    from megatron_bfpp.megatron.seeding import record_seed_call
-
-                    _wrap_site(initialize, "_set_random_seed", record_seed_call)
+                # V chunks reseed as 1F1B ranks
+                _wrap_site(initialize, "_set_random_seed", record_seed_call)
                 for module in (arguments, initialize):  # Megatron-LM >= 0.17: arguments only
                     _wrap_site(module, "validate_args", _wrap_validate)
         except BaseException:
@@ -217,11 +212,9 @@ def _cached_forward_backward_func(
     return ours(name, data_parallel_sharding_strategy=sharding, **dict(options))
 
 
-def _import_training() -> tuple[Any, Any, Any] | None:
+def _import_training() -> tuple[Any, ...] | None:
     try:
-        arguments = importlib.import_module(ARGUMENTS_MODULE)
-        initialize = importlib.import_module("megatron.training.initialize")
-        training = importlib.import_module(TRAINING_SITE)
+        return tuple(importlib.import_module(f"megatron.training.{n}") for n in TRAINING_MODULES)
     except ImportError as error:
         log.info(
             "megatron_bfpp.install: Megatron-LM's megatron.training is not importable (%s); "
@@ -229,7 +222,6 @@ def _import_training() -> tuple[Any, Any, Any] | None:
             error,
         )
         return None
-    return arguments, initialize, training
 
 
 def _megatron_lm_args() -> Any:
@@ -275,7 +267,12 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
     def validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
         given = getattr(args, SHARDING_DEST, None)
         if getattr(args, "pipeline_schedule", "default") == AUTO:
-            _resolve_auto(args, given)
+            from megatron_bfpp.megatron.auto import probe_device, resolve_megatron_auto
+
+            try:  # decided alike on every rank, before Megatron derives vp
+                resolve_megatron_auto(args, sharding=given, device=probe_device())
+            except ScheduleError as error:
+                refuse(str(error).splitlines()[0])
         apply_schedule_defaults(args)
         if given is None:
             setattr(args, SHARDING_DEST, _megatron_sharding_default)
@@ -301,16 +298,6 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
 
     validate_args.__dict__["megatron_bfpp_wrapped"] = True
     return validate_args
-
-
-def _resolve_auto(args: Any, sharding: Any) -> None:
-    """``--pipeline-schedule auto``: decided alike on every rank before Megatron derives vp."""
-    from megatron_bfpp.megatron.auto import probe_device, resolve_megatron_auto
-
-    try:
-        resolve_megatron_auto(args, sharding=sharding, device=probe_device())
-    except ScheduleError as error:
-        refuse(str(error).splitlines()[0])
 
 
 def refuse(message: str, *, prog: str = "megatron_bfpp") -> NoReturn:

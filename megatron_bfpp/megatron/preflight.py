@@ -1,9 +1,5 @@
-"""Check a Megatron-LM command line before a job starts, from its arguments and world size alone.
-
-``validate_args`` checks only after the job has waited for its nodes, so
-``scripts/slurm/launch.py`` runs Megatron's parallel-size checks and the plugin's schedule checks
-first, on a login node (torch-free).
-"""
+"""Check a Megatron-LM command line on a login node (torch-free), from its arguments and world
+size alone: ``validate_args`` checks only after the job has waited for its nodes."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Rank placement for BPipe: every evictor/acceptor pair on one node ("pair-adjacent").
-
-BPipe's stage ``x`` ships activations to stage ``p-1-x``, so each pair shares a node (NVLink), as
-in the BPipe re-evaluation paper's Figure 2. Megatron-LM permutes only parallel dimensions, so
-the launcher exports the order as ``BFPP_RANK_ORDER`` and ``python -m megatron_bfpp.launch``
-rewrites ``RANK`` from it (docs/architecture.md#megatron-integration). Pure, for SLURM scripts.
-"""
+"""Rank placement for BPipe: stage ``x`` ships activations to ``p-1-x``, so each pair shares a
+node (the BPipe re-evaluation paper's Figure 2). Megatron-LM permutes only parallel dimensions:
+the launcher exports the order as ``BFPP_RANK_ORDER``, ``python -m megatron_bfpp.launch`` rewrites
+``RANK`` from it (docs/architecture.md#megatron-integration). Pure, for SLURM scripts."""
 
 from __future__ import annotations
 
@@ -108,7 +105,10 @@ def parse_rank_order(text: str) -> tuple[int, ...]:
         raise PlacementError(
             f"{RANK_ORDER_ENV} must be comma-separated integers, got {text!r}"
         ) from None
-    _check_permutation(ranks)
+    if sorted(ranks) != list(range(len(ranks))):
+        raise PlacementError(
+            f"a rank order must be a permutation of 0..{len(ranks) - 1}, got {list(ranks)}"
+        )
     return ranks
 
 
@@ -126,13 +126,6 @@ def apply_rank_order_from_env(environ: MutableMapping[str, str]) -> int | None:
     environ["BFPP_LAUNCH_RANK"] = str(slot)
     environ["RANK"] = str(order[slot])
     return order[slot]
-
-
-def _check_permutation(ranks: Sequence[int]) -> None:
-    if sorted(ranks) != list(range(len(ranks))):
-        raise PlacementError(
-            f"a rank order must be a permutation of 0..{len(ranks) - 1}, got {list(ranks)}"
-        )
 
 
 def node_stages(

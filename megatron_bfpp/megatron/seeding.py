@@ -1,15 +1,12 @@
-"""A V-shape model in Megatron-LM starts from the weights a 1F1B run of the same seed draws.
-
-Each layer draws its weights from the stream of the rank that builds it, seeded by pipeline rank,
-so V stage ``s`` is built with the generators seeded by Megatron's own ``_set_random_seed`` as
-1F1B's rank ``s // 2`` (docs/architecture.md#megatron-integration); dropout streams still differ.
-"""
+"""A V-shape model in Megatron-LM starts from the weights a 1F1B run of the same seed draws: V
+stage ``s`` is built with the generators Megatron's ``_set_random_seed`` seeds for 1F1B's rank
+``s // 2`` (docs/architecture.md#megatron-integration); dropout streams still differ."""
 
 from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,38 +43,23 @@ class _MpuAs:
         return getattr(self._real, name)
 
 
-def _snapshot() -> Callable[[], None]:
-    """What puts every generator back in its state now."""
-    import numpy as np
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    python, numpy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    tracker = get_cuda_rng_tracker().get_states()
-
-    def restore() -> None:
-        random.setstate(python)
-        np.random.set_state(numpy)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        get_cuda_rng_tracker().set_states(tracker)
-
-    return restore
-
-
 @contextlib.contextmanager
 def seeded_as_pipeline_rank(pipeline_rank: int) -> Iterator[bool]:
-    """Inside: every generator seeded as Megatron seeded ``pipeline_rank`` (True), or untouched
-    when Megatron's seeding was not seen (False: a megatron-core loop keeps its own)."""
+    """Inside: every generator seeded as Megatron seeded ``pipeline_rank`` (True; restored after),
+    or untouched when Megatron's seeding was not seen (False: a core loop keeps its own)."""
     if _seed_call is None:
         yield False
         return
-    original, args, kwargs = _seed_call
     import importlib
 
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    original, args, kwargs = _seed_call
     initialize: Any = importlib.import_module("megatron.training.initialize")
-    restore = _snapshot()
+    python, numpy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    tracker = get_cuda_rng_tracker().get_states()
     real = initialize.mpu
     kwargs = {k: v for k, v in kwargs.items() if k != "pp_group"}  # the rank comes from mpu
     initialize.mpu = _MpuAs(real, pipeline_rank)
@@ -88,4 +70,9 @@ def seeded_as_pipeline_rank(pipeline_rank: int) -> Iterator[bool]:
     try:
         yield True
     finally:
-        restore()
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        get_cuda_rng_tracker().set_states(tracker)
