@@ -555,6 +555,29 @@ def check_dcp_metadata(path: Path, *, label: str = "") -> None:
         ) from None
 
 
+def _saved_param_groups(state: Any) -> list[list[dict[str, Any]]]:
+    """The parameter groups of a loaded optimizer state, one list per inner optimizer, in the
+    order megatron-core's (chained) optimizer wrote them."""
+    if isinstance(state, dict) and isinstance(state.get("param_groups"), list):
+        return [state["param_groups"]]
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, list) else ()
+    return [groups for value in values for groups in _saved_param_groups(value)]
+
+
+def _take_saved_group_values(optimizer: Any, saved: list[list[dict[str, Any]]]) -> None:
+    """megatron-core 0.19 pairs a checkpoint's parameter groups with the optimizer's by their
+    values, ``max_lr`` and ``min_lr`` among them, so a run resumed with another --lr found none:
+    each group takes the checkpoint's scheduler values first (by position: both were built in
+    one order), and ``_load_scheduler_and_rng`` puts this run's back under
+    --override-opt_param-scheduler, as the torch format's loader does."""
+    inner = _inner_optimizers(optimizer)
+    if [len(groups) for groups in saved] != [len(opt.param_groups) for opt in inner]:
+        return  # not the layout this run builds: megatron-core's own error says why
+    for opt, groups in zip(inner, saved, strict=True):
+        for group, old in zip(opt.param_groups, groups, strict=True):
+            group.update({key: old[key] for key in _SCHEDULER_GROUP_KEYS if key in old})
+
+
 def _load_model_entries(module: Any, entries: dict[str, Any]) -> None:
     """Load a chunk's entries other than its parameters; a key the chunk does not have, or an
     entry it has that the checkpoint lacks, is an error (not skipped)."""
@@ -587,6 +610,7 @@ def _load_torch_dist(
             state = dist_checkpointing.load(template, str(path))
         for index, chunk in enumerate(model):
             _load_model_entries(chunk.module, state[f"model{index}"])
+        _take_saved_group_values(optimizer, _saved_param_groups(state["optimizer"]))
         with torch.no_grad():  # fp32 main parameters are views of the model's (leaf) weights
             optimizer.load_state_dict(state["optimizer"])
             model_params_from_main_params(optimizer, model)

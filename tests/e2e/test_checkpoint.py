@@ -86,6 +86,16 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ckpt
 
 
+@pytest.fixture(scope="module")
+def saved_dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``saved`` in the torch_dist format (only read from)."""
+    ckpt = tmp_path_factory.mktemp("saved_dist") / "ckpt"
+    flags = ("--exit-interval", str(SAVED_AT), "--save", str(ckpt), "--ckpt-format", "torch_dist")
+    proc = _run("--train-iters", str(ITERS), *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ckpt
+
+
 @pytest.fixture
 def ckpt(saved: Path, tmp_path: Path) -> Path:
     """This test's own copy of the saved checkpoint."""
@@ -193,12 +203,21 @@ def test_changed_lr_schedule_is_refused_naming_the_flags(ckpt: Path) -> None:
     ],
     ids=["override", "use-checkpoint"],
 )
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
 def test_scheduler_flags_choose_whose_schedule(
-    reference: dict[int, float], ckpt: Path, tmp_path: Path, flag: str, lr_at_4: float
+    reference: dict[int, float],
+    ckpt: Path,
+    saved_dist: Path,
+    tmp_path: Path,
+    flag: str,
+    lr_at_4: float,
+    ckpt_format: str,
 ) -> None:
-    _, losses = _resume(
-        ckpt, tmp_path, "--lr", "1e-3", flag, "--train-iters", "4", "--lr-decay-iters", str(ITERS)
-    )
+    """Either format: megatron-core 0.19 pairs torch_dist's parameter groups by their values,
+    --lr among them, which no longer matched once --lr changed."""
+    source = ckpt if ckpt_format == "torch" else saved_dist
+    flags = ("--lr", "1e-3", flag, "--train-iters", "4", "--lr-decay-iters", str(ITERS))
+    _, losses = _resume(source, tmp_path, *flags, "--ckpt-format", ckpt_format)
     lrs = {m["iteration"]: m["lr"] for m in _metrics(tmp_path / "resumed.jsonl")}
     assert lrs[4] == pytest.approx(lr_at_4, rel=1e-9)
     # the loss of iteration 4 is computed before its optimizer step: the same either way
