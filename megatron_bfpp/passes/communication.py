@@ -1,10 +1,7 @@
-"""Insert the point-to-point messages a compute order implies.
-
-Sends go right after the compute that produced the data; receives go right before the compute
-that consumes it, then move earlier where needed so that, between any two ranks, receives are
-posted in the order the sends are (NCCL's and gloo's matching order). An overlapped pair has its
-parts' receives before it and their sends after it.
-"""
+"""Insert the point-to-point messages a compute order implies: sends right after the compute
+that produced the data, receives right before the one that consumes it, moved earlier where
+needed so that between two ranks they are posted in send order (NCCL's and gloo's matching
+order); an overlapped pair's receives go before it, its sends after it."""
 
 from __future__ import annotations
 
@@ -36,17 +33,15 @@ _TRANSFERS = {
 _RECEIVES = frozenset({K.RECV_ACT, K.RECV_GRAD, K.ACCEPT, K.LOAD})
 _Note = Callable[[object], None]
 _Channels = dict[tuple[int, int], tuple[list[object], list[object]]]
-# What a compute action adds around itself: the peer of the receive before it (-1: none),
-# where to note that message and its slot (a key less ``mb * per_mb``); the same three for the
-# send after it.
+# A compute action's receive: peer (-1: none), where to note it, its slot (a key less
+# ``mb * per_mb``); the same three for its send.
 _Plan = tuple[int, _Note, int, int, _Note, int]
 
 
 @dataclass(eq=False, repr=False)  # a dict: its own equality and repr
 class _RankPlans(dict[int, _Plan]):
-    """One rank's ``_Plan`` per stage for its forwards (or its backwards), made on first use:
-    one lookup per compute action, and only for the rank's own few stages (lists over every
-    stage for every rank made the pass quadratic in the number of ranks)."""
+    """One rank's ``_Plan`` per stage for its forwards (or its backwards), made on first use and
+    only for its own stages (docs/architecture.md, "Hot-path choices")."""
 
     rank: int
     sources: list[int]
@@ -57,9 +52,8 @@ class _RankPlans(dict[int, _Plan]):
     discard: _Note
 
     def __missing__(self, stage: int) -> _Plan:
-        """Receive from the rank of ``sources[stage]`` (its data's slot is stage + ``step``'s),
-        send to ``targets[stage]``'s (-1: on this rank, or none). A forward receives from the
-        previous stage's rank and sends to the next's; a backward the other way round."""
+        """Receive from ``sources[stage]`` (its data's slot is stage + ``step``'s), send to
+        ``targets[stage]`` (-1: on this rank, or none)."""
         rank, slots, previous = self.rank, self.slots, stage + self.step
         source, target = self.sources[stage], self.targets[stage]
         source = -1 if source == rank else source
@@ -100,7 +94,6 @@ def add_communication(schedule: Schedule) -> Schedule:
     span = len(stage_to_rank) + 1
     per_mb = 4 * span
     slots = [[what * span + stage for stage in range(span)] for what in range(4)]
-    act_slot, grad_slot = slots[ACT], slots[GRAD]
     channels: _Channels = {}
     forward, full, split = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT
     recv_act, send_act, recv_grad, send_grad = K.RECV_ACT, K.SEND_ACT, K.RECV_GRAD, K.SEND_GRAD
@@ -109,8 +102,8 @@ def add_communication(schedule: Schedule) -> Schedule:
     drop = discard.append  # where a message with no channel is noted
     programs: list[list[Action]] = []
     for rank, actions in enumerate(schedule.per_rank):
-        forwards = _RankPlans(rank, input_rank, output_rank, -1, act_slot, channels, drop)
-        backwards = _RankPlans(rank, output_rank, input_rank, 1, grad_slot, channels, drop)
+        forwards = _RankPlans(rank, input_rank, output_rank, -1, slots[ACT], channels, drop)
+        backwards = _RankPlans(rank, output_rank, input_rank, 1, slots[GRAD], channels, drop)
         program: list[Action] = []
         append = program.append
         peer: int

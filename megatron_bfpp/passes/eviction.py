@@ -1,18 +1,8 @@
-"""BPipe: cap the activations a rank stores by parking some of them on a partner rank.
-
-In 1F1B, stage ``x`` of ``p`` holds up to ``p - x`` micro-batches of activations, the last one.
-BPipe pairs each *evictor* ``x < p // 2`` with the *acceptor* ``p - 1 - x``: whenever the evictor
-would store more than ``cap`` micro-batches it ships one to the acceptor (EV, AC) and gets it back
-before the backward that needs it (RS, LD). With BPipe's cap ``ceil((p + 2) / 2)`` the pair's
-``p + 1`` micro-batches (plus one in flight) fit in ``2 * cap``: no rank stores more than the cap.
-
-The pass runs on a compute-only, single-chunk schedule, before ``add_communication``. The
-evictor evicts before the forward that would exceed the cap, the resident micro-batch whose
-backward comes last (Belady's rule: the fewest loads), and loads one compute ahead of the
-backward where a slot allows; the acceptor's AC / RS go where a unit-time replay of the compute
-order says the transfer happens, so the result cannot deadlock (placement rules and the memory
-bound's proof sketch: docs/architecture.md, "BPipe's eviction pass").
-"""
+"""BPipe: each 1F1B *evictor* stage ``x < p // 2`` parks what it would store beyond ``cap``
+micro-batches on its *acceptor* ``p - 1 - x`` (EV, AC) and gets it back before the backward (RS,
+LD); under BPipe's cap ``ceil((p + 2) / 2)`` the pair's ``p + 1`` fit, so no rank stores more.
+On a compute-only, single-chunk schedule, before ``add_communication``; where each transfer goes
+and why it cannot deadlock: docs/architecture.md, "BPipe's eviction pass"."""
 
 from __future__ import annotations
 
@@ -43,11 +33,9 @@ def bpipe_max_stored(num_ranks: int) -> int:
 
 
 def add_eviction(schedule: Schedule, *, max_stored: int | None = None) -> Schedule:
-    """EV/AC/RS/LD so that no evictor stores more than ``max_stored`` micro-batches: it defaults to
-    ``bpipe_max_stored(p)``, with which acceptors stay under it too. A smaller cap still bounds the
-    evictors; the acceptors then take the excess, and the pass raises if one would end up holding
-    more than the cap and more than the busiest rank held before. Returns ``schedule`` itself when
-    no rank exceeds the cap."""
+    """EV/AC/RS/LD so that no evictor stores more than ``max_stored`` (default: BPipe's cap, which
+    the acceptors keep too); below it, an acceptor may hold more, up to the busiest rank's peak
+    before (else an error). ``schedule`` itself when no rank exceeds the cap."""
     _check_input(schedule)
     num_ranks = schedule.num_ranks
     cap = bpipe_max_stored(num_ranks) if max_stored is None else max_stored
@@ -60,8 +48,6 @@ def add_eviction(schedule: Schedule, *, max_stored: int | None = None) -> Schedu
     result = _evict(schedule, cap)
     if result is schedule:
         return schedule
-    # Below BPipe's cap the acceptors must take more than the cap; allow it up to what the
-    # busiest rank stored without BPipe, past which balancing made things worse.
     if _acceptor_overflow(result, cap) is not None:
         limit = max(cap, max(schedule.peak_activations()))
         over = _acceptor_overflow(result, limit)
@@ -161,7 +147,7 @@ def _plan_evictor(
     at most ``cap`` micro-batches resident after every action."""
     # Plain lists: the planner touches every action, and attribute lookups would dominate.
     forward = [a.kind is K.FORWARD for a in program]
-    microbatch: list[int] = list(map(_microbatch_of, program))  # _check_input: never None
+    microbatch: list[int] = list(map(attrgetter("microbatch"), program))  # never None: checked
     count = len(forward)
     backward_at = {mb: i for i, mb in enumerate(microbatch) if not forward[i]}
     resident: set[int] = set()
@@ -212,10 +198,6 @@ def _plan_evictor(
     return transfers
 
 
-_microbatch_of = attrgetter("microbatch")
-_kind_of = attrgetter("kind")
-
-
 def _merge(program: tuple[Action, ...], transfers: list[tuple[int, Action]]) -> list[Action]:
     """Insert transfers before the compute action of their gap, keeping their order (gaps
     never decrease along ``transfers``); a gap past the end appends."""
@@ -237,7 +219,7 @@ def _acceptor_overflow(schedule: Schedule, limit: float) -> tuple[int, float] | 
     """(acceptor, peak) of the first acceptor storing more than ``limit``, if any."""
     num_ranks = schedule.num_ranks
     for acceptor in range(num_ranks - num_ranks // 2, num_ranks):
-        if K.ACCEPT not in map(_kind_of, schedule.per_rank[acceptor]):
+        if K.ACCEPT not in map(attrgetter("kind"), schedule.per_rank[acceptor]):
             continue
         peak = max(schedule.stored_activations(acceptor), default=0.0)
         if peak > limit:

@@ -1,17 +1,5 @@
-"""Mark where each chunk's data-parallel parameter gather and gradient reduction start.
-
-A chunk's parameters are gathered (PS) at the start of the step, in the order the chunks first
-run (later gathers overlap earlier forwards); its gradient reduction (GS) starts right after its
-last backward, overlapping the backwards of every chunk that finishes later.
-
-With sharded parameters (``sharding="optim_grads_params"``, ZeRO-3) a chunk's full parameters
-exist only between a gather (PS) and a release (RL), at most ``max_resident`` chunks of a rank at
-once: each segment (a maximal run of computes on one chunk) gathers the next segment's chunk,
-releasing the one used again latest (Belady's rule: the fewest gathers); a chunk's last
-backward is followed by its GS and RL. Sharded gradients are reduced after every run of a
-chunk's backwards, so grouped breadth-first holds at most two chunks' full gradients
-(docs/design-notes.md, "Grouped breadth-first, fully sharded").
-"""
+"""Mark where each chunk's parameter gather (PS), gradient reduction (GS) and, sharded, release
+(RL) go: docs/architecture.md, "Gradient sync and sharded parameters"."""
 
 from __future__ import annotations
 
@@ -65,15 +53,16 @@ def add_grad_sync(
                 f"add_grad_sync: max_resident={max_resident!r} must be an integer >= 1 (chunks "
                 "gathered at once; 2 lets the next chunk's gather overlap this one's compute)"
             )
-        return schedule.with_programs(
-            _sharded_program(actions, schedule.layout.stages_of(rank), max_resident)
-            for rank, actions in enumerate(schedule.per_rank)
-        )
     programs = []
     for rank, actions in enumerate(schedule.per_rank):
         stages = schedule.layout.stages_of(rank)
+        # Each stage's last B or W (-1 if none; a pair's I needs its W).
+        backwards = range(len(actions) - 1, -1, -1)
+        last_grad = _find(actions, stages, backwards, -1, (K.BACKWARD, K.BACKWARD_WEIGHT))
+        if sharding == "optim_grads_params":
+            programs.append(_sharded_program(actions, stages, last_grad, max_resident))
+            continue
         first_forward = _find(actions, stages, range(len(actions)), 0, (K.FORWARD,))
-        last_grad = _last_grads(actions, stages)
         gathers = [
             unchecked_action(s, K.PARAM_SYNC) for s in sorted(stages, key=first_forward.__getitem__)
         ]
@@ -99,12 +88,6 @@ def _spliced(actions: tuple[Action, ...], inserts: dict[int, list[Action]]) -> t
 
 
 _CHUNK_LEVEL = frozenset({K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE})
-
-
-def _last_grads(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
-    """Position of each stage's last B or W (-1 if none; a pair's I needs its W)."""
-    backwards = range(len(actions) - 1, -1, -1)
-    return _find(actions, stages, backwards, -1, (K.BACKWARD, K.BACKWARD_WEIGHT))
 
 
 def _find(
@@ -143,11 +126,17 @@ def _past_sends(actions: tuple[Action, ...], position: int) -> int:
 
 
 def _sharded_program(
-    actions: tuple[Action, ...], stages: tuple[int, ...], max_resident: int
+    actions: tuple[Action, ...],
+    stages: tuple[int, ...],
+    last_grad: dict[int, int],
+    max_resident: int,
 ) -> tuple[Action, ...]:
-    """One rank's program with sharded parameters (see the module docstring)."""
-    segments = _segments(actions)  # (stage, position of its first compute), in program order
-    last_grad = _last_grads(actions, stages)
+    """One rank's program with sharded parameters (see the module docstring's reference)."""
+    # (stage, position of its first compute) of each maximal run of computes on one stage.
+    segments: list[tuple[int, int]] = []
+    for position, action in enumerate(actions):
+        if action.kind.is_compute and (not segments or action.stage != segments[-1][0]):
+            segments.append((action.stage, position))
     inserts: dict[int, list[Action]] = {}  # before each position; a chunk's GS / RL first
     marks: list[tuple[int, list[Action]]] = [
         (position, [unchecked_action(stage, K.GRAD_SYNC)])
@@ -225,15 +214,3 @@ def _run_ends(actions: tuple[Action, ...]) -> list[tuple[int, int]]:
 
 
 _BACKWARD = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
-
-
-def _segments(actions: tuple[Action, ...]) -> list[tuple[int, int]]:
-    """(stage, position of its first compute action) of each maximal run of compute actions on
-    one stage, other actions (messages) not breaking a run."""
-    segments: list[tuple[int, int]] = []
-    current = -1
-    for position, action in enumerate(actions):
-        if action.kind.is_compute and action.stage != current:
-            current = action.stage
-            segments.append((current, position))
-    return segments

@@ -1,11 +1,6 @@
-"""Fuse a forward and a backward of another micro-batch on one rank into an overlapped pair.
-
-An overlapped pair (``ir.Composite``, written ``3F5&1B2``) runs its two parts as one action:
-torch's ``OVERLAP_F_B`` and DualPipe's core, where a GPU hides one part's communication behind
-the other's compute. ``fuse_overlapped`` fuses chosen pairs of a compute-only or lowered schedule;
-``overlap_pairs`` picks the pairs a 1F1B-like steady state offers. What a composite waits for,
-sends, lasts and holds is ``semantics``' composite rule.
-"""
+"""Fuse a forward and a backward of another micro-batch on one rank into an overlapped pair
+(``ir.Composite``, torch's ``OVERLAP_F_B``), so a GPU can hide one part's communication behind the
+other's compute: docs/architecture.md, "Composite actions: overlapped pairs"."""
 
 from __future__ import annotations
 
@@ -22,10 +17,9 @@ Pair = tuple[Action, Action]  # (forward, backward)
 
 def overlap_pairs(schedule: Schedule) -> list[Pair]:
     """The pairs ``fuse_overlapped`` fuses by default: from the front, each forward directly
-    followed by a backward (B, or I) of another micro-batch on its rank (1F1B's steady state),
-    an action in one pair at most, kept only if the schedule with it and the pairs before it
-    still runs (a pair waits for its backward's input before its forward runs, which can close
-    a cycle of waits, as on the V-shapes). One deadlock check per candidate: for small ones."""
+    followed by a backward (B, or I) of another micro-batch on its rank, an action in one pair at
+    most, kept only if the schedule with it and the pairs before it still runs (a pair can close a
+    cycle of waits). One deadlock check per candidate: for small schedules."""
     candidates: list[Pair] = []
     for actions in schedule.per_rank:
         computes = [action for action in actions if action.kind.is_compute]
@@ -53,10 +47,9 @@ def overlap_pairs(schedule: Schedule) -> list[Pair]:
 
 
 def fuse_overlapped(schedule: Schedule, pairs: Iterable[Pair] | None = None) -> Schedule:
-    """``schedule`` with each (forward, backward) of ``pairs`` (default: ``overlap_pairs``) run as
-    one overlapped pair, at the earlier of the two's place: on one rank, no other compute between
-    them, either first. What lay between keeps its order per channel: receives and gathers (PS)
-    move before the pair, the rest after. It may deadlock where the two apart would not."""
+    """``schedule`` with each (forward, backward) of ``pairs`` (default: ``overlap_pairs``), on one
+    rank with no compute between them, run as one pair at the earlier's place, receives and
+    gathers (PS) between them before it, the rest after; it may deadlock where the two would not."""
     chosen = overlap_pairs(schedule) if pairs is None else list(pairs)
     by_rank: dict[int, list[tuple[int, int]]] = {}
     where = {  # (rank, position) of every plain forward and backward (B or I)
@@ -71,7 +64,26 @@ def fuse_overlapped(schedule: Schedule, pairs: Iterable[Pair] | None = None) -> 
         if forward in used or backward in used:
             raise ScheduleError(f"fuse_overlapped: {composite}: each action fuses once")
         used.update((forward, backward))
-        rank, first, last = _placed(schedule, where, forward, backward)
+        text = f"fuse_overlapped: {forward}&{backward}"
+        missing = [str(a) for a in (forward, backward) if a not in where]
+        if missing:
+            raise ScheduleError(
+                f"{text}: {' and '.join(missing)} not in the schedule (as a plain action)"
+            )
+        (rank, at), (other, then) = where[forward], where[backward]
+        if rank != other:
+            raise ScheduleError(
+                f"{text}: {forward} runs on rank {rank} and {backward} on rank {other}; an "
+                "overlapped pair runs on one rank"
+            )
+        first, last = sorted((at, then))
+        actions = schedule.per_rank[rank]
+        between = next((p for p in range(first + 1, last) if actions[p].kind.is_compute), None)
+        if between is not None:
+            raise ScheduleError(
+                f"{text}: {actions[between]} runs between them on rank {rank} (step {between}); "
+                "fuse computes that run one after the other"
+            )
         by_rank.setdefault(rank, []).append((first, last))
     programs = [
         _fused(actions, by_rank.get(rank, [])) for rank, actions in enumerate(schedule.per_rank)
@@ -80,33 +92,6 @@ def fuse_overlapped(schedule: Schedule, pairs: Iterable[Pair] | None = None) -> 
 
 
 _FUSABLE = frozenset({K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT})
-
-
-def _placed(
-    schedule: Schedule, where: dict[Action, tuple[int, int]], forward: Action, backward: Action
-) -> tuple[int, int, int]:
-    """(rank, earlier position, later position) of a pair that can fuse."""
-    text = f"fuse_overlapped: {forward}&{backward}"
-    missing = [str(a) for a in (forward, backward) if a not in where]
-    if missing:
-        raise ScheduleError(
-            f"{text}: {' and '.join(missing)} not in the schedule (as a plain action)"
-        )
-    (rank, at), (other, then) = where[forward], where[backward]
-    if rank != other:
-        raise ScheduleError(
-            f"{text}: {forward} runs on rank {rank} and {backward} on rank {other}; an "
-            "overlapped pair runs on one rank"
-        )
-    first, last = sorted((at, then))
-    actions = schedule.per_rank[rank]
-    between = next((p for p in range(first + 1, last) if actions[p].kind.is_compute), None)
-    if between is not None:
-        raise ScheduleError(
-            f"{text}: {actions[between]} runs between them on rank {rank} (step {between}); "
-            "fuse computes that run one after the other"
-        )
-    return rank, first, last
 
 
 def _fused(actions: tuple[Action, ...], spans: list[tuple[int, int]]) -> list[Action]:
@@ -126,13 +111,10 @@ def _fused(actions: tuple[Action, ...], spans: list[tuple[int, int]]) -> list[Ac
         ends = (actions[position], actions[last])
         forward, backward = ends if ends[0].kind is K.FORWARD else ends[::-1]
         between = actions[position + 1 : last]
-        program += [a for a in between if _goes_before(a)]
+        # What the pair may need before it runs: a receive it consumes, a gather.
+        before = [a.kind.is_recv or a.kind is K.PARAM_SYNC for a in between]
+        program += [a for a, goes in zip(between, before, strict=True) if goes]
         program.append(Composite(forward, backward))
-        program += [a for a in between if not _goes_before(a)]
+        program += [a for a, goes in zip(between, before, strict=True) if not goes]
         position = last + 1
     return program
-
-
-def _goes_before(action: Action) -> bool:
-    """What an overlapped pair may need before it runs: a receive it consumes, a gather."""
-    return action.kind.is_recv or action.kind is K.PARAM_SYNC

@@ -1,9 +1,5 @@
-"""BPipe (Kim et al., ICML 2023): 1F1B whose early stages park activations on their partner.
-
-Stage x < floor(p/2) evicts stored activations to its acceptor p-1-x whenever it would otherwise
-hold more than ceil((p+2)/2) micro-batches, and loads them back before the backward needs them,
-so every rank stays under that cap instead of rank 0 holding p.
-"""
+"""BPipe (Kim et al., ICML 2023): 1F1B whose early stages park activations on their partner
+(``passes.eviction``), so every rank stays under ceil((p+2)/2) instead of rank 0 holding p."""
 
 from __future__ import annotations
 

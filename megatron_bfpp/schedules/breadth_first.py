@@ -1,13 +1,9 @@
-"""Breadth-first pipeline parallelism (Lamy-Poirier, MLSys 2023).
-
-Looped stages; each rank runs every micro-batch through its chunk 0, then chunk 1, ..., then the
-backwards in reverse chunk order, within a chunk in micro-batch order (torch's LoopedBFS reverses
-them: the same bubble, but ours accumulates gradients in megatron-core's order, bitwise equal).
-The first chunk's gradient reduction overlaps the other chunks' compute.
-
-``group_size`` bounds memory (Fast-LLM's breadth-first / depth-first split): consecutive groups
-of that many micro-batches, each fully breadth-first, at one pipeline fill and drain per group.
-"""
+"""Breadth-first pipeline parallelism (Lamy-Poirier, MLSys 2023): each rank runs every
+micro-batch through chunk 0, then chunk 1, ..., then the backwards in reverse chunk order, in
+micro-batch order (torch's LoopedBFS reverses them; ours accumulates gradients in megatron-core's
+order, bitwise equal), so the first chunk's gradient reduction overlaps the other chunks' compute.
+``group_size`` bounds memory (Fast-LLM's split): groups of that many micro-batches, each fully
+breadth-first, at one pipeline fill and drain per group."""
 
 from __future__ import annotations
 

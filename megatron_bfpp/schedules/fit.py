@@ -61,21 +61,6 @@ def num_microbatches(
     return global_batch_size // per_step
 
 
-def _count(text: str, entry: str) -> int:
-    """A number of the schedule as megatron-core reads it: ``512``, ``2.5K``, ``250B``."""
-    digits = text.strip().upper()
-    scale = _SUFFIXES.get(digits[-1:], 1)
-    if scale > 1:
-        digits = digits[:-1]
-    try:
-        return int(float(digits) * scale)
-    except ValueError:
-        raise ScheduleError(
-            f"{BATCH_SCHEDULE_FLAG}: {entry!r} is not THRESHOLD:BATCH_SIZE (numbers, with an "
-            "optional K, M, B or T)"
-        ) from None
-
-
 def parse_batch_schedule(text: str, *, seq_length: int | None) -> tuple[tuple[int, int], ...]:
     """Megatron-LM's ``--step-batch-size-schedule`` (``"0:4,512:8"`` or ``"0:768 250B:1536"``)
     as megatron-core reads it: (threshold in samples, global batch size) pairs in threshold
@@ -87,7 +72,18 @@ def parse_batch_schedule(text: str, *, seq_length: int | None) -> tuple[tuple[in
             raise ScheduleError(
                 f"{BATCH_SCHEDULE_FLAG}: {entry!r} is not THRESHOLD:BATCH_SIZE (e.g. 0:256,1M:512)"
             )
-        threshold, batch = (_count(part, entry) for part in entry.split(":", 1))
+        numbers: list[int] = []  # as megatron-core reads them: 512, 2.5K, 250B
+        for part in entry.split(":", 1):
+            digits = part.strip().upper()
+            scale = _SUFFIXES.get(digits[-1:], 1)
+            try:
+                numbers.append(int(float(digits[:-1] if scale > 1 else digits) * scale))
+            except ValueError:
+                raise ScheduleError(
+                    f"{BATCH_SCHEDULE_FLAG}: {entry!r} is not THRESHOLD:BATCH_SIZE (numbers, with "
+                    "an optional K, M, B or T)"
+                ) from None
+        threshold, batch = numbers
         steps.append((threshold // seq_length if seq_length else threshold, batch))
     steps.sort(key=lambda step: step[0])
     if not steps:
@@ -161,7 +157,6 @@ def check_fit(
     check_sharding_data_parallel(sharding, dp)
     sizes = f"pp={pp}" + (f", vp={stages}" if stages > 1 else "")
     where = f" (a step of {BATCH_SCHEDULE_FLAG})" if batch_schedule else ""
-    chosen = options or {}
     for m in dict.fromkeys(counts):  # each distinct count once, in the schedule's order
         try:
             build_schedule(
@@ -170,7 +165,7 @@ def check_fit(
                 num_microbatches=m,
                 num_chunks=chunks,
                 sharding=sharding,
-                **chosen,
+                **(options or {}),
             )
         except ScheduleError as error:
             first = in_flag_terms(str(error).strip().splitlines()[0], name)

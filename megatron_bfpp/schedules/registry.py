@@ -52,10 +52,8 @@ MEGATRON_VP_FLAGS = (
     "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
 )
 
-# How large a schedule may be built: MAX_ACTIONS (in ir, which reads CSVs against it too) is
-# about a minute and 2.8 GB of bfpp-sim, MAX_RANK_STAGES bounds the checks' per-rank tables over
-# every stage (figures: docs/architecture.md, "Generator bounds"). 7 actions per stage and
-# micro-batch: F and B (or F, I, W), the four messages at a rank boundary, BPipe's transfers.
+# How large a schedule may be built (figures: docs/architecture.md, "Schedule size limits"); 7
+# actions per stage and micro-batch: F and B (or F, I, W), four messages, BPipe's transfers.
 _ACTIONS_PER_STAGE_MICROBATCH = 7
 _BYTES_PER_ACTION = 700
 MAX_RANK_STAGES = 32_000_000
@@ -64,10 +62,9 @@ _BYTES_PER_RANK_STAGE = 32
 
 @dataclass(frozen=True, slots=True)
 class ScheduleOption:
-    """One schedule option: its generator keyword and the flag that sets it in each front end
-    (``flag`` / ``dest``: bfpp-train's and Megatron-LM's; ``sim_flag``: bfpp-sim's).
-    ``megatron_owned``: Megatron-LM defines (and defaults) the flag itself, so its presence says
-    nothing about the chosen schedule there."""
+    """One schedule option: its generator keyword and its flag in bfpp-train and Megatron-LM
+    (``flag`` / ``dest``) and bfpp-sim (``sim_flag``); ``megatron_owned``: Megatron-LM defines and
+    defaults it, so its presence there says nothing about the chosen schedule."""
 
     name: str
     flag: str
@@ -177,9 +174,7 @@ class ScheduleSpec:
     def stages_per_rank(self, num_chunks: int | None) -> int:
         """Stages each rank holds for an accepted ``num_chunks`` (:meth:`chunks_for`'s
         result, ``None``: the placement's own)."""
-        if self.placement is Placement.V_SHAPE:
-            return 2
-        return num_chunks or 1
+        return 2 if self.placement is Placement.V_SHAPE else num_chunks or 1
 
     def chunks_for(self, num_chunks: int | None, *, vp_flag: str = "--vp") -> int | None:
         """The generator's ``num_chunks`` for a requested virtual pipeline size (stages per
@@ -343,10 +338,9 @@ def in_flag_terms(message: str, name: str, *, sim: bool = False) -> str:
     """A schedule error in the words of the command line that set the options: ``max_stored=1``
     becomes ``--bpipe-max-stored 1`` (bfpp-train, Megatron-LM) or ``--max-stored 1``
     (``sim``: bfpp-sim), without the pass's function name in front."""
-    if name in SCHEDULES:
-        for option in SCHEDULES[name].options:
-            flag = option.sim_flag if sim else option.flag
-            message = re.sub(rf"\b{option.name}=", f"{flag} ", message)
+    for option in SCHEDULES[name].options if name in SCHEDULES else ():
+        flag = option.sim_flag if sim else option.flag
+        message = re.sub(rf"\b{option.name}=", f"{flag} ", message)
     return _PASS_PREFIX.sub("", message)
 
 
@@ -390,12 +384,9 @@ def _gigabytes(size: int) -> str:
 
 
 def get_spec(name: str) -> ScheduleSpec:
-    try:
-        return SCHEDULES[name]
-    except KeyError:
-        raise ScheduleError(
-            f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}"
-        ) from None
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
 
 
 def build_schedule(
@@ -409,10 +400,9 @@ def build_schedule(
     validate: bool = True,
     **options: Any,
 ) -> Schedule:
-    """A validated schedule; ``lower=False`` stops at the compute order. ``validate=False`` is for
-    the planner's hundreds of builds per search (tests/unit/test_generators.py validates every
-    generator). ``num_chunks``: the virtual pipeline size (``chunks_for``); options left at
-    ``None`` take the schedule's default; ``sharding`` shapes the lowered schedule only."""
+    """A validated schedule (``validate=False``: the planner's many builds; test_generators.py
+    validates every generator); ``lower=False`` stops at the compute order, which ``sharding``
+    leaves alone; ``num_chunks``: the virtual pipeline size; ``None`` options: the defaults."""
     spec = get_spec(name)
     chosen = {key: value for key, value in options.items() if value is not None}
     spec.check_option_names(chosen)

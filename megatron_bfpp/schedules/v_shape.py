@@ -1,12 +1,7 @@
-"""V-shape schedules with controllable activation memory: v-min, v-half and v-zb.
-
-Qi et al., "Pipeline Parallelism with Controllable Memory" (NeurIPS 2024): rank r holds stage r
-(its chunk 0) and stage 2p-1-r (its chunk 1), one stage used early in a micro-batch's life and
-one late, so activation memory balances across ranks; with the backward split into I and W, the
-order a rank runs them in sets how long each activation lives (F start to W end, 0.5 "1F1B
-units" each), hence the peak. The generators return compute-only schedules (F, I, W); why each
-uses its construction, and the bounds: docs/architecture.md, "Generator bounds".
-"""
+"""V-shape schedules with controllable activation memory (Qi et al., NeurIPS 2024): rank r holds
+stages r and 2p-1-r, one early and one late in a micro-batch's life, so memory balances across
+ranks, and the order of its split backwards (I, W) sets the peak. Compute-only (F, I, W); the
+constructions and bounds: docs/architecture.md, "Generator bounds and measured figures"."""
 
 from __future__ import annotations
 
@@ -74,10 +69,8 @@ def _make(
 
 
 def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
-    """Program order of the repeated V-Min building block: micro-batch k's F and I sit in slots 6k
-    + an offset each (every dependency in an earlier slot: no deadlock); the offsets fall in
-    distinct residues mod 6 (blocks never collide) iff d is even and 2p + d is no multiple of 6,
-    hence d. Each W takes the rank's next free slot after its I, keeping lifespans short."""
+    """Program order of the repeated V-Min building block: micro-batch k's F and I at slot 6k + an
+    offset (every dependency earlier: no deadlock), each W in the next free slot after its I."""
     p, m_count = num_ranks, num_microbatches
     last_stage = 2 * p - 1
     d = 0 if p % 3 else 2
@@ -111,11 +104,9 @@ def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
 
 def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
-    """Every rank's ZB-V order ("Zero Bubble Pipeline Parallelism", Qi et al., ICLR 2024, section
-    6), phase by phase, each phase's length set by when work can first reach the rank and by the
-    memory limit (docs/architecture.md, "Generator bounds"). The phases assume at least 2p - 1
-    micro-batches; with fewer, the ones that do not exist are skipped (no dependency crosses
-    micro-batches, so the order stays deadlock-free), not built: linear in actions."""
+    """Every rank's ZB-V order (Qi et al., ICLR 2024, section 6), phase by phase, for at least
+    2p - 1 micro-batches; with fewer, the missing ones are skipped, not built (no dependency
+    crosses micro-batches, so the order stays deadlock-free)."""
     p, m_count = num_ranks, num_microbatches
     n = max(m_count, 2 * p - 1)
     fa, fb, ia, ib, wa, wb = range(6)  # 2 * kind + chunk
@@ -152,10 +143,9 @@ def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
 
 def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[list[_Step]]:
-    """Replay ``programs`` in unit time steps, returning the order each rank ran them in: every F
-    keeps its place (so the peak and the forward order do too); between two F's a rank runs the
-    first ready I, else the first ready W, so an input gradient (on the critical path) never
-    waits behind a weight gradient. Deadlock-free if ``programs`` is (docs/architecture.md)."""
+    """Replay ``programs`` in unit time steps, every F in its place, between two F's the first
+    ready I before any ready W: an input gradient, on the critical path, never waits behind a
+    weight gradient."""
     p = num_ranks
     last = 2 * p - 1
     m_count = 1 + max((mb for program in programs for _, _, mb in program), default=0)
@@ -201,7 +191,7 @@ def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[
             replayed[r].append(action)
             remaining -= 1
             acted = True
-        if not acted:  # pragma: no cover - excluded for deadlock-free programs (see above)
+        if not acted:  # pragma: no cover - deadlock-free programs (docs/architecture.md)
             raise RuntimeError("v-shape replay made no progress: the program order deadlocks")
         step += 1
     return replayed
@@ -229,13 +219,9 @@ def _fill_window(program: list[_Step], start: int, window: list[_Step]) -> int:
 def _greedy_programs(
     num_ranks: int, num_microbatches: int, *, memory_limit: int, open_limits: Sequence[int] = ()
 ) -> list[list[_Step]]:
-    """List-schedule F, I and W in unit time steps; return each rank's order. ``memory_limit``
-    caps the activations a rank holds, ``open_limits[r]`` (default p - r + 1) the micro-batches
-    rank r has through chunk 0 but not chunk 1. Each step every rank runs, from earlier steps'
-    results: a ready I (older first: it unblocks upstream, and its W frees memory), else a ready F
-    that fits (chunk 1 first, needing one free slot; chunk 0 two, so its chunk-1 F always finds
-    one), else its oldest pending W. Never stuck for ``memory_limit >= 2`` (docs/architecture.md);
-    below, the oldest ready F runs over the limit (``_force_oldest_forward``)."""
+    """List-schedule F, I and W in unit time steps under ``memory_limit`` held activations per
+    rank and ``open_limits[r]`` (default p - r + 1) micro-batches between rank r's chunks: each
+    step a ready I (it unblocks upstream), else a ready F that fits, else the oldest pending W."""
     p, m_count = num_ranks, num_microbatches
     open_limits = open_limits or [p - r + 1 for r in range(p)]
     num_stages = 2 * p
