@@ -28,6 +28,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "build_schedule": "megatron_bfpp.schedules",
+    "schedule_names": "megatron_bfpp.schedules",
     "get_forward_backward_func": "megatron_bfpp.runtime",
     "install": "megatron_bfpp.megatron",
     "uninstall": "megatron_bfpp.megatron",
@@ -36,23 +38,10 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> object:
-    """The runtime and the Megatron integration need torch and megatron-core: import them only
-    when asked, so planning and simulating schedules stays torch-free."""
+    """The catalogue, the runtime and the Megatron integration (torch, megatron-core) are imported
+    only when asked, so importing the package stays cheap and torch-free."""
     if name in _LAZY:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'megatron_bfpp' has no attribute {name!r}")
-
-
-def build_schedule(name: str, **kwargs: object) -> Schedule:
-    """Shortcut for ``megatron_bfpp.schedules.registry.build_schedule`` (imported lazily)."""
-    from megatron_bfpp.schedules import build_schedule as build
-
-    return build(name, **kwargs)  # type: ignore[arg-type]
-
-
-def schedule_names() -> tuple[str, ...]:
-    from megatron_bfpp.schedules import schedule_names as names
-
-    return names()

@@ -298,27 +298,22 @@ def _check_action(stage: int, kind: ActionKind, microbatch: int | None, peer: in
 def parse_action(text: str) -> Action:
     """Inverse of ``str(action)``; raises ScheduleError naming the bad text."""
     match = _ACTION_RE.fullmatch(text.strip())
+    where = f"cannot parse action {_shown(text)}"
     if match is None:
         if "&" in text:  # an overlapped pair: a forward and a backward joined by "&"
             pieces = text.strip().split("&")
             if len(pieces) != 2 or not all(pieces):
                 raise ScheduleError(
-                    f"cannot parse action {_shown(text)}: an overlapped pair is two actions "
-                    "joined by '&', e.g. '3F5&1B2'"
+                    f"{where}: an overlapped pair is two actions joined by '&', e.g. '3F5&1B2'"
                 )
             forward, backward = (parse_action(piece) for piece in pieces)
             return Composite(forward, backward)
-        raise ScheduleError(
-            f"cannot parse action {_shown(text)}: expected e.g. '3F5', '0SA5>1', '1RA5<0' or '2GS'"
-        )
+        raise ScheduleError(f"{where}: expected e.g. '3F5', '0SA5>1', '1RA5<0' or '2GS'")
     stage, kind, microbatch, arrow, peer = match.groups()
     action_kind = ActionKind(kind)
     if arrow is not None and (arrow == ">") != action_kind.is_send:
         want = ">" if action_kind.is_send else "<"
-        raise ScheduleError(
-            f"cannot parse action {_shown(text)}: {kind} is written with '{want}peer'"
-        )
-    where = f"cannot parse action {_shown(text)}"
+        raise ScheduleError(f"{where}: {kind} is written with '{want}peer'")
     return Action(
         stage=_index(stage, "stage", where),
         kind=action_kind,
@@ -1071,10 +1066,8 @@ def _torch_layout(rows: list[_Row], cells: list[list[_TorchCell]], source: str) 
 
 
 def _torch_action(cell: _TorchCell, rank: int, layout: StageLayout, row: str) -> Action:
-    if cell.kind in _TORCH_COMPUTE:
-        return Action(cell.stage, _TORCH_COMPUTE[cell.kind], cell.microbatch)
-    if cell.kind in _TORCH_CHUNK:
-        return Action(cell.stage, _TORCH_CHUNK[cell.kind])
+    if (local := _TORCH_COMPUTE.get(cell.kind) or _TORCH_CHUNK.get(cell.kind)) is not None:
+        return Action(cell.stage, local, cell.microbatch)  # a chunk's has no micro-batch
     where = f"{row}, column {cell.column}"
     kind, step = _TORCH_P2P[cell.kind]
     neighbour = cell.stage + step

@@ -16,14 +16,13 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from megatron_bfpp.ir import COMPUTE_KINDS, Action, ActionKind, Schedule
-from megatron_bfpp.messages import MESSAGE_TABLE, RESTORE, WHAT, WHAT_CODE, Message
+from megatron_bfpp.messages import MESSAGE_TABLE, RESTORE, WHAT_CODE, Message
 from megatron_bfpp.semantics import Rules
 
 __all__ = ["Program", "compiled"]
 
 K = ActionKind
 _kind_of, _stage_of = attrgetter("kind"), attrgetter("stage")
-_microbatch_of = attrgetter("microbatch")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -45,10 +44,6 @@ class Program:
     def microbatches(self) -> int:
         return self.rules.microbatches
 
-    @property
-    def num_messages(self) -> int:
-        return (len(WHAT) * self.rules.span) * self.rules.microbatches
-
     def id(self, what: int, stage: int, microbatch: int) -> int:
         return self.rules.id(what, stage, microbatch)
 
@@ -68,8 +63,7 @@ class Program:
 def compile_program(schedule: Schedule) -> Program:
     """``schedule`` in the integer form (module docstring), lowered or not."""
     rules = Rules(schedule, implicit=False, any_microbatch=True)
-    # per compute kind and stage the id of micro-batch 0 it waits for (add the micro-batch), -1
-    # for none
+    # per compute kind and stage: the id it waits for at micro-batch 0 (add the micro-batch), -1
     waits = {kind: [base or -1 for base in rules.waits_for[kind]] for kind in COMPUTE_KINDS}
     # per p2p kind the id of its stage 0's message of micro-batch 0: ids are linear in the stage
     firsts = {kind: rules.id(what, offset, 0) for kind, (what, offset) in MESSAGE_TABLE.items()}
@@ -78,7 +72,7 @@ def compile_program(schedule: Schedule) -> Program:
     for rank, actions in enumerate(schedule.per_rank):
         kinds = list(map(_kind_of, actions))
         stages = list(map(_stage_of, actions))
-        mbs = list(map(_mb_or_zero, actions))
+        mbs = [action.microbatch or 0 for action in actions]
         message_row, wait_row = [-1] * len(actions), [-1] * len(actions)
         for position, kind in enumerate(kinds):
             if (first := firsts.get(kind)) is not None:
@@ -92,10 +86,6 @@ def compile_program(schedule: Schedule) -> Program:
         waited = ((rules.restored(rank, p), p) for p in loads)
         restore.append({at: rules.id(RESTORE, stages[p], mbs[p]) for at, p in waited if at >= 0})
     return Program(schedule, rules, tuple(messages), tuple(wait), tuple(restore), waits)
-
-
-def _mb_or_zero(action: object) -> int:
-    return _microbatch_of(action) or 0
 
 
 _KEPT: list[Program] = []

@@ -172,8 +172,7 @@ def _raise(problem: ScheduleError | None) -> None:
 
 
 def _fail(schedule: Schedule, message: str, marks: dict[tuple[int, int], str]) -> ScheduleError:
-    grid = format_schedule(schedule, marks=marks)
-    return ScheduleError(f"{message}\n{grid}")
+    return ScheduleError(f"{message}\n{format_schedule(schedule, marks=marks)}")
 
 
 def _at(
@@ -385,8 +384,21 @@ def _p2p_rows(
 ) -> dict[ActionKind, tuple[list[int], list[int], list[list[int]], bytearray, bytearray | None]]:
     """SA / RA / SG / RG, per stage where indexed: the peer each must name (-1: none may), its
     message's id of micro-batch 0 (RA / RG: the previous / next stage's), ``rank``'s side of its
-    channel, and the flags a send reads (either: computed) or a receive sets (then None)."""
-    act_in, act_out, grad_in, grad_out = _rank_channels(scan, rank)
+    channel (stages of other ranks: a list nothing reaches, placement ends the pass first), and
+    the flags a send reads (either: computed) or a receive sets (then None)."""
+    unused: list[int] = []
+    num_stages = len(scan.remote_in)
+    act_in, act_out = [unused] * num_stages, [unused] * num_stages
+    grad_in, grad_out = [unused] * num_stages, [unused] * num_stages
+    for stage, owner in enumerate(scan.stage_to_rank):
+        if owner != rank:
+            continue
+        if scan.remote_in[stage] >= 0:
+            act_in[stage] = scan.channel(scan.remote_in[stage], rank)[1]
+            grad_out[stage] = scan.channel(rank, scan.remote_in[stage])[0]
+        if scan.remote_out[stage] >= 0:
+            act_out[stage] = scan.channel(rank, scan.remote_out[stage])[0]
+            grad_in[stage] = scan.channel(scan.remote_out[stage], rank)[1]
     act_base, grad_base = scan.rules.base[ACT], scan.rules.base[GRAD]
     f_done, b_done, i_done, _, ra_done, rg_done = scan.flags[:6]
     return {
@@ -719,26 +731,6 @@ def _first_of(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int,
 
 
 _BACKWARDS_OR_PAIR = frozenset({_B, _I, _W, _FB})
-
-
-def _rank_channels(scan: _Scan, rank: int) -> tuple[list[list[int]], ...]:
-    """Per stage of ``rank``, where its RA, SA, RG and SG note their messages: the receiving or
-    sending side of the channel with the neighbour stage's rank. Stages of other ranks get a
-    list nothing reaches (placement ends the pass first)."""
-    unused: list[int] = []
-    num_stages = len(scan.remote_in)
-    act_in, act_out = [unused] * num_stages, [unused] * num_stages
-    grad_in, grad_out = [unused] * num_stages, [unused] * num_stages
-    for stage, owner in enumerate(scan.schedule.layout.stage_to_rank):
-        if owner != rank:
-            continue
-        if scan.remote_in[stage] >= 0:
-            act_in[stage] = scan.channel(scan.remote_in[stage], rank)[1]
-            grad_out[stage] = scan.channel(rank, scan.remote_in[stage])[0]
-        if scan.remote_out[stage] >= 0:
-            act_out[stage] = scan.channel(rank, scan.remote_out[stage])[0]
-            grad_in[stage] = scan.channel(scan.remote_out[stage], rank)[1]
-    return act_in, act_out, grad_in, grad_out
 
 
 def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | None:
