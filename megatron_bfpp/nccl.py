@@ -689,9 +689,22 @@ class _Model:
         self.done_time = [zero] * nbatches
         self.stream_free = [zero] * len(self.streams)
         self.durations = {} if timing is None else compute_durations(timing)
+        p2p, transfer = (0, 0) if timing is None else (timing.p2p, timing.transfer)
         if timing is not None:
             self.durations |= {K.GRAD_SYNC: timing.grad_sync, K.PARAM_SYNC: timing.param_sync}
-        self.op_time = self._op_times(timing)
+        # per op, once both halves have started: a payload of stored activations (a restore, an
+        # eviction's payload) ``transfer``, an activation, gradient or size header ``p2p``
+        if transfer == p2p:
+            self.op_time: list[float] = [p2p] * len(self.op_key)
+        else:
+            per_what = self.program.stage_span * self.program.microbatches
+            restore, evict = WHAT_CODE[What.RESTORE], WHAT_CODE[What.EVICT]
+            self.op_time = [
+                transfer
+                if (what := (key >> 2) // per_what) == restore or (what == evict and key & 1)
+                else p2p
+                for key in self.op_key
+            ]
         self.records: list[list[tuple[float, float, int]]] = [[] for _ in range(num_ranks)]
         while self.ready:
             self._advance(self.ready.popleft())
@@ -712,22 +725,6 @@ class _Model:
             cpu[source] = cpu[target] = ready + 2 * timing.p2p
         events = partial(self._events, self.records, self.unit_active, self.done_time)
         return PostingRun(cpu, dp_end, self.busy, self.gather_wait, events)
-
-    def _op_times(self, timing: Timing | None) -> list[float]:
-        """Per op, how long it takes once both halves have started: a payload of stored
-        activations (a restore, or an eviction's payload) ``timing.transfer``, an activation,
-        a gradient or an eviction's size header ``timing.p2p``; 0 untimed."""
-        p2p, transfer = (0, 0) if timing is None else (timing.p2p, timing.transfer)
-        if transfer == p2p:
-            return [p2p] * len(self.op_key)
-        per_what = self.program.stage_span * self.program.microbatches
-        restore, evict = WHAT_CODE[What.RESTORE], WHAT_CODE[What.EVICT]
-        return [
-            transfer
-            if (what := (key >> 2) // per_what) == restore or (what == evict and key & 1)
-            else p2p
-            for key in self.op_key
-        ]
 
     def _advance(self, rank: int) -> None:
         steps, pc, timed = self.steps[rank], self.pc[rank], bool(self.durations)
@@ -903,9 +900,8 @@ class _Model:
             {mark: "NCCL: stuck" for _, mark in cycle if mark[1] >= 0},
         )
 
-    def _batch_ops(self, batch: int) -> list[int]:
-        units = self._batch_units(batch)
-        return list(range(self.unit_first[units.start], self.unit_first[units.stop]))
+    def _batch_ops(self, batch: int) -> range:
+        return range(self.op_start[batch], self.op_start[batch + 1])
 
     def _explain(self, node: tuple[str, int]) -> tuple[str, tuple[int, int], tuple[str, int]]:
         """One link of the cycle: a CPU waits for a unit (a batch, or a pairwise op), which is
