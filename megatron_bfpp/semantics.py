@@ -616,7 +616,7 @@ def _timed(run: Wires, rank: int) -> Program:
     rules, record = run.rules, run.starts[rank].append
     program, flow, waiting = rules.schedule.per_rank[rank], run.flow, run.waiting
     ready, link_free, compute, d_p2p = run.ready, run.link_free, run.compute, run.durations.p2p
-    sends = run.sends
+    (act_keys, act_peers), (grad_keys, grad_peers) = run.sends[_SA], run.sends[_SG]
     microbatches, num_ranks = rules.microbatches, rules.num_ranks
     link_base = rank * num_ranks
     restores_r, awaiting_r, arrivals = run.restores[rank], run.awaiting[rank], run.arrivals
@@ -630,14 +630,20 @@ def _timed(run: Wires, rank: int) -> Program:
             continue  # posted without waiting: the consumer waits (the next third of them)
         s = a.stage
         mb: int = a.microbatch  # type: ignore[assignment]  # None only for GS / PS
-        if kind is _SA or kind is _SG:  # sends first: no lookup for a third of the actions
+        if kind is _SA:  # sends first: no lookup for a third of the actions
             peer = a.peer  # type: ignore[assignment]  # sends always name a peer
             if peer >= num_ranks and not blind:
                 continue  # a rank outside the layout: the message reaches nobody
             if mb >= microbatches:
                 raise IndexError(mb)  # past the count: _replayed runs again for any
-            keys, peers = sends[kind]
-            key = keys[s] + mb if peer == peers[s] or blind else None
+            key = act_keys[s] + mb if peer == act_peers[s] or blind else None
+        elif kind is _SG:
+            peer = a.peer  # type: ignore[assignment]
+            if peer >= num_ranks and not blind:
+                continue
+            if mb >= microbatches:
+                raise IndexError(mb)
+            key = grad_keys[s] + mb if peer == grad_peers[s] or blind else None
         elif (spec := compute.get(kind)) is not None:  # F, B, I, W on the compute lane
             start = t
             if awaiting_r:
