@@ -273,17 +273,19 @@ def _lockstep_steps(
     # its computes' and GS / PS's starts in program order, and the messages' sends: integers
     starts = iter(cast("list[int]", run.starts[rank]))
     flow, arrivals = cast("list[int | None]", run.flow), cast("dict[int, int]", run.arrivals)
-    num_ranks = run.rules.num_ranks
+    num_ranks, limit = run.rules.num_ranks, len(flow)
     end = 0  # the end of the latest compute: an SA / SG goes then
+    tick: int | None
     for position, action in enumerate(actions):
         kind = action.kind
         if kind in p2p:
             if kind in _SENT_AT_END:
                 tick = end
-            elif (sent := _sent(flow, arrivals, message[position], num_ranks)) is None:
-                raise ScheduleError(f"rank {rank}, step {position}: {action} is never sent")
-            else:
-                tick = sent
+            else:  # an activation or gradient in ``flow``, a BPipe transfer's by its id alone
+                sent = message[position]
+                tick = flow[sent] if sent < limit else arrivals.get(sent * num_ranks)
+                if tick is None:
+                    raise ScheduleError(f"rank {rank}, step {position}: {action} is never sent")
             item = (message[position] * span + position) * 2
             if kind is restore or kind is load:  # a payload: in the pair's batch
                 by_tick[tick * 2 + 1].append(item)
@@ -323,14 +325,6 @@ _LANES = frozenset({K.GRAD_SYNC, K.PARAM_SYNC})  # what ``Wires.starts`` also ho
 _SENT_AT_END = frozenset({K.SEND_ACT, K.SEND_GRAD})
 
 
-def _sent(
-    flow: list[int | None], arrivals: dict[int, int], message: int, num_ranks: int
-) -> int | None:
-    """The tick ``message`` is sent at in a lock-step run, None if never: an activation's or
-    gradient's in ``flow``, a BPipe transfer's in ``arrivals`` (keys name no rank there)."""
-    return flow[message] if message < len(flow) else arrivals.get(message * num_ranks)
-
-
 def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
     """The runtime makes a process group for each BPipe pair (x, p-1-x) and no other
     (``runtime.p2p.pair_group``), so a payload batch between other ranks has no group to run
@@ -350,14 +344,6 @@ def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
                         f"runs such transfers only between partners x and {last}-x (BPipe's "
                         f"pairs): give rank {rank} the partner {last - rank}"
                     )
-
-
-def _durations(timing: Timing) -> dict[ActionKind, float]:
-    return {
-        **compute_durations(timing),
-        K.GRAD_SYNC: timing.grad_sync,
-        K.PARAM_SYNC: timing.param_sync,
-    }
 
 
 # --- as written -------------------------------------------------------------------------------
@@ -520,10 +506,8 @@ class _Model:
                 batch_first += range(first + 1, first + 1 + len(posted))
                 unit_first += starts[self.rank_batches[rank] + 1 : self.rank_batches[-1] + 1]
                 self.unit_batch += posted
-                if not any(bits & _SIDE_BATCH for bits in kinds):
-                    self.unit_stream += [group] * len(posted)
-                    continue
-                streams = [group, self._stream(rank, _SIDE)]
+                side = any(bits & _SIDE_BATCH for bits in kinds)
+                streams = [group, self._stream(rank, _SIDE) if side else group]
                 self.unit_stream += [streams[flags[batch] & _SIDE_BATCH != 0] for batch in posted]
                 continue
             for batch in posted:
@@ -704,8 +688,23 @@ class _Model:
         self.unit_active: list[float] = [math.inf] * nunits  # when its first op got going
         self.done_time = [zero] * nbatches
         self.stream_free = [zero] * len(self.streams)
-        self.durations = {} if timing is None else _durations(timing)
-        self.op_time = self._op_times(timing)
+        self.durations = {} if timing is None else compute_durations(timing)
+        p2p, transfer = (0, 0) if timing is None else (timing.p2p, timing.transfer)
+        if timing is not None:
+            self.durations |= {K.GRAD_SYNC: timing.grad_sync, K.PARAM_SYNC: timing.param_sync}
+        # per op, once both halves have started: a payload of stored activations (a restore, an
+        # eviction's payload) ``transfer``, an activation, gradient or size header ``p2p``
+        if transfer == p2p:
+            self.op_time: list[float] = [p2p] * len(self.op_key)
+        else:
+            per_what = self.program.stage_span * self.program.microbatches
+            restore, evict = WHAT_CODE[What.RESTORE], WHAT_CODE[What.EVICT]
+            self.op_time = [
+                transfer
+                if (what := (key >> 2) // per_what) == restore or (what == evict and key & 1)
+                else p2p
+                for key in self.op_key
+            ]
         self.records: list[list[tuple[float, float, int]]] = [[] for _ in range(num_ranks)]
         while self.ready:
             self._advance(self.ready.popleft())
@@ -713,39 +712,19 @@ class _Model:
             raise self._deadlock()
 
     def timed(self, timing: Timing) -> PostingRun:
-        """One run under ``timing`` (``posting_timer``)."""
+        """One run under ``timing`` (``posting_timer``). Where the last stage is not on the last
+        rank (the V-shapes), its rank then sends the step's losses there once both are done
+        (their data-parallel lanes too) in two blocking messages, which end both ranks' steps
+        (``runtime.placement.deliver_to_last_rank``)."""
         with paused_gc():
             self.run(timing)
-        self._deliver_outputs(timing)
-        events = partial(self._events, self.records, self.unit_active, self.done_time)
-        return PostingRun(self.cpu, self.dp_free, self.busy, self.gather_wait, events)
-
-    def _deliver_outputs(self, timing: Timing) -> None:
-        """``runtime.placement.deliver_to_last_rank``: where the last stage is not on the last
-        rank (the V-shapes), its rank sends the step's losses there once both are done (their
-        data-parallel lanes too) in two blocking messages; both ranks' steps end with them."""
-        layout = self.schedule.layout
+        layout, cpu, dp_end = self.schedule.layout, self.cpu, self.dp_free
         source, target = layout.rank_of(layout.num_stages - 1), layout.num_ranks - 1
         if source != target:
-            cpu, dp_end = self.cpu, self.dp_free
             ready = max(cpu[source], dp_end[source], cpu[target], dp_end[target])
             cpu[source] = cpu[target] = ready + 2 * timing.p2p
-
-    def _op_times(self, timing: Timing | None) -> list[float]:
-        """Per op, how long it takes once both halves have started: a payload of stored
-        activations (a restore, or an eviction's payload) ``timing.transfer``, an activation,
-        a gradient or an eviction's size header ``timing.p2p``; 0 untimed."""
-        p2p, transfer = (0, 0) if timing is None else (timing.p2p, timing.transfer)
-        if transfer == p2p:
-            return [p2p] * len(self.op_key)
-        per_what = self.program.stage_span * self.program.microbatches
-        restore, evict = WHAT_CODE[What.RESTORE], WHAT_CODE[What.EVICT]
-        return [
-            transfer
-            if (what := (key >> 2) // per_what) == restore or (what == evict and key & 1)
-            else p2p
-            for key in self.op_key
-        ]
+        events = partial(self._events, self.records, self.unit_active, self.done_time)
+        return PostingRun(cpu, dp_end, self.busy, self.gather_wait, events)
 
     def _advance(self, rank: int) -> None:
         steps, pc, timed = self.steps[rank], self.pc[rank], bool(self.durations)
@@ -921,9 +900,8 @@ class _Model:
             {mark: "NCCL: stuck" for _, mark in cycle if mark[1] >= 0},
         )
 
-    def _batch_ops(self, batch: int) -> list[int]:
-        units = self._batch_units(batch)
-        return list(range(self.unit_first[units.start], self.unit_first[units.stop]))
+    def _batch_ops(self, batch: int) -> range:
+        return range(self.op_start[batch], self.op_start[batch + 1])
 
     def _explain(self, node: tuple[str, int]) -> tuple[str, tuple[int, int], tuple[str, int]]:
         """One link of the cycle: a CPU waits for a unit (a batch, or a pairwise op), which is

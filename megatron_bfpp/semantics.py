@@ -148,8 +148,7 @@ def action_duration(durations: Mapping[ActionKind, Number], action: Action) -> N
 class Event(NamedTuple):
     """One busy interval on one lane of one rank: ``compute`` (F/B/I/W, every one), ``p2p`` (a
     send occupying its link, drawn on the sender) or ``dp`` (GS / PS); communication that takes
-    no time leaves none. ``label`` is the action's text, e.g. ``3F5``. A named tuple: cheaper
-    to build than a dataclass, by the hundred thousand."""
+    no time leaves none. ``label`` is the action's text, e.g. ``3F5``."""
 
     rank: int
     lane: Lane
@@ -185,9 +184,9 @@ class Replay(NamedTuple):
 @paused_gc()  # one tuple per event and message, none freed: see paused_gc
 def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
     """Run every program under the rules above with clocks and events (memory is counted in
-    program order: ``ir.stored_counts``). Raises
-    ``ScheduleError`` when an action names a stage outside the layout (``validate_schedule``
-    says why); a message to a rank outside the layout reaches nobody."""
+    program order: ``ir.stored_counts``). Raises ``ScheduleError`` when an action names a stage
+    outside the layout (``validate_schedule`` says why); a message to a rank outside the layout
+    reaches nobody."""
     run = _replayed(schedule, timing)
     timeline = Timeline(run.rules, timing, run.starts)
     return Replay(run.stuck(), timeline, run.clock, run.dp_free, run.busy, run.waited)
@@ -299,7 +298,7 @@ class Rules:
         self.span = num_stages + 2  # message stages run from -1 to num_stages
         microbatches = schedule.num_microbatches
         if any_microbatch:
-            named = (max(map(_mb_or_zero, actions), default=0) for actions in schedule.per_rank)
+            named = (action.microbatch or 0 for actions in schedule.per_rank for action in actions)
             microbatches = max(max(named, default=0) + 1, microbatches)
         self.microbatches = max(microbatches, 1)
         # Activations and gradients have ids below ``limit``; BPipe's messages, whose partner is
@@ -364,10 +363,6 @@ class Rules:
         """Whether the next compute after this transfer (EV / RS) waits until the partner has
         posted its receive (``Transfer.awaits``): the one statement of that BPipe rule."""
         return self.transfers[action.kind].awaits[action.stage] >= 0
-
-
-def _mb_or_zero(action: Action) -> int:
-    return action.microbatch or 0
 
 
 def match_channels(sent: Sequence[T], received: Sequence[T]) -> Iterator[tuple[T, T | None]]:
@@ -572,8 +567,7 @@ class Wires:
 class Recorded(NamedTuple):
     """One rank's program recorded rather than run (the validator's way, see ``run_recorded``):
     ``ops`` in program order, ``key`` to send a message and ``~key`` to wait for one (ids and
-    addressed keys, ``Rules.message``), and ``wait_at``, the program position of each wait,
-    as machine integers (int objects amid the keys slow the run that reads them)."""
+    addressed keys, ``Rules.message``), and ``wait_at``, each wait's program position, unboxed."""
 
     ops: list[int]
     wait_at: array[int]
@@ -582,9 +576,7 @@ class Recorded(NamedTuple):
 def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int, Message]]:
     """``Wires.run`` for recorded programs, without clocks: which ranks cannot finish, as
     ``Wires.stuck`` (docs/architecture.md, "Performance of the shared rules", says why)."""
-    # Activations and gradients have ids below ``Rules.limit``: a flag each, cheaper than a set
-    # of half a million keys.
-    limit = rules.limit
+    limit = rules.limit  # activations and gradients: a flag each, BPipe's messages in a set
     sent = bytearray(limit)
     sent_beyond: set[int] = set()  # BPipe's messages
     waiting: dict[int, int] = {}
@@ -684,8 +676,15 @@ def _timed(run: Wires, rank: int) -> Program:
                 continue
             # A compute-only schedule: send the result as its SA / SG would.
             key, peer = key + mb, peers_row[s]
-        elif kind is _GS or kind is _PS:
-            _data_parallel(run, rank, a, t)
+        elif kind is _GS or kind is _PS:  # on the data-parallel lane, in program order, from t
+            start = run.dp_free[rank]
+            if t > start:
+                start = t
+            end = start + (run.durations.grad_sync if kind is _GS else run.durations.param_sync)
+            run.dp_free[rank] = end
+            if kind is _PS:
+                ps_r[s] = end
+            record(start)  # every GS / PS: Timeline draws those that take time
             continue
         elif kind is _RL:  # frees memory at once, which takes no time
             continue
@@ -758,19 +757,6 @@ def _overlapped(run: Wires, rank: int, i: int, composite: Action) -> Program:
         _, _, sends_row, peers_row = compute[part.kind]
         if key := sends_row[part.stage]:
             run.message(rank, key + part.microbatch, peers_row[part.stage], t)  # type: ignore[operator]
-
-
-def _data_parallel(run: Wires, rank: int, action: Action, t: float) -> None:
-    """GS / PS on the rank's data-parallel lane: in program order, from its position's time."""
-    kind = action.kind
-    start = run.dp_free[rank]
-    if t > start:
-        start = t
-    end = start + (run.durations.grad_sync if kind is _GS else run.durations.param_sync)
-    run.dp_free[rank] = end
-    if kind is _PS:
-        run.ps_done[rank][action.stage] = end
-    run.starts[rank].append(start)  # every GS / PS: Timeline draws those that take time
 
 
 class Timeline:
