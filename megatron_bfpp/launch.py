@@ -67,21 +67,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     import torch
 
     from megatron_bfpp.compat import UnsupportedVersionError, megatron_core_version
-    from megatron_bfpp.megatron.plugin import install
+    from megatron_bfpp.megatron.plugin import install, keep_prebuilt_dataset_helpers
 
     try:
         install()
     except UnsupportedVersionError as error:
         _refuse(str(error))
-    # A megatron-core wheel ships the built helpers_cpp but no Makefile, so the ``make`` that
-    # Megatron-LM runs at start fails: when helpers_cpp imports, compile_helpers does nothing.
-    try:
-        import megatron.core.datasets.helpers_cpp
-        import megatron.core.datasets.utils as dataset_utils
-    except ImportError:
-        pass
-    else:
-        dataset_utils.compile_helpers = lambda: None
+    keep_prebuilt_dataset_helpers()
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         from megatron_bfpp.megatron.cpu_launch import enable_cpu_megatron_lm

@@ -151,6 +151,18 @@ def add_patch(owner: Any, name: str, value: Any) -> None:
         _patches.patch(owner, name, value)
 
 
+def keep_prebuilt_dataset_helpers() -> None:
+    """A megatron-core wheel ships the built ``helpers_cpp`` but no Makefile, so the ``make``
+    Megatron-LM runs at start fails: where ``helpers_cpp`` imports, ``compile_helpers`` does
+    nothing (registered, so :func:`uninstall` restores it). Needs :func:`install` first."""
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401
+        import megatron.core.datasets.utils as dataset_utils
+    except ImportError:
+        return
+    add_patch(dataset_utils, "compile_helpers", lambda: None)
+
+
 def uninstall() -> None:
     """Restore every original :func:`install` replaced (a no-op when not installed)."""
     global _megatron_get_fbf, _training_available

@@ -161,6 +161,22 @@ def test_install_patches_and_uninstall_restores_core_sites(no_megatron_lm: None)
     assert _pp_pair_state() == (ORIGINAL, ORIGINAL)
 
 
+def test_the_launchers_dataset_helpers_patch_is_registered(no_megatron_lm: None) -> None:
+    """The wheel's prebuilt helpers_cpp: compile_helpers does nothing while installed, and
+    uninstall puts Megatron's own back (the launcher's patch goes through the registry)."""
+    pytest.importorskip("megatron.core.datasets.helpers_cpp")
+    dataset_utils = importlib.import_module("megatron.core.datasets.utils")
+    original = dataset_utils.compile_helpers
+    with pytest.raises(ScheduleError, match="install"):
+        plugin.keep_prebuilt_dataset_helpers()
+    plugin.install()
+    plugin.keep_prebuilt_dataset_helpers()
+    assert dataset_utils.compile_helpers is not original
+    assert dataset_utils.compile_helpers() is None
+    plugin.uninstall()
+    assert dataset_utils.compile_helpers is original
+
+
 def test_install_is_idempotent(no_megatron_lm: None) -> None:
     plugin.install()
     plugin.install()
