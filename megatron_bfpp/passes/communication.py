@@ -185,13 +185,19 @@ def _reorder_rank(program: list[Action], positions: list[int], indices: list[int
     """Give each receive from one source (at ``positions``, the index of its send on that
     channel in ``indices``, -1: never sent) a sort key no later than the key of the receive that
     must follow it. Keys are (anchor position, offset): untouched actions keep (position, 0); a
-    hoisted receive sits just before its successor, so the sort moves receives earlier only."""
+    hoisted receive sits just before its successor, so it moves earlier only (spliced in, with
+    its anchor's other hoisted receives, in offset order)."""
     if all(a < b for a, b in pairwise(indices)):
         return program  # nothing to hoist on this channel
-    keys = {position: (position, 0) for position in range(len(program))}
-    order = dict(zip(positions, indices, strict=True))
-    in_send_order = sorted(positions, key=order.__getitem__)
-    for earlier, later in reversed(list(pairwise(in_send_order))):
-        anchor, offset = keys[later]
-        keys[earlier] = min(keys[earlier], (anchor, offset - 1))
-    return [program[p] for p in sorted(keys, key=lambda p: (keys[p], p))]
+    *earlier, last = (position for _, position in sorted(zip(indices, positions, strict=True)))
+    key, before = (last, 0), dict[int, list[int]]()  # anchor (not hoisted): its hoisted, last first
+    for position in reversed(earlier):
+        key = (position, 0) if position < key[0] else (key[0], key[1] - 1)
+        if key[0] != position:
+            before.setdefault(key[0], []).append(position)
+    gone = {position for hoisted in before.values() for position in hoisted}
+    result, start = [], 0
+    for cut in sorted(gone | before.keys()):
+        result += program[start:cut] + [program[p] for p in reversed(before.get(cut, []))]
+        start = cut + (cut in gone)
+    return result + program[start:]

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from megatron_bfpp.ir import (
-    Action,
-    ActionKind,
-    Schedule,
-    ScheduleError,
-    StageLayout,
-    unchecked_action,
-)
+from megatron_bfpp.ir import Action, Schedule, ScheduleError, StageLayout
 
-__all__ = ["backward", "check_counts", "forward", "interleave_1f1b", "make_schedule"]
+__all__ = ["check_counts", "interleave_1f1b", "make_schedule"]
 
 
 def check_counts(schedule: str, **values: int) -> None:
@@ -21,16 +14,6 @@ def check_counts(schedule: str, **values: int) -> None:
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{schedule}: {key} must be a positive integer, got {value!r}")
-
-
-def forward(stage: int, microbatch: int) -> Action:
-    """``stage``'s forward of ``microbatch``; callers pass indices checked by ``check_counts``."""
-    return unchecked_action(stage, ActionKind.FORWARD, microbatch)
-
-
-def backward(stage: int, microbatch: int) -> Action:
-    """``stage``'s full backward of ``microbatch``; indices checked like ``forward``'s."""
-    return unchecked_action(stage, ActionKind.BACKWARD, microbatch)
 
 
 def interleave_1f1b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
