@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_bfpp.files import write_output
-from megatron_bfpp.ir import Placement, ScheduleError, first_line
+from megatron_bfpp.ir import Placement, ScheduleError, first_line, paused_gc
 from megatron_bfpp.plan.costs import BuiltinCurve, Efficiency, ProfileCurve
 from megatron_bfpp.plan.memory import RECOMPUTE, MemoryBreakdown
 from megatron_bfpp.plan.presets import BF16_MIXED, GPUS, GiB, Gpu, Model, Precision, get_gpu
@@ -509,6 +509,7 @@ def _candidate(
 # --------------------------------------------------------------------------- the decision
 
 
+@paused_gc()  # its builds and simulations make millions of objects and no cycles
 def decide(r: AutoRequest) -> Decision:
     """Rank the schedules the layout admits, or refuse in one line (:class:`ScheduleError`)
     when none does or none fits. Each fitting candidate is simulated once, Megatron's default

@@ -10,7 +10,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from functools import lru_cache
+from functools import cache, lru_cache
 
 from megatron_bfpp.ir import Placement, Schedule, ScheduleError
 from megatron_bfpp.plan.costs import (
@@ -41,8 +41,8 @@ from megatron_bfpp.schedules.registry import (
     get_spec,
     planned_schedules,
 )
-from megatron_bfpp.sim import CostModel, SimResult, simulate
-from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, steady_lengths
+from megatron_bfpp.sim import CostModel
+from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, simulated_step, steady_lengths
 
 __all__ = [
     "MEGATRON_SCHEDULES",
@@ -506,13 +506,7 @@ def _simulated_ns(
     simulated whole up to ``EXACT_UP_TO`` periods, past that off an approximate line."""
     # A breadth-first group of g micro-batches repeats every g (the planner's g is pp).
     p = c.pp if c.group_size is None else max(c.pp, c.group_size)
-    steps: dict[int, float] = {}  # by length: attempts 1 and 2 share two, 3 often one
-
-    def step_at(length: int) -> float:
-        if length not in steps:
-            steps[length] = _step(c, length, costs, p2p, grad_reduce, budget).step_time
-        return steps[length]
-
+    step_at = cache(lambda n: _step(c, n, costs, p2p, grad_reduce, budget)[0])  # shared lengths
     attempts = steady_lengths(m, p)  # bfpp-sim's (sim.simulate_steady), congruent to m
     whole = not attempts or m <= sum(attempts[0])
     if budget is not None:  # the cheapest timing: attempt 1's three lengths, else the whole
@@ -528,8 +522,7 @@ def _simulated_ns(
             return _with_bubble(c, m, costs, step)
     if m > EXACT_UP_TO * p:
         return _approximate(c, m, costs, p2p, grad_reduce, p, budget)
-    result = _step(c, m, costs, p2p, grad_reduce, budget)
-    return result.step_time, result.bubble_fraction
+    return _step(c, m, costs, p2p, grad_reduce, budget)
 
 
 def _step(
@@ -539,12 +532,12 @@ def _step(
     p2p: str,
     grad_reduce: str | None,
     budget: ActionBudget | None,
-) -> SimResult:
-    """``c`` at m micro-batches, simulated; its actions charged to ``budget`` first."""
+) -> tuple[float, float]:
+    """``c`` at m micro-batches simulated: (step, bubble), charged to ``budget`` first."""
     if budget is not None:
         budget.charge(num_ranks=c.pp, stages_per_rank=c.vp, num_microbatches=m)
     built = _schedule(c.schedule, c.pp, c.vp, m, c.sharding, c.group_size, c.max_stored)
-    return simulate(built, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
+    return simulated_step(built, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
 
 
 EXACT_UP_TO = 48  # periods (the pipeline size, or the group) simulated whole at most
@@ -565,9 +558,7 @@ def _approximate(
     ``_APPROX_FROM`` periods (past the fill and drain, whose cost it keeps exactly)."""
     first = _APPROX_FROM * period + m % period
     last = first + _APPROX_SPAN * period
-    steps = [
-        _step(c, length, costs, p2p, grad_reduce, budget).step_time for length in (first, last)
-    ]
+    steps = [_step(c, n, costs, p2p, grad_reduce, budget)[0] for n in (first, last)]
     step = steps[1] + (m - last) * (steps[1] - steps[0]) / (last - first)
     return _with_bubble(c, m, costs, step)
 

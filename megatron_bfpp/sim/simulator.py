@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from itertools import pairwise
 from operator import attrgetter, countOf
 from typing import Any, NamedTuple
@@ -51,6 +52,7 @@ __all__ = [
     "SimResult",
     "simulate",
     "simulate_steady",
+    "simulated_step",
     "steady_lengths",
 ]
 
@@ -191,6 +193,16 @@ def simulate(
     return _result(schedule, costs, clocks, per_unit, p2p, timeline, grad_reduce)
 
 
+def simulated_step(
+    schedule: Schedule, costs: CostModel, *, p2p: str, megatron_grad_reduce: str | None = None
+) -> tuple[float, float]:
+    """``simulate``'s step time and bubble fraction alone (the planner's): no memory, no ranks."""
+    grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, None)
+    (clock, dp_end, busy, _), per_unit, _ = _clocks(schedule, costs, p2p, None, grad_reduce)
+    step = max(map(max, clock, dp_end), default=0)
+    return _user(step, per_unit), _ratio(sum(step - b for b in busy), schedule.num_ranks * step)
+
+
 def _clocks(
     schedule: Schedule,
     costs: CostModel,
@@ -262,12 +274,8 @@ def simulate_steady(
             clocks = _clocked(schedule, fields)
             per_unit = costs.exact(schedule.layout.exact_stage_fraction).per_unit
 
-            def events() -> list[Event]:  # in user units already: PostingTimeline's per_unit 1
-                return list(
-                    simulate(schedule, costs, p2p=p2p, megatron_grad_reduce=grad_reduce).events
-                )
-
-            timeline = PostingTimeline(events)
+            rerun = partial(simulate, schedule, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
+            timeline = PostingTimeline(lambda: list(rerun().events))  # in user units already
             result = _result(schedule, costs, clocks, per_unit, p2p, timeline, grad_reduce)
             return replace(result, steady_from=lengths)
     return simulate(schedule, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
