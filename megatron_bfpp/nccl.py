@@ -31,7 +31,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
-from itertools import accumulate, chain, groupby, repeat
+from itertools import accumulate, chain, count, groupby, repeat
 from operator import attrgetter, rshift, sub
 from typing import NamedTuple, cast
 
@@ -260,16 +260,15 @@ def _lockstep_steps(
 ) -> None:
     """One rank's steps of the lock-step posting, from its actions' ticks in ``run``
     (``lockstep_replay``: a compute's start, a message's send), added to ``lowered``. Sort keys
-    are ``(tick * 4 + phase) * span + order``: at a tick, its batch (phase 0), its payload batch
+    are ``(tick * 4 + phase) * wide + step``: at a tick, its batch (phase 0), its payload batch
     (1), the GS / PS / RL that follow the compute ending there (2: after its messages, the
-    pipeline's critical path goes first), then the compute starting there (3); ``order`` is the
-    position, or a batch's number on the rank. A batch's items are in canonical order (sort
-    keys ``(message * span + position) * 2 + rest``)."""
-    span = len(actions) + 1
-    by_tick: defaultdict[int, list[int]] = defaultdict(list)
+    pipeline's critical path goes first), then the compute starting there (3); ``step`` is the
+    position's ``_RUN`` step, 0 for a batch (numbered in tick order). A batch's items are
+    ``position * 2 + rest``, appended in program order and sorted by message: canonical order."""
+    wide = 4 * len(actions) + 4  # above every ``_RUN`` step
+    batches: defaultdict[int, list[int]] = defaultdict(list)  # tick * 2 + payload -> items
     keys: list[int] = []
-    restore, load, evict, accept = K.RESTORE, K.LOAD, K.EVICT, K.ACCEPT
-    p2p, compute, ticks_of, lanes = _P2P, _COMPUTE, TICKS, _LANES
+    add_key, p2p, compute, ticks_of, lanes = keys.append, _P2P, _COMPUTE, TICKS, _LANES
     # its computes' and GS / PS's starts in program order, and the messages' sends: integers
     starts = iter(cast("list[int]", run.starts[rank]))
     flow, arrivals = cast("list[int | None]", run.flow), cast("dict[int, int]", run.arrivals)
@@ -277,52 +276,47 @@ def _lockstep_steps(
     end = 0  # the end of the latest compute: an SA / SG goes then
     tick: int | None
     for position, action in enumerate(actions):
-        kind = action.kind
-        if kind in p2p:
+        if (kind := action.kind) in p2p:
+            sent = message[position]
             if kind in _SENT_AT_END:
                 tick = end
-            else:  # an activation or gradient in ``flow``, a BPipe transfer's by its id alone
-                sent = message[position]
-                tick = flow[sent] if sent < limit else arrivals.get(sent * num_ranks)
-                if tick is None:
-                    raise ScheduleError(f"rank {rank}, step {position}: {action} is never sent")
-            item = (message[position] * span + position) * 2
-            if kind is restore or kind is load:  # a payload: in the pair's batch
-                by_tick[tick * 2 + 1].append(item)
+            elif (tick := flow[sent] if sent < limit else arrivals.get(sent * num_ranks)) is None:
+                raise ScheduleError(f"rank {rank}, step {position}: {action} is never sent")
+            if sent < limit:  # an activation or gradient
+                batches[tick * 2].append(position * 2)
                 continue
-            by_tick[tick * 2].append(item)
-            if kind is evict or kind is accept:
-                by_tick[tick * 2 + 1].append(item + 1)
+            batches[tick * 2 + (kind in _PAYLOADS)].append(position * 2)  # RS / LD: the pair's
+            if kind in _HEADERS:  # EV / AC: the size header, then the payload
+                batches[tick * 2 + 1].append(position * 2 + 1)
         elif kind in compute:
             tick = next(starts)
-            keys.append((tick * 4 + 3) * span + position)
-            end = tick + (ticks_of[kind] if kind is not _FB else action_duration(ticks_of, action))
+            add_key((tick * 4 + 3) * wide + position * 4 + _RUN)
+            # a composite's ticks: its parts' (``TICKS`` has none)
+            end = tick + (ticks_of.get(kind) or action_duration(ticks_of, action))
         else:
             if kind in lanes:
                 next(starts)
-            keys.append((end * 4 + 2) * span + position)
-    batches = sorted(by_tick)  # by tick, then payload
-    # a batch's key: (tick * 4 + payload) * span + its number among the rank's batches
-    keys += [(key + (key & ~1)) * span + index for index, key in enumerate(batches)]
+            add_key((end * 4 + 2) * wide + position * 4 + _RUN)
+    ordered = sorted(batches)  # by tick, then payload
+    keys += [(key + (key & ~1)) * wide for key in ordered]
     keys.sort()
-    first, per_item = len(lowered.batch_items), 2 * span
-    lowered.steps.append(
-        [
-            low * 4 + _RUN if phase_tick & 2 else (first + low) * 4 + _POST
-            for phase_tick, low in map(divmod, keys, repeat(span))
-        ]
-    )
-    lowered.batch_items.extend(
-        [item % per_item for item in sorted(by_tick[key])] for key in batches
-    )
-    lowered.batch_tick.extend([key >> 1 for key in batches])
-    lowered.batch_flags.extend([_SIDE_BATCH * (key & 1) for key in batches])
+    numbers = count(len(lowered.batch_items) * 4 + _POST, 4)
+    lowered.steps.append([key % wide or next(numbers) for key in keys])
+    by_item = [0] * 2 * len(actions)  # an item's message
+    by_item[::2] = by_item[1::2] = message
+    for items in batches.values():
+        if len(items) > 1:
+            items.sort(key=by_item.__getitem__)  # stable: a message's items by position
+    lowered.batch_items.extend(map(batches.__getitem__, ordered))
+    lowered.batch_tick.extend([key >> 1 for key in ordered])
+    lowered.batch_flags.extend([_SIDE_BATCH * (key & 1) for key in ordered])
 
 
 _P2P = frozenset(kind for kind in K if kind.is_p2p)
 _COMPUTE = frozenset(kind for kind in K if kind.is_compute)
 _LANES = frozenset({K.GRAD_SYNC, K.PARAM_SYNC})  # what ``Wires.starts`` also holds
 _SENT_AT_END = frozenset({K.SEND_ACT, K.SEND_GRAD})
+_PAYLOADS, _HEADERS = frozenset({K.RESTORE, K.LOAD}), frozenset({K.EVICT, K.ACCEPT})
 
 
 def check_side_pairs(schedule: Schedule, posting: Posting) -> None:

@@ -13,16 +13,14 @@ every micro-batch an action names) that every loop over its actions would otherw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
 
 from megatron_bfpp.ir import COMPUTE_KINDS, Action, ActionKind, Schedule
-from megatron_bfpp.messages import MESSAGE_TABLE, RESTORE, WHAT_CODE, Message
+from megatron_bfpp.messages import MESSAGE_TABLE, WHAT_CODE, Message
 from megatron_bfpp.semantics import Rules
 
 __all__ = ["Program", "compiled"]
 
 K = ActionKind
-_kind_of, _stage_of = attrgetter("kind"), attrgetter("stage")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -67,24 +65,26 @@ def compile_program(schedule: Schedule) -> Program:
     waits = {kind: [base or -1 for base in rules.waits_for[kind]] for kind in COMPUTE_KINDS}
     # per p2p kind the id of its stage 0's message of micro-batch 0: ids are linear in the stage
     firsts = {kind: rules.id(what, offset, 0) for kind, (what, offset) in MESSAGE_TABLE.items()}
-    per_stage = rules.microbatches
+    load = firsts.pop(K.LOAD)  # an LD's message is also the restore a later B / I waits for
+    first_of, waits_of, per_stage = firsts.get, waits.get, rules.microbatches
     messages, wait, restore = [], [], []
     for rank, actions in enumerate(schedule.per_rank):
-        kinds = list(map(_kind_of, actions))
-        stages = list(map(_stage_of, actions))
-        mbs = [action.microbatch or 0 for action in actions]
         message_row, wait_row = [-1] * len(actions), [-1] * len(actions)
-        for position, kind in enumerate(kinds):
-            if (first := firsts.get(kind)) is not None:
-                message_row[position] = first + stages[position] * per_stage + mbs[position]
-            elif (bases := waits.get(kind)) is not None and (base := bases[stages[position]]) >= 0:
-                wait_row[position] = base + mbs[position]
+        loads: dict[int, int] = {}  # position -> its LD's message
+        for position, action in enumerate(actions):
+            kind = action.kind  # p2p and compute actions name a micro-batch: not None
+            if (first := first_of(kind)) is not None:
+                message_row[position] = first + action.stage * per_stage + action.microbatch  # type: ignore[operator]
+            elif (bases := waits_of(kind)) is not None and (base := bases[action.stage]) >= 0:
+                wait_row[position] = base + action.microbatch  # type: ignore[operator]
+            elif kind is K.LOAD:
+                message = load + action.stage * per_stage + action.microbatch  # type: ignore[operator]
+                loads[position] = message_row[position] = message
         messages.append(message_row)
         wait.append(wait_row)
         # each LD's restore where ``Rules.restored`` puts it
-        loads = [p for p, kind in enumerate(kinds) if kind is K.LOAD] if K.LOAD in kinds else []
-        waited = ((rules.restored(rank, p), p) for p in loads)
-        restore.append({at: rules.id(RESTORE, stages[p], mbs[p]) for at, p in waited if at >= 0})
+        waited = ((rules.restored(rank, p), message) for p, message in loads.items())
+        restore.append({at: message for at, message in waited if at >= 0})
     return Program(schedule, rules, tuple(messages), tuple(wait), tuple(restore), waits)
 
 
