@@ -33,7 +33,7 @@ of an earlier kind, which they cannot see past)."""
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from megatron_bfpp.ir import (
     Action,
@@ -380,33 +380,33 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
     return recorded
 
 
+_Row = tuple[int, int, Callable[[int], None]]  # peer, id of micro-batch 0, channel's append
+
+
 def _p2p_rows(
     scan: _Scan, rank: int
-) -> dict[ActionKind, tuple[list[int], list[int], list[list[int]], bytearray, bytearray | None]]:
-    """SA / RA / SG / RG, per stage where indexed: the peer each must name (-1: none may), its
-    message's id of micro-batch 0 (RA / RG: the previous / next stage's), ``rank``'s side of its
-    channel (stages of other ranks: a list nothing reaches, placement ends the pass first), and
-    the flags a send reads (either: computed) or a receive sets (then None)."""
+) -> dict[ActionKind, tuple[list[_Row], bytearray, bytearray | None]]:
+    """SA / RA / SG / RG: per stage, the peer each must name (-1: none may, as on other ranks'
+    stages), its message's id of micro-batch 0 and the append of ``rank``'s side of its channel;
+    and the flags a send reads (either: computed) or a receive sets (then None)."""
     unused: list[int] = []
-    num_stages = len(scan.remote_in)
-    act_in, act_out = [unused] * num_stages, [unused] * num_stages
-    grad_in, grad_out = [unused] * num_stages, [unused] * num_stages
+    rows: dict[ActionKind, list[_Row]] = {
+        kind: [(-1, 0, unused.append)] * len(scan.remote_in) for kind in (_SA, _RA, _SG, _RG)
+    }
+    act, grad = scan.rules.base[ACT], scan.rules.base[GRAD]
     for stage, owner in enumerate(scan.stage_to_rank):
-        if owner != rank:
-            continue
-        if scan.remote_in[stage] >= 0:
-            act_in[stage] = scan.channel(scan.remote_in[stage], rank)[1]
-            grad_out[stage] = scan.channel(rank, scan.remote_in[stage])[0]
-        if scan.remote_out[stage] >= 0:
-            act_out[stage] = scan.channel(rank, scan.remote_out[stage])[0]
-            grad_in[stage] = scan.channel(scan.remote_out[stage], rank)[1]
-    act_base, grad_base = scan.rules.base[ACT], scan.rules.base[GRAD]
+        if owner == rank and (peer := scan.remote_in[stage]) >= 0:
+            rows[_RA][stage] = (peer, act[stage - 1], scan.channel(peer, rank)[1].append)
+            rows[_SG][stage] = (peer, grad[stage], scan.channel(rank, peer)[0].append)
+        if owner == rank and (peer := scan.remote_out[stage]) >= 0:
+            rows[_SA][stage] = (peer, act[stage], scan.channel(rank, peer)[0].append)
+            rows[_RG][stage] = (peer, grad[stage + 1], scan.channel(peer, rank)[1].append)
     f_done, b_done, i_done, _, ra_done, rg_done = scan.flags[:6]
     return {
-        _SA: (scan.remote_out, act_base, act_out, f_done, f_done),
-        _RA: (scan.remote_in, [-1, *act_base[:-1]], act_in, ra_done, None),
-        _SG: (scan.remote_in, grad_base, grad_out, b_done, i_done),
-        _RG: (scan.remote_out, [*grad_base[1:], -1], grad_in, rg_done, None),
+        _SA: (rows[_SA], f_done, f_done),
+        _RA: (rows[_RA], ra_done, None),
+        _SG: (rows[_SG], b_done, i_done),
+        _RG: (rows[_RG], rg_done, None),
     }
 
 
@@ -430,7 +430,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
     chunk_level = scan.chunk_level[rank]  # positions of its GS / PS / RL
     steps = _parts(scan, actions, recorded) if scan.composites else enumerate(actions)
     position = 0
-    try:  # a stage past the layout raises IndexError at s2r[stage], before any change
+    try:  # a stage past the layout raises IndexError at a per-stage table, before any change
         for position, action in steps:
             kind, stage = action.kind, action.stage
             mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
@@ -439,7 +439,20 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
                     op(~need)
                     wait_at(position)
                 awaiting.clear()
-            if kind is _F:
+            if (row := p2p(kind)) is not None:  # SA, RA, SG, RG: one table (_p2p_rows)
+                table, done, also = row
+                peer, message, post = table[stage]
+                if action.peer != peer or mb >= num_mb:
+                    scan.misplaced(rank, position)
+                    return None
+                post(message := message + mb)
+                if also is None:  # a receive, posted
+                    done[stage * num_mb + mb] = 1
+                else:  # a send, after what it sends
+                    if not (done[key := stage * num_mb + mb] or also[key]):
+                        disorder(rank, position, "activation" if kind is _SA else "gradient")
+                    op(message)
+            elif kind is _F:
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
                     return None
@@ -486,19 +499,6 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
                         disorder(rank, position, "local gradient")
                 elif with_comm and remote_out[stage] >= 0 and not rg_done[key]:
                     disorder(rank, position, "remote gradient")
-            elif (row := p2p(kind)) is not None:  # SA, RA, SG, RG: one table (_p2p_rows)
-                peers, slots, channel, done, also = row
-                if s2r[stage] != rank or mb >= num_mb or action.peer != peers[stage]:
-                    scan.misplaced(rank, position)
-                    return None
-                key, message = stage * num_mb + mb, slots[stage] + mb
-                channel[stage].append(message)
-                if also is None:  # a receive, posted
-                    done[key] = 1
-                else:  # a send, after what it sends
-                    if not (done[key] or also[key]):
-                        disorder(rank, position, "activation" if kind is _SA else "gradient")
-                    op(message)
             elif kind is _W:  # waits for nothing but its own rank's I
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
