@@ -33,7 +33,7 @@ of an earlier kind, which they cannot see past)."""
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from megatron_bfpp.ir import (
     Action,
@@ -124,7 +124,7 @@ def validate_grad_sync(schedule: Schedule, *, required: bool = False) -> None:
     _raise(
         _first(scan.placement)
         or next((problem for problem in residency if problem is not None), None)
-        or _grad_sync_problem(schedule, scan.chunk_level, required)
+        or _grad_sync_problem(scan, required)
     )
 
 
@@ -156,7 +156,7 @@ def _find_problem(
         or _first(scan.order)
         or (scan.mismatched_channel() if require_communication or scan.with_comm else None)
         or scan.deadlock()
-        or _grad_sync_problem(schedule, scan.chunk_level, require_grad_sync)
+        or _grad_sync_problem(scan, require_grad_sync)
         or _first(scan.data_order)
     )
 
@@ -223,6 +223,7 @@ class _Scan:
         self.order: dict[int, ScheduleError] = {}
         self.data_order: dict[int, ScheduleError] = {}
         self.forwarded = [-1] * num_stages  # per stage: the latest micro-batch forwarded
+        self.last_backward = [-1] * num_stages  # per stage: the position of its last B / I / W
         self.stuck: dict[int, tuple[int, Message]] = {}
         self.part: Action | None = None  # the part of a composite being checked (``_parts``)
         self.composites = composites  # whether composites are checked as parts (``_scan``)
@@ -379,33 +380,33 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
     return recorded
 
 
+_Row = tuple[int, int, Callable[[int], None]]  # peer, id of micro-batch 0, channel's append
+
+
 def _p2p_rows(
     scan: _Scan, rank: int
-) -> dict[ActionKind, tuple[list[int], list[int], list[list[int]], bytearray, bytearray | None]]:
-    """SA / RA / SG / RG, per stage where indexed: the peer each must name (-1: none may), its
-    message's id of micro-batch 0 (RA / RG: the previous / next stage's), ``rank``'s side of its
-    channel (stages of other ranks: a list nothing reaches, placement ends the pass first), and
-    the flags a send reads (either: computed) or a receive sets (then None)."""
+) -> dict[ActionKind, tuple[list[_Row], bytearray, bytearray | None]]:
+    """SA / RA / SG / RG: per stage, the peer each must name (-1: none may, as on other ranks'
+    stages), its message's id of micro-batch 0 and the append of ``rank``'s side of its channel;
+    and the flags a send reads (either: computed) or a receive sets (then None)."""
     unused: list[int] = []
-    num_stages = len(scan.remote_in)
-    act_in, act_out = [unused] * num_stages, [unused] * num_stages
-    grad_in, grad_out = [unused] * num_stages, [unused] * num_stages
+    rows: dict[ActionKind, list[_Row]] = {
+        kind: [(-1, 0, unused.append)] * len(scan.remote_in) for kind in (_SA, _RA, _SG, _RG)
+    }
+    act, grad = scan.rules.base[ACT], scan.rules.base[GRAD]
     for stage, owner in enumerate(scan.stage_to_rank):
-        if owner != rank:
-            continue
-        if scan.remote_in[stage] >= 0:
-            act_in[stage] = scan.channel(scan.remote_in[stage], rank)[1]
-            grad_out[stage] = scan.channel(rank, scan.remote_in[stage])[0]
-        if scan.remote_out[stage] >= 0:
-            act_out[stage] = scan.channel(rank, scan.remote_out[stage])[0]
-            grad_in[stage] = scan.channel(scan.remote_out[stage], rank)[1]
-    act_base, grad_base = scan.rules.base[ACT], scan.rules.base[GRAD]
+        if owner == rank and (peer := scan.remote_in[stage]) >= 0:
+            rows[_RA][stage] = (peer, act[stage - 1], scan.channel(peer, rank)[1].append)
+            rows[_SG][stage] = (peer, grad[stage], scan.channel(rank, peer)[0].append)
+        if owner == rank and (peer := scan.remote_out[stage]) >= 0:
+            rows[_SA][stage] = (peer, act[stage], scan.channel(rank, peer)[0].append)
+            rows[_RG][stage] = (peer, grad[stage + 1], scan.channel(peer, rank)[1].append)
     f_done, b_done, i_done, _, ra_done, rg_done = scan.flags[:6]
     return {
-        _SA: (scan.remote_out, act_base, act_out, f_done, f_done),
-        _RA: (scan.remote_in, [-1, *act_base[:-1]], act_in, ra_done, None),
-        _SG: (scan.remote_in, grad_base, grad_out, b_done, i_done),
-        _RG: (scan.remote_out, [*grad_base[1:], -1], grad_in, rg_done, None),
+        _SA: (rows[_SA], f_done, f_done),
+        _RA: (rows[_RA], ra_done, None),
+        _SG: (rows[_SG], b_done, i_done),
+        _RG: (rows[_RG], rg_done, None),
     }
 
 
@@ -418,7 +419,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
     remote_in, remote_out = scan.remote_in, scan.remote_out
     local_in, local_out, with_comm = scan.local_in, scan.local_out, scan.with_comm
     f_done, b_done, i_done, w_done, ra_done, rg_done, ev_done, ld_done = scan.flags
-    forwarded, p2p = scan.forwarded, _p2p_rows(scan, rank).get
+    forwarded, last_backward, p2p = scan.forwarded, scan.last_backward, _p2p_rows(scan, rank).get
     # What F and B / I wait for and send (compute-only), as ids of micro-batch 0 (0: nothing).
     act_wait, grad_wait = rules.waits_for[_F], rules.waits_for[_B]
     act_send, grad_send = rules.sends_for[_F], rules.sends_for[_B]
@@ -429,7 +430,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
     chunk_level = scan.chunk_level[rank]  # positions of its GS / PS / RL
     steps = _parts(scan, actions, recorded) if scan.composites else enumerate(actions)
     position = 0
-    try:  # a stage past the layout raises IndexError at s2r[stage], before any change
+    try:  # a stage past the layout raises IndexError at a per-stage table, before any change
         for position, action in steps:
             kind, stage = action.kind, action.stage
             mb: int = action.microbatch  # type: ignore[assignment]  # None only for GS / PS
@@ -438,7 +439,20 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
                     op(~need)
                     wait_at(position)
                 awaiting.clear()
-            if kind is _F:
+            if (row := p2p(kind)) is not None:  # SA, RA, SG, RG: one table (_p2p_rows)
+                table, done, also = row
+                peer, message, post = table[stage]
+                if action.peer != peer or mb >= num_mb:
+                    scan.misplaced(rank, position)
+                    return None
+                post(message := message + mb)
+                if also is None:  # a receive, posted
+                    done[stage * num_mb + mb] = 1
+                else:  # a send, after what it sends
+                    if not (done[key := stage * num_mb + mb] or also[key]):
+                        disorder(rank, position, "activation" if kind is _SA else "gradient")
+                    op(message)
+            elif kind is _F:
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
                     return None
@@ -475,6 +489,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
                 if b_done[key] or i_done[key]:
                     scan.note_backward(rank, position, key)  # a repeat, or B with I
                 (b_done if kind is _B else i_done)[key] = 1
+                last_backward[stage] = position
                 if not f_done[key]:
                     disorder(rank, position, "forward")
                 elif ev_done[key] and not ld_done[key]:
@@ -484,19 +499,6 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
                         disorder(rank, position, "local gradient")
                 elif with_comm and remote_out[stage] >= 0 and not rg_done[key]:
                     disorder(rank, position, "remote gradient")
-            elif (row := p2p(kind)) is not None:  # SA, RA, SG, RG: one table (_p2p_rows)
-                peers, slots, channel, done, also = row
-                if s2r[stage] != rank or mb >= num_mb or action.peer != peers[stage]:
-                    scan.misplaced(rank, position)
-                    return None
-                key, message = stage * num_mb + mb, slots[stage] + mb
-                channel[stage].append(message)
-                if also is None:  # a receive, posted
-                    done[key] = 1
-                else:  # a send, after what it sends
-                    if not (done[key] or also[key]):
-                        disorder(rank, position, "activation" if kind is _SA else "gradient")
-                    op(message)
             elif kind is _W:  # waits for nothing but its own rank's I
                 if s2r[stage] != rank or mb >= num_mb:
                     scan.misplaced(rank, position)
@@ -505,6 +507,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
                 if w_done[key] or b_done[key]:
                     scan.note_backward(rank, position, key)  # a repeat, or W with B
                 w_done[key] = 1
+                last_backward[stage] = position
                 if not i_done[key]:
                     disorder(rank, position, "input gradient")
             elif kind is _GS or kind is _PS or kind is _RL:
@@ -638,24 +641,20 @@ def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
     return None
 
 
-def _grad_sync_problem(
-    schedule: Schedule, chunk_level: list[list[int]], required: bool
-) -> ScheduleError | None:
+def _grad_sync_problem(scan: _Scan, required: bool) -> ScheduleError | None:
     """Rule 7 of the module docstring, rank by rank, from the positions of each rank's GS / PS /
-    RL that the pass noted (a few per rank: the rest of a program is read only from its ends)."""
-    if not required and not any(chunk_level):
+    RL and each stage's last backward that the pass noted (the rest of a program is read only
+    before its PSs, which come first)."""
+    if not required and not any(scan.chunk_level):
         return None  # not lowered for data parallelism (compute-only, or messages only)
-    problems = (_rank_grad_sync_problem(schedule, r, p) for r, p in enumerate(chunk_level))
+    problems = (_rank_grad_sync_problem(scan, r) for r in range(len(scan.chunk_level)))
     return next((problem for problem in problems if problem is not None), None)
 
 
-def _rank_grad_sync_problem(
-    schedule: Schedule, rank: int, positions: list[int]
-) -> ScheduleError | None:
+def _rank_grad_sync_problem(scan: _Scan, rank: int) -> ScheduleError | None:
+    schedule, positions, last_backward = scan.schedule, scan.chunk_level[rank], scan.last_backward
     actions = schedule.per_rank[rank]
     stages = schedule.layout.stages_of(rank)
-    last_backward = _last_backward(actions, stages)
-    first_use = _first_of(actions, stages)
     sharded = any(actions[p].kind is _RL for p in positions)  # PS / RL: _residency_problem
     synced: dict[int, int] = {}
     gathered: dict[int, int] = {}
@@ -682,7 +681,7 @@ def _rank_grad_sync_problem(
                 return _at(schedule, rank, position, f"gathers stage {stage}'s parameters a "
                            f"second time (first {stage}PS at step {gathered[stage]}); keep one "
                            "PS per chunk, before its first use")  # fmt: skip
-            first = first_use[stage]
+            first = _first_of(actions[:position], stages)[stage]
             if position > first:
                 return _at(schedule, rank, position, f"gathers stage {stage}'s parameters after "
                            f"their first use ({actions[first]} at step {first}); move the PS "
@@ -695,24 +694,6 @@ def _rank_grad_sync_problem(
                        f"no GS, so its gradients are never reduced across data-parallel "
                        f"replicas; add {stage}GS after it")  # fmt: skip
     return None
-
-
-def _last_backward(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
-    """Position of each stage's last B / I / W (-1 if none), read from the back only until every
-    stage has one; an overlapped pair's backward (its last part) counts."""
-    last = dict.fromkeys(stages, -1)
-    missing = set(stages)
-    for position in range(len(actions) - 1, -1, -1):
-        action = actions[position]
-        if action.kind in _BACKWARDS_OR_PAIR:
-            if action.kind is _FB:
-                action = parts(action)[-1]
-            if action.kind in _BACKWARDS_OR_PAIR and action.stage in missing:
-                last[action.stage] = position
-                missing.discard(action.stage)
-                if not missing:
-                    break
-    return last
 
 
 def _first_of(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
@@ -728,9 +709,6 @@ def _first_of(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int,
             if not missing:
                 break
     return first
-
-
-_BACKWARDS_OR_PAIR = frozenset({_B, _I, _W, _FB})
 
 
 def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | None:
