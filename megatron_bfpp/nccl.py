@@ -36,6 +36,7 @@ from operator import attrgetter, rshift, sub
 from typing import NamedTuple, cast
 
 from megatron_bfpp.ir import (
+    COMPUTE_KINDS,
     Action,
     ActionKind,
     Schedule,
@@ -518,10 +519,6 @@ class _Model:
                 self.unit_batch += [batch] * len(streams)
                 self.unit_stream += streams
 
-    def _unit_ops(self, unit: int) -> range:
-        """The ops a unit runs (``unit_first``)."""
-        return range(self.unit_first[unit], self.unit_first[unit + 1])
-
     def _batch_units(self, batch: int) -> range:
         """The units a batch runs as (``batch_first``): one, or a pairwise batch's per op."""
         return range(self.batch_first[batch], self.batch_first[batch + 1])
@@ -530,36 +527,53 @@ class _Model:
         """``rank``'s CPU steps: its posting, with the waits each step needs first. A compute
         waits for the batches holding what it consumes (``Program.wait`` / ``restore``) and for
         the send of its output before the backward that frees it (megatron-core's
-        ``deallocate_pipeline_outputs``); a composite for each of its parts'."""
+        ``deallocate_pipeline_outputs``); a composite for each of its parts'. Fills ``op_key``
+        and ``channels`` with the rank's ops, in posting order."""
         lowered, program, actions = self.posting.lowered, self.program, self.schedule.per_rank[rank]
         wait, restores, compute, frees = program.wait[rank], program.restore[rank], _COMPUTE, _FREES
-        last, mbs = self.schedule.num_stages - 1, program.microbatches
+        last, mbs, messages = self.schedule.num_stages - 1, program.microbatches, program.message
         act = ACT * program.stage_span  # an activation's id: (act + stage + 1) * mbs + mb
-        self._ops(rank)
+        starts, positions, op_unit, send = self.op_start, self.op_position, self.op_unit, _SEND_BIT
+        batches = self.rank_batches[rank], self.rank_batches[rank + 1]
+        first, end = starts[batches[0]], starts[batches[1]]
+        keys = [  # its ops' keys: message * 4 + send * 2 + rest
+            messages[rank][item >> 1] * 4 + send[actions[item >> 1].kind] + (item & 1)
+            for batch in lowered.batch_items[slice(*batches)]
+            for item in batch
+        ]
+        self.op_key += keys
+        mine: defaultdict[int, list[int]] = defaultdict(list)  # peer * 2 + send -> its channel
+        for op, position, key in zip(range(first, end), positions[first:end], keys, strict=True):
+            mine[(actions[position].peer or 0) * 2 + (key >> 1 & 1)].append(op)
+        for channel, members in mine.items():  # the channels, in order of their first op
+            peer = channel >> 1
+            self.channels[(rank, peer, True) if channel & 1 else (peer, rank, False)] = members
         transfers = self.rules.transfers
         moves = not transfers.keys().isdisjoint(map(_kind_of, actions))
-        holder: dict[int, int] = {}  # op key -> the unit running it; a CPU waits for units
-        unit_at: dict[int, int] | None = {} if lowered.waits else None  # position -> unit
+        # op key -> the unit running it; a CPU waits for units posted (``< posted``), so
+        # ``holder`` is filled op by op for BPipe's transfers, waits by position, a key twice
+        holder = dict(zip(keys, op_unit[first:end], strict=True))
+        if in_order := moves or bool(lowered.waits) or len(holder) < len(keys):
+            holder.clear()
+        unit_at: dict[int, int] = {}  # position -> unit (``in_order``)
         steps: list[int] = []
         unsettled: list[int] = []  # BPipe's sends the next compute settles (``settle``)
-        add_step, get = steps.append, holder.get
-        starts, keys, positions = self.op_start, self.op_key, self.op_position
-        op_unit = self.op_unit
+        add_step, get, never = steps.append, holder.get, len(self.unit_batch)
+        posted, batch_first = self.batch_first[batches[0]], self.batch_first
         for step in lowered.steps[rank]:
             code, value = step & 3, step >> 2
             if code == _POST:  # in order: an op may wait for a transfer before it
-                for op in range(starts[value], starts[value + 1]):
+                for op in range(starts[value], starts[value + 1]) if in_order else ():
                     if moves and (action := actions[positions[op]]).kind in transfers:
                         self._transfer_waits(action, op, holder, steps, unsettled)
-                    holder[keys[op]] = op_unit[op]
-                    if unit_at is not None:
-                        unit_at[positions[op]] = op_unit[op]
+                    holder[keys[op - first]] = unit_at[positions[op]] = op_unit[op]
+                posted = batch_first[value + 1]
                 add_step(step)
                 if lowered.batch_flags[value] & _BLOCKING:
                     steps.extend(unit * 4 + _WAIT for unit in self._batch_units(value))
             elif code == _WAIT:  # for the units of these positions' ops, posted earlier
                 for position in lowered.waits[value]:
-                    if unit_at is None or position not in unit_at:
+                    if position not in unit_at:
                         raise self._error(
                             f"rank {rank} waits for step {position}, which no earlier batch posts",
                             {(rank, position): "ERROR HERE"},
@@ -568,17 +582,17 @@ class _Model:
             elif (kind := actions[value].kind) not in compute:
                 add_step(step)
             else:
-                if (need := wait[value]) >= 0 and (unit := get(need * 4)) is not None:
+                if (need := wait[value]) >= 0 and (unit := get(need * 4, never)) < posted:
                     add_step(unit * 4 + _WAIT)
-                if restores and (unit := get(restores.get(value, -1) * 4)) is not None:
+                if restores and (unit := get(restores.get(value, -1) * 4, never)) < posted:
                     add_step(unit * 4 + _WAIT)  # the restore of an LD's activations
                 if kind in frees and (action := actions[value]).stage != last:
                     need = (act + action.stage + 1) * mbs + (action.microbatch or 0)
-                    if (unit := get(need * 4 + 2)) is not None:
+                    if (unit := get(need * 4 + 2, never)) < posted:
                         add_step(unit * 4 + _WAIT)
                 if kind is _FB:
                     for key in self._parts_needs(actions[value]):
-                        if (unit := get(key)) is not None:
+                        if (unit := get(key, never)) < posted:
                             add_step(unit * 4 + _WAIT)
                 add_step(step)
                 if unsettled:  # gloo: a transfer's send is settled after the next compute
@@ -586,26 +600,9 @@ class _Model:
                     if self.settle:
                         steps.extend(unit * 4 + _WAIT for unit in unsettled)
                     unsettled.clear()
-        steps.extend(unit * 4 + _WAIT for unit in sorted(set(holder.values())))
+        # then for its units not waited for yet (a unit waited for once is passed at once)
+        steps += sorted({unit * 4 + _WAIT for unit in set(holder.values())}.difference(steps))
         return steps
-
-    def _ops(self, rank: int) -> None:
-        """Fill ``op_key`` for ``rank``'s ops and add them to their channels, in posting order."""
-        actions, messages = self.schedule.per_rank[rank], self.program.message[rank]
-        items, send, positions = self.posting.lowered.batch_items, _SEND_BIT, self.op_position
-        first, keys = len(self.op_key), self.op_key
-        keys += [
-            messages[item >> 1] * 4 + send[actions[item >> 1].kind] + (item & 1)
-            for batch in items[self.rank_batches[rank] : self.rank_batches[rank + 1]]
-            for item in batch
-        ]
-        mine: dict[int, list[int]] = {}  # peer * 2 + send -> the channel's ops
-        for op in range(first, len(keys)):
-            peer, send_bit = actions[positions[op]].peer or 0, keys[op] >> 1 & 1
-            if (members := mine.get(peer * 2 + send_bit)) is None:
-                members = mine[peer * 2 + send_bit] = []
-                self.channels[(rank, peer, True) if send_bit else (peer, rank, False)] = members
-            members.append(op)
 
     def _transfer_waits(
         self, action: Action, op: int, holder: dict[int, int], steps: list[int], later: list[int]
@@ -676,11 +673,9 @@ class _Model:
         zero: float = 0
         self.cpu, self.dp_free, self.busy, self.gather_wait = ([zero] * num_ranks for _ in "1234")
         self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
-        self.post_time = [zero] * nbatches
-        self.start_time = [zero] * nunits
-        self.unit_end = [zero] * nunits
+        self.post_time, self.done_time = [zero] * nbatches, [zero] * nbatches
+        self.start_time, self.unit_end = [zero] * nunits, [zero] * nunits
         self.unit_active: list[float] = [math.inf] * nunits  # when its first op got going
-        self.done_time = [zero] * nbatches
         self.stream_free = [zero] * len(self.streams)
         self.durations = {} if timing is None else compute_durations(timing)
         p2p, transfer = (0, 0) if timing is None else (timing.p2p, timing.transfer)
@@ -700,8 +695,7 @@ class _Model:
                 for key in self.op_key
             ]
         self.records: list[list[tuple[float, float, int]]] = [[] for _ in range(num_ranks)]
-        while self.ready:
-            self._advance(self.ready.popleft())
+        self._advance()
         if any(self.pc[r] < len(self.steps[r]) for r in range(num_ranks)) or any(self.queues):
             raise self._deadlock()
 
@@ -720,32 +714,98 @@ class _Model:
         events = partial(self._events, self.records, self.unit_active, self.done_time)
         return PostingRun(cpu, dp_end, self.busy, self.gather_wait, events)
 
-    def _advance(self, rank: int) -> None:
-        steps, pc, timed = self.steps[rank], self.pc[rank], bool(self.durations)
-        end, unit_done, unit_end, cpu = len(steps), self.unit_done, self.unit_end, self.cpu
-        posted, post_time, batch_first = self.posted, self.post_time, self.batch_first
-        queues, unit_stream, start, run = self.queues, self.unit_stream, self._start, self._run
-        while pc < end:
-            step = steps[pc]
-            code, value = step & 3, step >> 2
-            if code == _WAIT:
-                if not unit_done[value]:
-                    self.waiter[value] = rank
-                    break
-                if unit_end[value] > cpu[rank]:
-                    cpu[rank] = unit_end[value]
-            elif code == _POST:
-                posted[value] = 1
-                post_time[value] = cpu[rank]
-                for unit in range(batch_first[value], batch_first[value + 1]):
-                    queue = queues[unit_stream[unit]]
-                    queue.append(unit)
-                    if len(queue) == 1:
-                        start(unit)
-            elif timed:
-                run(rank, value)
-            pc += 1
-        self.pc[rank] = pc
+    def _advance(self) -> None:
+        """Run the ready CPUs until each waits or ends. A posted unit starts when its stream is
+        free; completing units start their successors (no recursion) and wake the CPU waiting
+        for them. Clocks: a unit starts once posted and its stream is free, an op ends
+        ``op_time`` after both halves started, a unit ends with its last op."""
+        steps_of, pc_of, ready, waiter, cpu = self.steps, self.pc, self.ready, self.waiter, self.cpu
+        run, posted, post_time = self._run, self.posted, self.post_time
+        queues, stream_of, unit_batch = self.queues, self.unit_stream, self.unit_batch
+        op_unit, op_time, partner, left = self.op_unit, self.op_time, self.partner, self.left
+        started, start_time, unit_first = self.started, self.start_time, self.unit_first
+        unit_done, unit_end, unit_active = self.unit_done, self.unit_end, self.unit_active
+        stream_free, batch_first, done_time = self.stream_free, self.batch_first, self.done_time
+        durations, ps_done, busy, records = self.durations, self.ps_done, self.busy, self.records
+        programs, timed = self.schedule.per_rank, bool(self.durations)
+        starting: list[int] = []  # units to start, then their successors
+        finished: list[int] = []  # the units a start completes
+        while ready:
+            rank = ready.popleft()
+            steps, pc = steps_of[rank], pc_of[rank]
+            while pc < len(steps):
+                step = steps[pc]
+                code, value = step & 3, step >> 2
+                if code == _WAIT:
+                    if not unit_done[value]:
+                        waiter[value] = rank
+                        break
+                    if unit_end[value] > cpu[rank]:
+                        cpu[rank] = unit_end[value]
+                elif code == _POST:
+                    posted[value] = 1
+                    post_time[value] = cpu[rank]
+                    for unit in range(batch_first[value], batch_first[value + 1]):
+                        queue = queues[stream_of[unit]]
+                        queue.append(unit)
+                        if len(queue) == 1:
+                            starting.append(unit)
+                    while starting:
+                        unit = starting.pop()
+                        started[unit] = 1
+                        start = post_time[unit_batch[unit]]
+                        if stream_free[stream_of[unit]] > start:
+                            start = stream_free[stream_of[unit]]
+                        start_time[unit] = start
+                        last = start if start > unit_end[unit] else unit_end[unit]
+                        active, waiting = unit_active[unit], left[unit]  # the unit's, kept here
+                        for op in range(unit_first[unit], unit_first[unit + 1]):
+                            other = op_unit[partner[op]]
+                            if other == unit:  # a rank messaging itself: never in a valid schedule
+                                waiting -= 1
+                                continue
+                            if not started[other]:
+                                continue
+                            begin = start if start > start_time[other] else start_time[other]
+                            end = begin + op_time[op]
+                            if end > last:
+                                last = end
+                            if begin < active:
+                                active = begin
+                            waiting -= 1
+                            if end > unit_end[other]:
+                                unit_end[other] = end
+                            if begin < unit_active[other]:
+                                unit_active[other] = begin
+                            left[other] -= 1
+                            if not left[other]:
+                                finished.append(other)
+                        unit_end[unit], unit_active[unit], left[unit] = last, active, waiting
+                        if not waiting:
+                            finished.append(unit)
+                        for done in finished:
+                            unit_done[done] = 1
+                            stream_free[stream := stream_of[done]] = end = unit_end[done]
+                            queue = queues[stream]
+                            queue.popleft()
+                            if queue:
+                                starting.append(queue[0])
+                            if end > done_time[batch := unit_batch[done]]:
+                                done_time[batch] = end
+                            if (woken := waiter.pop(done, None)) is not None:
+                                ready.append(woken)
+                        finished.clear()
+                elif not timed:
+                    pass
+                elif (kind := programs[rank][value].kind) in COMPUTE_KINDS and not ps_done[rank]:
+                    now = cpu[rank]  # a plain compute, no gather pending: the rest in ``_run``
+                    cpu[rank] = end = now + (duration := durations[kind])
+                    busy[rank] += duration
+                    records[rank].append((now, end, value))
+                else:
+                    run(rank, value)
+                pc += 1
+            pc_of[rank] = pc
 
     def _run(self, rank: int, position: int) -> None:
         """A compute on the CPU, or a GS / PS on the data-parallel lane (timed only)."""
@@ -778,67 +838,6 @@ class _Model:
                 return
         self.records[rank].append((start, start + duration, position))
 
-    def _start(self, first: int) -> None:
-        """Start a unit; completing units start their successors (no recursion) and wake the
-        CPU waiting for them."""
-        starting = [first]
-        op_unit, op_time, partner, left = self.op_unit, self.op_time, self.partner, self.left
-        started, start_time, unit_end = self.started, self.start_time, self.unit_end
-        unit_active, stream_free, unit_stream = self.unit_active, self.stream_free, self.unit_stream
-        post_time, unit_batch, unit_first = self.post_time, self.unit_batch, self.unit_first
-        while starting:
-            unit = starting.pop()
-            started[unit] = 1
-            start = post_time[unit_batch[unit]]
-            if stream_free[unit_stream[unit]] > start:
-                start = stream_free[unit_stream[unit]]
-            start_time[unit] = start
-            if start > unit_end[unit]:
-                unit_end[unit] = start
-            finished = [] if left[unit] else [unit]
-            for op_id in range(unit_first[unit], unit_first[unit + 1]):
-                other = op_unit[partner[op_id]]
-                if other == unit:  # a rank messaging itself: never in a valid schedule
-                    left[unit] -= 1
-                    if not left[unit]:
-                        finished.append(unit)
-                    continue
-                if not started[other]:
-                    continue
-                begin = start if start > start_time[other] else start_time[other]
-                end = begin + op_time[op_id]
-                if end > unit_end[unit]:
-                    unit_end[unit] = end
-                if begin < unit_active[unit]:
-                    unit_active[unit] = begin
-                left[unit] -= 1
-                if not left[unit]:
-                    finished.append(unit)
-                if end > unit_end[other]:
-                    unit_end[other] = end
-                if begin < unit_active[other]:
-                    unit_active[other] = begin
-                left[other] -= 1
-                if not left[other]:
-                    finished.append(other)
-            for done in finished:
-                self._finish(done, starting)
-
-    def _finish(self, unit: int, starting: list[int]) -> None:
-        self.unit_done[unit] = 1
-        stream = self.unit_stream[unit]
-        self.stream_free[stream] = end = self.unit_end[unit]
-        queue = self.queues[stream]
-        queue.popleft()
-        if queue:
-            starting.append(queue[0])
-        batch = self.unit_batch[unit]
-        if end > self.done_time[batch]:
-            self.done_time[batch] = end
-        woken = self.waiter.pop(unit, None)
-        if woken is not None:
-            self.ready.append(woken)
-
     def _events(
         self,
         records: list[list[tuple[float, float, int]]],
@@ -856,7 +855,7 @@ class _Model:
             if end <= start:
                 continue
             rank = self.batch_rank[batch]
-            ops = self._batch_ops(batch)
+            ops = range(self.op_start[batch], self.op_start[batch + 1])
             label = " ".join(
                 str(programs[rank][self.op_position[op]]) + "+" * (self.op_key[op] & 1)
                 for op in ops
@@ -894,9 +893,6 @@ class _Model:
             {mark: "NCCL: stuck" for _, mark in cycle if mark[1] >= 0},
         )
 
-    def _batch_ops(self, batch: int) -> range:
-        return range(self.op_start[batch], self.op_start[batch + 1])
-
     def _explain(self, node: tuple[str, int]) -> tuple[str, tuple[int, int], tuple[str, int]]:
         """One link of the cycle: a CPU waits for a unit (a batch, or a pairwise op), which is
         queued behind another on its stream or waits for a partner not started."""
@@ -912,7 +908,8 @@ class _Model:
             )
         unit = value
         rank = self.batch_rank[self.unit_batch[unit]]
-        mark = (rank, self.op_position[self._unit_ops(unit)[0]])
+        ops = range(self.unit_first[unit], self.unit_first[unit + 1])
+        mark = (rank, self.op_position[ops[0]])
         if not self.started[unit]:
             head = self.queues[self.unit_stream[unit]][0]
             return (
@@ -920,7 +917,7 @@ class _Model:
                 mark,
                 ("unit", head),
             )
-        for op_id in self._unit_ops(unit):
+        for op_id in ops:
             other = self.partner[op_id]
             other_unit, other_rank = self.op_unit[other], self._op_rank(other)
             if not self.started[other_unit]:
@@ -938,10 +935,11 @@ class _Model:
 
     def _last_position(self, rank: int) -> int:
         for step in reversed(self.steps[rank][: self.pc[rank]]):
-            if step & 3 == _RUN:
-                return step >> 2
-            if step & 3 == _POST:
-                return self.op_position[self._batch_ops(step >> 2)[-1]]
+            code, value = step & 3, step >> 2
+            if code == _RUN:
+                return value
+            if code == _POST:
+                return self.op_position[range(self.op_start[value], self.op_start[value + 1])[-1]]
         return -1
 
     def _name(self, unit: int) -> str:
@@ -950,7 +948,7 @@ class _Model:
         text = " ".join(
             f"{'S' if self.op_key[op] & 2 else 'R'} {self._what_text(op)}"
             f"{'>' if self.op_key[op] & 2 else '<'}{self._op_peer(op)}"
-            for op in self._unit_ops(unit)
+            for op in range(self.unit_first[unit], self.unit_first[unit + 1])
         )
         tick = self.batch_tick[batch]
         when = f" (tick {tick})" if tick >= 0 else ""
