@@ -909,7 +909,9 @@ class _Model:
         unit = value
         rank = self.batch_rank[self.unit_batch[unit]]
         ops = range(self.unit_first[unit], self.unit_first[unit + 1])
-        mark = (rank, self.op_position[ops[0]])
+        mark = (rank, self.op_position[ops[0]] if ops else -1)  # an empty batch marks nothing
+        if not self.posted[self.unit_batch[unit]]:  # its CPU waits for it before posting it
+            return (f"rank {rank}'s {self._name(unit)} is not posted yet", mark, ("cpu", rank))
         if not self.started[unit]:
             head = self.queues[self.unit_stream[unit]][0]
             return (
@@ -938,8 +940,8 @@ class _Model:
             code, value = step & 3, step >> 2
             if code == _RUN:
                 return value
-            if code == _POST:
-                return self.op_position[range(self.op_start[value], self.op_start[value + 1])[-1]]
+            if code == _POST and self.op_start[value + 1] > self.op_start[value]:
+                return self.op_position[self.op_start[value + 1] - 1]
         return -1
 
     def _name(self, unit: int) -> str:

@@ -208,6 +208,52 @@ def test_bpipe_eviction_size_then_payload_in_one_tick_returned_later() -> None:
         assert tick_of[("LD", stage, mb, False)] == tick_of[("RS", stage, mb, False)]
 
 
+def test_a_cpu_waiting_for_its_own_unposted_batch_is_reported_not_crashed() -> None:
+    # An AC's payload is read only after its header: put both halves in one batch and the CPU
+    # waits for that batch before posting it (the model once crashed explaining this cycle).
+    schedule = build_schedule("bpipe", num_ranks=4, num_microbatches=8)
+    posting = lockstep_posting(schedule)
+    program = schedule.per_rank[3]
+    row = list(posting.per_rank[3])
+    at = next(
+        i
+        for i, step in enumerate(row)
+        if isinstance(step, Batch)
+        and any(program[item.position].kind is ActionKind.ACCEPT for item in step.items)
+    )
+    header, payload = row[at], row[at + 1]
+    assert isinstance(header, Batch) and isinstance(payload, Batch) and payload.side
+    row[at : at + 2] = [Batch(header.tick, header.items + payload.items)]
+    merged = Posting("merged", (*posting.per_rank[:3], tuple(row)))
+    with pytest.raises(ScheduleError) as error:
+        check_posting(schedule, merged)
+    cycle = str(error.value).split("\nrank  0:")[0]
+    assert "bpipe deadlocks on NCCL when posted merged; the cycle of waits:" in cycle
+    assert "rank 3 waits (after step" in cycle
+    unposted = "rank 3's batch #0 (tick 3) [R act2.0<2 R evict0.2<0 R evict-payload0.2<0]"
+    assert f"{unposted} is not posted yet" in cycle
+
+
+def test_an_empty_batch_in_a_deadlock_is_named_not_crashed() -> None:
+    # Rank 0 waits for an empty blocking batch queued behind its stuck send of act 1 (the
+    # crossing case above): the cycle names the step before it (the model once indexed the
+    # empty batch's first op).
+    crossing = _posting(
+        [
+            [0, [1], 2, [3], [4], 5, [6], 7],
+            [[0], 1, 2, [3], [4], 5, 6, [7]],
+        ]
+    )
+    row = list(crossing.per_rank[0])
+    row.insert(4, Batch(-1, (), blocking=True))
+    with_empty = Posting("by hand", (tuple(row), crossing.per_rank[1]))
+    with pytest.raises(ScheduleError) as error:
+        check_posting(ONE_F_ONE_B, with_empty)
+    cycle = str(error.value).split("\nrank  0:")[0]
+    assert "rank 0 waits (after step 3) for its batch #2 []" in cycle
+    assert "rank 0's batch #2 [] is queued behind its batch #1 [S act0.1>1]" in cycle
+
+
 def test_a_schedule_the_gloo_rules_reject_has_no_lockstep_posting() -> None:
     stuck = parse_schedule(
         ["0RG0<1 0B0 0F0 0SA0>1", "1RA0<0 1F0 1B0 1SG0>0"],
