@@ -548,8 +548,8 @@ class _Model:
         for channel, members in mine.items():  # the channels, in order of their first op
             peer = channel >> 1
             self.channels[(rank, peer, True) if channel & 1 else (peer, rank, False)] = members
-        transfers = self.rules.transfers
-        moves = not transfers.keys().isdisjoint(map(_kind_of, actions))
+        # whether it posts BPipe's transfers: theirs are the only messages at or above ``limit``
+        transfers, moves = self.rules.transfers, max(keys, default=0) >> 2 >= self.rules.limit
         # op key -> the unit running it; a CPU waits for units posted (``< posted``), so
         # ``holder`` is filled op by op for BPipe's transfers, waits by position, a key twice
         holder = dict(zip(keys, op_unit[first:end], strict=True))
@@ -975,5 +975,4 @@ class _Model:
 _POST, _WAIT, _RUN = 0, 1, 2  # a CPU step's code (``_Model``)
 _SENDS = frozenset(kind for kind in K if kind.is_send)
 _SEND_BIT = {kind: 2 * kind.is_send for kind in K}  # an op key's send bit
-_kind_of = attrgetter("kind")
 _start_of = attrgetter("start")
