@@ -490,20 +490,20 @@ class _Model:
         flags, programs = lowered.batch_flags, self.schedule.per_rank
         batch_first, unit_first = self.batch_first, self.unit_first
         for rank, row in enumerate(lowered.steps):
-            group = self._stream(rank, -1)
-            posted = [step >> 2 for step in row if step & 3 == _POST]
-            self.rank_batches.append(len(self.batch_rank) + len(posted))
+            group, low = self._stream(rank, -1), self.rank_batches[-1]  # its batches from ``low``
+            posted = range(low, 1 + next((s >> 2 for s in row[::-1] if s & 3 == _POST), low - 1))
+            self.rank_batches.append(posted.stop)
             self.batch_rank += [rank] * len(posted)
             self.batch_index += range(len(posted))
-            kinds = set(map(flags.__getitem__, posted))  # the rank's batches' flags
+            kinds = set(mine := flags[low : posted.stop])  # the rank's batches' flags
             if not any(bits & _PAIRWISE for bits in kinds):  # a unit per batch, in order
                 first = len(self.unit_batch)
                 batch_first += range(first + 1, first + 1 + len(posted))
-                unit_first += starts[self.rank_batches[rank] + 1 : self.rank_batches[-1] + 1]
+                unit_first += starts[low + 1 : posted.stop + 1]
                 self.unit_batch += posted
                 side = any(bits & _SIDE_BATCH for bits in kinds)
                 streams = [group, self._stream(rank, _SIDE) if side else group]
-                self.unit_stream += [streams[flags[batch] & _SIDE_BATCH != 0] for batch in posted]
+                self.unit_stream += [streams[bits & _SIDE_BATCH != 0] for bits in mine]
                 continue
             for batch in posted:
                 bits = flags[batch]
@@ -649,13 +649,13 @@ class _Model:
                         {(src, self.op_position[op_id]): "ERROR HERE"},
                     )
                 partner[op_id], partner[other_id] = other_id, op_id
-        for op_id, other_id in enumerate(partner):
-            if other_id < 0:
-                raise self._error(
-                    f"rank {self._op_rank(op_id)} receives {self._what_text(op_id)} from rank "
-                    f"{self._op_peer(op_id)}, which never sends it",
-                    {(self._op_rank(op_id), self.op_position[op_id]): "ERROR HERE"},
-                )
+        if -1 in partner:  # the first op unmatched
+            op_id = partner.index(-1)
+            raise self._error(
+                f"rank {self._op_rank(op_id)} receives {self._what_text(op_id)} from rank "
+                f"{self._op_peer(op_id)}, which never sends it",
+                {(self._op_rank(op_id), self.op_position[op_id]): "ERROR HERE"},
+            )
         return partner
 
     # running
