@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from itertools import chain, islice
 from operator import attrgetter
 
 from megatron_bfpp.ir import (
+    COMPUTE_KINDS,
     Action,
     ActionKind,
     Schedule,
@@ -35,8 +36,16 @@ def add_grad_sync(
     optimizer), ``"optim_grads_params"`` shards them too, keeping at most ``max_resident`` chunks
     of a rank gathered."""
     get_kind = attrgetter("kind")
-    if not all(_CHUNK_LEVEL.isdisjoint(map(get_kind, actions)) for actions in schedule.per_rank):
-        raise ScheduleError("add_grad_sync: the schedule already has GS/PS/RL actions")
+    scans = []  # per rank: its stages' last B or W (-1: none; a pair's I needs its W), first F
+    for rank, actions in enumerate(schedule.per_rank):
+        stages = schedule.layout.stages_of(rank)
+        backwards = zip(range(len(actions) - 1, -1, -1), reversed(actions), strict=True)
+        last_grad = _find(backwards, stages, -1, {K.BACKWARD, K.BACKWARD_WEIGHT})
+        first_forward = _find(enumerate(actions), stages, len(actions), {K.FORWARD})
+        start = max(first_forward.values()) + 1  # _find refused GS/PS/RL where it looked
+        if not _CHUNK_LEVEL.isdisjoint(map(get_kind, actions[start : min(last_grad.values())])):
+            raise ScheduleError(_ALREADY_SYNCED)
+        scans.append((actions, stages, last_grad, first_forward))
     if sharding not in SHARDING_STRATEGIES:
         raise ScheduleError(
             f"add_grad_sync: sharding={sharding!r} is not one of {', '.join(SHARDING_STRATEGIES)}"
@@ -54,19 +63,12 @@ def add_grad_sync(
                 "gathered at once; 2 lets the next chunk's gather overlap this one's compute)"
             )
     programs = []
-    for rank, actions in enumerate(schedule.per_rank):
-        stages = schedule.layout.stages_of(rank)
-        # Each stage's last B or W (-1 if none; a pair's I needs its W).
-        backwards = range(len(actions) - 1, -1, -1)
-        last_grad = _find(actions, stages, backwards, -1, (K.BACKWARD, K.BACKWARD_WEIGHT))
+    for actions, stages, last_grad, first_forward in scans:
         if sharding == "optim_grads_params":
             programs.append(_sharded_program(actions, stages, last_grad, max_resident))
             continue
-        first_forward = _find(actions, stages, range(len(actions)), 0, (K.FORWARD,))
-        gathers = [
-            unchecked_action(s, K.PARAM_SYNC) for s in sorted(stages, key=first_forward.__getitem__)
-        ]
-        inserts = {0: gathers}
+        order = sorted(stages, key=first_forward.__getitem__)  # gathered in first-use order
+        inserts = {0: [unchecked_action(stage, K.PARAM_SYNC) for stage in order]}
         for stage in stages:
             if last_grad[stage] >= 0:
                 position = _past_sends(actions, last_grad[stage]) + 1
@@ -88,28 +90,32 @@ def _spliced(actions: tuple[Action, ...], inserts: dict[int, list[Action]]) -> t
 
 
 _CHUNK_LEVEL = frozenset({K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE})
+_ALREADY_SYNCED = "add_grad_sync: the schedule already has GS/PS/RL actions"
 
 
 def _find(
-    actions: tuple[Action, ...],
+    indexed: Iterable[tuple[int, Action]],
     stages: tuple[int, ...],
-    positions: range,
-    part: int,
-    kinds: tuple[ActionKind, ...],
+    default: int,
+    kinds: Set[ActionKind],
 ) -> dict[int, int]:
-    """Each stage's first position in ``positions`` (one past their end if none) holding an
-    action of ``kinds`` (an overlapped pair: its ``part``), scanning only until every stage has
-    one."""
-    found = dict.fromkeys(stages, positions.stop)
+    """Each stage's first position in ``indexed`` (``default`` if none) holding an action of
+    ``kinds`` (a pair's F, or its B / I), scanning only until every stage has one, and refusing
+    a GS / PS / RL on the way (one set look-up per action sorts out all three)."""
+    found = dict.fromkeys(stages, default)
     missing = set(stages)
     pair = K.OVERLAP_F_B
-    for position in positions:
-        action = actions[position]
+    noticed = kinds | _CHUNK_LEVEL | {pair}
+    for position, action in indexed:
         kind = action.kind
+        if kind not in noticed:
+            continue
         if kind is pair:
-            action = parts(action)[part]
+            action = parts(action)[K.FORWARD not in kinds]  # its F, or its B / I
             kind = action.kind
-        if kind in kinds and action.stage in missing:  # a tuple: compared by identity first
+        elif kind in _CHUNK_LEVEL:
+            raise ScheduleError(_ALREADY_SYNCED)
+        if kind in kinds and action.stage in missing:
             found[action.stage] = position
             missing.discard(action.stage)
             if not missing:
@@ -134,9 +140,14 @@ def _sharded_program(
     """One rank's program with sharded parameters (see the module docstring's reference)."""
     # (stage, position of its first compute) of each maximal run of computes on one stage.
     segments: list[tuple[int, int]] = []
+    uses: dict[int, list[int]] = {stage: [] for stage in stages}  # segment indices per stage
+    last_use: dict[int, int] = {}  # each stage's last compute
     for position, action in enumerate(actions):
-        if action.kind.is_compute and (not segments or action.stage != segments[-1][0]):
-            segments.append((action.stage, position))
+        if action.kind in COMPUTE_KINDS:
+            if not segments or action.stage != segments[-1][0]:
+                uses[action.stage].append(len(segments))
+                segments.append((action.stage, position))
+            last_use[action.stage] = position
     inserts: dict[int, list[Action]] = {}  # before each position; a chunk's GS / RL first
     marks: list[tuple[int, list[Action]]] = [
         (position, [unchecked_action(stage, K.GRAD_SYNC)])
@@ -144,23 +155,14 @@ def _sharded_program(
         if position != last_grad[stage]
     ]
     for stage in stages:  # GS and RL after the last backward (and its gradient send)
+        done = [unchecked_action(stage, K.GRAD_SYNC), unchecked_action(stage, K.RELEASE)]
         position = last_grad[stage]
         if position < 0:  # no backward on this rank (forward only): release after its last use
-            position = max(
-                (i for i, a in enumerate(actions) if a.stage == stage and a.kind.is_compute),
-                default=-1,
-            )
-            if position < 0:
-                continue
-            done = [unchecked_action(stage, K.RELEASE)]
-        else:
-            done = [unchecked_action(stage, K.GRAD_SYNC), unchecked_action(stage, K.RELEASE)]
-        marks.append((position, done))
+            position, done = last_use.get(stage, -1), done[1:]
+        if position >= 0:
+            marks.append((position, done))
     for position, done in sorted(marks, key=lambda mark: mark[0]):
         inserts.setdefault(_past_sends(actions, position) + 1, []).extend(done)
-    uses: dict[int, list[int]] = {stage: [] for stage in stages}  # segment indices per stage
-    for index, (stage, _) in enumerate(segments):
-        uses[stage].append(index)
 
     def next_use(stage: int, index: int) -> int:
         later = uses[stage]
@@ -196,18 +198,15 @@ def _run_ends(actions: tuple[Action, ...]) -> list[tuple[int, int]]:
     stage, last = -1, -1  # the current run's stage, and its last B / W so far (-1: none)
     for position, action in enumerate(actions):
         kind = action.kind
-        if not kind.is_compute:
+        if kind not in COMPUTE_KINDS:
             continue
-        if kind in _BACKWARD and action.stage == stage:
-            if kind is not K.BACKWARD_INPUT:
-                last = position
-            continue
-        if last >= 0:
-            ends.append((stage, last))
-        stage, last = -1, -1
-        if kind in _BACKWARD:
-            stage = action.stage
-            last = position if kind is not K.BACKWARD_INPUT else -1
+        backward = kind in _BACKWARD
+        if not backward or action.stage != stage:  # this compute ends the run under way
+            if last >= 0:
+                ends.append((stage, last))
+            stage, last = action.stage if backward else -1, -1
+        if backward and kind is not K.BACKWARD_INPUT:
+            last = position
     if last >= 0:
         ends.append((stage, last))
     return ends

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from functools import cache, lru_cache
 
-from megatron_bfpp.ir import Placement, Schedule, ScheduleError
+from megatron_bfpp.ir import Placement, Schedule, ScheduleError, paused_gc
 from megatron_bfpp.plan.costs import (
     BuiltinCurve,
     Efficiency,
@@ -758,6 +758,7 @@ def memory_of(
     return _memory(candidate, m, model, options.precision, weights, budget)[0]
 
 
+@paused_gc()  # as plan.auto.decide: millions of objects from its simulations, no cycles
 def recommend(
     *,
     model: Model,
