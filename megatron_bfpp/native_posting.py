@@ -10,8 +10,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from megatron_bfpp.ir import Action, ActionKind, Schedule, ScheduleError, StageLayout
-from megatron_bfpp.nccl import Batch, Item, Posting, Step, Wait
+from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, StageLayout, paused_gc
+from megatron_bfpp.nccl import _BLOCKING, _PAIRWISE, _POST, _RUN, _WAIT, Posting, _Lowered
 
 __all__ = [
     "MEGATRON_CORE_DDP_DEFAULTS",
@@ -98,16 +98,17 @@ def megatron_posting(
             "grad_sync_func only with --overlap-grad-reduce"
         )
     shape = _Shape.of(schedule)
-    per_rank = []
-    for rank in range(schedule.num_ranks):
-        builder = _Builder(schedule, rank, options, grad_sync)
-        (_one_f_one_b if shape.num_chunks == 1 else _interleaved)(builder, shape)
-        builder.sync_remaining()
-        per_rank.append(builder.finish())
+    lowered = _Lowered([], [], [], [], [])  # built as integers: ``Posting.per_rank`` when read
+    with paused_gc():  # a list per batch, none freed: see paused_gc
+        for rank in range(shape.num_ranks):
+            builder = _Builder(schedule, rank, options, grad_sync, lowered)
+            (_one_f_one_b if shape.num_chunks == 1 else _interleaved)(builder, shape)
+            builder.sync_remaining()
+            lowered.steps.append(builder.finish())
     name = "as megatron-core posts it" + (
         " (p2p overlap)" if options.overlap_p2p else "" if options.batch_p2p else " (non-batched)"
     )
-    return Posting(name, tuple(per_rank))
+    return Posting(name, None, lowered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +136,7 @@ class _Shape:
             )
         tables = {
             tuple(
-                (a.microbatch or 0, schedule.layout.chunk_of(a.stage))
+                (a.microbatch or 0, a.stage // p)  # looped: the stage's chunk
                 for a in actions
                 if a.kind is K.FORWARD
             )
@@ -193,7 +194,7 @@ class _Shape:
         return self.chunk(k - (p - 1), forward) != (self.num_chunks - 1 if forward else 0)
 
 
-class _Op(IntEnum):
+class _Op(IntEnum):  # a ``_communicate``'s ops, indices into what ``_Builder.call`` returns
     SEND_PREV = 0
     RECV_PREV = 1
     SEND_NEXT = 2
@@ -207,13 +208,14 @@ _ODD_ORDER = (_Op.RECV_PREV, _Op.SEND_NEXT, _Op.RECV_NEXT, _Op.SEND_PREV)
 
 @dataclass
 class _Builder:
-    """One rank's steps, built call by call as megatron-core makes them."""
+    """One rank's steps as ``_Lowered`` integers, built call by call as megatron-core does."""
 
     schedule: Schedule
     rank: int
     options: P2POptions
-    grad_sync: GradSyncOptions = MEGATRON_CORE_DDP_DEFAULTS
-    steps: list[Step] = field(default_factory=list)
+    grad_sync: GradSyncOptions
+    lowered: _Lowered
+    steps: list[int] = field(default_factory=list)
     forwards: list[int] = field(default_factory=list)  # positions, in run order
     backwards: list[int] = field(default_factory=list)
     computes: list[int] = field(default_factory=list)  # positions, in program order
@@ -221,21 +223,25 @@ class _Builder:
     after: dict[int, list[int]] = field(default_factory=dict)  # compute -> GS / RL after it
     sends: dict[tuple[ActionKind, int, int], int] = field(default_factory=dict)
     receives: dict[tuple[ActionKind, int], deque[int]] = field(default_factory=dict)
-    posted: set[int] = field(default_factory=set)
     grad_syncs: dict[int, int] = field(default_factory=dict)  # chunk -> its GS, until started
     ran: int = 0  # computes run so far
 
     def __post_init__(self) -> None:
         # RL after the compute before it, PS before the compute after it (its forward's
         # preparation); GS where megatron-core DDP starts the chunk's reduction (sync_after).
-        actions = self.schedule.per_rank[self.rank]
+        self.actions = actions = self.schedule.per_rank[self.rank]
+        self.num_ranks, self.first_batch = self.schedule.num_ranks, len(self.lowered.batch_items)
+        self.last_stage = self.schedule.layout.num_stages - 1
+        pairwise = not self.options.batch_p2p
+        self.order = (_ODD_ORDER if self.rank % 2 else _EVEN_ORDER) if pairwise else _BATCHED_ORDER
+        self.flags = (_PAIRWISE * pairwise, _PAIRWISE * pairwise | _BLOCKING)  # by ``wait``
         pending: list[int] = []
         for position, action in enumerate(actions):
             kind = action.kind
             if kind is K.FORWARD or kind is K.BACKWARD:
                 (self.forwards if kind is K.FORWARD else self.backwards).append(position)
-                early = [q for q in pending if actions[q].kind is not K.PARAM_SYNC]
-                if self.computes and early:
+                early = [q for q in pending if actions[q].kind is not K.PARAM_SYNC]  # RL
+                if early and self.computes:
                     self.after[self.computes[-1]] += early
                     pending = [q for q in pending if q not in early]
                 self.before[position], pending = pending, []
@@ -246,7 +252,7 @@ class _Builder:
             elif kind in (K.RECV_ACT, K.RECV_GRAD):
                 self.receives.setdefault((kind, action.peer or 0), deque()).append(position)
             elif kind is K.GRAD_SYNC:
-                chunk = self.schedule.layout.chunk_of(action.stage)
+                chunk = action.stage // self.num_ranks  # looped (``_Shape.of``)
                 if chunk in self.grad_syncs:
                     raise self.refuse(
                         f"it reduces stage {action.stage}'s gradients twice per step; "
@@ -261,42 +267,40 @@ class _Builder:
             raise self.refuse("it runs no compute")
         if pending:
             self.after[self.computes[-1]] += pending
-
-    def action(self, position: int) -> Action:
-        return self.schedule.per_rank[self.rank][position]
+        self.runs = {  # each compute's steps: PS before it, itself, GS / RL after it
+            q: [s * 4 + _RUN for s in [*self.before[q], q, *self.after[q]]] for q in self.computes
+        }
 
     def run(self, position: int) -> None:
         """Run a compute, which must be the next in the rank's program."""
         if self.ran >= len(self.computes) or self.computes[self.ran] != position:
-            got = self.action(self.computes[self.ran]) if self.ran < len(self.computes) else "none"
+            got = self.actions[self.computes[self.ran]] if self.ran < len(self.computes) else "none"
             raise self.refuse(
                 f"its compute #{self.ran} is {got} where megatron-core runs "
-                f"{self.action(position)} (warm-up, one forward one backward, cool-down)"
+                f"{self.actions[position]} (warm-up, one forward one backward, cool-down)"
             )
         self.ran += 1
-        self.steps.extend(self.before[position])
-        self.steps.append(position)
-        self.steps.extend(self.after[position])
+        self.steps += self.runs[position]
 
     def sync_after(self, k: int, shape: _Shape) -> None:
         """The GS megatron-core DDP starts right after backward k, which just ran."""
         chunk = shape.grad_sync_after(self.rank, k, self.grad_sync)
         if chunk is not None and chunk in self.grad_syncs:
-            self.steps.append(self.grad_syncs.pop(chunk))
+            self.steps.append(self.grad_syncs.pop(chunk) * 4 + _RUN)
 
     def sync_remaining(self) -> None:
         """After the schedule's last p2p call: the reductions not started yet, in chunk order
         (the interleaved schedule's ``synchronized_model_chunks`` loop, 1F1B's last
         ``grad_sync_func``, or ``finalize_model_grads`` without ``overlap_grad_reduce``)."""
         for chunk in sorted(self.grad_syncs):
-            self.steps.append(self.grad_syncs.pop(chunk))
+            self.steps.append(self.grad_syncs.pop(chunk) * 4 + _RUN)
 
     def output(self, position: int) -> int | None:
         """A forward's activation or a backward's input gradient, unless its stage is the
         pipeline's last (first): megatron-core sets the tensor to None there."""
-        action = self.action(position)
+        action = self.actions[position]
         forward = action.kind is K.FORWARD
-        if self.schedule.layout.is_last(action.stage) if forward else action.stage == 0:
+        if action.stage == (self.last_stage if forward else 0):
             return None
         key = (K.SEND_ACT if forward else K.SEND_GRAD, action.stage, action.microbatch or 0)
         if key not in self.sends:
@@ -311,44 +315,43 @@ class _Builder:
         send_next: int | None = None,
         recv_next: bool = False,
         wait: bool = True,
-    ) -> dict[_Op, int]:
-        """One ``_communicate``: its ops in megatron-core's order; returns op -> position."""
+    ) -> tuple[int | None, ...]:
+        """One ``_communicate``: its ops in megatron-core's order; each ``_Op``'s position."""
         asked = (
-            (_Op.SEND_PREV, send_prev),
-            (_Op.RECV_PREV, self._receive(K.RECV_ACT) if recv_prev else None),
-            (_Op.SEND_NEXT, send_next),
-            (_Op.RECV_NEXT, self._receive(K.RECV_GRAD) if recv_next else None),
+            send_prev,
+            self._receive(K.RECV_ACT) if recv_prev else None,
+            send_next,
+            self._receive(K.RECV_GRAD) if recv_next else None,
         )
-        chosen = {op: position for op, position in asked if position is not None}
-        if not chosen:
-            return chosen
-        pairwise = not self.options.batch_p2p
-        order = _BATCHED_ORDER if not pairwise else _ODD_ORDER if self.rank % 2 else _EVEN_ORDER
-        items = tuple(Item(chosen[op]) for op in order if op in chosen)
-        self.posted.update(chosen.values())
-        self.steps.append(Batch(-1, items, blocking=wait, pairwise=pairwise))
-        return chosen
+        items = [q * 2 for op in self.order if (q := asked[op]) is not None]
+        if items:
+            self.steps.append(len(self.lowered.batch_items) * 4 + _POST)
+            self.lowered.batch_items.append(items)
+            self.lowered.batch_tick.append(-1)
+            self.lowered.batch_flags.append(self.flags[wait])
+        return asked
 
     def wait(self, position: int | None) -> None:
         if position is not None:
-            self.steps.append(Wait((position,)))
+            self.steps.append(len(self.lowered.waits) * 4 + _WAIT)
+            self.lowered.waits.append((position,))
 
     def _receive(self, kind: ActionKind) -> int:
         """The next receive of ``kind``: from the previous rank (activations) or the next."""
-        peer = (self.rank + (-1 if kind is K.RECV_ACT else 1)) % self.schedule.num_ranks
+        peer = (self.rank + (-1 if kind is K.RECV_ACT else 1)) % self.num_ranks
         queue = self.receives.get((kind, peer))
         if not queue:
             what = "activation" if kind is K.RECV_ACT else "gradient"
             raise self.refuse(f"megatron-core receives an {what} from rank {peer} it never sends")
         return queue.popleft()
 
-    def finish(self) -> tuple[Step, ...]:
-        actions = self.schedule.per_rank[self.rank]
-        missing = [q for q, a in enumerate(actions) if a.kind.is_p2p and q not in self.posted]
+    def finish(self) -> list[int]:
+        posted = {i >> 1 for items in self.lowered.batch_items[self.first_batch :] for i in items}
+        missing = [q for q, a in enumerate(self.actions) if a.kind.is_p2p and q not in posted]
         missing += self.computes[self.ran :]
         if missing:
             raise self.refuse(f"megatron-core never posts or runs its step {missing[0]}")
-        return tuple(self.steps)
+        return self.steps
 
     def refuse(self, reason: str) -> ScheduleError:
         return ScheduleError(
@@ -400,15 +403,13 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         raise b.refuse("it does not run one forward and one backward per micro-batch and chunk")
     # Deferred requests (overlap only): receives waited oldest first, the latest send each way.
     recv_prev_waits: deque[int] = deque()
-    recv_next_waits: deque[int] = deque()
+    recv_next_waits: deque[int | None] = deque()
     send_next_wait: int | None = None
     send_prev_wait: int | None = None
 
     def receives_input(position: int) -> bool:  # not the pipeline's first (last) stage
-        action = b.action(position)
-        if action.kind is K.FORWARD:
-            return action.stage != 0
-        return not b.schedule.layout.is_last(action.stage)
+        action = b.actions[position]
+        return action.stage != (0 if action.kind is K.FORWARD else b.last_stage)
 
     b.call(recv_prev=r != 0)  # recv_forward for chunk 0
     for k in range(warmup):
@@ -417,10 +418,8 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         output = b.output(forwards[k])
         at_end = k == warmup - 1 and not all_warmup  # the last warm-up step also receives
         b.call(send_next=output, recv_prev=recv_prev, recv_next=at_end and not overlap and not last)
-        if overlap and at_end:
-            handles = b.call(recv_next=not last, wait=False)
-            if _Op.RECV_NEXT in handles:
-                recv_next_waits.append(handles[_Op.RECV_NEXT])
+        if overlap and at_end and not last:
+            recv_next_waits.append(b.call(recv_next=True, wait=False)[_Op.RECV_NEXT])
     for k in range(remaining):
         forward, backward = forwards[warmup + k], backwards[k]
         recv_prev = shape.receives(r, warmup + k, True) and k != remaining - 1
@@ -441,9 +440,9 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         b.run(forward)
         handles = b.call(send_next=b.output(forward), recv_prev=recv_prev, wait=False)
         b.wait(send_next_wait)  # the previous forward send
-        send_next_wait = handles.get(_Op.SEND_NEXT)
-        if _Op.RECV_PREV in handles:
-            recv_prev_waits.append(handles[_Op.RECV_PREV])
+        send_next_wait = handles[_Op.SEND_NEXT]
+        if (handle := handles[_Op.RECV_PREV]) is not None:
+            recv_prev_waits.append(handle)
         if wait_forward_sends:
             b.wait(send_next_wait)
             send_next_wait = None
@@ -453,9 +452,9 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         b.sync_after(k, shape)
         handles = b.call(send_prev=b.output(backward), recv_next=recv_next, wait=False)
         b.wait(send_prev_wait)
-        send_prev_wait = handles.get(_Op.SEND_PREV)
-        if _Op.RECV_NEXT in handles:
-            recv_next_waits.append(handles[_Op.RECV_NEXT])
+        send_prev_wait = handles[_Op.SEND_PREV]
+        if (handle := handles[_Op.RECV_NEXT]) is not None:
+            recv_next_waits.append(handle)
     if all_warmup:
         b.call(recv_next=not last)  # recv_backward for the last chunk
     for k in range(remaining, total):
