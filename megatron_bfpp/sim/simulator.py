@@ -200,7 +200,12 @@ def simulated_step(
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, None)
     (clock, dp_end, busy, _), per_unit, _ = _clocks(schedule, costs, p2p, None, grad_reduce)
     step = max(map(max, clock, dp_end), default=0)
-    return _user(step, per_unit), _ratio(sum(step - b for b in busy), schedule.num_ranks * step)
+    return _user(step, per_unit), _bubble(step, busy)
+
+
+def _bubble(step: float, busy: Sequence[float]) -> float:
+    """The idle share of every rank's step: the one definition, for ``simulate`` and the planner."""
+    return _ratio(sum(step - b for b in busy), len(busy) * step)
 
 
 def _clocks(
@@ -491,7 +496,7 @@ def _result(
         num_chunks=schedule.num_chunks,
         num_microbatches=schedule.num_microbatches,
         step_time=_user(step, per_unit),
-        bubble_fraction=_ratio(sum(step - b for b in busy), num_ranks * step),
+        bubble_fraction=_bubble(step, busy),
         exposed_dp_comm_time=max((r.exposed_dp_comm_time for r in per_rank), default=0.0),
         per_rank=tuple(per_rank),
         timeline=timeline,
