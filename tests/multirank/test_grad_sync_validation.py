@@ -30,6 +30,24 @@ def early_gs() -> tuple[Schedule, Schedule]:
     return built, built.with_programs([tuple(program), built.per_rank[1]])
 
 
+def _reduce_at_issue() -> None:
+    """Make each bucket's reduction read its buffer when it is issued, as under NCCL, where
+    the reduction runs in stream order after the compute issued before it and none issued
+    after. Gloo's async reduction runs on its own thread and may read the buffer after the
+    last backward has added to it; on a loaded machine the early GS then looked harmless."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    group = buffers._ParamAndGradBucketGroup
+    issue = group.start_grad_sync
+
+    def issue_and_complete(self: Any, *args: Any, **kwargs: Any) -> None:
+        issue(self, *args, **kwargs)
+        if self.grad_reduce_handle is not None:
+            self.grad_reduce_handle.wait()  # finish_grad_sync's wait then returns at once
+
+    group.start_grad_sync = issue_and_complete
+
+
 def _replica_difference(schedule: Schedule | None) -> dict[str, Any]:
     """Train one step with DDP (overlap_grad_reduce); the largest difference between the two
     data-parallel replicas' reduced gradients (0 when reduced). ``schedule=None``: what
@@ -47,6 +65,7 @@ def _replica_difference(schedule: Schedule | None) -> dict[str, Any]:
         except ScheduleError as error:
             return {"refused": str(error).splitlines()[0]}
         return {"refused": None}
+    _reduce_at_issue()
     chunks = M.wrap_ddp(
         M.build_model_chunks(M.tiny_gpt_config(num_layers=2)), overlap_grad_reduce=True
     )
