@@ -1,9 +1,5 @@
-"""NCCL's point-to-point rules on gloo process groups, so that a CPU test fails where NCCL would.
-
-:func:`install` replaces ``torch.distributed.batch_isend_irecv`` / ``isend`` / ``irecv`` (in
-``distributed_c10d`` too) with versions keeping ProcessGroupNCCL's rules on gloo groups only; the
-rules, numbered as the comments here cite them: docs/design-notes.md, "Testing NCCL's rules on CPU".
-"""
+"""NCCL's point-to-point rules on gloo groups, so that a CPU test fails where NCCL would; the rules,
+numbered as the comments cite them: docs/design-notes.md, "Testing NCCL's rules on CPU"."""
 
 from __future__ import annotations
 
