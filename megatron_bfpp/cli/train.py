@@ -172,12 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 30)",
     )
 
-    _add_training_arguments(p)
-    _add_io_arguments(p)
+    _add_training_and_io_arguments(p)
     return p
 
 
-def _add_training_arguments(p: argparse.ArgumentParser) -> None:
+def _add_training_and_io_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=positive_int, default=1)
     t.add_argument("--global-batch-size", type=positive_int, default=8)
@@ -218,8 +217,6 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         "PREFIX/cache beside the dataset)",
     )
 
-
-def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     io = p.add_argument_group("checkpoints and logging")
     io.add_argument("--save", metavar="DIR", help="write checkpoints here")
     io.add_argument("--load", metavar="DIR", help="resume from this checkpoint")

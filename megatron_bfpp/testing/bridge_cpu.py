@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import importlib
 import inspect
 import sys
 import types
@@ -87,8 +88,6 @@ def enable_cpu_bridge() -> None:
     """The megatron-core and Megatron-LM CPU redirects, then Bridge's own (no-op if on)."""
     if _patches:
         return
-    import importlib
-
     from megatron_bfpp.megatron.cpu import _nothing
     from megatron_bfpp.megatron.cpu_launch import _allow_no_cuda, enable_cpu_megatron_lm
 
@@ -112,8 +111,6 @@ def disable_cpu_bridge() -> None:
 
 def record_losses() -> None:
     """Print each iteration's exact lm loss (``float.hex``) and grad norm on the last rank."""
-    import importlib
-
     import torch.distributed as dist
 
     train = importlib.import_module("megatron.bridge.training.train")

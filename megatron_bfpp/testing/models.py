@@ -67,9 +67,8 @@ def tiny_gpt_config(
     sequence_parallel: bool = False,
     **overrides: Any,
 ) -> TransformerConfig:
-    """A small fp32 GPT config (8 layers, hidden 32, 4 heads, ffn 64, no dropout or fused kernels,
-    CPU init, ``batch_p2p_comm=False``); ``tp``, ``pp`` (and ``vp`` without ``pp``) default to
-    the parallel state (1 without one); ``overrides`` go to ``TransformerConfig``."""
+    """A small fp32 GPT config; ``tp``, ``pp`` (and ``vp`` without ``pp``) default to the parallel
+    state's (1 without one)."""
     initialized = parallel_state.model_parallel_is_initialized()
     if tp is None:
         tp = parallel_state.get_tensor_model_parallel_world_size() if initialized else 1

@@ -50,9 +50,8 @@ _blocked_s = 0.0  # this process's time blocked in Work.wait() (rule 5)
 
 
 def install(*, stall_seconds: float | None = None, transfer_seconds: float | None = None) -> None:
-    """Route gloo p2p through the emulation (again: only sets the limits). Stall limit:
-    ``stall_seconds``, else ``$BFPP_NCCL_EMULATION_STALL_S``, else 60 s; transfer time (rule 7):
-    ``transfer_seconds``, else ``$BFPP_NCCL_EMULATION_TRANSFER_S``, else 0."""
+    """Route gloo p2p through the emulation (again: only sets the limits); a limit not given is its
+    environment variable's, else 60 s of stall and no transfer time (rule 7)."""
     global _stall_s, _transfer_s
     if stall_seconds is None:
         stall_seconds = float(os.environ.get(_STALL_ENV, DEFAULT_STALL_S))
