@@ -347,17 +347,15 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
     except ScheduleError as error:
         raise FlagError(str(error)) from None
     notes = check_load(args, world_size) if args.load is not None else []
-    if args.save is not None and not _same_directory(args.save, args.load):
+    if args.save is not None and (args.load is None or not _same_directory(args.save, args.load)):
         problem = save_problem(args.save, run_config(args, world_size))
         if problem is not None:
             raise FlagError(problem)
     return notes
 
 
-def _same_directory(path: str, other: str | None) -> bool:
+def _same_directory(path: str, other: str) -> bool:
     """Whether ``--save path`` is the ``--load`` directory (then the resume rules apply)."""
-    if other is None:
-        return False
     try:
         return os.path.samefile(path, other)
     except OSError:  # one of them does not exist yet
