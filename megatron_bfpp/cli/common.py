@@ -18,7 +18,6 @@ from typing import Any, NoReturn, Protocol
 from megatron_bfpp.files import follow_links
 from megatron_bfpp.flags import positive_int, printable_output
 from megatron_bfpp.ir import first_line
-from megatron_bfpp.schedules.registry import SCHEDULES
 
 
 def fail(prog: str, error: BaseException | str) -> int:
@@ -75,15 +74,6 @@ def optional_package_problem(flag: str, module: str, extra: str) -> str | None:
     return None
 
 
-def stages_per_rank_defaults() -> str:
-    """The virtual-pipeline flags' default, for ``--help``: each schedule's own."""
-    by_count: dict[int, list[str]] = {}
-    for spec in SCHEDULES.values():
-        by_count.setdefault(spec.default_stages_per_rank, []).append(spec.name)
-    counts = "; ".join(f"{n} for {', '.join(names)}" for n, names in sorted(by_count.items()))
-    return f"the schedule's: {counts}"
-
-
 def positive_int_up_to(limit: int, why: str) -> Callable[[str], int]:
     """``positive_int`` bounded (``why`` says by what): past it the command ran for minutes."""
 
@@ -93,7 +83,6 @@ def positive_int_up_to(limit: int, why: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"at most {limit:,} ({why}), got {value:,}")
         return value
 
-    parse.__name__ = "positive integer"  # argparse names the type in its messages
     return parse
 
 

@@ -524,8 +524,8 @@ def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     command.add_argument("--json", action="store_true", help="print the ranked table as JSON")
 
 
-def _auto_request(args: argparse.Namespace) -> AutoRequest:
-    """The job's ``AutoRequest`` from the command's flags (Megatron-LM's names and defaults)."""
+def _auto(args: argparse.Namespace) -> int:
+    """The job's decision from the command's flags (Megatron-LM's names and defaults)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = args.context_parallel_size
     if args.num_gpus % (tp * pp * cp):
@@ -540,7 +540,7 @@ def _auto_request(args: argparse.Namespace) -> AutoRequest:
     hw = hardware(
         device_name=None, device_memory=None, gpu_flag=args.gpu, profile_path=args.profile
     )
-    return AutoRequest(
+    request = AutoRequest(
         model=_model_from_args(args),
         tp=tp,
         pp=pp,
@@ -559,10 +559,7 @@ def _auto_request(args: argparse.Namespace) -> AutoRequest:
         max_stored=args.bpipe_max_stored,
         sequence_parallel=args.sequence_parallel == "on",
     )
-
-
-def _auto(args: argparse.Namespace) -> int:
-    decision = decide(_auto_request(args))
+    decision = decide(request)
     print(json_text(decision.to_dict()) if args.json else f"megatron_bfpp: {decision.line()}")
     return 0
 

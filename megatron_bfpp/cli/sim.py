@@ -352,10 +352,8 @@ def _built(
 
 
 def schedule_from_csv(path: str, *, sharding: str = "optim") -> Schedule:
-    """A schedule from a CSV, lowered and validated as bfpp-sim simulates it (errors name the
-    file). A lowered one is taken as written, except that torch's may post paired messages in
-    different orders on the two sides (torch matches by tag): they are derived again, as the
-    name then says. Our own format is checked, never repaired."""
+    """A CSV's schedule, lowered and validated (errors name the file); a lowered one as written,
+    but torch's messages, paired by tag, derived again if the two sides order them differently."""
     loaded = load_csv(path)
     lowered = has_communication(loaded) or any(
         action.kind in _PER_CHUNK for actions in loaded.per_rank for action in actions

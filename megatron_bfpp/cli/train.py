@@ -20,10 +20,9 @@ from megatron_bfpp.cli.common import (
     output_dir_problem,
     output_file_problem,
     positive_float,
-    stages_per_rank_defaults,
 )
 from megatron_bfpp.compat import UnsupportedVersionError, check_megatron_core, check_torch
-from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT, run_config
+from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT, flag_name, run_config
 from megatron_bfpp.flags import (
     QUIET_RANK_GRACE_S,
     OneLineParser,
@@ -115,13 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab-size", type=positive_int, default=256)
 
     par = p.add_argument_group("parallelism and schedule")
+    by_count: dict[int, list[str]] = {}  # the virtual stages' default: each schedule's own
+    for spec in SCHEDULES.values():
+        by_count.setdefault(spec.default_stages_per_rank, []).append(spec.name)
+    counts = "; ".join(f"{n} for {', '.join(names)}" for n, names in sorted(by_count.items()))
     par.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=positive_int, default=4)
     par.add_argument(
         "--num-virtual-stages-per-pipeline-rank",
         "--virtual-pipeline-model-parallel-size",
         type=positive_int,
-        help=f"virtual pipeline stages per rank (default: {stages_per_rank_defaults()})",
+        help=f"virtual pipeline stages per rank (default: the schedule's: {counts})",
     )
     par.add_argument(
         "--pipeline-schedule",
@@ -169,12 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 30)",
     )
 
-    _add_training_arguments(p)
-    _add_io_arguments(p)
+    _add_training_and_io_arguments(p)
     return p
 
 
-def _add_training_arguments(p: argparse.ArgumentParser) -> None:
+def _add_training_and_io_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=positive_int, default=1)
     t.add_argument("--global-batch-size", type=positive_int, default=8)
@@ -215,8 +217,6 @@ def _add_training_arguments(p: argparse.ArgumentParser) -> None:
         "PREFIX/cache beside the dataset)",
     )
 
-
-def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     io = p.add_argument_group("checkpoints and logging")
     io.add_argument("--save", metavar="DIR", help="write checkpoints here")
     io.add_argument("--load", metavar="DIR", help="resume from this checkpoint")
@@ -347,17 +347,15 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
     except ScheduleError as error:
         raise FlagError(str(error)) from None
     notes = check_load(args, world_size) if args.load is not None else []
-    if args.save is not None and not _same_directory(args.save, args.load):
+    if args.save is not None and (args.load is None or not _same_directory(args.save, args.load)):
         problem = save_problem(args.save, run_config(args, world_size))
         if problem is not None:
             raise FlagError(problem)
     return notes
 
 
-def _same_directory(path: str, other: str | None) -> bool:
+def _same_directory(path: str, other: str) -> bool:
     """Whether ``--save path`` is the ``--load`` directory (then the resume rules apply)."""
-    if other is None:
-        return False
     try:
         return os.path.samefile(path, other)
     except OSError:  # one of them does not exist yet
@@ -383,8 +381,7 @@ def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
 
 def data_path_problem(args: argparse.Namespace) -> str | None:
     """What keeps ``--data-path`` (``--split``, ``--data-cache-path``) from being read."""
-    pairs = (("--split", args.split), ("--data-cache-path", args.data_cache_path))
-    given = [flag for flag, value in pairs if value is not None]  # flags for indexed datasets
+    given = [flag_name(d) for d in ("split", "data_cache_path") if getattr(args, d) is not None]
     if args.data_path is None:
         return f"{given[0]} needs --data-path (Megatron indexed datasets)" if given else None
     try:
@@ -456,12 +453,9 @@ def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | N
     if args.save is not None and (problem := output_dir_problem("--save", args.save)):
         return problem
     if args.wandb_project is None:
-        for flag, value in (
-            ("--wandb-exp-name", args.wandb_exp_name),
-            ("--wandb-save-dir", args.wandb_save_dir),
-        ):
-            if value is not None:
-                return f"{flag} needs --wandb-project NAME"
+        for dest in ("wandb_exp_name", "wandb_save_dir"):
+            if getattr(args, dest) is not None:
+                return f"{flag_name(dest)} needs --wandb-project NAME"
     elif not args.wandb_project.strip():
         return "--wandb-project: empty name"
     if not metrics:
@@ -473,11 +467,9 @@ def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | N
     packages = {"--tensorboard-dir": args.tensorboard_dir, "--wandb-project": args.wandb_project}
     if (problem := missing_packages(packages)) is not None:
         return problem
-    for flag, path in (
-        ("--tensorboard-dir", args.tensorboard_dir),
-        ("--wandb-save-dir", args.wandb_save_dir),
-    ):
-        if path is not None and (problem := output_dir_problem(flag, path)):
+    for dest in ("tensorboard_dir", "wandb_save_dir"):
+        path = getattr(args, dest)
+        if path is not None and (problem := output_dir_problem(flag_name(dest), path)):
             return problem
     return None
 

@@ -1,18 +1,16 @@
-"""Megatron-Bridge on CPU ranks: what Bridge needs beyond the CPU adapters (``megatron.cpu``,
-``megatron.cpu_launch``); test support and the CPU demo (``examples/bridge_pretrain.py``) only.
-Each redirect and the error it answers (Megatron-Bridge 0.6.2): docs/bridge.md.
-:func:`disable_cpu_bridge` undoes every redirect (the one patch registry).
-"""
+"""What Megatron-Bridge needs on CPU ranks beyond ``megatron.cpu`` / ``cpu_launch``, for tests and
+examples/bridge_pretrain.py; each redirect and the error it answers: docs/bridge.md."""
 
 from __future__ import annotations
 
 import builtins
 import contextlib
 import functools
+import importlib
 import inspect
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from megatron_bfpp.megatron.patches import Patches
@@ -90,8 +88,6 @@ def enable_cpu_bridge() -> None:
     """The megatron-core and Megatron-LM CPU redirects, then Bridge's own (no-op if on)."""
     if _patches:
         return
-    import importlib
-
     from megatron_bfpp.megatron.cpu import _nothing
     from megatron_bfpp.megatron.cpu_launch import _allow_no_cuda, enable_cpu_megatron_lm
 
@@ -113,13 +109,10 @@ def disable_cpu_bridge() -> None:
     disable_cpu_megatron_lm()
 
 
-def record_losses(print_line: Callable[[str], None] | None = None) -> None:
+def record_losses() -> None:
     """Print each iteration's exact lm loss (``float.hex``) and grad norm on the last rank."""
-    import importlib
-
     import torch.distributed as dist
 
-    emit = print_line or _write_line
     train = importlib.import_module("megatron.bridge.training.train")
     original = train.training_log
     signature = inspect.signature(original)
@@ -132,12 +125,9 @@ def record_losses(print_line: Callable[[str], None] | None = None) -> None:
         if loss is not None and dist.get_rank() == dist.get_world_size() - 1:
             value = float(loss.item() if hasattr(loss, "item") else loss)
             step = bound["global_state"].train_state.step
-            emit(f"{EXACT_PREFIX} {step} {value.hex()} {bound['grad_norm']!r}")
+            line = f"{EXACT_PREFIX} {step} {value.hex()} {bound['grad_norm']!r}\n"
+            sys.stdout.write(line)  # one write: lines of other processes stay whole
+            sys.stdout.flush()
         return original(*args, **kwargs)
 
     _patches.patch(train, "training_log", training_log)
-
-
-def _write_line(line: str) -> None:
-    sys.stdout.write(line + "\n")  # one write: lines of other processes stay whole
-    sys.stdout.flush()

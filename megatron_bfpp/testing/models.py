@@ -1,10 +1,5 @@
-"""Tiny megatron-core GPT models whose weights do not depend on how they are split.
-
-Call these inside a :func:`megatron_bfpp.testing.multirank.run_ranks` rank function.
-:func:`build_model_chunks` draws every parameter at its full shape from a generator seeded by
-its *global* name, so any (tp, pp, vp, dp) split holds the single-process model's weights and
-:func:`reference_losses_and_grads` is the exact reference.
-"""
+"""Tiny megatron-core GPT models (for ``run_ranks`` functions) whose weights do not depend on how
+they are split (each drawn whole, seeded by its global name): one process's run is the reference."""
 
 from __future__ import annotations
 
@@ -72,9 +67,8 @@ def tiny_gpt_config(
     sequence_parallel: bool = False,
     **overrides: Any,
 ) -> TransformerConfig:
-    """A small fp32 GPT config (8 layers, hidden 32, 4 heads, ffn 64, no dropout or fused kernels,
-    CPU init, ``batch_p2p_comm=False``); ``tp``, ``pp`` (and ``vp`` without ``pp``) default to
-    the parallel state (1 without one); ``overrides`` go to ``TransformerConfig``."""
+    """A small fp32 GPT config; ``tp``, ``pp`` (and ``vp`` without ``pp``) default to the parallel
+    state's (1 without one)."""
     initialized = parallel_state.model_parallel_is_initialized()
     if tp is None:
         tp = parallel_state.get_tensor_model_parallel_world_size() if initialized else 1
@@ -170,10 +164,8 @@ def reference_losses_and_grads(
     seed: int = 0,
     share_embeddings_and_output_weights: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Run the unpipelined model (same global-name init) on ``batches`` in this process, whose
-    parallel state must be tp = pp = 1 (``run_ranks(..., world_size=1)``), scaling each
-    micro-batch's loss as ``forward_step`` does (by its token count, then ``len(batches)``).
-    Returns per-micro-batch mean losses and every accumulated gradient by global name."""
+    """Per-micro-batch mean losses and gradients by global name of the unpipelined model (tp = pp
+    = 1 here, each loss scaled as ``forward_step`` scales it) on ``batches``."""
     assert parallel_state.get_tensor_model_parallel_world_size() == 1
     assert parallel_state.get_pipeline_model_parallel_world_size() == 1
     unparallel = dataclasses.replace(
@@ -283,9 +275,8 @@ def train_steps(
     placement: Placement = Placement.LOOPED,
     share_embeddings_and_output_weights: bool = False,
 ) -> list[list[float]]:
-    """Adam steps with megatron-core DDP and the distributed optimizer (overlapped when
-    ``overlap``); this rank's per-micro-batch losses per step. ``forward_backward_func`` as in
-    ``run_schedule``; chunks in ``placement`` (``looped`` or ``v-shape``)."""
+    """This rank's per-micro-batch losses of Adam steps under megatron-core's DDP and distributed
+    optimizer (overlapped when ``overlap``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     chunks = wrap_ddp(

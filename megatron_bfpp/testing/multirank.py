@@ -62,10 +62,9 @@ def run_ranks(
     error_grace: float = ERROR_GRACE,
     daemon: bool = True,
 ) -> list[Any]:
-    """Run ``fn(*args)`` (inherited through ``fork``; results must pickle) on ``world_size``
-    forked gloo ranks; return the results by global rank. ``daemon=False`` lets ``fn`` start
-    processes. Raises :class:`RanksFailed` if a rank raises, dies or outlives ``timeout``; every
-    child is dead by then."""
+    """``fn(*args)``'s results (they must pickle) on ``world_size`` forked gloo ranks, by rank
+    (``daemon=False``: ``fn`` may start processes); :class:`RanksFailed`, every child dead, if one
+    raises, dies or outlives ``timeout``."""
     if world_size < 1 or world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp * pp}")
     preload_megatron()

@@ -1,9 +1,5 @@
-"""NCCL's point-to-point rules on gloo process groups, so that a CPU test fails where NCCL would.
-
-:func:`install` replaces ``torch.distributed.batch_isend_irecv`` / ``isend`` / ``irecv`` (in
-``distributed_c10d`` too) with versions keeping ProcessGroupNCCL's rules on gloo groups only; the
-rules, numbered as the comments here cite them: docs/design-notes.md, "Testing NCCL's rules on CPU".
-"""
+"""NCCL's point-to-point rules on gloo groups, so that a CPU test fails where NCCL would; the rules,
+numbered as the comments cite them: docs/design-notes.md, "Testing NCCL's rules on CPU"."""
 
 from __future__ import annotations
 
@@ -54,9 +50,8 @@ _blocked_s = 0.0  # this process's time blocked in Work.wait() (rule 5)
 
 
 def install(*, stall_seconds: float | None = None, transfer_seconds: float | None = None) -> None:
-    """Route gloo p2p through the emulation (again: only sets the limits). Stall limit:
-    ``stall_seconds``, else ``$BFPP_NCCL_EMULATION_STALL_S``, else 60 s; transfer time (rule 7):
-    ``transfer_seconds``, else ``$BFPP_NCCL_EMULATION_TRANSFER_S``, else 0."""
+    """Route gloo p2p through the emulation (again: only sets the limits); a limit not given is its
+    environment variable's, else 60 s of stall and no transfer time (rule 7)."""
     global _stall_s, _transfer_s
     if stall_seconds is None:
         stall_seconds = float(os.environ.get(_STALL_ENV, DEFAULT_STALL_S))

@@ -1,10 +1,5 @@
-"""A GPT pretrain script for Megatron-LM's own ``pretrain()``, as a Megatron-LM user writes one.
-
-megatron-core wheels from 0.17 on ship ``megatron.training`` but not Megatron-LM's
-``pretrain_gpt.py``; this one lets the tests run Megatron-LM's loop on every stack whose wheel has
-it (``tests/megatron/test_megatron_lm.py``), through ``python -m megatron_bfpp.launch`` as users
-do: GPT with the local layer spec, learnable mock data, tp = cp = 1.
-"""
+"""A GPT script for Megatron-LM's ``pretrain()`` (GPT, local layer spec, learnable mock data): the
+wheels ship ``megatron.training`` from 0.17 on but not ``pretrain_gpt.py``, which tests need."""
 
 from __future__ import annotations
 
