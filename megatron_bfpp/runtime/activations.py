@@ -18,13 +18,11 @@ Key = tuple[int, int]  # (stage, micro-batch)
 ALIGNMENT = 64  # bytes; every storage starts aligned in a payload, for any dtype's view
 
 
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class _Saved:
     """What autograd holds instead of a saved tensor: the tensor, or None while it is evicted."""
 
-    __slots__ = ("__weakref__", "tensor")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor: torch.Tensor | None = tensor
+    tensor: torch.Tensor | None
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 
@@ -75,12 +75,12 @@ class _Deferred:
         return grad_weight, grad_bias
 
 
+@dataclass(eq=False)
 class WeightGradStore:
     """The weight gradients filed by each micro-batch's I, until its W."""
 
-    def __init__(self) -> None:
-        self.collecting: Key | None = None
-        self.pending: dict[Key, list[_Deferred]] = {}
+    collecting: Key | None = None
+    pending: dict[Key, list[_Deferred]] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def collect(self, key: Key) -> Iterator[None]:
@@ -171,15 +171,10 @@ def _accumulate(items: list[_Deferred]) -> None:
     see what a whole backward gives), inside a Function's backward so each is moved, not cloned."""
     params = [param for item in items for param in (item.weight, item.bias) if param is not None]
     if params:
+        # ``Function.apply`` is untyped in torch 2.13, typed in 2.14: called through Any for both
         with torch.enable_grad():  # also when called from a backward (outside an I)
-            total = _apply(_WeightGradients, items, *params)
+            total = cast(Any, _WeightGradients).apply(items, *params)
         torch.autograd.backward(total)
-
-
-def _apply(function: Any, *args: Any) -> Any:
-    """``Function.apply`` is untyped in torch 2.13 and typed in 2.14: calling it through
-    ``Any`` keeps strict mypy clean on every torch in ``compat.TORCH_WINDOW``."""
-    return function.apply(*args)
 
 
 class _WeightGradients(torch.autograd.Function):
@@ -218,7 +213,7 @@ def _forward_impl(original: Any) -> Any:
         bias = margs[2]
         params = _Params(weight, bias if bias is not None and bias.requires_grad else None)
         detached = (margs[0], weight.detach(), None if bias is None else bias.detach())
-        return _apply(_DeferredLinear, params, *detached, *margs[3:])
+        return cast(Any, _DeferredLinear).apply(params, *detached, *margs[3:])
 
     return forward_impl
 

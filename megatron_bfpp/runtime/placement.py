@@ -95,17 +95,14 @@ def sum_tied_embedding_grads(chunks: Sequence[Any]) -> None:
     weights = tied_embedding_weights(chunks)
     if weights is None:
         return
-    embedding, output = (_grad(weight) for weight in weights)
+    embedding, output = (
+        w.grad if (g := getattr(w, "main_grad", None)) is None else g for w in weights
+    )
     if embedding is None or output is None:
         return
     total = embedding + output
     embedding.copy_(total)
     output.copy_(total)
-
-
-def _grad(weight: torch.Tensor) -> torch.Tensor | None:
-    grad = getattr(weight, "main_grad", None)
-    return weight.grad if grad is None else grad
 
 
 def deliver_to_last_rank(

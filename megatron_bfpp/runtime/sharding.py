@@ -113,7 +113,7 @@ class ShardedParameters:
         if sizes and all(s.device.type == "cpu" for st in self.chunks for s in st.storages):
             return_freed_buffers(min(sizes))
 
-    def gather(self, chunk: int, *, async_op: bool = True) -> None:
+    def gather(self, chunk: int) -> None:
         """Allocate the chunk's full parameter buffers and all-gather them (see :meth:`wait`)."""
         state = self.chunks[chunk]
         if state.resident:
@@ -126,12 +126,10 @@ class ShardedParameters:
         self._observe()
         for bucket in state.buckets:
             work = dist.all_gather_into_tensor(
-                bucket.full, bucket.shard, group=bucket.group, async_op=async_op
+                bucket.full, bucket.shard, group=bucket.group, async_op=True
             )
-            if async_op and work is not None:
+            if work is not None:
                 state.pending.append(work)
-        if not async_op:
-            self.wait(chunk)
 
     def wait(self, chunk: int) -> None:
         """Block until the chunk's gather has landed; an error if it was never gathered."""
@@ -340,7 +338,8 @@ class ShardedParameters:
         wanted = range(len(self.chunks)) if chunks is None else chunks
         released = [i for i in wanted if not self.chunks[i].resident]
         for index in released:
-            self.gather(index, async_op=False)
+            self.gather(index)
+            self.wait(index)
         try:
             yield
         finally:
@@ -518,12 +517,12 @@ def _chunk_of(index: int, module: torch.nn.Module) -> _Chunk:
     )
 
 
+@dataclass(eq=False)
 class ShardingPart(StepPart):
     """The step's view of the sharded model: a chunk's first compute after its gather waits for
     it, and its first backward allocates its gradients."""
 
-    def __init__(self) -> None:
-        self.sharded: ShardedParameters | None = None
+    sharded: ShardedParameters | None = None
 
     def before_compute(self, step: RankStep, stage: int) -> None:
         if self.sharded is not None:
