@@ -1,8 +1,6 @@
 """BPipe: each 1F1B *evictor* stage ``x < p // 2`` parks what it would store beyond ``cap``
 micro-batches on its *acceptor* ``p - 1 - x`` (EV, AC) and gets it back before the backward (RS,
-LD); under BPipe's cap ``ceil((p + 2) / 2)`` the pair's ``p + 1`` fit, so no rank stores more.
-On a compute-only, single-chunk schedule, before ``add_communication``; where each transfer goes
-and why it cannot deadlock: docs/architecture.md, "BPipe's eviction pass"."""
+LD), so no rank stores more than ``cap``: docs/architecture.md, "BPipe's eviction pass"."""
 
 from __future__ import annotations
 

@@ -31,10 +31,8 @@ SHARDING_STRATEGIES = ("optim", "optim_grads_params")
 def add_grad_sync(
     schedule: Schedule, *, sharding: str = "optim", max_resident: int = 2
 ) -> Schedule:
-    """GS / PS per chunk (and RL with sharded parameters), in Megatron's vocabulary:
-    ``sharding="optim"`` keeps parameters and gradients whole (DDP or the distributed
-    optimizer), ``"optim_grads_params"`` shards them too, keeping at most ``max_resident`` chunks
-    of a rank gathered."""
+    """GS / PS per chunk; ``sharding="optim_grads_params"`` (Megatron's word) shards parameters
+    and gradients too (RL), at most ``max_resident`` chunks of a rank gathered at once."""
     get_kind = attrgetter("kind")
     scans = []  # per rank: its stages' last B or W (-1: none; a pair's I needs its W), first F
     for rank, actions in enumerate(schedule.per_rank):
