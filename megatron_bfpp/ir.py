@@ -913,17 +913,13 @@ def _microbatch_problem(microbatches: list[int], m: int) -> str | None:
     unique = sorted(set(microbatches))
     if len(unique) == len(microbatches) == m and unique[0] == 0 and unique[-1] == m - 1:
         return None
-    parts = []
-    gaps = _gaps([mb for mb in unique if mb < m], m)
-    if gaps:
-        parts.append(f"misses {gaps}")
-    extra = [mb for mb in unique if mb >= m]
-    if extra:
-        parts.append(f"has extra {_listed(extra)}")
     repeated = sorted(mb for mb, count in Counter(microbatches).items() if count > 1)
-    if repeated:
-        parts.append(f"repeats {_listed(repeated)}")
-    return " and ".join(parts)
+    found = (
+        ("misses", _gaps([mb for mb in unique if mb < m], m)),
+        ("has extra", _listed([mb for mb in unique if mb >= m])),
+        ("repeats", _listed(repeated)),
+    )
+    return " and ".join(f"{verb} {listed}" for verb, listed in found if listed)
 
 
 def _gaps(present: list[int], m: int) -> str:
