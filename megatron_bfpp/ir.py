@@ -5,9 +5,8 @@ training step; passes, validation, simulation and the runtime all read this one 
 
 Text form of one action: ``{stage}{kind}{microbatch}`` with an optional peer, written ``>peer`` for
 actions that ship data away and ``<peer`` for actions that receive it: ``3F5``, ``0SA5>1``,
-``1RA5<0``, ``2GS`` (per-chunk actions carry no micro-batch); a composite is its parts joined by
-``&``: ``3F5&1B2`` (``Composite``: a forward and a backward of another micro-batch run as one
-overlapped action). ``parse_action`` is the inverse of ``str``.
+``1RA5<0``, ``2GS`` (per-chunk actions carry no micro-batch); a ``Composite`` is its parts joined
+by ``&``: ``3F5&1B2``. ``parse_action`` is the inverse of ``str``.
 """
 
 from __future__ import annotations
@@ -243,9 +242,8 @@ class _ActionFields:
 def unchecked_action(
     stage: int, kind: ActionKind, microbatch: int | None = None, peer: int | None = None
 ) -> Action:
-    """``Action(stage, kind, microbatch, peer)`` without the field checks, at a quarter of the
-    cost: for generators and passes, whose millions of actions are right by construction (and
-    validated in context). The result is an ordinary ``Action`` in every respect."""
+    """``Action(stage, kind, microbatch, peer)``, an ordinary one, without the field checks (a
+    quarter of the cost): for generators and passes, whose actions are right by construction."""
     fields = _ActionFields()
     fields.stage = stage
     fields.kind = kind
@@ -257,9 +255,8 @@ def unchecked_action(
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector for a bulk build, check or simulation of a schedule:
-    its millions of objects form no cycles, and rescanning the growing heap costs as much as the
-    work itself. Restores the previous state; nests."""
+    """Pause the cyclic garbage collector for a bulk build, check or simulation of a schedule,
+    whose millions of objects form no cycles (rescanning them costs as much as the work); nests."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -560,9 +557,8 @@ _BACKWARD_KINDS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
 
 
 def stored_counts(program: Sequence[Action]) -> Iterable[int]:
-    """Stored activations after each action of ``program``, in its stages' units
-    (``Schedule.stored_activations``): a running sum of ``MEMORY_DELTA``, a composite's parts in
-    order and shown at their peak."""
+    """Stored activations after each action of ``program``, in its stages' units: a running sum
+    of ``MEMORY_DELTA``, a composite's parts in order and shown at their peak."""
     kinds = list(map(_kind_of, program))
     if ActionKind.OVERLAP_F_B not in kinds:
         return accumulate(map(_FULL_MEMORY_DELTA.__getitem__, kinds))

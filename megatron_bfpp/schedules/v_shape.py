@@ -6,7 +6,7 @@ constructions and bounds: docs/architecture.md, "Generator bounds and measured f
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_bfpp.ir import ActionKind, Schedule, StageLayout, paused_gc, unchecked_action
 from megatron_bfpp.schedules.common import check_counts, make_schedule
@@ -171,10 +171,7 @@ def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[
         for r in range(p):
             pending = window[r]
             if pending:
-                pick = next(  # the first ready I, else the first ready W
-                    (i for k in (_I, _W) for i, a in enumerate(pending) if a[0] == k and ready(a)),
-                    -1,
-                )
+                pick = _first_ready(pending, ready)
                 if pick < 0:
                     continue
                 action = pending.pop(pick)
@@ -198,6 +195,15 @@ def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[
             raise RuntimeError("v-shape replay made no progress: the program order deadlocks")
         step += 1
     return replayed
+
+
+def _first_ready(window: list[_Step], ready: Callable[[_Step], bool]) -> int:
+    """Index of the first ready I in ``window``, else of the first ready W, or -1."""
+    for kind in (_I, _W):
+        for index, action in enumerate(window):
+            if action[0] == kind and ready(action):
+                return index
+    return -1
 
 
 def _fill_window(program: list[_Step], start: int, window: list[_Step]) -> int:
