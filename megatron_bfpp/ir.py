@@ -1,15 +1,12 @@
 """The schedule as data: actions, stage layouts and per-rank programs.
 
 A pipeline schedule is, for each pipeline rank, the ordered list of actions it performs in one
-training step. Everything else in the package (passes, validation, simulation, the runtime) reads
-or transforms this one representation, so the schedule the simulator draws is the schedule the
-GPUs run.
+training step; passes, validation, simulation and the runtime all read this one representation.
 
 Text form of one action: ``{stage}{kind}{microbatch}`` with an optional peer, written ``>peer`` for
 actions that ship data away and ``<peer`` for actions that receive it: ``3F5``, ``0SA5>1``,
-``1RA5<0``, ``2GS`` (per-chunk actions carry no micro-batch); a composite is its parts joined by
-``&``: ``3F5&1B2`` (``Composite``: a forward and a backward of another micro-batch run as one
-overlapped action). ``parse_action`` is the inverse of ``str``.
+``1RA5<0``, ``2GS`` (per-chunk actions carry no micro-batch); a ``Composite`` is its parts joined
+by ``&``: ``3F5&1B2``. ``parse_action`` is the inverse of ``str``.
 """
 
 from __future__ import annotations
@@ -138,10 +135,9 @@ _MAX_INDEX = 999_999_999
 
 @dataclass(frozen=True, slots=True, order=True, init=False)
 class Action:
-    """One step of one rank's program: ``stage`` is the global virtual stage it belongs to (for
-    communication: the local stage that sends or receives; for BPipe transfers: the evictor's),
-    ``peer`` the other pipeline rank of a point-to-point action. The constructor checks the
-    fields; generators and passes use ``unchecked_action``."""
+    """One step of one rank's program: ``stage`` is the global virtual stage it belongs to (a
+    message's: the local stage that sends or receives it; BPipe's transfers: the evictor's),
+    ``peer`` the other rank of a point-to-point action. The constructor checks the fields."""
 
     stage: int
     kind: ActionKind
@@ -186,11 +182,9 @@ _set_peer: Callable[[Action, int | None], None] = Action.__dict__["peer"].__set_
 
 @dataclass(frozen=True, slots=True, order=True, init=False, repr=False)  # Action's __repr__
 class Composite(Action):
-    """Actions of one rank run as one: ``OVERLAP_F_B``, a forward and a backward (B, or I) of
-    another micro-batch (torch's ``OVERLAP_F_B``, DualPipe's overlapped pair), written
-    ``3F5&1B2``. ``parts`` is (forward, backward), the order the pair runs in; what the composite
-    waits for, sends, lasts and holds is its parts' (``semantics.Rules``, "the composite rule");
-    its own ``stage`` and ``microbatch`` are its forward's. The parts may be on two stages."""
+    """A forward and a backward (B, or I) of another micro-batch run as one (torch's
+    ``OVERLAP_F_B``), ``parts`` in that order, possibly on two stages: it waits, sends, lasts and
+    holds as its parts do (``semantics.Rules``); its ``stage`` and ``microbatch``: its forward's."""
 
     parts: tuple[Action, ...] = ()  # a default only because Action's fields have one
 
@@ -248,9 +242,8 @@ class _ActionFields:
 def unchecked_action(
     stage: int, kind: ActionKind, microbatch: int | None = None, peer: int | None = None
 ) -> Action:
-    """``Action(stage, kind, microbatch, peer)`` without the field checks, at a quarter of the
-    cost: for generators and passes, whose millions of actions are right by construction (and
-    validated in context). The result is an ordinary ``Action`` in every respect."""
+    """``Action(stage, kind, microbatch, peer)``, an ordinary one, without the field checks (a
+    quarter of the cost): for generators and passes, whose actions are right by construction."""
     fields = _ActionFields()
     fields.stage = stage
     fields.kind = kind
@@ -262,9 +255,8 @@ def unchecked_action(
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector for a bulk build, check or simulation of a schedule:
-    its millions of objects form no cycles, and rescanning the growing heap costs as much as the
-    work itself. Restores the previous state; nests."""
+    """Pause the cyclic garbage collector for a bulk build, check or simulation of a schedule,
+    whose millions of objects form no cycles (rescanning them costs as much as the work); nests."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -489,11 +481,9 @@ class Schedule:
         return tuple(count * fraction for count in held)
 
     def resident_gradients(self, rank: int) -> tuple[float, ...]:
-        """Full gradient buffers held on ``rank`` after each of its actions, in full-stage units,
-        program order: every chunk's all step without sharded parameters (no RL on the rank),
-        else a chunk's from a backward (B, I or W) until its run's reduction has landed, which
-        the runtime waits for at the rank's next GS (or the chunk's next backward, which
-        allocates the buffer again); the kept shards are left out."""
+        """Full gradient buffers held on ``rank`` after each of its actions, in full-stage units:
+        every chunk's without sharded parameters (no RL on the rank), else as
+        ``held_gradient_chunks`` says; the kept shards are left out."""
         if ActionKind.RELEASE not in map(_kind_of, self.per_rank[rank]):
             return self._all_chunks(rank)
         fraction = self.layout.stage_fraction
@@ -506,7 +496,8 @@ class Schedule:
 
     def held_gradient_chunks(self, rank: int) -> Iterator[set[int]]:
         """The stages whose full gradient buffers a fully sharded ``rank`` holds after each of
-        its actions (``resident_gradients``), one set updated in place: read it before the next."""
+        its actions, each from a backward until its run's reduction lands (at the rank's next GS,
+        or the chunk's next backward), as one set updated in place: read it before the next."""
         held: set[int] = set()
         synced: list[int] = []  # GS'd stages whose reduction has not landed yet
         for action in self.per_rank[rank]:
@@ -566,9 +557,8 @@ _BACKWARD_KINDS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
 
 
 def stored_counts(program: Sequence[Action]) -> Iterable[int]:
-    """Stored activations after each action of ``program``, in its stages' units
-    (``Schedule.stored_activations``): a running sum of ``MEMORY_DELTA``, a composite's parts in
-    order and shown at their peak."""
+    """Stored activations after each action of ``program``, in its stages' units: a running sum
+    of ``MEMORY_DELTA``, a composite's parts in order and shown at their peak."""
     kinds = list(map(_kind_of, program))
     if ActionKind.OVERLAP_F_B not in kinds:
         return accumulate(map(_FULL_MEMORY_DELTA.__getitem__, kinds))
@@ -607,12 +597,8 @@ def parse_schedule(
 
 
 # --- CSV ------------------------------------------------------------------------------------
-# Ours: a "layout" row (the rank of each stage), a "microbatches" row, an optional "name" row,
-# then per rank its number and its actions. torch.distributed.pipelining's ``_dump_csv``: one
-# row per rank, no header, empty cells for idle steps; the layout is inferred from its rows. Its
-# compute-only format drops REDUCE_GRAD (``add_grad_sync`` puts GS in its place); its lowered
-# format is kept whole, so the simulator times the program torch runs (docs/architecture.md,
-# "torch's CSV formats").
+# Ours: "layout", "microbatches" and optional "name" rows, then per rank its number and actions;
+# torch's ``_dump_csv``: one row per rank, no header (docs/architecture.md, "torch's CSV formats").
 
 _HEADER_KEYS = ("layout", "microbatches", "name")
 # What bfpp-sim checks and simulates in about a minute (schedules.registry refuses generated
@@ -768,7 +754,17 @@ def _load_ours(rows: list[_Row], source: str) -> Schedule:
                 f"got {_shown(key)}"
             )
         rank_rows.append(row)
-        programs.append(_parse_cells(row, source))
+        actions = []
+        for column, cell in enumerate(row.cells[1:], start=2):
+            if not cell.strip():
+                continue
+            try:
+                actions.append((column, parse_action(cell)))
+            except ScheduleError as error:
+                raise ScheduleError(
+                    f"{source}: row {row.number}, column {column}: {error}"
+                ) from None
+        programs.append(tuple(actions))
     if "layout" not in header or "microbatches" not in header:
         raise ScheduleError(f"{source}: missing 'layout' or 'microbatches' row")
     layout = _header_layout(header["layout"], source)
@@ -792,18 +788,6 @@ def _load_ours(rows: list[_Row], source: str) -> Schedule:
     counted_by = f"the 'microbatches' row (row {counted.number}) says {m}"
     name = names[0] if names else "custom"
     return _checked_schedule(layout, m, rank_rows, programs, name, source, counted=counted_by)
-
-
-def _parse_cells(row: _Row, source: str) -> _Program:
-    actions = []
-    for column, cell in enumerate(row.cells[1:], start=2):
-        if not cell.strip():
-            continue
-        try:
-            actions.append((column, parse_action(cell)))
-        except ScheduleError as error:
-            raise ScheduleError(f"{source}: row {row.number}, column {column}: {error}") from None
-    return tuple(actions)
 
 
 def _header_layout(row: _Row, source: str) -> StageLayout:
@@ -882,10 +866,9 @@ def _checked_schedule(
     *,
     counted: str,
 ) -> Schedule:
-    """The schedule, once every stage's forwards are micro-batches 0..m-1 (each once: reported
-    per stage, what it misses and what is extra, more than the validator's first missing action
-    says) and no other action names a micro-batch past them, before anything allocates per
-    micro-batch. ``counted`` says where m comes from."""
+    """The schedule, once every stage's forwards are micro-batches 0..m-1, each once (what each
+    stage misses and has extra) and no other action names one past them, before anything
+    allocates per micro-batch; ``counted`` says where m comes from."""
     schedule = Schedule(
         layout, m, tuple(tuple(action for _, action in p) for p in programs), name=name
     )
@@ -926,17 +909,13 @@ def _microbatch_problem(microbatches: list[int], m: int) -> str | None:
     unique = sorted(set(microbatches))
     if len(unique) == len(microbatches) == m and unique[0] == 0 and unique[-1] == m - 1:
         return None
-    parts = []
-    gaps = _gaps([mb for mb in unique if mb < m], m)
-    if gaps:
-        parts.append(f"misses {gaps}")
-    extra = [mb for mb in unique if mb >= m]
-    if extra:
-        parts.append(f"has extra {_listed(extra)}")
     repeated = sorted(mb for mb, count in Counter(microbatches).items() if count > 1)
-    if repeated:
-        parts.append(f"repeats {_listed(repeated)}")
-    return " and ".join(parts)
+    found = (
+        ("misses", _gaps([mb for mb in unique if mb < m], m)),
+        ("has extra", _listed([mb for mb in unique if mb >= m])),
+        ("repeats", _listed(repeated)),
+    )
+    return " and ".join(f"{verb} {listed}" for verb, listed in found if listed)
 
 
 def _gaps(present: list[int], m: int) -> str:

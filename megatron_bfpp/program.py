@@ -1,14 +1,5 @@
-"""A schedule compiled once, from ``Rules``' tables, into the message ids (``Rules.id``, for
-every micro-batch an action names) that every loop over its actions would otherwise work out:
-
-* ``message[rank][position]``: a point-to-point action's message, -1 for the others;
-* ``wait[rank][position]``: the message a compute waits for from another rank
-  (``Rules.waits_for``), -1 for none; a composite's is -1, its parts' by ``wait_of``;
-* ``restore[rank]``: position -> the restore a B / I (a composite's backward) also waits for
-  because an LD brought its activations back (``Rules.restored``), empty but for BPipe.
-
-``compiled`` keeps the programs of the last schedules it compiled, by identity.
-"""
+"""A schedule compiled once, from ``Rules``' tables, into the message ids (``Rules.id``) that
+every loop over its actions would otherwise work out; ``compiled`` keeps the last few."""
 
 from __future__ import annotations
 
@@ -25,12 +16,16 @@ K = ActionKind
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Program:
-    """``schedule`` compiled (module docstring); ``rules`` are its ``Rules`` as lowered."""
+    """``schedule`` compiled, per rank and position; ``rules`` are its ``Rules`` as lowered."""
 
     schedule: Schedule
     rules: Rules
-    message: tuple[list[int], ...]
+    message: tuple[list[int], ...]  # a point-to-point action's message, -1 for the others
+    # the message a compute waits for from another rank (``Rules.waits_for``), -1 for none; a
+    # composite's is -1, its parts' by ``wait_of``
     wait: tuple[list[int], ...]
+    # position -> the restore a B / I (a composite's backward) also waits for because an LD
+    # brought its activations back (``Rules.restored``), empty but for BPipe
     restore: tuple[dict[int, int], ...]
     wait_base: dict[ActionKind, list[int]]  # per compute kind and stage: ``wait``'s, of mb 0
 

@@ -1,7 +1,6 @@
 """Insert the point-to-point messages a compute order implies: sends right after the compute
-that produced the data, receives right before the one that consumes it, moved earlier where
-needed so that between two ranks they are posted in send order (NCCL's and gloo's matching
-order); an overlapped pair's receives go before it, its sends after it."""
+that produced the data, receives right before the one that consumes it, hoisted where needed so
+two ranks post them in send order (NCCL's and gloo's matching order)."""
 
 from __future__ import annotations
 
@@ -182,11 +181,9 @@ def _around(
 
 
 def _reorder_rank(program: list[Action], positions: list[int], indices: list[int]) -> list[Action]:
-    """Give each receive from one source (at ``positions``, the index of its send on that
-    channel in ``indices``, -1: never sent) a sort key no later than the key of the receive that
-    must follow it. Keys are (anchor position, offset): untouched actions keep (position, 0); a
-    hoisted receive sits just before its successor, so it moves earlier only (spliced in, with
-    its anchor's other hoisted receives, in offset order)."""
+    """Hoist receives from one source (at ``positions``; ``indices``: each one's send on that
+    channel, -1: never sent) so they run in send order: a receive moves only earlier, to just
+    before the receive that must follow it, keyed (anchor position, offset)."""
     if all(a < b for a, b in pairwise(indices)):
         return program  # nothing to hoist on this channel
     *earlier, last = (position for _, position in sorted(zip(indices, positions, strict=True)))

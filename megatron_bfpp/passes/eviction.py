@@ -1,8 +1,6 @@
 """BPipe: each 1F1B *evictor* stage ``x < p // 2`` parks what it would store beyond ``cap``
 micro-batches on its *acceptor* ``p - 1 - x`` (EV, AC) and gets it back before the backward (RS,
-LD); under BPipe's cap ``ceil((p + 2) / 2)`` the pair's ``p + 1`` fit, so no rank stores more.
-On a compute-only, single-chunk schedule, before ``add_communication``; where each transfer goes
-and why it cannot deadlock: docs/architecture.md, "BPipe's eviction pass"."""
+LD), so no rank stores more than ``cap``: docs/architecture.md, "BPipe's eviction pass"."""
 
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ from megatron_bfpp.ir import (
     StageLayout,
     unchecked_action,
 )
+from megatron_bfpp.passes.grad_sync import _spliced
 from megatron_bfpp.semantics import Timing, compute_ends
 
 __all__ = ["add_eviction", "bpipe_max_stored"]
@@ -118,12 +117,15 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
             f"add_eviction: the compute order cannot run to the end (ranks {sorted(blocked)} "
             "wait forever); validate_schedule(schedule, require_communication=False) shows where"
         )
-    programs = [list(actions) for actions in schedule.per_rank]
+    programs = list(schedule.per_rank)
     for evictor, transfers in plans.items():
         if not transfers:
             continue
         acceptor = num_ranks - 1 - evictor
-        programs[evictor] = _merge(schedule.per_rank[evictor], transfers)
+        inserts: dict[int, list[Action]] = {}  # before compute i: gap i's transfers, in order
+        for gap, action in transfers:
+            inserts.setdefault(gap, []).append(action)
+        programs[evictor] = _spliced(schedule.per_rank[evictor], inserts)
         # Gap i sits before compute i, from when compute i-1 ends; each AC / RS goes in the
         # acceptor's last gap that starts no later than its EV / LD's (RS first on ties).
         gap_time = [0.0, *ends[evictor]]
@@ -131,12 +133,13 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
             (bisect_right(ends[acceptor], gap_time[gap]), gap_time[gap], action.kind != K.LOAD, seq)
             for seq, (gap, action) in enumerate(transfers)
         )
-        placed = []
+        placed: dict[int, list[Action]] = {}
         for gap, _, _, seq in timed:  # the acceptor's half: AC for an EV, RS for an LD
             action = transfers[seq][1]
             kind = K.ACCEPT if action.kind == K.EVICT else K.RESTORE
-            placed.append((gap, unchecked_action(action.stage, kind, action.microbatch, evictor)))
-        programs[acceptor] = _merge(schedule.per_rank[acceptor], placed)
+            made = unchecked_action(action.stage, kind, action.microbatch, evictor)
+            placed.setdefault(gap, []).append(made)
+        programs[acceptor] = _spliced(schedule.per_rank[acceptor], placed)
     return schedule.with_programs(programs)
 
 
@@ -196,20 +199,6 @@ def _plan_evictor(
                 load(index, ahead)
             resident.remove(mb)
     return transfers
-
-
-def _merge(program: tuple[Action, ...], transfers: list[tuple[int, Action]]) -> list[Action]:
-    """Insert transfers before the compute action of their gap, keeping their order (gaps
-    never decrease along ``transfers``); a gap past the end appends."""
-    merged: list[Action] = []
-    done = 0
-    for gap, action in transfers:
-        if gap > done:
-            merged.extend(program[done:gap])
-            done = gap
-        merged.append(action)
-    merged.extend(program[done:])
-    return merged
 
 
 _UNIT_TIME = Timing(forward=1.0, backward=2.0)

@@ -9,6 +9,8 @@ from itertools import chain, islice
 from operator import attrgetter
 
 from megatron_bfpp.ir import (
+    _BACKWARD_KINDS,
+    _CHUNK_LEVEL,
     COMPUTE_KINDS,
     Action,
     ActionKind,
@@ -31,10 +33,8 @@ SHARDING_STRATEGIES = ("optim", "optim_grads_params")
 def add_grad_sync(
     schedule: Schedule, *, sharding: str = "optim", max_resident: int = 2
 ) -> Schedule:
-    """GS / PS per chunk (and RL with sharded parameters), in Megatron's vocabulary:
-    ``sharding="optim"`` keeps parameters and gradients whole (DDP or the distributed
-    optimizer), ``"optim_grads_params"`` shards them too, keeping at most ``max_resident`` chunks
-    of a rank gathered."""
+    """GS / PS per chunk; ``sharding="optim_grads_params"`` (Megatron's word) shards parameters
+    and gradients too (RL), at most ``max_resident`` chunks of a rank gathered at once."""
     get_kind = attrgetter("kind")
     scans = []  # per rank: its stages' last B or W (-1: none; a pair's I needs its W), first F
     for rank, actions in enumerate(schedule.per_rank):
@@ -89,7 +89,6 @@ def _spliced(actions: tuple[Action, ...], inserts: dict[int, list[Action]]) -> t
     return tuple(chain.from_iterable(pieces))
 
 
-_CHUNK_LEVEL = frozenset({K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE})
 _ALREADY_SYNCED = "add_grad_sync: the schedule already has GS/PS/RL actions"
 
 
@@ -100,8 +99,7 @@ def _find(
     kinds: Set[ActionKind],
 ) -> dict[int, int]:
     """Each stage's first position in ``indexed`` (``default`` if none) holding an action of
-    ``kinds`` (a pair's F, or its B / I), scanning only until every stage has one, and refusing
-    a GS / PS / RL on the way (one set look-up per action sorts out all three)."""
+    ``kinds`` (a pair's F, or its B / I), scanning until every stage has one; refuses GS/PS/RL."""
     found = dict.fromkeys(stages, default)
     missing = set(stages)
     pair = K.OVERLAP_F_B
@@ -192,15 +190,14 @@ def _sharded_program(
 
 def _run_ends(actions: tuple[Action, ...]) -> list[tuple[int, int]]:
     """(stage, position) of the last B or W of each maximal run of one stage's backward work
-    (B, I, W; other compute ends a run, messages do not): where the gradients that run
-    accumulated are reduced. Breadth-first with groups has one run per chunk per group."""
+    (B, I, W; other compute ends a run, messages do not): where that run's gradients are reduced."""
     ends: list[tuple[int, int]] = []
     stage, last = -1, -1  # the current run's stage, and its last B / W so far (-1: none)
     for position, action in enumerate(actions):
         kind = action.kind
         if kind not in COMPUTE_KINDS:
             continue
-        backward = kind in _BACKWARD
+        backward = kind in _BACKWARD_KINDS
         if not backward or action.stage != stage:  # this compute ends the run under way
             if last >= 0:
                 ends.append((stage, last))
@@ -210,6 +207,3 @@ def _run_ends(actions: tuple[Action, ...]) -> list[tuple[int, int]]:
     if last >= 0:
         ends.append((stage, last))
     return ends
-
-
-_BACKWARD = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})

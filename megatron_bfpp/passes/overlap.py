@@ -17,9 +17,8 @@ Pair = tuple[Action, Action]  # (forward, backward)
 
 def overlap_pairs(schedule: Schedule) -> list[Pair]:
     """The pairs ``fuse_overlapped`` fuses by default: from the front, each forward directly
-    followed by a backward (B, or I) of another micro-batch on its rank, an action in one pair at
-    most, kept only if the schedule with it and the pairs before it still runs (a pair can close a
-    cycle of waits). One deadlock check per candidate: for small schedules."""
+    followed by a backward (B, or I) of another micro-batch on its rank, kept only if the schedule
+    with it and the pairs before it still runs (a pair can close a cycle of waits)."""
     candidates: list[Pair] = []
     for actions in schedule.per_rank:
         computes = [action for action in actions if action.kind.is_compute]
@@ -112,9 +111,8 @@ def _fused(actions: tuple[Action, ...], spans: list[tuple[int, int]]) -> list[Ac
         forward, backward = ends if ends[0].kind is K.FORWARD else ends[::-1]
         between = actions[position + 1 : last]
         # What the pair may need before it runs: a receive it consumes, a gather.
-        before = [a.kind.is_recv or a.kind is K.PARAM_SYNC for a in between]
-        program += [a for a, goes in zip(between, before, strict=True) if goes]
-        program.append(Composite(forward, backward))
-        program += [a for a, goes in zip(between, before, strict=True) if not goes]
+        before = [a for a in between if a.kind.is_recv or a.kind is K.PARAM_SYNC]
+        program += [*before, Composite(forward, backward)]
+        program += [a for a in between if a not in before]
         position = last + 1
     return program

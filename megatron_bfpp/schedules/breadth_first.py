@@ -1,9 +1,7 @@
 """Breadth-first pipeline parallelism (Lamy-Poirier, MLSys 2023): each rank runs every
 micro-batch through chunk 0, then chunk 1, ..., then the backwards in reverse chunk order, in
-micro-batch order (torch's LoopedBFS reverses them; ours accumulates gradients in megatron-core's
-order, bitwise equal), so the first chunk's gradient reduction overlaps the other chunks' compute.
-``group_size`` bounds memory (Fast-LLM's split): groups of that many micro-batches, each fully
-breadth-first, at one pipeline fill and drain per group."""
+micro-batch order (megatron-core's accumulation order: bitwise equal gradients), so the first
+chunk's gradient reduction overlaps the rest; ``group_size`` bounds memory (Fast-LLM's split)."""
 
 from __future__ import annotations
 

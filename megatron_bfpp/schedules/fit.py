@@ -62,10 +62,9 @@ def num_microbatches(
 
 
 def parse_batch_schedule(text: str, *, seq_length: int | None) -> tuple[tuple[int, int], ...]:
-    """Megatron-LM's ``--step-batch-size-schedule`` (``"0:4,512:8"`` or ``"0:768 250B:1536"``)
-    as megatron-core reads it: (threshold in samples, global batch size) pairs in threshold
-    order, thresholds in tokens when ``seq_length`` is given (as Megatron-LM passes it), or one
-    :class:`ScheduleError` line where megatron-core would stop with an assertion."""
+    """Megatron-LM's ``--step-batch-size-schedule`` (``"0:4,512:8"``, ``"0:768 250B:1536"``) as
+    megatron-core reads it: (threshold in samples, global batch) pairs in order, thresholds in
+    tokens when ``seq_length`` is given, or a :class:`ScheduleError` where megatron-core asserts."""
     steps = []
     for entry in text.replace(",", " ").split():
         if ":" not in entry:
@@ -132,9 +131,8 @@ def check_fit(
     batch_schedule: Sequence[int] = (),
 ) -> Fit:
     """Schedule ``name`` on ``pp`` ranks with ``vp`` virtual stages per rank (``None``: not
-    given) and ``dp`` replicas, or one :class:`ScheduleError` line saying what to change, cheapest
-    question first. ``batch_schedule`` (:func:`step_batch_sizes`) replaces ``global_batch_size``:
-    every step's micro-batches must run; the last step's is returned."""
+    given) and ``dp`` replicas, or one :class:`ScheduleError` line saying what to change;
+    ``batch_schedule`` (:func:`step_batch_sizes`): every step's must run, the last's returned."""
     spec = get_spec(name)
     chunks = spec.chunks_for(vp, vp_flag=vp_flag)
     stages = spec.stages_per_rank(chunks)

@@ -207,8 +207,7 @@ class ScheduleSpec:
         self, layers_per_rank: int, *, max_chunks: int = PLANNER_MAX_CHUNKS
     ) -> tuple[tuple[int, ...], str | None]:
         """The virtual stages per rank a planner tries with this many layers per pipeline rank
-        (one for a single stage, two for a V, the divisors from 2 to ``max_chunks`` looped), or
-        none and why."""
+        (1, 2 for a V, looped: the divisors from 2 to ``max_chunks``), or none and why."""
         if self.placement is Placement.SINGLE:
             return (1,), None
         if self.placement is Placement.V_SHAPE:

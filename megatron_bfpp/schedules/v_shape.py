@@ -279,35 +279,29 @@ def _greedy_programs(
             programs[r].append((kind, stage, mb))
             remaining -= 1
             acted = True
-        if not acted and remaining:
-            _force_oldest_forward(p, m_count, step, f_time, next_f, held, programs)
+        if not acted and remaining:  # a limit below one micro-batch's need
+            mb, stage, r = _oldest_ready_forward(p, m_count, step, f_time, next_f)
+            f_time[stage * m_count + mb] = step
+            next_f[stage] = mb + 1
+            held[r] += 1
+            programs[r].append((_F, stage, mb))
             remaining -= 1
         step += 1
     return programs
 
 
-def _force_oldest_forward(
-    p: int,
-    m_count: int,
-    step: int,
-    f_time: list[int],
-    next_f: list[int],
-    held: list[int],
-    programs: list[list[_Step]],
-) -> None:
-    """Run the dependency-ready F of the oldest micro-batch over the memory limit: only reached
-    with a limit below one micro-batch's need (``_greedy_programs``)."""
-    last = 2 * p - 1
-    best: tuple[int, int, int] | None = None  # (micro-batch, stage, rank)
-    for r in range(p):
-        for stage in (last - r, r):
-            mb = next_f[stage]
-            if mb < m_count and (stage == 0 or f_time[(stage - 1) * m_count + mb] < step):
-                best = min(best, (mb, stage, r)) if best is not None else (mb, stage, r)
-    if best is None:  # pragma: no cover - the oldest micro-batch always has a ready F here
+def _oldest_ready_forward(
+    p: int, m_count: int, step: int, f_time: list[int], next_f: list[int]
+) -> tuple[int, int, int]:
+    """(micro-batch, stage, rank) of the dependency-ready F of the oldest micro-batch, to run over
+    the memory limit where no rank can act (``_greedy_programs``)."""
+    ready = [
+        (mb, stage, r)
+        for r in range(p)
+        for stage in (2 * p - 1 - r, r)
+        if (mb := next_f[stage]) < m_count
+        and (stage == 0 or f_time[(stage - 1) * m_count + mb] < step)
+    ]
+    if not ready:  # pragma: no cover - the oldest micro-batch always has a ready F here
         raise RuntimeError("v-shape greedy scheduler made no progress")
-    mb, stage, r = best
-    f_time[stage * m_count + mb] = step
-    next_f[stage] = mb + 1
-    held[r] += 1
-    programs[r].append((_F, stage, mb))
+    return min(ready)

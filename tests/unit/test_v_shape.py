@@ -321,7 +321,7 @@ def test_greedy_never_needs_the_fallback(monkeypatch: pytest.MonkeyPatch) -> Non
     def refuse(*args: object) -> None:
         raise AssertionError("fallback used")
 
-    monkeypatch.setattr(v_shape, "_force_oldest_forward", refuse)
+    monkeypatch.setattr(v_shape, "_oldest_ready_forward", refuse)
     for p in (1, 2, 3, 5, 8):
         for m in (1, 4, 17):
             for limit in (2, 3, p + 2, 2 * p):
