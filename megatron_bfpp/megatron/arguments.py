@@ -135,8 +135,7 @@ def check_schedule_args(args: Any) -> None:
             f"--pipeline-schedule {name} does not support --rampup-batch-size yet; "
             "use --pipeline-schedule default"
         )
-    v_shape_refused = (*UNEVEN_LAYOUT_FLAGS, *NO_V_SHAPE_FLAGS)
-    given = [flag for flag, dest in v_shape_refused if getattr(args, dest, None)]
+    given = given_flags(args, (*UNEVEN_LAYOUT_FLAGS, *NO_V_SHAPE_FLAGS))
     if get_spec(name).placement is Placement.V_SHAPE and given:
         raise ScheduleError(
             f"--pipeline-schedule {name} places layers evenly on a V (rank r holds stages r and "
@@ -149,17 +148,19 @@ def check_schedule_args(args: Any) -> None:
 # Megatron-LM's flags that place layers unevenly, by megatron's looped stage arithmetic, which
 # neither a V-shape model (built as the looped slots holding its stages) nor auto follows.
 UNEVEN_LAYOUT_FLAGS = (
-    ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout"),
-    ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
-    ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
-    ("--account-for-embedding-in-pipeline-split", "account_for_embedding_in_pipeline_split"),
-    ("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split"),
+    "--pipeline-model-parallel-layout",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
 )
 # What else the V-shapes cannot run with in Megatron-LM.
-NO_V_SHAPE_FLAGS = (
-    ("--mtp-num-layers", "mtp_num_layers"),
-    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute"),
-)
+NO_V_SHAPE_FLAGS = ("--mtp-num-layers", "--defer-embedding-wgrad-compute")
+
+
+def given_flags(args: Any, flags: tuple[str, ...]) -> list[str]:
+    """The ``flags`` Megatron-LM's parsed ``args`` set (their destinations truthy), in order."""
+    return [flag for flag in flags if getattr(args, flag[2:].replace("-", "_"), None)]
 
 
 def _check_sharded_optimizer_args(args: Any) -> None:
@@ -169,11 +170,9 @@ def _check_sharded_optimizer_args(args: Any) -> None:
             "--data-parallel-sharding-strategy optim_grads_params shards megatron-core's "
             "distributed-optimizer buffers: add --use-distributed-optimizer"
         )
-    reads_parameters = [
-        flag
-        for flag in ("--log-params-norm", "--check-weight-hash-across-dp-replicas-interval")
-        if getattr(args, flag[2:].replace("-", "_"), None)
-    ]
+    reads_parameters = given_flags(
+        args, ("--log-params-norm", "--check-weight-hash-across-dp-replicas-interval")
+    )
     if reads_parameters:
         raise ScheduleError(
             f"{reads_parameters[0]} reads every parameter between steps, when sharded parameters "
@@ -184,11 +183,7 @@ def _check_sharded_optimizer_args(args: Any) -> None:
             "--data-parallel-sharding-strategy optim_grads_params gathers each chunk where the "
             "schedule says and overlaps those gathers itself: drop --overlap-param-gather"
         )
-    unsupported = [
-        flag
-        for flag in ("--use-precision-aware-optimizer", "--fp8-param-gather")
-        if getattr(args, flag[2:].replace("-", "_"), None)
-    ]
+    unsupported = given_flags(args, ("--use-precision-aware-optimizer", "--fp8-param-gather"))
     if (getattr(args, "num_distributed_optimizer_instances", 1) or 1) > 1:
         unsupported.append("--num-distributed-optimizer-instances")
     if unsupported:

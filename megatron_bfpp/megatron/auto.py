@@ -12,10 +12,11 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
-from megatron_bfpp.megatron.arguments import NO_V_SHAPE_FLAGS, UNEVEN_LAYOUT_FLAGS, stages_of_layers
+from megatron_bfpp.megatron import arguments
 from megatron_bfpp.plan.auto import (
     AUTO,
     AUTO_DEST,
@@ -181,8 +182,6 @@ def _store(env: Mapping[str, str], timeout: float) -> Any:
         return None
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     try:
@@ -207,8 +206,6 @@ def agree_across_ranks(
     store = _store(env, timeout)
     if store is None:
         return
-    from datetime import timedelta
-
     world = int(env["WORLD_SIZE"])
     store.set(env["RANK"], json.dumps(dict(facts), sort_keys=True))
     keys = [str(rank) for rank in range(world)]
@@ -287,9 +284,8 @@ def _has_dropout(config: Any) -> bool:
 
 def _megatron_vp(args: Any, pp: int) -> int | None:
     vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    if per_stage:
-        vp = stages_of_layers(int(args.num_layers) // pp, int(per_stage))
+    if per_stage := getattr(args, "num_layers_per_virtual_pipeline_stage", None):
+        vp = arguments.stages_of_layers(int(args.num_layers) // pp, int(per_stage))
     return int(vp) if vp else None
 
 
@@ -313,8 +309,7 @@ def megatron_request(
     args: Any, *, world_size: int, env: Mapping[str, str], hw: Hardware, sharding: str | None
 ) -> AutoRequest:
     """What Megatron-LM's parsed arguments fixed, derived as its ``validate_args`` would."""
-    uneven = [flag for flag, dest in UNEVEN_LAYOUT_FLAGS if getattr(args, dest, None)]
-    if uneven:
+    if uneven := arguments.given_flags(args, arguments.UNEVEN_LAYOUT_FLAGS):
         raise ScheduleError(
             f"--pipeline-schedule auto plans even pipeline stages and does not read {uneven[0]}; "
             "drop it or name the schedule"
@@ -337,8 +332,7 @@ def megatron_request(
     granularity = getattr(args, "recompute_granularity", None)
     unavailable = [
         (name, f"Megatron-LM's {flag} does not run with a V-shape")
-        for flag, dest in NO_V_SHAPE_FLAGS
-        if getattr(args, dest, None)
+        for flag in arguments.given_flags(args, arguments.NO_V_SHAPE_FLAGS)
         for name, spec in SCHEDULES.items()
         if spec.placement is Placement.V_SHAPE
     ]

@@ -104,7 +104,5 @@ def placed_provider(
 @torch.no_grad()
 def _tie_output_to_embedding(chunks: Sequence[Any]) -> None:
     """Set the tied output weight from the embedding where one rank holds both (no all-reduce)."""
-    weights = tied_embedding_weights(chunks)
-    if weights is not None:
-        embedding, output = weights
-        output.copy_(embedding)
+    if (weights := tied_embedding_weights(chunks)) is not None:
+        weights[1].copy_(weights[0])  # (embedding, output)

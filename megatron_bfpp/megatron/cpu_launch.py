@@ -46,10 +46,7 @@ def enable_cpu_megatron_lm() -> None:
         training = importlib.import_module("megatron.training.training")
         if hasattr(training, "initialize_megatron"):
             _patches.patch(training, "initialize_megatron", wrapped)
-        if hasattr(training, "load_checkpoint"):
-            _patches.patch(
-                training, "load_checkpoint", _with_torch_adam_state(training.load_checkpoint)
-            )
+        _patches.wrap(training, "load_checkpoint", _with_torch_adam_state)
 
 
 def disable_cpu_megatron_lm() -> None:

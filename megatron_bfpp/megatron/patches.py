@@ -3,6 +3,7 @@ Megatron: an owner's own attribute gets back its raw entry, an inherited one is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -31,6 +32,11 @@ class Patches:
         original = vars(owner)[name] if had_own else getattr(owner, name)
         self._saved.append(_Saved(owner, name, had_own, original))
         setattr(owner, name, value)
+
+    def wrap(self, owner: Any, name: str, wrapper: Callable[[Any], Any]) -> None:
+        """``owner.name = wrapper(owner.name)`` where this version has it (``owner``: or None)."""
+        if owner is not None and hasattr(owner, name):
+            self.patch(owner, name, wrapper(getattr(owner, name)))
 
     def restore(self) -> None:
         """Undo every replacement, last first (a no-op when there is none)."""

@@ -29,6 +29,7 @@ from megatron_bfpp.megatron.arguments import (
 )
 from megatron_bfpp.megatron.patches import Patches
 from megatron_bfpp.plan.auto import AUTO
+from megatron_bfpp.schedules.registry import SCHEDULES
 
 __all__ = [
     "current_schedule",
@@ -114,32 +115,26 @@ def install() -> None:
                 arguments, initialize, training = training_modules
                 _patches.patch(training, "get_forward_backward_func", get_forward_backward_func)
                 if all(hasattr(training, name) for name in SHARDING_SITES):
-                    _wrap_site(training, "setup_model_and_optimizer", _wrap_setup)
-                    _wrap_site(training, "save_checkpoint", _wrap_save)
-                _wrap_site(training, "get_model", _wrap_get_model)
+                    _patches.wrap(training, "setup_model_and_optimizer", _wrap_setup)
+                    _patches.wrap(training, "save_checkpoint", _wrap_save)
+                _patches.wrap(training, "get_model", _wrap_get_model)
                 stages = _import_optional(STAGES_SITE)
-                _wrap_site(stages, "build_virtual_pipeline_stages", _wrap_build_stages)
-                for site in BATCH_SITES:
-                    _wrap_site(_import_optional(site), "get_batch_on_this_tp_rank", _wrap_tp_batch)
+                _patches.wrap(stages, "build_virtual_pipeline_stages", _wrap_build_stages)
+                for site in map(_import_optional, BATCH_SITES):
+                    _patches.wrap(site, "get_batch_on_this_tp_rank", _wrap_tp_batch)
                 from megatron.core import parallel_state
 
                 from megatron_bfpp.megatron.seeding import record_seed_call
 
-                _wrap_site(parallel_state, "is_pipeline_last_stage", _wrap_is_last_stage)
-                _wrap_site(arguments, "add_megatron_arguments", _wrap_add_arguments)
+                _patches.wrap(parallel_state, "is_pipeline_last_stage", _wrap_is_last_stage)
+                _patches.wrap(arguments, "add_megatron_arguments", _wrap_add_arguments)
                 # V chunks reseed as 1F1B ranks
-                _wrap_site(initialize, "_set_random_seed", record_seed_call)
+                _patches.wrap(initialize, "_set_random_seed", record_seed_call)
                 for module in (arguments, initialize):  # Megatron-LM >= 0.17: arguments only
-                    _wrap_site(module, "validate_args", _wrap_validate)
+                    _patches.wrap(module, "validate_args", _wrap_validate)
         except BaseException:
             _patches.restore()
             raise
-
-
-def _wrap_site(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
-    """Replace ``owner.name`` with ``wrap(owner.name)`` where this version has it."""
-    if owner is not None and hasattr(owner, name):
-        _patches.patch(owner, name, wrap(getattr(owner, name)))
 
 
 def add_patch(owner: Any, name: str, value: Any) -> None:
@@ -357,8 +352,6 @@ def _wrap_save(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _v_shape_active() -> bool:
-    from megatron_bfpp.schedules.registry import SCHEDULES
-
     spec = SCHEDULES.get(current_schedule()[0])
     return spec is not None and spec.placement is Placement.V_SHAPE
 

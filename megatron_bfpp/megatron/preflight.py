@@ -128,15 +128,12 @@ def parse_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.
 
 def _virtual_stages(args: argparse.Namespace) -> int | None:
     """Megatron's ``virtual_pipeline_model_parallel_size``: ``None`` for one stage per rank."""
-    given = [
-        flag
-        for flag, value in (
-            ("--num-layers-per-virtual-pipeline-stage", args.num_layers_per_virtual_pipeline_stage),
-            ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank),
-            ("--pipeline-model-parallel-layout", args.pipeline_model_parallel_layout),
-        )
-        if value is not None
-    ]
+    flags = (
+        "--num-layers-per-virtual-pipeline-stage",
+        "--num-virtual-stages-per-pipeline-rank",
+        "--pipeline-model-parallel-layout",
+    )
+    given = [flag for flag in flags if getattr(args, flag[2:].replace("-", "_")) is not None]
     if len(given) > 1:
         raise ScheduleError(f"{' and '.join(given)} exclude each other; give one")
     vp: int | None = args.num_virtual_stages_per_pipeline_rank
