@@ -188,21 +188,18 @@ def write_profile(profile: StageProfile, path: str | Path) -> None:
 def _device_and_dtype(device: str, dtype: str | None) -> tuple[torch.device, str]:
     """The device asked for and the dtype to run in: bf16 on a GPU unless told, fp32 on CPU
     (megatron-core's CPU path runs nothing else)."""
-    target = _device(device)
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ScheduleError("--device cuda: no CUDA device is available here")
+        target = torch.device("cuda", torch.cuda.current_device())
+    else:
+        target = torch.device("cpu")
     chosen = dtype or ("bf16" if target.type == "cuda" else "fp32")
     if chosen not in _DTYPES:
         raise ScheduleError(f"dtype must be one of {', '.join(_DTYPES)}, got {chosen!r}")
     if target.type == "cpu" and chosen != "fp32":
         raise ScheduleError(f"--dtype {chosen} on CPU: megatron-core's CPU path is fp32 only")
     return target, chosen
-
-
-def _device(device: str) -> torch.device:
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ScheduleError("--device cuda: no CUDA device is available here")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _cpu_name() -> str:
@@ -430,11 +427,6 @@ def _measure(
         hidden = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
         return hidden, block(hidden, attention_mask=None, rotary_pos_emb=rotary)
 
-    def full_backward() -> float:
-        _, out = forward()
-        grad = torch.ones_like(out)
-        return _timed(device, lambda: torch.autograd.backward(out, grad))
-
     deferred_wgrad.install([block])
     key = (0, 0)
 
@@ -456,7 +448,9 @@ def _measure(
         f = _timed(
             device, functools.partial(block, hidden, attention_mask=None, rotary_pos_emb=rotary)
         )
-        b = full_backward()
+        _, out = forward()
+        b = _timed(device, functools.partial(torch.autograd.backward, out, torch.ones_like(out)))
+        del out  # B's graph and output freed before I and W, as when B had its own frame
         for p in parameters:  # W then creates the gradients, as B did: no accumulation timed
             p.grad = None
         i, w = split_backward()

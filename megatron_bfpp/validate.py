@@ -77,14 +77,17 @@ def validate_schedule(
     evaluation) a (stage, micro-batch) may have no backward, but one that has any must have a
     complete one. ``nccl``: check 6. ``require_grad_sync``: check 7 in a schedule without GS / PS /
     RL too, where a runner would otherwise reduce nothing during the step (the runtime, a CSV)."""
-    error = _find_problem(
-        schedule,
-        require_communication=require_communication,
-        require_backward=require_backward,
-        require_grad_sync=require_grad_sync,
+    scan = _scan(schedule)
+    _raise(  # the first problem in the order of the module docstring
+        _first(scan.placement)
+        or _first(scan.duplicate)
+        or scan.incomplete(require_backward)
+        or _first(scan.order)
+        or (scan.mismatched_channel() if require_communication or scan.with_comm else None)
+        or scan.deadlock()
+        or _grad_sync_problem(scan, require_grad_sync)
+        or _first(scan.data_order)
     )
-    if error is not None:
-        raise error
     if nccl and has_communication(schedule):
         validate_nccl(schedule)
 
@@ -138,27 +141,6 @@ def validate_deadlock_free(schedule: Schedule) -> None:
     """Every program runs to its end under the execution rules (``semantics``)."""
     scan = _scan(schedule)
     _raise(_first(scan.placement) or scan.deadlock())
-
-
-def _find_problem(
-    schedule: Schedule,
-    *,
-    require_communication: bool,
-    require_backward: bool,
-    require_grad_sync: bool = False,
-) -> ScheduleError | None:
-    """The first problem in the order of the module docstring, or None for a valid schedule."""
-    scan = _scan(schedule)
-    return (
-        _first(scan.placement)
-        or _first(scan.duplicate)
-        or scan.incomplete(require_backward)
-        or _first(scan.order)
-        or (scan.mismatched_channel() if require_communication or scan.with_comm else None)
-        or scan.deadlock()
-        or _grad_sync_problem(scan, require_grad_sync)
-        or _first(scan.data_order)
-    )
 
 
 def _first(problems: dict[int, ScheduleError]) -> ScheduleError | None:
@@ -776,16 +758,14 @@ def _unpaired(schedule: Schedule, rank: int) -> ScheduleError | None:
 
 def _channel_problem(schedule: Schedule, src: int, dst: int) -> ScheduleError:
     """The first difference between what ``src`` sends ``dst`` and what ``dst`` receives."""
-    out = [
-        (position, message_of(a))
-        for position, a in enumerate(schedule.per_rank[src])
-        if a.kind.is_send and a.peer == dst
-    ]
-    into = [
-        (position, message_of(a))
-        for position, a in enumerate(schedule.per_rank[dst])
-        if a.kind.is_recv and a.peer == src
-    ]
+    out, into = (
+        [
+            (position, message_of(a))
+            for position, a in enumerate(schedule.per_rank[rank])
+            if (a.kind.is_send if sends else a.kind.is_recv) and a.peer == peer
+        ]
+        for rank, peer, sends in ((src, dst, True), (dst, src, False))
+    )
     # The first send whose receive differs (semantics.match_channels pairs them).
     pairs = enumerate(match_channels(out, into))
     index = next((k for k, (sent, got) in pairs if got is None or sent[1] != got[1]), len(out))

@@ -32,6 +32,7 @@ MAX_PNG_RANKS = 2048
 
 K = ActionKind
 _LANES = ("compute", "p2p", "dp")
+_COLUMNS = ("start", "end", "rank")
 
 
 def chrome_trace(result: SimResult, *, us_per_unit: float = 1000.0) -> dict[str, Any]:
@@ -251,9 +252,6 @@ def _columns(events: list[Event]) -> tuple[Any, Any, Any]:
 
     starts, ends, rows = (np.fromiter(map(attrgetter(n), events), float) for n in _COLUMNS)
     return starts, ends, rows
-
-
-_COLUMNS = ("start", "end", "rank")
 
 
 def _legend_handles(

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from itertools import pairwise
 from operator import attrgetter, countOf
-from typing import Any, NamedTuple
+from typing import Any
 
 from megatron_bfpp.ir import (
     ActionKind,
@@ -189,8 +189,7 @@ def simulate(
     reduction. Raises ``ScheduleError`` showing the per-rank grid if the programs deadlock."""
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, posting)
     times, per_unit, timeline = _clocks(schedule, costs, p2p, posting, grad_reduce)
-    clocks = _clocked(schedule, times)
-    return _result(schedule, costs, clocks, per_unit, p2p, timeline, grad_reduce)
+    return _result(schedule, costs, times, per_unit, p2p, timeline, grad_reduce)
 
 
 def simulated_step(
@@ -231,15 +230,6 @@ def _clocks(
     return times, exact.per_unit, PostingTimeline(timed.events, exact.per_unit)
 
 
-def _clocked(schedule: Schedule, times: Sequence[list[Any]]) -> _Clocks:
-    """A run's four clock fields with ``schedule``'s memory, counted in program order
-    (``ir.stored_counts``, as ``Schedule.stored_activations``): no run counts it."""
-    peak = [max(0, max(stored_counts(actions), default=0)) for actions in schedule.per_rank]
-    compute_end, dp_end, busy, gather_wait = times
-    released = [_RL in map(_KIND, actions) for actions in schedule.per_rank]
-    return _Clocks(compute_end, dp_end, busy, gather_wait, peak, released)
-
-
 # ``simulate_steady`` times a step whole below this many actions (a few seconds of CPU above)
 STEADY_FROM_ACTIONS = 200_000
 
@@ -276,12 +266,11 @@ def simulate_steady(
         line = _steady_clocks(schedule, costs, shorter, period, p2p, grad_reduce)
         if line is not None:
             lengths, fields = line
-            clocks = _clocked(schedule, fields)
             per_unit = costs.exact(schedule.layout.exact_stage_fraction).per_unit
 
             rerun = partial(simulate, schedule, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
             timeline = PostingTimeline(lambda: list(rerun().events))  # in user units already
-            result = _result(schedule, costs, clocks, per_unit, p2p, timeline, grad_reduce)
+            result = _result(schedule, costs, fields, per_unit, p2p, timeline, grad_reduce)
             return replace(result, steady_from=lengths)
     return simulate(schedule, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
 
@@ -444,47 +433,38 @@ class PostingTimeline:
         return self._events
 
 
-class _Clocks(NamedTuple):
-    """What ``_result`` reads of a run: its clocks (``Replay``'s fields of these names) with
-    the program-order memory."""
-
-    compute_end: list[float]
-    dp_end: list[float]
-    busy: list[float]
-    gather_wait: list[float]
-    peak: list[int]
-    released: list[bool]
-
-
 def _result(
     schedule: Schedule,
     costs: CostModel,
-    run: _Clocks,
+    times: Sequence[list[Any]],
     per_unit: int,
     p2p: str,
     timeline: Timeline | PostingTimeline,
     grad_reduce: str | None,
 ) -> SimResult:
-    """The metrics from the model's integer times (``run``'s clocks, its memory), each divided
-    by ``per_unit`` once; ``timeline`` draws the events."""
-    clock, dp_free, busy = run.compute_end, run.dp_end, run.busy
+    """The metrics from the model's integer clocks (``_Run4``), each divided by ``per_unit``
+    once, with ``schedule``'s memory counted in program order (``ir.stored_counts``, as
+    ``Schedule.stored_activations``: no run counts it); ``timeline`` draws the events."""
+    clock, dp_free, busy, gather_wait = times
+    peak = [max(0, max(stored_counts(actions), default=0)) for actions in schedule.per_rank]
     num_ranks = schedule.num_ranks
     ends = [max(clock[r], dp_free[r]) for r in range(num_ranks)]
     step = max(ends, default=0)
     per_rank = []
     for rank in range(num_ranks):
-        exposed = run.gather_wait[rank] + max(0, dp_free[rank] - clock[rank])
-        sharded = run.released[rank]
+        exposed = gather_wait[rank] + max(0, dp_free[rank] - clock[rank])
+        kinds = list(map(_KIND, schedule.per_rank[rank]))  # C speed: 1.6 M actions in ms
+        sharded = _RL in kinds
         per_rank.append(
             RankMetrics(
                 rank=rank,
                 busy_time=_user(busy[rank], per_unit),
                 bubble_fraction=_ratio(step - busy[rank], step),
-                peak_activations=run.peak[rank] * schedule.layout.stage_fraction,
+                peak_activations=peak[rank] * schedule.layout.stage_fraction,
                 peak_parameters=_peak(schedule.resident_parameters, schedule, rank, sharded),
                 peak_gradients=_peak(schedule.resident_gradients, schedule, rank, sharded),
-                grad_syncs=_count(schedule, rank, ActionKind.GRAD_SYNC),
-                param_syncs=_count(schedule, rank, ActionKind.PARAM_SYNC),
+                grad_syncs=countOf(kinds, ActionKind.GRAD_SYNC),
+                param_syncs=countOf(kinds, ActionKind.PARAM_SYNC),
                 exposed_dp_comm_time=_user(exposed, per_unit),
                 compute_end=_user(clock[rank], per_unit),
                 end_time=_user(ends[rank], per_unit),
@@ -504,11 +484,6 @@ def _result(
         p2p_model=p2p,
         megatron_grad_reduce=grad_reduce,
     )
-
-
-def _count(schedule: Schedule, rank: int, kind: ActionKind) -> int:
-    """How many ``kind`` actions the rank's program has (at C speed: 1.6 M actions in ms)."""
-    return countOf(map(_KIND, schedule.per_rank[rank]), kind)
 
 
 _KIND = attrgetter("kind")
