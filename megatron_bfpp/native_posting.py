@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, StageLayout, paused_gc
 from megatron_bfpp.nccl import _BLOCKING, _PAIRWISE, _POST, _RUN, _WAIT, Posting, _Lowered
@@ -54,7 +53,7 @@ def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) ->
 
 @dataclass(frozen=True, slots=True)
 class GradSyncOptions:
-    """How megatron-core DDP starts each chunk's gradient reduction (``_Shape.grad_sync_after``):
+    """How megatron-core DDP starts each chunk's gradient reduction (``_Builder.sync_after``):
     ``DistributedDataParallelConfig.overlap_grad_reduce``, and whether ``config.grad_sync_func``
     is set (to each chunk's ``start_grad_sync``)."""
 
@@ -134,12 +133,8 @@ class _Shape:
                 f"{schedule.name}: megatron-core's own schedules run no overlapped pairs (F&B); "
                 "time this schedule as our runtime posts it (lockstep)"
             )
-        tables = {
-            tuple(
-                (a.microbatch or 0, a.stage // p)  # looped: the stage's chunk
-                for a in actions
-                if a.kind is K.FORWARD
-            )
+        tables = {  # looped: a stage's chunk is stage // p
+            tuple((a.microbatch or 0, a.stage // p) for a in actions if a.kind is K.FORWARD)
             for actions in schedule.per_rank
         }
         if len(tables) != 1:
@@ -164,24 +159,6 @@ class _Shape:
         chunk = self.table[k % len(self.table)][1]
         return chunk if forward else self.num_chunks - 1 - chunk
 
-    def is_last_microbatch(self, k: int) -> bool:
-        """megatron-core's ``is_last_microbatch_for_model_chunk``: virtual micro-batch k is its
-        chunk's last (in forward order; in backward order, of the mirrored chunk)."""
-        return 0 <= k < len(self.table) and self.table[k][0] == self.num_microbatches - 1
-
-    def grad_sync_after(self, rank: int, k: int, grad_sync: GradSyncOptions) -> int | None:
-        """The chunk whose reduction megatron-core DDP starts right after the rank's backward
-        k (docs/design-notes.md, "megatron-core's own posting"), if any."""
-        if not grad_sync.overlap_grad_reduce:
-            return None  # all in finalize_model_grads
-        if self.num_chunks == 1:  # forward_backward_pipelining_without_interleaving
-            last = k == self.num_microbatches - 1
-            hooks = not grad_sync.grad_sync_func or rank == 0  # enable_grad_sync before it
-            return 0 if last and hooks else None
-        if grad_sync.grad_sync_func:  # backward_step_helper_postprocess: grad_sync_microbatch_id
-            k -= rank  # (without: backward_step_helper_preprocess lifts no_sync)
-        return self.chunk(k, False) if self.is_last_microbatch(k) else None
-
     def receives(self, rank: int, k: int, forward: bool) -> bool:
         """megatron-core's ``recv_tensor_from_previous_stage``: whether step k receives (for a
         later compute) in that direction."""
@@ -194,16 +171,11 @@ class _Shape:
         return self.chunk(k - (p - 1), forward) != (self.num_chunks - 1 if forward else 0)
 
 
-class _Op(IntEnum):  # a ``_communicate``'s ops, indices into what ``_Builder.call`` returns
-    SEND_PREV = 0
-    RECV_PREV = 1
-    SEND_NEXT = 2
-    RECV_NEXT = 3
-
-
-_BATCHED_ORDER = (_Op.SEND_PREV, _Op.RECV_PREV, _Op.SEND_NEXT, _Op.RECV_NEXT)
-_EVEN_ORDER = (_Op.SEND_NEXT, _Op.RECV_PREV, _Op.SEND_PREV, _Op.RECV_NEXT)
-_ODD_ORDER = (_Op.RECV_PREV, _Op.SEND_NEXT, _Op.RECV_NEXT, _Op.SEND_PREV)
+# a ``_communicate``'s ops, indices into what ``_Builder.call`` returns
+_SEND_PREV, _RECV_PREV, _SEND_NEXT, _RECV_NEXT = range(4)
+_BATCHED_ORDER = (_SEND_PREV, _RECV_PREV, _SEND_NEXT, _RECV_NEXT)
+_EVEN_ORDER = (_SEND_NEXT, _RECV_PREV, _SEND_PREV, _RECV_NEXT)
+_ODD_ORDER = (_RECV_PREV, _SEND_NEXT, _RECV_NEXT, _SEND_PREV)
 
 
 @dataclass
@@ -283,8 +255,19 @@ class _Builder:
         self.steps += self.runs[position]
 
     def sync_after(self, k: int, shape: _Shape) -> None:
-        """The GS megatron-core DDP starts right after backward k, which just ran."""
-        chunk = shape.grad_sync_after(self.rank, k, self.grad_sync)
+        """The GS of the chunk whose reduction megatron-core DDP starts right after backward k,
+        which just ran, if any (docs/design-notes.md, "megatron-core's own posting")."""
+        if not self.grad_sync.overlap_grad_reduce:
+            return  # all in finalize_model_grads
+        if shape.num_chunks == 1:  # forward_backward_pipelining_without_interleaving
+            hooks = not self.grad_sync.grad_sync_func or self.rank == 0  # enable_grad_sync first
+            chunk = 0 if k == shape.num_microbatches - 1 and hooks else None
+        else:
+            if self.grad_sync.grad_sync_func:  # backward_step_helper_postprocess's micro-batch
+                k -= self.rank  # (without: backward_step_helper_preprocess lifts no_sync)
+            # is_last_microbatch_for_model_chunk: k is its chunk's last (backward: mirrored)
+            last = 0 <= k < len(shape.table) and shape.table[k][0] == shape.num_microbatches - 1
+            chunk = shape.chunk(k, False) if last else None
         if chunk is not None and chunk in self.grad_syncs:
             self.steps.append(self.grad_syncs.pop(chunk) * 4 + _RUN)
 
@@ -316,7 +299,7 @@ class _Builder:
         recv_next: bool = False,
         wait: bool = True,
     ) -> tuple[int | None, ...]:
-        """One ``_communicate``: its ops in megatron-core's order; each ``_Op``'s position."""
+        """One ``_communicate``: its ops in megatron-core's order; each op's position."""
         asked = (
             send_prev,
             self._receive(K.RECV_ACT) if recv_prev else None,
@@ -419,7 +402,7 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         at_end = k == warmup - 1 and not all_warmup  # the last warm-up step also receives
         b.call(send_next=output, recv_prev=recv_prev, recv_next=at_end and not overlap and not last)
         if overlap and at_end and not last:
-            recv_next_waits.append(b.call(recv_next=True, wait=False)[_Op.RECV_NEXT])
+            recv_next_waits.append(b.call(recv_next=True, wait=False)[_RECV_NEXT])
     for k in range(remaining):
         forward, backward = forwards[warmup + k], backwards[k]
         recv_prev = shape.receives(r, warmup + k, True) and k != remaining - 1
@@ -440,8 +423,8 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         b.run(forward)
         handles = b.call(send_next=b.output(forward), recv_prev=recv_prev, wait=False)
         b.wait(send_next_wait)  # the previous forward send
-        send_next_wait = handles[_Op.SEND_NEXT]
-        if (handle := handles[_Op.RECV_PREV]) is not None:
+        send_next_wait = handles[_SEND_NEXT]
+        if (handle := handles[_RECV_PREV]) is not None:
             recv_prev_waits.append(handle)
         if wait_forward_sends:
             b.wait(send_next_wait)
@@ -452,8 +435,8 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         b.sync_after(k, shape)
         handles = b.call(send_prev=b.output(backward), recv_next=recv_next, wait=False)
         b.wait(send_prev_wait)
-        send_prev_wait = handles[_Op.SEND_PREV]
-        if (handle := handles[_Op.RECV_NEXT]) is not None:
+        send_prev_wait = handles[_SEND_PREV]
+        if (handle := handles[_RECV_NEXT]) is not None:
             recv_next_waits.append(handle)
     if all_warmup:
         b.call(recv_next=not last)  # recv_backward for the last chunk

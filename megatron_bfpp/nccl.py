@@ -1,27 +1,17 @@
 """Point-to-point messages under NCCL's rules: how the runtime posts them (lock-step batches)
 and the model that proves a posting deadlock-free on NCCL before any message is sent.
 
-NCCL (torch's ProcessGroupNCCL) is stricter than gloo in three ways that matter to a pipeline:
-
-1. ``batch_isend_irecv`` runs its ops as one group and returns one Work for the whole batch;
-2. all batches of one process group share one communicator and one stream: a rank's batch k+1
-   starts only after its batch k has completed;
-3. a batch completes only when every op in it has been matched, and a send waits until the
-   receiver has *started* the batch holding its receive (the model assumes no buffering).
-
-**Lock-step posting** (``lockstep_posting``, what the runtime does): the gloo replay in nominal
-ticks (``TICKS``) on the lock-step channel (``semantics.lockstep_replay``) puts each message in the
-batch of the tick its sender posts it at; each rank posts one batch per tick, in one canonical
-order, after its computes that end by that tick, so every op's partner is in the peer's batch of the
-same tick and, by induction on the tick, every batch completes. BPipe's payloads go in a ``side``
-batch on the pair's own group right after the tick's batch, which holds the eviction's size header.
-
-**The model** (``check_posting``) runs any posting under rules 1-3 with a strict CPU per rank,
-waiting where the runtime waits (what ``semantics.Rules`` says, compiled by ``program.Program``;
-ops paired by ``semantics.match_channels``), and reports a posting that cannot finish with its
-cycle of waits on the grid. It reads a posting as integers (``_Lowered``), into which
-``lockstep_posting`` compiles straight. **Timing** (``posting_timer``) runs the same model with
-clocks. Details: docs/design-notes.md, "NCCL-safe posting".
+NCCL is stricter than gloo: one Work per ``batch_isend_irecv``, a process group's batches run one
+after another on one stream, and a batch completes only when every op in it is matched (a send
+waits until the receiver has *started* the batch holding its receive; no buffering is assumed).
+``lockstep_posting`` (what the runtime does) puts each message in the batch of the tick its sender
+posts it at in ``semantics.lockstep_replay`` (``TICKS``), one batch per rank and tick in one
+canonical order, so every op's partner is in the peer's batch of the same tick; BPipe's payloads go
+in a ``side`` batch on the pair's own group. ``check_posting`` runs any posting under these rules
+with a strict CPU per rank, waiting where the runtime waits (``semantics.Rules``, compiled by
+``program.Program``; ops paired by ``semantics.match_channels``), and reports a posting that cannot
+finish with its cycle of waits on the grid; ``posting_timer`` runs it with clocks. Both read a
+posting as integers (``_Lowered``). Details: docs/design-notes.md, "NCCL-safe posting".
 """
 
 from __future__ import annotations
@@ -202,8 +192,8 @@ def _lower(per_rank: tuple[tuple[Step, ...], ...]) -> _Lowered:
                 row.append(len(lowered.batch_items) * 4 + _POST)
                 lowered.batch_items.append([p * 2 + rest for p, rest in step.items])
                 lowered.batch_tick.append(step.tick)
-                flags = _BLOCKING * step.blocking | _PAIRWISE * step.pairwise
-                lowered.batch_flags.append(flags | _SIDE_BATCH * step.side)
+                bits = zip(_FLAG_BITS, step[2:], strict=True)  # blocking, pairwise, side
+                lowered.batch_flags.append(sum(bit * flag for bit, flag in bits))
         lowered.steps.append(row)
     return lowered
 
@@ -482,10 +472,8 @@ class _Model:
         return self.streams.setdefault((rank, peer), len(self.streams))
 
     def _units(self) -> None:
-        """Per batch its rank, number there and units: one on the rank's group (or side)
-        stream, or if ``pairwise`` one per op, on the stream of its (rank, peer) pair. A rank's
-        batches are numbered in posting order (``_Lowered``), so units and their ops are
-        contiguous: ``batch_first`` and ``unit_first`` delimit them."""
+        """Per batch its rank, number there and units (``_Model``); a rank's batches are numbered
+        in posting order (``_Lowered``), so ``batch_first`` and ``unit_first`` delimit them."""
         lowered, starts, positions = self.posting.lowered, self.op_start, self.op_position
         flags, programs = lowered.batch_flags, self.schedule.per_rank
         batch_first, unit_first = self.batch_first, self.unit_first
@@ -518,10 +506,6 @@ class _Model:
                 batch_first.append(batch_first[-1] + len(streams))
                 self.unit_batch += [batch] * len(streams)
                 self.unit_stream += streams
-
-    def _batch_units(self, batch: int) -> range:
-        """The units a batch runs as (``batch_first``): one, or a pairwise batch's per op."""
-        return range(self.batch_first[batch], self.batch_first[batch + 1])
 
     def _rank_steps(self, rank: int) -> list[int]:
         """``rank``'s CPU steps: its posting, with the waits each step needs first. A compute
@@ -570,7 +554,7 @@ class _Model:
                 posted = batch_first[value + 1]
                 add_step(step)
                 if lowered.batch_flags[value] & _BLOCKING:
-                    steps.extend(unit * 4 + _WAIT for unit in self._batch_units(value))
+                    steps.extend(unit * 4 + _WAIT for unit in range(batch_first[value], posted))
             elif code == _WAIT:  # for the units of these positions' ops, posted earlier
                 for position in lowered.waits[value]:
                     if position not in unit_at:
@@ -590,10 +574,14 @@ class _Model:
                     need = (act + action.stage + 1) * mbs + (action.microbatch or 0)
                     if (unit := get(need * 4 + 2, never)) < posted:
                         add_step(unit * 4 + _WAIT)
-                if kind is _FB:
-                    for key in self._parts_needs(actions[value]):
-                        if (unit := get(key, never)) < posted:
-                            add_step(unit * 4 + _WAIT)
+                if kind is _FB:  # its parts' waits as above (a composite's restore is its own)
+                    for part in parts(actions[value]):
+                        needs = [program.wait_of(part) * 4]  # -4 for none
+                        if part.kind in frees and part.stage != last:
+                            needs.append(program.id(ACT, part.stage, part.microbatch or 0) * 4 + 2)
+                        for key in needs:
+                            if key >= 0 and (unit := get(key, never)) < posted:
+                                add_step(unit * 4 + _WAIT)
                 add_step(step)
                 if unsettled:  # gloo: a transfer's send is settled after the next compute
                     self.settles = True
@@ -619,17 +607,6 @@ class _Model:
                     steps.append(unit * 4 + _WAIT)
         if action.kind in _SENDS and rules.awaits(action):
             later.append(self.op_unit[op])
-
-    def _parts_needs(self, composite: Action) -> list[int]:
-        """``_rank_steps``' wait keys of a composite's parts: their messages and a backward's
-        output send (its restore is its position's)."""
-        program, needs = self.program, []
-        for part in parts(composite):
-            if (need := program.wait_of(part)) >= 0:
-                needs.append(need * 4)
-            if part.kind in _FREES and not self.schedule.layout.is_last(part.stage):
-                needs.append(program.id(ACT, part.stage, part.microbatch or 0) * 4 + 2)
-        return needs
 
     def _match(self) -> list[int]:
         """Pair each op with its partner (``semantics.match_channels``: by posting order, the
@@ -850,7 +827,8 @@ class _Model:
         programs = self.schedule.per_rank
         per_rank = [[self._event(rank, *row) for row in rows] for rank, rows in enumerate(records)]
         for batch in range(len(self.batch_first) - 1):
-            start = min(unit_active[unit] for unit in self._batch_units(batch))
+            units = range(self.batch_first[batch], self.batch_first[batch + 1])
+            start = min(unit_active[unit] for unit in units)
             end = done_time[batch]
             if end <= start:
                 continue

@@ -29,20 +29,13 @@ rank runs its program in order, under these rules:
 linear in the number of actions, with clocks (``replay``, ``compute_ends``); ``run_recorded``
 runs the waits and sends the validator records while it checks a schedule, without clocks.
 
-``replay`` times a run under ``Timing``: a compute action starts when the rank is free and every
-message it consumes has arrived, and lasts its duration; a send occupies its directed link (sender,
-receiver) for its duration, one message at a time in posting order; GS / PS run in program order on
-one data-parallel lane per rank, starting no earlier than their position's time; the first compute
-of a stage after one of its PS waits for that gather to end; an RL (sharded parameters: release a
-chunk's gathered ones) takes no time. Every link and lane belongs to one rank's program, so the
-order in which ranks are advanced changes no time.
-
-``lockstep_replay`` numbers the lock-step posting's ticks (``nccl``): ``replay`` in integer
-``Timing`` with instant messages on the lock-step channel, where messages match by id whoever
-they name, and BPipe's transfers wait as the posting does: an EV (RS) goes out no earlier than
-the partner posts its AC (LD), and the first compute after it waits for that tick (the
-acknowledgement then costs time), an RS at least ``RS_DELAY`` after the eviction it returns, and
-AC posts without waiting for the eviction (the posting puts it in the eviction's batch)."""
+``replay`` times a run under ``Timing``: a compute starts when its rank is free and every message
+it consumes has arrived; a send occupies its directed link, one message at a time in posting
+order; GS / PS run in program order on one data-parallel lane per rank, a stage's first compute
+after its PS waiting for that gather; an RL takes no time. Every link and lane belongs to one
+rank's program, so the order in which ranks are advanced changes no time. ``lockstep_replay`` is
+``replay`` on the lock-step channel, whose clocks are the lock-step posting's ticks (``nccl``;
+docs/architecture.md, "One interpreter")."""
 
 from __future__ import annotations
 
@@ -55,6 +48,7 @@ from operator import attrgetter
 from typing import Literal, NamedTuple, TypeVar
 
 from megatron_bfpp.ir import (
+    COMPUTE_KINDS,
     Action,
     ActionKind,
     Schedule,
@@ -212,8 +206,9 @@ def _replayed(schedule: Schedule, timing: Timing, implicit: bool | None = None) 
 
 
 def lockstep_replay(rules: Rules, timing: Timing) -> Wires:
-    """Every program under ``timing`` (integers, messages instant) on the lock-step channel
-    (module docstring): ``Wires.starts`` and the messages' arrivals are the posting's ticks."""
+    """Every program under ``timing`` (integers, messages instant) on the lock-step channel, where
+    messages match by id whoever they name and BPipe's transfers wait as the posting does
+    (``Wires.transfer``): ``Wires.starts`` and the messages' arrivals are the posting's ticks."""
     run = Wires(rules, timing, lockstep=True)
     run.run([_timed(run, rank) for rank in range(rules.num_ranks)])
     return run
@@ -225,10 +220,10 @@ def compute_ends(schedule: Schedule, timing: Timing = Timing()) -> Ends:
     (per rank, in program order), and the ranks stuck: what a planning pass needs, cheaper.
     Raises ``ScheduleError`` for a lowered schedule or a stage outside the layout."""
     kinds: set[ActionKind] = set().union(*(map(_kind_of, actions) for actions in schedule.per_rank))
-    if not kinds <= _COMPUTE:
+    if not kinds <= COMPUTE_KINDS:
         raise ScheduleError(
             "compute_ends takes a compute-only schedule of F, B, I and W; use replay for "
-            f"{', '.join(sorted(kind.value for kind in kinds - _COMPUTE))}"
+            f"{', '.join(sorted(kind.value for kind in kinds - COMPUTE_KINDS))}"
         )
     run = _replayed(schedule, timing, implicit=True)
     return Ends([_ends(run, rank) for rank in range(len(run.starts))], run.stuck())
@@ -274,7 +269,6 @@ _GS, _PS, _RL = K.GRAD_SYNC, K.PARAM_SYNC, K.RELEASE
 _FB = K.OVERLAP_F_B
 
 
-_COMPUTE = frozenset({_F, _B, _I, _W})
 Program = Iterator[tuple[int, int]]  # a rank's program under way: see Wires.run
 
 
@@ -306,18 +300,16 @@ class Rules:
         self.limit = 2 * self.span * self.microbatches
         self.implicit = not has_communication(schedule) if implicit is None else implicit
         base = self.base = [[self.id(what, s, 0) for s in range(num_stages)] for what in range(6)]
-        act_from, grad_from = [0] * num_stages, [0] * num_stages
-        act_to, grad_to = [0] * num_stages, [0] * num_stages
-        act_rank, grad_rank = [-1] * num_stages, [-1] * num_stages
+        act_from, grad_from, act_to, grad_to, none = ([0] * num_stages for _ in range(5))
+        act_rank, grad_rank, no_rank = ([-1] * num_stages for _ in range(3))
         for s in range(1, num_stages):
             if s2r[s - 1] != s2r[s]:
                 act_from[s] = act_to[s - 1] = base[ACT][s - 1]
                 grad_from[s - 1] = grad_to[s] = base[GRAD][s]
                 act_rank[s - 1], grad_rank[s] = s2r[s], s2r[s - 1]
-        none = [0] * num_stages
         self.waits_for = {_F: act_from, _B: grad_from, _I: grad_from, _W: none}
         self.outputs = {_F: act_to, _B: grad_to, _I: grad_to, _W: none}
-        self.output_rank = {_F: act_rank, _B: grad_rank, _I: grad_rank, _W: [-1] * num_stages}
+        self.output_rank = {_F: act_rank, _B: grad_rank, _I: grad_rank, _W: no_rank}
         self.sends_for = self.outputs if self.implicit else dict.fromkeys(self.outputs, none)
         table = [*base, [-1] * num_stages]  # -1, the last row: nothing
         self.transfers = {
@@ -367,9 +359,8 @@ class Rules:
 
 def match_channels(sent: Sequence[T], received: Sequence[T]) -> Iterator[tuple[T, T | None]]:
     """Pair the messages of one channel (sender -> receiver): the k-th send posted matches the
-    k-th receive posted, as NCCL and gloo match point-to-point messages; a send without its
-    receive pairs with None. The one statement of that rule: the validator compares the two
-    sides by it and the NCCL model pairs its ops by it."""
+    k-th receive posted, as NCCL and gloo match them; a send without its receive pairs with
+    None. The one statement of that rule (the validator's and the NCCL model's)."""
     for k, item in enumerate(sent):
         yield item, received[k] if k < len(received) else None
 
@@ -404,7 +395,7 @@ class Wires:
     links, data-parallel lane and events. ``run`` drives the ranks' programs."""
 
     def __init__(self, rules: Rules, timing: Timing, *, lockstep: bool = False) -> None:
-        """``lockstep``: the lock-step channel (module docstring), for ``lockstep_replay``."""
+        """``lockstep``: the lock-step channel, for ``lockstep_replay``."""
         num_ranks = rules.num_ranks
         self.rules, self.lockstep = rules, lockstep
         self.arrivals: dict[int, float] = {}  # message key -> arrival time
@@ -448,14 +439,6 @@ class Wires:
         self.waited: list[float] = [0] * num_ranks  # for gathers
         self.ps_done: list[dict[int, float]] = [{} for _ in range(num_ranks)]
         self.starts: list[list[float]] = [[] for _ in range(num_ranks)]  # see Timeline
-
-    def message(self, rank: int, key: int, dst: int, t: float) -> None:
-        """An activation or gradient (its id, ``flow``'s) sent at ``t`` from ``rank`` to
-        ``dst``, as ``_timed`` sends one inline: at once when messages take no time, else over
-        its link, one at a time, drawn when it takes time."""
-        self.flow[key] = t if self.instant else self._occupy(rank, dst, t, self.durations.p2p)
-        if key in self.waiting:
-            self.ready.append(self.waiting.pop(key))
 
     def _occupy(self, rank: int, dst: int, posted: float, duration: float) -> float:
         """A message's arrival over the link ``rank`` -> ``dst``, one at a time from ``posted``;
@@ -755,8 +738,12 @@ def _overlapped(run: Wires, rank: int, i: int, composite: Action) -> Program:
     run.clock[rank] = t
     for part in parts(composite):  # a compute-only schedule: each part's result, sent now
         _, _, sends_row, peers_row = compute[part.kind]
-        if key := sends_row[part.stage]:
-            run.message(rank, key + part.microbatch, peers_row[part.stage], t)  # type: ignore[operator]
+        if key := sends_row[part.stage]:  # as ``_timed`` sends: over its link unless instant
+            key += part.microbatch  # type: ignore[operator]  # compute: never None
+            dst = peers_row[part.stage]
+            flow[key] = t if run.instant else run._occupy(rank, dst, t, run.durations.p2p)
+            if key in run.waiting:
+                run.ready.append(run.waiting.pop(key))
 
 
 class Timeline:
