@@ -161,19 +161,12 @@ def _longest_save_path(root: str, world_size: int, iterations: int) -> str:
     )
 
 
-def _exists(path: Path) -> bool:
-    try:
-        return path.exists()
-    except OSError:  # a name too long is not there
-        return False
-
-
 def save_path_problem(root: str, *, world_size: int, iterations: int) -> str | None:
     """Whether every file a save creates under ``root`` has a path the file system takes, checked
     at start: a valid but too long ``--save`` path failed only at the first save, after training."""
     longest = _longest_save_path(root, world_size, iterations)
     start = Path(os.path.abspath(root))
-    existing = next((p for p in (start, *start.parents) if _exists(p)), Path("/"))
+    existing = next((p for p in (start, *start.parents) if os.path.exists(p)), Path("/"))
     try:
         path_max = os.pathconf(existing, "PC_PATH_MAX")
     except (OSError, ValueError):

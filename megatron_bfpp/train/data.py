@@ -1,7 +1,6 @@
-"""Deterministic training data for ``bfpp-train``: synthetic arithmetic progressions, byte-level
-windows of a text file, or Megatron's indexed datasets through megatron-core's classes. A sample
-is a pure function of ``(seed, global index)``, so the consumed-sample count a checkpoint records
-is the data position on any layout and any ``--global-batch-size``."""
+"""``bfpp-train``'s data (synthetic progressions, byte-level windows of a text file, or Megatron's
+indexed datasets): a sample is a pure function of ``(seed, global index)``, so a checkpoint's
+consumed-sample count is the data position on any layout and any ``--global-batch-size``."""
 
 from __future__ import annotations
 
