@@ -435,6 +435,7 @@ def _loop(run: _Run) -> TrainResult:
         )
     losses: list[tuple[int, float]] = []
     last_saved = run.iteration if args.load and run.iteration else -1
+    finished = False
     try:
         while run.iteration < args.train_iters:
             step = _train_step(run)
@@ -452,12 +453,10 @@ def _loop(run: _Run) -> TrainResult:
                 break  # Megatron-LM's --exit-interval: stop here (checkpoint below)
         if args.save and last_saved != run.iteration:
             _save(run)
-    except BaseException:
+        finished = True
+    finally:
         progress.close()
-        _close_all(writers, quietly=True)  # the error on its way up is the report
-        raise
-    progress.close()
-    _close_all(writers, quietly=False)
+        _close_all(writers, quietly=not finished)  # else the error on its way up is the report
     return TrainResult(losses=losses)
 
 
