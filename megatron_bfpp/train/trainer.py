@@ -138,10 +138,7 @@ def _optimizer_and_scheduler(
             adam_beta1=0.9,
             adam_beta2=0.95,
             clip_grad=args.clip_grad,
-            use_distributed_optimizer=True,
-            bf16=False,
-            fp16=False,
-            params_dtype=torch.float32,
+            use_distributed_optimizer=True,  # fp32: bf16, fp16 and params_dtype at their defaults
         ),
         model,
     )
