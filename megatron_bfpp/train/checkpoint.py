@@ -1,7 +1,6 @@
 """``bfpp-train`` checkpoints (``--ckpt-format``): ``torch``, one ``torch.save`` file per rank, or
-``torch_dist``, megatron-core's ``dist_checkpointing`` (fully sharded runs save the parameters only
-as the optimizer's main parameters). Loading never runs code from a file, and after each collective
-step the lowest failing rank prints one line (docs/design-notes.md, "Checkpoints")."""
+``torch_dist``, megatron-core's ``dist_checkpointing``; loading never runs code from a file, and a
+failed collective step is one line, from the lowest failing rank (docs/design-notes.md)."""
 
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 # A model chunk's index -> a context in which its (sharded) parameters are whole.
 GatherChunk = Callable[[int], contextlib.AbstractContextManager[Any]]
-_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
-_FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+_WEIGHTS_ONLY_VARIABLES = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 _SCHEDULER_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
@@ -280,11 +278,8 @@ def _publish(root: Path, temp: Path, final: Path, metadata: CheckpointMetadata) 
             fsync_file(path)
         elif path.is_dir():
             fsync_dir(path)
-    meta = temp / METADATA_FILE
-    with open(meta, "w") as file:
-        file.write(metadata_to_json(metadata))
-        file.flush()
-        os.fsync(file.fileno())
+    (temp / METADATA_FILE).write_text(metadata_to_json(metadata))
+    fsync_file(temp / METADATA_FILE)
     fsync_dir(temp)
     old = publish(temp, final, between=lambda: _kill_point("publish"))
     write_tracker(root, metadata.iteration)
@@ -435,9 +430,7 @@ def _load_scheduler_and_rng(
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     if own_groups is not None:
-        for inner, groups in zip(_inner_optimizers(optimizer), own_groups, strict=True):
-            for group, own in zip(inner.param_groups, groups, strict=True):
-                group.update(own)
+        _set_group_values(optimizer, own_groups)
     scheduler.load_state_dict(state["opt_param_scheduler"])
     rng = state["rng_state"]
     version, internal, gauss = rng["random"]
@@ -484,17 +477,14 @@ def _load_torch(
 def _weights_only_loads() -> Iterator[None]:
     """megatron-core's readers call ``torch.load`` without ``weights_only``; torch reads this
     variable on every call and then loads weights only."""
-    saved = {key: os.environ.get(key) for key in (_FORCE_WEIGHTS_ONLY, _FORCE_NO_WEIGHTS_ONLY)}
-    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
-    os.environ.pop(_FORCE_NO_WEIGHTS_ONLY, None)
+    saved = {key: os.environ.pop(key, None) for key in _WEIGHTS_ONLY_VARIABLES}
+    os.environ[_WEIGHTS_ONLY_VARIABLES[0]] = "1"
     try:
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        for key in saved:
+            os.environ.pop(key, None)
+        os.environ.update({key: value for key, value in saved.items() if value is not None})
 
 
 _DCP = "torch.distributed.checkpoint"
@@ -564,18 +554,19 @@ def _saved_param_groups(state: Any) -> list[list[dict[str, Any]]]:
     return [groups for value in values for groups in _saved_param_groups(value)]
 
 
+def _set_group_values(optimizer: Any, values: list[list[dict[str, Any]]]) -> None:
+    """Each parameter group takes its scheduler values from ``values`` (by position: one order)."""
+    for inner, groups in zip(_inner_optimizers(optimizer), values, strict=True):
+        for group, own in zip(inner.param_groups, groups, strict=True):
+            group.update({key: own[key] for key in _SCHEDULER_GROUP_KEYS if key in own})
+
+
 def _take_saved_group_values(optimizer: Any, saved: list[list[dict[str, Any]]]) -> None:
     """megatron-core 0.19 pairs a checkpoint's parameter groups with the optimizer's by their
-    values, ``max_lr`` and ``min_lr`` among them, so a run resumed with another --lr found none:
-    each group takes the checkpoint's scheduler values first (by position: both were built in
-    one order), and ``_load_scheduler_and_rng`` puts this run's back under
-    --override-opt_param-scheduler, as the torch format's loader does."""
+    values (``max_lr`` among them), so before loading each takes the checkpoint's."""
     inner = _inner_optimizers(optimizer)
-    if [len(groups) for groups in saved] != [len(opt.param_groups) for opt in inner]:
-        return  # not the layout this run builds: megatron-core's own error says why
-    for opt, groups in zip(inner, saved, strict=True):
-        for group, old in zip(opt.param_groups, groups, strict=True):
-            group.update({key: old[key] for key in _SCHEDULER_GROUP_KEYS if key in old})
+    if [len(groups) for groups in saved] == [len(opt.param_groups) for opt in inner]:
+        _set_group_values(optimizer, saved)  # else megatron-core's own error says why
 
 
 def _load_model_entries(module: Any, entries: dict[str, Any]) -> None:

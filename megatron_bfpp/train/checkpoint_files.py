@@ -146,34 +146,22 @@ def fresh_start_reason(root: str | Path) -> str | None:
 _SUFFIX_CHARS = 12  # hex digits of a temporary directory's random suffix
 
 
-def _longest_save_path(root: str, world_size: int, iterations: int) -> str:
-    """The longest path a save creates under ``root``: a file in a checkpoint set aside (rank
-    file, megatron-core's ``__RANK_N.distcp``, metadata) or the tracker's temporary file."""
-    digits = max(7, len(str(iterations)))
-    aside = f"iter_{'0' * digits}{_OLD}{'f' * _SUFFIX_CHARS}"
+def save_path_problem(root: str, *, world_size: int, iterations: int) -> str | None:
+    """Whether every file a save creates under ``root`` has a path the file system takes, checked
+    at start: a valid but too long ``--save`` path failed only at the first save, after training."""
+    # the longest: a file in a checkpoint set aside (rank file, megatron-core's __RANK_N.distcp,
+    # metadata) or the tracker's temporary file
+    top = os.path.abspath(root)
+    aside = f"iter_{'0' * max(7, len(str(iterations)))}{_OLD}{'f' * _SUFFIX_CHARS}"
     last = max(world_size - 1, 0)
     inner = max(f"rank_{last:05d}.pt", f"__{last}_99.distcp", METADATA_FILE, key=len)
-    top = os.path.abspath(root)
-    return max(
+    longest = max(
         os.path.join(top, aside, inner),
         os.path.join(top, f"{TRACKER}{_TEMP}{'f' * _SUFFIX_CHARS}"),
         key=len,
     )
-
-
-def _exists(path: Path) -> bool:
-    try:
-        return path.exists()
-    except OSError:  # a name too long is not there
-        return False
-
-
-def save_path_problem(root: str, *, world_size: int, iterations: int) -> str | None:
-    """Whether every file a save creates under ``root`` has a path the file system takes, checked
-    at start: a valid but too long ``--save`` path failed only at the first save, after training."""
-    longest = _longest_save_path(root, world_size, iterations)
-    start = Path(os.path.abspath(root))
-    existing = next((p for p in (start, *start.parents) if _exists(p)), Path("/"))
+    start = Path(top)
+    existing = next((p for p in (start, *start.parents) if os.path.exists(p)), Path("/"))
     try:
         path_max = os.pathconf(existing, "PC_PATH_MAX")
     except (OSError, ValueError):

@@ -1,7 +1,6 @@
 """What a ``bfpp-train`` checkpoint says about itself (``bfpp_checkpoint.json``: its flags and every
-file's size, rank files' SHA-256) and whether a run may resume from it (docs/design-notes.md,
-"Checkpoints"); torch-free, so the command line refuses an impossible resume before any rank starts.
-"""
+file's size, rank files' SHA-256) and whether a run may resume from it; torch-free, so the command
+line refuses an impossible resume before any rank starts (docs/design-notes.md, "Checkpoints")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Deterministic training data for ``bfpp-train``: synthetic arithmetic progressions, byte-level
-windows of a text file, or Megatron's indexed datasets through megatron-core's classes. A sample
-is a pure function of ``(seed, global index)``, so the consumed-sample count a checkpoint records
-is the data position on any layout and any ``--global-batch-size``."""
+"""``bfpp-train``'s data (synthetic progressions, byte-level windows of a text file, or Megatron's
+indexed datasets): a sample is a pure function of ``(seed, global index)``, so a checkpoint's
+consumed-sample count is the data position on any layout and any ``--global-batch-size``."""
 
 from __future__ import annotations
 
@@ -133,9 +132,8 @@ class IndexedTrainingData(_Samples):
             eod_mask_loss=False,
             create_attention_mask=False,
         )
-        # Only the train part is read: its bookends stay Megatron-LM's (the same documents for
-        # the same --split), the others are not built (megatron-core would loop forever over a
-        # part with no document, as the test part of a small dataset has under 969,30,1).
+        # Only the train part is built, with Megatron-LM's bookends for the --split: megatron-core
+        # loops forever over a part with no document (a small dataset's test part under 969,30,1).
         config.split_matrix = [config.split_matrix[0], None, None]
         train, _, _ = BlendedMegatronDatasetBuilder(
             GPTDataset, [num_samples, 0, 0], lambda: True, config

@@ -75,7 +75,12 @@ class Liveness:
                 lost = [r for r, n in enumerate(after) if n == before[r] and r != self.rank]
             claimed = int(self.store.add("reported", 1)) == 1  # the first to ask reports
         except Exception:  # the store is gone with its host
-            return Verdict.QUIET if self.claim_seen else self._store_lost()
+            if self.claim_seen or not _first_on_this_node(self.where):
+                return Verdict.QUIET
+            return RanksLost(
+                f"lost the job's rendezvous store at {self.where}: the rank or launcher hosting "
+                "it (rank 0 under srun) is gone; stopped"
+            )
         if self.rank == 0:  # it may host the store (srun): the others still need it
             time.sleep(_HOST_LINGER)
         if not claimed:
@@ -87,14 +92,6 @@ class Liveness:
         else:
             who = f"ranks {lost} are gone: their heartbeats"
         return RanksLost(f"{who} stopped (killed, crashed or stopped); stopped the other ranks")
-
-    def _store_lost(self) -> Verdict | RanksLost:
-        if not _first_on_this_node(self.where):
-            return Verdict.QUIET
-        return RanksLost(
-            f"lost the job's rendezvous store at {self.where}: the rank or launcher hosting it "
-            "(rank 0 under srun) is gone; stopped"
-        )
 
 
 def _first_on_this_node(where: str) -> bool:

@@ -36,7 +36,16 @@ class SaveLock:
             make_dirs(root)
         except OSError as error:
             raise CheckpointError(_directory_problem(root, error)) from None
-        fd, created = _open_lock_file(root, path)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW  # never through a symbolic link
+        try:
+            try:
+                fd, created = os.open(path, flags | os.O_EXCL, 0o666), True
+            except FileExistsError:
+                fd, created = os.open(path, flags, 0o666), False
+        except OSError as error:
+            raise CheckpointError(
+                f"--save {root}: cannot create its lock file {LOCK_FILE} ({error.strerror})"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -81,20 +90,6 @@ def _directory_problem(root: Path, error: OSError) -> str:
         )
     where = "" if error.filename in (None, str(root)) else f" ({error.filename})"
     return f"--save {root}: cannot create the directory{where} ({error.strerror})"
-
-
-def _open_lock_file(root: Path, path: Path) -> tuple[int, bool]:
-    """The lock file's descriptor (never via a symbolic link) and whether this call created it."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
-    try:
-        try:
-            return os.open(path, flags | os.O_EXCL, 0o666), True
-        except FileExistsError:
-            return os.open(path, flags, 0o666), False
-    except OSError as error:
-        raise CheckpointError(
-            f"--save {root}: cannot create its lock file {LOCK_FILE} ({error.strerror})"
-        ) from None
 
 
 def _give_up(fd: int, path: Path, created: bool) -> None:

@@ -138,10 +138,7 @@ def _optimizer_and_scheduler(
             adam_beta1=0.9,
             adam_beta2=0.95,
             clip_grad=args.clip_grad,
-            use_distributed_optimizer=True,
-            bf16=False,
-            fp16=False,
-            params_dtype=torch.float32,
+            use_distributed_optimizer=True,  # fp32: bf16, fp16 and params_dtype at their defaults
         ),
         model,
     )
@@ -425,9 +422,17 @@ def _loop(run: _Run) -> TrainResult:
         sys.stdout,
     )
     if rank0 and progress.lines:
-        print(_banner(run), flush=True)
+        tp, pp, vp = _layout(args)
+        print(
+            f"bfpp-train: {args.model} {args.num_layers} layers, hidden {args.hidden_size}, "
+            f"tp={tp} pp={pp} vp={vp or 1} dp={run.dp_size}, {run.num_microbatches} micro-batches "
+            f"per step, schedule {args.pipeline_schedule}, device {run.device.type}, from "
+            f"iteration {run.iteration} ({run.consumed_samples} samples consumed)",
+            flush=True,
+        )
     losses: list[tuple[int, float]] = []
     last_saved = run.iteration if args.load and run.iteration else -1
+    finished = False
     try:
         while run.iteration < args.train_iters:
             step = _train_step(run)
@@ -445,12 +450,10 @@ def _loop(run: _Run) -> TrainResult:
                 break  # Megatron-LM's --exit-interval: stop here (checkpoint below)
         if args.save and last_saved != run.iteration:
             _save(run)
-    except BaseException:
+        finished = True
+    finally:
         progress.close()
-        _close_all(writers, quietly=True)  # the error on its way up is the report
-        raise
-    progress.close()
-    _close_all(writers, quietly=False)
+        _close_all(writers, quietly=not finished)  # else the error on its way up is the report
     return TrainResult(losses=losses)
 
 
@@ -479,39 +482,18 @@ def _metric_writers(run: _Run) -> list[MetricWriter]:
     config.update(data_parallel_size=run.dp_size, num_microbatches=run.num_microbatches)
     for key in ("global_batch_size", "micro_batch_size", "seq_length", "lr"):
         config[key] = getattr(args, key)
-    builders: dict[str, tuple[str | None, Callable[[], MetricWriter]]] = {
-        "--metrics-file": (
-            args.metrics_file,
-            lambda: JsonlWriter.open(args.metrics_file, append=bool(args.load)),
-        ),
-        "--tensorboard-dir": (
-            args.tensorboard_dir,
-            lambda: TensorBoardWriter(args.tensorboard_dir, config=config),
-        ),
-        "--wandb-project": (
+    builders: dict[str, Callable[[], MetricWriter]] = {
+        "--metrics-file": lambda: JsonlWriter.open(args.metrics_file, append=bool(args.load)),
+        "--tensorboard-dir": lambda: TensorBoardWriter(args.tensorboard_dir, config=config),
+        "--wandb-project": lambda: WandbWriter(
             args.wandb_project,
-            lambda: WandbWriter(
-                args.wandb_project,
-                name=args.wandb_exp_name,
-                save_dir=args.wandb_save_dir,
-                config=config,
-            ),
+            name=args.wandb_exp_name,
+            save_dir=args.wandb_save_dir,
+            config=config,
         ),
     }
-    return [
-        GuardedWriter(flag, target, build) for flag, (target, build) in builders.items() if target
-    ]
-
-
-def _banner(run: _Run) -> str:
-    args = run.args
-    tp, pp, vp = _layout(args)
-    return (
-        f"bfpp-train: {args.model} {args.num_layers} layers, hidden {args.hidden_size}, "
-        f"tp={tp} pp={pp} vp={vp or 1} dp={run.dp_size}, {run.num_microbatches} micro-batches "
-        f"per step, schedule {args.pipeline_schedule}, device {run.device.type}, from iteration "
-        f"{run.iteration} ({run.consumed_samples} samples consumed)"
-    )
+    targets = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in builders}
+    return [GuardedWriter(f, targets[f], build) for f, build in builders.items() if targets[f]]
 
 
 def _train_step(run: _Run) -> _Step:
