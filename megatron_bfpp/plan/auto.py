@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from megatron_bfpp.files import write_output
@@ -59,24 +60,17 @@ REPORT_FORMAT = "bfpp-auto-report"
 AUTO_DEST = "pipeline_schedule_auto_line"
 
 # (flag, dest, help): the same three flags in every command line that names a schedule.
-_AUTO_FLAGS = (
-    (
-        "--pipeline-schedule-auto-report",
-        "pipeline_schedule_auto_report",
-        "with --pipeline-schedule auto: write every candidate, ranked, as JSON to this file",
-    ),
-    (
-        "--pipeline-schedule-auto-profile",
-        "pipeline_schedule_auto_profile",
-        "with --pipeline-schedule auto: a stage profile (bfpp-plan profile) instead of the "
-        "built-in efficiency curve",
-    ),
-    (
-        "--pipeline-schedule-auto-gpu",
-        "pipeline_schedule_auto_gpu",
-        "with --pipeline-schedule auto: plan for this GPU preset (v100-32gb, a100-40gb, "
-        "a100-80gb, h100-80gb) instead of the device found, its memory a constraint",
-    ),
+_AUTO_FLAGS = tuple(
+    (f"--pipeline-schedule-auto-{name}", f"pipeline_schedule_auto_{name}", text)
+    for name, text in (
+        ("report", "write every candidate, ranked, as JSON to this file"),
+        ("profile", "a stage profile (bfpp-plan profile) instead of the built-in efficiency curve"),
+        (
+            "gpu",
+            "plan for this GPU preset (v100-32gb, a100-40gb, a100-80gb, h100-80gb) instead of "
+            "the device found, its memory a constraint",
+        ),
+    )
 )
 
 
@@ -87,7 +81,7 @@ def add_auto_flags(group: Any) -> None:
             dest=dest,
             default=None,
             metavar="FILE" if "gpu" not in flag else "NAME",
-            help=help_text,
+            help=f"with --pipeline-schedule auto: {help_text}",
         )
 
 
@@ -191,14 +185,9 @@ class Row:
 
 def label(c: Candidate) -> str:
     """``breadth-first vp=4 group=8``: what a user would type, in short."""
-    text = c.schedule
-    if get_spec(c.schedule).placement is Placement.LOOPED:
-        text += f" vp={c.vp}"
-    if c.group_size is not None:
-        text += f" group={c.group_size}"
-    if c.max_stored is not None:
-        text += f" cap={c.max_stored}"
-    return text
+    looped = get_spec(c.schedule).placement is Placement.LOOPED
+    shown = (("vp", c.vp if looped else None), ("group", c.group_size), ("cap", c.max_stored))
+    return " ".join([c.schedule, *(f"{key}={value}" for key, value in shown if value is not None)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -518,23 +507,27 @@ def decide(r: AutoRequest) -> Decision:
     _check_request(r)
     judge = _Judge.of(r)
     allowed, excluded = _candidates(r)
-    # Megatron's own default (interleaved with the user's virtual stages, else 1F1B, on its
-    # distributed optimizer) first, under megatron-core's posting: the line compares with it,
-    # so it is timed before the budget can run out.
+    # Megatron's own default (interleaved at the user's vp, else 1F1B) first, under megatron-core's
+    # posting: the line compares with it, so it is timed before the budget can run out.
     name, vp = ("interleaved", r.vp) if r.vp not in (None, 1) else ("1f1b", 1)
     default = _candidate(r, name, vp or 1, "optim")
-    megatron = next((row for row in excluded if row.candidate == default), None)
-    if megatron is None:
-        megatron = judge.row(default, megatron=True)
+    found = next((row for row in excluded if row.candidate == default), None)
+    megatron = found or judge.row(default, megatron=True)
     simulated: list[Row] = []
     too_big: list[Row] = []
     untimed: list[Row] = []
     # A candidate whose bound cannot beat the runner-up so far is not simulated (its row keeps
     # the bound): the choice and the runner-up stay exact.
     bounded: list[tuple[float, float, int, Candidate]] = []  # (order, bound, index, candidate)
+    bound_of = partial(
+        lower_bound_of, model=judge.model, cluster=judge.cluster, options=judge.options
+    )
     for index, c in enumerate(allowed):
         try:
-            bound, order = (judge.lower_bound(c, grouped=grouped) for grouped in (True, False))
+            bound, order = (
+                bound_of(c, global_batch_size=r.global_batch_size, grouped=grouped)
+                for grouped in (True, False)
+            )
         except ScheduleError as error:
             excluded.append(Row(c, None, False, excluded=first_line(error)))
             continue
@@ -561,7 +554,8 @@ def decide(r: AutoRequest) -> Decision:
     if not simulated:
         raise ScheduleError(_refusal(r, too_big, excluded, untimed, judge))
     rows = tuple(simulated + too_big + untimed + excluded)
-    return Decision(r, rows, megatron, judge.counter[0], judge.actions.spent, judge.actions.limit)
+    simulations = sum(row.plan is not None for row in (*rows, megatron))  # each row simulated once
+    return Decision(r, rows, megatron, simulations, judge.actions.spent, judge.actions.limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -575,7 +569,6 @@ class _Judge:
     options: SearchOptions
     memory_budget: int | None
     actions: ActionBudget
-    counter: list[int]  # simulations so far (one cell: the judge is frozen, its count is not)
 
     @staticmethod
     def of(r: AutoRequest) -> _Judge:
@@ -589,17 +582,7 @@ class _Judge:
             megatron_baselines=False,
         )
         memory = None if r.hardware.memory_bytes is None else _budget(r.hardware)
-        return _Judge(r, model, cluster, options, memory, ActionBudget(AUTO_ACTION_BUDGET), [0])
-
-    def lower_bound(self, c: Candidate, *, grouped: bool = True) -> float:
-        return lower_bound_of(
-            c,
-            model=self.model,
-            cluster=self.cluster,
-            global_batch_size=self.request.global_batch_size,
-            options=self.options,
-            grouped=grouped,
-        )
+        return _Judge(r, model, cluster, options, memory, ActionBudget(AUTO_ACTION_BUDGET))
 
     def row(self, c: Candidate, *, megatron: bool = False, bound: float | None = None) -> Row:
         """Its memory (at a batch-size schedule's largest step) and, when it fits or is Megatron's
@@ -641,7 +624,6 @@ class _Judge:
             return Row(c, memory, False, excluded=first_line(error))
         finally:
             self.actions.spent += share.spent
-        self.counter[0] += 1
         return Row(c, memory, fits, plan)
 
 

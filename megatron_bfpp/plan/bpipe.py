@@ -194,9 +194,8 @@ def _check_mfu(what: str, value: float) -> None:
 
 
 def _check_batches(global_batch_size: int, micro_batch_sizes: tuple[int, ...]) -> None:
-    named = [("global batch size", global_batch_size)]
-    named += [("micro-batch size", b) for b in micro_batch_sizes]
-    for name, value in named:
+    sizes = [("micro-batch size", b) for b in micro_batch_sizes]
+    for name, value in [("global batch size", global_batch_size), *sizes]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer; got {value!r}")
         if value > _MAX_EXACT:

@@ -9,11 +9,14 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from megatron_bfpp.ir import ScheduleError
-from megatron_bfpp.plan.presets import Gpu, Model, Precision
+from megatron_bfpp.plan.presets import Gpu, Model, padded_vocab_size
 from megatron_bfpp.plan.profile import StageProfile
+
+if TYPE_CHECKING:  # the search's types, read by stage_times (search imports this module)
+    from megatron_bfpp.plan.search import Candidate, Cluster, SearchOptions
 
 __all__ = [
     "BuiltinCurve",
@@ -143,11 +146,12 @@ class ProfileCurve:
         return self._interpolate(self.weight_shares, work)
 
 
-def _ring_collective_time(nbytes: float, *, group: int, bandwidth: float, latency: float) -> float:
-    """A ring reduce-scatter or all-gather of ``nbytes`` (the full tensor) over ``group`` ranks:
-    ``(n-1)/n * bytes / bandwidth`` plus a latency per step. An all-reduce is two of these."""
+def _ring_collective_time(nbytes: float, group: int, link: tuple[float, float]) -> float:
+    """A ring reduce-scatter or all-gather of ``nbytes`` (the full tensor) over ``group`` ranks on
+    a (bandwidth, latency) ``link``: ``(n-1)/n * bytes / bandwidth`` plus a latency per step."""
     if group <= 1:
         return 0.0
+    bandwidth, latency = link
     return (group - 1) / group * nbytes / bandwidth + (group - 1) * latency
 
 
@@ -170,67 +174,48 @@ class StageTimes:
 
 
 def stage_times(
-    *,
+    c: Candidate,
     model: Model,
-    gpu: Gpu,
-    efficiency: Efficiency,
-    precision: Precision,
-    micro_batch_size: int,
-    tp: int,
-    pp: int,
-    dp: int,
-    chunks: int,
-    gpus_per_node: int,
-    sequence_parallel: bool,
-    recompute: str,
-    vocab: int,
+    cluster: Cluster,
+    options: SearchOptions,
     rank_parameters: int,
     stage_activation_bytes: int,
-    communication: bool = True,
-    optimizer: bool = True,
-    output_layer: bool = True,
 ) -> StageTimes:
-    """The durations of one candidate configuration (see the module docstring for each)."""
+    """The durations of candidate ``c`` (see the module docstring for each)."""
+    gpu, precision, tp, pp, dp = cluster.gpu, options.precision, c.tp, c.pp, c.dp
+    efficiency = options.efficiency or BuiltinCurve(gpu)
     layers = model.num_layers // pp
     peak = gpu.peak_flops
-    b, s, h = micro_batch_size, model.seq_length, model.hidden_size
-    work = layer_forward_flops(model, micro_batch_size=micro_batch_size, tp=tp)
+    b, s, h = c.micro_batch_size, model.seq_length, model.hidden_size
+    work = layer_forward_flops(model, micro_batch_size=b, tp=tp)
     forward_compute = work / (efficiency.forward(work) * peak)
     backward_compute = 2.0 * work / (efficiency.backward(work) * peak)
     weight_compute = backward_compute * efficiency.weight_share(work)
-    e = precision.activation_bytes
-    activation = b * s * h * e
-    tp_comm = 0.0
-    if communication and tp > 1:
-        all_reduce = 2 * _ring_collective_time(
-            activation, group=tp, bandwidth=gpu.intra_node_bandwidth, latency=INTRA_NODE_LATENCY_S
-        )
-        tp_comm = 2 * all_reduce
-    recompute_time = 0.0
-    if recompute == "full":
-        recompute_time = forward_compute + tp_comm
-    elif recompute == "selective":  # core attention (QK^T, over V: 4bs^2h / t) runs again
-        recompute_time = 4.0 * b * s * s * h / tp / (efficiency.forward(work) * peak)
-    out_work = 2.0 * b * s * h * vocab / tp  # the output layer's logits (on the last stage only)
-    output = 3.0 * out_work / (efficiency.forward(out_work) * peak) if output_layer else 0.0
-    p2p = grad_reduce = param_gather = evict = 0.0
-    if communication:
+    activation = b * s * h * precision.activation_bytes
+    p2p = grad_reduce = param_gather = evict = tp_comm = 0.0
+    if options.communication:
         intra = (gpu.intra_node_bandwidth, INTRA_NODE_LATENCY_S)
         inter = (gpu.inter_node_bandwidth, INTER_NODE_LATENCY_S)
-        bandwidth, latency = intra if tp * dp * pp <= gpus_per_node else inter
-        message = activation / (tp if sequence_parallel else 1)
+        tp_comm = 4 * _ring_collective_time(activation, tp, intra)  # 2 all-reduces of 2 rings
+        bandwidth, latency = intra if tp * dp * pp <= cluster.gpus_per_node else inter
+        message = activation / (tp if c.sequence_parallel else 1)
         p2p = message / bandwidth + latency if pp > 1 else 0.0
         evict = stage_activation_bytes / bandwidth + latency
-        dp_bandwidth, dp_latency = intra if tp * dp <= gpus_per_node else inter
-        chunk = rank_parameters / chunks
+        dp_link = intra if tp * dp <= cluster.gpus_per_node else inter
         grad_reduce, param_gather = (
-            _ring_collective_time(
-                chunk * size, group=dp, bandwidth=dp_bandwidth, latency=dp_latency
-            )
+            _ring_collective_time(rank_parameters / c.vp * size, dp, dp_link)
             for size in (precision.grad_bytes, precision.param_bytes)
         )
+    recompute_time = 0.0
+    if c.recompute == "full":
+        recompute_time = forward_compute + tp_comm
+    elif c.recompute == "selective":  # core attention (QK^T, over V: 4bs^2h / t) runs again
+        recompute_time = 4.0 * b * s * s * h / tp / (efficiency.forward(work) * peak)
+    vocab = padded_vocab_size(model.vocab_size, tp=tp)
+    out_work = 2.0 * b * s * h * vocab / tp  # the output layer's logits (on the last stage only)
+    output = 3.0 * out_work / (efficiency.forward(out_work) * peak) if options.output_layer else 0.0
     optimizer_time = 0.0
-    if optimizer:
+    if options.optimizer:
         # Adam reads gradient, master weight and moments and writes master, moments and weight.
         per_parameter = precision.grad_bytes + 2 * precision.optimizer_bytes + precision.param_bytes
         optimizer_time = rank_parameters / dp * per_parameter / gpu.hbm_bandwidth

@@ -38,11 +38,7 @@ def default_batch_sizes(num_gpus: int) -> tuple[int, ...]:
 
 
 def batch_sweep(
-    *,
-    model: Model,
-    cluster: Cluster,
-    options: SearchOptions,
-    batch_sizes: Sequence[int],
+    *, model: Model, cluster: Cluster, options: SearchOptions, batch_sizes: Sequence[int]
 ) -> list[SweepPoint]:
     """One search per global batch size, for each family's best (``top`` 1)."""
     quick = replace(options, top=1, best_per_family=True)
@@ -120,8 +116,7 @@ def render_plot(
     figure = Figure(figsize=(6.0 * panels, 4.5), dpi=90, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, panels, squeeze=False)[0]
-    n = cluster.num_gpus
-    seq = model.seq_length
+    n, seq = cluster.num_gpus, model.seq_length
     for family, rows in sorted(families.items()):
         rows.sort()
         beta = [b / n for b, _, _ in rows]

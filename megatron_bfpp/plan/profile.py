@@ -173,13 +173,8 @@ def _measurement(row: Any, index: int, *, split_bounded: bool = True) -> Measure
                 "half of a split backward cannot take longer than the whole backward; measure "
                 "again with 'bfpp-plan profile'"
             )
-    return Measurement(
-        micro_batch_size=_positive(row, "micro_batch_size", where=where),
-        forward_s=forward,
-        backward_s=backward,
-        backward_input_s=split_input,
-        backward_weight_s=split_weight,
-    )
+    size = _positive(row, "micro_batch_size", where=where)
+    return Measurement(size, forward, backward, split_input, split_weight)
 
 
 def _field(

@@ -266,7 +266,7 @@ def candidates(
     node; layers split evenly over pp; the batch over dp x micro-batch; sharding needs dp > 1;
     pp 1 only as 1F1B (plain data parallelism); each family's grid from its catalogue entry."""
     searched = [f for f in families() if not options.schedules or f[0] in options.schedules]
-    for tp, pp in _splits(model, cluster, _tensor_sizes(model, cluster, options)[1], options):
+    for tp, pp in _splits(model, cluster, options)[2]:
         dp = cluster.num_gpus // (tp * pp)
         if global_batch_size % dp:
             continue
@@ -290,27 +290,23 @@ def candidates(
                     )
 
 
-def _tensor_sizes(
+def _splits(
     model: Model, cluster: Cluster, options: SearchOptions
-) -> tuple[tuple[int, ...], list[int]]:
-    """The tensor-parallel sizes searched, and those dividing the heads, query groups and FFN."""
+) -> tuple[tuple[int, ...], list[int], list[tuple[int, int]]]:
+    """The tensor-parallel sizes searched, those dividing the heads, query groups and FFN, and
+    their (tp, pp) with pp dividing the GPUs, pp also the layers."""
     tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
     dims = (model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size)
-    return tps, [t for t in tps if not any(d % t for d in dims)]
-
-
-def _splits(
-    model: Model, cluster: Cluster, tensor_sizes: list[int], options: SearchOptions
-) -> list[tuple[int, int]]:
-    """(tp, pp) of ``tensor_sizes`` and pp dividing the GPUs, pp also the layers."""
+    shaped = [t for t in tps if not any(d % t for d in dims)]
     n = cluster.num_gpus
-    return [
+    splits = [
         (t, p)
-        for t in tensor_sizes
+        for t in shaped
         if n % t == 0
         for p in options.pipeline_parallel or _divisors(n // t)
         if (n // t) % p == 0 and model.num_layers % p == 0
     ]
+    return tps, shaped, splits
 
 
 # --------------------------------------------------------------------------- memory
@@ -609,17 +605,9 @@ def _simulate(
     simulated_ns, bubble = _simulated_ns(c, sized.m, costs, p2p, grad_reduce, budget)
     step = simulated_ns / NS + sized.m * sized.times.output + sized.times.optimizer
     flops = model_flops_per_step(model, global_batch_size=global_batch_size)
-    return Plan(
-        candidate=c,
-        num_microbatches=sized.m,
-        step_time_s=step,
-        tokens_per_s=global_batch_size * model.seq_length / step,
-        mfu=flops / (step * cluster.num_gpus * cluster.gpu.peak_flops),
-        memory=sized.memory,
-        bubble_fraction=bubble,
-        p2p_model=p2p,
-        megatron_grad_reduce=grad_reduce,
-    )
+    tokens_per_s = global_batch_size * model.seq_length / step
+    mfu = flops / (step * cluster.num_gpus * cluster.gpu.peak_flops)
+    return Plan(c, sized.m, step, tokens_per_s, mfu, sized.memory, bubble, p2p, grad_reduce)
 
 
 def _size(
@@ -654,29 +642,8 @@ def _timing(
 ) -> tuple[StageTimes, float, float]:
     """Durations of one candidate, the step no schedule of its shape can beat, and the order
     of simulation (closed forms: no schedule is walked)."""
-    placement = get_spec(c.schedule).placement
-    times = stage_times(
-        model=model,
-        gpu=cluster.gpu,
-        efficiency=options.efficiency or BuiltinCurve(cluster.gpu),
-        precision=options.precision,
-        micro_batch_size=c.micro_batch_size,
-        tp=c.tp,
-        pp=c.pp,
-        dp=c.dp,
-        chunks=c.vp,
-        gpus_per_node=cluster.gpus_per_node,
-        sequence_parallel=c.sequence_parallel,
-        recompute=c.recompute,
-        vocab=padded_vocab_size(model.vocab_size, tp=c.tp),
-        rank_parameters=max(
-            rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp)
-        ),
-        stage_activation_bytes=stage.layers * c.vp,
-        communication=options.communication,
-        optimizer=options.optimizer,
-        output_layer=options.output_layer,
-    )
+    parameters = max(rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp))
+    times = stage_times(c, model, cluster, options, parameters, stage.layers * c.vp)
     # Each rank runs at least a forward and a backward action per micro-batch and chunk, each
     # paying the host's time per action.
     busy = m * (times.forward + times.backward + 2 * c.vp * times.host)
@@ -685,26 +652,20 @@ def _timing(
     # with whole backwards (all but the V-shapes) the last gradient crosses them back.
     hops = c.pp - 1
     fill = hops * (times.forward / c.vp + times.host + times.p2p)
-    if placement is not Placement.V_SHAPE:
+    if get_spec(c.schedule).placement is not Placement.V_SHAPE:
         fill += hops * (times.backward / c.vp + times.host + times.p2p)
     # Order of simulation: the bound plus the data-parallel collectives.
     estimate = busy + fill + extra + c.vp * (times.grad_reduce + times.param_gather)
-    # Grouped breadth-first's rank 0 also idles at every group's turn (``_group_idle``).
-    lower = busy + max(fill, _group_idle(c, m, times) if grouped else 0.0) + extra
-    return times, lower, estimate
-
-
-def _group_idle(c: Candidate, m: int, times: StageTimes) -> float:
-    """Rank 0's idle time that grouped breadth-first cannot avoid: each group's first
-    micro-batch crosses the p - 1 later stages and back while rank 0 has only the group's
-    g - 1 other forwards to run. 0 for other schedules."""
-    if c.schedule != "breadth-first" or c.group_size is None:
-        return 0.0
-    forward, backward = times.forward / c.vp, times.backward / c.vp
-    crossing = (c.pp - 1) * (forward + backward)
-    full, rest = divmod(m, c.group_size)
-    sizes = [c.group_size] * full + ([rest] if rest else [])
-    return sum(max(0.0, crossing - (g - 1) * (forward + times.host)) for g in sizes)
+    idle = 0.0
+    if grouped and c.schedule == "breadth-first" and c.group_size is not None:
+        # Grouped breadth-first's rank 0 idles at every group's turn: its first micro-batch
+        # crosses the p - 1 later stages and back while rank 0 has g - 1 other forwards to run.
+        forward, backward = times.forward / c.vp, times.backward / c.vp
+        full, rest = divmod(m, c.group_size)
+        sizes = [c.group_size] * full + ([rest] if rest else [])
+        crossing = hops * (forward + backward)
+        idle = sum(max(0.0, crossing - (g - 1) * (forward + times.host)) for g in sizes)
+    return times, busy + max(fill, idle) + extra, estimate
 
 
 # --------------------------------------------------------------------------- search
@@ -821,8 +782,7 @@ def no_candidates_reason(
     memory problem), and the nearest GPU counts for which it yields something: tried among the
     products tp x pp x dp with pp dividing the layers and dp the batch."""
     n, gpn = cluster.num_gpus, cluster.gpus_per_node
-    tps, shaped = _tensor_sizes(model, cluster, options)
-    splits = _splits(model, cluster, shaped, options)
+    tps, shaped, splits = _splits(model, cluster, options)
     rule = (
         f"with tp in {', '.join(map(str, tps))} dividing the {model.num_attention_heads} heads "
         f"and pp the {model.num_layers} layers"
