@@ -21,8 +21,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _format_action(self, action: argparse.Action) -> str:
         if action.help is None and _shows_default(action):  # argparse skips help-less flags
             action = copy.copy(action)
-            action.help = ""
-            action.help = self._get_help_string(action).strip()  # type: ignore[union-attr]
+            action.help = "(default: %(default)s)"
         return super()._format_action(action)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
@@ -32,10 +31,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _shows_default(action: argparse.Action) -> bool:
-    default = action.default
-    return bool(action.option_strings) and not (
-        default is None or default is False or default is argparse.SUPPRESS
-    )
+    hidden = (None, False, argparse.SUPPRESS)
+    return bool(action.option_strings) and all(action.default is not h for h in hidden)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -75,9 +72,8 @@ def printable_output() -> None:
             reconfigure(errors="backslashreplace")
 
 
-# How long a rank that leaves its node's error line to local rank 0 waits before it exits:
-# torchrun stops every worker at the first one that fails, so a quiet rank exiting first could
-# stop local rank 0 before its line is out; torchrun ends the waiting ranks once rank 0 exits.
+# How long a rank leaving its node's error line to local rank 0 waits (torchrun ends it once rank
+# 0 exits): torchrun stops every worker at the first exit, which could cut rank 0's line off.
 QUIET_RANK_GRACE_S = 10.0
 
 

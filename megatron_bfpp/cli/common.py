@@ -64,13 +64,13 @@ def ends_without_teardown(main: Main) -> Callable[[], NoReturn]:
     return command
 
 
-def optional_package_problem(flag: str, module: str, extra: str) -> str | None:
-    """One line when ``flag`` needs ``module`` and it does not import, checked before any work."""
+def matplotlib_problem(flag: str) -> str | None:
+    """One line when ``flag`` draws and matplotlib does not import, checked before any work."""
     try:
-        importlib.import_module(module)
+        importlib.import_module("matplotlib")
     except Exception as error:  # a broken install fails in its own ways; any is "not usable"
         reason = "not installed" if isinstance(error, ModuleNotFoundError) else "broken"
-        return f"{flag} needs {module} ({reason}): pip install '{extra}'"
+        return f"{flag} needs matplotlib ({reason}): pip install 'megatron-bfpp[plot]'"
     return None
 
 

@@ -13,7 +13,7 @@ from megatron_bfpp.cli.common import (
     fail,
     finite_float,
     json_text,
-    optional_package_problem,
+    matplotlib_problem,
     output_file_problem,
     positive_int_up_to,
     write_problem,
@@ -327,9 +327,7 @@ def _recommend(args: argparse.Namespace) -> int:
         )
     if args.plot and (problem := output_file_problem("--plot", args.plot)):
         raise ScheduleError(problem)
-    if args.plot and (
-        problem := optional_package_problem("--plot", "matplotlib", "megatron-bfpp[plot]")
-    ):
+    if args.plot and (problem := matplotlib_problem("--plot")):
         raise ScheduleError(f"{problem} (or drop --plot)")
     options = SearchOptions(
         schedules=schedules,
@@ -429,8 +427,7 @@ def format_recommendation(
             f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})"
         )
     lines += ["", header, "-" * len(header)]
-    for rank, plan in enumerate(result.plans, 1):
-        lines.append(_row(rank, plan))
+    lines += [_row(rank, plan) for rank, plan in enumerate(result.plans, 1)]
     if result.best_per_family and result.plans:
         first = result.plans[0].step_time_s
         lines += ["", "best of each schedule family (slower than #1 by):"]

@@ -14,8 +14,8 @@ from megatron_bfpp.cli.common import (
     ends_without_teardown,
     fail,
     json_text,
+    matplotlib_problem,
     non_negative_float,
-    optional_package_problem,
     output_file_problem,
     write_problem,
 )
@@ -57,7 +57,6 @@ from megatron_bfpp.sim.simulator import (
     MEGATRON_GRAD_REDUCE,
     P2P_MODELS,
     STEADY_FROM_ACTIONS,
-    UNITS,
     simulate_steady,
 )
 from megatron_bfpp.validate import has_communication, validate_schedule
@@ -179,9 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return fail(PROG, problem)
     if args.png and args.pp is not None and (problem := png_problem(args.pp)):
         return fail(PROG, problem)
-    if args.png and (
-        problem := optional_package_problem("--png", "matplotlib", "megatron-bfpp[plot]")
-    ):
+    if args.png and (problem := matplotlib_problem("--png")):
         return fail(PROG, problem)
     if args.megatron_grad_reduce is not None and not args.p2p_model.startswith("megatron"):
         return fail(
@@ -398,13 +395,9 @@ def _messages_reordered(schedule: Schedule) -> bool:
                 channel = (rank, peer) if kind.is_send else (peer, rank)
                 sides = channels.setdefault(channel, ([], []))
                 sides[0 if kind.is_send else 1].append(message_of(action))
-    reordered = False
-    for sends, receives in channels.values():
-        if sends != receives:
-            if sorted(sends) != sorted(receives):
-                return False
-            reordered = True
-    return reordered
+    if any(sends != got and sorted(sends) != sorted(got) for sends, got in channels.values()):
+        return False
+    return any(sends != got for sends, got in channels.values())
 
 
 def format_report(result: SimResult) -> str:
@@ -435,7 +428,7 @@ def format_report(result: SimResult) -> str:
             f"{row['peak_gradients']:>9.3g}  {row['grad_syncs']:>5}  {row['param_syncs']:>5}  "
             f"{row['exposed_dp_comm_time']:>10.4g}"
         )
-    units = data.get("units", UNITS)
+    units = data["units"]
     lines.append(f"peak act. = stored activations, in {units['peak_activations']}")
     lines.append(f"peak par. = {units['peak_parameters']}")
     lines.append(f"peak grad = {units['peak_gradients']}")

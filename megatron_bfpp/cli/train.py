@@ -505,8 +505,7 @@ def memory_problem(args: argparse.Namespace, world_size: int, *, launched: bool)
 def check_load(args: argparse.Namespace, world_size: int) -> list[str]:
     """Refuse a resume that cannot work, from the checkpoint's metadata alone, in one line; as
     in Megatron-LM no checkpoint yet starts fresh, and a changed seed or data path warns."""
-    fresh = fresh_start_reason(args.load)
-    if fresh is not None:
+    if (fresh := fresh_start_reason(args.load)) is not None:
         return [
             f"info: --load {args.load} {fresh}: no checkpoint to resume, starting from "
             "iteration 0 (as Megatron-LM does)"
@@ -704,8 +703,7 @@ def _report(run: Any) -> int:
     if culprit is None:
         return _error(f"ranks {list(run.killed)} still running when stopped") if run.killed else 0
     if culprit in run.results:
-        code: int = run.results[culprit][0]
-        return max(code, 1)
+        return max(int(run.results[culprit][0]), 1)
     others = sorted((set(run.failed_at) | set(run.killed)) - {culprit})
     after = f"; stopped the other ranks ({others})" if others else ""
     text = run.errors[culprit].rstrip()
