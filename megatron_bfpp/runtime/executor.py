@@ -54,8 +54,7 @@ def forward(step: RankStep, position: int, action: Action) -> None:
     input_tensor = _forward_input(step, stage, mb)
     for part in step.parts.values():
         part.before_compute(step, stage)
-    capture = step.store.capture((stage, mb)) if step.measuring else contextlib.nullcontext()
-    with capture:
+    with step.store.capture((stage, mb)) if step.measuring else contextlib.nullcontext():
         output, num_tokens = forward_step(
             ctx.call.forward_step_func,
             ctx.data_iterators[chunk],
