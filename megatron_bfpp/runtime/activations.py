@@ -187,12 +187,7 @@ class ActivationStore:
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind ``tensors``: what they keep allocated together."""
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer:
-            seen[pointer] = storage.nbytes()
+    storages = (tensor.untyped_storage() for tensor in tensors if tensor is not None)
+    seen = {storage.data_ptr(): storage.nbytes() for storage in storages}
+    seen.pop(0, None)  # data_ptr 0: an empty storage, nothing allocated
     return sum(seen.values())

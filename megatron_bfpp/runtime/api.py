@@ -152,7 +152,6 @@ class ForwardBackwardFunc:
     prebuilt: Schedule | None = field(default=None, repr=False)
     last_trace: list[str] = field(default_factory=list, repr=False)
     last_memory: MemoryReport = field(default_factory=MemoryReport, repr=False)
-    # The prebuilt schedule planned (its posting), for training and for forward-only.
     _plans: dict[bool, PlannedSchedule] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ import torch
 from megatron_bfpp.ir import Action, ActionKind
 from megatron_bfpp.messages import Message, What
 from megatron_bfpp.runtime.p2p import Receive, Send
-from megatron_bfpp.runtime.step import Handlers, Key, RankStep, StepPart
+from megatron_bfpp.runtime.step import Handlers, Key, RankStep, StepPart, key_and_peer
 
 __all__ = ["HANDLERS", "Transfers"]
 
@@ -56,7 +56,7 @@ class Transfers(StepPart):
 def evict(step: RankStep, position: int, action: Action) -> None:
     """EV: pack the micro-batch's stored activations and send their size."""
     comm, stage = step.ctx.comm, action.stage
-    key, acceptor = _key_and_peer(action)
+    key, acceptor = key_and_peer(action)
     if key not in step.state.inputs:
         raise RuntimeError(f"EV of stage {stage}, micro-batch {key[1]}: nothing is stored")
     pipeline = [step.state.inputs[key]]
@@ -73,14 +73,14 @@ def evict(step: RankStep, position: int, action: Action) -> None:
 
 def evict_rest(step: RankStep, position: int, action: Action) -> None:
     """EV's payload, in the batch right after its size's."""
-    key, acceptor = _key_and_peer(action)
+    key, acceptor = key_and_peer(action)
     payload = step.part(Transfers).payloads.pop(key)
     step.window.sends.append(Send(Message(What.EVICT, *key), payload, acceptor))
 
 
 def accept(step: RankStep, position: int, action: Action) -> None:
     """AC: post the receive of an eviction's size."""
-    key, evictor = _key_and_peer(action)
+    key, evictor = key_and_peer(action)
     header = torch.empty(1, dtype=torch.int64, device=step.ctx.comm.device)
     step.window.receives.append(Receive(Message(What.EVICT, *key), evictor, (), header=header))
 
@@ -88,7 +88,7 @@ def accept(step: RankStep, position: int, action: Action) -> None:
 def accept_rest(step: RankStep, position: int, action: Action) -> None:
     """AC's payload: read the size (it came in the batch before) and receive that many bytes."""
     comm = step.ctx.comm
-    key, evictor = _key_and_peer(action)
+    key, evictor = key_and_peer(action)
     message = Message(What.EVICT, *key)
     payload = torch.empty(comm.read_header(message, evictor), dtype=torch.uint8, device=comm.device)
     step.window.receives.append(Receive(message, evictor, (payload,), more=True))
@@ -96,7 +96,7 @@ def accept_rest(step: RankStep, position: int, action: Action) -> None:
 
 def restore(step: RankStep, position: int, action: Action) -> None:
     """RS: send the partner's payload back, once it has arrived (a tick after the EV or later)."""
-    key, evictor = _key_and_peer(action)
+    key, evictor = key_and_peer(action)
     parts = step.ctx.comm.wait_parts(Message(What.EVICT, *key), evictor)
     step.window.sends.extend(Send(Message(What.RESTORE, *key), part, evictor) for part in parts)
 
@@ -104,18 +104,12 @@ def restore(step: RankStep, position: int, action: Action) -> None:
 def load(step: RankStep, position: int, action: Action) -> None:
     """LD: post the receive of an evicted payload coming back."""
     transfers = step.part(Transfers)
-    key, acceptor = _key_and_peer(action)
+    key, acceptor = key_and_peer(action)
     buffer = torch.empty(
         transfers.evicted_bytes.pop(key), dtype=torch.uint8, device=step.ctx.comm.device
     )
     transfers.loads[key] = (buffer, acceptor)
     step.window.receives.append(Receive(Message(What.RESTORE, *key), acceptor, (buffer,)))
-
-
-def _key_and_peer(action: Action) -> tuple[Key, int]:
-    # Transfers carry a micro-batch and a peer (ir.Action checks both at construction).
-    assert action.microbatch is not None and action.peer is not None
-    return (action.stage, action.microbatch), action.peer
 
 
 HANDLERS = Handlers(

@@ -9,7 +9,6 @@ when the schedule is planned (:class:`PlannedSchedule`); docs/design-notes.md, "
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +29,7 @@ from megatron_bfpp.runtime.step import (
     StepContext,
     StepState,
     dispatch_table,
+    key_and_peer,
 )
 
 __all__ = [
@@ -54,8 +54,7 @@ def forward(step: RankStep, position: int, action: Action) -> None:
     input_tensor = _forward_input(step, stage, mb)
     for part in step.parts.values():
         part.before_compute(step, stage)
-    capture = step.store.capture((stage, mb)) if step.measuring else contextlib.nullcontext()
-    with capture:
+    with step.store.capture((stage, mb)) if step.measuring else contextlib.nullcontext():
         output, num_tokens = forward_step(
             ctx.call.forward_step_func,
             ctx.data_iterators[chunk],
@@ -111,33 +110,25 @@ def overlapped(step: RankStep, position: int, action: Action) -> None:
 
 
 def send_act(step: RankStep, position: int, action: Action) -> None:
-    message, peer = _message_and_peer(action)
-    key = (action.stage, message.microbatch)
+    key, peer = key_and_peer(action)
     tensor = step.state.outputs[key]
     release = tensor if step.frees_outputs(action.stage) else None
     if step.ctx.call.forward_only:
         step.state.outputs.pop(key)
     # Detached now: a later EV in this window may empty the output's .data.
-    step.window.sends.append(Send(message, tensor.detach(), peer, release))
+    step.window.sends.append(Send(message_of(action), tensor.detach(), peer, release))
 
 
 def send_grad(step: RankStep, position: int, action: Action) -> None:
-    message, peer = _message_and_peer(action)
-    gradient = step.state.grads_to_send.pop((action.stage, message.microbatch))
-    step.window.sends.append(Send(message, gradient, peer))
+    key, peer = key_and_peer(action)
+    step.window.sends.append(Send(message_of(action), step.state.grads_to_send.pop(key), peer))
 
 
 def receive(step: RankStep, position: int, action: Action) -> None:
     """RECV_ACT / RECV_GRAD: post a buffer; only a training activation takes a gradient."""
-    message, peer = _message_and_peer(action)
+    message, peer = message_of(action), key_and_peer(action)[1]
     requires_grad = action.kind is K.RECV_ACT and not step.ctx.call.forward_only
     step.window.receives.append(Receive(message, peer, (step.ctx.comm.new_buffer(requires_grad),)))
-
-
-def _message_and_peer(action: Action) -> tuple[Message, int]:
-    peer = action.peer
-    assert peer is not None  # every p2p action has one (ir.Action checks it)
-    return message_of(action), peer
 
 
 def grad_sync(step: RankStep, position: int, action: Action) -> None:
@@ -183,11 +174,6 @@ class PlannedSchedule:
     schedule: Schedule
     posting: Posting
 
-    @functools.cached_property
-    def side(self) -> bool:
-        """Whether a rank posts payloads on a partner pair's group (BPipe): all make the groups."""
-        return self.posting.has_side
-
 
 def planned(schedule: Schedule) -> PlannedSchedule:
     """``schedule`` with its lock-step posting proven under NCCL's rules (``nccl.validate_nccl``,
@@ -214,15 +200,19 @@ def _run(step: RankStep, plan: PlannedSchedule) -> StepState:
     sharded = step.ctx.sharded
     if sharded is not None:
         sharded.begin_step()
-    parts = list(step.parts.values())
     with contextlib.ExitStack() as stack:
-        for part in parts:
+        for part in step.parts.values():
             part.begin(step)
             stack.callback(part.end, step)
-        step.enter_no_sync()
+        # every chunk's gradient reduction held until its last backward
+        for chunk, func in enumerate(step.per_chunk(step.ctx.config.no_sync_func)):
+            if func is not None:
+                context = func()
+                context.__enter__()
+                step.state.no_sync[chunk] = context
         # The partner pair's group, before the first payload batch (BPipe's payloads get
         # their own stream); every rank takes part (``pair_group`` is job-collective).
-        if plan.side and comm.side_group is None:  # partners x and p-1-x only: ``planned``
+        if plan.posting.has_side and comm.side_group is None:  # partners x and p-1-x only
             comm.side_group = pair_group(comm.group, comm.device)
         settle = not comm.sends_pollable
         program = step.program

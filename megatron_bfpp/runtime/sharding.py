@@ -90,14 +90,6 @@ class ShardedParameters:
         self.by_bucket = {
             id(bucket.megatron_bucket): bucket for state in self.chunks for bucket in state.buckets
         }
-        for index, state in enumerate(self.chunks):
-            state.ranges = {
-                param: (self.by_bucket[id(megatron_bucket)], start, end)
-                for param, (megatron_bucket, start, end) in param_bucket_ranges(
-                    state.module
-                ).items()
-            }
-            guard_zero_grad_buffer(state.module, self._zero_around(index))
         self.peak_bytes = 0
         self.peak_grad_bytes = 0
         self.zeroing_grad_bytes = 0  # the most held while zero_grad_buffer ran since the reset
@@ -106,6 +98,13 @@ class ShardedParameters:
         self.landed: set[int] = set()  # chunks whose kept gradient shard has this step's sum
         self.deferred: int | None = None  # the chunk kept whole until the embedding all-reduce
         for index, state in enumerate(self.chunks):
+            state.ranges = {
+                param: (self.by_bucket[id(megatron_bucket)], start, end)
+                for param, (megatron_bucket, start, end) in param_bucket_ranges(
+                    state.module
+                ).items()
+            }
+            guard_zero_grad_buffer(state.module, self._zero_around(index))
             self.release(index)
             _resize(state.grad_storages)
             state.grads_resident = False

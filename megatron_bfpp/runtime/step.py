@@ -31,6 +31,7 @@ __all__ = [
     "StepState",
     "Window",
     "dispatch_table",
+    "key_and_peer",
 ]
 
 Key = tuple[int, int]  # (stage, micro-batch)
@@ -242,15 +243,6 @@ class RankStep:
         """Pseudo-free a sent output once its send completes, as megatron-core does."""
         return bool(self.ctx.config.deallocate_pipeline_outputs) and not self.ctx.call.forward_only
 
-    def enter_no_sync(self) -> None:
-        """Hold every chunk's gradient reduction until its last backward."""
-        funcs = self.per_chunk(self.ctx.config.no_sync_func)
-        for chunk, func in enumerate(funcs):
-            if func is not None:
-                context = func()
-                context.__enter__()
-                self.state.no_sync[chunk] = context
-
     def leave_no_sync(self, chunk: int) -> None:
         context = self.state.no_sync.pop(chunk, None)
         if context is not None:
@@ -272,6 +264,12 @@ class RankStep:
         # One callable for every chunk: megatron-core's interleaved schedule enters it once for
         # all chunks; entering it per chunk would nest the same context, so only chunk 0 holds it.
         return [func] + [None] * (chunks - 1)
+
+
+def key_and_peer(action: Action) -> tuple[Key, int]:
+    """A point-to-point action's (stage, micro-batch) and peer (``ir.Action`` checks both)."""
+    assert action.microbatch is not None and action.peer is not None
+    return (action.stage, action.microbatch), action.peer
 
 
 def _last_positions(

@@ -214,9 +214,7 @@ def grad_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]
         module = unwrap(chunk)
         names = global_param_names(module)
         for name, param in module.named_parameters():
-            value = getattr(param, "main_grad", None)
-            if value is None:
-                value = param.grad
+            value = param.grad if (grad := getattr(param, "main_grad", None)) is None else grad
             if value is None:
                 continue
             dim, stride = tp_partition(param)
@@ -239,13 +237,10 @@ def merge_shards(per_rank: Iterable[dict[str, GradShard]]) -> dict[str, torch.Te
     for shards in per_rank:
         for name, shard in shards.items():
             key = shard.tp_rank if shard.partition_dim is not None else 0
-            held = pieces.setdefault(name, {})
-            if key in held:
-                if not torch.equal(held[key].tensor, shard.tensor):
-                    diff = (held[key].tensor - shard.tensor).abs().max().item()
-                    raise AssertionError(f"replicas of {name} differ (max abs diff {diff:g})")
-            else:
-                held[key] = shard
+            kept = pieces.setdefault(name, {}).setdefault(key, shard)
+            if kept is not shard and not torch.equal(kept.tensor, shard.tensor):
+                diff = (kept.tensor - shard.tensor).abs().max().item()
+                raise AssertionError(f"replicas of {name} differ (max abs diff {diff:g})")
     full: dict[str, torch.Tensor] = {}
     for name, held in pieces.items():
         first = next(iter(held.values()))
