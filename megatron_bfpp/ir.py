@@ -769,7 +769,19 @@ def _load_ours(rows: list[_Row], source: str) -> Schedule:
         raise ScheduleError(f"{source}: missing 'layout' or 'microbatches' row")
     layout = _header_layout(header["layout"], source)
     counted = header["microbatches"]
-    m = _header_count(counted, source)
+    values = [c.strip() for c in counted.cells[1:] if c.strip()]
+    if (
+        len(values) != 1
+        or not (values[0].isascii() and values[0].isdigit())
+        or len(values[0].lstrip("0")) > len(str(_MAX_INDEX))
+        or int(values[0]) < 1
+    ):
+        got = ", ".join(_shown(v, 12) for v in values[:3]) or "nothing"
+        raise ScheduleError(
+            f"{source}: row {counted.number}: the 'microbatches' row needs one integer from 1 "
+            f"to {_MAX_INDEX}, got {got}"
+        )
+    m = int(values[0])
     if len(programs) != layout.num_ranks:
         raise ScheduleError(
             f"{source}: {len(programs)} rank rows, but the 'layout' row (row "
@@ -815,22 +827,6 @@ def _header_layout(row: _Row, source: str) -> StageLayout:
         return StageLayout(tuple(ranks))
     except ScheduleError as error:
         raise ScheduleError(f"{source}: row {row.number}: {error}") from None
-
-
-def _header_count(row: _Row, source: str) -> int:
-    values = [c.strip() for c in row.cells[1:] if c.strip()]
-    if (
-        len(values) != 1
-        or not (values[0].isascii() and values[0].isdigit())
-        or len(values[0].lstrip("0")) > len(str(_MAX_INDEX))
-        or int(values[0]) < 1
-    ):
-        got = ", ".join(_shown(v, 12) for v in values[:3]) or "nothing"
-        raise ScheduleError(
-            f"{source}: row {row.number}: the 'microbatches' row needs one integer from 1 to "
-            f"{_MAX_INDEX}, got {got}"
-        )
-    return int(values[0])
 
 
 def _cell_problem(

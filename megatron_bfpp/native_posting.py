@@ -102,7 +102,6 @@ def megatron_posting(
         for rank in range(shape.num_ranks):
             builder = _Builder(schedule, rank, options, grad_sync, lowered)
             (_one_f_one_b if shape.num_chunks == 1 else _interleaved)(builder, shape)
-            builder.sync_remaining()
             lowered.steps.append(builder.finish())
     name = "as megatron-core posts it" + (
         " (p2p overlap)" if options.overlap_p2p else "" if options.batch_p2p else " (non-batched)"
@@ -271,13 +270,6 @@ class _Builder:
         if chunk is not None and chunk in self.grad_syncs:
             self.steps.append(self.grad_syncs.pop(chunk) * 4 + _RUN)
 
-    def sync_remaining(self) -> None:
-        """After the schedule's last p2p call: the reductions not started yet, in chunk order
-        (the interleaved schedule's ``synchronized_model_chunks`` loop, 1F1B's last
-        ``grad_sync_func``, or ``finalize_model_grads`` without ``overlap_grad_reduce``)."""
-        for chunk in sorted(self.grad_syncs):
-            self.steps.append(self.grad_syncs.pop(chunk) * 4 + _RUN)
-
     def output(self, position: int) -> int | None:
         """A forward's activation or a backward's input gradient, unless its stage is the
         pipeline's last (first): megatron-core sets the tensor to None there."""
@@ -329,6 +321,10 @@ class _Builder:
         return queue.popleft()
 
     def finish(self) -> list[int]:
+        """After the schedule's last p2p call: the reductions not started yet, in chunk order
+        (the interleaved schedule's ``synchronized_model_chunks`` loop, 1F1B's last
+        ``grad_sync_func``, or ``finalize_model_grads`` without ``overlap_grad_reduce``)."""
+        self.steps += [self.grad_syncs[chunk] * 4 + _RUN for chunk in sorted(self.grad_syncs)]
         posted = {i >> 1 for items in self.lowered.batch_items[self.first_batch :] for i in items}
         missing = [q for q, a in enumerate(self.actions) if a.kind.is_p2p and q not in posted]
         missing += self.computes[self.ran :]

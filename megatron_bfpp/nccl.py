@@ -1,17 +1,8 @@
-"""Point-to-point messages under NCCL's rules: how the runtime posts them (lock-step batches)
-and the model that proves a posting deadlock-free on NCCL before any message is sent.
-
-NCCL is stricter than gloo: one Work per ``batch_isend_irecv``, a process group's batches run one
-after another on one stream, and a batch completes only when every op in it is matched (a send
-waits until the receiver has *started* the batch holding its receive; no buffering is assumed).
-``lockstep_posting`` (what the runtime does) puts each message in the batch of the tick its sender
-posts it at in ``semantics.lockstep_replay`` (``TICKS``), one batch per rank and tick in one
-canonical order, so every op's partner is in the peer's batch of the same tick; BPipe's payloads go
-in a ``side`` batch on the pair's own group. ``check_posting`` runs any posting under these rules
-with a strict CPU per rank, waiting where the runtime waits (``semantics.Rules``, compiled by
-``program.Program``; ops paired by ``semantics.match_channels``), and reports a posting that cannot
-finish with its cycle of waits on the grid; ``posting_timer`` runs it with clocks. Both read a
-posting as integers (``_Lowered``). Details: docs/design-notes.md, "NCCL-safe posting".
+"""Point-to-point messages under NCCL's rules: how the runtime posts them (``lockstep_posting``: one
+batch per rank and tick, every op's partner in the peer's batch of the same tick) and the model
+(``check_posting``, with clocks ``posting_timer``) that proves a posting deadlock-free on NCCL
+before any message is sent, reading it as integers (``_Lowered``). The rules and why they hold:
+docs/design-notes.md, "NCCL-safe posting", and docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -515,8 +506,8 @@ class _Model:
         and ``channels`` with the rank's ops, in posting order."""
         lowered, program, actions = self.posting.lowered, self.program, self.schedule.per_rank[rank]
         wait, restores, compute, frees = program.wait[rank], program.restore[rank], _COMPUTE, _FREES
-        last, mbs, messages = self.schedule.num_stages - 1, program.microbatches, program.message
-        act = ACT * program.stage_span  # an activation's id: (act + stage + 1) * mbs + mb
+        last, mbs, messages = self.schedule.num_stages - 1, self.rules.microbatches, program.message
+        act = ACT * self.rules.span  # an activation's id: (act + stage + 1) * mbs + mb
         starts, positions, op_unit, send = self.op_start, self.op_position, self.op_unit, _SEND_BIT
         batches = self.rank_batches[rank], self.rank_batches[rank + 1]
         first, end = starts[batches[0]], starts[batches[1]]
@@ -578,7 +569,8 @@ class _Model:
                     for part in parts(actions[value]):
                         needs = [program.wait_of(part) * 4]  # -4 for none
                         if part.kind in frees and part.stage != last:
-                            needs.append(program.id(ACT, part.stage, part.microbatch or 0) * 4 + 2)
+                            sent = (act + part.stage + 1) * mbs + (part.microbatch or 0)
+                            needs.append(sent * 4 + 2)
                         for key in needs:
                             if key >= 0 and (unit := get(key, never)) < posted:
                                 add_step(unit * 4 + _WAIT)
@@ -601,7 +593,7 @@ class _Model:
         rules = self.rules
         rule, waited = rules.transfers[action.kind], rules.transfer_waits(action)
         if waited is not None and (rule.carries_data or self.op_key[op] & 1):
-            key = self.program.id_of(waited) * 4
+            key = rules.id(WHAT_CODE[waited.what], waited.stage, waited.microbatch) * 4
             for wanted in (key, key + 1) if rule.carries_data else (key,):
                 if (unit := holder.get(wanted)) is not None:
                     steps.append(unit * 4 + _WAIT)
@@ -663,7 +655,7 @@ class _Model:
         if transfer == p2p:
             self.op_time: list[float] = [p2p] * len(self.op_key)
         else:
-            per_what = self.program.stage_span * self.program.microbatches
+            per_what = self.rules.span * self.rules.microbatches
             restore, evict = WHAT_CODE[What.RESTORE], WHAT_CODE[What.EVICT]
             self.op_time = [
                 transfer

@@ -6,12 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_bfpp.ir import COMPUTE_KINDS, Action, ActionKind, Schedule
-from megatron_bfpp.messages import MESSAGE_TABLE, WHAT_CODE, Message
+from megatron_bfpp.messages import MESSAGE_TABLE, Message
 from megatron_bfpp.semantics import Rules
 
 __all__ = ["Program", "compiled"]
-
-K = ActionKind
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -28,20 +26,6 @@ class Program:
     # brought its activations back (``Rules.restored``), empty but for BPipe
     restore: tuple[dict[int, int], ...]
     wait_base: dict[ActionKind, list[int]]  # per compute kind and stage: ``wait``'s, of mb 0
-
-    @property
-    def stage_span(self) -> int:
-        return self.rules.span
-
-    @property
-    def microbatches(self) -> int:
-        return self.rules.microbatches
-
-    def id(self, what: int, stage: int, microbatch: int) -> int:
-        return self.rules.id(what, stage, microbatch)
-
-    def id_of(self, message: Message) -> int:
-        return self.rules.id(WHAT_CODE[message.what], message.stage, message.microbatch)
 
     def wait_of(self, action: Action) -> int:
         """What a plain compute action (a composite's part) waits for: ``wait``'s entry."""
@@ -60,7 +44,8 @@ def compile_program(schedule: Schedule) -> Program:
     waits = {kind: [base or -1 for base in rules.waits_for[kind]] for kind in COMPUTE_KINDS}
     # per p2p kind the id of its stage 0's message of micro-batch 0: ids are linear in the stage
     firsts = {kind: rules.id(what, offset, 0) for kind, (what, offset) in MESSAGE_TABLE.items()}
-    load = firsts.pop(K.LOAD)  # an LD's message is also the restore a later B / I waits for
+    # an LD's message is also the restore a later B / I waits for
+    load = firsts.pop(ActionKind.LOAD)
     first_of, waits_of, per_stage = firsts.get, waits.get, rules.microbatches
     messages, wait, restore = [], [], []
     for rank, actions in enumerate(schedule.per_rank):
@@ -72,7 +57,7 @@ def compile_program(schedule: Schedule) -> Program:
                 message_row[position] = first + action.stage * per_stage + action.microbatch  # type: ignore[operator]
             elif (bases := waits_of(kind)) is not None and (base := bases[action.stage]) >= 0:
                 wait_row[position] = base + action.microbatch  # type: ignore[operator]
-            elif kind is K.LOAD:
+            elif kind is ActionKind.LOAD:
                 message = load + action.stage * per_stage + action.microbatch  # type: ignore[operator]
                 loads[position] = message_row[position] = message
         messages.append(message_row)
