@@ -44,7 +44,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from operator import attrgetter
+from functools import partial
 from typing import Literal, NamedTuple, TypeVar
 
 from megatron_bfpp.ir import (
@@ -53,6 +53,7 @@ from megatron_bfpp.ir import (
     ActionKind,
     Schedule,
     ScheduleError,
+    _kind_of,
     parts,
     paused_gc,
 )
@@ -133,10 +134,7 @@ def action_duration(durations: Mapping[ActionKind, Number], action: Action) -> N
     if action.kind is not K.OVERLAP_F_B:
         return durations[action.kind]
     first, *rest = parts(action)
-    total = durations[first.kind]
-    for part in rest:
-        total += durations[part.kind]
-    return total
+    return sum((durations[part.kind] for part in rest), durations[first.kind])
 
 
 class Event(NamedTuple):
@@ -152,10 +150,6 @@ class Event(NamedTuple):
     kind: ActionKind
     start: float
     end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
 
 
 class Replay(NamedTuple):
@@ -190,15 +184,13 @@ def _replayed(schedule: Schedule, timing: Timing, implicit: bool | None = None) 
     """One run of ``replay``, again with ids for any micro-batch after an IndexError (a
     micro-batch past the count); a stage outside the layout is a ``ScheduleError``."""
     rules = Rules(schedule, implicit=implicit)
-    for any_microbatch in (False, True):
+    for _ in range(2):
         try:
-            if any_microbatch:
-                rules = Rules(schedule, implicit=rules.implicit, any_microbatch=True)
             run = Wires(rules, timing)
             run.run([_timed(run, rank) for rank in range(rules.num_ranks)])
             return run
         except IndexError:  # a micro-batch past the count, or a stage outside the layout
-            pass
+            rules = Rules(schedule, implicit=rules.implicit, any_microbatch=True)
     raise ScheduleError(
         f"{rules.schedule.name!r}: an action names a stage outside the layout; run "
         "validate_schedule for details"
@@ -313,7 +305,7 @@ class Rules:
         self.sends_for = self.outputs if self.implicit else dict.fromkeys(self.outputs, none)
         table = [*base, [-1] * num_stages]  # -1, the last row: nothing
         self.transfers = {
-            kind: Transfer(table[waits], table[sends], table[awaits], kind in _CARRIES_DATA)
+            kind: Transfer(table[waits], table[sends], table[awaits], sends in (EVICT, RESTORE))
             for kind, (waits, sends, awaits) in _TRANSFER_RULES.items()
         }
 
@@ -385,7 +377,6 @@ _TRANSFER_RULES = {
     _RS: (EVICT, RESTORE, RESTORE_POSTED),
     _LD: (-1, RESTORE_POSTED, -1),
 }
-_CARRIES_DATA = frozenset({_EV, _RS})
 _RESTORED = frozenset({_B, _I})  # what waits for an LD's restore
 
 
@@ -778,7 +769,7 @@ class Timeline:
         computes = compute_durations(timing)
         lanes = {_GS: timing.grad_sync, _PS: timing.param_sync}
         sent = {_SA: timing.p2p, _SG: timing.p2p, _EV: timing.transfer, _RS: timing.transfer}
-        user = self._user
+        user = partial(_user, self.per_unit)
         for a in rules.schedule.per_rank[rank]:
             kind, s, mb = a.kind, a.stage, a.microbatch
             if kind in computes or kind is _FB:
@@ -810,12 +801,10 @@ class Timeline:
                 end = start + duration
                 yield Event(rank, "p2p", str(a), s, mb, kind, user(start), user(end))
 
-    def _user(self, time: float) -> float:
-        """A replay time in user units; ``inf`` past the float range."""
-        try:
-            return time / self.per_unit
-        except OverflowError:  # an integer time beyond any float
-            return math.inf
 
-
-_kind_of = attrgetter("kind")
+def _user(per_unit: int, time: float) -> float:
+    """A replay time in the cost model's unit, rounded once; ``inf`` past the float range."""
+    try:
+        return time / per_unit
+    except OverflowError:  # an integer time beyond any float
+        return math.inf

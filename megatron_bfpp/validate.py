@@ -79,10 +79,7 @@ def validate_schedule(
     RL too, where a runner would otherwise reduce nothing during the step (the runtime, a CSV)."""
     scan = _scan(schedule)
     _raise(  # the first problem in the order of the module docstring
-        _first(scan.placement)
-        or _first(scan.duplicate)
-        or scan.incomplete(require_backward)
-        or _first(scan.order)
+        scan.complete(require_backward)
         or (scan.mismatched_channel() if require_communication or scan.with_comm else None)
         or scan.deadlock()
         or _grad_sync_problem(scan, require_grad_sync)
@@ -106,13 +103,7 @@ def validate_placement(schedule: Schedule) -> None:
 def validate_completeness(schedule: Schedule, *, require_backward: bool = True) -> None:
     """Exactly one F and one B (or one I and one W) per (stage, micro-batch), in local order.
     ``require_backward=False`` accepts a (stage, micro-batch) with no backward at all."""
-    scan = _scan(schedule)
-    _raise(
-        _first(scan.placement)
-        or _first(scan.duplicate)
-        or scan.incomplete(require_backward)
-        or _first(scan.order)
-    )
+    _raise(_scan(schedule).complete(require_backward))
 
 
 def validate_grad_sync(schedule: Schedule, *, required: bool = False) -> None:
@@ -184,15 +175,11 @@ class _Scan:
         self.rules = Rules(schedule)
         self.with_comm = not self.rules.implicit
         # Per stage: the rank of the previous / next stage when it is another rank (the peer of
-        # RA, SG / SA, RG), else -1; and whether that neighbour is on the same rank.
-        self.remote_in, self.remote_out = [-1] * num_stages, [-1] * num_stages
-        self.local_in, self.local_out = [False] * num_stages, [False] * num_stages
-        for stage in range(1, num_stages):
-            if stage_to_rank[stage - 1] == stage_to_rank[stage]:
-                self.local_in[stage] = self.local_out[stage - 1] = True
-            else:
-                self.remote_in[stage] = stage_to_rank[stage - 1]
-                self.remote_out[stage - 1] = stage_to_rank[stage]
+        # RA, SG / SA, RG; the ranks the rules send gradients / activations to), else -1; and
+        # whether that neighbour is on the same rank.
+        self.remote_in, self.remote_out = self.rules.output_rank[_B], self.rules.output_rank[_F]
+        same = [s > 0 and stage_to_rank[s - 1] == stage_to_rank[s] for s in range(num_stages)]
+        self.local_in, self.local_out = same, [*same[1:], False]
         size = num_stages * schedule.num_microbatches
         # F, B, I, W done; RA, RG posted; EV, LD done (each on the stage's own rank).
         self.flags = tuple(bytearray(size) for _ in range(8))
@@ -239,10 +226,9 @@ class _Scan:
 
     def note_backward(self, rank: int, position: int, key: int) -> None:
         """A B, I or W whose (stage, micro-batch) already has one of them: a repeat, or B
-        mixed with I / W (reported by ``incomplete``)."""
-        kind = self.acting(rank, position).kind
-        _, b_done, i_done, w_done = self.flags[:4]
-        if {_B: b_done, _I: i_done, _W: w_done}[kind][key]:
+        mixed with I / W (reported by ``complete``)."""
+        kind = self.acting(rank, position).kind  # flags 1, 2, 3: B, I, W done
+        if self.flags[(_B, _I, _W).index(kind) + 1][key]:
             self.repeated(rank, position)
         else:
             self.mixed = True
@@ -266,17 +252,19 @@ class _Scan:
             problem = _ORDER[rule].format(stage=stage, mb=mb, prev=stage - 1, next=stage + 1)
             self.order[rank] = _at(self.schedule, rank, position, problem, a)
 
-    def incomplete(self, require_backward: bool) -> ScheduleError | None:
-        """The first (stage, micro-batch) without exactly one F and one complete backward. Counting
-        the flags suffices while nothing else is wrong: keys are in range, B never meets I or W on
-        one key, and every W follows its I. Otherwise look key by key."""
+    def complete(self, require_backward: bool) -> ScheduleError | None:
+        """Checks 1 to 3. Counting the flags proves each (stage, micro-batch) complete while
+        nothing else is wrong (keys in range, B never with I or W on one key, every W after its I);
+        otherwise ``_missing_action`` looks key by key."""
+        if problem := _first(self.placement) or _first(self.duplicate):
+            return problem
         size = len(self.flags[0])
         count_f, count_b, count_i, count_w = (flags.count(1) for flags in self.flags[:4])
-        trusted = not (self.mixed or self.order or self.duplicate)
+        trusted = not (self.mixed or self.order)
         backward_ok = count_i == count_w and (count_b + count_i == size or not require_backward)
-        if trusted and count_f == size and backward_ok:
-            return None
-        return _missing_action(self.schedule, self.flags, require_backward)
+        if not (trusted and count_f == size and backward_ok):
+            problem = _missing_action(self.schedule, self.flags, require_backward)
+        return problem or _first(self.order)
 
     def mismatched_channel(self) -> ScheduleError | None:
         """The first channel (in rank order) whose two sides differ, at the first difference."""
@@ -663,7 +651,8 @@ def _rank_grad_sync_problem(scan: _Scan, rank: int) -> ScheduleError | None:
                 return _at(schedule, rank, position, f"gathers stage {stage}'s parameters a "
                            f"second time (first {stage}PS at step {gathered[stage]}); keep one "
                            "PS per chunk, before its first use")  # fmt: skip
-            first = _first_of(actions[:position], stages)[stage]
+            uses = primitives(actions[:position])  # an overlapped pair: both parts' stages
+            first = next((p for p, a in uses if a.kind.is_compute and a.stage == stage), position)
             if position > first:
                 return _at(schedule, rank, position, f"gathers stage {stage}'s parameters after "
                            f"their first use ({actions[first]} at step {first}); move the PS "
@@ -676,21 +665,6 @@ def _rank_grad_sync_problem(scan: _Scan, rank: int) -> ScheduleError | None:
                        f"no GS, so its gradients are never reduced across data-parallel "
                        f"replicas; add {stage}GS after it")  # fmt: skip
     return None
-
-
-def _first_of(actions: tuple[Action, ...], stages: tuple[int, ...]) -> dict[int, int]:
-    """Position of each stage's first compute action (len(actions) if none), read from the
-    front only until every stage has one."""
-    first = dict.fromkeys(stages, len(actions))
-    missing = set(stages)
-    for position, action in enumerate(actions):  # an overlapped pair: both parts' stages count
-        if action.kind.is_compute and (action.stage in missing or action.kind is _FB):
-            for stage in {part.stage for part in parts(action)} & missing:
-                first[stage] = position
-                missing.discard(stage)
-            if not missing:
-                break
-    return first
 
 
 def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | None:
@@ -727,7 +701,7 @@ def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | N
 def _missing_action(
     schedule: Schedule, flags: tuple[bytearray, ...], require_backward: bool
 ) -> ScheduleError | None:
-    """``_Scan.incomplete`` key by key, in (stage, micro-batch) order."""
+    """``_Scan.complete``'s count, key by key, in (stage, micro-batch) order."""
     f_done, b_done, i_done, w_done = flags[:4]
     num_mb = schedule.num_microbatches
     for stage in range(schedule.num_stages):

@@ -29,7 +29,6 @@ _TRANSFERS = {
     K.RESTORE: (True, RESTORE),
     K.LOAD: (False, RESTORE),
 }
-_RECEIVES = frozenset({K.RECV_ACT, K.RECV_GRAD, K.ACCEPT, K.LOAD})
 _Note = Callable[[object], None]
 _Channels = dict[tuple[int, int], tuple[list[object], list[object]]]
 # A compute action's receive: peer (-1: none), where to note it, its slot (a key less
@@ -150,7 +149,7 @@ def add_communication(schedule: Schedule) -> Schedule:
         positions = [
             position
             for position, action in enumerate(program)
-            if action.peer == source and action.kind in _RECEIVES
+            if action.peer == source and action.kind.is_recv
         ]
         indices = [send_index.get(message, -1) for message in receives]
         programs[rank] = _reorder_rank(program, positions, indices)

@@ -5,6 +5,7 @@ other's compute: docs/architecture.md, "Composite actions: overlapped pairs"."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import pairwise
 
 from megatron_bfpp.ir import Action, ActionKind, Composite, Schedule, ScheduleError
 from megatron_bfpp.validate import validate_deadlock_free
@@ -22,9 +23,8 @@ def overlap_pairs(schedule: Schedule) -> list[Pair]:
     candidates: list[Pair] = []
     for actions in schedule.per_rank:
         computes = [action for action in actions if action.kind.is_compute]
-        index = 0
-        while index + 1 < len(computes):
-            first, then = computes[index], computes[index + 1]
+        neighbours = pairwise(computes)
+        for first, then in neighbours:
             if (
                 first.kind is K.FORWARD
                 and (then.kind is K.BACKWARD or then.kind is K.BACKWARD_INPUT)
@@ -32,9 +32,7 @@ def overlap_pairs(schedule: Schedule) -> list[Pair]:
                 and first.microbatch != then.microbatch
             ):
                 candidates.append((first, then))
-                index += 2
-            else:
-                index += 1
+                next(neighbours, None)  # ``then`` is taken: the next pair starts after it
     kept: list[Pair] = []
     for pair in candidates:
         try:

@@ -9,7 +9,7 @@ from fractions import Fraction
 from typing import Any, NamedTuple
 
 from megatron_bfpp.ir import ActionKind, ScheduleError
-from megatron_bfpp.semantics import Timing
+from megatron_bfpp.semantics import Timing, compute_durations
 
 __all__ = ["CostModel", "ExactTiming", "cost_fields", "cost_flag"]
 
@@ -72,12 +72,8 @@ class CostModel:
 
     def compute_time(self, kind: ActionKind, stage_fraction: float = 1.0) -> float:
         """One compute action's duration on a stage of ``stage_fraction``, ``t_host`` included."""
-        full = {
-            ActionKind.FORWARD: self.t_forward,
-            ActionKind.BACKWARD: self.t_backward,
-            ActionKind.BACKWARD_INPUT: self.t_backward - self.t_weight,
-            ActionKind.BACKWARD_WEIGHT: self.t_weight,
-        }
+        split = self.t_backward - self.t_weight  # I, the input-gradient part
+        full = compute_durations(Timing(self.t_forward, self.t_backward, split, self.t_weight))
         if kind not in full:
             raise ScheduleError(f"{kind.name} is not a compute action (F, B, I or W)")
         return full[kind] * stage_fraction + self.t_host

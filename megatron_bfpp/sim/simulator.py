@@ -4,7 +4,6 @@ rounding (docs/simulator.md, "Timing models"; docs/design-notes.md, "Simulator")
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -34,6 +33,7 @@ from megatron_bfpp.semantics import (
     Replay,
     Timeline,
     Timing,
+    _user,
     describe_waits,
     replay,
 )
@@ -199,7 +199,7 @@ def simulated_step(
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, None)
     (clock, dp_end, busy, _), per_unit, _ = _clocks(schedule, costs, p2p, None, grad_reduce)
     step = max(map(max, clock, dp_end), default=0)
-    return _user(step, per_unit), _bubble(step, busy)
+    return _user(per_unit, step), _bubble(step, busy)
 
 
 def _bubble(step: float, busy: Sequence[float]) -> float:
@@ -267,7 +267,6 @@ def simulate_steady(
         if line is not None:
             lengths, fields = line
             per_unit = costs.exact(schedule.layout.exact_stage_fraction).per_unit
-
             rerun = partial(simulate, schedule, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
             timeline = PostingTimeline(lambda: list(rerun().events))  # in user units already
             result = _result(schedule, costs, fields, per_unit, p2p, timeline, grad_reduce)
@@ -427,7 +426,7 @@ class PostingTimeline:
         if self._events is None:
             per_unit = self.per_unit
             self._events = tuple(
-                e._replace(start=_user(e.start, per_unit), end=_user(e.end, per_unit))
+                e._replace(start=_user(per_unit, e.start), end=_user(per_unit, e.end))
                 for e in self._raw()
             )
         return self._events
@@ -458,16 +457,16 @@ def _result(
         per_rank.append(
             RankMetrics(
                 rank=rank,
-                busy_time=_user(busy[rank], per_unit),
+                busy_time=_user(per_unit, busy[rank]),
                 bubble_fraction=_ratio(step - busy[rank], step),
                 peak_activations=peak[rank] * schedule.layout.stage_fraction,
                 peak_parameters=_peak(schedule.resident_parameters, schedule, rank, sharded),
                 peak_gradients=_peak(schedule.resident_gradients, schedule, rank, sharded),
                 grad_syncs=countOf(kinds, ActionKind.GRAD_SYNC),
                 param_syncs=countOf(kinds, ActionKind.PARAM_SYNC),
-                exposed_dp_comm_time=_user(exposed, per_unit),
-                compute_end=_user(clock[rank], per_unit),
-                end_time=_user(ends[rank], per_unit),
+                exposed_dp_comm_time=_user(per_unit, exposed),
+                compute_end=_user(per_unit, clock[rank]),
+                end_time=_user(per_unit, ends[rank]),
             )
         )
     return SimResult(
@@ -475,7 +474,7 @@ def _result(
         num_ranks=num_ranks,
         num_chunks=schedule.num_chunks,
         num_microbatches=schedule.num_microbatches,
-        step_time=_user(step, per_unit),
+        step_time=_user(per_unit, step),
         bubble_fraction=_bubble(step, busy),
         exposed_dp_comm_time=max((r.exposed_dp_comm_time for r in per_rank), default=0.0),
         per_rank=tuple(per_rank),
@@ -500,14 +499,6 @@ def _peak(
     if not schedule.per_rank[rank]:
         return 0.0
     return schedule.num_chunks * schedule.layout.stage_fraction
-
-
-def _user(time: float, per_unit: int) -> float:
-    """A replay time in the cost model's unit, rounded once; ``inf`` past the float range."""
-    try:
-        return time / per_unit
-    except OverflowError:
-        return math.inf
 
 
 def _ratio(part: float, whole: float) -> float:
