@@ -151,6 +151,10 @@ class Event(NamedTuple):
     start: float
     end: float
 
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
 
 class Replay(NamedTuple):
     """What ``replay`` found, in ``Timing``'s units (integers when its durations are).
