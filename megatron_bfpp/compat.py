@@ -83,9 +83,6 @@ class TorchWindow:
     first: tuple[int, int]
     tested: tuple[str, ...]
 
-    def __str__(self) -> str:
-        return f"torch {' and '.join(self.tested)}"
-
 
 # The one statement of the torch window (setup.py, scripts/setup.sh: tests/unit/test_versions.py).
 TORCH_WINDOW = TorchWindow(first=(2, 13), tested=("2.13.0", "2.14.1"))
@@ -172,10 +169,9 @@ def backward_step(
     """megatron-core's ``backward_step``: 0.16 takes ``model_type`` before ``config``."""
     from megatron.core.pipeline_parallel import schedules
 
-    if _at_least(0, 17):
-        return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+    before_config = () if _at_least(0, 17) else (model_type,)
     return schedules.backward_step(
-        input_tensor, output_tensor, output_tensor_grad, model_type, config
+        input_tensor, output_tensor, output_tensor_grad, *before_config, config
     )
 
 

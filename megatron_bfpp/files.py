@@ -1,9 +1,7 @@
-"""Every file the product writes lands where the user said: :func:`write_output` writes every
-report, profile, picture, trace, CSV and checkpoint tracker, :func:`make_dirs` creates every
-directory a run fills. A device, FIFO or socket (``/dev/null``) is written in place (replacing it
-would swap the device node for a regular file); a symbolic link is followed (a rename over it would
-replace the link); a regular file, or a new one, is replaced atomically (a temporary file beside it,
-synced, renamed over it, the old permissions kept). Torch-free: every layer may use it."""
+"""Every file the product writes (:func:`write_output`) and directory it fills (:func:`make_dirs`)
+lands where the user said: a device, FIFO or socket (``/dev/null``) written in place and a symbolic
+link followed (a rename would replace either), a regular or new file replaced atomically (a
+temporary file beside it, synced, renamed over it, the old permissions kept). Torch-free."""
 
 from __future__ import annotations
 

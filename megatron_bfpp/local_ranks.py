@@ -1,10 +1,6 @@
-"""Fork N ranks on this machine that meet on one ``TCPStore``: the one local process launcher.
-
-bfpp-train uses it when not started by torchrun (``--nproc-per-node``, CPU ranks by default), and
-so does every multi-rank test (``megatron_bfpp.testing.multirank``): tests launch what users do.
-Why it forks, how it finds its port, never hangs and reaps every descendant:
-docs/architecture.md#the-local-launcher.
-"""
+"""Fork N ranks on this machine that meet on one ``TCPStore``: the one local process launcher,
+bfpp-train's without torchrun and every multi-rank test's, so tests launch what users do (why it
+forks, never hangs and reaps every descendant: docs/architecture.md#the-local-launcher)."""
 
 from __future__ import annotations
 
@@ -132,11 +128,10 @@ def fork_ranks(
     procs: list[Any] = []
     readers: dict[Connection, int] = {}
     beats: Any = ctx.RawArray("d", world_size)  # shared: each rank's last heartbeat (monotonic)
-    launcher = os.getpid()
 
     def start(rank: int, port: int, port_writer: Connection | None) -> None:
         stack_path = None if stack_dir is None else str(stack_dir / f"stack.{rank}")
-        spec = _Rank(rank, world_size, port, store_timeout, stack_path, launcher, warn_once)
+        spec = _Rank(rank, world_size, port, store_timeout, stack_path, os.getpid(), warn_once)
         reader, writer = ctx.Pipe(duplex=False)
         beats[rank] = time.monotonic()
         proc = ctx.Process(
@@ -454,8 +449,7 @@ def _wait_time(watch: _Watch, first_error: float | None) -> float | None:
     """Seconds until the deadline, the end of the grace period or the next heartbeat check."""
     grace_end = None if first_error is None else first_error + watch.error_grace
     limits = [end for end in (watch.deadline, grace_end) if end is not None]
-    now = time.monotonic()
-    wait_s = min(limits) - now if limits else None
+    wait_s = min(limits) - time.monotonic() if limits else None
     if watch.heartbeat_timeout is not None:
         wait_s = HEARTBEAT_INTERVAL if wait_s is None else min(wait_s, HEARTBEAT_INTERVAL)
     return wait_s

@@ -1,9 +1,6 @@
-"""What travels between pipeline ranks.
-
-A point-to-point action (SA, RA, SG, RG; BPipe's EV, AC, RS, LD) sends or receives one
-``Message`` (``message_of``), the same for passes, validator, simulator and runtime. Hot loops
-key messages by an integer, ``semantics.Rules.id``, several times cheaper to hash than a tuple.
-"""
+"""What travels between pipeline ranks: the one ``Message`` a point-to-point action (SA, RA, SG,
+RG; BPipe's EV, AC, RS, LD) sends or receives, alike for passes, validator, simulator and runtime;
+hot loops key it by an integer (``semantics.Rules.id``), several times cheaper to hash."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.compat import megatron_core_version
 from megatron_bfpp.files import write_output
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.presets import Model
@@ -67,8 +68,6 @@ def measure_stage(
             warmup=warmup,
             iterations=iterations,
         )
-    from megatron_bfpp.compat import megatron_core_version
-
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else _cpu_name()
     return StageProfile(
         device=name,

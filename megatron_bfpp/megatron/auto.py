@@ -139,12 +139,8 @@ def auto_inputs(
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
-    spans: list[list[int]] = []
-    for rank in ranks:
-        if spans and rank == spans[-1][-1] + 1:
-            spans[-1].append(rank)
-        else:
-            spans.append([rank])
+    runs = itertools.groupby(enumerate(ranks), key=lambda pair: pair[1] - pair[0])
+    spans = [[rank for _, rank in run] for _, run in runs]  # runs of consecutive ranks
     text = ", ".join(str(s[0]) if len(s) == 1 else f"{s[0]}-{s[-1]}" for s in spans)
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
@@ -282,13 +278,6 @@ def _has_dropout(config: Any) -> bool:
     )
 
 
-def _megatron_vp(args: Any, pp: int) -> int | None:
-    vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    if per_stage := getattr(args, "num_layers_per_virtual_pipeline_stage", None):
-        vp = arguments.stages_of_layers(int(args.num_layers) // pp, int(per_stage))
-    return int(vp) if vp else None
-
-
 def split_world(config: Any, world: int, *, megatron: bool = False) -> tuple[int, int, int, int]:
     """``(tp, pp, cp, dp)``: the parallel sizes Megatron-LM's ``args`` or a ``TransformerConfig``
     name alike, and the data-parallel size they leave of ``world`` ranks (in either's words)."""
@@ -330,6 +319,10 @@ def megatron_request(
     # ends), every step's micro-batches checked; its global_batch_size would be mbs x dp
     steps = step_batch_sizes(args)
     granularity = getattr(args, "recompute_granularity", None)
+    model = _megatron_model(args)  # its refusals before vp's, in the request's field order
+    vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if per_stage := getattr(args, "num_layers_per_virtual_pipeline_stage", None):
+        vp = arguments.stages_of_layers(int(args.num_layers) // pp, int(per_stage))
     unavailable = [
         (name, f"Megatron-LM's {flag} does not run with a V-shape")
         for flag in arguments.given_flags(args, arguments.NO_V_SHAPE_FLAGS)
@@ -337,7 +330,7 @@ def megatron_request(
         if spec.placement is Placement.V_SHAPE
     ]
     return AutoRequest(
-        model=_megatron_model(args),
+        model=model,
         tp=tp,
         pp=pp,
         dp=dp,
@@ -356,7 +349,7 @@ def megatron_request(
         sharding=sharding if sharding in SHARDING_STRATEGIES else "optim",  # else Megatron-FSDP's
         distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
         gpus_per_node=gpus_per_node_from_env(env, world_size),
-        vp=_megatron_vp(args, pp),
+        vp=int(vp) if vp else None,
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         group_size=getattr(args, "breadth_first_group_size", None),
         max_stored=getattr(args, "bpipe_max_stored", None),

@@ -41,7 +41,7 @@ def enable_cpu_megatron() -> None:
         import megatron.core.tensor_parallel.random as mrandom
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        _patches.patch(torch.cuda, "current_device", _current_device)
+        _patches.patch(torch.cuda, "current_device", lambda: _CPU)
         _patches.patch(torch.cuda, "synchronize", _nothing)
         _patches.patch(torch.cuda, "Stream", _Synchronous)
         _patches.patch(torch.cuda, "Event", _Synchronous)
@@ -83,10 +83,6 @@ def _is_cuda(device: Any) -> bool:
         return device.startswith("cuda")
     # A bare int is a CUDA index for torch factories (bool is no device).
     return isinstance(device, int) and not isinstance(device, bool)
-
-
-def _current_device() -> torch.device:
-    return _CPU
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:

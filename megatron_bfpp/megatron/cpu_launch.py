@@ -29,7 +29,7 @@ def enable_cpu_megatron_lm() -> None:
 
     cpu.enable_cpu_megatron()
     _patches.patch(torch.cuda, "set_device", cpu._nothing)
-    _patches.patch(torch.cuda, "device_count", _device_count)
+    _patches.patch(torch.cuda, "device_count", lambda: 1)
     _patches.patch(torch.cuda, "get_rng_state", cpu._get_rng_state)
     _patches.patch(torch.cuda, "set_rng_state", cpu._set_rng_state)
     dist = torch.distributed
@@ -55,10 +55,6 @@ def disable_cpu_megatron_lm() -> None:
 
     _patches.restore()
     disable_cpu_megatron()
-
-
-def _device_count() -> int:
-    return 1
 
 
 def _gloo_init(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -101,12 +101,21 @@ def install() -> None:
         if _patches:
             return
         check_megatron_core()
-        torch_warning = check_torch()
-        if torch_warning and os.environ.get("RANK", "0") == "0":
+        if (torch_warning := check_torch()) and os.environ.get("RANK", "0") == "0":
             _log_once(torch_warning)
         core = [importlib.import_module(name) for name in CORE_SITES]
         _megatron_get_fbf = core[0].get_forward_backward_func
-        training_modules = _import_training()
+        training_modules: tuple[Any, ...] | None = None
+        try:
+            training_modules = tuple(
+                importlib.import_module(f"megatron.training.{n}") for n in TRAINING_MODULES
+            )
+        except ImportError as error:
+            log.info(
+                "megatron_bfpp.install: Megatron-LM's megatron.training is not importable (%s); "
+                "patched megatron-core's get_forward_backward_func only (use set_schedule())",
+                error,
+            )
         _training_available = training_modules is not None
         try:
             for module in core:
@@ -219,18 +228,6 @@ def _cached_forward_backward_func(
     return ours(name, data_parallel_sharding_strategy=sharding, **dict(options))
 
 
-def _import_training() -> tuple[Any, ...] | None:
-    try:
-        return tuple(importlib.import_module(f"megatron.training.{n}") for n in TRAINING_MODULES)
-    except ImportError as error:
-        log.info(
-            "megatron_bfpp.install: Megatron-LM's megatron.training is not importable (%s); "
-            "patched megatron-core's get_forward_backward_func only (use set_schedule())",
-            error,
-        )
-        return None
-
-
 def _megatron_lm_args() -> Any:
     if not _training_available:
         return None
@@ -249,7 +246,7 @@ def _wrap_add_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
         if os.environ.get("LOCAL_RANK", "0") != "0":
             # Every rank parses the same arguments: local rank 0 prints an argparse error and
             # its usage (once per node, not once per rank), the others exit with its code.
-            parser.error = _exit_quietly
+            parser.error = lambda message: quiet_exit(2)
         options = {o for action in getattr(parser, "_actions", ()) for o in action.option_strings}
         if "--pipeline-schedule" not in options:
             add_schedule_arguments(parser)
@@ -263,10 +260,6 @@ def _wrap_add_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
 
     add_megatron_arguments.__dict__["megatron_bfpp_wrapped"] = True
     return add_megatron_arguments
-
-
-def _exit_quietly(message: str) -> NoReturn:
-    quiet_exit(2)
 
 
 def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
