@@ -83,6 +83,9 @@ class TorchWindow:
     first: tuple[int, int]
     tested: tuple[str, ...]
 
+    def __str__(self) -> str:
+        return f"torch {' and '.join(self.tested)}"
+
 
 # The one statement of the torch window (setup.py, scripts/setup.sh: tests/unit/test_versions.py).
 TORCH_WINDOW = TorchWindow(first=(2, 13), tested=("2.13.0", "2.14.1"))
