@@ -531,16 +531,19 @@ def test_divisors_come_from_the_square_root() -> None:
     "path", sorted((Path(__file__).resolve().parents[2] / "docs" / "profiles").glob("*.json"))
 )
 def test_shipped_gpu_profiles_load_and_say_what_the_docs_say(path: Path) -> None:
-    """The H100 profiles in docs/profiles/ are valid data for ``recommend --profile``, and the
-    figures docs/planner.md draws from them hold: I + W within 5% of B, W well under half of B."""
+    """The H100 and H200 profiles in docs/profiles/ are valid data for ``recommend --profile``,
+    and the figures docs/planner.md draws from them hold: I + W within 6% of B, W well under half
+    of B; the H200 ones, recorded since ``t_host`` is measured, carry it (about 0.09 ms)."""
     profile = load_profile(path)
-    assert profile.device.startswith("NVIDIA H100") and profile.dtype == "bf16"
+    assert profile.device.startswith(("NVIDIA H100", "NVIDIA H200")) and profile.dtype == "bf16"
+    if profile.device.startswith("NVIDIA H200"):
+        assert profile.t_host is not None and 1e-5 < profile.t_host < 1e-3
     curve = ProfileCurve.from_profile(profile, get_gpu("h100-80gb"))
     assert 0 < curve.forward(1.0) < 1
     for row in profile.measurements:
         assert row.backward_input_s is not None and row.backward_weight_s is not None
         split = row.backward_input_s + row.backward_weight_s
-        assert abs(split / row.backward_s - 1) <= 0.05
+        assert abs(split / row.backward_s - 1) <= 0.06
         assert row.backward_weight_s / row.backward_s < 0.4
 
 
