@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from fractions import Fraction
-from itertools import accumulate
+from itertools import accumulate, groupby
 from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple
@@ -638,6 +638,7 @@ class _TorchCell(NamedTuple):
     stage: int
     kind: str
     microbatch: int | None
+    grouped: str = ""  # the OVERLAP_F_B cell's text it is part of
 
 
 def dump_csv_text(schedule: Schedule) -> str:
@@ -936,14 +937,38 @@ def _load_torch(rows: list[_Row], source: str) -> Schedule:
     m, counted = _torch_microbatches(cells, layout, source)
     lowered = any(cell.kind in _TORCH_LOWERING for row_cells in cells for cell in row_cells)
     programs = [
-        tuple(
-            (cell.column, _torch_action(cell, rank, layout, f"{source}: row {row.number}"))
-            for cell in row_cells
-            if lowered or cell.kind != "REDUCE_GRAD"
+        _torch_program(
+            [cell for cell in row_cells if lowered or cell.kind != "REDUCE_GRAD"],
+            rank,
+            layout,
+            f"{source}: row {row.number}",
         )
         for rank, (row, row_cells) in enumerate(zip(rows, cells, strict=True))
     ]
     return _checked_schedule(layout, m, rows, programs, "torch-csv", source, counted=counted)
+
+
+def _torch_program(
+    cells: list[_TorchCell], rank: int, layout: StageLayout, row: str
+) -> tuple[tuple[int, Action], ...]:
+    """One row's actions by column; an OVERLAP_F_B cell's two actions become our overlapped
+    pair (``Composite``: it waits, lasts and sends as torch's group does)."""
+    program: list[tuple[int, Action]] = []
+    for column, group in groupby(cells, key=attrgetter("column", "grouped")):
+        actions = [_torch_action(cell, rank, layout, row) for cell in group]
+        if not column[1]:
+            program += [(column[0], action) for action in actions]
+            continue
+        if len(actions) != 2:
+            raise ScheduleError(
+                f"{row}, column {column[0]}: {_shown(column[1])}: an OVERLAP_F_B group runs one "
+                f"forward and one backward, got {len(actions)} action(s)"
+            )
+        try:
+            program.append((column[0], Composite(*actions)))
+        except ScheduleError as error:
+            raise ScheduleError(f"{row}, column {column[0]}: {error}") from None
+    return tuple(program)
 
 
 def _torch_microbatches(
@@ -980,7 +1005,10 @@ def _torch_cell(text: str, column: int, where: str) -> list[_TorchCell]:
     parts, kind = group.groups()
     if kind != "OVERLAP_F_B":
         raise ScheduleError(f"{where}: {_shown(text)}: only OVERLAP_F_B groups actions, not {kind}")
-    inner = [_torch_single(part.strip(), column, where) for part in parts.split(";")]
+    inner = [
+        _torch_single(part.strip(), column, where)._replace(grouped=text)
+        for part in parts.split(";")
+    ]
     for cell in inner:
         if cell.kind not in _TORCH_COMPUTE:
             raise ScheduleError(

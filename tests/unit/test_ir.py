@@ -214,7 +214,7 @@ def _texts(schedule: Schedule) -> list[list[str]]:
     return [[str(a) for a in actions] for actions in schedule.per_rank]
 
 
-def test_torch_overlap_cells_open_in_order_and_compute_only_reduce_grad_is_dropped() -> None:
+def test_torch_overlap_cells_become_pairs_and_compute_only_reduce_grad_is_dropped() -> None:
     # Shapes torch writes: DualPipeV's OVERLAP_F_B groups, GPipe's REDUCE_GRAD, idle cells.
     text = (
         "0F0,0F1,3F0,(0F2;3B0)OVERLAP_F_B,3F1,3B1,3F2,3B2,0B0,0B1,0B2,0REDUCE_GRAD,3REDUCE_GRAD\n"
@@ -223,9 +223,24 @@ def test_torch_overlap_cells_open_in_order_and_compute_only_reduce_grad_is_dropp
     schedule = load_csv_text(text)
     assert schedule.layout == StageLayout.v_shape(2)
     assert schedule.num_microbatches == 3
-    assert _texts(schedule)[0][3:5] == ["0F2", "3B0"]
-    assert _texts(schedule)[1][5:7] == ["1F2", "2B1"]
+    # an OVERLAP_F_B group is our overlapped pair: it waits, lasts and sends as torch's group
+    assert _texts(schedule)[0][3:5] == ["0F2&3B0", "3F1"]
+    assert _texts(schedule)[1][5:7] == ["1F2&2B1", "2F2"]
     assert not any(a.kind is K.GRAD_SYNC for _, _, a in schedule.iter_actions())
+
+
+@pytest.mark.parametrize(
+    ("cell", "message"),
+    [
+        ("(0F1;3W0)OVERLAP_F_B", r"column 2: an overlapped pair is a forward and then a backward"),
+        ("(0F0;3B0)OVERLAP_F_B", r"column 2: .*joins a forward and a backward of different"),
+        ("(0F1;3B0;3F1)OVERLAP_F_B", r"column 2: '\(0F1;3B0;3F1\)OVERLAP_F_B': an OVERLAP_F_B "),
+    ],
+)
+def test_a_torch_group_that_is_no_pair_is_one_line(cell: str, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message) as info:
+        load_csv_text(f"0F0,{cell},0B0,0B1\n,1F0,2F0,1F1,2B0,2F1,2B1,1B0,1B1\n")
+    assert "\n" not in str(info.value)
 
 
 def test_torch_lowered_cells_map_to_ours_with_peers_from_the_layout() -> None:

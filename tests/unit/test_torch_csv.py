@@ -14,7 +14,7 @@ pytest.importorskip("torch.distributed.pipelining")
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from megatron_bfpp.cli.sim import schedule_from_csv
-from megatron_bfpp.ir import ActionKind, ScheduleError, load_csv
+from megatron_bfpp.ir import ActionKind, ScheduleError, load_csv, parts
 from megatron_bfpp.sim import CostModel, simulate
 from tests import torch_pipelining as tp
 
@@ -43,7 +43,12 @@ def _build(cls: type[Any], per_rank: int, pp: int, m: int, **options: Any) -> An
 
 
 def _compute(schedule: Any) -> list[list[str]]:
-    return [[str(a) for a in actions if a.kind.is_compute] for actions in schedule.per_rank]
+    """Each rank's compute actions, an overlapped pair opened into its parts (as torch's
+    ``compute_order`` opens an OVERLAP_F_B group)."""
+    return [
+        [str(part) for a in actions if a.kind.is_compute for part in parts(a)]
+        for actions in schedule.per_rank
+    ]
 
 
 def _computes_before_gs(schedule: Any) -> list[dict[int, int]]:
@@ -53,7 +58,7 @@ def _computes_before_gs(schedule: Any) -> list[dict[int, int]]:
         for action in actions:
             if action.kind is K.GRAD_SYNC:
                 at[action.stage] = count
-            count += action.kind.is_compute
+            count += len(parts(action)) if action.kind.is_compute else 0  # a pair's parts
         found.append(at)
     return found
 
