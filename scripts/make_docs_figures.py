@@ -108,6 +108,7 @@ TIMELINES = [
     Case("timeline-v-min", "v-min", "v-min", 4, 8),
     Case("timeline-v-half", "v-half", "v-half", 4, 8),
     Case("timeline-v-zb", "v-zb", "v-zb", 4, 8),
+    Case("timeline-dualpipe-v", "dualpipe-v", "dualpipe-v", 4, 8),
 ]
 
 DP_OVERLAP = [
@@ -154,6 +155,7 @@ MEMORY = [
     Case("", "v-min", "v-min", MEM_P, MEM_M),
     Case("", "v-half", "v-half", MEM_P, MEM_M),
     Case("", "v-zb", "v-zb", MEM_P, MEM_M),
+    Case("", "dualpipe-v", "dualpipe-v", MEM_P, MEM_M),
     Case("", "interleaved\nvp=2", "interleaved", MEM_P, MEM_M, 2),
     Case("", "breadth-first\nvp=2", "breadth-first", MEM_P, MEM_M, 2),
 ]

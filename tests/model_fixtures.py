@@ -90,7 +90,7 @@ def cases() -> Iterator[tuple[str, Callable[[], Schedule]]]:
     """(case name, a function building its schedule)."""
     for p in (2, 3, 4, 8):
         for m in sorted({1, 2, p, p + 1, 2 * p, 3 * p}):
-            for name in ("gpipe", "1f1b", "v-min", "v-half", "v-zb"):
+            for name in ("gpipe", "1f1b", "v-min", "v-half", "v-zb", "dualpipe-v"):
                 yield f"{name} p{p} m{m}", _built(name, p, m)
             for cap in (None, 2, (p + 3) // 2):
                 yield f"bpipe p{p} m{m} cap{cap}", _built("bpipe", p, m, max_stored=cap)

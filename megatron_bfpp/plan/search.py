@@ -503,7 +503,9 @@ def _simulated_ns(
     # A breadth-first group of g micro-batches repeats every g (the planner's g is pp).
     p = c.pp if c.group_size is None else max(c.pp, c.group_size)
     step_at = cache(lambda n: _step(c, n, costs, p2p, grad_reduce, budget)[0])  # shared lengths
-    attempts = steady_lengths(m, p)  # bfpp-sim's (sim.simulate_steady), congruent to m
+    least = get_spec(c.schedule).plan.least_microbatches_per_pp * c.pp  # dualpipe-v's 2p
+    # bfpp-sim's lengths (sim.simulate_steady), congruent to m, those the schedule can run
+    attempts = tuple(a for a in steady_lengths(m, p) if a[0] >= least)
     whole = not attempts or m <= sum(attempts[0])
     if budget is not None:  # the cheapest timing: attempt 1's three lengths, else the whole
         cheapest = (m,) if whole else attempts[0]

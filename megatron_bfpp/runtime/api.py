@@ -429,6 +429,14 @@ def _reject_unsupported(config: Any) -> None:
             "cuda_graph_impl='local' (--cuda-graph-impl local) is not supported by megatron_bfpp "
             "schedules yet; use --cuda-graph-impl none"
         )
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        # megatron-core runs it in its combined 1F1B (combined_1f1b.py) for its own interleaved
+        # schedule; ours would run every action plainly, hiding nothing, and say nothing.
+        raise NotImplementedError(
+            "overlap_moe_expert_parallel_comm (--overlap-moe-expert-parallel-comm) is not run by "
+            "megatron_bfpp schedules yet (dualpipe-v runs each overlapped pair's forward, then "
+            "its backward); drop the flag, or use Megatron's own interleaved schedule for it"
+        )
 
 
 def _resolve_groups(p2p_communicator: Any, pg_collection: Any) -> Any:

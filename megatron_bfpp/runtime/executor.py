@@ -104,9 +104,13 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
 def overlapped(step: RankStep, position: int, action: Action) -> None:
     """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward, each via
     its ``TABLE`` handler, both receives already posted (``semantics``' composite rule); hiding
-    communication by running them concurrently needs a layer-splitting handler (DualPipe's)."""
-    for part in parts(action):
-        TABLE.handlers[part.kind](step, position, part)
+    communication by running them concurrently needs a layer-splitting handler (DualPipe's).
+    Memory is measured between the parts too: run overlapped, the forward's activations and
+    those the backward has not freed yet are live at once (the planner's walk counts that)."""
+    forward, backward = parts(action)
+    TABLE.handlers[forward.kind](step, position, forward)
+    _measure(step)
+    TABLE.handlers[backward.kind](step, position, backward)
 
 
 def send_act(step: RankStep, position: int, action: Action) -> None:

@@ -14,6 +14,7 @@ from megatron_bfpp.passes.eviction import bpipe_max_stored
 from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
 from megatron_bfpp.schedules.bpipe import build_bpipe
 from megatron_bfpp.schedules.breadth_first import build_breadth_first
+from megatron_bfpp.schedules.dualpipe_v import build_dualpipe_v
 from megatron_bfpp.schedules.gpipe import build_gpipe
 from megatron_bfpp.schedules.interleaved import build_interleaved
 from megatron_bfpp.schedules.one_f_one_b import build_1f1b
@@ -132,6 +133,7 @@ class PlanGrid:
 
     shardings: tuple[str, ...] = ("optim",)  # the data-parallel sharding strategies it runs
     microbatches_per_pp: bool = False  # m must be a multiple of pp (Megatron's interleaved rule)
+    least_microbatches_per_pp: int = 0  # m must be at least this x pp (dualpipe-v's 2)
     options: OptionGrid = lambda pp, m: ({},)  # generator options to try ({}: the defaults)
     last: bool = False  # ranks after equal predictions (GPipe holds every micro-batch)
     # A long step's times lie on lines through shorter ones under the lock-step posting, so
@@ -224,6 +226,8 @@ class ScheduleSpec:
         """Why a planner may not run this schedule with ``m`` micro-batches on ``pp`` ranks."""
         if self.plan.microbatches_per_pp and (m < pp or m % pp):
             return f"needs a multiple of pp={pp} micro-batches, got {m}"
+        if m < (least := self.plan.least_microbatches_per_pp * pp):
+            return f"needs at least {least} micro-batches on pp={pp}, got {m}"
         return None
 
 
@@ -271,6 +275,14 @@ SCHEDULES: dict[str, ScheduleSpec] = {
                 ("v-half", "V-shape, about 1/2 of 1F1B's activation memory", build_v_half),
                 ("v-zb", "V-shape zero bubble at 1F1B's activation memory", build_v_zb),
             )
+        ),
+        ScheduleSpec(
+            "dualpipe-v",
+            "DualPipeV (DeepSeek-V3): V-shape, a forward and a backward overlapped as one action",
+            build_dualpipe_v,
+            Placement.V_SHAPE,
+            split_backward=True,
+            plan=PlanGrid(least_microbatches_per_pp=2),
         ),
     )
 }
@@ -434,12 +446,13 @@ def check_sharding(schedule: str, strategy: str) -> None:
         )
     if strategy == "optim":
         return
-    if get_spec(schedule).placement is not Placement.LOOPED:
+    if (placement := get_spec(schedule).placement) is not Placement.LOOPED:
+        held = "two V chunks'" if placement is Placement.V_SHAPE else "one chunk's"
         raise ScheduleError(
             "--data-parallel-sharding-strategy optim_grads_params shards parameters and "
             "gradients per model chunk and needs breadth-first (several chunks per rank, each "
-            f"chunk's backwards back to back); {schedule!r} keeps its one chunk's parameters "
-            "for the whole step"
+            f"chunk's backwards back to back); {schedule!r} keeps its {held} parameters for the "
+            "whole step"
         )
     if schedule != "breadth-first":
         raise ScheduleError(

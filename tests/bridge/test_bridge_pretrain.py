@@ -104,12 +104,13 @@ def test_a_recipe_that_cannot_load_is_one_line() -> None:
         assert expected in errors[0]
 
 
-def test_a_v_shape_is_one_line_before_any_rank_trains() -> None:
-    proc = _run("--pipeline-schedule", "v-half")
+@pytest.mark.parametrize("schedule", ["v-half", "dualpipe-v"])
+def test_a_v_shape_is_one_line_before_any_rank_trains(schedule: str) -> None:
+    proc = _run("--pipeline-schedule", schedule)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert "v-half needs V-placed model chunks" in errors[0]
+    assert f"{schedule} needs V-placed model chunks" in errors[0]
     assert "BFPP_EXACT" not in proc.stdout
 
 

@@ -100,6 +100,7 @@ def test_metrics_file_keys(reference: Path) -> None:
         ("v-min", 2),
         ("v-half", None),
         ("v-zb", 2),
+        ("dualpipe-v", None),
     ],
     ids=str,
 )
@@ -120,7 +121,9 @@ def test_schedules_give_the_same_losses(
         str(path),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    default_vp = 2 if schedule.startswith("v-") else 1  # the V places two stages per rank
+    from megatron_bfpp.schedules.registry import get_spec
+
+    default_vp = get_spec(schedule).default_stages_per_rank  # the V places two per rank
     assert f"vp={vp or default_vp} " in proc.stdout  # the banner
     want = _losses(reference)
     got = _losses(path)

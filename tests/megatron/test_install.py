@@ -530,3 +530,29 @@ def test_v_shape_refuses_looped_layer_placement_flags(dest: str, flag: str) -> N
     with pytest.raises(ScheduleError) as error:
         check_schedule_args(args)
     assert flag in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("schedule", ["dualpipe-v", "breadth-first"])
+def test_moe_all_to_all_overlap_is_refused_in_one_line_before_any_work(schedule: str) -> None:
+    """megatron-core runs --overlap-moe-expert-parallel-comm in its combined 1F1B; our schedules
+    do not yet, so the flag would be ignored: refused where Megatron-LM's arguments are read."""
+    args = SimpleNamespace(
+        pipeline_schedule=schedule,
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_model_parallel_size=2,
+        micro_batch_size=1,
+        global_batch_size=8,
+        data_parallel_size=1,
+        breadth_first_group_size=None,
+        bpipe_max_stored=None,
+        overlap_moe_expert_parallel_comm=True,
+    )
+    with pytest.raises(ScheduleError) as error:
+        check_schedule_args(args)
+    assert str(error.value) == (
+        f"--pipeline-schedule {schedule} does not run --overlap-moe-expert-parallel-comm yet "
+        "(megatron-core's combined 1F1B; dualpipe-v runs each overlapped pair's forward, then "
+        "its backward); drop the flag, or use --pipeline-schedule default"
+    )
+    args.overlap_moe_expert_parallel_comm = False
+    check_schedule_args(args)

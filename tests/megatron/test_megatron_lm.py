@@ -344,7 +344,10 @@ def test_the_readme_command_runs_as_written(tmp_path: Path) -> None:
     assert "megatron_bfpp: pipeline schedule breadth-first" in output
 
 
-@pytest.mark.parametrize("schedule", ["v-min", "v-half", "v-zb"] if MEGATRON_LM else ["v-half"])
+@pytest.mark.parametrize(
+    "schedule",
+    ["v-min", "v-half", "v-zb", "dualpipe-v"] if MEGATRON_LM else ["v-half", "dualpipe-v"],
+)
 def test_a_fresh_v_shape_run_starts_from_1f1bs_model(tmp_path: Path, schedule: str) -> None:
     """Megatron-LM seeds each layer's weights by the pipeline rank that builds it; on the V
     another rank builds it, and a fresh v-half run started elsewhere than 1F1B (0.20 checkout,

@@ -191,6 +191,8 @@ CASES = [
     ("gpipe", 1, 2, None, 1, 4),  # every forward before any backward
     ("v-min", 1, 2, 2, 1, 4),
     ("v-zb", 1, 2, 2, 1, 4),  # split backward: W frees what I kept
+    ("dualpipe-v", 1, 2, 2, 1, 4),  # overlapped pairs: F & B of two micro-batches as one
+    ("dualpipe-v", 1, 3, 2, 1, 7),
 ]
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
-from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError
+from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, parts
+from megatron_bfpp.ir import ActionKind as K
 from megatron_bfpp.schedules.registry import SCHEDULES, build_schedule
 
 
@@ -67,6 +70,8 @@ def _legal(name: str, p: int, v: int, m: int) -> bool:
     placement = SCHEDULES[name].placement
     if placement == "single":
         return v == 1
+    if name == "dualpipe-v":
+        return v in (1, 2) and m >= 2 * p  # one micro-batch per stage of the V at least
     if placement == "v-shape":
         return v in (1, 2)  # 1 stands for --vp omitted
     if v < 2:
@@ -93,9 +98,17 @@ def test_sweep_builds_and_validates_every_legal_input(name: str) -> None:
         if _legal(name, p, v, m):
             schedule = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=chunks)
             assert schedule.num_ranks == p and schedule.num_microbatches == m
-            compute = [a for _, _, a in schedule.iter_actions() if a.kind.is_compute]
-            per_pass = 3 if SCHEDULES[name].split_backward else 2
-            assert len(compute) == per_pass * schedule.num_stages * m
+            compute = Counter(
+                part.kind
+                for _, _, action in schedule.iter_actions()
+                if action.kind.is_compute
+                for part in parts(action)
+            )
+            # every stage and micro-batch: a forward, and a backward whole (B) or split (I, W)
+            work = schedule.num_stages * m
+            assert compute[K.FORWARD] == compute[K.BACKWARD] + compute[K.BACKWARD_INPUT] == work
+            assert compute[K.BACKWARD_WEIGHT] == compute[K.BACKWARD_INPUT]
+            assert SCHEDULES[name].split_backward or not compute[K.BACKWARD_INPUT]
             built += 1
         else:
             with pytest.raises(ScheduleError) as info:

@@ -244,7 +244,8 @@ def test_a_message_to_another_rank_than_the_neighbour_stages_reaches_nobody() ->
 # --- compute_ends is replay's clock ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(set(SCHEDULES) - {"bpipe"}))
+# bpipe's moves and dualpipe-v's overlapped pairs are replay's alone (compute_ends refuses them)
+@pytest.mark.parametrize("name", sorted(set(SCHEDULES) - {"bpipe", "dualpipe-v"}))
 def test_compute_ends_are_the_ends_of_replay_compute_events(name: str) -> None:
     chunks = 3 if SCHEDULES[name].placement == "looped" else None
     schedule = build_schedule(name, num_ranks=4, num_microbatches=8, num_chunks=chunks, lower=False)

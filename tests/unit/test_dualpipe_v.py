@@ -1,0 +1,154 @@
+"""``dualpipe-v``: DualPipeV's order (torch's ``ScheduleDualPipeV`` is the reference), its
+overlapped pairs as composite actions, validated and NCCL-proven, and its refusals in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_bfpp.ir import ActionKind as K
+from megatron_bfpp.ir import Schedule, ScheduleError, parts
+from megatron_bfpp.schedules.registry import build_schedule, check_sharding, get_spec
+from megatron_bfpp.sim import CostModel, simulate
+from megatron_bfpp.validate import validate_schedule
+
+pytest.importorskip("torch.distributed.pipelining")
+
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from megatron_bfpp.cli.sim import schedule_from_csv
+from tests import torch_pipelining as tp
+
+SIZES = [(p, m) for p in range(1, 9) for m in (2 * p, 2 * p + 1, 3 * p, 4 * p + 3)]
+
+
+def _torch(p: int, m: int, *, lowered: bool = False) -> Any:
+    return tp.build(
+        torch_schedules.ScheduleDualPipeV,
+        num_ranks=p,
+        num_microbatches=m,
+        stages_per_rank=2,
+        lowered=lowered,
+    )
+
+
+def _torch_texts(order: list[Any]) -> list[str]:
+    """torch's actions as our texts, an OVERLAP_F_B group as our pair ``3F5&1B2``."""
+    texts = []
+    for action in order:
+        if action is None:
+            continue
+        if action.sub_actions:
+            texts.append("&".join(map(_torch_text, action.sub_actions)))
+        else:
+            texts.append(_torch_text(action))
+    return texts
+
+
+def _torch_text(action: Any) -> str:
+    kind = {"F": "F", "B": "B", "I": "I", "W": "W"}[action.computation_type.value]
+    return f"{action.stage_index}{kind}{action.microbatch_index}"
+
+
+@pytest.mark.parametrize(("p", "m"), SIZES)
+def test_the_order_is_torchs_dualpipev_pair_for_pair(p: int, m: int) -> None:
+    ours = build_schedule("dualpipe-v", num_ranks=p, num_microbatches=m, lower=False)
+    reference = _torch(p, m)
+    for rank in range(p):
+        assert [str(a) for a in ours.per_rank[rank]] == _torch_texts(
+            reference.pipeline_order[rank]
+        ), f"rank {rank}"
+
+
+def test_two_ranks_four_microbatches_literal() -> None:
+    """DeepSeek's phases on p = 2, m = 4 (docs/schedules.md): rank 0 fills its first leg, runs
+    I and W while the V fills, then pairs; rank 1, the V's tip, starts its steady state with a
+    forward and a backward apart (nothing to overlap yet), and both drain in split backwards."""
+    schedule = build_schedule("dualpipe-v", num_ranks=2, num_microbatches=4, lower=False)
+    assert [" ".join(map(str, actions)) for actions in schedule.per_rank] == [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3&3B1 3F2&0B0 3B2 3F3&0B1 3B3 0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 1F2 2B0 2F2&1B0 1F3&2B1 2F3&1B1 2B2 1B2 2I3 1I3 2W3 1W3",
+    ]
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 7), (4, 8), (4, 13), (6, 12)])
+def test_validated_and_nccl_proven_with_every_pair_a_composite(p: int, m: int) -> None:
+    schedule = build_schedule("dualpipe-v", num_ranks=p, num_microbatches=m)
+    validate_schedule(schedule, nccl=True)
+    pairs = [a for actions in schedule.per_rank for a in actions if a.kind is K.OVERLAP_F_B]
+    # every rank but the tip pairs 2 (m - 2p + r + 1) + (p - r - 1) times; the tip one fewer
+    assert len(pairs) == sum(2 * (m - 2 * p + r + 1) + (p - r - 1) for r in range(p)) - 1
+    for pair in pairs:
+        forward, backward = parts(pair)
+        assert forward.kind is K.FORWARD and backward.kind is K.BACKWARD
+        assert {forward.stage, backward.stage} == {pair.stage, 2 * p - 1 - pair.stage}
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 8), (4, 12)])
+@pytest.mark.parametrize(
+    "costs",
+    [
+        CostModel(),
+        CostModel(t_forward=1.0, t_backward=2.0, t_weight=0.75, t_p2p=0.25),
+        CostModel(t_forward=1.0, t_backward=3.0, t_weight=1.5, t_p2p=0.5, t_grad_reduce=1.0),
+    ],
+)
+def test_never_slower_than_torchs_own_order_loaded_from_its_csv(
+    tmp_path: Path, p: int, m: int, costs: CostModel
+) -> None:
+    """torch's file, lowered by torch and read by our CSV reader, against ours at the same costs
+    under every timing model: torch sends an OVERLAP_F_B group's outputs after the whole group,
+    ours the forward's right after the forward, so ours can only be as fast or faster."""
+    torch_file = tp.dump(_torch(p, m, lowered=True), tmp_path / "dualpipev.csv")
+    theirs: Schedule = schedule_from_csv(str(torch_file))
+    ours = build_schedule("dualpipe-v", num_ranks=p, num_microbatches=m)
+    for p2p in ("gloo", "lockstep"):
+        mine = simulate(ours, costs, p2p=p2p).step_time
+        assert mine <= simulate(theirs, costs, p2p=p2p).step_time + 1e-9, p2p
+
+
+@pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 3), (4, 7), (8, 15)])
+def test_fewer_than_two_microbatches_per_rank_is_one_line(p: int, m: int) -> None:
+    with pytest.raises(ScheduleError) as info:
+        build_schedule("dualpipe-v", num_ranks=p, num_microbatches=m)
+    assert str(info.value) == (
+        f"dualpipe-v needs at least 2 x pp = {2 * p} micro-batches on {p} pipeline ranks (one "
+        f"per stage of the V), got {m}; use more micro-batches, or v-zb / v-half, which run any "
+        "number"
+    )
+
+
+def test_it_places_two_stages_per_rank_and_is_never_sharded() -> None:
+    spec = get_spec("dualpipe-v")
+    with pytest.raises(ScheduleError, match="places exactly 2 stages per rank"):
+        spec.chunks_for(4)
+    with pytest.raises(ScheduleError, match="optim_grads_params") as info:
+        check_sharding("dualpipe-v", "optim_grads_params")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ScheduleError, match="overlapped pair"):
+        build_schedule("dualpipe-v", num_ranks=2, num_microbatches=4, sharding="optim_grads_params")
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("extra", [0, 1, 3])
+@pytest.mark.parametrize("f", [1.0, 2.5])
+@pytest.mark.parametrize("p2p", ["gloo", "lockstep"])
+def test_the_bubble_is_deepseeks_published_one(p: int, extra: int, f: float, p2p: str) -> None:
+    """DeepSeek-V3's report gives DualPipe's bubble as (PP/2 - 1)(F&B + B - 3W) per rank, PP the
+    number of stages: for DualPipeV on p ranks (2p stages) that is (p - 1)(F&B + B - 3W), with F,
+    B, W one stage's forward, whole backward and weight gradient and F&B an overlapped pair's
+    time. Under the zero-bubble papers' costs (F = I = W, B = 2F) and a pair costing its parts'
+    sum (F&B = 3F: no overlap credited), that is (p - 1)(3F + 2F - 3F) = 2F (p - 1): at p = 4 and
+    F = 1, 6 on every rank; its step, 2m (F + B) = 6m of busy time plus those 6."""
+    m = 2 * p + extra
+    costs = CostModel(t_forward=2 * f, t_backward=4 * f, t_weight=2 * f)  # full 1F1B stages
+    result = simulate(build_schedule("dualpipe-v", num_ranks=p, num_microbatches=m), costs, p2p=p2p)
+    stage_f = f  # a V stage is half a 1F1B stage
+    pair, backward, weight = 3 * stage_f, 2 * stage_f, stage_f
+    bubble = (p - 1) * (pair + backward - 3 * weight)
+    assert bubble == 2 * stage_f * (p - 1)
+    busy = 2 * m * (stage_f + backward)
+    assert [rank.busy_time for rank in result.per_rank] == [busy] * p
+    assert result.step_time == busy + bubble
