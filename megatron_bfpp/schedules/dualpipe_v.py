@@ -1,124 +1,76 @@
 """DualPipeV (DeepSeek-V3's DualPipe folded onto the V placement; torch's ``ScheduleDualPipeV``):
-rank r holds stages r and 2p-1-r, and in its steady state runs one micro-batch's forward on one
-of them together with another micro-batch's backward on the other as one overlapped action
-(``ir.Composite``), so that on a GPU each one's expert-parallel all-to-all can hide under the
-other's compute. The order is DeepSeek's, phase by phase (docs/schedules.md, "DualPipeV"): fill
-the V, zero-bubble split backwards (I, then W later) while it fills, pairs in the steady state,
-split backwards again while it drains. It needs m >= 2p: fewer leave the steady state's counts
-negative, as in DeepSeek's and torch's."""
+rank r holds stages r and 2p-1-r and in its steady state runs one micro-batch's forward on one of
+them with another's backward on the other as one overlapped pair (``ir.Composite``), so that on
+a GPU each one's expert-parallel all-to-all can hide under the other's compute. DeepSeek's
+phases (docs/schedules.md, "dualpipe-v"): fill the V, split backwards (I now, W later) while it
+fills, pairs, split backwards again while it drains. m >= 2p, as DeepSeek's and torch's."""
 
 from __future__ import annotations
 
 from collections import deque
 
-from megatron_bfpp.ir import (
-    Action,
-    ActionKind,
-    Composite,
-    Schedule,
-    ScheduleError,
-    StageLayout,
-    paused_gc,
-    unchecked_action,
-)
+from megatron_bfpp.ir import Action, Composite, Schedule, ScheduleError, StageLayout, paused_gc
+from megatron_bfpp.ir import ActionKind as K
+from megatron_bfpp.ir import unchecked_action as action
 from megatron_bfpp.schedules.common import check_counts, make_schedule
 
-__all__ = ["build_dualpipe_v", "min_microbatches"]
-
-_F, _B, _I, _W = (
-    ActionKind.FORWARD,
-    ActionKind.BACKWARD,
-    ActionKind.BACKWARD_INPUT,
-    ActionKind.BACKWARD_WEIGHT,
-)
-
-
-def min_microbatches(num_ranks: int) -> int:
-    """The fewest micro-batches DualPipeV runs on ``num_ranks`` ranks: one per stage."""
-    return 2 * num_ranks
+__all__ = ["build_dualpipe_v"]
 
 
 @paused_gc()
 def build_dualpipe_v(*, num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipeV on ``num_ranks`` ranks (2 stages each) for ``num_microbatches`` >= 2 x ranks."""
     check_counts("dualpipe-v", num_ranks=num_ranks, num_microbatches=num_microbatches)
-    least = min_microbatches(num_ranks)
-    if num_microbatches < least:
+    p, m = num_ranks, num_microbatches
+    if m < 2 * p:
         raise ScheduleError(
-            f"dualpipe-v needs at least 2 x pp = {least} micro-batches on {num_ranks} pipeline "
-            f"ranks (one per stage of the V), got {num_microbatches}; use more micro-batches, "
-            "or v-zb / v-half, which run any number"
+            f"dualpipe-v needs at least 2 x pp = {2 * p} micro-batches on {p} pipeline ranks (one "
+            f"per stage of the V), got {m}; use more micro-batches, or v-zb / v-half, which run "
+            "any number"
         )
-    programs = [_Rank(num_ranks, num_microbatches, rank).program() for rank in range(num_ranks)]
-    return make_schedule("dualpipe-v", StageLayout.v_shape(num_ranks), num_microbatches, programs)
+    programs = [_program(p, m, rank) for rank in range(p)]
+    return make_schedule("dualpipe-v", StageLayout.v_shape(p), m, programs)
 
 
-class _Rank:
-    """One rank's program, built phase by phase. Micro-batches are numbered per stage and kind
-    in issue order: a stage's forwards 0, 1, ...; its backwards (B or I) likewise; each I leaves
-    its W queued, and a W slot runs the oldest queued one."""
+def _program(p: int, m: int, r: int) -> list[Action]:
+    """Rank r's order. Micro-batches are numbered per stage in issue order, forwards and
+    backwards (B or I) apart; each I queues its W, and a W slot runs the oldest queued."""
+    down, up = r, 2 * p - 1 - r  # its stage down the V and back up
+    forwards, backwards = {down: 0, up: 0}, {down: 0, up: 0}
+    queued: deque[Action] = deque()
+    out: list[Action] = []
 
-    def __init__(self, num_ranks: int, num_microbatches: int, rank: int) -> None:
-        self.p, self.m, self.r = num_ranks, num_microbatches, rank
-        self.first, self.second = rank, 2 * num_ranks - 1 - rank  # down and up the V
-        self.forwards = {self.first: 0, self.second: 0}
-        self.backwards = {self.first: 0, self.second: 0}
-        self.queued: deque[Action] = deque()  # W of each I, oldest first
-        self.actions: list[Action] = []
+    def f(stage: int) -> Action:
+        forwards[stage] += 1
+        return action(stage, K.FORWARD, forwards[stage] - 1)
 
-    def forward(self, stage: int) -> Action:
-        microbatch = self.forwards[stage]
-        self.forwards[stage] = microbatch + 1
-        return unchecked_action(stage, _F, microbatch)
-
-    def backward(self, stage: int, *, split: bool) -> Action:
-        """A backward: whole (B), or its input half (I) with its W queued for later."""
-        microbatch = self.backwards[stage]
-        self.backwards[stage] = microbatch + 1
+    def b(stage: int, split: bool = False) -> Action:
+        backwards[stage] += 1
         if split:
-            self.queued.append(unchecked_action(stage, _W, microbatch))
-        return unchecked_action(stage, _I if split else _B, microbatch)
+            queued.append(action(stage, K.BACKWARD_WEIGHT, backwards[stage] - 1))
+        return action(stage, K.BACKWARD_INPUT if split else K.BACKWARD, backwards[stage] - 1)
 
-    def add(self, *actions: Action) -> None:
-        self.actions.extend(actions)
+    def w() -> list[Action]:
+        return [queued.popleft()] if queued else []
 
-    def pair(self, forward_stage: int, backward_stage: int) -> None:
-        """One forward and another micro-batch's whole backward, overlapped."""
-        forward = self.forward(forward_stage)
-        self.add(Composite(forward, self.backward(backward_stage, split=False)))
-
-    def weight(self) -> None:
-        if self.queued:
-            self.add(self.queued.popleft())
-
-    def program(self) -> list[Action]:
-        p, m, r, down, up = self.p, self.m, self.r, self.first, self.second
-        for _ in range(2 * (p - r - 1)):  # fill the first leg
-            self.add(self.forward(down))
-        for _ in range(r + 1):  # both legs
-            self.add(self.forward(down), self.forward(up))
-        for _ in range(p - r - 1):  # zero bubble while the V fills: I, its W, a forward
-            self.add(self.backward(up, split=True))
-            self.weight()
-            self.add(self.forward(up))
-        for step in range(m - 2 * p + r + 1):  # the steady state: pairs
-            if step == 0 and r == p - 1:  # the V's tip: nothing to overlap with yet
-                self.add(self.forward(down), self.backward(up, split=False))
-            else:
-                self.pair(down, up)
-            self.pair(up, down)
-        for _ in range(p - r - 1):  # the first leg's forwards are done
-            self.add(self.backward(up, split=False))
-            self.pair(up, down)
-        split = False  # drain: split from the middle on, so Ws fill the last bubbles
-        for step in range(r + 1):
-            split = split or (step == (r + 1) // 2 and r % 2 == 1)
-            self.add(self.backward(up, split=split))
-            split = split or (step == (r + 1) // 2 and r % 2 == 0)
-            self.add(self.backward(down, split=split))
-        for _ in range(p - r - 1):
-            self.weight()
-            self.add(self.backward(down, split=split))
-        for _ in range(r + 1):
-            self.weight()
-        return self.actions
+    out += [f(down) for _ in range(2 * (p - r - 1))]  # fill the first leg
+    for _ in range(r + 1):  # both legs
+        out += [f(down), f(up)]
+    for _ in range(p - r - 1):  # while the V fills: I, its W, a forward
+        out += [b(up, split=True), *w(), f(up)]
+    for step in range(m - 2 * p + r + 1):  # the steady state: pairs, but at the V's tip first
+        out += [f(down), b(up)] if step == 0 and r == p - 1 else [Composite(f(down), b(up))]
+        out.append(Composite(f(up), b(down)))
+    for _ in range(p - r - 1):  # the first leg's forwards are done
+        out += [b(up), Composite(f(up), b(down))]
+    split = False  # drain: split from the middle on, so that Ws fill the last bubbles
+    for step in range(r + 1):
+        split = split or (step == (r + 1) // 2 and r % 2 == 1)
+        out.append(b(up, split))
+        split = split or (step == (r + 1) // 2 and r % 2 == 0)
+        out.append(b(down, split))
+    for _ in range(p - r - 1):
+        out += [*w(), b(down, split)]
+    for _ in range(r + 1):
+        out += w()
+    return out
