@@ -14,7 +14,9 @@ from megatron_bfpp.ir import ActionKind as K
 from megatron_bfpp.ir import unchecked_action as action
 from megatron_bfpp.schedules.common import check_counts, make_schedule
 
-__all__ = ["build_dualpipe_v"]
+__all__ = ["LEAST_MICROBATCHES_PER_RANK", "build_dualpipe_v"]
+
+LEAST_MICROBATCHES_PER_RANK = 2  # one per stage of the V: the planners read it too
 
 
 @paused_gc()
@@ -22,9 +24,9 @@ def build_dualpipe_v(*, num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipeV on ``num_ranks`` ranks (2 stages each) for ``num_microbatches`` >= 2 x ranks."""
     check_counts("dualpipe-v", num_ranks=num_ranks, num_microbatches=num_microbatches)
     p, m = num_ranks, num_microbatches
-    if m < 2 * p:
+    if m < (least := LEAST_MICROBATCHES_PER_RANK * p):
         raise ScheduleError(
-            f"dualpipe-v needs at least 2 x pp = {2 * p} micro-batches on {p} pipeline ranks (one "
+            f"dualpipe-v needs at least 2 x pp = {least} micro-batches on {p} pipeline ranks (one "
             f"per stage of the V), got {m}; use more micro-batches, or v-zb / v-half, which run "
             "any number"
         )

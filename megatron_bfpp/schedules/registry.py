@@ -14,7 +14,7 @@ from megatron_bfpp.passes.eviction import bpipe_max_stored
 from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
 from megatron_bfpp.schedules.bpipe import build_bpipe
 from megatron_bfpp.schedules.breadth_first import build_breadth_first
-from megatron_bfpp.schedules.dualpipe_v import build_dualpipe_v
+from megatron_bfpp.schedules.dualpipe_v import LEAST_MICROBATCHES_PER_RANK, build_dualpipe_v
 from megatron_bfpp.schedules.gpipe import build_gpipe
 from megatron_bfpp.schedules.interleaved import build_interleaved
 from megatron_bfpp.schedules.one_f_one_b import build_1f1b
@@ -282,7 +282,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             build_dualpipe_v,
             Placement.V_SHAPE,
             split_backward=True,
-            plan=PlanGrid(least_microbatches_per_pp=2),
+            plan=PlanGrid(least_microbatches_per_pp=LEAST_MICROBATCHES_PER_RANK),
         ),
     )
 }
