@@ -1,8 +1,7 @@
 """megatron_bfpp: pipeline-parallel schedules for megatron-core that upstream lacks.
 
 Importing the package is cheap and torch-free: the schedule layers (``ir``, ``passes``,
-``validate``, ``schedules``, ``sim``) plan, check and draw schedules anywhere.
-"""
+``validate``, ``schedules``, ``sim``) plan, check and draw schedules anywhere."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Every megatron-core call whose form depends on the installed version, each shim saying which
-versions it covers (docs/architecture.md); the version is read from ``package_info``, never
-guessed from a ``TypeError``."""
+versions it covers (docs/architecture.md); the version is from ``package_info``, never guessed."""
 
 from __future__ import annotations
 

@@ -42,9 +42,8 @@ def make_dirs(path: str | Path) -> Path:
 
 
 def write_output(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` as the module docstring says (a device in place, a link's
-    target, a regular file atomically). OSError on failure, naming the file; a failed
-    atomic write leaves no temporary file behind."""
+    """Write ``data`` to ``path`` as the module docstring says (a device in place, a link's target,
+    a regular file atomically); OSError naming the file, leaving no temporary file behind."""
     try:
         info: os.stat_result | None = os.stat(path)  # follows links as the kernel does
     except FileNotFoundError:
@@ -88,8 +87,7 @@ def _replace(target: Path, data: bytes, mode: int | None) -> None:
 
 
 def fsync_dir(path: str | Path) -> None:
-    """Make renames and new entries in ``path`` durable (a no-op where directories cannot be
-    opened, as on Windows)."""
+    """Make renames and new entries in ``path`` durable (no-op where directories cannot open)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

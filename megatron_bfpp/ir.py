@@ -6,8 +6,7 @@ training step; passes, validation, simulation and the runtime all read this one 
 Text form of one action: ``{stage}{kind}{microbatch}`` with an optional peer, written ``>peer`` for
 actions that ship data away and ``<peer`` for actions that receive it: ``3F5``, ``0SA5>1``,
 ``1RA5<0``, ``2GS`` (per-chunk actions carry no micro-batch); a ``Composite`` is its parts joined
-by ``&``: ``3F5&1B2``. ``parse_action`` is the inverse of ``str``.
-"""
+by ``&``: ``3F5&1B2``. ``parse_action`` is the inverse of ``str``."""
 
 from __future__ import annotations
 
@@ -98,8 +97,7 @@ class ActionKind(StrEnum):
 
     @property
     def is_compute(self) -> bool:
-        """F, B, I, W (``COMPUTE_KINDS``) and the composite made of them: what runs on the
-        compute lane."""
+        """F, B, I, W (``COMPUTE_KINDS``) and their composite: what runs on the compute lane."""
         return self in _COMPUTE_LANE
 
     @property
@@ -315,8 +313,7 @@ def parse_action(text: str) -> Action:
 
 
 def _index(digits: str, what: str, where: str) -> int:
-    """An index from its ASCII digits, refused past ``_MAX_INDEX`` before int(); ``where`` starts
-    the message."""
+    """An index from digits, refused past ``_MAX_INDEX`` before int(); ``where`` heads errors."""
     if len(digits.lstrip("0")) > len(str(_MAX_INDEX)):
         raise ScheduleError(
             f"{where}: {what} {_shown(digits, 12)} is out of range (at most {_MAX_INDEX})"
@@ -623,8 +620,7 @@ _TORCH_LOWERING = frozenset({"UNSHARD", "RESHARD", *_TORCH_P2P})
 
 
 class _Row(NamedTuple):
-    """A non-blank CSV record and the file row it starts on (blank rows count, so the number
-    is the line a user finds in an editor)."""
+    """A non-blank CSV record and the file row it starts on (blank rows count: an editor's line)."""
 
     number: int
     cells: tuple[str, ...]
@@ -659,8 +655,7 @@ def dump_csv(schedule: Schedule, path: str | Path) -> None:
 
 
 def load_csv(path: str | Path) -> Schedule:
-    """Our CSV or torch's ``_dump_csv`` output (either format); every problem is one line
-    naming the file and the row."""
+    """Our CSV or torch's ``_dump_csv`` output; each problem one line naming the file and row."""
     try:
         with open(path, "rb") as file:
             data = file.read(MAX_CSV_BYTES + 1)
@@ -692,8 +687,7 @@ def load_csv_text(text: str, *, source: str = "<csv>") -> Schedule:
 
 
 def _read_rows(text: str, source: str) -> list[_Row]:
-    """The non-blank records; csv's errors (a cell over its field size limit) and NUL
-    characters (binary or UTF-16 files) become one line naming the row."""
+    """The non-blank records; csv errors and NULs (binary, UTF-16): one line naming the row."""
     nul = text.find("\0")
     if nul >= 0:
         row = text.count("\n", 0, nul) + 1
@@ -901,8 +895,7 @@ def _checked_schedule(
 
 
 def _microbatch_problem(microbatches: list[int], m: int) -> str | None:
-    """What keeps ``microbatches`` from being exactly 0..m-1, or None. Compares counts and
-    spans, never builds range(m): m may be huge."""
+    """What keeps ``microbatches`` from being 0..m-1, or None; no range(m): m may be huge."""
     unique = sorted(set(microbatches))
     if len(unique) == len(microbatches) == m and unique[0] == 0 and unique[-1] == m - 1:
         return None
@@ -1038,8 +1031,7 @@ def _torch_single(text: str, column: int, where: str) -> _TorchCell:
 
 
 def _torch_layout(rows: list[_Row], cells: list[list[_TorchCell]], source: str) -> StageLayout:
-    """Stage -> rank from the row each stage appears on: every one of torch's actions, messages
-    included, names a stage of its own rank."""
+    """Stage -> rank from the rows: each torch action (messages too) names a stage of its rank."""
     first: dict[int, tuple[int, _Row, _TorchCell]] = {}
     for rank, (row, row_cells) in enumerate(zip(rows, cells, strict=True)):
         for cell in row_cells:

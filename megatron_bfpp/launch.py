@@ -47,8 +47,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _refuse(f"no such script: {argv[0]}")
     if (problem := script_problem(script, shown=argv[0])) is not None:
         _refuse(problem)
-    # The plugin's checks before torch or Megatron is imported: one line per node in well under
-    # a second (megatron.preflight).
+    # Checks before torch or Megatron is imported: a line per node, well under a second (preflight).
     if any(a == "--pipeline-schedule" or a.startswith("--pipeline-schedule=") for a in argv[1:]):
         from megatron_bfpp.ir import ScheduleError
         from megatron_bfpp.megatron.preflight import check_megatron_command

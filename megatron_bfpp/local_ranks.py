@@ -115,10 +115,9 @@ def fork_ranks(
     Each rank has ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
     ``LOCAL_WORLD_SIZE`` set and gets the ``TCPStore`` for ``init_process_group(store=...)``;
     ``target`` is inherited through fork, its result must pickle. ``failed(result)`` says whether
-    a returned result is a failure (a raised exception always is); ``after()`` runs in the
-    rank once its result is sent (tear-down whose errors must not hide it). Every rank is dead
-    when this returns or raises (:class:`Stopped` on SIGTERM or SIGHUP, ``KeyboardInterrupt``
-    on Ctrl-C)."""
+    a returned result failed (a raise always has); ``after()`` runs in the rank once its result
+    is sent (tear-down whose errors must not hide it). Every rank is dead when this returns or
+    raises (:class:`Stopped` on SIGTERM or SIGHUP, ``KeyboardInterrupt`` on Ctrl-C)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     import torch.distributed  # noqa: F401  (once, here: each rank would import it again)
@@ -402,10 +401,7 @@ def _say_once(store: Any) -> None:
 
 
 def _collect(
-    procs: list[Any],
-    readers: dict[Connection, int],
-    watch: _Watch,
-    stack_dir: Path | None,
+    procs: list[Any], readers: dict[Connection, int], watch: _Watch, stack_dir: Path | None
 ) -> LocalRun:
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
@@ -528,8 +524,7 @@ def _stop_all(procs: list[Any], *, gentle: bool) -> None:
 
 
 def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (Linux ``/proc``; elsewhere none are found), read before it is
-    killed: once it is gone its orphans belong to init."""
+    """The processes below ``pid`` (Linux ``/proc``), read before its kill orphans them to init."""
     found: list[int] = []
     todo = [pid]
     while todo:

@@ -45,8 +45,7 @@ class What(StrEnum):
     EVICT_SIZE = "evict-size"
 
 
-# Each kind as the small integer inside a message id (``semantics.Rules.id``), and back; the
-# names below in What's order.
+# Each kind as the small integer in a message id (``semantics.Rules.id``) and back, in What's order.
 WHAT: tuple[What, ...] = tuple(What)
 WHAT_CODE: dict[str, int] = {what: code for code, what in enumerate(WHAT)}
 ACT, GRAD, EVICT, RESTORE, EVICT_POSTED, RESTORE_POSTED, EVICT_SIZE = range(len(WHAT))

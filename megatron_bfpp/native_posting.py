@@ -1,8 +1,7 @@
 """How megatron-core itself posts the point-to-point messages of its 1F1B and interleaved
 schedules, as an ``nccl.Posting``, so that Megatron's own baselines are checked and timed by what
 Megatron runs rather than by our runtime's lock-step posting. What it reads in megatron-core
-(0.16.1, 0.19.2) and what it does not model: docs/design-notes.md, "megatron-core's own posting".
-"""
+(0.16.1, 0.19.2) and what it does not model: docs/design-notes.md, "megatron-core's own posting"."""
 
 from __future__ import annotations
 
@@ -39,10 +38,9 @@ MEGATRON_CORE_DEFAULTS = P2POptions()  # ModelParallelConfig's defaults, 0.16 to
 
 
 def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) -> P2POptions:
-    """What Megatron-LM's training loop sets: p2p overlap on for the interleaved schedule
-    (``--no-overlap-p2p-communication`` turns it off), off otherwise, ``batch_p2p_comm = not
-    overlap_p2p_comm``, and ``deallocate_pipeline_outputs`` on (whose early send wait exists
-    from megatron-core 0.18)."""
+    """What Megatron-LM's training loop sets: p2p overlap on for interleaved (unless
+    ``--no-overlap-p2p-communication``), off otherwise, ``batch_p2p_comm = not overlap_p2p_comm``,
+    and ``deallocate_pipeline_outputs`` on (its early send wait: megatron-core 0.18 on)."""
     overlap = schedule.num_chunks > 1
     return P2POptions(
         overlap_p2p=overlap,
@@ -159,8 +157,7 @@ class _Shape:
         return chunk if forward else self.num_chunks - 1 - chunk
 
     def receives(self, rank: int, k: int, forward: bool) -> bool:
-        """megatron-core's ``recv_tensor_from_previous_stage``: whether step k receives (for a
-        later compute) in that direction."""
+        """``recv_tensor_from_previous_stage``: whether step k receives in that direction."""
         p = self.num_ranks
         leading = rank == (0 if forward else p - 1)
         if not leading:

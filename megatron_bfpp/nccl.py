@@ -2,8 +2,7 @@
 batch per rank and tick, every op's partner in the peer's batch of the same tick) and the model
 (``check_posting``, with clocks ``posting_timer``) that proves a posting deadlock-free on NCCL
 before any message is sent, reading it as integers (``_Lowered``). The rules and why they hold:
-docs/design-notes.md, "NCCL-safe posting", and docs/architecture.md.
-"""
+docs/design-notes.md, "NCCL-safe posting", and docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -350,9 +349,8 @@ def validate_nccl(schedule: Schedule) -> Posting:
 
 
 def nccl_report(schedule: Schedule) -> dict[str, dict[str, object]]:
-    """Whether ``schedule`` is NCCL-safe as written (one batch per run of messages between two
-    computes, what a file states) and as the runtime posts it (lock-step); a failure's reason
-    without the grid."""
+    """Whether ``schedule`` is NCCL-safe as written (a batch per run of messages between computes,
+    what a file states) and as the runtime posts it (lock-step): else why, without the grid."""
     report: dict[str, dict[str, object]] = {}
     for key, check in (
         ("as_written", lambda: check_posting(schedule, written_posting(schedule))),
@@ -380,8 +378,7 @@ class PostingRun(NamedTuple):
 
 
 def check_posting(schedule: Schedule, posting: Posting) -> None:
-    """Run ``posting`` under NCCL's rules (module docstring); raise a ScheduleError naming the
-    cycle of waits, above the grid, if it cannot finish."""
+    """Run ``posting`` under NCCL's rules; a ScheduleError names a wait cycle, above the grid."""
     model = _model(schedule, posting, settle=True)
     with paused_gc():  # columns of a million ops: see paused_gc
         model.run(None)
@@ -587,9 +584,8 @@ class _Model:
     def _transfer_waits(
         self, action: Action, op: int, holder: dict[int, int], steps: list[int], later: list[int]
     ) -> None:
-        """A BPipe transfer's waits before it is posted (``Rules.transfer_waits``: RS for the
-        payload it returns, AC's payload for the header); ``later`` gets a send that the next
-        compute settles."""
+        """A BPipe transfer's waits before posting (``Rules.transfer_waits``: RS the payload it
+        returns, AC the payload's header); ``later`` gets a send the next compute settles."""
         rules = self.rules
         rule, waited = rules.transfers[action.kind], rules.transfer_waits(action)
         if waited is not None and (rule.carries_data or self.op_key[op] & 1):
@@ -601,8 +597,7 @@ class _Model:
             later.append(self.op_unit[op])
 
     def _match(self) -> list[int]:
-        """Pair each op with its partner (``semantics.match_channels``: by posting order, the
-        order in which ``_rank_steps`` filled ``channels``)."""
+        """Pair each op with its partner by posting order (``semantics.match_channels``)."""
         op_key, channels = self.op_key, self.channels
         partner = [-1] * len(op_key)
         for (src, dst, send), op_ids in channels.items():
@@ -669,10 +664,9 @@ class _Model:
             raise self._deadlock()
 
     def timed(self, timing: Timing) -> PostingRun:
-        """One run under ``timing`` (``posting_timer``). Where the last stage is not on the last
-        rank (the V-shapes), its rank then sends the step's losses there once both are done
-        (their data-parallel lanes too) in two blocking messages, which end both ranks' steps
-        (``runtime.placement.deliver_to_last_rank``)."""
+        """One run under ``timing``. Where the last stage is not on the last rank (V-shapes), its
+        rank sends the step's losses there once both are done (data-parallel lanes too) in two
+        blocking messages, ending both ranks' steps (``runtime.placement.deliver_to_last_rank``)."""
         with paused_gc():
             self.run(timing)
         layout, cpu, dp_end = self.schedule.layout, self.cpu, self.dp_free

@@ -129,8 +129,7 @@ def compute_durations(timing: Timing) -> dict[ActionKind, float]:
 
 
 def action_duration(durations: Mapping[ActionKind, Number], action: Action) -> Number:
-    """A compute action's duration from each kind's (``compute_durations``, ``nccl.TICKS``): a
-    composite's is the sum of its parts' (the composite rule)."""
+    """A compute's duration from each kind's; a composite's is the sum of its parts'."""
     if action.kind is not K.OVERLAP_F_B:
         return durations[action.kind]
     first, *rest = parts(action)
@@ -175,10 +174,9 @@ class Replay(NamedTuple):
 
 @paused_gc()  # one tuple per event and message, none freed: see paused_gc
 def replay(schedule: Schedule, timing: Timing = Timing()) -> Replay:
-    """Run every program under the rules above with clocks and events (memory is counted in
-    program order: ``ir.stored_counts``). Raises ``ScheduleError`` when an action names a stage
-    outside the layout (``validate_schedule`` says why); a message to a rank outside the layout
-    reaches nobody."""
+    """Run every program under the rules above with clocks and events (memory is counted in program
+    order: ``ir.stored_counts``). Raises ``ScheduleError`` for an action naming a stage outside the
+    layout (``validate_schedule`` says why); a message to a rank outside it reaches nobody."""
     run = _replayed(schedule, timing)
     timeline = Timeline(run.rules, timing, run.starts)
     return Replay(run.stuck(), timeline, run.clock, run.dp_free, run.busy, run.waited)
@@ -243,8 +241,7 @@ def _ends(run: Wires, rank: int) -> list[float]:
 
 
 class Ends(NamedTuple):
-    """What ``compute_ends`` found: per rank, the end time of each compute action so far, and
-    ``Replay.blocked``."""
+    """What ``compute_ends`` found: per rank its compute ends so far, and ``Replay.blocked``."""
 
     ends: list[list[float]]
     blocked: dict[int, tuple[int, Message]]
@@ -342,8 +339,7 @@ class Rules:
         return -1
 
     def transfer_waits(self, action: Action) -> Message | None:
-        """What a BPipe transfer waits for (``Transfer.waits``): RS the payload it returns, AC
-        the size header it reads first; None for EV / LD."""
+        """What a transfer waits for: RS its payload, AC the size header; None for EV / LD."""
         base = self.transfers[action.kind].waits[action.stage]
         return None if base < 0 else self.message(base + (action.microbatch or 0))
 
@@ -416,8 +412,7 @@ class Wires:
             kind: (duration, waits[kind], sends[kind], to[kind])
             for kind, duration in compute_durations(timing).items()
         }
-        # What an SA / SG sends, per stage: (its id of micro-batch 0, the rank it must go to:
-        # one sent elsewhere reaches nobody).
+        # What an SA / SG sends, per stage: (its id of micro-batch 0, the one rank it can reach).
         self.sends = {_SA: (rules.base[ACT], to[_F]), _SG: (rules.base[GRAD], to[_B])}
         self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
         # Messages and transfers that take no time, in integer units (CostModel.exact): a link
@@ -436,8 +431,7 @@ class Wires:
         self.starts: list[list[float]] = [[] for _ in range(num_ranks)]  # see Timeline
 
     def _occupy(self, rank: int, dst: int, posted: float, duration: float) -> float:
-        """A message's arrival over the link ``rank`` -> ``dst``, one at a time from ``posted``;
-        its start noted for ``Timeline`` when it takes time."""
+        """Arrival over link ``rank`` -> ``dst``, one at a time from ``posted``; start noted."""
         link = rank * self.rules.num_ranks + dst
         start = max(self.link_free.get(link, 0), posted)
         arrival = self.link_free[link] = start + duration
@@ -589,8 +583,7 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
 
 
 def _timed(run: Wires, rank: int) -> Program:
-    """``rank``'s program under ``Wires.run``, keeping its clock: the hot loop of ``replay``,
-    one branch per common kind, numbers in locals."""
+    """``rank``'s program under ``Wires.run``, keeping its clock: the hot loop of ``replay``."""
     rules, record = run.rules, run.starts[rank].append
     program, flow, waiting = rules.schedule.per_rank[rank], run.flow, run.waiting
     ready, link_free, compute, d_p2p = run.ready, run.link_free, run.compute, run.durations.p2p
@@ -699,8 +692,7 @@ def _timed(run: Wires, rank: int) -> Program:
 
 
 def _overlapped(run: Wires, rank: int, i: int, composite: Action) -> Program:
-    """A composite at position ``i`` under the composite rule (module docstring), as ``_timed``
-    runs a compute, with ``rank``'s clock in ``run``."""
+    """A composite at ``i`` under the composite rule, run as ``_timed`` runs a compute."""
     flow, compute = run.flow, run.compute
     while run.awaiting[rank] and (need := run.unacknowledged(rank)) >= 0:
         yield i, need
@@ -766,8 +758,7 @@ class Timeline:
         return self._events
 
     def _rank_events(self, rank: int) -> Iterator[Event]:
-        """``rank``'s events: the starts ``_timed`` recorded, one per busy interval, until they
-        run out (a rank stuck in a deadlock stops there)."""
+        """``rank``'s events from ``_timed``'s starts, until they run out (deadlock)."""
         rules, timing, starts = self.rules, self.timing, iter(self.starts[rank])
         num_ranks, implicit, sends_for = rules.num_ranks, rules.implicit, rules.sends_for
         computes = compute_durations(timing)

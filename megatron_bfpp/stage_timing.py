@@ -47,8 +47,7 @@ def measure_stage(
     warmup: int = 2,
     iterations: int = 5,
 ) -> StageProfile:
-    """Time ``num_layers`` layers of ``model`` at each micro-batch size (median of
-    ``iterations`` after ``warmup``)."""
+    """Time ``num_layers`` layers of ``model`` per micro-batch size (median of ``iterations``)."""
     target, chosen = _device_and_dtype(device, dtype)
     if num_layers > model.num_layers:
         raise ScheduleError(
@@ -160,8 +159,7 @@ class _Chunk(torch.nn.Module):
 
 
 def _host_forward_step(data_iterator: Any, model: torch.nn.Module) -> Any:
-    """The bare calls' work as a megatron-core forward step: the chunk, then the output's mean as
-    the loss."""
+    """The bare calls as a megatron-core forward step: the chunk, then its output's mean as loss."""
     output = model(next(data_iterator))
 
     def loss(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -185,8 +183,7 @@ def write_profile(profile: StageProfile, path: str | Path) -> None:
 
 
 def _device_and_dtype(device: str, dtype: str | None) -> tuple[torch.device, str]:
-    """The device asked for and the dtype to run in: bf16 on a GPU unless told, fp32 on CPU
-    (megatron-core's CPU path runs nothing else)."""
+    """The device and dtype: bf16 on a GPU unless told, fp32 on CPU (megatron-core's CPU dtype)."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ScheduleError("--device cuda: no CUDA device is available here")
@@ -211,8 +208,7 @@ def _cpu_name() -> str:
 
 @contextlib.contextmanager
 def _single_rank(device: torch.device) -> Iterator[None]:
-    """A one-rank process group and megatron-core parallel state (tp = pp = 1), torn down after,
-    unless the caller already has them."""
+    """A one-rank group and megatron-core parallel state (tp = pp = 1) unless present; torn down."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
@@ -300,8 +296,7 @@ class StoredActivations:
 
     @property
     def per_microbatch(self) -> float:
-        """The slope of stored bytes over k: one micro-batch's activations, free of what the
-        first forward leaves behind once (workspaces, caches)."""
+        """Slope of stored bytes over k: a micro-batch's activations, not one-off leftovers."""
         k = len(self.stored)
         if k == 1:
             return float(self.stored[0])
@@ -402,8 +397,7 @@ class _SavedStorages:
             self._refs[key] = (weakref.ref(tensor), storage.nbytes())
 
     def live_bytes(self, *, extra: Sequence[torch.Tensor] = ()) -> int:
-        """Bytes of the live saved storages and of ``extra`` (the stage's inputs, kept for the
-        input gradient), each storage once."""
+        """Bytes of live saved storages and ``extra`` (inputs kept for input grads), once each."""
         for tensor in extra:
             self._add(tensor)
         return sum(size for ref, size in self._refs.values() if ref() is not None)

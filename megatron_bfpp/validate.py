@@ -174,9 +174,8 @@ class _Scan:
         self.num_mb = schedule.num_microbatches
         self.rules = Rules(schedule)
         self.with_comm = not self.rules.implicit
-        # Per stage: the rank of the previous / next stage when it is another rank (the peer of
-        # RA, SG / SA, RG; the ranks the rules send gradients / activations to), else -1; and
-        # whether that neighbour is on the same rank.
+        # Per stage: the previous / next stage's rank if another (peer of RA, SG / SA, RG; where
+        # rules send gradients / activations), else -1; and whether that neighbour is local.
         self.remote_in, self.remote_out = self.rules.output_rank[_B], self.rules.output_rank[_F]
         same = [s > 0 and stage_to_rank[s - 1] == stage_to_rank[s] for s in range(num_stages)]
         self.local_in, self.local_out = same, [*same[1:], False]
@@ -202,8 +201,7 @@ class _Scan:
         return self.channels.setdefault((src, dst), ([], []))
 
     def acting(self, rank: int, position: int) -> Action:
-        """The action the pass checks at (rank, position): while it checks a composite's parts
-        (``_parts``), the part."""
+        """The action checked at (rank, position): while checking a composite, the part."""
         action = self.schedule.per_rank[rank][position]
         return self.part if action.kind is K.OVERLAP_F_B and self.part is not None else action
 
@@ -225,8 +223,7 @@ class _Scan:
         self.duplicate[rank] = _fail(self.schedule, f"{action} appears twice", marks)
 
     def note_backward(self, rank: int, position: int, key: int) -> None:
-        """A B, I or W whose (stage, micro-batch) already has one of them: a repeat, or B
-        mixed with I / W (reported by ``complete``)."""
+        """A B, I or W whose key already has one: a repeat, or B mixed with I / W (``complete``)."""
         kind = self.acting(rank, position).kind  # flags 1, 2, 3: B, I, W done
         if self.flags[(_B, _I, _W).index(kind) + 1][key]:
             self.repeated(rank, position)
@@ -279,8 +276,7 @@ class _Scan:
 
 
 def _scan(schedule: Schedule) -> _Scan:
-    """Check every action, rank by rank, recording each rank's waits and sends; then run the
-    recordings (see the module docstring)."""
+    """Check every rank's actions, recording waits and sends; then run them (module docstring)."""
     scan = _Scan(schedule)
     programs = [_scan_rank(scan, rank) for rank in range(len(schedule.per_rank))]
     if scan.composites:  # a rank met one: all again, each composite as its parts (_parts)
@@ -612,9 +608,8 @@ def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
 
 
 def _grad_sync_problem(scan: _Scan, required: bool) -> ScheduleError | None:
-    """Rule 7 of the module docstring, rank by rank, from the positions of each rank's GS / PS /
-    RL and each stage's last backward that the pass noted (the rest of a program is read only
-    before its PSs, which come first)."""
+    """Rule 7, rank by rank, from the positions of each rank's GS / PS / RL and each stage's last
+    backward that the pass noted (the rest is read only before the PSs, which come first)."""
     if not required and not any(scan.chunk_level):
         return None  # not lowered for data parallelism (compute-only, or messages only)
     problems = (_rank_grad_sync_problem(scan, r) for r in range(len(scan.chunk_level)))

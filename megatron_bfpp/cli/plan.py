@@ -583,9 +583,7 @@ def _add_profile(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     )
     command.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     command.add_argument(
-        "--dtype",
-        choices=("bf16", "fp16", "fp32"),
-        help="default: bf16 on CUDA, fp32 on CPU",
+        "--dtype", choices=("bf16", "fp16", "fp32"), help="default: bf16 on CUDA, fp32 on CPU"
     )
     command.add_argument("--warmup", type=positive_int, default=2, metavar="N")
     command.add_argument("--iterations", type=positive_int, default=5, metavar="N")

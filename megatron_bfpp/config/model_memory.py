@@ -80,8 +80,7 @@ def _spread(shape: ModelShape, layout: Layout, parts: int, *, last: int) -> list
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MemoryEstimate:
-    """Bytes of weights, gradients and Adam state: on the largest rank, and on ``local_ranks``
-    ranks of one machine (their sum)."""
+    """Weight, gradient and Adam state bytes: on the largest rank; summed on ``local_ranks``."""
 
     largest_rank_bytes: int
     largest_rank_parameters: int
@@ -113,8 +112,7 @@ def estimate(shape: ModelShape, layout: Layout, *, local_ranks: int) -> MemoryEs
 
 
 def available_ram_bytes() -> int | None:
-    """Memory the kernel can give new work now (Linux ``MemAvailable``; elsewhere the free
-    pages), or None if unknown."""
+    """Memory the kernel can give new work now (Linux ``MemAvailable``, else free pages) or None."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -136,9 +134,8 @@ def memory_problem(
     gpu_bytes: int | None = None,
     ram_bytes: int | None = None,
 ) -> str | None:
-    """The one line that refuses a model that cannot fit: its largest rank against one GPU's
-    ``gpu_bytes``, or its ``local_ranks`` together against the machine's ``ram_bytes``; None if
-    it fits (or nothing is known to compare with)."""
+    """The line refusing a model that cannot fit: its largest rank against one GPU's ``gpu_bytes``,
+    or its ``local_ranks`` together against ``ram_bytes``; None if it fits or nothing is known."""
     need = estimate(shape, layout, local_ranks=local_ranks)
     largest = (
         f"{need.largest_rank_parameters:,} parameters x {need.bytes_per_parameter:g} bytes on "

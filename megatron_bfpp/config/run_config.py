@@ -59,9 +59,8 @@ class ModelShape:
         return self.ffn_hidden_size or default_ffn_hidden_size(self.preset, self.hidden_size)
 
     def effective_flags(self) -> dict[str, Any]:
-        """The model flags with their defaults filled in, keyed by destination: two runs build
-        the same model exactly when these are equal (``--ffn-hidden-size`` left out and given as
-        its default are the same model)."""
+        """The model flags, defaults filled in, by destination: two runs build the same model
+        exactly when these are equal (``--ffn-hidden-size`` left out or given as its default)."""
         return {
             "model": self.preset,
             **{field.name: getattr(self, field.name) for field in dataclasses.fields(self)[1:]},

@@ -101,8 +101,7 @@ def announce(
 
 AGREE_TIMEOUT_S = 300.0  # how long a rank waits for the others' choices in the store
 _ROUNDS = itertools.count()  # one exchange per decision, each under keys of its own
-# What a rank's choice depends on besides the arguments, in the order a difference is named,
-# with what to do about it.
+# What a rank's choice depends on besides the arguments, each with its fix, in the order named.
 _INPUTS = (
     ("profile", "give every rank the same profile, by an absolute path every node reads"),
     ("GPU", "run the job on one GPU model, or name it with the auto GPU flag"),

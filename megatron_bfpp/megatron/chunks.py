@@ -15,10 +15,7 @@ from megatron_bfpp.compat import model_process_groups
 from megatron_bfpp.ir import Placement, StageLayout
 from megatron_bfpp.runtime.placement import layout_for, tied_embedding_weights
 
-__all__ = [
-    "build_chunks",
-    "placed_provider",
-]
+__all__ = ["build_chunks", "placed_provider"]
 
 
 def build_chunks(

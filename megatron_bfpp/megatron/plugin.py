@@ -31,13 +31,7 @@ from megatron_bfpp.megatron.patches import Patches
 from megatron_bfpp.plan.auto import AUTO
 from megatron_bfpp.schedules.registry import SCHEDULES
 
-__all__ = [
-    "current_schedule",
-    "install",
-    "is_installed",
-    "set_schedule",
-    "uninstall",
-]
+__all__ = ["current_schedule", "install", "is_installed", "set_schedule", "uninstall"]
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,7 @@ _TRANSFERS = {
 }
 _Note = Callable[[object], None]
 _Channels = dict[tuple[int, int], tuple[list[object], list[object]]]
-# A compute action's receive: peer (-1: none), where to note it, its slot (a key less
-# ``mb * per_mb``); the same three for its send.
+# A compute's receive: peer (-1: none), note, slot (a key less ``mb * per_mb``); then its send's.
 _Plan = tuple[int, _Note, int, int, _Note, int]
 
 
@@ -159,8 +158,7 @@ def add_communication(schedule: Schedule) -> Schedule:
 def _around(
     composite: Action, forwards: _RankPlans, backwards: _RankPlans, per_mb: int
 ) -> list[Action]:
-    """An overlapped pair with its parts' messages: every receive before it, every send after
-    it, each noted on its channel in that order."""
+    """An overlapped pair: its parts' receives before it, sends after, noted on their channels."""
     before: list[Action] = []
     after: list[Action] = []
     for part in parts(composite):

@@ -122,8 +122,7 @@ def _find(
 
 
 def _past_sends(actions: tuple[Action, ...], position: int) -> int:
-    """``position`` moved past the gradient sends after it: a backward's send is on the upstream
-    rank's critical path, a reduction is not."""
+    """``position`` past later gradient sends, on upstream's critical path (a reduction is not)."""
     while position + 1 < len(actions) and actions[position + 1].kind is K.SEND_GRAD:
         position += 1
     return position

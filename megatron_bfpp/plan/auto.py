@@ -2,8 +2,7 @@
 
 Not ``recommend``: the user fixed the layout, so :func:`decide` ranks only what a schedule may
 still choose (schedule, virtual stages, group size, BPipe cap). It is a pure function of what
-every rank sees alike, so every rank decides the same without communicating.
-"""
+every rank sees alike, so every rank decides the same without communicating."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ def check_auto_flags(args: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Hardware:
-    """What the decision is timed and budgeted on (``memory_bytes`` None: no constraint), and
-    a ``note`` for the line saying where the figures come from."""
+    """Decision inputs for timing and budget (``memory_bytes`` None: no limit); ``note``: source."""
 
     gpu: Gpu
     memory_bytes: int | None
@@ -369,8 +367,7 @@ def hardware(
 
 
 def gpus_per_node_from_env(env: Mapping[str, str], world_size: int) -> int:
-    """GPUs per node from torchrun's or SLURM's environment (``8`` or ``8(x2)``); one node when
-    none is set."""
+    """GPUs per node from torchrun's or SLURM's environment (``8`` or ``8(x2)``), else one node."""
     for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE"):
         digits = env.get(key, "").split("(")[0].split(",")[0].strip()
         if digits.isdigit() and int(digits) > 0:
@@ -516,8 +513,7 @@ def decide(r: AutoRequest) -> Decision:
     simulated: list[Row] = []
     too_big: list[Row] = []
     untimed: list[Row] = []
-    # A candidate whose bound cannot beat the runner-up so far is not simulated (its row keeps
-    # the bound): the choice and the runner-up stay exact.
+    # A candidate whose bound cannot beat the runner-up is not simulated (choice, runner-up: exact).
     bounded: list[tuple[float, float, int, Candidate]] = []  # (order, bound, index, candidate)
     bound_of = partial(
         lower_bound_of, model=judge.model, cluster=judge.cluster, options=judge.options
@@ -560,8 +556,7 @@ def decide(r: AutoRequest) -> Decision:
 
 @dataclass(frozen=True, slots=True)
 class _Judge:
-    """How :func:`decide` sizes and times a candidate of one request, and the budgets it
-    spends."""
+    """How :func:`decide` sizes and times a candidate of one request, and the budgets it spends."""
 
     request: AutoRequest
     model: Model

@@ -4,8 +4,7 @@ BPipe caps every rank's stored activations at ceil((p+2)/2) micro-batches instea
 and spends the memory on a larger micro-batch: one stage gets faster by MFU_stage(x) /
 MFU_stage(y), while with a fixed batch B per pipeline the bubble grows by (B + y(p-1)) /
 (B + x(p-1)) (eq. 2); eq. 4 multiplies the two, ignoring communication, the optimizer and
-BPipe's own transfers, as the paper does (it measured 1.35 where eq. 4 predicts 1.39).
-"""
+BPipe's own transfers, as the paper does (it measured 1.35 where eq. 4 predicts 1.39)."""
 
 from __future__ import annotations
 
@@ -15,12 +14,7 @@ from dataclasses import dataclass
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.passes.eviction import bpipe_max_stored
 
-__all__ = [
-    "Estimate",
-    "bpipe_speedup_estimate",
-    "pipeline_factor",
-    "pipeline_mfu",
-]
+__all__ = ["Estimate", "bpipe_speedup_estimate", "pipeline_factor", "pipeline_mfu"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,7 @@
 """How long one micro-batch takes on one stage, and what communication costs: the numbers the
 simulator runs the schedule under. FLOPs follow eq. 1 of the BPipe re-evaluation, efficiency a
 built-in curve or a measured profile, and communication ring collectives over NVLink or
-InfiniBand (docs/planner.md, "Compute" and "Communication", has every formula).
-"""
+InfiniBand (docs/planner.md, "Compute" and "Communication", has every formula)."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ INTER_NODE_LATENCY_S = 10e-6
 
 
 def model_flops_per_step(model: Model, *, global_batch_size: int) -> float:
-    """Eq. 1 of the BPipe re-evaluation: a step's model FLOPs (forward and backward, no
-    recomputation), the numerator of MFU."""
+    """Eq. 1 of the BPipe re-evaluation: a step's model FLOPs (no recompute), MFU's numerator."""
     b, s, h = global_batch_size, model.seq_length, model.hidden_size
     layers, v = model.num_layers, model.vocab_size
     return 72.0 * b * s * layers * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * layers * h))
@@ -87,9 +85,8 @@ class BuiltinCurve:
 
 @dataclass(frozen=True, slots=True)
 class ProfileCurve:
-    """Efficiencies measured by ``bfpp-plan profile`` against ``gpu``'s peak at each measured
-    work per layer: linear in log(work) between them, the nearest outside; ``host`` the
-    profile's ``t_host`` (0 when it has none)."""
+    """Efficiencies measured by ``bfpp-plan profile`` against ``gpu``'s peak per work per layer:
+    linear in log(work) between points, nearest outside; ``host``: the profile's ``t_host`` or 0."""
 
     works: tuple[float, ...]
     forwards: tuple[float, ...]

@@ -2,8 +2,7 @@
 
 Activations follow Korthikanti et al. (MLSys 2023), section 4, counted per tensor autograd keeps
 for megatron-core's layer (docs/planner.md, "Memory"). The schedule is walked because first and
-last stages store more, at different times: a rank's peak is not count x average.
-"""
+last stages store more, at different times: a rank's peak is not count x average."""
 
 from __future__ import annotations
 
@@ -130,9 +129,8 @@ def stage_activation_bytes(
 
 @dataclass(frozen=True, slots=True)
 class PeakPoints:
-    """For each rank, the Pareto-maximal (stored stage-micro-batches, of which on the first
-    stage, of which on the last) where its peak can lie, so one walk over a schedule serves
-    every ``StageBytes``."""
+    """Per rank, the Pareto-maximal (stored stage-micro-batches, of which on the first stage, of
+    which on the last) where its peak can lie: one schedule walk serves all ``StageBytes``."""
 
     per_rank: tuple[tuple[tuple[int, int, int], ...], ...]
 
@@ -150,9 +148,8 @@ _OVERLAP = ActionKind.OVERLAP_F_B
 
 
 def _rank_points(actions: Sequence[Action], last_stage: int) -> set[tuple[int, int, int]]:
-    """One rank's counts where a run of stores ends (before a free, or at the program's end):
-    every count within a run is dominated by the run's last, so the Pareto front is the same
-    from far fewer tuples."""
+    """One rank's counts where a run of stores ends (before a free, or at the end): the run's last
+    dominates every count within it, so the Pareto front is the same from far fewer tuples."""
     held = first = last = 0
     rising = False
     points: set[tuple[int, int, int]] = set()
@@ -208,8 +205,7 @@ def peak_activation_bytes(points: PeakPoints, stage: StageBytes) -> tuple[int, .
 def rank_parameters(
     model: Model, *, tp: int, pp: int, chunks: int, placement: Placement
 ) -> list[int]:
-    """Parameters of one tensor-parallel rank at each pipeline rank, as megatron-core builds the
-    model (``config.model_memory``)."""
+    """Per pipeline rank, one tensor-parallel rank's parameters (``config.model_memory``)."""
     layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
     return parameters_per_pipeline_rank(model.shape(tp=tp), layout)
 

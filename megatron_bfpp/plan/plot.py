@@ -31,8 +31,7 @@ class SweepPoint:
 
 
 def default_batch_sizes(num_gpus: int) -> tuple[int, ...]:
-    """Batch sizes per GPU from 1/8 to 8 (the range of the paper's Figure 3), as whole global
-    batches."""
+    """Batch sizes per GPU from 1/8 to 8 (the paper's Figure 3 range), as whole global batches."""
     sizes = {max(1, round(num_gpus * beta)) for beta in (0.125, 0.25, 0.5, 1, 2, 4, 8)}
     return tuple(sorted(sizes))
 
@@ -69,9 +68,8 @@ def time_and_cost(
 def trade_off(
     rows: Sequence[tuple[float, float]], *, num_gpus: int, critical_batch_size: float
 ) -> list[tuple[float, float]]:
-    """The (cost, time) frontier of one family: ``rows`` are (beta, samples/s per GPU); every
-    cluster size in ``_CLUSTER_SCALES`` x ``num_gpus``; points no other beats on both axes,
-    by cost."""
+    """The (cost, time) frontier of one family: ``rows`` are (beta, samples/s per GPU); each cluster
+    size in ``_CLUSTER_SCALES`` x ``num_gpus``; the points none beats on both axes, by cost."""
     points = []
     for beta, rate in rows:
         for scale in _CLUSTER_SCALES:

@@ -178,10 +178,9 @@ def model_description(
     vocab_size: int | None = None,
     dropout: bool | None = None,
 ) -> Model:
-    """The planner's model of what a front end builds: the one translation every front end
-    calls, so the same model is described alike everywhere. ``gated``: a SwiGLU MLP, planned
-    as llama; FFN size as given, else ``ffn_default``'s rule; vocabulary as given, else 32000
-    gated and 50257 (GPT-2's) otherwise."""
+    """The planner's model of what a front end builds: the one translation every front end calls, so
+    a model is described alike everywhere. ``gated``: a SwiGLU MLP, planned as llama (default
+    vocabulary 32000, else GPT-2's 50257)."""
     ffn = ffn_hidden_size or _default_ffn(ffn_default, gated=gated, hidden_size=hidden_size)
     return model_from_shape(
         arch="llama" if gated else "gpt",
@@ -237,9 +236,8 @@ def get_gpu(name: str) -> Gpu:
 
 @dataclass(frozen=True, slots=True)
 class Precision:
-    """Bytes per element of what a rank keeps: weights, their gradients, the optimizer's state
-    per parameter (Adam's moments, plus an fp32 master copy of 16-bit weights) and stored
-    activations."""
+    """Bytes per element of what a rank keeps: weights, their gradients, the optimizer's state per
+    parameter (Adam's moments, plus an fp32 master copy of 16-bit weights), activations."""
 
     name: str
     param_bytes: int

@@ -14,13 +14,7 @@ from typing import Any
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.presets import Model
 
-__all__ = [
-    "Measurement",
-    "StageProfile",
-    "load_profile",
-    "profile_from_dict",
-    "profile_to_dict",
-]
+__all__ = ["Measurement", "StageProfile", "load_profile", "profile_from_dict", "profile_to_dict"]
 
 _FORMAT = "bfpp-stage-profile"
 VERSION = 1

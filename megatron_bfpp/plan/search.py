@@ -68,8 +68,7 @@ NS = 1e9  # the simulator runs in integer nanoseconds: exact, whatever its arith
 
 
 class OverBudget(ScheduleError):
-    """Walking or simulating a candidate would spend more than what is left of its search's
-    :class:`ActionBudget`; nothing was spent on it."""
+    """A candidate's walk or simulation would overspend its :class:`ActionBudget`; none spent."""
 
 
 @dataclass(slots=True)
@@ -105,8 +104,7 @@ class ActionBudget:
         return actions
 
     def part(self, most: int) -> ActionBudget:
-        """A budget of at most ``most`` of what is left; its spending is added back by whoever
-        asked for it (``spent += part.spent``)."""
+        """A budget of at most ``most`` of what is left; whoever asked adds its ``spent`` back."""
         return ActionBudget(max(0, min(most, self.limit - self.spent)))
 
 
@@ -313,9 +311,8 @@ def _splits(
 
 
 def memory_microbatches(pp: int, m: int) -> int:
-    """How many micro-batches to walk for a schedule's activation peaks at m: they stop growing
-    by 2pp, whatever the schedule, chunks or BPipe cap (tests/unit/test_plan_search.py), so 3pp,
-    a multiple of pp, or m if smaller."""
+    """Micro-batches to walk for activation peaks at m: they stop growing by 2pp whatever the
+    schedule, chunks or BPipe cap (tests/unit/test_plan_search.py); 3pp is a multiple of pp."""
     return min(m, 3 * pp)
 
 
@@ -350,8 +347,7 @@ def _points(
 def _walked_points(
     schedule: str, pp: int, vp: int, m: int, group: int | None, max_stored: int | None = None
 ) -> PeakPoints:
-    """The compute order straight from the catalogue's generator: the walk needs no messages,
-    and validating the generators is the tests' job."""
+    """The generator's compute order, unvalidated (the tests' job): the walk needs no messages."""
     spec = get_spec(schedule)
     chunks = spec.chunks_for(None if spec.placement is Placement.SINGLE else vp)
     given = {"num_chunks": chunks, "group_size": group, "max_stored": max_stored}
@@ -420,9 +416,8 @@ class _Sized:
 def _weights(
     c: Candidate, m: int, model: Model, precision: Precision, distributed: bool = True
 ) -> list[tuple[int, int, int]]:
-    """(parameters, gradients, optimizer) bytes of each pipeline rank (``distributed``: the
-    optimizer's state sharded over dp); fully sharded, the full buffers the schedule walk holds
-    at once on top of the shards."""
+    """(parameters, gradients, optimizer) bytes per pipeline rank (``distributed``: optimizer state
+    sharded over dp); fully sharded, plus the full buffers the schedule walk holds at once."""
     counts = rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp)
     if c.sharding != "optim_grads_params":
         dp = c.dp if distributed else 1
@@ -620,8 +615,7 @@ def _size(
     options: SearchOptions,
     force: bool = False,
 ) -> _Sized | None:
-    """Memory, durations and bounds of one candidate (None when it does not fit, unless
-    ``force``)."""
+    """Memory, durations and bounds of one candidate (None if it does not fit, unless ``force``)."""
     m = global_batch_size // (c.dp * c.micro_batch_size)
     budget = options.memory_fraction * cluster.gpu.memory_bytes
     weights = _weights(c, m, model, options.precision, options.distributed_optimizer)
@@ -714,8 +708,7 @@ def memory_of(
     options: SearchOptions = SearchOptions(),
     budget: ActionBudget | None = None,
 ) -> MemoryBreakdown:
-    """The busiest pipeline rank's bytes per GPU for ``candidate``: :func:`recommend`'s memory
-    filter, without timing; its walk charged to ``budget``."""
+    """The busiest rank's bytes per GPU (:func:`recommend`'s filter); walk charged to ``budget``."""
     m = global_batch_size // (candidate.dp * candidate.micro_batch_size)
     weights = _weights(candidate, m, model, options.precision, options.distributed_optimizer)
     return _memory(candidate, m, model, options.precision, weights, budget)[0]

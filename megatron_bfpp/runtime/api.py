@@ -2,8 +2,7 @@
 
 megatron-core-only training loops (NeMo, Megatron-Bridge, custom loops) call the returned
 function exactly where they call megatron-core's own; it builds (once, cached) the validated
-schedule for the current layout and runs this rank's actions.
-"""
+schedule for the current layout and runs this rank's actions."""
 
 from __future__ import annotations
 
@@ -326,8 +325,7 @@ def _finish_grads(
         torch.distributed.all_reduce(total_num_tokens, group=groups.pp)
     num_tokens = total_num_tokens if config.calculate_per_token_loss else None
     if ctx.sharded is not None:
-        # megatron-core's finalize reads full gradients; the sharded model finishes the
-        # same reductions on its kept shards.
+        # megatron-core's finalize reads full gradients; sharded, its reductions run on kept shards.
         ctx.sharded.finalize_grads(config, groups, num_tokens, bool(ctx.call.force_all_reduce))
     else:
         config.finalize_model_grads_func(

@@ -10,12 +10,7 @@ from megatron_bfpp.ir import Action
 from megatron_bfpp.messages import Message, What
 from megatron_bfpp.runtime.step import Key, RankStep
 
-__all__ = [
-    "begin_backward",
-    "microbatch",
-    "overlaps_grad_reduce",
-    "whole_backward",
-]
+__all__ = ["begin_backward", "microbatch", "overlaps_grad_reduce", "whole_backward"]
 
 
 def whole_backward(step: RankStep, position: int, action: Action) -> None:
@@ -50,8 +45,7 @@ def begin_backward(step: RankStep, position: int, action: Action) -> tuple[Key, 
     if step.frees_outputs(stage) and not step.layout.is_last(stage):
         step.ctx.comm.finish_send_of(Message(What.ACT, stage, mb))
     if position in step.last_backward and step.grad_sync_funcs[chunk] is None:
-        # No explicit sync function: megatron-core DDP's hooks dispatch the chunk's reduction
-        # during its last backward once its no_sync context is left.
+        # No sync function: DDP's hooks reduce the chunk in its last backward, once out of no_sync.
         step.leave_no_sync(chunk)
     for part in step.parts.values():
         part.before_compute(step, stage)

@@ -3,8 +3,7 @@
 Local ``ColumnParallelLinear`` / ``RowParallelLinear`` layers file their weight GEMMs under the
 running ``I`` and ``W`` computes them, bit-identical to a whole backward; everything else
 (Transformer Engine layers too) stays in ``I``. Why the cut is at the GEMMs: docs/design-notes.md,
-"Split backward (I and W) at runtime".
-"""
+"Split backward (I and W) at runtime"."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ _warned = False  # the Transformer Engine warning was logged (once per process)
 
 @dataclass
 class _Deferred:
-    """One linear layer's weight (and bias) gradient for one micro-batch, not yet computed: the
-    operands megatron-core's backward would have used."""
+    """A linear layer's pending weight (and bias) gradient: the operands its backward would use."""
 
     input: torch.Tensor  # the saved input (this rank's sequence shard under sequence parallel)
     weight: torch.Tensor

@@ -3,8 +3,7 @@
 The core handlers (compute through megatron-core's ``forward_step`` / ``backward_step``, pipeline
 messages, data-parallel sync) live here; a protocol with state of its own is a module in ``TABLE``.
 Actions run in program order, one ``batch_isend_irecv`` per tick of the lock-step posting proven
-when the schedule is planned (:class:`PlannedSchedule`); docs/design-notes.md, "Runtime".
-"""
+when the schedule is planned (:class:`PlannedSchedule`); docs/design-notes.md, "Runtime"."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ one Work per op, NCCL one per batch; a send's buffer is released only after its 
 in the tick's batch, then the payload in a batch of its own on the partners' group
 (:func:`pair_group`: on NCCL another stream, so transfers do not hold the tick batches). Every wait
 is bounded by the group's timeout; on NCCL by polling ``is_completed()`` until the timeout less
-:data:`_NCCL_LEAD`, before the watchdog aborts naming no peer (docs/train.md).
-"""
+:data:`_NCCL_LEAD`, before the watchdog aborts naming no peer (docs/train.md)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class PipelineTimeout(RuntimeError):
 
 
 def _group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
-    """The group's timeout in seconds (megatron-core's: ``--distributed-timeout-minutes``), else
-    torch's default for the backend."""
+    """The group's timeout in seconds (``--distributed-timeout-minutes``), else torch's default."""
     try:
         backend = group._get_backend(device)
         timeout = backend.options._timeout
@@ -291,8 +289,7 @@ class PipeComm:
         )
 
     def _finish_sends(self, done: Callable[[PendingSend], bool], *, wait: bool = True) -> None:
-        """Drop the sends ``done`` picks, in order (waiting for each when ``wait``), releasing
-        their outputs; the others stay pending."""
+        """Drop the sends ``done`` picks in order (waiting if ``wait``), releasing their outputs."""
         still: list[PendingSend] = []
         for pending in self.sends:
             if not done(pending):

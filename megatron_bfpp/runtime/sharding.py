@@ -4,8 +4,7 @@ A schedule's gathers (PS), releases (RL) and gradient reductions (GS) on DDP chu
 distributed optimizer: each bucket keeps this rank's shard of its parameters and reduced gradients,
 and the full buffers' storages are allocated only while the schedule needs them (``resize_``: views
 and saved tensors keep pointing at them). Why and each buffer's life: docs/design-notes.md,
-"Sharded parameters (ZeRO-3)".
-"""
+"Sharded parameters (ZeRO-3)"."""
 
 from __future__ import annotations
 
@@ -34,12 +33,7 @@ from megatron_bfpp.compat import (
 from megatron_bfpp.ir import Action, ActionKind
 from megatron_bfpp.runtime.step import Handlers, Key, RankStep, StepPart
 
-__all__ = [
-    "HANDLERS",
-    "ShardedParameters",
-    "ShardingError",
-    "sharded_parameters",
-]
+__all__ = ["HANDLERS", "ShardedParameters", "ShardingError", "sharded_parameters"]
 
 K = ActionKind
 

@@ -3,8 +3,7 @@
 ``I`` runs ``backward_step`` with the chunk's local linear layers deferring their weight GEMMs,
 ``W`` computes them (``runtime.deferred_wgrad``). DDP's hooks would reduce before the last ``W``
 (some gradients come at ``I``), so the chunk stays in ``no_sync`` and its own
-``start_grad_sync`` runs at its GS, as Megatron-LM's ``grad_sync_func`` does.
-"""
+``start_grad_sync`` runs at its GS, as Megatron-LM's ``grad_sync_func`` does."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ K = ActionKind
 
 
 class SplitBackward(StepPart):
-    """Micro-batches between their I and W (checked drained at the step's end) and their deferred
-    weight gradients."""
+    """Micro-batches between their I and W (checked drained at step end), their deferred wgrads."""
 
     def __init__(self) -> None:
         self.pending: set[Key] = set()
@@ -82,6 +80,5 @@ def backward_weight(step: RankStep, position: int, action: Action) -> None:
 
 
 HANDLERS = Handlers(
-    kinds={K.BACKWARD_INPUT: backward_input, K.BACKWARD_WEIGHT: backward_weight},
-    part=SplitBackward,
+    kinds={K.BACKWARD_INPUT: backward_input, K.BACKWARD_WEIGHT: backward_weight}, part=SplitBackward
 )

@@ -2,8 +2,7 @@
 
 A handler is a plain function of ``(step, position, action)``; a runtime module registers its
 kinds as :class:`Handlers`. A protocol with state between its actions keeps it in its own
-:class:`StepPart`, which the core asks the same few questions, so it never names a protocol.
-"""
+:class:`StepPart`, which the core asks the same few questions, so it never names a protocol."""
 
 from __future__ import annotations
 
@@ -121,8 +120,7 @@ class Window:
 
 
 class StepPart:
-    """A handler module's per-step state and answers to the core (defaults: no activations held),
-    made once per step per registered part."""
+    """A handler module's per-step state and answers to the core (default: no activations held)."""
 
     def begin(self, step: RankStep) -> None:
         """Set up before the rank's first action (``end`` runs after its last, also on failure)."""

@@ -128,8 +128,7 @@ def bpipe_caps(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
 
 @dataclass(frozen=True, slots=True)
 class PlanGrid:
-    """What the planners (``bfpp-plan recommend``, ``--pipeline-schedule auto``) try of a
-    schedule, declared once so both search the same grid."""
+    """The grid both planners (``recommend``, ``--pipeline-schedule auto``) try of a schedule."""
 
     shardings: tuple[str, ...] = ("optim",)  # the data-parallel sharding strategies it runs
     microbatches_per_pp: bool = False  # m must be a multiple of pp (Megatron's interleaved rule)
@@ -174,8 +173,7 @@ class ScheduleSpec:
         return 1 if self.placement is Placement.SINGLE else 2
 
     def stages_per_rank(self, num_chunks: int | None) -> int:
-        """Stages each rank holds for an accepted ``num_chunks`` (:meth:`chunks_for`'s
-        result, ``None``: the placement's own)."""
+        """Stages per rank for :meth:`chunks_for`'s ``num_chunks`` (``None``: the placement's)."""
         return 2 if self.placement is Placement.V_SHAPE else num_chunks or 1
 
     def chunks_for(self, num_chunks: int | None, *, vp_flag: str = "--vp") -> int | None:
@@ -316,8 +314,7 @@ def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -
 
 
 def add_option_flags(group: Any, value_type: Any, *, megatron: bool = False) -> None:
-    """The catalogue's schedule options as flags of an argparse ``group``; ``megatron``: leave
-    out the flags Megatron-LM defines itself."""
+    """The schedule options as flags of ``group``; ``megatron``: not those Megatron-LM defines."""
     for option in ALL_OPTIONS:
         if not (megatron and option.megatron_owned):
             group.add_argument(
@@ -340,8 +337,7 @@ def options_from_args(name: str, args: Any, *, megatron: bool = False) -> dict[s
     return options
 
 
-# Passes whose errors a flag can reach; their messages start with the pass's name, which says
-# nothing to someone who typed a flag.
+# Passes whose errors a flag can reach: their messages start with the pass's name, no use to users.
 _PASS_PREFIX = re.compile(r"^(?:add_eviction|add_grad_sync|add_communication): ")
 
 

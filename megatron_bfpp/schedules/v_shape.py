@@ -143,9 +143,8 @@ def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
 
 def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[list[_Step]]:
-    """Replay ``programs`` in unit time steps, every F in its place, between two F's the first
-    ready I before any ready W: an input gradient, on the critical path, never waits behind a
-    weight gradient."""
+    """Replay ``programs`` in unit time steps, every F in its place, between two F's the first ready
+    I before any ready W: an input gradient (critical path) never waits behind a weight gradient."""
     p = num_ranks
     last = 2 * p - 1
     m_count = 1 + max((mb for program in programs for _, _, mb in program), default=0)

@@ -79,8 +79,7 @@ class CostModel:
         return full[kind] * stage_fraction + self.t_host
 
     def exact(self, stage_fraction: Fraction = Fraction(1)) -> ExactTiming:
-        """The replay's durations in integer units: each as the decimal it prints as (0.05 is
-        1/20, as written), scaled by the least common denominator."""
+        """Integer-unit durations: the printed decimals times their least common denominator."""
         full = {cost.name: _decimal(getattr(self, cost.name)) for cost in cost_fields()}
         host = full["t_host"]  # per compute action, whatever the stage's size
         durations = {

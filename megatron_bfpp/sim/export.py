@@ -25,8 +25,7 @@ __all__ = [
     "render_png",
 ]
 
-# A PNG's measured drawing time per rank (docs/architecture.md); bfpp-sim refuses more ranks
-# than about 20 s of drawing.
+# Measured PNG drawing time per rank (docs/architecture.md); bfpp-sim refuses past about 20 s of it.
 PNG_SECONDS_PER_RANK = 0.0095
 MAX_PNG_RANKS = 2048
 

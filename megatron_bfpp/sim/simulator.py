@@ -11,13 +11,7 @@ from itertools import pairwise
 from operator import attrgetter, countOf
 from typing import Any
 
-from megatron_bfpp.ir import (
-    ActionKind,
-    Schedule,
-    ScheduleError,
-    format_schedule,
-    stored_counts,
-)
+from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, format_schedule, stored_counts
 from megatron_bfpp.messages import has_communication
 from megatron_bfpp.native_posting import (
     P2POptions,
@@ -120,8 +114,7 @@ class RankMetrics:
 
 @dataclass(frozen=True, slots=True)
 class SimResult:
-    """What ``simulate`` measured under ``p2p_model``; ``to_dict`` is JSON-ready, ``events`` come
-    from ``timeline`` when first read."""
+    """What ``simulate`` measured under ``p2p_model``; ``to_dict``: JSON-ready; ``events``: lazy."""
 
     schedule_name: str
     num_ranks: int
@@ -208,11 +201,7 @@ def _bubble(step: float, busy: Sequence[float]) -> float:
 
 
 def _clocks(
-    schedule: Schedule,
-    costs: CostModel,
-    p2p: str,
-    posting: Posting | None,
-    grad_reduce: str | None,
+    schedule: Schedule, costs: CostModel, p2p: str, posting: Posting | None, grad_reduce: str | None
 ) -> tuple[_Run4, int, Timeline | PostingTimeline]:
     """The model's integer clocks of ``schedule`` (``_Run4``), their unit (``CostModel.exact``)
     and the events drawn on demand: ``simulate`` less the memory and the summing up."""
@@ -357,8 +346,7 @@ def _replay(schedule: Schedule, timing: Timing) -> Replay:
 
 
 def _grad_reduce(p2p: str, grad_reduce: str | None, posting: Posting | None) -> str | None:
-    """The megatron model's ``MEGATRON_GRAD_REDUCE`` setting (None for the other models), after
-    checking that ``p2p`` names a model."""
+    """The megatron models' ``MEGATRON_GRAD_REDUCE`` setting, else None; checks ``p2p`` first."""
     if p2p not in P2P_MODELS:
         raise ScheduleError(
             f"unknown p2p timing model {p2p!r}; choose one of {', '.join(P2P_MODELS)}"
@@ -413,8 +401,7 @@ def _timer(
 
 
 class PostingTimeline:
-    """The events of a timed posting (``PostingRun.events``), built and divided by
-    ``per_unit`` when first read (``Timeline``'s interface)."""
+    """A timed posting's events, built and scaled on first read: ``Timeline``'s interface."""
 
     __slots__ = ("_events", "_raw", "per_unit")
 

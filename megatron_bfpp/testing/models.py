@@ -67,8 +67,7 @@ def tiny_gpt_config(
     sequence_parallel: bool = False,
     **overrides: Any,
 ) -> TransformerConfig:
-    """A small fp32 GPT config; ``tp``, ``pp`` (and ``vp`` without ``pp``) default to the parallel
-    state's (1 without one)."""
+    """A small fp32 GPT config; ``tp``, ``pp`` (``vp`` if no ``pp``): the parallel state's, or 1."""
     initialized = parallel_state.model_parallel_is_initialized()
     if tp is None:
         tp = parallel_state.get_tensor_model_parallel_world_size() if initialized else 1
@@ -350,9 +349,8 @@ def run_schedule(
 
 
 def reduction_tolerance(num_terms: int, dtype: torch.dtype = torch.float32) -> float:
-    """Relative tolerance for a result that sums ``num_terms`` values in another order than the
-    reference: (n-1)·eps, Higham's bound on two summation orders (docs/architecture.md,
-    "Tolerances of the equivalence tests")."""
+    """Relative tolerance for a sum of ``num_terms`` values in another order than the reference:
+    (n-1)·eps, Higham's bound (docs/architecture.md, "Tolerances of the equivalence tests")."""
     if num_terms < 1:
         raise ValueError(f"num_terms must be >= 1, got {num_terms}")
     return max(num_terms - 1, 1) * torch.finfo(dtype).eps

@@ -1,6 +1,5 @@
 """Run a function on N gloo ranks with megatron-core's parallel state set up; fast, never hangs
-(the ranks are forked by :func:`megatron_bfpp.local_ranks.fork_ranks`, as bfpp-train forks its own).
-"""
+(forked by :func:`megatron_bfpp.local_ranks.fork_ranks`, as bfpp-train forks its own ranks)."""
 
 from __future__ import annotations
 

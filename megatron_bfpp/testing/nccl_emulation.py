@@ -398,8 +398,7 @@ def _stream(group: Any, name: str) -> _Stream:
 
 
 class _Work(dist.Work):
-    """One batch's Work, like ProcessGroupNCCL's coalesced one (megatron-core 0.16 / 0.19 only
-    call ``wait()``; the rest serves code that polls)."""
+    """One batch's Work, like ProcessGroupNCCL's coalesced one (megatron-core waits; some poll)."""
 
     def __init__(self, batch: _Batch) -> None:
         super().__init__()

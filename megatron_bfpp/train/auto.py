@@ -17,13 +17,7 @@ from megatron_bfpp.megatron.auto import (
     precision_of,
     probe_device,
 )
-from megatron_bfpp.plan.auto import (
-    AUTO,
-    AUTO_DEST,
-    AutoRequest,
-    Decision,
-    gpus_per_node_from_env,
-)
+from megatron_bfpp.plan.auto import AUTO, AUTO_DEST, AutoRequest, Decision, gpus_per_node_from_env
 from megatron_bfpp.plan.presets import model_description
 
 __all__ = ["resolve_train_auto", "train_request"]

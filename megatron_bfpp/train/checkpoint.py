@@ -50,12 +50,7 @@ from megatron_bfpp.train.checkpoint_metadata import (
     read_checkpoint,
 )
 
-__all__ = [
-    "OtherRankFailed",
-    "load_checkpoint",
-    "read_rank_file",
-    "save_checkpoint",
-]
+__all__ = ["OtherRankFailed", "load_checkpoint", "read_rank_file", "save_checkpoint"]
 
 # Test hook "<point>:<rank>": SIGKILL that rank at "rank-file" (before writing its files) or
 # "publish" (rank 0, between moving an existing same-iteration checkpoint aside and renaming in).
@@ -388,8 +383,7 @@ def load_checkpoint(
 
 
 def read_rank_file(file: Path, *, record: FileRecord | None = None, label: str = "") -> Any:
-    """A per-rank file checked against its recorded SHA-256, then read with
-    ``torch.load(weights_only=True)`` (never code); ``label`` prefixes the error."""
+    """A rank file checked against its SHA-256, read by ``torch.load(weights_only=True)``."""
     name = f"{label}{file.parent.name}/{file.name}"
     if record is not None and _sha256(file) != record.sha256:
         raise CheckpointError(
@@ -546,8 +540,7 @@ def check_dcp_metadata(path: Path, *, label: str = "") -> None:
 
 
 def _saved_param_groups(state: Any) -> list[list[dict[str, Any]]]:
-    """The parameter groups of a loaded optimizer state, one list per inner optimizer, in the
-    order megatron-core's (chained) optimizer wrote them."""
+    """A loaded optimizer state's groups, a list per inner optimizer, in megatron-core's order."""
     if isinstance(state, dict) and isinstance(state.get("param_groups"), list):
         return [state["param_groups"]]
     values = state.values() if isinstance(state, dict) else state if isinstance(state, list) else ()

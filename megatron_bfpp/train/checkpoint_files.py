@@ -41,8 +41,7 @@ _TEMP = TEMP_INFIX  # the tracker's temporary file, as files.write_output names 
 _OLD = ".old-"
 _SIDE_DIR = re.compile(r"^iter_(\d{7})\.(tmp|old)-[A-Za-z0-9_]+$")
 LOCK_FILE = ".bfpp_save.lock"  # :mod:`.save_lock`'s
-# What a save leaves before its first checkpoint is published: its temporary directory, a
-# tracker's temporary file, and the save lock.
+# Left before a save's first publish: its temporary directory and tracker file, and the save lock.
 _LEFT_BEFORE_FIRST_CHECKPOINT = re.compile(
     rf"^(iter_\d{{7}}\.tmp-[A-Za-z0-9_]+|{re.escape(TRACKER + _TEMP)}[A-Za-z0-9_]+"
     rf"|{re.escape(LOCK_FILE)})$"
@@ -224,8 +223,7 @@ def remove_old(old: Path | None) -> None:
 
 
 def complete_checkpoint(root: str | Path, iteration: int) -> Path | None:
-    """``iteration``'s complete checkpoint: ``iter_N``, or after a kill between a re-save's two
-    renames, the complete copy set aside."""
+    """``iteration``'s complete checkpoint: ``iter_N``, or the copy a killed re-save set aside."""
     final = checkpoint_dir(root, iteration)
     if _is_complete(final):
         return final

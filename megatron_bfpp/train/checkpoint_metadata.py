@@ -27,8 +27,7 @@ from megatron_bfpp.train.checkpoint_files import (
 )
 from megatron_bfpp.train.data_source import DEFAULT_SPLIT
 
-# bfpp_checkpoint.json: its flags and one record (name, size, SHA-256) per file, about 150 bytes
-# each; 64 MiB is 400,000 files, far above any real job.
+# bfpp_checkpoint.json: flags and ~150 bytes per file; 64 MiB is 400,000 files, far above any job.
 METADATA_LIMIT = 64 << 20
 
 __all__ = [

@@ -24,8 +24,7 @@ __all__ = [
 DEFAULT_SPLIT = "969,30,1"
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _HEADER_BYTES = 34  # magic 9, version <Q, dtype code <B, sequence count <Q, document count <Q
-# megatron-core's DType codes -> bytes per token (uint8 int8 int16 int32 int64 float64 float32
-# uint16)
+# megatron-core's DType codes -> token bytes (uint8 int8 int16 int32 int64 float64 float32 uint16)
 _TOKEN_BYTES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
 _SNIFF_BYTES = 1 << 16  # how much of a text file is looked at for NUL bytes
 _NEITHER = "give a text file or the prefix of a Megatron indexed dataset (PREFIX.bin + PREFIX.idx)"

@@ -16,12 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = [
-    "Liveness",
-    "RanksLost",
-    "Verdict",
-    "start_liveness",
-]
+__all__ = ["Liveness", "RanksLost", "Verdict", "start_liveness"]
 
 _BEAT_INTERVAL = 1.0
 _SILENCE = 3.0  # > 2 beats: a live rank's counter moves at least once in this time

@@ -60,8 +60,7 @@ class MetricWriteError(ValueError):
 
 
 def _reason(error: BaseException) -> str:
-    """Why a write failed in a few words: the first OS error in the chain (a full disk, a
-    closed file system), else the error's first line."""
+    """Why a write failed, in brief: the chain's first OS error (full disk), else its first line."""
     cause: BaseException | None = error
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
@@ -191,12 +190,7 @@ class WandbWriter:
     """A W&B run (``wandb.init(project, name, dir)``), offline when no API key is configured."""
 
     def __init__(
-        self,
-        project: str,
-        *,
-        name: str | None,
-        save_dir: str | None,
-        config: Mapping[str, Any],
+        self, project: str, *, name: str | None, save_dir: str | None, config: Mapping[str, Any]
     ) -> None:
         import wandb
 

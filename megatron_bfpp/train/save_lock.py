@@ -93,8 +93,7 @@ def _directory_problem(root: Path, error: OSError) -> str:
 
 
 def _give_up(fd: int, path: Path, created: bool) -> None:
-    """Close the lock file; remove it if this call created it (nobody else holds it: the lock
-    was never ours or is ours alone)."""
+    """Close the lock file; remove it if this call created it (then nobody else holds it)."""
     if created:
         path.unlink(missing_ok=True)
     os.close(fd)

@@ -1,6 +1,5 @@
 """The step functions megatron-core's forward-backward functions call, as Megatron-LM's
-``pretrain_gpt.py`` writes them: bfpp-train and the tests run the same ones, so a test's loss is
-the trainer's loss."""
+``pretrain_gpt.py`` writes them, shared by bfpp-train and tests: a test's loss is the trainer's."""
 
 from __future__ import annotations
 

@@ -24,12 +24,7 @@ from megatron_bfpp.config.model_memory import memory_problem
 from megatron_bfpp.config.run_config import RunConfig, run_config
 from megatron_bfpp.ir import first_line
 from megatron_bfpp.schedules.registry import get_spec, options_from_args
-from megatron_bfpp.train.checkpoint import (
-    OtherRankFailed,
-    _agree,
-    load_checkpoint,
-    save_checkpoint,
-)
+from megatron_bfpp.train.checkpoint import OtherRankFailed, _agree, load_checkpoint, save_checkpoint
 from megatron_bfpp.train.checkpoint_files import CheckpointError, fresh_start_reason, read_tracker
 from megatron_bfpp.train.checkpoint_metadata import SchedulerPolicy, scheduler_policy
 from megatron_bfpp.train.data import IndexedTrainingData, TrainingData, training_data

@@ -3,8 +3,7 @@
 ``tests/conftest.py`` puts this directory first on ``PYTHONPATH``; a ``sys.meta_path`` finder
 installs the emulation once ``torch`` and ``torch.distributed`` have both finished importing
 (before any p2p can run; a process that never imports torch pays nothing). The ``sitecustomize``
-this file shadows, the next one on ``sys.path``, is run at the end.
-"""
+this file shadows, the next one on ``sys.path``, is run at the end."""
 
 from __future__ import annotations
 
