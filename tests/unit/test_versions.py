@@ -101,7 +101,7 @@ def test_torch_pins_setup_sh_and_the_window_agree() -> None:
 
 def test_ci_runs_every_stack() -> None:
     text = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    ran = set(re.findall(r"(?:BFPP_STACK=|^\s*(?:setup|selection) )([\w.]+)", text, re.MULTILINE))
+    ran = set(re.findall(r"(?:BFPP_STACK=|^\s*(?:setup|release) )([\w.]+)", text, re.MULTILINE))
     assert ran == set(_setup_sh_stacks()), ran
 
 
