@@ -497,7 +497,7 @@ def _simulated_ns(
     simulated whole up to ``EXACT_UP_TO`` periods, past that off an approximate line."""
     # A breadth-first group of g micro-batches repeats every g (the planner's g is pp).
     p = c.pp if c.group_size is None else max(c.pp, c.group_size)
-    step_at = cache(lambda n: _step(c, n, costs, p2p, grad_reduce, budget)[0])  # shared lengths
+    timed_at = cache(lambda n: _step(c, n, costs, p2p, grad_reduce, budget))  # shared lengths
     least = get_spec(c.schedule).plan.least_microbatches_per_pp * c.pp  # dualpipe-v's 2p
     # bfpp-sim's lengths (sim.simulate_steady), congruent to m, those the schedule can run
     attempts = tuple(a for a in steady_lengths(m, p) if a[0] >= least)
@@ -506,13 +506,14 @@ def _simulated_ns(
         cheapest = (m,) if whole else attempts[0]
         budget.require(num_ranks=c.pp, stages_per_rank=c.vp, lengths=cheapest)
     for lengths in () if whole else attempts:
-        line = [step_at(length) for length in lengths]
+        timed = [timed_at(length) for length in lengths]
+        line = [step for step, _ in timed]
         slope = line[1] - line[0]
         # On one line: exactly with integer durations; within float rounding while a stage's
         # share (1/vp of a full stage) makes the simulator's sums inexact.
         if abs(line[2] - line[1] - slope) <= 1e-9 * line[2]:
-            step = line[0] + (m - lengths[0]) // (lengths[1] - lengths[0]) * slope
-            return _with_bubble(c, m, costs, step)
+            periods = (m - lengths[0]) // (lengths[1] - lengths[0])
+            return _extended(timed[0], timed[1], periods)
     if m > EXACT_UP_TO * p:
         return _approximate(c, m, costs, p2p, grad_reduce, p, budget)
     return _step(c, m, costs, p2p, grad_reduce, budget)
@@ -551,16 +552,21 @@ def _approximate(
     ``_APPROX_FROM`` periods (past the fill and drain, whose cost it keeps exactly)."""
     first = _APPROX_FROM * period + m % period
     last = first + _APPROX_SPAN * period
-    steps = [_step(c, n, costs, p2p, grad_reduce, budget)[0] for n in (first, last)]
-    step = steps[1] + (m - last) * (steps[1] - steps[0]) / (last - first)
-    return _with_bubble(c, m, costs, step)
+    timed = [_step(c, n, costs, p2p, grad_reduce, budget) for n in (first, last)]
+    return _extended(timed[0], timed[1], (m - first) / (last - first))
 
 
-def _with_bubble(c: Candidate, m: int, costs: CostModel, step: float) -> tuple[float, float]:
-    """(step, bubble fraction): the share of the step a rank is not busy with its m micro-batches'
-    full stages and the host's time of each compute action (F and B, or F, I and W, per chunk)."""
-    actions = 3 if get_spec(c.schedule).split_backward else 2
-    busy = m * (costs.t_forward + costs.t_backward + actions * c.vp * costs.t_host)
+def _extended(
+    first: tuple[float, float], second: tuple[float, float], periods: float
+) -> tuple[float, float]:
+    """(step, bubble) ``periods`` times the second timed length's step past the first: the step
+    and each rank's busy time (the simulator's, host time per compute part included) both grow
+    by the same amount per period, so the bubble follows from them. (Counting actions instead
+    would miss a schedule that splits only some backwards: dualpipe-v's I and W.)"""
+    (step_a, bubble_a), (step_b, bubble_b) = first, second
+    busy_a, busy_b = step_a * (1 - bubble_a), step_b * (1 - bubble_b)
+    step = step_a + periods * (step_b - step_a)
+    busy = busy_a + periods * (busy_b - busy_a)
     return step, (step - busy) / step if step > 0 else 0.0
 
 
