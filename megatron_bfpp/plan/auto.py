@@ -130,6 +130,7 @@ class AutoRequest:
     unavailable: tuple[tuple[str, str], ...] = ()
     # Megatron-LM's --step-batch-size-schedule: every step's global batch, timed at the last
     batch_schedule: tuple[int, ...] = ()
+    ep: int = 1  # Megatron-LM's --expert-model-parallel-size
 
     @property
     def num_microbatches(self) -> int:
@@ -428,6 +429,12 @@ def _check_request(r: AutoRequest) -> None:
             "--data-parallel-sharding-strategy optim_grads_params runs only breadth-first, "
             "which needs virtual stages: drop --bpipe-max-stored / set virtual stages >= 2"
         )
+    experts = r.model.num_experts
+    if r.ep > 1 and (not experts or experts % r.ep or (r.dp * r.cp) % r.ep):
+        raise ScheduleError(
+            f"--expert-model-parallel-size {r.ep} must divide --num-experts ({experts}) and the "
+            f"data x context parallel size ({r.dp * r.cp}): choose another, or 1"
+        )
     if r.sharding != "optim" and r.dp < 2:
         raise ScheduleError(
             f"--data-parallel-sharding-strategy {r.sharding} needs data parallelism "
@@ -488,8 +495,9 @@ def _candidate(
     group, cap = chosen.get("group_size"), chosen.get("max_stored")
     plain = r.tp > 1 and not r.sequence_parallel
     return Candidate(
-        name, sharding, r.tp, r.pp, vp, r.dp, r.micro_batch_size, r.recompute, group, plain, cap
-    )
+        name, sharding, r.tp, r.pp, vp, r.dp, r.micro_batch_size, r.recompute, group, plain, cap,
+        r.ep,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the decision
