@@ -147,8 +147,7 @@ def format_estimate(estimate: Estimate) -> str:
         *(f"{label:<22}  {a:>8}  {b:>8}" for label, a, b in rows),
         "",
         f"stage speedup      {e.stage_speedup:.4f}   MFU_stage({large}) / MFU_stage({small})",
-        f"pipeline factor    {e.pipeline_factor:.4f}   "
-        f"(B + {small}(p-1)) / (B + {large}(p-1)) = "
+        f"pipeline factor    {e.pipeline_factor:.4f}   (B + {small}(p-1)) / (B + {large}(p-1)) = "
         f"{e.global_batch_size + small * (e.pp - 1)}/{e.global_batch_size + large * (e.pp - 1)}",
         f"predicted speedup  {e.predicted_speedup:.4f}   eq. 4, BPipe overhead ignored",
         f"memory ratio       {e.memory_ratio:.4f}   "

@@ -97,8 +97,6 @@ def announce(
     print(f"{prog}: {decision.line()}", file=sys.stdout, flush=True)
 
 
-# --------------------------------------------------------------------------- ranks alike
-
 AGREE_TIMEOUT_S = 300.0  # how long a rank waits for the others' choices in the store
 _ROUNDS = itertools.count()  # one exchange per decision, each under keys of its own
 # What a rank's choice depends on besides the arguments, each with its fix, in the order named.
@@ -244,9 +242,6 @@ def precision_of(*, sixteen_bit: bool, optimizer: str = "adam") -> Precision:
         master = 4 if sixteen_bit else 0
         return dataclasses.replace(base, name=f"{base.name}-sgd", optimizer_bytes=master + 4)
     return base
-
-
-# --------------------------------------------------------------------------- Megatron-LM
 
 
 def _megatron_model(args: Any) -> Model:
@@ -427,8 +422,6 @@ def resolve_megatron_auto(
     setattr(args, AUTO_DEST, decision.line())
     return decision
 
-
-# --------------------------------------------------------------------------- Megatron-Bridge
 
 BRIDGE_NO_V = "Megatron-Bridge's model provider does not build V-placed chunks"
 

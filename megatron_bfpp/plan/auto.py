@@ -313,9 +313,6 @@ def _budget(hw: Hardware) -> int:
     return int(SearchOptions().memory_fraction * hw.memory_bytes)
 
 
-# --------------------------------------------------------------------------- what it knows
-
-
 def gpu_from_device(name: str, total_memory: int | None = None) -> tuple[Gpu, str]:
     """A planner preset for a CUDA device name, with the device's own memory when given; a
     device of no known family is timed as an H100 and the note says so."""
@@ -374,9 +371,6 @@ def gpus_per_node_from_env(env: Mapping[str, str], world_size: int) -> int:
         if digits.isdigit() and int(digits) > 0:
             return min(int(digits), world_size)
     return world_size
-
-
-# --------------------------------------------------------------------------- candidates
 
 
 def _check_request(r: AutoRequest) -> None:
@@ -498,9 +492,6 @@ def _candidate(
         name, sharding, r.tp, r.pp, vp, r.dp, r.micro_batch_size, r.recompute, group, plain, cap,
         r.ep,
     )  # fmt: skip
-
-
-# --------------------------------------------------------------------------- the decision
 
 
 @paused_gc()  # its builds and simulations make millions of objects and no cycles

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from megatron_bfpp.config.model_memory import parameters_per_pipeline_rank, parameters_per_stage
 from megatron_bfpp.config.run_config import Layout
@@ -118,27 +118,13 @@ def stage_activation_bytes(
     """``StageBytes`` for stages of ``layers_per_stage`` layers; ``vocab_size`` as padded."""
     tokens = model.seq_length * micro_batch_size
     h, e = model.hidden_size, precision.activation_bytes
-    per_layer = layer_activation_bytes(
-        model,
-        micro_batch_size=micro_batch_size,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        recompute=recompute,
-        precision=precision,
-    )
+    per_layer = partial(
+        layer_activation_bytes, model, micro_batch_size=micro_batch_size, tp=tp,
+        sequence_parallel=sequence_parallel, recompute=recompute, precision=precision,
+    )  # fmt: skip
     stages = model.num_layers // layers_per_stage
     moe = max(moe_layers_per_stage(model, stages), default=0) if model.num_experts else 0
-    sparse = 0
-    if moe:  # the stage with the most MoE layers
-        sparse = layer_activation_bytes(
-            model,
-            micro_batch_size=micro_batch_size,
-            tp=tp,
-            sequence_parallel=sequence_parallel,
-            recompute=recompute,
-            precision=precision,
-            moe=True,
-        )
+    sparse = per_layer(moe=True) if moe else 0  # the stage with the most MoE layers
     hidden_divisor = tp if sequence_parallel else 1
     first = tokens * INDEX_BYTES * (1 if model.arch == "llama" else 2)
     if model.dropout:
@@ -146,7 +132,7 @@ def stage_activation_bytes(
     norm_stats = (1 if model.arch == "llama" else 2) * STAT_BYTES
     last = tokens * (2 * h * e // hidden_divisor + norm_stats)
     last += tokens * vocab_size // tp * 4 + tokens * (1 + INDEX_BYTES)
-    layers = per_layer * (layers_per_stage - moe) + sparse * moe
+    layers = per_layer() * (layers_per_stage - moe) + sparse * moe
     return StageBytes(layers=layers, first=first, last=last)
 
 

@@ -254,9 +254,6 @@ class SearchResult:
         }
 
 
-# --------------------------------------------------------------------------- candidates
-
-
 def _divisors(n: int) -> list[int]:
     """In O(sqrt(n)) steps, since the command line allows a huge n."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
@@ -327,9 +324,6 @@ def _splits(
         if (n // t) % p == 0 and model.num_layers % p == 0
     ]
     return tps, shaped, splits
-
-
-# --------------------------------------------------------------------------- memory
 
 
 def memory_microbatches(pp: int, m: int) -> int:
@@ -502,9 +496,6 @@ def _stage_bytes(c: Candidate, model: Model, precision: Precision) -> StageBytes
         recompute=c.recompute,
         precision=precision,
     )
-
-
-# --------------------------------------------------------------------------- timing
 
 
 def _cost_model(times: StageTimes) -> CostModel:
@@ -703,9 +694,6 @@ def _timing(
     return times, busy + max(fill, idle) + extra, estimate
 
 
-# --------------------------------------------------------------------------- search
-
-
 def evaluate(
     candidate: Candidate,
     *,
@@ -804,9 +792,6 @@ def recommend(
         efficiency_source=(options.efficiency or BuiltinCurve(cluster.gpu)).source,
         p2p_model=options.p2p_model,
     )
-
-
-# --------------------------------------------------------------------------- no candidates
 
 
 def no_candidates_reason(
