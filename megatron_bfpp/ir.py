@@ -720,8 +720,7 @@ def _read_rows(text: str, source: str) -> list[_Row]:
             if len(rows) > MAX_CSV_ROWS + len(_HEADER_KEYS) or actions > MAX_ACTIONS + len(rows):
                 raise ScheduleError(
                     f"{source}: row {start}: more rows or cells than a schedule holds (at most "
-                    f"{MAX_CSV_ROWS:,} ranks and {MAX_ACTIONS:,} actions); is this the right "
-                    "file?"
+                    f"{MAX_CSV_ROWS:,} ranks and {MAX_ACTIONS:,} actions); is this the right file?"
                 )
 
 

@@ -25,17 +25,10 @@ rank runs its program in order, under these rules:
 * A rank that needs a message nobody has sent yet stops until it is sent. When every unfinished
   rank is stopped, the schedule deadlocks, and each stuck rank is marked where it waits.
 
-``Rules`` holds these rules for one schedule as tables; ``Wires`` drives a run's programs,
-linear in the number of actions, with clocks (``replay``, ``compute_ends``); ``run_recorded``
-runs the waits and sends the validator records while it checks a schedule, without clocks.
-
-``replay`` times a run under ``Timing``: a compute starts when its rank is free and every message
-it consumes has arrived; a send occupies its directed link, one message at a time in posting
-order; GS / PS run in program order on one data-parallel lane per rank, a stage's first compute
-after its PS waiting for that gather; an RL takes no time. Every link and lane belongs to one
-rank's program, so the order in which ranks are advanced changes no time. ``lockstep_replay`` is
-``replay`` on the lock-step channel, whose clocks are the lock-step posting's ticks (``nccl``;
-docs/architecture.md, "One interpreter")."""
+``Rules`` holds them as tables, ``Wires`` drives a run's programs (linear in actions); ``replay``
+times a run under ``Timing`` (sends occupy their directed link in posting order, GS / PS on one
+data-parallel lane per rank), ``lockstep_replay`` on the lock-step channel, ``run_recorded`` runs
+the validator's records without clocks (docs/architecture.md, "One interpreter")."""
 
 from __future__ import annotations
 

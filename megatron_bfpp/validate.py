@@ -1,34 +1,13 @@
-"""Prove a schedule complete, correctly paired and free of deadlock before anything runs it. One
-pass over every action (``_scan``) checks it and records, under the execution rules the simulator
-shares (``semantics.Rules``), which messages it waits for and sends; then ``semantics.run_recorded``
-runs the recordings. A failure is a ``ScheduleError`` whose message names the rank, the step
-(position in that rank's program) and the reason, above the per-rank grid with the step marked. Of
-several problems, the first (in rank order) of the first kind below is reported:
-
-1. placement: every action runs on the rank that owns its stage, names an existing micro-batch,
-   and a message names the neighbour stage's rank (BPipe: the partner) as its peer;
-2. completeness: exactly one F and one backward (B, or I and W) per (stage, micro-batch), and
-   no eviction or load twice;
-3. local order, per rank: a compute action after its local producers, a send after what it sends,
-   a consumer after the receive that posts its input, I before W, an eviction between forward and
-   backward and a load before the backward; every eviction loaded back;
-4. message order: between two ranks, both sides post the same messages in the same order, since
-   NCCL and gloo match point-to-point messages by posting order, not by meaning;
-5. deadlock: every program runs to its end;
-6. NCCL: the runtime's lock-step posting of a lowered schedule runs to its end under NCCL's rules
-   too (``nccl.validate_nccl``), so "validated" means safe under gloo's rules and NCCL's.
-7. data-parallel sync, per rank and chunk, once the schedule has any GS / PS / RL
-   (``require_grad_sync``: always): one GS per chunk with a backward on the rank, after its last
-   backward, since megatron-core DDP reduces what the gradient buffers hold at GS; at most one
-   PS per chunk, before its first compute (sharded parameters: ``_residency_problem``, under 3).
-8. data order, per stage: its forwards take micro-batches in increasing order, since the runtime
-   reads each model chunk's data iterator once per forward, in order, as megatron-core's
-   ``forward_step`` does. One line, without the grid: the fix is one stage's forwards' order.
-
-The checks of one action do not depend on other ranks, so each rank is checked in one go. The NCCL
-proof costs most, so ``build_schedule`` leaves it to whoever posts its schedules.
-``validate_placement`` and the other single kinds report the first problem of their own kind (or
-of an earlier kind, which they cannot see past)."""
+"""Prove a schedule complete, correctly paired and free of deadlock before anything runs it: one
+pass (``_scan``) checks each rank and records its waits and sends under ``semantics.Rules``, then
+``semantics.run_recorded`` runs them (docs/architecture.md, "Execution semantics"). A failure is a
+``ScheduleError`` naming rank, step and reason above the per-rank grid; of several problems, the
+first (rank order) of the first kind: 1 placement, 2 completeness (one F and one B, or I and W,
+per stage and micro-batch), 3 local order, 4 message order (NCCL and gloo match by posting
+order), 5 deadlock, 6 NCCL (``nccl.validate_nccl``: the lock-step posting under NCCL's rules;
+``build_schedule`` leaves it to whoever posts), 7 data-parallel sync (one GS per chunk after its
+last backward, at most one PS before its first compute), 8 data order (each stage's forwards in
+micro-batch order, as the runtime reads the data iterators; one line, no grid)."""
 
 from __future__ import annotations
 

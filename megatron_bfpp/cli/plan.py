@@ -147,8 +147,7 @@ def format_estimate(estimate: Estimate) -> str:
         *(f"{label:<22}  {a:>8}  {b:>8}" for label, a, b in rows),
         "",
         f"stage speedup      {e.stage_speedup:.4f}   MFU_stage({large}) / MFU_stage({small})",
-        f"pipeline factor    {e.pipeline_factor:.4f}   "
-        f"(B + {small}(p-1)) / (B + {large}(p-1)) = "
+        f"pipeline factor    {e.pipeline_factor:.4f}   (B + {small}(p-1)) / (B + {large}(p-1)) = "
         f"{e.global_batch_size + small * (e.pp - 1)}/{e.global_batch_size + large * (e.pp - 1)}",
         f"predicted speedup  {e.predicted_speedup:.4f}   eq. 4, BPipe overhead ignored",
         f"memory ratio       {e.memory_ratio:.4f}   "
@@ -187,6 +186,35 @@ def _add_shape_flags(command: argparse.ArgumentParser) -> None:
     )
 
 
+_MOE_DESTS = (
+    "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size", "moe_layer_freq",
+)  # fmt: skip
+
+
+def _moe_layer_freq(text: str) -> int | tuple[int, ...]:
+    """Megatron-LM's ``--moe-layer-freq``: an integer, or a 0/1 per layer as ``([0]*3+[1]*58)``
+    (read here without evaluating it)."""
+    if text.isdigit():
+        return int(text)
+    pattern: list[int] = []
+    for term in text.strip("()").replace(" ", "").split("+"):
+        values, _, times = term.partition("*")
+        if not (values[:1] == "[" and values[-1:] == "]" and (times or "1").isdigit()):
+            raise argparse.ArgumentTypeError(f"not an integer or a ([0]*k+[1]*n) list: {text!r}")
+        pattern += [int(v) for v in values[1:-1].split(",") if v.isdigit()] * int(times or 1)
+    return tuple(pattern)
+
+
+def _add_moe_flags(command: argparse.ArgumentParser) -> None:
+    moe = command.add_argument_group("Mixture of Experts, as Megatron-LM's flags")
+    moe.add_argument("--num-experts", type=_WIDTH, metavar="E", help="default: dense")
+    moe.add_argument("--moe-router-topk", type=_WIDTH, metavar="K", help="default: 2")
+    moe.add_argument("--moe-ffn-hidden-size", type=_WIDTH, metavar="F", help="default: the FFN")
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=_WIDTH, metavar="F")
+    moe.add_argument("--moe-layer-freq", type=_moe_layer_freq, metavar="N", help="default: 1")
+
+
 def _add_cluster_flags(
     command: OneLineParser, title: str, gpu_help: str
 ) -> argparse._ArgumentGroup:
@@ -208,6 +236,7 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         "docs/planner.md.",
     )
     _add_shape_flags(command)
+    _add_moe_flags(command)
     cluster = _add_cluster_flags(command, "cluster and batch", f"{', '.join(GPUS)}")
     cluster.add_argument("--global-batch-size", type=_BATCH, required=True, metavar="B")
     search = command.add_argument_group("search")
@@ -272,8 +301,8 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
 
 def _model_from_args(args: argparse.Namespace) -> Model:
     required = ("arch", "num_layers", "hidden_size", "num_attention_heads")
-    dests = (*required, "num_query_groups", "ffn_hidden_size", "vocab_size")
-    explicit = [flag_name(dest) for dest in dests if getattr(args, dest) is not None]
+    dests = (*required, "num_query_groups", "ffn_hidden_size", "vocab_size", *_MOE_DESTS)
+    explicit = [flag_name(dest) for dest in dests if getattr(args, dest, None) is not None]
     if args.model is not None:
         if explicit:
             raise ScheduleError(
@@ -298,6 +327,7 @@ def _model_from_args(args: argparse.Namespace) -> Model:
         ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups,
         vocab_size=args.vocab_size,
+        moe={dest: getattr(args, dest, None) for dest in _MOE_DESTS},
     )
 
 
@@ -459,7 +489,8 @@ def _name(plan: Plan) -> str:
     c = plan.candidate
     group = f" g={c.group_size}" if c.group_size else ""
     cap = f" cap={c.max_stored}" if c.max_stored else ""
-    return c.family + group + cap + (" [M]" if plan.p2p_model.startswith("megatron") else "")
+    ep = f" ep={c.ep}" if c.ep > 1 else ""
+    return c.family + group + cap + ep + (" [M]" if plan.p2p_model.startswith("megatron") else "")
 
 
 def _row(rank: int, plan: Plan) -> str:
@@ -484,6 +515,7 @@ def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         "--pipeline-schedule-auto-report). docs/planner.md#bfpp-plan-auto.",
     )
     _add_shape_flags(command)
+    _add_moe_flags(command)
     cluster = _add_cluster_flags(
         command,
         "cluster",
@@ -491,7 +523,10 @@ def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     )
     cluster.add_argument("--profile", metavar="FILE", help="a stage profile (bfpp-plan profile)")
     layout = command.add_argument_group("layout and batch, as Megatron-LM's flags")
-    for flag in ("--tensor-model-parallel-size", "--context-parallel-size", "--micro-batch-size"):
+    for flag in (
+        "--tensor-model-parallel-size", "--context-parallel-size", "--expert-model-parallel-size",
+        "--micro-batch-size",
+    ):  # fmt: skip
         layout.add_argument(flag, type=positive_int, default=1, metavar="N")
     layout.add_argument(
         "--pipeline-model-parallel-size", type=positive_int, required=True, metavar="N"
@@ -555,6 +590,7 @@ def _auto(args: argparse.Namespace) -> int:
         group_size=args.breadth_first_group_size,
         max_stored=args.bpipe_max_stored,
         sequence_parallel=args.sequence_parallel == "on",
+        ep=args.expert_model_parallel_size,
     )
     decision = decide(request)
     print(json_text(decision.to_dict()) if args.json else f"megatron_bfpp: {decision.line()}")
@@ -592,6 +628,8 @@ def _add_profile(commands: argparse._SubParsersAction[OneLineParser]) -> None:
 
 def _profile(args: argparse.Namespace) -> int:
     model = _model_from_args(args)
+    if model.num_experts:
+        raise ScheduleError(f"{model.name} has experts; profile times dense layers: give a shape")
     if problem := output_file_problem("--output", args.output):
         raise ScheduleError(problem)
     try:

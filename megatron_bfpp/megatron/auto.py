@@ -97,8 +97,6 @@ def announce(
     print(f"{prog}: {decision.line()}", file=sys.stdout, flush=True)
 
 
-# --------------------------------------------------------------------------- ranks alike
-
 AGREE_TIMEOUT_S = 300.0  # how long a rank waits for the others' choices in the store
 _ROUNDS = itertools.count()  # one exchange per decision, each under keys of its own
 # What a rank's choice depends on besides the arguments, each with its fix, in the order named.
@@ -246,9 +244,6 @@ def precision_of(*, sixteen_bit: bool, optimizer: str = "adam") -> Precision:
     return base
 
 
-# --------------------------------------------------------------------------- Megatron-LM
-
-
 def _megatron_model(args: Any) -> Model:
     """Megatron-LM's parsed arguments as the planner's model (``validate_args``'s defaults)."""
     groups = getattr(args, "group_query_attention", False) and getattr(args, "num_query_groups", 0)
@@ -266,7 +261,24 @@ def _megatron_model(args: Any) -> Model:
         num_query_groups=int(groups) if groups else None,
         vocab_size=vocab,
         dropout=_has_dropout(args),
+        moe=moe_settings(args, "num_experts"),
     )
+
+
+def moe_settings(config: Any, experts: str) -> dict[str, Any]:
+    """The MoE settings in megatron's names (``experts``: Megatron-LM's ``num_experts``,
+    TransformerConfig's ``num_moe_experts``); ``--moe-layer-freq``'s list as a tuple."""
+    names = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+    freq = getattr(config, "moe_layer_freq", None)
+    return {
+        "num_experts": getattr(config, experts, None),
+        **{name: getattr(config, name, None) for name in names},
+        "moe_layer_freq": tuple(freq) if isinstance(freq, list | tuple) else freq,
+    }
+
+
+def _expert_parallel(config: Any) -> int:
+    return int(getattr(config, "expert_model_parallel_size", 1) or 1)
 
 
 def _has_dropout(config: Any) -> bool:
@@ -353,6 +365,7 @@ def megatron_request(
         group_size=getattr(args, "breadth_first_group_size", None),
         max_stored=getattr(args, "bpipe_max_stored", None),
         unavailable=tuple(unavailable),
+        ep=_expert_parallel(args),
     )
 
 
@@ -410,8 +423,6 @@ def resolve_megatron_auto(
     return decision
 
 
-# --------------------------------------------------------------------------- Megatron-Bridge
-
 BRIDGE_NO_V = "Megatron-Bridge's model provider does not build V-placed chunks"
 
 
@@ -441,6 +452,7 @@ def bridge_request(
         num_query_groups=getattr(model, "num_query_groups", None),
         vocab_size=getattr(model, "vocab_size", None),
         dropout=_has_dropout(model),
+        moe=moe_settings(model, "num_moe_experts"),
     )
     optimizer = getattr(config, "optimizer", None)
     granularity = getattr(model, "recompute_granularity", None)
@@ -473,6 +485,7 @@ def bridge_request(
             for name, spec in SCHEDULES.items()
             if spec.placement is Placement.V_SHAPE
         ),
+        ep=_expert_parallel(model),
     )
 
 

@@ -130,6 +130,7 @@ class AutoRequest:
     unavailable: tuple[tuple[str, str], ...] = ()
     # Megatron-LM's --step-batch-size-schedule: every step's global batch, timed at the last
     batch_schedule: tuple[int, ...] = ()
+    ep: int = 1  # Megatron-LM's --expert-model-parallel-size
 
     @property
     def num_microbatches(self) -> int:
@@ -312,9 +313,6 @@ def _budget(hw: Hardware) -> int:
     return int(SearchOptions().memory_fraction * hw.memory_bytes)
 
 
-# --------------------------------------------------------------------------- what it knows
-
-
 def gpu_from_device(name: str, total_memory: int | None = None) -> tuple[Gpu, str]:
     """A planner preset for a CUDA device name, with the device's own memory when given; a
     device of no known family is timed as an H100 and the note says so."""
@@ -375,9 +373,6 @@ def gpus_per_node_from_env(env: Mapping[str, str], world_size: int) -> int:
     return world_size
 
 
-# --------------------------------------------------------------------------- candidates
-
-
 def _check_request(r: AutoRequest) -> None:
     """One-line refusals for a layout auto cannot choose in, or constraints that contradict."""
     if r.pp < 2:
@@ -427,6 +422,12 @@ def _check_request(r: AutoRequest) -> None:
         raise ScheduleError(
             "--data-parallel-sharding-strategy optim_grads_params runs only breadth-first, "
             "which needs virtual stages: drop --bpipe-max-stored / set virtual stages >= 2"
+        )
+    experts = r.model.num_experts
+    if r.ep > 1 and (not experts or experts % r.ep or (r.dp * r.cp) % r.ep):
+        raise ScheduleError(
+            f"--expert-model-parallel-size {r.ep} must divide --num-experts ({experts}) and the "
+            f"data x context parallel size ({r.dp * r.cp}): choose another, or 1"
         )
     if r.sharding != "optim" and r.dp < 2:
         raise ScheduleError(
@@ -488,11 +489,9 @@ def _candidate(
     group, cap = chosen.get("group_size"), chosen.get("max_stored")
     plain = r.tp > 1 and not r.sequence_parallel
     return Candidate(
-        name, sharding, r.tp, r.pp, vp, r.dp, r.micro_batch_size, r.recompute, group, plain, cap
-    )
-
-
-# --------------------------------------------------------------------------- the decision
+        name, sharding, r.tp, r.pp, vp, r.dp, r.micro_batch_size, r.recompute, group, plain, cap,
+        r.ep,
+    )  # fmt: skip
 
 
 @paused_gc()  # its builds and simulations make millions of objects and no cycles

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.plan.memory import moe_layers_per_rank
 from megatron_bfpp.plan.presets import Gpu, Model, padded_vocab_size
 from megatron_bfpp.plan.profile import StageProfile
+from megatron_bfpp.schedules.registry import get_spec
 
 if TYPE_CHECKING:  # the search's types, read by stage_times (search imports this module)
     from megatron_bfpp.plan.search import Candidate, Cluster, SearchOptions
@@ -21,6 +23,7 @@ __all__ = [
     "BuiltinCurve",
     "Efficiency",
     "ProfileCurve",
+    "all_to_all_time",
     "layer_forward_flops",
     "model_flops_per_step",
 ]
@@ -30,16 +33,33 @@ INTER_NODE_LATENCY_S = 10e-6
 
 
 def model_flops_per_step(model: Model, *, global_batch_size: int) -> float:
-    """Eq. 1 of the BPipe re-evaluation: a step's model FLOPs (no recompute), MFU's numerator."""
+    """Eq. 1 of the BPipe re-evaluation: a step's model FLOPs (no recompute), MFU's numerator;
+    a MoE model's: three times its layers' forwards (active experts) plus eq. 1's logits term."""
     b, s, h = global_batch_size, model.seq_length, model.hidden_size
     layers, v = model.num_layers, model.vocab_size
+    if model.num_experts:
+        forwards = (
+            layer_forward_flops(model, micro_batch_size=b, tp=1, moe=m) for m in model.moe_layers
+        )
+        return 3.0 * sum(forwards) + 4.5 * b * s * h * v
     return 72.0 * b * s * layers * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * layers * h))
 
 
-def layer_forward_flops(model: Model, *, micro_batch_size: int, tp: int) -> float:
-    """One layer's forward on one tensor-parallel rank: 24bsh^2(1 + s/6h) / t."""
+def layer_forward_flops(
+    model: Model, *, micro_batch_size: int, tp: int, moe: bool = False
+) -> float:
+    """One layer's forward on one tensor-parallel rank: 24bsh^2(1 + s/6h) / t. A MoE model's
+    layers count their MLP by its sizes (attention 8bsh^2 + 4bs^2h as eq. 1's): 6hf per token
+    and expert for SwiGLU (4hf GeLU) over the top-k routed and the shared expert, the router's
+    2hE; its dense layers' FFN likewise."""
     b, s, h = micro_batch_size, model.seq_length, model.hidden_size
-    return 24.0 * b * s * h * h * (1.0 + s / (6.0 * h)) / tp
+    if not model.num_experts:
+        return 24.0 * b * s * h * h * (1.0 + s / (6.0 * h)) / tp
+    per = 6 if model.arch == "llama" else 4
+    ffn = model.moe_router_topk * model.moe_ffn_hidden_size
+    mlp = per * h * (ffn + model.moe_shared_expert_intermediate_size) + 2 * h * model.num_experts
+    mlp = mlp if moe else per * h * model.ffn_hidden_size
+    return b * s * (8.0 * h * h + 4.0 * s * h + mlp) / tp
 
 
 class Efficiency(Protocol):
@@ -152,6 +172,15 @@ def _ring_collective_time(nbytes: float, group: int, link: tuple[float, float]) 
     return (group - 1) / group * nbytes / bandwidth + (group - 1) * latency
 
 
+def all_to_all_time(nbytes: float, group: int, link: tuple[float, float]) -> float:
+    """An all-to-all of ``nbytes`` per rank over ``group`` ranks: all but its own 1/n leave each
+    rank at once (NCCL's pairwise sends), at the link's bandwidth, one latency."""
+    if group <= 1:
+        return 0.0
+    bandwidth, latency = link
+    return (group - 1) / group * nbytes / bandwidth + latency
+
+
 @dataclass(frozen=True, slots=True)
 class StageTimes:
     """Seconds, for the simulator's ``CostModel``: one micro-batch through one full stage
@@ -182,14 +211,12 @@ def stage_times(
     gpu, precision, tp, pp, dp = cluster.gpu, options.precision, c.tp, c.pp, c.dp
     efficiency = options.efficiency or BuiltinCurve(gpu)
     layers = model.num_layers // pp
+    placement = get_spec(c.schedule).placement
+    moe = max(moe_layers_per_rank(model, pp=pp, vp=c.vp, placement=placement))
     peak = gpu.peak_flops
     b, s, h = c.micro_batch_size, model.seq_length, model.hidden_size
-    work = layer_forward_flops(model, micro_batch_size=b, tp=tp)
-    forward_compute = work / (efficiency.forward(work) * peak)
-    backward_compute = 2.0 * work / (efficiency.backward(work) * peak)
-    weight_compute = backward_compute * efficiency.weight_share(work)
     activation = b * s * h * precision.activation_bytes
-    p2p = grad_reduce = param_gather = evict = tp_comm = 0.0
+    p2p = grad_reduce = param_gather = evict = tp_comm = a2a = 0.0
     if options.communication:
         intra = (gpu.intra_node_bandwidth, INTRA_NODE_LATENCY_S)
         inter = (gpu.inter_node_bandwidth, INTER_NODE_LATENCY_S)
@@ -203,11 +230,11 @@ def stage_times(
             _ring_collective_time(rank_parameters / c.vp * size, dp, dp_link)
             for size in (precision.grad_bytes, precision.param_bytes)
         )
-    recompute_time = 0.0
-    if c.recompute == "full":
-        recompute_time = forward_compute + tp_comm
-    elif c.recompute == "selective":  # core attention (QK^T, over V: 4bs^2h / t) runs again
-        recompute_time = 4.0 * b * s * s * h / tp / (efficiency.forward(work) * peak)
+        # Expert parallelism's dispatch or combine: the rank's tokens, top-k copies each
+        ep_link = intra if c.ep * tp <= cluster.gpus_per_node else inter
+        a2a = all_to_all_time(message * model.moe_router_topk, c.ep, ep_link)
+    dense = _layer_times(c, model, efficiency, peak, tp_comm, moe=False)
+    sparse = _layer_times(c, model, efficiency, peak, tp_comm + 2 * a2a, moe=True)
     vocab = padded_vocab_size(model.vocab_size, tp=tp)
     out_work = 2.0 * b * s * h * vocab / tp  # the output layer's logits (on the last stage only)
     output = 3.0 * out_work / (efficiency.forward(out_work) * peak) if options.output_layer else 0.0
@@ -216,10 +243,13 @@ def stage_times(
         # Adam reads gradient, master weight and moments and writes master, moments and weight.
         per_parameter = precision.grad_bytes + 2 * precision.optimizer_bytes + precision.param_bytes
         optimizer_time = rank_parameters / dp * per_parameter / gpu.hbm_bandwidth
+    forward, backward, weight = (
+        (layers - moe) * d + moe * m for d, m in zip(dense, sparse, strict=True)
+    )
     return StageTimes(
-        forward=layers * (forward_compute + tp_comm),
-        backward=layers * (backward_compute + tp_comm + recompute_time),
-        weight=layers * weight_compute,
+        forward=forward,
+        backward=backward,
+        weight=weight,
         output=output,
         p2p=p2p,
         grad_reduce=grad_reduce,
@@ -228,3 +258,21 @@ def stage_times(
         optimizer=optimizer_time,
         host=efficiency.host_s,
     )
+
+
+def _layer_times(
+    c: Candidate, model: Model, efficiency: Efficiency, peak: float, comm: float, *, moe: bool
+) -> tuple[float, float, float]:
+    """One layer's (forward, backward, weight) seconds: its compute, plus ``comm`` each way
+    (tensor parallelism's, and a MoE layer's all-to-alls), plus what recomputation runs again."""
+    b, s, h, tp = c.micro_batch_size, model.seq_length, model.hidden_size, c.tp
+    work = layer_forward_flops(model, micro_batch_size=b, tp=tp, moe=moe)
+    forward_compute = work / (efficiency.forward(work) * peak)
+    backward_compute = 2.0 * work / (efficiency.backward(work) * peak)
+    weight_compute = backward_compute * efficiency.weight_share(work)
+    recompute_time = 0.0
+    if c.recompute == "full":
+        recompute_time = forward_compute + comm
+    elif c.recompute == "selective":  # core attention (QK^T, over V: 4bs^2h / t) runs again
+        recompute_time = 4.0 * b * s * s * h / tp / (efficiency.forward(work) * peak)
+    return forward_compute + comm, backward_compute + comm + recompute_time, weight_compute

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from functools import lru_cache, partial
 
 from megatron_bfpp.config.model_memory import parameters_per_pipeline_rank, parameters_per_stage
 from megatron_bfpp.config.run_config import Layout
@@ -18,9 +19,10 @@ from megatron_bfpp.ir import (
     Placement,
     Schedule,
     ScheduleError,
+    StageLayout,
     parts,
 )
-from megatron_bfpp.plan.presets import Model, Precision
+from megatron_bfpp.plan.presets import Model, Precision, moe_layers_per_stage
 
 __all__ = [
     "RECOMPUTE",
@@ -29,6 +31,8 @@ __all__ = [
     "StageBytes",
     "full_buffer_peaks",
     "layer_activation_bytes",
+    "moe_layer_parameters",
+    "moe_layers_per_rank",
     "peak_activation_bytes",
     "peak_points",
     "rank_parameters",
@@ -53,6 +57,7 @@ def layer_activation_bytes(
     recompute: str,
     precision: Precision,
     softmax_in_fp32: bool = True,
+    moe: bool = False,
 ) -> int:
     """Bytes one layer keeps for the backward of one micro-batch on one tensor-parallel rank,
     as megatron-core's local layers keep them (docs/planner.md, "Memory"). ``selective``
@@ -72,7 +77,11 @@ def layer_activation_bytes(
     if model.dropout:
         replicated += tokens * 2 * h * MASK_BYTES
     qkv = 5 * h if rotary and model.num_query_groups == a else 3 * h
-    mlp = (5 * f if model.arch == "llama" else 2 * f) * e
+    per = 5 if model.arch == "llama" else 2
+    mlp = per * f * e
+    if moe:  # per token: top-k dispatched copies and their experts' tensors, the shared expert's
+        routed = model.moe_router_topk * (h + per * model.moe_ffn_hidden_size)
+        mlp = (routed + per * model.moe_shared_expert_intermediate_size) * e + 4 * model.num_experts
     split = tokens * ((qkv + h) * e + mlp)
     per_microbatch = 4 * s * (h // a) * e if rotary else 0
     if recompute == "none":
@@ -109,14 +118,13 @@ def stage_activation_bytes(
     """``StageBytes`` for stages of ``layers_per_stage`` layers; ``vocab_size`` as padded."""
     tokens = model.seq_length * micro_batch_size
     h, e = model.hidden_size, precision.activation_bytes
-    per_layer = layer_activation_bytes(
-        model,
-        micro_batch_size=micro_batch_size,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        recompute=recompute,
-        precision=precision,
-    )
+    per_layer = partial(
+        layer_activation_bytes, model, micro_batch_size=micro_batch_size, tp=tp,
+        sequence_parallel=sequence_parallel, recompute=recompute, precision=precision,
+    )  # fmt: skip
+    stages = model.num_layers // layers_per_stage
+    moe = max(moe_layers_per_stage(model, stages), default=0) if model.num_experts else 0
+    sparse = per_layer(moe=True) if moe else 0  # the stage with the most MoE layers
     hidden_divisor = tp if sequence_parallel else 1
     first = tokens * INDEX_BYTES * (1 if model.arch == "llama" else 2)
     if model.dropout:
@@ -124,7 +132,8 @@ def stage_activation_bytes(
     norm_stats = (1 if model.arch == "llama" else 2) * STAT_BYTES
     last = tokens * (2 * h * e // hidden_divisor + norm_stats)
     last += tokens * vocab_size // tp * 4 + tokens * (1 + INDEX_BYTES)
-    return StageBytes(layers=per_layer * layers_per_stage, first=first, last=last)
+    layers = per_layer() * (layers_per_stage - moe) + sparse * moe
+    return StageBytes(layers=layers, first=first, last=last)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,19 +212,53 @@ def peak_activation_bytes(points: PeakPoints, stage: StageBytes) -> tuple[int, .
 
 
 def rank_parameters(
-    model: Model, *, tp: int, pp: int, chunks: int, placement: Placement
+    model: Model, *, tp: int, pp: int, chunks: int, placement: Placement, ep: int = 1
 ) -> list[int]:
-    """Per pipeline rank, one tensor-parallel rank's parameters (``config.model_memory``)."""
+    """Per pipeline rank, one tensor-parallel rank's parameters (``config.model_memory``), each
+    MoE layer's as ``moe_layer_parameters`` counts them."""
     layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
-    return parameters_per_pipeline_rank(model.shape(tp=tp), layout)
+    counts = parameters_per_pipeline_rank(model.shape(tp=tp), layout)
+    extra = moe_layer_parameters(model, tp=tp, ep=ep)[0]
+    moe = moe_layers_per_rank(model, pp=pp, vp=chunks, placement=placement)
+    return [n + extra * k for n, k in zip(counts, moe, strict=True)]
 
 
 def stage_parameters(
-    model: Model, *, tp: int, pp: int, chunks: int, placement: Placement
+    model: Model, *, tp: int, pp: int, chunks: int, placement: Placement, ep: int = 1
 ) -> list[int]:
     """Parameters of one tensor-parallel rank at each global stage."""
     layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
-    return parameters_per_stage(model.shape(tp=tp), layout)
+    extra = moe_layer_parameters(model, tp=tp, ep=ep)[0]
+    moe = moe_layers_per_stage(model, pp * chunks)
+    counts = parameters_per_stage(model.shape(tp=tp), layout)
+    return [n + extra * k for n, k in zip(counts, moe, strict=True)]
+
+
+@lru_cache(maxsize=1024)
+def moe_layers_per_rank(model: Model, *, pp: int, vp: int, placement: Placement) -> tuple[int, ...]:
+    """MoE layers on each pipeline rank: its stages' (V-shape: ranks hold stages r, 2p-1-r)."""
+    v = placement is Placement.V_SHAPE
+    layout = StageLayout.v_shape(pp) if v else StageLayout.looped(pp, vp)
+    per_stage = moe_layers_per_stage(model, layout.num_stages)
+    return tuple(sum(per_stage[s] for s in layout.stages_of(r)) for r in range(pp))
+
+
+def moe_layer_parameters(model: Model, *, tp: int, ep: int) -> tuple[int, int]:
+    """(a MoE layer's parameters on one rank beyond the dense layer's the shape counts, of them
+    its experts'): the router (h x experts, whole), experts/ep routed experts and the shared one
+    (each split over tp as megatron-core's expert tensor parallelism defaults), less the dense
+    MLP; (0, 0) for a dense model."""
+    if not model.num_experts:
+        return 0, 0
+    h, gated = model.hidden_size, model.arch == "llama"
+
+    def mlp(f: int) -> int:
+        biases = 0 if gated else -(-f // tp) + h
+        return -(-h * (2 if gated else 1) * f // tp) + -(-f * h // tp) + biases if f else 0
+
+    experts = model.num_experts // ep * mlp(model.moe_ffn_hidden_size)
+    extra = h * model.num_experts + experts + mlp(model.moe_shared_expert_intermediate_size)
+    return extra - mlp(model.ffn_hidden_size), experts
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,10 +305,13 @@ def weights_bytes(
     sharded: bool,
     gathered: int = 0,
     accumulated: int = 0,
+    experts: int = 0,
+    ep: int = 1,
 ) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``, the optimizer
     sharded over ``dp``; fully sharded, 1/dp of parameters and gradients plus the full buffers of
-    ``gathered`` / ``accumulated`` parameters (``full_buffer_peaks``)."""
+    ``gathered`` / ``accumulated`` parameters (``full_buffer_peaks``). ``experts`` of them shard
+    their optimizer over the expert data-parallel group, dp/ep."""
     if sharded:
         kept = -(-parameters // dp)
         params = (kept + gathered) * precision.param_bytes
@@ -273,5 +319,6 @@ def weights_bytes(
     else:
         params = parameters * precision.param_bytes
         grads = parameters * precision.grad_bytes
-    optimizer = -(-parameters * precision.optimizer_bytes // dp)
+    optimizer = -(-(parameters - experts) * precision.optimizer_bytes // dp)
+    optimizer += -(-experts * precision.optimizer_bytes * ep // dp)
     return params, grads, optimizer

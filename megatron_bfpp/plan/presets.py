@@ -4,7 +4,9 @@ sources in docs/planner.md, "Presets"), and the precision a run trains in."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_bfpp.config.run_config import ModelShape, default_ffn_hidden_size
 from megatron_bfpp.ir import ScheduleError
@@ -22,6 +24,7 @@ __all__ = [
     "get_model",
     "model_description",
     "model_from_shape",
+    "moe_layers_per_stage",
     "padded_vocab_size",
 ]
 
@@ -32,7 +35,9 @@ GiB = 2**30
 class Model:
     """A transformer to plan for: ``gpt`` (LayerNorm, GeLU, biases, learned positions, tied
     embeddings) or ``llama`` (RMSNorm, SwiGLU, RoPE, untied output, grouped-query attention);
-    ``dropout``: whether activations hold dropout masks (GPT-3's 0.1, none for LLaMA)."""
+    ``dropout``: whether activations hold dropout masks (GPT-3's 0.1, none for LLaMA).
+    Mixture-of-Experts in Megatron-LM's names (``num_experts`` 0: dense; ``moe_layer_freq``: every
+    n-th layer from the first, or a 0/1 per layer); ``ffn_hidden_size`` is the dense layers'."""
 
     name: str
     arch: str
@@ -44,6 +49,23 @@ class Model:
     seq_length: int
     vocab_size: int
     dropout: bool
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    moe_layer_freq: int | tuple[int, ...] = 1
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Which layers are MoE, as megatron-core reads ``--moe-layer-freq``."""
+        freq, n = self.moe_layer_freq, self.num_layers
+        if not self.num_experts:
+            return (False,) * n
+        return (
+            tuple(i % freq == 0 for i in range(n))
+            if isinstance(freq, int)
+            else tuple(bool(f) for f in freq)
+        )
 
     def shape(self, *, tp: int) -> ModelShape:
         """bfpp-train's ``ModelShape`` with the vocabulary padded as Megatron pads it for ``tp``,
@@ -63,6 +85,12 @@ class Model:
         return dataclasses.replace(self, seq_length=seq_length)
 
 
+def moe_layers_per_stage(model: Model, stages: int) -> tuple[int, ...]:
+    """MoE layers on each of ``stages`` equal global stages (model order), for costs and memory."""
+    flags, k = model.moe_layers, model.num_layers // stages
+    return tuple(sum(flags[s * k : (s + 1) * k]) for s in range(stages))
+
+
 def padded_vocab_size(vocab_size: int, *, tp: int) -> int:
     """Megatron-LM's ``--make-vocab-size-divisible-by 128``, times tp (its default)."""
     multiple = 128 * tp
@@ -79,6 +107,7 @@ def _llama(
     return Model(name, "llama", layers, hidden, heads, groups, ffn, seq, 32000, False)
 
 
+_DSV3 = (256, 8, 2048, 2048, (0,) * 3 + (1,) * 58)  # experts, top-k, their FFN, shared, layers
 MODELS: dict[str, Model] = {
     m.name: m
     for m in (
@@ -90,6 +119,12 @@ MODELS: dict[str, Model] = {
         _llama("llama-13b", 40, 5120, 40, 40, 13824, 2048),
         _llama("llama-65b", 80, 8192, 64, 64, 22016, 2048),
         _llama("llama-70b", 80, 8192, 64, 8, 28672, 4096),
+        # Mixture-of-Experts (docs/planner.md, "Mixture of Experts"): Mixtral 8x7B; DeepSeek-V3's
+        # shape with its MLA attention planned as standard attention, its first 3 layers dense;
+        # Qwen3-30B-A3B's with head size h/a (its heads are 128 wide: 4096 > h).
+        Model("mixtral-8x7b", "llama", 32, 4096, 32, 8, 14336, 4096, 32000, False, 8, 2, 14336),
+        Model("deepseek-v3", "llama", 61, 7168, 128, 128, 18432, 4096, 129280, False, *_DSV3),
+        Model("qwen3-30b-a3b", "llama", 48, 2048, 32, 4, 6144, 4096, 151936, False, 128, 8, 768),
     )
 }
 
@@ -115,9 +150,11 @@ def model_from_shape(
     num_query_groups: int | None = None,
     ffn_hidden_size: int | None = None,
     dropout: bool | None = None,
+    moe: Mapping[str, Any] | None = None,
 ) -> Model:
     """A model given by its shape; defaults as Megatron's (ffn: ``default_ffn_hidden_size``;
-    every head its own group; dropout for GPT only)."""
+    every head its own group; dropout for GPT only; ``moe``: ``Model``'s MoE fields, None unset,
+    the expert FFN the dense one)."""
     if arch not in ("gpt", "llama"):
         raise ScheduleError(f"model architecture must be gpt or llama, got {arch!r}")
     named = {
@@ -144,9 +181,30 @@ def model_from_shape(
     ffn = default_ffn_hidden_size(arch, hidden_size) if ffn_hidden_size is None else ffn_hidden_size
     name, heads = f"{arch}-{num_layers}x{hidden_size}", num_attention_heads
     dropout = arch == "gpt" if dropout is None else dropout
-    return Model(
+    given = {key: value for key, value in (moe or {}).items() if value is not None}
+    dense = Model(
         name, arch, num_layers, hidden_size, heads, groups, ffn, seq_length, vocab_size, dropout
     )
+    return _with_moe(dense, given) if given.get("num_experts") else dense
+
+
+def _with_moe(model: Model, given: Mapping[str, Any]) -> Model:
+    """``model`` with experts, checked as megatron-core's TransformerConfig checks them."""
+    moe = dataclasses.replace(model, **{"moe_ffn_hidden_size": model.ffn_hidden_size, **given})
+    experts, topk, freq = moe.num_experts, moe.moe_router_topk, moe.moe_layer_freq
+    sizes = (moe.moe_ffn_hidden_size, experts, topk, moe.moe_shared_expert_intermediate_size + 1)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes) or topk > experts:
+        raise ScheduleError(
+            f"--num-experts {experts}, --moe-router-topk {topk}, --moe-ffn-hidden-size "
+            f"{moe.moe_ffn_hidden_size}: give positive sizes with top-k at most the experts"
+        )
+    pattern = isinstance(freq, tuple) and len(freq) == moe.num_layers and set(freq) <= {0, 1}
+    if not pattern and not (isinstance(freq, int) and 1 <= freq <= moe.num_layers):
+        raise ScheduleError(
+            f"--moe-layer-freq must be an integer from 1 to --num-layers or a 0/1 per layer "
+            f"({moe.num_layers}), got {freq!r}"
+        )
+    return moe
 
 
 # Whose FFN size a model gets when the front end leaves it unset: Megatron-LM's validate_args
@@ -177,6 +235,7 @@ def model_description(
     num_query_groups: int | None = None,
     vocab_size: int | None = None,
     dropout: bool | None = None,
+    moe: Mapping[str, Any] | None = None,
 ) -> Model:
     """The planner's model of what a front end builds: the one translation every front end calls, so
     a model is described alike everywhere. ``gated``: a SwiGLU MLP, planned as llama (default
@@ -192,6 +251,7 @@ def model_description(
         seq_length=seq_length,
         vocab_size=vocab_size or (32000 if gated else 50257),
         dropout=dropout,
+        moe=moe,
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +50,9 @@ class StageProfile:
     t_host: float | None = None  # seconds per compute action; None: not measured
 
 
-# A profile file lists the model's fields in their order but ``num_layers`` last (its format).
-_MODEL_KEYS = [f.name for f in fields(Model) if f.name != "num_layers"] + ["num_layers"]
+# A profile file lists the (dense: no MoE defaults) model's fields in order, ``num_layers`` last.
+_DENSE = [f.name for f in fields(Model) if f.default is MISSING]
+_MODEL_KEYS = [name for name in _DENSE if name != "num_layers"] + ["num_layers"]
 _MODEL_TEXT = {"name": str, "arch": str, "dropout": bool}  # the rest: positive integers
 
 
@@ -113,10 +114,10 @@ def profile_from_dict(data: Any) -> StageProfile:
         raise ScheduleError(f"'version' must be {VERSION}, got {data.get('version')!r}")
     model_data = _field(data, "model", dict)
     checked: dict[str, Any] = {  # the model's fields, in their order
-        f.name: _field(model_data, f.name, _MODEL_TEXT[f.name], where="model.")
-        if f.name in _MODEL_TEXT
-        else _positive(model_data, f.name, where="model.")
-        for f in fields(Model)
+        name: _field(model_data, name, _MODEL_TEXT[name], where="model.")
+        if name in _MODEL_TEXT
+        else _positive(model_data, name, where="model.")
+        for name in _DENSE
     }
     model = Model(**checked)
     if model.arch not in ("gpt", "llama"):

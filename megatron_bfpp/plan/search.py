@@ -27,6 +27,8 @@ from megatron_bfpp.plan.memory import (
     StageBytes,
     full_buffer_peaks,
     layer_activation_bytes,
+    moe_layer_parameters,
+    moe_layers_per_rank,
     peak_activation_bytes,
     peak_points,
     rank_parameters,
@@ -55,6 +57,7 @@ __all__ = [
     "SearchResult",
     "candidates",
     "evaluate",
+    "expert_sizes",
     "families",
     "grad_reduce_of",
     "lower_bound_of",
@@ -165,6 +168,7 @@ class SearchOptions:
     megatron_p2p_overlap: bool = True
     # Megatron-LM's --overlap-grad-reduce for its rows; off: all at the step's end
     megatron_overlap_grad_reduce: bool = True
+    expert_parallel: tuple[int, ...] = ()  # empty: 1, 2, 4, ..., 64 (MoE models only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +184,7 @@ class Candidate:
     group_size: int | None = None  # breadth-first's memory-bounded groups (None: one group)
     plain_tensor_parallel: bool = False  # tp > 1 without sequence parallelism
     max_stored: int | None = None  # BPipe's cap (None: BPipe's own ceil((p+2)/2))
+    ep: int = 1  # expert parallelism (Megatron-LM's --expert-model-parallel-size), within dp
 
     @property
     def family(self) -> str:
@@ -212,6 +217,7 @@ class Plan:
             "pipeline_parallel": c.pp,
             "virtual_stages": c.vp,
             "data_parallel": c.dp,
+            "expert_parallel": c.ep,
             "micro_batch_size": c.micro_batch_size,
             "sharding": c.sharding,
             "recompute": c.recompute,
@@ -248,9 +254,6 @@ class SearchResult:
         }
 
 
-# --------------------------------------------------------------------------- candidates
-
-
 def _divisors(n: int) -> list[int]:
     """In O(sqrt(n)) steps, since the command line allows a huge n."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
@@ -276,16 +279,26 @@ def candidates(
                 continue  # Megatron-LM refuses it: a batch would cross-match at pp 2
             spec = get_spec(schedule)
             vps, _ = spec.planned_stages(model.num_layers // pp)
+            eps = expert_sizes(model, dp, options) if sharding == "optim" else (1,)
             for vp, b in itertools.product(vps, options.micro_batch_sizes):
                 m = per_pipeline // b
                 if per_pipeline % b or spec.planned_microbatches_problem(pp, m) is not None:
                     continue
                 grid = spec.plan.options(pp, m)
-                for recompute, chosen in itertools.product(options.recompute, grid):
+                for recompute, chosen, ep in itertools.product(options.recompute, grid, eps):
                     group, cap = chosen.get("group_size"), chosen.get("max_stored")
                     yield Candidate(
-                        schedule, sharding, tp, pp, vp, dp, b, recompute, group, plain, cap
+                        schedule, sharding, tp, pp, vp, dp, b, recompute, group, plain, cap, ep
                     )
+
+
+def expert_sizes(model: Model, dp: int, options: SearchOptions) -> tuple[int, ...]:
+    """Expert-parallel sizes to try, as megatron-core allows them: dividing the experts and the
+    data-parallel size (it carves the expert group out of dp x cp, with tp); 1 when dense."""
+    if not model.num_experts:
+        return (1,)
+    tried = options.expert_parallel or tuple(2**i for i in range(7))
+    return tuple(e for e in tried if model.num_experts % e == 0 and dp % e == 0)
 
 
 def _splits(
@@ -294,7 +307,13 @@ def _splits(
     """The tensor-parallel sizes searched, those dividing the heads, query groups and FFN, and
     their (tp, pp) with pp dividing the GPUs, pp also the layers."""
     tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
-    dims = (model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size)
+    dims = (
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.ffn_hidden_size,
+        model.moe_ffn_hidden_size,
+        model.moe_shared_expert_intermediate_size,
+    )
     shaped = [t for t in tps if not any(d % t for d in dims)]
     n = cluster.num_gpus
     splits = [
@@ -305,9 +324,6 @@ def _splits(
         if (n // t) % p == 0 and model.num_layers % p == 0
     ]
     return tps, shaped, splits
-
-
-# --------------------------------------------------------------------------- memory
 
 
 def memory_microbatches(pp: int, m: int) -> int:
@@ -379,11 +395,11 @@ def _schedule(
 
 @lru_cache(maxsize=4096)
 def rank_parameters_of(
-    model: Model, *, schedule: str, tp: int, pp: int, vp: int
+    model: Model, *, schedule: str, tp: int, pp: int, vp: int, ep: int = 1
 ) -> tuple[int, ...]:
     """Parameters per pipeline rank of ``model`` laid out for ``schedule`` (its placement)."""
     placement = get_spec(schedule).placement
-    return tuple(rank_parameters(model, tp=tp, pp=pp, chunks=vp, placement=placement))
+    return tuple(rank_parameters(model, tp=tp, pp=pp, chunks=vp, placement=placement, ep=ep))
 
 
 def sharded_walk_length(m: int, group: int | None) -> int:
@@ -418,10 +434,18 @@ def _weights(
 ) -> list[tuple[int, int, int]]:
     """(parameters, gradients, optimizer) bytes per pipeline rank (``distributed``: optimizer state
     sharded over dp); fully sharded, plus the full buffers the schedule walk holds at once."""
-    counts = rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp)
+    counts = rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp, ep=c.ep)
     if c.sharding != "optim_grads_params":
-        dp = c.dp if distributed else 1
-        return [weights_bytes(n, dp=dp, precision=precision, sharded=False) for n in counts]
+        dp, ep = (c.dp, c.ep) if distributed else (1, 1)
+        per_layer = moe_layer_parameters(model, tp=c.tp, ep=c.ep)[1]
+        placement = get_spec(c.schedule).placement
+        moe = moe_layers_per_rank(model, pp=c.pp, vp=c.vp, placement=placement)
+        return [
+            weights_bytes(
+                n, dp=dp, precision=precision, sharded=False, experts=k * per_layer, ep=ep
+            )
+            for n, k in zip(counts, moe, strict=True)
+        ]
     if c.schedule != "breadth-first":
         raise ScheduleError(f"the planner shards breadth-first only, not {c.schedule!r}")
     full = _full_buffers(model, c.tp, c.pp, c.vp, sharded_walk_length(m, c.group_size))
@@ -451,6 +475,7 @@ def _memory(
             sequence_parallel=c.sequence_parallel,
             recompute="none",
             precision=precision,
+            moe=bool(model.num_experts),
         )
     breakdowns = [
         MemoryBreakdown(p, g, o, activations[rank] + transient)
@@ -471,9 +496,6 @@ def _stage_bytes(c: Candidate, model: Model, precision: Precision) -> StageBytes
         recompute=c.recompute,
         precision=precision,
     )
-
-
-# --------------------------------------------------------------------------- timing
 
 
 def _cost_model(times: StageTimes) -> CostModel:
@@ -644,7 +666,9 @@ def _timing(
 ) -> tuple[StageTimes, float, float]:
     """Durations of one candidate, the step no schedule of its shape can beat, and the order
     of simulation (closed forms: no schedule is walked)."""
-    parameters = max(rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp))
+    parameters = max(
+        rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp, ep=c.ep)
+    )
     times = stage_times(c, model, cluster, options, parameters, stage.layers * c.vp)
     # Each rank runs at least a forward and a backward action per micro-batch and chunk, each
     # paying the host's time per action.
@@ -668,9 +692,6 @@ def _timing(
         crossing = hops * (forward + backward)
         idle = sum(max(0.0, crossing - (g - 1) * (forward + times.host)) for g in sizes)
     return times, busy + max(fill, idle) + extra, estimate
-
-
-# --------------------------------------------------------------------------- search
 
 
 def evaluate(
@@ -771,9 +792,6 @@ def recommend(
         efficiency_source=(options.efficiency or BuiltinCurve(cluster.gpu)).source,
         p2p_model=options.p2p_model,
     )
-
-
-# --------------------------------------------------------------------------- no candidates
 
 
 def no_candidates_reason(

@@ -55,8 +55,7 @@ P2P_MODELS = {
     "lockstep": "the runtime's lock-step NCCL posting: one batch per tick, FIFO per rank, "
     "a batch done when both halves of each op are posted",
     "megatron": "megatron-core's own p2p for its 1f1b / interleaved as Megatron-LM runs them: "
-    "one call per pipeline step, batched and waited at once (interleaved: non-batched, "
-    "overlapped)",
+    "one call per pipeline step, batched and waited at once (interleaved: non-batched, overlapped)",
     "megatron-blocking": "megatron-core's own p2p for its 1f1b / interleaved with p2p overlap "
     "off: every call batched and waited at once (Megatron-LM before p2p overlap, the 2022 "
     "papers' baseline)",

@@ -233,6 +233,7 @@ def test_search_size_and_json_fields() -> None:
         "pipeline_parallel",
         "virtual_stages",
         "data_parallel",
+        "expert_parallel",
         "micro_batch_size",
         "sharding",
         "recompute",
