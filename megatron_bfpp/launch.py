@@ -1,9 +1,20 @@
-"""Run an unmodified Megatron-LM training script with ``--pipeline-schedule`` available
-(``[torchrun ...] -m megatron_bfpp.launch /path/to/pretrain_gpt.py <args>``). Each process applies
-``BFPP_RANK_ORDER`` (:mod:`megatron_bfpp.megatron.rank_order`), puts the script's directory first
-on ``sys.path`` (a checkout's own ``megatron/core`` with its ``megatron/training``), calls
-``megatron_bfpp.install()`` (version checks), without CUDA enables
-:mod:`megatron_bfpp.megatron.cpu_launch`'s redirects, and runs the script as ``__main__``."""
+"""Run an unmodified Megatron-LM training script with ``--pipeline-schedule`` available.
+
+    python -m megatron_bfpp.launch /path/to/Megatron-LM/pretrain_gpt.py <megatron args> \\
+        --pipeline-schedule breadth-first
+    torchrun --nproc-per-node 8 -m megatron_bfpp.launch /path/to/Megatron-LM/pretrain_gpt.py ...
+
+Each process: (1) applies a pair-adjacent (or any) rank order from ``BFPP_RANK_ORDER`` (see
+:mod:`megatron_bfpp.megatron.rank_order`); (2) puts the script's directory first on ``sys.path``,
+as ``python pretrain_gpt.py`` would, so a checkout's own ``megatron/core`` and
+``megatron/training`` are used together (a checkout without ``megatron/core`` uses the installed
+megatron-core); (3) ``megatron_bfpp.install()``, which checks the megatron-core and torch versions
+(one error line outside the supported windows, one warning line for a torch newer than the tested
+ones); (4) without CUDA, enables the CPU redirects of
+:mod:`megatron_bfpp.megatron.cpu_launch`; rank 0 logs one line naming the megatron-core version,
+where it comes from and the device; (5) runs the script as ``__main__`` with ``sys.argv`` =
+script + its arguments.
+"""
 
 from __future__ import annotations
 
