@@ -529,9 +529,8 @@ def process_groups_without_embedding_group(groups: Any) -> Any:
     return stripped
 
 
-# --- deferred weight gradients (runtime.deferred_wgrad) ---------------------------------------
-# ``LinearWithGradAccumulationAndAsyncCommunication``'s forward and the context its backward
-# reads are the same in 0.16.1 to 0.20.0; its argument list is not, so it is built by name.
+# runtime.deferred_wgrad: ``LinearWithGradAccumulationAndAsyncCommunication``'s forward and
+# backward context match in 0.16.1 to 0.20.0; its argument list does not: it is built by name.
 
 
 def transformer_engine_layers(module: Any) -> list[Any]:

@@ -33,9 +33,8 @@ def follow_links(path: str | Path) -> Path:
 
 
 def make_dirs(path: str | Path) -> Path:
-    """``mkdir -p path``, following a symbolic link at ``path`` (a dangling link's target is
-    created) instead of failing on it with "File exists"; returns the directory made or found.
-    A link that loops is ``OSError(ELOOP)`` naming ``path``."""
+    """``mkdir -p path`` following a symbolic link at ``path`` (a dangling one's target is made)
+    instead of "File exists"; returns the directory. A looping link: ``OSError(ELOOP)``."""
     target = follow_links(path)
     target.mkdir(parents=True, exist_ok=True)
     return target

@@ -91,8 +91,7 @@ class ActionKind(StrEnum):
     GRAD_SYNC = "GS"  # start this chunk's data-parallel gradient reduction
     PARAM_SYNC = "PS"  # start this chunk's data-parallel parameter gather
     RELEASE = "RL"  # sharded parameters: free this chunk's gathered ones, keep the local shard
-    # A forward and a backward of another micro-batch run as one overlapped action (torch's
-    # OVERLAP_F_B, DualPipe's core): a ``Composite``, written ``3F5&1B2``, never a plain Action.
+    # an F and another micro-batch's B as one (torch's OVERLAP_F_B): a ``Composite``, ``3F5&1B2``
     OVERLAP_F_B = "F&B"
 
     @property
@@ -126,8 +125,7 @@ _KIND_PATTERN = "|".join(
 )
 # ASCII digits only: str.isdigit and \d also take digits int() rejects or misreads ("²", "３").
 _ACTION_RE = re.compile(rf"(\d+)({_KIND_PATTERN})(\d+)?(?:([<>])(\d+))?", re.ASCII)
-# Stage, micro-batch and rank indices stop at nine digits: no real schedule comes near, and
-# converting a cell of 100,000 digits would be slow (CPython refuses int() of over 4,300).
+# indices stop at nine digits: no real schedule comes near, and int() of 100,000 digits is slow
 _MAX_INDEX = 999_999_999
 
 
@@ -345,8 +343,7 @@ class StageLayout:
         if not self.stage_to_rank:
             raise ScheduleError("a layout needs at least one stage")
         ranks = set(self.stage_to_rank)
-        # Distinct ranks >= 0 are exactly 0..max iff there are max + 1 of them; building
-        # range(max + 1) instead would hang on a stray huge rank.
+        # distinct ranks >= 0 are 0..max iff max + 1 of them (range(max + 1) hangs on a huge one)
         if min(ranks) < 0 or len(ranks) != max(ranks) + 1:
             raise ScheduleError(
                 "layout ranks must be 0..p-1 with every rank used, got "
@@ -479,8 +476,7 @@ class Schedule:
 
     def resident_gradients(self, rank: int) -> tuple[float, ...]:
         """Full gradient buffers held on ``rank`` after each of its actions, in full-stage units:
-        every chunk's without sharded parameters (no RL on the rank), else as
-        ``held_gradient_chunks`` says; the kept shards are left out."""
+        every chunk's with no RL on the rank, else per ``held_gradient_chunks`` (not the shards)."""
         if ActionKind.RELEASE not in map(_kind_of, self.per_rank[rank]):
             return self._all_chunks(rank)
         fraction = self.layout.stage_fraction
@@ -510,8 +506,7 @@ class Schedule:
             yield held
 
     def held_parameter_chunks(self, rank: int) -> Iterator[set[int]]:
-        """The stages a fully sharded ``rank`` holds gathered after each of its actions (PS to RL),
-        one set updated in place as ``held_gradient_chunks``'."""
+        """Stages ``rank`` holds gathered after each action (PS to RL); one set updated in place."""
         held: set[int] = set()
         for action in self.per_rank[rank]:
             if action.kind is ActionKind.PARAM_SYNC:
@@ -531,14 +526,12 @@ class Schedule:
         return tuple(max(self.stored_activations(r), default=0.0) for r in range(self.num_ranks))
 
     def iter_actions(self) -> Iterator[tuple[int, int, Action]]:
-        """(rank, position, action) for every action."""
         for rank, actions in enumerate(self.per_rank):
             for position, action in enumerate(actions):
                 yield rank, position, action
 
 
-# Stored activations an action adds (+1) or frees (-1), in units of its stage's share. A
-# composite's are its parts', in order (``Schedule.stored_activations``).
+# stored activations an action adds (+1) or frees (-1), in stage shares (a composite: its parts')
 MEMORY_DELTA: dict[ActionKind, int] = {
     ActionKind.FORWARD: 1,
     ActionKind.BACKWARD: -1,
@@ -593,7 +586,6 @@ def parse_schedule(
     return Schedule(layout, num_microbatches, programs, name)
 
 
-# --- CSV ------------------------------------------------------------------------------------
 # Ours: "layout", "microbatches" and optional "name" rows, then per rank its number and actions;
 # torch's ``_dump_csv``: one row per rank, no header (docs/architecture.md, "torch's CSV formats").
 
@@ -807,8 +799,7 @@ def _header_layout(row: _Row, source: str) -> StageLayout:
                 f"{source}: row {row.number}, column {column}: the 'layout' row lists the rank of "
                 f"each stage (integers >= 0), got {_shown(text)}"
             )
-        # Every rank holds a stage, so no rank reaches the number of stages (bounded by the
-        # row's length); checking the digits first keeps a 100,000-digit cell from int().
+        # ranks < stages <= the row's length; digits checked first: no int() of 100,000 digits
         if len(text.lstrip("0")) > len(str(len(row.cells))) or int(text) >= len(row.cells) - 1:
             raise ScheduleError(
                 f"{source}: row {row.number}, column {column}: rank {_shown(text, 12)} is out of "

@@ -51,9 +51,8 @@ def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) ->
 
 @dataclass(frozen=True, slots=True)
 class GradSyncOptions:
-    """How megatron-core DDP starts each chunk's gradient reduction (``_Builder.sync_after``):
-    ``DistributedDataParallelConfig.overlap_grad_reduce``, and whether ``config.grad_sync_func``
-    is set (to each chunk's ``start_grad_sync``)."""
+    """How megatron-core DDP starts each chunk's gradient reduction (``_Builder.sync_after``): its
+    ``overlap_grad_reduce``, and whether ``config.grad_sync_func`` is set (``start_grad_sync``)."""
 
     overlap_grad_reduce: bool = False
     grad_sync_func: bool = False

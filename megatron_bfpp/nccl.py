@@ -59,8 +59,7 @@ K = ActionKind
 _FREES = frozenset({K.BACKWARD, K.BACKWARD_INPUT})  # the backward that frees the output
 _UNIT = Timing()
 _SIDE = -2  # the peer of a rank's side stream in ``_Model.streams`` (-1: its group's)
-# The lock-step replay's timing: the nominal one's (semantics.Timing's defaults) in integer ticks;
-# a composite's are its parts' together (the composite rule: ``semantics.action_duration``).
+# the lock-step replay's timing: semantics.Timing's defaults in integer ticks (composites: summed)
 _TICKED = Timing(*(int(getattr(_UNIT, field.name)) for field in fields(Timing)))
 TICKS = {kind: int(time) for kind, time in compute_durations(_TICKED).items()}
 _FB = K.OVERLAP_F_B
@@ -77,9 +76,8 @@ class Item(NamedTuple):
 class Batch(NamedTuple):
     """One ``batch_isend_irecv`` of one rank; ``tick`` is -1 outside lock-step postings.
     ``blocking``: the CPU waits for it before its next step (megatron-core's ``batch_p2p_sync``);
-    ``pairwise``: separate ``isend`` / ``irecv`` calls, each FIFO on the stream of its (rank,
-    peer) pair (megatron-core's non-batched path); ``side``: one group on the rank's second
-    stream (BPipe's payloads on the partners' own group)."""
+    ``pairwise``: separate ``isend`` / ``irecv`` calls, each FIFO on its (rank, peer) pair's stream
+    (megatron-core's non-batched path); ``side``: on the rank's second stream (BPipe's payloads)."""
 
     tick: int
     items: tuple[Item, ...]
@@ -121,7 +119,6 @@ class Posting:
 
     @property
     def lowered(self) -> _Lowered:
-        """The posting as integers (``_Lowered``)."""
         lowered = self._lowered
         if lowered is None:
             lowered = _lower(self.per_rank)
@@ -168,7 +165,6 @@ class _Lowered:
 
 
 def _lower(per_rank: tuple[tuple[Step, ...], ...]) -> _Lowered:
-    """``Posting.per_rank`` as integers (``_Lowered``)."""
     lowered = _Lowered([], [], [], [], [])
     for steps in per_rank:
         row: list[int] = []
@@ -208,10 +204,8 @@ def _raised(lowered: _Lowered) -> tuple[tuple[Step, ...], ...]:
     return tuple(per_rank)
 
 
-# --- lock-step posting --------------------------------------------------------------------------
 def lockstep_posting(schedule: Schedule) -> Posting:
-    """The runtime's posting: one batch per tick, partners in the same tick (module docstring).
-    Built once while ``schedule`` is among the last few posted."""
+    """The runtime's posting (module docstring), kept for the last few schedules posted."""
     for kept, posting in _POSTINGS:
         if kept is schedule:
             return posting
@@ -301,9 +295,8 @@ _PAYLOADS, _HEADERS = frozenset({K.RESTORE, K.LOAD}), frozenset({K.EVICT, K.ACCE
 
 
 def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
-    """The runtime makes a process group for each BPipe pair (x, p-1-x) and no other
-    (``runtime.p2p.pair_group``), so a payload batch between other ranks has no group to run
-    on. Raises ``ScheduleError`` naming the first such transfer."""
+    """The runtime makes a group per BPipe pair (x, p-1-x) only (``runtime.p2p.pair_group``), so a
+    payload batch between other ranks has none to run on: a ``ScheduleError`` names the first."""
     last, lowered = schedule.num_ranks - 1, posting.lowered
     for rank, steps in enumerate(lowered.steps):
         for step in steps:
@@ -321,7 +314,6 @@ def check_side_pairs(schedule: Schedule, posting: Posting) -> None:
                     )
 
 
-# --- as written -------------------------------------------------------------------------------
 def written_posting(schedule: Schedule) -> Posting:
     """Each run of p2p actions between two computes posted as one batch, in program order: how
     the runtime posted before lock-step, and the order a schedule file states."""
@@ -338,10 +330,8 @@ def written_posting(schedule: Schedule) -> Posting:
     return Posting("as written", tuple(per_rank))
 
 
-# --- the model --------------------------------------------------------------------------------
 def validate_nccl(schedule: Schedule) -> Posting:
-    """The lock-step posting of ``schedule``, proven under NCCL's rules, its payloads between
-    partner pairs only (``check_side_pairs``); raises otherwise."""
+    """``schedule``'s lock-step posting, NCCL-proven, payloads between partners only, or raises."""
     posting = lockstep_posting(schedule)
     check_posting(schedule, posting)
     check_side_pairs(schedule, posting)
@@ -372,8 +362,7 @@ class PostingRun(NamedTuple):
     dp_end: list[float]  # when its data-parallel lane is done
     busy: list[float]  # the sum of its compute durations
     gather_wait: list[float]  # the time its computes waited for their stage's PS
-    # compute, batch and GS / PS intervals that take time, rank by rank, each rank's by start;
-    # built when called (the planner never draws)
+    # busy compute, batch, GS / PS intervals by rank and start; lazy: the planner never draws
     events: Callable[[], list[Event]]
 
 
@@ -385,7 +374,6 @@ def check_posting(schedule: Schedule, posting: Posting) -> None:
 
 
 def time_posting(schedule: Schedule, posting: Posting, timing: Timing = _UNIT) -> PostingRun:
-    """Time ``posting`` under NCCL's rules: ``posting_timer(schedule, posting)(timing)``."""
     return posting_timer(schedule, posting)(timing)
 
 
@@ -455,7 +443,6 @@ class _Model:
         self.steps: list[list[int]] = [self._rank_steps(rank) for rank in range(schedule.num_ranks)]
         self.partner = self._match()
 
-    # building
     def _stream(self, rank: int, peer: int) -> int:
         return self.streams.setdefault((rank, peer), len(self.streams))
 
@@ -496,11 +483,10 @@ class _Model:
                 self.unit_stream += streams
 
     def _rank_steps(self, rank: int) -> list[int]:
-        """``rank``'s CPU steps: its posting, with the waits each step needs first. A compute
-        waits for the batches holding what it consumes (``Program.wait`` / ``restore``) and for
-        the send of its output before the backward that frees it (megatron-core's
-        ``deallocate_pipeline_outputs``); a composite for each of its parts'. Fills ``op_key``
-        and ``channels`` with the rank's ops, in posting order."""
+        """``rank``'s CPU steps: its posting, each step after the waits it needs. A compute waits
+        for the batches holding what it consumes (``Program.wait`` / ``restore``) and for its
+        output's send before the backward freeing it (``deallocate_pipeline_outputs``); a composite
+        for its parts'. Fills ``op_key`` and ``channels`` with the rank's ops, in posting order."""
         lowered, program, actions = self.posting.lowered, self.program, self.schedule.per_rank[rank]
         wait, restores, compute, frees = program.wait[rank], program.restore[rank], _COMPUTE, _FREES
         last, mbs, messages = self.schedule.num_stages - 1, self.rules.microbatches, program.message
@@ -622,7 +608,6 @@ class _Model:
             )
         return partner
 
-    # running
     def run(self, timing: Timing | None) -> None:
         """One run, afresh: untimed (all clocks 0) or under ``timing``."""
         num_ranks = self.schedule.num_ranks
@@ -645,8 +630,7 @@ class _Model:
         p2p, transfer = (0, 0) if timing is None else (timing.p2p, timing.transfer)
         if timing is not None:
             self.durations |= {K.GRAD_SYNC: timing.grad_sync, K.PARAM_SYNC: timing.param_sync}
-        # per op, once both halves have started: a payload of stored activations (a restore, an
-        # eviction's payload) ``transfer``, an activation, gradient or size header ``p2p``
+        # per op once both halves started: ``transfer`` for stored activations, else ``p2p``
         if transfer == p2p:
             self.op_time: list[float] = [p2p] * len(self.op_key)
         else:
@@ -678,10 +662,9 @@ class _Model:
         return PostingRun(cpu, dp_end, self.busy, self.gather_wait, events)
 
     def _advance(self) -> None:
-        """Run the ready CPUs until each waits or ends. A posted unit starts when its stream is
-        free; completing units start their successors (no recursion) and wake the CPU waiting
-        for them. Clocks: a unit starts once posted and its stream is free, an op ends
-        ``op_time`` after both halves started, a unit ends with its last op."""
+        """Run the ready CPUs until each waits or ends. A unit starts once posted and its stream
+        is free, an op ends ``op_time`` after both halves started, a unit with its last op;
+        completing units start their successors (no recursion) and wake the CPU waiting on them."""
         steps_of, pc_of, ready, waiter, cpu = self.steps, self.pc, self.ready, self.waiter, self.cpu
         run, posted, post_time = self._run, self.posted, self.post_time
         queues, stream_of, unit_batch = self.queues, self.unit_stream, self.unit_batch
@@ -838,7 +821,6 @@ class _Model:
         text = label or str(action)
         return Event(rank, lane, text, action.stage, action.microbatch, action.kind, start, end)
 
-    # reporting
     def _deadlock(self) -> ScheduleError:
         """Follow the waits from a stuck rank until one repeats: that is the cycle."""
         stuck = [r for r in range(self.schedule.num_ranks) if self.pc[r] < len(self.steps[r])]

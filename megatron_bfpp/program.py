@@ -19,8 +19,7 @@ class Program:
     schedule: Schedule
     rules: Rules
     message: tuple[list[int], ...]  # a point-to-point action's message, -1 for the others
-    # the message a compute waits for from another rank (``Rules.waits_for``), -1 for none; a
-    # composite's is -1, its parts' by ``wait_of``
+    # the message a compute waits for from another rank, -1 none (a composite's: see ``wait_of``)
     wait: tuple[list[int], ...]
     # position -> the restore a B / I (a composite's backward) also waits for because an LD
     # brought its activations back (``Rules.restored``), empty but for BPipe

@@ -149,9 +149,8 @@ class Event(NamedTuple):
 
 
 class Replay(NamedTuple):
-    """What ``replay`` found, in ``Timing``'s units (integers when its durations are).
-    ``blocked`` maps each rank that cannot finish to (position in its program, the message it
-    waits for). ``events`` are built from ``timeline`` when first asked for."""
+    """What ``replay`` found, in ``Timing``'s units (integers if its durations are): ``blocked``,
+    each rank that cannot finish -> (position, awaited message); ``events``: from ``timeline``."""
 
     blocked: dict[int, tuple[int, Message]]
     timeline: Timeline
@@ -318,9 +317,8 @@ class Rules:
         return Message(WHAT[what], stage - 1, microbatch)
 
     def restored(self, rank: int, position: int) -> int:
-        """The restore rule: where in ``rank``'s program the LD at ``position`` is waited for,
-        -1 nowhere. Its restore is the next B / I of its stage and micro-batch (a composite's
-        backward, at the composite's position) that waits for it."""
+        """The restore rule: the position in ``rank``'s program where the LD at ``position`` is
+        waited for, -1 none: the next B / I of its stage and micro-batch (in a composite too)."""
         actions = self.schedule.per_rank[rank]
         key = (actions[position].stage, actions[position].microbatch)
         for later in range(position + 1, len(actions)):
@@ -399,8 +397,7 @@ class Wires:
         # Activations and gradients index ``flow``, their arrival times (None: not sent).
         self.flow: list[float | None] = [None] * rules.limit
         waits, sends, to = rules.waits_for, rules.sends_for, rules.output_rank
-        # Per compute kind: its duration, and per stage what it waits for and sends (0 for
-        # nothing) and to which rank, in one lookup.
+        # per kind, one lookup: duration; per stage what it waits for, sends (0: none) and to whom
         self.compute = {
             kind: (duration, waits[kind], sends[kind], to[kind])
             for kind, duration in compute_durations(timing).items()
@@ -408,8 +405,7 @@ class Wires:
         # What an SA / SG sends, per stage: (its id of micro-batch 0, the one rank it can reach).
         self.sends = {_SA: (rules.base[ACT], to[_F]), _SG: (rules.base[GRAD], to[_B])}
         self.link_free: dict[int, float] = {}  # src * num_ranks + dst -> free from
-        # Messages and transfers that take no time, in integer units (CostModel.exact): a link
-        # is then always free by its sender's clock, so ``_timed`` keeps no link clocks.
+        # no-time messages / transfers, integer units (CostModel.exact): no link clocks in _timed
         self.instant = (
             timing.p2p == 0
             and timing.transfer == 0
@@ -451,7 +447,6 @@ class Wires:
         return dict(sorted(stuck))
 
     def signal(self, key: int, arrival: float = 0.0) -> None:
-        """Mark ``key`` sent, arriving at ``arrival``, and wake the rank waiting for it."""
         self.arrivals[key] = arrival
         woken = self.waiting.pop(key, None)
         if woken is not None:
@@ -545,8 +540,7 @@ def run_recorded(rules: Rules, programs: list[Recorded]) -> dict[int, tuple[int,
     sent = bytearray(limit)
     sent_beyond: set[int] = set()  # BPipe's messages
     waiting: dict[int, int] = {}
-    # Each rank's ops as one iterator, left where the rank stopped: a rank is woken only once
-    # the message it stopped for is sent, so it goes on after that wait.
+    # each rank's ops as one iterator, left where it stopped: it is woken once that is sent
     rest = [iter(program.ops) for program in programs]
     ready = deque(range(len(programs)))
     while ready:
@@ -668,8 +662,7 @@ def _timed(run: Wires, rank: int) -> Program:
                 if key in waiting:
                     ready.append(waiting.pop(key))
             continue
-        # The message the action sends occupies its link, one at a time, from the rank's clock;
-        # one sent to another rank than the neighbour stage's (key None) reaches nobody.
+        # its message occupies its link from the clock; one not to the neighbour's (None) is lost
         link = link_base + peer
         start = link_free.get(link, 0)
         if t > start:
@@ -740,7 +733,6 @@ class Timeline:
         self._events: tuple[Event, ...] | None = None
 
     def scaled(self, per_unit: int) -> Timeline:
-        """The same timeline with its times divided by ``per_unit``."""
         return Timeline(self.rules, self.timing, self.starts, per_unit)
 
     def events(self) -> tuple[Event, ...]:

@@ -266,8 +266,7 @@ def _build_block(
     return block.to(device=device, dtype=dtype)
 
 
-# megatron-core's settings for the planner's recomputation names (plan.memory.RECOMPUTE):
-# selective recomputes core attention only, full keeps each layer's input and reruns the layer.
+# plan.memory.RECOMPUTE's names in megatron-core: selective reruns core attention, full each layer
 _RECOMPUTE_FIELDS: dict[str, dict[str, Any]] = {
     "none": {},
     "selective": {"recompute_granularity": "selective"},
@@ -281,9 +280,8 @@ _RECOMPUTE_FIELDS: dict[str, dict[str, Any]] = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StoredActivations:
-    """Bytes a stage holds above its ``weights`` with k = 1..K micro-batches stored
-    (``stored[k-1]``; the allocator's count, on CPU the distinct storages autograd saved), and
-    the ``peak`` above the weights, backwards included (CUDA only)."""
+    """Bytes over ``weights`` a stage holds with k = 1..K micro-batches stored (``stored[k-1]``:
+    the allocator's, on CPU autograd's distinct storages); ``peak``: backwards too (CUDA only)."""
 
     model: str
     recompute: str
@@ -375,8 +373,7 @@ def measure_stored_activations(
 
 
 class _SavedStorages:
-    """The distinct storages autograd saved, by data pointer, and whether they are alive: the
-    CPU's count of what a stage holds, independent of any allocator."""
+    """The distinct storages autograd saved, by data pointer, and whether alive (allocator-free)."""
 
     def __init__(self) -> None:
         self._refs: dict[int, tuple[Any, int]] = {}

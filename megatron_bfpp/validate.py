@@ -153,8 +153,7 @@ class _Scan:
         self.num_mb = schedule.num_microbatches
         self.rules = Rules(schedule)
         self.with_comm = not self.rules.implicit
-        # Per stage: the previous / next stage's rank if another (peer of RA, SG / SA, RG; where
-        # rules send gradients / activations), else -1; and whether that neighbour is local.
+        # per stage: the previous / next stage's rank if another (RA, SG / SA, RG's peer), else -1
         self.remote_in, self.remote_out = self.rules.output_rank[_B], self.rules.output_rank[_F]
         same = [s > 0 and stage_to_rank[s - 1] == stage_to_rank[s] for s in range(num_stages)]
         self.local_in, self.local_out = same, [*same[1:], False]
@@ -229,9 +228,8 @@ class _Scan:
             self.order[rank] = _at(self.schedule, rank, position, problem, a)
 
     def complete(self, require_backward: bool) -> ScheduleError | None:
-        """Checks 1 to 3. Counting the flags proves each (stage, micro-batch) complete while
-        nothing else is wrong (keys in range, B never with I or W on one key, every W after its I);
-        otherwise ``_missing_action`` looks key by key."""
+        """Checks 1 to 3. Counting flags proves each (stage, micro-batch) complete when all else
+        is right (keys in range, no B with I / W, each W after its I); else ``_missing_action``."""
         if problem := _first(self.placement) or _first(self.duplicate):
             return problem
         size = len(self.flags[0])
@@ -291,8 +289,7 @@ def _parts(
         ops[start:] = [op for op in ops[start:] if op < 0] + [op for op in ops[start:] if op >= 0]
 
 
-# Why an action breaks the local order, by the rule it breaks (``str.format`` of the action's
-# stage, micro-batch, previous and next stage).
+# why an action breaks the local order, per rule (formatted with stage, mb, prev and next)
 _ORDER = {
     "local input": "runs before its local producer {prev}F{mb}",
     "remote input": "consumes act of stage {prev} that no earlier receive posts",
@@ -642,23 +639,20 @@ def _rank_grad_sync_problem(scan: _Scan, rank: int) -> ScheduleError | None:
 
 
 def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | None:
-    layout = schedule.layout
-    stage = action.stage
+    layout, stage, kind = schedule.layout, action.stage, action.kind
     if stage >= layout.num_stages:
         return f"stage {stage} does not exist (the layout has {layout.num_stages})"
     mb = action.microbatch
     if mb is not None and mb >= schedule.num_microbatches:
         return f"micro-batch {mb} does not exist (num_microbatches={schedule.num_microbatches})"
     owner = layout.rank_of(stage)
-    if action.kind in (K.ACCEPT, K.RESTORE):
+    if kind in (K.ACCEPT, K.RESTORE):
         if owner == rank or action.peer != owner:
             return f"the acceptor must receive from the evictor rank {owner} (stage {stage})"
         return None
     if owner != rank:
         return f"stage {stage} lives on rank {owner}"
-    expected_peer = {_SA: stage + 1, _RA: stage - 1, _SG: stage - 1, _RG: stage + 1}.get(
-        action.kind
-    )
+    expected_peer = {_SA: stage + 1, _RA: stage - 1, _SG: stage - 1, _RG: stage + 1}.get(kind)
     if expected_peer is not None:
         if not 0 <= expected_peer < layout.num_stages:
             return f"stage {stage} has no neighbour stage {expected_peer}"
@@ -667,7 +661,7 @@ def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | N
             return f"stages {stage} and {expected_peer} share rank {rank}: no message is needed"
         if action.peer != peer_rank:
             return f"the neighbour stage {expected_peer} lives on rank {peer_rank}"
-    if action.kind in (K.EVICT, K.LOAD) and action.peer == rank:
+    if kind in (K.EVICT, K.LOAD) and action.peer == rank:
         return "an evictor cannot evict to itself"
     return None
 

@@ -193,8 +193,7 @@ _MOE_DESTS = (
 
 
 def _moe_layer_freq(text: str) -> int | tuple[int, ...]:
-    """Megatron-LM's ``--moe-layer-freq``: an integer, or a 0/1 per layer as ``([0]*3+[1]*58)``
-    (read here without evaluating it)."""
+    """``--moe-layer-freq``: an int, or a 0/1 per layer as ``([0]*3+[1]*58)`` (never evaluated)."""
     if text.isdigit():
         return int(text)
     pattern: list[int] = []

@@ -63,8 +63,7 @@ from megatron_bfpp.validate import has_communication, validate_schedule
 
 PROG = "bfpp-sim"
 
-# bfpp-sim's option flags, each serving every schedule option that names it (one --group-size
-# sets interleaved's and breadth-first's group options).
+# bfpp-sim's option flags, each serving every schedule option naming it (--group-size: two)
 _SIM_FLAGS: dict[str, tuple[ScheduleOption, ...]] = {
     flag: tuple(option for option in ALL_OPTIONS if option.sim_flag == flag)
     for flag in dict.fromkeys(option.sim_flag for option in ALL_OPTIONS)

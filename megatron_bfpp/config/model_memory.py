@@ -32,10 +32,9 @@ def _split(size: int, tp: int) -> int:
 
 
 def layer_parameters(shape: ModelShape, *, tp: int) -> int:
-    """One transformer layer on one tensor-parallel rank (megatron-core's local layer spec):
-    QKV and FC1 are split by output, the projection and FC2 by input (their biases and the two
-    norms are whole on every rank). GPT has biases and LayerNorm (weight and bias); LLaMA has no
-    biases, RMSNorm and a gated FC1 (two matrices)."""
+    """One transformer layer on one tensor-parallel rank (megatron-core's local layer spec): QKV
+    and FC1 split by output, projection and FC2 by input (biases and both norms whole). GPT has
+    biases and LayerNorm (weight and bias); LLaMA has no biases, RMSNorm and a gated FC1 (two)."""
     h, heads = shape.hidden_size, shape.num_attention_heads
     kv = h // heads * (shape.num_query_groups or heads)
     ffn = shape.ffn

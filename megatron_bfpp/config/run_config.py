@@ -85,9 +85,8 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LRSchedule:
-    """megatron-core's ``OptimizerParamScheduler`` settings, named as its ``state_dict`` names
-    them (steps count samples), so a checkpoint's scheduler can be compared field by field, as
-    ``OptimizerParamScheduler.load_state_dict`` does."""
+    """megatron-core's ``OptimizerParamScheduler`` settings, named as its ``state_dict`` names them
+    (steps count samples): a checkpoint's compare field by field, as ``load_state_dict`` does."""
 
     max_lr: float
     min_lr: float
@@ -162,8 +161,7 @@ _TRAINING_FLAGS = [f.name for f in dataclasses.fields(Training) if f.name != "da
 
 
 def run_config(args: Any, world_size: int) -> RunConfig:
-    """The run a parsed ``bfpp-train`` namespace describes on ``world_size`` ranks (flags already
-    validated: tp x pp divides the world size)."""
+    """A parsed ``bfpp-train`` namespace's run on ``world_size`` ranks (tp x pp divides it)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     return RunConfig(
         model=model_shape(args),

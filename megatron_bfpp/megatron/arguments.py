@@ -72,8 +72,7 @@ _VP_SOURCES = (
 
 
 def apply_schedule_defaults(args: Any) -> None:
-    """Before Megatron's ``validate_args``: a looped or V-shape schedule given no virtual stages
-    gets 2 per rank, as in bfpp-train, as if the user had passed it."""
+    """Before ``validate_args``: looped / V schedules given no virtual stages get 2 per rank."""
     spec = SCHEDULES.get(getattr(args, "pipeline_schedule", "default"))
     given = any(getattr(args, name, None) is not None for name in _VP_SOURCES)
     if spec is not None and spec.placement is not Placement.SINGLE and not given:
@@ -126,8 +125,7 @@ def check_schedule_args(args: Any) -> None:
         vp_flag=MEGATRON_VP_FLAGS,
         sharding=sharding,
         options=options,
-        # Megatron-LM's --step-batch-size-schedule: its global_batch_size (micro-batch x
-        # data-parallel size) is no step's; every step's micro-batches must run.
+        # --step-batch-size-schedule: global_batch_size (mbs x dp) is no step's; every step runs
         batch_schedule=step_batch_sizes(args),
     )
     if getattr(args, "rampup_batch_size", None):

@@ -326,8 +326,7 @@ def megatron_request(
         raise ScheduleError(f"--pipeline-schedule auto needs {', '.join(missing)}")
     tp, pp, cp, dp = split_world(args, world_size, megatron=True)
     mbs = int(args.micro_batch_size)
-    # Megatron-LM's --step-batch-size-schedule: timed at its last step's batch (where a ramp
-    # ends), every step's micro-batches checked; its global_batch_size would be mbs x dp
+    # --step-batch-size-schedule: timed at the last step's batch (a ramp's end), every step checked
     steps = step_batch_sizes(args)
     granularity = getattr(args, "recompute_granularity", None)
     model = _megatron_model(args)  # its refusals before vp's, in the request's field order

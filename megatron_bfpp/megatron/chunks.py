@@ -1,7 +1,6 @@
-"""A rank's model chunks in any placement the catalogue names: megatron-core's looped one and
-the V-shape, whose chunk holding stage ``s`` is built as looped slot ``(s // p, s % p)`` (the
-same layers, so checkpoints name parameters alike), tied embeddings both on rank 0
-(docs/architecture.md#megatron-integration)."""
+"""A rank's model chunks in any catalogue placement (docs/architecture.md#megatron-integration):
+megatron-core's looped one and the V-shape, whose chunk holding stage ``s`` is built as looped
+slot ``(s // p, s % p)`` (same layers, same parameter names), tied embeddings both on rank 0."""
 
 from __future__ import annotations
 

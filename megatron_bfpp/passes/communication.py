@@ -82,8 +82,7 @@ def add_communication(schedule: Schedule) -> Schedule:
             "already has activation/gradient messages"
         )
     stage_to_rank = schedule.layout.stage_to_rank
-    # Per stage: the rank its input comes from and the rank its output goes to (-1: none), one
-    # stage past the end too, so a stray action there gets what the layout implies.
+    # per stage, one past the end too (for a stray action): its input's and output's rank (-1: none)
     input_rank = [-1, *stage_to_rank]
     output_rank = [*stage_to_rank[1:], -1, -1]
     # Each channel's messages in posting order, keyed ``mb * per_mb + what * span + stage`` for

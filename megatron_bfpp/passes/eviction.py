@@ -146,8 +146,7 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
 def _plan_evictor(
     stage: int, program: tuple[Action, ...], cap: int, acceptor: int
 ) -> list[tuple[int, Action]]:
-    """(gap, action) for the evictor's EV/LD, gap i being the slot before compute action i, with
-    at most ``cap`` micro-batches resident after every action."""
+    """(gap, action) per EV/LD of the evictor, gap i before compute i, at most ``cap`` resident."""
     # Plain lists: the planner touches every action, and attribute lookups would dominate.
     forward = [a.kind is K.FORWARD for a in program]
     microbatch: list[int] = list(map(attrgetter("microbatch"), program))  # never None: checked

@@ -191,8 +191,7 @@ def label(c: Candidate) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The ranked rows (simulated fastest first, then too big smallest first, then what cannot
-    run), the choice, and Megatron's own default."""
+    """Rows ranked (fastest, smallest too big, unrunnable), the choice, Megatron's default."""
 
     request: AutoRequest
     rows: tuple[Row, ...]
@@ -314,8 +313,7 @@ def _budget(hw: Hardware) -> int:
 
 
 def gpu_from_device(name: str, total_memory: int | None = None) -> tuple[Gpu, str]:
-    """A planner preset for a CUDA device name, with the device's own memory when given; a
-    device of no known family is timed as an H100 and the note says so."""
+    """A planner preset for a CUDA device name (its memory if given); unknown: an H100, noted."""
     lowered = name.lower()
     large = total_memory is None or total_memory > 48 * GiB
     families = {  # the first whose names the device's contains
@@ -339,9 +337,8 @@ def hardware(
     gpu_flag: str | None = None,
     profile_path: str | None = None,
 ) -> Hardware:
-    """The hardware a front end found: the device from torch (``None`` without CUDA), unless
-    ``gpu_flag`` names a preset (its memory then a constraint even without CUDA);
-    ``profile_path``'s efficiencies instead of the built-in curve."""
+    """The hardware a front end found: torch's device (``None`` without CUDA) unless ``gpu_flag``
+    names a preset (its memory binding even so); efficiencies from ``profile_path`` or built in."""
     profile = load_profile(profile_path) if profile_path else None
     if gpu_flag is not None:
         gpu = get_gpu(gpu_flag)
@@ -496,15 +493,13 @@ def _candidate(
 
 @paused_gc()  # its builds and simulations make millions of objects and no cycles
 def decide(r: AutoRequest) -> Decision:
-    """Rank the schedules the layout admits, or refuse in one line (:class:`ScheduleError`)
-    when none does or none fits. Each fitting candidate is simulated once, Megatron's default
-    once more under megatron-core's posting, all within :data:`AUTO_ACTION_BUDGET`; a candidate
-    over what is left is not timed (its row says so)."""
+    """Rank the schedules the layout admits, or refuse in one line (:class:`ScheduleError`) when
+    none does or fits. Each fitting candidate is simulated once, Megatron's default also under
+    megatron-core's posting, within :data:`AUTO_ACTION_BUDGET`; one over what is left is untimed."""
     _check_request(r)
     judge = _Judge.of(r)
     allowed, excluded = _candidates(r)
-    # Megatron's own default (interleaved at the user's vp, else 1F1B) first, under megatron-core's
-    # posting: the line compares with it, so it is timed before the budget can run out.
+    # Megatron's default (interleaved at the user's vp, else 1F1B) first: the line compares with it
     name, vp = ("interleaved", r.vp) if r.vp not in (None, 1) else ("1f1b", 1)
     default = _candidate(r, name, vp or 1, "optim")
     found = next((row for row in excluded if row.candidate == default), None)
@@ -528,8 +523,7 @@ def decide(r: AutoRequest) -> Decision:
             continue
         bounded.append((order, bound, index, c))
     pruned: list[Row] = []
-    # Megatron's default first, then cheapest bound (the fill alone) first: should the budget
-    # run out, the choice is never predicted slower than what Megatron would run.
+    # Megatron's default first, then by cheapest bound: a cut budget never picks worse than Megatron
     for *_, bound, c in sorted((c != default, o, i, b, c) for o, b, i, c in bounded):
         steps = sorted(row.plan.step_time_s for row in simulated if row.plan)
         row = judge.row(c, bound=bound if len(steps) >= 2 and bound >= steps[1] else None)

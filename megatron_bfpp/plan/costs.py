@@ -49,9 +49,8 @@ def layer_forward_flops(
     model: Model, *, micro_batch_size: int, tp: int, moe: bool = False
 ) -> float:
     """One layer's forward on one tensor-parallel rank: 24bsh^2(1 + s/6h) / t. A MoE model's
-    layers count their MLP by its sizes (attention 8bsh^2 + 4bs^2h as eq. 1's): 6hf per token
-    and expert for SwiGLU (4hf GeLU) over the top-k routed and the shared expert, the router's
-    2hE; its dense layers' FFN likewise."""
+    layers count their MLP by its sizes (attention 8bsh^2 + 4bs^2h as eq. 1's): 6hf per token and
+    expert (SwiGLU; GeLU 4hf) over top-k routed and shared experts, the router 2hE; dense alike."""
     b, s, h = micro_batch_size, model.seq_length, model.hidden_size
     if not model.num_experts:
         return 24.0 * b * s * h * h * (1.0 + s / (6.0 * h)) / tp

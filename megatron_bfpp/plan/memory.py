@@ -95,9 +95,8 @@ def layer_activation_bytes(
 
 @dataclass(frozen=True, slots=True)
 class StageBytes:
-    """Activation bytes of one micro-batch at a pipeline stage: ``layers`` for its transformer
-    layers, ``first`` / ``last`` extra on the first stage (the embedding's inputs) and on the
-    last (final norm, output layer and loss)."""
+    """One micro-batch's activation bytes at a stage: ``layers`` for its layers, ``first`` /
+    ``last`` extra on the first stage (embedding inputs) and the last (norm, output layer, loss)."""
 
     layers: int
     first: int
@@ -246,8 +245,7 @@ def moe_layers_per_rank(model: Model, *, pp: int, vp: int, placement: Placement)
 def moe_layer_parameters(model: Model, *, tp: int, ep: int) -> tuple[int, int]:
     """(a MoE layer's parameters on one rank beyond the dense layer's the shape counts, of them
     its experts'): the router (h x experts, whole), experts/ep routed experts and the shared one
-    (each split over tp as megatron-core's expert tensor parallelism defaults), less the dense
-    MLP; (0, 0) for a dense model."""
+    (each split over tp, megatron-core's expert TP default), less the dense MLP; (0, 0) if dense."""
     if not model.num_experts:
         return 0, 0
     h, gated = model.hidden_size, model.arch == "llama"
@@ -281,9 +279,8 @@ class MemoryBreakdown:
 def full_buffer_peaks(
     schedule: Schedule, stage_parameters: Sequence[int]
 ) -> tuple[tuple[int, int], ...]:
-    """Per rank, (parameters, gradients): the most parameters whose full parameter buffers, and
-    whose full gradient buffers, the rank holds at once over its program; every stage whole all
-    step on a rank without sharded parameters (no RL)."""
+    """Per rank (parameters, gradients): most parameters whose full parameter / gradient buffers
+    the rank holds at once in its program; every stage whole all step if it has no RL."""
     result = []
     for rank in range(schedule.num_ranks):
         walks: tuple[Iterable[Iterable[int]], ...] = ((schedule.layout.stages_of(rank),),) * 2

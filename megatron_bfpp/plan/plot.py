@@ -57,8 +57,7 @@ def time_and_cost(
     num_gpus: float,
     critical_batch_size: float,
 ) -> tuple[float, float]:
-    """(seconds, GPU-seconds) per minimum sample on ``num_gpus`` GPUs at ``batch_per_gpu``:
-    cost ``(1 + beta N / B_crit) / u``, time cost / N."""
+    """(seconds, GPU-seconds) per minimum sample: ``(1 + beta N / B_crit) / u``, that / N."""
     if critical_batch_size <= 0:
         raise ScheduleError(f"--critical-batch-size must be positive, got {critical_batch_size}")
     cost = (1.0 + batch_per_gpu * num_gpus / critical_batch_size) / samples_per_s_per_gpu

@@ -152,9 +152,8 @@ def model_from_shape(
     dropout: bool | None = None,
     moe: Mapping[str, Any] | None = None,
 ) -> Model:
-    """A model given by its shape; defaults as Megatron's (ffn: ``default_ffn_hidden_size``;
-    every head its own group; dropout for GPT only; ``moe``: ``Model``'s MoE fields, None unset,
-    the expert FFN the dense one)."""
+    """A model by its shape; defaults as Megatron's (ffn: ``default_ffn_hidden_size``; a group per
+    head; dropout for GPT only; ``moe``: ``Model``'s MoE fields, None unset, expert FFN = dense)."""
     if arch not in ("gpt", "llama"):
         raise ScheduleError(f"model architecture must be gpt or llama, got {arch!r}")
     named = {
@@ -237,9 +236,8 @@ def model_description(
     dropout: bool | None = None,
     moe: Mapping[str, Any] | None = None,
 ) -> Model:
-    """The planner's model of what a front end builds: the one translation every front end calls, so
-    a model is described alike everywhere. ``gated``: a SwiGLU MLP, planned as llama (default
-    vocabulary 32000, else GPT-2's 50257)."""
+    """The planner's model of what a front end builds, the one translation every front end calls.
+    ``gated``: a SwiGLU MLP, planned as llama (default vocabulary 32000, else GPT-2's 50257)."""
     ffn = ffn_hidden_size or _default_ffn(ffn_default, gated=gated, hidden_size=hidden_size)
     return model_from_shape(
         arch="llama" if gated else "gpt",

@@ -76,9 +76,8 @@ class OverBudget(ScheduleError):
 
 @dataclass(slots=True)
 class ActionBudget:
-    """How many schedule actions (``registry.estimate_actions``) a search may still walk and
-    simulate: a count, never a clock, charged whether or not a cache spares the work, so every
-    rank and every run stops at the same candidate."""
+    """How many schedule actions (``registry.estimate_actions``) a search may walk and simulate:
+    a count, not a clock, charged even when cached: every rank and run stops at one candidate."""
 
     limit: int
     spent: int = 0
@@ -152,22 +151,18 @@ class SearchOptions:
     top: int = 10
     memory_fraction: float = 0.9
     precision: Precision = BF16_MIXED
-    # off: Megatron-LM without --use-distributed-optimizer, every rank holds all optimizer state
-    distributed_optimizer: bool = True
+    distributed_optimizer: bool = True  # off: no --use-distributed-optimizer, all state per rank
     efficiency: Efficiency | None = None
     communication: bool = True
     optimizer: bool = True
     output_layer: bool = True
     best_per_family: bool = False  # also find each family's best (the plot, comparisons)
-    # Megatron-LM's --sequence-parallel with tp > 1; off: plain tensor parallelism (2022 papers)
-    sequence_parallel: bool = True
+    sequence_parallel: bool = True  # --sequence-parallel at tp > 1; off: plain TP (2022 papers)
     p2p_model: str = DEFAULT_P2P_MODEL  # how the simulator times messages (sim.P2P_MODELS)
-    # 1f1b / interleaved rows timed by megatron-core's own posting when the others are lockstep
-    megatron_baselines: bool = True
+    megatron_baselines: bool = True  # 1f1b / interleaved rows as megatron-core posts them too
     # Megatron-LM's --overlap-p2p-communication for interleaved; off: batched (needs pp > 2)
     megatron_p2p_overlap: bool = True
-    # Megatron-LM's --overlap-grad-reduce for its rows; off: all at the step's end
-    megatron_overlap_grad_reduce: bool = True
+    megatron_overlap_grad_reduce: bool = True  # its --overlap-grad-reduce; off: at the step's end
     expert_parallel: tuple[int, ...] = ()  # empty: 1, 2, 4, ..., 64 (MoE models only)
 
 
@@ -304,8 +299,7 @@ def expert_sizes(model: Model, dp: int, options: SearchOptions) -> tuple[int, ..
 def _splits(
     model: Model, cluster: Cluster, options: SearchOptions
 ) -> tuple[tuple[int, ...], list[int], list[tuple[int, int]]]:
-    """The tensor-parallel sizes searched, those dividing the heads, query groups and FFN, and
-    their (tp, pp) with pp dividing the GPUs, pp also the layers."""
+    """TP sizes dividing heads, query groups and FFN; their (tp, pp), pp dividing GPUs, layers."""
     tps = options.tensor_parallel or tuple(t for t in (1, 2, 4, 8) if t <= cluster.gpus_per_node)
     dims = (
         model.num_attention_heads,
@@ -531,8 +525,7 @@ def _simulated_ns(
         timed = [timed_at(length) for length in lengths]
         line = [step for step, _ in timed]
         slope = line[1] - line[0]
-        # On one line: exactly with integer durations; within float rounding while a stage's
-        # share (1/vp of a full stage) makes the simulator's sums inexact.
+        # on one line: exactly with integer durations, else within float rounding (1/vp shares)
         if abs(line[2] - line[1] - slope) <= 1e-9 * line[2]:
             periods = (m - lengths[0]) // (lengths[1] - lengths[0])
             return _extended(timed[0], timed[1], periods)
@@ -596,8 +589,7 @@ MEGATRON_SCHEDULES = frozenset({"1f1b", "interleaved"})  # what Megatron-LM itse
 
 
 def p2p_model_of(candidate: Candidate, options: SearchOptions) -> str:
-    """The p2p timing model of one row: megatron-core's own posting for a Megatron baseline
-    when the search times our runtime's, else the search's."""
+    """A row's p2p model: the search's, or megatron-core's for Megatron baselines if it is ours."""
     if (
         options.megatron_baselines
         and options.p2p_model == DEFAULT_P2P_MODEL
@@ -664,18 +656,15 @@ def _timing(
     stage: StageBytes,
     grouped: bool = True,
 ) -> tuple[StageTimes, float, float]:
-    """Durations of one candidate, the step no schedule of its shape can beat, and the order
-    of simulation (closed forms: no schedule is walked)."""
+    """Durations, unbeatable step and simulation order of a candidate (closed forms, no walk)."""
     parameters = max(
         rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp, ep=c.ep)
     )
     times = stage_times(c, model, cluster, options, parameters, stage.layers * c.vp)
-    # Each rank runs at least a forward and a backward action per micro-batch and chunk, each
-    # paying the host's time per action.
+    # each rank runs an F and a B at least per micro-batch and chunk, each paying the host's time
     busy = m * (times.forward + times.backward + 2 * c.vp * times.host)
     extra = m * times.output + times.optimizer
-    # No schedule beats this: the last rank waits for the first forward to cross p-1 stages;
-    # with whole backwards (all but the V-shapes) the last gradient crosses them back.
+    # no schedule beats this: the first F crosses p-1 stages; whole backwards (not V) cross back
     hops = c.pp - 1
     fill = hops * (times.forward / c.vp + times.host + times.p2p)
     if get_spec(c.schedule).placement is not Placement.V_SHAPE:
@@ -703,8 +692,7 @@ def evaluate(
     options: SearchOptions = SearchOptions(),
     budget: ActionBudget | None = None,
 ) -> Plan:
-    """One configuration, simulated whether or not it fits (``Plan.memory`` says); its
-    simulations charged to ``budget`` (:class:`OverBudget` past it)."""
+    """One configuration simulated, fitting or not (``Plan.memory`` says), charged to ``budget``."""
     sized = _size(candidate, model, cluster, global_batch_size, options, force=True)
     assert sized is not None  # force=True always sizes
     return _simulate(sized, model, cluster, global_batch_size, options, budget)

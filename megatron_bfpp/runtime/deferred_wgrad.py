@@ -59,8 +59,7 @@ class _Deferred:
             weight.main_grad = self.ctx_main_grad  # type: ignore[attr-defined]
             compat.accumulate_wgrad_fused(total_input, grad_output, weight.main_grad)  # type: ignore[attr-defined]
             if hasattr(weight, "grad_added_to_main_grad"):
-                # As megatron-core: a placeholder gradient, so DDP's hooks run on this thread
-                # and skip the addition the kernel already made.
+                # as megatron-core: a placeholder, so DDP's hooks skip the kernel's addition
                 main_grad = weight.main_grad  # type: ignore[attr-defined]
                 make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
                 grad_weight = make(main_grad.shape, dtype=self.input.dtype, device=main_grad.device)
@@ -217,9 +216,8 @@ def _forward_impl(original: Any) -> Any:
 
 
 def install(chunks: Iterable[torch.nn.Module]) -> int:
-    """Route the chunks' local linear layers through the deferring function while a split backward
-    step runs; idempotent, returns how many are routed. Warns once about Transformer Engine
-    layers, whose weight GEMMs stay in I (W does less than planned)."""
+    """Route the chunks' local linear layers through the deferring function during a split backward
+    step (idempotent; returns the count); warns once of TE layers, whose weight GEMMs stay in I."""
     global _warned
     count = 0
     chunks = list(chunks)

@@ -213,8 +213,7 @@ def _run(step: RankStep, plan: PlannedSchedule) -> StepState:
                 context = func()
                 context.__enter__()
                 step.state.no_sync[chunk] = context
-        # The partner pair's group, before the first payload batch (BPipe's payloads get
-        # their own stream); every rank takes part (``pair_group`` is job-collective).
+        # the pair's group before the first payload batch (own stream); job-collective: all join
         if plan.posting.has_side and comm.side_group is None:  # partners x and p-1-x only
             comm.side_group = pair_group(comm.group, comm.device)
         settle = not comm.sends_pollable

@@ -51,8 +51,7 @@ def _group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
     return seconds if seconds > 0 else 1800.0
 
 
-# pipeline group's id -> (that group, this rank's BPipe pair group or None); the group is kept
-# and compared so that a new process group with a reused id() is never mistaken for it
+# pipeline group id -> (the group, compared lest a reused id() match; its BPipe pair group or None)
 _PAIR_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup | None]] = {}
 
 
@@ -309,8 +308,7 @@ class PipeComm:
 
     def settle_transfers(self) -> None:
         """Wait for the payloads sent so far (receives posted in the same tick), after the compute
-        following them, where sends cannot be polled (gloo completes a send only once waited
-        for); the NCCL model (``megatron_bfpp.nccl``) includes this wait."""
+        following them: gloo sends cannot be polled; the NCCL model (``nccl``) has this wait."""
         self._finish_sends(lambda pending: pending.message.what in _TRANSFERS)
 
     def finish_send_of(self, message: Message) -> None:

@@ -21,8 +21,7 @@ __all__ = [
 
 
 def layout_for(placement: Placement, *, num_ranks: int, num_chunks: int) -> StageLayout:
-    """The stage layout of a catalogue placement (``single``: looped with one chunk); its name as
-    a plain string is taken too, as model builders are called with one."""
+    """A catalogue placement's stage layout (``single``: looped, one chunk); its name works too."""
     try:
         placement = Placement(placement)
     except ValueError:

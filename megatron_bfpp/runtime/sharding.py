@@ -298,8 +298,7 @@ class ShardedParameters:
                 original()
                 return
             _resize(state.grad_storages, state.grad_nbytes)
-            # Zeroing opens the iteration, before the forward-backward resets the peaks:
-            # remembered here and counted in by that reset.
+            # zeroing opens the iteration, before the peaks reset: remembered, counted in by it
             self.zeroing_grad_bytes = max(self.zeroing_grad_bytes, self.resident_bytes(grad=True))
             try:
                 original()
@@ -401,8 +400,7 @@ def return_freed_buffers(nbytes: int) -> None:
 def _resize(
     storages: list[torch.UntypedStorage], nbytes: list[int] | None = None, *, zero: bool = False
 ) -> None:
-    """Free the storages (``nbytes`` None) or re-allocate them at ``nbytes`` (``zero``: zeroed,
-    through a byte tensor over each, whatever the dtypes in it)."""
+    """Free the storages (``nbytes`` None) or re-allocate at ``nbytes`` (``zero``: bytes zeroed)."""
     for storage, size in zip(storages, nbytes or [0] * len(storages), strict=True):
         storage.resize_(size)
         if zero:

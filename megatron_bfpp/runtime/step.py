@@ -154,9 +154,8 @@ P = TypeVar("P", bound=StepPart)
 @dataclass(frozen=True)
 class Handlers:
     """One runtime module's share of the dispatch table: ``kinds`` -> handler; ``rests``: kinds
-    with a *rest* item in a later batch (an eviction's payload) -> its handler; ``part`` makes the
-    module's per-step state; ``captures``: kinds needing the forward's saved tensors in the
-    activation store (BPipe's EV ships them)."""
+    with a *rest* item in a later batch (an eviction's payload) -> its handler; ``part`` makes
+    its per-step state; ``captures``: kinds needing the forward's saved tensors (BPipe's EV)."""
 
     kinds: Mapping[ActionKind, Handler]
     rests: Mapping[ActionKind, Handler] = field(default_factory=dict)
@@ -217,9 +216,8 @@ class RankStep:
         self.rank = rank
         self.ctx = ctx
         self.program = schedule.per_rank[rank]
-        # Each chunk's last backward (B, or I with a split backward; an overlapped pair's
-        # included): where DDP's hooks may start reducing; and its last GS: the reduction DDP
-        # dispatches (fully sharded breadth-first with groups reduces once per group before it).
+        # each chunk's last backward (B, or I if split; a pair's too): where DDP's hooks may
+        # start reducing; its last GS: what DDP dispatches (grouped, fully sharded: one per group)
         backwards = {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT}
         self.last_backward = _last_positions(primitives(self.program), backwards)
         self.last_grad_sync = _last_positions(enumerate(self.program), {ActionKind.GRAD_SYNC})

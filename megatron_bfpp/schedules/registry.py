@@ -135,15 +135,13 @@ class PlanGrid:
     least_microbatches_per_pp: int = 0  # m must be at least this x pp (dualpipe-v's 2)
     options: OptionGrid = lambda pp, m: ({},)  # generator options to try ({}: the defaults)
     last: bool = False  # ranks after equal predictions (GPipe holds every micro-batch)
-    # A long step's times lie on lines through shorter ones under the lock-step posting, so
-    # bfpp-sim reads them off those (sim.simulate_steady); not BPipe's, whose evictions wander.
+    # long steps' lock-step times lie on lines through short ones (sim.simulate_steady), not BPipe's
     steady: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduleSpec:
-    """What a user-facing schedule name means: the one catalogue every front end reads.
-    ``options`` are the extra keyword arguments its generator accepts."""
+    """What a schedule name means (the one catalogue); ``options``: its generator's keywords."""
 
     name: str
     summary: str
@@ -342,9 +340,8 @@ _PASS_PREFIX = re.compile(r"^(?:add_eviction|add_grad_sync|add_communication): "
 
 
 def in_flag_terms(message: str, name: str, *, sim: bool = False) -> str:
-    """A schedule error in the words of the command line that set the options: ``max_stored=1``
-    becomes ``--bpipe-max-stored 1`` (bfpp-train, Megatron-LM) or ``--max-stored 1``
-    (``sim``: bfpp-sim), without the pass's function name in front."""
+    """A schedule error as the command line said it: ``max_stored=1`` as ``--bpipe-max-stored 1``
+    (bfpp-train, Megatron-LM) or ``--max-stored 1`` (``sim``), without the pass's function name."""
     for option in SCHEDULES[name].options if name in SCHEDULES else ():
         flag = option.sim_flag if sim else option.flag
         message = re.sub(rf"\b{option.name}=", f"{flag} ", message)

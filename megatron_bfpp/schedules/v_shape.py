@@ -206,8 +206,7 @@ def _first_ready(window: list[_Step], ready: Callable[[_Step], bool]) -> int:
 
 
 def _fill_window(program: list[_Step], start: int, window: list[_Step]) -> int:
-    """Append ``program``'s I's and W's from ``start`` up to its next F to ``window``; return
-    the index of that F (or the program's end)."""
+    """Append ``program``'s I / W from ``start`` until its next F to ``window``: that F's index."""
     at = start
     while at < len(program) and program[at][0] != _F:
         window.append(program[at])

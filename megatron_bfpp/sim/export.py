@@ -86,9 +86,8 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
     return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
 
 
-# --- PNG ------------------------------------------------------------------------------------
-# Compute boxes fill most of a rank's row; data-parallel operations are a thin dark strip under
-# them and p2p transfers a thin grey strip above, so communication never reads as busy time.
+# PNG: compute boxes fill most of a rank's row; data-parallel operations are a thin dark strip
+# under them and p2p transfers a thin grey strip above: communication never reads as busy time.
 
 _BOX = (-0.34, 0.30)  # compute box, relative to the row centre (y grows downwards)
 _LABEL: dict[str, Any] = {"ha": "center", "va": "center", "color": "black", "clip_on": True}
@@ -200,8 +199,7 @@ def _draw_compute(
     from matplotlib import colormaps
     from matplotlib.collections import PolyCollection
 
-    # 18 qualitative colours, strong ones first, so neighbouring micro-batches differ; tab20's
-    # greys are left out because grey means communication and legend swatches here.
+    # 18 colours, strong first, so neighbouring micro-batches differ; no greys (communication's)
     tab20 = colormaps["tab20"]
     paired = np.delete(tab20(np.arange(tab20.N))[:, :3], [14, 15], axis=0)
     palette = np.concatenate([paired[0::2], paired[1::2]])
@@ -211,8 +209,7 @@ def _draw_compute(
         if events
     }
     widths = [(ends - starts) / span * axes_px for starts, ends, _, _ in columns.values()]
-    # Hatches and outlines only help boxes a few pixels wide, and hatching tens of thousands of
-    # slivers is what makes Agg slow: drop both when the typical box is narrow.
+    # hatches and outlines help only wide boxes, and hatching slivers makes Agg slow: drop both
     detailed = bool(widths) and float(np.median(np.concatenate(widths))) >= 5.0
     labelled: list[tuple[float, float, str]] = []
     for (kind, (starts, ends, rows, mbs)), width_px in zip(columns.items(), widths, strict=True):
@@ -227,8 +224,7 @@ def _draw_compute(
                 hatch=hatch if detailed else None,
             )
         )
-        # With several chunks per rank the stage tells them apart ("4F3"); a box too narrow
-        # for that still names its stage ("4"), the colour giving the micro-batch.
+        # several chunks: the stage tells them apart ("4F3"), alone if narrow ("4"); colour: the mb
         digits = np.floor(np.log10(np.maximum(mbs, 1))) + 1
         text_px = char_px * (1.6 + digits + (2.0 if with_stage else 0.0))
         stages = np.fromiter((e.stage for e in compute[kind]), int, len(compute[kind]))

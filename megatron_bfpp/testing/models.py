@@ -96,8 +96,7 @@ def build_model_chunks(
     share_embeddings_and_output_weights: bool = False,
     placement: Placement = Placement.LOOPED,
 ) -> list[GPTModel]:
-    """This rank's chunks as bfpp-train builds them
-    (:func:`megatron_bfpp.train.presets.gpt_chunks`), initialised by global name with ``_draw``."""
+    """This rank's chunks as bfpp-train builds them (``gpt_chunks``), drawn by name (``_draw``)."""
     return gpt_chunks(
         config,
         layer_spec=get_gpt_layer_local_spec(),

@@ -102,8 +102,7 @@ def _kill_point(point: str) -> None:
 
 
 def _parameter_keys(module: Any) -> set[str]:
-    """The state-dict keys of the module's parameters (its other entries, such as Transformer
-    Engine's ``_extra_state``, are not part of the optimizer's state)."""
+    """State-dict keys of the module's parameters (not TE's ``_extra_state``: not optimizer's)."""
     return {name for name, _ in module.named_parameters()}
 
 
@@ -469,8 +468,7 @@ def _load_torch(
 
 @contextlib.contextmanager
 def _weights_only_loads() -> Iterator[None]:
-    """megatron-core's readers call ``torch.load`` without ``weights_only``; torch reads this
-    variable on every call and then loads weights only."""
+    """megatron-core calls ``torch.load`` without ``weights_only``; this variable forces it."""
     saved = {key: os.environ.pop(key, None) for key in _WEIGHTS_ONLY_VARIABLES}
     os.environ[_WEIGHTS_ONLY_VARIABLES[0]] = "1"
     try:
@@ -563,8 +561,7 @@ def _take_saved_group_values(optimizer: Any, saved: list[list[dict[str, Any]]]) 
 
 
 def _load_model_entries(module: Any, entries: dict[str, Any]) -> None:
-    """Load a chunk's entries other than its parameters; a key the chunk does not have, or an
-    entry it has that the checkpoint lacks, is an error (not skipped)."""
+    """Load a chunk's non-parameter entries; a key missing on either side is an error."""
     result = module.load_state_dict(entries, strict=False)
     missing = set(result.missing_keys) - _parameter_keys(module)
     if missing or result.unexpected_keys:

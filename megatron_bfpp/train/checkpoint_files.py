@@ -148,8 +148,7 @@ _SUFFIX_CHARS = 12  # hex digits of a temporary directory's random suffix
 def save_path_problem(root: str, *, world_size: int, iterations: int) -> str | None:
     """Whether every file a save creates under ``root`` has a path the file system takes, checked
     at start: a valid but too long ``--save`` path failed only at the first save, after training."""
-    # the longest: a file in a checkpoint set aside (rank file, megatron-core's __RANK_N.distcp,
-    # metadata) or the tracker's temporary file
+    # the longest: a set-aside checkpoint's file (rank, __RANK_N.distcp, metadata) or tracker temp
     top = os.path.abspath(root)
     aside = f"iter_{'0' * max(7, len(str(iterations)))}{_OLD}{'f' * _SUFFIX_CHARS}"
     last = max(world_size - 1, 0)

@@ -143,8 +143,7 @@ def _regular_problem(path: str) -> str | None:
 
 
 def _checked_text(path: str, seq_length: int) -> str:
-    """A text file for byte-level tokens: readable, long enough, and text (no NUL byte in its
-    first 64 KiB: a binary file's bytes are not a language to learn)."""
+    """A text file for byte-level tokens: readable, long enough, no NUL byte in its first 64 KiB."""
     flag = f"--data-path {path}"
     problem = _regular_problem(path)
     if problem == "is a directory":
@@ -174,8 +173,7 @@ def _checked_text(path: str, seq_length: int) -> str:
 
 
 def _checked_indexed(prefix: str) -> int:
-    """An indexed dataset's tokens, once its ``.idx`` header, the ``.idx`` size its counts imply
-    and the ``.bin`` size its last pointer and length imply agree."""
+    """An indexed dataset's tokens once its ``.idx`` header and both file sizes it implies agree."""
     flag = f"--data-path {prefix}"
     for suffix in (".idx", ".bin"):
         problem = _regular_problem(prefix + suffix)

@@ -123,8 +123,7 @@ def gpt_chunks(
     to_gpu: bool = False,
     placement: Placement = Placement.LOOPED,
 ) -> list[Any]:
-    """This rank's ``GPTModel`` chunks, one per stage it holds in ``placement``: the one place
-    bfpp-train and the tests build models."""
+    """This rank's ``GPTModel`` chunks, one per stage in ``placement`` (bfpp-train's and tests')."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -205,8 +204,7 @@ def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
 
 
 def tp_partition(param: torch.Tensor) -> tuple[int | None, int]:
-    """(partition dim, stride) of a tensor-parallel parameter as megatron-core marks it; (None, 1)
-    for a parameter every tensor-parallel rank holds whole."""
+    """(partition dim, stride) of a TP parameter as megatron-core marks it; (None, 1) if whole."""
     if getattr(param, "tensor_model_parallel", False):
         return int(getattr(param, "partition_dim")), int(getattr(param, "partition_stride", 1))  # noqa: B009
     return None, 1

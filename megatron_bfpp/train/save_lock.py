@@ -74,8 +74,7 @@ class SaveLock:
         return cls(fd, path)
 
     def release(self) -> None:
-        """Unlock (the file stays: removing it would let a third run lock a fresh file while a
-        second still waits on the old one)."""
+        """Unlock; the file stays lest a third run lock a new one while another waits on the old."""
         if self.fd is not None:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)

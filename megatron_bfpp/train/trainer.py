@@ -515,8 +515,7 @@ def _train_step(run: _Run) -> _Step:
         micro_batch_size=args.micro_batch_size,
         forward_only=False,
     )
-    # Megatron-LM's lm loss: [loss, tokens] summed over micro-batches and data-parallel ranks,
-    # reduced over the world (only last-stage ranks contribute) so every rank knows it
+    # Megatron-LM's lm loss: [loss, tokens] summed over micro-batches and the world (last stages')
     total = torch.zeros(2, dtype=torch.float64, device=run.device)
     for item in store:
         total += item["lm loss"].to(device=run.device, dtype=torch.float64)
@@ -547,8 +546,7 @@ def _train_step(run: _Run) -> _Step:
 
 
 def _check_gradients(run: _Run, loss: float) -> None:
-    """Megatron-LM's NaN check on the gradients, always on (fp32 has no grad scaler to skip such a
-    step), reduced over the world so all ranks stop at the same step."""
+    """Megatron-LM's gradient NaN check, always on (fp32: no scaler); all ranks stop alike."""
     from megatron_bfpp.runtime import gradients_finite
 
     sharded = run.args.data_parallel_sharding_strategy != "optim"
@@ -598,8 +596,7 @@ def _save(run: _Run) -> None:
     from megatron_bfpp.runtime.sharding import sharded_parameters
 
     args = run.args
-    # Fully sharded, nothing is gathered at once (save_checkpoint's gather_chunk / sharded);
-    # either strategy resumes from either.
+    # fully sharded: nothing gathered at once (``gather_chunk``); either strategy resumes either
     sharded = args.data_parallel_sharding_strategy != "optim"
     gather_chunk = (
         (lambda index: sharded_parameters(run.model).whole([index]))
