@@ -106,15 +106,43 @@ def _prebuilt(
 
 @dataclass(eq=False)
 class ForwardBackwardFunc:
-    """One training (or evaluation) step of the schedule: megatron-core's forward-backward
-    contract (``get_forward_backward_func``'s docstring: same keywords, same return value), so it
-    drops in where megatron-core's is called. ``model``: this rank's chunks in the schedule's
-    placement (``megatron_bfpp.megatron.chunks``); the message between stages is ``(seq / cp
-    [/ tp], micro_batch_size, hidden)`` in ``config.pipeline_dtype``; ``adjust_tensor_shapes_fn``
-    may rename the shape, not split it. Refused in one line, before any message: chunks not in
-    the placement, counts the schedule cannot run, megatron-core features the runtime lacks.
-    It behaves as a function (signature from :class:`~megatron_bfpp.runtime.step.Call`) and keeps
-    ``last_trace``, ``last_memory`` and a prebuilt schedule's ``prebuilt_plan``."""
+    """Run one training (or evaluation) step of the schedule, as megatron-core's
+    forward-backward functions do, with the same keyword arguments and return value.
+
+    Arguments (keyword-only, megatron-core's names and meanings):
+
+    * ``forward_step_func(data_iterator, model)`` returns ``(output_tensor, loss_func)``;
+      ``loss_func(output_tensor)`` returns ``(loss, reported)`` or ``(loss, num_tokens,
+      reported)``, ``reported`` a dict of str -> tensor (``"lm loss"``).
+    * ``data_iterator``: one iterator per model chunk (a list) or a single one for a single chunk,
+      each read once per micro-batch, in order.
+    * ``model``: this rank's megatron-core chunks (a module or a list) in the schedule's placement
+      (``megatron_bfpp.megatron.chunks``: looped for interleaved and breadth-first, the V for
+      ``v-*``); checked before any message.
+    * ``num_microbatches``, ``seq_length``, ``micro_batch_size``, ``decoder_seq_length``: as
+      megatron-core; the message between stages is ``(seq / cp [/ tp with sequence parallel],
+      micro_batch_size, hidden)`` in ``config.pipeline_dtype``.
+    * ``forward_only``: forwards only (evaluation), every schedule's forward order.
+    * ``collect_non_loss_data``, ``first_val_step``, ``force_all_reduce``: passed on to
+      ``forward_step`` / ``finalize_model_grads`` as megatron-core does.
+    * ``adjust_tensor_shapes_fn``: may rename the shape, not split it into several tensors.
+    * ``p2p_communicator`` and ``pg_collection``: both or neither (then the global groups).
+
+    Returns, on the last pipeline rank, what ``loss_func`` reported per micro-batch (delivered
+    there when another rank computed the last stage, as in the V-shapes); ``[]`` elsewhere.
+    Gradients are reduced and finalized (``config.finalize_model_grads_func``) unless
+    ``forward_only``.
+
+    Refused in one line, before any message: chunks not in the schedule's placement, chunk or
+    micro-batch counts the schedule cannot run, and megatron-core features the runtime lacks
+    (partial activation checkpointing, fine-grained activation offloading, local CUDA graphs,
+    V-shapes with deferred embedding wgrad).
+
+    It behaves as a function (``__name__``, ``__doc__``, ``__signature__`` from
+    :class:`~megatron_bfpp.runtime.step.Call`; an unknown keyword is a ``TypeError`` naming it)
+    and keeps what outlives a step: ``last_trace`` (the actions this rank ran last call),
+    ``last_memory`` (a :class:`~megatron_bfpp.runtime.step.MemoryReport`) and a prebuilt
+    schedule's ``prebuilt_plan`` (with its NCCL-safe posting, made once)."""
 
     schedule: str
     options: tuple[tuple[str, Any], ...] = ()
