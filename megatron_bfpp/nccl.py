@@ -628,6 +628,7 @@ class _Model:
         self.stream_free = [zero] * len(self.streams)
         self.durations = {} if timing is None else compute_durations(timing)
         p2p, transfer = (0, 0) if timing is None else (timing.p2p, timing.transfer)
+        self.a2a = 0 if timing is None else timing.a2a
         if timing is not None:
             self.durations |= {K.GRAD_SYNC: timing.grad_sync, K.PARAM_SYNC: timing.param_sync}
         # per op once both halves started: ``transfer`` for stored activations, else ``p2p``
@@ -759,7 +760,7 @@ class _Model:
         kind = action.kind
         duration = self.durations.get(kind)
         if duration is None and kind is _FB:  # the composite rule: its parts' durations
-            duration = action_duration(self.durations, action)
+            duration = action_duration(self.durations, action, self.a2a)
         if duration is None:  # RL: frees memory, takes no time
             return
         now = self.cpu[rank]

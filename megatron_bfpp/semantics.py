@@ -16,12 +16,12 @@ rank runs its program in order, under these rules:
 * A compute-only schedule (no SA/RA/SG/RG) runs as if every compute action sent its result to
   the neighbour stage's rank the moment it finished, which is what ``add_communication`` adds.
 * The composite rule: a composite (``OVERLAP_F_B``, ``3F5&1B2``) runs its parts as one compute
-  action. It waits for everything each part waits for before it starts, runs them back to back
-  for the sum of their durations (``action_duration``; on a GPU they overlap, a saving not
-  modelled here), holds its forward's activations before its backward frees its own (the peak
-  counts both: ``ir.stored_counts``), and what its parts send leaves after it (lowered: its SA /
-  SG follow it; compute-only: at its end). Every other rule applies to each part as to that
-  action alone.
+  action. It waits for everything each part waits for before it starts, runs them for the sum
+  of their durations less the all-to-all each hides under the other's compute
+  (``action_duration``, ``Timing.a2a``), holds its forward's activations before its backward
+  frees its own (the peak counts both: ``ir.stored_counts``), and what its parts send leaves
+  after it (lowered: its SA / SG follow it; compute-only: at its end). Every other rule applies
+  to each part as to that action alone.
 * A rank that needs a message nobody has sent yet stops until it is sent. When every unfinished
   rank is stopped, the schedule deadlocks, and each stuck rank is marked where it waits.
 
@@ -106,6 +106,7 @@ class Timing:
     transfer: float = 0.0
     grad_sync: float = 0.0
     param_sync: float = 0.0
+    a2a: float = 0.0  # the expert all-to-all inside each F, B and I (a composite hides it)
 
 
 RS_DELAY = 1  # lock-step ticks from an eviction to its return: its payload is in by its tick's end
@@ -121,12 +122,16 @@ def compute_durations(timing: Timing) -> dict[ActionKind, float]:
     }
 
 
-def action_duration(durations: Mapping[ActionKind, Number], action: Action) -> Number:
-    """A compute's duration from each kind's; a composite's is the sum of its parts'."""
+def action_duration(
+    durations: Mapping[ActionKind, Number], action: Action, a2a: Number = 0
+) -> Number:
+    """A compute's duration from each kind's. A composite (F, then B or I) runs on two streams,
+    as DualPipe and megatron-core's combined 1F1B do: each part's all-to-all (``a2a``) hides
+    under the other part's compute, never under its own; with ``a2a`` 0, the parts' sum."""
     if action.kind is not K.OVERLAP_F_B:
         return durations[action.kind]
-    first, *rest = parts(action)
-    return sum((durations[part.kind] for part in rest), durations[first.kind])
+    f, b = (durations[part.kind] - a2a for part in parts(action))  # each part's compute
+    return f + b + max(0, a2a - b) + max(0, a2a - f)
 
 
 class Event(NamedTuple):
@@ -398,9 +403,10 @@ class Wires:
         self.flow: list[float | None] = [None] * rules.limit
         waits, sends, to = rules.waits_for, rules.sends_for, rules.output_rank
         # per kind, one lookup: duration; per stage what it waits for, sends (0: none) and to whom
+        self.computes = compute_durations(timing)
         self.compute = {
             kind: (duration, waits[kind], sends[kind], to[kind])
-            for kind, duration in compute_durations(timing).items()
+            for kind, duration in self.computes.items()
         }
         # What an SA / SG sends, per stage: (its id of micro-batch 0, the one rank it can reach).
         self.sends = {_SA: (rules.base[ACT], to[_F]), _SG: (rules.base[GRAD], to[_B])}
@@ -703,11 +709,9 @@ def _overlapped(run: Wires, rank: int, i: int, composite: Action) -> Program:
             run.waited[rank] += gathered - start
             start = gathered
     run.starts[rank].append(start)
-    t = start
-    for part in parts(composite):
-        duration = compute[part.kind][0]
-        t += duration
-        run.busy[rank] += duration
+    duration = action_duration(run.computes, composite, run.durations.a2a)
+    t = start + duration
+    run.busy[rank] += duration
     run.clock[rank] = t
     for part in parts(composite):  # a compute-only schedule: each part's result, sent now
         _, _, sends_row, peers_row = compute[part.kind]
@@ -755,7 +759,9 @@ class Timeline:
             if kind in computes or kind is _FB:
                 if (start := next(starts, None)) is None:
                     return
-                end = start + (computes[kind] if kind is not _FB else action_duration(computes, a))
+                end = start + (
+                    computes[kind] if kind is not _FB else action_duration(computes, a, timing.a2a)
+                )
                 yield Event(rank, "compute", str(a), s, mb, kind, user(start), user(end))
                 if not (implicit and timing.p2p > 0):
                     continue

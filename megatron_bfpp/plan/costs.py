@@ -196,6 +196,7 @@ class StageTimes:
     evict: float
     optimizer: float
     host: float = 0.0
+    a2a: float = 0.0  # the expert all-to-alls inside ``forward`` (and again in ``backward``)
 
 
 def stage_times(
@@ -256,6 +257,7 @@ def stage_times(
         evict=evict,
         optimizer=optimizer_time,
         host=efficiency.host_s,
+        a2a=moe * 2 * a2a,
     )
 
 

@@ -497,6 +497,7 @@ def _cost_model(times: StageTimes) -> CostModel:
     ns = {f.name: max(0, round(getattr(times, f.name[2:]) * NS)) for f in fields(CostModel)}
     # W runs the weight GEMMs I deferred (runtime/deferred_wgrad.py)
     ns["t_weight"] = min(ns["t_weight"], ns["t_backward"])
+    ns["t_a2a"] = min(ns["t_a2a"], ns["t_forward"], ns["t_backward"] - ns["t_weight"])
     return CostModel(**ns)
 
 

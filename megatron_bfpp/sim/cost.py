@@ -51,6 +51,11 @@ class CostModel:
     t_host: float = _cost(
         0.0, "host time per compute action (F, B, I, W) on top of its compute, not scaled"
     )
+    t_a2a: float = _cost(
+        0.0,
+        "MoE: the expert all-to-alls inside one forward, and again inside one backward (and its "
+        "input-gradient part); an overlapped F&B hides each part's under the other's compute",
+    )
 
     def __post_init__(self) -> None:
         for cost in cost_fields():
@@ -68,6 +73,12 @@ class CostModel:
             raise ScheduleError(
                 f"CostModel.t_weight ({self.t_weight}) is the weight-gradient part of t_backward "
                 f"({self.t_backward}) and must be <= it"
+            )
+        if self.t_a2a > min(self.t_forward, self.t_backward - self.t_weight):
+            raise ScheduleError(
+                f"CostModel.t_a2a ({self.t_a2a}) is part of a forward and of a backward's input "
+                f"gradient and must be <= both (t_forward {self.t_forward}, t_backward - t_weight "
+                f"{self.t_backward - self.t_weight})"
             )
 
     def compute_time(self, kind: ActionKind, stage_fraction: float = 1.0) -> float:
@@ -91,6 +102,7 @@ class CostModel:
             "transfer": full["t_evict"] * stage_fraction,
             "grad_sync": full["t_grad_reduce"],
             "param_sync": full["t_param_gather"],
+            "a2a": full["t_a2a"] * stage_fraction,
         }
         per_unit = math.lcm(*(d.denominator for d in durations.values()))
         scaled = {name: int(d * per_unit) for name, d in durations.items()}

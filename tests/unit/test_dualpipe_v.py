@@ -152,3 +152,53 @@ def test_the_bubble_is_deepseeks_published_one(p: int, extra: int, f: float, p2p
     busy = 2 * m * (stage_f + backward)
     assert [rank.busy_time for rank in result.per_rank] == [busy] * p
     assert result.step_time == busy + bubble
+
+
+@pytest.mark.parametrize(
+    ("f", "b", "a2a", "expected"),
+    [
+        (4, 8, 0, 12),  # nothing to hide: the parts' sum
+        (4, 8, 1, 10),  # each part's 1 under the other's compute (3 and 7)
+        (4, 8, 3, 8),  # F's 3 under B's compute of 5; B's 3 under F's 1 only: 12 - 3 - 1
+        (4, 8, 4, 8),  # F is all all-to-all: the communication stream's 8, not less
+    ],
+)
+def test_an_overlapped_pair_hides_each_parts_all_to_all_under_the_others_compute(
+    f: int, b: int, a2a: int, expected: int
+) -> None:
+    """Two streams: F's dispatch and combine run under B's compute and B's under F's, never a
+    part's under its own, and the pair lasts at least either stream's sum (worked by hand)."""
+    from megatron_bfpp.ir import Composite, unchecked_action
+    from megatron_bfpp.semantics import action_duration
+
+    pair = Composite(unchecked_action(0, K.FORWARD, 1), unchecked_action(1, K.BACKWARD, 0))
+    durations = {K.FORWARD: f, K.BACKWARD: b, K.BACKWARD_INPUT: b // 2, K.BACKWARD_WEIGHT: b // 2}
+    assert action_duration(durations, pair, a2a) == expected
+    assert action_duration(durations, unchecked_action(0, K.FORWARD, 1), a2a) == f  # alone: all
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("p2p", ["gloo", "lockstep"])
+def test_dualpipe_v_is_credited_only_for_the_all_to_all_its_pairs_hide(p: int, p2p: str) -> None:
+    """With a V stage's forward 1, backward 2 and all-to-all 0.5 in each, a pair lasts
+    3 - 2 x 0.5 = 2: each rank's busy time drops by 1 per pair it runs and by nothing else, the
+    step drops, and a schedule without pairs (v-zb, 1f1b) times exactly as without the cost."""
+    m = 2 * p + 1
+    plain = CostModel(t_forward=2, t_backward=4, t_weight=2)
+    moe = CostModel(t_forward=2, t_backward=4, t_weight=2, t_a2a=1)  # 0.5 in a V stage's
+    schedule = build_schedule("dualpipe-v", num_ranks=p, num_microbatches=m)
+    pairs = [sum(a.kind is K.OVERLAP_F_B for a in actions) for actions in schedule.per_rank]
+    before, after = (simulate(schedule, costs, p2p=p2p) for costs in (plain, moe))
+    assert [r.busy_time for r in after.per_rank] == [
+        r.busy_time - n for r, n in zip(before.per_rank, pairs, strict=True)
+    ]
+    assert after.step_time < before.step_time
+    for name, chunks in (("v-zb", 2), ("1f1b", 1)):
+        other = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=chunks)
+        assert simulate(other, moe, p2p=p2p).step_time == simulate(other, plain, p2p=p2p).step_time
+
+
+def test_an_all_to_all_longer_than_the_forward_is_refused_in_one_line() -> None:
+    with pytest.raises(ScheduleError, match=r"^CostModel.t_a2a \(3\) is part of a forward") as info:
+        CostModel(t_forward=2, t_backward=4, t_weight=2, t_a2a=3)
+    assert "\n" not in str(info.value)
