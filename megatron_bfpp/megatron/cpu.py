@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -54,6 +55,8 @@ def enable_cpu_megatron() -> None:
         _patches.patch(torch.Tensor, "cuda", _itself)
         _patches.patch(torch.nn.Module, "cuda", _itself)
         _patches.patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type))
+        dist = torch.distributed
+        _patches.patch(dist, "all_to_all_single", _listed_splits(dist.all_to_all_single))
 
         _patches.patch(mrandom, "_get_cuda_rng_state", _get_rng_state)
         _patches.patch(mrandom, "_set_cuda_rng_state", _set_rng_state)
@@ -88,6 +91,23 @@ def _is_cuda(device: Any) -> bool:
 def _nothing(*args: Any, **kwargs: Any) -> None:
     """``synchronize``, ``set_stream`` and the like: CPU work is synchronous."""
     return None
+
+
+def _listed_splits(all_to_all_single: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron-core's MoE dispatcher moves its split sizes to host arrays only from a GPU
+    (``maybe_move_tensor_to_cpu``); on CPU they stay tensors, which the binding refuses."""
+
+    signature = inspect.signature(all_to_all_single)
+
+    @functools.wraps(all_to_all_single)
+    def listed(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        for name in ("output_split_sizes", "input_split_sizes"):
+            if isinstance(sizes := bound.arguments.get(name), torch.Tensor):
+                bound.arguments[name] = sizes.tolist()
+        return all_to_all_single(*bound.args, **bound.kwargs)
+
+    return listed
 
 
 class _Synchronous:

@@ -46,6 +46,9 @@ MASK_BYTES = 1  # a dropout mask is one byte per element (torch.bool)
 STAT_BYTES = 4  # LayerNorm / RMSNorm keep fp32 statistics per token
 INDEX_BYTES = 8  # int64 token / position / target indices
 SOFTMAX_BYTES = 4  # attention_softmax_in_fp32 keeps the softmax output in fp32
+# per routed copy of a token: three int64 routing indices and two fp32 probabilities (the
+# router's top-k and the experts' weighting), measured on megatron-core's local MoE layer
+ROUTED_COPY_BYTES = 40
 
 
 def layer_activation_bytes(
@@ -79,9 +82,11 @@ def layer_activation_bytes(
     qkv = 5 * h if rotary and model.num_query_groups == a else 3 * h
     per = 5 if model.arch == "llama" else 2
     mlp = per * f * e
-    if moe:  # per token: top-k dispatched copies and their experts' tensors, the shared expert's
-        routed = model.moe_router_topk * (h + per * model.moe_ffn_hidden_size)
-        mlp = (routed + per * model.moe_shared_expert_intermediate_size) * e + 4 * model.num_experts
+    if moe:  # per token: top-k dispatched copies, each expert's MLP tensors and the activation
+        # weighted by its probability (one more f), and the shared expert's
+        copy = (h + (per + 1) * model.moe_ffn_hidden_size) * e + ROUTED_COPY_BYTES
+        shared = per * model.moe_shared_expert_intermediate_size * e
+        mlp = model.moe_router_topk * copy + shared
     split = tokens * ((qkv + h) * e + mlp)
     per_microbatch = 4 * s * (h // a) * e if rotary else 0
     if recompute == "none":

@@ -55,6 +55,7 @@ def run_ranks(
     tp: int = 1,
     pp: int = 1,
     vp: int | None = None,
+    ep: int = 1,
     timeout: float = DEFAULT_TIMEOUT,
     args: Sequence[Any] = (),
     seed: int = 1234,
@@ -92,6 +93,7 @@ def run_ranks(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vp,
+            expert_model_parallel_size=ep,
         )
         random.seed(seed)
         torch.manual_seed(seed)

@@ -285,6 +285,7 @@ def test_cpu_adapter_is_idempotent_and_restores_everything() -> None:
             "add": vars(mrandom.CudaRNGStatesTracker)["add"],
             "seed": mrandom.model_parallel_cuda_manual_seed,
             "norm": vars(WrappedTorchNorm)["__new__"],
+            "all_to_all_single": torch.distributed.all_to_all_single,
         }
 
     assert not cpu.is_cpu_megatron_enabled()
@@ -305,3 +306,20 @@ def test_cpu_adapter_is_idempotent_and_restores_everything() -> None:
     assert torch.ones(1).type() == "torch.FloatTensor"
     with pytest.raises((AssertionError, RuntimeError)):
         torch.cuda.current_device()
+
+
+def _uneven_all_to_all() -> list[float]:
+    """megatron-core's MoE dispatcher's call: split sizes as tensors (host arrays on a GPU)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    sent = torch.arange(3, dtype=torch.float32) + 10 * rank  # 1 value to rank 0, 2 to rank 1
+    received = torch.empty(2 * (1 + rank))
+    sizes = torch.tensor([1 + rank, 1 + rank])
+    dist.all_to_all_single(received, sent, sizes, input_split_sizes=torch.tensor([1, 2]))
+    return received.tolist()
+
+
+def test_all_to_all_takes_megatrons_tensor_split_sizes_on_gloo() -> None:
+    assert run_ranks(_uneven_all_to_all, world_size=2) == [[0.0, 10.0], [1.0, 2.0, 11.0, 12.0]]
