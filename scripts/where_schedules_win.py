@@ -9,7 +9,12 @@ the best of Megatron's own schedules (1f1b, interleaved). H100 cells read the sh
 profiles (docs/profiles/h100-<model>.json) instead of the built-in efficiency curve.
 
     python scripts/where_schedules_win.py --json out.json --png where.png     # the full grid
+    python scripts/where_schedules_win.py --moe --json moe.json --png moe.png # MoE models
     python scripts/where_schedules_win.py --quick                             # 4 cells
+
+The MoE grid (Mixtral 8x7B and Qwen3-30B-A3B on A100 and H100, 64 and 512 GPUs) searches expert
+parallelism too; its Megatron baselines include megatron-core's combined 1F1B where the
+catalogue has it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ GPUS = ("v100-32gb", "a100-80gb", "h100-80gb")
 MODELS = ("gpt3-6.7b", "llama-70b", "gpt3-175b")
 CLUSTERS = (64, 512, 4096)
 PER_GPU = (0.25, 1.0, 8.0)
+MOE_GPUS = ("a100-80gb", "h100-80gb")
+MOE_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
+MOE_CLUSTERS = (64, 512)
 MEGATRON = ("1f1b", "interleaved")
 
 
@@ -98,7 +106,13 @@ def _margin(families: dict[str, dict[str, object]], best: str, other: str) -> fl
     return float(families[other]["step_time_s"]) / float(families[best]["step_time_s"]) - 1  # type: ignore[arg-type]
 
 
-def draw(rows: list[dict[str, object]], path: Path) -> None:
+def draw(
+    rows: list[dict[str, object]],
+    path: Path,
+    gpus: tuple[str, ...] = GPUS,
+    models: tuple[str, ...] = MODELS,
+    clusters: tuple[int, ...] = CLUSTERS,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,16 +121,16 @@ def draw(rows: list[dict[str, object]], path: Path) -> None:
     winners = sorted({str(r["winner"]) for r in rows if r["winner"]})
     colours = {name: plt.get_cmap("tab10")(i) for i, name in enumerate(winners)}
     fig, axes = plt.subplots(
-        len(MODELS), len(GPUS), figsize=(4.2 * len(GPUS), 3.2 * len(MODELS)), squeeze=False
+        len(models), len(gpus), figsize=(4.2 * len(gpus), 3.2 * len(models)), squeeze=False
     )
-    for i, model in enumerate(MODELS):
-        for j, gpu in enumerate(GPUS):
+    for i, model in enumerate(models):
+        for j, gpu in enumerate(gpus):
             ax = axes[i][j]
             for r in rows:
                 if r["model"] != model or r["gpu"] != gpu:
                     continue
                 x = PER_GPU.index(float(r["samples_per_gpu"]))  # type: ignore[arg-type]
-                y = CLUSTERS.index(int(r["num_gpus"]))  # type: ignore[call-overload]
+                y = clusters.index(int(r["num_gpus"]))  # type: ignore[call-overload]
                 name = r["winner"]
                 if not name:
                     ax.text(x, y, "nothing\nfits", ha="center", va="center", fontsize=7)
@@ -128,11 +142,11 @@ def draw(rows: list[dict[str, object]], path: Path) -> None:
                 label = f"{name}\n+{float(margin) * 100:.0f}% vs Megatron" if margin else str(name)  # type: ignore[arg-type]
                 ax.text(x, y, label, ha="center", va="center", fontsize=6)
             ax.set_xlim(-0.5, len(PER_GPU) - 0.5)
-            ax.set_ylim(-0.5, len(CLUSTERS) - 0.5)
+            ax.set_ylim(-0.5, len(clusters) - 0.5)
             ax.set_xticks(range(len(PER_GPU)), [str(v) for v in PER_GPU])
-            ax.set_yticks(range(len(CLUSTERS)), [str(v) for v in CLUSTERS])
+            ax.set_yticks(range(len(clusters)), [str(v) for v in clusters])
             ax.set_title(f"{model} on {gpu}", fontsize=9)
-            if i == len(MODELS) - 1:
+            if i == len(models) - 1:
                 ax.set_xlabel("samples per GPU")
             if j == 0:
                 ax.set_ylabel("GPUs")
@@ -150,9 +164,11 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="4 cells, to check the script")
+    parser.add_argument("--moe", action="store_true", help="the MoE models' grid")
     args = parser.parse_args()
+    axes = (MOE_GPUS, MOE_MODELS, MOE_CLUSTERS) if args.moe else (GPUS, MODELS, CLUSTERS)
     grid = [
-        (gpu, model, n, b) for gpu in GPUS for model in MODELS for n in CLUSTERS for b in PER_GPU
+        (gpu, model, n, b) for gpu in axes[0] for model in axes[1] for n in axes[2] for b in PER_GPU
     ]
     if args.quick:
         grid = [g for g in grid if g[1] == "gpt3-6.7b" and g[2] == 64 and g[3] in (0.25, 8.0)][:4]
@@ -176,7 +192,7 @@ def main() -> int:
     if args.json:
         write_output(args.json, (json.dumps({"rows": rows}, indent=1) + "\n").encode())
     if args.png:
-        draw(rows, args.png)
+        draw(rows, args.png, *axes)
     return 0
 
 
