@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from megatron_bfpp.ir import ScheduleError
-from megatron_bfpp.plan.memory import moe_layers_per_rank
+from megatron_bfpp.plan.memory import moe_layer_parameters, moe_layers_per_rank
 from megatron_bfpp.plan.presets import Gpu, Model, padded_vocab_size
 from megatron_bfpp.plan.profile import StageProfile
 from megatron_bfpp.schedules.registry import get_spec
@@ -226,8 +226,11 @@ def stage_times(
         p2p = message / bandwidth + latency if pp > 1 else 0.0
         evict = stage_activation_bytes / bandwidth + latency
         dp_link = intra if tp * dp <= cluster.gpus_per_node else inter
+        # experts' over the expert data-parallel group (dp / ep), the rest over dp, in turn
+        experts = moe * moe_layer_parameters(model, tp=tp, ep=c.ep)[1]
         grad_reduce, param_gather = (
-            _ring_collective_time(rank_parameters / c.vp * size, dp, dp_link)
+            _ring_collective_time((rank_parameters - experts) / c.vp * size, dp, dp_link)
+            + (_ring_collective_time(experts / c.vp * size, dp // c.ep, dp_link) if moe else 0.0)
             for size in (precision.grad_bytes, precision.param_bytes)
         )
         # Expert parallelism's dispatch or combine: the rank's tokens, top-k copies each

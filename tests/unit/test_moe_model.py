@@ -164,3 +164,23 @@ def test_bfpp_plan_flags_describe_the_moe_model() -> None:
     assert args.expert_model_parallel_size == 2
     with pytest.raises(SystemExit):
         plan_cli.build_parser().parse_args(["recommend", "--moe-layer-freq", "[0]*x"])
+
+
+def test_expert_gradients_reduce_over_the_expert_data_parallel_group() -> None:
+    """megatron-core reduces (and gathers) expert parameters over dp / ep ranks, the rest over
+    dp: each ring's time, worked out from the candidate's parameter counts."""
+    from megatron_bfpp.plan.costs import _ring_collective_time
+
+    cluster, options = Cluster(128, 8, H100), SearchOptions()
+    c = Candidate("1f1b", "optim", 2, 4, 1, 16, 1, "none", ep=4)  # dp 16, expert dp 4
+    params = 10**10
+    experts = 8 * moe_layer_parameters(MIXTRAL, tp=2, ep=4)[1]  # 8 MoE layers on the rank
+    assert 0 < experts < params
+    times = stage_times(c, MIXTRAL, cluster, options, params, 0)
+    link = (H100.inter_node_bandwidth, INTER_NODE_LATENCY_S)  # tp x dp = 32 ranks: two nodes
+    size = options.precision.grad_bytes
+    expected = _ring_collective_time((params - experts) * size, 16, link)
+    expected += _ring_collective_time(experts * size, 4, link)
+    assert times.grad_reduce == pytest.approx(expected, rel=1e-12)
+    dense = stage_times(c, get_model("llama-7b"), cluster, options, params, 0)
+    assert dense.grad_reduce == pytest.approx(_ring_collective_time(params * size, 16, link))
