@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_bfpp.ir import MAX_ACTIONS, ActionKind, Placement, Schedule, ScheduleError
+from megatron_bfpp.ir import MAX_ACTIONS, ActionKind, Placement, Schedule, ScheduleError, parts
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.eviction import bpipe_max_stored
 from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
@@ -471,7 +471,8 @@ def forward_only_schedule(schedule: Schedule) -> Schedule:
     """The evaluation schedule: every rank's forwards in the training order, lowered again
     (megatron-core's forward-only order for ``interleaved``), sharded parameters kept."""
     compute = schedule.with_programs(
-        [a for a in actions if a.kind is ActionKind.FORWARD] for actions in schedule.per_rank
+        [p for a in actions for p in parts(a) if p.kind is ActionKind.FORWARD]
+        for actions in schedule.per_rank
     )
     lowered = add_communication(compute)
     if any(a.kind is ActionKind.RELEASE for actions in schedule.per_rank for a in actions):

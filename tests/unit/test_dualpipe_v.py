@@ -10,7 +10,12 @@ import pytest
 
 from megatron_bfpp.ir import ActionKind as K
 from megatron_bfpp.ir import Schedule, ScheduleError, parts
-from megatron_bfpp.schedules.registry import build_schedule, check_sharding, get_spec
+from megatron_bfpp.schedules.registry import (
+    build_schedule,
+    check_sharding,
+    forward_only_schedule,
+    get_spec,
+)
 from megatron_bfpp.sim import CostModel, simulate
 from megatron_bfpp.validate import validate_schedule
 
@@ -152,3 +157,13 @@ def test_the_bubble_is_deepseeks_published_one(p: int, extra: int, f: float, p2p
     busy = 2 * m * (stage_f + backward)
     assert [rank.busy_time for rank in result.per_rank] == [busy] * p
     assert result.step_time == busy + bubble
+
+
+def test_evaluation_runs_every_forward_the_pairs_included() -> None:
+    """The forward-only schedule (evaluation) keeps the training order's forwards, a pair's too."""
+    schedule = build_schedule("dualpipe-v", num_ranks=2, num_microbatches=4)
+    evaluation = forward_only_schedule(schedule).compute_only()
+    assert [" ".join(map(str, actions)) for actions in evaluation.per_rank] == [
+        "0F0 0F1 0F2 3F0 3F1 0F3 3F2 3F3",
+        "1F0 2F0 1F1 2F1 1F2 2F2 1F3 2F3",
+    ]
