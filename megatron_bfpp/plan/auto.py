@@ -85,9 +85,11 @@ def add_auto_flags(group: Any) -> None:
 
 
 def check_auto_flags(args: Any) -> None:
-    """The auto flags given with a named schedule say nothing: one line."""
+    """Auto flags with a named schedule say nothing, nor --combined-1f1b with auto: one line."""
     if getattr(args, "pipeline_schedule", None) == AUTO or getattr(args, AUTO_DEST, None):
-        return  # auto, before or after it was resolved
+        if getattr(args, "combined_1f1b", None):  # auto, before or after it was resolved
+            raise ScheduleError("--combined-1f1b needs --pipeline-schedule interleaved, not auto")
+        return
     for flag, dest, _ in _AUTO_FLAGS:
         if getattr(args, dest, None) is not None:
             raise ScheduleError(f"{flag} applies to --pipeline-schedule auto")

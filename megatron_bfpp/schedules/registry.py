@@ -65,7 +65,7 @@ _BYTES_PER_RANK_STAGE = 32
 class ScheduleOption:
     """One schedule option: its generator keyword and its flag in bfpp-train and Megatron-LM
     (``flag`` / ``dest``) and bfpp-sim (``sim_flag``); ``megatron_owned``: Megatron-LM defines and
-    defaults it, so its presence there says nothing about the chosen schedule."""
+    defaults it (its presence says nothing about the schedule); ``switch``: a bare flag, True."""
 
     name: str
     flag: str
@@ -73,6 +73,10 @@ class ScheduleOption:
     sim_flag: str
     help: str
     megatron_owned: bool = False
+    switch: bool = False
+
+    def argument(self, value_type: Any) -> dict[str, Any]:  # add_argument's, but name and help
+        return {"action": "store_const", "const": True} if self.switch else {"type": value_type}
 
 
 GROUP_SIZE = ScheduleOption(
@@ -90,6 +94,15 @@ MICROBATCH_GROUP_SIZE = ScheduleOption(
     "--group-size",
     "interleaved: micro-batches per group (Megatron's own flag; default: pp)",
     megatron_owned=True,
+)
+COMBINED_1F1B = ScheduleOption(
+    "combined_1f1b",
+    "--combined-1f1b",
+    "combined_1f1b",
+    "--combined-1f1b",
+    "interleaved: megatron-core's combined 1F1B order (its --overlap-moe-expert-parallel-comm's); "
+    "our runtime runs each pair's forward, then its backward, hiding no all-to-all",
+    switch=True,
 )
 MAX_STORED = ScheduleOption(
     "max_stored",
@@ -245,7 +258,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             "Megatron's depth-first interleaved (looped) schedule",
             build_interleaved,
             Placement.LOOPED,
-            (MICROBATCH_GROUP_SIZE,),
+            (MICROBATCH_GROUP_SIZE, COMBINED_1F1B),
             plan=PlanGrid(microbatches_per_pp=True),
         ),
         ScheduleSpec(
@@ -315,9 +328,8 @@ def add_option_flags(group: Any, value_type: Any, *, megatron: bool = False) -> 
     """The schedule options as flags of ``group``; ``megatron``: not those Megatron-LM defines."""
     for option in ALL_OPTIONS:
         if not (megatron and option.megatron_owned):
-            group.add_argument(
-                option.flag, dest=option.dest, type=value_type, default=None, help=option.help
-            )
+            kind = {"dest": option.dest, "default": None, "help": option.help}
+            group.add_argument(option.flag, **kind, **option.argument(value_type))
 
 
 def options_from_args(name: str, args: Any, *, megatron: bool = False) -> dict[str, Any]:
