@@ -2,7 +2,8 @@
 ``--overlap-moe-expert-parallel-comm``) worked out by hand from ``get_pp_rank_microbatches`` (one
 more warm-up forward) and ``forward_backward_pipelining_with_interleaving`` (steady step k runs
 forward warmup + k with backward k as one combined step), against megatron-core's own functions
-where installed; validated and NCCL-proven; its flags in every front end."""
+where installed; validated and NCCL-proven; megatron-core's own posting of it; its flags in every
+front end."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from megatron_bfpp.cli import sim as sim_cli
 from megatron_bfpp.cli import train as train_cli
 from megatron_bfpp.ir import ActionKind as K
 from megatron_bfpp.ir import Schedule, ScheduleError, parts
+from megatron_bfpp.native_posting import GradSyncOptions, P2POptions, megatron_posting
+from megatron_bfpp.nccl import check_posting
 from megatron_bfpp.plan.auto import check_auto_flags
 from megatron_bfpp.schedules.interleaved import build_interleaved
 from megatron_bfpp.schedules.registry import (
@@ -25,6 +28,9 @@ from megatron_bfpp.schedules.registry import (
 )
 from megatron_bfpp.sim import CostModel, simulate
 from megatron_bfpp.validate import validate_schedule
+from tests.unit.test_native_posting import _rows
+
+OVERLAP = P2POptions(overlap_p2p=True, batch_p2p=False)
 
 
 def _texts(schedule: Schedule) -> list[str]:
@@ -135,7 +141,7 @@ def test_the_order_is_megatron_cores_combined_1f1b(p: int, v: int, m: int, group
         assert _texts(schedule)[rank].split() == expected, f"rank {rank}"
 
 
-# --- validation, NCCL proof ---------------------------------------------------------------
+# --- validation, NCCL proof, posting ---------------------------------------------------------
 def _grid() -> list[tuple[int, int, int, int | None]]:
     """pp 2-8, vp 2-4, m multiples of pp, and groups above pp."""
     sizes = [(p, v, m, None) for p in (2, 3, 4, 8) for v in (2, 3, 4) for m in (p, 2 * p, 3 * p)]
@@ -154,6 +160,55 @@ def test_validated_and_nccl_proven_across_sizes() -> None:
             combined_1f1b=True,
         )
         validate_schedule(schedule, nccl=True)
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (4, 2, 8), (3, 3, 9), (8, 2, 16)])
+def test_no_chunk_ends_in_a_pair(p: int, v: int, m: int) -> None:
+    """With one more warm-up forward, each chunk's last backward runs in the cool-down: where
+    megatron-core starts its gradient reduction (native_posting's sync_after) is never a pair."""
+    for actions in _combined(p, v, m).per_rank:
+        ends = [
+            a for a in actions for q in parts(a) if q.kind is K.BACKWARD and q.microbatch == m - 1
+        ]
+        assert len(ends) == v and all(a.kind is K.BACKWARD for a in ends)
+
+
+def test_megatron_cores_posting_waits_both_receives_before_a_pair_and_posts_after_it() -> None:
+    """Its combined step: pp_pre_forward's and pp_pre_backward's waits, the pair, then
+    pp_post_forward's and pp_post_backward's calls (combined_1f1b.py, model_chunk_schedule_plan's
+    run); the warm-up's last forward posts at once (it is no steady step now)."""
+    schedule = build_schedule(
+        "interleaved", num_ranks=2, num_microbatches=4, num_chunks=2, combined_1f1b=True
+    )
+    rows = _rows(schedule, megatron_posting(schedule, OVERLAP, GradSyncOptions(True, True)))
+    assert rows[0].split(" 0B1 ")[0] == (
+        "0PS 2PS 0F0 P[0SA0>1]! 0F1 P[0SA1>1 2RA0<1]! 2F0 P[2SA0>1 2RA1<1]! 2F1 P[2SA1>1]! "
+        "0F2 P[0SA2>1]! P[2RG0<1] w(2RG0<1) 0F3&2B0 P[0SA3>1 2RA2<1] P[2SG0>1 2RG1<1] "
+        "w(2RA2<1) w(2RG1<1) 2F2&2B1 P[2SA2>1 2RA3<1] w(0SA3>1) P[2SG1>1 0RG0<1] w(2SG0>1) "
+        "w(2RA3<1) w(0RG0<1) 2F3&0B0 P[2SA3>1] w(2SA2>1) P[0RG1<1] w(2SG1>1) w(0RG1<1)"
+    )
+
+
+@pytest.mark.slow
+def test_megatron_cores_posting_is_nccl_safe_but_at_pp_2_batched() -> None:
+    """As its plain interleaved schedule (test_native_posting): only pp 2 batched cross-matches,
+    which Megatron-LM refuses."""
+    unsafe = set()
+    for p, v, m, group in _grid():
+        schedule = build_schedule(
+            "interleaved",
+            num_ranks=p,
+            num_microbatches=m,
+            num_chunks=v,
+            microbatch_group_size=group,
+            combined_1f1b=True,
+        )
+        for options in (P2POptions(), P2POptions(batch_p2p=False), OVERLAP):
+            try:
+                check_posting(schedule, megatron_posting(schedule, options))
+            except ScheduleError:
+                unsafe.add((p, options))
+    assert unsafe == {(2, P2POptions())}
 
 
 def test_forward_only_runs_every_forward_in_the_training_order() -> None:
