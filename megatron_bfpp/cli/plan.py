@@ -484,9 +484,9 @@ def format_recommendation(
 
 
 def _name(plan: Plan) -> str:
-    """A row's family, its group or BPipe cap, and [M] when it stands for Megatron's own."""
+    """A row's family, its group, BPipe cap or combined 1F1B, and [M] when Megatron posts it."""
     c = plan.candidate
-    group = f" g={c.group_size}" if c.group_size else ""
+    group = f" g={c.group_size}" if c.group_size else " combined-1f1b" if c.combined_1f1b else ""
     cap = f" cap={c.max_stored}" if c.max_stored else ""
     ep = f" ep={c.ep}" if c.ep > 1 else ""
     return c.family + group + cap + ep + (" [M]" if plan.p2p_model.startswith("megatron") else "")

@@ -117,7 +117,7 @@ MAX_STORED = ScheduleOption(
 # The planners' bound on virtual stages per rank (recommend's default and auto's).
 PLANNER_MAX_CHUNKS = 8
 
-OptionGrid = Callable[[int, int], tuple[Mapping[str, int], ...]]
+OptionGrid = Callable[[int, int], tuple[Mapping[str, Any], ...]]  # keys: Candidate fields too
 
 
 def breadth_first_groups(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
@@ -147,6 +147,7 @@ class PlanGrid:
     microbatches_per_pp: bool = False  # m must be a multiple of pp (Megatron's interleaved rule)
     least_microbatches_per_pp: int = 0  # m must be at least this x pp (dualpipe-v's 2)
     options: OptionGrid = lambda pp, m: ({},)  # generator options to try ({}: the defaults)
+    moe_baselines: tuple[Mapping[str, Any], ...] = ()  # and for MoE models, as Megatron's rows
     last: bool = False  # ranks after equal predictions (GPipe holds every micro-batch)
     # long steps' lock-step times lie on lines through short ones (sim.simulate_steady), not BPipe's
     steady: bool = True
@@ -259,7 +260,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             build_interleaved,
             Placement.LOOPED,
             (MICROBATCH_GROUP_SIZE, COMBINED_1F1B),
-            plan=PlanGrid(microbatches_per_pp=True),
+            plan=PlanGrid(microbatches_per_pp=True, moe_baselines=({"combined_1f1b": True},)),
         ),
         ScheduleSpec(
             "breadth-first",

@@ -3,7 +3,7 @@
 more warm-up forward) and ``forward_backward_pipelining_with_interleaving`` (steady step k runs
 forward warmup + k with backward k as one combined step), against megatron-core's own functions
 where installed; validated and NCCL-proven; megatron-core's own posting of it; its flags in every
-front end."""
+front end; and the planner's Megatron baseline rows for MoE models only."""
 
 from __future__ import annotations
 
@@ -12,13 +12,16 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_bfpp.cli import plan as plan_cli
 from megatron_bfpp.cli import sim as sim_cli
 from megatron_bfpp.cli import train as train_cli
 from megatron_bfpp.ir import ActionKind as K
 from megatron_bfpp.ir import Schedule, ScheduleError, parts
 from megatron_bfpp.native_posting import GradSyncOptions, P2POptions, megatron_posting
 from megatron_bfpp.nccl import check_posting
-from megatron_bfpp.plan.auto import check_auto_flags
+from megatron_bfpp.plan.auto import AutoRequest, _candidates, check_auto_flags, hardware
+from megatron_bfpp.plan.presets import get_gpu, get_model
+from megatron_bfpp.plan.search import Cluster, SearchOptions, candidates, recommend
 from megatron_bfpp.schedules.interleaved import build_interleaved
 from megatron_bfpp.schedules.registry import (
     build_schedule,
@@ -275,3 +278,55 @@ def test_auto_does_not_choose_it_and_refuses_the_switch() -> None:
         args.pipeline_schedule_auto_line = line  # set once auto wrote its choice back
         with pytest.raises(ScheduleError, match=r"^--combined-1f1b needs --pipeline-schedule"):
             check_auto_flags(args)
+    request = AutoRequest(
+        model=get_model("mixtral-8x7b"),
+        tp=1,
+        pp=4,
+        dp=8,
+        micro_batch_size=1,
+        global_batch_size=64,
+        hardware=hardware(device_name=None, device_memory=None, gpu_flag="h100-80gb"),
+        ep=8,
+    )
+    allowed, _ = _candidates(request)
+    assert any(c.schedule == "interleaved" for c in allowed)
+    assert not any(c.combined_1f1b for c in allowed)
+
+
+# --- the planner ------------------------------------------------------------------------------
+H100 = get_gpu("h100-80gb")
+
+
+def test_the_planner_offers_it_as_a_megatron_baseline_for_moe_models_only() -> None:
+    cluster = Cluster(32, 8, H100)
+    moe, dense = get_model("mixtral-8x7b"), get_model("llama-7b")
+
+    def combined(model: object, **options: object) -> list[object]:
+        found = candidates(
+            model=model,  # type: ignore[arg-type]
+            cluster=cluster,
+            global_batch_size=128,
+            options=SearchOptions(**options),  # type: ignore[arg-type]
+        )
+        return [c for c in found if c.combined_1f1b]
+
+    offered = combined(moe)
+    assert offered and {c.schedule for c in offered} == {"interleaved"}  # type: ignore[attr-defined]
+    assert not combined(dense)
+    assert not combined(moe, megatron_baselines=False)
+
+
+def test_recommend_shows_the_combined_row_as_megatron_posts_it() -> None:
+    result = recommend(
+        model=get_model("mixtral-8x7b"),
+        cluster=Cluster(32, 8, H100),
+        global_batch_size=128,
+        options=SearchOptions(schedules=("interleaved",), top=100),
+    )
+    rows = [plan for plan in result.plans if plan.candidate.combined_1f1b]
+    assert rows and all(plan.p2p_model == "megatron" for plan in rows)
+    assert plan_cli._name(rows[0]).startswith("interleaved combined-1f1b")
+    assert plan_cli._name(rows[0]).endswith("[M]")
+    assert rows[0].to_dict()["combined_1f1b"] is True
+    plain = [plan for plan in result.plans if not plan.candidate.combined_1f1b]
+    assert plain and all(plan.to_dict()["combined_1f1b"] is False for plan in plain)
