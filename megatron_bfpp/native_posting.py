@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, StageLayout, paused_gc
+from megatron_bfpp.ir import ActionKind, Schedule, ScheduleError, StageLayout, parts, paused_gc
 from megatron_bfpp.nccl import _BLOCKING, _PAIRWISE, _POST, _RUN, _WAIT, Posting, _Lowered
 
 __all__ = [
@@ -115,6 +115,7 @@ class _Shape:
     num_microbatches: int
     table: tuple[tuple[int, int], ...]  # (micro-batch, chunk) per forward, every rank alike
     group: int
+    combined: bool  # overlapped pairs: its interleaved schedule's combined 1F1B (combined_1f1b.py)
 
     @classmethod
     def of(cls, schedule: Schedule) -> _Shape:
@@ -124,13 +125,14 @@ class _Shape:
                 f"{schedule.name}: megatron-core posts only its own looped placement (stage s on "
                 f"rank s % {p}); this layout is not"
             )
-        if any(a.kind is K.OVERLAP_F_B for actions in schedule.per_rank for a in actions):
+        combined = any(a.kind is K.OVERLAP_F_B for actions in schedule.per_rank for a in actions)
+        if combined and v == 1:
             raise ScheduleError(
-                f"{schedule.name}: megatron-core's own schedules run no overlapped pairs (F&B); "
-                "time this schedule as our runtime posts it (lockstep)"
+                f"{schedule.name}: megatron-core runs overlapped pairs (F&B) only in interleaved "
+                "(combined 1F1B); time this schedule as our runtime posts it (lockstep)"
             )
-        tables = {  # looped: a stage's chunk is stage // p
-            tuple((a.microbatch or 0, a.stage // p) for a in actions if a.kind is K.FORWARD)
+        tables = {  # looped: a stage's chunk is stage // p; a pair's micro-batch: its forward's
+            tuple((a.microbatch or 0, a.stage // p) for a in actions if a.kind in _FORWARDS)
             for actions in schedule.per_rank
         }
         if len(tables) != 1:
@@ -140,14 +142,14 @@ class _Shape:
             )
         (table,) = tables
         group = next((i for i, (_, chunk) in enumerate(table) if chunk != 0), len(table))
-        return cls(p, v, m, table, group if v > 1 else m)
+        return cls(p, v, m, table, group if v > 1 else m, combined)
 
     def warmup(self, rank: int) -> tuple[int, bool]:
         """megatron-core's ``get_pp_rank_microbatches``: warm-up forwards, all in warm-up?"""
         total = self.num_microbatches * self.num_chunks
         warmup = self.num_ranks - rank - 1
         if self.num_chunks > 1:
-            warmup = warmup * 2 + (self.num_chunks - 1) * self.group
+            warmup = warmup * 2 + (self.num_chunks - 1) * self.group + self.combined
         return min(warmup, total), warmup >= total
 
     def chunk(self, k: int, forward: bool) -> int:
@@ -168,6 +170,7 @@ class _Shape:
 
 # a ``_communicate``'s ops, indices into what ``_Builder.call`` returns
 _SEND_PREV, _RECV_PREV, _SEND_NEXT, _RECV_NEXT = range(4)
+_FORWARDS = frozenset({K.FORWARD, K.OVERLAP_F_B})
 _BATCHED_ORDER = (_SEND_PREV, _RECV_PREV, _SEND_NEXT, _RECV_NEXT)
 _EVEN_ORDER = (_SEND_NEXT, _RECV_PREV, _SEND_PREV, _RECV_NEXT)
 _ODD_ORDER = (_RECV_PREV, _SEND_NEXT, _RECV_NEXT, _SEND_PREV)
@@ -205,8 +208,9 @@ class _Builder:
         pending: list[int] = []
         for position, action in enumerate(actions):
             kind = action.kind
-            if kind is K.FORWARD or kind is K.BACKWARD:
-                (self.forwards if kind is K.FORWARD else self.backwards).append(position)
+            if kind is K.FORWARD or kind is K.BACKWARD or kind is K.OVERLAP_F_B:
+                for part in parts(action):  # a pair is a forward and a backward
+                    (self.forwards if part.kind is K.FORWARD else self.backwards).append(position)
                 early = [q for q in pending if actions[q].kind is not K.PARAM_SYNC]  # RL
                 if early and self.computes:
                     self.after[self.computes[-1]] += early
@@ -239,7 +243,9 @@ class _Builder:
         }
 
     def run(self, position: int) -> None:
-        """Run a compute, which must be the next in the rank's program."""
+        """Run a compute, which must be the next in the rank's program (a pair's backward: ran)."""
+        if self.ran and self.computes[self.ran - 1] == position:
+            return
         if self.ran >= len(self.computes) or self.computes[self.ran] != position:
             got = self.actions[self.computes[self.ran]] if self.ran < len(self.computes) else "none"
             raise self.refuse(
@@ -266,11 +272,10 @@ class _Builder:
         if chunk is not None and chunk in self.grad_syncs:
             self.steps.append(self.grad_syncs.pop(chunk) * 4 + _RUN)
 
-    def output(self, position: int) -> int | None:
-        """A forward's activation or a backward's input gradient, unless its stage is the
-        pipeline's last (first): megatron-core sets the tensor to None there."""
-        action = self.actions[position]
-        forward = action.kind is K.FORWARD
+    def output(self, position: int, forward: bool) -> int | None:
+        """A forward's activation or a backward's input gradient (a pair's: its part's), unless
+        its stage is the pipeline's last (first): megatron-core sets the tensor to None there."""
+        action = parts(self.actions[position])[0 if forward else -1]
         if action.stage == (self.last_stage if forward else 0):
             return None
         key = (K.SEND_ACT if forward else K.SEND_GRAD, action.stage, action.microbatch or 0)
@@ -347,22 +352,22 @@ def _one_f_one_b(b: _Builder, shape: _Shape) -> None:
     for i in range(warmup):
         b.call(recv_prev=not first)  # recv_forward
         b.run(forwards[i])
-        b.call(send_next=b.output(forwards[i]))  # send_forward
+        b.call(send_next=b.output(forwards[i], True))  # send_forward
     if remaining:
         b.call(recv_prev=not first)
     for i in range(remaining):
         forward, backward = forwards[warmup + i], backwards[i]
         b.run(forward)
-        b.call(send_next=b.output(forward), recv_next=not last)  # send_forward_recv_backward
+        b.call(send_next=b.output(forward, True), recv_next=not last)  # send_forward_recv_backward
         b.run(backward)
         b.sync_after(i, shape)
         final = i == remaining - 1  # send_backward, else send_backward_recv_forward
-        b.call(send_prev=b.output(backward), recv_prev=not first and not final)
+        b.call(send_prev=b.output(backward, False), recv_prev=not first and not final)
     for i in range(warmup):
         b.call(recv_next=not last)  # recv_backward
         b.run(backwards[remaining + i])
         b.sync_after(remaining + i, shape)
-        b.call(send_prev=b.output(backwards[remaining + i]))  # send_backward
+        b.call(send_prev=b.output(backwards[remaining + i], False))  # send_backward
 
 
 def _interleaved(b: _Builder, shape: _Shape) -> None:
@@ -382,15 +387,15 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
     send_next_wait: int | None = None
     send_prev_wait: int | None = None
 
-    def receives_input(position: int) -> bool:  # not the pipeline's first (last) stage
-        action = b.actions[position]
-        return action.stage != (0 if action.kind is K.FORWARD else b.last_stage)
+    def receives_input(position: int, forward: bool) -> bool:  # not the first (last) stage
+        action = parts(b.actions[position])[0 if forward else -1]
+        return action.stage != (0 if forward else b.last_stage)
 
     b.call(recv_prev=r != 0)  # recv_forward for chunk 0
     for k in range(warmup):
         recv_prev = shape.receives(r, k, True) and k != total - 1
         b.run(forwards[k])
-        output = b.output(forwards[k])
+        output = b.output(forwards[k], True)
         at_end = k == warmup - 1 and not all_warmup  # the last warm-up step also receives
         b.call(send_next=output, recv_prev=recv_prev, recv_next=at_end and not overlap and not last)
         if overlap and at_end and not last:
@@ -404,16 +409,18 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
             b.run(backward)
             b.sync_after(k, shape)
             b.call(
-                send_next=b.output(forward),
-                send_prev=b.output(backward),
+                send_next=b.output(forward, True),
+                send_prev=b.output(backward, False),
                 recv_prev=recv_prev,
                 recv_next=recv_next,
             )
             continue
-        if receives_input(forward) and recv_prev_waits:  # pp_pre_forward
+        if receives_input(forward, True) and recv_prev_waits:  # pp_pre_forward
             b.wait(recv_prev_waits.popleft())
+        if shape.combined and receives_input(backward, False) and recv_next_waits:
+            b.wait(recv_next_waits.popleft())  # pp_pre_backward: a pair's, before it runs
         b.run(forward)
-        handles = b.call(send_next=b.output(forward), recv_prev=recv_prev, wait=False)
+        handles = b.call(send_next=b.output(forward, True), recv_prev=recv_prev, wait=False)
         b.wait(send_next_wait)  # the previous forward send
         send_next_wait = handles[_SEND_NEXT]
         if (handle := handles[_RECV_PREV]) is not None:
@@ -421,11 +428,11 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         if wait_forward_sends:
             b.wait(send_next_wait)
             send_next_wait = None
-        if receives_input(backward) and recv_next_waits:  # pp_pre_backward
-            b.wait(recv_next_waits.popleft())
+        if not shape.combined and receives_input(backward, False) and recv_next_waits:
+            b.wait(recv_next_waits.popleft())  # pp_pre_backward
         b.run(backward)
-        b.sync_after(k, shape)
-        handles = b.call(send_prev=b.output(backward), recv_next=recv_next, wait=False)
+        b.sync_after(k, shape)  # no chunk ends in a pair: one more warm-up forward
+        handles = b.call(send_prev=b.output(backward, False), recv_next=recv_next, wait=False)
         b.wait(send_prev_wait)
         send_prev_wait = handles[_SEND_PREV]
         if (handle := handles[_RECV_NEXT]) is not None:
@@ -434,10 +441,10 @@ def _interleaved(b: _Builder, shape: _Shape) -> None:
         b.call(recv_next=not last)  # recv_backward for the last chunk
     for k in range(remaining, total):
         backward = backwards[k]
-        if receives_input(backward) and k != 0 and recv_next_waits:
+        if receives_input(backward, False) and k != 0 and recv_next_waits:
             b.wait(recv_next_waits.popleft())
         recv_next = shape.receives(r, k, False) and k != total - 1
         b.run(backward)
         b.sync_after(k, shape)
-        b.call(send_prev=b.output(backward), recv_next=recv_next)
+        b.call(send_prev=b.output(backward, False), recv_next=recv_next)
     b.wait(send_prev_wait)

@@ -434,8 +434,10 @@ def format_recommendation(
         for plan in (*result.plans, *result.best_per_family.values())
         if plan.p2p_model.startswith("megatron")
     ]
+    shown = (*result.plans, *result.best_per_family.values())
+    width = max(28, *(len(_name(plan)) for plan in shown)) if shown else 28  # MoE rows run long
     header = (
-        f"{'#':>2}  {'schedule':<28} {'tp':>2} {'pp':>3} {'vp':>2} {'dp':>3} {'b':>3} "
+        f"{'#':>2}  {'schedule':<{width}} {'tp':>2} {'pp':>3} {'vp':>2} {'dp':>3} {'b':>3} "
         f"{'m':>4} {'recompute':<9} {'step s':>8} {'tokens/s':>9} {'MFU':>6} {'bubble':>6} "
         f"{'params':>6} {'grads':>6} {'optim':>6} {'acts':>6} {'total':>6}"
     )
@@ -456,14 +458,14 @@ def format_recommendation(
             f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})"
         )
     lines += ["", header, "-" * len(header)]
-    lines += [_row(rank, plan) for rank, plan in enumerate(result.plans, 1)]
+    lines += [_row(rank, plan, width) for rank, plan in enumerate(result.plans, 1)]
     if result.best_per_family and result.plans:
         first = result.plans[0].step_time_s
         lines += ["", "best of each schedule family (slower than #1 by):"]
         for plan in result.best_per_family.values():
             c = plan.candidate
             lines.append(
-                f"  {_name(plan):<28} {plan.step_time_s:8.3f} s  "
+                f"  {_name(plan):<{width}} {plan.step_time_s:8.3f} s  "
                 f"{100 * (plan.step_time_s / first - 1):+6.1f}%  tp={c.tp} pp={c.pp} vp={c.vp} "
                 f"dp={c.dp} b={c.micro_batch_size} {c.recompute}, bubble "
                 f"{100 * plan.bubble_fraction:.1f}%"
@@ -484,18 +486,18 @@ def format_recommendation(
 
 
 def _name(plan: Plan) -> str:
-    """A row's family, its group or BPipe cap, and [M] when it stands for Megatron's own."""
+    """A row's family, its group, BPipe cap or combined 1F1B, and [M] when Megatron posts it."""
     c = plan.candidate
-    group = f" g={c.group_size}" if c.group_size else ""
+    group = f" g={c.group_size}" if c.group_size else " combined-1f1b" if c.combined_1f1b else ""
     cap = f" cap={c.max_stored}" if c.max_stored else ""
     ep = f" ep={c.ep}" if c.ep > 1 else ""
     return c.family + group + cap + ep + (" [M]" if plan.p2p_model.startswith("megatron") else "")
 
 
-def _row(rank: int, plan: Plan) -> str:
+def _row(rank: int, plan: Plan, width: int) -> str:
     c, mem = plan.candidate, plan.memory
     return (
-        f"{rank:>2}  {_name(plan):<28} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
+        f"{rank:>2}  {_name(plan):<{width}} {c.tp:>2} {c.pp:>3} {c.vp:>2} {c.dp:>3} "
         f"{c.micro_batch_size:>3} {plan.num_microbatches:>4} {c.recompute:<9} "
         f"{plan.step_time_s:>8.3f} {plan.tokens_per_s:>9.0f} {100 * plan.mfu:>5.1f}% "
         f"{100 * plan.bubble_fraction:>5.1f}% {_gib(mem.parameters):>6} {_gib(mem.gradients):>6} "

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         "a shard after its last backward (GS), at most two chunks whole per rank",
     )
     for flag, options in _SIM_FLAGS.items():
-        source.add_argument(flag, type=positive_int, help="; ".join(o.help for o in options))
+        kind = options[0].argument(positive_int)  # the options of one flag take the same value
+        source.add_argument(flag, help="; ".join(o.help for o in options), **kind)
     costs = parser.add_argument_group("costs (one micro-batch through one full 1F1B stage)")
     for cost in cost_fields():  # CostModel's own defaults and help, one flag each
         default, text = cost.default, cost.metadata["help"]

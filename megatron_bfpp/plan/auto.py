@@ -85,9 +85,11 @@ def add_auto_flags(group: Any) -> None:
 
 
 def check_auto_flags(args: Any) -> None:
-    """The auto flags given with a named schedule say nothing: one line."""
+    """Auto flags with a named schedule say nothing, nor --combined-1f1b with auto: one line."""
     if getattr(args, "pipeline_schedule", None) == AUTO or getattr(args, AUTO_DEST, None):
-        return  # auto, before or after it was resolved
+        if getattr(args, "combined_1f1b", None):  # auto, before or after it was resolved
+            raise ScheduleError("--combined-1f1b needs --pipeline-schedule interleaved, not auto")
+        return
     for flag, dest, _ in _AUTO_FLAGS:
         if getattr(args, dest, None) is not None:
             raise ScheduleError(f"{flag} applies to --pipeline-schedule auto")
@@ -224,9 +226,7 @@ class Decision:
     @property
     def options(self) -> dict[str, int]:
         """The chosen schedule's generator options (registry names)."""
-        c = self.chosen.candidate
-        chosen = {"group_size": c.group_size, "max_stored": c.max_stored}
-        return {name: value for name, value in chosen.items() if value is not None}
+        return self.chosen.candidate.options
 
     def line(self) -> str:
         """The one line a job prints: the choice, its prediction, the runner-up, Megatron's."""
@@ -479,15 +479,13 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
 
 
 def _candidate(
-    r: AutoRequest, name: str, vp: int, sharding: str, chosen: Mapping[str, int] | None = None
+    r: AutoRequest, name: str, vp: int, sharding: str, chosen: Mapping[str, Any] | None = None
 ) -> Candidate:
     """``name`` on the user's layout, with the generator options ``chosen``."""
-    chosen = chosen or {}
-    group, cap = chosen.get("group_size"), chosen.get("max_stored")
     plain = r.tp > 1 and not r.sequence_parallel
     return Candidate(
-        name, sharding, r.tp, r.pp, vp, r.dp, r.micro_batch_size, r.recompute, group, plain, cap,
-        r.ep,
+        name, sharding, r.tp, r.pp, vp, r.dp, r.micro_batch_size, r.recompute,
+        plain_tensor_parallel=plain, ep=r.ep, **(chosen or {}),
     )  # fmt: skip
 
 
@@ -639,8 +637,7 @@ def _check_every_step(c: Candidate, r: AutoRequest, actions: ActionBudget) -> No
                 num_chunks=chunks,
                 lower=False,
                 validate=False,
-                group_size=c.group_size,  # None: the default (build_schedule drops it)
-                max_stored=c.max_stored,
+                **c.options,
             )
         except ScheduleError as error:
             raise ScheduleError(

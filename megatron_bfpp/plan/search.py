@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from functools import cache, lru_cache
+from typing import Any
 
 from megatron_bfpp.ir import Placement, Schedule, ScheduleError, paused_gc
 from megatron_bfpp.plan.costs import (
@@ -180,10 +181,17 @@ class Candidate:
     plain_tensor_parallel: bool = False  # tp > 1 without sequence parallelism
     max_stored: int | None = None  # BPipe's cap (None: BPipe's own ceil((p+2)/2))
     ep: int = 1  # expert parallelism (Megatron-LM's --expert-model-parallel-size), within dp
+    combined_1f1b: bool = False  # interleaved in megatron-core's combined 1F1B order
 
     @property
     def family(self) -> str:
         return family_name(self.schedule, self.sharding)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Its generator options (registry names) that are not the schedule's defaults."""
+        names = ("group_size", "max_stored", "combined_1f1b")
+        return {n: v for n in names if (v := getattr(self, n)) is not None and v is not False}
 
     @property
     def sequence_parallel(self) -> bool:
@@ -218,6 +226,7 @@ class Plan:
             "recompute": c.recompute,
             "group_size": c.group_size,
             "max_stored": c.max_stored,
+            "combined_1f1b": c.combined_1f1b,
             "sequence_parallel": c.sequence_parallel,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
@@ -262,6 +271,7 @@ def candidates(
     node; layers split evenly over pp; the batch over dp x micro-batch; sharding needs dp > 1;
     pp 1 only as 1F1B (plain data parallelism); each family's grid from its catalogue entry."""
     searched = [f for f in families() if not options.schedules or f[0] in options.schedules]
+    moe = options.megatron_baselines and model.num_experts > 0  # PlanGrid.moe_baselines too
     for tp, pp in _splits(model, cluster, options)[2]:
         dp = cluster.num_gpus // (tp * pp)
         if global_batch_size % dp:
@@ -279,12 +289,12 @@ def candidates(
                 m = per_pipeline // b
                 if per_pipeline % b or spec.planned_microbatches_problem(pp, m) is not None:
                     continue
-                grid = spec.plan.options(pp, m)
+                grid = spec.plan.options(pp, m) + (spec.plan.moe_baselines if moe else ())
                 for recompute, chosen, ep in itertools.product(options.recompute, grid, eps):
-                    group, cap = chosen.get("group_size"), chosen.get("max_stored")
                     yield Candidate(
-                        schedule, sharding, tp, pp, vp, dp, b, recompute, group, plain, cap, ep
-                    )
+                        schedule, sharding, tp, pp, vp, dp, b, recompute,
+                        plain_tensor_parallel=plain, ep=ep, **chosen,
+                    )  # fmt: skip
 
 
 def expert_sizes(model: Model, dp: int, options: SearchOptions) -> tuple[int, ...]:
@@ -327,13 +337,7 @@ def memory_microbatches(pp: int, m: int) -> int:
 
 
 def _points(
-    schedule: str,
-    pp: int,
-    vp: int,
-    m: int,
-    group: int | None,
-    max_stored: int | None = None,
-    budget: ActionBudget | None = None,
+    schedule: str, pp: int, vp: int, m: int, budget: ActionBudget | None = None, **options: int
 ) -> PeakPoints:
     """GPipe's and breadth-first's peaks in closed form: all forwards of a group run before its
     backwards, so each rank holds the first group's micro-batches on each chunk (charged to
@@ -342,7 +346,8 @@ def _points(
         length = memory_microbatches(pp, m)
         if budget is not None:
             budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
-        return _walked_points(schedule, pp, vp, length, group, max_stored)
+        return _walked_points(schedule, pp, vp, length, **options)
+    group = options.get("group_size")
     held = m if group is None else min(m, group)
     if group is not None and budget is not None:
         length = min(m, max(memory_microbatches(pp, m), group))
@@ -354,27 +359,16 @@ def _points(
 
 
 @lru_cache(maxsize=4096)
-def _walked_points(
-    schedule: str, pp: int, vp: int, m: int, group: int | None, max_stored: int | None = None
-) -> PeakPoints:
+def _walked_points(schedule: str, pp: int, vp: int, m: int, **options: int) -> PeakPoints:
     """The generator's compute order, unvalidated (the tests' job): the walk needs no messages."""
     spec = get_spec(schedule)
     chunks = spec.chunks_for(None if spec.placement is Placement.SINGLE else vp)
-    given = {"num_chunks": chunks, "group_size": group, "max_stored": max_stored}
-    kwargs = {key: value for key, value in given.items() if value is not None}
-    return peak_points(spec.generator(num_ranks=pp, num_microbatches=m, **kwargs))
+    options |= {} if chunks is None else {"num_chunks": chunks}
+    return peak_points(spec.generator(num_ranks=pp, num_microbatches=m, **options))
 
 
 @lru_cache(maxsize=256)
-def _schedule(
-    schedule: str,
-    pp: int,
-    vp: int,
-    m: int,
-    sharding: str,
-    group: int | None,
-    max_stored: int | None = None,
-) -> Schedule:
+def _schedule(schedule: str, pp: int, vp: int, m: int, sharding: str, **options: Any) -> Schedule:
     return build_schedule(
         schedule,
         num_ranks=pp,
@@ -382,8 +376,7 @@ def _schedule(
         num_chunks=None if get_spec(schedule).placement is Placement.SINGLE else vp,
         sharding=sharding,
         validate=False,  # the catalogue's own generators: the tests validate them
-        group_size=group,  # None: the schedule's default (build_schedule drops it)
-        max_stored=max_stored,
+        **options,
     )
 
 
@@ -408,7 +401,7 @@ def _full_buffers(
     model: Model, tp: int, pp: int, vp: int, groups: int
 ) -> tuple[tuple[int, int], ...]:
     """Fully sharded breadth-first's (gathered, accumulated) parameter peaks per rank."""
-    walked = _schedule("breadth-first", pp, vp, groups, "optim_grads_params", 1)
+    walked = _schedule("breadth-first", pp, vp, groups, "optim_grads_params", group_size=1)
     stages = stage_parameters(model, tp=tp, pp=pp, chunks=vp, placement=Placement.LOOPED)
     return full_buffer_peaks(walked, stages)
 
@@ -458,7 +451,7 @@ def _memory(
     budget: ActionBudget | None = None,
 ) -> tuple[MemoryBreakdown, StageBytes]:
     stage = _stage_bytes(c, model, precision)
-    points = _points(c.schedule, c.pp, c.vp, m, c.group_size, c.max_stored, budget)
+    points = _points(c.schedule, c.pp, c.vp, m, budget, **c.options)
     activations = peak_activation_bytes(points, stage)
     transient = 0
     if c.recompute == "full":  # the layer being recomputed holds its full activations
@@ -546,7 +539,7 @@ def _step(
     """``c`` at m micro-batches simulated: (step, bubble), charged to ``budget`` first."""
     if budget is not None:
         budget.charge(num_ranks=c.pp, stages_per_rank=c.vp, num_microbatches=m)
-    built = _schedule(c.schedule, c.pp, c.vp, m, c.sharding, c.group_size, c.max_stored)
+    built = _schedule(c.schedule, c.pp, c.vp, m, c.sharding, **c.options)
     return simulated_step(built, costs, p2p=p2p, megatron_grad_reduce=grad_reduce)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from megatron_bfpp.ir import (
     Action,
     ActionKind,
+    Composite,
     Schedule,
     ScheduleError,
     StageLayout,
@@ -25,9 +26,11 @@ def build_interleaved(
     num_microbatches: int,
     num_chunks: int,
     microbatch_group_size: int | None = None,
+    combined_1f1b: bool = False,
 ) -> Schedule:
     """Megatron's interleaved order; the group size is its ``microbatch_group_size_per_vp_stage``
-    (default p), with megatron-core's constraints checked before any rank starts."""
+    (default p), with megatron-core's constraints checked before any rank starts; ``combined_1f1b``:
+    as its ``overlap_moe_expert_parallel_comm`` orders it (one more warm-up forward, then pairs)."""
     check_counts(
         "interleaved", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks
     )
@@ -61,6 +64,8 @@ def build_interleaved(
         # Forward k runs table[k] through its chunk, backward k through the mirrored chunk.
         forwards = [action(chunk * num_ranks + rank, f, mb) for mb, chunk in table]
         backwards = [action((last_chunk - chunk) * num_ranks + rank, b, mb) for mb, chunk in table]
-        warmup = min((num_ranks - rank - 1) * 2 + last_chunk * group, len(table))
-        programs.append(interleave_1f1b(forwards, backwards, warmup))
+        warmup = min((num_ranks - rank - 1) * 2 + last_chunk * group + combined_1f1b, len(table))
+        programs.append(program := interleave_1f1b(forwards, backwards, warmup))
+        if combined_1f1b:  # steady step k: forward warmup + k and backward k as one pair
+            program[warmup : 2 * len(table) - warmup] = map(Composite, forwards[warmup:], backwards)
     return make_schedule("interleaved", layout, num_microbatches, programs)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_bfpp.ir import MAX_ACTIONS, ActionKind, Placement, Schedule, ScheduleError
+from megatron_bfpp.ir import MAX_ACTIONS, ActionKind, Placement, Schedule, ScheduleError, parts
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.eviction import bpipe_max_stored
 from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
@@ -65,7 +65,7 @@ _BYTES_PER_RANK_STAGE = 32
 class ScheduleOption:
     """One schedule option: its generator keyword and its flag in bfpp-train and Megatron-LM
     (``flag`` / ``dest``) and bfpp-sim (``sim_flag``); ``megatron_owned``: Megatron-LM defines and
-    defaults it, so its presence there says nothing about the chosen schedule."""
+    defaults it (its presence says nothing about the schedule); ``switch``: a bare flag, True."""
 
     name: str
     flag: str
@@ -73,6 +73,10 @@ class ScheduleOption:
     sim_flag: str
     help: str
     megatron_owned: bool = False
+    switch: bool = False
+
+    def argument(self, value_type: Any) -> dict[str, Any]:  # add_argument's, but name and help
+        return {"action": "store_const", "const": True} if self.switch else {"type": value_type}
 
 
 GROUP_SIZE = ScheduleOption(
@@ -91,6 +95,15 @@ MICROBATCH_GROUP_SIZE = ScheduleOption(
     "interleaved: micro-batches per group (Megatron's own flag; default: pp)",
     megatron_owned=True,
 )
+COMBINED_1F1B = ScheduleOption(
+    "combined_1f1b",
+    "--combined-1f1b",
+    "combined_1f1b",
+    "--combined-1f1b",
+    "interleaved: megatron-core's combined 1F1B order (its --overlap-moe-expert-parallel-comm's); "
+    "our runtime runs each pair's forward, then its backward, hiding no all-to-all",
+    switch=True,
+)
 MAX_STORED = ScheduleOption(
     "max_stored",
     "--bpipe-max-stored",
@@ -104,7 +117,7 @@ MAX_STORED = ScheduleOption(
 # The planners' bound on virtual stages per rank (recommend's default and auto's).
 PLANNER_MAX_CHUNKS = 8
 
-OptionGrid = Callable[[int, int], tuple[Mapping[str, int], ...]]
+OptionGrid = Callable[[int, int], tuple[Mapping[str, Any], ...]]  # keys: Candidate fields too
 
 
 def breadth_first_groups(pp: int, m: int) -> tuple[Mapping[str, int], ...]:
@@ -134,6 +147,7 @@ class PlanGrid:
     microbatches_per_pp: bool = False  # m must be a multiple of pp (Megatron's interleaved rule)
     least_microbatches_per_pp: int = 0  # m must be at least this x pp (dualpipe-v's 2)
     options: OptionGrid = lambda pp, m: ({},)  # generator options to try ({}: the defaults)
+    moe_baselines: tuple[Mapping[str, Any], ...] = ()  # and for MoE models, as Megatron's rows
     last: bool = False  # ranks after equal predictions (GPipe holds every micro-batch)
     # long steps' lock-step times lie on lines through short ones (sim.simulate_steady), not BPipe's
     steady: bool = True
@@ -245,8 +259,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             "Megatron's depth-first interleaved (looped) schedule",
             build_interleaved,
             Placement.LOOPED,
-            (MICROBATCH_GROUP_SIZE,),
-            plan=PlanGrid(microbatches_per_pp=True),
+            (MICROBATCH_GROUP_SIZE, COMBINED_1F1B),
+            plan=PlanGrid(microbatches_per_pp=True, moe_baselines=({"combined_1f1b": True},)),
         ),
         ScheduleSpec(
             "breadth-first",
@@ -315,9 +329,8 @@ def add_option_flags(group: Any, value_type: Any, *, megatron: bool = False) -> 
     """The schedule options as flags of ``group``; ``megatron``: not those Megatron-LM defines."""
     for option in ALL_OPTIONS:
         if not (megatron and option.megatron_owned):
-            group.add_argument(
-                option.flag, dest=option.dest, type=value_type, default=None, help=option.help
-            )
+            kind = {"dest": option.dest, "default": None, "help": option.help}
+            group.add_argument(option.flag, **kind, **option.argument(value_type))
 
 
 def options_from_args(name: str, args: Any, *, megatron: bool = False) -> dict[str, Any]:
@@ -471,7 +484,8 @@ def forward_only_schedule(schedule: Schedule) -> Schedule:
     """The evaluation schedule: every rank's forwards in the training order, lowered again
     (megatron-core's forward-only order for ``interleaved``), sharded parameters kept."""
     compute = schedule.with_programs(
-        [a for a in actions if a.kind is ActionKind.FORWARD] for actions in schedule.per_rank
+        [p for a in actions for p in parts(a) if p.kind is ActionKind.FORWARD]
+        for actions in schedule.per_rank
     )
     lowered = add_communication(compute)
     if any(a.kind is ActionKind.RELEASE for actions in schedule.per_rank for a in actions):

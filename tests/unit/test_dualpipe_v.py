@@ -10,7 +10,12 @@ import pytest
 
 from megatron_bfpp.ir import ActionKind as K
 from megatron_bfpp.ir import Schedule, ScheduleError, parts
-from megatron_bfpp.schedules.registry import build_schedule, check_sharding, get_spec
+from megatron_bfpp.schedules.registry import (
+    build_schedule,
+    check_sharding,
+    forward_only_schedule,
+    get_spec,
+)
 from megatron_bfpp.sim import CostModel, simulate
 from megatron_bfpp.validate import validate_schedule
 
@@ -202,3 +207,13 @@ def test_an_all_to_all_longer_than_the_forward_is_refused_in_one_line() -> None:
     with pytest.raises(ScheduleError, match=r"^CostModel.t_a2a \(3\) is part of a forward") as info:
         CostModel(t_forward=2, t_backward=4, t_weight=2, t_a2a=3)
     assert "\n" not in str(info.value)
+
+
+def test_evaluation_runs_every_forward_the_pairs_included() -> None:
+    """The forward-only schedule (evaluation) keeps the training order's forwards, a pair's too."""
+    schedule = build_schedule("dualpipe-v", num_ranks=2, num_microbatches=4)
+    evaluation = forward_only_schedule(schedule).compute_only()
+    assert [" ".join(map(str, actions)) for actions in evaluation.per_rank] == [
+        "0F0 0F1 0F2 3F0 3F1 0F3 3F2 3F3",
+        "1F0 2F0 1F1 2F1 1F2 2F2 1F3 2F3",
+    ]

@@ -332,8 +332,8 @@ def test_the_lock_step_replay_gives_a_pair_both_parts_ticks() -> None:
     assert action_duration(compute_durations(Timing()), parse_action("3F5&1I2")) == 2.0
 
 
-def test_megatron_cores_own_posting_refuses_pairs() -> None:
-    with pytest.raises(ScheduleError, match="run no overlapped pairs"):
+def test_megatron_cores_own_posting_refuses_pairs_outside_its_combined_1f1b() -> None:
+    with pytest.raises(ScheduleError, match=r"runs overlapped pairs \(F&B\) only in interleaved"):
         simulate(fuse_overlapped(_built("1f1b")), p2p="megatron")
 
 

@@ -64,7 +64,7 @@ def test_memory_walked_at_a_short_length_is_the_long_walk(schedule: str, pp: int
         if spec.planned_microbatches_problem(pp, m) is not None:
             continue
         assert memory_microbatches(pp, m) < m
-        for options in spec.plan.options(pp, m):
+        for options in spec.plan.options(pp, m) + spec.plan.moe_baselines:
             full = build_schedule(
                 schedule,
                 num_ranks=pp,
@@ -73,8 +73,7 @@ def test_memory_walked_at_a_short_length_is_the_long_walk(schedule: str, pp: int
                 lower=False,
                 **options,
             )
-            cap = options.get("max_stored")
-            assert _points(schedule, pp, vp, m, None, cap) == peak_points(full), (m, options)
+            assert _points(schedule, pp, vp, m, **options) == peak_points(full), (m, options)
 
 
 @pytest.mark.parametrize(("pp", "vp"), [(2, 2), (2, 4), (4, 4), (2, 8), (3, 4)])
@@ -138,7 +137,7 @@ def test_closed_form_peaks_of_all_forwards_first_schedules(schedule: str, pp: in
         full = build_schedule(
             schedule, num_ranks=pp, num_microbatches=m, num_chunks=chunks, lower=False
         )
-        assert _points(schedule, pp, vp, m, None) == peak_points(full)
+        assert _points(schedule, pp, vp, m) == peak_points(full)
 
 
 @pytest.mark.parametrize(("pp", "vp"), [(2, 2), (3, 4), (4, 2), (8, 2)])
@@ -151,7 +150,7 @@ def test_closed_form_peaks_of_grouped_breadth_first(pp: int, vp: int) -> None:
             "breadth-first", num_ranks=pp, num_microbatches=m, num_chunks=vp, group_size=group
         )
         budget = ActionBudget(10**9)
-        assert _points("breadth-first", pp, vp, m, group, budget=budget) == peak_points(full)
+        assert _points("breadth-first", pp, vp, m, budget, group_size=group) == peak_points(full)
         length = min(m, max(memory_microbatches(pp, m), group))
         walked = build_schedule(
             "breadth-first", num_ranks=pp, num_microbatches=length, num_chunks=vp, group_size=group
@@ -239,6 +238,7 @@ def test_search_size_and_json_fields() -> None:
         "recompute",
         "group_size",
         "max_stored",
+        "combined_1f1b",
         "sequence_parallel",
         "step_time_s",
         "tokens_per_s",
