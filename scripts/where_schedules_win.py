@@ -98,6 +98,10 @@ def _layout(c: object) -> str:
     parts = [f"tp={c.tp}", f"pp={c.pp}", f"vp={c.vp}", f"dp={c.dp}", f"b={c.micro_batch_size}"]  # type: ignore[attr-defined]
     if c.group_size:  # type: ignore[attr-defined]
         parts.append(f"g={c.group_size}")  # type: ignore[attr-defined]
+    if c.ep > 1:  # type: ignore[attr-defined]
+        parts.append(f"ep={c.ep}")  # type: ignore[attr-defined]
+    if c.combined_1f1b:  # type: ignore[attr-defined]
+        parts.append("combined-1f1b")
     return " ".join(parts) + f" {c.recompute}"  # type: ignore[attr-defined]
 
 
@@ -151,7 +155,7 @@ def draw(
             if j == 0:
                 ax.set_ylabel("GPUs")
     fig.suptitle(
-        "Fastest schedule family per cell (bfpp-plan, lock-step timing; Megatron's own 1f1b / "
+        "Fastest schedule family per cell (bfpp-plan, lock-step timing;\nMegatron's own 1f1b / "
         "interleaved timed as megatron-core posts)",
         fontsize=10,
     )
