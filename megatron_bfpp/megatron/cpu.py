@@ -43,13 +43,13 @@ def enable_cpu_megatron() -> None:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         _patches.patch(torch.cuda, "current_device", lambda: _CPU)
-        _patches.patch(torch.cuda, "synchronize", _nothing)
+        _patches.patch(torch.cuda, "synchronize", _own(_nothing))
         _patches.patch(torch.cuda, "Stream", _Synchronous)
         _patches.patch(torch.cuda, "Event", _Synchronous)
         _patches.patch(torch.cuda, "stream", _stream_context)
         _patches.patch(torch.cuda, "current_stream", _current_stream)
-        _patches.patch(torch.cuda, "default_stream", _current_stream)
-        _patches.patch(torch.cuda, "set_stream", _nothing)
+        _patches.patch(torch.cuda, "default_stream", _own(_current_stream))
+        _patches.patch(torch.cuda, "set_stream", _own(_nothing))
         for name in _FACTORIES:
             _patches.patch(torch, name, _on_cpu(getattr(torch, name)))
         _patches.patch(torch.Tensor, "cuda", _itself)
@@ -142,6 +142,17 @@ def _stream_context(stream: Any = None) -> Iterator[None]:
 
 def _current_stream(device: Any = None) -> _Synchronous:
     return _STREAM
+
+
+def _own(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A distinct object: torch.compile's trace rules refuse one object under two torch names
+    (megatron-core compiles its MoE router's functions)."""
+
+    @functools.wraps(function)
+    def own(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    return own
 
 
 def _on_cpu(factory: Callable[..., Any]) -> Callable[..., Any]:

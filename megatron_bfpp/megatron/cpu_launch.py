@@ -28,7 +28,7 @@ def enable_cpu_megatron_lm() -> None:
     from megatron_bfpp.megatron import cpu
 
     cpu.enable_cpu_megatron()
-    _patches.patch(torch.cuda, "set_device", cpu._nothing)
+    _patches.patch(torch.cuda, "set_device", cpu._own(cpu._nothing))
     _patches.patch(torch.cuda, "device_count", lambda: 1)
     _patches.patch(torch.cuda, "get_rng_state", cpu._get_rng_state)
     _patches.patch(torch.cuda, "set_rng_state", cpu._set_rng_state)

@@ -43,7 +43,8 @@ def model_provider(
     config: Any = None,
     pg_collection: Any = None,
 ) -> Any:
-    """One model chunk (``vp_stage``) of megatron-core's GPT, sized by Megatron-LM's arguments."""
+    """One model chunk (``vp_stage``) of megatron-core's GPT, sized by Megatron-LM's arguments
+    (``--num-experts``: every layer's MLP megatron-core's local MoE layer)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training import get_args
@@ -54,7 +55,9 @@ def model_provider(
         config = core_transformer_config_from_args(args)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=False, normalization=args.normalization
+        ),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
