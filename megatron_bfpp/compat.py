@@ -416,8 +416,7 @@ def guard_zero_grad_buffer(chunk: Any, around: Callable[[Callable[[], None]], No
     """Route ``zero_grad_buffer`` through ``around(original)``: a released buffer is allocated."""
     if getattr(chunk, "_bfpp_zero_guarded", False):
         return
-    original = chunk.zero_grad_buffer
-    chunk.zero_grad_buffer = functools.partial(around, original)
+    chunk.zero_grad_buffer = functools.partial(around, chunk.zero_grad_buffer)
     chunk._bfpp_zero_guarded = True
 
 

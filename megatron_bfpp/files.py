@@ -56,8 +56,7 @@ def write_output(path: str | Path, data: bytes) -> None:
         finally:
             os.close(fd)
         return
-    mode = None if info is None else stat.S_IMODE(info.st_mode)
-    _replace(follow_links(path), data, mode)
+    _replace(follow_links(path), data, None if info is None else stat.S_IMODE(info.st_mode))
 
 
 def _replace(target: Path, data: bytes, mode: int | None) -> None:

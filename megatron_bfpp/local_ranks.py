@@ -68,9 +68,7 @@ class LocalRun:
     def culprit(self) -> int | None:
         """The rank to blame: the first lost (no result, or no heartbeat), since its peers fail soon
         after and may report first; otherwise the first to fail."""
-        if self.lost:
-            return min(self.lost, key=self.failed_at.__getitem__)
-        return self.first_failed
+        return min(self.lost, key=self.failed_at.__getitem__) if self.lost else self.first_failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,8 +276,7 @@ def _supervised(spec: _Rank, beats: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != spec.launcher:  # the launcher died before prctl took effect
             os._exit(1)
         _guard_descendants()  # before the heartbeat thread: fork a single-threaded process
@@ -318,8 +315,7 @@ def _guard_descendants() -> None:
         for fd in (0, 1, 2):
             os.dup2(quiet, fd)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGUSR2, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGUSR2, 0, 0, 0)
         if os.getppid() == rank:  # else the rank died before prctl took effect
             signal.sigwait(wanted)
         os.killpg(group, signal.SIGKILL)

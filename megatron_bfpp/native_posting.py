@@ -160,8 +160,7 @@ class _Shape:
     def receives(self, rank: int, k: int, forward: bool) -> bool:
         """``recv_tensor_from_previous_stage``: whether step k receives in that direction."""
         p = self.num_ranks
-        leading = rank == (0 if forward else p - 1)
-        if not leading:
+        if rank != (0 if forward else p - 1):  # not the leading rank
             return True
         if k < p - 1:  # the ending rank has sent nothing yet
             return False

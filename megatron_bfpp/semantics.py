@@ -472,8 +472,7 @@ class Wires:
 
     def unfinished(self) -> list[int]:
         """The ranks stopped, or (lock-step) with a transfer whose partner never posts."""
-        owners = (rank for _, _, rank in self.offered.values())
-        return sorted({*self.waiting.values(), *owners})
+        return sorted({*self.waiting.values(), *(rank for _, _, rank in self.offered.values())})
 
     def transfer(self, rank: int, position: int, t: float) -> tuple[float, int]:
         """BPipe's EV / AC / RS / LD at ``position`` under ``Rules.transfers``: (the rank's clock

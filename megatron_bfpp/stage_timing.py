@@ -247,7 +247,6 @@ def _build_block(
 
     shape = dataclasses.replace(model.shape(tp=1), num_layers=num_layers)
     config = transformer_config(shape, tp=1, pp=1, vp=None, on_cpu=device.type == "cpu")
-    half = dtype != torch.float32
     config = dataclasses.replace(
         config,
         perform_initialization=True,
@@ -257,7 +256,7 @@ def _build_block(
         fp16=dtype == torch.float16,
         hidden_dropout=0.1 if model.dropout else 0.0,
         attention_dropout=0.1 if model.dropout else 0.0,
-        use_cpu_initialization=not half,
+        use_cpu_initialization=dtype == torch.float32,
         **_RECOMPUTE_FIELDS[recompute],
     )
     llama = model.arch == "llama"
@@ -296,9 +295,7 @@ class StoredActivations:
     def per_microbatch(self) -> float:
         """Slope of stored bytes over k: a micro-batch's activations, not one-off leftovers."""
         k = len(self.stored)
-        if k == 1:
-            return float(self.stored[0])
-        return (self.stored[-1] - self.stored[0]) / (k - 1)
+        return float(self.stored[0]) if k == 1 else (self.stored[-1] - self.stored[0]) / (k - 1)
 
 
 def measure_stored_activations(

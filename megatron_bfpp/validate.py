@@ -157,9 +157,8 @@ class _Scan:
         self.remote_in, self.remote_out = self.rules.output_rank[_B], self.rules.output_rank[_F]
         same = [s > 0 and stage_to_rank[s - 1] == stage_to_rank[s] for s in range(num_stages)]
         self.local_in, self.local_out = same, [*same[1:], False]
-        size = num_stages * schedule.num_microbatches
         # F, B, I, W done; RA, RG posted; EV, LD done (each on the stage's own rank).
-        self.flags = tuple(bytearray(size) for _ in range(8))
+        self.flags = tuple(bytearray(num_stages * schedule.num_microbatches) for _ in range(8))
         self.mixed = False  # some (stage, micro-batch) has B and also I or W
         self.accepted: list[set[int]] = [set() for _ in range(num_ranks)]  # keys of ACs
         self.chunk_level: list[list[int]] = [[] for _ in range(num_ranks)]  # GS/PS/RL positions

@@ -121,9 +121,7 @@ def _finite_or_null(data: Any) -> Any:
         return data if math.isfinite(data) else None
     if isinstance(data, dict):
         return {key: _finite_or_null(value) for key, value in data.items()}
-    if isinstance(data, list | tuple):
-        return [_finite_or_null(value) for value in data]
-    return data
+    return [_finite_or_null(value) for value in data] if isinstance(data, list | tuple) else data
 
 
 _LOOP = "a symbolic link that loops (too many levels of symbolic links)"

@@ -113,8 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _bpipe_estimate(args: argparse.Namespace) -> int:
-    scale = 0.01 if args.percent else 1.0
-    mfu_small, mfu_large = (value * scale for value in args.stage_mfu)
+    mfu_small, mfu_large = (value * (0.01 if args.percent else 1.0) for value in args.stage_mfu)
     small, large = args.micro_batch_sizes
     estimate = bpipe_speedup_estimate(
         stage_mfu_small=mfu_small,
@@ -388,10 +387,9 @@ def _recommend(args: argparse.Namespace) -> int:
         from megatron_bfpp.plan.plot import batch_sweep, default_batch_sizes, render_plot
 
         sizes = sorted({*default_batch_sizes(cluster.num_gpus), args.global_batch_size})
-        sweep = batch_sweep(model=model, cluster=cluster, options=options, batch_sizes=sizes)
         plot = functools.partial(
             render_plot,
-            sweep,
+            batch_sweep(model=model, cluster=cluster, options=options, batch_sizes=sizes),
             model=model,
             cluster=cluster,
             critical_batch_size=args.critical_batch_size,

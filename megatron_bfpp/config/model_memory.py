@@ -5,6 +5,7 @@ GPUs each rank against its device, in the rank (CUDA must not start in the launc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -112,13 +113,10 @@ def estimate(shape: ModelShape, layout: Layout, *, local_ranks: int) -> MemoryEs
 
 def available_ram_bytes() -> int | None:
     """Memory the kernel can give new work now (Linux ``MemAvailable``, else free pages) or None."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, AttributeError):

@@ -36,9 +36,7 @@ DEFAULT_FFN_TEXT = "gpt 4h, llama 8h/3 rounded up to 16"
 def default_ffn_hidden_size(preset: str, hidden_size: int) -> int:
     """GPT: 4h. LLaMA: 8h/3 rounded up to a multiple of 16 (SwiGLU keeps the parameter count).
     The one rule for bfpp-train's models and the planner's (``plan.presets.model_from_shape``)."""
-    if preset == "llama":
-        return -(-(8 * hidden_size // 3) // 16) * 16
-    return 4 * hidden_size
+    return -(-(8 * hidden_size // 3) // 16) * 16 if preset == "llama" else 4 * hidden_size
 
 
 @dataclasses.dataclass(frozen=True)

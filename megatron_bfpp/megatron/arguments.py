@@ -82,9 +82,7 @@ def apply_schedule_defaults(args: Any) -> None:
 def schedule_options_from_args(args: Any) -> dict[str, Any]:
     """The schedule's own options (registry names) read from Megatron's parsed ``args``."""
     name = getattr(args, "pipeline_schedule", "default")
-    if name in ("default", AUTO):
-        return {}
-    return options_from_args(name, args, megatron=True)
+    return {} if name in ("default", AUTO) else options_from_args(name, args, megatron=True)
 
 
 def check_schedule_args(args: Any) -> None:

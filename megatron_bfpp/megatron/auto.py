@@ -73,8 +73,7 @@ def hardware_from_args(args: Any, *, device: tuple[str | None, int | None] | Non
 
 def is_reporting_rank(env: Mapping[str, str] = os.environ) -> bool:
     """Rank 0 of the job (torchrun's ``RANK``, srun's ``SLURM_PROCID``; no launcher: this one)."""
-    rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
-    return rank.strip() in ("", "0")
+    return env.get("RANK", env.get("SLURM_PROCID", "0")).strip() in ("", "0")
 
 
 def announce(
@@ -381,8 +380,7 @@ def resolve_megatron_auto(
     if getattr(args, "pipeline_schedule", None) != AUTO:
         return None
     world = getattr(args, "world_size", None) or int(env.get("WORLD_SIZE", "1"))
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    if pp < 2:
+    if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) < 2:
         args.pipeline_schedule = "default"
         setattr(args, AUTO_DEST, "auto: no pipeline (pp=1)")
         if not quiet and is_reporting_rank(env):

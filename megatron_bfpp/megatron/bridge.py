@@ -141,9 +141,8 @@ def _guard_multi_module(evaluate: Callable[..., Any]) -> Callable[..., Any]:
 
         bound = signature.bind_partial(*args, **kwargs).arguments
         name = current_schedule()[0]
-        communicator = type(bound.get("p2p_communicator")).__name__
         multi = is_multi_module_collection(bound.get("pg_collection")) or (
-            communicator == "MultiModulePipelineCommunicator"
+            type(bound.get("p2p_communicator")).__name__ == "MultiModulePipelineCommunicator"
         )
         if name != "default" and multi:
             refuse(

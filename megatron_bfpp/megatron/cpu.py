@@ -96,7 +96,6 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 def _listed_splits(all_to_all_single: Callable[..., Any]) -> Callable[..., Any]:
     """megatron-core's MoE dispatcher moves its split sizes to host arrays only from a GPU
     (``maybe_move_tensor_to_cpu``); on CPU they stay tensors, which the binding refuses."""
-
     signature = inspect.signature(all_to_all_single)
 
     @functools.wraps(all_to_all_single)

@@ -222,8 +222,7 @@ def _what_works(schedule: Schedule, cap: int) -> str:
     low, high = cap + 1, original  # high always works
     while low < high:
         middle = (low + high) // 2
-        result = _evict(schedule, middle)
-        if _acceptor_overflow(result, max(middle, original)) is None:
+        if _acceptor_overflow(_evict(schedule, middle), max(middle, original)) is None:
             high = middle
         else:
             low = middle + 1

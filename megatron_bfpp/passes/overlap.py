@@ -22,8 +22,7 @@ def overlap_pairs(schedule: Schedule) -> list[Pair]:
     with it and the pairs before it still runs (a pair can close a cycle of waits)."""
     candidates: list[Pair] = []
     for actions in schedule.per_rank:
-        computes = [action for action in actions if action.kind.is_compute]
-        neighbours = pairwise(computes)
+        neighbours = pairwise([action for action in actions if action.kind.is_compute])
         for first, then in neighbours:
             if (
                 first.kind is K.FORWARD

@@ -482,10 +482,9 @@ def _candidate(
     r: AutoRequest, name: str, vp: int, sharding: str, chosen: Mapping[str, Any] | None = None
 ) -> Candidate:
     """``name`` on the user's layout, with the generator options ``chosen``."""
-    plain = r.tp > 1 and not r.sequence_parallel
     return Candidate(
         name, sharding, r.tp, r.pp, vp, r.dp, r.micro_batch_size, r.recompute,
-        plain_tensor_parallel=plain, ep=r.ep, **(chosen or {}),
+        plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel, ep=r.ep, **(chosen or {}),
     )  # fmt: skip
 
 
@@ -678,5 +677,4 @@ def _refusal(
 
 def write_report(path: str, decision: Decision) -> None:
     """The ranked table as JSON, written as :func:`megatron_bfpp.files.write_output` writes."""
-    text = json.dumps(decision.to_dict(), indent=2, allow_nan=False) + "\n"
-    write_output(path, text.encode())
+    write_output(path, (json.dumps(decision.to_dict(), indent=2, allow_nan=False) + "\n").encode())

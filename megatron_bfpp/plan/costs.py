@@ -211,8 +211,7 @@ def stage_times(
     gpu, precision, tp, pp, dp = cluster.gpu, options.precision, c.tp, c.pp, c.dp
     efficiency = options.efficiency or BuiltinCurve(gpu)
     layers = model.num_layers // pp
-    placement = get_spec(c.schedule).placement
-    moe = max(moe_layers_per_rank(model, pp=pp, vp=c.vp, placement=placement))
+    moe = max(moe_layers_per_rank(model, pp=pp, vp=c.vp, placement=get_spec(c.schedule).placement))
     peak = gpu.peak_flops
     b, s, h = c.micro_batch_size, model.seq_length, model.hidden_size
     activation = b * s * h * precision.activation_bytes

@@ -57,7 +57,6 @@ _MODEL_TEXT = {"name": str, "arch": str, "dropout": bool}  # the rest: positive 
 
 
 def profile_to_dict(profile: StageProfile) -> dict[str, Any]:
-    host = {} if profile.t_host is None else {"t_host": profile.t_host}
     return {
         "format": _FORMAT,
         "version": VERSION,
@@ -70,7 +69,7 @@ def profile_to_dict(profile: StageProfile) -> dict[str, Any]:
         "tensor_parallel": profile.tensor_parallel,
         "dtype": profile.dtype,
         "measurements": [asdict(m) for m in profile.measurements],
-        **host,
+        **({} if profile.t_host is None else {"t_host": profile.t_host}),
     }
 
 

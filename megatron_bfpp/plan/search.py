@@ -352,9 +352,8 @@ def _points(
     if group is not None and budget is not None:
         length = min(m, max(memory_microbatches(pp, m), group))
         budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
-    last = pp - 1
     return PeakPoints(
-        tuple(((held * vp, held if r == 0 else 0, held if r == last else 0),) for r in range(pp))
+        tuple(((held * vp, held if r == 0 else 0, held if r == pp - 1 else 0),) for r in range(pp))
     )
 
 
@@ -425,8 +424,7 @@ def _weights(
     if c.sharding != "optim_grads_params":
         dp, ep = (c.dp, c.ep) if distributed else (1, 1)
         per_layer = moe_layer_parameters(model, tp=c.tp, ep=c.ep)[1]
-        placement = get_spec(c.schedule).placement
-        moe = moe_layers_per_rank(model, pp=c.pp, vp=c.vp, placement=placement)
+        moe = moe_layers_per_rank(model, pp=c.pp, vp=c.vp, placement=get_spec(c.schedule).placement)
         return [
             weights_bytes(
                 n, dp=dp, precision=precision, sharded=False, experts=k * per_layer, ep=ep
@@ -521,8 +519,7 @@ def _simulated_ns(
         slope = line[1] - line[0]
         # on one line: exactly with integer durations, else within float rounding (1/vp shares)
         if abs(line[2] - line[1] - slope) <= 1e-9 * line[2]:
-            periods = (m - lengths[0]) // (lengths[1] - lengths[0])
-            return _extended(timed[0], timed[1], periods)
+            return _extended(timed[0], timed[1], (m - lengths[0]) // (lengths[1] - lengths[0]))
     if m > EXACT_UP_TO * p:
         return _approximate(c, m, costs, p2p, grad_reduce, p, budget)
     return _step(c, m, costs, p2p, grad_reduce, budget)

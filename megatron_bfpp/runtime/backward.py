@@ -50,9 +50,7 @@ def begin_backward(step: RankStep, position: int, action: Action) -> tuple[Key, 
     for part in step.parts.values():
         part.before_compute(step, stage)
         part.before_backward(step, key)
-    input_tensor = step.state.inputs.pop(key)
-    output = step.state.outputs.pop(key)
-    return key, input_tensor, output, output_grad
+    return key, step.state.inputs.pop(key), step.state.outputs.pop(key), output_grad
 
 
 def overlaps_grad_reduce(model: Any) -> bool:

@@ -68,8 +68,7 @@ class _Deferred:
                 grad_weight = None
         else:
             grad_weight = grad_output.t().matmul(total_input)
-        grad_bias = grad_output.sum(dim=0) if self.bias is not None else None
-        return grad_weight, grad_bias
+        return grad_weight, grad_output.sum(dim=0) if self.bias is not None else None
 
 
 @dataclass(eq=False)

@@ -188,8 +188,7 @@ def planned(schedule: Schedule) -> PlannedSchedule:
 
 def _rank_step(plan: PlannedSchedule, rank: int, ctx: StepContext) -> RankStep:
     """This rank's step, measuring memory when asked or when an action ships stored tensors."""
-    program = plan.schedule.per_rank[rank]
-    captures = any(action.kind in TABLE.captures for action in program)
+    captures = any(action.kind in TABLE.captures for action in plan.schedule.per_rank[rank])
     measuring = not ctx.call.forward_only and (ctx.measure_memory or captures)
     parts = [make() for make in TABLE.parts]
     return RankStep(plan.schedule, rank, ctx, measuring=measuring, parts=parts)

@@ -41,8 +41,7 @@ class PipelineTimeout(RuntimeError):
 def _group_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
     """The group's timeout in seconds (``--distributed-timeout-minutes``), else torch's default."""
     try:
-        backend = group._get_backend(device)
-        timeout = backend.options._timeout
+        timeout = group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         from torch.distributed import distributed_c10d as c10d
 

@@ -163,8 +163,7 @@ class ShardedParameters:
         megatron-core then reduces in ``finish_grad_sync``): land earlier reductions, and this one
         unless in flight. ``partial``: a GS before the chunk's last (grouped breadth-first), whose
         reduction this starts, the chunk staying in ``no_sync``."""
-        state = self.chunks[chunk]
-        if not state.grads_resident:
+        if not self.chunks[chunk].grads_resident:
             raise RuntimeError(
                 f"model chunk {chunk} reduces gradients it never accumulated (GS without a "
                 "backward before it); the schedule and the sharding runtime disagree: please "

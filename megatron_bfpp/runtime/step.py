@@ -225,8 +225,7 @@ class RankStep:
         # backward and GS reduces, as megatron-core's interleaved schedule does; else DDP's hooks.
         self.grad_sync_funcs = self.per_chunk(ctx.config.grad_sync_func)
         self.measuring = measuring
-        modules = ctx.model if measuring else []
-        self.store = ActivationStore.for_modules(modules, ctx.comm.device)
+        self.store = ActivationStore.for_modules(ctx.model if measuring else [], ctx.comm.device)
         self.state = StepState()
         self.window = Window()
         self.parts: dict[type[StepPart], StepPart] = {type(part): part for part in parts}
@@ -255,8 +254,6 @@ class RankStep:
                     f"config has {len(func)} per-chunk sync functions for {chunks} model chunks"
                 )
             return list(func)
-        if chunks == 1:
-            return [func]
         # One callable for every chunk: megatron-core's interleaved schedule enters it once for
         # all chunks; entering it per chunk would nest the same context, so only chunk 0 holds it.
         return [func] + [None] * (chunks - 1)

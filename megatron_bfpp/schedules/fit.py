@@ -166,9 +166,8 @@ def check_fit(
                 **(options or {}),
             )
         except ScheduleError as error:
-            first = in_flag_terms(str(error).strip().splitlines()[0], name)
             raise ScheduleError(
                 f"--pipeline-schedule {name} cannot run {m} micro-batches on {sizes}{where}: "
-                f"{first}"
+                f"{in_flag_terms(str(error).strip().splitlines()[0], name)}"
             ) from None
     return Fit(num_chunks=chunks, stages_per_rank=stages, num_microbatches=counts[-1])

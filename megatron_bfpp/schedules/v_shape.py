@@ -27,8 +27,7 @@ def build_v_min(*, num_ranks: int, num_microbatches: int) -> Schedule:
     """V-Min: about a third of 1F1B's activation memory (floor((p + 4) / 3) units on the busiest
     rank for m >= p), paid for with more bubble than v-half; ``_block_programs``."""
     check_counts("v-min", num_ranks=num_ranks, num_microbatches=num_microbatches)
-    programs = _block_programs(num_ranks, num_microbatches)
-    return _make("v-min", num_ranks, num_microbatches, programs)
+    return _make("v-min", num_ranks, num_microbatches, _block_programs(num_ranks, num_microbatches))
 
 
 @paused_gc()

@@ -125,8 +125,7 @@ def render_png(
 
     num_ranks = max(result.num_ranks, 1)
     row_inches = 0.42 if num_ranks <= 16 else max(0.16, 7.0 / num_ranks)
-    height = 1.7 + row_inches * num_ranks
-    figure = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
+    figure = Figure(figsize=(width, 1.7 + row_inches * num_ranks), dpi=dpi, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     font = max(5.0, min(9.0, row_inches * 72 * 0.45))
@@ -287,6 +286,4 @@ def _boxes(starts: Any, ends: Any, rows: Any, where: tuple[float, float]) -> Any
 def _shade(rgb: Any, amount: float) -> Any:
     """Darken (amount < 0) or lighten (amount > 0) an (N, 3|4) colour array."""
     rgb = rgb[:, :3]
-    if amount < 0:
-        return rgb * (1 + amount)
-    return rgb + (1 - rgb) * amount
+    return rgb * (1 + amount) if amount < 0 else rgb + (1 - rgb) * amount

@@ -114,9 +114,7 @@ def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed((zlib.crc32(global_name.encode()) + seed) % 2**63)
     noise = torch.randn(*shape, generator=generator, dtype=torch.float32)
     leaf = global_name.rsplit(".", 1)[-1]
-    if "norm" in global_name and leaf == "weight":
-        return 1.0 + 0.1 * noise
-    return 0.1 * noise
+    return 1.0 + 0.1 * noise if "norm" in global_name and leaf == "weight" else 0.1 * noise
 
 
 def make_batches(

@@ -3,6 +3,7 @@ numbered as the comments cite them: docs/design-notes.md, "Testing NCCL's rules 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -165,9 +166,8 @@ def _single(
 ) -> dist.Work | None:
     gloo = _gloo_group(group, tensor)
     if gloo is None:
-        key = "dst" if send else "src"
         work: dist.Work | None = _torch["isend" if send else "irecv"](
-            tensor, group=group, tag=tag, **{key: peer}, **kw
+            tensor, group=group, tag=tag, **{"dst" if send else "src": peer}, **kw
         )
         return work
     if kw.get(gkey) is not None:
@@ -250,8 +250,7 @@ class _Stream:
         self.label = (
             f"NCCL emulation: rank {self.me}, group {group.group_name}{desc}, {name} stream"
         )
-        prefix = f"bfpp-nccl-emulation/{group.group_name}/{name}/"
-        self.store = PrefixStore(prefix, _own_store())
+        self.store = PrefixStore(f"bfpp-nccl-emulation/{group.group_name}/{name}/", _own_store())
         self.queue: SimpleQueue[_Batch] = SimpleQueue()
         self.counts: Counter[tuple[bool, int]] = Counter()
         self.posted = 0
@@ -341,8 +340,7 @@ class _Stream:
                     _refresh(posted)
                     raise _Stalled
                 waiting = any(sends.values())
-                wake = min([entry[0] - now for entry in due] + ([delay] if waiting else []))
-                time.sleep(wake)
+                time.sleep(min([entry[0] - now for entry in due] + ([delay] if waiting else [])))
                 if waiting:
                     delay = min(2 * delay, longest)
         for op, work in posted:
@@ -368,11 +366,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def _refresh(posted: list[tuple[_Op, dist.Work]]) -> None:
     """Mark the posted ops that have completed after all, for the stall report."""
     for op, work in posted:
-        try:
+        with contextlib.suppress(RuntimeError):
             if op.state and work.wait(timedelta(milliseconds=1)):
                 op.state = ""
-        except RuntimeError:
-            pass
 
 
 def _own_store() -> Store:

@@ -104,8 +104,7 @@ def forward_step(data_iterator: Any, model: Any) -> Any:
         batch = {name: value.to(device) for name, value in next(data_iterator).items()}
         tokens, labels = batch["tokens"], batch["labels"]
         loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
-    output_tensor = model(tokens, position_ids, None, labels=labels)
-    return output_tensor, functools.partial(loss_func, loss_mask)
+    return model(tokens, position_ids, None, labels=labels), functools.partial(loss_func, loss_mask)
 
 
 def main() -> None:
@@ -117,10 +116,9 @@ def main() -> None:
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
         from megatron.training.arguments import parse_and_validate_args
 
-        args = parse_and_validate_args()
         # By name: 0.18 has model_provider second, 0.19 after forward_step_func.
         training.pretrain(
-            pretrain_cfg_container_from_args(args),
+            pretrain_cfg_container_from_args(parse_and_validate_args()),
             train_valid_test_dataset_provider=datasets_provider,
             model_provider=model_provider,
             model_type=ModelType.encoder_or_decoder,

@@ -175,8 +175,7 @@ def read_checkpoint(root: str | Path) -> tuple[Path, CheckpointMetadata]:
             "directories and files)"
         )
     try:
-        raw = read_bounded(path / METADATA_FILE, METADATA_LIMIT, label=source)
-        text = raw.decode("utf-8")
+        text = read_bounded(path / METADATA_FILE, METADATA_LIMIT, label=source).decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{source}: cannot read it ({error})") from None
     metadata = metadata_from_json(text, source=source)
@@ -331,8 +330,7 @@ def check_resume(
 def save_problem(root: str | Path, current: RunConfig) -> str | None:
     """Why ``--save root`` (not resumed from) would overwrite another model's checkpoint, or holds
     a tracker that is no regular file; an unreadable checkpoint is left to the save."""
-    tracker = Path(root) / TRACKER
-    problem = regular_file_problem(tracker)
+    problem = regular_file_problem(Path(root) / TRACKER)
     if problem == "is missing":
         return None
     if problem is not None:
@@ -383,6 +381,4 @@ def scheduler_policy(args: Any) -> SchedulerPolicy:
     """Megatron-LM's two flags as one value (the command line refuses both at once)."""
     if getattr(args, "override_opt_param_scheduler", False):
         return "override"
-    if getattr(args, "use_checkpoint_opt_param_scheduler", False):
-        return "checkpoint"
-    return "check"
+    return "checkpoint" if getattr(args, "use_checkpoint_opt_param_scheduler", False) else "check"

@@ -84,9 +84,7 @@ def _indexed_prefix(path: str) -> str | None:
     for suffix in (".bin", ".idx"):
         if path.endswith(suffix):
             return path[: -len(suffix)]
-    if os.path.lexists(path + ".idx") or os.path.lexists(path + ".bin"):
-        return path
-    return None
+    return path if os.path.lexists(path + ".idx") or os.path.lexists(path + ".bin") else None
 
 
 def _blend(items: list[str]) -> tuple[list[str], tuple[float, ...] | None]:

@@ -277,8 +277,7 @@ def train(args: Any, *, store: Any = None) -> TrainResult:
         if store is None:  # our launcher holds --save's lock; under torchrun rank 0 takes it
             lock = _take_save_lock(args)
         _check_gpu_memory(args, device)
-        run = _set_up(args, device)
-        return _loop(run)
+        return _loop(_set_up(args, device))
     except Exception as error:
         if liveness is not None and not isinstance(error, OtherRankFailed):
             verdict = liveness.judge(error)
@@ -368,12 +367,11 @@ def _set_up(args: Any, device: torch.device) -> _Run:
             run=run_cfg,
             scheduler_policy=policy,
         )
-    options = options_from_args(args.pipeline_schedule, args)
     forward_backward = get_forward_backward_func(
         args.pipeline_schedule,
         measure_memory=_logs_metrics(args),
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
-        **options,
+        **options_from_args(args.pipeline_schedule, args),
     )
     data = training_data(args)
     dp_size = parallel_state.get_data_parallel_world_size()
