@@ -40,6 +40,18 @@ def _texts(schedule: Schedule) -> list[str]:
     return [" ".join(map(str, actions)) for actions in schedule.per_rank]
 
 
+def _lowered(p: int, v: int, m: int, group: int | None) -> Schedule:
+    """As the catalogue builds it: lowered (messages placed), validated."""
+    return build_schedule(
+        "interleaved",
+        num_ranks=p,
+        num_microbatches=m,
+        num_chunks=v,
+        microbatch_group_size=group,
+        combined_1f1b=True,
+    )
+
+
 def _combined(p: int, v: int, m: int, group: int | None = None) -> Schedule:
     return build_interleaved(
         num_ranks=p,
@@ -154,15 +166,7 @@ def _grid() -> list[tuple[int, int, int, int | None]]:
 @pytest.mark.slow
 def test_validated_and_nccl_proven_across_sizes() -> None:
     for p, v, m, group in _grid():
-        schedule = build_schedule(
-            "interleaved",
-            num_ranks=p,
-            num_microbatches=m,
-            num_chunks=v,
-            microbatch_group_size=group,
-            combined_1f1b=True,
-        )
-        validate_schedule(schedule, nccl=True)
+        validate_schedule(_lowered(p, v, m, group), nccl=True)
 
 
 @pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (4, 2, 8), (3, 3, 9), (8, 2, 16)])
@@ -198,14 +202,7 @@ def test_megatron_cores_posting_is_nccl_safe_but_at_pp_2_batched() -> None:
     which Megatron-LM refuses."""
     unsafe = set()
     for p, v, m, group in _grid():
-        schedule = build_schedule(
-            "interleaved",
-            num_ranks=p,
-            num_microbatches=m,
-            num_chunks=v,
-            microbatch_group_size=group,
-            combined_1f1b=True,
-        )
+        schedule = _lowered(p, v, m, group)
         for options in (P2POptions(), P2POptions(batch_p2p=False), OVERLAP):
             try:
                 check_posting(schedule, megatron_posting(schedule, options))
