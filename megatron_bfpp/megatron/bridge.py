@@ -40,6 +40,8 @@ def use_schedule(
     from megatron_bfpp.megatron import plugin
 
     if name == AUTO:
+        if options.get("combined_1f1b"):  # as Megatron-LM's and bfpp-train's auto, before it
+            raise ScheduleError("combined_1f1b needs the schedule 'interleaved', not 'auto'")
         name, options, _ = resolve_bridge_auto(
             config,
             options,

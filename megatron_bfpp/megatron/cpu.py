@@ -144,8 +144,7 @@ def _current_stream(device: Any = None) -> _Synchronous:
 
 
 def _own(function: Callable[..., Any]) -> Callable[..., Any]:
-    """A distinct object: torch.compile's trace rules refuse one object under two torch names
-    (megatron-core compiles its MoE router's functions)."""
+    """One object per torch name: torch.compile refuses one under two (megatron-core's router)."""
 
     @functools.wraps(function)
     def own(*args: Any, **kwargs: Any) -> Any:

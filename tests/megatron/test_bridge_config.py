@@ -60,6 +60,11 @@ def test_refusals_are_one_line(
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
+def test_auto_with_combined_1f1b_is_one_line_before_auto_decides() -> None:
+    with pytest.raises(ScheduleError, match=r"^combined_1f1b needs the schedule 'interleaved'"):
+        bridge.use_schedule(_config(), "auto", combined_1f1b=True)
+
+
 def test_megatron_fsdp_is_refused() -> None:
     config = _config()
     config.ddp.use_megatron_fsdp = True
