@@ -366,6 +366,7 @@ def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
     """``--pipeline-schedule auto``: decided (said by rank 0) before any check needs a schedule."""
     if args.pipeline_schedule != AUTO:
         return
+    check_auto_flags(args)  # --combined-1f1b: refused before auto decides
     from megatron_bfpp.train.auto import resolve_train_auto
 
     report = args.pipeline_schedule_auto_report

@@ -374,6 +374,10 @@ def test_virtual_stages_default_per_schedule(
             "--pipeline-schedule breadth-first --breadth-first-group-size 0",
             "must be >= 1",
         ),
+        (  # before auto decides: its choice is never printed
+            "--pipeline-model-parallel-size 2 --pipeline-schedule auto --combined-1f1b",
+            "--combined-1f1b needs --pipeline-schedule interleaved, not auto",
+        ),
     ],
 )
 def test_bad_combinations_exit_with_one_line(

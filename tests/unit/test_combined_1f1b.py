@@ -275,6 +275,11 @@ def test_auto_does_not_choose_it_and_refuses_the_switch() -> None:
         args.pipeline_schedule_auto_line = line  # set once auto wrote its choice back
         with pytest.raises(ScheduleError, match=r"^--combined-1f1b needs --pipeline-schedule"):
             check_auto_flags(args)
+    from megatron_bfpp.cli import train
+
+    parsed = train.build_parser().parse_args(["--pipeline-schedule", "auto", "--combined-1f1b"])
+    with pytest.raises(ScheduleError, match=r"^--combined-1f1b needs --pipeline-schedule"):
+        train.resolve_auto(parsed, 4)  # before auto decides (and says its choice)
     request = AutoRequest(
         model=get_model("mixtral-8x7b"),
         tp=1,
