@@ -49,6 +49,7 @@ from megatron_bfpp.ir import (
     _kind_of,
     parts,
     paused_gc,
+    primitives,
 )
 from megatron_bfpp.messages import (
     ACT,
@@ -132,6 +133,26 @@ def action_duration(
         return durations[action.kind]
     f, b = (durations[part.kind] - a2a for part in parts(action))  # each part's compute
     return f + b + max(0, a2a - b) + max(0, a2a - f)
+
+
+def planned_forwards(program: Sequence[Action]) -> frozenset[tuple[int, int | None]]:
+    """(stage, micro-batch) of the forwards a rank can run through megatron-core's schedule
+    plans (``--overlap-moe-expert-parallel-comm``): those whose backward is a whole B. A plan
+    runs its backward whole, so a forward whose backward is split (I, W) runs the plain way."""
+    return frozenset(
+        (a.stage, a.microbatch) for _, a in primitives(program) if a.kind is K.BACKWARD
+    )
+
+
+def combined_pairs(program: Sequence[Action]) -> frozenset[int]:
+    """Positions of the overlapped pairs that run as megatron-core's combined forward-backward
+    step, hiding each part's all-to-all under the other's compute: a forward of
+    ``planned_forwards`` with a whole B. Any other pair runs F then B and hides nothing."""
+    planned = planned_forwards(program)
+    pairs = ((i, parts(a)) for i, a in enumerate(program) if a.kind is K.OVERLAP_F_B)
+    return frozenset(
+        i for i, (f, b) in pairs if b.kind is K.BACKWARD and (f.stage, f.microbatch) in planned
+    )
 
 
 class Event(NamedTuple):
