@@ -125,17 +125,12 @@ def check_schedule_args(args: Any) -> None:
         options=options,
         # --step-batch-size-schedule: global_batch_size (mbs x dp) is no step's; every step runs
         batch_schedule=step_batch_sizes(args),
+        overlapped=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
     )
     if getattr(args, "rampup_batch_size", None):
         raise ScheduleError(
             f"--pipeline-schedule {name} does not support --rampup-batch-size yet; "
             "use --pipeline-schedule default"
-        )
-    if getattr(args, "overlap_moe_expert_parallel_comm", False):  # the runtime's own check, early
-        raise ScheduleError(
-            f"--pipeline-schedule {name} does not run --overlap-moe-expert-parallel-comm yet "
-            "(megatron-core's combined 1F1B; dualpipe-v runs each overlapped pair's forward, "
-            "then its backward); drop the flag, or use --pipeline-schedule default"
         )
     given = given_flags(args, (*UNEVEN_LAYOUT_FLAGS, *NO_V_SHAPE_FLAGS))
     if get_spec(name).placement is Placement.V_SHAPE and given:

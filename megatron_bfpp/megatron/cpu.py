@@ -52,6 +52,7 @@ def enable_cpu_megatron() -> None:
         _patches.patch(torch.cuda, "set_stream", _own(_nothing))
         for name in _FACTORIES:
             _patches.patch(torch, name, _on_cpu(getattr(torch, name)))
+        _patches.patch(torch.Tensor, "record_stream", _own(_nothing))  # combined 1F1B's streams
         _patches.patch(torch.Tensor, "cuda", _itself)
         _patches.patch(torch.nn.Module, "cuda", _itself)
         _patches.patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type))

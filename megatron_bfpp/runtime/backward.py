@@ -10,23 +10,40 @@ from megatron_bfpp.ir import Action
 from megatron_bfpp.messages import Message, What
 from megatron_bfpp.runtime.step import Key, RankStep
 
-__all__ = ["begin_backward", "microbatch", "overlaps_grad_reduce", "whole_backward"]
+__all__ = [
+    "begin_backward",
+    "end_backward",
+    "microbatch",
+    "overlaps_grad_reduce",
+    "whole_backward",
+]
 
 
 def whole_backward(step: RankStep, position: int, action: Action) -> None:
-    """A micro-batch's whole backward via ``backward_step`` (B, and the split backward's I); the
-    previous stage's gradient goes to a send, or to this rank's earlier stage (V-shape turn)."""
+    """A micro-batch's whole backward via ``backward_step`` (B, and the split backward's I); one
+    whose forward ran as a schedule plan runs through it (``runtime.combined``)."""
+    if (action.stage, action.microbatch) in step.planned:
+        from megatron_bfpp.runtime import combined
+
+        return combined.run(step, position, None, action)
     ctx = step.ctx
-    (stage, mb), input_tensor, output, output_grad = begin_backward(step, position, action)
+    key, input_tensor, output, output_grad = begin_backward(step, position, action)
     input_grad = backward_step(
         input_tensor, output, output_grad, model_type=ctx.model_type, config=ctx.config
     )
-    step.store.drop((stage, mb))
+    end_backward(step, key, action, input_grad)
+
+
+def end_backward(step: RankStep, key: Key, action: Action, input_grad: Any) -> None:
+    """The previous stage's gradient goes to a send, or to this rank's earlier stage (V-shape
+    turn); the micro-batch's stored tensors are gone."""
+    stage, mb = key
+    step.store.drop(key)
     step.state.trace.append(str(action))
     if stage > 0 and step.layout.rank_of(stage - 1) == step.rank:
         step.state.local_grads[(stage - 1, mb)] = input_grad
     elif stage > 0:
-        step.state.grads_to_send[(stage, mb)] = input_grad
+        step.state.grads_to_send[key] = input_grad
 
 
 def begin_backward(step: RankStep, position: int, action: Action) -> tuple[Key, Any, Any, Any]:

@@ -16,7 +16,7 @@ import torch
 from megatron_bfpp.ir import Action, ActionKind, Schedule, parts
 from megatron_bfpp.messages import Message, What, message_of
 from megatron_bfpp.nccl import Batch, Posting, release_models, validate_nccl
-from megatron_bfpp.runtime import bpipe, sharding, split_backward
+from megatron_bfpp.runtime import bpipe, combined, sharding, split_backward
 from megatron_bfpp.runtime.activations import unique_storage_bytes
 from megatron_bfpp.runtime.backward import microbatch, overlaps_grad_reduce, whole_backward
 from megatron_bfpp.runtime.p2p import Receive, Send, pair_group, pseudo_free
@@ -48,11 +48,11 @@ def forward(step: RankStep, position: int, action: Action) -> None:
     # forward_step's signature is the same in 0.16.1 to 0.20.0 (docs/architecture.md)
     from megatron.core.pipeline_parallel.schedules import check_first_val_step, forward_step
 
+    if (action.stage, action.microbatch) in step.planned:
+        return combined.run(step, position, action, None)
     ctx, stage, mb = step.ctx, action.stage, microbatch(action)
     chunk = step.layout.chunk_of(stage)
-    input_tensor = _forward_input(step, stage, mb)
-    for part in step.parts.values():
-        part.before_compute(step, stage)
+    input_tensor = begin_forward(step, action)
     with step.store.capture((stage, mb)) if step.measuring else contextlib.nullcontext():
         output, num_tokens = forward_step(
             ctx.call.forward_step_func,
@@ -72,13 +72,30 @@ def forward(step: RankStep, position: int, action: Action) -> None:
             vp_stage=chunk if len(ctx.model) > 1 else None,
             is_last_stage=step.layout.is_last(stage),
         )
+    end_forward(step, action, input_tensor, output, num_tokens)
+
+
+def begin_forward(step: RankStep, action: Action) -> torch.Tensor | None:
+    """What every forward starts with: its input (received, handed over, or none), the parts'
+    hooks; returns the input."""
+    input_tensor = _forward_input(step, action.stage, microbatch(action))
+    for part in step.parts.values():
+        part.before_compute(step, action.stage)
+    return input_tensor
+
+
+def end_forward(
+    step: RankStep, action: Action, input_tensor: torch.Tensor | None, output: Any, num_tokens: Any
+) -> None:
+    """What every forward ends with: its tokens counted, its input and output kept for its
+    backward (forward-only: the output for the next stage only)."""
     assert step.state.total_num_tokens is not None
     step.state.total_num_tokens += num_tokens
     step.state.trace.append(str(action))
-    key = (stage, mb)
-    if not (ctx.call.forward_only and step.layout.is_last(stage)):
+    key = (action.stage, microbatch(action))
+    if not (step.ctx.call.forward_only and step.layout.is_last(action.stage)):
         step.state.outputs[key] = output
-    if not ctx.call.forward_only:
+    if not step.ctx.call.forward_only:
         step.state.inputs[key] = input_tensor
 
 
@@ -107,6 +124,8 @@ def overlapped(step: RankStep, position: int, action: Action) -> None:
     Memory is measured between the parts too: run overlapped, the forward's activations and
     those the backward has not freed yet are live at once (the planner's walk counts that)."""
     forward, backward = parts(action)
+    if backward.kind is K.BACKWARD and (forward.stage, forward.microbatch) in step.planned:
+        return combined.run(step, position, forward, backward)  # semantics.combined_pairs
     TABLE.handlers[forward.kind](step, position, forward)
     _measure(step)
     TABLE.handlers[backward.kind](step, position, backward)

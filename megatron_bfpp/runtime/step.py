@@ -16,6 +16,7 @@ import torch
 from megatron_bfpp.ir import Action, ActionKind, Schedule, primitives
 from megatron_bfpp.runtime.activations import ActivationStore
 from megatron_bfpp.runtime.p2p import PipeComm, Receive, Send
+from megatron_bfpp.semantics import planned_forwards
 
 __all__ = [
     "Call",
@@ -224,6 +225,9 @@ class RankStep:
         # With sync functions (overlap_grad_reduce) a chunk stays in no_sync through its last
         # backward and GS reduces, as megatron-core's interleaved schedule does; else DDP's hooks.
         self.grad_sync_funcs = self.per_chunk(ctx.config.grad_sync_func)
+        # forwards run as megatron-core's schedule plans (--overlap-moe-expert-parallel-comm)
+        overlap = getattr(ctx.config, "overlap_moe_expert_parallel_comm", False)
+        self.planned = planned_forwards(self.program) if overlap else frozenset()
         self.measuring = measuring
         self.store = ActivationStore.for_modules(ctx.model if measuring else [], ctx.comm.device)
         self.state = StepState()

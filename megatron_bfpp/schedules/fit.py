@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.ir import Schedule, ScheduleError
 from megatron_bfpp.schedules.registry import (
     build_schedule,
     check_sharding,
@@ -16,6 +16,7 @@ from megatron_bfpp.schedules.registry import (
     get_spec,
     in_flag_terms,
 )
+from megatron_bfpp.semantics import combined_pairs
 
 __all__ = [
     "BATCH_SCHEDULE_FLAG",
@@ -39,6 +40,17 @@ class Fit:
     num_chunks: int | None
     stages_per_rank: int
     num_microbatches: int
+
+
+def check_overlapped_pairs(schedule: Schedule) -> None:
+    """megatron-core's all-to-all overlap runs only in pairs that run as its combined step
+    (``semantics.combined_pairs``); a schedule without one would take the flag and hide nothing."""
+    if not any(combined_pairs(program) for program in schedule.per_rank):
+        raise ScheduleError(
+            "--overlap-moe-expert-parallel-comm hides expert all-to-alls in overlapped forward-"
+            f"backward pairs, which {schedule.name} has none of here; use --pipeline-schedule "
+            "dualpipe-v, or interleaved with --combined-1f1b, or drop the flag"
+        )
 
 
 def num_microbatches(
@@ -129,10 +141,12 @@ def check_fit(
     sharding: str = "optim",
     options: Mapping[str, Any] | None = None,
     batch_schedule: Sequence[int] = (),
+    overlapped: bool = False,
 ) -> Fit:
     """Schedule ``name`` on ``pp`` ranks with ``vp`` virtual stages per rank (``None``: not
     given) and ``dp`` replicas, or one :class:`ScheduleError` line saying what to change;
-    ``batch_schedule`` (:func:`step_batch_sizes`): every step's must run, the last's returned."""
+    ``batch_schedule`` (:func:`step_batch_sizes`): every step's must run, the last's returned;
+    ``overlapped`` (``--overlap-moe-expert-parallel-comm``): each with pairs that can hide it."""
     spec = get_spec(name)
     chunks = spec.chunks_for(vp, vp_flag=vp_flag)
     stages = spec.stages_per_rank(chunks)
@@ -157,7 +171,7 @@ def check_fit(
     where = f" (a step of {BATCH_SCHEDULE_FLAG})" if batch_schedule else ""
     for m in dict.fromkeys(counts):  # each distinct count once, in the schedule's order
         try:
-            build_schedule(
+            built = build_schedule(
                 name,
                 num_ranks=pp,
                 num_microbatches=m,
@@ -170,4 +184,6 @@ def check_fit(
                 f"--pipeline-schedule {name} cannot run {m} micro-batches on {sizes}{where}: "
                 f"{in_flag_terms(str(error).strip().splitlines()[0], name)}"
             ) from None
+        if overlapped:
+            check_overlapped_pairs(built)
     return Fit(num_chunks=chunks, stages_per_rank=stages, num_microbatches=counts[-1])

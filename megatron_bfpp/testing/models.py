@@ -143,9 +143,11 @@ def make_batches(
     return batches
 
 
-def forward_step_func(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[Any, Any]:
+def forward_step_func(
+    data_iterator: Iterator[Batch], model: torch.nn.Module, return_schedule_plan: bool = False
+) -> tuple[Any, Any]:
     """bfpp-train's :func:`~megatron_bfpp.train.step_functions.forward_step`, batch not moved."""
-    return forward_step(None, data_iterator, model)
+    return forward_step(None, data_iterator, model, return_schedule_plan)
 
 
 def losses_from_store(store: Iterable[dict[str, torch.Tensor]]) -> list[float]:

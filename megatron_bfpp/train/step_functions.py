@@ -29,13 +29,18 @@ def loss_func(
 
 
 def forward_step(
-    device: torch.device | None, data_iterator: Iterator[Batch], model: torch.nn.Module
+    device: torch.device | None,
+    data_iterator: Iterator[Batch],
+    model: torch.nn.Module,
+    return_schedule_plan: bool = False,
 ) -> tuple[Any, Any]:
     """megatron-core's ``forward_step_func(data_iterator, model)`` once ``device`` is bound
     (``None``: batch not moved). Every stage reads the batch (``GPTModel`` ignores tokens
-    without ``pre_process``); the mask is ``None``: the local spec's causal softmax builds it."""
+    without ``pre_process``); the mask is ``None``: the local spec's causal softmax builds it.
+    ``return_schedule_plan``: the chunk's plan for megatron-core's combined step instead."""
     batch = next(data_iterator)
     if device is not None:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    run = model.build_schedule_plan if return_schedule_plan else model
+    output = run(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, functools.partial(loss_func, batch["loss_mask"])

@@ -536,10 +536,17 @@ def test_v_shape_refuses_looped_layer_placement_flags(dest: str, flag: str) -> N
     assert flag in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("schedule", ["dualpipe-v", "breadth-first"])
-def test_moe_all_to_all_overlap_is_refused_in_one_line_before_any_work(schedule: str) -> None:
-    """megatron-core runs --overlap-moe-expert-parallel-comm in its combined 1F1B; our schedules
-    do not yet, so the flag would be ignored: refused where Megatron-LM's arguments are read."""
+@pytest.mark.parametrize(
+    ("schedule", "combined_1f1b", "refused"),
+    [("dualpipe-v", False, False), ("interleaved", True, False), ("interleaved", False, True),
+     ("breadth-first", False, True), ("v-zb", False, True)],
+)  # fmt: skip
+def test_moe_all_to_all_overlap_runs_only_with_overlapped_pairs(
+    schedule: str, combined_1f1b: bool, refused: bool
+) -> None:
+    """--overlap-moe-expert-parallel-comm hides all-to-alls in the pairs that run as
+    megatron-core's combined step; a schedule without them is refused in one line, before any
+    work, where Megatron-LM's arguments are read."""
     args = SimpleNamespace(
         pipeline_schedule=schedule,
         pipeline_model_parallel_size=4,
@@ -549,14 +556,18 @@ def test_moe_all_to_all_overlap_is_refused_in_one_line_before_any_work(schedule:
         data_parallel_size=1,
         breadth_first_group_size=None,
         bpipe_max_stored=None,
+        combined_1f1b=True if combined_1f1b else None,
         overlap_moe_expert_parallel_comm=True,
     )
+    if not refused:
+        check_schedule_args(args)
+        return
     with pytest.raises(ScheduleError) as error:
         check_schedule_args(args)
     assert str(error.value) == (
-        f"--pipeline-schedule {schedule} does not run --overlap-moe-expert-parallel-comm yet "
-        "(megatron-core's combined 1F1B; dualpipe-v runs each overlapped pair's forward, then "
-        "its backward); drop the flag, or use --pipeline-schedule default"
+        "--overlap-moe-expert-parallel-comm hides expert all-to-alls in overlapped forward-"
+        f"backward pairs, which {schedule} has none of here; use --pipeline-schedule dualpipe-v, "
+        "or interleaved with --combined-1f1b, or drop the flag"
     )
     args.overlap_moe_expert_parallel_comm = False
     check_schedule_args(args)

@@ -38,11 +38,16 @@ def _planned_model(num_layers: int, topk: int) -> Any:
     )  # fmt: skip
 
 
-def _rank(schedule: str, num_layers: int, m: int, topk: int = TOPK) -> dict[str, Any]:
+def _rank(
+    schedule: str, num_layers: int, m: int, topk: int = TOPK, bf16: bool = False
+) -> dict[str, Any]:
     """Build the MoE chunks, run one measured step; report this rank's bytes, losses and
-    gradients (by global parameter name)."""
+    gradients (by global parameter name). ``bf16``: in bf16, and with megatron-core's all-to-all
+    overlap where the schedule has pairs for it (counted: the combined steps that ran)."""
+    import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import combined_1f1b
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_bfpp import get_forward_backward_func
@@ -55,7 +60,19 @@ def _rank(schedule: str, num_layers: int, m: int, topk: int = TOPK) -> dict[str,
         moe_ffn_hidden_size=EXPERT_FFN,
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+        **(dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16) if bf16
+           else {}),
+        overlap_moe_expert_parallel_comm=bf16 and schedule != "1f1b",
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
     )  # fmt: skip
+    combined: list[tuple[bool, bool]] = []  # (forward, backward) of each combined step
+    step = combined_1f1b.combined_forward_backward_step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        combined.append((args[2] is not None, args[6] is not None))
+        return step(*args, **kwargs)
+
+    combined_1f1b.combined_forward_backward_step = counted
     spec = get_gpt_layer_local_spec(
         num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm"
     )
@@ -84,6 +101,7 @@ def _rank(schedule: str, num_layers: int, m: int, topk: int = TOPK) -> dict[str,
         micro_batch_size=MICRO,
     )
     return {
+        "combined": combined,
         "rank": parallel_state.get_pipeline_model_parallel_rank(),
         "ep_rank": parallel_state.get_expert_model_parallel_rank(),
         "parameters": parameters,
@@ -141,3 +159,36 @@ def test_v_shapes_give_1f1bs_losses_and_gradients_with_expert_parallelism(schedu
 
         assert len(grads(base)) > 8 * 4  # every layer's experts, router, attention and norms
         M.assert_tensors_close(grads(ours), grads(base), rel=1e-6)
+
+
+def test_dualpipe_v_runs_its_pairs_as_megatron_cores_combined_step_with_1f1bs_losses() -> None:
+    """--overlap-moe-expert-parallel-comm (bf16, ep 2): every forward whose backward is whole runs
+    as a schedule plan, every pair of ``combined_pairs`` as one combined step (counted), the rest
+    plainly; the losses and gradients are 1F1B's, which runs every action plainly."""
+    from megatron_bfpp.semantics import combined_pairs, planned_forwards
+
+    pp, ep, m, layers = 2, 2, 6, 8
+    ours = run_ranks(
+        _rank, world_size=pp * ep, pp=pp, vp=2, ep=ep, args=("dualpipe-v", layers, m, TOPK, True)
+    )
+    base = run_ranks(_rank, world_size=pp * ep, pp=pp, ep=ep, args=("1f1b", layers, m, TOPK, True))
+    built = build_schedule("dualpipe-v", num_ranks=pp, num_microbatches=m, lower=False)
+    for r in ours:
+        program = built.per_rank[r["rank"]]
+        pairs, planned = len(combined_pairs(program)), len(planned_forwards(program))
+        assert pairs > 0 and planned > pairs
+        assert r["combined"].count((True, True)) == pairs
+        assert r["combined"].count((True, False)) == r["combined"].count((False, True))
+        assert r["combined"].count((True, False)) == planned - pairs
+    assert all(r["combined"] == [] for r in base)
+
+    def losses(results: list[dict[str, Any]]) -> list[float]:
+        return [x for r in results if r["ep_rank"] == 0 for x in r["losses"]]
+
+    assert losses(ours) == losses(base) and len(losses(base)) == 2 * m  # (sum, tokens) each
+    for ep_rank in range(ep):
+
+        def grads(results: list[dict[str, Any]], ep_rank: int = ep_rank) -> dict[str, Any]:
+            return {k: v for r in results if r["ep_rank"] == ep_rank for k, v in r["grads"].items()}
+
+        M.assert_tensors_close(grads(ours), grads(base), rel=0)

@@ -3,6 +3,7 @@ one handler, and a kind left out, or handled twice, fails when the table is buil
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -77,7 +78,6 @@ def test_forward_backward_func_keeps_its_state_on_itself() -> None:
         ("num_microbatches_with_partial_activation_checkpoints", 2, "partial_activation"),
         ("fine_grained_activation_offloading", True, "fine_grained_activation_offloading"),
         ("cuda_graph_impl", "local", "--cuda-graph-impl none"),
-        ("overlap_moe_expert_parallel_comm", True, "drop the flag, or use Megatron's own"),
     ],
 )
 def test_megatron_features_the_runtime_lacks_are_refused(
@@ -152,7 +152,19 @@ def test_an_overlapped_pair_runs_its_parts_handlers_in_order_at_its_position(
             lambda step, position, action: ran.append((position, str(action))),
         )
     assert TABLE.handlers[ActionKind.OVERLAP_F_B] is executor.overlapped
-    step: Any = SimpleNamespace(measuring=False)  # memory is measured between the parts
+    step: Any = SimpleNamespace(measuring=False, planned=frozenset())  # measured between parts
     executor.overlapped(step, 7, parse_action("3F5&1B2"))
     executor.overlapped(step, 9, parse_action("4F0&0I1"))
     assert ran == [(7, "3F5"), (7, "1B2"), (9, "4F0"), (9, "0I1")]
+
+
+def test_overlap_needs_a_forward_step_func_that_builds_schedule_plans() -> None:
+    """megatron-core's combined step calls forward_step_func(..., return_schedule_plan=True);
+    one without it is refused in one line before any work (Megatron-LM's pretrain_gpt has it)."""
+    from megatron_bfpp.runtime.combined import check_forward_step_func
+    from megatron_bfpp.train.step_functions import forward_step
+
+    check_forward_step_func(functools.partial(forward_step, None))
+    with pytest.raises(ValueError, match="must take return_schedule_plan") as error:
+        check_forward_step_func(lambda data_iterator, model: None)
+    assert "\n" not in str(error.value)
