@@ -53,6 +53,8 @@ def enable_cpu_megatron() -> None:
         for name in _FACTORIES:
             _patches.patch(torch, name, _on_cpu(getattr(torch, name)))
         _patches.patch(torch.Tensor, "record_stream", _own(_nothing))  # combined 1F1B's streams
+        for name in ("range_push", "range_pop"):  # and its ranges (a CPU build has no NVTX)
+            _patches.patch(torch.cuda.nvtx, name, _own(_nothing))
         _patches.patch(torch.Tensor, "cuda", _itself)
         _patches.patch(torch.nn.Module, "cuda", _itself)
         _patches.patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type))

@@ -91,8 +91,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Any:
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator: Any, model: Any) -> Any:
-    """One micro-batch through one model chunk; the loss function for the last stage."""
+PLANS_BUILT = [0]  # forwards built as schedule plans (megatron-core's combined step asked)
+
+
+def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> Any:
+    """One micro-batch through one model chunk; the loss function for the last stage.
+    ``return_schedule_plan``: the chunk's plan, as Megatron-LM's pretrain_gpt.py builds it."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model
 
@@ -104,7 +108,9 @@ def forward_step(data_iterator: Any, model: Any) -> Any:
         batch = {name: value.to(device) for name, value in next(data_iterator).items()}
         tokens, labels = batch["tokens"], batch["labels"]
         loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
-    return model(tokens, position_ids, None, labels=labels), functools.partial(loss_func, loss_mask)
+    PLANS_BUILT[0] += return_schedule_plan
+    run = model.build_schedule_plan if return_schedule_plan else model
+    return run(tokens, position_ids, None, labels=labels), functools.partial(loss_func, loss_mask)
 
 
 def main() -> None:
@@ -128,6 +134,8 @@ def main() -> None:
         training.pretrain(
             datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step
         )
+    if PLANS_BUILT[0]:
+        print(f"pretrain_gpt: {PLANS_BUILT[0]} forwards built as schedule plans", flush=True)
 
 
 if __name__ == "__main__":

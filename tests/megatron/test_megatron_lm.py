@@ -374,6 +374,20 @@ def test_dualpipe_v_with_expert_parallelism_gives_1f1bs_losses(tmp_path: Path) -
     assert ours == megatron
 
 
+def test_dualpipe_v_runs_megatron_cores_all_to_all_overlap_with_the_plain_runs_losses(
+    tmp_path: Path,
+) -> None:
+    """--overlap-moe-expert-parallel-comm (bf16, as megatron-core requires): dualpipe-v's pairs
+    run as megatron-core's combined step (its forwards built as schedule plans, counted), with
+    exactly the losses and grad norms of dualpipe-v run plainly."""
+    run = [*MOE, "--bf16", "--pipeline-schedule", "dualpipe-v"]
+    overlapped, output = _train(tmp_path, *run, "--overlap-moe-expert-parallel-comm")
+    assert re.search(r"pretrain_gpt: [1-9]\d* forwards built as schedule plans", output)
+    plain, output = _train(tmp_path, *run)
+    assert "schedule plans" not in output
+    assert overlapped == plain
+
+
 V_BOUND = re.compile(
     r"iterations in bf16 with clipping, the V-shapes' losses stay within (\S+) and their grad "
     r"norms within (\S+) of 1F1B's"

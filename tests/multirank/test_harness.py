@@ -286,6 +286,9 @@ def test_cpu_adapter_is_idempotent_and_restores_everything() -> None:
             "seed": mrandom.model_parallel_cuda_manual_seed,
             "norm": vars(WrappedTorchNorm)["__new__"],
             "all_to_all_single": torch.distributed.all_to_all_single,
+            "record_stream": vars(torch.Tensor).get("record_stream"),
+            "range_push": torch.cuda.nvtx.range_push,
+            "range_pop": torch.cuda.nvtx.range_pop,
         }
 
     assert not cpu.is_cpu_megatron_enabled()
@@ -299,6 +302,10 @@ def test_cpu_adapter_is_idempotent_and_restores_everything() -> None:
         assert torch.cuda.current_device() == torch.device("cpu")
         assert torch.zeros(2, device="cuda").device.type == "cpu"
         assert torch.ones(1).cuda().type() == "torch.cuda.FloatTensor"
+        # megatron-core's combined 1F1B: its comm stream's tensors and its NVTX ranges
+        torch.ones(1).record_stream(torch.cuda.Stream())
+        torch.cuda.nvtx.range_push("forward")
+        torch.cuda.nvtx.range_pop()
     finally:
         cpu.disable_cpu_megatron()
     assert not cpu.is_cpu_megatron_enabled()
