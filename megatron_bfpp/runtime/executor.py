@@ -118,9 +118,10 @@ def _forward_input(step: RankStep, stage: int, mb: int) -> torch.Tensor | None:
 
 
 def overlapped(step: RankStep, position: int, action: Action) -> None:
-    """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``): its forward, then its backward, each via
-    its ``TABLE`` handler, both receives already posted (``semantics``' composite rule); hiding
-    communication by running them concurrently needs a layer-splitting handler (DualPipe's).
+    """An overlapped pair (``OVERLAP_F_B``, ``3F5&1B2``), both receives already posted
+    (``semantics``' composite rule): one of ``combined_pairs`` as megatron-core's combined step
+    (``runtime.combined``, which hides each part's all-to-all), any other its forward, then its
+    backward, each via its ``TABLE`` handler.
     Memory is measured between the parts too: run overlapped, the forward's activations and
     those the backward has not freed yet are live at once (the planner's walk counts that)."""
     forward, backward = parts(action)

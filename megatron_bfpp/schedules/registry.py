@@ -100,8 +100,8 @@ COMBINED_1F1B = ScheduleOption(
     "--combined-1f1b",
     "combined_1f1b",
     "--combined-1f1b",
-    "interleaved: megatron-core's combined 1F1B order (its --overlap-moe-expert-parallel-comm's); "
-    "our runtime runs each pair's forward, then its backward, hiding no all-to-all",
+    "interleaved: megatron-core's combined 1F1B order (its --overlap-moe-expert-parallel-comm's, "
+    "which runs the pairs as its combined step); without that flag each pair runs F then B",
     switch=True,
 )
 MAX_STORED = ScheduleOption(

@@ -1,6 +1,6 @@
 """Mixture-of-Experts through the runtime: a small LLaMA-shaped MoE GPT (every layer's MLP SwiGLU
 experts, top-2 of 4) on CPU gloo ranks with expert parallelism 1 and 2 (megatron-core's
-all-to-all token dispatcher). The V-shapes (dualpipe-v's overlapped pairs run F then B, v-zb's
+all-to-all token dispatcher). The V-shapes (dualpipe-v's overlapped pairs, plainly or as megatron-core's combined step; v-zb's
 split backward) give 1F1B's losses and gradients; each rank holds exactly the parameter and
 gradient bytes ``plan.memory`` predicts, and with every token routed to every expert (the even
 routing the planner assumes) its measured activation peak is within 10% of the planner's walk."""
