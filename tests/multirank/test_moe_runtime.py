@@ -1,13 +1,15 @@
 """Mixture-of-Experts through the runtime: a small LLaMA-shaped MoE GPT (every layer's MLP SwiGLU
 experts, top-2 of 4) on CPU gloo ranks with expert parallelism 1 and 2 (megatron-core's
-all-to-all token dispatcher). The V-shapes (dualpipe-v's overlapped pairs, plainly or as megatron-core's combined step; v-zb's
-split backward) give 1F1B's losses and gradients; each rank holds exactly the parameter and
-gradient bytes ``plan.memory`` predicts, and with every token routed to every expert (the even
-routing the planner assumes) its measured activation peak is within 10% of the planner's walk."""
+all-to-all token dispatcher). The V-shapes (dualpipe-v's pairs, and v-zb's split backward) give
+1F1B's losses and gradients, and so do the pairs run as megatron-core's combined step
+(``--overlap-moe-expert-parallel-comm``); each rank holds exactly the parameter and gradient
+bytes ``plan.memory`` predicts, and with every token routed to every expert (the even routing
+the planner assumes) its measured activation peak is within 10% of the planner's walk."""
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -49,7 +51,12 @@ def _planned_model(num_layers: int, topk: int) -> Any:
 
 
 def _rank(
-    schedule: str, num_layers: int, m: int, topk: int = TOPK, bf16: bool = False
+    schedule: str,
+    num_layers: int,
+    m: int,
+    topk: int = TOPK,
+    bf16: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the MoE chunks, run one measured step; report this rank's bytes, losses and
     gradients (by global parameter name). ``bf16``: in bf16, and with megatron-core's all-to-all
@@ -73,6 +80,7 @@ def _rank(
         **(dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16) if bf16
            else {}),
         overlap_moe_expert_parallel_comm=bf16 and schedule != "1f1b",
+        overlap_p2p_comm=False,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
     )  # fmt: skip
     combined: list[tuple[bool, bool]] = []  # (forward, backward) of each combined step
@@ -91,7 +99,7 @@ def _rank(
             config, layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
             share_embeddings_and_output_weights=False, position_embedding_type="rope",
             init=functools.partial(init_by_global_names, seed=0, draw=M._draw),
-            placement=get_spec(schedule).placement,
+            placement=get_spec("interleaved" if schedule == "megatron" else schedule).placement,
         ),
         use_distributed_optimizer=False,
     )  # fmt: skip
@@ -99,7 +107,13 @@ def _rank(
     gradients = sum(
         p.main_grad.numel() * p.main_grad.element_size() for c in chunks for p in c.parameters()
     )
-    func = get_forward_backward_func(schedule, measure_memory=True)
+    if schedule == "megatron":  # megatron-core's own interleaved schedule (combined 1F1B)
+        from megatron.core.pipeline_parallel import get_forward_backward_func as megatrons
+
+        func = megatrons()
+        func.last_memory = SimpleNamespace(peak_activation_bytes=0)
+    else:
+        func = get_forward_backward_func(schedule, measure_memory=True, **(options or {}))
     batches = M.make_batches(m, micro_batch_size=MICRO, seq_len=SEQ, vocab=VOCAB, seed=1)
     iterators: Any = [iter(batches) for _ in chunks]
     losses = func(
@@ -171,7 +185,12 @@ def test_v_shapes_give_1f1bs_losses_and_gradients_with_expert_parallelism(schedu
         M.assert_tensors_close(grads(ours), grads(base), rel=1e-6)
 
 
-def test_dualpipe_v_runs_its_pairs_as_megatron_cores_combined_step_with_1f1bs_losses() -> None:
+@pytest.mark.parametrize(
+    ("schedule", "options"), [("dualpipe-v", {}), ("interleaved", {"combined_1f1b": True})]
+)
+def test_pairs_run_as_megatron_cores_combined_step_with_1f1bs_losses(
+    schedule: str, options: dict[str, Any]
+) -> None:
     """--overlap-moe-expert-parallel-comm (bf16, ep 2): every forward whose backward is whole runs
     as a schedule plan, every pair of ``combined_pairs`` as one combined step (counted), the rest
     plainly; the losses and gradients are 1F1B's, which runs every action plainly."""
@@ -179,14 +198,17 @@ def test_dualpipe_v_runs_its_pairs_as_megatron_cores_combined_step_with_1f1bs_lo
 
     pp, ep, m, layers = 2, 2, 6, 8
     ours = run_ranks(
-        _rank, world_size=pp * ep, pp=pp, vp=2, ep=ep, args=("dualpipe-v", layers, m, TOPK, True)
-    )
+        _rank, world_size=pp * ep, pp=pp, vp=2, ep=ep,
+        args=(schedule, layers, m, TOPK, True, options),
+    )  # fmt: skip
     base = run_ranks(_rank, world_size=pp * ep, pp=pp, ep=ep, args=("1f1b", layers, m, TOPK, True))
-    built = build_schedule("dualpipe-v", num_ranks=pp, num_microbatches=m, lower=False)
+    built = build_schedule(
+        schedule, num_ranks=pp, num_microbatches=m, num_chunks=2, lower=False, **options
+    )
     for r in ours:
         program = built.per_rank[r["rank"]]
         pairs, planned = len(combined_pairs(program)), len(planned_forwards(program))
-        assert pairs > 0 and planned > pairs
+        assert pairs > 0 and planned >= pairs
         assert r["combined"].count((True, True)) == pairs
         assert r["combined"].count((True, False)) == r["combined"].count((False, True))
         assert r["combined"].count((True, False)) == planned - pairs
@@ -202,3 +224,26 @@ def test_dualpipe_v_runs_its_pairs_as_megatron_cores_combined_step_with_1f1bs_lo
             return {k: v for r in results if r["ep_rank"] == ep_rank for k, v in r["grads"].items()}
 
         M.assert_tensors_close(grads(ours), grads(base), rel=0)
+
+
+def test_our_combined_1f1b_equals_megatron_cores_own_with_the_overlap() -> None:
+    """``interleaved --combined-1f1b`` with --overlap-moe-expert-parallel-comm against
+    megatron-core's own interleaved schedule with it (its combined 1F1B): the same combined steps
+    in the same order, so the same losses and gradients, bit for bit."""
+    pp, ep, m, layers = 2, 2, 6, 8
+    args = (layers, m, TOPK, True)
+    ours = run_ranks(
+        _rank, world_size=pp * ep, pp=pp, vp=2, ep=ep,
+        args=("interleaved", *args, {"combined_1f1b": True}),
+    )  # fmt: skip
+    native = run_ranks(_rank, world_size=pp * ep, pp=pp, vp=2, ep=ep, args=("megatron", *args))
+    assert all(r["combined"] for r in ours)
+    assert [r["combined"] for r in ours] == [r["combined"] for r in native]
+    for ep_rank in range(ep):
+        mine = [r for r in ours if r["ep_rank"] == ep_rank]
+        theirs = [r for r in native if r["ep_rank"] == ep_rank]
+        assert [r["losses"] for r in mine] == [r["losses"] for r in theirs]
+        M.assert_tensors_close(
+            {k: v for r in mine for k, v in r["grads"].items()},
+            {k: v for r in theirs for k, v in r["grads"].items()},
+        )
