@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.megatron.auto import resolve_bridge_auto, split_world
-from megatron_bfpp.plan.auto import AUTO
+from megatron_bfpp.plan.auto import AUTO, OVERLAP_NOT_AUTO
 from megatron_bfpp.schedules.fit import check_fit, step_batch_sizes
 from megatron_bfpp.schedules.registry import get_spec, schedule_names
 
@@ -42,6 +42,8 @@ def use_schedule(
     if name == AUTO:
         if options.get("combined_1f1b"):  # as Megatron-LM's and bfpp-train's auto, before it
             raise ScheduleError("combined_1f1b needs the schedule 'interleaved', not 'auto'")
+        if getattr(config.model, "overlap_moe_expert_parallel_comm", False):
+            raise ScheduleError(f"config.model.overlap_moe_expert_parallel_comm {OVERLAP_NOT_AUTO}")
         name, options, _ = resolve_bridge_auto(
             config,
             options,
@@ -121,6 +123,7 @@ def check_bridge_config(
         vp_flag=VP_FIELD,
         options=options,
         batch_schedule=step_batch_sizes(config.train),
+        overlapped=bool(getattr(model, "overlap_moe_expert_parallel_comm", False)),
     )
 
 

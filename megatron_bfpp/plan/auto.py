@@ -84,11 +84,20 @@ def add_auto_flags(group: Any) -> None:
         )
 
 
+# auto plans no overlapped pairs yet: it may choose a schedule without them
+OVERLAP_NOT_AUTO = (
+    "runs in overlapped pairs, which auto does not plan yet; choose dualpipe-v, or interleaved "
+    "with combined-1f1b"
+)
+
+
 def check_auto_flags(args: Any) -> None:
     """Auto flags with a named schedule say nothing, nor --combined-1f1b with auto: one line."""
     if getattr(args, "pipeline_schedule", None) == AUTO or getattr(args, AUTO_DEST, None):
         if getattr(args, "combined_1f1b", None):  # auto, before or after it was resolved
             raise ScheduleError("--combined-1f1b needs --pipeline-schedule interleaved, not auto")
+        if getattr(args, "overlap_moe_expert_parallel_comm", False):
+            raise ScheduleError(f"--overlap-moe-expert-parallel-comm {OVERLAP_NOT_AUTO}")
         return
     for flag, dest, _ in _AUTO_FLAGS:
         if getattr(args, dest, None) is not None:

@@ -268,6 +268,21 @@ def test_bfpp_train_and_megatron_lm_read_the_switch() -> None:
     assert not get_spec("interleaved").options[1].megatron_owned  # not Megatron's own flag
 
 
+def test_auto_with_the_all_to_all_overlap_is_refused_before_it_decides() -> None:
+    """auto may choose a schedule without pairs, where the flag would be refused after auto
+    said its choice: refused first, in one line, naming what runs it."""
+    for line in (None, "auto: breadth-first (...)"):
+        args = argparse.Namespace(pipeline_schedule="auto", overlap_moe_expert_parallel_comm=True)
+        args.pipeline_schedule_auto_line = line
+        with pytest.raises(ScheduleError) as error:
+            check_auto_flags(args)
+        assert str(error.value) == (
+            "--overlap-moe-expert-parallel-comm runs in overlapped pairs, which auto does not "
+            "plan yet; choose dualpipe-v, or interleaved with combined-1f1b"
+        )
+    check_auto_flags(argparse.Namespace(pipeline_schedule="auto"))
+
+
 def test_auto_does_not_choose_it_and_refuses_the_switch() -> None:
     """auto picks what our runtime runs well; it runs a pair's parts one after the other."""
     for schedule, line in (("auto", None), ("interleaved", "auto: interleaved vp=2 (...)")):
