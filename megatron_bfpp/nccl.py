@@ -760,7 +760,9 @@ class _Model:
         kind = action.kind
         duration = self.durations.get(kind)
         if duration is None and kind is _FB:  # the composite rule: its parts' durations
-            duration = action_duration(self.durations, action, self.a2a)
+            duration = action_duration(
+                self.durations, action, self.rules.hidden(rank, position, self.a2a)
+            )
         if duration is None:  # RL: frees memory, takes no time
             return
         now = self.cpu[rank]

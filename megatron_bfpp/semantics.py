@@ -17,11 +17,11 @@ rank runs its program in order, under these rules:
   the neighbour stage's rank the moment it finished, which is what ``add_communication`` adds.
 * The composite rule: a composite (``OVERLAP_F_B``, ``3F5&1B2``) runs its parts as one compute
   action. It waits for everything each part waits for before it starts, runs them for the sum
-  of their durations less the all-to-all each hides under the other's compute
-  (``action_duration``, ``Timing.a2a``), holds its forward's activations before its backward
-  frees its own (the peak counts both: ``ir.stored_counts``), and what its parts send leaves
-  after it (lowered: its SA / SG follow it; compute-only: at its end). Every other rule applies
-  to each part as to that action alone.
+  of their durations, less the all-to-all each hides under the other's compute if it is one of
+  ``combined_pairs`` (``action_duration``, ``Timing.a2a``, ``Rules.hidden``), holds its
+  forward's activations before its backward frees its own (the peak counts both:
+  ``ir.stored_counts``), and what its parts send leaves after it (lowered: its SA / SG follow
+  it; compute-only: at its end). Every other rule applies to each part as to that action alone.
 * A rank that needs a message nobody has sent yet stops until it is sent. When every unfinished
   rank is stopped, the schedule deadlocks, and each stuck rank is marked where it waits.
 
@@ -37,7 +37,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from functools import partial
+from functools import cached_property, partial
 from typing import Literal, NamedTuple, TypeVar
 
 from megatron_bfpp.ir import (
@@ -77,11 +77,13 @@ __all__ = [
     "Transfer",
     "Wires",
     "action_duration",
+    "combined_pairs",
     "compute_durations",
     "compute_ends",
     "describe_waits",
     "lockstep_replay",
     "match_channels",
+    "planned_forwards",
     "replay",
     "run_recorded",
 ]
@@ -107,7 +109,7 @@ class Timing:
     transfer: float = 0.0
     grad_sync: float = 0.0
     param_sync: float = 0.0
-    a2a: float = 0.0  # the expert all-to-all inside each F, B and I (a composite hides it)
+    a2a: float = 0.0  # the expert all-to-all inside each F, B and I (combined pairs hide it)
 
 
 RS_DELAY = 1  # lock-step ticks from an eviction to its return: its payload is in by its tick's end
@@ -341,6 +343,16 @@ class Rules:
         rest, microbatch = divmod(key, self.microbatches)
         what, stage = divmod(rest, self.span)
         return Message(WHAT[what], stage - 1, microbatch)
+
+    @cached_property
+    def combined(self) -> list[frozenset[int]]:
+        """Per rank, ``combined_pairs``: found once per schedule, read by every timing model."""
+        return [combined_pairs(actions) for actions in self.schedule.per_rank]
+
+    def hidden(self, rank: int, position: int, a2a: Number) -> Number:
+        """The all-to-all the composite at ``position`` hides (``action_duration``'s ``a2a``):
+        all of it in a combined pair; none in a pair the runtime runs as F then B."""
+        return a2a if a2a and position in self.combined[rank] else 0
 
     def restored(self, rank: int, position: int) -> int:
         """The restore rule: the position in ``rank``'s program where the LD at ``position`` is
@@ -729,7 +741,9 @@ def _overlapped(run: Wires, rank: int, i: int, composite: Action) -> Program:
             run.waited[rank] += gathered - start
             start = gathered
     run.starts[rank].append(start)
-    duration = action_duration(run.computes, composite, run.durations.a2a)
+    duration = action_duration(
+        run.computes, composite, run.rules.hidden(rank, i, run.durations.a2a)
+    )
     t = start + duration
     run.busy[rank] += duration
     run.clock[rank] = t
@@ -774,14 +788,12 @@ class Timeline:
         lanes = {_GS: timing.grad_sync, _PS: timing.param_sync}
         sent = {_SA: timing.p2p, _SG: timing.p2p, _EV: timing.transfer, _RS: timing.transfer}
         user = partial(_user, self.per_unit)
-        for a in rules.schedule.per_rank[rank]:
+        for i, a in enumerate(rules.schedule.per_rank[rank]):
             kind, s, mb = a.kind, a.stage, a.microbatch
             if kind in computes or kind is _FB:
                 if (start := next(starts, None)) is None:
                     return
-                end = start + (
-                    computes[kind] if kind is not _FB else action_duration(computes, a, timing.a2a)
-                )
+                end = start + action_duration(computes, a, rules.hidden(rank, i, timing.a2a))
                 yield Event(rank, "compute", str(a), s, mb, kind, user(start), user(end))
                 if not (implicit and timing.p2p > 0):
                     continue

@@ -52,7 +52,7 @@ class CostModel:
         0.0, "host time per compute action (F, B, I, W) on top of its compute, not scaled"
     )
     t_a2a: float = _cost(
-        0.0, "MoE: all-to-all time in one forward, and in one backward; a pair (F&B) hides it"
+        0.0, "MoE: all-to-all in one forward, and in one backward; a combined F&B pair hides it"
     )
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ from megatron_bfpp.schedules.registry import (
     forward_only_schedule,
     get_spec,
 )
+from megatron_bfpp.semantics import Rules, action_duration, combined_pairs
 from megatron_bfpp.sim import CostModel, simulate
 from megatron_bfpp.validate import validate_schedule
 
@@ -174,7 +175,6 @@ def test_an_overlapped_pair_hides_each_parts_all_to_all_under_the_others_compute
     """Two streams: F's dispatch and combine run under B's compute and B's under F's, never a
     part's under its own, and the pair lasts at least either stream's sum (worked by hand)."""
     from megatron_bfpp.ir import Composite, unchecked_action
-    from megatron_bfpp.semantics import action_duration
 
     pair = Composite(unchecked_action(0, K.FORWARD, 1), unchecked_action(1, K.BACKWARD, 0))
     durations = {K.FORWARD: f, K.BACKWARD: b, K.BACKWARD_INPUT: b // 2, K.BACKWARD_WEIGHT: b // 2}
@@ -185,22 +185,64 @@ def test_an_overlapped_pair_hides_each_parts_all_to_all_under_the_others_compute
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("p2p", ["gloo", "lockstep"])
 def test_dualpipe_v_is_credited_only_for_the_all_to_all_its_pairs_hide(p: int, p2p: str) -> None:
-    """With a V stage's forward 1, backward 2 and all-to-all 0.5 in each, a pair lasts
-    3 - 2 x 0.5 = 2: each rank's busy time drops by 1 per pair it runs and by nothing else, the
-    step drops, and a schedule without pairs (v-zb, 1f1b) times exactly as without the cost."""
+    """With a V stage's forward 1, backward 2 and all-to-all 0.5 in each, a combined pair lasts
+    3 - 2 x 0.5 = 2: each rank's busy time (and its compute events') drops by 1 per pair of
+    ``combined_pairs`` and by nothing else (a pair run as F then B hides nothing), the step
+    drops, and a schedule without pairs (v-zb, 1f1b) times exactly as without the cost."""
     m = 2 * p + 1
     plain = CostModel(t_forward=2, t_backward=4, t_weight=2)
     moe = CostModel(t_forward=2, t_backward=4, t_weight=2, t_a2a=1)  # 0.5 in a V stage's
     schedule = build_schedule("dualpipe-v", num_ranks=p, num_microbatches=m)
-    pairs = [sum(a.kind is K.OVERLAP_F_B for a in actions) for actions in schedule.per_rank]
+    pairs = [len(combined_pairs(actions)) for actions in schedule.per_rank]
+    overlapped = [sum(a.kind is K.OVERLAP_F_B for a in actions) for actions in schedule.per_rank]
+    assert all(0 < n < total for n, total in zip(pairs, overlapped, strict=True))
     before, after = (simulate(schedule, costs, p2p=p2p) for costs in (plain, moe))
-    assert [r.busy_time for r in after.per_rank] == [
-        r.busy_time - n for r, n in zip(before.per_rank, pairs, strict=True)
-    ]
+    busy = [r.busy_time - n for r, n in zip(before.per_rank, pairs, strict=True)]
+    assert [r.busy_time for r in after.per_rank] == busy
+    computes = [0.0] * p
+    for event in after.events:
+        computes[event.rank] += event.duration if event.lane == "compute" else 0
+    assert computes == busy
     assert after.step_time < before.step_time
     for name, chunks in (("v-zb", 2), ("1f1b", 1)):
         other = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=chunks)
         assert simulate(other, moe, p2p=p2p).step_time == simulate(other, plain, p2p=p2p).step_time
+
+
+def test_only_pairs_megatron_core_can_combine_hide_the_all_to_all() -> None:
+    """p = 2, m = 4 by hand. A pair runs as megatron-core's combined step only if its B part is
+    a whole B and its forward's own backward on that rank is one too (a schedule plan's backward
+    is whole). Rank 0: 7 ``0F3&3B1`` is not (0F3's backward is 0I3 0W3); 8 ``3F2&0B0`` (3B2 at
+    9) and 10 ``3F3&0B1`` (3B3 at 11) are. Rank 1: 6 ``2F2&1B0`` is (2B2 at 9); 7 ``1F3&2B1``
+    and 8 ``2F3&1B1`` are not (1I3 1W3, 2I3 2W3: the drain's split backwards)."""
+    schedule = build_schedule("dualpipe-v", num_ranks=2, num_microbatches=4, lower=False)
+    texts = [[str(a) for a in actions] for actions in schedule.per_rank]
+    assert [texts[0][i] for i in (7, 8, 10)] == ["0F3&3B1", "3F2&0B0", "3F3&0B1"]
+    assert [texts[1][i] for i in (6, 7, 8)] == ["2F2&1B0", "1F3&2B1", "2F3&1B1"]
+    assert texts[0][12:] == ["0I2", "0W2", "0I3", "0W3"]
+    assert texts[1][9:] == ["2B2", "1B2", "2I3", "1I3", "2W3", "1W3"]
+    assert list(map(combined_pairs, schedule.per_rank)) == [{8, 10}, {6}]
+    durations = {K.FORWARD: 4, K.BACKWARD: 8, K.BACKWARD_INPUT: 4, K.BACKWARD_WEIGHT: 4}
+    rules = Rules(schedule)
+    assert [rules.hidden(0, i, 1) for i in (7, 8, 10)] == [0, 1, 1]
+    hidden = [
+        action_duration(durations, a, rules.hidden(1, i, 1))
+        for i, a in enumerate(schedule.per_rank[1])
+        if a.kind is K.OVERLAP_F_B
+    ]
+    assert hidden == [10, 12, 12]  # each part's 1 under the other's compute, or nothing
+
+
+def test_interleaved_combined_1f1b_combines_every_pair() -> None:
+    """megatron-core's combined 1F1B pairs whole backwards only, with forwards whose backwards
+    are whole: every one of its pairs hides the all-to-all."""
+    for p, v, m in ((2, 2, 4), (4, 2, 8), (4, 3, 12)):
+        schedule = build_schedule(
+            "interleaved", num_ranks=p, num_microbatches=m, num_chunks=v, combined_1f1b=True
+        )
+        for actions in schedule.per_rank:
+            pairs = {i for i, a in enumerate(actions) if a.kind is K.OVERLAP_F_B}
+            assert pairs and combined_pairs(actions) == pairs
 
 
 def test_an_all_to_all_longer_than_the_forward_is_refused_in_one_line() -> None:
