@@ -20,7 +20,7 @@ from megatron.core.transformer.moe import moe_utils
 
 from megatron_bfpp.ir import Placement
 from megatron_bfpp.plan.memory import peak_activation_bytes, peak_points, stage_activation_bytes
-from megatron_bfpp.plan.presets import FP32, model_from_shape
+from megatron_bfpp.plan.presets import BF16_MIXED, FP32, model_from_shape
 from megatron_bfpp.plan.search import rank_parameters_of
 from megatron_bfpp.schedules.registry import build_schedule, get_spec
 from megatron_bfpp.testing import models as M
@@ -94,15 +94,15 @@ def _rank(
     spec = get_gpt_layer_local_spec(
         num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm"
     )
-    chunks = M.wrap_ddp(
-        gpt_chunks(
-            config, layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-            share_embeddings_and_output_weights=False, position_embedding_type="rope",
-            init=functools.partial(init_by_global_names, seed=0, draw=M._draw),
-            placement=get_spec("interleaved" if schedule == "megatron" else schedule).placement,
-        ),
-        use_distributed_optimizer=False,
+    built = gpt_chunks(
+        config, layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=False, position_embedding_type="rope",
+        init=functools.partial(init_by_global_names, seed=0, draw=M._draw),
+        placement=get_spec("interleaved" if schedule == "megatron" else schedule).placement,
     )  # fmt: skip
+    if bf16:  # every parameter, as Megatron-LM's Float16Module casts them (norms too)
+        built = [chunk.bfloat16() for chunk in built]
+    chunks = M.wrap_ddp(built, use_distributed_optimizer=False)
     parameters = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     gradients = sum(
         p.main_grad.numel() * p.main_grad.element_size() for c in chunks for p in c.parameters()
@@ -136,31 +136,44 @@ def _rank(
     }
 
 
-CASES = [("1f1b", 2, 1, 4), ("1f1b", 2, 2, 4), ("dualpipe-v", 2, 2, 4)]  # schedule, pp, ep, m
+# schedule, pp, ep, m, bf16 (dualpipe-v's pairs then run as megatron-core's combined step)
+CASES = [
+    ("1f1b", 2, 1, 4, False),
+    ("1f1b", 2, 2, 4, False),
+    ("dualpipe-v", 2, 2, 4, False),
+    ("dualpipe-v", 2, 2, 6, True),
+]
 
 
 @pytest.mark.parametrize(
-    ("schedule", "pp", "ep", "m"), CASES, ids=[f"{c[0]}-ep{c[2]}" for c in CASES]
+    ("schedule", "pp", "ep", "m", "bf16"),
+    CASES,
+    ids=[f"{c[0]}-ep{c[2]}{'-combined' if c[4] else ''}" for c in CASES],
 )
-def test_moe_memory_per_rank_matches_megatron_core(schedule: str, pp: int, ep: int, m: int) -> None:
+def test_moe_memory_per_rank_matches_megatron_core(
+    schedule: str, pp: int, ep: int, m: int, bf16: bool
+) -> None:
     vp = 2 if get_spec(schedule).placement is Placement.V_SHAPE else 1
     num_layers = 2 * pp * vp
     results = run_ranks(
         _rank, world_size=pp * ep, pp=pp, vp=vp if vp > 1 else None, ep=ep,
-        args=(schedule, num_layers, m, EXPERTS),
+        args=(schedule, num_layers, m, EXPERTS, bf16),
     )  # fmt: skip
+    assert all(bool(r["combined"]) is bf16 for r in results)
+    precision = BF16_MIXED if bf16 else FP32
     # every token to every expert: the planner's even routing, exactly (imbalance: not modelled)
     model = _planned_model(num_layers, EXPERTS)
     counts = rank_parameters_of(model, schedule=schedule, tp=1, pp=pp, vp=vp, ep=ep)
     stage = stage_activation_bytes(
         model, micro_batch_size=MICRO, tp=1, layers_per_stage=num_layers // (pp * vp),
-        vocab_size=VOCAB, sequence_parallel=False, recompute="none", precision=FP32,
+        vocab_size=VOCAB, sequence_parallel=False, recompute="none", precision=precision,
     )  # fmt: skip
     built = build_schedule(schedule, num_ranks=pp, num_microbatches=m, num_chunks=vp, lower=False)
     activations = peak_activation_bytes(peak_points(built), stage)
     for rank in range(pp):
         mine = [r for r in results if r["rank"] == rank]
-        assert {(r["parameters"], r["gradients"]) for r in mine} == {(4 * counts[rank],) * 2}
+        expected = (precision.param_bytes * counts[rank], precision.grad_bytes * counts[rank])
+        assert {(r["parameters"], r["gradients"]) for r in mine} == {expected}
         for r in mine:
             assert r["activations"] == pytest.approx(activations[rank], rel=0.10)
 
