@@ -536,6 +536,43 @@ def test_v_shape_refuses_looped_layer_placement_flags(dest: str, flag: str) -> N
     assert flag in str(error.value) and "\n" not in str(error.value)
 
 
+# megatron-core's conditions for its combined step, met
+OVERLAP_MET = dict(
+    overlap_moe_expert_parallel_comm=True,
+    expert_model_parallel_size=2,
+    bf16=True,
+    fp16=False,
+    moe_token_dispatcher_type="alltoall",
+    recompute_granularity=None,
+)
+
+
+@pytest.mark.parametrize(
+    ("unmet", "said"),
+    [
+        ({"expert_model_parallel_size": 1}, "--expert-model-parallel-size > 1"),
+        ({"bf16": False}, "--bf16 or --fp16"),
+        ({"moe_token_dispatcher_type": "allgather"}, "--moe-token-dispatcher-type alltoall or"),
+        ({"recompute_granularity": "full"}, "no --recompute-granularity full"),
+    ],
+)
+def test_moe_all_to_all_overlap_without_megatron_cores_conditions_is_one_line(
+    unmet: dict[str, object], said: str
+) -> None:
+    """megatron-core asserts them in TransformerConfig, one traceback per rank after the
+    arguments; refused where Megatron-LM's arguments are read, in one line."""
+    args = SimpleNamespace(
+        pipeline_schedule="dualpipe-v", pipeline_model_parallel_size=4,
+        virtual_pipeline_model_parallel_size=2, micro_batch_size=1, global_batch_size=8,
+        data_parallel_size=1, **(OVERLAP_MET | unmet),
+    )  # fmt: skip
+    with pytest.raises(ScheduleError) as error:
+        check_schedule_args(args)
+    message = str(error.value)
+    assert message.startswith("--overlap-moe-expert-parallel-comm needs ") and said in message
+    assert "\n" not in message
+
+
 @pytest.mark.parametrize(
     ("schedule", "combined_1f1b", "refused"),
     [("dualpipe-v", False, False), ("interleaved", True, False), ("interleaved", False, True),
@@ -557,7 +594,7 @@ def test_moe_all_to_all_overlap_runs_only_with_overlapped_pairs(
         breadth_first_group_size=None,
         bpipe_max_stored=None,
         combined_1f1b=True if combined_1f1b else None,
-        overlap_moe_expert_parallel_comm=True,
+        **OVERLAP_MET,
     )
     if not refused:
         check_schedule_args(args)
