@@ -25,6 +25,13 @@ from megatron_bfpp.plan.search import rank_parameters_of
 from megatron_bfpp.schedules.registry import build_schedule, get_spec
 from megatron_bfpp.testing import models as M
 from megatron_bfpp.testing.multirank import run_ranks
+from tests.multirank.test_native_posting import (
+    SHAPE,
+    _first_difference,
+    _merged_waits,
+    _recorder,
+    model_events,
+)
 
 pytestmark = [
     pytest.mark.megatron,
@@ -57,15 +64,20 @@ def _rank(
     topk: int = TOPK,
     bf16: bool = False,
     options: dict[str, Any] | None = None,
+    record: tuple[bool, bool] | None = None,
 ) -> dict[str, Any]:
     """Build the MoE chunks, run one measured step; report this rank's bytes, losses and
     gradients (by global parameter name). ``bf16``: in bf16, and with megatron-core's all-to-all
-    overlap where the schedule has pairs for it (counted: the combined steps that ran)."""
+    overlap where the schedule has pairs for it (counted: the combined steps that ran).
+    ``record`` (batch_p2p_comm, overlap_p2p_comm): also what the step posted, ran and waited
+    for (``test_native_posting``'s record: F at its forward step, B after a combined step's
+    backward, peers as pipeline ranks)."""
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel import combined_1f1b
+    from megatron.core.utils import get_attr_wrapped_model
 
     from megatron_bfpp import get_forward_backward_func
     from megatron_bfpp.train.presets import gpt_chunks, init_by_global_names
@@ -80,15 +92,21 @@ def _rank(
         **(dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16) if bf16
            else {}),
         overlap_moe_expert_parallel_comm=bf16 and schedule != "1f1b",
-        overlap_p2p_comm=False,
+        batch_p2p_comm=bool(record and record[0]),
+        overlap_p2p_comm=bool(record and record[1]),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
     )  # fmt: skip
     combined: list[tuple[bool, bool]] = []  # (forward, backward) of each combined step
     step = combined_1f1b.combined_forward_backward_step
 
+    events: list[Any] = []
+
     def counted(*args: Any, **kwargs: Any) -> Any:
         combined.append((args[2] is not None, args[6] is not None))
-        return step(*args, **kwargs)
+        result = step(*args, **kwargs)
+        if args[6] is not None:
+            events.append(("B",))
+        return result
 
     combined_1f1b.combined_forward_backward_step = counted
     spec = get_gpt_layer_local_spec(
@@ -116,15 +134,32 @@ def _rank(
         func = get_forward_backward_func(schedule, measure_memory=True, **(options or {}))
     batches = M.make_batches(m, micro_batch_size=MICRO, seq_len=SEQ, vocab=VOCAB, seed=1)
     iterators: Any = [iter(batches) for _ in chunks]
-    losses = func(
-        forward_step_func=M.forward_step_func,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks,
-        num_microbatches=m,
-        seq_length=SEQ,
-        micro_batch_size=MICRO,
+    pp, pp_rank = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
     )
+    forwards: dict[int, int] = {}
+
+    def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> Any:
+        stage = get_attr_wrapped_model(model, "vp_stage") * pp + pp_rank
+        forwards[stage] = forwards.get(stage, -1) + 1
+        events.append(("F", stage, forwards[stage]))
+        return M.forward_step_func(data_iterator, model, return_schedule_plan)
+
+    undo = _recorder(events) if record is not None else lambda: None
+    try:
+        losses = func(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks,
+            num_microbatches=m,
+            seq_length=SEQ,
+            micro_batch_size=MICRO,
+        )
+    finally:
+        undo()
     return {
+        "events": _merged_waits(_as_pipeline_ranks(events)) if record is not None else None,
         "combined": combined,
         "rank": parallel_state.get_pipeline_model_parallel_rank(),
         "ep_rank": parallel_state.get_expert_model_parallel_rank(),
@@ -134,6 +169,37 @@ def _rank(
         "losses": [x for reported in losses for x in reported["lm loss"].flatten().tolist()],
         "grads": {name: shard.tensor for name, shard in M.grad_shards(chunks).items()},
     }
+
+
+def _with_shape(events: list[Any], shape: tuple[int, ...], as_: tuple[int, ...]) -> list[Any]:
+    """The record with every message's ``shape`` (checked) written ``as_`` the model writes it."""
+
+    def message(shape_seen: tuple[int, ...]) -> tuple[int, ...]:
+        assert shape_seen == shape
+        return as_
+
+    return [
+        (e[0], e[1], message(e[2])) if e[0] in ("isend", "irecv")
+        else ("batch", tuple((op, peer, message(s)) for op, peer, s in e[1])) if e[0] == "batch"
+        else e
+        for e in events
+    ]  # fmt: skip
+
+
+def _as_pipeline_ranks(events: list[Any]) -> list[Any]:
+    """Peers as pipeline ranks (megatron-core posts to global ranks; ep makes them differ)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    out = []
+    for event in events:
+        if event[0] in ("isend", "irecv"):
+            event = (event[0], ranks.index(event[1]), *event[2:])
+        elif event[0] == "batch":
+            event = ("batch", tuple((op, ranks.index(peer), shape) for op, peer, shape in event[1]))
+        out.append(event)
+    return out
 
 
 # schedule, pp, ep, m, bf16 (dualpipe-v's pairs then run as megatron-core's combined step)
@@ -260,3 +326,42 @@ def test_our_combined_1f1b_equals_megatron_cores_own_with_the_overlap() -> None:
             {k: v for r in mine for k, v in r["grads"].items()},
             {k: v for r in theirs for k, v in r["grads"].items()},
         )
+
+
+@pytest.mark.parametrize(
+    ("batch_p2p", "overlap_p2p"), [(True, False), (False, False), (False, True)],
+    ids=["batched", "pairwise", "overlapped"],
+)  # fmt: skip
+def test_megatron_cores_combined_1f1b_posts_what_the_model_derives(
+    batch_p2p: bool, overlap_p2p: bool
+) -> None:
+    """megatron-core's own combined 1F1B (interleaved with --overlap-moe-expert-parallel-comm,
+    pp 4, vp 2, ep 2), recorded: every isend / irecv and wait, each forward, each backward after
+    its combined step, op for op what ``native_posting`` derives for ``interleaved
+    --combined-1f1b`` (the planner's row), proven under NCCL's rules: both receives of a pair
+    waited before it, its sends after it. With overlap_p2p_comm megatron-core waits and posts
+    inside its combined step (``pre_forward`` ... ``post_backward`` around the layers), after it
+    built the forward's plan, which the record's F marks: there the posts and waits are compared."""
+    from megatron_bfpp.native_posting import P2POptions
+
+    pp, ep, layers, m = 4, 2, 8, 8
+    native = run_ranks(
+        _rank, world_size=pp * ep, pp=pp, vp=2, ep=ep, timeout=500,
+        args=("megatron", layers, m, TOPK, True, None, (batch_p2p, overlap_p2p)),
+    )  # fmt: skip
+    schedule = build_schedule(
+        "interleaved", num_ranks=pp, num_microbatches=m, num_chunks=2, combined_1f1b=True
+    )
+    options = P2POptions(batch_p2p=batch_p2p, overlap_p2p=overlap_p2p)
+    for r in native:  # every message is one micro-batch's [sequence, batch, hidden]
+        got = _with_shape(r["events"], (SEQ, MICRO, HIDDEN), SHAPE)
+        want = model_events(schedule, options, r["rank"])
+        assert any(event[0] in ("isend", "batch") for event in got)
+        if overlap_p2p:
+            got, want = _posts(got), _posts(want)
+        assert got == want, (r["rank"], _first_difference(got, want))
+
+
+def _posts(events: list[Any]) -> list[Any]:
+    """Only the posts and waits (consecutive waits as one)."""
+    return _merged_waits([event for event in events if event[0] not in ("F", "B")])

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_bfpp.ir import ActionKind, Schedule
+from megatron_bfpp.ir import ActionKind, Schedule, parts
 from megatron_bfpp.native_posting import GradSyncOptions, P2POptions, megatron_posting
 from megatron_bfpp.nccl import Batch, Wait, check_posting
 from megatron_bfpp.schedules.registry import build_schedule
@@ -257,6 +257,9 @@ def model_events(
                 events.append(("F", action.stage, action.microbatch))
             elif action.kind is ActionKind.BACKWARD:
                 events.append(("B",))
+            elif action.kind is ActionKind.OVERLAP_F_B:  # a combined step: its F, then its B
+                forward = parts(action)[0]
+                events.extend([("F", forward.stage, forward.microbatch), ("B",)])
             elif action.kind is ActionKind.GRAD_SYNC and grad_sync is not None:
                 events.append(("GS", action.stage))
         elif isinstance(step, Wait):
