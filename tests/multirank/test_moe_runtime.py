@@ -141,7 +141,7 @@ def _rank(
     forwards: dict[int, int] = {}
 
     def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> Any:
-        stage = get_attr_wrapped_model(model, "vp_stage") * pp + pp_rank
+        stage = (get_attr_wrapped_model(model, "vp_stage") or 0) * pp + pp_rank
         forwards[stage] = forwards.get(stage, -1) + 1
         events.append(("F", stage, forwards[stage]))
         return M.forward_step_func(data_iterator, model, return_schedule_plan)
