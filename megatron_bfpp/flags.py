@@ -67,8 +67,7 @@ def printable_output() -> None:
     """A path or name stdout and stderr cannot encode (an ASCII locale, a SLURM log) comes out as
     ``\\xe9`` escapes instead of ending the run with a UnicodeEncodeError."""
     for stream in (sys.stdout, sys.stderr):
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None:
+        if (reconfigure := getattr(stream, "reconfigure", None)) is not None:
             reconfigure(errors="backslashreplace")
 
 

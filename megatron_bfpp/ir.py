@@ -285,8 +285,7 @@ def _check_action(stage: int, kind: ActionKind, microbatch: int | None, peer: in
 
 def parse_action(text: str) -> Action:
     """Inverse of ``str(action)``; raises ScheduleError naming the bad text."""
-    match = _ACTION_RE.fullmatch(text.strip())
-    where = f"cannot parse action {_shown(text)}"
+    match, where = _ACTION_RE.fullmatch(text.strip()), f"cannot parse action {_shown(text)}"
     if match is None:
         if "&" in text:  # an overlapped pair: a forward and a backward joined by "&"
             pieces = text.strip().split("&")
@@ -466,8 +465,7 @@ class Schedule:
         """Gathered (full) parameters held on ``rank`` after each of its actions, in full-stage
         units, program order: every chunk's without sharded parameters (no RL on the rank), else a
         chunk's from its PS (which allocates the buffer) to its RL; the local shard is left out."""
-        program = self.per_rank[rank]
-        fraction = self.layout.stage_fraction
+        program, fraction = self.per_rank[rank], self.layout.stage_fraction
         if ActionKind.RELEASE not in map(_kind_of, program):
             return self._all_chunks(rank)
         step = {ActionKind.PARAM_SYNC: 1, ActionKind.RELEASE: -1}
@@ -680,8 +678,7 @@ def load_csv_text(text: str, *, source: str = "<csv>") -> Schedule:
 
 def _read_rows(text: str, source: str) -> list[_Row]:
     """The non-blank records; csv errors and NULs (binary, UTF-16): one line naming the row."""
-    nul = text.find("\0")
-    if nul >= 0:
+    if (nul := text.find("\0")) >= 0:
         row = text.count("\n", 0, nul) + 1
         raise ScheduleError(
             f"{source}: row {row}: contains a NUL character, so this is not a text CSV (binary, "
@@ -740,21 +737,18 @@ def _load_ours(rows: list[_Row], source: str) -> Schedule:
                 f"got {_shown(key)}"
             )
         rank_rows.append(row)
-        actions = []
+        actions, where = [], f"{source}: row {row.number}"
         for column, cell in enumerate(row.cells[1:], start=2):
             if not cell.strip():
                 continue
             try:
                 actions.append((column, parse_action(cell)))
             except ScheduleError as error:
-                raise ScheduleError(
-                    f"{source}: row {row.number}, column {column}: {error}"
-                ) from None
+                raise ScheduleError(f"{where}, column {column}: {error}") from None
         programs.append(tuple(actions))
     if "layout" not in header or "microbatches" not in header:
         raise ScheduleError(f"{source}: missing 'layout' or 'microbatches' row")
-    layout = _header_layout(header["layout"], source)
-    counted = header["microbatches"]
+    layout, counted = _header_layout(header["layout"], source), header["microbatches"]
     values = [c.strip() for c in counted.cells[1:] if c.strip()]
     if (
         len(values) != 1
@@ -776,8 +770,7 @@ def _load_ours(rows: list[_Row], source: str) -> Schedule:
     for rank, (row, program) in enumerate(zip(rank_rows, programs, strict=True)):
         for column, action in program:
             for part in parts(action):
-                problem = _cell_problem(part, rank, layout, rank_rows)
-                if problem is not None:
+                if (problem := _cell_problem(part, rank, layout, rank_rows)) is not None:
                     raise ScheduleError(
                         f"{source}: row {row.number}, column {column}: {str(action)!r}: {problem}"
                     )
@@ -860,8 +853,7 @@ def _checked_schedule(
                 forwards[action.stage].append(action.microbatch)
     problems = []
     for stage, microbatches in enumerate(forwards):
-        problem = _microbatch_problem(microbatches, m)
-        if problem is not None:
+        if (problem := _microbatch_problem(microbatches, m)) is not None:
             row_number = rank_rows[layout.rank_of(stage)].number
             problems.append(f"stage {stage} (row {row_number}) {problem}")
     if problems:
@@ -920,24 +912,20 @@ def _load_torch(rows: list[_Row], source: str) -> Schedule:
     m, counted = _torch_microbatches(cells, layout, source)
     lowered = any(cell.kind in _TORCH_LOWERING for row_cells in cells for cell in row_cells)
     programs = [
-        _torch_program(
-            [cell for cell in row_cells if lowered or cell.kind != "REDUCE_GRAD"],
-            rank,
-            layout,
-            f"{source}: row {row.number}",
-        )
+        _torch_program(row_cells, rank, layout, f"{source}: row {row.number}", lowered)
         for rank, (row, row_cells) in enumerate(zip(rows, cells, strict=True))
     ]
     return _checked_schedule(layout, m, rows, programs, "torch-csv", source, counted=counted)
 
 
 def _torch_program(
-    cells: list[_TorchCell], rank: int, layout: StageLayout, row: str
+    cells: list[_TorchCell], rank: int, layout: StageLayout, row: str, lowered: bool
 ) -> tuple[tuple[int, Action], ...]:
     """One row's actions by column; an OVERLAP_F_B cell's two actions become our overlapped
     pair (``Composite``: it waits, lasts and sends as torch's group does)."""
+    kept = [cell for cell in cells if lowered or cell.kind != "REDUCE_GRAD"]
     program: list[tuple[int, Action]] = []
-    for column, group in groupby(cells, key=attrgetter("column", "grouped")):
+    for column, group in groupby(kept, key=attrgetter("column", "grouped")):
         actions = [_torch_action(cell, rank, layout, row) for cell in group]
         if not column[1]:
             program += [(column[0], action) for action in actions]
@@ -975,8 +963,7 @@ def _torch_microbatches(
 def _torch_row(row: _Row, source: str) -> list[_TorchCell]:
     found = []
     for column, cell in enumerate(row.cells, start=1):
-        text = cell.strip()
-        if text:
+        if text := cell.strip():
             found.extend(_torch_cell(text, column, f"{source}: row {row.number}, column {column}"))
     return found
 

@@ -131,12 +131,8 @@ def fork_ranks(
         spec = _Rank(rank, world_size, port, store_timeout, stack_path, os.getpid(), warn_once)
         reader, writer = ctx.Pipe(duplex=False)
         beats[rank] = time.monotonic()
-        proc = ctx.Process(
-            target=_child,
-            args=(spec, target, writer, port_writer, after, beats),
-            name=f"{name}-{rank}",
-            daemon=daemon,
-        )
+        child = (spec, target, writer, port_writer, after, beats)
+        proc = ctx.Process(target=_child, args=child, name=f"{name}-{rank}", daemon=daemon)
         proc.start()
         writer.close()  # the child holds the only write end: EOF means it died
         procs.append(proc)
@@ -218,11 +214,8 @@ def _child(
     try:
         _supervised(spec, beats)
         with contextlib.ExitStack() as stack:
-            dump = (
-                sys.stderr
-                if spec.stack_path is None
-                else stack.enter_context(open(spec.stack_path, "w"))
-            )
+            path = spec.stack_path
+            dump = sys.stderr if path is None else stack.enter_context(open(path, "w"))
             faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
             hosted: list[Any] = []  # rank 0's store: its server lives as long as the object
             try:
@@ -297,8 +290,7 @@ def _guard_descendants() -> None:
     group = os.getpgid(0)
     if group != os.getpid():
         return  # could not lead a group of our own: killing the group would kill others
-    rank = os.getpid()
-    wanted = {signal.SIGUSR2}
+    rank, wanted = os.getpid(), {signal.SIGUSR2}
     signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
     try:
         guard = os.fork()
@@ -359,8 +351,7 @@ def _run(
 
 def _say_once(store: Any) -> None:
     """Print this rank's warnings and log records unless another rank printed the text first."""
-    pid = os.getpid()
-    show = warnings.showwarning
+    pid, show = os.getpid(), warnings.showwarning
 
     def first(text: str) -> bool:
         """True for the first rank of the job to ask about ``text``."""

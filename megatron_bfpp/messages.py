@@ -62,8 +62,7 @@ class Message(NamedTuple):
 
 def message_of(action: Action) -> Message:
     """The message a point-to-point action sends or receives."""
-    entry = MESSAGE_TABLE.get(action.kind)
-    mb = action.microbatch
+    entry, mb = MESSAGE_TABLE.get(action.kind), action.microbatch
     if entry is None or mb is None:
         raise ScheduleError(f"{action} is not a point-to-point action")
     return Message(WHAT[entry[0]], action.stage + entry[1], mb)

@@ -146,8 +146,7 @@ class _Shape:
 
     def warmup(self, rank: int) -> tuple[int, bool]:
         """megatron-core's ``get_pp_rank_microbatches``: warm-up forwards, all in warm-up?"""
-        total = self.num_microbatches * self.num_chunks
-        warmup = self.num_ranks - rank - 1
+        total, warmup = self.num_microbatches * self.num_chunks, self.num_ranks - rank - 1
         if self.num_chunks > 1:
             warmup = warmup * 2 + (self.num_chunks - 1) * self.group + self.combined
         return min(warmup, total), warmup >= total
@@ -372,8 +371,7 @@ def _one_f_one_b(b: _Builder, shape: _Shape) -> None:
 def _interleaved(b: _Builder, shape: _Shape) -> None:
     """``forward_backward_pipelining_with_interleaving`` without warm-up / flush overlap."""
     p, v, r = shape.num_ranks, shape.num_chunks, b.rank
-    last = r == p - 1
-    total = shape.num_microbatches * v
+    last, total = r == p - 1, shape.num_microbatches * v
     warmup, all_warmup = shape.warmup(r)
     remaining = total - warmup
     overlap, wait_forward_sends = b.options.overlap_p2p, b.options.wait_forward_sends

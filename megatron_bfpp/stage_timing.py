@@ -60,12 +60,9 @@ def measure_stage(
             _measure(block, model, b, target, _DTYPES[chosen], warmup, iterations)
             for b in micro_batch_sizes
         ]
+        smallest = min(micro_batch_sizes)
         host = measure_host_time(
-            block,
-            model,
-            micro_batch_size=min(micro_batch_sizes),
-            warmup=warmup,
-            iterations=iterations,
+            block, model, micro_batch_size=smallest, warmup=warmup, iterations=iterations
         )
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else _cpu_name()
     return StageProfile(
@@ -104,12 +101,10 @@ def measure_host_time(
         raise ScheduleError(
             "measure_host_time times a one-rank pipeline: call it outside a pipeline-parallel job"
         )
-    device = next(block.parameters()).device
-    dtype = next(block.parameters()).dtype
+    device, dtype = next(block.parameters()).device, next(block.parameters()).dtype
     chunk = _Chunk(block, _rotary(block, model, device))
     step = get_forward_backward_func("1f1b")
-    shape = (model.seq_length, micro_batch_size, model.hidden_size)
-    m = HOST_MICROBATCHES
+    shape, m = (model.seq_length, micro_batch_size, model.hidden_size), HOST_MICROBATCHES
 
     def bare(inputs: list[torch.Tensor]) -> None:
         for x in inputs:

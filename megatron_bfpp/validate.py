@@ -310,8 +310,7 @@ def _scan_rank(scan: _Scan, rank: int) -> Recorded:
     action, and its waits and sends under the execution rules, recorded (``run_recorded`` runs
     them); then, if no action was misplaced, the checks of the whole rank."""
     recorded = Recorded([], array("q"))
-    unloaded = _scan_actions(scan, rank, recorded)
-    if unloaded is not None and rank not in scan.order:
+    if (unloaded := _scan_actions(scan, rank, recorded)) is not None and rank not in scan.order:
         schedule, actions = scan.schedule, scan.schedule.per_rank[rank]
         problem = _unpaired(schedule, rank) if unloaded else None
         if problem is None and any(actions[p].kind is _RL for p in scan.chunk_level[rank]):
@@ -369,8 +368,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
     restores: dict[int, int] = {}  # position -> the restore a backward there waits for
     unloaded = 0  # this rank's EVs minus LDs
     chunk_level = scan.chunk_level[rank]  # positions of its GS / PS / RL
-    steps = _parts(scan, actions, recorded) if scan.composites else enumerate(actions)
-    position = 0
+    steps, position = _parts(scan, actions, recorded) if scan.composites else enumerate(actions), 0
     try:  # a stage past the layout raises IndexError at a per-stage table, before any change
         for position, action in steps:
             kind, stage = action.kind, action.stage
@@ -566,8 +564,7 @@ def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
         elif kind.is_compute and stage not in gathered:
             return _at(schedule, rank, position, f"runs with stage {stage}'s parameters released "
                        f"(sharded): gather them ({stage}PS) before it")  # fmt: skip
-    late = sorted(position for stage, position in unreduced.items() if stage in reduces)
-    if late:
+    if late := sorted(position for stage, position in unreduced.items() if stage in reduces):
         stage = schedule.per_rank[rank][late[0]].stage
         return _at(schedule, rank, late[0], f"computes a backward of stage {stage} after "
                    f"its last gradient reduction ({stage}GS): fully sharded, its gradients "
@@ -593,8 +590,7 @@ def _grad_sync_problem(scan: _Scan, required: bool) -> ScheduleError | None:
 
 def _rank_grad_sync_problem(scan: _Scan, rank: int) -> ScheduleError | None:
     schedule, positions, last_backward = scan.schedule, scan.chunk_level[rank], scan.last_backward
-    actions = schedule.per_rank[rank]
-    stages = schedule.layout.stages_of(rank)
+    actions, stages = schedule.per_rank[rank], schedule.layout.stages_of(rank)
     sharded = any(actions[p].kind is _RL for p in positions)  # PS / RL: _residency_problem
     synced: dict[int, int] = {}
     gathered: dict[int, int] = {}
@@ -629,8 +625,7 @@ def _rank_grad_sync_problem(scan: _Scan, rank: int) -> ScheduleError | None:
                            "before it")  # fmt: skip
             gathered[stage] = position
     for stage in stages:
-        last = last_backward[stage]
-        if last >= 0 and stage not in synced:
+        if (last := last_backward[stage]) >= 0 and stage not in synced:
             return _at(schedule, rank, last, f"the last backward of stage {stage} is followed by "
                        f"no GS, so its gradients are never reduced across data-parallel "
                        f"replicas; add {stage}GS after it")  # fmt: skip
@@ -641,8 +636,7 @@ def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | N
     layout, stage, kind = schedule.layout, action.stage, action.kind
     if stage >= layout.num_stages:
         return f"stage {stage} does not exist (the layout has {layout.num_stages})"
-    mb = action.microbatch
-    if mb is not None and mb >= schedule.num_microbatches:
+    if (mb := action.microbatch) is not None and mb >= schedule.num_microbatches:
         return f"micro-batch {mb} does not exist (num_microbatches={schedule.num_microbatches})"
     owner = layout.rank_of(stage)
     if kind in (K.ACCEPT, K.RESTORE):
@@ -673,8 +667,7 @@ def _missing_action(
     num_mb = schedule.num_microbatches
     for stage in range(schedule.num_stages):
         for mb in range(num_mb):
-            key = stage * num_mb + mb
-            where = f"stage {stage} micro-batch {mb}"
+            key, where = stage * num_mb + mb, f"stage {stage} micro-batch {mb}"
             if not f_done[key]:
                 rank = schedule.layout.rank_of(stage)
                 return _fail(schedule, f"{where} has no forward on rank {rank}", {})

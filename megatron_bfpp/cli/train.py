@@ -622,8 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_auto(args, world_size)
         notes = validate(args, world_size, rank=int(os.environ["RANK"]) if launched else 0)
         check_megatron_core()
-        torch_warning = check_torch()
-        if torch_warning and os.environ.get("RANK", "0") == "0":
+        if (torch_warning := check_torch()) and os.environ.get("RANK", "0") == "0":
             print(torch_warning, file=sys.stderr, flush=True)  # once per run
         if (problem := memory_problem(args, world_size, launched=launched)) is not None:
             raise FlagError(problem)

@@ -123,8 +123,7 @@ class Training:
         iterations x global batch size). megatron-core needs warm-up < decay: a decay shorter than
         the warm-up warms up less. Weight decay is constant; its span follows the decay so that
         training further on the same schedule (``--lr-decay-iters``) changes nothing here."""
-        gbs = self.global_batch_size
-        decay = self.decay_iters
+        gbs, decay = self.global_batch_size, self.decay_iters
         return LRSchedule(
             max_lr=float(self.lr),
             min_lr=float(self.min_lr),

@@ -83,8 +83,7 @@ def add_communication(schedule: Schedule) -> Schedule:
         )
     stage_to_rank = schedule.layout.stage_to_rank
     # per stage, one past the end too (for a stray action): its input's and output's rank (-1: none)
-    input_rank = [-1, *stage_to_rank]
-    output_rank = [*stage_to_rank[1:], -1, -1]
+    input_rank, output_rank = [-1, *stage_to_rank], [*stage_to_rank[1:], -1, -1]
     # Each channel's messages in posting order, keyed ``mb * per_mb + what * span + stage`` for
     # any micro-batch (compared only, so no ``Rules.id``, which needs their count): sends, receives.
     span = len(stage_to_rank) + 1

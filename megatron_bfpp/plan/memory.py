@@ -68,10 +68,8 @@ def layer_activation_bytes(
     if recompute not in RECOMPUTE:
         raise ScheduleError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
-    f = model.ffn_hidden_size
-    e = precision.activation_bytes
-    tokens = s * b
-    replicated_divisor = tp if sequence_parallel else 1
+    f, e = model.ffn_hidden_size, precision.activation_bytes
+    tokens, replicated_divisor = s * b, tp if sequence_parallel else 1
     if recompute == "full":
         return tokens * h * e // replicated_divisor
     rotary = model.arch == "llama"
@@ -198,10 +196,7 @@ def _pareto(points: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     fronts: list[tuple[int, int]] = []  # the kept points' (first, last)
     for point in sorted(points, reverse=True):
         _, first, last = point
-        for kept_first, kept_last in fronts:
-            if kept_first >= first and kept_last >= last:
-                break
-        else:
+        if not any(kept_first >= first and kept_last >= last for kept_first, kept_last in fronts):
             kept.append(point)
             fronts.append((first, last))
     return kept

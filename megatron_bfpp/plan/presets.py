@@ -61,11 +61,9 @@ class Model:
         freq, n = self.moe_layer_freq, self.num_layers
         if not self.num_experts:
             return (False,) * n
-        return (
-            tuple(i % freq == 0 for i in range(n))
-            if isinstance(freq, int)
-            else tuple(bool(f) for f in freq)
-        )
+        if isinstance(freq, int):
+            return tuple(i % freq == 0 for i in range(n))
+        return tuple(map(bool, freq))
 
     def shape(self, *, tp: int) -> ModelShape:
         """bfpp-train's ``ModelShape`` with the vocabulary padded as Megatron pads it for ``tp``,

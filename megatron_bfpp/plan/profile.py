@@ -151,8 +151,7 @@ def _measurement(row: Any, index: int, *, split_bounded: bool = True) -> Measure
     where = f"measurements[{index}]."
     if not isinstance(row, dict):
         raise ScheduleError(f"'measurements[{index}]' must be an object")
-    forward = _seconds(row, "forward_s", where)
-    backward = _seconds(row, "backward_s", where)
+    forward, backward = _seconds(row, "forward_s", where), _seconds(row, "backward_s", where)
     split_input = _optional_seconds(row, "backward_input_s", where)
     split_weight = _optional_seconds(row, "backward_weight_s", where)
     if (split_input is None) != (split_weight is None):

@@ -10,7 +10,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from functools import cache, lru_cache
+from functools import cache, lru_cache, partial
 from typing import Any
 
 from megatron_bfpp.ir import Placement, Schedule, ScheduleError, paused_gc
@@ -92,12 +92,8 @@ class ActionBudget:
     def require(self, *, num_ranks: int, stages_per_rank: int, lengths: tuple[int, ...]) -> int:
         """The actions of schedules of ``lengths`` micro-batches; :class:`OverBudget` unless they
         fit in what is left. Spends nothing, so a timing that cannot finish does not start."""
-        actions = sum(
-            estimate_actions(
-                num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=m
-            )
-            for m in lengths
-        )
+        estimate = partial(estimate_actions, num_ranks=num_ranks, stages_per_rank=stages_per_rank)
+        actions = sum(estimate(num_microbatches=m) for m in lengths)
         if self.spent + actions > self.limit:
             shown = " + ".join(map(str, lengths))
             raise OverBudget(
@@ -516,9 +512,8 @@ def _simulated_ns(
     for lengths in () if whole else attempts:
         timed = [timed_at(length) for length in lengths]
         line = [step for step, _ in timed]
-        slope = line[1] - line[0]
         # on one line: exactly with integer durations, else within float rounding (1/vp shares)
-        if abs(line[2] - line[1] - slope) <= 1e-9 * line[2]:
+        if abs(line[2] - line[1] - (line[1] - line[0])) <= 1e-9 * line[2]:
             return _extended(timed[0], timed[1], (m - lengths[0]) // (lengths[1] - lengths[0]))
     if m > EXACT_UP_TO * p:
         return _approximate(c, m, costs, p2p, grad_reduce, p, budget)
@@ -571,8 +566,7 @@ def _extended(
     would miss a schedule that splits only some backwards: dualpipe-v's I and W.)"""
     (step_a, bubble_a), (step_b, bubble_b) = first, second
     busy_a, busy_b = step_a * (1 - bubble_a), step_b * (1 - bubble_b)
-    step = step_a + periods * (step_b - step_a)
-    busy = busy_a + periods * (busy_b - busy_a)
+    step, busy = step_a + periods * (step_b - step_a), busy_a + periods * (busy_b - busy_a)
     return step, (step - busy) / step if step > 0 else 0.0
 
 
@@ -608,8 +602,7 @@ def _simulate(
 ) -> Plan:
     c = sized.candidate
     p2p = p2p_model_of(c, options)
-    grad_reduce = grad_reduce_of(p2p, options)
-    costs = _cost_model(sized.times)
+    grad_reduce, costs = grad_reduce_of(p2p, options), _cost_model(sized.times)
     simulated_ns, bubble = _simulated_ns(c, sized.m, costs, p2p, grad_reduce, budget)
     step = simulated_ns / NS + sized.m * sized.times.output + sized.times.optimizer
     flops = model_flops_per_step(model, global_batch_size=global_batch_size)

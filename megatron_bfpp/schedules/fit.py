@@ -98,8 +98,7 @@ def parse_batch_schedule(text: str, *, seq_length: int | None) -> tuple[tuple[in
                 f"{BATCH_SCHEDULE_FLAG}: thresholds must increase (two steps start at {after} "
                 "samples)"
             )
-    bad = [batch for _, batch in steps if batch < 1]
-    if bad:
+    if bad := [batch for _, batch in steps if batch < 1]:
         raise ScheduleError(f"{BATCH_SCHEDULE_FLAG}: batch sizes must be positive, got {bad[0]}")
     return tuple(steps)
 

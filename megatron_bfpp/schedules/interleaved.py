@@ -46,8 +46,7 @@ def build_interleaved(
             f"num_microbatches={num_microbatches}], got {group}"
             + ("; use at least pp micro-batches" if num_microbatches < num_ranks else "")
         )
-    remainder = num_microbatches % group
-    if 0 < remainder < num_ranks:
+    if 0 < (remainder := num_microbatches % group) < num_ranks:
         raise ScheduleError(
             f"interleaved needs num_microbatches % group size to be 0 or >= pp={num_ranks}; "
             f"got {num_microbatches} % {group} = {remainder} (use a multiple of {group})"

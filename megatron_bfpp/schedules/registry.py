@@ -171,8 +171,7 @@ class ScheduleSpec:
 
     def check_option_names(self, names: Iterable[str]) -> None:
         """Reject generator options this schedule does not take, naming the ones it does."""
-        unknown = sorted(set(names) - set(self.option_names))
-        if unknown:
+        if unknown := sorted(set(names) - set(self.option_names)):
             accepted = ", ".join(self.option_names) or "none"
             raise ScheduleError(
                 f"{self.name} does not take option(s) {', '.join(unknown)}; it accepts: {accepted}"
@@ -385,8 +384,7 @@ def check_size(*, num_ranks: int, stages_per_rank: int, num_microbatches: int) -
             f"{_gigabytes(MAX_ACTIONS * _BYTES_PER_ACTION)}); use fewer micro-batches, ranks "
             "or stages per rank"
         )
-    tables = num_ranks * num_ranks * stages_per_rank
-    if tables > MAX_RANK_STAGES:
+    if (tables := num_ranks * num_ranks * stages_per_rank) > MAX_RANK_STAGES:
         raise ScheduleError(
             f"schedule too large: {sizes} needs per-rank tables of ranks x stages = {tables:,} "
             f"entries, about {_gigabytes(tables * _BYTES_PER_RANK_STAGE)} (limit "
@@ -424,11 +422,8 @@ def build_schedule(
     chosen = {key: value for key, value in options.items() if value is not None}
     spec.check_option_names(chosen)
     chunks = spec.chunks_for(num_chunks)
-    check_size(
-        num_ranks=num_ranks,
-        stages_per_rank=spec.stages_per_rank(chunks),
-        num_microbatches=num_microbatches,
-    )
+    stages = spec.stages_per_rank(chunks)
+    check_size(num_ranks=num_ranks, stages_per_rank=stages, num_microbatches=num_microbatches)
     chunk_args = {} if chunks is None else {"num_chunks": chunks}
     schedule = spec.generator(
         num_ranks=num_ranks, num_microbatches=num_microbatches, **chunk_args, **chosen

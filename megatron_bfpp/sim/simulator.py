@@ -75,8 +75,7 @@ MEGATRON_GRAD_REDUCE = {
     "after the schedule's last message, overlapping nothing",
 }
 DEFAULT_MEGATRON_GRAD_REDUCE = "overlap"
-# The megatron-core whose posting ``megatron`` times (native_posting: 0.18 and later wait for a
-# forward send right after posting it under p2p overlap).
+# The megatron-core whose posting ``megatron`` times (0.18 on: forward sends waited at once).
 MEGATRON_CORE_VERSION = (0, 19)
 
 # The one unit of stored activations, parameters and gradients everywhere (bfpp-sim, bfpp-train's
@@ -311,8 +310,7 @@ def _steady_clocks(
     if not attempts or m <= sum(attempts[0]):  # timing it whole is no dearer
         return None
     for lengths in attempts:
-        step = lengths[1] - lengths[0]
-        points = [clocks_at(n) for n in lengths]
+        step, points = lengths[1] - lengths[0], [clocks_at(n) for n in lengths]
         if any(point is None for point in points):  # too short to run (dualpipe-v's m < 2p)
             continue
         line = _on_lines(points, (m - lengths[0]) // step)  # type: ignore[arg-type]
@@ -380,8 +378,7 @@ def _timer(
     if posting is not None:
         return posting_timer(schedule, posting)
     key = (id(schedule), p2p, grad_reduce)
-    kept = _TIMERS.get(key)
-    if kept is not None and kept[0] is schedule:
+    if (kept := _TIMERS.get(key)) is not None and kept[0] is schedule:
         return kept[1]
     lowered = schedule if has_communication(schedule) else add_communication(schedule)
     grad_sync = megatron_lm_grad_sync(overlap_grad_reduce=grad_reduce == "overlap")

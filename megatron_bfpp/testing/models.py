@@ -126,8 +126,7 @@ def make_batches(
 ) -> list[Batch]:
     """Deterministic synthetic micro-batches: random tokens and labels, ``position_ids``, and a
     ``loss_mask`` with a few zeros (so ``num_tokens`` differs between micro-batches)."""
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
+    generator, batches = torch.Generator().manual_seed(seed), []
     for _ in range(num_microbatches):
         shape = (micro_batch_size, seq_len)
         loss_mask = (torch.rand(shape, generator=generator) > 0.15).float()
@@ -171,11 +170,8 @@ def reference_losses_and_grads(
         virtual_pipeline_model_parallel_size=None,
         sequence_parallel=False,
     )
-    (model,) = build_model_chunks(
-        unparallel,
-        seed=seed,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-    )
+    shared = share_embeddings_and_output_weights
+    (model,) = build_model_chunks(unparallel, seed=seed, share_embeddings_and_output_weights=shared)
     losses = []
     for batch in batches:
         output, step_loss = forward_step_func(iter([batch]), model)
@@ -214,14 +210,8 @@ def grad_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]
             if value is None:
                 continue
             dim, stride = tp_partition(param)
-            out[names[name]] = GradShard(
-                tensor=value.detach().clone().float().cpu(),
-                full_shape=tuple(full_shape(param, tp_size)),
-                partition_dim=dim,
-                partition_stride=stride,
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-            )
+            tensor, shape = value.detach().clone().float().cpu(), tuple(full_shape(param, tp_size))
+            out[names[name]] = GradShard(tensor, shape, dim, stride, tp_rank, tp_size)
     return out
 
 
@@ -244,8 +234,7 @@ def merge_shards(per_rank: Iterable[dict[str, GradShard]]) -> dict[str, torch.Te
             full[name] = first.tensor
             continue
         dim, stride, tp_size = first.partition_dim, first.partition_stride, first.tp_size
-        missing = set(range(tp_size)) - set(held)
-        if missing:
+        if missing := set(range(tp_size)) - set(held):
             raise AssertionError(f"{name}: no shard from tensor-parallel rank(s) {sorted(missing)}")
         # Undo megatron-core's TP split (``_initialize_affine_weight_cpu``): rank r's tensor is
         # pieces r, r + tp_size, ... of tp_size * stride equal pieces, concatenated.
@@ -280,17 +269,10 @@ def train_steps(
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
     )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-2,
-            weight_decay=0.01,
-            clip_grad=1.0,
-            use_distributed_optimizer=True,
-        ),
-        chunks,
+    config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0, use_distributed_optimizer=True
     )
-    losses = []
+    optimizer, losses = get_megatron_optimizer(config, chunks), []
     for batches in steps:
         for chunk in chunks:
             chunk.zero_grad_buffer()

@@ -20,10 +20,8 @@ def loss_func(
     """Megatron-LM ``pretrain_gpt.loss_func``: summed masked token loss, token count and
     ``{"lm loss": [summed loss, tokens]}``; ``forward_step`` divides by the token count and the
     micro-batch count (``calculate_per_token_loss`` off): a mean token loss per micro-batch."""
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
+    losses, mask = output_tensor.view(-1).float(), loss_mask.view(-1).float()
+    loss, num_tokens = torch.sum(losses * mask), mask.sum().clone().detach().to(torch.int)
     report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
     return loss, num_tokens, {"lm loss": report}
 
