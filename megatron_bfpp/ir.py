@@ -224,9 +224,8 @@ def primitives(actions: Sequence[Action]) -> Iterable[tuple[int, Action]]:
 
 
 class _ActionFields:
-    """``Action``'s slots without its frozen ``__setattr__``: ``unchecked_action`` fills one with
-    plain attribute stores (direct slot writes, where descriptors cost a call each), then makes
-    it an ``Action`` by assigning ``__class__`` (allowed between classes of the same layout)."""
+    """``Action``'s slots without its frozen ``__setattr__``: ``unchecked_action`` fills one by
+    plain stores (descriptors cost a call each), then assigns ``__class__`` (same layout)."""
 
     __slots__ = Action.__slots__
     stage: int
@@ -454,17 +453,15 @@ class Schedule:
         )
 
     def stored_activations(self, rank: int) -> tuple[float, ...]:
-        """Activations held on ``rank`` after each of its actions, in full-stage micro-batches
-        (``stage_fraction`` per stage of a looped or V layout), in program order: what the
-        runtime holds between two actions, transfers in flight included (``MEMORY_DELTA``)."""
+        """Activations ``rank`` holds after each of its actions, in full-stage micro-batches: what
+        the runtime holds between two actions, transfers in flight included (``MEMORY_DELTA``)."""
         fraction = self.layout.stage_fraction
         # Integer counts, scaled once: no rounding drift.
         return tuple(count * fraction for count in stored_counts(self.per_rank[rank]))
 
     def resident_parameters(self, rank: int) -> tuple[float, ...]:
-        """Gathered (full) parameters held on ``rank`` after each of its actions, in full-stage
-        units, program order: every chunk's without sharded parameters (no RL on the rank), else a
-        chunk's from its PS (which allocates the buffer) to its RL; the local shard is left out."""
+        """Gathered (full) parameters ``rank`` holds after each action, in full-stage units: all
+        chunks' with no RL on the rank, else a chunk's from PS to RL (local shard excluded)."""
         program, fraction = self.per_rank[rank], self.layout.stage_fraction
         if ActionKind.RELEASE not in map(_kind_of, program):
             return self._all_chunks(rank)
@@ -486,9 +483,8 @@ class Schedule:
         return (chunks,) * len(self.per_rank[rank])
 
     def held_gradient_chunks(self, rank: int) -> Iterator[set[int]]:
-        """The stages whose full gradient buffers a fully sharded ``rank`` holds after each of
-        its actions, each from a backward until its run's reduction lands (at the rank's next GS,
-        or the chunk's next backward), as one set updated in place: read it before the next."""
+        """Stages whose full gradient buffers a fully sharded ``rank`` holds after each action, from
+        a backward until its reduction lands (next GS or backward); one set, updated in place."""
         held: set[int] = set()
         synced: list[int] = []  # GS'd stages whose reduction has not landed yet
         for action in self.per_rank[rank]:
@@ -639,8 +635,7 @@ def dump_csv_text(schedule: Schedule) -> str:
 
 
 def dump_csv(schedule: Schedule, path: str | Path) -> None:
-    """``dump_csv_text(schedule)`` written where ``path`` says (a device in place, a symbolic
-    link's target, a regular file atomically: :func:`megatron_bfpp.files.write_output`)."""
+    """``dump_csv_text(schedule)`` written as :func:`megatron_bfpp.files.write_output` writes."""
     write_output(path, dump_csv_text(schedule).encode())
 
 
@@ -810,9 +805,8 @@ def _header_layout(row: _Row, source: str) -> StageLayout:
 def _cell_problem(
     action: Action, rank: int, layout: StageLayout, rank_rows: Sequence[_Row]
 ) -> str | None:
-    """Indices our header bounds, and an action on another rank's row, named by cell before
-    anything counts it against its stage's own row (the forwards' check) or the validator names
-    it by rank and step. BPipe's AC / RS are the acceptor's, on a rank other than the stage's."""
+    """Indices past the header's bounds, or an action on another rank's row, named by cell before
+    the forwards' check or the validator names them (BPipe's AC / RS: the acceptor's row)."""
     if action.stage >= layout.num_stages:
         return f"stage {action.stage} does not exist (the layout has {layout.num_stages})"
     if action.peer is not None and action.peer >= layout.num_ranks:
@@ -840,9 +834,8 @@ def _checked_schedule(
     *,
     counted: str,
 ) -> Schedule:
-    """The schedule, once every stage's forwards are micro-batches 0..m-1, each once (what each
-    stage misses and has extra) and no other action names one past them, before anything
-    allocates per micro-batch; ``counted`` says where m comes from."""
+    """The schedule, once each stage's forwards run micro-batches 0..m-1 once and nothing names one
+    past m - 1, before anything allocates per micro-batch; ``counted``: where m comes from."""
     schedule = Schedule(
         layout, m, tuple(tuple(action for _, action in p) for p in programs), name=name
     )
@@ -921,8 +914,8 @@ def _load_torch(rows: list[_Row], source: str) -> Schedule:
 def _torch_program(
     cells: list[_TorchCell], rank: int, layout: StageLayout, row: str, lowered: bool
 ) -> tuple[tuple[int, Action], ...]:
-    """One row's actions by column; an OVERLAP_F_B cell's two actions become our overlapped
-    pair (``Composite``: it waits, lasts and sends as torch's group does)."""
+    """One row's actions by column (REDUCE_GRAD only when ``lowered``); an OVERLAP_F_B cell's two
+    actions become our pair (``Composite``: it waits, lasts and sends as torch's group does)."""
     kept = [cell for cell in cells if lowered or cell.kind != "REDUCE_GRAD"]
     program: list[tuple[int, Action]] = []
     for column, group in groupby(kept, key=attrgetter("column", "grouped")):
@@ -945,9 +938,8 @@ def _torch_program(
 def _torch_microbatches(
     cells: list[list[_TorchCell]], layout: StageLayout, source: str
 ) -> tuple[int, str]:
-    """torch's CSV does not say m: take the number of micro-batches most stages run forwards
-    for (the larger on a tie), so a stage that skips or renumbers one (torch 2.13's Schedule1F1B
-    numbers its last stage's 1..m) is that stage's problem, not every other stage's."""
+    """torch's CSV does not say m: take the count most stages run forwards for (the larger on a
+    tie), so a stage skipping or renumbering one (torch 2.13's Schedule1F1B) is its own problem."""
     forwards: list[set[int]] = [set() for _ in range(layout.num_stages)]
     for row_cells in cells:
         for cell in row_cells:

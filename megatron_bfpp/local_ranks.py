@@ -48,9 +48,8 @@ class Stopped(BaseException):
 
 @dataclasses.dataclass(frozen=True)
 class LocalRun:
-    """How the ranks ended: ``results`` by rank; ``errors``, each failed rank's traceback (or how it
-    died) with ``failed_at``; ``killed``, ranks still running at the grace period's or timeout's
-    end, with their ``stacks`` when a ``stack_dir`` was given."""
+    """How the ranks ended: ``results`` by rank; ``errors``: failed ranks' tracebacks (or how they
+    died), at ``failed_at``; ``killed``: ranks still running at the end, with ``stacks``."""
 
     results: dict[int, Any]
     errors: dict[int, str]
@@ -110,12 +109,11 @@ def fork_ranks(
 ) -> LocalRun:
     """Run ``target(rank, store)`` in ``world_size`` forked processes and collect how each ended.
 
-    Each rank has ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-    ``LOCAL_WORLD_SIZE`` set and gets the ``TCPStore`` for ``init_process_group(store=...)``;
-    ``target`` is inherited through fork, its result must pickle. ``failed(result)`` says whether
-    a returned result failed (a raise always has); ``after()`` runs in the rank once its result
-    is sent (tear-down whose errors must not hide it). Every rank is dead when this returns or
-    raises (:class:`Stopped` on SIGTERM or SIGHUP, ``KeyboardInterrupt`` on Ctrl-C)."""
+    Each rank gets torchrun's environment and, for ``init_process_group(store=...)``, the
+    ``TCPStore``; ``target`` comes through fork, its result must pickle. ``failed(result)``: whether
+    a returned result failed (a raise always has); ``after()`` runs in the rank once its result is
+    sent (tear-down whose errors must not hide it). Every rank is dead when this returns or raises
+    (:class:`Stopped` on SIGTERM / SIGHUP, ``KeyboardInterrupt`` on Ctrl-C)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     import torch.distributed  # noqa: F401  (once, here: each rank would import it again)

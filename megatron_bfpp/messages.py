@@ -31,10 +31,9 @@ K = ActionKind
 
 
 class What(StrEnum):
-    """What a message carries: the one list of message kinds (a ``str``: prints as its value).
-    ``EVICT_POSTED`` / ``RESTORE_POSTED`` are BPipe's data-less acknowledgements that the partner
-    posted the receive (AC / LD), so the sender may release the payload's buffer; ``EVICT_SIZE``
-    the runtime's 8-byte header of an eviction, posted before the payload (``runtime.p2p``)."""
+    """What a message carries, the one list of kinds. ``EVICT_POSTED`` / ``RESTORE_POSTED``: BPipe's
+    data-less acknowledgements that the partner posted the receive (AC / LD), so the sender may free
+    the payload; ``EVICT_SIZE``: the runtime's 8-byte eviction header (``runtime.p2p``)."""
 
     ACT = "act"
     GRAD = "grad"

@@ -1,7 +1,6 @@
-"""``bfpp-plan profile``: time one pipeline stage of a megatron-core GPT / LLaMA on this machine,
-so that ``recommend --profile`` plans with a measured stage instead of the built-in efficiency
-curve: seconds per micro-batch for its forward, backward (B) and split backward as the runtime runs
-it (``runtime.deferred_wgrad``: I, then W), and ``t_host`` (``measure_host_time``)."""
+"""``bfpp-plan profile``: time one pipeline stage of a megatron-core GPT / LLaMA here, so
+``recommend --profile`` plans with a measured stage, not the built-in curve: seconds per micro-batch
+of its forward, backward (B), split backward as the runtime runs it (I, W) and ``t_host``."""
 
 from __future__ import annotations
 
@@ -134,8 +133,7 @@ def measure_host_time(
 
 
 class _Chunk(torch.nn.Module):
-    """The profiled layers as a model chunk for our runtime: megatron-core's chunk attributes
-    (config, model_type, set_input_tensor), one call of the block per micro-batch."""
+    """The profiled layers as a megatron-core model chunk (config, model_type, set_input_tensor)."""
 
     def __init__(self, block: torch.nn.Module, rotary: Any) -> None:
         from megatron.core.enums import ModelType

@@ -51,11 +51,10 @@ def validate_schedule(
     nccl: bool = True,
     require_grad_sync: bool = False,
 ) -> None:
-    """Every check, in one pass (the module docstring's kinds), a compute-only schedule under the
-    compute-only rule (``semantics``). With ``require_backward=False`` (forward-only, e.g.
-    evaluation) a (stage, micro-batch) may have no backward, but one that has any must have a
-    complete one. ``nccl``: check 6. ``require_grad_sync``: check 7 in a schedule without GS / PS /
-    RL too, where a runner would otherwise reduce nothing during the step (the runtime, a CSV)."""
+    """Every check in one pass (the module docstring's kinds; compute-only schedules under the
+    compute-only rule). ``require_backward=False`` (forward-only): a (stage, micro-batch) may lack a
+    backward, not have half of one. ``nccl``: check 6. ``require_grad_sync``: check 7 even without
+    GS / PS / RL (the runtime, a CSV: else nothing is reduced in the step)."""
     scan = _scan(schedule)
     _raise(  # the first problem in the order of the module docstring
         scan.complete(require_backward)
@@ -141,10 +140,9 @@ def _label(schedule: Schedule, rank: int, position: int, part: Action | None = N
 
 
 class _Scan:
-    """What the pass found: each rank's first problem of each kind, which (stage, micro-batch)
-    has which action (flat flags, index ``stage * num_microbatches + mb``), each channel's
-    messages in posting order, and where stuck ranks wait. A rank's pass ends at its first
-    placement problem, so a flag is its stage's own rank's history and every index is in range."""
+    """What the pass found: each rank's first problem per kind, flags per (stage, micro-batch) (at
+    ``stage * num_microbatches + mb``), channels' messages in order, where stuck ranks wait. A
+    rank's pass stops at its first misplaced action: each flag is its own rank's, in range."""
 
     def __init__(self, schedule: Schedule, *, composites: bool = False) -> None:
         stage_to_rank = schedule.layout.stage_to_rank
@@ -271,10 +269,9 @@ _RL, _FB = K.RELEASE, K.OVERLAP_F_B
 def _parts(
     scan: _Scan, actions: tuple[Action, ...], recorded: Recorded
 ) -> Iterator[tuple[int, Action]]:
-    """(position, action) of a program with composites, each composite as its parts at its
-    position (``scan.part`` names the one under check), so the pass checks each part as that
-    action alone. The composite rule (``semantics``): the composite waits for what every part
-    waits for before any part sends, so its recorded waits go before its sends."""
+    """(position, action) of a program, each composite as its parts at its position (``scan.part``:
+    the one under check), so each part is checked as that action alone; the composite rule
+    (``semantics``: every part's waits before any part's sends) puts its recorded waits first."""
     ops = recorded.ops
     for position, action in enumerate(actions):
         if action.kind is not _FB:
@@ -306,9 +303,8 @@ _ORDER = {
 
 
 def _scan_rank(scan: _Scan, rank: int) -> Recorded:
-    """``rank``'s program: placement, completeness flags, local order and channels of each
-    action, and its waits and sends under the execution rules, recorded (``run_recorded`` runs
-    them); then, if no action was misplaced, the checks of the whole rank."""
+    """``rank``'s actions checked (placement, flags, local order, channels), their waits and sends
+    recorded (for ``run_recorded``); then, unless one was misplaced, the whole rank's checks."""
     recorded = Recorded([], array("q"))
     if (unloaded := _scan_actions(scan, rank, recorded)) is not None and rank not in scan.order:
         schedule, actions = scan.schedule, scan.schedule.per_rank[rank]
@@ -475,9 +471,8 @@ def _scan_transfer(
     awaiting: list[int],
     restores: dict[int, int],
 ) -> int | None:
-    """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD at ``position``, recording the
-    table ``Wires.transfer`` runs: how it changes the rank's count of evicted-not-loaded
-    activations, or None when misplaced or a composite (the pass ends)."""
+    """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD (what ``Wires.transfer`` runs): the
+    change in the rank's evicted-not-loaded count; None when misplaced or a composite."""
     action, rules, flags = scan.schedule.per_rank[rank][position], scan.rules, scan.flags
     if action.kind is _FB:  # a composite: _scan checks every rank again, with them as parts
         scan.composites = True

@@ -1,8 +1,7 @@
 """``--pipeline-schedule auto``: the planner picks the schedule for the layout the user fixed.
 
-Not ``recommend``: the user fixed the layout, so :func:`decide` ranks only what a schedule may
-still choose (schedule, virtual stages, group size, BPipe cap). It is a pure function of what
-every rank sees alike, so every rank decides the same without communicating."""
+Not ``recommend``: :func:`decide` ranks only what a schedule may still choose (schedule, virtual
+stages, group size, BPipe cap), from what every rank sees alike: all decide the same."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""A measured pipeline stage, as ``bfpp-plan profile`` writes it and ``recommend --profile``
-reads it: JSON only (a file users hand us is data), checked field by field with one-line errors.
-One stage is enough (the BPipe re-evaluation, section 4): the pipeline follows from the
-schedule, and message times from the link's bandwidth (one device has no peer)."""
+"""A measured pipeline stage as ``bfpp-plan profile`` writes it and ``recommend --profile`` reads
+it: JSON only (a file users hand us is data), checked field by field. One stage is enough (the BPipe
+re-evaluation, section 4): the pipeline follows from the schedule, messages from the bandwidth."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ MAX_BYTES = 1 << 20  # a profile is a few hundred bytes; refuse anything that is
 
 @dataclass(frozen=True, slots=True)
 class Measurement:
-    """One micro-batch size: seconds per micro-batch through the profiled layers.
-    ``backward_input_s`` / ``backward_weight_s``: the backward split into input and weight
-    gradients (split-backward schedules, V-shape); ``None`` when not measured."""
+    """Seconds per micro-batch through the profiled layers at one size; ``backward_input_s`` /
+    ``backward_weight_s``: the split backward's halves (V-shapes), ``None`` if not measured."""
 
     micro_batch_size: int
     forward_s: float
@@ -195,8 +193,7 @@ MAX_SECONDS = 86_400.0
 
 
 def _optional_seconds(row: dict[str, Any], key: str, where: str) -> float | None:
-    """An optional timing (a part of the split backward, the host's time per action): zero is a
-    measurement too (W too small to time, a host its kernels hide)."""
+    """Optional timing: zero is a measurement too (W too small to time, a host its kernels hide)."""
     return None if row.get(key) is None else _seconds(row, key, where, zero=True)
 
 

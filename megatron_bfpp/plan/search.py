@@ -263,9 +263,8 @@ def _divisors(n: int) -> list[int]:
 def candidates(
     *, model: Model, cluster: Cluster, global_batch_size: int, options: SearchOptions
 ) -> Iterator[Candidate]:
-    """Every configuration the shapes allow: tp divides heads, query groups and FFN within a
-    node; layers split evenly over pp; the batch over dp x micro-batch; sharding needs dp > 1;
-    pp 1 only as 1F1B (plain data parallelism); each family's grid from its catalogue entry."""
+    """Every configuration the shapes allow (tp dividing heads, groups and FFN in a node; pp the
+    layers; dp x micro-batch the batch); sharding needs dp > 1, pp 1 only 1F1B."""
     searched = [f for f in families() if not options.schedules or f[0] in options.schedules]
     moe = options.megatron_baselines and model.num_experts > 0  # PlanGrid.moe_baselines too
     for tp, pp in _splits(model, cluster, options)[2]:
@@ -385,9 +384,8 @@ def rank_parameters_of(
 
 
 def sharded_walk_length(m: int, group: int | None) -> int:
-    """Micro-batches of the short breadth-first schedule (groups of one) whose fully sharded
-    walk holds the chunks ``m`` in groups of ``group`` hold: only the order of the groups
-    matters, and a first, a middle and a last group are all there are."""
+    """Micro-batches of the short breadth-first schedule (groups of one) whose fully sharded walk
+    holds what ``m`` in groups of ``group`` hold: a first, a middle and a last group is all."""
     return min(-(-m // (group or m)), 3)
 
 
@@ -496,9 +494,8 @@ def _simulated_ns(
     grad_reduce: str | None = None,
     budget: ActionBudget | None = None,
 ) -> tuple[float, float]:
-    """(step time, bubble fraction) of ``c`` at m micro-batches in the simulator's ns: read off
-    the line through three short lengths when they lie on one (a steady state repeats), else
-    simulated whole up to ``EXACT_UP_TO`` periods, past that off an approximate line."""
+    """(step, bubble) of ``c`` at m micro-batches, ns: off the line of three short steps when on one
+    (a steady state repeats), else whole up to ``EXACT_UP_TO`` periods, past that approximated."""
     # A breadth-first group of g micro-batches repeats every g (the planner's g is pp).
     p = c.pp if c.group_size is None else max(c.pp, c.group_size)
     timed_at = cache(lambda n: _step(c, n, costs, p2p, grad_reduce, budget))  # shared lengths
@@ -560,10 +557,9 @@ def _approximate(
 def _extended(
     first: tuple[float, float], second: tuple[float, float], periods: float
 ) -> tuple[float, float]:
-    """(step, bubble) ``periods`` times the second timed length's step past the first: the step
-    and each rank's busy time (the simulator's, host time per compute part included) both grow
-    by the same amount per period, so the bubble follows from them. (Counting actions instead
-    would miss a schedule that splits only some backwards: dualpipe-v's I and W.)"""
+    """(step, bubble) ``periods`` times the second timed length's step past the first: the step and
+    each rank's busy time (host time per compute part included) grow alike per period, so the bubble
+    follows. (Counting actions would miss a schedule splitting only some backwards: dualpipe-v.)"""
     (step_a, bubble_a), (step_b, bubble_b) = first, second
     busy_a, busy_b = step_a * (1 - bubble_a), step_b * (1 - bubble_b)
     step, busy = step_a + periods * (step_b - step_a), busy_a + periods * (busy_b - busy_a)
@@ -769,9 +765,8 @@ def recommend(
 def no_candidates_reason(
     *, model: Model, cluster: Cluster, global_batch_size: int, options: SearchOptions
 ) -> str:
-    """Why :func:`candidates` yields nothing (a GPU count tp x pp x dp cannot make, not a
-    memory problem), and the nearest GPU counts for which it yields something: tried among the
-    products tp x pp x dp with pp dividing the layers and dp the batch."""
+    """Why :func:`candidates` yields nothing (no tp x pp x dp of the GPUs, not memory), and the
+    nearest GPU counts that yield something (pp dividing the layers, dp the batch)."""
     n, gpn = cluster.num_gpus, cluster.gpus_per_node
     tps, shaped, splits = _splits(model, cluster, options)
     rule = (

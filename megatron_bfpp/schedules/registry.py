@@ -312,9 +312,8 @@ def planned_schedules() -> tuple[ScheduleSpec, ...]:
 
 
 def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -> None:
-    """Reject a schedule option's flag (on parsed ``args``) given for a schedule that does not
-    take it (``name`` ``None``: one with no options, like Megatron's own ``default``); with
-    ``megatron``, flags Megatron-LM owns (and defaults) are left alone."""
+    """Reject an option's flag (on parsed ``args``) for a schedule not taking it (``name`` ``None``:
+    one with none, like Megatron's ``default``); ``megatron``: its flags left alone."""
     mine = {option.dest for option in get_spec(name).options} if name is not None else set()
     for option in ALL_OPTIONS:
         given = getattr(args, option.dest, None) is not None
@@ -437,9 +436,8 @@ def build_schedule(
 
 
 def check_sharding(schedule: str, strategy: str) -> None:
-    """Megatron's ``--data-parallel-sharding-strategy`` for a schedule, or a one-line
-    :class:`ScheduleError` before any work: sharded parameters are gathered and released per
-    model chunk, which only breadth-first runs back to back."""
+    """Megatron's ``--data-parallel-sharding-strategy`` for a schedule, or one line before any work:
+    sharded parameters go per model chunk, which only breadth-first runs back to back."""
     if strategy not in SHARDING_STRATEGIES:
         raise ScheduleError(
             f"data-parallel sharding strategy {strategy!r} is not one of "

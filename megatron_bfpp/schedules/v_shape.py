@@ -103,9 +103,8 @@ def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
 
 def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
-    """Every rank's ZB-V order (Qi et al., ICLR 2024, section 6), phase by phase, for at least
-    2p - 1 micro-batches; with fewer, the missing ones are skipped, not built (no dependency
-    crosses micro-batches, so the order stays deadlock-free)."""
+    """Every rank's ZB-V order (Qi et al., ICLR 2024, section 6), phase by phase, for 2p - 1 or more
+    micro-batches; fewer are skipped (no dependency crosses micro-batches)."""
     p, m_count = num_ranks, num_microbatches
     n = max(m_count, 2 * p - 1)
     fa, fb, ia, ib, wa, wb = range(6)  # 2 * kind + chunk
@@ -284,8 +283,7 @@ def _greedy_programs(
 def _oldest_ready_forward(
     p: int, m_count: int, step: int, f_time: list[int], next_f: list[int]
 ) -> tuple[int, int, int]:
-    """(micro-batch, stage, rank) of the dependency-ready F of the oldest micro-batch, to run over
-    the memory limit where no rank can act (``_greedy_programs``)."""
+    """(micro-batch, stage, rank) of the oldest micro-batch's ready F, run over the memory limit."""
     ready = [
         (mb, stage, r)
         for r in range(p)

@@ -89,10 +89,9 @@ UNITS = {
 
 @dataclass(frozen=True, slots=True)
 class RankMetrics:
-    """One rank's share of the step (docs/simulator.md, "Output"): the peaks are program-order
-    peaks of ``Schedule.stored_activations`` / ``resident_parameters`` / ``resident_gradients``
-    in ``UNITS``; ``exposed_dp_comm_time`` is computes held back by their parameter gather plus
-    the tail between the rank's last compute and its last GS / PS."""
+    """One rank's share of the step (docs/simulator.md, "Output"): program-order peaks of
+    ``Schedule.stored_activations`` / ``resident_parameters`` / ``resident_gradients`` (``UNITS``);
+    ``exposed_dp_comm_time``: computes held back by a gather plus the tail from the last compute."""
 
     rank: int
     busy_time: float
@@ -174,10 +173,9 @@ def simulate(
     posting: Posting | None = None,
     megatron_grad_reduce: str | None = None,
 ) -> SimResult:
-    """Time ``schedule`` (one that ``validate_schedule`` accepts) under ``costs`` by the p2p
-    timing model ``p2p``; ``posting`` replaces the lock-step posting (what another executor
-    posts), ``megatron_grad_reduce`` where a megatron model starts each chunk's gradient
-    reduction. Raises ``ScheduleError`` showing the per-rank grid if the programs deadlock."""
+    """Time ``schedule`` (one ``validate_schedule`` accepts) under ``costs`` by the p2p timing model
+    ``p2p``; ``posting`` replaces the lock-step posting, ``megatron_grad_reduce``: where a megatron
+    model starts each chunk's reduction. A deadlock raises ``ScheduleError`` with the grid."""
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, posting)
     times, per_unit, timeline = _clocks(schedule, costs, p2p, posting, grad_reduce)
     return _result(schedule, costs, times, per_unit, p2p, timeline, grad_reduce)
@@ -245,9 +243,8 @@ def simulate_steady(
     p2p: str = DEFAULT_P2P_MODEL,
     megatron_grad_reduce: str | None = None,
 ) -> SimResult:
-    """``simulate(schedule, ...)``'s figures read off the exact clocks of shorter steps
-    (``shorter(n)``: n micro-batches, repeating every ``period``) where they lie on lines, else
-    from timing it whole (docs/simulator.md, "Usage"); memory from ``schedule``'s own program."""
+    """``simulate``'s figures off the exact clocks of shorter steps (``shorter(n)``, a period apart)
+    where they lie on lines, else timed whole; memory from ``schedule``'s own program."""
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, None)
     if schedule.num_actions >= STEADY_FROM_ACTIONS:
         line = _steady_clocks(schedule, costs, shorter, period, p2p, grad_reduce)
@@ -424,9 +421,8 @@ def _result(
     timeline: Timeline | PostingTimeline,
     grad_reduce: str | None,
 ) -> SimResult:
-    """The metrics from the model's integer clocks (``_Run4``), each divided by ``per_unit``
-    once, with ``schedule``'s memory counted in program order (``ir.stored_counts``, as
-    ``Schedule.stored_activations``: no run counts it); ``timeline`` draws the events."""
+    """The metrics from the model's integer clocks (``_Run4``), each divided by ``per_unit`` once;
+    memory counted in program order (``ir.stored_counts``: no run counts it)."""
     clock, dp_free, busy, gather_wait = times
     peak = [max(0, max(stored_counts(actions), default=0)) for actions in schedule.per_rank]
     num_ranks = schedule.num_ranks

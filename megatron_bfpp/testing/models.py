@@ -109,8 +109,7 @@ def build_model_chunks(
 
 
 def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
-    """Random everywhere (norm weights around 1; biases and norms too, so equivalence tests cover
-    them), from a generator seeded by the global name."""
+    """Random everywhere, biases and norms too (so equivalence tests cover them), seeded by name."""
     generator = torch.Generator().manual_seed((zlib.crc32(global_name.encode()) + seed) % 2**63)
     noise = torch.randn(*shape, generator=generator, dtype=torch.float32)
     leaf = global_name.rsplit(".", 1)[-1]
@@ -197,8 +196,7 @@ class GradShard:
 
 def grad_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]:
     """This rank's gradients by global name (``main_grad`` under DDP, else ``.grad``) with their
-    tensor-parallel slice info, for :func:`merge_shards` in the parent. The distributed optimizer
-    reduces only the rank's own ``main_grad`` shard: compare parameters or losses there instead."""
+    tensor-parallel slice, for :func:`merge_shards` (distributed optimizer: compare losses)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     out: dict[str, GradShard] = {}
@@ -255,8 +253,7 @@ def train_steps(
     placement: Placement = Placement.LOOPED,
     share_embeddings_and_output_weights: bool = False,
 ) -> list[list[float]]:
-    """This rank's per-micro-batch losses of Adam steps under megatron-core's DDP and distributed
-    optimizer (overlapped when ``overlap``)."""
+    """This rank's per-micro-batch losses of Adam steps (megatron-core DDP and optimizer)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     chunks = wrap_ddp(
@@ -306,8 +303,7 @@ def run_schedule(
     micro_batch_size: int | None = None,
     seq_length: int = SEQ_LENGTH,
 ) -> list[dict[str, torch.Tensor]]:
-    """One forward-backward call over this rank's ``batches``, one iterator per chunk;
-    ``forward_backward_func``: megatron-core's own by default, or any with its signature."""
+    """One forward-backward call on ``batches`` (by default megatron-core's function)."""
     if forward_backward_func is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 

@@ -62,9 +62,8 @@ def run_ranks(
     error_grace: float = ERROR_GRACE,
     daemon: bool = True,
 ) -> list[Any]:
-    """``fn(*args)``'s results (they must pickle) on ``world_size`` forked gloo ranks, by rank
-    (``daemon=False``: ``fn`` may start processes); :class:`RanksFailed`, every child dead, if one
-    raises, dies or outlives ``timeout``."""
+    """``fn(*args)``'s results (picklable) on ``world_size`` forked gloo ranks (``daemon=False``:
+    ``fn`` may start processes); :class:`RanksFailed`, all children dead, if one fails or hangs."""
     if world_size < 1 or world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp * pp}")
     preload_megatron()

@@ -163,9 +163,8 @@ def save_checkpoint(
     gather_chunk: GatherChunk | None = None,
     sharded: bool = False,
 ) -> Path:
-    """Save one checkpoint on every rank (collective), atomically (:mod:`.checkpoint_files`). Fully
-    sharded, ``gather_chunk(i)`` (torch) makes chunk ``i`` whole while it is copied to host, and
-    ``sharded`` (torch_dist) gathers nothing (the optimizer's main parameters are saved)."""
+    """Every rank saves one checkpoint (collective), atomically (:mod:`.checkpoint_files`); fully
+    sharded, ``gather_chunk(i)`` (torch) gathers chunk ``i`` to copy it."""
     root = Path(root)
     temp = _shared_temp_dir(root, iteration)
     records: list[FileRecord] = []

@@ -54,8 +54,7 @@ class IndexedSource:
 
 
 def default_cache_dir(prefix: str) -> str:
-    """Where megatron-core's ``GPTDataset`` caches its indices when not told
-    (``--data-cache-path``): a directory named after the prefix, beside the ``.bin``."""
+    """Where megatron-core's ``GPTDataset`` caches its indices without ``--data-cache-path``."""
     return os.path.join(prefix, "cache")
 
 

@@ -244,8 +244,7 @@ def init_by_global_names(
 
 
 def wrap_ddp(model_chunks: Sequence[torch.nn.Module], **ddp_overrides: Any) -> list[Any]:
-    """Wrap each chunk in megatron-core DDP (buckets for the first only) and set the config's
-    sync and finalize hooks as Megatron-LM's training setup does."""
+    """Chunks in megatron-core DDP (buckets for the first only), hooks set as Megatron-LM does."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
