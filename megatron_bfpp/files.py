@@ -1,7 +1,6 @@
 """Every file the product writes (:func:`write_output`) and directory it fills (:func:`make_dirs`)
-lands where the user said: a device, FIFO or socket (``/dev/null``) written in place and a symbolic
-link followed (a rename would replace either), a regular or new file replaced atomically (a
-temporary file beside it, synced, renamed over it, the old permissions kept). Torch-free."""
+lands where the user said: a device, FIFO or socket written in place, a symbolic link followed (a
+rename would replace either), a regular or new file replaced atomically, permissions kept."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ _MAX_STEM = 200  # of the target's name in its temporary file's (the file system
 
 
 def follow_links(path: str | Path) -> Path:
-    """``path`` with the symbolic links of its last component followed, as ``open`` follows
-    them (a dangling link: the path it names, which need not exist). A link that loops is
-    ``OSError(ELOOP)`` naming ``path``. Directories above are left to the kernel."""
+    """``path`` with its last component's symbolic links followed as ``open`` does (dangling: the
+    path it names); a loop: ``OSError(ELOOP)`` naming ``path``; directories above: the kernel's."""
     target = Path(path)
     for _ in range(_MAX_LINKS):
         try:

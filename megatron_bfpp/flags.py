@@ -14,9 +14,8 @@ __all__ = ["OneLineParser", "positive_int", "printable_output"]
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` names each flag's default, as Megatron users expect. A help text that already
-    says its default is left alone, and so are flags whose default is their absence (``None``,
-    an unset switch): "(default: None)" would say nothing."""
+    """``--help`` names each flag's default, as Megatron users expect, unless its help says it or
+    the default is an absence (``None``, an unset switch): "(default: None)" says nothing."""
 
     def _format_action(self, action: argparse.Action) -> str:
         if action.help is None and _shows_default(action):  # argparse skips help-less flags
@@ -67,8 +66,7 @@ def printable_output() -> None:
     """A path or name stdout and stderr cannot encode (an ASCII locale, a SLURM log) comes out as
     ``\\xe9`` escapes instead of ending the run with a UnicodeEncodeError."""
     for stream in (sys.stdout, sys.stderr):
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None:
+        if (reconfigure := getattr(stream, "reconfigure", None)) is not None:
             reconfigure(errors="backslashreplace")
 
 

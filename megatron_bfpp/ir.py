@@ -224,9 +224,8 @@ def primitives(actions: Sequence[Action]) -> Iterable[tuple[int, Action]]:
 
 
 class _ActionFields:
-    """``Action``'s slots without its frozen ``__setattr__``: ``unchecked_action`` fills one with
-    plain attribute stores (direct slot writes, where descriptors cost a call each), then makes
-    it an ``Action`` by assigning ``__class__`` (allowed between classes of the same layout)."""
+    """``Action``'s slots without its frozen ``__setattr__``: ``unchecked_action`` fills one by
+    plain stores (descriptors cost a call each), then assigns ``__class__`` (same layout)."""
 
     __slots__ = Action.__slots__
     stage: int
@@ -285,8 +284,7 @@ def _check_action(stage: int, kind: ActionKind, microbatch: int | None, peer: in
 
 def parse_action(text: str) -> Action:
     """Inverse of ``str(action)``; raises ScheduleError naming the bad text."""
-    match = _ACTION_RE.fullmatch(text.strip())
-    where = f"cannot parse action {_shown(text)}"
+    match, where = _ACTION_RE.fullmatch(text.strip()), f"cannot parse action {_shown(text)}"
     if match is None:
         if "&" in text:  # an overlapped pair: a forward and a backward joined by "&"
             pieces = text.strip().split("&")
@@ -455,19 +453,16 @@ class Schedule:
         )
 
     def stored_activations(self, rank: int) -> tuple[float, ...]:
-        """Activations held on ``rank`` after each of its actions, in full-stage micro-batches
-        (``stage_fraction`` per stage of a looped or V layout), in program order: what the
-        runtime holds between two actions, transfers in flight included (``MEMORY_DELTA``)."""
+        """Activations ``rank`` holds after each of its actions, in full-stage micro-batches: what
+        the runtime holds between two actions, transfers in flight included (``MEMORY_DELTA``)."""
         fraction = self.layout.stage_fraction
         # Integer counts, scaled once: no rounding drift.
         return tuple(count * fraction for count in stored_counts(self.per_rank[rank]))
 
     def resident_parameters(self, rank: int) -> tuple[float, ...]:
-        """Gathered (full) parameters held on ``rank`` after each of its actions, in full-stage
-        units, program order: every chunk's without sharded parameters (no RL on the rank), else a
-        chunk's from its PS (which allocates the buffer) to its RL; the local shard is left out."""
-        program = self.per_rank[rank]
-        fraction = self.layout.stage_fraction
+        """Gathered (full) parameters ``rank`` holds after each action, in full-stage units: all
+        chunks' with no RL on the rank, else a chunk's from PS to RL (local shard excluded)."""
+        program, fraction = self.per_rank[rank], self.layout.stage_fraction
         if ActionKind.RELEASE not in map(_kind_of, program):
             return self._all_chunks(rank)
         step = {ActionKind.PARAM_SYNC: 1, ActionKind.RELEASE: -1}
@@ -488,9 +483,8 @@ class Schedule:
         return (chunks,) * len(self.per_rank[rank])
 
     def held_gradient_chunks(self, rank: int) -> Iterator[set[int]]:
-        """The stages whose full gradient buffers a fully sharded ``rank`` holds after each of
-        its actions, each from a backward until its run's reduction lands (at the rank's next GS,
-        or the chunk's next backward), as one set updated in place: read it before the next."""
+        """Stages whose full gradient buffers a fully sharded ``rank`` holds after each action, from
+        a backward until its reduction lands (next GS or backward); one set, updated in place."""
         held: set[int] = set()
         synced: list[int] = []  # GS'd stages whose reduction has not landed yet
         for action in self.per_rank[rank]:
@@ -641,8 +635,7 @@ def dump_csv_text(schedule: Schedule) -> str:
 
 
 def dump_csv(schedule: Schedule, path: str | Path) -> None:
-    """``dump_csv_text(schedule)`` written where ``path`` says (a device in place, a symbolic
-    link's target, a regular file atomically: :func:`megatron_bfpp.files.write_output`)."""
+    """``dump_csv_text(schedule)`` written as :func:`megatron_bfpp.files.write_output` writes."""
     write_output(path, dump_csv_text(schedule).encode())
 
 
@@ -680,8 +673,7 @@ def load_csv_text(text: str, *, source: str = "<csv>") -> Schedule:
 
 def _read_rows(text: str, source: str) -> list[_Row]:
     """The non-blank records; csv errors and NULs (binary, UTF-16): one line naming the row."""
-    nul = text.find("\0")
-    if nul >= 0:
+    if (nul := text.find("\0")) >= 0:
         row = text.count("\n", 0, nul) + 1
         raise ScheduleError(
             f"{source}: row {row}: contains a NUL character, so this is not a text CSV (binary, "
@@ -740,21 +732,18 @@ def _load_ours(rows: list[_Row], source: str) -> Schedule:
                 f"got {_shown(key)}"
             )
         rank_rows.append(row)
-        actions = []
+        actions, where = [], f"{source}: row {row.number}"
         for column, cell in enumerate(row.cells[1:], start=2):
             if not cell.strip():
                 continue
             try:
                 actions.append((column, parse_action(cell)))
             except ScheduleError as error:
-                raise ScheduleError(
-                    f"{source}: row {row.number}, column {column}: {error}"
-                ) from None
+                raise ScheduleError(f"{where}, column {column}: {error}") from None
         programs.append(tuple(actions))
     if "layout" not in header or "microbatches" not in header:
         raise ScheduleError(f"{source}: missing 'layout' or 'microbatches' row")
-    layout = _header_layout(header["layout"], source)
-    counted = header["microbatches"]
+    layout, counted = _header_layout(header["layout"], source), header["microbatches"]
     values = [c.strip() for c in counted.cells[1:] if c.strip()]
     if (
         len(values) != 1
@@ -776,8 +765,7 @@ def _load_ours(rows: list[_Row], source: str) -> Schedule:
     for rank, (row, program) in enumerate(zip(rank_rows, programs, strict=True)):
         for column, action in program:
             for part in parts(action):
-                problem = _cell_problem(part, rank, layout, rank_rows)
-                if problem is not None:
+                if (problem := _cell_problem(part, rank, layout, rank_rows)) is not None:
                     raise ScheduleError(
                         f"{source}: row {row.number}, column {column}: {str(action)!r}: {problem}"
                     )
@@ -817,9 +805,8 @@ def _header_layout(row: _Row, source: str) -> StageLayout:
 def _cell_problem(
     action: Action, rank: int, layout: StageLayout, rank_rows: Sequence[_Row]
 ) -> str | None:
-    """Indices our header bounds, and an action on another rank's row, named by cell before
-    anything counts it against its stage's own row (the forwards' check) or the validator names
-    it by rank and step. BPipe's AC / RS are the acceptor's, on a rank other than the stage's."""
+    """Indices past the header's bounds, or an action on another rank's row, named by cell before
+    the forwards' check or the validator names them (BPipe's AC / RS: the acceptor's row)."""
     if action.stage >= layout.num_stages:
         return f"stage {action.stage} does not exist (the layout has {layout.num_stages})"
     if action.peer is not None and action.peer >= layout.num_ranks:
@@ -847,9 +834,8 @@ def _checked_schedule(
     *,
     counted: str,
 ) -> Schedule:
-    """The schedule, once every stage's forwards are micro-batches 0..m-1, each once (what each
-    stage misses and has extra) and no other action names one past them, before anything
-    allocates per micro-batch; ``counted`` says where m comes from."""
+    """The schedule, once each stage's forwards run micro-batches 0..m-1 once and nothing names one
+    past m - 1, before anything allocates per micro-batch; ``counted``: where m comes from."""
     schedule = Schedule(
         layout, m, tuple(tuple(action for _, action in p) for p in programs), name=name
     )
@@ -860,8 +846,7 @@ def _checked_schedule(
                 forwards[action.stage].append(action.microbatch)
     problems = []
     for stage, microbatches in enumerate(forwards):
-        problem = _microbatch_problem(microbatches, m)
-        if problem is not None:
+        if (problem := _microbatch_problem(microbatches, m)) is not None:
             row_number = rank_rows[layout.rank_of(stage)].number
             problems.append(f"stage {stage} (row {row_number}) {problem}")
     if problems:
@@ -920,24 +905,20 @@ def _load_torch(rows: list[_Row], source: str) -> Schedule:
     m, counted = _torch_microbatches(cells, layout, source)
     lowered = any(cell.kind in _TORCH_LOWERING for row_cells in cells for cell in row_cells)
     programs = [
-        _torch_program(
-            [cell for cell in row_cells if lowered or cell.kind != "REDUCE_GRAD"],
-            rank,
-            layout,
-            f"{source}: row {row.number}",
-        )
+        _torch_program(row_cells, rank, layout, f"{source}: row {row.number}", lowered)
         for rank, (row, row_cells) in enumerate(zip(rows, cells, strict=True))
     ]
     return _checked_schedule(layout, m, rows, programs, "torch-csv", source, counted=counted)
 
 
 def _torch_program(
-    cells: list[_TorchCell], rank: int, layout: StageLayout, row: str
+    cells: list[_TorchCell], rank: int, layout: StageLayout, row: str, lowered: bool
 ) -> tuple[tuple[int, Action], ...]:
-    """One row's actions by column; an OVERLAP_F_B cell's two actions become our overlapped
-    pair (``Composite``: it waits, lasts and sends as torch's group does)."""
+    """One row's actions by column (REDUCE_GRAD only when ``lowered``); an OVERLAP_F_B cell's two
+    actions become our pair (``Composite``: it waits, lasts and sends as torch's group does)."""
+    kept = [cell for cell in cells if lowered or cell.kind != "REDUCE_GRAD"]
     program: list[tuple[int, Action]] = []
-    for column, group in groupby(cells, key=attrgetter("column", "grouped")):
+    for column, group in groupby(kept, key=attrgetter("column", "grouped")):
         actions = [_torch_action(cell, rank, layout, row) for cell in group]
         if not column[1]:
             program += [(column[0], action) for action in actions]
@@ -957,9 +938,8 @@ def _torch_program(
 def _torch_microbatches(
     cells: list[list[_TorchCell]], layout: StageLayout, source: str
 ) -> tuple[int, str]:
-    """torch's CSV does not say m: take the number of micro-batches most stages run forwards
-    for (the larger on a tie), so a stage that skips or renumbers one (torch 2.13's Schedule1F1B
-    numbers its last stage's 1..m) is that stage's problem, not every other stage's."""
+    """torch's CSV does not say m: take the count most stages run forwards for (the larger on a
+    tie), so a stage skipping or renumbering one (torch 2.13's Schedule1F1B) is its own problem."""
     forwards: list[set[int]] = [set() for _ in range(layout.num_stages)]
     for row_cells in cells:
         for cell in row_cells:
@@ -975,8 +955,7 @@ def _torch_microbatches(
 def _torch_row(row: _Row, source: str) -> list[_TorchCell]:
     found = []
     for column, cell in enumerate(row.cells, start=1):
-        text = cell.strip()
-        if text:
+        if text := cell.strip():
             found.extend(_torch_cell(text, column, f"{source}: row {row.number}, column {column}"))
     return found
 

@@ -48,9 +48,8 @@ class Stopped(BaseException):
 
 @dataclasses.dataclass(frozen=True)
 class LocalRun:
-    """How the ranks ended: ``results`` by rank; ``errors``, each failed rank's traceback (or how it
-    died) with ``failed_at``; ``killed``, ranks still running at the grace period's or timeout's
-    end, with their ``stacks`` when a ``stack_dir`` was given."""
+    """How the ranks ended: ``results`` by rank; ``errors``: failed ranks' tracebacks (or how they
+    died), at ``failed_at``; ``killed``: ranks still running at the end, with ``stacks``."""
 
     results: dict[int, Any]
     errors: dict[int, str]
@@ -110,12 +109,11 @@ def fork_ranks(
 ) -> LocalRun:
     """Run ``target(rank, store)`` in ``world_size`` forked processes and collect how each ended.
 
-    Each rank has ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-    ``LOCAL_WORLD_SIZE`` set and gets the ``TCPStore`` for ``init_process_group(store=...)``;
-    ``target`` is inherited through fork, its result must pickle. ``failed(result)`` says whether
-    a returned result failed (a raise always has); ``after()`` runs in the rank once its result
-    is sent (tear-down whose errors must not hide it). Every rank is dead when this returns or
-    raises (:class:`Stopped` on SIGTERM or SIGHUP, ``KeyboardInterrupt`` on Ctrl-C)."""
+    Each rank gets torchrun's environment and, for ``init_process_group(store=...)``, the
+    ``TCPStore``; ``target`` comes through fork, its result must pickle. ``failed(result)``: whether
+    a returned result failed (a raise always has); ``after()`` runs in the rank once its result is
+    sent (tear-down whose errors must not hide it). Every rank is dead when this returns or raises
+    (:class:`Stopped` on SIGTERM / SIGHUP, ``KeyboardInterrupt`` on Ctrl-C)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     import torch.distributed  # noqa: F401  (once, here: each rank would import it again)
@@ -131,12 +129,8 @@ def fork_ranks(
         spec = _Rank(rank, world_size, port, store_timeout, stack_path, os.getpid(), warn_once)
         reader, writer = ctx.Pipe(duplex=False)
         beats[rank] = time.monotonic()
-        proc = ctx.Process(
-            target=_child,
-            args=(spec, target, writer, port_writer, after, beats),
-            name=f"{name}-{rank}",
-            daemon=daemon,
-        )
+        child = (spec, target, writer, port_writer, after, beats)
+        proc = ctx.Process(target=_child, args=child, name=f"{name}-{rank}", daemon=daemon)
         proc.start()
         writer.close()  # the child holds the only write end: EOF means it died
         procs.append(proc)
@@ -218,11 +212,8 @@ def _child(
     try:
         _supervised(spec, beats)
         with contextlib.ExitStack() as stack:
-            dump = (
-                sys.stderr
-                if spec.stack_path is None
-                else stack.enter_context(open(spec.stack_path, "w"))
-            )
+            path = spec.stack_path
+            dump = sys.stderr if path is None else stack.enter_context(open(path, "w"))
             faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
             hosted: list[Any] = []  # rank 0's store: its server lives as long as the object
             try:
@@ -297,8 +288,7 @@ def _guard_descendants() -> None:
     group = os.getpgid(0)
     if group != os.getpid():
         return  # could not lead a group of our own: killing the group would kill others
-    rank = os.getpid()
-    wanted = {signal.SIGUSR2}
+    rank, wanted = os.getpid(), {signal.SIGUSR2}
     signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
     try:
         guard = os.fork()
@@ -359,8 +349,7 @@ def _run(
 
 def _say_once(store: Any) -> None:
     """Print this rank's warnings and log records unless another rank printed the text first."""
-    pid = os.getpid()
-    show = warnings.showwarning
+    pid, show = os.getpid(), warnings.showwarning
 
     def first(text: str) -> bool:
         """True for the first rank of the job to ask about ``text``."""

@@ -31,10 +31,9 @@ K = ActionKind
 
 
 class What(StrEnum):
-    """What a message carries: the one list of message kinds (a ``str``: prints as its value).
-    ``EVICT_POSTED`` / ``RESTORE_POSTED`` are BPipe's data-less acknowledgements that the partner
-    posted the receive (AC / LD), so the sender may release the payload's buffer; ``EVICT_SIZE``
-    the runtime's 8-byte header of an eviction, posted before the payload (``runtime.p2p``)."""
+    """What a message carries, the one list of kinds. ``EVICT_POSTED`` / ``RESTORE_POSTED``: BPipe's
+    data-less acknowledgements that the partner posted the receive (AC / LD), so the sender may free
+    the payload; ``EVICT_SIZE``: the runtime's 8-byte eviction header (``runtime.p2p``)."""
 
     ACT = "act"
     GRAD = "grad"
@@ -62,8 +61,7 @@ class Message(NamedTuple):
 
 def message_of(action: Action) -> Message:
     """The message a point-to-point action sends or receives."""
-    entry = MESSAGE_TABLE.get(action.kind)
-    mb = action.microbatch
+    entry, mb = MESSAGE_TABLE.get(action.kind), action.microbatch
     if entry is None or mb is None:
         raise ScheduleError(f"{action} is not a point-to-point action")
     return Message(WHAT[entry[0]], action.stage + entry[1], mb)

@@ -38,9 +38,8 @@ MEGATRON_CORE_DEFAULTS = P2POptions()  # ModelParallelConfig's defaults, 0.16 to
 
 
 def megatron_lm_options(schedule: Schedule, *, core_version: tuple[int, int]) -> P2POptions:
-    """What Megatron-LM's training loop sets: p2p overlap on for interleaved (unless
-    ``--no-overlap-p2p-communication``), off otherwise, ``batch_p2p_comm = not overlap_p2p_comm``,
-    and ``deallocate_pipeline_outputs`` on (its early send wait: megatron-core 0.18 on)."""
+    """What Megatron-LM's training loop sets: p2p overlap for interleaved (unless turned off),
+    batched otherwise, and ``deallocate_pipeline_outputs`` (0.18 on: an early send wait)."""
     overlap = schedule.num_chunks > 1
     return P2POptions(
         overlap_p2p=overlap,
@@ -72,10 +71,9 @@ def megatron_posting(
     options: P2POptions = MEGATRON_CORE_DEFAULTS,
     grad_sync: GradSyncOptions = MEGATRON_CORE_DDP_DEFAULTS,
 ) -> Posting:
-    """Per rank, the p2p calls megatron-core's own schedule posts for ``schedule`` (a lowered
-    1f1b or interleaved schedule in megatron-core's compute order; module docstring): each call
-    one ``Batch`` (``blocking`` when waited right away, ``pairwise`` when non-batched), the
-    deferred waits as ``Wait`` steps, the computes and PS / RL as program positions, and each
+    """Per rank, the p2p calls megatron-core's own schedule posts for ``schedule`` (lowered, in its
+    compute order): each call a ``Batch`` (``blocking`` if waited at once, ``pairwise`` if
+    non-batched), deferred waits as ``Wait`` steps, computes and PS / RL as program positions, each
     chunk's GS where megatron-core DDP starts its reduction under ``grad_sync``."""
     if options.overlap_p2p and options.batch_p2p:
         raise ScheduleError(
@@ -146,8 +144,7 @@ class _Shape:
 
     def warmup(self, rank: int) -> tuple[int, bool]:
         """megatron-core's ``get_pp_rank_microbatches``: warm-up forwards, all in warm-up?"""
-        total = self.num_microbatches * self.num_chunks
-        warmup = self.num_ranks - rank - 1
+        total, warmup = self.num_microbatches * self.num_chunks, self.num_ranks - rank - 1
         if self.num_chunks > 1:
             warmup = warmup * 2 + (self.num_chunks - 1) * self.group + self.combined
         return min(warmup, total), warmup >= total
@@ -321,9 +318,8 @@ class _Builder:
         return queue.popleft()
 
     def finish(self) -> list[int]:
-        """After the schedule's last p2p call: the reductions not started yet, in chunk order
-        (the interleaved schedule's ``synchronized_model_chunks`` loop, 1F1B's last
-        ``grad_sync_func``, or ``finalize_model_grads`` without ``overlap_grad_reduce``)."""
+        """After the last p2p call: the reductions not started yet, in chunk order (as interleaved's
+        ``synchronized_model_chunks``, 1F1B's last ``grad_sync_func`` or finalize do)."""
         self.steps += [self.grad_syncs[chunk] * 4 + _RUN for chunk in sorted(self.grad_syncs)]
         posted = {i >> 1 for items in self.lowered.batch_items[self.first_batch :] for i in items}
         missing = [q for q, a in enumerate(self.actions) if a.kind.is_p2p and q not in posted]
@@ -372,8 +368,7 @@ def _one_f_one_b(b: _Builder, shape: _Shape) -> None:
 def _interleaved(b: _Builder, shape: _Shape) -> None:
     """``forward_backward_pipelining_with_interleaving`` without warm-up / flush overlap."""
     p, v, r = shape.num_ranks, shape.num_chunks, b.rank
-    last = r == p - 1
-    total = shape.num_microbatches * v
+    last, total = r == p - 1, shape.num_microbatches * v
     warmup, all_warmup = shape.warmup(r)
     remaining = total - warmup
     overlap, wait_forward_sends = b.options.overlap_p2p, b.options.wait_forward_sends

@@ -1,7 +1,6 @@
-"""``bfpp-plan profile``: time one pipeline stage of a megatron-core GPT / LLaMA on this machine,
-so that ``recommend --profile`` plans with a measured stage instead of the built-in efficiency
-curve: seconds per micro-batch for its forward, backward (B) and split backward as the runtime runs
-it (``runtime.deferred_wgrad``: I, then W), and ``t_host`` (``measure_host_time``)."""
+"""``bfpp-plan profile``: time one pipeline stage of a megatron-core GPT / LLaMA here, so
+``recommend --profile`` plans with a measured stage, not the built-in curve: seconds per micro-batch
+of its forward, backward (B), split backward as the runtime runs it (I, W) and ``t_host``."""
 
 from __future__ import annotations
 
@@ -60,12 +59,9 @@ def measure_stage(
             _measure(block, model, b, target, _DTYPES[chosen], warmup, iterations)
             for b in micro_batch_sizes
         ]
+        smallest = min(micro_batch_sizes)
         host = measure_host_time(
-            block,
-            model,
-            micro_batch_size=min(micro_batch_sizes),
-            warmup=warmup,
-            iterations=iterations,
+            block, model, micro_batch_size=smallest, warmup=warmup, iterations=iterations
         )
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else _cpu_name()
     return StageProfile(
@@ -104,12 +100,10 @@ def measure_host_time(
         raise ScheduleError(
             "measure_host_time times a one-rank pipeline: call it outside a pipeline-parallel job"
         )
-    device = next(block.parameters()).device
-    dtype = next(block.parameters()).dtype
+    device, dtype = next(block.parameters()).device, next(block.parameters()).dtype
     chunk = _Chunk(block, _rotary(block, model, device))
     step = get_forward_backward_func("1f1b")
-    shape = (model.seq_length, micro_batch_size, model.hidden_size)
-    m = HOST_MICROBATCHES
+    shape, m = (model.seq_length, micro_batch_size, model.hidden_size), HOST_MICROBATCHES
 
     def bare(inputs: list[torch.Tensor]) -> None:
         for x in inputs:
@@ -139,8 +133,7 @@ def measure_host_time(
 
 
 class _Chunk(torch.nn.Module):
-    """The profiled layers as a model chunk for our runtime: megatron-core's chunk attributes
-    (config, model_type, set_input_tensor), one call of the block per micro-batch."""
+    """The profiled layers as a megatron-core model chunk (config, model_type, set_input_tensor)."""
 
     def __init__(self, block: torch.nn.Module, rotary: Any) -> None:
         from megatron.core.enums import ModelType

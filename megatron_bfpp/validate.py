@@ -51,11 +51,10 @@ def validate_schedule(
     nccl: bool = True,
     require_grad_sync: bool = False,
 ) -> None:
-    """Every check, in one pass (the module docstring's kinds), a compute-only schedule under the
-    compute-only rule (``semantics``). With ``require_backward=False`` (forward-only, e.g.
-    evaluation) a (stage, micro-batch) may have no backward, but one that has any must have a
-    complete one. ``nccl``: check 6. ``require_grad_sync``: check 7 in a schedule without GS / PS /
-    RL too, where a runner would otherwise reduce nothing during the step (the runtime, a CSV)."""
+    """Every check in one pass (the module docstring's kinds; compute-only schedules under the
+    compute-only rule). ``require_backward=False`` (forward-only): a (stage, micro-batch) may lack a
+    backward, not have half of one. ``nccl``: check 6. ``require_grad_sync``: check 7 even without
+    GS / PS / RL (the runtime, a CSV: else nothing is reduced in the step)."""
     scan = _scan(schedule)
     _raise(  # the first problem in the order of the module docstring
         scan.complete(require_backward)
@@ -141,10 +140,9 @@ def _label(schedule: Schedule, rank: int, position: int, part: Action | None = N
 
 
 class _Scan:
-    """What the pass found: each rank's first problem of each kind, which (stage, micro-batch)
-    has which action (flat flags, index ``stage * num_microbatches + mb``), each channel's
-    messages in posting order, and where stuck ranks wait. A rank's pass ends at its first
-    placement problem, so a flag is its stage's own rank's history and every index is in range."""
+    """What the pass found: each rank's first problem per kind, flags per (stage, micro-batch) (at
+    ``stage * num_microbatches + mb``), channels' messages in order, where stuck ranks wait. A
+    rank's pass stops at its first misplaced action: each flag is its own rank's, in range."""
 
     def __init__(self, schedule: Schedule, *, composites: bool = False) -> None:
         stage_to_rank = schedule.layout.stage_to_rank
@@ -271,10 +269,9 @@ _RL, _FB = K.RELEASE, K.OVERLAP_F_B
 def _parts(
     scan: _Scan, actions: tuple[Action, ...], recorded: Recorded
 ) -> Iterator[tuple[int, Action]]:
-    """(position, action) of a program with composites, each composite as its parts at its
-    position (``scan.part`` names the one under check), so the pass checks each part as that
-    action alone. The composite rule (``semantics``): the composite waits for what every part
-    waits for before any part sends, so its recorded waits go before its sends."""
+    """(position, action) of a program, each composite as its parts at its position (``scan.part``:
+    the one under check), so each part is checked as that action alone; the composite rule
+    (``semantics``: every part's waits before any part's sends) puts its recorded waits first."""
     ops = recorded.ops
     for position, action in enumerate(actions):
         if action.kind is not _FB:
@@ -306,12 +303,10 @@ _ORDER = {
 
 
 def _scan_rank(scan: _Scan, rank: int) -> Recorded:
-    """``rank``'s program: placement, completeness flags, local order and channels of each
-    action, and its waits and sends under the execution rules, recorded (``run_recorded`` runs
-    them); then, if no action was misplaced, the checks of the whole rank."""
+    """``rank``'s actions checked (placement, flags, local order, channels), their waits and sends
+    recorded (for ``run_recorded``); then, unless one was misplaced, the whole rank's checks."""
     recorded = Recorded([], array("q"))
-    unloaded = _scan_actions(scan, rank, recorded)
-    if unloaded is not None and rank not in scan.order:
+    if (unloaded := _scan_actions(scan, rank, recorded)) is not None and rank not in scan.order:
         schedule, actions = scan.schedule, scan.schedule.per_rank[rank]
         problem = _unpaired(schedule, rank) if unloaded else None
         if problem is None and any(actions[p].kind is _RL for p in scan.chunk_level[rank]):
@@ -369,8 +364,7 @@ def _scan_actions(scan: _Scan, rank: int, recorded: Recorded) -> int | None:
     restores: dict[int, int] = {}  # position -> the restore a backward there waits for
     unloaded = 0  # this rank's EVs minus LDs
     chunk_level = scan.chunk_level[rank]  # positions of its GS / PS / RL
-    steps = _parts(scan, actions, recorded) if scan.composites else enumerate(actions)
-    position = 0
+    steps, position = _parts(scan, actions, recorded) if scan.composites else enumerate(actions), 0
     try:  # a stage past the layout raises IndexError at a per-stage table, before any change
         for position, action in steps:
             kind, stage = action.kind, action.stage
@@ -477,9 +471,8 @@ def _scan_transfer(
     awaiting: list[int],
     restores: dict[int, int],
 ) -> int | None:
-    """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD at ``position``, recording the
-    table ``Wires.transfer`` runs: how it changes the rank's count of evicted-not-loaded
-    activations, or None when misplaced or a composite (the pass ends)."""
+    """``_scan_rank``'s branch for BPipe's EV / AC / RS / LD (what ``Wires.transfer`` runs): the
+    change in the rank's evicted-not-loaded count; None when misplaced or a composite."""
     action, rules, flags = scan.schedule.per_rank[rank][position], scan.rules, scan.flags
     if action.kind is _FB:  # a composite: _scan checks every rank again, with them as parts
         scan.composites = True
@@ -566,8 +559,7 @@ def _residency_problem(schedule: Schedule, rank: int) -> ScheduleError | None:
         elif kind.is_compute and stage not in gathered:
             return _at(schedule, rank, position, f"runs with stage {stage}'s parameters released "
                        f"(sharded): gather them ({stage}PS) before it")  # fmt: skip
-    late = sorted(position for stage, position in unreduced.items() if stage in reduces)
-    if late:
+    if late := sorted(position for stage, position in unreduced.items() if stage in reduces):
         stage = schedule.per_rank[rank][late[0]].stage
         return _at(schedule, rank, late[0], f"computes a backward of stage {stage} after "
                    f"its last gradient reduction ({stage}GS): fully sharded, its gradients "
@@ -593,8 +585,7 @@ def _grad_sync_problem(scan: _Scan, required: bool) -> ScheduleError | None:
 
 def _rank_grad_sync_problem(scan: _Scan, rank: int) -> ScheduleError | None:
     schedule, positions, last_backward = scan.schedule, scan.chunk_level[rank], scan.last_backward
-    actions = schedule.per_rank[rank]
-    stages = schedule.layout.stages_of(rank)
+    actions, stages = schedule.per_rank[rank], schedule.layout.stages_of(rank)
     sharded = any(actions[p].kind is _RL for p in positions)  # PS / RL: _residency_problem
     synced: dict[int, int] = {}
     gathered: dict[int, int] = {}
@@ -629,8 +620,7 @@ def _rank_grad_sync_problem(scan: _Scan, rank: int) -> ScheduleError | None:
                            "before it")  # fmt: skip
             gathered[stage] = position
     for stage in stages:
-        last = last_backward[stage]
-        if last >= 0 and stage not in synced:
+        if (last := last_backward[stage]) >= 0 and stage not in synced:
             return _at(schedule, rank, last, f"the last backward of stage {stage} is followed by "
                        f"no GS, so its gradients are never reduced across data-parallel "
                        f"replicas; add {stage}GS after it")  # fmt: skip
@@ -641,8 +631,7 @@ def _placement_problem(action: Action, rank: int, schedule: Schedule) -> str | N
     layout, stage, kind = schedule.layout, action.stage, action.kind
     if stage >= layout.num_stages:
         return f"stage {stage} does not exist (the layout has {layout.num_stages})"
-    mb = action.microbatch
-    if mb is not None and mb >= schedule.num_microbatches:
+    if (mb := action.microbatch) is not None and mb >= schedule.num_microbatches:
         return f"micro-batch {mb} does not exist (num_microbatches={schedule.num_microbatches})"
     owner = layout.rank_of(stage)
     if kind in (K.ACCEPT, K.RESTORE):
@@ -673,8 +662,7 @@ def _missing_action(
     num_mb = schedule.num_microbatches
     for stage in range(schedule.num_stages):
         for mb in range(num_mb):
-            key = stage * num_mb + mb
-            where = f"stage {stage} micro-batch {mb}"
+            key, where = stage * num_mb + mb, f"stage {stage} micro-batch {mb}"
             if not f_done[key]:
                 rank = schedule.layout.rank_of(stage)
                 return _fail(schedule, f"{where} has no forward on rank {rank}", {})

@@ -309,8 +309,7 @@ def _model_from_args(args: argparse.Namespace) -> Model:
             )
         model = get_model(args.model)
         return model.with_seq_length(args.seq_length) if args.seq_length else model
-    missing = [flag_name(dest) for dest in required if getattr(args, dest) is None]
-    if missing:
+    if missing := [flag_name(dest) for dest in required if getattr(args, dest) is None]:
         raise ScheduleError(
             f"give --model NAME ({', '.join(MODELS)}) or an explicit shape; missing "
             f"{', '.join(missing)}"
@@ -333,8 +332,7 @@ def _choices(text: str | None, allowed: Sequence[str], flag: str) -> tuple[str, 
     if text is None:
         return ()
     chosen = tuple(part.strip() for part in text.split(",") if part.strip())
-    bad = [c for c in chosen if c not in allowed]
-    if bad or not chosen:
+    if (bad := [c for c in chosen if c not in allowed]) or not chosen:
         raise ScheduleError(
             f"{flag}: {', '.join(bad) or 'empty'}; choose from {', '.join(allowed)}"
         )
@@ -342,8 +340,7 @@ def _choices(text: str | None, allowed: Sequence[str], flag: str) -> tuple[str, 
 
 
 def _recommend(args: argparse.Namespace) -> int:
-    model = _model_from_args(args)
-    gpu = get_gpu(args.gpu)
+    model, gpu = _model_from_args(args), get_gpu(args.gpu)
     cluster = Cluster(args.num_gpus, args.gpus_per_node, gpu)
     schedules = _choices(args.schedules, sorted({n for n, _ in families()}), "--schedules")
     recompute = _choices(args.recompute, RECOMPUTE, "--recompute") or RECOMPUTE
@@ -427,12 +424,8 @@ def format_recommendation(
 ) -> str:
     """The table people read: one row per configuration, best first, then each family's best."""
     gpu = cluster.gpu
-    marked = [
-        (plan.p2p_model, plan.megatron_grad_reduce or "overlap")
-        for plan in (*result.plans, *result.best_per_family.values())
-        if plan.p2p_model.startswith("megatron")
-    ]
     shown = (*result.plans, *result.best_per_family.values())
+    marked = next((plan for plan in shown if plan.p2p_model.startswith("megatron")), None)
     width = max(28, *(len(_name(plan)) for plan in shown)) if shown else 28  # MoE rows run long
     header = (
         f"{'#':>2}  {'schedule':<{width}} {'tp':>2} {'pp':>3} {'vp':>2} {'dp':>3} {'b':>3} "
@@ -449,10 +442,10 @@ def format_recommendation(
         f"pruned by bounds, {result.seconds:.1f} s; compute from the {result.efficiency_source}",
         f"p2p timing model: {result.p2p_model} ({P2P_MODELS[result.p2p_model]})",
     ]
-    if marked:
-        p2p, reduce = marked[0]
+    if marked is not None:
+        reduce = marked.megatron_grad_reduce or "overlap"
         lines.append(
-            f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS[p2p]}; "
+            f"rows marked [M]: Megatron's own schedule, timed by {P2P_MODELS[marked.p2p_model]}; "
             f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})"
         )
     lines += ["", header, "-" * len(header)]

@@ -308,8 +308,7 @@ def _schedule_from(args: argparse.Namespace) -> Schedule:
             raise ScheduleError("pass either --schedule or --load-csv, not both")
         return schedule_from_csv(args.load_csv, sharding=args.data_parallel_sharding_strategy)
     given = {"--schedule": args.schedule, "--pp": args.pp, "--microbatches": args.microbatches}
-    missing = [flag for flag, value in given.items() if value is None]
-    if missing:
+    if missing := [flag for flag, value in given.items() if value is None]:
         raise ScheduleError(f"missing {', '.join(missing)} (or pass --load-csv PATH)")
     options = _options(args)
     check_sharding(args.schedule, args.data_parallel_sharding_strategy)

@@ -448,9 +448,8 @@ def number_problem(args: argparse.Namespace) -> str | None:
 
 
 def output_problem(args: argparse.Namespace, *, metrics: bool = True) -> str | None:
-    """Where the run writes, checked before it starts rather than at the first write. Every rank
-    refuses the W&B flags that do not go together; only rank 0 (``metrics``) checks the metrics
-    file and TensorBoard's and W&B's packages and directories, paths other nodes may lack."""
+    """Where the run writes, checked before it starts: every rank refuses W&B flags that do not go
+    together; only rank 0 (``metrics``) checks the paths and packages only it uses."""
     if args.save is not None and (problem := output_dir_problem("--save", args.save)):
         return problem
     if args.wandb_project is None:
@@ -622,8 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_auto(args, world_size)
         notes = validate(args, world_size, rank=int(os.environ["RANK"]) if launched else 0)
         check_megatron_core()
-        torch_warning = check_torch()
-        if torch_warning and os.environ.get("RANK", "0") == "0":
+        if (torch_warning := check_torch()) and os.environ.get("RANK", "0") == "0":
             print(torch_warning, file=sys.stderr, flush=True)  # once per run
         if (problem := memory_problem(args, world_size, launched=launched)) is not None:
             raise FlagError(problem)

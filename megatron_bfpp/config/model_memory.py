@@ -33,9 +33,8 @@ def _split(size: int, tp: int) -> int:
 
 
 def layer_parameters(shape: ModelShape, *, tp: int) -> int:
-    """One transformer layer on one tensor-parallel rank (megatron-core's local layer spec): QKV
-    and FC1 split by output, projection and FC2 by input (biases and both norms whole). GPT has
-    biases and LayerNorm (weight and bias); LLaMA has no biases, RMSNorm and a gated FC1 (two)."""
+    """One transformer layer on one tensor-parallel rank (megatron-core's local layer spec): QKV and
+    FC1 split by output, projection and FC2 by input; biases (GPT only) and norms whole."""
     h, heads = shape.hidden_size, shape.num_attention_heads
     kv = h // heads * (shape.num_query_groups or heads)
     ffn = shape.ffn
@@ -63,10 +62,9 @@ def parameters_per_stage(shape: ModelShape, layout: Layout) -> list[int]:
 
 
 def _spread(shape: ModelShape, layout: Layout, parts: int, *, last: int) -> list[int]:
-    """``num_layers / parts`` layers on each part; the word embedding (and GPT's learned positions)
-    on part 0; the final norm and the output layer on part ``last``: LLaMA's own, and for GPT's
-    tied embedding a copy unless the first and last stage are one model chunk (megatron-core
-    keeps the last stage's copy in sync over the embedding group)."""
+    """``num_layers / parts`` layers per part, the word embedding (and GPT's positions) on part 0,
+    the final norm and output layer on part ``last`` (GPT's tied one: a copy unless first and last
+    stage are one chunk; megatron-core syncs it over the embedding group)."""
     h, tp = shape.hidden_size, layout.tensor_model_parallel_size
     llama = shape.preset == "llama"
     counts = [shape.num_layers // parts * layer_parameters(shape, tp=tp)] * parts
@@ -90,9 +88,8 @@ class MemoryEstimate:
 
 
 def estimate(shape: ModelShape, layout: Layout, *, local_ranks: int) -> MemoryEstimate:
-    """The estimate for ``local_ranks`` ranks on one machine: all of the job's ranks (bfpp-train's
-    own launcher: exact, every pipeline rank once per tensor- and data-parallel rank), or some
-    of them (torchrun, srun: each counted as the largest)."""
+    """For ``local_ranks`` ranks on one machine: all of the job's (bfpp-train's launcher: exact,
+    each pipeline rank once per tp and dp rank) or some (torchrun, srun: each as the largest)."""
     dp = layout.data_parallel_size
     per_parameter = WEIGHT_BYTES + GRAD_BYTES + ADAM_BYTES / dp
     counts = parameters_per_pipeline_rank(shape, layout)

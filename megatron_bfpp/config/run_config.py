@@ -69,9 +69,8 @@ class ModelShape:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Layout:
-    """Where the model's pieces live. ``placement`` is the schedule's: with the same number of
-    stages per rank, looped and V-shape still put other layers on a rank.
-    ``data_parallel_size`` is derived (world / (tp x pp)) and recorded for the reader."""
+    """Where the model's pieces live; ``placement`` too: looped and V-shape put other layers on a
+    rank at equal stages per rank. ``data_parallel_size``: world / (tp x pp), for the reader."""
 
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
@@ -119,12 +118,11 @@ class Training:
         return self.lr_decay_iters or self.train_iters
 
     def lr_schedule(self) -> LRSchedule:
-        """Warm-up then cosine decay over ``decay_iters`` (Megatron-LM counts both in samples:
-        iterations x global batch size). megatron-core needs warm-up < decay: a decay shorter than
-        the warm-up warms up less. Weight decay is constant; its span follows the decay so that
-        training further on the same schedule (``--lr-decay-iters``) changes nothing here."""
-        gbs = self.global_batch_size
-        decay = self.decay_iters
+        """Warm-up then cosine decay over ``decay_iters``, counted in samples as Megatron-LM does
+        (iterations x global batch). megatron-core needs warm-up < decay: a shorter decay warms up
+        less. Weight decay is constant over the decay's span: training further on the same schedule
+        (``--lr-decay-iters``) changes nothing here."""
+        gbs, decay = self.global_batch_size, self.decay_iters
         return LRSchedule(
             max_lr=float(self.lr),
             min_lr=float(self.min_lr),

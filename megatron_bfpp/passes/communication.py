@@ -49,8 +49,7 @@ class _RankPlans(dict[int, _Plan]):
     discard: _Note
 
     def __missing__(self, stage: int) -> _Plan:
-        """Receive from ``sources[stage]`` (its data's slot is stage + ``step``'s), send to
-        ``targets[stage]`` (-1: on this rank, or none)."""
+        """Receive from ``sources[stage]``, send to ``targets[stage]`` (-1: this rank, or none)."""
         rank, slots, previous = self.rank, self.slots, stage + self.step
         source, target = self.sources[stage], self.targets[stage]
         source = -1 if source == rank else source
@@ -83,8 +82,7 @@ def add_communication(schedule: Schedule) -> Schedule:
         )
     stage_to_rank = schedule.layout.stage_to_rank
     # per stage, one past the end too (for a stray action): its input's and output's rank (-1: none)
-    input_rank = [-1, *stage_to_rank]
-    output_rank = [*stage_to_rank[1:], -1, -1]
+    input_rank, output_rank = [-1, *stage_to_rank], [*stage_to_rank[1:], -1, -1]
     # Each channel's messages in posting order, keyed ``mb * per_mb + what * span + stage`` for
     # any micro-batch (compared only, so no ``Rules.id``, which needs their count): sends, receives.
     span = len(stage_to_rank) + 1
@@ -177,9 +175,8 @@ def _around(
 
 
 def _reorder_rank(program: list[Action], positions: list[int], indices: list[int]) -> list[Action]:
-    """Hoist receives from one source (at ``positions``; ``indices``: each one's send on that
-    channel, -1: never sent) so they run in send order: a receive moves only earlier, to just
-    before the receive that must follow it, keyed (anchor position, offset)."""
+    """Hoist receives from one source (at ``positions``; ``indices``: each one's send, -1: none)
+    into send order: a receive moves only earlier, just before the one that must follow it."""
     if all(a < b for a, b in pairwise(indices)):
         return program  # nothing to hoist on this channel
     *earlier, last = (position for _, position in sorted(zip(indices, positions, strict=True)))

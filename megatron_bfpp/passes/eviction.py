@@ -49,8 +49,7 @@ def add_eviction(schedule: Schedule, *, max_stored: int | None = None) -> Schedu
         return schedule
     if _acceptor_overflow(result, cap) is not None:
         limit = max(cap, max(schedule.peak_activations()))
-        over = _acceptor_overflow(result, limit)
-        if over is not None:
+        if (over := _acceptor_overflow(result, limit)) is not None:
             acceptor, held = over
             raise ScheduleError(
                 f"add_eviction: max_stored={cap} is below what this schedule can balance: "
@@ -82,8 +81,7 @@ def _check_input(schedule: Schedule) -> None:
             "add_eviction: the schedule already has BPipe transfers (EV/AC/RS/LD); apply the "
             "pass once, to the compute-only schedule"
         )
-    other = kinds - {K.FORWARD, K.BACKWARD}
-    if other:
+    if other := kinds - {K.FORWARD, K.BACKWARD}:
         names = ", ".join(sorted(k.value for k in other))
         raise ScheduleError(
             f"add_eviction handles F and B only, got {names}: use full backwards (no I/W split) "
@@ -103,8 +101,7 @@ def _check_input(schedule: Schedule) -> None:
 
 def _evict(schedule: Schedule, cap: int) -> Schedule:
     """The schedule with transfers for every evictor that exceeds ``cap``, or ``schedule``."""
-    num_ranks = schedule.num_ranks
-    per_rank = schedule.per_rank
+    num_ranks, per_rank = schedule.num_ranks, schedule.per_rank
     plans = {
         x: _plan_evictor(x, per_rank[x], cap, num_ranks - 1 - x) for x in range(num_ranks // 2)
     }
@@ -172,8 +169,7 @@ def _plan_evictor(
         transfers.append((gap, unchecked_action(stage, K.LOAD, mb, acceptor)))
 
     for index in range(count):
-        mb = microbatch[index]
-        ahead = None
+        mb, ahead = microbatch[index], None
         if parked and index + 1 < count and not forward[index + 1]:
             following = microbatch[index + 1]
             ahead = following if following in parked else None
@@ -209,8 +205,7 @@ def _acceptor_overflow(schedule: Schedule, limit: float) -> tuple[int, float] | 
     for acceptor in range(num_ranks - num_ranks // 2, num_ranks):
         if K.ACCEPT not in map(attrgetter("kind"), schedule.per_rank[acceptor]):
             continue
-        peak = max(schedule.stored_activations(acceptor), default=0.0)
-        if peak > limit:
+        if (peak := max(schedule.stored_activations(acceptor), default=0.0)) > limit:
             return acceptor, peak
     return None
 

@@ -100,8 +100,7 @@ def _find(
 ) -> dict[int, int]:
     """Each stage's first position in ``indexed`` (``default`` if none) holding an action of
     ``kinds`` (a pair's F, or its B / I), scanning until every stage has one; refuses GS/PS/RL."""
-    found = dict.fromkeys(stages, default)
-    missing = set(stages)
+    found, missing = dict.fromkeys(stages, default), set(stages)
     pair = K.OVERLAP_F_B
     noticed = kinds | _CHUNK_LEVEL | {pair}
     for position, action in indexed:

@@ -61,8 +61,7 @@ def fuse_overlapped(schedule: Schedule, pairs: Iterable[Pair] | None = None) -> 
             raise ScheduleError(f"fuse_overlapped: {composite}: each action fuses once")
         used.update((forward, backward))
         text = f"fuse_overlapped: {forward}&{backward}"
-        missing = [str(a) for a in (forward, backward) if a not in where]
-        if missing:
+        if missing := [str(a) for a in (forward, backward) if a not in where]:
             raise ScheduleError(
                 f"{text}: {' and '.join(missing)} not in the schedule (as a plain action)"
             )

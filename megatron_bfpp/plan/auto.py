@@ -1,8 +1,7 @@
 """``--pipeline-schedule auto``: the planner picks the schedule for the layout the user fixed.
 
-Not ``recommend``: the user fixed the layout, so :func:`decide` ranks only what a schedule may
-still choose (schedule, virtual stages, group size, BPipe cap). It is a pure function of what
-every rank sees alike, so every rank decides the same without communicating."""
+Not ``recommend``: :func:`decide` ranks only what a schedule may still choose (schedule, virtual
+stages, group size, BPipe cap), from what every rank sees alike: all decide the same."""
 
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ from megatron_bfpp.plan.search import (
     lower_bound_of,
     memory_of,
 )
+from megatron_bfpp.schedules.fit import BATCH_SCHEDULE_FLAG, num_microbatches
 from megatron_bfpp.schedules.registry import build_schedule, get_spec, planned_schedules
 
 __all__ = [
@@ -239,8 +239,7 @@ class Decision:
 
     def line(self) -> str:
         """The one line a job prints: the choice, its prediction, the runner-up, Megatron's."""
-        hw = self.request.hardware
-        chosen = self.chosen
+        hw, chosen = self.request.hardware, self.chosen
         plan, memory = chosen.plan, chosen.memory
         assert plan is not None and memory is not None  # rows[0] is simulated by construction
         if hw.memory_bytes is None:  # MiB for what would print as 0.0 GiB (the CPU tests' models)
@@ -253,8 +252,7 @@ class Decision:
             f"auto: {chosen.label} (predicted {plan.step_time_s:.3g} s, bubble "
             f"{plan.bubble_fraction:.0%}, {held})"
         )
-        second = self.runner_up
-        if second is not None and second.plan is not None:
+        if (second := self.runner_up) is not None and second.plan is not None:
             text += f" over {second.label} ({second.plan.step_time_s:.3g} s)"
         text += f"; Megatron's {self.megatron.label}: {_megatron_figure(self.megatron)}"
         if self.untimed:
@@ -265,8 +263,7 @@ class Decision:
         return f"{text} [{hw.note}]"
 
     def to_dict(self) -> dict[str, object]:
-        r = self.request
-        hw = r.hardware
+        r, hw = self.request, self.request.hardware
         return {
             "format": REPORT_FORMAT,
             "version": 1,
@@ -323,8 +320,7 @@ def _budget(hw: Hardware) -> int:
 
 def gpu_from_device(name: str, total_memory: int | None = None) -> tuple[Gpu, str]:
     """A planner preset for a CUDA device name (its memory if given); unknown: an H100, noted."""
-    lowered = name.lower()
-    large = total_memory is None or total_memory > 48 * GiB
+    lowered, large = name.lower(), total_memory is None or total_memory > 48 * GiB
     families = {  # the first whose names the device's contains
         "v100-32gb": ("v100",),
         "a100-80gb" if large else "a100-40gb": ("a100", "a800"),
@@ -389,16 +385,12 @@ def _check_request(r: AutoRequest) -> None:
     if r.recompute not in RECOMPUTE:
         raise ScheduleError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {r.recompute}")
     for batch in r.batch_schedule or (r.global_batch_size,):
-        if batch % (r.micro_batch_size * r.dp):
-            named = (
-                f"--step-batch-size-schedule's batch size {batch}"
-                if r.batch_schedule
-                else f"--global-batch-size {batch}"
-            )
-            raise ScheduleError(
-                f"{named} is not a multiple of micro-batch size x data-parallel size "
-                f"({r.micro_batch_size} x {r.dp})"
-            )
+        num_microbatches(
+            global_batch_size=batch,
+            micro_batch_size=r.micro_batch_size,
+            data_parallel_size=r.dp,
+            what=f"{BATCH_SCHEDULE_FLAG}'s batch size {batch}" if r.batch_schedule else None,
+        )
     if r.model.num_layers % r.pp:
         raise ScheduleError(
             f"--num-layers {r.model.num_layers} is not divisible by --pipeline-model-parallel-"
@@ -477,8 +469,7 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
                 vps = (r.vp,)
         for vp in vps:
             problems = (spec.planned_microbatches_problem(r.pp, m) for m in r.step_microbatches)
-            problem = next((p for p in problems if p), None)
-            if problem is not None:
+            if (problem := next((p for p in problems if p), None)) is not None:
                 refuse(name, vp, problem)
                 continue
             # the timed (last) step's grid; the other steps are checked per candidate

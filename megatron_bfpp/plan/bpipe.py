@@ -19,9 +19,8 @@ __all__ = ["Estimate", "bpipe_speedup_estimate", "pipeline_factor", "pipeline_mf
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
-    """The eq. 4 estimate for raising the micro-batch size from ``micro_batch_small`` (1F1B) to
-    ``micro_batch_large`` (BPipe), plus the activation memory each side needs on the busiest
-    rank (micro-batches stored; the ratio in small micro-batches' activations)."""
+    """Eq. 4 for raising the micro-batch size from ``micro_batch_small`` (1F1B) to
+    ``micro_batch_large`` (BPipe), and the busiest rank's activation memory each side needs."""
 
     pp: int
     global_batch_size: int

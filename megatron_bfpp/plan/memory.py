@@ -1,8 +1,7 @@
 """What one GPU holds: weights, gradients, optimizer state, and stored activations.
 
-Activations follow Korthikanti et al. (MLSys 2023), section 4, counted per tensor autograd keeps
-for megatron-core's layer (docs/planner.md, "Memory"). The schedule is walked because first and
-last stages store more, at different times: a rank's peak is not count x average."""
+Activations: per tensor autograd keeps in megatron-core's layer (Korthikanti et al., MLSys 2023,
+section 4; docs/planner.md), walked over the schedule, as end stages store more at other times."""
 
 from __future__ import annotations
 
@@ -68,10 +67,8 @@ def layer_activation_bytes(
     if recompute not in RECOMPUTE:
         raise ScheduleError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
-    f = model.ffn_hidden_size
-    e = precision.activation_bytes
-    tokens = s * b
-    replicated_divisor = tp if sequence_parallel else 1
+    f, e = model.ffn_hidden_size, precision.activation_bytes
+    tokens, replicated_divisor = s * b, tp if sequence_parallel else 1
     if recompute == "full":
         return tokens * h * e // replicated_divisor
     rotary = model.arch == "llama"
@@ -198,10 +195,7 @@ def _pareto(points: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     fronts: list[tuple[int, int]] = []  # the kept points' (first, last)
     for point in sorted(points, reverse=True):
         _, first, last = point
-        for kept_first, kept_last in fronts:
-            if kept_first >= first and kept_last >= last:
-                break
-        else:
+        if not any(kept_first >= first and kept_last >= last for kept_first, kept_last in fronts):
             kept.append(point)
             fronts.append((first, last))
     return kept
@@ -218,8 +212,7 @@ def peak_activation_bytes(points: PeakPoints, stage: StageBytes) -> tuple[int, .
 def rank_parameters(
     model: Model, *, tp: int, pp: int, chunks: int, placement: Placement, ep: int = 1
 ) -> list[int]:
-    """Per pipeline rank, one tensor-parallel rank's parameters (``config.model_memory``), each
-    MoE layer's as ``moe_layer_parameters`` counts them."""
+    """Per pipeline rank, one tensor-parallel rank's parameters, MoE layers included."""
     layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
     counts = parameters_per_pipeline_rank(model.shape(tp=tp), layout)
     extra = moe_layer_parameters(model, tp=tp, ep=ep)[0]
@@ -310,10 +303,9 @@ def weights_bytes(
     experts: int = 0,
     ep: int = 1,
 ) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``, the optimizer
-    sharded over ``dp``; fully sharded, 1/dp of parameters and gradients plus the full buffers of
-    ``gathered`` / ``accumulated`` parameters (``full_buffer_peaks``). ``experts`` of them shard
-    their optimizer over the expert data-parallel group, dp/ep."""
+    """(parameters, gradients, optimizer) bytes of a rank holding ``parameters``, optimizer over
+    ``dp``; fully sharded, 1/dp of parameters and gradients plus the full buffers of ``gathered`` /
+    ``accumulated`` (``full_buffer_peaks``); ``experts``' optimizer over dp/ep."""
     if sharded:
         kept = -(-parameters // dp)
         params = (kept + gathered) * precision.param_bytes

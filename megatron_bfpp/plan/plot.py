@@ -120,11 +120,8 @@ def render_plot(
         label = family + (" [M]" if family in megatron else "")
         axes[0].plot(beta, [t / n for _, t, _ in rows], marker="o", label=label)
         if critical_batch_size:
-            frontier = trade_off(
-                [(b / n, t / seq / n) for b, t, _ in rows],
-                num_gpus=n,
-                critical_batch_size=critical_batch_size,
-            )
+            points = [(b / n, t / seq / n) for b, t, _ in rows]
+            frontier = trade_off(points, num_gpus=n, critical_batch_size=critical_batch_size)
             axes[1].plot([c for c, _ in frontier], [t for _, t in frontier], label=family)
     axes[0].set_xscale("log", base=2)
     axes[0].set_xlabel("batch size per GPU (samples)")

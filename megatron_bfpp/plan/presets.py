@@ -34,10 +34,10 @@ GiB = 2**30
 @dataclass(frozen=True, slots=True)
 class Model:
     """A transformer to plan for: ``gpt`` (LayerNorm, GeLU, biases, learned positions, tied
-    embeddings) or ``llama`` (RMSNorm, SwiGLU, RoPE, untied output, grouped-query attention);
-    ``dropout``: whether activations hold dropout masks (GPT-3's 0.1, none for LLaMA).
-    Mixture-of-Experts in Megatron-LM's names (``num_experts`` 0: dense; ``moe_layer_freq``: every
-    n-th layer from the first, or a 0/1 per layer); ``ffn_hidden_size`` is the dense layers'."""
+    embeddings) or ``llama`` (RMSNorm, SwiGLU, RoPE, untied output, GQA); ``dropout``: whether
+    activations hold dropout masks. Mixture-of-Experts in Megatron-LM's names (``num_experts`` 0:
+    dense; ``moe_layer_freq``: every n-th layer, or a 0/1 per layer); ``ffn_hidden_size`` is the
+    dense layers'."""
 
     name: str
     arch: str
@@ -61,11 +61,9 @@ class Model:
         freq, n = self.moe_layer_freq, self.num_layers
         if not self.num_experts:
             return (False,) * n
-        return (
-            tuple(i % freq == 0 for i in range(n))
-            if isinstance(freq, int)
-            else tuple(bool(f) for f in freq)
-        )
+        if isinstance(freq, int):
+            return tuple(i % freq == 0 for i in range(n))
+        return tuple(map(bool, freq))
 
     def shape(self, *, tp: int) -> ModelShape:
         """bfpp-train's ``ModelShape`` with the vocabulary padded as Megatron pads it for ``tp``,
@@ -255,9 +253,8 @@ def model_description(
 
 @dataclass(frozen=True, slots=True)
 class Gpu:
-    """One GPU model in its usual 8-GPU server; bandwidths per GPU and direction, in bytes/s
-    (NVLink, and its share of the server's InfiniBand). ``max_efficiency`` and
-    ``layer_overhead_s`` shape the built-in efficiency curve (``costs.BuiltinCurve``)."""
+    """One GPU model in its usual 8-GPU server; bandwidths per GPU and direction in bytes/s (NVLink,
+    its InfiniBand share); ``max_efficiency``, ``layer_overhead_s``: ``costs.BuiltinCurve``'s."""
 
     name: str
     peak_flops: float  # dense fp16/bf16 tensor-core FLOP/s

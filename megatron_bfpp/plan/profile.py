@@ -1,7 +1,6 @@
-"""A measured pipeline stage, as ``bfpp-plan profile`` writes it and ``recommend --profile``
-reads it: JSON only (a file users hand us is data), checked field by field with one-line errors.
-One stage is enough (the BPipe re-evaluation, section 4): the pipeline follows from the
-schedule, and message times from the link's bandwidth (one device has no peer)."""
+"""A measured pipeline stage as ``bfpp-plan profile`` writes it and ``recommend --profile`` reads
+it: JSON only (a file users hand us is data), checked field by field. One stage is enough (the BPipe
+re-evaluation, section 4): the pipeline follows from the schedule, messages from the bandwidth."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ MAX_BYTES = 1 << 20  # a profile is a few hundred bytes; refuse anything that is
 
 @dataclass(frozen=True, slots=True)
 class Measurement:
-    """One micro-batch size: seconds per micro-batch through the profiled layers.
-    ``backward_input_s`` / ``backward_weight_s``: the backward split into input and weight
-    gradients (split-backward schedules, V-shape); ``None`` when not measured."""
+    """Seconds per micro-batch through the profiled layers at one size; ``backward_input_s`` /
+    ``backward_weight_s``: the split backward's halves (V-shapes), ``None`` if not measured."""
 
     micro_batch_size: int
     forward_s: float
@@ -151,8 +149,7 @@ def _measurement(row: Any, index: int, *, split_bounded: bool = True) -> Measure
     where = f"measurements[{index}]."
     if not isinstance(row, dict):
         raise ScheduleError(f"'measurements[{index}]' must be an object")
-    forward = _seconds(row, "forward_s", where)
-    backward = _seconds(row, "backward_s", where)
+    forward, backward = _seconds(row, "forward_s", where), _seconds(row, "backward_s", where)
     split_input = _optional_seconds(row, "backward_input_s", where)
     split_weight = _optional_seconds(row, "backward_weight_s", where)
     if (split_input is None) != (split_weight is None):
@@ -196,8 +193,7 @@ MAX_SECONDS = 86_400.0
 
 
 def _optional_seconds(row: dict[str, Any], key: str, where: str) -> float | None:
-    """An optional timing (a part of the split backward, the host's time per action): zero is a
-    measurement too (W too small to time, a host its kernels hide)."""
+    """Optional timing: zero is a measurement too (W too small to time, a host its kernels hide)."""
     return None if row.get(key) is None else _seconds(row, key, where, zero=True)
 
 

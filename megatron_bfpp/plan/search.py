@@ -10,7 +10,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from functools import cache, lru_cache
+from functools import cache, lru_cache, partial
 from typing import Any
 
 from megatron_bfpp.ir import Placement, Schedule, ScheduleError, paused_gc
@@ -92,12 +92,8 @@ class ActionBudget:
     def require(self, *, num_ranks: int, stages_per_rank: int, lengths: tuple[int, ...]) -> int:
         """The actions of schedules of ``lengths`` micro-batches; :class:`OverBudget` unless they
         fit in what is left. Spends nothing, so a timing that cannot finish does not start."""
-        actions = sum(
-            estimate_actions(
-                num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=m
-            )
-            for m in lengths
-        )
+        estimate = partial(estimate_actions, num_ranks=num_ranks, stages_per_rank=stages_per_rank)
+        actions = sum(estimate(num_microbatches=m) for m in lengths)
         if self.spent + actions > self.limit:
             shown = " + ".join(map(str, lengths))
             raise OverBudget(
@@ -267,9 +263,8 @@ def _divisors(n: int) -> list[int]:
 def candidates(
     *, model: Model, cluster: Cluster, global_batch_size: int, options: SearchOptions
 ) -> Iterator[Candidate]:
-    """Every configuration the shapes allow: tp divides heads, query groups and FFN within a
-    node; layers split evenly over pp; the batch over dp x micro-batch; sharding needs dp > 1;
-    pp 1 only as 1F1B (plain data parallelism); each family's grid from its catalogue entry."""
+    """Every configuration the shapes allow (tp dividing heads, groups and FFN in a node; pp the
+    layers; dp x micro-batch the batch); sharding needs dp > 1, pp 1 only 1F1B."""
     searched = [f for f in families() if not options.schedules or f[0] in options.schedules]
     moe = options.megatron_baselines and model.num_experts > 0  # PlanGrid.moe_baselines too
     for tp, pp in _splits(model, cluster, options)[2]:
@@ -389,9 +384,8 @@ def rank_parameters_of(
 
 
 def sharded_walk_length(m: int, group: int | None) -> int:
-    """Micro-batches of the short breadth-first schedule (groups of one) whose fully sharded
-    walk holds the chunks ``m`` in groups of ``group`` hold: only the order of the groups
-    matters, and a first, a middle and a last group are all there are."""
+    """Micro-batches of the short breadth-first schedule (groups of one) whose fully sharded walk
+    holds what ``m`` in groups of ``group`` hold: a first, a middle and a last group is all."""
     return min(-(-m // (group or m)), 3)
 
 
@@ -500,9 +494,8 @@ def _simulated_ns(
     grad_reduce: str | None = None,
     budget: ActionBudget | None = None,
 ) -> tuple[float, float]:
-    """(step time, bubble fraction) of ``c`` at m micro-batches in the simulator's ns: read off
-    the line through three short lengths when they lie on one (a steady state repeats), else
-    simulated whole up to ``EXACT_UP_TO`` periods, past that off an approximate line."""
+    """(step, bubble) of ``c`` at m micro-batches, ns: off the line of three short steps when on one
+    (a steady state repeats), else whole up to ``EXACT_UP_TO`` periods, past that approximated."""
     # A breadth-first group of g micro-batches repeats every g (the planner's g is pp).
     p = c.pp if c.group_size is None else max(c.pp, c.group_size)
     timed_at = cache(lambda n: _step(c, n, costs, p2p, grad_reduce, budget))  # shared lengths
@@ -516,9 +509,8 @@ def _simulated_ns(
     for lengths in () if whole else attempts:
         timed = [timed_at(length) for length in lengths]
         line = [step for step, _ in timed]
-        slope = line[1] - line[0]
         # on one line: exactly with integer durations, else within float rounding (1/vp shares)
-        if abs(line[2] - line[1] - slope) <= 1e-9 * line[2]:
+        if abs(line[2] - line[1] - (line[1] - line[0])) <= 1e-9 * line[2]:
             return _extended(timed[0], timed[1], (m - lengths[0]) // (lengths[1] - lengths[0]))
     if m > EXACT_UP_TO * p:
         return _approximate(c, m, costs, p2p, grad_reduce, p, budget)
@@ -565,14 +557,12 @@ def _approximate(
 def _extended(
     first: tuple[float, float], second: tuple[float, float], periods: float
 ) -> tuple[float, float]:
-    """(step, bubble) ``periods`` times the second timed length's step past the first: the step
-    and each rank's busy time (the simulator's, host time per compute part included) both grow
-    by the same amount per period, so the bubble follows from them. (Counting actions instead
-    would miss a schedule that splits only some backwards: dualpipe-v's I and W.)"""
+    """(step, bubble) ``periods`` times the second timed length's step past the first: the step and
+    each rank's busy time (host time per compute part included) grow alike per period, so the bubble
+    follows. (Counting actions would miss a schedule splitting only some backwards: dualpipe-v.)"""
     (step_a, bubble_a), (step_b, bubble_b) = first, second
     busy_a, busy_b = step_a * (1 - bubble_a), step_b * (1 - bubble_b)
-    step = step_a + periods * (step_b - step_a)
-    busy = busy_a + periods * (busy_b - busy_a)
+    step, busy = step_a + periods * (step_b - step_a), busy_a + periods * (busy_b - busy_a)
     return step, (step - busy) / step if step > 0 else 0.0
 
 
@@ -608,8 +598,7 @@ def _simulate(
 ) -> Plan:
     c = sized.candidate
     p2p = p2p_model_of(c, options)
-    grad_reduce = grad_reduce_of(p2p, options)
-    costs = _cost_model(sized.times)
+    grad_reduce, costs = grad_reduce_of(p2p, options), _cost_model(sized.times)
     simulated_ns, bubble = _simulated_ns(c, sized.m, costs, p2p, grad_reduce, budget)
     step = simulated_ns / NS + sized.m * sized.times.output + sized.times.optimizer
     flops = model_flops_per_step(model, global_batch_size=global_batch_size)
@@ -776,9 +765,8 @@ def recommend(
 def no_candidates_reason(
     *, model: Model, cluster: Cluster, global_batch_size: int, options: SearchOptions
 ) -> str:
-    """Why :func:`candidates` yields nothing (a GPU count tp x pp x dp cannot make, not a
-    memory problem), and the nearest GPU counts for which it yields something: tried among the
-    products tp x pp x dp with pp dividing the layers and dp the batch."""
+    """Why :func:`candidates` yields nothing (no tp x pp x dp of the GPUs, not memory), and the
+    nearest GPU counts that yield something (pp dividing the layers, dp the batch)."""
     n, gpn = cluster.num_gpus, cluster.gpus_per_node
     tps, shaped, splits = _splits(model, cluster, options)
     rule = (

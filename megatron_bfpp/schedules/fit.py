@@ -60,9 +60,8 @@ def num_microbatches(
     data_parallel_size: int,
     what: str | None = None,
 ) -> int:
-    """Micro-batches per step on each pipeline (Megatron-LM's rule): the global batch is split
-    evenly over the data-parallel replicas, and each replica's share into micro-batches.
-    ``what`` names the batch in the error (default: ``--global-batch-size N``)."""
+    """Micro-batches per step on each pipeline, Megatron-LM's rule: the global batch split evenly
+    over the replicas, then into micro-batches; ``what`` names the batch in errors."""
     per_step = micro_batch_size * data_parallel_size
     if global_batch_size % per_step:
         named = what or f"--global-batch-size {global_batch_size}"
@@ -110,16 +109,14 @@ def parse_batch_schedule(text: str, *, seq_length: int | None) -> tuple[tuple[in
                 f"{BATCH_SCHEDULE_FLAG}: thresholds must increase (two steps start at {after} "
                 "samples)"
             )
-    bad = [batch for _, batch in steps if batch < 1]
-    if bad:
+    if bad := [batch for _, batch in steps if batch < 1]:
         raise ScheduleError(f"{BATCH_SCHEDULE_FLAG}: batch sizes must be positive, got {bad[0]}")
     return tuple(steps)
 
 
 def step_batch_sizes(args: object) -> tuple[int, ...]:
-    """The global batch of every step of Megatron-LM's batch-size schedule, read from parsed
-    arguments (``step_batch_size_schedule``, ``seq_length``); ``()`` without one. Megatron-LM
-    then sets ``global_batch_size`` to micro-batch x data-parallel size, which no step runs."""
+    """Every step's global batch under Megatron-LM's batch-size schedule in parsed arguments, ``()``
+    without one (its ``global_batch_size`` is then micro-batch x dp, which no step runs)."""
     text = getattr(args, "step_batch_size_schedule", None)
     if not text:
         return ()

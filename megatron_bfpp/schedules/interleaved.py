@@ -28,9 +28,8 @@ def build_interleaved(
     microbatch_group_size: int | None = None,
     combined_1f1b: bool = False,
 ) -> Schedule:
-    """Megatron's interleaved order; the group size is its ``microbatch_group_size_per_vp_stage``
-    (default p), with megatron-core's constraints checked before any rank starts; ``combined_1f1b``:
-    as its ``overlap_moe_expert_parallel_comm`` orders it (one more warm-up forward, then pairs)."""
+    """Megatron's interleaved order, group size its ``microbatch_group_size_per_vp_stage`` (default
+    p), megatron-core's limits checked first; ``combined_1f1b``: one more warm-up F, then pairs."""
     check_counts(
         "interleaved", num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks
     )
@@ -46,8 +45,7 @@ def build_interleaved(
             f"num_microbatches={num_microbatches}], got {group}"
             + ("; use at least pp micro-batches" if num_microbatches < num_ranks else "")
         )
-    remainder = num_microbatches % group
-    if 0 < remainder < num_ranks:
+    if 0 < (remainder := num_microbatches % group) < num_ranks:
         raise ScheduleError(
             f"interleaved needs num_microbatches % group size to be 0 or >= pp={num_ranks}; "
             f"got {num_microbatches} % {group} = {remainder} (use a multiple of {group})"

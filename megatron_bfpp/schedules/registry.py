@@ -171,8 +171,7 @@ class ScheduleSpec:
 
     def check_option_names(self, names: Iterable[str]) -> None:
         """Reject generator options this schedule does not take, naming the ones it does."""
-        unknown = sorted(set(names) - set(self.option_names))
-        if unknown:
+        if unknown := sorted(set(names) - set(self.option_names)):
             accepted = ", ".join(self.option_names) or "none"
             raise ScheduleError(
                 f"{self.name} does not take option(s) {', '.join(unknown)}; it accepts: {accepted}"
@@ -313,9 +312,8 @@ def planned_schedules() -> tuple[ScheduleSpec, ...]:
 
 
 def check_option_flags(name: str | None, args: Any, *, megatron: bool = False) -> None:
-    """Reject a schedule option's flag (on parsed ``args``) given for a schedule that does not
-    take it (``name`` ``None``: one with no options, like Megatron's own ``default``); with
-    ``megatron``, flags Megatron-LM owns (and defaults) are left alone."""
+    """Reject an option's flag (on parsed ``args``) for a schedule not taking it (``name`` ``None``:
+    one with none, like Megatron's ``default``); ``megatron``: its flags left alone."""
     mine = {option.dest for option in get_spec(name).options} if name is not None else set()
     for option in ALL_OPTIONS:
         given = getattr(args, option.dest, None) is not None
@@ -385,8 +383,7 @@ def check_size(*, num_ranks: int, stages_per_rank: int, num_microbatches: int) -
             f"{_gigabytes(MAX_ACTIONS * _BYTES_PER_ACTION)}); use fewer micro-batches, ranks "
             "or stages per rank"
         )
-    tables = num_ranks * num_ranks * stages_per_rank
-    if tables > MAX_RANK_STAGES:
+    if (tables := num_ranks * num_ranks * stages_per_rank) > MAX_RANK_STAGES:
         raise ScheduleError(
             f"schedule too large: {sizes} needs per-rank tables of ranks x stages = {tables:,} "
             f"entries, about {_gigabytes(tables * _BYTES_PER_RANK_STAGE)} (limit "
@@ -424,11 +421,8 @@ def build_schedule(
     chosen = {key: value for key, value in options.items() if value is not None}
     spec.check_option_names(chosen)
     chunks = spec.chunks_for(num_chunks)
-    check_size(
-        num_ranks=num_ranks,
-        stages_per_rank=spec.stages_per_rank(chunks),
-        num_microbatches=num_microbatches,
-    )
+    stages = spec.stages_per_rank(chunks)
+    check_size(num_ranks=num_ranks, stages_per_rank=stages, num_microbatches=num_microbatches)
     chunk_args = {} if chunks is None else {"num_chunks": chunks}
     schedule = spec.generator(
         num_ranks=num_ranks, num_microbatches=num_microbatches, **chunk_args, **chosen
@@ -442,9 +436,8 @@ def build_schedule(
 
 
 def check_sharding(schedule: str, strategy: str) -> None:
-    """Megatron's ``--data-parallel-sharding-strategy`` for a schedule, or a one-line
-    :class:`ScheduleError` before any work: sharded parameters are gathered and released per
-    model chunk, which only breadth-first runs back to back."""
+    """Megatron's ``--data-parallel-sharding-strategy`` for a schedule, or one line before any work:
+    sharded parameters go per model chunk, which only breadth-first runs back to back."""
     if strategy not in SHARDING_STRATEGIES:
         raise ScheduleError(
             f"data-parallel sharding strategy {strategy!r} is not one of "

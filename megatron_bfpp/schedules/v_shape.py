@@ -103,9 +103,8 @@ def _block_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 
 
 def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
-    """Every rank's ZB-V order (Qi et al., ICLR 2024, section 6), phase by phase, for at least
-    2p - 1 micro-batches; with fewer, the missing ones are skipped, not built (no dependency
-    crosses micro-batches, so the order stays deadlock-free)."""
+    """Every rank's ZB-V order (Qi et al., ICLR 2024, section 6), phase by phase, for 2p - 1 or more
+    micro-batches; fewer are skipped (no dependency crosses micro-batches)."""
     p, m_count = num_ranks, num_microbatches
     n = max(m_count, 2 * p - 1)
     fa, fb, ia, ib, wa, wb = range(6)  # 2 * kind + chunk
@@ -144,8 +143,7 @@ def _zb_programs(num_ranks: int, num_microbatches: int) -> list[list[_Step]]:
 def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[list[_Step]]:
     """Replay ``programs`` in unit time steps, every F in its place, between two F's the first ready
     I before any ready W: an input gradient (critical path) never waits behind a weight gradient."""
-    p = num_ranks
-    last = 2 * p - 1
+    p, last = num_ranks, 2 * num_ranks - 1
     m_count = 1 + max((mb for program in programs for _, _, mb in program), default=0)
     never = 1 << 62
     f_time = [never] * (2 * p * m_count)  # step an F ran, at index stage * m_count + mb
@@ -155,8 +153,7 @@ def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[
     window: list[list[_Step]] = [[] for _ in range(p)]
     # Each program's first action neither run nor in the window (an F).
     position = [_fill_window(programs[r], 0, window[r]) for r in range(p)]
-    remaining = sum(len(program) for program in programs)
-    step = 0
+    remaining, step = sum(len(program) for program in programs), 0
 
     def ready(action: _Step) -> bool:  # an I or W of a window, at this step
         kind, stage, mb = action
@@ -176,8 +173,7 @@ def _input_gradients_first(num_ranks: int, programs: list[list[_Step]]) -> list[
                 if action[0] == _I:
                     i_time[action[1] * m_count + action[2]] = step
             else:
-                program = programs[r]
-                at = position[r]
+                program, at = programs[r], position[r]
                 if at == len(program):
                     continue
                 action = program[at]  # an F
@@ -222,17 +218,14 @@ def _greedy_programs(
     p, m_count = num_ranks, num_microbatches
     open_limits = open_limits or [p - r + 1 for r in range(p)]
     num_stages = 2 * p
-    last = num_stages - 1
-    never = 1 << 62
+    last, never = num_stages - 1, 1 << 62
     f_time = [never] * (num_stages * m_count)  # step F ran, at index stage * m_count + mb
     i_time = [never] * (num_stages * m_count)
-    next_f = [0] * num_stages
-    next_i = [0] * num_stages
+    next_f, next_i = [0] * num_stages, [0] * num_stages
     held = [0] * p
     pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
     programs: list[list[_Step]] = [[] for _ in range(p)]
-    remaining = 3 * num_stages * m_count
-    step = 0
+    remaining, step = 3 * num_stages * m_count, 0
     while remaining:
         acted = False
         for r in range(p):
@@ -290,8 +283,7 @@ def _greedy_programs(
 def _oldest_ready_forward(
     p: int, m_count: int, step: int, f_time: list[int], next_f: list[int]
 ) -> tuple[int, int, int]:
-    """(micro-batch, stage, rank) of the dependency-ready F of the oldest micro-batch, to run over
-    the memory limit where no rank can act (``_greedy_programs``)."""
+    """(micro-batch, stage, rank) of the oldest micro-batch's ready F, run over the memory limit."""
     ready = [
         (mb, stage, r)
         for r in range(p)

@@ -161,12 +161,11 @@ def render_png(
     axes.grid(axis="x", linewidth=0.3, alpha=0.5)
     axes.set_axisbelow(True)
     transform = axes.get_yaxis_transform()  # x in axes fraction, y in data
+    style: dict[str, Any] = dict(transform=transform, fontsize=font, ha="left", clip_on=False)
     column = [(-0.5, "peak act.", "bottom")]
     column += [(m.rank, f"{m.peak_activations:.3g}", "center") for m in result.per_rank]
     for y, text, va in column:
-        axes.text(
-            1.005, y, text, transform=transform, fontsize=font, va=va, ha="left", clip_on=False
-        )
+        axes.text(1.005, y, text, va=va, **style)
     if not title:
         shape = f"p={result.num_ranks}, v={result.num_chunks}, m={result.num_microbatches}"
         title = f"{result.schedule_name} ({shape}): step {result.step_time:.4g}, bubble "
@@ -255,14 +254,10 @@ def _legend_handles(
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
+    grey = np.array([[0.55, 0.55, 0.55]])
     handles: list[Any] = [
-        Patch(
-            facecolor=_shade(np.array([[0.55, 0.55, 0.55]]), _STYLE[k][0])[0],
-            edgecolor="0.2",
-            hatch=_STYLE[k][1],
-            label=_STYLE[k][2],
-        )
-        for k in present
+        Patch(facecolor=_shade(grey, shade)[0], edgecolor="0.2", hatch=hatch, label=text)
+        for shade, hatch, text in (_STYLE[k] for k in present)
     ]
     handles += [
         Line2D([], [], color=colour, linewidth=3, label=label)
@@ -278,9 +273,8 @@ def _boxes(starts: Any, ends: Any, rows: Any, where: tuple[float, float]) -> Any
     import numpy as np
 
     top, bottom = rows + where[0], rows + where[1]
-    return np.stack([starts, top, ends, top, ends, bottom, starts, bottom], axis=1).reshape(
-        -1, 4, 2
-    )
+    corners = [starts, top, ends, top, ends, bottom, starts, bottom]
+    return np.stack(corners, axis=1).reshape(-1, 4, 2)
 
 
 def _shade(rgb: Any, amount: float) -> Any:

@@ -75,8 +75,7 @@ MEGATRON_GRAD_REDUCE = {
     "after the schedule's last message, overlapping nothing",
 }
 DEFAULT_MEGATRON_GRAD_REDUCE = "overlap"
-# The megatron-core whose posting ``megatron`` times (native_posting: 0.18 and later wait for a
-# forward send right after posting it under p2p overlap).
+# The megatron-core whose posting ``megatron`` times (0.18 on: forward sends waited at once).
 MEGATRON_CORE_VERSION = (0, 19)
 
 # The one unit of stored activations, parameters and gradients everywhere (bfpp-sim, bfpp-train's
@@ -90,10 +89,9 @@ UNITS = {
 
 @dataclass(frozen=True, slots=True)
 class RankMetrics:
-    """One rank's share of the step (docs/simulator.md, "Output"): the peaks are program-order
-    peaks of ``Schedule.stored_activations`` / ``resident_parameters`` / ``resident_gradients``
-    in ``UNITS``; ``exposed_dp_comm_time`` is computes held back by their parameter gather plus
-    the tail between the rank's last compute and its last GS / PS."""
+    """One rank's share of the step (docs/simulator.md, "Output"): program-order peaks of
+    ``Schedule.stored_activations`` / ``resident_parameters`` / ``resident_gradients`` (``UNITS``);
+    ``exposed_dp_comm_time``: computes held back by a gather plus the tail from the last compute."""
 
     rank: int
     busy_time: float
@@ -175,10 +173,9 @@ def simulate(
     posting: Posting | None = None,
     megatron_grad_reduce: str | None = None,
 ) -> SimResult:
-    """Time ``schedule`` (one that ``validate_schedule`` accepts) under ``costs`` by the p2p
-    timing model ``p2p``; ``posting`` replaces the lock-step posting (what another executor
-    posts), ``megatron_grad_reduce`` where a megatron model starts each chunk's gradient
-    reduction. Raises ``ScheduleError`` showing the per-rank grid if the programs deadlock."""
+    """Time ``schedule`` (one ``validate_schedule`` accepts) under ``costs`` by the p2p timing model
+    ``p2p``; ``posting`` replaces the lock-step posting, ``megatron_grad_reduce``: where a megatron
+    model starts each chunk's reduction. A deadlock raises ``ScheduleError`` with the grid."""
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, posting)
     times, per_unit, timeline = _clocks(schedule, costs, p2p, posting, grad_reduce)
     return _result(schedule, costs, times, per_unit, p2p, timeline, grad_reduce)
@@ -246,9 +243,8 @@ def simulate_steady(
     p2p: str = DEFAULT_P2P_MODEL,
     megatron_grad_reduce: str | None = None,
 ) -> SimResult:
-    """``simulate(schedule, ...)``'s figures read off the exact clocks of shorter steps
-    (``shorter(n)``: n micro-batches, repeating every ``period``) where they lie on lines, else
-    from timing it whole (docs/simulator.md, "Usage"); memory from ``schedule``'s own program."""
+    """``simulate``'s figures off the exact clocks of shorter steps (``shorter(n)``, a period apart)
+    where they lie on lines, else timed whole; memory from ``schedule``'s own program."""
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, None)
     if schedule.num_actions >= STEADY_FROM_ACTIONS:
         line = _steady_clocks(schedule, costs, shorter, period, p2p, grad_reduce)
@@ -311,8 +307,7 @@ def _steady_clocks(
     if not attempts or m <= sum(attempts[0]):  # timing it whole is no dearer
         return None
     for lengths in attempts:
-        step = lengths[1] - lengths[0]
-        points = [clocks_at(n) for n in lengths]
+        step, points = lengths[1] - lengths[0], [clocks_at(n) for n in lengths]
         if any(point is None for point in points):  # too short to run (dualpipe-v's m < 2p)
             continue
         line = _on_lines(points, (m - lengths[0]) // step)  # type: ignore[arg-type]
@@ -380,8 +375,7 @@ def _timer(
     if posting is not None:
         return posting_timer(schedule, posting)
     key = (id(schedule), p2p, grad_reduce)
-    kept = _TIMERS.get(key)
-    if kept is not None and kept[0] is schedule:
+    if (kept := _TIMERS.get(key)) is not None and kept[0] is schedule:
         return kept[1]
     lowered = schedule if has_communication(schedule) else add_communication(schedule)
     grad_sync = megatron_lm_grad_sync(overlap_grad_reduce=grad_reduce == "overlap")
@@ -427,9 +421,8 @@ def _result(
     timeline: Timeline | PostingTimeline,
     grad_reduce: str | None,
 ) -> SimResult:
-    """The metrics from the model's integer clocks (``_Run4``), each divided by ``per_unit``
-    once, with ``schedule``'s memory counted in program order (``ir.stored_counts``, as
-    ``Schedule.stored_activations``: no run counts it); ``timeline`` draws the events."""
+    """The metrics from the model's integer clocks (``_Run4``), each divided by ``per_unit`` once;
+    memory counted in program order (``ir.stored_counts``: no run counts it)."""
     clock, dp_free, busy, gather_wait = times
     peak = [max(0, max(stored_counts(actions), default=0)) for actions in schedule.per_rank]
     num_ranks = schedule.num_ranks

@@ -59,8 +59,7 @@ def _te_stub() -> types.ModuleType:
 @contextlib.contextmanager
 def bridge_imports() -> Iterator[None]:
     """Import Bridge inside this block: only :data:`TE_IMPORTERS` see the TE stub."""
-    stub = _te_stub()
-    original = builtins.__import__
+    stub, original = _te_stub(), builtins.__import__
 
     def scoped(
         name: str,

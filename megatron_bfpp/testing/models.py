@@ -109,8 +109,7 @@ def build_model_chunks(
 
 
 def _draw(global_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
-    """Random everywhere (norm weights around 1; biases and norms too, so equivalence tests cover
-    them), from a generator seeded by the global name."""
+    """Random everywhere, biases and norms too (so equivalence tests cover them), seeded by name."""
     generator = torch.Generator().manual_seed((zlib.crc32(global_name.encode()) + seed) % 2**63)
     noise = torch.randn(*shape, generator=generator, dtype=torch.float32)
     leaf = global_name.rsplit(".", 1)[-1]
@@ -126,8 +125,7 @@ def make_batches(
 ) -> list[Batch]:
     """Deterministic synthetic micro-batches: random tokens and labels, ``position_ids``, and a
     ``loss_mask`` with a few zeros (so ``num_tokens`` differs between micro-batches)."""
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
+    generator, batches = torch.Generator().manual_seed(seed), []
     for _ in range(num_microbatches):
         shape = (micro_batch_size, seq_len)
         loss_mask = (torch.rand(shape, generator=generator) > 0.15).float()
@@ -173,11 +171,8 @@ def reference_losses_and_grads(
         virtual_pipeline_model_parallel_size=None,
         sequence_parallel=False,
     )
-    (model,) = build_model_chunks(
-        unparallel,
-        seed=seed,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-    )
+    shared = share_embeddings_and_output_weights
+    (model,) = build_model_chunks(unparallel, seed=seed, share_embeddings_and_output_weights=shared)
     losses = []
     for batch in batches:
         output, step_loss = forward_step_func(iter([batch]), model)
@@ -203,8 +198,7 @@ class GradShard:
 
 def grad_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]:
     """This rank's gradients by global name (``main_grad`` under DDP, else ``.grad``) with their
-    tensor-parallel slice info, for :func:`merge_shards` in the parent. The distributed optimizer
-    reduces only the rank's own ``main_grad`` shard: compare parameters or losses there instead."""
+    tensor-parallel slice, for :func:`merge_shards` (distributed optimizer: compare losses)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     out: dict[str, GradShard] = {}
@@ -216,14 +210,8 @@ def grad_shards(model_chunks: Sequence[torch.nn.Module]) -> dict[str, GradShard]
             if value is None:
                 continue
             dim, stride = tp_partition(param)
-            out[names[name]] = GradShard(
-                tensor=value.detach().clone().float().cpu(),
-                full_shape=tuple(full_shape(param, tp_size)),
-                partition_dim=dim,
-                partition_stride=stride,
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-            )
+            tensor, shape = value.detach().clone().float().cpu(), tuple(full_shape(param, tp_size))
+            out[names[name]] = GradShard(tensor, shape, dim, stride, tp_rank, tp_size)
     return out
 
 
@@ -246,8 +234,7 @@ def merge_shards(per_rank: Iterable[dict[str, GradShard]]) -> dict[str, torch.Te
             full[name] = first.tensor
             continue
         dim, stride, tp_size = first.partition_dim, first.partition_stride, first.tp_size
-        missing = set(range(tp_size)) - set(held)
-        if missing:
+        if missing := set(range(tp_size)) - set(held):
             raise AssertionError(f"{name}: no shard from tensor-parallel rank(s) {sorted(missing)}")
         # Undo megatron-core's TP split (``_initialize_affine_weight_cpu``): rank r's tensor is
         # pieces r, r + tp_size, ... of tp_size * stride equal pieces, concatenated.
@@ -268,8 +255,7 @@ def train_steps(
     placement: Placement = Placement.LOOPED,
     share_embeddings_and_output_weights: bool = False,
 ) -> list[list[float]]:
-    """This rank's per-micro-batch losses of Adam steps under megatron-core's DDP and distributed
-    optimizer (overlapped when ``overlap``)."""
+    """This rank's per-micro-batch losses of Adam steps (megatron-core DDP and optimizer)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     chunks = wrap_ddp(
@@ -282,17 +268,10 @@ def train_steps(
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
     )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-2,
-            weight_decay=0.01,
-            clip_grad=1.0,
-            use_distributed_optimizer=True,
-        ),
-        chunks,
+    config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0, use_distributed_optimizer=True
     )
-    losses = []
+    optimizer, losses = get_megatron_optimizer(config, chunks), []
     for batches in steps:
         for chunk in chunks:
             chunk.zero_grad_buffer()
@@ -326,8 +305,7 @@ def run_schedule(
     micro_batch_size: int | None = None,
     seq_length: int = SEQ_LENGTH,
 ) -> list[dict[str, torch.Tensor]]:
-    """One forward-backward call over this rank's ``batches``, one iterator per chunk;
-    ``forward_backward_func``: megatron-core's own by default, or any with its signature."""
+    """One forward-backward call on ``batches`` (by default megatron-core's function)."""
     if forward_backward_func is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 

@@ -62,9 +62,8 @@ def run_ranks(
     error_grace: float = ERROR_GRACE,
     daemon: bool = True,
 ) -> list[Any]:
-    """``fn(*args)``'s results (they must pickle) on ``world_size`` forked gloo ranks, by rank
-    (``daemon=False``: ``fn`` may start processes); :class:`RanksFailed`, every child dead, if one
-    raises, dies or outlives ``timeout``."""
+    """``fn(*args)``'s results (picklable) on ``world_size`` forked gloo ranks (``daemon=False``:
+    ``fn`` may start processes); :class:`RanksFailed`, all children dead, if one fails or hangs."""
     if world_size < 1 or world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp * pp}")
     preload_megatron()
@@ -80,12 +79,9 @@ def run_ranks(
 
         torch.set_num_threads(1)
         enable_cpu_megatron()
+        limit = timedelta(seconds=timeout)
         dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=limit
         )
         if os.environ.get(nccl_emulation.ENV) == "1":  # NCCL's rules on gloo: tests/conftest.py
             nccl_emulation.install()
@@ -133,8 +129,7 @@ def _failure(run: LocalRun, timeout: float) -> RanksFailed:
         reports[rank] = "still running when killed; its stacks:\n" + run.stacks.get(rank, "")
     for rank in run.results:
         reports.setdefault(rank, "finished normally")
-    first = run.first_failed
-    stuck = list(run.killed)
+    first, stuck = run.first_failed, list(run.killed)
     if first is None:
         summary = f"timed out after {timeout:g} s; ranks still running: {stuck}"
     else:

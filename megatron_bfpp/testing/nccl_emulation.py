@@ -226,8 +226,7 @@ class _Batch:
         self.cause: BaseException | None = None
 
     def describe(self) -> str:
-        ops = "; ".join(op.describe(self.stream.me) for op in self.ops)
-        return f"batch #{self.index} [{ops}]"
+        return f"batch #{self.index} [{'; '.join(op.describe(self.stream.me) for op in self.ops)}]"
 
     def finish(self, error: str | None = None, cause: BaseException | None = None) -> None:
         self.error, self.cause = error, cause

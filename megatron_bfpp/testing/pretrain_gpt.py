@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from megatron_bfpp.train.step_functions import loss_func
+
 
 @dataclasses.dataclass(eq=False)  # a torch Dataset: hashed by identity
 class MockTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -51,8 +53,7 @@ def model_provider(
     from megatron.training.arguments import core_transformer_config_from_args
 
     args = get_args()
-    if config is None:
-        config = core_transformer_config_from_args(args)
+    config = core_transformer_config_from_args(args) if config is None else config
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(
@@ -75,20 +76,8 @@ def datasets_provider(
     """The training set only (the tests run with ``--eval-iters 0``)."""
     from megatron.training import get_args
 
-    args = get_args()
-    train = MockTokens(
-        int(train_val_test_num_samples[0]), args.seq_length, args.vocab_size, args.seed
-    )
-    return train, None, None
-
-
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Any:
-    """Megatron-LM's per-token form: the summed loss, the token count, and what it logs."""
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(output_tensor.view(-1).float() * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
-    return loss, num_tokens, {"lm loss": report}
+    args, samples = get_args(), int(train_val_test_num_samples[0])
+    return MockTokens(samples, args.seq_length, args.vocab_size, args.seed), None, None
 
 
 PLANS_BUILT = [0]  # forwards built as schedule plans (megatron-core's combined step asked)

@@ -77,8 +77,7 @@ class OtherRankFailed(Exception):
 def _agree(error: CheckpointError | None) -> None:
     """Every rank learns whether any failed, so none waits forever; the lowest failing rank raises
     its error (the one line users see), the others :class:`OtherRankFailed`."""
-    world = dist.get_world_size()
-    nccl = dist.get_backend() == "nccl"
+    world, nccl = dist.get_world_size(), dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     first = torch.tensor(
         [dist.get_rank() if error is not None else world], dtype=torch.int64, device=device
@@ -143,8 +142,7 @@ def _refusal(error: BaseException) -> str:
     """Why a restricted unpickler refused a file, in a few words: the callable it would have
     called, else torch's one-line reason (its message is a paragraph of advice around it)."""
     text = str(error)
-    found = _GLOBAL.search(text)
-    if found:
+    if found := _GLOBAL.search(text):
         return f"it would call {found.group(1)}"
     advice = ("Weights only load failed", "Please file an issue", "Check the documentation")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -165,9 +163,8 @@ def save_checkpoint(
     gather_chunk: GatherChunk | None = None,
     sharded: bool = False,
 ) -> Path:
-    """Save one checkpoint on every rank (collective), atomically (:mod:`.checkpoint_files`). Fully
-    sharded, ``gather_chunk(i)`` (torch) makes chunk ``i`` whole while it is copied to host, and
-    ``sharded`` (torch_dist) gathers nothing (the optimizer's main parameters are saved)."""
+    """Every rank saves one checkpoint (collective), atomically (:mod:`.checkpoint_files`); fully
+    sharded, ``gather_chunk(i)`` (torch) gathers chunk ``i`` to copy it."""
     root = Path(root)
     temp = _shared_temp_dir(root, iteration)
     records: list[FileRecord] = []
@@ -189,8 +186,7 @@ def save_checkpoint(
     _agree_or_clear(error, temp)
     gathered: list[list[FileRecord] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
-    final = checkpoint_dir(root, iteration)
-    error = None
+    final, error = checkpoint_dir(root, iteration), None
     if dist.get_rank() == 0:
         files = [record for rank_records in gathered for record in rank_records or []]
         if ckpt_format != "torch":  # megatron-core's files: sizes only
@@ -240,8 +236,7 @@ def _write_failure(failure: BaseException, root: Path) -> str:
     cause: BaseException | None = failure
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
-    found = cause.strerror if isinstance(cause, OSError) else None
-    text = found or first_line(failure)
+    text = (cause.strerror if isinstance(cause, OSError) else None) or first_line(failure)
     try:
         free = shutil.disk_usage(root).free
     except OSError:
@@ -444,8 +439,7 @@ def _load_torch(
     own_groups: list[list[dict[str, Any]]] | None,
 ) -> None:
     rank = dist.get_rank()
-    name = _rank_file_name(rank)
-    records = {record.name: record for record in metadata.files}
+    name, records = _rank_file_name(rank), {record.name: record for record in metadata.files}
     if name not in records:
         raise CheckpointError(f"--load {root}: {path.name}/{METADATA_FILE} lists no {name}")
     label = f"--load {root}: "
@@ -563,8 +557,7 @@ def _take_saved_group_values(optimizer: Any, saved: list[list[dict[str, Any]]]) 
 def _load_model_entries(module: Any, entries: dict[str, Any]) -> None:
     """Load a chunk's non-parameter entries; a key missing on either side is an error."""
     result = module.load_state_dict(entries, strict=False)
-    missing = set(result.missing_keys) - _parameter_keys(module)
-    if missing or result.unexpected_keys:
+    if (missing := set(result.missing_keys) - _parameter_keys(module)) or result.unexpected_keys:
         raise ValueError(
             f"model entries missing: {sorted(missing)}, unexpected: {result.unexpected_keys}"
         )

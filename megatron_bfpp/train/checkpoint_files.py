@@ -71,9 +71,7 @@ def regular_file_problem(path: Path) -> str | None:
         return f"cannot be read ({error.strerror})"
     if stat.S_ISLNK(mode):
         return "is a symbolic link (a checkpoint holds only its own regular files)"
-    if not stat.S_ISREG(mode):
-        return "is not a regular file"
-    return None
+    return None if stat.S_ISREG(mode) else "is not a regular file"
 
 
 def read_bounded(path: Path, limit: int, *, label: str) -> bytes:
@@ -109,8 +107,7 @@ def read_bounded(path: Path, limit: int, *, label: str) -> bytes:
 
 def read_tracker(root: str | Path) -> int:
     """The iteration ``root``'s tracker names (read bounded: a tracker is one short line)."""
-    tracker = Path(root) / TRACKER
-    label = f"--load {root}: {TRACKER}"
+    tracker, label = Path(root) / TRACKER, f"--load {root}: {TRACKER}"
     try:
         raw = read_bounded(tracker, TRACKER_LIMIT, label=label)
     except FileNotFoundError:
@@ -164,8 +161,7 @@ def save_path_problem(root: str, *, world_size: int, iterations: int) -> str | N
         path_max = os.pathconf(existing, "PC_PATH_MAX")
     except (OSError, ValueError):
         path_max = 4096
-    size = len(os.fsencode(longest))
-    if size >= path_max:
+    if (size := len(os.fsencode(longest))) >= path_max:
         return (
             f"--save {root}: too long for the checkpoint files a save creates there ({size:,} "
             f"bytes for {os.path.relpath(longest, start)}, the file system takes "

@@ -111,8 +111,7 @@ def _build(kind: Any, value: Any, *, source: str, where: str) -> Any:
         )
 
     if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-        hints = typing.get_type_hints(kind)
-        fields = dataclasses.fields(kind)
+        hints, fields = typing.get_type_hints(kind), dataclasses.fields(kind)
         names = [field.name for field in fields]
         # fields added later, with a default, may be absent (checkpoints written before them)
         required = {field.name for field in fields if field.default is dataclasses.MISSING}
@@ -194,24 +193,21 @@ def read_checkpoint(root: str | Path) -> tuple[Path, CheckpointMetadata]:
 
 
 def _check_file(root: str | Path, path: Path, record: FileRecord) -> None:
-    file = path / record.name
+    file, where = path / record.name, f"--load {root}: {path.name}/{record.name}"
     if Path(record.name).is_absolute() or ".." in Path(record.name).parts:
         raise CheckpointError(
             f"--load {root}: {METADATA_FILE} lists {record.name!r}, outside the checkpoint"
         )
-    problem = regular_file_problem(file)
-    if problem is not None:
-        raise CheckpointError(f"--load {root}: {path.name}/{record.name} {problem}")
+    if (problem := regular_file_problem(file)) is not None:
+        raise CheckpointError(f"{where} {problem}")
     try:
         size = file.stat().st_size
     except OSError as error:
-        raise CheckpointError(
-            f"--load {root}: {path.name}/{record.name} cannot be read ({error.strerror})"
-        ) from None
+        raise CheckpointError(f"{where} cannot be read ({error.strerror})") from None
     if size != record.size:
         raise CheckpointError(
-            f"--load {root}: {path.name}/{record.name} has {size} bytes, the checkpoint recorded "
-            f"{record.size} (truncated or replaced); resume from another checkpoint"
+            f"{where} has {size} bytes, the checkpoint recorded {record.size} (truncated or "
+            "replaced); resume from another checkpoint"
         )
 
 
@@ -305,8 +301,7 @@ def check_resume(
     scheduler: SchedulerPolicy = "check",
 ) -> None:
     """Raise one line naming every difference that stops ``current`` from resuming."""
-    layout = _layout_differences(metadata.run, current)
-    if layout:
+    if layout := _layout_differences(metadata.run, current):
         raise CheckpointError(
             f"--load {root}: checkpoint was saved with {'; '.join(layout)}; a checkpoint resumes "
             "only on the same model and parallel layout (the schedule, --micro-batch-size and "
@@ -316,8 +311,7 @@ def check_resume(
     if not differences:
         return
     hint = ""
-    gbs = current.training.global_batch_size
-    decay = metadata.opt_param_scheduler.lr_decay_steps
+    gbs, decay = current.training.global_batch_size, metadata.opt_param_scheduler.lr_decay_steps
     decay_changed = any(d.startswith(("--train-iters", "--lr-decay-iters")) for d in differences)
     if decay_changed and decay % gbs == 0:
         hint = f"; to train further on the checkpoint's schedule: --lr-decay-iters {decay // gbs}"
@@ -339,8 +333,7 @@ def save_problem(root: str | Path, current: RunConfig) -> str | None:
         _, metadata = read_checkpoint(root)
     except CheckpointError:
         return None
-    differences = _model_differences(metadata.run, current)
-    if not differences:
+    if not (differences := _model_differences(metadata.run, current)):
         return None
     return (
         f"--save {root}: holds a checkpoint of another model (iteration {metadata.iteration}, "

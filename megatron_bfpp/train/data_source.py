@@ -54,8 +54,7 @@ class IndexedSource:
 
 
 def default_cache_dir(prefix: str) -> str:
-    """Where megatron-core's ``GPTDataset`` caches its indices when not told
-    (``--data-cache-path``): a directory named after the prefix, beside the ``.bin``."""
+    """Where megatron-core's ``GPTDataset`` caches its indices without ``--data-cache-path``."""
     return os.path.join(prefix, "cache")
 
 
@@ -67,8 +66,7 @@ def data_source(
     if not items:
         raise DataPathError("--data-path: give a text file or a dataset prefix")
     if len(items) == 1:
-        prefix = _indexed_prefix(items[0])
-        if prefix is None:
+        if (prefix := _indexed_prefix(items[0])) is None:
             return TextSource(_checked_text(items[0], seq_length))
         prefixes, weights = [prefix], None
     else:
@@ -135,15 +133,12 @@ def _regular_problem(path: str) -> str | None:
         return "is a directory"
     if not stat.S_ISREG(mode.st_mode):
         return "is not a regular file (a FIFO, socket or device)"
-    if not os.access(path, os.R_OK):
-        return "permission denied"
-    return None
+    return None if os.access(path, os.R_OK) else "permission denied"
 
 
 def _checked_text(path: str, seq_length: int) -> str:
     """A text file for byte-level tokens: readable, long enough, no NUL byte in its first 64 KiB."""
-    flag = f"--data-path {path}"
-    problem = _regular_problem(path)
+    flag, problem = f"--data-path {path}", _regular_problem(path)
     if problem == "is a directory":
         raise DataPathError(f"{flag}: is a directory; {_NEITHER}")
     if problem is not None:
@@ -174,8 +169,7 @@ def _checked_indexed(prefix: str) -> int:
     """An indexed dataset's tokens once its ``.idx`` header and both file sizes it implies agree."""
     flag = f"--data-path {prefix}"
     for suffix in (".idx", ".bin"):
-        problem = _regular_problem(prefix + suffix)
-        if problem is not None:
+        if (problem := _regular_problem(prefix + suffix)) is not None:
             raise DataPathError(
                 f"{flag}: {prefix}{suffix} {problem}; a Megatron indexed dataset is PREFIX.bin "
                 "and PREFIX.idx (give the prefix, without the suffix)"
@@ -210,8 +204,7 @@ def _checked_indexed(prefix: str) -> int:
     except OSError as error:
         raise DataPathError(f"{flag}: {idx} cannot be read ({error.strerror})") from None
     expected = last_pointer + last_length * _TOKEN_BYTES[code]
-    actual = os.path.getsize(bin_)
-    if actual != expected:
+    if (actual := os.path.getsize(bin_)) != expected:
         raise DataPathError(
             f"{flag}: {bin_} has {actual:,} bytes, its index implies {expected:,} (truncated, "
             "or the .bin and .idx of different datasets)"

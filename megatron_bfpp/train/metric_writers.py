@@ -110,8 +110,7 @@ def scalars(record: Mapping[str, Any]) -> Iterator[tuple[str, float]]:
     """The record's numbers as (name, value) scalars; absent or null values (a grad norm whose
     squares overflow the sum, which clipping scales to zero) are left out."""
     for key, name in SCALARS.items():
-        value = record.get(key)
-        if isinstance(value, (int, float)):
+        if isinstance(value := record.get(key), (int, float)):
             yield name, float(value)
     for key in PER_PIPELINE_RANK:
         for rank, value in enumerate(record.get(key) or ()):
@@ -141,10 +140,9 @@ def _wandb_mode(environ: Mapping[str, str] = os.environ, netrc_path: str | None 
     if environ.get("WANDB_API_KEY"):
         return "online"
     try:
-        entry = netrc.netrc(netrc_path).authenticators("api.wandb.ai")
+        return "online" if netrc.netrc(netrc_path).authenticators("api.wandb.ai") else "offline"
     except (OSError, netrc.NetrcParseError):
-        entry = None
-    return "online" if entry else "offline"
+        return "offline"
 
 
 @dataclass

@@ -180,8 +180,7 @@ def global_param_names(model: torch.nn.Module) -> dict[str, str]:
             match = _LAYER_PREFIX.match(name)
             assert match, name
             layer_prefix[name + "."] = f"{match.group(1)}{sub.layer_number - 1}."
-    tied = getattr(module, "share_embeddings_and_output_weights", False)
-    names = {}
+    tied, names = getattr(module, "share_embeddings_and_output_weights", False), {}
     for name, _ in module.named_parameters():
         global_name = next(
             (g + name[len(local) :] for local, g in layer_prefix.items() if name.startswith(local)),
@@ -245,8 +244,7 @@ def init_by_global_names(
 
 
 def wrap_ddp(model_chunks: Sequence[torch.nn.Module], **ddp_overrides: Any) -> list[Any]:
-    """Wrap each chunk in megatron-core DDP (buckets for the first only) and set the config's
-    sync and finalize hooks as Megatron-LM's training setup does."""
+    """Chunks in megatron-core DDP (buckets for the first only), hooks set as Megatron-LM does."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,

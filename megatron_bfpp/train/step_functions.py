@@ -17,13 +17,10 @@ __all__ = ["forward_step", "loss_func"]
 def loss_func(
     loss_mask: torch.Tensor, output_tensor: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Megatron-LM ``pretrain_gpt.loss_func``: summed masked token loss, token count and
-    ``{"lm loss": [summed loss, tokens]}``; ``forward_step`` divides by the token count and the
-    micro-batch count (``calculate_per_token_loss`` off): a mean token loss per micro-batch."""
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
+    """Megatron-LM's ``pretrain_gpt.loss_func``: summed masked token loss, token count and their
+    ``lm loss`` report; megatron-core divides by both counts: a mean token loss per micro-batch."""
+    losses, mask = output_tensor.view(-1).float(), loss_mask.view(-1).float()
+    loss, num_tokens = torch.sum(losses * mask), mask.sum().clone().detach().to(torch.int)
     report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
     return loss, num_tokens, {"lm loss": report}
 
@@ -34,10 +31,9 @@ def forward_step(
     model: torch.nn.Module,
     return_schedule_plan: bool = False,
 ) -> tuple[Any, Any]:
-    """megatron-core's ``forward_step_func(data_iterator, model)`` once ``device`` is bound
-    (``None``: batch not moved). Every stage reads the batch (``GPTModel`` ignores tokens
-    without ``pre_process``); the mask is ``None``: the local spec's causal softmax builds it.
-    ``return_schedule_plan``: the chunk's plan for megatron-core's combined step instead."""
+    """megatron-core's ``forward_step_func`` once ``device`` is bound (``None``: not moved); every
+    stage reads the batch (``GPTModel`` ignores tokens without ``pre_process``); no mask: causal.
+    ``return_schedule_plan``: the chunk's plan, for megatron-core's combined step."""
     batch = next(data_iterator)
     if device is not None:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}

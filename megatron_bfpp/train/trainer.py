@@ -317,14 +317,9 @@ def _check_gpu_memory(args: Any, device: torch.device) -> None:
     model is built (:mod:`.model_memory`; the command line checks RAM on CPU-only machines)."""
     if device.type != "cuda" or getattr(args, "no_memory_check", False):
         return
-    run_cfg = run_config(args, dist.get_world_size())
-    problem = memory_problem(
-        run_cfg.model,
-        run_cfg.layout,
-        local_ranks=1,
-        gpu_bytes=torch.cuda.get_device_properties(device).total_memory,
-    )
-    if problem is not None:
+    run = run_config(args, dist.get_world_size())
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory
+    if problem := memory_problem(run.model, run.layout, local_ranks=1, gpu_bytes=gpu_bytes):
         raise ValueError(problem)
 
 
@@ -373,7 +368,6 @@ def _set_up(args: Any, device: torch.device) -> _Run:
         data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
         **options_from_args(args.pipeline_schedule, args),
     )
-    data = training_data(args)
     dp_size = parallel_state.get_data_parallel_world_size()
     return _Run(
         args=args,
@@ -383,7 +377,7 @@ def _set_up(args: Any, device: torch.device) -> _Run:
         scheduler=scheduler,
         config=run_cfg,
         forward_backward=forward_backward,
-        data=data,
+        data=training_data(args),
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=dp_size,
         num_microbatches=args.global_batch_size // (args.micro_batch_size * dp_size),
@@ -404,16 +398,10 @@ def _layout(args: Any) -> tuple[int, int, int | None]:
 def _loop(run: _Run) -> TrainResult:
     """Iterations until ``--train-iters`` (or ``--exit-interval``), with progress, metrics and
     checkpoints; a checkpoint at the end unless the last iteration was just saved."""
-    args = run.args
-    rank0 = dist.get_rank() == 0
+    args, rank0 = run.args, dist.get_rank() == 0
     writers = _metric_writers(run) if rank0 else []
-    progress = _Progress(
-        rank0 and args.train_iters > run.iteration,
-        args.no_progress,
-        args.train_iters,
-        args.log_interval,
-        sys.stdout,
-    )
+    shown = rank0 and args.train_iters > run.iteration
+    progress = _Progress(shown, args.no_progress, args.train_iters, args.log_interval, sys.stdout)
     if rank0 and progress.lines:
         tp, pp, vp = _layout(args)
         print(
@@ -424,8 +412,7 @@ def _loop(run: _Run) -> TrainResult:
             flush=True,
         )
     losses: list[tuple[int, float]] = []
-    last_saved = run.iteration if args.load and run.iteration else -1
-    finished = False
+    last_saved, finished = run.iteration if args.load and run.iteration else -1, False
     try:
         while run.iteration < args.train_iters:
             step = _train_step(run)
@@ -491,8 +478,7 @@ def _metric_writers(run: _Run) -> list[MetricWriter]:
 
 def _train_step(run: _Run) -> _Step:
     """One iteration: this rank's micro-batches through the schedule, then the optimizer."""
-    args = run.args
-    start = time.perf_counter()
+    args, start = run.args, time.perf_counter()
     batches = run.data.microbatches(
         first_sample=run.consumed_samples,
         global_batch_size=args.global_batch_size,
@@ -548,11 +534,8 @@ def _check_gradients(run: _Run, loss: float) -> None:
     from megatron_bfpp.runtime import gradients_finite
 
     sharded = run.args.data_parallel_sharding_strategy != "optim"
-    bad = torch.tensor(
-        [0 if gradients_finite(run.model, sharded=sharded) else 1],
-        dtype=torch.int64,
-        device=run.device,
-    )
+    finite = gradients_finite(run.model, sharded=sharded)
+    bad = torch.tensor([0 if finite else 1], dtype=torch.int64, device=run.device)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bad.item():
         raise FloatingPointError(
