@@ -94,7 +94,9 @@ ALLOWED = {
     # product code that needs torch / megatron-core
     "compat": set(),  # megatron-core versions
     "local_ranks": set(),  # the local process launcher
-    "runtime": {"ir", "messages", "nccl", "validate", "passes", "schedules", "compat", "runtime"},
+    # semantics: which overlapped pairs run as megatron-core's combined step (combined_pairs)
+    "runtime": {"ir", "messages", "nccl", "semantics", "validate", "passes", "schedules"}
+    | {"compat", "runtime"},
     # + CPU adapter; plan: --pipeline-schedule auto's decision (megatron.auto)
     "megatron": {"flags", "ir", "schedules", "plan", "compat", "runtime", "megatron"},
     # megatron: CPU adapter and auto's front-end glue; plan: auto's decision
