@@ -42,8 +42,9 @@ def run(step: RankStep, position: int, forward: Action | None, backward: Action 
     if backward is not None:
         b_model = ctx.model[step.layout.chunk_of(backward.stage)]
         key, b_input, b_output, b_grad = begin_backward(step, position, backward)
-    measured = step.measuring and forward is not None
-    capture = step.store.capture((forward.stage, mb)) if measured else contextlib.nullcontext()
+    capture: Any = contextlib.nullcontext()
+    if step.measuring and forward is not None:
+        capture = step.store.capture((forward.stage, microbatch(forward)))
     with _loss_stage(step, forward), capture:
         output, num_tokens, input_grad = combined_1f1b.combined_forward_backward_step(
             ctx.call.forward_step_func, iterator, f_model, ctx.call.num_microbatches,

@@ -37,6 +37,6 @@ def forward_step(
     batch = next(data_iterator)
     if device is not None:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    run = model.build_schedule_plan if return_schedule_plan else model
+    run: Any = model.build_schedule_plan if return_schedule_plan else model
     output = run(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, functools.partial(loss_func, batch["loss_mask"])
