@@ -177,6 +177,12 @@ UNEVEN_LAYOUT_FLAGS = (
 )
 # What else the V-shapes cannot run with in Megatron-LM.
 NO_V_SHAPE_FLAGS = ("--mtp-num-layers", "--defer-embedding-wgrad-compute")
+# Megatron-Bridge's config fields for all of these.
+NO_V_SHAPE_FIELDS = (
+    "pipeline_model_parallel_layout", "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage", "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split", "mtp_num_layers", "defer_embedding_wgrad_compute",
+)  # fmt: skip
 
 
 def given_flags(args: Any, flags: tuple[str, ...]) -> list[str]:

@@ -34,7 +34,6 @@ from megatron_bfpp.schedules.fit import step_batch_sizes
 from megatron_bfpp.schedules.registry import SCHEDULES, SHARDING_STRATEGIES, get_spec
 
 __all__ = [
-    "BRIDGE_NO_V",
     "agree_across_ranks",
     "announce",
     "auto_inputs",
@@ -420,9 +419,6 @@ def resolve_megatron_auto(
     return decision
 
 
-BRIDGE_NO_V = "Megatron-Bridge's model provider does not build V-placed chunks"
-
-
 def bridge_request(
     config: Any, *, options: Mapping[str, Any], sharding: str, env: Mapping[str, str], hw: Hardware
 ) -> AutoRequest:
@@ -454,6 +450,7 @@ def bridge_request(
     optimizer = getattr(config, "optimizer", None)
     granularity = getattr(model, "recompute_granularity", None)
     steps = step_batch_sizes(config.train)  # where Bridge's config carries Megatron's schedule
+    no_v = [field for field in arguments.NO_V_SHAPE_FIELDS if getattr(model, field, None)]
     return AutoRequest(
         model=shape,
         tp=tp,
@@ -478,9 +475,9 @@ def bridge_request(
         max_stored=options.get("max_stored"),
         vp_flag="config.model.virtual_pipeline_model_parallel_size",
         unavailable=tuple(
-            (name, BRIDGE_NO_V)
+            (name, f"config.model.{no_v[0]} does not run with a V-shape")
             for name, spec in SCHEDULES.items()
-            if spec.placement is Placement.V_SHAPE
+            if spec.placement is Placement.V_SHAPE and no_v
         ),
         ep=_expert_parallel(model),
     )

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_bfpp.ir import Placement, ScheduleError
+from megatron_bfpp.megatron import plugin
+from megatron_bfpp.megatron.arguments import NO_V_SHAPE_FIELDS
 from megatron_bfpp.megatron.auto import resolve_bridge_auto, split_world
 from megatron_bfpp.plan.auto import AUTO, OVERLAP_NOT_AUTO
 from megatron_bfpp.schedules.fit import check_fit, step_batch_sizes
@@ -37,8 +39,6 @@ def use_schedule(
     """Run ``name`` (a ``--pipeline-schedule`` name, ``options`` its own) in Bridge's
     ``pretrain(config, ...)``; ``auto_*`` are the ``--pipeline-schedule-auto-*`` flags. Raises
     :class:`ScheduleError` (one line) for a schedule that does not fit ``config``, before work."""
-    from megatron_bfpp.megatron import plugin
-
     if name == AUTO:
         if options.get("combined_1f1b"):  # as Megatron-LM's and bfpp-train's auto, before it
             raise ScheduleError("combined_1f1b needs the schedule 'interleaved', not 'auto'")
@@ -64,23 +64,27 @@ def use_schedule(
     evaluation = importlib.import_module("megatron.bridge.training.eval")
     if not getattr(evaluation.evaluate, "_bfpp_guard", False):
         plugin.add_patch(evaluation, "evaluate", _guard_multi_module(evaluation.evaluate))
+    provide = getattr(config.model, "provide", None)  # None: a ModelConfig, the plugin's wrap
+    wrapped = getattr(provide, "_bfpp_guard", False)  # by an earlier use_schedule
+    if get_spec(name).placement is Placement.V_SHAPE and provide is not None and not wrapped:
+        plugin.add_patch(config.model, "provide", _v_shape_provide(provide))
 
 
 def check_bridge_config(
     config: Any, name: str, options: dict[str, Any], *, sharding: str = "optim"
 ) -> None:
-    """The one-line refusals for ``config``; a looped schedule's default vp (2) set."""
+    """The one-line refusals for ``config``; a looped or V schedule's default vp (2) set."""
     if name not in schedule_names():
         raise ScheduleError(
             f"pipeline schedule {name!r} is unknown; choose one of: {', '.join(schedule_names())}"
         )
     spec = get_spec(name)
     model = config.model
-    if spec.placement is Placement.V_SHAPE:
+    given = [field for field in NO_V_SHAPE_FIELDS if getattr(model, field, None)]
+    if spec.placement is Placement.V_SHAPE and given:
         raise ScheduleError(
-            f"pipeline schedule {name} needs V-placed model chunks (rank r holding stages r and "
-            "2p-1-r), which Megatron-Bridge's model provider does not build; use it from "
-            "Megatron-LM or bfpp-train, or pick gpipe, 1f1b, interleaved, breadth-first or bpipe"
+            f"pipeline schedule {name} places layers evenly on a V (rank r holds stages r and "
+            f"2p-1-r) and does not support config.model.{given[0]} yet; unset it"
         )
     if getattr(getattr(model, "dist_train", None), "use_dist_train", False) is True:
         raise ScheduleError(
@@ -105,8 +109,8 @@ def check_bridge_config(
             f"pipeline schedule {name} needs config.model.pipeline_model_parallel_size >= 2 "
             f"(it is {pp})"
         )
-    if spec.placement is Placement.LOOPED and not model.virtual_pipeline_model_parallel_size:
-        model.virtual_pipeline_model_parallel_size = 2
+    if spec.placement is not Placement.SINGLE and not model.virtual_pipeline_model_parallel_size:
+        model.virtual_pipeline_model_parallel_size = spec.default_stages_per_rank
     vp = model.virtual_pipeline_model_parallel_size
     world = os.environ.get("WORLD_SIZE", "")
     if not world.isdigit():  # the runtime checks the micro-batches at the first step
@@ -133,6 +137,31 @@ def _with_config_options(config: Any, name: str, options: dict[str, Any]) -> dic
     if name == "interleaved" and group and "microbatch_group_size" not in options:
         return {**options, "microbatch_group_size": int(group)}
     return dict(options)
+
+
+def _v_shape_provide(provide: Any) -> Callable[..., Any]:
+    """A Bridge provider's ``provide`` building the V's chunks while a V-shape runs, as the plugin
+    wraps Megatron-LM's ``model_provider``: Bridge hands a provider its process groups on
+    ``_pg_collection``, where each chunk's view of them is set for its build only."""
+    model = provide.__self__
+    placed: list[Callable[..., Any]] = []
+
+    def build(*, pg_collection: Any, **flags: Any) -> Any:
+        groups, model._pg_collection = model._pg_collection, pg_collection
+        try:
+            return provide(**flags)
+        finally:
+            model._pg_collection = groups
+
+    def v_shape_provide(*args: Any, vp_stage: Any = None, **kwargs: Any) -> Any:
+        if not plugin._v_shape_active():
+            return provide(*args, vp_stage=vp_stage, **kwargs)
+        pp = model._pg_collection.pp
+        placed[:] = placed or [plugin._v_shape_provider(build, pp.size(), pp.rank(), pp)]
+        return placed[0](vp_stage=vp_stage, pg_collection=model._pg_collection)
+
+    v_shape_provide._bfpp_guard = True  # type: ignore[attr-defined]
+    return v_shape_provide
 
 
 def _guard_multi_module(evaluate: Callable[..., Any]) -> Callable[..., Any]:

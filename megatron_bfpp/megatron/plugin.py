@@ -360,11 +360,15 @@ def _wrap_get_model(original: Callable[..., Any]) -> Callable[..., Any]:
     return get_model
 
 
-def _v_shape_provider(provider: Any, num_ranks: int, rank: int) -> Any:
-    """``provider`` building this rank's V-shape chunks, each seeded as 1F1B's pipeline rank."""
+def _v_shape_provider(provider: Any, num_ranks: int, rank: int, group: Any = None) -> Any:
+    """``provider`` building this rank's V-shape chunks, each seeded as 1F1B's pipeline rank:
+    Megatron-LM's seeding replayed, else (Bridge) from the generators ``group``'s ranks hold now."""
+    from megatron_bfpp.megatron import seeding
     from megatron_bfpp.megatron.chunks import placed_provider
-    from megatron_bfpp.megatron.seeding import seeded_as_pipeline_rank
 
+    seeded_as: Any = seeding.seeded_as_pipeline_rank
+    if seeding._seed_call is None and group is not None:
+        seeded_as = functools.partial(seeded_as, states=seeding.gathered_states(group))
     return placed_provider(
         provider,
         num_ranks=num_ranks,
@@ -372,7 +376,7 @@ def _v_shape_provider(provider: Any, num_ranks: int, rank: int) -> Any:
         share_embeddings_and_output_weights=not getattr(
             _megatron_lm_args(), "untie_embeddings_and_output_weights", False
         ),
-        seeded_as=seeded_as_pipeline_rank,
+        seeded_as=seeded_as,
     )
 
 
@@ -389,7 +393,8 @@ def _wrap_build_stages(original: Callable[..., Any]) -> Callable[..., Any]:
         def provider(*, pg_collection: Any, **flags: Any) -> Any:
             return build_model_func(pg_collection, **flags)
 
-        placed = _v_shape_provider(provider, pg_collection.pp.size(), pg_collection.pp.rank())
+        pp = pg_collection.pp
+        placed = _v_shape_provider(provider, pp.size(), pp.rank(), pp)
 
         def build(groups: Any, **flags: Any) -> Any:
             return placed(pg_collection=groups, **flags)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["record_seed_call", "seeded_as_pipeline_rank"]
+__all__ = ["gathered_states", "record_seed_call", "seeded_as_pipeline_rank"]
 
 # Megatron's _set_random_seed as it was called (arguments), and the function itself.
 _seed_call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
@@ -29,6 +29,18 @@ def record_seed_call(original: Any) -> Any:
     return _set_random_seed
 
 
+def gathered_states(group: Any) -> list[Any]:
+    """Every rank of ``group``'s generators that build a model, now (a collective): Bridge seeds by
+    the pipeline rank its process group reports, a call no stand-in can replay as another rank's."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    mine = (torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states())
+    states: list[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(states, mine, group)
+    return states
+
+
 class _MpuAs:
     """``megatron.core.mpu`` with another pipeline rank: what ``_set_random_seed`` reads."""
 
@@ -44,10 +56,10 @@ class _MpuAs:
 
 
 @contextlib.contextmanager
-def seeded_as_pipeline_rank(pipeline_rank: int) -> Iterator[bool]:
-    """Inside: every generator seeded as Megatron seeded ``pipeline_rank`` (True; restored after),
-    or untouched when Megatron's seeding was not seen (False: a core loop keeps its own)."""
-    if _seed_call is None:
+def seeded_as_pipeline_rank(pipeline_rank: int, states: list[Any] | None = None) -> Iterator[bool]:
+    """Inside: every generator seeded as Megatron seeded ``pipeline_rank`` or as ``states`` hold it
+    (True; restored after), or untouched when Megatron's seeding was not seen (False)."""
+    if _seed_call is None and states is None:
         yield False
         return
     import importlib
@@ -55,18 +67,24 @@ def seeded_as_pipeline_rank(pipeline_rank: int) -> Iterator[bool]:
     import numpy as np
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    original, args, kwargs = _seed_call
-    initialize: Any = importlib.import_module("megatron.training.initialize")
     python, numpy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     tracker = get_cuda_rng_tracker().get_states()
-    real = initialize.mpu
-    kwargs = {k: v for k, v in kwargs.items() if k != "pp_group"}  # the rank comes from mpu
-    initialize.mpu = _MpuAs(real, pipeline_rank)
-    try:
-        original(*args, **kwargs)
-    finally:
-        initialize.mpu = real
+    if states is not None:
+        torch.set_rng_state(states[pipeline_rank][0])
+        if states[pipeline_rank][1] is not None:
+            torch.cuda.set_rng_state(states[pipeline_rank][1])
+        get_cuda_rng_tracker().set_states(states[pipeline_rank][2])
+    else:
+        original, args, kwargs = _seed_call  # type: ignore[misc]
+        initialize: Any = importlib.import_module("megatron.training.initialize")
+        real = initialize.mpu
+        kwargs = {k: v for k, v in kwargs.items() if k != "pp_group"}  # the rank comes from mpu
+        initialize.mpu = _MpuAs(real, pipeline_rank)
+        try:
+            original(*args, **kwargs)
+        finally:
+            initialize.mpu = real
     try:
         yield True
     finally:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from megatron_bfpp.ir import ScheduleError
-from megatron_bfpp.megatron.auto import BRIDGE_NO_V, resolve_bridge_auto, resolve_megatron_auto
+from megatron_bfpp.megatron.auto import resolve_bridge_auto, resolve_megatron_auto
 from megatron_bfpp.megatron.preflight import check_megatron_command, parse_megatron_command
 from tests.multirank.test_auto import _megatron_args
 
@@ -136,18 +136,25 @@ def _bridge_config(**model: Any) -> SimpleNamespace:
     )
 
 
-def test_bridge_config_reaches_a_decision_without_v_shapes(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_bridge_config_reaches_a_decision(capsys: pytest.CaptureFixture[str]) -> None:
     config = _bridge_config()
     env = {"WORLD_SIZE": "4", "RANK": "0"}
     name, options, decision = resolve_bridge_auto(config, {}, env=env, device=CPU)
-    assert name == decision.schedule and not name.startswith("v-")
-    assert any(row.excluded == BRIDGE_NO_V for row in decision.rows)
-    if decision.stages_per_rank > 1:
+    assert name == decision.schedule
+    assert not any("V-shape" in (row.excluded or "") for row in decision.rows)
+    if decision.stages_per_rank > 1 and not name.startswith(("v-", "dualpipe")):
         assert config.model.virtual_pipeline_model_parallel_size == decision.stages_per_rank
     assert options == decision.options
     assert capsys.readouterr().out.count("megatron_bfpp: auto: ") == 1
+
+
+def test_bridge_auto_leaves_out_the_v_shapes_where_a_field_needs_it() -> None:
+    config = _bridge_config(mtp_num_layers=1)
+    env = {"WORLD_SIZE": "4", "RANK": "0"}
+    name, _, decision = resolve_bridge_auto(config, {}, env=env, device=CPU)
+    assert not name.startswith(("v-", "dualpipe"))
+    excluded = "config.model.mtp_num_layers does not run with a V-shape"
+    assert any(row.excluded == excluded for row in decision.rows)
 
 
 def test_bridge_needs_the_launchers_world_size() -> None:

@@ -29,7 +29,26 @@ def _config(**model: Any) -> SimpleNamespace:
 @pytest.mark.parametrize(
     ("name", "model", "kwargs", "expected"),
     [
-        ("v-half", {}, {}, "v-half needs V-placed model chunks"),
+        ("v-half", {"mtp_num_layers": 1}, {}, "does not support config.model.mtp_num_layers"),
+        (
+            "dualpipe-v",
+            {"defer_embedding_wgrad_compute": True},
+            {},
+            "and does not support config.model.defer_embedding_wgrad_compute yet; unset it",
+        ),
+        (
+            "v-zb",
+            {"pipeline_model_parallel_layout": "Et|t|t|tL"},
+            {},
+            "does not support config.model.pipeline_model_parallel_layout",
+        ),
+        (
+            "v-min",
+            {"num_layers_in_first_pipeline_stage": 1},
+            {},
+            "does not support config.model.num_layers_in_first_pipeline_stage",
+        ),
+        ("v-half", {"virtual_pipeline_model_parallel_size": 4}, {}, "exactly 2 stages per rank"),
         (
             "1f1b",
             {"dist_train": SimpleNamespace(use_dist_train=True)},
@@ -79,10 +98,11 @@ def test_megatron_fsdp_is_refused() -> None:
         bridge.check_bridge_config(config, "breadth-first", {})
 
 
-def test_looped_schedules_get_two_virtual_stages() -> None:
-    config = _config()
-    bridge.check_bridge_config(config, "breadth-first", {})
-    assert config.model.virtual_pipeline_model_parallel_size == 2
+def test_looped_schedules_and_v_shapes_get_two_virtual_stages() -> None:
+    for name in ("breadth-first", "v-half", "dualpipe-v"):
+        config = _config()
+        bridge.check_bridge_config(config, name, {})
+        assert config.model.virtual_pipeline_model_parallel_size == 2
     config = _config()
     bridge.check_bridge_config(config, "1f1b", {})
     assert config.model.virtual_pipeline_model_parallel_size is None
@@ -141,3 +161,49 @@ def test_multi_module_evaluation_ends_the_rank_with_one_line(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "multi-module (MegatronMIMO) evaluation" in lines[0]
     assert len(calls) == 2
+
+
+class Provider:
+    """A Bridge model provider as ``_create_model`` calls it: the groups on ``_pg_collection``."""
+
+    def __init__(self) -> None:
+        self._pg_collection = SimpleNamespace(pp=SimpleNamespace(size=lambda: 2, rank=lambda: 0))
+        self.built: list[tuple[Any, ...]] = []
+
+    def provide(
+        self, pre_process: Any = None, post_process: Any = None, vp_stage: Any = None
+    ) -> Any:
+        self.built.append((pre_process, post_process, vp_stage, self._pg_collection.pp.rank()))
+        return SimpleNamespace()
+
+
+def test_a_v_shape_has_bridges_provider_build_the_v(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a V, pipeline rank 0's chunks from Bridge's provider are stages 0 and 3 (pp 2),
+    each built as the looped slot holding it (its groups' view for that build only), seeded from
+    the generators gathered once over the pipeline group; under another schedule the provider's
+    own ``provide`` builds."""
+    from megatron_bfpp.megatron import seeding
+
+    torch = pytest.importorskip("torch")
+    provider = Provider()
+    groups = provider._pg_collection
+    gathered: list[Any] = []
+
+    def gathered_states(group: Any) -> list[Any]:
+        gathered.append(group)
+        return [(torch.get_rng_state(), None, {})] * 2
+
+    monkeypatch.setattr(seeding, "gathered_states", gathered_states)
+    monkeypatch.setattr(seeding, "_seed_call", None)
+    provider.provide = bridge._v_shape_provide(provider.provide)  # type: ignore[method-assign]
+    plugin.set_schedule("v-half")
+    try:
+        provider.provide(pre_process=True, post_process=False, vp_stage=0)
+        provider.provide(pre_process=False, post_process=False, vp_stage=1)
+    finally:
+        plugin.set_schedule("default")
+    # stage 3 is the second half of 1F1B rank 1's layers: stage 2 is drawn first, then dropped
+    assert provider.built == [(True, False, 0, 0), (False, False, 1, 0), (False, True, 1, 1)]
+    assert provider._pg_collection is groups and gathered == [groups.pp]
+    provider.provide(pre_process=True, post_process=False, vp_stage=1)
+    assert provider.built[-1] == (True, False, 1, 0)

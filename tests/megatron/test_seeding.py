@@ -1,6 +1,7 @@
 """megatron_bfpp.megatron.seeding without a Megatron-LM checkout: Megatron's seeding call is
-replayed as another pipeline rank sees it, and every generator is put back afterwards (the
-Megatron-LM run itself is tests/megatron/test_megatron_lm.py's)."""
+replayed as another pipeline rank sees it, Bridge's ranks' generators are gathered and set,
+and every generator is put back afterwards (the Megatron-LM run itself is
+tests/megatron/test_megatron_lm.py's, Bridge's tests/bridge/test_bridge_pretrain.py's)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,32 @@ def test_the_seeding_is_replayed_as_another_rank_and_undone(
         torch.rand(5)
     assert torch.equal(torch.rand(2), expected)
     assert not torch.equal(after_init, drawn)
+
+
+def test_bridges_generators_are_gathered_and_each_ranks_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bridge reads the pipeline rank from its process group: every rank's generators where it
+    starts building are gathered over that group, a chunk seeded as rank q starts from rank q's,
+    and this rank's own are put back afterwards."""
+    torch.manual_seed(99)
+    other = torch.get_rng_state()  # what the other pipeline rank holds
+
+    def all_gather_object(out: list[Any], mine: Any, group: Any) -> None:
+        assert group == "pp"
+        out[:] = [mine, (other, *mine[1:])]
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(seeding, "_seed_call", None)
+    torch.manual_seed(1234)
+    states = seeding.gathered_states("pp")
+    torch.rand(7)  # drawn by this rank since
+    before = torch.get_rng_state()
+    for rank, seed in ((1, 99), (0, 1234)):
+        with seeding.seeded_as_pipeline_rank(rank, states) as reseeded:
+            drawn = torch.rand(3)
+        assert reseeded and torch.equal(torch.get_rng_state(), before)
+        torch.manual_seed(seed)
+        assert torch.equal(drawn, torch.rand(3))
+        torch.set_rng_state(before)
