@@ -16,7 +16,7 @@ from tests.e2e.test_train import _run
 
 pytest.importorskip("megatron.core")
 
-pytestmark = [pytest.mark.megatron, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]  # its module fixture: 6 runs
 
 LAYOUT = (
     "--nproc-per-node",
