@@ -4,6 +4,7 @@ rename would replace either), a regular or new file replaced atomically, permiss
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -41,10 +42,9 @@ def make_dirs(path: str | Path) -> Path:
 def write_output(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` as the module docstring says (a device in place, a link's target,
     a regular file atomically); OSError naming the file, leaving no temporary file behind."""
-    try:
-        info: os.stat_result | None = os.stat(path)  # follows links as the kernel does
-    except FileNotFoundError:
-        info = None
+    info: os.stat_result | None = None
+    with contextlib.suppress(FileNotFoundError):
+        info = os.stat(path)  # follows links as the kernel does
     if info is not None and not stat.S_ISREG(info.st_mode):
         fd = os.open(path, os.O_WRONLY)
         try:
@@ -63,11 +63,9 @@ def _replace(target: Path, data: bytes, mode: int | None) -> None:
     permissions ``open`` gives under the umask, or the replaced file's.)"""
     while True:
         temp = target.with_name(target.name[:_MAX_STEM] + TEMP_INFIX + secrets.token_hex(6))
-        try:
+        with contextlib.suppress(FileExistsError):
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             break
-        except FileExistsError:
-            continue
     try:
         with os.fdopen(fd, "wb") as file:
             if mode is not None:

@@ -36,8 +36,16 @@ class Program:
         return self.rules.message(message_id)
 
 
-def compile_program(schedule: Schedule) -> Program:
-    """``schedule`` in the integer form (module docstring), lowered or not."""
+_KEPT: list[Program] = []
+_KEEP = 4
+
+
+def compiled(schedule: Schedule) -> Program:
+    """``schedule`` in the integer form (module docstring), lowered or not, compiled at most once
+    while it is among the last few."""
+    for program in _KEPT:
+        if program.schedule is schedule:
+            return program
     rules = Rules(schedule, implicit=False, any_microbatch=True)
     # per compute kind and stage: the id it waits for at micro-batch 0 (add the micro-batch), -1
     waits = {kind: [base or -1 for base in rules.waits_for[kind]] for kind in COMPUTE_KINDS}
@@ -64,19 +72,7 @@ def compile_program(schedule: Schedule) -> Program:
         # each LD's restore where ``Rules.restored`` puts it
         waited = ((rules.restored(rank, p), message) for p, message in loads.items())
         restore.append({at: message for at, message in waited if at >= 0})
-    return Program(schedule, rules, tuple(messages), tuple(wait), tuple(restore), waits)
-
-
-_KEPT: list[Program] = []
-_KEEP = 4
-
-
-def compiled(schedule: Schedule) -> Program:
-    """The program of ``schedule``, compiled at most once while it is among the last few."""
-    for program in _KEPT:
-        if program.schedule is schedule:
-            return program
-    program = compile_program(schedule)
+    program = Program(schedule, rules, tuple(messages), tuple(wait), tuple(restore), waits)
     _KEPT.insert(0, program)
     del _KEPT[_KEEP:]
     return program

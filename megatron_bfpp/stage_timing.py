@@ -55,10 +55,7 @@ def measure_stage(
     with warnings.catch_warnings(), _single_rank(target):
         warnings.simplefilter("ignore")  # megatron-core's notes on missing GPU-only extras
         block = _build_block(model, num_layers, target, _DTYPES[chosen])
-        rows = [
-            _measure(block, model, b, target, _DTYPES[chosen], warmup, iterations)
-            for b in micro_batch_sizes
-        ]
+        rows = [_measure(block, model, b, warmup, iterations) for b in micro_batch_sizes]
         smallest = min(micro_batch_sizes)
         host = measure_host_time(
             block, model, micro_batch_size=smallest, warmup=warmup, iterations=iterations
@@ -391,14 +388,9 @@ class _SavedStorages:
 
 
 def _measure(
-    block: torch.nn.Module,
-    model: Model,
-    micro_batch_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    warmup: int,
-    iterations: int,
+    block: torch.nn.Module, model: Model, micro_batch_size: int, warmup: int, iterations: int
 ) -> Measurement:
+    device, dtype = next(block.parameters()).device, next(block.parameters()).dtype
     shape = (model.seq_length, micro_batch_size, model.hidden_size)
     rotary = _rotary(block, model, device)
     parameters = [p for p in block.parameters() if p.requires_grad]

@@ -13,7 +13,7 @@ import stat
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 from megatron_bfpp.files import follow_links
 from megatron_bfpp.flags import positive_int, printable_output
@@ -25,10 +25,7 @@ def fail(prog: str, error: BaseException | str) -> int:
     return 2
 
 
-class Main(Protocol):
-    """A command's ``main``: the arguments (``sys.argv[1:]`` when None) to an exit code."""
-
-    def __call__(self, argv: Sequence[str] | None = None) -> int: ...
+Main = Callable[..., int]  # a command's main: its arguments (sys.argv[1:] if None) to an exit code
 
 
 def closed_pipe_ends_quietly(main: Main) -> Main:
@@ -86,29 +83,23 @@ def positive_int_up_to(limit: int, why: str) -> Callable[[str], int]:
     return parse
 
 
-def finite_float(text: str) -> float:
-    """A float flag: ``inf`` and ``nan`` parse as floats, but no run can use them."""
+def finite_float(text: str, least: float = -math.inf, *, strict: bool = False) -> float:
+    """A float flag: ``inf`` and ``nan`` parse as floats, but no run can use them; ``least``: the
+    smallest value taken (``strict``: only those above it)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    if value < least or (strict and value == least):
+        bound = f"{'>' if strict else '>='} {least:g}"
+        raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text}")
     return value
 
 
-def non_negative_float(text: str) -> float:
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
+non_negative_float = functools.partial(finite_float, least=0.0)
+positive_float = functools.partial(finite_float, least=0.0, strict=True)
 
 
 def json_text(data: Any) -> str:

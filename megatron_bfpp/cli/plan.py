@@ -21,7 +21,7 @@ from megatron_bfpp.cli.common import (
 from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT, flag_name
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
-from megatron_bfpp.plan.auto import AutoRequest, decide, hardware
+from megatron_bfpp.plan.auto import AutoRequest, _gib, decide, hardware
 from megatron_bfpp.plan.bpipe import Estimate, bpipe_speedup_estimate
 from megatron_bfpp.plan.costs import ProfileCurve
 from megatron_bfpp.plan.memory import RECOMPUTE
@@ -408,10 +408,6 @@ def _recommend(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"\nplot: {args.plot}")
     return 0
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f}"
 
 
 def format_recommendation(

@@ -21,14 +21,14 @@ from megatron_bfpp.cli.common import (
 )
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import (
-    ActionKind,
+    _CHUNK_LEVEL,
     Schedule,
     ScheduleError,
     dump_csv,
     format_schedule,
     load_csv,
 )
-from megatron_bfpp.messages import Message, message_of
+from megatron_bfpp.messages import _LOWERED_KINDS, Message, message_of
 from megatron_bfpp.nccl import nccl_report
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.passes.grad_sync import SHARDING_STRATEGIES, add_grad_sync
@@ -352,7 +352,7 @@ def schedule_from_csv(path: str, *, sharding: str = "optim") -> Schedule:
     but torch's messages, paired by tag, derived again if the two sides order them differently."""
     loaded = load_csv(path)
     lowered = has_communication(loaded) or any(
-        action.kind in _PER_CHUNK for actions in loaded.per_rank for action in actions
+        action.kind in _CHUNK_LEVEL for actions in loaded.per_rank for action in actions
     )
     if lowered and sharding != "optim":
         raise ScheduleError(
@@ -365,7 +365,7 @@ def schedule_from_csv(path: str, *, sharding: str = "optim") -> Schedule:
             loaded = add_grad_sync(add_communication(loaded), sharding=sharding)
         elif loaded.name == _TORCH_FORMAT and _messages_reordered(loaded):
             without = loaded.with_programs(
-                [a for a in actions if a.kind not in _MESSAGES] for actions in loaded.per_rank
+                [a for a in actions if a.kind not in _LOWERED_KINDS] for actions in loaded.per_rank
             )
             loaded = replace(add_communication(without), name=f"{loaded.name}, messages re-derived")
         validate_schedule(loaded, require_grad_sync=True)
@@ -375,10 +375,6 @@ def schedule_from_csv(path: str, *, sharding: str = "optim") -> Schedule:
 
 
 _TORCH_FORMAT = "torch-csv"  # load_csv's name for a file in torch's format (it has no name row)
-_PER_CHUNK = frozenset({ActionKind.GRAD_SYNC, ActionKind.PARAM_SYNC, ActionKind.RELEASE})
-_MESSAGES = frozenset(
-    {ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD}
-)
 
 
 def _messages_reordered(schedule: Schedule) -> bool:
@@ -388,9 +384,9 @@ def _messages_reordered(schedule: Schedule) -> bool:
     for rank, actions in enumerate(schedule.per_rank):
         for action in actions:
             kind, peer = action.kind, action.peer
-            if kind.is_p2p and kind not in _MESSAGES:
+            if kind.is_p2p and kind not in _LOWERED_KINDS:
                 return False
-            if kind in _MESSAGES and peer is not None:
+            if kind in _LOWERED_KINDS and peer is not None:
                 channel = (rank, peer) if kind.is_send else (peer, rank)
                 sides = channels.setdefault(channel, ([], []))
                 sides[0 if kind.is_send else 1].append(message_of(action))

@@ -4,6 +4,7 @@ rank under torchrun / srun, else ``--nproc-per-node`` forked ranks; a bad flag: 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import logging
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bfpp.cli.common import (
+    fail,
     finite_float,
     output_dir_problem,
     output_file_problem,
@@ -64,6 +66,7 @@ from megatron_bfpp.train.metric_writers import missing_packages
 from megatron_bfpp.train.save_lock import SaveLock
 
 PROG = "bfpp-train"
+_error = functools.partial(fail, PROG)  # one line on stderr, exit code 2
 _ERROR_GRACE_S = 3.0
 MAX_LOCAL_RANKS = 256  # processes of one machine, each with its own model: more is a typo
 # numpy's range; torch refuses the data's seeds (seed x 1,000,003 + sample) from 2**64 on.
@@ -299,9 +302,8 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
         number_problem(args)
         or output_problem(args, metrics=rank == 0)
         or (
-            save_path_problem(args.save, world_size=world_size, iterations=args.train_iters)
-            if args.save is not None
-            else None
+            args.save is not None
+            and save_path_problem(args.save, world_size=world_size, iterations=args.train_iters)
         )
         or checkpoint_format_problem(args)
     )
@@ -427,12 +429,10 @@ def number_problem(args: argparse.Namespace) -> str | None:
     """The numeric flags' ranges (argparse already refused inf and nan), checked before training."""
     if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
         return f"need --lr > 0 and 0 <= --min-lr <= --lr (got {args.lr}, {args.min_lr})"
-    if args.lr_warmup_iters < 0:
-        return f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}"
-    if args.weight_decay < 0:
-        return f"--weight-decay must be >= 0, got {args.weight_decay}"
-    if args.clip_grad < 0:
-        return f"--clip-grad must be >= 0 (0: no clipping), got {args.clip_grad}"
+    notes = {"lr_warmup_iters": "", "weight_decay": "", "clip_grad": " (0: no clipping)"}
+    for dest, note in notes.items():
+        if (value := getattr(args, dest)) < 0:
+            return f"{flag_name(dest)} must be >= 0{note}, got {value}"
     if not 0 <= args.seed <= MAX_SEED:
         return f"--seed must be in 0 .. {MAX_SEED}, got {args.seed}"
     if args.distributed_timeout_minutes > MAX_TIMEOUT_MINUTES:
@@ -517,12 +517,6 @@ def check_load(args: argparse.Namespace, world_size: int) -> list[str]:
     except CheckpointError as error:
         raise FlagError(str(error)) from None
     return [f"warning: {line}" for line in resume_warnings(metadata, current, root=args.load)]
-
-
-def _error(message: str) -> int:
-    sys.stderr.write(f"{PROG}: error: {message}\n")
-    sys.stderr.flush()
-    return 2
 
 
 def _run_rank(args: argparse.Namespace, store: Any = None) -> tuple[int, str | None]:

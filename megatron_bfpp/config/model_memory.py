@@ -11,6 +11,7 @@ import os
 
 from megatron_bfpp.config.run_config import Layout, ModelShape
 from megatron_bfpp.ir import Placement
+from megatron_bfpp.schedules.registry import _gigabytes
 
 __all__ = [
     "MemoryEstimate",
@@ -137,15 +138,15 @@ def memory_problem(
     )
     if gpu_bytes is not None and need.largest_rank_bytes > gpu_bytes:
         what = (
-            f"the largest rank needs about {_gb(need.largest_rank_bytes)} for weights, gradients "
-            f"and Adam state ({largest}), more than one GPU's {_gb(gpu_bytes)}"
+            f"the largest rank needs about {_gigabytes(need.largest_rank_bytes)} for weights, "
+            f"gradients and Adam state ({largest}), more than one GPU's {_gigabytes(gpu_bytes)}"
         )
     elif gpu_bytes is None and ram_bytes is not None and need.local_bytes > ram_bytes:
         plural = "s" if local_ranks > 1 else ""
         what = (
-            f"the model needs about {_gb(need.local_bytes)} of RAM for weights, gradients and "
-            f"Adam state on this machine's {local_ranks} rank{plural} ({largest}), more than the "
-            f"{_gb(ram_bytes)} available"
+            f"the model needs about {_gigabytes(need.local_bytes)} of RAM for weights, gradients "
+            f"and Adam state on this machine's {local_ranks} rank{plural} ({largest}), more than "
+            f"the {_gigabytes(ram_bytes)} available"
         )
     else:
         return None
@@ -153,7 +154,3 @@ def memory_problem(
         f"{what}; use more ranks (tensor or pipeline parallel) or a smaller model, or "
         "--no-memory-check if the estimate is wrong"
     )
-
-
-def _gb(size: int) -> str:
-    return f"{size / 1e9:,.1f} GB"

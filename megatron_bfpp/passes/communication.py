@@ -17,18 +17,13 @@ from megatron_bfpp.ir import (
     paused_gc,
     unchecked_action,
 )
-from megatron_bfpp.messages import ACT, EVICT, GRAD, RESTORE, has_communication
+from megatron_bfpp.messages import ACT, GRAD, MESSAGE_TABLE, has_communication
 
 __all__ = ["add_communication"]
 
 K = ActionKind
 # Point-to-point kinds a compute-only schedule may already hold (BPipe's): (is a send, what).
-_TRANSFERS = {
-    K.EVICT: (True, EVICT),
-    K.ACCEPT: (False, EVICT),
-    K.RESTORE: (True, RESTORE),
-    K.LOAD: (False, RESTORE),
-}
+_TRANSFERS = {k: (k.is_send, MESSAGE_TABLE[k][0]) for k in (K.EVICT, K.ACCEPT, K.RESTORE, K.LOAD)}
 _Note = Callable[[object], None]
 _Channels = dict[tuple[int, int], tuple[list[object], list[object]]]
 # A compute's receive: peer (-1: none), note, slot (a key less ``mb * per_mb``); then its send's.

@@ -17,7 +17,7 @@ from megatron_bfpp.ir import (
     unchecked_action,
 )
 from megatron_bfpp.passes.grad_sync import _spliced
-from megatron_bfpp.semantics import Timing, compute_ends
+from megatron_bfpp.semantics import compute_ends
 
 __all__ = ["add_eviction", "bpipe_max_stored"]
 
@@ -108,7 +108,7 @@ def _evict(schedule: Schedule, cap: int) -> Schedule:
     if not any(transfers for transfers in plans.values()):
         return schedule
     # How the compute order would run (F = 1, B = 2, instant messages): times the transfers.
-    ends, blocked = compute_ends(schedule, _UNIT_TIME)
+    ends, blocked = compute_ends(schedule)
     if blocked:
         raise ScheduleError(
             f"add_eviction: the compute order cannot run to the end (ranks {sorted(blocked)} "
@@ -194,9 +194,6 @@ def _plan_evictor(
                 load(index, ahead)
             resident.remove(mb)
     return transfers
-
-
-_UNIT_TIME = Timing(forward=1.0, backward=2.0)
 
 
 def _acceptor_overflow(schedule: Schedule, limit: float) -> tuple[int, float] | None:

@@ -124,8 +124,7 @@ def render_plot(
             frontier = trade_off(points, num_gpus=n, critical_batch_size=critical_batch_size)
             axes[1].plot([c for c, _ in frontier], [t for _, t in frontier], label=family)
     axes[0].set_xscale("log", base=2)
-    axes[0].set_xlabel("batch size per GPU (samples)")
-    axes[0].set_ylabel("predicted tokens/s per GPU")
+    axes[0].set(xlabel="batch size per GPU (samples)", ylabel="predicted tokens/s per GPU")
     timing = sweep[0].result.p2p_model if sweep else "lockstep"
     marked = "; [M]: Megatron's own, p2p as megatron-core posts it" if megatron else ""
     axes[0].set_title(
@@ -134,9 +133,7 @@ def render_plot(
     axes[0].grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
     if critical_batch_size:
-        axes[1].set_xscale("log")
-        axes[1].set_yscale("log")
-        axes[1].set_xlabel("cost: GPU-seconds per minimum sample")
+        axes[1].set(xscale="log", yscale="log", xlabel="cost: GPU-seconds per minimum sample")
         axes[1].set_ylabel("time: seconds per minimum sample")
         axes[1].set_title(
             f"time vs cost over cluster sizes, samples ~ 1 + B/{critical_batch_size:g}"

@@ -214,18 +214,16 @@ class ScheduleSpec:
             )
         return None
 
-    def planned_stages(
-        self, layers_per_rank: int, *, max_chunks: int = PLANNER_MAX_CHUNKS
-    ) -> tuple[tuple[int, ...], str | None]:
+    def planned_stages(self, layers_per_rank: int) -> tuple[tuple[int, ...], str | None]:
         """The virtual stages per rank a planner tries with this many layers per pipeline rank
-        (1, 2 for a V, looped: the divisors from 2 to ``max_chunks``), or none and why."""
+        (1, 2 for a V, looped: the divisors from 2 to ``PLANNER_MAX_CHUNKS``), or none and why."""
         if self.placement is Placement.SINGLE:
             return (1,), None
         if self.placement is Placement.V_SHAPE:
             if layers_per_rank % 2:
                 return (), f"{layers_per_rank} layers per rank do not split into a V's 2"
             return (2,), None
-        top = min(max_chunks, layers_per_rank)
+        top = min(PLANNER_MAX_CHUNKS, layers_per_rank)
         vps = tuple(v for v in range(2, top + 1) if layers_per_rank % v == 0)
         if not vps:
             return (), f"{layers_per_rank} layer(s) per rank: no virtual stages"

@@ -154,10 +154,8 @@ def render_png(
         for x, y, text in labelled:
             axes.text(x, y + (_BOX[0] + _BOX[1]) / 2, text, fontsize=font, **_LABEL)
     ranks = range(result.num_ranks)
-    axes.set_xlim(0, span)
-    axes.set_ylim(len(ranks) - 0.5, -0.5)
+    axes.set(xlim=(0, span), ylim=(len(ranks) - 0.5, -0.5), xlabel="time (cost-model units)")
     axes.set_yticks(ranks, [f"rank {r}" for r in ranks], fontsize=font)
-    axes.set_xlabel("time (cost-model units)")
     axes.grid(axis="x", linewidth=0.3, alpha=0.5)
     axes.set_axisbelow(True)
     transform = axes.get_yaxis_transform()  # x in axes fraction, y in data

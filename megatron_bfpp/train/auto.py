@@ -62,20 +62,15 @@ def train_request(
     )
 
 
-def resolve_train_auto(
-    args: argparse.Namespace,
-    world_size: int,
-    *,
-    env: Mapping[str, str] = os.environ,
-    device: tuple[str | None, int | None] | None = None,
-) -> Decision | None:
+def resolve_train_auto(args: argparse.Namespace, world_size: int) -> Decision | None:
     """Decide, announce (rank 0) and write the choice into ``args``; ``None`` without auto.
-    ``device``: CUDA's name and memory (default: asked of torch). Raises ``ScheduleError``."""
+    Raises ``ScheduleError``."""
     if args.pipeline_schedule != AUTO:
         return None
     if world_size % (args.tensor_model_parallel_size * args.pipeline_model_parallel_size):
         return None  # the flags' own check says it in their words
-    device = probe_device() if device is None else device
+    device = probe_device()  # CUDA's name and memory, asked of torch
+    env = os.environ
     inputs = auto_inputs(
         profile_path=args.pipeline_schedule_auto_profile,
         gpu_flag=args.pipeline_schedule_auto_gpu,

@@ -4,6 +4,7 @@ atomic steps that publish one, so a save killed at any moment keeps the last com
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -187,11 +188,9 @@ def make_temp_dir(root: str | Path, iteration: int) -> Path:
     name = checkpoint_dir(root, iteration).name
     while True:
         temp = Path(root) / f"{name}{_TEMP}{secrets.token_hex(_SUFFIX_CHARS // 2)}"
-        try:
+        with contextlib.suppress(FileExistsError):
             temp.mkdir()
             return temp
-        except FileExistsError:
-            continue
 
 
 def _is_complete(path: Path) -> bool:

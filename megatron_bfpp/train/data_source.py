@@ -79,9 +79,8 @@ def data_source(
 
 def _indexed_prefix(path: str) -> str | None:
     """The dataset prefix ``path`` names (``P``, ``P.bin`` or ``P.idx``); ``None``: a text file."""
-    for suffix in (".bin", ".idx"):
-        if path.endswith(suffix):
-            return path[: -len(suffix)]
+    if path.endswith((".bin", ".idx")):
+        return path[: -len(".bin")]
     return path if os.path.lexists(path + ".idx") or os.path.lexists(path + ".bin") else None
 
 

@@ -13,7 +13,7 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TextIO
 
@@ -152,6 +152,8 @@ def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
     group; peaks include the optimizer step) and, sharded, the data-parallel collectives issued."""
     from megatron.core import parallel_state
 
+    from megatron_bfpp.runtime.activations import unique_storage_bytes
+
     report = run.forward_backward.last_memory
     cuda = report.cuda_max_memory_allocated
     if run.args.data_parallel_sharding_strategy != "optim":
@@ -162,10 +164,8 @@ def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
         parameters, gradients = sharded.peak_bytes, sharded.peak_grad_bytes
     else:  # unsharded: every parameter and gradient buffer is allocated all the time
         params = [p for chunk in run.model for p in chunk.parameters()]
-        parameters = _storage_bytes(params)
-        gradients = _storage_bytes(
-            g for p in params if (g := getattr(p, "main_grad", None)) is not None
-        )
+        parameters = unique_storage_bytes(params)
+        gradients = unique_storage_bytes(getattr(p, "main_grad", None) for p in params)
     mine = {  # in the record's key order
         "peak_activation_bytes": report.peak_activation_bytes,
         "peak_activations": report.peak_stored_microbatches,
@@ -187,12 +187,6 @@ def _memory_per_pipeline_rank(run: _Run) -> dict[str, Any]:
         memory["param_all_gathers_per_step"] = sum(a.endswith("PS") for a in trace)
         memory["grad_reduce_scatters_per_step"] = sum(a.endswith("GS") for a in trace)
     return memory
-
-
-def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``, as allocated now."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
-    return sum(storage.nbytes() for storage in storages.values())
 
 
 def _logs_lines(no_progress: bool, stream: TextIO) -> bool:
