@@ -41,6 +41,7 @@ __all__ = [
     "param_gather_suppressed",
     "process_groups_without_embedding_group",
     "restore_torch_adam_steps",
+    "set_a2a_streams",
     "sharded_param_buckets",
     "shared_embedding_chunk",
     "tensor_parallel_reduced_params",
@@ -175,6 +176,19 @@ def backward_step(
     return schedules.backward_step(
         input_tensor, output_tensor, output_tensor_grad, *before_config, config
     )
+
+
+def set_a2a_streams(config: Any) -> None:
+    """megatron-core's combined step's all-to-all stream, as its schedules set it: newer releases
+    take ``high_priority`` (``config.high_priority_a2a_comm_stream``), 0.16-0.17 do not."""
+    import inspect
+
+    from megatron.core.pipeline_parallel.utils import set_streams
+
+    if "high_priority" in inspect.signature(set_streams).parameters:
+        set_streams(high_priority=config.high_priority_a2a_comm_stream)
+    else:
+        set_streams()
 
 
 def default_process_groups() -> Any:

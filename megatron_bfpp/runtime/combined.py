@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_bfpp.compat import set_a2a_streams
 from megatron_bfpp.ir import Action
 from megatron_bfpp.runtime.backward import begin_backward, end_backward, microbatch
 from megatron_bfpp.runtime.step import RankStep
@@ -24,15 +25,11 @@ def run(step: RankStep, position: int, forward: Action | None, backward: Action 
     messages, stored tensors and hooks as the plain handlers have them."""
     from megatron.core.pipeline_parallel import combined_1f1b
     from megatron.core.pipeline_parallel.schedules import check_first_val_step
-    from megatron.core.pipeline_parallel.utils import set_streams
 
     from megatron_bfpp.runtime.executor import begin_forward, end_forward
 
     ctx, chunks = step.ctx, len(step.ctx.model)
-    if "high_priority" in inspect.signature(set_streams).parameters:  # 0.19 on
-        set_streams(high_priority=ctx.config.high_priority_a2a_comm_stream)
-    else:
-        set_streams()
+    set_a2a_streams(ctx.config)
     f_model = iterator = input_tensor = f_chunk = mb = None
     if forward is not None:
         f_chunk, mb = step.layout.chunk_of(forward.stage), microbatch(forward)
