@@ -535,6 +535,20 @@ def model_process_groups(*, pipeline_rank: int, base: Any = None) -> Any:
     return groups
 
 
+@contextlib.contextmanager
+def building_as_pipeline_rank(pipeline_rank: int) -> Iterator[None]:
+    """megatron's pipeline rank is ``pipeline_rank`` while a chunk is built for that rank's slot: a
+    layout counts its layers by ``parallel_state``'s rank, not the model's groups (0.16-0.20)."""
+    from megatron.core import parallel_state
+
+    before = parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK
+    parallel_state.set_pipeline_model_parallel_rank(pipeline_rank)
+    try:
+        yield
+    finally:
+        parallel_state.set_pipeline_model_parallel_rank(before)
+
+
 def process_groups_without_embedding_group(groups: Any) -> Any:
     """A copy of ``groups`` whose embedding group is this rank alone (tied copies on one rank)."""
     stripped = copy.copy(groups)

@@ -143,7 +143,10 @@ def check_schedule_args(args: Any) -> None:
         dp=int(getattr(args, "data_parallel_size", 1) or 1),
         micro_batch_size=int(args.micro_batch_size),
         global_batch_size=int(args.global_batch_size),
-        vp_flag=MEGATRON_VP_FLAGS,
+        # with a layout, Megatron-LM derives vp from its stage count
+        vp_flag=LAYOUT_VP
+        if getattr(args, "pipeline_model_parallel_layout", None)
+        else MEGATRON_VP_FLAGS,
         sharding=sharding,
         options=options,
         # --step-batch-size-schedule: global_batch_size (mbs x dp) is no step's; every step runs
@@ -156,18 +159,19 @@ def check_schedule_args(args: Any) -> None:
             f"--pipeline-schedule {name} does not support --rampup-batch-size yet; "
             "use --pipeline-schedule default"
         )
-    given = given_flags(args, (*UNEVEN_LAYOUT_FLAGS, *NO_V_SHAPE_FLAGS))
+    given = given_flags(args, NO_V_SHAPE_FLAGS)
     if get_spec(name).placement is Placement.V_SHAPE and given:
         raise ScheduleError(
-            f"--pipeline-schedule {name} places layers evenly on a V (rank r holds stages r and "
-            f"2p-1-r) and does not support {given[0]} yet; drop it"
+            f"--pipeline-schedule {name} places layers on a V (rank r holds stages r and 2p-1-r) "
+            f"and does not support {given[0]} yet; drop it"
         )
     if sharding != "optim":
         _check_sharded_optimizer_args(args)
 
 
-# Megatron-LM's flags that place layers unevenly, by megatron's looped stage arithmetic, which
-# neither a V-shape model (built as the looped slots holding its stages) nor auto follows.
+# Megatron-LM's flags that place layers unevenly. Every schedule runs them: megatron's looped
+# stage arithmetic names the model's stages in order, and a V places stage s on rank s or 2p-1-s
+# (chunks.placed_provider). auto plans even stages and refuses them.
 UNEVEN_LAYOUT_FLAGS = (
     "--pipeline-model-parallel-layout",
     "--decoder-first-pipeline-num-layers",
@@ -175,14 +179,16 @@ UNEVEN_LAYOUT_FLAGS = (
     "--account-for-embedding-in-pipeline-split",
     "--account-for-loss-in-pipeline-split",
 )
-# What else the V-shapes cannot run with in Megatron-LM.
-NO_V_SHAPE_FLAGS = ("--mtp-num-layers", "--defer-embedding-wgrad-compute")
-# Megatron-Bridge's config fields for all of these.
-NO_V_SHAPE_FIELDS = (
+LAYOUT_VP = "the stages per rank --pipeline-model-parallel-layout lists (stages / pipeline size)"
+# Megatron-Bridge's config fields for them.
+UNEVEN_LAYOUT_FIELDS = (
     "pipeline_model_parallel_layout", "num_layers_in_first_pipeline_stage",
     "num_layers_in_last_pipeline_stage", "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split", "mtp_num_layers", "defer_embedding_wgrad_compute",
+    "account_for_loss_in_pipeline_split",
 )  # fmt: skip
+# What the V-shapes cannot run with in Megatron-LM, and Bridge's fields for it.
+NO_V_SHAPE_FLAGS = ("--mtp-num-layers", "--defer-embedding-wgrad-compute")
+NO_V_SHAPE_FIELDS = ("mtp_num_layers", "defer_embedding_wgrad_compute")
 
 
 def given_flags(args: Any, flags: tuple[str, ...]) -> list[str]:

@@ -425,6 +425,11 @@ def bridge_request(
     """What a Bridge ``ConfigContainer`` fixed; the data-parallel size from the launcher's
     ``WORLD_SIZE``, since every rank decides before Bridge initialises anything."""
     model = config.model
+    if uneven := [field for field in arguments.UNEVEN_LAYOUT_FIELDS if getattr(model, field, None)]:
+        raise ScheduleError(
+            f"pipeline schedule auto plans even pipeline stages and does not read "
+            f"config.model.{uneven[0]}; unset it or name the schedule"
+        )
     world = env.get("WORLD_SIZE", "")
     if not world.isdigit():
         raise ScheduleError(

@@ -83,8 +83,8 @@ def check_bridge_config(
     given = [field for field in NO_V_SHAPE_FIELDS if getattr(model, field, None)]
     if spec.placement is Placement.V_SHAPE and given:
         raise ScheduleError(
-            f"pipeline schedule {name} places layers evenly on a V (rank r holds stages r and "
-            f"2p-1-r) and does not support config.model.{given[0]} yet; unset it"
+            f"pipeline schedule {name} places layers on a V (rank r holds stages r and 2p-1-r) "
+            f"and does not support config.model.{given[0]} yet; unset it"
         )
     if getattr(getattr(model, "dist_train", None), "use_dist_train", False) is True:
         raise ScheduleError(

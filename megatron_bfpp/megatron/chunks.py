@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megatron_bfpp.compat import model_process_groups
+from megatron_bfpp.compat import building_as_pipeline_rank, model_process_groups
 from megatron_bfpp.ir import Placement, StageLayout
 from megatron_bfpp.runtime.placement import layout_for, tied_embedding_weights
 
@@ -34,14 +34,15 @@ def build_chunks(
     chunks = []
     for stage in stages:  # megatron-core's layer arithmetic must see the looped slot's rank
         groups = model_process_groups(pipeline_rank=stage % num_ranks) if v_shape else None
-        chunks.append(
-            provider(
-                pre_process=stage == 0,
-                post_process=layout.is_last(stage),
-                vp_stage=stage // num_ranks if len(stages) > 1 else None,
-                pg_collection=groups,
+        with building_as_pipeline_rank(stage % num_ranks):
+            chunks.append(
+                provider(
+                    pre_process=stage == 0,
+                    post_process=layout.is_last(stage),
+                    vp_stage=stage // num_ranks if len(stages) > 1 else None,
+                    pg_collection=groups,
+                )
             )
-        )
     if v_shape and share_embeddings_and_output_weights:
         _tie_output_to_embedding(chunks)
     return chunks
@@ -65,12 +66,13 @@ def placed_provider(
         kwargs["pg_collection"] = model_process_groups(
             pipeline_rank=stage % num_ranks, base=kwargs.get("pg_collection")
         )
-        return provider(
-            pre_process=stage == 0,
-            post_process=stage == 2 * num_ranks - 1,
-            vp_stage=vp_stage,
-            **kwargs,
-        )
+        with building_as_pipeline_rank(stage % num_ranks):
+            return provider(
+                pre_process=stage == 0,
+                post_process=stage == 2 * num_ranks - 1,
+                vp_stage=vp_stage,
+                **kwargs,
+            )
 
     def v_shape_provider(
         pre_process: bool = True,

@@ -213,6 +213,15 @@ def plan_schedule(
     return planned(forward_only_schedule(schedule) if forward_only else schedule)
 
 
+def _device_of(chunks: list[Any], group: Any) -> torch.device:
+    """The model's device. A rank of an empty layout stage (no layer, embedding or output) holds
+    no tensor: it sends on its pipeline group's device, NCCL's the current CUDA device."""
+    for tensor in (tensor for chunk in chunks for tensor in chunk.parameters()):
+        return torch.device(tensor.device)
+    nccl = torch.distributed.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 def _run_step(func: ForwardBackwardFunc, call: Call) -> list[Any]:
     """One step, in its five jobs: read the call, fix the schedule, prepare sharded parameters,
     run this rank's program (with what every action handler reads), finish the gradients."""
@@ -241,7 +250,7 @@ def _run_step(func: ForwardBackwardFunc, call: Call) -> list[Any]:
             _check_sharded_finalize(config)
             sharded.prepare_step(config, groups)
     shape = _message_shape(call, config, groups)
-    device = next(chunks[0].parameters()).device
+    device = _device_of(chunks, groups.pp)
     ctx = StepContext(
         call=call,
         data_iterators=iterators,

@@ -36,18 +36,6 @@ def _config(**model: Any) -> SimpleNamespace:
             {},
             "and does not support config.model.defer_embedding_wgrad_compute yet; unset it",
         ),
-        (
-            "v-zb",
-            {"pipeline_model_parallel_layout": "Et|t|t|tL"},
-            {},
-            "does not support config.model.pipeline_model_parallel_layout",
-        ),
-        (
-            "v-min",
-            {"num_layers_in_first_pipeline_stage": 1},
-            {},
-            "does not support config.model.num_layers_in_first_pipeline_stage",
-        ),
         ("v-half", {"virtual_pipeline_model_parallel_size": 4}, {}, "exactly 2 stages per rank"),
         (
             "1f1b",
@@ -77,6 +65,28 @@ def test_refusals_are_one_line(
     with pytest.raises(ScheduleError) as error:
         bridge.check_bridge_config(_config(**model), name, {}, **kwargs)
     assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "uneven",
+    [
+        {"pipeline_model_parallel_layout": "Et|t|t|tL"},
+        {"num_layers_in_first_pipeline_stage": 1},
+        {"account_for_loss_in_pipeline_split": True},
+    ],
+)
+def test_v_shapes_take_uneven_layouts_and_auto_refuses_them_in_one_line(
+    uneven: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A V builds Megatron's model stages in order (stage s on rank s or 2p-1-s), so Bridge's
+    uneven-layout fields pass; auto plans even stages and says so before deciding."""
+    for name in ("v-zb", "dualpipe-v", "breadth-first"):
+        bridge.check_bridge_config(_config(**uneven), name, {})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ScheduleError, match=r"^pipeline schedule auto plans even") as error:
+        bridge.use_schedule(_config(**uneven), "auto")
+    assert f"config.model.{next(iter(uneven))}" in str(error.value)
+    assert "\n" not in str(error.value)
 
 
 def test_auto_with_combined_1f1b_is_one_line_before_auto_decides() -> None:

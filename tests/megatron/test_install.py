@@ -507,32 +507,52 @@ def test_sharding_flags_are_checked_in_one_line(
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize(
-    "dest, flag",
-    [
-        ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
-        ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
-        ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split"),
-        ("mtp_num_layers", "--mtp-num-layers"),
-    ],
-)
-def test_v_shape_refuses_looped_layer_placement_flags(dest: str, flag: str) -> None:
-    """Flags that place layers by megatron's looped arithmetic: one line, before any work."""
+def _v_half_args(**changes: object) -> object:
     import argparse
 
-    from megatron_bfpp.megatron.arguments import check_schedule_args
-
-    args = argparse.Namespace(
+    fields = dict(
         pipeline_schedule="v-half",
         pipeline_model_parallel_size=4,
         virtual_pipeline_model_parallel_size=2,
         micro_batch_size=1,
         data_parallel_size=1,
         global_batch_size=8,
-        **{dest: 1},
     )
-    with pytest.raises(ScheduleError) as error:
-        check_schedule_args(args)
+    return argparse.Namespace(**{**fields, **changes})
+
+
+@pytest.mark.parametrize(
+    "dest, value",
+    [
+        ("pipeline_model_parallel_layout", "Et|t|t|t|t|t|t|tL"),
+        ("decoder_first_pipeline_num_layers", 1),
+        ("account_for_loss_in_pipeline_split", True),
+    ],
+)
+def test_v_shape_takes_uneven_layout_flags(dest: str, value: object) -> None:
+    """Megatron's stages in model order, stage s on rank s or 2p-1-s (tests/megatron/
+    test_megatron_lm.py trains each kind against 1F1B)."""
+    from megatron_bfpp.megatron.arguments import check_schedule_args
+
+    check_schedule_args(_v_half_args(**{dest: value}))
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"mtp_num_layers": 1}, "does not support --mtp-num-layers yet"),
+        (  # Megatron-LM derived vp 3 from a 12-stage layout on 4 ranks
+            {"pipeline_model_parallel_layout": "x", "virtual_pipeline_model_parallel_size": 3},
+            "set it to 2, got 3",
+        ),
+    ],
+)
+def test_v_shape_refusals_name_the_flag(changes: dict[str, object], expected: str) -> None:
+    from megatron_bfpp.megatron.arguments import check_schedule_args
+
+    with pytest.raises(ScheduleError, match=re.escape(expected)) as error:
+        check_schedule_args(_v_half_args(**changes))
+    flag = "--pipeline-model-parallel-layout" if len(changes) > 1 else "--mtp-num-layers"
     assert flag in str(error.value) and "\n" not in str(error.value)
 
 

@@ -359,6 +359,61 @@ def test_a_fresh_v_shape_run_starts_from_1f1bs_model(tmp_path: Path, schedule: s
     assert ours == megatron
 
 
+# Uneven stages: Megatron-LM's layout flags name the model's stages in order (megatron's looped
+# arithmetic); a V places stage s on rank s or 2p-1-s, so it gives the losses of 1F1B on the layout
+# that merges stages 2q and 2q+1 (rank q's layers, drawn as 1F1B's rank q draws them).
+LAYOUT = "--pipeline-model-parallel-layout"
+UNEVEN_V = {  # id: (schedule, V flags, 1F1B's flags)
+    "layout": ("v-half", [LAYOUT, "E|t*2|t|t|t|t|t|tL"], []),  # stage 0: the embedding alone
+    "first-last": (
+        "v-min",
+        ["--num-layers", "12", *shlex.split("--decoder-first-pipeline-num-layers 2 "
+                                            "--decoder-last-pipeline-num-layers 2")],
+        ["--num-layers", "12"],  # V stages 1,2,2,1,1,2,2,1: 1F1B's ranks hold 3 each
+    ),
+    "embedding-and-loss": (
+        "v-zb",
+        ["--num-layers", "14", "--account-for-embedding-in-pipeline-split",
+         "--account-for-loss-in-pipeline-split"],
+        ["--num-layers", "14", LAYOUT, "Et*3|t*4|t*4|t*3L"],
+    ),
+    "empty-rank": ("dualpipe-v", [LAYOUT, "Et*2|t*2|t|||t|t|tL"], [LAYOUT, "Et*4|t|t|t*2L"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", UNEVEN_V)
+def test_v_shapes_on_uneven_layouts_give_1f1bs_losses(tmp_path: Path, kind: str) -> None:
+    """Every kind of uneven layout Megatron-LM has, an empty stage and a rank holding nothing
+    (stages 3 and 4 on rank 3) included: no hang, and 1F1B's losses and grad norms exactly."""
+    schedule, flags, reference = UNEVEN_V[kind]
+    ours, output = _train(tmp_path, *flags, "--pipeline-schedule", schedule)
+    assert f"megatron_bfpp: pipeline schedule {schedule}" in output
+    assert ours == _train(tmp_path, *reference)[0]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "layout", "megatrons"),
+    [
+        ("bpipe", "Et*4||t*2|t*2L", []),
+        ("gpipe", "Et*4||t*2|t*2L", []),
+        (
+            "breadth-first",
+            "Et*2||t|t|t||t*2|tL",  # rank 1 holds stages 1 and 5: nothing
+            shlex.split("--microbatch-group-size-per-virtual-pipeline-stage 8 "
+                        "--no-overlap-p2p-communication"),
+        ),
+    ],
+)  # fmt: skip
+def test_a_rank_holding_nothing_trains_with_megatrons_losses(
+    tmp_path: Path, schedule: str, layout: str, megatrons: list[str]
+) -> None:
+    """A layout may leave a rank without a layer, embedding or output (Megatron-LM #1852 hangs
+    there): it sends and receives on its group's device and gives Megatron's own losses."""
+    ours, output = _train(tmp_path, LAYOUT, layout, "--pipeline-schedule", schedule)
+    assert f"megatron_bfpp: pipeline schedule {schedule}" in output
+    assert ours == _train(tmp_path, LAYOUT, layout, *megatrons)[0]
+
+
 # Mixture-of-Experts at pp 2 and expert parallelism 2 (data parallel 2): the all-to-all
 # dispatcher on gloo, without biases (megatron-core's expert bias add is in place on a view).
 MOE = shlex.split(
