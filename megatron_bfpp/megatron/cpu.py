@@ -93,7 +93,6 @@ def _is_cuda(device: Any) -> bool:
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
     """``synchronize``, ``set_stream`` and the like: CPU work is synchronous."""
-    return None
 
 
 def _listed_splits(all_to_all_single: Callable[..., Any]) -> Callable[..., Any]:

@@ -504,8 +504,7 @@ def _simulated_ns(
     attempts = tuple(a for a in steady_lengths(m, p) if a[0] >= least)
     whole = not attempts or m <= sum(attempts[0])
     if budget is not None:  # the cheapest timing: attempt 1's three lengths, else the whole
-        cheapest = (m,) if whole else attempts[0]
-        budget.require(num_ranks=c.pp, stages_per_rank=c.vp, lengths=cheapest)
+        budget.require(num_ranks=c.pp, stages_per_rank=c.vp, lengths=(m,) if whole else attempts[0])
     for lengths in () if whole else attempts:
         timed = [timed_at(length) for length in lengths]
         line = [step for step, _ in timed]

@@ -254,8 +254,7 @@ class PipeComm:
                     raise self._late(message, peer, send, limit, ", less its NCCL lead")
                 work.wait()  # the stream order (completed: does not block)
                 return
-            remaining = posted_at + self.timeout_s - time.monotonic()
-            work.wait(timedelta(seconds=max(remaining, 0.001)))
+            work.wait(timedelta(seconds=max(posted_at + self.timeout_s - time.monotonic(), 0.001)))
         except PipelineTimeout:
             raise
         except RuntimeError as error:
