@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="virtual stages per rank (default: 2 for interleaved and breadth-first, else 1)",
     )
+    p.add_argument(
+        "--pipeline-model-parallel-layout",
+        default=None,
+        help="Megatron's layout string (config.model.pipeline_model_parallel_layout), e.g. "
+        "'E|t*2|t|tL'; a V places stage s on rank s or 2p-1-s",
+    )
     p.add_argument("--train-iters", type=positive_int, default=3)
     p.add_argument("--global-batch-size", type=positive_int, default=8)
     p.add_argument("--micro-batch-size", type=positive_int, default=1)
@@ -186,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(parser, error)
     config.model.pipeline_model_parallel_size = args.pipeline_model_parallel_size
     config.model.virtual_pipeline_model_parallel_size = args.virtual_pipeline_model_parallel_size
+    config.model.pipeline_model_parallel_layout = args.pipeline_model_parallel_layout
     config.train.train_iters = args.train_iters
     config.train.global_batch_size = args.global_batch_size
     config.train.micro_batch_size = args.micro_batch_size

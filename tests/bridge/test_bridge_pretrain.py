@@ -119,6 +119,15 @@ def test_v_shapes_give_megatron_1f1bs_losses(
         assert math.isclose(float(row[2]), float(reference[2]), rel_tol=1e-6), (ours, megatron_1f1b)
 
 
+def test_a_v_on_an_uneven_layout_gives_1f1bs_losses_on_the_merged_layout() -> None:
+    """config.model.pipeline_model_parallel_layout under a V: stage s of the model on rank s or
+    2p-1-s (rank 0: the embedding alone and the last layer with the loss), against Bridge's
+    1F1B on the layout merging each rank's two stages: losses and grad norms bit for bit."""
+    layout = "--pipeline-model-parallel-layout"
+    ours = _losses("--pipeline-schedule", "dualpipe-v", layout, "E|t*2|t|tL")
+    assert ours == _losses("--pipeline-schedule", "default", layout, "Et*2|t*2L")
+
+
 def test_either_import_order_reaches_bridges_bound_names() -> None:
     """Installed before Bridge is imported, Bridge binds our function; selected after, the
     names Bridge bound are replaced; a V-shape wraps the provider's ``provide`` once, however
