@@ -36,6 +36,7 @@ from megatron_bfpp.ir import ScheduleError, first_line
 from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.registry import (
+    LAYOUT_VP_FLAG,
     SCHEDULES,
     SHARDING_STRATEGIES,
     add_option_flags,
@@ -92,8 +93,9 @@ class _Parser(OneLineParser):
 def apply_schedule_defaults(args: argparse.Namespace) -> None:
     """Virtual stages per rank, when not given, are the schedule's own, as in Megatron-LM."""
     spec = SCHEDULES.get(getattr(args, "pipeline_schedule", ""))
+    layout = getattr(args, "pipeline_model_parallel_layout", None)  # it fixes them (validate)
     if spec is not None and getattr(args, "num_virtual_stages_per_pipeline_rank", 0) is None:
-        args.num_virtual_stages_per_pipeline_rank = spec.default_stages_per_rank
+        args.num_virtual_stages_per_pipeline_rank = None if layout else spec.default_stages_per_rank
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +131,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         help=f"virtual pipeline stages per rank (default: the schedule's: {counts})",
     )
+    uneven = "uneven stages, Megatron-LM's flags (docs/megatron-lm.md#uneven-stages)"
+    par.add_argument(
+        "--pipeline-model-parallel-layout",
+        metavar="LAYOUT",
+        help=f"{uneven}: the stages in model order, 'E' the embedding, 't' a layer, 'L' the "
+        "loss ('Et*3|t*4|t*4|t*3L'); it fixes the stages per rank (a V: stage s on rank s or "
+        "2p-1-s)",
+    )
+    for end in ("first", "last"):
+        par.add_argument(f"--decoder-{end}-pipeline-num-layers", type=positive_int, help=uneven)
+    for part in ("embedding", "loss"):
+        par.add_argument(
+            f"--account-for-{part}-in-pipeline-split", action="store_true", help=uneven
+        )
     par.add_argument(
         "--pipeline-schedule",
         default="breadth-first",
@@ -299,7 +315,8 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
         )
     apply_schedule_defaults(args)
     problem = (
-        number_problem(args)
+        uneven_problem(args)
+        or number_problem(args)
         or output_problem(args, metrics=rank == 0)
         or (
             args.save is not None
@@ -341,8 +358,12 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
             dp=world_size // (tp * pp),
             micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size,
-            vp_flag="--num-virtual-stages-per-pipeline-rank",
-            num_layers=args.num_layers,
+            vp_flag=LAYOUT_VP_FLAG
+            if args.pipeline_model_parallel_layout
+            else "--num-virtual-stages-per-pipeline-rank",
+            num_layers=None
+            if run_config(args, world_size).layout.uneven_config()
+            else args.num_layers,
             sharding=args.data_parallel_sharding_strategy,
             options=options_from_args(name, args),
         )
@@ -380,6 +401,43 @@ def resolve_auto(args: argparse.Namespace, world_size: int) -> None:
         resolve_train_auto(args, world_size)
     except ScheduleError as error:
         raise FlagError(str(error).splitlines()[0]) from None
+
+
+def uneven_problem(args: argparse.Namespace) -> str | None:
+    """megatron-core's checks of the uneven-stage flags, in one line before any rank starts; the
+    stages per rank a layout lists, set (as Megatron-LM sets them)."""
+    uneven = run_config(args, args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    if not (fields := uneven.layout.uneven_config()):
+        return None
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from megatron_bfpp.train.presets import transformer_config
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    try:
+        if layout := args.pipeline_model_parallel_layout:
+            stages = PipelineParallelLayerLayout.get_num_stages_from_str(layout)
+            vp = args.num_virtual_stages_per_pipeline_rank  # given, else None (the layout's)
+            if stages % pp:
+                return (
+                    f"--pipeline-model-parallel-layout lists {stages} stages, not a multiple of "
+                    f"--pipeline-model-parallel-size {pp}"
+                )
+            if vp not in (None, stages // pp):
+                return (
+                    f"--pipeline-model-parallel-layout lists {stages // pp} stages per rank; "
+                    f"drop --num-virtual-stages-per-pipeline-rank {vp}"
+                )
+            args.num_virtual_stages_per_pipeline_rank = stages // pp
+        vp = args.num_virtual_stages_per_pipeline_rank
+        with warnings.catch_warnings():  # megatron-core's, about no rank yet: one line stays one
+            warnings.simplefilter("ignore")
+            transformer_config(
+                uneven.model, tp=tp, pp=pp, vp=vp if vp and vp > 1 else None, on_cpu=True, **fields
+            )
+    except (ValueError, AssertionError, KeyError) as error:
+        return f"uneven stages: {first_line(error)}"
+    return None
 
 
 def data_path_problem(args: argparse.Namespace) -> str | None:

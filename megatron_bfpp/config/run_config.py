@@ -78,6 +78,30 @@ class Layout:
     placement: Placement
     data_parallel_size: int
     world_size: int
+    # Megatron's uneven-stage flags (docs/megatron-lm.md#uneven-stages); absent from checkpoints
+    # written before them, which hold even stages
+    pipeline_model_parallel_layout: str | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+
+    def uneven_config(self) -> dict[str, Any]:
+        """megatron-core's ``TransformerConfig`` fields for the uneven-stage flags given."""
+        values = (getattr(self, dest) for dest in UNEVEN_FLAGS)
+        return {
+            name: value for name, value in zip(UNEVEN_CONFIG_FIELDS, values, strict=True) if value
+        }
+
+
+# Layout's uneven-stage flags (destinations) and megatron-core's config fields for them.
+_UNEVEN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Layout)[6:]}
+UNEVEN_FLAGS = tuple(_UNEVEN_DEFAULTS)
+UNEVEN_CONFIG_FIELDS = (
+    "pipeline_model_parallel_layout", "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage", "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,6 +192,10 @@ def run_config(args: Any, world_size: int) -> RunConfig:
             placement=get_spec(args.pipeline_schedule).placement,
             data_parallel_size=world_size // (tp * pp),
             world_size=world_size,
+            **{
+                dest: getattr(args, dest, None) or default
+                for dest, default in _UNEVEN_DEFAULTS.items()
+            },
         ),
         pipeline_schedule=args.pipeline_schedule,
         training=Training(

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from megatron_bfpp.config.run_config import UNEVEN_CONFIG_FIELDS
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.fit import check_fit, step_batch_sizes
 from megatron_bfpp.schedules.registry import (
+    LAYOUT_VP_FLAG,
     MEGATRON_VP_FLAGS,
     SCHEDULES,
     SHARDING_STRATEGIES,
@@ -144,7 +146,7 @@ def check_schedule_args(args: Any) -> None:
         micro_batch_size=int(args.micro_batch_size),
         global_batch_size=int(args.global_batch_size),
         # with a layout, Megatron-LM derives vp from its stage count
-        vp_flag=LAYOUT_VP
+        vp_flag=LAYOUT_VP_FLAG
         if getattr(args, "pipeline_model_parallel_layout", None)
         else MEGATRON_VP_FLAGS,
         sharding=sharding,
@@ -179,13 +181,8 @@ UNEVEN_LAYOUT_FLAGS = (
     "--account-for-embedding-in-pipeline-split",
     "--account-for-loss-in-pipeline-split",
 )
-LAYOUT_VP = "the stages per rank --pipeline-model-parallel-layout lists (stages / pipeline size)"
-# Megatron-Bridge's config fields for them.
-UNEVEN_LAYOUT_FIELDS = (
-    "pipeline_model_parallel_layout", "num_layers_in_first_pipeline_stage",
-    "num_layers_in_last_pipeline_stage", "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split",
-)  # fmt: skip
+# Megatron-Bridge's config fields for them (megatron-core's TransformerConfig's).
+UNEVEN_LAYOUT_FIELDS = UNEVEN_CONFIG_FIELDS
 # What the V-shapes cannot run with in Megatron-LM, and Bridge's fields for it.
 NO_V_SHAPE_FLAGS = ("--mtp-num-layers", "--defer-embedding-wgrad-compute")
 NO_V_SHAPE_FIELDS = ("mtp_num_layers", "defer_embedding_wgrad_compute")

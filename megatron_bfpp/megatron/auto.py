@@ -303,15 +303,20 @@ def split_world(config: Any, world: int, *, megatron: bool = False) -> tuple[int
     return tp, pp, cp, world // (tp * pp * cp)
 
 
-def megatron_request(
-    args: Any, *, world_size: int, env: Mapping[str, str], hw: Hardware, sharding: str | None
-) -> AutoRequest:
-    """What Megatron-LM's parsed arguments fixed, derived as its ``validate_args`` would."""
+def check_even_stages(args: Any) -> None:
+    """auto plans even stages: Megatron-LM's uneven-stage flags (bfpp-train's too) refused."""
     if uneven := arguments.given_flags(args, arguments.UNEVEN_LAYOUT_FLAGS):
         raise ScheduleError(
             f"--pipeline-schedule auto plans even pipeline stages and does not read {uneven[0]}; "
             "drop it or name the schedule"
         )
+
+
+def megatron_request(
+    args: Any, *, world_size: int, env: Mapping[str, str], hw: Hardware, sharding: str | None
+) -> AutoRequest:
+    """What Megatron-LM's parsed arguments fixed, derived as its ``validate_args`` would."""
+    check_even_stages(args)
     if getattr(args, "rampup_batch_size", None):
         raise ScheduleError("--pipeline-schedule auto does not support --rampup-batch-size")
     needed = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")

@@ -23,6 +23,7 @@ from megatron_bfpp.validate import validate_schedule
 
 __all__ = [
     "ALL_OPTIONS",
+    "LAYOUT_VP_FLAG",
     "MAX_ACTIONS",
     "MAX_RANK_STAGES",
     "MEGATRON_VP_FLAGS",
@@ -52,6 +53,8 @@ __all__ = [
 MEGATRON_VP_FLAGS = (
     "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
 )
+# With a layout the stages per rank are its own (Megatron-LM and bfpp-train derive them).
+LAYOUT_VP_FLAG = "--pipeline-model-parallel-layout's stages per rank (its stages / pipeline size)"
 
 # How large a schedule may be built (figures: docs/architecture.md, "Schedule size limits"); 7
 # actions per stage and micro-batch: F and B (or F, I, W), four messages, BPipe's transfers.

@@ -12,6 +12,7 @@ from megatron_bfpp.config.run_config import model_shape
 from megatron_bfpp.megatron.auto import (
     announce,
     auto_inputs,
+    check_even_stages,
     decide_alike,
     hardware_from_args,
     precision_of,
@@ -30,6 +31,7 @@ def train_request(
     env: Mapping[str, str],
     device: tuple[str | None, int | None] | None,
 ) -> AutoRequest:
+    check_even_stages(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     shape = model_shape(args)
     model = model_description(

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_bfpp.config.run_config import LRSchedule, RunConfig, flag_name
+from megatron_bfpp.config.run_config import UNEVEN_FLAGS, LRSchedule, RunConfig, flag_name
 from megatron_bfpp.train.checkpoint_files import (
     METADATA_FILE,
     TRACKER,
@@ -229,6 +229,7 @@ def _layout_differences(saved: RunConfig, current: RunConfig) -> list[str]:
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "num_virtual_stages_per_pipeline_rank",
+        *UNEVEN_FLAGS,
     ):
         if getattr(a, dest) != getattr(b, dest):
             differences.append(

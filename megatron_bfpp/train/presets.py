@@ -57,8 +57,11 @@ def portable_fields(*, tp: int, pp: int, vp: int | None) -> dict[str, Any]:
     )
 
 
-def transformer_config(shape: ModelShape, *, tp: int, pp: int, vp: int | None, on_cpu: bool) -> Any:
-    """The megatron-core ``TransformerConfig`` of ``shape`` for a parallel layout."""
+def transformer_config(
+    shape: ModelShape, *, tp: int, pp: int, vp: int | None, on_cpu: bool, **uneven: Any
+) -> Any:
+    """The megatron-core ``TransformerConfig`` of ``shape`` for a parallel layout (``uneven``:
+    ``Layout.uneven_config``'s fields, checked by megatron-core here)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -73,6 +76,7 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, vp: int | None, o
         sequence_parallel=False,
         # gloo: batched p2p gives wrong gradients at pp=2 with looping (see megatron/cpu.py)
         batch_p2p_comm=not on_cpu,
+        **uneven,
     )
     if shape.preset == "llama":
         fields.update(

@@ -338,7 +338,9 @@ def _set_up(args: Any, device: torch.device) -> _Run:
 
     run_cfg = run_config(args, dist.get_world_size())
     shape = run_cfg.model
-    config = transformer_config(shape, tp=tp, pp=pp, vp=vp, on_cpu=device.type == "cpu")
+    config = transformer_config(
+        shape, tp=tp, pp=pp, vp=vp, on_cpu=device.type == "cpu", **run_cfg.layout.uneven_config()
+    )
     placement = get_spec(args.pipeline_schedule).placement
     model = wrap_ddp(
         build_model_chunks(config, shape, seed=args.seed, placement=placement),

@@ -133,6 +133,38 @@ def test_schedules_give_the_same_losses(
         assert loss == pytest.approx(want[iteration], abs=1e-5), (iteration, got, want)
 
 
+LAYOUT = "--pipeline-model-parallel-layout"
+V_HALF = ["--pipeline-schedule", "v-half"]
+
+
+ENDS = ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [*V_HALF, LAYOUT, "E|t*2|t|t|t|t|t|tL"],  # stage 0 the embedding alone
+        ["--pipeline-schedule", "dualpipe-v", LAYOUT, "Et*2|t*2|t|||t|t|tL"],  # rank 3: nothing
+        [LAYOUT, "Et*2||t|t|t||t*2|tL"],  # breadth-first; rank 1: nothing
+        ["--pipeline-schedule", "bpipe", LAYOUT, "Et*4||t*2|t*2L"],
+        ["--pipeline-schedule", "1f1b", *ENDS],  # 1, 2, 2, 3 layers
+    ],
+    ids=["v-half-layout", "dualpipe-v-empty-rank", "bf-empty-rank", "bpipe-layout", "1f1b-ends"],
+)
+def test_uneven_stages_give_the_same_losses(
+    reference: Path, tmp_path: Path, flags: list[str]
+) -> None:
+    """Megatron-LM's uneven-stage flags (docs/megatron-lm.md#uneven-stages): the same model
+    (initialised by global layer) on other stages per rank trains to the reference's losses."""
+    path = tmp_path / "metrics.jsonl"
+    proc = _run(*flags, "--train-iters", str(COMPARED), "--metrics-file", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = _losses(reference), _losses(path)
+    assert sorted(got) == list(range(1, COMPARED + 1))
+    for iteration, loss in got.items():
+        assert loss == pytest.approx(want[iteration], abs=1e-5), (iteration, got, want)
+
+
 def test_bpipe_caps_measured_activation_memory(tmp_path: Path) -> None:
     """The metrics file shows BPipe's point: rank 0 stores ceil((p+2)/2) = 3 micro-batches
     instead of 1F1B's p = 4, and the busiest rank holds fewer bytes."""
@@ -261,6 +293,22 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
             ["--hidden-size", "65536", "--num-attention-heads", "8"],
             "for weights, gradients and Adam state",
         ),
+        (
+            [*V_HALF, "--num-layers", "12", LAYOUT, "E|t*2|t|t|t|t|t|t|t|t|t|tL"],
+            "v-half places exactly 2 stages per rank (V-shape); drop "
+            "--pipeline-model-parallel-layout's stages per rank (its stages / pipeline size) or "
+            "set it to 2, got 3",
+        ),
+        ([LAYOUT, "E|t*8|L"], "--pipeline-model-parallel-layout lists 3 stages, not a multiple"),
+        (
+            [*V_HALF, LAYOUT, "E|t*2|t|t|t|t|t|t*2L"],
+            "uneven stages: Number of decoder layers 9",
+        ),
+        (
+            ["--pipeline-schedule", "auto", "--decoder-first-pipeline-num-layers", "1"],
+            "--pipeline-schedule auto plans even pipeline stages and does not read "
+            "--decoder-first-pipeline-num-layers; drop it or name the schedule",
+        ),
     ],
     ids=[
         "unknown-schedule",
@@ -287,12 +335,16 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         "nproc-too-large",
         "global-batch-too-large",
         "model-too-large",
+        "v-shape-layout-of-3-per-rank",
+        "layout-stages",
+        "layout-layers",
+        "auto-uneven",
     ],
 )
 def test_bad_flags_one_line_nonzero_exit(flags: list[str], expected: str) -> None:
     """One line, exit 2, and (what made it slow: seconds of imports before the check) neither
     torch nor megatron-core imported, except where the check needs them: the model's memory
-    against this machine's."""
+    against this machine's, and megatron-core's checks of uneven stages."""
     proc = _run_main(*flags)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -302,7 +354,7 @@ def test_bad_flags_one_line_nonzero_exit(flags: list[str], expected: str) -> Non
     imported = json.loads(proc.stdout.splitlines()[-1])
     if "for weights, gradients and Adam state" in expected:
         assert imported["torch"], imported
-    else:
+    elif not {LAYOUT, ENDS[0]} & set(flags):  # megatron-core checks the uneven-stage flags
         assert imported == {"torch": False, "megatron.core": False}, imported
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from megatron_bfpp.cli.train import build_parser
-from megatron_bfpp.config.run_config import RunConfig, run_config
+from megatron_bfpp.config.run_config import UNEVEN_FLAGS, RunConfig, run_config
 from megatron_bfpp.train.checkpoint_files import (
     METADATA_FILE,
     TRACKER,
@@ -170,6 +170,19 @@ def test_placement_and_world_size_are_refused() -> None:
         in message
     )
     assert "4 ranks (data-parallel size 1), this run has 8 (2)" in message
+
+
+def test_another_uneven_layout_is_refused_and_a_record_before_them_reads_as_even() -> None:
+    layout = "Et*2||t|t|t||t*2|tL"
+    flags = ("--pipeline-model-parallel-layout", layout, "--num-virtual-stages-per-pipeline-rank")
+    message = _refusal(_config(), _config(*flags, "2"))
+    assert f"--pipeline-model-parallel-layout None, this run has {layout}" in message
+    first = "--decoder-first-pipeline-num-layers"
+    assert f"{first} 1, this run has None" in _refusal(_config(first, "1"), _config())
+    data = json.loads(metadata_to_json(_metadata(_config())))
+    for dest in UNEVEN_FLAGS:  # written before the uneven-stage flags existed
+        del data["run"]["layout"][dest]
+    assert metadata_from_json(json.dumps(data), source="m.json").run == _config()
 
 
 def test_changed_learning_rate_schedule_names_flags_and_both_overrides() -> None:

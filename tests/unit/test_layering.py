@@ -98,7 +98,7 @@ ALLOWED = {
     "runtime": {"ir", "messages", "nccl", "semantics", "validate", "passes", "schedules"}
     | {"compat", "runtime"},
     # + CPU adapter; plan: --pipeline-schedule auto's decision (megatron.auto)
-    "megatron": {"flags", "ir", "schedules", "plan", "compat", "runtime", "megatron"},
+    "megatron": {"flags", "ir", "schedules", "config", "plan", "compat", "runtime", "megatron"},
     # megatron: CPU adapter and auto's front-end glue; plan: auto's decision
     "train": {
         "files",
