@@ -145,6 +145,12 @@ def test_checkpoint_describes_itself(saved: Path) -> None:
         "placement": "looped",
         "data_parallel_size": 1,
         "world_size": 4,
+        # the uneven-stage flags, not given: even stages
+        "pipeline_model_parallel_layout": None,
+        "decoder_first_pipeline_num_layers": None,
+        "decoder_last_pipeline_num_layers": None,
+        "account_for_embedding_in_pipeline_split": False,
+        "account_for_loss_in_pipeline_split": False,
     }
     assert meta["run"]["pipeline_schedule"] == "breadth-first"
     assert meta["run"]["training"]["global_batch_size"] == GBS
