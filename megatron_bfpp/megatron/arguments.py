@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from megatron_bfpp.config.run_config import UNEVEN_CONFIG_FIELDS
+from megatron_bfpp.config.run_config import UNEVEN_CONFIG_FIELDS, UNEVEN_FLAGS, flag_name
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
 from megatron_bfpp.schedules.fit import check_fit, step_batch_sizes
@@ -174,13 +174,7 @@ def check_schedule_args(args: Any) -> None:
 # Megatron-LM's flags that place layers unevenly. Every schedule runs them: megatron's looped
 # stage arithmetic names the model's stages in order, and a V places stage s on rank s or 2p-1-s
 # (chunks.placed_provider). auto plans even stages and refuses them.
-UNEVEN_LAYOUT_FLAGS = (
-    "--pipeline-model-parallel-layout",
-    "--decoder-first-pipeline-num-layers",
-    "--decoder-last-pipeline-num-layers",
-    "--account-for-embedding-in-pipeline-split",
-    "--account-for-loss-in-pipeline-split",
-)
+UNEVEN_LAYOUT_FLAGS = tuple(flag_name(dest) for dest in UNEVEN_FLAGS)
 # Megatron-Bridge's config fields for them (megatron-core's TransformerConfig's).
 UNEVEN_LAYOUT_FIELDS = UNEVEN_CONFIG_FIELDS
 # What the V-shapes cannot run with in Megatron-LM, and Bridge's fields for it.
