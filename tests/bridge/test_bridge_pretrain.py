@@ -80,7 +80,8 @@ def megatron_interleaved() -> list[tuple[int, str, str]]:
     )
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "bpipe"])
+# bpipe runs our 1F1B order through Bridge and evicts (rank 0 holds 4 > 3): one launch for both.
+@pytest.mark.parametrize("schedule", ["bpipe"])
 def test_one_stage_per_rank_schedules_equal_megatron_1f1b(
     schedule: str, megatron_1f1b: list[tuple[int, str, str]]
 ) -> None:
@@ -105,7 +106,8 @@ def test_a_recipe_that_cannot_load_is_one_line() -> None:
         assert expected in errors[0]
 
 
-@pytest.mark.parametrize("schedule", ["v-half", "v-zb", "dualpipe-v"])
+# dualpipe-v: on an uneven layout, the next test (the same provider path, and its layout).
+@pytest.mark.parametrize("schedule", ["v-half", "v-zb"])
 def test_v_shapes_give_megatron_1f1bs_losses(
     schedule: str, megatron_1f1b: list[tuple[int, str, str]]
 ) -> None:

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_bfpp import flags
 from megatron_bfpp.ir import ScheduleError
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
@@ -398,6 +399,8 @@ def test_bad_combinations_exit_with_one_line(
     assert len(lines) == 1 and lines[0].startswith("megatron_bfpp: error: "), lines
     assert message in lines[0]
     monkeypatch.setenv("LOCAL_RANK", "1")
+    # In-process there is no torchrun to outwait: the quiet rank's grace would only add 10 s.
+    monkeypatch.setattr(flags, "QUIET_RANK_GRACE_S", 0.0)
     with pytest.raises(SystemExit) as exit_info:
         _initialize(monkeypatch, *argv.split())
     assert exit_info.value.code == 2 and capsys.readouterr().err == ""

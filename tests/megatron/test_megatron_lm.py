@@ -346,7 +346,9 @@ def test_the_readme_command_runs_as_written(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "schedule",
-    ["v-min", "v-half", "v-zb", "dualpipe-v"] if MEGATRON_LM else ["v-half", "dualpipe-v"],
+    # From the wheel, v-half's fresh start is checked by the uneven [layout] case below (v-half
+    # against this same 1F1B run from iteration 1): one launch fewer in CI.
+    ["v-min", "v-half", "v-zb", "dualpipe-v"] if MEGATRON_LM else ["dualpipe-v"],
 )
 def test_a_fresh_v_shape_run_starts_from_1f1bs_model(tmp_path: Path, schedule: str) -> None:
     """Megatron-LM seeds each layer's weights by the pipeline rank that builds it; on the V
@@ -394,8 +396,7 @@ def test_v_shapes_on_uneven_layouts_give_1f1bs_losses(tmp_path: Path, kind: str)
 @pytest.mark.parametrize(
     ("schedule", "layout", "megatrons"),
     [
-        ("bpipe", "Et*4||t*2|t*2L", []),
-        ("gpipe", "Et*4||t*2|t*2L", []),
+        *([(name, "Et*4||t*2|t*2L", []) for name in ("bpipe", "gpipe")] if MEGATRON_LM else []),
         (
             "breadth-first",
             "Et*2||t|t|t||t*2|tL",  # rank 1 holds stages 1 and 5: nothing
@@ -408,7 +409,10 @@ def test_a_rank_holding_nothing_trains_with_megatrons_losses(
     tmp_path: Path, schedule: str, layout: str, megatrons: list[str]
 ) -> None:
     """A layout may leave a rank without a layer, embedding or output (Megatron-LM #1852 hangs
-    there): it sends and receives on its group's device and gives Megatron's own losses."""
+    there): it sends and receives on its group's device and gives Megatron's own losses. From the
+    wheel in CI only breadth-first runs here (with the V's [empty-rank] case above): every
+    schedule with a rank holding nothing is bit-exact in tests/multirank/test_uneven_layouts.py,
+    on each megatron-core release."""
     ours, output = _train(tmp_path, LAYOUT, layout, "--pipeline-schedule", schedule)
     assert f"megatron_bfpp: pipeline schedule {schedule}" in output
     assert ours == _train(tmp_path, LAYOUT, layout, *megatrons)[0]
