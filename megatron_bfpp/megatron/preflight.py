@@ -4,6 +4,7 @@ size alone: ``validate_args`` checks only after the job has waited for its nodes
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 
 from megatron_bfpp.flags import OneLineParser, positive_int
@@ -18,7 +19,12 @@ from megatron_bfpp.megatron.auto import resolve_megatron_auto
 from megatron_bfpp.plan.auto import AUTO
 from megatron_bfpp.schedules.fit import BATCH_SCHEDULE_FLAG, num_microbatches, step_batch_sizes
 
-__all__ = ["check_megatron_command", "check_parallel_layout", "parse_megatron_command"]
+__all__ = [
+    "check_megatron_command",
+    "check_parallel_layout",
+    "layout_stages",
+    "parse_megatron_command",
+]
 
 
 # Megatron-LM's flags these checks read, with Megatron's defaults.
@@ -136,6 +142,8 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
     given = [flag for flag in flags if getattr(args, flag[2:].replace("-", "_")) is not None]
     if len(given) > 1:
         raise ScheduleError(f"{' and '.join(given)} exclude each other; give one")
+    if args.pipeline_model_parallel_layout is not None:
+        return _layout_virtual_stages(args)
     vp: int | None = args.num_virtual_stages_per_pipeline_rank
     if args.num_layers_per_virtual_pipeline_stage is not None:
         layers = _layers_per_rank(args)
@@ -146,6 +154,42 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
             )
         vp = stages_of_layers(layers, args.num_layers_per_virtual_pipeline_stage)
     return None if vp == 1 else vp
+
+
+# megatron-core's repeats in a layout string, unrolled in this order: "(...)*n", then "x*n".
+_LAYOUT_REPEATS = (re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)"))
+
+
+def layout_stages(layout: str) -> list[str]:
+    """The stages of a ``--pipeline-model-parallel-layout`` string as megatron-core's
+    ``parse_str_to_list`` unrolls it ("Et*2|(t|)*2L" -> ["Ett", "t", "t", "L"]), so that the
+    launcher knows the virtual stages, as the GPUs will, before anything is imported."""
+    text = layout.replace(",", "")
+    for pattern in _LAYOUT_REPEATS:
+        text = pattern.sub(lambda match: match.group(1) * int(match.group(2)), text)
+    return text.split("|")
+
+
+def _layout_virtual_stages(args: argparse.Namespace) -> int | None:
+    """Megatron's vp from a layout (its stages / pp), after megatron-core's checks of it."""
+    layout, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
+    stages, flag = layout_stages(layout), f"--pipeline-model-parallel-layout {layout}"
+    if unknown := sorted(set("".join(stages)) - set("EtmL")):
+        raise ScheduleError(
+            f"{flag}: {unknown[0]!r} is no layer kind; write E (embedding), t (transformer "
+            "layer), m (MTP layer), L (loss), | between stages, x*n or (...)*n to repeat"
+        )
+    if len(stages) % pp:
+        raise ScheduleError(
+            f"{flag} lists {len(stages)} stages, not a multiple of --pipeline-model-parallel-size "
+            f"{pp}; list {pp} stages per virtual stage"
+        )
+    layers = sum(stage.count("t") for stage in stages)
+    if args.num_layers is not None and layers != args.num_layers:
+        raise ScheduleError(
+            f"{flag} places {layers} transformer layers, not --num-layers {args.num_layers}"
+        )
+    return None if len(stages) == pp else len(stages) // pp
 
 
 def _layers_per_rank(args: argparse.Namespace) -> int | None:
@@ -212,6 +256,5 @@ def check_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.
     on ``world_size`` GPUs; the parsed namespace, for the launcher's parallel sizes."""
     args = parse_megatron_command(argv, world_size=world_size)
     check_parallel_layout(args)
-    if args.pipeline_model_parallel_layout is None:  # else vp comes from the layout, on the GPUs
-        check_schedule_args(args)
+    check_schedule_args(args)
     return args

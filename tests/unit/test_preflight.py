@@ -77,14 +77,56 @@ def test_refusals_are_one_line(extra: str, message: str) -> None:
     assert "\n" not in str(error.value)
 
 
-def test_missing_micro_batch_size_and_layout_strings() -> None:
+def test_missing_micro_batch_size() -> None:
     with pytest.raises(ScheduleError, match="--micro-batch-size is missing"):
         check_megatron_command(["--pipeline-model-parallel-size", "2"], world_size=2)
-    # A layout string sets the virtual stages on the GPUs, so the schedule is checked there.
-    _check(
-        "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E|t*4|t*4|t*4|t*4,L "
-        "--pipeline-schedule breadth-first"
-    )
+
+
+def test_a_layout_sets_the_virtual_stages_as_megatron_does() -> None:
+    layout = "--pipeline-model-parallel-layout"
+    args = _check(f"--pipeline-model-parallel-size 2 {layout} Et*4|t*4|t*4|t*4L")
+    assert args.virtual_pipeline_model_parallel_size == 2
+    one_each = _check(f"--pipeline-model-parallel-size 2 {layout} Et*8|t*8L")
+    assert one_each.virtual_pipeline_model_parallel_size is None
+    v = _check(f"--pipeline-model-parallel-size 2 {layout} E|(t*8|)*2L --pipeline-schedule v-zb")
+    assert v.virtual_pipeline_model_parallel_size == 2
+
+
+LAYOUT = "--pipeline-model-parallel-layout"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (  # the layout's mistakes, as megatron-core refuses them on every rank
+            f"--pipeline-model-parallel-size 2 {LAYOUT} E|t*4|t*4|t*4|t*4,L",
+            f"{LAYOUT} E|t*4|t*4|t*4|t*4,L lists 5 stages, not a multiple of "
+            "--pipeline-model-parallel-size 2",
+        ),
+        (f"{LAYOUT} Et*8|t*7L", "places 15 transformer layers, not --num-layers 16"),
+        (f"{LAYOUT} Et*8|x*8L", "'x' is no layer kind"),
+        (f"{LAYOUT} Et*8|t*8L --num-virtual-stages-per-pipeline-rank 2", "exclude each other"),
+        (  # the schedule's, which the launcher used to leave to the ranks
+            f"--pipeline-model-parallel-size 2 {LAYOUT} Et*3|t*3|t*3|t*3|t*2|t*2L "
+            "--pipeline-schedule v-half",
+            "v-half places exactly 2 stages per rank",
+        ),
+        (
+            f"--pipeline-model-parallel-size 2 {LAYOUT} Et*4|t*4|t*4|t*4L --pipeline-schedule 1f1b",
+            "one stage per rank",
+        ),
+        (
+            f"--pipeline-model-parallel-size 4 {LAYOUT} Et*2|t*2|t*2|t*2|t*2|t*2|t*2|t*2L "
+            "--global-batch-size 6 --micro-batch-size 1 --pipeline-schedule interleaved",
+            "interleaved cannot run 3 micro-batches on pp=4, vp=2",
+        ),
+    ],
+)
+def test_layout_refusals_are_one_line_before_any_rank_starts(extra: str, message: str) -> None:
+    with pytest.raises(ScheduleError) as error:
+        _check(extra)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
 
 
 def _launch(script: str, *args: str, local_rank: str = "0") -> tuple[int, str, dict[str, bool]]:
