@@ -49,26 +49,34 @@ def layer_parameters(shape: ModelShape, *, tp: int) -> int:
 
 
 def parameters_per_pipeline_rank(shape: ModelShape, layout: Layout) -> list[int]:
-    """Parameters of one tensor-parallel rank at each pipeline rank: ``num_layers / pp`` layers
-    each, the first stage's ends on rank 0, the last stage's on ``pp - 1`` looped, 0 V-shape."""
-    pp = layout.pipeline_model_parallel_size
-    return _spread(shape, layout, pp, last=0 if layout.placement is Placement.V_SHAPE else pp - 1)
+    """Parameters of one tensor-parallel rank at each pipeline rank: its stages' layers (even:
+    ``num_layers / pp``), the first stage's ends on rank 0, the last stage's on ``pp - 1``
+    looped, 0 V-shape."""
+    pp, v_shape = layout.pipeline_model_parallel_size, layout.placement is Placement.V_SHAPE
+    if not layout.uneven_config():
+        return _spread(shape, layout, [shape.num_layers // pp] * pp, last=0 if v_shape else pp - 1)
+    per_stage = layout.layers_per_stage(shape.num_layers)
+    ranks = [min(s, 2 * pp - 1 - s) if v_shape else s % pp for s in range(len(per_stage))]
+    layers = [
+        sum(n for n, r in zip(per_stage, ranks, strict=True) if r == rank) for rank in range(pp)
+    ]
+    return _spread(shape, layout, layers, last=ranks[-1])
 
 
 def parameters_per_stage(shape: ModelShape, layout: Layout) -> list[int]:
     """The same per global (virtual) stage: a fully sharded chunk is gathered and released whole,
     so the planner weighs the chunks a schedule holds at once by these."""
-    stages = layout.pipeline_model_parallel_size * layout.num_virtual_stages_per_pipeline_rank
-    return _spread(shape, layout, stages, last=stages - 1)
+    layers = layout.layers_per_stage(shape.num_layers)
+    return _spread(shape, layout, layers, last=len(layers) - 1)
 
 
-def _spread(shape: ModelShape, layout: Layout, parts: int, *, last: int) -> list[int]:
-    """``num_layers / parts`` layers per part, the word embedding (and GPT's positions) on part 0,
-    the final norm and output layer on part ``last`` (GPT's tied one: a copy unless first and last
-    stage are one chunk; megatron-core syncs it over the embedding group)."""
+def _spread(shape: ModelShape, layout: Layout, layers: list[int], *, last: int) -> list[int]:
+    """Each part's ``layers``, the word embedding (and GPT's positions) on part 0, the final norm
+    and output layer on part ``last`` (GPT's tied one: a copy unless first and last stage are
+    one chunk; megatron-core syncs it over the embedding group)."""
     h, tp = shape.hidden_size, layout.tensor_model_parallel_size
     llama = shape.preset == "llama"
-    counts = [shape.num_layers // parts * layer_parameters(shape, tp=tp)] * parts
+    counts = [n * layer_parameters(shape, tp=tp) for n in layers]
     embedding = _split(shape.vocab_size * h, tp)
     stages = layout.pipeline_model_parallel_size * layout.num_virtual_stages_per_pipeline_rank
     output = embedding if llama or stages > 1 else 0  # a tied one is shared in one chunk only

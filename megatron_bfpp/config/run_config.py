@@ -5,6 +5,7 @@ names are the flags' ``argparse`` destinations, so a difference is reported by i
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from megatron_bfpp.ir import Placement
@@ -19,6 +20,7 @@ __all__ = [
     "Training",
     "default_ffn_hidden_size",
     "flag_name",
+    "layout_stages",
     "model_shape",
     "run_config",
 ]
@@ -86,12 +88,49 @@ class Layout:
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
 
+    def layers_per_stage(self, num_layers: int) -> list[int]:
+        """Transformer layers of each of the model's stages in order, by megatron-core's
+        arithmetic (``get_num_layers_to_build``: stage s is rank ``s % pp``'s virtual stage
+        ``s // pp``; a V places the same stages on other ranks). First/last sizes are per rank."""
+        if self.pipeline_model_parallel_layout:
+            return [
+                stage.count("t") for stage in layout_stages(self.pipeline_model_parallel_layout)
+            ]
+        pp, vp = self.pipeline_model_parallel_size, self.num_virtual_stages_per_pipeline_rank
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        embedding = int(self.account_for_embedding_in_pipeline_split)
+        loss = int(self.account_for_loss_in_pipeline_split)
+        middle_ranks = pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0) + embedding + loss
+        per_rank = [rest // middle_ranks if middle_ranks > 0 else 0] * pp
+        per_rank[0] = per_rank[0] if first is None else first
+        per_rank[-1] = per_rank[-1] if last is None else last
+        layers = [per_rank[stage % pp] // vp for stage in range(pp * vp)]
+        layers[0] -= embedding  # the embedding (loss) counted as a layer of the first (last) stage
+        layers[-1] -= loss
+        return layers
+
     def uneven_config(self) -> dict[str, Any]:
         """megatron-core's ``TransformerConfig`` fields for the uneven-stage flags given."""
         values = (getattr(self, dest) for dest in UNEVEN_FLAGS)
         return {
             name: value for name, value in zip(UNEVEN_CONFIG_FIELDS, values, strict=True) if value
         }
+
+
+# megatron-core's repeats in a layout string, unrolled in this order: "(...)*n", then "x*n".
+_LAYOUT_REPEATS = (re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)"))
+
+
+def layout_stages(layout: str) -> list[str]:
+    """The stages of a ``--pipeline-model-parallel-layout`` string as megatron-core's
+    ``parse_str_to_list`` unrolls it ("Et*2|(t|)*2L" -> ["Ett", "t", "t", "L"]): torch-free, so
+    that the Megatron-LM launcher knows the virtual stages before anything is imported, and the
+    memory estimate each stage's layers."""
+    text = layout.replace(",", "")
+    for pattern in _LAYOUT_REPEATS:
+        text = pattern.sub(lambda match: match.group(1) * int(match.group(2)), text)
+    return text.split("|")
 
 
 # Layout's uneven-stage flags (destinations) and megatron-core's config fields for them.

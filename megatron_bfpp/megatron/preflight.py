@@ -4,9 +4,9 @@ size alone: ``validate_args`` checks only after the job has waited for its nodes
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Sequence
 
+from megatron_bfpp.config.run_config import layout_stages
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.megatron.arguments import (
@@ -19,12 +19,7 @@ from megatron_bfpp.megatron.auto import resolve_megatron_auto
 from megatron_bfpp.plan.auto import AUTO
 from megatron_bfpp.schedules.fit import BATCH_SCHEDULE_FLAG, num_microbatches, step_batch_sizes
 
-__all__ = [
-    "check_megatron_command",
-    "check_parallel_layout",
-    "layout_stages",
-    "parse_megatron_command",
-]
+__all__ = ["check_megatron_command", "check_parallel_layout", "parse_megatron_command"]
 
 
 # Megatron-LM's flags these checks read, with Megatron's defaults.
@@ -154,20 +149,6 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
             )
         vp = stages_of_layers(layers, args.num_layers_per_virtual_pipeline_stage)
     return None if vp == 1 else vp
-
-
-# megatron-core's repeats in a layout string, unrolled in this order: "(...)*n", then "x*n".
-_LAYOUT_REPEATS = (re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)"))
-
-
-def layout_stages(layout: str) -> list[str]:
-    """The stages of a ``--pipeline-model-parallel-layout`` string as megatron-core's
-    ``parse_str_to_list`` unrolls it ("Et*2|(t|)*2L" -> ["Ett", "t", "t", "L"]), so that the
-    launcher knows the virtual stages, as the GPUs will, before anything is imported."""
-    text = layout.replace(",", "")
-    for pattern in _LAYOUT_REPEATS:
-        text = pattern.sub(lambda match: match.group(1) * int(match.group(2)), text)
-    return text.split("|")
 
 
 def _layout_virtual_stages(args: argparse.Namespace) -> int | None:

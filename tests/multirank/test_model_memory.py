@@ -18,13 +18,20 @@ from megatron_bfpp.testing.multirank import run_ranks
 pytestmark = pytest.mark.megatron
 
 
-def _count(shape: ModelShape, tp: int, pp: int, vp: int | None) -> tuple[int, int]:
+def _count(
+    shape: ModelShape,
+    tp: int,
+    pp: int,
+    vp: int | None,
+    placement: Placement = Placement.LOOPED,
+    uneven: dict[str, Any] | None = None,
+) -> tuple[int, int]:
     from megatron.core import parallel_state
 
     from megatron_bfpp.train.presets import build_model_chunks, transformer_config
 
-    config = transformer_config(shape, tp=tp, pp=pp, vp=vp, on_cpu=True)
-    chunks = build_model_chunks(config, shape, seed=1)
+    config = transformer_config(shape, tp=tp, pp=pp, vp=vp, on_cpu=True, **(uneven or {}))
+    chunks = build_model_chunks(config, shape, seed=1, placement=placement)
     held = sum(param.numel() for chunk in chunks for param in chunk.parameters())
     return parallel_state.get_pipeline_model_parallel_rank(), held
 
@@ -47,3 +54,31 @@ def test_estimated_parameters_are_the_models(
     layout = Layout(tp, pp, vp or 1, Placement.LOOPED if vp else Placement.SINGLE, 1, tp * pp)
     expected = parameters_per_pipeline_rank(shape, layout)
     assert [held[rank] for rank in range(pp)] == [{count} for count in expected]
+
+
+LAYOUT = "pipeline_model_parallel_layout"
+FIRST_LAST = {"decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 2}
+ACCOUNTED = {
+    "account_for_embedding_in_pipeline_split": True,
+    "account_for_loss_in_pipeline_split": True,
+}
+UNEVEN = {  # id: (preset, placement, layers, Layout's uneven fields); pp 4, vp 2
+    "layout-rank-1-empty": ("gpt", Placement.LOOPED, 8, {LAYOUT: "Et*2||t|t|t||t*2|tL"}),
+    "v-layout": ("llama", Placement.V_SHAPE, 8, {LAYOUT: "E|t*2|t|t|t|t|t|tL"}),
+    "v-first-last": ("gpt", Placement.V_SHAPE, 12, FIRST_LAST),
+    "accounted": ("llama", Placement.LOOPED, 14, ACCOUNTED),
+}
+
+
+@pytest.mark.parametrize("case", UNEVEN)
+def test_estimated_parameters_on_uneven_stages_are_the_models(case: str) -> None:
+    """bfpp-train's memory check on Megatron's uneven layouts: each pipeline rank's parameters
+    as megatron-core builds them (a rank holding nothing included), looped and on the V."""
+    preset, placement, layers, uneven = UNEVEN[case]
+    shape = ModelShape(preset, layers, 64, 4, None, None, 32, 256)
+    layout = Layout(1, 4, 2, placement, 1, 4, **uneven)  # type: ignore[arg-type]
+    results: list[Any] = run_ranks(
+        _count, world_size=4, pp=4, vp=2, args=(shape, 1, 4, 2, placement, layout.uneven_config())
+    )
+    held = dict(results)
+    assert [held[rank] for rank in range(4)] == parameters_per_pipeline_rank(shape, layout)
