@@ -33,6 +33,7 @@ __all__ = [
     "linear_function_args",
     "linear_function_option",
     "local_linear_layers",
+    "loss_stage_told",
     "megatron_core_version",
     "model_params_from_main_params",
     "model_process_groups",
@@ -547,6 +548,23 @@ def building_as_pipeline_rank(pipeline_rank: int) -> Iterator[None]:
         yield
     finally:
         parallel_state.set_pipeline_model_parallel_rank(before)
+
+
+@contextlib.contextmanager
+def loss_stage_told(is_last_stage: bool, cp_group_size: int) -> Iterator[None]:
+    """megatron-core's combined step asks ``parallel_state`` whether its forward's chunk takes the
+    loss, which a V placement's (rank 0's second chunk) is not to it; the step is told, as the
+    plain forward tells ``forward_step`` (``is_last_stage``)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    original = schedules.forward_step_calc_loss
+    schedules.forward_step_calc_loss = functools.partial(
+        original, cp_group_size=cp_group_size, is_last_stage=is_last_stage
+    )
+    try:
+        yield
+    finally:
+        schedules.forward_step_calc_loss = original
 
 
 def process_groups_without_embedding_group(groups: Any) -> Any:

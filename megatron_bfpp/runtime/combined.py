@@ -7,12 +7,10 @@ part's expert all-to-all on its own stream under the other part's compute."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
-from collections.abc import Iterator
 from typing import Any
 
-from megatron_bfpp.compat import set_a2a_streams
+from megatron_bfpp.compat import loss_stage_told, set_a2a_streams
 from megatron_bfpp.ir import Action
 from megatron_bfpp.runtime.backward import begin_backward, end_backward, microbatch
 from megatron_bfpp.runtime.step import RankStep
@@ -42,7 +40,10 @@ def run(step: RankStep, position: int, forward: Action | None, backward: Action 
     capture: Any = contextlib.nullcontext()
     if step.measuring and forward is not None:
         capture = step.store.capture((forward.stage, microbatch(forward)))
-    with _loss_stage(step, forward), capture:
+    told: Any = contextlib.nullcontext()  # the forward's chunk takes the loss, or not
+    if forward is not None:
+        told = loss_stage_told(step.layout.is_last(forward.stage), step.ctx.cp_group_size)
+    with told, capture:
         output, num_tokens, input_grad = combined_1f1b.combined_forward_backward_step(
             ctx.call.forward_step_func, iterator, f_model, ctx.call.num_microbatches,
             input_tensor, step.state.forward_data_store, b_model, b_input, b_output, b_grad,
@@ -58,28 +59,6 @@ def run(step: RankStep, position: int, forward: Action | None, backward: Action 
     if backward is not None:
         assert key is not None
         end_backward(step, key, backward, input_grad)
-
-
-@contextlib.contextmanager
-def _loss_stage(step: RankStep, forward: Action | None) -> Iterator[None]:
-    """megatron-core's combined step asks ``parallel_state`` whether its forward's chunk takes the
-    loss, which a V placement's (rank 0's second chunk) is not to it; the step is told, as the
-    plain forward tells ``forward_step`` (``is_last_stage``)."""
-    from megatron.core.pipeline_parallel import schedules
-
-    if forward is None:
-        yield
-        return
-    original = schedules.forward_step_calc_loss
-    schedules.forward_step_calc_loss = functools.partial(
-        original,
-        cp_group_size=step.ctx.cp_group_size,
-        is_last_stage=step.layout.is_last(forward.stage),
-    )
-    try:
-        yield
-    finally:
-        schedules.forward_step_calc_loss = original
 
 
 def check_forward_step_func(forward_step_func: Any) -> None:
