@@ -24,7 +24,12 @@ from megatron_bfpp.cli.common import (
     positive_float,
 )
 from megatron_bfpp.compat import UnsupportedVersionError, check_megatron_core, check_torch
-from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT, flag_name, run_config
+from megatron_bfpp.config.run_config import (
+    DEFAULT_FFN_TEXT,
+    flag_name,
+    layout_virtual_stages,
+    run_config,
+)
 from megatron_bfpp.flags import (
     QUIET_RANK_GRACE_S,
     OneLineParser,
@@ -409,27 +414,22 @@ def uneven_problem(args: argparse.Namespace) -> str | None:
     uneven = run_config(args, args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     if not (fields := uneven.layout.uneven_config()):
         return None
-    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
-
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if layout := args.pipeline_model_parallel_layout:
+        try:
+            stages = layout_virtual_stages(layout, pp, args.num_layers)
+        except ValueError as error:
+            return str(error)
+        if (vp := args.num_virtual_stages_per_pipeline_rank) not in (None, stages):
+            return (
+                f"--pipeline-model-parallel-layout lists {stages} stages per rank; "
+                f"drop --num-virtual-stages-per-pipeline-rank {vp}"
+            )
+        args.num_virtual_stages_per_pipeline_rank = stages
     from megatron_bfpp.train.presets import transformer_config
 
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    vp = args.num_virtual_stages_per_pipeline_rank
     try:
-        if layout := args.pipeline_model_parallel_layout:
-            stages = PipelineParallelLayerLayout.get_num_stages_from_str(layout)
-            vp = args.num_virtual_stages_per_pipeline_rank  # given, else None (the layout's)
-            if stages % pp:
-                return (
-                    f"--pipeline-model-parallel-layout lists {stages} stages, not a multiple of "
-                    f"--pipeline-model-parallel-size {pp}"
-                )
-            if vp not in (None, stages // pp):
-                return (
-                    f"--pipeline-model-parallel-layout lists {stages // pp} stages per rank; "
-                    f"drop --num-virtual-stages-per-pipeline-rank {vp}"
-                )
-            args.num_virtual_stages_per_pipeline_rank = stages // pp
-        vp = args.num_virtual_stages_per_pipeline_rank
         with warnings.catch_warnings():  # megatron-core's, about no rank yet: one line stays one
             warnings.simplefilter("ignore")
             transformer_config(

@@ -133,6 +133,29 @@ def layout_stages(layout: str) -> list[str]:
     return text.split("|")
 
 
+def layout_virtual_stages(layout: str, pp: int, num_layers: int | None) -> int:
+    """Stages per rank a layout lists, after megatron-core's checks of it (a multiple of pp, its
+    ``t`` count equal to ``--num-layers``, known layer kinds): one rule for the Megatron-LM launcher
+    (before any import) and bfpp-train. Raises ``ValueError`` with the user's one line."""
+    stages, flag = layout_stages(layout), f"--pipeline-model-parallel-layout {layout}"
+    if unknown := sorted(set("".join(stages)) - set("EtmL")):
+        raise ValueError(
+            f"{flag}: {unknown[0]!r} is no layer kind; write E (embedding), t (transformer "
+            "layer), m (MTP layer), L (loss), | between stages, x*n or (...)*n to repeat"
+        )
+    if len(stages) % pp:
+        raise ValueError(
+            f"{flag} lists {len(stages)} stages, not a multiple of --pipeline-model-parallel-size "
+            f"{pp}; list {pp} stages per virtual stage"
+        )
+    layers = sum(stage.count("t") for stage in stages)
+    if num_layers is not None and layers != num_layers:
+        raise ValueError(
+            f"{flag} places {layers} transformer layers, not --num-layers {num_layers}"
+        )
+    return len(stages) // pp
+
+
 # Layout's uneven-stage flags (destinations) and megatron-core's config fields for them.
 _UNEVEN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Layout)[6:]}
 UNEVEN_FLAGS = tuple(_UNEVEN_DEFAULTS)

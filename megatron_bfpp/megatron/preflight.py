@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from megatron_bfpp.config.run_config import layout_stages
+from megatron_bfpp.config.run_config import layout_virtual_stages
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.megatron.arguments import (
@@ -153,24 +153,13 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
 
 def _layout_virtual_stages(args: argparse.Namespace) -> int | None:
     """Megatron's vp from a layout (its stages / pp), after megatron-core's checks of it."""
-    layout, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
-    stages, flag = layout_stages(layout), f"--pipeline-model-parallel-layout {layout}"
-    if unknown := sorted(set("".join(stages)) - set("EtmL")):
-        raise ScheduleError(
-            f"{flag}: {unknown[0]!r} is no layer kind; write E (embedding), t (transformer "
-            "layer), m (MTP layer), L (loss), | between stages, x*n or (...)*n to repeat"
+    try:
+        vp = layout_virtual_stages(
+            args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size, args.num_layers
         )
-    if len(stages) % pp:
-        raise ScheduleError(
-            f"{flag} lists {len(stages)} stages, not a multiple of --pipeline-model-parallel-size "
-            f"{pp}; list {pp} stages per virtual stage"
-        )
-    layers = sum(stage.count("t") for stage in stages)
-    if args.num_layers is not None and layers != args.num_layers:
-        raise ScheduleError(
-            f"{flag} places {layers} transformer layers, not --num-layers {args.num_layers}"
-        )
-    return None if len(stages) == pp else len(stages) // pp
+    except ValueError as error:
+        raise ScheduleError(str(error)) from None
+    return None if vp == 1 else vp
 
 
 def _layers_per_rank(args: argparse.Namespace) -> int | None:

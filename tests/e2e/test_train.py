@@ -299,11 +299,16 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
             "--pipeline-model-parallel-layout's stages per rank (its stages / pipeline size) or "
             "set it to 2, got 3",
         ),
-        ([LAYOUT, "E|t*8|L"], "--pipeline-model-parallel-layout lists 3 stages, not a multiple"),
+        (
+            [LAYOUT, "E|t*8|L"],
+            "--pipeline-model-parallel-layout E|t*8|L lists 3 stages, not a multiple",
+        ),
         (
             [*V_HALF, LAYOUT, "E|t*2|t|t|t|t|t|t*2L"],
-            "uneven stages: Number of decoder layers 9",
+            "--pipeline-model-parallel-layout E|t*2|t|t|t|t|t|t*2L places 9 transformer layers, "
+            "not --num-layers 8",
         ),
+        ([LAYOUT, "E|t*2|tx|t*2|t*2L"], "'x' is no layer kind"),
         (
             ["--pipeline-schedule", "auto", "--decoder-first-pipeline-num-layers", "1"],
             "--pipeline-schedule auto plans even pipeline stages and does not read "
@@ -338,6 +343,7 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         "v-shape-layout-of-3-per-rank",
         "layout-stages",
         "layout-layers",
+        "layout-kind",
         "auto-uneven",
     ],
 )
