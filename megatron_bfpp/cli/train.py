@@ -122,6 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--ffn-hidden-size", type=positive_int, help=f"(default: {DEFAULT_FFN_TEXT})")
     m.add_argument("--seq-length", type=positive_int, default=64)
     m.add_argument("--vocab-size", type=positive_int, default=256)
+    moe = "Mixture-of-Experts (Megatron-LM's flag; megatron-core's local MoE layer, no biases)"
+    m.add_argument("--num-experts", type=positive_int, help=f"{moe}: experts per layer")
+    m.add_argument("--moe-router-topk", type=positive_int, help=f"{moe} (default: 2)")
+    m.add_argument("--moe-ffn-hidden-size", type=positive_int, help=f"{moe} (default: the FFN's)")
+    m.add_argument(
+        "--expert-model-parallel-size",
+        type=positive_int,
+        default=1,
+        help=f"{moe}: ranks of the data-parallel group the experts are split over",
+    )
+    m.add_argument(
+        "--moe-token-dispatcher-type",
+        choices=("alltoall", "allgather"),
+        default="alltoall",
+        help=f"{moe} (default: alltoall, which gloo runs; Megatron-LM's is allgather)",
+    )
 
     par = p.add_argument_group("parallelism and schedule")
     by_count: dict[int, list[str]] = {}  # the virtual stages' default: each schedule's own
@@ -321,6 +337,7 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
     apply_schedule_defaults(args)
     problem = (
         uneven_problem(args)
+        or moe_problem(args, world_size)
         or number_problem(args)
         or output_problem(args, metrics=rank == 0)
         or (
@@ -437,6 +454,27 @@ def uneven_problem(args: argparse.Namespace) -> str | None:
             )
     except (ValueError, AssertionError, KeyError) as error:
         return f"uneven stages: {first_line(error)}"
+    return None
+
+
+def moe_problem(args: argparse.Namespace, world_size: int) -> str | None:
+    """megatron-core's conditions on the expert flags, and what bfpp-train does not do with them
+    yet (checkpoints), in one line before any rank starts."""
+    experts, ep = args.num_experts, args.expert_model_parallel_size
+    if experts is None:
+        given = [f for f in ("moe_router_topk", "moe_ffn_hidden_size") if getattr(args, f)]
+        if given or ep > 1:
+            flags = [flag_name(f) for f in given] + (["--expert-model-parallel-size"] * (ep > 1))
+            return f"{flags[0]} needs --num-experts (a Mixture-of-Experts model)"
+        return None
+    dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    if experts % ep or dp % ep:
+        return (
+            f"--expert-model-parallel-size {ep} must divide --num-experts {experts} and the "
+            f"data-parallel size {dp}"
+        )
+    if (topk := args.moe_router_topk or 2) > experts:
+        return f"--moe-router-topk {topk} routes to more experts than --num-experts {experts}"
     return None
 
 

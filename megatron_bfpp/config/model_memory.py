@@ -33,19 +33,25 @@ def _split(size: int, tp: int) -> int:
     return -(-size // tp)
 
 
-def layer_parameters(shape: ModelShape, *, tp: int) -> int:
+def layer_parameters(shape: ModelShape, *, tp: int, ep: int = 1) -> int:
     """One transformer layer on one tensor-parallel rank (megatron-core's local layer spec): QKV and
-    FC1 split by output, projection and FC2 by input; biases (GPT only) and norms whole."""
+    FC1 split by output, projection and FC2 by input; biases (GPT only, none with experts) and
+    norms whole. With experts: the router (experts x h, whole) and experts / ep local experts."""
     h, heads = shape.hidden_size, shape.num_attention_heads
     kv = h // heads * (shape.num_query_groups or heads)
-    ffn = shape.ffn
-    llama = shape.preset == "llama"
-    fc1_out = (2 if llama else 1) * ffn
-    weights = _split(h * (h + 2 * kv), tp) + _split(h * h, tp)
-    weights += _split(h * fc1_out, tp) + _split(ffn * h, tp)
-    biases = 0 if llama else _split(h + 2 * kv, tp) + h + _split(fc1_out, tp) + h
+    llama, experts = shape.preset == "llama", shape.num_experts or 0
+    biased = not (llama or experts)
+
+    def mlp(ffn: int) -> int:
+        fc1 = (2 if llama else 1) * ffn
+        return _split(h * fc1, tp) + _split(ffn * h, tp) + (_split(fc1, tp) + h if biased else 0)
+
+    attention = _split(h * (h + 2 * kv), tp) + _split(h * h, tp)
+    attention += _split(h + 2 * kv, tp) + h if biased else 0
     norms = 2 * (h if llama else 2 * h)
-    return weights + biases + norms
+    if not experts:
+        return attention + mlp(shape.ffn) + norms
+    return attention + h * experts + experts // ep * mlp(shape.moe_ffn) + norms
 
 
 def parameters_per_pipeline_rank(shape: ModelShape, layout: Layout) -> list[int]:
@@ -76,7 +82,8 @@ def _spread(shape: ModelShape, layout: Layout, layers: list[int], *, last: int) 
     one chunk; megatron-core syncs it over the embedding group)."""
     h, tp = shape.hidden_size, layout.tensor_model_parallel_size
     llama = shape.preset == "llama"
-    counts = [n * layer_parameters(shape, tp=tp) for n in layers]
+    layer = layer_parameters(shape, tp=tp, ep=layout.expert_model_parallel_size)
+    counts = [n * layer for n in layers]
     embedding = _split(shape.vocab_size * h, tp)
     stages = layout.pipeline_model_parallel_size * layout.num_virtual_stages_per_pipeline_rank
     output = embedding if llama or stages > 1 else 0  # a tied one is shared in one chunk only

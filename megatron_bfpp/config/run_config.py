@@ -53,10 +53,19 @@ class ModelShape:
     ffn_hidden_size: int | None
     seq_length: int
     vocab_size: int
+    # Mixture-of-Experts, Megatron-LM's flags (None: dense; absent from checkpoints before them)
+    num_experts: int | None = None
+    moe_router_topk: int | None = None
+    moe_ffn_hidden_size: int | None = None
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or default_ffn_hidden_size(self.preset, self.hidden_size)
+
+    @property
+    def moe_ffn(self) -> int:
+        """Each expert's FFN size (megatron-core's default: the dense one)."""
+        return self.moe_ffn_hidden_size or self.ffn
 
     def effective_flags(self) -> dict[str, Any]:
         """The model flags, defaults filled in, by destination: two runs build the same model
@@ -87,6 +96,7 @@ class Layout:
     decoder_last_pipeline_num_layers: int | None = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    expert_model_parallel_size: int = 1  # experts split over data-parallel ranks
 
     def layers_per_stage(self, num_layers: int) -> list[int]:
         """Transformer layers of each of the model's stages in order, by megatron-core's
@@ -157,7 +167,7 @@ def layout_virtual_stages(layout: str, pp: int, num_layers: int | None) -> int:
 
 
 # Layout's uneven-stage flags (destinations) and megatron-core's config fields for them.
-_UNEVEN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Layout)[6:]}
+_UNEVEN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Layout)[6:11]}
 UNEVEN_FLAGS = tuple(_UNEVEN_DEFAULTS)
 UNEVEN_CONFIG_FIELDS = (
     "pipeline_model_parallel_layout", "num_layers_in_first_pipeline_stage",
@@ -234,8 +244,13 @@ class RunConfig:
 
 def model_shape(args: Any) -> ModelShape:
     """The model a parsed ``bfpp-train`` namespace asks for: ``--model``, then the fields' flags."""
-    names = [field.name for field in dataclasses.fields(ModelShape)[1:]]
-    return ModelShape(args.model, **{name: getattr(args, name) for name in names})
+    values: dict[str, Any] = {
+        field.name: getattr(args, field.name)
+        if field.default is dataclasses.MISSING
+        else getattr(args, field.name, field.default)  # the expert flags: bfpp-train's only
+        for field in dataclasses.fields(ModelShape)[1:]
+    }
+    return ModelShape(args.model, **values)
 
 
 # Training's fields read as the flags are (``data_path``'s list is joined by spaces).
@@ -258,6 +273,7 @@ def run_config(args: Any, world_size: int) -> RunConfig:
                 dest: getattr(args, dest, None) or default
                 for dest, default in _UNEVEN_DEFAULTS.items()
             },
+            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         ),
         pipeline_schedule=args.pipeline_schedule,
         training=Training(

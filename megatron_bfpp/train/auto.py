@@ -45,6 +45,11 @@ def train_request(
         num_query_groups=shape.num_query_groups,
         vocab_size=shape.vocab_size,
         dropout=False,  # bfpp-train's models train without dropout
+        moe={
+            "num_experts": shape.num_experts,
+            "moe_router_topk": shape.moe_router_topk,
+            "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
+        },
     )
     return AutoRequest(
         model=model,
@@ -61,6 +66,7 @@ def train_request(
         group_size=args.breadth_first_group_size,
         max_stored=args.bpipe_max_stored,
         sequence_parallel=False,  # bfpp-train's presets (train.presets)
+        ep=args.expert_model_parallel_size,
     )
 
 

@@ -230,6 +230,7 @@ def _layout_differences(saved: RunConfig, current: RunConfig) -> list[str]:
         "pipeline_model_parallel_size",
         "num_virtual_stages_per_pipeline_rank",
         *UNEVEN_FLAGS,
+        "expert_model_parallel_size",  # a rank's file holds its own experts
     ):
         if getattr(a, dest) != getattr(b, dest):
             differences.append(

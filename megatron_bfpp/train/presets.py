@@ -58,10 +58,20 @@ def portable_fields(*, tp: int, pp: int, vp: int | None) -> dict[str, Any]:
 
 
 def transformer_config(
-    shape: ModelShape, *, tp: int, pp: int, vp: int | None, on_cpu: bool, **uneven: Any
+    shape: ModelShape,
+    *,
+    tp: int,
+    pp: int,
+    vp: int | None,
+    on_cpu: bool,
+    ep: int = 1,
+    dispatcher: str = "alltoall",
+    **uneven: Any,
 ) -> Any:
     """The megatron-core ``TransformerConfig`` of ``shape`` for a parallel layout (``uneven``:
-    ``Layout.uneven_config``'s fields, checked by megatron-core here)."""
+    ``Layout.uneven_config``'s fields, checked by megatron-core here). Experts: megatron-core's
+    local MoE layer on every layer, without linear biases (megatron-core adds an expert's bias in
+    place on a view, which autograd refuses)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -91,6 +101,16 @@ def transformer_config(
         fields.update(normalization="LayerNorm", num_query_groups=shape.num_query_groups)
     else:
         raise ValueError(f"unknown model preset {shape.preset!r} (choose from {_PRESETS})")
+    if shape.num_experts:
+        fields.update(
+            num_moe_experts=shape.num_experts,
+            moe_router_topk=shape.moe_router_topk or 2,
+            moe_ffn_hidden_size=shape.moe_ffn,
+            expert_model_parallel_size=ep,
+            moe_token_dispatcher_type=dispatcher,
+            moe_grouped_gemm=False,
+            add_bias_linear=False,
+        )
     return TransformerConfig(**fields)
 
 
@@ -104,7 +124,11 @@ def build_model_chunks(
     llama = shape.preset == "llama"
     return gpt_chunks(
         config,
-        layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm"),
+        layer_spec=get_gpt_layer_local_spec(
+            num_experts=shape.num_experts,
+            moe_grouped_gemm=False,
+            normalization="RMSNorm" if llama else "LayerNorm",
+        ),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.seq_length,
         share_embeddings_and_output_weights=not llama,
@@ -173,8 +197,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def global_param_names(model: torch.nn.Module) -> dict[str, str]:
-    """Local parameter name -> global name (``decoder.layers.<global layer index>``; a tied output
-    weight on a stage without the embedding is named after the embedding it duplicates)."""
+    """Local parameter name -> global name (``decoder.layers.<global layer index>``, an expert by
+    its global index; a tied output weight on a stage without the embedding is named after the
+    embedding it duplicates)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     module = unwrap(model)
@@ -183,7 +208,11 @@ def global_param_names(model: torch.nn.Module) -> dict[str, str]:
         if isinstance(sub, TransformerLayer):
             match = _LAYER_PREFIX.match(name)
             assert match, name
-            layer_prefix[name + "."] = f"{match.group(1)}{sub.layer_number - 1}."
+            layer = f"{match.group(1)}{sub.layer_number - 1}."
+            for index, expert in enumerate(getattr(sub.mlp, "local_expert_indices", ())):
+                local = f"{name}.mlp.experts.local_experts.{index}."  # before its layer's prefix
+                layer_prefix[local] = f"{layer}mlp.experts.local_experts.{expert}."
+            layer_prefix[name + "."] = layer
     tied, names = getattr(module, "share_embeddings_and_output_weights", False), {}
     for name, _ in module.named_parameters():
         global_name = next(

@@ -329,6 +329,7 @@ def _set_up(args: Any, device: torch.device) -> _Run:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         # megatron-core's groups default to 30 minutes; this bounds every wait (runtime.p2p)
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
@@ -339,7 +340,14 @@ def _set_up(args: Any, device: torch.device) -> _Run:
     run_cfg = run_config(args, dist.get_world_size())
     shape = run_cfg.model
     config = transformer_config(
-        shape, tp=tp, pp=pp, vp=vp, on_cpu=device.type == "cpu", **run_cfg.layout.uneven_config()
+        shape,
+        tp=tp,
+        pp=pp,
+        vp=vp,
+        on_cpu=device.type == "cpu",
+        ep=args.expert_model_parallel_size,
+        dispatcher=args.moe_token_dispatcher_type,
+        **run_cfg.layout.uneven_config(),
     )
     placement = get_spec(args.pipeline_schedule).placement
     model = wrap_ddp(
@@ -400,9 +408,16 @@ def _loop(run: _Run) -> TrainResult:
     progress = _Progress(shown, args.no_progress, args.train_iters, args.log_interval, sys.stdout)
     if rank0 and progress.lines:
         tp, pp, vp = _layout(args)
+        experts = (
+            f" ({args.num_experts} experts, top {args.moe_router_topk or 2})"
+            if args.num_experts
+            else ""
+        )
+        ep = f" ep={args.expert_model_parallel_size}" if args.num_experts else ""
         print(
-            f"bfpp-train: {args.model} {args.num_layers} layers, hidden {args.hidden_size}, "
-            f"tp={tp} pp={pp} vp={vp or 1} dp={run.dp_size}, {run.num_microbatches} micro-batches "
+            f"bfpp-train: {args.model} {args.num_layers} layers{experts}, hidden "
+            f"{args.hidden_size}, tp={tp} pp={pp} vp={vp or 1} dp={run.dp_size}{ep}, "
+            f"{run.num_microbatches} micro-batches "
             f"per step, schedule {args.pipeline_schedule}, device {run.device.type}, from "
             f"iteration {run.iteration} ({run.consumed_samples} samples consumed)",
             flush=True,

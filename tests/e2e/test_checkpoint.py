@@ -132,6 +132,9 @@ def _resume(ckpt: Path, tmp_path: Path, *flags: str) -> tuple[Any, dict[int, flo
 # --------------------------------------------------------------------------- what may change
 
 
+MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size")  # None: a dense model
+
+
 def test_checkpoint_describes_itself(saved: Path) -> None:
     directory = saved / f"iter_{SAVED_AT:07d}"
     assert (saved / TRACKER).read_text().strip() == str(SAVED_AT)
@@ -151,7 +154,9 @@ def test_checkpoint_describes_itself(saved: Path) -> None:
         "decoder_last_pipeline_num_layers": None,
         "account_for_embedding_in_pipeline_split": False,
         "account_for_loss_in_pipeline_split": False,
+        "expert_model_parallel_size": 1,
     }
+    assert {key: meta["run"]["model"][key] for key in MOE_FIELDS} == dict.fromkeys(MOE_FIELDS)
     assert meta["run"]["pipeline_schedule"] == "breadth-first"
     assert meta["run"]["training"]["global_batch_size"] == GBS
     assert meta["megatron_core"].count(".") == 2

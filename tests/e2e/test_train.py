@@ -165,6 +165,53 @@ def test_uneven_stages_give_the_same_losses(
         assert loss == pytest.approx(want[iteration], abs=1e-5), (iteration, got, want)
 
 
+MOE = ["--pipeline-model-parallel-size", "2", "--num-experts", "4", "--global-batch-size", "16"]
+
+
+def test_experts_dualpipe_v_gives_1f1bs_losses_and_the_counted_parameters(tmp_path: Path) -> None:
+    """A Mixture-of-Experts GPT (4 experts, top 2, megatron-core's all-to-all dispatcher on gloo):
+    dualpipe-v with the experts split over 2 ranks, saved at iteration 2 and resumed, trains to
+    1F1B's losses with every expert on each rank (experts are initialised by global index, so
+    both hold one model); each pipeline rank holds the parameter bytes the memory check counts,
+    and a resume at another expert-parallel size is refused in one line."""
+    from megatron_bfpp.config.model_memory import parameters_per_pipeline_rank
+    from megatron_bfpp.config.run_config import Layout, ModelShape
+    from megatron_bfpp.ir import Placement
+
+    def train(schedule: str, ep: str, *flags: str) -> subprocess.CompletedProcess[str]:
+        path = tmp_path / f"{schedule}.jsonl"
+        ours = ["--pipeline-schedule", schedule, "--expert-model-parallel-size", ep]
+        return _run(
+            *MOE, *ours, "--train-iters", str(COMPARED), "--metrics-file", str(path), *flags
+        )
+
+    checkpoint = str(tmp_path / "ckpt")
+    saved = ["--save", checkpoint, "--save-interval", "2"]
+    for schedule, ep, flags in (
+        ("1f1b", "1", []),
+        ("dualpipe-v", "2", [*saved, "--exit-interval", "2"]),
+        ("dualpipe-v", "2", ["--load", checkpoint]),  # appends iteration 3 to its metrics
+    ):
+        proc = train(schedule, ep, *flags)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "8 layers (4 experts, top 2)" in proc.stdout and f"ep={ep}," in proc.stdout
+    want, got = (_losses(tmp_path / f"{name}.jsonl") for name in ("1f1b", "dualpipe-v"))
+    assert sorted(got) == list(range(1, COMPARED + 1))
+    for iteration, loss in got.items():
+        assert loss == pytest.approx(want[iteration], abs=1e-5), (iteration, got, want)
+    shape = ModelShape("gpt", 8, 64, 4, None, None, 64, 256, 4)
+    layout = Layout(1, 2, 2, Placement.V_SHAPE, 2, 4, expert_model_parallel_size=2)
+    counted = [4 * n for n in parameters_per_pipeline_rank(shape, layout)]  # fp32
+    assert _metrics(tmp_path / "dualpipe-v.jsonl")[-1]["peak_parameter_bytes"] == counted
+    refused = train("dualpipe-v", "1", "--load", checkpoint)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith(
+        "checkpoint was saved with --expert-model-parallel-size 2, this run has 1; a checkpoint "
+        "resumes only on the same model and parallel layout (the schedule, --micro-batch-size "
+        "and --global-batch-size may change)"
+    ), refused.stderr
+
+
 def test_bpipe_caps_measured_activation_memory(tmp_path: Path) -> None:
     """The metrics file shows BPipe's point: rank 0 stores ceil((p+2)/2) = 3 micro-batches
     instead of 1F1B's p = 4, and the busiest rank holds fewer bytes."""
@@ -309,6 +356,13 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
             "not --num-layers 8",
         ),
         ([LAYOUT, "E|t*2|tx|t*2|t*2L"], "'x' is no layer kind"),
+        (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size needs --num-experts"),
+        (
+            ["--num-experts", "3", "--expert-model-parallel-size", "2"],
+            "--expert-model-parallel-size 2 must divide --num-experts 3 and the data-parallel "
+            "size 1",
+        ),
+        (["--num-experts", "2", "--moe-router-topk", "3"], "--moe-router-topk 3 routes to more"),
         (
             ["--pipeline-schedule", "auto", "--decoder-first-pipeline-num-layers", "1"],
             "--pipeline-schedule auto plans even pipeline stages and does not read "
@@ -344,6 +398,9 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         "layout-stages",
         "layout-layers",
         "layout-kind",
+        "ep-without-experts",
+        "ep-not-dividing",
+        "topk-above-experts",
         "auto-uneven",
     ],
 )

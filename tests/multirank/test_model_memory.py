@@ -30,7 +30,9 @@ def _count(
 
     from megatron_bfpp.train.presets import build_model_chunks, transformer_config
 
-    config = transformer_config(shape, tp=tp, pp=pp, vp=vp, on_cpu=True, **(uneven or {}))
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    uneven = uneven or {}
+    config = transformer_config(shape, tp=tp, pp=pp, vp=vp, on_cpu=True, ep=ep, **uneven)
     chunks = build_model_chunks(config, shape, seed=1, placement=placement)
     held = sum(param.numel() for chunk in chunks for param in chunk.parameters())
     return parallel_state.get_pipeline_model_parallel_rank(), held
@@ -82,3 +84,28 @@ def test_estimated_parameters_on_uneven_stages_are_the_models(case: str) -> None
     )
     held = dict(results)
     assert [held[rank] for rank in range(4)] == parameters_per_pipeline_rank(shape, layout)
+
+
+@pytest.mark.parametrize(
+    ("preset", "tp", "ep", "moe_ffn"),
+    [("gpt", 1, 2, None), ("llama", 2, 2, 48)],
+    ids=["gpt-ep2", "llama-tp2-ep2-expert-ffn"],
+)
+def test_estimated_parameters_with_experts_are_the_models(
+    preset: str, tp: int, ep: int, moe_ffn: int | None
+) -> None:
+    """bfpp-train's Mixture-of-Experts models (megatron-core's local MoE layer, no linear biases):
+    the router whole, experts / ep experts per rank split over tp, as megatron-core builds them."""
+    shape = ModelShape(preset, 4, 64, 4, None, None, 32, 256, 4, 2, moe_ffn)
+    pp, dp = 2, ep
+    results: list[Any] = run_ranks(
+        _count, world_size=tp * pp * dp, tp=tp, pp=pp, ep=ep, args=(shape, tp, pp, None)
+    )
+    held: dict[int, set[int]] = {}
+    for pipeline_rank, count in results:
+        held.setdefault(pipeline_rank, set()).add(count)
+    layout = Layout(tp, pp, 1, Placement.SINGLE, dp, tp * pp * dp, expert_model_parallel_size=ep)
+    expected = parameters_per_pipeline_rank(shape, layout)
+    assert [held[rank] for rank in range(pp)] == [{count} for count in expected]
+    dense = parameters_per_pipeline_rank(ModelShape(preset, 4, 64, 4, None, None, 32, 256), layout)
+    assert all(e != d for e, d in zip(expected, dense, strict=True))  # experts were built

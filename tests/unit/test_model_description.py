@@ -105,3 +105,23 @@ def test_a_gated_mlp_without_an_ffn_size_gets_its_builders_default(
     front_end: str, ffn: int
 ) -> None:
     assert FRONT_ENDS[front_end](None).ffn_hidden_size == ffn
+
+
+def test_experts_are_described_alike_by_bfpp_train_and_megatron_lm() -> None:
+    """bfpp-train's Mixture-of-Experts flags are Megatron-LM's: the same planner model, and the
+    experts' parallel size in the request ``auto`` plans."""
+    moe = {"num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 128}
+    args = train_cli.build_parser().parse_args(
+        ["--model", "llama", "--pipeline-model-parallel-size", "2", *_flags(688),
+         "--num-experts=8", "--moe-ffn-hidden-size=128", "--expert-model-parallel-size=2"]
+    )  # fmt: skip
+    ours = train_request(args, 4, env={}, device=(None, None))
+    megatron_args = argparse.Namespace(
+        **SHAPE, swiglu=True, group_query_attention=True, num_query_groups=GROUPS,
+        ffn_hidden_size=688, vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0,
+        micro_batch_size=1, global_batch_size=8, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=2, expert_model_parallel_size=2, **moe,
+    )  # fmt: skip
+    theirs = megatron_request(megatron_args, world_size=4, env={}, hw=HW, sharding=None)
+    assert ours.model == theirs.model and ours.ep == theirs.ep == 2
+    assert (ours.model.num_experts, ours.model.moe_ffn_hidden_size) == (8, 128)
