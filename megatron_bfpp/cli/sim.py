@@ -19,6 +19,7 @@ from megatron_bfpp.cli.common import (
     output_file_problem,
     write_problem,
 )
+from megatron_bfpp.config.run_config import flag_name
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import (
     _CHUNK_LEVEL,
@@ -50,7 +51,7 @@ from megatron_bfpp.sim import (
     render_png,
     simulate,
 )
-from megatron_bfpp.sim.cost import cost_fields, cost_flag
+from megatron_bfpp.sim.cost import cost_fields
 from megatron_bfpp.sim.simulator import (
     DEFAULT_MEGATRON_GRAD_REDUCE,
     DEFAULT_P2P_MODEL,
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
             text += f" (default: {BPIPE_T_EVICT:g} for bpipe, so its transfers show in the "
             text += "timeline; 0 otherwise)"
         costs.add_argument(
-            cost_flag(cost.name), type=non_negative_float, default=default, help=text
+            flag_name(cost.name), type=non_negative_float, default=default, help=text
         )
     costs.add_argument(
         "--p2p-model",

@@ -31,7 +31,12 @@ from megatron_bfpp.plan.search import (
     memory_of,
 )
 from megatron_bfpp.schedules.fit import BATCH_SCHEDULE_FLAG, num_microbatches
-from megatron_bfpp.schedules.registry import build_schedule, get_spec, planned_schedules
+from megatron_bfpp.schedules.registry import (
+    build_schedule,
+    check_sharding_data_parallel,
+    get_spec,
+    planned_schedules,
+)
 
 __all__ = [
     "AUTO",
@@ -427,11 +432,7 @@ def _check_request(r: AutoRequest) -> None:
             f"--expert-model-parallel-size {r.ep} must divide --num-experts ({experts}) and the "
             f"data x context parallel size ({r.dp * r.cp}): choose another, or 1"
         )
-    if r.sharding != "optim" and r.dp < 2:
-        raise ScheduleError(
-            f"--data-parallel-sharding-strategy {r.sharding} needs data parallelism "
-            f"(data-parallel size is {r.dp})"
-        )
+    check_sharding_data_parallel(r.sharding, r.dp)
 
 
 def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
@@ -624,8 +625,6 @@ def _untimed(
 
 def _check_every_step(c: Candidate, r: AutoRequest, actions: ActionBudget) -> None:
     """A batch-size schedule's other steps must build too (the timed one is simulated)."""
-    spec = get_spec(c.schedule)
-    chunks = spec.chunks_for(None if spec.placement is not Placement.LOOPED else c.vp)
     for m in sorted(set(r.step_microbatches) - {r.num_microbatches}):
         actions.charge(num_ranks=c.pp, stages_per_rank=c.vp, num_microbatches=m)
         try:
@@ -633,7 +632,7 @@ def _check_every_step(c: Candidate, r: AutoRequest, actions: ActionBudget) -> No
                 c.schedule,
                 num_ranks=c.pp,
                 num_microbatches=m,
-                num_chunks=chunks,
+                num_chunks=c.vp,  # build_schedule reads it as the schedule's own (chunks_for)
                 lower=False,
                 validate=False,
                 **c.options,

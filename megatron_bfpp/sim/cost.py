@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from megatron_bfpp.ir import ActionKind, ScheduleError
 from megatron_bfpp.semantics import Timing, compute_durations
 
-__all__ = ["CostModel", "ExactTiming", "cost_fields", "cost_flag"]
+__all__ = ["CostModel", "ExactTiming", "cost_fields"]
 
 
 class ExactTiming(NamedTuple):
@@ -110,11 +110,6 @@ class CostModel:
 def cost_fields() -> tuple[Field[Any], ...]:
     """CostModel's fields (default, ``metadata["help"]``): what front ends derive flags from."""
     return fields(CostModel)
-
-
-def cost_flag(name: str) -> str:
-    """The command-line flag of a cost field (``t_p2p`` -> ``--t-p2p``)."""
-    return "--" + name.replace("_", "-")
 
 
 def _decimal(value: float) -> Fraction:

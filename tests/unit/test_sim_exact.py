@@ -12,12 +12,13 @@ from fractions import Fraction
 
 import pytest
 
+from megatron_bfpp.config.run_config import flag_name
 from megatron_bfpp.ir import StageLayout
 from megatron_bfpp.passes.communication import add_communication
 from megatron_bfpp.schedules.registry import SCHEDULES, build_schedule
 from megatron_bfpp.semantics import Timing
 from megatron_bfpp.sim import CostModel, simulate
-from megatron_bfpp.sim.cost import ExactTiming, cost_fields, cost_flag
+from megatron_bfpp.sim.cost import ExactTiming, cost_fields
 
 # Costs that are not binary fractions, split backwards included.
 ODD = CostModel(
@@ -125,7 +126,7 @@ def test_bfpp_sims_cost_flags_are_the_cost_models_fields() -> None:
 
     flags = {flag: a for a in build_parser()._actions for flag in a.option_strings}
     for cost in cost_fields():
-        action = flags[cost_flag(cost.name)]
+        action = flags[flag_name(cost.name)]
         assert action.dest == cost.name and action.help is not None
         assert action.help.startswith(cost.metadata["help"])
         assert action.default in (cost.default, None)  # None: the schedule's own (t_evict)
