@@ -158,3 +158,21 @@ def test_a_newer_torch_runs_with_one_warning_naming_the_tested_versions(tmp_path
         "megatron_bfpp: warning: torch 2.15.0 is newer than the versions megatron_bfpp is "
         "tested with (2.13.0, 2.14.1); it runs, untested"
     ], result.stderr
+
+
+def test_the_moe_router_runs_without_transformer_engine() -> None:
+    """0.16.1's router names ``te_general_gemm`` even when Transformer Engine does not import (a
+    NameError on every MoE forward, bfpp-train's included); after the shim every release routes
+    through torch, with the plain linear's values and gradients."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    if moe_utils.HAVE_TE:
+        pytest.skip("Transformer Engine imports: its kernels route")
+    compat.moe_without_transformer_engine()
+    inp = torch.randn(3, 8, requires_grad=True)
+    weight = torch.randn(4, 8, requires_grad=True)
+    out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    torch.testing.assert_close(out, inp @ weight.T)
+    out.sum().backward()
+    assert inp.grad is not None and weight.grad is not None
