@@ -15,7 +15,7 @@ import gc
 import io
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -40,6 +40,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "StageLayout",
+    "check_positive",
     "dump_csv",
     "dump_csv_text",
     "first_line",
@@ -357,12 +358,12 @@ class StageLayout:
 
     @classmethod
     def looped(cls, num_ranks: int, num_chunks: int = 1) -> StageLayout:
-        _check_positive(num_ranks=num_ranks, num_chunks=num_chunks)
+        check_positive({"num_ranks": num_ranks, "num_chunks": num_chunks})
         return cls(tuple(s % num_ranks for s in range(num_ranks * num_chunks)))
 
     @classmethod
     def v_shape(cls, num_ranks: int) -> StageLayout:
-        _check_positive(num_ranks=num_ranks)
+        check_positive({"num_ranks": num_ranks})
         return cls(tuple(min(s, 2 * num_ranks - 1 - s) for s in range(2 * num_ranks)))
 
     @property
@@ -1050,7 +1051,9 @@ def _torch_action(cell: _TorchCell, rank: int, layout: StageLayout, row: str) ->
     return Action(cell.stage, kind, cell.microbatch, peer)
 
 
-def _check_positive(**values: int) -> None:
-    for key, value in values.items():
-        if value < 1:
-            raise ScheduleError(f"{key} must be >= 1, got {value}")
+def check_positive(values: Mapping[str, object], *, prefix: str = "") -> None:
+    """The first of ``values`` (by the name a user wrote) that is not a positive integer (a bool
+    is not one), in one line: the shared check of every count a user hands us."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{prefix}{name} must be a positive integer, got {value!r}")

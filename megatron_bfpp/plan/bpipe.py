@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.ir import ScheduleError, check_positive
 from megatron_bfpp.passes.eviction import bpipe_max_stored
 
 __all__ = ["Estimate", "bpipe_speedup_estimate", "pipeline_factor", "pipeline_mfu"]
@@ -189,8 +189,7 @@ def _check_mfu(what: str, value: float) -> None:
 def _check_batches(global_batch_size: int, micro_batch_sizes: tuple[int, ...]) -> None:
     sizes = [("micro-batch size", b) for b in micro_batch_sizes]
     for name, value in [("global batch size", global_batch_size), *sizes]:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{name} must be a positive integer; got {value!r}")
+        check_positive({name: value})
         if value > _MAX_EXACT:
             raise ScheduleError(
                 f"{name} must be at most 2**53 (computed in floating point); got {value}"

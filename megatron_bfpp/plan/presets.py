@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_bfpp.config.run_config import ModelShape, default_ffn_hidden_size
-from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.ir import ScheduleError, check_positive
 
 __all__ = [
     "BF16_MIXED",
@@ -161,9 +161,7 @@ def model_from_shape(
         "--seq-length": seq_length,
         "--vocab-size": vocab_size,
     }
-    for flag, value in named.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{flag} must be a positive integer, got {value!r}")
+    check_positive(named)
     if hidden_size % num_attention_heads:
         raise ScheduleError(
             f"--hidden-size {hidden_size} is not divisible by --num-attention-heads "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from functools import cache, lru_cache, partial
 from typing import Any
 
-from megatron_bfpp.ir import Placement, Schedule, ScheduleError, paused_gc
+from megatron_bfpp.ir import Placement, Schedule, ScheduleError, check_positive, paused_gc
 from megatron_bfpp.plan.costs import (
     BuiltinCurve,
     Efficiency,
@@ -125,9 +125,7 @@ class Cluster:
     gpu: Gpu
 
     def __post_init__(self) -> None:
-        for flag, value in (("--num-gpus", self.num_gpus), ("--gpus-per-node", self.gpus_per_node)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ScheduleError(f"{flag} must be a positive integer, got {value!r}")
+        check_positive({"--num-gpus": self.num_gpus, "--gpus-per-node": self.gpus_per_node})
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             raise ScheduleError(
                 f"--num-gpus {self.num_gpus} is not a whole number of nodes of "

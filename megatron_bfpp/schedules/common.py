@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from megatron_bfpp.ir import Action, Schedule, ScheduleError, StageLayout
+from megatron_bfpp.ir import Action, Schedule, StageLayout, check_positive
 
 __all__ = ["check_counts", "interleave_1f1b", "make_schedule"]
 
 
 def check_counts(schedule: str, **values: int) -> None:
     """Reject counts below 1 with the flag a user would change."""
-    for key, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"{schedule}: {key} must be a positive integer, got {value!r}")
+    check_positive(values, prefix=f"{schedule}: ")
 
 
 def interleave_1f1b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
