@@ -37,7 +37,6 @@ __all__ = [
     "megatron_core_version",
     "model_params_from_main_params",
     "model_process_groups",
-    "moe_without_transformer_engine",
     "optimizer_on_shards",
     "param_bucket_ranges",
     "param_gather_suppressed",
@@ -642,23 +641,3 @@ def accumulate_wgrad_fused(total_input: Any, grad_output: Any, main_grad: Any) -
         raise RuntimeError(
             f"gradient accumulation fusion does not support main_grad of type {main_grad.dtype}"
         )
-
-
-# megatron-core's Transformer Engine MoE kernels, None without TE from 0.17 on
-_TE_MOE_KERNELS = (
-    "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
-    "fused_permute_with_probs", "fused_sort_chunks_by_index",
-    "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function", "fused_unpermute",
-    "te_general_gemm",
-)  # fmt: skip
-
-
-def moe_without_transformer_engine() -> None:
-    """0.16.1 leaves its TE MoE kernels undefined when TE does not import, yet its router tests
-    ``te_general_gemm is not None`` on every forward (a NameError, CPU or GPU); 0.17+ set them to
-    None. Set the missing ones to None as 0.17+ do: the router then takes its torch path."""
-    from megatron.core.transformer.moe import moe_utils
-
-    for name in _TE_MOE_KERNELS:
-        if not hasattr(moe_utils, name):
-            setattr(moe_utils, name, None)

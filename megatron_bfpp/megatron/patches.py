@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["Patches"]
+__all__ = ["Patches", "moe_without_transformer_engine"]
 
 
 class _Saved(NamedTuple):
@@ -50,3 +50,24 @@ class Patches:
     def owner_of(self, name: str) -> Any | None:
         """The object whose ``name`` was replaced first, or None."""
         return next((saved.owner for saved in self._saved if saved.name == name), None)
+
+
+# megatron-core's Transformer Engine MoE kernels, None without TE from 0.17 on
+_TE_MOE_KERNELS = (
+    "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+    "fused_permute_with_probs", "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function", "fused_unpermute",
+    "te_general_gemm",
+)  # fmt: skip
+
+
+def moe_without_transformer_engine() -> None:
+    """Not a replacement, so outside the registry (nothing to undo: 0.17+ define the same).
+    0.16.1 leaves its TE MoE kernels undefined when TE does not import, yet its router tests
+    ``te_general_gemm is not None`` on every forward (a NameError, CPU or GPU); 0.17+ set them to
+    None. Set the missing ones to None as 0.17+ do: the router then takes its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in _TE_MOE_KERNELS:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)

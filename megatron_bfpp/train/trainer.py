@@ -20,7 +20,6 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from megatron_bfpp.compat import moe_without_transformer_engine
 from megatron_bfpp.config.model_memory import memory_problem
 from megatron_bfpp.config.run_config import RunConfig, run_config
 from megatron_bfpp.ir import first_line
@@ -341,6 +340,8 @@ def _set_up(args: Any, device: torch.device) -> _Run:
     run_cfg = run_config(args, dist.get_world_size())
     shape = run_cfg.model
     if shape.num_experts:
+        from megatron_bfpp.megatron.patches import moe_without_transformer_engine
+
         moe_without_transformer_engine()
     config = transformer_config(
         shape,

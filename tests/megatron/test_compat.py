@@ -169,7 +169,9 @@ def test_the_moe_router_runs_without_transformer_engine() -> None:
 
     if moe_utils.HAVE_TE:
         pytest.skip("Transformer Engine imports: its kernels route")
-    compat.moe_without_transformer_engine()
+    from megatron_bfpp.megatron.patches import moe_without_transformer_engine
+
+    moe_without_transformer_engine()
     inp = torch.randn(3, 8, requires_grad=True)
     weight = torch.randn(4, 8, requires_grad=True)
     out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
