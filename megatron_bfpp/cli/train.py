@@ -28,6 +28,7 @@ from megatron_bfpp.config.run_config import (
     DEFAULT_FFN_TEXT,
     flag_name,
     layout_virtual_stages,
+    model_shape,
     run_config,
 )
 from megatron_bfpp.flags import (
@@ -458,22 +459,21 @@ def uneven_problem(args: argparse.Namespace) -> str | None:
 
 
 def moe_problem(args: argparse.Namespace, world_size: int) -> str | None:
-    """megatron-core's conditions on the expert flags, and what bfpp-train does not do with them
-    yet (checkpoints), in one line before any rank starts."""
+    """megatron-core's conditions on the expert flags, in one line before any rank starts."""
     experts, ep = args.num_experts, args.expert_model_parallel_size
     if experts is None:
-        given = [f for f in ("moe_router_topk", "moe_ffn_hidden_size") if getattr(args, f)]
-        if given or ep > 1:
-            flags = [flag_name(f) for f in given] + (["--expert-model-parallel-size"] * (ep > 1))
-            return f"{flags[0]} needs --num-experts (a Mixture-of-Experts model)"
-        return None
+        dests = ("moe_router_topk", "moe_ffn_hidden_size")
+        given = [flag_name(d) for d in dests if getattr(args, d)] + [
+            "--expert-model-parallel-size"
+        ] * (ep > 1)
+        return f"{given[0]} needs --num-experts (a Mixture-of-Experts model)" if given else None
     dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     if experts % ep or dp % ep:
         return (
             f"--expert-model-parallel-size {ep} must divide --num-experts {experts} and the "
             f"data-parallel size {dp}"
         )
-    if (topk := args.moe_router_topk or 2) > experts:
+    if (topk := model_shape(args).router_topk) > experts:
         return f"--moe-router-topk {topk} routes to more experts than --num-experts {experts}"
     return None
 

@@ -17,6 +17,7 @@ __all__ = [
     "MemoryEstimate",
     "available_ram_bytes",
     "estimate",
+    "expert_parameters",
     "layer_parameters",
     "memory_problem",
     "parameters_per_pipeline_rank",
@@ -40,33 +41,47 @@ def layer_parameters(shape: ModelShape, *, tp: int, ep: int = 1) -> int:
     h, heads = shape.hidden_size, shape.num_attention_heads
     kv = h // heads * (shape.num_query_groups or heads)
     llama, experts = shape.preset == "llama", shape.num_experts or 0
-    biased = not (llama or experts)
-
-    def mlp(ffn: int) -> int:
-        fc1 = (2 if llama else 1) * ffn
-        return _split(h * fc1, tp) + _split(ffn * h, tp) + (_split(fc1, tp) + h if biased else 0)
-
     attention = _split(h * (h + 2 * kv), tp) + _split(h * h, tp)
-    attention += _split(h + 2 * kv, tp) + h if biased else 0
+    attention += 0 if llama or experts else _split(h + 2 * kv, tp) + h
     norms = 2 * (h if llama else 2 * h)
     if not experts:
-        return attention + mlp(shape.ffn) + norms
-    return attention + h * experts + experts // ep * mlp(shape.moe_ffn) + norms
+        return attention + _mlp(shape, shape.ffn, tp=tp) + norms
+    return attention + h * experts + expert_parameters(shape, tp=tp, ep=ep) + norms
+
+
+def expert_parameters(shape: ModelShape, *, tp: int, ep: int) -> int:
+    """One MoE layer's experts on one rank (experts / ep, each split over tp): the parameters the
+    distributed optimizer shards over the expert data-parallel group (dp / ep), not dp."""
+    return (shape.num_experts or 0) // ep * _mlp(shape, shape.moe_ffn, tp=tp)
+
+
+def _mlp(shape: ModelShape, ffn: int, *, tp: int) -> int:
+    """An MLP of FFN size ``ffn`` on one tensor-parallel rank (biases: GPT without experts)."""
+    h, llama = shape.hidden_size, shape.preset == "llama"
+    fc1 = (2 if llama else 1) * ffn
+    biases = 0 if llama or shape.num_experts else _split(fc1, tp) + h
+    return _split(h * fc1, tp) + _split(ffn * h, tp) + biases
 
 
 def parameters_per_pipeline_rank(shape: ModelShape, layout: Layout) -> list[int]:
     """Parameters of one tensor-parallel rank at each pipeline rank: its stages' layers (even:
     ``num_layers / pp``), the first stage's ends on rank 0, the last stage's on ``pp - 1``
     looped, 0 V-shape."""
+    layers, last = _layers_per_rank(shape, layout)
+    return _spread(shape, layout, layers, last=last)
+
+
+def _layers_per_rank(shape: ModelShape, layout: Layout) -> tuple[list[int], int]:
+    """Each pipeline rank's transformer layers, and the rank holding the last stage."""
     pp, v_shape = layout.pipeline_model_parallel_size, layout.placement is Placement.V_SHAPE
     if not layout.uneven_config():
-        return _spread(shape, layout, [shape.num_layers // pp] * pp, last=0 if v_shape else pp - 1)
+        return [shape.num_layers // pp] * pp, 0 if v_shape else pp - 1
     per_stage = layout.layers_per_stage(shape.num_layers)
     ranks = [min(s, 2 * pp - 1 - s) if v_shape else s % pp for s in range(len(per_stage))]
     layers = [
         sum(n for n, r in zip(per_stage, ranks, strict=True) if r == rank) for rank in range(pp)
     ]
-    return _spread(shape, layout, layers, last=ranks[-1])
+    return layers, ranks[-1]
 
 
 def parameters_per_stage(shape: ModelShape, layout: Layout) -> list[int]:
@@ -106,10 +121,14 @@ class MemoryEstimate:
 def estimate(shape: ModelShape, layout: Layout, *, local_ranks: int) -> MemoryEstimate:
     """For ``local_ranks`` ranks on one machine: all of the job's (bfpp-train's launcher: exact,
     each pipeline rank once per tp and dp rank) or some (torchrun, srun: each as the largest)."""
-    dp = layout.data_parallel_size
+    dp, ep = layout.data_parallel_size, layout.expert_model_parallel_size
     per_parameter = WEIGHT_BYTES + GRAD_BYTES + ADAM_BYTES / dp
     counts = parameters_per_pipeline_rank(shape, layout)
-    per_rank = [int(count * per_parameter) for count in counts]
+    # experts' Adam state is sharded over dp / ep ranks, not dp
+    experts = expert_parameters(shape, tp=layout.tensor_model_parallel_size, ep=ep)
+    extra = ADAM_BYTES * (ep / dp - 1 / dp) * experts
+    layers, _ = _layers_per_rank(shape, layout)
+    per_rank = [int(c * per_parameter + n * extra) for c, n in zip(counts, layers, strict=True)]
     replicas = layout.tensor_model_parallel_size * dp
     if local_ranks >= layout.world_size:
         local = sum(per_rank) * replicas

@@ -63,6 +63,11 @@ class ModelShape:
         return self.ffn_hidden_size or default_ffn_hidden_size(self.preset, self.hidden_size)
 
     @property
+    def router_topk(self) -> int:
+        """Experts each token goes to (megatron-core's default: 2)."""
+        return self.moe_router_topk or 2
+
+    @property
     def moe_ffn(self) -> int:
         """Each expert's FFN size (megatron-core's default: the dense one)."""
         return self.moe_ffn_hidden_size or self.ffn

@@ -104,7 +104,7 @@ def transformer_config(
     if shape.num_experts:
         fields.update(
             num_moe_experts=shape.num_experts,
-            moe_router_topk=shape.moe_router_topk or 2,
+            moe_router_topk=shape.router_topk,
             moe_ffn_hidden_size=shape.moe_ffn,
             expert_model_parallel_size=ep,
             moe_token_dispatcher_type=dispatcher,

@@ -412,10 +412,9 @@ def _loop(run: _Run) -> TrainResult:
     progress = _Progress(shown, args.no_progress, args.train_iters, args.log_interval, sys.stdout)
     if rank0 and progress.lines:
         tp, pp, vp = _layout(args)
+        shape = run.config.model
         experts = (
-            f" ({args.num_experts} experts, top {args.moe_router_topk or 2})"
-            if args.num_experts
-            else ""
+            f" ({shape.num_experts} experts, top {shape.router_topk})" if shape.num_experts else ""
         )
         ep = f" ep={args.expert_model_parallel_size}" if args.num_experts else ""
         print(

@@ -88,3 +88,18 @@ def test_on_gpus_the_largest_rank_must_fit_one_gpu() -> None:
         )
         is None
     )
+
+
+def test_experts_adam_state_is_sharded_over_the_expert_data_parallel_ranks() -> None:
+    """megatron-core's distributed optimizer shards an expert's Adam state over dp / ep ranks (the
+    expert data-parallel group), the rest over dp: at ep = dp = 2 each rank keeps its experts'
+    whole. Worked by hand: a llama layer at h 64, 4 experts of FFN 32, top 2 on 2 ranks."""
+    shape = ModelShape("llama", 4, 64, 4, None, None, 32, 256, 4, 2, 32)
+    experts_per_layer = 2 * (64 * 2 * 32 + 32 * 64)  # 2 local experts: fc1 (gated) and fc2
+    assert model_memory.expert_parameters(shape, tp=1, ep=2) == experts_per_layer == 12_288
+    layout = Layout(1, 2, 1, Placement.SINGLE, 2, 4, expert_model_parallel_size=2)
+    counts = model_memory.parameters_per_pipeline_rank(shape, layout)
+    experts = 2 * experts_per_layer  # 2 layers per pipeline rank
+    want = [(c - experts) * (4 + 4 + 8 / 2) + experts * (4 + 4 + 8) for c in counts]
+    estimate = model_memory.estimate(shape, layout, local_ranks=1)
+    assert estimate.largest_rank_bytes == int(max(want))
