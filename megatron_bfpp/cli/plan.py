@@ -541,6 +541,13 @@ def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         layout.add_argument(
             option.flag, dest=option.dest, type=positive_int, metavar="N", help=option.help
         )
+    layout.add_argument(
+        "--overlap-moe-expert-parallel-comm",
+        action="store_true",
+        help="the job hides expert all-to-alls in pairs megatron-core combines: auto plans only "
+        "those (dualpipe-v, interleaved combined-1f1b) and credits what they hide; without it "
+        "no schedule is credited any",
+    )
     command.add_argument("--json", action="store_true", help="print the ranked table as JSON")
 
 
@@ -579,6 +586,7 @@ def _auto(args: argparse.Namespace) -> int:
         max_stored=args.bpipe_max_stored,
         sequence_parallel=args.sequence_parallel == "on",
         ep=args.expert_model_parallel_size,
+        moe_overlap=args.overlap_moe_expert_parallel_comm,
     )
     decision = decide(request)
     print(json_text(decision.to_dict()) if args.json else f"megatron_bfpp: {decision.line()}")

@@ -23,6 +23,7 @@ from megatron_bfpp.plan.auto import (
     AutoRequest,
     Decision,
     Hardware,
+    check_auto_flags,
     decide,
     gpus_per_node_from_env,
     hardware,
@@ -368,6 +369,7 @@ def megatron_request(
         max_stored=getattr(args, "bpipe_max_stored", None),
         unavailable=tuple(unavailable),
         ep=_expert_parallel(args),
+        moe_overlap=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
     )
 
 
@@ -383,6 +385,7 @@ def resolve_megatron_auto(
     ``quiet``) and write the choice back; ``None`` without auto or pipeline parallelism."""
     if getattr(args, "pipeline_schedule", None) != AUTO:
         return None
+    check_auto_flags(args)  # --combined-1f1b: refused before auto decides
     world = getattr(args, "world_size", None) or int(env.get("WORLD_SIZE", "1"))
     if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) < 2:
         args.pipeline_schedule = "default"
@@ -420,6 +423,8 @@ def resolve_megatron_auto(
         args.num_virtual_stages_per_pipeline_rank = c.vp
     args.breadth_first_group_size = c.group_size
     args.bpipe_max_stored = c.max_stored
+    if c.combined_1f1b:  # chosen under --overlap-moe-expert-parallel-comm
+        args.combined_1f1b = True
     setattr(args, AUTO_DEST, decision.line())
     return decision
 
@@ -490,6 +495,7 @@ def bridge_request(
             if spec.placement is Placement.V_SHAPE and no_v
         ),
         ep=_expert_parallel(model),
+        moe_overlap=bool(getattr(model, "overlap_moe_expert_parallel_comm", False)),
     )
 
 

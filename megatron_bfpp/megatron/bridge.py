@@ -15,7 +15,7 @@ from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.megatron import plugin
 from megatron_bfpp.megatron.arguments import NO_V_SHAPE_FIELDS
 from megatron_bfpp.megatron.auto import resolve_bridge_auto, split_world
-from megatron_bfpp.plan.auto import AUTO, OVERLAP_NOT_AUTO
+from megatron_bfpp.plan.auto import AUTO
 from megatron_bfpp.schedules.fit import check_fit, step_batch_sizes
 from megatron_bfpp.schedules.registry import get_spec, schedule_names
 
@@ -42,8 +42,6 @@ def use_schedule(
     if name == AUTO:
         if options.get("combined_1f1b"):  # as Megatron-LM's and bfpp-train's auto, before it
             raise ScheduleError("combined_1f1b needs the schedule 'interleaved', not 'auto'")
-        if getattr(config.model, "overlap_moe_expert_parallel_comm", False):
-            raise ScheduleError(f"config.model.overlap_moe_expert_parallel_comm {OVERLAP_NOT_AUTO}")
         name, options, _ = resolve_bridge_auto(
             config,
             options,

@@ -28,7 +28,7 @@ from megatron_bfpp.megatron.arguments import (
     schedule_options_from_args,
 )
 from megatron_bfpp.megatron.patches import Patches
-from megatron_bfpp.plan.auto import AUTO, check_auto_flags
+from megatron_bfpp.plan.auto import AUTO
 from megatron_bfpp.schedules.registry import SCHEDULES
 
 __all__ = ["current_schedule", "install", "is_installed", "set_schedule", "uninstall"]
@@ -264,7 +264,6 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
             from megatron_bfpp.megatron.auto import probe_device, resolve_megatron_auto
 
             try:  # decided alike on every rank, before Megatron derives vp
-                check_auto_flags(args)  # --combined-1f1b: refused before auto decides
                 resolve_megatron_auto(args, sharding=given, device=probe_device())
             except ScheduleError as error:
                 refuse(str(error).splitlines()[0])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -30,7 +30,11 @@ from megatron_bfpp.plan.search import (
     lower_bound_of,
     memory_of,
 )
-from megatron_bfpp.schedules.fit import BATCH_SCHEDULE_FLAG, num_microbatches
+from megatron_bfpp.schedules.fit import (
+    BATCH_SCHEDULE_FLAG,
+    check_overlapped_pairs,
+    num_microbatches,
+)
 from megatron_bfpp.schedules.registry import (
     build_schedule,
     check_sharding_data_parallel,
@@ -54,6 +58,9 @@ __all__ = [
 ]
 
 AUTO = "auto"
+_NO_PAIRS = (
+    "has no pairs to run as megatron-core's combined step (--overlap-moe-expert-parallel-comm)"
+)
 # What one decision may walk and simulate, in actions (docs/planner.md#pipeline-schedule-auto).
 AUTO_ACTION_BUDGET = 2_000_000
 # The most of it one candidate may take (a third), so one cannot leave the others untimed.
@@ -89,20 +96,17 @@ def add_auto_flags(group: Any) -> None:
         )
 
 
-# auto plans no overlapped pairs yet: it may choose a schedule without them
-OVERLAP_NOT_AUTO = (
-    "runs in overlapped pairs, which auto does not plan yet; choose dualpipe-v, or interleaved "
-    "with combined-1f1b"
-)
-
-
 def check_auto_flags(args: Any) -> None:
-    """Auto flags with a named schedule say nothing, nor --combined-1f1b with auto: one line."""
-    if getattr(args, "pipeline_schedule", None) == AUTO or getattr(args, AUTO_DEST, None):
-        if getattr(args, "combined_1f1b", None):  # auto, before or after it was resolved
-            raise ScheduleError("--combined-1f1b needs --pipeline-schedule interleaved, not auto")
-        if getattr(args, "overlap_moe_expert_parallel_comm", False):
-            raise ScheduleError(f"--overlap-moe-expert-parallel-comm {OVERLAP_NOT_AUTO}")
+    """Auto flags with a named schedule say nothing, nor --combined-1f1b with auto (auto
+    chooses it under --overlap-moe-expert-parallel-comm, and writes it back): one line."""
+    if getattr(args, "pipeline_schedule", None) == AUTO:
+        if getattr(args, "combined_1f1b", None):
+            raise ScheduleError(
+                "--combined-1f1b needs --pipeline-schedule interleaved, not auto (auto plans it "
+                "under --overlap-moe-expert-parallel-comm)"
+            )
+        return
+    if getattr(args, AUTO_DEST, None):  # auto decided: its flags were inputs, its options its own
         return
     for flag, dest, _ in _AUTO_FLAGS:
         if getattr(args, dest, None) is not None:
@@ -147,6 +151,9 @@ class AutoRequest:
     # Megatron-LM's --step-batch-size-schedule: every step's global batch, timed at the last
     batch_schedule: tuple[int, ...] = ()
     ep: int = 1  # Megatron-LM's --expert-model-parallel-size
+    # --overlap-moe-expert-parallel-comm: plan only pairs megatron-core combines
+    # (PlanGrid.overlapped), crediting the all-to-alls they hide; without it none is credited
+    moe_overlap: bool = False
 
     @property
     def num_microbatches(self) -> int:
@@ -187,6 +194,7 @@ class Row:
             "virtual_stages": c.vp,
             "group_size": c.group_size,
             "max_stored": c.max_stored,
+            "combined_1f1b": c.combined_1f1b,
             "fits": self.fits,
             "step_time_s": None if self.plan is None else self.plan.step_time_s,
             "bubble_fraction": None if self.plan is None else self.plan.bubble_fraction,
@@ -199,10 +207,12 @@ class Row:
 
 
 def label(c: Candidate) -> str:
-    """``breadth-first vp=4 group=8``: what a user would type, in short."""
+    """``breadth-first vp=4 group=8``, ``interleaved vp=2 combined-1f1b``: what a user would
+    type, in short."""
     looped = get_spec(c.schedule).placement is Placement.LOOPED
     shown = (("vp", c.vp if looped else None), ("group", c.group_size), ("cap", c.max_stored))
-    return " ".join([c.schedule, *(f"{key}={value}" for key, value in shown if value is not None)])
+    words = [c.schedule, *(f"{key}={value}" for key, value in shown if value is not None)]
+    return " ".join(words + ["combined-1f1b"] * c.combined_1f1b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,6 +442,11 @@ def _check_request(r: AutoRequest) -> None:
             f"--expert-model-parallel-size {r.ep} must divide --num-experts ({experts}) and the "
             f"data x context parallel size ({r.dp * r.cp}): choose another, or 1"
         )
+    if r.moe_overlap and r.ep < 2:
+        raise ScheduleError(
+            "--overlap-moe-expert-parallel-comm needs --expert-model-parallel-size > 1 "
+            f"(megatron-core's condition; got {r.ep}): there is no all-to-all to hide"
+        )
     check_sharding_data_parallel(r.sharding, r.dp)
 
 
@@ -457,6 +472,9 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
             continue
         if not set(fixed) <= set(spec.option_names):
             continue  # the user's option belongs to another schedule
+        if r.moe_overlap and (fixed or not spec.plan.overlapped):
+            refuse(name, spec.default_stages_per_rank, _NO_PAIRS)
+            continue
         if spec.placement is Placement.LOOPED and r.vp is not None:
             vps: tuple[int, ...] = (r.vp,)
         else:
@@ -474,7 +492,10 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
                 refuse(name, vp, problem)
                 continue
             # the timed (last) step's grid; the other steps are checked per candidate
-            grid = [fixed] if fixed else spec.plan.options(r.pp, r.num_microbatches)
+            m = r.num_microbatches
+            grid: Sequence[Mapping[str, Any]] = [fixed] if fixed else spec.plan.options(r.pp, m)
+            if r.moe_overlap:  # only pairs megatron-core combines can take the flag
+                grid = spec.plan.overlapped
             allowed += [_candidate(r, name, vp, r.sharding, chosen) for chosen in grid]
     return allowed, excluded
 
@@ -498,8 +519,10 @@ def decide(r: AutoRequest) -> Decision:
     judge = _Judge.of(r)
     allowed, excluded = _candidates(r)
     # Megatron's default (interleaved at the user's vp, else 1F1B) first: the line compares with it
+    # (with the all-to-all overlap: its combined 1F1B, which megatron-core runs only interleaved)
     name, vp = ("interleaved", r.vp) if r.vp not in (None, 1) else ("1f1b", 1)
-    default = _candidate(r, name, vp or 1, "optim")
+    combined = {"combined_1f1b": True} if r.moe_overlap and name == "interleaved" else None
+    default = _candidate(r, name, vp or 1, "optim", combined)
     found = next((row for row in excluded if row.candidate == default), None)
     megatron = found or judge.row(default, megatron=True)
     simulated: list[Row] = []
@@ -566,6 +589,7 @@ class _Judge:
             distributed_optimizer=r.distributed_optimizer,
             efficiency=r.hardware.efficiency,
             megatron_baselines=False,
+            moe_overlap=r.moe_overlap,
         )
         memory = None if r.hardware.memory_bytes is None else _budget(r.hardware)
         return _Judge(r, model, cluster, options, memory, ActionBudget(AUTO_ACTION_BUDGET))
@@ -583,7 +607,7 @@ class _Judge:
                 budget=self.actions,
             )
             if bound is None:
-                _check_every_step(c, self.request, self.actions)
+                _check_every_step(c, self.request, self.actions, pairs=not megatron)
         except OverBudget as error:
             return _untimed(c, None, self.actions, error)
         except ScheduleError as error:
@@ -623,12 +647,18 @@ def _untimed(
     return Row(c, memory, False, excluded=why, untimed=True)
 
 
-def _check_every_step(c: Candidate, r: AutoRequest, actions: ActionBudget) -> None:
-    """A batch-size schedule's other steps must build too (the timed one is simulated)."""
-    for m in sorted(set(r.step_microbatches) - {r.num_microbatches}):
+def _check_every_step(
+    c: Candidate, r: AutoRequest, actions: ActionBudget, *, pairs: bool = True
+) -> None:
+    """A batch-size schedule's other steps must build too (the timed one is simulated); with
+    ``AutoRequest.moe_overlap`` (and ``pairs``) every step, timed too, must have pairs that
+    megatron-core combines, as the job's own check (``schedules.fit.check_fit``) requires."""
+    overlapped = r.moe_overlap and pairs
+    steps = set(r.step_microbatches) - (set() if overlapped else {r.num_microbatches})
+    for m in sorted(steps):
         actions.charge(num_ranks=c.pp, stages_per_rank=c.vp, num_microbatches=m)
         try:
-            build_schedule(
+            built = build_schedule(
                 c.schedule,
                 num_ranks=c.pp,
                 num_microbatches=m,
@@ -637,6 +667,8 @@ def _check_every_step(c: Candidate, r: AutoRequest, actions: ActionBudget) -> No
                 validate=False,
                 **c.options,
             )
+            if overlapped:
+                check_overlapped_pairs(built)
         except ScheduleError as error:
             raise ScheduleError(
                 f"cannot run a step of {m} micro-batches: {first_line(error)}"

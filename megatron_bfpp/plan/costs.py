@@ -196,7 +196,9 @@ class StageTimes:
     evict: float
     optimizer: float
     host: float = 0.0
-    a2a: float = 0.0  # the expert all-to-alls inside ``forward`` (and again in ``backward``)
+    # the expert all-to-alls inside ``forward`` (and again in ``backward``) that pairs run as
+    # megatron-core's combined step may hide: 0 unless ``SearchOptions.moe_overlap``
+    a2a: float = 0.0
 
 
 def stage_times(
@@ -259,7 +261,7 @@ def stage_times(
         evict=evict,
         optimizer=optimizer_time,
         host=efficiency.host_s,
-        a2a=moe * 2 * a2a,
+        a2a=moe * 2 * a2a if options.moe_overlap else 0.0,  # what combined pairs may hide
     )
 
 

@@ -158,6 +158,9 @@ class SearchOptions:
     # Megatron-LM's --overlap-p2p-communication for interleaved; off: batched (needs pp > 2)
     megatron_p2p_overlap: bool = True
     megatron_overlap_grad_reduce: bool = True  # its --overlap-grad-reduce; off: at the step's end
+    # the job runs --overlap-moe-expert-parallel-comm: pairs it combines hide their all-to-alls
+    # (recommend assumes it); off: every pair runs F then B and hides nothing (auto without it)
+    moe_overlap: bool = True
     expert_parallel: tuple[int, ...] = ()  # empty: 1, 2, 4, ..., 64 (MoE models only)
 
 
@@ -264,7 +267,7 @@ def candidates(
     """Every configuration the shapes allow (tp dividing heads, groups and FFN in a node; pp the
     layers; dp x micro-batch the batch); sharding needs dp > 1, pp 1 only 1F1B."""
     searched = [f for f in families() if not options.schedules or f[0] in options.schedules]
-    moe = options.megatron_baselines and model.num_experts > 0  # PlanGrid.moe_baselines too
+    moe = options.megatron_baselines and model.num_experts > 0  # PlanGrid.overlapped too
     for tp, pp in _splits(model, cluster, options)[2]:
         dp = cluster.num_gpus // (tp * pp)
         if global_batch_size % dp:
@@ -282,7 +285,8 @@ def candidates(
                 m = per_pipeline // b
                 if per_pipeline % b or spec.planned_microbatches_problem(pp, m) is not None:
                     continue
-                grid = spec.plan.options(pp, m) + (spec.plan.moe_baselines if moe else ())
+                grid = spec.plan.options(pp, m)
+                grid += tuple(o for o in spec.plan.overlapped if moe and o not in grid)
                 for recompute, chosen, ep in itertools.product(options.recompute, grid, eps):
                     yield Candidate(
                         schedule, sharding, tp, pp, vp, dp, b, recompute,

@@ -150,7 +150,9 @@ class PlanGrid:
     microbatches_per_pp: bool = False  # m must be a multiple of pp (Megatron's interleaved rule)
     least_microbatches_per_pp: int = 0  # m must be at least this x pp (dualpipe-v's 2)
     options: OptionGrid = lambda pp, m: ({},)  # generator options to try ({}: the defaults)
-    moe_baselines: tuple[Mapping[str, Any], ...] = ()  # and for MoE models, as Megatron's rows
+    # The options under which it runs pairs megatron-core combines (--overlap-moe-expert-parallel-
+    # comm): for MoE models recommend's Megatron rows too; the only grid auto plans under that flag
+    overlapped: tuple[Mapping[str, Any], ...] = ()
     last: bool = False  # ranks after equal predictions (GPipe holds every micro-batch)
     # long steps' lock-step times lie on lines through short ones (sim.simulate_steady), not BPipe's
     steady: bool = True
@@ -260,7 +262,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             build_interleaved,
             Placement.LOOPED,
             (MICROBATCH_GROUP_SIZE, COMBINED_1F1B),
-            plan=PlanGrid(microbatches_per_pp=True, moe_baselines=({"combined_1f1b": True},)),
+            plan=PlanGrid(microbatches_per_pp=True, overlapped=({"combined_1f1b": True},)),
         ),
         ScheduleSpec(
             "breadth-first",
@@ -292,7 +294,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             build_dualpipe_v,
             Placement.V_SHAPE,
             split_backward=True,
-            plan=PlanGrid(least_microbatches_per_pp=LEAST_MICROBATCHES_PER_RANK),
+            plan=PlanGrid(least_microbatches_per_pp=LEAST_MICROBATCHES_PER_RANK, overlapped=({},)),
         ),
     )
 }

@@ -94,13 +94,6 @@ def test_auto_with_combined_1f1b_is_one_line_before_auto_decides() -> None:
         bridge.use_schedule(_config(), "auto", combined_1f1b=True)
 
 
-def test_auto_with_the_all_to_all_overlap_is_one_line_before_auto_decides() -> None:
-    config = _config()
-    config.model.overlap_moe_expert_parallel_comm = True
-    with pytest.raises(ScheduleError, match=r"^config.model.overlap_moe_expert_parallel_comm runs"):
-        bridge.use_schedule(config, "auto")
-
-
 def test_megatron_fsdp_is_refused() -> None:
     config = _config()
     config.ddp.use_megatron_fsdp = True

@@ -449,6 +449,34 @@ def test_dualpipe_v_runs_megatron_cores_all_to_all_overlap_with_the_plain_runs_l
     assert overlapped == plain
 
 
+def test_auto_with_the_all_to_all_overlap_runs_its_choices_pairs_combined(tmp_path: Path) -> None:
+    """--pipeline-schedule auto with --overlap-moe-expert-parallel-comm (bf16, expert parallelism
+    2) chooses among the schedules whose pairs megatron-core combines (dualpipe-v, interleaved
+    combined-1f1b), and the job runs them as its combined step, with the losses of its choice
+    named."""
+    import json
+
+    report = tmp_path / "auto.json"
+    run = [*MOE, "--bf16", "--overlap-moe-expert-parallel-comm"]
+    auto, output = _train(
+        tmp_path,
+        *run,
+        "--pipeline-schedule",
+        "auto",
+        "--pipeline-schedule-auto-report",
+        str(report),
+    )
+    choice = json.loads(report.read_text())["choice"]
+    assert re.search(r"pretrain_gpt: [1-9]\d* forwards built as schedule plans", output)
+    named = ["--pipeline-schedule", choice["schedule"]]
+    if choice["schedule"] == "interleaved":
+        assert choice["combined_1f1b"], choice
+        named += [*VP[:1], str(choice["virtual_stages"]), "--combined-1f1b"]
+    else:
+        assert choice["schedule"] == "dualpipe-v", choice
+    assert auto == _train(tmp_path, *run, *named)[0]
+
+
 V_BOUND = re.compile(
     r"iterations in bf16 with clipping, the V-shapes' losses stay within (\S+) and their grad "
     r"norms within (\S+) of 1F1B's"

@@ -3,11 +3,14 @@
 more warm-up forward) and ``forward_backward_pipelining_with_interleaving`` (steady step k runs
 forward warmup + k with backward k as one combined step), against megatron-core's own functions
 where installed; validated and NCCL-proven; megatron-core's own posting of it; its flags in every
-front end; and the planner's Megatron baseline rows for MoE models only."""
+front end; the planner's Megatron baseline rows for MoE models, and auto's only grid (with
+dualpipe-v) under the overlap flag."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -19,9 +22,20 @@ from megatron_bfpp.ir import ActionKind as K
 from megatron_bfpp.ir import Schedule, ScheduleError, parts
 from megatron_bfpp.native_posting import GradSyncOptions, P2POptions, megatron_posting
 from megatron_bfpp.nccl import check_posting
-from megatron_bfpp.plan.auto import AutoRequest, _candidates, check_auto_flags, hardware
-from megatron_bfpp.plan.presets import get_gpu, get_model
+from megatron_bfpp.plan.auto import (
+    _NO_PAIRS,
+    AutoRequest,
+    Decision,
+    _candidates,
+    check_auto_flags,
+    decide,
+    hardware,
+    label,
+)
+from megatron_bfpp.plan.costs import stage_times
+from megatron_bfpp.plan.presets import Model, get_gpu, get_model
 from megatron_bfpp.plan.search import Cluster, SearchOptions, candidates, recommend
+from megatron_bfpp.schedules.fit import check_fit
 from megatron_bfpp.schedules.interleaved import build_interleaved
 from megatron_bfpp.schedules.registry import (
     build_schedule,
@@ -268,44 +282,88 @@ def test_bfpp_train_and_megatron_lm_read_the_switch() -> None:
     assert not get_spec("interleaved").options[1].megatron_owned  # not Megatron's own flag
 
 
-def test_auto_with_the_all_to_all_overlap_is_refused_before_it_decides() -> None:
-    """auto may choose a schedule without pairs, where the flag would be refused after auto
-    said its choice: refused first, in one line, naming what runs it."""
-    for line in (None, "auto: breadth-first (...)"):
-        args = argparse.Namespace(pipeline_schedule="auto", overlap_moe_expert_parallel_comm=True)
-        args.pipeline_schedule_auto_line = line
-        with pytest.raises(ScheduleError) as error:
-            check_auto_flags(args)
-        assert str(error.value) == (
-            "--overlap-moe-expert-parallel-comm runs in overlapped pairs, which auto does not "
-            "plan yet; choose dualpipe-v, or interleaved with combined-1f1b"
-        )
-    check_auto_flags(argparse.Namespace(pipeline_schedule="auto"))
+# A small MoE model (16 experts, ep 8 over dp 16) that every schedule fits on an H100
+SMALL_MOE = Model("moe", "gpt", 16, 2048, 16, 16, 8192, 2048, 50257, False, 16, 2, 1408)
 
 
-def test_auto_does_not_choose_it_and_refuses_the_switch() -> None:
-    """auto picks what our runtime runs well; it runs a pair's parts one after the other."""
-    for schedule, line in (("auto", None), ("interleaved", "auto: interleaved vp=2 (...)")):
-        args = argparse.Namespace(pipeline_schedule=schedule, combined_1f1b=True)
-        args.pipeline_schedule_auto_line = line  # set once auto wrote its choice back
-        with pytest.raises(ScheduleError, match=r"^--combined-1f1b needs --pipeline-schedule"):
-            check_auto_flags(args)
+def _moe_request(**fields: object) -> AutoRequest:
+    base: dict[str, object] = dict(
+        model=SMALL_MOE,
+        tp=1,
+        pp=4,
+        dp=16,
+        micro_batch_size=1,
+        global_batch_size=256,
+        hardware=hardware(device_name=None, device_memory=None, gpu_flag="h100-80gb"),
+        ep=8,
+    )
+    return AutoRequest(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_auto_under_the_all_to_all_overlap_plans_only_pairs_megatron_core_combines() -> None:
+    """With --overlap-moe-expert-parallel-comm the job must run a schedule with pairs its
+    combined step runs (the job's own check): auto times only those, credits what they hide,
+    and compares with megatron-core's combined 1F1B at the user's virtual stages."""
+    args = argparse.Namespace(pipeline_schedule="auto", overlap_moe_expert_parallel_comm=True)
+    check_auto_flags(args)  # no longer refused
+    decision = decide(_moe_request(moe_overlap=True))
+    timed = [row for row in decision.rows if row.plan is not None]
+    assert {(row.candidate.schedule, row.candidate.combined_1f1b) for row in timed} == {
+        ("dualpipe-v", False),
+        ("interleaved", True),
+    }
+    refused = {row.candidate.schedule for row in decision.rows if row.excluded == _NO_PAIRS}
+    assert refused == {"1f1b", "gpipe", "bpipe", "breadth-first", "v-min", "v-half", "v-zb"}
+    for row in timed:  # what the job checks once auto wrote its choice back
+        c = row.candidate
+        check_fit(
+            c.schedule, pp=c.pp, vp=c.vp, dp=c.dp, micro_batch_size=1, global_batch_size=256,
+            vp_flag="--vp", options=c.options, overlapped=True,
+        )  # fmt: skip
+    combined = next(row.candidate for row in timed if row.candidate.combined_1f1b)
+    assert label(combined) == f"interleaved vp={combined.vp} combined-1f1b"  # as the line says
+    fixed = decide(_moe_request(moe_overlap=True, vp=2))
+    assert fixed.megatron.candidate.combined_1f1b and fixed.megatron.plan is not None
+    with pytest.raises(ScheduleError, match=r"^--overlap-moe-expert-parallel-comm needs --exp"):
+        decide(_moe_request(moe_overlap=True, ep=1))
+
+
+def test_auto_without_the_overlap_credits_no_pair() -> None:
+    """Without the flag every pair runs F then B (``RankStep.planned`` is empty): dualpipe-v is
+    timed with its all-to-alls exposed, slower than under the flag by what its pairs hide."""
+    plain, overlapped = (decide(_moe_request(moe_overlap=flag)) for flag in (False, True))
+
+    def dualpipe_v(decision: Decision) -> float:
+        row = next(row for row in decision.rows if row.candidate.schedule == "dualpipe-v")
+        assert row.plan is not None
+        return row.plan.step_time_s
+
+    assert dualpipe_v(plain) > dualpipe_v(overlapped)
+    assert not any(row.candidate.combined_1f1b for row in plain.rows)
+    c = next(row.candidate for row in plain.rows if row.candidate.schedule == "dualpipe-v")
+    cluster = Cluster(c.tp * c.pp * c.dp, 8, get_gpu("h100-80gb"))
+    exposed, hidden = (
+        stage_times(c, SMALL_MOE, cluster, SearchOptions(moe_overlap=flag), 10**9, 10**9)
+        for flag in (False, True)
+    )
+    assert exposed.a2a == 0 < hidden.a2a
+    assert exposed == dataclasses.replace(hidden, a2a=0.0)  # the all-to-alls stay in F and B
+
+
+def test_auto_refuses_the_switch_but_not_its_own_choice() -> None:
+    """A user's --combined-1f1b with auto is refused before auto decides; written back by auto
+    (under the overlap flag), it is auto's choice and passes the job's later checks."""
+    args = argparse.Namespace(pipeline_schedule="auto", combined_1f1b=True)
+    with pytest.raises(ScheduleError, match=r"^--combined-1f1b needs --pipeline-schedule"):
+        check_auto_flags(args)
+    args.pipeline_schedule, args.pipeline_schedule_auto_line = "interleaved", "auto: ..."
+    check_auto_flags(args)
     from megatron_bfpp.cli import train
 
     parsed = train.build_parser().parse_args(["--pipeline-schedule", "auto", "--combined-1f1b"])
     with pytest.raises(ScheduleError, match=r"^--combined-1f1b needs --pipeline-schedule"):
         train.resolve_auto(parsed, 4)  # before auto decides (and says its choice)
-    request = AutoRequest(
-        model=get_model("mixtral-8x7b"),
-        tp=1,
-        pp=4,
-        dp=8,
-        micro_batch_size=1,
-        global_batch_size=64,
-        hardware=hardware(device_name=None, device_memory=None, gpu_flag="h100-80gb"),
-        ep=8,
-    )
-    allowed, _ = _candidates(request)
+    allowed, _ = _candidates(_moe_request())
     assert any(c.schedule == "interleaved" for c in allowed)
     assert not any(c.combined_1f1b for c in allowed)
 
@@ -347,3 +405,20 @@ def test_recommend_shows_the_combined_row_as_megatron_posts_it() -> None:
     assert rows[0].to_dict()["combined_1f1b"] is True
     plain = [plan for plan in result.plans if not plan.candidate.combined_1f1b]
     assert plain and all(plan.to_dict()["combined_1f1b"] is False for plan in plain)
+
+
+def test_bfpp_plan_auto_takes_the_overlap_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """bfpp-plan auto prints the job's decision under the flag, and ep 1 as the job refuses it."""
+    flags = [
+        "auto", "--arch", "gpt", "--num-layers", "16", "--hidden-size", "2048",
+        "--num-attention-heads", "16", "--num-experts", "16", "--moe-ffn-hidden-size", "1408",
+        "--num-gpus", "64", "--gpu", "h100-80gb", "--pipeline-model-parallel-size", "4",
+        "--global-batch-size", "256", "--overlap-moe-expert-parallel-comm",
+    ]  # fmt: skip
+    assert plan_cli.main([*flags, "--expert-model-parallel-size", "8"]) == 0
+    line = capsys.readouterr().out
+    assert re.match(r"megatron_bfpp: auto: (dualpipe-v|interleaved vp=\d combined-1f1b) \(", line)
+    assert plan_cli.main(flags) == 2
+    assert "--overlap-moe-expert-parallel-comm needs --expert-model-parallel-size > 1" in (
+        capsys.readouterr().err
+    )

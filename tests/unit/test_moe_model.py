@@ -13,7 +13,7 @@ import pytest
 
 from megatron_bfpp.cli import plan as plan_cli
 from megatron_bfpp.ir import Placement, ScheduleError
-from megatron_bfpp.megatron.auto import bridge_request, megatron_request
+from megatron_bfpp.megatron.auto import bridge_request, megatron_request, resolve_bridge_auto
 from megatron_bfpp.plan.auto import AutoRequest, decide, hardware
 from megatron_bfpp.plan.costs import (
     INTER_NODE_LATENCY_S,
@@ -133,7 +133,9 @@ def test_megatron_lm_arguments_describe_the_moe_model() -> None:
         pipeline_model_parallel_size=2, expert_model_parallel_size=2,
     )  # fmt: skip
     request = megatron_request(args, world_size=4, env={}, hw=HW, sharding=None)
-    assert request.model == EXPECTED and request.ep == 2
+    assert request.model == EXPECTED and request.ep == 2 and not request.moe_overlap
+    args.overlap_moe_expert_parallel_comm = True  # auto then plans pairs megatron-core combines
+    assert megatron_request(args, world_size=4, env={}, hw=HW, sharding=None).moe_overlap
     assert EXPECTED.num_experts == 8 and EXPECTED.moe_layers == (False, True, True, True)
 
 
@@ -149,7 +151,16 @@ def test_bridge_config_describes_the_moe_model() -> None:
         optimizer=SimpleNamespace(optimizer="adam", use_distributed_optimizer=True),
     )  # fmt: skip
     request = bridge_request(config, options={}, sharding="optim", env={"WORLD_SIZE": "4"}, hw=HW)
-    assert request.model == EXPECTED and request.ep == 2
+    assert request.model == EXPECTED and request.ep == 2 and not request.moe_overlap
+    config.model.overlap_moe_expert_parallel_comm = True
+    request = bridge_request(config, options={}, sharding="optim", env={"WORLD_SIZE": "4"}, hw=HW)
+    assert request.moe_overlap
+    # auto under the flag (no longer refused): a schedule with pairs, and its options for
+    # use_schedule (interleaved's combined_1f1b too)
+    name, options, _ = resolve_bridge_auto(
+        config, {}, env={"WORLD_SIZE": "4"}, device=(None, None), gpu="h100-80gb"
+    )
+    assert (name, options.get("combined_1f1b")) in (("dualpipe-v", None), ("interleaved", True))
 
 
 def test_bfpp_plan_flags_describe_the_moe_model() -> None:
@@ -161,7 +172,7 @@ def test_bfpp_plan_flags_describe_the_moe_model() -> None:
          "--moe-layer-freq=([0]*1+[1]*3)", "--expert-model-parallel-size=2"]
     )  # fmt: skip
     assert plan_cli._model_from_args(args) == EXPECTED
-    assert args.expert_model_parallel_size == 2
+    assert args.expert_model_parallel_size == 2 and not args.overlap_moe_expert_parallel_comm
     with pytest.raises(SystemExit):
         plan_cli.build_parser().parse_args(["recommend", "--moe-layer-freq", "[0]*x"])
 

@@ -64,7 +64,7 @@ def test_memory_walked_at_a_short_length_is_the_long_walk(schedule: str, pp: int
         if spec.planned_microbatches_problem(pp, m) is not None:
             continue
         assert memory_microbatches(pp, m) < m
-        for options in spec.plan.options(pp, m) + spec.plan.moe_baselines:
+        for options in spec.plan.options(pp, m) + spec.plan.overlapped:
             full = build_schedule(
                 schedule,
                 num_ranks=pp,
