@@ -34,6 +34,7 @@ __all__ = [
     "linear_function_option",
     "local_linear_layers",
     "loss_stage_told",
+    "main_weight_shards",
     "megatron_core_version",
     "model_params_from_main_params",
     "model_process_groups",
@@ -457,6 +458,18 @@ def model_params_from_main_params(optimizer: Any, chunks: Any) -> None:
         opt._copy_main_params_to_model_params()
     for chunk in chunks:
         chunk.start_param_sync(force_sync=True)
+
+
+def main_weight_shards(optimizer: Any) -> list[Any]:
+    """The fp32 main weights a bf16 / fp16 distributed optimizer keeps apart from the model's
+    (its ``shard_fp32_from_float16_groups``, in order); none in fp32, where they view the model's
+    weights. A per-rank checkpoint saves them: rebuilt from bf16 weights, they would round."""
+    return [
+        shard
+        for each in _distributed_optimizers(optimizer)
+        for group in each.shard_fp32_from_float16_groups
+        for shard in group
+    ]
 
 
 def _adam_params(optimizer: Any) -> Iterator[tuple[Any, dict[str, Any], Any]]:

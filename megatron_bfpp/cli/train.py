@@ -40,7 +40,7 @@ from megatron_bfpp.flags import (
 )
 from megatron_bfpp.ir import ScheduleError, first_line
 from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
-from megatron_bfpp.schedules.fit import check_fit
+from megatron_bfpp.schedules.fit import check_fit, check_overlap_conditions
 from megatron_bfpp.schedules.registry import (
     LAYOUT_VP_FLAG,
     SCHEDULES,
@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("alltoall", "allgather"),
         default="alltoall",
         help=f"{moe} (default: alltoall, which gloo runs; Megatron-LM's is allgather)",
+    )
+    m.add_argument(
+        "--overlap-moe-expert-parallel-comm",
+        action="store_true",
+        help=f"{moe}: run overlapped pairs (dualpipe-v, interleaved --combined-1f1b) as "
+        "megatron-core's combined step, each part's all-to-all under the other's compute (needs "
+        "--bf16 and --expert-model-parallel-size > 1)",
     )
 
     par = p.add_argument_group("parallelism and schedule")
@@ -238,6 +245,12 @@ def _add_training_and_io_arguments(p: argparse.ArgumentParser) -> None:
         "--clip-grad", type=finite_float, default=1.0, help="global gradient-norm limit; 0: none"
     )
     t.add_argument("--seed", type=int, default=1234, help=f"0 .. {MAX_SEED}")
+    t.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 weights and activations, fp32 gradients and main weights in the distributed "
+        "optimizer (Megatron-LM's --bf16; default: fp32)",
+    )
     t.add_argument(
         "--data-path",
         nargs="+",
@@ -389,6 +402,7 @@ def validate(args: argparse.Namespace, world_size: int, *, rank: int = 0) -> lis
             else args.num_layers,
             sharding=args.data_parallel_sharding_strategy,
             options=options_from_args(name, args),
+            overlapped=args.overlap_moe_expert_parallel_comm,
         )
     except ScheduleError as error:
         raise FlagError(str(error)) from None
@@ -462,7 +476,7 @@ def moe_problem(args: argparse.Namespace, world_size: int) -> str | None:
     """megatron-core's conditions on the expert flags, in one line before any rank starts."""
     experts, ep = args.num_experts, args.expert_model_parallel_size
     if experts is None:
-        dests = ("moe_router_topk", "moe_ffn_hidden_size")
+        dests = ("moe_router_topk", "moe_ffn_hidden_size", "overlap_moe_expert_parallel_comm")
         given = [flag_name(d) for d in dests if getattr(args, d)] + [
             "--expert-model-parallel-size"
         ] * (ep > 1)
@@ -475,6 +489,10 @@ def moe_problem(args: argparse.Namespace, world_size: int) -> str | None:
         )
     if (topk := model_shape(args).router_topk) > experts:
         return f"--moe-router-topk {topk} routes to more experts than --num-experts {experts}"
+    try:
+        check_overlap_conditions(args)
+    except ScheduleError as error:
+        return str(error)
     return None
 
 
@@ -594,7 +612,11 @@ def memory_problem(args: argparse.Namespace, world_size: int, *, launched: bool)
     run = run_config(args, world_size)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if launched else world_size
     return model_memory.memory_problem(
-        run.model, run.layout, local_ranks=local, ram_bytes=model_memory.available_ram_bytes()
+        run.model,
+        run.layout,
+        local_ranks=local,
+        ram_bytes=model_memory.available_ram_bytes(),
+        bf16=run.training.bf16,
     )
 
 

@@ -1,5 +1,6 @@
 """How much memory a ``bfpp-train`` model's weights, gradients and Adam state take per rank, from
-its flags alone (4 + 4 + 8 / dp bytes per parameter held, docs/train.md): a floor, activations come
+its flags alone (4 + 4 + 8 / dp bytes per parameter held; 2 + 4 + 12 / dp with --bf16's fp32 main
+weights, docs/train.md): a floor, activations come
 on top, so a run it refuses cannot fit. On CPU this machine's ranks are checked against its RAM; on
 GPUs each rank against its device, in the rank (CUDA must not start in the launcher that forks)."""
 
@@ -24,9 +25,10 @@ __all__ = [
     "parameters_per_stage",
 ]
 
-WEIGHT_BYTES = 4  # fp32 weights (params_dtype float32)
+WEIGHT_BYTES = 4  # fp32 weights (params_dtype float32); bf16: 2
 GRAD_BYTES = 4  # megatron-core DDP's fp32 gradient buffer
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32, sharded over dp by the distributed optimizer
+MAIN_BYTES = 4  # bf16: the optimizer's fp32 main weights, sharded as Adam's state
 
 
 def _split(size: int, tp: int) -> int:
@@ -118,15 +120,18 @@ class MemoryEstimate:
     local_bytes: int
 
 
-def estimate(shape: ModelShape, layout: Layout, *, local_ranks: int) -> MemoryEstimate:
+def estimate(
+    shape: ModelShape, layout: Layout, *, local_ranks: int, bf16: bool = False
+) -> MemoryEstimate:
     """For ``local_ranks`` ranks on one machine: all of the job's (bfpp-train's launcher: exact,
     each pipeline rank once per tp and dp rank) or some (torchrun, srun: each as the largest)."""
     dp, ep = layout.data_parallel_size, layout.expert_model_parallel_size
-    per_parameter = WEIGHT_BYTES + GRAD_BYTES + ADAM_BYTES / dp
+    state = ADAM_BYTES + MAIN_BYTES * bf16  # per parameter, sharded by the optimizer
+    per_parameter = WEIGHT_BYTES // (1 + bf16) + GRAD_BYTES + state / dp
     counts = parameters_per_pipeline_rank(shape, layout)
-    # experts' Adam state is sharded over dp / ep ranks, not dp
+    # experts' optimizer state is sharded over dp / ep ranks, not dp
     experts = expert_parameters(shape, tp=layout.tensor_model_parallel_size, ep=ep)
-    extra = ADAM_BYTES * (ep / dp - 1 / dp) * experts
+    extra = state * (ep / dp - 1 / dp) * experts
     layers, _ = _layers_per_rank(shape, layout)
     per_rank = [int(c * per_parameter + n * extra) for c, n in zip(counts, layers, strict=True)]
     replicas = layout.tensor_model_parallel_size * dp
@@ -162,10 +167,11 @@ def memory_problem(
     local_ranks: int,
     gpu_bytes: int | None = None,
     ram_bytes: int | None = None,
+    bf16: bool = False,
 ) -> str | None:
     """The line refusing a model that cannot fit: its largest rank against one GPU's ``gpu_bytes``,
     or its ``local_ranks`` together against ``ram_bytes``; None if it fits or nothing is known."""
-    need = estimate(shape, layout, local_ranks=local_ranks)
+    need = estimate(shape, layout, local_ranks=local_ranks, bf16=bf16)
     largest = (
         f"{need.largest_rank_parameters:,} parameters x {need.bytes_per_parameter:g} bytes on "
         "the largest rank"

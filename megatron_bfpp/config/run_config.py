@@ -213,6 +213,7 @@ class Training:
     seed: int
     data_path: str | None  # Megatron-LM's list (prefixes, or weights and prefixes) joined by spaces
     split: str | None = None  # indexed datasets only; absent from older checkpoints
+    bf16: bool = False  # bf16 weights, fp32 gradients and main weights (older checkpoints: fp32)
 
     @property
     def decay_iters(self) -> int:
@@ -258,8 +259,9 @@ def model_shape(args: Any) -> ModelShape:
     return ModelShape(args.model, **values)
 
 
-# Training's fields read as the flags are (``data_path``'s list is joined by spaces).
-_TRAINING_FLAGS = [f.name for f in dataclasses.fields(Training) if f.name != "data_path"]
+# Training's fields read as the flags are (``data_path``'s list is joined by spaces), a flag a
+# namespace lacks as the field's default.
+_TRAINING_FLAGS = {f.name: f.default for f in dataclasses.fields(Training) if f.name != "data_path"}
 
 
 def run_config(args: Any, world_size: int) -> RunConfig:
@@ -282,7 +284,12 @@ def run_config(args: Any, world_size: int) -> RunConfig:
         ),
         pipeline_schedule=args.pipeline_schedule,
         training=Training(
-            **{name: getattr(args, name) for name in _TRAINING_FLAGS},
+            **{
+                name: getattr(args, name)
+                if default is dataclasses.MISSING
+                else getattr(args, name, default)
+                for name, default in _TRAINING_FLAGS.items()
+            },
             data_path=None if args.data_path is None else " ".join(args.data_path),
         ),
     )

@@ -9,7 +9,7 @@ from typing import Any
 from megatron_bfpp.config.run_config import UNEVEN_CONFIG_FIELDS, UNEVEN_FLAGS, flag_name
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.plan.auto import AUTO, add_auto_flags, check_auto_flags
-from megatron_bfpp.schedules.fit import check_fit, step_batch_sizes
+from megatron_bfpp.schedules.fit import check_fit, check_overlap_conditions, step_batch_sizes
 from megatron_bfpp.schedules.registry import (
     LAYOUT_VP_FLAG,
     MEGATRON_VP_FLAGS,
@@ -73,29 +73,6 @@ _VP_SOURCES = (
 )
 
 
-def _check_overlap_conditions(args: Any) -> None:
-    """megatron-core asserts these in ``TransformerConfig`` (a traceback per rank, after the
-    arguments); said here in one line, before any work."""
-    if not getattr(args, "overlap_moe_expert_parallel_comm", False):
-        return
-    unmet = [
-        condition
-        for condition, met in (
-            ("--expert-model-parallel-size > 1", (args.expert_model_parallel_size or 1) > 1),
-            ("--bf16 or --fp16", args.bf16 or args.fp16),
-            ("--moe-token-dispatcher-type alltoall or flex",
-             args.moe_token_dispatcher_type in ("alltoall", "flex")),
-            ("no --recompute-granularity full", args.recompute_granularity != "full"),
-        )
-        if not met
-    ]  # fmt: skip
-    if unmet:
-        raise ScheduleError(
-            f"--overlap-moe-expert-parallel-comm needs {'; '.join(unmet)} (megatron-core's "
-            "conditions for its combined step)"
-        )
-
-
 def apply_schedule_defaults(args: Any) -> None:
     """Before ``validate_args``: looped / V schedules given no virtual stages get 2 per rank."""
     spec = SCHEDULES.get(getattr(args, "pipeline_schedule", "default"))
@@ -155,7 +132,7 @@ def check_schedule_args(args: Any) -> None:
         batch_schedule=step_batch_sizes(args),
         overlapped=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
     )
-    _check_overlap_conditions(args)
+    check_overlap_conditions(args)
     if getattr(args, "rampup_batch_size", None):
         raise ScheduleError(
             f"--pipeline-schedule {name} does not support --rampup-batch-size yet; "

@@ -22,6 +22,7 @@ __all__ = [
     "BATCH_SCHEDULE_FLAG",
     "Fit",
     "check_fit",
+    "check_overlap_conditions",
     "num_microbatches",
     "parse_batch_schedule",
     "step_batch_sizes",
@@ -50,6 +51,32 @@ def check_overlapped_pairs(schedule: Schedule) -> None:
             "--overlap-moe-expert-parallel-comm hides expert all-to-alls in overlapped forward-"
             f"backward pairs, which {schedule.name} has none of here; use --pipeline-schedule "
             "dualpipe-v, or interleaved with --combined-1f1b, or drop the flag"
+        )
+
+
+def check_overlap_conditions(args: Any) -> None:
+    """megatron-core asserts these in ``TransformerConfig`` (a traceback per rank, after the
+    arguments); said here in one line, before any work, for Megatron-LM's and bfpp-train's
+    parsed arguments (a flag a front end lacks counts as its default)."""
+    if not getattr(args, "overlap_moe_expert_parallel_comm", False):
+        return
+    unmet = [
+        condition
+        for condition, met in (
+            ("--expert-model-parallel-size > 1",
+             (getattr(args, "expert_model_parallel_size", 1) or 1) > 1),
+            ("--bf16 or --fp16", getattr(args, "bf16", False) or getattr(args, "fp16", False)),
+            ("--moe-token-dispatcher-type alltoall or flex",
+             getattr(args, "moe_token_dispatcher_type", None) in ("alltoall", "flex")),
+            ("no --recompute-granularity full",
+             getattr(args, "recompute_granularity", None) != "full"),
+        )
+        if not met
+    ]  # fmt: skip
+    if unmet:
+        raise ScheduleError(
+            f"--overlap-moe-expert-parallel-comm needs {'; '.join(unmet)} (megatron-core's "
+            "conditions for its combined step)"
         )
 
 

@@ -59,7 +59,7 @@ def train_request(
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         hardware=hardware_from_args(args, device=device),
-        precision=precision_of(sixteen_bit=False),
+        precision=precision_of(sixteen_bit=args.bf16),
         sharding=args.data_parallel_sharding_strategy,
         gpus_per_node=gpus_per_node_from_env(env, world_size),
         vp=args.num_virtual_stages_per_pipeline_rank,
@@ -67,6 +67,7 @@ def train_request(
         max_stored=args.bpipe_max_stored,
         sequence_parallel=False,  # bfpp-train's presets (train.presets)
         ep=args.expert_model_parallel_size,
+        moe_overlap=args.overlap_moe_expert_parallel_comm,
     )
 
 
@@ -94,5 +95,7 @@ def resolve_train_auto(args: argparse.Namespace, world_size: int) -> Decision | 
     args.num_virtual_stages_per_pipeline_rank = decision.stages_per_rank
     args.breadth_first_group_size = c.group_size
     args.bpipe_max_stored = c.max_stored
+    if c.combined_1f1b:  # chosen under --overlap-moe-expert-parallel-comm
+        args.combined_1f1b = True
     setattr(args, AUTO_DEST, decision.line())
     return decision

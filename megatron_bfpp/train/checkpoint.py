@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bfpp.compat import (
+    main_weight_shards,
     megatron_core_version,
     model_params_from_main_params,
     restore_torch_adam_steps,
@@ -49,6 +50,7 @@ from megatron_bfpp.train.checkpoint_metadata import (
     metadata_to_json,
     read_checkpoint,
 )
+from megatron_bfpp.train.presets import unwrap
 
 __all__ = ["OtherRankFailed", "load_checkpoint", "read_rank_file", "save_checkpoint"]
 
@@ -100,6 +102,12 @@ def _kill_point(point: str) -> None:
         time.sleep(_PAUSE_S)
 
 
+def _gpt(chunk: Any) -> Any:
+    """The ``GPTModel`` whose state a checkpoint holds (inside DDP, and ``Float16Module`` in bf16,
+    which returns no ``load_state_dict`` result)."""
+    return unwrap(chunk)
+
+
 def _parameter_keys(module: Any) -> set[str]:
     """State-dict keys of the module's parameters (not TE's ``_extra_state``: not optimizer's)."""
     return {name for name, _ in module.named_parameters()}
@@ -113,8 +121,8 @@ def _sharded_state(
     state: dict[str, Any] = {}
     for index, chunk in enumerate(model):
         # without parameters: only metadata is read from released (sharded) ones, never their data
-        dropped = set() if parameters else _parameter_keys(chunk.module)
-        items = chunk.module.sharded_state_dict().items()
+        dropped = set() if parameters else _parameter_keys(_gpt(chunk))
+        items = _gpt(chunk).sharded_state_dict().items()
         state[f"model{index}"] = {k: v for k, v in items if k not in dropped}
     state["optimizer"] = optimizer.sharded_state_dict(
         state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
@@ -303,9 +311,13 @@ def _save_torch(
     gather_chunk: GatherChunk | None,
 ) -> FileRecord:
     """Per-rank format: ``state`` (scheduler, RNG, iteration), chunks' ``state_dict``, this rank's
-    Adam shard (inner torch optimizers' ``state_dict``; fp32 main parameters view the model's)."""
+    Adam shard (inner torch optimizers' ``state_dict``) and, in bf16, its fp32 main weights (in
+    fp32 they view the model's)."""
     state["model"] = [_chunk_state(index, chunk, gather_chunk) for index, chunk in enumerate(model)]
     state["optimizer"] = [o.state_dict() for o in _inner_optimizers(optimizer)]
+    state["main_weights"] = [
+        shard.detach().to("cpu", copy=True) for shard in main_weight_shards(optimizer)
+    ]
     path = temp / _rank_file_name(dist.get_rank())
     with open(path, "wb") as file:
         torch.save(state, file)
@@ -318,11 +330,11 @@ def _chunk_state(index: int, chunk: Any, gather_chunk: GatherChunk | None) -> di
     """A chunk's ``state_dict``; with ``gather_chunk``, read while the chunk is gathered and
     copied to host memory (its buffers are released when the context ends)."""
     if gather_chunk is None:
-        return dict(chunk.module.state_dict())
+        return dict(_gpt(chunk).state_dict())
     with gather_chunk(index):
         return {
             key: value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
-            for key, value in chunk.module.state_dict().items()
+            for key, value in _gpt(chunk).state_dict().items()
         }
 
 
@@ -452,9 +464,14 @@ def _load_torch(
                 f"of iteration {metadata.iteration}"
             )
         for chunk, chunk_state in zip(model, state["model"], strict=True):
-            chunk.module.load_state_dict(chunk_state)
+            _gpt(chunk).load_state_dict(chunk_state)
         for opt, opt_state in zip(_inner_optimizers(optimizer), state["optimizer"], strict=True):
             opt.load_state_dict(opt_state)
+        with torch.no_grad():  # older (fp32) files have none, as an fp32 run
+            for shard, saved in zip(
+                main_weight_shards(optimizer), state.get("main_weights", []), strict=True
+            ):
+                shard.copy_(saved)
         _load_scheduler_and_rng(state, optimizer, scheduler, own_groups)
     except (AssertionError, KeyError, IndexError, RuntimeError, TypeError, ValueError) as error:
         raise CheckpointError(f"{where} does not fit this run: {first_line(error)}") from None
@@ -583,7 +600,7 @@ def _load_torch_dist(
         with _weights_only_loads():
             state = dist_checkpointing.load(template, str(path))
         for index, chunk in enumerate(model):
-            _load_model_entries(chunk.module, state[f"model{index}"])
+            _load_model_entries(_gpt(chunk), state[f"model{index}"])
         _take_saved_group_values(optimizer, _saved_param_groups(state["optimizer"]))
         with torch.no_grad():  # fp32 main parameters are views of the model's (leaf) weights
             optimizer.load_state_dict(state["optimizer"])

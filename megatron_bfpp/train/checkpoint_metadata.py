@@ -246,6 +246,9 @@ def _layout_differences(saved: RunConfig, current: RunConfig) -> list[str]:
             f"{a.world_size} ranks (data-parallel size {a.data_parallel_size}), this run has "
             f"{b.world_size} ({b.data_parallel_size})"
         )
+    precision = {True: "--bf16", False: "fp32"}  # bf16 keeps fp32 main weights beside the model's
+    if (was := saved.training.bf16) != (now := current.training.bf16):
+        differences.append(f"{precision[was]}, this run has {precision[now]}")
     return differences
 
 

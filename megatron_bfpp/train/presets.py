@@ -35,16 +35,17 @@ INIT_STD = 0.02
 _LAYER_PREFIX = re.compile(r"^(.*\.)(\d+)$")
 
 
-def portable_fields(*, tp: int, pp: int, vp: int | None) -> dict[str, Any]:
+def portable_fields(*, tp: int, pp: int, vp: int | None, bf16: bool = False) -> dict[str, Any]:
     """``TransformerConfig`` fields that run alike on CPU and GPU, shared by the presets and the
-    tests' tiny model: fp32, dropout 0, initialisation on the CPU, no fused kernels."""
+    tests' tiny model: fp32 (or bf16), dropout 0, initialisation on the CPU, no fused kernels."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
     return dict(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        bf16=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=bf16,
         fp16=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -66,12 +67,14 @@ def transformer_config(
     on_cpu: bool,
     ep: int = 1,
     dispatcher: str = "alltoall",
+    bf16: bool = False,
+    overlap: bool = False,
     **uneven: Any,
 ) -> Any:
     """The megatron-core ``TransformerConfig`` of ``shape`` for a parallel layout (``uneven``:
     ``Layout.uneven_config``'s fields, checked by megatron-core here). Experts: megatron-core's
     local MoE layer on every layer, without linear biases (megatron-core adds an expert's bias in
-    place on a view, which autograd refuses)."""
+    place on a view, which autograd refuses); ``overlap``: its all-to-all overlap."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -82,7 +85,7 @@ def transformer_config(
         ffn_hidden_size=shape.ffn,
         init_method_std=INIT_STD,
         perform_initialization=False,  # init_by_global_names fills every parameter
-        **portable_fields(tp=tp, pp=pp, vp=vp),
+        **portable_fields(tp=tp, pp=pp, vp=vp, bf16=bf16),
         sequence_parallel=False,
         # gloo: batched p2p gives wrong gradients at pp=2 with looping (see megatron/cpu.py)
         batch_p2p_comm=not on_cpu,
@@ -110,6 +113,7 @@ def transformer_config(
             moe_token_dispatcher_type=dispatcher,
             moe_grouped_gemm=False,
             add_bias_linear=False,
+            **({"overlap_moe_expert_parallel_comm": True} if overlap else {}),
         )
     return TransformerConfig(**fields)
 

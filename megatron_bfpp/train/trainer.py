@@ -5,7 +5,6 @@ call per iteration; the loss is reported as Megatron-LM does, rank 0 writes the 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import random
@@ -133,7 +132,9 @@ def _optimizer_and_scheduler(
             adam_beta1=0.9,
             adam_beta2=0.95,
             clip_grad=args.clip_grad,
-            use_distributed_optimizer=True,  # fp32: bf16, fp16 and params_dtype at their defaults
+            use_distributed_optimizer=True,
+            bf16=args.bf16,  # fp32 main weights in the optimizer, as Megatron-LM's --bf16
+            params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         ),
         model,
     )
@@ -257,6 +258,7 @@ class _Step:
     grad_norm: float | None
     lr: float
     step_time: float
+    schedule_plans: int  # forwards run as megatron-core schedule plans (its combined step)
 
 
 def train(args: Any, *, store: Any = None) -> TrainResult:
@@ -313,7 +315,10 @@ def _check_gpu_memory(args: Any, device: torch.device) -> None:
         return
     run = run_config(args, dist.get_world_size())
     gpu_bytes = torch.cuda.get_device_properties(device).total_memory
-    if problem := memory_problem(run.model, run.layout, local_ranks=1, gpu_bytes=gpu_bytes):
+    bf16 = run.training.bf16
+    if problem := memory_problem(
+        run.model, run.layout, local_ranks=1, gpu_bytes=gpu_bytes, bf16=bf16
+    ):
         raise ValueError(problem)
 
 
@@ -351,13 +356,17 @@ def _set_up(args: Any, device: torch.device) -> _Run:
         on_cpu=device.type == "cpu",
         ep=args.expert_model_parallel_size,
         dispatcher=args.moe_token_dispatcher_type,
+        bf16=args.bf16,
+        overlap=args.overlap_moe_expert_parallel_comm,
         **run_cfg.layout.uneven_config(),
     )
     placement = get_spec(args.pipeline_schedule).placement
-    model = wrap_ddp(
-        build_model_chunks(config, shape, seed=args.seed, placement=placement),
-        use_distributed_optimizer=True,
-    )
+    chunks = build_model_chunks(config, shape, seed=args.seed, placement=placement)
+    if args.bf16:  # as Megatron-LM's get_model: fp32 in and out at the pipeline's ends
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+    model = wrap_ddp(chunks, use_distributed_optimizer=True)
     policy = scheduler_policy(args)
     optimizer, scheduler = _optimizer_and_scheduler(args, model, run_cfg, policy)
     iteration, consumed_samples = 0, 0
@@ -417,11 +426,12 @@ def _loop(run: _Run) -> TrainResult:
             f" ({shape.num_experts} experts, top {shape.router_topk})" if shape.num_experts else ""
         )
         ep = f" ep={args.expert_model_parallel_size}" if args.num_experts else ""
+        overlap = " with the all-to-all overlap" * args.overlap_moe_expert_parallel_comm
         print(
             f"bfpp-train: {args.model} {args.num_layers} layers{experts}, hidden "
-            f"{args.hidden_size}, tp={tp} pp={pp} vp={vp or 1} dp={run.dp_size}{ep}, "
-            f"{run.num_microbatches} micro-batches "
-            f"per step, schedule {args.pipeline_schedule}, device {run.device.type}, from "
+            f"{args.hidden_size}, {'bf16' if args.bf16 else 'fp32'}, tp={tp} pp={pp} "
+            f"vp={vp or 1} dp={run.dp_size}{ep}, {run.num_microbatches} micro-batches "
+            f"per step, schedule {args.pipeline_schedule}{overlap}, device {run.device.type}, from "
             f"iteration {run.iteration} ({run.consumed_samples} samples consumed)",
             flush=True,
         )
@@ -504,8 +514,15 @@ def _train_step(run: _Run) -> _Step:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
     iterators: Any = [iter(batches) for _ in run.model]
+    plans = 0
+
+    def step_func(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> Any:
+        nonlocal plans
+        plans += return_schedule_plan
+        return forward_step(run.device, data_iterator, model, return_schedule_plan)
+
     store = run.forward_backward(
-        forward_step_func=functools.partial(forward_step, run.device),
+        forward_step_func=step_func,
         data_iterator=iterators if len(run.model) > 1 else iterators[0],
         model=run.model,
         num_microbatches=run.num_microbatches,
@@ -540,6 +557,7 @@ def _train_step(run: _Run) -> _Step:
         grad_norm=None if grad_norm is None else float(grad_norm),
         lr=float(run.optimizer.param_groups[0]["lr"]),
         step_time=time.perf_counter() - start,
+        schedule_plans=plans,
     )
 
 
@@ -583,6 +601,7 @@ def _metrics_record(run: _Run, step: _Step, memory: dict[str, Any]) -> dict[str,
         "grad_norm": step.grad_norm if math.isfinite(step.grad_norm or 0.0) else None,
         "tokens_per_s": args.global_batch_size * args.seq_length / step.step_time,
         "num_microbatches": run.num_microbatches,
+        "schedule_plans": step.schedule_plans,  # this rank's, with the all-to-all overlap
         **memory,
     }
 

@@ -166,6 +166,7 @@ def test_uneven_stages_give_the_same_losses(
 
 
 MOE = ["--pipeline-model-parallel-size", "2", "--num-experts", "4", "--global-batch-size", "16"]
+OVERLAP = [*MOE, "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm"]
 
 
 def test_experts_dualpipe_v_gives_1f1bs_losses_and_the_counted_parameters(tmp_path: Path) -> None:
@@ -210,6 +211,50 @@ def test_experts_dualpipe_v_gives_1f1bs_losses_and_the_counted_parameters(tmp_pa
         "resumes only on the same model and parallel layout (the schedule, --micro-batch-size "
         "and --global-batch-size may change)"
     ), refused.stderr
+
+
+def test_bf16_experts_run_overlapped_pairs_combined_and_resume_exactly(tmp_path: Path) -> None:
+    """--bf16 (bf16 weights, fp32 main weights in the optimizer, as Megatron-LM's) with
+    --overlap-moe-expert-parallel-comm: dualpipe-v's pairs run as megatron-core's combined step
+    (forwards built as schedule plans, counted per iteration) with exactly the losses of
+    dualpipe-v run plainly. Saved at iteration 2 in either format and resumed, iterations 3 and 4
+    are the uninterrupted run's (the per-rank file keeps the main weights: rebuilt from bf16
+    weights they would round, and iteration 4 would differ); each pipeline rank holds 2 bytes
+    per counted parameter, and a resume in fp32 is refused in one line."""
+    from megatron_bfpp.config.model_memory import parameters_per_pipeline_rank
+    from megatron_bfpp.config.run_config import Layout, ModelShape
+    from megatron_bfpp.ir import Placement
+
+    flags = [*MOE, "--expert-model-parallel-size", "2", "--pipeline-schedule", "dualpipe-v"]
+    overlap = "--overlap-moe-expert-parallel-comm"
+
+    def train(name: str, *more: str) -> subprocess.CompletedProcess[str]:
+        path = ["--metrics-file", str(tmp_path / f"{name}.jsonl")]
+        proc = _run(*flags, "--train-iters", "4", *path, *more, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    plain = train("plain", "--bf16")
+    assert ", bf16, " in plain.stdout and "with the all-to-all overlap" not in plain.stdout
+    for form in ("torch", "torch_dist"):
+        saved = ["--save", str(tmp_path / form), "--save-interval", "2", "--exit-interval", "2"]
+        first = train(form, "--bf16", overlap, "--ckpt-format", form, *saved)
+        assert "schedule dualpipe-v with the all-to-all overlap" in first.stdout
+        train(form, "--bf16", overlap, "--ckpt-format", form, "--load", str(tmp_path / form))
+    want = _metrics(tmp_path / "plain.jsonl")
+    for form in ("torch", "torch_dist"):
+        got = _metrics(tmp_path / f"{form}.jsonl")  # iterations 1-2, then the resumed 3-4
+        assert [m["iteration"] for m in got] == [1, 2, 3, 4], got
+        assert [m["lm_loss"] for m in got] == [m["lm_loss"] for m in want], (form, got, want)
+        assert all(m["schedule_plans"] > 0 for m in got)
+    assert all(m["schedule_plans"] == 0 for m in want)
+    shape = ModelShape("gpt", 8, 64, 4, None, None, 64, 256, 4)
+    layout = Layout(1, 2, 2, Placement.V_SHAPE, 2, 4, expert_model_parallel_size=2)
+    counted = [2 * n for n in parameters_per_pipeline_rank(shape, layout)]  # bf16
+    assert want[-1]["peak_parameter_bytes"] == counted
+    refused = _run(*flags, "--train-iters", "4", "--load", str(tmp_path / "torch"))
+    assert refused.returncode == 2
+    assert "checkpoint was saved with --bf16, this run has fp32" in refused.stderr, refused.stderr
 
 
 def test_bpipe_caps_measured_activation_memory(tmp_path: Path) -> None:
@@ -364,6 +409,20 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         ),
         (["--num-experts", "2", "--moe-router-topk", "3"], "--moe-router-topk 3 routes to more"),
         (
+            [*OVERLAP, "--pipeline-schedule", "dualpipe-v"],
+            "--overlap-moe-expert-parallel-comm needs --bf16 or --fp16 (megatron-core's "
+            "conditions for its combined step)",
+        ),
+        (
+            [*OVERLAP, "--bf16", "--pipeline-schedule", "1f1b"],
+            "--overlap-moe-expert-parallel-comm hides expert all-to-alls in overlapped forward-"
+            "backward pairs, which 1f1b has none of here",
+        ),
+        (
+            ["--overlap-moe-expert-parallel-comm"],
+            "--overlap-moe-expert-parallel-comm needs --num-experts",
+        ),
+        (
             ["--pipeline-schedule", "auto", "--decoder-first-pipeline-num-layers", "1"],
             "--pipeline-schedule auto plans even pipeline stages and does not read "
             "--decoder-first-pipeline-num-layers; drop it or name the schedule",
@@ -401,6 +460,9 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         "ep-without-experts",
         "ep-not-dividing",
         "topk-above-experts",
+        "overlap-without-bf16",
+        "overlap-without-pairs",
+        "overlap-without-experts",
         "auto-uneven",
     ],
 )

@@ -103,3 +103,24 @@ def test_experts_adam_state_is_sharded_over_the_expert_data_parallel_ranks() -> 
     want = [(c - experts) * (4 + 4 + 8 / 2) + experts * (4 + 4 + 8) for c in counts]
     estimate = model_memory.estimate(shape, layout, local_ranks=1)
     assert estimate.largest_rank_bytes == int(max(want))
+
+
+def test_bf16_keeps_two_byte_weights_and_sharded_fp32_main_weights() -> None:
+    """--bf16 as Megatron-LM's: 2-byte weights, the fp32 gradient buffer, and the optimizer's fp32
+    main weights sharded with Adam's moments: 2 + 4 + (8 + 4) / dp bytes per parameter (18 at
+    dp 1, 9 at dp 4); experts' state over dp / ep as in fp32."""
+    layout = Layout(1, 2, 1, Placement.SINGLE, 4, 8)
+    assert (
+        model_memory.estimate(_shape(), layout, local_ranks=8, bf16=True).bytes_per_parameter == 9
+    )
+    one = Layout(1, 2, 1, Placement.SINGLE, 1, 2)
+    assert model_memory.estimate(_shape(), one, local_ranks=2, bf16=True).bytes_per_parameter == 18
+    shape = ModelShape("llama", 4, 64, 4, None, None, 32, 256, 4, 2, 32)
+    moe = Layout(1, 2, 1, Placement.SINGLE, 2, 4, expert_model_parallel_size=2)
+    counts = model_memory.parameters_per_pipeline_rank(shape, moe)
+    experts = 2 * 12_288  # as above: 2 layers per pipeline rank, 2 local experts each
+    want = [(c - experts) * (2 + 4 + 12 / 2) + experts * (2 + 4 + 12) for c in counts]
+    estimate = model_memory.estimate(shape, moe, local_ranks=1, bf16=True)
+    assert estimate.largest_rank_bytes == int(max(want))
+    parsed = _parse("--bf16", "--no-memory-check")
+    assert run_config(parsed, 4).training.bf16 and not run_config(_parse(), 4).training.bf16
