@@ -602,8 +602,8 @@ def train_step(run):
     at[0] = run.iteration + 1
     return plain_step(run)
 
-def forward_step(device, data_iterator, model):
-    output, loss = plain_forward(device, data_iterator, model)
+def forward_step(device, data_iterator, model, return_schedule_plan=False):
+    output, loss = plain_forward(device, data_iterator, model, return_schedule_plan)
     if at[0] >= 3 and output.requires_grad:
         output.register_hook(lambda grad: grad * float("inf"))
     return output, loss
