@@ -124,10 +124,16 @@ def test_v_shapes_give_megatron_1f1bs_losses(
 def test_a_v_on_an_uneven_layout_gives_1f1bs_losses_on_the_merged_layout() -> None:
     """config.model.pipeline_model_parallel_layout under a V: stage s of the model on rank s or
     2p-1-s (rank 0: the embedding alone and the last layer with the loss), against Bridge's
-    1F1B on the layout merging each rank's two stages: losses and grad norms bit for bit."""
+    1F1B on ``Et*2|t*2L``: losses bit for bit. The grad norm is summed
+    per rank over the layers it holds, which group differently on the V (rank 0: the embedding
+    and layer 3; 1F1B's: the embedding and layers 0-1), so, as in the test above, equal up to
+    fp32 rounding (iteration 3 on an AVX-512 EPYC: 1.97772539 against 1.97772527)."""
     layout = "--pipeline-model-parallel-layout"
     ours = _losses("--pipeline-schedule", "dualpipe-v", layout, "E|t*2|t|tL")
-    assert ours == _losses("--pipeline-schedule", "default", layout, "Et*2|t*2L")
+    theirs = _losses("--pipeline-schedule", "default", layout, "Et*2|t*2L")
+    assert [row[:2] for row in ours] == [row[:2] for row in theirs]
+    for row, reference in zip(ours, theirs, strict=True):
+        assert math.isclose(float(row[2]), float(reference[2]), rel_tol=1e-6), (ours, theirs)
 
 
 def test_either_import_order_reaches_bridges_bound_names() -> None:
