@@ -123,29 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--ffn-hidden-size", type=positive_int, help=f"(default: {DEFAULT_FFN_TEXT})")
     m.add_argument("--seq-length", type=positive_int, default=64)
     m.add_argument("--vocab-size", type=positive_int, default=256)
-    moe = "Mixture-of-Experts (Megatron-LM's flag; megatron-core's local MoE layer, no biases)"
-    m.add_argument("--num-experts", type=positive_int, help=f"{moe}: experts per layer")
-    m.add_argument("--moe-router-topk", type=positive_int, help=f"{moe} (default: 2)")
-    m.add_argument("--moe-ffn-hidden-size", type=positive_int, help=f"{moe} (default: the FFN's)")
-    m.add_argument(
-        "--expert-model-parallel-size",
-        type=positive_int,
-        default=1,
-        help=f"{moe}: ranks of the data-parallel group the experts are split over",
-    )
-    m.add_argument(
-        "--moe-token-dispatcher-type",
-        choices=("alltoall", "allgather"),
-        default="alltoall",
-        help=f"{moe} (default: alltoall, which gloo runs; Megatron-LM's is allgather)",
-    )
-    m.add_argument(
-        "--overlap-moe-expert-parallel-comm",
-        action="store_true",
-        help=f"{moe}: run overlapped pairs (dualpipe-v, interleaved --combined-1f1b) as "
-        "megatron-core's combined step, each part's all-to-all under the other's compute (needs "
-        "--bf16 and --expert-model-parallel-size > 1)",
-    )
+    _add_moe_arguments(m)
 
     par = p.add_argument_group("parallelism and schedule")
     by_count: dict[int, list[str]] = {}  # the virtual stages' default: each schedule's own
@@ -222,6 +200,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_training_and_io_arguments(p)
     return p
+
+
+def _add_moe_arguments(m: Any) -> None:
+    moe = "Mixture-of-Experts (Megatron-LM's flag; megatron-core's local MoE layer, no biases)"
+    m.add_argument("--num-experts", type=positive_int, help=f"{moe}: experts per layer")
+    m.add_argument("--moe-router-topk", type=positive_int, help=f"{moe} (default: 2)")
+    m.add_argument("--moe-ffn-hidden-size", type=positive_int, help=f"{moe} (default: the FFN's)")
+    m.add_argument(
+        "--expert-model-parallel-size",
+        type=positive_int,
+        default=1,
+        help=f"{moe}: ranks of the data-parallel group the experts are split over",
+    )
+    m.add_argument(
+        "--moe-token-dispatcher-type",
+        choices=("alltoall", "allgather"),
+        default="alltoall",
+        help=f"{moe} (default: alltoall, which gloo runs; Megatron-LM's is allgather)",
+    )
+    m.add_argument(
+        "--overlap-moe-expert-parallel-comm",
+        action="store_true",
+        help=f"{moe}: run overlapped pairs (dualpipe-v, interleaved --combined-1f1b) as "
+        "megatron-core's combined step, each part's all-to-all under the other's compute (needs "
+        "--bf16 and --expert-model-parallel-size > 1)",
+    )
 
 
 def _add_training_and_io_arguments(p: argparse.ArgumentParser) -> None:
