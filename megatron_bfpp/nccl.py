@@ -36,6 +36,7 @@ from megatron_bfpp.semantics import (
     compute_durations,
     lockstep_replay,
     match_channels,
+    stage_durations,
 )
 
 __all__ = [
@@ -60,7 +61,7 @@ _FREES = frozenset({K.BACKWARD, K.BACKWARD_INPUT})  # the backward that frees th
 _UNIT = Timing()
 _SIDE = -2  # the peer of a rank's side stream in ``_Model.streams`` (-1: its group's)
 # the lock-step replay's timing: semantics.Timing's defaults in integer ticks (composites: summed)
-_TICKED = Timing(*(int(getattr(_UNIT, field.name)) for field in fields(Timing)))
+_TICKED = Timing(*(int(getattr(_UNIT, f.name)) for f in fields(Timing)[:-1]))  # type: ignore[arg-type]
 TICKS = {kind: int(time) for kind, time in compute_durations(_TICKED).items()}
 _FB = K.OVERLAP_F_B
 
@@ -267,7 +268,7 @@ def _lockstep_steps(
             tick = next(starts)
             add_key((tick * 4 + 3) * wide + position * 4 + _RUN)
             # a composite's ticks: its parts' (``TICKS`` has none)
-            end = tick + (ticks_of.get(kind) or action_duration(ticks_of, action))
+            end = tick + (ticks_of.get(kind) or sum(ticks_of[p.kind] for p in parts(action)))
         else:
             if kind in lanes:
                 next(starts)
@@ -626,11 +627,13 @@ class _Model:
         self.start_time, self.unit_end = [zero] * nunits, [zero] * nunits
         self.unit_active: list[float] = [math.inf] * nunits  # when its first op got going
         self.stream_free = [zero] * len(self.streams)
-        self.durations = {} if timing is None else compute_durations(timing)
+        stages = self.schedule.num_stages
+        self.durations = {} if timing is None else stage_durations(timing, stages)
         p2p, transfer = (0, 0) if timing is None else (timing.p2p, timing.transfer)
         self.a2a = 0 if timing is None else timing.a2a
         if timing is not None:
-            self.durations |= {K.GRAD_SYNC: timing.grad_sync, K.PARAM_SYNC: timing.param_sync}
+            lanes = {K.GRAD_SYNC: timing.grad_sync, K.PARAM_SYNC: timing.param_sync}
+            self.durations |= {kind: (d,) * stages for kind, d in lanes.items()}
         # per op once both halves started: ``transfer`` for stored activations, else ``p2p``
         if transfer == p2p:
             self.op_time: list[float] = [p2p] * len(self.op_key)
@@ -744,9 +747,9 @@ class _Model:
                         finished.clear()
                 elif not timed:
                     pass
-                elif (kind := programs[rank][value].kind) in COMPUTE_KINDS and not ps_done[rank]:
+                elif (action := programs[rank][value]).kind in COMPUTE_KINDS and not ps_done[rank]:
                     now = cpu[rank]  # a plain compute, no gather pending: the rest in ``_run``
-                    cpu[rank] = end = now + (duration := durations[kind])
+                    cpu[rank] = end = now + (duration := durations[action.kind][action.stage])
                     busy[rank] += duration
                     records[rank].append((now, end, value))
                 else:
@@ -758,7 +761,8 @@ class _Model:
         """A compute on the CPU, or a GS / PS on the data-parallel lane (timed only)."""
         action = self.schedule.per_rank[rank][position]
         kind = action.kind
-        duration = self.durations.get(kind)
+        row = self.durations.get(kind)
+        duration = None if row is None else row[action.stage]
         if duration is None and kind is _FB:  # the composite rule: its parts' durations
             duration = action_duration(
                 self.durations, action, self.rules.hidden(rank, position, self.a2a)

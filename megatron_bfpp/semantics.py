@@ -86,6 +86,7 @@ __all__ = [
     "planned_forwards",
     "replay",
     "run_recorded",
+    "stage_durations",
 ]
 
 K = ActionKind
@@ -110,6 +111,9 @@ class Timing:
     grad_sync: float = 0.0
     param_sync: float = 0.0
     a2a: float = 0.0  # the expert all-to-all inside each F, B and I (combined pairs hide it)
+    # Uneven stages: per global stage its (F, B, I, W) durations, in place of the four above
+    # (``CostModel.exact`` with stage weights); empty: every stage takes those.
+    stages: tuple[tuple[float, float, float, float], ...] = ()
 
 
 RS_DELAY = 1  # lock-step ticks from an eviction to its return: its payload is in by its tick's end
@@ -125,15 +129,30 @@ def compute_durations(timing: Timing) -> dict[ActionKind, float]:
     }
 
 
+def stage_durations(timing: Timing, num_stages: int) -> dict[ActionKind, tuple[float, ...]]:
+    """Each plain compute kind's duration on each global stage: ``Timing.stages`` where the
+    stages differ, else the kind's one duration on every stage. Refuses rows that do not
+    match the schedule's stages, since a stage without its own cost would be timed as another's."""
+    if not timing.stages:
+        return {kind: (d,) * num_stages for kind, d in compute_durations(timing).items()}
+    if len(timing.stages) != num_stages:
+        raise ScheduleError(
+            f"the timing has costs for {len(timing.stages)} stages, the schedule has "
+            f"{num_stages}: give one weight per global stage (pp x vp)"
+        )
+    return dict(zip(compute_durations(timing), zip(*timing.stages, strict=True), strict=True))
+
+
 def action_duration(
-    durations: Mapping[ActionKind, Number], action: Action, a2a: Number = 0
+    durations: Mapping[ActionKind, Sequence[Number]], action: Action, a2a: Number = 0
 ) -> Number:
-    """A compute's duration from each kind's. A composite (F, then B or I) runs on two streams,
-    as DualPipe and megatron-core's combined 1F1B do: each part's all-to-all (``a2a``) hides
-    under the other part's compute, never under its own; with ``a2a`` 0, the parts' sum."""
+    """A compute's duration from each kind's on its stage (``stage_durations``). A composite (F,
+    then B or I) runs on two streams, as DualPipe and megatron-core's combined 1F1B do: each
+    part's all-to-all (``a2a``) hides under the other part's compute, never under its own; with
+    ``a2a`` 0, the parts' sum."""
     if action.kind is not K.OVERLAP_F_B:
-        return durations[action.kind]
-    f, b = (durations[part.kind] - a2a for part in parts(action))  # each part's compute
+        return durations[action.kind][action.stage]
+    f, b = (durations[p.kind][p.stage] - a2a for p in parts(action))  # each part's compute
     return f + b + max(0, a2a - b) + max(0, a2a - f)
 
 
@@ -247,15 +266,17 @@ def _ends(run: Wires, rank: int) -> list[float]:
     """A compute-only rank's compute ends from the starts ``_timed`` recorded: one per compute,
     each followed by its implicit send's when messages take time (``Timeline._rank_events``)."""
     timing, starts, sends_for = run.durations, run.starts[rank], run.rules.sends_for
-    duration = compute_durations(timing)
+    duration = run.computes
     actions = run.rules.schedule.per_rank[rank]
     if timing.p2p == 0:
-        return [start + duration[a.kind] for a, start in zip(actions, starts, strict=False)]
+        return [
+            start + duration[a.kind][a.stage] for a, start in zip(actions, starts, strict=False)
+        ]
     ends, at = [], 0
     for a in actions[: len(starts)]:
         if at >= len(starts):
             break
-        ends.append(starts[at] + duration[a.kind])
+        ends.append(starts[at] + duration[a.kind][a.stage])
         at += 2 if sends_for[a.kind][a.stage] else 1
     return ends
 
@@ -436,7 +457,7 @@ class Wires:
         self.flow: list[float | None] = [None] * rules.limit
         waits, sends, to = rules.waits_for, rules.sends_for, rules.output_rank
         # per kind, one lookup: duration; per stage what it waits for, sends (0: none) and to whom
-        self.computes = compute_durations(timing)
+        self.computes = stage_durations(timing, rules.num_stages)
         self.compute = {
             kind: (duration, waits[kind], sends[kind], to[kind])
             for kind, duration in self.computes.items()
@@ -448,7 +469,8 @@ class Wires:
         self.instant = (
             timing.p2p == 0
             and timing.transfer == 0
-            and all(type(getattr(timing, f.name)) is int for f in fields(timing))
+            and all(type(getattr(timing, f.name)) is int for f in fields(timing)[:-1])
+            and all(type(d) is int for row in timing.stages for d in row)
         )
         # Clocks start at integer 0, so integer durations (CostModel.exact) stay integers.
         self.clock: list[float] = [0] * num_ranks
@@ -647,9 +669,10 @@ def _timed(run: Wires, rank: int) -> Program:
                     yield i, need
                 if run.acked[rank] > start:
                     start = run.acked[rank]
-            duration, waits_row, sends_row, peers_row = spec
+            durations_row, waits_row, sends_row, peers_row = spec
             if mb >= microbatches:
                 raise IndexError(mb)
+            duration = durations_row[s]
             if need := waits_row[s]:
                 if (arrival := flow[need := need + mb]) is None:
                     yield i, need
@@ -784,7 +807,7 @@ class Timeline:
         """``rank``'s events from ``_timed``'s starts, until they run out (deadlock)."""
         rules, timing, starts = self.rules, self.timing, iter(self.starts[rank])
         num_ranks, implicit, sends_for = rules.num_ranks, rules.implicit, rules.sends_for
-        computes = compute_durations(timing)
+        computes = stage_durations(timing, rules.num_stages)
         lanes = {_GS: timing.grad_sync, _PS: timing.param_sync}
         sent = {_SA: timing.p2p, _SG: timing.p2p, _EV: timing.transfer, _RS: timing.transfer}
         user = partial(_user, self.per_unit)

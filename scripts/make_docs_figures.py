@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from megatron_bfpp.ir import ActionKind, Schedule
 from megatron_bfpp.schedules import build_schedule
 from megatron_bfpp.sim import CostModel, SimResult, render_png, simulate
+from megatron_bfpp.sim.cost import cost_fields
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "images"
@@ -81,7 +82,7 @@ class Case:
             }.get(option, f"--{option.replace('_', '-')}")
             parts.append(f"{flag} {value}")
         default = CostModel()  # bfpp-sim's defaults: flags only for what differs
-        for costs_field in fields(CostModel):
+        for costs_field in cost_fields():
             name = costs_field.name
             value = getattr(self.costs, name)
             if value != getattr(default, name):

@@ -19,7 +19,7 @@ from megatron_bfpp.cli.common import (
     output_file_problem,
     write_problem,
 )
-from megatron_bfpp.config.run_config import flag_name
+from megatron_bfpp.config.run_config import flag_name, layout_stage_weights
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import (
     _CHUNK_LEVEL,
@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         costs.add_argument(
             flag_name(cost.name), type=non_negative_float, default=default, help=text
         )
+    _add_stage_arguments(costs)
     costs.add_argument(
         "--p2p-model",
         choices=list(P2P_MODELS),
@@ -166,6 +167,83 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What an embedding and an output layer with its loss cost against a transformer layer, forward
+# and backward, measured on one H200 in bf16 (docs/measurements/h200-stage-kinds.json):
+# 0.011-0.026 and, at a 32k vocabulary, 0.17-0.26 (at 128k: 1.02-1.04).
+EMBEDDING_WEIGHT, LOSS_WEIGHT = 0.02, 0.25
+
+
+def _add_stage_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--stage-weights",
+        type=_weights,
+        metavar="W,W,...",
+        help="uneven stages: each global stage's compute (F, B, I, W) against an even stage's, "
+        "one per stage in model order (pp x vp; 1 = as even; --t-host is not weighted)",
+    )
+    group.add_argument(
+        "--pipeline-model-parallel-layout",
+        metavar="LAYOUT",
+        help="uneven stages as Megatron-LM writes them ('Et*3|t*4|t*4|t*3L'): each stage "
+        "weighs its layers against an even stage's, plus --embedding-weight for E and "
+        "--loss-weight for L (an MTP layer m: a layer and a loss)",
+    )
+    group.add_argument(
+        "--embedding-weight",
+        type=non_negative_float,
+        help=f"with --pipeline-model-parallel-layout: the embedding, in transformer layers "
+        f"(default {EMBEDDING_WEIGHT:g}, measured on an H200)",
+    )
+    group.add_argument(
+        "--loss-weight",
+        type=non_negative_float,
+        help=f"with --pipeline-model-parallel-layout: the output layer and its loss, in "
+        f"transformer layers (default {LOSS_WEIGHT:g}: a 32k vocabulary on an H200; about 1 "
+        "at 128k)",
+    )
+
+
+def _weights(text: str) -> tuple[float, ...]:
+    try:
+        weights = tuple(non_negative_float(part) for part in text.split(","))
+    except (argparse.ArgumentTypeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of numbers >= 0 (e.g. 1.2,1,1,1.3)"
+        ) from None
+    return weights
+
+
+def stage_weights(args: argparse.Namespace, num_stages: int) -> tuple[float, ...]:
+    """``CostModel.stage_weights`` from bfpp-sim's flags, checked against the schedule's stages;
+    raises ``ScheduleError`` with the one line to print."""
+    layout, given = args.pipeline_model_parallel_layout, args.stage_weights
+    per_layer = {"--embedding-weight": args.embedding_weight, "--loss-weight": args.loss_weight}
+    if layout and given:
+        raise ScheduleError("pass --stage-weights or --pipeline-model-parallel-layout, not both")
+    if not layout and (named := [flag for flag, value in per_layer.items() if value is not None]):
+        raise ScheduleError(
+            f"{named[0]} weighs a layout's E / L: add --pipeline-model-parallel-layout"
+        )
+    if layout:
+        embedding, loss = args.embedding_weight, args.loss_weight
+        try:
+            given = layout_stage_weights(
+                layout,
+                args.pp or 1,
+                embedding=EMBEDDING_WEIGHT if embedding is None else embedding,
+                loss=LOSS_WEIGHT if loss is None else loss,
+            )
+        except ValueError as error:
+            raise ScheduleError(str(error)) from None
+    if given and len(given) != num_stages:
+        flag = "--pipeline-model-parallel-layout" if layout else "--stage-weights"
+        raise ScheduleError(
+            f"{flag} gives {len(given)} stages; the schedule has {num_stages} (pp x stages per "
+            "rank): give one per stage, in model order"
+        )
+    return given or ()
+
+
 _OUTPUTS = ("csv", "trace", "png")  # each written by --NAME PATH, reported as "wrote NAME: PATH"
 _NCCL_VIEWS = {"as_written": "as written", "lock_step": "as bfpp runs it (lock-step)"}
 
@@ -193,7 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = _schedule_from(args)
         if args.png and (problem := png_problem(schedule.num_ranks)):
             return fail(PROG, problem)
-        costs = CostModel(**{cost.name: getattr(args, cost.name) for cost in cost_fields()})
+        costs = CostModel(
+            **{cost.name: getattr(args, cost.name) for cost in cost_fields()},
+            stage_weights=stage_weights(args, schedule.num_stages),
+        )
         result = _simulated(args, schedule, costs)
         nccl = nccl_report(schedule) if args.nccl or args.load_csv else None
         if not math.isfinite(result.step_time):
@@ -410,6 +491,8 @@ def format_report(result: SimResult) -> str:
             f"timed from its steady state: steps of {', '.join(map(str, lengths))} "
             "micro-batches lie exactly on one line (--exact times every micro-batch)"
         )
+    if weights := data["costs"]["stage_weights"]:
+        lines.append(f"stage weights: {', '.join(f'{w:.4g}' for w in weights)} (uneven stages)")
     if reduce := data["megatron_grad_reduce"]:
         lines.append(f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})")
     lines += [

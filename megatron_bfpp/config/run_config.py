@@ -20,6 +20,7 @@ __all__ = [
     "Training",
     "default_ffn_hidden_size",
     "flag_name",
+    "layout_stage_weights",
     "layout_stages",
     "model_shape",
     "run_config",
@@ -169,6 +170,31 @@ def layout_virtual_stages(layout: str, pp: int, num_layers: int | None) -> int:
             f"{flag} places {layers} transformer layers, not --num-layers {num_layers}"
         )
     return len(stages) // pp
+
+
+def layout_stage_weights(
+    layout: str, pp: int, *, embedding: float, loss: float
+) -> tuple[float, ...]:
+    """Each stage's compute against an even stage's (its share of the layout's ``t`` layers), for
+    ``CostModel.stage_weights``: a layer counts 1, the embedding ``embedding`` layers, the output
+    layer with its loss ``loss``, an MTP layer a layer and a loss of its own. So an even layout
+    whose E and L cost nothing weighs 1 everywhere, and E and L add to the stages holding them.
+    Raises ``ValueError`` with the user's one line (``layout_virtual_stages``'s checks)."""
+    layout_virtual_stages(layout, pp, None)
+    stages = layout_stages(layout)
+    if not (layers := sum(stage.count("t") for stage in stages)):
+        raise ValueError(f"--pipeline-model-parallel-layout {layout} places no transformer layer")
+    even = layers / len(stages)  # an even stage's layers: the unit of t_forward / t_backward
+    return tuple(
+        (
+            stage.count("t")
+            + stage.count("m") * (1 + loss)
+            + stage.count("E") * embedding
+            + stage.count("L") * loss
+        )
+        / even
+        for stage in stages
+    )
 
 
 # Layout's uneven-stage flags (destinations) and megatron-core's config fields for them.

@@ -9,7 +9,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import cache, lru_cache, partial
 from typing import Any
 
@@ -45,6 +45,7 @@ from megatron_bfpp.schedules.registry import (
     planned_schedules,
 )
 from megatron_bfpp.sim import CostModel
+from megatron_bfpp.sim.cost import cost_fields
 from megatron_bfpp.sim.simulator import DEFAULT_P2P_MODEL, simulated_step, steady_lengths
 
 __all__ = [
@@ -481,7 +482,7 @@ def _stage_bytes(c: Candidate, model: Model, precision: Precision) -> StageBytes
 
 def _cost_model(times: StageTimes) -> CostModel:
     """Each ``t_<name>`` of the simulator's costs: ``times.<name>`` in whole nanoseconds."""
-    ns = {f.name: max(0, round(getattr(times, f.name[2:]) * NS)) for f in fields(CostModel)}
+    ns = {f.name: max(0, round(getattr(times, f.name[2:]) * NS)) for f in cost_fields()}
     # W runs the weight GEMMs I deferred (runtime/deferred_wgrad.py)
     ns["t_weight"] = min(ns["t_weight"], ns["t_backward"])
     ns["t_a2a"] = min(ns["t_a2a"], ns["t_forward"], ns["t_backward"] - ns["t_weight"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import Field, dataclass, field, fields
 from fractions import Fraction
+from itertools import chain
 from typing import Any, NamedTuple
 
 from megatron_bfpp.ir import ActionKind, ScheduleError
@@ -54,16 +55,18 @@ class CostModel:
     t_a2a: float = _cost(
         0.0, "MoE: all-to-all in one forward, and in one backward; a combined F&B pair hides it"
     )
+    # Uneven stages: each global stage's compute against an even stage's (1.0: as even; the
+    # embedding, output layer and loss, other layer counts), t_host unweighted; empty: all even.
+    # Not a cost of its own (``cost_fields`` leaves it out): one per stage of the schedule timed.
+    stage_weights: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        for weight in self.stage_weights:
+            if not _number(weight):
+                raise ScheduleError(f"stage weights must be finite numbers >= 0, got {weight!r}")
         for cost in cost_fields():
             value = getattr(self, cost.name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value < 0
-            ):
+            if not _number(value):
                 raise ScheduleError(
                     f"CostModel.{cost.name} must be a finite number >= 0, got {value!r}"
                 )
@@ -88,28 +91,49 @@ class CostModel:
         return full[kind] * stage_fraction + self.t_host
 
     def exact(self, stage_fraction: Fraction = Fraction(1)) -> ExactTiming:
-        """Integer-unit durations: the printed decimals times their least common denominator."""
+        """Integer-unit durations: the printed decimals times their least common denominator;
+        with ``stage_weights``, each stage's compute (F, B, I, W) as ``Timing.stages``."""
         full = {cost.name: _decimal(getattr(self, cost.name)) for cost in cost_fields()}
         host = full["t_host"]  # per compute action, whatever the stage's size
+        compute = (  # F, B, I, W of an even stage, less the host's time
+            full["t_forward"] * stage_fraction,
+            full["t_backward"] * stage_fraction,
+            (full["t_backward"] - full["t_weight"]) * stage_fraction,
+            full["t_weight"] * stage_fraction,
+        )
         durations = {
-            "forward": full["t_forward"] * stage_fraction + host,
-            "backward": full["t_backward"] * stage_fraction + host,
-            "backward_input": (full["t_backward"] - full["t_weight"]) * stage_fraction + host,
-            "backward_weight": full["t_weight"] * stage_fraction + host,
+            **dict(zip(_COMPUTE, compute, strict=True)),
             "p2p": full["t_p2p"],
             "transfer": full["t_evict"] * stage_fraction,
             "grad_sync": full["t_grad_reduce"],
             "param_sync": full["t_param_gather"],
             "a2a": full["t_a2a"] * stage_fraction,
         }
-        per_unit = math.lcm(*(d.denominator for d in durations.values()))
+        durations = {name: d + host * (name in _COMPUTE) for name, d in durations.items()}
+        stages = [[c * _decimal(w) + host for c in compute] for w in self.stage_weights]
+        denominators = [d.denominator for d in (*durations.values(), *chain(*stages))]
+        per_unit = math.lcm(*denominators)
         scaled = {name: int(d * per_unit) for name, d in durations.items()}
-        return ExactTiming(Timing(**scaled), per_unit)
+        rows = tuple(tuple(int(d * per_unit) for d in row) for row in stages)
+        return ExactTiming(Timing(**scaled, stages=rows), per_unit)  # type: ignore[arg-type]
+
+
+_COMPUTE = ("forward", "backward", "backward_input", "backward_weight")  # Timing's, in order
+
+
+def _number(value: object) -> bool:
+    """A finite number >= 0 (not a bool): what every cost and weight must be."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
 
 
 def cost_fields() -> tuple[Field[Any], ...]:
-    """CostModel's fields (default, ``metadata["help"]``): what front ends derive flags from."""
-    return fields(CostModel)
+    """CostModel's costs (default, ``metadata["help"]``): what front ends derive flags from."""
+    return tuple(f for f in fields(CostModel) if "help" in f.metadata)
 
 
 def _decimal(value: float) -> Fraction:

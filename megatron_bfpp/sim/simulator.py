@@ -246,7 +246,9 @@ def simulate_steady(
     """``simulate``'s figures off the exact clocks of shorter steps (``shorter(n)``, a period apart)
     where they lie on lines, else timed whole; memory from ``schedule``'s own program."""
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, None)
-    if schedule.num_actions >= STEADY_FROM_ACTIONS:
+    # Uneven stages are timed whole: their shorter steps can lie on lines that the long step
+    # leaves later (tests/unit/test_stage_weights.py, docs/simulator.md#uneven-stages).
+    if schedule.num_actions >= STEADY_FROM_ACTIONS and len(set(costs.stage_weights)) <= 1:
         line = _steady_clocks(schedule, costs, shorter, period, p2p, grad_reduce)
         if line is not None:
             lengths, fields = line

@@ -178,6 +178,7 @@ def test_an_overlapped_pair_hides_each_parts_all_to_all_under_the_others_compute
 
     pair = Composite(unchecked_action(0, K.FORWARD, 1), unchecked_action(1, K.BACKWARD, 0))
     durations = {K.FORWARD: f, K.BACKWARD: b, K.BACKWARD_INPUT: b // 2, K.BACKWARD_WEIGHT: b // 2}
+    durations = {kind: (d, d) for kind, d in durations.items()}  # stages 0 and 1 alike
     assert action_duration(durations, pair, a2a) == expected
     assert action_duration(durations, unchecked_action(0, K.FORWARD, 1), a2a) == f  # alone: all
 
@@ -222,7 +223,7 @@ def test_only_pairs_megatron_core_can_combine_hide_the_all_to_all() -> None:
     assert texts[0][12:] == ["0I2", "0W2", "0I3", "0W3"]
     assert texts[1][9:] == ["2B2", "1B2", "2I3", "1I3", "2W3", "1W3"]
     assert list(map(combined_pairs, schedule.per_rank)) == [{8, 10}, {6}]
-    durations = {K.FORWARD: 4, K.BACKWARD: 8, K.BACKWARD_INPUT: 4, K.BACKWARD_WEIGHT: 4}
+    durations = {K.FORWARD: (4,) * 4, K.BACKWARD: (8,) * 4, K.BACKWARD_INPUT: (4,) * 4}
     rules = Rules(schedule)
     assert [rules.hidden(0, i, 1) for i in (7, 8, 10)] == [0, 1, 1]
     hidden = [

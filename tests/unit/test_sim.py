@@ -32,6 +32,7 @@ from megatron_bfpp.sim import (
     render_png,
     simulate,
 )
+from megatron_bfpp.sim.cost import cost_fields
 from megatron_bfpp.validate import validate_schedule
 
 K = ActionKind
@@ -324,7 +325,7 @@ def test_eviction_transfers_occupy_the_link_and_delay_the_backward() -> None:
 # --- errors ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(CostModel)])
+@pytest.mark.parametrize("name", [f.name for f in cost_fields()])
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
 def test_cost_model_rejects_negative_and_non_finite_values(name: str, bad: float) -> None:
     with pytest.raises(ScheduleError, match=rf"CostModel\.{name} must be a finite number >= 0"):
