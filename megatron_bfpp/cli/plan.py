@@ -18,7 +18,7 @@ from megatron_bfpp.cli.common import (
     positive_int_up_to,
     write_problem,
 )
-from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT, flag_name
+from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT, UnevenStages, flag_name
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.auto import AutoRequest, _gib, decide, hardware
@@ -541,6 +541,14 @@ def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         layout.add_argument(
             option.flag, dest=option.dest, type=positive_int, metavar="N", help=option.help
         )
+    uneven = "uneven stages, Megatron-LM's flag (docs/planner.md#uneven-stages)"
+    layout.add_argument("--pipeline-model-parallel-layout", metavar="LAYOUT", help=uneven)
+    for end in ("first", "last"):
+        layout.add_argument(
+            f"--decoder-{end}-pipeline-num-layers", type=positive_int, metavar="N", help=uneven
+        )
+    for part in ("embedding", "loss"):
+        layout.add_argument(f"--account-for-{part}-in-pipeline-split", action="store_true")
     layout.add_argument(
         "--overlap-moe-expert-parallel-comm",
         action="store_true",
@@ -587,6 +595,7 @@ def _auto(args: argparse.Namespace) -> int:
         sequence_parallel=args.sequence_parallel == "on",
         ep=args.expert_model_parallel_size,
         moe_overlap=args.overlap_moe_expert_parallel_comm,
+        uneven=UnevenStages.read(args),
     )
     decision = decide(request)
     print(json_text(decision.to_dict()) if args.json else f"megatron_bfpp: {decision.line()}")

@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from typing import Any
 
-from megatron_bfpp.ir import Placement
+from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.schedules.registry import get_spec
 
 __all__ = [
     "DEFAULT_FFN_TEXT",
+    "EVEN_STAGES",
     "LRSchedule",
     "Layout",
     "ModelShape",
     "RunConfig",
     "Training",
+    "UnevenStages",
     "default_ffn_hidden_size",
     "flag_name",
+    "layout_of",
     "layout_stage_weights",
     "layout_stages",
     "model_shape",
@@ -194,6 +198,73 @@ def layout_stage_weights(
         )
         / even
         for stage in stages
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UnevenStages:
+    """Megatron's uneven-stage flags as the user gave them (``UNEVEN_FLAGS``), for the planner:
+    each candidate's stages per rank gives its own layers per stage (``stage_layers``)."""
+
+    pipeline_model_parallel_layout: str | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+
+    @classmethod
+    def read(cls, values: Any, names: Sequence[str] = ()) -> UnevenStages:
+        """From parsed arguments (Megatron-LM's, bfpp-train's, bfpp-plan's destinations) or,
+        with ``names`` = ``UNEVEN_CONFIG_FIELDS``, a TransformerConfig's (Bridge). Raises
+        ``ScheduleError`` for a layout given as other than a string."""
+        given = [getattr(values, name, None) for name in names or UNEVEN_FLAGS]
+        layout, first, last, embedding, loss = given
+        if layout is not None and not isinstance(layout, str):  # Bridge: a parsed layout object
+            raise ScheduleError(
+                f"the planner reads a {(names or UNEVEN_FLAGS)[0]} given as a string "
+                f"('Et*3|t*4|t*4|t*3L'), not a {type(layout).__name__}"
+            )
+        first, last = (int(n) if n else None for n in (first, last))
+        return cls(layout or None, first, last, bool(embedding), bool(loss))
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, dest) for dest in UNEVEN_FLAGS)
+
+    def given(self) -> str:
+        """The flags as typed, for the planner's lines."""
+        values = ((flag_name(dest), getattr(self, dest)) for dest in UNEVEN_FLAGS)
+        return " ".join(flag if v is True else f"{flag} {v}" for flag, v in values if v)
+
+    def stage_layers(self, num_layers: int, pp: int, vp: int) -> tuple[int, ...]:
+        """Transformer layers of each global stage at ``vp`` stages per rank, megatron-core's
+        arithmetic (``Layout.layers_per_stage``), the embedding on stage 0 and the loss on the
+        last. Raises ``ValueError`` with the one line saying why these flags do not split so."""
+        layout = self.pipeline_model_parallel_layout
+        if layout is not None:
+            if (stages := layout_virtual_stages(layout, pp, num_layers)) != vp:
+                raise ValueError(f"--pipeline-model-parallel-layout lists {stages} stages per rank")
+            parts = layout_stages(layout)
+            if "m" in layout or "E" not in parts[0] or "L" not in parts[-1]:
+                raise ValueError(
+                    "the planner plans layouts with E in the first stage, L in the last and no "
+                    f"MTP layer (m), not {layout}"
+                )
+        fields = {dest: getattr(self, dest) for dest in UNEVEN_FLAGS}
+        layers = Layout(1, pp, vp, Placement.LOOPED, 1, pp, **fields).layers_per_stage(num_layers)
+        if sum(layers) != num_layers or min(layers) < 0:
+            raise ValueError(f"{self.given()} does not split {num_layers} layers over {pp} x {vp}")
+        return tuple(layers)
+
+
+EVEN_STAGES = UnevenStages()  # no uneven-stage flag given
+
+
+def layout_of(stage_layers: Sequence[int]) -> str:
+    """The layout string of ``stage_layers`` with the embedding first and the loss last, for
+    ``Layout.pipeline_model_parallel_layout`` (the parameter counts read it)."""
+    last = len(stage_layers) - 1
+    return "|".join(
+        "E" * (s == 0) + "t" * n + "L" * (s == last) for s, n in enumerate(stage_layers)
     )
 
 

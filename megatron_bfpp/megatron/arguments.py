@@ -150,7 +150,7 @@ def check_schedule_args(args: Any) -> None:
 
 # Megatron-LM's flags that place layers unevenly. Every schedule runs them: megatron's looped
 # stage arithmetic names the model's stages in order, and a V places stage s on rank s or 2p-1-s
-# (chunks.placed_provider). auto plans even stages and refuses them.
+# (chunks.placed_provider). auto plans on them (plan.auto.AutoRequest.uneven).
 UNEVEN_LAYOUT_FLAGS = tuple(flag_name(dest) for dest in UNEVEN_FLAGS)
 # Megatron-Bridge's config fields for them (megatron-core's TransformerConfig's).
 UNEVEN_LAYOUT_FIELDS = UNEVEN_CONFIG_FIELDS

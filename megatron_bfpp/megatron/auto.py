@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from megatron_bfpp.config.run_config import UNEVEN_CONFIG_FIELDS, UnevenStages
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.megatron import arguments
 from megatron_bfpp.plan.auto import (
@@ -304,20 +305,10 @@ def split_world(config: Any, world: int, *, megatron: bool = False) -> tuple[int
     return tp, pp, cp, world // (tp * pp * cp)
 
 
-def check_even_stages(args: Any) -> None:
-    """auto plans even stages: Megatron-LM's uneven-stage flags (bfpp-train's too) refused."""
-    if uneven := arguments.given_flags(args, arguments.UNEVEN_LAYOUT_FLAGS):
-        raise ScheduleError(
-            f"--pipeline-schedule auto plans even pipeline stages and does not read {uneven[0]}; "
-            "drop it or name the schedule"
-        )
-
-
 def megatron_request(
     args: Any, *, world_size: int, env: Mapping[str, str], hw: Hardware, sharding: str | None
 ) -> AutoRequest:
     """What Megatron-LM's parsed arguments fixed, derived as its ``validate_args`` would."""
-    check_even_stages(args)
     if getattr(args, "rampup_batch_size", None):
         raise ScheduleError("--pipeline-schedule auto does not support --rampup-batch-size")
     needed = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
@@ -370,6 +361,7 @@ def megatron_request(
         unavailable=tuple(unavailable),
         ep=_expert_parallel(args),
         moe_overlap=bool(getattr(args, "overlap_moe_expert_parallel_comm", False)),
+        uneven=UnevenStages.read(args),
     )
 
 
@@ -419,7 +411,10 @@ def resolve_megatron_auto(
     c = decision.chosen.candidate  # written back as if the user had typed it
     args.pipeline_schedule = c.schedule
     looped = get_spec(c.schedule).placement is not Placement.SINGLE
-    if looped and not getattr(args, "num_layers_per_virtual_pipeline_stage", None):
+    fixed = getattr(args, "num_layers_per_virtual_pipeline_stage", None) or getattr(
+        args, "pipeline_model_parallel_layout", None
+    )  # a layout string fixes the stages per rank itself
+    if looped and not fixed:
         args.num_virtual_stages_per_pipeline_rank = c.vp
     args.breadth_first_group_size = c.group_size
     args.bpipe_max_stored = c.max_stored
@@ -435,11 +430,6 @@ def bridge_request(
     """What a Bridge ``ConfigContainer`` fixed; the data-parallel size from the launcher's
     ``WORLD_SIZE``, since every rank decides before Bridge initialises anything."""
     model = config.model
-    if uneven := [field for field in arguments.UNEVEN_LAYOUT_FIELDS if getattr(model, field, None)]:
-        raise ScheduleError(
-            f"pipeline schedule auto plans even pipeline stages and does not read "
-            f"config.model.{uneven[0]}; unset it or name the schedule"
-        )
     world = env.get("WORLD_SIZE", "")
     if not world.isdigit():
         raise ScheduleError(
@@ -496,6 +486,7 @@ def bridge_request(
         ),
         ep=_expert_parallel(model),
         moe_overlap=bool(getattr(model, "overlap_moe_expert_parallel_comm", False)),
+        uneven=UnevenStages.read(model, UNEVEN_CONFIG_FIELDS),
     )
 
 
@@ -525,7 +516,8 @@ def resolve_bridge_auto(
     )
     announce(decision, report=report, env=env)
     c = decision.chosen.candidate
-    if get_spec(c.schedule).placement is Placement.LOOPED:
+    layout = getattr(config.model, "pipeline_model_parallel_layout", None)
+    if get_spec(c.schedule).placement is Placement.LOOPED and not layout:
         config.model.virtual_pipeline_model_parallel_size = c.vp
     chosen = {k: v for k, v in options.items() if k not in ("group_size", "max_stored")}
     chosen.update(decision.options)

@@ -13,6 +13,12 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from megatron_bfpp.config.run_config import (
+    EVEN_STAGES,
+    UnevenStages,
+    layout_stages,
+    layout_virtual_stages,
+)
 from megatron_bfpp.files import write_output
 from megatron_bfpp.ir import Placement, ScheduleError, first_line, paused_gc
 from megatron_bfpp.plan.costs import BuiltinCurve, Efficiency, ProfileCurve
@@ -154,6 +160,25 @@ class AutoRequest:
     # --overlap-moe-expert-parallel-comm: plan only pairs megatron-core combines
     # (PlanGrid.overlapped), crediting the all-to-alls they hide; without it none is credited
     moe_overlap: bool = False
+    # Megatron's uneven-stage flags: each candidate planned on the stages they give it
+    uneven: UnevenStages = EVEN_STAGES
+
+    @property
+    def fixed_vp(self) -> int | None:
+        """The stages per rank the user fixed: the flag, or the layout string's count."""
+        if (layout := self.uneven.pipeline_model_parallel_layout) is not None:
+            return len(layout_stages(layout)) // self.pp
+        return self.vp
+
+    def stage_layers(self, vp: int) -> tuple[int, ...]:
+        """Each global stage's layers at ``vp`` stages per rank; () on even stages. Raises
+        ``ScheduleError`` with why the uneven flags do not split so."""
+        if not self.uneven:
+            return ()
+        try:
+            return self.uneven.stage_layers(self.model.num_layers, self.pp, vp)
+        except ValueError as error:
+            raise ScheduleError(str(error)) from None
 
     @property
     def num_microbatches(self) -> int:
@@ -195,6 +220,7 @@ class Row:
             "group_size": c.group_size,
             "max_stored": c.max_stored,
             "combined_1f1b": c.combined_1f1b,
+            "stage_layers": list(c.stage_layers) or None,
             "fits": self.fits,
             "step_time_s": None if self.plan is None else self.plan.step_time_s,
             "bubble_fraction": None if self.plan is None else self.plan.bubble_fraction,
@@ -275,7 +301,8 @@ class Decision:
                 f"; {self.untimed} of {len(self.rows)} candidates not timed (over the budget "
                 f"of {self.action_budget:,} simulated actions)"
             )
-        return f"{text} [{hw.note}]"
+        stages = f"; stages of {uneven}" if (uneven := self.request.uneven.given()) else ""
+        return f"{text} [{hw.note}{stages}]"
 
     def to_dict(self) -> dict[str, object]:
         r, hw = self.request, self.request.hardware
@@ -308,6 +335,7 @@ class Decision:
                 "sharding": r.sharding,
                 "distributed_optimizer": r.distributed_optimizer,
                 "gpus_per_node": r.gpus_per_node,
+                "uneven_stages": r.uneven.given() or None,
             },
             "rows": [row.to_dict() for row in self.rows],
         }
@@ -406,12 +434,32 @@ def _check_request(r: AutoRequest) -> None:
             data_parallel_size=r.dp,
             what=f"{BATCH_SCHEDULE_FLAG}'s batch size {batch}" if r.batch_schedule else None,
         )
-    if r.model.num_layers % r.pp:
+    if (layout := r.uneven.pipeline_model_parallel_layout) is not None:
+        try:
+            stages = layout_virtual_stages(layout, r.pp, r.model.num_layers)
+        except ValueError as error:
+            raise ScheduleError(str(error)) from None
+        if r.vp not in (None, stages):
+            raise ScheduleError(
+                f"--pipeline-model-parallel-layout lists {stages} stages per rank; drop "
+                f"{r.vp_flag} {r.vp}"
+            )
+    if r.uneven and r.model.num_experts:
+        raise ScheduleError(
+            f"--pipeline-schedule auto plans a Mixture-of-Experts model on even stages only; "
+            f"drop {r.uneven.given()} or name the schedule"
+        )
+    if r.uneven and r.sharding != "optim":
+        raise ScheduleError(
+            f"--pipeline-schedule auto plans --data-parallel-sharding-strategy {r.sharding} on "
+            f"even stages only; drop {r.uneven.given()} or name the schedule"
+        )
+    if r.model.num_layers % r.pp and not r.uneven:
         raise ScheduleError(
             f"--num-layers {r.model.num_layers} is not divisible by --pipeline-model-parallel-"
             f"size {r.pp}: no schedule can split it"
         )
-    if r.vp is not None and r.model.num_layers % (r.pp * r.vp):
+    if r.vp is not None and r.model.num_layers % (r.pp * r.vp) and not r.uneven:
         raise ScheduleError(
             f"--num-layers {r.model.num_layers} is not divisible by pipeline x virtual stages "
             f"({r.pp} x {r.vp} = {r.pp * r.vp}) given by {r.vp_flag}"
@@ -453,12 +501,13 @@ def _check_request(r: AutoRequest) -> None:
 def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
     """What a schedule may choose on the user's layout, and (as rows) what it may not and why:
     the grid ``recommend`` searches too, narrowed by what the user fixed."""
-    layers_per_rank = r.model.num_layers // r.pp
+    layers_per_rank, fixed_vp = _layers_per_rank(r), r.fixed_vp
     allowed: list[Candidate] = []
     excluded: list[Row] = []
 
     def refuse(name: str, vp: int, why: str) -> None:
-        excluded.append(Row(_candidate(r, name, vp, r.sharding), None, False, excluded=why))
+        candidate = _candidate(r, name, vp, r.sharding, layers=())
+        excluded.append(Row(candidate, None, False, excluded=why))
 
     unavailable = dict(r.unavailable)
     given = {"group_size": r.group_size, "max_stored": r.max_stored}
@@ -475,18 +524,26 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
         if r.moe_overlap and (fixed or not spec.plan.overlapped):
             refuse(name, spec.default_stages_per_rank, _NO_PAIRS)
             continue
-        if spec.placement is Placement.LOOPED and r.vp is not None:
-            vps: tuple[int, ...] = (r.vp,)
+        if spec.placement is Placement.LOOPED and fixed_vp is not None:
+            vps: tuple[int, ...] = (fixed_vp,)
         else:
             vps, why = spec.planned_stages(layers_per_rank)
-            if why is not None:
+            if why is not None and not r.uneven:
                 refuse(name, spec.default_stages_per_rank, why)
                 continue
-            if r.vp is not None:
-                if r.vp not in vps:
+            if r.uneven and spec.placement is not Placement.LOOPED:  # its own stages per rank
+                vps = (spec.default_stages_per_rank,)
+            if fixed_vp is not None:
+                if fixed_vp not in vps:
+                    if r.uneven.pipeline_model_parallel_layout:  # said, not silently left out
+                        why = f"places {vps[0]} stage(s) per rank, the layout {fixed_vp}"
+                        refuse(name, spec.default_stages_per_rank, why)
                     continue  # the user's virtual stages rule this placement out
-                vps = (r.vp,)
-        for vp in vps:
+                vps = (fixed_vp,)
+        split, unsplit = _splits(r, vps)
+        if unsplit and not split:  # said once: the first stages per rank it tried
+            refuse(name, unsplit[0][0], unsplit[0][1])
+        for vp, layers in split:
             problems = (spec.planned_microbatches_problem(r.pp, m) for m in r.step_microbatches)
             if (problem := next((p for p in problems if p), None)) is not None:
                 refuse(name, vp, problem)
@@ -496,17 +553,49 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
             grid: Sequence[Mapping[str, Any]] = [fixed] if fixed else spec.plan.options(r.pp, m)
             if r.moe_overlap:  # only pairs megatron-core combines can take the flag
                 grid = spec.plan.overlapped
-            allowed += [_candidate(r, name, vp, r.sharding, chosen) for chosen in grid]
+            allowed += [_candidate(r, name, vp, r.sharding, chosen, layers) for chosen in grid]
     return allowed, excluded
 
 
+def _layers_per_rank(r: AutoRequest) -> int:
+    """The most layers a pipeline rank holds at one stage per rank, whose divisors are the
+    virtual stages tried (uneven flags that do not split so: an even rank's)."""
+    even = r.model.num_layers // r.pp
+    if not r.uneven or r.fixed_vp is not None:
+        return even
+    try:
+        return max(r.stage_layers(1))
+    except ScheduleError:
+        return even
+
+
+def _splits(
+    r: AutoRequest, vps: Sequence[int]
+) -> tuple[list[tuple[int, tuple[int, ...]]], list[tuple[int, str]]]:
+    """(vp, its stages' layers) for each of ``vps`` the uneven flags split, and (vp, why not)."""
+    split, unsplit = [], []
+    for vp in vps:
+        try:
+            split.append((vp, r.stage_layers(vp)))
+        except ScheduleError as error:
+            unsplit.append((vp, first_line(error)))
+    return split, unsplit
+
+
 def _candidate(
-    r: AutoRequest, name: str, vp: int, sharding: str, chosen: Mapping[str, Any] | None = None
+    r: AutoRequest,
+    name: str,
+    vp: int,
+    sharding: str,
+    chosen: Mapping[str, Any] | None = None,
+    layers: tuple[int, ...] = (),
 ) -> Candidate:
-    """``name`` on the user's layout, with the generator options ``chosen``."""
+    """``name`` on the user's layout (``layers``: its uneven stages), with the generator options
+    ``chosen``."""
     return Candidate(
         name, sharding, r.tp, r.pp, vp, r.dp, r.micro_batch_size, r.recompute,
-        plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel, ep=r.ep, **(chosen or {}),
+        plain_tensor_parallel=r.tp > 1 and not r.sequence_parallel, ep=r.ep,
+        stage_layers=layers, **(chosen or {}),
     )  # fmt: skip
 
 
@@ -520,9 +609,14 @@ def decide(r: AutoRequest) -> Decision:
     allowed, excluded = _candidates(r)
     # Megatron's default (interleaved at the user's vp, else 1F1B) first: the line compares with it
     # (with the all-to-all overlap: its combined 1F1B, which megatron-core runs only interleaved)
-    name, vp = ("interleaved", r.vp) if r.vp not in (None, 1) else ("1f1b", 1)
+    fixed = r.fixed_vp
+    name, vp = ("interleaved", fixed) if fixed not in (None, 1) else ("1f1b", 1)
     combined = {"combined_1f1b": True} if r.moe_overlap and name == "interleaved" else None
-    default = _candidate(r, name, vp or 1, "optim", combined)
+    try:
+        default = _candidate(r, name, vp or 1, "optim", combined, r.stage_layers(vp or 1))
+    except ScheduleError as error:  # the uneven flags do not split for Megatron's default
+        default = _candidate(r, name, vp or 1, "optim", combined)
+        excluded.append(Row(default, None, False, excluded=first_line(error)))
     found = next((row for row in excluded if row.candidate == default), None)
     megatron = found or judge.row(default, megatron=True)
     simulated: list[Row] = []
@@ -687,7 +781,12 @@ def _refusal(
             "--pipeline-schedule (bfpp-plan auto shows the candidates)"
         )
     if not too_big:
-        reasons = "; ".join(dict.fromkeys(f"{row.label}: {row.excluded}" for row in excluded))
+        by_reason: dict[str | None, list[str]] = {}  # the same reason said once, for all its rows
+        for row in excluded:
+            by_reason.setdefault(row.excluded, []).append(row.label)
+        reasons = "; ".join(
+            f"{', '.join(dict.fromkeys(by))}: {why}" for why, by in by_reason.items()
+        )
         return f"--pipeline-schedule auto: no schedule can run this layout ({reasons})"
     smallest = too_big[0]
     assert smallest.memory is not None and budget is not None

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache, partial
 
 from megatron_bfpp.config.model_memory import parameters_per_pipeline_rank, parameters_per_stage
-from megatron_bfpp.config.run_config import Layout
+from megatron_bfpp.config.run_config import Layout, layout_of
 from megatron_bfpp.ir import (
     MEMORY_DELTA,
     Action,
@@ -145,19 +145,27 @@ class PeakPoints:
     per_rank: tuple[tuple[tuple[int, int, int], ...], ...]
 
 
-def peak_points(schedule: Schedule) -> PeakPoints:
+def peak_points(schedule: Schedule, stage_layers: Sequence[int] = ()) -> PeakPoints:
     """Walk each rank's program once (``ir.MEMORY_DELTA``: F stores, B / W free, BPipe's
-    transfers move micro-batches between ranks; an overlapped pair's parts in order)."""
+    transfers move micro-batches between ranks; an overlapped pair's parts in order). With
+    ``stage_layers`` (uneven stages) the first count is of stored layer-micro-batches, each
+    stage's weighing its layers: ``StageBytes.layers`` is then one layer's."""
     last_stage = schedule.num_stages - 1
+    weights = tuple(stage_layers) or (1,) * schedule.num_stages
     return PeakPoints(
-        tuple(tuple(_pareto(_rank_points(actions, last_stage))) for actions in schedule.per_rank)
+        tuple(
+            tuple(_pareto(_rank_points(actions, last_stage, weights)))
+            for actions in schedule.per_rank
+        )
     )
 
 
 _OVERLAP = ActionKind.OVERLAP_F_B
 
 
-def _rank_points(actions: Sequence[Action], last_stage: int) -> set[tuple[int, int, int]]:
+def _rank_points(
+    actions: Sequence[Action], last_stage: int, weights: Sequence[int]
+) -> set[tuple[int, int, int]]:
     """One rank's counts where a run of stores ends (before a free, or at the end): the run's last
     dominates every count within it, so the Pareto front is the same from far fewer tuples."""
     held = first = last = 0
@@ -167,7 +175,7 @@ def _rank_points(actions: Sequence[Action], last_stage: int) -> set[tuple[int, i
     for action in actions:
         kind = action.kind
         if kind is _OVERLAP:  # rarely: walk again with each overlapped pair's parts in order
-            return _rank_points([part for a in actions for part in parts(a)], last_stage)
+            return _rank_points([part for a in actions for part in parts(a)], last_stage, weights)
         delta = delta_of(kind, 0)
         if not delta:
             continue
@@ -177,8 +185,8 @@ def _rank_points(actions: Sequence[Action], last_stage: int) -> set[tuple[int, i
                 rising = False
         else:
             rising = True
-        held += delta
         stage = action.stage
+        held += delta * weights[stage]
         if stage == 0:
             first += delta
         if stage == last_stage:
@@ -210,10 +218,18 @@ def peak_activation_bytes(points: PeakPoints, stage: StageBytes) -> tuple[int, .
 
 
 def rank_parameters(
-    model: Model, *, tp: int, pp: int, chunks: int, placement: Placement, ep: int = 1
+    model: Model,
+    *,
+    tp: int,
+    pp: int,
+    chunks: int,
+    placement: Placement,
+    ep: int = 1,
+    stage_layers: Sequence[int] = (),
 ) -> list[int]:
-    """Per pipeline rank, one tensor-parallel rank's parameters, MoE layers included."""
-    layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
+    """Per pipeline rank, one tensor-parallel rank's parameters, MoE layers included (uneven
+    stages: ``stage_layers`` per global stage; the planner does not split MoE models so)."""
+    layout = _layout(model, tp, pp, chunks, placement, stage_layers)
     counts = parameters_per_pipeline_rank(model.shape(tp=tp), layout)
     extra = moe_layer_parameters(model, tp=tp, ep=ep)[0]
     moe = moe_layers_per_rank(model, pp=pp, vp=chunks, placement=placement)
@@ -221,14 +237,33 @@ def rank_parameters(
 
 
 def stage_parameters(
-    model: Model, *, tp: int, pp: int, chunks: int, placement: Placement, ep: int = 1
+    model: Model,
+    *,
+    tp: int,
+    pp: int,
+    chunks: int,
+    placement: Placement,
+    ep: int = 1,
+    stage_layers: Sequence[int] = (),
 ) -> list[int]:
     """Parameters of one tensor-parallel rank at each global stage."""
-    layout = Layout(tp, pp, chunks, placement, 1, tp * pp)
+    layout = _layout(model, tp, pp, chunks, placement, stage_layers)
     extra = moe_layer_parameters(model, tp=tp, ep=ep)[0]
     moe = moe_layers_per_stage(model, pp * chunks)
     counts = parameters_per_stage(model.shape(tp=tp), layout)
     return [n + extra * k for n, k in zip(counts, moe, strict=True)]
+
+
+def _layout(
+    model: Model, tp: int, pp: int, chunks: int, placement: Placement, stage_layers: Sequence[int]
+) -> Layout:
+    if stage_layers and model.num_experts:
+        raise ScheduleError(
+            "the planner splits a Mixture-of-Experts model into even stages only: drop the "
+            "uneven-stage flags or name the schedule"
+        )
+    uneven = layout_of(stage_layers) if stage_layers else None
+    return Layout(tp, pp, chunks, placement, 1, tp * pp, pipeline_model_parallel_layout=uneven)
 
 
 @lru_cache(maxsize=1024)

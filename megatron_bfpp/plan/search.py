@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from functools import cache, lru_cache, partial
 from typing import Any
 
-from megatron_bfpp.ir import Placement, Schedule, ScheduleError, check_positive, paused_gc
+from megatron_bfpp.ir import (
+    Placement,
+    Schedule,
+    ScheduleError,
+    StageLayout,
+    check_positive,
+    paused_gc,
+)
 from megatron_bfpp.plan.costs import (
     BuiltinCurve,
     Efficiency,
@@ -67,6 +74,7 @@ __all__ = [
     "p2p_model_of",
     "rank_parameters_of",
     "recommend",
+    "stage_weights",
 ]
 
 NS = 1e9  # the simulator runs in integer nanoseconds: exact, whatever its arithmetic
@@ -180,6 +188,9 @@ class Candidate:
     max_stored: int | None = None  # BPipe's cap (None: BPipe's own ceil((p+2)/2))
     ep: int = 1  # expert parallelism (Megatron-LM's --expert-model-parallel-size), within dp
     combined_1f1b: bool = False  # interleaved in megatron-core's combined 1F1B order
+    # Uneven stages: each global stage's transformer layers in model order, the embedding on the
+    # first, the output layer and loss on the last (timed in its weight); empty: even stages
+    stage_layers: tuple[int, ...] = ()
 
     @property
     def family(self) -> str:
@@ -225,6 +236,7 @@ class Plan:
             "group_size": c.group_size,
             "max_stored": c.max_stored,
             "combined_1f1b": c.combined_1f1b,
+            "stage_layers": list(c.stage_layers) or None,
             "sequence_parallel": c.sequence_parallel,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
@@ -335,33 +347,47 @@ def memory_microbatches(pp: int, m: int) -> int:
 
 
 def _points(
-    schedule: str, pp: int, vp: int, m: int, budget: ActionBudget | None = None, **options: int
+    schedule: str,
+    pp: int,
+    vp: int,
+    m: int,
+    budget: ActionBudget | None = None,
+    stage_layers: tuple[int, ...] = (),
+    **options: int,
 ) -> PeakPoints:
     """GPipe's and breadth-first's peaks in closed form: all forwards of a group run before its
     backwards, so each rank holds the first group's micro-batches on each chunk (charged to
-    ``budget`` as the walk this replaced, so decisions stay); the others' walked short."""
+    ``budget`` as the walk this replaced, so decisions stay); the others' walked short. With
+    ``stage_layers``, stored layer-micro-batches (``peak_points``)."""
     if schedule != "gpipe" and schedule != "breadth-first":
         length = memory_microbatches(pp, m)
         if budget is not None:
             budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
-        return _walked_points(schedule, pp, vp, length, **options)
+        return _walked_points(schedule, pp, vp, length, stage_layers, **options)
     group = options.get("group_size")
     held = m if group is None else min(m, group)
     if group is not None and budget is not None:
         length = min(m, max(memory_microbatches(pp, m), group))
         budget.charge(num_ranks=pp, stages_per_rank=vp, num_microbatches=length)
+    per_rank = [sum(stage_layers[r::pp]) if stage_layers else vp for r in range(pp)]
     return PeakPoints(
-        tuple(((held * vp, held if r == 0 else 0, held if r == pp - 1 else 0),) for r in range(pp))
+        tuple(
+            ((held * n, held if r == 0 else 0, held if r == pp - 1 else 0),)
+            for r, n in enumerate(per_rank)
+        )
     )
 
 
 @lru_cache(maxsize=4096)
-def _walked_points(schedule: str, pp: int, vp: int, m: int, **options: int) -> PeakPoints:
+def _walked_points(
+    schedule: str, pp: int, vp: int, m: int, stage_layers: tuple[int, ...] = (), **options: int
+) -> PeakPoints:
     """The generator's compute order, unvalidated (the tests' job): the walk needs no messages."""
     spec = get_spec(schedule)
     chunks = spec.chunks_for(None if spec.placement is Placement.SINGLE else vp)
     options |= {} if chunks is None else {"num_chunks": chunks}
-    return peak_points(spec.generator(num_ranks=pp, num_microbatches=m, **options))
+    built = spec.generator(num_ranks=pp, num_microbatches=m, **options)
+    return peak_points(built, stage_layers)
 
 
 @lru_cache(maxsize=256)
@@ -379,11 +405,29 @@ def _schedule(schedule: str, pp: int, vp: int, m: int, sharding: str, **options:
 
 @lru_cache(maxsize=4096)
 def rank_parameters_of(
-    model: Model, *, schedule: str, tp: int, pp: int, vp: int, ep: int = 1
+    model: Model,
+    *,
+    schedule: str,
+    tp: int,
+    pp: int,
+    vp: int,
+    ep: int = 1,
+    stage_layers: tuple[int, ...] = (),
 ) -> tuple[int, ...]:
     """Parameters per pipeline rank of ``model`` laid out for ``schedule`` (its placement)."""
     placement = get_spec(schedule).placement
-    return tuple(rank_parameters(model, tp=tp, pp=pp, chunks=vp, placement=placement, ep=ep))
+    return tuple(
+        rank_parameters(
+            model, tp=tp, pp=pp, chunks=vp, placement=placement, ep=ep, stage_layers=stage_layers
+        )
+    )
+
+
+def _parameters(c: Candidate, model: Model) -> tuple[int, ...]:
+    """``rank_parameters_of`` the candidate's layout."""
+    return rank_parameters_of(
+        model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp, ep=c.ep, stage_layers=c.stage_layers
+    )
 
 
 def sharded_walk_length(m: int, group: int | None) -> int:
@@ -394,11 +438,14 @@ def sharded_walk_length(m: int, group: int | None) -> int:
 
 @lru_cache(maxsize=4096)
 def _full_buffers(
-    model: Model, tp: int, pp: int, vp: int, groups: int
+    model: Model, tp: int, pp: int, vp: int, groups: int, stage_layers: tuple[int, ...] = ()
 ) -> tuple[tuple[int, int], ...]:
     """Fully sharded breadth-first's (gathered, accumulated) parameter peaks per rank."""
     walked = _schedule("breadth-first", pp, vp, groups, "optim_grads_params", group_size=1)
-    stages = stage_parameters(model, tp=tp, pp=pp, chunks=vp, placement=Placement.LOOPED)
+    looped = Placement.LOOPED
+    stages = stage_parameters(
+        model, tp=tp, pp=pp, chunks=vp, placement=looped, stage_layers=stage_layers
+    )
     return full_buffer_peaks(walked, stages)
 
 
@@ -417,7 +464,7 @@ def _weights(
 ) -> list[tuple[int, int, int]]:
     """(parameters, gradients, optimizer) bytes per pipeline rank (``distributed``: optimizer state
     sharded over dp); fully sharded, plus the full buffers the schedule walk holds at once."""
-    counts = rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp, ep=c.ep)
+    counts = _parameters(c, model)
     if c.sharding != "optim_grads_params":
         dp, ep = (c.dp, c.ep) if distributed else (1, 1)
         per_layer = moe_layer_parameters(model, tp=c.tp, ep=c.ep)[1]
@@ -430,7 +477,8 @@ def _weights(
         ]
     if c.schedule != "breadth-first":
         raise ScheduleError(f"the planner shards breadth-first only, not {c.schedule!r}")
-    full = _full_buffers(model, c.tp, c.pp, c.vp, sharded_walk_length(m, c.group_size))
+    walked = sharded_walk_length(m, c.group_size)
+    full = _full_buffers(model, c.tp, c.pp, c.vp, walked, c.stage_layers)
     return [
         weights_bytes(n, dp=c.dp, precision=precision, sharded=True, gathered=g, accumulated=a)
         for n, (g, a) in zip(counts, full, strict=True)
@@ -446,8 +494,10 @@ def _memory(
     budget: ActionBudget | None = None,
 ) -> tuple[MemoryBreakdown, StageBytes]:
     stage = _stage_bytes(c, model, precision)
-    points = _points(c.schedule, c.pp, c.vp, m, budget, **c.options)
-    activations = peak_activation_bytes(points, stage)
+    points = _points(c.schedule, c.pp, c.vp, m, budget, c.stage_layers, **c.options)
+    # uneven stages: the walk counts layer-micro-batches, so one layer's bytes
+    per = _stage_bytes(c, model, precision, layers=1) if c.stage_layers else stage
+    activations = peak_activation_bytes(points, per)
     transient = 0
     if c.recompute == "full":  # the layer being recomputed holds its full activations
         transient = layer_activation_bytes(
@@ -466,13 +516,15 @@ def _memory(
     return max(breakdowns, key=lambda b: b.total), stage
 
 
-def _stage_bytes(c: Candidate, model: Model, precision: Precision) -> StageBytes:
-    """What one stage stores per micro-batch (closed form)."""
+def _stage_bytes(
+    c: Candidate, model: Model, precision: Precision, layers: int | None = None
+) -> StageBytes:
+    """What one stage (of ``layers`` layers, else an even one) stores per micro-batch."""
     return stage_activation_bytes(
         model,
         micro_batch_size=c.micro_batch_size,
         tp=c.tp,
-        layers_per_stage=model.num_layers // (c.pp * c.vp),
+        layers_per_stage=layers or max(1, model.num_layers // (c.pp * c.vp)),
         vocab_size=padded_vocab_size(model.vocab_size, tp=c.tp),
         sequence_parallel=c.sequence_parallel,
         recompute=c.recompute,
@@ -480,13 +532,13 @@ def _stage_bytes(c: Candidate, model: Model, precision: Precision) -> StageBytes
     )
 
 
-def _cost_model(times: StageTimes) -> CostModel:
+def _cost_model(times: StageTimes, weights: tuple[float, ...] = ()) -> CostModel:
     """Each ``t_<name>`` of the simulator's costs: ``times.<name>`` in whole nanoseconds."""
     ns = {f.name: max(0, round(getattr(times, f.name[2:]) * NS)) for f in cost_fields()}
     # W runs the weight GEMMs I deferred (runtime/deferred_wgrad.py)
     ns["t_weight"] = min(ns["t_weight"], ns["t_backward"])
     ns["t_a2a"] = min(ns["t_a2a"], ns["t_forward"], ns["t_backward"] - ns["t_weight"])
-    return CostModel(**ns)
+    return CostModel(**ns, stage_weights=weights)
 
 
 def _simulated_ns(
@@ -504,7 +556,10 @@ def _simulated_ns(
     timed_at = cache(lambda n: _step(c, n, costs, p2p, grad_reduce, budget))  # shared lengths
     least = get_spec(c.schedule).plan.least_microbatches_per_pp * c.pp  # dualpipe-v's 2p
     # bfpp-sim's lengths (sim.simulate_steady), congruent to m, those the schedule can run
-    attempts = tuple(a for a in steady_lengths(m, p) if a[0] >= least)
+    # uneven stages: timed whole (their short steps' lines can bend later: sim.simulate_steady)
+    attempts = (
+        () if costs.stage_weights else tuple(a for a in steady_lengths(m, p) if a[0] >= least)
+    )
     whole = not attempts or m <= sum(attempts[0])
     if budget is not None:  # the cheapest timing: attempt 1's three lengths, else the whole
         budget.require(num_ranks=c.pp, stages_per_rank=c.vp, lengths=(m,) if whole else attempts[0])
@@ -600,9 +655,11 @@ def _simulate(
 ) -> Plan:
     c = sized.candidate
     p2p = p2p_model_of(c, options)
-    grad_reduce, costs = grad_reduce_of(p2p, options), _cost_model(sized.times)
+    weights = stage_weights(c, model, sized.times)
+    grad_reduce, costs = grad_reduce_of(p2p, options), _cost_model(sized.times, weights)
     simulated_ns, bubble = _simulated_ns(c, sized.m, costs, p2p, grad_reduce, budget)
-    step = simulated_ns / NS + sized.m * sized.times.output + sized.times.optimizer
+    output = sized.m * sized.times.output * (not weights)  # uneven: in the last stage's weight
+    step = simulated_ns / NS + output + sized.times.optimizer
     flops = model_flops_per_step(model, global_batch_size=global_batch_size)
     tokens_per_s = global_batch_size * model.seq_length / step
     mfu = flops / (step * cluster.num_gpus * cluster.gpu.peak_flops)
@@ -639,30 +696,54 @@ def _timing(
     grouped: bool = True,
 ) -> tuple[StageTimes, float, float]:
     """Durations, unbeatable step and simulation order of a candidate (closed forms, no walk)."""
-    parameters = max(
-        rank_parameters_of(model, schedule=c.schedule, tp=c.tp, pp=c.pp, vp=c.vp, ep=c.ep)
-    )
+    parameters = max(_parameters(c, model))
     times = stage_times(c, model, cluster, options, parameters, stage.layers * c.vp)
     # each rank runs an F and a B at least per micro-batch and chunk, each paying the host's time
-    busy = m * (times.forward + times.backward + 2 * c.vp * times.host)
-    extra = m * times.output + times.optimizer
+    # (uneven stages: the busiest rank's stages, the output layer in the last one's weight)
+    weights = stage_weights(c, model, times)
+    busiest, low = _rank_weight(c, weights), min(weights, default=1.0)
+    busy = m * (busiest * (times.forward + times.backward) + 2 * c.vp * times.host)
+    extra = m * times.output * (not weights) + times.optimizer
     # no schedule beats this: the first F crosses p-1 stages; whole backwards (not V) cross back
     hops = c.pp - 1
-    fill = hops * (times.forward / c.vp + times.host + times.p2p)
+    fill = hops * (low * times.forward / c.vp + times.host + times.p2p)
     if get_spec(c.schedule).placement is not Placement.V_SHAPE:
-        fill += hops * (times.backward / c.vp + times.host + times.p2p)
+        fill += hops * (low * times.backward / c.vp + times.host + times.p2p)
     # Order of simulation: the bound plus the data-parallel collectives.
     estimate = busy + fill + extra + c.vp * (times.grad_reduce + times.param_gather)
     idle = 0.0
     if grouped and c.schedule == "breadth-first" and c.group_size is not None:
         # Grouped breadth-first's rank 0 idles at every group's turn: its first micro-batch
         # crosses the p - 1 later stages and back while rank 0 has g - 1 other forwards to run.
-        forward, backward = times.forward / c.vp, times.backward / c.vp
+        forward, backward = low * times.forward / c.vp, low * times.backward / c.vp
         full, rest = divmod(m, c.group_size)
         sizes = [c.group_size] * full + ([rest] if rest else [])
         crossing = hops * (forward + backward)
         idle = sum(max(0.0, crossing - (g - 1) * (forward + times.host)) for g in sizes)
     return times, busy + max(fill, idle) + extra, estimate
+
+
+def stage_weights(c: Candidate, model: Model, times: StageTimes) -> tuple[float, ...]:
+    """``CostModel.stage_weights`` of uneven stages: each stage's layers against an even stage's,
+    the last also its output layer and loss (``times.output``, forward and backward, against an
+    even stage's forward and backward); the embedding's time is left out, as on even stages.
+    Even stages: none (the output layer is added as m x its time, ``_simulate``)."""
+    if not c.stage_layers:
+        return ()
+    even = model.num_layers / (c.pp * c.vp)
+    per_stage = (times.forward + times.backward) / c.vp
+    weights = [n / even for n in c.stage_layers]
+    weights[-1] += times.output / per_stage if per_stage > 0 else 0.0
+    return tuple(round(w, 6) for w in weights)  # decimals: small exact units (CostModel.exact)
+
+
+def _rank_weight(c: Candidate, weights: tuple[float, ...]) -> float:
+    """The busiest pipeline rank's stages, in even ranks' work (1: even)."""
+    if not weights:
+        return 1.0
+    v = get_spec(c.schedule).placement is Placement.V_SHAPE
+    layout = StageLayout.v_shape(c.pp) if v else StageLayout.looped(c.pp, c.vp)
+    return max(sum(weights[s] for s in layout.stages_of(r)) / c.vp for r in range(c.pp))
 
 
 def evaluate(

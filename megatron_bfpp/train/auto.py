@@ -8,11 +8,10 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from megatron_bfpp.config.run_config import model_shape
+from megatron_bfpp.config.run_config import UnevenStages, model_shape
 from megatron_bfpp.megatron.auto import (
     announce,
     auto_inputs,
-    check_even_stages,
     decide_alike,
     hardware_from_args,
     precision_of,
@@ -31,7 +30,6 @@ def train_request(
     env: Mapping[str, str],
     device: tuple[str | None, int | None] | None,
 ) -> AutoRequest:
-    check_even_stages(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     shape = model_shape(args)
     model = model_description(
@@ -68,6 +66,7 @@ def train_request(
         sequence_parallel=False,  # bfpp-train's presets (train.presets)
         ep=args.expert_model_parallel_size,
         moe_overlap=args.overlap_moe_expert_parallel_comm,
+        uneven=UnevenStages.read(args),
     )
 
 
@@ -92,7 +91,8 @@ def resolve_train_auto(args: argparse.Namespace, world_size: int) -> Decision | 
     announce(decision, report=args.pipeline_schedule_auto_report, prog="bfpp-train", env=env)
     c = decision.chosen.candidate
     args.pipeline_schedule = c.schedule
-    args.num_virtual_stages_per_pipeline_rank = decision.stages_per_rank
+    if not args.pipeline_model_parallel_layout:  # a layout string fixes them itself
+        args.num_virtual_stages_per_pipeline_rank = decision.stages_per_rank
     args.breadth_first_group_size = c.group_size
     args.bpipe_max_stored = c.max_stored
     if c.combined_1f1b:  # chosen under --overlap-moe-expert-parallel-comm

@@ -37,6 +37,18 @@ def _losses(path: Path) -> list[float]:
     return [json.loads(line)["lm_loss"] for line in path.read_text().splitlines() if line]
 
 
+def _named(choice: dict, *, stages: bool = True) -> list[str]:
+    """The flags naming auto's choice (``stages``: its virtual stages too; a layout fixes them)."""
+    named = ["--pipeline-schedule", choice["schedule"]]
+    if stages:
+        named += ["--num-virtual-stages-per-pipeline-rank", str(choice["virtual_stages"])]
+    if choice["group_size"] is not None:
+        named += ["--breadth-first-group-size", str(choice["group_size"])]
+    if choice["max_stored"] is not None:
+        named += ["--bpipe-max-stored", str(choice["max_stored"])]
+    return named
+
+
 def test_auto_runs_its_choice_with_the_named_schedules_losses(tmp_path: Path) -> None:
     auto_metrics, report = tmp_path / "auto.jsonl", tmp_path / "auto.json"
     proc = _run(
@@ -52,18 +64,43 @@ def test_auto_runs_its_choice_with_the_named_schedules_losses(tmp_path: Path) ->
     lines = [line for line in proc.stdout.splitlines() if line.startswith("bfpp-train: auto: ")]
     assert len(lines) == 1, proc.stdout  # once per job, not once per rank
     assert "no CUDA: memory is not a constraint" in lines[0]
-    choice = json.loads(report.read_text())["choice"]
-    named = ["--pipeline-schedule", choice["schedule"]]
-    named += ["--num-virtual-stages-per-pipeline-rank", str(choice["virtual_stages"])]
-    if choice["group_size"] is not None:
-        named += ["--breadth-first-group-size", str(choice["group_size"])]
-    if choice["max_stored"] is not None:
-        named += ["--bpipe-max-stored", str(choice["max_stored"])]
+    named = _named(json.loads(report.read_text())["choice"])
     explicit = tmp_path / "named.jsonl"
     proc = _run(*LAYOUT, *named, "--metrics-file", str(explicit))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_losses(auto_metrics)) == ITERS
     assert _losses(auto_metrics) == _losses(explicit)
+
+
+@pytest.mark.parametrize(
+    "uneven",
+    [
+        ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1"],
+        ["--pipeline-model-parallel-layout", "Et*2|t*2|t*2|t*2L"],
+    ],
+    ids=["first-last", "layout"],
+)
+def test_auto_on_uneven_stages_runs_its_choice_with_the_named_schedules_losses(
+    tmp_path: Path, uneven: list[str]
+) -> None:
+    """auto plans on the user's uneven stages (each candidate's layers, the output layer in the
+    last stage's time) and its choice trains with the losses of that schedule named on them."""
+    report, metrics = tmp_path / "auto.json", tmp_path / "auto.jsonl"
+    proc = _run(
+        *LAYOUT, *uneven, "--pipeline-schedule", "auto", "--metrics-file", str(metrics),
+        "--pipeline-schedule-auto-report", str(report),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("bfpp-train: auto: ")]
+    assert len(lines) == 1 and lines[0].endswith(f"stages of {' '.join(uneven)}]"), lines
+    data = json.loads(report.read_text())
+    choice = data["choice"]
+    assert sum(choice["stage_layers"]) == 8 and data["layout"]["uneven_stages"] == " ".join(uneven)
+    named = _named(choice, stages="--pipeline-model-parallel-layout" not in uneven)
+    explicit = tmp_path / "named.jsonl"
+    proc = _run(*LAYOUT, *uneven, *named, "--metrics-file", str(explicit))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_losses(metrics)) == ITERS and _losses(metrics) == _losses(explicit)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ multi-module evaluation (which Bridge runs past the hook) ends the rank with one
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -75,18 +76,28 @@ def test_refusals_are_one_line(
         {"account_for_loss_in_pipeline_split": True},
     ],
 )
-def test_v_shapes_take_uneven_layouts_and_auto_refuses_them_in_one_line(
+def test_v_shapes_and_auto_take_uneven_layouts(
     uneven: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A V builds Megatron's model stages in order (stage s on rank s or 2p-1-s), so Bridge's
-    uneven-layout fields pass; auto plans even stages and says so before deciding."""
+    uneven-layout fields pass; auto plans on them (tests/unit/test_auto_uneven.py)."""
+    from megatron_bfpp.config.run_config import UNEVEN_CONFIG_FIELDS, UnevenStages
+    from megatron_bfpp.megatron.auto import bridge_request
+    from megatron_bfpp.plan.auto import hardware
+
     for name in ("v-zb", "dualpipe-v", "breadth-first"):
         bridge.check_bridge_config(_config(**uneven), name, {})
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ScheduleError, match=r"^pipeline schedule auto plans even") as error:
-        bridge.use_schedule(_config(**uneven), "auto")
-    assert f"config.model.{next(iter(uneven))}" in str(error.value)
-    assert "\n" not in str(error.value)
+    shape = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32}
+    config = _config(**uneven, **shape, tensor_model_parallel_size=1)
+    config.optimizer = SimpleNamespace(optimizer="adam", use_distributed_optimizer=True)
+    request = bridge_request(
+        config, options={}, sharding="optim", env={"WORLD_SIZE": "2"}, hw=hardware(
+            device_name=None, device_memory=None
+        )
+    )  # fmt: skip
+    assert request.uneven == UnevenStages.read(config.model, UNEVEN_CONFIG_FIELDS)
+    ours = dataclasses.fields(UnevenStages)[UNEVEN_CONFIG_FIELDS.index(next(iter(uneven)))]
+    assert getattr(request.uneven, ours.name)  # the field given reached the planner
 
 
 def test_auto_with_combined_1f1b_is_one_line_before_auto_decides() -> None:

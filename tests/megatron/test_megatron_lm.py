@@ -420,6 +420,30 @@ def test_a_rank_holding_nothing_trains_with_megatrons_losses(
     assert ours == _train(tmp_path, LAYOUT, layout, *megatrons)[0]
 
 
+def test_auto_on_a_users_layout_runs_its_choice_with_the_named_schedules_losses(
+    tmp_path: Path,
+) -> None:
+    """--pipeline-schedule auto with --pipeline-model-parallel-layout: every rank plans on the
+    layout's stages (two per rank, the embedding alone on the first), all decide alike, and the
+    choice trains with the losses of the schedule named on the same layout."""
+    import json
+
+    report, layout = tmp_path / "auto.json", [LAYOUT, "E|t*2|t|t|t|t|t|tL"]
+    auto, output = _train(
+        tmp_path, *layout, "--pipeline-schedule", "auto", "--pipeline-schedule-auto-report",
+        str(report),
+    )  # fmt: skip
+    lines = [line for line in output.splitlines() if "megatron_bfpp: auto: " in line]
+    assert len(lines) == 1 and lines[0].endswith(f"stages of {LAYOUT} E|t*2|t|t|t|t|t|tL]")
+    choice = json.loads(report.read_text())["choice"]
+    assert choice["virtual_stages"] == 2 and choice["stage_layers"] == [0, 2, 1, 1, 1, 1, 1, 1]
+    named = ["--pipeline-schedule", choice["schedule"]]
+    for flag, key in (("--breadth-first-group-size", "group_size"),):
+        if choice[key] is not None:
+            named += [flag, str(choice[key])]
+    assert auto == _train(tmp_path, *layout, *named)[0]
+
+
 # Mixture-of-Experts at pp 2 and expert parallelism 2 (data parallel 2): the all-to-all
 # dispatcher on gloo, without biases (megatron-core's expert bias add is in place on a view).
 MOE = shlex.split(

@@ -49,7 +49,9 @@ def _planned_model(num_layers: int) -> Any:
     )
 
 
-def _rank(schedule: str, options: dict[str, Any], num_layers: int, m: int) -> dict[str, Any]:
+def _rank(
+    schedule: str, options: dict[str, Any], num_layers: int, m: int, layout: str | None = None
+) -> dict[str, Any]:
     """Build, run one measured step and one Adam step; report this rank's bytes."""
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -63,6 +65,7 @@ def _rank(schedule: str, options: dict[str, Any], num_layers: int, m: int) -> di
         num_attention_heads=HEADS,
         ffn_hidden_size=FFN,
         sequence_parallel=tp > 1,  # the planner's assumption with tensor parallelism
+        **({"pipeline_model_parallel_layout": layout} if layout else {}),
     )
     from megatron_bfpp.schedules.registry import get_spec
 
@@ -247,6 +250,48 @@ def test_memory_per_rank_matches_megatron_core(
                 r["activations"],
                 activations[rank],
             )
+
+
+UNEVEN = [
+    # schedule, pp, vp, micro-batches, layout (8 layers): end stages lighter, or heavier
+    ("1f1b", 4, None, 8, "Et|t*3|t*3|tL"),
+    ("interleaved", 2, 2, 4, "Et*3|t|t|t*3L"),
+    ("v-half", 2, 2, 4, "E|t*3|t*3|t*2L"),  # rank 0 holds stages 0 and 3: E, 2 layers, L
+    ("breadth-first", 2, 2, 4, "Et|t*2|t*2|t*3L"),
+]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "vp", "m", "layout"), UNEVEN, ids=[c[0] for c in UNEVEN]
+)
+def test_the_planners_uneven_walk_matches_megatron_core(
+    schedule: str, pp: int, vp: int | None, m: int, layout: str
+) -> None:
+    """On uneven stages (auto's planning, docs/planner.md#uneven-stages) each rank holds exactly
+    the parameters the planner counts from its stages' layers, and its measured activation peak
+    is within 10% of the planner's walk weighing each stored micro-batch by its stage's layers."""
+    from megatron_bfpp.config.run_config import UnevenStages
+
+    results = run_ranks(_rank, world_size=pp, tp=1, pp=pp, vp=vp, args=(schedule, {}, 8, m, layout))
+    layers = UnevenStages(pipeline_model_parallel_layout=layout).stage_layers(8, pp, vp or 1)
+    model = _planned_model(8)
+    counts = rank_parameters_of(
+        model, schedule=schedule, tp=1, pp=pp, vp=vp or 1, stage_layers=layers
+    )
+    layer = stage_activation_bytes(
+        model, micro_batch_size=MICRO, tp=1, layers_per_stage=1, vocab_size=VOCAB,
+        sequence_parallel=False, recompute="none", precision=FP32,
+    )  # fmt: skip
+    built = build_schedule(schedule, num_ranks=pp, num_microbatches=m, num_chunks=vp, lower=False)
+    activations = peak_activation_bytes(peak_points(built, layers), layer)
+    for rank in range(pp):
+        params, grads, _ = weights_bytes(counts[rank], dp=1, precision=FP32, sharded=False)
+        mine = [r for r in results if r["rank"] == rank]
+        assert {(r["parameters"], r["gradients"]) for r in mine} == {(params, grads)}
+        for r in mine:
+            assert r["activations"] == pytest.approx(activations[rank], rel=0.10), (
+                rank, r["activations"], activations[rank],
+            )  # fmt: skip
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])

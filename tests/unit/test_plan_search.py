@@ -239,6 +239,7 @@ def test_search_size_and_json_fields() -> None:
         "group_size",
         "max_stored",
         "combined_1f1b",
+        "stage_layers",
         "sequence_parallel",
         "step_time_s",
         "tokens_per_s",

@@ -1,0 +1,230 @@
+"""``auto`` on the user's uneven stages (issue 42, item 3, first part): Megatron's uneven-stage
+flags reach the planner from every front end, each candidate is planned on the stages they give
+it (per-stage layers in the memory walk and the parameter counts, per-stage weights in the
+simulation, the output layer in the last stage's), and what cannot split so is said in a line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_bfpp.cli import plan as plan_cli
+from megatron_bfpp.config.run_config import UNEVEN_CONFIG_FIELDS, UnevenStages
+from megatron_bfpp.ir import ScheduleError
+from megatron_bfpp.megatron.auto import bridge_request, megatron_request
+from megatron_bfpp.plan.auto import AutoRequest, decide, hardware
+from megatron_bfpp.plan.costs import stage_times
+from megatron_bfpp.plan.memory import peak_points
+from megatron_bfpp.plan.presets import get_gpu, get_model
+from megatron_bfpp.plan.search import (
+    Candidate,
+    Cluster,
+    SearchOptions,
+    memory_of,
+    rank_parameters_of,
+    stage_weights,
+)
+from megatron_bfpp.schedules.registry import build_schedule
+from megatron_bfpp.train.auto import train_request
+
+LLAMA = get_model("llama-7b")  # 32 layers, a 32k vocabulary
+H100 = hardware(device_name=None, device_memory=None, gpu_flag="h100-80gb")
+FIRST_LAST = UnevenStages(decoder_first_pipeline_num_layers=6, decoder_last_pipeline_num_layers=6)
+
+
+def _request(uneven: UnevenStages, model=LLAMA, **fields) -> AutoRequest:
+    base = dict(tp=1, pp=4, dp=2, micro_batch_size=1, global_batch_size=64, hardware=H100)
+    return AutoRequest(model=model, uneven=uneven, **{**base, **fields})
+
+
+def test_the_walk_weighs_each_stage_by_its_layers() -> None:
+    """1F1B, p 2, m 4: rank 0 holds two micro-batches of stage 0 (1 layer each), rank 1 one of
+    stage 1 (3 layers); a V (stages 0 and 3 on rank 0) counts each stage's own layers."""
+    f1b = build_schedule("1f1b", num_ranks=2, num_microbatches=4, lower=False, validate=False)
+    assert peak_points(f1b, (1, 3)).per_rank == (((2, 2, 0),), ((3, 0, 1),))
+    assert peak_points(f1b).per_rank == (((2, 2, 0),), ((1, 0, 1),))
+    v = build_schedule("v-half", num_ranks=2, num_microbatches=4, lower=False, validate=False)
+    assert peak_points(v, (1, 2, 3, 4)).per_rank[0] == ((7, 3, 1),)  # 3 x 1 + 1 x 4 layers
+
+
+@pytest.mark.parametrize(
+    ("schedule", "vp"), [("1f1b", 1), ("interleaved", 2), ("breadth-first", 4), ("v-half", 2)]
+)
+def test_even_stages_given_as_layers_keep_the_even_memory(schedule: str, vp: int) -> None:
+    even = Candidate(schedule, "optim", 1, 4, vp, 2, 1, "none")
+    given = dataclasses.replace(even, stage_layers=(32 // (4 * vp),) * (4 * vp))
+    assert memory_of(given, model=LLAMA, global_batch_size=64) == memory_of(
+        even, model=LLAMA, global_batch_size=64
+    )
+
+
+def test_a_layer_moved_moves_its_parameters_and_activations() -> None:
+    even = Candidate("1f1b", "optim", 1, 4, 1, 2, 1, "none")
+    moved = dataclasses.replace(even, stage_layers=(9, 8, 8, 7))
+    counts = [
+        rank_parameters_of(LLAMA, schedule="1f1b", tp=1, pp=4, vp=1, stage_layers=c.stage_layers)
+        for c in (even, moved)
+    ]
+    layer = counts[0][1] // 8  # a middle rank holds only its 8 layers
+    assert [b - a for a, b in zip(*counts, strict=True)] == [layer, 0, 0, -layer]
+    kept = [memory_of(c, model=LLAMA, global_batch_size=64) for c in (even, moved)]
+    assert kept[1].activations > kept[0].activations  # rank 0 holds 4 micro-batches: 9 layers
+
+
+def test_stage_weights_by_hand() -> None:
+    """(12, 20) layers on 2 ranks: an even stage holds 16, so 0.75 and 1.25, the last plus its
+    output layer and loss against an even stage's forward and backward."""
+    c = Candidate("1f1b", "optim", 1, 2, 1, 1, 1, "none", stage_layers=(12, 20))
+    times = stage_times(c, LLAMA, Cluster(2, 8, get_gpu("h100-80gb")), SearchOptions(), 10**9, 0)
+    output = times.output / (times.forward + times.backward)
+    assert stage_weights(c, LLAMA, times) == (0.75, round(1.25 + output, 6))
+    assert stage_weights(dataclasses.replace(c, stage_layers=()), LLAMA, times) == ()
+
+
+@pytest.mark.parametrize(
+    "uneven",
+    [
+        FIRST_LAST,
+        UnevenStages(pipeline_model_parallel_layout="Et*3|t*5|t*5|t*3|t*3|t*5|t*5|t*3L"),
+        UnevenStages(
+            account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True
+        ),
+    ],
+    ids=["first-last", "layout", "account-for"],
+)
+def test_auto_plans_every_candidate_on_the_users_stages(uneven: UnevenStages) -> None:
+    model = LLAMA if not uneven.account_for_embedding_in_pipeline_split else _layers(30)
+    decision = decide(_request(uneven, model=model))
+    timed = [row for row in decision.rows if row.plan is not None]
+    assert timed and decision.megatron.plan is not None
+    for row in (*timed, decision.megatron):
+        c = row.candidate
+        assert c.stage_layers == uneven.stage_layers(model.num_layers, 4, c.vp)
+        assert sum(c.stage_layers) == model.num_layers
+    assert decision.line().endswith(f"; stages of {uneven.given()}]")
+    assert decision.to_dict()["layout"]["uneven_stages"] == uneven.given()
+    said = {row.candidate.schedule: row.excluded for row in decision.rows if row.excluded}
+    if uneven.pipeline_model_parallel_layout:  # two stages per rank: 1F1B's one is said
+        assert said["1f1b"] == "places 1 stage(s) per rank, the layout 2"
+    if uneven == FIRST_LAST:  # 6, 10, 10, 6 layers per rank: not into thirds or fifths
+        assert not any(row.candidate.vp in (3, 5) for row in timed)
+
+
+def _layers(n: int):
+    return dataclasses.replace(LLAMA, num_layers=n)
+
+
+def test_a_lighter_last_stage_pays_for_a_large_vocabulary() -> None:
+    """At a 128k vocabulary the output layer with its loss costs about two layers of LLaMA 7B:
+    1F1B with four layers fewer on the last stage is predicted faster than even stages."""
+    model = dataclasses.replace(LLAMA, vocab_size=128256)
+    steps = []
+    for layout in ("Et*8|t*8|t*8|t*8L", "Et*9|t*9|t*9|t*5L"):
+        request = _request(UnevenStages(pipeline_model_parallel_layout=layout), model=model)
+        row = next(r for r in decide(request).rows if r.candidate.schedule == "1f1b")
+        assert row.plan is not None
+        steps.append(row.plan.step_time_s)
+    assert steps[1] < 0.95 * steps[0]
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "message"),
+    [
+        (
+            {"uneven": FIRST_LAST, "model": get_model("mixtral-8x7b"), "ep": 2, "dp": 2},
+            "plans a Mixture-of-Experts model on even stages only; drop "
+            "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 6",
+        ),
+        (
+            {"uneven": FIRST_LAST, "sharding": "optim_grads_params"},
+            "plans --data-parallel-sharding-strategy optim_grads_params on even stages only",
+        ),
+        (
+            {"uneven": UnevenStages(pipeline_model_parallel_layout="Et*8|t*8|t*8|t*8L"), "vp": 2},
+            "--pipeline-model-parallel-layout lists 1 stages per rank; drop "
+            "--num-virtual-stages-per-pipeline-rank 2",
+        ),
+        (
+            {"uneven": UnevenStages(pipeline_model_parallel_layout="Et*8|t*8|t*8|t*8|L")},
+            "lists 5 stages, not a multiple of --pipeline-model-parallel-size 4",
+        ),
+        (
+            {"uneven": UnevenStages(pipeline_model_parallel_layout="Et*8|t*8|t*8|t*8mL")},
+            "the planner plans layouts with E in the first stage, L in the last and no MTP",
+        ),
+    ],
+    ids=["moe", "sharded", "layout-and-vp", "layout-stages", "mtp"],
+)
+def test_what_auto_cannot_plan_is_one_line(request_fields: dict, message: str) -> None:
+    fields = {"uneven": UnevenStages(), **request_fields}
+    with pytest.raises(ScheduleError) as error:
+        decide(_request(**fields))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+FLAGS = {
+    "pipeline_model_parallel_layout": None,
+    "decoder_first_pipeline_num_layers": 6,
+    "decoder_last_pipeline_num_layers": 6,
+    "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False,
+}
+
+
+def test_every_front_end_reads_the_uneven_flags() -> None:
+    shape = dict(num_layers=32, hidden_size=256, num_attention_heads=8, seq_length=128)
+    args = argparse.Namespace(
+        **shape, **FLAGS, micro_batch_size=1, global_batch_size=8, vocab_size=1000,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=4,
+    )  # fmt: skip
+    assert megatron_request(args, world_size=8, env={}, hw=H100, sharding=None).uneven == FIRST_LAST
+    config = SimpleNamespace(
+        model=SimpleNamespace(
+            **shape, **dict(zip(UNEVEN_CONFIG_FIELDS, FLAGS.values(), strict=True)),
+            vocab_size=1000, tensor_model_parallel_size=1, pipeline_model_parallel_size=4,
+        ),
+        train=SimpleNamespace(micro_batch_size=1, global_batch_size=8),
+        optimizer=SimpleNamespace(optimizer="adam", use_distributed_optimizer=True),
+    )  # fmt: skip
+    bridge = bridge_request(config, options={}, sharding="optim", env={"WORLD_SIZE": "8"}, hw=H100)
+    assert bridge.uneven == FIRST_LAST
+    config.model.pipeline_model_parallel_layout = [["embedding"], ["decoder"]]  # parsed: refused
+    with pytest.raises(ScheduleError, match="reads a pipeline_model_parallel_layout given as a"):
+        bridge_request(config, options={}, sharding="optim", env={"WORLD_SIZE": "8"}, hw=H100)
+    planned = plan_cli.build_parser().parse_args(
+        ["auto", "--model", "llama-7b", "--num-gpus", "8", "--gpu", "h100-80gb",
+         "--pipeline-model-parallel-size", "4", "--global-batch-size", "64",
+         "--decoder-first-pipeline-num-layers", "6", "--decoder-last-pipeline-num-layers", "6"]
+    )  # fmt: skip
+    assert UnevenStages.read(planned) == FIRST_LAST
+    from megatron_bfpp.cli.train import build_parser as train_parser
+
+    trained = train_parser().parse_args(
+        ["--pipeline-schedule", "auto", "--num-layers", "32", "--pipeline-model-parallel-size",
+         "4", "--decoder-first-pipeline-num-layers", "6", "--decoder-last-pipeline-num-layers",
+         "6"]
+    )  # fmt: skip
+    assert train_request(trained, 8, env={}, device=(None, None)).uneven == FIRST_LAST
+
+
+def test_bfpp_plan_auto_prints_the_decision_on_the_users_stages(capsys) -> None:
+    code = plan_cli.main(
+        ["auto", "--model", "llama-7b", "--num-gpus", "8", "--gpu", "h100-80gb",
+         "--pipeline-model-parallel-size", "4", "--global-batch-size", "64",
+         "--pipeline-model-parallel-layout", "Et*7|t*9|t*9|t*7L"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.startswith("megatron_bfpp: auto: ")
+    assert out.rstrip().endswith("stages of --pipeline-model-parallel-layout Et*7|t*9|t*9|t*7L]")
+    code = plan_cli.main(
+        ["auto", "--model", "llama-7b", "--num-gpus", "8", "--gpu", "h100-80gb",
+         "--pipeline-model-parallel-size", "4", "--global-batch-size", "64",
+         "--account-for-loss-in-pipeline-split"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code != 0 and len(err.strip().splitlines()) == 1  # 33 layers over 4: said once each
+    assert "1f1b, bpipe, gpipe: --account-for-loss-in-pipeline-split does not split 32" in err
