@@ -542,7 +542,11 @@ def _add_auto(commands: argparse._SubParsersAction[OneLineParser]) -> None:
             option.flag, dest=option.dest, type=positive_int, metavar="N", help=option.help
         )
     uneven = "uneven stages, Megatron-LM's flag (docs/planner.md#uneven-stages)"
-    layout.add_argument("--pipeline-model-parallel-layout", metavar="LAYOUT", help=uneven)
+    layout.add_argument(
+        "--pipeline-model-parallel-layout",
+        metavar="LAYOUT",
+        help=f"{uneven}; 'auto': the planner chooses it with the schedule",
+    )
     for end in ("first", "last"):
         layout.add_argument(
             f"--decoder-{end}-pipeline-num-layers", type=positive_int, metavar="N", help=uneven

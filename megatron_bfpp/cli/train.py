@@ -26,6 +26,8 @@ from megatron_bfpp.cli.common import (
 from megatron_bfpp.compat import UnsupportedVersionError, check_megatron_core, check_torch
 from megatron_bfpp.config.run_config import (
     DEFAULT_FFN_TEXT,
+    LAYOUT_AUTO,
+    LAYOUT_AUTO_ALONE,
     flag_name,
     layout_virtual_stages,
     model_shape,
@@ -144,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LAYOUT",
         help=f"{uneven}: the stages in model order, 'E' the embedding, 't' a layer, 'L' the "
         "loss ('Et*3|t*4|t*4|t*3L'); it fixes the stages per rank (a V: stage s on rank s or "
-        "2p-1-s)",
+        "2p-1-s); 'auto' with --pipeline-schedule auto: the planner chooses it",
     )
     for end in ("first", "last"):
         par.add_argument(f"--decoder-{end}-pipeline-num-layers", type=positive_int, help=uneven)
@@ -451,6 +453,8 @@ def uneven_problem(args: argparse.Namespace) -> str | None:
     if not (fields := uneven.layout.uneven_config()):
         return None
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.pipeline_model_parallel_layout == LAYOUT_AUTO:  # auto replaced it when it decided
+        return LAYOUT_AUTO_ALONE
     if layout := args.pipeline_model_parallel_layout:
         try:
             stages = layout_virtual_stages(layout, pp, args.num_layers)

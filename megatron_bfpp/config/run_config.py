@@ -5,6 +5,7 @@ names are the flags' ``argparse`` destinations, so a difference is reported by i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,8 @@ from megatron_bfpp.schedules.registry import get_spec
 __all__ = [
     "DEFAULT_FFN_TEXT",
     "EVEN_STAGES",
+    "LAYOUT_AUTO",
+    "LAYOUT_AUTO_ALONE",
     "LRSchedule",
     "Layout",
     "ModelShape",
@@ -230,6 +233,11 @@ class UnevenStages:
     def __bool__(self) -> bool:
         return any(getattr(self, dest) for dest in UNEVEN_FLAGS)
 
+    @property
+    def partition(self) -> bool:
+        """``--pipeline-model-parallel-layout auto``: the planner chooses the layers per stage."""
+        return self.pipeline_model_parallel_layout == LAYOUT_AUTO
+
     def given(self) -> str:
         """The flags as typed, for the planner's lines."""
         values = ((flag_name(dest), getattr(self, dest)) for dest in UNEVEN_FLAGS)
@@ -240,6 +248,8 @@ class UnevenStages:
         arithmetic (``Layout.layers_per_stage``), the embedding on stage 0 and the loss on the
         last. Raises ``ValueError`` with the one line saying why these flags do not split so."""
         layout = self.pipeline_model_parallel_layout
+        if self.partition:
+            raise ValueError("--pipeline-model-parallel-layout auto: the planner's to choose")
         if layout is not None:
             if (stages := layout_virtual_stages(layout, pp, num_layers)) != vp:
                 raise ValueError(f"--pipeline-model-parallel-layout lists {stages} stages per rank")
@@ -257,15 +267,30 @@ class UnevenStages:
 
 
 EVEN_STAGES = UnevenStages()  # no uneven-stage flag given
+# --pipeline-model-parallel-layout auto: with --pipeline-schedule auto, the planner's partition
+LAYOUT_AUTO = "auto"
+LAYOUT_AUTO_ALONE = (
+    "--pipeline-model-parallel-layout auto needs --pipeline-schedule auto (the planner chooses "
+    "the layers per stage with the schedule); name a layout, or let auto choose both"
+)
 
 
 def layout_of(stage_layers: Sequence[int]) -> str:
-    """The layout string of ``stage_layers`` with the embedding first and the loss last, for
-    ``Layout.pipeline_model_parallel_layout`` (the parameter counts read it)."""
-    last = len(stage_layers) - 1
-    return "|".join(
-        "E" * (s == 0) + "t" * n + "L" * (s == last) for s, n in enumerate(stage_layers)
-    )
+    """The layout string of ``stage_layers`` with the embedding first and the loss last, in
+    megatron-core's short form (runs of equal middle stages as ``(t*4|)*6``), which
+    ``layout_stages`` reads back: what the planner's choice prints and writes."""
+
+    def layers(n: int) -> str:
+        return "t" * min(n, 1) + f"*{n}" * (n > 1)
+
+    if len(stage_layers) == 1:
+        return f"E{layers(stage_layers[0])}L"
+    *middle, last = stage_layers[1:]
+    text = f"E{layers(stage_layers[0])}|"
+    for count, run in itertools.groupby(middle):
+        times = len(list(run))
+        text += f"{layers(count)}|" if times == 1 else f"({layers(count)}|)*{times}"
+    return f"{text}{layers(last)}L"
 
 
 # Layout's uneven-stage flags (destinations) and megatron-core's config fields for them.

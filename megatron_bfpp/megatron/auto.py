@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from megatron_bfpp.config.run_config import UNEVEN_CONFIG_FIELDS, UnevenStages
+from megatron_bfpp.config.run_config import UNEVEN_CONFIG_FIELDS, UnevenStages, layout_of
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.megatron import arguments
 from megatron_bfpp.plan.auto import (
@@ -410,6 +410,8 @@ def resolve_megatron_auto(
         announce(decision, report=getattr(args, "pipeline_schedule_auto_report", None), env=env)
     c = decision.chosen.candidate  # written back as if the user had typed it
     args.pipeline_schedule = c.schedule
+    if decision.request.uneven.partition:  # --pipeline-model-parallel-layout auto: its choice
+        args.pipeline_model_parallel_layout = layout_of(c.stage_layers)
     looped = get_spec(c.schedule).placement is not Placement.SINGLE
     fixed = getattr(args, "num_layers_per_virtual_pipeline_stage", None) or getattr(
         args, "pipeline_model_parallel_layout", None
@@ -516,6 +518,8 @@ def resolve_bridge_auto(
     )
     announce(decision, report=report, env=env)
     c = decision.chosen.candidate
+    if decision.request.uneven.partition:  # pipeline_model_parallel_layout "auto": its choice
+        config.model.pipeline_model_parallel_layout = layout_of(c.stage_layers)
     layout = getattr(config.model, "pipeline_model_parallel_layout", None)
     if get_spec(c.schedule).placement is Placement.LOOPED and not layout:
         config.model.virtual_pipeline_model_parallel_size = c.vp

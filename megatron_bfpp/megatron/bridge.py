@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from megatron_bfpp.config.run_config import LAYOUT_AUTO
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.megatron import plugin
 from megatron_bfpp.megatron.arguments import NO_V_SHAPE_FIELDS
@@ -78,6 +79,11 @@ def check_bridge_config(
         )
     spec = get_spec(name)
     model = config.model
+    if getattr(model, "pipeline_model_parallel_layout", None) == LAYOUT_AUTO:
+        raise ScheduleError(  # auto replaces it with its choice before this check
+            "config.model.pipeline_model_parallel_layout 'auto' needs the schedule 'auto' (the "
+            "planner chooses the layers per stage with the schedule)"
+        )
     given = [field for field in NO_V_SHAPE_FIELDS if getattr(model, field, None)]
     if spec.placement is Placement.V_SHAPE and given:
         raise ScheduleError(

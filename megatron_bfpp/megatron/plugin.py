@@ -19,6 +19,7 @@ from megatron_bfpp.compat import (
     check_torch,
     is_multi_module_collection,
 )
+from megatron_bfpp.config.run_config import LAYOUT_AUTO, LAYOUT_AUTO_ALONE
 from megatron_bfpp.flags import quiet_exit
 from megatron_bfpp.ir import Placement, ScheduleError
 from megatron_bfpp.megatron.arguments import (
@@ -267,6 +268,8 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
                 resolve_megatron_auto(args, sharding=given, device=probe_device())
             except ScheduleError as error:
                 refuse(str(error).splitlines()[0])
+        if getattr(args, "pipeline_model_parallel_layout", None) == LAYOUT_AUTO:
+            refuse(LAYOUT_AUTO_ALONE)  # auto replaces it with its choice
         apply_schedule_defaults(args)
         if given is None:
             setattr(args, SHARDING_DEST, _megatron_sharding_default)

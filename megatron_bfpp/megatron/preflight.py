@@ -6,7 +6,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from megatron_bfpp.config.run_config import layout_virtual_stages
+from megatron_bfpp.config.run_config import (
+    LAYOUT_AUTO,
+    LAYOUT_AUTO_ALONE,
+    layout_virtual_stages,
+)
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.megatron.arguments import (
@@ -106,6 +110,8 @@ def parse_megatron_command(argv: Sequence[str], *, world_size: int) -> argparse.
             env={"WORLD_SIZE": str(world_size)},
             quiet=True,
         )
+    if args.pipeline_model_parallel_layout == LAYOUT_AUTO:  # auto replaced it when it decided
+        raise ScheduleError(LAYOUT_AUTO_ALONE)
     apply_schedule_defaults(args)  # what the plugin does before Megatron validates (vp 2)
     model_size = (
         args.tensor_model_parallel_size

@@ -16,6 +16,7 @@ from typing import Any
 from megatron_bfpp.config.run_config import (
     EVEN_STAGES,
     UnevenStages,
+    layout_of,
     layout_stages,
     layout_virtual_stages,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "gpu_from_device",
     "gpus_per_node_from_env",
     "hardware",
+    "partitions",
     "write_report",
 ]
 
@@ -166,14 +168,16 @@ class AutoRequest:
     @property
     def fixed_vp(self) -> int | None:
         """The stages per rank the user fixed: the flag, or the layout string's count."""
-        if (layout := self.uneven.pipeline_model_parallel_layout) is not None:
+        layout = self.uneven.pipeline_model_parallel_layout
+        if layout is not None and not self.uneven.partition:
             return len(layout_stages(layout)) // self.pp
         return self.vp
 
     def stage_layers(self, vp: int) -> tuple[int, ...]:
         """Each global stage's layers at ``vp`` stages per rank; () on even stages. Raises
-        ``ScheduleError`` with why the uneven flags do not split so."""
-        if not self.uneven:
+        ``ScheduleError`` with why the uneven flags do not split so. With the planner's own
+        partition to choose: even (Megatron's default row)."""
+        if not self.uneven or self.uneven.partition:
             return ()
         try:
             return self.uneven.stage_layers(self.model.num_layers, self.pp, vp)
@@ -302,6 +306,9 @@ class Decision:
                 f"of {self.action_budget:,} simulated actions)"
             )
         stages = f"; stages of {uneven}" if (uneven := self.request.uneven.given()) else ""
+        if self.request.uneven.partition:  # what reproduces the choice
+            layout = layout_of(chosen.candidate.stage_layers)
+            stages = f"; its layout: --pipeline-model-parallel-layout '{layout}'"
         return f"{text} [{hw.note}{stages}]"
 
     def to_dict(self) -> dict[str, object]:
@@ -434,7 +441,12 @@ def _check_request(r: AutoRequest) -> None:
             data_parallel_size=r.dp,
             what=f"{BATCH_SCHEDULE_FLAG}'s batch size {batch}" if r.batch_schedule else None,
         )
-    if (layout := r.uneven.pipeline_model_parallel_layout) is not None:
+    if r.uneven.partition and (others := r.uneven.given().split(" --")[1:]):
+        raise ScheduleError(
+            f"--pipeline-model-parallel-layout auto chooses the layers per stage itself; drop "
+            f"--{others[0]}"
+        )
+    if (layout := r.uneven.pipeline_model_parallel_layout) is not None and not r.uneven.partition:
         try:
             stages = layout_virtual_stages(layout, r.pp, r.model.num_layers)
         except ValueError as error:
@@ -561,7 +573,7 @@ def _layers_per_rank(r: AutoRequest) -> int:
     """The most layers a pipeline rank holds at one stage per rank, whose divisors are the
     virtual stages tried (uneven flags that do not split so: an even rank's)."""
     even = r.model.num_layers // r.pp
-    if not r.uneven or r.fixed_vp is not None:
+    if not r.uneven or r.uneven.partition or r.fixed_vp is not None:
         return even
     try:
         return max(r.stage_layers(1))
@@ -572,7 +584,10 @@ def _layers_per_rank(r: AutoRequest) -> int:
 def _splits(
     r: AutoRequest, vps: Sequence[int]
 ) -> tuple[list[tuple[int, tuple[int, ...]]], list[tuple[int, str]]]:
-    """(vp, its stages' layers) for each of ``vps`` the uneven flags split, and (vp, why not)."""
+    """(vp, its stages' layers) for each of ``vps`` the uneven flags split, and (vp, why not);
+    with ``--pipeline-model-parallel-layout auto``, each of its partitions."""
+    if r.uneven.partition:
+        return [(vp, p) for vp in vps for p in partitions(r.model.num_layers, r.pp * vp)], []
     split, unsplit = [], []
     for vp in vps:
         try:
@@ -580,6 +595,36 @@ def _splits(
         except ScheduleError as error:
             unsplit.append((vp, first_line(error)))
     return split, unsplit
+
+
+PARTITION_SHIFT = 4  # layers the first and the last stage may each give up (auto's partition)
+PARTITIONS_KEPT = 2  # of each candidate's partitions, those of the best bounds are simulated
+
+
+def partitions(num_layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
+    """The layers per stage ``--pipeline-model-parallel-layout auto`` tries: the first and the
+    last stage (the embedding; the output layer and loss) lighter by up to ``PARTITION_SHIFT``
+    layers each than an even share, the rest spread as evenly as it goes (the earlier stages one
+    more); even stages among them. Two stages: the first from 4 lighter to 4 heavier."""
+    base = num_layers // stages
+    if stages == 1:
+        return ((num_layers,),)
+    found: dict[tuple[int, ...], None] = {}
+    shifts = (
+        range(-PARTITION_SHIFT, PARTITION_SHIFT + 1) if stages == 2 else range(PARTITION_SHIFT + 1)
+    )
+    for a in shifts:
+        for b in shifts if stages > 2 else (0,):
+            first, last = base - a, base - b
+            if stages == 2:
+                last = num_layers - first
+            middle = num_layers - first - last
+            if min(first, last, middle) < 0 or (stages == 2 and middle):
+                continue
+            share, extra = divmod(middle, stages - 2) if stages > 2 else (0, 0)
+            inner = [share + (i < extra) for i in range(stages - 2)]
+            found[(first, *inner, last)] = None
+    return tuple(found)
 
 
 def _candidate(
@@ -637,6 +682,8 @@ def decide(r: AutoRequest) -> Decision:
             excluded.append(Row(c, None, False, excluded=first_line(error)))
             continue
         bounded.append((order, bound, index, c))
+    if r.uneven.partition:  # of each candidate's partitions, the best bounds only
+        bounded = _best_partitions(bounded)
     pruned: list[Row] = []
     # Megatron's default first, then by cheapest bound: a cut budget never picks worse than Megatron
     for *_, bound, c in sorted((c != default, o, i, b, c) for o, b, i, c in bounded):
@@ -660,6 +707,16 @@ def decide(r: AutoRequest) -> Decision:
     rows = tuple(simulated + too_big + untimed + excluded)
     simulations = sum(row.plan is not None for row in (*rows, megatron))  # each row simulated once
     return Decision(r, rows, megatron, simulations, judge.actions.spent, judge.actions.limit)
+
+
+def _best_partitions(
+    bounded: list[tuple[float, float, int, Candidate]],
+) -> list[tuple[float, float, int, Candidate]]:
+    """``PARTITIONS_KEPT`` partitions of each candidate, those whose bounds are lowest."""
+    groups: dict[Candidate, list[tuple[float, float, int, Candidate]]] = {}
+    for item in bounded:
+        groups.setdefault(dataclasses.replace(item[3], stage_layers=()), []).append(item)
+    return [item for group in groups.values() for item in sorted(group)[:PARTITIONS_KEPT]]
 
 
 @dataclass(frozen=True, slots=True)

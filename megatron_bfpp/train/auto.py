@@ -8,7 +8,7 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from megatron_bfpp.config.run_config import UnevenStages, model_shape
+from megatron_bfpp.config.run_config import UnevenStages, layout_of, model_shape
 from megatron_bfpp.megatron.auto import (
     announce,
     auto_inputs,
@@ -91,6 +91,8 @@ def resolve_train_auto(args: argparse.Namespace, world_size: int) -> Decision | 
     announce(decision, report=args.pipeline_schedule_auto_report, prog="bfpp-train", env=env)
     c = decision.chosen.candidate
     args.pipeline_schedule = c.schedule
+    if decision.request.uneven.partition:  # --pipeline-model-parallel-layout auto: its choice
+        args.pipeline_model_parallel_layout = layout_of(c.stage_layers)
     if not args.pipeline_model_parallel_layout:  # a layout string fixes them itself
         args.num_virtual_stages_per_pipeline_rank = decision.stages_per_rank
     args.breadth_first_group_size = c.group_size

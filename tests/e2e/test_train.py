@@ -426,6 +426,10 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
             ["--pipeline-schedule", "auto", "--account-for-loss-in-pipeline-split"],
             "--pipeline-schedule auto: no schedule can run this layout (",
         ),
+        (
+            ["--pipeline-model-parallel-layout", "auto"],
+            "--pipeline-model-parallel-layout auto needs --pipeline-schedule auto",
+        ),
     ],
     ids=[
         "unknown-schedule",
@@ -463,6 +467,7 @@ def test_resume_continues_the_same_curve(reference: Path, tmp_path: Path) -> Non
         "overlap-without-pairs",
         "overlap-without-experts",
         "auto-uneven-unsplit",
+        "layout-auto-alone",
     ],
 )
 def test_bad_flags_one_line_nonzero_exit(flags: list[str], expected: str) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_bfpp.config.run_config import layout_stages
+
 pytest.importorskip("megatron.core")
 
 pytestmark = [pytest.mark.megatron, pytest.mark.timeout(600)]
@@ -70,6 +72,26 @@ def test_auto_runs_its_choice_with_the_named_schedules_losses(tmp_path: Path) ->
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_losses(auto_metrics)) == ITERS
     assert _losses(auto_metrics) == _losses(explicit)
+
+
+def test_auto_chooses_the_layout_too_and_its_choice_trains_as_named(tmp_path: Path) -> None:
+    """--pipeline-model-parallel-layout auto: the planner's partition with the schedule, the line
+    naming the layout that reproduces it, and the losses of both named."""
+    report, metrics = tmp_path / "auto.json", tmp_path / "auto.jsonl"
+    proc = _run(
+        *LAYOUT, "--pipeline-schedule", "auto", "--pipeline-model-parallel-layout", "auto",
+        "--metrics-file", str(metrics), "--pipeline-schedule-auto-report", str(report),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("bfpp-train: auto: ")]
+    layout = line.split("its layout: --pipeline-model-parallel-layout ")[1].rstrip("]").strip("'")
+    choice = json.loads(report.read_text())["choice"]
+    assert [stage.count("t") for stage in layout_stages(layout)] == choice["stage_layers"]
+    named = [*_named(choice, stages=False), "--pipeline-model-parallel-layout", layout]
+    explicit = tmp_path / "named.jsonl"
+    proc = _run(*LAYOUT, *named, "--metrics-file", str(explicit))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_losses(metrics)) == ITERS and _losses(metrics) == _losses(explicit)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from megatron_bfpp.config.run_config import layout_of
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.megatron.auto import resolve_bridge_auto, resolve_megatron_auto
 from megatron_bfpp.megatron.preflight import check_megatron_command, parse_megatron_command
@@ -67,7 +68,9 @@ def test_megatron_without_pipeline_keeps_megatrons_own(capsys: pytest.CaptureFix
     [
         ({"num_virtual_stages_per_pipeline_rank": 2, "bpipe_max_stored": 3},
          "--bpipe-max-stored applies to bpipe"),
-        ({"decoder_first_pipeline_num_layers": 2}, "does not read --decoder-first-pipeline"),
+        ({"decoder_first_pipeline_num_layers": 3}, "does not split 16 layers over 4 x 1"),
+        ({"pipeline_model_parallel_layout": "auto", "decoder_last_pipeline_num_layers": 2},
+         "chooses the layers per stage itself; drop --decoder-last-pipeline-num-layers"),
         ({"hidden_size": None}, "needs --hidden-size"),
     ],
 )  # fmt: skip
@@ -78,6 +81,19 @@ def test_megatron_refusals_are_one_line(change: dict[str, Any], words: str) -> N
     with pytest.raises(ScheduleError, match=words) as caught:
         resolve_megatron_auto(args, sharding=None, env=RANK0, device=CPU)
     assert "\n" not in str(caught.value)
+
+
+def test_megatron_args_get_the_layout_auto_chose() -> None:
+    """--pipeline-model-parallel-layout auto: the chosen stages written back as a layout string
+    Megatron-LM reads (its stages per rank from the string, no virtual-stage flag written)."""
+    args = _megatron_args()
+    args.pipeline_model_parallel_layout = "auto"
+    decision = resolve_megatron_auto(args, sharding=None, env=RANK0, device=CPU)
+    assert decision is not None
+    layers = decision.chosen.candidate.stage_layers
+    assert args.pipeline_model_parallel_layout == layout_of(layers) and sum(layers) == 16
+    assert args.num_virtual_stages_per_pipeline_rank is None
+    assert decision.line().endswith(f"--pipeline-model-parallel-layout '{layout_of(layers)}']")
 
 
 GPT3_175B = shlex.split(
@@ -107,6 +123,24 @@ def test_preflight_refusals_are_one_line(extra: list[str], words: str) -> None:
     with pytest.raises(ScheduleError, match=words) as caught:
         check_megatron_command(GPT3_175B + extra, world_size=128)
     assert "\n" not in str(caught.value)
+
+
+def test_preflight_takes_the_layout_auto_chooses_and_refuses_it_alone() -> None:
+    args = parse_megatron_command(
+        [*GPT3_175B, "--pipeline-model-parallel-layout", "auto"], world_size=128
+    )
+    assert args.pipeline_model_parallel_layout.startswith("E")  # the planner's partition
+    named = [a for a in GPT3_175B if a not in ("--pipeline-schedule", "auto")]
+    with pytest.raises(ScheduleError, match=r"^--pipeline-model-parallel-layout auto needs --pipe"):
+        check_megatron_command([*named, "--pipeline-model-parallel-layout", "auto"], world_size=128)
+
+
+def test_bridge_takes_the_layout_auto_chooses() -> None:
+    config = _bridge_config(pipeline_model_parallel_layout="auto")
+    _, _, decision = resolve_bridge_auto(config, {}, env={"WORLD_SIZE": "4"}, device=CPU)
+    layers = decision.chosen.candidate.stage_layers
+    assert config.model.pipeline_model_parallel_layout == layout_of(layers)
+    assert config.model.virtual_pipeline_model_parallel_size is None
 
 
 def test_auto_flags_need_auto() -> None:

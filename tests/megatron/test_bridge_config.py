@@ -221,3 +221,8 @@ def test_a_v_shape_has_bridges_provider_build_the_v(monkeypatch: pytest.MonkeyPa
     assert provider._pg_collection is groups and gathered == [groups.pp]
     provider.provide(pre_process=True, post_process=False, vp_stage=1)
     assert provider.built[-1] == (True, False, 1, 0)
+
+
+def test_a_layout_left_to_auto_needs_auto() -> None:
+    with pytest.raises(ScheduleError, match=r"^config.model.pipeline_model_parallel_layout 'auto'"):
+        bridge.check_bridge_config(_config(pipeline_model_parallel_layout="auto"), "1f1b", {})

@@ -444,6 +444,27 @@ def test_auto_on_a_users_layout_runs_its_choice_with_the_named_schedules_losses(
     assert auto == _train(tmp_path, *layout, *named)[0]
 
 
+def test_auto_choosing_the_layout_too_trains_as_its_choice_named(tmp_path: Path) -> None:
+    """--pipeline-model-parallel-layout auto: every rank chooses the layers per stage with the
+    schedule (alike), the line names the layout string, and the job trains with the losses of
+    that schedule named on that layout."""
+    import json
+
+    report = tmp_path / "auto.json"
+    auto, output = _train(
+        tmp_path, LAYOUT, "auto", "--pipeline-schedule", "auto",
+        "--pipeline-schedule-auto-report", str(report),
+    )  # fmt: skip
+    (line,) = [line for line in output.splitlines() if "megatron_bfpp: auto: " in line]
+    layout = line.split(f"its layout: {LAYOUT} ")[1].rstrip("]").strip("'")
+    choice = json.loads(report.read_text())["choice"]
+    assert sum(choice["stage_layers"]) == 8
+    named = ["--pipeline-schedule", choice["schedule"]]
+    if choice["group_size"] is not None:
+        named += ["--breadth-first-group-size", str(choice["group_size"])]
+    assert auto == _train(tmp_path, LAYOUT, layout, *named)[0]
+
+
 # Mixture-of-Experts at pp 2 and expert parallelism 2 (data parallel 2): the all-to-all
 # dispatcher on gloo, without biases (megatron-core's expert bias add is in place on a view).
 MOE = shlex.split(

@@ -12,10 +12,15 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_bfpp.cli import plan as plan_cli
-from megatron_bfpp.config.run_config import UNEVEN_CONFIG_FIELDS, UnevenStages
+from megatron_bfpp.config.run_config import (
+    UNEVEN_CONFIG_FIELDS,
+    UnevenStages,
+    layout_of,
+    layout_stages,
+)
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.megatron.auto import bridge_request, megatron_request
-from megatron_bfpp.plan.auto import AutoRequest, decide, hardware
+from megatron_bfpp.plan.auto import AutoRequest, decide, hardware, partitions
 from megatron_bfpp.plan.costs import stage_times
 from megatron_bfpp.plan.memory import peak_points
 from megatron_bfpp.plan.presets import get_gpu, get_model
@@ -228,3 +233,56 @@ def test_bfpp_plan_auto_prints_the_decision_on_the_users_stages(capsys) -> None:
     err = capsys.readouterr().err
     assert code != 0 and len(err.strip().splitlines()) == 1  # 33 layers over 4: said once each
     assert "1f1b, bpipe, gpipe: --account-for-loss-in-pipeline-split does not split 32" in err
+
+
+# --- --pipeline-model-parallel-layout auto: the planner's own partition ----------------------
+
+
+def test_partitions_lighten_the_ends_and_keep_every_layer() -> None:
+    found = partitions(32, 4)
+    assert (8, 8, 8, 8) in found and (6, 10, 10, 6) in found and (4, 12, 12, 4) in found
+    assert all(sum(p) == 32 and len(p) == 4 and min(p) >= 0 for p in found)
+    assert all(p[0] >= 4 and p[-1] >= 4 for p in found)  # at most PARTITION_SHIFT lighter
+    assert len(found) == len(set(found)) == 25
+    assert partitions(8, 2) == tuple((8 - k, k) for k in range(9))  # two stages: every split
+    assert set(partitions(8, 8)) == {(1,) * 8, (0, 2, 1, 1, 1, 1, 1, 1), (1, 2, 1, 1, 1, 1, 1, 0),
+                                     (0, 2, 2, 1, 1, 1, 1, 0)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "layers", [(1,) * 32, (8, 9, 8, 7), (0, 1, 1, 0), (5,), (3, 5), (2, 2, 2, 3, 3, 1), (0, 0)]
+)
+def test_a_partition_prints_as_a_layout_megatron_reads_back(layers: tuple[int, ...]) -> None:
+    text = layout_of(layers)
+    stages = layout_stages(text)
+    assert [stage.count("t") for stage in stages] == list(layers)
+    assert stages[0].startswith("E") and stages[-1].endswith("L")
+    assert "".join(stages).count("E") == "".join(stages).count("L") == 1
+
+
+def test_auto_chooses_the_partition_with_the_schedule_and_prints_its_layout() -> None:
+    """At a 128k vocabulary the output layer weighs about two layers: auto's own partition
+    takes layers off the last stage, beats the even layout's prediction, and prints the layout
+    string that reproduces it (Megatron's row stays on even stages)."""
+    model = dataclasses.replace(LLAMA, vocab_size=128256)
+    auto = UnevenStages(pipeline_model_parallel_layout="auto")
+    decision = decide(_request(auto, model=model, vp=1))  # one stage per rank: 1F1B, BPipe, ...
+    chosen = decision.chosen.candidate
+    assert chosen.stage_layers[-1] < 8 and sum(chosen.stage_layers) == 32
+    layout = layout_of(chosen.stage_layers)
+    assert decision.line().endswith(f"its layout: --pipeline-model-parallel-layout '{layout}']")
+    assert decision.megatron.candidate.stage_layers == ()
+    even = decide(_request(UnevenStages(pipeline_model_parallel_layout="Et*8|t*8|t*8|t*8L"),
+                           model=model, vp=1))  # fmt: skip
+    assert decision.chosen.plan is not None and even.chosen.plan is not None
+    assert decision.chosen.plan.step_time_s < even.chosen.plan.step_time_s
+    # only the best bounds of each candidate's 25 partitions are simulated or listed
+    shapes = [dataclasses.replace(row.candidate, stage_layers=()) for row in decision.rows]
+    assert max(map(shapes.count, shapes)) == 2
+
+
+def test_the_planners_partition_takes_no_other_uneven_flag() -> None:
+    both = UnevenStages(pipeline_model_parallel_layout="auto", decoder_first_pipeline_num_layers=6)
+    with pytest.raises(ScheduleError, match="chooses the layers per stage itself; drop "
+                       "--decoder-first-pipeline-num-layers"):  # fmt: skip
+        decide(_request(both))
