@@ -192,7 +192,7 @@ def test_golden_csvs_still_build_identically(tmp_path: Path) -> None:
 def test_console_script_is_installed() -> None:
     result = subprocess.run(["bfpp-sim", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
-    assert "--pipeline" not in result.stdout and "--schedule" in result.stdout
+    assert "--pipeline-schedule" not in result.stdout and "--schedule" in result.stdout
 
 
 def test_full_sharding_holds_two_chunks_and_is_breadth_first_only(tmp_path: Path) -> None:
