@@ -598,7 +598,7 @@ def _splits(
 
 
 PARTITION_SHIFT = 4  # layers the first and the last stage may each give up (auto's partition)
-PARTITIONS_KEPT = 2  # of each candidate's partitions, those of the best bounds are simulated
+PARTITIONS_KEPT = 3  # of each candidate's partitions, those of the best bounds are simulated
 
 
 def partitions(num_layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
@@ -610,9 +610,9 @@ def partitions(num_layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
     if stages == 1:
         return ((num_layers,),)
     found: dict[tuple[int, ...], None] = {}
-    shifts = (
-        range(-PARTITION_SHIFT, PARTITION_SHIFT + 1) if stages == 2 else range(PARTITION_SHIFT + 1)
-    )
+    shifts = list(range(PARTITION_SHIFT + 1))  # the most even first (``_best_partitions``)
+    if stages == 2:
+        shifts = sorted(range(-PARTITION_SHIFT, PARTITION_SHIFT + 1), key=abs)
     for a in shifts:
         for b in shifts if stages > 2 else (0,):
             first, last = base - a, base - b
@@ -712,11 +712,14 @@ def decide(r: AutoRequest) -> Decision:
 def _best_partitions(
     bounded: list[tuple[float, float, int, Candidate]],
 ) -> list[tuple[float, float, int, Candidate]]:
-    """``PARTITIONS_KEPT`` partitions of each candidate, those whose bounds are lowest."""
+    """Of each candidate's partitions, the ``PARTITIONS_KEPT`` whose bounds are lowest and the
+    first generated, the most even (``partitions``): a bound is loosest where the fill weighs
+    most (few micro-batches), so the choice is never timed worse than the even stages."""
     groups: dict[Candidate, list[tuple[float, float, int, Candidate]]] = {}
     for item in bounded:
         groups.setdefault(dataclasses.replace(item[3], stage_layers=()), []).append(item)
-    return [item for group in groups.values() for item in sorted(group)[:PARTITIONS_KEPT]]
+    kept = [sorted(group)[:PARTITIONS_KEPT] + group[:1] for group in groups.values()]
+    return [item for group in kept for item in dict.fromkeys(group)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -244,7 +244,8 @@ def test_partitions_lighten_the_ends_and_keep_every_layer() -> None:
     assert all(sum(p) == 32 and len(p) == 4 and min(p) >= 0 for p in found)
     assert all(p[0] >= 4 and p[-1] >= 4 for p in found)  # at most PARTITION_SHIFT lighter
     assert len(found) == len(set(found)) == 25
-    assert partitions(8, 2) == tuple((8 - k, k) for k in range(9))  # two stages: every split
+    assert set(partitions(8, 2)) == {(8 - k, k) for k in range(9)}  # two stages: every split
+    assert partitions(8, 2)[0] == (4, 4) and found[0] == (8, 8, 8, 8)  # the most even first
     assert set(partitions(8, 8)) == {(1,) * 8, (0, 2, 1, 1, 1, 1, 1, 1), (1, 2, 1, 1, 1, 1, 1, 0),
                                      (0, 2, 2, 1, 1, 1, 1, 0)}  # fmt: skip
 
@@ -276,9 +277,9 @@ def test_auto_chooses_the_partition_with_the_schedule_and_prints_its_layout() ->
                            model=model, vp=1))  # fmt: skip
     assert decision.chosen.plan is not None and even.chosen.plan is not None
     assert decision.chosen.plan.step_time_s < even.chosen.plan.step_time_s
-    # only the best bounds of each candidate's 25 partitions are simulated or listed
+    # of each candidate's 25 partitions, only the three best bounds and the most even one
     shapes = [dataclasses.replace(row.candidate, stage_layers=()) for row in decision.rows]
-    assert max(map(shapes.count, shapes)) == 2
+    assert 3 <= max(map(shapes.count, shapes)) <= 4
 
 
 def test_the_planners_partition_takes_no_other_uneven_flag() -> None:
