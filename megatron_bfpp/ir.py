@@ -541,17 +541,20 @@ _kind_of = attrgetter("kind")
 _BACKWARD_KINDS = frozenset({K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT})
 
 
-def stored_counts(program: Sequence[Action]) -> Iterable[int]:
+def stored_counts(program: Sequence[Action], weights: Sequence[float] = ()) -> Iterable[float]:
     """Stored activations after each action of ``program``, in its stages' units: a running sum
-    of ``MEMORY_DELTA``, a composite's parts in order and shown at their peak."""
+    of ``MEMORY_DELTA``, a composite's parts in order and shown at their peak; ``weights``: one
+    per global stage (uneven stages: its layers against an even stage's), else 1 (integers)."""
     kinds = list(map(_kind_of, program))
-    if ActionKind.OVERLAP_F_B not in kinds:
+    if ActionKind.OVERLAP_F_B not in kinds and not weights:
         return accumulate(map(_FULL_MEMORY_DELTA.__getitem__, kinds))
-    counts, count = [], 0
+    counts: list[float] = []
+    count: float = 0
     for action in program:
         during = []
         for part in parts(action):
-            count += _FULL_MEMORY_DELTA[part.kind]
+            delta = _FULL_MEMORY_DELTA[part.kind]
+            count += delta * weights[part.stage] if weights and delta else delta
             during.append(count)
         counts.append(max(during))
     return counts

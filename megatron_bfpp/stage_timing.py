@@ -52,6 +52,8 @@ def measure_stage(
         raise ScheduleError(
             f"--profile-layers {num_layers} is more than the model's {model.num_layers} layers"
         )
+    if target.type == "cpu":
+        _warm_allocator()
     with warnings.catch_warnings(), _single_rank(target):
         warnings.simplefilter("ignore")  # megatron-core's notes on missing GPU-only extras
         block = _build_block(model, num_layers, target, _DTYPES[chosen])
@@ -60,6 +62,11 @@ def measure_stage(
         host = measure_host_time(
             block, model, micro_batch_size=smallest, warmup=warmup, iterations=iterations
         )
+        del block
+        ends = _EndStages(model, target, _DTYPES[chosen])
+        for i, row in enumerate(rows):
+            embedding, output = ends.measure(row.micro_batch_size, warmup, iterations)
+            rows[i] = dataclasses.replace(row, embedding_s=embedding, output_s=output)
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else _cpu_name()
     return StageProfile(
         device=name,
@@ -188,6 +195,15 @@ def _device_and_dtype(device: str, dtype: str | None) -> tuple[torch.device, str
     return target, chosen
 
 
+def _warm_allocator() -> None:
+    """Free one large block first, as a training process has long done: glibc's malloc serves
+    large tensors by fresh mmaps, page faults each, until a freed one raises its threshold, which
+    made a fresh process's first profile time a layer's backward 15% slower (49 against 43 ms,
+    scripts/check_stage_costs.py's LLaMA); 30 MiB is under glibc's 32 MiB cap on that threshold."""
+    block = torch.ones(30 << 20, dtype=torch.uint8)
+    del block
+
+
 def _cpu_name() -> str:
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
         for line in info:
@@ -230,8 +246,18 @@ def _single_rank(device: torch.device) -> Iterator[None]:
 def _build_block(
     model: Model, num_layers: int, device: torch.device, dtype: torch.dtype, recompute: str = "none"
 ) -> torch.nn.Module:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
+
+    config, spec = _config_and_spec(model, num_layers, device, dtype, recompute)
+    block: torch.nn.Module = TransformerBlock(config, spec=spec, post_layer_norm=False)
+    return block.to(device=device, dtype=dtype)
+
+
+def _config_and_spec(
+    model: Model, num_layers: int, device: torch.device, dtype: torch.dtype, recompute: str = "none"
+) -> tuple[Any, Any]:
+    """The ``TransformerConfig`` and layer spec bfpp-train builds ``model`` with, initialised."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_bfpp.train.presets import transformer_config
 
@@ -250,9 +276,60 @@ def _build_block(
         **_RECOMPUTE_FIELDS[recompute],
     )
     llama = model.arch == "llama"
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm")
-    block: torch.nn.Module = TransformerBlock(config, spec=spec, post_layer_norm=False)
-    return block.to(device=device, dtype=dtype)
+    return config, get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm")
+
+
+class _EndStages:
+    """The first stage's word embedding and the last stage's final norm, output layer and loss,
+    taken from a one-layer ``GPTModel`` that holds both, so that they are megatron-core's own
+    modules, built as bfpp-train and Megatron-LM build them (tied weights on GPT, rope on LLaMA).
+    """
+
+    def __init__(self, model: Model, device: torch.device, dtype: torch.dtype) -> None:
+        from megatron.core.models.gpt import GPTModel
+
+        config, spec = _config_and_spec(model, 1, device, dtype)
+        llama = model.arch == "llama"
+        self.model, self.device, self.dtype = model, device, dtype
+        self.vocab = model.shape(tp=1).vocab_size
+        self.gpt: Any = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=self.vocab,
+            max_sequence_length=model.seq_length,
+            pre_process=True,
+            post_process=True,
+            share_embeddings_and_output_weights=not llama,
+            position_embedding_type="rope" if llama else "learned_absolute",
+        ).to(device=device, dtype=dtype)
+
+    def measure(self, micro_batch_size: int, warmup: int, iterations: int) -> tuple[float, float]:
+        """Median seconds of each end's forward and backward at ``micro_batch_size``."""
+        gpt, device, s = self.gpt, self.device, self.model.seq_length
+        tokens = torch.randint(0, self.vocab, (micro_batch_size, s), device=device)
+        positions = torch.arange(s, device=device).expand(micro_batch_size, s)
+        share = gpt.share_embeddings_and_output_weights
+        tied = gpt.shared_embedding_or_output_weight() if share else None
+        shape = (s, micro_batch_size, self.model.hidden_size)
+
+        def embedding() -> None:
+            out = gpt.embedding(input_ids=tokens, position_ids=positions)
+            torch.autograd.backward(out, torch.ones_like(out))
+
+        def output() -> None:
+            hidden = torch.randn(shape, device=device, dtype=self.dtype, requires_grad=True)
+            logits, _ = gpt.output_layer(gpt.decoder.final_layernorm(hidden), weight=tied)
+            loss = gpt.compute_language_model_loss(tokens, logits)
+            torch.autograd.backward(loss.float().mean())
+
+        times: list[tuple[float, float]] = []
+        for step in range(warmup + iterations):
+            for p in gpt.parameters():  # each end creates its gradients, as a step's first does
+                p.grad = None
+            pair = (_timed(device, embedding), _timed(device, output))
+            if step >= warmup:
+                times.append(pair)
+        return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 # plan.memory.RECOMPUTE's names in megatron-core: selective reruns core attention, full each layer

@@ -613,7 +613,9 @@ def _add_profile(commands: argparse._SubParsersAction[OneLineParser]) -> None:
         "and write a JSON profile for 'recommend --profile'",
         description="Build a few transformer layers of the model with megatron-core (tp=1) on "
         "the local device and time their forward, backward, and the backward's input- and "
-        "weight-gradient parts at each micro-batch size, and the runtime's host time per "
+        "weight-gradient parts at each micro-batch size, the first stage's embedding and the last "
+        "stage's output layer and loss (megatron-core's GPTModel modules), and the runtime's "
+        "host time per "
         "compute action beyond them (t_host: a one-rank 1F1B step against the same calls made "
         "bare, at the smallest micro-batch size). Runs on CPU too (for the format and tests); "
         "its figures mean something on the GPU you plan for. Needs torch and megatron-core "
@@ -669,6 +671,13 @@ def _profile(args: argparse.Namespace) -> int:
         f"{PROG} profile: {profile.device} ({profile.dtype}), {profile.num_layers} layer(s): "
         f"{rows}{host}"
     )
+    first = profile.measurements[0]
+    if weights := first.end_weights(profile.num_layers):
+        print(
+            f"stage ends at b={first.micro_batch_size}, in layers: embedding {weights[0]:.3g}, "
+            f"output and loss {weights[1]:.3g} (bfpp-sim --embedding-weight {weights[0]:.3g} "
+            f"--loss-weight {weights[1]:.3g})"
+        )
     print(f"wrote {args.output}")
     return 0
 

@@ -19,7 +19,7 @@ from megatron_bfpp.cli.common import (
     output_file_problem,
     write_problem,
 )
-from megatron_bfpp.config.run_config import flag_name, layout_stage_weights
+from megatron_bfpp.config.run_config import flag_name, layout_layer_shares, layout_stage_weights
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import (
     _CHUNK_LEVEL,
@@ -59,6 +59,7 @@ from megatron_bfpp.sim.simulator import (
     P2P_MODELS,
     STEADY_FROM_ACTIONS,
     simulate_steady,
+    with_stage_memory,
 )
 from megatron_bfpp.validate import has_communication, validate_schedule
 
@@ -276,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             stage_weights=stage_weights(args, schedule.num_stages),
         )
         result = _simulated(args, schedule, costs)
+        if layout := args.pipeline_model_parallel_layout:  # checked by stage_weights
+            result = with_stage_memory(result, schedule, layout_layer_shares(layout))
         nccl = nccl_report(schedule) if args.nccl or args.load_csv else None
         if not math.isfinite(result.step_time):
             return fail(
@@ -492,7 +495,11 @@ def format_report(result: SimResult) -> str:
             "micro-batches lie exactly on one line (--exact times every micro-batch)"
         )
     if weights := data["costs"]["stage_weights"]:
-        lines.append(f"stage weights: {', '.join(f'{w:.4g}' for w in weights)} (uneven stages)")
+        memory = "by layers" if data["stage_memory"] else "per even stage"
+        lines.append(
+            f"stage weights: {', '.join(f'{w:.4g}' for w in weights)} (uneven stages; "
+            f"memory {memory})"
+        )
     if reduce := data["megatron_grad_reduce"]:
         lines.append(f"gradient reductions: {reduce} ({MEGATRON_GRAD_REDUCE[reduce]})")
     lines += [

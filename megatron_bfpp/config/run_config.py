@@ -26,6 +26,7 @@ __all__ = [
     "UnevenStages",
     "default_ffn_hidden_size",
     "flag_name",
+    "layout_layer_shares",
     "layout_of",
     "layout_stage_weights",
     "layout_stages",
@@ -202,6 +203,16 @@ def layout_stage_weights(
         / even
         for stage in stages
     )
+
+
+def layout_layer_shares(layout: str) -> tuple[float, ...]:
+    """Each stage's transformer and MTP layers against an even stage's share of them: what its
+    parameters and stored activations weigh (bfpp-sim's memory of uneven stages; the embedding
+    and output layer's own memory is not counted, as on even stages). Call after
+    ``layout_stage_weights`` has checked the layout."""
+    stages = layout_stages(layout)
+    even = sum(stage.count("t") for stage in stages) / len(stages)
+    return tuple((stage.count("t") + stage.count("m")) / even for stage in stages)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -73,6 +73,9 @@ class Efficiency(Protocol):
 
     def weight_share(self, work: float) -> float: ...  # W's part of a backward (split-backward)
 
+    # (embedding, output layer and loss), forward and backward, in one layer's; None: unknown
+    def end_weights(self, work: float) -> tuple[float, float] | None: ...
+
     @property
     def host_s(self) -> float: ...  # per compute action beyond its kernels (CostModel.t_host)
 
@@ -101,6 +104,9 @@ class BuiltinCurve:
     def weight_share(self, work: float) -> float:
         return 0.5
 
+    def end_weights(self, work: float) -> tuple[float, float] | None:
+        return None  # the output layer is then timed from its FLOPs, the embedding left out
+
 
 @dataclass(frozen=True, slots=True)
 class ProfileCurve:
@@ -113,6 +119,8 @@ class ProfileCurve:
     weight_shares: tuple[float, ...]
     source: str
     host_s: float = 0.0
+    embeddings: tuple[float, ...] = ()  # Measurement.end_weights per work; empty: not measured
+    outputs: tuple[float, ...] = ()
 
     @staticmethod
     def from_profile(profile: StageProfile, gpu: Gpu) -> ProfileCurve:
@@ -127,19 +135,26 @@ class ProfileCurve:
             split = (m.backward_input_s or 0.0) + (m.backward_weight_s or 0.0)
             weight = m.backward_weight_s
             share = weight / split if weight is not None and split > 0 else 0.5
-            rows.append((work, forward, backward, share))
+            ends = m.end_weights(profile.num_layers) or (math.nan, math.nan)
+            rows.append((work, forward, backward, share, *ends))
         rows.sort()
-        for work, forward, backward, _ in rows:
+        for work, forward, backward, *_ in rows:
             if forward > 1.0 or backward > 1.0:
                 raise ScheduleError(
                     f"the profile's {profile.device} ran above the {gpu.name}'s peak "
                     f"({max(forward, backward):.0%} at {work:.3g} FLOPs per layer): plan with the "
                     "GPU it was measured on (--gpu)"
                 )
-        works, forwards, backwards, shares = (tuple(column) for column in zip(*rows, strict=True))
+        works, forwards, backwards, shares, embeddings, outputs = (
+            tuple(column) for column in zip(*rows, strict=True)
+        )
+        if any(math.isnan(e) for e in embeddings):  # a profile from before the ends were timed
+            embeddings = outputs = ()
         host = f", host {1e3 * profile.t_host:.3g} ms per action" if profile.t_host else ""
         source = f"profile measured on {profile.device}{host}"
-        return ProfileCurve(works, forwards, backwards, shares, source, profile.t_host or 0.0)
+        return ProfileCurve(
+            works, forwards, backwards, shares, source, profile.t_host or 0.0, embeddings, outputs
+        )
 
     def _interpolate(self, values: tuple[float, ...], work: float) -> float:
         works = self.works
@@ -160,6 +175,11 @@ class ProfileCurve:
 
     def weight_share(self, work: float) -> float:
         return self._interpolate(self.weight_shares, work)
+
+    def end_weights(self, work: float) -> tuple[float, float] | None:
+        if not self.embeddings:
+            return None
+        return self._interpolate(self.embeddings, work), self._interpolate(self.outputs, work)
 
 
 def _ring_collective_time(nbytes: float, group: int, link: tuple[float, float]) -> float:
@@ -196,6 +216,7 @@ class StageTimes:
     evict: float
     optimizer: float
     host: float = 0.0
+    embedding: float = 0.0  # the first stage's extra: measured by a profile, else left out
     # the expert all-to-alls inside ``forward`` (and again in ``backward``) that pairs run as
     # megatron-core's combined step may hide: 0 unless ``SearchOptions.moe_overlap``
     a2a: float = 0.0
@@ -239,9 +260,9 @@ def stage_times(
         a2a = all_to_all_time(message * model.moe_router_topk, c.ep, ep_link)
     dense = _layer_times(c, model, efficiency, peak, tp_comm, moe=False)
     sparse = _layer_times(c, model, efficiency, peak, tp_comm + 2 * a2a, moe=True)
-    vocab = padded_vocab_size(model.vocab_size, tp=tp)
-    out_work = 2.0 * b * s * h * vocab / tp  # the output layer's logits (on the last stage only)
-    output = 3.0 * out_work / (efficiency.forward(out_work) * peak) if options.output_layer else 0.0
+    output, embedding = _end_times(model, c, efficiency, peak)
+    if not options.output_layer:
+        output = embedding = 0.0
     optimizer_time = 0.0
     if options.optimizer:
         # Adam reads gradient, master weight and moments and writes master, moments and weight.
@@ -255,6 +276,7 @@ def stage_times(
         backward=backward,
         weight=weight,
         output=output,
+        embedding=embedding,
         p2p=p2p,
         grad_reduce=grad_reduce,
         param_gather=param_gather,
@@ -263,6 +285,23 @@ def stage_times(
         host=efficiency.host_s,
         a2a=moe * 2 * a2a if options.moe_overlap else 0.0,  # what combined pairs may hide
     )
+
+
+def _end_times(
+    model: Model, c: Candidate, efficiency: Efficiency, peak: float
+) -> tuple[float, float]:
+    """(output layer and loss, embedding) seconds per micro-batch, forward and backward: a
+    profile's measured weights times a dense layer's compute here; without one, the output
+    layer's logits from their FLOPs and the embedding left out (a gather: no FLOPs to count)."""
+    b, s, h, tp = c.micro_batch_size, model.seq_length, model.hidden_size, c.tp
+    work = layer_forward_flops(model, micro_batch_size=b, tp=tp)
+    if weights := efficiency.end_weights(work):
+        layer = work / (efficiency.forward(work) * peak) + 2 * work / (
+            efficiency.backward(work) * peak
+        )
+        return weights[1] * layer, weights[0] * layer
+    out_work = 2.0 * b * s * h * padded_vocab_size(model.vocab_size, tp=tp) / tp
+    return 3.0 * out_work / (efficiency.forward(out_work) * peak), 0.0
 
 
 def _layer_times(

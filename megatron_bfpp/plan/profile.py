@@ -23,13 +23,25 @@ MAX_BYTES = 1 << 20  # a profile is a few hundred bytes; refuse anything that is
 @dataclass(frozen=True, slots=True)
 class Measurement:
     """Seconds per micro-batch through the profiled layers at one size; ``backward_input_s`` /
-    ``backward_weight_s``: the split backward's halves (V-shapes), ``None`` if not measured."""
+    ``backward_weight_s``: the split backward's halves (V-shapes); ``embedding_s`` /
+    ``output_s``: the first stage's word embedding and the last stage's final norm, output layer
+    and loss, forward and backward (uneven stages are weighed by them); ``None``: not measured."""
 
     micro_batch_size: int
     forward_s: float
     backward_s: float
     backward_input_s: float | None = None
     backward_weight_s: float | None = None
+    embedding_s: float | None = None
+    output_s: float | None = None
+
+    def end_weights(self, num_layers: int) -> tuple[float, float] | None:
+        """(embedding, output and loss) against one profiled layer's forward and backward: the
+        simulator's ``--embedding-weight`` / ``--loss-weight``; ``None`` when not measured."""
+        if self.embedding_s is None or self.output_s is None:
+            return None
+        layer = (self.forward_s + self.backward_s) / num_layers
+        return self.embedding_s / layer, self.output_s / layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +177,8 @@ def _measurement(row: Any, index: int, *, split_bounded: bool = True) -> Measure
                 "again with 'bfpp-plan profile'"
             )
     size = _positive(row, "micro_batch_size", where=where)
-    return Measurement(size, forward, backward, split_input, split_weight)
+    ends = (_optional_seconds(row, key, where) for key in ("embedding_s", "output_s"))
+    return Measurement(size, forward, backward, split_input, split_weight, *ends)
 
 
 def _field(

@@ -726,14 +726,17 @@ def _timing(
 def stage_weights(c: Candidate, model: Model, times: StageTimes) -> tuple[float, ...]:
     """``CostModel.stage_weights`` of uneven stages: each stage's layers against an even stage's,
     the last also its output layer and loss (``times.output``, forward and backward, against an
-    even stage's forward and backward); the embedding's time is left out, as on even stages.
-    Even stages: none (the output layer is added as m x its time, ``_simulate``)."""
+    even stage's forward and backward), the first its embedding (``times.embedding``: measured
+    by a profile, else 0). Even stages: none (the output layer is added as m x its time,
+    ``_simulate``; the embedding is left out there)."""
     if not c.stage_layers:
         return ()
     even = model.num_layers / (c.pp * c.vp)
     per_stage = (times.forward + times.backward) / c.vp
     weights = [n / even for n in c.stage_layers]
-    weights[-1] += times.output / per_stage if per_stage > 0 else 0.0
+    if per_stage > 0:
+        weights[-1] += times.output / per_stage
+        weights[0] += times.embedding / per_stage
     return tuple(round(w, 6) for w in weights)  # decimals: small exact units (CostModel.exact)
 
 

@@ -4,7 +4,7 @@ rounding (docs/simulator.md, "Timing models"; docs/design-notes.md, "Simulator")
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from itertools import pairwise
@@ -48,6 +48,7 @@ __all__ = [
     "simulate_steady",
     "simulated_step",
     "steady_lengths",
+    "with_stage_memory",
 ]
 
 # The p2p timing models, each with what it times (bfpp-sim --p2p-model's help, the reports).
@@ -127,6 +128,8 @@ class SimResult:
     megatron_grad_reduce: str | None = None  # MEGATRON_GRAD_REDUCE's, under a megatron model
     # ``simulate_steady``: the shorter steps whose line gave the clocks; () when timed whole
     steady_from: tuple[int, ...] = ()
+    # ``with_stage_memory``'s weights: the memory columns weigh each stage's layers; (): even
+    stage_memory: tuple[float, ...] = ()
 
     @property
     def events(self) -> tuple[Event, ...]:
@@ -157,6 +160,7 @@ class SimResult:
             "exposed_dp_comm_time": self.exposed_dp_comm_time,
             "steady_from": list(self.steady_from),
             "costs": asdict(self.costs),
+            "stage_memory": list(self.stage_memory),
             "units": dict(UNITS),
             "per_rank": [r.to_dict() for r in self.per_rank],
         }
@@ -189,6 +193,37 @@ def simulated_step(
     (clock, dp_end, busy, _), per_unit, _ = _clocks(schedule, costs, p2p, None, grad_reduce)
     step = max(map(max, clock, dp_end), default=0)
     return _user(per_unit, step), _bubble(step, busy)
+
+
+def with_stage_memory(result: SimResult, schedule: Schedule, weights: Sequence[float]) -> SimResult:
+    """``result`` with each rank's peak activations, parameters and gradients weighed per stage
+    (``weights``: each global stage's layers against an even stage's), for uneven stages: the
+    same program-order walks, a stage counting its weight instead of 1 (memory is not timed)."""
+    if not weights:
+        return result
+    fraction = schedule.layout.stage_fraction
+
+    def peak(held: Iterable[set[int]]) -> float:
+        return max((sum(weights[s] for s in stages) for stages in held), default=0.0)
+
+    per_rank = []
+    for m in result.per_rank:
+        rank, program = m.rank, schedule.per_rank[m.rank]
+        if ActionKind.RELEASE in map(_KIND, program):  # sharded: gathered and held chunks
+            parameters = peak(schedule.held_parameter_chunks(rank))
+            gradients = peak(schedule.held_gradient_chunks(rank))
+        else:
+            parameters = gradients = peak([set(schedule.layout.stages_of(rank))] if program else [])
+        activations = max(0, max(stored_counts(program, weights), default=0))
+        per_rank.append(
+            replace(
+                m,
+                peak_activations=activations * fraction,
+                peak_parameters=parameters * fraction,
+                peak_gradients=gradients * fraction,
+            )
+        )
+    return replace(result, per_rank=tuple(per_rank), stage_memory=tuple(weights))
 
 
 def _bubble(step: float, busy: Sequence[float]) -> float:

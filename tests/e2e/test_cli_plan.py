@@ -376,6 +376,10 @@ def test_profile_on_cpu_then_recommend_reads_it(tmp_path: Path) -> None:
         # I and W are timed on their own, through the runtime's split (the profiler refuses
         # a run in which I deferred no weight GEMM), so they need not add up to B exactly.
         assert m["backward_input_s"] > 0 and m["backward_weight_s"] > 0
+        # the stage ends, from a one-layer GPTModel's own embedding and output layer with loss
+        assert m["embedding_s"] > 0 and m["output_s"] > 0
+    assert "stage ends at b=1, in layers: embedding" in result.stdout
+    assert "(bfpp-sim --embedding-weight " in result.stdout
     # the runtime's host time per compute action, measured apart (tests/unit/test_host_time.py)
     assert data["t_host"] >= 0 and "ms per action" in result.stdout
     planned = bfpp_plan(
@@ -392,6 +396,30 @@ def test_profile_on_cpu_then_recommend_reads_it(tmp_path: Path) -> None:
     )
     assert planned.returncode == 0, planned.stderr
     assert "compute from the profile measured on CPU" in planned.stdout
+
+
+@pytest.mark.megatron
+def test_the_stage_cost_check_runs(tmp_path: Path) -> None:
+    """scripts/check_stage_costs.py (docs/simulator.md's figures) on its tiny case: a row per
+    stage of the layout, predicted from the profile's weights, measured on megatron-core's own
+    stage. Its errors are CPU timings and are not asserted on here."""
+    pytest.importorskip("megatron.core")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "check_stage_costs.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--quick", "--warmup", "1", "--iterations", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("  E")]
+    rows += [line.split() for line in result.stdout.splitlines() if line.startswith("  ttt")]
+    assert [row[0] for row in rows] == ["Et", "tttL"]
+    for _, weight, predicted, measured, error in rows:
+        assert float(weight) > 0 and float(predicted) > 0 and float(measured) > 0
+        assert error.endswith("%")
+    assert "largest error" in result.stdout
 
 
 AUTO = [

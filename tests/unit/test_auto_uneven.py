@@ -287,3 +287,49 @@ def test_the_planners_partition_takes_no_other_uneven_flag() -> None:
     with pytest.raises(ScheduleError, match="chooses the layers per stage itself; drop "
                        "--decoder-first-pipeline-num-layers"):  # fmt: skip
         decide(_request(both))
+
+
+def _profile_with_ends(embedding: float | None, output: float | None):
+    """A one-layer H100 stage of llama-7b at 50% of peak (F 1, B 2 units), ends as given (in
+    layers' forward and backward), written and read back as ``bfpp-plan profile`` would."""
+    from megatron_bfpp.plan.costs import layer_forward_flops
+    from megatron_bfpp.plan.profile import (
+        Measurement,
+        StageProfile,
+        profile_from_dict,
+        profile_to_dict,
+    )
+
+    forward = layer_forward_flops(LLAMA, micro_batch_size=1, tp=1) / (
+        0.5 * get_gpu("h100-80gb").peak_flops
+    )
+    ends = [None if w is None else w * 3 * forward for w in (embedding, output)]
+    row = Measurement(1, forward, 2 * forward, None, None, *ends)
+    profile = StageProfile("H100", "cuda", LLAMA, 1, 1, "bf16", (row,))
+    return profile_from_dict(profile_to_dict(profile))
+
+
+def test_a_profiles_ends_weigh_the_first_and_last_stage() -> None:
+    """With the embedding and output layer measured (bfpp-plan profile), the last stage's
+    output layer and loss are its measured weight times a layer, not the FLOP estimate, and the
+    first stage carries the embedding; a profile without them keeps the FLOP estimate."""
+    from megatron_bfpp.plan.costs import ProfileCurve
+
+    gpu = get_gpu("h100-80gb")
+    c = Candidate("1f1b", "optim", 1, 2, 1, 1, 1, "none", stage_layers=(12, 20))
+    cluster = Cluster(2, 8, gpu)
+    measured = _profile_with_ends(0.25, 3.0)
+    assert measured.measurements[0].end_weights(1) == pytest.approx((0.25, 3.0))
+    curve = ProfileCurve.from_profile(measured, gpu)
+    options = SearchOptions(efficiency=curve, communication=False)
+    times = stage_times(c, LLAMA, cluster, options, 10**9, 0)
+    layer = (times.forward + times.backward) / 16  # 16 layers: an even stage, all compute
+    assert times.output == pytest.approx(3.0 * layer) and times.embedding == pytest.approx(
+        0.25 * layer
+    )
+    assert stage_weights(c, LLAMA, times) == pytest.approx((0.75 + 0.25 / 16, 1.25 + 3.0 / 16))
+    old = ProfileCurve.from_profile(_profile_with_ends(None, None), gpu)
+    assert old.end_weights(1.0) is None
+    before = stage_times(c, LLAMA, cluster, dataclasses.replace(options, efficiency=old), 10**9, 0)
+    assert before.embedding == 0.0 and before.output > 0.0  # the logits' FLOPs
+    assert stage_weights(c, LLAMA, before)[0] == 0.75

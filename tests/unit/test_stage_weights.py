@@ -14,12 +14,12 @@ from fractions import Fraction
 import pytest
 
 from megatron_bfpp.cli.sim import main as sim_main
-from megatron_bfpp.config.run_config import layout_stage_weights
-from megatron_bfpp.ir import ScheduleError, parse_action, parts
+from megatron_bfpp.config.run_config import layout_layer_shares, layout_stage_weights
+from megatron_bfpp.ir import ScheduleError, parse_action, parts, stored_counts
 from megatron_bfpp.schedules.registry import SCHEDULES, build_schedule
 from megatron_bfpp.semantics import Timing, replay
 from megatron_bfpp.sim import CostModel, simulate, simulator
-from megatron_bfpp.sim.simulator import simulate_steady
+from megatron_bfpp.sim.simulator import simulate_steady, with_stage_memory
 
 _CHUNKS = {"interleaved": 2, "breadth-first": 2}
 _MODELS = ("gloo", "lockstep")
@@ -191,8 +191,46 @@ def test_bfpp_sim_times_a_megatron_layout() -> None:
     schedule = _build("interleaved", 4, 8)
     direct = simulate(schedule, CostModel(stage_weights=expected))
     assert data["step_time"] == direct.step_time
+    assert data["per_rank"] == [
+        r.to_dict()
+        for r in with_stage_memory(direct, schedule, layout_layer_shares(layout)).per_rank
+    ]
     code, out, _ = _sim(*base, "--stage-weights", ",".join(["1"] * 8))
-    assert code == 0 and "stage weights: 1, 1, 1, 1, 1, 1, 1, 1 (uneven stages)" in out
+    assert code == 0
+    assert "stage weights: 1, 1, 1, 1, 1, 1, 1, 1 (uneven stages; memory per even stage)" in out
+    code, out, _ = _sim(*base, "--pipeline-model-parallel-layout", layout)
+    assert code == 0 and "(uneven stages; memory by layers)" in out
+
+
+def test_memory_weighs_each_stage_by_its_layers() -> None:
+    """1F1B pp 2, m 4, layers (1, 3) against an even stage's 2: rank 0 peaks at two stored
+    micro-batches of weight 0.5, rank 1 at one of 1.5; parameters and gradients 0.5 and 1.5.
+    Equal weights keep every figure; sharded parameters (PS / RL) count the gathered stages'."""
+    f1b = _build("1f1b", 2, 4)
+    even = simulate(f1b)
+    assert with_stage_memory(even, f1b, (1.0, 1.0)).per_rank == even.per_rank
+    uneven = with_stage_memory(even, f1b, layout_layer_shares("Et|tttL"))
+    assert uneven.peak_activations == (1.0, 1.5)
+    assert uneven.peak_parameters == (0.5, 1.5) and uneven.peak_gradients == (0.5, 1.5)
+    assert uneven.stage_memory == (0.5, 1.5) and uneven.step_time == even.step_time
+    v = _build("v-half", 2, 4)
+    shares = (0.25, 0.5, 0.75, 2.5)  # stages 0 and 3 on rank 0, 1 and 2 on rank 1
+    weighed = with_stage_memory(simulate(v), v, shares)
+    assert weighed.peak_parameters == (2.75 / 2, 1.25 / 2)
+    counts = [list(stored_counts(v.per_rank[r], shares)) for r in range(2)]
+    assert weighed.peak_activations == tuple(max(c) / 2 for c in counts)
+    sharded = build_schedule(
+        "breadth-first",
+        num_ranks=2,
+        num_chunks=2,
+        num_microbatches=4,
+        sharding="optim_grads_params",
+    )
+    plain = simulate(sharded)
+    assert with_stage_memory(plain, sharded, (1.0,) * 4).per_rank == plain.per_rank
+    heavier = with_stage_memory(plain, sharded, (2.0,) * 4)
+    assert heavier.peak_parameters == tuple(2 * p for p in plain.peak_parameters)
+    assert heavier.peak_gradients == tuple(2 * g for g in plain.peak_gradients)
 
 
 @pytest.mark.parametrize(
