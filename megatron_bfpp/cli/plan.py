@@ -18,7 +18,7 @@ from megatron_bfpp.cli.common import (
     positive_int_up_to,
     write_problem,
 )
-from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT, UnevenStages, flag_name
+from megatron_bfpp.config.run_config import DEFAULT_FFN_TEXT, UnevenStages, flag_name, layout_of
 from megatron_bfpp.flags import OneLineParser, positive_int
 from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan.auto import AutoRequest, _gib, decide, hardware
@@ -37,6 +37,7 @@ from megatron_bfpp.plan.presets import (
 )
 from megatron_bfpp.plan.profile import load_profile
 from megatron_bfpp.plan.search import (
+    PARTITION_SHIFT,
     Cluster,
     Plan,
     SearchOptions,
@@ -258,6 +259,13 @@ def _add_recommend(commands: argparse._SubParsersAction[OneLineParser]) -> None:
     )
     search.add_argument("--top", type=positive_int, default=10, metavar="K")
     search.add_argument(
+        "--pipeline-model-parallel-layout",
+        choices=("auto",),
+        help="auto: also try each row on uneven stages (the first and last lighter by up to "
+        f"{PARTITION_SHIFT} layers, as --pipeline-schedule auto does) and keep the fastest; the "
+        "table then lists the layout that reproduces it (default: even stages)",
+    )
+    search.add_argument(
         "--p2p-model",
         choices=list(P2P_MODELS),
         default=DEFAULT_P2P_MODEL,
@@ -364,6 +372,7 @@ def _recommend(args: argparse.Namespace) -> int:
         p2p_model=args.p2p_model,
         megatron_p2p_overlap=args.megatron_p2p == "overlap",
         megatron_overlap_grad_reduce=args.megatron_grad_reduce == "overlap",
+        partitions=args.pipeline_model_parallel_layout == "auto",
     )
     from megatron_bfpp.plan.search import no_candidates_reason, recommend
 
@@ -456,6 +465,7 @@ def format_recommendation(
                 f"{100 * (plan.step_time_s / first - 1):+6.1f}%  tp={c.tp} pp={c.pp} vp={c.vp} "
                 f"dp={c.dp} b={c.micro_batch_size} {c.recompute}, bubble "
                 f"{100 * plan.bubble_fraction:.1f}%"
+                + (f", layout '{layout_of(c.stage_layers)}'" if c.stage_layers else "")
             )
         missing = sorted(
             {family_name(n, sh) for n, sh in families() if not schedules or n in schedules}
@@ -463,6 +473,12 @@ def format_recommendation(
         )
         if missing:
             lines.append(f"  none fits in memory (or none exists): {', '.join(missing)}")
+    if uneven := [(i, p) for i, p in enumerate(result.plans, 1) if p.candidate.stage_layers]:
+        lines += ["", "uneven stages (the rest even):"]
+        lines += [
+            f"  #{i}: --pipeline-model-parallel-layout '{layout_of(p.candidate.stage_layers)}'"
+            for i, p in uneven
+        ]
     lines += [
         "",
         "step s: predicted step time; MFU: eq. 1 model FLOPs of 'Re-evaluating BPipe' over the "

@@ -27,6 +27,7 @@ from megatron_bfpp.plan.memory import RECOMPUTE, MemoryBreakdown
 from megatron_bfpp.plan.presets import BF16_MIXED, GPUS, GiB, Gpu, Model, Precision, get_gpu
 from megatron_bfpp.plan.profile import load_profile
 from megatron_bfpp.plan.search import (
+    PARTITIONS_KEPT,
     ActionBudget,
     Candidate,
     Cluster,
@@ -36,6 +37,7 @@ from megatron_bfpp.plan.search import (
     evaluate,
     lower_bound_of,
     memory_of,
+    partitions,
 )
 from megatron_bfpp.schedules.fit import (
     BATCH_SCHEDULE_FLAG,
@@ -595,36 +597,6 @@ def _splits(
         except ScheduleError as error:
             unsplit.append((vp, first_line(error)))
     return split, unsplit
-
-
-PARTITION_SHIFT = 4  # layers the first and the last stage may each give up (auto's partition)
-PARTITIONS_KEPT = 3  # of each candidate's partitions, those of the best bounds are simulated
-
-
-def partitions(num_layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
-    """The layers per stage ``--pipeline-model-parallel-layout auto`` tries: the first and the
-    last stage (the embedding; the output layer and loss) lighter by up to ``PARTITION_SHIFT``
-    layers each than an even share, the rest spread as evenly as it goes (the earlier stages one
-    more); even stages among them. Two stages: the first from 4 lighter to 4 heavier."""
-    base = num_layers // stages
-    if stages == 1:
-        return ((num_layers,),)
-    found: dict[tuple[int, ...], None] = {}
-    shifts = list(range(PARTITION_SHIFT + 1))  # the most even first (``_best_partitions``)
-    if stages == 2:
-        shifts = sorted(range(-PARTITION_SHIFT, PARTITION_SHIFT + 1), key=abs)
-    for a in shifts:
-        for b in shifts if stages > 2 else (0,):
-            first, last = base - a, base - b
-            if stages == 2:
-                last = num_layers - first
-            middle = num_layers - first - last
-            if min(first, last, middle) < 0 or (stages == 2 and middle):
-                continue
-            share, extra = divmod(middle, stages - 2) if stages > 2 else (0, 0)
-            inner = [share + (i < extra) for i in range(stages - 2)]
-            found[(first, *inner, last)] = None
-    return tuple(found)
 
 
 def _candidate(

@@ -9,10 +9,11 @@ import itertools
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache, lru_cache, partial
 from typing import Any
 
+from megatron_bfpp.config.run_config import layout_of
 from megatron_bfpp.ir import (
     Placement,
     Schedule,
@@ -72,6 +73,7 @@ __all__ = [
     "lower_bound_of",
     "memory_of",
     "p2p_model_of",
+    "partitions",
     "rank_parameters_of",
     "recommend",
     "stage_weights",
@@ -171,6 +173,9 @@ class SearchOptions:
     # (recommend assumes it); off: every pair runs F then B and hides nothing (auto without it)
     moe_overlap: bool = True
     expert_parallel: tuple[int, ...] = ()  # empty: 1, 2, 4, ..., 64 (MoE models only)
+    # recommend: each row also on the fastest of ``partitions`` (bfpp-plan recommend
+    # --pipeline-model-parallel-layout auto); off: even stages
+    partitions: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +242,7 @@ class Plan:
             "max_stored": c.max_stored,
             "combined_1f1b": c.combined_1f1b,
             "stage_layers": list(c.stage_layers) or None,
+            "pipeline_model_parallel_layout": layout_of(c.stage_layers) if c.stage_layers else None,
             "sequence_parallel": c.sequence_parallel,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
@@ -795,6 +801,36 @@ def memory_of(
     return _memory(candidate, m, model, options.precision, weights, budget)[0]
 
 
+PARTITION_SHIFT = 4  # layers the first and the last stage may each give up (partitions)
+PARTITIONS_KEPT = 3  # of each candidate's partitions, those of the best bounds are simulated
+
+
+def partitions(num_layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
+    """The layers per stage ``--pipeline-model-parallel-layout auto`` tries: the first and the
+    last stage (the embedding; the output layer and loss) lighter by up to ``PARTITION_SHIFT``
+    layers each than an even share, the rest spread as evenly as it goes (the earlier stages one
+    more); even stages among them. Two stages: the first from 4 lighter to 4 heavier."""
+    base = num_layers // stages
+    if stages == 1:
+        return ((num_layers,),)
+    found: dict[tuple[int, ...], None] = {}
+    shifts = list(range(PARTITION_SHIFT + 1))  # the most even first (``_best_partitions``)
+    if stages == 2:
+        shifts = sorted(range(-PARTITION_SHIFT, PARTITION_SHIFT + 1), key=abs)
+    for a in shifts:
+        for b in shifts if stages > 2 else (0,):
+            first, last = base - a, base - b
+            if stages == 2:
+                last = num_layers - first
+            middle = num_layers - first - last
+            if min(first, last, middle) < 0 or (stages == 2 and middle):
+                continue
+            share, extra = divmod(middle, stages - 2) if stages > 2 else (0, 0)
+            inner = [share + (i < extra) for i in range(stages - 2)]
+            found[(first, *inner, last)] = None
+    return tuple(found)
+
+
 @paused_gc()  # as plan.auto.decide: millions of objects from its simulations, no cycles
 def recommend(
     *,
@@ -835,6 +871,16 @@ def recommend(
         if len(top) > options.top:
             heapq.heappop(top)
     plans = tuple(p for _, _, p in sorted(top, key=lambda t: (-t[0], -t[1])))
+    if options.partitions:
+        partitioned = partial(
+            _best_partition, model=model, cluster=cluster, global_batch_size=global_batch_size,
+            options=options,
+        )  # fmt: skip
+        tried = [partitioned(plan) for plan in plans]
+        plans = tuple(sorted((plan for plan, _ in tried), key=lambda p: p.step_time_s))
+        best_tried = {family: partitioned(plan) for family, plan in family_best.items()}
+        family_best = {family: plan for family, (plan, _) in best_tried.items()}
+        simulated += sum(n for _, n in (*tried, *best_tried.values()))
     return SearchResult(
         candidates_evaluated=len(sizes),
         rejected_out_of_memory=len(sizes) - len(fitting),
@@ -846,6 +892,33 @@ def recommend(
         efficiency_source=(options.efficiency or BuiltinCurve(cluster.gpu)).source,
         p2p_model=options.p2p_model,
     )
+
+
+def _best_partition(
+    plan: Plan, *, model: Model, cluster: Cluster, global_batch_size: int, options: SearchOptions
+) -> tuple[Plan, int]:
+    """``plan`` on the partition of its layers (``partitions``) predicted fastest: of those that
+    fit, the ``PARTITIONS_KEPT`` lowest bounds are timed, each only while its bound is below the
+    best step so far; even stages stay when nothing beats them. MoE and sharded parameters are
+    planned on even stages only (``plan.memory``'s per-stage count refuses them)."""
+    c = plan.candidate
+    if model.num_experts or c.sharding == "optim_grads_params" or c.pp == 1:
+        return plan, 0
+    found = (
+        _size(replace(c, stage_layers=layers), model, cluster, global_batch_size, options)
+        for layers in partitions(model.num_layers, c.pp * c.vp)
+        if len(set(layers)) > 1
+    )
+    best, simulated = plan, 0
+    for sized in sorted((s for s in found if s is not None), key=lambda s: s.lower_bound)[
+        :PARTITIONS_KEPT
+    ]:
+        if sized.lower_bound >= best.step_time_s:
+            break
+        timed = _simulate(sized, model, cluster, global_batch_size, options)
+        simulated += 1
+        best = timed if timed.step_time_s < best.step_time_s else best
+    return best, simulated
 
 
 def no_candidates_reason(

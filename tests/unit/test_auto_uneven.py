@@ -333,3 +333,49 @@ def test_a_profiles_ends_weigh_the_first_and_last_stage() -> None:
     before = stage_times(c, LLAMA, cluster, dataclasses.replace(options, efficiency=old), 10**9, 0)
     assert before.embedding == 0.0 and before.output > 0.0  # the logits' FLOPs
     assert stage_weights(c, LLAMA, before)[0] == 0.75
+
+
+BIG_VOCAB = dataclasses.replace(LLAMA, name="llama-7b-128k", vocab_size=128256)
+
+
+def test_recommend_searches_partitions_and_never_predicts_worse() -> None:
+    """``recommend --pipeline-model-parallel-layout auto``: each row is also tried on the lighter
+    ends of ``partitions``; a row kept uneven is predicted faster than the same row on even
+    stages, and the best is no slower than the even search's best."""
+    from megatron_bfpp.plan.search import evaluate, recommend
+
+    query = dict(
+        model=BIG_VOCAB, cluster=Cluster(64, 8, get_gpu("h100-80gb")), global_batch_size=64
+    )
+    even = recommend(**query, options=SearchOptions(top=5))
+    uneven = recommend(**query, options=SearchOptions(top=5, partitions=True))
+    assert uneven.plans[0].step_time_s <= even.plans[0].step_time_s
+    assert uneven.simulated > even.simulated
+    moved = [p for p in uneven.plans if p.candidate.stage_layers]
+    assert moved
+    for plan in moved:
+        c = plan.candidate
+        assert sum(c.stage_layers) == BIG_VOCAB.num_layers and len(c.stage_layers) == c.pp * c.vp
+        assert c.stage_layers in partitions(BIG_VOCAB.num_layers, c.pp * c.vp)
+        flat = evaluate(dataclasses.replace(c, stage_layers=()), **query, options=SearchOptions())
+        assert plan.step_time_s < flat.step_time_s
+        row = plan.to_dict()
+        stages = layout_stages(row["pipeline_model_parallel_layout"])
+        assert [s.count("t") for s in stages] == list(c.stage_layers)
+
+
+def test_recommend_prints_the_layout_of_each_uneven_row(capsys) -> None:
+    argv = [
+        "recommend", "--arch", "llama", "--num-layers", "32", "--hidden-size", "4096",
+        "--num-attention-heads", "32", "--vocab-size", "128256", "--seq-length", "4096",
+        "--num-gpus", "64", "--gpu", "h100-80gb", "--global-batch-size", "64", "--top", "3",
+        "--pipeline-model-parallel-layout", "auto",
+    ]  # fmt: skip
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "uneven stages (the rest even):" in out
+    assert "--pipeline-model-parallel-layout 'E" in out
+    with pytest.raises(SystemExit) as refused:  # only auto: a given layout is auto's to read
+        plan_cli.main([*argv[:-1], "Et|t"])
+    assert refused.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
