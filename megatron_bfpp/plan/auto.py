@@ -458,11 +458,6 @@ def _check_request(r: AutoRequest) -> None:
                 f"--pipeline-model-parallel-layout lists {stages} stages per rank; drop "
                 f"{r.vp_flag} {r.vp}"
             )
-    if r.uneven and r.model.num_experts:
-        raise ScheduleError(
-            f"--pipeline-schedule auto plans a Mixture-of-Experts model on even stages only; "
-            f"drop {r.uneven.given()} or name the schedule"
-        )
     if r.uneven and r.sharding != "optim":
         raise ScheduleError(
             f"--pipeline-schedule auto plans --data-parallel-sharding-strategy {r.sharding} on "

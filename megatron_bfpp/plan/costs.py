@@ -217,6 +217,8 @@ class StageTimes:
     optimizer: float
     host: float = 0.0
     embedding: float = 0.0  # the first stage's extra: measured by a profile, else left out
+    # one dense and one MoE layer's forward + backward: uneven stages' weights (MoE models)
+    layer: tuple[float, float] = (0.0, 0.0)
     # the expert all-to-alls inside ``forward`` (and again in ``backward``) that pairs run as
     # megatron-core's combined step may hide: 0 unless ``SearchOptions.moe_overlap``
     a2a: float = 0.0
@@ -234,7 +236,12 @@ def stage_times(
     gpu, precision, tp, pp, dp = cluster.gpu, options.precision, c.tp, c.pp, c.dp
     efficiency = options.efficiency or BuiltinCurve(gpu)
     layers = model.num_layers // pp
-    moe = max(moe_layers_per_rank(model, pp=pp, vp=c.vp, placement=get_spec(c.schedule).placement))
+    placement = get_spec(c.schedule).placement
+    moe = max(moe_layers_per_rank(model, pp=pp, vp=c.vp, placement=placement))
+    # the busiest rank's experts, whose gradients it reduces (uneven stages: its own layers)
+    rank_experts = max(
+        moe_layers_per_rank(model, pp=pp, vp=c.vp, placement=placement, stage_layers=c.stage_layers)
+    )
     peak = gpu.peak_flops
     b, s, h = c.micro_batch_size, model.seq_length, model.hidden_size
     activation = b * s * h * precision.activation_bytes
@@ -249,10 +256,14 @@ def stage_times(
         evict = stage_activation_bytes / bandwidth + latency
         dp_link = intra if tp * dp <= cluster.gpus_per_node else inter
         # experts' over the expert data-parallel group (dp / ep), the rest over dp, in turn
-        experts = moe * moe_layer_parameters(model, tp=tp, ep=c.ep)[1]
+        experts = rank_experts * moe_layer_parameters(model, tp=tp, ep=c.ep)[1]
         grad_reduce, param_gather = (
             _ring_collective_time((rank_parameters - experts) / c.vp * size, dp, dp_link)
-            + (_ring_collective_time(experts / c.vp * size, dp // c.ep, dp_link) if moe else 0.0)
+            + (
+                _ring_collective_time(experts / c.vp * size, dp // c.ep, dp_link)
+                if rank_experts
+                else 0.0
+            )
             for size in (precision.grad_bytes, precision.param_bytes)
         )
         # Expert parallelism's dispatch or combine: the rank's tokens, top-k copies each
@@ -277,6 +288,7 @@ def stage_times(
         weight=weight,
         output=output,
         embedding=embedding,
+        layer=(dense[0] + dense[1], sparse[0] + sparse[1]),
         p2p=p2p,
         grad_reduce=grad_reduce,
         param_gather=param_gather,

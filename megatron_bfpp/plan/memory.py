@@ -228,11 +228,14 @@ def rank_parameters(
     stage_layers: Sequence[int] = (),
 ) -> list[int]:
     """Per pipeline rank, one tensor-parallel rank's parameters, MoE layers included (uneven
-    stages: ``stage_layers`` per global stage; the planner does not split MoE models so)."""
+    stages: ``stage_layers`` per global stage): the dense shape's count plus each MoE layer's
+    extra, on the rank that holds it."""
     layout = _layout(model, tp, pp, chunks, placement, stage_layers)
     counts = parameters_per_pipeline_rank(model.shape(tp=tp), layout)
     extra = moe_layer_parameters(model, tp=tp, ep=ep)[0]
-    moe = moe_layers_per_rank(model, pp=pp, vp=chunks, placement=placement)
+    moe = moe_layers_per_rank(
+        model, pp=pp, vp=chunks, placement=placement, stage_layers=tuple(stage_layers)
+    )
     return [n + extra * k for n, k in zip(counts, moe, strict=True)]
 
 
@@ -249,7 +252,7 @@ def stage_parameters(
     """Parameters of one tensor-parallel rank at each global stage."""
     layout = _layout(model, tp, pp, chunks, placement, stage_layers)
     extra = moe_layer_parameters(model, tp=tp, ep=ep)[0]
-    moe = moe_layers_per_stage(model, pp * chunks)
+    moe = moe_layers_per_stage(model, pp * chunks, stage_layers)
     counts = parameters_per_stage(model.shape(tp=tp), layout)
     return [n + extra * k for n, k in zip(counts, moe, strict=True)]
 
@@ -257,21 +260,19 @@ def stage_parameters(
 def _layout(
     model: Model, tp: int, pp: int, chunks: int, placement: Placement, stage_layers: Sequence[int]
 ) -> Layout:
-    if stage_layers and model.num_experts:
-        raise ScheduleError(
-            "the planner splits a Mixture-of-Experts model into even stages only: drop the "
-            "uneven-stage flags or name the schedule"
-        )
     uneven = layout_of(stage_layers) if stage_layers else None
     return Layout(tp, pp, chunks, placement, 1, tp * pp, pipeline_model_parallel_layout=uneven)
 
 
 @lru_cache(maxsize=1024)
-def moe_layers_per_rank(model: Model, *, pp: int, vp: int, placement: Placement) -> tuple[int, ...]:
-    """MoE layers on each pipeline rank: its stages' (V-shape: ranks hold stages r, 2p-1-r)."""
+def moe_layers_per_rank(
+    model: Model, *, pp: int, vp: int, placement: Placement, stage_layers: tuple[int, ...] = ()
+) -> tuple[int, ...]:
+    """MoE layers on each pipeline rank: its stages' (V-shape: ranks hold stages r, 2p-1-r;
+    ``stage_layers``: uneven stages' layers)."""
     v = placement is Placement.V_SHAPE
     layout = StageLayout.v_shape(pp) if v else StageLayout.looped(pp, vp)
-    per_stage = moe_layers_per_stage(model, layout.num_stages)
+    per_stage = moe_layers_per_stage(model, layout.num_stages, stage_layers)
     return tuple(sum(per_stage[s] for s in layout.stages_of(r)) for r in range(pp))
 
 

@@ -4,7 +4,8 @@ sources in docs/planner.md, "Presets"), and the precision a run trains in."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,10 +84,15 @@ class Model:
         return dataclasses.replace(self, seq_length=seq_length)
 
 
-def moe_layers_per_stage(model: Model, stages: int) -> tuple[int, ...]:
-    """MoE layers on each of ``stages`` equal global stages (model order), for costs and memory."""
-    flags, k = model.moe_layers, model.num_layers // stages
-    return tuple(sum(flags[s * k : (s + 1) * k]) for s in range(stages))
+def moe_layers_per_stage(
+    model: Model, stages: int, stage_layers: Sequence[int] = ()
+) -> tuple[int, ...]:
+    """MoE layers on each of ``stages`` global stages (model order), for costs and memory: equal
+    stages, or ``stage_layers`` layers each (uneven stages)."""
+    flags = model.moe_layers
+    counts = stage_layers or (model.num_layers // stages,) * stages
+    ends = list(itertools.accumulate(counts))
+    return tuple(sum(flags[end - n : end]) for n, end in zip(counts, ends, strict=True))
 
 
 def padded_vocab_size(vocab_size: int, *, tp: int) -> int:

@@ -45,7 +45,14 @@ from megatron_bfpp.plan.memory import (
     stage_parameters,
     weights_bytes,
 )
-from megatron_bfpp.plan.presets import BF16_MIXED, Gpu, Model, Precision, padded_vocab_size
+from megatron_bfpp.plan.presets import (
+    BF16_MIXED,
+    Gpu,
+    Model,
+    Precision,
+    moe_layers_per_stage,
+    padded_vocab_size,
+)
 from megatron_bfpp.schedules.registry import (
     build_schedule,
     estimate_actions,
@@ -474,7 +481,10 @@ def _weights(
     if c.sharding != "optim_grads_params":
         dp, ep = (c.dp, c.ep) if distributed else (1, 1)
         per_layer = moe_layer_parameters(model, tp=c.tp, ep=c.ep)[1]
-        moe = moe_layers_per_rank(model, pp=c.pp, vp=c.vp, placement=get_spec(c.schedule).placement)
+        placement = get_spec(c.schedule).placement
+        moe = moe_layers_per_rank(
+            model, pp=c.pp, vp=c.vp, placement=placement, stage_layers=c.stage_layers
+        )
         return [
             weights_bytes(
                 n, dp=dp, precision=precision, sharded=False, experts=k * per_layer, ep=ep
@@ -500,9 +510,8 @@ def _memory(
     budget: ActionBudget | None = None,
 ) -> tuple[MemoryBreakdown, StageBytes]:
     stage = _stage_bytes(c, model, precision)
-    points = _points(c.schedule, c.pp, c.vp, m, budget, c.stage_layers, **c.options)
-    # uneven stages: the walk counts layer-micro-batches, so one layer's bytes
-    per = _stage_bytes(c, model, precision, layers=1) if c.stage_layers else stage
+    stored, per = _stored_weights(c, model, precision, stage)
+    points = _points(c.schedule, c.pp, c.vp, m, budget, stored, **c.options)
     activations = peak_activation_bytes(points, per)
     transient = 0
     if c.recompute == "full":  # the layer being recomputed holds its full activations
@@ -520,6 +529,30 @@ def _memory(
         for rank, (p, g, o) in enumerate(weights)
     ]
     return max(breakdowns, key=lambda b: b.total), stage
+
+
+def _stored_weights(
+    c: Candidate, model: Model, precision: Precision, stage: StageBytes
+) -> tuple[tuple[int, ...], StageBytes]:
+    """What the memory walk weighs each stage's stored micro-batch by, and the ``StageBytes``
+    its count is in: even stages, 1 and a stage's bytes; uneven, its layers and one layer's;
+    uneven MoE (dense and MoE layers store differently), its bytes and one byte."""
+    if not c.stage_layers:
+        return (), stage
+    one = _stage_bytes(c, model, precision, layers=1)
+    if not model.num_experts:
+        return c.stage_layers, one
+    dense, sparse = (
+        layer_activation_bytes(
+            model, micro_batch_size=c.micro_batch_size, tp=c.tp,
+            sequence_parallel=c.sequence_parallel, recompute=c.recompute, precision=precision,
+            moe=moe,
+        )
+        for moe in (False, True)
+    )  # fmt: skip
+    moe = moe_layers_per_stage(model, len(c.stage_layers), c.stage_layers)
+    stored = tuple((n - k) * dense + k * sparse for n, k in zip(c.stage_layers, moe, strict=True))
+    return stored, replace(one, layers=1)
 
 
 def _stage_bytes(
@@ -740,6 +773,13 @@ def stage_weights(c: Candidate, model: Model, times: StageTimes) -> tuple[float,
     even = model.num_layers / (c.pp * c.vp)
     per_stage = (times.forward + times.backward) / c.vp
     weights = [n / even for n in c.stage_layers]
+    if model.num_experts and per_stage > 0:  # a MoE layer weighs its own time, not a layer's
+        dense, sparse = times.layer
+        moe = moe_layers_per_stage(model, len(c.stage_layers), c.stage_layers)
+        weights = [
+            ((n - k) * dense + k * sparse) / per_stage
+            for n, k in zip(c.stage_layers, moe, strict=True)
+        ]
     if per_stage > 0:
         weights[-1] += times.output / per_stage
         weights[0] += times.embedding / per_stage
@@ -899,10 +939,10 @@ def _best_partition(
 ) -> tuple[Plan, int]:
     """``plan`` on the partition of its layers (``partitions``) predicted fastest: of those that
     fit, the ``PARTITIONS_KEPT`` lowest bounds are timed, each only while its bound is below the
-    best step so far; even stages stay when nothing beats them. MoE and sharded parameters are
-    planned on even stages only (``plan.memory``'s per-stage count refuses them)."""
+    best step so far; even stages stay when nothing beats them. Sharded parameters are planned
+    on even stages only (their buffer walk is per even chunk); with the count: its simulations."""
     c = plan.candidate
-    if model.num_experts or c.sharding == "optim_grads_params" or c.pp == 1:
+    if c.sharding == "optim_grads_params" or c.pp == 1:
         return plan, 0
     found = (
         _size(replace(c, stage_layers=layers), model, cluster, global_batch_size, options)

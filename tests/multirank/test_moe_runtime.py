@@ -65,6 +65,7 @@ def _rank(
     bf16: bool = False,
     options: dict[str, Any] | None = None,
     record: tuple[bool, bool] | None = None,
+    layout: str | None = None,
 ) -> dict[str, Any]:
     """Build the MoE chunks, run one measured step; report this rank's bytes, losses and
     gradients (by global parameter name). ``bf16``: in bf16, and with megatron-core's all-to-all
@@ -95,6 +96,7 @@ def _rank(
         batch_p2p_comm=bool(record and record[0]),
         overlap_p2p_comm=bool(record and record[1]),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        **({"pipeline_model_parallel_layout": layout} if layout else {}),
     )  # fmt: skip
     combined: list[tuple[bool, bool]] = []  # (forward, backward) of each combined step
     step = combined_1f1b.combined_forward_backward_step
@@ -242,6 +244,54 @@ def test_moe_memory_per_rank_matches_megatron_core(
         assert {(r["parameters"], r["gradients"]) for r in mine} == {expected}
         for r in mine:
             assert r["activations"] == pytest.approx(activations[rank], rel=0.10)
+
+
+UNEVEN = [  # schedule, pp, vp, ep, m, layout (4 MoE layers): lighter or heavier ends
+    ("1f1b", 2, 1, 2, 4, "Et|t*3L"),
+    ("interleaved", 2, 2, 1, 4, "Et*2|t|t|L"),
+]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "vp", "ep", "m", "layout"), UNEVEN, ids=[c[0] for c in UNEVEN]
+)
+def test_moe_memory_on_uneven_stages_matches_megatron_core(
+    schedule: str, pp: int, vp: int, ep: int, m: int, layout: str
+) -> None:
+    """A MoE model on uneven stages (auto plans it so): each rank holds exactly the parameters the
+    planner counts from its stages' MoE layers, and its measured activation peak is within 10% of
+    the planner's walk weighing each stored micro-batch by its stage's bytes."""
+    from dataclasses import replace
+
+    from megatron_bfpp.config.run_config import UnevenStages
+    from megatron_bfpp.plan.search import Candidate, _stored_weights
+
+    results = run_ranks(
+        _rank, world_size=pp * ep, pp=pp, vp=vp if vp > 1 else None, ep=ep,
+        args=(schedule, 4, m, EXPERTS, False, None, None, layout),
+    )  # fmt: skip
+    model = _planned_model(4, EXPERTS)
+    layers = UnevenStages(pipeline_model_parallel_layout=layout).stage_layers(4, pp, vp)
+    counts = rank_parameters_of(
+        model, schedule=schedule, tp=1, pp=pp, vp=vp, ep=ep, stage_layers=layers
+    )
+    c = Candidate(schedule, "optim", 1, pp, vp, 1, MICRO, "none", ep=ep, stage_layers=layers)
+    stage = stage_activation_bytes(
+        model, micro_batch_size=MICRO, tp=1, layers_per_stage=1, vocab_size=VOCAB,
+        sequence_parallel=False, recompute="none", precision=FP32,
+    )  # fmt: skip
+    stored, per = _stored_weights(c, model, FP32, replace(stage, layers=0))
+    built = build_schedule(schedule, num_ranks=pp, num_microbatches=m, num_chunks=vp, lower=False)
+    activations = peak_activation_bytes(peak_points(built, stored), per)
+    assert per.layers == 1 and stored == tuple(n * stage.layers for n in layers)
+    for rank in range(pp):
+        mine = [r for r in results if r["rank"] == rank]
+        expected = (FP32.param_bytes * counts[rank], FP32.grad_bytes * counts[rank])
+        assert {(r["parameters"], r["gradients"]) for r in mine} == {expected}
+        for r in mine:
+            assert r["activations"] == pytest.approx(activations[rank], rel=0.10), (
+                rank, r["activations"], activations[rank],
+            )  # fmt: skip
 
 
 @pytest.mark.parametrize("schedule", ["dualpipe-v", "v-zb"])

@@ -139,11 +139,6 @@ def test_a_lighter_last_stage_pays_for_a_large_vocabulary() -> None:
     ("request_fields", "message"),
     [
         (
-            {"uneven": FIRST_LAST, "model": get_model("mixtral-8x7b"), "ep": 2, "dp": 2},
-            "plans a Mixture-of-Experts model on even stages only; drop "
-            "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 6",
-        ),
-        (
             {"uneven": FIRST_LAST, "sharding": "optim_grads_params"},
             "plans --data-parallel-sharding-strategy optim_grads_params on even stages only",
         ),
@@ -161,7 +156,7 @@ def test_a_lighter_last_stage_pays_for_a_large_vocabulary() -> None:
             "the planner plans layouts with E in the first stage, L in the last and no MTP",
         ),
     ],
-    ids=["moe", "sharded", "layout-and-vp", "layout-stages", "mtp"],
+    ids=["sharded", "layout-and-vp", "layout-stages", "mtp"],
 )
 def test_what_auto_cannot_plan_is_one_line(request_fields: dict, message: str) -> None:
     fields = {"uneven": UnevenStages(), **request_fields}
@@ -379,3 +374,72 @@ def test_recommend_prints_the_layout_of_each_uneven_row(capsys) -> None:
         plan_cli.main([*argv[:-1], "Et|t"])
     assert refused.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+# A DeepSeek-like mix: the first 2 of 8 layers dense, the rest MoE
+MIXED = dataclasses.replace(
+    get_model("mixtral-8x7b"), name="mixed", num_layers=8, moe_layer_freq=(0, 0, 1, 1, 1, 1, 1, 1)
+)
+
+
+def test_moe_layers_follow_uneven_stages() -> None:
+    from megatron_bfpp.plan.memory import moe_layers_per_rank
+    from megatron_bfpp.plan.presets import moe_layers_per_stage
+
+    assert moe_layers_per_stage(MIXED, 4) == (0, 2, 2, 2)
+    assert moe_layers_per_stage(MIXED, 4, (3, 2, 2, 1)) == (1, 2, 2, 1)
+    assert moe_layers_per_stage(MIXED, 2, (1, 7)) == (0, 6)
+    from megatron_bfpp.ir import Placement
+
+    v = moe_layers_per_rank(
+        MIXED, pp=2, vp=2, placement=Placement.V_SHAPE, stage_layers=(3, 2, 2, 1)
+    )
+    assert v == (1 + 1, 2 + 2)  # a V: rank 0 holds stages 0 and 3
+
+
+def test_a_moe_stage_weighs_its_own_layers_time_and_bytes() -> None:
+    """Uneven MoE stages: a stage's compute weight is its dense layers' time plus its MoE layers'
+    against an even stage's, and the walk weighs a stored micro-batch by its stage's bytes."""
+    from megatron_bfpp.plan.memory import layer_activation_bytes
+    from megatron_bfpp.plan.presets import BF16_MIXED
+    from megatron_bfpp.plan.search import _stage_bytes, _stored_weights
+
+    c = Candidate("1f1b", "optim", 1, 2, 1, 2, 1, "none", ep=2, stage_layers=(3, 5))
+    times = stage_times(c, MIXED, Cluster(4, 8, get_gpu("h100-80gb")), SearchOptions(), 10**9, 0)
+    dense, sparse = times.layer
+    assert sparse > dense > 0
+    per_stage = times.forward + times.backward  # rank 1's 4 MoE layers: the even base
+    assert per_stage == pytest.approx(4 * sparse)
+    weights = stage_weights(c, MIXED, times)
+    assert weights[0] == pytest.approx((2 * dense + sparse) / per_stage + 0, abs=1e-6)
+    assert weights[1] == pytest.approx((5 * sparse + times.output) / per_stage, abs=1e-6)
+    bytes_of = {
+        moe: layer_activation_bytes(
+            MIXED, micro_batch_size=1, tp=1, sequence_parallel=False, recompute="none",
+            precision=BF16_MIXED, moe=moe,
+        )
+        for moe in (False, True)
+    }  # fmt: skip
+    stored, per = _stored_weights(c, MIXED, BF16_MIXED, _stage_bytes(c, MIXED, BF16_MIXED))
+    assert stored == (2 * bytes_of[False] + bytes_of[True], 5 * bytes_of[True])
+    assert per.layers == 1
+
+
+def test_auto_plans_a_moe_model_on_uneven_stages() -> None:
+    """Formerly refused in one line: every timed row is on the user's stages."""
+    model = get_model("qwen3-30b-a3b")
+    fields = dict(tp=2, pp=4, dp=8, ep=8, global_batch_size=256, recompute="full")
+    even = decide(_request(UnevenStages(), model=model, **fields))
+    uneven = decide(_request(FIRST_LAST_MOE, model=model, **fields))
+    assert all(row.candidate.stage_layers for row in uneven.rows if row.plan is not None)
+    assert "stages of --decoder-first-pipeline-num-layers 10" in uneven.line()
+    assert even.chosen.plan.step_time_s != uneven.chosen.plan.step_time_s
+    chosen = decide(
+        _request(UnevenStages(pipeline_model_parallel_layout="auto"), model=model, **fields)
+    )
+    assert chosen.chosen.plan.step_time_s <= even.chosen.plan.step_time_s
+
+
+FIRST_LAST_MOE = UnevenStages(
+    decoder_first_pipeline_num_layers=10, decoder_last_pipeline_num_layers=10
+)

@@ -240,6 +240,7 @@ def test_search_size_and_json_fields() -> None:
         "max_stored",
         "combined_1f1b",
         "stage_layers",
+        "pipeline_model_parallel_layout",
         "sequence_parallel",
         "step_time_s",
         "tokens_per_s",
