@@ -458,11 +458,6 @@ def _check_request(r: AutoRequest) -> None:
                 f"--pipeline-model-parallel-layout lists {stages} stages per rank; drop "
                 f"{r.vp_flag} {r.vp}"
             )
-    if r.uneven and r.sharding != "optim":
-        raise ScheduleError(
-            f"--pipeline-schedule auto plans --data-parallel-sharding-strategy {r.sharding} on "
-            f"even stages only; drop {r.uneven.given()} or name the schedule"
-        )
     if r.model.num_layers % r.pp and not r.uneven:
         raise ScheduleError(
             f"--num-layers {r.model.num_layers} is not divisible by --pipeline-model-parallel-"

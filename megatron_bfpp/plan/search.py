@@ -939,10 +939,9 @@ def _best_partition(
 ) -> tuple[Plan, int]:
     """``plan`` on the partition of its layers (``partitions``) predicted fastest: of those that
     fit, the ``PARTITIONS_KEPT`` lowest bounds are timed, each only while its bound is below the
-    best step so far; even stages stay when nothing beats them. Sharded parameters are planned
-    on even stages only (their buffer walk is per even chunk); with the count: its simulations."""
+    best step so far; even stages stay when nothing beats them. With the count of simulations."""
     c = plan.candidate
-    if c.sharding == "optim_grads_params" or c.pp == 1:
+    if c.pp == 1:
         return plan, 0
     found = (
         _size(replace(c, stage_layers=layers), model, cluster, global_batch_size, options)

@@ -113,7 +113,9 @@ def _rank(
     }
 
 
-def _sharded_rank(groups: list[int], num_layers: int, m: int, overlap: bool) -> list[Any]:
+def _sharded_rank(
+    groups: list[int], num_layers: int, m: int, overlap: bool, layout: str | None = None
+) -> list[Any]:
     """Per group size: two fully sharded breadth-first steps with Adam (the second from a
     zeroed buffer, as training runs); the runtime's peaks of each step (optimizer included),
     the chunks' buffers and kept shards, and the chunks' parameter counts."""
@@ -131,6 +133,7 @@ def _sharded_rank(groups: list[int], num_layers: int, m: int, overlap: bool) -> 
             hidden_size=HIDDEN,
             num_attention_heads=HEADS,
             ffn_hidden_size=FFN,
+            **({"pipeline_model_parallel_layout": layout} if layout else {}),
         )
         chunks = M.wrap_ddp(
             M.build_model_chunks(config, vocab_size=VOCAB, max_sequence_length=SEQ),
@@ -294,15 +297,26 @@ def test_the_planners_uneven_walk_matches_megatron_core(
             )  # fmt: skip
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_fully_sharded_peaks_are_the_planners_walk_for_every_group_size(overlap: bool) -> None:
+SHARDED_LAYOUT = "Et|t*2|t*2|t*2|t*3|t*2|t*2|t*2L"  # 16 layers on pp 2 x vp 4, ends lighter
+
+
+@pytest.mark.parametrize(
+    ("overlap", "layout"),
+    [(True, None), (False, None), (True, SHARDED_LAYOUT)],
+    ids=["overlap", "no-overlap", "uneven"],
+)
+def test_fully_sharded_peaks_are_the_planners_walk_for_every_group_size(
+    overlap: bool, layout: str | None
+) -> None:
     """pp 2, vp 4, dp 2, 4 micro-batches per rank in groups of 1, 2 and 4: per rank and step,
     the runtime's peak parameter bytes are the kept shards plus the walk's gathered chunks, and
     its peak gradient bytes the kept gradient shards plus the walk's accumulating chunks
     (megatron-core's buffers, padding included, are the walk's weights; the planner's own
     unpadded per-chunk counts are checked equal to megatron-core's parameters). With
     overlap_grad_reduce a reduction lands at the next GS, as the walk counts it; without, it
-    lands at its own GS, so the gradient peak is at most the walk's."""
+    lands at its own GS, so the gradient peak is at most the walk's. On uneven stages (auto
+    plans them sharded too) the planner's per-chunk counts follow each stage's layers."""
+    from megatron_bfpp.config.run_config import UnevenStages
     from megatron_bfpp.ir import Placement
 
     pp, vp, dp, m = 2, 4, 2, 4
@@ -313,10 +327,14 @@ def test_fully_sharded_peaks_are_the_planners_walk_for_every_group_size(overlap:
         world_size=pp * dp,
         pp=pp,
         vp=vp,
-        args=(groups, num_layers, m, overlap),
+        args=(groups, num_layers, m, overlap, layout),
     )
     model = _planned_model(num_layers)
-    planned = stage_parameters(model, tp=1, pp=pp, chunks=vp, placement=Placement.LOOPED)
+    layers = UnevenStages(pipeline_model_parallel_layout=layout).stage_layers(num_layers, pp, vp)
+    planned = stage_parameters(
+        model, tp=1, pp=pp, chunks=vp, placement=Placement.LOOPED, stage_layers=layers
+    )
+    assert bool(layout) == (len(set(planned[1:-1])) > 1)  # uneven: the middle stages differ
     for index, group in enumerate(groups):
         built = build_schedule(
             "breadth-first",

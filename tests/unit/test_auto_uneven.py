@@ -139,10 +139,6 @@ def test_a_lighter_last_stage_pays_for_a_large_vocabulary() -> None:
     ("request_fields", "message"),
     [
         (
-            {"uneven": FIRST_LAST, "sharding": "optim_grads_params"},
-            "plans --data-parallel-sharding-strategy optim_grads_params on even stages only",
-        ),
-        (
             {"uneven": UnevenStages(pipeline_model_parallel_layout="Et*8|t*8|t*8|t*8L"), "vp": 2},
             "--pipeline-model-parallel-layout lists 1 stages per rank; drop "
             "--num-virtual-stages-per-pipeline-rank 2",
@@ -156,7 +152,7 @@ def test_a_lighter_last_stage_pays_for_a_large_vocabulary() -> None:
             "the planner plans layouts with E in the first stage, L in the last and no MTP",
         ),
     ],
-    ids=["sharded", "layout-and-vp", "layout-stages", "mtp"],
+    ids=["layout-and-vp", "layout-stages", "mtp"],
 )
 def test_what_auto_cannot_plan_is_one_line(request_fields: dict, message: str) -> None:
     fields = {"uneven": UnevenStages(), **request_fields}
@@ -443,3 +439,18 @@ def test_auto_plans_a_moe_model_on_uneven_stages() -> None:
 FIRST_LAST_MOE = UnevenStages(
     decoder_first_pipeline_num_layers=10, decoder_last_pipeline_num_layers=10
 )
+
+
+def test_auto_plans_sharded_parameters_on_uneven_stages() -> None:
+    """Formerly refused: fully sharded breadth-first on the user's stages, the gathered-buffer
+    walk weighing each chunk's own parameters (measured: tests/multirank/test_plan_memory.py)."""
+    fields = dict(sharding="optim_grads_params", global_batch_size=64, recompute="selective")
+    decision = decide(_request(FIRST_LAST, **fields))
+    rows = [row for row in decision.rows if row.plan is not None]
+    assert rows and all(row.candidate.stage_layers for row in rows)
+    assert {row.candidate.schedule for row in rows} == {"breadth-first"}
+    chosen = decision.chosen.candidate
+    assert chosen.stage_layers == FIRST_LAST.stage_layers(32, 4, chosen.vp)
+    even = dataclasses.replace(rows[0].candidate, stage_layers=())
+    kept = [memory_of(c, model=LLAMA, global_batch_size=64) for c in (even, rows[0].candidate)]
+    assert kept[0] != kept[1]
