@@ -224,3 +224,43 @@ def test_auto_runs_its_choice_with_the_named_schedules_losses(tmp_path: Path) ->
     )
     assert [row[0] for row in auto] == [1, 2, 3], proc.stdout[-2000:]
     assert auto == _losses(*named)
+
+
+def test_auto_chooses_the_layout_too_in_bridges_pretrain(tmp_path: Path) -> None:
+    """``config.model.pipeline_model_parallel_layout = "auto"`` with the schedule ``auto``: the
+    planner chooses the layers per stage with the schedule, rank 0 prints the layout that
+    reproduces it, Bridge's ``pretrain()`` trains on it, and the same schedule named on that
+    layout gives exactly the same losses and grad norms."""
+    import json
+    import re
+
+    report = tmp_path / "auto.json"
+    proc = _run(
+        "--pipeline-schedule", "auto", "--pipeline-model-parallel-layout", "auto",
+        "--pipeline-schedule-auto-report", str(report),
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    lines = [
+        line for line in (proc.stdout + proc.stderr).splitlines() if "megatron_bfpp: auto: " in line
+    ]
+    assert len(lines) == 1, lines
+    found = re.search(r"its layout: --pipeline-model-parallel-layout '([^']+)'", lines[0])
+    assert found, lines[0]
+    choice = json.loads(report.read_text())["choice"]
+    named = ["--pipeline-schedule", choice["schedule"], "--pipeline-model-parallel-layout"]
+    named.append(found.group(1))
+    for flag, key in (
+        ("--breadth-first-group-size", "group_size"),
+        ("--bpipe-max-stored", "max_stored"),
+    ):
+        if choice[key] is not None:
+            named += [flag, str(choice[key])]
+    auto = sorted(
+        {
+            (int(parts[1]), parts[2], parts[3])
+            for line in proc.stdout.splitlines()
+            if (parts := line.split()) and parts[0] == bridge_cpu.EXACT_PREFIX
+        }
+    )
+    assert [row[0] for row in auto] == [1, 2, 3], proc.stdout[-2000:]
+    assert auto == _losses(*named)
