@@ -225,7 +225,11 @@ def _megatron_options(name: str, pp: int, vp: int, num_microbatches: int) -> dic
 
 
 def rank_main(
-    name: str, costs: dict[str, float], num_microbatches: int, steps: int
+    name: str,
+    costs: dict[str, float],
+    num_microbatches: int,
+    steps: int,
+    ends: tuple[float, float] = (1.0, 1.0),
 ) -> list[tuple[float, float, float]]:
     """Per step: (its time between two barriers, the host's time in it, the emulated
     transport's time per message just before it, ``_message_time``). The host's time is the
@@ -254,15 +258,18 @@ def rank_main(
         pipeline_dtype=torch.float32,
         **p2p,
     )
-    fraction = 1.0 / vp
+    # each chunk's compute: its stage's share, weighed by ``--end-weights`` (uneven stages)
+    layout = _schedule(name, pp, vp, num_microbatches).layout
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    weights = stage_weights(layout.num_stages, ends)
     chunks = [
         SleepChunk(
             config,
-            costs["t_forward"] * fraction,
-            costs["t_backward"] * fraction,
-            costs["t_weight"] * fraction,
+            costs["t_forward"] * weights[stage] / vp,
+            costs["t_backward"] * weights[stage] / vp,
+            costs["t_weight"] * weights[stage] / vp,
         )
-        for _ in range(vp)
+        for stage in layout.stages_of(rank)
     ]
     lane = DataParallelLane(costs["t_grad_reduce"])
     syncs = [ChunkSync(lane, [chunk.linear.weight, chunk.weight]) for chunk in chunks]
@@ -340,10 +347,28 @@ def _schedule(name: str, pp: int, vp: int, num_microbatches: int) -> Schedule:
     )
 
 
-def predict(name: str, pp: int, vp: int, num_microbatches: int, costs: CostModel) -> float:
-    """The step time of the timing model that stands for what runs ``name``."""
+def stage_weights(num_stages: int, ends: tuple[float, float]) -> tuple[float, ...]:
+    """``CostModel.stage_weights`` of ``--end-weights``: the first and the last stage weighed,
+    the rest 1 (the emulated chunks sleep as much)."""
+    return tuple(ends[0] if s == 0 else ends[1] if s == num_stages - 1 else 1.0
+                 for s in range(num_stages))  # fmt: skip
+
+
+def predict(
+    name: str,
+    pp: int,
+    vp: int,
+    num_microbatches: int,
+    costs: CostModel,
+    ends: tuple[float, float] = (1.0, 1.0),
+) -> float:
+    """The step time of the timing model that stands for what runs ``name``; uneven ``ends``
+    as ``CostModel.stage_weights`` (none when even: the same figures either way)."""
     model = "megatron" if name.startswith(MEGATRON) else "lockstep"
-    return simulate(_schedule(name, pp, vp, num_microbatches), costs, p2p=model).step_time
+    schedule = _schedule(name, pp, vp, num_microbatches)
+    if ends != (1.0, 1.0):
+        costs = dataclasses.replace(costs, stage_weights=stage_weights(schedule.num_stages, ends))
+    return simulate(schedule, costs, p2p=model).step_time
 
 
 def host_per_action(name: str, pp: int, vp: int, m: int, hosts: list[float]) -> float:
@@ -379,6 +404,16 @@ def _parse_args() -> argparse.Namespace:
         help="per-chunk reduction of the DP cases (default: --t-backward)",
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    parser.add_argument(
+        "--end-weights",
+        type=float,
+        nargs=2,
+        default=(1.0, 1.0),
+        metavar=("FIRST", "LAST"),
+        help="uneven stages: the first and last global stage's compute against the others' "
+        "(e.g. 0.7 1.6: a light embedding stage, a heavy output layer), in the emulated chunks "
+        "and as the model's stage weights; the calibration stays even",
+    )
     parser.add_argument("--only", nargs="*", default=None, help="run only these schedules")
     parser.add_argument("--dp-only", action="store_true", help="only the cases with a reduction")
     parser.add_argument("--no-dp", action="store_true", help="only the cases without one")
@@ -496,7 +531,7 @@ def run_case(
     reduce: float,
     calibration: Calibration | None,
 ) -> Row:
-    m = args.microbatches
+    m, ends = args.microbatches, tuple(args.end_weights)
     costs = CostModel(
         t_forward=args.t_forward,
         t_backward=args.t_backward,
@@ -511,14 +546,14 @@ def run_case(
         measured_apart = dataclasses.replace(
             costs, t_host=calibration.t_host, t_p2p=calibration.t_msg, t_evict=calibration.t_msg
         )
-        calibrated = predict(name, pp, vp, m, measured_apart)
+        calibrated = predict(name, pp, vp, m, measured_apart, ends)
     results = run_ranks(
         rank_main,
         world_size=pp,
         pp=pp,
         vp=vp if vp > 1 else None,
         timeout=600,
-        args=(name, _rank_costs(args, reduce), m, args.steps + 1),
+        args=(name, _rank_costs(args, reduce), m, args.steps + 1, ends),
     )
     # Each timed step (the slowest rank's) against the model with its own t_host and message
     # time; the step of median time is reported, and the fastest.
@@ -527,10 +562,12 @@ def run_case(
         host = host_per_action(name, pp, vp, m, [r[i][1] for r in results])
         message = statistics.mean(r[i][2] for r in results)
         own = dataclasses.replace(costs, t_host=host, t_p2p=message, t_evict=message)
-        rows.append((max(r[i][0] for r in results), host, message, predict(name, pp, vp, m, own)))
+        rows.append(
+            (max(r[i][0] for r in results), host, message, predict(name, pp, vp, m, own, ends))
+        )
     rows.sort()
     measured, host, message, in_step = rows[(len(rows) - 1) // 2]
-    nominal = predict(name, pp, vp, m, costs)
+    nominal = predict(name, pp, vp, m, costs, ends)
     return Row(measured, rows[0][0], nominal, calibrated, in_step, host, message)
 
 
@@ -584,7 +621,8 @@ def main() -> None:
         reductions = [0.0]
     print(
         f"t_forward={args.t_forward}s t_backward={args.t_backward}s t_weight={args.t_weight}s "
-        f"(per full stage), emulated transfer t_p2p={args.t_p2p}s, per-chunk reduction "
+        f"(per full stage; first and last stage x {args.end_weights[0]:g}, x "
+        f"{args.end_weights[1]:g}), emulated transfer t_p2p={args.t_p2p}s, per-chunk reduction "
         f"{args.t_grad_reduce}s in the DP cases; {args.steps} timed steps after a warm-up, each "
         "the slowest rank's; measured: the median step. Models: nominal (no host time, t_p2p as "
         "set); calib.: t_host and t_msg of the calibration run before each pp's cases; in-step: "

@@ -43,30 +43,17 @@ class Case:
     layout: str
 
 
-def _llama(layers: int, hidden: int, vocab: int, seq: int) -> Model:
+def _model(arch: str, layers: int, hidden: int, vocab: int, seq: int) -> Model:
+    """A LLaMA (SwiGLU, 8/3 h) or GPT (4 h) shape with heads of 32."""
+    ffn = int(hidden * 8 / 3) // 64 * 64 if arch == "llama" else 4 * hidden
     return Model(
-        name=f"llama-{layers}x{hidden}-v{vocab}",
-        arch="llama",
+        name=f"{arch}-{layers}x{hidden}-v{vocab}",
+        arch=arch,
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=hidden // 32,
         num_query_groups=hidden // 32,
-        ffn_hidden_size=int(hidden * 8 / 3) // 64 * 64,
-        seq_length=seq,
-        vocab_size=vocab,
-        dropout=False,
-    )
-
-
-def _gpt(layers: int, hidden: int, vocab: int, seq: int) -> Model:
-    return Model(
-        name=f"gpt-{layers}x{hidden}-v{vocab}",
-        arch="gpt",
-        num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=hidden // 32,
-        num_query_groups=hidden // 32,
-        ffn_hidden_size=4 * hidden,
+        ffn_hidden_size=ffn,
         seq_length=seq,
         vocab_size=vocab,
         dropout=False,
@@ -74,11 +61,11 @@ def _gpt(layers: int, hidden: int, vocab: int, seq: int) -> Model:
 
 
 CASES = (
-    Case(_llama(8, 512, 32000, 256), 4, "Et|ttt|ttt|tL"),
-    Case(_llama(8, 512, 32000, 256), 4, "Ett|ttt|tt|L"),
-    Case(_gpt(8, 512, 16000, 256), 4, "Et|ttt|ttt|tL"),
+    Case(_model("llama", 8, 512, 32000, 256), 4, "Et|ttt|ttt|tL"),
+    Case(_model("llama", 8, 512, 32000, 256), 4, "Ett|ttt|tt|L"),
+    Case(_model("gpt", 8, 512, 16000, 256), 4, "Et|ttt|ttt|tL"),
 )
-QUICK = (Case(_llama(4, 64, 1000, 32), 2, "Et|tttL"),)
+QUICK = (Case(_model("llama", 4, 64, 1000, 32), 2, "Et|tttL"),)
 
 
 def time_stages(

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,6 +53,10 @@ def _losses(*flags: str) -> list[tuple[int, str, str]]:
     """(iteration, loss as float.hex, grad norm) per iteration, as the last stage logged them."""
     proc = _run(*flags)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return _exact_rows(proc)
+
+
+def _exact_rows(proc: subprocess.CompletedProcess[str]) -> list[tuple[int, str, str]]:
     rows = sorted(
         {
             (int(parts[1]), parts[2], parts[3])
@@ -209,21 +214,7 @@ def test_auto_runs_its_choice_with_the_named_schedules_losses(tmp_path: Path) ->
     named = ["--pipeline-schedule", choice["schedule"]]
     if choice["virtual_stages"] > 1:
         named += ["--virtual-pipeline-model-parallel-size", str(choice["virtual_stages"])]
-    for flag, key in (
-        ("--breadth-first-group-size", "group_size"),
-        ("--bpipe-max-stored", "max_stored"),
-    ):
-        if choice[key] is not None:
-            named += [flag, str(choice[key])]
-    auto = sorted(
-        {
-            (int(parts[1]), parts[2], parts[3])
-            for line in proc.stdout.splitlines()
-            if (parts := line.split()) and parts[0] == bridge_cpu.EXACT_PREFIX
-        }
-    )
-    assert [row[0] for row in auto] == [1, 2, 3], proc.stdout[-2000:]
-    assert auto == _losses(*named)
+    assert _exact_rows(proc) == _losses(*named, *_options_named(choice))
 
 
 def test_auto_chooses_the_layout_too_in_bridges_pretrain(tmp_path: Path) -> None:
@@ -248,19 +239,17 @@ def test_auto_chooses_the_layout_too_in_bridges_pretrain(tmp_path: Path) -> None
     assert found, lines[0]
     choice = json.loads(report.read_text())["choice"]
     named = ["--pipeline-schedule", choice["schedule"], "--pipeline-model-parallel-layout"]
-    named.append(found.group(1))
+    named += [found.group(1), *_options_named(choice)]
+    assert _exact_rows(proc) == _losses(*named)
+
+
+def _options_named(choice: dict[str, Any]) -> list[str]:
+    """The flags naming auto's chosen group size or BPipe cap (its report's ``choice``)."""
+    named = []
     for flag, key in (
         ("--breadth-first-group-size", "group_size"),
         ("--bpipe-max-stored", "max_stored"),
     ):
         if choice[key] is not None:
             named += [flag, str(choice[key])]
-    auto = sorted(
-        {
-            (int(parts[1]), parts[2], parts[3])
-            for line in proc.stdout.splitlines()
-            if (parts := line.split()) and parts[0] == bridge_cpu.EXACT_PREFIX
-        }
-    )
-    assert [row[0] for row in auto] == [1, 2, 3], proc.stdout[-2000:]
-    assert auto == _losses(*named)
+    return named
