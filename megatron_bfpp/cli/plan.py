@@ -184,6 +184,12 @@ def _add_shape_flags(command: argparse.ArgumentParser) -> None:
     shape.add_argument(
         "--seq-length", type=_WIDTH, metavar="S", help="default: the preset's (2048)"
     )
+    shape.add_argument(
+        "--mtp-num-layers",
+        type=int,
+        metavar="N",
+        help="multi-token prediction layers on the last stage (Megatron-LM's flag; default: 0)",
+    )
 
 
 _MOE_DESTS = (
@@ -316,7 +322,10 @@ def _model_from_args(args: argparse.Namespace) -> Model:
                 "and give the whole shape"
             )
         model = get_model(args.model)
-        return model.with_seq_length(args.seq_length) if args.seq_length else model
+        model = model.with_seq_length(args.seq_length) if args.seq_length else model
+        if args.mtp_num_layers is not None:
+            model = model.with_mtp(args.mtp_num_layers)
+        return model
     if missing := [flag_name(dest) for dest in required if getattr(args, dest) is None]:
         raise ScheduleError(
             f"give --model NAME ({', '.join(MODELS)}) or an explicit shape; missing "
@@ -333,6 +342,7 @@ def _model_from_args(args: argparse.Namespace) -> Model:
         num_query_groups=args.num_query_groups,
         vocab_size=args.vocab_size,
         moe={dest: getattr(args, dest, None) for dest in _MOE_DESTS},
+        mtp_num_layers=args.mtp_num_layers,
     )
 
 

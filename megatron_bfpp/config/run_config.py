@@ -265,10 +265,14 @@ class UnevenStages:
             if (stages := layout_virtual_stages(layout, pp, num_layers)) != vp:
                 raise ValueError(f"--pipeline-model-parallel-layout lists {stages} stages per rank")
             parts = layout_stages(layout)
-            if "m" in layout or "E" not in parts[0] or "L" not in parts[-1]:
+            if (
+                any("m" in part for part in parts[:-1])
+                or "E" not in parts[0]
+                or "L" not in parts[-1]
+            ):
                 raise ValueError(
-                    "the planner plans layouts with E in the first stage, L in the last and no "
-                    f"MTP layer (m), not {layout}"
+                    "the planner plans layouts with E in the first stage, L in the last and MTP "
+                    f"layers (m) only in the last, not {layout}"
                 )
         fields = {dest: getattr(self, dest) for dest in UNEVEN_FLAGS}
         layers = Layout(1, pp, vp, Placement.LOOPED, 1, pp, **fields).layers_per_stage(num_layers)

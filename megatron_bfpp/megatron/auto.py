@@ -262,6 +262,7 @@ def _megatron_model(args: Any) -> Model:
         vocab_size=vocab,
         dropout=_has_dropout(args),
         moe=moe_settings(args, "num_experts"),
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
     )
 
 
@@ -453,6 +454,7 @@ def bridge_request(
         vocab_size=getattr(model, "vocab_size", None),
         dropout=_has_dropout(model),
         moe=moe_settings(model, "num_moe_experts"),
+        mtp_num_layers=getattr(model, "mtp_num_layers", None),
     )
     optimizer = getattr(config, "optimizer", None)
     granularity = getattr(model, "recompute_granularity", None)

@@ -453,6 +453,11 @@ def _check_request(r: AutoRequest) -> None:
             stages = layout_virtual_stages(layout, r.pp, r.model.num_layers)
         except ValueError as error:
             raise ScheduleError(str(error)) from None
+        if (placed := "".join(layout_stages(layout)).count("m")) != r.model.mtp_num_layers:
+            raise ScheduleError(
+                f"--pipeline-model-parallel-layout places {placed} MTP layer(s) (m) and "
+                f"--mtp-num-layers is {r.model.mtp_num_layers}: give the same number"
+            )
         if r.vp not in (None, stages):
             raise ScheduleError(
                 f"--pipeline-model-parallel-layout lists {stages} stages per rank; drop "
@@ -502,6 +507,9 @@ def _check_request(r: AutoRequest) -> None:
     check_sharding_data_parallel(r.sharding, r.dp)
 
 
+MTP_ON_A_V = "--mtp-num-layers does not run with a V-shape"  # the runtime refuses it
+
+
 def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
     """What a schedule may choose on the user's layout, and (as rows) what it may not and why:
     the grid ``recommend`` searches too, narrowed by what the user fixed."""
@@ -522,6 +530,9 @@ def _candidates(r: AutoRequest) -> tuple[list[Candidate], list[Row]]:
             continue
         if name in unavailable:
             refuse(name, spec.default_stages_per_rank, unavailable[name])
+            continue
+        if r.model.mtp_num_layers and spec.placement is Placement.V_SHAPE:
+            refuse(name, spec.default_stages_per_rank, MTP_ON_A_V)
             continue
         if not set(fixed) <= set(spec.option_names):
             continue  # the user's option belongs to another schedule

@@ -203,7 +203,8 @@ def all_to_all_time(nbytes: float, group: int, link: tuple[float, float]) -> flo
 @dataclass(frozen=True, slots=True)
 class StageTimes:
     """Seconds, for the simulator's ``CostModel``: one micro-batch through one full stage
-    (``forward`` / ``backward`` / ``weight``), the last stage's extra ``output``, one message or
+    (``forward`` / ``backward`` / ``weight``), the last stage's extra ``output`` (MTP layers
+    included), one message or
     collective, BPipe's eviction, the optimizer step and the host's time per action."""
 
     forward: float
@@ -274,6 +275,9 @@ def stage_times(
     output, embedding = _end_times(model, c, efficiency, peak)
     if not options.output_layer:
         output = embedding = 0.0
+    if mtp := model.mtp_num_layers:  # each: a layer of the last kind, an output pass and loss
+        kind = sparse if model.moe_layers[-1] else dense
+        output += mtp * (output + kind[0] + kind[1])
     optimizer_time = 0.0
     if options.optimizer:
         # Adam reads gradient, master weight and moments and writes master, moments and weight.

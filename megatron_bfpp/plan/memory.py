@@ -9,7 +9,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache, partial
 
-from megatron_bfpp.config.model_memory import parameters_per_pipeline_rank, parameters_per_stage
+from megatron_bfpp.config.model_memory import (
+    layer_parameters,
+    parameters_per_pipeline_rank,
+    parameters_per_stage,
+)
 from megatron_bfpp.config.run_config import Layout, layout_of
 from megatron_bfpp.ir import (
     MEMORY_DELTA,
@@ -32,6 +36,7 @@ __all__ = [
     "layer_activation_bytes",
     "moe_layer_parameters",
     "moe_layers_per_rank",
+    "mtp_parameters",
     "peak_activation_bytes",
     "peak_points",
     "rank_parameters",
@@ -133,6 +138,11 @@ def stage_activation_bytes(
     norm_stats = (1 if model.arch == "llama" else 2) * STAT_BYTES
     last = tokens * (2 * h * e // hidden_divisor + norm_stats)
     last += tokens * vocab_size // tp * 4 + tokens * (1 + INDEX_BYTES)
+    if model.mtp_num_layers:  # each: its embedding lookup and two input norms, the 2h concat
+        # into eh_proj, a layer of the last kind, and what the main output and loss keep
+        kind = per_layer(moe=model.moe_layers[-1])
+        mtp = kind + last + 5 * tokens * h * e // hidden_divisor
+        last += model.mtp_num_layers * mtp
     layers = per_layer() * (layers_per_stage - moe) + sparse * moe
     return StageBytes(layers=layers, first=first, last=last)
 
@@ -236,7 +246,11 @@ def rank_parameters(
     moe = moe_layers_per_rank(
         model, pp=pp, vp=chunks, placement=placement, stage_layers=tuple(stage_layers)
     )
-    return [n + extra * k for n, k in zip(counts, moe, strict=True)]
+    counts = [n + extra * k for n, k in zip(counts, moe, strict=True)]
+    counts[0 if placement is Placement.V_SHAPE else pp - 1] += mtp_parameters(
+        model, tp=tp, ep=ep, stages=pp * chunks
+    )
+    return counts
 
 
 def stage_parameters(
@@ -254,7 +268,27 @@ def stage_parameters(
     extra = moe_layer_parameters(model, tp=tp, ep=ep)[0]
     moe = moe_layers_per_stage(model, pp * chunks, stage_layers)
     counts = parameters_per_stage(model.shape(tp=tp), layout)
-    return [n + extra * k for n, k in zip(counts, moe, strict=True)]
+    counts = [n + extra * k for n, k in zip(counts, moe, strict=True)]
+    counts[-1] += mtp_parameters(model, tp=tp, ep=ep, stages=pp * chunks)
+    return counts
+
+
+def mtp_parameters(model: Model, *, tp: int, ep: int = 1, stages: int = 1) -> int:
+    """One tensor-parallel rank's parameters of the MTP block, on the last stage: per MTP layer
+    a layer of the decoder's last kind, its two input norms and final norm, and ``eh_proj``
+    (2h -> h, split by output); and, unless the last stage is also the first, the word embedding
+    it looks up (GPT's positions too), a copy as megatron-core builds it (``mtp_process``)."""
+    if not model.mtp_num_layers:
+        return 0
+    shape, h, llama = model.shape(tp=tp), model.hidden_size, model.arch == "llama"
+    layer = layer_parameters(shape, tp=tp)
+    if model.moe_layers[-1]:
+        layer += moe_layer_parameters(model, tp=tp, ep=ep)[0]
+    per_layer = layer + 3 * (h if llama else 2 * h) + 2 * h * -(-h // tp)
+    embedding = 0
+    if stages > 1:
+        embedding = -(-shape.vocab_size * h // tp) + (0 if llama else model.seq_length * h)
+    return model.mtp_num_layers * per_layer + embedding
 
 
 def _layout(

@@ -55,6 +55,9 @@ class Model:
     moe_ffn_hidden_size: int = 0
     moe_shared_expert_intermediate_size: int = 0
     moe_layer_freq: int | tuple[int, ...] = 1
+    # Megatron-LM's --mtp-num-layers: multi-token prediction layers after the last stage's
+    # decoder, each a layer of the decoder's last kind with its own output layer pass and loss
+    mtp_num_layers: int = 0
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -82,6 +85,11 @@ class Model:
 
     def with_seq_length(self, seq_length: int) -> Model:
         return dataclasses.replace(self, seq_length=seq_length)
+
+    def with_mtp(self, mtp_num_layers: int) -> Model:
+        if isinstance(mtp_num_layers, bool) or mtp_num_layers < 0:
+            raise ScheduleError(f"--mtp-num-layers must be 0 or more, got {mtp_num_layers!r}")
+        return dataclasses.replace(self, mtp_num_layers=mtp_num_layers)
 
 
 def moe_layers_per_stage(
@@ -155,9 +163,11 @@ def model_from_shape(
     ffn_hidden_size: int | None = None,
     dropout: bool | None = None,
     moe: Mapping[str, Any] | None = None,
+    mtp_num_layers: int | None = None,
 ) -> Model:
     """A model by its shape; defaults as Megatron's (ffn: ``default_ffn_hidden_size``; a group per
-    head; dropout for GPT only; ``moe``: ``Model``'s MoE fields, None unset, expert FFN = dense)."""
+    head; dropout for GPT only; ``moe``: ``Model``'s MoE fields, None unset, expert FFN = dense;
+    ``mtp_num_layers``: Megatron-LM's --mtp-num-layers, None or 0 none)."""
     if arch not in ("gpt", "llama"):
         raise ScheduleError(f"model architecture must be gpt or llama, got {arch!r}")
     named = {
@@ -185,7 +195,7 @@ def model_from_shape(
     given = {key: value for key, value in (moe or {}).items() if value is not None}
     dense = Model(
         name, arch, num_layers, hidden_size, heads, groups, ffn, seq_length, vocab_size, dropout
-    )
+    ).with_mtp(mtp_num_layers or 0)
     return _with_moe(dense, given) if given.get("num_experts") else dense
 
 
@@ -237,6 +247,7 @@ def model_description(
     vocab_size: int | None = None,
     dropout: bool | None = None,
     moe: Mapping[str, Any] | None = None,
+    mtp_num_layers: int | None = None,
 ) -> Model:
     """The planner's model of what a front end builds, the one translation every front end calls.
     ``gated``: a SwiGLU MLP, planned as llama (default vocabulary 32000, else GPT-2's 50257)."""
@@ -252,6 +263,7 @@ def model_description(
         vocab_size=vocab_size or (32000 if gated else 50257),
         dropout=dropout,
         moe=moe,
+        mtp_num_layers=mtp_num_layers,
     )
 
 

@@ -305,6 +305,8 @@ def candidates(
             if schedule == "interleaved" and pp == 2 and not options.megatron_p2p_overlap:
                 continue  # Megatron-LM refuses it: a batch would cross-match at pp 2
             spec = get_spec(schedule)
+            if model.mtp_num_layers and spec.placement is Placement.V_SHAPE:
+                continue  # the runtime refuses MTP on a V (plan.auto.MTP_ON_A_V)
             vps, _ = spec.planned_stages(model.num_layers // pp)
             eps = expert_sizes(model, dp, options) if sharding == "optim" else (1,)
             for vp, b in itertools.product(vps, options.micro_batch_sizes):

@@ -154,8 +154,10 @@ def gpt_chunks(
     position_embedding_type: str = "learned_absolute",
     to_gpu: bool = False,
     placement: Placement = Placement.LOOPED,
+    mtp_block_spec: Any = None,
 ) -> list[Any]:
-    """This rank's ``GPTModel`` chunks, one per stage in ``placement`` (bfpp-train's and tests')."""
+    """This rank's ``GPTModel`` chunks, one per stage in ``placement`` (bfpp-train's and tests');
+    ``mtp_block_spec``: megatron-core's MTP block (``config.mtp_num_layers``) where it goes."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -175,6 +177,7 @@ def gpt_chunks(
             position_embedding_type=position_embedding_type,
             vp_stage=vp_stage,
             **({} if pg_collection is None else {"pg_collection": pg_collection}),
+            **({} if mtp_block_spec is None else {"mtp_block_spec": mtp_block_spec}),
         )
         if to_gpu:
             model.cuda(torch.cuda.current_device())

@@ -362,3 +362,57 @@ def test_fully_sharded_peaks_are_the_planners_walk_for_every_group_size(
                     assert grads == got["kept_grads"] + accumulated, (group, rank)
                 else:
                     assert grads <= got["kept_grads"] + accumulated, (group, rank)
+
+
+def _mtp_rank(arch: str, num_layers: int, mtp: int) -> dict[str, Any]:
+    """This rank's parameters of a GPTModel with ``mtp`` MTP layers, as megatron-core builds it."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
+
+    from megatron_bfpp.train.presets import gpt_chunks
+
+    llama = arch == "llama"
+    gated = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                 add_bias_linear=False)  # fmt: skip
+    config = M.tiny_gpt_config(
+        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        ffn_hidden_size=FFN, mtp_num_layers=mtp, **(gated if llama else {}),
+    )  # fmt: skip
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm")
+    chunks = gpt_chunks(
+        config, layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=not llama,
+        position_embedding_type="rope" if llama else "learned_absolute",
+        init=lambda model: None,
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
+    )  # fmt: skip
+    return {
+        "rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "parameters": sum(p.numel() for c in chunks for p in c.parameters()),
+        "mtp": sum(p.numel() for c in chunks for n, p in c.named_parameters() if "mtp" in n),
+    }
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_planners_mtp_parameters_are_megatron_cores(arch: str, pp: int) -> None:
+    """``--mtp-num-layers 2``: each rank holds exactly the parameters the planner counts, the MTP
+    block (and, at pp > 1, the embedding it looks up) on the last stage."""
+    from megatron_bfpp.ir import Placement
+    from megatron_bfpp.plan.memory import mtp_parameters, rank_parameters
+    from megatron_bfpp.plan.presets import model_from_shape
+
+    results = run_ranks(_mtp_rank, world_size=pp, tp=1, pp=pp, args=(arch, 4, 2))
+    model = model_from_shape(
+        arch=arch, num_layers=4, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        ffn_hidden_size=FFN, seq_length=SEQ, vocab_size=VOCAB, dropout=False, mtp_num_layers=2,
+    )  # fmt: skip
+    counts = rank_parameters(model, tp=1, pp=pp, chunks=1, placement=Placement.LOOPED)
+    for r in results:
+        assert r["parameters"] == counts[r["rank"]], (r, counts)
+    last = next(r for r in results if r["rank"] == pp - 1)
+    assert last["mtp"] > 0 and mtp_parameters(model, tp=1, stages=pp) >= last["mtp"]

@@ -148,8 +148,12 @@ def test_a_lighter_last_stage_pays_for_a_large_vocabulary() -> None:
             "lists 5 stages, not a multiple of --pipeline-model-parallel-size 4",
         ),
         (
-            {"uneven": UnevenStages(pipeline_model_parallel_layout="Et*8|t*8|t*8|t*8mL")},
-            "the planner plans layouts with E in the first stage, L in the last and no MTP",
+            {
+                "uneven": UnevenStages(pipeline_model_parallel_layout="Et*8|t*8m|t*8|t*8L"),
+                "model": LLAMA.with_mtp(1),
+            },
+            "the planner plans layouts with E in the first stage, L in the last and MTP layers "
+            "(m) only in the last",
         ),
     ],
     ids=["layout-and-vp", "layout-stages", "mtp"],
@@ -454,3 +458,73 @@ def test_auto_plans_sharded_parameters_on_uneven_stages() -> None:
     even = dataclasses.replace(rows[0].candidate, stage_layers=())
     kept = [memory_of(c, model=LLAMA, global_batch_size=64) for c in (even, rows[0].candidate)]
     assert kept[0] != kept[1]
+
+
+def test_mtp_layers_are_planned_on_the_last_stage() -> None:
+    """--mtp-num-layers: each MTP layer adds a layer of the last kind and another output pass
+    with its loss to the last stage's time, its activations to the last stage's, its parameters
+    to the last rank's (measured: tests/multirank/test_plan_memory.py); V-shapes, which the
+    runtime refuses with MTP, are left out."""
+    from megatron_bfpp.plan.auto import MTP_ON_A_V
+    from megatron_bfpp.plan.memory import rank_parameters, stage_activation_bytes
+    from megatron_bfpp.plan.presets import BF16_MIXED
+    from megatron_bfpp.plan.search import recommend
+
+    mtp = LLAMA.with_mtp(2)
+    c = Candidate("1f1b", "optim", 1, 4, 1, 2, 1, "none")
+    cluster = Cluster(8, 8, get_gpu("h100-80gb"))
+    plain, with_mtp = (stage_times(c, m, cluster, SearchOptions(), 10**9, 0) for m in (LLAMA, mtp))
+    layer = plain.forward / 8 + plain.backward / 8  # 8 layers per rank, dense
+    assert with_mtp.output == pytest.approx(plain.output + 2 * (plain.output + layer))
+    sizes = dict(micro_batch_size=1, tp=1, layers_per_stage=8, vocab_size=32000,
+                 sequence_parallel=False, recompute="none", precision=BF16_MIXED)  # fmt: skip
+    before, after = (stage_activation_bytes(m, **sizes) for m in (LLAMA, mtp))
+    assert (after.layers, after.first) == (before.layers, before.first)
+    assert after.last > before.last + 2 * before.layers // 8
+    looped = dict(tp=1, pp=4, chunks=1, placement=get_spec_placement("1f1b"))
+    pairs = zip(rank_parameters(LLAMA, **looped), rank_parameters(mtp, **looped), strict=True)
+    grown = [b - a for a, b in pairs]
+    assert grown[:3] == [0, 0, 0] and grown[3] > 0
+    decision = decide(_request(UnevenStages(), model=mtp))
+    assert {row.excluded for row in decision.rows if row.candidate.schedule.startswith("v-")} == {
+        MTP_ON_A_V
+    }
+    ranked = recommend(model=mtp, cluster=cluster, global_batch_size=64, options=SearchOptions())
+    assert ranked.plans and not any(p.candidate.schedule.startswith("v-") for p in ranked.plans)
+
+
+def get_spec_placement(name: str):
+    from megatron_bfpp.schedules.registry import get_spec
+
+    return get_spec(name).placement
+
+
+def test_mtp_in_a_layout_and_the_flag_agree(capsys) -> None:
+    layout = UnevenStages(pipeline_model_parallel_layout="Et*8|t*8|t*8|t*8mL")
+    assert decide(_request(layout, model=LLAMA.with_mtp(1))).rows
+    with pytest.raises(ScheduleError, match=r"places 1 MTP layer.*--mtp-num-layers is 0"):
+        decide(_request(layout))
+    argv = ["auto", "--model", "llama-7b", "--num-gpus", "8", "--gpu", "h100-80gb",
+            "--pipeline-model-parallel-size", "4", "--global-batch-size", "64"]  # fmt: skip
+    assert plan_cli.main([*argv, "--mtp-num-layers", "1"]) == 0
+    assert plan_cli.main([*argv, "--mtp-num-layers", "-1"]) != 0
+    assert "--mtp-num-layers must be 0 or more, got -1" in capsys.readouterr().err
+
+
+def test_every_front_end_reads_mtp() -> None:
+    shape = dict(num_layers=32, hidden_size=256, num_attention_heads=8, seq_length=128)
+    args = argparse.Namespace(
+        **shape, micro_batch_size=1, global_batch_size=8, vocab_size=1000, mtp_num_layers=1,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=4,
+    )  # fmt: skip
+    assert megatron_request(args, world_size=8, env={}, hw=H100, sharding=None).model.mtp_num_layers
+    config = SimpleNamespace(
+        model=SimpleNamespace(
+            **shape, vocab_size=1000, tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=4, mtp_num_layers=2,
+        ),
+        train=SimpleNamespace(micro_batch_size=1, global_batch_size=8),
+        optimizer=SimpleNamespace(optimizer="adam", use_distributed_optimizer=True),
+    )  # fmt: skip
+    bridge = bridge_request(config, options={}, sharding="optim", env={"WORLD_SIZE": "8"}, hw=H100)
+    assert bridge.model.mtp_num_layers == 2
