@@ -365,7 +365,9 @@ def test_fully_sharded_peaks_are_the_planners_walk_for_every_group_size(
 
 
 def _mtp_rank(arch: str, num_layers: int, mtp: int) -> dict[str, Any]:
-    """This rank's parameters of a GPTModel with ``mtp`` MTP layers, as megatron-core builds it."""
+    """This rank's parameters of a GPTModel with ``mtp`` MTP layers, as megatron-core builds it,
+    and its measured activation peak over one 1F1B step of 4 micro-batches."""
+    import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -373,6 +375,7 @@ def _mtp_rank(arch: str, num_layers: int, mtp: int) -> dict[str, Any]:
         get_gpt_mtp_block_spec,
     )
 
+    from megatron_bfpp import get_forward_backward_func
     from megatron_bfpp.train.presets import gpt_chunks
 
     llama = arch == "llama"
@@ -387,13 +390,30 @@ def _mtp_rank(arch: str, num_layers: int, mtp: int) -> dict[str, Any]:
         config, layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
         share_embeddings_and_output_weights=not llama,
         position_embedding_type="rope" if llama else "learned_absolute",
-        init=lambda model: None,
+        init=lambda model: None,  # drawn below, after counting
         mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
     )  # fmt: skip
+    parameters = sum(p.numel() for c in chunks for p in c.parameters())
+    mtp_parameters = sum(p.numel() for c in chunks for n, p in c.named_parameters() if "mtp" in n)
+    torch.manual_seed(0)  # megatron-core's init is off in the tests' config (values: any)
+    with torch.no_grad():
+        for p in (p for c in chunks for p in c.parameters()):
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.02)
+    wrapped = M.wrap_ddp(chunks, use_distributed_optimizer=True)
+    func = get_forward_backward_func("1f1b", measure_memory=True)
+    func(
+        forward_step_func=M.forward_step_func,
+        data_iterator=iter(M.make_batches(4, micro_batch_size=MICRO, seq_len=SEQ, seed=1)),
+        model=wrapped,
+        num_microbatches=4,
+        seq_length=SEQ,
+        micro_batch_size=MICRO,
+    )
     return {
         "rank": parallel_state.get_pipeline_model_parallel_rank(),
-        "parameters": sum(p.numel() for c in chunks for p in c.parameters()),
-        "mtp": sum(p.numel() for c in chunks for n, p in c.named_parameters() if "mtp" in n),
+        "parameters": parameters,
+        "mtp": mtp_parameters,
+        "activations": func.last_memory.peak_activation_bytes,
     }
 
 
@@ -401,7 +421,8 @@ def _mtp_rank(arch: str, num_layers: int, mtp: int) -> dict[str, Any]:
 @pytest.mark.parametrize("pp", [1, 2])
 def test_the_planners_mtp_parameters_are_megatron_cores(arch: str, pp: int) -> None:
     """``--mtp-num-layers 2``: each rank holds exactly the parameters the planner counts, the MTP
-    block (and, at pp > 1, the embedding it looks up) on the last stage."""
+    block (and, at pp > 1, the embedding it looks up) on the last stage, and its measured
+    activation peak over a 1F1B step is within 10% of the planner's walk."""
     from megatron_bfpp.ir import Placement
     from megatron_bfpp.plan.memory import mtp_parameters, rank_parameters
     from megatron_bfpp.plan.presets import model_from_shape
@@ -412,7 +433,16 @@ def test_the_planners_mtp_parameters_are_megatron_cores(arch: str, pp: int) -> N
         ffn_hidden_size=FFN, seq_length=SEQ, vocab_size=VOCAB, dropout=False, mtp_num_layers=2,
     )  # fmt: skip
     counts = rank_parameters(model, tp=1, pp=pp, chunks=1, placement=Placement.LOOPED)
+    stage = stage_activation_bytes(
+        model, micro_batch_size=MICRO, tp=1, layers_per_stage=4 // pp, vocab_size=VOCAB,
+        sequence_parallel=False, recompute="none", precision=FP32,
+    )  # fmt: skip
+    built = build_schedule("1f1b", num_ranks=pp, num_microbatches=4, lower=False)
+    activations = peak_activation_bytes(peak_points(built), stage)
     for r in results:
         assert r["parameters"] == counts[r["rank"]], (r, counts)
+        assert r["activations"] == pytest.approx(activations[r["rank"]], rel=0.10), (
+            r["rank"], r["activations"], activations[r["rank"]],
+        )  # fmt: skip
     last = next(r for r in results if r["rank"] == pp - 1)
     assert last["mtp"] > 0 and mtp_parameters(model, tp=1, stages=pp) >= last["mtp"]
