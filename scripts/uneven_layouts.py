@@ -87,7 +87,8 @@ def timed(model: Model, gpus: int, per_gpu: float, uneven: UnevenStages) -> dict
     except ScheduleError:
         return {}
     candidates = auto._candidates(request)[0]
-    if uneven.partition:  # as auto does: each candidate's two partitions of the lowest bounds
+    short = request.num_microbatches <= auto.EVERY_PARTITION_UP_TO * pp
+    if uneven.partition and not short:  # as auto does: the lowest bounds (a short step: all)
         bound = partial(
             lower_bound_of, model=judge.model, cluster=judge.cluster, options=judge.options,
             global_batch_size=request.global_batch_size,

@@ -27,6 +27,7 @@ from megatron_bfpp.plan.memory import RECOMPUTE, MemoryBreakdown
 from megatron_bfpp.plan.presets import BF16_MIXED, GPUS, GiB, Gpu, Model, Precision, get_gpu
 from megatron_bfpp.plan.profile import load_profile
 from megatron_bfpp.plan.search import (
+    EVERY_PARTITION_UP_TO,
     PARTITIONS_KEPT,
     ActionBudget,
     Candidate,
@@ -655,8 +656,8 @@ def decide(r: AutoRequest) -> Decision:
             excluded.append(Row(c, None, False, excluded=first_line(error)))
             continue
         bounded.append((order, bound, index, c))
-    if r.uneven.partition:  # of each candidate's partitions, the best bounds only
-        bounded = _best_partitions(bounded)
+    if r.uneven.partition and r.num_microbatches > EVERY_PARTITION_UP_TO * r.pp:
+        bounded = _best_partitions(bounded)  # of each candidate's partitions, the best bounds
     pruned: list[Row] = []
     # Megatron's default first, then by cheapest bound: a cut budget never picks worse than Megatron
     for *_, bound, c in sorted((c != default, o, i, b, c) for o, b, i, c in bounded):
