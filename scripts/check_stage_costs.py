@@ -64,8 +64,9 @@ CASES = (
     Case(_model("llama", 8, 512, 32000, 256), 4, "Et|ttt|ttt|tL"),
     Case(_model("llama", 8, 512, 32000, 256), 4, "Ett|ttt|tt|L"),
     Case(_model("gpt", 8, 512, 16000, 256), 4, "Et|ttt|ttt|tL"),
+    Case(_model("llama", 8, 512, 32000, 256), 4, "Et|ttt|ttt|tmL"),  # an MTP layer: m
 )
-QUICK = (Case(_model("llama", 4, 64, 1000, 32), 2, "Et|tttL"),)
+QUICK = (Case(_model("llama", 4, 64, 1000, 32), 2, "Et|tttmL"),)
 
 
 def time_stages(
@@ -81,6 +82,14 @@ def time_stages(
         config, spec = stage_timing._config_and_spec(model, max(layers, 1), device, dtype)
         if not layers:  # megatron-core's empty decoder: a stage of only E or L
             config.num_layers = 0
+        mtp = {}
+        if stage.count("m"):  # MTP layers after the decoder (one rank: it is the last stage)
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            config.mtp_num_layers = stage.count("m")
+            mtp["mtp_block_spec"] = get_gpt_mtp_block_spec(
+                config, spec, use_transformer_engine=False
+            )
         llama = model.arch == "llama"
         gpt: Any = GPTModel(
             config=config,
@@ -91,8 +100,9 @@ def time_stages(
             post_process=last,
             share_embeddings_and_output_weights=False,
             position_embedding_type="rope" if llama else "learned_absolute",
+            **mtp,
         )
-        step = functools.partial(_stage_step, gpt, model, micro_batch_size, first, last)
+        step = functools.partial(_stage_step, gpt, model, micro_batch_size, first, last, bool(mtp))
         times = []
         for i in range(warmup + iterations):
             for p in gpt.parameters():
@@ -104,17 +114,20 @@ def time_stages(
     return seconds
 
 
-def _stage_step(gpt: Any, model: Model, micro_batch_size: int, first: bool, last: bool) -> None:
+def _stage_step(
+    gpt: Any, model: Model, micro_batch_size: int, first: bool, last: bool, mtp: bool = False
+) -> None:
     """One micro-batch through a stage: from token ids where it holds E, else from a received
     hidden state; to the loss where it holds L (backward from its mean), else to the hidden
-    state it sends (backward from a gradient of its shape)."""
+    state it sends (backward from a gradient of its shape). MTP layers read the token ids too."""
     s, b, h = model.seq_length, micro_batch_size, model.hidden_size
     tokens = torch.randint(0, model.vocab_size, (b, s))
     if not first:
         gpt.set_input_tensor(torch.randn(s, b, h, requires_grad=True))
+    ids = first or mtp
     out = gpt(
-        input_ids=tokens if first else None,
-        position_ids=torch.arange(s).expand(b, s) if first else None,
+        input_ids=tokens if ids else None,
+        position_ids=torch.arange(s).expand(b, s) if ids else None,
         attention_mask=None,
         labels=tokens if last else None,
     )
@@ -163,13 +176,14 @@ def check(case: Case, *, micro_batch_size: int, warmup: int, iterations: int) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one tiny case")
+    parser.add_argument("--first-case", type=int, default=0, help="skip the cases before it")
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=15)
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one rank's share of a CPU node; steadier medians
-    for case in QUICK if args.quick else CASES:
+    for case in QUICK if args.quick else CASES[args.first_case :]:
         for line in check(
             case,
             micro_batch_size=args.micro_batch_size,

@@ -187,7 +187,7 @@ def _add_stage_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="LAYOUT",
         help="uneven stages as Megatron-LM writes them ('Et*3|t*4|t*4|t*3L'): each stage "
         "weighs its layers against an even stage's, plus --embedding-weight for E and "
-        "--loss-weight for L (an MTP layer m: a layer and a loss)",
+        "--loss-weight for L (an MTP layer m: a layer, an E and an L)",
     )
     group.add_argument(
         "--embedding-weight",

@@ -185,7 +185,8 @@ def layout_stage_weights(
 ) -> tuple[float, ...]:
     """Each stage's compute against an even stage's (its share of the layout's ``t`` layers), for
     ``CostModel.stage_weights``: a layer counts 1, the embedding ``embedding`` layers, the output
-    layer with its loss ``loss``, an MTP layer a layer and a loss of its own. So an even layout
+    layer with its loss ``loss``, an MTP layer a layer, an embedding lookup and a loss of its
+    own (``scripts/check_stage_costs.py`` times megatron-core's MTP stage). So an even layout
     whose E and L cost nothing weighs 1 everywhere, and E and L add to the stages holding them.
     Raises ``ValueError`` with the user's one line (``layout_virtual_stages``'s checks)."""
     layout_virtual_stages(layout, pp, None)
@@ -196,7 +197,7 @@ def layout_stage_weights(
     return tuple(
         (
             stage.count("t")
-            + stage.count("m") * (1 + loss)
+            + stage.count("m") * (1 + loss + embedding)
             + stage.count("E") * embedding
             + stage.count("L") * loss
         )

@@ -275,9 +275,11 @@ def stage_times(
     output, embedding = _end_times(model, c, efficiency, peak)
     if not options.output_layer:
         output = embedding = 0.0
-    if mtp := model.mtp_num_layers:  # each: a layer of the last kind, an output pass and loss
-        kind = sparse if model.moe_layers[-1] else dense
-        output += mtp * (output + kind[0] + kind[1])
+    if mtp := model.mtp_num_layers:  # each: an embedding lookup, eh_proj (2h -> h), a layer
+        kind = sparse if model.moe_layers[-1] else dense  # of the last kind, an output pass, loss
+        eh = 4.0 * b * s * h * h / tp
+        eh_time = 3.0 * eh / (efficiency.forward(eh) * peak)
+        output += mtp * (output + embedding + eh_time + kind[0] + kind[1])
     optimizer_time = 0.0
     if options.optimizer:
         # Adam reads gradient, master weight and moments and writes master, moments and weight.

@@ -466,6 +466,7 @@ def test_mtp_layers_are_planned_on_the_last_stage() -> None:
     to the last rank's (measured: tests/multirank/test_plan_memory.py); V-shapes, which the
     runtime refuses with MTP, are left out."""
     from megatron_bfpp.plan.auto import MTP_ON_A_V
+    from megatron_bfpp.plan.costs import BuiltinCurve
     from megatron_bfpp.plan.memory import rank_parameters, stage_activation_bytes
     from megatron_bfpp.plan.presets import BF16_MIXED
     from megatron_bfpp.plan.search import recommend
@@ -475,7 +476,12 @@ def test_mtp_layers_are_planned_on_the_last_stage() -> None:
     cluster = Cluster(8, 8, get_gpu("h100-80gb"))
     plain, with_mtp = (stage_times(c, m, cluster, SearchOptions(), 10**9, 0) for m in (LLAMA, mtp))
     layer = plain.forward / 8 + plain.backward / 8  # 8 layers per rank, dense
-    assert with_mtp.output == pytest.approx(plain.output + 2 * (plain.output + layer))
+    h, s = LLAMA.hidden_size, LLAMA.seq_length
+    eh = 4.0 * s * h * h  # eh_proj's forward FLOPs (b 1, tp 1), at the built-in efficiency
+    eh_time = (
+        3 * eh / (BuiltinCurve(get_gpu("h100-80gb")).forward(eh) * get_gpu("h100-80gb").peak_flops)
+    )
+    assert with_mtp.output == pytest.approx(plain.output + 2 * (plain.output + eh_time + layer))
     sizes = dict(micro_batch_size=1, tp=1, layers_per_stage=8, vocab_size=32000,
                  sequence_parallel=False, recompute="none", precision=BF16_MIXED)  # fmt: skip
     before, after = (stage_activation_bytes(m, **sizes) for m in (LLAMA, mtp))
