@@ -15,7 +15,7 @@ where it holds L), forward from token ids or a received hidden state and backwar
 CPU seconds on a shared machine move between runs: compare within one run, and rerun a case
 whose error is far from its neighbours'. The figures in docs/simulator.md#uneven-stages come from
 
-    python scripts/check_stage_costs.py            # about a minute of CPU
+    python scripts/check_stage_costs.py            # about seven minutes of CPU
     python scripts/check_stage_costs.py --quick    # a tiny model (the test keeping it working)
 """
 
@@ -137,33 +137,52 @@ def _stage_step(
         torch.autograd.backward(out, torch.ones_like(out))
 
 
-def check(case: Case, *, micro_batch_size: int, warmup: int, iterations: int) -> list[str]:
+def check(
+    case: Case, *, micro_batch_size: int, warmup: int, iterations: int, rounds: int = 1
+) -> list[str]:
+    """``rounds`` alternations of the profile and the stages' timing; each stage's prediction and
+    measurement are the medians over the rounds (one slow moment then moves neither much)."""
     model, layout = case.model, case.layout
-    profile = stage_timing.measure_stage(
-        model=model,
-        num_layers=1,
-        micro_batch_sizes=(micro_batch_size,),
-        device="cpu",
-        warmup=warmup,
-        iterations=iterations,
-    )
-    row = profile.measurements[0]
-    ends = row.end_weights(profile.num_layers)
-    if ends is None:
-        raise SystemExit("the profile did not time the embedding and output layer")
-    weights = layout_stage_weights(layout, case.pp, embedding=ends[0], loss=ends[1])
-    layer = row.forward_s + row.backward_s
     stages = layout_stages(layout)
     even = sum(stage.count("t") for stage in stages) / len(stages)
-    predicted = [w * even * layer for w in weights]
-    with warnings.catch_warnings(), stage_timing._single_rank(torch.device("cpu")):
-        warnings.simplefilter("ignore")
-        measured = time_stages(
-            model, layout, micro_batch_size=micro_batch_size, warmup=warmup, iterations=iterations
+    layers, ends_seen, predictions, measurements = [], [], [], []
+    for _ in range(rounds):
+        profile = stage_timing.measure_stage(
+            model=model,
+            num_layers=1,
+            micro_batch_sizes=(micro_batch_size,),
+            device="cpu",
+            warmup=warmup,
+            iterations=iterations,
         )
+        row = profile.measurements[0]
+        ends = row.end_weights(profile.num_layers)
+        if ends is None:
+            raise SystemExit("the profile did not time the embedding and output layer")
+        weights = layout_stage_weights(layout, case.pp, embedding=ends[0], loss=ends[1])
+        layer = row.forward_s + row.backward_s
+        layers.append(layer)
+        ends_seen.append(ends)
+        predictions.append([w * even * layer for w in weights])
+        with warnings.catch_warnings(), stage_timing._single_rank(torch.device("cpu")):
+            warnings.simplefilter("ignore")
+            measurements.append(
+                time_stages(
+                    model,
+                    layout,
+                    micro_batch_size=micro_batch_size,
+                    warmup=warmup,
+                    iterations=iterations,
+                )
+            )
+    predicted = [statistics.median(column) for column in zip(*predictions, strict=True)]
+    measured = [statistics.median(column) for column in zip(*measurements, strict=True)]
+    layer = statistics.median(layers)
+    e, loss = (statistics.median(column) for column in zip(*ends_seen, strict=True))
+    weights = layout_stage_weights(layout, case.pp, embedding=e, loss=loss)
     lines = [
         f"{model.name} b={micro_batch_size}, layout {layout}: a layer {1e3 * layer:.2f} ms, "
-        f"E {ends[0]:.3f} layers, L {ends[1]:.3f} layers (the profile)",
+        f"E {e:.3f} layers, L {loss:.3f} layers (the profile; medians of {rounds} round(s))",
         f"  {'stage':<8} {'weight':>7} {'predicted ms':>13} {'measured ms':>12} {'error':>7}",
     ]
     for stage, w, p, m in zip(stages, weights, predicted, measured, strict=True):
@@ -177,6 +196,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one tiny case")
     parser.add_argument("--first-case", type=int, default=0, help="skip the cases before it")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="profile and stages timed in turn, medians"
+    )
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=15)
@@ -189,6 +211,7 @@ def main() -> int:
             micro_batch_size=args.micro_batch_size,
             warmup=args.warmup,
             iterations=args.iterations,
+            rounds=args.rounds,
         ):
             print(line, flush=True)
     return 0

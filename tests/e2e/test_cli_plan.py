@@ -406,7 +406,17 @@ def test_the_stage_cost_check_runs(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")
     script = Path(__file__).resolve().parents[2] / "scripts" / "check_stage_costs.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--quick", "--warmup", "1", "--iterations", "3"],
+        [
+            sys.executable,
+            str(script),
+            "--quick",
+            "--warmup",
+            "1",
+            "--iterations",
+            "3",
+            "--rounds",
+            "1",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
