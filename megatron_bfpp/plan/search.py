@@ -922,11 +922,11 @@ def recommend(
             _best_partition, model=model, cluster=cluster, global_batch_size=global_batch_size,
             options=options,
         )  # fmt: skip
-        tried = [partitioned(plan) for plan in plans]
-        plans = tuple(sorted((plan for plan, _ in tried), key=lambda p: p.step_time_s))
-        best_tried = {family: partitioned(plan) for family, plan in family_best.items()}
-        family_best = {family: plan for family, (plan, _) in best_tried.items()}
-        simulated += sum(n for _, n in (*tried, *best_tried.values()))
+        # a family's best is often a top row too: each plan is partitioned once
+        tried = {id(p): partitioned(p) for p in (*plans, *family_best.values())}
+        plans = tuple(sorted((tried[id(p)][0] for p in plans), key=lambda p: p.step_time_s))
+        family_best = {family: tried[id(p)][0] for family, p in family_best.items()}
+        simulated += sum(n for _, n in tried.values())
     return SearchResult(
         candidates_evaluated=len(sizes),
         rejected_out_of_memory=len(sizes) - len(fitting),
