@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate, chain, count, groupby, repeat
 from operator import attrgetter, rshift, sub
@@ -28,6 +28,7 @@ from megatron_bfpp.ir import (
 from megatron_bfpp.messages import ACT, WHAT_CODE, What
 from megatron_bfpp.program import compiled
 from megatron_bfpp.semantics import (
+    TIMING_SCALARS,
     Event,
     Lane,
     Timing,
@@ -37,6 +38,7 @@ from megatron_bfpp.semantics import (
     lockstep_replay,
     match_channels,
     stage_durations,
+    transfer_durations,
 )
 
 __all__ = [
@@ -61,7 +63,7 @@ _FREES = frozenset({K.BACKWARD, K.BACKWARD_INPUT})  # the backward that frees th
 _UNIT = Timing()
 _SIDE = -2  # the peer of a rank's side stream in ``_Model.streams`` (-1: its group's)
 # the lock-step replay's timing: semantics.Timing's defaults in integer ticks (composites: summed)
-_TICKED = Timing(*(int(getattr(_UNIT, f.name)) for f in fields(Timing)[:-1]))  # type: ignore[arg-type]
+_TICKED = Timing(**{name: int(getattr(_UNIT, name)) for name in TIMING_SCALARS})  # type: ignore[arg-type]
 TICKS = {kind: int(time) for kind, time in compute_durations(_TICKED).items()}
 _FB = K.OVERLAP_F_B
 
@@ -629,19 +631,20 @@ class _Model:
         self.stream_free = [zero] * len(self.streams)
         stages = self.schedule.num_stages
         self.durations = {} if timing is None else stage_durations(timing, stages)
-        p2p, transfer = (0, 0) if timing is None else (timing.p2p, timing.transfer)
+        p2p = 0 if timing is None else timing.p2p
+        transfers = (0,) * stages if timing is None else transfer_durations(timing, stages)
         self.a2a = 0 if timing is None else timing.a2a
         if timing is not None:
             lanes = {K.GRAD_SYNC: timing.grad_sync, K.PARAM_SYNC: timing.param_sync}
             self.durations |= {kind: (d,) * stages for kind, d in lanes.items()}
-        # per op once both halves started: ``transfer`` for stored activations, else ``p2p``
-        if transfer == p2p:
+        # per op once both halves started: its stage's transfer for stored activations, else p2p
+        if all(t == p2p for t in transfers):
             self.op_time: list[float] = [p2p] * len(self.op_key)
         else:
-            per_what = self.rules.span * self.rules.microbatches
+            mbs, per_what = self.rules.microbatches, self.rules.span * self.rules.microbatches
             restore, evict = WHAT_CODE[What.RESTORE], WHAT_CODE[What.EVICT]
             self.op_time = [
-                transfer
+                transfers[(key >> 2) % per_what // mbs - 1]
                 if (what := (key >> 2) // per_what) == restore or (what == evict and key & 1)
                 else p2p
                 for key in self.op_key

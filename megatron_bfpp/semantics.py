@@ -65,6 +65,7 @@ from megatron_bfpp.messages import (
 
 __all__ = [
     "RS_DELAY",
+    "TIMING_SCALARS",
     "Ends",
     "Event",
     "Lane",
@@ -87,6 +88,7 @@ __all__ = [
     "replay",
     "run_recorded",
     "stage_durations",
+    "transfer_durations",
 ]
 
 K = ActionKind
@@ -114,7 +116,14 @@ class Timing:
     # Uneven stages: per global stage its (F, B, I, W) durations, in place of the four above
     # (``CostModel.exact`` with stage weights); empty: every stage takes those.
     stages: tuple[tuple[float, float, float, float], ...] = ()
+    # Uneven stages: per global stage its ``transfer`` (what it stores, moved); empty: ``transfer``
+    stage_transfers: tuple[float, ...] = ()
 
+
+# Timing's one-number fields: all but its per-stage rows
+TIMING_SCALARS = tuple(
+    f.name for f in fields(Timing) if f.name not in ("stages", "stage_transfers")
+)
 
 RS_DELAY = 1  # lock-step ticks from an eviction to its return: its payload is in by its tick's end
 
@@ -141,6 +150,19 @@ def stage_durations(timing: Timing, num_stages: int) -> dict[ActionKind, tuple[f
             f"{num_stages}: give one weight per global stage (pp x vp)"
         )
     return dict(zip(compute_durations(timing), zip(*timing.stages, strict=True), strict=True))
+
+
+def transfer_durations(timing: Timing, num_stages: int) -> tuple[float, ...]:
+    """Each global stage's BPipe evict / restore: ``Timing.stage_transfers`` where the stages
+    store different amounts, else ``transfer`` on every stage; refuses rows of another length."""
+    if not timing.stage_transfers:
+        return (timing.transfer,) * num_stages
+    if len(timing.stage_transfers) != num_stages:
+        raise ScheduleError(
+            f"the timing has transfers for {len(timing.stage_transfers)} stages, the schedule "
+            f"has {num_stages}: give one per global stage (pp x vp)"
+        )
+    return timing.stage_transfers
 
 
 def action_duration(
@@ -453,6 +475,7 @@ class Wires:
         self.posted: dict[int, float] = {}
         self.delay = RS_DELAY if lockstep else 0  # from an eviction to the RS returning it
         self.durations = timing
+        self.transfers = transfer_durations(timing, rules.num_stages)
         # Activations and gradients index ``flow``, their arrival times (None: not sent).
         self.flow: list[float | None] = [None] * rules.limit
         waits, sends, to = rules.waits_for, rules.sends_for, rules.output_rank
@@ -468,8 +491,8 @@ class Wires:
         # no-time messages / transfers, integer units (CostModel.exact): no link clocks in _timed
         self.instant = (
             timing.p2p == 0
-            and timing.transfer == 0
-            and all(type(getattr(timing, f.name)) is int for f in fields(timing)[:-1])
+            and not any(self.transfers)
+            and all(type(getattr(timing, name)) is int for name in TIMING_SCALARS)
             and all(type(d) is int for row in timing.stages for d in row)
         )
         # Clocks start at integer 0, so integer durations (CostModel.exact) stay integers.
@@ -554,7 +577,7 @@ class Wires:
         elif peer < num_ranks:
             key = (rule.sends[s] + mb) * num_ranks + peer
             if rule.carries_data:  # EV / RS: the payload occupies its link (_occupy)
-                self.signal(key, self._occupy(rank, peer, earliest, self.durations.transfer))
+                self.signal(key, self._occupy(rank, peer, earliest, self.transfers[s]))
             else:
                 self.signal(key)
         if (base := rule.awaits[s]) >= 0:
@@ -809,7 +832,8 @@ class Timeline:
         num_ranks, implicit, sends_for = rules.num_ranks, rules.implicit, rules.sends_for
         computes = stage_durations(timing, rules.num_stages)
         lanes = {_GS: timing.grad_sync, _PS: timing.param_sync}
-        sent = {_SA: timing.p2p, _SG: timing.p2p, _EV: timing.transfer, _RS: timing.transfer}
+        transfers = transfer_durations(timing, rules.num_stages)
+        sent = {_SA: timing.p2p, _SG: timing.p2p}
         user = partial(_user, self.per_unit)
         for i, a in enumerate(rules.schedule.per_rank[rank]):
             kind, s, mb = a.kind, a.stage, a.microbatch
@@ -835,7 +859,7 @@ class Timeline:
                 if (end := start + lanes[kind]) > start:
                     yield Event(rank, "dp", str(a), s, None, kind, user(start), user(end))
                 continue
-            duration = sent.get(kind, 0)
+            duration = transfers[s] if kind is _EV or kind is _RS else sent.get(kind, 0)
             if duration > 0 and a.peer is not None and a.peer < num_ranks:
                 if (start := next(starts, None)) is None:
                     return

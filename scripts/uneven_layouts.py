@@ -35,7 +35,7 @@ from megatron_bfpp.ir import ScheduleError
 from megatron_bfpp.plan import auto
 from megatron_bfpp.plan.auto import AutoRequest, hardware
 from megatron_bfpp.plan.presets import GiB, Model, get_model
-from megatron_bfpp.plan.search import SearchOptions, evaluate, lower_bound_of
+from megatron_bfpp.plan.search import SearchOptions, estimate_of, evaluate, lower_bound_of
 
 LLAMA2_7B = dataclasses.replace(get_model("llama-7b"), name="llama2-7b", seq_length=4096)
 LLAMA2_70B = dataclasses.replace(get_model("llama-70b"), name="llama2-70b")
@@ -88,13 +88,15 @@ def timed(model: Model, gpus: int, per_gpu: float, uneven: UnevenStages) -> dict
         return {}
     candidates = auto._candidates(request)[0]
     short = request.num_microbatches <= auto.EVERY_PARTITION_UP_TO * pp
-    if uneven.partition and not short:  # as auto does: the lowest bounds (a short step: all)
-        bound = partial(
-            lower_bound_of, model=judge.model, cluster=judge.cluster, options=judge.options,
+    if uneven.partition and not short:  # as auto does: the best expected (a short step: all)
+        common = dict(
+            model=judge.model, cluster=judge.cluster, options=judge.options,
             global_batch_size=request.global_batch_size,
         )  # fmt: skip
+        bound = partial(lower_bound_of, **common)
         bounded = [(bound(c), bound(c), i, c) for i, c in enumerate(candidates)]
-        candidates = [c for *_, c in auto._best_partitions(bounded)]
+        expected = partial(estimate_of, **common)
+        candidates = [c for *_, c in auto._best_partitions(bounded, expected)]
     best: dict[str, tuple] = {}
     for c in candidates:
         try:

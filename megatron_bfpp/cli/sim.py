@@ -272,13 +272,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = _schedule_from(args)
         if args.png and (problem := png_problem(schedule.num_ranks)):
             return fail(PROG, problem)
+        weights = stage_weights(args, schedule.num_stages)
+        layout = args.pipeline_model_parallel_layout  # checked by stage_weights
         costs = CostModel(
             **{cost.name: getattr(args, cost.name) for cost in cost_fields()},
-            stage_weights=stage_weights(args, schedule.num_stages),
+            stage_weights=weights,
+            stage_activations=layout_layer_shares(layout) if layout else (),
         )
         result = _simulated(args, schedule, costs)
-        if layout := args.pipeline_model_parallel_layout:  # checked by stage_weights
-            result = with_stage_memory(result, schedule, layout_layer_shares(layout))
+        result = with_stage_memory(result, schedule, costs.stage_activations)
         nccl = nccl_report(schedule) if args.nccl or args.load_csv else None
         if not math.isfinite(result.step_time):
             return fail(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -35,6 +35,7 @@ from megatron_bfpp.plan.search import (
     OverBudget,
     Plan,
     SearchOptions,
+    estimate_of,
     evaluate,
     lower_bound_of,
     memory_of,
@@ -657,7 +658,11 @@ def decide(r: AutoRequest) -> Decision:
             continue
         bounded.append((order, bound, index, c))
     if r.uneven.partition and r.num_microbatches > EVERY_PARTITION_UP_TO * r.pp:
-        bounded = _best_partitions(bounded)  # of each candidate's partitions, the best bounds
+        expected = partial(
+            estimate_of, model=judge.model, cluster=judge.cluster, options=judge.options,
+            global_batch_size=r.global_batch_size,
+        )  # fmt: skip
+        bounded = _best_partitions(bounded, expected)  # of each candidate's, the best expected
     pruned: list[Row] = []
     # Megatron's default first, then by cheapest bound: a cut budget never picks worse than Megatron
     for *_, bound, c in sorted((c != default, o, i, b, c) for o, b, i, c in bounded):
@@ -684,15 +689,19 @@ def decide(r: AutoRequest) -> Decision:
 
 
 def _best_partitions(
-    bounded: list[tuple[float, float, int, Candidate]],
+    bounded: list[tuple[float, float, int, Candidate]], expected: Callable[[Candidate], float]
 ) -> list[tuple[float, float, int, Candidate]]:
-    """Of each candidate's partitions, the ``PARTITIONS_KEPT`` whose bounds are lowest and the
-    first generated, the most even (``partitions``): a bound is loosest where the fill weighs
-    most (few micro-batches), so the choice is never timed worse than the even stages."""
+    """Of each candidate's partitions, the ``PARTITIONS_KEPT`` ``expected`` fastest
+    (``search.estimate_of``: BPipe's evictions too, which its bound leaves out) and the first
+    generated, the most even (``partitions``), so the choice is never timed worse than the even
+    stages."""
     groups: dict[Candidate, list[tuple[float, float, int, Candidate]]] = {}
     for item in bounded:
         groups.setdefault(dataclasses.replace(item[3], stage_layers=()), []).append(item)
-    kept = [sorted(group)[:PARTITIONS_KEPT] + group[:1] for group in groups.values()]
+    kept = [
+        sorted(group, key=lambda item: (expected(item[3]), item))[:PARTITIONS_KEPT] + group[:1]
+        for group in groups.values()
+    ]
     return [item for group in kept for item in dict.fromkeys(group)]
 
 

@@ -59,9 +59,12 @@ class CostModel:
     # embedding, output layer and loss, other layer counts), t_host unweighted; empty: all even.
     # Not a cost of its own (``cost_fields`` leaves it out): one per stage of the schedule timed.
     stage_weights: tuple[float, ...] = ()
+    # Uneven stages: each global stage's stored activations against an even stage's, what its
+    # BPipe evict / restore moves (t_evict times it; a layout's layer shares); empty: all 1.
+    stage_activations: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        for weight in self.stage_weights:
+        for weight in (*self.stage_weights, *self.stage_activations):
             if not _number(weight):
                 raise ScheduleError(f"stage weights must be finite numbers >= 0, got {weight!r}")
         for cost in cost_fields():
@@ -92,7 +95,8 @@ class CostModel:
 
     def exact(self, stage_fraction: Fraction = Fraction(1)) -> ExactTiming:
         """Integer-unit durations: the printed decimals times their least common denominator;
-        with ``stage_weights``, each stage's compute (F, B, I, W) as ``Timing.stages``."""
+        with ``stage_weights``, each stage's compute (F, B, I, W) as ``Timing.stages``, and with
+        ``stage_activations`` each stage's transfer as ``Timing.stage_transfers``."""
         full = {cost.name: _decimal(getattr(self, cost.name)) for cost in cost_fields()}
         host = full["t_host"]  # per compute action, whatever the stage's size
         compute = (  # F, B, I, W of an even stage, less the host's time
@@ -111,11 +115,16 @@ class CostModel:
         }
         durations = {name: d + host * (name in _COMPUTE) for name, d in durations.items()}
         stages = [[c * _decimal(w) + host for c in compute] for w in self.stage_weights]
-        denominators = [d.denominator for d in (*durations.values(), *chain(*stages))]
+        moved = [durations["transfer"] * _decimal(w) for w in self.stage_activations]
+        denominators = [d.denominator for d in (*durations.values(), *chain(*stages), *moved)]
         per_unit = math.lcm(*denominators)
         scaled = {name: int(d * per_unit) for name, d in durations.items()}
         rows = tuple(tuple(int(d * per_unit) for d in row) for row in stages)
-        return ExactTiming(Timing(**scaled, stages=rows), per_unit)  # type: ignore[arg-type]
+        transfers = tuple(int(d * per_unit) for d in moved)
+        return ExactTiming(
+            Timing(**scaled, stages=rows, stage_transfers=transfers),  # type: ignore[arg-type]
+            per_unit,
+        )
 
 
 _COMPUTE = ("forward", "backward", "backward_input", "backward_weight")  # Timing's, in order

@@ -197,8 +197,9 @@ def simulated_step(
 
 def with_stage_memory(result: SimResult, schedule: Schedule, weights: Sequence[float]) -> SimResult:
     """``result`` with each rank's peak activations, parameters and gradients weighed per stage
-    (``weights``: each global stage's layers against an even stage's), for uneven stages: the
-    same program-order walks, a stage counting its weight instead of 1 (memory is not timed)."""
+    (``weights``: each global stage's layers against an even stage's, ``CostModel.
+    stage_activations``), for uneven stages: the same program-order walks, a stage counting its
+    weight instead of 1."""
     if not weights:
         return result
     fraction = schedule.layout.stage_fraction
@@ -283,7 +284,8 @@ def simulate_steady(
     grad_reduce = _grad_reduce(p2p, megatron_grad_reduce, None)
     # Uneven stages are timed whole: their shorter steps can lie on lines that the long step
     # leaves later (tests/unit/test_stage_weights.py, docs/simulator.md#uneven-stages).
-    if schedule.num_actions >= STEADY_FROM_ACTIONS and len(set(costs.stage_weights)) <= 1:
+    even = len(set(costs.stage_weights)) <= 1 and len(set(costs.stage_activations)) <= 1
+    if schedule.num_actions >= STEADY_FROM_ACTIONS and even:
         line = _steady_clocks(schedule, costs, shorter, period, p2p, grad_reduce)
         if line is not None:
             lengths, fields = line

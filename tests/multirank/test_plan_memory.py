@@ -258,6 +258,7 @@ def test_memory_per_rank_matches_megatron_core(
 UNEVEN = [
     # schedule, pp, vp, micro-batches, layout (8 layers): end stages lighter, or heavier
     ("1f1b", 4, None, 8, "Et|t*3|t*3|tL"),
+    ("bpipe", 4, None, 8, "Et*3|t|t|t*3L"),  # rank 3 holds rank 0's heavier evictions
     ("interleaved", 2, 2, 4, "Et*3|t|t|t*3L"),
     ("v-half", 2, 2, 4, "E|t*3|t*3|t*2L"),  # rank 0 holds stages 0 and 3: E, 2 layers, L
     ("breadth-first", 2, 2, 4, "Et|t*2|t*2|t*3L"),
@@ -294,6 +295,73 @@ def test_the_planners_uneven_walk_matches_megatron_core(
         for r in mine:
             assert r["activations"] == pytest.approx(activations[rank], rel=0.10), (
                 rank, r["activations"], activations[rank],
+            )  # fmt: skip
+
+
+def _evicted_rank(layout: str, num_layers: int, m: int) -> dict[str, Any]:
+    """One BPipe step on ``layout``: the bytes of each payload this rank evicted, by stage."""
+    from megatron.core import parallel_state
+
+    from megatron_bfpp import get_forward_backward_func
+    from megatron_bfpp.runtime.activations import ActivationStore
+
+    moved: dict[int, set[int]] = {}
+    evict = ActivationStore.evict
+
+    def recording(self: Any, key: Any, tensors: Any) -> Any:
+        buffer, record = evict(self, key, tensors)
+        moved.setdefault(key[0], set()).add(record.nbytes)
+        return buffer, record
+
+    config = M.tiny_gpt_config(
+        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        ffn_hidden_size=FFN, pipeline_model_parallel_layout=layout,
+    )  # fmt: skip
+    chunks = M.wrap_ddp(
+        M.build_model_chunks(config, vocab_size=VOCAB, max_sequence_length=SEQ),
+        use_distributed_optimizer=True,
+    )
+    ActivationStore.evict = recording  # type: ignore[method-assign]
+    try:
+        get_forward_backward_func("bpipe")(
+            forward_step_func=M.forward_step_func,
+            data_iterator=iter(M.make_batches(m, micro_batch_size=MICRO, seq_len=SEQ, seed=1)),
+            model=chunks,
+            num_microbatches=m,
+            seq_length=SEQ,
+            micro_batch_size=MICRO,
+        )
+    finally:
+        ActivationStore.evict = evict  # type: ignore[method-assign]
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    return {"rank": rank, "moved": {stage: sorted(sizes) for stage, sizes in moved.items()}}
+
+
+def test_bpipe_moves_what_each_uneven_stage_stores() -> None:
+    """BPipe on uneven stages: what each evicting stage sends its partner and gets back (the
+    runtime's payload bytes) against the simulator's transfer weights
+    (``CostModel.stage_activations``, from ``plan.search.stage_activation_shares``): the
+    planner times stage s's evict and restore as an even stage's times that share."""
+    from megatron_bfpp.config.run_config import UnevenStages
+    from megatron_bfpp.plan.search import Candidate, stage_activation_shares
+
+    pp, m, num_layers = 6, 12, 12  # pp 6 caps at 4: ranks 0 and 1 (stores 6 and 5) evict
+    model = _planned_model(num_layers)
+    for layout in ("Et|t*3|t*2|t*2|t*2|t*2L", "Et*3|t|t*2|t*2|t*2|t*2L"):
+        results = run_ranks(_evicted_rank, world_size=pp, pp=pp, args=(layout, num_layers, m))
+        moved = {stage: sizes for r in results for stage, sizes in r["moved"].items()}
+        assert sorted(moved) == [0, 1]  # the stages storing more than the cap
+        assert all(len(sizes) == 1 for sizes in moved.values())  # one size per stage
+        layers = UnevenStages(pipeline_model_parallel_layout=layout).stage_layers(num_layers, pp, 1)
+        c = Candidate("bpipe", "optim", 1, pp, 1, 1, MICRO, "none", stage_layers=layers)
+        shares = stage_activation_shares(c, model, FP32)
+        even = stage_activation_bytes(
+            model, micro_batch_size=MICRO, tp=1, layers_per_stage=num_layers // pp,
+            vocab_size=VOCAB, sequence_parallel=False, recompute="none", precision=FP32,
+        ).layers  # fmt: skip
+        for stage in (0, 1):
+            assert moved[stage][0] == pytest.approx(shares[stage] * even, rel=0.10), (
+                layout, stage, moved, shares, even,
             )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from megatron_bfpp.plan.search import (
     SearchOptions,
     memory_of,
     rank_parameters_of,
+    stage_activation_shares,
     stage_weights,
 )
 from megatron_bfpp.schedules.registry import build_schedule
@@ -423,6 +424,28 @@ def test_a_moe_stage_weighs_its_own_layers_time_and_bytes() -> None:
     stored, per = _stored_weights(c, MIXED, BF16_MIXED, _stage_bytes(c, MIXED, BF16_MIXED))
     assert stored == (2 * bytes_of[False] + bytes_of[True], 5 * bytes_of[True])
     assert per.layers == 1
+    # BPipe's transfers move those bytes: against an even stage's (4 MoE layers, the busier)
+    even = 4 * bytes_of[True]
+    assert stage_activation_shares(c, MIXED, BF16_MIXED) == pytest.approx(
+        (stored[0] / even, stored[1] / even), abs=1e-6
+    )
+
+
+def test_bpipe_transfers_weigh_each_stages_layers() -> None:
+    """(4, 10, 10, 8) layers on 4 ranks: stage 0's evictions move half an even stage's
+    activations, and where they pace the step (across nodes) a BPipe plan is the faster."""
+    from megatron_bfpp.plan.presets import BF16_MIXED
+    from megatron_bfpp.plan.search import evaluate
+
+    c = Candidate("bpipe", "optim", 4, 4, 1, 4, 1, "none", stage_layers=(4, 10, 10, 8))
+    assert stage_activation_shares(c, LLAMA, BF16_MIXED) == (0.5, 1.25, 1.25, 1.0)
+    assert stage_activation_shares(dataclasses.replace(c, stage_layers=()), LLAMA, BF16_MIXED) == ()
+    cluster = Cluster(64, 8, get_gpu("h100-80gb"))  # rank 0 evicts across nodes: the bottleneck
+    planned = evaluate(c, model=LLAMA, cluster=cluster, global_batch_size=128)
+    with pytest.MonkeyPatch.context() as patch:  # as before: every stage moved an even one's
+        patch.setattr("megatron_bfpp.plan.search.stage_activation_shares", lambda *_: ())
+        unweighed = evaluate(c, model=LLAMA, cluster=cluster, global_batch_size=128)
+    assert planned.step_time_s < unweighed.step_time_s
 
 
 def test_auto_plans_a_moe_model_on_uneven_stages() -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_bfpp.cli.sim import main as sim_main
 from megatron_bfpp.config.run_config import layout_layer_shares, layout_stage_weights
-from megatron_bfpp.ir import ScheduleError, parse_action, parts, stored_counts
+from megatron_bfpp.ir import ActionKind, ScheduleError, parse_action, parts, stored_counts
 from megatron_bfpp.schedules.registry import SCHEDULES, build_schedule
 from megatron_bfpp.semantics import Timing, replay
 from megatron_bfpp.sim import CostModel, simulate, simulator
@@ -129,6 +129,33 @@ def test_uneven_stages_are_timed_whole(name: str, monkeypatch: pytest.MonkeyPatc
         )
 
 
+@pytest.mark.parametrize("p2p", _MODELS)
+def test_bpipe_moves_each_stages_own_activations(p2p: str) -> None:
+    """BPipe on uneven stages: an evict or restore moves its stage's stored activations
+    (``CostModel.stage_activations``), so it lasts ``t_evict`` times that share, in gloo's replay
+    and the lock-step posting alike; shares of 1 are the even model to the bit. pp 6 caps at 4
+    stored micro-batches: stages 0 and 1 evict."""
+    schedule = _build("bpipe", 6, 12)
+    costs = CostModel(t_p2p=0.1, t_evict=1.2)
+    ones = replace(costs, stage_activations=(1,) * 6)
+    even = simulate(schedule, costs, p2p=p2p)
+    assert _figures(simulate(schedule, ones, p2p=p2p)) == _figures(even)
+    shares = (0.5, 1.5, 1.0, 1.0, 1.0, 1.0)
+    uneven = simulate(schedule, replace(costs, stage_activations=shares), p2p=p2p)
+    moves = [  # lock-step: an EV's size header goes as a message, its payload after ("+")
+        e
+        for e in uneven.events
+        if e.kind is ActionKind.RESTORE
+        or (e.kind is ActionKind.EVICT and (p2p == "gloo" or e.label.endswith("+")))
+    ]
+    assert {e.stage for e in moves} == {0, 1}
+    for event in moves:
+        assert event.duration == pytest.approx(1.2 * shares[event.stage]), event
+    assert uneven.step_time != even.step_time
+    with pytest.raises(ScheduleError, match="transfers for 2 stages, the schedule has 6"):
+        simulate(schedule, replace(costs, stage_activations=(1, 1)), p2p=p2p)
+
+
 def test_the_heaviest_stage_paces_a_long_1f1b() -> None:
     """One stage twice as heavy: past the fill, the pipeline runs at that stage's pace, so each
     extra micro-batch adds its F + B (2 x 3 = 6), not an even stage's 3."""
@@ -188,8 +215,10 @@ def test_bfpp_sim_times_a_megatron_layout() -> None:
     data = json.loads(out)
     expected = layout_stage_weights(layout, 4, embedding=0.02, loss=0.25)
     assert data["costs"]["stage_weights"] == list(expected)
+    shares = layout_layer_shares(layout)  # what each stage stores: BPipe's transfers move it
+    assert data["costs"]["stage_activations"] == list(shares)
     schedule = _build("interleaved", 4, 8)
-    direct = simulate(schedule, CostModel(stage_weights=expected))
+    direct = simulate(schedule, CostModel(stage_weights=expected, stage_activations=shares))
     assert data["step_time"] == direct.step_time
     assert data["per_rank"] == [
         r.to_dict()
